@@ -1,0 +1,49 @@
+# dualtrack — the two setup commands are `make run` and `make test` (see README.md).
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+CONFIG  ?= configs/unet.yaml
+BUNDLE  ?= build/unet
+DEVICE  ?= $(shell (nvidia-smi -L >/dev/null 2>&1 && echo cuda) || echo cpu)
+
+.PHONY: install models ptx build run test gpu-test bench lint clean
+
+$(BIN)/dualtrack: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[serve,dev]'
+	@touch $@
+
+install: $(BIN)/dualtrack  ## create .venv and install dualtrack with the service and dev extras
+
+models/unet_fp16.onnx: | $(BIN)/dualtrack
+	$(BIN)/dualtrack make-reference -o models
+
+models: models/unet_fp16.onnx  ## generate the reference U-Net (fp16, fp32) and the sample image
+
+ptx: $(BIN)/dualtrack  ## regenerate handwritten_ptx/ptx/* from the .cu sources with NVRTC 13.0
+	$(BIN)/python -m dualtrack.ptx
+
+build: models  ## build, verify and write the reference bundle
+	$(BIN)/dualtrack build $(CONFIG) -o $(BUNDLE)
+
+run: build  ## build the reference bundle and segment the sample image (GPU if there is one)
+	@mkdir -p out
+	$(BIN)/dualtrack run $(BUNDLE) models/sample.png -o out/sample_mask.png --device $(DEVICE)
+
+test: $(BIN)/dualtrack  ## the test suite (GPU tests skip without a GPU)
+	$(BIN)/ruff check pipeline tests bench
+	$(BIN)/python -m pytest -q
+
+gpu-test: $(BIN)/dualtrack  ## GPU tests only (on a GPU machine)
+	$(BIN)/python -m pytest -q -m gpu
+
+bench: build  ## benchmarks on the GPU: prints a table, writes bench/results/
+	$(BIN)/python bench/bench.py --bundle $(BUNDLE)
+
+lint: $(BIN)/dualtrack
+	$(BIN)/ruff check pipeline tests bench
+	$(BIN)/ruff format --check pipeline tests bench
+
+clean:
+	rm -rf build out .pytest_cache

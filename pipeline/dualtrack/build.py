@@ -1,0 +1,245 @@
+"""`dualtrack build`: config -> plan -> Track A and Track B artifacts -> verified bundle.
+
+Named stages, in order:
+
+    load_config -> resolve_targets -> load_model/build_plan -> track_a_artifacts
+    -> track_b_modules -> write bundle (temporary) -> verify on the CPU -> commit (rename)
+
+A build whose inputs all hash the same as the bundle already at the destination compiles nothing,
+verifies nothing and says so; otherwise only the modules whose cache key moved are compiled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from importlib.metadata import version as pkg_version
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from dualtrack import arch, partition, track_b
+from dualtrack.bundle import MANIFEST, Bundle, BundleWriter, sha256
+from dualtrack.config import BuildConfig, load_config
+from dualtrack.errors import BundleError, DualtrackError
+from dualtrack.plan import Plan
+from dualtrack.settings import Settings
+
+Progress = Callable[[str], None]
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class BuildResult:
+    bundle: Path
+    up_to_date: bool
+    compiled: int = 0
+    cached: int = 0
+    seconds: float = 0.0
+    verification: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+    plan: Plan | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "bundle": str(self.bundle),
+            "up_to_date": self.up_to_date,
+            "compiled": self.compiled,
+            "cached": self.cached,
+            "seconds": round(self.seconds, 3),
+            "verification_passed": None if self.verification is None else self.verification["passed"],
+            "notes": self.notes,
+        }
+
+
+def ptx_root() -> Path:
+    return REPO_ROOT / "handwritten_ptx"
+
+
+def track_a_artifacts(plan: Plan, resolutions: list[arch.Resolution], settings: Settings) -> tuple[dict[str, bytes], dict[str, Any]]:
+    """PTX for each needed arch (ISA checked) and cubins assembled from it, for the kernels the plan uses."""
+    from dualtrack import kernels, ptx
+
+    stems = sorted({kernels.KERNELS[c.op].source for s in plan.segments for c in s.calls})
+    files: dict[str, bytes] = {}
+    meta: dict[str, Any] = {"ptx": {}, "cubin": {}, "kernels": stems}
+    if not stems:
+        return files, meta
+    for res in resolutions:
+        a = res.arch
+        for stem in stems:
+            src = ptx_root() / "ptx" / a.ptx_arch / f"{stem}.ptx"
+            if not src.exists():
+                raise BundleError(f"{src} is missing; run `make ptx` to regenerate the Track A PTX")
+            text = src.read_text()
+            isa = arch.parse_ptx_isa(text)
+            rel = f"track_a/ptx/{a.ptx_arch}/{stem}.ptx"
+            files[rel] = text.encode()
+            meta["ptx"].setdefault(a.ptx_arch, {})[stem] = {
+                "path": rel,
+                "isa": f"{isa[0]}.{isa[1]}",
+                "target": arch.parse_ptx_target(text),
+                "min_driver": arch.min_driver_for_isa(isa),
+            }
+            cubin = ptx.cached_cubin(text, a.cubin_arch, settings.cache_dir / "cubin", enabled=settings.use_cache)
+            crel = f"track_a/cubin/{a.cubin_arch}/{stem}.cubin"
+            files[crel] = cubin
+            meta["cubin"].setdefault(a.cubin_arch, {})[stem] = {"path": crel, "from": a.ptx_arch}
+    return files, meta
+
+
+def _build_key(cfg: BuildConfig, model_digest: str, plan: Plan, keys: list[str], ptx_files: dict[str, bytes]) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps(cfg.model_dump(mode="json", exclude={"output", "verify"}), sort_keys=True).encode())
+    h.update(model_digest.encode())
+    h.update(plan.dumps().encode())
+    for k in sorted(keys):
+        h.update(k.encode())
+    for rel in sorted(ptx_files):
+        h.update(rel.encode() + sha256(ptx_files[rel]).encode())
+    h.update(pkg_version("dualtrack").encode())
+    return h.hexdigest()
+
+
+def build(config: str | Path | BuildConfig, output: str | Path | None = None, *, force: bool = False,
+          progress: Progress | None = None, settings: Settings | None = None) -> BuildResult:
+    """Build (or confirm up to date) the bundle for a config. The Python API behind `dualtrack build`."""
+    t0 = time.perf_counter()
+    say = progress or (lambda msg: None)
+    settings = settings or Settings.from_env()
+    cfg = config if isinstance(config, BuildConfig) else load_config(config)
+    dest = Path(output) if output is not None else cfg.output
+    if dest is None:
+        raise BundleError("no output directory: pass -o DIR or set `output:` in the config")
+    notes = list(cfg.notes)
+
+    say("resolve targets")
+    resolutions = arch.resolve_targets(list(cfg.targets), enable_tma=cfg.enable_tma, iree_target=cfg.track_b.iree_target)
+    for r in resolutions:
+        notes.extend(f"{r.arch.name}: {n}" for n in r.notes)
+
+    say(f"partition {cfg.model.name}")
+    source_digest = sha256(cfg.model.read_bytes()) if cfg.model.exists() else ""
+    model = partition.name_nodes(partition.load_model(cfg.model))
+    plan, seg_models = partition.build_plan(cfg, model)
+
+    say("track A: PTX and cubins")
+    a_files, a_meta = track_a_artifacts(plan, resolutions, settings)
+
+    targets: list[track_b.IreeTarget] = sorted(
+        {track_b.cuda_target(r.iree_target) for r in resolutions}, key=lambda t: t.name
+    )
+    cpu = track_b.cpu_target(cfg.track_b.cpu_target) if cfg.track_b.cpu else None
+    jobs: list[track_b.CompileJob] = []
+    for seg, sm in zip(plan.segments, seg_models, strict=True):
+        seg_targets = ([] if seg.track == "A" else list(targets)) + ([cpu] if cpu else [])
+        for t in seg_targets:
+            for b in cfg.batch_sizes:
+                jobs.append(track_b.CompileJob(seg.name, sm, b, t, cfg.track_b.flags))
+    compiler = track_b.compiler_version()
+    cache = track_b.ModuleCache(settings.cache_dir / "iree", enabled=settings.use_cache)
+    keys = [track_b.cache_key(partition.with_batch(j.model, j.batch), j.batch, j.target, j.flags, compiler) for j in jobs]
+    build_key = _build_key(cfg, source_digest, plan, keys, a_files)
+
+    if not force and (dest / MANIFEST).exists():
+        try:
+            existing = Bundle.open(dest)
+            if existing.manifest.get("build_key") == build_key and existing.manifest.get("verification", {}).get("passed"):
+                say("up to date")
+                return BuildResult(dest, True, 0, len(jobs), time.perf_counter() - t0, existing.manifest.get("verification"), notes, plan)
+        except BundleError:
+            pass  # a broken bundle at the destination is simply rebuilt
+
+    say(f"track B: {len(jobs)} IREE modules")
+    with ThreadPoolExecutor(max_workers=settings.jobs) as pool:
+        results = list(pool.map(lambda j: track_b.run_job(j, cache, compiler, settings.save_temps), jobs))
+    compiled = sum(not r.cached for r in results)
+    say(f"track B: {compiled} compiled, {len(results) - compiled} from cache")
+
+    writer = BundleWriter(dest)
+    try:
+        writer.add("model.onnx", model.SerializeToString())
+        for seg, sm in zip(plan.segments, seg_models, strict=True):
+            writer.add(seg.onnx, partition.strip_initializers(sm).SerializeToString())
+        for rel, data in a_files.items():
+            writer.add(rel, data)
+        iree_art: dict[str, dict[str, dict[str, str]]] = {}
+        for r in results:
+            rel = f"iree/{r.job.segment}/{r.job.target.name}/b{r.job.batch}.vmfb"
+            writer.add(rel, r.vmfb)
+            iree_art.setdefault(r.job.segment, {}).setdefault(r.job.target.name, {})[str(r.job.batch)] = rel
+        manifest: dict[str, Any] = {
+            "dualtrack_version": pkg_version("dualtrack"),
+            "build_key": build_key,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "model": {
+                "source": str(cfg.model),
+                "source_sha256": source_digest,
+                "sha256": sha256((writer.tmp / "model.onnx").read_bytes()),
+                "graph": model.graph.name,
+            },
+            "config": cfg.model_dump(mode="json"),
+            "targets": [r.to_json() for r in resolutions],
+            "plan": plan.to_json(),
+            "artifacts": {"iree": iree_art, "track_a": a_meta},
+            "min_driver": max((m["min_driver"] or 0 for per in a_meta["ptx"].values() for m in per.values()), default=None),
+            "tools": tool_versions(compiler),
+            "notes": notes,
+        }
+        verification = None
+        if cpu is not None:
+            say("verify on the CPU against onnxruntime")
+            verification = _verify_tmp(writer, manifest, cfg, say)
+            writer.add_json("verify.json", verification)
+            manifest["verification"] = {"passed": verification["passed"], "device": "cpu", "seed": verification["seed"]}
+            if not verification["passed"]:
+                from dualtrack.verify import Check, Report
+
+                rep = Report("cpu", cfg.precision, cfg.tolerance(), [Check(**c) for c in verification["checks"]], verification["seed"])
+                rep.raise_if_failed()
+        else:
+            notes.append("no llvm-cpu modules (track_b.cpu: false): verify on a GPU with `dualtrack verify BUNDLE --device cuda`")
+        say(f"write {dest}")
+        writer.commit(manifest)
+    except BaseException:
+        writer.abort()
+        raise
+    return BuildResult(dest, False, compiled, len(results) - compiled, time.perf_counter() - t0, verification, notes, plan)
+
+
+def _verify_tmp(writer: BundleWriter, manifest: dict[str, Any], cfg: BuildConfig, say: Progress) -> dict[str, Any]:
+    """Verify the not-yet-committed bundle by loading it from its temporary directory."""
+    from dualtrack.runtime.engine import Engine
+    from dualtrack.verify import verify_engine
+
+    bundle = Bundle(writer.tmp, {**manifest, "files": writer.files})
+    engine = Engine.load(bundle, "cpu")
+    try:
+        report = verify_engine(engine, samples=cfg.verify.samples, seed=cfg.verify.seed, tol=cfg.tolerance(), progress=say)
+    finally:
+        engine.close()
+    for line in report.lines():
+        say(line)
+    return report.to_json()
+
+
+def tool_versions(compiler: str) -> dict[str, str]:
+    from dualtrack import ptx
+
+    out = {"iree-compile": compiler, "python": platform.python_version()}
+    for pkg in ("iree-base-compiler", "iree-base-runtime", "onnx", "onnxruntime", "cuda-bindings", "numpy"):
+        try:
+            out[pkg] = pkg_version(pkg)
+        except Exception:
+            out[pkg] = "not installed"
+    out.update(ptx.toolchain_versions())
+    return out
+
+
+__all__ = ["BuildResult", "DualtrackError", "build"]

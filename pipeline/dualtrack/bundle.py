@@ -1,0 +1,163 @@
+"""The bundle: one directory that holds everything a runtime needs, written atomically.
+
+Layout::
+
+    manifest.json                 schema version, model hash, plan, artifacts, tools, cache key, file hashes
+    model.onnx                    the (node-named) source model: the weights, once, and the verification reference
+    segments/segK_T.onnx          each segment's graph, without weight data
+    iree/segK_T/<target>/bN.vmfb  Track B modules (and Track A segments for llvm-cpu), weights externalized
+    track_a/ptx/<arch>/*.ptx      hand-written kernels as PTX; track_a/cubin/<sm>/*.cubin assembled from them
+    verify.json                   the build-time verification report
+
+A bundle is written into a temporary sibling directory and renamed into place only once it is
+complete and verified; `manifest.json` is written last and lists the SHA-256 of every other file,
+so a truncated or edited bundle is refused at load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from dualtrack.errors import BundleError
+from dualtrack.plan import Plan, Segment
+
+MANIFEST = "manifest.json"
+BUNDLE_FORMAT = 1
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class BundleWriter:
+    """Collects files in a temporary directory next to the destination; `commit` renames it into place."""
+
+    def __init__(self, dest: Path) -> None:
+        self.dest = dest.resolve()
+        self.dest.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.dest.parent / f".{self.dest.name}.tmp-{uuid.uuid4().hex[:8]}"
+        self.tmp.mkdir()
+        self.files: dict[str, str] = {}
+
+    def add(self, rel: str, data: bytes) -> Path:
+        path = self.tmp / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        self.files[rel] = sha256(data)
+        return path
+
+    def add_json(self, rel: str, obj: Any) -> Path:
+        return self.add(rel, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+    def commit(self, manifest: dict[str, Any]) -> Path:
+        """Write the manifest last, then swap the directory into place."""
+        manifest = {**manifest, "format": BUNDLE_FORMAT, "files": dict(sorted(self.files.items()))}
+        (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        old = None
+        if self.dest.exists():
+            old = self.dest.parent / f".{self.dest.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(self.dest, old)
+        os.replace(self.tmp, self.dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return self.dest
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@dataclass
+class Bundle:
+    """A bundle opened for reading, its integrity checked."""
+
+    root: Path
+    manifest: dict[str, Any]
+
+    @classmethod
+    def open(cls, path: str | Path, *, check_hashes: bool = True) -> Bundle:
+        root = Path(path)
+        if not root.is_dir():
+            raise BundleError(f"bundle {root} not found; build one with `dualtrack build CONFIG -o {root}`")
+        mpath = root / MANIFEST
+        try:
+            manifest = json.loads(mpath.read_text())
+        except FileNotFoundError:
+            raise BundleError(f"{root} has no {MANIFEST}: not a dualtrack bundle, or its build did not finish; rebuild it") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BundleError(f"{mpath} is corrupt ({e.__class__.__name__}); rebuild the bundle") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
+            got = manifest.get("format") if isinstance(manifest, dict) else None
+            raise BundleError(
+                f"{root} is bundle format {got}, this dualtrack reads format {BUNDLE_FORMAT}; rebuild it with this version"
+            )
+        for rel, digest in manifest.get("files", {}).items():
+            f = root / rel
+            if not f.is_file():
+                raise BundleError(f"{root} is incomplete: {rel} is missing; rebuild the bundle")
+            if check_hashes and sha256(f.read_bytes()) != digest:
+                raise BundleError(f"{root}: {rel} does not match its recorded hash (truncated or modified); rebuild the bundle")
+        return cls(root, manifest)
+
+    @cached_property
+    def plan(self) -> Plan:
+        try:
+            return Plan.from_json(self.manifest["plan"])
+        except (KeyError, TypeError) as e:
+            raise BundleError(f"{self.root}: the plan in {MANIFEST} is malformed ({e}); rebuild the bundle") from None
+
+    @property
+    def model_sha256(self) -> str:
+        return self.manifest["model"]["sha256"]
+
+    def check_model(self, model_path: Path) -> None:
+        """Refuse a bundle built from another model file."""
+        digest = sha256(Path(model_path).read_bytes())
+        if digest != self.manifest["model"]["source_sha256"]:
+            raise BundleError(
+                f"{self.root} was built from another model (sha256 {self.manifest['model']['source_sha256'][:12]}, "
+                f"{model_path} is {digest[:12]}); rebuild the bundle from {model_path}"
+            )
+
+    @cached_property
+    def model(self) -> onnx.ModelProto:
+        return onnx.load(str(self.root / "model.onnx"))
+
+    @cached_property
+    def weights(self) -> dict[str, np.ndarray]:
+        return {t.name: numpy_helper.to_array(t) for t in self.model.graph.initializer}
+
+    def segment_model(self, seg: Segment) -> onnx.ModelProto:
+        from dualtrack.partition import attach_initializers
+
+        return attach_initializers(onnx.load(str(self.root / seg.onnx)), self.weights)
+
+    def vmfb(self, seg: Segment, target: str, batch: int) -> Path:
+        try:
+            rel = self.manifest["artifacts"]["iree"][seg.name][target][str(batch)]
+        except KeyError:
+            have = sorted(self.manifest["artifacts"]["iree"].get(seg.name, {}))
+            raise BundleError(
+                f"{self.root} has no {target} module for {seg.name} at batch {batch} (has: {', '.join(have) or 'none'}); "
+                "add the target or batch size to the config and rebuild"
+            ) from None
+        return self.root / rel
+
+    @property
+    def iree_targets(self) -> list[str]:
+        return sorted({t for seg in self.manifest["artifacts"]["iree"].values() for t in seg})
+
+    @property
+    def track_a(self) -> dict[str, Any]:
+        return self.manifest["artifacts"].get("track_a", {})

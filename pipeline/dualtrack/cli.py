@@ -1,0 +1,240 @@
+"""The `dualtrack` command: a thin click layer over the Python API.
+
+Every DualtrackError becomes one line on stderr and its documented exit code (README "Exit codes");
+`--verbose` adds the error's detail (tool stderr, JIT log, verification table).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from dualtrack.errors import EXIT_CODES, DualtrackError, InputError
+
+
+class _Output:
+    """Progress with rich on a terminal, plain lines otherwise; nothing but JSON with --json."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.tty = sys.stderr.isatty()
+        if self.tty and not quiet:
+            from rich.console import Console
+
+            self.console = Console(stderr=True)
+
+    def step(self, msg: str) -> None:
+        if self.quiet:
+            return
+        if self.tty:
+            self.console.print(f"[bold cyan]»[/] {msg}", highlight=False)
+        else:
+            click.echo(f"- {msg}", err=True)
+
+
+def _fail(e: DualtrackError, verbose: bool) -> None:
+    click.echo(f"error: {e.message}", err=True)
+    if verbose and e.detail:
+        click.echo(e.detail, err=True)
+    sys.exit(e.exit_code)
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except DualtrackError as e:
+            _fail(e, bool(ctx.params.get("verbose")))
+
+
+@click.group(cls=_Group, epilog="Exit codes: " + "; ".join(f"{k} {v}" for k, v in sorted(EXIT_CODES.items())))
+@click.option("-v", "--verbose", is_flag=True, help="Print the detail behind an error (tool stderr, JIT log).")
+@click.version_option(package_name="dualtrack")
+def main(verbose: bool) -> None:
+    """Compile one segmentation model along two tracks and run it from one CUDA context."""
+
+
+@main.command()
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Bundle directory (default: `output:` in the config).")
+@click.option("--force", is_flag=True, help="Rebuild and re-verify even when the bundle is up to date.")
+@click.option("--json", "as_json", is_flag=True, help="Print the build result as JSON on stdout.")
+def build(config: Path, output: Path | None, force: bool, as_json: bool) -> None:
+    """Build, verify and write the bundle for CONFIG."""
+    from dualtrack.build import build as run_build
+
+    out = _Output(as_json)
+    result = run_build(config, output, force=force, progress=out.step)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+        return
+    for note in result.notes:
+        out.step(f"note: {note}")
+    if result.up_to_date:
+        click.echo(f"{result.bundle}: up to date, nothing compiled ({result.cached} modules unchanged) in {result.seconds:.1f} s")
+    else:
+        click.echo(
+            f"{result.bundle}: built in {result.seconds:.1f} s ({result.compiled} modules compiled, {result.cached} from cache); "
+            f"verification {'passed' if result.verification and result.verification['passed'] else 'not run'}"
+        )
+
+
+def _read_image(path: Path, shape: tuple[int, ...]) -> np.ndarray:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        img = Image.open(path).convert("RGB")
+    except FileNotFoundError:
+        raise InputError(f"image {path} not found") from None
+    except (UnidentifiedImageError, OSError) as e:
+        raise InputError(f"{path} is not an image Pillow can read ({e.__class__.__name__}); pass a PNG or JPEG") from None
+    h, w = shape[1], shape[2]
+    if img.size != (w, h):
+        img = img.resize((w, h), Image.Resampling.BILINEAR)
+    return np.asarray(img, dtype=np.uint8)[None]
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.argument("image", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Where to write the mask PNG.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--device-index", type=int, default=0, show_default=True)
+def run(bundle: Path, image: Path, output: Path, device: str, device_index: int) -> None:
+    """Segment IMAGE with BUNDLE; write the class mask as an 8-bit PNG (class ids, resized back to the image)."""
+    from PIL import Image
+
+    from dualtrack.runtime.engine import Engine
+
+    with Engine.load(bundle, device, device_index) as engine:
+        x = _read_image(image, engine.input_spec.shape)
+        original = Image.open(image).size
+        result = engine.run(x)
+        mask = Image.fromarray(result["mask"][0].astype(np.uint8))
+        if mask.size != original:
+            mask = mask.resize(original, Image.Resampling.NEAREST)
+        tmp = output.with_name(f".{output.name}.tmp")
+        mask.save(tmp, format="PNG")
+        tmp.replace(output)
+        counts = np.bincount(result["mask"].ravel(), minlength=engine.output_specs[-1].shape[1] if len(engine.output_specs[-1].shape) == 4 else 0)
+        t = engine.last_timings
+        click.echo(
+            f"{output}: mask {mask.size[0]}x{mask.size[1]}, class pixels {counts.tolist()}, "
+            f"{t['total_ms']:.1f} ms on {device} (track A {t['track_a_ms']:.1f} ms, track B {t['track_b_ms']:.1f} ms)"
+        )
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--device-index", type=int, default=0, show_default=True)
+@click.option("--samples", type=int, default=1, show_default=True, help="Fresh random inputs per check.")
+@click.option("--seed", type=int, default=None, help="Fix the random inputs (default: fresh).")
+@click.option("--json", "as_json", is_flag=True)
+def verify(bundle: Path, device: str, device_index: int, samples: int, seed: int | None, as_json: bool) -> None:
+    """Check every segment and the whole plan of BUNDLE against onnxruntime."""
+    from dualtrack.runtime.engine import Engine
+    from dualtrack.verify import verify_engine
+
+    out = _Output(as_json)
+    with Engine.load(bundle, device, device_index) as engine:
+        tol = None
+        cfg_tol = engine.bundle.manifest.get("config", {}).get("verify", {}).get("tolerance")
+        if cfg_tol:
+            from dualtrack.config import Tolerance
+
+            tol = Tolerance(**cfg_tol)
+        report = verify_engine(engine, samples=samples, seed=seed, tol=tol, progress=out.step)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        for line in report.lines():
+            click.echo(line)
+    report.raise_if_failed()
+    if not as_json:
+        click.echo(f"all {len(report.checks)} checks passed on {device} (seed {report.seed})")
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def info(bundle: Path, as_json: bool) -> None:
+    """Describe BUNDLE: model, plan, targets, artifacts and tools."""
+    from dualtrack.bundle import Bundle
+
+    b = Bundle.open(bundle)
+    m = b.manifest
+    if as_json:
+        click.echo(json.dumps({k: v for k, v in m.items() if k != "files"}, indent=2))
+        return
+    click.echo(f"bundle     {b.root}  (format {m['format']}, dualtrack {m['dualtrack_version']}, built {m['created']})")
+    click.echo(f"model      {m['model']['source']}  sha256 {m['model']['source_sha256'][:16]}")
+    click.echo(f"precision  {b.plan.precision}; batch sizes {list(b.plan.batch_sizes)}")
+    for t in m["targets"]:
+        click.echo(f"target     {t['arch']} (cc {t['cc']}): Track A {t['track_a_ptx']} -> {t['track_a_cubin']} cubin; Track B IREE {t['track_b_iree_target']}")
+    for line in b.plan.summary():
+        click.echo(f"segment    {line}")
+    ptx = m["artifacts"]["track_a"].get("ptx", {})
+    for a, kernels in sorted(ptx.items()):
+        isas = {k["isa"] for k in kernels.values()}
+        click.echo(f"ptx        {a}: {', '.join(sorted(kernels))} (ISA {', '.join(sorted(isas))})")
+    if m.get("min_driver"):
+        from dualtrack.arch import driver_str
+
+        click.echo(f"driver     needs CUDA {driver_str(m['min_driver'])} or newer for the PTX")
+    click.echo(f"iree       targets {', '.join(b.iree_targets)}")
+    ver = m.get("verification") or {}
+    click.echo(f"verified   {'passed' if ver.get('passed') else 'no'} on {ver.get('device', '-')} (seed {ver.get('seed', '-')})")
+    for n in m.get("notes", []):
+        click.echo(f"note       {n}")
+
+
+@main.command()
+@click.option("--bundle", type=click.Path(path_type=Path), help="Also say whether this bundle's Track A code can load here.")
+@click.option("--json", "as_json", is_flag=True)
+def doctor(bundle: Path | None, as_json: bool) -> None:
+    """Report the GPU and driver, the compilers found, and what IREE can target."""
+    from dualtrack.doctor import diagnose
+
+    report = diagnose(bundle)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    for key, value in report.items():
+        click.echo(f"{key:<22} {value}")
+
+
+@main.command("make-reference")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("models"), show_default=True)
+@click.option("--base", type=int, default=32, show_default=True)
+@click.option("--depth", type=int, default=4, show_default=True)
+@click.option("--size", type=int, default=512, show_default=True, help="Height and width.")
+def make_reference(output: Path, base: int, depth: int, size: int) -> None:
+    """Write the reference U-Net (fp16 and fp32 ONNX) and a sample image."""
+    from dualtrack.reference import UNetSpec, parameter_count, write_reference
+
+    written = write_reference(output, UNetSpec(base=base, depth=depth, height=size, width=size))
+    import onnx
+
+    params = parameter_count(onnx.load(str(written["fp16"])))
+    for k, p in written.items():
+        click.echo(f"{p}  ({k})")
+    click.echo(f"U-Net base {base}, depth {depth}, {size}x{size}: {params / 1e6:.2f} M parameters")
+
+
+try:  # the service is an optional extra (`pip install dualtrack[serve]`)
+    from dualtrack.serve.cli import loadtest, serve
+
+    main.add_command(serve)
+    main.add_command(loadtest)
+except ImportError:  # pragma: no cover - depends on the extra being installed
+    pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,445 @@
+"""Split an ONNX model into an ordered plan of Track A and Track B segments.
+
+The ONNX graph is the single source of truth. Stages, each a plain function:
+
+    load_model -> name_nodes -> infer_specs -> assign_tracks -> order_segments
+    -> lower_track_a (kernel calls) + extract_segment (one ONNX model per segment) -> Plan
+
+Every segment, Track A included, gets its own ONNX model: Track B compiles it with IREE; for
+Track A it is what the CPU runtime runs (through IREE llvm-cpu) and what the kernels are checked
+against. Tensors that cross into or out of Track A are NHWC; the segment models carry Transpose
+nodes at those boundaries so that each one computes exactly what the plan says it does.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from dualtrack.config import BuildConfig, Rules
+from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
+from dualtrack.plan import KernelCall, Plan, Segment, TensorSpec
+
+TRACK_A_OPS = ("Conv", "Relu", "MaxPool")
+TRACK_A_DESCRIPTION = "Conv 3x3/stride 1/pad 1 (optionally +Relu) and MaxPool 2x2/stride 2"
+_TO_NCHW, _TO_NHWC = [0, 3, 1, 2], [0, 2, 3, 1]
+
+
+def load_model(path: Path) -> onnx.ModelProto:
+    """Read and check an ONNX model; ModelError names the file and the fix."""
+    if not path.exists():
+        raise ModelError(f"model file {path} not found; check `model:` in the config (run `make models` for the reference U-Net)")
+    try:
+        model = onnx.load(str(path))
+    except Exception as e:  # protobuf raises several unrelated types for a bad file
+        raise ModelError(f"{path} is not a readable ONNX model ({type(e).__name__}); re-export it") from None
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except onnx.checker.ValidationError as e:
+        first = str(e).strip().splitlines()[0]
+        raise ModelError(f"{path} fails the ONNX checker: {first}; re-export the model") from None
+    except onnx.shape_inference.InferenceError as e:
+        raise ModelError(f"{path} fails ONNX shape inference: {str(e).splitlines()[0]}") from None
+    return model
+
+
+def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Give every node a unique name (partition rules and the plan refer to nodes by name)."""
+    model = copy.deepcopy(model)
+    seen: set[str] = set()
+    for i, node in enumerate(model.graph.node):
+        name = node.name or f"{node.op_type}_{i}"
+        while name in seen:
+            name = f"{name}_{i}"
+        node.name = name
+        seen.add(name)
+    return model
+
+
+def with_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
+    """A copy whose graph inputs and outputs have dim 0 fixed to `batch`."""
+    model = copy.deepcopy(model)
+    for vi in [*model.graph.input, *model.graph.output]:
+        dims = vi.type.tensor_type.shape.dim
+        if len(dims):
+            dims[0].Clear()
+            dims[0].dim_value = batch
+    del model.graph.value_info[:]
+    return model
+
+
+def _dtype(elem_type: int) -> str:
+    return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).name
+
+
+def infer_specs(model: onnx.ModelProto, batch: int = 1) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Static shape and dtype of every tensor at a given batch size."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(with_batch(model, batch), strict_mode=True, data_prop=True)
+    except onnx.shape_inference.InferenceError as e:
+        raise ModelError(f"ONNX shape inference failed at batch {batch}: {str(e).splitlines()[0]}") from None
+    g = inferred.graph
+    specs: dict[str, tuple[tuple[int, ...], str]] = {}
+    for vi in [*g.input, *g.value_info, *g.output]:
+        t = vi.type.tensor_type
+        if not t.HasField("shape"):
+            continue
+        dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim)
+        specs[vi.name] = (dims, _dtype(t.elem_type))
+    for init in g.initializer:
+        specs[init.name] = (tuple(init.dims), _dtype(init.data_type))
+    return specs
+
+
+def batch_checked_specs(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Specs at batch 1, after checking that every activation keeps the batch in dim 0."""
+    one, two = infer_specs(model, 1), infer_specs(model, 2)
+    inits = {i.name for i in model.graph.initializer}
+    for name, (shape, _) in one.items():
+        if name in inits:
+            continue
+        other = two.get(name, (None,))[0]
+        if -1 in shape:
+            raise PartitionError(f"tensor '{name}' has a shape ONNX cannot infer statically ({shape}); export the model with static shapes")
+        if not shape or other is None or other[0] != 2 * shape[0] or other[1:] != shape[1:] or shape[0] != 1:
+            raise PartitionError(f"tensor '{name}' does not keep the batch in dim 0 (batch 1: {shape}, batch 2: {other}); dualtrack needs batch-major tensors")
+    return one
+
+
+def _matches(node: onnx.NodeProto, rules: Rules) -> bool:
+    return node.op_type in rules.op_types or any(node.name.startswith(p) for p in rules.name_prefixes)
+
+
+def assign_tracks(model: onnx.ModelProto, cfg: BuildConfig) -> dict[str, str]:
+    """Track per node: Track B rules win, then Track A rules, then Track B (the default)."""
+    nodes = list(model.graph.node)
+    for side, rules in (("track_a", cfg.partition.track_a), ("track_b", cfg.partition.track_b)):
+        for prefix in rules.name_prefixes:
+            if not any(n.name.startswith(prefix) for n in nodes):
+                heads = sorted({n.name.split("/")[0] + ("/" if "/" in n.name else "") for n in nodes})[:12]
+                raise PartitionError(
+                    f"partition.{side}.name_prefixes: '{prefix}' matches no node of the model; node names start with: {', '.join(heads)}"
+                )
+        for op in rules.op_types:
+            if not onnx.defs.has(op):
+                raise PartitionError(f"partition.{side}.op_types: '{op}' is not an ONNX op type")
+            if not any(n.op_type == op for n in nodes):
+                raise PartitionError(f"partition.{side}.op_types: the model has no '{op}' node")
+    tracks = {}
+    for n in nodes:
+        if n.domain not in ("", "ai.onnx"):
+            raise UnsupportedOpError(
+                f"node '{n.name}' is op {n.domain}::{n.op_type}, which no track can take (Track A: {TRACK_A_DESCRIPTION}; "
+                "Track B: standard ONNX ops through IREE); replace it with standard ONNX ops and re-export"
+            )
+        if _matches(n, cfg.partition.track_b):
+            tracks[n.name] = "B"
+        elif _matches(n, cfg.partition.track_a):
+            tracks[n.name] = "A"
+        else:
+            tracks[n.name] = "B"
+    return tracks
+
+
+def order_segments(model: onnx.ModelProto, tracks: dict[str, str]) -> list[list[onnx.NodeProto]]:
+    """Topological order that stays on one track as long as it can; maximal runs become segments."""
+    nodes = list(model.graph.node)
+    produced_by = {out: n.name for n in nodes for out in n.output}
+    deps = {n.name: {produced_by[i] for i in n.input if i in produced_by} for n in nodes}
+    users: dict[str, list[str]] = defaultdict(list)
+    for name, ds in deps.items():
+        for d in ds:
+            users[d].append(name)
+    by_name = {n.name: n for n in nodes}
+    position = {n.name: i for i, n in enumerate(nodes)}
+    pending = {name: len(ds) for name, ds in deps.items()}
+    ready = sorted((name for name, c in pending.items() if c == 0), key=position.__getitem__)
+    segments: list[list[onnx.NodeProto]] = []
+    current: str | None = None
+    while ready:
+        same = [r for r in ready if tracks[r] == current]
+        pick = same[0] if same else ready[0]
+        if tracks[pick] != current:
+            current = tracks[pick]
+            segments.append([])
+        ready.remove(pick)
+        segments[-1].append(by_name[pick])
+        for u in users[pick]:
+            pending[u] -= 1
+            if pending[u] == 0:
+                ready.append(u)
+        ready.sort(key=position.__getitem__)
+    if sum(map(len, segments)) != len(nodes):
+        raise ModelError("the ONNX graph has a cycle or a dangling input; re-export the model")
+    return segments
+
+
+@dataclass(frozen=True)
+class _Boundaries:
+    inputs: list[str]
+    outputs: list[str]
+
+
+def _boundaries(model: onnx.ModelProto, segments: list[list[onnx.NodeProto]]) -> list[_Boundaries]:
+    inits = {i.name for i in model.graph.initializer}
+    graph_outputs = {o.name for o in model.graph.output}
+    seg_of_node = {n.name: k for k, seg in enumerate(segments) for n in seg}
+    consumers: dict[str, set[int]] = defaultdict(set)
+    for n in model.graph.node:
+        for i in n.input:
+            if i:
+                consumers[i].add(seg_of_node[n.name])
+    result = []
+    for k, seg in enumerate(segments):
+        produced = [o for n in seg for o in n.output if o]
+        produced_set = set(produced)
+        ins: list[str] = []
+        for n in seg:
+            for i in n.input:
+                if i and i not in inits and i not in produced_set and i not in ins:
+                    ins.append(i)
+        outs = [o for o in produced if o in graph_outputs or consumers[o] - {k}]
+        result.append(_Boundaries(ins, outs))
+    return result
+
+
+def _conv_attrs_ok(node: onnx.NodeProto) -> str | None:
+    a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    if list(a.get("kernel_shape", [3, 3])) != [3, 3]:
+        return f"kernel {list(a.get('kernel_shape'))}"
+    if list(a.get("strides", [1, 1])) != [1, 1] or list(a.get("dilations", [1, 1])) != [1, 1]:
+        return "stride or dilation other than 1"
+    if a.get("group", 1) != 1:
+        return "grouped convolution"
+    auto_pad = a.get("auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        return None
+    if list(a.get("pads", [0, 0, 0, 0])) != [1, 1, 1, 1]:
+        return f"pads {list(a.get('pads', [0, 0, 0, 0]))}"
+    return None
+
+
+def _pool_attrs_ok(node: onnx.NodeProto) -> str | None:
+    a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    if list(a.get("kernel_shape", [])) != [2, 2] or list(a.get("strides", [1, 1])) != [2, 2]:
+        return f"kernel {list(a.get('kernel_shape', []))} stride {list(a.get('strides', [1, 1]))}"
+    if any(a.get("pads", [0, 0, 0, 0])) or a.get("ceil_mode", 0) or list(a.get("dilations", [1, 1])) != [1, 1]:
+        return "padding, ceil_mode or dilation"
+    if len([o for o in node.output if o]) != 1:
+        return "an Indices output"
+    return None
+
+
+def lower_track_a(
+    seg: list[onnx.NodeProto], model: onnx.ModelProto, specs: dict, boundary_outputs: set[str]
+) -> list[KernelCall]:
+    """Match a Track A segment's nodes to hand-written kernel calls (Conv[+Relu] and MaxPool)."""
+    inits = {i.name for i in model.graph.initializer}
+    uses: dict[str, int] = defaultdict(int)
+    for n in model.graph.node:
+        for i in n.input:
+            uses[i] += 1
+    graph_outputs = {o.name for o in model.graph.output}
+    calls: list[KernelCall] = []
+    i = 0
+
+    def refuse(node: onnx.NodeProto, why: str) -> PartitionError:
+        return PartitionError(
+            f"node '{node.name}' ({node.op_type}, {why}) is on Track A, whose kernels cover {TRACK_A_DESCRIPTION}; "
+            f"move it to Track B with partition.track_b.name_prefixes: ['{node.name}']"
+        )
+
+    while i < len(seg):
+        node = seg[i]
+        dtype = specs[node.output[0]][1]
+        if dtype not in ("float16", "float32"):
+            raise refuse(node, f"dtype {dtype}")
+        if node.op_type == "Conv":
+            why = _conv_attrs_ok(node)
+            if why:
+                raise refuse(node, why)
+            weights = [w for w in node.input[1:] if w]
+            if any(w not in inits for w in weights):
+                raise refuse(node, "weights computed at run time")
+            out = node.output[0]
+            relu = 0
+            nxt = seg[i + 1] if i + 1 < len(seg) else None
+            if (
+                nxt is not None
+                and nxt.op_type == "Relu"
+                and list(nxt.input) == [out]
+                and uses[out] == 1
+                and out not in graph_outputs
+                and out not in boundary_outputs
+            ):
+                relu, out, covered = 1, nxt.output[0], (node.name, nxt.name)
+                i += 1
+            else:
+                covered = (node.name,)
+            calls.append(KernelCall("conv3x3", (node.input[0],), (out,), tuple(weights), (("relu", relu),), covered))
+        elif node.op_type == "MaxPool":
+            why = _pool_attrs_ok(node)
+            if why:
+                raise refuse(node, why)
+            calls.append(KernelCall("maxpool2x2", (node.input[0],), (node.output[0],), (), (), (node.name,)))
+        else:
+            raise refuse(node, "no hand-written kernel")
+        i += 1
+    return calls
+
+
+def _nhwc(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (shape[0], shape[2], shape[3], shape[1])
+
+
+def extract_segment(
+    model: onnx.ModelProto,
+    nodes: list[onnx.NodeProto],
+    inputs: list[TensorSpec],
+    outputs: list[TensorSpec],
+) -> onnx.ModelProto:
+    """The segment as a standalone ONNX model (function `main`, dynamic batch `N`).
+
+    NHWC boundary tensors get a Transpose to the model's NCHW on the way in and back on the way out.
+    """
+    rename: dict[str, str] = {}
+    pre: list[onnx.NodeProto] = []
+    post: list[onnx.NodeProto] = []
+    for t in inputs:
+        if t.layout == "NHWC":
+            rename[t.name] = f"{t.name}__nchw"
+            pre.append(helper.make_node("Transpose", [t.name], [rename[t.name]], name=f"{t.name}__to_nchw", perm=_TO_NCHW))
+    out_rename: dict[str, str] = {}
+    for t in outputs:
+        if t.layout == "NHWC":
+            out_rename[t.name] = f"{t.name}__nchw"
+            post.append(helper.make_node("Transpose", [out_rename[t.name]], [t.name], name=f"{t.name}__to_nhwc", perm=_TO_NHWC))
+    body = []
+    for n in nodes:
+        n2 = copy.deepcopy(n)
+        for j, x in enumerate(n2.input):
+            n2.input[j] = out_rename.get(x, rename.get(x, x))
+        for j, x in enumerate(n2.output):
+            n2.output[j] = out_rename.get(x, x)
+        body.append(n2)
+    used = {x for n in nodes for x in n.input}
+    inits = [copy.deepcopy(i) for i in model.graph.initializer if i.name in used]
+
+    def vi(t: TensorSpec) -> onnx.ValueInfoProto:
+        elem = helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype))
+        return helper.make_tensor_value_info(t.name, elem, ["N", *t.shape[1:]])
+
+    graph = helper.make_graph(pre + body + post, "main", [vi(t) for t in inputs], [vi(t) for t in outputs], inits)
+    seg = helper.make_model(graph, opset_imports=list(model.opset_import), producer_name="dualtrack")
+    seg.ir_version = model.ir_version
+    onnx.checker.check_model(seg)
+    return seg
+
+
+def strip_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The graph without weight data (the bundle keeps weights once, in model.onnx)."""
+    m = copy.deepcopy(model)
+    del m.graph.initializer[:]
+    return m
+
+
+def attach_initializers(graph_only: onnx.ModelProto, weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """Inverse of strip_initializers: add back the initializers the graph's nodes use."""
+    m = copy.deepcopy(graph_only)
+    used = {x for n in m.graph.node for x in n.input}
+    m.graph.initializer.extend(numpy_helper.from_array(weights[k], k) for k in sorted(used & weights.keys()))
+    return m
+
+
+def model_hash(model: onnx.ModelProto) -> str:
+    return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
+
+
+def build_plan(cfg: BuildConfig, model: onnx.ModelProto) -> tuple[Plan, list[onnx.ModelProto]]:
+    """Partition a (named) model into a Plan plus one ONNX model per segment."""
+    if len(model.graph.input) != 1:
+        raise ModelError(f"the model has {len(model.graph.input)} inputs; dualtrack serves single-input models")
+    specs = batch_checked_specs(model)
+    _check_input(cfg, model, specs)
+    tracks = assign_tracks(model, cfg)
+    segments = order_segments(model, tracks)
+    bounds = _boundaries(model, segments)
+    seg_track = [tracks[s[0].name] for s in segments]
+    graph_io = {i.name for i in model.graph.input} | {o.name for o in model.graph.output}
+
+    # NHWC wherever Track A is on either side of a boundary.
+    touches_a: set[str] = set()
+    for k, b in enumerate(bounds):
+        if seg_track[k] == "A":
+            touches_a.update(b.inputs, b.outputs)
+    for k, b in enumerate(bounds):
+        if seg_track[k] == "A":
+            for t in b.inputs + b.outputs:
+                if t in graph_io:
+                    raise PartitionError(
+                        f"Track A would read or write the model's own input/output '{t}' directly; Track A works in NHWC, "
+                        "so keep the first and last ops on Track B (narrow partition.track_a)"
+                    )
+
+    def spec(name: str) -> TensorSpec:
+        shape, dtype = specs[name]
+        if name in touches_a and len(shape) == 4:
+            return TensorSpec(name, _nhwc(shape), dtype, "NHWC")
+        return TensorSpec(name, shape, dtype, "NCHW" if len(shape) == 4 else "")
+
+    plan_segments: list[Segment] = []
+    seg_models: list[onnx.ModelProto] = []
+    for k, (nodes, b) in enumerate(zip(segments, bounds, strict=True)):
+        ins, outs = [spec(t) for t in b.inputs], [spec(t) for t in b.outputs]
+        seg_model = extract_segment(model, nodes, ins, outs)
+        calls: tuple[KernelCall, ...] = ()
+        tensors: tuple[TensorSpec, ...] = ()
+        if seg_track[k] == "A":
+            calls = tuple(lower_track_a(nodes, model, specs, set(b.outputs)))
+            boundary = {t.name for t in ins + outs}
+            inner = [t for c in calls for t in c.outputs if t not in boundary]
+            tensors = tuple(TensorSpec(t, _nhwc(specs[t][0]), specs[t][1], "NHWC") for t in inner)
+        track = seg_track[k]
+        plan_segments.append(
+            Segment(
+                index=k,
+                track=track,  # type: ignore[arg-type]
+                nodes=tuple(n.name for n in nodes),
+                inputs=tuple(ins),
+                outputs=tuple(outs),
+                onnx=f"segments/seg{k}_{track}.onnx",
+                key=model_hash(seg_model),
+                calls=calls,
+                tensors=tensors,
+            )
+        )
+        seg_models.append(seg_model)
+    model_inputs = tuple(spec(i.name) for i in model.graph.input)
+    model_outputs = tuple(spec(o.name) for o in model.graph.output)
+    plan = Plan(model_inputs, model_outputs, tuple(plan_segments), cfg.precision, cfg.batch_sizes)
+    return plan, seg_models
+
+
+def _check_input(cfg: BuildConfig, model: onnx.ModelProto, specs: dict) -> None:
+    inp = model.graph.input[0]
+    shape, dtype = specs[inp.name]
+    want = cfg.input
+    if want.name is not None and want.name != inp.name:
+        raise PartitionError(f"input.name is '{want.name}' but the model's input is '{inp.name}'; fix `input.name` in the config")
+    if want.shape is not None and tuple(want.shape[1:]) != tuple(shape[1:]):
+        raise PartitionError(
+            f"input.shape {list(want.shape)} does not match the model's input {list(shape)} (batch excluded); fix `input.shape`"
+        )
+    if want.dtype is not None and want.dtype != dtype:
+        raise PartitionError(f"input.dtype is {want.dtype} but the model's input is {dtype}; fix `input.dtype`")
+    for init in model.graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            raise ModelError(f"initializer '{init.name}' is stored as external data; save the model with weights inside")

@@ -1,0 +1,143 @@
+"""The execution plan: an ordered list of segments, each on Track A or Track B.
+
+The plan is what `dualtrack build` writes into `manifest.json` and what every runtime executes.
+It is plain data (frozen dataclasses with a JSON form), so the CPU runtime, the GPU runtime, the
+verifier and `dualtrack info` all read the same thing.
+
+Conventions:
+- Dim 0 of every tensor is the batch. ``TensorSpec.shape`` is recorded at batch 1; at batch ``n``
+  the shape is ``(n, *shape[1:])``.
+- ``layout`` is ``"NHWC"`` or ``"NCHW"`` for 4-D image tensors and ``""`` otherwise. Tensors that
+  Track A produces or consumes are NHWC (the hand-written kernels work channels-last); the segment
+  ONNX files take and return their boundary tensors in the recorded layout.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Track = Literal["A", "B"]
+PLAN_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor at a segment boundary (or inside a Track A segment)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name: "float16", "float32", "uint8", "int64"
+    layout: str = ""
+
+    def at_batch(self, n: int) -> tuple[int, ...]:
+        return (n, *self.shape[1:])
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> TensorSpec:
+        return cls(name=d["name"], shape=tuple(d["shape"]), dtype=d["dtype"], layout=d.get("layout", ""))
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """One hand-written kernel launch in a Track A segment.
+
+    ``op`` names an entry of :data:`dualtrack.kernels.KERNELS`; ``inputs``/``outputs`` are
+    activation tensor names (NHWC); ``weights`` are names in the bundle's Track A weight file;
+    ``attrs`` are op attributes (e.g. ``relu``); ``nodes`` are the ONNX nodes the call covers.
+    """
+
+    op: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    weights: tuple[str, ...] = ()
+    attrs: tuple[tuple[str, int], ...] = ()
+    nodes: tuple[str, ...] = ()
+
+    def attr(self, name: str, default: int = 0) -> int:
+        return dict(self.attrs).get(name, default)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> KernelCall:
+        return cls(
+            op=d["op"],
+            inputs=tuple(d["inputs"]),
+            outputs=tuple(d["outputs"]),
+            weights=tuple(d.get("weights", ())),
+            attrs=tuple((k, int(v)) for k, v in d.get("attrs", ())),
+            nodes=tuple(d.get("nodes", ())),
+        )
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A maximal run of nodes on one track, in execution order."""
+
+    index: int
+    track: Track
+    nodes: tuple[str, ...]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    onnx: str  # bundle-relative path of the segment's own ONNX model
+    key: str = ""  # content hash of the segment ONNX + everything that changes its build
+    calls: tuple[KernelCall, ...] = ()  # Track A only
+    tensors: tuple[TensorSpec, ...] = ()  # Track A intermediates (NHWC), for buffer planning
+
+    @property
+    def name(self) -> str:
+        return f"seg{self.index}_{self.track}"
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Segment:
+        return cls(
+            index=d["index"],
+            track=d["track"],
+            nodes=tuple(d["nodes"]),
+            inputs=tuple(TensorSpec.from_json(t) for t in d["inputs"]),
+            outputs=tuple(TensorSpec.from_json(t) for t in d["outputs"]),
+            onnx=d["onnx"],
+            key=d.get("key", ""),
+            calls=tuple(KernelCall.from_json(c) for c in d.get("calls", ())),
+            tensors=tuple(TensorSpec.from_json(t) for t in d.get("tensors", ())),
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The whole model as segments. ``inputs``/``outputs`` are the model's own, in its layout."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    segments: tuple[Segment, ...]
+    precision: str
+    batch_sizes: tuple[int, ...]
+    schema_version: int = PLAN_SCHEMA_VERSION
+    notes: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Plan:
+        return cls(
+            inputs=tuple(TensorSpec.from_json(t) for t in d["inputs"]),
+            outputs=tuple(TensorSpec.from_json(t) for t in d["outputs"]),
+            segments=tuple(Segment.from_json(s) for s in d["segments"]),
+            precision=d["precision"],
+            batch_sizes=tuple(d["batch_sizes"]),
+            schema_version=d.get("schema_version", PLAN_SCHEMA_VERSION),
+            notes=tuple(d.get("notes", ())),
+        )
+
+    def summary(self) -> list[str]:
+        """One line per segment, for `dualtrack info` and build logs."""
+        lines = []
+        for s in self.segments:
+            what = f"{len(s.calls)} kernel calls" if s.track == "A" else "IREE module"
+            lines.append(f"{s.name}: {len(s.nodes)} nodes, {what}; in {[t.name for t in s.inputs]} -> out {[t.name for t in s.outputs]}")
+        return lines

@@ -1,0 +1,182 @@
+"""`dualtrack.Engine`: what a segmentation service imports.
+
+The engine executes a bundle's plan segment by segment. On the CPU every segment, Track A ones
+included, runs through its IREE llvm-cpu module. On a GPU Track A runs the hand-written kernels and
+Track B the IREE CUDA modules, in one CUDA context (runtime/gpu.py). There is no silent fallback:
+asking for `cuda` where there is no GPU is an error.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from dualtrack.bundle import Bundle
+from dualtrack.errors import InputError
+from dualtrack.plan import Segment, TensorSpec
+from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
+
+DEVICES = ("cpu", "cuda")
+
+
+class Backend(Protocol):
+    def run_segment(self, seg: Segment, batch: int, inputs: Mapping[str, Any]) -> dict[str, Any]: ...
+    def to_host(self, value: Any) -> np.ndarray: ...
+    def from_host(self, arr: np.ndarray) -> Any: ...
+    def close(self) -> None: ...
+
+
+class CpuBackend:
+    """Every segment through IREE's llvm-cpu modules (local-task driver)."""
+
+    target = "llvm-cpu"
+
+    def __init__(self, bundle: Bundle) -> None:
+        self.bundle = bundle
+        self.device = IreeDevice.create("cpu")
+        self.params = parameter_index(bundle.weights)
+        self.modules: dict[tuple[int, int], IreeModule] = {}
+        self.lock = threading.Lock()
+        self.timings = {"A": 0.0, "B": 0.0}
+
+    def module(self, seg: Segment, batch: int) -> IreeModule:
+        with self.lock:
+            key = (seg.index, batch)
+            if key not in self.modules:
+                self.modules[key] = IreeModule(self.device, self.bundle.vmfb(seg, self.target, batch), self.params, "main")
+            return self.modules[key]
+
+    def run_segment(self, seg: Segment, batch: int, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        mod = self.module(seg, batch)
+        t0 = time.perf_counter()
+        outs = mod(*[np.ascontiguousarray(inputs[t.name]) for t in seg.inputs])
+        # Copy out of IREE's buffers: a host view must not outlive the device (use-after-free at exit).
+        result = {t.name: np.array(o.to_host(), copy=True) for t, o in zip(seg.outputs, outs, strict=True)}
+        self.timings[seg.track] += (time.perf_counter() - t0) * 1e3
+        return result
+
+    def to_host(self, value: Any) -> np.ndarray:
+        return np.asarray(value)
+
+    def from_host(self, arr: np.ndarray) -> Any:
+        return arr
+
+    def close(self) -> None:
+        # Modules before the device, the device before the weights they read (IREE needs this order).
+        self.modules.clear()
+        self.device = None  # type: ignore[assignment]
+
+
+class Engine:
+    """A loaded bundle, ready to segment images.
+
+    ``run`` takes any batch size: it pads up to the next compiled batch size (or splits larger
+    batches) and returns exactly as many rows as it was given.
+    """
+
+    def __init__(self, bundle: Bundle, backend: Backend, device: str) -> None:
+        self.bundle = bundle
+        self.plan = bundle.plan
+        self.backend = backend
+        self.device = device
+        self.batch_sizes: tuple[int, ...] = tuple(self.plan.batch_sizes)
+        self.input_spec: TensorSpec = self.plan.inputs[0]
+        self.output_specs: tuple[TensorSpec, ...] = self.plan.outputs
+        self.last_timings: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def load(cls, bundle: str | Path | Bundle, device: str = "cpu", device_index: int = 0, *, model: str | Path | None = None) -> Engine:
+        """Open a bundle on `cpu` or `cuda` (GPU `device_index`). `model` refuses a bundle built from another file."""
+        b = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle)
+        if model is not None:
+            b.check_model(Path(model))
+        if device == "cpu":
+            return cls(b, CpuBackend(b), "cpu")
+        if device == "cuda":
+            from dualtrack.runtime.gpu import CudaBackend
+
+            return cls(b, CudaBackend(b, device_index), "cuda")
+        raise InputError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
+
+    # -- validation -------------------------------------------------------------------------------
+
+    def check_input(self, x: Any) -> tuple[int, ...]:
+        spec = self.input_spec
+        shape = tuple(getattr(x, "shape", ()))
+        dtype = str(np.dtype(getattr(x, "dtype", "V")))
+        want = f"(n, {', '.join(map(str, spec.shape[1:]))}) {spec.dtype}"
+        if len(shape) != len(spec.shape) or shape[1:] != spec.shape[1:] or shape[0] < 1:
+            raise InputError(f"input has shape {shape}; this bundle takes {want} ({spec.layout or 'as exported'})")
+        if dtype != spec.dtype:
+            raise InputError(f"input has dtype {dtype}; this bundle takes {want}: convert with .astype(np.{spec.dtype})")
+        return shape
+
+    def _chunks(self, n: int) -> list[tuple[int, int, int]]:
+        """(start, rows, compiled batch) covering n rows with the fewest padded rows."""
+        out, start, top = [], 0, self.batch_sizes[-1]
+        while start < n:
+            rows = min(top, n - start)
+            batch = next(b for b in self.batch_sizes if b >= rows)
+            out.append((start, rows, batch))
+            start += rows
+        return out
+
+    # -- execution --------------------------------------------------------------------------------
+
+    def run_batch(self, x: Any, batch: int) -> dict[str, Any]:
+        """Run the plan on exactly one compiled batch size; values stay on the backend's device."""
+        tensors: dict[str, Any] = {self.input_spec.name: x}
+        for seg in self.plan.segments:
+            tensors.update(self.backend.run_segment(seg, batch, tensors))
+        return {o.name: tensors[o.name] for o in self.output_specs}
+
+    def run(self, x: Any) -> dict[str, np.ndarray]:
+        """Segment a batch of images: `x` is (n, *input.shape[1:]) in the input dtype. Returns numpy arrays."""
+        if self._closed:
+            raise InputError("this engine is closed; load the bundle again")
+        n = self.check_input(x)[0]
+        x = np.asarray(x)
+        with self._lock:
+            t0 = time.perf_counter()
+            for k in self.backend.timings:
+                self.backend.timings[k] = 0.0
+            parts: dict[str, list[np.ndarray]] = {o.name: [] for o in self.output_specs}
+            for start, rows, batch in self._chunks(n):
+                chunk = x[start : start + rows]
+                if rows < batch:
+                    chunk = np.concatenate([chunk, np.zeros((batch - rows, *chunk.shape[1:]), chunk.dtype)])
+                outs = self.run_batch(self.backend.from_host(np.ascontiguousarray(chunk)), batch)
+                for name, value in outs.items():
+                    parts[name].append(self.backend.to_host(value)[:rows])
+            total = (time.perf_counter() - t0) * 1e3
+            self.last_timings = {
+                "track_a_ms": self.backend.timings["A"],
+                "track_b_ms": self.backend.timings["B"],
+                "total_ms": total,
+            }
+        return {k: np.concatenate(v) if len(v) > 1 else v[0] for k, v in parts.items()}
+
+    def warmup(self) -> None:
+        """Load every module and run each compiled batch size once, so the first request pays nothing."""
+        rng = np.random.default_rng(0)
+        for b in self.batch_sizes:
+            x = rng.integers(0, 255, size=self.input_spec.at_batch(b)).astype(self.input_spec.dtype)
+            self.run(x)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.backend.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,46 @@
+"""Every environment variable dualtrack reads, and every default, in one place."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Process-wide settings read once from the environment.
+
+    DUALTRACK_CACHE_DIR   compiled artifacts (IREE modules, cubins, JIT cubins); default ~/.cache/dualtrack
+    DUALTRACK_SAVE_TEMPS  a folder: keep every build stage's inputs and outputs there (like IREE_SAVE_TEMPS)
+    DUALTRACK_JOBS        parallel compiler processes; default: CPU count
+    DUALTRACK_NO_CACHE    set to 1 to ignore the cache (every build compiles everything)
+    """
+
+    cache_dir: Path
+    save_temps: Path | None
+    jobs: int
+    use_cache: bool
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        env = os.environ
+        cache = Path(env.get("DUALTRACK_CACHE_DIR") or Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dualtrack")
+        temps = env.get("DUALTRACK_SAVE_TEMPS")
+        return cls(
+            cache_dir=cache,
+            save_temps=Path(temps) if temps else None,
+            jobs=max(1, int(env.get("DUALTRACK_JOBS") or os.cpu_count() or 1)),
+            use_cache=env.get("DUALTRACK_NO_CACHE", "") not in ("1", "true", "yes"),
+        )
+
+
+def tool_path(name: str) -> str:
+    """An IREE command-line tool: the one installed beside this Python first, then PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    return found or name

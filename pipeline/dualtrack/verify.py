@@ -1,0 +1,164 @@
+"""Numeric verification against onnxruntime, on fresh random inputs, with stated tolerances.
+
+Checks, each with its own report row:
+- every segment as the engine runs it (IREE llvm-cpu on the CPU; kernels or IREE CUDA on a GPU)
+  against onnxruntime on that segment's ONNX model;
+- on the CPU, every Track A segment's kernel-call list interpreted with the kernels' numpy
+  semantics (this proves the lowering: fusion, weight repacking, NHWC boundaries);
+- the whole plan, at every compiled batch size, against onnxruntime on the whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from dualtrack.config import DEFAULT_TOLERANCES, Tolerance
+from dualtrack.errors import VerificationError
+from dualtrack.plan import Segment, TensorSpec
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    rel_l2: float
+    max_abs: float
+    mismatch: float
+    nonfinite: int
+    passed: bool
+    note: str = ""
+    integer: bool = False
+
+
+def compare(name: str, ref: np.ndarray, got: np.ndarray, tol: Tolerance, note: str = "") -> Check:
+    """Relative L2 and max-abs error for floats; the fraction of differing elements for integers."""
+    if ref.shape != got.shape:
+        return Check(name, float("inf"), float("inf"), 1.0, 0, False, f"shape {got.shape} != reference {ref.shape}")
+    if np.issubdtype(ref.dtype, np.integer):
+        mism = float(np.mean(ref != got)) if ref.size else 0.0
+        return Check(name, 0.0, 0.0, mism, 0, mism <= tol.mismatch, note, integer=True)
+    r, g = ref.astype(np.float64), got.astype(np.float64)
+    nonfinite = int(np.count_nonzero(~np.isfinite(g)))
+    diff = g - r
+    rel = float(np.linalg.norm(diff) / max(np.linalg.norm(r), 1e-30)) if nonfinite == 0 else float("inf")
+    mx = float(np.max(np.abs(diff))) if diff.size and nonfinite == 0 else (0.0 if not diff.size else float("inf"))
+    return Check(name, rel, mx, 0.0, nonfinite, nonfinite == 0 and rel <= tol.rel_l2 and mx <= tol.max_abs, note)
+
+
+def random_input(spec: TensorSpec, batch: int, rng: np.random.Generator) -> np.ndarray:
+    """Fresh inputs that look like real data: images as uint8, activations ReLU-like and O(1)."""
+    shape = spec.at_batch(batch)
+    if spec.dtype == "uint8":
+        return rng.integers(0, 256, size=shape, dtype=np.uint8)
+    if np.issubdtype(np.dtype(spec.dtype), np.integer):
+        return rng.integers(0, 4, size=shape).astype(spec.dtype)
+    return np.abs(rng.standard_normal(shape)).astype(spec.dtype)
+
+
+def ort_session(model: onnx.ModelProto) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def run_ort(session: ort.InferenceSession, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, dict(feeds)), strict=True))
+
+
+def interpret_track_a(seg: Segment, weights: Mapping[str, np.ndarray], inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run a Track A segment's kernel calls with the kernels' numpy semantics (NHWC throughout)."""
+    from dualtrack import kernels
+
+    env = dict(inputs)
+    for call in seg.calls:
+        spec = kernels.KERNELS[call.op]
+        args = [env[i] for i in call.inputs]
+        if call.op == "conv3x3":
+            w, b = kernels.pack_conv_weights(weights[call.weights[0]], weights[call.weights[1]] if len(call.weights) > 1 else None)
+            env[call.outputs[0]] = spec.reference(args[0], w, b, call.attr("relu"))
+        else:
+            env[call.outputs[0]] = spec.reference(args[0])
+    return {t.name: env[t.name] for t in seg.outputs}
+
+
+@dataclass
+class Report:
+    device: str
+    precision: str
+    tolerance: Tolerance
+    checks: list[Check]
+    seed: int
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def to_json(self) -> dict:
+        return {
+            "device": self.device,
+            "precision": self.precision,
+            "tolerance": self.tolerance.model_dump(),
+            "seed": self.seed,
+            "passed": self.passed,
+            "checks": [asdict(c) for c in self.checks],
+        }
+
+    def lines(self) -> list[str]:
+        out = []
+        for c in self.checks:
+            what = f"mismatch {c.mismatch:.2e}" if c.integer else f"rel_l2 {c.rel_l2:.2e} max_abs {c.max_abs:.2e}"
+            out.append(f"{'ok  ' if c.passed else 'FAIL'} {c.name:<44} {what}{'  ' + c.note if c.note else ''}")
+        return out
+
+    def raise_if_failed(self) -> None:
+        if not self.passed:
+            bad = [c for c in self.checks if not c.passed]
+            first = bad[0]
+            raise VerificationError(
+                f"{len(bad)} of {len(self.checks)} checks exceed the {self.precision} tolerance "
+                f"(rel_l2 {self.tolerance.rel_l2:g}, max_abs {self.tolerance.max_abs:g}, mismatch {self.tolerance.mismatch:g}); "
+                f"first: {first.name} rel_l2 {first.rel_l2:.3g} max_abs {first.max_abs:.3g} mismatch {first.mismatch:.3g}"
+                f"{' (' + first.note + ')' if first.note else ''}",
+                detail="\n".join(self.lines()),
+            )
+
+
+def verify_engine(engine, *, samples: int = 1, seed: int | None = None, tol: Tolerance | None = None,
+                  interpret: bool = True, progress=None) -> Report:
+    """Verify a loaded Engine's every segment and its whole plan against onnxruntime."""
+    bundle, plan = engine.bundle, engine.plan
+    tol = tol or DEFAULT_TOLERANCES[plan.precision]
+    seed = int(np.random.SeedSequence().entropy % (2**31)) if seed is None else seed
+    rng = np.random.default_rng(seed)
+    checks: list[Check] = []
+    step = progress or (lambda msg: None)
+    b0 = plan.batch_sizes[0]
+    for seg in plan.segments:
+        step(f"verify {seg.name}")
+        sess = ort_session(bundle.segment_model(seg))
+        for s in range(samples):
+            feeds = {t.name: random_input(t, b0, rng) for t in seg.inputs}
+            ref = run_ort(sess, feeds)
+            got = engine.backend.run_segment(seg, b0, {k: engine.backend.from_host(v) for k, v in feeds.items()})
+            where = "kernels" if (seg.track == "A" and engine.device == "cuda") else engine.backend.target
+            for t in seg.outputs:
+                checks.append(compare(f"{seg.name}[{where}] {t.name} #{s}", ref[t.name], engine.backend.to_host(got[t.name]), tol))
+            if seg.track == "A" and interpret:
+                got_i = interpret_track_a(seg, bundle.weights, feeds)
+                for t in seg.outputs:
+                    checks.append(compare(f"{seg.name}[numpy kernels] {t.name} #{s}", ref[t.name], got_i[t.name], tol))
+    step("verify whole plan")
+    full = ort_session(bundle.model)
+    for b in plan.batch_sizes:
+        for s in range(samples):
+            x = random_input(plan.inputs[0], b, rng)
+            ref = run_ort(full, {plan.inputs[0].name: x})
+            got = engine.run(x)
+            for t in plan.outputs:
+                checks.append(compare(f"plan b{b} {t.name} #{s}", ref[t.name], got[t.name], tol))
+    return Report(engine.device, plan.precision, tol, checks, seed)
