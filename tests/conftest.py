@@ -6,6 +6,7 @@ whole pipeline — partition, both tracks' builds, verification, the CPU runtime
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -43,8 +44,13 @@ def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_bundle(tiny_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny bundle. DUALTRACK_TEST_BUNDLE names a prebuilt one: GPU machines carry it, since
+    the IREE compiler is too large to install there."""
     from dualtrack.build import build
 
+    prebuilt = os.environ.get("DUALTRACK_TEST_BUNDLE")
+    if prebuilt:
+        return Path(prebuilt)
     out = tmp_path_factory.mktemp("bundles") / "tiny"
     build(tiny_config, out)
     return out

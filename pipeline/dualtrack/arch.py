@@ -149,8 +149,10 @@ def resolve_targets(
             notes.append(f"'{name}' means {arch.name} (compute capability {arch.cc_str})")
         target = iree_target or arch.iree_target
         if target != arch.name:
-            why = "override from track_b.iree_target" if iree_target else (
-                f"IREE 3.13 rejects {arch.name}; its {target} PTX is JIT-compiled by the driver"
+            why = (
+                "override from track_b.iree_target"
+                if iree_target
+                else (f"IREE 3.13 rejects {arch.name}; its {target} PTX is JIT-compiled by the driver")
             )
             notes.append(f"Track B: {target} ({why})")
         if arch.ptx_arch.removeprefix("compute_") != arch.name.removeprefix("sm_"):
@@ -159,7 +161,9 @@ def resolve_targets(
         if enable_tma and not arch.tma:
             notes.append(f"enable_tma ignored for {arch.name}: the bulk tensor copy engine needs sm_90 or newer")
         if enable_tma and arch.tma:
-            notes.append("enable_tma: Track A only (IREE 3.13 has no TMA option; --iree-cuda-enable-tma does not exist)")
+            notes.append(
+                "enable_tma: Track A only (IREE 3.13 has no TMA option; --iree-cuda-enable-tma does not exist)"
+            )
         out.append(Resolution(name, arch, target, use_tma, tuple(notes)))
     if enable_tma and not any(r.use_tma for r in out):
         raise ArchError(
@@ -221,9 +225,7 @@ class ImageChoice:
     reason: str
 
 
-def choose_image(
-    device_cc: tuple[int, int], cubins: list[str], ptx: list[str]
-) -> ImageChoice:
+def choose_image(device_cc: tuple[int, int], cubins: list[str], ptx: list[str]) -> ImageChoice:
     """Pick the best Track A code object for a device.
 
     An exact-arch cubin avoids the JIT entirely. Otherwise the newest PTX the device can JIT:
@@ -239,11 +241,7 @@ def choose_image(
         digits = p.removeprefix("compute_").rstrip("a")
         return int(digits[:-1]), int(digits[-1])
 
-    usable = [
-        p
-        for p in ptx
-        if (ptx_cc(p) == device_cc) or (not p.endswith("a") and ptx_cc(p) <= device_cc)
-    ]
+    usable = [p for p in ptx if (ptx_cc(p) == device_cc) or (not p.endswith("a") and ptx_cc(p) <= device_cc)]
     if usable:
         best = max(usable, key=ptx_cc)
         return ImageChoice("ptx", best, f"no cubin for cc {device_cc[0]}.{device_cc[1]}; the driver JITs {best} PTX")

@@ -22,8 +22,6 @@ from importlib.metadata import version as pkg_version
 from pathlib import Path
 from typing import Any
 
-import onnx
-
 from dualtrack import arch, partition, track_b
 from dualtrack.bundle import MANIFEST, Bundle, BundleWriter, sha256
 from dualtrack.config import BuildConfig, load_config
@@ -62,7 +60,9 @@ def ptx_root() -> Path:
     return REPO_ROOT / "handwritten_ptx"
 
 
-def track_a_artifacts(plan: Plan, resolutions: list[arch.Resolution], settings: Settings) -> tuple[dict[str, bytes], dict[str, Any]]:
+def track_a_artifacts(
+    plan: Plan, resolutions: list[arch.Resolution], settings: Settings
+) -> tuple[dict[str, bytes], dict[str, Any]]:
     """PTX for each needed arch (ISA checked) and cubins assembled from it, for the kernels the plan uses."""
     from dualtrack import kernels, ptx
 
@@ -107,8 +107,14 @@ def _build_key(cfg: BuildConfig, model_digest: str, plan: Plan, keys: list[str],
     return h.hexdigest()
 
 
-def build(config: str | Path | BuildConfig, output: str | Path | None = None, *, force: bool = False,
-          progress: Progress | None = None, settings: Settings | None = None) -> BuildResult:
+def build(
+    config: str | Path | BuildConfig,
+    output: str | Path | None = None,
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+    settings: Settings | None = None,
+) -> BuildResult:
     """Build (or confirm up to date) the bundle for a config. The Python API behind `dualtrack build`."""
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
@@ -120,7 +126,9 @@ def build(config: str | Path | BuildConfig, output: str | Path | None = None, *,
     notes = list(cfg.notes)
 
     say("resolve targets")
-    resolutions = arch.resolve_targets(list(cfg.targets), enable_tma=cfg.enable_tma, iree_target=cfg.track_b.iree_target)
+    resolutions = arch.resolve_targets(
+        list(cfg.targets), enable_tma=cfg.enable_tma, iree_target=cfg.track_b.iree_target
+    )
     for r in resolutions:
         notes.extend(f"{r.arch.name}: {n}" for n in r.notes)
 
@@ -141,18 +149,32 @@ def build(config: str | Path | BuildConfig, output: str | Path | None = None, *,
         seg_targets = ([] if seg.track == "A" else list(targets)) + ([cpu] if cpu else [])
         for t in seg_targets:
             for b in cfg.batch_sizes:
-                jobs.append(track_b.CompileJob(seg.name, sm, b, t, cfg.track_b.flags))
+                extra = cfg.track_b.cpu_flags if t is cpu else cfg.track_b.cuda_flags
+                jobs.append(track_b.CompileJob(seg.name, sm, b, t, (*cfg.track_b.flags, *extra)))
     compiler = track_b.compiler_version()
     cache = track_b.ModuleCache(settings.cache_dir / "iree", enabled=settings.use_cache)
-    keys = [track_b.cache_key(partition.with_batch(j.model, j.batch), j.batch, j.target, j.flags, compiler) for j in jobs]
+    keys = [
+        track_b.cache_key(partition.with_batch(j.model, j.batch), j.batch, j.target, j.flags, compiler) for j in jobs
+    ]
     build_key = _build_key(cfg, source_digest, plan, keys, a_files)
 
     if not force and (dest / MANIFEST).exists():
         try:
             existing = Bundle.open(dest)
-            if existing.manifest.get("build_key") == build_key and existing.manifest.get("verification", {}).get("passed"):
+            if existing.manifest.get("build_key") == build_key and existing.manifest.get("verification", {}).get(
+                "passed"
+            ):
                 say("up to date")
-                return BuildResult(dest, True, 0, len(jobs), time.perf_counter() - t0, existing.manifest.get("verification"), notes, plan)
+                return BuildResult(
+                    dest,
+                    True,
+                    0,
+                    len(jobs),
+                    time.perf_counter() - t0,
+                    existing.manifest.get("verification"),
+                    notes,
+                    plan,
+                )
         except BundleError:
             pass  # a broken bundle at the destination is simply rebuilt
 
@@ -188,7 +210,9 @@ def build(config: str | Path | BuildConfig, output: str | Path | None = None, *,
             "targets": [r.to_json() for r in resolutions],
             "plan": plan.to_json(),
             "artifacts": {"iree": iree_art, "track_a": a_meta},
-            "min_driver": max((m["min_driver"] or 0 for per in a_meta["ptx"].values() for m in per.values()), default=None),
+            "min_driver": max(
+                (m["min_driver"] or 0 for per in a_meta["ptx"].values() for m in per.values()), default=None
+            ),
             "tools": tool_versions(compiler),
             "notes": notes,
         }
@@ -201,16 +225,26 @@ def build(config: str | Path | BuildConfig, output: str | Path | None = None, *,
             if not verification["passed"]:
                 from dualtrack.verify import Check, Report
 
-                rep = Report("cpu", cfg.precision, cfg.tolerance(), [Check(**c) for c in verification["checks"]], verification["seed"])
+                rep = Report(
+                    "cpu",
+                    cfg.precision,
+                    cfg.tolerance(),
+                    [Check(**c) for c in verification["checks"]],
+                    verification["seed"],
+                )
                 rep.raise_if_failed()
         else:
-            notes.append("no llvm-cpu modules (track_b.cpu: false): verify on a GPU with `dualtrack verify BUNDLE --device cuda`")
+            notes.append(
+                "no llvm-cpu modules (track_b.cpu: false): verify on a GPU with `dualtrack verify BUNDLE --device cuda`"
+            )
         say(f"write {dest}")
         writer.commit(manifest)
     except BaseException:
         writer.abort()
         raise
-    return BuildResult(dest, False, compiled, len(results) - compiled, time.perf_counter() - t0, verification, notes, plan)
+    return BuildResult(
+        dest, False, compiled, len(results) - compiled, time.perf_counter() - t0, verification, notes, plan
+    )
 
 
 def _verify_tmp(writer: BundleWriter, manifest: dict[str, Any], cfg: BuildConfig, say: Progress) -> dict[str, Any]:
@@ -221,7 +255,9 @@ def _verify_tmp(writer: BundleWriter, manifest: dict[str, Any], cfg: BuildConfig
     bundle = Bundle(writer.tmp, {**manifest, "files": writer.files})
     engine = Engine.load(bundle, "cpu")
     try:
-        report = verify_engine(engine, samples=cfg.verify.samples, seed=cfg.verify.seed, tol=cfg.tolerance(), progress=say)
+        report = verify_engine(
+            engine, samples=cfg.verify.samples, seed=cfg.verify.seed, tol=cfg.tolerance(), progress=say
+        )
     finally:
         engine.close()
     for line in report.lines():

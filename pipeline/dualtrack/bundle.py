@@ -94,7 +94,9 @@ class Bundle:
         try:
             manifest = json.loads(mpath.read_text())
         except FileNotFoundError:
-            raise BundleError(f"{root} has no {MANIFEST}: not a dualtrack bundle, or its build did not finish; rebuild it") from None
+            raise BundleError(
+                f"{root} has no {MANIFEST}: not a dualtrack bundle, or its build did not finish; rebuild it"
+            ) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BundleError(f"{mpath} is corrupt ({e.__class__.__name__}); rebuild the bundle") from None
         if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
@@ -107,7 +109,9 @@ class Bundle:
             if not f.is_file():
                 raise BundleError(f"{root} is incomplete: {rel} is missing; rebuild the bundle")
             if check_hashes and sha256(f.read_bytes()) != digest:
-                raise BundleError(f"{root}: {rel} does not match its recorded hash (truncated or modified); rebuild the bundle")
+                raise BundleError(
+                    f"{root}: {rel} does not match its recorded hash (truncated or modified); rebuild the bundle"
+                )
         return cls(root, manifest)
 
     @cached_property

@@ -61,7 +61,9 @@ def main(verbose: bool) -> None:
 
 @main.command()
 @click.argument("config", type=click.Path(path_type=Path))
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="Bundle directory (default: `output:` in the config).")
+@click.option(
+    "-o", "--output", type=click.Path(path_type=Path), help="Bundle directory (default: `output:` in the config)."
+)
 @click.option("--force", is_flag=True, help="Rebuild and re-verify even when the bundle is up to date.")
 @click.option("--json", "as_json", is_flag=True, help="Print the build result as JSON on stdout.")
 def build(config: Path, output: Path | None, force: bool, as_json: bool) -> None:
@@ -76,7 +78,9 @@ def build(config: Path, output: Path | None, force: bool, as_json: bool) -> None
     for note in result.notes:
         out.step(f"note: {note}")
     if result.up_to_date:
-        click.echo(f"{result.bundle}: up to date, nothing compiled ({result.cached} modules unchanged) in {result.seconds:.1f} s")
+        click.echo(
+            f"{result.bundle}: up to date, nothing compiled ({result.cached} modules unchanged) in {result.seconds:.1f} s"
+        )
     else:
         click.echo(
             f"{result.bundle}: built in {result.seconds:.1f} s ({result.compiled} modules compiled, {result.cached} from cache); "
@@ -92,7 +96,9 @@ def _read_image(path: Path, shape: tuple[int, ...]) -> np.ndarray:
     except FileNotFoundError:
         raise InputError(f"image {path} not found") from None
     except (UnidentifiedImageError, OSError) as e:
-        raise InputError(f"{path} is not an image Pillow can read ({e.__class__.__name__}); pass a PNG or JPEG") from None
+        raise InputError(
+            f"{path} is not an image Pillow can read ({e.__class__.__name__}); pass a PNG or JPEG"
+        ) from None
     h, w = shape[1], shape[2]
     if img.size != (w, h):
         img = img.resize((w, h), Image.Resampling.BILINEAR)
@@ -121,7 +127,10 @@ def run(bundle: Path, image: Path, output: Path, device: str, device_index: int)
         tmp = output.with_name(f".{output.name}.tmp")
         mask.save(tmp, format="PNG")
         tmp.replace(output)
-        counts = np.bincount(result["mask"].ravel(), minlength=engine.output_specs[-1].shape[1] if len(engine.output_specs[-1].shape) == 4 else 0)
+        counts = np.bincount(
+            result["mask"].ravel(),
+            minlength=engine.output_specs[-1].shape[1] if len(engine.output_specs[-1].shape) == 4 else 0,
+        )
         t = engine.last_timings
         click.echo(
             f"{output}: mask {mask.size[0]}x{mask.size[1]}, class pixels {counts.tolist()}, "
@@ -176,7 +185,9 @@ def info(bundle: Path, as_json: bool) -> None:
     click.echo(f"model      {m['model']['source']}  sha256 {m['model']['source_sha256'][:16]}")
     click.echo(f"precision  {b.plan.precision}; batch sizes {list(b.plan.batch_sizes)}")
     for t in m["targets"]:
-        click.echo(f"target     {t['arch']} (cc {t['cc']}): Track A {t['track_a_ptx']} -> {t['track_a_cubin']} cubin; Track B IREE {t['track_b_iree_target']}")
+        click.echo(
+            f"target     {t['arch']} (cc {t['cc']}): Track A {t['track_a_ptx']} -> {t['track_a_cubin']} cubin; Track B IREE {t['track_b_iree_target']}"
+        )
     for line in b.plan.summary():
         click.echo(f"segment    {line}")
     ptx = m["artifacts"]["track_a"].get("ptx", {})
@@ -189,13 +200,17 @@ def info(bundle: Path, as_json: bool) -> None:
         click.echo(f"driver     needs CUDA {driver_str(m['min_driver'])} or newer for the PTX")
     click.echo(f"iree       targets {', '.join(b.iree_targets)}")
     ver = m.get("verification") or {}
-    click.echo(f"verified   {'passed' if ver.get('passed') else 'no'} on {ver.get('device', '-')} (seed {ver.get('seed', '-')})")
+    click.echo(
+        f"verified   {'passed' if ver.get('passed') else 'no'} on {ver.get('device', '-')} (seed {ver.get('seed', '-')})"
+    )
     for n in m.get("notes", []):
         click.echo(f"note       {n}")
 
 
 @main.command()
-@click.option("--bundle", type=click.Path(path_type=Path), help="Also say whether this bundle's Track A code can load here.")
+@click.option(
+    "--bundle", type=click.Path(path_type=Path), help="Also say whether this bundle's Track A code can load here."
+)
 @click.option("--json", "as_json", is_flag=True)
 def doctor(bundle: Path | None, as_json: bool) -> None:
     """Report the GPU and driver, the compilers found, and what IREE can target."""

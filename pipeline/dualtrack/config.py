@@ -52,7 +52,9 @@ class TrackBConfig(_Strict):
     """IREE options."""
 
     iree_target: str | None = Field(None, description="override the IREE CUDA target for every arch")
-    flags: tuple[str, ...] = ()
+    flags: tuple[str, ...] = Field((), description="iree-compile flags for every target")
+    cuda_flags: tuple[str, ...] = Field((), description="iree-compile flags for the CUDA targets only")
+    cpu_flags: tuple[str, ...] = Field((), description="iree-compile flags for llvm-cpu only")
     cpu: bool = Field(True, description="also compile llvm-cpu modules (CPU runtime and verification)")
     cpu_target: str = Field("x86-64-v3", description="--iree-llvmcpu-target-cpu; 'host' for this CPU only")
 
@@ -100,7 +102,7 @@ class BuildConfig(_Strict):
 
     @model_validator(mode="after")
     def _flags(self) -> BuildConfig:
-        for f in self.track_b.flags:
+        for f in (*self.track_b.flags, *self.track_b.cuda_flags, *self.track_b.cpu_flags):
             if not f.startswith("--"):
                 raise ValueError(f"track_b.flags entry {f!r} is not a flag (flags start with --)")
         return self
@@ -203,7 +205,9 @@ def load_config(path: str | Path) -> BuildConfig:
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise ConfigError(f"config file {path} not found; pass the path of a YAML config such as configs/unet.yaml") from None
+        raise ConfigError(
+            f"config file {path} not found; pass the path of a YAML config such as configs/unet.yaml"
+        ) from None
     except OSError as e:
         raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
     try:

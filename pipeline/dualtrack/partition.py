@@ -35,7 +35,9 @@ _TO_NCHW, _TO_NHWC = [0, 3, 1, 2], [0, 2, 3, 1]
 def load_model(path: Path) -> onnx.ModelProto:
     """Read and check an ONNX model; ModelError names the file and the fix."""
     if not path.exists():
-        raise ModelError(f"model file {path} not found; check `model:` in the config (run `make models` for the reference U-Net)")
+        raise ModelError(
+            f"model file {path} not found; check `model:` in the config (run `make models` for the reference U-Net)"
+        )
     try:
         model = onnx.load(str(path))
     except Exception as e:  # protobuf raises several unrelated types for a bad file
@@ -107,9 +109,13 @@ def batch_checked_specs(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ..
             continue
         other = two.get(name, (None,))[0]
         if -1 in shape:
-            raise PartitionError(f"tensor '{name}' has a shape ONNX cannot infer statically ({shape}); export the model with static shapes")
+            raise PartitionError(
+                f"tensor '{name}' has a shape ONNX cannot infer statically ({shape}); export the model with static shapes"
+            )
         if not shape or other is None or other[0] != 2 * shape[0] or other[1:] != shape[1:] or shape[0] != 1:
-            raise PartitionError(f"tensor '{name}' does not keep the batch in dim 0 (batch 1: {shape}, batch 2: {other}); dualtrack needs batch-major tensors")
+            raise PartitionError(
+                f"tensor '{name}' does not keep the batch in dim 0 (batch 1: {shape}, batch 2: {other}); dualtrack needs batch-major tensors"
+            )
     return one
 
 
@@ -316,12 +322,16 @@ def extract_segment(
     for t in inputs:
         if t.layout == "NHWC":
             rename[t.name] = f"{t.name}__nchw"
-            pre.append(helper.make_node("Transpose", [t.name], [rename[t.name]], name=f"{t.name}__to_nchw", perm=_TO_NCHW))
+            pre.append(
+                helper.make_node("Transpose", [t.name], [rename[t.name]], name=f"{t.name}__to_nchw", perm=_TO_NCHW)
+            )
     out_rename: dict[str, str] = {}
     for t in outputs:
         if t.layout == "NHWC":
             out_rename[t.name] = f"{t.name}__nchw"
-            post.append(helper.make_node("Transpose", [out_rename[t.name]], [t.name], name=f"{t.name}__to_nhwc", perm=_TO_NHWC))
+            post.append(
+                helper.make_node("Transpose", [out_rename[t.name]], [t.name], name=f"{t.name}__to_nhwc", perm=_TO_NHWC)
+            )
     body = []
     for n in nodes:
         n2 = copy.deepcopy(n)
@@ -433,7 +443,9 @@ def _check_input(cfg: BuildConfig, model: onnx.ModelProto, specs: dict) -> None:
     shape, dtype = specs[inp.name]
     want = cfg.input
     if want.name is not None and want.name != inp.name:
-        raise PartitionError(f"input.name is '{want.name}' but the model's input is '{inp.name}'; fix `input.name` in the config")
+        raise PartitionError(
+            f"input.name is '{want.name}' but the model's input is '{inp.name}'; fix `input.name` in the config"
+        )
     if want.shape is not None and tuple(want.shape[1:]) != tuple(shape[1:]):
         raise PartitionError(
             f"input.shape {list(want.shape)} does not match the model's input {list(shape)} (batch excluded); fix `input.shape`"
@@ -442,4 +454,6 @@ def _check_input(cfg: BuildConfig, model: onnx.ModelProto, specs: dict) -> None:
         raise PartitionError(f"input.dtype is {want.dtype} but the model's input is {dtype}; fix `input.dtype`")
     for init in model.graph.initializer:
         if init.data_location == onnx.TensorProto.EXTERNAL:
-            raise ModelError(f"initializer '{init.name}' is stored as external data; save the model with weights inside")
+            raise ModelError(
+                f"initializer '{init.name}' is stored as external data; save the model with weights inside"
+            )

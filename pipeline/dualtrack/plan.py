@@ -139,5 +139,7 @@ class Plan:
         lines = []
         for s in self.segments:
             what = f"{len(s.calls)} kernel calls" if s.track == "A" else "IREE module"
-            lines.append(f"{s.name}: {len(s.nodes)} nodes, {what}; in {[t.name for t in s.inputs]} -> out {[t.name for t in s.outputs]}")
+            lines.append(
+                f"{s.name}: {len(s.nodes)} nodes, {what}; in {[t.name for t in s.inputs]} -> out {[t.name for t in s.outputs]}"
+            )
         return lines

@@ -27,7 +27,9 @@ class Settings:
     @classmethod
     def from_env(cls) -> Settings:
         env = os.environ
-        cache = Path(env.get("DUALTRACK_CACHE_DIR") or Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dualtrack")
+        cache = Path(
+            env.get("DUALTRACK_CACHE_DIR") or Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dualtrack"
+        )
         temps = env.get("DUALTRACK_SAVE_TEMPS")
         return cls(
             cache_dir=cache,

@@ -15,12 +15,16 @@ def run_tool(tool: str, args: Sequence[str], *, what: str, timeout_s: float = 18
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
     except FileNotFoundError:
-        raise ToolError(tool, f"not found; install it with `pip install iree-base-compiler==3.13.*` ({what})", argv=argv) from None
+        raise ToolError(
+            tool, f"not found; install it with `pip install iree-base-compiler==3.13.*` ({what})", argv=argv
+        ) from None
     except subprocess.TimeoutExpired:
         raise ToolError(tool, f"timed out after {timeout_s:.0f} s while {what}", argv=argv) from None
     if proc.returncode != 0:
         first = next((ln for ln in proc.stderr.splitlines() if "error" in ln.lower()), proc.stderr.strip()[:200])
-        raise ToolError(tool, f"failed while {what}: {first.strip()}", returncode=proc.returncode, stderr=proc.stderr, argv=argv)
+        raise ToolError(
+            tool, f"failed while {what}: {first.strip()}", returncode=proc.returncode, stderr=proc.stderr, argv=argv
+        )
     return proc.stdout
 
 

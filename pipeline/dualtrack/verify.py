@@ -70,7 +70,9 @@ def run_ort(session: ort.InferenceSession, feeds: Mapping[str, np.ndarray]) -> d
     return dict(zip(names, session.run(names, dict(feeds)), strict=True))
 
 
-def interpret_track_a(seg: Segment, weights: Mapping[str, np.ndarray], inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def interpret_track_a(
+    seg: Segment, weights: Mapping[str, np.ndarray], inputs: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
     """Run a Track A segment's kernel calls with the kernels' numpy semantics (NHWC throughout)."""
     from dualtrack import kernels
 
@@ -79,7 +81,9 @@ def interpret_track_a(seg: Segment, weights: Mapping[str, np.ndarray], inputs: M
         spec = kernels.KERNELS[call.op]
         args = [env[i] for i in call.inputs]
         if call.op == "conv3x3":
-            w, b = kernels.pack_conv_weights(weights[call.weights[0]], weights[call.weights[1]] if len(call.weights) > 1 else None)
+            w, b = kernels.pack_conv_weights(
+                weights[call.weights[0]], weights[call.weights[1]] if len(call.weights) > 1 else None
+            )
             env[call.outputs[0]] = spec.reference(args[0], w, b, call.attr("relu"))
         else:
             env[call.outputs[0]] = spec.reference(args[0])
@@ -128,8 +132,15 @@ class Report:
             )
 
 
-def verify_engine(engine, *, samples: int = 1, seed: int | None = None, tol: Tolerance | None = None,
-                  interpret: bool = True, progress=None) -> Report:
+def verify_engine(
+    engine,
+    *,
+    samples: int = 1,
+    seed: int | None = None,
+    tol: Tolerance | None = None,
+    interpret: bool = True,
+    progress=None,
+) -> Report:
     """Verify a loaded Engine's every segment and its whole plan against onnxruntime."""
     bundle, plan = engine.bundle, engine.plan
     tol = tol or DEFAULT_TOLERANCES[plan.precision]
@@ -147,7 +158,9 @@ def verify_engine(engine, *, samples: int = 1, seed: int | None = None, tol: Tol
             got = engine.backend.run_segment(seg, b0, {k: engine.backend.from_host(v) for k, v in feeds.items()})
             where = "kernels" if (seg.track == "A" and engine.device == "cuda") else engine.backend.target
             for t in seg.outputs:
-                checks.append(compare(f"{seg.name}[{where}] {t.name} #{s}", ref[t.name], engine.backend.to_host(got[t.name]), tol))
+                checks.append(
+                    compare(f"{seg.name}[{where}] {t.name} #{s}", ref[t.name], engine.backend.to_host(got[t.name]), tol)
+                )
             if seg.track == "A" and interpret:
                 got_i = interpret_track_a(seg, bundle.weights, feeds)
                 for t in seg.outputs:

@@ -48,7 +48,9 @@ class CpuBackend:
         with self.lock:
             key = (seg.index, batch)
             if key not in self.modules:
-                self.modules[key] = IreeModule(self.device, self.bundle.vmfb(seg, self.target, batch), self.params, "main")
+                self.modules[key] = IreeModule(
+                    self.device, self.bundle.vmfb(seg, self.target, batch), self.params, "main"
+                )
             return self.modules[key]
 
     def run_segment(self, seg: Segment, batch: int, inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -92,7 +94,9 @@ class Engine:
         self._closed = False
 
     @classmethod
-    def load(cls, bundle: str | Path | Bundle, device: str = "cpu", device_index: int = 0, *, model: str | Path | None = None) -> Engine:
+    def load(
+        cls, bundle: str | Path | Bundle, device: str = "cpu", device_index: int = 0, *, model: str | Path | None = None
+    ) -> Engine:
         """Open a bundle on `cpu` or `cuda` (GPU `device_index`). `model` refuses a bundle built from another file."""
         b = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle)
         if model is not None:
@@ -108,14 +112,17 @@ class Engine:
     # -- validation -------------------------------------------------------------------------------
 
     def check_input(self, x: Any) -> tuple[int, ...]:
+        return self._check(tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", "?")))
+
+    def _check(self, shape: tuple[int, ...], dtype: str) -> tuple[int, ...]:
         spec = self.input_spec
-        shape = tuple(getattr(x, "shape", ()))
-        dtype = str(np.dtype(getattr(x, "dtype", "V")))
         want = f"(n, {', '.join(map(str, spec.shape[1:]))}) {spec.dtype}"
         if len(shape) != len(spec.shape) or shape[1:] != spec.shape[1:] or shape[0] < 1:
             raise InputError(f"input has shape {shape}; this bundle takes {want} ({spec.layout or 'as exported'})")
         if dtype != spec.dtype:
-            raise InputError(f"input has dtype {dtype}; this bundle takes {want}: convert with .astype(np.{spec.dtype})")
+            raise InputError(
+                f"input has dtype {dtype}; this bundle takes {want}: convert with .astype(np.{spec.dtype})"
+            )
         return shape
 
     def _chunks(self, n: int) -> list[tuple[int, int, int]]:
@@ -137,11 +144,18 @@ class Engine:
             tensors.update(self.backend.run_segment(seg, batch, tensors))
         return {o.name: tensors[o.name] for o in self.output_specs}
 
-    def run(self, x: Any) -> dict[str, np.ndarray]:
-        """Segment a batch of images: `x` is (n, *input.shape[1:]) in the input dtype. Returns numpy arrays."""
+    def run(self, x: Any) -> dict[str, Any]:
+        """Segment a batch of images: `x` is (n, *input.shape[1:]) in the input dtype.
+
+        A numpy array gives numpy arrays back. On `cuda`, a GPU tensor (DLPack or
+        `__cuda_array_interface__`: torch, cupy, ...) stays on the GPU and gives DeviceArrays back
+        (DLPack-capable, zero-copy); its batch must then be one of `batch_sizes`.
+        """
         if self._closed:
             raise InputError("this engine is closed; load the bundle again")
-        n = self.check_input(x)[0]
+        if not isinstance(x, np.ndarray) and (hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")):
+            return self._run_on_device(x)
+        n = self.check_input(np.asarray(x))[0]
         x = np.asarray(x)
         with self._lock:
             t0 = time.perf_counter()
@@ -162,6 +176,23 @@ class Engine:
                 "total_ms": total,
             }
         return {k: np.concatenate(v) if len(v) > 1 else v[0] for k, v in parts.items()}
+
+    def _run_on_device(self, x: Any) -> dict[str, Any]:
+        if self.device != "cuda":
+            raise InputError("a GPU tensor was given to a CPU engine; pass a numpy array or load with device='cuda'")
+        from dualtrack.runtime import dlpack
+        from dualtrack.runtime.gpu import GpuTensor
+
+        imp = dlpack.from_capsule(x.__dlpack__()) if hasattr(x, "__dlpack__") else dlpack.from_cuda_array_interface(x)
+        n = self._check(imp.shape, imp.dtype.name)[0]
+        if n not in self.batch_sizes:
+            raise InputError(
+                f"a GPU batch of {n} is not a compiled batch size {list(self.batch_sizes)}; pad it or pass numpy"
+            )
+        with self._lock:
+            outs = self.run_batch(GpuTensor(imp.ptr, imp.shape, imp.dtype, imp.keepalive), n)
+        dev = self.backend.device.index  # type: ignore[attr-defined]
+        return {k: dlpack.DeviceArray(t.ptr, t.shape, t.dtype, dev, t.keepalive) for k, t in outs.items()}
 
     def warmup(self) -> None:
         """Load every module and run each compiled batch size once, so the first request pays nothing."""

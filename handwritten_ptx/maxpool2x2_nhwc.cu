@@ -1,0 +1,100 @@
+// 2x2 max-pool, stride 2, NHWC: y[n,ho,wo,c] = max_{dh,dw in {0,1}} x[n,2ho+dh,2wo+dw,c],
+// output floor(H/2) x floor(W/2) (an odd last row/column is dropped, as ONNX MaxPool does).
+//
+// One thread per output pixel and 16-byte chunk of channels (8 fp16 or 4 fp32 values), so the
+// launch geometry does not depend on alignment: the chunk is one vector load per tap when C, ldx,
+// ldy and both pointers allow it, and a bounds-checked scalar loop otherwise.
+//
+// NaN propagates (max.NaN), as numpy's max and PyTorch's max-pool do.
+// No #include: see conv3x3_nhwc.cu. The block size comes from dualtrack.kernels as -D macros.
+
+#if !defined(POOL_THREADS) || !defined(POOL_VEC_F16) || !defined(POOL_VEC_F32)
+#error "launch sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
+#endif
+
+static_assert(POOL_VEC_F16 * 2 == 16 && POOL_VEC_F32 * 4 == 16, "one thread per 16-byte chunk of channels");
+
+typedef unsigned short f16;  // raw IEEE binary16 bits
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
+__device__ __forceinline__ unsigned max_f16x2(unsigned a, unsigned b) {
+    unsigned d;
+    asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+__device__ __forceinline__ f16 max_f16(f16 a, f16 b) {
+    f16 d;
+    asm("max.NaN.f16 %0, %1, %2;" : "=h"(d) : "h"(a), "h"(b));
+    return d;
+}
+
+__device__ __forceinline__ float max_f32(float a, float b) {
+    float d;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+
+__device__ __forceinline__ uint4 max_f16x8(uint4 a, uint4 b) {
+    return make_uint4(max_f16x2(a.x, b.x), max_f16x2(a.y, b.y), max_f16x2(a.z, b.z), max_f16x2(a.w, b.w));
+}
+
+__device__ __forceinline__ float4 max_f32x4(float4 a, float4 b) {
+    return make_float4(max_f32(a.x, b.x), max_f32(a.y, b.y), max_f32(a.z, b.z), max_f32(a.w, b.w));
+}
+
+__device__ __forceinline__ f16 max_of(f16 a, f16 b) { return max_f16(a, b); }
+__device__ __forceinline__ float max_of(float a, float b) { return max_f32(a, b); }
+__device__ __forceinline__ uint4 max_of(uint4 a, uint4 b) { return max_f16x8(a, b); }
+__device__ __forceinline__ float4 max_of(float4 a, float4 b) { return max_f32x4(a, b); }
+
+// T: element type; V: elements per 16-byte chunk; Vec: the 16-byte type.
+template <typename T, int V, typename Vec>
+__device__ __forceinline__ void maxpool2x2(const T* __restrict__ x, T* __restrict__ y, int N, int H, int W, int C,
+                                           int ldx, int ldy) {
+    const int Ho = H / 2, Wo = W / 2;
+    const int chunks = (C + V - 1) / V;
+    const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long total = static_cast<long long>(N) * Ho * Wo * chunks;
+    if (idx >= total) return;
+
+    // Channel chunk fastest, so neighbouring threads read neighbouring bytes of one pixel.
+    const int q = static_cast<int>(idx % chunks);
+    long long rest = idx / chunks;
+    const int wo = static_cast<int>(rest % Wo);
+    rest /= Wo;
+    const int ho = static_cast<int>(rest % Ho);
+    const long long n = rest / Ho;
+    const int c = q * V;
+
+    const long long p00 = (n * H + 2 * ho) * W + 2 * wo;  // top-left input pixel
+    const T* x00 = x + p00 * ldx + c;
+    const T* x01 = x00 + ldx;
+    const T* x10 = x00 + static_cast<long long>(W) * ldx;
+    const T* x11 = x10 + ldx;
+    T* dst = y + ((n * Ho + ho) * Wo + wo) * ldy + c;
+
+    const bool vec = C % V == 0 && ldx % V == 0 && ldy % V == 0 && aligned16(x) && aligned16(y);
+    if (vec) {
+        const Vec a = max_of(*reinterpret_cast<const Vec*>(x00), *reinterpret_cast<const Vec*>(x01));
+        const Vec b = max_of(*reinterpret_cast<const Vec*>(x10), *reinterpret_cast<const Vec*>(x11));
+        *reinterpret_cast<Vec*>(dst) = max_of(a, b);
+    } else {
+        const int n_el = C - c < V ? C - c : V;
+        for (int e = 0; e < n_el; ++e) dst[e] = max_of(max_of(x00[e], x01[e]), max_of(x10[e], x11[e]));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(POOL_THREADS)
+maxpool2x2_nhwc_f16(const f16* __restrict__ x, f16* __restrict__ y, int N, int H, int W, int C, int ldx, int ldy) {
+    maxpool2x2<f16, POOL_VEC_F16, uint4>(x, y, N, H, W, C, ldx, ldy);
+}
+
+extern "C" __global__ void __launch_bounds__(POOL_THREADS)
+maxpool2x2_nhwc_f32(const float* __restrict__ x, float* __restrict__ y, int N, int H, int W, int C, int ldx,
+                    int ldy) {
+    maxpool2x2<float, POOL_VEC_F32, float4>(x, y, N, H, W, C, ldx, ldy);
+}

@@ -1,0 +1,391 @@
+"""The registry of Track A's hand-written kernels: the one place that knows their tile sizes.
+
+Each :class:`KernelSpec` ties an op of the plan ("conv3x3", "maxpool2x2") to its CUDA source
+(``handwritten_ptx/<stem>.cu``), its entry symbols, the ``-D`` macros that fix its tile sizes at
+compile time (so the source and the launch geometry cannot disagree), its launch geometry, its
+``cuLaunchKernel`` argument list (the ABI of ``handwritten_ptx/README.md``) and its numpy reference.
+
+Tensors are NHWC with a per-pixel channel stride (``ldx``/``ldy``); conv weights are KRSC in the
+activation dtype and the bias is fp32. The references take dense arrays (stride = channels);
+reading or writing channel slices is the runtime's business.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from dualtrack.errors import InputError
+
+DTYPES: dict[str, str] = {"float16": "f16", "float32": "f32"}  # numpy dtype name -> entry suffix
+_INT32_MAX = 2**31 - 1
+_GRID_Y_MAX = 65535
+
+KernelArg = tuple[int, Any]  # (value, ctypes type) for cuLaunchKernel's kernelParams
+
+
+def dtype_name(dtype: Any) -> str:
+    """Normalise ``"float16"``, ``np.float16`` or ``np.dtype("float16")`` to its numpy name."""
+    try:
+        name = np.dtype(dtype).name
+    except TypeError as exc:
+        raise InputError(f"dtype {dtype!r} is not a numpy dtype; Track A kernels take float16 or float32") from exc
+    if name not in DTYPES:
+        raise InputError(f"dtype {name} has no Track A kernel; use float16 or float32")
+    return name
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Grid and block dimensions and dynamic shared memory of one kernel launch."""
+
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int = 0
+
+
+def kernel_params(args: list[KernelArg]) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+    """Split an :meth:`KernelSpec.args` list into the (values, types) pair cuda.bindings'
+    ``cuLaunchKernel`` takes as ``kernelParams``."""
+    return tuple(v for v, _ in args), tuple(t for _, t in args)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _positive(**dims: int) -> None:
+    for name, value in dims.items():
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise InputError(f"{name}={value!r} must be a positive integer")
+
+
+def _stride(name: str, value: int | None, channels: int) -> int:
+    if value is None:
+        return channels
+    if value < channels:
+        raise InputError(
+            f"{name}={value} is smaller than the {channels} channels it must hold; use {name} >= {channels}"
+        )
+    return int(value)
+
+
+def _pointer(name: str, value: int | None, *, required: bool = True) -> int:
+    if value is None or value == 0:
+        if required:
+            raise InputError(f"{name} is a null device pointer")
+        return 0
+    return int(value)
+
+
+def _pixels(N: int, H: int, W: int, ld: int) -> int:
+    # The kernels index pixels with 32-bit ints (element offsets are 64-bit).
+    if N * H * W > _INT32_MAX:
+        raise InputError(f"N*H*W = {N * H * W} output pixels exceed 2^31-1; split the batch")
+    if ld > _INT32_MAX:
+        raise InputError(f"channel stride {ld} exceeds 2^31-1")
+    return N * H * W
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One op's kernels (an fp16 and an fp32 entry in one source file)."""
+
+    op: str
+    stem: str  # handwritten_ptx/<stem>.cu; entries are <stem>_f16 and <stem>_f32
+
+    # Kernel parameters in ABI order (handwritten_ptx/README.md); pointers first, then int32s.
+    PARAMS: ClassVar[tuple[str, ...]] = ()
+    POINTERS: ClassVar[int] = 0
+
+    def entry(self, dtype: Any) -> str:
+        """The kernel's symbol name for an activation dtype, e.g. ``conv3x3_nhwc_f16``."""
+        return f"{self.stem}_{DTYPES[dtype_name(dtype)]}"
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        return tuple(self.entry(d) for d in DTYPES)
+
+    @property
+    def source(self) -> str:
+        """The source stem (``handwritten_ptx/<source>.cu``, ``ptx/<arch>/<source>.ptx``)."""
+        return self.stem
+
+    def defines(self) -> dict[str, int]:
+        """The ``-D`` macros the source is compiled with (tile and block sizes)."""
+        raise NotImplementedError
+
+    def threads(self, dtype: Any) -> int:
+        """Threads per block of the entry for ``dtype`` (its ``__launch_bounds__``)."""
+        raise NotImplementedError
+
+    def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
+        raise NotImplementedError
+
+    def launch(self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0) -> LaunchConfig:
+        raise NotImplementedError
+
+    def args(self, **kwargs: Any) -> list[KernelArg]:
+        raise NotImplementedError
+
+    def reference(self, x: np.ndarray, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    def _ordered(self, values: Mapping[str, int]) -> list[KernelArg]:
+        """Values by name -> the ABI's ordered (value, ctypes type) list: 64-bit device addresses
+        as ``c_void_p``, then ``c_int32``."""
+        return [
+            (int(values[name]), ctypes.c_void_p if i < self.POINTERS else ctypes.c_int32)
+            for i, name in enumerate(self.PARAMS)
+        ]
+
+
+@dataclass(frozen=True)
+class Conv3x3Spec(KernelSpec):
+    """3x3 convolution, stride 1, padding 1, bias and optional ReLU fused.
+
+    fp16: tensor-core implicit GEMM, a ``f16_bm x f16_bn`` output tile (pixels x channels) per
+    block of ``32 * f16_warps_m * f16_warps_n`` threads, ``f16_bk``-deep cp.async stages.
+    fp32: SIMT GEMM, an ``f32_bm x f32_bn`` tile per block, ``f32_tm x f32_tn`` outputs a thread.
+    """
+
+    PARAMS: ClassVar[tuple[str, ...]] = ("x", "w", "bias", "y", "N", "H", "W", "C", "K", "ldx", "ldy", "relu")
+    POINTERS: ClassVar[int] = 4
+
+    f16_bm: int = 128
+    f16_bn: int = 64
+    f16_bk: int = 32
+    f16_warps_m: int = 2
+    f16_warps_n: int = 2
+    f16_stages: int = 3
+    f32_bm: int = 64
+    f32_bn: int = 64
+    f32_bk: int = 16
+    f32_tm: int = 4
+    f32_tn: int = 4
+
+    def defines(self) -> dict[str, int]:
+        return {
+            "CONV_F16_BM": self.f16_bm,
+            "CONV_F16_BN": self.f16_bn,
+            "CONV_F16_BK": self.f16_bk,
+            "CONV_F16_WARPS_M": self.f16_warps_m,
+            "CONV_F16_WARPS_N": self.f16_warps_n,
+            "CONV_F16_STAGES": self.f16_stages,
+            "CONV_F32_BM": self.f32_bm,
+            "CONV_F32_BN": self.f32_bn,
+            "CONV_F32_BK": self.f32_bk,
+            "CONV_F32_TM": self.f32_tm,
+            "CONV_F32_TN": self.f32_tn,
+        }
+
+    def tile(self, dtype: Any) -> tuple[int, int]:
+        """(output pixels, output channels) computed by one block."""
+        if dtype_name(dtype) == "float16":
+            return self.f16_bm, self.f16_bn
+        return self.f32_bm, self.f32_bn
+
+    def threads(self, dtype: Any) -> int:
+        if dtype_name(dtype) == "float16":
+            return 32 * self.f16_warps_m * self.f16_warps_n
+        return (self.f32_bm // self.f32_tm) * (self.f32_bn // self.f32_tn)
+
+    def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
+        _positive(N=N, H=H, W=W, C=C, K=K)
+        return (N, H, W, K)
+
+    def launch(self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0) -> LaunchConfig:
+        """One block per (pixel tile, channel tile); grid.x runs over pixels so that blocks in
+        flight together share one slice of the weights."""
+        _positive(N=N, H=H, W=W, C=C, K=K)
+        M = _pixels(N, H, W, C)
+        bm, bn = self.tile(dtype)
+        grid_y = _cdiv(K, bn)
+        if grid_y > _GRID_Y_MAX:
+            raise InputError(f"K={K} output channels need {grid_y} channel tiles; the grid allows {_GRID_Y_MAX}")
+        return LaunchConfig(grid=(_cdiv(M, bm), grid_y, 1), block=(self.threads(dtype), 1, 1), shared_bytes=0)
+
+    def args(
+        self,
+        *,
+        x: int,
+        w: int,
+        y: int,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        K: int,
+        bias: int | None = None,
+        ldx: int | None = None,
+        ldy: int | None = None,
+        relu: bool = False,
+        **_: Any,
+    ) -> list[KernelArg]:
+        """``x, w, bias, y, N, H, W, C, K, ldx, ldy, relu`` as (value, ctypes type) pairs.
+
+        Pointers are device addresses (ints); ``bias`` may be omitted (null: no bias);
+        ``ldx``/``ldy`` default to ``C``/``K`` (dense tensors).
+        """
+        _positive(N=N, H=H, W=W, C=C, K=K)
+        ldx_ = _stride("ldx", ldx, C)
+        ldy_ = _stride("ldy", ldy, K)
+        _pixels(N, H, W, max(ldx_, ldy_))
+        values = {
+            "x": _pointer("x", x),
+            "w": _pointer("w", w),
+            "bias": _pointer("bias", bias, required=False),
+            "y": _pointer("y", y),
+            "N": N, "H": H, "W": W, "C": C, "K": K,
+            "ldx": ldx_, "ldy": ldy_, "relu": 1 if relu else 0,
+        }  # fmt: skip
+        return self._ordered(values)
+
+    def reference(
+        self, x: np.ndarray, w: np.ndarray | None = None, bias: np.ndarray | None = None, relu: bool = False
+    ) -> np.ndarray:
+        """numpy semantics: ``x`` (N,H,W,C), ``w`` (K,3,3,C), ``bias`` (K,) or None.
+
+        Computes in float32 (products and sums, then bias, then ReLU) and returns x's dtype,
+        rounded once, as the kernels do.
+        """
+        if w is None:
+            raise InputError("conv3x3 reference needs weights w of shape (K, 3, 3, C)")
+        if x.ndim != 4 or w.ndim != 4 or w.shape[1:] != (3, 3, x.shape[3]):
+            raise InputError(f"conv3x3 takes x (N,H,W,C) and w (K,3,3,C); got x {x.shape}, w {w.shape}")
+        N, H, W, _ = x.shape
+        K = w.shape[0]
+        xp = np.pad(x.astype(np.float32), ((0, 0), (1, 1), (1, 1), (0, 0)))
+        wf = w.astype(np.float32)
+        out = np.zeros((N, H, W, K), np.float32)
+        for r in range(3):
+            for s in range(3):
+                out += xp[:, r : r + H, s : s + W, :] @ wf[:, r, s, :].T
+        if bias is not None:
+            if bias.shape != (K,):
+                raise InputError(f"bias has shape {bias.shape}; expected ({K},)")
+            out += bias.astype(np.float32)
+        if relu:
+            np.maximum(out, 0.0, out=out)
+        return out.astype(x.dtype)
+
+
+@dataclass(frozen=True)
+class MaxPool2x2Spec(KernelSpec):
+    """2x2 max-pool, stride 2: one thread per output pixel and 16-byte chunk of channels."""
+
+    block_threads: int = 256
+    CHUNK_BYTES: ClassVar[int] = 16
+    PARAMS: ClassVar[tuple[str, ...]] = ("x", "y", "N", "H", "W", "C", "ldx", "ldy")
+    POINTERS: ClassVar[int] = 2
+
+    def vector(self, dtype: Any) -> int:
+        """Channels a thread handles: one 16-byte chunk."""
+        return self.CHUNK_BYTES // np.dtype(dtype_name(dtype)).itemsize
+
+    def defines(self) -> dict[str, int]:
+        return {
+            "POOL_THREADS": self.block_threads,
+            "POOL_VEC_F16": self.vector("float16"),
+            "POOL_VEC_F32": self.vector("float32"),
+        }
+
+    def threads(self, dtype: Any) -> int:
+        dtype_name(dtype)
+        return self.block_threads
+
+    def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
+        _positive(N=N, H=H, W=W, C=C)
+        if H < 2 or W < 2:
+            raise InputError(f"maxpool2x2 needs H, W >= 2; got {H}x{W}")
+        return (N, H // 2, W // 2, C)
+
+    def launch(self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0) -> LaunchConfig:
+        _, Ho, Wo, _ = self.output_shape(N, H, W, C)
+        _pixels(N, H, W, C)
+        work = N * Ho * Wo * _cdiv(C, self.vector(dtype))
+        blocks = _cdiv(work, self.block_threads)
+        if blocks > _INT32_MAX:
+            raise InputError(f"maxpool2x2 of {N}x{H}x{W}x{C} needs {blocks} blocks; split the batch")
+        return LaunchConfig(grid=(blocks, 1, 1), block=(self.block_threads, 1, 1), shared_bytes=0)
+
+    def args(
+        self,
+        *,
+        x: int,
+        y: int,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        ldx: int | None = None,
+        ldy: int | None = None,
+        **_: Any,
+    ) -> list[KernelArg]:
+        """``x, y, N, H, W, C, ldx, ldy`` as (value, ctypes type) pairs; strides default to ``C``."""
+        self.output_shape(N, H, W, C)
+        ldx_ = _stride("ldx", ldx, C)
+        ldy_ = _stride("ldy", ldy, C)
+        _pixels(N, H, W, max(ldx_, ldy_))
+        values = {
+            "x": _pointer("x", x),
+            "y": _pointer("y", y),
+            "N": N,
+            "H": H,
+            "W": W,
+            "C": C,
+            "ldx": ldx_,
+            "ldy": ldy_,
+        }
+        return self._ordered(values)
+
+    def reference(self, x: np.ndarray, *_: Any, **__: Any) -> np.ndarray:
+        """numpy semantics: ``x`` (N,H,W,C) -> (N,H//2,W//2,C); an odd last row/column is dropped."""
+        if x.ndim != 4:
+            raise InputError(f"maxpool2x2 takes x (N,H,W,C); got {x.shape}")
+        N, Ho, Wo, C = self.output_shape(*x.shape)
+        return x[:, : 2 * Ho, : 2 * Wo, :].reshape(N, Ho, 2, Wo, 2, C).max(axis=(2, 4))
+
+
+KERNELS: Mapping[str, KernelSpec] = {
+    "conv3x3": Conv3x3Spec(op="conv3x3", stem="conv3x3_nhwc"),
+    "maxpool2x2": MaxPool2x2Spec(op="maxpool2x2", stem="maxpool2x2_nhwc"),
+}
+
+
+def kernel(op: str) -> KernelSpec:
+    """The spec of a plan op, or InputError naming the ops that exist."""
+    try:
+        return KERNELS[op]
+    except KeyError:
+        raise InputError(f"no Track A kernel for op '{op}'; Track A has {', '.join(sorted(KERNELS))}") from None
+
+
+def output_shape(op: str, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
+    """NHWC output shape of ``op`` on an (N,H,W,C) input (K: output channels, conv only)."""
+    return kernel(op).output_shape(N, H, W, C, K)
+
+
+def pack_conv_weights(w: np.ndarray, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """ONNX Conv weights (K, C, 3, 3) and bias (K,) -> what the conv kernels take: KRSC weights in
+    the same dtype (contiguous) and an fp32 bias (None stays None)."""
+    if w.ndim != 4 or w.shape[2:] != (3, 3):
+        raise InputError(f"conv3x3 weights must be (K, C, 3, 3) as ONNX stores them; got {w.shape}")
+    packed = np.ascontiguousarray(w.transpose(0, 2, 3, 1))
+    if bias is None:
+        return packed, None
+    if bias.shape != (w.shape[0],):
+        raise InputError(f"conv3x3 bias has shape {bias.shape}; expected ({w.shape[0]},)")
+    return packed, np.ascontiguousarray(bias, dtype=np.float32)
+
+
+def defines_for_stem(stem: str) -> dict[str, int]:
+    """The ``-D`` macros a source file is compiled with (empty for a stem no spec names)."""
+    for spec in KERNELS.values():
+        if spec.stem == stem:
+            return spec.defines()
+    return {}

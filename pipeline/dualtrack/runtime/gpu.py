@@ -1,0 +1,342 @@
+"""The shared Driver API loader: Track A kernels and Track B IREE modules in ONE CUDA context.
+
+- Context: the device's primary context, retained here and made current (FACTS 5: IREE's CUDA HAL
+  uses the same one), so pointers pass between the tracks as they are.
+- Track A: the bundle's cubin for this exact arch, else its PTX JIT-compiled once and cached
+  (runtime/driver.py); weights repacked (KRSC, fp32 bias) and uploaded once; activations in
+  buffers planned once per batch size from a stream-ordered pool, reused on every run.
+- Track B: IREE CUDA modules. Inputs go in zero-copy as DLPack capsules over our buffers
+  (FACTS 6); results come out zero-copy as DLPack capsules over IREE's buffers (FACTS 7, with
+  `--cuda_async_allocations=false`).
+- Ordering: IREE 3.13 can neither wait on nor signal a CUDA event (FACTS 8), so the one place the
+  tracks meet in the A -> B direction costs a host wait (see `_handoff_to_iree`). B -> A needs
+  none: IREE's synchronous call returns after its work is complete.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dualtrack import arch, kernels
+from dualtrack.bundle import Bundle
+from dualtrack.errors import ArchError, InputError
+from dualtrack.plan import KernelCall, Segment, TensorSpec
+from dualtrack.runtime import dlpack
+from dualtrack.runtime.driver import Device, Event, Kernel, Module, Stream, call
+from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
+from dualtrack.runtime.memory import DeviceBuffer, DevicePool, HostBuffer, download, upload
+from dualtrack.settings import Settings
+
+# Poison written into Track A outputs before a verification run: fp16 / fp32 quiet NaN.
+_POISON = {"float16": (0x7E00, 2), "float32": (0x7FC00000, 4)}
+
+
+@dataclass
+class GpuTensor:
+    """A device tensor in the engine's context: raw pointer, shape, dtype, and what keeps it alive."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    keepalive: object = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@dataclass
+class Stats:
+    """What the GPU path paid, for `make bench` and the result file."""
+
+    module_load_ms: dict[str, float] = field(default_factory=dict)
+    module_cache: dict[str, str] = field(default_factory=dict)
+    image: str = ""
+    host_waits: int = 0
+    host_wait_ms: float = 0.0
+
+
+class CudaBackend:
+    """Runs a plan's segments on one GPU: Track A kernels on our stream, Track B through IREE CUDA."""
+
+    def __init__(self, bundle: Bundle, device_index: int = 0, settings: Settings | None = None) -> None:
+        settings = settings or Settings.from_env()
+        self.bundle = bundle
+        self.device = Device(device_index)
+        self.ctx = self.device.primary_context()
+        self.stream = Stream(self.ctx)
+        self.pool = DevicePool(self.ctx)
+        self.stats = Stats()
+        self.timings = {"A": 0.0, "B": 0.0}
+        self.poison = False
+        self.staging: dict[int, HostBuffer] = {}
+        self.buffers: dict[int, dict[str, DeviceBuffer]] = {}
+        self.target = self._iree_target()
+        self.iree = IreeDevice.create("cuda", device_index)
+        self.params = parameter_index(bundle.weights)
+        self.modules: dict[tuple[int, int], IreeModule] = {}
+        self.kernels = self._load_track_a(settings.cache_dir / "jit")
+        self.weights = self._upload_weights()
+        self.ev_start, self.ev_end = Event(self.ctx), Event(self.ctx)
+
+    # -- loading ----------------------------------------------------------------------------------
+
+    def _iree_target(self) -> str:
+        """The IREE module built for this device's arch (sm_89 PTX on Hopper, FACTS 1 and 4)."""
+        for t in self.bundle.manifest["targets"]:
+            if arch.ARCHES[t["arch"]].cc == self.device.cc:
+                return f"cuda-{t['track_b_iree_target']}"
+        built = ", ".join(t["arch"] for t in self.bundle.manifest["targets"])
+        raise ArchError(
+            f"the bundle has no code for {self.device.name} (compute capability {self.device.cc[0]}.{self.device.cc[1]}, "
+            f"{self.device.arch}); it was built for {built}: add {self.device.arch} to `targets` and rebuild"
+        )
+
+    def _load_track_a(self, jit_cache: Path) -> dict[str, Kernel]:
+        ta = self.bundle.track_a
+        stems = ta.get("kernels", [])
+        if not stems:
+            return {}
+        choice = arch.choose_image(self.device.cc, sorted(ta.get("cubin", {})), sorted(ta.get("ptx", {})))
+        self.stats.image = f"{choice.kind} {choice.arch}: {choice.reason}"
+        found: dict[str, Kernel] = {}
+        for stem in stems:
+            meta = ta[choice.kind][choice.arch][stem]
+            path = self.bundle.root / meta["path"]
+            mod = Module.load(
+                self.ctx,
+                path.read_bytes(),
+                kind=choice.kind,
+                origin=str(path),
+                target=choice.arch,
+                cache_dir=jit_cache if choice.kind == "ptx" else None,
+            )
+            self.stats.module_load_ms[stem] = mod.load_ms
+            self.stats.module_cache[stem] = mod.cache
+            for spec in kernels.KERNELS.values():
+                if spec.stem == stem:
+                    for entry in spec.entries:
+                        found[entry] = mod.function(entry)
+        return found
+
+    def _upload_weights(self) -> dict[str, GpuTensor]:
+        """Repack every Track A conv's weights (KRSC, fp32 bias) and upload them once."""
+        out: dict[str, GpuTensor] = {}
+        w = self.bundle.weights
+        for seg in self.bundle.plan.segments:
+            for c in seg.calls:
+                if c.op != "conv3x3":
+                    continue
+                kw, kb = kernels.pack_conv_weights(w[c.weights[0]], w[c.weights[1]] if len(c.weights) > 1 else None)
+                out[c.weights[0]] = self.from_host(kw)
+                if len(c.weights) > 1:
+                    out[c.weights[1]] = self.from_host(kb)
+        self.stream.synchronize()
+        return out
+
+    def module(self, seg: Segment, batch: int) -> IreeModule:
+        key = (seg.index, batch)
+        if key not in self.modules:
+            self.modules[key] = IreeModule(self.iree, self.bundle.vmfb(seg, self.target, batch), self.params, "main")
+        return self.modules[key]
+
+    # -- host <-> device ----------------------------------------------------------------------------
+
+    def from_host(self, arr: np.ndarray) -> GpuTensor:
+        arr = np.ascontiguousarray(arr)
+        buf = self.pool.alloc(max(arr.nbytes, 1), self.stream)
+        staging = self._staging(arr.nbytes)
+        staging.numpy(np.uint8, (arr.nbytes,))[:] = arr.reshape(-1).view(np.uint8)
+        upload(self.stream, buf, staging, arr.nbytes)
+        self._host_wait()  # the staging buffer is reused: the copy must be done before the next one
+        return GpuTensor(int(buf), arr.shape, arr.dtype, buf)
+
+    def to_host(self, t: Any) -> np.ndarray:
+        if isinstance(t, np.ndarray):
+            return t
+        out = np.empty(t.shape, t.dtype)
+        staging = self._staging(t.nbytes)
+        download(self.stream, staging, _Raw(t.ptr, t.nbytes), t.nbytes)
+        self._host_wait()
+        out.reshape(-1).view(np.uint8)[:] = staging.numpy(np.uint8, (t.nbytes,))
+        return out
+
+    def _staging(self, nbytes: int) -> HostBuffer:
+        size = 1 << max(nbytes - 1, 1).bit_length()
+        if size not in self.staging:
+            self.staging[size] = HostBuffer(self.ctx, size)
+        return self.staging[size]
+
+    def _host_wait(self) -> None:
+        t0 = time.perf_counter()
+        self.stream.synchronize()
+        self.stats.host_waits += 1
+        self.stats.host_wait_ms += (time.perf_counter() - t0) * 1e3
+
+    # -- execution ----------------------------------------------------------------------------------
+
+    def run_segment(self, seg: Segment, batch: int, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        self.ctx.make_current()  # callers may be on any thread
+        ins = {t.name: self._as_gpu(inputs[t.name], t, batch) for t in seg.inputs}
+        if seg.track == "A":
+            return self._run_track_a(seg, batch, ins)
+        return self._run_track_b(seg, batch, ins)
+
+    def _as_gpu(self, value: Any, spec: TensorSpec, batch: int) -> GpuTensor:
+        if isinstance(value, GpuTensor):
+            t = value
+        elif isinstance(value, np.ndarray):
+            t = self.from_host(value)
+        else:
+            imp = (
+                dlpack.from_capsule(value.__dlpack__())
+                if hasattr(value, "__dlpack__")
+                else dlpack.from_cuda_array_interface(value)
+            )
+            t = GpuTensor(imp.ptr, imp.shape, imp.dtype, imp.keepalive)
+        want = spec.at_batch(batch)
+        if tuple(t.shape) != want or t.dtype.name != spec.dtype:
+            raise InputError(f"{spec.name}: got {t.shape} {t.dtype}, expected {want} {spec.dtype}")
+        return t
+
+    def _plan_buffers(self, seg: Segment, batch: int) -> dict[str, DeviceBuffer]:
+        """One buffer per Track A tensor at this batch size, allocated on first use and reused."""
+        key = seg.index * 1_000_003 + batch
+        if key not in self.buffers:
+            bufs = {}
+            for t in (*seg.tensors, *seg.outputs):
+                nbytes = int(np.prod(t.at_batch(batch))) * np.dtype(t.dtype).itemsize
+                bufs[t.name] = self.pool.alloc(nbytes, self.stream)
+            self.buffers[key] = bufs
+        return self.buffers[key]
+
+    def _run_track_a(self, seg: Segment, batch: int, ins: dict[str, GpuTensor]) -> dict[str, Any]:
+        bufs = self._plan_buffers(seg, batch)
+        specs = {t.name: t for t in (*seg.tensors, *seg.outputs)}
+        env: dict[str, GpuTensor] = dict(ins)
+        for name, buf in bufs.items():
+            s = specs[name]
+            env[name] = GpuTensor(int(buf), s.at_batch(batch), np.dtype(s.dtype), buf)
+        if self.poison:
+            for t in env.values():
+                if t.keepalive in bufs.values():
+                    value, width = _POISON[t.dtype.name]
+                    fn = call_memset_d16 if width == 2 else call_memset_d32
+                    fn(t.ptr, value, t.nbytes // width, self.stream)
+        self.ev_start.record(self.stream)
+        for c in seg.calls:
+            self._launch(c, env)
+        self.ev_end.record(self.stream)
+        self.ev_end.synchronize()
+        self.timings["A"] += self.ev_start.elapsed_ms(self.ev_end)
+        return {t.name: env[t.name] for t in seg.outputs}
+
+    def _launch(self, c: KernelCall, env: dict[str, GpuTensor]) -> None:
+        x, y = env[c.inputs[0]], env[c.outputs[0]]
+        n, h, w, ch = x.shape
+        spec = kernels.KERNELS[c.op]
+        if c.op == "conv3x3":
+            k = y.shape[3]
+            bias = self.weights[c.weights[1]].ptr if len(c.weights) > 1 else None
+            args = spec.args(
+                x=x.ptr,
+                w=self.weights[c.weights[0]].ptr,
+                bias=bias,
+                y=y.ptr,
+                N=n,
+                H=h,
+                W=w,
+                C=ch,
+                K=k,
+                relu=bool(c.attr("relu")),
+            )
+        else:
+            k = ch
+            args = spec.args(x=x.ptr, y=y.ptr, N=n, H=h, W=w, C=ch)
+        cfg = spec.launch(x.dtype, n, h, w, ch, k)
+        kern = self.kernels[spec.entry(x.dtype)]
+        if cfg.shared_bytes > 48 * 1024:
+            kern.set_max_dynamic_shared(cfg.shared_bytes)
+        kern.launch(cfg.grid, cfg.block, cfg.shared_bytes, self.stream, args)
+
+    def _handoff_to_iree(self) -> None:
+        """Host wait before IREE reads what Track A wrote on our stream.
+
+        IREE runs on its own streams and 3.13 cannot import a CUDA event or wait on a foreign
+        stream (HalSemaphore.import_timepoint with CUDA_EVENT is UNIMPLEMENTED, FACTS 8). With
+        that, or with `cuStreamWaitValue32` on a value IREE signals, this wait would become a
+        device-side dependency and the host would not block.
+        """
+        self._host_wait()
+
+    def _run_track_b(self, seg: Segment, batch: int, ins: dict[str, GpuTensor]) -> dict[str, Any]:
+        mod = self.module(seg, batch)
+        if self.stream_has_work:
+            self._handoff_to_iree()
+        dev = self.iree.device
+        views = [
+            dev.from_dlpack_capsule(dlpack.to_capsule(t.ptr, t.shape, t.dtype, self.device.index, t.keepalive))
+            for t in (ins[s.name] for s in seg.inputs)
+        ]
+        t0 = time.perf_counter()
+        outs = mod(*views)  # synchronous: returns after IREE's work is complete (FACTS 8)
+        self.timings["B"] += (time.perf_counter() - t0) * 1e3
+        result = {}
+        for spec, view in zip(seg.outputs, outs, strict=True):
+            imp = dlpack.from_capsule(
+                dev.create_dlpack_capsule(view, int(dlpack.DLDeviceType.kDLCUDA), self.device.index)
+            )
+            result[spec.name] = GpuTensor(imp.ptr, imp.shape, imp.dtype, (imp.keepalive, view))
+        return result
+
+    @property
+    def stream_has_work(self) -> bool:
+        # Track A records ev_end and waits on it, and uploads wait too, so our stream is idle here;
+        # kept as a property so that an asynchronous Track A (CUDA graphs, issue 4) pays the wait.
+        return False
+
+    def close(self) -> None:
+        self.ctx.make_current()
+        self.stream.synchronize()  # nothing may still run when modules and buffers go away
+        self.modules.clear()
+        self.iree = None  # type: ignore[assignment]
+        for bufs in self.buffers.values():
+            for b in bufs.values():
+                b.close(self.stream)
+        self.weights.clear()
+        self.stream.synchronize()
+        self.kernels.clear()
+        for h in self.staging.values():
+            h.close()
+        self.pool.close()
+        self.stream.close()
+        self.ctx.close()
+
+
+@dataclass
+class _Raw:
+    """A borrowed device range, for download() from memory IREE owns."""
+
+    ptr: int
+    nbytes: int
+
+    def __int__(self) -> int:
+        return self.ptr
+
+
+def call_memset_d16(ptr: int, value: int, count: int, stream: Stream) -> None:
+    from cuda.bindings import driver as cu
+
+    call(cu.cuMemsetD16Async, ptr, value, count, stream.handle)
+
+
+def call_memset_d32(ptr: int, value: int, count: int, stream: Stream) -> None:
+    from cuda.bindings import driver as cu
+
+    call(cu.cuMemsetD32Async, ptr, value, count, stream.handle)

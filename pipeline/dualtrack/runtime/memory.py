@@ -1,0 +1,187 @@
+"""GPU and pinned host memory: a stream-ordered pool, buffers that own their memory, copies.
+
+Device memory comes from a dedicated pool (cuMemPoolCreate) whose release threshold is
+UINT64_MAX, so memory freed between batches stays reserved in the pool instead of going back to
+the driver, and the pool's high-water mark measures what a run really needed. Allocation and
+free are stream-ordered (cuMemAllocFromPoolAsync / cuMemFreeAsync): a buffer is freed on the
+stream that last used it, after the work already queued there.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from dualtrack.errors import CudaError, DeviceError
+from dualtrack.runtime.driver import Context, Stream, call, release
+
+UINT64_MAX = (1 << 64) - 1
+_ATTR = cu.CUmemPool_attribute
+
+
+def fmt_bytes(n: int) -> str:
+    """Bytes for people: 1.50 GiB, 3.0 MiB, 512 B."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def oom_message(asked: int, free: int, total: int, pool_reserved: int, device: str) -> str:
+    """The one line an out-of-memory failure prints: what was asked, what there is, what to do."""
+    return (
+        f"out of GPU memory on {device}: asked for {fmt_bytes(asked)} with {fmt_bytes(free)} free of "
+        f"{fmt_bytes(total)} (dualtrack's pool holds {fmt_bytes(pool_reserved)}); use a smaller batch "
+        "(--batch) or free the GPU of other processes (nvidia-smi)"
+    )
+
+
+class DevicePool:
+    """A stream-ordered memory pool of one device that keeps what it reserves (threshold UINT64_MAX)."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        props = cu.CUmemPoolProps()
+        props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        props.handleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        props.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        props.location.id = ctx.device.index
+        self.handle: cu.CUmemoryPool = call(cu.cuMemPoolCreate, props)
+        self._finalizer = weakref.finalize(self, release, ctx, cu.cuMemPoolDestroy, self.handle)
+        call(cu.cuMemPoolSetAttribute, self.handle, _ATTR.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, cu.cuuint64_t(UINT64_MAX))
+
+    def alloc(self, nbytes: int, stream: Stream) -> DeviceBuffer:
+        """``nbytes`` of device memory, usable by work queued on ``stream`` from now on."""
+        if nbytes <= 0:
+            raise ValueError(f"cannot allocate {nbytes} bytes")
+        try:
+            ptr = call(cu.cuMemAllocFromPoolAsync, nbytes, self.handle, stream.handle)
+        except CudaError as exc:
+            if exc.name != "CUDA_ERROR_OUT_OF_MEMORY":
+                raise
+            with self.ctx.push_current():
+                free, total = call(cu.cuMemGetInfo)
+            raise DeviceError(oom_message(nbytes, free, total, self.reserved_bytes(), self.ctx.device.name)) from None
+        return DeviceBuffer(int(ptr), nbytes, self, stream)
+
+    def _get(self, attr: cu.CUmemPool_attribute) -> int:
+        return int(call(cu.cuMemPoolGetAttribute, self.handle, attr))
+
+    def used_bytes(self) -> int:
+        """Bytes now allocated from the pool."""
+        return self._get(_ATTR.CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+
+    def peak_bytes(self) -> int:
+        """The most bytes allocated at once since creation or :meth:`reset_peak`."""
+        return self._get(_ATTR.CU_MEMPOOL_ATTR_USED_MEM_HIGH)
+
+    def reserved_bytes(self) -> int:
+        """Bytes the pool holds from the driver (allocated or kept for reuse)."""
+        return self._get(_ATTR.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+
+    def reset_peak(self) -> None:
+        call(cu.cuMemPoolSetAttribute, self.handle, _ATTR.CU_MEMPOOL_ATTR_USED_MEM_HIGH, cu.cuuint64_t(0))
+
+    def trim(self, keep_bytes: int = 0) -> None:
+        """Give unused reserved memory back to the driver, keeping ``keep_bytes``."""
+        call(cu.cuMemPoolTrimTo, self.handle, keep_bytes)
+
+    def close(self) -> None:
+        """Destroy the pool; memory still allocated from it is released when its buffers are freed."""
+        self._finalizer()
+
+
+def _free_async(ctx: Context, ptr: int, stream: Stream) -> None:
+    release(ctx, cu.cuMemFreeAsync, ptr, stream.handle)
+
+
+class DeviceBuffer:
+    """Device memory from a :class:`DevicePool`: ``ptr`` (int), ``nbytes``, ``owner`` (the pool).
+
+    Freed on ``close()`` or collection with cuMemFreeAsync on ``stream`` (the allocating one
+    unless :meth:`close` names another), so queued work that uses it completes first. Keep that
+    stream open until the buffer is freed.
+    """
+
+    def __init__(self, ptr: int, nbytes: int, owner: DevicePool, stream: Stream) -> None:
+        self.ptr, self.nbytes, self.owner, self.stream = ptr, nbytes, owner, stream
+        # The finalizer holds the pool (and so the context) and the stream until the free is queued.
+        self._finalizer = weakref.finalize(self, _free_async, owner.ctx, ptr, stream)
+
+    def close(self, stream: Stream | None = None) -> None:
+        """Free after the work queued on ``stream`` (default: the allocating stream). Idempotent."""
+        if stream is None or stream is self.stream or not self._finalizer.alive:
+            self._finalizer()
+            return
+        self._finalizer.detach()
+        _free_async(self.owner.ctx, self.ptr, stream)
+
+    def __int__(self) -> int:
+        return self.ptr
+
+    def __repr__(self) -> str:
+        return f"DeviceBuffer(0x{self.ptr:x}, {fmt_bytes(self.nbytes)})"
+
+
+class HostBuffer:
+    """Page-locked host memory (cuMemHostAlloc) for truly asynchronous copies.
+
+    :meth:`numpy` views keep the buffer alive; ``close()`` frees at once, so do not touch views
+    after it, nor before the copies that use the buffer have completed.
+    """
+
+    def __init__(self, ctx: Context, nbytes: int) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"cannot allocate {nbytes} bytes")
+        self.ctx, self.nbytes = ctx, nbytes
+        self.ptr = int(call(cu.cuMemHostAlloc, nbytes, cu.CU_MEMHOSTALLOC_PORTABLE))
+        self._finalizer = weakref.finalize(self, release, ctx, cu.cuMemFreeHost, self.ptr)
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3}
+
+    def numpy(self, dtype: np.dtype | type | str = np.uint8, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """A numpy view of the buffer (or of its first ``prod(shape)`` elements)."""
+        flat = np.asarray(self).view(np.dtype(dtype))
+        return flat if shape is None else flat[: int(np.prod(shape))].reshape(shape)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _host_span(x: HostBuffer | np.ndarray, *, writable: bool) -> tuple[int, int]:
+    if isinstance(x, HostBuffer):
+        return x.ptr, x.nbytes
+    if not x.flags.c_contiguous:
+        raise ValueError("host array must be C-contiguous: pass np.ascontiguousarray(a)")
+    if writable and not x.flags.writeable:
+        raise ValueError("host array is read-only: download needs a writable destination")
+    return x.ctypes.data, x.nbytes
+
+
+def _span(nbytes: int | None, *sizes: int) -> int:
+    n = min(sizes) if nbytes is None else nbytes
+    if n > min(sizes):
+        raise ValueError(f"copy of {n} bytes does not fit: the buffers hold {' and '.join(map(str, sizes))} bytes")
+    return n
+
+
+def upload(stream: Stream, dst: DeviceBuffer, src: HostBuffer | np.ndarray, nbytes: int | None = None) -> None:
+    """Queue a host-to-device copy (of ``nbytes``, default all that fits).
+
+    From a HostBuffer the copy is asynchronous: keep the buffer unchanged until ``stream`` passes
+    it. From a pageable numpy array the driver stages the data before this returns.
+    """
+    ptr, size = _host_span(src, writable=False)
+    call(cu.cuMemcpyHtoDAsync, dst.ptr, ptr, _span(nbytes, dst.nbytes, size), stream.handle)
+
+
+def download(stream: Stream, dst: HostBuffer | np.ndarray, src: DeviceBuffer, nbytes: int | None = None) -> None:
+    """Queue a device-to-host copy. Into a HostBuffer, the data is there once ``stream`` is
+    synchronized; into a pageable numpy array, the call returns after the copy."""
+    ptr, size = _host_span(dst, writable=True)
+    call(cu.cuMemcpyDtoHAsync, ptr, src.ptr, _span(nbytes, src.nbytes, size), stream.handle)

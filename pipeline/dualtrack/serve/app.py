@@ -1,0 +1,325 @@
+"""The HTTP service: a Starlette app in front of one :class:`~dualtrack.serve.batcher.Batcher`.
+
+Endpoints (every error is JSON ``{"error": "<one line>"}``; none takes the process down):
+
+``POST /v1/segment``
+    Body: the image's raw PNG/JPEG bytes, or ``multipart/form-data`` with a file field ``image``.
+    ``?format=png`` (default) answers ``image/png``: the mask at the image's own size, 8-bit gray,
+    pixel value = class id ``0 .. classes-1`` (see :mod:`dualtrack.serve.imaging`).
+    ``?format=json`` answers ``{"shape": [h, w], "model_shape": [H, W], "classes": C,
+    "counts": [pixels of class 0, 1, ...], "batch_size": n, "padded_size": s, "timings_ms": {...}}``;
+    ``counts`` are over the returned ``h×w`` mask and sum to ``h*w``. Both formats carry the
+    timings in a ``Server-Timing`` header. 400: not an image (the reason is given), bad multipart,
+    bad ``format``; 413: body over ``max_body_bytes``; 503 + ``Retry-After``: queue full, engine
+    not ready, or shutting down; 500: the engine failed on this batch.
+``GET /healthz``
+    200 while the process runs (liveness).
+``GET /readyz``
+    200 with the model's shape once the engine is loaded and warmed up; 503 with the reason before
+    that, if loading failed, and during shutdown (readiness).
+``GET /metrics``
+    Prometheus text format, see :mod:`dualtrack.serve.metrics`.
+``GET /``
+    A small page to upload an image and see its mask overlaid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib import resources
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dualtrack.errors import DualtrackError, InputError
+from dualtrack.serve import imaging
+from dualtrack.serve.batcher import Batcher, BatchResult, EngineSource, NotReadyError, Phase, QueueFullError
+from dualtrack.serve.metrics import ServeMetrics
+from dualtrack.serve.options import ServeOptions
+
+_log = logging.getLogger(__name__)
+
+# Past the limit the server keeps reading (and dropping) up to this many more bytes before it
+# answers 413: a client still sending its body when the socket closes sees a reset, not the answer.
+_DRAIN_BYTES = 8 * 1024 * 1024
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def create_app(
+    source: EngineSource,
+    *,
+    max_batch_delay_ms: float = ServeOptions.max_batch_delay_ms,
+    max_queue: int = ServeOptions.max_queue,
+    max_body_bytes: int = ServeOptions.max_body_bytes,
+    device: str = ServeOptions.device,
+    device_index: int = ServeOptions.device_index,
+    retry_after_s: int = ServeOptions.retry_after_s,
+    shutdown_timeout_s: float = ServeOptions.shutdown_timeout_s,
+) -> Starlette:
+    """Build the ASGI app for ``source``: an ``Engine`` (borrowed), a bundle path, or an engine factory.
+
+    The engine is loaded (if needed) and warmed up on the batcher's worker thread once the server
+    starts (ASGI lifespan), so ``/healthz`` answers at once and ``/readyz`` turns 200 when warm.
+    ``app.state.batcher``, ``app.state.metrics`` and ``app.state.options`` are there for embedding.
+    """
+    options = ServeOptions(
+        max_batch_delay_ms=max_batch_delay_ms,
+        max_queue=max_queue,
+        max_body_bytes=max_body_bytes,
+        device=device,
+        device_index=device_index,
+        retry_after_s=retry_after_s,
+        shutdown_timeout_s=shutdown_timeout_s,
+    )
+    holder: dict[str, Batcher] = {}
+    metrics = ServeMetrics(
+        queue_depth=lambda: holder["batcher"].depth, ready=lambda: holder["batcher"].phase is Phase.READY
+    )
+    batcher = Batcher(
+        source,
+        max_batch_delay_s=options.max_batch_delay_ms / 1e3,
+        max_queue=options.max_queue,
+        device=options.device,
+        device_index=options.device_index,
+        on_batch=metrics.observe_batch,
+    )
+    holder["batcher"] = batcher
+    service = _Service(batcher, metrics, options)
+
+    @asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        batcher.start()
+        try:
+            yield
+        finally:
+            # Uvicorn calls this after in-flight requests have been answered; close() still runs
+            # anything queued, so no accepted request is dropped.
+            if not await run_in_threadpool(batcher.close, options.shutdown_timeout_s):
+                _log.error("batcher still busy after %.0f s; exiting anyway", options.shutdown_timeout_s)
+
+    routes = [
+        Route("/", service.index, methods=["GET"]),
+        Route("/v1/segment", service.segment, methods=["POST"]),
+        Route("/healthz", service.healthz, methods=["GET"]),
+        Route("/readyz", service.readyz, methods=["GET"]),
+        Route("/metrics", service.metrics, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        middleware=[Middleware(_CountRequests, metrics=metrics, endpoints={r.path for r in routes})],
+        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+    )
+    app.state.batcher = batcher
+    app.state.metrics = metrics
+    app.state.options = options
+    return app
+
+
+class _Service:
+    """The endpoint handlers, sharing one batcher, one metrics registry and the options."""
+
+    def __init__(self, batcher: Batcher, metrics: ServeMetrics, options: ServeOptions) -> None:
+        self.batcher = batcher
+        self.metrics_ = metrics
+        self.options = options
+        self.index_html = resources.files("dualtrack.serve").joinpath("static/index.html").read_text("utf-8")
+
+    async def index(self, request: Request) -> Response:
+        return HTMLResponse(self.index_html)
+
+    async def healthz(self, request: Request) -> Response:
+        return JSONResponse({"status": "alive"})
+
+    async def readyz(self, request: Request) -> Response:
+        engine = self.batcher.engine
+        if self.batcher.phase is not Phase.READY or engine is None:
+            reason = self.batcher.error or f"engine is {self.batcher.phase.value}"
+            return self._unavailable(reason)
+        _, height, width, _ = engine.input_spec.shape
+        return JSONResponse(
+            {
+                "status": "ready",
+                "model_shape": [height, width],
+                "classes": _num_classes(engine),
+                "batch_sizes": list(engine.batch_sizes),
+                "device": engine.device,
+            }
+        )
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.metrics_.exposition(), media_type=self.metrics_.content_type)
+
+    async def segment(self, request: Request) -> Response:
+        start = time.perf_counter()
+        fmt = request.query_params.get("format", "png")
+        if fmt not in ("png", "json"):
+            return _error(400, f"format={fmt!r} is not supported: use format=png (the default) or format=json")
+        engine = self.batcher.engine
+        if self.batcher.phase is not Phase.READY or engine is None:
+            return self._unavailable(self.batcher.error or f"engine is {self.batcher.phase.value}")
+        _, height, width, _ = engine.input_spec.shape
+        try:
+            data = await _image_bytes(request, self.options.max_body_bytes)
+            img = await run_in_threadpool(imaging.decode_image, data)
+            x = await run_in_threadpool(imaging.to_model_input, img, height, width)
+            result = await asyncio.wrap_future(self.batcher.submit(x))
+        except _BodyTooLarge as err:
+            return _error(413, str(err))
+        except ClientDisconnect:
+            return _error(400, "the client disconnected before sending the whole body")
+        except InputError as err:
+            return _error(400, str(err))
+        except (QueueFullError, NotReadyError) as err:
+            return self._unavailable(str(err))
+        except DualtrackError as err:
+            _log.error("segment failed: %s", err)
+            return _error(500, str(err))
+        self.metrics_.queue_wait.observe(result.queue_ms / 1e3)
+        mask = await run_in_threadpool(imaging.mask_to_size, result.mask, img.height, img.width)
+        timings = _timings_ms(result, start)
+        headers = {"Server-Timing": ", ".join(f"{k};dur={v:.3f}" for k, v in timings.items())}
+        if fmt == "png":
+            body = await run_in_threadpool(imaging.encode_mask_png, mask)
+            response: Response = Response(body, media_type="image/png", headers=headers)
+        else:
+            classes = _num_classes(engine) or int(mask.max()) + 1
+            payload: dict[str, Any] = {
+                "shape": [img.height, img.width],
+                "model_shape": [height, width],
+                "classes": classes,
+                "counts": imaging.class_counts(mask, classes),
+                "batch_size": result.batch_size,
+                "padded_size": result.padded_size,
+                "timings_ms": timings,
+            }
+            response = JSONResponse(payload, headers=headers)
+        self.metrics_.latency.observe(time.perf_counter() - start)
+        return response
+
+    def _unavailable(self, reason: str) -> Response:
+        return _error(503, reason, headers={"Retry-After": str(self.options.retry_after_s)})
+
+
+async def _image_bytes(request: Request, limit: int) -> bytes:
+    """The image from a raw body or from the multipart file field ``image``."""
+    body = await _read_body(request, limit)
+    content_type = request.headers.get("content-type", "")
+    if not content_type.startswith("multipart/form-data"):
+        return body
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    try:
+        form = await Request(request.scope, replay).form(max_files=4, max_fields=16, max_part_size=limit)
+    except HTTPException as err:  # Starlette reports malformed multipart this way
+        raise InputError(f"malformed multipart body: {err.detail}") from None
+    try:
+        field = form.get("image")
+        if field is None:
+            raise InputError(f"multipart body has no field 'image' (fields: {sorted(form.keys())})")
+        if not isinstance(field, UploadFile):
+            raise InputError("multipart field 'image' must be a file part (with a filename), not a text field")
+        return await field.read()
+    finally:
+        await form.close()
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    too_large = _BodyTooLarge(f"request body is over the limit of {limit} bytes: send a smaller image")
+    if declared.isdigit() and int(declared) > limit:
+        # A client waiting on "Expect: 100-continue" has sent nothing yet; do not ask for the body.
+        if request.headers.get("expect", "").lower() != "100-continue" and int(declared) <= limit + _DRAIN_BYTES:
+            async for _ in request.stream():
+                pass
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit + _DRAIN_BYTES:
+            break
+        if size <= limit:
+            chunks.append(chunk)
+    if size > limit:
+        raise too_large
+    return b"".join(chunks)
+
+
+def _timings_ms(result: BatchResult, start: float) -> dict[str, float]:
+    timings = {"queue": result.queue_ms, "inference": result.run_ms}
+    for key, ms in result.timings.items():
+        timings[key.removesuffix("_ms")] = ms
+    timings["request"] = (time.perf_counter() - start) * 1e3
+    return {k: round(v, 3) for k, v in timings.items()}
+
+
+def _num_classes(engine: Any) -> int:
+    """Classes from the probability output's channel dim (NCHW, or NHWC when so laid out); 0 if unknown."""
+    for spec in engine.output_specs:
+        if spec.name != "mask" and len(spec.shape) == 4:
+            return int(spec.shape[-1] if spec.layout == "NHWC" else spec.shape[1])
+    return 0
+
+
+def _error(code: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": " ".join(message.split())}, status_code=code, headers=headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    _log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+class _CountRequests:
+    """ASGI middleware: counts every HTTP answer by endpoint and status code."""
+
+    def __init__(self, app: ASGIApp, metrics: ServeMetrics, endpoints: set[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.endpoints = endpoints
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
+        status = 500  # what ServerErrorMiddleware answers if the app raises before starting a response
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.observe_request(endpoint, status)

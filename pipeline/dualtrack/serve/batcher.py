@@ -1,0 +1,300 @@
+"""Dynamic micro-batching: one worker thread owns the engine; requests wait in a bounded queue.
+
+The engine is not safe for concurrent callers, and on a GPU the worker is the one thread with the
+CUDA context current, so every engine call (load, warmup, run, close) happens on the worker thread.
+Request handlers only :meth:`Batcher.submit` an image and wait on the returned future.
+
+Batching policy (Triton's "dynamic batcher" with ``max_queue_delay``):
+
+- The worker takes the oldest waiting request and gathers more until it holds the largest compiled
+  batch size or ``max_batch_delay_s`` has passed since that oldest request arrived, whichever is
+  first. A request that already waited while the previous batch ran does not wait again.
+- ``n`` gathered requests run at the smallest compiled batch size ``>= n``; pad rows are zeros and
+  their outputs are dropped.
+- At most ``max_queue`` requests wait (requests inside a running batch do not count). One more is
+  refused at once with :class:`QueueFullError`, which the app turns into 503 + ``Retry-After``.
+- :meth:`Batcher.close` refuses new work, runs everything already queued without waiting out the
+  delay, then closes the engine if the batcher loaded it (an engine passed in is borrowed).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Union
+
+import numpy as np
+
+from dualtrack.errors import BundleError, DualtrackError, InputError
+
+if TYPE_CHECKING:
+    from dualtrack.runtime.engine import Engine
+
+EngineSource = Union["Engine", str, os.PathLike[str], Callable[[], "Engine"]]
+"""An engine to borrow, a bundle path to load, or a zero-argument factory that returns an engine."""
+
+MASK_OUTPUT = "mask"
+_log = logging.getLogger(__name__)
+
+
+class QueueFullError(DualtrackError):
+    """The request queue holds ``max_queue`` requests already; retry after a short wait."""
+
+
+class NotReadyError(DualtrackError):
+    """The engine is still loading or warming up, failed to load, or the server is shutting down."""
+
+
+class Phase(enum.Enum):
+    """Where the worker is in its life. Only ``READY`` accepts requests."""
+
+    LOADING = "loading"
+    WARMING = "warming up"
+    READY = "ready"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """One request's share of a batch run."""
+
+    mask: np.ndarray  # (H, W) uint8 class ids at the model's resolution; owned by the caller
+    batch_size: int  # real requests in the batch
+    padded_size: int  # the compiled batch size that ran
+    queue_ms: float  # from submit to the start of the engine run
+    run_ms: float  # wall time of engine.run for the whole batch
+    timings: dict[str, float] = field(default_factory=dict)  # engine.last_timings of that run
+
+
+@dataclass
+class _Request:
+    image: np.ndarray
+    future: Future[BatchResult]
+    enqueued: float
+
+
+def padded_batch_size(n: int, batch_sizes: tuple[int, ...]) -> int:
+    """The smallest compiled batch size that holds ``n`` rows."""
+    for size in sorted(batch_sizes):
+        if size >= n:
+            return size
+    raise InputError(f"{n} rows exceed the largest compiled batch size {max(batch_sizes)}")
+
+
+class Batcher:
+    """Owns an engine on one worker thread and runs queued images in micro-batches.
+
+    ``on_batch`` (if given) is called on the worker thread after every batch with the batch's
+    :class:`BatchResult` of its first row (sizes and timings are shared by all rows).
+    """
+
+    def __init__(
+        self,
+        source: EngineSource,
+        *,
+        max_batch_delay_s: float,
+        max_queue: int,
+        device: str = "cpu",
+        device_index: int = 0,
+        on_batch: Callable[[BatchResult], None] | None = None,
+    ) -> None:
+        if max_batch_delay_s < 0:
+            raise ValueError(f"max_batch_delay_s must be >= 0, got {max_batch_delay_s}")
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self._source = source
+        self._device = device
+        self._device_index = device_index
+        self._delay = max_batch_delay_s
+        self._max_queue = max_queue
+        self._on_batch = on_batch
+        self._pending: deque[_Request] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._phase = Phase.LOADING
+        self._error = ""
+        self._engine: Engine | None = None
+        self._thread = threading.Thread(target=self._work, name="dualtrack-batcher", daemon=True)
+
+    # --- state, read from any thread -------------------------------------------------------------
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def error(self) -> str:
+        """Why loading or warmup failed; empty otherwise."""
+        return self._error
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine once loaded. Read its specs from any thread; call it only through the batcher."""
+        return self._engine
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting, not counting a batch that is running."""
+        return len(self._pending)
+
+    # --- life cycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the worker: it loads (if needed) and warms up the engine, then serves the queue."""
+        self._thread.start()
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Refuse new requests, finish the queued ones, stop the worker.
+
+        Returns False if the worker was still busy after ``timeout`` seconds.
+        """
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def submit(self, image: np.ndarray) -> Future[BatchResult]:
+        """Queue one ``(H, W, 3)`` uint8 image; the future resolves to its :class:`BatchResult`.
+
+        Raises :class:`NotReadyError` before the engine is warm or after :meth:`close`,
+        :class:`QueueFullError` when ``max_queue`` requests wait, :class:`InputError` on a wrong shape.
+        """
+        engine = self._engine
+        if self._phase is not Phase.READY or engine is None:
+            reason = f": {self._error}" if self._error else ""
+            raise NotReadyError(f"engine is {self._phase.value}{reason}")
+        expected = tuple(engine.input_spec.shape[1:])
+        if image.shape != expected or image.dtype != np.uint8:
+            raise InputError(f"image is {image.dtype}{list(image.shape)}, the engine takes uint8{list(expected)}")
+        request = _Request(image, Future(), time.monotonic())
+        with self._cond:
+            if self._closing:
+                raise NotReadyError("server is shutting down")
+            if len(self._pending) >= self._max_queue:
+                raise QueueFullError(
+                    f"request queue is full ({self._max_queue} waiting): retry shortly or raise --max-queue"
+                )
+            self._pending.append(request)
+            self._cond.notify()
+        return request.future
+
+    # --- worker thread ---------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        owned = not _is_engine(self._source)
+        try:
+            engine = self._load()
+        except Exception as err:  # any load failure is reported by /readyz, never raised into the server
+            self._fail(f"engine failed to load: {err}")
+            return
+        try:
+            self._phase = Phase.WARMING
+            engine.warmup()
+            self._engine = engine
+            self._phase = Phase.READY
+            while self._serve_one_batch(engine):
+                pass
+        except Exception as err:
+            self._fail(f"engine failed: {err}")
+        finally:
+            self._phase = Phase.CLOSED if not self._error else Phase.FAILED
+            if owned:
+                engine.close()
+
+    def _load(self) -> Engine:
+        source = self._source
+        if _is_engine(source):
+            engine = source
+        elif callable(source):
+            engine = source()
+        else:
+            from dualtrack.runtime.engine import Engine
+
+            engine = Engine.load(Path(source), device=self._device, device_index=self._device_index)
+        spec = engine.input_spec
+        if len(spec.shape) != 4 or spec.shape[-1] != 3 or spec.dtype != "uint8":
+            raise BundleError(
+                f"the bundle's input {spec.name!r} is {spec.dtype}{list(spec.shape)}; serving needs uint8 (1, H, W, 3) "
+                "RGB images, channels last"
+            )
+        names = [spec.name for spec in engine.output_specs]
+        if MASK_OUTPUT not in names:
+            raise BundleError(f"the bundle's outputs are {names}; serving needs an output named {MASK_OUTPUT!r}")
+        return engine
+
+    def _fail(self, message: str) -> None:
+        self._error = message
+        self._phase = Phase.FAILED
+        with self._cond:
+            failed = list(self._pending)
+            self._pending.clear()
+        for request in failed:
+            if request.future.set_running_or_notify_cancel():
+                request.future.set_exception(NotReadyError(message))
+
+    def _take_batch(self, max_size: int) -> list[_Request] | None:
+        """Block until a batch is due; None once closing and drained."""
+        with self._cond:
+            while not self._pending and not self._closing:
+                self._cond.wait()
+            if not self._pending:
+                return None
+            deadline = self._pending[0].enqueued + self._delay
+            while len(self._pending) < max_size and not self._closing:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            taken = [self._pending.popleft() for _ in range(min(max_size, len(self._pending)))]
+        # A client that went away cancelled its future; do not spend a batch row on it.
+        return [r for r in taken if r.future.set_running_or_notify_cancel()]
+
+    def _serve_one_batch(self, engine: Engine) -> bool:
+        batch = self._take_batch(max(engine.batch_sizes))
+        if batch is None:
+            return False
+        if not batch:
+            return True
+        n = len(batch)
+        size = padded_batch_size(n, engine.batch_sizes)
+        x = np.zeros((size, *batch[0].image.shape), dtype=np.uint8)
+        for i, request in enumerate(batch):
+            x[i] = request.image
+        start = time.monotonic()
+        try:
+            outputs = engine.run(x)
+        except Exception as err:  # one bad batch fails its requests, not the server
+            for request in batch:
+                request.future.set_exception(err)
+            return True
+        run_ms = (time.monotonic() - start) * 1e3
+        timings = dict(engine.last_timings)
+        # Copy rows out: the engine may reuse its output buffers on the next run.
+        masks = np.array(outputs[MASK_OUTPUT][:n], dtype=np.uint8, copy=True)
+        results = [
+            BatchResult(masks[i], n, size, (start - r.enqueued) * 1e3, run_ms, timings) for i, r in enumerate(batch)
+        ]
+        for request, result in zip(batch, results, strict=True):
+            request.future.set_result(result)
+        if self._on_batch is not None:
+            try:
+                self._on_batch(results[0])
+            except Exception:  # a metrics bug must not stop inference
+                _log.exception("on_batch callback failed")
+        return True
+
+
+def _is_engine(source: object) -> bool:
+    # Duck-typed so the batcher does not import the runtime (and its GPU stack) to check a type.
+    return hasattr(source, "run") and hasattr(source, "batch_sizes") and hasattr(source, "input_spec")

@@ -1,0 +1,141 @@
+"""``dualtrack serve`` and ``dualtrack loadtest``: plain click commands over the serve API.
+
+They depend on no group; ``dualtrack.cli`` adds them with ``main.add_command``, and its group turns
+any :class:`~dualtrack.errors.DualtrackError` raised here into one line and the documented exit code.
+Only click and the options are imported up front, so ``dualtrack --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dualtrack.serve.options import ServeOptions
+
+
+@click.command("serve")
+@click.argument("bundle", type=click.Path(exists=True, path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 for all).")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=ServeOptions.device, show_default=True)
+@click.option("--device-index", default=ServeOptions.device_index, show_default=True, type=click.IntRange(0))
+@click.option(
+    "--max-batch-delay-ms",
+    default=ServeOptions.max_batch_delay_ms,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Longest a request waits for others to share its batch.",
+)
+@click.option(
+    "--max-queue",
+    default=ServeOptions.max_queue,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Requests waiting for a batch; one more is answered 503 with Retry-After.",
+)
+@click.option(
+    "--max-body-bytes",
+    default=ServeOptions.max_body_bytes,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Larger request bodies are answered 413.",
+)
+@click.option(
+    "--shutdown-timeout-s",
+    default=ServeOptions.shutdown_timeout_s,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="On SIGTERM/SIGINT, how long to wait for in-flight requests.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+    default="info",
+    show_default=True,
+)
+def serve(
+    bundle: Path,
+    host: str,
+    port: int,
+    device: str,
+    device_index: int,
+    max_batch_delay_ms: float,
+    max_queue: int,
+    max_body_bytes: int,
+    shutdown_timeout_s: float,
+    log_level: str,
+) -> None:
+    """Serve BUNDLE over HTTP: POST /v1/segment, /healthz, /readyz, /metrics and a web page at /.
+
+    The bundle is loaded before the server listens, so a bad bundle or device fails here with its
+    own error; warmup runs once the server is up, and /readyz answers 200 when it is done.
+    """
+    import uvicorn
+
+    from dualtrack.runtime.engine import Engine
+    from dualtrack.serve.app import create_app
+
+    engine = Engine.load(bundle, device=device, device_index=device_index)
+    try:
+        app = create_app(
+            engine,
+            max_batch_delay_ms=max_batch_delay_ms,
+            max_queue=max_queue,
+            max_body_bytes=max_body_bytes,
+            shutdown_timeout_s=shutdown_timeout_s,
+        )
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=int(shutdown_timeout_s) or None,
+        )
+    finally:
+        engine.close()
+
+
+@click.command("loadtest")
+@click.argument("url")
+@click.option(
+    "--image", "image", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path), help="PNG/JPEG."
+)
+@click.option("--concurrency", default=16, show_default=True, type=click.IntRange(1, 1024))
+@click.option("--requests", "requests_", default=1000, show_default=True, type=click.IntRange(1), help="At most.")
+@click.option("--duration-s", default=30.0, show_default=True, type=click.FloatRange(0, min_open=True), help="At most.")
+@click.option("--timeout-s", default=30.0, show_default=True, type=click.FloatRange(0, min_open=True))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write the report.")
+def loadtest(
+    url: str,
+    image: Path,
+    concurrency: int,
+    requests_: int,
+    duration_s: float,
+    timeout_s: float,
+    json_path: Path | None,
+) -> None:
+    """Load URL (loopback only; a bare host:port means /v1/segment) with IMAGE and report.
+
+    Stops after --requests or --duration-s, whichever comes first; prints throughput, p50/p99
+    latency and error counts by status code or exception.
+    """
+    from dualtrack.serve.loadtest import content_type_for, loopback_target, run_loadtest, write_report
+
+    loopback_target(url)  # refuse before reading the image or starting threads
+    report = run_loadtest(
+        url,
+        image.read_bytes(),
+        content_type=content_type_for(image),
+        concurrency=concurrency,
+        requests=requests_,
+        duration_s=duration_s,
+        timeout_s=timeout_s,
+    )
+    for line in report.lines():
+        click.echo(line)
+    if json_path is not None:
+        write_report(report, json_path)
+        click.echo(f"report      {json_path}")
+    if report.ok == 0:
+        raise click.ClickException(f"no request succeeded: errors {report.errors}")

@@ -1,0 +1,82 @@
+"""Prometheus metrics of one app, in a registry of its own (two apps in one process never collide).
+
+Exposed at ``GET /metrics``:
+
+==========================================  =========  ==============================================
+name                                        type       meaning
+==========================================  =========  ==============================================
+``dualtrack_requests_total``                counter    requests by ``endpoint`` and HTTP ``code``
+``dualtrack_request_errors_total``          counter    4xx/5xx answers by ``endpoint`` and ``code``
+``dualtrack_request_latency_seconds``       histogram  ``POST /v1/segment`` wall time, body to answer
+``dualtrack_queue_wait_seconds``            histogram  time a request waited for its batch to start
+``dualtrack_batch_size``                    histogram  real requests per engine run (pad rows excluded)
+``dualtrack_padded_rows_total``             counter    pad rows run to reach a compiled batch size
+``dualtrack_inference_seconds``             histogram  wall time of one ``engine.run`` (whole batch)
+``dualtrack_track_seconds``                 histogram  engine-reported time per ``track`` (``a``, ``b``)
+``dualtrack_queue_depth``                   gauge      requests waiting for a batch, at scrape time
+``dualtrack_ready``                         gauge      1 when ``/readyz`` answers 200, else 0
+==========================================  =========  ==============================================
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from dualtrack.serve.batcher import BatchResult
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+_TRACK_KEY = re.compile(r"^track_([a-z0-9]+)_ms$")
+
+
+class ServeMetrics:
+    """The metrics of one app. Record with the ``observe_*`` methods; export with :meth:`exposition`."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, queue_depth: Callable[[], int], ready: Callable[[], bool]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("dualtrack_requests", "HTTP requests", ["endpoint", "code"], registry=r)
+        self.errors = Counter("dualtrack_request_errors", "HTTP 4xx/5xx answers", ["endpoint", "code"], registry=r)
+        self.latency = Histogram(
+            "dualtrack_request_latency_seconds", "segment request wall time", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.queue_wait = Histogram(
+            "dualtrack_queue_wait_seconds", "wait before the batch started", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.batch_size = Histogram(
+            "dualtrack_batch_size", "real requests per engine run", buckets=_BATCH_BUCKETS, registry=r
+        )
+        self.padded_rows = Counter("dualtrack_padded_rows", "pad rows run to fill a compiled batch size", registry=r)
+        self.inference = Histogram(
+            "dualtrack_inference_seconds", "engine.run wall time per batch", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.track = Histogram(
+            "dualtrack_track_seconds", "engine-reported time per track", ["track"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        Gauge("dualtrack_queue_depth", "requests waiting for a batch", registry=r).set_function(queue_depth)
+        Gauge("dualtrack_ready", "1 when ready to serve", registry=r).set_function(lambda: float(ready()))
+
+    def observe_request(self, endpoint: str, code: int) -> None:
+        """Count one answered request."""
+        self.requests.labels(endpoint, str(code)).inc()
+        if code >= 400:
+            self.errors.labels(endpoint, str(code)).inc()
+
+    def observe_batch(self, result: BatchResult) -> None:
+        """Record one engine run (called on the batcher's worker thread)."""
+        self.batch_size.observe(result.batch_size)
+        self.padded_rows.inc(result.padded_size - result.batch_size)
+        self.inference.observe(result.run_ms / 1e3)
+        for key, ms in result.timings.items():
+            match = _TRACK_KEY.match(key)
+            if match:
+                self.track.labels(match.group(1)).observe(ms / 1e3)
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric in this app's registry."""
+        return generate_latest(self.registry)

@@ -1,0 +1,159 @@
+"""Both tracks on a real GPU: Track A kernels against their numpy semantics, the whole engine
+against onnxruntime (with Track A outputs poisoned first), GPU against CPU, threads, DLPack I/O."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dualtrack import kernels
+from dualtrack.config import Tolerance
+from dualtrack.errors import ArchError, DeviceError
+from dualtrack.runtime.driver import load_driver
+from dualtrack.verify import compare, ort_session, random_input, run_ort
+
+
+def _require_gpu() -> None:
+    try:
+        load_driver()
+    except DeviceError as exc:
+        pytest.skip(f"needs an NVIDIA GPU: {exc}", allow_module_level=True)
+
+
+_require_gpu()
+pytestmark = pytest.mark.gpu
+
+from dualtrack.runtime.engine import Engine  # noqa: E402
+
+# fp16 kernels accumulate in fp32 and round once, like the reference; fp32 sums in another order.
+KERNEL_TOL = {"float16": 2e-3, "float32": 1e-5}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_bundle: Path):
+    with Engine.load(tiny_bundle, "cuda") as e:
+        yield e
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize(
+    ("n", "h", "w", "c", "k", "relu"),
+    [(1, 64, 64, 3, 8, 1), (2, 37, 23, 5, 7, 0), (1, 32, 32, 64, 128, 1), (3, 16, 16, 40, 72, 1)],
+)
+def test_conv3x3_kernel(engine, dtype, n, h, w, c, k, relu) -> None:
+    """Each conv kernel against its numpy semantics, on odd sizes and channel counts, fresh inputs."""
+    be = engine.backend
+    rng = np.random.default_rng()
+    x = rng.standard_normal((n, h, w, c)).astype(dtype)
+    wt = (rng.standard_normal((k, 3, 3, c)) / np.sqrt(9 * c)).astype(dtype)
+    b = rng.standard_normal(k).astype(np.float32)
+    ref = kernels.KERNELS["conv3x3"].reference(x, wt, b, bool(relu))
+    dx, dw, db = be.from_host(x), be.from_host(wt), be.from_host(b)
+    dy = be.from_host(np.full(ref.shape, np.nan, dtype))  # poisoned: every element must be written
+    spec = kernels.KERNELS["conv3x3"]
+    cfg = spec.launch(dtype, n, h, w, c, k)
+    args = spec.args(x=dx.ptr, w=dw.ptr, bias=db.ptr, y=dy.ptr, N=n, H=h, W=w, C=c, K=k, relu=bool(relu))
+    be.kernels[spec.entry(dtype)].launch(cfg.grid, cfg.block, cfg.shared_bytes, be.stream, args)
+    got = be.to_host(dy)
+    check = compare("conv", ref, got, Tolerance(rel_l2=KERNEL_TOL[dtype], max_abs=1.0, mismatch=0))
+    assert check.passed, check
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize(("n", "h", "w", "c"), [(1, 64, 64, 32), (2, 38, 22, 5), (1, 8, 8, 512)])
+def test_maxpool_kernel(engine, dtype, n, h, w, c) -> None:
+    be = engine.backend
+    x = np.random.default_rng().standard_normal((n, h, w, c)).astype(dtype)
+    spec = kernels.KERNELS["maxpool2x2"]
+    ref = spec.reference(x)
+    dx, dy = be.from_host(x), be.from_host(np.full(ref.shape, np.nan, dtype))
+    cfg = spec.launch(dtype, n, h, w, c)
+    be.kernels[spec.entry(dtype)].launch(
+        cfg.grid, cfg.block, cfg.shared_bytes, be.stream, spec.args(x=dx.ptr, y=dy.ptr, N=n, H=h, W=w, C=c)
+    )
+    np.testing.assert_array_equal(be.to_host(dy), ref)  # max is exact
+
+
+def test_engine_verifies_on_gpu(engine) -> None:
+    """Every segment (kernels and IREE CUDA) and the whole plan against onnxruntime, outputs poisoned."""
+    from dualtrack.verify import verify_engine
+
+    engine.backend.poison = True
+    try:
+        report = verify_engine(engine, samples=2, interpret=False)
+    finally:
+        engine.backend.poison = False
+    assert report.passed, "\n".join(report.lines())
+    assert any("[kernels]" in c.name for c in report.checks)
+
+
+def test_gpu_matches_cpu_and_onnxruntime(engine, tiny_bundle: Path) -> None:
+    x = random_input(engine.input_spec, 4, np.random.default_rng())
+    ref = run_ort(ort_session(engine.bundle.model), {engine.input_spec.name: x})
+    with Engine.load(tiny_bundle, "cpu") as cpu:
+        want = cpu.run(x)
+    got = engine.run(x)
+    tol = Tolerance(rel_l2=1e-4, max_abs=1e-3, mismatch=1e-3)
+    for name in ("probs", "mask"):
+        assert compare(name, ref[name], got[name], tol).passed
+        assert compare(name, want[name], got[name], tol).passed
+
+
+def test_shares_primary_context_with_iree(engine) -> None:
+    from cuda.bindings import driver as cu
+
+    from dualtrack.runtime.driver import call
+
+    engine.run(random_input(engine.input_spec, 1, np.random.default_rng()))
+    current = call(cu.cuCtxGetCurrent)
+    assert int(current) == int(engine.backend.ctx.handle)
+
+
+def test_threads_share_one_engine(engine) -> None:
+    rng = np.random.default_rng()
+    xs = [random_input(engine.input_spec, 1, rng) for _ in range(6)]
+    serial = [engine.run(x)["probs"] for x in xs]
+    results: dict[int, np.ndarray] = {}
+
+    def work(i: int) -> None:
+        results[i] = engine.run(xs[i])["probs"]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, s in enumerate(serial):
+        np.testing.assert_allclose(results[i], s, rtol=0, atol=1e-6)
+
+
+def test_gpu_tensor_in_gpu_tensor_out(engine) -> None:
+    torch = pytest.importorskip("torch", reason="needs torch for a third-party GPU tensor")
+    x = random_input(engine.input_spec, 1, np.random.default_rng())
+    want = engine.run(x)["probs"]
+    out = engine.run(torch.from_numpy(x).cuda())
+    probs = torch.from_dlpack(out["probs"])
+    assert probs.is_cuda
+    np.testing.assert_allclose(probs.cpu().numpy(), want, rtol=0, atol=1e-6)
+
+
+def test_bundle_without_this_arch_is_refused(tiny_bundle: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(tiny_bundle, other)
+    m = json.loads((other / "manifest.json").read_text())
+    m["targets"] = [t for t in m["targets"] if t["arch"] == "sm_120"] or [{**m["targets"][0], "arch": "sm_120"}]
+    (other / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArchError, match="add sm_"):
+        Engine.load(other, "cuda")
+
+
+def test_missing_device_index() -> None:
+    from dualtrack.runtime.driver import Device
+
+    with pytest.raises(DeviceError, match="does not exist"):
+        Device(99)

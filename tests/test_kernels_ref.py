@@ -1,0 +1,240 @@
+"""The kernel registry on the CPU: numpy references against independent float64 code, launch
+geometry, and the cuLaunchKernel argument lists of the ABI (handwritten_ptx/README.md)."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+import pytest
+from numpy.lib.stride_tricks import sliding_window_view
+
+from dualtrack.errors import InputError
+from dualtrack.kernels import (
+    KERNELS,
+    Conv3x3Spec,
+    MaxPool2x2Spec,
+    kernel,
+    kernel_params,
+    output_shape,
+    pack_conv_weights,
+)
+from dualtrack.ptx import SOURCE_DIR
+
+CONV = KERNELS["conv3x3"]
+POOL = KERNELS["maxpool2x2"]
+DTYPES = ("float16", "float32")
+
+
+def conv_loops(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, relu: bool) -> np.ndarray:
+    """float64 conv by explicit loops over output pixels and taps, bounds-checked (no padding)."""
+    N, H, W, _ = x.shape
+    K = w.shape[0]
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    out = np.zeros((N, H, W, K))
+    for n in range(N):
+        for h in range(H):
+            for v in range(W):
+                acc = np.zeros(K) if bias is None else bias.astype(np.float64).copy()
+                for r in range(3):
+                    for s in range(3):
+                        hh, vv = h + r - 1, v + s - 1
+                        if 0 <= hh < H and 0 <= vv < W:
+                            acc += w64[:, r, s, :] @ x64[n, hh, vv, :]
+                out[n, h, v] = np.maximum(acc, 0.0) if relu else acc
+    return out
+
+
+def conv_im2col(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, relu: bool) -> np.ndarray:
+    """float64 conv as one einsum over 3x3 windows of the zero-padded input."""
+    xp = np.pad(x.astype(np.float64), ((0, 0), (1, 1), (1, 1), (0, 0)))
+    windows = sliding_window_view(xp, (3, 3), axis=(1, 2))  # (N, H, W, C, 3, 3)
+    out = np.einsum("nhwcrs,krsc->nhwk", windows, w.astype(np.float64))
+    if bias is not None:
+        out = out + bias
+    return np.maximum(out, 0.0) if relu else out
+
+
+def conv_bound(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, dtype: str) -> np.ndarray:
+    """Error allowed to the reference: float32 accumulation, 1e-5 of the sum of |terms|, plus, for
+    float16, one rounding to nearest (2^-11 relative, 2^-24 absolute for subnormals)."""
+    magnitude = conv_im2col(np.abs(x), np.abs(w), None if bias is None else np.abs(bias), relu=False)
+    bound = 1e-5 * magnitude + 1e-30
+    if dtype == "float16":
+        exact = conv_im2col(x, w, bias, relu=False)
+        bound += 2.0**-11 * np.abs(exact) + 2.0**-24
+    return bound
+
+
+def random_conv(rng: np.random.Generator, dtype: str, N: int, H: int, W: int, C: int, K: int, bias: bool = True):
+    x = rng.standard_normal((N, H, W, C)).astype(dtype)
+    w = (rng.standard_normal((K, 3, 3, C)) / math.sqrt(9 * C)).astype(dtype)
+    b = rng.standard_normal(K).astype(np.float32) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("N", "H", "W", "C", "K", "relu", "bias"),
+    [
+        (2, 5, 7, 3, 5, True, True),
+        (1, 1, 1, 4, 2, False, True),
+        (2, 6, 4, 9, 3, True, False),
+        (1, 37, 37, 3, 5, True, True),
+    ],
+)
+def test_conv_reference_matches_float64_loops(
+    dtype: str, N: int, H: int, W: int, C: int, K: int, relu: bool, bias: bool
+) -> None:
+    rng = np.random.default_rng()
+    x, w, b = random_conv(rng, dtype, N, H, W, C, K, bias)
+    ref = CONV.reference(x, w, b, relu)
+    assert ref.dtype == np.dtype(dtype) and ref.shape == output_shape("conv3x3", N, H, W, C, K)
+    exact = conv_loops(x, w, b, relu)
+    err = np.abs(ref.astype(np.float64) - exact)
+    assert (err <= conv_bound(x, w, b, dtype)).all(), f"max error {err.max():.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_reference_matches_float64_im2col(dtype: str) -> None:
+    rng = np.random.default_rng()
+    x, w, b = random_conv(rng, dtype, 2, 16, 13, 32, 40)
+    ref = CONV.reference(x, w, b, relu=True)
+    err = np.abs(ref.astype(np.float64) - conv_im2col(x, w, b, relu=True))
+    assert (err <= conv_bound(x, w, b, dtype)).all(), f"max error {err.max():.3g}"
+    # the two float64 implementations agree with each other to rounding
+    np.testing.assert_allclose(
+        conv_im2col(x[:1, :5], w, b, True), conv_loops(x[:1, :5], w, b, True), rtol=1e-12, atol=1e-12
+    )
+
+
+def test_conv_reference_rejects_bad_shapes() -> None:
+    x = np.zeros((1, 4, 4, 3), np.float32)
+    with pytest.raises(InputError, match="w \\(K,3,3,C\\)"):
+        CONV.reference(x, np.zeros((2, 3, 3, 4), np.float32))
+    with pytest.raises(InputError, match="bias"):
+        CONV.reference(x, np.zeros((2, 3, 3, 3), np.float32), np.zeros(3, np.float32))
+
+
+def pool_loops(x: np.ndarray) -> np.ndarray:
+    N, H, W, C = x.shape
+    out = np.empty((N, H // 2, W // 2, C), np.float64)
+    for n in range(N):
+        for h in range(H // 2):
+            for v in range(W // 2):
+                for c in range(C):
+                    taps = [float(x[n, 2 * h + dh, 2 * v + dv, c]) for dh in (0, 1) for dv in (0, 1)]
+                    out[n, h, v, c] = math.nan if any(math.isnan(t) for t in taps) else max(taps)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("N", "H", "W", "C"), [(2, 6, 8, 3), (1, 7, 5, 16), (3, 2, 3, 1)])
+def test_maxpool_reference_matches_loops(dtype: str, N: int, H: int, W: int, C: int) -> None:
+    x = np.random.default_rng().standard_normal((N, H, W, C)).astype(dtype)
+    x.flat[0] = np.nan  # NaN propagates, as in the kernels (max.NaN)
+    ref = POOL.reference(x)
+    assert ref.dtype == np.dtype(dtype) and ref.shape == output_shape("maxpool2x2", N, H, W, C)
+    np.testing.assert_array_equal(ref.astype(np.float64), pool_loops(x))  # max is exact
+
+
+LAUNCH_SHAPES = [
+    (2, 37, 37, 3, 5),
+    (1, 1, 1, 1, 1),
+    (3, 23, 19, 48, 72),
+    (1, 13, 17, 16, 24),
+    (8, 512, 512, 32, 32),
+    (8, 32, 32, 512, 512),
+    (1, 3, 5, 7, 65),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("N", "H", "W", "C", "K"), LAUNCH_SHAPES)
+def test_conv_launch_covers_the_output(dtype: str, N: int, H: int, W: int, C: int, K: int) -> None:
+    assert isinstance(CONV, Conv3x3Spec)
+    cfg = CONV.launch(dtype, N, H, W, C, K)
+    bm, bn = CONV.tile(dtype)
+    M = N * H * W
+    assert cfg.grid[0] * bm >= M and (cfg.grid[0] - 1) * bm < M  # every pixel, no empty block
+    assert cfg.grid[1] * bn >= K and (cfg.grid[1] - 1) * bn < K
+    assert cfg.grid[2] == 1 and cfg.block == (CONV.threads(dtype), 1, 1) and cfg.shared_bytes == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("N", "H", "W", "C", "K"), LAUNCH_SHAPES)
+def test_pool_launch_covers_the_output(dtype: str, N: int, H: int, W: int, C: int, K: int) -> None:
+    if H < 2 or W < 2:
+        with pytest.raises(InputError, match="H, W >= 2"):
+            POOL.launch(dtype, N, H, W, C)
+        return
+    assert isinstance(POOL, MaxPool2x2Spec)
+    cfg = POOL.launch(dtype, N, H, W, C, K)  # K is ignored
+    work = N * (H // 2) * (W // 2) * math.ceil(C / POOL.vector(dtype))  # one thread per 16-byte chunk
+    threads = cfg.grid[0] * cfg.block[0]
+    assert threads >= work and threads - work < cfg.block[0]
+    assert POOL.vector("float16") == 8 and POOL.vector("float32") == 4
+
+
+def test_launch_refuses_too_many_pixels() -> None:
+    with pytest.raises(InputError, match="exceed 2\\^31-1"):
+        CONV.launch("float16", 64, 8192, 8192, 3, 32)
+
+
+def test_entries() -> None:
+    assert CONV.source == "conv3x3_nhwc" and POOL.source == "maxpool2x2_nhwc"
+    assert CONV.entry("float16") == "conv3x3_nhwc_f16"
+    assert CONV.entry(np.float32) == "conv3x3_nhwc_f32"
+    assert POOL.entry(np.dtype("float16")) == "maxpool2x2_nhwc_f16"
+    assert POOL.entries == ("maxpool2x2_nhwc_f16", "maxpool2x2_nhwc_f32")
+    with pytest.raises(InputError, match="int8 has no Track A kernel"):
+        CONV.entry("int8")
+    with pytest.raises(InputError, match="no Track A kernel for op 'softmax'"):
+        kernel("softmax")
+
+
+def test_conv_args_follow_the_abi() -> None:
+    args = CONV.args(x=0x1000, w=0x2000, bias=0x3000, y=0x4000, N=2, H=37, W=36, C=3, K=5, ldy=8, relu=True)
+    assert [v for v, _ in args] == [0x1000, 0x2000, 0x3000, 0x4000, 2, 37, 36, 3, 5, 3, 8, 1]
+    assert [t for _, t in args] == [ctypes.c_void_p] * 4 + [ctypes.c_int32] * 8
+    values, types = kernel_params(args)
+    assert values[:4] == (0x1000, 0x2000, 0x3000, 0x4000) and types[4] is ctypes.c_int32
+    no_bias = CONV.args(x=1, w=2, y=3, N=1, H=1, W=1, C=1, K=1)
+    assert [v for v, _ in no_bias][2] == 0 and [v for v, _ in no_bias][-1] == 0
+    with pytest.raises(InputError, match="ldx=2 is smaller than the 3 channels"):
+        CONV.args(x=1, w=2, y=3, N=1, H=1, W=1, C=3, K=1, ldx=2)
+    with pytest.raises(InputError, match="w is a null device pointer"):
+        CONV.args(x=1, w=0, y=3, N=1, H=1, W=1, C=3, K=1)
+
+
+def test_pool_args_follow_the_abi() -> None:
+    args = POOL.args(x=0x10, y=0x20, N=1, H=9, W=8, C=40, ldx=72)
+    assert [v for v, _ in args] == [0x10, 0x20, 1, 9, 8, 40, 72, 40]
+    assert [t for _, t in args] == [ctypes.c_void_p] * 2 + [ctypes.c_int32] * 6
+
+
+def test_readme_documents_the_registered_abi() -> None:
+    readme = (SOURCE_DIR / "README.md").read_text()
+    for spec in KERNELS.values():
+        for entry in spec.entries:
+            assert f"`{entry}`" in readme
+        assert f"`{', '.join(spec.PARAMS)}`" in readme
+
+
+def test_pack_conv_weights_matches_onnx_semantics() -> None:
+    rng = np.random.default_rng()
+    w_oihw = rng.standard_normal((5, 3, 3, 3)).astype(np.float16)
+    b = rng.standard_normal(5).astype(np.float16)
+    w, bias = pack_conv_weights(w_oihw, b)
+    assert w.shape == (5, 3, 3, 3) and w.dtype == np.float16 and w.flags.c_contiguous
+    assert bias is not None and bias.dtype == np.float32
+    assert w[4, 2, 0, 1] == w_oihw[4, 1, 2, 0]  # w[k, r, s, c] = w_onnx[k, c, r, s]
+    # the reference on packed weights is the ONNX cross-correlation
+    x = rng.standard_normal((1, 6, 5, 3)).astype(np.float32)
+    expected = conv_loops(x, w.astype(np.float32), b.astype(np.float32), relu=False)
+    got = CONV.reference(x, w.astype(np.float32), bias)
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+    assert pack_conv_weights(w_oihw)[1] is None
+    with pytest.raises(InputError, match="\\(K, C, 3, 3\\)"):
+        pack_conv_weights(np.zeros((5, 3, 1, 1), np.float16))

@@ -1,0 +1,220 @@
+"""Track A build stages on the CPU: NVRTC and nvJitLink from PyPI need no GPU and no driver."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dualtrack.arch import ARCHES, PTX_ARCHES, parse_ptx_isa, parse_ptx_target
+from dualtrack.errors import ArchError, ToolError
+from dualtrack.kernels import KERNELS
+from dualtrack.ptx import (
+    PINNED_NVRTC,
+    SOURCE_DIR,
+    assemble_cubin,
+    cached_cubin,
+    check_fresh,
+    compile_ptx,
+    cubin_cache_key,
+    main,
+    parse_resources,
+    ptx_image,
+    ptx_path,
+    regenerate,
+    sources,
+    toolchain_versions,
+)
+
+STEMS = sorted(spec.stem for spec in KERNELS.values())
+CHECKED_IN = [(stem, arch) for stem in STEMS for arch in PTX_ARCHES]
+
+
+def checked_in(stem: str, arch: str) -> str:
+    return ptx_path(SOURCE_DIR, SOURCE_DIR / f"{stem}.cu", arch).read_text()
+
+
+def test_every_registered_kernel_has_a_source() -> None:
+    assert [s.stem for s in sources()] == STEMS
+
+
+def test_checked_in_ptx_is_fresh() -> None:
+    assert check_fresh() == [], "run `make ptx` and commit the result"
+
+
+@pytest.mark.parametrize("arch", PTX_ARCHES)
+def test_compile_is_deterministic(arch: str) -> None:
+    # The freshness test is only meaningful if NVRTC gives the same text twice (it did not, for a
+    # plain float4 shared-memory read in the fp32 conv; see lds128 in conv3x3_nhwc.cu).
+    source = SOURCE_DIR / "conv3x3_nhwc.cu"
+    assert compile_ptx(source, arch).text == compile_ptx(source, arch).text
+
+
+@pytest.mark.parametrize(("stem", "arch"), CHECKED_IN)
+def test_checked_in_ptx_isa_and_target(stem: str, arch: str) -> None:
+    text = checked_in(stem, arch)
+    assert parse_ptx_isa(text) == (9, 0), "driver 580 (CUDA 13.0) JITs PTX ISA 9.0 at most (FACTS 13)"
+    assert parse_ptx_target(text) == arch.replace("compute_", "sm_")
+    assert "\0" not in text
+
+
+@pytest.mark.parametrize(("stem", "arch"), CHECKED_IN)
+def test_entries_and_block_size_match_the_registry(stem: str, arch: str) -> None:
+    spec = next(s for s in KERNELS.values() if s.stem == stem)
+    text = checked_in(stem, arch)
+    entries = dict(re.findall(r"\.entry (\w+)\([^)]*\)\s*\.maxntid (\d+)(?:, 1, 1)?\n", text))
+    assert set(entries) == set(spec.entries)
+    for dtype in ("float16", "float32"):
+        # __launch_bounds__ in the source comes from the same -D macros as launch()'s block.
+        assert int(entries[spec.entry(dtype)]) == spec.launch(dtype, 2, 37, 37, 3, 5).block[0]
+    assert not re.search(r"^(\.visible\s+)?\.global\s", text, re.MULTILINE), "no device globals in Track A PTX"
+
+
+def test_compile_records_what_made_it() -> None:
+    artifact = compile_ptx(SOURCE_DIR / "maxpool2x2_nhwc.cu", "compute_90a")
+    assert artifact.nvrtc_version == PINNED_NVRTC
+    assert artifact.isa == (9, 0) and artifact.target == "sm_90a"
+    assert "--gpu-architecture=compute_90a" in artifact.options and "-std=c++17" in artifact.options
+    assert "-DPOOL_THREADS=256" in artifact.options
+    assert not any("fast" in o for o in artifact.options)
+    assert set(artifact.entries) == {"maxpool2x2_nhwc_f16", "maxpool2x2_nhwc_f32"}
+    assert artifact.image == artifact.text.encode() + b"\0"
+
+
+def test_ptx_image_is_nul_terminated_once() -> None:
+    assert ptx_image(".version 9.0\n") == b".version 9.0\n\0"
+    assert ptx_image(b".version 9.0\n\0") == b".version 9.0\n\0"
+
+
+@pytest.mark.parametrize("gpu", sorted(ARCHES))
+@pytest.mark.parametrize("stem", STEMS)
+def test_ptx_assembles_for_every_gpu(stem: str, gpu: str) -> None:
+    # sm_80/86/89/100 from compute_80, sm_90a from compute_90a, sm_120 from compute_120 (arch.py).
+    info = ARCHES[gpu]
+    cubin = assemble_cubin(checked_in(stem, info.ptx_arch), gpu, name=f"{stem}.ptx")
+    assert cubin.data[:4] == b"\x7fELF"
+    assert cubin.arch == info.cubin_arch
+    spec = next(s for s in KERNELS.values() if s.stem == stem)
+    assert set(cubin.resources) == set(spec.entries)
+    for entry, res in sorted(cubin.resources.items()):
+        print(f"{gpu} {entry}: {res.registers} registers, {res.spill_stores}/{res.spill_loads} B spill st/ld")
+        assert not res.spills, f"{entry} spills on {gpu}: {res}"
+        assert res.registers <= 255
+        assert res.shared_bytes <= 48 * 1024  # static shared memory: launch() asks for no dynamic
+
+
+def test_broken_source_raises_with_the_nvrtc_log(tmp_path: Path) -> None:
+    bad = tmp_path / "broken_kernel.cu"
+    bad.write_text('extern "C" __global__ void k(float* p) { p[0] = undeclared_name; }\n')
+    with pytest.raises(ToolError, match=r"NVRTC: nvrtcCompileProgram failed for broken_kernel\.cu") as info:
+        compile_ptx(bad, "compute_80")
+    assert info.value.tool == "NVRTC"
+    assert "undeclared_name" in info.value.detail and "error" in info.value.detail
+    assert "python -m dualtrack.ptx --source" in info.value.detail  # the repro command
+
+
+def test_missing_tile_macros_are_a_compile_error() -> None:
+    with pytest.raises(ToolError) as info:
+        compile_ptx(SOURCE_DIR / "conv3x3_nhwc.cu", "compute_80", defines={})
+    assert "tile sizes come from dualtrack.kernels" in info.value.detail
+
+
+def test_unknown_arch_raises() -> None:
+    with pytest.raises(ArchError, match="compute_91"):
+        compile_ptx(SOURCE_DIR / "maxpool2x2_nhwc.cu", "compute_91")
+    with pytest.raises(ArchError, match="sm_91"):
+        assemble_cubin(checked_in("maxpool2x2_nhwc", "compute_80"), "sm_91")
+
+
+@pytest.mark.parametrize(
+    ("ptx_arch", "gpu"), [("compute_90a", "sm_120"), ("compute_90a", "sm_100"), ("compute_120", "sm_90a")]
+)
+def test_ptx_for_another_gpu_is_refused_before_nvjitlink(ptx_arch: str, gpu: str) -> None:
+    with pytest.raises(ArchError, match=f"cannot be assembled for {gpu}"):
+        assemble_cubin(checked_in("maxpool2x2_nhwc", ptx_arch), gpu)
+
+
+def test_nvjitlink_failure_carries_its_log() -> None:
+    text = checked_in("maxpool2x2_nhwc", "compute_80").replace("max.NaN.f16x2", "max.NaN.bogus")
+    # nvJitLink runs ptxas when the PTX is added, so the failing call is nvJitLinkAddData.
+    with pytest.raises(ToolError, match=r"nvJitLink: nvJitLink\w+ failed for broken\.ptx -> sm_80: ERROR_PTX") as info:
+        assemble_cubin(text, "sm_80", name="broken.ptx")
+    assert "bogus" in info.value.detail
+
+
+def test_parse_resources() -> None:
+    log = (
+        "ptxas info    : Compiling entry function 'k1' for 'sm_90a'\n"
+        "ptxas info    : Function properties for k1\n"
+        "ptxas         .     8 bytes stack frame, 12 bytes spill stores, 16 bytes spill loads\n"
+        "ptxas info    : Used 143 registers, used 1 barriers, 47104 bytes smem\n"
+        "ptxas info    : Compiling entry function 'k2' for 'sm_90a'\n"
+        "ptxas info    : Function properties for k2\n"
+        "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+        "ptxas info    : Used 34 registers, used 0 barriers\n"
+        "info    : Function properties for 'k1':\n"
+        "info    : used 143 registers, used 1 barriers, 0 stack, 48128 bytes smem, 0 bytes lmem\n"
+    )
+    res = parse_resources(log)
+    assert res["k1"].registers == 143 and res["k1"].spill_stores == 12 and res["k1"].spill_loads == 16
+    assert res["k1"].stack_bytes == 8 and res["k1"].shared_bytes == 47104 and res["k1"].spills
+    assert res["k2"].registers == 34 and res["k2"].shared_bytes == 0 and not res["k2"].spills
+
+
+def test_regenerate_and_check_fresh(tmp_path: Path) -> None:
+    shutil.copy(SOURCE_DIR / "maxpool2x2_nhwc.cu", tmp_path)
+    written = regenerate(tmp_path)
+    assert [p.relative_to(tmp_path).as_posix() for p in written] == [
+        f"ptx/{arch}/maxpool2x2_nhwc.ptx" for arch in PTX_ARCHES
+    ]
+    assert check_fresh(tmp_path) == []
+
+    written[0].write_text(written[0].read_text() + "// edited\n")
+    written[1].unlink()
+    orphan = tmp_path / "ptx" / "compute_80" / "gone.ptx"
+    orphan.write_text("// stale\n")
+    assert check_fresh(tmp_path) == [
+        "ptx/compute_80/maxpool2x2_nhwc.ptx (differs from maxpool2x2_nhwc.cu)",
+        "ptx/compute_90a/maxpool2x2_nhwc.ptx (missing)",
+        "ptx/compute_80/gone.ptx (no source)",
+    ]
+    assert main(["--check", "--root", str(tmp_path)]) == 1
+
+    regenerate(tmp_path)
+    assert not orphan.exists()
+    assert check_fresh(tmp_path) == []
+    assert main(["--check", "--root", str(tmp_path)]) == 0
+
+
+def test_cli_prints_one_ptx(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--source", str(SOURCE_DIR / "maxpool2x2_nhwc.cu"), "--arch", "compute_120"]) == 0
+    out = capsys.readouterr().out
+    assert out == checked_in("maxpool2x2_nhwc", "compute_120")
+
+
+def test_cubin_cache_key_moves_with_every_input() -> None:
+    text = checked_in("maxpool2x2_nhwc", "compute_80")
+    key = cubin_cache_key(text, "sm_80")
+    assert key.startswith("sm_80-")
+    assert cubin_cache_key(text.encode() + b"\0", "sm_80") == key  # the loader's NUL is not a change
+    assert cubin_cache_key(text, "ampere") == key  # an alias of the same arch
+    assert cubin_cache_key(text, "sm_86") != key
+    assert cubin_cache_key(text.replace("max.NaN.f32", "max.f32"), "sm_80") != key
+
+
+def test_cached_cubin(tmp_path: Path) -> None:
+    text = checked_in("maxpool2x2_nhwc", "compute_80")
+    first = cached_cubin(text, "sm_86", tmp_path)
+    cached = tmp_path / cubin_cache_key(text, "sm_86")
+    assert cached.read_bytes() == first and first[:4] == b"\x7fELF"
+    cached.write_bytes(b"from the cache")
+    assert cached_cubin(text, "sm_86", tmp_path) == b"from the cache"
+    assert cached_cubin(text, "sm_86", tmp_path, enabled=False) == first
+
+
+def test_toolchain_versions() -> None:
+    versions = toolchain_versions()
+    assert versions["nvrtc"].startswith(f"{PINNED_NVRTC[0]}.{PINNED_NVRTC[1]} (nvidia-cuda-nvrtc ")
+    assert versions["nvjitlink"].split()[0].count(".") == 1

@@ -1,0 +1,412 @@
+"""The HTTP service over real HTTP on loopback, against the real engine of the tiny bundle on the CPU.
+
+Every server here is uvicorn in a thread on 127.0.0.1 with a port the kernel picked. Waits are
+bounded; a request that should be stuck in the queue is detected through /metrics, not with sleeps.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from click.testing import CliRunner
+from dualtrack import Engine
+from dualtrack.cli import main
+from dualtrack.errors import InputError
+from dualtrack.serve import Phase, create_app, imaging
+from dualtrack.serve.loadtest import loopback_target, run_loadtest
+from PIL import Image
+
+WAIT_S = 120.0  # upper bound on any wait (engine load + warmup on a slow CI core included)
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+@contextmanager
+def serving(app) -> Iterator[tuple[str, uvicorn.Server, threading.Thread]]:
+    """Run ``app`` under uvicorn on 127.0.0.1 in a thread; yield its base URL. Stops it on exit."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    _until(lambda: server.started, "uvicorn to start")
+    try:
+        yield f"http://127.0.0.1:{port}", server, thread
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+        sock.close()
+
+
+def _until(condition: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def _wait_ready(base: str) -> None:
+    _until(lambda: httpx.get(f"{base}/readyz").status_code == 200, "/readyz to answer 200")
+
+
+def _metric(base: str, name: str) -> float:
+    """The value of one unlabelled sample in /metrics."""
+    text = httpx.get(f"{base}/metrics").text
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def _png(rng: np.random.Generator, height: int, width: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _expected_mask(engine: Engine, data: bytes) -> np.ndarray:
+    """What the server must answer: engine.run at batch 1 on the resized image, resized back NEAREST."""
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    _, height, width, _ = engine.input_spec.shape
+    # Resize independently of serve.imaging, with the filter its docs promise.
+    x = np.asarray(img.resize((width, height), Image.Resampling.BILINEAR), dtype=np.uint8)
+    np.testing.assert_array_equal(x, imaging.to_model_input(img, height, width))
+    mask = engine.run(x[None])["mask"][0]
+    back = Image.fromarray(np.ascontiguousarray(mask)).resize(img.size, Image.Resampling.NEAREST)
+    return np.asarray(back)
+
+
+# --- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_bundle: Path) -> Iterator[Engine]:
+    """An engine of its own for expected answers (the server's engine is only called by its batcher)."""
+    engine = Engine.load(tiny_bundle, device="cpu")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bundle: Path) -> Iterator[tuple[str, object]]:
+    """The app loading the bundle itself, with room for 12 concurrent requests and a small body limit."""
+    app = create_app(tiny_bundle, max_batch_delay_ms=100, max_queue=32, max_body_bytes=256 * 1024)
+    with serving(app) as (base, _server, _thread):
+        _wait_ready(base)
+        yield base, app
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+
+
+# --- answers -------------------------------------------------------------------------------------
+
+
+def test_png_mask_equals_engine_run(server, reference, rng) -> None:
+    base, _ = server
+    data = _png(rng, 50, 80)  # not the model's 64x64: both resizes are exercised
+    r = httpx.post(f"{base}/v1/segment", content=data, headers={"Content-Type": "image/png"}, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "image/png"
+    assert "inference;dur=" in r.headers["server-timing"]
+    mask = imaging.decode_mask_png(r.content)
+    assert mask.shape == (50, 80)
+    np.testing.assert_array_equal(mask, _expected_mask(reference, data))
+
+
+def test_json_counts_sum_to_pixels(server, reference, rng) -> None:
+    base, _ = server
+    data = _png(rng, 64, 64)
+    r = httpx.post(f"{base}/v1/segment?format=json", content=data, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    classes = reference.output_specs[[s.name for s in reference.output_specs].index("probs")].shape[1]
+    assert body["shape"] == [64, 64] and body["model_shape"] == [64, 64] and body["classes"] == classes
+    assert sum(body["counts"]) == 64 * 64 and len(body["counts"]) == classes
+    expected = _expected_mask(reference, data)
+    assert body["counts"] == np.bincount(expected.ravel(), minlength=classes).tolist()
+    assert {"queue", "inference", "request"} <= body["timings_ms"].keys()
+
+
+def test_multipart_and_jpeg(server, reference, rng) -> None:
+    base, _ = server
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(buf, format="JPEG", quality=90)
+    data = buf.getvalue()
+    r = httpx.post(f"{base}/v1/segment", files={"image": ("x.jpg", data, "image/jpeg")}, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    np.testing.assert_array_equal(imaging.decode_mask_png(r.content), _expected_mask(reference, data))
+
+
+def test_concurrent_requests_are_batched(server, reference, rng) -> None:
+    base, _ = server
+    images = [_png(rng, 64, 64) for _ in range(12)]
+    batches_before = _metric(base, "dualtrack_batch_size_count")
+    rows_before = _metric(base, "dualtrack_batch_size_sum")
+    start = threading.Barrier(len(images))
+
+    def send(data: bytes) -> httpx.Response:
+        start.wait(WAIT_S)
+        return httpx.post(f"{base}/v1/segment?format=json", content=data, timeout=WAIT_S)
+
+    with ThreadPoolExecutor(len(images)) as pool:
+        answers = list(pool.map(send, images))
+    assert [a.status_code for a in answers] == [200] * len(images), [a.text for a in answers]
+    batches = _metric(base, "dualtrack_batch_size_count") - batches_before
+    rows = _metric(base, "dualtrack_batch_size_sum") - rows_before
+    assert rows == len(images)
+    assert batches < len(images), "12 concurrent requests ran one per batch: no micro-batching happened"
+    assert max(a.json()["batch_size"] for a in answers) > 1
+    # Rows are not mixed up: each answer counts its own image's classes (pad rows dropped).
+    # A row of a batch of 4 may differ from a batch-1 run in float rounding, so allow 0.5% of pixels.
+    for data, answer in zip(images, answers, strict=True):
+        expected = np.bincount(_expected_mask(reference, data).ravel(), minlength=answer.json()["classes"])
+        assert np.abs(np.array(answer.json()["counts"]) - expected).sum() <= 0.005 * 64 * 64 * 2
+
+
+# --- bad input, limits, probes -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "kwargs", "reason"),
+    [
+        (b"this is not an image\n", {}, r"not a PNG or JPEG image"),
+        (b"", {}, r"empty image"),
+        (b"\x89PNG\r\n\x1a\n" + b"\0" * 40, {}, r"(corrupt or truncated|not a PNG or JPEG)"),
+        (b"GIF89a" + b"\0" * 20, {}, r"not a PNG or JPEG image"),
+        (None, {"files": {"other": ("a.png", b"x", "image/png")}}, r"no field 'image'"),
+        (None, {"data": {"image": "text, not a file"}, "files": {"x": ("x", b"", "text/plain")}}, r"file part"),
+    ],
+    ids=["text", "empty", "truncated-png", "gif", "multipart-no-image", "multipart-text-field"],
+)
+def test_bad_input_is_400_with_reason(server, body, kwargs, reason) -> None:
+    base, _ = server
+    r = httpx.post(f"{base}/v1/segment", content=body, timeout=WAIT_S, **kwargs)
+    assert r.status_code == 400, r.text
+    assert re.search(reason, r.json()["error"]), r.json()
+    assert "\n" not in r.json()["error"]
+
+
+def test_truncated_png_is_400(server, rng) -> None:
+    base, _ = server
+    data = _png(rng, 64, 64)
+    r = httpx.post(f"{base}/v1/segment", content=data[: len(data) // 2], timeout=WAIT_S)
+    assert r.status_code == 400
+    assert "truncated" in r.json()["error"]
+
+
+def test_bad_format_404_405_are_json(server, rng) -> None:
+    base, _ = server
+    r = httpx.post(f"{base}/v1/segment?format=xml", content=_png(rng, 8, 8))
+    assert r.status_code == 400 and "format=png" in r.json()["error"]
+    assert httpx.get(f"{base}/no/such/page").json()["error"].endswith("Not Found")
+    assert httpx.get(f"{base}/v1/segment").status_code == 405
+
+
+def test_body_over_limit_is_413(server, rng) -> None:
+    base, app = server
+    limit = app.state.options.max_body_bytes
+    r = httpx.post(f"{base}/v1/segment", content=b"\0" * (limit + 1), timeout=WAIT_S)
+    assert r.status_code == 413
+    assert str(limit) in r.json()["error"]
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: the limit is enforced while reading
+        for _ in range(limit // 4096 + 2):
+            yield b"\0" * 4096
+
+    r = httpx.post(f"{base}/v1/segment", content=chunked(), timeout=WAIT_S)
+    assert r.status_code == 413
+    # A body exactly at the limit is read (and refused only as not an image).
+    r = httpx.post(f"{base}/v1/segment", content=b"\0" * limit, timeout=WAIT_S)
+    assert r.status_code == 400
+
+
+def test_bad_input_never_takes_the_server_down(server, rng) -> None:
+    base, _ = server
+    for body in (b"x", b"\xff\xd8\xff" + b"\0" * 100, b"\0" * 10):
+        assert httpx.post(f"{base}/v1/segment", content=body).status_code == 400
+    assert httpx.get(f"{base}/healthz").json() == {"status": "alive"}
+    assert httpx.post(f"{base}/v1/segment", content=_png(rng, 16, 16), timeout=WAIT_S).status_code == 200
+
+
+def test_metrics_exposition(server, rng) -> None:
+    base, _ = server
+    httpx.post(f"{base}/v1/segment", content=_png(rng, 32, 32), timeout=WAIT_S)
+    httpx.post(f"{base}/v1/segment", content=b"nope")
+    r = httpx.get(f"{base}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    for name in (
+        "dualtrack_requests_total",
+        "dualtrack_request_errors_total",
+        "dualtrack_request_latency_seconds_bucket",
+        "dualtrack_queue_wait_seconds_bucket",
+        "dualtrack_batch_size_bucket",
+        "dualtrack_inference_seconds_bucket",
+        "dualtrack_queue_depth",
+        "dualtrack_ready",
+    ):
+        assert f"\n{name}" in r.text, name
+    assert 'dualtrack_requests_total{code="200",endpoint="/v1/segment"}' in r.text
+    assert 'dualtrack_request_errors_total{code="400",endpoint="/v1/segment"}' in r.text
+    assert _metric(base, "dualtrack_ready") == 1.0
+
+
+def test_index_page(server) -> None:
+    base, _ = server
+    r = httpx.get(f"{base}/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert 'id="file"' in r.text and "/v1/segment" in r.text
+
+
+def test_readyz_is_503_until_loaded_and_warm(tiny_bundle: Path, rng) -> None:
+    release = threading.Event()
+
+    def slow_load() -> Engine:  # the real engine; only the moment it loads is held back
+        assert release.wait(WAIT_S)
+        return Engine.load(tiny_bundle, device="cpu")
+
+    app = create_app(slow_load, max_batch_delay_ms=1)
+    with serving(app) as (base, _server, _thread):
+        r = httpx.get(f"{base}/readyz")
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json() == {"error": "engine is loading"}
+        assert httpx.get(f"{base}/healthz").status_code == 200
+        r = httpx.post(f"{base}/v1/segment", content=_png(rng, 8, 8))
+        assert r.status_code == 503 and "loading" in r.json()["error"]
+        assert _metric(base, "dualtrack_ready") == 0.0
+        release.set()
+        _wait_ready(base)
+        assert app.state.batcher.phase is Phase.READY
+        assert httpx.post(f"{base}/v1/segment", content=_png(rng, 8, 8), timeout=WAIT_S).status_code == 200
+
+
+def test_failed_load_is_reported_by_readyz(tmp_path: Path) -> None:
+    app = create_app(tmp_path / "no-such-bundle")
+    with serving(app) as (base, _server, _thread):
+        _until(lambda: app.state.batcher.phase is Phase.FAILED, "the load to fail")
+        r = httpx.get(f"{base}/readyz")
+        assert r.status_code == 503 and r.json()["error"].startswith("engine failed to load: ")
+        assert httpx.get(f"{base}/healthz").status_code == 200
+
+
+def test_full_queue_is_503_with_retry_after(tiny_bundle: Path, rng) -> None:
+    # One waiting request fills the queue; the batch of 4 never fills, so it waits the full delay.
+    app = create_app(tiny_bundle, max_batch_delay_ms=3000, max_queue=1, retry_after_s=2)
+    with serving(app) as (base, _server, _thread), ThreadPoolExecutor(1) as pool:
+        _wait_ready(base)
+        first = pool.submit(httpx.post, f"{base}/v1/segment", content=_png(rng, 16, 16), timeout=WAIT_S)
+        _until(lambda: _metric(base, "dualtrack_queue_depth") == 1, "the first request to be queued", 10)
+        r = httpx.post(f"{base}/v1/segment", content=_png(rng, 16, 16), timeout=WAIT_S)
+        assert r.status_code == 503
+        assert r.headers["retry-after"] == "2"
+        assert "queue is full" in r.json()["error"]
+        assert first.result(WAIT_S).status_code == 200
+
+
+def test_graceful_shutdown_finishes_in_flight_request(tiny_bundle: Path, reference, rng) -> None:
+    app = create_app(tiny_bundle, max_batch_delay_ms=1500, max_queue=4)
+    data = _png(rng, 64, 64)
+    with serving(app) as (base, server, thread), ThreadPoolExecutor(1) as pool:
+        _wait_ready(base)
+        in_flight = pool.submit(httpx.post, f"{base}/v1/segment", content=data, timeout=WAIT_S)
+        _until(lambda: _metric(base, "dualtrack_queue_depth") == 1, "the request to be queued", 10)
+        server.should_exit = True  # what uvicorn's SIGTERM handler does
+        answer = in_flight.result(WAIT_S)
+        thread.join(WAIT_S)
+        assert not thread.is_alive()
+    assert answer.status_code == 200, answer.text
+    np.testing.assert_array_equal(imaging.decode_mask_png(answer.content), _expected_mask(reference, data))
+    assert app.state.batcher.phase is Phase.CLOSED
+
+
+def test_serve_cli_sigterm_finishes_in_flight_request(tiny_bundle: Path, rng) -> None:
+    argv = [sys.executable, "-m", "dualtrack.cli", "serve", str(tiny_bundle)]
+    argv += ["--port", "0", "--max-batch-delay-ms", "1500", "--log-level", "info"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port = None
+        deadline = time.monotonic() + WAIT_S
+        while port is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, f"`dualtrack serve` exited with {proc.wait()}"
+            match = re.search(r"running on http://127\.0\.0\.1:(\d+)", line)
+            port = int(match.group(1)) if match else None
+        base = f"http://127.0.0.1:{port}"
+        _wait_ready(base)
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(httpx.post, f"{base}/v1/segment", content=_png(rng, 64, 64), timeout=WAIT_S)
+            _until(lambda: _metric(base, "dualtrack_queue_depth") == 1, "the request to be queued", 10)
+            proc.send_signal(signal.SIGTERM)
+            assert in_flight.result(WAIT_S).status_code == 200
+        assert proc.wait(WAIT_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# --- load test command ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://example.com:8080/", "http://10.0.0.1:8080", "http://127.0.0.1.example.com/", "http://[2001:db8::1]:80/"],
+)
+def test_loadtest_refuses_non_loopback(url: str, tmp_path: Path) -> None:
+    image = tmp_path / "x.png"
+    image.write_bytes(b"not read")
+    result = CliRunner().invoke(main, ["loadtest", url, "--image", str(image), "--requests", "1"])
+    assert result.exit_code == InputError.exit_code, result.output
+    assert result.output.count("\n") == 1 and "not loopback" in result.output, result.output
+    with pytest.raises(InputError, match="not loopback"):
+        loopback_target(url)
+
+
+def test_loopback_target_accepts_loopback() -> None:
+    assert loopback_target("http://127.0.0.1:8080").path == "/v1/segment"
+    assert loopback_target("http://127.5.6.7:9/v1/segment?format=json").path == "/v1/segment?format=json"
+    assert loopback_target("http://[::1]:8080/").host == "::1"
+    assert loopback_target("http://localhost:1/").port == 1
+
+
+def test_loadtest_against_server(server, rng, tmp_path: Path) -> None:
+    base, _ = server
+    image = tmp_path / "img.png"
+    image.write_bytes(_png(rng, 64, 64))
+    report_path = tmp_path / "report.json"
+    result = CliRunner().invoke(
+        main,
+        ["loadtest", base, "--image", str(image), "--concurrency", "4", "--requests", "12", "--json", str(report_path)],
+    )
+    assert result.exit_code == 0, result.output
+    assert re.search(r"12 sent, 12 ok\s+errors: none", result.output)
+    assert "p50" in result.output and "p99" in result.output and "req/s" in result.output
+    assert '"ok": 12' in report_path.read_text()
+
+
+def test_loadtest_is_bounded_in_seconds(server, rng) -> None:
+    base, _ = server
+    report = run_loadtest(base, _png(rng, 64, 64), concurrency=2, requests=10**9, duration_s=1.0)
+    assert report.ok > 0
+    assert report.elapsed_s < 1.0 + 5.0  # stops issuing at 1 s; the last requests take one batch delay
+    assert report.sent < 10**9
