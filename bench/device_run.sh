@@ -10,7 +10,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 echo "commit ${DUALTRACK_COMMIT:-unknown}"
 step=${1:-all}
 if [ "$step" = all ] || [ "$step" = test ]; then
-  DUALTRACK_TEST_BUNDLE=$PWD/.carry/tiny python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu-test.log"
+  for t in tests/gpu/test_engine_gpu.py tests/gpu/test_runtime_gpu.py; do
+    DUALTRACK_TEST_BUNDLE=$PWD/.carry/tiny python3 -m pytest -q -m gpu "$t" -p no:cacheprovider -rfE --tb=short 2>&1 | tee -a "$OUT/gpu-test.log"
+  done
 fi
 if [ "$step" = all ] || [ "$step" = check ]; then
   python3 bench/gpu_check.py --bundle .carry/unet --image .carry/sample.png --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"

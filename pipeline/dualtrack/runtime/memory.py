@@ -95,7 +95,10 @@ class DevicePool:
 
 
 def _free_async(ctx: Context, ptr: int, stream: Stream) -> None:
-    release(ctx, cu.cuMemFreeAsync, ptr, stream.handle)
+    # A stream destroyed before this buffer (an engine closed while a caller still holds one of its
+    # tensors) must not be named again: free on the legacy stream, which orders after all work.
+    alive = stream._finalizer is None or stream._finalizer.alive
+    release(ctx, cu.cuMemFreeAsync, ptr, stream.handle if alive else cu.CUstream(0))
 
 
 class DeviceBuffer:

@@ -1,0 +1,756 @@
+"""Issue 4 benchmarks: dualtrack against PyTorch on the reference U-Net, in one GPU run.
+
+    PYTHONPATH=pipeline python bench/bench.py --bundle build/unet \\
+        --seed-split-bundle build/unet_seed_split --iree-only-bundle build/iree_only --skip-autotune
+
+Same weights (the bundle's model.onnx), fp16, the bundle's input size (512x512), N=1 and N=8.
+Every row runs the whole model, uint8 NHWC image in -> probs and mask out, input already on the GPU.
+Rows (names are fixed so that result files compare across commits):
+
+    dualtrack                 bundle of configs/unet.yaml
+    dualtrack_seed_split      bundle of configs/unet_seed_split.yaml (encoder on Track A, the rest IREE)
+    iree_only                 bundle of configs/iree_only.yaml (no Track A: the whole model through IREE)
+    torch_eager               PyTorch eager, NCHW
+    torch_eager_cl            PyTorch eager, channels_last
+    torch_compile             torch.compile mode="max-autotune-no-cudagraphs" ("default" with --skip-autotune)
+    torch_compile_cudagraphs  torch.compile mode="reduce-overhead" (CUDA graphs)
+
+Timing: `median_ms` is host wall time around one synchronous call (time.perf_counter, the GPU idle
+before and drained after), the one clock that sees IREE's own streams; torch rows also record
+CUDA events on their stream (`median_event_ms`). Inputs rotate among --input-sets sets so that no
+row is flattered by a warm L2. Before a row is timed its probs are checked against onnxruntime
+(CPU) on one image at N=1 (relative L2 <= 1e-2); a row that fails is reported and not timed.
+
+`--layers` (on by default) times every Track A conv3x3 call of the dualtrack bundle alone against
+cuDNN (torch conv2d, channels_last fp16, benchmark mode) on the same shape, with CUDA events over a
+queue of launches held behind a GPU sleep so that neither side's host launch cost is counted.
+
+Writes bench/results/bench-<commit10>.json and .png; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# shared/FACTS.md, "Reference workload": 96.6 GFLOP per image; 790 TFLOP/s measured bf16 GEMM rate.
+GFLOP_PER_IMAGE = 96.6
+FLOOR_TFLOPS = 790.0
+CHECK_REL_L2 = 1e-2
+LAYER_TARGET = 0.70  # issue 4: each Track A conv >= 70% of cuDNN's throughput on the same layer
+BASELINE = "torch_compile_cudagraphs"
+ROWS = (
+    "dualtrack",
+    "dualtrack_seed_split",
+    "iree_only",
+    "torch_eager",
+    "torch_eager_cl",
+    "torch_compile",
+    "torch_compile_cudagraphs",
+)
+BUNDLE_ROWS = {  # row -> (argparse dest, config that builds its bundle)
+    "dualtrack": ("bundle", "configs/unet.yaml"),
+    "dualtrack_seed_split": ("seed_split_bundle", "configs/unet_seed_split.yaml"),
+    "iree_only": ("iree_only_bundle", "configs/iree_only.yaml"),
+}
+
+
+# -- small helpers ----------------------------------------------------------------------------------
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def gpu_and_driver() -> tuple[str, str]:
+    """GPU name and driver version from nvidia-smi, else from the Driver API."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout.strip().splitlines()  # fmt: skip
+        name, driver = (s.strip() for s in out[0].rsplit(",", 1))
+        return name, driver
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        pass
+    try:
+        from dualtrack.runtime.driver import Device
+
+        dev = Device(0)
+        return dev.name, f"CUDA driver API {dev.driver_version // 1000}.{dev.driver_version % 1000 // 10}"
+    except Exception as exc:  # no GPU at all: say so in the result rather than crash before the table
+        return "unknown", f"unknown ({type(exc).__name__}: {exc})"
+
+
+def rel_l2(ref: np.ndarray, got: np.ndarray) -> float:
+    ref64, got64 = np.asarray(ref, np.float64), np.asarray(got, np.float64)
+    return float(np.linalg.norm(got64 - ref64) / max(np.linalg.norm(ref64), 1e-30))
+
+
+def stats(samples: list[float]) -> dict[str, float]:
+    s = sorted(samples)
+    return {
+        "median": statistics.median(s),
+        "p10": s[int(0.1 * (len(s) - 1))],
+        "p90": s[int(0.9 * (len(s) - 1))],
+        "min": s[0],
+    }
+
+
+def floor_ms(batch: int) -> float:
+    return GFLOP_PER_IMAGE * 1e9 * batch / (FLOOR_TFLOPS * 1e12) * 1e3
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(float(x), nd)
+
+
+def skipped(name: str, reason: str, batches: list[int]) -> list[dict[str, Any]]:
+    print(f"[{name}] skipped: {reason}")
+    return [{"name": name, "batch": b, "median_ms": None, "skipped": reason} for b in batches]
+
+
+# -- the reference model, read from ONNX --------------------------------------------------------------
+
+
+def load_weights(model_path: Path) -> dict[str, np.ndarray]:
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(model_path))
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+def unet_depth(weights: dict[str, np.ndarray]) -> int:
+    levels = {int(k[3 : k.index("/")]) for k in weights if k.startswith("enc") and k.endswith("/conv1.weight")}
+    if not levels or levels != set(range(1, max(levels) + 1)):
+        raise ValueError(f"model.onnx has encoder levels {sorted(levels)}; expected enc1/ .. encD/ (reference.py)")
+    return max(levels)
+
+
+def model_gflop(weights: dict[str, np.ndarray], height: int, width: int) -> float:
+    """Multiply-adds x 2 of every conv and transposed conv (the FACTS count ignores the rest)."""
+    depth, flops = unet_depth(weights), 0
+
+    def conv(name: str, pixels: int) -> int:
+        k, c, r, s = weights[f"{name}.weight"].shape
+        return 2 * pixels * k * c * r * s
+
+    for level in range(1, depth + 1):
+        px = (height >> (level - 1)) * (width >> (level - 1))
+        flops += conv(f"enc{level}/conv1", px) + conv(f"enc{level}/conv2", px)
+        cin, cout = weights[f"dec{level}/up.weight"].shape[:2]
+        flops += 2 * px * cin * cout + conv(f"dec{level}/conv1", px) + conv(f"dec{level}/conv2", px)
+    px = (height >> depth) * (width >> depth)
+    flops += conv("mid/conv1", px) + conv("mid/conv2", px) + conv("head/conv", height * width)
+    return flops / 1e9
+
+
+def build_torch_unet(torch: Any, weights: dict[str, np.ndarray], *, channels_last: bool) -> Any:
+    """The U-Net of dualtrack/reference.py as a torch module holding the ONNX initializers.
+
+    forward(image uint8 NHWC) -> (probs float32 (N, classes, H, W), mask uint8 (N, H, W)), exactly the
+    ONNX graph: cast, NCHW, (x - mean) * inv_std in fp32, to the weights' dtype; encoder levels of
+    (conv3x3 + ReLU) x 2 then maxpool 2x2; mid/; decoder levels of ConvTranspose 2x2 s2, concat
+    [up, skip], (conv3x3 + ReLU) x 2; head 1x1 conv; softmax in the weights' dtype; argmax.
+    """
+    nn, F = torch.nn, torch.nn.functional
+    depth = unet_depth(weights)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+
+    def param(name: str) -> Any:
+        return nn.Parameter(torch.from_numpy(np.ascontiguousarray(weights[name])), requires_grad=False)
+
+    def conv(name: str) -> Any:
+        w = weights[f"{name}.weight"]
+        m = nn.Conv2d(w.shape[1], w.shape[0], w.shape[2], padding=w.shape[2] // 2, device="meta")
+        m.weight, m.bias = param(f"{name}.weight"), param(f"{name}.bias")
+        return m
+
+    def up(name: str) -> Any:
+        w = weights[f"{name}.weight"]  # (Cin, Cout, 2, 2), as ONNX ConvTranspose stores it
+        m = nn.ConvTranspose2d(w.shape[0], w.shape[1], 2, stride=2, device="meta")
+        m.weight, m.bias = param(f"{name}.weight"), param(f"{name}.bias")
+        return m
+
+    class UNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dtype = torch.from_numpy(weights["enc1/conv1.weight"][:0]).dtype
+            names = [f"enc{i}/conv{j}" for i in range(1, depth + 1) for j in (1, 2)]
+            names += ["mid/conv1", "mid/conv2", "head/conv"]
+            names += [f"dec{i}/conv{j}" for i in range(1, depth + 1) for j in (1, 2)]
+            self.convs = nn.ModuleDict({n.replace("/", "_"): conv(n) for n in names})
+            self.ups = nn.ModuleDict({f"dec{i}_up": up(f"dec{i}/up") for i in range(1, depth + 1)})
+            self.register_buffer("mean", torch.from_numpy(np.asarray(weights["pre/mean"], np.float32)))
+            self.register_buffer("inv_std", torch.from_numpy(np.asarray(weights["pre/inv_std"], np.float32)))
+
+        def block(self, x: Any, name: str) -> Any:
+            x = F.relu(self.convs[f"{name}_conv1"](x))
+            return F.relu(self.convs[f"{name}_conv2"](x))
+
+        def forward(self, image: Any) -> tuple[Any, Any]:
+            x = (image.permute(0, 3, 1, 2).float() - self.mean) * self.inv_std
+            x = x.to(self.dtype, memory_format=fmt)
+            skips = []
+            for level in range(1, depth + 1):
+                x = self.block(x, f"enc{level}")
+                skips.append(x)
+                x = F.max_pool2d(x, 2, 2)
+            x = self.block(x, "mid")
+            for level in range(depth, 0, -1):
+                x = torch.cat([self.ups[f"dec{level}_up"](x), skips[level - 1]], dim=1)
+                x = self.block(x, f"dec{level}")
+            probs = torch.softmax(self.convs["head_conv"](x), dim=1)
+            return probs.float(), probs.argmax(dim=1).to(torch.uint8)
+
+    model = UNet().eval()
+    return model.to(memory_format=fmt) if channels_last else model
+
+
+def ort_probs(model_path: Path, image: np.ndarray) -> np.ndarray:
+    """onnxruntime (CPU) probs of the bundle's model: the reference every row is checked against."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
+    return sess.run(["probs"], {sess.get_inputs()[0].name: image})[0]
+
+
+# -- dualtrack rows -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def segment_timer(backend: Any) -> Iterator[dict[str, float]]:
+    """Host ms of every segment of the next run_batch calls, by segment name (reset by the caller).
+
+    Each segment returns with its work complete (Track A waits on its end event, IREE's call is
+    synchronous), so host time per segment is its time on the GPU plus its own overheads.
+    """
+    times: dict[str, float] = {}
+    inner = backend.run_segment
+
+    def timed(seg: Any, batch: int, inputs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = inner(seg, batch, inputs)
+        times[seg.name] = times.get(seg.name, 0.0) + (time.perf_counter() - t0) * 1e3
+        return out
+
+    backend.run_segment = timed
+    try:
+        yield times
+    finally:
+        del backend.run_segment  # back to the class's method
+
+
+def time_engine(engine: Any, xs: list[Any], batch: int, warmup: int, iters: int) -> dict[str, Any]:
+    be = engine.backend
+    for i in range(warmup):
+        engine.run_batch(xs[i % len(xs)], batch)
+    be.stream.synchronize()
+    totals: list[float] = []
+    tracks: dict[str, list[float]] = {"A": [], "B": []}
+    segs: dict[str, list[float]] = {}
+    with segment_timer(be) as seg_ms:
+        for i in range(iters):
+            x = xs[i % len(xs)]
+            be.timings = {"A": 0.0, "B": 0.0}
+            seg_ms.clear()
+            t0 = time.perf_counter()
+            engine.run_batch(x, batch)
+            be.stream.synchronize()
+            totals.append((time.perf_counter() - t0) * 1e3)
+            for k in tracks:
+                tracks[k].append(be.timings[k])
+            for k, v in seg_ms.items():
+                segs.setdefault(k, []).append(v)
+    st = stats(totals)
+    return {
+        "median_ms": _r(st["median"]),
+        "median_event_ms": None,
+        "p10_ms": _r(st["p10"]),
+        "p90_ms": _r(st["p90"]),
+        "min_ms": _r(st["min"]),
+        "timer": "host perf_counter around run_batch + stream sync (IREE runs on its own streams)",
+        "tracks_ms": {k: _r(statistics.median(v)) for k, v in tracks.items()},
+        "segments_ms": {k: _r(statistics.median(v)) for k, v in segs.items()},
+    }
+
+
+def bench_bundle(name: str, path: Path | None, ctx: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Rows of one bundle at every batch size, and (for `dualtrack` with --layers) the layer table."""
+    args, batches = ctx["args"], ctx["args"].batches
+    config = BUNDLE_ROWS[name][1]
+    if path is None:
+        return skipped(name, f"no bundle given (build it with `dualtrack build {config}`)", batches), []
+    if not (path / "manifest.json").is_file():
+        return skipped(name, f"bundle {path} not found (build it with `dualtrack build {config} -o {path}`)", batches), []
+    from dualtrack.bundle import Bundle
+    from dualtrack.runtime.engine import Engine
+
+    bundle = Bundle.open(path)
+    src = bundle.manifest.get("model", {}).get("source_sha256")
+    if ctx["source_sha256"] and src and src != ctx["source_sha256"]:
+        return skipped(name, f"{path} was built from another model than {ctx['model_path']} (not the same weights)", batches), []
+    plan = [
+        {"segment": s.name, "track": s.track, "nodes": len(s.nodes), "first": s.nodes[0], "last": s.nodes[-1]}
+        for s in bundle.plan.segments
+    ]
+    print(f"[{name}] {path}: " + "; ".join(f"{p['segment']} {p['first']} .. {p['last']}" for p in plan))
+    t0 = time.perf_counter()
+    engine = Engine.load(bundle, "cuda")
+    load_s = time.perf_counter() - t0
+    rows: list[dict[str, Any]] = []
+    layers: list[dict[str, Any]] = []
+    try:
+        err = rel_l2(ctx["ref_probs"], engine.run(ctx["sample"])["probs"])
+        print(f"[{name}] probs vs onnxruntime at N=1: rel L2 {err:.2e} (limit {CHECK_REL_L2:.0e})")
+        if not err <= CHECK_REL_L2:
+            return skipped(name, f"probs differ from onnxruntime: rel L2 {err:.2e} > {CHECK_REL_L2:.0e}", batches), []
+        for b in batches:
+            if b not in engine.batch_sizes:
+                rows += skipped(name, f"N={b} is not compiled in {path} (has {list(engine.batch_sizes)})", [b])
+                continue
+            xs = [engine.backend.from_host(x) for x in ctx["inputs"][b]]
+            t = time_engine(engine, xs, b, args.warmup, args.iters)
+            rows.append({"name": name, "batch": b, **t, "check_rel_l2": _r(err, 6), "bundle": str(path),
+                         "engine_load_s": round(load_s, 2), "plan": plan})  # fmt: skip
+            print(f"[{name}] N={b}: {t['median_ms']:.3f} ms (tracks {t['tracks_ms']}, segments {t['segments_ms']})")
+        if name == "dualtrack" and args.layers:
+            layers = bench_layers(engine, batches, args)
+    finally:
+        engine.close()
+    return rows, layers
+
+
+# -- torch rows -----------------------------------------------------------------------------------
+
+
+def time_torch(torch: Any, fn: Callable[[Any], Any], xs: list[Any], warmup: int, iters: int,
+               before: Callable[[], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    for i in range(warmup):
+        if before:
+            before()
+        fn(xs[i % len(xs)])
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    host, events = [], []
+    for i in range(iters):
+        x = xs[i % len(xs)]
+        if before:
+            before()
+        t0 = time.perf_counter()
+        start.record()
+        fn(x)
+        end.record()
+        torch.cuda.synchronize()
+        host.append((time.perf_counter() - t0) * 1e3)
+        events.append(start.elapsed_time(end))
+    sh, se = stats(host), stats(events)
+    return {
+        "median_ms": _r(sh["median"]),
+        "median_event_ms": _r(se["median"]),
+        "p10_ms": _r(sh["p10"]),
+        "p90_ms": _r(sh["p90"]),
+        "min_ms": _r(sh["min"]),
+        "timer": "host perf_counter around the call + cuda synchronize; CUDA events on the current stream",
+    }
+
+
+def torch_rows(ctx: dict[str, Any]) -> list[dict[str, Any]]:
+    args, batches = ctx["args"], ctx["args"].batches
+    names = ["torch_eager", "torch_eager_cl", "torch_compile", "torch_compile_cudagraphs"]
+    try:
+        import torch
+    except ImportError as exc:
+        return [r for n in names for r in skipped(n, f"torch is not installed ({exc})", batches)]
+    if not torch.cuda.is_available():
+        return [r for n in names for r in skipped(n, "torch sees no CUDA device", batches)]
+    ctx["torch"] = {"version": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
+    torch.backends.cudnn.benchmark = True
+    dev = torch.device("cuda")
+    sample = torch.from_numpy(ctx["sample"]).to(dev)
+    inputs = {b: [torch.from_numpy(x).to(dev) for x in xs] for b, xs in ctx["inputs"].items()}
+    compile_mode = "default" if args.skip_autotune else "max-autotune-no-cudagraphs"
+    variants: list[tuple[str, bool, str | None]] = [("torch_eager", False, None), ("torch_eager_cl", True, None)]
+    rows: list[dict[str, Any]] = []
+    if args.skip_torch_compile:
+        rows += [r for n in names[2:] for r in skipped(n, "--skip-torch-compile", batches)]
+    else:
+        variants += [("torch_compile", True, compile_mode), ("torch_compile_cudagraphs", True, "reduce-overhead")]
+    for name, channels_last, mode in variants:
+        model = build_torch_unet(torch, ctx["weights"], channels_last=channels_last).to(dev)
+        fn: Callable[[Any], Any] = model
+        before = None
+        if mode is not None:
+            torch._dynamo.reset()
+            fn = torch.compile(model, mode=None if mode == "default" else mode, dynamic=False)
+            if mode == "reduce-overhead":
+                before = torch.compiler.cudagraph_mark_step_begin
+        compile_s: dict[int, float] = {}
+        with torch.no_grad():
+            if before:
+                before()
+            t0 = time.perf_counter()
+            probs = fn(sample)[0].cpu().numpy()
+            torch.cuda.synchronize()
+            compile_s[1] = time.perf_counter() - t0
+            err = rel_l2(ctx["ref_probs"], probs)
+            extra = f" (first call, compile included: {compile_s[1]:.1f} s)" if mode else ""
+            print(f"[{name}] probs vs onnxruntime at N=1: rel L2 {err:.2e} (limit {CHECK_REL_L2:.0e}){extra}")
+            if not err <= CHECK_REL_L2:
+                rows += skipped(name, f"probs differ from onnxruntime: rel L2 {err:.2e} > {CHECK_REL_L2:.0e}", batches)
+                continue
+            for b in batches:
+                if mode and b not in compile_s:
+                    if before:
+                        before()
+                    t0 = time.perf_counter()
+                    fn(inputs[b][0])
+                    torch.cuda.synchronize()
+                    compile_s[b] = time.perf_counter() - t0
+                    print(f"[{name}] compile for N={b}: {compile_s[b]:.1f} s (first call)")
+                t = time_torch(torch, fn, inputs[b], args.warmup, args.iters, before)
+                row = {"name": name, "batch": b, **t, "check_rel_l2": _r(err, 6),
+                       "layout": "channels_last" if channels_last else "NCHW"}  # fmt: skip
+                if mode:
+                    row.update(compile_mode=mode, compile_s=round(compile_s[b], 2))
+                rows.append(row)
+                print(f"[{name}] N={b}: {t['median_ms']:.3f} ms (events {t['median_event_ms']:.3f} ms)")
+        del fn, model
+        if mode is not None:
+            torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    return rows
+
+
+# -- Track A convolutions against cuDNN -------------------------------------------------------------
+
+
+def _queued_ms(torch: Any, sleep: Callable[[], None], record: Callable[[str], None], elapsed: Callable[[], float],
+               launch: Callable[[], None], per_rep: int, reps: int) -> tuple[float, float]:  # fmt: skip
+    """Median ms per launch of `per_rep` launches queued behind a GPU sleep; also the worst host
+    enqueue time of one rep, which must stay below the sleep for the GPU to run them back to back."""
+    out, worst_enqueue = [], 0.0
+    for _ in range(reps):
+        sleep()
+        t0 = time.perf_counter()
+        record("start")
+        for _ in range(per_rep):
+            launch()
+        record("end")
+        worst_enqueue = max(worst_enqueue, (time.perf_counter() - t0) * 1e3)
+        out.append(elapsed() / per_rep)
+    return statistics.median(out), worst_enqueue
+
+
+def bench_layers(engine: Any, batches: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every Track A conv3x3 call of the plan: our kernel alone vs cuDNN on the same shape."""
+    try:
+        import torch
+    except ImportError as exc:
+        print(f"[layers] skipped: torch is not installed ({exc})")
+        return []
+    from dualtrack import kernels
+    from dualtrack.runtime.driver import Event
+
+    be, spec = engine.backend, kernels.KERNELS["conv3x3"]
+    torch.backends.cudnn.benchmark = True
+    ours_stream = torch.cuda.ExternalStream(int(be.stream.handle))
+    torch_stream = torch.cuda.current_stream()
+    ev = {"start": Event(be.ctx), "end": Event(be.ctx)}
+    tev = {"start": torch.cuda.Event(enable_timing=True), "end": torch.cuda.Event(enable_timing=True)}
+
+    # Calibrate torch.cuda._sleep (clock cycles) to milliseconds once.
+    torch.cuda._sleep(1_000_000)
+    tev["start"].record()
+    torch.cuda._sleep(10_000_000)
+    tev["end"].record()
+    torch.cuda.synchronize()
+    ms_per_cycle = tev["start"].elapsed_time(tev["end"]) / 10_000_000
+    rng = np.random.default_rng(1)
+    out: list[dict[str, Any]] = []
+    calls = [(seg, c) for seg in engine.plan.segments if seg.track == "A" for c in seg.calls if c.op == "conv3x3"]
+    if not calls:
+        print("[layers] the dualtrack bundle has no Track A conv3x3 calls")
+        return []
+    for seg, c in calls:
+        specs = {t.name: t for t in (*seg.inputs, *seg.tensors, *seg.outputs)}
+        xs, ys = specs[c.inputs[0]], specs[c.outputs[0]]
+        nhwc = (lambda s: s) if xs.layout != "NCHW" else (lambda s: (s[0], s[2], s[3], s[1]))
+        dtype = np.dtype(xs.dtype)
+        wname = c.weights[0]
+        label = wname.removesuffix(".weight")
+        for b in batches:
+            if b not in engine.batch_sizes:
+                continue
+            n, h, w, ch = nhwc(xs.at_batch(b))
+            k = nhwc(ys.at_batch(b))[3]
+            x = np.abs(rng.standard_normal((n, h, w, ch))).astype(dtype)
+            dx = be.from_host(x)
+            ybuf = be.pool.alloc(n * h * w * k * dtype.itemsize, be.stream)
+            bias = be.weights[c.weights[1]].ptr if len(c.weights) > 1 else None
+            kargs = spec.args(x=dx.ptr, w=be.weights[wname].ptr, bias=bias, y=int(ybuf),
+                              N=n, H=h, W=w, C=ch, K=k, relu=bool(c.attr("relu")))  # fmt: skip
+            cfg = spec.launch(dtype, n, h, w, ch, k)
+            kern = be.kernels[spec.entry(dtype)]
+            if cfg.shared_bytes > 48 * 1024:
+                kern.set_max_dynamic_shared(cfg.shared_bytes)
+
+            def ours(kern: Any = kern, cfg: Any = cfg, kargs: Any = kargs) -> None:
+                kern.launch(cfg.grid, cfg.block, cfg.shared_bytes, be.stream, kargs)
+
+            wt = torch.from_numpy(engine.bundle.weights[wname]).cuda().contiguous(memory_format=torch.channels_last)
+            bt = torch.from_numpy(engine.bundle.weights[c.weights[1]]).cuda() if len(c.weights) > 1 else None
+            xt = torch.from_numpy(x).cuda().permute(0, 3, 1, 2)  # NHWC memory = channels_last NCHW view
+
+            def cudnn(xt: Any = xt, wt: Any = wt) -> None:
+                torch.nn.functional.conv2d(xt, wt, None, padding=1)
+
+            # Correctness of the launch first (bias and ReLU fused in ours, as the plan runs it).
+            ours()
+            want = torch.nn.functional.conv2d(xt, wt, bt, padding=1)
+            if c.attr("relu"):
+                want = torch.relu(want)
+            from dualtrack.runtime.gpu import GpuTensor
+
+            got = be.to_host(GpuTensor(int(ybuf), (n, h, w, k), dtype, ybuf))
+            err = rel_l2(want.permute(0, 2, 3, 1).float().cpu().numpy(), got)
+
+            # Warm up (cuDNN benchmark picks its algorithm here) and size the sleep from host enqueue time.
+            enq = {}
+            for what, fn, sync in (("ours", ours, be.stream.synchronize), ("cudnn", cudnn, torch.cuda.synchronize)):
+                for _ in range(3):
+                    fn()
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(args.layer_launches):
+                    fn()
+                enq[what] = (time.perf_counter() - t0) * 1e3
+                sync()
+            sleep_ms = 2.0 * max(enq.values()) + 0.2
+            cycles = int(sleep_ms / ms_per_cycle)
+
+            def sleep_ours(cycles: int = cycles) -> None:
+                with torch.cuda.stream(ours_stream):
+                    torch.cuda._sleep(cycles)
+
+            def sleep_torch(cycles: int = cycles) -> None:
+                with torch.cuda.stream(torch_stream):
+                    torch.cuda._sleep(cycles)
+
+            ms_ours, enq_ours = _queued_ms(
+                torch, sleep_ours, lambda e: ev[e].record(be.stream), lambda: ev["start"].elapsed_ms(ev["end"]),
+                ours, args.layer_launches, args.layer_reps,
+            )  # fmt: skip
+            ms_cudnn, enq_cudnn = _queued_ms(
+                torch, sleep_torch, lambda e: tev[e].record(torch_stream),
+                lambda: (tev["end"].synchronize(), tev["start"].elapsed_time(tev["end"]))[1],
+                cudnn, args.layer_launches, args.layer_reps,
+            )  # fmt: skip
+            launch_bound = max(enq_ours, enq_cudnn) >= sleep_ms
+            flops = 2.0 * n * h * w * ch * k * 9
+            t_ours, t_cudnn = flops / (ms_ours * 1e9), flops / (ms_cudnn * 1e9)
+            row = {
+                "layer": label, "segment": seg.name, "batch": b, "N": n, "H": h, "W": w, "C": ch, "K": k,
+                "ours_ms": _r(ms_ours, 5), "ours_tflops": _r(t_ours, 2),
+                "cudnn_ms": _r(ms_cudnn, 5), "cudnn_tflops": _r(t_cudnn, 2),
+                "ratio": _r(t_ours / t_cudnn, 3), "meets_target": t_ours / t_cudnn >= LAYER_TARGET,
+                "rel_l2_vs_cudnn": _r(err, 6), "launch_bound_warning": launch_bound,
+                "grid": list(cfg.grid), "block": list(cfg.block),
+            }  # fmt: skip
+            out.append(row)
+            print(f"[layers] {label} N={b} {h}x{w} {ch}->{k}: ours {ms_ours * 1e3:.1f} us {t_ours:.1f} TFLOP/s, "
+                  f"cuDNN {ms_cudnn * 1e3:.1f} us {t_cudnn:.1f} TFLOP/s, ratio {t_ours / t_cudnn:.2f}, "
+                  f"rel L2 {err:.1e}{' (LAUNCH-BOUND: sleep too short)' if launch_bound else ''}")  # fmt: skip
+            del dx, ybuf, xt, wt, bt, want
+    be.stream.synchronize()
+    return out
+
+
+# -- report -----------------------------------------------------------------------------------------
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    base = {r["batch"]: r["median_ms"] for r in rows if r["name"] == BASELINE and r.get("median_ms")}
+    for r in rows:
+        ms = r.get("median_ms")
+        r["floor_ms"] = _r(floor_ms(r["batch"]))
+        r["ratio_to_" + BASELINE] = _r(ms / base[r["batch"]], 3) if ms and r["batch"] in base else None
+        r["ratio_to_floor"] = _r(ms / floor_ms(r["batch"]), 2) if ms else None
+
+
+def print_table(rows: list[dict[str, Any]], layers: list[dict[str, Any]]) -> None:
+    if layers:
+        print(f"\nTrack A conv3x3 vs cuDNN (channels_last fp16; ours with bias+ReLU fused, cuDNN conv alone), "
+              f"target ratio >= {LAYER_TARGET:.2f}")  # fmt: skip
+        print(f"{'layer':<12} {'N':>2} {'HxW':>9} {'C->K':>9} {'ours us':>9} {'TFLOP/s':>8} {'cuDNN us':>9} "
+              f"{'TFLOP/s':>8} {'ratio':>6}  ok")  # fmt: skip
+        for r in layers:
+            print(f"{r['layer']:<12} {r['batch']:>2} {r['H']:>4}x{r['W']:<4} {r['C']:>4}->{r['K']:<4} "
+                  f"{r['ours_ms'] * 1e3:>9.1f} {r['ours_tflops']:>8.1f} {r['cudnn_ms'] * 1e3:>9.1f} "
+                  f"{r['cudnn_tflops']:>8.1f} {r['ratio']:>6.2f}  {'yes' if r['meets_target'] else 'NO'}")  # fmt: skip
+        print(f"{sum(r['meets_target'] for r in layers)} of {len(layers)} layer/batch pairs meet the target")
+    print("\nmedian_ms: host wall time of one synchronous call (perf_counter; the GPU idle before, drained after).")
+    print(f"{'name':<26} {'batch':>5} {'median ms':>10} {'event ms':>9} {'x ' + BASELINE:>27} {'x floor':>8}")
+    for r in rows:
+        if r.get("median_ms") is None:
+            print(f"{r['name']:<26} {r['batch']:>5} {'-':>10} {'':>9} {'':>27} {'':>8}  {r.get('skipped', '')}")
+            continue
+        ev = f"{r['median_event_ms']:.3f}" if r.get("median_event_ms") is not None else "-"
+        ratio = r["ratio_to_" + BASELINE]
+        print(f"{r['name']:<26} {r['batch']:>5} {r['median_ms']:>10.3f} {ev:>9} "
+              f"{(f'{ratio:.2f}' if ratio is not None else '-'):>27} {r['ratio_to_floor']:>8.1f}")  # fmt: skip
+    for b in sorted({r["batch"] for r in rows}):
+        print(f"floor N={b}: {floor_ms(b):.3f} ms ({GFLOP_PER_IMAGE} GFLOP/image at {FLOOR_TFLOPS:.0f} TFLOP/s)")
+
+
+def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        print(f"chart skipped: matplotlib is not installed ({exc})")
+        return False
+    batches = sorted({r["batch"] for r in rows})
+    names = [n for n in ROWS if any(r["name"] == n and r.get("median_ms") for r in rows)]
+    if not names:
+        return False
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    for i, name in enumerate(names):
+        ms = {r["batch"]: r["median_ms"] for r in rows if r["name"] == name and r.get("median_ms")}
+        xs = [j + (i - (len(names) - 1) / 2) * width for j, b in enumerate(batches) if b in ms]
+        ys = [ms[b] for b in batches if b in ms]
+        bars = ax.bar(xs, ys, width * 0.95, label=name)
+        ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=7, rotation=90, padding=2)
+    for j, b in enumerate(batches):
+        ax.hlines(floor_ms(b), j - 0.45, j + 0.45, colors="k", linestyles="dashed",
+                  label="compute floor" if j == 0 else None)  # fmt: skip
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(batches)), [f"N={b}" for b in batches])
+    ax.set_ylabel("median ms per call (log)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# -- main -------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--bundle", type=Path, default=Path("build/unet"), help="bundle of configs/unet.yaml (row dualtrack)")
+    p.add_argument("--seed-split-bundle", type=Path, default=Path("build/unet_seed_split"),
+                   help="bundle of configs/unet_seed_split.yaml (row dualtrack_seed_split); skipped if missing")
+    p.add_argument("--iree-only-bundle", type=Path, default=Path("build/iree_only"),
+                   help="bundle of configs/iree_only.yaml (row iree_only); skipped if missing")  # fmt: skip
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--iters", type=int, default=100, help="timed calls per row and batch (median reported)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--input-sets", type=int, default=4, help="distinct inputs the timed calls rotate among")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--skip-torch-compile", action="store_true", help="no torch.compile rows")
+    p.add_argument("--skip-autotune", action="store_true",
+                   help='torch_compile in mode "default" instead of "max-autotune-no-cudagraphs" (minutes saved)')
+    p.add_argument("--layers", action=argparse.BooleanOptionalAction, default=True,
+                   help="time each Track A conv3x3 alone against cuDNN (default: on)")
+    p.add_argument("--layer-launches", type=int, default=20, help="launches queued per timed rep (layers)")
+    p.add_argument("--layer-reps", type=int, default=10, help="timed reps per layer (median reported)")
+    p.add_argument("--commit", default=None, help="commit id for the result file (default: git rev-parse HEAD)")
+    args = p.parse_args(argv)
+    if args.iters < 1 or args.warmup < 0 or args.input_sets < 1 or min(args.batches) < 1:
+        p.error("--iters, --input-sets and --batches must be positive, --warmup >= 0")
+    args.batches = sorted(set(args.batches))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if importlib.util.find_spec("dualtrack") is None:  # run from a checkout without `pip install -e .`
+        sys.path.insert(0, str(ROOT / "pipeline"))
+    from dualtrack.reference import sample_image
+
+    t_start = time.perf_counter()
+    commit = args.commit or _git("rev-parse", "HEAD") or "unknown"
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
+    gpu, driver = gpu_and_driver()
+    print(f"{gpu}, driver {driver}, commit {commit[:10]}{' (dirty tree)' if dirty else ''}")
+
+    # The weights: the first bundle given that exists; every other row must be built from the same model.
+    paths = {name: getattr(args, dest) for name, (dest, _) in BUNDLE_ROWS.items()}
+    present = [p for p in paths.values() if p is not None and (p / "model.onnx").is_file()]
+    if not present:
+        sys.exit(f"no bundle found among {[str(p) for p in paths.values()]}: build one with `make build`")
+    model_path = present[0] / "model.onnx"
+    manifest = json.loads((present[0] / "manifest.json").read_text())
+    weights = load_weights(model_path)
+    h, w = (int(d) for d in manifest["plan"]["inputs"][0]["shape"][1:3])
+    gflop = model_gflop(weights, h, w)
+    note = "" if abs(gflop - GFLOP_PER_IMAGE) < 0.01 * GFLOP_PER_IMAGE else f" (FACTS says {GFLOP_PER_IMAGE}: floor uses FACTS)"
+    print(f"model {model_path}: {h}x{w}, {gflop:.1f} GFLOP per image{note}")
+    sample = sample_image(h, w)[None]
+    t0 = time.perf_counter()
+    ref = ort_probs(model_path, sample)
+    print(f"onnxruntime reference probs at N=1: {time.perf_counter() - t0:.1f} s")
+    rng = np.random.default_rng(0)
+    ctx: dict[str, Any] = {
+        "args": args, "weights": weights, "model_path": model_path, "sample": sample, "ref_probs": ref,
+        "source_sha256": manifest.get("model", {}).get("source_sha256"),
+        "inputs": {b: [rng.integers(0, 256, (b, h, w, 3), dtype=np.uint8) for _ in range(args.input_sets)]
+                   for b in args.batches},
+    }  # fmt: skip
+
+    rows: list[dict[str, Any]] = []
+    layers: list[dict[str, Any]] = []
+    for name in BUNDLE_ROWS:
+        r, lay = bench_bundle(name, paths[name], ctx)
+        rows += r
+        layers += lay
+    rows += torch_rows(ctx)
+    rows.sort(key=lambda r: (r["batch"], ROWS.index(r["name"])))
+    add_ratios(rows)
+
+    result = {
+        "gpu": gpu, "driver": driver, "commit": commit, "dirty": dirty,
+        "torch": ctx.get("torch"), "model": str(model_path), "model_gflop_per_image": round(gflop, 2),
+        "floor": {"gflop_per_image": GFLOP_PER_IMAGE, "tflops": FLOOR_TFLOPS},
+        "iters": args.iters, "warmup": args.warmup, "input_sets": args.input_sets,
+        "skip_autotune": args.skip_autotune, "check_rel_l2_limit": CHECK_REL_L2,
+        "rows": rows, "layers": layers, "layer_target_ratio": LAYER_TARGET,
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"bench-{commit[:10]}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    print_table(rows, layers)
+    title = f"{gpu}, driver {driver}, commit {commit[:10]}: U-Net fp16 {h}x{w}, median ms (log), dashed: compute floor"
+    charted = write_chart(rows, stem.with_suffix(".png"), title)
+    print(f"wrote {stem.with_suffix('.json')}" + (f" and {stem.with_suffix('.png')}" if charted else ""))
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
