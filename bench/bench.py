@@ -81,10 +81,17 @@ def _git(*args: str) -> str:
 def gpu_and_driver() -> tuple[str, str]:
     """GPU name and driver version from nvidia-smi, else from the Driver API."""
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, check=True, timeout=30,
-        ).stdout.strip().splitlines()  # fmt: skip
+        out = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=30,
+            )
+            .stdout.strip()
+            .splitlines()
+        )
         name, driver = (s.strip() for s in out[0].rsplit(",", 1))
         return name, driver
     except (OSError, subprocess.SubprocessError, IndexError, ValueError):
@@ -294,21 +301,27 @@ def time_engine(engine: Any, xs: list[Any], batch: int, warmup: int, iters: int)
     }
 
 
-def bench_bundle(name: str, path: Path | None, ctx: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def bench_bundle(
+    name: str, path: Path | None, ctx: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Rows of one bundle at every batch size, and (for `dualtrack` with --layers) the layer table."""
     args, batches = ctx["args"], ctx["args"].batches
     config = BUNDLE_ROWS[name][1]
     if path is None:
         return skipped(name, f"no bundle given (build it with `dualtrack build {config}`)", batches), []
     if not (path / "manifest.json").is_file():
-        return skipped(name, f"bundle {path} not found (build it with `dualtrack build {config} -o {path}`)", batches), []
+        return skipped(
+            name, f"bundle {path} not found (build it with `dualtrack build {config} -o {path}`)", batches
+        ), []
     from dualtrack.bundle import Bundle
     from dualtrack.runtime.engine import Engine
 
     bundle = Bundle.open(path)
     src = bundle.manifest.get("model", {}).get("source_sha256")
     if ctx["source_sha256"] and src and src != ctx["source_sha256"]:
-        return skipped(name, f"{path} was built from another model than {ctx['model_path']} (not the same weights)", batches), []
+        return skipped(
+            name, f"{path} was built from another model than {ctx['model_path']} (not the same weights)", batches
+        ), []
     plan = [
         {"segment": s.name, "track": s.track, "nodes": len(s.nodes), "first": s.nodes[0], "last": s.nodes[-1]}
         for s in bundle.plan.segments
@@ -330,8 +343,17 @@ def bench_bundle(name: str, path: Path | None, ctx: dict[str, Any]) -> tuple[lis
                 continue
             xs = [engine.backend.from_host(x) for x in ctx["inputs"][b]]
             t = time_engine(engine, xs, b, args.warmup, args.iters)
-            rows.append({"name": name, "batch": b, **t, "check_rel_l2": _r(err, 6), "bundle": str(path),
-                         "engine_load_s": round(load_s, 2), "plan": plan})  # fmt: skip
+            rows.append(
+                {
+                    "name": name,
+                    "batch": b,
+                    **t,
+                    "check_rel_l2": _r(err, 6),
+                    "bundle": str(path),
+                    "engine_load_s": round(load_s, 2),
+                    "plan": plan,
+                }
+            )
             print(f"[{name}] N={b}: {t['median_ms']:.3f} ms (tracks {t['tracks_ms']}, segments {t['segments_ms']})")
         if name == "dualtrack" and args.layers:
             layers = bench_layers(engine, batches, args)
@@ -343,8 +365,14 @@ def bench_bundle(name: str, path: Path | None, ctx: dict[str, Any]) -> tuple[lis
 # -- torch rows -----------------------------------------------------------------------------------
 
 
-def time_torch(torch: Any, fn: Callable[[Any], Any], xs: list[Any], warmup: int, iters: int,
-               before: Callable[[], None] | None = None) -> dict[str, Any]:  # fmt: skip
+def time_torch(
+    torch: Any,
+    fn: Callable[[Any], Any],
+    xs: list[Any],
+    warmup: int,
+    iters: int,
+    before: Callable[[], None] | None = None,
+) -> dict[str, Any]:
     for i in range(warmup):
         if before:
             before()
@@ -428,8 +456,13 @@ def torch_rows(ctx: dict[str, Any]) -> list[dict[str, Any]]:
                     compile_s[b] = time.perf_counter() - t0
                     print(f"[{name}] compile for N={b}: {compile_s[b]:.1f} s (first call)")
                 t = time_torch(torch, fn, inputs[b], args.warmup, args.iters, before)
-                row = {"name": name, "batch": b, **t, "check_rel_l2": _r(err, 6),
-                       "layout": "channels_last" if channels_last else "NCHW"}  # fmt: skip
+                row = {
+                    "name": name,
+                    "batch": b,
+                    **t,
+                    "check_rel_l2": _r(err, 6),
+                    "layout": "channels_last" if channels_last else "NCHW",
+                }
                 if mode:
                     row.update(compile_mode=mode, compile_s=round(compile_s[b], 2))
                 rows.append(row)
@@ -444,8 +477,14 @@ def torch_rows(ctx: dict[str, Any]) -> list[dict[str, Any]]:
 # -- Track A convolutions against cuDNN -------------------------------------------------------------
 
 
-def _queued_ms(torch: Any, sleep: Callable[[], None], record: Callable[[str], None], elapsed: Callable[[], float],
-               launch: Callable[[], None], per_rep: int, reps: int) -> tuple[float, float]:  # fmt: skip
+def _queued_ms(
+    sleep: Callable[[], None],
+    record: Callable[[str], None],
+    elapsed: Callable[[], float],
+    launch: Callable[[], None],
+    per_rep: int,
+    reps: int,
+) -> tuple[float, float]:
     """Median ms per launch of `per_rep` launches queued behind a GPU sleep; also the worst host
     enqueue time of one rep, which must stay below the sleep for the GPU to run them back to back."""
     out, worst_enqueue = [], 0.0
@@ -461,6 +500,12 @@ def _queued_ms(torch: Any, sleep: Callable[[], None], record: Callable[[str], No
     return statistics.median(out), worst_enqueue
 
 
+def _nhwc(spec: Any, batch: int) -> tuple[int, ...]:
+    """(N, H, W, C) of a plan tensor at a batch size (Track A tensors are NHWC; be safe about NCHW)."""
+    s = spec.at_batch(batch)
+    return (s[0], s[2], s[3], s[1]) if spec.layout == "NCHW" else s
+
+
 def bench_layers(engine: Any, batches: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every Track A conv3x3 call of the plan: our kernel alone vs cuDNN on the same shape."""
     try:
@@ -470,6 +515,7 @@ def bench_layers(engine: Any, batches: list[int], args: argparse.Namespace) -> l
         return []
     from dualtrack import kernels
     from dualtrack.runtime.driver import Event
+    from dualtrack.runtime.gpu import GpuTensor
 
     be, spec = engine.backend, kernels.KERNELS["conv3x3"]
     torch.backends.cudnn.benchmark = True
@@ -477,6 +523,19 @@ def bench_layers(engine: Any, batches: list[int], args: argparse.Namespace) -> l
     torch_stream = torch.cuda.current_stream()
     ev = {"start": Event(be.ctx), "end": Event(be.ctx)}
     tev = {"start": torch.cuda.Event(enable_timing=True), "end": torch.cuda.Event(enable_timing=True)}
+
+    def ours_record(name: str) -> None:
+        ev[name].record(be.stream)
+
+    def ours_elapsed() -> float:
+        return ev["start"].elapsed_ms(ev["end"])
+
+    def torch_record(name: str) -> None:
+        tev[name].record(torch_stream)
+
+    def torch_elapsed() -> float:
+        tev["end"].synchronize()
+        return tev["start"].elapsed_time(tev["end"])
 
     # Calibrate torch.cuda._sleep (clock cycles) to milliseconds once.
     torch.cuda._sleep(1_000_000)
@@ -494,21 +553,30 @@ def bench_layers(engine: Any, batches: list[int], args: argparse.Namespace) -> l
     for seg, c in calls:
         specs = {t.name: t for t in (*seg.inputs, *seg.tensors, *seg.outputs)}
         xs, ys = specs[c.inputs[0]], specs[c.outputs[0]]
-        nhwc = (lambda s: s) if xs.layout != "NCHW" else (lambda s: (s[0], s[2], s[3], s[1]))
         dtype = np.dtype(xs.dtype)
         wname = c.weights[0]
         label = wname.removesuffix(".weight")
         for b in batches:
             if b not in engine.batch_sizes:
                 continue
-            n, h, w, ch = nhwc(xs.at_batch(b))
-            k = nhwc(ys.at_batch(b))[3]
+            n, h, w, ch = _nhwc(xs, b)
+            k = _nhwc(ys, b)[3]
             x = np.abs(rng.standard_normal((n, h, w, ch))).astype(dtype)
             dx = be.from_host(x)
             ybuf = be.pool.alloc(n * h * w * k * dtype.itemsize, be.stream)
             bias = be.weights[c.weights[1]].ptr if len(c.weights) > 1 else None
-            kargs = spec.args(x=dx.ptr, w=be.weights[wname].ptr, bias=bias, y=int(ybuf),
-                              N=n, H=h, W=w, C=ch, K=k, relu=bool(c.attr("relu")))  # fmt: skip
+            kargs = spec.args(
+                x=dx.ptr,
+                w=be.weights[wname].ptr,
+                bias=bias,
+                y=int(ybuf),
+                N=n,
+                H=h,
+                W=w,
+                C=ch,
+                K=k,
+                relu=bool(c.attr("relu")),
+            )
             cfg = spec.launch(dtype, n, h, w, ch, k)
             kern = be.kernels[spec.entry(dtype)]
             if cfg.shared_bytes > 48 * 1024:
@@ -529,8 +597,6 @@ def bench_layers(engine: Any, batches: list[int], args: argparse.Namespace) -> l
             want = torch.nn.functional.conv2d(xt, wt, bt, padding=1)
             if c.attr("relu"):
                 want = torch.relu(want)
-            from dualtrack.runtime.gpu import GpuTensor
-
             got = be.to_host(GpuTensor(int(ybuf), (n, h, w, k), dtype, ybuf))
             err = rel_l2(want.permute(0, 2, 3, 1).float().cpu().numpy(), got)
 
@@ -556,30 +622,38 @@ def bench_layers(engine: Any, batches: list[int], args: argparse.Namespace) -> l
                 with torch.cuda.stream(torch_stream):
                     torch.cuda._sleep(cycles)
 
-            ms_ours, enq_ours = _queued_ms(
-                torch, sleep_ours, lambda e: ev[e].record(be.stream), lambda: ev["start"].elapsed_ms(ev["end"]),
-                ours, args.layer_launches, args.layer_reps,
-            )  # fmt: skip
-            ms_cudnn, enq_cudnn = _queued_ms(
-                torch, sleep_torch, lambda e: tev[e].record(torch_stream),
-                lambda: (tev["end"].synchronize(), tev["start"].elapsed_time(tev["end"]))[1],
-                cudnn, args.layer_launches, args.layer_reps,
-            )  # fmt: skip
+            reps = (args.layer_launches, args.layer_reps)
+            ms_ours, enq_ours = _queued_ms(sleep_ours, ours_record, ours_elapsed, ours, *reps)
+            ms_cudnn, enq_cudnn = _queued_ms(sleep_torch, torch_record, torch_elapsed, cudnn, *reps)
             launch_bound = max(enq_ours, enq_cudnn) >= sleep_ms
             flops = 2.0 * n * h * w * ch * k * 9
             t_ours, t_cudnn = flops / (ms_ours * 1e9), flops / (ms_cudnn * 1e9)
             row = {
-                "layer": label, "segment": seg.name, "batch": b, "N": n, "H": h, "W": w, "C": ch, "K": k,
-                "ours_ms": _r(ms_ours, 5), "ours_tflops": _r(t_ours, 2),
-                "cudnn_ms": _r(ms_cudnn, 5), "cudnn_tflops": _r(t_cudnn, 2),
-                "ratio": _r(t_ours / t_cudnn, 3), "meets_target": t_ours / t_cudnn >= LAYER_TARGET,
-                "rel_l2_vs_cudnn": _r(err, 6), "launch_bound_warning": launch_bound,
-                "grid": list(cfg.grid), "block": list(cfg.block),
-            }  # fmt: skip
+                "layer": label,
+                "segment": seg.name,
+                "batch": b,
+                "N": n,
+                "H": h,
+                "W": w,
+                "C": ch,
+                "K": k,
+                "ours_ms": _r(ms_ours, 5),
+                "ours_tflops": _r(t_ours, 2),
+                "cudnn_ms": _r(ms_cudnn, 5),
+                "cudnn_tflops": _r(t_cudnn, 2),
+                "ratio": _r(t_ours / t_cudnn, 3),
+                "meets_target": t_ours / t_cudnn >= LAYER_TARGET,
+                "rel_l2_vs_cudnn": _r(err, 6),
+                "launch_bound_warning": launch_bound,
+                "grid": list(cfg.grid),
+                "block": list(cfg.block),
+            }
             out.append(row)
-            print(f"[layers] {label} N={b} {h}x{w} {ch}->{k}: ours {ms_ours * 1e3:.1f} us {t_ours:.1f} TFLOP/s, "
-                  f"cuDNN {ms_cudnn * 1e3:.1f} us {t_cudnn:.1f} TFLOP/s, ratio {t_ours / t_cudnn:.2f}, "
-                  f"rel L2 {err:.1e}{' (LAUNCH-BOUND: sleep too short)' if launch_bound else ''}")  # fmt: skip
+            print(
+                f"[layers] {label} N={b} {h}x{w} {ch}->{k}: ours {ms_ours * 1e3:.1f} us {t_ours:.1f} TFLOP/s, "
+                f"cuDNN {ms_cudnn * 1e3:.1f} us {t_cudnn:.1f} TFLOP/s, ratio {t_ours / t_cudnn:.2f}, "
+                f"rel L2 {err:.1e}{' (LAUNCH-BOUND: sleep too short)' if launch_bound else ''}"
+            )
             del dx, ybuf, xt, wt, bt, want
     be.stream.synchronize()
     return out
@@ -599,14 +673,20 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 def print_table(rows: list[dict[str, Any]], layers: list[dict[str, Any]]) -> None:
     if layers:
-        print(f"\nTrack A conv3x3 vs cuDNN (channels_last fp16; ours with bias+ReLU fused, cuDNN conv alone), "
-              f"target ratio >= {LAYER_TARGET:.2f}")  # fmt: skip
-        print(f"{'layer':<12} {'N':>2} {'HxW':>9} {'C->K':>9} {'ours us':>9} {'TFLOP/s':>8} {'cuDNN us':>9} "
-              f"{'TFLOP/s':>8} {'ratio':>6}  ok")  # fmt: skip
+        print(
+            f"\nTrack A conv3x3 vs cuDNN (channels_last fp16; ours with bias+ReLU fused, cuDNN conv alone), "
+            f"target ratio >= {LAYER_TARGET:.2f}"
+        )
+        print(
+            f"{'layer':<12} {'N':>2} {'HxW':>9} {'C->K':>9} {'ours us':>9} {'TFLOP/s':>8} {'cuDNN us':>9} "
+            f"{'TFLOP/s':>8} {'ratio':>6}  ok"
+        )
         for r in layers:
-            print(f"{r['layer']:<12} {r['batch']:>2} {r['H']:>4}x{r['W']:<4} {r['C']:>4}->{r['K']:<4} "
-                  f"{r['ours_ms'] * 1e3:>9.1f} {r['ours_tflops']:>8.1f} {r['cudnn_ms'] * 1e3:>9.1f} "
-                  f"{r['cudnn_tflops']:>8.1f} {r['ratio']:>6.2f}  {'yes' if r['meets_target'] else 'NO'}")  # fmt: skip
+            print(
+                f"{r['layer']:<12} {r['batch']:>2} {r['H']:>4}x{r['W']:<4} {r['C']:>4}->{r['K']:<4} "
+                f"{r['ours_ms'] * 1e3:>9.1f} {r['ours_tflops']:>8.1f} {r['cudnn_ms'] * 1e3:>9.1f} "
+                f"{r['cudnn_tflops']:>8.1f} {r['ratio']:>6.2f}  {'yes' if r['meets_target'] else 'NO'}"
+            )
         print(f"{sum(r['meets_target'] for r in layers)} of {len(layers)} layer/batch pairs meet the target")
     print("\nmedian_ms: host wall time of one synchronous call (perf_counter; the GPU idle before, drained after).")
     print(f"{'name':<26} {'batch':>5} {'median ms':>10} {'event ms':>9} {'x ' + BASELINE:>27} {'x floor':>8}")
@@ -616,8 +696,10 @@ def print_table(rows: list[dict[str, Any]], layers: list[dict[str, Any]]) -> Non
             continue
         ev = f"{r['median_event_ms']:.3f}" if r.get("median_event_ms") is not None else "-"
         ratio = r["ratio_to_" + BASELINE]
-        print(f"{r['name']:<26} {r['batch']:>5} {r['median_ms']:>10.3f} {ev:>9} "
-              f"{(f'{ratio:.2f}' if ratio is not None else '-'):>27} {r['ratio_to_floor']:>8.1f}")  # fmt: skip
+        print(
+            f"{r['name']:<26} {r['batch']:>5} {r['median_ms']:>10.3f} {ev:>9} "
+            f"{(f'{ratio:.2f}' if ratio is not None else '-'):>27} {r['ratio_to_floor']:>8.1f}"
+        )
     for b in sorted({r["batch"] for r in rows}):
         print(f"floor N={b}: {floor_ms(b):.3f} ms ({GFLOP_PER_IMAGE} GFLOP/image at {FLOOR_TFLOPS:.0f} TFLOP/s)")
 
@@ -644,8 +726,9 @@ def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
         bars = ax.bar(xs, ys, width * 0.95, label=name)
         ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=7, rotation=90, padding=2)
     for j, b in enumerate(batches):
-        ax.hlines(floor_ms(b), j - 0.45, j + 0.45, colors="k", linestyles="dashed",
-                  label="compute floor" if j == 0 else None)  # fmt: skip
+        ax.hlines(
+            floor_ms(b), j - 0.45, j + 0.45, colors="k", linestyles="dashed", label="compute floor" if j == 0 else None
+        )
     ax.set_yscale("log")
     ax.set_xticks(range(len(batches)), [f"N={b}" for b in batches])
     ax.set_ylabel("median ms per call (log)")
@@ -662,21 +745,38 @@ def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--bundle", type=Path, default=Path("build/unet"), help="bundle of configs/unet.yaml (row dualtrack)")
-    p.add_argument("--seed-split-bundle", type=Path, default=Path("build/unet_seed_split"),
-                   help="bundle of configs/unet_seed_split.yaml (row dualtrack_seed_split); skipped if missing")
-    p.add_argument("--iree-only-bundle", type=Path, default=Path("build/iree_only"),
-                   help="bundle of configs/iree_only.yaml (row iree_only); skipped if missing")  # fmt: skip
+    p.add_argument(
+        "--bundle", type=Path, default=Path("build/unet"), help="bundle of configs/unet.yaml (row dualtrack)"
+    )
+    p.add_argument(
+        "--seed-split-bundle",
+        type=Path,
+        default=Path("build/unet_seed_split"),
+        help="bundle of configs/unet_seed_split.yaml (row dualtrack_seed_split); skipped if missing",
+    )
+    p.add_argument(
+        "--iree-only-bundle",
+        type=Path,
+        default=Path("build/iree_only"),
+        help="bundle of configs/iree_only.yaml (row iree_only); skipped if missing",
+    )
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--iters", type=int, default=100, help="timed calls per row and batch (median reported)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--input-sets", type=int, default=4, help="distinct inputs the timed calls rotate among")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--skip-torch-compile", action="store_true", help="no torch.compile rows")
-    p.add_argument("--skip-autotune", action="store_true",
-                   help='torch_compile in mode "default" instead of "max-autotune-no-cudagraphs" (minutes saved)')
-    p.add_argument("--layers", action=argparse.BooleanOptionalAction, default=True,
-                   help="time each Track A conv3x3 alone against cuDNN (default: on)")
+    p.add_argument(
+        "--skip-autotune",
+        action="store_true",
+        help='torch_compile in mode "default" instead of "max-autotune-no-cudagraphs" (minutes saved)',
+    )
+    p.add_argument(
+        "--layers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time each Track A conv3x3 alone against cuDNN (default: on)",
+    )
     p.add_argument("--layer-launches", type=int, default=20, help="launches queued per timed rep (layers)")
     p.add_argument("--layer-reps", type=int, default=10, help="timed reps per layer (median reported)")
     p.add_argument("--commit", default=None, help="commit id for the result file (default: git rev-parse HEAD)")
@@ -709,7 +809,11 @@ def main(argv: list[str] | None = None) -> None:
     weights = load_weights(model_path)
     h, w = (int(d) for d in manifest["plan"]["inputs"][0]["shape"][1:3])
     gflop = model_gflop(weights, h, w)
-    note = "" if abs(gflop - GFLOP_PER_IMAGE) < 0.01 * GFLOP_PER_IMAGE else f" (FACTS says {GFLOP_PER_IMAGE}: floor uses FACTS)"
+    note = (
+        ""
+        if abs(gflop - GFLOP_PER_IMAGE) < 0.01 * GFLOP_PER_IMAGE
+        else f" (FACTS says {GFLOP_PER_IMAGE}: floor uses FACTS)"
+    )
     print(f"model {model_path}: {h}x{w}, {gflop:.1f} GFLOP per image{note}")
     sample = sample_image(h, w)[None]
     t0 = time.perf_counter()
@@ -717,11 +821,17 @@ def main(argv: list[str] | None = None) -> None:
     print(f"onnxruntime reference probs at N=1: {time.perf_counter() - t0:.1f} s")
     rng = np.random.default_rng(0)
     ctx: dict[str, Any] = {
-        "args": args, "weights": weights, "model_path": model_path, "sample": sample, "ref_probs": ref,
+        "args": args,
+        "weights": weights,
+        "model_path": model_path,
+        "sample": sample,
+        "ref_probs": ref,
         "source_sha256": manifest.get("model", {}).get("source_sha256"),
-        "inputs": {b: [rng.integers(0, 256, (b, h, w, 3), dtype=np.uint8) for _ in range(args.input_sets)]
-                   for b in args.batches},
-    }  # fmt: skip
+        "inputs": {
+            b: [rng.integers(0, 256, (b, h, w, 3), dtype=np.uint8) for _ in range(args.input_sets)]
+            for b in args.batches
+        },
+    }
 
     rows: list[dict[str, Any]] = []
     layers: list[dict[str, Any]] = []
@@ -734,14 +844,24 @@ def main(argv: list[str] | None = None) -> None:
     add_ratios(rows)
 
     result = {
-        "gpu": gpu, "driver": driver, "commit": commit, "dirty": dirty,
-        "torch": ctx.get("torch"), "model": str(model_path), "model_gflop_per_image": round(gflop, 2),
+        "gpu": gpu,
+        "driver": driver,
+        "commit": commit,
+        "dirty": dirty,
+        "torch": ctx.get("torch"),
+        "model": str(model_path),
+        "model_gflop_per_image": round(gflop, 2),
         "floor": {"gflop_per_image": GFLOP_PER_IMAGE, "tflops": FLOOR_TFLOPS},
-        "iters": args.iters, "warmup": args.warmup, "input_sets": args.input_sets,
-        "skip_autotune": args.skip_autotune, "check_rel_l2_limit": CHECK_REL_L2,
-        "rows": rows, "layers": layers, "layer_target_ratio": LAYER_TARGET,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "input_sets": args.input_sets,
+        "skip_autotune": args.skip_autotune,
+        "check_rel_l2_limit": CHECK_REL_L2,
+        "rows": rows,
+        "layers": layers,
+        "layer_target_ratio": LAYER_TARGET,
         "wall_s": round(time.perf_counter() - t_start, 1),
-    }  # fmt: skip
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"bench-{commit[:10]}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")

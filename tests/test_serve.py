@@ -358,7 +358,9 @@ def test_serve_cli_sigterm_finishes_in_flight_request(tiny_bundle: Path, rng) ->
             _until(lambda: _metric(base, "dualtrack_queue_depth") == 1, "the request to be queued", 10)
             proc.send_signal(signal.SIGTERM)
             assert in_flight.result(WAIT_S).status_code == 200
-        assert proc.wait(WAIT_S) == 0
+        # Uvicorn shuts down gracefully, then re-raises the signal so the exit status says SIGTERM.
+        assert proc.wait(WAIT_S) in (0, -signal.SIGTERM)
+        assert "Application shutdown complete" in proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()

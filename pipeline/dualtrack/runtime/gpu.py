@@ -288,7 +288,8 @@ class CudaBackend:
         outs = mod(*views)  # synchronous: returns after IREE's work is complete (FACTS 8)
         self.timings["B"] += (time.perf_counter() - t0) * 1e3
         result = {}
-        for spec, view in zip(seg.outputs, outs, strict=True):
+        for spec, out in zip(seg.outputs, outs, strict=True):
+            view = getattr(out, "_buffer_view", out)  # FunctionInvoker wraps results in DeviceArray
             imp = dlpack.from_capsule(
                 dev.create_dlpack_capsule(view, int(dlpack.DLDeviceType.kDLCUDA), self.device.index)
             )
