@@ -3,6 +3,9 @@
     PYTHONPATH=pipeline python bench/bench.py --bundle build/unet \\
         --seed-split-bundle build/unet_seed_split --iree-only-bundle build/iree_only --skip-autotune
 
+(those three bundle paths are also the defaults; a bundle that is not there skips its row with the
+reason printed). Bundles are built beforehand where the IREE compiler is: `dualtrack build CONFIG`.
+
 Same weights (the bundle's model.onnx), fp16, the bundle's input size (512x512), N=1 and N=8.
 Every row runs the whole model, uint8 NHWC image in -> probs and mask out, input already on the GPU.
 Rows (names are fixed so that result files compare across commits):
@@ -38,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -133,6 +137,16 @@ def skipped(name: str, reason: str, batches: list[int]) -> list[dict[str, Any]]:
     return [{"name": name, "batch": b, "median_ms": None, "skipped": reason} for b in batches]
 
 
+def guarded(name: str, batches: list[int], fn: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Run one row; an exception becomes a skipped row with its message (the traceback is printed),
+    so that one broken row does not cost the rest of a GPU run."""
+    try:
+        return fn()
+    except Exception as exc:
+        traceback.print_exc()
+        return skipped(name, f"failed: {type(exc).__name__}: {exc}", batches)
+
+
 # -- the reference model, read from ONNX --------------------------------------------------------------
 
 
@@ -182,7 +196,7 @@ def build_torch_unet(torch: Any, weights: dict[str, np.ndarray], *, channels_las
     fmt = torch.channels_last if channels_last else torch.contiguous_format
 
     def param(name: str) -> Any:
-        return nn.Parameter(torch.from_numpy(np.ascontiguousarray(weights[name])), requires_grad=False)
+        return nn.Parameter(torch.from_numpy(np.array(weights[name], copy=True)), requires_grad=False)
 
     def conv(name: str) -> Any:
         w = weights[f"{name}.weight"]
@@ -199,14 +213,14 @@ def build_torch_unet(torch: Any, weights: dict[str, np.ndarray], *, channels_las
     class UNet(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.dtype = torch.from_numpy(weights["enc1/conv1.weight"][:0]).dtype
+            self.dtype = torch.float16 if weights["enc1/conv1.weight"].dtype == np.float16 else torch.float32
             names = [f"enc{i}/conv{j}" for i in range(1, depth + 1) for j in (1, 2)]
             names += ["mid/conv1", "mid/conv2", "head/conv"]
             names += [f"dec{i}/conv{j}" for i in range(1, depth + 1) for j in (1, 2)]
             self.convs = nn.ModuleDict({n.replace("/", "_"): conv(n) for n in names})
             self.ups = nn.ModuleDict({f"dec{i}_up": up(f"dec{i}/up") for i in range(1, depth + 1)})
-            self.register_buffer("mean", torch.from_numpy(np.asarray(weights["pre/mean"], np.float32)))
-            self.register_buffer("inv_std", torch.from_numpy(np.asarray(weights["pre/inv_std"], np.float32)))
+            self.register_buffer("mean", torch.from_numpy(np.array(weights["pre/mean"], np.float32)))
+            self.register_buffer("inv_std", torch.from_numpy(np.array(weights["pre/inv_std"], np.float32)))
 
         def block(self, x: Any, name: str) -> Any:
             x = F.relu(self.convs[f"{name}_conv1"](x))
@@ -301,27 +315,20 @@ def time_engine(engine: Any, xs: list[Any], batch: int, warmup: int, iters: int)
     }
 
 
-def bench_bundle(
-    name: str, path: Path | None, ctx: dict[str, Any]
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Rows of one bundle at every batch size, and (for `dualtrack` with --layers) the layer table."""
+def bench_bundle(name: str, path: Path | None, ctx: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows of one bundle at every batch size; for `dualtrack` with --layers also ctx["layers"]."""
     args, batches = ctx["args"], ctx["args"].batches
     config = BUNDLE_ROWS[name][1]
-    if path is None:
-        return skipped(name, f"no bundle given (build it with `dualtrack build {config}`)", batches), []
-    if not (path / "manifest.json").is_file():
-        return skipped(
-            name, f"bundle {path} not found (build it with `dualtrack build {config} -o {path}`)", batches
-        ), []
+    if path is None or not (path / "manifest.json").is_file():
+        where = f"bundle {path} not found" if path else "no bundle given"
+        return skipped(name, f"{where} (build it with `dualtrack build {config}`)", batches)
     from dualtrack.bundle import Bundle
     from dualtrack.runtime.engine import Engine
 
     bundle = Bundle.open(path)
     src = bundle.manifest.get("model", {}).get("source_sha256")
     if ctx["source_sha256"] and src and src != ctx["source_sha256"]:
-        return skipped(
-            name, f"{path} was built from another model than {ctx['model_path']} (not the same weights)", batches
-        ), []
+        return skipped(name, f"{path} was built from another model than {ctx['model_path']}", batches)
     plan = [
         {"segment": s.name, "track": s.track, "nodes": len(s.nodes), "first": s.nodes[0], "last": s.nodes[-1]}
         for s in bundle.plan.segments
@@ -331,35 +338,33 @@ def bench_bundle(
     engine = Engine.load(bundle, "cuda")
     load_s = time.perf_counter() - t0
     rows: list[dict[str, Any]] = []
-    layers: list[dict[str, Any]] = []
     try:
         err = rel_l2(ctx["ref_probs"], engine.run(ctx["sample"])["probs"])
         print(f"[{name}] probs vs onnxruntime at N=1: rel L2 {err:.2e} (limit {CHECK_REL_L2:.0e})")
         if not err <= CHECK_REL_L2:
-            return skipped(name, f"probs differ from onnxruntime: rel L2 {err:.2e} > {CHECK_REL_L2:.0e}", batches), []
+            return skipped(name, f"probs differ from onnxruntime: rel L2 {err:.2e} > {CHECK_REL_L2:.0e}", batches)
         for b in batches:
             if b not in engine.batch_sizes:
                 rows += skipped(name, f"N={b} is not compiled in {path} (has {list(engine.batch_sizes)})", [b])
                 continue
-            xs = [engine.backend.from_host(x) for x in ctx["inputs"][b]]
-            t = time_engine(engine, xs, b, args.warmup, args.iters)
-            rows.append(
-                {
-                    "name": name,
-                    "batch": b,
-                    **t,
-                    "check_rel_l2": _r(err, 6),
-                    "bundle": str(path),
-                    "engine_load_s": round(load_s, 2),
-                    "plan": plan,
-                }
-            )
-            print(f"[{name}] N={b}: {t['median_ms']:.3f} ms (tracks {t['tracks_ms']}, segments {t['segments_ms']})")
+
+            def one(b: int = b) -> list[dict[str, Any]]:
+                xs = [engine.backend.from_host(x) for x in ctx["inputs"][b]]
+                t = time_engine(engine, xs, b, args.warmup, args.iters)
+                print(f"[{name}] N={b}: {t['median_ms']:.3f} ms (tracks {t['tracks_ms']}, segments {t['segments_ms']})")
+                row = {"name": name, "batch": b, **t, "check_rel_l2": _r(err, 6), "bundle": str(path)}
+                return [{**row, "engine_load_s": round(load_s, 2), "plan": plan}]
+
+            rows += guarded(name, [b], one)
         if name == "dualtrack" and args.layers:
-            layers = bench_layers(engine, batches, args)
+            try:
+                ctx["layers"] = bench_layers(engine, batches, args)
+            except Exception:
+                traceback.print_exc()
+                print("[layers] failed (traceback above)")
     finally:
         engine.close()
-    return rows, layers
+    return rows
 
 
 # -- torch rows -----------------------------------------------------------------------------------
@@ -402,6 +407,49 @@ def time_torch(
     }
 
 
+def torch_variant(torch: Any, name: str, channels_last: bool, mode: str | None, ctx: dict[str, Any]) -> list[dict]:
+    """One torch row at every batch size: build, (compile,) check against onnxruntime, time."""
+    args = ctx["args"]
+    model = build_torch_unet(torch, ctx["weights"], channels_last=channels_last).to(ctx["torch_sample"].device)
+    fn: Callable[[Any], Any] = model
+    before = None
+    if mode is not None:
+        fn = torch.compile(model, mode=None if mode == "default" else mode, dynamic=False)
+        if mode == "reduce-overhead":
+            before = torch.compiler.cudagraph_mark_step_begin  # a new graph replay, outputs not kept
+
+    def first_call(x: Any) -> tuple[Any, float]:
+        if before:
+            before()
+        t0 = time.perf_counter()
+        probs = fn(x)[0].float().cpu().numpy()
+        torch.cuda.synchronize()
+        return probs, time.perf_counter() - t0
+
+    rows: list[dict[str, Any]] = []
+    with torch.no_grad():
+        probs, first_s = first_call(ctx["torch_sample"])
+        compile_s = {1: first_s}
+        err = rel_l2(ctx["ref_probs"], probs)
+        extra = f" (first call, compile included: {first_s:.1f} s)" if mode else ""
+        print(f"[{name}] probs vs onnxruntime at N=1: rel L2 {err:.2e} (limit {CHECK_REL_L2:.0e}){extra}")
+        if not err <= CHECK_REL_L2:
+            return skipped(name, f"probs differ from onnxruntime: rel L2 {err:.2e} > {CHECK_REL_L2:.0e}", args.batches)
+        for b in args.batches:
+            xs = ctx["torch_inputs"][b]
+            if mode and b not in compile_s:
+                compile_s[b] = first_call(xs[0])[1]
+                print(f"[{name}] compile for N={b}: {compile_s[b]:.1f} s (first call)")
+            t = time_torch(torch, fn, xs, args.warmup, args.iters, before)
+            row = {"name": name, "batch": b, **t, "check_rel_l2": _r(err, 6)}
+            row["layout"] = "channels_last" if channels_last else "NCHW"
+            if mode:
+                row.update(compile_mode=mode, compile_s=round(compile_s[b], 2))
+            rows.append(row)
+            print(f"[{name}] N={b}: {t['median_ms']:.3f} ms (events {t['median_event_ms']:.3f} ms)")
+    return rows
+
+
 def torch_rows(ctx: dict[str, Any]) -> list[dict[str, Any]]:
     args, batches = ctx["args"], ctx["args"].batches
     names = ["torch_eager", "torch_eager_cl", "torch_compile", "torch_compile_cudagraphs"]
@@ -411,11 +459,15 @@ def torch_rows(ctx: dict[str, Any]) -> list[dict[str, Any]]:
         return [r for n in names for r in skipped(n, f"torch is not installed ({exc})", batches)]
     if not torch.cuda.is_available():
         return [r for n in names for r in skipped(n, "torch sees no CUDA device", batches)]
-    ctx["torch"] = {"version": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
+    ctx["torch"] = {
+        "version": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "device": torch.cuda.get_device_name(0),
+    }
     torch.backends.cudnn.benchmark = True
-    dev = torch.device("cuda")
-    sample = torch.from_numpy(ctx["sample"]).to(dev)
-    inputs = {b: [torch.from_numpy(x).to(dev) for x in xs] for b, xs in ctx["inputs"].items()}
+    ctx["torch_sample"] = torch.from_numpy(ctx["sample"]).cuda()
+    ctx["torch_inputs"] = {b: [torch.from_numpy(x).cuda() for x in xs] for b, xs in ctx["inputs"].items()}
     compile_mode = "default" if args.skip_autotune else "max-autotune-no-cudagraphs"
     variants: list[tuple[str, bool, str | None]] = [("torch_eager", False, None), ("torch_eager_cl", True, None)]
     rows: list[dict[str, Any]] = []
@@ -424,52 +476,10 @@ def torch_rows(ctx: dict[str, Any]) -> list[dict[str, Any]]:
     else:
         variants += [("torch_compile", True, compile_mode), ("torch_compile_cudagraphs", True, "reduce-overhead")]
     for name, channels_last, mode in variants:
-        model = build_torch_unet(torch, ctx["weights"], channels_last=channels_last).to(dev)
-        fn: Callable[[Any], Any] = model
-        before = None
-        if mode is not None:
-            torch._dynamo.reset()
-            fn = torch.compile(model, mode=None if mode == "default" else mode, dynamic=False)
-            if mode == "reduce-overhead":
-                before = torch.compiler.cudagraph_mark_step_begin
-        compile_s: dict[int, float] = {}
-        with torch.no_grad():
-            if before:
-                before()
-            t0 = time.perf_counter()
-            probs = fn(sample)[0].cpu().numpy()
-            torch.cuda.synchronize()
-            compile_s[1] = time.perf_counter() - t0
-            err = rel_l2(ctx["ref_probs"], probs)
-            extra = f" (first call, compile included: {compile_s[1]:.1f} s)" if mode else ""
-            print(f"[{name}] probs vs onnxruntime at N=1: rel L2 {err:.2e} (limit {CHECK_REL_L2:.0e}){extra}")
-            if not err <= CHECK_REL_L2:
-                rows += skipped(name, f"probs differ from onnxruntime: rel L2 {err:.2e} > {CHECK_REL_L2:.0e}", batches)
-                continue
-            for b in batches:
-                if mode and b not in compile_s:
-                    if before:
-                        before()
-                    t0 = time.perf_counter()
-                    fn(inputs[b][0])
-                    torch.cuda.synchronize()
-                    compile_s[b] = time.perf_counter() - t0
-                    print(f"[{name}] compile for N={b}: {compile_s[b]:.1f} s (first call)")
-                t = time_torch(torch, fn, inputs[b], args.warmup, args.iters, before)
-                row = {
-                    "name": name,
-                    "batch": b,
-                    **t,
-                    "check_rel_l2": _r(err, 6),
-                    "layout": "channels_last" if channels_last else "NCHW",
-                }
-                if mode:
-                    row.update(compile_mode=mode, compile_s=round(compile_s[b], 2))
-                rows.append(row)
-                print(f"[{name}] N={b}: {t['median_ms']:.3f} ms (events {t['median_event_ms']:.3f} ms)")
-        del fn, model
-        if mode is not None:
-            torch._dynamo.reset()
+        torch._dynamo.reset()  # each compiled row starts from nothing: its compile time is its own
+        rows += guarded(name, batches, lambda n=name, c=channels_last, m=mode: torch_variant(torch, n, c, m, ctx))
+        torch._dynamo.reset()
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
     return rows
 
@@ -688,7 +698,8 @@ def print_table(rows: list[dict[str, Any]], layers: list[dict[str, Any]]) -> Non
                 f"{r['cudnn_tflops']:>8.1f} {r['ratio']:>6.2f}  {'yes' if r['meets_target'] else 'NO'}"
             )
         print(f"{sum(r['meets_target'] for r in layers)} of {len(layers)} layer/batch pairs meet the target")
-    print("\nmedian_ms: host wall time of one synchronous call (perf_counter; the GPU idle before, drained after).")
+    print("\nmedian ms: host wall time of one synchronous call (perf_counter; the GPU idle before, drained after),")
+    print("the only clock for dualtrack rows (IREE runs on its own streams); event ms: CUDA events, torch rows only.")
     print(f"{'name':<26} {'batch':>5} {'median ms':>10} {'event ms':>9} {'x ' + BASELINE:>27} {'x floor':>8}")
     for r in rows:
         if r.get("median_ms") is None:
@@ -700,6 +711,13 @@ def print_table(rows: list[dict[str, Any]], layers: list[dict[str, Any]]) -> Non
             f"{r['name']:<26} {r['batch']:>5} {r['median_ms']:>10.3f} {ev:>9} "
             f"{(f'{ratio:.2f}' if ratio is not None else '-'):>27} {r['ratio_to_floor']:>8.1f}"
         )
+    for r in rows:
+        if r.get("tracks_ms"):
+            segs = ", ".join(f"{k} {v:.3f}" for k, v in r["segments_ms"].items())
+            print(
+                f"{r['name']} N={r['batch']}: track A {r['tracks_ms']['A']:.3f} ms, "
+                f"track B {r['tracks_ms']['B']:.3f} ms; segments (host ms) {segs}"
+            )
     for b in sorted({r["batch"] for r in rows}):
         print(f"floor N={b}: {floor_ms(b):.3f} ms ({GFLOP_PER_IMAGE} GFLOP/image at {FLOOR_TFLOPS:.0f} TFLOP/s)")
 
@@ -723,13 +741,15 @@ def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
         ms = {r["batch"]: r["median_ms"] for r in rows if r["name"] == name and r.get("median_ms")}
         xs = [j + (i - (len(names) - 1) / 2) * width for j, b in enumerate(batches) if b in ms]
         ys = [ms[b] for b in batches if b in ms]
-        bars = ax.bar(xs, ys, width * 0.95, label=name)
+        bars = ax.bar(xs, ys, width * 0.95, label=name, color=f"C{ROWS.index(name)}")  # stable colour per row
         ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=7, rotation=90, padding=2)
     for j, b in enumerate(batches):
         ax.hlines(
             floor_ms(b), j - 0.45, j + 0.45, colors="k", linestyles="dashed", label="compute floor" if j == 0 else None
         )
     ax.set_yscale("log")
+    top = max(r["median_ms"] for r in rows if r.get("median_ms"))
+    ax.set_ylim(top=top * 5)  # room for the value labels
     ax.set_xticks(range(len(batches)), [f"N={b}" for b in batches])
     ax.set_ylabel("median ms per call (log)")
     ax.set_title(title, fontsize=9)
@@ -834,12 +854,10 @@ def main(argv: list[str] | None = None) -> None:
     }
 
     rows: list[dict[str, Any]] = []
-    layers: list[dict[str, Any]] = []
     for name in BUNDLE_ROWS:
-        r, lay = bench_bundle(name, paths[name], ctx)
-        rows += r
-        layers += lay
+        rows += guarded(name, args.batches, lambda n=name: bench_bundle(n, paths[n], ctx))
     rows += torch_rows(ctx)
+    layers: list[dict[str, Any]] = ctx.get("layers", [])
     rows.sort(key=lambda r: (r["batch"], ROWS.index(r["name"])))
     add_ratios(rows)
 

@@ -97,12 +97,6 @@ def test_chunks_use_fewest_padded_rows(engine: Engine) -> None:
     assert engine._chunks(5) == [(0, 4, 4), (4, 1, 1)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="runtime/engine.py CpuBackend.run_segment returns IREE's signless i8 as int8: the plan (and "
-    "onnxruntime) say mask is uint8, so class ids above 127 would come back negative",
-)
 def test_output_dtypes_follow_the_plan(engine: Engine, rng) -> None:
     got = engine.run(images(rng[0], 1))
     assert {k: v.dtype.name for k, v in got.items()} == {t.name: t.dtype for t in engine.output_specs}
@@ -143,12 +137,6 @@ def test_wrong_dtype(engine: Engine) -> None:
         engine.run(np.zeros((1, 64, 64, 3), np.float32))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="partition.build_plan records the model's NHWC input image as layout 'NCHW', so the shape error "
-    "tells the user the bundle takes NCHW",
-)
 def test_shape_error_does_not_claim_nchw(engine: Engine) -> None:
     with pytest.raises(InputError) as err:
         engine.run(np.zeros((1, 3, 64, 64), np.uint8))

@@ -25,12 +25,13 @@ import numpy as np
 import pytest
 import uvicorn
 from click.testing import CliRunner
+from PIL import Image
+
 from dualtrack import Engine
 from dualtrack.cli import main
 from dualtrack.errors import InputError
 from dualtrack.serve import Phase, create_app, imaging
 from dualtrack.serve.loadtest import loopback_target, run_loadtest
-from PIL import Image
 
 WAIT_S = 120.0  # upper bound on any wait (engine load + warmup on a slow CI core included)
 

@@ -17,8 +17,9 @@ import httpx
 import numpy as np
 import pytest
 import uvicorn
-from dualtrack.serve import create_app, imaging
 from PIL import Image
+
+from dualtrack.serve import create_app, imaging
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")

@@ -96,7 +96,7 @@ def track_a_artifacts(
 
 def _build_key(cfg: BuildConfig, model_digest: str, plan: Plan, keys: list[str], ptx_files: dict[str, bytes]) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps(cfg.model_dump(mode="json", exclude={"output", "verify"}), sort_keys=True).encode())
+    h.update(json.dumps(cfg.model_dump(mode="json", exclude={"output"}), sort_keys=True).encode())
     h.update(model_digest.encode())
     h.update(plan.dumps().encode())
     for k in sorted(keys):
@@ -148,7 +148,7 @@ def build(
     for seg, sm in zip(plan.segments, seg_models, strict=True):
         seg_targets = ([] if seg.track == "A" else list(targets)) + ([cpu] if cpu else [])
         for t in seg_targets:
-            for b in cfg.batch_sizes:
+            for b in cfg.batch_sizes if t is not cpu else (track_b.CPU_BATCH,):
                 extra = cfg.track_b.cpu_flags if t is cpu else cfg.track_b.cuda_flags
                 jobs.append(track_b.CompileJob(seg.name, sm, b, t, (*cfg.track_b.flags, *extra)))
     compiler = track_b.compiler_version()

@@ -10,11 +10,12 @@ them (FACTS 1-2).
 from __future__ import annotations
 
 import difflib
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dualtrack.errors import ConfigError
 
@@ -58,6 +59,14 @@ class TrackBConfig(_Strict):
     cpu: bool = Field(True, description="also compile llvm-cpu modules (CPU runtime and verification)")
     cpu_target: str = Field("x86-64-v3", description="--iree-llvmcpu-target-cpu; 'host' for this CPU only")
 
+    @field_validator("flags", "cuda_flags", "cpu_flags")
+    @classmethod
+    def _dashes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for f in v:
+            if not f.startswith("--"):
+                raise ValueError(f"{f!r} is not an iree-compile flag (flags start with --, e.g. --iree-opt-level=O3)")
+        return v
+
 
 class Tolerance(_Strict):
     rel_l2: float = Field(gt=0)
@@ -100,13 +109,6 @@ class BuildConfig(_Strict):
             raise ValueError("batch_sizes must be positive integers, e.g. [1, 8]")
         return tuple(sorted(set(v)))
 
-    @model_validator(mode="after")
-    def _flags(self) -> BuildConfig:
-        for f in (*self.track_b.flags, *self.track_b.cuda_flags, *self.track_b.cpu_flags):
-            if not f.startswith("--"):
-                raise ValueError(f"track_b.flags entry {f!r} is not a flag (flags start with --)")
-        return self
-
     def tolerance(self) -> Tolerance:
         return self.verify.tolerance or DEFAULT_TOLERANCES[self.precision]
 
@@ -118,19 +120,31 @@ _DROPPED_IREE_FLAGS = {
 }
 
 
-def _translate_seed(raw: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+def _as_list(key: str, value: Any, path: Path) -> list[str]:
+    """A seed key that takes one string or a list of strings."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    raise ConfigError(f"{path}: `{key}` must be a string or a list of strings, not {value!r}")
+
+
+def _translate_seed(raw: dict[str, Any], notes: list[str], path: Path) -> dict[str, Any]:
     """Rewrite the seed's vocabulary into this schema, recording each translation."""
     raw = dict(raw)
+    for key in ("targets", "track_b"):
+        if key in raw and not isinstance(raw[key], list if key == "targets" else dict):
+            if key == "track_b" or not isinstance(raw[key], str):
+                return raw  # let the schema report the wrong type with its line
     for old, new in _SEED_KEYS.items():
         if old not in raw:
             continue
         value = raw.pop(old)
         if new == "targets":
-            value = [value] if isinstance(value, str) else value
-            raw["targets"] = list(raw.get("targets", [])) + list(value)
+            raw["targets"] = list(raw.get("targets", [])) + _as_list(old, value, path)
         elif new == "track_b.flags":
             tb = dict(raw.get("track_b") or {})
-            tb["flags"] = list(tb.get("flags", [])) + list(value or [])
+            tb["flags"] = list(tb.get("flags", [])) + _as_list(old, value, path)
             raw["track_b"] = tb
         else:
             raw[new] = value
@@ -181,9 +195,11 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
         ann = getattr(field, "annotation", None) if field else None
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        candidates = [ann, *typing.get_args(ann)]  # Tolerance | None -> Tolerance
+        found = [a for a in candidates if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not found:
             return []
-        model = ann
+        model = found[0]
     return list(model.model_fields)
 
 
@@ -220,7 +236,7 @@ def load_config(path: str | Path) -> BuildConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the config must be a YAML mapping (key: value lines), not {type(raw).__name__}")
     notes: list[str] = []
-    raw = _translate_seed(raw, notes)
+    raw = _translate_seed(raw, notes, path)
     try:
         cfg = BuildConfig.model_validate(raw)
     except ValidationError as e:

@@ -403,7 +403,7 @@ def build_plan(cfg: BuildConfig, model: onnx.ModelProto) -> tuple[Plan, list[onn
         shape, dtype = specs[name]
         if name in touches_a and len(shape) == 4:
             return TensorSpec(name, _nhwc(shape), dtype, "NHWC")
-        return TensorSpec(name, shape, dtype, "NCHW" if len(shape) == 4 else "")
+        return TensorSpec(name, shape, dtype, "")  # as the model has it (ONNX does not record layouts)
 
     plan_segments: list[Segment] = []
     seg_models: list[onnx.ModelProto] = []

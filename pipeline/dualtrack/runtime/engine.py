@@ -20,6 +20,7 @@ from dualtrack.bundle import Bundle
 from dualtrack.errors import InputError
 from dualtrack.plan import Segment, TensorSpec
 from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
+from dualtrack.track_b import CPU_BATCH
 
 DEVICES = ("cpu", "cuda")
 
@@ -29,6 +30,16 @@ class Backend(Protocol):
     def to_host(self, value: Any) -> np.ndarray: ...
     def from_host(self, arr: np.ndarray) -> Any: ...
     def close(self) -> None: ...
+
+
+def as_dtype(arr: np.ndarray, dtype: str) -> np.ndarray:
+    """IREE reports ONNX uint8 as signless i8 (int8): reinterpret to the plan's dtype, no copy."""
+    want = np.dtype(dtype)
+    if arr.dtype == want:
+        return arr
+    if arr.dtype.itemsize == want.itemsize and arr.dtype.kind in "iub" and want.kind in "iub":
+        return arr.view(want)
+    return arr.astype(want)
 
 
 class CpuBackend:
@@ -54,13 +65,18 @@ class CpuBackend:
             return self.modules[key]
 
     def run_segment(self, seg: Segment, batch: int, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        mod = self.module(seg, batch)
+        """Run one segment; a batch runs image by image through the batch-1 module (see CPU_BATCH)."""
+        mod = self.module(seg, CPU_BATCH)
         t0 = time.perf_counter()
-        outs = mod(*[np.ascontiguousarray(inputs[t.name]) for t in seg.inputs])
-        # Copy out of IREE's buffers: a host view must not outlive the device (use-after-free at exit).
-        result = {t.name: np.array(o.to_host(), copy=True) for t, o in zip(seg.outputs, outs, strict=True)}
+        rows: list[dict[str, np.ndarray]] = []
+        for i in range(0, batch, CPU_BATCH):
+            outs = mod(*[np.ascontiguousarray(inputs[t.name][i : i + CPU_BATCH]) for t in seg.inputs])
+            # Copy out of IREE's buffers: a host view must not outlive the device (use-after-free at exit).
+            rows.append({t.name: as_dtype(np.array(o.to_host(), copy=True), t.dtype) for t, o in zip(seg.outputs, outs, strict=True)})
         self.timings[seg.track] += (time.perf_counter() - t0) * 1e3
-        return result
+        if len(rows) == 1:
+            return rows[0]
+        return {t.name: np.concatenate([r[t.name] for r in rows]) for t in seg.outputs}
 
     def to_host(self, value: Any) -> np.ndarray:
         return np.asarray(value)
@@ -118,7 +134,8 @@ class Engine:
         spec = self.input_spec
         want = f"(n, {', '.join(map(str, spec.shape[1:]))}) {spec.dtype}"
         if len(shape) != len(spec.shape) or shape[1:] != spec.shape[1:] or shape[0] < 1:
-            raise InputError(f"input has shape {shape}; this bundle takes {want} ({spec.layout or 'as exported'})")
+            layout = f" ({spec.layout})" if spec.layout else ""
+            raise InputError(f"input has shape {shape}; this bundle takes {want}{layout}")
         if dtype != spec.dtype:
             raise InputError(
                 f"input has dtype {dtype}; this bundle takes {want}: convert with .astype(np.{spec.dtype})"

@@ -293,7 +293,8 @@ class CudaBackend:
             imp = dlpack.from_capsule(
                 dev.create_dlpack_capsule(view, int(dlpack.DLDeviceType.kDLCUDA), self.device.index)
             )
-            result[spec.name] = GpuTensor(imp.ptr, imp.shape, imp.dtype, (imp.keepalive, view))
+            # IREE exports ONNX uint8 as int8 (signless i8): the plan's dtype is the truth.
+            result[spec.name] = GpuTensor(imp.ptr, imp.shape, np.dtype(spec.dtype), (imp.keepalive, view))
         return result
 
     @property

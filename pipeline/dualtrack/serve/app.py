@@ -86,10 +86,8 @@ def create_app(
         retry_after_s=retry_after_s,
         shutdown_timeout_s=shutdown_timeout_s,
     )
-    holder: dict[str, Batcher] = {}
-    metrics = ServeMetrics(
-        queue_depth=lambda: holder["batcher"].depth, ready=lambda: holder["batcher"].phase is Phase.READY
-    )
+    # The gauges read the batcher at scrape time (the closures see `batcher` once it is assigned).
+    metrics = ServeMetrics(queue_depth=lambda: batcher.depth, ready=lambda: batcher.phase is Phase.READY)
     batcher = Batcher(
         source,
         max_batch_delay_s=options.max_batch_delay_ms / 1e3,
@@ -98,7 +96,6 @@ def create_app(
         device_index=options.device_index,
         on_batch=metrics.observe_batch,
     )
-    holder["batcher"] = batcher
     service = _Service(batcher, metrics, options)
 
     @asynccontextmanager
@@ -117,7 +114,7 @@ def create_app(
         Route("/v1/segment", service.segment, methods=["POST"]),
         Route("/healthz", service.healthz, methods=["GET"]),
         Route("/readyz", service.readyz, methods=["GET"]),
-        Route("/metrics", service.metrics, methods=["GET"]),
+        Route("/metrics", service.metrics_text, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,
@@ -136,7 +133,7 @@ class _Service:
 
     def __init__(self, batcher: Batcher, metrics: ServeMetrics, options: ServeOptions) -> None:
         self.batcher = batcher
-        self.metrics_ = metrics
+        self.stats = metrics
         self.options = options
         self.index_html = resources.files("dualtrack.serve").joinpath("static/index.html").read_text("utf-8")
 
@@ -162,8 +159,8 @@ class _Service:
             }
         )
 
-    async def metrics(self, request: Request) -> Response:
-        return Response(self.metrics_.exposition(), media_type=self.metrics_.content_type)
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.stats.exposition(), media_type=self.stats.content_type)
 
     async def segment(self, request: Request) -> Response:
         start = time.perf_counter()
@@ -190,7 +187,7 @@ class _Service:
         except DualtrackError as err:
             _log.error("segment failed: %s", err)
             return _error(500, str(err))
-        self.metrics_.queue_wait.observe(result.queue_ms / 1e3)
+        self.stats.queue_wait.observe(result.queue_ms / 1e3)
         mask = await run_in_threadpool(imaging.mask_to_size, result.mask, img.height, img.width)
         timings = _timings_ms(result, start)
         headers = {"Server-Timing": ", ".join(f"{k};dur={v:.3f}" for k, v in timings.items())}
@@ -209,7 +206,7 @@ class _Service:
                 "timings_ms": timings,
             }
             response = JSONResponse(payload, headers=headers)
-        self.metrics_.latency.observe(time.perf_counter() - start)
+        self.stats.latency.observe(time.perf_counter() - start)
         return response
 
     def _unavailable(self, reason: str) -> Response:
