@@ -116,6 +116,10 @@ def main() -> None:
     from dualtrack.verify import verify_engine
 
     result: dict = {"commit": _commit(), "bundle": str(args.bundle)}
+    from dualtrack.runtime.driver import Device
+
+    ctx = Device(0).primary_context()  # the engine retains this same primary context
+    free0, total = call(cu.cuMemGetInfo)
     t0 = time.perf_counter()
     engine = Engine.load(args.bundle, "cuda")
     result["engine_load_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
@@ -128,7 +132,6 @@ def main() -> None:
         iree_target=be.target,
         track_a_image=be.stats.image,
     )
-    free0, total = call(cu.cuMemGetInfo)
     result["track_a_module_load"] = module_load_times(engine.bundle, be.ctx)
     result["engine_module_load_ms"] = {k: round(v, 3) for k, v in be.stats.module_load_ms.items()}
 
@@ -158,19 +161,24 @@ def main() -> None:
     free1, _ = call(cu.cuMemGetInfo)
     result["memory"] = {
         "track_a_pool_peak_bytes": be.pool.peak_bytes(),
+        # Everything the engine holds after both batch sizes ran: weights, both tracks' activations,
+        # IREE's own pools and module code (cuMemGetInfo before Engine.load and after the timings).
         "device_used_by_engine_bytes": int(free0 - free1) if free1 < free0 else 0,
         "device_total_bytes": int(total),
     }
     engine.close()
+    ctx.close()
     out = args.out / f"gpu_check-{result['commit'][:10]}.json"
     out.write_text(json.dumps(result, indent=2))
 
     print(
-        f"\n{result['gpu']} (cc {result['cc']}), driver {result['driver']}, IREE {result['iree_target']}, Track A {result['track_a_image']}"
+        f"\n{result['gpu']} (cc {result['cc']}), driver {result['driver']}, "
+        f"IREE {result['iree_target']}, Track A {result['track_a_image']}"
     )
     for stem, t in result["track_a_module_load"].items():
         print(
-            f"load {stem:<18} cubin {t['cubin_ms']:8.2f} ms | PTX JIT cold {t['ptx_jit_cold_ms']:8.2f} ms | PTX cached {t['ptx_cached_ms']:6.2f} ms"
+            f"load {stem:<18} cubin {t['cubin_ms']:8.2f} ms | PTX JIT cold {t['ptx_jit_cold_ms']:8.2f} ms | "
+            f"PTX cached {t['ptx_cached_ms']:6.2f} ms"
         )
     print(
         f"verification: {'passed' if report.passed else 'FAILED'} ({len(report.checks)} checks, worst rel_l2 "
@@ -178,16 +186,19 @@ def main() -> None:
     )
     s = result["sample"]
     print(
-        f"sample: {s['mask_pixels_differing_gpu_vs_cpu']} of {s['pixels']} mask pixels differ GPU vs CPU; probs rel_l2 {s['probs_rel_l2_gpu_vs_cpu']:.2e}"
+        f"sample: {s['mask_pixels_differing_gpu_vs_cpu']} of {s['pixels']} mask pixels differ GPU vs CPU; "
+        f"probs rel_l2 {s['probs_rel_l2_gpu_vs_cpu']:.2e}"
     )
     print(f"{'batch':>5} {'median ms':>10} {'track A':>8} {'track B':>8} {'waits':>6} {'wait ms':>8} {'img/s':>8}")
     for t in result["timing"]:
         print(
-            f"{t['batch']:>5} {t['median_ms']:>10.3f} {t['track_a_ms']:>8.3f} {t['track_b_ms']:>8.3f} {t['host_waits']:>6} {t['host_wait_ms']:>8.4f} {t['images_per_s']:>8.1f}"
+            f"{t['batch']:>5} {t['median_ms']:>10.3f} {t['track_a_ms']:>8.3f} {t['track_b_ms']:>8.3f} "
+            f"{t['host_waits']:>6} {t['host_wait_ms']:>8.4f} {t['images_per_s']:>8.1f}"
         )
     m = result["memory"]
     print(
-        f"memory: Track A pool peak {m['track_a_pool_peak_bytes'] / 2**20:.1f} MiB; engine total {m['device_used_by_engine_bytes'] / 2**20:.1f} MiB"
+        f"memory: Track A pool peak {m['track_a_pool_peak_bytes'] / 2**20:.1f} MiB; "
+        f"engine total {m['device_used_by_engine_bytes'] / 2**20:.1f} MiB"
     )
     print(f"wrote {out}")
 

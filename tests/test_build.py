@@ -268,11 +268,11 @@ def test_open_corrupt_manifest(bundle_copy: Path) -> None:
 
 
 def test_open_truncated_vmfb(bundle_copy: Path) -> None:
-    vmfb = bundle_copy / "iree/seg2_B/llvm-cpu/b4.vmfb"
+    vmfb = bundle_copy / "iree/seg2_B/cuda-sm_89/b4.vmfb"
     vmfb.write_bytes(vmfb.read_bytes()[: vmfb.stat().st_size // 2])
     with pytest.raises(
         BundleError,
-        match=rf"^{bundle_copy}: iree/seg2_B/llvm-cpu/b4\.vmfb does not match its recorded hash "
+        match=rf"^{bundle_copy}: iree/seg2_B/cuda-sm_89/b4\.vmfb does not match its recorded hash "
         r"\(truncated or modified\); rebuild the bundle$",
     ):
         Bundle.open(bundle_copy)

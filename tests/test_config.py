@@ -166,7 +166,9 @@ def test_flag_without_dashes_is_rejected(tmp_path: Path, key: str) -> None:
 
 def test_flag_without_dashes_names_its_key_and_line(tmp_path: Path) -> None:
     path = write(tmp_path, "model: m.onnx\ntrack_b:\n  cuda_flags: [O3]\n")
-    with pytest.raises(ConfigError, match=rf"^{path}:3: .*track_b\.cuda_flags.*'O3' is not an iree-compile flag") as err:
+    with pytest.raises(
+        ConfigError, match=rf"^{path}:3: .*track_b\.cuda_flags.*'O3' is not an iree-compile flag"
+    ) as err:
         load_config(path)
     assert "``" not in str(err.value)
 

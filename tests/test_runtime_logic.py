@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from cuda.bindings import driver as cu
+
 from dualtrack.errors import CudaError, DeviceError, InputError
 from dualtrack.runtime import dlpack as dl
 from dualtrack.runtime import driver as drv

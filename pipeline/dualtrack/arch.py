@@ -247,5 +247,6 @@ def choose_image(device_cc: tuple[int, int], cubins: list[str], ptx: list[str]) 
         return ImageChoice("ptx", best, f"no cubin for cc {device_cc[0]}.{device_cc[1]}; the driver JITs {best} PTX")
     raise ArchError(
         f"the bundle has no Track A code for a device of compute capability {device_cc[0]}.{device_cc[1]} "
-        f"(cubins: {', '.join(cubins) or 'none'}; PTX: {', '.join(ptx) or 'none'}); add its arch to `targets` and rebuild"
+        f"(cubins: {', '.join(cubins) or 'none'}; PTX: {', '.join(ptx) or 'none'}); "
+        "add its arch to `targets` and rebuild"
     )

@@ -102,7 +102,8 @@ class Bundle:
         if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
             got = manifest.get("format") if isinstance(manifest, dict) else None
             raise BundleError(
-                f"{root} is bundle format {got}, this dualtrack reads format {BUNDLE_FORMAT}; rebuild it with this version"
+                f"{root} is bundle format {got}, this dualtrack reads format {BUNDLE_FORMAT}; "
+                "rebuild it with this version"
             )
         for rel, digest in manifest.get("files", {}).items():
             f = root / rel
@@ -153,7 +154,8 @@ class Bundle:
         except KeyError:
             have = sorted(self.manifest["artifacts"]["iree"].get(seg.name, {}))
             raise BundleError(
-                f"{self.root} has no {target} module for {seg.name} at batch {batch} (has: {', '.join(have) or 'none'}); "
+                f"{self.root} has no {target} module for {seg.name} at batch {batch} "
+                f"(has: {', '.join(have) or 'none'}); "
                 "add the target or batch size to the config and rebuild"
             ) from None
         return self.root / rel

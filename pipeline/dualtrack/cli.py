@@ -79,11 +79,13 @@ def build(config: Path, output: Path | None, force: bool, as_json: bool) -> None
         out.step(f"note: {note}")
     if result.up_to_date:
         click.echo(
-            f"{result.bundle}: up to date, nothing compiled ({result.cached} modules unchanged) in {result.seconds:.1f} s"
+            f"{result.bundle}: up to date, nothing compiled ({result.cached} modules unchanged) "
+            f"in {result.seconds:.1f} s"
         )
     else:
         click.echo(
-            f"{result.bundle}: built in {result.seconds:.1f} s ({result.compiled} modules compiled, {result.cached} from cache); "
+            f"{result.bundle}: built in {result.seconds:.1f} s "
+            f"({result.compiled} modules compiled, {result.cached} from cache); "
             f"verification {'passed' if result.verification and result.verification['passed'] else 'not run'}"
         )
 
@@ -186,7 +188,8 @@ def info(bundle: Path, as_json: bool) -> None:
     click.echo(f"precision  {b.plan.precision}; batch sizes {list(b.plan.batch_sizes)}")
     for t in m["targets"]:
         click.echo(
-            f"target     {t['arch']} (cc {t['cc']}): Track A {t['track_a_ptx']} -> {t['track_a_cubin']} cubin; Track B IREE {t['track_b_iree_target']}"
+            f"target     {t['arch']} (cc {t['cc']}): Track A {t['track_a_ptx']} -> {t['track_a_cubin']} cubin; "
+            f"Track B IREE {t['track_b_iree_target']}"
         )
     for line in b.plan.summary():
         click.echo(f"segment    {line}")
@@ -201,7 +204,8 @@ def info(bundle: Path, as_json: bool) -> None:
     click.echo(f"iree       targets {', '.join(b.iree_targets)}")
     ver = m.get("verification") or {}
     click.echo(
-        f"verified   {'passed' if ver.get('passed') else 'no'} on {ver.get('device', '-')} (seed {ver.get('seed', '-')})"
+        f"verified   {'passed' if ver.get('passed') else 'no'} on {ver.get('device', '-')} "
+        f"(seed {ver.get('seed', '-')})"
     )
     for n in m.get("notes", []):
         click.echo(f"note       {n}")

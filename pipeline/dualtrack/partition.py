@@ -110,11 +110,13 @@ def batch_checked_specs(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ..
         other = two.get(name, (None,))[0]
         if -1 in shape:
             raise PartitionError(
-                f"tensor '{name}' has a shape ONNX cannot infer statically ({shape}); export the model with static shapes"
+                f"tensor '{name}' has a shape ONNX cannot infer statically ({shape}); "
+                "export the model with static shapes"
             )
         if not shape or other is None or other[0] != 2 * shape[0] or other[1:] != shape[1:] or shape[0] != 1:
             raise PartitionError(
-                f"tensor '{name}' does not keep the batch in dim 0 (batch 1: {shape}, batch 2: {other}); dualtrack needs batch-major tensors"
+                f"tensor '{name}' does not keep the batch in dim 0 (batch 1: {shape}, batch 2: {other}); "
+                "dualtrack needs batch-major tensors"
             )
     return one
 
@@ -131,7 +133,8 @@ def assign_tracks(model: onnx.ModelProto, cfg: BuildConfig) -> dict[str, str]:
             if not any(n.name.startswith(prefix) for n in nodes):
                 heads = sorted({n.name.split("/")[0] + ("/" if "/" in n.name else "") for n in nodes})[:12]
                 raise PartitionError(
-                    f"partition.{side}.name_prefixes: '{prefix}' matches no node of the model; node names start with: {', '.join(heads)}"
+                    f"partition.{side}.name_prefixes: '{prefix}' matches no node of the model; "
+                    f"node names start with: {', '.join(heads)}"
                 )
         for op in rules.op_types:
             if not onnx.defs.has(op):
@@ -142,7 +145,8 @@ def assign_tracks(model: onnx.ModelProto, cfg: BuildConfig) -> dict[str, str]:
     for n in nodes:
         if n.domain not in ("", "ai.onnx"):
             raise UnsupportedOpError(
-                f"node '{n.name}' is op {n.domain}::{n.op_type}, which no track can take (Track A: {TRACK_A_DESCRIPTION}; "
+                f"node '{n.name}' is op {n.domain}::{n.op_type}, which no track can take "
+                f"(Track A: {TRACK_A_DESCRIPTION}; "
                 "Track B: standard ONNX ops through IREE); replace it with standard ONNX ops and re-export"
             )
         if _matches(n, cfg.partition.track_b):
@@ -395,7 +399,8 @@ def build_plan(cfg: BuildConfig, model: onnx.ModelProto) -> tuple[Plan, list[onn
             for t in b.inputs + b.outputs:
                 if t in graph_io:
                     raise PartitionError(
-                        f"Track A would read or write the model's own input/output '{t}' directly; Track A works in NHWC, "
+                        f"Track A would read or write the model's own input/output '{t}' directly; "
+                        "Track A works in NHWC, "
                         "so keep the first and last ops on Track B (narrow partition.track_a)"
                     )
 
@@ -448,7 +453,8 @@ def _check_input(cfg: BuildConfig, model: onnx.ModelProto, specs: dict) -> None:
         )
     if want.shape is not None and tuple(want.shape[1:]) != tuple(shape[1:]):
         raise PartitionError(
-            f"input.shape {list(want.shape)} does not match the model's input {list(shape)} (batch excluded); fix `input.shape`"
+            f"input.shape {list(want.shape)} does not match the model's input {list(shape)} (batch excluded); "
+            "fix `input.shape`"
         )
     if want.dtype is not None and want.dtype != dtype:
         raise PartitionError(f"input.dtype is {want.dtype} but the model's input is {dtype}; fix `input.dtype`")

@@ -140,6 +140,7 @@ class Plan:
         for s in self.segments:
             what = f"{len(s.calls)} kernel calls" if s.track == "A" else "IREE module"
             lines.append(
-                f"{s.name}: {len(s.nodes)} nodes, {what}; in {[t.name for t in s.inputs]} -> out {[t.name for t in s.outputs]}"
+                f"{s.name}: {len(s.nodes)} nodes, {what}; "
+                f"in {[t.name for t in s.inputs]} -> out {[t.name for t in s.outputs]}"
             )
         return lines

@@ -80,7 +80,8 @@ def compile_module(mlir: Path, target: IreeTarget, flags: tuple[str, ...], out: 
         unknown = re.search(r"Unknown command line argument '([^']+)'", e.stderr)
         if unknown:
             raise ConfigError(
-                f"track_b.flags: iree-compile 3.13 does not know `{unknown.group(1)}`; remove it (see `iree-compile --help`)"
+                f"track_b.flags: iree-compile 3.13 does not know `{unknown.group(1)}`; "
+                "remove it (see `iree-compile --help`)"
             ) from None
         _raise_unsupported(e)
         raise

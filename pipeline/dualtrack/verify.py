@@ -125,8 +125,10 @@ class Report:
             first = bad[0]
             raise VerificationError(
                 f"{len(bad)} of {len(self.checks)} checks exceed the {self.precision} tolerance "
-                f"(rel_l2 {self.tolerance.rel_l2:g}, max_abs {self.tolerance.max_abs:g}, mismatch {self.tolerance.mismatch:g}); "
-                f"first: {first.name} rel_l2 {first.rel_l2:.3g} max_abs {first.max_abs:.3g} mismatch {first.mismatch:.3g}"
+                f"(rel_l2 {self.tolerance.rel_l2:g}, max_abs {self.tolerance.max_abs:g}, "
+                f"mismatch {self.tolerance.mismatch:g}); "
+                f"first: {first.name} rel_l2 {first.rel_l2:.3g} max_abs {first.max_abs:.3g} "
+                f"mismatch {first.mismatch:.3g}"
                 f"{' (' + first.note + ')' if first.note else ''}",
                 detail="\n".join(self.lines()),
             )

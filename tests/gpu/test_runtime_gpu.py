@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cuda.bindings import driver as cu
+
 from dualtrack.errors import CudaError, DeviceError
 from dualtrack.runtime.dlpack import DeviceArray
 from dualtrack.runtime.driver import Context, Device, Event, Module, Stream, call, load_driver

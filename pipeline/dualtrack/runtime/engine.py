@@ -72,7 +72,12 @@ class CpuBackend:
         for i in range(0, batch, CPU_BATCH):
             outs = mod(*[np.ascontiguousarray(inputs[t.name][i : i + CPU_BATCH]) for t in seg.inputs])
             # Copy out of IREE's buffers: a host view must not outlive the device (use-after-free at exit).
-            rows.append({t.name: as_dtype(np.array(o.to_host(), copy=True), t.dtype) for t, o in zip(seg.outputs, outs, strict=True)})
+            rows.append(
+                {
+                    t.name: as_dtype(np.array(o.to_host(), copy=True), t.dtype)
+                    for t, o in zip(seg.outputs, outs, strict=True)
+                }
+            )
         self.timings[seg.track] += (time.perf_counter() - t0) * 1e3
         if len(rows) == 1:
             return rows[0]

@@ -75,6 +75,7 @@ class CudaBackend:
         self.stats = Stats()
         self.timings = {"A": 0.0, "B": 0.0}
         self.poison = False
+        self.track_a_pending = False
         self.staging: dict[int, HostBuffer] = {}
         self.buffers: dict[int, dict[str, DeviceBuffer]] = {}
         self.target = self._iree_target()
@@ -94,7 +95,8 @@ class CudaBackend:
                 return f"cuda-{t['track_b_iree_target']}"
         built = ", ".join(t["arch"] for t in self.bundle.manifest["targets"])
         raise ArchError(
-            f"the bundle has no code for {self.device.name} (compute capability {self.device.cc[0]}.{self.device.cc[1]}, "
+            f"the bundle has no code for {self.device.name} "
+            f"(compute capability {self.device.cc[0]}.{self.device.cc[1]}, "
             f"{self.device.arch}); it was built for {built}: add {self.device.arch} to `targets` and rebuild"
         )
 
@@ -233,8 +235,7 @@ class CudaBackend:
         for c in seg.calls:
             self._launch(c, env)
         self.ev_end.record(self.stream)
-        self.ev_end.synchronize()
-        self.timings["A"] += self.ev_start.elapsed_ms(self.ev_end)
+        self.track_a_pending = True  # settled by the next Track B segment (_handoff_to_iree)
         return {t.name: env[t.name] for t in seg.outputs}
 
     def _launch(self, c: KernelCall, env: dict[str, GpuTensor]) -> None:
@@ -266,18 +267,24 @@ class CudaBackend:
         kern.launch(cfg.grid, cfg.block, cfg.shared_bytes, self.stream, args)
 
     def _handoff_to_iree(self) -> None:
-        """Host wait before IREE reads what Track A wrote on our stream.
+        """Host wait before IREE reads what Track A wrote on our stream: the one wait per A -> B edge.
 
         IREE runs on its own streams and 3.13 cannot import a CUDA event or wait on a foreign
         stream (HalSemaphore.import_timepoint with CUDA_EVENT is UNIMPLEMENTED, FACTS 8). With
         that, or with `cuStreamWaitValue32` on a value IREE signals, this wait would become a
-        device-side dependency and the host would not block.
+        device-side dependency and the host would not block. B -> A needs no wait: IREE's
+        synchronous call returns after its work is complete.
         """
-        self._host_wait()
+        t0 = time.perf_counter()
+        self.ev_end.synchronize()
+        self.stats.host_waits += 1
+        self.stats.host_wait_ms += (time.perf_counter() - t0) * 1e3
+        self.timings["A"] += self.ev_start.elapsed_ms(self.ev_end)
+        self.track_a_pending = False
 
     def _run_track_b(self, seg: Segment, batch: int, ins: dict[str, GpuTensor]) -> dict[str, Any]:
         mod = self.module(seg, batch)
-        if self.stream_has_work:
+        if self.track_a_pending:
             self._handoff_to_iree()
         dev = self.iree.device
         views = [
@@ -296,12 +303,6 @@ class CudaBackend:
             # IREE exports ONNX uint8 as int8 (signless i8): the plan's dtype is the truth.
             result[spec.name] = GpuTensor(imp.ptr, imp.shape, np.dtype(spec.dtype), (imp.keepalive, view))
         return result
-
-    @property
-    def stream_has_work(self) -> bool:
-        # Track A records ev_end and waits on it, and uploads wait too, so our stream is idle here;
-        # kept as a property so that an asynchronous Track A (CUDA graphs, issue 4) pays the wait.
-        return False
 
     def close(self) -> None:
         self.ctx.make_current()
