@@ -61,7 +61,8 @@ class TrackBConfig(_Strict):
         "x86-64-v4",
         description=(
             "--iree-llvmcpu-target-cpu: x86-64-v4 (AVX-512: current Xeon and EPYC) by default; "
-            "x86-64-v3 runs on any AVX2 CPU but IREE 3.13's fp16 code there is about 7x slower; 'host' for this CPU only"
+            "x86-64-v3 runs on any AVX2 CPU but IREE 3.13's fp16 code there is about 7x slower; "
+            "'host' for this CPU only"
         ),
     )
 
