@@ -28,7 +28,7 @@ DEVICES = ("cpu", "cuda")
 class Backend(Protocol):
     def run_segment(self, seg: Segment, batch: int, inputs: Mapping[str, Any]) -> dict[str, Any]: ...
     def to_host(self, value: Any) -> np.ndarray: ...
-    def from_host(self, arr: np.ndarray) -> Any: ...
+    def from_host(self, arr: np.ndarray, *, slot: str | None = None) -> Any: ...
     def close(self) -> None: ...
 
 
@@ -86,7 +86,7 @@ class CpuBackend:
     def to_host(self, value: Any) -> np.ndarray:
         return np.asarray(value)
 
-    def from_host(self, arr: np.ndarray) -> Any:
+    def from_host(self, arr: np.ndarray, *, slot: str | None = None) -> Any:
         return arr
 
     def close(self) -> None:
@@ -188,7 +188,7 @@ class Engine:
                 chunk = x[start : start + rows]
                 if rows < batch:
                     chunk = np.concatenate([chunk, np.zeros((batch - rows, *chunk.shape[1:]), chunk.dtype)])
-                outs = self.run_batch(self.backend.from_host(np.ascontiguousarray(chunk)), batch)
+                outs = self.run_batch(self.backend.from_host(np.ascontiguousarray(chunk), slot="input"), batch)
                 for name, value in outs.items():
                     parts[name].append(self.backend.to_host(value)[:rows])
             total = (time.perf_counter() - t0) * 1e3

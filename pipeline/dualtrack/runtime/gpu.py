@@ -77,6 +77,7 @@ class CudaBackend:
         self.poison = False
         self.track_a_pending = False
         self.staging: dict[int, HostBuffer] = {}
+        self.slots: dict[tuple[str | None, int], DeviceBuffer] = {}
         self.buffers: dict[int, dict[str, DeviceBuffer]] = {}
         self.target = self._iree_target()
         self.iree = IreeDevice.create("cuda", device_index)
@@ -150,9 +151,17 @@ class CudaBackend:
 
     # -- host <-> device ----------------------------------------------------------------------------
 
-    def from_host(self, arr: np.ndarray) -> GpuTensor:
+    def from_host(self, arr: np.ndarray, *, slot: str | None = None) -> GpuTensor:
+        """Upload through pinned staging. With `slot`, the device buffer is kept and reused by the
+        next upload to the same slot and size (the engine's input: no allocation per request)."""
         arr = np.ascontiguousarray(arr)
-        buf = self.pool.alloc(max(arr.nbytes, 1), self.stream)
+        key = (slot, arr.nbytes)
+        if slot is not None and key in self.slots:
+            buf = self.slots[key]
+        else:
+            buf = self.pool.alloc(max(arr.nbytes, 1), self.stream)
+            if slot is not None:
+                self.slots[key] = buf
         staging = self._staging(arr.nbytes)
         staging.numpy(np.uint8, (arr.nbytes,))[:] = arr.reshape(-1).view(np.uint8)
         upload(self.stream, buf, staging, arr.nbytes)
@@ -309,7 +318,7 @@ class CudaBackend:
         self.stream.synchronize()  # nothing may still run when modules and buffers go away
         self.modules.clear()
         self.iree = None  # type: ignore[assignment]
-        for bufs in self.buffers.values():
+        for bufs in [*self.buffers.values(), self.slots]:
             for b in bufs.values():
                 b.close(self.stream)
         self.weights.clear()
