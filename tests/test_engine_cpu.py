@@ -212,3 +212,13 @@ def test_concurrent_runs_equal_serial_runs(engine: Engine, rng) -> None:
     for i, want in enumerate(serial):
         for name in ("probs", "mask"):
             np.testing.assert_array_equal(results[i][name], want[name], err_msg=f"input {i} {name}, seed {seed}")
+
+
+def test_selected_outputs_only(engine: Engine, rng) -> None:
+    x = images(rng[0], 3)
+    full = engine.run(x)
+    only = engine.run(x, outputs=("mask",))
+    assert list(only) == ["mask"]
+    np.testing.assert_array_equal(only["mask"], full["mask"])
+    with pytest.raises(InputError, match=r"no output named 'logits'; this bundle's outputs are mask, probs"):
+        engine.run(x, outputs=("logits",))

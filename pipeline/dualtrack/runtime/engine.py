@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -166,31 +166,33 @@ class Engine:
             tensors.update(self.backend.run_segment(seg, batch, tensors))
         return {o.name: tensors[o.name] for o in self.output_specs}
 
-    def run(self, x: Any) -> dict[str, Any]:
+    def run(self, x: Any, outputs: Sequence[str] | None = None) -> dict[str, Any]:
         """Segment a batch of images: `x` is (n, *input.shape[1:]) in the input dtype.
 
         A numpy array gives numpy arrays back. On `cuda`, a GPU tensor (DLPack or
         `__cuda_array_interface__`: torch, cupy, ...) stays on the GPU and gives DeviceArrays back
         (DLPack-capable, zero-copy); its batch must then be one of `batch_sizes`.
+        `outputs` names the outputs wanted (default: all); the others are not copied off the GPU.
         """
         if self._closed:
             raise InputError("this engine is closed; load the bundle again")
         if not isinstance(x, np.ndarray) and (hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")):
             return self._run_on_device(x)
+        wanted = self._wanted(outputs)
         n = self.check_input(np.asarray(x))[0]
         x = np.asarray(x)
         with self._lock:
             t0 = time.perf_counter()
             for k in self.backend.timings:
                 self.backend.timings[k] = 0.0
-            parts: dict[str, list[np.ndarray]] = {o.name: [] for o in self.output_specs}
+            parts: dict[str, list[np.ndarray]] = {name: [] for name in wanted}
             for start, rows, batch in self._chunks(n):
                 chunk = x[start : start + rows]
                 if rows < batch:
                     chunk = np.concatenate([chunk, np.zeros((batch - rows, *chunk.shape[1:]), chunk.dtype)])
                 outs = self.run_batch(self.backend.from_host(np.ascontiguousarray(chunk), slot="input"), batch)
-                for name, value in outs.items():
-                    parts[name].append(self.backend.to_host(value)[:rows])
+                for name in wanted:
+                    parts[name].append(self.backend.to_host(outs[name])[:rows])
             total = (time.perf_counter() - t0) * 1e3
             self.last_timings = {
                 "track_a_ms": self.backend.timings["A"],
@@ -198,6 +200,15 @@ class Engine:
                 "total_ms": total,
             }
         return {k: np.concatenate(v) if len(v) > 1 else v[0] for k, v in parts.items()}
+
+    def _wanted(self, outputs: Sequence[str] | None) -> tuple[str, ...]:
+        names = tuple(o.name for o in self.output_specs)
+        if outputs is None:
+            return names
+        unknown = [o for o in outputs if o not in names]
+        if unknown:
+            raise InputError(f"no output named {unknown[0]!r}; this bundle's outputs are {', '.join(names)}")
+        return tuple(outputs)
 
     def _run_on_device(self, x: Any) -> dict[str, Any]:
         if self.device != "cuda":

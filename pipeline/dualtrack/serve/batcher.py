@@ -273,7 +273,7 @@ class Batcher:
             x[i] = request.image
         start = time.monotonic()
         try:
-            outputs = engine.run(x)
+            outputs = engine.run(x, outputs=(MASK_OUTPUT,))  # probs stay on the device
         except Exception as err:  # one bad batch fails its requests, not the server
             for request in batch:
                 request.future.set_exception(err)
