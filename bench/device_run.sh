@@ -18,19 +18,20 @@ for step in $steps; do
   echo "=== $step"
   case $step in
     test)
-      for t in tests/gpu/test_engine_gpu.py tests/gpu/test_runtime_gpu.py; do
-        DUALTRACK_TEST_BUNDLE=$PWD/$C/tiny python3 -m pytest -q -m gpu "$t" -p no:cacheprovider -rfE --tb=short 2>&1 | tee -a "$OUT/gpu-test.log"
+      for t in tests/gpu/test_*.py; do
+        DUALTRACK_TEST_BUNDLE=$PWD/$C/tiny DUALTRACK_TEST_FULL_BUNDLE=$PWD/$C/tiny_full python3 -m pytest -q -m gpu "$t" -p no:cacheprovider -rfE --tb=short 2>&1 | tee -a "$OUT/gpu-test.log"
       done ;;
     check)
       python3 bench/gpu_check.py --bundle $C/unet --image $C/sample.png --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"
-      dt run $C/unet $C/sample.png -o "$OUT/sample_mask_cli.png" --device cuda ;;
+      dt run $C/unet $C/sample.png -o /tmp/sample_mask_cli.png --device cuda ;;
     serve)
-      dt serve $C/unet --device cuda --port 8087 > "$OUT/serve.log" 2>&1 &
+      dt serve $C/unet --device cuda --port 8087 > /tmp/serve.log 2>&1 &
       pid=$!
       get() { python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' "$1"; }
       for _ in $(seq 120); do get http://127.0.0.1:8087/readyz >/dev/null 2>&1 && break; sleep 1; done
       dt loadtest http://127.0.0.1:8087/v1/segment --image $C/sample.png --concurrency 16 --requests 3000 --duration-s 30 --json "$OUT/loadtest.json"
-      get http://127.0.0.1:8087/metrics | grep -E "^dualtrack_" | grep -v "_bucket" | head -30
+      get http://127.0.0.1:8087/metrics > "$OUT/metrics.txt"
+      grep -E "^dualtrack_(batch_size|padded|inference_seconds)_(sum|count|total)|^dualtrack_padded" "$OUT/metrics.txt"
       kill -TERM $pid; wait $pid ;;
     bench)
       python3 bench/bench.py --bundle $C/unet --seed-split-bundle $C/unet_seed_split --iree-only-bundle $C/iree_only \

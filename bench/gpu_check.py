@@ -154,10 +154,13 @@ def main() -> None:
         "probs_rel_l2_gpu_vs_cpu": float(np.linalg.norm(p_gpu - p_cpu) / np.linalg.norm(p_cpu)),
         "class_counts_gpu": np.bincount(gpu_mask.ravel()).tolist(),
     }
-    Image.fromarray(gpu_mask[0]).save(args.out / "sample_mask_gpu.png")
+    Image.fromarray(gpu_mask[0]).save(Path(tempfile.gettempdir()) / "sample_mask_gpu.png")
 
     be.pool.reset_peak()
     result["timing"] = [time_batch(engine, b, args.iters, 5) for b in engine.batch_sizes]
+    be.use_graphs = False  # the same, one launch per kernel: what the CUDA graph saves
+    result["timing_without_cuda_graphs"] = [time_batch(engine, b, args.iters, 5) for b in engine.batch_sizes]
+    be.use_graphs = True
     free1, _ = call(cu.cuMemGetInfo)
     result["memory"] = {
         "track_a_pool_peak_bytes": be.pool.peak_bytes(),
@@ -195,6 +198,9 @@ def main() -> None:
             f"{t['batch']:>5} {t['median_ms']:>10.3f} {t['track_a_ms']:>8.3f} {t['track_b_ms']:>8.3f} "
             f"{t['host_waits']:>6} {t['host_wait_ms']:>8.4f} {t['images_per_s']:>8.1f}"
         )
+    for t in result["timing_without_cuda_graphs"]:
+        row = f"{t['batch']:>5} {t['median_ms']:>10.3f} {t['track_a_ms']:>8.3f} {t['track_b_ms']:>8.3f}"
+        print(f"{row}   (no CUDA graph)")
     m = result["memory"]
     print(
         f"memory: Track A pool peak {m['track_a_pool_peak_bytes'] / 2**20:.1f} MiB; "

@@ -28,12 +28,12 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     mp.undo()
 
 
-def write_tiny_project(root: Path, spec: UNetSpec = TINY) -> Path:
+def write_tiny_project(root: Path, spec: UNetSpec = TINY, config: str = "tiny.yaml") -> Path:
     """A config + model folder like configs/ and models/; returns the config path."""
     root.mkdir(parents=True, exist_ok=True)
     onnx.save(build_unet(spec), str(root / f"tiny_{spec.precision}.onnx"))
-    cfg = root / "tiny.yaml"
-    shutil.copy(DATA / "tiny.yaml", cfg)
+    cfg = root / config
+    shutil.copy(DATA / config, cfg)
     return cfg
 
 
@@ -53,4 +53,19 @@ def tiny_bundle(tiny_config: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         return Path(prebuilt)
     out = tmp_path_factory.mktemp("bundles") / "tiny"
     build(tiny_config, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_full_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny U-Net with encoder, bottleneck and decoder on Track A (DUALTRACK_TEST_FULL_BUNDLE: prebuilt)."""
+    from dualtrack.build import build
+
+    prebuilt = os.environ.get("DUALTRACK_TEST_FULL_BUNDLE")
+    if prebuilt:
+        return Path(prebuilt)
+    spec = UNetSpec(**{**TINY.__dict__, "precision": "fp16"})
+    cfg = write_tiny_project(tmp_path_factory.mktemp("tiny_full"), spec, config="tiny_full.yaml")
+    out = tmp_path_factory.mktemp("bundles") / "tiny_full"
+    build(cfg, out)
     return out

@@ -316,3 +316,16 @@ def test_check_model(tiny_bundle: Path, tiny_config: Path, tmp_path: Path) -> No
         rf"rebuild the bundle from {other}$",
     ):
         b.check_model(other)
+
+
+def test_whole_body_on_track_a_builds_and_verifies(tiny_full_bundle: Path) -> None:
+    """Encoder, bottleneck and decoder as kernels (fp16): up-convolutions and concat aliases included,
+    checked at build time against onnxruntime through the kernels' numpy semantics."""
+    b = Bundle.open(tiny_full_bundle)
+    seg = next(s for s in b.plan.segments if s.track == "A")
+    assert {c.op for c in seg.calls} == {"conv3x3", "maxpool2x2", "convt2x2", "concat"}
+    assert b.track_a["kernels"] == ["conv3x3_nhwc", "convt2x2_nhwc", "maxpool2x2_nhwc"]
+    report = json.loads((tiny_full_bundle / "verify.json").read_text())
+    assert report["passed"] and report["precision"] == "fp16"
+    interpreted = [c for c in report["checks"] if "[numpy kernels]" in c["name"]]
+    assert interpreted and all(c["rel_l2"] <= 2e-2 for c in interpreted)

@@ -14,16 +14,19 @@ from dualtrack.errors import InputError
 from dualtrack.kernels import (
     KERNELS,
     Conv3x3Spec,
+    ConvT2x2Spec,
     MaxPool2x2Spec,
     kernel,
     kernel_params,
     output_shape,
     pack_conv_weights,
+    pack_convt_weights,
 )
 from dualtrack.ptx import SOURCE_DIR
 
 CONV = KERNELS["conv3x3"]
 POOL = KERNELS["maxpool2x2"]
+CONVT = KERNELS["convt2x2"]
 DTYPES = ("float16", "float32")
 
 
@@ -238,3 +241,165 @@ def test_pack_conv_weights_matches_onnx_semantics() -> None:
     assert pack_conv_weights(w_oihw)[1] is None
     with pytest.raises(InputError, match="\\(K, C, 3, 3\\)"):
         pack_conv_weights(np.zeros((5, 3, 1, 1), np.float16))
+
+
+# --- convt2x2: ONNX ConvTranspose, kernel 2x2, stride 2, no padding, group 1 -------------------
+
+
+def convt_loops(x: np.ndarray, w_onnx: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """float64 ConvTranspose straight from the ONNX definition, on the UNPACKED (C, K, 2, 2)
+    weights: every input pixel scatters x[n,h,w,:] @ W[:, :, i, j] to output pixel (2h+i, 2w+j)."""
+    N, H, W, _ = x.shape
+    K = w_onnx.shape[1]
+    x64, w64 = x.astype(np.float64), w_onnx.astype(np.float64)
+    out = np.zeros((N, 2 * H, 2 * W, K))
+    for n in range(N):
+        for h in range(H):
+            for v in range(W):
+                for i in range(2):
+                    for j in range(2):
+                        out[n, 2 * h + i, 2 * v + j] += x64[n, h, v] @ w64[:, :, i, j]
+    if bias is not None:
+        out += bias.astype(np.float64)
+    return out
+
+
+def convt_bound(x: np.ndarray, w_onnx: np.ndarray, bias: np.ndarray | None, dtype: str) -> np.ndarray:
+    """As conv_bound: float32 accumulation (1e-5 of the sum of |terms|) plus, for float16, one
+    rounding to nearest."""
+    magnitude = convt_loops(np.abs(x), np.abs(w_onnx), None if bias is None else np.abs(bias))
+    bound = 1e-5 * magnitude + 1e-30
+    if dtype == "float16":
+        bound += 2.0**-11 * np.abs(convt_loops(x, w_onnx, bias)) + 2.0**-24
+    return bound
+
+
+def random_convt(rng: np.random.Generator, dtype: str, N: int, H: int, W: int, C: int, K: int, bias: bool = True):
+    """x (N,H,W,C), ONNX weights (C,K,2,2) in ``dtype``, an fp16-representable bias or None."""
+    x = rng.standard_normal((N, H, W, C)).astype(dtype)
+    w = (rng.standard_normal((C, K, 2, 2)) / math.sqrt(C)).astype(dtype)
+    b = rng.standard_normal(K).astype(dtype) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("N", "H", "W", "C", "K", "bias"),
+    [
+        (2, 7, 5, 3, 5, True),
+        (1, 1, 1, 1, 1, True),
+        (2, 3, 4, 16, 8, False),
+        (1, 6, 9, 40, 72, True),
+    ],
+)
+def test_convt_reference_matches_float64_loops(dtype: str, N: int, H: int, W: int, C: int, K: int, bias: bool) -> None:
+    rng = np.random.default_rng()
+    x, w, b = random_convt(rng, dtype, N, H, W, C, K, bias)
+    wp, bp = pack_convt_weights(w, b)
+    ref = CONVT.reference(x, wp, bp)
+    assert ref.dtype == np.dtype(dtype) and ref.shape == output_shape("convt2x2", N, H, W, C, K) == (N, 2 * H, 2 * W, K)
+    exact = convt_loops(x, w, b)
+    err = np.abs(ref.astype(np.float64) - exact)
+    assert (err <= convt_bound(x, w, b, dtype)).all(), f"max error {err.max():.3g}"
+
+
+@pytest.mark.parametrize(("N", "H", "W", "C", "K"), [(2, 7, 5, 3, 5), (1, 4, 6, 32, 16)])
+def test_convt_reference_matches_onnxruntime(N: int, H: int, W: int, C: int, K: int) -> None:
+    """A one-node ONNX ConvTranspose model (NCHW, float32) run by onnxruntime: the ONNX semantics
+    themselves, independent of the float64 loops above."""
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng()
+    x, w, b = random_convt(rng, "float32", N, H, W, C, K)
+    node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], kernel_shape=[2, 2], strides=[2, 2])
+    graph = helper.make_graph(
+        [node],
+        "convt",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [N, C, H, W])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (y_nchw,) = sess.run(None, {"x": np.ascontiguousarray(x.transpose(0, 3, 1, 2))})
+    want = y_nchw.transpose(0, 2, 3, 1).astype(np.float64)
+    assert want.shape == (N, 2 * H, 2 * W, K)
+    wp, bp = pack_convt_weights(w, b)
+    got = CONVT.reference(x, wp, bp).astype(np.float64)
+    bound = 2e-5 * convt_loops(np.abs(x), np.abs(w), np.abs(b)) + 1e-30  # two float32 summations
+    assert (np.abs(got - want) <= bound).all()
+    assert (np.abs(convt_loops(x, w, b) - want) <= bound).all()
+
+
+def test_convt_reference_rejects_bad_shapes() -> None:
+    x = np.zeros((1, 4, 4, 3), np.float32)
+    with pytest.raises(InputError, match="needs packed weights"):
+        CONVT.reference(x)
+    with pytest.raises(InputError, match="packed wp \\(4K,C\\)"):
+        CONVT.reference(x, np.zeros((3, 2, 2, 2), np.float32))  # unpacked ONNX weights
+    with pytest.raises(InputError, match="packed wp"):
+        CONVT.reference(x, np.zeros((6, 3), np.float32))  # rows not a multiple of 4
+    with pytest.raises(InputError, match="packed wp"):
+        CONVT.reference(x, np.zeros((8, 4), np.float32))  # wrong C
+    with pytest.raises(InputError, match="bias"):
+        CONVT.reference(x, np.zeros((8, 3), np.float32), np.zeros(3, np.float32))
+
+
+def test_pack_convt_weights_layout() -> None:
+    rng = np.random.default_rng()
+    C, K = 3, 5
+    w_onnx = rng.standard_normal((C, K, 2, 2)).astype(np.float16)
+    b = rng.standard_normal(K).astype(np.float16)
+    wp, bias = pack_convt_weights(w_onnx, b)
+    assert wp.shape == (4 * K, C) and wp.dtype == np.float16 and wp.flags.c_contiguous
+    assert bias is not None and bias.dtype == np.float32 and bias.flags.c_contiguous
+    np.testing.assert_array_equal(bias, b.astype(np.float32))
+    for i in range(2):
+        for j in range(2):
+            for k in range(K):
+                for c in range(C):
+                    assert wp[(i * 2 + j) * K + k, c] == w_onnx[c, k, i, j]
+    assert pack_convt_weights(w_onnx)[1] is None
+    with pytest.raises(InputError, match="\\(C, K, 2, 2\\)"):
+        pack_convt_weights(np.zeros((3, 5, 3, 3), np.float16))
+    with pytest.raises(InputError, match="bias"):
+        pack_convt_weights(w_onnx, np.zeros(C, np.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("N", "H", "W", "C", "K"), LAUNCH_SHAPES)
+def test_convt_launch_covers_the_output(dtype: str, N: int, H: int, W: int, C: int, K: int) -> None:
+    assert isinstance(CONVT, ConvT2x2Spec)
+    cfg = CONVT.launch(dtype, N, H, W, C, K)
+    bm, bn = CONVT.tile(dtype)
+    M = N * H * W  # input pixels: each block computes bm of them for one tap (grid.z)
+    assert cfg.grid[0] * bm >= M and (cfg.grid[0] - 1) * bm < M
+    assert cfg.grid[1] * bn >= K and (cfg.grid[1] - 1) * bn < K
+    assert cfg.grid[2] == 4 and cfg.block == (CONVT.threads(dtype), 1, 1) and cfg.shared_bytes == 0
+    assert CONVT.output_shape(N, H, W, C, K) == (N, 2 * H, 2 * W, K)
+
+
+def test_convt_launch_refuses_bad_sizes() -> None:
+    with pytest.raises(InputError, match="exceed 2\\^31-1"):
+        CONVT.launch("float16", 64, 8192, 8192, 32, 16)
+    with pytest.raises(InputError, match="K=0"):
+        CONVT.launch("float32", 1, 2, 2, 3, 0)
+
+
+def test_convt_entries_and_args_follow_the_abi() -> None:
+    assert CONVT.source == "convt2x2_nhwc"
+    assert CONVT.entries == ("convt2x2_nhwc_f16", "convt2x2_nhwc_f32")
+    args = CONVT.args(x=0x1000, w=0x2000, bias=0x3000, y=0x4000, N=2, H=7, W=5, C=3, K=5, ldy=16)
+    assert [v for v, _ in args] == [0x1000, 0x2000, 0x3000, 0x4000, 2, 7, 5, 3, 5, 3, 16]
+    assert [t for _, t in args] == [ctypes.c_void_p] * 4 + [ctypes.c_int32] * 7
+    no_bias = CONVT.args(x=1, w=2, y=3, N=1, H=1, W=1, C=1, K=1)
+    assert [v for v, _ in no_bias][2] == 0
+    with pytest.raises(InputError, match="ldy=4 is smaller than the 5 channels"):
+        CONVT.args(x=1, w=2, y=3, N=1, H=1, W=1, C=3, K=5, ldy=4)
+    with pytest.raises(InputError, match="y is a null device pointer"):
+        CONVT.args(x=1, w=2, y=0, N=1, H=1, W=1, C=3, K=1)
+    f16 = ("BM", "BN", "BK", "WARPS_M", "WARPS_N", "STAGES")
+    f32 = ("BM", "BN", "BK", "TM", "TN")
+    assert set(CONVT.defines()) == {f"CONVT_F16_{n}" for n in f16} | {f"CONVT_F32_{n}" for n in f32}

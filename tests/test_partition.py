@@ -207,11 +207,24 @@ def test_node_without_kernel_on_track_a_names_node_and_fix(tiny: tuple[BuildConf
     cfg, model = tiny
     with pytest.raises(
         PartitionError,
-        match=r"^node 'dec2/up' \(ConvTranspose, no hand-written kernel\) is on Track A, whose kernels cover "
-        r"Conv 3x3/stride 1/pad 1 \(optionally \+Relu\) and MaxPool 2x2/stride 2; move it to Track B with "
-        r"partition\.track_b\.name_prefixes: \['dec2/up'\]$",
+        match=r"^node 'post/softmax' \(Softmax, no hand-written kernel\) is on Track A, whose kernels cover "
+        r"Conv 3x3/stride 1/pad 1 \(optionally \+Relu\), MaxPool 2x2/stride 2, ConvTranspose 2x2/stride 2 "
+        r"and channel Concat of their outputs; move it to Track B with "
+        r"partition\.track_b\.name_prefixes: \['post/softmax'\]$",
     ):
-        partition.build_plan(with_partition(cfg, Rules(name_prefixes=("enc", "mid/", "dec"))), model)
+        partition.build_plan(with_partition(cfg, Rules(name_prefixes=("enc", "mid/", "post/softmax"))), model)
+
+
+def test_whole_unet_body_lowers_to_kernels(tiny: tuple[BuildConfig, onnx.ModelProto]) -> None:
+    """enc, mid and dec on Track A: conv3x3, maxpool, convt2x2 and concat aliases, one segment."""
+    cfg, model = tiny
+    plan, _ = partition.build_plan(with_partition(cfg, Rules(name_prefixes=("enc", "mid/", "dec"))), model)
+    assert [s.track for s in plan.segments] == ["B", "A", "B"]
+    ops = [c.op for c in plan.segments[1].calls]
+    assert ops.count("convt2x2") == 2 and ops.count("concat") == 2 and ops.count("maxpool2x2") == 2
+    cat = next(c for c in plan.segments[1].calls if c.op == "concat")
+    assert cat.inputs == ("dec2/up", "enc2/conv2_relu")
+    assert [t.name for t in plan.segments[1].outputs] == ["dec1/conv2_relu"]
 
 
 def test_conv_the_kernel_cannot_take_names_why(tiny: tuple[BuildConfig, onnx.ModelProto]) -> None:

@@ -45,11 +45,17 @@ def test_checked_in_ptx_is_fresh() -> None:
 
 
 @pytest.mark.parametrize("arch", PTX_ARCHES)
-def test_compile_is_deterministic(arch: str) -> None:
+@pytest.mark.parametrize("stem", STEMS)
+def test_compile_is_deterministic(stem: str, arch: str) -> None:
     # The freshness test is only meaningful if NVRTC gives the same text twice (it did not, for a
     # plain float4 shared-memory read in the fp32 conv; see lds128 in conv3x3_nhwc.cu).
-    source = SOURCE_DIR / "conv3x3_nhwc.cu"
+    source = SOURCE_DIR / f"{stem}.cu"
     assert compile_ptx(source, arch).text == compile_ptx(source, arch).text
+
+
+def test_every_op_of_track_a_is_checked() -> None:
+    # The freshness, ISA, entry and assembly tests run over STEMS: every registered kernel.
+    assert {"conv3x3_nhwc", "convt2x2_nhwc", "maxpool2x2_nhwc"} <= set(STEMS)
 
 
 @pytest.mark.parametrize(("stem", "arch"), CHECKED_IN)
@@ -115,9 +121,10 @@ def test_broken_source_raises_with_the_nvrtc_log(tmp_path: Path) -> None:
     assert "python -m dualtrack.ptx --source" in info.value.detail  # the repro command
 
 
-def test_missing_tile_macros_are_a_compile_error() -> None:
+@pytest.mark.parametrize("stem", ["conv3x3_nhwc", "convt2x2_nhwc"])
+def test_missing_tile_macros_are_a_compile_error(stem: str) -> None:
     with pytest.raises(ToolError) as info:
-        compile_ptx(SOURCE_DIR / "conv3x3_nhwc.cu", "compute_80", defines={})
+        compile_ptx(SOURCE_DIR / f"{stem}.cu", "compute_80", defines={})
     assert "tile sizes come from dualtrack.kernels" in info.value.detail
 
 

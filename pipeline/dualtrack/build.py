@@ -26,7 +26,7 @@ from dualtrack import arch, partition, track_b
 from dualtrack.bundle import MANIFEST, Bundle, BundleWriter, sha256
 from dualtrack.config import BuildConfig, load_config
 from dualtrack.errors import BundleError, DualtrackError
-from dualtrack.plan import Plan
+from dualtrack.plan import ALIAS_OPS, Plan
 from dualtrack.settings import Settings
 
 Progress = Callable[[str], None]
@@ -66,7 +66,7 @@ def track_a_artifacts(
     """PTX for each needed arch (ISA checked) and cubins assembled from it, for the kernels the plan uses."""
     from dualtrack import kernels, ptx
 
-    stems = sorted({kernels.KERNELS[c.op].source for s in plan.segments for c in s.calls})
+    stems = sorted({kernels.KERNELS[c.op].source for s in plan.segments for c in s.calls if c.op not in ALIAS_OPS})
     files: dict[str, bytes] = {}
     meta: dict[str, Any] = {"ptx": {}, "cubin": {}, "kernels": stems}
     if not stems:

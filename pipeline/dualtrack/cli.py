@@ -90,6 +90,18 @@ def build(config: Path, output: Path | None, force: bool, as_json: bool) -> None
         )
 
 
+# Class 0 black, then well-separated colours (the Pascal VOC convention), 256 entries.
+_PALETTE = [
+    channel
+    for i in range(256)
+    for channel in (
+        sum(((i >> (3 * j)) & 1) << (7 - j) for j in range(3)),
+        sum(((i >> (3 * j + 1)) & 1) << (7 - j) for j in range(3)),
+        sum(((i >> (3 * j + 2)) & 1) << (7 - j) for j in range(3)),
+    )
+]
+
+
 def _read_image(path: Path, shape: tuple[int, ...]) -> np.ndarray:
     from PIL import Image, UnidentifiedImageError
 
@@ -114,7 +126,7 @@ def _read_image(path: Path, shape: tuple[int, ...]) -> np.ndarray:
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--device-index", type=int, default=0, show_default=True)
 def run(bundle: Path, image: Path, output: Path, device: str, device_index: int) -> None:
-    """Segment IMAGE with BUNDLE; write the class mask as an 8-bit PNG (class ids, resized back to the image)."""
+    """Segment IMAGE with BUNDLE; write the mask as a palette PNG (pixel value = class id) at the image's size."""
     from PIL import Image
 
     from dualtrack.runtime.engine import Engine
@@ -123,7 +135,9 @@ def run(bundle: Path, image: Path, output: Path, device: str, device_index: int)
         x = _read_image(image, engine.input_spec.shape)
         original = Image.open(image).size
         result = engine.run(x)
-        mask = Image.fromarray(result["mask"][0].astype(np.uint8))
+        # A palette PNG: pixel values are the class ids, and viewers show each class in its own colour.
+        mask = Image.fromarray(result["mask"][0].astype(np.uint8), mode="P")
+        mask.putpalette(_PALETTE)
         if mask.size != original:
             mask = mask.resize(original, Image.Resampling.NEAREST)
         tmp = output.with_name(f".{output.name}.tmp")

@@ -1,6 +1,6 @@
 """The registry of Track A's hand-written kernels: the one place that knows their tile sizes.
 
-Each :class:`KernelSpec` ties an op of the plan ("conv3x3", "maxpool2x2") to its CUDA source
+Each :class:`KernelSpec` ties an op of the plan ("conv3x3", "maxpool2x2", "convt2x2") to its CUDA source
 (``handwritten_ptx/<stem>.cu``), its entry symbols, the ``-D`` macros that fix its tile sizes at
 compile time (so the source and the launch geometry cannot disagree), its launch geometry, its
 ``cuLaunchKernel`` argument list (the ABI of ``handwritten_ptx/README.md``) and its numpy reference.
@@ -351,9 +351,136 @@ class MaxPool2x2Spec(KernelSpec):
         return x[:, : 2 * Ho, : 2 * Wo, :].reshape(N, Ho, 2, Wo, 2, C).max(axis=(2, 4))
 
 
+@dataclass(frozen=True)
+class ConvT2x2Spec(KernelSpec):
+    """2x2 transposed convolution, stride 2, no padding, group 1 (ONNX ConvTranspose), bias fused.
+
+    With the packed weights (:func:`pack_convt_weights`, shape (4K, C)) this is a GEMM of the
+    N*H*W input pixels by the 4K (tap, channel) columns, each column scattered to its output pixel.
+    A block computes a ``bm x bn`` tile (input pixels x output channels) of one tap (grid.z: the
+    four taps), so grid.y runs over ``ceil(K / bn)`` channel tiles.
+    fp16: tensor cores, ``32 * f16_warps_m * f16_warps_n`` threads, ``f16_bk``-deep cp.async stages.
+    fp32: SIMT, ``f32_tm x f32_tn`` outputs a thread.
+    """
+
+    PARAMS: ClassVar[tuple[str, ...]] = ("x", "w", "bias", "y", "N", "H", "W", "C", "K", "ldx", "ldy")
+    POINTERS: ClassVar[int] = 4
+    TAPS: ClassVar[int] = 4
+
+    f16_bm: int = 128
+    f16_bn: int = 64
+    f16_bk: int = 32
+    f16_warps_m: int = 2
+    f16_warps_n: int = 2
+    f16_stages: int = 3
+    f32_bm: int = 64
+    f32_bn: int = 64
+    f32_bk: int = 16
+    f32_tm: int = 4
+    f32_tn: int = 4
+
+    def defines(self) -> dict[str, int]:
+        return {
+            "CONVT_F16_BM": self.f16_bm,
+            "CONVT_F16_BN": self.f16_bn,
+            "CONVT_F16_BK": self.f16_bk,
+            "CONVT_F16_WARPS_M": self.f16_warps_m,
+            "CONVT_F16_WARPS_N": self.f16_warps_n,
+            "CONVT_F16_STAGES": self.f16_stages,
+            "CONVT_F32_BM": self.f32_bm,
+            "CONVT_F32_BN": self.f32_bn,
+            "CONVT_F32_BK": self.f32_bk,
+            "CONVT_F32_TM": self.f32_tm,
+            "CONVT_F32_TN": self.f32_tn,
+        }
+
+    def tile(self, dtype: Any) -> tuple[int, int]:
+        """(input pixels, output channels of one tap) computed by one block."""
+        if dtype_name(dtype) == "float16":
+            return self.f16_bm, self.f16_bn
+        return self.f32_bm, self.f32_bn
+
+    def threads(self, dtype: Any) -> int:
+        if dtype_name(dtype) == "float16":
+            return 32 * self.f16_warps_m * self.f16_warps_n
+        return (self.f32_bm // self.f32_tm) * (self.f32_bn // self.f32_tn)
+
+    def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
+        _positive(N=N, H=H, W=W, C=C, K=K)
+        return (N, 2 * H, 2 * W, K)
+
+    def launch(self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0) -> LaunchConfig:
+        """One block per (pixel tile, channel tile, tap); grid.x runs over pixels so that blocks
+        in flight together share one slice of the weights."""
+        _positive(N=N, H=H, W=W, C=C, K=K)
+        M = _pixels(N, H, W, C)
+        bm, bn = self.tile(dtype)
+        grid_y = _cdiv(K, bn)
+        if grid_y > _GRID_Y_MAX:
+            raise InputError(f"K={K} output channels need {grid_y} channel tiles; the grid allows {_GRID_Y_MAX}")
+        return LaunchConfig(grid=(_cdiv(M, bm), grid_y, self.TAPS), block=(self.threads(dtype), 1, 1), shared_bytes=0)
+
+    def args(
+        self,
+        *,
+        x: int,
+        w: int,
+        y: int,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        K: int,
+        bias: int | None = None,
+        ldx: int | None = None,
+        ldy: int | None = None,
+        **_: Any,
+    ) -> list[KernelArg]:
+        """``x, w, bias, y, N, H, W, C, K, ldx, ldy`` as (value, ctypes type) pairs.
+
+        ``w`` is the packed (4K, C) weights; ``bias`` may be omitted (null: no bias);
+        ``ldx``/``ldy`` default to ``C``/``K`` (dense tensors).
+        """
+        _positive(N=N, H=H, W=W, C=C, K=K)
+        ldx_ = _stride("ldx", ldx, C)
+        ldy_ = _stride("ldy", ldy, K)
+        _pixels(N, H, W, max(ldx_, ldy_))
+        values = {
+            "x": _pointer("x", x),
+            "w": _pointer("w", w),
+            "bias": _pointer("bias", bias, required=False),
+            "y": _pointer("y", y),
+            "N": N, "H": H, "W": W, "C": C, "K": K,
+            "ldx": ldx_, "ldy": ldy_,
+        }  # fmt: skip
+        return self._ordered(values)
+
+    def reference(self, x: np.ndarray, wp: np.ndarray | None = None, bias: np.ndarray | None = None) -> np.ndarray:
+        """numpy semantics: ``x`` (N,H,W,C), packed ``wp`` (4K, C) (see :func:`pack_convt_weights`),
+        ``bias`` (K,) or None -> (N, 2H, 2W, K).
+
+        Computes in float32 (products and sums, then bias) and returns x's dtype, rounded once, as
+        the kernels do.
+        """
+        if wp is None:
+            raise InputError("convt2x2 reference needs packed weights wp of shape (4K, C)")
+        if x.ndim != 4 or wp.ndim != 2 or wp.shape[0] % 4 != 0 or wp.shape[0] == 0 or wp.shape[1] != x.shape[3]:
+            raise InputError(f"convt2x2 takes x (N,H,W,C) and packed wp (4K,C); got x {x.shape}, wp {wp.shape}")
+        N, H, W, _ = x.shape
+        K = wp.shape[0] // 4
+        cols = x.astype(np.float32) @ wp.astype(np.float32).T  # (N,H,W,4K), column (i*2+j)*K + k
+        out = cols.reshape(N, H, W, 2, 2, K).transpose(0, 1, 3, 2, 4, 5).reshape(N, 2 * H, 2 * W, K)
+        if bias is not None:
+            if bias.shape != (K,):
+                raise InputError(f"bias has shape {bias.shape}; expected ({K},)")
+            out = out + bias.astype(np.float32)
+        return out.astype(x.dtype)
+
+
 KERNELS: Mapping[str, KernelSpec] = {
     "conv3x3": Conv3x3Spec(op="conv3x3", stem="conv3x3_nhwc"),
     "maxpool2x2": MaxPool2x2Spec(op="maxpool2x2", stem="maxpool2x2_nhwc"),
+    "convt2x2": ConvT2x2Spec(op="convt2x2", stem="convt2x2_nhwc"),
 }
 
 
@@ -380,6 +507,21 @@ def pack_conv_weights(w: np.ndarray, bias: np.ndarray | None = None) -> tuple[np
         return packed, None
     if bias.shape != (w.shape[0],):
         raise InputError(f"conv3x3 bias has shape {bias.shape}; expected ({w.shape[0]},)")
+    return packed, np.ascontiguousarray(bias, dtype=np.float32)
+
+
+def pack_convt_weights(w: np.ndarray, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """ONNX ConvTranspose weights (C, K, 2, 2) and bias (K,) -> what the convt2x2 kernels take:
+    ``wp`` of shape (4K, C) in the same dtype (contiguous), ``wp[(i*2+j)*K + k, c] = w[c, k, i, j]``,
+    and an fp32 bias (None stays None)."""
+    if w.ndim != 4 or w.shape[2:] != (2, 2):
+        raise InputError(f"convt2x2 weights must be (C, K, 2, 2) as ONNX stores them; got {w.shape}")
+    C, K = w.shape[:2]
+    packed = np.ascontiguousarray(w.transpose(2, 3, 1, 0).reshape(4 * K, C))
+    if bias is None:
+        return packed, None
+    if bias.shape != (K,):
+        raise InputError(f"convt2x2 bias has shape {bias.shape}; expected ({K},)")
     return packed, np.ascontiguousarray(bias, dtype=np.float32)
 
 

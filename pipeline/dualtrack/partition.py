@@ -28,7 +28,10 @@ from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
 from dualtrack.plan import KernelCall, Plan, Segment, TensorSpec
 
 TRACK_A_OPS = ("Conv", "Relu", "MaxPool")
-TRACK_A_DESCRIPTION = "Conv 3x3/stride 1/pad 1 (optionally +Relu) and MaxPool 2x2/stride 2"
+TRACK_A_DESCRIPTION = (
+    "Conv 3x3/stride 1/pad 1 (optionally +Relu), MaxPool 2x2/stride 2, ConvTranspose 2x2/stride 2 "
+    "and channel Concat of their outputs"
+)
 _TO_NCHW, _TO_NHWC = [0, 3, 1, 2], [0, 2, 3, 1]
 
 
@@ -237,6 +240,17 @@ def _conv_attrs_ok(node: onnx.NodeProto) -> str | None:
     return None
 
 
+def _convt_attrs_ok(node: onnx.NodeProto) -> str | None:
+    a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    if list(a.get("kernel_shape", [])) != [2, 2] or list(a.get("strides", [1, 1])) != [2, 2]:
+        return f"kernel {list(a.get('kernel_shape', []))} stride {list(a.get('strides', [1, 1]))}"
+    if any(a.get("pads", [0, 0, 0, 0])) or any(a.get("output_padding", [0, 0])) or a.get("output_shape"):
+        return "padding or output_padding"
+    if a.get("group", 1) != 1 or list(a.get("dilations", [1, 1])) != [1, 1]:
+        return "grouped or dilated transposed convolution"
+    return None
+
+
 def _pool_attrs_ok(node: onnx.NodeProto) -> str | None:
     a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
     if list(a.get("kernel_shape", [])) != [2, 2] or list(a.get("strides", [1, 1])) != [2, 2]:
@@ -251,7 +265,8 @@ def _pool_attrs_ok(node: onnx.NodeProto) -> str | None:
 def lower_track_a(
     seg: list[onnx.NodeProto], model: onnx.ModelProto, specs: dict, boundary_outputs: set[str]
 ) -> list[KernelCall]:
-    """Match a Track A segment's nodes to hand-written kernel calls (Conv[+Relu] and MaxPool)."""
+    """Match a Track A segment's nodes to hand-written kernel calls (Conv[+Relu], MaxPool,
+    ConvTranspose) and buffer aliases (Concat)."""
     inits = {i.name for i in model.graph.initializer}
     uses: dict[str, int] = defaultdict(int)
     for n in model.graph.node:
@@ -300,6 +315,26 @@ def lower_track_a(
             if why:
                 raise refuse(node, why)
             calls.append(KernelCall("maxpool2x2", (node.input[0],), (node.output[0],), (), (), (node.name,)))
+        elif node.op_type == "ConvTranspose":
+            why = _convt_attrs_ok(node)
+            if why:
+                raise refuse(node, why)
+            weights = [w for w in node.input[1:] if w]
+            if any(w not in inits for w in weights):
+                raise refuse(node, "weights computed at run time")
+            calls.append(KernelCall("convt2x2", (node.input[0],), (node.output[0],), tuple(weights), (), (node.name,)))
+        elif node.op_type == "Concat":
+            # No kernel: the producers write straight into channel slices of the output buffer.
+            axis = {x.name: helper.get_attribute_value(x) for x in node.attribute}.get("axis")
+            if axis not in (1, -3):
+                raise refuse(node, f"concatenation on axis {axis}, not channels")
+            produced = {t for c in calls for t in c.outputs}
+            for x in node.input:
+                if x not in produced or x in boundary_outputs or x in graph_outputs:
+                    raise refuse(node, f"input '{x}' is not produced by a Track A kernel of this segment")
+                if sum(1 for c in calls if c.op == "concat" and x in c.inputs):
+                    raise refuse(node, f"input '{x}' already feeds another concatenation")
+            calls.append(KernelCall("concat", tuple(node.input), (node.output[0],), (), (), (node.name,)))
         else:
             raise refuse(node, "no hand-written kernel")
         i += 1

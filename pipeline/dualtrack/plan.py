@@ -20,6 +20,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 Track = Literal["A", "B"]
+# Track A ops with no kernel: a concatenation is realised by its producers writing into channel
+# slices of one buffer (the kernels take a per-pixel channel stride).
+ALIAS_OPS = frozenset({"concat"})
 PLAN_SCHEMA_VERSION = 1
 
 

@@ -17,12 +17,14 @@ class Settings:
     DUALTRACK_SAVE_TEMPS  a folder: keep every build stage's inputs and outputs there (like IREE_SAVE_TEMPS)
     DUALTRACK_JOBS        parallel compiler processes; default: CPU count
     DUALTRACK_NO_CACHE    set to 1 to ignore the cache (every build compiles everything)
+    DUALTRACK_CUDA_GRAPHS set to 0 to launch Track A kernels one by one instead of replaying a CUDA graph
     """
 
     cache_dir: Path
     save_temps: Path | None
     jobs: int
     use_cache: bool
+    cuda_graphs: bool
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -36,6 +38,7 @@ class Settings:
             save_temps=Path(temps) if temps else None,
             jobs=max(1, int(env.get("DUALTRACK_JOBS") or os.cpu_count() or 1)),
             use_cache=env.get("DUALTRACK_NO_CACHE", "") not in ("1", "true", "yes"),
+            cuda_graphs=env.get("DUALTRACK_CUDA_GRAPHS", "1") not in ("0", "false", "no"),
         )
 
 

@@ -78,15 +78,18 @@ def interpret_track_a(
 
     env = dict(inputs)
     for call in seg.calls:
-        spec = kernels.KERNELS[call.op]
         args = [env[i] for i in call.inputs]
-        if call.op == "conv3x3":
-            w, b = kernels.pack_conv_weights(
-                weights[call.weights[0]], weights[call.weights[1]] if len(call.weights) > 1 else None
-            )
-            env[call.outputs[0]] = spec.reference(args[0], w, b, call.attr("relu"))
+        bias = weights[call.weights[1]] if len(call.weights) > 1 else None
+        if call.op == "concat":
+            env[call.outputs[0]] = np.concatenate(args, axis=-1)
+        elif call.op == "conv3x3":
+            w, b = kernels.pack_conv_weights(weights[call.weights[0]], bias)
+            env[call.outputs[0]] = kernels.KERNELS[call.op].reference(args[0], w, b, call.attr("relu"))
+        elif call.op == "convt2x2":
+            w, b = kernels.pack_convt_weights(weights[call.weights[0]], bias)
+            env[call.outputs[0]] = kernels.KERNELS[call.op].reference(args[0], w, b)
         else:
-            env[call.outputs[0]] = spec.reference(args[0])
+            env[call.outputs[0]] = kernels.KERNELS[call.op].reference(args[0])
     return {t.name: env[t.name] for t in seg.outputs}
 
 

@@ -157,3 +157,18 @@ def test_missing_device_index() -> None:
 
     with pytest.raises(DeviceError, match="does not exist"):
         Device(99)
+
+
+def test_whole_body_on_track_a_verifies_on_gpu(tiny_full_bundle: Path) -> None:
+    """fp16 encoder + bottleneck + decoder as kernels (concat by channel slices), outputs poisoned."""
+    from dualtrack.verify import verify_engine
+
+    with Engine.load(tiny_full_bundle, "cuda") as e:
+        report = verify_engine(e, samples=2, interpret=False)
+        assert report.passed, "\n".join(report.lines())
+        x = random_input(e.input_spec, 4, np.random.default_rng())
+        ref = run_ort(ort_session(e.bundle.model), {e.input_spec.name: x})
+        got = e.run(x)
+    tol = Tolerance(rel_l2=2e-2, max_abs=5e-2, mismatch=5e-3)
+    for name in ("probs", "mask"):
+        assert compare(name, ref[name], got[name], tol).passed

@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from cuda.bindings import driver as cu
 
 from dualtrack import arch, kernels
 from dualtrack.bundle import Bundle
 from dualtrack.errors import ArchError, InputError
-from dualtrack.plan import KernelCall, Segment, TensorSpec
+from dualtrack.plan import ALIAS_OPS, KernelCall, Segment, TensorSpec
 from dualtrack.runtime import dlpack
 from dualtrack.runtime.driver import Device, Event, Kernel, Module, Stream, call
 from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
@@ -45,10 +46,15 @@ class GpuTensor:
     shape: tuple[int, ...]
     dtype: np.dtype
     keepalive: object = None
+    ld: int = 0  # per-pixel channel stride of an NHWC channel slice (0: dense)
 
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def channel_stride(self) -> int:
+        return self.ld or self.shape[-1]
 
 
 @dataclass
@@ -78,7 +84,10 @@ class CudaBackend:
         self.track_a_pending = False
         self.staging: dict[int, HostBuffer] = {}
         self.slots: dict[tuple[str | None, int], DeviceBuffer] = {}
-        self.buffers: dict[int, dict[str, DeviceBuffer]] = {}
+        self.use_graphs = settings.cuda_graphs
+        self.graphs: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.staged: dict[tuple[int, int], dict[str, GpuTensor]] = {}
+        self.buffers: dict[int, tuple[dict[str, GpuTensor], list[GpuTensor]]] = {}
         self.target = self._iree_target()
         self.iree = IreeDevice.create("cuda", device_index)
         self.params = parameter_index(bundle.weights)
@@ -129,14 +138,15 @@ class CudaBackend:
         return found
 
     def _upload_weights(self) -> dict[str, GpuTensor]:
-        """Repack every Track A conv's weights (KRSC, fp32 bias) and upload them once."""
+        """Repack every Track A conv's weights (KRSC / (4K, C), fp32 bias) and upload them once."""
         out: dict[str, GpuTensor] = {}
         w = self.bundle.weights
+        packers = {"conv3x3": kernels.pack_conv_weights, "convt2x2": kernels.pack_convt_weights}
         for seg in self.bundle.plan.segments:
             for c in seg.calls:
-                if c.op != "conv3x3":
+                if c.op not in packers:
                     continue
-                kw, kb = kernels.pack_conv_weights(w[c.weights[0]], w[c.weights[1]] if len(c.weights) > 1 else None)
+                kw, kb = packers[c.op](w[c.weights[0]], w[c.weights[1]] if len(c.weights) > 1 else None)
                 out[c.weights[0]] = self.from_host(kw)
                 if len(c.weights) > 1:
                     out[c.weights[1]] = self.from_host(kb)
@@ -216,59 +226,112 @@ class CudaBackend:
             raise InputError(f"{spec.name}: got {t.shape} {t.dtype}, expected {want} {spec.dtype}")
         return t
 
-    def _plan_buffers(self, seg: Segment, batch: int) -> dict[str, DeviceBuffer]:
-        """One buffer per Track A tensor at this batch size, allocated on first use and reused."""
+    def _plan_buffers(self, seg: Segment, batch: int) -> tuple[dict[str, GpuTensor], list[GpuTensor]]:
+        """Every Track A tensor at this batch size, planned once and reused: (views, root buffers).
+
+        A concatenation's inputs are channel slices of its output buffer (their producers write
+        there with a channel stride), so no kernel ever copies for a Concat.
+        """
         key = seg.index * 1_000_003 + batch
-        if key not in self.buffers:
-            bufs = {}
-            for t in (*seg.tensors, *seg.outputs):
-                nbytes = int(np.prod(t.at_batch(batch))) * np.dtype(t.dtype).itemsize
-                bufs[t.name] = self.pool.alloc(nbytes, self.stream)
-            self.buffers[key] = bufs
+        if key in self.buffers:
+            return self.buffers[key]
+        specs = {t.name: t for t in (*seg.tensors, *seg.outputs)}
+        parent: dict[str, tuple[str, int]] = {}
+        for c in seg.calls:
+            if c.op in ALIAS_OPS:
+                offset = 0
+                for x in c.inputs:
+                    parent[x] = (c.outputs[0], offset)
+                    offset += specs[x].shape[-1]
+        roots: dict[str, GpuTensor] = {}
+        views: dict[str, GpuTensor] = {}
+        for name, t in specs.items():
+            root, offset = name, 0
+            while root in parent:
+                root, extra = parent[root]
+                offset += extra
+            if root not in roots:
+                r = specs[root]
+                dtype = np.dtype(r.dtype)
+                buf = self.pool.alloc(int(np.prod(r.at_batch(batch))) * dtype.itemsize, self.stream)
+                roots[root] = GpuTensor(int(buf), r.at_batch(batch), dtype, buf)
+            base = roots[root]
+            views[name] = GpuTensor(
+                base.ptr + offset * base.dtype.itemsize,
+                t.at_batch(batch),
+                np.dtype(t.dtype),
+                base.keepalive,
+                ld=base.shape[-1] if root != name else 0,
+            )
+        self.buffers[key] = (views, list(roots.values()))
         return self.buffers[key]
 
     def _run_track_a(self, seg: Segment, batch: int, ins: dict[str, GpuTensor]) -> dict[str, Any]:
-        bufs = self._plan_buffers(seg, batch)
-        specs = {t.name: t for t in (*seg.tensors, *seg.outputs)}
-        env: dict[str, GpuTensor] = dict(ins)
-        for name, buf in bufs.items():
-            s = specs[name]
-            env[name] = GpuTensor(int(buf), s.at_batch(batch), np.dtype(s.dtype), buf)
+        views, roots = self._plan_buffers(seg, batch)
+        env: dict[str, GpuTensor] = {**ins, **views}
         if self.poison:
-            for t in env.values():
-                if t.keepalive in bufs.values():
-                    value, width = _POISON[t.dtype.name]
-                    fn = call_memset_d16 if width == 2 else call_memset_d32
-                    fn(t.ptr, value, t.nbytes // width, self.stream)
+            for t in roots:
+                value, width = _POISON[t.dtype.name]
+                fn = call_memset_d16 if width == 2 else call_memset_d32
+                fn(t.ptr, value, t.nbytes // width, self.stream)
         self.ev_start.record(self.stream)
-        for c in seg.calls:
-            self._launch(c, env)
+        if self.use_graphs:
+            # A graph replays fixed addresses: inputs (IREE's buffers, new every call) are copied into
+            # planned ones first, a few microseconds of device bandwidth against one launch per kernel.
+            staged = self._staged_inputs(seg, batch)
+            for name, t in ins.items():
+                call(cu.cuMemcpyDtoDAsync, staged[name].ptr, t.ptr, t.nbytes, self.stream.handle)
+            call(cu.cuGraphLaunch, self._graph(seg, batch, {**env, **staged}), self.stream.handle)
+        else:
+            self._launch_all(seg, env)
         self.ev_end.record(self.stream)
         self.track_a_pending = True  # settled by the next Track B segment (_handoff_to_iree)
         return {t.name: env[t.name] for t in seg.outputs}
+
+    def _launch_all(self, seg: Segment, env: dict[str, GpuTensor]) -> None:
+        for c in seg.calls:
+            if c.op not in ALIAS_OPS:
+                self._launch(c, env)
+
+    def _staged_inputs(self, seg: Segment, batch: int) -> dict[str, GpuTensor]:
+        key = (seg.index, batch)
+        if key not in self.staged:
+            staged = {}
+            for t in seg.inputs:
+                dtype = np.dtype(t.dtype)
+                buf = self.pool.alloc(int(np.prod(t.at_batch(batch))) * dtype.itemsize, self.stream)
+                staged[t.name] = GpuTensor(int(buf), t.at_batch(batch), dtype, buf)
+            self.staged[key] = staged
+        return self.staged[key]
+
+    def _graph(self, seg: Segment, batch: int, env: dict[str, GpuTensor]) -> Any:
+        """The segment's launches captured once per batch size as a CUDA graph, then replayed."""
+        key = (seg.index, batch)
+        if key not in self.graphs:
+            mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+            call(cu.cuStreamBeginCapture, self.stream.handle, mode)
+            try:
+                self._launch_all(seg, env)
+            except BaseException:
+                cu.cuStreamEndCapture(self.stream.handle)  # leave capture mode; the launch error wins
+                raise
+            graph = call(cu.cuStreamEndCapture, self.stream.handle)
+            self.graphs[key] = (graph, call(cu.cuGraphInstantiate, graph, 0))
+        return self.graphs[key][1]
 
     def _launch(self, c: KernelCall, env: dict[str, GpuTensor]) -> None:
         x, y = env[c.inputs[0]], env[c.outputs[0]]
         n, h, w, ch = x.shape
         spec = kernels.KERNELS[c.op]
-        if c.op == "conv3x3":
-            k = y.shape[3]
+        k = y.shape[3]
+        strides = {"ldx": x.channel_stride, "ldy": y.channel_stride}
+        if c.op in ("conv3x3", "convt2x2"):
             bias = self.weights[c.weights[1]].ptr if len(c.weights) > 1 else None
-            args = spec.args(
-                x=x.ptr,
-                w=self.weights[c.weights[0]].ptr,
-                bias=bias,
-                y=y.ptr,
-                N=n,
-                H=h,
-                W=w,
-                C=ch,
-                K=k,
-                relu=bool(c.attr("relu")),
-            )
+            extra = {"relu": bool(c.attr("relu"))} if c.op == "conv3x3" else {}
+            w_ptr = self.weights[c.weights[0]].ptr
+            args = spec.args(x=x.ptr, w=w_ptr, bias=bias, y=y.ptr, N=n, H=h, W=w, C=ch, K=k, **strides, **extra)
         else:
-            k = ch
-            args = spec.args(x=x.ptr, y=y.ptr, N=n, H=h, W=w, C=ch)
+            args = spec.args(x=x.ptr, y=y.ptr, N=n, H=h, W=w, C=ch, **strides)
         cfg = spec.launch(x.dtype, n, h, w, ch, k)
         kern = self.kernels[spec.entry(x.dtype)]
         if cfg.shared_bytes > 48 * 1024:
@@ -318,9 +381,18 @@ class CudaBackend:
         self.stream.synchronize()  # nothing may still run when modules and buffers go away
         self.modules.clear()
         self.iree = None  # type: ignore[assignment]
-        for bufs in [*self.buffers.values(), self.slots]:
-            for b in bufs.values():
-                b.close(self.stream)
+        for graph, graph_exec in self.graphs.values():
+            call(cu.cuGraphExecDestroy, graph_exec)
+            call(cu.cuGraphDestroy, graph)
+        self.graphs.clear()
+        for staged in self.staged.values():
+            for t in staged.values():
+                t.keepalive.close(self.stream)
+        for _views, roots in self.buffers.values():
+            for t in roots:
+                t.keepalive.close(self.stream)
+        for b in self.slots.values():
+            b.close(self.stream)
         self.weights.clear()
         self.stream.synchronize()
         self.kernels.clear()
@@ -343,12 +415,8 @@ class _Raw:
 
 
 def call_memset_d16(ptr: int, value: int, count: int, stream: Stream) -> None:
-    from cuda.bindings import driver as cu
-
     call(cu.cuMemsetD16Async, ptr, value, count, stream.handle)
 
 
 def call_memset_d32(ptr: int, value: int, count: int, stream: Stream) -> None:
-    from cuda.bindings import driver as cu
-
     call(cu.cuMemsetD32Async, ptr, value, count, stream.handle)

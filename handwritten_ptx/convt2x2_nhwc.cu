@@ -1,0 +1,537 @@
+// 2x2 transposed convolution, stride 2, no padding, group 1 (ONNX ConvTranspose, the U-Net
+// decoder's up-sampling), NHWC activations, packed weights, fused bias.
+//
+//   y[n,2h+i,2w+j,k] = bias[k] + sum_c x[n,h,w,c] * Wonnx[c,k,i,j]
+//
+// The weights come packed as wp (4K, C) in the activation dtype, wp[(i*2+j)*K + k, c] =
+// Wonnx[c,k,i,j] (`dualtrack.kernels.pack_convt_weights`), which makes the op a plain GEMM:
+// M = N*H*W input pixels, N_gemm = 4K, K_gemm = C. Row m of A is input pixel m (C channels at
+// x + m*ldx); row n' = t*K + k of B is wp's row n' (C contiguous values), so B is K-major ("col")
+// as is, like the conv's KRSC weights with one tap instead of nine.
+//
+// Each block computes BM pixels x BN channels of ONE tap t = i*2+j (blockIdx.z), i.e. the GEMM
+// columns t*K + [n0, n0+BN). Its output is then BM output pixels (2h+i, 2w+j), each a run of BN
+// consecutive channels, stored as in the conv's epilogue (16-byte chunks where allowed). Output
+// pixel of input pixel m = (n*H + h)*W + w: row 2*(n*H+h)+i of the (N*2H) x 2W image, column
+// 2w+j, i.e. (2*(m/W) + i)*2W + 2*(m%W) + j.
+//
+// A k-tile is BK consecutive input channels. Vector path (C, ldx multiple of 8 fp16 / 4 fp32,
+// x and w 16-byte aligned): 16-byte copies (cp.async for fp16), zero-filled past C and past M.
+// Scalar path otherwise: element loads with bounds checks.
+//
+// Tile sizes are not set here: `dualtrack.kernels` passes them as -D macros, so the launch
+// geometry and the code always agree. Compile with `python -m dualtrack.ptx`.
+//
+// No #include (see conv3x3_nhwc.cu): fp16 values are raw IEEE bits in `unsigned short`;
+// conversions and tensor-core ops are inline PTX. The GEMM mainloops are those of
+// conv3x3_nhwc.cu with the im2col addressing removed; each .cu compiles standalone.
+
+#if !defined(CONVT_F16_BM) || !defined(CONVT_F16_BN) || !defined(CONVT_F16_BK) || \
+    !defined(CONVT_F16_WARPS_M) || !defined(CONVT_F16_WARPS_N) || !defined(CONVT_F16_STAGES) || \
+    !defined(CONVT_F32_BM) || !defined(CONVT_F32_BN) || !defined(CONVT_F32_BK) || \
+    !defined(CONVT_F32_TM) || !defined(CONVT_F32_TN)
+#error "tile sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
+#endif
+
+typedef unsigned short f16;  // raw IEEE binary16 bits
+
+__device__ __forceinline__ f16 f32_to_f16(float f) {
+    f16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global->shared copy that zero-fills the destination when src_bytes is 0 (tails).
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, unsigned src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// 16-byte shared-memory load in PTX: NVRTC 13.0 compiles a plain float4 shared read
+// nondeterministically (see conv3x3_nhwc.cu), and the checked-in PTX must be reproducible.
+__device__ __forceinline__ float4 lds128(const float* p) {
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(smem_u32(p))
+                 : "memory");
+    return v;
+}
+
+// D += A(16x16, row) * B(16x8, col), fp16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Element offset of output pixel (2h+i, 2w+j) for input pixel m = (n*H + h)*W + w: 64-bit, since
+// the output has 4x the input's pixels.
+__device__ __forceinline__ long long out_pixel(int m, int W, int i, int j) {
+    const int r = m / W;  // n*H + h
+    const int w = m - r * W;
+    return (2ll * r + i) * (2ll * W) + 2 * w + j;
+}
+
+// ------------------------------------------------------------------------------------------------
+// fp16: tensor cores (mma.sync m16n8k16), cp.async multi-stage pipeline, ldmatrix fragments.
+// ------------------------------------------------------------------------------------------------
+
+namespace f16convt {
+
+// Compile-time sizes as enumerators (namespace-scope constexpr variables become .global symbols).
+enum : int {
+    BM = CONVT_F16_BM,  // input pixels per block
+    BN = CONVT_F16_BN,  // output channels (of one tap) per block
+    BK = CONVT_F16_BK,  // input channels per pipeline stage
+    WARPS_M = CONVT_F16_WARPS_M,
+    WARPS_N = CONVT_F16_WARPS_N,
+    STAGES = CONVT_F16_STAGES,
+    THREADS = 32 * WARPS_M * WARPS_N,
+    WM = BM / WARPS_M,  // warp tile
+    WN = BN / WARPS_N,
+    MT = WM / 16,  // m16 tiles per warp
+    NT = WN / 8,   // n8 tiles per warp
+    // Rows padded by 16 bytes so the 8 row addresses of one ldmatrix phase hit 8 distinct 16-byte
+    // bank groups (conflict-free fragment loads).
+    BKP = BK + 8,
+    A_STAGE = BM * BKP,  // halves
+    STAGE = (BM + BN) * BKP,
+    BNP = BN + 8,  // epilogue tile row, padded likewise
+    CPR = BK / 8,  // 16-byte chunks per tile row
+    SMEM_HALVES = (STAGES * STAGE > BM * BNP) ? STAGES * STAGE : BM * BNP,
+};
+
+static_assert(BM % (16 * WARPS_M) == 0 && BN % (16 * WARPS_N) == 0, "warp tile must be m16 x n16 multiples");
+static_assert(BK % 16 == 0, "BK is a multiple of the mma k (16)");
+static_assert(STAGES >= 2, "cp.async pipeline needs two stages or more");
+static_assert(THREADS % CPR == 0 && (BM * CPR) % THREADS == 0 && (BN * CPR) % THREADS == 0, "vector loads");
+static_assert(THREADS % BK == 0 && (BM * BK) % THREADS == 0 && (BN * BK) % THREADS == 0, "scalar loads");
+static_assert(THREADS % (BN / 8) == 0 && (BM * (BN / 8)) % THREADS == 0, "epilogue stores");
+static_assert(SMEM_HALVES * 2 <= 48 * 1024, "static shared memory is capped at 48 KiB");
+
+struct Problem {
+    const f16* x;
+    const f16* w;  // this block's tap: wp + t*K*C, row k = output channel k
+    int C, K, ldx, M;
+};
+
+// Vector path, k-tile kt = channels [kt*BK, kt*BK + BK): one cp.async group's worth of copies.
+__device__ __forceinline__ void load_tile_vec(const Problem& p, f16* stage, int kt, int m0, int n0) {
+    const int q8 = (threadIdx.x % CPR) * 8;
+    const int c = kt * BK + q8;
+    const bool c_ok = c < p.C;  // C % 8 == 0: a chunk is wholly inside or outside
+    f16* a = stage;
+    f16* b = stage + A_STAGE;
+#pragma unroll
+    for (int i = 0; i < BM * CPR / THREADS; ++i) {
+        const int row = threadIdx.x / CPR + i * (THREADS / CPR);
+        const bool ok = c_ok && m0 + row < p.M;
+        const f16* src = p.x;  // any valid address: with src-size 0 nothing is read
+        if (ok) src = p.x + (static_cast<long long>(m0 + row) * p.ldx + c);
+        cp_async_16(smem_u32(a + row * BKP + q8), src, ok ? 16u : 0u);
+    }
+#pragma unroll
+    for (int i = 0; i < BN * CPR / THREADS; ++i) {
+        const int row = threadIdx.x / CPR + i * (THREADS / CPR);
+        const int k = n0 + row;
+        const bool ok = c_ok && k < p.K;
+        const f16* src = p.w;
+        if (ok) src = p.w + (static_cast<long long>(k) * p.C + c);
+        cp_async_16(smem_u32(b + row * BKP + q8), src, ok ? 16u : 0u);
+    }
+}
+
+// Scalar path, same k-tile, element by element. Each thread owns one column (channel).
+__device__ __forceinline__ void load_tile_scalar(const Problem& p, f16* stage, int kt, int m0, int n0) {
+    const int j = threadIdx.x % BK;
+    const int c = kt * BK + j;
+    const bool c_ok = c < p.C;
+    f16* a = stage;
+    f16* b = stage + A_STAGE;
+#pragma unroll 4
+    for (int i = 0; i < BM * BK / THREADS; ++i) {
+        const int row = threadIdx.x / BK + i * (THREADS / BK);
+        const int m = m0 + row;
+        a[row * BKP + j] = (c_ok && m < p.M) ? p.x[static_cast<long long>(m) * p.ldx + c] : f16(0);
+    }
+#pragma unroll 4
+    for (int i = 0; i < BN * BK / THREADS; ++i) {
+        const int row = threadIdx.x / BK + i * (THREADS / BK);
+        const int k = n0 + row;
+        b[row * BKP + j] = (c_ok && k < p.K) ? p.w[static_cast<long long>(k) * p.C + c] : f16(0);
+    }
+}
+
+// One stage's BK columns through the tensor cores: ldmatrix fragments, MT x NT mma per k16.
+__device__ __forceinline__ void mma_stage(const f16* stage, float (&acc)[MT][NT][4], int wm, int wn, int lane) {
+    const unsigned a_base = smem_u32(stage);
+    const unsigned b_base = smem_u32(stage + A_STAGE);
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+        unsigned af[MT][4];
+        unsigned bf[NT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            // lanes 0-15: rows 0-15 at k, lanes 16-31: the same rows at k+8 (the mma A fragment).
+            const int row = wm * WM + mt * 16 + (lane & 15);
+            const int col = kk + (lane >> 4) * 8;
+            ldmatrix_x4(af[mt], a_base + (row * BKP + col) * 2);
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; nt += 2) {
+            // matrices (n 0-7,k) (n 0-7,k+8) (n 8-15,k) (n 8-15,k+8) = b0,b1 of two n8 tiles.
+            const int row = wn * WN + nt * 8 + (lane >> 4) * 8 + (lane & 7);
+            const int col = kk + ((lane >> 3) & 1) * 8;
+            unsigned r[4];
+            ldmatrix_x4(r, b_base + (row * BKP + col) * 2);
+            bf[nt][0] = r[0];
+            bf[nt][1] = r[1];
+            bf[nt + 1][0] = r[2];
+            bf[nt + 1][1] = r[3];
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) mma_16816(acc[mt][nt], af[mt], bf[nt][0], bf[nt][1]);
+    }
+}
+
+}  // namespace f16convt
+
+extern "C" __global__ void __launch_bounds__(f16convt::THREADS)
+convt2x2_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const float* __restrict__ bias,
+                  f16* __restrict__ y, int N, int H, int W, int C, int K, int ldx, int ldy) {
+    using namespace f16convt;
+    __shared__ __align__(16) f16 smem[SMEM_HALVES];
+
+    const int M = N * H * W;  // the launcher refuses M >= 2^31
+    const int m0 = blockIdx.x * BM;
+    const int n0 = blockIdx.y * BN;
+    const int tap = blockIdx.z;  // i*2 + j
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int wm = warp % WARPS_M;
+    const int wn = warp / WARPS_M;
+    const Problem p{x, w + static_cast<long long>(tap) * K * C, C, K, ldx, M};
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+
+    const int num_kt = (C + BK - 1) / BK;
+    // With C % 8 == 0, every tap's slice of w (t*K*C halves in) is 16-byte aligned if w is.
+    const bool vec = C % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(w);
+    if (vec) {
+        // Prologue fills STAGES-1 stages; every iteration then commits exactly one group (possibly
+        // empty), so "all but the newest STAGES-2 groups done" always means "tile kt has landed".
+#pragma unroll
+        for (int st = 0; st < STAGES - 1; ++st) {
+            if (st < num_kt) load_tile_vec(p, smem + st * STAGE, st, m0, n0);
+            cp_async_commit();
+        }
+        for (int kt = 0; kt < num_kt; ++kt) {
+            cp_async_wait<STAGES - 2>();
+            // Publishes tile kt to all warps, and tells everyone that stage (kt-1)%STAGES, which
+            // the prefetch below overwrites, has been consumed.
+            __syncthreads();
+            const int pf = kt + STAGES - 1;
+            if (pf < num_kt) load_tile_vec(p, smem + (pf % STAGES) * STAGE, pf, m0, n0);
+            cp_async_commit();
+            mma_stage(smem + (kt % STAGES) * STAGE, acc, wm, wn, lane);
+        }
+        cp_async_wait<0>();
+    } else {
+        for (int kt = 0; kt < num_kt; ++kt) {
+            __syncthreads();
+            load_tile_scalar(p, smem, kt, m0, n0);
+            __syncthreads();
+            mma_stage(smem, acc, wm, wn, lane);
+        }
+    }
+    __syncthreads();  // the epilogue tile reuses the pipeline's shared memory
+
+    // Epilogue: bias in fp32, round once to fp16, stage the BM x BN tile in shared memory so that
+    // global stores are whole 16-byte chunks of consecutive channels.
+    f16* tile = smem;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int col = wn * WN + nt * 8 + (lane & 3) * 2;
+        const int k = n0 + col;
+        const float b0 = (bias != nullptr && k < K) ? bias[k] : 0.f;
+        const float b1 = (bias != nullptr && k + 1 < K) ? bias[k + 1] : 0.f;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const int row = wm * WM + mt * 16 + (lane >> 2);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float v0 = acc[mt][nt][2 * half] + b0;
+                const float v1 = acc[mt][nt][2 * half + 1] + b1;
+                const unsigned packed = static_cast<unsigned>(f32_to_f16(v0)) |
+                                        (static_cast<unsigned>(f32_to_f16(v1)) << 16);
+                *reinterpret_cast<unsigned*>(tile + (row + 8 * half) * BNP + col) = packed;
+            }
+        }
+    }
+    __syncthreads();
+
+    const int ti = tap >> 1, tj = tap & 1;
+    const bool vec_out = ldy % 8 == 0 && aligned16(y);
+    constexpr int OCPR = BN / 8;
+#pragma unroll
+    for (int i = 0; i < BM * OCPR / THREADS; ++i) {
+        const int row = threadIdx.x / OCPR + i * (THREADS / OCPR);
+        const int q8 = (threadIdx.x % OCPR) * 8;
+        const int m = m0 + row;
+        const int k = n0 + q8;
+        if (m >= M || k >= K) continue;
+        f16* dst = y + (out_pixel(m, W, ti, tj) * ldy + k);
+        const f16* src = tile + row * BNP + q8;
+        if (vec_out && k + 8 <= K) {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+            for (int e = 0; e < 8 && k + e < K; ++e) dst[e] = src[e];
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// fp32: CUDA cores, register-tiled SIMT GEMM, k-major shared tiles, register-staged double buffer.
+// ------------------------------------------------------------------------------------------------
+
+namespace f32convt {
+
+enum : int {
+    BM = CONVT_F32_BM,
+    BN = CONVT_F32_BN,
+    BK = CONVT_F32_BK,
+    TM = CONVT_F32_TM,  // outputs per thread along pixels
+    TN = CONVT_F32_TN,  // outputs per thread along channels
+    THREADS = (BM / TM) * (BN / TN),
+    // k-major tiles (As[k][m]) so a thread's TM pixels and TN channels are float4 reads; rows padded
+    // by 4 floats (16-byte alignment kept, fewer bank conflicts in the transposing stores).
+    BMP = BM + 4,
+    BNP = BN + 4,
+    CPR = BK / 4,                // float4 chunks per tile row (vector path)
+    A_VEC = BM * CPR / THREADS,  // chunks per thread
+    B_VEC = BN * CPR / THREADS,
+    A_SCA = BM * BK / THREADS,  // elements per thread (scalar path)
+    B_SCA = BN * BK / THREADS,
+};
+
+static_assert(TM % 4 == 0 && TN % 4 == 0 && BK % 4 == 0, "float4 fragments");
+static_assert(THREADS % CPR == 0 && (BM * CPR) % THREADS == 0 && (BN * CPR) % THREADS == 0, "vector loads");
+static_assert(THREADS % BK == 0 && (BM * BK) % THREADS == 0 && (BN * BK) % THREADS == 0, "scalar loads");
+static_assert(2 * BK * (BMP + BNP) * 4 <= 48 * 1024, "static shared memory is capped at 48 KiB");
+
+struct Problem {
+    const float* x;
+    const float* w;  // this block's tap: wp + t*K*C
+    int C, K, ldx, M;
+};
+
+// Staging registers: one k-tile of A and B on its way from global to shared memory.
+struct Stage {
+    float a[A_SCA > 4 * A_VEC ? A_SCA : 4 * A_VEC];
+    float b[B_SCA > 4 * B_VEC ? B_SCA : 4 * B_VEC];
+};
+
+template <bool VEC>
+__device__ __forceinline__ void load_tile(const Problem& p, Stage& st, int kt, int m0, int n0) {
+    if constexpr (VEC) {
+        const int c = kt * BK + (threadIdx.x % CPR) * 4;
+        const bool c_ok = c < p.C;  // C % 4 == 0: a float4 is wholly inside or outside
+#pragma unroll
+        for (int i = 0; i < A_VEC; ++i) {
+            const int m = m0 + threadIdx.x / CPR + i * (THREADS / CPR);
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (c_ok && m < p.M) v = *reinterpret_cast<const float4*>(p.x + (static_cast<long long>(m) * p.ldx + c));
+            st.a[4 * i] = v.x;
+            st.a[4 * i + 1] = v.y;
+            st.a[4 * i + 2] = v.z;
+            st.a[4 * i + 3] = v.w;
+        }
+#pragma unroll
+        for (int i = 0; i < B_VEC; ++i) {
+            const int k = n0 + threadIdx.x / CPR + i * (THREADS / CPR);
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (c_ok && k < p.K) v = *reinterpret_cast<const float4*>(p.w + (static_cast<long long>(k) * p.C + c));
+            st.b[4 * i] = v.x;
+            st.b[4 * i + 1] = v.y;
+            st.b[4 * i + 2] = v.z;
+            st.b[4 * i + 3] = v.w;
+        }
+    } else {
+        const int c = kt * BK + threadIdx.x % BK;
+        const bool c_ok = c < p.C;
+#pragma unroll
+        for (int i = 0; i < A_SCA; ++i) {
+            const int m = m0 + threadIdx.x / BK + i * (THREADS / BK);
+            st.a[i] = (c_ok && m < p.M) ? p.x[static_cast<long long>(m) * p.ldx + c] : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < B_SCA; ++i) {
+            const int k = n0 + threadIdx.x / BK + i * (THREADS / BK);
+            st.b[i] = (c_ok && k < p.K) ? p.w[static_cast<long long>(k) * p.C + c] : 0.f;
+        }
+    }
+}
+
+// Transposing store of the staged tile into As[k][m], Bs[k][n] (same element mapping as load_tile).
+template <bool VEC>
+__device__ __forceinline__ void store_tile(const Stage& st, float* As, float* Bs) {
+    if constexpr (VEC) {
+        const int c4 = (threadIdx.x % CPR) * 4;
+#pragma unroll
+        for (int i = 0; i < A_VEC; ++i) {
+            const int row = threadIdx.x / CPR + i * (THREADS / CPR);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) As[(c4 + e) * BMP + row] = st.a[4 * i + e];
+        }
+#pragma unroll
+        for (int i = 0; i < B_VEC; ++i) {
+            const int row = threadIdx.x / CPR + i * (THREADS / CPR);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) Bs[(c4 + e) * BNP + row] = st.b[4 * i + e];
+        }
+    } else {
+        const int j = threadIdx.x % BK;
+#pragma unroll
+        for (int i = 0; i < A_SCA; ++i) As[j * BMP + threadIdx.x / BK + i * (THREADS / BK)] = st.a[i];
+#pragma unroll
+        for (int i = 0; i < B_SCA; ++i) Bs[j * BNP + threadIdx.x / BK + i * (THREADS / BK)] = st.b[i];
+    }
+}
+
+template <bool VEC>
+__device__ __forceinline__ void mainloop(const Problem& p, float* As, float* Bs, float (&acc)[TM][TN], int m0,
+                                         int n0, int tm0, int tn0) {
+    const int num_kt = (p.C + BK - 1) / BK;
+    Stage st;
+    load_tile<VEC>(p, st, 0, m0, n0);
+    store_tile<VEC>(st, As, Bs);
+    __syncthreads();
+    for (int kt = 0; kt < num_kt; ++kt) {
+        const int buf = kt & 1;
+        const bool more = kt + 1 < num_kt;
+        // The next tile's global loads are in flight while this tile is multiplied.
+        if (more) load_tile<VEC>(p, st, kt + 1, m0, n0);
+        const float* A = As + buf * BK * BMP;
+        const float* B = Bs + buf * BK * BNP;
+#pragma unroll
+        for (int k = 0; k < BK; ++k) {
+            float a[TM], b[TN];
+#pragma unroll
+            for (int i = 0; i < TM; i += 4) {
+                const float4 v = lds128(A + k * BMP + tm0 + i);
+                a[i] = v.x;
+                a[i + 1] = v.y;
+                a[i + 2] = v.z;
+                a[i + 3] = v.w;
+            }
+#pragma unroll
+            for (int j = 0; j < TN; j += 4) {
+                const float4 v = lds128(B + k * BNP + tn0 + j);
+                b[j] = v.x;
+                b[j + 1] = v.y;
+                b[j + 2] = v.z;
+                b[j + 3] = v.w;
+            }
+#pragma unroll
+            for (int i = 0; i < TM; ++i)
+#pragma unroll
+                for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        // The other buffer was last read in iteration kt-1, which every thread has left (barrier
+        // at its end), so it can be overwritten without a second barrier.
+        if (more) store_tile<VEC>(st, As + (buf ^ 1) * BK * BMP, Bs + (buf ^ 1) * BK * BNP);
+        __syncthreads();
+    }
+}
+
+}  // namespace f32convt
+
+extern "C" __global__ void __launch_bounds__(f32convt::THREADS)
+convt2x2_nhwc_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
+                  float* __restrict__ y, int N, int H, int W, int C, int K, int ldx, int ldy) {
+    using namespace f32convt;
+    __shared__ __align__(16) float As[2 * BK * BMP];
+    __shared__ __align__(16) float Bs[2 * BK * BNP];
+
+    const int M = N * H * W;
+    const int m0 = blockIdx.x * BM;
+    const int n0 = blockIdx.y * BN;
+    const int tap = blockIdx.z;  // i*2 + j
+    const int tm0 = (threadIdx.x / (BN / TN)) * TM;  // this thread's pixels: m0+tm0 .. +TM-1
+    const int tn0 = (threadIdx.x % (BN / TN)) * TN;  // this thread's channels: n0+tn0 .. +TN-1
+    const Problem p{x, w + static_cast<long long>(tap) * K * C, C, K, ldx, M};
+
+    float acc[TM][TN];
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
+
+    // With C % 4 == 0, every tap's slice of w is 16-byte aligned if w is.
+    if (C % 4 == 0 && ldx % 4 == 0 && aligned16(x) && aligned16(w))
+        mainloop<true>(p, As, Bs, acc, m0, n0, tm0, tn0);
+    else
+        mainloop<false>(p, As, Bs, acc, m0, n0, tm0, tn0);
+
+    float bv[TN];
+#pragma unroll
+    for (int j = 0; j < TN; ++j) {
+        const int k = n0 + tn0 + j;
+        bv[j] = (bias != nullptr && k < K) ? bias[k] : 0.f;
+    }
+    const int ti = tap >> 1, tj = tap & 1;
+    const bool vec_out = ldy % 4 == 0 && aligned16(y);
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const int m = m0 + tm0 + i;
+        if (m >= M) break;
+        float* dst = y + out_pixel(m, W, ti, tj) * ldy;
+#pragma unroll
+        for (int j = 0; j < TN; j += 4) {
+            const int k = n0 + tn0 + j;
+            float v[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[e] = acc[i][j + e] + bv[j + e];
+            if (vec_out && k + 4 <= K) {
+                *reinterpret_cast<float4*>(dst + k) = make_float4(v[0], v[1], v[2], v[3]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (k + e < K) dst[k + e] = v[e];
+            }
+        }
+    }
+}
