@@ -2,6 +2,8 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
+# A GPU machine with the packages installed system-wide runs `make gpu-test PYTHON=python3`.
+PYTHON  ?= $(BIN)/python
 CONFIG  ?= configs/unet.yaml
 BUNDLE  ?= build/unet
 DEVICE  ?= $(shell (nvidia-smi -L >/dev/null 2>&1 && echo cuda) || echo cpu)
@@ -35,11 +37,12 @@ test: $(BIN)/dualtrack  ## the test suite (GPU tests skip without a GPU)
 	$(BIN)/ruff check pipeline tests bench
 	$(BIN)/python -m pytest -q
 
-gpu-test: $(BIN)/dualtrack  ## GPU tests only (on a GPU machine)
-	$(BIN)/python -m pytest -q -m gpu
+gpu-test:  ## GPU tests only (on a GPU machine; skipped with their reason elsewhere)
+	$(PYTHON) -m pytest -q -m gpu tests/gpu
 
-bench: build  ## benchmarks on the GPU: prints a table, writes bench/results/
-	$(BIN)/python bench/bench.py --bundle $(BUNDLE)
+bench:  ## benchmarks on a GPU (bundles built beforehand: make build): prints a table, writes bench/results/
+	$(PYTHON) bench/gpu_check.py --bundle $(BUNDLE) --image models/sample.png --out bench/results
+	$(PYTHON) bench/bench.py --bundle $(BUNDLE) --out bench/results
 
 lint: $(BIN)/dualtrack
 	$(BIN)/ruff check pipeline tests bench

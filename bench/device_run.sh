@@ -18,12 +18,11 @@ for step in $steps; do
   echo "=== $step"
   case $step in
     test)
-      for t in tests/gpu/test_*.py; do
-        DUALTRACK_TEST_BUNDLE=$PWD/$C/tiny DUALTRACK_TEST_FULL_BUNDLE=$PWD/$C/tiny_full python3 -m pytest -q -m gpu "$t" -p no:cacheprovider -rfE --tb=short 2>&1 | tee -a "$OUT/gpu-test.log"
-      done ;;
+      DUALTRACK_TEST_BUNDLE=$PWD/$C/tiny DUALTRACK_TEST_FULL_BUNDLE=$PWD/$C/tiny_full \
+        make gpu-test PYTHON=python3 2>&1 | tee -a "$OUT/gpu-test.log" ;;
     check)
       python3 bench/gpu_check.py --bundle $C/unet --image $C/sample.png --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"
-      dt run $C/unet $C/sample.png -o /tmp/sample_mask_cli.png --device cuda ;;
+      dt run $C/unet $C/sample.png -o /tmp/sample_mask_cli.png --device cuda 2>&1 | tee -a "$OUT/gpu_check.log" ;;
     serve)
       dt serve $C/unet --device cuda --port 8087 > /tmp/serve.log 2>&1 &
       pid=$!

@@ -259,8 +259,11 @@ def test_module_load_cubin_cache_miss_hit_rebuilt(monkeypatch: pytest.MonkeyPatc
 def test_module_load_link_failure_keeps_log_and_writes_no_cache(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     fake = FakeDriver(monkeypatch)
     fake.bad_ptx = True
-    with pytest.raises(CudaError, match=r"^cuLinkAddData\(k\.ptx, ptx for sm_80\) failed: CUDA_ERROR_INVALID_PTX: "
-                       r".*\(line 9; error: bad reg\); the PTX does not assemble") as err:
+    with pytest.raises(
+        CudaError,
+        match=r"^cuLinkAddData\(k\.ptx, ptx for sm_80\) failed: CUDA_ERROR_INVALID_PTX: "
+        r".*\(line 9; error: bad reg\); the PTX does not assemble",
+    ) as err:
         _load(cache_dir=tmp_path)
     assert "line 9; error: bad reg" in err.value.detail
     assert fake.destroyed == 1 and not list(tmp_path.iterdir())
@@ -347,8 +350,9 @@ def test_from_capsule_reads_numpys_capsules(versioned: bool) -> None:
     view.keepalive.close()
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64,
-                                   np.bool_, np.complex64])
+@pytest.mark.parametrize(
+    "dtype", [np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64, np.bool_, np.complex64]
+)
 def test_dtype_mapping_round_trips(dtype: type) -> None:
     assert dl.np_dtype(dl.dl_dtype(dtype)) == np.dtype(dtype)
 
@@ -384,12 +388,21 @@ def test_device_array_interfaces() -> None:
     assert arr.__dlpack_device__() == (int(dl.DLDeviceType.kDLCUDA), 1)
     assert arr.nbytes == 12
     assert arr.__cuda_array_interface__ == {
-        "shape": (2, 3), "typestr": "<f2", "data": (0x7F0000000000, False), "version": 3, "strides": None,
+        "shape": (2, 3),
+        "typestr": "<f2",
+        "data": (0x7F0000000000, False),
+        "version": 3,
+        "strides": None,
         "stream": None,
     }
     view = dl.from_capsule(arr.__dlpack__(stream=None))
     assert (view.ptr, view.shape, view.dtype, view.device_type, view.device_id) == (
-        0x7F0000000000, (2, 3), np.dtype(np.float16), 2, 1)
+        0x7F0000000000,
+        (2, 3),
+        np.dtype(np.float16),
+        2,
+        1,
+    )
     view.keepalive.close()
     with pytest.raises(BufferError, match=r"without copying"):
         arr.__dlpack__(copy=True)
@@ -400,8 +413,12 @@ def test_device_array_interfaces() -> None:
 def test_from_cuda_array_interface() -> None:
     class Foreign:
         __cuda_array_interface__ = {  # noqa: RUF012
-            "shape": (4, 3), "typestr": "<f4", "data": (0x7F0000002000, False), "version": 3,
-            "strides": (24, 8), "stream": None,
+            "shape": (4, 3),
+            "typestr": "<f4",
+            "data": (0x7F0000002000, False),
+            "version": 3,
+            "strides": (24, 8),
+            "stream": None,
         }
 
     obj = Foreign()

@@ -1,9 +1,9 @@
 """dualtrack: compile one segmentation model along two tracks and serve it from one CUDA context.
 
-    from dualtrack import Engine, build
-    build("configs/unet.yaml")
-    with Engine.load("build/unet", device="cuda") as engine:
-        masks = engine.run(images)["mask"]
+from dualtrack import Engine, build
+build("configs/unet.yaml")
+with Engine.load("build/unet", device="cuda") as engine:
+    masks = engine.run(images)["mask"]
 """
 
 from dualtrack.errors import DualtrackError

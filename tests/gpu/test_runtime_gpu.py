@@ -56,8 +56,13 @@ def _axpy(ctx: Context, module: Module, stream: Stream, pool: DevicePool, n: int
     dx, dy = pool.alloc(x.nbytes, stream), pool.alloc(y.nbytes, stream)
     upload(stream, dx, x)
     upload(stream, dy, y)
-    module.function("axpy").launch((n + 255) // 256, 256, 0, stream, [
-        (dy.ptr, ctypes.c_void_p), (dx.ptr, ctypes.c_void_p), (float(a), ctypes.c_float), (n, ctypes.c_uint)])
+    module.function("axpy").launch(
+        (n + 255) // 256,
+        256,
+        0,
+        stream,
+        [(dy.ptr, ctypes.c_void_p), (dx.ptr, ctypes.c_void_p), (float(a), ctypes.c_float), (n, ctypes.c_uint)],
+    )
     out = np.empty_like(y)
     download(stream, out, dy)
     stream.synchronize()
@@ -118,10 +123,17 @@ def test_cubin_cache_miss_hit_and_rebuild(ctx: Context, stream: Stream, pool: De
 
 @pytest.mark.parametrize("cached", [False, True])
 def test_jit_error_log_travels_with_the_error(ctx: Context, tmp_path: Path, cached: bool) -> None:
-    with pytest.raises(CudaError, match=r"\(tests/gpu/data/broken.ptx, ptx for sm_80\) failed: CUDA_ERROR_INVALID_PTX"
-                       ) as err:
-        Module.load(ctx, (DATA / "broken.ptx").read_bytes(), kind="ptx", origin="tests/gpu/data/broken.ptx",
-                    target="sm_80", cache_dir=tmp_path if cached else None)
+    with pytest.raises(
+        CudaError, match=r"\(tests/gpu/data/broken.ptx, ptx for sm_80\) failed: CUDA_ERROR_INVALID_PTX"
+    ) as err:
+        Module.load(
+            ctx,
+            (DATA / "broken.ptx").read_bytes(),
+            kind="ptx",
+            origin="tests/gpu/data/broken.ptx",
+            target="sm_80",
+            cache_dir=tmp_path if cached else None,
+        )
     assert "%f9" in err.value.detail and "error" in err.value.detail.lower()
     assert not list(tmp_path.glob("*.cubin"))
 

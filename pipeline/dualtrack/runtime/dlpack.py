@@ -134,8 +134,10 @@ def dl_dtype(dtype: np.dtype | type | str) -> DLDataType:
 def np_dtype(dl: DLDataType) -> np.dtype:
     """The numpy dtype of a DLDataType; bfloat16 and vector lanes have none."""
     if dl.lanes != 1 or dl.code not in _NP_KINDS:
-        raise InputError(f"DLPack dtype (code {dl.code}, {dl.bits} bits, {dl.lanes} lanes) has no numpy "
-                         "equivalent; export float16/float32 instead")
+        raise InputError(
+            f"DLPack dtype (code {dl.code}, {dl.bits} bits, {dl.lanes} lanes) has no numpy "
+            "equivalent; export float16/float32 instead"
+        )
     kind = _NP_KINDS[dl.code]
     return np.dtype(np.bool_) if kind == "b" else np.dtype(f"{kind}{dl.bits // 8}")
 
@@ -143,8 +145,15 @@ def np_dtype(dl: DLDataType) -> np.dtype:
 class _Export:
     """Everything one exported DLManagedTensor points into, and the owner of the memory."""
 
-    def __init__(self, ptr: int, shape: Sequence[int], strides: Sequence[int] | None, dtype: np.dtype,
-                 device: DLDevice, owner: object) -> None:
+    def __init__(
+        self,
+        ptr: int,
+        shape: Sequence[int],
+        strides: Sequence[int] | None,
+        dtype: np.dtype,
+        device: DLDevice,
+        owner: object,
+    ) -> None:
         self.owner = owner
         self.shape = (ctypes.c_int64 * len(shape))(*shape)
         self.strides = None if strides is None else (ctypes.c_int64 * len(strides))(*strides)
@@ -230,8 +239,15 @@ def from_capsule(capsule: Any) -> Imported:
     strides = tuple(t.strides[i] for i in range(t.ndim)) if t.strides else _compact_strides(shape)
     dtype = np_dtype(t.dtype)  # before the capsule is marked used: a refusal leaves it unconsumed
     _capsule_set_name(capsule, used)
-    return Imported((t.data or 0) + t.byte_offset, shape, strides, dtype, t.device.device_type,
-                    t.device.device_id, _Consumed(managed, m.deleter))
+    return Imported(
+        (t.data or 0) + t.byte_offset,
+        shape,
+        strides,
+        dtype,
+        t.device.device_type,
+        t.device.device_id,
+        _Consumed(managed, m.deleter),
+    )
 
 
 def from_cuda_array_interface(obj: Any) -> Imported:
@@ -263,8 +279,16 @@ class DeviceArray:
     ``stream`` is the stream the data is written on, if any: consumers are ordered after it.
     """
 
-    def __init__(self, ptr: int, shape: Sequence[int], dtype: np.dtype | type | str, device_id: int,
-                 owner: object, *, stream: Stream | None = None) -> None:
+    def __init__(
+        self,
+        ptr: int,
+        shape: Sequence[int],
+        dtype: np.dtype | type | str,
+        device_id: int,
+        owner: object,
+        *,
+        stream: Stream | None = None,
+    ) -> None:
         self.ptr, self.shape, self.dtype = int(ptr), tuple(int(n) for n in shape), np.dtype(dtype)
         self.device_id, self.owner, self.stream = device_id, owner, stream
 
@@ -275,8 +299,14 @@ class DeviceArray:
     def __dlpack_device__(self) -> tuple[int, int]:
         return int(DLDeviceType.kDLCUDA), self.device_id
 
-    def __dlpack__(self, *, stream: int | None = None, max_version: tuple[int, int] | None = None,
-                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
         """Export as a "dltensor" capsule (DLPack 0.8 layout, which every consumer accepts).
 
         The data is ready when this returns unless the consumer passes ``stream=-1``: the
@@ -293,8 +323,14 @@ class DeviceArray:
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         stream = None if self.stream is None else (int(self.stream.handle) or 1)  # 0 means legacy: 1 here
-        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False), "version": 3,
-                "strides": None, "stream": stream}
+        return {
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "data": (self.ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": stream,
+        }
 
     def __repr__(self) -> str:
         return f"DeviceArray(0x{self.ptr:x}, shape={self.shape}, dtype={self.dtype}, device={self.device_id})"

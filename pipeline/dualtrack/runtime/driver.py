@@ -43,9 +43,7 @@ try:  # cuda-bindings 13 raises this when libcuda.so.1 cannot be loaded
 except ImportError:  # pragma: no cover - older cuda-bindings
     _LibNotFound = RuntimeError
 
-NO_DRIVER = (
-    "no NVIDIA GPU or driver found (libcuda.so.1 not loadable); run with --device cpu or on a GPU machine"
-)
+NO_DRIVER = "no NVIDIA GPU or driver found (libcuda.so.1 not loadable); run with --device cpu or on a GPU machine"
 NO_DEVICE = (
     "no NVIDIA GPU found (the driver is installed but cuInit reports CUDA_ERROR_NO_DEVICE; check "
     "CUDA_VISIBLE_DEVICES and nvidia-smi); run with --device cpu or on a GPU machine"
@@ -479,8 +477,9 @@ class Module:
         try:
             _write_atomic(path, cubin)
         except OSError as exc:  # the load itself does not need the cache
-            warnings.warn(f"cannot write the cubin cache {path}: {exc}; the next start JIT-compiles again",
-                          stacklevel=4)
+            warnings.warn(
+                f"cannot write the cubin cache {path}: {exc}; the next start JIT-compiles again", stacklevel=4
+            )
         self._load(cubin, "cubin", opt_level, log_size)
 
     def _link(self, ptx: bytes, opt_level: int, log_size: int) -> bytes:
@@ -491,8 +490,17 @@ class Module:
         # returned state; ``jit`` keeps the bytearrays themselves alive until cuLinkDestroy.
         state = call(cu.cuLinkCreate, len(jit.options), jit.options, jit.values)
         try:
-            call(cu.cuLinkAddData, state, cu.CUjitInputType.CU_JIT_INPUT_PTX, ptx, len(ptx),
-                 self.origin.encode(), 0, None, None)
+            call(
+                cu.cuLinkAddData,
+                state,
+                cu.CUjitInputType.CU_JIT_INPUT_PTX,
+                ptx,
+                len(ptx),
+                self.origin.encode(),
+                0,
+                None,
+                None,
+            )
             addr, size = call(cu.cuLinkComplete, state)
             cubin = ctypes.string_at(addr, size)  # owned by the link state: copy before destroying it
         except CudaError as exc:
@@ -519,8 +527,10 @@ class Module:
         except CudaError as exc:
             if exc.name != "CUDA_ERROR_NOT_FOUND":
                 raise
-            raise DeviceError(f"kernel '{name}' is not in {self.origin} ({self.target}); check the .entry names "
-                              "in the PTX or rebuild the bundle") from None
+            raise DeviceError(
+                f"kernel '{name}' is not in {self.origin} ({self.target}); check the .entry names "
+                "in the PTX or rebuild the bundle"
+            ) from None
 
     def close(self) -> None:
         """Unload (cuModuleUnload). Synchronize every stream that runs its kernels first."""
@@ -537,10 +547,16 @@ class Kernel:
         """Allow launches with up to ``nbytes`` of dynamic shared memory (needed above 48 KiB)."""
         limit = self.module.ctx.device.max_shared_per_block_optin
         if nbytes > limit:
-            raise DeviceError(f"kernel '{self.name}' asks for {nbytes} B of shared memory; this GPU allows "
-                              f"{limit} B per block: use smaller tiles")
-        call(cu.cuFuncSetAttribute, self.handle,
-             cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+            raise DeviceError(
+                f"kernel '{self.name}' asks for {nbytes} B of shared memory; this GPU allows "
+                f"{limit} B per block: use smaller tiles"
+            )
+        call(
+            cu.cuFuncSetAttribute,
+            self.handle,
+            cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            nbytes,
+        )
 
     def launch(
         self,
@@ -551,5 +567,13 @@ class Kernel:
         args: Sequence[tuple[Any, type]],
     ) -> None:
         """Enqueue one launch on ``stream``; ``args`` are ``(value, ctypes type)`` pairs in order."""
-        call(cu.cuLaunchKernel, self.handle, *_dim3(grid), *_dim3(block), shared_bytes, stream.handle,
-             kernel_params(args), 0)
+        call(
+            cu.cuLaunchKernel,
+            self.handle,
+            *_dim3(grid),
+            *_dim3(block),
+            shared_bytes,
+            stream.handle,
+            kernel_params(args),
+            0,
+        )
