@@ -14,22 +14,11 @@ from cuda.bindings import driver as cu
 
 from dualtrack.errors import CudaError, DeviceError
 from dualtrack.runtime.dlpack import DeviceArray
-from dualtrack.runtime.driver import Context, Device, Event, Module, Stream, call, load_driver
+from dualtrack.runtime.driver import Context, Device, Event, Module, Stream, call
 from dualtrack.runtime.memory import DevicePool, HostBuffer, download, upload
 
 DATA = Path(__file__).parent / "data"
 AXPY = (DATA / "axpy.ptx").read_bytes()
-
-
-def _require_gpu() -> None:
-    try:
-        load_driver()
-    except DeviceError as exc:
-        pytest.skip(f"needs an NVIDIA GPU: {exc}", allow_module_level=True)
-
-
-_require_gpu()
-pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
