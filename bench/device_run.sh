@@ -22,13 +22,16 @@ for step in $steps; do
         make gpu-test PYTHON=python3 2>&1 | tee -a "$OUT/gpu-test.log" ;;
     check)
       python3 bench/gpu_check.py --bundle $C/unet --image $C/sample.png --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"
-      dt run $C/unet $C/sample.png -o /tmp/sample_mask_cli.png --device cuda 2>&1 | tee -a "$OUT/gpu_check.log" ;;
+      dt run $C/unet $C/sample.png -o /tmp/sample_mask_cli.png --device cuda 2>&1 | tee -a "$OUT/gpu_check.log"
+      dt doctor --bundle $C/unet 2>&1 | tee -a "$OUT/gpu_check.log" ;;
     serve)
       dt serve $C/unet --device cuda --port 8087 > /tmp/serve.log 2>&1 &
       pid=$!
       get() { python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' "$1"; }
       for _ in $(seq 120); do get http://127.0.0.1:8087/readyz >/dev/null 2>&1 && break; sleep 1; done
+      # Worst case: a 512 KB noisy PNG in, the mask PNG out. Then a JPEG photo in, JSON counts out.
       dt loadtest http://127.0.0.1:8087/v1/segment --image $C/sample.png --concurrency 16 --requests 3000 --duration-s 30 --json "$OUT/loadtest.json"
+      dt loadtest "http://127.0.0.1:8087/v1/segment?format=json" --image $C/sample.jpg --concurrency 16 --requests 6000 --duration-s 30 --json "$OUT/loadtest_json.json"
       get http://127.0.0.1:8087/metrics > "$OUT/metrics.txt"
       grep -E "^dualtrack_(batch_size|padded|inference_seconds)_(sum|count|total)|^dualtrack_padded" "$OUT/metrics.txt"
       kill -TERM $pid; wait $pid ;;

@@ -22,6 +22,7 @@
 
 #if !defined(CONV_F16_BM) || !defined(CONV_F16_BN) || !defined(CONV_F16_BK) || \
     !defined(CONV_F16_WARPS_M) || !defined(CONV_F16_WARPS_N) || !defined(CONV_F16_STAGES) || \
+    !defined(CONV_F16_NARROW) || !defined(CONV_F16_SMALL) || \
     !defined(CONV_F32_BM) || !defined(CONV_F32_BN) || !defined(CONV_F32_BK) || \
     !defined(CONV_F32_TM) || !defined(CONV_F32_TN)
 #error "tile sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
@@ -116,37 +117,56 @@ __device__ __forceinline__ bool inside(int h, int w, int H, int W) {
 
 namespace f16conv {
 
-// Compile-time sizes as enumerators: namespace-scope constexpr variables would be emitted as
-// .global symbols in the PTX.
-enum : int {
-    BM = CONV_F16_BM,  // output pixels per block
-    BN = CONV_F16_BN,  // output channels per block
-    BK = CONV_F16_BK,  // GEMM-k per pipeline stage
-    WARPS_M = CONV_F16_WARPS_M,
-    WARPS_N = CONV_F16_WARPS_N,
-    STAGES = CONV_F16_STAGES,
-    THREADS = 32 * WARPS_M * WARPS_N,
-    WM = BM / WARPS_M,  // warp tile
-    WN = BN / WARPS_N,
-    MT = WM / 16,  // m16 tiles per warp
-    NT = WN / 8,   // n8 tiles per warp
-    // Rows padded by 16 bytes: the 8 row addresses of one ldmatrix phase then fall in 8 distinct
-    // 16-byte bank groups (row stride 80 B for BK=32), so fragment loads are conflict-free.
-    BKP = BK + 8,
-    A_STAGE = BM * BKP,  // halves
-    STAGE = (BM + BN) * BKP,
-    BNP = BN + 8,  // epilogue tile row, padded likewise
-    CPR = BK / 8,  // 16-byte chunks per tile row
-    SMEM_HALVES = (STAGES * STAGE > BM * BNP) ? STAGES * STAGE : BM * BNP,
-};
+// One tile configuration: BM output pixels x BN output channels per block, BK-deep k-tiles,
+// WARPS_M x WARPS_N warps, STAGES shared-memory stages. The compile-time sizes are enumerators:
+// namespace-scope constexpr variables would be emitted as .global symbols in the PTX.
+template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_>
+struct Cfg {
+    enum : int {
+        BM = BM_,
+        BN = BN_,
+        BK = BK_,
+        WARPS_M = WARPS_M_,
+        WARPS_N = WARPS_N_,
+        STAGES = STAGES_,
+        THREADS = 32 * WARPS_M * WARPS_N,
+        WM = BM / WARPS_M,  // warp tile
+        WN = BN / WARPS_N,
+        MT = WM / 16,  // m16 tiles per warp
+        NT = WN / 8,   // n8 tiles per warp
+        CPR = BK / 8,  // 16-byte chunks per tile row
+        // Tiles are unpadded, [rows][BK] halves, with the 16-byte chunks of each row XOR-swizzled
+        // (swz below), so the 8 row addresses of one ldmatrix phase hit 8 distinct bank groups.
+        A_STAGE = BM * BK,  // halves
+        STAGE = (BM + BN) * BK,
+        A_CH = BM * CPR / THREADS,  // 16-byte A chunks a thread copies per k-tile
+        B_CH = BN * CPR / THREADS,
+        BNP = BN + 8,  // epilogue tile row, padded by 16 bytes (conflict-free 4-byte stores)
+        PIPE = STAGES * STAGE,
+        SMEM_HALVES = PIPE > BM * BNP ? PIPE : BM * BNP,
+        // Element paths (C not a multiple of 8, ...) use one stage plus, behind it, each row's
+        // (h, w) as ints and, when C <= SEG_CMAX, the three input-row segments the tile's 3x3
+        // windows read: 3 x (BM + 2) pixels x C channels, loaded once per block.
+        ROWS_OFF = STAGE,                // halves
+        SEG_OFF = STAGE + 4 * BM,        // halves
+        SEG_CMAX = (SMEM_HALVES - SEG_OFF) / (3 * (BM + 2)),
+    };
+    static_assert(BM % (16 * WARPS_M) == 0 && BN % (16 * WARPS_N) == 0, "warp tile must be m16 x n16 multiples");
+    static_assert(BK == 32 || BK == 64, "the swizzle is written for 64- and 128-byte tile rows");
+    static_assert(STAGES >= 2, "cp.async pipeline needs two stages or more");
+    static_assert(THREADS % CPR == 0 && (BM * CPR) % THREADS == 0 && (BN * CPR) % THREADS == 0, "vector loads");
+    static_assert(THREADS % BK == 0 && (BM * BK) % THREADS == 0 && (BN * BK) % THREADS == 0, "scalar loads");
+    static_assert(THREADS % (BN / 8) == 0 && (BM * (BN / 8)) % THREADS == 0, "epilogue stores");
+    static_assert(SMEM_HALVES * 2 <= 48 * 1024, "static shared memory is capped at 48 KiB");
+    static_assert(SEG_CMAX >= 3, "the first layer's C = 3 must take the segment path");
 
-static_assert(BM % (16 * WARPS_M) == 0 && BN % (16 * WARPS_N) == 0, "warp tile must be m16 x n16 multiples");
-static_assert(BK % 16 == 0, "BK is a multiple of the mma k (16)");
-static_assert(STAGES >= 2, "cp.async pipeline needs two stages or more");
-static_assert(THREADS % CPR == 0 && (BM * CPR) % THREADS == 0 && (BN * CPR) % THREADS == 0, "vector loads");
-static_assert(THREADS % BK == 0 && (BM * BK) % THREADS == 0 && (BN * BK) % THREADS == 0, "scalar loads");
-static_assert(THREADS % (BN / 8) == 0 && (BM * (BN / 8)) % THREADS == 0, "epilogue stores");
-static_assert(SMEM_HALVES * 2 + 2 * BM * 4 <= 48 * 1024, "static shared memory is capped at 48 KiB");
+    // Physical 16-byte chunk of logical chunk q in tile row `row`. 64-byte rows (BK = 32): rows
+    // 2j, 2j+1 share a 128-byte line, so XOR with bits 1-2 of the row; 128-byte rows: bits 0-2.
+    static __device__ __forceinline__ int swz(int row, int q) {
+        return BK == 32 ? (q ^ ((row >> 1) & 3)) : (q ^ (row & 7));
+    }
+    static __device__ __forceinline__ int at(int row, int q) { return row * BK + swz(row, q) * 8; }  // halves
+};
 
 struct Problem {
     const f16* x;
@@ -154,158 +174,228 @@ struct Problem {
     int H, W, C, K, ldx, M, Kg;
 };
 
-// Vector path, k-tile kt = (tap rs, channel block cb): one cp.async group's worth of copies.
-__device__ __forceinline__ void load_tile_vec(const Problem& p, const int* row_h, const int* row_w, f16* stage,
-                                              int kt, int cblocks, int m0, int n0) {
-    const int rs = kt / cblocks;
-    const int c = (kt - rs * cblocks) * BK + (threadIdx.x % CPR) * 8;
-    const int r = rs / 3, s = rs - 3 * (rs / 3);
-    const bool c_ok = c < p.C;
-    const int q8 = (threadIdx.x % CPR) * 8;
-    f16* a = stage;
-    f16* b = stage + A_STAGE;
-#pragma unroll
-    for (int i = 0; i < BM * CPR / THREADS; ++i) {
-        const int row = threadIdx.x / CPR + i * (THREADS / CPR);
-        const bool ok = c_ok && inside(row_h[row] + r - 1, row_w[row] + s - 1, p.H, p.W);
-        const f16* src = p.x;  // any valid address: with src-size 0 nothing is read
-        if (ok) src = p.x + (static_cast<long long>(m0 + row + (r - 1) * p.W + (s - 1)) * p.ldx + c);
-        cp_async_16(smem_u32(a + row * BKP + q8), src, ok ? 16u : 0u);
-    }
-#pragma unroll
-    for (int i = 0; i < BN * CPR / THREADS; ++i) {
-        const int row = threadIdx.x / CPR + i * (THREADS / CPR);
-        const int k = n0 + row;
-        const bool ok = c_ok && k < p.K;
-        const f16* src = p.w;
-        if (ok) src = p.w + (static_cast<long long>(k) * p.Kg + rs * p.C + c);
-        cp_async_16(smem_u32(b + row * BKP + q8), src, ok ? 16u : 0u);
-    }
-}
+// Vector path: the copies a thread issues for one k-tile, with everything that does not change
+// along k computed once. k-tiles are loaded in order: (tap r,s) outer, channel block cb inner.
+template <class CF>
+struct VecLoader {
+    long long a_off[CF::A_CH];  // element offset of the thread's row pixel + its chunk's channels
+    int a_h[CF::A_CH], a_w[CF::A_CH];
+    long long b_off[CF::B_CH];
+    bool b_ok[CF::B_CH];
+    unsigned a_dst[CF::A_CH], b_dst[CF::B_CH];  // shared byte offsets within a stage
+    int q8, cb, r, s;
 
-// Scalar path, k-tile kt = flattened taps [kt*BK, kt*BK + BK). Each thread owns one column.
-__device__ __forceinline__ void load_tile_scalar(const Problem& p, const int* row_h, const int* row_w, f16* stage,
-                                                 int kt, int m0, int n0) {
-    const int j = threadIdx.x % BK;
-    const int kg = kt * BK + j;
+    __device__ __forceinline__ void init(const Problem& p, int m0, int n0) {
+        const int q = threadIdx.x % CF::CPR;
+        q8 = q * 8;
+#pragma unroll
+        for (int i = 0; i < CF::A_CH; ++i) {
+            const int row = threadIdx.x / CF::CPR + i * (CF::THREADS / CF::CPR);
+            const int m = m0 + row;
+            if (m < p.M) {
+                const int hw = m % (p.H * p.W);
+                a_h[i] = hw / p.W;
+                a_w[i] = hw - a_h[i] * p.W;
+            } else {  // so far outside the image that every tap reads zero
+                a_h[i] = -4;
+                a_w[i] = -4;
+            }
+            a_off[i] = static_cast<long long>(m) * p.ldx + q8;
+            a_dst[i] = CF::at(row, q) * 2;
+        }
+#pragma unroll
+        for (int i = 0; i < CF::B_CH; ++i) {
+            const int row = threadIdx.x / CF::CPR + i * (CF::THREADS / CF::CPR);
+            const int k = n0 + row;
+            b_ok[i] = k < p.K;
+            b_off[i] = static_cast<long long>(k) * p.Kg + q8;
+            b_dst[i] = (CF::A_STAGE + CF::at(row, q)) * 2;
+        }
+        cb = 0;
+        r = 0;
+        s = 0;
+    }
+
+    // Copies the next k-tile into the stage at shared address `stage`, then advances.
+    __device__ __forceinline__ void load(const Problem& p, unsigned stage, int cblocks) {
+        const int c0 = cb * CF::BK;
+        const bool c_ok = c0 + q8 < p.C;
+        const long long da = static_cast<long long>((r - 1) * p.W + (s - 1)) * p.ldx + c0;
+        const int db = (r * 3 + s) * p.C + c0;
+#pragma unroll
+        for (int i = 0; i < CF::A_CH; ++i) {
+            const bool ok = c_ok && inside(a_h[i] + r - 1, a_w[i] + s - 1, p.H, p.W);
+            const f16* src = ok ? p.x + (a_off[i] + da) : p.x;  // with src-size 0 nothing is read
+            cp_async_16(stage + a_dst[i], src, ok ? 16u : 0u);
+        }
+#pragma unroll
+        for (int i = 0; i < CF::B_CH; ++i) {
+            const bool ok = c_ok && b_ok[i];
+            const f16* src = ok ? p.w + (b_off[i] + db) : p.w;
+            cp_async_16(stage + b_dst[i], src, ok ? 16u : 0u);
+        }
+        if (++cb == cblocks) {
+            cb = 0;
+            if (++s == 3) {
+                s = 0;
+                ++r;
+            }
+        }
+    }
+};
+
+// Element path, k-tile kt = flattened taps [kt*BK, kt*BK + BK). Each thread owns one column.
+// SEG: A comes from the block's three input-row segments in shared memory (small C), else from
+// global memory element by element.
+template <class CF, bool SEG>
+__device__ __forceinline__ void load_tile_scalar(const Problem& p, const int* row_h, const int* row_w, const f16* seg,
+                                                 f16* stage, int kt, int m0, int n0) {
+    const int j = threadIdx.x % CF::BK;
+    const int kg = kt * CF::BK + j;
     const bool k_ok = kg < p.Kg;
     const int rs = k_ok ? kg / p.C : 0;
     const int c = kg - rs * p.C;
     const int r = rs / 3, s = rs - 3 * (rs / 3);
     f16* a = stage;
-    f16* b = stage + A_STAGE;
-#pragma unroll 4
-    for (int i = 0; i < BM * BK / THREADS; ++i) {
-        const int row = threadIdx.x / BK + i * (THREADS / BK);
-        f16 v = 0;
-        if (k_ok && inside(row_h[row] + r - 1, row_w[row] + s - 1, p.H, p.W))
-            v = p.x[static_cast<long long>(m0 + row + (r - 1) * p.W + (s - 1)) * p.ldx + c];
-        a[row * BKP + j] = v;
+    f16* b = stage + CF::A_STAGE;
+    const int jq = j >> 3, je = j & 7;
+    f16 v[CF::BM * CF::BK / CF::THREADS];
+#pragma unroll
+    for (int i = 0; i < CF::BM * CF::BK / CF::THREADS; ++i) {
+        const int row = threadIdx.x / CF::BK + i * (CF::THREADS / CF::BK);
+        v[i] = 0;
+        if (k_ok && inside(row_h[row] + r - 1, row_w[row] + s - 1, p.H, p.W)) {
+            if (SEG)
+                v[i] = seg[(r * (CF::BM + 2) + row + s) * p.C + c];
+            else
+                v[i] = p.x[static_cast<long long>(m0 + row + (r - 1) * p.W + (s - 1)) * p.ldx + c];
+        }
     }
-#pragma unroll 4
-    for (int i = 0; i < BN * BK / THREADS; ++i) {
-        const int row = threadIdx.x / BK + i * (THREADS / BK);
+#pragma unroll
+    for (int i = 0; i < CF::BM * CF::BK / CF::THREADS; ++i) {
+        const int row = threadIdx.x / CF::BK + i * (CF::THREADS / CF::BK);
+        a[CF::at(row, jq) + je] = v[i];
+    }
+#pragma unroll
+    for (int i = 0; i < CF::BN * CF::BK / CF::THREADS; ++i) {
+        const int row = threadIdx.x / CF::BK + i * (CF::THREADS / CF::BK);
         const int k = n0 + row;
-        f16 v = 0;
-        if (k_ok && k < p.K) v = p.w[static_cast<long long>(k) * p.Kg + kg];
-        b[row * BKP + j] = v;
+        f16 u = 0;
+        if (k_ok && k < p.K) u = p.w[static_cast<long long>(k) * p.Kg + kg];
+        b[CF::at(row, jq) + je] = u;
     }
 }
 
 // One stage's BK columns through the tensor cores: ldmatrix fragments, MT x NT mma per k16.
-__device__ __forceinline__ void mma_stage(const f16* stage, float (&acc)[MT][NT][4], int wm, int wn, int lane) {
-    const unsigned a_base = smem_u32(stage);
-    const unsigned b_base = smem_u32(stage + A_STAGE);
+template <class CF>
+__device__ __forceinline__ void mma_stage(unsigned a_base, float (&acc)[CF::MT][CF::NT][4], int wm, int wn,
+                                          int lane) {
+    const unsigned b_base = a_base + CF::A_STAGE * 2;
 #pragma unroll
-    for (int kk = 0; kk < BK; kk += 16) {
-        unsigned af[MT][4];
-        unsigned bf[NT][2];
+    for (int kk = 0; kk < CF::BK; kk += 16) {
+        unsigned af[CF::MT][4];
+        unsigned bf[CF::NT][2];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
+        for (int mt = 0; mt < CF::MT; ++mt) {
             // lanes 0-15 address rows 0-15 at k, lanes 16-31 the same rows at k+8: matrices
             // (rows 0-7,k) (rows 8-15,k) (rows 0-7,k+8) (rows 8-15,k+8) = the mma A fragment.
-            const int row = wm * WM + mt * 16 + (lane & 15);
-            const int col = kk + (lane >> 4) * 8;
-            ldmatrix_x4(af[mt], a_base + (row * BKP + col) * 2);
+            const int row = wm * CF::WM + mt * 16 + (lane & 15);
+            ldmatrix_x4(af[mt], a_base + CF::at(row, kk / 8 + (lane >> 4)) * 2);
         }
 #pragma unroll
-        for (int nt = 0; nt < NT; nt += 2) {
+        for (int nt = 0; nt < CF::NT; nt += 2) {
             // matrices (n 0-7,k) (n 0-7,k+8) (n 8-15,k) (n 8-15,k+8) = b0,b1 of two n8 tiles.
-            const int row = wn * WN + nt * 8 + (lane >> 4) * 8 + (lane & 7);
-            const int col = kk + ((lane >> 3) & 1) * 8;
+            const int row = wn * CF::WN + nt * 8 + (lane >> 4) * 8 + (lane & 7);
             unsigned r[4];
-            ldmatrix_x4(r, b_base + (row * BKP + col) * 2);
+            ldmatrix_x4(r, b_base + CF::at(row, kk / 8 + ((lane >> 3) & 1)) * 2);
             bf[nt][0] = r[0];
             bf[nt][1] = r[1];
             bf[nt + 1][0] = r[2];
             bf[nt + 1][1] = r[3];
         }
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < CF::MT; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) mma_16816(acc[mt][nt], af[mt], bf[nt][0], bf[nt][1]);
+            for (int nt = 0; nt < CF::NT; ++nt) mma_16816(acc[mt][nt], af[mt], bf[nt][0], bf[nt][1]);
     }
 }
 
-}  // namespace f16conv
-
-extern "C" __global__ void __launch_bounds__(f16conv::THREADS)
-conv3x3_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const float* __restrict__ bias,
-                 f16* __restrict__ y, int N, int H, int W, int C, int K, int ldx, int ldy, int relu) {
-    using namespace f16conv;
-    __shared__ __align__(16) f16 smem[SMEM_HALVES];
-    __shared__ int row_h[BM];
-    __shared__ int row_w[BM];
-
+template <class CF>
+__device__ __forceinline__ void conv(const f16* __restrict__ x, const f16* __restrict__ w,
+                                     const float* __restrict__ bias, f16* __restrict__ y, int N, int H, int W, int C,
+                                     int K, int ldx, int ldy, int relu, f16* smem) {
     const int M = N * H * W;  // the launcher refuses M >= 2^31
-    const int m0 = blockIdx.x * BM;
-    const int n0 = blockIdx.y * BN;
+    const int m0 = blockIdx.x * CF::BM;
+    const int n0 = blockIdx.y * CF::BN;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const int wm = warp % WARPS_M;
-    const int wn = warp / WARPS_M;
+    const int wm = warp % CF::WARPS_M;
+    const int wn = warp / CF::WARPS_M;
     const Problem p{x, w, H, W, C, K, ldx, M, 9 * C};
+    const unsigned smem_base = smem_u32(smem);
 
-    decode_rows(row_h, row_w, BM, m0, M, H, W);
-    __syncthreads();
-
-    float acc[MT][NT][4];
+    float acc[CF::MT][CF::NT][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < CF::MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < CF::NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
 
     const bool vec = C % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(w);
     if (vec) {
-        const int cblocks = (C + BK - 1) / BK;
+        const int cblocks = (C + CF::BK - 1) / CF::BK;
         const int num_kt = 9 * cblocks;
+        VecLoader<CF> ld;
+        ld.init(p, m0, n0);
         // Prologue fills STAGES-1 stages; every iteration then commits exactly one group (possibly
         // empty), so "all but the newest STAGES-2 groups done" always means "tile kt has landed".
 #pragma unroll
-        for (int st = 0; st < STAGES - 1; ++st) {
-            if (st < num_kt) load_tile_vec(p, row_h, row_w, smem + st * STAGE, st, cblocks, m0, n0);
+        for (int st = 0; st < CF::STAGES - 1; ++st) {
+            if (st < num_kt) ld.load(p, smem_base + st * CF::STAGE * 2, cblocks);
             cp_async_commit();
         }
+        int rd = 0, wr = CF::STAGES - 1;  // stage read this iteration / written by its prefetch
         for (int kt = 0; kt < num_kt; ++kt) {
-            cp_async_wait<STAGES - 2>();
-            // Publishes tile kt to all warps, and tells everyone that stage (kt-1)%STAGES, which
-            // the prefetch below overwrites, has been consumed.
+            cp_async_wait<CF::STAGES - 2>();
+            // Publishes tile kt to all warps, and tells everyone that stage wr, last read in
+            // iteration kt-1, has been consumed.
             __syncthreads();
-            const int pf = kt + STAGES - 1;
-            if (pf < num_kt) load_tile_vec(p, row_h, row_w, smem + (pf % STAGES) * STAGE, pf, cblocks, m0, n0);
+            if (kt + CF::STAGES - 1 < num_kt) ld.load(p, smem_base + wr * CF::STAGE * 2, cblocks);
             cp_async_commit();
-            mma_stage(smem + (kt % STAGES) * STAGE, acc, wm, wn, lane);
+            mma_stage<CF>(smem_base + rd * CF::STAGE * 2, acc, wm, wn, lane);
+            rd = rd + 1 == CF::STAGES ? 0 : rd + 1;
+            wr = wr + 1 == CF::STAGES ? 0 : wr + 1;
         }
         cp_async_wait<0>();
     } else {
-        const int num_kt = (9 * C + BK - 1) / BK;
+        int* row_h = reinterpret_cast<int*>(smem + CF::ROWS_OFF);
+        int* row_w = row_h + CF::BM;
+        f16* seg = smem + CF::SEG_OFF;
+        decode_rows(row_h, row_w, CF::BM, m0, M, H, W);
+        const bool use_seg = C <= CF::SEG_CMAX;
+        if (use_seg) {
+            // Segment r holds pixels m0 + (r-1)*W - 1 + t, t in [0, BM+2): every input pixel the
+            // tile's windows touch in input row h+r-1 (zero outside [0, M)).
+            const int total = 3 * (CF::BM + 2) * C;
+            for (int i = threadIdx.x; i < total; i += CF::THREADS) {
+                const int pc = i / C;
+                const int c = i - pc * C;
+                const int r = pc / (CF::BM + 2);
+                const int t = pc - r * (CF::BM + 2);
+                const long long pix = static_cast<long long>(m0) + static_cast<long long>(r - 1) * W - 1 + t;
+                seg[i] = (pix >= 0 && pix < M) ? x[pix * ldx + c] : static_cast<f16>(0);
+            }
+        }
+        const int num_kt = (9 * C + CF::BK - 1) / CF::BK;
         for (int kt = 0; kt < num_kt; ++kt) {
             __syncthreads();
-            load_tile_scalar(p, row_h, row_w, smem, kt, m0, n0);
+            if (use_seg)
+                load_tile_scalar<CF, true>(p, row_h, row_w, seg, smem, kt, m0, n0);
+            else
+                load_tile_scalar<CF, false>(p, row_h, row_w, seg, smem, kt, m0, n0);
             __syncthreads();
-            mma_stage(smem, acc, wm, wn, lane);
+            mma_stage<CF>(smem_base, acc, wm, wn, lane);
         }
     }
     __syncthreads();  // the epilogue tile reuses the pipeline's shared memory
@@ -314,14 +404,14 @@ conv3x3_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const flo
     // so that global stores are whole 16-byte chunks of consecutive channels.
     f16* tile = smem;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const int col = wn * WN + nt * 8 + (lane & 3) * 2;
+    for (int nt = 0; nt < CF::NT; ++nt) {
+        const int col = wn * CF::WN + nt * 8 + (lane & 3) * 2;
         const int k = n0 + col;
         const float b0 = (bias != nullptr && k < K) ? bias[k] : 0.f;
         const float b1 = (bias != nullptr && k + 1 < K) ? bias[k + 1] : 0.f;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const int row = wm * WM + mt * 16 + (lane >> 2);
+        for (int mt = 0; mt < CF::MT; ++mt) {
+            const int row = wm * CF::WM + mt * 16 + (lane >> 2);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 float v0 = acc[mt][nt][2 * half] + b0;
@@ -332,23 +422,23 @@ conv3x3_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const flo
                 }
                 const unsigned packed = static_cast<unsigned>(f32_to_f16(v0)) |
                                         (static_cast<unsigned>(f32_to_f16(v1)) << 16);
-                *reinterpret_cast<unsigned*>(tile + (row + 8 * half) * BNP + col) = packed;
+                *reinterpret_cast<unsigned*>(tile + (row + 8 * half) * CF::BNP + col) = packed;
             }
         }
     }
     __syncthreads();
 
     const bool vec_out = ldy % 8 == 0 && aligned16(y);
-    constexpr int OCPR = BN / 8;
+    constexpr int OCPR = CF::BN / 8;
 #pragma unroll
-    for (int i = 0; i < BM * OCPR / THREADS; ++i) {
-        const int row = threadIdx.x / OCPR + i * (THREADS / OCPR);
+    for (int i = 0; i < CF::BM * OCPR / CF::THREADS; ++i) {
+        const int row = threadIdx.x / OCPR + i * (CF::THREADS / OCPR);
         const int q8 = (threadIdx.x % OCPR) * 8;
         const int m = m0 + row;
         const int k = n0 + q8;
         if (m >= M || k >= K) continue;
         f16* dst = y + (static_cast<long long>(m) * ldy + k);
-        const f16* src = tile + row * BNP + q8;
+        const f16* src = tile + row * CF::BNP + q8;
         if (vec_out && k + 8 <= K) {
             *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
         } else {
@@ -356,6 +446,24 @@ conv3x3_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const flo
         }
     }
 }
+
+typedef Cfg<CONV_F16_BM, CONV_F16_BN, CONV_F16_BK, CONV_F16_WARPS_M, CONV_F16_WARPS_N, CONV_F16_STAGES> Main;
+typedef Cfg<CONV_F16_NARROW> Narrow;  // for K <= 32 output channels
+typedef Cfg<CONV_F16_SMALL> Small;    // for problems with too few Main tiles to fill the GPU
+
+}  // namespace f16conv
+
+#define CONV_F16_ENTRY(NAME, CF)                                                                            \
+    extern "C" __global__ void __launch_bounds__(CF::THREADS)                                               \
+    NAME(const f16* __restrict__ x, const f16* __restrict__ w, const float* __restrict__ bias,              \
+         f16* __restrict__ y, int N, int H, int W, int C, int K, int ldx, int ldy, int relu) {              \
+        __shared__ __align__(16) f16 smem[CF::SMEM_HALVES];                                                 \
+        f16conv::conv<CF>(x, w, bias, y, N, H, W, C, K, ldx, ldy, relu, smem);                              \
+    }
+
+CONV_F16_ENTRY(conv3x3_nhwc_f16, f16conv::Main)
+CONV_F16_ENTRY(conv3x3_nhwc_f16_narrow, f16conv::Narrow)
+CONV_F16_ENTRY(conv3x3_nhwc_f16_small, f16conv::Small)
 
 // ------------------------------------------------------------------------------------------------
 // fp32: CUDA cores, register-tiled SIMT GEMM, k-major shared tiles, register-staged double buffer.

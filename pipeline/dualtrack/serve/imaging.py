@@ -93,7 +93,9 @@ def mask_to_size(mask: np.ndarray, height: int, width: int) -> np.ndarray:
 def encode_mask_png(mask: np.ndarray) -> bytes:
     """Encode a ``(h, w)`` uint8 class-id mask as an 8-bit grayscale PNG (pixel value = class id)."""
     buf = io.BytesIO()
-    Image.fromarray(np.ascontiguousarray(mask, dtype=np.uint8)).save(buf, format="PNG")
+    # zlib level 1: a 512x512 mask encodes in ~8 ms instead of ~25 ms at the default level 6, for
+    # ~20% more bytes on a noisy mask (and about the same on a real one, which is mostly flat).
+    Image.fromarray(np.ascontiguousarray(mask, dtype=np.uint8)).save(buf, format="PNG", compress_level=1)
     return buf.getvalue()
 
 
