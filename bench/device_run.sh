@@ -37,6 +37,6 @@ for step in $steps; do
       kill -TERM $pid; wait $pid ;;
     bench)
       python3 bench/bench.py --bundle $C/unet --seed-split-bundle $C/unet_seed_split --iree-only-bundle $C/iree_only \
-        --batches 1 8 --iters 50 --skip-autotune --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" ;;
+        --batches 1 8 --iters 50 --skip-autotune --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT" 2>&1 | tee /tmp/bench.log ;;
   esac
 done
