@@ -23,7 +23,8 @@ for step in $steps; do
     check)
       python3 bench/gpu_check.py --bundle $C/unet --image $C/sample.png --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"
       dt run $C/unet $C/sample.png -o /tmp/sample_mask_cli.png --device cuda 2>&1 | tee -a "$OUT/gpu_check.log"
-      dt doctor --bundle $C/unet 2>&1 | tee -a "$OUT/gpu_check.log" ;;
+      dt doctor --bundle $C/unet 2>&1 | tee -a "$OUT/gpu_check.log"
+      dt verify $C/unet --device cuda --samples 2 2>&1 | tail -3 | tee -a "$OUT/gpu_check.log" ;;
     serve)
       dt serve $C/unet --device cuda --port 8087 > /tmp/serve.log 2>&1 &
       pid=$!
