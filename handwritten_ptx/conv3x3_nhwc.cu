@@ -22,7 +22,8 @@
 
 #if !defined(CONV_F16_BM) || !defined(CONV_F16_BN) || !defined(CONV_F16_BK) || \
     !defined(CONV_F16_WARPS_M) || !defined(CONV_F16_WARPS_N) || !defined(CONV_F16_STAGES) || \
-    !defined(CONV_F16_NARROW) || !defined(CONV_F16_SMALL) || \
+    !defined(CONV_F16_MIN_BLOCKS) || !defined(CONV_F16_NARROW) || !defined(CONV_F16_SMALL) || \
+    !defined(CONV_F16_WIDE) || \
     !defined(CONV_F32_BM) || !defined(CONV_F32_BN) || !defined(CONV_F32_BK) || \
     !defined(CONV_F32_TM) || !defined(CONV_F32_TN)
 #error "tile sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
@@ -118,9 +119,10 @@ __device__ __forceinline__ bool inside(int h, int w, int H, int W) {
 namespace f16conv {
 
 // One tile configuration: BM output pixels x BN output channels per block, BK-deep k-tiles,
-// WARPS_M x WARPS_N warps, STAGES shared-memory stages. The compile-time sizes are enumerators:
+// WARPS_M x WARPS_N warps, STAGES shared-memory stages, registers capped so that MIN_BLOCKS
+// blocks fit on one SM (__launch_bounds__). The compile-time sizes are enumerators:
 // namespace-scope constexpr variables would be emitted as .global symbols in the PTX.
-template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_>
+template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, int MIN_BLOCKS_>
 struct Cfg {
     enum : int {
         BM = BM_,
@@ -150,6 +152,7 @@ struct Cfg {
         ROWS_OFF = STAGE,                // halves
         SEG_OFF = STAGE + 4 * BM,        // halves
         SEG_CMAX = (SMEM_HALVES - SEG_OFF) / (3 * (BM + 2)),
+        MIN_BLOCKS = MIN_BLOCKS_,  // blocks per SM the register allocation must allow
     };
     static_assert(BM % (16 * WARPS_M) == 0 && BN % (16 * WARPS_N) == 0, "warp tile must be m16 x n16 multiples");
     static_assert(BK == 32 || BK == 64, "the swizzle is written for 64- and 128-byte tile rows");
@@ -259,24 +262,19 @@ __device__ __forceinline__ void load_tile_scalar(const Problem& p, const int* ro
     f16* a = stage;
     f16* b = stage + CF::A_STAGE;
     const int jq = j >> 3, je = j & 7;
-    f16 v[CF::BM * CF::BK / CF::THREADS];
-#pragma unroll
+#pragma unroll 4
     for (int i = 0; i < CF::BM * CF::BK / CF::THREADS; ++i) {
         const int row = threadIdx.x / CF::BK + i * (CF::THREADS / CF::BK);
-        v[i] = 0;
+        f16 v = 0;
         if (k_ok && inside(row_h[row] + r - 1, row_w[row] + s - 1, p.H, p.W)) {
             if (SEG)
-                v[i] = seg[(r * (CF::BM + 2) + row + s) * p.C + c];
+                v = seg[(r * (CF::BM + 2) + row + s) * p.C + c];
             else
-                v[i] = p.x[static_cast<long long>(m0 + row + (r - 1) * p.W + (s - 1)) * p.ldx + c];
+                v = p.x[static_cast<long long>(m0 + row + (r - 1) * p.W + (s - 1)) * p.ldx + c];
         }
+        a[CF::at(row, jq) + je] = v;
     }
-#pragma unroll
-    for (int i = 0; i < CF::BM * CF::BK / CF::THREADS; ++i) {
-        const int row = threadIdx.x / CF::BK + i * (CF::THREADS / CF::BK);
-        a[CF::at(row, jq) + je] = v[i];
-    }
-#pragma unroll
+#pragma unroll 4
     for (int i = 0; i < CF::BN * CF::BK / CF::THREADS; ++i) {
         const int row = threadIdx.x / CF::BK + i * (CF::THREADS / CF::BK);
         const int k = n0 + row;
@@ -447,14 +445,19 @@ __device__ __forceinline__ void conv(const f16* __restrict__ x, const f16* __res
     }
 }
 
-typedef Cfg<CONV_F16_BM, CONV_F16_BN, CONV_F16_BK, CONV_F16_WARPS_M, CONV_F16_WARPS_N, CONV_F16_STAGES> Main;
-typedef Cfg<CONV_F16_NARROW> Narrow;  // for K <= 32 output channels
-typedef Cfg<CONV_F16_SMALL> Small;    // for problems with too few Main tiles to fill the GPU
+typedef Cfg<CONV_F16_BM, CONV_F16_BN, CONV_F16_BK, CONV_F16_WARPS_M, CONV_F16_WARPS_N, CONV_F16_STAGES,
+            CONV_F16_MIN_BLOCKS>
+    Main;
+// Shape-selected variants (dualtrack.kernels.Conv3x3Spec.variant); each macro is the list
+// BM,BN,BK,WARPS_M,WARPS_N,STAGES,MIN_BLOCKS.
+typedef Cfg<CONV_F16_NARROW> Narrow;  // K <= 32 output channels
+typedef Cfg<CONV_F16_WIDE> Wide;      // K >= 128 and enough pixels to fill the GPU with wide tiles
+typedef Cfg<CONV_F16_SMALL> Small;    // too few Main tiles to fill the GPU
 
 }  // namespace f16conv
 
 #define CONV_F16_ENTRY(NAME, CF)                                                                            \
-    extern "C" __global__ void __launch_bounds__(CF::THREADS)                                               \
+    extern "C" __global__ void __launch_bounds__(CF::THREADS, CF::MIN_BLOCKS)                               \
     NAME(const f16* __restrict__ x, const f16* __restrict__ w, const float* __restrict__ bias,              \
          f16* __restrict__ y, int N, int H, int W, int C, int K, int ldx, int ldy, int relu) {              \
         __shared__ __align__(16) f16 smem[CF::SMEM_HALVES];                                                 \
@@ -463,6 +466,7 @@ typedef Cfg<CONV_F16_SMALL> Small;    // for problems with too few Main tiles to
 
 CONV_F16_ENTRY(conv3x3_nhwc_f16, f16conv::Main)
 CONV_F16_ENTRY(conv3x3_nhwc_f16_narrow, f16conv::Narrow)
+CONV_F16_ENTRY(conv3x3_nhwc_f16_wide, f16conv::Wide)
 CONV_F16_ENTRY(conv3x3_nhwc_f16_small, f16conv::Small)
 
 // ------------------------------------------------------------------------------------------------

@@ -150,25 +150,38 @@ class Conv3x3Spec(KernelSpec):
 
     fp16: tensor-core implicit GEMM, a ``f16_bm x f16_bn`` output tile (pixels x channels) per
     block of ``32 * f16_warps_m * f16_warps_n`` threads, ``f16_bk``-deep cp.async stages.
+    Besides that default entry (``conv3x3_nhwc_f16``), shape-selected fp16 variants with the same
+    ABI: ``_narrow`` (K <= 32), ``_wide`` (K >= 128 with enough pixels), ``_small`` (too few
+    default tiles to fill the GPU); :meth:`variant` picks one, ``launch(..., entry=...)`` gives its
+    geometry. Each variant's tile is ``(bm, bn, bk, warps_m, warps_n, stages, min_blocks)``.
     fp32: SIMT GEMM, an ``f32_bm x f32_bn`` tile per block, ``f32_tm x f32_tn`` outputs a thread.
     """
 
     PARAMS: ClassVar[tuple[str, ...]] = ("x", "w", "bias", "y", "N", "H", "W", "C", "K", "ldx", "ldy", "relu")
     POINTERS: ClassVar[int] = 4
+    F16_VARIANTS: ClassVar[tuple[str, ...]] = ("narrow", "wide", "small")
 
     f16_bm: int = 128
     f16_bn: int = 64
     f16_bk: int = 32
     f16_warps_m: int = 2
     f16_warps_n: int = 2
-    f16_stages: int = 3
+    f16_stages: int = 4
+    f16_min_blocks: int = 4
+    f16_narrow: tuple[int, ...] = (128, 32, 32, 4, 1, 4, 4)
+    f16_wide: tuple[int, ...] = (128, 128, 32, 4, 2, 3, 2)
+    f16_small: tuple[int, ...] = (64, 64, 64, 2, 2, 3, 4)
+    # variant(): wide tiles when there are at least this many of them, else the default tile when
+    # it has at least f16_main_min_tiles, else small (measured on an H200, 132 SMs).
+    f16_wide_min_tiles: int = 256
+    f16_main_min_tiles: int = 512
     f32_bm: int = 64
     f32_bn: int = 64
     f32_bk: int = 16
     f32_tm: int = 4
     f32_tn: int = 4
 
-    def defines(self) -> dict[str, int]:
+    def defines(self) -> dict[str, int | str]:
         return {
             "CONV_F16_BM": self.f16_bm,
             "CONV_F16_BN": self.f16_bn,
@@ -176,6 +189,8 @@ class Conv3x3Spec(KernelSpec):
             "CONV_F16_WARPS_M": self.f16_warps_m,
             "CONV_F16_WARPS_N": self.f16_warps_n,
             "CONV_F16_STAGES": self.f16_stages,
+            "CONV_F16_MIN_BLOCKS": self.f16_min_blocks,
+            **{f"CONV_F16_{v.upper()}": ",".join(map(str, getattr(self, f"f16_{v}"))) for v in self.F16_VARIANTS},
             "CONV_F32_BM": self.f32_bm,
             "CONV_F32_BN": self.f32_bn,
             "CONV_F32_BK": self.f32_bk,
@@ -183,31 +198,69 @@ class Conv3x3Spec(KernelSpec):
             "CONV_F32_TN": self.f32_tn,
         }
 
-    def tile(self, dtype: Any) -> tuple[int, int]:
-        """(output pixels, output channels) computed by one block."""
+    @property
+    def entries(self) -> tuple[str, ...]:
+        """Every entry in the PTX: the default fp16 and fp32 ones, then the fp16 variants."""
+        return (*(self.entry(d) for d in DTYPES), *(f"{self.stem}_f16_{v}" for v in self.F16_VARIANTS))
+
+    def _f16_config(self, entry: str | None) -> tuple[int, int, int]:
+        """(bm, bn, threads) of an fp16 entry (None: the default one)."""
+        if entry is None or entry == f"{self.stem}_f16":
+            return self.f16_bm, self.f16_bn, 32 * self.f16_warps_m * self.f16_warps_n
+        for v in self.F16_VARIANTS:
+            if entry == f"{self.stem}_f16_{v}":
+                bm, bn, _, wm, wn, *_ = getattr(self, f"f16_{v}")
+                return bm, bn, 32 * wm * wn
+        raise InputError(f"'{entry}' is not an fp16 entry of {self.stem}; use one of {', '.join(self.entries)}")
+
+    def variant(self, dtype: Any, N: int, H: int, W: int, C: int, K: int) -> str:
+        """The entry to launch for this shape (fp32: the one entry). Launch it with the geometry of
+        ``launch(dtype, N, H, W, C, K, entry=<this name>)``; every entry computes the same thing."""
+        name = dtype_name(dtype)
+        _positive(N=N, H=H, W=W, C=C, K=K)
+        if name != "float16":
+            return self.entry(name)
+        M = N * H * W
+        narrow_bn = self.f16_narrow[1]
+        if narrow_bn >= K:
+            return f"{self.stem}_f16_narrow"
+        wbm, wbn = self.f16_wide[:2]
+        if wbn <= K and _cdiv(M, wbm) * _cdiv(K, wbn) >= self.f16_wide_min_tiles:
+            return f"{self.stem}_f16_wide"
+        if _cdiv(M, self.f16_bm) * _cdiv(K, self.f16_bn) >= self.f16_main_min_tiles:
+            return self.entry(name)
+        return f"{self.stem}_f16_small"
+
+    def tile(self, dtype: Any, entry: str | None = None) -> tuple[int, int]:
+        """(output pixels, output channels) computed by one block of ``entry`` (default entry: None)."""
         if dtype_name(dtype) == "float16":
-            return self.f16_bm, self.f16_bn
+            return self._f16_config(entry)[:2]
         return self.f32_bm, self.f32_bn
 
-    def threads(self, dtype: Any) -> int:
+    def threads(self, dtype: Any, entry: str | None = None) -> int:
         if dtype_name(dtype) == "float16":
-            return 32 * self.f16_warps_m * self.f16_warps_n
+            return self._f16_config(entry)[2]
         return (self.f32_bm // self.f32_tm) * (self.f32_bn // self.f32_tn)
 
     def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
         _positive(N=N, H=H, W=W, C=C, K=K)
         return (N, H, W, K)
 
-    def launch(self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0) -> LaunchConfig:
+    def launch(
+        self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0, *, entry: str | None = None
+    ) -> LaunchConfig:
         """One block per (pixel tile, channel tile); grid.x runs over pixels so that blocks in
-        flight together share one slice of the weights."""
+        flight together share one slice of the weights. ``entry``: the fp16 variant launched
+        (:meth:`variant`); None is the default entry of ``dtype``."""
         _positive(N=N, H=H, W=W, C=C, K=K)
         M = _pixels(N, H, W, C)
-        bm, bn = self.tile(dtype)
+        if dtype_name(dtype) != "float16" and entry not in (None, self.entry(dtype)):
+            raise InputError(f"'{entry}' is not the {dtype_name(dtype)} entry of {self.stem}")
+        bm, bn = self.tile(dtype, entry)
         grid_y = _cdiv(K, bn)
         if grid_y > _GRID_Y_MAX:
             raise InputError(f"K={K} output channels need {grid_y} channel tiles; the grid allows {_GRID_Y_MAX}")
-        return LaunchConfig(grid=(_cdiv(M, bm), grid_y, 1), block=(self.threads(dtype), 1, 1), shared_bytes=0)
+        return LaunchConfig(grid=(_cdiv(M, bm), grid_y, 1), block=(self.threads(dtype, entry), 1, 1), shared_bytes=0)
 
     def args(
         self,

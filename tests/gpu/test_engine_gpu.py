@@ -41,14 +41,17 @@ def test_conv3x3_kernel(engine, dtype, n, h, w, c, k, relu) -> None:
     b = rng.standard_normal(k).astype(np.float32)
     ref = kernels.KERNELS["conv3x3"].reference(x, wt, b, bool(relu))
     dx, dw, db = be.from_host(x), be.from_host(wt), be.from_host(b)
-    dy = be.from_host(np.full(ref.shape, np.nan, dtype))  # poisoned: every element must be written
     spec = kernels.KERNELS["conv3x3"]
-    cfg = spec.launch(dtype, n, h, w, c, k)
-    args = spec.args(x=dx.ptr, w=dw.ptr, bias=db.ptr, y=dy.ptr, N=n, H=h, W=w, C=c, K=k, relu=bool(relu))
-    be.kernels[spec.entry(dtype)].launch(cfg.grid, cfg.block, cfg.shared_bytes, be.stream, args)
-    got = be.to_host(dy)
-    check = compare("conv", ref, got, Tolerance(rel_l2=KERNEL_TOL[dtype], max_abs=1.0, mismatch=0))
-    assert check.passed, check
+    suffix = "_f16" if dtype == "float16" else "_f32"
+    # Every tile variant of this dtype, not only the one `variant` would pick for this shape.
+    for entry in [e for e in spec.entries if suffix in e]:
+        dy = be.from_host(np.full(ref.shape, np.nan, dtype))  # poisoned: every element must be written
+        cfg = spec.launch(dtype, n, h, w, c, k, entry=entry)
+        args = spec.args(x=dx.ptr, w=dw.ptr, bias=db.ptr, y=dy.ptr, N=n, H=h, W=w, C=c, K=k, relu=bool(relu))
+        be.kernels[entry].launch(cfg.grid, cfg.block, cfg.shared_bytes, be.stream, args)
+        got = be.to_host(dy)
+        check = compare(entry, ref, got, Tolerance(rel_l2=KERNEL_TOL[dtype], max_abs=1.0, mismatch=0))
+        assert check.passed, check
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])

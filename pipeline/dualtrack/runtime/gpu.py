@@ -332,8 +332,13 @@ class CudaBackend:
             args = spec.args(x=x.ptr, w=w_ptr, bias=bias, y=y.ptr, N=n, H=h, W=w, C=ch, K=k, **strides, **extra)
         else:
             args = spec.args(x=x.ptr, y=y.ptr, N=n, H=h, W=w, C=ch, **strides)
-        cfg = spec.launch(x.dtype, n, h, w, ch, k)
-        kern = self.kernels[spec.entry(x.dtype)]
+        if c.op == "conv3x3":  # a tile variant per layer shape (kernels.Conv3x3Spec.variant)
+            entry = spec.variant(x.dtype, n, h, w, ch, k)
+            cfg = spec.launch(x.dtype, n, h, w, ch, k, entry=entry)
+        else:
+            entry = spec.entry(x.dtype)
+            cfg = spec.launch(x.dtype, n, h, w, ch, k)
+        kern = self.kernels[entry]
         if cfg.shared_bytes > 48 * 1024:
             kern.set_max_dynamic_shared(cfg.shared_bytes)
         kern.launch(cfg.grid, cfg.block, cfg.shared_bytes, self.stream, args)
