@@ -287,13 +287,13 @@ def lower_track_a(
         dtype = specs[node.output[0]][1]
         if dtype not in ("float16", "float32"):
             raise refuse(node, f"dtype {dtype}")
+        why = _ATTR_CHECKS[node.op_type](node) if node.op_type in _ATTR_CHECKS else None
+        if why:
+            raise refuse(node, why)
+        weights = tuple(w for w in node.input[1:] if w) if node.op_type in ("Conv", "ConvTranspose") else ()
+        if any(w not in inits for w in weights):
+            raise refuse(node, "weights computed at run time")
         if node.op_type == "Conv":
-            why = _conv_attrs_ok(node)
-            if why:
-                raise refuse(node, why)
-            weights = [w for w in node.input[1:] if w]
-            if any(w not in inits for w in weights):
-                raise refuse(node, "weights computed at run time")
             out = node.output[0]
             relu = 0
             nxt = seg[i + 1] if i + 1 < len(seg) else None
@@ -309,20 +309,11 @@ def lower_track_a(
                 i += 1
             else:
                 covered = (node.name,)
-            calls.append(KernelCall("conv3x3", (node.input[0],), (out,), tuple(weights), (("relu", relu),), covered))
+            calls.append(KernelCall("conv3x3", (node.input[0],), (out,), weights, (("relu", relu),), covered))
         elif node.op_type == "MaxPool":
-            why = _pool_attrs_ok(node)
-            if why:
-                raise refuse(node, why)
             calls.append(KernelCall("maxpool2x2", (node.input[0],), (node.output[0],), (), (), (node.name,)))
         elif node.op_type == "ConvTranspose":
-            why = _convt_attrs_ok(node)
-            if why:
-                raise refuse(node, why)
-            weights = [w for w in node.input[1:] if w]
-            if any(w not in inits for w in weights):
-                raise refuse(node, "weights computed at run time")
-            calls.append(KernelCall("convt2x2", (node.input[0],), (node.output[0],), tuple(weights), (), (node.name,)))
+            calls.append(KernelCall("convt2x2", (node.input[0],), (node.output[0],), weights, (), (node.name,)))
         elif node.op_type == "Concat":
             # No kernel: the producers write straight into channel slices of the output buffer.
             axis = {x.name: helper.get_attribute_value(x) for x in node.attribute}.get("axis")
@@ -339,6 +330,9 @@ def lower_track_a(
             raise refuse(node, "no hand-written kernel")
         i += 1
     return calls
+
+
+_ATTR_CHECKS = {"Conv": _conv_attrs_ok, "MaxPool": _pool_attrs_ok, "ConvTranspose": _convt_attrs_ok}
 
 
 def _nhwc(shape: tuple[int, ...]) -> tuple[int, ...]:
