@@ -250,3 +250,22 @@ def choose_image(device_cc: tuple[int, int], cubins: list[str], ptx: list[str]) 
         f"(cubins: {', '.join(cubins) or 'none'}; PTX: {', '.join(ptx) or 'none'}); "
         "add its arch to `targets` and rebuild"
     )
+
+
+def choose_iree_target(device_cc: tuple[int, int], built: list[tuple[str, str]]) -> str:
+    """Which of a bundle's IREE CUDA modules to run on a device: ``built`` is (arch, IREE target) pairs.
+
+    The module of the device's own arch if there is one; else the newest one built for an older
+    arch, whose PTX the driver JITs forward (IREE emits plain, not arch-specific, PTX).
+    """
+    usable = [(ARCHES[a].cc, target) for a, target in built if ARCHES[a].cc <= device_cc]
+    exact = [target for cc, target in usable if cc == device_cc]
+    if exact:
+        return exact[0]
+    if usable:
+        return max(usable)[1]
+    names = ", ".join(a for a, _ in built) or "none"
+    raise ArchError(
+        f"the bundle has no code a device of compute capability {device_cc[0]}.{device_cc[1]} can run "
+        f"(built for {names}); add sm_{device_cc[0]}{device_cc[1]} to `targets` and rebuild"
+    )

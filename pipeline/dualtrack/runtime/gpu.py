@@ -26,7 +26,7 @@ from cuda.bindings import driver as cu
 
 from dualtrack import arch, kernels
 from dualtrack.bundle import Bundle
-from dualtrack.errors import ArchError, InputError
+from dualtrack.errors import InputError
 from dualtrack.plan import ALIAS_OPS, KernelCall, Segment, TensorSpec
 from dualtrack.runtime import dlpack
 from dualtrack.runtime.driver import Device, Event, Kernel, Module, Stream, call
@@ -100,15 +100,8 @@ class CudaBackend:
 
     def _iree_target(self) -> str:
         """The IREE module built for this device's arch (sm_89 PTX on Hopper, FACTS 1 and 4)."""
-        for t in self.bundle.manifest["targets"]:
-            if arch.ARCHES[t["arch"]].cc == self.device.cc:
-                return f"cuda-{t['track_b_iree_target']}"
-        built = ", ".join(t["arch"] for t in self.bundle.manifest["targets"])
-        raise ArchError(
-            f"the bundle has no code for {self.device.name} "
-            f"(compute capability {self.device.cc[0]}.{self.device.cc[1]}, "
-            f"{self.device.arch}); it was built for {built}: add {self.device.arch} to `targets` and rebuild"
-        )
+        built = [(t["arch"], t["track_b_iree_target"]) for t in self.bundle.manifest["targets"]]
+        return "cuda-" + arch.choose_iree_target(self.device.cc, built)
 
     def _load_track_a(self, jit_cache: Path) -> dict[str, Kernel]:
         ta = self.bundle.track_a
