@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -329,3 +331,19 @@ def test_whole_body_on_track_a_builds_and_verifies(tiny_full_bundle: Path) -> No
     assert report["passed"] and report["precision"] == "fp16"
     interpreted = [c for c in report["checks"] if "[numpy kernels]" in c["name"]]
     assert interpreted and all(c["rel_l2"] <= 2e-2 for c in interpreted)
+
+
+def test_directories_of_killed_builds_are_swept(tiny_config: Path, tmp_path: Path) -> None:
+    """A build killed mid-write leaves `.NAME.tmp-PID-*`; the next build removes it, but not the
+    directory of a build that is still running (its pid is alive)."""
+    dest = tmp_path / "bundle"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    abandoned = tmp_path / f".bundle.tmp-{dead.pid}-deadbeef"
+    (abandoned / "iree").mkdir(parents=True)
+    running = tmp_path / f".bundle.tmp-{os.getpid()}-cafef00d"
+    running.mkdir()
+    build(tiny_config, dest)
+    assert not abandoned.exists()
+    assert running.exists()
+    assert (dest / "manifest.json").is_file()

@@ -47,9 +47,21 @@ class BundleWriter:
     def __init__(self, dest: Path) -> None:
         self.dest = dest.resolve()
         self.dest.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.dest.parent / f".{self.dest.name}.tmp-{uuid.uuid4().hex[:8]}"
+        self._sweep_abandoned()
+        # The writer's pid is in the name, so a later build can tell an abandoned directory (its
+        # build was killed) from one another build is writing right now.
+        self.tmp = self.dest.parent / f".{self.dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.tmp.mkdir()
         self.files: dict[str, str] = {}
+
+    def _sweep_abandoned(self) -> None:
+        """Remove temporary siblings left by builds that were killed before they could clean up."""
+        for kind in ("tmp", "old"):
+            for path in self.dest.parent.glob(f".{self.dest.name}.{kind}-*"):
+                pid = path.name.rsplit(f".{kind}-", 1)[1].split("-", 1)[0]
+                if pid.isdigit() and _pid_alive(int(pid)):
+                    continue
+                shutil.rmtree(path, ignore_errors=True)
 
     def add(self, rel: str, data: bytes) -> Path:
         path = self.tmp / rel
@@ -67,7 +79,7 @@ class BundleWriter:
         (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         old = None
         if self.dest.exists():
-            old = self.dest.parent / f".{self.dest.name}.old-{uuid.uuid4().hex[:8]}"
+            old = self.dest.parent / f".{self.dest.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             os.replace(self.dest, old)
         os.replace(self.tmp, self.dest)
         if old is not None:
@@ -76,6 +88,16 @@ class BundleWriter:
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, but another user's
+        return True
+    return True
 
 
 @dataclass
