@@ -347,3 +347,52 @@ def test_directories_of_killed_builds_are_swept(tiny_config: Path, tmp_path: Pat
     assert not abandoned.exists()
     assert running.exists()
     assert (dest / "manifest.json").is_file()
+
+
+def test_any_onnx_model_builds_and_verifies(tmp_path: Path) -> None:
+    """Not the U-Net: a float32 NCHW Conv/Relu/Conv/Sigmoid graph with unnamed nodes, its second
+    conv on Track A, everything else through IREE; built, verified and run against onnxruntime."""
+    from onnx import TensorProto, helper
+
+    from dualtrack.runtime.engine import Engine
+
+    rng = np.random.default_rng()
+    w1 = numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.3, "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((4, 8, 3, 3)).astype(np.float32) * 0.2, "w2")
+    b2 = numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "b2")
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["h1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["h1"], ["h2"]),
+        helper.make_node("Conv", ["h2", "w2", "b2"], ["h3"], pads=[1, 1, 1, 1], kernel_shape=[3, 3]),
+        helper.make_node("Sigmoid", ["h3"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 32, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 32, 32])],
+        [w1, w2, b2],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    (tmp_path / "c.yaml").write_text(
+        "model: m.onnx\nprecision: fp32\nbatch_sizes: [1, 2]\ntargets: [sm_80]\n"
+        "partition:\n  track_a:\n    name_prefixes: [Conv_2]\n"
+    )
+    result = build(tmp_path / "c.yaml", tmp_path / "bundle")
+    assert result.verification is not None and result.verification["passed"]
+    plan = Bundle.open(tmp_path / "bundle").plan
+    assert [s.track for s in plan.segments] == ["B", "A", "B"]
+    assert [c.op for c in plan.segments[1].calls] == ["conv3x3"]
+    x = rng.standard_normal((3, 3, 32, 32)).astype(np.float32)
+    ref = onnxruntime_run(tmp_path / "m.onnx", x)
+    with Engine.load(tmp_path / "bundle", "cpu") as engine:
+        got = engine.run(x)["y"]
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
+
+
+def onnxruntime_run(path: Path, x: np.ndarray) -> np.ndarray:
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
