@@ -25,7 +25,7 @@ from typing import Any
 from dualtrack import arch, partition, track_b
 from dualtrack.bundle import MANIFEST, Bundle, BundleWriter, sha256
 from dualtrack.config import BuildConfig, load_config
-from dualtrack.errors import BundleError, DualtrackError
+from dualtrack.errors import BundleError
 from dualtrack.plan import ALIAS_OPS, Plan
 from dualtrack.settings import Settings
 
@@ -278,4 +278,4 @@ def tool_versions(compiler: str) -> dict[str, str]:
     return out
 
 
-__all__ = ["BuildResult", "DualtrackError", "build"]
+__all__ = ["BuildResult", "build"]
