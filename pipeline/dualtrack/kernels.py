@@ -91,6 +91,24 @@ def _pixels(N: int, H: int, W: int, ld: int) -> int:
     return N * H * W
 
 
+def _gemm_values(
+    x: int, w: int, bias: int | None, y: int, N: int, H: int, W: int, C: int, K: int, ldx: int | None, ldy: int | None
+) -> dict[str, int]:
+    """Checked ``x, w, bias, y, N, H, W, C, K, ldx, ldy`` shared by the conv-like (GEMM) kernels."""
+    _positive(N=N, H=H, W=W, C=C, K=K)
+    ldx_ = _stride("ldx", ldx, C)
+    ldy_ = _stride("ldy", ldy, K)
+    _pixels(N, H, W, max(ldx_, ldy_))
+    return {
+        "x": _pointer("x", x),
+        "w": _pointer("w", w),
+        "bias": _pointer("bias", bias, required=False),
+        "y": _pointer("y", y),
+        "N": N, "H": H, "W": W, "C": C, "K": K,
+        "ldx": ldx_, "ldy": ldy_,
+    }  # fmt: skip
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """One op's kernels (an fp16 and an fp32 entry in one source file)."""
@@ -284,19 +302,8 @@ class Conv3x3Spec(KernelSpec):
         Pointers are device addresses (ints); ``bias`` may be omitted (null: no bias);
         ``ldx``/``ldy`` default to ``C``/``K`` (dense tensors).
         """
-        _positive(N=N, H=H, W=W, C=C, K=K)
-        ldx_ = _stride("ldx", ldx, C)
-        ldy_ = _stride("ldy", ldy, K)
-        _pixels(N, H, W, max(ldx_, ldy_))
-        values = {
-            "x": _pointer("x", x),
-            "w": _pointer("w", w),
-            "bias": _pointer("bias", bias, required=False),
-            "y": _pointer("y", y),
-            "N": N, "H": H, "W": W, "C": C, "K": K,
-            "ldx": ldx_, "ldy": ldy_, "relu": 1 if relu else 0,
-        }  # fmt: skip
-        return self._ordered(values)
+        values = _gemm_values(x, w, bias, y, N, H, W, C, K, ldx, ldy)
+        return self._ordered({**values, "relu": 1 if relu else 0})
 
     def reference(
         self, x: np.ndarray, w: np.ndarray | None = None, bias: np.ndarray | None = None, relu: bool = False
@@ -494,19 +501,7 @@ class ConvT2x2Spec(KernelSpec):
         ``w`` is the packed (4K, C) weights; ``bias`` may be omitted (null: no bias);
         ``ldx``/``ldy`` default to ``C``/``K`` (dense tensors).
         """
-        _positive(N=N, H=H, W=W, C=C, K=K)
-        ldx_ = _stride("ldx", ldx, C)
-        ldy_ = _stride("ldy", ldy, K)
-        _pixels(N, H, W, max(ldx_, ldy_))
-        values = {
-            "x": _pointer("x", x),
-            "w": _pointer("w", w),
-            "bias": _pointer("bias", bias, required=False),
-            "y": _pointer("y", y),
-            "N": N, "H": H, "W": W, "C": C, "K": K,
-            "ldx": ldx_, "ldy": ldy_,
-        }  # fmt: skip
-        return self._ordered(values)
+        return self._ordered(_gemm_values(x, w, bias, y, N, H, W, C, K, ldx, ldy))
 
     def reference(self, x: np.ndarray, wp: np.ndarray | None = None, bias: np.ndarray | None = None) -> np.ndarray:
         """numpy semantics: ``x`` (N,H,W,C), packed ``wp`` (4K, C) (see :func:`pack_convt_weights`),
