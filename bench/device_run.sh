@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: install the carried wheels, then run the steps named on the
 # command line (default: all) — `test` (GPU tests on the carried tiny bundle), `check`
-# (bench/gpu_check.py on the reference bundle), `serve` (the service under the load test),
-# `bench` (bench/bench.py: dualtrack against PyTorch). Everything worth keeping lands in $OUT.
+# (bench/gpu_check.py on the reference bundle), `serve` (bench/serve_bench.py: the service under
+# the load test, against the engine alone), `bench` (bench/bench.py: dualtrack against PyTorch).
+# Everything worth keeping lands in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/pipeline PYTHONUNBUFFERED=1 DUALTRACK_CACHE_DIR=/tmp/dtcache
@@ -18,24 +19,38 @@ for step in $steps; do
   echo "=== $step"
   case $step in
     test)
+      # tiny_tuned (tests/conftest.py build_tiny_tuned): the tiny fp16 U-Net built with a tuning file.
+      [ -d "$C/tiny_tuned" ] && export DUALTRACK_TEST_TUNED_BUNDLE=$PWD/$C/tiny_tuned
       DUALTRACK_TEST_BUNDLE=$PWD/$C/tiny DUALTRACK_TEST_FULL_BUNDLE=$PWD/$C/tiny_full \
         make gpu-test PYTHON=python3 2>&1 | tee -a "$OUT/gpu-test.log" ;;
+    tune)
+      # Not in the default steps: `bash bench/device_run.sh tune`. `dualtrack tune` on the reference
+      # bundle's plan (there is no models/ here); NVRTC and nvJitLink come from the image's wheels.
+      dt tune $C/unet -o "$OUT/tuning-h200.json" 2>&1 | tee "$OUT/tune.log" ;;
+    tuneb)
+      # IREE flag search on the kits prepared here (`dualtrack tune CONFIG --track-b --prepare-kit
+      # .carry/kit_X`); they travel without model.onnx, which the reference bundle has (same hash).
+      for k in "$C"/kit_unet "$C"/kit_seed; do
+        [ -f "$k/model.onnx" ] || cp "$C/unet/model.onnx" "$k/"
+        dt tune "$k" --track-b -o "$OUT/tuning-h200.json" 2>&1 | tee -a "$OUT/tuneb.log"
+      done ;;
+    iree)
+      # IREE runtime settings (allocator, inline execution, graphs): which makes Track B cheapest.
+      python3 bench/iree_runtime.py --bundle $C/unet --out "$OUT" 2>&1 | tee "$OUT/iree_runtime.log" ;;
+    wgmma)
+      python3 bench/wgmma/check.py 2>&1 | tee "$OUT/wgmma.log" ;;
     check)
       python3 bench/gpu_check.py --bundle $C/unet --image $C/sample.png --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"
       dt run $C/unet $C/sample.png -o /tmp/sample_mask_cli.png --device cuda 2>&1 | tee -a "$OUT/gpu_check.log"
       dt doctor --bundle $C/unet 2>&1 | tee -a "$OUT/gpu_check.log"
       dt verify $C/unet --device cuda --samples 2 2>&1 | tail -3 | tee -a "$OUT/gpu_check.log" ;;
     serve)
-      dt serve $C/unet --device cuda --port 8087 > /tmp/serve.log 2>&1 &
-      pid=$!
-      get() { python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' "$1"; }
-      for _ in $(seq 120); do get http://127.0.0.1:8087/readyz >/dev/null 2>&1 && break; sleep 1; done
-      # Worst case: a 512 KB noisy PNG in, the mask PNG out. Then a JPEG photo in, JSON counts out.
-      dt loadtest http://127.0.0.1:8087/v1/segment --image $C/sample.png --concurrency 16 --requests 3000 --duration-s 30 --json "$OUT/loadtest.json"
-      dt loadtest "http://127.0.0.1:8087/v1/segment?format=json" --image $C/sample.jpg --concurrency 16 --requests 6000 --duration-s 30 --json "$OUT/loadtest_json.json"
-      get http://127.0.0.1:8087/metrics > "$OUT/metrics.txt"
-      grep -E "^dualtrack_(batch_size|padded|inference_seconds)_(sum|count|total)|^dualtrack_padded" "$OUT/metrics.txt"
-      kill -TERM $pid; wait $pid ;;
+      # The service (uvloop, httptools from .whl/, one image thread per core) under 16 clients for 15 s
+      # each: PNG in -> mask PNG out, JPEG in -> JSON out, a 64x64 JPEG in -> JSON out, then JPEG -> JSON
+      # with a 0.5 ms GIL switch interval; against the engine's own batch-8 throughput measured in the
+      # same run (ratios: serve_bench-*.json and the last lines printed). About 2 minutes.
+      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" \
+        --switch-interval-ms 0.5 --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve.log" ;;
     bench)
       python3 bench/bench.py --bundle $C/unet --seed-split-bundle $C/unet_seed_split --iree-only-bundle $C/iree_only \
         --batches 1 8 --iters 50 --skip-autotune --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT" 2>&1 | tee /tmp/bench.log ;;

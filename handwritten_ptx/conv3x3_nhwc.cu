@@ -469,6 +469,21 @@ CONV_F16_ENTRY(conv3x3_nhwc_f16_narrow, f16conv::Narrow)
 CONV_F16_ENTRY(conv3x3_nhwc_f16_wide, f16conv::Wide)
 CONV_F16_ENTRY(conv3x3_nhwc_f16_small, f16conv::Small)
 
+// Tuned entries (`dualtrack tune`, and builds that read a tuning file): CONV_F16_EXTRA_ENTRIES is
+// a list of CONV_F16_TUNED(NAME, BM, BN, BK, WARPS_M, WARPS_N, STAGES, MIN_BLOCKS). The tile list
+// is variadic because its commas would split a plain macro argument; the typedef gives
+// CONV_F16_ENTRY a comma-free name for it. The name encodes the tile
+// (dualtrack.kernels.Conv3x3Spec.tuned_entry), so the launch geometry is read back from it.
+#define CONV_F16_TUNED(NAME, ...)                         \
+    namespace f16conv {                                   \
+    typedef Cfg<__VA_ARGS__> NAME##_cfg;                  \
+    }                                                     \
+    CONV_F16_ENTRY(NAME, f16conv::NAME##_cfg)
+
+#ifdef CONV_F16_EXTRA_ENTRIES
+CONV_F16_EXTRA_ENTRIES
+#endif
+
 // ------------------------------------------------------------------------------------------------
 // fp32: CUDA cores, register-tiled SIMT GEMM, k-major shared tiles, register-staged double buffer.
 // ------------------------------------------------------------------------------------------------

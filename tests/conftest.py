@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -57,15 +59,91 @@ def tiny_bundle(tiny_config: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="session")
-def tiny_full_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_full_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/data/tiny_full.yaml and its fp16 model in a temporary folder."""
+    spec = UNetSpec(**{**TINY.__dict__, "precision": "fp16"})
+    return write_tiny_project(tmp_path_factory.mktemp("tiny_full"), spec, config="tiny_full.yaml")
+
+
+@pytest.fixture(scope="session")
+def tiny_full_bundle(tiny_full_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny U-Net with encoder, bottleneck and decoder on Track A (DUALTRACK_TEST_FULL_BUNDLE: prebuilt)."""
     from dualtrack.build import build
 
     prebuilt = os.environ.get("DUALTRACK_TEST_FULL_BUNDLE")
     if prebuilt:
         return Path(prebuilt)
-    spec = UNetSpec(**{**TINY.__dict__, "precision": "fp16"})
-    cfg = write_tiny_project(tmp_path_factory.mktemp("tiny_full"), spec, config="tiny_full.yaml")
     out = tmp_path_factory.mktemp("bundles") / "tiny_full"
-    build(cfg, out)
+    build(tiny_full_config, out)
     return out
+
+
+# Tiles a hand-written tuning file picks (all in the H200 search space), in turn per problem; every
+# fourth problem gets a fixed entry other than the heuristic's instead. tests/test_cli.py's info
+# test and the GPU tests expect these three.
+HAND_TILES = ((64, 32, 32, 2, 2, 4, 4), (64, 64, 32, 2, 4, 4, 3), (128, 32, 64, 4, 1, 2, 4))
+
+
+def write_hand_tuning(config: Path, path: Path, time_ms: float = 0.01, tiles: tuple = HAND_TILES) -> list:
+    """A tuning file for the tiny fp16 U-Net as `dualtrack tune` on an H200 would write it, with
+    chosen winners: a tuned tile or another fixed entry for every conv problem (cc 9.0, twice as fast
+    as the baseline), one cc 8.0 record slower than its baseline (recorded, not used) and one stale
+    record (another source hash)."""
+    from dualtrack import partition, tuning
+    from dualtrack.config import load_config
+    from dualtrack.kernels import KERNELS, F16Tile
+    from dualtrack.tune_a.problems import by_problem, conv_layers
+
+    cfg = load_config(config)
+    plan, _ = partition.build_plan(cfg, partition.name_nodes(partition.load_model(cfg.model)))
+    conv = KERNELS["conv3x3"]
+    source = tuning.source_sha256()
+    records = []
+    for i, (p, layers) in enumerate(by_problem(conv_layers(plan)).items()):
+        baseline = conv.variant(p.dtype, p.N, p.H, p.W, p.C, p.K)
+        if i % 4 == 3:
+            entry = next(e for e in conv.f16_tiles() if e != baseline)
+        else:
+            entry = conv.tuned_entry(F16Tile(*tiles[i % 4]))
+        common = {
+            "kernel": conv.source, "entry": entry, "params": conv.entry_tile(entry), "source_sha256": source,
+            "problem": p, "gpu": "NVIDIA H200", "cc": "9.0", "arch": "sm_90a", "driver": 13000, "nvrtc": "13.0",
+            "time_ms": time_ms, "baseline_entry": baseline, "baseline_ms": 2 * time_ms, "rel_l2": 4e-4,
+            "tried": 39, "layers": tuple(f"{x.node}@{x.batch}" for x in layers),
+        }  # fmt: skip
+        records.append(tuning.TileRecord(**common))
+        if i == 0:
+            slower = {"gpu": "NVIDIA A100", "cc": "8.0", "arch": "sm_80", "time_ms": 3 * time_ms}
+            records.append(tuning.TileRecord(**{**common, **slower}))
+            records.append(tuning.TileRecord(**{**common, "source_sha256": "0" * 64}))
+    tuning.save(path, records)
+    return records
+
+
+@pytest.fixture(scope="session")
+def hand_tuning() -> Callable[..., list]:
+    """:func:`write_hand_tuning` (test modules cannot import from conftest: tests/gpu has one too)."""
+    return write_hand_tuning
+
+
+@pytest.fixture(scope="session")
+def tiny_tuned_bundle(tiny_full_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny fp16 U-Net built with a hand-written tuning file (DUALTRACK_TEST_TUNED_BUNDLE: prebuilt)."""
+    prebuilt = os.environ.get("DUALTRACK_TEST_TUNED_BUNDLE")
+    if prebuilt:
+        return Path(prebuilt)
+    return build_tiny_tuned(tmp_path_factory.mktemp("bundles") / "tiny_tuned", tiny_full_config)
+
+
+def build_tiny_tuned(dest: str | Path, config: Path | None = None) -> Path:
+    """Build the tuned tiny bundle at ``dest`` (to carry to a GPU machine: see bench/README.md)."""
+    from dualtrack.build import build
+
+    dest = Path(dest)
+    if config is None:
+        spec = UNetSpec(**{**TINY.__dict__, "precision": "fp16"})
+        config = write_tiny_project(Path(tempfile.mkdtemp(prefix="tiny_tuned-")), spec, config="tiny_full.yaml")
+    tuning_file = config.parent / "tuning.json"
+    write_hand_tuning(config, tuning_file)
+    build(config, dest, tuning=tuning_file)
+    return dest

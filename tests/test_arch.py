@@ -241,6 +241,9 @@ def test_choose_iree_target_exact_then_newest_older() -> None:
     assert arch.choose_iree_target((9, 0), built) == "sm_89"
     assert arch.choose_iree_target((8, 6), built) == "sm_80"  # sm_80 PTX, JIT-compiled forward
     assert arch.choose_iree_target((12, 1), built) == "sm_120"
-    with pytest.raises(ArchError, match=r"^the bundle has no code a device of compute capability 7\.5 can run "
-                       r"\(built for sm_90a, sm_80, sm_120\); add sm_75 to `targets` and rebuild$"):
+    with pytest.raises(
+        ArchError,
+        match=r"^the bundle has no code a device of compute capability 7\.5 can run "
+        r"\(built for sm_90a, sm_80, sm_120\); add sm_75 to `targets` and rebuild$",
+    ):
         arch.choose_iree_target((7, 5), built)

@@ -329,3 +329,56 @@ def test_console_script_exit_code_and_one_line(tmp_path: Path) -> None:
     assert proc.returncode == ConfigError.exit_code
     assert proc.stdout == ""
     assert proc.stderr == f"error: {cfg}:2: unknown key `batch_size`; did you mean `batch_sizes`?\n"
+
+
+# --- tuning ----------------------------------------------------------------------------------------
+
+
+def test_tune_without_a_gpu_is_one_device_error_line(tiny_full_config: Path, tmp_path: Path) -> None:
+    if not json.loads(invoke("doctor", "--json").stdout)["gpu"].startswith("none: "):
+        pytest.skip("a GPU is present: this test checks the no-GPU error (tests/gpu tunes for real)")
+    out = tmp_path / "tuning.json"
+    assert_error(
+        invoke("tune", tiny_full_config, "-o", out, "--batch", "1", "--max-configs", "4"),
+        DeviceError.exit_code,
+        r"^error: dualtrack tune times kernels on a GPU: no NVIDIA GPU or driver found \(libcuda\.so\.1 not "
+        r"loadable\); run it on the GPU machine and build with its file \(`dualtrack build CONFIG --tuning FILE`\)$",
+    )
+    assert not out.exists()
+
+
+def test_tune_with_nothing_to_tune(tiny_config: Path, tiny_full_config: Path) -> None:
+    # tiny.yaml is fp32: its convolutions have one entry each.
+    assert_error(invoke("tune", tiny_config), ConfigError.exit_code, r"no fp16 Track A conv3x3 layer to tune")
+    assert_error(
+        invoke("tune", tiny_full_config, "--layers", "head*"), ConfigError.exit_code, r"layer matching 'head\*'"
+    )
+    assert_error(invoke("tune", tiny_full_config, "--iters", "0"), ConfigError.exit_code, r"--iters 0")
+
+
+@pytest.mark.parametrize("content", [None, "[]", '{"schema": "dualtrack-tuning", "version": 1, "records": [{}]}'])
+def test_build_with_a_missing_or_malformed_tuning_file(
+    tiny_full_config: Path, tmp_path: Path, content: str | None
+) -> None:
+    path = tmp_path / "tuning.json"
+    if content is not None:
+        path.write_text(content)
+    line = assert_error(
+        invoke("build", tiny_full_config, "-o", tmp_path / "b", "--tuning", path),
+        ConfigError.exit_code,
+        rf"{re.escape(str(path))}.*re-run `dualtrack tune CONFIG -o ",
+    )
+    assert "not found" in line if content is None else "not found" not in line
+    assert not (tmp_path / "b").exists()
+
+
+def test_info_shows_the_tuned_layers(tiny_tuned_bundle: Path) -> None:
+    result = invoke("info", tiny_tuned_bundle)
+    assert result.exit_code == 0, result.stderr
+    assert re.search(
+        r"^tuned      sm_90a: 20 conv launches \(10 layers\) on tuned tiles, 3 extra entries; "
+        r"tuned on NVIDIA H200 \(driver 13\.0\)$",
+        result.stdout,
+        re.MULTILINE,
+    ), result.stdout
+    assert re.search(r"^             enc1/conv1: N=1: f16_t64x32x32_w2x2_s4_b4, N=4: ", result.stdout, re.MULTILINE)

@@ -222,3 +222,19 @@ def test_selected_outputs_only(engine: Engine, rng) -> None:
     np.testing.assert_array_equal(only["mask"], full["mask"])
     with pytest.raises(InputError, match=r"no output named 'logits'; this bundle's outputs are mask, probs"):
         engine.run(x, outputs=("logits",))
+
+
+def test_host_array_is_an_input_to_fill_in_place(engine: Engine, rng) -> None:
+    gen, seed = rng
+    x = engine.host_array(2)
+    assert x.shape == engine.input_spec.at_batch(2) and x.dtype == np.uint8 and not x.any()
+    x[:] = images(gen, 2)
+    np.testing.assert_array_equal(engine.run(x)["mask"], engine.run(np.array(x))["mask"], err_msg=f"seed {seed}")
+
+
+def test_run_returns_arrays_the_caller_owns(engine: Engine, rng) -> None:
+    gen, _ = rng
+    first = engine.run(images(gen, 1), outputs=("mask",))["mask"]
+    kept = first.copy()
+    engine.run(images(gen, 1), outputs=("mask",))
+    np.testing.assert_array_equal(first, kept)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import weakref
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -440,3 +441,43 @@ def test_oom_message_names_sizes_and_fix() -> None:
         "out of GPU memory on NVIDIA H200: asked for 2.00 GiB with 1.00 GiB free of 141.00 GiB (dualtrack's "
         "pool holds 8.00 GiB); use a smaller batch (--batch) or free the GPU of other processes (nvidia-smi)"
     )
+
+
+# -- IREE runtime settings ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, ("caching",)), ("caching", ("caching",)), ("none", ()), ("", ()), (" caching , x ", ("caching", "x"))],
+)
+def test_iree_allocator_setting(monkeypatch: pytest.MonkeyPatch, value: str | None, expected: tuple[str, ...]) -> None:
+    from dualtrack.settings import Settings
+
+    if value is None:
+        monkeypatch.delenv("DUALTRACK_IREE_ALLOCATOR", raising=False)
+    else:
+        monkeypatch.setenv("DUALTRACK_IREE_ALLOCATOR", value)
+    monkeypatch.setenv("DUALTRACK_IREE_FLAGS", "--a=1  --b=2")
+    s = Settings.from_env()
+    assert s.iree_allocators == expected
+    assert s.iree_flags == ("--a=1", "--b=2")
+
+
+def test_iree_caching_allocator_runs_a_module(tiny_bundle: Path) -> None:
+    """The caching allocator layered over IREE's CPU device gives the same results as the plain one."""
+
+    from dualtrack.bundle import Bundle
+    from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
+
+    bundle = Bundle.open(tiny_bundle)
+    seg = bundle.plan.segments[0]
+    x = np.random.default_rng(3).integers(0, 256, (1, *seg.inputs[0].shape[1:]), dtype=np.uint8)
+    params = parameter_index(bundle.weights)
+    outs = []
+    for allocators in ((), ("caching",)):
+        dev = IreeDevice.create("cpu", allocators=allocators)
+        mod = IreeModule(dev, bundle.vmfb(seg, "llvm-cpu", 1), params, "main")
+        outs.append([np.array(o.to_host(), copy=True) for o in mod(x)])
+        del mod, dev
+    for plain, cached in zip(*outs, strict=True):
+        np.testing.assert_array_equal(plain, cached)

@@ -22,12 +22,14 @@ from importlib.metadata import version as pkg_version
 from pathlib import Path
 from typing import Any
 
-from dualtrack import arch, partition, track_b
+from dualtrack import arch, partition, track_b, tune_b
 from dualtrack.bundle import MANIFEST, Bundle, BundleWriter, sha256
 from dualtrack.config import BuildConfig, load_config
 from dualtrack.errors import BundleError
 from dualtrack.plan import ALIAS_OPS, Plan
 from dualtrack.settings import Settings
+from dualtrack.tuning import Selection
+from dualtrack.tuning import select as select_tuning
 
 Progress = Callable[[str], None]
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -61,23 +63,35 @@ def ptx_root() -> Path:
 
 
 def track_a_artifacts(
-    plan: Plan, resolutions: list[arch.Resolution], settings: Settings
+    plan: Plan, resolutions: list[arch.Resolution], settings: Settings, tuning: Selection | None = None
 ) -> tuple[dict[str, bytes], dict[str, Any]]:
-    """PTX for each needed arch (ISA checked) and cubins assembled from it, for the kernels the plan uses."""
+    """PTX for each needed arch (ISA checked) and cubins assembled from it, for the kernels the plan uses.
+
+    The checked-in PTX, except where ``tuning`` selects tuned entries for a target: that target's
+    PTX of the conv kernel is compiled here with NVRTC, the tuned entries added (cached).
+    """
     from dualtrack import kernels, ptx
 
     stems = sorted({kernels.KERNELS[c.op].source for s in plan.segments for c in s.calls if c.op not in ALIAS_OPS})
     files: dict[str, bytes] = {}
-    meta: dict[str, Any] = {"ptx": {}, "cubin": {}, "kernels": stems}
+    meta: dict[str, Any] = {"ptx": {}, "cubin": {}, "kernels": stems, "tuned": {}}
     if not stems:
         return files, meta
+    conv = kernels.KERNELS["conv3x3"]
+    assert isinstance(conv, kernels.Conv3x3Spec)
     for res in resolutions:
         a = res.arch
         for stem in stems:
+            tiles = tuning.tiles_for(a.ptx_arch, resolutions) if tuning and stem == conv.source else frozenset()
             src = ptx_root() / "ptx" / a.ptx_arch / f"{stem}.ptx"
-            if not src.exists():
+            if tiles:
+                defines = {**conv.defines(), **conv.extra_entries_define(tiles)}
+                cache = settings.cache_dir / "ptx"
+                text = ptx.cached_ptx(ptx_root() / f"{stem}.cu", a.ptx_arch, defines, cache, enabled=settings.use_cache)
+            elif src.exists():
+                text = src.read_text()
+            else:
                 raise BundleError(f"{src} is missing; run `make ptx` to regenerate the Track A PTX")
-            text = src.read_text()
             isa = arch.parse_ptx_isa(text)
             rel = f"track_a/ptx/{a.ptx_arch}/{stem}.ptx"
             files[rel] = text.encode()
@@ -86,15 +100,26 @@ def track_a_artifacts(
                 "isa": f"{isa[0]}.{isa[1]}",
                 "target": arch.parse_ptx_target(text),
                 "min_driver": arch.min_driver_for_isa(isa),
+                **({"tuned_entries": sorted(conv.tuned_entry(t) for t in tiles)} if tiles else {}),
             }
             cubin = ptx.cached_cubin(text, a.cubin_arch, settings.cache_dir / "cubin", enabled=settings.use_cache)
             crel = f"track_a/cubin/{a.cubin_arch}/{stem}.cubin"
             files[crel] = cubin
             meta["cubin"].setdefault(a.cubin_arch, {})[stem] = {"path": crel, "from": a.ptx_arch}
+    if tuning is not None:
+        meta["tuned"] = {name: t.to_json() for name, t in sorted(tuning.targets.items())}
+        meta["tuning"] = {"path": str(tuning.path), "sha256": tuning.sha256, "stale": tuning.stale}
     return files, meta
 
 
-def _build_key(cfg: BuildConfig, model_digest: str, plan: Plan, keys: list[str], ptx_files: dict[str, bytes]) -> str:
+def _build_key(
+    cfg: BuildConfig,
+    model_digest: str,
+    plan: Plan,
+    keys: list[str],
+    ptx_files: dict[str, bytes],
+    tuning: Selection | None = None,
+) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(cfg.model_dump(mode="json", exclude={"output"}), sort_keys=True).encode())
     h.update(model_digest.encode())
@@ -103,6 +128,8 @@ def _build_key(cfg: BuildConfig, model_digest: str, plan: Plan, keys: list[str],
         h.update(k.encode())
     for rel in sorted(ptx_files):
         h.update(rel.encode() + sha256(ptx_files[rel]).encode())
+    if tuning is not None:  # the records consulted and the choices made, not the file's bytes
+        h.update(tuning.key().encode())
     h.update(pkg_version("dualtrack").encode())
     return h.hexdigest()
 
@@ -114,12 +141,18 @@ def build(
     force: bool = False,
     progress: Progress | None = None,
     settings: Settings | None = None,
+    tuning: str | Path | None = None,
 ) -> BuildResult:
-    """Build (or confirm up to date) the bundle for a config. The Python API behind `dualtrack build`."""
+    """Build (or confirm up to date) the bundle for a config. The Python API behind `dualtrack build`.
+
+    ``tuning`` overrides the config's ``tuning`` (a file `dualtrack tune` wrote).
+    """
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
     settings = settings or Settings.from_env()
     cfg = config if isinstance(config, BuildConfig) else load_config(config)
+    if tuning is not None:
+        cfg = cfg.model_copy(update={"tuning": Path(tuning).resolve()})
     dest = Path(output) if output is not None else cfg.output
     if dest is None:
         raise BundleError("no output directory: pass -o DIR or set `output:` in the config")
@@ -137,26 +170,46 @@ def build(
     model = partition.name_nodes(partition.load_model(cfg.model))
     plan, seg_models = partition.build_plan(cfg, model)
 
+    selection = None
+    if cfg.tuning is not None:
+        say(f"track A: tuning file {cfg.tuning}")
+        selection = select_tuning(cfg.tuning, plan, resolutions)
+        stale = selection.note()
+        if stale:
+            notes.append(stale)
     say("track A: PTX and cubins")
-    a_files, a_meta = track_a_artifacts(plan, resolutions, settings)
+    a_files, a_meta = track_a_artifacts(plan, resolutions, settings, selection)
 
     targets: list[track_b.IreeTarget] = sorted(
         {track_b.cuda_target(r.iree_target) for r in resolutions}, key=lambda t: t.name
     )
     cpu = track_b.cpu_target(cfg.track_b.cpu_target) if cfg.track_b.cpu else None
+    flag_records = tune_b.flag_records(cfg.tuning) if cfg.tuning is not None else []
+    tuned_flags: dict[str, dict[str, dict[str, Any]]] = {}
     jobs: list[track_b.CompileJob] = []
     for seg, sm in zip(plan.segments, seg_models, strict=True):
         seg_targets = ([] if seg.track == "A" else list(targets)) + ([cpu] if cpu else [])
+        seg_key = tune_b.segment_key(sm) if flag_records and seg.track == "B" else ""
         for t in seg_targets:
             for b in cfg.batch_sizes if t is not cpu else (track_b.CPU_BATCH,):
                 extra = cfg.track_b.cpu_flags if t is cpu else cfg.track_b.cuda_flags
-                jobs.append(track_b.CompileJob(seg.name, sm, b, t, (*cfg.track_b.flags, *extra)))
+                flags = (*cfg.track_b.flags, *extra)
+                rec = tune_b.flags_for(flag_records, seg_key, t.name, b) if seg_key and t is not cpu else None
+                if rec is not None:
+                    flags = tuple(rec["flags"])
+                    tuned_flags.setdefault(seg.name, {}).setdefault(t.name, {})[str(b)] = {
+                        k: rec[k] for k in tune_b.TUNED_FIELDS
+                    }
+                jobs.append(track_b.CompileJob(seg.name, sm, b, t, flags))
+    if tuned_flags:
+        n = sum(len(per_b) for per_t in tuned_flags.values() for per_b in per_t.values())
+        notes.append(f"track B: {n} module(s) compiled with tuned IREE flags from {cfg.tuning}")
     compiler = track_b.compiler_version()
     cache = track_b.ModuleCache(settings.cache_dir / "iree", enabled=settings.use_cache)
     keys = [
         track_b.cache_key(partition.with_batch(j.model, j.batch), j.batch, j.target, j.flags, compiler) for j in jobs
     ]
-    build_key = _build_key(cfg, source_digest, plan, keys, a_files)
+    build_key = _build_key(cfg, source_digest, plan, keys, a_files, selection)
 
     if not force and (dest / MANIFEST).exists():
         try:
@@ -209,7 +262,7 @@ def build(
             "config": cfg.model_dump(mode="json"),
             "targets": [r.to_json() for r in resolutions],
             "plan": plan.to_json(),
-            "artifacts": {"iree": iree_art, "track_a": a_meta},
+            "artifacts": {"iree": iree_art, "iree_tuned_flags": tuned_flags, "track_a": a_meta},
             "min_driver": max(
                 (m["min_driver"] or 0 for per in a_meta["ptx"].values() for m in per.values()), default=None
             ),

@@ -189,3 +189,12 @@ class Bundle:
     @property
     def track_a(self) -> dict[str, Any]:
         return self.manifest["artifacts"].get("track_a", {})
+
+    def tuned_calls(self, cc: tuple[int, int]) -> dict[str, dict[str, str]]:
+        """The tuned entry of each Track A conv layer (Conv node -> batch size -> entry) that the
+        build chose for the target of compute capability ``cc``; empty where nothing was tuned."""
+        tuned = self.track_a.get("tuned", {})
+        for t in self.manifest.get("targets", []):
+            if t["arch"] in tuned and tuple(int(v) for v in t["cc"].split(".")) == tuple(cc):
+                return tuned[t["arch"]]["calls"]
+        return {}

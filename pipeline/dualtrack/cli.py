@@ -6,8 +6,10 @@ Every DualtrackError becomes one line on stderr and its documented exit code (RE
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +67,18 @@ def main(verbose: bool) -> None:
     "-o", "--output", type=click.Path(path_type=Path), help="Bundle directory (default: `output:` in the config)."
 )
 @click.option("--force", is_flag=True, help="Rebuild and re-verify even when the bundle is up to date.")
+@click.option(
+    "--tuning",
+    type=click.Path(path_type=Path),
+    help="Tuning file from `dualtrack tune` (overrides `tuning` in the config).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the build result as JSON on stdout.")
-def build(config: Path, output: Path | None, force: bool, as_json: bool) -> None:
+def build(config: Path, output: Path | None, force: bool, tuning: Path | None, as_json: bool) -> None:
     """Build, verify and write the bundle for CONFIG."""
     from dualtrack.build import build as run_build
 
     out = _Output(as_json)
-    result = run_build(config, output, force=force, progress=out.step)
+    result = run_build(config, output, force=force, progress=out.step, tuning=tuning)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
         return
@@ -88,6 +95,141 @@ def build(config: Path, output: Path | None, force: bool, as_json: bool) -> None
             f"({result.compiled} modules compiled, {result.cached} from cache); "
             f"verification {'passed' if result.verification and result.verification['passed'] else 'not run'}"
         )
+
+
+@main.command()
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    help="Tuning file to merge the results into (default: `tuning` of CONFIG, else ./tuning.json).",
+)
+@click.option("--batch", "batches", type=int, multiple=True, help="Batch size to tune (repeatable; default: CONFIG's).")
+@click.option("--layers", help="Only the Conv nodes whose name matches this glob, e.g. 'enc*'.")
+@click.option("--max-configs", type=int, help="Try at most N tiles (the kernel's fixed variants first).")
+@click.option("--iters", type=int, default=20, show_default=True, help="Timed launches per candidate (median kept).")
+@click.option("--device-index", type=int, default=0, show_default=True)
+@click.option(
+    "--track-b",
+    is_flag=True,
+    help="Search IREE flags for the Track B segments instead (CONFIG may then be a kit folder).",
+)
+@click.option(
+    "--prepare-kit",
+    type=click.Path(path_type=Path),
+    help="With --track-b: only compile the candidates into this kit folder (needs iree-compile, no GPU); "
+    "time it on the GPU machine with `dualtrack tune KIT --track-b`.",
+)
+@click.option("--arch", "target", help="With --track-b: the GPU arch to compile for (default: CONFIG's first target).")
+@click.option("--candidates", help="With --track-b: comma-separated IREE flag candidates (default: all; see docs).")
+def tune(
+    config: Path,
+    output: Path | None,
+    batches: tuple[int, ...],
+    layers: str | None,
+    max_configs: int | None,
+    iters: int,
+    device_index: int,
+    track_b: bool,
+    prepare_kit: Path | None,
+    target: str | None,
+    candidates: str | None,
+) -> None:
+    """Search the Track A conv kernel's tiles for every layer of CONFIG (a build config or a bundle)
+    on this GPU: each candidate is verified against the numpy reference before it is timed, and
+    the winners are merged into a tuning file that `dualtrack build --tuning` reads.
+
+    With --track-b: the same for IREE flags of every Track B segment, verified against onnxruntime."""
+    if track_b or prepare_kit is not None or target or candidates:
+        if not track_b:
+            raise click.UsageError("--prepare-kit, --arch and --candidates go with --track-b")
+        _tune_track_b(config, output, prepare_kit, target, candidates, iters, device_index)
+        return
+    from dualtrack.tune_a import TuneOptions, tune_track_a
+
+    opts = TuneOptions(batches=batches, layers=layers, max_configs=max_configs, iters=iters, device_index=device_index)
+    out = _Output(False)
+    with _problem_bar(out) as on_problem:
+        result = tune_track_a(config, output, opts, progress=out.step, on_problem=on_problem)
+    for r in result.records:
+        layers_ = ", ".join(r.layers[:3]) + (f" (+{len(r.layers) - 3})" if len(r.layers) > 3 else "")
+        used = "" if r.beats_baseline else "  (baseline kept)"
+        click.echo(
+            f"{r.problem.label():<34} {r.baseline_ms:8.4f} -> {r.time_ms:8.4f} ms  {r.speedup:5.2f}x  "
+            f"{r.entry.removeprefix('conv3x3_nhwc_')}{used}  [{layers_}]"
+        )
+    phases = ", ".join(f"{k} {v:.1f} s" for k, v in result.phases.items())
+    click.echo(
+        f"{result.output}: {len(result.records)} problems tuned on {result.gpu} ({result.arch}), "
+        f"{result.candidates} tiles, in {result.seconds:.1f} s ({phases})"
+    )
+
+
+def _tune_track_b(
+    source: Path,
+    output: Path | None,
+    prepare_kit: Path | None,
+    target: str | None,
+    candidates: str | None,
+    iters: int,
+    device_index: int,
+) -> None:
+    from dualtrack.tune_b import tune_track_b
+
+    out = _Output(False)
+    only = [c.strip() for c in candidates.split(",") if c.strip()] if candidates else None
+    res = tune_track_b(
+        source,
+        output,
+        prepare_only=prepare_kit,
+        target=target,
+        only=only,
+        iters=iters,
+        device_index=device_index,
+        say=out.step,
+    )
+    if res.output is None:
+        n = sum(len(per) for s in res.kit.segments for per in s.modules.values())
+        click.echo(
+            f"{res.kit.root}: {n} modules ({len(res.kit.segments)} segments x {len(res.kit.candidates)} candidates "
+            f"x batches {list(res.kit.batch_sizes)}) for {res.kit.iree_target}; "
+            f"time them on the GPU with `dualtrack tune {res.kit.root} --track-b -o tuning.json`"
+        )
+        return
+    for r in res.results:
+        win, base = r.winner, r.baseline
+        rejected = [c.name for c in r.results if not c.passed]
+        line = f"{r.segment} N={r.batch}: "
+        if win is None:
+            line += "no candidate passed verification"
+        else:
+            line += f"{win.name} {win.time_ms:.3f} ms"
+            if base is not None and base.time_ms:
+                line += f" (config's flags {base.time_ms:.3f} ms, {base.time_ms / win.time_ms:.2f}x)"
+        if rejected:
+            line += f"; rejected: {', '.join(rejected)}"
+        click.echo(line)
+    click.echo(f"{res.output}: {len(res.results)} Track B records on {res.gpu['gpu']}, in {res.seconds:.1f} s")
+
+
+@contextlib.contextmanager
+def _problem_bar(out: _Output) -> Iterator[Callable[[int, int, str], None]]:
+    """A rich progress bar over the problems on a terminal; plain step lines otherwise."""
+    if not out.tty or out.quiet:
+        yield lambda done, total, what: out.step(f"[{done}/{total}] {what}")
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=out.console
+    ) as bar:
+        task = bar.add_task("tune", total=None)
+
+        def update(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=what)
+
+        yield update
 
 
 # Class 0 black, then well-separated colours (the Pascal VOC convention), 256 entries.
@@ -211,6 +353,21 @@ def info(bundle: Path, as_json: bool) -> None:
     for a, kernels in sorted(ptx.items()):
         isas = {k["isa"] for k in kernels.values()}
         click.echo(f"ptx        {a}: {', '.join(sorted(kernels))} (ISA {', '.join(sorted(isas))})")
+    for a, t in sorted(m["artifacts"]["track_a"].get("tuned", {}).items()):
+        calls, on = t["calls"], ", ".join(t["tuned_on"])
+        if not calls:
+            click.echo(f"tuned      {a}: {t['records']} records (tuned on {on}), none faster than the heuristic")
+            continue
+        n = sum(len(per) for per in calls.values())
+        click.echo(
+            f"tuned      {a}: {n} conv launches ({len(calls)} layers) on tuned tiles, "
+            f"{len(t['entries'])} extra entries; tuned on {on}"
+        )
+        for node, per in sorted(calls.items()):
+            picks = ", ".join(
+                f"N={b}: {e.removeprefix('conv3x3_nhwc_')}" for b, e in sorted(per.items(), key=lambda kv: int(kv[0]))
+            )
+            click.echo(f"             {node}: {picks}")
     if m.get("min_driver"):
         from dualtrack.arch import driver_str
 

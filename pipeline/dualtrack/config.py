@@ -104,6 +104,15 @@ class BuildConfig(_Strict):
     targets: tuple[str, ...] = ("sm_90a",)
     enable_tma: bool = False
     partition: PartitionConfig = PartitionConfig()
+    tuning: Path | None = Field(
+        None,
+        description=(
+            "a tuning file written by `dualtrack tune` (relative to this config): each Track A conv "
+            "layer whose shape it has a record for, on a target of the same compute capability, "
+            "launches the measured winner instead of the heuristic's tile; each Track B segment "
+            "with a record for its graph, IREE target and batch is compiled with the winning flags"
+        ),
+    )
     track_b: TrackBConfig = TrackBConfig()
     verify: VerifyConfig = VerifyConfig()
     output: Path | None = None
@@ -256,4 +265,14 @@ def load_config(path: str | Path) -> BuildConfig:
     base = path.parent
     model = cfg.model if cfg.model.is_absolute() else (base / cfg.model)
     output = cfg.output if cfg.output is None or cfg.output.is_absolute() else (base / cfg.output).resolve()
-    return cfg.model_copy(update={"model": model.resolve(), "output": output, "notes": tuple(notes)})
+    tuning = cfg.tuning
+    if tuning is not None and not tuning.is_absolute():
+        tuning = (base / tuning).resolve()
+    return cfg.model_copy(
+        update={
+            "model": model.resolve(),
+            "output": output,
+            "tuning": tuning,
+            "notes": tuple(notes),
+        }
+    )

@@ -13,7 +13,8 @@ reading or writing channel slices is the runtime's business.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -162,6 +163,43 @@ class KernelSpec:
         ]
 
 
+@dataclass(frozen=True, order=True)
+class F16Tile:
+    """One fp16 conv3x3 tile: the template arguments of ``f16conv::Cfg`` in conv3x3_nhwc.cu.
+
+    ``bm x bn`` output tile (pixels x channels) per block, ``bk``-deep k-tiles, ``warps_m x warps_n``
+    warps, ``stages`` cp.async stages, registers capped so that ``min_blocks`` blocks fit on an SM.
+    """
+
+    bm: int
+    bn: int
+    bk: int
+    warps_m: int
+    warps_n: int
+    stages: int
+    min_blocks: int
+
+    NAME: ClassVar[re.Pattern[str]] = re.compile(r"t(\d+)x(\d+)x(\d+)_w(\d+)x(\d+)_s(\d+)_b(\d+)")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def name(self) -> str:
+        """The tile as an entry-name suffix, e.g. ``t128x64x32_w2x2_s4_b4``."""
+        return f"t{self.bm}x{self.bn}x{self.bk}_w{self.warps_m}x{self.warps_n}_s{self.stages}_b{self.min_blocks}"
+
+    def as_tuple(self) -> tuple[int, ...]:
+        return (self.bm, self.bn, self.bk, self.warps_m, self.warps_n, self.stages, self.min_blocks)
+
+    @classmethod
+    def parse(cls, suffix: str) -> F16Tile | None:
+        """The tile a :attr:`name` suffix encodes, or None if ``suffix`` is not one."""
+        m = cls.NAME.fullmatch(suffix)
+        return cls(*(int(g) for g in m.groups())) if m else None
+
+
 @dataclass(frozen=True)
 class Conv3x3Spec(KernelSpec):
     """3x3 convolution, stride 1, padding 1, bias and optional ReLU fused.
@@ -172,6 +210,8 @@ class Conv3x3Spec(KernelSpec):
     ABI: ``_narrow`` (K <= 32), ``_wide`` (K >= 128 with enough pixels), ``_small`` (too few
     default tiles to fill the GPU); :meth:`variant` picks one, ``launch(..., entry=...)`` gives its
     geometry. Each variant's tile is ``(bm, bn, bk, warps_m, warps_n, stages, min_blocks)``.
+    Tuned entries (``dualtrack tune``) are compiled in on demand (:meth:`extra_entries_define`);
+    their names encode their tile (:meth:`tuned_entry`), so :meth:`launch` reads it back from them.
     fp32: SIMT GEMM, an ``f32_bm x f32_bn`` tile per block, ``f32_tm x f32_tn`` outputs a thread.
     """
 
@@ -221,15 +261,49 @@ class Conv3x3Spec(KernelSpec):
         """Every entry in the PTX: the default fp16 and fp32 ones, then the fp16 variants."""
         return (*(self.entry(d) for d in DTYPES), *(f"{self.stem}_f16_{v}" for v in self.F16_VARIANTS))
 
+    def f16_tiles(self) -> dict[str, F16Tile]:
+        """The tile of every fixed fp16 entry (default, narrow, wide, small), by entry name."""
+        default = (self.f16_bm, self.f16_bn, self.f16_bk, self.f16_warps_m, self.f16_warps_n)
+        tiles = {self.entry("float16"): F16Tile(*default, self.f16_stages, self.f16_min_blocks)}
+        for v in self.F16_VARIANTS:
+            tiles[f"{self.stem}_f16_{v}"] = F16Tile(*getattr(self, f"f16_{v}"))
+        return tiles
+
+    def tuned_entry(self, tile: F16Tile) -> str:
+        """The entry that runs ``tile``: a fixed entry with that very tile, else the tuned entry
+        ``<stem>_f16_<tile.name>`` (compiled in through :meth:`extra_entries_define`)."""
+        for entry, fixed in self.f16_tiles().items():
+            if fixed == tile:
+                return entry
+        return f"{self.stem}_f16_{tile.name}"
+
+    def entry_tile(self, entry: str) -> F16Tile:
+        """The tile of an fp16 entry, fixed or tuned; InputError for any other name."""
+        fixed = self.f16_tiles()
+        if entry in fixed:
+            return fixed[entry]
+        prefix = f"{self.stem}_f16_"
+        tile = F16Tile.parse(entry.removeprefix(prefix)) if entry.startswith(prefix) else None
+        if tile is None:
+            raise InputError(
+                f"'{entry}' is not an fp16 entry of {self.stem}; use one of {', '.join(fixed)} "
+                f"or a tuned entry {prefix}t<BM>x<BN>x<BK>_w<WM>x<WN>_s<STAGES>_b<MIN_BLOCKS>"
+            )
+        return tile
+
+    def extra_entries_define(self, tiles: Iterable[F16Tile]) -> dict[str, str]:
+        """The ``-D`` macro that compiles tuned entries for ``tiles`` into the source (none for a
+        tile a fixed entry already has); merge it into :meth:`defines`."""
+        extra = sorted({t for t in tiles if self.tuned_entry(t) not in self.f16_tiles()})
+        if not extra:
+            return {}
+        body = " ".join(f"CONV_F16_TUNED({self.tuned_entry(t)}, {','.join(map(str, t.as_tuple()))})" for t in extra)
+        return {"CONV_F16_EXTRA_ENTRIES": body}
+
     def _f16_config(self, entry: str | None) -> tuple[int, int, int]:
         """(bm, bn, threads) of an fp16 entry (None: the default one)."""
-        if entry is None or entry == f"{self.stem}_f16":
-            return self.f16_bm, self.f16_bn, 32 * self.f16_warps_m * self.f16_warps_n
-        for v in self.F16_VARIANTS:
-            if entry == f"{self.stem}_f16_{v}":
-                bm, bn, _, wm, wn, *_ = getattr(self, f"f16_{v}")
-                return bm, bn, 32 * wm * wn
-        raise InputError(f"'{entry}' is not an fp16 entry of {self.stem}; use one of {', '.join(self.entries)}")
+        tile = self.entry_tile(entry if entry is not None else self.entry("float16"))
+        return tile.bm, tile.bn, tile.threads
 
     def variant(self, dtype: Any, N: int, H: int, W: int, C: int, K: int) -> str:
         """The entry to launch for this shape (fp32: the one entry). Launch it with the geometry of
@@ -328,6 +402,41 @@ class Conv3x3Spec(KernelSpec):
         if bias is not None:
             if bias.shape != (K,):
                 raise InputError(f"bias has shape {bias.shape}; expected ({K},)")
+            out += bias.astype(np.float32)
+        if relu:
+            np.maximum(out, 0.0, out=out)
+        return out.astype(x.dtype)
+
+    def reference_at(
+        self,
+        x: np.ndarray,
+        w: np.ndarray,
+        pixels: np.ndarray,
+        bias: np.ndarray | None = None,
+        relu: bool = False,
+    ) -> np.ndarray:
+        """:meth:`reference` at some output pixels only: ``pixels`` are flat indices into N*H*W,
+        the result is (len(pixels), K). For checking a kernel on problems too big for the full
+        reference (the tuner checks one pixel in every run of 64)."""
+        if x.ndim != 4 or w.ndim != 4 or w.shape[1:] != (3, 3, x.shape[3]):
+            raise InputError(f"conv3x3 takes x (N,H,W,C) and w (K,3,3,C); got x {x.shape}, w {w.shape}")
+        N, H, W, C = x.shape
+        pixels = np.asarray(pixels, dtype=np.int64)
+        if pixels.size and (pixels.min() < 0 or pixels.max() >= N * H * W):
+            raise InputError(f"pixel indices must lie in [0, {N * H * W})")
+        n, hw = np.divmod(pixels, H * W)
+        h, col = np.divmod(hw, W)
+        wf = w.astype(np.float32)
+        out = np.zeros((pixels.size, w.shape[0]), np.float32)
+        patch = np.empty((pixels.size, C), np.float32)
+        for r in range(3):
+            for s in range(3):
+                hh, ww = h + r - 1, col + s - 1
+                ok = (hh >= 0) & (hh < H) & (ww >= 0) & (ww < W)
+                patch[:] = 0.0
+                patch[ok] = x[n[ok], hh[ok], ww[ok]]
+                out += patch @ wf[:, r, s, :].T
+        if bias is not None:
             out += bias.astype(np.float32)
         if relu:
             np.maximum(out, 0.0, out=out)

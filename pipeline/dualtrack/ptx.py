@@ -208,6 +208,33 @@ def compile_ptx(source: Path, arch: str, defines: Mapping[str, int | str] | None
     )
 
 
+def cached_ptx(
+    source: Path, arch: str, defines: Mapping[str, int | str], cache_dir: Path, *, enabled: bool = True
+) -> str:
+    """:func:`compile_ptx`'s text, kept in ``cache_dir``: the key hashes the source, the arch, the
+    macros and NVRTC's version (library and wheel), so any change that can change the PTX misses.
+    For builds that compile kernels beyond the checked-in PTX (tuned entries)."""
+    key = hashlib.sha256()
+    for part in (
+        Path(source).read_bytes(),
+        arch.encode(),
+        repr(sorted(defines.items())).encode(),
+        repr(nvrtc_version()).encode(),
+        _package_version("nvidia-cuda-nvrtc").encode(),
+    ):
+        key.update(len(part).to_bytes(8, "little") + part)
+    path = Path(cache_dir) / f"{Path(source).stem}-{arch}-{key.hexdigest()[:40]}.ptx"
+    if enabled and path.is_file():
+        return path.read_text()
+    text = compile_ptx(source, arch, defines).text
+    if enabled:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return text
+
+
 # --------------------------------------------------------------------------------------------
 # nvJitLink: PTX -> cubin
 # --------------------------------------------------------------------------------------------

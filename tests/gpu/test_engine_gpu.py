@@ -162,3 +162,19 @@ def test_whole_body_on_track_a_verifies_on_gpu(tiny_full_bundle: Path) -> None:
     tol = Tolerance(rel_l2=2e-2, max_abs=5e-2, mismatch=5e-3)
     for name in ("probs", "mask"):
         assert compare(name, ref[name], got[name], tol).passed
+
+
+def test_host_array_is_page_locked_and_uploaded_without_staging(engine) -> None:
+    from cuda.bindings import driver as cu
+
+    from dualtrack.runtime.driver import call
+
+    x = engine.host_array(1)
+    x[:] = random_input(engine.input_spec, 1, np.random.default_rng())
+    flags = call(cu.cuMemHostGetFlags, x.ctypes.data)  # fails with CUDA_ERROR_INVALID_VALUE if pageable
+    assert int(flags) & cu.CU_MEMHOSTALLOC_PORTABLE
+    assert engine.backend._is_host_array(x) and not engine.backend._is_host_array(np.array(x))
+    want = engine.run(np.array(x))
+    got = engine.run(x)
+    for name in ("mask", "probs"):
+        np.testing.assert_array_equal(got[name], want[name])

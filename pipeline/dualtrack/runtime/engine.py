@@ -29,6 +29,7 @@ class Backend(Protocol):
     def run_segment(self, seg: Segment, batch: int, inputs: Mapping[str, Any]) -> dict[str, Any]: ...
     def to_host(self, value: Any) -> np.ndarray: ...
     def from_host(self, arr: np.ndarray, *, slot: str | None = None) -> Any: ...
+    def host_array(self, shape: tuple[int, ...], dtype: str) -> np.ndarray: ...
     def close(self) -> None: ...
 
 
@@ -88,6 +89,9 @@ class CpuBackend:
 
     def from_host(self, arr: np.ndarray, *, slot: str | None = None) -> Any:
         return arr
+
+    def host_array(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        return np.zeros(shape, dtype)
 
     def close(self) -> None:
         # Modules before the device, the device before the weights they read (IREE needs this order).
@@ -169,9 +173,10 @@ class Engine:
     def run(self, x: Any, outputs: Sequence[str] | None = None) -> dict[str, Any]:
         """Segment a batch of images: `x` is (n, *input.shape[1:]) in the input dtype.
 
-        A numpy array gives numpy arrays back. On `cuda`, a GPU tensor (DLPack or
-        `__cuda_array_interface__`: torch, cupy, ...) stays on the GPU and gives DeviceArrays back
-        (DLPack-capable, zero-copy); its batch must then be one of `batch_sizes`.
+        A numpy array gives numpy arrays back, new ones that the caller owns (the next run does not
+        touch them); one from :meth:`host_array` goes to the GPU without a staging copy. On `cuda`,
+        a GPU tensor (DLPack or `__cuda_array_interface__`: torch, cupy, ...) stays on the GPU and
+        gives DeviceArrays back (DLPack-capable, zero-copy); its batch must then be one of `batch_sizes`.
         `outputs` names the outputs wanted (default: all); the others are not copied off the GPU.
         """
         if self._closed:
@@ -226,6 +231,18 @@ class Engine:
             outs = self.run_batch(GpuTensor(imp.ptr, imp.shape, imp.dtype, imp.keepalive), n)
         dev = self.backend.device.index  # type: ignore[attr-defined]
         return {k: dlpack.DeviceArray(t.ptr, t.shape, t.dtype, dev, t.keepalive) for k, t in outs.items()}
+
+    def host_array(self, n: int) -> np.ndarray:
+        """A zeroed ``(n, *input.shape[1:])`` input array for :meth:`run`, to fill in place.
+
+        On ``cuda`` it is page-locked memory that ``run`` uploads from directly, without first
+        copying it into its own staging buffer (for a batch of 8 512x512 images, 6 MiB less to copy
+        per run). It belongs to the engine: valid until :meth:`close`, not to be used after it.
+        Safe to call from any thread.
+        """
+        if self._closed:
+            raise InputError("this engine is closed; load the bundle again")
+        return self.backend.host_array(self.input_spec.at_batch(n), self.input_spec.dtype)
 
     def warmup(self) -> None:
         """Load every module and run each compiled batch size once, so the first request pays nothing."""

@@ -83,13 +83,16 @@ class CudaBackend:
         self.poison = False
         self.track_a_pending = False
         self.staging: dict[int, HostBuffer] = {}
+        self.host_arrays: list[HostBuffer] = []  # handed out by host_array(); uploaded from directly
         self.slots: dict[tuple[str | None, int], DeviceBuffer] = {}
         self.use_graphs = settings.cuda_graphs
         self.graphs: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.staged: dict[tuple[int, int], dict[str, GpuTensor]] = {}
         self.buffers: dict[int, tuple[dict[str, GpuTensor], list[GpuTensor]]] = {}
         self.target = self._iree_target()
-        self.iree = IreeDevice.create("cuda", device_index)
+        self.iree = IreeDevice.create(
+            "cuda", device_index, allocators=settings.iree_allocators, flags=settings.iree_flags
+        )
         self.params = parameter_index(bundle.weights)
         self.modules: dict[tuple[int, int], IreeModule] = {}
         self.kernels = self._load_track_a(settings.cache_dir / "jit")
@@ -106,10 +109,15 @@ class CudaBackend:
     def _load_track_a(self, jit_cache: Path) -> dict[str, Kernel]:
         ta = self.bundle.track_a
         stems = ta.get("kernels", [])
+        self.tuned: dict[str, dict[str, str]] = {}  # Conv node -> batch -> entry (bundle.tuned_calls)
         if not stems:
             return {}
         choice = arch.choose_image(self.device.cc, sorted(ta.get("cubin", {})), sorted(ta.get("ptx", {})))
         self.stats.image = f"{choice.kind} {choice.arch}: {choice.reason}"
+        # Tuned tiles for this arch (dualtrack tune): their entries are in the image chosen above,
+        # which the build compiled from the same target's PTX.
+        self.tuned.update(self.bundle.tuned_calls(self.device.cc))
+        tuned_entries = {e for per in self.tuned.values() for e in per.values()}
         found: dict[str, Kernel] = {}
         for stem in stems:
             meta = ta[choice.kind][choice.arch][stem]
@@ -128,6 +136,8 @@ class CudaBackend:
                 if spec.stem == stem:
                     for entry in spec.entries:
                         found[entry] = mod.function(entry)
+                    if spec.op == "conv3x3":
+                        found.update((e, mod.function(e)) for e in sorted(tuned_entries))
         return found
 
     def _upload_weights(self) -> dict[str, GpuTensor]:
@@ -155,8 +165,9 @@ class CudaBackend:
     # -- host <-> device ----------------------------------------------------------------------------
 
     def from_host(self, arr: np.ndarray, *, slot: str | None = None) -> GpuTensor:
-        """Upload through pinned staging. With `slot`, the device buffer is kept and reused by the
-        next upload to the same slot and size (the engine's input: no allocation per request)."""
+        """Upload through pinned staging, or straight from ``arr`` when it lies in a
+        :meth:`host_array`. With `slot`, the device buffer is kept and reused by the next upload to
+        the same slot and size (the engine's input: no allocation per request)."""
         arr = np.ascontiguousarray(arr)
         key = (slot, arr.nbytes)
         if slot is not None and key in self.slots:
@@ -165,11 +176,30 @@ class CudaBackend:
             buf = self.pool.alloc(max(arr.nbytes, 1), self.stream)
             if slot is not None:
                 self.slots[key] = buf
-        staging = self._staging(arr.nbytes)
-        staging.numpy(np.uint8, (arr.nbytes,))[:] = arr.reshape(-1).view(np.uint8)
-        upload(self.stream, buf, staging, arr.nbytes)
-        self._host_wait()  # the staging buffer is reused: the copy must be done before the next one
+        if self._is_host_array(arr):
+            upload(self.stream, buf, arr, arr.nbytes)
+        else:
+            staging = self._staging(arr.nbytes)
+            staging.numpy(np.uint8, (arr.nbytes,))[:] = arr.reshape(-1).view(np.uint8)
+            upload(self.stream, buf, staging, arr.nbytes)
+        # The staging buffer is reused and a host array is the caller's again once run() returns:
+        # the copy must be done before either is written.
+        self._host_wait()
         return GpuTensor(int(buf), arr.shape, arr.dtype, buf)
+
+    def host_array(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        """A zeroed page-locked array, freed by close(); from_host uploads from it without staging."""
+        self.ctx.make_current()  # callers may be on any thread
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        buf = HostBuffer(self.ctx, max(nbytes, 1))
+        self.host_arrays.append(buf)
+        arr = buf.numpy(dtype, shape)
+        arr.fill(0)
+        return arr
+
+    def _is_host_array(self, arr: np.ndarray) -> bool:
+        start = arr.ctypes.data
+        return any(b.ptr <= start and start + arr.nbytes <= b.ptr + b.nbytes for b in self.host_arrays)
 
     def to_host(self, t: Any) -> np.ndarray:
         if isinstance(t, np.ndarray):
@@ -325,8 +355,8 @@ class CudaBackend:
             args = spec.args(x=x.ptr, w=w_ptr, bias=bias, y=y.ptr, N=n, H=h, W=w, C=ch, K=k, **strides, **extra)
         else:
             args = spec.args(x=x.ptr, y=y.ptr, N=n, H=h, W=w, C=ch, **strides)
-        if c.op == "conv3x3":  # a tile variant per layer shape (kernels.Conv3x3Spec.variant)
-            entry = spec.variant(x.dtype, n, h, w, ch, k)
+        if c.op == "conv3x3":  # the tuned tile of this layer and batch, else the heuristic's variant
+            entry = self.tuned.get(c.nodes[0], {}).get(str(n)) or spec.variant(x.dtype, n, h, w, ch, k)
             cfg = spec.launch(x.dtype, n, h, w, ch, k, entry=entry)
         else:
             entry = spec.entry(x.dtype)
@@ -394,7 +424,7 @@ class CudaBackend:
         self.weights.clear()
         self.stream.synchronize()
         self.kernels.clear()
-        for h in self.staging.values():
+        for h in (*self.staging.values(), *self.host_arrays):
             h.close()
         self.pool.close()
         self.stream.close()

@@ -22,21 +22,33 @@ PARAM_SCOPE = "model"
 DRIVERS = {"cpu": "local-task", "cuda": "cuda"}
 
 _runtime_lock = threading.Lock()
-_flags_parsed = False
+# The CUDA driver reads its flags when IREE first creates it, once per process.
+_parsed_flags: tuple[str, ...] | None = None
+# `--cuda_async_allocations=false` lets results be exported zero-copy through DLPack (FACTS 7).
+BASE_CUDA_FLAGS = ("--cuda_async_allocations=false",)
 
 
-def _parse_runtime_flags_once() -> None:
-    """Runtime flags must be set before the first CUDA device is created (FACTS 7).
-
-    `--cuda_async_allocations=false` lets results be exported zero-copy through DLPack.
-    """
-    global _flags_parsed
+def _parse_runtime_flags_once(extra: tuple[str, ...] = ()) -> None:
+    """Runtime flags must be set before the first CUDA device is created (FACTS 7)."""
+    global _parsed_flags
     import iree.runtime as rt
 
+    flags = (*BASE_CUDA_FLAGS, *extra)
     with _runtime_lock:
-        if not _flags_parsed:
-            rt.flags.parse_flags("--cuda_async_allocations=false")
-            _flags_parsed = True
+        if _parsed_flags is None:
+            try:
+                rt.flags.parse_flags(*flags)
+            except (RuntimeError, ValueError) as e:
+                raise DeviceError(
+                    f"IREE rejected the runtime flags {' '.join(extra)}: {str(e).splitlines()[0]} "
+                    "(check DUALTRACK_IREE_FLAGS)"
+                ) from e
+            _parsed_flags = flags
+        elif _parsed_flags != flags:
+            raise DeviceError(
+                f"IREE runtime flags are process-wide and already set to {' '.join(_parsed_flags)}; "
+                f"one process cannot also use {' '.join(flags)}"
+            )
 
 
 def parameter_index(weights: Mapping[str, np.ndarray]):
@@ -58,11 +70,15 @@ class IreeDevice:
     device: object
 
     @classmethod
-    def create(cls, name: str, device_index: int = 0) -> IreeDevice:
+    def create(
+        cls, name: str, device_index: int = 0, *, allocators: tuple[str, ...] = (), flags: tuple[str, ...] = ()
+    ) -> IreeDevice:
+        """``allocators``: IREE device allocator specs layered over the base one (e.g. "caching");
+        ``flags``: extra IREE runtime flags (CUDA only: they are process-wide)."""
         import iree.runtime as rt
 
         if name == "cuda":
-            _parse_runtime_flags_once()
+            _parse_runtime_flags_once(flags)
         try:
             driver = rt.get_driver(DRIVERS[name])
             if name == "cuda":
@@ -71,9 +87,9 @@ class IreeDevice:
                     raise DeviceError(
                         f"IREE sees {len(infos)} CUDA device(s); device_index {device_index} does not exist"
                     )
-                device = driver.create_device(infos[device_index]["device_id"])
+                device = driver.create_device(infos[device_index]["device_id"], allocators=list(allocators) or None)
             else:
-                device = driver.create_default_device()
+                device = driver.create_default_device(allocators=list(allocators) or None)
         except (RuntimeError, ValueError) as e:
             raise DeviceError(f"IREE could not open its {DRIVERS[name]} driver: {str(e).splitlines()[0]}") from e
         return cls(name, rt.VmInstance(), device)

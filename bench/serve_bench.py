@@ -1,0 +1,434 @@
+"""The service under load against the engine's own batch-8 throughput, measured in the same run.
+
+    python bench/serve_bench.py --bundle .carry/unet --png .carry/sample.png --jpg .carry/sample.jpg --out OUT
+
+1. The engine alone, batch 8: images/s with the input already on the GPU (what bench.py reports, the
+   number issue 5 compares with), and numpy in -> mask out, from a host array (the service's path)
+   and from a plain numpy array.
+2. One request's CPU stages on this machine (decode, export into the batch row, mask PNG, counts),
+   on one thread and on N threads at once: how far they scale with the cores.
+3. ``dualtrack serve`` in a child process under ``dualtrack loadtest``'s client (16 connections),
+   PNG in -> mask PNG out, JPEG in -> JSON out, then a 64x64 JPEG in -> JSON out (images that
+   cost almost nothing: what is left is the service's own cost per request, so this case's rate
+   is the most one server process can answer): throughput, latency, errors, the ratio to (1), the
+   server's batch statistics (from /metrics), and the CPU time of the client and of each of the
+   server's threads (event loop, image threads, batcher), per request and as cores kept busy.
+   With --switch-interval-ms, JPEG -> JSON once more on a server with that GIL switch interval: a
+   thread that wants the GIL waits up to that long for one that computes (Python's default: 5 ms),
+   and the engine's thread takes the GIL back after every CUDA and IREE call.
+
+Writes ``serve_bench-<commit>.json`` and ``serve-metrics-<commit>.txt``; prints a summary last.
+Linux only (/proc); the child names its threads (prctl) so their CPU time can be told apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import ctypes
+import io
+import json
+import os
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CLIENTS = 16
+PORT = 8087
+_SWITCH_ENV = "SERVE_BENCH_SWITCH_INTERVAL_S"  # to the child: sys.setswitchinterval before serving
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bundle", type=Path, required=True)
+    p.add_argument("--png", type=Path, required=True, help="the PNG sent in the PNG -> PNG case")
+    p.add_argument("--jpg", type=Path, required=True, help="the JPEG sent in the JPEG -> JSON case")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--duration-s", type=float, default=15.0, help="per load test")
+    p.add_argument("--iters", type=int, default=100, help="engine-only timed runs per variant")
+    p.add_argument("--commit", default=os.environ.get("DUALTRACK_COMMIT", "unknown"))
+    p.add_argument("--serve-arg", action="append", default=[], help="extra `dualtrack serve` argument (repeatable)")
+    p.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=0.0,
+        help="also run JPEG -> JSON on a server with this GIL switch interval (Python's default: 5 ms)",
+    )
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"commit": args.commit, "machine": machine(), "device": args.device}
+    report["engine"], mask = engine_alone(args.bundle, args.device, args.iters, args.png.read_bytes())
+    report["stages"] = stages(args.png.read_bytes(), args.jpg.read_bytes(), mask)
+    report["loadtests"], metrics_text = under_load(args, report["engine"]["reference_img_s"])
+    (args.out / f"serve-metrics-{args.commit[:10]}.txt").write_text(metrics_text)
+    path = args.out / f"serve_bench-{args.commit[:10]}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print_summary(report)
+    print(f"wrote {path}")
+
+
+def machine() -> dict[str, Any]:
+    import PIL
+
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines() if "model name" in line), "?"
+    )
+    gpu = "?"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        gpu = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
+    return {
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)),
+        "gpu": gpu,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "pillow": PIL.__version__,
+    }
+
+
+# -- 1. the engine alone --------------------------------------------------------------------------
+
+
+def engine_alone(bundle: Path, device: str, iters: int, png: bytes) -> tuple[dict[str, Any], np.ndarray]:
+    """Batch-8 timings, and the model's mask of ``png`` (what the stages below encode)."""
+    from dualtrack.runtime.engine import Engine
+    from dualtrack.serve import imaging
+
+    engine = Engine.load(bundle, device=device)
+    try:
+        engine.warmup()
+        batch = 8 if 8 in engine.batch_sizes else max(engine.batch_sizes)
+        rng = np.random.default_rng(0)
+        pinned = engine.host_array(batch)
+        pinned[:] = rng.integers(0, 256, pinned.shape, dtype=np.uint8)
+        _, height, width, _ = engine.input_spec.shape
+        pinned[0] = imaging.to_model_input(imaging.decode_image(png), height, width)
+        mask = engine.run(pinned, outputs=("mask",))["mask"][0]
+        plain = np.array(pinned)
+        out: dict[str, Any] = {"batch": batch}
+        if device == "cuda":
+            be = engine.backend
+            on_gpu = be.from_host(pinned)
+
+            def device_run() -> None:
+                engine.run_batch(on_gpu, batch)
+                be.stream.synchronize()
+
+            out["input_on_gpu"] = _time_batches(device_run, batch, iters)
+        out["host_array_in_mask_out"] = _time_batches(lambda: engine.run(pinned, outputs=("mask",)), batch, iters)
+        out["numpy_in_mask_out"] = _time_batches(lambda: engine.run(plain, outputs=("mask",)), batch, iters)
+        reference = out.get("input_on_gpu", out["host_array_in_mask_out"])
+        out["reference_img_s"] = reference["img_s"]
+        for k, v in out.items():
+            if isinstance(v, dict):
+                print(f"[engine] batch {batch}, {k}: {v['median_ms']:.3f} ms = {v['img_s']:.1f} img/s")
+        return out, mask
+    finally:
+        engine.close()
+
+
+def _time_batches(fn: Any, batch: int, iters: int) -> dict[str, float]:
+    for _ in range(10):
+        fn()
+    ms = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        ms.append((time.perf_counter() - t0) * 1e3)
+    median = statistics.median(ms)
+    return {
+        "median_ms": round(median, 3),
+        "p90_ms": round(float(np.percentile(ms, 90)), 3),
+        "img_s": round(batch * 1e3 / median, 1),
+    }
+
+
+# -- 2. the CPU stages of one request ---------------------------------------------------------------
+
+
+def stages(png: bytes, jpg: bytes, mask: np.ndarray) -> dict[str, Any]:
+    """ms per call on one thread; requests' image work per second on 1, 4, 8 and all-core threads."""
+    from dualtrack.serve import imaging
+
+    img = imaging.decode_image(png)
+    row = np.zeros((img.height, img.width, 3), np.uint8)
+    mask = imaging.mask_to_size(mask, img.height, img.width)
+
+    def export() -> None:
+        row[:] = imaging.to_model_input(img, img.height, img.width)
+
+    one = {
+        "decode_png": _per_call_ms(lambda: imaging.decode_image(png)),
+        "decode_jpeg": _per_call_ms(lambda: imaging.decode_image(jpg)),
+        "export_into_row": _per_call_ms(export),
+        "encode_mask_png": _per_call_ms(lambda: imaging.encode_mask_png(mask)),
+        "class_counts": _per_call_ms(lambda: imaging.class_counts(mask, 2)),
+    }
+
+    def png_request() -> None:  # all of a PNG -> PNG request's image work
+        row[:] = imaging.to_model_input(imaging.decode_image(png), img.height, img.width)
+        imaging.encode_mask_png(mask)
+
+    def json_request() -> None:
+        row[:] = imaging.to_model_input(imaging.decode_image(jpg), img.height, img.width)
+        imaging.class_counts(mask, 2)
+
+    scaling = {}
+    for name, fn in (("png_request", png_request), ("json_request", json_request)):
+        scaling[name] = {str(n): _throughput(fn, n) for n in sorted({1, 4, 8, len(os.sched_getaffinity(0))})}
+    for k, v in one.items():
+        print(f"[stages] {k}: {v:.3f} ms")
+    for name, by_threads in scaling.items():
+        print(f"[stages] {name}: image work per second, by threads: {by_threads}")
+    return {"one_thread_ms": one, "ops_per_s_by_threads": scaling}
+
+
+def _per_call_ms(fn: Any, seconds: float = 0.5) -> float:
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        n += 1
+    return round((time.perf_counter() - t0) / n * 1e3, 3)
+
+
+def _throughput(fn: Any, threads: int, seconds: float = 1.5) -> float:
+    stop = time.perf_counter() + seconds
+    counts = [0] * threads
+
+    def work(i: int) -> None:
+        while time.perf_counter() < stop:
+            fn()
+            counts[i] += 1
+
+    pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    t0 = time.perf_counter()
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    return round(sum(counts) / (time.perf_counter() - t0), 1)
+
+
+# -- 3. the service under load ------------------------------------------------------------------------
+
+
+def under_load(args: argparse.Namespace, reference_img_s: float) -> tuple[list[dict[str, Any]], str]:
+    """The cases on `dualtrack serve`; then, with --switch-interval-ms, JPEG -> JSON on a second
+    server whose GIL switch interval is that (how much the engine thread waits for the GIL)."""
+    png, jpg = args.png.read_bytes(), args.jpg.read_bytes()
+    cases = [
+        ("png_in_png_out", png, "/v1/segment", "image/png"),
+        ("jpeg_in_json_out", jpg, "/v1/segment?format=json", "image/jpeg"),
+        ("tiny_jpeg_in_json_out", _tiny_jpeg(args.jpg), "/v1/segment?format=json", "image/jpeg"),
+    ]
+    results, metrics_text = _serve_and_load(args, reference_img_s, cases, {})
+    if args.switch_interval_ms:
+        ms = args.switch_interval_ms
+        env = {_SWITCH_ENV: str(ms / 1e3)}
+        more, _ = _serve_and_load(args, reference_img_s, [(f"{cases[1][0]}_switch_{ms:g}ms", *cases[1][1:])], env)
+        results += more
+    return results, metrics_text
+
+
+def _serve_and_load(
+    args: argparse.Namespace, reference_img_s: float, cases: list[tuple[str, bytes, str, str]], env: dict[str, str]
+) -> tuple[list[dict[str, Any]], str]:
+    from dualtrack.serve.loadtest import run_loadtest
+
+    cmd = [sys.executable, __file__, "--child", "serve", str(args.bundle), "--device", args.device]
+    cmd += ["--port", str(PORT), "--log-level", "warning", *args.serve_arg]
+    log = io.StringIO()
+    server = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env}
+    )
+    reader = threading.Thread(target=lambda: [log.write(line) for line in server.stdout], daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    base = f"http://127.0.0.1:{PORT}"
+    results = []
+    try:
+        t0 = time.monotonic()
+        _wait_ready(base, server)
+        print(f"[serve] ready after {time.monotonic() - t0:.1f} s {env or ''}")
+        for name, body, path, content_type in cases:
+            run_loadtest(base + path, body, content_type=content_type, concurrency=CLIENTS, requests=400)  # warm
+            before, cpu0, usage0 = _metrics(base), _thread_cpu(server.pid), resource.getrusage(resource.RUSAGE_SELF)
+            rep = run_loadtest(
+                base + path,
+                body,
+                content_type=content_type,
+                concurrency=CLIENTS,
+                requests=10**6,
+                duration_s=args.duration_s,
+            )
+            after, cpu1, usage1 = _metrics(base), _thread_cpu(server.pid), resource.getrusage(resource.RUSAGE_SELF)
+            for line in rep.lines():
+                print(f"[{name}] {line}")
+            ok = max(rep.ok, 1)
+            client_s = usage1.ru_utime + usage1.ru_stime - usage0.ru_utime - usage0.ru_stime
+            server_s = {k: cpu1[k] - cpu0.get(k, 0) for k in cpu1 if cpu1[k] > cpu0.get(k, 0)}
+            server_ms = {k: round(v * 1e3 / ok, 3) for k, v in server_s.items()}
+            batches = after["batches"] - before["batches"]
+            entry = {
+                "case": name,
+                "image_bytes": len(body),
+                "report": rep.to_json(),
+                "ratio": round(rep.throughput_rps / reference_img_s, 4),
+                "cpu_ms_per_request": {"client": round(client_s * 1e3 / ok, 3), "server": server_ms},
+                "server_cpu_ms_per_request": round(sum(server_ms.values()), 3),
+                "cores_busy": {
+                    "client": round(client_s / rep.elapsed_s, 2),
+                    **{k: round(v / rep.elapsed_s, 2) for k, v in server_s.items()},
+                },
+                "batches": {
+                    "count": batches,
+                    "mean_rows": _ratio(after["rows"] - before["rows"], batches),
+                    "padded_rows": after["padded"] - before["padded"],
+                    "engine_run_mean_ms": _ratio(1e3 * (after["inference_s"] - before["inference_s"]), batches),
+                    "track_a_mean_ms": _ratio(1e3 * (after["track_a_s"] - before["track_a_s"]), batches),
+                    "track_b_mean_ms": _ratio(1e3 * (after["track_b_s"] - before["track_b_s"]), batches),
+                    "queue_wait_mean_ms": _ratio(
+                        1e3 * (after["queue_wait_s"] - before["queue_wait_s"]), after["queued"] - before["queued"]
+                    ),
+                },
+            }
+            print(f"[{name}] batches {entry['batches']}")
+            print(f"[{name}] CPU ms per request: client {entry['cpu_ms_per_request']['client']}, server {server_ms}")
+            print(f"[{name}] cores kept busy: {entry['cores_busy']}")
+            results.append(entry)
+        metrics_text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        reader.join(5)
+        tail = log.getvalue().strip().splitlines()[-15:]
+        print("[serve] server output (last lines):\n  " + "\n  ".join(tail))
+    return results, metrics_text
+
+
+def _tiny_jpeg(jpg: Path) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    with Image.open(jpg) as img:
+        img.convert("RGB").resize((64, 64)).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def _wait_ready(base: str, server: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"`dualtrack serve` exited with {server.returncode} before it was ready")
+        try:
+            if urllib.request.urlopen(f"{base}/readyz", timeout=5).status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("`dualtrack serve` was not ready within 300 s")
+
+
+_SAMPLES = {
+    "batches": "dualtrack_batch_size_count",
+    "rows": "dualtrack_batch_size_sum",
+    "padded": "dualtrack_padded_rows_total",
+    "inference_s": "dualtrack_inference_seconds_sum",
+    "queue_wait_s": "dualtrack_queue_wait_seconds_sum",
+    "queued": "dualtrack_queue_wait_seconds_count",
+    "track_a_s": 'dualtrack_track_seconds_sum{track="a"}',
+    "track_b_s": 'dualtrack_track_seconds_sum{track="b"}',
+}
+
+
+def _metrics(base: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+    out = {}
+    for key, name in _SAMPLES.items():
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+        out[key] = float(match.group(1)) if match else 0.0
+    return out
+
+
+def _thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds by thread name (the event loop is the process's main thread)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: collections.Counter[str] = collections.Counter()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        stat = _read(f"/proc/{pid}/task/{tid}/stat")
+        try:
+            name = "event loop" if tid == str(pid) else stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            out[name.rstrip("_0123456789")] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        except (ValueError, IndexError):  # the thread ended while being read
+            continue
+    return dict(out)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    ref = report["engine"]["reference_img_s"]
+    print(f"\nengine alone, batch {report['engine']['batch']}: {ref:.1f} img/s (the reference)")
+    for entry in report["loadtests"]:
+        rep = entry["report"]
+        print(
+            f"{entry['case']:30s} {rep['throughput_rps']:8.1f} req/s = {100 * entry['ratio']:5.1f}% of the engine   "
+            f"p50 {rep['latency_ms'].get('p50', 0):.1f} ms   errors {rep['errors'] or 'none'}   "
+            f"server CPU {entry['server_cpu_ms_per_request']:.2f} ms/req"
+        )
+
+
+def _child(argv: list[str]) -> None:
+    """`dualtrack` with each Python thread's name given to its OS thread, so /proc tells them apart."""
+    libc = ctypes.CDLL(None)
+    run = threading.Thread.run
+
+    def named_run(self: threading.Thread) -> None:
+        libc.prctl(15, self.name.replace(" ", "-")[:15].encode(), 0, 0, 0)  # 15: PR_SET_NAME
+        run(self)
+
+    threading.Thread.run = named_run  # type: ignore[method-assign]
+    if os.environ.get(_SWITCH_ENV):
+        sys.setswitchinterval(float(os.environ[_SWITCH_ENV]))
+    from dualtrack.cli import main as dualtrack
+
+    dualtrack(argv)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        _child(sys.argv[2:])
+    else:
+        main()

@@ -1,0 +1,485 @@
+// 3x3 convolution, stride 1, padding 1, NHWC fp16, fused bias + ReLU, for Hopper (sm_90a):
+// TMA (cp.async.bulk.tensor) loads into a multi-stage mbarrier pipeline, wgmma.mma_async with
+// both operands in shared memory, fp32 accumulators in registers.
+//
+//   y[n,h,w,k] = act(bias[k] + sum_{r,s,c} x[n,h+r-1,w+s-1,c] * w[k,r,s,c])
+//
+// Implicit GEMM: M = output pixels, N_gemm = K output channels, K_gemm = 9*C, walked tap-major
+// (for each tap (r,s), the C input channels in BK-wide blocks: 9 * ceil(C/BK) k-blocks).
+//
+// Tiling. A CTA owns BM = 64*MT*WGS output pixels of ONE image, laid out as a TH x TW spatial tile
+// (TW = 2^tw_log2 columns, TH = BM/TW rows; the host picks TW), times BN output channels.
+//   * A (pixels x channels) for tap (r,s) and channel block c0 is ONE 4-D TMA box
+//     (BK channels, TW columns, TH rows, 1 image) of the input tensor map (dims C, W, H, N; strides
+//     ldx, W*ldx, H*W*ldx elements) at coordinates (c0, w0+s-1, h0+r-1, n). TMA writes zeros for
+//     every element outside the tensor -- that IS the zero padding of the convolution (negative
+//     coordinates included), and also the channel tail when C is not a multiple of BK and the
+//     rows/columns of a tile that hang over the image edge. In shared memory the box is BM rows
+//     of BK*2 bytes, row p = tile pixel (p / TW, p % TW): a plain K-major A tile.
+//   * B for the same k-block is a 2-D TMA box (BK, BN) of the packed weights viewed as a
+//     (K, 9*C) matrix at (tap*C + c0, n0): BN rows (output channels) of BK*2 bytes, K-major.
+//     Past the end of a tap (c0+BK > C) it reads the next tap's weights, which multiply the zeros
+//     TMA put into A's channel tail, so the sum is still right.
+//   * Rows are BK*2 bytes = the swizzle span: BK = 64 -> 128-byte swizzle, BK = 32 (C = 32
+//     layers) -> 64-byte swizzle. TMA and wgmma agree on the layout when each tile starts on a
+//     1024-byte boundary (all tile sizes here are multiples of 1024 bytes): both XOR the 16-byte
+//     chunk index (address bits 4-6, or 4-5) with the 128-byte line index (bits 7-9, or 7-8).
+//     The wgmma descriptor: start address >> 4, leading byte offset 1 (unused for swizzled
+//     K-major), stride byte offset = 8 rows * row bytes (1024 or 512) between 8-row core-matrix
+//     groups, base offset 0, swizzle code 1 (128B) or 2 (64B). The k16 step inside a row adds
+//     32 bytes to the start address (the hardware applies the swizzle after adding).
+//
+// Warp roles (32*(4*WGS+1) threads: 288 for two consumer warpgroups, 160 for one): warps
+// 4g..4g+3 = consumer warpgroup g, tile rows [64*MT*g, 64*MT*(g+1)); the last warp = producer
+// (one lane issues all TMA). A consumer warpgroup issues, per k-block, BK/16 x MT
+// wgmma.m64nBNk16 (A and B from shared memory by descriptor; transpose bits 0: both K-major).
+// WGS = 1 halves the tile for layers with few pixels (the U-Net bottleneck at N=1 has 1024).
+//
+// Pipeline. STAGES stages of (A tile, B tile); full[s] (count 1: the producer's
+// arrive.expect_tx of the stage's bytes; TMA's complete_tx finishes the phase) and empty[s]
+// (count 4*WGS: lane 0 of every consumer warp). The producer waits empty[s] with parity phase^1
+// (a fresh barrier's "previous phase" counts as complete, so the first round does not block),
+// consumers wait full[s] with parity phase; phase flips when the stage index wraps. Consumers
+// keep one wgmma group in flight: after committing k-block kb they wait_group 1, which retires
+// kb-1, and only then release kb-1's stage. TMA writes and wgmma reads are both async-proxy
+// accesses ordered by the mbarriers, and no thread writes a pipeline stage with ordinary
+// stores, so no fence.proxy.async is needed in the main loop.
+//
+// Epilogue. After wait_group 0 and a barrier over all consumer threads (no wgmma still
+// reads the pipeline's shared memory), each warpgroup adds the bias, applies ReLU, rounds to
+// fp16 and stages its 64*MT x BN tile in shared memory (rows padded by 16 bytes: conflict-free),
+// then writes whole 16-byte chunks of consecutive channels to y at pixel*ldy + channel, so y
+// may be a channel slice of a wider (concat) buffer. Pixels outside the image and channels
+// >= K are not written.
+//
+// Watchdog. Every mbarrier wait that does not succeed at once polls %globaltimer; after
+// CONV_WGMMA_WATCHDOG_NS it records (what, block, thread, k-block, stage, parity) in `status`
+// (int[8], device memory, zeroed by the host; may be null -> trap) and the thread leaves its
+// loop, so a wrong transaction count or parity shows up as a report instead of a hang. Other
+// threads see status[0] != 0 in their slow path and give up too. The fast path is one
+// try_wait, as without a watchdog.
+//
+// Configurations are not set here: the host passes -DCONV_WGMMA_ENTRIES="CONV_WGMMA_ENTRY(BN,
+// MT, WGS, BK, STAGES, MIN_BLOCKS) ..." (bench/wgmma/conv_plan.py: CONFIGS), so the launch
+// geometry and the code cannot disagree. Entry names: conv3x3_wgmma_bn<BN>_mt<MT>_wg<WGS>_bk<BK>.
+//
+// No #include: NVRTC builds this with no toolkit headers. fp16 values are raw bits.
+
+#if !defined(CONV_WGMMA_ENTRIES)
+#error "configurations come from bench/wgmma/conv_plan.py: build with bench/wgmma/build.py"
+#endif
+
+#ifndef CONV_WGMMA_WATCHDOG_NS
+#define CONV_WGMMA_WATCHDOG_NS 2000000000ull  // 2 s: far above any legitimate wait
+#endif
+
+typedef unsigned short f16;  // raw IEEE binary16 bits
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// CUtensorMap as cuTensorMapEncodeTiled fills it: 128 opaque bytes, 64-byte aligned.
+struct __align__(64) TensorMap {
+    u64 opaque[16];
+};
+
+namespace wg {
+
+enum : int {
+    ALIGN = 1024,  // 128-byte swizzle pattern repeat; TMA boxes and wgmma tiles start on it
+};
+
+// Watchdog report codes (status[1]).
+enum : int { WAIT_FULL = 1, WAIT_EMPTY = 2 };
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ u64 globaltimer() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// ---- mbarrier ---------------------------------------------------------------------------------
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
+    u32 ok;
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return ok != 0;
+}
+
+__device__ __forceinline__ int ld_volatile(const int* p) {
+    int v;
+    asm volatile("ld.volatile.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Slow path of mbar_wait. Inlined: a call (even to a device function) makes ptxas serialize
+// every wgmma of the kernel (C7509 "presence of Extern calls").
+__device__ __forceinline__ bool mbar_wait_slow(u32 bar, u32 parity, int* status, int what, int kb, int stage) {
+    const u64 t0 = globaltimer();
+    for (;;) {
+        if (mbar_try_wait(bar, parity)) return true;
+        if (status != nullptr && ld_volatile(status) != 0) return false;  // someone else gave up
+        if (globaltimer() - t0 > CONV_WGMMA_WATCHDOG_NS) {
+            if (status == nullptr) asm volatile("trap;");
+            int old;
+            asm volatile("atom.global.cas.b32 %0, [%1], 0, 1;" : "=r"(old) : "l"(status) : "memory");
+            if (old == 0) {
+                status[1] = what;
+                status[2] = static_cast<int>(blockIdx.x);
+                status[3] = static_cast<int>(threadIdx.x);
+                status[4] = kb;
+                status[5] = stage;
+                status[6] = static_cast<int>(parity);
+                asm volatile("membar.sys;" ::: "memory");
+            }
+            return false;
+        }
+    }
+}
+
+// Wait until the phase of `bar` with parity `parity` has completed. False: the watchdog fired.
+__device__ __forceinline__ bool mbar_wait(u32 bar, u32 parity, int* status, int what, int kb, int stage) {
+    if (mbar_try_wait(bar, parity)) return true;
+    return mbar_wait_slow(bar, parity, status, what, kb, stage);
+}
+
+// ---- TMA --------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void tma_prefetch(const TensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
+}
+
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, u32 bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+        ::"r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, u32 bar, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];"
+        ::"r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+
+// ---- wgmma ------------------------------------------------------------------------------------
+
+// Shared-memory matrix descriptor of a K-major swizzled tile whose rows are `row_bytes` (64 or
+// 128 = the swizzle span) long: start address >> 4 (bits 0-13), leading byte offset 1 (bits
+// 16-29; unused for swizzled K-major), stride byte offset = 8 rows >> 4 (bits 32-45), base offset
+// 0 (bits 49-51: tiles are 1024-aligned), swizzle mode (bits 62-63: 1 = 128B, 2 = 64B).
+__device__ __forceinline__ u64 smem_desc(u32 addr, u32 row_bytes) {
+    const u64 swizzle = row_bytes == 128 ? 1ull : 2ull;
+    return static_cast<u64>((addr & 0x3FFFFu) >> 4) | (1ull << 16) | (static_cast<u64>((8u * row_bytes) >> 4) << 32) |
+           (swizzle << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma region.
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define WG_REGS_16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define WG_REGS_32 WG_REGS_16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define WG_REGS_64                                                                                                 \
+    WG_REGS_32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"                   \
+               ", %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define WG_REGS_128                                                                                                \
+    WG_REGS_64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"                   \
+               ", %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"                   \
+               ", %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111"       \
+               ", %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+
+#define WG_D8(i) \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define WG_D16(i) WG_D8(i), WG_D8(i + 8)
+#define WG_D32(i) WG_D16(i), WG_D16(i + 16)
+#define WG_D64(i) WG_D32(i), WG_D32(i + 32)
+#define WG_D128(i) WG_D64(i), WG_D64(i + 64)
+
+// D(64 x BN, fp32) += A(64 x 16, K-major smem) * B(16 x BN, K-major smem): scale-d = 1,
+// scale-a = scale-b = 1, no transpose.
+#define WG_MMA(NREG, BN_, DA, DB, SCALE, REGS, OPS)                                                       \
+    __device__ __forceinline__ void mma(float (&d)[NREG], u64 da, u64 db) {                              \
+        asm volatile("{\n"                                                                              \
+                     ".reg .pred p;\n"                                                                  \
+                     "setp.ne.b32 p, " SCALE ", 0;\n"                                                   \
+                     "wgmma.mma_async.sync.aligned.m64n" #BN_ "k16.f32.f16.f16 {" REGS "}, " DA ", " DB  \
+                     ", p, 1, 1, 0, 0;\n"                                                               \
+                     "}\n"                                                                              \
+                     : OPS                                                                               \
+                     : "l"(da), "l"(db), "r"(1));                                                        \
+    }
+
+// Operand numbers: the NREG accumulators come first, then the two descriptors and scale-d.
+WG_MMA(16, 32, "%16", "%17", "%18", WG_REGS_16, WG_D16(0))
+WG_MMA(32, 64, "%32", "%33", "%34", WG_REGS_32, WG_D32(0))
+WG_MMA(64, 128, "%64", "%65", "%66", WG_REGS_64, WG_D64(0))
+WG_MMA(128, 256, "%128", "%129", "%130", WG_REGS_128, WG_D128(0))
+
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+    // cvt.rn.f16x2.f32 d, a, b puts a in the upper half and b in the lower half.
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Named barrier with a compile-time id (a run-time id makes ptxas reserve all 16 barriers).
+template <int ID, int THREADS_>
+__device__ __forceinline__ void named_barrier() {
+    asm volatile("bar.sync %0, %1;" ::"n"(ID), "n"(THREADS_) : "memory");
+}
+
+// ---- the kernel body --------------------------------------------------------------------------
+
+template <int BN_, int MT_, int WGS_, int BK_, int STAGES_>
+struct Cfg {
+    enum : int {
+        BN = BN_,
+        MT = MT_,        // m64 blocks per consumer warpgroup
+        WGS = WGS_,      // consumer warpgroups (1 or 2)
+        BK = BK_,        // channels per k-block = one swizzled row
+        STAGES = STAGES_,
+        CONSUMER_WARPS = 4 * WGS,
+        THREADS = 32 * (CONSUMER_WARPS + 1),  // + the producer warp
+        BM = WGS * 64 * MT,  // tile pixels
+        ROW_BYTES = 2 * BK,
+        A_BYTES = BM * ROW_BYTES,
+        B_BYTES = BN * ROW_BYTES,
+        STAGE_BYTES = A_BYTES + B_BYTES,
+        NREG = BN / 2,  // fp32 accumulators per thread per m64 block
+        EPI_PITCH = BN + 8,  // staged output row, halves (+16 bytes: conflict-free)
+        SMEM_BYTES = STAGES * STAGE_BYTES + ALIGN,  // dynamic shared memory the host must pass
+    };
+    static_assert(BK == 32 || BK == 64, "rows must be one 64- or 128-byte swizzle span");
+    static_assert(BN == 32 || BN == 64 || BN == 128 || BN == 256, "wgmma N instantiated for 32..256");
+    static_assert(MT == 1 || MT == 2, "one or two m64 blocks per warpgroup");
+    static_assert(WGS == 1 || WGS == 2, "one or two consumer warpgroups");
+    static_assert(A_BYTES % ALIGN == 0 && B_BYTES % ALIGN == 0, "tiles must stay 1024-byte aligned");
+    static_assert(BM * EPI_PITCH * 2 <= STAGES * STAGE_BYTES, "epilogue staging reuses the pipeline");
+    static_assert(STAGES >= 2, "pipeline needs two stages or more");
+};
+
+template <class CF>
+__device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw, const float* __restrict__ bias,
+                                     f16* __restrict__ y, int N, int H, int W, int C, int K, int ldy, int relu,
+                                     int tw_log2, int* status, unsigned char* dsmem, u64* bars) {
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+
+    // Tile of this CTA: channel tile fastest, so the CTAs that share an input tile run together.
+    const int TW = 1 << tw_log2;
+    const int TH = CF::BM >> tw_log2;
+    const int tiles_w = (W + TW - 1) >> tw_log2;
+    const int tiles_h = (H + TH - 1) / TH;
+    const int n_tiles = (K + CF::BN - 1) / CF::BN;
+    int t = static_cast<int>(blockIdx.x);
+    const int nt = t % n_tiles;
+    t /= n_tiles;
+    const int tw = t % tiles_w;
+    t /= tiles_w;
+    const int th = t % tiles_h;
+    const int img = t / tiles_h;
+    const int n0 = nt * CF::BN;
+    const int w0 = tw * TW;
+    const int h0 = th * TH;
+
+    const u32 raw = smem_u32(dsmem);
+    const u32 base = (raw + ALIGN - 1) & ~static_cast<u32>(ALIGN - 1);
+    const u32 full0 = smem_u32(bars);                  // full[s]  at full0 + 8*s
+    const u32 empty0 = full0 + 8 * CF::STAGES;         // empty[s] at empty0 + 8*s
+    const int cblocks = (C + CF::BK - 1) / CF::BK;
+    const int num_kb = 9 * cblocks;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < CF::STAGES; ++s) {
+            mbar_init(full0 + 8 * s, 1);
+            mbar_init(empty0 + 8 * s, CF::CONSUMER_WARPS);
+        }
+        // Make the initialised barriers visible to the async proxy (TMA's complete_tx).
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == CF::CONSUMER_WARPS) {
+        // ---- producer: one lane issues every TMA load ----
+        if (lane != 0) return;
+        tma_prefetch(tmx);
+        tma_prefetch(tmw);
+        int stage = 0;
+        u32 phase = 0;
+        int kb = 0;
+        for (int tap = 0; tap < 9; ++tap) {
+            const int r = tap / 3;
+            const int s = tap - 3 * r;
+            for (int cb = 0; cb < cblocks; ++cb, ++kb) {
+                const u32 empty = empty0 + 8 * stage;
+                const u32 full = full0 + 8 * stage;
+                if (!mbar_wait(empty, phase ^ 1u, status, WAIT_EMPTY, kb, stage)) return;
+                mbar_arrive_expect_tx(full, CF::STAGE_BYTES);
+                const u32 a_dst = base + stage * CF::STAGE_BYTES;
+                const int c0 = cb * CF::BK;
+                tma_load_4d(a_dst, tmx, full, c0, w0 + s - 1, h0 + r - 1, img);
+                tma_load_2d(a_dst + CF::A_BYTES, tmw, full, tap * C + c0, n0);
+                if (++stage == CF::STAGES) {
+                    stage = 0;
+                    phase ^= 1u;
+                }
+            }
+        }
+        return;
+    }
+
+    // ---- consumers: warpgroup g computes tile rows [g*64*MT, (g+1)*64*MT) x BN channels ----
+    const int g = warp >> 2;
+    float acc[CF::MT][CF::NREG];
+#pragma unroll
+    for (int mt = 0; mt < CF::MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < CF::NREG; ++i) acc[mt][i] = 0.f;
+
+    // Descriptors of stage 0's tiles; other stages and k16 steps add (byte offset >> 4) to the
+    // start-address field (no carry out of it: shared addresses are < 2^18).
+    const u64 desc_a0 = smem_desc(base + g * CF::MT * 64 * CF::ROW_BYTES, CF::ROW_BYTES);
+    const u64 desc_b0 = smem_desc(base + CF::A_BYTES, CF::ROW_BYTES);
+
+    bool ok = true;
+    int stage = 0, prev = 0;
+    u32 phase = 0;
+    for (int kb = 0; kb < num_kb; ++kb) {
+        if (!mbar_wait(full0 + 8 * stage, phase, status, WAIT_FULL, kb, stage)) {
+            ok = false;
+            break;
+        }
+        const u64 so = static_cast<u64>((stage * CF::STAGE_BYTES) >> 4);
+#pragma unroll
+        for (int mt = 0; mt < CF::MT; ++mt) fence_regs(acc[mt]);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < CF::BK / 16; ++k) {
+#pragma unroll
+            for (int mt = 0; mt < CF::MT; ++mt) {
+                const u64 da = desc_a0 + so + static_cast<u64>((mt * 64 * CF::ROW_BYTES + k * 32) >> 4);
+                const u64 db = desc_b0 + so + static_cast<u64>((k * 32) >> 4);
+                mma(acc[mt], da, db);
+            }
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int mt = 0; mt < CF::MT; ++mt) fence_regs(acc[mt]);
+        wgmma_wait<1>();  // k-block kb-1 has retired: its stage may be refilled
+        if (kb > 0 && lane == 0) mbar_arrive(empty0 + 8 * prev);
+        prev = stage;
+        if (++stage == CF::STAGES) {
+            stage = 0;
+            phase ^= 1u;
+        }
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int mt = 0; mt < CF::MT; ++mt) fence_regs(acc[mt]);
+
+    // Every consumer is past its last wgmma: the pipeline's shared memory can be reused.
+    named_barrier<1, 32 * CF::CONSUMER_WARPS>();
+    if (!ok) return;
+
+    // ---- epilogue: bias + ReLU, fp16, staged per warpgroup, 16-byte stores ----
+    const int wl = warp & 3;  // warp within the warpgroup: accumulator rows 16*wl .. +15
+    f16* tile = reinterpret_cast<f16*>(dsmem + (base - raw)) + g * (CF::MT * 64 * CF::EPI_PITCH);
+#pragma unroll
+    for (int j = 0; j < CF::BN / 8; ++j) {
+        const int col = 8 * j + 2 * (lane & 3);
+        const int k = n0 + col;
+        const float b0 = (bias != nullptr && k < K) ? bias[k] : 0.f;
+        const float b1 = (bias != nullptr && k + 1 < K) ? bias[k + 1] : 0.f;
+#pragma unroll
+        for (int mt = 0; mt < CF::MT; ++mt) {
+            const int row = mt * 64 + 16 * wl + (lane >> 2);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float v0 = acc[mt][4 * j + 2 * half] + b0;
+                float v1 = acc[mt][4 * j + 2 * half + 1] + b1;
+                if (relu) {
+                    v0 = fmaxf(v0, 0.f);
+                    v1 = fmaxf(v1, 0.f);
+                }
+                *reinterpret_cast<u32*>(tile + (row + 8 * half) * CF::EPI_PITCH + col) = pack_f16x2(v0, v1);
+            }
+        }
+    }
+    if (g == 0)
+        named_barrier<2, 128>();
+    else
+        named_barrier<3, 128>();
+
+    constexpr int CHUNKS = CF::BN / 8;  // 16-byte chunks per staged row
+    const int tid = threadIdx.x & 127;
+    for (int i = tid; i < CF::MT * 64 * CHUNKS; i += 128) {
+        const int row = i / CHUNKS;
+        const int q = i - row * CHUNKS;
+        const int p = g * CF::MT * 64 + row;  // tile pixel
+        const int h = h0 + (p >> tw_log2);
+        const int w = w0 + (p & (TW - 1));
+        const int k = n0 + 8 * q;
+        if (h >= H || w >= W || k >= K) continue;
+        f16* dst = y + ((static_cast<long long>(img) * H + h) * W + w) * ldy + k;
+        const f16* src = tile + row * CF::EPI_PITCH + 8 * q;
+        if (k + 8 <= K) {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+            for (int e = 0; e < K - k; ++e) dst[e] = src[e];
+        }
+    }
+}
+
+}  // namespace wg
+
+// One entry per configuration. Parameters (cuLaunchKernel order): tensor map of x, tensor map of
+// w, bias (fp32, may be null), y, N, H, W, C, K, ldy, relu, tw_log2, status (int[8] or null).
+// Grid: (N * ceil(H/TH) * ceil(W/TW) * ceil(K/BN), 1, 1); block: 32*(4*WGS+1); dynamic shared
+// memory: STAGES * (BM + BN) * BK * 2 + 1024 bytes.
+#define CONV_WGMMA_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS)                                               \
+    extern "C" __global__ void __launch_bounds__(32 * (4 * (WGS) + 1), MIN_BLOCKS)                          \
+        conv3x3_wgmma_bn##BN##_mt##MT##_wg##WGS##_bk##BK(                                                   \
+            const __grid_constant__ TensorMap tmx, const __grid_constant__ TensorMap tmw,                    \
+            const float* __restrict__ bias, f16* __restrict__ y, int N, int H, int W, int C, int K, int ldy, \
+            int relu, int tw_log2, int* status) {                                                           \
+        extern __shared__ __align__(1024) unsigned char dsmem[];                                            \
+        __shared__ u64 bars[2 * (STAGES)];                                                                  \
+        wg::conv<wg::Cfg<BN, MT, WGS, BK, STAGES>>(&tmx, &tmw, bias, y, N, H, W, C, K, ldy, relu, tw_log2,  \
+                                              status, dsmem, bars);                                         \
+    }
+
+CONV_WGMMA_ENTRIES

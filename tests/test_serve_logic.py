@@ -1,0 +1,276 @@
+"""The service's parts without a model: the mask PNG writer, the batcher's input arrays, the load
+test client's HTTP reading. (tests/test_serve.py runs the whole service over HTTP.)"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dualtrack.errors import ConfigError
+from dualtrack.plan import TensorSpec
+from dualtrack.serve import Batcher, ServeOptions, imaging
+from dualtrack.serve.loadtest import run_loadtest
+
+WAIT_S = 30.0
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng()
+
+
+# --- mask PNG ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (9, 1), (50, 80), (512, 512), (333, 1001)])
+def test_mask_png_decodes_to_the_mask(rng, shape) -> None:
+    mask = rng.integers(0, 256, shape, dtype=np.uint8)
+    mask[: shape[0] // 2] = 1  # runs as well as noise
+    png = imaging.encode_mask_png(mask)
+    with Image.open(io.BytesIO(png)) as img:
+        img.verify()  # chunk CRCs and structure, as Pillow checks them
+    with Image.open(io.BytesIO(png)) as img:
+        assert (img.format, img.mode, img.size) == ("PNG", "L", (shape[1], shape[0]))
+    np.testing.assert_array_equal(imaging.decode_mask_png(png), mask)
+
+
+def test_mask_png_of_a_strided_view(rng) -> None:
+    batch = rng.integers(0, 3, (4, 30, 40), dtype=np.uint8)
+    view = batch[1, ::2, 1::3]  # not contiguous
+    np.testing.assert_array_equal(imaging.decode_mask_png(imaging.encode_mask_png(view)), view)
+
+
+def test_model_input_is_the_bilinear_resize(rng) -> None:
+    img = Image.fromarray(rng.integers(0, 256, (50, 70, 3), dtype=np.uint8))
+    x = imaging.to_model_input(img, 64, 32)
+    assert x.shape == (64, 32, 3) and x.dtype == np.uint8
+    np.testing.assert_array_equal(x, np.asarray(img.resize((32, 64), Image.Resampling.BILINEAR)))
+
+
+def test_exif_orientation_is_applied(rng) -> None:
+    pixels = rng.integers(0, 256, (20, 30, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90° clockwise to display
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG", exif=exif.tobytes())
+    img = imaging.decode_image(buf.getvalue())
+    assert img.size == (20, 30)
+    np.testing.assert_array_equal(np.asarray(img), np.rot90(pixels, k=-1))
+
+
+def test_image_threads_option() -> None:
+    assert ServeOptions(image_threads=3).threads == 3
+    assert ServeOptions().threads >= 1
+    with pytest.raises(ConfigError, match=r"image_threads=-1 is invalid"):
+        ServeOptions(image_threads=-1)
+
+
+# --- batcher -------------------------------------------------------------------------------------
+
+
+class FakeEngine:
+    """The engine surface the batcher uses; records every input it runs and hands out host arrays."""
+
+    def __init__(self, batch_sizes: tuple[int, ...] = (1, 4), hold: threading.Event | None = None) -> None:
+        self.input_spec = TensorSpec("image", (1, 4, 5, 3), "uint8")
+        self.output_specs = (TensorSpec("mask", (1, 4, 5), "uint8"),)
+        self.batch_sizes = batch_sizes
+        self.device = "cpu"
+        self.last_timings: dict[str, float] = {}
+        self.inputs: list[np.ndarray] = []
+        self.host_arrays: list[np.ndarray] = []
+        self.hold = hold
+
+    def host_array(self, n: int) -> np.ndarray:
+        x = np.zeros((n, 4, 5, 3), np.uint8)
+        self.host_arrays.append(x)
+        return x
+
+    def run(self, x: np.ndarray, outputs: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+        if self.hold is not None:
+            assert self.hold.wait(WAIT_S)
+        self.inputs.append(x.copy())
+        assert any(np.shares_memory(x, a) for a in self.host_arrays), "the batch is not one of the host arrays"
+        return {"mask": x[..., 0].copy()}  # the mask of an image is its red channel
+
+    def warmup(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@contextmanager
+def batcher_of(engine: FakeEngine, delay_s: float = 0.2, max_queue: int = 16) -> Iterator[Batcher]:
+    b = Batcher(engine, max_batch_delay_s=delay_s, max_queue=max_queue)
+    b.start()
+    deadline = time.monotonic() + WAIT_S
+    while b.phase.value != "ready":
+        assert time.monotonic() < deadline, b.error
+        time.sleep(0.01)
+    try:
+        yield b
+    finally:
+        assert b.close(WAIT_S)
+
+
+def _image(value: int) -> np.ndarray:
+    return np.full((4, 5, 3), value, np.uint8)
+
+
+def test_batch_rows_are_written_into_host_arrays_and_pad_rows_are_zero() -> None:
+    engine = FakeEngine()
+    with batcher_of(engine) as b, ThreadPoolExecutor(3) as pool:
+        # Three at once: one batch of 3, run at the compiled size 4 with one pad row.
+        futures = list(pool.map(b.submit, [_image(v) for v in (7, 8, 9)]))
+        results = [f.result(WAIT_S) for f in futures]
+        assert sorted(int(r.mask[0, 0]) for r in results) == [7, 8, 9]
+        assert {(r.batch_size, r.padded_size) for r in results} == {(3, 4)}
+        # Then one alone: batch size 1, and the host array of 4 rows it reuses held the earlier images.
+        alone = b.submit(_image(5)).result(WAIT_S)
+        assert (alone.batch_size, alone.padded_size, int(alone.mask[0, 0])) == (1, 1, 5)
+    assert [len(x) for x in engine.inputs] == [4, 1]
+    assert not engine.inputs[0][3].any(), "the pad row is not zeros"
+    assert len(engine.host_arrays) <= 2
+
+
+def test_submit_copies_the_image(rng) -> None:
+    engine = FakeEngine(batch_sizes=(1,))
+    with batcher_of(engine, delay_s=0.0) as b:
+        image = _image(3)
+        future = b.submit(image)
+        image[:] = 200  # the caller reuses its buffer at once
+        assert int(future.result(WAIT_S).mask[0, 0]) == 3
+
+
+def test_cancelled_request_gives_up_its_row() -> None:
+    hold = threading.Event()
+    engine = FakeEngine(hold=hold)
+    with batcher_of(engine, delay_s=0.0) as b:
+        first = b.submit(_image(1))  # runs alone, held in engine.run until `hold` is set
+        while not first.running():
+            time.sleep(0.005)
+        queued = [b.submit(_image(v)) for v in (2, 3, 4)]  # the next batch, formed while the first runs
+        assert queued[1].cancel()
+        hold.set()
+        assert int(first.result(WAIT_S).mask[0, 0]) == 1
+        assert [int(f.result(WAIT_S).mask[0, 0]) for f in (queued[0], queued[2])] == [2, 4]
+        assert queued[2].result(WAIT_S).batch_size == 2
+    assert [row[0, 0, 0] for row in engine.inputs[1]] == [2, 4, 0, 0]
+
+
+def test_queue_limit_counts_requests_not_batches() -> None:
+    hold = threading.Event()
+    engine = FakeEngine(hold=hold)
+    with batcher_of(engine, delay_s=0.0, max_queue=5) as b:
+        running = b.submit(_image(1))
+        while not running.running():
+            time.sleep(0.005)
+        waiting = [b.submit(_image(v)) for v in range(5)]  # two batches: 4 rows and 1
+        assert b.depth == 5
+        with pytest.raises(Exception, match="queue is full"):
+            b.submit(_image(9))
+        hold.set()
+        assert [f.result(WAIT_S).batch_size for f in waiting] == [4, 4, 4, 4, 1]
+        assert b.depth == 0
+
+
+# --- load test client ----------------------------------------------------------------------------
+
+
+@contextmanager
+def raw_server(answer: bytes, close_after: bool = False) -> Iterator[int]:
+    """A loopback HTTP server that reads each request (Content-Length body) and sends ``answer`` as is."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    loop = asyncio.new_event_loop()
+    handlers: set[asyncio.Task[None]] = set()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.add(task)
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).lower()
+                length = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                writer.write(answer)
+                await writer.drain()
+                if close_after:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    async def stop() -> None:
+        server.close()
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+
+    server = loop.run_until_complete(asyncio.start_server(handle, sock=sock))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield port
+    finally:
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(WAIT_S)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(WAIT_S)
+        loop.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "close_after"),
+    [
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello", False),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nhel\r\n2;x=y\r\nlo\r\n0\r\n\r\n", False),
+        (b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nhello until the end", True),
+        (b"HTTP/1.0 200 OK\r\ncontent-length: 5\r\n\r\nhello", True),
+    ],
+    ids=["content-length", "chunked", "close-delimited", "http-1.0"],
+)
+def test_loadtest_reads_every_answer_framing(answer: bytes, close_after: bool) -> None:
+    with raw_server(answer, close_after) as port:
+        report = run_loadtest(f"http://127.0.0.1:{port}/", b"x" * 1000, concurrency=3, requests=30, duration_s=WAIT_S)
+    assert (report.sent, report.ok, report.errors) == (30, 30, {}), report
+
+
+def test_loadtest_counts_errors_by_status_and_exception() -> None:
+    with raw_server(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n") as port:
+        report = run_loadtest(f"http://127.0.0.1:{port}/", b"x", concurrency=2, requests=6, duration_s=WAIT_S)
+    assert (report.ok, report.errors) == (0, {"503": 6})
+    with raw_server(b"SPAM\r\n\r\n") as port:
+        report = run_loadtest(f"http://127.0.0.1:{port}/", b"x", concurrency=1, requests=2, duration_s=WAIT_S)
+    assert report.errors == {"_BadResponse": 2}
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()  # nothing listens there now
+    report = run_loadtest(f"http://127.0.0.1:{port}/", b"x", concurrency=1, requests=2, duration_s=WAIT_S)
+    assert report.errors == {"ConnectionRefusedError": 2}
+
+
+@pytest.mark.parametrize(
+    ("installed", "stack"),
+    [({"uvloop", "httptools"}, ("uvloop", "httptools")), (set(), ("asyncio", "h11")), ({"uvloop"}, ("uvloop", "h11"))],
+)
+def test_server_stack_uses_the_fast_parts_when_installed(monkeypatch, installed, stack) -> None:
+    import importlib.util
+
+    from dualtrack.serve import cli
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name in installed else None)
+    assert cli.server_stack() == stack
