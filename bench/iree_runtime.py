@@ -99,8 +99,18 @@ def main() -> int:
                 f"B {r['tracks_ms']['B']:6.3f}  segments {r['segments_ms']}"
             )
     if args.out:
+        gpu = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip()
+        name, _, driver = gpu.partition(", ")
+        doc = {
+            "gpu": name,
+            "driver": driver,
+            "commit": os.environ.get("DUALTRACK_COMMIT", "unknown"),
+            "settings": results,
+        }
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "iree_runtime.json").write_text(json.dumps(results, indent=1))
+        (args.out / "iree_runtime.json").write_text(json.dumps(doc, indent=1))
     return 0
 
 

@@ -67,6 +67,37 @@ CANDIDATES: dict[str, tuple[str, ...]] = {
         "--iree-dispatch-creation-enable-aggressive-fusion",
         "--iree-global-opt-use-im2col-for-convs",
     ),
+    # Levers on the reductions (softmax, argmax) and layout changes of the pre/post segments.
+    "O3-transposes-vecdist": (
+        "--iree-opt-level=O3",
+        "--iree-dispatch-creation-enable-aggressive-fusion",
+        "--iree-opt-aggressively-propagate-transposes",
+        "--iree-codegen-llvmgpu-use-vector-distribution",
+    ),
+    "O3-transposes-reduction-vecdist": (
+        "--iree-opt-level=O3",
+        "--iree-dispatch-creation-enable-aggressive-fusion",
+        "--iree-opt-aggressively-propagate-transposes",
+        "--iree-codegen-llvmgpu-use-reduction-vector-distribution",
+    ),
+    "O3-transposes-split-reduction": (
+        "--iree-opt-level=O3",
+        "--iree-dispatch-creation-enable-aggressive-fusion",
+        "--iree-opt-aggressively-propagate-transposes",
+        "--iree-dispatch-creation-enable-split-reduction",
+    ),
+    "O3-transposes-through-conv": (
+        "--iree-opt-level=O3",
+        "--iree-dispatch-creation-enable-aggressive-fusion",
+        "--iree-opt-aggressively-propagate-transposes",
+        "--iree-global-opt-propagate-transposes-through-conv",
+    ),
+    "O3-reshape-movement": (
+        "--iree-opt-level=O3",
+        "--iree-dispatch-creation-enable-aggressive-fusion",
+        "--iree-dispatch-creation-enable-aggressive-reshape-movement",
+    ),
+    # FACTS 11b: compiles, runs, and is WRONG on convolutions; kept so the search shows it rejected.
     "O3-direct-conv": (
         "--iree-opt-level=O3",
         "--iree-codegen-llvmgpu-use-direct-convolution",
