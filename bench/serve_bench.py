@@ -66,6 +66,13 @@ def main() -> None:
         default=0.0,
         help="also run JPEG -> JSON on a server with this GIL switch interval (Python's default: 5 ms)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="also run PNG -> PNG and JPEG -> JSON on `dualtrack serve --workers N` (N processes, each its own "
+        "engine; CPU per thread and batch statistics then describe one process only)",
+    )
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"commit": args.commit, "machine": machine(), "device": args.device}
@@ -245,16 +252,25 @@ def under_load(args: argparse.Namespace, reference_img_s: float) -> tuple[list[d
         env = {_SWITCH_ENV: str(ms / 1e3)}
         more, _ = _serve_and_load(args, reference_img_s, [(f"{cases[1][0]}_switch_{ms:g}ms", *cases[1][1:])], env)
         results += more
+    if args.workers > 1:
+        n = args.workers
+        wcases = [(f"{c[0]}_workers_{n}", *c[1:]) for c in cases[:2]]
+        more, _ = _serve_and_load(args, reference_img_s, wcases, {}, ["--workers", str(n)])
+        results += more
     return results, metrics_text
 
 
 def _serve_and_load(
-    args: argparse.Namespace, reference_img_s: float, cases: list[tuple[str, bytes, str, str]], env: dict[str, str]
+    args: argparse.Namespace,
+    reference_img_s: float,
+    cases: list[tuple[str, bytes, str, str]],
+    env: dict[str, str],
+    extra: tuple[str, ...] | list[str] = (),
 ) -> tuple[list[dict[str, Any]], str]:
     from dualtrack.serve.loadtest import run_loadtest
 
     cmd = [sys.executable, __file__, "--child", "serve", str(args.bundle), "--device", args.device]
-    cmd += ["--port", str(PORT), "--log-level", "warning", *args.serve_arg]
+    cmd += ["--port", str(PORT), "--log-level", "warning", *args.serve_arg, *extra]
     log = io.StringIO()
     server = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env}

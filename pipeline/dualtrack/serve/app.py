@@ -28,12 +28,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
@@ -64,6 +66,18 @@ _DRAIN_BYTES = 8 * 1024 * 1024
 
 class _BodyTooLarge(Exception):
     pass
+
+
+# `dualtrack serve --workers N`: the options each worker process builds its app from (JSON).
+WORKER_ENV = "DUALTRACK_SERVE_WORKER"
+
+
+def worker_app() -> Starlette:
+    """The app of one `dualtrack serve --workers N` process (a uvicorn factory): it loads the bundle
+    itself, on its batcher thread, like ``create_app(path)``."""
+    options = json.loads(os.environ[WORKER_ENV])
+    bundle = options.pop("bundle")
+    return create_app(Path(bundle), **options)
 
 
 def create_app(

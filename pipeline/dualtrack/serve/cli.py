@@ -56,6 +56,14 @@ from dualtrack.serve.options import ServeOptions
     help="Threads that decode, resize and encode images (0: one per core).",
 )
 @click.option(
+    "--workers",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="Server processes sharing the port, each with its own engine on the GPU (its own CUDA context, "
+    "batcher and /metrics); image threads are split between them.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
     default="info",
@@ -72,6 +80,7 @@ def serve(
     max_body_bytes: int,
     shutdown_timeout_s: float,
     image_threads: int,
+    workers: int,
     log_level: str,
 ) -> None:
     """Serve BUNDLE over HTTP: POST /v1/segment, /healthz, /readyz, /metrics and a web page at /.
@@ -86,6 +95,26 @@ def serve(
     from dualtrack.serve.app import create_app
 
     loop, http = server_stack()
+    if workers > 1:
+        _serve_workers(
+            bundle,
+            workers,
+            dict(
+                device=device,
+                device_index=device_index,
+                max_batch_delay_ms=max_batch_delay_ms,
+                max_queue=max_queue,
+                max_body_bytes=max_body_bytes,
+                shutdown_timeout_s=shutdown_timeout_s,
+                image_threads=image_threads or max(1, ServeOptions().threads // workers),
+            ),
+            host=host,
+            port=port,
+            log_level=log_level,
+            loop=loop,
+            http=http,
+        )
+        return
     engine = Engine.load(bundle, device=device, device_index=device_index)
     try:
         app = create_app(
@@ -108,6 +137,41 @@ def serve(
         )
     finally:
         engine.close()
+
+
+def _serve_workers(bundle: Path, workers: int, options: dict, **server: object) -> None:
+    """Run ``workers`` processes on one port (uvicorn's supervisor, spawned, SO_REUSEPORT semantics).
+
+    Each process loads the bundle on its own (CUDA contexts are per process), so one process's
+    Python work (HTTP, images, the engine's host side) never waits for another's GIL. The bundle is
+    checked here first so that a bad bundle fails once, with its own error, before any worker starts.
+    """
+    import json
+    import os
+
+    import uvicorn
+
+    from dualtrack.bundle import Bundle
+    from dualtrack.serve.app import WORKER_ENV
+
+    Bundle.open(bundle)
+    if options["device"] == "cuda":
+        from dualtrack.runtime.driver import load_driver
+
+        load_driver()  # no GPU: one DeviceError line here instead of N failing workers
+    os.environ[WORKER_ENV] = json.dumps({"bundle": str(bundle.resolve()), **options})
+    click.echo(
+        f"serving with {server['loop']} and {server['http']}, {workers} processes x "
+        f"{options['image_threads']} image threads",
+        err=True,
+    )
+    uvicorn.run(
+        "dualtrack.serve.app:worker_app",
+        factory=True,
+        workers=workers,
+        timeout_graceful_shutdown=int(options["shutdown_timeout_s"]) or None,
+        **server,  # type: ignore[arg-type]
+    )
 
 
 def server_stack() -> tuple[str, str]:
