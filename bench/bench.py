@@ -17,6 +17,8 @@ Rows (names are fixed so that result files compare across commits):
     torch_eager_cl            PyTorch eager, channels_last
     torch_compile             torch.compile mode="max-autotune-no-cudagraphs" ("default" with --skip-autotune)
     torch_compile_cudagraphs  torch.compile mode="reduce-overhead" (CUDA graphs)
+    dualtrack_mma_sync        the dualtrack bundle with DUALTRACK_WGMMA=0: every conv3x3 on the mma.sync
+                              kernel (only where the dualtrack row ran the sm_90a wgmma kernel)
 
 Timing: `median_ms` is host wall time around one synchronous call (time.perf_counter, the GPU idle
 before and drained after), the one clock that sees IREE's own streams; torch rows also record
@@ -26,7 +28,11 @@ row is flattered by a warm L2. Before a row is timed its probs are checked again
 
 `--layers` (on by default) times every Track A conv3x3 call of the dualtrack bundle alone against
 cuDNN (torch conv2d, channels_last fp16, benchmark mode) on the same shape, with CUDA events over a
-queue of launches held behind a GPU sleep so that neither side's host launch cost is counted.
+queue of launches held behind a GPU sleep so that neither side's host launch cost is counted. "Ours"
+is the kernel the engine launches for that layer and batch (`CudaBackend.prepare`: on sm_90a the
+TMA + wgmma kernel where it takes the layer); where that is the wgmma kernel, the mma.sync kernel it
+displaced is timed too (`mma_sync_ms`). The dualtrack rows record which kernel each conv ran
+(`conv3x3`, from the engine's stats) and whether the wgmma kernel was on (`wgmma`).
 
 Writes bench/results/bench-<commit10>.json and .png; prints a table last.
 """
@@ -37,6 +43,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -64,12 +71,15 @@ ROWS = (
     "torch_eager_cl",
     "torch_compile",
     "torch_compile_cudagraphs",
+    "dualtrack_mma_sync",  # last: the chart's colours of the older rows stay as they were
 )
 BUNDLE_ROWS = {  # row -> (argparse dest, config that builds its bundle)
     "dualtrack": ("bundle", "configs/unet.yaml"),
     "dualtrack_seed_split": ("seed_split_bundle", "configs/unet_seed_split.yaml"),
     "iree_only": ("iree_only_bundle", "configs/iree_only.yaml"),
+    "dualtrack_mma_sync": ("bundle", "configs/unet.yaml"),
 }
+ROW_ENV = {"dualtrack_mma_sync": {"DUALTRACK_WGMMA": "0"}}  # settings a row's engine is loaded with
 
 
 # -- small helpers ----------------------------------------------------------------------------------
@@ -130,6 +140,21 @@ def floor_ms(batch: int) -> float:
 
 def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(float(x), nd)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for a block (dualtrack reads its settings when an engine loads)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def skipped(name: str, reason: str, batches: list[int]) -> list[dict[str, Any]]:
@@ -333,10 +358,17 @@ def bench_bundle(name: str, path: Path | None, ctx: dict[str, Any]) -> list[dict
         {"segment": s.name, "track": s.track, "nodes": len(s.nodes), "first": s.nodes[0], "last": s.nodes[-1]}
         for s in bundle.plan.segments
     ]
+    if name == "dualtrack_mma_sync" and not ctx.get("wgmma_on"):
+        return skipped(name, "the dualtrack row ran no wgmma kernel: this row would repeat it", batches)
     print(f"[{name}] {path}: " + "; ".join(f"{p['segment']} {p['first']} .. {p['last']}" for p in plan))
     t0 = time.perf_counter()
-    engine = Engine.load(bundle, "cuda")
+    with _environ(ROW_ENV.get(name, {})):  # read once, when the engine's backend is made
+        engine = Engine.load(bundle, "cuda")
     load_s = time.perf_counter() - t0
+    be = engine.backend
+    if name == "dualtrack":
+        ctx["wgmma_on"] = be.stats.wgmma.startswith("on")
+    print(f"[{name}] wgmma conv3x3: {be.stats.wgmma}")
     rows: list[dict[str, Any]] = []
     try:
         err = rel_l2(ctx["ref_probs"], engine.run(ctx["sample"])["probs"])
@@ -353,7 +385,9 @@ def bench_bundle(name: str, path: Path | None, ctx: dict[str, Any]) -> list[dict
                 t = time_engine(engine, xs, b, args.warmup, args.iters)
                 print(f"[{name}] N={b}: {t['median_ms']:.3f} ms (tracks {t['tracks_ms']}, segments {t['segments_ms']})")
                 row = {"name": name, "batch": b, **t, "check_rel_l2": _r(err, 6), "bundle": str(path)}
-                return [{**row, "engine_load_s": round(load_s, 2), "plan": plan}]
+                conv = {node: per[b] for node, per in be.stats.conv3x3.items() if b in per}
+                extra = {"wgmma": be.stats.wgmma, "conv3x3": conv} if conv else {}
+                return [{**row, "engine_load_s": round(load_s, 2), "plan": plan, **extra}]
 
             rows += guarded(name, [b], one)
         if name == "dualtrack" and args.layers:
@@ -517,17 +551,17 @@ def _nhwc(spec: Any, batch: int) -> tuple[int, ...]:
 
 
 def bench_layers(engine: Any, batches: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every Track A conv3x3 call of the plan: our kernel alone vs cuDNN on the same shape."""
+    """Every Track A conv3x3 call of the plan: the kernel the engine launches for it alone (and the
+    mma.sync kernel where the wgmma kernel displaced it) vs cuDNN on the same shape."""
     try:
         import torch
     except ImportError as exc:
         print(f"[layers] skipped: torch is not installed ({exc})")
         return []
-    from dualtrack import kernels
     from dualtrack.runtime.driver import Event
     from dualtrack.runtime.gpu import GpuTensor
 
-    be, spec = engine.backend, kernels.KERNELS["conv3x3"]
+    be = engine.backend
     torch.backends.cudnn.benchmark = True
     ours_stream = torch.cuda.ExternalStream(int(be.stream.handle))
     torch_stream = torch.cuda.current_stream()
@@ -574,26 +608,18 @@ def bench_layers(engine: Any, batches: list[int], args: argparse.Namespace) -> l
             x = np.abs(rng.standard_normal((n, h, w, ch))).astype(dtype)
             dx = be.from_host(x)
             ybuf = be.pool.alloc(n * h * w * k * dtype.itemsize, be.stream)
-            bias = be.weights[c.weights[1]].ptr if len(c.weights) > 1 else None
-            kargs = spec.args(
-                x=dx.ptr,
-                w=be.weights[wname].ptr,
-                bias=bias,
-                y=int(ybuf),
-                N=n,
-                H=h,
-                W=w,
-                C=ch,
-                K=k,
-                relu=bool(c.attr("relu")),
-            )
-            cfg = spec.launch(dtype, n, h, w, ch, k)
-            kern = be.kernels[spec.entry(dtype)]
-            if cfg.shared_bytes > 48 * 1024:
-                kern.set_max_dynamic_shared(cfg.shared_bytes)
+            # What the engine launches for this layer and batch (CudaBackend.prepare: the wgmma kernel
+            # on sm_90a where it takes the layer, else the tuned or heuristic mma.sync entry), on dense
+            # buffers; where that is the wgmma kernel, the mma.sync kernel it displaced is timed too.
+            tensors = {
+                c.inputs[0]: GpuTensor(dx.ptr, (n, h, w, ch), dtype, dx),
+                c.outputs[0]: GpuTensor(int(ybuf), (n, h, w, k), dtype, ybuf),
+            }
+            launch = be.prepare(c, tensors)
+            displaced = be.prepare(c, tensors, allow_wgmma=False) if launch.choice.impl == "wgmma" else None
 
-            def ours(kern: Any = kern, cfg: Any = cfg, kargs: Any = kargs) -> None:
-                kern.launch(cfg.grid, cfg.block, cfg.shared_bytes, be.stream, kargs)
+            def ours(launch: Any = launch) -> None:
+                launch(be.stream)
 
             wt = torch.from_numpy(engine.bundle.weights[wname]).cuda().contiguous(memory_format=torch.channels_last)
             bt = torch.from_numpy(engine.bundle.weights[c.weights[1]]).cuda() if len(c.weights) > 1 else None
@@ -602,13 +628,17 @@ def bench_layers(engine: Any, batches: list[int], args: argparse.Namespace) -> l
             def cudnn(xt: Any = xt, wt: Any = wt) -> None:
                 torch.nn.functional.conv2d(xt, wt, None, padding=1)
 
-            # Correctness of the launch first (bias and ReLU fused in ours, as the plan runs it).
-            ours()
+            # Correctness of the launches first (bias and ReLU fused in ours, as the plan runs it).
             want = torch.nn.functional.conv2d(xt, wt, bt, padding=1)
             if c.attr("relu"):
                 want = torch.relu(want)
-            got = be.to_host(GpuTensor(int(ybuf), (n, h, w, k), dtype, ybuf))
-            err = rel_l2(want.permute(0, 2, 3, 1).float().cpu().numpy(), got)
+            want_nhwc = want.permute(0, 2, 3, 1).float().cpu().numpy()
+            errs = {}
+            for what, prepared in (("ours", launch), ("displaced", displaced)):
+                if prepared is not None:
+                    prepared(be.stream)
+                    errs[what] = rel_l2(want_nhwc, be.to_host(GpuTensor(int(ybuf), (n, h, w, k), dtype, ybuf)))
+            err = errs["ours"]
 
             # Warm up (cuDNN benchmark picks its algorithm here) and size the sleep from host enqueue time.
             enq = {}
@@ -635,6 +665,13 @@ def bench_layers(engine: Any, batches: list[int], args: argparse.Namespace) -> l
             reps = (args.layer_launches, args.layer_reps)
             ms_ours, enq_ours = _queued_ms(sleep_ours, ours_record, ours_elapsed, ours, *reps)
             ms_cudnn, enq_cudnn = _queued_ms(sleep_torch, torch_record, torch_elapsed, cudnn, *reps)
+            ms_displaced = None
+            if displaced is not None:
+                for _ in range(3):
+                    displaced(be.stream)
+                ms_displaced, _ = _queued_ms(
+                    sleep_ours, ours_record, ours_elapsed, lambda d=displaced: d(be.stream), *reps
+                )
             launch_bound = max(enq_ours, enq_cudnn) >= sleep_ms
             flops = 2.0 * n * h * w * ch * k * 9
             t_ours, t_cudnn = flops / (ms_ours * 1e9), flops / (ms_cudnn * 1e9)
@@ -647,6 +684,9 @@ def bench_layers(engine: Any, batches: list[int], args: argparse.Namespace) -> l
                 "W": w,
                 "C": ch,
                 "K": k,
+                "impl": launch.choice.impl,
+                "entry": launch.entry,
+                "choice_reason": launch.choice.reason,
                 "ours_ms": _r(ms_ours, 5),
                 "ours_tflops": _r(t_ours, 2),
                 "cudnn_ms": _r(ms_cudnn, 5),
@@ -655,13 +695,23 @@ def bench_layers(engine: Any, batches: list[int], args: argparse.Namespace) -> l
                 "meets_target": t_ours / t_cudnn >= LAYER_TARGET,
                 "rel_l2_vs_cudnn": _r(err, 6),
                 "launch_bound_warning": launch_bound,
-                "grid": list(cfg.grid),
-                "block": list(cfg.block),
+                "grid": list(launch.config.grid),
+                "block": list(launch.config.block),
+                "shared_bytes": launch.config.shared_bytes,
             }
+            if displaced is not None:
+                row.update(
+                    mma_sync_entry=displaced.entry,
+                    mma_sync_ms=_r(ms_displaced, 5),
+                    mma_sync_rel_l2_vs_cudnn=_r(errs["displaced"], 6),
+                    speedup_vs_mma_sync=_r(ms_displaced / ms_ours, 3),
+                )
             out.append(row)
+            alt = f", mma.sync {ms_displaced * 1e3:.1f} us" if ms_displaced is not None else ""
             print(
-                f"[layers] {label} N={b} {h}x{w} {ch}->{k}: ours {ms_ours * 1e3:.1f} us {t_ours:.1f} TFLOP/s, "
-                f"cuDNN {ms_cudnn * 1e3:.1f} us {t_cudnn:.1f} TFLOP/s, ratio {t_ours / t_cudnn:.2f}, "
+                f"[layers] {label} N={b} {h}x{w} {ch}->{k} [{launch.choice.impl} {launch.entry}]: "
+                f"ours {ms_ours * 1e3:.1f} us {t_ours:.1f} TFLOP/s, cuDNN {ms_cudnn * 1e3:.1f} us "
+                f"{t_cudnn:.1f} TFLOP/s, ratio {t_ours / t_cudnn:.2f}{alt}, "
                 f"rel L2 {err:.1e}{' (LAUNCH-BOUND: sleep too short)' if launch_bound else ''}"
             )
             del dx, ybuf, xt, wt, bt, want
@@ -688,15 +738,24 @@ def print_table(rows: list[dict[str, Any]], layers: list[dict[str, Any]]) -> Non
             f"target ratio >= {LAYER_TARGET:.2f}"
         )
         print(
-            f"{'layer':<12} {'N':>2} {'HxW':>9} {'C->K':>9} {'ours us':>9} {'TFLOP/s':>8} {'cuDNN us':>9} "
-            f"{'TFLOP/s':>8} {'ratio':>6}  ok"
+            f"{'layer':<12} {'N':>2} {'HxW':>9} {'C->K':>9} {'kernel':<26} {'ours us':>9} {'TFLOP/s':>8} "
+            f"{'cuDNN us':>9} {'TFLOP/s':>8} {'ratio':>6} {'mma.sync us':>11}  ok"
         )
         for r in layers:
-            print(
-                f"{r['layer']:<12} {r['batch']:>2} {r['H']:>4}x{r['W']:<4} {r['C']:>4}->{r['K']:<4} "
-                f"{r['ours_ms'] * 1e3:>9.1f} {r['ours_tflops']:>8.1f} {r['cudnn_ms'] * 1e3:>9.1f} "
-                f"{r['cudnn_tflops']:>8.1f} {r['ratio']:>6.2f}  {'yes' if r['meets_target'] else 'NO'}"
+            kernel = (
+                f"{r.get('impl', '')} {r.get('entry', '').removeprefix('conv3x3_wgmma_').removeprefix('conv3x3_nhwc_')}"
             )
+            mma = f"{r['mma_sync_ms'] * 1e3:>11.1f}" if r.get("mma_sync_ms") is not None else f"{'-':>11}"
+            print(
+                f"{r['layer']:<12} {r['batch']:>2} {r['H']:>4}x{r['W']:<4} {r['C']:>4}->{r['K']:<4} {kernel:<26} "
+                f"{r['ours_ms'] * 1e3:>9.1f} {r['ours_tflops']:>8.1f} {r['cudnn_ms'] * 1e3:>9.1f} "
+                f"{r['cudnn_tflops']:>8.1f} {r['ratio']:>6.2f} {mma}  {'yes' if r['meets_target'] else 'NO'}"
+            )
+        for b in sorted({r["batch"] for r in layers}):
+            rows_b = [r for r in layers if r["batch"] == b]
+            ours, cudnn = sum(r["ours_ms"] for r in rows_b), sum(r["cudnn_ms"] for r in rows_b)
+            mma = sum(r.get("mma_sync_ms") or r["ours_ms"] for r in rows_b)
+            print(f"sum N={b}: ours {ours:.3f} ms, cuDNN {cudnn:.3f} ms, all on mma.sync {mma:.3f} ms")
         print(f"{sum(r['meets_target'] for r in layers)} of {len(layers)} layer/batch pairs meet the target")
     print("\nmedian ms: host wall time of one synchronous call (perf_counter; the GPU idle before, drained after),")
     print("the only clock for dualtrack rows (IREE runs on its own streams); event ms: CUDA events, torch rows only.")

@@ -19,8 +19,10 @@ for step in $steps; do
   echo "=== $step"
   case $step in
     test)
-      # tiny_tuned (tests/conftest.py build_tiny_tuned): the tiny fp16 U-Net built with a tuning file.
+      # tiny_tuned (tests/conftest.py build_tiny_tuned): the tiny fp16 U-Net built with a tuning file;
+      # tiny_wgmma (build_tiny_wgmma): a base-32 fp16 U-Net whose convs the sm_90a wgmma kernel takes.
       [ -d "$C/tiny_tuned" ] && export DUALTRACK_TEST_TUNED_BUNDLE=$PWD/$C/tiny_tuned
+      [ -d "$C/tiny_wgmma" ] && export DUALTRACK_TEST_WGMMA_BUNDLE=$PWD/$C/tiny_wgmma
       DUALTRACK_TEST_BUNDLE=$PWD/$C/tiny DUALTRACK_TEST_FULL_BUNDLE=$PWD/$C/tiny_full \
         make gpu-test PYTHON=python3 2>&1 | tee -a "$OUT/gpu-test.log" ;;
     tune)
@@ -38,7 +40,10 @@ for step in $steps; do
       # IREE runtime settings (allocator, inline execution, graphs): which makes Track B cheapest.
       python3 bench/iree_runtime.py --bundle $C/unet --out "$OUT" 2>&1 | tee "$OUT/iree_runtime.log" ;;
     wgmma)
-      python3 bench/wgmma/check.py 2>&1 | tee "$OUT/wgmma.log" ;;
+      # The standalone check of the sm_90a kernel (handwritten_ptx/conv3x3_wgmma.cu), then its layer
+      # timings with the watchdog compiled out (wgmma_check_nowd.json): what the watchdog costs.
+      python3 bench/wgmma/check.py 2>&1 | tee "$OUT/wgmma.log"
+      python3 bench/wgmma/check.py --only N= --no-watchdog 2>&1 | tee "$OUT/wgmma_nowd.log" ;;
     check)
       python3 bench/gpu_check.py --bundle $C/unet --image $C/sample.png --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"
       dt run $C/unet $C/sample.png -o /tmp/sample_mask_cli.png --device cuda 2>&1 | tee -a "$OUT/gpu_check.log"

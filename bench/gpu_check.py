@@ -4,7 +4,9 @@
 
 Prints a short table last; writes `gpu_check-<commit>.json` with the commit hash, GPU, driver and
 every number (module load times cold/cached, per-inference time and track shares at each batch
-size, host waits and their cost, peak device memory, verification errors, GPU-vs-CPU mask diff).
+size, host waits and their cost, peak device memory, verification errors, GPU-vs-CPU mask diff),
+which kernel each Track A conv3x3 ran at each batch size (`conv3x3`: the sm_90a wgmma kernel or an
+mma.sync entry, and why) and, where the wgmma kernel ran, the same timings with DUALTRACK_WGMMA=0.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ def module_load_times(bundle, ctx) -> dict:
     ta = bundle.track_a
     dev = ctx.device
     out: dict = {}
-    for stem in ta["kernels"]:
-        choice = arch.choose_image(dev.cc, sorted(ta["cubin"]), [])
+    choice = arch.choose_image(dev.cc, sorted(ta["cubin"]), [])
+    ptx_arch = arch.choose_image(dev.cc, [], sorted(ta["ptx"])).arch
+    for stem in sorted(ta["cubin"][choice.arch]):  # each target has its own kernels (wgmma: sm_90a only)
         cub = Module.load(
             ctx,
             (bundle.root / ta["cubin"][choice.arch][stem]["path"]).read_bytes(),
@@ -47,7 +50,6 @@ def module_load_times(bundle, ctx) -> dict:
             origin=stem,
             target=choice.arch,
         )
-        ptx_arch = arch.choose_image(dev.cc, [], sorted(ta["ptx"])).arch
         ptx = (bundle.root / ta["ptx"][ptx_arch][stem]["path"]).read_bytes()
         with tempfile.TemporaryDirectory() as cache:
             cold = Module.load(ctx, ptx, kind="ptx", origin=stem, target=ptx_arch, cache_dir=Path(cache))
@@ -161,6 +163,15 @@ def main() -> None:
     be.use_graphs = False  # the same, one launch per kernel: what the CUDA graph saves
     result["timing_without_cuda_graphs"] = [time_batch(engine, b, args.iters, 5) for b in engine.batch_sizes]
     be.use_graphs = True
+    result["wgmma"] = be.stats.wgmma
+    result["conv3x3"] = {node: {str(n): c for n, c in per.items()} for node, per in be.stats.conv3x3.items()}
+    if be.wgmma_off is None:  # the same engine with every conv3x3 on the mma.sync kernel
+        os.environ["DUALTRACK_WGMMA"] = "0"
+        try:
+            with Engine.load(args.bundle, "cuda") as plain:
+                result["timing_without_wgmma"] = [time_batch(plain, b, args.iters, 5) for b in plain.batch_sizes]
+        finally:
+            del os.environ["DUALTRACK_WGMMA"]
     free1, _ = call(cu.cuMemGetInfo)
     result["memory"] = {
         "track_a_pool_peak_bytes": be.pool.peak_bytes(),
@@ -201,6 +212,13 @@ def main() -> None:
     for t in result["timing_without_cuda_graphs"]:
         row = f"{t['batch']:>5} {t['median_ms']:>10.3f} {t['track_a_ms']:>8.3f} {t['track_b_ms']:>8.3f}"
         print(f"{row}   (no CUDA graph)")
+    for t in result.get("timing_without_wgmma", []):
+        row = f"{t['batch']:>5} {t['median_ms']:>10.3f} {t['track_a_ms']:>8.3f} {t['track_b_ms']:>8.3f}"
+        print(f"{row}   (DUALTRACK_WGMMA=0: every conv3x3 on mma.sync)")
+    print(f"conv3x3 wgmma kernel: {result['wgmma']}")
+    for node, per in result["conv3x3"].items():
+        picks = ", ".join(f"N={n}: {c['impl']} {c['entry']}" for n, c in per.items())
+        print(f"  {node}: {picks}")
     m = result["memory"]
     print(
         f"memory: Track A pool peak {m['track_a_pool_peak_bytes'] / 2**20:.1f} MiB; "

@@ -485,6 +485,114 @@ CONV_F16_EXTRA_ENTRIES
 #endif
 
 // ------------------------------------------------------------------------------------------------
+// fp16 with few input channels (the first layer: RGB, C = 3): CUDA cores.
+//
+// K_gemm = 9*C is far too short for tensor-core tiles (the GEMM path pads it to a whole k-tile and
+// loads A element by element), and the layer's cost is writing its K-channel output (64 bytes a
+// pixel for K = 32), not its 27*K multiply-adds. So one thread owns one output pixel and KCHUNK
+// output channels at a time: its 3x3 window (channels zero-padded to CP) comes from a shared tile
+// with a one-pixel halo, the weights are shared-memory broadcasts (every thread of a warp reads
+// the same address), and it writes its KCHUNK fp16 outputs as 16-byte stores. fp32 accumulation,
+// bias then ReLU, one rounding: the same arithmetic as the other entries.
+// ------------------------------------------------------------------------------------------------
+
+namespace smallc {
+
+enum : int {
+    TW = 32,  // output tile: TH rows x TW columns, one pixel per thread, a warp per row
+    TH = 8,
+    THREADS = TW * TH,
+    CP = 4,       // channels a pixel holds in shared memory: the largest C this entry takes
+    KMAX = 128,   // largest K: the weights of every output channel stay in shared memory
+    KCHUNK = 32,  // output channels per pass (registers of accumulators)
+    HALO_W = TW + 2,
+    HALO_PIX = (TH + 2) * HALO_W,
+};
+
+__device__ __forceinline__ void conv(const f16* __restrict__ x, const f16* __restrict__ w,
+                                     const float* __restrict__ bias, f16* __restrict__ y, int H, int W, int C,
+                                     int K, int ldx, int ldy, int relu, float* xs, float* ws) {
+    const int tid = threadIdx.x;
+    const int n = blockIdx.z, h0 = blockIdx.y * TH, w0 = blockIdx.x * TW;
+    // Weights as ws[(tap*CP + c) * KP + k], zero past C and past K (KP: K rounded up to KCHUNK, so
+    // the inner loop needs no bounds check); w is KRSC, w[k][tap][c].
+    const int KP = (K + KCHUNK - 1) / KCHUNK * KCHUNK;
+    for (int i = tid; i < 9 * CP * KP; i += THREADS) {
+        const int k = i % KP, t = i / KP, c = t % CP, tap = t / CP;
+        ws[i] = c < C && k < K ? f16_to_f32(w[(static_cast<long long>(k) * 9 + tap) * C + c]) : 0.f;
+    }
+    // The input tile and its halo, zero outside the image (the padding) and past C.
+    for (int i = tid; i < HALO_PIX * CP; i += THREADS) {
+        const int p = i / CP, c = i % CP;
+        const int hh = h0 - 1 + p / HALO_W, ww = w0 - 1 + p % HALO_W;
+        float v = 0.f;
+        if (c < C && hh >= 0 && hh < H && ww >= 0 && ww < W)
+            v = f16_to_f32(x[(static_cast<long long>(n * H + hh) * W + ww) * ldx + c]);
+        xs[i] = v;
+    }
+    __syncthreads();
+    const int ty = tid / TW, tx = tid % TW;
+    const int h = h0 + ty, wo = w0 + tx;
+    if (h >= H || wo >= W) return;
+    float win[9 * CP];
+#pragma unroll
+    for (int r = 0; r < 3; ++r)
+#pragma unroll
+        for (int s = 0; s < 3; ++s)
+#pragma unroll
+            for (int c = 0; c < CP; ++c) win[(r * 3 + s) * CP + c] = xs[((ty + r) * HALO_W + tx + s) * CP + c];
+    f16* out = y + static_cast<long long>((n * H + h) * W + wo) * ldy;
+    const bool vec = (ldy % 8) == 0 && aligned16(y);
+    for (int k0 = 0; k0 < K; k0 += KCHUNK) {
+        float acc[KCHUNK];
+#pragma unroll
+        for (int j = 0; j < KCHUNK; ++j) acc[j] = 0.f;
+#pragma unroll
+        for (int t = 0; t < 9 * CP; ++t) {
+            const float v = win[t];
+            const float* wt = ws + t * KP + k0;
+#pragma unroll
+            for (int j = 0; j < KCHUNK; ++j) acc[j] += v * wt[j];
+        }
+        unsigned packed[KCHUNK / 2];
+#pragma unroll
+        for (int j = 0; j < KCHUNK; j += 2) {
+            float a = acc[j], b = acc[j + 1];
+            if (bias != nullptr) {
+                a += k0 + j < K ? bias[k0 + j] : 0.f;
+                b += k0 + j + 1 < K ? bias[k0 + j + 1] : 0.f;
+            }
+            if (relu) {
+                a = fmaxf(a, 0.f);
+                b = fmaxf(b, 0.f);
+            }
+            packed[j / 2] = static_cast<unsigned>(f32_to_f16(a)) | (static_cast<unsigned>(f32_to_f16(b)) << 16);
+        }
+        if (vec && k0 + KCHUNK <= K) {
+#pragma unroll
+            for (int q = 0; q < KCHUNK / 8; ++q)
+                reinterpret_cast<uint4*>(out + k0)[q] =
+                    make_uint4(packed[4 * q], packed[4 * q + 1], packed[4 * q + 2], packed[4 * q + 3]);
+        } else {
+            for (int j = 0; j < KCHUNK && k0 + j < K; ++j)
+                out[k0 + j] = static_cast<f16>(packed[j / 2] >> (16 * (j % 2)));
+        }
+    }
+}
+
+}  // namespace smallc
+
+// C <= 4 input channels, K <= 128 output channels (dualtrack.kernels.Conv3x3Spec.variant picks it).
+// Grid (ceil(W/32), ceil(H/8), N), 256 threads.
+extern "C" __global__ void __launch_bounds__(smallc::THREADS)
+    conv3x3_nhwc_f16_smallc(const f16* __restrict__ x, const f16* __restrict__ w, const float* __restrict__ bias,
+                            f16* __restrict__ y, int N, int H, int W, int C, int K, int ldx, int ldy, int relu) {
+    __shared__ float xs[smallc::HALO_PIX * smallc::CP];
+    __shared__ float ws[9 * smallc::CP * smallc::KMAX];
+    smallc::conv(x, w, bias, y, H, W, C, K, ldx, ldy, relu, xs, ws);
+}
+
+// ------------------------------------------------------------------------------------------------
 // fp32: CUDA cores, register-tiled SIMT GEMM, k-major shared tiles, register-staged double buffer.
 // ------------------------------------------------------------------------------------------------
 

@@ -58,6 +58,34 @@ def tiny_bundle(tiny_config: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return out
 
 
+# tests/data/tiny_wgmma.yaml: channels the sm_90a wgmma conv takes (multiples of 32), partial tiles.
+WGMMA_NET = UNetSpec(base=32, depth=2, height=48, width=48, precision="fp16", seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_wgmma_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_project(tmp_path_factory.mktemp("tiny_wgmma"), WGMMA_NET, config="tiny_wgmma.yaml")
+
+
+@pytest.fixture(scope="session")
+def tiny_wgmma_bundle(tiny_wgmma_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The base-32 fp16 U-Net for the wgmma GPU tests (DUALTRACK_TEST_WGMMA_BUNDLE: prebuilt)."""
+    prebuilt = os.environ.get("DUALTRACK_TEST_WGMMA_BUNDLE")
+    if prebuilt:
+        return Path(prebuilt)
+    return build_tiny_wgmma(tmp_path_factory.mktemp("bundles") / "tiny_wgmma", tiny_wgmma_config)
+
+
+def build_tiny_wgmma(dest: str | Path, config: Path | None = None) -> Path:
+    """Build the wgmma test bundle at ``dest`` (to carry to a GPU machine: see bench/README.md)."""
+    from dualtrack.build import build
+
+    if config is None:
+        config = write_tiny_project(Path(tempfile.mkdtemp(prefix="tiny_wgmma-")), WGMMA_NET, "tiny_wgmma.yaml")
+    build(config, dest)
+    return Path(dest)
+
+
 @pytest.fixture(scope="session")
 def tiny_full_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tests/data/tiny_full.yaml and its fp16 model in a temporary folder."""

@@ -326,7 +326,9 @@ def test_whole_body_on_track_a_builds_and_verifies(tiny_full_bundle: Path) -> No
     b = Bundle.open(tiny_full_bundle)
     seg = next(s for s in b.plan.segments if s.track == "A")
     assert {c.op for c in seg.calls} == {"conv3x3", "maxpool2x2", "convt2x2", "concat"}
-    assert b.track_a["kernels"] == ["conv3x3_nhwc", "convt2x2_nhwc", "maxpool2x2_nhwc"]
+    # conv3x3_wgmma: the sm_90a target only (its C=8 and C=16 convs; tests/test_wgmma.py)
+    assert b.track_a["kernels"] == ["conv3x3_nhwc", "conv3x3_wgmma", "convt2x2_nhwc", "maxpool2x2_nhwc"]
+    assert sorted(b.track_a["ptx"]["compute_80"]) == ["conv3x3_nhwc", "convt2x2_nhwc", "maxpool2x2_nhwc"]
     report = json.loads((tiny_full_bundle / "verify.json").read_text())
     assert report["passed"] and report["precision"] == "fp16"
     interpreted = [c for c in report["checks"] if "[numpy kernels]" in c["name"]]

@@ -10,7 +10,7 @@ import pytest
 
 from dualtrack.arch import ARCHES, PTX_ARCHES, parse_ptx_isa, parse_ptx_target
 from dualtrack.errors import ArchError, ToolError
-from dualtrack.kernels import KERNELS
+from dualtrack.kernels import CONV3X3_WGMMA, SPECS, spec_for_stem
 from dualtrack.ptx import (
     PINNED_NVRTC,
     SOURCE_DIR,
@@ -28,8 +28,8 @@ from dualtrack.ptx import (
     toolchain_versions,
 )
 
-STEMS = sorted(spec.stem for spec in KERNELS.values())
-CHECKED_IN = [(stem, arch) for stem in STEMS for arch in PTX_ARCHES]
+STEMS = sorted(spec.stem for spec in SPECS)
+CHECKED_IN = sorted((spec.stem, arch) for spec in SPECS for arch in spec.ptx_arches)  # each kernel's own arches
 
 
 def checked_in(stem: str, arch: str) -> str:
@@ -44,8 +44,7 @@ def test_checked_in_ptx_is_fresh() -> None:
     assert check_fresh() == [], "run `make ptx` and commit the result"
 
 
-@pytest.mark.parametrize("arch", PTX_ARCHES)
-@pytest.mark.parametrize("stem", STEMS)
+@pytest.mark.parametrize(("stem", "arch"), CHECKED_IN)
 def test_compile_is_deterministic(stem: str, arch: str) -> None:
     # The freshness test is only meaningful if NVRTC gives the same text twice (it did not, for a
     # plain float4 shared-memory read in the fp32 conv; see lds128 in conv3x3_nhwc.cu).
@@ -55,7 +54,15 @@ def test_compile_is_deterministic(stem: str, arch: str) -> None:
 
 def test_every_op_of_track_a_is_checked() -> None:
     # The freshness, ISA, entry and assembly tests run over STEMS: every registered kernel.
-    assert {"conv3x3_nhwc", "convt2x2_nhwc", "maxpool2x2_nhwc"} <= set(STEMS)
+    assert {"conv3x3_nhwc", "conv3x3_wgmma", "convt2x2_nhwc", "maxpool2x2_nhwc"} <= set(STEMS)
+
+
+def test_ptx_arches_are_stated_per_kernel() -> None:
+    # wgmma exists on sm_90a only: its PTX is kept (and shipped) for compute_90a alone.
+    assert CONV3X3_WGMMA.ptx_arches == ("compute_90a",)
+    assert all(spec.ptx_arches == PTX_ARCHES for spec in SPECS if spec is not CONV3X3_WGMMA)
+    kept = {(p.stem, p.parent.name) for p in (SOURCE_DIR / "ptx").glob("*/*.ptx")}
+    assert kept == set(CHECKED_IN)
 
 
 @pytest.mark.parametrize(("stem", "arch"), CHECKED_IN)
@@ -68,13 +75,17 @@ def test_checked_in_ptx_isa_and_target(stem: str, arch: str) -> None:
 
 @pytest.mark.parametrize(("stem", "arch"), CHECKED_IN)
 def test_entries_and_block_size_match_the_registry(stem: str, arch: str) -> None:
-    spec = next(s for s in KERNELS.values() if s.stem == stem)
+    spec = spec_for_stem(stem)
     text = checked_in(stem, arch)
     entries = dict(re.findall(r"\.entry (\w+)\([^)]*\)\s*\.maxntid (\d+)(?:, 1, 1)?\n", text))
     assert set(entries) == set(spec.entries)
-    for dtype in ("float16", "float32"):
-        # __launch_bounds__ in the source comes from the same -D macros as launch()'s block.
-        assert int(entries[spec.entry(dtype)]) == spec.launch(dtype, 2, 37, 37, 3, 5).block[0]
+    # __launch_bounds__ in the source comes from the same -D macros as launch()'s block.
+    if spec is CONV3X3_WGMMA:
+        for entry in spec.entries:
+            assert int(entries[entry]) == spec.launch("float16", 2, 37, 37, 8, 5, entry=entry).block[0]
+    else:
+        for dtype in ("float16", "float32"):
+            assert int(entries[spec.entry(dtype)]) == spec.launch(dtype, 2, 37, 37, 3, 5).block[0]
     assert not re.search(r"^(\.visible\s+)?\.global\s", text, re.MULTILINE), "no device globals in Track A PTX"
 
 
@@ -94,21 +105,24 @@ def test_ptx_image_is_nul_terminated_once() -> None:
     assert ptx_image(b".version 9.0\n\0") == b".version 9.0\n\0"
 
 
-@pytest.mark.parametrize("gpu", sorted(ARCHES))
-@pytest.mark.parametrize("stem", STEMS)
+@pytest.mark.parametrize(
+    ("stem", "gpu"),
+    [(s.stem, gpu) for s in SPECS for gpu in sorted(ARCHES) if ARCHES[gpu].ptx_arch in s.ptx_arches],
+)
 def test_ptx_assembles_for_every_gpu(stem: str, gpu: str) -> None:
-    # sm_80/86/89/100 from compute_80, sm_90a from compute_90a, sm_120 from compute_120 (arch.py).
+    # sm_80/86/89/100 from compute_80, sm_90a from compute_90a, sm_120 from compute_120 (arch.py);
+    # conv3x3_wgmma for sm_90a only.
     info = ARCHES[gpu]
     cubin = assemble_cubin(checked_in(stem, info.ptx_arch), gpu, name=f"{stem}.ptx")
     assert cubin.data[:4] == b"\x7fELF"
     assert cubin.arch == info.cubin_arch
-    spec = next(s for s in KERNELS.values() if s.stem == stem)
+    spec = spec_for_stem(stem)
     assert set(cubin.resources) == set(spec.entries)
     for entry, res in sorted(cubin.resources.items()):
         print(f"{gpu} {entry}: {res.registers} registers, {res.spill_stores}/{res.spill_loads} B spill st/ld")
         assert not res.spills, f"{entry} spills on {gpu}: {res}"
         assert res.registers <= 255
-        assert res.shared_bytes <= 48 * 1024  # static shared memory: launch() asks for no dynamic
+        assert res.shared_bytes <= 48 * 1024  # static shared memory (wgmma: its mbarriers; tiles are dynamic)
 
 
 def test_broken_source_raises_with_the_nvrtc_log(tmp_path: Path) -> None:
@@ -193,6 +207,19 @@ def test_regenerate_and_check_fresh(tmp_path: Path) -> None:
     assert not orphan.exists()
     assert check_fresh(tmp_path) == []
     assert main(["--check", "--root", str(tmp_path)]) == 0
+
+
+def test_regenerate_builds_each_kernel_for_its_own_arches(tmp_path: Path) -> None:
+    shutil.copy(SOURCE_DIR / "conv3x3_wgmma.cu", tmp_path)
+    written = regenerate(tmp_path)
+    assert [p.relative_to(tmp_path).as_posix() for p in written] == ["ptx/compute_90a/conv3x3_wgmma.ptx"]
+    assert written[0].read_text() == checked_in("conv3x3_wgmma", "compute_90a")
+    extra = tmp_path / "ptx" / "compute_80" / "conv3x3_wgmma.ptx"
+    extra.parent.mkdir()
+    extra.write_text("// wgmma does not exist on sm_80\n")
+    assert check_fresh(tmp_path) == ["ptx/compute_80/conv3x3_wgmma.ptx (not one of its source's PTX arches)"]
+    regenerate(tmp_path)
+    assert not extra.exists()
 
 
 def test_cli_prints_one_ptx(capsys: pytest.CaptureFixture[str]) -> None:

@@ -433,7 +433,12 @@ def test_serve_cli_workers_share_one_port(tiny_bundle: Path, reference, rng) -> 
     try:
         base = f"http://127.0.0.1:{port}"
         _until(lambda: _answers(base), "the workers to listen")
-        _wait_ready(base)
+        # Each process answers /readyz for itself and the kernel spreads connections over them:
+        # a run of 200s on fresh connections means every worker is ready.
+        _until(
+            lambda: all(httpx.get(f"{base}/readyz", timeout=5).status_code == 200 for _ in range(16)),
+            "both workers to be ready",
+        )
         images = [_png(rng, 64, 64) for _ in range(6)]
         with ThreadPoolExecutor(6) as pool:
             answers = list(pool.map(lambda b: httpx.post(f"{base}/v1/segment", content=b, timeout=WAIT_S), images))

@@ -1,4 +1,4 @@
-"""Build conv3x3_wgmma.cu: NVRTC -> PTX (compute_90a) -> nvJitLink -> sm_90a cubin.
+"""Build handwritten_ptx/conv3x3_wgmma.cu (dualtrack's sm_90a conv): NVRTC -> PTX -> nvJitLink -> sm_90a cubin.
 
     python bench/wgmma/build.py            # writes conv3x3_wgmma.ptx, .sm_90a.cubin, build.json here
     python bench/wgmma/build.py --check    # also fail unless every entry is spill-free and has HGMMA
@@ -29,7 +29,7 @@ if str(HERE) not in sys.path:
 
 import conv_plan  # noqa: E402
 
-SOURCE = HERE / "conv3x3_wgmma.cu"
+SOURCE = HERE.parents[1] / "handwritten_ptx" / "conv3x3_wgmma.cu"  # the kernel dualtrack ships
 PTX_OUT = HERE / "conv3x3_wgmma.ptx"
 CUBIN_OUT = HERE / "conv3x3_wgmma.sm_90a.cubin"
 MANIFEST = HERE / "build.json"

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""GPU check and benchmark of the wgmma/TMA 3x3 convolution (bench/wgmma/conv3x3_wgmma.cu).
+"""GPU check and benchmark of the wgmma/TMA 3x3 convolution (handwritten_ptx/conv3x3_wgmma.cu).
 
     python3 bench/wgmma/check.py              # everything, < 90 s on an H200
     python3 bench/wgmma/check.py --quick      # probes + N=1 layers only
+    python3 bench/wgmma/check.py --only N= --no-watchdog   # the layers, watchdog compiled out (its cost)
 
 Needs: an sm_90 GPU, cuda.bindings (driver API: module load, tensor maps, launches), torch (random
 data, the fp32 reference conv, cuDNN timing; the kernel itself is launched through cuda.bindings).
 Uses bench/wgmma/conv_plan.py (geometry, tensor-map arguments) and, for the fallback build,
-bench/wgmma/build.py. Writes $OUT/wgmma_check.json when OUT is set.
+bench/wgmma/build.py. Writes $OUT/wgmma_check.json (--no-watchdog: wgmma_check_nowd.json) when OUT is set.
 
 Kernel binary, first that works: the sm_90a cubin built on the dev machine
 (conv3x3_wgmma.sm_90a.cubin, if build.json's source hash matches the .cu), the PTX beside it
@@ -65,6 +66,7 @@ import conv_plan as cp  # noqa: E402
 REL_L2_TOL = 2e-3
 DEVICE = "cuda"  # "cpu" with --emulate
 EMULATE = False  # --emulate: the numpy emulator (emulate.py) stands in for the GPU kernel
+NO_WATCHDOG = False  # --no-watchdog: built here with -DCONV_WGMMA_WATCHDOG_NS=0 (NVRTC + nvJitLink)
 CURRENT_TEST = ""  # name of the test the worker runs
 EMU_POISONED = False  # --emulate: a simulated fault "destroyed the context"
 TIMED_RUNS = 20
@@ -196,6 +198,14 @@ class Module:
     def _load(self) -> tuple[str, Any]:
         cu = _cu()
         errors = []
+        if NO_WATCHDOG:  # the same NVRTC + nvJitLink route as the prebuilt cubin, without the watchdog
+            import build
+
+            text, _log = build.compile_ptx(extra=("-DCONV_WGMMA_WATCHDOG_NS=0",))
+            cubin_bytes, _info = build.assemble_cubin(text)
+            return "NVRTC + nvJitLink here, watchdog compiled out", cu_check(
+                cu.cuModuleLoadData(cubin_bytes), "cuModuleLoadData(no-watchdog cubin)"
+            )
         manifest = HERE / "build.json"
         cubin = HERE / "conv3x3_wgmma.sm_90a.cubin"
         ptx = HERE / "conv3x3_wgmma.ptx"
@@ -759,6 +769,7 @@ def parent(args: argparse.Namespace) -> int:
                "--skip-configs", ",".join(sorted(bad_configs))]  # fmt: skip
         cmd += (["--quick"] if args.quick else []) + (["--emulate"] if args.emulate else [])
         cmd += ["--only", args.only] if args.only else []
+        cmd += ["--no-watchdog"] if args.no_watchdog else []
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
         lines: queue.Queue[str | None] = queue.Queue()
         err_tail: list[str] = []
@@ -861,6 +872,11 @@ def parent(args: argparse.Namespace) -> int:
     return 0 if all(r.get("pass") for r in run.results.values()) and len(run.results) else 1
 
 
+def _cudnn_fields(result: dict[str, Any] | None) -> dict[str, Any]:
+    """The cuDNN numbers of a layer test's result (not its own ms, rel_l2, ...)."""
+    return {k: v for k, v in (result or {}).items() if k.startswith("cudnn_")}
+
+
 def report(items: list[Item], run: Run, sass: Any, bad_configs: set[str], seconds: float) -> None:
     res = run.results
     print("\n== probes and edge cases ==")
@@ -908,7 +924,7 @@ def report(items: list[Item], run: Run, sass: Any, bad_configs: set[str], second
             t[0] += mult * ms
             t[1] += mult * cu_ms
             rows.append({"layer": layer, "N": n, "C": it0.C, "K": it0.K, "H": it0.H, "W": it0.W, "best_cfg": it.cfg,
-                         "ms": ms, "tflops": flops / ms / 1e9, **(cud or {}), "rel_l2": best["rel_l2"],
+                         "ms": ms, "tflops": flops / ms / 1e9, **_cudnn_fields(cud), "rel_l2": best["rel_l2"],
                          "status": status,
                          "per_config_ms": {i2.cfg: r2.get("ms") for i2, r2 in done}})  # fmt: skip
         else:
@@ -932,8 +948,9 @@ def report(items: list[Item], run: Run, sass: Any, bad_configs: set[str], second
           f"{sorted(bad_configs) or 'none'}; {seconds:.1f} s")  # fmt: skip
     out = os.environ.get("OUT")
     if out:
-        path = Path(out) / "wgmma_check.json"
+        path = Path(out) / ("wgmma_check_nowd.json" if NO_WATCHDOG else "wgmma_check.json")
         doc = {
+            "watchdog": not NO_WATCHDOG,
             "ready": run.ready,
             "sass": sass,
             "layers": rows,
@@ -956,13 +973,17 @@ def main() -> int:
     )
     ap.add_argument("--max-restarts", type=int, default=5)
     ap.add_argument("--emulate", action="store_true", help="test check.py itself on a CPU: numpy emulator, tiny layers")
+    ap.add_argument(
+        "--no-watchdog", action="store_true", help="compile the kernel here without its watchdog, to time its cost"
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--skip-configs", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    global DEVICE, EMULATE
+    global DEVICE, EMULATE, NO_WATCHDOG
     if args.emulate:
         DEVICE, EMULATE = "cpu", True
+    NO_WATCHDOG = args.no_watchdog and not args.emulate
     return worker(args) if args.worker else parent(args)
 
 

@@ -161,8 +161,10 @@ def resolve_targets(
         if enable_tma and not arch.tma:
             notes.append(f"enable_tma ignored for {arch.name}: the bulk tensor copy engine needs sm_90 or newer")
         if enable_tma and arch.tma:
+            kernel = "the TMA + wgmma conv3x3" if arch.wgmma else "no TMA kernel for this arch yet (mma.sync)"
             notes.append(
-                "enable_tma: Track A only (IREE 3.13 has no TMA option; --iree-cuda-enable-tma does not exist)"
+                f"enable_tma: Track A only, {kernel} (IREE 3.13 has no TMA option; --iree-cuda-enable-tma "
+                "does not exist)"
             )
         out.append(Resolution(name, arch, target, use_tma, tuple(notes)))
     if enable_tma and not any(r.use_tma for r in out):

@@ -62,17 +62,38 @@ def ptx_root() -> Path:
     return REPO_ROOT / "handwritten_ptx"
 
 
+def track_a_stems(plan: Plan, ptx_arch: str, use_tma: bool = True) -> list[str]:
+    """The kernel sources one target's bundle carries: those of the plan's Track A ops, and
+    conv3x3_wgmma (TMA + wgmma) where the config enables TMA kernels (``use_tma``: `enable_tma` and
+    an arch with the copy engine), it is built for ``ptx_arch`` (compute_90a only) and at least one
+    conv of the plan passes its shape checks (``Conv3x3WgmmaSpec.supported`` with the plan's channel
+    strides; pointers are checked at launch). Which conv runs which kernel is decided at launch."""
+    from dualtrack import kernels
+    from dualtrack.tune_a.problems import conv_layers
+
+    stems = {kernels.KERNELS[c.op].source for s in plan.segments for c in s.calls if c.op not in ALIAS_OPS}
+    wgmma = kernels.CONV3X3_WGMMA
+    if use_tma and ptx_arch in wgmma.ptx_arches:
+        dims = ("N", "H", "W", "C", "K", "ldx", "ldy")
+        layers = conv_layers(plan)
+        if any(wgmma.supported(x.problem.dtype, *(getattr(x.problem, d) for d in dims)) is None for x in layers):
+            stems.add(wgmma.stem)
+    return sorted(s for s in stems if ptx_arch in kernels.ptx_arches_for_stem(s))
+
+
 def track_a_artifacts(
     plan: Plan, resolutions: list[arch.Resolution], settings: Settings, tuning: Selection | None = None
 ) -> tuple[dict[str, bytes], dict[str, Any]]:
-    """PTX for each needed arch (ISA checked) and cubins assembled from it, for the kernels the plan uses.
+    """PTX for each needed arch (ISA checked) and cubins assembled from it, for the kernels the plan
+    uses (:func:`track_a_stems`: each target its own set; ``kernels`` lists them all).
 
     The checked-in PTX, except where ``tuning`` selects tuned entries for a target: that target's
     PTX of the conv kernel is compiled here with NVRTC, the tuned entries added (cached).
     """
     from dualtrack import kernels, ptx
 
-    stems = sorted({kernels.KERNELS[c.op].source for s in plan.segments for c in s.calls if c.op not in ALIAS_OPS})
+    per_target = {res.arch.ptx_arch: track_a_stems(plan, res.arch.ptx_arch, res.use_tma) for res in resolutions}
+    stems = sorted({s for target in per_target.values() for s in target})
     files: dict[str, bytes] = {}
     meta: dict[str, Any] = {"ptx": {}, "cubin": {}, "kernels": stems, "tuned": {}}
     if not stems:
@@ -81,7 +102,7 @@ def track_a_artifacts(
     assert isinstance(conv, kernels.Conv3x3Spec)
     for res in resolutions:
         a = res.arch
-        for stem in stems:
+        for stem in per_target[a.ptx_arch]:
             tiles = tuning.tiles_for(a.ptx_arch, resolutions) if tuning and stem == conv.source else frozenset()
             src = ptx_root() / "ptx" / a.ptx_arch / f"{stem}.ptx"
             if tiles:

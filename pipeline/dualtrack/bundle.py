@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -189,6 +190,26 @@ class Bundle:
     @property
     def track_a(self) -> dict[str, Any]:
         return self.manifest["artifacts"].get("track_a", {})
+
+    def conv3x3_choices(self, target: Mapping[str, Any]) -> list[tuple[Any, Any]]:
+        """Which kernel each Track A conv3x3 launch runs on a device of ``target`` (an entry of the
+        manifest's ``targets``), as (``ConvLayer``, ``ConvChoice``) pairs in plan order: the wgmma
+        kernel where the target's image has it and takes the shape (pointers assumed aligned, as
+        planned buffers are), else the tuned or heuristic mma.sync entry. What did run on a device:
+        the engine's ``backend.stats.conv3x3``."""
+        from dualtrack.kernels import CONV3X3_WGMMA, choose_conv3x3
+        from dualtrack.tune_a.problems import conv_layers
+
+        image = self.track_a.get("ptx", {}).get(target["track_a_ptx"], {})
+        off = None if CONV3X3_WGMMA.stem in image else f"not in the {target['track_a_ptx']} PTX"
+        tuned = self.tuned_calls(tuple(int(v) for v in target["cc"].split(".")))
+        out = []
+        for layer in conv_layers(self.plan):
+            p = layer.problem
+            entry = tuned.get(layer.node, {}).get(str(layer.batch))
+            choice = choose_conv3x3(p.dtype, p.N, p.H, p.W, p.C, p.K, p.ldx, p.ldy, wgmma_off=off, tuned=entry)
+            out.append((layer, choice))
+        return out
 
     def tuned_calls(self, cc: tuple[int, int]) -> dict[str, dict[str, str]]:
         """The tuned entry of each Track A conv layer (Conv node -> batch size -> entry) that the

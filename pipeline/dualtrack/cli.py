@@ -353,6 +353,23 @@ def info(bundle: Path, as_json: bool) -> None:
     for a, kernels in sorted(ptx.items()):
         isas = {k["isa"] for k in kernels.values()}
         click.echo(f"ptx        {a}: {', '.join(sorted(kernels))} (ISA {', '.join(sorted(isas))})")
+    for t in m["targets"]:
+        choices = b.conv3x3_choices(t)
+        wgmma = [(layer, c) for layer, c in choices if c.impl == "wgmma"]
+        if not wgmma:
+            continue
+        click.echo(
+            f"conv3x3    {t['arch']}: {len(wgmma)} of {len(choices)} launches on the wgmma kernel, the rest "
+            "on mma.sync (DUALTRACK_WGMMA=0: all)"
+        )
+        per_node: dict[str, dict[int, str]] = {}
+        for layer, c in choices:
+            short = c.entry.removeprefix("conv3x3_wgmma_").removeprefix("conv3x3_nhwc_")
+            what = short if c.impl == "wgmma" else f"{c.impl} {short} ({c.reason})"
+            per_node.setdefault(layer.node, {})[layer.batch] = what
+        for node, per in per_node.items():
+            picks = ", ".join(f"N={n}: {w}" for n, w in per.items()) if len(set(per.values())) > 1 else per[min(per)]
+            click.echo(f"             {node}: {picks}")
     for a, t in sorted(m["artifacts"]["track_a"].get("tuned", {}).items()):
         calls, on = t["calls"], ", ".join(t["tuned_on"])
         if not calls:

@@ -1,9 +1,12 @@
 """The registry of Track A's hand-written kernels: the one place that knows their tile sizes.
 
 Each :class:`KernelSpec` ties an op of the plan ("conv3x3", "maxpool2x2", "convt2x2") to its CUDA source
-(``handwritten_ptx/<stem>.cu``), its entry symbols, the ``-D`` macros that fix its tile sizes at
-compile time (so the source and the launch geometry cannot disagree), its launch geometry, its
-``cuLaunchKernel`` argument list (the ABI of ``handwritten_ptx/README.md``) and its numpy reference.
+(``handwritten_ptx/<stem>.cu``), the PTX arches it is built for, its entry symbols, the ``-D`` macros
+that fix its tile sizes at compile time (so the source and the launch geometry cannot disagree), its
+launch geometry, its ``cuLaunchKernel`` argument list (the ABI of ``handwritten_ptx/README.md``) and
+its numpy reference. :data:`KERNELS` holds each op's portable kernel; :data:`CONV3X3_WGMMA` is the
+Hopper-only (compute_90a) conv3x3 that :func:`choose_conv3x3` prefers where the device and the shape
+allow it. :data:`SPECS` lists every source.
 
 Tensors are NHWC with a per-pixel channel stride (``ldx``/``ldy``); conv weights are KRSC in the
 activation dtype and the bias is fp32. The references take dense arrays (stride = channels);
@@ -20,13 +23,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dualtrack.arch import PTX_ARCHES
 from dualtrack.errors import InputError
 
 DTYPES: dict[str, str] = {"float16": "f16", "float32": "f32"}  # numpy dtype name -> entry suffix
 _INT32_MAX = 2**31 - 1
 _GRID_Y_MAX = 65535
 
-KernelArg = tuple[int, Any]  # (value, ctypes type) for cuLaunchKernel's kernelParams
+# (value, ctypes type) for cuLaunchKernel's kernelParams; (struct, None) passes a cuda.bindings
+# struct such as a CUtensorMap by value (cuda-python packs the bytes behind its getPtr()).
+KernelArg = tuple[Any, Any]
 
 
 def dtype_name(dtype: Any) -> str:
@@ -120,6 +126,8 @@ class KernelSpec:
     # Kernel parameters in ABI order (handwritten_ptx/README.md); pointers first, then int32s.
     PARAMS: ClassVar[tuple[str, ...]] = ()
     POINTERS: ClassVar[int] = 0
+    # The PTX arches the source is compiled for (`make ptx`, ptx/<arch>/<stem>.ptx) and shipped in.
+    ptx_arches: ClassVar[tuple[str, ...]] = PTX_ARCHES
 
     def entry(self, dtype: Any) -> str:
         """The kernel's symbol name for an activation dtype, e.g. ``conv3x3_nhwc_f16``."""
@@ -231,6 +239,10 @@ class Conv3x3Spec(KernelSpec):
     f16_small: tuple[int, ...] = (64, 64, 64, 2, 2, 3, 4)
     # variant(): wide tiles when there are at least this many of them, else the default tile when
     # it has at least f16_main_min_tiles, else small (measured on an H200, 132 SMs).
+    # The small-C entry (handwritten_ptx/conv3x3_nhwc.cu, namespace smallc): its limits and tile.
+    smallc_cmax: int = 4
+    smallc_kmax: int = 128
+    smallc_tile: tuple[int, int] = (8, 32)
     f16_wide_min_tiles: int = 256
     f16_main_min_tiles: int = 512
     f32_bm: int = 64
@@ -258,8 +270,22 @@ class Conv3x3Spec(KernelSpec):
 
     @property
     def entries(self) -> tuple[str, ...]:
-        """Every entry in the PTX: the default fp16 and fp32 ones, then the fp16 variants."""
-        return (*(self.entry(d) for d in DTYPES), *(f"{self.stem}_f16_{v}" for v in self.F16_VARIANTS))
+        """Every entry in the PTX: the default fp16 and fp32 ones, the fp16 variants, the small-C one."""
+        return (
+            *(self.entry(d) for d in DTYPES),
+            *(f"{self.stem}_f16_{v}" for v in self.F16_VARIANTS),
+            self.smallc_entry,
+        )
+
+    @property
+    def smallc_entry(self) -> str:
+        """The fp16 entry for few input channels (the first layer, RGB): CUDA cores, one output pixel a
+        thread, a ``smallc_tile`` (rows, columns) of pixels a block; C <= smallc_cmax, K <= smallc_kmax."""
+        return f"{self.stem}_f16_smallc"
+
+    def supports(self, entry: str, C: int, K: int) -> bool:
+        """Whether ``entry`` computes a C -> K conv (only the small-C entry has limits)."""
+        return entry != self.smallc_entry or (self.smallc_cmax >= C and self.smallc_kmax >= K)
 
     def f16_tiles(self) -> dict[str, F16Tile]:
         """The tile of every fixed fp16 entry (default, narrow, wide, small), by entry name."""
@@ -302,6 +328,9 @@ class Conv3x3Spec(KernelSpec):
 
     def _f16_config(self, entry: str | None) -> tuple[int, int, int]:
         """(bm, bn, threads) of an fp16 entry (None: the default one)."""
+        if entry == self.smallc_entry:
+            rows, cols = self.smallc_tile
+            return rows * cols, self.smallc_kmax, rows * cols
         tile = self.entry_tile(entry if entry is not None else self.entry("float16"))
         return tile.bm, tile.bn, tile.threads
 
@@ -312,6 +341,8 @@ class Conv3x3Spec(KernelSpec):
         _positive(N=N, H=H, W=W, C=C, K=K)
         if name != "float16":
             return self.entry(name)
+        if self.smallc_cmax >= C and self.smallc_kmax >= K:
+            return self.smallc_entry
         M = N * H * W
         narrow_bn = self.f16_narrow[1]
         if narrow_bn >= K:
@@ -348,6 +379,13 @@ class Conv3x3Spec(KernelSpec):
         M = _pixels(N, H, W, C)
         if dtype_name(dtype) != "float16" and entry not in (None, self.entry(dtype)):
             raise InputError(f"'{entry}' is not the {dtype_name(dtype)} entry of {self.stem}")
+        if entry == self.smallc_entry:
+            if not self.supports(entry, C, K):
+                raise InputError(f"{entry} takes C <= {self.smallc_cmax} and K <= {self.smallc_kmax}; got C={C}, K={K}")
+            rows, cols = self.smallc_tile
+            if N > _GRID_Y_MAX:
+                raise InputError(f"{entry} runs one grid layer per image; N={N} exceeds {_GRID_Y_MAX}")
+            return LaunchConfig(grid=(_cdiv(W, cols), _cdiv(H, rows), N), block=(rows * cols, 1, 1), shared_bytes=0)
         bm, bn = self.tile(dtype, entry)
         grid_y = _cdiv(K, bn)
         if grid_y > _GRID_Y_MAX:
@@ -634,6 +672,293 @@ class ConvT2x2Spec(KernelSpec):
         return out.astype(x.dtype)
 
 
+# -- the Hopper conv3x3: TMA + wgmma.mma_async, sm_90a only ---------------------------------------
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """One compiled configuration of ``conv3x3_wgmma.cu``: the ``CONV_WGMMA_ENTRY`` macro's arguments.
+
+    A CTA computes ``bm = 64 * mt * wgs`` output pixels of one image (a TH x TW spatial tile) by
+    ``bn`` output channels with ``wgs`` consumer warpgroups of ``mt`` m64 blocks each, plus one
+    producer warp that issues the TMA loads. The reduction (9 taps x C channels) runs in
+    ``bk``-channel k-blocks (one 64- or 128-byte swizzled shared-memory row) through ``stages``
+    pipeline stages; registers are capped so that ``min_blocks`` CTAs fit on an SM.
+    """
+
+    bn: int
+    mt: int
+    wgs: int
+    bk: int
+    stages: int
+    min_blocks: int
+
+    ELEMENT_BYTES: ClassVar[int] = 2  # fp16
+    ALIGN: ClassVar[int] = 1024  # the kernel rounds its dynamic shared memory up to the 128-byte swizzle repeat
+
+    @property
+    def bm(self) -> int:
+        return 64 * self.mt * self.wgs
+
+    @property
+    def threads(self) -> int:
+        return 32 * (4 * self.wgs + 1)  # consumer warpgroups + the producer warp
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one shared-memory tile row: the TMA/wgmma swizzle span (64 or 128)."""
+        return self.bk * self.ELEMENT_BYTES
+
+    @property
+    def stage_bytes(self) -> int:
+        """Bytes one k-block brings in (A box + B box): the mbarrier transaction count per stage."""
+        return (self.bm + self.bn) * self.row_bytes
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of a launch (the kernel aligns its base up to 1024 bytes)."""
+        return self.stages * self.stage_bytes + self.ALIGN
+
+    @property
+    def static_smem_bytes(self) -> int:
+        return 2 * 8 * self.stages  # the full[] and empty[] mbarriers
+
+    @property
+    def entry(self) -> str:
+        return f"conv3x3_wgmma_bn{self.bn}_mt{self.mt}_wg{self.wgs}_bk{self.bk}"
+
+    @property
+    def macro(self) -> str:
+        return f"CONV_WGMMA_ENTRY({self.bn},{self.mt},{self.wgs},{self.bk},{self.stages},{self.min_blocks})"
+
+    def tw_log2(self, W: int) -> int:
+        """log2 of the spatial tile's width TW: the smallest power of two >= W, at most ``bm``
+        (the tile is ``bm / TW`` rows of TW pixels)."""
+        tw = 1
+        while tw < W and tw < self.bm:
+            tw *= 2
+        return tw.bit_length() - 1
+
+    def ctas(self, N: int, H: int, W: int, K: int) -> int:
+        """CTAs of a launch: N x spatial tiles x channel tiles (the kernel's 1-D grid)."""
+        log2 = self.tw_log2(W)
+        return N * _cdiv(H, self.bm >> log2) * _cdiv(W, 1 << log2) * _cdiv(K, self.bn)
+
+
+# The compiled configurations (bench/wgmma/README.md, "Configurations"): stages as many as fit the
+# shared memory that `min_blocks` CTAs per SM leave, registers capped to match; no spills.
+WGMMA_CONFIGS: tuple[WgmmaConfig, ...] = (
+    WgmmaConfig(bn=256, mt=1, wgs=2, bk=64, stages=4, min_blocks=1),
+    WgmmaConfig(bn=128, mt=2, wgs=2, bk=64, stages=4, min_blocks=1),
+    WgmmaConfig(bn=128, mt=1, wgs=2, bk=64, stages=3, min_blocks=2),
+    WgmmaConfig(bn=64, mt=2, wgs=2, bk=64, stages=5, min_blocks=1),
+    WgmmaConfig(bn=64, mt=1, wgs=2, bk=64, stages=4, min_blocks=2),
+    WgmmaConfig(bn=32, mt=2, wgs=2, bk=64, stages=3, min_blocks=2),
+    WgmmaConfig(bn=128, mt=1, wgs=1, bk=64, stages=4, min_blocks=2),
+    WgmmaConfig(bn=64, mt=1, wgs=1, bk=64, stages=4, min_blocks=3),
+    WgmmaConfig(bn=64, mt=2, wgs=2, bk=32, stages=5, min_blocks=2),
+    WgmmaConfig(bn=32, mt=2, wgs=2, bk=32, stages=6, min_blocks=2),
+)
+
+_TMA_DIM_LIMIT = 2**32  # cuTensorMapEncodeTiled: every dimension < 2^32 elements
+_TMA_STRIDE_LIMIT = 2**40  # and every byte stride < 2^40
+
+
+@dataclass(frozen=True)
+class Conv3x3WgmmaSpec(KernelSpec):
+    """The conv3x3 op (same semantics as :class:`Conv3x3Spec`, fp16 only) on Hopper: the input and
+    weight tiles come by TMA (``cp.async.bulk.tensor`` into an mbarrier pipeline; the tensor map's
+    zero fill outside the image is the padding), the products by ``wgmma.mma_async`` from shared
+    memory, fp32 accumulators, bias + ReLU and one fp16 rounding in the epilogue.
+
+    sm_90a only (:attr:`ptx_arches`). One entry per :class:`WgmmaConfig` (:attr:`configs`, compiled
+    in through ``-DCONV_WGMMA_ENTRIES``); :meth:`choose` picks one per shape, :meth:`supported`
+    says which launches it can take at all. The input and the weights are passed as two
+    ``CUtensorMap`` structs by value (``runtime/tma.py`` builds them) instead of ``x``, ``w``, ``ldx``.
+    """
+
+    PARAMS: ClassVar[tuple[str, ...]] = (
+        "tmx", "tmw", "bias", "y", "N", "H", "W", "C", "K", "ldy", "relu", "tw_log2", "status",
+    )  # fmt: skip
+    ptx_arches: ClassVar[tuple[str, ...]] = ("compute_90a",)  # wgmma exists on sm_90a only
+
+    configs: tuple[WgmmaConfig, ...] = WGMMA_CONFIGS
+    # choose(), fitted to the per-layer winners of bench/results/wgmma_check-e477c6d.json (H200, 132
+    # SMs): of these tiles, the first that makes at least `min_ctas` CTAs, else the one with most.
+    prefer: tuple[str, ...] = (
+        "conv3x3_wgmma_bn128_mt2_wg2_bk64",  # 256x128
+        "conv3x3_wgmma_bn64_mt2_wg2_bk64",  # 256x64
+        "conv3x3_wgmma_bn128_mt1_wg1_bk64",  # 64x128
+        "conv3x3_wgmma_bn64_mt1_wg1_bk64",  # 64x64
+        "conv3x3_wgmma_bn64_mt2_wg2_bk32",  # 256x64, C % 64 != 0
+    )
+    narrow: tuple[str, ...] = ("conv3x3_wgmma_bn32_mt2_wg2_bk64", "conv3x3_wgmma_bn32_mt2_wg2_bk32")  # K <= 32
+    min_ctas: int = 128
+
+    def defines(self) -> dict[str, str]:
+        return {"CONV_WGMMA_ENTRIES": " ".join(c.macro for c in self.configs)}
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        return tuple(c.entry for c in self.configs)
+
+    def entry(self, dtype: Any) -> str:
+        raise InputError(f"{self.stem} has one entry per tile configuration; use choose(...).entry")
+
+    def config(self, entry: str) -> WgmmaConfig:
+        """The configuration an entry name stands for; InputError for any other name."""
+        for c in self.configs:
+            if c.entry == entry:
+                return c
+        raise InputError(f"'{entry}' is not an entry of {self.stem}; use one of {', '.join(self.entries)}")
+
+    def threads(self, dtype: Any, entry: str | None = None) -> int:
+        if entry is None:
+            raise InputError(f"{self.stem}: threads() needs the entry (configurations differ)")
+        return self.config(entry).threads
+
+    def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
+        _positive(N=N, H=H, W=W, C=C, K=K)
+        return (N, H, W, K)
+
+    def supported(
+        self,
+        dtype: Any,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        K: int,
+        ldx: int | None = None,
+        ldy: int | None = None,
+        *,
+        x: int = 0,
+        w: int = 0,
+        y: int = 0,
+    ) -> str | None:
+        """None when this kernel can run the launch, else why not (the caller keeps the mma.sync kernel).
+
+        TMA needs 16-byte multiples for the weight rows (9C halves) and the pixel stride ``ldx``,
+        and 16-byte aligned ``x`` and ``w``; the epilogue's 16-byte stores need ``ldy % 8 == 0`` and
+        an aligned ``y``. Pointers default to 0 (aligned): the plan's shapes alone can be checked.
+        """
+        if dtype_name(dtype) != "float16":
+            return f"{dtype_name(dtype)}: the wgmma kernel is fp16 only"
+        _positive(N=N, H=H, W=W, C=C, K=K)
+        ldx_, ldy_ = _stride("ldx", ldx, C), _stride("ldy", ldy, K)
+        if C % 8:
+            return f"C={C}: TMA needs 16-byte weight rows (C % 8 == 0)"
+        if ldx_ % 8:
+            return f"ldx={ldx_}: TMA needs a 16-byte pixel stride (ldx % 8 == 0)"
+        if ldy_ % 8:
+            return f"ldy={ldy_}: the epilogue's 16-byte stores need ldy % 8 == 0"
+        for name, p in (("x", x), ("w", w), ("y", y)):
+            if int(p) % 16:
+                return f"{name}={int(p):#x} is not 16-byte aligned"
+        if N * H * W > _INT32_MAX or max(ldx_, ldy_) > _INT32_MAX:
+            return f"N*H*W = {N * H * W} pixels or a channel stride exceed 2^31-1"
+        if max(N, H, W, 9 * C, K) >= _TMA_DIM_LIMIT or N * H * W * ldx_ * 2 >= _TMA_STRIDE_LIMIT:
+            return "the input is too large for a tensor map (dims < 2^32, byte strides < 2^40)"
+        return None
+
+    def choose(self, N: int, H: int, W: int, C: int, K: int) -> WgmmaConfig:
+        """The configuration to launch for this shape (H200 measurements, handwritten_ptx/README.md):
+
+        k-blocks of 64 channels when ``C % 64 == 0``, else of 32. K <= 32: the 256x32 tile. Else,
+        largest tile first, 256x128, 256x64, 64x128, 64x64 (with 32-channel k-blocks: 256x64 only),
+        skipping tiles wider than K rounded up to 32: the first that makes at least :attr:`min_ctas`
+        CTAs, else the one that makes the most (of equals, the smaller). Within 0.3% of the
+        per-layer best on the U-Net's 26 (layer, batch) pairs (the worst single layer: 6%).
+        """
+        _positive(N=N, H=H, W=W, C=C, K=K)
+        bk = 64 if C % 64 == 0 else 32
+        by_entry = {c.entry: c for c in self.configs}
+        if K > 32:
+            k32 = _cdiv(K, 32) * 32
+            wide = [by_entry[e] for e in self.prefer if by_entry[e].bk == bk and by_entry[e].bn <= k32]
+            for c in wide:
+                if c.ctas(N, H, W, K) >= self.min_ctas:
+                    return c
+            if wide:
+                # of equals the smaller tile: the same CTAs computing fewer rows and channels past the image
+                return max(wide, key=lambda c: (c.ctas(N, H, W, K), -c.bm * c.bn))
+        return next(by_entry[e] for e in self.narrow if by_entry[e].bk == bk)
+
+    def launch(
+        self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0, *, entry: str | None = None
+    ) -> LaunchConfig:
+        """1-D grid (channel tile fastest, so the CTAs that share an input tile run together),
+        block of ``32 * (4 * wgs + 1)`` threads, dynamic shared memory of the configuration (more
+        than 48 KiB: set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first). ``entry`` None:
+        :meth:`choose`'s."""
+        dtype_name(dtype)
+        _positive(N=N, H=H, W=W, C=C, K=K)
+        _pixels(N, H, W, C)
+        cfg = self.config(entry) if entry is not None else self.choose(N, H, W, C, K)
+        ctas = cfg.ctas(N, H, W, K)
+        if ctas > _INT32_MAX:
+            raise InputError(f"{ctas} CTAs exceed the grid's 2^31-1; split the batch")
+        return LaunchConfig(grid=(ctas, 1, 1), block=(cfg.threads, 1, 1), shared_bytes=cfg.smem_bytes)
+
+    def args(
+        self,
+        *,
+        tmx: Any,
+        tmw: Any,
+        y: int,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        K: int,
+        entry: str,
+        bias: int | None = None,
+        ldy: int | None = None,
+        relu: bool = False,
+        status: int | None = None,
+        **_: Any,
+    ) -> list[KernelArg]:
+        """``tmx, tmw, bias, y, N, H, W, C, K, ldy, relu, tw_log2, status`` as (value, type) pairs.
+
+        ``tmx``/``tmw`` are the input's and the weights' tensor maps (``runtime/tma.py``), passed by
+        value; ``entry`` fixes ``tw_log2`` (the tile shape the maps were made for); ``status``: an
+        int[8] device buffer for the watchdog's report, or None (a stuck wait then traps).
+        """
+        _positive(N=N, H=H, W=W, C=C, K=K)
+        ldy_ = _stride("ldy", ldy, K)
+        _pixels(N, H, W, ldy_)
+        for name, m in (("tmx", tmx), ("tmw", tmw)):
+            if not callable(getattr(m, "getPtr", None)):
+                raise InputError(f"{name} must be a CUtensorMap (runtime/tma.py encode()), not {type(m).__name__}")
+        cfg = self.config(entry)
+        return [
+            (tmx, None),
+            (tmw, None),
+            (_pointer("bias", bias, required=False), ctypes.c_void_p),
+            (_pointer("y", y), ctypes.c_void_p),
+            *((int(v), ctypes.c_int32) for v in (N, H, W, C, K, ldy_, 1 if relu else 0, cfg.tw_log2(W))),
+            (_pointer("status", status, required=False), ctypes.c_void_p),
+        ]
+
+    def reference(
+        self, x: np.ndarray, w: np.ndarray | None = None, bias: np.ndarray | None = None, relu: bool = False
+    ) -> np.ndarray:
+        """The conv3x3 op's numpy semantics (:meth:`Conv3x3Spec.reference`)."""
+        return KERNELS["conv3x3"].reference(x, w, bias, relu)
+
+
+@dataclass(frozen=True)
+class ConvChoice:
+    """Which kernel runs one conv3x3 launch, and why (:func:`choose_conv3x3`)."""
+
+    impl: str  # "wgmma" (conv3x3_wgmma, sm_90a), "mma.sync" (conv3x3_nhwc fp16), "simt" (fp32)
+    entry: str
+    reason: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"impl": self.impl, "entry": self.entry, "reason": self.reason}
+
+
 KERNELS: Mapping[str, KernelSpec] = {
     "conv3x3": Conv3x3Spec(op="conv3x3", stem="conv3x3_nhwc"),
     "maxpool2x2": MaxPool2x2Spec(op="maxpool2x2", stem="maxpool2x2_nhwc"),
@@ -682,9 +1007,60 @@ def pack_convt_weights(w: np.ndarray, bias: np.ndarray | None = None) -> tuple[n
     return packed, np.ascontiguousarray(bias, dtype=np.float32)
 
 
-def defines_for_stem(stem: str) -> dict[str, int]:
+CONV3X3_WGMMA = Conv3x3WgmmaSpec(op="conv3x3", stem="conv3x3_wgmma")
+SPECS: tuple[KernelSpec, ...] = (*KERNELS.values(), CONV3X3_WGMMA)  # every source under handwritten_ptx/
+
+
+def spec_for_stem(stem: str) -> KernelSpec | None:
+    """The spec of a source stem (``conv3x3_wgmma``), or None."""
+    return next((spec for spec in SPECS if spec.stem == stem), None)
+
+
+def defines_for_stem(stem: str) -> dict[str, int | str]:
     """The ``-D`` macros a source file is compiled with (empty for a stem no spec names)."""
-    for spec in KERNELS.values():
-        if spec.stem == stem:
-            return spec.defines()
-    return {}
+    spec = spec_for_stem(stem)
+    return spec.defines() if spec is not None else {}
+
+
+def ptx_arches_for_stem(stem: str) -> tuple[str, ...]:
+    """The PTX arches a source is compiled for (every one of ``arch.PTX_ARCHES`` unless its spec
+    says otherwise: conv3x3_wgmma is compute_90a only)."""
+    spec = spec_for_stem(stem)
+    return spec.ptx_arches if spec is not None else PTX_ARCHES
+
+
+def choose_conv3x3(
+    dtype: Any,
+    N: int,
+    H: int,
+    W: int,
+    C: int,
+    K: int,
+    ldx: int | None = None,
+    ldy: int | None = None,
+    *,
+    wgmma_off: str | None,
+    tuned: str | None = None,
+    x: int = 0,
+    w: int = 0,
+    y: int = 0,
+) -> ConvChoice:
+    """The kernel for one conv3x3 launch: the wgmma kernel wherever it is available (``wgmma_off``
+    is None: a cc 9.0 device whose image has it, DUALTRACK_WGMMA not 0) and :meth:`Conv3x3WgmmaSpec.
+    supported` takes the launch, with :meth:`Conv3x3WgmmaSpec.choose`'s tile; else the tuned mma.sync
+    entry of the layer (``tuned``, from a `dualtrack tune` file), else :meth:`Conv3x3Spec.variant`.
+
+    A tuned entry never displaces the wgmma kernel: the tuner searches mma.sync tiles only, and the
+    wgmma kernel beat cuDNN on every U-Net layer it takes (bench/results/wgmma_check-e477c6d.json).
+    """
+    why = wgmma_off or CONV3X3_WGMMA.supported(dtype, N, H, W, C, K, ldx, ldy, x=x, w=w, y=y)
+    if why is None:
+        cfg = CONV3X3_WGMMA.choose(N, H, W, C, K)
+        reason = f"{cfg.bm}x{cfg.bn} tile, {cfg.ctas(N, H, W, K)} CTAs"
+        return ConvChoice("wgmma", cfg.entry, reason)
+    conv = KERNELS["conv3x3"]
+    assert isinstance(conv, Conv3x3Spec)
+    impl = "mma.sync" if dtype_name(dtype) == "float16" else "simt"
+    if tuned:
+        return ConvChoice(impl, tuned, f"tuned (dualtrack tune); wgmma: {why}")
+    return ConvChoice(impl, conv.variant(dtype, N, H, W, C, K), f"heuristic; wgmma: {why}")

@@ -7,7 +7,8 @@ Each stage is a named function with explicit inputs and a frozen artifact as out
 - :func:`assemble_cubin` — PTX to a cubin for one exact GPU arch with nvJitLink, recording each
   kernel's registers and spills from the verbose info log;
 - :func:`regenerate` / :func:`check_fresh` — write / verify the PTX checked in under
-  ``handwritten_ptx/ptx/<arch>/<stem>.ptx`` (``python -m dualtrack.ptx`` and ``--check``).
+  ``handwritten_ptx/ptx/<arch>/<stem>.ptx`` (``python -m dualtrack.ptx`` and ``--check``), for the
+  PTX arches each kernel states (``KernelSpec.ptx_arches``: conv3x3_wgmma is compute_90a only).
 
 The PTX ISA is fixed by the NVRTC that emits it, and the driver caps the ISA it can JIT (FACTS 13):
 NVRTC 13.0 emits ISA 9.0, which driver 580 takes. :func:`regenerate` refuses any other NVRTC.
@@ -30,7 +31,7 @@ from cuda.bindings import nvjitlink, nvrtc
 
 from dualtrack.arch import PTX_ARCHES, parse_ptx_isa, parse_ptx_target, resolve
 from dualtrack.errors import ArchError, DualtrackError, ToolError
-from dualtrack.kernels import defines_for_stem
+from dualtrack.kernels import defines_for_stem, ptx_arches_for_stem
 
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "handwritten_ptx"
 PINNED_NVRTC = (13, 0)  # emits PTX ISA 9.0, the newest driver 580 (CUDA 13.0) JITs
@@ -447,16 +448,18 @@ def _require_pinned_nvrtc() -> None:
 
 
 def regenerate(root: Path = SOURCE_DIR) -> list[Path]:
-    """Compile every source under ``root`` for every PTX arch into ``root/ptx/<arch>/<stem>.ptx``.
+    """Compile every source under ``root`` for each of its PTX arches (:func:`dualtrack.kernels.
+    ptx_arches_for_stem`) into ``root/ptx/<arch>/<stem>.ptx``.
 
     Files whose text is unchanged are not rewritten (their mtimes stay); PTX files whose source is
-    gone are deleted. Returns the paths of all PTX files that now exist, in build order.
+    gone, or that are for an arch the source is no longer built for, are deleted. Returns the paths
+    of all PTX files that now exist, in build order.
     """
     _require_pinned_nvrtc()
     root = Path(root)
     expected: list[Path] = []
     for source in sources(root):
-        for arch in PTX_ARCHES:
+        for arch in ptx_arches_for_stem(source.stem):
             artifact = compile_ptx(source, arch)
             path = ptx_path(root, source, arch)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -476,7 +479,7 @@ def check_fresh(root: Path = SOURCE_DIR) -> list[str]:
     stale: list[str] = []
     expected: set[Path] = set()
     for source in sources(root):
-        for arch in PTX_ARCHES:
+        for arch in ptx_arches_for_stem(source.stem):
             path = ptx_path(root, source, arch)
             expected.add(path)
             rel = path.relative_to(root).as_posix()
@@ -484,8 +487,10 @@ def check_fresh(root: Path = SOURCE_DIR) -> list[str]:
                 stale.append(f"{rel} (missing)")
             elif path.read_text() != compile_ptx(source, arch).text:
                 stale.append(f"{rel} (differs from {source.name})")
+    stems = {s.stem for s in sources(root)}
     for orphan in sorted(set((root / "ptx").glob("*/*.ptx")) - expected):
-        stale.append(f"{orphan.relative_to(root).as_posix()} (no source)")
+        why = "not one of its source's PTX arches" if orphan.stem in stems else "no source"
+        stale.append(f"{orphan.relative_to(root).as_posix()} ({why})")
     return stale
 
 
@@ -495,7 +500,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=SOURCE_DIR, help="kernel source folder (default: %(default)s)")
     parser.add_argument("--check", action="store_true", help="list stale PTX files and exit 1 if there are any")
     parser.add_argument("--source", type=Path, help="compile this one source and print its PTX (a repro)")
-    parser.add_argument("--arch", choices=PTX_ARCHES, default=PTX_ARCHES[0], help="PTX arch for --source")
+    parser.add_argument(
+        "--arch", choices=PTX_ARCHES, default=None, help="PTX arch for --source (default: the first it is built for)"
+    )
     parser.add_argument(
         "-D",
         dest="defines",
@@ -510,7 +517,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             defines = None
             if args.defines is not None:
                 defines = dict(d.split("=", 1) if "=" in d else (d, "1") for d in args.defines)
-            artifact = compile_ptx(args.source, args.arch, defines)
+            arch = args.arch or ptx_arches_for_stem(args.source.stem)[0]
+            artifact = compile_ptx(args.source, arch, defines)
             if artifact.log.strip():
                 print(artifact.log, file=sys.stderr)
             sys.stdout.write(artifact.text)

@@ -18,6 +18,8 @@ class Settings:
     DUALTRACK_JOBS        parallel compiler processes; default: CPU count
     DUALTRACK_NO_CACHE    set to 1 to ignore the cache (every build compiles everything)
     DUALTRACK_CUDA_GRAPHS set to 0 to launch Track A kernels one by one instead of replaying a CUDA graph
+    DUALTRACK_WGMMA       set to 0 to keep every conv3x3 on the mma.sync kernel on sm_90a too (for comparisons);
+                          by default the TMA + wgmma kernel runs every conv it supports there
     DUALTRACK_IREE_ALLOCATOR  IREE CUDA device allocator specs, comma-separated; default "caching" (reuses
                           freed buffers instead of a cuMemAlloc/cuMemFree pair per call); "none": IREE's plain one
     DUALTRACK_IREE_FLAGS  extra IREE runtime flags for the CUDA device, space-separated (read once per process)
@@ -28,6 +30,7 @@ class Settings:
     jobs: int
     use_cache: bool
     cuda_graphs: bool
+    wgmma: bool = True
     iree_allocators: tuple[str, ...] = ("caching",)
     iree_flags: tuple[str, ...] = ()
 
@@ -44,6 +47,7 @@ class Settings:
             jobs=max(1, int(env.get("DUALTRACK_JOBS") or os.cpu_count() or 1)),
             use_cache=env.get("DUALTRACK_NO_CACHE", "") not in ("1", "true", "yes"),
             cuda_graphs=env.get("DUALTRACK_CUDA_GRAPHS", "1") not in ("0", "false", "no"),
+            wgmma=env.get("DUALTRACK_WGMMA", "1") not in ("0", "false", "no"),
             iree_allocators=_allocators(env.get("DUALTRACK_IREE_ALLOCATOR", "caching")),
             iree_flags=tuple(env.get("DUALTRACK_IREE_FLAGS", "").split()),
         )

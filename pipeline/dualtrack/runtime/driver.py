@@ -16,7 +16,8 @@ Notes on cuda-python 13 that shape this module:
   binding's own ``void*`` array, which Python cannot reach: the load and JIT times on
   :class:`Module` are measured on the host around the calls that did the work.
 - ``cuLaunchKernel`` takes ``kernelParams`` as ``((values...), (ctypes types...))`` — two tuples —
-  and builds the ``void**`` array itself (:func:`kernel_params`).
+  and builds the ``void**`` array itself (:func:`kernel_params`); a type ``None`` passes a
+  cuda.bindings struct (a ``CUtensorMap``) by value: the driver copies the bytes at its ``getPtr()``.
 """
 
 from __future__ import annotations
@@ -345,15 +346,23 @@ _PARAM_TYPES = (
 )  # fmt: skip
 
 
-def kernel_params(args: Sequence[tuple[Any, type]]) -> tuple[tuple[Any, ...], tuple[type, ...]] | int:
+def kernel_params(args: Sequence[tuple[Any, type | None]]) -> tuple[tuple[Any, ...], tuple[Any, ...]] | int:
     """Turn ``[(value, ctypes type), ...]`` into cuLaunchKernel's ``((values), (types))`` form.
 
     Pointers are ``(int address, ctypes.c_void_p)``: pass ``buffer.ptr``, never a CUdeviceptr
-    object (the packer would take the address of its handle). No arguments gives 0 (NULL).
+    object (the packer would take the address of its handle). A struct parameter passed by value
+    (``__grid_constant__ CUtensorMap``) is ``(cu.CUtensorMap, None)``. No arguments gives 0 (NULL).
     """
     if not args:
         return 0
     for i, (value, ctype) in enumerate(args):
+        if ctype is None:
+            if not callable(getattr(value, "getPtr", None)):
+                raise TypeError(
+                    f"kernel argument {i}: a by-value struct must be a cuda.bindings struct (CUtensorMap), "
+                    f"got {type(value).__name__}"
+                )
+            continue
         if ctype not in _PARAM_TYPES:
             raise TypeError(f"kernel argument {i}: {ctype!r} is not a ctypes scalar type cuLaunchKernel can pack")
         if ctype is ctypes.c_void_p and not isinstance(value, int):
@@ -564,9 +573,10 @@ class Kernel:
         block: int | Sequence[int],
         shared_bytes: int,
         stream: Stream,
-        args: Sequence[tuple[Any, type]],
+        args: Sequence[tuple[Any, type | None]],
     ) -> None:
-        """Enqueue one launch on ``stream``; ``args`` are ``(value, ctypes type)`` pairs in order."""
+        """Enqueue one launch on ``stream``; ``args`` are ``(value, ctypes type)`` pairs in order
+        (:func:`kernel_params`). The driver copies the parameters: nothing needs to outlive the call."""
         call(
             cu.cuLaunchKernel,
             self.handle,

@@ -4,7 +4,11 @@
   uses the same one), so pointers pass between the tracks as they are.
 - Track A: the bundle's cubin for this exact arch, else its PTX JIT-compiled once and cached
   (runtime/driver.py); weights repacked (KRSC, fp32 bias) and uploaded once; activations in
-  buffers planned once per batch size from a stream-ordered pool, reused on every run.
+  buffers planned once per batch size from a stream-ordered pool, reused on every run. Each
+  launch is prepared once per call, batch size and set of pointers (:meth:`CudaBackend.prepare`):
+  on sm_90a a conv3x3 runs the TMA + wgmma kernel wherever it can (``kernels.choose_conv3x3``),
+  with its two tensor maps encoded for those fixed buffers (runtime/tma.py) and kept with the
+  launch; ``stats.conv3x3`` records which kernel each conv layer runs, and why.
 - Track B: IREE CUDA modules. Inputs go in zero-copy as DLPack capsules over our buffers
   (FACTS 6); results come out zero-copy as DLPack capsules over IREE's buffers (FACTS 7, with
   `--cuda_async_allocations=false`).
@@ -28,7 +32,7 @@ from dualtrack import arch, kernels
 from dualtrack.bundle import Bundle
 from dualtrack.errors import InputError
 from dualtrack.plan import ALIAS_OPS, KernelCall, Segment, TensorSpec
-from dualtrack.runtime import dlpack
+from dualtrack.runtime import dlpack, tma
 from dualtrack.runtime.driver import Device, Event, Kernel, Module, Stream, call
 from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
 from dualtrack.runtime.memory import DeviceBuffer, DevicePool, HostBuffer, download, upload
@@ -59,13 +63,31 @@ class GpuTensor:
 
 @dataclass
 class Stats:
-    """What the GPU path paid, for `make bench` and the result file."""
+    """What the GPU path paid and ran, for `make bench` and the result file."""
 
     module_load_ms: dict[str, float] = field(default_factory=dict)
     module_cache: dict[str, str] = field(default_factory=dict)
     image: str = ""
     host_waits: int = 0
     host_wait_ms: float = 0.0
+    wgmma: str = ""  # whether conv3x3 launches may use the wgmma kernel here ("on: ..." / "off: why")
+    # Conv node -> batch size -> the kernel its launches run ({"impl", "entry", "reason"}: ConvChoice)
+    conv3x3: dict[str, dict[int, dict[str, str]]] = field(default_factory=dict)
+
+
+@dataclass
+class Launch:
+    """One prepared kernel launch (what :meth:`CudaBackend.prepare` returns): calling it enqueues
+    the kernel on a stream. ``args`` hold everything the launch needs, tensor maps included."""
+
+    kernel: Kernel
+    config: kernels.LaunchConfig
+    args: list[kernels.KernelArg]
+    entry: str
+    choice: kernels.ConvChoice | None = None  # conv3x3: which implementation, and why
+
+    def __call__(self, stream: Stream) -> None:
+        self.kernel.launch(self.config.grid, self.config.block, self.config.shared_bytes, stream, self.args)
 
 
 class CudaBackend:
@@ -95,7 +117,9 @@ class CudaBackend:
         )
         self.params = parameter_index(bundle.weights)
         self.modules: dict[tuple[int, int], IreeModule] = {}
-        self.kernels = self._load_track_a(settings.cache_dir / "jit")
+        self.wgmma_off: str | None = "the bundle has no Track A kernels"  # None: conv3x3 may run wgmma
+        self.launches: dict[tuple[str, int], tuple[tuple[int, ...], Launch]] = {}
+        self.kernels = self._load_track_a(settings.cache_dir / "jit", wgmma=settings.wgmma)
         self.weights = self._upload_weights()
         self.ev_start, self.ev_end = Event(self.ctx), Event(self.ctx)
 
@@ -106,11 +130,11 @@ class CudaBackend:
         built = [(t["arch"], t["track_b_iree_target"]) for t in self.bundle.manifest["targets"]]
         return "cuda-" + arch.choose_iree_target(self.device.cc, built)
 
-    def _load_track_a(self, jit_cache: Path) -> dict[str, Kernel]:
+    def _load_track_a(self, jit_cache: Path, *, wgmma: bool) -> dict[str, Kernel]:
         ta = self.bundle.track_a
-        stems = ta.get("kernels", [])
         self.tuned: dict[str, dict[str, str]] = {}  # Conv node -> batch -> entry (bundle.tuned_calls)
-        if not stems:
+        if not ta.get("kernels"):
+            self.stats.wgmma = f"off: {self.wgmma_off}"
             return {}
         choice = arch.choose_image(self.device.cc, sorted(ta.get("cubin", {})), sorted(ta.get("ptx", {})))
         self.stats.image = f"{choice.kind} {choice.arch}: {choice.reason}"
@@ -118,9 +142,22 @@ class CudaBackend:
         # which the build compiled from the same target's PTX.
         self.tuned.update(self.bundle.tuned_calls(self.device.cc))
         tuned_entries = {e for per in self.tuned.values() for e in per.values()}
+        image = ta[choice.kind][choice.arch]  # stem -> file: each target has its own set of kernels
+        wgmma_stem = kernels.CONV3X3_WGMMA.stem
+        if not wgmma:
+            self.wgmma_off = "DUALTRACK_WGMMA=0"
+        elif wgmma_stem not in image:
+            self.wgmma_off = f"the {choice.arch} {choice.kind} has no {wgmma_stem} (sm_90a targets only)"
+        else:
+            self.wgmma_off = None
+        self.stats.wgmma = (
+            f"off: {self.wgmma_off}" if self.wgmma_off else f"on: {wgmma_stem} in the {choice.arch} {choice.kind}"
+        )
         found: dict[str, Kernel] = {}
-        for stem in stems:
-            meta = ta[choice.kind][choice.arch][stem]
+        for stem in sorted(image):
+            if stem == wgmma_stem and self.wgmma_off:
+                continue
+            meta = image[stem]
             path = self.bundle.root / meta["path"]
             mod = Module.load(
                 self.ctx,
@@ -132,12 +169,16 @@ class CudaBackend:
             )
             self.stats.module_load_ms[stem] = mod.load_ms
             self.stats.module_cache[stem] = mod.cache
-            for spec in kernels.KERNELS.values():
-                if spec.stem == stem:
-                    for entry in spec.entries:
-                        found[entry] = mod.function(entry)
-                    if spec.op == "conv3x3":
-                        found.update((e, mod.function(e)) for e in sorted(tuned_entries))
+            spec = kernels.spec_for_stem(stem)
+            if spec is None:
+                continue  # a kernel this version of dualtrack does not launch
+            for entry in spec.entries:
+                found[entry] = mod.function(entry)
+            if spec is kernels.KERNELS["conv3x3"]:
+                found.update((e, mod.function(e)) for e in sorted(tuned_entries))
+            if spec is kernels.CONV3X3_WGMMA:
+                for cfg in kernels.CONV3X3_WGMMA.configs:  # over 48 KiB: opt in once per function
+                    found[cfg.entry].set_max_dynamic_shared(cfg.smem_bytes)
         return found
 
     def _upload_weights(self) -> dict[str, GpuTensor]:
@@ -331,6 +372,10 @@ class CudaBackend:
         """The segment's launches captured once per batch size as a CUDA graph, then replayed."""
         key = (seg.index, batch)
         if key not in self.graphs:
+            # Prepare first (tensor maps: cuTensorMapEncodeTiled): only launches are captured.
+            for c in seg.calls:
+                if c.op not in ALIAS_OPS:
+                    self._prepared(c, env)
             mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
             call(cu.cuStreamBeginCapture, self.stream.handle, mode)
             try:
@@ -343,28 +388,69 @@ class CudaBackend:
         return self.graphs[key][1]
 
     def _launch(self, c: KernelCall, env: dict[str, GpuTensor]) -> None:
+        self._prepared(c, env)(self.stream)
+
+    def _prepared(self, c: KernelCall, env: dict[str, GpuTensor]) -> Launch:
+        """A call's launch, prepared once per call, batch size and pointers (the planned buffers do
+        not move; a segment input in the one-by-one path may, and then the launch, tensor maps
+        included, is prepared again). Records the conv3x3 choice in ``stats.conv3x3``."""
+        x, y = env[c.inputs[0]], env[c.outputs[0]]
+        key = (_call_key(c), x.shape[0])
+        pointers = (x.ptr, y.ptr, x.channel_stride, y.channel_stride)
+        cached = self.launches.get(key)
+        if cached is None or cached[0] != pointers:
+            launch = self.prepare(c, env)
+            if launch.choice is not None:
+                self.stats.conv3x3.setdefault(key[0], {})[key[1]] = launch.choice.to_json()
+            cached = self.launches[key] = (pointers, launch)
+        return cached[1]
+
+    def prepare(self, c: KernelCall, env: Mapping[str, GpuTensor], *, allow_wgmma: bool = True) -> Launch:
+        """The launch of one kernel call on the tensors ``env`` names for its input and output
+        (the planned buffers, or others of the same shapes: bench/bench.py times layers this way):
+        kernel, geometry and arguments. A conv3x3 runs what :func:`kernels.choose_conv3x3` picks:
+        the wgmma kernel where it is on and takes the launch (``allow_wgmma=False``: never), else
+        the layer's tuned mma.sync entry, else the heuristic's."""
         x, y = env[c.inputs[0]], env[c.outputs[0]]
         n, h, w, ch = x.shape
-        spec = kernels.KERNELS[c.op]
         k = y.shape[3]
-        strides = {"ldx": x.channel_stride, "ldy": y.channel_stride}
-        if c.op in ("conv3x3", "convt2x2"):
-            bias = self.weights[c.weights[1]].ptr if len(c.weights) > 1 else None
-            extra = {"relu": bool(c.attr("relu"))} if c.op == "conv3x3" else {}
-            w_ptr = self.weights[c.weights[0]].ptr
-            args = spec.args(x=x.ptr, w=w_ptr, bias=bias, y=y.ptr, N=n, H=h, W=w, C=ch, K=k, **strides, **extra)
-        else:
-            args = spec.args(x=x.ptr, y=y.ptr, N=n, H=h, W=w, C=ch, **strides)
-        if c.op == "conv3x3":  # the tuned tile of this layer and batch, else the heuristic's variant
-            entry = self.tuned.get(c.nodes[0], {}).get(str(n)) or spec.variant(x.dtype, n, h, w, ch, k)
-            cfg = spec.launch(x.dtype, n, h, w, ch, k, entry=entry)
-        else:
+        ldx, ldy = x.channel_stride, y.channel_stride
+        if c.op == "maxpool2x2":
+            spec = kernels.KERNELS[c.op]
+            args = spec.args(x=x.ptr, y=y.ptr, N=n, H=h, W=w, C=ch, ldx=ldx, ldy=ldy)
             entry = spec.entry(x.dtype)
-            cfg = spec.launch(x.dtype, n, h, w, ch, k)
-        kern = self.kernels[entry]
-        if cfg.shared_bytes > 48 * 1024:
-            kern.set_max_dynamic_shared(cfg.shared_bytes)
-        kern.launch(cfg.grid, cfg.block, cfg.shared_bytes, self.stream, args)
+            return Launch(self.kernels[entry], spec.launch(x.dtype, n, h, w, ch), args, entry)
+        wt = self.weights[c.weights[0]]
+        bias = self.weights[c.weights[1]].ptr if len(c.weights) > 1 else None
+        common = {"bias": bias, "y": y.ptr, "N": n, "H": h, "W": w, "C": ch, "K": k, "ldy": ldy}
+        if c.op == "convt2x2":
+            spec = kernels.KERNELS[c.op]
+            entry = spec.entry(x.dtype)
+            args = spec.args(x=x.ptr, w=wt.ptr, ldx=ldx, **common)
+            return Launch(self.kernels[entry], spec.launch(x.dtype, n, h, w, ch, k), args, entry)
+        if c.op != "conv3x3":
+            kernels.kernel(c.op)  # an op with no kernel: InputError naming the ops that have one
+            raise InputError(f"CudaBackend.prepare does not know how to launch '{c.op}'")
+        choice = kernels.choose_conv3x3(
+            x.dtype, n, h, w, ch, k, ldx, ldy,
+            wgmma_off=self.wgmma_off if allow_wgmma else "not allowed (prepare(allow_wgmma=False))",
+            tuned=self.tuned.get(c.nodes[0], {}).get(str(n)) if c.nodes else None,
+            x=x.ptr, w=wt.ptr, y=y.ptr,
+        )  # fmt: skip
+        relu = bool(c.attr("relu"))
+        if choice.impl == "wgmma":
+            wspec = kernels.CONV3X3_WGMMA
+            cfg = wspec.config(choice.entry)
+            tmx = tma.encode(tma.conv3x3_input(cfg, x.ptr, n, h, w, ch, ldx))
+            tmw = tma.encode(tma.conv3x3_weights(cfg, wt.ptr, k, ch))
+            args = wspec.args(tmx=tmx, tmw=tmw, relu=relu, entry=choice.entry, **common)
+            config = wspec.launch(x.dtype, n, h, w, ch, k, entry=choice.entry)
+        else:
+            conv = kernels.KERNELS["conv3x3"]
+            assert isinstance(conv, kernels.Conv3x3Spec)
+            args = conv.args(x=x.ptr, w=wt.ptr, ldx=ldx, relu=relu, **common)
+            config = conv.launch(x.dtype, n, h, w, ch, k, entry=choice.entry)
+        return Launch(self.kernels[choice.entry], config, args, choice.entry, choice)
 
     def _handoff_to_iree(self) -> None:
         """Host wait before IREE reads what Track A wrote on our stream: the one wait per A -> B edge.
@@ -413,6 +499,7 @@ class CudaBackend:
             call(cu.cuGraphExecDestroy, graph_exec)
             call(cu.cuGraphDestroy, graph)
         self.graphs.clear()
+        self.launches.clear()
         for staged in self.staged.values():
             for t in staged.values():
                 t.keepalive.close(self.stream)
@@ -429,6 +516,11 @@ class CudaBackend:
         self.pool.close()
         self.stream.close()
         self.ctx.close()
+
+
+def _call_key(c: KernelCall) -> str:
+    """A kernel call's name: its first ONNX node (the Conv node for a conv), else its output."""
+    return c.nodes[0] if c.nodes else c.outputs[0]
 
 
 @dataclass

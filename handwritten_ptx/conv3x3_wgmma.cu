@@ -54,19 +54,22 @@
 //
 // Watchdog. Every mbarrier wait that does not succeed at once polls %globaltimer; after
 // CONV_WGMMA_WATCHDOG_NS it records (what, block, thread, k-block, stage, parity) in `status`
-// (int[8], device memory, zeroed by the host; may be null -> trap) and the thread leaves its
-// loop, so a wrong transaction count or parity shows up as a report instead of a hang. Other
-// threads see status[0] != 0 in their slow path and give up too. The fast path is one
-// try_wait, as without a watchdog.
+// (int[8], device memory, zeroed by the host) and the thread leaves its loop, so a wrong
+// transaction count or parity shows up as a report instead of a hang. Other threads see
+// status[0] != 0 in their slow path and give up too. With a null `status` (what the engine
+// passes) the thread traps instead: the launch fails with an error rather than hanging the GPU.
+// The fast path is one try_wait, as without a watchdog; -DCONV_WGMMA_WATCHDOG_NS=0 compiles the
+// slow path out (a plain spin), to measure what the watchdog costs.
 //
 // Configurations are not set here: the host passes -DCONV_WGMMA_ENTRIES="CONV_WGMMA_ENTRY(BN,
-// MT, WGS, BK, STAGES, MIN_BLOCKS) ..." (bench/wgmma/conv_plan.py: CONFIGS), so the launch
-// geometry and the code cannot disagree. Entry names: conv3x3_wgmma_bn<BN>_mt<MT>_wg<WGS>_bk<BK>.
+// MT, WGS, BK, STAGES, MIN_BLOCKS) ..." (dualtrack.kernels: Conv3x3WgmmaSpec.configs), so the
+// launch geometry and the code cannot disagree. Entry names: conv3x3_wgmma_bn<BN>_mt<MT>_wg<WGS>_bk<BK>.
+// Built for compute_90a only (wgmma is sm_90a-only): `make ptx` writes ptx/compute_90a/.
 //
 // No #include: NVRTC builds this with no toolkit headers. fp16 values are raw bits.
 
 #if !defined(CONV_WGMMA_ENTRIES)
-#error "configurations come from bench/wgmma/conv_plan.py: build with bench/wgmma/build.py"
+#error "configurations come from dualtrack.kernels (Conv3x3WgmmaSpec.defines): build with `make ptx`"
 #endif
 
 #ifndef CONV_WGMMA_WATCHDOG_NS
@@ -161,7 +164,13 @@ __device__ __forceinline__ bool mbar_wait_slow(u32 bar, u32 parity, int* status,
 // Wait until the phase of `bar` with parity `parity` has completed. False: the watchdog fired.
 __device__ __forceinline__ bool mbar_wait(u32 bar, u32 parity, int* status, int what, int kb, int stage) {
     if (mbar_try_wait(bar, parity)) return true;
+#if CONV_WGMMA_WATCHDOG_NS == 0
+    while (!mbar_try_wait(bar, parity)) {
+    }
+    return true;
+#else
     return mbar_wait_slow(bar, parity, status, what, kb, stage);
+#endif
 }
 
 // ---- TMA --------------------------------------------------------------------------------------

@@ -1,0 +1,495 @@
+"""The sm_90a conv3x3 (TMA + wgmma) on the CPU: its configurations, which launches it takes and
+with which tile, its tensor maps and kernel arguments, its place in the bundles, and the runtime's
+glue (launches prepared once per buffer set) against a mock driver.
+
+The GPU tests (tests/gpu/test_wgmma_gpu.py) run it against the numpy reference; bench/wgmma/ holds
+the standalone prototype whose host plan (conv_plan.py) ran 200 of 200 checks on an H200: the
+geometry and the tensor maps here must stay equal to it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cuda.bindings import driver as cu
+
+from dualtrack import kernels
+from dualtrack.arch import ARCHES
+from dualtrack.build import track_a_stems
+from dualtrack.bundle import Bundle
+from dualtrack.errors import InputError
+from dualtrack.kernels import CONV3X3_WGMMA, WGMMA_CONFIGS, choose_conv3x3
+from dualtrack.plan import KernelCall
+from dualtrack.ptx import SOURCE_DIR, assemble_cubin, ptx_path
+from dualtrack.runtime import tma
+
+ROOT = Path(__file__).resolve().parents[1]
+WG = CONV3X3_WGMMA
+MEASURED = ROOT / "bench" / "results" / "wgmma_check-e477c6d.json"
+SMEM_PER_SM = 233472  # H100/H200: 228 KiB per SM
+SMEM_RESERVED_PER_BLOCK = 1024
+MAX_DYNAMIC_SMEM = 232448  # 227 KiB, the opt-in limit per block
+REGISTERS_PER_SM = 65536
+
+# The reference U-Net's 3x3 layers after the first (C=3): (name, C, K, H=W) at a 512x512 input.
+UNET_LAYERS = (
+    ("enc1b/dec1b", 32, 32, 512), ("enc2a", 32, 64, 256), ("enc2b/dec2b", 64, 64, 256),
+    ("enc3a", 64, 128, 128), ("enc3b/dec3b", 128, 128, 128), ("enc4a", 128, 256, 64),
+    ("enc4b/dec4b", 256, 256, 64), ("bott_a", 256, 512, 32), ("bott_b", 512, 512, 32),
+    ("dec4a", 512, 256, 64), ("dec3a", 256, 128, 128), ("dec2a", 128, 64, 256), ("dec1a", 64, 32, 512),
+)  # fmt: skip
+X, W_, Y = 0x7F0000000000, 0x7F0000100000, 0x7F0000200000  # aligned device addresses (never dereferenced)
+
+
+@pytest.fixture(scope="module")
+def prototype():
+    """bench/wgmma/conv_plan.py, the prototype's host plan (standalone: no dualtrack import)."""
+    sys.path.insert(0, str(ROOT / "bench" / "wgmma"))
+    try:
+        import conv_plan
+    finally:
+        sys.path.remove(str(ROOT / "bench" / "wgmma"))
+    return conv_plan
+
+
+# -- configurations ---------------------------------------------------------------------------------
+
+
+def test_configurations_fit_an_sm90_sm() -> None:
+    assert len({c.entry for c in WGMMA_CONFIGS}) == len(WGMMA_CONFIGS)
+    for c in WGMMA_CONFIGS:
+        assert (c.bm * c.row_bytes) % 1024 == 0 and (c.bn * c.row_bytes) % 1024 == 0  # tiles stay 1024-aligned
+        assert c.smem_bytes <= MAX_DYNAMIC_SMEM, c
+        per_cta = c.smem_bytes + c.static_smem_bytes + SMEM_RESERVED_PER_BLOCK
+        assert per_cta * c.min_blocks <= SMEM_PER_SM, c
+        assert c.bm * (c.bn + 8) * 2 <= c.stages * c.stage_bytes, c  # the epilogue's staging reuses the pipeline
+        assert c.stages >= 2 and c.bk in (32, 64) and c.bn in (32, 64, 128, 256), c
+
+
+def test_defines_instantiate_every_configuration() -> None:
+    macro = WG.defines()["CONV_WGMMA_ENTRIES"]
+    for c in WGMMA_CONFIGS:
+        assert f"CONV_WGMMA_ENTRY({c.bn},{c.mt},{c.wgs},{c.bk},{c.stages},{c.min_blocks})" in macro
+    assert WG.entries == tuple(c.entry for c in WGMMA_CONFIGS)
+    assert WG.config("conv3x3_wgmma_bn64_mt2_wg2_bk32").stages == 5
+    with pytest.raises(InputError, match="'conv3x3_wgmma_bn16' is not an entry of conv3x3_wgmma"):
+        WG.config("conv3x3_wgmma_bn16")
+
+
+def test_the_cubin_fits_the_configurations() -> None:
+    """ptxas' own report on the checked-in PTX: no spills or stack, static shared memory = the
+    mbarriers, registers low enough for `min_blocks` CTAs per SM."""
+    text = ptx_path(SOURCE_DIR, SOURCE_DIR / "conv3x3_wgmma.cu", "compute_90a").read_text()
+    cubin = assemble_cubin(text, "sm_90a", name="conv3x3_wgmma.ptx")
+    assert set(cubin.resources) == set(WG.entries)
+    for c in WGMMA_CONFIGS:
+        r = cubin.resources[c.entry]
+        assert not r.spills and r.stack_bytes == 0, (c.entry, r)
+        assert r.shared_bytes == c.static_smem_bytes, (c.entry, r)
+        assert r.registers * c.threads * c.min_blocks <= REGISTERS_PER_SM, (c.entry, r)
+    assert "warning" not in cubin.info_log.lower()  # e.g. C7509: ptxas serialized the wgmma
+
+
+def test_same_configurations_and_geometry_as_the_prototype(prototype) -> None:
+    """The prototype's configurations, launch geometry and tensor maps are what ran on the H200."""
+    ours = {c.entry: c for c in WGMMA_CONFIGS}
+    assert set(ours) == {c.entry for c in prototype.CONFIGS}
+    assert prototype.kernel_arg_names() == WG.PARAMS
+    for p in prototype.CONFIGS:
+        c = ours[p.entry]
+        assert (c.bn, c.mt, c.wgs, c.bk, c.stages, c.min_blocks) == (p.bn, p.mt, p.wgs, p.bk, p.stages, p.min_blocks)
+        assert (c.smem_bytes, c.threads, c.stage_bytes) == (p.smem_bytes, p.threads, p.stage_bytes)
+        for N, H, W, C, K, ldx in ((1, 9, 13, 64, 40, 72), (2, 512, 512, 32, 32, 64), (3, 5, 200, 96, 300, 96)):
+            geo = prototype.launch(p, N, H, W, K)
+            ours_launch = WG.launch("float16", N, H, W, C, K, entry=c.entry)
+            assert (ours_launch.grid, ours_launch.block, ours_launch.shared_bytes) == (
+                geo.grid, geo.block, geo.smem_bytes
+            )  # fmt: skip
+            assert c.tw_log2(W) == geo.tw_log2
+            for mine, theirs in (
+                (tma.conv3x3_input(c, X, N, H, W, C, ldx), prototype.input_map(p, X, N, H, W, C, ldx, geo.tw_log2)),
+                (tma.conv3x3_weights(c, W_, K, C), prototype.weight_map(p, W_, K, C)),
+            ):
+                assert (mine.address, mine.dims, mine.strides, mine.box) == (
+                    theirs.address, theirs.dims, theirs.strides, theirs.box
+                )  # fmt: skip
+                assert mine.swizzle_bytes == theirs.swizzle_bytes
+                assert mine.l2_promotion_bytes == theirs.l2_promotion_bytes
+
+
+def _decode(cfg: kernels.WgmmaConfig, block: int, H: int, W: int, K: int) -> tuple[int, int, int, int]:
+    """(image, h0, w0, n0) of CTA ``block``, as conv3x3_wgmma.cu decodes blockIdx.x."""
+    log2 = cfg.tw_log2(W)
+    tiles_w, tiles_h, n_tiles = -(-W // (1 << log2)), -(-H // (cfg.bm >> log2)), -(-K // cfg.bn)
+    nt, t = block % n_tiles, block // n_tiles
+    tw, t = t % tiles_w, t // tiles_w
+    return t // tiles_h, (t % tiles_h) * (cfg.bm >> log2), tw << log2, nt * cfg.bn
+
+
+@pytest.mark.parametrize("shape", [(2, 9, 13, 40), (1, 32, 32, 512), (3, 5, 70, 64), (1, 1, 1, 8)])
+def test_the_grid_covers_every_output_once(shape: tuple[int, int, int, int]) -> None:
+    N, H, W, K = shape
+    for c in WGMMA_CONFIGS:
+        th, tw = c.bm >> c.tw_log2(W), 1 << c.tw_log2(W)
+        seen = np.zeros((N, H, W, -(-K // c.bn)), np.int32)
+        for b in range(WG.launch("float16", N, H, W, 8, K, entry=c.entry).grid[0]):
+            img, h0, w0, n0 = _decode(c, b, H, W, K)
+            seen[img, h0 : h0 + th, w0 : w0 + tw, n0 // c.bn] += 1
+        assert (seen == 1).all(), c.entry
+
+
+# -- which launches, which tile ---------------------------------------------------------------------
+
+
+def test_supported_says_why_not() -> None:
+    assert WG.supported("float16", 1, 512, 512, 32, 32) is None
+    assert WG.supported("float16", 2, 16, 16, 64, 32, ldx=128, ldy=96, x=X + 128, y=Y + 64) is None  # slices
+    cases = [
+        (("float32", 1, 8, 8, 64, 64), {}, "fp16 only"),
+        (("float16", 1, 8, 8, 3, 32), {}, r"C=3: TMA needs 16-byte weight rows"),
+        (("float16", 1, 8, 8, 64, 32), {"ldx": 68}, r"ldx=68: TMA needs a 16-byte pixel stride"),
+        (("float16", 1, 8, 8, 64, 36), {}, r"ldy=36: the epilogue's 16-byte stores"),
+        (("float16", 1, 8, 8, 64, 32), {"ldx": 72, "x": X + 8}, r"x=0x7f0000000008 is not 16-byte aligned"),
+        (("float16", 1, 8, 8, 64, 32), {"y": Y + 2}, r"y=0x7f0000200002 is not 16-byte aligned"),
+        (("float16", 70000, 256, 256, 64, 64), {}, r"exceed 2\^31-1"),
+    ]
+    for shape, extra, why in cases:
+        reason = WG.supported(*shape, **extra)
+        assert reason is not None and re.search(why, reason), (why, reason)
+    with pytest.raises(InputError, match="ldx=16 is smaller than the 32 channels"):
+        WG.supported("float16", 1, 8, 8, 32, 32, ldx=16)
+
+
+def _measured() -> list[dict]:
+    return json.loads(MEASURED.read_text())["layers"]
+
+
+def test_choose_follows_the_measured_winners() -> None:
+    """choose() against every config the prototype timed per U-Net layer on the H200: within 0.5%
+    of the per-layer best in total (each layer: 7%), and exactly the winner where it won by more
+    than 7%."""
+    total, best_total = {1: 0.0, 8: 0.0}, {1: 0.0, 8: 0.0}
+    for row in _measured():
+        times = {k: v for k, v in row["per_config_ms"].items() if v}
+        best = min(times, key=times.get)
+        c = WG.choose(row["N"], row["H"], row["W"], row["C"], row["K"])
+        assert c.entry in times, (row["layer"], row["N"], c.entry)
+        n = len(row["layer"].split("/"))  # a/b names share a shape: the model runs it twice
+        total[row["N"]] += n * times[c.entry]
+        best_total[row["N"]] += n * times[best]
+        assert times[c.entry] <= 1.07 * times[best], (row["layer"], row["N"], c.entry, best)
+        if sorted(times.values())[1:2] and sorted(times.values())[1] > 1.07 * times[best]:
+            assert c.entry == best, (row["layer"], row["N"])
+    for n in total:
+        assert total[n] <= 1.005 * best_total[n], (n, total[n], best_total[n])
+    assert round(total[1], 3) == 0.375 and round(total[8], 2) == 2.01  # ms: what handwritten_ptx/README.md quotes
+
+
+def test_choose_on_shapes_outside_the_unet() -> None:
+    assert WG.choose(1, 8, 8, 8, 8).entry == "conv3x3_wgmma_bn32_mt2_wg2_bk32"  # C % 64 != 0, K <= 32
+    assert WG.choose(1, 8, 8, 16, 40).entry == "conv3x3_wgmma_bn64_mt2_wg2_bk32"
+    assert WG.choose(1, 8, 8, 64, 40).entry == "conv3x3_wgmma_bn64_mt1_wg1_bk64"  # few CTAs: the most
+    assert WG.choose(64, 64, 64, 128, 1000).entry == "conv3x3_wgmma_bn128_mt2_wg2_bk64"  # many CTAs: the largest
+    assert WG.choose(1, 1, 1, 64, 8).entry == "conv3x3_wgmma_bn32_mt2_wg2_bk64"
+
+
+def test_choose_conv3x3_decides_between_the_kernels() -> None:
+    args = ("float16", 1, 64, 64, 64, 128)
+    on = choose_conv3x3(*args, wgmma_off=None, tuned="conv3x3_nhwc_f16_t64x32x32_w2x2_s4_b4", x=X, w=W_, y=Y)
+    assert (on.impl, on.entry) == ("wgmma", WG.choose(1, 64, 64, 64, 128).entry)  # a tuned tile does not displace it
+    assert "CTAs" in on.reason and on.to_json() == {"impl": on.impl, "entry": on.entry, "reason": on.reason}
+    off = choose_conv3x3(*args, wgmma_off="DUALTRACK_WGMMA=0")
+    assert off == kernels.ConvChoice(
+        "mma.sync", kernels.KERNELS["conv3x3"].variant(*args), "heuristic; wgmma: DUALTRACK_WGMMA=0"
+    )
+    tuned = choose_conv3x3(*args, wgmma_off="DUALTRACK_WGMMA=0", tuned="conv3x3_nhwc_f16_wide")
+    assert (tuned.impl, tuned.entry) == ("mma.sync", "conv3x3_nhwc_f16_wide") and tuned.reason.startswith("tuned")
+    first = choose_conv3x3("float16", 1, 64, 64, 3, 32, wgmma_off=None)
+    assert first.impl == "mma.sync" and "C=3" in first.reason
+    misaligned = choose_conv3x3(*args, wgmma_off=None, x=X + 8)
+    assert misaligned.impl == "mma.sync" and "not 16-byte aligned" in misaligned.reason
+    fp32 = choose_conv3x3("float32", 1, 64, 64, 64, 128, wgmma_off=None)
+    assert (fp32.impl, fp32.entry) == ("simt", "conv3x3_nhwc_f32")
+
+
+# -- tensor maps and kernel arguments ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 8])
+def test_tensor_maps_of_every_unet_layer(n: int) -> None:
+    for _, C, K, HW in UNET_LAYERS:
+        assert WG.supported("float16", n, HW, HW, C, K) is None
+        for c in WGMMA_CONFIGS:
+            mx = tma.conv3x3_input(c, X, n, HW, HW, C, C)
+            mw = tma.conv3x3_weights(c, W_, K, C)
+            assert mx.box_bytes + mw.box_bytes == c.stage_bytes  # what the producer's expect_tx counts
+            tw = min(c.bm, HW)
+            assert mx.box == (c.bk, tw, c.bm // tw, 1) and mw.box == (c.bk, c.bn)
+            assert mx.swizzle_bytes == mw.swizzle_bytes == c.row_bytes
+
+
+def test_tensor_maps_of_channel_slices() -> None:
+    c = WG.config("conv3x3_wgmma_bn64_mt2_wg2_bk64")
+    m = tma.conv3x3_input(c, X + 32, 2, 24, 40, 96, 128)  # channels [16, 112) of a 128-wide tensor
+    assert m.address == X + 32 and m.dims == (96, 40, 24, 2)
+    assert m.strides == (256, 40 * 256, 24 * 40 * 256)
+    w = tma.conv3x3_weights(c, W_, 40, 96)
+    assert w.dims == (9 * 96, 40) and w.strides == (9 * 96 * 2,)
+
+
+def test_tensor_map_rules_name_the_broken_one() -> None:
+    c = WG.config("conv3x3_wgmma_bn128_mt2_wg2_bk64")
+    with pytest.raises(InputError, match="address 0x1008 is not 16-byte aligned"):
+        tma.conv3x3_input(c, 0x1008, 1, 8, 8, 64, 64)
+    with pytest.raises(InputError, match="stride 1 = 136 bytes is not a positive multiple of 16"):
+        tma.conv3x3_input(c, 0x1000, 1, 8, 8, 64, 68)
+    with pytest.raises(InputError, match="stride 1 = 112 bytes is less than the 128 bytes"):
+        tma.conv3x3_input(c, 0x1000, 1, 8, 8, 64, 56)
+    base = tma.TiledMap(0x1000, (64, 8), (128,), (64, 8), swizzle_bytes=128)
+    base.validate()
+    bad = {
+        "box dim 1 = 512 is outside 1..256": {"box": (64, 512)},
+        "inner 256 bytes exceed the 128-byte swizzle": {"box": (128, 8), "dims": (128, 8), "strides": (256,)},
+        "box's inner dimension is 10 bytes": {"box": (5, 8), "swizzle_bytes": 0},
+        "dim 0 = 0 is outside": {"dims": (0, 8)},
+        "needs rank-1 = 1 strides": {"strides": ()},
+        "swizzle 96 is not one of": {"swizzle_bytes": 96},
+        "L2 promotion 32 is not one of": {"l2_promotion_bytes": 32},
+    }
+    for message, change in bad.items():
+        with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            tma.TiledMap(**{**base.__dict__, **change}).validate()
+
+
+def test_encode_args_are_what_cuTensorMapEncodeTiled_takes() -> None:
+    c = WG.config("conv3x3_wgmma_bn64_mt2_wg2_bk32")
+    args = tma.encode_args(tma.conv3x3_input(c, X, 2, 9, 13, 8, 16))
+    dtype, rank, address, dims, strides, box, elem, interleave, swizzle, l2, oob = args
+    assert dtype == cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 and rank == 4 and address == X
+    assert [int(d) for d in dims] == [8, 13, 9, 2] and [int(s) for s in strides] == [32, 13 * 32, 9 * 13 * 32]
+    assert [int(b) for b in box] == [32, 16, 16, 1] and [int(e) for e in elem] == [1, 1, 1, 1]
+    assert interleave == cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE
+    assert swizzle == cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B
+    assert l2 == cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+    assert oob == cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE  # zeros: the padding
+    w = tma.encode_args(tma.conv3x3_weights(WG.config("conv3x3_wgmma_bn128_mt2_wg2_bk64"), W_, 64, 64))
+    assert w[8] == cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B and [int(b) for b in w[5]] == [64, 128]
+
+
+def test_kernel_args_pass_the_tensor_maps_by_value() -> None:
+    entry = "conv3x3_wgmma_bn128_mt1_wg1_bk64"
+    tmx, tmw = cu.CUtensorMap(), cu.CUtensorMap()
+    tmx.opaque = [cu.cuuint64_t(0x1111_0000 + i) for i in range(16)]
+    args = WG.args(tmx=tmx, tmw=tmw, bias=0x7F00, y=Y, N=2, H=9, W=13, C=64, K=200, ldy=208, relu=True, entry=entry)
+    values, types = zip(*args, strict=True)
+    assert types == (None, None, ctypes.c_void_p, ctypes.c_void_p, *(ctypes.c_int32,) * 8, ctypes.c_void_p)
+    assert values[2:] == (0x7F00, Y, 2, 9, 13, 64, 200, 208, 1, 4, 0)  # tw_log2: 16 columns for W=13; status null
+    assert len(args) == len(WG.PARAMS)
+    from dualtrack.runtime.driver import kernel_params
+
+    packed = cu._HelperKernelParams(kernel_params(args))  # what cuLaunchKernel hands the driver
+    slots = (ctypes.c_void_p * len(args)).from_address(packed.ckernelParams)
+    assert ctypes.string_at(slots[0], 128) == b"".join((0x1111_0000 + i).to_bytes(8, "little") for i in range(16))
+    assert ctypes.c_int32.from_address(slots[11]).value == 4
+    with pytest.raises(InputError, match="tmx must be a CUtensorMap"):
+        WG.args(tmx=X, tmw=tmw, y=Y, N=1, H=1, W=1, C=8, K=8, entry=entry)
+    with pytest.raises(TypeError, match=r"a by-value struct must be a cuda\.bindings struct"):
+        kernel_params([(X, None)])
+
+
+# -- bundles ----------------------------------------------------------------------------------------
+
+
+def test_only_sm90a_targets_carry_the_wgmma_kernel(tiny_full_config: Path) -> None:
+    from dualtrack import partition
+    from dualtrack.config import load_config
+
+    cfg = load_config(tiny_full_config)
+    plan, _ = partition.build_plan(cfg, partition.name_nodes(partition.load_model(cfg.model)))
+    fp16 = ["conv3x3_nhwc", "convt2x2_nhwc", "maxpool2x2_nhwc"]
+    assert track_a_stems(plan, "compute_90a") == ["conv3x3_nhwc", "conv3x3_wgmma", "convt2x2_nhwc", "maxpool2x2_nhwc"]
+    assert track_a_stems(plan, "compute_80") == track_a_stems(plan, "compute_120") == fp16
+    assert ARCHES["sm_90a"].ptx_arch in WG.ptx_arches and ARCHES["sm_120"].ptx_arch not in WG.ptx_arches
+
+
+def test_tiny_full_bundle_has_the_wgmma_module_for_sm90a_only(tiny_full_bundle: Path) -> None:
+    ta = Bundle.open(tiny_full_bundle).track_a
+    assert "conv3x3_wgmma" in ta["kernels"]
+    assert "conv3x3_wgmma" in ta["ptx"]["compute_90a"] and "conv3x3_wgmma" in ta["cubin"]["sm_90a"]
+    assert "conv3x3_wgmma" not in ta["ptx"]["compute_80"] and "conv3x3_wgmma" not in ta["cubin"]["sm_80"]
+    cubin = (tiny_full_bundle / ta["cubin"]["sm_90a"]["conv3x3_wgmma"]["path"]).read_bytes()
+    assert cubin[:4] == b"\x7fELF" and all(e.encode() in cubin for e in WG.entries)
+
+
+def test_the_gpu_tests_model_runs_the_wgmma_kernel_almost_everywhere(tiny_wgmma_config: Path) -> None:
+    """tests/data/tiny_wgmma.yaml (the GPU tests' bundle): every conv but the first (C=3) on the
+    wgmma kernel at both batch sizes, skip connections written into concatenation slices, partial
+    tiles, several configurations."""
+    from dualtrack import partition
+    from dualtrack.config import load_config
+    from dualtrack.tune_a.problems import conv_layers
+
+    cfg = load_config(tiny_wgmma_config)
+    plan, _ = partition.build_plan(cfg, partition.name_nodes(partition.load_model(cfg.model)))
+    assert track_a_stems(plan, "compute_90a") == ["conv3x3_nhwc", "conv3x3_wgmma", "convt2x2_nhwc", "maxpool2x2_nhwc"]
+    layers = conv_layers(plan)
+    picks = {}
+    for x in layers:
+        p = x.problem
+        picks[x.node, x.batch] = choose_conv3x3(p.dtype, p.N, p.H, p.W, p.C, p.K, p.ldx, p.ldy, wgmma_off=None)
+    assert [key for key, c in picks.items() if c.impl != "wgmma"] == [("enc1/conv1", 1), ("enc1/conv1", 3)]
+    assert any(x.problem.ldy > x.problem.K for x in layers)  # a conv writing half of a concatenation
+    on = [(x.problem, picks[x.node, x.batch]) for x in layers]
+    on = [(p, WG.config(c.entry)) for p, c in on if c.impl == "wgmma"]
+    assert any(p.W % (1 << cfg.tw_log2(p.W)) for p, cfg in on)  # tiles that hang over the image's edge
+    assert len({c.entry for c in picks.values() if c.impl == "wgmma"}) >= 3
+
+
+def test_enable_tma_false_carries_no_wgmma_module(tiny_full_config: Path) -> None:
+    """`enable_tma: false` keeps every arch on mma.sync: the TMA kernel is not even shipped."""
+    from dualtrack import partition
+    from dualtrack.config import load_config
+
+    cfg = load_config(tiny_full_config)
+    plan, _ = partition.build_plan(cfg, partition.name_nodes(partition.load_model(cfg.model)))
+    assert "conv3x3_wgmma" in track_a_stems(plan, "compute_90a", use_tma=True)
+    assert "conv3x3_wgmma" not in track_a_stems(plan, "compute_90a", use_tma=False)
+
+
+def test_unsupported_plans_carry_no_wgmma_module(tiny_config: Path) -> None:
+    from dualtrack import partition
+    from dualtrack.config import load_config
+
+    cfg = load_config(tiny_config)  # fp32: the wgmma kernel is fp16 only
+    plan, _ = partition.build_plan(cfg, partition.name_nodes(partition.load_model(cfg.model)))
+    assert "conv3x3_wgmma" not in track_a_stems(plan, "compute_90a")
+
+
+# -- the runtime's glue, on a mock driver -----------------------------------------------------------
+
+
+class _Kernel:
+    def __init__(self, name: str, launched: list) -> None:
+        self.name, self.launched = name, launched
+
+    def launch(self, grid, block, shared, stream, args) -> None:
+        self.launched.append((self.name, grid, block, shared, args))
+
+
+def _backend(monkeypatch: pytest.MonkeyPatch, wgmma_off: str | None = None):
+    """A CudaBackend with no GPU: kernels that record launches, tensor maps encoded by a fake."""
+    from dualtrack.runtime import gpu
+
+    encoded: list[tma.TiledMap] = []
+
+    def fake_encode(m: tma.TiledMap) -> cu.CUtensorMap:
+        encoded.append(m)
+        return cu.CUtensorMap()
+
+    monkeypatch.setattr(tma, "encode", fake_encode)
+    be = gpu.CudaBackend.__new__(gpu.CudaBackend)
+    launched: list = []
+    names = [*kernels.KERNELS["conv3x3"].entries, *WG.entries]
+    be.kernels = {n: _Kernel(n, launched) for n in names}
+    be.weights = {
+        "w": gpu.GpuTensor(W_, (64, 3, 3, 64), np.dtype("float16")),
+        "b": gpu.GpuTensor(0x7E00, (64,), np.dtype("float32")),
+    }
+    be.tuned, be.launches, be.stats, be.stream = {}, {}, gpu.Stats(), object()
+    be.wgmma_off = wgmma_off
+    return be, launched, encoded
+
+
+def _env(x_ptr: int, *, c: int = 64, ld: int = 0):
+    from dualtrack.runtime.gpu import GpuTensor
+
+    return {
+        "x": GpuTensor(x_ptr, (1, 32, 32, c), np.dtype("float16"), ld=ld),
+        "y": GpuTensor(Y, (1, 32, 32, 64), np.dtype("float16")),
+    }
+
+
+CALL = KernelCall("conv3x3", ("x",), ("y",), ("w", "b"), (("relu", 1),), ("enc2/conv2",))
+
+
+def test_launches_are_prepared_once_per_buffer_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    be, launched, encoded = _backend(monkeypatch)
+    env = _env(X)
+    be._launch(CALL, env)
+    be._launch(CALL, env)
+    cfg = WG.choose(1, 32, 32, 64, 64)
+    assert [name for name, *_ in launched] == [cfg.entry, cfg.entry]
+    assert launched[0][3] == cfg.smem_bytes and launched[0][4] is launched[1][4]  # the same prepared arguments
+    assert [m.address for m in encoded] == [X, W_]  # two maps, encoded once
+    (recorded,) = be.stats.conv3x3["enc2/conv2"].values()
+    assert (recorded["impl"], recorded["entry"]) == ("wgmma", cfg.entry) and list(be.stats.conv3x3["enc2/conv2"]) == [1]
+    be._launch(CALL, _env(X + 4096))  # a segment input at another address (no CUDA graph): new maps
+    assert [m.address for m in encoded] == [X, W_, X + 4096, W_]
+    assert len(be.launches) == 1
+
+
+def test_unsupported_or_disabled_convs_keep_the_mma_sync_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    be, launched, encoded = _backend(monkeypatch)
+    be._launch(CALL, _env(X + 8, ld=72))  # misaligned slice
+    assert launched[-1][0] == kernels.KERNELS["conv3x3"].variant("float16", 1, 32, 32, 64, 64) and not encoded
+    assert "not 16-byte aligned" in be.stats.conv3x3["enc2/conv2"][1]["reason"]
+    be, launched, encoded = _backend(monkeypatch, wgmma_off="DUALTRACK_WGMMA=0")
+    be.tuned = {"enc2/conv2": {"1": "conv3x3_nhwc_f16_small"}}
+    be._launch(CALL, _env(X))
+    assert launched[-1][0] == "conv3x3_nhwc_f16_small" and not encoded
+    assert be.stats.conv3x3["enc2/conv2"][1]["impl"] == "mma.sync"
+    be2, _, _ = _backend(monkeypatch)
+    assert be2.prepare(CALL, _env(X), allow_wgmma=False).choice.impl == "mma.sync"
+
+
+class _Module:
+    def __init__(self, origin: str, opted: dict) -> None:
+        self.origin, self.opted, self.load_ms, self.cache = origin, opted, 0.1, "off"
+
+    def function(self, name: str):
+        opted = self.opted
+
+        class _Fn:
+            def set_max_dynamic_shared(self, nbytes: int) -> None:
+                opted[name] = nbytes
+
+        return _Fn()
+
+
+@pytest.mark.parametrize(
+    ("cc", "wgmma", "off"),
+    [
+        ((9, 0), True, None),
+        ((9, 0), False, "DUALTRACK_WGMMA=0"),
+        ((8, 0), True, "the sm_80 cubin has no conv3x3_wgmma (sm_90a targets only)"),
+    ],
+)
+def test_the_loader_loads_the_wgmma_module_where_it_runs(
+    tiny_full_bundle: Path, monkeypatch: pytest.MonkeyPatch, cc, wgmma, off
+) -> None:
+    from dualtrack.runtime import gpu
+
+    loaded: list[str] = []
+    opted: dict[str, int] = {}
+
+    def fake_load(ctx, image, *, kind, origin, target, cache_dir=None):
+        loaded.append(Path(origin).stem)
+        return _Module(origin, opted)
+
+    monkeypatch.setattr(gpu.Module, "load", staticmethod(fake_load))
+    be = gpu.CudaBackend.__new__(gpu.CudaBackend)
+    be.bundle, be.ctx, be.stats = Bundle.open(tiny_full_bundle), None, gpu.Stats()
+    be.device = type("FakeDevice", (), {"cc": cc})()
+    be.wgmma_off = "unset"
+    found = be._load_track_a(tiny_full_bundle / "jit", wgmma=wgmma)
+    assert be.wgmma_off == off
+    assert be.stats.wgmma == (f"off: {off}" if off else "on: conv3x3_wgmma in the sm_90a cubin")
+    assert ("conv3x3_wgmma" in loaded) == (off is None)
+    assert set(WG.entries) <= set(found) if off is None else not set(WG.entries) & set(found)
+    assert opted == ({c.entry: c.smem_bytes for c in WGMMA_CONFIGS} if off is None else {})
