@@ -144,6 +144,16 @@ def test_build_compiles_a_segment_with_its_tuned_flags(tiny_config: Path, tmp_pa
     assert tuned_b.vmfb(seg, "cuda-sm_89", big).read_bytes() != plain.vmfb(seg, "cuda-sm_89", big).read_bytes()
     assert tuned_b.vmfb(seg, "cuda-sm_89", small).read_bytes() == plain.vmfb(seg, "cuda-sm_89", small).read_bytes()
     assert tuned_b.manifest["build_key"] != plain.manifest["build_key"]
+    from click.testing import CliRunner
+
+    from dualtrack.cli import main
+
+    info = CliRunner().invoke(main, ["info", str(out.bundle)])
+    assert info.exit_code == 0, info.output
+    assert (
+        f"tuned      {seg.name} cuda-sm_89 N={big}: O3 (--iree-opt-level=O3); tuned on NVIDIA H200, 2.00x"
+        in info.output
+    )
 
 
 def test_tune_cli_prepares_a_kit_and_refuses_kit_options_without_track_b(tiny_config: Path, tmp_path: Path) -> None:

@@ -390,6 +390,14 @@ def info(bundle: Path, as_json: bool) -> None:
 
         click.echo(f"driver     needs CUDA {driver_str(m['min_driver'])} or newer for the PTX")
     click.echo(f"iree       targets {', '.join(b.iree_targets)}")
+    for seg, per_target in sorted(m["artifacts"].get("iree_tuned_flags", {}).items()):
+        for target, per_batch in sorted(per_target.items()):
+            for batch, r in sorted(per_batch.items(), key=lambda kv: int(kv[0])):
+                gain = f", {r['speedup']:.2f}x the config's flags" if r.get("speedup") else ""
+                click.echo(
+                    f"tuned      {seg} {target} N={batch}: {r['candidate']} ({' '.join(r['flags']) or 'no flags'}); "
+                    f"tuned on {r['gpu']}{gain}"
+                )
     ver = m.get("verification") or {}
     click.echo(
         f"verified   {'passed' if ver.get('passed') else 'no'} on {ver.get('device', '-')} "
