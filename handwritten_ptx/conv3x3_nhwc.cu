@@ -552,10 +552,11 @@ __device__ __forceinline__ void conv(const f16* __restrict__ x, const f16* __res
             const float v = win[t];
             // 16-byte broadcast reads: one shared-memory load feeds four FMAs (with 4-byte reads the
             // loads, one per FMA, were the bottleneck: 2.9x slower on an H200).
-            const float4* wt = reinterpret_cast<const float4*>(ws + t * KP + k0);
+            // (lds128: a plain float4 read makes NVRTC's PTX nondeterministic, see above.)
+            const float* wt = ws + t * KP + k0;
 #pragma unroll
             for (int j = 0; j < KCHUNK / 4; ++j) {
-                const float4 q = wt[j];
+                const float4 q = lds128(wt + 4 * j);
                 acc[4 * j] += v * q.x;
                 acc[4 * j + 1] += v * q.y;
                 acc[4 * j + 2] += v * q.z;
