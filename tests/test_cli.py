@@ -130,7 +130,7 @@ def test_info_shows_which_convs_run_the_wgmma_kernel(tiny_full_bundle: Path) -> 
     out = result.stdout
     # base-4 U-Net: the convs with C and both strides multiples of 8 (5 of 10 layers), both batch sizes
     assert "conv3x3    sm_90a: 10 of 20 launches on the wgmma kernel, the rest on mma.sync" in out
-    assert re.search(r"^             enc1/conv1: mma\.sync f16_smallc \(heuristic; wgmma: C=3: ", out, re.MULTILINE)
+    assert re.search(r"^             enc1/conv1: mma\.sync f16_narrow \(heuristic; wgmma: C=3: ", out, re.MULTILINE)
     assert re.search(r"^             mid/conv2: bn32_mt2_wg2_bk32$", out, re.MULTILINE)
     assert "conv3x3    sm_80" not in out
 

@@ -239,10 +239,6 @@ class Conv3x3Spec(KernelSpec):
     f16_small: tuple[int, ...] = (64, 64, 64, 2, 2, 3, 4)
     # variant(): wide tiles when there are at least this many of them, else the default tile when
     # it has at least f16_main_min_tiles, else small (measured on an H200, 132 SMs).
-    # The small-C entry (handwritten_ptx/conv3x3_nhwc.cu, namespace smallc): its limits and tile.
-    smallc_cmax: int = 4
-    smallc_kmax: int = 128
-    smallc_tile: tuple[int, int] = (8, 32)
     f16_wide_min_tiles: int = 256
     f16_main_min_tiles: int = 512
     f32_bm: int = 64
@@ -270,22 +266,8 @@ class Conv3x3Spec(KernelSpec):
 
     @property
     def entries(self) -> tuple[str, ...]:
-        """Every entry in the PTX: the default fp16 and fp32 ones, the fp16 variants, the small-C one."""
-        return (
-            *(self.entry(d) for d in DTYPES),
-            *(f"{self.stem}_f16_{v}" for v in self.F16_VARIANTS),
-            self.smallc_entry,
-        )
-
-    @property
-    def smallc_entry(self) -> str:
-        """The fp16 entry for few input channels (the first layer, RGB): CUDA cores, one output pixel a
-        thread, a ``smallc_tile`` (rows, columns) of pixels a block; C <= smallc_cmax, K <= smallc_kmax."""
-        return f"{self.stem}_f16_smallc"
-
-    def supports(self, entry: str, C: int, K: int) -> bool:
-        """Whether ``entry`` computes a C -> K conv (only the small-C entry has limits)."""
-        return entry != self.smallc_entry or (self.smallc_cmax >= C and self.smallc_kmax >= K)
+        """Every entry in the PTX: the default fp16 and fp32 ones, then the fp16 variants."""
+        return (*(self.entry(d) for d in DTYPES), *(f"{self.stem}_f16_{v}" for v in self.F16_VARIANTS))
 
     def f16_tiles(self) -> dict[str, F16Tile]:
         """The tile of every fixed fp16 entry (default, narrow, wide, small), by entry name."""
@@ -328,9 +310,6 @@ class Conv3x3Spec(KernelSpec):
 
     def _f16_config(self, entry: str | None) -> tuple[int, int, int]:
         """(bm, bn, threads) of an fp16 entry (None: the default one)."""
-        if entry == self.smallc_entry:
-            rows, cols = self.smallc_tile
-            return rows * cols, self.smallc_kmax, rows * cols
         tile = self.entry_tile(entry if entry is not None else self.entry("float16"))
         return tile.bm, tile.bn, tile.threads
 
@@ -341,8 +320,6 @@ class Conv3x3Spec(KernelSpec):
         _positive(N=N, H=H, W=W, C=C, K=K)
         if name != "float16":
             return self.entry(name)
-        if self.smallc_cmax >= C and self.smallc_kmax >= K:
-            return self.smallc_entry
         M = N * H * W
         narrow_bn = self.f16_narrow[1]
         if narrow_bn >= K:
@@ -379,13 +356,6 @@ class Conv3x3Spec(KernelSpec):
         M = _pixels(N, H, W, C)
         if dtype_name(dtype) != "float16" and entry not in (None, self.entry(dtype)):
             raise InputError(f"'{entry}' is not the {dtype_name(dtype)} entry of {self.stem}")
-        if entry == self.smallc_entry:
-            if not self.supports(entry, C, K):
-                raise InputError(f"{entry} takes C <= {self.smallc_cmax} and K <= {self.smallc_kmax}; got C={C}, K={K}")
-            rows, cols = self.smallc_tile
-            if N > _GRID_Y_MAX:
-                raise InputError(f"{entry} runs one grid layer per image; N={N} exceeds {_GRID_Y_MAX}")
-            return LaunchConfig(grid=(_cdiv(W, cols), _cdiv(H, rows), N), block=(rows * cols, 1, 1), shared_bytes=0)
         bm, bn = self.tile(dtype, entry)
         grid_y = _cdiv(K, bn)
         if grid_y > _GRID_Y_MAX:

@@ -50,7 +50,7 @@ def test_conv3x3_kernel(engine, dtype, n, h, w, c, k, relu) -> None:
     spec = kernels.KERNELS["conv3x3"]
     suffix = "_f16" if dtype == "float16" else "_f32"
     # Every tile variant of this dtype, not only the one `variant` would pick for this shape.
-    for entry in [e for e in spec.entries if suffix in e and spec.supports(e, c, k)]:
+    for entry in [e for e in spec.entries if suffix in e]:
         dy = be.from_host(np.full(ref.shape, np.nan, dtype))  # poisoned: every element must be written
         cfg = spec.launch(dtype, n, h, w, c, k, entry=entry)
         args = spec.args(x=dx.ptr, w=dw.ptr, bias=db.ptr, y=dy.ptr, N=n, H=h, W=w, C=c, K=k, relu=bool(relu))

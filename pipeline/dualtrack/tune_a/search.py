@@ -253,12 +253,7 @@ def tune_track_a(
         out_path = Path(output) if output is not None else default_output(source)
         plan = load_plan(source)
         layers = conv_layers(plan, opts.batches or None, opts.layers)
-        # The small-C entry (the first layer) has no tiles to search: it is what such a layer runs.
-        problems = {
-            p: ls
-            for p, ls in by_problem(layers).items()
-            if p.dtype == "float16" and conv.variant(p.dtype, p.N, p.H, p.W, p.C, p.K) != conv.smallc_entry
-        }
+        problems = {p: ls for p, ls in by_problem(layers).items() if p.dtype == "float16"}
         if not problems:
             what = f" matching {opts.layers!r}" if opts.layers else ""
             raise ConfigError(
@@ -300,7 +295,6 @@ def tune_track_a(
                 for i, data in enumerate(built.cubins)
             ]
             functions = {e: modules[0].function(e) for e in conv.f16_tiles()}  # the baselines
-            functions[conv.smallc_entry] = modules[0].function(conv.smallc_entry)
             functions.update((e, modules[i].function(e)) for e, i in built.program.items())
             for entry, why in built.rejected.items():
                 say(f"{entry}: rejected ({why})")
