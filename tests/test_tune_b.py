@@ -169,3 +169,20 @@ def test_tune_cli_prepares_a_kit_and_refuses_kit_options_without_track_b(tiny_co
     assert r.exit_code == 0, r.output
     assert "time them on the GPU with `dualtrack tune" in r.output
     assert list(tune_b.Kit.open(tmp_path / "k").candidates) == [tune_b.BASELINE, "O3"]
+
+
+def test_tune_track_b_without_a_gpu_says_how_to_split(tiny_config: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from dualtrack.cli import main
+    from dualtrack.runtime.driver import load_driver
+
+    try:
+        load_driver()
+        pytest.skip("this machine has a GPU")
+    except Exception:
+        pass
+    r = CliRunner().invoke(main, ["tune", str(tiny_config), "--track-b", "-o", str(tmp_path / "t.json")])
+    assert r.exit_code == 9, r.output
+    assert "--prepare-kit DIR`, then run `dualtrack tune DIR --track-b` there" in r.output
+    assert not (tmp_path / "t.json").exists()

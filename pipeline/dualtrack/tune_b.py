@@ -500,6 +500,19 @@ def flags_for(recs: Sequence[dict[str, Any]], key: str, iree_target: str, batch:
 # -- the command ----------------------------------------------------------------------------------
 
 
+def _require_gpu() -> None:
+    from dualtrack.errors import DeviceError
+    from dualtrack.runtime.driver import load_driver
+
+    try:
+        load_driver()
+    except DeviceError as e:
+        raise DeviceError(
+            f"{str(e).split(';')[0]}: the IREE flag candidates are timed on a GPU; compile them here with "
+            "`dualtrack tune CONFIG --track-b --prepare-kit DIR`, then run `dualtrack tune DIR --track-b` there"
+        ) from None
+
+
 @dataclass(frozen=True)
 class TrackBTuneResult:
     output: Path | None  # the tuning file written (None: only a kit was prepared)
@@ -537,6 +550,7 @@ def tune_track_b(
         kit = prepare_kit(source, prepare_only, target=target, only=only, say=say)
         return TrackBTuneResult(None, kit, {}, (), time.perf_counter() - t0)
     dest = Path(output) if output is not None else default_output(source)
+    _require_gpu()  # before compiling anything: the candidates are timed here
     with tempfile.TemporaryDirectory(prefix="dualtrack-kit-") as tmp:
         if (source / KIT_FILE).is_file():
             kit = Kit.open(source)
