@@ -98,6 +98,14 @@ def _pixels(N: int, H: int, W: int, ld: int) -> int:
     return N * H * W
 
 
+def _gemm_grid(M: int, K: int, bm: int, bn: int, z: int = 1) -> tuple[int, int, int]:
+    """The grid of the GEMM-shaped kernels: pixel tiles along x, channel tiles along y."""
+    grid_y = _cdiv(K, bn)
+    if grid_y > _GRID_Y_MAX:
+        raise InputError(f"K={K} output channels need {grid_y} channel tiles; the grid allows {_GRID_Y_MAX}")
+    return (_cdiv(M, bm), grid_y, z)
+
+
 def _gemm_values(
     x: int, w: int, bias: int | None, y: int, N: int, H: int, W: int, C: int, K: int, ldx: int | None, ldy: int | None
 ) -> dict[str, int]:
@@ -357,10 +365,7 @@ class Conv3x3Spec(KernelSpec):
         if dtype_name(dtype) != "float16" and entry not in (None, self.entry(dtype)):
             raise InputError(f"'{entry}' is not the {dtype_name(dtype)} entry of {self.stem}")
         bm, bn = self.tile(dtype, entry)
-        grid_y = _cdiv(K, bn)
-        if grid_y > _GRID_Y_MAX:
-            raise InputError(f"K={K} output channels need {grid_y} channel tiles; the grid allows {_GRID_Y_MAX}")
-        return LaunchConfig(grid=(_cdiv(M, bm), grid_y, 1), block=(self.threads(dtype, entry), 1, 1), shared_bytes=0)
+        return LaunchConfig(grid=_gemm_grid(M, K, bm, bn), block=(self.threads(dtype, entry), 1, 1), shared_bytes=0)
 
     def args(
         self,
@@ -592,10 +597,7 @@ class ConvT2x2Spec(KernelSpec):
         _positive(N=N, H=H, W=W, C=C, K=K)
         M = _pixels(N, H, W, C)
         bm, bn = self.tile(dtype)
-        grid_y = _cdiv(K, bn)
-        if grid_y > _GRID_Y_MAX:
-            raise InputError(f"K={K} output channels need {grid_y} channel tiles; the grid allows {_GRID_Y_MAX}")
-        return LaunchConfig(grid=(_cdiv(M, bm), grid_y, self.TAPS), block=(self.threads(dtype), 1, 1), shared_bytes=0)
+        return LaunchConfig(grid=_gemm_grid(M, K, bm, bn, self.TAPS), block=(self.threads(dtype), 1, 1), shared_bytes=0)
 
     def args(
         self,
