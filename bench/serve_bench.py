@@ -69,9 +69,10 @@ def main() -> None:
     p.add_argument(
         "--workers",
         type=int,
-        default=0,
-        help="also run PNG -> PNG and JPEG -> JSON on `dualtrack serve --workers N` (N processes, each its own "
-        "engine; CPU per thread and batch statistics then describe one process only)",
+        action="append",
+        default=[],
+        help="also run PNG -> PNG, JPEG -> JSON and JPEG -> PNG on `dualtrack serve --workers N` (N HTTP "
+        "processes in front of one engine; repeatable)",
     )
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -252,9 +253,9 @@ def under_load(args: argparse.Namespace, reference_img_s: float) -> tuple[list[d
         env = {_SWITCH_ENV: str(ms / 1e3)}
         more, _ = _serve_and_load(args, reference_img_s, [(f"{cases[1][0]}_switch_{ms:g}ms", *cases[1][1:])], env)
         results += more
-    if args.workers > 1:
-        n = args.workers
-        wcases = [(f"{c[0]}_workers_{n}", *c[1:]) for c in cases[:2]]
+    jpeg_png = ("jpeg_in_png_out", jpg, "/v1/segment", "image/jpeg")
+    for n in args.workers:
+        wcases = [(f"{c[0]}_workers_{n}", *c[1:]) for c in (*cases[:2], jpeg_png)]
         more, _ = _serve_and_load(args, reference_img_s, wcases, {}, ["--workers", str(n)])
         results += more
     return results, metrics_text
@@ -387,19 +388,32 @@ def _metrics(base: str) -> dict[str, float]:
     return out
 
 
-def _thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds by thread name (the event loop is the process's main thread)."""
+def _thread_cpu(pid: int, prefix: str = "") -> dict[str, float]:
+    """CPU seconds by thread name (the event loop is the process's main thread), then the same for
+    its child processes (`serve --workers N`: the HTTP workers), summed over them as "worker: NAME"."""
     tick = os.sysconf("SC_CLK_TCK")
     out: collections.Counter[str] = collections.Counter()
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    children: list[str] = []
+    for tid in _listdir(f"/proc/{pid}/task"):
         stat = _read(f"/proc/{pid}/task/{tid}/stat")
+        children += _read(f"/proc/{pid}/task/{tid}/children").split()
         try:
             name = "event loop" if tid == str(pid) else stat[stat.index("(") + 1 : stat.rindex(")")]
             fields = stat[stat.rindex(")") + 2 :].split()
-            out[name.rstrip("_0123456789")] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            out[prefix + name.rstrip("_0123456789")] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
         except (ValueError, IndexError):  # the thread ended while being read
             continue
+    if not prefix:
+        for child in children:
+            out.update(_thread_cpu(int(child), "worker: "))
     return dict(out)
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:  # the process ended
+        return []
 
 
 def _read(path: str) -> str:

@@ -420,34 +420,3 @@ def test_loadtest_is_bounded_in_seconds(server, rng) -> None:
     assert report.ok > 0
     assert report.elapsed_s < 1.0 + 5.0  # stops issuing at 1 s; the last requests take one batch delay
     assert report.sent < 10**9
-
-
-def test_serve_cli_workers_share_one_port(tiny_bundle: Path, reference, rng) -> None:
-    """`--workers 2`: two processes, each with its own engine, answer on one port; SIGTERM stops both."""
-    with socket.socket() as s:  # a free port: with workers, uvicorn reports port 0 as it was given
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "dualtrack.cli", "serve", str(tiny_bundle), "--workers", "2"]
-    argv += ["--port", str(port), "--log-level", "warning", "--device", "cpu"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        _until(lambda: _answers(base), "the workers to listen")
-        # Each process answers /readyz for itself and the kernel spreads connections over them:
-        # a run of 200s on fresh connections means every worker is ready.
-        _until(
-            lambda: all(httpx.get(f"{base}/readyz", timeout=5).status_code == 200 for _ in range(16)),
-            "both workers to be ready",
-        )
-        images = [_png(rng, 64, 64) for _ in range(6)]
-        with ThreadPoolExecutor(6) as pool:
-            answers = list(pool.map(lambda b: httpx.post(f"{base}/v1/segment", content=b, timeout=WAIT_S), images))
-        for data, r in zip(images, answers, strict=True):
-            assert r.status_code == 200, r.text
-            np.testing.assert_array_equal(imaging.decode_mask_png(r.content), _expected_mask(reference, data))
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(WAIT_S) in (0, -signal.SIGTERM)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

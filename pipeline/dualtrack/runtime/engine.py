@@ -97,6 +97,7 @@ class CpuBackend:
         # Modules before the device, the device before the weights they read (IREE needs this order).
         self.modules.clear()
         self.device = None  # type: ignore[assignment]
+        self.params = None  # an index still alive at interpreter exit is reported as a leak by nanobind
 
 
 class Engine:

@@ -495,6 +495,7 @@ class CudaBackend:
         self.stream.synchronize()  # nothing may still run when modules and buffers go away
         self.modules.clear()
         self.iree = None  # type: ignore[assignment]
+        self.params = None  # an index still alive at interpreter exit is reported as a leak by nanobind
         for graph, graph_exec in self.graphs.values():
             call(cu.cuGraphExecDestroy, graph_exec)
             call(cu.cuGraphDestroy, graph)

@@ -28,14 +28,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
@@ -56,6 +54,7 @@ from dualtrack.serve.options import ServeOptions
 
 if TYPE_CHECKING:
     from dualtrack.runtime.engine import Engine
+    from dualtrack.serve.shared import EngineClient, EngineInfo, RemoteMetrics
 
 _log = logging.getLogger(__name__)
 
@@ -68,16 +67,16 @@ class _BodyTooLarge(Exception):
     pass
 
 
-# `dualtrack serve --workers N`: the options each worker process builds its app from (JSON).
-WORKER_ENV = "DUALTRACK_SERVE_WORKER"
-
-
 def worker_app() -> Starlette:
-    """The app of one `dualtrack serve --workers N` process (a uvicorn factory): it loads the bundle
-    itself, on its batcher thread, like ``create_app(path)``."""
-    options = json.loads(os.environ[WORKER_ENV])
-    bundle = options.pop("bundle")
-    return create_app(Path(bundle), **options)
+    """The app of one `dualtrack serve --workers N` process (a uvicorn factory).
+
+    It has no engine of its own: it reaches the engine process that started it
+    (:mod:`dualtrack.serve.shared`), whose batcher and metrics registry every worker shares.
+    """
+    from dualtrack.serve.shared import RemoteMetrics, connect_from_env
+
+    client, options = connect_from_env()
+    return _assemble(client, RemoteMetrics(client), ServeOptions(**options))
 
 
 def create_app(
@@ -120,6 +119,13 @@ def create_app(
         device_index=options.device_index,
         on_batch=metrics.observe_batch,
     )
+    return _assemble(batcher, metrics, options)
+
+
+def _assemble(
+    batcher: Batcher | EngineClient, metrics: ServeMetrics | RemoteMetrics, options: ServeOptions
+) -> Starlette:
+    """The app around a batcher (or a worker's client of the engine process) and its metrics."""
     service = _Service(batcher, metrics, options)
 
     @asynccontextmanager
@@ -156,7 +162,9 @@ def create_app(
 class _Service:
     """The endpoint handlers, sharing one batcher, one metrics registry and the options."""
 
-    def __init__(self, batcher: Batcher, metrics: ServeMetrics, options: ServeOptions) -> None:
+    def __init__(
+        self, batcher: Batcher | EngineClient, metrics: ServeMetrics | RemoteMetrics, options: ServeOptions
+    ) -> None:
         self.batcher = batcher
         self.stats = metrics
         self.options = options
@@ -188,7 +196,8 @@ class _Service:
         )
 
     async def metrics_text(self, request: Request) -> Response:
-        return Response(self.stats.exposition(), media_type=self.stats.content_type)
+        # A worker of `serve --workers N` asks the engine process: off the event loop.
+        return Response(await run_in_threadpool(self.stats.exposition), media_type=self.stats.content_type)
 
     async def segment(self, request: Request) -> Response:
         start = time.perf_counter()
@@ -214,10 +223,10 @@ class _Service:
             return _error(500, str(err))
         headers = {"Server-Timing": ", ".join(f"{k};dur={v:.3f}" for k, v in answer.timings.items())}
         response = Response(answer.body, media_type=answer.media_type, headers=headers)
-        self.stats.latency.observe(time.perf_counter() - start)
+        self.stats.observe_latency(time.perf_counter() - start)
         return response
 
-    def _segment_on_threads(self, data: bytes, engine: Engine, fmt: str, start: float) -> Future[_Answer]:
+    def _segment_on_threads(self, data: bytes, engine: Engine | EngineInfo, fmt: str, start: float) -> Future[_Answer]:
         """Decode and queue on an image thread; once the batch has run, answer on an image thread.
 
         The event loop waits on the returned future alone: one wake-up per request instead of one
@@ -243,9 +252,7 @@ class _Service:
             queued.add_done_callback(batch_done)
 
         def reply(queued: Future[BatchResult], size: tuple[int, int]) -> _Answer:
-            result = queued.result()
-            self.stats.queue_wait.observe(result.queue_ms / 1e3)
-            return self._answer(result, size, fmt, classes, start)
+            return self._answer(queued.result(), size, fmt, classes, start)
 
         self.images.submit(_step, answer, queue)
         return answer

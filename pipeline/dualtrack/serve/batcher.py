@@ -107,7 +107,9 @@ class Batcher:
     """Owns an engine on one worker thread and runs queued images in micro-batches.
 
     ``on_batch`` (if given) is called on the worker thread after every batch with the batch's
-    :class:`BatchResult` of its first row (sizes and timings are shared by all rows).
+    :class:`BatchResult` of every row, in row order (sizes and timings are shared by all rows).
+    ``on_phase`` (if given) is called with the new :class:`Phase` and :attr:`error` whenever the
+    phase changes, on the thread that changed it. Neither may block: the next batch waits for them.
     """
 
     def __init__(
@@ -118,7 +120,8 @@ class Batcher:
         max_queue: int,
         device: str = "cpu",
         device_index: int = 0,
-        on_batch: Callable[[BatchResult], None] | None = None,
+        on_batch: Callable[[list[BatchResult]], None] | None = None,
+        on_phase: Callable[[Phase, str], None] | None = None,
     ) -> None:
         if max_batch_delay_s < 0:
             raise ValueError(f"max_batch_delay_s must be >= 0, got {max_batch_delay_s}")
@@ -130,6 +133,7 @@ class Batcher:
         self._delay = max_batch_delay_s
         self._max_queue = max_queue
         self._on_batch = on_batch
+        self._on_phase = on_phase
         self._pending: deque[_Batch] = deque()  # oldest first; only the last one may still take rows
         self._waiting = 0  # requests in _pending
         self._spare: list[np.ndarray] = []  # batch arrays not in use
@@ -162,6 +166,14 @@ class Batcher:
         return self._waiting
 
     # --- life cycle ------------------------------------------------------------------------------
+
+    def _set_phase(self, phase: Phase) -> None:
+        self._phase = phase
+        if self._on_phase is not None:
+            try:
+                self._on_phase(phase, self._error)
+            except Exception:  # a listener's bug must not stop inference
+                _log.exception("on_phase callback failed")
 
     def start(self) -> None:
         """Start the worker: it loads (if needed) and warms up the engine, then serves the queue."""
@@ -242,19 +254,19 @@ class Batcher:
             self._fail(f"engine failed to load: {err}")
             return
         try:
-            self._phase = Phase.WARMING
+            self._set_phase(Phase.WARMING)
             engine.warmup()
             # The running batch and the next one: no request thread waits for page-locked memory
             # (milliseconds to allocate) until the load calls for a third.
             self._spare = [self._new_array(engine) for _ in range(2)]
             self._engine = engine
-            self._phase = Phase.READY
+            self._set_phase(Phase.READY)
             while self._serve_one_batch(engine):
                 pass
         except Exception as err:
             self._fail(f"engine failed: {err}")
         finally:
-            self._phase = Phase.CLOSED if not self._error else Phase.FAILED
+            self._set_phase(Phase.CLOSED if not self._error else Phase.FAILED)
             with self._cond:
                 self._spare.clear()  # host arrays die with the engine: drop them first
             if owned:
@@ -283,7 +295,7 @@ class Batcher:
 
     def _fail(self, message: str) -> None:
         self._error = message
-        self._phase = Phase.FAILED
+        self._set_phase(Phase.FAILED)
         with self._cond:
             failed = [r for batch in self._pending for r in batch.requests]
             self._pending.clear()
@@ -359,7 +371,7 @@ class Batcher:
             request.future.set_result(result)
         if self._on_batch is not None:
             try:
-                self._on_batch(results[0])
+                self._on_batch(results)
             except Exception:  # a metrics bug must not stop inference
                 _log.exception("on_batch callback failed")
 

@@ -8,10 +8,14 @@ Only click and the options are imported up front, so ``dualtrack --help`` stays 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from dualtrack.serve.options import ServeOptions
+
+if TYPE_CHECKING:
+    from dualtrack.runtime.engine import Engine
 
 
 @click.command("serve")
@@ -60,8 +64,8 @@ from dualtrack.serve.options import ServeOptions
     default=1,
     show_default=True,
     type=click.IntRange(1, 64),
-    help="Server processes sharing the port, each with its own engine on the GPU (its own CUDA context, "
-    "batcher and /metrics); image threads are split between them.",
+    help="HTTP processes sharing the port, in front of one engine in this process (one CUDA context, one "
+    "batcher for all of them, one /metrics); image threads are split between them.",
 )
 @click.option(
     "--log-level",
@@ -95,28 +99,26 @@ def serve(
     from dualtrack.serve.app import create_app
 
     loop, http = server_stack()
-    if workers > 1:
-        _serve_workers(
-            bundle,
-            workers,
-            dict(
-                device=device,
-                device_index=device_index,
-                max_batch_delay_ms=max_batch_delay_ms,
-                max_queue=max_queue,
-                max_body_bytes=max_body_bytes,
-                shutdown_timeout_s=shutdown_timeout_s,
-                image_threads=image_threads or max(1, ServeOptions().threads // workers),
-            ),
-            host=host,
-            port=port,
-            log_level=log_level,
-            loop=loop,
-            http=http,
-        )
-        return
     engine = Engine.load(bundle, device=device, device_index=device_index)
     try:
+        if workers > 1:
+            _serve_workers(
+                engine,
+                workers,
+                ServeOptions(
+                    max_batch_delay_ms=max_batch_delay_ms,
+                    max_queue=max_queue,
+                    max_body_bytes=max_body_bytes,
+                    shutdown_timeout_s=shutdown_timeout_s,
+                    image_threads=image_threads or max(1, ServeOptions().threads // workers),
+                ),
+                host=host,
+                port=port,
+                log_level=log_level,
+                loop=loop,
+                http=http,
+            )
+            return
         app = create_app(
             engine,
             max_batch_delay_ms=max_batch_delay_ms,
@@ -139,39 +141,42 @@ def serve(
         engine.close()
 
 
-def _serve_workers(bundle: Path, workers: int, options: dict, **server: object) -> None:
-    """Run ``workers`` processes on one port (uvicorn's supervisor, spawned, SO_REUSEPORT semantics).
-
-    Each process loads the bundle on its own (CUDA contexts are per process), so one process's
-    Python work (HTTP, images, the engine's host side) never waits for another's GIL. The bundle is
-    checked here first so that a bad bundle fails once, with its own error, before any worker starts.
-    """
-    import json
+def _serve_workers(engine: Engine, workers: int, options: ServeOptions, **server: Any) -> None:
+    """``workers`` HTTP processes on one port (uvicorn's supervisor, spawned) in front of ``engine``,
+    which stays in this process (:mod:`dualtrack.serve.shared`): one CUDA context, one batcher
+    gathering every worker's requests, one metrics registry."""
     import os
 
     import uvicorn
 
-    from dualtrack.bundle import Bundle
-    from dualtrack.serve.app import WORKER_ENV
+    from dualtrack.serve.shared import ENGINE_ENV, EngineHost
 
-    Bundle.open(bundle)
-    if options["device"] == "cuda":
-        from dualtrack.runtime.driver import load_driver
-
-        load_driver()  # no GPU: one DeviceError line here instead of N failing workers
-    os.environ[WORKER_ENV] = json.dumps({"bundle": str(bundle.resolve()), **options})
-    click.echo(
-        f"serving with {server['loop']} and {server['http']}, {workers} processes x "
-        f"{options['image_threads']} image threads",
-        err=True,
-    )
-    uvicorn.run(
-        "dualtrack.serve.app:worker_app",
-        factory=True,
-        workers=workers,
-        timeout_graceful_shutdown=int(options["shutdown_timeout_s"]) or None,
-        **server,  # type: ignore[arg-type]
-    )
+    host = EngineHost(engine, options, workers)
+    host.start()
+    try:
+        app_options = {
+            "max_body_bytes": options.max_body_bytes,
+            "retry_after_s": options.retry_after_s,
+            "shutdown_timeout_s": options.shutdown_timeout_s,
+            "image_threads": options.image_threads,
+        }
+        os.environ[ENGINE_ENV] = host.worker_env(app_options)  # the spawned workers inherit it
+        click.echo(
+            f"serving with {server['loop']} and {server['http']}: {workers} HTTP processes x "
+            f"{options.image_threads} image threads, one engine in process {os.getpid()}",
+            err=True,
+        )
+        uvicorn.run(
+            "dualtrack.serve.app:worker_app",
+            factory=True,
+            workers=workers,
+            timeout_graceful_shutdown=int(options.shutdown_timeout_s) or None,
+            **server,
+        )
+    finally:
+        # The workers have answered their requests and exited: finish anything still queued.
+        if not host.close(options.shutdown_timeout_s):
+            click.echo(f"the engine was still busy after {options.shutdown_timeout_s:.0f} s; exiting anyway", err=True)
 
 
 def server_stack() -> tuple[str, str]:

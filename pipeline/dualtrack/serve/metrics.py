@@ -67,8 +67,15 @@ class ServeMetrics:
         if code >= 400:
             self.errors.labels(endpoint, str(code)).inc()
 
-    def observe_batch(self, result: BatchResult) -> None:
-        """Record one engine run (called on the batcher's worker thread)."""
+    def observe_latency(self, seconds: float) -> None:
+        """Record one ``POST /v1/segment``'s wall time, body to answer."""
+        self.latency.observe(seconds)
+
+    def observe_batch(self, results: list[BatchResult]) -> None:
+        """Record one engine run and each of its requests' queue wait (on the batcher's thread)."""
+        for row in results:
+            self.queue_wait.observe(row.queue_ms / 1e3)
+        result = results[0]
         self.batch_size.observe(result.batch_size)
         self.padded_rows.inc(result.padded_size - result.batch_size)
         self.inference.observe(result.run_ms / 1e3)
@@ -76,6 +83,14 @@ class ServeMetrics:
             match = _TRACK_KEY.match(key)
             if match:
                 self.track.labels(match.group(1)).observe(ms / 1e3)
+
+    def observe_remote(self, observations: list[tuple[object, ...]]) -> None:
+        """Record what a worker process observed (:class:`~dualtrack.serve.shared.RemoteMetrics`)."""
+        for kind, *args in observations:
+            if kind == "request":
+                self.observe_request(str(args[0]), int(args[1]))  # type: ignore[call-overload]
+            elif kind == "latency":
+                self.observe_latency(float(args[0]))  # type: ignore[arg-type]
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric in this app's registry."""
