@@ -74,14 +74,25 @@ def main() -> None:
         help="also run PNG -> PNG, JPEG -> JSON and JPEG -> PNG on `dualtrack serve --workers N` (N HTTP "
         "processes in front of one engine; repeatable)",
     )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=ARGS",
+        help="also run JPEG -> JSON and JPEG -> PNG on `dualtrack serve ARGS` (e.g. "
+        "'w4d10=--workers 4 --max-batch-delay-ms 10'; repeatable)",
+    )
+    p.add_argument("--only-variants", action="store_true", help="skip the default cases: a sweep of --variant")
+    p.add_argument("--tag", default="", help="appended to the result file names")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"commit": args.commit, "machine": machine(), "device": args.device}
     report["engine"], mask = engine_alone(args.bundle, args.device, args.iters, args.png.read_bytes())
     report["stages"] = stages(args.png.read_bytes(), args.jpg.read_bytes(), mask)
     report["loadtests"], metrics_text = under_load(args, report["engine"]["reference_img_s"])
-    (args.out / f"serve-metrics-{args.commit[:10]}.txt").write_text(metrics_text)
-    path = args.out / f"serve_bench-{args.commit[:10]}.json"
+    name = args.commit[:10] + (f"-{args.tag}" if args.tag else "")
+    (args.out / f"serve-metrics-{name}.txt").write_text(metrics_text)
+    path = args.out / f"serve_bench-{name}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     print_summary(report)
     print(f"wrote {path}")
@@ -247,13 +258,22 @@ def under_load(args: argparse.Namespace, reference_img_s: float) -> tuple[list[d
         ("jpeg_in_json_out", jpg, "/v1/segment?format=json", "image/jpeg"),
         ("tiny_jpeg_in_json_out", _tiny_jpeg(args.jpg), "/v1/segment?format=json", "image/jpeg"),
     ]
-    results, metrics_text = _serve_and_load(args, reference_img_s, cases, {})
+    jpeg_png = ("jpeg_in_png_out", jpg, "/v1/segment", "image/jpeg")
+    results, metrics_text = [], ""
+    for variant in args.variant:
+        name, _, argv = variant.partition("=")
+        vcases = [(f"{c[0]}_{name}", *c[1:]) for c in (cases[1], jpeg_png)]
+        more, metrics_text = _serve_and_load(args, reference_img_s, vcases, {}, argv.split())
+        results += more
+    if args.only_variants:
+        return results, metrics_text
+    more, metrics_text = _serve_and_load(args, reference_img_s, cases, {})
+    results += more
     if args.switch_interval_ms:
         ms = args.switch_interval_ms
         env = {_SWITCH_ENV: str(ms / 1e3)}
         more, _ = _serve_and_load(args, reference_img_s, [(f"{cases[1][0]}_switch_{ms:g}ms", *cases[1][1:])], env)
         results += more
-    jpeg_png = ("jpeg_in_png_out", jpg, "/v1/segment", "image/jpeg")
     for n in args.workers:
         wcases = [(f"{c[0]}_workers_{n}", *c[1:]) for c in (*cases[:2], jpeg_png)]
         more, _ = _serve_and_load(args, reference_img_s, wcases, {}, ["--workers", str(n)])

@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     show_default=True,
     type=click.IntRange(1, 64),
     help="HTTP processes sharing the port, in front of one engine in this process (one CUDA context, one "
-    "batcher for all of them, one /metrics); image threads are split between them.",
+    "batcher for all of them, one /metrics), each with --image-threads threads.",
 )
 @click.option(
     "--log-level",
@@ -110,7 +110,9 @@ def serve(
                     max_queue=max_queue,
                     max_body_bytes=max_body_bytes,
                     shutdown_timeout_s=shutdown_timeout_s,
-                    image_threads=image_threads or max(1, ServeOptions().threads // workers),
+                    # Not split between the workers: the kernel spreads connections unevenly over
+                    # them, and a thread waiting for work costs nothing.
+                    image_threads=image_threads or ServeOptions().threads,
                 ),
                 host=host,
                 port=port,
