@@ -7,6 +7,7 @@ Only click and the options are imported up front, so ``dualtrack --help`` stays 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,14 @@ if TYPE_CHECKING:
     help="Threads that decode, resize and encode images (0: one per core).",
 )
 @click.option(
+    "--switch-interval-ms",
+    default=ServeOptions.switch_interval_ms,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="GIL switch interval of the HTTP processes (0: Python's 5 ms): how long a thread that computes keeps "
+    "one that has work to hand over waiting.",
+)
+@click.option(
     "--workers",
     default=1,
     show_default=True,
@@ -84,6 +93,7 @@ def serve(
     max_body_bytes: int,
     shutdown_timeout_s: float,
     image_threads: int,
+    switch_interval_ms: float,
     workers: int,
     log_level: str,
 ) -> None:
@@ -99,6 +109,8 @@ def serve(
     from dualtrack.serve.app import create_app
 
     loop, http = server_stack()
+    if switch_interval_ms and workers == 1:
+        sys.setswitchinterval(switch_interval_ms / 1e3)
     engine = Engine.load(bundle, device=device, device_index=device_index)
     try:
         if workers > 1:
@@ -113,6 +125,7 @@ def serve(
                     # Not split between the workers: the kernel spreads connections unevenly over
                     # them, and a thread waiting for work costs nothing.
                     image_threads=image_threads or ServeOptions().threads,
+                    switch_interval_ms=switch_interval_ms,
                 ),
                 host=host,
                 port=port,
@@ -161,6 +174,7 @@ def _serve_workers(engine: Engine, workers: int, options: ServeOptions, **server
             "retry_after_s": options.retry_after_s,
             "shutdown_timeout_s": options.shutdown_timeout_s,
             "image_threads": options.image_threads,
+            "switch_interval_ms": options.switch_interval_ms,
         }
         os.environ[ENGINE_ENV] = host.worker_env(app_options)  # the spawned workers inherit it
         click.echo(
