@@ -13,11 +13,12 @@
    is the most one server process can answer): throughput, latency, errors, the ratio to (1), the
    server's batch statistics (from /metrics), and the CPU time of the client and of each of the
    server's threads (event loop, image threads, batcher), per request and as cores kept busy.
-   With --switch-interval-ms, JPEG -> JSON once more on a server with that GIL switch interval: a
-   thread that wants the GIL waits up to that long for one that computes (Python's default: 5 ms),
-   and the engine's thread takes the GIL back after every CUDA and IREE call.
+4. Each ``--variant NAME=ARGS``: PNG -> PNG, JPEG -> JSON and JPEG -> PNG on ``dualtrack serve
+   ARGS`` (e.g. ``--workers 6``: HTTP processes in front of one engine; their CPU time is summed
+   as "worker: THREAD"). ``--only-variants`` skips (3), for sweeps of settings.
 
-Writes ``serve_bench-<commit>.json`` and ``serve-metrics-<commit>.txt``; prints a summary last.
+Writes ``serve_bench-<commit>[-TAG].json`` and ``serve-metrics-<commit>[-TAG].txt``; prints a
+summary last.
 Linux only (/proc); the child names its threads (prctl) so their CPU time can be told apart.
 """
 
@@ -46,7 +47,6 @@ import numpy as np
 
 CLIENTS = 16
 PORT = 8087
-_SWITCH_ENV = "SERVE_BENCH_SWITCH_INTERVAL_S"  # to the child: sys.setswitchinterval before serving
 
 
 def main() -> None:
@@ -61,26 +61,12 @@ def main() -> None:
     p.add_argument("--commit", default=os.environ.get("DUALTRACK_COMMIT", "unknown"))
     p.add_argument("--serve-arg", action="append", default=[], help="extra `dualtrack serve` argument (repeatable)")
     p.add_argument(
-        "--switch-interval-ms",
-        type=float,
-        default=0.0,
-        help="also run JPEG -> JSON on a server with this GIL switch interval (Python's default: 5 ms)",
-    )
-    p.add_argument(
-        "--workers",
-        type=int,
-        action="append",
-        default=[],
-        help="also run PNG -> PNG, JPEG -> JSON and JPEG -> PNG on `dualtrack serve --workers N` (N HTTP "
-        "processes in front of one engine; repeatable)",
-    )
-    p.add_argument(
         "--variant",
         action="append",
         default=[],
         metavar="NAME=ARGS",
-        help="also run JPEG -> JSON and JPEG -> PNG on `dualtrack serve ARGS` (e.g. "
-        "'w4d10=--workers 4 --max-batch-delay-ms 10'; repeatable)",
+        help="also run PNG -> PNG, JPEG -> JSON and JPEG -> PNG on `dualtrack serve ARGS`, e.g. "
+        "'workers_6=--workers 6 --max-batch-delay-ms 8' (repeatable; the cases are named CASE_NAME)",
     )
     p.add_argument("--only-variants", action="store_true", help="skip the default cases: a sweep of --variant")
     p.add_argument("--tag", default="", help="appended to the result file names")
@@ -250,8 +236,7 @@ def _throughput(fn: Any, threads: int, seconds: float = 1.5) -> float:
 
 
 def under_load(args: argparse.Namespace, reference_img_s: float) -> tuple[list[dict[str, Any]], str]:
-    """The cases on `dualtrack serve`; then, with --switch-interval-ms, JPEG -> JSON on a second
-    server whose GIL switch interval is that (how much the engine thread waits for the GIL)."""
+    """The cases on a plain `dualtrack serve` (unless --only-variants), then on each --variant."""
     png, jpg = args.png.read_bytes(), args.jpg.read_bytes()
     cases = [
         ("png_in_png_out", png, "/v1/segment", "image/png"),
@@ -260,23 +245,12 @@ def under_load(args: argparse.Namespace, reference_img_s: float) -> tuple[list[d
     ]
     jpeg_png = ("jpeg_in_png_out", jpg, "/v1/segment", "image/jpeg")
     results, metrics_text = [], ""
+    if not args.only_variants:
+        results, metrics_text = _serve_and_load(args, reference_img_s, cases, {})
     for variant in args.variant:
         name, _, argv = variant.partition("=")
-        vcases = [(f"{c[0]}_{name}", *c[1:]) for c in (cases[1], jpeg_png)]
+        vcases = [(f"{c[0]}_{name}", *c[1:]) for c in (*cases[:2], jpeg_png)]
         more, metrics_text = _serve_and_load(args, reference_img_s, vcases, {}, argv.split())
-        results += more
-    if args.only_variants:
-        return results, metrics_text
-    more, metrics_text = _serve_and_load(args, reference_img_s, cases, {})
-    results += more
-    if args.switch_interval_ms:
-        ms = args.switch_interval_ms
-        env = {_SWITCH_ENV: str(ms / 1e3)}
-        more, _ = _serve_and_load(args, reference_img_s, [(f"{cases[1][0]}_switch_{ms:g}ms", *cases[1][1:])], env)
-        results += more
-    for n in args.workers:
-        wcases = [(f"{c[0]}_workers_{n}", *c[1:]) for c in (*cases[:2], jpeg_png)]
-        more, _ = _serve_and_load(args, reference_img_s, wcases, {}, ["--workers", str(n)])
         results += more
     return results, metrics_text
 
@@ -470,8 +444,6 @@ def _child(argv: list[str]) -> None:
         run(self)
 
     threading.Thread.run = named_run  # type: ignore[method-assign]
-    if os.environ.get(_SWITCH_ENV):
-        sys.setswitchinterval(float(os.environ[_SWITCH_ENV]))
     from dualtrack.cli import main as dualtrack
 
     dualtrack(argv)
