@@ -54,11 +54,11 @@ for step in $steps; do
     serve)
       # The service (uvloop, httptools from .whl/, one image thread per core) under 16 clients for 15 s
       # each: PNG in -> mask PNG out, JPEG in -> JSON out, a 64x64 JPEG in -> JSON out, then PNG -> PNG,
-      # JPEG -> JSON and JPEG -> PNG on `serve --workers 6` and `--workers 8` (HTTP processes in front of one
+      # JPEG -> JSON and JPEG -> PNG on `serve --workers 4` and `--workers 8` (HTTP processes in front of one
       # engine); against the engine's own batch-8 throughput measured in the
       # same run (ratios: serve_bench-*.json and the last lines printed). About 5 minutes.
       python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" \
-        --variant "workers_6=--workers 6 --max-batch-delay-ms 8" --variant "workers_8=--workers 8 --max-batch-delay-ms 8" --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve.log" ;;
+        --variant "workers_4=--workers 4 --max-batch-delay-ms 8" --variant "workers_8=--workers 8 --max-batch-delay-ms 8" --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve.log" ;;
     bench)
       python3 bench/bench.py --bundle $C/unet --seed-split-bundle $C/unet_seed_split --iree-only-bundle $C/iree_only \
         --batches 1 8 --iters 50 --skip-autotune --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT" 2>&1 | tee /tmp/bench.log ;;
