@@ -235,8 +235,34 @@ def _sample(text: str, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+def _children(pid: int) -> list[int]:
+    """The live worker processes of ``pid`` (Linux /proc; multiprocessing's resource tracker is not one)."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return [c for c in out if _alive(c) and b"resource_tracker" not in _cmdline(c)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
 def test_serve_cli_workers_share_one_engine(tiny_bundle: Path, reference, rng) -> None:
-    """`--workers 2`: two HTTP processes on one port, one engine and one /metrics; SIGTERM stops all."""
+    """`--workers 2`: two HTTP processes on one port, one engine and one /metrics; a killed worker is
+    replaced; SIGTERM stops all."""
     with socket.socket() as s:  # a free port: with workers, uvicorn reports port 0 as it was given
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -260,6 +286,15 @@ def test_serve_cli_workers_share_one_engine(tiny_bundle: Path, reference, rng) -
         text = httpx.get(f"{base}/metrics").text
         assert _sample(text, "dualtrack_batch_size_sum") == 8  # one engine ran every image
         assert _sample(text, "dualtrack_queue_wait_seconds_count") == 8
+        # A worker that dies is replaced (uvicorn) and the new one connects to the same engine.
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[0], signal.SIGKILL)
+        _until(lambda: len(_children(proc.pid)) == 2 and workers[0] not in _children(proc.pid), "a new worker")
+        _until(lambda: all(_answers(base) for _ in range(16)), "the new worker to be ready")
+        with ThreadPoolExecutor(4) as pool:
+            again = list(pool.map(lambda b: httpx.post(f"{base}/v1/segment", content=b, timeout=WAIT_S), images[:4]))
+        assert [r.status_code for r in again] == [200] * 4, [r.text for r in again]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(WAIT_S) in (0, -signal.SIGTERM)
     finally:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
@@ -77,10 +76,7 @@ def worker_app() -> Starlette:
     from dualtrack.serve.shared import RemoteMetrics, connect_from_env
 
     client, options = connect_from_env()
-    serve_options = ServeOptions(**options)
-    if serve_options.switch_interval_ms:
-        sys.setswitchinterval(serve_options.switch_interval_ms / 1e3)
-    return _assemble(client, RemoteMetrics(client), serve_options)
+    return _assemble(client, RemoteMetrics(client), ServeOptions(**options))
 
 
 def create_app(

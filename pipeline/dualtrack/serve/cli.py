@@ -7,7 +7,6 @@ Only click and the options are imported up front, so ``dualtrack --help`` stays 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,14 +60,6 @@ if TYPE_CHECKING:
     help="Threads that decode, resize and encode images (0: one per core).",
 )
 @click.option(
-    "--switch-interval-ms",
-    default=ServeOptions.switch_interval_ms,
-    show_default=True,
-    type=click.FloatRange(0),
-    help="GIL switch interval of the HTTP processes (0: Python's 5 ms): how long a thread that computes keeps "
-    "one that has work to hand over waiting.",
-)
-@click.option(
     "--workers",
     default=1,
     show_default=True,
@@ -93,7 +84,6 @@ def serve(
     max_body_bytes: int,
     shutdown_timeout_s: float,
     image_threads: int,
-    switch_interval_ms: float,
     workers: int,
     log_level: str,
 ) -> None:
@@ -109,8 +99,6 @@ def serve(
     from dualtrack.serve.app import create_app
 
     loop, http = server_stack()
-    if switch_interval_ms and workers == 1:
-        sys.setswitchinterval(switch_interval_ms / 1e3)
     engine = Engine.load(bundle, device=device, device_index=device_index)
     try:
         if workers > 1:
@@ -125,7 +113,6 @@ def serve(
                     # Split between the workers: with one thread per core in every worker, 512 KB PNGs
                     # (CPU-bound) ran 10-20% slower on the H200 machine (serve_bench-f552e5d.json).
                     image_threads=image_threads or max(1, ServeOptions().threads // workers),
-                    switch_interval_ms=switch_interval_ms,
                 ),
                 host=host,
                 port=port,
@@ -174,7 +161,6 @@ def _serve_workers(engine: Engine, workers: int, options: ServeOptions, **server
             "retry_after_s": options.retry_after_s,
             "shutdown_timeout_s": options.shutdown_timeout_s,
             "image_threads": options.image_threads,
-            "switch_interval_ms": options.switch_interval_ms,
         }
         os.environ[ENGINE_ENV] = host.worker_env(app_options)  # the spawned workers inherit it
         click.echo(

@@ -1,5 +1,9 @@
 """Prometheus metrics of one app, in a registry of its own (two apps in one process never collide).
 
+With ``dualtrack serve --workers N`` the registry lives in the engine process and the HTTP workers
+send it what they observe (:mod:`dualtrack.serve.shared`): every worker's ``/metrics`` is the
+whole service's, with a worker's last 0.25 s of counts possibly still on their way.
+
 Exposed at ``GET /metrics``:
 
 ==========================================  =========  ==============================================

@@ -23,7 +23,6 @@ class ServeOptions:
     retry_after_s: int = 1  # the Retry-After of every 503
     shutdown_timeout_s: float = 30.0  # how long shutdown waits for queued work
     image_threads: int = 0  # threads that decode, resize and encode images; 0: one per usable core
-    switch_interval_ms: float = 0.0  # the HTTP processes' GIL switch interval (sys.setswitchinterval); 0: Python's
 
     @property
     def threads(self) -> int:
@@ -44,7 +43,6 @@ class ServeOptions:
             (self.retry_after_s >= 0, "retry_after_s", self.retry_after_s, ">= 0"),
             (self.shutdown_timeout_s >= 0, "shutdown_timeout_s", self.shutdown_timeout_s, ">= 0"),
             (self.image_threads >= 0, "image_threads", self.image_threads, ">= 0 (0: one per core)"),
-            (self.switch_interval_ms >= 0, "switch_interval_ms", self.switch_interval_ms, ">= 0 (0: Python's 5 ms)"),
         )
         for ok, name, value, rule in checks:
             if not ok:
