@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import uvicorn
 from click.testing import CliRunner
+from conftest import until
 from PIL import Image
 
 from dualtrack import Engine
@@ -58,11 +59,7 @@ def serving(app) -> Iterator[tuple[str, uvicorn.Server, threading.Thread]]:
 
 
 def _until(condition: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.02)
+    until(condition, what, timeout)
 
 
 def _answers(base: str) -> bool:
@@ -420,3 +417,87 @@ def test_loadtest_is_bounded_in_seconds(server, rng) -> None:
     assert report.ok > 0
     assert report.elapsed_s < 1.0 + 5.0  # stops issuing at 1 s; the last requests take one batch delay
     assert report.sent < 10**9
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _sample(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def _children(pid: int) -> list[int]:
+    """The live worker processes of ``pid`` (Linux /proc; multiprocessing's resource tracker is not one)."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return [c for c in out if _alive(c) and b"resource_tracker" not in _cmdline(c)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def test_serve_cli_workers_share_one_engine(tiny_bundle: Path, reference, rng) -> None:
+    """`--workers 2`: two HTTP processes on one port, one engine and one /metrics; a killed worker is
+    replaced; SIGTERM stops all."""
+    with socket.socket() as s:  # a free port: with workers, uvicorn reports port 0 as it was given
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    argv = [sys.executable, "-m", "dualtrack.cli", "serve", str(tiny_bundle), "--workers", "2"]
+    argv += ["--port", str(port), "--log-level", "warning", "--device", "cpu", "--max-batch-delay-ms", "200"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        # The kernel spreads fresh connections over the workers: a run of 200s means both are ready.
+        _until(lambda: all(_ready(base) for _ in range(16)), "both workers to be ready")
+        images = [_png(rng, 48 + i, 64) for i in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda b: httpx.post(f"{base}/v1/segment", content=b, timeout=WAIT_S), images))
+        for data, r in zip(images, answers, strict=True):
+            assert r.status_code == 200, r.text
+            np.testing.assert_array_equal(imaging.decode_mask_png(r.content), _expected_mask(reference, data))
+        # Whichever worker answers /metrics, it reports the whole service (within one flush period).
+        ok = 'dualtrack_requests_total{code="200",endpoint="/v1/segment"}'
+        _until(lambda: _sample(httpx.get(f"{base}/metrics").text, ok) == 8, "both workers' counts in /metrics", 10)
+        text = httpx.get(f"{base}/metrics").text
+        assert _sample(text, "dualtrack_batch_size_sum") == 8  # one engine ran every image
+        assert _sample(text, "dualtrack_queue_wait_seconds_count") == 8
+        # A worker that dies is replaced (uvicorn) and the new one connects to the same engine.
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[0], signal.SIGKILL)
+        _until(lambda: len(_children(proc.pid)) == 2 and workers[0] not in _children(proc.pid), "a new worker")
+        _until(lambda: all(_ready(base) for _ in range(16)), "the new worker to be ready")
+        with ThreadPoolExecutor(4) as pool:
+            again = list(pool.map(lambda b: httpx.post(f"{base}/v1/segment", content=b, timeout=WAIT_S), images[:4]))
+        assert [r.status_code for r in again] == [200] * 4, [r.text for r in again]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = proc.stdout.read()
+    assert "2 HTTP processes" in output and "one engine in process" in output, output
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not [n for n in after - before if n.startswith("dualtrack-serve-")], "slot file left behind"
