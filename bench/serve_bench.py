@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-CLIENTS = 16
+CLIENTS = 16  # what issue 5 measures at; --clients changes it
 PORT = 8087
 
 
@@ -70,9 +70,15 @@ def main() -> None:
     )
     p.add_argument("--only-variants", action="store_true", help="skip the default cases: a sweep of --variant")
     p.add_argument("--tag", default="", help="appended to the result file names")
+    p.add_argument("--clients", type=int, default=CLIENTS, help="concurrent closed-loop connections of the load test")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"commit": args.commit, "machine": machine(), "device": args.device}
+    report: dict[str, Any] = {
+        "commit": args.commit,
+        "machine": machine(),
+        "device": args.device,
+        "clients": args.clients,
+    }
     report["engine"], mask = engine_alone(args.bundle, args.device, args.iters, args.png.read_bytes())
     report["stages"] = stages(args.png.read_bytes(), args.jpg.read_bytes(), mask)
     report["loadtests"], metrics_text = under_load(args, report["engine"]["reference_img_s"])
@@ -279,13 +285,13 @@ def _serve_and_load(
         _wait_ready(base, server)
         print(f"[serve] ready after {time.monotonic() - t0:.1f} s {env or ''}")
         for name, body, path, content_type in cases:
-            run_loadtest(base + path, body, content_type=content_type, concurrency=CLIENTS, requests=400)  # warm
+            run_loadtest(base + path, body, content_type=content_type, concurrency=args.clients, requests=400)  # warm
             before, cpu0, usage0 = _metrics(base), _thread_cpu(server.pid), resource.getrusage(resource.RUSAGE_SELF)
             rep = run_loadtest(
                 base + path,
                 body,
                 content_type=content_type,
-                concurrency=CLIENTS,
+                concurrency=args.clients,
                 requests=10**6,
                 duration_s=args.duration_s,
             )
