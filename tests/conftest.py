@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,15 +19,6 @@ from dualtrack.reference import UNetSpec, build_unet
 
 DATA = Path(__file__).parent / "data"
 TINY = UNetSpec(base=4, depth=2, height=64, width=64, precision="fp32", seed=1)
-
-
-def until(condition: Callable[[], bool], what: str, timeout: float) -> None:
-    """Wait for ``condition`` (polled every 20 ms), failing with ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import uvicorn
 from click.testing import CliRunner
-from conftest import until
 from PIL import Image
+from polling import until
 
 from dualtrack import Engine
 from dualtrack.cli import main

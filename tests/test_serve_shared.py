@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import until
+from polling import until
 
 from dualtrack import Engine
 from dualtrack.errors import InputError
