@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
@@ -21,7 +22,7 @@ from polling import until
 
 from dualtrack import Engine
 from dualtrack.errors import InputError
-from dualtrack.serve import NotReadyError, Phase, QueueFullError, ServeOptions
+from dualtrack.serve import NotReadyError, Phase, QueueFullError, ServeOptions, shared
 from dualtrack.serve.shared import EngineClient, EngineHost, RemoteMetrics
 
 WAIT_S = 120.0
@@ -173,6 +174,27 @@ def test_wrong_key_or_no_engine_fails_readiness_with_the_reason(engine) -> None:
     assert gone.phase is Phase.FAILED and "cannot reach the engine process" in gone.error
     with pytest.raises(NotReadyError, match="cannot reach the engine process"):
         gone.submit(np.zeros((64, 64, 3), np.uint8))
+
+
+def test_a_client_hanging_up_in_the_handshake_does_not_stop_accepting(engine, rng) -> None:
+    with hosting(engine) as host:
+        for _ in range(3):  # connects, then hangs up before answering the key challenge
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stray:
+                stray.connect(host.address)
+        with client_of(host) as a:
+            assert a.submit(_images(rng, 1)[0]).result(WAIT_S).mask.shape == (64, 64)
+        accepting = host._accepting
+    assert not accepting.is_alive()  # close() ended the accept thread
+
+
+def test_an_engine_process_that_never_answers_fails_readiness(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(shared, "CONNECT_TIMEOUT_S", 0.5)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:  # accepts, never says a word
+        silent.bind(str(tmp_path / "silent.sock"))
+        silent.listen()
+        client = EngineClient(str(tmp_path / "silent.sock"), b"key")
+        client.start()
+    assert client.phase is Phase.FAILED and "no answer within" in client.error
 
 
 def test_engine_process_going_away_fails_requests_not_the_worker(engine, rng) -> None:

@@ -73,6 +73,7 @@ _log = logging.getLogger(__name__)
 ENGINE_ENV = "DUALTRACK_SERVE_ENGINE"
 FLUSH_S = 0.25  # longest a worker keeps HTTP metrics before sending them to the engine process
 SPARE_RANGES = 2  # slot ranges beyond one per worker: for workers that uvicorn restarts
+CONNECT_TIMEOUT_S = 30.0  # a worker gives up on an engine process that does not answer
 _ERRORS: dict[str, type[DualtrackError]] = {
     "queue_full": QueueFullError,
     "not_ready": NotReadyError,
@@ -177,6 +178,7 @@ class EngineHost:
         self._free_ranges = list(range(ranges))
         self._peers: set[_Peer] = set()
         self._lock = threading.Lock()
+        self._closing = threading.Event()
         self._accepting = threading.Thread(target=self._accept, name="dualtrack-accept", daemon=True)
 
     def worker_env(self, app_options: dict[str, Any]) -> str:
@@ -192,7 +194,14 @@ class EngineHost:
 
         Returns False if the batcher was still busy after ``timeout`` seconds.
         """
-        self._listener.close()  # the accept thread ends on the closed socket
+        self._closing.set()
+        # Closing a listening socket does not wake a thread blocked in accept() on Linux; a
+        # connection does (its handshake fails, and the thread sees that the host is closing).
+        with suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:
+            wake.connect(self.address)
+        if self._accepting.is_alive():
+            self._accepting.join(5)
+        self._listener.close()
         done = self.batcher.close(timeout)
         with self._lock:
             peers = list(self._peers)
@@ -208,14 +217,16 @@ class EngineHost:
     # --- threads ---------------------------------------------------------------------------------
 
     def _accept(self) -> None:
-        while True:
+        while not self._closing.is_set():
             try:
                 conn = self._listener.accept()
-            except OSError:  # closed by close()
-                return
-            except Exception as err:  # a bad key or a stray client: refuse it, keep serving the others
-                _log.warning("refused a connection to the engine: %s", err)
+            except Exception as err:  # a bad key, a stray client, one that hung up: keep serving the others
+                if not self._closing.is_set():
+                    _log.warning("refused a connection to the engine: %s", err)
                 continue
+            if self._closing.is_set():
+                conn.close()
+                return
             with self._lock:
                 index = self._free_ranges.pop(0) if self._free_ranges else None
             if index is None:
@@ -359,6 +370,27 @@ def _kind(err: BaseException) -> str:
     return "engine"
 
 
+def _dial(address: str, key: bytes, timeout: float) -> Connection:
+    """``Client(address, authkey=key)`` that gives up after ``timeout`` s: its key handshake has no
+    timeout of its own, and an engine process that never answers must fail readiness, not hang it."""
+    result: dict[str, Any] = {}
+
+    def dial() -> None:
+        try:
+            result["conn"] = Client(address, family="AF_UNIX", authkey=key)
+        except BaseException as err:
+            result["error"] = err
+
+    thread = threading.Thread(target=dial, name="dualtrack-dial", daemon=True)  # left behind if stuck
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"no answer within {timeout:.0f} s")
+    if "error" in result:
+        raise result["error"]
+    return result["conn"]
+
+
 def _hang_up(conn: Connection) -> None:
     """Close ``conn`` so that a thread blocked in its ``recv`` wakes up (EOF): closing the fd alone
     does not wake it on Linux, shutting the socket down does."""
@@ -426,9 +458,9 @@ class EngineClient:
 
     def start(self) -> None:
         try:
-            conn = Client(self._address, family="AF_UNIX", authkey=self._key)
-            if not conn.poll(30):
-                raise TimeoutError("no answer within 30 s")
+            conn = _dial(self._address, self._key, CONNECT_TIMEOUT_S)
+            if not conn.poll(CONNECT_TIMEOUT_S):
+                raise TimeoutError(f"no answer within {CONNECT_TIMEOUT_S:.0f} s")
             kind, hello = conn.recv()
             if kind == "refused":
                 raise ConnectionError(hello)
