@@ -21,7 +21,7 @@ import pytest
 from polling import until
 
 from dualtrack import Engine
-from dualtrack.errors import InputError
+from dualtrack.errors import ConfigError, InputError
 from dualtrack.serve import NotReadyError, Phase, QueueFullError, ServeOptions, shared
 from dualtrack.serve.shared import EngineClient, EngineHost, RemoteMetrics
 
@@ -185,6 +185,20 @@ def test_a_client_hanging_up_in_the_handshake_does_not_stop_accepting(engine, rn
             assert a.submit(_images(rng, 1)[0]).result(WAIT_S).mask.shape == (64, 64)
         accepting = host._accepting
     assert not accepting.is_alive()  # close() ended the accept thread
+
+
+def test_no_room_for_the_slots_is_a_config_error(engine, tmp_path, monkeypatch) -> None:
+    tiny = tmp_path / "full"
+    tiny.mkdir()
+    monkeypatch.setattr(shared, "slot_directory", lambda nbytes: tiny)
+    monkeypatch.setattr(os, "posix_fallocate", _no_space)
+    with pytest.raises(ConfigError, match=r"cannot reserve \d+ MiB for the image slots in .*full: No space left"):
+        EngineHost(engine, ServeOptions(), 2)
+    assert list(tiny.iterdir()) == []  # no half-made slot file left
+
+
+def _no_space(fd: int, offset: int, length: int) -> None:
+    raise OSError(28, "No space left on device")  # what a full tmpfs answers
 
 
 def test_an_engine_process_that_never_answers_fails_readiness(tmp_path, monkeypatch) -> None:

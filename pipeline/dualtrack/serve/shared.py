@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dualtrack.errors import DualtrackError, InputError
+from dualtrack.errors import ConfigError, DualtrackError, InputError
 from dualtrack.plan import TensorSpec
 from dualtrack.serve.batcher import Batcher, BatchResult, NotReadyError, Phase, QueueFullError
 from dualtrack.serve.metrics import ServeMetrics
@@ -171,7 +171,14 @@ class EngineHost:
         self._dir = Path(tempfile.mkdtemp(prefix="dualtrack-serve-"))  # 0700
         size = ranges * self.slots_per_range * slot_bytes
         slot_path = slot_directory(size) / f"{self._dir.name}.slots"
-        self.slots = SlotFile(slot_path, ranges * self.slots_per_range, slot_bytes, create=True)
+        try:
+            self.slots = SlotFile(slot_path, ranges * self.slots_per_range, slot_bytes, create=True)
+        except OSError as err:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise ConfigError(
+                f"cannot reserve {size / 2**20:.0f} MiB for the image slots in {slot_path.parent}: {err.strerror}; "
+                "free space there, or lower --max-queue or --workers"
+            ) from None
         self._key = secrets.token_bytes(32)
         self.address = str(self._dir / "engine.sock")
         self._listener = Listener(self.address, family="AF_UNIX", authkey=self._key)
