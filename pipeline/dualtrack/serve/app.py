@@ -1,4 +1,5 @@
-"""The HTTP service: a Starlette app in front of one :class:`~dualtrack.serve.batcher.Batcher`.
+"""The HTTP service: a Starlette app in front of one :class:`~dualtrack.serve.batcher.Batcher` (in a
+worker of ``dualtrack serve --workers N``: of the engine process's, see :mod:`dualtrack.serve.shared`).
 
 Endpoints (every error is JSON ``{"error": "<one line>"}``; none takes the process down):
 
