@@ -7,7 +7,7 @@
    and from a plain numpy array.
 2. One request's CPU stages on this machine (decode, export into the batch row, mask PNG, counts),
    on one thread and on N threads at once: how far they scale with the cores.
-3. ``dualtrack serve`` in a child process under ``dualtrack loadtest``'s client (16 connections),
+3. ``dualtrack serve`` in a child process under ``dualtrack loadtest``'s client (16 connections; --clients),
    PNG in -> mask PNG out, JPEG in -> JSON out, then a 64x64 JPEG in -> JSON out (images that
    cost almost nothing: what is left is the service's own cost per request, so this case's rate
    is the most one server process can answer): throughput, latency, errors, the ratio to (1), the
