@@ -34,7 +34,8 @@ for step in $steps; do
     tuneb)
       # IREE flag search on the kits prepared here (`dualtrack tune CONFIG --track-b --prepare-kit
       # .carry/kit_X`); they travel without model.onnx, which the reference bundle has (same hash).
-      for k in "$C"/kit_unet "$C"/kit_seed; do
+      for k in "$C"/kit_unet* "$C"/kit_seed; do
+        [ -d "$k" ] || continue
         [ -f "$k/model.onnx" ] || cp "$C/unet/model.onnx" "$k/"
         dt tune "$k" --track-b -o "$OUT/tuning-h200.json" 2>&1 | tee -a "$OUT/tuneb.log"
       done ;;

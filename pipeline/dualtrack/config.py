@@ -57,6 +57,13 @@ class TrackBConfig(_Strict):
     cuda_flags: tuple[str, ...] = Field((), description="iree-compile flags for the CUDA targets only")
     cpu_flags: tuple[str, ...] = Field((), description="iree-compile flags for llvm-cpu only")
     cpu: bool = Field(True, description="also compile llvm-cpu modules (CPU runtime and verification)")
+    nhwc: bool = Field(
+        True,
+        description=(
+            "keep Track A's NHWC tensors NHWC inside Track B segments (dualtrack.layout): a 1x1 conv "
+            "becomes a matmul, a softmax over channels a per-pixel one; false compiles the NCHW graph"
+        ),
+    )
     cpu_target: str = Field(
         "x86-64-v4",
         description=(

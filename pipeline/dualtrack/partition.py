@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from dualtrack import layout
 from dualtrack.config import BuildConfig, Rules
 from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
 from dualtrack.plan import KernelCall, Plan, Segment, TensorSpec
@@ -344,10 +345,14 @@ def extract_segment(
     nodes: list[onnx.NodeProto],
     inputs: list[TensorSpec],
     outputs: list[TensorSpec],
+    *,
+    nhwc: bool = False,
 ) -> onnx.ModelProto:
     """The segment as a standalone ONNX model (function `main`, dynamic batch `N`).
 
-    NHWC boundary tensors get a Transpose to the model's NCHW on the way in and back on the way out.
+    NHWC boundary tensors get a Transpose to the model's NCHW on the way in and back on the way out;
+    ``nhwc``: then sink those (and the model's own) transposes as far as the ops allow
+    (:func:`layout.sink_transposes`).
     """
     rename: dict[str, str] = {}
     pre: list[onnx.NodeProto] = []
@@ -383,6 +388,8 @@ def extract_segment(
     graph = helper.make_graph(pre + body + post, "main", [vi(t) for t in inputs], [vi(t) for t in outputs], inits)
     seg = helper.make_model(graph, opset_imports=list(model.opset_import), producer_name="dualtrack")
     seg.ir_version = model.ir_version
+    if nhwc:
+        seg = layout.sink_transposes(seg)
     onnx.checker.check_model(seg)
     return seg
 
@@ -443,7 +450,7 @@ def build_plan(cfg: BuildConfig, model: onnx.ModelProto) -> tuple[Plan, list[onn
     seg_models: list[onnx.ModelProto] = []
     for k, (nodes, b) in enumerate(zip(segments, bounds, strict=True)):
         ins, outs = [spec(t) for t in b.inputs], [spec(t) for t in b.outputs]
-        seg_model = extract_segment(model, nodes, ins, outs)
+        seg_model = extract_segment(model, nodes, ins, outs, nhwc=seg_track[k] == "B" and cfg.track_b.nhwc)
         calls: tuple[KernelCall, ...] = ()
         tensors: tuple[TensorSpec, ...] = ()
         if seg_track[k] == "A":

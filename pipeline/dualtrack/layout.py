@@ -1,0 +1,240 @@
+"""Keep NHWC tensors NHWC inside a segment's ONNX graph: sink the boundary Transposes.
+
+Track A hands tensors over in NHWC, and ONNX convolutions are NCHW, so a segment model starts
+with ``Transpose(0, 3, 1, 2)`` where it reads from Track A (partition.extract_segment) and the
+model's own pre-processing may transpose its NHWC image too. Left in the graph, the transpose
+decides the layout of everything after it: IREE then runs a 1x1 convolution as a 2 x HW matmul
+and a softmax over channels as a strided reduction across the whole image.
+
+:func:`sink_transposes` rewrites each op downstream of such a transpose to work on the NHWC
+tensor directly, and puts a transpose back only where an op cannot (or a graph output needs NCHW):
+
+- element-wise ops, with constant operands permuted to match (by nodes on the original
+  initializers, so a segment's weights stay the model's initializers: FACTS 11a);
+- Softmax / LogSoftmax / ArgMax / ArgMin with their axis moved (an ArgMax over the channels
+  without keepdims gives the same N x H x W tensor in either layout);
+- a 1x1 stride-1 unpadded Conv becomes ``MatMul(x, W^T) + b``;
+- ``Transpose(0, 2, 3, 1)`` of such a tensor is the NHWC tensor itself.
+
+The rewrite changes no value: every output keeps its name, shape and layout, and the build checks
+each compiled segment against onnxruntime on the original graph as it always does.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+TO_NCHW, TO_NHWC = (0, 3, 1, 2), (0, 2, 3, 1)
+# Where each NCHW axis is in NHWC.
+_NHWC_AXIS = {0: 0, 1: 3, 2: 1, 3: 2}
+
+_UNARY = frozenset(
+    {
+        "Abs", "Cast", "Ceil", "Clip", "Elu", "Erf", "Exp", "Floor", "HardSigmoid", "HardSwish",
+        "Identity", "LeakyRelu", "Log", "Neg", "Not", "Reciprocal", "Relu", "Round", "Selu",
+        "Sigmoid", "Sign", "Softplus", "Sqrt", "Tanh",
+    }
+)  # fmt: skip
+_BINARY = frozenset({"Add", "And", "Div", "Equal", "Greater", "Less", "Max", "Min", "Mul", "Or", "Pow", "Sub"})
+_AXIS_OPS = frozenset({"Softmax", "LogSoftmax", "ArgMax", "ArgMin"})
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+class _Rewriter:
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.model = model
+        self.opset = _opset(model)
+        self.inits = {i.name: i for i in model.graph.initializer}
+        self.ranks = {i.name: len(i.dims) for i in model.graph.initializer}
+        inferred = onnx.shape_inference.infer_shapes(model).graph  # ranks of the intermediate tensors
+        for vi in (*inferred.input, *inferred.output, *inferred.value_info):
+            if vi.type.tensor_type.HasField("shape"):
+                self.ranks[vi.name] = len(vi.type.tensor_type.shape.dim)
+        self.nhwc: dict[str, str] = {}  # NCHW tensor name -> the name of the same data in NHWC
+        self.materialized: set[str] = set()  # NCHW tensors already put back
+        self.out: list[onnx.NodeProto] = []
+        self.fresh = 0
+
+    def name(self, hint: str) -> str:
+        self.fresh += 1
+        return f"{hint}__nhwc{self.fresh}"
+
+    def emit(self, op: str, inputs: list[str], outputs: list[str], hint: str, **attrs) -> None:
+        self.out.append(helper.make_node(op, inputs, outputs, name=self.name(hint), **attrs))
+
+    def constant(self, value: np.ndarray, hint: str) -> str:
+        out = self.name(hint)
+        self.emit("Constant", [], [out], hint, value=numpy_helper.from_array(value))
+        return out
+
+    def materialize(self, t: str) -> None:
+        """Put the NCHW tensor ``t`` back (once) for an op that needs it."""
+        if t in self.nhwc and t not in self.materialized:
+            self.emit("Transpose", [self.nhwc[t]], [t], f"{t}__to_nchw", perm=list(TO_NCHW))
+            self.materialized.add(t)
+
+    def keep(self, node: onnx.NodeProto) -> None:
+        for t in node.input:
+            self.materialize(t)
+        self.out.append(node)
+        for t in node.output:
+            self.ranks.setdefault(t, -1)
+
+    def permuted_constant(self, t: str, hint: str) -> str | None:
+        """An initializer broadcast against an NCHW tensor, as nodes that give its NHWC twin."""
+        if t not in self.inits:
+            return None
+        rank = len(self.inits[t].dims)
+        if rank == 0:
+            return t
+        src = t
+        if rank < 4:
+            axes = self.constant(np.arange(4 - rank, dtype=np.int64), f"{hint}_axes")
+            src = self.name(f"{hint}_4d")
+            self.emit("Unsqueeze", [t, axes], [src], hint)
+        out = self.name(f"{hint}_nhwc")
+        self.emit("Transpose", [src], [out], hint, perm=list(TO_NHWC))
+        return out
+
+    # -- one rule per kind of op: True when the node was rewritten -----------------------------------
+
+    def rewrite(self, node: onnx.NodeProto) -> bool:
+        ins = list(node.input)
+        if node.op_type == "Transpose" and len(ins) == 1 and self.ranks.get(ins[0]) == 4:
+            perm = tuple(_attrs(node).get("perm", ()))
+            if perm == TO_NCHW and ins[0] not in self.nhwc:
+                self.nhwc[node.output[0]] = ins[0]
+                return True
+            if perm == TO_NHWC and ins[0] in self.nhwc:
+                self.emit("Identity", [self.nhwc[ins[0]]], [node.output[0]], node.name)
+                return True
+            return False
+        if not any(t in self.nhwc for t in ins):
+            return False
+        if node.op_type in _UNARY:
+            return self._unary(node)
+        if node.op_type in _BINARY:
+            return self._binary(node)
+        if node.op_type in _AXIS_OPS:
+            return self._axis(node)
+        if node.op_type == "Conv":
+            return self._conv1x1(node)
+        return False
+
+    def _produce(self, node: onnx.NodeProto, inputs: list[str], **attrs) -> None:
+        out = node.output[0]
+        nhwc_out = self.name(out)
+        kept = {k: v for k, v in _attrs(node).items() if k not in attrs}
+        self.out.append(helper.make_node(node.op_type, inputs, [nhwc_out], name=node.name, **kept, **attrs))
+        self.nhwc[out] = nhwc_out
+
+    def _unary(self, node: onnx.NodeProto) -> bool:
+        x, *rest = node.input
+        if x not in self.nhwc or len(node.output) != 1 or any(t in self.nhwc for t in rest):
+            return False
+        self._produce(node, [self.nhwc[x], *rest])  # Clip's min/max are scalars
+        return True
+
+    def _binary(self, node: onnx.NodeProto) -> bool:
+        if len(node.output) != 1:
+            return False
+        inputs = []
+        for t in node.input:
+            if t in self.nhwc:
+                inputs.append(self.nhwc[t])
+                continue
+            twin = self.permuted_constant(t, f"{node.name}_{t}")
+            if twin is None:
+                return False
+            inputs.append(twin)
+        self._produce(node, inputs)
+        return True
+
+    def _axis(self, node: onnx.NodeProto) -> bool:
+        x = node.input[0]
+        attrs = _attrs(node)
+        if node.op_type in ("Softmax", "LogSoftmax") and self.opset < 13:
+            return False  # before opset 13 the axis flattens the trailing dims: not a per-axis op
+        axis = attrs.get("axis", -1 if node.op_type in ("Softmax", "LogSoftmax") else 0) % 4
+        new_axis = _NHWC_AXIS[axis]
+        if node.op_type in ("ArgMax", "ArgMin") and not attrs.get("keepdims", 1):
+            if axis != 1:
+                return False  # the result would be a permutation of the NCHW one: not worth a rule
+            # Over the channels, NCHW's [N, H, W] and NHWC's [N, H, W] are the same tensor.
+            out = node.output[0]
+            kept = {k: v for k, v in attrs.items() if k != "axis"}
+            self.out.append(helper.make_node(node.op_type, [self.nhwc[x]], [out], name=node.name, axis=3, **kept))
+            return True
+        self._produce(node, [self.nhwc[x]], axis=new_axis)
+        return True
+
+    def _conv1x1(self, node: onnx.NodeProto) -> bool:
+        x, w, *b = node.input
+        attrs = _attrs(node)
+        if (
+            x not in self.nhwc
+            or w not in self.inits
+            or tuple(self.inits[w].dims[2:]) != (1, 1)
+            or attrs.get("group", 1) != 1
+            or any(s != 1 for s in attrs.get("strides", [1, 1]))
+            or any(d != 1 for d in attrs.get("dilations", [1, 1]))
+            or any(p != 0 for p in attrs.get("pads", [0, 0, 0, 0]))
+            or attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID", "NOTSET", "VALID")
+            or (b and b[0] and b[0] not in self.inits)
+        ):
+            return False
+        axes = self.constant(np.array([2, 3], dtype=np.int64), f"{node.name}_axes")
+        w2, wt = self.name(f"{node.name}_w2d"), self.name(f"{node.name}_wt")
+        self.emit("Squeeze", [w, axes], [w2], node.name)
+        self.emit("Transpose", [w2], [wt], node.name, perm=[1, 0])  # [K, C] -> [C, K]
+        out = node.output[0]
+        y = self.name(out)
+        self.emit("MatMul", [self.nhwc[x], wt], [y], node.name)
+        if b and b[0]:
+            yb = self.name(out)
+            self.emit("Add", [y, b[0]], [yb], node.name)  # bias [K] broadcasts over the last axis
+            y = yb
+        self.nhwc[out] = y
+        return True
+
+
+def sink_transposes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with every NCHW view of an NHWC tensor kept in NHWC as far as its ops allow.
+
+    The graph's inputs and outputs, and its initializers, are unchanged; the nodes must be in
+    topological order (as ONNX requires).
+    """
+    rw = _Rewriter(model)
+    for node in model.graph.node:
+        if not rw.rewrite(node):
+            rw.keep(copy.deepcopy(node))
+    for o in model.graph.output:
+        rw.materialize(o.name)
+    out = copy.deepcopy(model)
+    del out.graph.node[:]
+    out.graph.node.extend(_live(rw.out, [o.name for o in model.graph.output]))
+    del out.graph.value_info[:]  # intermediate names changed; shape inference recomputes them
+    return out
+
+
+def _live(nodes: list[onnx.NodeProto], outputs: Iterable[str]) -> list[onnx.NodeProto]:
+    """The nodes that some graph output depends on (a sunk transpose's leftovers are not)."""
+    needed = set(outputs)
+    keep = []
+    for n in reversed(nodes):
+        if any(t in needed for t in n.output):
+            keep.append(n)
+            needed.update(t for t in n.input if t)
+    return keep[::-1]
