@@ -32,7 +32,16 @@ queue of launches held behind a GPU sleep so that neither side's host launch cos
 is the kernel the engine launches for that layer and batch (`CudaBackend.prepare`: on sm_90a the
 TMA + wgmma kernel where it takes the layer); where that is the wgmma kernel, the mma.sync kernel it
 displaced is timed too (`mma_sync_ms`). The dualtrack rows record which kernel each conv ran
-(`conv3x3`, from the engine's stats) and whether the wgmma kernel was on (`wgmma`).
+(`conv3x3`, from the engine's stats) and whether the wgmma kernel was on (`wgmma`). The same table
+(`layers`, each row's `op` naming its kind) times every maxpool2x2 and convt2x2 call against
+PyTorch (max_pool2d; conv_transpose2d with the model's weights and bias) in GB/s (bytes read and
+written once / time), ours on buffers laid out as the plan lays them out (a concat's channel slice
+where the plan reads or writes one); the 70% target is about conv3x3 rows only.
+
+`--breakdown` (on by default) runs the dualtrack bundle's Track A calls one by one, queued behind a
+GPU sleep with a CUDA event between launches, and sets the sum of their times against the Track A
+time of the dualtrack row (one CUDA graph): the difference is launch gaps and tails inside the graph
+(`track_a_breakdown`, by batch size).
 
 Writes bench/results/bench-<commit10>.json and .png; prints a table last.
 """
@@ -341,7 +350,8 @@ def time_engine(engine: Any, xs: list[Any], batch: int, warmup: int, iters: int)
 
 
 def bench_bundle(name: str, path: Path | None, ctx: dict[str, Any]) -> list[dict[str, Any]]:
-    """Rows of one bundle at every batch size; for `dualtrack` with --layers also ctx["layers"]."""
+    """Rows of one bundle at every batch size; for `dualtrack` with --layers also ctx["layers"], with
+    --breakdown ctx["track_a_breakdown"]."""
     args, batches = ctx["args"], ctx["args"].batches
     config = BUNDLE_ROWS[name][1]
     if path is None or not (path / "manifest.json").is_file():
@@ -396,6 +406,13 @@ def bench_bundle(name: str, path: Path | None, ctx: dict[str, Any]) -> list[dict
             except Exception:
                 traceback.print_exc()
                 print("[layers] failed (traceback above)")
+        if name == "dualtrack" and args.breakdown:
+            graph_ms = {r["batch"]: r["tracks_ms"]["A"] for r in rows if r.get("tracks_ms", {}).get("A")}
+            try:
+                ctx["track_a_breakdown"] = bench_track_a(engine, graph_ms, args)
+            except Exception:
+                traceback.print_exc()
+                print("[track A] breakdown failed (traceback above)")
     finally:
         engine.close()
     return rows
@@ -550,49 +567,188 @@ def _nhwc(spec: Any, batch: int) -> tuple[int, ...]:
     return (s[0], s[2], s[3], s[1]) if spec.layout == "NCHW" else s
 
 
+class LayerClock:
+    """CUDA-event ms per launch of launches queued behind a GPU sleep, on our stream or on torch's
+    (:func:`_queued_ms`): the clock of ``--layers`` and of the Track A breakdown."""
+
+    def __init__(self, torch: Any, be: Any, launches: int, reps: int) -> None:
+        from dualtrack.runtime.driver import Event
+
+        self.torch, self.be, self.launches, self.reps = torch, be, launches, reps
+        self.ours_stream = torch.cuda.ExternalStream(int(be.stream.handle))
+        self.torch_stream = torch.cuda.current_stream()
+        self.ev = {"start": Event(be.ctx), "end": Event(be.ctx)}
+        self.tev = {"start": torch.cuda.Event(enable_timing=True), "end": torch.cuda.Event(enable_timing=True)}
+        # Calibrate torch.cuda._sleep (clock cycles) to milliseconds once.
+        torch.cuda._sleep(1_000_000)
+        self.tev["start"].record()
+        torch.cuda._sleep(10_000_000)
+        self.tev["end"].record()
+        torch.cuda.synchronize()
+        self.ms_per_cycle = self.tev["start"].elapsed_time(self.tev["end"]) / 10_000_000
+
+    def sleep_ours(self, ms: float) -> None:
+        """Hold our stream for ``ms`` (work queued after it starts only when the sleep ends)."""
+        with self.torch.cuda.stream(self.ours_stream):
+            self.torch.cuda._sleep(int(ms / self.ms_per_cycle))
+
+    def sleep_torch(self, ms: float) -> None:
+        with self.torch.cuda.stream(self.torch_stream):
+            self.torch.cuda._sleep(int(ms / self.ms_per_cycle))
+
+    def size_sleep(self, ours: Callable[[], Any], theirs: Callable[[], Any]) -> float:
+        """Warm both sides up (cuDNN benchmark picks its algorithm here) and size the sleep: twice
+        the slower side's host enqueue time of ``launches`` launches, plus 0.2 ms."""
+        enq = []
+        for fn, sync in ((ours, self.be.stream.synchronize), (theirs, self.torch.cuda.synchronize)):
+            for _ in range(3):
+                fn()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(self.launches):
+                fn()
+            enq.append((time.perf_counter() - t0) * 1e3)
+            sync()
+        return 2.0 * max(enq) + 0.2
+
+    def queued_ours(self, fn: Callable[[], Any], sleep_ms: float) -> tuple[float, float]:
+        """(median ms per launch, worst host enqueue ms of one rep) of ``fn`` on our stream."""
+
+        def record(name: str) -> None:
+            self.ev[name].record(self.be.stream)
+
+        def elapsed() -> float:
+            return self.ev["start"].elapsed_ms(self.ev["end"])
+
+        return _queued_ms(lambda: self.sleep_ours(sleep_ms), record, elapsed, fn, self.launches, self.reps)
+
+    def queued_torch(self, fn: Callable[[], Any], sleep_ms: float) -> tuple[float, float]:
+        """(median ms per launch, worst host enqueue ms of one rep) of ``fn`` on torch's stream."""
+
+        def record(name: str) -> None:
+            self.tev[name].record(self.torch_stream)
+
+        def elapsed() -> float:
+            self.tev["end"].synchronize()
+            return self.tev["start"].elapsed_time(self.tev["end"])
+
+        return _queued_ms(lambda: self.sleep_torch(sleep_ms), record, elapsed, fn, self.launches, self.reps)
+
+
+# -- Track A tensors laid out as the plan lays them out (pure parts first) ---------------------------
+
+MEMORY_OPS = ("maxpool2x2", "convt2x2")  # the Track A ops timed against PyTorch in GB/s, not TFLOP/s
+
+
+def layer_label(c: Any) -> str:
+    """A kernel call's name in the tables: its weights' name (``dec4/up``), else its node or output."""
+    if c.weights:
+        return c.weights[0].removesuffix(".weight")
+    return c.nodes[0] if c.nodes else c.outputs[0]
+
+
+def channel_slices(seg: Any) -> dict[str, tuple[str, int]]:
+    """Every tensor of a Track A segment -> (the tensor whose buffer holds it, its first channel there).
+
+    A concatenation's inputs are channel slices of its output's buffer, nested ones included, as
+    CudaBackend._plan_buffers lays them out (producers write with a channel stride, no copy); any
+    other tensor is its own buffer, from channel 0.
+    """
+    from dualtrack.plan import ALIAS_OPS
+
+    channels = {t.name: t.shape[-1] for t in (*seg.inputs, *seg.tensors, *seg.outputs)}
+    parent: dict[str, tuple[str, int]] = {}
+    for c in seg.calls:
+        if c.op in ALIAS_OPS:
+            offset = 0
+            for x in c.inputs:
+                parent[x] = (c.outputs[0], offset)
+                offset += channels[x]
+    out = {}
+    for name in channels:
+        root, offset = name, 0
+        while root in parent:
+            root, extra = parent[root]
+            offset += extra
+        out[name] = (root, offset)
+    return out
+
+
+def layer_bytes(op: str, n: int, h: int, w: int, c: int, k: int, itemsize: int) -> int:
+    """Bytes a layer must read and write at least, each tensor once (the GB/s of the memory ops):
+    maxpool2x2 (N,H,W,C) -> (N,H/2,W/2,C); convt2x2 (N,H,W,C) and (C,K,2,2) weights + bias -> (N,2H,2W,K)."""
+    if op == "maxpool2x2":
+        return (n * h * w * c + n * (h // 2) * (w // 2) * c) * itemsize
+    if op == "convt2x2":
+        return (n * h * w * c + 4 * c * k + k + n * 2 * h * 2 * w * k) * itemsize
+    raise ValueError(f"layer_bytes knows {MEMORY_OPS}, not {op!r}")
+
+
+def plan_views(
+    be: Any, seg: Any, batch: int, names: tuple[str, ...], data: dict[str, np.ndarray] | None = None
+) -> dict[str, Any]:
+    """GpuTensors for ``names`` laid out as the engine lays them out (:func:`channel_slices`: a
+    concat input is a channel slice of its concat's buffer), in fresh buffers; two names of one
+    concat share its buffer. ``data`` (NHWC arrays by name) is uploaded into those names' channels."""
+    from dualtrack.runtime.gpu import GpuTensor
+
+    data = data or {}
+    specs = {t.name: t for t in (*seg.inputs, *seg.tensors, *seg.outputs)}
+    slices = channel_slices(seg)
+    by_root: dict[str, list[str]] = {}
+    for name in names:
+        by_root.setdefault(slices[name][0], []).append(name)
+    views = {}
+    for root, members in by_root.items():
+        n, h, w, ld = _nhwc(specs[root], batch)
+        dtype = np.dtype(specs[root].dtype)
+        if any(m in data for m in members):
+            host = np.zeros((n, h, w, ld), dtype)
+            for m in members:
+                if m in data:
+                    offset = slices[m][1]
+                    host[..., offset : offset + data[m].shape[3]] = data[m]
+            buf = be.from_host(host).keepalive
+        else:
+            buf = be.pool.alloc(n * h * w * ld * dtype.itemsize, be.stream)
+        for m in members:
+            shape = _nhwc(specs[m], batch)
+            ptr = int(buf) + slices[m][1] * dtype.itemsize
+            views[m] = GpuTensor(ptr, shape, np.dtype(specs[m].dtype), buf, ld=ld if root != m else 0)
+    return views
+
+
+def view_to_host(be: Any, t: Any) -> np.ndarray:
+    """A tensor of :func:`plan_views` on the host: its buffer downloaded, its channels cut out."""
+    from dualtrack.runtime.gpu import GpuTensor
+
+    buf = t.keepalive
+    n, h, w, c = t.shape
+    offset = (t.ptr - int(buf)) // t.dtype.itemsize
+    full = be.to_host(GpuTensor(int(buf), (n, h, w, t.channel_stride), t.dtype, buf))
+    return full[..., offset : offset + c]
+
+
 def bench_layers(engine: Any, batches: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every Track A conv3x3 call of the plan: the kernel the engine launches for it alone (and the
-    mma.sync kernel where the wgmma kernel displaced it) vs cuDNN on the same shape."""
+    mma.sync kernel where the wgmma kernel displaced it) vs cuDNN on the same shape; then every
+    maxpool2x2 and convt2x2 call against PyTorch (:func:`_bench_memory_layer`)."""
     try:
         import torch
     except ImportError as exc:
         print(f"[layers] skipped: torch is not installed ({exc})")
         return []
-    from dualtrack.runtime.driver import Event
     from dualtrack.runtime.gpu import GpuTensor
 
     be = engine.backend
     torch.backends.cudnn.benchmark = True
-    ours_stream = torch.cuda.ExternalStream(int(be.stream.handle))
-    torch_stream = torch.cuda.current_stream()
-    ev = {"start": Event(be.ctx), "end": Event(be.ctx)}
-    tev = {"start": torch.cuda.Event(enable_timing=True), "end": torch.cuda.Event(enable_timing=True)}
-
-    def ours_record(name: str) -> None:
-        ev[name].record(be.stream)
-
-    def ours_elapsed() -> float:
-        return ev["start"].elapsed_ms(ev["end"])
-
-    def torch_record(name: str) -> None:
-        tev[name].record(torch_stream)
-
-    def torch_elapsed() -> float:
-        tev["end"].synchronize()
-        return tev["start"].elapsed_time(tev["end"])
-
-    # Calibrate torch.cuda._sleep (clock cycles) to milliseconds once.
-    torch.cuda._sleep(1_000_000)
-    tev["start"].record()
-    torch.cuda._sleep(10_000_000)
-    tev["end"].record()
-    torch.cuda.synchronize()
-    ms_per_cycle = tev["start"].elapsed_time(tev["end"]) / 10_000_000
+    clock = LayerClock(torch, be, args.layer_launches, args.layer_reps)
     rng = np.random.default_rng(1)
     out: list[dict[str, Any]] = []
-    calls = [(seg, c) for seg in engine.plan.segments if seg.track == "A" for c in seg.calls if c.op == "conv3x3"]
-    if not calls:
-        print("[layers] the dualtrack bundle has no Track A conv3x3 calls")
+    track_a = [(seg, c) for seg in engine.plan.segments if seg.track == "A" for c in seg.calls]
+    calls = [(seg, c) for seg, c in track_a if c.op == "conv3x3"]
+    if not track_a:
+        print("[layers] the dualtrack bundle has no Track A kernel calls")
         return []
     for seg, c in calls:
         specs = {t.name: t for t in (*seg.inputs, *seg.tensors, *seg.outputs)}
@@ -641,41 +797,19 @@ def bench_layers(engine: Any, batches: list[int], args: argparse.Namespace) -> l
             err = errs["ours"]
 
             # Warm up (cuDNN benchmark picks its algorithm here) and size the sleep from host enqueue time.
-            enq = {}
-            for what, fn, sync in (("ours", ours, be.stream.synchronize), ("cudnn", cudnn, torch.cuda.synchronize)):
-                for _ in range(3):
-                    fn()
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(args.layer_launches):
-                    fn()
-                enq[what] = (time.perf_counter() - t0) * 1e3
-                sync()
-            sleep_ms = 2.0 * max(enq.values()) + 0.2
-            cycles = int(sleep_ms / ms_per_cycle)
-
-            def sleep_ours(cycles: int = cycles) -> None:
-                with torch.cuda.stream(ours_stream):
-                    torch.cuda._sleep(cycles)
-
-            def sleep_torch(cycles: int = cycles) -> None:
-                with torch.cuda.stream(torch_stream):
-                    torch.cuda._sleep(cycles)
-
-            reps = (args.layer_launches, args.layer_reps)
-            ms_ours, enq_ours = _queued_ms(sleep_ours, ours_record, ours_elapsed, ours, *reps)
-            ms_cudnn, enq_cudnn = _queued_ms(sleep_torch, torch_record, torch_elapsed, cudnn, *reps)
+            sleep_ms = clock.size_sleep(ours, cudnn)
+            ms_ours, enq_ours = clock.queued_ours(ours, sleep_ms)
+            ms_cudnn, enq_cudnn = clock.queued_torch(cudnn, sleep_ms)
             ms_displaced = None
             if displaced is not None:
                 for _ in range(3):
                     displaced(be.stream)
-                ms_displaced, _ = _queued_ms(
-                    sleep_ours, ours_record, ours_elapsed, lambda d=displaced: d(be.stream), *reps
-                )
+                ms_displaced, _ = clock.queued_ours(lambda d=displaced: d(be.stream), sleep_ms)
             launch_bound = max(enq_ours, enq_cudnn) >= sleep_ms
             flops = 2.0 * n * h * w * ch * k * 9
             t_ours, t_cudnn = flops / (ms_ours * 1e9), flops / (ms_cudnn * 1e9)
             row = {
+                "op": "conv3x3",
                 "layer": label,
                 "segment": seg.name,
                 "batch": b,
@@ -715,8 +849,176 @@ def bench_layers(engine: Any, batches: list[int], args: argparse.Namespace) -> l
                 f"rel L2 {err:.1e}{' (LAUNCH-BOUND: sleep too short)' if launch_bound else ''}"
             )
             del dx, ybuf, xt, wt, bt, want
+    for seg, c in track_a:
+        if c.op not in MEMORY_OPS:
+            continue
+        for b in batches:
+            if b not in engine.batch_sizes:
+                continue
+            try:  # a failure here must not cost the conv rows above
+                out.append(_bench_memory_layer(engine, clock, torch, seg, c, b, rng))
+            except Exception:
+                traceback.print_exc()
+                print(f"[layers] {layer_label(c)} N={b} failed (traceback above)")
     be.stream.synchronize()
     return out
+
+
+def _bench_memory_layer(
+    engine: Any, clock: LayerClock, torch: Any, seg: Any, c: Any, b: int, rng: np.random.Generator
+) -> dict[str, Any]:
+    """One maxpool2x2 or convt2x2 call at batch ``b``: the kernel the engine launches, on buffers laid
+    out as the plan lays them out (a pool reading, or a convt writing, a channel slice of a concat
+    buffer: ldx / ldy > C / K), against PyTorch on dense channels_last tensors of the same shapes."""
+    be = engine.backend
+    F = torch.nn.functional
+    specs = {t.name: t for t in (*seg.inputs, *seg.tensors, *seg.outputs)}
+    xname, yname = c.inputs[0], c.outputs[0]
+    n, h, w, ch = _nhwc(specs[xname], b)
+    k = _nhwc(specs[yname], b)[3]
+    dtype = np.dtype(specs[xname].dtype)
+    x = np.abs(rng.standard_normal((n, h, w, ch))).astype(dtype)
+    env = plan_views(be, seg, b, (xname, yname), {xname: x})
+    launch = be.prepare(c, env)
+    xt = torch.from_numpy(x).cuda().permute(0, 3, 1, 2)  # NHWC memory = channels_last NCHW view
+    if c.op == "maxpool2x2":
+
+        def theirs() -> Any:
+            return F.max_pool2d(xt, 2, 2)
+
+    else:  # weights as ONNX stores them, (C, K, 2, 2): what conv_transpose2d takes
+        wt = torch.from_numpy(engine.bundle.weights[c.weights[0]]).cuda().contiguous(memory_format=torch.channels_last)
+        bt = torch.from_numpy(engine.bundle.weights[c.weights[1]]).cuda() if len(c.weights) > 1 else None
+
+        def theirs() -> Any:
+            return F.conv_transpose2d(xt, wt, bt, stride=2)
+
+    def ours() -> None:
+        launch(be.stream)
+
+    ours()
+    got = view_to_host(be, env[yname])
+    err = rel_l2(theirs().permute(0, 2, 3, 1).float().cpu().numpy(), got)
+    sleep_ms = clock.size_sleep(ours, theirs)
+    ms_ours, enq_ours = clock.queued_ours(ours, sleep_ms)
+    ms_torch, enq_torch = clock.queued_torch(theirs, sleep_ms)
+    launch_bound = max(enq_ours, enq_torch) >= sleep_ms
+    nbytes = layer_bytes(c.op, n, h, w, ch, k, dtype.itemsize)
+    row = {
+        "op": c.op,
+        "layer": layer_label(c),
+        "segment": seg.name,
+        "batch": b,
+        "N": n,
+        "H": h,
+        "W": w,
+        "C": ch,
+        "K": k,
+        "ldx": env[xname].channel_stride,
+        "ldy": env[yname].channel_stride,
+        "entry": launch.entry,
+        "bytes": nbytes,
+        "ours_ms": _r(ms_ours, 5),
+        "ours_gbps": _r(nbytes / (ms_ours * 1e6), 1),
+        "torch_ms": _r(ms_torch, 5),
+        "torch_gbps": _r(nbytes / (ms_torch * 1e6), 1),
+        "ratio": _r(ms_torch / ms_ours, 3),
+        "rel_l2_vs_torch": _r(err, 6),
+        "launch_bound_warning": launch_bound,
+        "grid": list(launch.config.grid),
+        "block": list(launch.config.block),
+        "shared_bytes": launch.config.shared_bytes,
+    }
+    print(
+        f"[layers] {row['layer']} N={b} {h}x{w} {ch}->{k} ld {row['ldx']}/{row['ldy']} [{launch.entry}]: "
+        f"ours {ms_ours * 1e3:.1f} us {row['ours_gbps']:.0f} GB/s, torch {ms_torch * 1e3:.1f} us "
+        f"{row['torch_gbps']:.0f} GB/s, ratio {row['ratio']:.2f}, rel L2 {err:.1e}"
+        f"{' (LAUNCH-BOUND: sleep too short)' if launch_bound else ''}"
+    )
+    return row
+
+
+# -- Track A: its kernels one by one against the CUDA graph ------------------------------------------
+
+
+def bench_track_a(engine: Any, graph_ms: dict[int, float], args: argparse.Namespace) -> dict[str, Any]:
+    """Per batch size in ``graph_ms``: every Track A kernel of the plan run one by one, against
+    ``graph_ms[b]``, the dualtrack row's Track A time (CUDA events around the input copy and the
+    graph launch). The difference is what the graph run adds: launch gaps and tails."""
+    try:
+        import torch
+    except ImportError as exc:
+        print(f"[track A] skipped: torch is not installed ({exc})")
+        return {}
+    clock = LayerClock(torch, engine.backend, args.layer_launches, args.layer_reps)
+    rng = np.random.default_rng(2)
+    return {str(b): _track_a_at(engine, clock, b, graph, rng) for b, graph in sorted(graph_ms.items())}
+
+
+def _track_a_at(engine: Any, clock: LayerClock, b: int, graph_ms: float, rng: np.random.Generator) -> dict[str, Any]:
+    """The Track A segments' kernels at batch ``b`` (with CUDA graphs on, first the copy of each
+    segment input into the graph's fixed buffer, which the Track A time includes), on buffers laid
+    out as the plan lays them out, all queued behind a GPU sleep with a CUDA event between
+    consecutive launches (so each kernel sits between a pair); median ms of each over
+    --layer-reps runs."""
+    from cuda.bindings import driver as cu
+
+    from dualtrack.plan import ALIAS_OPS
+    from dualtrack.runtime.driver import Event, call
+
+    be = engine.backend
+    steps: list[tuple[dict[str, str], Callable[[], None]]] = []
+    keep: list[Any] = []  # buffers the steps use
+    for seg in (s for s in engine.plan.segments if s.track == "A"):
+        names = tuple(t.name for t in (*seg.inputs, *seg.tensors, *seg.outputs))
+        data = {t.name: np.abs(rng.standard_normal(_nhwc(t, b))).astype(t.dtype) for t in seg.inputs}
+        env = plan_views(be, seg, b, names, data)
+        keep.append(env)
+        if be.use_graphs:
+            for t in seg.inputs:
+                src, dst = env[t.name], be.pool.alloc(env[t.name].nbytes, be.stream)
+                keep.append(dst)
+
+                def copy(d: Any = dst, s: Any = src) -> None:
+                    call(cu.cuMemcpyDtoDAsync, int(d), s.ptr, s.nbytes, be.stream.handle)
+
+                steps.append(({"segment": seg.name, "op": "copy", "name": f"in {t.name}", "kernel": "DtoD"}, copy))
+        for c in seg.calls:
+            if c.op not in ALIAS_OPS:
+                launch = be.prepare(c, env)
+                info = {"segment": seg.name, "op": c.op, "name": layer_label(c), "kernel": launch.entry}
+                steps.append((info, lambda la=launch: la(be.stream)))
+    events = [Event(be.ctx) for _ in range(len(steps) + 1)]
+
+    def run_all() -> float:
+        """Enqueue every step; the host ms that took."""
+        t0 = time.perf_counter()
+        events[0].record(be.stream)
+        for i, (_, fn) in enumerate(steps):
+            fn()
+            events[i + 1].record(be.stream)
+        return (time.perf_counter() - t0) * 1e3
+
+    for _ in range(3):
+        run_all()
+    be.stream.synchronize()
+    sleep_ms = 2.0 * run_all() + 0.2
+    be.stream.synchronize()
+    per: list[list[float]] = [[] for _ in steps]
+    worst = 0.0
+    for _ in range(clock.reps):
+        clock.sleep_ours(sleep_ms)
+        worst = max(worst, run_all())
+        for i, ms in enumerate(per):
+            ms.append(events[i].elapsed_ms(events[i + 1]))
+    be.stream.synchronize()
+    calls = [{**info, "ms": _r(statistics.median(ms), 5)} for (info, _), ms in zip(steps, per, strict=True)]
+    return {
+        **summarize_breakdown(calls, graph_ms),
+        "cuda_graph": be.use_graphs,
+        "launch_bound_warning": worst >= sleep_ms,
+        "calls": calls,
+    }
 
 
 # -- report -----------------------------------------------------------------------------------------
@@ -731,8 +1033,70 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         r["ratio_to_floor"] = _r(ms / floor_ms(r["batch"]), 2) if ms else None
 
 
-def print_table(rows: list[dict[str, Any]], layers: list[dict[str, Any]]) -> None:
-    if layers:
+def summarize_breakdown(calls: list[dict[str, Any]], graph_ms: float) -> dict[str, Any]:
+    """The Track A breakdown's totals: the one-by-one times summed (per op too), the graph's time
+    for the same work and the difference (launch gaps and tails inside the graph)."""
+    by_op: dict[str, float] = {}
+    for c in calls:
+        by_op[c["op"]] = by_op.get(c["op"], 0.0) + c["ms"]
+    total = sum(by_op.values())
+    return {
+        "kernel_sum_ms": _r(total),
+        "by_op_ms": {op: _r(ms) for op, ms in sorted(by_op.items(), key=lambda kv: -kv[1])},
+        "graph_ms": _r(graph_ms),
+        "gap_ms": _r(graph_ms - total),
+    }
+
+
+def breakdown_lines(breakdown: dict[str, dict[str, Any]], top: int = 5) -> list[str]:
+    """Two lines a batch size: totals, then the ``top`` slowest calls."""
+    if not breakdown:
+        return []
+    lines = ["\nTrack A: its calls one by one (CUDA events, launches queued) vs the graph (dualtrack's track A time)"]
+    for b, bd in sorted(breakdown.items(), key=lambda kv: int(kv[0])):
+        ops = ", ".join(f"{op} {ms:.3f}" for op, ms in bd["by_op_ms"].items())
+        share = bd["gap_ms"] / bd["graph_ms"] if bd["graph_ms"] else 0.0
+        warn = " (LAUNCH-BOUND: sleep too short)" if bd.get("launch_bound_warning") else ""
+        lines.append(
+            f"N={b}: sum {bd['kernel_sum_ms']:.3f} ms ({ops}), graph {bd['graph_ms']:.3f} ms, "
+            f"gap {bd['gap_ms']:.3f} ms ({share:.0%}){warn}"
+        )
+        slowest = sorted(bd["calls"], key=lambda c: -c["ms"])[:top]
+        lines.append("  top: " + ", ".join(f"{c['name']} {c['ms'] * 1e3:.1f} us" for c in slowest))
+    return lines
+
+
+def memory_layer_lines(layers: list[dict[str, Any]]) -> list[str]:
+    """The maxpool2x2 / convt2x2 rows of ``layers`` as a table, with a sum per batch size."""
+    mem = [r for r in layers if r.get("op") in MEMORY_OPS]
+    if not mem:
+        return []
+    lines = [
+        "\nTrack A maxpool2x2 / convt2x2 vs PyTorch (channels_last fp16; ours on the plan's buffers, "
+        "ldx/ldy > C/K: a concat's channel slice; torch on dense tensors, convt with bias)",
+        f"{'layer':<12} {'N':>2} {'HxW':>9} {'C->K':>9} {'ldx/ldy':>9} {'ours us':>9} {'GB/s':>6} "
+        f"{'torch us':>9} {'GB/s':>6} {'ratio':>6} {'rel L2':>8}",
+    ]
+    for r in mem:
+        lines.append(
+            f"{r['layer']:<12} {r['batch']:>2} {r['H']:>4}x{r['W']:<4} {r['C']:>4}->{r['K']:<4} "
+            f"{str(r['ldx']) + '/' + str(r['ldy']):>9} {r['ours_ms'] * 1e3:>9.1f} {r['ours_gbps']:>6.0f} "
+            f"{r['torch_ms'] * 1e3:>9.1f} {r['torch_gbps']:>6.0f} {r['ratio']:>6.2f} {r['rel_l2_vs_torch']:>8.1e}"
+            + ("  LAUNCH-BOUND" if r.get("launch_bound_warning") else "")
+        )
+    for b in sorted({r["batch"] for r in mem}):
+        rows_b = [r for r in mem if r["batch"] == b]
+        ours, theirs = sum(r["ours_ms"] for r in rows_b), sum(r["torch_ms"] for r in rows_b)
+        lines.append(f"sum N={b}: ours {ours:.3f} ms, torch {theirs:.3f} ms")
+    return lines
+
+
+def print_table(
+    rows: list[dict[str, Any]], layers: list[dict[str, Any]], breakdown: dict[str, dict[str, Any]] | None = None
+) -> None:
+    # Result files from before the "op" key hold conv3x3 rows only.
+    conv = [r for r in layers if r.get("op", "conv3x3") == "conv3x3"]
+    if conv:
         print(
             f"\nTrack A conv3x3 vs cuDNN (channels_last fp16; ours with bias+ReLU fused, cuDNN conv alone), "
             f"target ratio >= {LAYER_TARGET:.2f}"
@@ -741,7 +1105,7 @@ def print_table(rows: list[dict[str, Any]], layers: list[dict[str, Any]]) -> Non
             f"{'layer':<12} {'N':>2} {'HxW':>9} {'C->K':>9} {'kernel':<26} {'ours us':>9} {'TFLOP/s':>8} "
             f"{'cuDNN us':>9} {'TFLOP/s':>8} {'ratio':>6} {'mma.sync us':>11}  ok"
         )
-        for r in layers:
+        for r in conv:
             kernel = (
                 f"{r.get('impl', '')} {r.get('entry', '').removeprefix('conv3x3_wgmma_').removeprefix('conv3x3_nhwc_')}"
             )
@@ -751,12 +1115,14 @@ def print_table(rows: list[dict[str, Any]], layers: list[dict[str, Any]]) -> Non
                 f"{r['ours_ms'] * 1e3:>9.1f} {r['ours_tflops']:>8.1f} {r['cudnn_ms'] * 1e3:>9.1f} "
                 f"{r['cudnn_tflops']:>8.1f} {r['ratio']:>6.2f} {mma}  {'yes' if r['meets_target'] else 'NO'}"
             )
-        for b in sorted({r["batch"] for r in layers}):
-            rows_b = [r for r in layers if r["batch"] == b]
+        for b in sorted({r["batch"] for r in conv}):
+            rows_b = [r for r in conv if r["batch"] == b]
             ours, cudnn = sum(r["ours_ms"] for r in rows_b), sum(r["cudnn_ms"] for r in rows_b)
             mma = sum(r.get("mma_sync_ms") or r["ours_ms"] for r in rows_b)
             print(f"sum N={b}: ours {ours:.3f} ms, cuDNN {cudnn:.3f} ms, all on mma.sync {mma:.3f} ms")
-        print(f"{sum(r['meets_target'] for r in layers)} of {len(layers)} layer/batch pairs meet the target")
+        print(f"{sum(r['meets_target'] for r in conv)} of {len(conv)} layer/batch pairs meet the target")
+    for line in memory_layer_lines(layers):
+        print(line)
     print("\nmedian ms: host wall time of one synchronous call (perf_counter; the GPU idle before, drained after),")
     print("the only clock for dualtrack rows (IREE runs on its own streams); event ms: CUDA events, torch rows only.")
     print(f"{'name':<26} {'batch':>5} {'median ms':>10} {'event ms':>9} {'x ' + BASELINE:>27} {'x floor':>8}")
@@ -779,6 +1145,8 @@ def print_table(rows: list[dict[str, Any]], layers: list[dict[str, Any]]) -> Non
             )
     for b in sorted({r["batch"] for r in rows}):
         print(f"floor N={b}: {floor_ms(b):.3f} ms ({GFLOP_PER_IMAGE} GFLOP/image at {FLOOR_TFLOPS:.0f} TFLOP/s)")
+    for line in breakdown_lines(breakdown or {}):
+        print(line)
 
 
 def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
@@ -854,7 +1222,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--layers",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="time each Track A conv3x3 alone against cuDNN (default: on)",
+        help="time each Track A conv3x3 alone against cuDNN, maxpool2x2 / convt2x2 against PyTorch (default: on)",
+    )
+    p.add_argument(
+        "--breakdown",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time the Track A kernels one by one against the CUDA graph's Track A time (default: on)",
     )
     p.add_argument("--layer-launches", type=int, default=20, help="launches queued per timed rep (layers)")
     p.add_argument("--layer-reps", type=int, default=10, help="timed reps per layer (median reported)")
@@ -917,6 +1291,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += guarded(name, args.batches, lambda n=name: bench_bundle(n, paths[n], ctx))
     rows += torch_rows(ctx)
     layers: list[dict[str, Any]] = ctx.get("layers", [])
+    breakdown: dict[str, Any] = ctx.get("track_a_breakdown", {})
     rows.sort(key=lambda r: (r["batch"], ROWS.index(r["name"])))
     add_ratios(rows)
 
@@ -937,12 +1312,13 @@ def main(argv: list[str] | None = None) -> None:
         "rows": rows,
         "layers": layers,
         "layer_target_ratio": LAYER_TARGET,
+        "track_a_breakdown": breakdown,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"bench-{commit[:10]}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    print_table(rows, layers)
+    print_table(rows, layers, breakdown)
     title = f"{gpu}, driver {driver}, commit {commit[:10]}: U-Net fp16 {h}x{w}, median ms (log), dashed: compute floor"
     charted = write_chart(rows, stem.with_suffix(".png"), title)
     print(f"wrote {stem.with_suffix('.json')}" + (f" and {stem.with_suffix('.png')}" if charted else ""))

@@ -478,7 +478,7 @@ class CudaBackend:
             for t in (ins[s.name] for s in seg.inputs)
         ]
         t0 = time.perf_counter()
-        outs = mod(*views)  # synchronous: returns after IREE's work is complete (FACTS 8)
+        outs = mod.call_views(*views)  # synchronous: returns after IREE's work is complete (FACTS 8)
         self.timings["B"] += (time.perf_counter() - t0) * 1e3
         result = {}
         for spec, out in zip(seg.outputs, outs, strict=True):
