@@ -17,6 +17,7 @@ Rows (names are fixed so that result files compare across commits):
     torch_eager_cl            PyTorch eager, channels_last
     torch_compile             torch.compile mode="max-autotune-no-cudagraphs" ("default" with --skip-autotune)
     torch_compile_cudagraphs  torch.compile mode="reduce-overhead" (CUDA graphs)
+    dualtrack_head_b          bundle of configs/unet_head_b.yaml (the head's 1x1 conv on Track B, with softmax)
     dualtrack_mma_sync        the dualtrack bundle with DUALTRACK_WGMMA=0: every conv3x3 on the mma.sync
                               kernel (only where the dualtrack row ran the sm_90a wgmma kernel)
 
@@ -80,13 +81,15 @@ ROWS = (
     "torch_eager_cl",
     "torch_compile",
     "torch_compile_cudagraphs",
-    "dualtrack_mma_sync",  # last: the chart's colours of the older rows stay as they were
+    "dualtrack_mma_sync",  # late: the chart's colours of the older rows stay as they were
+    "dualtrack_head_b",
 )
 BUNDLE_ROWS = {  # row -> (argparse dest, config that builds its bundle)
     "dualtrack": ("bundle", "configs/unet.yaml"),
     "dualtrack_seed_split": ("seed_split_bundle", "configs/unet_seed_split.yaml"),
     "iree_only": ("iree_only_bundle", "configs/iree_only.yaml"),
     "dualtrack_mma_sync": ("bundle", "configs/unet.yaml"),
+    "dualtrack_head_b": ("head_b_bundle", "configs/unet_head_b.yaml"),
 }
 ROW_ENV = {"dualtrack_mma_sync": {"DUALTRACK_WGMMA": "0"}}  # settings a row's engine is loaded with
 
@@ -1206,6 +1209,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         default=Path("build/iree_only"),
         help="bundle of configs/iree_only.yaml (row iree_only); skipped if missing",
+    )
+    p.add_argument(
+        "--head-b-bundle",
+        type=Path,
+        default=Path("build/unet_head_b"),
+        help="bundle of configs/unet_head_b.yaml (row dualtrack_head_b); skipped if missing",
     )
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--iters", type=int, default=100, help="timed calls per row and batch (median reported)")

@@ -10,7 +10,7 @@ export PYTHONPATH=/tmp/site:$PWD/pipeline PYTHONUNBUFFERED=1 DUALTRACK_CACHE_DIR
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 C=.carry
 # Bundles of the same model share model.onnx: it travels once (the 64 MiB carry limit).
-for b in "$C"/unet_seed_split "$C"/iree_only; do [ -d "$b" ] && [ ! -f "$b/model.onnx" ] && cp "$C/unet/model.onnx" "$b/"; done
+for b in "$C"/unet_seed_split "$C"/iree_only "$C"/unet_head_b; do [ -d "$b" ] && [ ! -f "$b/model.onnx" ] && cp "$C/unet/model.onnx" "$b/"; done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 echo "commit ${DUALTRACK_COMMIT:-unknown}"
 dt() { python3 -c 'from dualtrack.cli import main; main()' "$@"; }
@@ -61,7 +61,7 @@ for step in $steps; do
       python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" \
         --variant "workers_4=--workers 4 --max-batch-delay-ms 8" --variant "workers_8=--workers 8 --max-batch-delay-ms 8" --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve.log" ;;
     bench)
-      python3 bench/bench.py --bundle $C/unet --seed-split-bundle $C/unet_seed_split --iree-only-bundle $C/iree_only \
+      python3 bench/bench.py --bundle $C/unet --seed-split-bundle $C/unet_seed_split --iree-only-bundle $C/iree_only --head-b-bundle $C/unet_head_b \
         --batches 1 8 --iters 50 --skip-autotune --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT" 2>&1 | tee /tmp/bench.log ;;
   esac
 done

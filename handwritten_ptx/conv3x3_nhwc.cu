@@ -2,16 +2,17 @@
 //
 //   y[n,h,w,k] = act(bias[k] + sum_{r,s,c} x[n,h+r-1,w+s-1,c] * w[k,r,s,c])
 //
-// Both entries are an implicit GEMM: M = N*H*W output pixels, N_gemm = K output channels,
-// K_gemm = 9*C taps. Row m of A is output pixel m; its (r,s,c) column is the input pixel
-// m + (r-1)*W + (s-1) at channel c, or zero when (h+r-1, w+s-1) falls outside the image. Row k
-// of B is filter k, which KRSC stores contiguously (9*C values), so B is K-major ("col") as is.
+// Every entry but conv3x3_nhwc_f16_smallc (C <= 4, a direct convolution: see its section) is an
+// implicit GEMM: M = N*H*W output pixels, N_gemm = K output channels, K_gemm = 9*C taps. Row m of
+// A is output pixel m; its (r,s,c) column is the input pixel m + (r-1)*W + (s-1) at channel c, or
+// zero when (h+r-1, w+s-1) falls outside the image. Row k of B is filter k, which KRSC stores
+// contiguously (9*C values), so B is K-major ("col") as is.
 //
 // A k-tile of BK columns is taken one of two ways, and A and B always agree on it:
 //   vector path (C, ldx multiple of the 16-byte vector, x and w 16-byte aligned): one tap (r,s)
 //     and BK consecutive channels, so every 16-byte chunk is wholly inside or outside C and is
 //     copied with cp.async (zero-filled when outside: src-size 0);
-//   scalar path (anything else, e.g. C=3 for the first layer): BK consecutive flattened taps
+//   scalar path (anything else, e.g. C=12): BK consecutive flattened taps
 //     k = (r*3+s)*C + c, element by element with bounds checks.
 //
 // Tile sizes are not set here: `dualtrack.kernels` passes them as -D macros, so the launch
@@ -483,6 +484,326 @@ CONV_F16_ENTRY(conv3x3_nhwc_f16_small, f16conv::Small)
 #ifdef CONV_F16_EXTRA_ENTRIES
 CONV_F16_EXTRA_ENTRIES
 #endif
+
+// ------------------------------------------------------------------------------------------------
+// fp16 with few input channels (C <= CONV_F16_SMALLC_CMAX: the RGB first layer): a direct
+// convolution on CUDA cores.
+//
+// With C <= 4 the implicit GEMM above reduces over 9*C <= 36 taps: a tensor-core k-tile is mostly
+// padding, and its A tile is gathered element by element. The layer has little arithmetic (27*K
+// FMAs a pixel for RGB) and much output (K fp16 a pixel), so it runs on CUDA cores instead:
+//
+// - one block per TH x TW output tile of one image (1-D grid: column tile fastest, then row tile,
+//   then image). The block stages its input tile with the one-pixel halo in shared memory once, as
+//   fp32, zero outside the image (the padding), one plane per channel; the weights as fp32
+//   [tap][c][k] (row stride KMAX) and the bias as fp32 stay there too.
+// - a unit of work is PX = 8 adjacent output pixels of one row x KV = 8 output channels, 64 fp32
+//   accumulators in a thread's registers. Each weight read from shared memory feeds PX FMAs and
+//   each input value up to 3*KV, so the reads stay well under the 128 bytes a clock an SM's shared
+//   memory returns to registers. The first small-C entry computed one pixel a thread, one FMA per
+//   weight read, and ran at about that limit, 0.29-0.45 ms at N=8, with 4- and 16-byte broadcast
+//   reads alike (it was dropped in commit a720cd0).
+// - a tile's TH*TW/PX pixel groups x ceil(K/KV) channel groups are its units, channel group
+//   fastest; the block's threads (THREADS, fewer when there are fewer units:
+//   dualtrack.kernels.Conv3x3Spec.launch) take them in turn. For K = 32 a warp computes one tile
+//   row at a time: its eight pixel groups read eight different banks (a pad word after every PX
+//   input columns), and each 16-byte store instruction writes eight whole 64-byte pixels.
+// - epilogue: the accumulators start from the bias; ReLU and the one rounding to fp16 are one
+//   cvt.rn[.relu].f16x2.f32 per channel pair; a 16-byte store per pixel when ldy % 8 == 0, y is
+//   16-byte aligned and the chunk is inside K, element stores otherwise.
+// ------------------------------------------------------------------------------------------------
+
+#if !defined(CONV_F16_SMALLC) || !defined(CONV_F16_SMALLC_CMAX) || !defined(CONV_F16_SMALLC_KMAX)
+#error "the small-C entry's tile and limits come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
+#endif
+
+// 16-byte shared-memory load from a shared-window address (see lds128 for why it is inline PTX).
+__device__ __forceinline__ float4 lds128_at(unsigned addr) {
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+
+// Two fp32 values rounded to fp16 and packed, lo in the low half (the lower address); with RELU,
+// negative values become 0 (cvt's .relu, which keeps a NaN a NaN, as the numpy reference does).
+template <bool RELU>
+__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
+    unsigned d;
+    if (RELU)
+        asm("cvt.rn.relu.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));  // a -> upper half, b -> lower
+    else
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+namespace smallc {
+
+// The entry's tile: TH x TW output pixels a block of at most THREADS threads (a launch has
+// min(THREADS, units), fewer for small K), registers capped so that MIN_BLOCKS blocks of THREADS
+// fit on an SM; its limits C <= CMAX, K <= KMAX (dualtrack.kernels.SMALL_C_MAX, SMALL_C_K_MAX).
+template <int TH_, int TW_, int THREADS_, int MIN_BLOCKS_>
+struct Cfg {
+    enum : int {
+        TH = TH_,
+        TW = TW_,
+        THREADS = THREADS_,
+        MIN_BLOCKS = MIN_BLOCKS_,
+        CMAX = CONV_F16_SMALLC_CMAX,
+        KMAX = CONV_F16_SMALLC_KMAX,
+        PX = 8,                // adjacent output pixels of one row a unit computes
+        KV = 8,                // output channels a unit computes: one 16-byte fp16 chunk a pixel
+        GX = TW / PX,          // pixel groups across a tile row
+        GROUPS = TH * GX,      // pixel groups of a tile
+        HH = TH + 2,           // input tile with its one-pixel halo
+        HW = TW + 2,
+        // Input column j of a tile row is stored at j + j / PX: one pad word after every PX columns,
+        // so that the pixel groups of a tile row start in different banks.
+        PITCH = HW + (HW - 1) / PX,
+        PLANE = HH * PITCH,     // one input channel of the tile, floats
+        XS = CMAX * PLANE,      // the input tile, floats
+        WS = 9 * CMAX * KMAX,   // the weights, floats: [tap][c][k], row stride KMAX
+    };
+    static_assert(TW % PX == 0, "a tile row is whole pixel groups");
+    static_assert(GROUPS % 32 == 0 && THREADS % 32 == 0, "whole warps (the weight staging maps lanes to filters)");
+    static_assert(KMAX % 32 == 0, "weights are staged 32 channels a warp");
+    static_assert(KV == 8, "the 16-byte store packs 8 fp16 channels");
+    static_assert(CMAX >= 1 && KMAX >= KV && KMAX % KV == 0, "limits");
+    static_assert((XS + WS + KMAX) * 4 <= 48 * 1024, "static shared memory is capped at 48 KiB");
+};
+
+// One unit's outputs: PX pixels from `out` on (pixel stride ldy), the first npx of them inside
+// the image; `full`: 16-byte stores, else the first kleft channels element by element.
+template <class CF, bool RELU>
+__device__ __forceinline__ void store_unit(const float (&acc)[CF::PX][CF::KV], f16* out, int ldy, int npx, bool full,
+                                           int kleft) {
+#pragma unroll
+    for (int i = 0; i < CF::PX; ++i) {
+        if (i >= npx) break;
+        unsigned p[CF::KV / 2];
+#pragma unroll
+        for (int q = 0; q < CF::KV / 2; ++q) p[q] = pack_f16x2<RELU>(acc[i][2 * q], acc[i][2 * q + 1]);
+        f16* dst = out + static_cast<long long>(i) * ldy;
+        if (full) {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(p[0], p[1], p[2], p[3]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < CF::KV; ++e)
+                if (e < kleft) dst[e] = static_cast<f16>(p[e / 2] >> (16 * (e % 2)));
+        }
+    }
+}
+
+// The block's shared operands, in rounds whose global loads (PB input pixels, WB x KC weights and
+// one bias value a thread) are all issued before their shared stores: a block waits for global
+// memory once a round (one round in all when it has THREADS threads, i.e. for K > 8), not once
+// a value. Input rows h0-1 .. h0+TH, columns w0-1 .. w0+TW: pixel p of the halo tile (consecutive
+// threads, consecutive pixels) -> xs[c][row][col + col/PX], zero outside the image (the
+// convolution's padding). Weights w[k][tap][c] (KRSC, 9*C values a filter) -> ws[(tap*C + c) * KMAX
+// + k] for k < KP, zero past K; lane = k mod 32, so the shared stores are conflict-free (the
+// strided global reads hit L1: every block of the launch reads the same 9*C*K values), warp =
+// (tap*C + c) mod the block's warps. Bias -> bs[k], zero past K or without bias.
+template <class CF, int C>
+__device__ __forceinline__ void stage(const f16* __restrict__ x, const f16* __restrict__ w,
+                                     const float* __restrict__ bias, int n, int h0, int w0, int H, int W, int K,
+                                     int KP, int ldx, float* xs, float* ws, float* bs) {
+    enum : int {
+        NP = CF::HH * CF::HW,                                  // input pixels
+        PB = (NP + CF::THREADS - 1) / CF::THREADS,             // pixels a thread loads a round
+        WB = (9 * C + CF::THREADS / 32 - 1) / (CF::THREADS / 32),  // taps x channels a lane loads a round
+        KC = CF::KMAX / 32,                                    // ... for each of KC groups of 32 filters
+    };
+    const int nt = blockDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = nt >> 5;
+    for (int round = 0; round * PB * nt < NP || round * WB * nwarps < 9 * C || round * nt < KP; ++round) {
+        f16 xr[PB][C], wr[WB][KC];
+        int xat[PB];  // the pixel's shared index in plane 0, -1 past the tile
+#pragma unroll
+        for (int b = 0; b < PB; ++b) {
+            const int p = (round * PB + b) * nt + threadIdx.x;
+            xat[b] = -1;
+#pragma unroll
+            for (int c = 0; c < C; ++c) xr[b][c] = 0;
+            if (p < NP) {
+                const int r = p / CF::HW, j = p - r * CF::HW;
+                const int hh = h0 - 1 + r, ww = w0 - 1 + j;
+                xat[b] = r * CF::PITCH + j + j / CF::PX;
+                if (inside(hh, ww, H, W)) {
+                    const f16* src = x + ((static_cast<long long>(n) * H + hh) * W + ww) * ldx;
+#pragma unroll
+                    for (int c = 0; c < C; ++c) xr[b][c] = src[c];
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < KC; ++q) {
+            if (32 * q >= KP) break;  // uniform: the groups of 32 filters that K has
+            const int k = lane + 32 * q;
+#pragma unroll
+            for (int b = 0; b < WB; ++b) {
+                const int tc = (round * WB + b) * nwarps + warp;
+                wr[b][q] = (tc < 9 * C && k < K) ? w[k * (9 * C) + tc] : static_cast<f16>(0);
+            }
+        }
+        const int kb = round * nt + threadIdx.x;
+        const float bv = (bias != nullptr && kb < K) ? bias[kb] : 0.f;
+#pragma unroll
+        for (int b = 0; b < PB; ++b)
+            if (xat[b] >= 0) {
+#pragma unroll
+                for (int c = 0; c < C; ++c) xs[c * CF::PLANE + xat[b]] = f16_to_f32(xr[b][c]);
+            }
+#pragma unroll
+        for (int q = 0; q < KC; ++q) {
+            if (32 * q >= KP) break;
+            const int k = lane + 32 * q;
+#pragma unroll
+            for (int b = 0; b < WB; ++b) {
+                const int tc = (round * WB + b) * nwarps + warp;
+                if (tc < 9 * C && k < KP) ws[tc * CF::KMAX + k] = f16_to_f32(wr[b][q]);
+            }
+        }
+        if (kb < KP) bs[kb] = bv;
+    }
+}
+
+// acc[i][k] += the 3x3xC window of the unit's output pixel i times filter k of its channel group.
+// xt: the unit's first input column in the tile row above its output row; wt: the shared address
+// of its channel group's weights at tap (0,0), channel 0.
+template <class CF, int C>
+__device__ __forceinline__ void accumulate(float (&acc)[CF::PX][CF::KV], const float* xt, unsigned wt) {
+#pragma unroll 1
+    for (int r = 0; r < 3; ++r) {
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+            float xv[CF::PX + 2];  // input columns 0 .. PX+1 of the window row: output pixel i reads i+s
+#pragma unroll
+            for (int j = 0; j < CF::PX + 2; ++j) xv[j] = xt[c * CF::PLANE + j + j / CF::PX];
+#pragma unroll
+            for (int s = 0; s < 3; ++s) {
+                const unsigned wa = wt + (s * C + c) * CF::KMAX * 4;
+                const float4 lo = lds128_at(wa), hi = lds128_at(wa + 16);
+                const float wv[CF::KV] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+                for (int i = 0; i < CF::PX; ++i)
+#pragma unroll
+                    for (int k = 0; k < CF::KV; ++k) acc[i][k] = fmaf(xv[i + s], wv[k], acc[i][k]);
+            }
+        }
+        xt += CF::PITCH;
+        wt += 3 * C * CF::KMAX * 4;
+    }
+}
+
+// Calls f.run<C>() for the runtime C in 1..C_: one instance per channel count, so that the loops
+// over channels are unrolled over exactly C (no padding to CMAX). (Functors, not generic lambdas:
+// NVRTC takes a lambda in device code only as an extended lambda, an nvcc option.)
+template <int C_, class F>
+__device__ __forceinline__ void with_channels(int C, const F& f) {
+    if (C == C_)
+        f.template run<C_>();
+    else if constexpr (C_ > 1)
+        with_channels<C_ - 1>(C, f);
+}
+
+template <class CF>
+struct Stage {
+    const f16* x;
+    const f16* w;
+    const float* bias;
+    int n, h0, w0, H, W, K, KP, ldx;
+    float* xs;
+    float* ws;
+    float* bs;
+    template <int C>
+    __device__ __forceinline__ void run() const {
+        stage<CF, C>(x, w, bias, n, h0, w0, H, W, K, KP, ldx, xs, ws, bs);
+    }
+};
+
+template <class CF>
+struct Accumulate {
+    float (&acc)[CF::PX][CF::KV];
+    const float* xt;
+    unsigned wt;
+    template <int C>
+    __device__ __forceinline__ void run() const {
+        accumulate<CF, C>(acc, xt, wt);
+    }
+};
+
+template <class CF>
+__device__ __forceinline__ void conv(const f16* __restrict__ x, const f16* __restrict__ w,
+                                     const float* __restrict__ bias, f16* __restrict__ y, int N, int H, int W, int C,
+                                     int K, int ldx, int ldy, int relu, float* xs, float* ws, float* bs) {
+    const int tiles_w = (W + CF::TW - 1) / CF::TW;
+    const int tiles_h = (H + CF::TH - 1) / CF::TH;
+    const int tw = blockIdx.x % tiles_w;
+    const int th = (blockIdx.x / tiles_w) % tiles_h;
+    const int n = blockIdx.x / tiles_w / tiles_h;
+    if (n >= N) return;
+    const int h0 = th * CF::TH, w0 = tw * CF::TW;
+    const int KG = (K + CF::KV - 1) / CF::KV;  // channel groups
+    const int KP = KG * CF::KV;                // K rounded up to whole groups
+
+    with_channels<CF::CMAX>(C, Stage<CF>{x, w, bias, n, h0, w0, H, W, K, KP, ldx, xs, ws, bs});
+    __syncthreads();
+
+    const bool vec = ldy % 8 == 0 && aligned16(y);
+    const unsigned ws_addr = smem_u32(ws), bs_addr = smem_u32(bs);
+    for (int u = threadIdx.x; u < CF::GROUPS * KG; u += blockDim.x) {
+        const int g = u / KG, cg = u - g * KG;  // pixel group, channel group
+        const int ty = g / CF::GX, gx = g - ty * CF::GX;
+        const int h = h0 + ty, wb = w0 + gx * CF::PX;
+        if (h >= H || wb >= W) continue;  // past the image's bottom or right edge
+
+        float acc[CF::PX][CF::KV];
+        const float4 lo = lds128_at(bs_addr + cg * CF::KV * 4), hi = lds128_at(bs_addr + (cg * CF::KV + 4) * 4);
+#pragma unroll
+        for (int i = 0; i < CF::PX; ++i) {
+            acc[i][0] = lo.x;
+            acc[i][1] = lo.y;
+            acc[i][2] = lo.z;
+            acc[i][3] = lo.w;
+            acc[i][4] = hi.x;
+            acc[i][5] = hi.y;
+            acc[i][6] = hi.z;
+            acc[i][7] = hi.w;
+        }
+        // Output pixel wb+i reads input columns gx*PX + i + s of tile rows ty + r (r, s = 0..2).
+        const float* xt = xs + ty * CF::PITCH + gx * (CF::PX + 1);
+        const unsigned wt = ws_addr + cg * CF::KV * 4;
+        with_channels<CF::CMAX>(C, Accumulate<CF>{acc, xt, wt});
+
+        f16* out = y + ((static_cast<long long>(n) * H + h) * W + wb) * ldy + cg * CF::KV;
+        const int npx = W - wb < CF::PX ? W - wb : CF::PX;
+        const bool full = vec && cg * CF::KV + CF::KV <= K;
+        if (relu)
+            store_unit<CF, true>(acc, out, ldy, npx, full, K - cg * CF::KV);
+        else
+            store_unit<CF, false>(acc, out, ldy, npx, full, K - cg * CF::KV);
+    }
+}
+
+typedef Cfg<CONV_F16_SMALLC> SmallC;  // CONV_F16_SMALLC is the list TH,TW,THREADS,MIN_BLOCKS
+
+}  // namespace smallc
+
+// C <= CMAX input channels, K <= KMAX output channels (dualtrack.kernels.Conv3x3Spec.smallc_supported;
+// launch() refuses other shapes, and the kernel returns without writing rather than overrun its
+// shared memory). 1-D grid of N * ceil(H/TH) * ceil(W/TW) blocks of min(THREADS, TH*TW/8 *
+// ceil(K/8)) threads (whole warps). Any x, w, ldx; 16-byte stores where ldy and y allow them.
+extern "C" __global__ void __launch_bounds__(smallc::SmallC::THREADS, smallc::SmallC::MIN_BLOCKS)
+    conv3x3_nhwc_f16_smallc(const f16* __restrict__ x, const f16* __restrict__ w, const float* __restrict__ bias,
+                            f16* __restrict__ y, int N, int H, int W, int C, int K, int ldx, int ldy, int relu) {
+    typedef smallc::SmallC CF;
+    __shared__ __align__(16) float xs[CF::XS];
+    __shared__ __align__(16) float ws[CF::WS];
+    __shared__ __align__(16) float bs[CF::KMAX];
+    if (C < 1 || C > CF::CMAX || K < 1 || K > CF::KMAX || blockDim.x % 32 != 0) return;
+    smallc::conv<CF>(x, w, bias, y, N, H, W, C, K, ldx, ldy, relu, xs, ws, bs);
+}
 
 // ------------------------------------------------------------------------------------------------
 // fp32: CUDA cores, register-tiled SIMT GEMM, k-major shared tiles, register-staged double buffer.

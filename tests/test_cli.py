@@ -128,9 +128,13 @@ def test_info_shows_which_convs_run_the_wgmma_kernel(tiny_full_bundle: Path) -> 
     result = invoke("info", tiny_full_bundle)
     assert result.exit_code == 0, result.stderr
     out = result.stdout
-    # base-4 U-Net: the convs with C and both strides multiples of 8 (5 of 10 layers), both batch sizes
-    assert "conv3x3    sm_90a: 10 of 20 launches on the wgmma kernel, the rest on mma.sync" in out
-    assert re.search(r"^             enc1/conv1: mma\.sync f16_narrow \(heuristic; wgmma: C=3: ", out, re.MULTILINE)
+    # base-4 U-Net: the convs with C and both strides multiples of 8 (5 of 10 layers), both batch sizes;
+    # of the rest, those with C <= 4 (4 layers) run the small-C entry
+    assert "conv3x3    sm_90a: 10 of 20 launches on the wgmma kernel, the rest on direct and mma.sync" in out
+    assert re.search(
+        r"^             enc1/conv1: direct f16_smallc \(C=3 <= 4: small-C direct conv; wgmma: C=3: ", out, re.M
+    )
+    assert re.search(r"^             dec1/conv1: mma\.sync f16_narrow \(heuristic; wgmma: ldy=4: ", out, re.MULTILINE)
     assert re.search(r"^             mid/conv2: bn32_mt2_wg2_bk32$", out, re.MULTILINE)
     assert "conv3x3    sm_80" not in out
 
@@ -387,9 +391,12 @@ def test_info_shows_the_tuned_layers(tiny_tuned_bundle: Path) -> None:
     result = invoke("info", tiny_tuned_bundle)
     assert result.exit_code == 0, result.stderr
     assert re.search(
-        r"^tuned      sm_90a: 20 conv launches \(10 layers\) on tuned tiles, 3 extra entries; "
+        r"^tuned      sm_90a: 12 conv launches \(6 layers\) on tuned tiles, 3 extra entries; "
         r"tuned on NVIDIA H200 \(driver 13\.0\)$",
         result.stdout,
         re.MULTILINE,
     ), result.stdout
-    assert re.search(r"^             enc1/conv1: N=1: f16_t64x32x32_w2x2_s4_b4, N=4: ", result.stdout, re.MULTILINE)
+    assert re.search(r"^             mid/conv1: N=1: f16_t64x32x32_w2x2_s4_b4, N=4: ", result.stdout, re.MULTILINE)
+    # The 4 layers with C <= 4 run the small-C entry: their records (the file has one for every
+    # problem) are not used.
+    assert not re.search(r"^             (enc1/conv[12]|enc2/conv1|dec1/conv2): N=", result.stdout, re.MULTILINE)

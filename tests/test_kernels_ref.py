@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import re
 
 import numpy as np
 import pytest
@@ -13,9 +14,12 @@ from numpy.lib.stride_tricks import sliding_window_view
 from dualtrack.errors import InputError
 from dualtrack.kernels import (
     KERNELS,
+    SMALL_C_K_MAX,
+    SMALL_C_MAX,
     Conv3x3Spec,
     ConvT2x2Spec,
     MaxPool2x2Spec,
+    choose_conv3x3,
     kernel,
     kernel_params,
     output_shape,
@@ -185,6 +189,116 @@ def test_launch_refuses_too_many_pixels() -> None:
         CONV.launch("float16", 64, 8192, 8192, 3, 32)
 
 
+# -- the small-C entry (conv3x3_nhwc_f16_smallc) -----------------------------------------------------
+
+SMALLC_SHAPES = [  # (N, H, W, C, K): odd sizes, N > 1, every C it takes, K around its thresholds
+    (1, 512, 512, 3, 32),
+    (8, 512, 512, 3, 32),
+    (2, 17, 33, 1, 8),
+    (2, 17, 33, 4, 16),
+    (3, 1, 1, 2, 4),
+    (1, 65, 129, 3, 40),
+    (2, 37, 45, 3, 128),
+]
+
+
+def test_small_c_bound_is_one_named_constant() -> None:
+    assert isinstance(CONV, Conv3x3Spec)
+    assert (SMALL_C_MAX, SMALL_C_K_MAX) == (4, 128)
+    defines = CONV.defines()
+    assert defines["CONV_F16_SMALLC_CMAX"] == SMALL_C_MAX and defines["CONV_F16_SMALLC_KMAX"] == SMALL_C_K_MAX
+    assert defines["CONV_F16_SMALLC"] == ",".join(map(str, CONV.f16_smallc))
+    assert CONV.entries[-1] == CONV.smallc_entry == "conv3x3_nhwc_f16_smallc"
+    assert CONV.smallc_entry not in CONV.f16_tiles()  # not a GEMM tile: tuning never searches or names it
+
+
+@pytest.mark.parametrize("C", range(1, SMALL_C_MAX + 1))
+@pytest.mark.parametrize("K", [1, 4, 8, 32, 33, SMALL_C_K_MAX])
+def test_variant_picks_the_small_c_entry(C: int, K: int) -> None:
+    assert isinstance(CONV, Conv3x3Spec)
+    for N, H, W in ((1, 512, 512), (8, 512, 512), (2, 17, 33), (1, 1, 1)):
+        assert CONV.variant("float16", N, H, W, C, K) == CONV.smallc_entry
+    assert CONV.smallc_supported("float16", C, K) is None
+    assert CONV.variant("float32", 1, 64, 64, C, K) == "conv3x3_nhwc_f32"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "C", "K", "why"),
+    [
+        ("float16", SMALL_C_MAX + 1, 32, r"C=5: the small-C entry takes C <= 4"),
+        ("float16", 8, 32, r"C=8: the small-C entry takes C <= 4"),
+        ("float16", 3, SMALL_C_K_MAX + 1, r"K=129: the small-C entry takes K <= 128"),
+        ("float32", 3, 32, r"float32: the small-C entry is fp16 only"),
+    ],
+)
+def test_small_c_entry_refuses_other_shapes(dtype: str, C: int, K: int, why: str) -> None:
+    assert isinstance(CONV, Conv3x3Spec)
+    assert re.fullmatch(why + r".*", CONV.smallc_supported(dtype, C, K) or "")
+    assert CONV.variant(dtype, 2, 17, 33, C, K) != CONV.smallc_entry
+    if dtype == "float16":
+        with pytest.raises(InputError, match=f"conv3x3_nhwc_f16_smallc cannot run this conv: {why}"):
+            CONV.launch(dtype, 2, 17, 33, C, K, entry=CONV.smallc_entry)
+    else:
+        with pytest.raises(InputError, match="is not the float32 entry"):
+            CONV.launch(dtype, 2, 17, 33, C, K, entry=CONV.smallc_entry)
+
+
+def test_small_c_entry_has_no_gemm_tile() -> None:
+    assert isinstance(CONV, Conv3x3Spec)
+    assert CONV.threads("float16", CONV.smallc_entry) == CONV.smallc_threads == 256
+    with pytest.raises(InputError, match="has no GEMM tile"):
+        CONV.tile("float16", CONV.smallc_entry)
+    with pytest.raises(InputError, match="'conv3x3_nhwc_f16_smallc' is not an fp16 entry"):
+        CONV.entry_tile(CONV.smallc_entry)
+
+
+@pytest.mark.parametrize(("N", "H", "W", "C", "K"), SMALLC_SHAPES)
+def test_small_c_launch_geometry(N: int, H: int, W: int, C: int, K: int) -> None:
+    assert isinstance(CONV, Conv3x3Spec)
+    rows, cols, threads, _ = CONV.f16_smallc
+    assert (rows, cols, threads) == (16, 64, 256)
+    cfg = CONV.launch("float16", N, H, W, C, K, entry=CONV.smallc_entry)
+    assert cfg.grid == (N * math.ceil(H / 16) * math.ceil(W / 64), 1, 1) and cfg.shared_bytes == 0
+    units = 16 * 64 // 8 * math.ceil(K / 8)  # 8-pixel groups x 8-channel groups of a tile
+    assert cfg.block == (min(256, units), 1, 1) and cfg.block[0] % 32 == 0
+    # The kernel's decode (smallc::conv in conv3x3_nhwc.cu): block b -> (image, row tile, column
+    # tile), column tile fastest; thread t takes units t, t + blockDim, ...; unit u -> pixel group
+    # u // KG (8 pixels of one tile row), channel group u % KG. Every output is written exactly once.
+    tiles_w, tiles_h, kg = math.ceil(W / cols), math.ceil(H / rows), math.ceil(K / 8)
+    if N * H * W * K > 2_000_000:
+        return  # the geometry above is what matters for the big shapes; enumerating them is slow
+    written = np.zeros((N, H, W, K), np.int32)
+    for b in range(cfg.grid[0]):
+        tw, th, n = b % tiles_w, b // tiles_w % tiles_h, b // tiles_w // tiles_h
+        assert n < N
+        for t in range(cfg.block[0]):
+            for u in range(t, rows * cols // 8 * kg, cfg.block[0]):
+                g, cg = divmod(u, kg)
+                h, w0 = th * rows + g // (cols // 8), tw * cols + g % (cols // 8) * 8
+                if h < H and w0 < W:
+                    written[n, h, w0 : w0 + 8, cg * 8 : cg * 8 + 8] += 1
+    assert (written == 1).all()
+
+
+def test_choose_conv3x3_puts_the_small_c_entry_before_tuned_tiles() -> None:
+    assert isinstance(CONV, Conv3x3Spec)
+    tuned = "conv3x3_nhwc_f16_t64x32x32_w2x2_s4_b4"  # h200.json's enc1/conv1 at N=8, say
+    for wgmma_off in (None, "DUALTRACK_WGMMA=0"):
+        for C in (1, 3, 4):
+            choice = choose_conv3x3("float16", 8, 512, 512, C, 32, C, 32, wgmma_off=wgmma_off, tuned=tuned)
+            assert (choice.impl, choice.entry) == ("direct", CONV.smallc_entry)
+            assert choice.reason.startswith(f"C={C} <= 4: small-C direct conv; tuned f16_t64x32x32_w2x2_s4_b4 not used")
+        plain = choose_conv3x3("float16", 1, 512, 512, 3, 32, wgmma_off=wgmma_off)
+        assert (plain.impl, plain.entry) == ("direct", CONV.smallc_entry) and "not used" not in plain.reason
+    # Past the bounds, or fp32: the tuned entry, else the heuristic's, as before.
+    five = choose_conv3x3("float16", 1, 64, 64, 5, 32, wgmma_off="off", tuned=tuned)
+    assert (five.impl, five.entry) == ("mma.sync", tuned)
+    wide = choose_conv3x3("float16", 1, 64, 64, 3, 256, wgmma_off="off")
+    assert (wide.impl, wide.entry) == ("mma.sync", CONV.variant("float16", 1, 64, 64, 3, 256))
+    fp32 = choose_conv3x3("float32", 1, 64, 64, 3, 32, wgmma_off=None)
+    assert (fp32.impl, fp32.entry) == ("simt", "conv3x3_nhwc_f32")
+
+
 def test_entries() -> None:
     assert CONV.source == "conv3x3_nhwc" and POOL.source == "maxpool2x2_nhwc"
     assert CONV.entry("float16") == "conv3x3_nhwc_f16"
@@ -239,8 +353,8 @@ def test_pack_conv_weights_matches_onnx_semantics() -> None:
     got = CONV.reference(x, w.astype(np.float32), bias)
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
     assert pack_conv_weights(w_oihw)[1] is None
-    with pytest.raises(InputError, match="\\(K, C, 3, 3\\)"):
-        pack_conv_weights(np.zeros((5, 3, 1, 1), np.float16))
+    with pytest.raises(InputError, match="\\(K, C, 3, 3\\) or \\(K, C, 1, 1\\)"):
+        pack_conv_weights(np.zeros((5, 3, 2, 2), np.float16))
 
 
 # --- convt2x2: ONNX ConvTranspose, kernel 2x2, stride 2, no padding, group 1 -------------------
@@ -403,3 +517,42 @@ def test_convt_entries_and_args_follow_the_abi() -> None:
     f16 = ("BM", "BN", "BK", "WARPS_M", "WARPS_N", "STAGES")
     f32 = ("BM", "BN", "BK", "TM", "TN")
     assert set(CONVT.defines()) == {f"CONVT_F16_{n}" for n in f16} | {f"CONVT_F32_{n}" for n in f32}
+
+
+# --- conv1x1: ONNX Conv, kernel 1x1, stride 1, no padding (the segmentation head) ---------------
+
+CONV1 = KERNELS["conv1x1"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("relu", [False, True])
+def test_conv1x1_reference_matches_float64(dtype: str, relu: bool) -> None:
+    rng = np.random.default_rng()
+    x = rng.standard_normal((2, 5, 7, 12)).astype(dtype)
+    w = rng.standard_normal((3, 12, 1, 1)).astype(dtype)
+    b = rng.standard_normal(3).astype(dtype)
+    wp, bp = pack_conv_weights(w, b)
+    assert wp.shape == (3, 1, 1, 12) and bp is not None and bp.dtype == np.float32
+    got = CONV1.reference(x, wp, bp, relu)
+    exact = np.einsum("nhwc,kc->nhwk", x.astype(np.float64), w[:, :, 0, 0].astype(np.float64)) + b.astype(np.float64)
+    if relu:
+        exact = np.maximum(exact, 0.0)
+    assert got.dtype == np.dtype(dtype) and got.shape == (2, 5, 7, 3)
+    # fp32 sums, then one rounding to the output dtype
+    bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w[:, :, 0, 0]).T.astype(np.float64) + np.abs(b)) + (
+        np.abs(exact) * np.finfo(dtype).eps
+    )
+    assert (np.abs(got.astype(np.float64) - exact) <= bound + 1e-30).all()
+
+
+def test_conv1x1_launch_args_and_limits() -> None:
+    cfg = CONV1.launch("float16", 8, 512, 512, 32, 2)
+    assert cfg.grid == (8 * 512 * 512 // CONV1.block_threads, 1, 1) and cfg.block == (CONV1.block_threads, 1, 1)
+    assert CONV1.launch("float32", 1, 3, 5, 7, 9).grid == (1, 3, 1)  # 15 pixels; ceil(9 / 4) channel groups
+    with pytest.raises(InputError, match=r"at most 512 input channels .* got C=513"):
+        CONV1.launch("float16", 1, 4, 4, 513, 2)
+    assert CONV1.entries == ("conv1x1_nhwc_f16", "conv1x1_nhwc_f32")
+    args = CONV1.args(x=0x1000, w=0x2000, bias=0x3000, y=0x4000, N=2, H=7, W=5, C=32, K=2, ldx=64, relu=True)
+    assert [v for v, _ in args] == [0x1000, 0x2000, 0x3000, 0x4000, 2, 7, 5, 32, 2, 64, 2, 1]
+    assert [t for _, t in args] == [ctypes.c_void_p] * 4 + [ctypes.c_int32] * 8
+    assert set(CONV1.defines()) == {"CONV1X1_THREADS", "CONV1X1_KG", "CONV1X1_MAX_C"}

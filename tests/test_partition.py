@@ -208,7 +208,8 @@ def test_node_without_kernel_on_track_a_names_node_and_fix(tiny: tuple[BuildConf
     with pytest.raises(
         PartitionError,
         match=r"^node 'post/softmax' \(Softmax, no hand-written kernel\) is on Track A, whose kernels cover "
-        r"Conv 3x3/stride 1/pad 1 \(optionally \+Relu\), MaxPool 2x2/stride 2, ConvTranspose 2x2/stride 2 "
+        r"Conv 3x3/stride 1/pad 1 and 1x1/stride 1/pad 0 \(optionally \+Relu\), MaxPool 2x2/stride 2, "
+        r"ConvTranspose 2x2/stride 2 "
         r"and channel Concat of their outputs; move it to Track B with "
         r"partition\.track_b\.name_prefixes: \['post/softmax'\]$",
     ):
@@ -229,8 +230,29 @@ def test_whole_unet_body_lowers_to_kernels(tiny: tuple[BuildConfig, onnx.ModelPr
 
 def test_conv_the_kernel_cannot_take_names_why(tiny: tuple[BuildConfig, onnx.ModelProto]) -> None:
     cfg, model = tiny
-    with pytest.raises(PartitionError, match=r"^node 'head/conv' \(Conv, kernel \[1, 1\]\) is on Track A"):
-        partition.build_plan(with_partition(cfg, Rules(name_prefixes=("enc", "mid/", "head/"))), model)
+    dilated = copy.deepcopy(model)
+    head = next(n for n in dilated.graph.node if n.name == "head/conv")
+    head.attribute.append(helper.make_attribute("dilations", [2, 2]))  # same shapes for a 1x1 kernel
+    with pytest.raises(
+        PartitionError, match=r"^node 'head/conv' \(Conv, stride or dilation other than 1\) is on Track A"
+    ):
+        partition.build_plan(with_partition(cfg, Rules(name_prefixes=("enc", "mid/", "dec", "head/"))), dilated)
+
+
+def test_head_1x1_conv_on_track_a(tiny: tuple[BuildConfig, onnx.ModelProto]) -> None:
+    """The head's 1x1 conv lowers to a conv1x1 call at the end of the Track A segment; Track B
+    keeps softmax/argmax, reading the class scores in NHWC."""
+    cfg, model = tiny
+    plan, seg_models = partition.build_plan(
+        with_partition(cfg, Rules(name_prefixes=("enc", "mid/", "dec", "head/"))), model
+    )
+    assert [s.track for s in plan.segments] == ["B", "A", "B"]
+    last = plan.segments[1].calls[-1]
+    assert (last.op, last.nodes, last.attr("relu")) == ("conv1x1", ("head/conv",), 0)
+    (scores,) = plan.segments[1].outputs
+    assert (scores.name, scores.layout, scores.shape) == ("head/conv", "NHWC", (1, 64, 64, 2))
+    assert {n.op_type for n in seg_models[2].graph.node} >= {"Softmax", "ArgMax"}
+    assert "Conv" not in {n.op_type for n in seg_models[2].graph.node}
 
 
 def test_track_a_touching_the_model_input(tiny: tuple[BuildConfig, onnx.ModelProto]) -> None:

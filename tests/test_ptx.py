@@ -86,6 +86,13 @@ def test_entries_and_block_size_match_the_registry(stem: str, arch: str) -> None
     else:
         for dtype in ("float16", "float32"):
             assert int(entries[spec.entry(dtype)]) == spec.launch(dtype, 2, 37, 37, 3, 5).block[0]
+    if stem == "conv3x3_nhwc":  # the small-C entry's bound is its largest launch (K > 8)
+        smallc = spec.smallc_entry
+        assert (
+            int(entries[smallc])
+            == spec.threads("float16", smallc)
+            == spec.launch("float16", 2, 37, 37, 3, 32, entry=smallc).block[0]
+        )
     assert not re.search(r"^(\.visible\s+)?\.global\s", text, re.MULTILINE), "no device globals in Track A PTX"
 
 

@@ -159,7 +159,11 @@ def test_search_verifies_before_timing_and_keeps_the_fastest_verified(
         settings=dataclasses.replace(Settings.from_env(), jobs=2),
     )
     plan = search.load_plan(tiny_full_config)
-    problems = by_problem(conv_layers(plan))
+    # The C <= 4 layers run the small-C entry, which has no tiles: they are not tuned.
+    problems = {
+        p: ls for p, ls in by_problem(conv_layers(plan)).items() if CONV.smallc_supported(p.dtype, p.C, p.K) is not None
+    }
+    assert problems and len(problems) < len(by_problem(conv_layers(plan)))
     assert [r.problem for r in result.records] == list(problems)
     assert bar[0] == (0, len(problems)) and bar[-1] == (len(problems), len(problems))
     for r in result.records:

@@ -210,8 +210,8 @@ def test_choose_conv3x3_decides_between_the_kernels() -> None:
     )
     tuned = choose_conv3x3(*args, wgmma_off="DUALTRACK_WGMMA=0", tuned="conv3x3_nhwc_f16_wide")
     assert (tuned.impl, tuned.entry) == ("mma.sync", "conv3x3_nhwc_f16_wide") and tuned.reason.startswith("tuned")
-    first = choose_conv3x3("float16", 1, 64, 64, 3, 32, wgmma_off=None)
-    assert first.impl == "mma.sync" and "C=3" in first.reason
+    first = choose_conv3x3("float16", 1, 64, 64, 3, 32, wgmma_off=None)  # the RGB layer: the small-C entry
+    assert (first.impl, first.entry) == ("direct", "conv3x3_nhwc_f16_smallc") and "wgmma: C=3" in first.reason
     misaligned = choose_conv3x3(*args, wgmma_off=None, x=X + 8)
     assert misaligned.impl == "mma.sync" and "not 16-byte aligned" in misaligned.reason
     fp32 = choose_conv3x3("float32", 1, 64, 64, 64, 128, wgmma_off=None)

@@ -358,9 +358,10 @@ def info(bundle: Path, as_json: bool) -> None:
         wgmma = [(layer, c) for layer, c in choices if c.impl == "wgmma"]
         if not wgmma:
             continue
+        rest = " and ".join(sorted({c.impl for _, c in choices if c.impl != "wgmma"})) or "mma.sync"
         click.echo(
             f"conv3x3    {t['arch']}: {len(wgmma)} of {len(choices)} launches on the wgmma kernel, the rest "
-            "on mma.sync (DUALTRACK_WGMMA=0: all)"
+            f"on {rest} (DUALTRACK_WGMMA=0: those on mma.sync too)"
         )
         per_node: dict[str, dict[int, str]] = {}
         for layer, c in choices:

@@ -30,6 +30,14 @@ DTYPES: dict[str, str] = {"float16": "f16", "float32": "f32"}  # numpy dtype nam
 _INT32_MAX = 2**31 - 1
 _GRID_Y_MAX = 65535
 
+# The small-C conv3x3 entry (``conv3x3_nhwc_f16_smallc``, a direct convolution on CUDA cores) takes
+# fp16 layers with at most SMALL_C_MAX input channels (the RGB first layer), where the implicit
+# GEMM's 9*C-deep reduction is too short for tensor-core tiles, and at most SMALL_C_K_MAX output
+# channels (its fp32 weights stay in shared memory). Such a layer always runs it:
+# :meth:`Conv3x3Spec.variant` and :func:`choose_conv3x3` put it before every other fp16 entry.
+SMALL_C_MAX = 4
+SMALL_C_K_MAX = 128
+
 # (value, ctypes type) for cuLaunchKernel's kernelParams; (struct, None) passes a cuda.bindings
 # struct such as a CUtensorMap by value (cuda-python packs the bytes behind its getPtr()).
 KernelArg = tuple[Any, Any]
@@ -226,6 +234,10 @@ class Conv3x3Spec(KernelSpec):
     ABI: ``_narrow`` (K <= 32), ``_wide`` (K >= 128 with enough pixels), ``_small`` (too few
     default tiles to fill the GPU); :meth:`variant` picks one, ``launch(..., entry=...)`` gives its
     geometry. Each variant's tile is ``(bm, bn, bk, warps_m, warps_n, stages, min_blocks)``.
+    ``_smallc`` is no GEMM: a direct convolution on CUDA cores for C <= :data:`SMALL_C_MAX` and
+    K <= :data:`SMALL_C_K_MAX` (:meth:`smallc_supported`), one ``rows x cols`` output tile of one
+    image per block of ``threads`` (``f16_smallc = (rows, cols, threads, min_blocks)``), 8 pixels x
+    8 channels a thread at a time; :meth:`variant` picks it first wherever it applies.
     Tuned entries (``dualtrack tune``) are compiled in on demand (:meth:`extra_entries_define`);
     their names encode their tile (:meth:`tuned_entry`), so :meth:`launch` reads it back from them.
     fp32: SIMT GEMM, an ``f32_bm x f32_bn`` tile per block, ``f32_tm x f32_tn`` outputs a thread.
@@ -245,6 +257,8 @@ class Conv3x3Spec(KernelSpec):
     f16_narrow: tuple[int, ...] = (128, 32, 32, 4, 1, 4, 4)
     f16_wide: tuple[int, ...] = (128, 128, 32, 4, 2, 3, 2)
     f16_small: tuple[int, ...] = (64, 64, 64, 2, 2, 3, 4)
+    # rows, columns of the output tile, threads (at most), min blocks per SM
+    f16_smallc: tuple[int, ...] = (16, 64, 256, 2)
     # variant(): wide tiles when there are at least this many of them, else the default tile when
     # it has at least f16_main_min_tiles, else small (measured on an H200, 132 SMs).
     f16_wide_min_tiles: int = 256
@@ -265,6 +279,9 @@ class Conv3x3Spec(KernelSpec):
             "CONV_F16_STAGES": self.f16_stages,
             "CONV_F16_MIN_BLOCKS": self.f16_min_blocks,
             **{f"CONV_F16_{v.upper()}": ",".join(map(str, getattr(self, f"f16_{v}"))) for v in self.F16_VARIANTS},
+            "CONV_F16_SMALLC": ",".join(map(str, self.f16_smallc)),
+            "CONV_F16_SMALLC_CMAX": SMALL_C_MAX,
+            "CONV_F16_SMALLC_KMAX": SMALL_C_K_MAX,
             "CONV_F32_BM": self.f32_bm,
             "CONV_F32_BN": self.f32_bn,
             "CONV_F32_BK": self.f32_bk,
@@ -274,8 +291,35 @@ class Conv3x3Spec(KernelSpec):
 
     @property
     def entries(self) -> tuple[str, ...]:
-        """Every entry in the PTX: the default fp16 and fp32 ones, then the fp16 variants."""
-        return (*(self.entry(d) for d in DTYPES), *(f"{self.stem}_f16_{v}" for v in self.F16_VARIANTS))
+        """Every entry in the PTX: the default fp16 and fp32 ones, the fp16 variants, the small-C one."""
+        return (
+            *(self.entry(d) for d in DTYPES),
+            *(f"{self.stem}_f16_{v}" for v in self.F16_VARIANTS),
+            self.smallc_entry,
+        )
+
+    @property
+    def smallc_entry(self) -> str:
+        """The fp16 direct convolution for few input channels (:meth:`smallc_supported`)."""
+        return f"{self.stem}_f16_smallc"
+
+    @property
+    def smallc_threads(self) -> int:
+        """The small-C entry's ``__launch_bounds__`` (a launch with fewer units, K <= 8, uses fewer)."""
+        return self.f16_smallc[2]
+
+    def smallc_supported(self, dtype: Any, C: int, K: int) -> str | None:
+        """None when the small-C entry computes this conv, else why not. It takes fp16 with
+        ``C <= SMALL_C_MAX`` and ``K <= SMALL_C_K_MAX``, any ``ldx``/``ldy`` and alignment (16-byte
+        stores where ``ldy % 8 == 0`` and ``y`` is aligned, element stores elsewhere)."""
+        name = dtype_name(dtype)
+        if name != "float16":
+            return f"{name}: the small-C entry is fp16 only"
+        if C > SMALL_C_MAX:
+            return f"C={C}: the small-C entry takes C <= {SMALL_C_MAX}"
+        if K > SMALL_C_K_MAX:
+            return f"K={K}: the small-C entry takes K <= {SMALL_C_K_MAX} (its weights stay in shared memory)"
+        return None
 
     def f16_tiles(self) -> dict[str, F16Tile]:
         """The tile of every fixed fp16 entry (default, narrow, wide, small), by entry name."""
@@ -317,17 +361,25 @@ class Conv3x3Spec(KernelSpec):
         return {"CONV_F16_EXTRA_ENTRIES": body}
 
     def _f16_config(self, entry: str | None) -> tuple[int, int, int]:
-        """(bm, bn, threads) of an fp16 entry (None: the default one)."""
+        """(bm, bn, threads) of an fp16 GEMM entry (None: the default one)."""
+        if entry == self.smallc_entry:
+            raise InputError(f"{entry} has no GEMM tile (its block depends on K): use launch(..., entry=...)")
         tile = self.entry_tile(entry if entry is not None else self.entry("float16"))
         return tile.bm, tile.bn, tile.threads
 
     def variant(self, dtype: Any, N: int, H: int, W: int, C: int, K: int) -> str:
         """The entry to launch for this shape (fp32: the one entry). Launch it with the geometry of
-        ``launch(dtype, N, H, W, C, K, entry=<this name>)``; every entry computes the same thing."""
+        ``launch(dtype, N, H, W, C, K, entry=<this name>)``; every entry computes the same thing.
+
+        fp16: the small-C entry wherever :meth:`smallc_supported` takes the shape; else ``_narrow``
+        for K <= 32, ``_wide`` with enough wide tiles, the default entry with enough of its tiles,
+        else ``_small``."""
         name = dtype_name(dtype)
         _positive(N=N, H=H, W=W, C=C, K=K)
         if name != "float16":
             return self.entry(name)
+        if self.smallc_supported(name, C, K) is None:
+            return self.smallc_entry
         M = N * H * W
         narrow_bn = self.f16_narrow[1]
         if narrow_bn >= K:
@@ -346,8 +398,9 @@ class Conv3x3Spec(KernelSpec):
         return self.f32_bm, self.f32_bn
 
     def threads(self, dtype: Any, entry: str | None = None) -> int:
+        """Threads per block of an entry's ``__launch_bounds__`` (the small-C entry's launches may use fewer)."""
         if dtype_name(dtype) == "float16":
-            return self._f16_config(entry)[2]
+            return self.smallc_threads if entry == self.smallc_entry else self._f16_config(entry)[2]
         return (self.f32_bm // self.f32_tm) * (self.f32_bn // self.f32_tn)
 
     def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
@@ -364,8 +417,24 @@ class Conv3x3Spec(KernelSpec):
         M = _pixels(N, H, W, C)
         if dtype_name(dtype) != "float16" and entry not in (None, self.entry(dtype)):
             raise InputError(f"'{entry}' is not the {dtype_name(dtype)} entry of {self.stem}")
+        if entry == self.smallc_entry:
+            return self._smallc_launch(dtype, N, H, W, C, K)
         bm, bn = self.tile(dtype, entry)
         return LaunchConfig(grid=_gemm_grid(M, K, bm, bn), block=(self.threads(dtype, entry), 1, 1), shared_bytes=0)
+
+    def _smallc_launch(self, dtype: Any, N: int, H: int, W: int, C: int, K: int) -> LaunchConfig:
+        """The small-C entry: a 1-D grid of ``N * ceil(H/rows) * ceil(W/cols)`` blocks (column tile
+        fastest, then row tile, then image); a block's units are its ``rows * cols / 8`` pixel groups
+        x ``ceil(K/8)`` channel groups, one thread each up to the entry's thread count."""
+        why = self.smallc_supported(dtype, C, K)
+        if why is not None:
+            raise InputError(f"{self.smallc_entry} cannot run this conv: {why}; launch variant()'s entry")
+        rows, cols, threads, _ = self.f16_smallc
+        blocks = N * _cdiv(H, rows) * _cdiv(W, cols)
+        if blocks > _INT32_MAX:
+            raise InputError(f"{self.smallc_entry} needs {blocks} blocks; the grid allows 2^31-1; split the batch")
+        units = rows * cols // 8 * _cdiv(K, 8)
+        return LaunchConfig(grid=(blocks, 1, 1), block=(min(threads, units), 1, 1), shared_bytes=0)
 
     def args(
         self,
@@ -450,6 +519,87 @@ class Conv3x3Spec(KernelSpec):
                 patch[ok] = x[n[ok], hh[ok], ww[ok]]
                 out += patch @ wf[:, r, s, :].T
         if bias is not None:
+            out += bias.astype(np.float32)
+        if relu:
+            np.maximum(out, 0.0, out=out)
+        return out.astype(x.dtype)
+
+
+@dataclass(frozen=True)
+class Conv1x1Spec(KernelSpec):
+    """1x1 convolution, stride 1, no padding, bias and optional ReLU fused (a segmentation head:
+    a few classes out of a few dozen features). No GEMM: one thread per pixel and group of
+    ``k_group`` output channels (grid.y: the groups), fp32 accumulation, the group's weights in
+    shared memory as fp32, so C is at most ``max_c``. Weights as ONNX stores them, (K, C, 1, 1)
+    = :func:`pack_conv_weights`'s KRSC; bias fp32."""
+
+    PARAMS: ClassVar[tuple[str, ...]] = ("x", "w", "bias", "y", "N", "H", "W", "C", "K", "ldx", "ldy", "relu")
+    POINTERS: ClassVar[int] = 4
+
+    block_threads: int = 256
+    k_group: int = 4
+    max_c: int = 512
+
+    def defines(self) -> dict[str, int]:
+        return {"CONV1X1_THREADS": self.block_threads, "CONV1X1_KG": self.k_group, "CONV1X1_MAX_C": self.max_c}
+
+    def threads(self, dtype: Any) -> int:
+        dtype_name(dtype)
+        return self.block_threads
+
+    def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
+        _positive(N=N, H=H, W=W, C=C, K=K)
+        if self.max_c < C:
+            raise InputError(
+                f"conv1x1 takes at most {self.max_c} input channels (its weights stay in shared memory); got C={C}"
+            )
+        return (N, H, W, K)
+
+    def launch(self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0) -> LaunchConfig:
+        self.output_shape(N, H, W, C, K)
+        blocks = _cdiv(_pixels(N, H, W, C), self.block_threads)
+        groups = _cdiv(K, self.k_group)
+        if blocks > _INT32_MAX or groups > _GRID_Y_MAX:
+            raise InputError(f"conv1x1 of {N}x{H}x{W}x{C} -> {K} needs a {blocks}x{groups} grid; split the batch")
+        return LaunchConfig(grid=(blocks, groups, 1), block=(self.threads(dtype), 1, 1), shared_bytes=0)
+
+    def args(
+        self,
+        *,
+        x: int,
+        w: int,
+        y: int,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        K: int,
+        bias: int | None = None,
+        ldx: int | None = None,
+        ldy: int | None = None,
+        relu: bool = False,
+        **_: Any,
+    ) -> list[KernelArg]:
+        """Like :meth:`Conv3x3Spec.args`: pointers are device addresses, ``bias`` may be None,
+        ``ldx``/``ldy`` default to ``C``/``K``."""
+        self.output_shape(N, H, W, C, K)
+        values = _gemm_values(x, w, bias, y, N, H, W, C, K, ldx, ldy)
+        return self._ordered({**values, "relu": 1 if relu else 0})
+
+    def reference(
+        self, x: np.ndarray, w: np.ndarray | None = None, bias: np.ndarray | None = None, relu: bool = False
+    ) -> np.ndarray:
+        """numpy semantics: ``x`` (N,H,W,C), ``w`` (K,1,1,C) or (K,C), ``bias`` (K,) or None; in
+        float32 (products and sums, then bias, then ReLU), rounded once to x's dtype."""
+        if w is None:
+            raise InputError("conv1x1 reference needs weights w of shape (K, 1, 1, C)")
+        wk = w.reshape(w.shape[0], -1)
+        if x.ndim != 4 or wk.shape[1] != x.shape[3]:
+            raise InputError(f"conv1x1 takes x (N,H,W,C) and w (K,1,1,C); got x {x.shape}, w {w.shape}")
+        out = x.astype(np.float32) @ wk.astype(np.float32).T
+        if bias is not None:
+            if bias.shape != (wk.shape[0],):
+                raise InputError(f"bias has shape {bias.shape}; expected ({wk.shape[0]},)")
             out += bias.astype(np.float32)
         if relu:
             np.maximum(out, 0.0, out=out)
@@ -923,7 +1073,9 @@ class Conv3x3WgmmaSpec(KernelSpec):
 class ConvChoice:
     """Which kernel runs one conv3x3 launch, and why (:func:`choose_conv3x3`)."""
 
-    impl: str  # "wgmma" (conv3x3_wgmma, sm_90a), "mma.sync" (conv3x3_nhwc fp16), "simt" (fp32)
+    # "wgmma" (conv3x3_wgmma, sm_90a), "mma.sync" (conv3x3_nhwc fp16), "direct" (its small-C fp16
+    # entry, CUDA cores), "simt" (fp32)
+    impl: str
     entry: str
     reason: str
 
@@ -935,6 +1087,7 @@ KERNELS: Mapping[str, KernelSpec] = {
     "conv3x3": Conv3x3Spec(op="conv3x3", stem="conv3x3_nhwc"),
     "maxpool2x2": MaxPool2x2Spec(op="maxpool2x2", stem="maxpool2x2_nhwc"),
     "convt2x2": ConvT2x2Spec(op="convt2x2", stem="convt2x2_nhwc"),
+    "conv1x1": Conv1x1Spec(op="conv1x1", stem="conv1x1_nhwc"),
 }
 
 
@@ -952,15 +1105,15 @@ def output_shape(op: str, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[i
 
 
 def pack_conv_weights(w: np.ndarray, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-    """ONNX Conv weights (K, C, 3, 3) and bias (K,) -> what the conv kernels take: KRSC weights in
-    the same dtype (contiguous) and an fp32 bias (None stays None)."""
-    if w.ndim != 4 or w.shape[2:] != (3, 3):
-        raise InputError(f"conv3x3 weights must be (K, C, 3, 3) as ONNX stores them; got {w.shape}")
+    """ONNX Conv weights (K, C, 3, 3) or (K, C, 1, 1) and bias (K,) -> what the conv kernels take:
+    KRSC weights in the same dtype (contiguous) and an fp32 bias (None stays None)."""
+    if w.ndim != 4 or w.shape[2:] not in ((3, 3), (1, 1)):
+        raise InputError(f"conv weights must be (K, C, 3, 3) or (K, C, 1, 1) as ONNX stores them; got {w.shape}")
     packed = np.ascontiguousarray(w.transpose(0, 2, 3, 1))
     if bias is None:
         return packed, None
     if bias.shape != (w.shape[0],):
-        raise InputError(f"conv3x3 bias has shape {bias.shape}; expected ({w.shape[0]},)")
+        raise InputError(f"conv bias has shape {bias.shape}; expected ({w.shape[0]},)")
     return packed, np.ascontiguousarray(bias, dtype=np.float32)
 
 
@@ -1017,10 +1170,18 @@ def choose_conv3x3(
     w: int = 0,
     y: int = 0,
 ) -> ConvChoice:
-    """The kernel for one conv3x3 launch: the wgmma kernel wherever it is available (``wgmma_off``
-    is None: a cc 9.0 device whose image has it, DUALTRACK_WGMMA not 0) and :meth:`Conv3x3WgmmaSpec.
-    supported` takes the launch, with :meth:`Conv3x3WgmmaSpec.choose`'s tile; else the tuned mma.sync
-    entry of the layer (``tuned``, from a `dualtrack tune` file), else :meth:`Conv3x3Spec.variant`.
+    """The kernel for one conv3x3 launch, in this order:
+
+    1. the wgmma kernel wherever it is available (``wgmma_off`` is None: a cc 9.0 device whose
+       image has it, DUALTRACK_WGMMA not 0) and :meth:`Conv3x3WgmmaSpec.supported` takes the
+       launch, with :meth:`Conv3x3WgmmaSpec.choose`'s tile (it never takes C <= SMALL_C_MAX: TMA
+       needs C % 8 == 0);
+    2. the small-C direct entry for fp16 with C <= :data:`SMALL_C_MAX` (and K <= :data:`SMALL_C_K_MAX`,
+       :meth:`Conv3x3Spec.smallc_supported`), even where the layer has a tuned entry: tuning
+       searches mma.sync tiles, and for such layers those gather their A tile element by element
+       (`dualtrack tune` skips these layers, and builds ignore their records);
+    3. the tuned mma.sync entry of the layer (``tuned``, from a `dualtrack tune` file);
+    4. :meth:`Conv3x3Spec.variant`.
 
     A tuned entry never displaces the wgmma kernel: the tuner searches mma.sync tiles only, and the
     wgmma kernel beat cuDNN on every U-Net layer it takes (bench/results/wgmma_check-e477c6d.json).
@@ -1032,6 +1193,10 @@ def choose_conv3x3(
         return ConvChoice("wgmma", cfg.entry, reason)
     conv = KERNELS["conv3x3"]
     assert isinstance(conv, Conv3x3Spec)
+    if conv.smallc_supported(dtype, C, K) is None:
+        unused = f"; tuned {tuned.removeprefix(conv.stem + '_')} not used" if tuned else ""
+        reason = f"C={C} <= {SMALL_C_MAX}: small-C direct conv{unused}; wgmma: {why}"
+        return ConvChoice("direct", conv.smallc_entry, reason)
     impl = "mma.sync" if dtype_name(dtype) == "float16" else "simt"
     if tuned:
         return ConvChoice(impl, tuned, f"tuned (dualtrack tune); wgmma: {why}")

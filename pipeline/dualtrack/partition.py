@@ -30,7 +30,8 @@ from dualtrack.plan import KernelCall, Plan, Segment, TensorSpec
 
 TRACK_A_OPS = ("Conv", "Relu", "MaxPool")
 TRACK_A_DESCRIPTION = (
-    "Conv 3x3/stride 1/pad 1 (optionally +Relu), MaxPool 2x2/stride 2, ConvTranspose 2x2/stride 2 "
+    "Conv 3x3/stride 1/pad 1 and 1x1/stride 1/pad 0 (optionally +Relu), MaxPool 2x2/stride 2, "
+    "ConvTranspose 2x2/stride 2 "
     "and channel Concat of their outputs"
 )
 _TO_NCHW, _TO_NHWC = [0, 3, 1, 2], [0, 2, 3, 1]
@@ -225,18 +226,21 @@ def _boundaries(model: onnx.ModelProto, segments: list[list[onnx.NodeProto]]) ->
 
 
 def _conv_attrs_ok(node: onnx.NodeProto) -> str | None:
+    """None when a Conv is one the Track A kernels take: 3x3 with padding 1, or 1x1 without."""
     a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
-    if list(a.get("kernel_shape", [3, 3])) != [3, 3]:
-        return f"kernel {list(a.get('kernel_shape'))}"
+    kernel = list(a.get("kernel_shape", []))
+    if kernel not in ([3, 3], [1, 1]):
+        return f"kernel {kernel}"
     if list(a.get("strides", [1, 1])) != [1, 1] or list(a.get("dilations", [1, 1])) != [1, 1]:
         return "stride or dilation other than 1"
     if a.get("group", 1) != 1:
         return "grouped convolution"
     auto_pad = a.get("auto_pad", b"NOTSET")
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER") or (auto_pad == "VALID" and kernel == [1, 1]):
         return None
-    if list(a.get("pads", [0, 0, 0, 0])) != [1, 1, 1, 1]:
+    pad = 1 if kernel == [3, 3] else 0
+    if list(a.get("pads", [0, 0, 0, 0])) != [pad] * 4:
         return f"pads {list(a.get('pads', [0, 0, 0, 0]))}"
     return None
 
@@ -310,7 +314,8 @@ def lower_track_a(
                 i += 1
             else:
                 covered = (node.name,)
-            calls.append(KernelCall("conv3x3", (node.input[0],), (out,), weights, (("relu", relu),), covered))
+            op = "conv1x1" if specs[weights[0]][0][2:] == (1, 1) else "conv3x3"
+            calls.append(KernelCall(op, (node.input[0],), (out,), weights, (("relu", relu),), covered))
         elif node.op_type == "MaxPool":
             calls.append(KernelCall("maxpool2x2", (node.input[0],), (node.output[0],), (), (), (node.name,)))
         elif node.op_type == "ConvTranspose":

@@ -82,7 +82,7 @@ def interpret_track_a(
         bias = weights[call.weights[1]] if len(call.weights) > 1 else None
         if call.op == "concat":
             env[call.outputs[0]] = np.concatenate(args, axis=-1)
-        elif call.op == "conv3x3":
+        elif call.op in ("conv3x3", "conv1x1"):
             w, b = kernels.pack_conv_weights(weights[call.weights[0]], bias)
             env[call.outputs[0]] = kernels.KERNELS[call.op].reference(args[0], w, b, call.attr("relu"))
         elif call.op == "convt2x2":

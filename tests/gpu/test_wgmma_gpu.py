@@ -167,7 +167,7 @@ def _spied(e: Engine) -> list[str]:
 
 def test_the_engine_runs_the_wgmma_kernel_where_it_can(tiny_wgmma_bundle: Path) -> None:
     """Verification against onnxruntime with Track A outputs poisoned, and every conv the bundle's
-    plan gives the wgmma kernel launched it (the first conv, C=3, stays on mma.sync)."""
+    plan gives the wgmma kernel launched it (the first conv, C=3, runs the small-C entry)."""
     with Engine.load(tiny_wgmma_bundle, "cuda") as e:
         be = e.backend
         assert be.stats.wgmma.startswith("on:") and be.wgmma_off is None
@@ -186,6 +186,7 @@ def test_the_engine_runs_the_wgmma_kernel_where_it_can(tiny_wgmma_bundle: Path) 
             assert (ran[key]["impl"], ran[key]["entry"]) == (c.impl, c.entry), key
         wgmma_entries = {c.entry for c in planned.values() if c.impl == "wgmma"}
         assert wgmma_entries and wgmma_entries <= set(seen)
+        assert {c.entry for c in planned.values() if c.impl != "wgmma"} == {"conv3x3_nhwc_f16_smallc"} <= set(seen)
         assert sum(c.impl == "wgmma" for c in planned.values()) == len(planned) - len(e.batch_sizes)  # all but C=3
         print(json.dumps(be.stats.conv3x3, indent=1))
 

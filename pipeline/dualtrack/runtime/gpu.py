@@ -185,7 +185,11 @@ class CudaBackend:
         """Repack every Track A conv's weights (KRSC / (4K, C), fp32 bias) and upload them once."""
         out: dict[str, GpuTensor] = {}
         w = self.bundle.weights
-        packers = {"conv3x3": kernels.pack_conv_weights, "convt2x2": kernels.pack_convt_weights}
+        packers = {
+            "conv3x3": kernels.pack_conv_weights,
+            "conv1x1": kernels.pack_conv_weights,
+            "convt2x2": kernels.pack_convt_weights,
+        }
         for seg in self.bundle.plan.segments:
             for c in seg.calls:
                 if c.op not in packers:
@@ -423,10 +427,11 @@ class CudaBackend:
         wt = self.weights[c.weights[0]]
         bias = self.weights[c.weights[1]].ptr if len(c.weights) > 1 else None
         common = {"bias": bias, "y": y.ptr, "N": n, "H": h, "W": w, "C": ch, "K": k, "ldy": ldy}
-        if c.op == "convt2x2":
+        if c.op in ("convt2x2", "conv1x1"):
             spec = kernels.KERNELS[c.op]
             entry = spec.entry(x.dtype)
-            args = spec.args(x=x.ptr, w=wt.ptr, ldx=ldx, **common)
+            extra = {"relu": bool(c.attr("relu"))} if c.op == "conv1x1" else {}
+            args = spec.args(x=x.ptr, w=wt.ptr, ldx=ldx, **common, **extra)
             return Launch(self.kernels[entry], spec.launch(x.dtype, n, h, w, ch, k), args, entry)
         if c.op != "conv3x3":
             kernels.kernel(c.op)  # an op with no kernel: InputError naming the ops that have one

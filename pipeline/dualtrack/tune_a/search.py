@@ -3,7 +3,8 @@
 Phases, each timed (:attr:`TuneResult.phases`):
 
 - ``plan``: the config's plan (partitioned here; no IREE compiler needed) or a bundle's, and its
-  Track A conv layers at each batch size, grouped into distinct problems (:mod:`.problems`);
+  Track A conv layers at each batch size, grouped into distinct problems (:mod:`.problems`); fp16
+  layers only, and not those with C <= ``kernels.SMALL_C_MAX``, which run the small-C entry;
 - ``compile``: every candidate tile (:mod:`.space`) compiled ONCE for this GPU — as extra entries of
   a few NVRTC programs built in parallel, then nvJitLink (ptxas' report rejects a tile that spills)
   and ``cuModuleLoadData`` — and launched on every problem (kernel_tuner would compile each
@@ -253,12 +254,19 @@ def tune_track_a(
         out_path = Path(output) if output is not None else default_output(source)
         plan = load_plan(source)
         layers = conv_layers(plan, opts.batches or None, opts.layers)
-        problems = {p: ls for p, ls in by_problem(layers).items() if p.dtype == "float16"}
+        # fp32 has one entry, and small-C layers run the direct entry whatever is tuned
+        # (kernels.choose_conv3x3): neither has tiles to search.
+        problems = {
+            p: ls
+            for p, ls in by_problem(layers).items()
+            if p.dtype == "float16" and conv.smallc_supported(p.dtype, p.C, p.K) is not None
+        }
         if not problems:
             what = f" matching {opts.layers!r}" if opts.layers else ""
             raise ConfigError(
                 f"{source}: no fp16 Track A conv3x3 layer{what} to tune (fp32 convolutions have one "
-                "entry, nothing to search); check --layers and the config's precision and partition"
+                f"entry, and layers with C <= {kernels.SMALL_C_MAX} run the small-C entry: nothing to "
+                "search); check --layers and the config's precision and partition"
             )
         say(f"{len(layers)} conv layers x batch sizes -> {len(problems)} distinct problems")
 
