@@ -485,13 +485,21 @@ def test_pack_convt_weights_layout() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("N", "H", "W", "C", "K"), LAUNCH_SHAPES)
 def test_convt_launch_covers_the_output(dtype: str, N: int, H: int, W: int, C: int, K: int) -> None:
+    """The 1-D grid, decoded as the kernel does (block_tile: tap fastest, then channel tile, then
+    pixel tile), gives every (pixel tile, channel tile, tap) exactly once."""
     assert isinstance(CONVT, ConvT2x2Spec)
     cfg = CONVT.launch(dtype, N, H, W, C, K)
     bm, bn = CONVT.tile(dtype)
-    M = N * H * W  # input pixels: each block computes bm of them for one tap (grid.z)
-    assert cfg.grid[0] * bm >= M and (cfg.grid[0] - 1) * bm < M
-    assert cfg.grid[1] * bn >= K and (cfg.grid[1] - 1) * bn < K
-    assert cfg.grid[2] == 4 and cfg.block == (CONVT.threads(dtype), 1, 1) and cfg.shared_bytes == 0
+    M = N * H * W
+    m_tiles, n_tiles = -(-M // bm), -(-K // bn)
+    assert cfg.grid == (m_tiles * n_tiles * 4, 1, 1)
+    assert cfg.block == (CONVT.threads(dtype), 1, 1) and cfg.shared_bytes == 0
+    tiles = set()
+    for b in range(cfg.grid[0]):
+        tap, rest = b % 4, b // 4
+        tiles.add(((rest // n_tiles) * bm, (rest % n_tiles) * bn, tap))
+    want = {(m * bm, n * bn, t) for m in range(m_tiles) for n in range(n_tiles) for t in range(4)}
+    assert tiles == want and len(tiles) == cfg.grid[0]
     assert CONVT.output_shape(N, H, W, C, K) == (N, 2 * H, 2 * W, K)
 
 
