@@ -13,7 +13,7 @@ C=.carry
 # `tar -cf - .carry | xz > .carry.tar.xz` here, carry [".whl", ".carry.tar.xz"].
 [ -f .carry.tar.xz ] && { rm -rf "$C"; tar -xJf .carry.tar.xz || exit 1; }
 # Bundles of the same model share model.onnx: it travels once (the 64 MiB carry limit).
-for b in "$C"/unet_seed_split "$C"/iree_only "$C"/unet_head_b; do [ -d "$b" ] && [ ! -f "$b/model.onnx" ] && cp "$C/unet/model.onnx" "$b/"; done
+for b in "$C"/unet_seed_split "$C"/iree_only "$C"/unet_*; do [ -d "$b" ] && [ ! -f "$b/model.onnx" ] && cp "$C/unet/model.onnx" "$b/"; done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 echo "commit ${DUALTRACK_COMMIT:-unknown}"
 dt() { python3 -c 'from dualtrack.cli import main; main()' "$@"; }
@@ -63,6 +63,11 @@ for step in $steps; do
       # same run (ratios: serve_bench-*.json and the last lines printed). About 5 minutes.
       python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" \
         --variant "workers_4=--workers 4 --max-batch-delay-ms 8" --variant "workers_8=--workers 8 --max-batch-delay-ms 8" --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve.log" ;;
+    ab)
+      # Not in the default steps: `bash bench/device_run.sh ab`. The carried bundles of the reference
+      # model (.carry/unet, .carry/unet_*) in one process, in alternating rounds (bench/ab.py).
+      bs=$(for b in "$C"/unet "$C"/unet_*; do [ -f "$b/manifest.json" ] && [ "$b" != "$C/unet_seed_split" ] && echo "$(basename "$b")=$b"; done)
+      python3 bench/ab.py $bs --batches 1 8 --rounds 7 --out "$OUT" --tag "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/ab.log" ;;
     bench)
       python3 bench/bench.py --bundle $C/unet --seed-split-bundle $C/unet_seed_split --iree-only-bundle $C/iree_only --head-b-bundle $C/unet_head_b \
         --batches 1 8 --iters "${BENCH_ITERS:-50}" --skip-autotune --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT" 2>&1 | tee /tmp/bench.log ;;
