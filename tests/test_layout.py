@@ -164,3 +164,62 @@ def test_partition_rewrites_track_b_segments_only(tiny_config, nhwc):
     assert counts["seg1_A"] == 4  # one in, three out: as the plan says, whatever `nhwc` is
     assert counts["seg0_B"] == (0 if nhwc else 2)
     assert counts["seg2_B"] == 3
+
+
+# --- widen_elementwise: an element-wise NHWC segment with few channels, viewed as wide rows -----
+
+
+def _pre(h: int, w: int, c: int, const_shapes: dict[str, tuple[int, ...]], extra=()) -> onnx.ModelProto:
+    rng = np.random.default_rng(5)
+    nodes = [
+        helper.make_node("Cast", ["image"], ["f"], name="cast", to=TensorProto.FLOAT),
+        helper.make_node("Transpose", ["f"], ["f_nchw"], name="nchw", perm=[0, 3, 1, 2]),
+        helper.make_node("Sub", ["f_nchw", "mean"], ["s"], name="sub"),
+        helper.make_node("Mul", ["s", "inv_std"], ["m"], name="mul"),
+        *extra,
+        helper.make_node("Cast", ["m"], ["m16"], name="to_fp16", to=TensorProto.FLOAT16),
+        helper.make_node("Transpose", ["m16"], ["y"], name="back", perm=[0, 2, 3, 1]),
+    ]
+    inits = {k: (rng.random(v) + 0.5).astype(np.float32) for k, v in const_shapes.items()}
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("image", TensorProto.UINT8, ["N", h, w, c])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["N", h, w, c])],
+        inits,
+    )
+
+
+def test_preprocessing_runs_on_wide_rows_with_tiled_channel_constants():
+    from dualtrack.layout import WIDE_ROW, widen_elementwise
+
+    m = _pre(16, 64, 3, {"mean": (1, 3, 1, 1), "inv_std": (3, 1, 1)})
+    wide = widen_elementwise(sink_transposes(m))
+    onnx.checker.check_model(wide, full_check=True)
+    feed = {"image": np.random.default_rng().integers(0, 256, (3, 16, 64, 3), dtype=np.uint8)}
+    (want,), (got,) = _run(m, feed), _run(wide, feed)
+    np.testing.assert_array_equal(got, want)  # the same fp32 ops on the same values: bit for bit
+    reshapes = [n for n in wide.graph.node if n.op_type == "Reshape"]
+    assert len(reshapes) == 2 and not _activation_transposes(wide)
+    rows = [n for n in wide.graph.node if n.op_type == "Constant" and n.output[0].endswith("__row")]
+    assert {tuple(numpy_helper.to_array(n.attribute[0].t).shape) for n in rows} == {(3 * WIDE_ROW,)}
+
+
+@pytest.mark.parametrize(
+    ("h", "w", "c", "shapes", "softmax", "why"),
+    [
+        (16, 64, 3, {"mean": (1, 3, 1, 1), "inv_std": (1, 1, 1, 64)}, False, "a constant along W, not C"),
+        (15, 63, 3, {"mean": (1, 3, 1, 1), "inv_std": (1, 3, 1, 1)}, False, "H*W not a multiple of a row"),
+        (16, 64, 16, {"mean": (1, 16, 1, 1), "inv_std": (1, 16, 1, 1)}, False, "too many channels to gain"),
+        (16, 64, 3, {"mean": (1, 3, 1, 1), "inv_std": (1, 3, 1, 1)}, True, "an op that is not element-wise"),
+    ],
+)
+def test_segments_that_are_not_plain_element_wise_keep_their_shape(h, w, c, shapes, softmax, why):
+    from dualtrack.layout import widen_elementwise
+
+    extra = (helper.make_node("Softmax", ["m"], ["sm"], name="softmax", axis=1),) if softmax else ()
+    m = _pre(h, w, c, shapes, extra)
+    if softmax:
+        next(n for n in m.graph.node if n.name == "to_fp16").input[0] = "sm"
+        onnx.checker.check_model(m, full_check=True)
+    sunk = sink_transposes(m)
+    assert widen_elementwise(sunk) is sunk, why

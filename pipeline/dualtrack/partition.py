@@ -394,7 +394,7 @@ def extract_segment(
     seg = helper.make_model(graph, opset_imports=list(model.opset_import), producer_name="dualtrack")
     seg.ir_version = model.ir_version
     if nhwc:
-        seg = layout.sink_transposes(seg)
+        seg = layout.widen_elementwise(layout.sink_transposes(seg))
     onnx.checker.check_model(seg)
     return seg
 
