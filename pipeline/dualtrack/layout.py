@@ -239,6 +239,25 @@ def sink_transposes(model: onnx.ModelProto) -> onnx.ModelProto:
 WIDE_ROW = 512  # pixels per row of the widened view
 
 
+# `iree-import-onnx --externalize-params` turns a constant of 100 elements or more into a parameter
+# under a made-up key that the runtime's index (the model's initializers) does not have.
+_IMPORT_INLINE_MAX = 99
+
+
+def _inline_constant(value: np.ndarray, name: str) -> list[onnx.NodeProto]:
+    """Nodes that give the 1-D constant ``value`` as ``name`` and stay inline through the importer:
+    a Concat of pieces under its threshold (IREE folds it back into one constant)."""
+    if value.size <= _IMPORT_INLINE_MAX:
+        return [helper.make_node("Constant", [], [name], name=name, value=numpy_helper.from_array(value))]
+    pieces = [value[i : i + _IMPORT_INLINE_MAX] for i in range(0, value.size, _IMPORT_INLINE_MAX)]
+    names = [f"{name}__{k}" for k in range(len(pieces))]
+    nodes = [
+        helper.make_node("Constant", [], [n], name=n, value=numpy_helper.from_array(np.ascontiguousarray(p)))
+        for n, p in zip(names, pieces, strict=True)
+    ]
+    return [*nodes, helper.make_node("Concat", names, [name], name=name, axis=0)]
+
+
 def _elementwise(n: onnx.NodeProto, active: set[str]) -> bool:
     """An element-wise op on activations (a unary op's other inputs, Clip's bounds, constant)."""
     if n.op_type in _UNARY:
@@ -305,9 +324,7 @@ def widen_elementwise(model: onnx.ModelProto) -> onnx.ModelProto:
         flat = v.reshape(-1)
         tiled[name] = f"{name}__row"
         value = np.tile(flat, row // flat.size) if flat.size == c else flat
-        nodes.append(
-            helper.make_node("Constant", [], [tiled[name]], name=f"{name}__row", value=numpy_helper.from_array(value))
-        )
+        nodes.extend(_inline_constant(value, tiled[name]))
     to_rows = f"{g.name}__rows_shape"
     nodes.append(
         helper.make_node(
