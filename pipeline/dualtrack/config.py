@@ -61,7 +61,8 @@ class TrackBConfig(_Strict):
         True,
         description=(
             "keep Track A's NHWC tensors NHWC inside Track B segments (dualtrack.layout): a 1x1 conv "
-            "becomes a matmul, a softmax over channels a per-pixel one; false compiles the NCHW graph"
+            "becomes a matmul, a softmax over channels a per-pixel one, and an element-wise segment "
+            "with few channels runs on rows of 512 pixels; false compiles the graph as partitioned"
         ),
     )
     cpu_target: str = Field(
