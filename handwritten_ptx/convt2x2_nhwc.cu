@@ -9,14 +9,12 @@
 // x + m*ldx); row n' = t*K + k of B is wp's row n' (C contiguous values), so B is K-major ("col")
 // as is, like the conv's KRSC weights with one tap instead of nine.
 //
-// Each block computes BM pixels x BN channels of ONE tap t = i*2+j, i.e. the GEMM columns
-// t*K + [n0, n0+BN). The grid is 1-D with the tap fastest, then the channel tile, then the pixel
-// tile (block_tile below): the blocks that read one tile of x run together, so x comes from DRAM
-// once and from L2 for the other taps and channel tiles (with the tap slowest, as grid.z, the
-// decoder's first up-convolution at N=8 read its 67 MB input four times: 196 us, 1 TB/s). Its output is then BM output pixels (2h+i, 2w+j), each a run of BN
-// consecutive channels, stored as in the conv's epilogue (16-byte chunks where allowed). Output
-// pixel of input pixel m = (n*H + h)*W + w: row 2*(n*H+h)+i of the (N*2H) x 2W image, column
-// 2w+j, i.e. (2*(m/W) + i)*2W + 2*(m%W) + j.
+// Each block computes BM pixels x BN consecutive GEMM columns n = t*K + k, which may span taps
+// (the decoder's first up-convolution, K = 32, fills a 64-wide tile with two taps instead of half
+// a tile with one), and stores column n to output pixel (2h+i, 2w+j), t = i*2+j, channel k. The
+// grid is 1-D, the column tile fastest (block_tile), so the blocks that read one tile of x run
+// together. Output pixel of input pixel m = (n*H + h)*W + w: row 2*(n*H+h)+i of the (N*2H) x 2W
+// image, column 2w+j, i.e. (2*(m/W) + i)*2W + 2*(m%W) + j.
 //
 // A k-tile is BK consecutive input channels. Vector path (C, ldx multiple of 8 fp16 / 4 fp32,
 // x and w 16-byte aligned): 16-byte copies (cp.async for fp16), zero-filled past C and past M.
@@ -109,7 +107,7 @@ namespace f16convt {
 // Compile-time sizes as enumerators (namespace-scope constexpr variables become .global symbols).
 enum : int {
     BM = CONVT_F16_BM,  // input pixels per block
-    BN = CONVT_F16_BN,  // output channels (of one tap) per block
+    BN = CONVT_F16_BN,  // GEMM columns (tap, output channel) per block
     BK = CONVT_F16_BK,  // input channels per pipeline stage
     WARPS_M = CONVT_F16_WARPS_M,
     WARPS_N = CONVT_F16_WARPS_N,
@@ -139,8 +137,8 @@ static_assert(SMEM_HALVES * 2 <= 48 * 1024, "static shared memory is capped at 4
 
 struct Problem {
     const f16* x;
-    const f16* w;  // this block's tap: wp + t*K*C, row k = output channel k
-    int C, K, ldx, M;
+    const f16* w;  // wp: row n = t*K + k (tap t, output channel k)
+    int C, NG, ldx, M;  // NG = 4K GEMM columns
 };
 
 // Vector path, k-tile kt = channels [kt*BK, kt*BK + BK): one cp.async group's worth of copies.
@@ -162,7 +160,7 @@ __device__ __forceinline__ void load_tile_vec(const Problem& p, f16* stage, int 
     for (int i = 0; i < BN * CPR / THREADS; ++i) {
         const int row = threadIdx.x / CPR + i * (THREADS / CPR);
         const int k = n0 + row;
-        const bool ok = c_ok && k < p.K;
+        const bool ok = c_ok && k < p.NG;
         const f16* src = p.w;
         if (ok) src = p.w + (static_cast<long long>(k) * p.C + c);
         cp_async_16(smem_u32(b + row * BKP + q8), src, ok ? 16u : 0u);
@@ -186,7 +184,7 @@ __device__ __forceinline__ void load_tile_scalar(const Problem& p, f16* stage, i
     for (int i = 0; i < BN * BK / THREADS; ++i) {
         const int row = threadIdx.x / BK + i * (THREADS / BK);
         const int k = n0 + row;
-        b[row * BKP + j] = (c_ok && k < p.K) ? p.w[static_cast<long long>(k) * p.C + c] : f16(0);
+        b[row * BKP + j] = (c_ok && k < p.NG) ? p.w[static_cast<long long>(k) * p.C + c] : f16(0);
     }
 }
 
@@ -226,14 +224,20 @@ __device__ __forceinline__ void mma_stage(const f16* stage, float (&acc)[MT][NT]
 
 }  // namespace f16convt
 
-// This block's (pixel tile start m0, channel tile start n0, tap) from its 1-D index: tap fastest.
-__device__ __forceinline__ void block_tile(int bm, int bn, int K, int* m0, int* n0, int* tap) {
+// This block's (pixel tile start m0, GEMM column tile start n0) from its 1-D index: column tile
+// fastest, so the blocks that read one tile of x run together (x comes from DRAM once).
+__device__ __forceinline__ void block_tile(int bm, int bn, int NG, int* m0, int* n0) {
     const long long b = blockIdx.x;
-    const int n_tiles = (K + bn - 1) / bn;
-    *tap = static_cast<int>(b % 4);
-    const long long rest = b / 4;
-    *n0 = static_cast<int>(rest % n_tiles) * bn;
-    *m0 = static_cast<int>(rest / n_tiles) * bm;
+    const int n_tiles = (NG + bn - 1) / bn;
+    *n0 = static_cast<int>(b % n_tiles) * bn;
+    *m0 = static_cast<int>(b / n_tiles) * bm;
+}
+
+// Where GEMM column n = t*K + k of input pixel m lands: y + (output pixel) * ldy + k.
+template <typename T>
+__device__ __forceinline__ T* out_at(T* y, int m, int W, int n, int K, int ldy) {
+    const int t = n / K;
+    return y + (out_pixel(m, W, t >> 1, t & 1) * ldy + (n - t * K));
 }
 
 extern "C" __global__ void __launch_bounds__(f16convt::THREADS)
@@ -243,13 +247,14 @@ convt2x2_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const fl
     __shared__ __align__(16) f16 smem[SMEM_HALVES];
 
     const int M = N * H * W;  // the launcher refuses M >= 2^31
-    int m0, n0, tap;  // tap = i*2 + j
-    block_tile(BM, BN, K, &m0, &n0, &tap);
+    const int NG = 4 * K;
+    int m0, n0;
+    block_tile(BM, BN, NG, &m0, &n0);
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int wm = warp % WARPS_M;
     const int wn = warp / WARPS_M;
-    const Problem p{x, w + static_cast<long long>(tap) * K * C, C, K, ldx, M};
+    const Problem p{x, w, C, NG, ldx, M};
 
     float acc[MT][NT][4];
 #pragma unroll
@@ -260,7 +265,7 @@ convt2x2_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const fl
             for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
 
     const int num_kt = (C + BK - 1) / BK;
-    // With C % 8 == 0, every tap's slice of w (t*K*C halves in) is 16-byte aligned if w is.
+    // With C % 8 == 0, every row of w is 16-byte aligned if w is.
     const bool vec = C % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(w);
     if (vec) {
         // Prologue fills STAGES-1 stages; every iteration then commits exactly one group (possibly
@@ -297,9 +302,9 @@ convt2x2_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const fl
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         const int col = wn * WN + nt * 8 + (lane & 3) * 2;
-        const int k = n0 + col;
-        const float b0 = (bias != nullptr && k < K) ? bias[k] : 0.f;
-        const float b1 = (bias != nullptr && k + 1 < K) ? bias[k + 1] : 0.f;
+        const int n = n0 + col;  // bias of channel n % K
+        const float b0 = (bias != nullptr && n < NG) ? bias[n % K] : 0.f;
+        const float b1 = (bias != nullptr && n + 1 < NG) ? bias[(n + 1) % K] : 0.f;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             const int row = wm * WM + mt * 16 + (lane >> 2);
@@ -315,22 +320,21 @@ convt2x2_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const fl
     }
     __syncthreads();
 
-    const int ti = tap >> 1, tj = tap & 1;
-    const bool vec_out = ldy % 8 == 0 && aligned16(y);
+    // A chunk of 8 columns stays within one tap when K % 8 == 0: one 16-byte store where allowed.
+    const bool vec_out = K % 8 == 0 && ldy % 8 == 0 && aligned16(y);
     constexpr int OCPR = BN / 8;
 #pragma unroll
     for (int i = 0; i < BM * OCPR / THREADS; ++i) {
         const int row = threadIdx.x / OCPR + i * (THREADS / OCPR);
         const int q8 = (threadIdx.x % OCPR) * 8;
         const int m = m0 + row;
-        const int k = n0 + q8;
-        if (m >= M || k >= K) continue;
-        f16* dst = y + (out_pixel(m, W, ti, tj) * ldy + k);
+        const int n = n0 + q8;
+        if (m >= M || n >= NG) continue;
         const f16* src = tile + row * BNP + q8;
-        if (vec_out && k + 8 <= K) {
-            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        if (vec_out) {
+            *reinterpret_cast<uint4*>(out_at(y, m, W, n, K, ldy)) = *reinterpret_cast<const uint4*>(src);
         } else {
-            for (int e = 0; e < 8 && k + e < K; ++e) dst[e] = src[e];
+            for (int e = 0; e < 8 && n + e < NG; ++e) *out_at(y, m, W, n + e, K, ldy) = src[e];
         }
     }
 }
@@ -366,8 +370,8 @@ static_assert(2 * BK * (BMP + BNP) * 4 <= 48 * 1024, "static shared memory is ca
 
 struct Problem {
     const float* x;
-    const float* w;  // this block's tap: wp + t*K*C
-    int C, K, ldx, M;
+    const float* w;  // wp: row n = t*K + k
+    int C, NG, ldx, M;  // NG = 4K GEMM columns
 };
 
 // Staging registers: one k-tile of A and B on its way from global to shared memory.
@@ -395,7 +399,7 @@ __device__ __forceinline__ void load_tile(const Problem& p, Stage& st, int kt, i
         for (int i = 0; i < B_VEC; ++i) {
             const int k = n0 + threadIdx.x / CPR + i * (THREADS / CPR);
             float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (c_ok && k < p.K) v = *reinterpret_cast<const float4*>(p.w + (static_cast<long long>(k) * p.C + c));
+            if (c_ok && k < p.NG) v = *reinterpret_cast<const float4*>(p.w + (static_cast<long long>(k) * p.C + c));
             st.b[4 * i] = v.x;
             st.b[4 * i + 1] = v.y;
             st.b[4 * i + 2] = v.z;
@@ -412,7 +416,7 @@ __device__ __forceinline__ void load_tile(const Problem& p, Stage& st, int kt, i
 #pragma unroll
         for (int i = 0; i < B_SCA; ++i) {
             const int k = n0 + threadIdx.x / BK + i * (THREADS / BK);
-            st.b[i] = (c_ok && k < p.K) ? p.w[static_cast<long long>(k) * p.C + c] : 0.f;
+            st.b[i] = (c_ok && k < p.NG) ? p.w[static_cast<long long>(k) * p.C + c] : 0.f;
         }
     }
 }
@@ -499,11 +503,12 @@ convt2x2_nhwc_f32(const float* __restrict__ x, const float* __restrict__ w, cons
     __shared__ __align__(16) float Bs[2 * BK * BNP];
 
     const int M = N * H * W;
-    int m0, n0, tap;  // tap = i*2 + j
-    block_tile(BM, BN, K, &m0, &n0, &tap);
+    const int NG = 4 * K;
+    int m0, n0;
+    block_tile(BM, BN, NG, &m0, &n0);
     const int tm0 = (threadIdx.x / (BN / TN)) * TM;  // this thread's pixels: m0+tm0 .. +TM-1
-    const int tn0 = (threadIdx.x % (BN / TN)) * TN;  // this thread's channels: n0+tn0 .. +TN-1
-    const Problem p{x, w + static_cast<long long>(tap) * K * C, C, K, ldx, M};
+    const int tn0 = (threadIdx.x % (BN / TN)) * TN;  // this thread's columns: n0+tn0 .. +TN-1
+    const Problem p{x, w, C, NG, ldx, M};
 
     float acc[TM][TN];
 #pragma unroll
@@ -511,7 +516,7 @@ convt2x2_nhwc_f32(const float* __restrict__ x, const float* __restrict__ w, cons
 #pragma unroll
         for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
 
-    // With C % 4 == 0, every tap's slice of w is 16-byte aligned if w is.
+    // With C % 4 == 0, every row of w is 16-byte aligned if w is.
     if (C % 4 == 0 && ldx % 4 == 0 && aligned16(x) && aligned16(w))
         mainloop<true>(p, As, Bs, acc, m0, n0, tm0, tn0);
     else
@@ -520,28 +525,27 @@ convt2x2_nhwc_f32(const float* __restrict__ x, const float* __restrict__ w, cons
     float bv[TN];
 #pragma unroll
     for (int j = 0; j < TN; ++j) {
-        const int k = n0 + tn0 + j;
-        bv[j] = (bias != nullptr && k < K) ? bias[k] : 0.f;
+        const int n = n0 + tn0 + j;
+        bv[j] = (bias != nullptr && n < NG) ? bias[n % K] : 0.f;
     }
-    const int ti = tap >> 1, tj = tap & 1;
-    const bool vec_out = ldy % 4 == 0 && aligned16(y);
+    // 4 columns stay within one tap when K % 4 == 0: one 16-byte store where allowed.
+    const bool vec_out = K % 4 == 0 && ldy % 4 == 0 && aligned16(y);
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
         const int m = m0 + tm0 + i;
         if (m >= M) break;
-        float* dst = y + out_pixel(m, W, ti, tj) * ldy;
 #pragma unroll
         for (int j = 0; j < TN; j += 4) {
-            const int k = n0 + tn0 + j;
+            const int n = n0 + tn0 + j;
             float v[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) v[e] = acc[i][j + e] + bv[j + e];
-            if (vec_out && k + 4 <= K) {
-                *reinterpret_cast<float4*>(dst + k) = make_float4(v[0], v[1], v[2], v[3]);
+            if (vec_out && n + 4 <= NG) {
+                *reinterpret_cast<float4*>(out_at(y, m, W, n, K, ldy)) = make_float4(v[0], v[1], v[2], v[3]);
             } else {
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    if (k + e < K) dst[k + e] = v[e];
+                    if (n + e < NG) *out_at(y, m, W, n + e, K, ldy) = v[e];
             }
         }
     }

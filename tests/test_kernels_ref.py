@@ -485,21 +485,18 @@ def test_pack_convt_weights_layout() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("N", "H", "W", "C", "K"), LAUNCH_SHAPES)
 def test_convt_launch_covers_the_output(dtype: str, N: int, H: int, W: int, C: int, K: int) -> None:
-    """The 1-D grid, decoded as the kernel does (block_tile: tap fastest, then channel tile, then
-    pixel tile), gives every (pixel tile, channel tile, tap) exactly once."""
+    """The 1-D grid, decoded as the kernel does (block_tile: column tile fastest, then pixel tile),
+    gives every (pixel tile, tile of the 4K GEMM columns) exactly once."""
     assert isinstance(CONVT, ConvT2x2Spec)
     cfg = CONVT.launch(dtype, N, H, W, C, K)
     bm, bn = CONVT.tile(dtype)
     M = N * H * W
-    m_tiles, n_tiles = -(-M // bm), -(-K // bn)
-    assert cfg.grid == (m_tiles * n_tiles * 4, 1, 1)
+    m_tiles, n_tiles = -(-M // bm), -(-4 * K // bn)
+    assert cfg.grid == (m_tiles * n_tiles, 1, 1)
     assert cfg.block == (CONVT.threads(dtype), 1, 1) and cfg.shared_bytes == 0
-    tiles = set()
-    for b in range(cfg.grid[0]):
-        tap, rest = b % 4, b // 4
-        tiles.add(((rest // n_tiles) * bm, (rest % n_tiles) * bn, tap))
-    want = {(m * bm, n * bn, t) for m in range(m_tiles) for n in range(n_tiles) for t in range(4)}
-    assert tiles == want and len(tiles) == cfg.grid[0]
+    tiles = {((b // n_tiles) * bm, (b % n_tiles) * bn) for b in range(cfg.grid[0])}
+    assert tiles == {(m * bm, n * bn) for m in range(m_tiles) for n in range(n_tiles)}
+    assert len(tiles) == cfg.grid[0]
     assert CONVT.output_shape(N, H, W, C, K) == (N, 2 * H, 2 * W, K)
 
 

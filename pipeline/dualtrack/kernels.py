@@ -689,8 +689,8 @@ class ConvT2x2Spec(KernelSpec):
 
     With the packed weights (:func:`pack_convt_weights`, shape (4K, C)) this is a GEMM of the
     N*H*W input pixels by the 4K (tap, channel) columns, each column scattered to its output pixel.
-    A block computes a ``bm x bn`` tile (input pixels x output channels) of one tap; the grid is
-    1-D, the tap fastest, then the ``ceil(K / bn)`` channel tiles, then the pixel tiles.
+    A block computes a ``bm x bn`` tile of it (input pixels x columns ``t*K + k``, which may span
+    taps); the grid is 1-D, the ``ceil(4K / bn)`` column tiles fastest, then the pixel tiles.
     fp16: tensor cores, ``32 * f16_warps_m * f16_warps_n`` threads, ``f16_bk``-deep cp.async stages.
     fp32: SIMT, ``f32_tm x f32_tn`` outputs a thread.
     """
@@ -742,13 +742,13 @@ class ConvT2x2Spec(KernelSpec):
         return (N, 2 * H, 2 * W, K)
 
     def launch(self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0) -> LaunchConfig:
-        """One block per (pixel tile, channel tile, tap) on a 1-D grid, the tap fastest, then the
-        channel tile: the blocks in flight together read one tile of the input, which then comes
-        from DRAM once (handwritten_ptx/convt2x2_nhwc.cu)."""
+        """One block per (pixel tile, tile of the 4K GEMM columns) on a 1-D grid, the column tile
+        fastest: the blocks in flight together read one tile of the input, which then comes from
+        DRAM once (handwritten_ptx/convt2x2_nhwc.cu)."""
         _positive(N=N, H=H, W=W, C=C, K=K)
         M = _pixels(N, H, W, C)
         bm, bn = self.tile(dtype)
-        blocks = _cdiv(M, bm) * _cdiv(K, bn) * self.TAPS
+        blocks = _cdiv(M, bm) * _cdiv(self.TAPS * K, bn)
         if blocks > _INT32_MAX:
             raise InputError(f"convt2x2 of {N}x{H}x{W}x{C} -> {K} needs {blocks} blocks; split the batch")
         return LaunchConfig(grid=(blocks, 1, 1), block=(self.threads(dtype), 1, 1), shared_bytes=0)
