@@ -1,51 +1,89 @@
 """Does IREE's call cost more on a buffer imported from Track A's memory (the stream-ordered pool,
 or plain cuMemAlloc) than on one IREE allocated itself? Times the reference bundle's
 pre-processing module on each, then run_batch with its results dropped and kept (GPU machine,
-the carried reference bundle at .carry/unet):
+the carried reference bundle at .carry/unet; bench/results/probe_iree_input-*.log):
 
-    python3 bench/probe_iree_input.py
+    python3 bench/probe_iree_input.py [--bundle .carry/unet]
 """
-import time, sys
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
-import iree.runtime as rt
-from cuda.bindings import driver as cu
-from dualtrack.bundle import Bundle
-from dualtrack.runtime.engine import Engine
-from dualtrack.runtime import dlpack
-eng = Engine.load(Bundle.open(".carry/unet"), "cuda")
-be = eng.backend
-seg0, seg2 = eng.plan.segments[0], eng.plan.segments[2]
-for batch in (8, 1):
-    host = np.random.default_rng(0).integers(0, 256, (batch, 512, 512, 3), dtype=np.uint8)
-    pool_t = be.from_host(host)
-    mod = be.module(seg0, batch)
-    dev = be.iree.device
-    def imp(t): return dev.from_dlpack_capsule(dlpack.to_capsule(t.ptr, t.shape, t.dtype, be.device.index, t.keepalive))
-    v_pool = imp(pool_t)
-    err, raw = cu.cuMemAlloc(host.nbytes); assert err == 0
-    cu.cuMemcpyHtoD(raw, host.ctypes.data, host.nbytes)
+
+
+def median_ms(fn: Callable[[], Any], n: int = 300, warmup: int = 30) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def probe(engine: Any, batch: int) -> None:
+    import iree.runtime as rt
+    from cuda.bindings import driver as cu
+
+    from dualtrack.runtime import dlpack
     from dualtrack.runtime.gpu import GpuTensor
-    raw_t = GpuTensor(int(raw), host.shape, host.dtype, None)
-    v_raw = imp(raw_t)
-    v_native = rt.asdevicearray(dev, host)._buffer_view
-    def bench(fn, n=300):
-        for _ in range(30): fn()
-        t=[]
-        for _ in range(n):
-            t0=time.perf_counter(); fn(); t.append((time.perf_counter()-t0)*1e3)
-        return np.median(t)
-    for name, v in [("native", v_native), ("pool", v_pool), ("cuMemAlloc", v_raw), ("native", v_native)]:
-        print(f"N={batch} pre call_views input {name:>10}: {bench(lambda: mod.call_views(v)):.3f} ms")
-    # keep outputs alive vs drop
-    print(f"N={batch} pre call_views + export: {bench(lambda: [be.iree.device.create_dlpack_capsule(o, 2, 0) for o in mod.call_views(v_pool)]):.3f} ms")
-    x = pool_t
-    def whole(): eng.run_batch(x, batch); be.stream.synchronize()
-    print(f"N={batch} run_batch: {bench(whole, 200):.3f} ms")
-    outs = []
-    def whole_keep():
-        outs.append(eng.run_batch(x, batch)); be.stream.synchronize()
-        if len(outs) > 4: outs.pop(0)
-    print(f"N={batch} run_batch, results kept: {bench(whole_keep, 200):.3f} ms")
-    outs.clear()
+
+    be = engine.backend
+    host = np.random.default_rng(0).integers(0, 256, (batch, 512, 512, 3), dtype=np.uint8)
+    mod = be.module(engine.plan.segments[0], batch)
+    dev = be.iree.device
+
+    def imported(t: GpuTensor) -> Any:
+        return dev.from_dlpack_capsule(dlpack.to_capsule(t.ptr, t.shape, t.dtype, be.device.index, t.keepalive))
+
+    pool_t = be.from_host(host)
+    err, raw = cu.cuMemAlloc(host.nbytes)
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    cu.cuMemcpyHtoD(raw, host.ctypes.data, host.nbytes)
+    views = {
+        "native": rt.asdevicearray(dev, host)._buffer_view,
+        "pool": imported(pool_t),
+        "cuMemAlloc": imported(GpuTensor(int(raw), host.shape, host.dtype, None)),
+    }
+    for name, view in views.items():
+        print(f"N={batch} pre call_views input {name:>10}: {median_ms(lambda v=view: mod.call_views(v)):.3f} ms")
+
+    def run_drop() -> None:
+        engine.run_batch(pool_t, batch)
+        be.stream.synchronize()
+
+    print(f"N={batch} run_batch: {median_ms(run_drop, 200):.3f} ms")
+    kept: list[Any] = []
+
+    def run_keep() -> None:
+        kept.append(engine.run_batch(pool_t, batch))
+        be.stream.synchronize()
+        del kept[:-4]  # results freed four calls later instead of at once
+
+    print(f"N={batch} run_batch, results kept: {median_ms(run_keep, 200):.3f} ms")
+    kept.clear()
+    del views
+    be.stream.synchronize()
     cu.cuMemFree(raw)
-eng.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", default=".carry/unet")
+    args = p.parse_args()
+    from dualtrack.bundle import Bundle
+    from dualtrack.runtime.engine import Engine
+
+    with Engine.load(Bundle.open(args.bundle), "cuda") as engine:
+        for batch in (8, 1):
+            probe(engine, batch)
+
+
+if __name__ == "__main__":
+    main()
