@@ -435,8 +435,11 @@ def _children(pid: int) -> list[int]:
     """The live worker processes of ``pid`` (Linux /proc; multiprocessing's resource tracker is not one)."""
     out = []
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/children") as f:
-            out += [int(c) for c in f.read().split()]
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except FileNotFoundError:
+            continue  # the thread ended between the listing and the read
     return [c for c in out if _alive(c) and b"resource_tracker" not in _cmdline(c)]
 
 
