@@ -224,8 +224,42 @@ class F16Tile:
         return cls(*(int(g) for g in m.groups())) if m else None
 
 
+class _ConvAbi(KernelSpec):
+    """The argument list the conv kernels share (conv3x3 and conv1x1 entries): checked by the
+    kind's :meth:`output_shape`, then ``x, w, bias, y, N, H, W, C, K, ldx, ldy, relu``."""
+
+    PARAMS: ClassVar[tuple[str, ...]] = ("x", "w", "bias", "y", "N", "H", "W", "C", "K", "ldx", "ldy", "relu")
+    POINTERS: ClassVar[int] = 4
+
+    def args(
+        self,
+        *,
+        x: int,
+        w: int,
+        y: int,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        K: int,
+        bias: int | None = None,
+        ldx: int | None = None,
+        ldy: int | None = None,
+        relu: bool = False,
+        **_: Any,
+    ) -> list[KernelArg]:
+        """``x, w, bias, y, N, H, W, C, K, ldx, ldy, relu`` as (value, ctypes type) pairs.
+
+        Pointers are device addresses (ints); ``bias`` may be omitted (null: no bias);
+        ``ldx``/``ldy`` default to ``C``/``K`` (dense tensors).
+        """
+        self.output_shape(N, H, W, C, K)
+        values = _gemm_values(x, w, bias, y, N, H, W, C, K, ldx, ldy)
+        return self._ordered({**values, "relu": 1 if relu else 0})
+
+
 @dataclass(frozen=True)
-class Conv3x3Spec(KernelSpec):
+class Conv3x3Spec(_ConvAbi):
     """3x3 convolution, stride 1, padding 1, bias and optional ReLU fused.
 
     fp16: tensor-core implicit GEMM, a ``f16_bm x f16_bn`` output tile (pixels x channels) per
@@ -243,8 +277,6 @@ class Conv3x3Spec(KernelSpec):
     fp32: SIMT GEMM, an ``f32_bm x f32_bn`` tile per block, ``f32_tm x f32_tn`` outputs a thread.
     """
 
-    PARAMS: ClassVar[tuple[str, ...]] = ("x", "w", "bias", "y", "N", "H", "W", "C", "K", "ldx", "ldy", "relu")
-    POINTERS: ClassVar[int] = 4
     F16_VARIANTS: ClassVar[tuple[str, ...]] = ("narrow", "wide", "small")
 
     f16_bm: int = 128
@@ -436,31 +468,6 @@ class Conv3x3Spec(KernelSpec):
         units = rows * cols // 8 * _cdiv(K, 8)
         return LaunchConfig(grid=(blocks, 1, 1), block=(min(threads, units), 1, 1), shared_bytes=0)
 
-    def args(
-        self,
-        *,
-        x: int,
-        w: int,
-        y: int,
-        N: int,
-        H: int,
-        W: int,
-        C: int,
-        K: int,
-        bias: int | None = None,
-        ldx: int | None = None,
-        ldy: int | None = None,
-        relu: bool = False,
-        **_: Any,
-    ) -> list[KernelArg]:
-        """``x, w, bias, y, N, H, W, C, K, ldx, ldy, relu`` as (value, ctypes type) pairs.
-
-        Pointers are device addresses (ints); ``bias`` may be omitted (null: no bias);
-        ``ldx``/``ldy`` default to ``C``/``K`` (dense tensors).
-        """
-        values = _gemm_values(x, w, bias, y, N, H, W, C, K, ldx, ldy)
-        return self._ordered({**values, "relu": 1 if relu else 0})
-
     def reference(
         self, x: np.ndarray, w: np.ndarray | None = None, bias: np.ndarray | None = None, relu: bool = False
     ) -> np.ndarray:
@@ -526,15 +533,12 @@ class Conv3x3Spec(KernelSpec):
 
 
 @dataclass(frozen=True)
-class Conv1x1Spec(KernelSpec):
+class Conv1x1Spec(_ConvAbi):
     """1x1 convolution, stride 1, no padding, bias and optional ReLU fused (a segmentation head:
     a few classes out of a few dozen features). No GEMM: one thread per pixel and group of
     ``k_group`` output channels (grid.y: the groups), fp32 accumulation, the group's weights in
     shared memory as fp32, so C is at most ``max_c``. Weights as ONNX stores them, (K, C, 1, 1)
     = :func:`pack_conv_weights`'s KRSC; bias fp32."""
-
-    PARAMS: ClassVar[tuple[str, ...]] = ("x", "w", "bias", "y", "N", "H", "W", "C", "K", "ldx", "ldy", "relu")
-    POINTERS: ClassVar[int] = 4
 
     block_threads: int = 256
     k_group: int = 4
@@ -562,29 +566,6 @@ class Conv1x1Spec(KernelSpec):
         if blocks > _INT32_MAX or groups > _GRID_Y_MAX:
             raise InputError(f"conv1x1 of {N}x{H}x{W}x{C} -> {K} needs a {blocks}x{groups} grid; split the batch")
         return LaunchConfig(grid=(blocks, groups, 1), block=(self.threads(dtype), 1, 1), shared_bytes=0)
-
-    def args(
-        self,
-        *,
-        x: int,
-        w: int,
-        y: int,
-        N: int,
-        H: int,
-        W: int,
-        C: int,
-        K: int,
-        bias: int | None = None,
-        ldx: int | None = None,
-        ldy: int | None = None,
-        relu: bool = False,
-        **_: Any,
-    ) -> list[KernelArg]:
-        """Like :meth:`Conv3x3Spec.args`: pointers are device addresses, ``bias`` may be None,
-        ``ldx``/``ldy`` default to ``C``/``K``."""
-        self.output_shape(N, H, W, C, K)
-        values = _gemm_values(x, w, bias, y, N, H, W, C, K, ldx, ldy)
-        return self._ordered({**values, "relu": 1 if relu else 0})
 
     def reference(
         self, x: np.ndarray, w: np.ndarray | None = None, bias: np.ndarray | None = None, relu: bool = False
