@@ -29,3 +29,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.gpu)
             if NO_GPU:
                 item.add_marker(pytest.mark.skip(reason=NO_GPU))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_bundle: Path):
+    """The tiny bundle's CUDA engine: context, stream and memory pool for the kernel tests."""
+    from dualtrack.runtime.engine import Engine
+
+    with Engine.load(tiny_bundle, "cuda") as e:
+        yield e

@@ -9,16 +9,14 @@ the kernels its bundle's plan lists); the engine provides the context, stream an
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
+from gpu_ptx import checked_in_ptx
 
 from dualtrack import kernels
-from dualtrack.arch import PTX_ARCHES, choose_image
 from dualtrack.config import Tolerance
-from dualtrack.ptx import SOURCE_DIR, ptx_path
-from dualtrack.runtime.driver import Kernel, Module
+from dualtrack.runtime.driver import Kernel
 from dualtrack.runtime.engine import Engine
 from dualtrack.verify import compare
 
@@ -29,23 +27,10 @@ SENTINEL = -1234.5  # exactly representable in fp16 and fp32
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_bundle: Path) -> Iterator[Engine]:
-    with Engine.load(tiny_bundle, "cuda") as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
 def conv1x1(engine: Engine) -> Iterator[dict[str, Kernel]]:
     """Both entries, from the checked-in PTX for this device's arch, JIT-compiled by the driver."""
-    be = engine.backend
-    be.ctx.make_current()
-    choice = choose_image(be.device.cc, [], list(PTX_ARCHES))
-    path = ptx_path(SOURCE_DIR, SOURCE_DIR / f"{SPEC.stem}.cu", choice.arch)
-    mod = Module.load(be.ctx, path.read_bytes(), kind="ptx", origin=str(path), target=choice.arch)
-    yield {entry: mod.function(entry) for entry in SPEC.entries}
-    be.ctx.make_current()
-    be.stream.synchronize()
-    mod.close()
+    with checked_in_ptx(engine, SPEC.stem) as mod:
+        yield {entry: mod.function(entry) for entry in SPEC.entries}
 
 
 def _run(

@@ -18,16 +18,14 @@ driver; the engine of the tiny bundle provides the context, stream and memory po
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
+from gpu_ptx import checked_in_ptx
 
 from dualtrack import kernels
-from dualtrack.arch import PTX_ARCHES, choose_image
 from dualtrack.config import Tolerance
-from dualtrack.ptx import SOURCE_DIR, ptx_path
-from dualtrack.runtime.driver import Kernel, Module
+from dualtrack.runtime.driver import Kernel
 from dualtrack.runtime.engine import Engine
 from dualtrack.verify import compare
 
@@ -40,23 +38,10 @@ SENTINEL = np.float16(-1234.5)  # exactly representable
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_bundle: Path) -> Iterator[Engine]:
-    with Engine.load(tiny_bundle, "cuda") as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
 def smallc(engine: Engine) -> Iterator[Kernel]:
     """The entry, from the checked-in PTX for this device's arch."""
-    be = engine.backend
-    be.ctx.make_current()
-    choice = choose_image(be.device.cc, [], list(PTX_ARCHES))
-    path = ptx_path(SOURCE_DIR, SOURCE_DIR / f"{SPEC.stem}.cu", choice.arch)
-    mod = Module.load(be.ctx, path.read_bytes(), kind="ptx", origin=str(path), target=choice.arch)
-    yield mod.function(ENTRY)
-    be.ctx.make_current()
-    be.stream.synchronize()
-    mod.close()
+    with checked_in_ptx(engine, SPEC.stem) as mod:
+        yield mod.function(ENTRY)
 
 
 def exact(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, relu: bool) -> np.ndarray:
