@@ -29,6 +29,16 @@
 //     groups, base offset 0, swizzle code 1 (128B) or 2 (64B). The k16 step inside a row adds
 //     32 bytes to the start address (the hardware applies the swizzle after adding).
 //
+// Column copies (entries with the suffix _h<TW>, HALO_TW = TW, compiled in). The per-tap A box
+// above reads every input pixel from L2 nine times, which bounds the layers with few channels
+// (C = 32, 64) by L2 bandwidth. Instead, for each column shift s and channel block, one box of
+// TH + 2 rows (BK, TW, TH+2, 1) at (c0, w0+s-1, h0-1, n) serves the three taps (r, s), r = 0..2:
+// tap r's A operand is the same box from row r*TW on (row p + r*TW holds output pixel p's input).
+// Rows are shifted by whole image rows only, so with TW a multiple of 8 every 8-row core group
+// still starts on the swizzle repeat and the descriptor is the one above plus an offset. A
+// stage then holds the copy and the three taps' B boxes; 3 * ceil(C/BK) stages per CTA instead
+// of 9 * ceil(C/BK), and 3 * (TH+2)/TH instead of 9 A rows per output pixel.
+//
 // Warp roles (32*(4*WGS+1) threads: 288 for two consumer warpgroups, 160 for one): warps
 // 4g..4g+3 = consumer warpgroup g, tile rows [64*MT*g, 64*MT*(g+1)); the last warp = producer
 // (one lane issues all TMA). A consumer warpgroup issues, per k-block, BK/16 x MT
@@ -62,8 +72,9 @@
 // slow path out (a plain spin), to measure what the watchdog costs.
 //
 // Configurations are not set here: the host passes -DCONV_WGMMA_ENTRIES="CONV_WGMMA_ENTRY(BN,
-// MT, WGS, BK, STAGES, MIN_BLOCKS) ..." (dualtrack.kernels: Conv3x3WgmmaSpec.configs), so the
-// launch geometry and the code cannot disagree. Entry names: conv3x3_wgmma_bn<BN>_mt<MT>_wg<WGS>_bk<BK>.
+// MT, WGS, BK, STAGES, MIN_BLOCKS) CONV_WGMMA_HALO_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, TW)
+// ..." (dualtrack.kernels: Conv3x3WgmmaSpec.configs), so the launch geometry and the code cannot
+// disagree. Entry names: conv3x3_wgmma_bn<BN>_mt<MT>_wg<WGS>_bk<BK>[_h<TW>].
 // Built for compute_90a only (wgmma is sm_90a-only): `make ptx` writes ptx/compute_90a/.
 //
 // No #include: NVRTC builds this with no toolkit headers. fp16 values are raw bits.
@@ -273,7 +284,7 @@ __device__ __forceinline__ void named_barrier() {
 
 // ---- the kernel body --------------------------------------------------------------------------
 
-template <int BN_, int MT_, int WGS_, int BK_, int STAGES_>
+template <int BN_, int MT_, int WGS_, int BK_, int STAGES_, int HALO_TW_>
 struct Cfg {
     enum : int {
         BN = BN_,
@@ -281,13 +292,17 @@ struct Cfg {
         WGS = WGS_,      // consumer warpgroups (1 or 2)
         BK = BK_,        // channels per k-block = one swizzled row
         STAGES = STAGES_,
+        HALO_TW = HALO_TW_,  // 0: one A box per tap; else the tile width of the column-copy scheme
         CONSUMER_WARPS = 4 * WGS,
         THREADS = 32 * (CONSUMER_WARPS + 1),  // + the producer warp
         BM = WGS * 64 * MT,  // tile pixels
         ROW_BYTES = 2 * BK,
-        A_BYTES = BM * ROW_BYTES,
+        // A box: TH x TW pixels per tap, or (TH + 2) x TW per column copy (2 * TW more rows).
+        A_BYTES = (BM + (HALO_TW ? 2 * HALO_TW : 0)) * ROW_BYTES,
         B_BYTES = BN * ROW_BYTES,
-        STAGE_BYTES = A_BYTES + B_BYTES,
+        HALO_TW_LOG2 = HALO_TW == 8 ? 3 : HALO_TW == 16 ? 4 : 5,
+        TAPS = HALO_TW ? 3 : 1,  // taps (k-blocks of weights) per stage
+        STAGE_BYTES = A_BYTES + TAPS * B_BYTES,
         NREG = BN / 2,  // fp32 accumulators per thread per m64 block
         EPI_PITCH = BN + 8,  // staged output row, halves (+16 bytes: conflict-free)
         SMEM_BYTES = STAGES * STAGE_BYTES + ALIGN,  // dynamic shared memory the host must pass
@@ -299,6 +314,9 @@ struct Cfg {
     static_assert(A_BYTES % ALIGN == 0 && B_BYTES % ALIGN == 0, "tiles must stay 1024-byte aligned");
     static_assert(BM * EPI_PITCH * 2 <= STAGES * STAGE_BYTES, "epilogue staging reuses the pipeline");
     static_assert(STAGES >= 2, "pipeline needs two stages or more");
+    static_assert(HALO_TW == 0 || HALO_TW == 8 || HALO_TW == 16 || HALO_TW == 32,
+                  "a tap's row shift (TW rows) must keep the 8-row core groups on the swizzle repeat");
+    static_assert(HALO_TW == 0 || BM % HALO_TW == 0, "the tile is TH = BM / TW whole rows");
 };
 
 template <class CF>
@@ -309,6 +327,8 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
     const int lane = threadIdx.x & 31;
 
     // Tile of this CTA: channel tile fastest, so the CTAs that share an input tile run together.
+    // The column-copy scheme's tile width is part of its shared-memory layout: compiled in.
+    if (CF::HALO_TW) tw_log2 = CF::HALO_TW_LOG2;
     const int TW = 1 << tw_log2;
     const int TH = CF::BM >> tw_log2;
     const int tiles_w = (W + TW - 1) >> tw_log2;
@@ -330,7 +350,7 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
     const u32 full0 = smem_u32(bars);                  // full[s]  at full0 + 8*s
     const u32 empty0 = full0 + 8 * CF::STAGES;         // empty[s] at empty0 + 8*s
     const int cblocks = (C + CF::BK - 1) / CF::BK;
-    const int num_kb = 9 * cblocks;
+    const int num_kb = (9 / CF::TAPS) * cblocks;  // pipeline stages filled per CTA
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < CF::STAGES; ++s) {
@@ -349,23 +369,35 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
         tma_prefetch(tmw);
         int stage = 0;
         u32 phase = 0;
-        int kb = 0;
-        for (int tap = 0; tap < 9; ++tap) {
-            const int r = tap / 3;
-            const int s = tap - 3 * r;
-            for (int cb = 0; cb < cblocks; ++cb, ++kb) {
-                const u32 empty = empty0 + 8 * stage;
-                const u32 full = full0 + 8 * stage;
-                if (!mbar_wait(empty, phase ^ 1u, status, WAIT_EMPTY, kb, stage)) return;
-                mbar_arrive_expect_tx(full, CF::STAGE_BYTES);
-                const u32 a_dst = base + stage * CF::STAGE_BYTES;
+        for (int kb = 0; kb < num_kb; ++kb) {
+            const u32 empty = empty0 + 8 * stage;
+            const u32 full = full0 + 8 * stage;
+            if (!mbar_wait(empty, phase ^ 1u, status, WAIT_EMPTY, kb, stage)) return;
+            mbar_arrive_expect_tx(full, CF::STAGE_BYTES);
+            const u32 a_dst = base + stage * CF::STAGE_BYTES;
+            if (CF::HALO_TW) {
+                // Column copy s of channel block cb: rows h0-1 .. h0+TH, columns w0+s-1 .. +TW-1,
+                // and the weights of its three taps (r, s), r = 0..2.
+                const int cb = kb / 3;
+                const int s = kb - 3 * cb;
+                const int c0 = cb * CF::BK;
+                tma_load_4d(a_dst, tmx, full, c0, w0 + s - 1, h0 - 1, img);
+#pragma unroll
+                for (int r = 0; r < 3; ++r)
+                    tma_load_2d(a_dst + CF::A_BYTES + r * CF::B_BYTES, tmw, full, (3 * r + s) * C + c0, n0);
+            } else {
+                // Tap-major: k-block kb = tap * cblocks + cb.
+                const int tap = kb / cblocks;
+                const int cb = kb - tap * cblocks;
+                const int r = tap / 3;
+                const int s = tap - 3 * r;
                 const int c0 = cb * CF::BK;
                 tma_load_4d(a_dst, tmx, full, c0, w0 + s - 1, h0 + r - 1, img);
                 tma_load_2d(a_dst + CF::A_BYTES, tmw, full, tap * C + c0, n0);
-                if (++stage == CF::STAGES) {
-                    stage = 0;
-                    phase ^= 1u;
-                }
+            }
+            if (++stage == CF::STAGES) {
+                stage = 0;
+                phase ^= 1u;
             }
         }
         return;
@@ -396,13 +428,20 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
 #pragma unroll
         for (int mt = 0; mt < CF::MT; ++mt) fence_regs(acc[mt]);
         wgmma_fence();
+        // Tap r of a column copy reads the copy from row r*TW on: output pixel p's input for
+        // that tap is copy row p + r*TW. TW is a multiple of 8, so every 8-row core group still
+        // starts on the swizzle repeat (base offset 0).
 #pragma unroll
-        for (int k = 0; k < CF::BK / 16; ++k) {
+        for (int r = 0; r < CF::TAPS; ++r) {
 #pragma unroll
-            for (int mt = 0; mt < CF::MT; ++mt) {
-                const u64 da = desc_a0 + so + static_cast<u64>((mt * 64 * CF::ROW_BYTES + k * 32) >> 4);
-                const u64 db = desc_b0 + so + static_cast<u64>((k * 32) >> 4);
-                mma(acc[mt], da, db);
+            for (int k = 0; k < CF::BK / 16; ++k) {
+#pragma unroll
+                for (int mt = 0; mt < CF::MT; ++mt) {
+                    const u64 da = desc_a0 + so +
+                                   static_cast<u64>(((mt * 64 + r * CF::HALO_TW) * CF::ROW_BYTES + k * 32) >> 4);
+                    const u64 db = desc_b0 + so + static_cast<u64>((r * CF::B_BYTES + k * 32) >> 4);
+                    mma(acc[mt], da, db);
+                }
             }
         }
         wgmma_commit();
@@ -478,16 +517,20 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
 // One entry per configuration. Parameters (cuLaunchKernel order): tensor map of x, tensor map of
 // w, bias (fp32, may be null), y, N, H, W, C, K, ldy, relu, tw_log2, status (int[8] or null).
 // Grid: (N * ceil(H/TH) * ceil(W/TW) * ceil(K/BN), 1, 1); block: 32*(4*WGS+1); dynamic shared
-// memory: STAGES * (BM + BN) * BK * 2 + 1024 bytes.
-#define CONV_WGMMA_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS)                                               \
+// memory: STAGES * STAGE_BYTES + 1024 bytes, STAGE_BYTES = (BM + BN) * BK * 2, or for a column-copy
+// entry (name suffix _h<TW>; tw_log2 must be log2(TW)) (BM + 2*TW + 3*BN) * BK * 2.
+#define CONV_WGMMA_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS) CONV_WGMMA_KERNEL(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, 0, )
+#define CONV_WGMMA_HALO_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, TW) \
+    CONV_WGMMA_KERNEL(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, TW, _h##TW)
+#define CONV_WGMMA_KERNEL(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, HALO_TW, SUFFIX)                             \
     extern "C" __global__ void __launch_bounds__(32 * (4 * (WGS) + 1), MIN_BLOCKS)                          \
-        conv3x3_wgmma_bn##BN##_mt##MT##_wg##WGS##_bk##BK(                                                   \
+        conv3x3_wgmma_bn##BN##_mt##MT##_wg##WGS##_bk##BK##SUFFIX(                                           \
             const __grid_constant__ TensorMap tmx, const __grid_constant__ TensorMap tmw,                    \
             const float* __restrict__ bias, f16* __restrict__ y, int N, int H, int W, int C, int K, int ldy, \
             int relu, int tw_log2, int* status) {                                                           \
         extern __shared__ __align__(1024) unsigned char dsmem[];                                            \
         __shared__ u64 bars[2 * (STAGES)];                                                                  \
-        wg::conv<wg::Cfg<BN, MT, WGS, BK, STAGES>>(&tmx, &tmw, bias, y, N, H, W, C, K, ldy, relu, tw_log2,  \
+        wg::conv<wg::Cfg<BN, MT, WGS, BK, STAGES, HALO_TW>>(&tmx, &tmw, bias, y, N, H, W, C, K, ldy, relu, tw_log2,  \
                                               status, dsmem, bars);                                         \
     }
 

@@ -64,7 +64,9 @@ def prototype():
 def test_configurations_fit_an_sm90_sm() -> None:
     assert len({c.entry for c in WGMMA_CONFIGS}) == len(WGMMA_CONFIGS)
     for c in WGMMA_CONFIGS:
-        assert (c.bm * c.row_bytes) % 1024 == 0 and (c.bn * c.row_bytes) % 1024 == 0  # tiles stay 1024-aligned
+        assert (c.a_rows * c.row_bytes) % 1024 == 0 and (c.bn * c.row_bytes) % 1024 == 0  # tiles stay 1024-aligned
+        # a column copy's tap shift (TW rows) keeps the 8-row core groups on the swizzle repeat
+        assert c.halo_tw == 0 or (c.halo_tw % 8 == 0 and (c.halo_tw * c.row_bytes) % (8 * c.row_bytes) == 0)
         assert c.smem_bytes <= MAX_DYNAMIC_SMEM, c
         per_cta = c.smem_bytes + c.static_smem_bytes + SMEM_RESERVED_PER_BLOCK
         assert per_cta * c.min_blocks <= SMEM_PER_SM, c
@@ -75,7 +77,9 @@ def test_configurations_fit_an_sm90_sm() -> None:
 def test_defines_instantiate_every_configuration() -> None:
     macro = WG.defines()["CONV_WGMMA_ENTRIES"]
     for c in WGMMA_CONFIGS:
-        assert f"CONV_WGMMA_ENTRY({c.bn},{c.mt},{c.wgs},{c.bk},{c.stages},{c.min_blocks})" in macro
+        args = f"{c.bn},{c.mt},{c.wgs},{c.bk},{c.stages},{c.min_blocks}"
+        want = f"CONV_WGMMA_HALO_ENTRY({args},{c.halo_tw})" if c.halo_tw else f"CONV_WGMMA_ENTRY({args})"
+        assert macro.split().count(want) == 1
     assert WG.entries == tuple(c.entry for c in WGMMA_CONFIGS)
     assert WG.config("conv3x3_wgmma_bn64_mt2_wg2_bk32").stages == 5
     with pytest.raises(InputError, match="'conv3x3_wgmma_bn16' is not an entry of conv3x3_wgmma"):
@@ -103,7 +107,9 @@ def test_same_configurations_and_geometry_as_the_prototype(prototype) -> None:
     assert prototype.kernel_arg_names() == WG.PARAMS
     for p in prototype.CONFIGS:
         c = ours[p.entry]
-        assert (c.bn, c.mt, c.wgs, c.bk, c.stages, c.min_blocks) == (p.bn, p.mt, p.wgs, p.bk, p.stages, p.min_blocks)
+        assert (c.bn, c.mt, c.wgs, c.bk, c.stages, c.min_blocks, c.halo_tw) == (
+            p.bn, p.mt, p.wgs, p.bk, p.stages, p.min_blocks, p.halo_tw
+        )  # fmt: skip
         assert (c.smem_bytes, c.threads, c.stage_bytes) == (p.smem_bytes, p.threads, p.stage_bytes)
         for N, H, W, C, K, ldx in ((1, 9, 13, 64, 40, 72), (2, 512, 512, 32, 32, 64), (3, 5, 200, 96, 300, 96)):
             geo = prototype.launch(p, N, H, W, K)
@@ -228,9 +234,11 @@ def test_tensor_maps_of_every_unet_layer(n: int) -> None:
         for c in WGMMA_CONFIGS:
             mx = tma.conv3x3_input(c, X, n, HW, HW, C, C)
             mw = tma.conv3x3_weights(c, W_, K, C)
-            assert mx.box_bytes + mw.box_bytes == c.stage_bytes  # what the producer's expect_tx counts
-            tw = min(c.bm, HW)
-            assert mx.box == (c.bk, tw, c.bm // tw, 1) and mw.box == (c.bk, c.bn)
+            # what the producer's expect_tx counts: the A box and its taps' B boxes
+            assert mx.box_bytes + c.taps_per_stage * mw.box_bytes == c.stage_bytes
+            tw = c.halo_tw or min(c.bm, HW)
+            halo = 2 if c.halo_tw else 0  # a column copy's two extra image rows
+            assert mx.box == (c.bk, tw, c.bm // tw + halo, 1) and mw.box == (c.bk, c.bn)
             assert mx.swizzle_bytes == mw.swizzle_bytes == c.row_bytes
 
 

@@ -93,7 +93,7 @@ class Item:
 
 def one_tile_shape(cfg: cp.Config) -> tuple[int, int]:
     """(H, W) of an image that is exactly one tile of ``cfg``."""
-    tw = min(64, cfg.bm)
+    tw = cfg.halo_tw or min(64, cfg.bm)
     return cfg.bm // tw, tw
 
 
@@ -120,7 +120,9 @@ def _all_items(quick: bool) -> list[Item]:
         items.append(Item(f"probe-id/{cfg.entry}", "probe-id", cfg.entry, 1, H, W, C, C))
         items.append(Item(f"probe-w/{cfg.entry}", "probe-w", cfg.entry, 1, H, W, C, K))
         items.append(Item(f"rand1/{cfg.entry}", "rand1", cfg.entry, 1, H, W, 2 * C, cfg.bn))
-    for entry in ("conv3x3_wgmma_bn128_mt2_wg2_bk64", "conv3x3_wgmma_bn32_mt2_wg2_bk32"):
+    taps_of = ("conv3x3_wgmma_bn128_mt2_wg2_bk64", "conv3x3_wgmma_bn32_mt2_wg2_bk32",
+               "conv3x3_wgmma_bn64_mt2_wg2_bk64_h16", "conv3x3_wgmma_bn32_mt2_wg2_bk32_h16")  # fmt: skip
+    for entry in taps_of:
         cfg = cp.BY_ENTRY[entry]
         for tap in range(9):
             r, s = divmod(tap, 3)

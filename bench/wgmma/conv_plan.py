@@ -26,6 +26,7 @@ MAX_DYN_SMEM_PER_BLOCK = 232448  # 227 KiB opt-in limit (cuFuncSetAttribute)
 ALIGN = 1024  # slack for rounding the dynamic shared-memory base up to 1024 bytes
 NUM_SMS = 132
 MAX_STAGES = 8
+MAX_HALO_STAGES = 3  # a C <= 64 layer fills 3 stages per CTA in all
 ELEM = 2  # fp16 bytes
 
 # tensor-map rules (cuTensorMapEncodeTiled)
@@ -38,7 +39,8 @@ TMA_DIM_LIMIT = 1 << 32
 class Config:
     """One compiled kernel: BN output channels x BM = 64*MT*WGS pixels per CTA (WGS consumer
     warpgroups of MT m64 blocks), BK-channel k-blocks, ``stages`` pipeline stages, registers capped
-    for ``min_blocks`` CTAs per SM."""
+    for ``min_blocks`` CTAs per SM. ``halo_tw`` > 0: the column-copy scheme (the .cu's header):
+    a TH x halo_tw tile, one A box of TH + 2 rows per column shift serving three taps."""
 
     bn: int
     mt: int
@@ -46,6 +48,7 @@ class Config:
     bk: int
     min_blocks: int
     stages: int
+    halo_tw: int = 0
 
     @property
     def bm(self) -> int:
@@ -61,8 +64,13 @@ class Config:
         return self.bk * ELEM
 
     @property
+    def taps(self) -> int:
+        """Taps (weight boxes) per stage: 3 for a column copy, else 1."""
+        return 3 if self.halo_tw else 1
+
+    @property
     def a_bytes(self) -> int:
-        return self.bm * self.row_bytes
+        return (self.bm + 2 * self.halo_tw) * self.row_bytes
 
     @property
     def b_bytes(self) -> int:
@@ -70,8 +78,8 @@ class Config:
 
     @property
     def stage_bytes(self) -> int:
-        """Bytes one k-block brings in = the mbarrier transaction count per stage."""
-        return self.a_bytes + self.b_bytes
+        """Bytes one stage brings in = the mbarrier transaction count per stage."""
+        return self.a_bytes + self.taps * self.b_bytes
 
     @property
     def smem_bytes(self) -> int:
@@ -84,11 +92,13 @@ class Config:
 
     @property
     def entry(self) -> str:
-        return f"conv3x3_wgmma_bn{self.bn}_mt{self.mt}_wg{self.wgs}_bk{self.bk}"
+        halo = f"_h{self.halo_tw}" if self.halo_tw else ""
+        return f"conv3x3_wgmma_bn{self.bn}_mt{self.mt}_wg{self.wgs}_bk{self.bk}{halo}"
 
     @property
     def macro(self) -> str:
-        return f"CONV_WGMMA_ENTRY({self.bn},{self.mt},{self.wgs},{self.bk},{self.stages},{self.min_blocks})"
+        args = f"{self.bn},{self.mt},{self.wgs},{self.bk},{self.stages},{self.min_blocks}"
+        return f"CONV_WGMMA_HALO_ENTRY({args},{self.halo_tw})" if self.halo_tw else f"CONV_WGMMA_ENTRY({args})"
 
     @property
     def acc_registers(self) -> int:
@@ -102,11 +112,12 @@ def smem_budget(min_blocks: int, stages: int) -> int:
     return per_block - ALIGN - 2 * stages * 8
 
 
-def stages_for(bn: int, mt: int, wgs: int, bk: int, min_blocks: int) -> int:
-    """As many stages as fit (at most MAX_STAGES), checked against the epilogue's staging tile."""
+def stages_for(bn: int, mt: int, wgs: int, bk: int, min_blocks: int, halo_tw: int = 0) -> int:
+    """As many stages as fit (at most MAX_STAGES; a column-copy config at most MAX_HALO_STAGES),
+    checked against the epilogue's staging tile."""
     bm = 64 * mt * wgs
-    stage = (bm + bn) * bk * ELEM
-    stages = MAX_STAGES
+    stage = (bm + 2 * halo_tw + (3 if halo_tw else 1) * bn) * bk * ELEM
+    stages = MAX_HALO_STAGES if halo_tw else MAX_STAGES
     while stages >= 2 and stages * stage > smem_budget(min_blocks, stages):
         stages -= 1
     if stages < 2:
@@ -116,8 +127,8 @@ def stages_for(bn: int, mt: int, wgs: int, bk: int, min_blocks: int) -> int:
     return stages
 
 
-def _config(bn: int, mt: int, wgs: int, bk: int, min_blocks: int) -> Config:
-    return Config(bn, mt, wgs, bk, min_blocks, stages_for(bn, mt, wgs, bk, min_blocks))
+def _config(bn: int, mt: int, wgs: int, bk: int, min_blocks: int, halo_tw: int = 0) -> Config:
+    return Config(bn, mt, wgs, bk, min_blocks, stages_for(bn, mt, wgs, bk, min_blocks, halo_tw), halo_tw)
 
 
 # Registers: 288 threads x 224 = 64.5 K -> one CTA per SM for 128 accumulators a thread; configs
@@ -134,6 +145,14 @@ CONFIGS: tuple[Config, ...] = (
     _config(64, 1, 1, 64, 3),
     _config(64, 2, 2, 32, 2),
     _config(32, 2, 2, 32, 2),
+    # Column copies (halo_tw = 16: 16 x 16 or 8 x 16 pixel tiles), for the layers with few
+    # channels whose per-tap boxes make them L2-bound.
+    _config(32, 2, 2, 32, 2, 16),
+    _config(32, 2, 2, 64, 2, 16),
+    _config(64, 2, 2, 32, 2, 16),
+    _config(64, 2, 2, 64, 1, 16),
+    _config(64, 1, 2, 64, 2, 16),
+    _config(128, 2, 2, 64, 1, 16),
 )
 BY_ENTRY = {c.entry: c for c in CONFIGS}
 
@@ -151,7 +170,10 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def tile_width(cfg: Config, W: int) -> int:
-    """log2 of the tile width TW: the smallest power of two >= W, capped at BM (TH = BM / TW)."""
+    """log2 of the tile width TW: ``halo_tw`` for a column-copy config, else the smallest power of
+    two >= W, capped at BM (TH = BM / TW)."""
+    if cfg.halo_tw:
+        return cfg.halo_tw.bit_length() - 1
     tw = 1
     while tw < W and tw < cfg.bm:
         tw *= 2
@@ -252,13 +274,14 @@ class TensorMapSpec:
 
 
 def input_map(cfg: Config, x: int, N: int, H: int, W: int, C: int, ldx: int, tw_log2: int) -> TensorMapSpec:
-    """x (NHWC, per-pixel stride ldx elements) as a 4-D tensor (C, W, H, N); box (BK, TW, TH, 1)."""
+    """x (NHWC, per-pixel stride ldx elements) as a 4-D tensor (C, W, H, N); box (BK, TW, TH, 1),
+    for a column-copy config (BK, TW, TH + 2, 1)."""
     TW = 1 << tw_log2
     spec = TensorMapSpec(
         address=x,
         dims=(C, W, H, N),
         strides=(ldx * ELEM, W * ldx * ELEM, H * W * ldx * ELEM),
-        box=(cfg.bk, TW, cfg.bm // TW, 1),
+        box=(cfg.bk, TW, (cfg.bm + 2 * cfg.halo_tw) // TW, 1),
         swizzle_bytes=cfg.row_bytes,
         l2_promotion_bytes=128,
     )

@@ -32,7 +32,8 @@ MASK64 = (1 << 64) - 1
 
 # Deliberate bugs, to test that check.py's probes catch and describe them (--emulate only):
 # "desc-swizzle" (64B mode in 128B descriptors), "tap-shift" (column coordinate off by one),
-# "fragment" (accumulator rows +8 swapped), "bias" (bias of the wrong channel).
+# "fragment" (accumulator rows +8 swapped), "bias" (bias of the wrong channel), "halo-shift" (a
+# column copy's tap r read from row r*(TW-1): a row shift not on the swizzle repeat).
 BUG = ""
 
 
@@ -169,30 +170,37 @@ def run(
         if BUG == "desc-swizzle" and row == 128:
             desc_a0 = [(d & ~(3 << 62)) | (2 << 62) for d in desc_a0]
         stage = 0
-        kb = 0
-        for tap in range(9):
-            r, s = divmod(tap, 3)
-            for cb in range(cblocks):
-                # producer (the waits are modelled in pipeline_model below)
-                a_dst = base + stage * cfg.stage_bytes
+        num_kb = (9 // cfg.taps) * cblocks
+        dw = 0 if BUG == "tap-shift" else 1
+        for kb in range(num_kb):
+            # producer (the waits are modelled in pipeline_model below), the kernel's decode of kb
+            a_dst = base + stage * cfg.stage_bytes
+            if cfg.halo_tw:
+                cb, s = divmod(kb, 3)
                 c0 = cb * cfg.bk
-                dw = 0 if BUG == "tap-shift" else 1
+                got = tma_load(smem, a_dst, tmx, gx, (c0, w0 + s - dw, h0 - 1, img))
+                for r in range(3):
+                    got += tma_load(smem, a_dst + cfg.a_bytes + r * cfg.b_bytes, tmw, gw, ((3 * r + s) * C + c0, n0))
+            else:
+                tap, cb = divmod(kb, cblocks)
+                r, s = divmod(tap, 3)
+                c0 = cb * cfg.bk
                 got = tma_load(smem, a_dst, tmx, gx, (c0, w0 + s - dw, h0 + r - 1, img))
                 got += tma_load(smem, a_dst + cfg.a_bytes, tmw, gw, (tap * C + c0, n0))
-                assert got == cfg.stage_bytes, "expect_tx would not match the bytes TMA delivers"
-                # consumers
-                so = (stage * cfg.stage_bytes) >> 4
-                for g in range(cfg.wgs):
+            assert got == cfg.stage_bytes, "expect_tx would not match the bytes TMA delivers"
+            # consumers: tap r of a column copy reads the copy from row r * TW on
+            so = (stage * cfg.stage_bytes) >> 4
+            shift = cfg.halo_tw - 1 if BUG == "halo-shift" else cfg.halo_tw
+            for g in range(cfg.wgs):
+                for r in range(cfg.taps):
                     for k in range(cfg.bk // 16):
                         for mt in range(cfg.mt):
-                            da = (desc_a0[g] + so + ((mt * 64 * row + k * 32) >> 4)) & MASK64
-                            db = (desc_b0 + so + ((k * 32) >> 4)) & MASK64
+                            da = (desc_a0[g] + so + (((mt * 64 + r * shift) * row + k * 32) >> 4)) & MASK64
+                            db = (desc_b0 + so + ((r * cfg.b_bytes + k * 32) >> 4)) & MASK64
                             A = wgmma_operand(smem, da, 64).astype(np.float32)
                             B = wgmma_operand(smem, db, cfg.bn).astype(np.float32)
                             acc[g, mt] += A @ B.T
-                stage = 0 if stage + 1 == cfg.stages else stage + 1
-                kb += 1
-        assert kb == 9 * cblocks
+            stage = 0 if stage + 1 == cfg.stages else stage + 1
 
         # epilogue, per warpgroup, as the kernel: registers -> padded staging tile -> y
         pitch = cfg.bn + 8

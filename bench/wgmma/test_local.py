@@ -84,13 +84,15 @@ def test_configs_fit_the_sm() -> None:
         assert c.smem_bytes <= cp.MAX_DYN_SMEM_PER_BLOCK
         assert per_cta * c.min_blocks <= cp.SMEM_PER_SM, c
         assert c.bm * (c.bn + 8) * 2 <= c.stages * c.stage_bytes  # epilogue staging fits
-        assert c.stages >= 3 or c.min_blocks > 1, c
+        assert c.stages * c.taps >= 3 or c.min_blocks > 1, c  # taps of work buffered
 
 
 def test_entries_macro_names_every_config() -> None:
     m = cp.entries_macro()
     for c in cp.CONFIGS:
-        assert f"CONV_WGMMA_ENTRY({c.bn},{c.mt},{c.wgs},{c.bk},{c.stages},{c.min_blocks})" in m
+        args = f"{c.bn},{c.mt},{c.wgs},{c.bk},{c.stages},{c.min_blocks}"
+        want = f"CONV_WGMMA_HALO_ENTRY({args},{c.halo_tw})" if c.halo_tw else f"CONV_WGMMA_ENTRY({args})"
+        assert m.split().count(want) == 1
 
 
 @pytest.mark.parametrize("n", [1, 8])
@@ -101,8 +103,9 @@ def test_tensor_maps_valid_for_every_unet_layer(n: int) -> None:
             geo = cp.launch(c, n, HW, HW, K)
             mx = cp.input_map(c, 0x7F0000000000, n, HW, HW, C, C, geo.tw_log2)
             mw = cp.weight_map(c, 0x7F0000100000, K, C)
-            assert mx.box_bytes + mw.box_bytes == c.stage_bytes  # = the expect_tx count
-            assert mx.box == (c.bk, min(c.bm, HW), c.bm // min(c.bm, HW), 1)
+            assert mx.box_bytes + c.taps * mw.box_bytes == c.stage_bytes  # = the expect_tx count
+            tw = c.halo_tw or min(c.bm, HW)
+            assert mx.box == (c.bk, tw, c.bm // tw + (2 if c.halo_tw else 0), 1)
 
 
 def test_tensor_map_rules_reject_bad_arguments() -> None:
@@ -204,6 +207,13 @@ CASES = [
     ("conv3x3_wgmma_bn32_mt2_wg2_bk32", 1, 3, 200, 32, 32, 32, 32, 0, 0),  # W > BM: TW = BM, TH = 1
     ("conv3x3_wgmma_bn128_mt1_wg1_bk64", 2, 5, 9, 128, 200, 128, 208, 0, 0),  # one warpgroup, 2 ch tiles
     ("conv3x3_wgmma_bn64_mt1_wg1_bk64", 1, 32, 32, 64, 64, 96, 64, 32, 0),  # one warpgroup: 64x1 tiles
+    # column copies (16-pixel-wide tiles, TH + 2 rows per copy, three taps per stage)
+    ("conv3x3_wgmma_bn32_mt2_wg2_bk32_h16", 1, 20, 40, 32, 32, 32, 32, 0, 0),  # partial tiles both ways
+    ("conv3x3_wgmma_bn64_mt2_wg2_bk32_h16", 2, 7, 9, 32, 64, 48, 72, 8, 8),  # W < TW, 64B swizzle, slices
+    ("conv3x3_wgmma_bn32_mt2_wg2_bk64_h16", 1, 17, 18, 64, 32, 64, 32, 0, 0),  # one row past a tile
+    ("conv3x3_wgmma_bn64_mt2_wg2_bk64_h16", 1, 18, 17, 128, 64, 128, 64, 0, 0),  # two channel blocks
+    ("conv3x3_wgmma_bn64_mt1_wg2_bk64_h16", 2, 9, 20, 96, 40, 96, 40, 0, 0),  # C tail inside a copy, K tail
+    ("conv3x3_wgmma_bn128_mt2_wg2_bk64_h16", 1, 16, 16, 64, 136, 64, 136, 0, 0),  # two channel tiles
 ]
 
 
@@ -219,6 +229,13 @@ def test_emulator_catches_injected_bugs(bug: str, monkeypatch: pytest.MonkeyPatc
     """The emulator is sensitive to the mistakes it is meant to rule out."""
     monkeypatch.setattr(em, "BUG", bug)
     rel, _, _ = _emulate("conv3x3_wgmma_bn128_mt2_wg2_bk64", 1, 6, 20, 64, 64, 64, 64)
+    assert rel > 1e-2
+
+
+@pytest.mark.parametrize("bug", ["halo-shift", "tap-shift"])
+def test_emulator_catches_column_copy_bugs(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(em, "BUG", bug)
+    rel, _, _ = _emulate("conv3x3_wgmma_bn64_mt2_wg2_bk64_h16", 1, 16, 16, 64, 64, 64, 64)
     assert rel > 1e-2
 
 

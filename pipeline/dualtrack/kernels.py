@@ -791,6 +791,11 @@ class WgmmaConfig:
     producer warp that issues the TMA loads. The reduction (9 taps x C channels) runs in
     ``bk``-channel k-blocks (one 64- or 128-byte swizzled shared-memory row) through ``stages``
     pipeline stages; registers are capped so that ``min_blocks`` CTAs fit on an SM.
+
+    ``halo_tw`` > 0: the column-copy scheme (entry suffix ``_h<TW>``, the .cu's header). The tile
+    is ``bm / halo_tw`` rows of ``halo_tw`` pixels, and a stage holds one box of TH + 2 rows per
+    column shift plus the weights of its three taps, so each input pixel comes from L2 about three
+    times instead of nine.
     """
 
     bn: int
@@ -799,6 +804,7 @@ class WgmmaConfig:
     bk: int
     stages: int
     min_blocks: int
+    halo_tw: int = 0
 
     ELEMENT_BYTES: ClassVar[int] = 2  # fp16
     ALIGN: ClassVar[int] = 1024  # the kernel rounds its dynamic shared memory up to the 128-byte swizzle repeat
@@ -817,9 +823,18 @@ class WgmmaConfig:
         return self.bk * self.ELEMENT_BYTES
 
     @property
+    def a_rows(self) -> int:
+        """Rows of a stage's A box: the tile's pixels, plus two image rows for a column copy."""
+        return self.bm + 2 * self.halo_tw
+
+    @property
+    def taps_per_stage(self) -> int:
+        return 3 if self.halo_tw else 1
+
+    @property
     def stage_bytes(self) -> int:
-        """Bytes one k-block brings in (A box + B box): the mbarrier transaction count per stage."""
-        return (self.bm + self.bn) * self.row_bytes
+        """Bytes one stage brings in (A box + its taps' B boxes): the mbarrier transaction count."""
+        return (self.a_rows + self.taps_per_stage * self.bn) * self.row_bytes
 
     @property
     def smem_bytes(self) -> int:
@@ -832,15 +847,22 @@ class WgmmaConfig:
 
     @property
     def entry(self) -> str:
-        return f"conv3x3_wgmma_bn{self.bn}_mt{self.mt}_wg{self.wgs}_bk{self.bk}"
+        halo = f"_h{self.halo_tw}" if self.halo_tw else ""
+        return f"conv3x3_wgmma_bn{self.bn}_mt{self.mt}_wg{self.wgs}_bk{self.bk}{halo}"
 
     @property
     def macro(self) -> str:
-        return f"CONV_WGMMA_ENTRY({self.bn},{self.mt},{self.wgs},{self.bk},{self.stages},{self.min_blocks})"
+        args = f"{self.bn},{self.mt},{self.wgs},{self.bk},{self.stages},{self.min_blocks}"
+        if self.halo_tw:
+            return f"CONV_WGMMA_HALO_ENTRY({args},{self.halo_tw})"
+        return f"CONV_WGMMA_ENTRY({args})"
 
     def tw_log2(self, W: int) -> int:
-        """log2 of the spatial tile's width TW: the smallest power of two >= W, at most ``bm``
-        (the tile is ``bm / TW`` rows of TW pixels)."""
+        """log2 of the spatial tile's width TW: ``halo_tw`` for a column-copy entry (compiled in),
+        else the smallest power of two >= W, at most ``bm`` (the tile is ``bm / TW`` rows of TW
+        pixels)."""
+        if self.halo_tw:
+            return self.halo_tw.bit_length() - 1
         tw = 1
         while tw < W and tw < self.bm:
             tw *= 2
@@ -865,6 +887,13 @@ WGMMA_CONFIGS: tuple[WgmmaConfig, ...] = (
     WgmmaConfig(bn=64, mt=1, wgs=1, bk=64, stages=4, min_blocks=3),
     WgmmaConfig(bn=64, mt=2, wgs=2, bk=32, stages=5, min_blocks=2),
     WgmmaConfig(bn=32, mt=2, wgs=2, bk=32, stages=6, min_blocks=2),
+    # Column copies (halo_tw=16): for the layers with few channels, which per-tap boxes make L2-bound.
+    WgmmaConfig(bn=32, mt=2, wgs=2, bk=32, stages=3, min_blocks=2, halo_tw=16),
+    WgmmaConfig(bn=32, mt=2, wgs=2, bk=64, stages=2, min_blocks=2, halo_tw=16),
+    WgmmaConfig(bn=64, mt=2, wgs=2, bk=32, stages=3, min_blocks=2, halo_tw=16),
+    WgmmaConfig(bn=64, mt=2, wgs=2, bk=64, stages=3, min_blocks=1, halo_tw=16),
+    WgmmaConfig(bn=64, mt=1, wgs=2, bk=64, stages=2, min_blocks=2, halo_tw=16),
+    WgmmaConfig(bn=128, mt=2, wgs=2, bk=64, stages=2, min_blocks=1, halo_tw=16),
 )
 
 _TMA_DIM_LIMIT = 2**32  # cuTensorMapEncodeTiled: every dimension < 2^32 elements

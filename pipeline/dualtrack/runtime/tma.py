@@ -110,14 +110,15 @@ class TiledMap:
 
 def conv3x3_input(cfg: WgmmaConfig, x: int, N: int, H: int, W: int, C: int, ldx: int) -> TiledMap:
     """The input map of the wgmma conv for configuration ``cfg``: x (NHWC, pixel stride ``ldx``
-    elements) as (C, W, H, N), box (BK, TW, TH, 1) with ``TW = 2**cfg.tw_log2(W)``."""
+    elements) as (C, W, H, N), box (BK, TW, TH, 1) with ``TW = 2**cfg.tw_log2(W)``; a column-copy
+    configuration's box has the two halo rows too, (BK, TW, TH + 2, 1)."""
     tw = 1 << cfg.tw_log2(W)
     item = cfg.ELEMENT_BYTES
     m = TiledMap(
         address=int(x),
         dims=(C, W, H, N),
         strides=(ldx * item, W * ldx * item, H * W * ldx * item),
-        box=(cfg.bk, tw, cfg.bm // tw, 1),
+        box=(cfg.bk, tw, cfg.a_rows // tw, 1),
         swizzle_bytes=cfg.row_bytes,
         l2_promotion_bytes=128,
     )
