@@ -919,16 +919,22 @@ class Conv3x3WgmmaSpec(KernelSpec):
     ptx_arches: ClassVar[tuple[str, ...]] = ("compute_90a",)  # wgmma exists on sm_90a only
 
     configs: tuple[WgmmaConfig, ...] = WGMMA_CONFIGS
-    # choose(), fitted to the per-layer winners of bench/results/wgmma_check-e477c6d.json (H200, 132
+    # choose(), fitted to the per-layer winners of bench/results/wgmma_check-770a528.json (H200, 132
     # SMs): of these tiles, the first that makes at least `min_ctas` CTAs, else the one with most.
     prefer: tuple[str, ...] = (
         "conv3x3_wgmma_bn128_mt2_wg2_bk64",  # 256x128
-        "conv3x3_wgmma_bn64_mt2_wg2_bk64",  # 256x64
-        "conv3x3_wgmma_bn128_mt1_wg1_bk64",  # 64x128
+        "conv3x3_wgmma_bn64_mt2_wg2_bk64_h16",  # 256x64, column copies
+        "conv3x3_wgmma_bn64_mt1_wg2_bk64_h16",  # 128x64, column copies
         "conv3x3_wgmma_bn64_mt1_wg1_bk64",  # 64x64
-        "conv3x3_wgmma_bn64_mt2_wg2_bk32",  # 256x64, C % 64 != 0
+        "conv3x3_wgmma_bn64_mt2_wg2_bk32_h16",  # 256x64, column copies, C % 64 != 0
     )
-    narrow: tuple[str, ...] = ("conv3x3_wgmma_bn32_mt2_wg2_bk64", "conv3x3_wgmma_bn32_mt2_wg2_bk32")  # K <= 32
+    # With one channel block (C <= 64) a CTA fills only 3 stages: two smaller CTAs per SM overlap
+    # one's loads with the other's math, so the 128x64 tile goes before the 256x64 one.
+    one_block_first: str = "conv3x3_wgmma_bn64_mt1_wg2_bk64_h16"
+    narrow: tuple[str, ...] = (
+        "conv3x3_wgmma_bn32_mt2_wg2_bk64_h16",
+        "conv3x3_wgmma_bn32_mt2_wg2_bk32_h16",
+    )  # K <= 32
     min_ctas: int = 128
 
     def defines(self) -> dict[str, str]:
@@ -1000,18 +1006,23 @@ class Conv3x3WgmmaSpec(KernelSpec):
     def choose(self, N: int, H: int, W: int, C: int, K: int) -> WgmmaConfig:
         """The configuration to launch for this shape (H200 measurements, handwritten_ptx/README.md):
 
-        k-blocks of 64 channels when ``C % 64 == 0``, else of 32. K <= 32: the 256x32 tile. Else,
-        largest tile first, 256x128, 256x64, 64x128, 64x64 (with 32-channel k-blocks: 256x64 only),
-        skipping tiles wider than K rounded up to 32: the first that makes at least :attr:`min_ctas`
-        CTAs, else the one that makes the most (of equals, the smaller). Within 0.3% of the
-        per-layer best on the U-Net's 26 (layer, batch) pairs (the worst single layer: 6%).
+        k-blocks of 64 channels when ``C % 64 == 0``, else of 32. K <= 32: the 256x32 column-copy
+        tile. Else 256x128, then the 256x64 and 128x64 column-copy tiles (128x64 first when C <= 64),
+        then 64x64 (with 32-channel k-blocks: the 256x64 column-copy tile only), skipping tiles
+        wider than K rounded up to 32: the first that makes at least :attr:`min_ctas` CTAs, else
+        the one that makes the most (of equals, the smaller). Within 0.5% of the per-layer best on
+        the U-Net's 26 (layer, batch) pairs (the worst single layer: 1.3%).
         """
         _positive(N=N, H=H, W=W, C=C, K=K)
         bk = 64 if C % 64 == 0 else 32
         by_entry = {c.entry: c for c in self.configs}
         if K > 32:
             k32 = _cdiv(K, 32) * 32
-            wide = [by_entry[e] for e in self.prefer if by_entry[e].bk == bk and by_entry[e].bn <= k32]
+            order = list(self.prefer)
+            if C <= 64:
+                order.remove(self.one_block_first)
+                order.insert(1, self.one_block_first)
+            wide = [by_entry[e] for e in order if by_entry[e].bk == bk and by_entry[e].bn <= k32]
             for c in wide:
                 if c.ctas(N, H, W, K) >= self.min_ctas:
                     return c
