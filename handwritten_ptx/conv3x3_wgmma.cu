@@ -369,35 +369,39 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
         tma_prefetch(tmw);
         int stage = 0;
         u32 phase = 0;
-        for (int kb = 0; kb < num_kb; ++kb) {
-            const u32 empty = empty0 + 8 * stage;
-            const u32 full = full0 + 8 * stage;
-            if (!mbar_wait(empty, phase ^ 1u, status, WAIT_EMPTY, kb, stage)) return;
-            mbar_arrive_expect_tx(full, CF::STAGE_BYTES);
-            const u32 a_dst = base + stage * CF::STAGE_BYTES;
-            if (CF::HALO_TW) {
-                // Column copy s of channel block cb: rows h0-1 .. h0+TH, columns w0+s-1 .. +TW-1,
-                // and the weights of its three taps (r, s), r = 0..2.
-                const int cb = kb / 3;
-                const int s = kb - 3 * cb;
-                const int c0 = cb * CF::BK;
-                tma_load_4d(a_dst, tmx, full, c0, w0 + s - 1, h0 - 1, img);
+        // Two nested loops, no division per k-block: with small tiles a k-block's math takes
+        // about 100 ns and this one thread's issue rate is on the critical path.
+        //   per-tap boxes:  outer = tap (r, s), inner = channel block (tap-major k-blocks);
+        //   column copies:  outer = channel block, inner = column shift s (taps (0..2, s)).
+        const int outer_n = CF::HALO_TW ? cblocks : 9;
+        const int inner_n = CF::HALO_TW ? 3 : cblocks;
+        int kb = 0;
+        for (int o = 0; o < outer_n; ++o) {
+            const int r = o / 3;  // per-tap boxes only
+            for (int i = 0; i < inner_n; ++i, ++kb) {
+                const u32 empty = empty0 + 8 * stage;
+                const u32 full = full0 + 8 * stage;
+                if (!mbar_wait(empty, phase ^ 1u, status, WAIT_EMPTY, kb, stage)) return;
+                mbar_arrive_expect_tx(full, CF::STAGE_BYTES);
+                const u32 a_dst = base + stage * CF::STAGE_BYTES;
+                if (CF::HALO_TW) {
+                    // Column copy s = i of channel block o: rows h0-1 .. h0+TH, columns
+                    // w0+s-1 .. +TW-1, and the weights of its three taps (r, s), r = 0..2.
+                    const int c0 = o * CF::BK;
+                    tma_load_4d(a_dst, tmx, full, c0, w0 + i - 1, h0 - 1, img);
 #pragma unroll
-                for (int r = 0; r < 3; ++r)
-                    tma_load_2d(a_dst + CF::A_BYTES + r * CF::B_BYTES, tmw, full, (3 * r + s) * C + c0, n0);
-            } else {
-                // Tap-major: k-block kb = tap * cblocks + cb.
-                const int tap = kb / cblocks;
-                const int cb = kb - tap * cblocks;
-                const int r = tap / 3;
-                const int s = tap - 3 * r;
-                const int c0 = cb * CF::BK;
-                tma_load_4d(a_dst, tmx, full, c0, w0 + s - 1, h0 + r - 1, img);
-                tma_load_2d(a_dst + CF::A_BYTES, tmw, full, tap * C + c0, n0);
-            }
-            if (++stage == CF::STAGES) {
-                stage = 0;
-                phase ^= 1u;
+                    for (int rr = 0; rr < 3; ++rr)
+                        tma_load_2d(a_dst + CF::A_BYTES + rr * CF::B_BYTES, tmw, full, (3 * rr + i) * C + c0, n0);
+                } else {
+                    const int s = o - 3 * r;
+                    const int c0 = i * CF::BK;
+                    tma_load_4d(a_dst, tmx, full, c0, w0 + s - 1, h0 + r - 1, img);
+                    tma_load_2d(a_dst + CF::A_BYTES, tmw, full, o * C + c0, n0);
+                }
+                if (++stage == CF::STAGES) {
+                    stage = 0;
+                    phase ^= 1u;
+                }
             }
         }
         return;
