@@ -20,8 +20,6 @@ Rows (names are fixed so that result files compare across commits):
     dualtrack_head_b          bundle of configs/unet_head_b.yaml (the head's 1x1 conv on Track B, with softmax)
     dualtrack_mma_sync        the dualtrack bundle with DUALTRACK_WGMMA=0: every conv3x3 on the mma.sync
                               kernel (only where the dualtrack row ran the sm_90a wgmma kernel)
-    dualtrack_no_pdl          the dualtrack bundle with DUALTRACK_PDL=0: each Track A kernel launched only
-                              after the previous one completed (only where the dualtrack row used PDL)
 
 Timing: `median_ms` is host wall time around one synchronous call (time.perf_counter, the GPU idle
 before and drained after), the one clock that sees IREE's own streams; torch rows also record
@@ -85,7 +83,6 @@ ROWS = (
     "torch_compile_cudagraphs",
     "dualtrack_mma_sync",  # late: the chart's colours of the older rows stay as they were
     "dualtrack_head_b",
-    "dualtrack_no_pdl",
 )
 BUNDLE_ROWS = {  # row -> (argparse dest, config that builds its bundle)
     "dualtrack": ("bundle", "configs/unet.yaml"),
@@ -93,12 +90,8 @@ BUNDLE_ROWS = {  # row -> (argparse dest, config that builds its bundle)
     "iree_only": ("iree_only_bundle", "configs/iree_only.yaml"),
     "dualtrack_mma_sync": ("bundle", "configs/unet.yaml"),
     "dualtrack_head_b": ("head_b_bundle", "configs/unet_head_b.yaml"),
-    "dualtrack_no_pdl": ("bundle", "configs/unet.yaml"),
 }
-ROW_ENV = {  # settings a row's engine is loaded with
-    "dualtrack_mma_sync": {"DUALTRACK_WGMMA": "0"},
-    "dualtrack_no_pdl": {"DUALTRACK_PDL": "0"},
-}
+ROW_ENV = {"dualtrack_mma_sync": {"DUALTRACK_WGMMA": "0"}}  # settings a row's engine is loaded with
 
 
 # -- small helpers ----------------------------------------------------------------------------------
@@ -380,8 +373,6 @@ def bench_bundle(name: str, path: Path | None, ctx: dict[str, Any]) -> list[dict
     ]
     if name == "dualtrack_mma_sync" and not ctx.get("wgmma_on"):
         return skipped(name, "the dualtrack row ran no wgmma kernel: this row would repeat it", batches)
-    if name == "dualtrack_no_pdl" and not ctx.get("pdl_on"):
-        return skipped(name, "the dualtrack row launched without PDL: this row would repeat it", batches)
     print(f"[{name}] {path}: " + "; ".join(f"{p['segment']} {p['first']} .. {p['last']}" for p in plan))
     t0 = time.perf_counter()
     with _environ(ROW_ENV.get(name, {})):  # read once, when the engine's backend is made
@@ -390,7 +381,6 @@ def bench_bundle(name: str, path: Path | None, ctx: dict[str, Any]) -> list[dict
     be = engine.backend
     if name == "dualtrack":
         ctx["wgmma_on"] = be.stats.wgmma.startswith("on")
-        ctx["pdl_on"] = bool(getattr(be, "pdl", False))
     print(f"[{name}] wgmma conv3x3: {be.stats.wgmma}")
     rows: list[dict[str, Any]] = []
     try:

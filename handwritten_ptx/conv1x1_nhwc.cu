@@ -12,17 +12,6 @@
 // ReLU maps negatives to 0 and keeps NaN, as the numpy reference (np.maximum) does.
 // No #include: see conv3x3_nhwc.cu. Sizes come from dualtrack.kernels as -D macros.
 
-// Programmatic dependent launch (handwritten_ptx/README.md, "Launch order"): on sm_90 and newer every
-// kernel first waits for the previous kernel on its stream (a no-op when it was launched without a
-// programmatic dependency) and then lets the next one be scheduled, so the next kernel's launch
-// overlaps this one's tail. The wait comes before any early return: a grid that completes has
-// waited for its predecessor, which keeps the order transitive along the whole segment.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PDL_ENTER() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
-#else
-#define PDL_ENTER() ((void)0)
-#endif
-
 #if !defined(CONV1X1_THREADS) || !defined(CONV1X1_KG) || !defined(CONV1X1_MAX_C)
 #error "launch sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
 #endif
@@ -117,13 +106,11 @@ __device__ __forceinline__ void conv1x1(const T* __restrict__ x, const T* __rest
 extern "C" __global__ void __launch_bounds__(CONV1X1_THREADS)
 conv1x1_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const float* __restrict__ bias,
                  f16* __restrict__ y, int N, int H, int W, int C, int K, int ldx, int ldy, int relu) {
-    PDL_ENTER();
     conv1x1<f16>(x, w, bias, y, N, H, W, C, K, ldx, ldy, relu);
 }
 
 extern "C" __global__ void __launch_bounds__(CONV1X1_THREADS)
 conv1x1_nhwc_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
                  float* __restrict__ y, int N, int H, int W, int C, int K, int ldx, int ldy, int relu) {
-    PDL_ENTER();
     conv1x1<float>(x, w, bias, y, N, H, W, C, K, ldx, ldy, relu);
 }

@@ -21,17 +21,6 @@
 // No #include: NVRTC must build this with no toolkit headers (CI has none). fp16 values are raw
 // IEEE bits in `unsigned short`; conversions and tensor-core ops are inline PTX.
 
-// Programmatic dependent launch (handwritten_ptx/README.md, "Launch order"): on sm_90 and newer every
-// kernel first waits for the previous kernel on its stream (a no-op when it was launched without a
-// programmatic dependency) and then lets the next one be scheduled, so the next kernel's launch
-// overlaps this one's tail. The wait comes before any early return: a grid that completes has
-// waited for its predecessor, which keeps the order transitive along the whole segment.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PDL_ENTER() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
-#else
-#define PDL_ENTER() ((void)0)
-#endif
-
 #if !defined(CONV_F16_BM) || !defined(CONV_F16_BN) || !defined(CONV_F16_BK) || \
     !defined(CONV_F16_WARPS_M) || !defined(CONV_F16_WARPS_N) || !defined(CONV_F16_STAGES) || \
     !defined(CONV_F16_MIN_BLOCKS) || !defined(CONV_F16_NARROW) || !defined(CONV_F16_SMALL) || \
@@ -473,7 +462,6 @@ typedef Cfg<CONV_F16_SMALL> Small;    // too few Main tiles to fill the GPU
     NAME(const f16* __restrict__ x, const f16* __restrict__ w, const float* __restrict__ bias,              \
          f16* __restrict__ y, int N, int H, int W, int C, int K, int ldx, int ldy, int relu) {              \
         __shared__ __align__(16) f16 smem[CF::SMEM_HALVES];                                                 \
-        PDL_ENTER();                                                                                        \
         f16conv::conv<CF>(x, w, bias, y, N, H, W, C, K, ldx, ldy, relu, smem);                              \
     }
 
@@ -813,7 +801,6 @@ extern "C" __global__ void __launch_bounds__(smallc::SmallC::THREADS, smallc::Sm
     __shared__ __align__(16) float xs[CF::XS];
     __shared__ __align__(16) float ws[CF::WS];
     __shared__ __align__(16) float bs[CF::KMAX];
-    PDL_ENTER();
     if (C < 1 || C > CF::CMAX || K < 1 || K > CF::KMAX || blockDim.x % 32 != 0) return;
     smallc::conv<CF>(x, w, bias, y, N, H, W, C, K, ldx, ldy, relu, xs, ws, bs);
 }
@@ -998,7 +985,6 @@ conv3x3_nhwc_f32(const float* __restrict__ x, const float* __restrict__ w, const
     __shared__ __align__(16) float Bs[2 * BK * BNP];
     __shared__ int row_h[BM];
     __shared__ int row_w[BM];
-    PDL_ENTER();
 
     const int M = N * H * W;
     const int m0 = blockIdx.x * BM;

@@ -79,17 +79,6 @@
 //
 // No #include: NVRTC builds this with no toolkit headers. fp16 values are raw bits.
 
-// Programmatic dependent launch (handwritten_ptx/README.md, "Launch order"): on sm_90 and newer every
-// kernel first waits for the previous kernel on its stream (a no-op when it was launched without a
-// programmatic dependency) and then lets the next one be scheduled, so the next kernel's launch
-// overlaps this one's tail. The wait comes before any early return: a grid that completes has
-// waited for its predecessor, which keeps the order transitive along the whole segment.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PDL_ENTER() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
-#else
-#define PDL_ENTER() ((void)0)
-#endif
-
 #if !defined(CONV_WGMMA_ENTRIES)
 #error "configurations come from dualtrack.kernels (Conv3x3WgmmaSpec.defines): build with `make ptx`"
 #endif
@@ -545,7 +534,6 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
             int relu, int tw_log2, int* status) {                                                           \
         extern __shared__ __align__(1024) unsigned char dsmem[];                                            \
         __shared__ u64 bars[2 * (STAGES)];                                                                  \
-        PDL_ENTER();                                                                                        \
         wg::conv<wg::Cfg<BN, MT, WGS, BK, STAGES, HALO_TW>>(&tmx, &tmw, bias, y, N, H, W, C, K, ldy, relu, tw_log2,  \
                                               status, dsmem, bars);                                         \
     }

@@ -27,17 +27,6 @@
 // conversions and tensor-core ops are inline PTX. The GEMM mainloops are those of
 // conv3x3_nhwc.cu with the im2col addressing removed; each .cu compiles standalone.
 
-// Programmatic dependent launch (handwritten_ptx/README.md, "Launch order"): on sm_90 and newer every
-// kernel first waits for the previous kernel on its stream (a no-op when it was launched without a
-// programmatic dependency) and then lets the next one be scheduled, so the next kernel's launch
-// overlaps this one's tail. The wait comes before any early return: a grid that completes has
-// waited for its predecessor, which keeps the order transitive along the whole segment.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PDL_ENTER() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
-#else
-#define PDL_ENTER() ((void)0)
-#endif
-
 #if !defined(CONVT_F16_BM) || !defined(CONVT_F16_BN) || !defined(CONVT_F16_BK) || \
     !defined(CONVT_F16_WARPS_M) || !defined(CONVT_F16_WARPS_N) || !defined(CONVT_F16_STAGES) || \
     !defined(CONVT_F32_BM) || !defined(CONVT_F32_BN) || !defined(CONVT_F32_BK) || \
@@ -256,7 +245,6 @@ convt2x2_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const fl
                   f16* __restrict__ y, int N, int H, int W, int C, int K, int ldx, int ldy) {
     using namespace f16convt;
     __shared__ __align__(16) f16 smem[SMEM_HALVES];
-    PDL_ENTER();
 
     const int M = N * H * W;  // the launcher refuses M >= 2^31
     const int NG = 4 * K;
@@ -513,7 +501,6 @@ convt2x2_nhwc_f32(const float* __restrict__ x, const float* __restrict__ w, cons
     using namespace f32convt;
     __shared__ __align__(16) float As[2 * BK * BMP];
     __shared__ __align__(16) float Bs[2 * BK * BNP];
-    PDL_ENTER();
 
     const int M = N * H * W;
     const int NG = 4 * K;

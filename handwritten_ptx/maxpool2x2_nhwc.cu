@@ -8,17 +8,6 @@
 // NaN propagates (max.NaN), as numpy's max and PyTorch's max-pool do.
 // No #include: see conv3x3_nhwc.cu. The block size comes from dualtrack.kernels as -D macros.
 
-// Programmatic dependent launch (handwritten_ptx/README.md, "Launch order"): on sm_90 and newer every
-// kernel first waits for the previous kernel on its stream (a no-op when it was launched without a
-// programmatic dependency) and then lets the next one be scheduled, so the next kernel's launch
-// overlaps this one's tail. The wait comes before any early return: a grid that completes has
-// waited for its predecessor, which keeps the order transitive along the whole segment.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PDL_ENTER() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
-#else
-#define PDL_ENTER() ((void)0)
-#endif
-
 #if !defined(POOL_THREADS) || !defined(POOL_VEC_F16) || !defined(POOL_VEC_F32)
 #error "launch sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
 #endif
@@ -101,13 +90,11 @@ __device__ __forceinline__ void maxpool2x2(const T* __restrict__ x, T* __restric
 
 extern "C" __global__ void __launch_bounds__(POOL_THREADS)
 maxpool2x2_nhwc_f16(const f16* __restrict__ x, f16* __restrict__ y, int N, int H, int W, int C, int ldx, int ldy) {
-    PDL_ENTER();
     maxpool2x2<f16, POOL_VEC_F16, uint4>(x, y, N, H, W, C, ldx, ldy);
 }
 
 extern "C" __global__ void __launch_bounds__(POOL_THREADS)
 maxpool2x2_nhwc_f32(const float* __restrict__ x, float* __restrict__ y, int N, int H, int W, int C, int ldx,
                     int ldy) {
-    PDL_ENTER();
     maxpool2x2<float, POOL_VEC_F32, float4>(x, y, N, H, W, C, ldx, ldy);
 }

@@ -389,7 +389,7 @@ class _Kernel:
     def __init__(self, name: str, launched: list) -> None:
         self.name, self.launched = name, launched
 
-    def launch(self, grid, block, shared, stream, args, *, pdl: bool = False) -> None:
+    def launch(self, grid, block, shared, stream, args) -> None:
         self.launched.append((self.name, grid, block, shared, args))
 
 

@@ -20,9 +20,6 @@ class Settings:
     DUALTRACK_CUDA_GRAPHS set to 0 to launch Track A kernels one by one instead of replaying a CUDA graph
     DUALTRACK_WGMMA       set to 0 to keep every conv3x3 on the mma.sync kernel on sm_90a too (for comparisons);
                           by default the TMA + wgmma kernel runs every conv it supports there
-    DUALTRACK_PDL         set to 0 to launch each Track A kernel only after the previous one completed; by default
-                          on sm_90+ a kernel is launched with a programmatic dependency on the one before it
-                          (its launch overlaps that kernel's tail; handwritten_ptx/README.md, "Launch order")
     DUALTRACK_IREE_ALLOCATOR  IREE CUDA device allocator specs, comma-separated; default "caching" (reuses
                           freed buffers instead of a cuMemAlloc/cuMemFree pair per call); "none": IREE's plain one
     DUALTRACK_IREE_FLAGS  extra IREE runtime flags for the CUDA device, space-separated (read once per process)
@@ -34,7 +31,6 @@ class Settings:
     use_cache: bool
     cuda_graphs: bool
     wgmma: bool = True
-    pdl: bool = True
     iree_allocators: tuple[str, ...] = ("caching",)
     iree_flags: tuple[str, ...] = ()
 
@@ -52,7 +48,6 @@ class Settings:
             use_cache=env.get("DUALTRACK_NO_CACHE", "") not in ("1", "true", "yes"),
             cuda_graphs=env.get("DUALTRACK_CUDA_GRAPHS", "1") not in ("0", "false", "no"),
             wgmma=env.get("DUALTRACK_WGMMA", "1") not in ("0", "false", "no"),
-            pdl=env.get("DUALTRACK_PDL", "1") not in ("0", "false", "no"),
             iree_allocators=_allocators(env.get("DUALTRACK_IREE_ALLOCATOR", "caching")),
             iree_flags=tuple(env.get("DUALTRACK_IREE_FLAGS", "").split()),
         )

@@ -1,8 +1,7 @@
 """The sm_90a conv3x3 (TMA + wgmma) on an H100/H200: every configuration against the numpy
 reference (partial tiles, channel tails, channel-slice reads and writes, NaN-poisoned outputs, the
 watchdog silent), and the engine with the kernel on, off (DUALTRACK_WGMMA=0), one launch at a time
-(DUALTRACK_CUDA_GRAPHS=0), without programmatic dependent launch (DUALTRACK_PDL=0) and on the
-CPU: the same results, and the wgmma kernel did run.
+(DUALTRACK_CUDA_GRAPHS=0) and on the CPU: the same results, and the wgmma kernel did run.
 
 The kernel is loaded here from handwritten_ptx/ptx/compute_90a/conv3x3_wgmma.ptx (driver JIT); the
 engine runs the bundle's cubin. Skipped where the GPU is not compute capability 9.0.
@@ -201,7 +200,6 @@ def test_wgmma_on_off_one_by_one_and_cpu_agree(tiny_wgmma_bundle: Path, monkeypa
         ("on", {}),
         ("off", {"DUALTRACK_WGMMA": "0"}),
         ("on_no_graphs", {"DUALTRACK_CUDA_GRAPHS": "0"}),
-        ("no_pdl", {"DUALTRACK_PDL": "0"}),
     ):
         with monkeypatch.context() as mp:
             for k, v in env.items():
@@ -211,15 +209,11 @@ def test_wgmma_on_off_one_by_one_and_cpu_agree(tiny_wgmma_bundle: Path, monkeypa
                 impls = {c["impl"] for per in e.backend.stats.conv3x3.values() for c in per.values()}
                 assert ("wgmma" in impls) == (name != "off"), (name, impls)
                 assert e.backend.use_graphs == (name != "on_no_graphs")
-                assert e.backend.pdl == (name != "no_pdl")  # an sm_90 GPU: on unless turned off
     with Engine.load(tiny_wgmma_bundle, "cpu") as cpu:
         results["cpu"] = {n: cpu.run(x) for n, x in xs.items()}
     for n in xs:
         # the same kernels on the same inputs: a graph replay and one-by-one launches agree
         np.testing.assert_allclose(results["on"][n]["probs"], results["on_no_graphs"][n]["probs"], rtol=0, atol=1e-6)
-        # programmatic dependent launch changes when kernels start, never what they compute
-        for key in ("probs", "mask"):
-            np.testing.assert_array_equal(results["on"][n][key], results["no_pdl"][n][key])
         for key in ("probs", "mask"):
             for other in ("off", "cpu"):
                 check = compare(f"{key} N={n} on vs {other}", results[other][n][key], results["on"][n][key], MODEL_TOL)
@@ -239,38 +233,3 @@ def test_a_stuck_pipeline_is_an_error_not_a_hang() -> None:
     assert out["status"][0] == 1 and out["status"][1] in (1, 2), out  # waiting on full[] (consumer) or empty[]
     assert out["trap"].startswith("CUDA_ERROR_"), out
     assert 1.5 < out["report_s"] < 30 and out["trap_s"] < 30, out
-
-
-def _edge_types(graph) -> list:
-    from cuda.bindings import driver as cu
-
-    from dualtrack.runtime.driver import call
-
-    n = call(cu.cuGraphGetEdges, graph, 0)[-1]
-    _, _, data, got = call(cu.cuGraphGetEdges, graph, n)
-    assert got == n
-    return [d.type for d in data[:n]]
-
-
-@pytest.mark.parametrize("pdl", [True, False])
-def test_the_track_a_graph_carries_programmatic_edges(
-    tiny_wgmma_bundle: Path, monkeypatch: pytest.MonkeyPatch, pdl: bool
-) -> None:
-    """Stream capture kept each PDL launch as a programmatic edge: one per kernel after the first
-    in every Track A graph (none with DUALTRACK_PDL=0); the input copy's edge stays a full one."""
-    from cuda.bindings import driver as cu
-
-    from dualtrack.plan import ALIAS_OPS
-
-    monkeypatch.setenv("DUALTRACK_PDL", "1" if pdl else "0")
-    spec = Bundle.open(tiny_wgmma_bundle).plan.inputs[0]
-    with Engine.load(tiny_wgmma_bundle, "cuda") as e:
-        e.run(random_input(spec, 1, np.random.default_rng(0)))
-        assert e.backend.graphs
-        for (index, _batch), (graph, _exec) in e.backend.graphs.items():
-            seg = e.plan.segments[index]
-            launches = sum(c.op not in ALIAS_OPS for c in seg.calls)
-            types = _edge_types(graph)
-            programmatic = sum(t == cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC for t in types)
-            assert programmatic == (launches - 1 if pdl else 0), (seg.name, launches, types)
-            assert len(types) >= launches - 1

@@ -377,25 +377,6 @@ def _dim3(d: int | Sequence[int]) -> tuple[int, int, int]:
     return (*dims, 1, 1)[:3]  # type: ignore[return-value]
 
 
-def launch_config(
-    grid: int | Sequence[int], block: int | Sequence[int], shared_bytes: int, stream: Stream, *, pdl: bool
-) -> cu.CUlaunchConfig:
-    """``cuLaunchKernelEx``'s configuration; ``pdl`` adds the programmatic-stream-serialization
-    attribute (the launch depends programmatically, not fully, on the previous kernel in the stream)."""
-    cfg = cu.CUlaunchConfig()
-    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = _dim3(grid)
-    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = _dim3(block)
-    cfg.sharedMemBytes = shared_bytes
-    cfg.hStream = stream.handle
-    if pdl:
-        attr = cu.CUlaunchAttribute()
-        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        cfg.attrs = [attr]
-        cfg.numAttrs = 1
-    return cfg
-
-
 # ---------------------------------------------------------------------------------------------
 # Modules and kernels
 
@@ -593,33 +574,16 @@ class Kernel:
         shared_bytes: int,
         stream: Stream,
         args: Sequence[tuple[Any, type | None]],
-        *,
-        pdl: bool = False,
     ) -> None:
         """Enqueue one launch on ``stream``; ``args`` are ``(value, ctypes type)`` pairs in order
-        (:func:`kernel_params`). The driver copies the parameters: nothing needs to outlive the call.
-
-        ``pdl``: launch with a programmatic dependency on the previous kernel in the stream
-        (``cuLaunchKernelEx`` with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, cc 9.0+):
-        the kernel may start before that one completes, and must itself wait for it
-        (``griddepcontrol.wait``) before it reads what it wrote. Stream capture keeps the
-        dependency as a programmatic graph edge."""
-        if not pdl:
-            call(
-                cu.cuLaunchKernel,
-                self.handle,
-                *_dim3(grid),
-                *_dim3(block),
-                shared_bytes,
-                stream.handle,
-                kernel_params(args),
-                0,
-            )
-            return
+        (:func:`kernel_params`). The driver copies the parameters: nothing needs to outlive the call."""
         call(
-            cu.cuLaunchKernelEx,
-            launch_config(grid, block, shared_bytes, stream, pdl=True),
+            cu.cuLaunchKernel,
             self.handle,
+            *_dim3(grid),
+            *_dim3(block),
+            shared_bytes,
+            stream.handle,
             kernel_params(args),
             0,
         )

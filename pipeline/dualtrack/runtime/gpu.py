@@ -86,14 +86,8 @@ class Launch:
     entry: str
     choice: kernels.ConvChoice | None = None  # conv3x3: which implementation, and why
 
-    def __call__(self, stream: Stream, *, pdl: bool = False) -> None:
-        self.kernel.launch(self.config.grid, self.config.block, self.config.shared_bytes, stream, self.args, pdl=pdl)
-
-
-def use_pdl(settings: Settings, cc: tuple[int, int]) -> bool:
-    """Programmatic dependent launch between a segment's kernels: unless DUALTRACK_PDL=0, on sm_90
-    and newer, where the kernels' griddepcontrol instructions exist (the sm_80 PTX has none)."""
-    return settings.pdl and cc >= (9, 0)
+    def __call__(self, stream: Stream) -> None:
+        self.kernel.launch(self.config.grid, self.config.block, self.config.shared_bytes, stream, self.args)
 
 
 class CudaBackend:
@@ -114,7 +108,6 @@ class CudaBackend:
         self.host_arrays: list[HostBuffer] = []  # handed out by host_array(); uploaded from directly
         self.slots: dict[tuple[str | None, int], DeviceBuffer] = {}
         self.use_graphs = settings.cuda_graphs
-        self.pdl = use_pdl(settings, self.device.cc)
         self.graphs: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.staged: dict[tuple[int, int], dict[str, GpuTensor]] = {}
         self.buffers: dict[int, tuple[dict[str, GpuTensor], list[GpuTensor]]] = {}
@@ -364,15 +357,9 @@ class CudaBackend:
         return {t.name: env[t.name] for t in seg.outputs}
 
     def _launch_all(self, seg: Segment, env: dict[str, GpuTensor]) -> None:
-        """Enqueue the segment's kernels in plan order. With :attr:`pdl` every kernel but the first
-        depends programmatically on the one before it (its launch overlaps that one's tail; each
-        kernel waits for its predecessor on entry, handwritten_ptx/README.md "Launch order"). The
-        first follows a copy or another segment's work: a full dependency."""
-        first = True
         for c in seg.calls:
             if c.op not in ALIAS_OPS:
-                self._prepared(c, env)(self.stream, pdl=self.pdl and not first)
-                first = False
+                self._launch(c, env)
 
     def _staged_inputs(self, seg: Segment, batch: int) -> dict[str, GpuTensor]:
         key = (seg.index, batch)
