@@ -135,7 +135,7 @@ def test_info_shows_which_convs_run_the_wgmma_kernel(tiny_full_bundle: Path) -> 
         r"^             enc1/conv1: direct f16_smallc \(C=3 <= 4: small-C direct conv; wgmma: C=3: ", out, re.M
     )
     assert re.search(r"^             dec1/conv1: mma\.sync f16_narrow \(heuristic; wgmma: ldy=4: ", out, re.MULTILINE)
-    assert re.search(r"^             mid/conv2: bn32_mt2_wg2_bk32$", out, re.MULTILINE)
+    assert re.search(r"^             mid/conv2: bn32_mt2_wg2_bk32_h16$", out, re.MULTILINE)  # K = 32: column copies
     assert "conv3x3    sm_80" not in out
 
 
