@@ -62,13 +62,6 @@
 // may be a channel slice of a wider (concat) buffer. Pixels outside the image and channels
 // >= K are not written.
 //
-// Split-K (splits > 1, for layers with few output tiles and many channels: the bottleneck at
-// N=1). The CTAs of one output tile are `splits` neighbours in the grid; split i reduces over its
-// share of the channel blocks (ceil(cblocks/splits) each), stores its fp32 partial tile to `part`
-// and counts itself in `counters[tile]` (atom.add after membar.gl). The CTA that counts last adds
-// all partials in split order, so the result does not depend on which finished first, resets the
-// counter to zero for the next launch and runs the epilogue below.
-//
 // Watchdog. Every mbarrier wait that does not succeed at once polls %globaltimer; after
 // CONV_WGMMA_WATCHDOG_NS it records (what, block, thread, k-block, stage, parity) in `status`
 // (int[8], device memory, zeroed by the host) and the thread leaves its loop, so a wrong
@@ -329,8 +322,7 @@ struct Cfg {
 template <class CF>
 __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw, const float* __restrict__ bias,
                                      f16* __restrict__ y, int N, int H, int W, int C, int K, int ldy, int relu,
-                                     int tw_log2, int* status, int splits, float* __restrict__ part,
-                                     int* __restrict__ counters, unsigned char* dsmem, u64* bars) {
+                                     int tw_log2, int* status, unsigned char* dsmem, u64* bars) {
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
 
@@ -343,9 +335,6 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
     const int tiles_h = (H + TH - 1) / TH;
     const int n_tiles = (K + CF::BN - 1) / CF::BN;
     int t = static_cast<int>(blockIdx.x);
-    const int split = t % splits;  // split-K: the CTAs of one output tile are neighbours
-    t /= splits;
-    const int out_tile = t;
     const int nt = t % n_tiles;
     t /= n_tiles;
     const int tw = t % tiles_w;
@@ -360,11 +349,7 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
     const u32 base = (raw + ALIGN - 1) & ~static_cast<u32>(ALIGN - 1);
     const u32 full0 = smem_u32(bars);                  // full[s]  at full0 + 8*s
     const u32 empty0 = full0 + 8 * CF::STAGES;         // empty[s] at empty0 + 8*s
-    // This CTA's channel blocks: all of them, or split `split`'s share of them (split-K).
-    const int cblocks_all = (C + CF::BK - 1) / CF::BK;
-    const int per_split = (cblocks_all + splits - 1) / splits;
-    const int cb_first = split * per_split;
-    const int cblocks = max(0, min(cblocks_all, cb_first + per_split) - cb_first);
+    const int cblocks = (C + CF::BK - 1) / CF::BK;
     const int num_kb = (9 / CF::TAPS) * cblocks;  // pipeline stages filled per CTA
 
     if (threadIdx.x == 0) {
@@ -402,14 +387,14 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
                 if (CF::HALO_TW) {
                     // Column copy s = i of channel block o: rows h0-1 .. h0+TH, columns
                     // w0+s-1 .. +TW-1, and the weights of its three taps (r, s), r = 0..2.
-                    const int c0 = (cb_first + o) * CF::BK;
+                    const int c0 = o * CF::BK;
                     tma_load_4d(a_dst, tmx, full, c0, w0 + i - 1, h0 - 1, img);
 #pragma unroll
                     for (int rr = 0; rr < 3; ++rr)
                         tma_load_2d(a_dst + CF::A_BYTES + rr * CF::B_BYTES, tmw, full, (3 * rr + i) * C + c0, n0);
                 } else {
                     const int s = o - 3 * r;
-                    const int c0 = (cb_first + i) * CF::BK;
+                    const int c0 = i * CF::BK;
                     tma_load_4d(a_dst, tmx, full, c0, w0 + s - 1, h0 + r - 1, img);
                     tma_load_2d(a_dst + CF::A_BYTES, tmw, full, o * C + c0, n0);
                 }
@@ -481,63 +466,9 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
     // Every consumer is past its last wgmma: the pipeline's shared memory can be reused.
     named_barrier<1, 32 * CF::CONSUMER_WARPS>();
     if (!ok) return;
-    const int wl = warp & 3;  // warp within the warpgroup: accumulator rows 16*wl .. +15
-
-    if (splits > 1) {
-        // ---- split-K: every split stores its fp32 partial tile; the last to finish adds them
-        // up in split order (the same sum whatever the arrival order) and runs the epilogue.
-        // part: [output tile][split][BM][BN] fp32; counters: one per output tile, zero between
-        // launches (the last CTA puts it back).
-        const long long tile_base = static_cast<long long>(out_tile) * splits;
-        float* mine = part + (tile_base + split) * (CF::BM * CF::BN);
-#pragma unroll
-        for (int j = 0; j < CF::BN / 8; ++j)
-#pragma unroll
-            for (int mt = 0; mt < CF::MT; ++mt)
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int row = (g * CF::MT + mt) * 64 + 16 * wl + (lane >> 2) + 8 * half;
-                    float* dst = mine + row * CF::BN + 8 * j + 2 * (lane & 3);
-                    asm volatile("st.global.cg.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(acc[mt][4 * j + 2 * half]),
-                                 "f"(acc[mt][4 * j + 2 * half + 1])
-                                 : "memory");
-                }
-        asm volatile("membar.gl;" ::: "memory");  // the partial is visible before the count
-        named_barrier<1, 32 * CF::CONSUMER_WARPS>();
-        volatile u32* last = reinterpret_cast<volatile u32*>(bars + 2 * CF::STAGES);
-        if (threadIdx.x == 0) {
-            u32 old;
-            asm volatile("atom.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(counters + out_tile) : "memory");
-            const bool is_last = old == static_cast<u32>(splits - 1);
-            if (is_last) counters[out_tile] = 0;  // every split has counted: ready for the next launch
-            *last = is_last ? 1u : 0u;
-        }
-        named_barrier<1, 32 * CF::CONSUMER_WARPS>();
-        if (*last == 0u) return;
-        asm volatile("membar.gl;" ::: "memory");
-#pragma unroll
-        for (int mt = 0; mt < CF::MT; ++mt)
-#pragma unroll
-            for (int i = 0; i < CF::NREG; ++i) acc[mt][i] = 0.f;
-        for (int sp = 0; sp < splits; ++sp) {
-            const float* src_tile = part + (tile_base + sp) * (CF::BM * CF::BN);
-#pragma unroll
-            for (int j = 0; j < CF::BN / 8; ++j)
-#pragma unroll
-                for (int mt = 0; mt < CF::MT; ++mt)
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int row = (g * CF::MT + mt) * 64 + 16 * wl + (lane >> 2) + 8 * half;
-                        const float* src = src_tile + row * CF::BN + 8 * j + 2 * (lane & 3);
-                        float v0, v1;
-                        asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v0), "=f"(v1) : "l"(src) : "memory");
-                        acc[mt][4 * j + 2 * half] += v0;
-                        acc[mt][4 * j + 2 * half + 1] += v1;
-                    }
-        }
-    }
 
     // ---- epilogue: bias + ReLU, fp16, staged per warpgroup, 16-byte stores ----
+    const int wl = warp & 3;  // warp within the warpgroup: accumulator rows 16*wl .. +15
     f16* tile = reinterpret_cast<f16*>(dsmem + (base - raw)) + g * (CF::MT * 64 * CF::EPI_PITCH);
 #pragma unroll
     for (int j = 0; j < CF::BN / 8; ++j) {
@@ -588,10 +519,8 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
 }  // namespace wg
 
 // One entry per configuration. Parameters (cuLaunchKernel order): tensor map of x, tensor map of
-// w, bias (fp32, may be null), y, N, H, W, C, K, ldy, relu, tw_log2, status (int[8] or null),
-// splits (split-K: 1, or 2.. ceil(C/BK)), part (fp32 [tiles][splits][BM][BN], null for 1 split),
-// counters (int per output tile, zeroed once by the host, null for 1 split).
-// Grid: (N * ceil(H/TH) * ceil(W/TW) * ceil(K/BN) * splits, 1, 1); block: 32*(4*WGS+1); dynamic shared
+// w, bias (fp32, may be null), y, N, H, W, C, K, ldy, relu, tw_log2, status (int[8] or null).
+// Grid: (N * ceil(H/TH) * ceil(W/TW) * ceil(K/BN), 1, 1); block: 32*(4*WGS+1); dynamic shared
 // memory: STAGES * STAGE_BYTES + 1024 bytes, STAGE_BYTES = (BM + BN) * BK * 2, or for a column-copy
 // entry (name suffix _h<TW>; tw_log2 must be log2(TW)) (BM + 2*TW + 3*BN) * BK * 2.
 #define CONV_WGMMA_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS) CONV_WGMMA_KERNEL(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, 0, )
@@ -602,11 +531,11 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
         conv3x3_wgmma_bn##BN##_mt##MT##_wg##WGS##_bk##BK##SUFFIX(                                           \
             const __grid_constant__ TensorMap tmx, const __grid_constant__ TensorMap tmw,                    \
             const float* __restrict__ bias, f16* __restrict__ y, int N, int H, int W, int C, int K, int ldy, \
-            int relu, int tw_log2, int* status, int splits, float* part, int* counters) {                  \
+            int relu, int tw_log2, int* status) {                                                           \
         extern __shared__ __align__(1024) unsigned char dsmem[];                                            \
-        __shared__ u64 bars[2 * (STAGES) + 1]; /* + the split-K "last CTA" flag */                          \
+        __shared__ u64 bars[2 * (STAGES)];                                                                  \
         wg::conv<wg::Cfg<BN, MT, WGS, BK, STAGES, HALO_TW>>(&tmx, &tmw, bias, y, N, H, W, C, K, ldy, relu, tw_log2,  \
-                                              status, splits, part, counters, dsmem, bars);                 \
+                                              status, dsmem, bars);                                         \
     }
 
 CONV_WGMMA_ENTRIES

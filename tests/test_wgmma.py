@@ -208,39 +208,11 @@ def test_choose_on_shapes_outside_the_unet() -> None:
     assert WG.choose(8, 256, 256, 128, 64).entry == "conv3x3_wgmma_bn64_mt2_wg2_bk64_h16"
 
 
-def test_split_k_where_the_tiles_fill_less_than_a_wave() -> None:
-    """The U-Net's N=1 bottleneck and deep decoder layers split their channel blocks; nothing at
-    N=8, and never a split with fewer than two channel blocks."""
-    split = {}
-    for n in (1, 8):
-        for name, C, K, HW in UNET_LAYERS:
-            cfg = WG.choose(n, HW, HW, C, K)
-            s = WG.splits(cfg, n, HW, HW, C, K)
-            assert (1 <= s <= WG.max_splits and cfg.ctas(n, HW, HW, K) * s <= WG.num_sms * cfg.min_blocks) or s == 1
-            assert s == 1 or -(-C // cfg.bk) >= 2 * s
-            if s > 1:
-                split[(name, n)] = s
-    assert split == {("enc4b/dec4b", 1): 2, ("bott_a", 1): 2, ("bott_b", 1): 3, ("dec4a", 1): 2}
-    cfg = WG.config("conv3x3_wgmma_bn64_mt1_wg1_bk64")
-    assert WG.launch("float16", 1, 32, 32, 512, 512, entry=cfg.entry, splits=3).grid == (3 * 128, 1, 1)
-    assert WG.workspace_bytes(cfg, 1, 32, 32, 512, 3) == (128 * 3 * 64 * 64 * 4, 128 * 4)
-    assert WG.workspace_bytes(cfg, 1, 32, 32, 512, 1) == (0, 0)
-    with pytest.raises(InputError, match="leave none empty"):
-        WG.launch("float16", 1, 32, 32, 64, 512, entry=cfg.entry, splits=2)  # one channel block
-
-
 def test_choose_conv3x3_decides_between_the_kernels() -> None:
     args = ("float16", 1, 64, 64, 64, 128)
     on = choose_conv3x3(*args, wgmma_off=None, tuned="conv3x3_nhwc_f16_t64x32x32_w2x2_s4_b4", x=X, w=W_, y=Y)
     assert (on.impl, on.entry) == ("wgmma", WG.choose(1, 64, 64, 64, 128).entry)  # a tuned tile does not displace it
-    assert "CTAs" in on.reason and on.to_json() == {
-        "impl": on.impl,
-        "entry": on.entry,
-        "reason": on.reason,
-        "splits": 1,
-    }
-    deep = choose_conv3x3("float16", 1, 32, 32, 512, 512, wgmma_off=None)  # the N=1 bottleneck: split-K
-    assert (deep.splits, deep.short) == (3, "bn64_mt1_wg1_bk64 x3 splits") and "x 3 channel splits" in deep.reason
+    assert "CTAs" in on.reason and on.to_json() == {"impl": on.impl, "entry": on.entry, "reason": on.reason}
     off = choose_conv3x3(*args, wgmma_off="DUALTRACK_WGMMA=0")
     assert off == kernels.ConvChoice(
         "mma.sync", kernels.KERNELS["conv3x3"].variant(*args), "heuristic; wgmma: DUALTRACK_WGMMA=0"
@@ -327,17 +299,9 @@ def test_kernel_args_pass_the_tensor_maps_by_value() -> None:
     tmx.opaque = [cu.cuuint64_t(0x1111_0000 + i) for i in range(16)]
     args = WG.args(tmx=tmx, tmw=tmw, bias=0x7F00, y=Y, N=2, H=9, W=13, C=64, K=200, ldy=208, relu=True, entry=entry)
     values, types = zip(*args, strict=True)
-    ptr, i32 = ctypes.c_void_p, ctypes.c_int32
-    assert types == (None, None, ptr, ptr, *(i32,) * 8, ptr, i32, ptr, ptr)
-    # tw_log2: 16 columns for W=13; status null; one split, no workspace
-    assert values[2:] == (0x7F00, Y, 2, 9, 13, 64, 200, 208, 1, 4, 0, 1, 0, 0)
+    assert types == (None, None, ctypes.c_void_p, ctypes.c_void_p, *(ctypes.c_int32,) * 8, ctypes.c_void_p)
+    assert values[2:] == (0x7F00, Y, 2, 9, 13, 64, 200, 208, 1, 4, 0)  # tw_log2: 16 columns for W=13; status null
     assert len(args) == len(WG.PARAMS)
-    split = WG.args(tmx=tmx, tmw=tmw, y=Y, N=1, H=4, W=4, C=256, K=64, entry=entry, splits=2, part=X, counters=W_)
-    assert [v for v, _ in split[-3:]] == [2, X, W_]
-    with pytest.raises(InputError, match="counters is a null device pointer"):
-        WG.args(tmx=tmx, tmw=tmw, y=Y, N=1, H=4, W=4, C=256, K=64, entry=entry, splits=2, part=X)
-    with pytest.raises(InputError, match="splits=3: C=256 has 4 channel blocks"):
-        WG.args(tmx=tmx, tmw=tmw, y=Y, N=1, H=4, W=4, C=256, K=64, entry=entry, splits=3, part=X, counters=W_)
     from dualtrack.runtime.driver import kernel_params
 
     packed = cu._HelperKernelParams(kernel_params(args))  # what cuLaunchKernel hands the driver

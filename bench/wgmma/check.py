@@ -89,12 +89,6 @@ class Item:
     K: int = 64
     tap: int = 4
     layer: str = ""
-    splits: int = 1  # split-K ways
-
-    @property
-    def variant(self) -> str:
-        """The timed variant: the entry, with ``@s<splits>`` for a split-K launch."""
-        return self.cfg + (f"@s{self.splits}" if self.splits > 1 else "")
 
 
 def one_tile_shape(cfg: cp.Config) -> tuple[int, int]:
@@ -142,12 +136,6 @@ def _all_items(quick: bool) -> list[Item]:
                 HW = 6  # the emulator is slow: one small image per layer shape
             for cfg in configs_for(C, K):
                 items.append(Item(f"{layer}/N={n}/{cfg.entry}", "layer", cfg.entry, n, HW, HW, C, K, layer=layer))
-                # split-K where the tiles fill less than a wave and every split keeps 2+ channel blocks
-                tiles = cp.launch(cfg, n, HW, HW, K).tiles
-                for sp in (2, 3, 4):
-                    if tiles * sp <= cp.NUM_SMS * cfg.min_blocks and -(-C // cfg.bk) >= 2 * sp:
-                        items.append(Item(f"{layer}/N={n}/{cfg.entry}@s{sp}", "layer", cfg.entry, n, HW, HW, C, K,
-                                          layer=layer, splits=sp))  # fmt: skip
     return items
 
 
@@ -287,8 +275,7 @@ class Launcher:
     """Everything one (config, problem) launch needs, built once: tensor maps and the void** array."""
 
     def __init__(self, mod: Module, cfg: cp.Config, x: int, w: int, bias: int, y: int, N: int, H: int, W: int,
-                 C: int, K: int, ldx: int, ldy: int, relu: bool, status: int, splits: int = 1,
-                 part: int = 0, counters: int = 0) -> None:  # fmt: skip
+                 C: int, K: int, ldx: int, ldy: int, relu: bool, status: int) -> None:  # fmt: skip
         why = cp.supported(N, H, W, C, K, ldx, ldy, x, w, y)
         if why:
             raise ValueError(why)
@@ -300,9 +287,6 @@ class Launcher:
         self.scalars = [ctypes.c_uint64(bias), ctypes.c_uint64(y)]
         self.scalars += [ctypes.c_int32(v) for v in (N, H, W, C, K, ldy, int(relu), self.geo.tw_log2)]
         self.scalars.append(ctypes.c_uint64(status))
-        cp.split_sizes(cfg, C, splits)
-        self.splits = splits
-        self.scalars += [ctypes.c_int32(splits), ctypes.c_uint64(part), ctypes.c_uint64(counters)]
         ptrs = [self.tmx.getPtr(), self.tmw.getPtr()] + [ctypes.addressof(v) for v in self.scalars]
         assert len(ptrs) == len(cp.kernel_arg_names())
         self.params = (ctypes.c_void_p * len(ptrs))(*ptrs)
@@ -310,9 +294,8 @@ class Launcher:
     def __call__(self, stream: int) -> None:
         cu = _cu()
         g = self.geo
-        grid = (g.grid[0] * self.splits, 1, 1)
         cu_check(
-            cu.cuLaunchKernel(self.func, *grid, *g.block, g.smem_bytes, cu.CUstream(stream),
+            cu.cuLaunchKernel(self.func, *g.grid, *g.block, g.smem_bytes, cu.CUstream(stream),
                               ctypes.addressof(self.params), 0),
             f"cuLaunchKernel({self.cfg.entry}, grid={g.grid})",
         )  # fmt: skip
@@ -331,7 +314,7 @@ class EmuLauncher:
     """--emulate: runs emulate.run on CPU tensors in place of the kernel launch."""
 
     def __init__(self, cfg: cp.Config, xf: Any, w: Any, bias: Any | None, yf: Any, N: int, H: int, W: int, C: int,
-                 K: int, ldx: int, ldy: int, relu: bool, x_off: int, y_off: int, splits: int = 1) -> None:  # fmt: skip
+                 K: int, ldx: int, ldy: int, relu: bool, x_off: int, y_off: int) -> None:  # fmt: skip
         why = cp.supported(N, H, W, C, K, ldx, ldy, 2 * x_off, 0, 2 * y_off)
         if why:
             raise ValueError(why)
@@ -341,7 +324,6 @@ class EmuLauncher:
         self.cfg, self.geo = cfg, cp.launch(cfg, N, H, W, K)
         self.args = (xf, w, bias, yf, x_off, y_off)
         self.prob = emulate.Problem(N, H, W, C, K, ldx, ldy, relu)
-        self.splits = splits
 
     def __call__(self, stream: int) -> None:
         # WGMMA_EMULATE_FAULT=<raise|reject|hang|exit>:<test-name substring> simulates a kernel
@@ -362,8 +344,7 @@ class EmuLauncher:
         self.emulate.BUG = os.environ.get("WGMMA_EMULATE_BUG", "")
         xf, w, bias, yf, x_off, y_off = self.args
         b = None if bias is None else bias.float().numpy()
-        self.emulate.run(self.cfg, self.prob, xf.numpy(), w.numpy(), b, x_off=x_off, y_off=y_off, y=yf.numpy(),
-                         splits=self.splits)  # fmt: skip
+        self.emulate.run(self.cfg, self.prob, xf.numpy(), w.numpy(), b, x_off=x_off, y_off=y_off, y=yf.numpy())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -408,22 +389,13 @@ class Ctx:
             return False
 
     def launcher(self, cfg: cp.Config, xf: Any, w: Any, bias: Any | None, yf: Any, N: int, H: int, W: int, C: int,
-                 K: int, ldx: int, ldy: int, relu: bool, x_off: int, y_off: int, splits: int = 1) -> Any:  # fmt: skip
-        """A reusable launch of ``cfg`` on these buffers (x/y: the slices start at x_off/y_off);
-        ``splits`` > 1: split-K, with its partial tiles and zeroed counters kept on the launcher."""
+                 K: int, ldx: int, ldy: int, relu: bool, x_off: int, y_off: int) -> Any:  # fmt: skip
+        """A reusable launch of ``cfg`` on these buffers (x/y: the slices start at x_off/y_off)."""
         if EMULATE:
-            return EmuLauncher(cfg, xf, w, bias, yf, N, H, W, C, K, ldx, ldy, relu, x_off, y_off, splits)
+            return EmuLauncher(cfg, xf, w, bias, yf, N, H, W, C, K, ldx, ldy, relu, x_off, y_off)
         bias_ptr = 0 if bias is None else bias.data_ptr()
-        part = counters = None
-        if splits > 1:
-            tiles = cp.launch(cfg, N, H, W, K).tiles
-            part = self.torch.empty(tiles * splits * cfg.bm * cfg.bn, dtype=self.torch.float32, device=DEVICE)
-            counters = self.torch.zeros(tiles, dtype=self.torch.int32, device=DEVICE)
-        ws = (0, 0) if part is None or counters is None else (part.data_ptr(), counters.data_ptr())
-        launch = Launcher(self.mod, cfg, xf.data_ptr() + 2 * x_off, w.data_ptr(), bias_ptr, yf.data_ptr() + 2 * y_off,
-                          N, H, W, C, K, ldx, ldy, relu, self.status.data_ptr(), splits, *ws)  # fmt: skip
-        launch.keep = (part, counters)
-        return launch
+        return Launcher(self.mod, cfg, xf.data_ptr() + 2 * x_off, w.data_ptr(), bias_ptr, yf.data_ptr() + 2 * y_off,
+                        N, H, W, C, K, ldx, ldy, relu, self.status.data_ptr())  # fmt: skip
 
     def status_report(self) -> dict[str, int] | None:
         s = self.status.tolist()
@@ -447,11 +419,10 @@ def f16_bits(torch: Any, t: Any) -> Any:
 
 
 def run_kernel(ctx: Ctx, cfg: cp.Config, x: Any, w: Any, bias: Any | None, y: Any, N: int, H: int, W: int, C: int,
-               K: int, ldx: int, ldy: int, relu: bool, x_off: int = 0, y_off: int = 0,
-               splits: int = 1) -> Any:  # fmt: skip
+               K: int, ldx: int, ldy: int, relu: bool, x_off: int = 0, y_off: int = 0) -> Any:  # fmt: skip
     """One launch into y (already poisoned); x/y are full buffers, the slices start at x_off/y_off."""
     ctx.status.zero_()
-    launch = ctx.launcher(cfg, x, w, bias, y, N, H, W, C, K, ldx, ldy, relu, x_off, y_off, splits)
+    launch = ctx.launcher(cfg, x, w, bias, y, N, H, W, C, K, ldx, ldy, relu, x_off, y_off)
     launch(ctx.stream)
     ctx.sync()
     return launch
@@ -631,7 +602,7 @@ def t_random(ctx: Ctx, it: Item, cfg: cp.Config, *, slice_: bool = False, timed:
     x_off, y_off, ldx, ldy, ref = case["x_off"], case["y_off"], case["ldx"], case["ldy"], case["ref"]
     yf = torch.full((N, H, W, ldy), float("nan"), dtype=torch.float16, device=DEVICE)
     launch = run_kernel(ctx, cfg, case["xf"], case["w"], case["bias"], yf, N, H, W, C, K, ldx, ldy, True,
-                        x_off, y_off, it.splits)  # fmt: skip
+                        x_off, y_off)  # fmt: skip
     y = yf[..., y_off : y_off + K]
     rel = ((y.float() - ref).nan_to_num(nan=1e30).norm() / ref.norm()).item()
     nan = int(torch.isnan(y).sum())
@@ -644,14 +615,6 @@ def t_random(ctx: Ctx, it: Item, cfg: cp.Config, *, slice_: bool = False, timed:
     if timed and res["pass"]:
         res["ms"] = time_it(ctx, lambda: launch(ctx.stream))
         res["tflops"] = cp.flops(N, H, W, C, K) / (res["ms"] * 1e-3) / 1e12
-        if it.splits > 1:
-            # after dozens of launches the split-K counters must be back at zero: the same result again
-            yf.fill_(float("nan"))
-            launch(ctx.stream)
-            ctx.sync()
-            again = ((y.float() - ref).nan_to_num(nan=1e30).norm() / ref.norm()).item()
-            res["rerun_rel_l2"] = again
-            res["pass"] = again < REL_L2_TOL
     del yf
     return res
 
@@ -955,17 +918,17 @@ def report(items: list[Item], run: Run, sass: Any, bad_configs: set[str], second
             status = "PASS" if all_pass else f"FAIL({sum(1 for _, r in done if not r.get('pass'))} cfg)"
             if len(done) < len(lst):
                 status += f" ({len(lst) - len(done)} cfg not run)"
-            print(f"{layer:14s} {n:2d} {it0.C:4d} {it0.K:4d} {it0.H:4d}x{it0.W:<4d} {it.variant[14:]:29s} {ms:8.4f} "
+            print(f"{layer:14s} {n:2d} {it0.C:4d} {it0.K:4d} {it0.H:4d}x{it0.W:<4d} {it.cfg[14:]:29s} {ms:8.4f} "
                   f"{flops / ms / 1e9:8.1f} {cu_ms:9.4f} {flops / cu_ms / 1e9:8.1f} {cu_ms / ms:8.2f} "
                   f"{best['rel_l2']:9.2e} {status}")  # fmt: skip
             mult = len(layer.split("/"))
             t = totals.setdefault(n, [0.0, 0.0])
             t[0] += mult * ms
             t[1] += mult * cu_ms
-            rows.append({"layer": layer, "N": n, "C": it0.C, "K": it0.K, "H": it0.H, "W": it0.W, "best_cfg": it.variant,
+            rows.append({"layer": layer, "N": n, "C": it0.C, "K": it0.K, "H": it0.H, "W": it0.W, "best_cfg": it.cfg,
                          "ms": ms, "tflops": flops / ms / 1e9, **_cudnn_fields(cud), "rel_l2": best["rel_l2"],
                          "status": status,
-                         "per_config_ms": {i2.variant: r2.get("ms") for i2, r2 in done}})  # fmt: skip
+                         "per_config_ms": {i2.cfg: r2.get("ms") for i2, r2 in done}})  # fmt: skip
         else:
             why = "not run" if not done else "; ".join(
                 str(r.get("error") or r.get("watchdog") or r.get("where") or f"rel_l2={r.get('rel_l2')}")[:120]

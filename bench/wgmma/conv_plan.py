@@ -88,7 +88,7 @@ class Config:
 
     @property
     def static_smem_bytes(self) -> int:
-        return 2 * self.stages * 8 + 8  # full[] and empty[] mbarriers, the split-K "last CTA" flag
+        return 2 * self.stages * 8  # full[] and empty[] mbarriers
 
     @property
     def entry(self) -> str:
@@ -381,19 +381,7 @@ def pick_config(N: int, H: int, W: int, C: int, K: int, num_sms: int = NUM_SMS) 
 
 def kernel_arg_names() -> tuple[str, ...]:
     """cuLaunchKernel parameter order (the .cu's CONV_WGMMA_ENTRY)."""
-    return ("tmx", "tmw", "bias", "y", "N", "H", "W", "C", "K", "ldy", "relu", "tw_log2", "status",
-            "splits", "part", "counters")  # fmt: skip
-
-
-def split_sizes(cfg: Config, C: int, splits: int) -> list[int]:
-    """Channel blocks of each split, as the kernel shares them: ceil(cblocks/splits) each, the
-    last one the rest. ValueError where a split would get none."""
-    cblocks = _cdiv(C, cfg.bk)
-    per = _cdiv(cblocks, splits)
-    sizes = [max(0, min(cblocks, (i + 1) * per) - i * per) for i in range(splits)]
-    if splits < 1 or min(sizes) < 1:
-        raise ValueError(f"splits={splits}: C={C} has {cblocks} channel blocks; a split would get none")
-    return sizes
+    return ("tmx", "tmw", "bias", "y", "N", "H", "W", "C", "K", "ldy", "relu", "tw_log2", "status")
 
 
 def flops(N: int, H: int, W: int, C: int, K: int) -> int:

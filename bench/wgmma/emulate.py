@@ -137,7 +137,6 @@ def run(
     x_off: int = 0,
     y_off: int = 0,
     y: np.ndarray | None = None,
-    splits: int = 1,
 ) -> np.ndarray:
     """Emulate one launch. x: (N,H,W,ldx) fp16 whose channels [x_off, x_off+C) are the input,
     w: (K,3,3,C) fp16, bias (K,) fp32 or None. Writes channels [y_off, y_off+K) of y (N,H,W,ldy),
@@ -163,35 +162,29 @@ def run(
     cblocks = -(-C // cfg.bk)
     row = cfg.row_bytes
 
-    sizes = cp.split_sizes(cfg, C, splits)
-    part = np.zeros((geo.tiles, splits, cfg.wgs, cfg.mt, 64, cfg.bn), np.float32)  # split-K partial tiles
-    for block in range(geo.tiles * splits):
-        # the kernel's decode: split fastest, then the output tile
-        split, tile = block % splits, block // splits
-        img, h0, w0, n0 = cp.decode_tile(cfg, tile, H, W, K, geo.tw_log2)
-        cb_first = split * -(-cblocks // splits)
-        assert sizes[split] == max(0, min(cblocks, cb_first + -(-cblocks // splits)) - cb_first)
+    for block in range(geo.tiles):
+        img, h0, w0, n0 = cp.decode_tile(cfg, block, H, W, K, geo.tw_log2)
         acc = np.zeros((cfg.wgs, cfg.mt, 64, cfg.bn), np.float32)  # [warpgroup][m-block]: 64 x BN tiles
         desc_a0 = [cp.smem_desc(base + g * cfg.mt * 64 * row, row) for g in range(cfg.wgs)]
         desc_b0 = cp.smem_desc(base + cfg.a_bytes, row)
         if BUG == "desc-swizzle" and row == 128:
             desc_a0 = [(d & ~(3 << 62)) | (2 << 62) for d in desc_a0]
         stage = 0
-        num_kb = (9 // cfg.taps) * sizes[split]
+        num_kb = (9 // cfg.taps) * cblocks
         dw = 0 if BUG == "tap-shift" else 1
         for kb in range(num_kb):
             # producer (the waits are modelled in pipeline_model below), the kernel's decode of kb
             a_dst = base + stage * cfg.stage_bytes
             if cfg.halo_tw:
                 cb, s = divmod(kb, 3)
-                c0 = (cb_first + cb) * cfg.bk
+                c0 = cb * cfg.bk
                 got = tma_load(smem, a_dst, tmx, gx, (c0, w0 + s - dw, h0 - 1, img))
                 for r in range(3):
                     got += tma_load(smem, a_dst + cfg.a_bytes + r * cfg.b_bytes, tmw, gw, ((3 * r + s) * C + c0, n0))
             else:
-                tap, cb = divmod(kb, sizes[split])
+                tap, cb = divmod(kb, cblocks)
                 r, s = divmod(tap, 3)
-                c0 = (cb_first + cb) * cfg.bk
+                c0 = cb * cfg.bk
                 got = tma_load(smem, a_dst, tmx, gx, (c0, w0 + s - dw, h0 + r - 1, img))
                 got += tma_load(smem, a_dst + cfg.a_bytes, tmw, gw, (tap * C + c0, n0))
             assert got == cfg.stage_bytes, "expect_tx would not match the bytes TMA delivers"
@@ -208,13 +201,6 @@ def run(
                             B = wgmma_operand(smem, db, cfg.bn).astype(np.float32)
                             acc[g, mt] += A @ B.T
             stage = 0 if stage + 1 == cfg.stages else stage + 1
-        if splits > 1:
-            part[tile, split] = acc
-            if split < splits - 1:
-                continue  # the last split of a tile (the kernel: the last to count) adds them up
-            acc = np.zeros_like(acc)
-            for sp in range(splits):  # in split order, as the kernel
-                acc += part[tile, sp]
 
         # epilogue, per warpgroup, as the kernel: registers -> padded staging tile -> y
         pitch = cfg.bn + 8

@@ -177,14 +177,14 @@ def test_swizzle_matches_ptx_tables(span: int, table: list[list[int]]) -> None:
 
 
 def _emulate(entry: str, N: int, H: int, W: int, C: int, K: int, ldx: int, ldy: int, x_off: int = 0,
-             y_off: int = 0, bias: bool = True, seed: int = 0, splits: int = 1) -> tuple[float, int, int]:  # fmt: skip
+             y_off: int = 0, bias: bool = True, seed: int = 0) -> tuple[float, int, int]:  # fmt: skip
     rng = np.random.default_rng(seed)
     c = cp.BY_ENTRY[entry]
     p = em.Problem(N, H, W, C, K, ldx, ldy, True)
     x = rng.standard_normal((N, H, W, ldx)).astype(np.float16)
     w = (rng.standard_normal((K, 3, 3, C)) / np.sqrt(9 * C)).astype(np.float16)
     b = rng.standard_normal(K).astype(np.float32) if bias else None
-    y = em.run(c, p, x, w, b, x_off=x_off, y_off=y_off, splits=splits)
+    y = em.run(c, p, x, w, b, x_off=x_off, y_off=y_off)
     ref = em.reference(p, x, w, b, x_off)
     out = y[..., y_off : y_off + K].astype(np.float64)
     rel = float(np.linalg.norm(np.nan_to_num(out, nan=1e9) - ref) / np.linalg.norm(ref))
@@ -230,28 +230,6 @@ def test_emulator_catches_injected_bugs(bug: str, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(em, "BUG", bug)
     rel, _, _ = _emulate("conv3x3_wgmma_bn128_mt2_wg2_bk64", 1, 6, 20, 64, 64, 64, 64)
     assert rel > 1e-2
-
-
-SPLIT_CASES = [
-    # entry, N, H, W, C, K, ldx, ldy, splits: split-K (the partial tiles added up in split order)
-    ("conv3x3_wgmma_bn64_mt1_wg1_bk64", 1, 4, 8, 256, 64, 256, 64, 2),
-    ("conv3x3_wgmma_bn64_mt1_wg2_bk64_h16", 1, 9, 20, 320, 40, 320, 40, 3),  # 5 blocks: 2 + 2 + 1
-    ("conv3x3_wgmma_bn64_mt2_wg2_bk32_h16", 2, 5, 6, 96, 64, 96, 64, 3),  # 32-channel blocks, 1 each
-]
-
-
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=[f"{c[0][14:]}-C{c[4]}-s{c[8]}" for c in SPLIT_CASES])
-def test_emulated_split_k_matches_conv(case: tuple) -> None:
-    *shape, splits = case
-    rel, nan, outside = _emulate(*shape, splits=splits)
-    assert nan == 0 and outside == 0 and rel < 1e-3
-
-
-def test_split_sizes_leave_no_split_empty() -> None:
-    c = cp.BY_ENTRY["conv3x3_wgmma_bn64_mt1_wg1_bk64"]
-    assert cp.split_sizes(c, 512, 3) == [3, 3, 2] and cp.split_sizes(c, 320, 3) == [2, 2, 1]
-    with pytest.raises(ValueError, match="a split would get none"):
-        cp.split_sizes(c, 256, 3)  # 4 blocks: 2 + 2 + 0
 
 
 @pytest.mark.parametrize("bug", ["halo-shift", "tap-shift"])

@@ -365,7 +365,8 @@ def info(bundle: Path, as_json: bool) -> None:
         )
         per_node: dict[str, dict[int, str]] = {}
         for layer, c in choices:
-            what = c.short if c.impl == "wgmma" else f"{c.impl} {c.short} ({c.reason})"
+            short = c.entry.removeprefix("conv3x3_wgmma_").removeprefix("conv3x3_nhwc_")
+            what = short if c.impl == "wgmma" else f"{c.impl} {short} ({c.reason})"
             per_node.setdefault(layer.node, {})[layer.batch] = what
         for node, per in per_node.items():
             picks = ", ".join(f"N={n}: {w}" for n, w in per.items()) if len(set(per.values())) > 1 else per[min(per)]

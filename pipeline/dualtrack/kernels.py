@@ -843,7 +843,7 @@ class WgmmaConfig:
 
     @property
     def static_smem_bytes(self) -> int:
-        return 2 * 8 * self.stages + 8  # the full[] and empty[] mbarriers, the split-K "last CTA" flag
+        return 2 * 8 * self.stages  # the full[] and empty[] mbarriers
 
     @property
     def entry(self) -> str:
@@ -915,7 +915,6 @@ class Conv3x3WgmmaSpec(KernelSpec):
 
     PARAMS: ClassVar[tuple[str, ...]] = (
         "tmx", "tmw", "bias", "y", "N", "H", "W", "C", "K", "ldy", "relu", "tw_log2", "status",
-        "splits", "part", "counters",
     )  # fmt: skip
     ptx_arches: ClassVar[tuple[str, ...]] = ("compute_90a",)  # wgmma exists on sm_90a only
 
@@ -937,11 +936,6 @@ class Conv3x3WgmmaSpec(KernelSpec):
         "conv3x3_wgmma_bn32_mt2_wg2_bk32_h16",
     )  # K <= 32
     min_ctas: int = 128
-    # Split-K (the .cu's header): a launch whose output tiles fill less than one wave of the SMs
-    # splits its channel blocks, up to `max_splits` ways, at least `min_blocks_per_split` each.
-    num_sms: int = 132  # H100/H200
-    max_splits: int = 4
-    min_blocks_per_split: int = 2
 
     def defines(self) -> dict[str, str]:
         return {"CONV_WGMMA_ENTRIES": " ".join(c.macro for c in self.configs)}
@@ -1037,43 +1031,18 @@ class Conv3x3WgmmaSpec(KernelSpec):
                 return max(wide, key=lambda c: (c.ctas(N, H, W, K), -c.bm * c.bn))
         return next(by_entry[e] for e in self.narrow if by_entry[e].bk == bk)
 
-    def splits(self, cfg: WgmmaConfig, N: int, H: int, W: int, C: int, K: int) -> int:
-        """Split-K ways for this launch: 1 unless its output tiles fill less than one wave
-        (``num_sms * min_blocks`` CTAs); then the most ways, up to :attr:`max_splits`, that still
-        fit in one wave and leave every split at least :attr:`min_blocks_per_split` channel
-        blocks. In the U-Net this is the N=1 bottleneck and the deep decoder layers (C >= 256 at
-        64x64 and 32x32), which otherwise run 128 CTAs on 132 SMs that can hold two or three each."""
-        _positive(N=N, H=H, W=W, C=C, K=K)
-        tiles = cfg.ctas(N, H, W, K)
-        wave = self.num_sms * cfg.min_blocks
-        cblocks = _cdiv(C, cfg.bk)
-        best = 1
-        for s in range(2, self.max_splits + 1):
-            if tiles * s <= wave and cblocks >= s * self.min_blocks_per_split:
-                best = s
-        return best
-
-    def workspace_bytes(self, cfg: WgmmaConfig, N: int, H: int, W: int, K: int, splits: int) -> tuple[int, int]:
-        """Device bytes split-K needs: (``part``: fp32 [tiles][splits][BM][BN], ``counters``: an
-        int32 per output tile, to be zeroed once); (0, 0) for one split."""
-        if splits <= 1:
-            return 0, 0
-        tiles = cfg.ctas(N, H, W, K)
-        return tiles * splits * cfg.bm * cfg.bn * 4, tiles * 4
-
     def launch(
-        self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0, *, entry: str | None = None, splits: int = 1
+        self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0, *, entry: str | None = None
     ) -> LaunchConfig:
-        """1-D grid (split fastest, then the channel tile, so the CTAs that share an input tile
-        run together), block of ``32 * (4 * wgs + 1)`` threads, dynamic shared memory of the
-        configuration (more than 48 KiB: set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        first). ``entry`` None: :meth:`choose`'s."""
+        """1-D grid (channel tile fastest, so the CTAs that share an input tile run together),
+        block of ``32 * (4 * wgs + 1)`` threads, dynamic shared memory of the configuration (more
+        than 48 KiB: set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first). ``entry`` None:
+        :meth:`choose`'s."""
         dtype_name(dtype)
         _positive(N=N, H=H, W=W, C=C, K=K)
         _pixels(N, H, W, C)
         cfg = self.config(entry) if entry is not None else self.choose(N, H, W, C, K)
-        _split_range(splits, C, cfg)
-        ctas = cfg.ctas(N, H, W, K) * splits
+        ctas = cfg.ctas(N, H, W, K)
         if ctas > _INT32_MAX:
             raise InputError(f"{ctas} CTAs exceed the grid's 2^31-1; split the batch")
         return LaunchConfig(grid=(ctas, 1, 1), block=(cfg.threads, 1, 1), shared_bytes=cfg.smem_bytes)
@@ -1094,18 +1063,13 @@ class Conv3x3WgmmaSpec(KernelSpec):
         ldy: int | None = None,
         relu: bool = False,
         status: int | None = None,
-        splits: int = 1,
-        part: int | None = None,
-        counters: int | None = None,
         **_: Any,
     ) -> list[KernelArg]:
-        """``tmx, tmw, bias, y, N, H, W, C, K, ldy, relu, tw_log2, status, splits, part, counters``
-        as (value, type) pairs.
+        """``tmx, tmw, bias, y, N, H, W, C, K, ldy, relu, tw_log2, status`` as (value, type) pairs.
 
         ``tmx``/``tmw`` are the input's and the weights' tensor maps (``runtime/tma.py``), passed by
         value; ``entry`` fixes ``tw_log2`` (the tile shape the maps were made for); ``status``: an
-        int[8] device buffer for the watchdog's report, or None (a stuck wait then traps);
-        ``splits`` > 1 needs ``part`` and ``counters`` of :meth:`workspace_bytes` (counters zeroed).
+        int[8] device buffer for the watchdog's report, or None (a stuck wait then traps).
         """
         _positive(N=N, H=H, W=W, C=C, K=K)
         ldy_ = _stride("ldy", ldy, K)
@@ -1114,8 +1078,6 @@ class Conv3x3WgmmaSpec(KernelSpec):
             if not callable(getattr(m, "getPtr", None)):
                 raise InputError(f"{name} must be a CUtensorMap (runtime/tma.py encode()), not {type(m).__name__}")
         cfg = self.config(entry)
-        _split_range(splits, C, cfg)
-        split_k = splits > 1
         return [
             (tmx, None),
             (tmw, None),
@@ -1123,9 +1085,6 @@ class Conv3x3WgmmaSpec(KernelSpec):
             (_pointer("y", y), ctypes.c_void_p),
             *((int(v), ctypes.c_int32) for v in (N, H, W, C, K, ldy_, 1 if relu else 0, cfg.tw_log2(W))),
             (_pointer("status", status, required=False), ctypes.c_void_p),
-            (int(splits), ctypes.c_int32),
-            (_pointer("part", part, required=split_k), ctypes.c_void_p),
-            (_pointer("counters", counters, required=split_k), ctypes.c_void_p),
         ]
 
     def reference(
@@ -1133,16 +1092,6 @@ class Conv3x3WgmmaSpec(KernelSpec):
     ) -> np.ndarray:
         """The conv3x3 op's numpy semantics (:meth:`Conv3x3Spec.reference`)."""
         return KERNELS["conv3x3"].reference(x, w, bias, relu)
-
-
-def _split_range(splits: int, C: int, cfg: WgmmaConfig) -> None:
-    """Every split must get at least one channel block (the kernel's share is ceil(cblocks/splits))."""
-    cblocks = _cdiv(C, cfg.bk)
-    if not 1 <= splits <= cblocks or _cdiv(cblocks, splits) * (splits - 1) >= cblocks:
-        raise InputError(
-            f"splits={splits}: C={C} has {cblocks} channel blocks of {cfg.bk}; "
-            f"use 1..{cblocks} ways that leave none empty"
-        )
 
 
 @dataclass(frozen=True)
@@ -1154,16 +1103,9 @@ class ConvChoice:
     impl: str
     entry: str
     reason: str
-    splits: int = 1  # wgmma: split-K ways (Conv3x3WgmmaSpec.splits)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"impl": self.impl, "entry": self.entry, "reason": self.reason, "splits": self.splits}
-
-    @property
-    def short(self) -> str:
-        """The entry without its source stem, with the split-K ways when there are several."""
-        name = self.entry.removeprefix("conv3x3_wgmma_").removeprefix("conv3x3_nhwc_")
-        return f"{name} x{self.splits} splits" if self.splits > 1 else name
+    def to_json(self) -> dict[str, str]:
+        return {"impl": self.impl, "entry": self.entry, "reason": self.reason}
 
 
 KERNELS: Mapping[str, KernelSpec] = {
@@ -1272,10 +1214,8 @@ def choose_conv3x3(
     why = wgmma_off or CONV3X3_WGMMA.supported(dtype, N, H, W, C, K, ldx, ldy, x=x, w=w, y=y)
     if why is None:
         cfg = CONV3X3_WGMMA.choose(N, H, W, C, K)
-        splits = CONV3X3_WGMMA.splits(cfg, N, H, W, C, K)
-        split_k = f" x {splits} channel splits" if splits > 1 else ""
-        reason = f"{cfg.bm}x{cfg.bn} tile, {cfg.ctas(N, H, W, K)} CTAs{split_k}"
-        return ConvChoice("wgmma", cfg.entry, reason, splits)
+        reason = f"{cfg.bm}x{cfg.bn} tile, {cfg.ctas(N, H, W, K)} CTAs"
+        return ConvChoice("wgmma", cfg.entry, reason)
     conv = KERNELS["conv3x3"]
     assert isinstance(conv, Conv3x3Spec)
     if conv.smallc_supported(dtype, C, K) is None:

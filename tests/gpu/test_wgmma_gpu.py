@@ -79,13 +79,10 @@ def _run(
     ldy: int | None = None,
     bias: bool = True,
     relu: bool = True,
-    splits: int = 1,
-    launches: int = 1,
 ) -> None:
-    """``launches`` launches on fresh random data: x is channels [x_off, x_off+c) of an (n,h,w,ldx)
-    buffer, y channels [y_off, y_off+k) of an (n,h,w,ldy) buffer whose slice holds NaN before each
-    launch and whose other channels hold SENTINEL and must keep it; the watchdog's status must
-    stay 0. ``splits`` > 1: split-K, its counters zeroed once, before the first launch only."""
+    """One launch on fresh random data: x is channels [x_off, x_off+c) of an (n,h,w,ldx) buffer, y
+    channels [y_off, y_off+k) of an (n,h,w,ldy) buffer whose slice holds NaN before the launch and
+    whose other channels hold SENTINEL and must keep it; the watchdog's status must stay 0."""
     be = engine.backend
     be.ctx.make_current()
     rng = np.random.default_rng()
@@ -107,27 +104,18 @@ def _run(
     cfg = WG.config(entry)
     tmx = tma.encode(tma.conv3x3_input(cfg, x_ptr, n, h, w, c, ldx))
     tmw = tma.encode(tma.conv3x3_weights(cfg, dw.ptr, k, c))
-    part_bytes, counter_bytes = WG.workspace_bytes(cfg, n, h, w, k, splits)
-    part = be.from_host(np.full(part_bytes // 4, np.nan, np.float32)) if splits > 1 else None
-    counters = be.from_host(np.zeros(counter_bytes // 4, np.int32)) if splits > 1 else None
-    launch = WG.launch("float16", n, h, w, c, k, entry=entry, splits=splits)
-    for i in range(launches):
-        if i:
-            dy = be.from_host(y_wide)  # a fresh NaN-poisoned output for every launch
-        args = WG.args(
-            tmx=tmx, tmw=tmw, bias=None if db is None else db.ptr, y=dy.ptr + 2 * y_off,
-            N=n, H=h, W=w, C=c, K=k, ldy=ldy, relu=relu, entry=entry, status=status.ptr,
-            splits=splits, part=part.ptr if part else None, counters=counters.ptr if counters else None,
-        )  # fmt: skip
-        kern.launch(launch.grid, launch.block, launch.shared_bytes, be.stream, args)
-        got_wide = be.to_host(dy)
-        assert not be.to_host(status).any(), f"{entry}: the watchdog fired: {be.to_host(status).tolist()}"
-        check = compare(f"{entry} splits={splits} launch {i + 1}", ref, got_wide[..., y_off : y_off + k], KERNEL_TOL)
-        assert check.passed, check
-        outside = np.delete(got_wide, np.s_[y_off : y_off + k], axis=3)
-        assert (outside == SENTINEL).all(), f"{entry}: channels outside the output slice were written"
-    if counters is not None:
-        assert not be.to_host(counters).any(), "split-K left a counter above zero"
+    args = WG.args(
+        tmx=tmx, tmw=tmw, bias=None if db is None else db.ptr, y=y_ptr,
+        N=n, H=h, W=w, C=c, K=k, ldy=ldy, relu=relu, entry=entry, status=status.ptr,
+    )  # fmt: skip
+    launch = WG.launch("float16", n, h, w, c, k, entry=entry)
+    kern.launch(launch.grid, launch.block, launch.shared_bytes, be.stream, args)
+    got_wide = be.to_host(dy)
+    assert not be.to_host(status).any(), f"{entry}: the watchdog fired: {be.to_host(status).tolist()}"
+    check = compare(entry, ref, got_wide[..., y_off : y_off + k], KERNEL_TOL)
+    assert check.passed, check
+    outside = np.delete(got_wide, np.s_[y_off : y_off + k], axis=3)
+    assert (outside == SENTINEL).all(), f"{entry}: channels outside the output slice were written"
 
 
 SHAPES = [
@@ -153,23 +141,6 @@ def test_every_configuration_computes_the_convolution(engine, wgmma, entry, n, h
 def test_the_chosen_configuration_on_unet_like_shapes(engine, wgmma, n, hw, c, k) -> None:
     entry = WG.choose(n, hw, hw, c, k).entry
     _run(engine, wgmma[entry], entry, n, hw, hw, c, k)
-
-
-SPLIT_SHAPES = [
-    # entry, n, h, w, c, k, splits: 2 to 4 ways, even and uneven shares (ceil(blocks/splits) each)
-    ("conv3x3_wgmma_bn64_mt1_wg1_bk64", 1, 32, 32, 512, 512, 3),  # the bottleneck at N=1: 3 + 3 + 2 blocks
-    ("conv3x3_wgmma_bn64_mt1_wg2_bk64_h16", 1, 64, 64, 512, 256, 2),  # dec4/conv1 at N=1, column copies
-    ("conv3x3_wgmma_bn64_mt1_wg2_bk64_h16", 2, 9, 20, 320, 40, 3),  # partial tiles, K tail, 2 + 2 + 1
-    ("conv3x3_wgmma_bn64_mt2_wg2_bk32_h16", 1, 7, 9, 96, 64, 3),  # 32-channel blocks, one each
-    ("conv3x3_wgmma_bn128_mt2_wg2_bk64", 1, 8, 8, 256, 200, 4),  # per-tap boxes, 4 ways, 2 channel tiles
-]
-
-
-@pytest.mark.parametrize(("entry", "n", "h", "w", "c", "k", "splits"), SPLIT_SHAPES)
-def test_split_k_computes_the_convolution_launch_after_launch(engine, wgmma, entry, n, h, w, c, k, splits) -> None:
-    """Three launches on one workspace: the last split of each tile must leave its counter at zero,
-    or the next launch would add the wrong partials (or none)."""
-    _run(engine, wgmma[entry], entry, n, h, w, c, k, splits=splits, launches=3)
 
 
 class _Spy:

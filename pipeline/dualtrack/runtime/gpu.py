@@ -111,7 +111,6 @@ class CudaBackend:
         self.graphs: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.staged: dict[tuple[int, int], dict[str, GpuTensor]] = {}
         self.buffers: dict[int, tuple[dict[str, GpuTensor], list[GpuTensor]]] = {}
-        self.split_ws: dict[tuple, tuple[DeviceBuffer, DeviceBuffer]] = {}  # split-K workspaces (prepare)
         self.target = self._iree_target()
         self.iree = IreeDevice.create(
             "cuda", device_index, allocators=settings.iree_allocators, flags=settings.iree_flags
@@ -449,35 +448,14 @@ class CudaBackend:
             cfg = wspec.config(choice.entry)
             tmx = tma.encode(tma.conv3x3_input(cfg, x.ptr, n, h, w, ch, ldx))
             tmw = tma.encode(tma.conv3x3_weights(cfg, wt.ptr, k, ch))
-            splits = choice.splits
-            part, counters = self._split_workspace((_call_key(c), n, choice.entry, splits), cfg, n, h, w, k, splits)
-            args = wspec.args(
-                tmx=tmx, tmw=tmw, relu=relu, entry=choice.entry, splits=splits, part=part, counters=counters, **common
-            )
-            config = wspec.launch(x.dtype, n, h, w, ch, k, entry=choice.entry, splits=splits)
+            args = wspec.args(tmx=tmx, tmw=tmw, relu=relu, entry=choice.entry, **common)
+            config = wspec.launch(x.dtype, n, h, w, ch, k, entry=choice.entry)
         else:
             conv = kernels.KERNELS["conv3x3"]
             assert isinstance(conv, kernels.Conv3x3Spec)
             args = conv.args(x=x.ptr, w=wt.ptr, ldx=ldx, relu=relu, **common)
             config = conv.launch(x.dtype, n, h, w, ch, k, entry=choice.entry)
         return Launch(self.kernels[choice.entry], config, args, choice.entry, choice)
-
-    def _split_workspace(
-        self, key: tuple, cfg: kernels.WgmmaConfig, n: int, h: int, w: int, k: int, splits: int
-    ) -> tuple[int | None, int | None]:
-        """Split-K's partial tiles and per-tile counters for one conv call, made once per call,
-        batch size and tile (a launch prepared again for a moved input reuses them). The counters
-        are zeroed here, once: each launch leaves them at zero (the .cu's header)."""
-        if splits <= 1:
-            return None, None
-        if key not in self.split_ws:
-            part_bytes, counter_bytes = kernels.CONV3X3_WGMMA.workspace_bytes(cfg, n, h, w, k, splits)
-            part = self.pool.alloc(part_bytes, self.stream)
-            counters = self.pool.alloc(counter_bytes, self.stream)
-            call_memset_d32(int(counters), 0, counter_bytes // 4, self.stream)
-            self.split_ws[key] = (part, counters)
-        part, counters = self.split_ws[key]
-        return int(part), int(counters)
 
     def _handoff_to_iree(self) -> None:
         """Host wait before IREE reads what Track A wrote on our stream: the one wait per A -> B edge.
@@ -539,9 +517,6 @@ class CudaBackend:
                 t.keepalive.close(self.stream)
         for b in self.slots.values():
             b.close(self.stream)
-        for bufs in self.split_ws.values():
-            for b in bufs:
-                b.close(self.stream)
         self.weights.clear()
         self.stream.synchronize()
         self.kernels.clear()
