@@ -6,9 +6,11 @@ BIN     := $(VENV)/bin
 PYTHON  ?= $(BIN)/python
 CONFIG  ?= configs/unet.yaml
 BUNDLE  ?= build/unet
+# The CPU torch wheel (pip's find-links); a bare `torch` from PyPI is a multi-GB CUDA build. ZOO_TORCH= to skip.
+ZOO_TORCH ?= 'torch==2.13.0'
 DEVICE  ?= $(shell (nvidia-smi -L >/dev/null 2>&1 && echo cuda) || echo cpu)
 
-.PHONY: install models ptx build run test gpu-test bench lint clean
+.PHONY: install models ptx build run test gpu-test bench lint clean zoo
 
 $(BIN)/dualtrack: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -43,6 +45,10 @@ gpu-test:  ## GPU tests only (on a GPU machine; skipped with their reason elsewh
 bench:  ## benchmarks on a GPU (bundles built beforehand: make build): prints a table, writes bench/results/
 	$(PYTHON) bench/gpu_check.py --bundle $(BUNDLE) --image models/sample.png --out bench/results
 	$(PYTHON) bench/bench.py --bundle $(BUNDLE) --out bench/results
+
+zoo: $(BIN)/dualtrack  ## export the model zoo (needs the zoo extra: torch, torchvision, smp)
+	$(BIN)/pip install -q $(ZOO_TORCH) -e '.[zoo]'
+	$(BIN)/python models/zoo/export.py
 
 lint: $(BIN)/dualtrack
 	$(BIN)/ruff check pipeline tests bench

@@ -1,0 +1,82 @@
+"""The model zoo (models/zoo/export.py): each entry exports with the zoo's interface, onnxruntime agrees with torch
+on fresh random images, and two exports are byte-identical. Skipped where the `zoo` extra is not installed."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+SKIP_REASON = "the zoo extra (torch, torchvision, segmentation-models-pytorch) is not installed: run `make zoo`"
+torch = pytest.importorskip("torch", reason=SKIP_REASON)
+# Not importorskip: importing torchvision beside the CPU torch needs the stub that export.py installs first.
+if any(importlib.util.find_spec(m) is None for m in ("torchvision", "segmentation_models_pytorch")):
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+EXPORT_PY = Path(__file__).resolve().parents[1] / "models" / "zoo" / "export.py"
+SIZE = (64, 64)
+REL_L2 = 1e-4  # fp32 both sides; only summation order and the exporter's batch-norm folding differ
+
+
+def _load_export() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("zoo_export", EXPORT_PY)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+zoo = _load_export()
+NAMES = list(zoo.ZOO)
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Every entry exported twice, into two folders, in this one process."""
+    first, second = tmp_path_factory.mktemp("zoo_a"), tmp_path_factory.mktemp("zoo_b")
+    for out in (first, second):
+        for name in NAMES:
+            zoo.export_model(name, out, SIZE)
+    return first, second
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_export_has_the_zoo_interface(exports: tuple[Path, Path], name: str) -> None:
+    model = onnx.load(str(exports[0] / f"{name}.onnx"))
+    dims = [[d.dim_value for d in v.type.tensor_type.shape.dim] for v in (*model.graph.input, *model.graph.output)]
+    assert [i.name for i in model.graph.input] == ["image"]
+    assert [o.name for o in model.graph.output] == ["logits"]
+    assert dims == [[1, 3, *SIZE], [1, 2, *SIZE]]
+    assert {o.domain: o.version for o in model.opset_import}[""] == 17
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_onnxruntime_matches_torch_on_a_fresh_image(exports: tuple[Path, Path], name: str) -> None:
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    image = np.random.default_rng(seed).standard_normal((1, 3, *SIZE), dtype=np.float32)
+    with torch.no_grad():
+        expected = zoo.build_model(name).eval()(torch.from_numpy(image)).numpy()
+    session = ort.InferenceSession(str(exports[0] / f"{name}.onnx"), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"image": image})
+    rel = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+    assert rel <= REL_L2, f"{name}: relative L2 {rel:.2e} > {REL_L2:.0e} (image seed {seed})"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_two_exports_are_byte_identical(exports: tuple[Path, Path], name: str) -> None:
+    digests = [hashlib.sha256((d / f"{name}.onnx").read_bytes()).hexdigest() for d in exports]
+    assert digests[0] == digests[1]
+    assert sorted(p.name for p in exports[0].iterdir()) == sorted(f"{n}.onnx" for n in NAMES)  # no leftovers
+
+
+def test_an_unknown_entry_names_the_zoo(tmp_path: Path) -> None:
+    with pytest.raises(zoo.ZooError, match=r"'unet' is not in the zoo; choose from smp_unet_resnet34"):
+        zoo.export_model("unet", tmp_path)
