@@ -123,7 +123,7 @@ def write_hand_tuning(config: Path, path: Path, time_ms: float = 0.01, tiles: tu
     from dualtrack.tune_a.problems import by_problem, conv_layers
 
     cfg = load_config(config)
-    plan, _ = partition.build_plan(cfg, partition.name_nodes(partition.load_model(cfg.model)))
+    plan, _ = partition.plan_config(cfg)
     conv = KERNELS["conv3x3"]
     source = tuning.source_sha256()
     records = []

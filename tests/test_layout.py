@@ -159,7 +159,7 @@ def test_partition_rewrites_track_b_segments_only(tiny_config, nhwc):
 
     cfg = load_config(tiny_config)
     cfg = cfg.model_copy(update={"track_b": cfg.track_b.model_copy(update={"nhwc": nhwc})})
-    plan, seg_models = partition.build_plan(cfg, partition.name_nodes(partition.load_model(cfg.model)))
+    plan, seg_models = partition.plan_config(cfg)
     counts = {s.name: len(_activation_transposes(m)) for s, m in zip(plan.segments, seg_models, strict=True)}
     assert counts["seg1_A"] == 4  # one in, three out: as the plan says, whatever `nhwc` is
     assert counts["seg0_B"] == (0 if nhwc else 2)

@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from dualtrack import partition
+from dualtrack import frontend, partition
 from dualtrack.config import BuildConfig, InputSpec, PartitionConfig, Rules, load_config
 from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
 from dualtrack.plan import Plan
@@ -24,8 +24,8 @@ MASK_MISMATCH = 1e-3  # argmax may flip only where two classes tie to within fp3
 
 @pytest.fixture(scope="module")
 def tiny(tiny_config: Path) -> tuple[BuildConfig, onnx.ModelProto]:
-    cfg = load_config(tiny_config)
-    return cfg, partition.name_nodes(partition.load_model(cfg.model))
+    cfg = load_config(tiny_config)  # the partition on the model as written: no front-end rewrites
+    return cfg, partition.name_nodes(frontend.load_model(cfg.model))
 
 
 def with_partition(cfg: BuildConfig, track_a: Rules, track_b: Rules | None = None) -> BuildConfig:
@@ -274,7 +274,7 @@ def test_custom_domain_op_is_unsupported(tiny: tuple[BuildConfig, onnx.ModelProt
     custom.opset_import.append(helper.make_opsetid("com.acme", 1))
     path = tmp_path / "custom.onnx"
     onnx.save(custom, str(path))
-    loaded = partition.name_nodes(partition.load_model(path))  # the checker lets custom domains through
+    loaded = partition.name_nodes(frontend.load_model(path))  # the checker lets custom domains through
     with pytest.raises(
         UnsupportedOpError,
         match=r"^node 'dec1/concat' is op com\.acme::FancyConcat, which no track can take "
@@ -312,14 +312,14 @@ def test_input_mismatch_with_config(
 def test_missing_model_file(tmp_path: Path) -> None:
     path = tmp_path / "nope.onnx"
     with pytest.raises(ModelError, match=rf"^model file {path} not found; check `model:` in the config"):
-        partition.load_model(path)
+        frontend.load_model(path)
 
 
 def test_garbage_bytes_are_not_a_model(tmp_path: Path) -> None:
     path = tmp_path / "garbage.onnx"
     path.write_bytes(b"\x00not an onnx model\xff" * 8)
     with pytest.raises(ModelError, match=rf"^{path} is not a readable ONNX model \(\w+\); re-export it$"):
-        partition.load_model(path)
+        frontend.load_model(path)
 
 
 def test_model_failing_the_checker(tiny: tuple[BuildConfig, onnx.ModelProto], tmp_path: Path) -> None:
@@ -331,7 +331,7 @@ def test_model_failing_the_checker(tiny: tuple[BuildConfig, onnx.ModelProto], tm
     with pytest.raises(
         ModelError, match=rf"^{path} fails the ONNX checker: .*'does_not_exist'.*; re-export the model$"
     ):
-        partition.load_model(path)
+        frontend.load_model(path)
 
 
 def test_model_with_two_inputs(tiny: tuple[BuildConfig, onnx.ModelProto]) -> None:

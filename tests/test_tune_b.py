@@ -111,7 +111,7 @@ def test_build_compiles_a_segment_with_its_tuned_flags(tiny_config: Path, tmp_pa
     from dualtrack.tuning import save_records
 
     cfg = load_config(tiny_config)
-    plan, seg_models = partition.build_plan(cfg, partition.name_nodes(partition.load_model(cfg.model)))
+    plan, seg_models = partition.plan_config(cfg)
     seg = next(s for s in plan.segments if s.track == "B" and s.index > 0)
     key = tune_b.segment_key(seg_models[seg.index])
     rec = {

@@ -59,7 +59,7 @@ def record(**change: object) -> tuning.TileRecord:
 @pytest.fixture(scope="module")
 def full_plan(tiny_full_config: Path) -> Plan:
     cfg = load_config(tiny_full_config)
-    plan, _ = partition.build_plan(cfg, partition.name_nodes(partition.load_model(cfg.model)))
+    plan, _ = partition.plan_config(cfg)
     return plan
 
 

@@ -322,7 +322,7 @@ def test_only_sm90a_targets_carry_the_wgmma_kernel(tiny_full_config: Path) -> No
     from dualtrack.config import load_config
 
     cfg = load_config(tiny_full_config)
-    plan, _ = partition.build_plan(cfg, partition.name_nodes(partition.load_model(cfg.model)))
+    plan, _ = partition.plan_config(cfg)
     fp16 = ["conv3x3_nhwc", "convt2x2_nhwc", "maxpool2x2_nhwc"]
     assert track_a_stems(plan, "compute_90a") == ["conv3x3_nhwc", "conv3x3_wgmma", "convt2x2_nhwc", "maxpool2x2_nhwc"]
     assert track_a_stems(plan, "compute_80") == track_a_stems(plan, "compute_120") == fp16
@@ -347,7 +347,7 @@ def test_the_gpu_tests_model_runs_the_wgmma_kernel_almost_everywhere(tiny_wgmma_
     from dualtrack.tune_a.problems import conv_layers
 
     cfg = load_config(tiny_wgmma_config)
-    plan, _ = partition.build_plan(cfg, partition.name_nodes(partition.load_model(cfg.model)))
+    plan, _ = partition.plan_config(cfg)
     assert track_a_stems(plan, "compute_90a") == ["conv3x3_nhwc", "conv3x3_wgmma", "convt2x2_nhwc", "maxpool2x2_nhwc"]
     layers = conv_layers(plan)
     picks = {}
@@ -368,7 +368,7 @@ def test_enable_tma_false_carries_no_wgmma_module(tiny_full_config: Path) -> Non
     from dualtrack.config import load_config
 
     cfg = load_config(tiny_full_config)
-    plan, _ = partition.build_plan(cfg, partition.name_nodes(partition.load_model(cfg.model)))
+    plan, _ = partition.plan_config(cfg)
     assert "conv3x3_wgmma" in track_a_stems(plan, "compute_90a", use_tma=True)
     assert "conv3x3_wgmma" not in track_a_stems(plan, "compute_90a", use_tma=False)
 
@@ -378,7 +378,7 @@ def test_unsupported_plans_carry_no_wgmma_module(tiny_config: Path) -> None:
     from dualtrack.config import load_config
 
     cfg = load_config(tiny_config)  # fp32: the wgmma kernel is fp16 only
-    plan, _ = partition.build_plan(cfg, partition.name_nodes(partition.load_model(cfg.model)))
+    plan, _ = partition.plan_config(cfg)
     assert "conv3x3_wgmma" not in track_a_stems(plan, "compute_90a")
 
 

@@ -2,8 +2,9 @@
 
 Named stages, in order:
 
-    load_config -> resolve_targets -> load_model/build_plan -> track_a_artifacts
-    -> track_b_modules -> write bundle (temporary) -> verify on the CPU -> commit (rename)
+    load_config -> resolve_targets -> frontend (exports cleaned, image I/O wrapped, checked against
+    the export) -> build_plan -> track_a_artifacts -> track_b_modules -> write bundle (temporary)
+    -> verify on the CPU -> commit (rename)
 
 A build whose inputs all hash the same as the bundle already at the destination compiles nothing,
 verifies nothing and says so; otherwise only the modules whose cache key moved are compiled.
@@ -17,15 +18,15 @@ import platform
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib.metadata import version as pkg_version
 from pathlib import Path
 from typing import Any
 
-from dualtrack import arch, partition, track_b, tune_b
+from dualtrack import arch, frontend, partition, track_b, tune_b, verify
 from dualtrack.bundle import MANIFEST, Bundle, BundleWriter, sha256
 from dualtrack.config import BuildConfig, load_config
-from dualtrack.errors import BundleError
+from dualtrack.errors import BundleError, ConfigError, ToolError
 from dualtrack.plan import ALIAS_OPS, Plan
 from dualtrack.settings import Settings
 from dualtrack.tuning import Selection
@@ -163,10 +164,12 @@ def build(
     progress: Progress | None = None,
     settings: Settings | None = None,
     tuning: str | Path | None = None,
+    cpu_only: bool = False,
 ) -> BuildResult:
     """Build (or confirm up to date) the bundle for a config. The Python API behind `dualtrack build`.
 
-    ``tuning`` overrides the config's ``tuning`` (a file `dualtrack tune` wrote).
+    ``tuning`` overrides the config's ``tuning`` (a file `dualtrack tune` wrote); ``cpu_only``
+    builds IREE llvm-cpu modules only, whatever the config's ``targets`` (as ``targets: []`` does).
     """
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
@@ -174,21 +177,32 @@ def build(
     cfg = config if isinstance(config, BuildConfig) else load_config(config)
     if tuning is not None:
         cfg = cfg.model_copy(update={"tuning": Path(tuning).resolve()})
+    if cpu_only:
+        cfg = cfg.model_copy(update={"targets": (), "track_b": cfg.track_b.model_copy(update={"cpu": True})})
+    if not cfg.targets and not cfg.track_b.cpu:
+        raise ConfigError("`targets` is empty and `track_b.cpu` is false: nothing to build; list a target or set cpu")
     dest = Path(output) if output is not None else cfg.output
     if dest is None:
         raise BundleError("no output directory: pass -o DIR or set `output:` in the config")
     notes = list(cfg.notes)
 
     say("resolve targets")
-    resolutions = arch.resolve_targets(
-        list(cfg.targets), enable_tma=cfg.enable_tma, iree_target=cfg.track_b.iree_target
+    resolutions = (
+        arch.resolve_targets(list(cfg.targets), enable_tma=cfg.enable_tma, iree_target=cfg.track_b.iree_target)
+        if cfg.targets
+        else []
     )
     for r in resolutions:
         notes.extend(f"{r.arch.name}: {n}" for n in r.notes)
+    if not resolutions:
+        notes.append("CPU only: no GPU code (add `targets` to build for a GPU)")
 
-    say(f"partition {cfg.model.name}")
+    say(f"front end {cfg.model.name}")
     source_digest = sha256(cfg.model.read_bytes()) if cfg.model.exists() else ""
-    model = partition.name_nodes(partition.load_model(cfg.model))
+    cfg, fe = frontend.load(cfg)
+    notes.extend(fe.notes())
+    say(f"partition {cfg.model.name}")
+    model = partition.name_nodes(fe.model)
     plan, seg_models = partition.build_plan(cfg, model)
 
     selection = None
@@ -252,9 +266,19 @@ def build(
         except BundleError:
             pass  # a broken bundle at the destination is simply rebuilt
 
+    frontend_checks: list[verify.Check] = []
+    if fe.rewrites:
+        say("front end: the processed model against the export (onnxruntime)")
+        frontend_checks = verify.check_frontend(fe, cfg.batch_sizes, cfg.tolerance(), cfg.verify.seed)
+        for c in frontend_checks:
+            say(verify.Report.line(c))
+        bad = [c for c in frontend_checks if not c.passed]
+        if bad:
+            verify.Report("onnxruntime", fe.precision, cfg.tolerance(), frontend_checks, 0).raise_if_failed()
+
     say(f"track B: {len(jobs)} IREE modules")
     with ThreadPoolExecutor(max_workers=settings.jobs) as pool:
-        results = list(pool.map(lambda j: track_b.run_job(j, cache, compiler, settings.save_temps), jobs))
+        results = list(pool.map(lambda j: _compile(j, cache, compiler, settings), jobs))
     compiled = sum(not r.cached for r in results)
     say(f"track B: {compiled} compiled, {len(results) - compiled} from cache")
 
@@ -279,6 +303,9 @@ def build(
                 "source_sha256": source_digest,
                 "sha256": sha256((writer.tmp / "model.onnx").read_bytes()),
                 "graph": model.graph.name,
+                "export_batch": fe.export_batch,
+                "classes": list(fe.classes) if fe.classes else None,
+                "frontend": [str(r) for r in fe.rewrites],
             },
             "config": cfg.model_dump(mode="json"),
             "targets": [r.to_json() for r in resolutions],
@@ -294,16 +321,16 @@ def build(
         if cpu is not None:
             say("verify on the CPU against onnxruntime")
             verification = _verify_tmp(writer, manifest, cfg, say)
+            if frontend_checks:
+                verification["checks"] = [asdict(c) for c in frontend_checks] + verification["checks"]
             writer.add_json("verify.json", verification)
             manifest["verification"] = {"passed": verification["passed"], "device": "cpu", "seed": verification["seed"]}
             if not verification["passed"]:
-                from dualtrack.verify import Check, Report
-
-                rep = Report(
+                rep = verify.Report(
                     "cpu",
-                    cfg.precision,
+                    fe.precision,
                     cfg.tolerance(),
-                    [Check(**c) for c in verification["checks"]],
+                    [verify.Check(**c) for c in verification["checks"]],
                     verification["seed"],
                 )
                 rep.raise_if_failed()
@@ -321,15 +348,38 @@ def build(
     )
 
 
+def _compile(
+    job: track_b.CompileJob, cache: track_b.ModuleCache, compiler: str, settings: Settings
+) -> track_b.CompileResult:
+    """One IREE module; a toolchain failure names the segment, batch and target, keeps the stage
+    inputs for the repro command, and says how to get around it."""
+    try:
+        return track_b.run_job(job, cache, compiler, settings.save_temps, keep_failed=settings.cache_dir / "failed")
+    except ToolError as e:
+        around = (
+            "build for the CPU only (`dualtrack build --cpu-only`) or drop the target"
+            if job.target.driver == "cuda"
+            else "set `track_b.cpu: false` and verify on a GPU"
+        )
+        raise ToolError(
+            e.tool,
+            f"failed on segment {job.segment} at batch {job.batch} for {job.target.name} "
+            f"({e.message.removeprefix(e.tool + ': ')}); to get around it: {around} or drop batch {job.batch}; "
+            f"reproduce with: {e.repro}",
+            returncode=e.returncode,
+            stderr=e.stderr,
+            argv=e.argv,
+        ) from None
+
+
 def _verify_tmp(writer: BundleWriter, manifest: dict[str, Any], cfg: BuildConfig, say: Progress) -> dict[str, Any]:
     """Verify the not-yet-committed bundle by loading it from its temporary directory."""
     from dualtrack.runtime.engine import Engine
-    from dualtrack.verify import verify_engine
 
     bundle = Bundle(writer.tmp, {**manifest, "files": writer.files})
     engine = Engine.load(bundle, "cpu")
     try:
-        report = verify_engine(
+        report = verify.verify_engine(
             engine, samples=cfg.verify.samples, seed=cfg.verify.seed, tol=cfg.tolerance(), progress=say
         )
     finally:

@@ -84,8 +84,12 @@ class TrackBConfig(_Strict):
 
 
 class Tolerance(_Strict):
+    """Per-output limits. ``max_abs`` scales with the output: an output passes when
+    ``max|got - ref| <= max_abs * max(1, max|ref|)``, so logits that reach 1e4 are held to the same
+    relative standard as probabilities in [0, 1] (an absolute bound would fail exact results there)."""
+
     rel_l2: float = Field(gt=0)
-    max_abs: float = Field(gt=0)
+    max_abs: float = Field(gt=0, description="largest difference, relative to max(1, the output's largest |value|)")
     mismatch: float = Field(ge=0, description="fraction of integer outputs (class ids) allowed to differ")
 
 
@@ -102,14 +106,68 @@ class VerifyConfig(_Strict):
     tolerance: Tolerance | None = None
 
 
+class Preprocess(_Strict):
+    """What the model expects of an image. With it, the build puts the conversion in front of the
+    model, so the bundle takes what `run` and `serve` feed: uint8 (N, H, W, 3) RGB pixels.
+
+    The model sees ``(pixel / scale - mean) / std`` per channel, in ``color`` order and ``layout``.
+    """
+
+    layout: Literal["NCHW", "NHWC"] = Field("NCHW", description="the model input's layout (torch exports: NCHW)")
+    color: Literal["RGB", "BGR"] = "RGB"
+    scale: float = Field(255.0, gt=0, description="pixels are divided by this first (255: to [0, 1])")
+    mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    std: tuple[float, float, float] = (1.0, 1.0, 1.0)
+
+    @field_validator("std")
+    @classmethod
+    def _positive(cls, v: tuple[float, float, float]) -> tuple[float, float, float]:
+        if any(x <= 0 for x in v):
+            raise ValueError(f"std must be positive, got {list(v)}")
+        return v
+
+
+class Postprocess(_Strict):
+    """Which output holds the segmentation and what it holds. With it, the build appends the
+    activation and the class choice, so the bundle outputs `mask` (uint8 class ids, N x H x W) and
+    `probs` (float32, N x classes x H x W) like the reference model; other outputs are dropped."""
+
+    output: str | None = Field(None, description="the logits tensor (default: the model's only 4-D float output)")
+    activation: Literal["softmax", "sigmoid", "none"] = Field(
+        "softmax",
+        description=(
+            "softmax over classes; sigmoid per class (one class: mask = p > 0.5); none: the output "
+            "already holds probabilities"
+        ),
+    )
+    classes: tuple[str, ...] | None = Field(None, description="class names, one per output channel")
+
+
 class BuildConfig(_Strict):
     """A validated `configs/*.yaml`. Paths are resolved against the config file's folder."""
 
     model: Path
-    precision: Literal["fp16", "fp32"] = "fp16"
+    precision: Literal["fp16", "fp32"] | None = Field(
+        None,
+        description=(
+            "the precision to run in; default: the model's own. fp16 on an fp32 model converts it "
+            "(inputs and outputs stay fp32) and verifies it against the fp32 original"
+        ),
+    )
+    preprocess: Preprocess | None = None
+    postprocess: Postprocess | None = None
+    simplify: bool = Field(
+        True,
+        description=(
+            "fold constants and shape computations and remove Identity nodes (onnxslim) where the "
+            "graph has any; the build report lists what the front end rewrote"
+        ),
+    )
     input: InputSpec = InputSpec()
     batch_sizes: tuple[int, ...] = (1,)
-    targets: tuple[str, ...] = ("sm_90a",)
+    targets: tuple[str, ...] = Field(
+        ("sm_90a",), description="GPU architectures to build for; [] builds for the CPU only (IREE llvm-cpu)"
+    )
     enable_tma: bool = False
     partition: PartitionConfig = PartitionConfig()
     tuning: Path | None = Field(
@@ -134,7 +192,9 @@ class BuildConfig(_Strict):
         return tuple(sorted(set(v)))
 
     def tolerance(self) -> Tolerance:
-        return self.verify.tolerance or DEFAULT_TOLERANCES[self.precision]
+        """The verification tolerance: the config's, else the default of the precision (fp32 until the
+        front end has read the model's)."""
+        return self.verify.tolerance or DEFAULT_TOLERANCES[self.precision or "fp32"]
 
 
 # Seed spellings: key -> (where it goes, why).

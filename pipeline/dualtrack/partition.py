@@ -2,7 +2,7 @@
 
 The ONNX graph is the single source of truth. Stages, each a plain function:
 
-    load_model -> name_nodes -> infer_specs -> assign_tracks -> order_segments
+    (frontend.prepare) -> name_nodes -> infer_specs -> assign_tracks -> order_segments
     -> lower_track_a (kernel calls) + extract_segment (one ONNX model per segment) -> Plan
 
 Every segment, Track A included, gets its own ONNX model: Track B compiles it with IREE; for
@@ -17,15 +17,15 @@ import copy
 import hashlib
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from dualtrack import layout
+from dualtrack import frontend, layout
 from dualtrack.config import BuildConfig, Rules
 from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
+from dualtrack.frontend import model_precision
 from dualtrack.plan import KernelCall, Plan, Segment, TensorSpec
 
 TRACK_A_OPS = ("Conv", "Relu", "MaxPool")
@@ -35,26 +35,6 @@ TRACK_A_DESCRIPTION = (
     "and channel Concat of their outputs"
 )
 _TO_NCHW, _TO_NHWC = [0, 3, 1, 2], [0, 2, 3, 1]
-
-
-def load_model(path: Path) -> onnx.ModelProto:
-    """Read and check an ONNX model; ModelError names the file and the fix."""
-    if not path.exists():
-        raise ModelError(
-            f"model file {path} not found; check `model:` in the config (run `make models` for the reference U-Net)"
-        )
-    try:
-        model = onnx.load(str(path))
-    except Exception as e:  # protobuf raises several unrelated types for a bad file
-        raise ModelError(f"{path} is not a readable ONNX model ({type(e).__name__}); re-export it") from None
-    try:
-        onnx.checker.check_model(model, full_check=True)
-    except onnx.checker.ValidationError as e:
-        first = str(e).strip().splitlines()[0]
-        raise ModelError(f"{path} fails the ONNX checker: {first}; re-export the model") from None
-    except onnx.shape_inference.InferenceError as e:
-        raise ModelError(f"{path} fails ONNX shape inference: {str(e).splitlines()[0]}") from None
-    return model
 
 
 def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -86,12 +66,18 @@ def _dtype(elem_type: int) -> str:
     return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).name
 
 
-def infer_specs(model: onnx.ModelProto, batch: int = 1) -> dict[str, tuple[tuple[int, ...], str]]:
+SpecMap = tuple[tuple[int, ...], str]
+
+
+def infer_specs(model: onnx.ModelProto, batch: int = 1) -> dict[str, SpecMap]:
     """Static shape and dtype of every tensor at a given batch size."""
     try:
         inferred = onnx.shape_inference.infer_shapes(with_batch(model, batch), strict_mode=True, data_prop=True)
     except onnx.shape_inference.InferenceError as e:
-        raise ModelError(f"ONNX shape inference failed at batch {batch}: {str(e).splitlines()[0]}") from None
+        raise ModelError(
+            f"ONNX shape inference failed at batch {batch}: {str(e).splitlines()[0]}; the export may have its batch "
+            "written into a shape: re-export with a dynamic batch, or build only the batch sizes it takes"
+        ) from None
     g = inferred.graph
     specs: dict[str, tuple[tuple[int, ...], str]] = {}
     for vi in [*g.input, *g.value_info, *g.output]:
@@ -105,24 +91,39 @@ def infer_specs(model: onnx.ModelProto, batch: int = 1) -> dict[str, tuple[tuple
     return specs
 
 
-def batch_checked_specs(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Specs at batch 1, after checking that every activation keeps the batch in dim 0."""
-    one, two = infer_specs(model, 1), infer_specs(model, 2)
-    inits = {i.name for i in model.graph.initializer}
-    for name, (shape, _) in one.items():
-        if name in inits:
-            continue
-        other = two.get(name, (None,))[0]
+def batch_free(model: onnx.ModelProto) -> set[str]:
+    """Tensors that do not carry the batch: constants (initializers, Constant nodes and what is
+    computed from them alone) and shape values (what Shape/Size produce and what is computed from
+    those and constants). They are not batch-major, and need not be."""
+    free = {i.name for i in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type in ("Shape", "Size") or all(not x or x in free for x in n.input):
+            free.update(o for o in n.output if o)
+    return free
+
+
+def batch_checked_specs(model: onnx.ModelProto, batch_sizes: tuple[int, ...] = (1, 2)) -> dict[str, SpecMap]:
+    """Specs at batch 1, after checking at every batch size being built that each tensor that
+    carries the batch keeps it in dim 0 (constants and shape values are exempt: :func:`batch_free`)."""
+    one = infer_specs(model, 1)
+    free = batch_free(model)
+    carried = {name: shape for name, (shape, _) in one.items() if name not in free}
+    for name, shape in carried.items():
         if -1 in shape:
             raise PartitionError(
                 f"tensor '{name}' has a shape ONNX cannot infer statically ({shape}); "
                 "export the model with static shapes"
             )
-        if not shape or other is None or other[0] != 2 * shape[0] or other[1:] != shape[1:] or shape[0] != 1:
-            raise PartitionError(
-                f"tensor '{name}' does not keep the batch in dim 0 (batch 1: {shape}, batch 2: {other}); "
-                "dualtrack needs batch-major tensors"
-            )
+    for b in sorted(set(batch_sizes) - {1}):
+        other = infer_specs(model, b)
+        for name, shape in carried.items():
+            got = other.get(name, (None,))[0]
+            if not shape or got is None or got[0] != b * shape[0] or got[1:] != shape[1:] or shape[0] != 1:
+                raise PartitionError(
+                    f"tensor '{name}' does not keep the batch in dim 0 (batch 1: {shape}, batch {b}: {got}); "
+                    "dualtrack needs batch-major tensors: build only `batch_sizes: [1]`, or re-export the model "
+                    "with a dynamic batch (torch.onnx.export(..., dynamic_axes={'<input>': {0: 'N'}}))"
+                )
     return one
 
 
@@ -422,7 +423,7 @@ def build_plan(cfg: BuildConfig, model: onnx.ModelProto) -> tuple[Plan, list[onn
     """Partition a (named) model into a Plan plus one ONNX model per segment."""
     if len(model.graph.input) != 1:
         raise ModelError(f"the model has {len(model.graph.input)} inputs; dualtrack serves single-input models")
-    specs = batch_checked_specs(model)
+    specs = batch_checked_specs(model, (1, *cfg.batch_sizes))
     _check_input(cfg, model, specs)
     tracks = assign_tracks(model, cfg)
     segments = order_segments(model, tracks)
@@ -480,7 +481,8 @@ def build_plan(cfg: BuildConfig, model: onnx.ModelProto) -> tuple[Plan, list[onn
         seg_models.append(seg_model)
     model_inputs = tuple(spec(i.name) for i in model.graph.input)
     model_outputs = tuple(spec(o.name) for o in model.graph.output)
-    plan = Plan(model_inputs, model_outputs, tuple(plan_segments), cfg.precision, cfg.batch_sizes)
+    precision = cfg.precision or model_precision(model)
+    plan = Plan(model_inputs, model_outputs, tuple(plan_segments), precision, cfg.batch_sizes)
     return plan, seg_models
 
 
@@ -499,8 +501,9 @@ def _check_input(cfg: BuildConfig, model: onnx.ModelProto, specs: dict) -> None:
         )
     if want.dtype is not None and want.dtype != dtype:
         raise PartitionError(f"input.dtype is {want.dtype} but the model's input is {dtype}; fix `input.dtype`")
-    for init in model.graph.initializer:
-        if init.data_location == onnx.TensorProto.EXTERNAL:
-            raise ModelError(
-                f"initializer '{init.name}' is stored as external data; save the model with weights inside"
-            )
+
+
+def plan_config(cfg: BuildConfig) -> tuple[Plan, list[onnx.ModelProto]]:
+    """The plan of a config's model as the build makes it: through the front end, then partitioned."""
+    cfg, fe = frontend.load(cfg)
+    return build_plan(cfg, name_nodes(fe.model))

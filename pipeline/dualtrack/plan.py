@@ -26,6 +26,17 @@ ALIAS_OPS = frozenset({"concat"})
 PLAN_SCHEMA_VERSION = 1
 
 
+def parameter_key(name: str) -> str:
+    """The key under which a Track B module looks up the initializer ``name``.
+
+    `iree-import-onnx --externalize-params` names each parameter after its initializer with every
+    ':' replaced by '_' (its ``sanitize_name``: torch exports name weights ``onnx::Conv_546``, which
+    the module asks for as ``onnx__Conv_546``). The runtime builds its parameter index with this
+    rule and the front end keeps the keys unique.
+    """
+    return name.replace(":", "_")
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """A tensor at a segment boundary (or inside a Track A segment)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,8 +153,19 @@ def compiler_version() -> str:
     return tool_version("iree-compile")
 
 
-def run_job(job: CompileJob, cache: ModuleCache, compiler: str, save_temps: Path | None = None) -> CompileResult:
-    """Import and compile one (segment, batch, target), or take it from the cache."""
+def run_job(
+    job: CompileJob,
+    cache: ModuleCache,
+    compiler: str,
+    save_temps: Path | None = None,
+    *,
+    keep_failed: Path | None = None,
+) -> CompileResult:
+    """Import and compile one (segment, batch, target), or take it from the cache.
+
+    ``keep_failed``: where a failing job's stage inputs are kept (``<segment>-b<batch>-<target>``),
+    so that the repro command the error carries still works after the temporary folder is gone.
+    """
     static = with_batch(job.model, job.batch)
     key = cache_key(static, job.batch, job.target, job.flags, compiler)
     hit = cache.get(key)
@@ -164,8 +176,22 @@ def run_job(job: CompileJob, cache: ModuleCache, compiler: str, save_temps: Path
         if save_temps is not None:
             work = save_temps / f"{job.segment}-b{job.batch}-{job.target.name}"
             work.mkdir(parents=True, exist_ok=True)
-        mlir = import_onnx(static, work)
-        out = compile_module(mlir, job.target, job.flags, work / "module.vmfb")
+        try:
+            mlir = import_onnx(static, work)
+            out = compile_module(mlir, job.target, job.flags, work / "module.vmfb")
+        except ToolError as e:
+            if keep_failed is None or save_temps is not None:
+                raise
+            kept = keep_failed / f"{job.segment}-b{job.batch}-{job.target.name}"
+            shutil.rmtree(kept, ignore_errors=True)
+            shutil.copytree(work, kept)
+            raise ToolError(
+                e.tool,
+                e.message.removeprefix(f"{e.tool}: "),
+                returncode=e.returncode,
+                stderr=e.stderr,
+                argv=[a.replace(str(work), str(kept)) for a in e.argv],
+            ) from None
         data = out.read_bytes()
     cache.put(key, data)
     return CompileResult(job, data, key, cached=False)

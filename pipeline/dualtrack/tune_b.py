@@ -33,7 +33,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from dualtrack import arch, partition, track_b
+from dualtrack import arch, frontend, partition, track_b
 from dualtrack.config import BuildConfig, Tolerance, load_config
 from dualtrack.errors import BundleError, ConfigError, ToolError
 from dualtrack.plan import TensorSpec
@@ -227,7 +227,8 @@ def prepare_kit(
     res = arch.resolve_targets([arch_name], enable_tma=cfg.enable_tma, iree_target=cfg.track_b.iree_target)[0]
     iree_target = track_b.cuda_target(res.iree_target)
     cands = _candidates(cfg, only)
-    model = partition.name_nodes(partition.load_model(cfg.model))
+    cfg, fe = frontend.load(cfg)
+    model = partition.name_nodes(fe.model)
     plan, seg_models = partition.build_plan(cfg, model)
     segs = [(s, m) for s, m in zip(plan.segments, seg_models, strict=True) if s.track == "B"]
     if not segs:

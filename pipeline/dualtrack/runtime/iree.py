@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from dualtrack.errors import DeviceError
+from dualtrack.plan import parameter_key
 
 PARAM_SCOPE = "model"
 # IREE driver name for each dualtrack device.
@@ -52,12 +53,13 @@ def _parse_runtime_flags_once(extra: tuple[str, ...] = ()) -> None:
 
 
 def parameter_index(weights: Mapping[str, np.ndarray]):
-    """An IREE parameter index over host arrays. The arrays must outlive the index."""
+    """An IREE parameter index over host arrays, keyed as the importer names them
+    (:func:`dualtrack.plan.parameter_key`). The arrays must outlive the index."""
     import iree.runtime as rt
 
     index = rt.ParameterIndex()
     for name, arr in weights.items():
-        index.add_buffer(name, np.ascontiguousarray(arr))
+        index.add_buffer(parameter_key(name), np.ascontiguousarray(arr))
     return index
 
 

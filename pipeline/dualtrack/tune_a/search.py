@@ -112,8 +112,7 @@ def load_plan(source: str | Path) -> Plan:
     path = Path(source)
     if path.is_dir():
         return Bundle.open(path, check_hashes=False).plan
-    cfg = load_config(path)
-    plan, _ = partition.build_plan(cfg, partition.name_nodes(partition.load_model(cfg.model)))
+    plan, _ = partition.plan_config(load_config(path))
     return plan
 
 

@@ -1,0 +1,651 @@
+"""The front end: turn what exporters produce into what the pipeline needs, and say what changed.
+
+Stages, in order, each a function ``(model, ...) -> model`` that records its rewrites:
+
+    load_model -> weights_out_of_inputs -> upgrade_opset -> symbolic_batch -> simplify
+    -> batch_generic_shapes -> unique_parameter_keys -> convert_precision -> wrap_image_io
+
+The generic work is done by libraries: opset upgrades by ``onnx.version_converter``, constant
+folding, shape-op folding, Identity and dead-node elimination by onnxslim, fp16 conversion by
+onnxconverter-common. onnxslim was chosen over onnxsim (a C++ extension whose wheels lag Python
+releases) and onnxscript's optimizer (it folds, but its rewriter also emits ops outside the
+standard domain): it is pure Python, folds through its own symbolic shape inference (so the
+symbolic batch survives) and keeps node and tensor names. Only what is specific to dualtrack is
+written here: making the batch dimension generic, the IREE parameter-name rule, and the image
+pre/post-processing the runtime and the service expect.
+
+A model whose outputs might change under a rewrite is never trusted: :func:`dualtrack.verify.check_frontend`
+runs the processed model against the exported one (image by image where the export fixed the batch)
+before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from dualtrack.config import BuildConfig, Postprocess, Preprocess
+from dualtrack.errors import ConfigError, ModelError
+from dualtrack.plan import parameter_key
+
+TARGET_OPSET = 17  # what the reference and the zoo are exported with; IREE 3.13 imports it
+BATCH = "N"  # the symbolic batch dimension
+IMAGE, MASK, PROBS = "image", "mask", "probs"
+# onnxslim fusions that would emit ops newer than TARGET_OPSET (Gelu is opset 20).
+_SKIP_FUSIONS = ["FusionGelu"]
+# Ops whose presence means the simplifier has something to do (folding, elimination).
+_FOLDABLE_OPS = {"Identity", "Constant", "Shape", "Size", "ConstantOfShape", "Dropout"}
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """One change the front end made, for the build report."""
+
+    stage: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.stage}: {self.detail}"
+
+
+@dataclass
+class FrontEnd:
+    """The model as the pipeline takes it, and what it was made from.
+
+    ``original`` is the export (weights moved out of its inputs, nothing else), ``body`` the processed
+    model before the image wrap: the two are compared by :func:`dualtrack.verify.check_frontend`.
+    """
+
+    model: onnx.ModelProto
+    body: onnx.ModelProto
+    original: onnx.ModelProto
+    export_batch: int | None  # the batch the export fixed (None: symbolic)
+    precision: str
+    classes: tuple[str, ...] | None = None
+    rewrites: list[Rewrite] = field(default_factory=list)
+
+    def notes(self) -> list[str]:
+        return [f"front end: {r}" for r in self.rewrites]
+
+
+def load_model(path: Path) -> onnx.ModelProto:
+    """Read and check an ONNX model; ModelError names the file and the fix."""
+    if not path.exists():
+        raise ModelError(
+            f"model file {path} not found; check `model:` in the config (run `make models` for the reference U-Net, "
+            "`make zoo` for the zoo)"
+        )
+    try:
+        model = onnx.load(str(path))
+    except Exception as e:  # protobuf raises several unrelated types for a bad file
+        raise ModelError(f"{path} is not a readable ONNX model ({type(e).__name__}); re-export it") from None
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as e:
+        first = str(e).strip().splitlines()[0]
+        raise ModelError(f"{path} fails the ONNX checker: {first}; re-export the model") from None
+    for init in model.graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            raise ModelError(
+                f"initializer '{init.name}' of {path} is stored as external data; save the model with weights inside "
+                "(onnx.save(model, path, save_as_external_data=False))"
+            )
+    return model
+
+
+def full_check(model: onnx.ModelProto, what: str) -> None:
+    """The ONNX checker with strict shape inference, on a model the front end produced."""
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        raise ModelError(f"{what} fails the ONNX checker: {str(e).strip().splitlines()[0]}") from None
+
+
+# -- stages -------------------------------------------------------------------------------------------
+
+
+def weights_out_of_inputs(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """Graph inputs that are initializers (older exporters list every weight as an input) become
+    plain initializers: they are not something a caller feeds."""
+    inits = {i.name for i in model.graph.initializer}
+    listed = [i for i in model.graph.input if i.name in inits]
+    if not listed:
+        return model
+    model = copy.deepcopy(model)
+    keep = [i for i in model.graph.input if i.name not in inits]
+    del model.graph.input[:]
+    model.graph.input.extend(keep)
+    log.append(Rewrite("weights", f"{len(listed)} initializers listed as graph inputs are weights, not inputs"))
+    return model
+
+
+def single_input(model: onnx.ModelProto) -> onnx.ValueInfoProto:
+    inputs = list(model.graph.input)
+    if len(inputs) != 1:
+        names = ", ".join(f"'{i.name}'" for i in inputs)
+        raise ModelError(
+            f"the model has {len(inputs)} inputs ({names}); dualtrack serves single-input image models: "
+            "export the network with one input tensor"
+        )
+    if not inputs[0].type.HasField("tensor_type") or not len(inputs[0].type.tensor_type.shape.dim):
+        raise ModelError(f"the model input '{inputs[0].name}' is not a tensor with a batch dimension; re-export it")
+    return inputs[0]
+
+
+def upgrade_opset(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """Models below opset 17 are upgraded with onnx.version_converter (IREE and the Track A
+    predicates are written against current op definitions)."""
+    version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if version is None or version >= TARGET_OPSET:
+        return model
+    try:
+        upgraded = onnx.version_converter.convert_version(model, TARGET_OPSET)
+    except Exception as e:  # the converter raises RuntimeError or ValidationError by op
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(
+            f"cannot upgrade the model from opset {version} to {TARGET_OPSET} ({first}); "
+            f"re-export it with opset_version={TARGET_OPSET}"
+        ) from None
+    log.append(Rewrite("opset", f"upgraded from opset {version} to {TARGET_OPSET} (onnx.version_converter)"))
+    return upgraded
+
+
+def symbolic_batch(model: onnx.ModelProto, log: list[Rewrite]) -> tuple[onnx.ModelProto, int | None]:
+    """Make dim 0 of the input (and of the outputs) the symbolic batch ``N``.
+
+    Returns the batch the export fixed, or None when it was symbolic already. Recorded shapes of
+    inner tensors are dropped: they were inferred at the export's batch.
+    """
+    model = copy.deepcopy(model)
+    dim = single_input(model).type.tensor_type.shape.dim[0]
+    fixed = dim.dim_value if dim.HasField("dim_value") else None
+    for vi in [*model.graph.input, *model.graph.output]:
+        dims = vi.type.tensor_type.shape.dim
+        if len(dims) and (fixed is None or not dims[0].HasField("dim_value") or dims[0].dim_value == fixed):
+            dims[0].Clear()
+            dims[0].dim_param = BATCH
+    del model.graph.value_info[:]
+    if fixed is not None:
+        log.append(Rewrite("batch", f"the export fixed the batch at {fixed}; dim 0 of the input and outputs is now N"))
+    return model, fixed
+
+
+def simplify(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """Constant folding, shape-op folding, Identity and dead-node elimination (onnxslim), where the
+    graph has something for them; a graph without is left exactly as it is."""
+    import onnxslim  # heavy (sympy): loaded only when there is something to fold
+
+    before = _op_counts(model)
+    if not _has_foldable(model):
+        return model
+    try:
+        slim = onnxslim.slim(model, skip_fusion_patterns=_SKIP_FUSIONS)
+    except Exception as e:  # onnxslim surfaces its internal errors as whatever raised them
+        raise ModelError(
+            f"the simplifier (onnxslim) failed on the model ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+            "set `simplify: false` in the config to build without it"
+        ) from None
+    after = _op_counts(slim)
+    gone = {op: n - after.get(op, 0) for op, n in before.items() if n > after.get(op, 0)}
+    new = {op: n - before.get(op, 0) for op, n in after.items() if n > before.get(op, 0)}
+    if gone or new:
+        parts = [f"{n} {op}" for op, n in sorted(gone.items(), key=lambda kv: -kv[1])]
+        added = [f"{n} {op}" for op, n in sorted(new.items(), key=lambda kv: -kv[1])]
+        detail = f"removed {', '.join(parts)}" if parts else "no nodes removed"
+        if added:
+            detail += f"; added {', '.join(added)}"
+        log.append(Rewrite("simplify", f"{detail} (onnxslim {onnxslim.__version__})"))
+    return slim
+
+
+def _op_counts(model: onnx.ModelProto) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for n in model.graph.node:
+        out[n.op_type] += 1
+    return dict(out)
+
+
+def _has_foldable(model: onnx.ModelProto) -> bool:
+    g = model.graph
+    consts = {i.name for i in g.initializer}
+    used = {x for n in g.node for x in n.input} | {o.name for o in g.output}
+    for n in g.node:
+        if n.op_type in _FOLDABLE_OPS:
+            return True
+        if all(not x or x in consts for x in n.input):
+            return True  # every input a constant: folds
+        if not any(o in used for o in n.output if o):
+            return True  # dead
+        consts.update(o for o in n.output if o and all(not x or x in consts for x in n.input))
+    return False
+
+
+def batch_generic_shapes(model: onnx.ModelProto, export_batch: int | None, log: list[Rewrite]) -> onnx.ModelProto:
+    """Shape constants that carry the export's fixed batch are made batch-generic.
+
+    An exporter that traces at batch B writes B into shape arguments: ``Reshape(x, [B, C, -1])``,
+    ``Resize(x, sizes=[B, C, H, W])``, ``Expand(x, [B, ...])``. Where the tensor reshaped keeps the
+    batch in dim 0 (shape inference with a symbolic batch says so), the B becomes "this dim of the
+    input": 0 for Reshape (copy), scales instead of sizes for Resize, 1 for Expand (broadcast).
+    Anything else that carries the batch is caught by the batch check at the sizes being built.
+    """
+    if export_batch is None:
+        return model
+    model = copy.deepcopy(model)
+    del model.graph.value_info[:]  # shapes recorded at the export batch would pin dim 0 again
+    done: list[str] = []
+    for _ in range(len(model.graph.node) + 1):  # each pass frees the consumers of the last; bounded
+        dims = _dim0(model)
+        inits = {i.name: i for i in model.graph.initializer}
+        changed = 0
+        for node in model.graph.node:
+            if not node.input or dims.get(node.input[0]) != BATCH:
+                continue
+            rewrite = _BATCH_REWRITES.get(node.op_type)
+            if rewrite is not None and rewrite(model, node, inits, export_batch, dims):
+                done.append(f"{node.op_type} '{node.name or node.output[0]}'")
+                changed += 1
+        if not changed:
+            break
+    if done:
+        shown = ", ".join(done[:4]) + (f" and {len(done) - 4} more" if len(done) > 4 else "")
+        log.append(Rewrite("batch", f"{len(done)} shape constant(s) carried the export batch {export_batch}: {shown}"))
+    return model
+
+
+def _dim0(model: onnx.ModelProto) -> dict[str, str | int]:
+    """Dim 0 of every tensor under shape inference with the symbolic batch: "N" or an int."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except onnx.shape_inference.InferenceError:
+        return {}
+    out: dict[str, str | int] = {}
+    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        t = vi.type.tensor_type
+        if t.HasField("shape") and len(t.shape.dim):
+            d = t.shape.dim[0]
+            out[vi.name] = d.dim_param if d.HasField("dim_param") else d.dim_value
+    return out
+
+
+def _const_input(model: onnx.ModelProto, inits: dict, node: onnx.NodeProto, k: int) -> np.ndarray | None:
+    if len(node.input) <= k or node.input[k] not in inits:
+        return None
+    return numpy_helper.to_array(inits[node.input[k]])
+
+
+def _replace_input(model: onnx.ModelProto, node: onnx.NodeProto, k: int, value: np.ndarray, tag: str) -> None:
+    """Give input ``k`` of ``node`` a constant of its own (the old one may be shared)."""
+    names = {i.name for i in model.graph.initializer}
+    name, i = f"{node.input[k]}__{tag}", 0
+    while name in names:
+        i += 1
+        name = f"{node.input[k]}__{tag}{i}"
+    model.graph.initializer.append(numpy_helper.from_array(value, name))
+    node.input[k] = name
+
+
+def _reshape_batch(model, node, inits, batch, dims) -> bool:
+    shape = _const_input(model, inits, node, 1)
+    if shape is None or shape.ndim != 1 or not len(shape) or int(shape[0]) != batch:
+        return False
+    allowzero = next((a.i for a in node.attribute if a.name == "allowzero"), 0)
+    if allowzero and -1 in shape[1:]:
+        return False
+    new = shape.copy()
+    new[0] = -1 if allowzero else 0  # 0: copy dim 0 of the input, which is the batch
+    _replace_input(model, node, 1, new, "batch")
+    return True
+
+
+def _resize_batch(model, node, inits, batch, dims) -> bool:
+    sizes = _const_input(model, inits, node, 3)
+    if sizes is None or len(sizes) < 3 or int(sizes[0]) != batch:
+        return False
+    shapes = _static_shapes(model)
+    src = shapes.get(node.input[0])
+    if src is None or len(src) != len(sizes) or any(d <= 0 for d in src[1:]):
+        return False
+    scales = np.array([1.0] + [float(o) / float(i) for o, i in zip(sizes[1:], src[1:], strict=True)], np.float32)
+    if any(int(np.floor(i * s)) != int(o) for i, s, o in zip(src[1:], scales[1:], sizes[1:], strict=True)):
+        return False  # the ratio does not round back to the size in float32: leave it to the batch check
+    _replace_input(model, node, 2, scales, "scales")
+    del node.input[3:]
+    return True
+
+
+def _expand_batch(model, node, inits, batch, dims) -> bool:
+    shape = _const_input(model, inits, node, 1)
+    if shape is None or shape.ndim != 1 or not len(shape) or int(shape[0]) != batch:
+        return False
+    new = shape.copy()
+    new[0] = 1  # broadcast: keeps the input's batch
+    _replace_input(model, node, 1, new, "batch")
+    return True
+
+
+_BATCH_REWRITES = {"Reshape": _reshape_batch, "Resize": _resize_batch, "Expand": _expand_batch}
+
+
+def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    out = {}
+    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        t = vi.type.tensor_type
+        if t.HasField("shape"):
+            out[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim)
+    return out
+
+
+def unique_parameter_keys(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """IREE's importer renames parameters (``onnx::Conv_5`` becomes ``onnx__Conv_5``, see
+    :func:`dualtrack.plan.parameter_key`) and the runtime looks them up under that key: two
+    initializers whose keys collide are renamed apart here."""
+    seen: dict[str, str] = {}
+    clash = [i.name for i in model.graph.initializer if seen.setdefault(parameter_key(i.name), i.name) != i.name]
+    if not clash:
+        return model
+    model = copy.deepcopy(model)
+    taken = {parameter_key(i.name) for i in model.graph.initializer}
+    rename: dict[str, str] = {}
+    claimed: set[str] = set()
+    for init in model.graph.initializer:
+        key = parameter_key(init.name)
+        if key not in claimed:
+            claimed.add(key)
+            continue
+        k = 1
+        while f"{key}__{k}" in taken:
+            k += 1
+        rename[init.name] = f"{key}__{k}"
+        taken.add(rename[init.name])
+        init.name = rename[init.name]
+    for node in model.graph.node:
+        for j, x in enumerate(node.input):
+            node.input[j] = rename.get(x, x)
+    log.append(Rewrite("names", f"{len(rename)} initializer(s) renamed: their IREE parameter keys collided"))
+    return model
+
+
+def model_precision(model: onnx.ModelProto) -> str:
+    """fp16 or fp32: the float type that holds most of the weights."""
+    count = {TensorProto.FLOAT16: 0, TensorProto.FLOAT: 0}
+    for init in model.graph.initializer:
+        if init.data_type in count:
+            count[init.data_type] += int(np.prod(init.dims)) if len(init.dims) else 1
+    if not any(count.values()):
+        elem = single_input(model).type.tensor_type.elem_type
+        return "fp16" if elem == TensorProto.FLOAT16 else "fp32"
+    return "fp16" if count[TensorProto.FLOAT16] > count[TensorProto.FLOAT] else "fp32"
+
+
+def convert_precision(model: onnx.ModelProto, want: str | None, log: list[Rewrite]) -> tuple[onnx.ModelProto, str]:
+    """Keep the model's precision unless the config asks for another; fp32 -> fp16 is converted by
+    onnxconverter-common with the inputs and outputs kept fp32 (verified against the original)."""
+    have = model_precision(model)
+    if want is None or want == have:
+        return model, have
+    if want == "fp32":
+        raise ConfigError(
+            "precision: fp32 was asked for, but the model's weights are fp16; set `precision: fp16` "
+            "(or remove it) or export the model in fp32"
+        )
+    from onnxconverter_common import float16
+
+    bare = copy.deepcopy(model)
+    del bare.graph.value_info[:]  # shapes recorded before the conversion mislead its Cast insertion
+    try:
+        with warnings.catch_warnings():  # it warns once per weight it rounds to fp16's range
+            warnings.simplefilter("ignore")
+            converted = float16.convert_float_to_float16(bare, keep_io_types=True, disable_shape_infer=False)
+        del converted.graph.value_info[:]
+    except Exception as e:  # the converter raises whatever its graph walk hits
+        raise ModelError(
+            f"converting the model to fp16 failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+            "export it in fp16 or build with `precision: fp32`"
+        ) from None
+    log.append(Rewrite("precision", "fp32 weights converted to fp16 (onnxconverter-common), inputs and outputs fp32"))
+    return converted, "fp16"
+
+
+# -- the image wrap -------------------------------------------------------------------------------
+
+
+def _unique(model: onnx.ModelProto, want: str) -> str:
+    """Rename any tensor of the model called ``want`` out of the way, so the wrap can use the name."""
+    g = model.graph
+    names = {i.name for i in g.initializer} | {x for n in g.node for x in (*n.input, *n.output)}
+    names |= {i.name for i in g.input} | {o.name for o in g.output}
+    if want not in names:
+        return want
+    new, k = f"{want}__model", 0
+    while new in names:
+        k += 1
+        new = f"{want}__model{k}"
+    for n in g.node:
+        for j, x in enumerate(n.input):
+            if x == want:
+                n.input[j] = new
+        for j, x in enumerate(n.output):
+            if x == want:
+                n.output[j] = new
+    for vi in [*g.input, *g.output, *g.value_info]:
+        if vi.name == want:
+            vi.name = new
+    for init in g.initializer:
+        if init.name == want:
+            init.name = new
+    return new
+
+
+def logits_output(model: onnx.ModelProto, post: Postprocess) -> onnx.ValueInfoProto:
+    """The output that holds the segmentation map (N, classes, H, W), or ModelError with the fix."""
+    outs = list(model.graph.output)
+    shapes = _static_shapes(model)
+    if post.output is not None:
+        chosen = [o for o in outs if o.name == post.output]
+        if not chosen:
+            raise ConfigError(
+                f"postprocess.output: the model has no output '{post.output}'; its outputs are "
+                f"{', '.join(repr(o.name) for o in outs)}"
+            )
+    else:
+        chosen = [o for o in outs if len(shapes.get(o.name, ())) == 4 and _is_float(o)]
+        if len(chosen) != 1:
+            listed = ", ".join(f"'{o.name}' {list(shapes.get(o.name, ()))}" for o in outs)
+            raise ModelError(
+                f"postprocess needs one 4-D (N, classes, H, W) float output, the model has {listed}; "
+                "name the logits with postprocess.output"
+            )
+    out = chosen[0]
+    shape = shapes.get(out.name, ())
+    if len(shape) != 4 or not _is_float(out) or min(shape[2:], default=0) < 2:
+        raise ModelError(
+            f"output '{out.name}' {list(shape)} is not a segmentation map (N, classes, H, W); "
+            "point postprocess.output at the logits, or remove `postprocess` to serve the raw outputs"
+        )
+    if post.classes is not None and len(post.classes) != shape[1]:
+        raise ConfigError(
+            f"postprocess.classes names {len(post.classes)} classes, the output '{out.name}' has {shape[1]} channels"
+        )
+    return out
+
+
+def _is_float(vi: onnx.ValueInfoProto) -> bool:
+    return vi.type.tensor_type.elem_type in (TensorProto.FLOAT, TensorProto.FLOAT16)
+
+
+def wrap_image_io(
+    model: onnx.ModelProto, pre: Preprocess | None, post: Postprocess | None, log: list[Rewrite]
+) -> onnx.ModelProto:
+    """Put the declared pre- and post-processing around the model: uint8 (N, H, W, 3) RGB ``image``
+    in (nodes ``pre/*``), ``mask`` and ``probs`` out (nodes ``post/*``), as the reference model has."""
+    if pre is None and post is None:
+        return model
+    model = copy.deepcopy(model)
+    g = model.graph
+    nodes: list[onnx.NodeProto] = []
+    inits: list[onnx.TensorProto] = []
+    if pre is not None:
+        inp = single_input(model)
+        t = inp.type.tensor_type
+        dims = [d.dim_value for d in t.shape.dim]
+        channels = dims[1] if pre.layout == "NCHW" else dims[-1]
+        if len(dims) != 4 or channels != 3 or not _is_float(inp):
+            raise ModelError(
+                f"preprocess: the model input '{inp.name}' is {helper.tensor_dtype_to_np_dtype(t.elem_type)} "
+                f"{dims}, not a {pre.layout} float image with 3 channels; fix preprocess.layout or remove `preprocess`"
+            )
+        h, w = (dims[2], dims[3]) if pre.layout == "NCHW" else (dims[1], dims[2])
+        if h <= 0 or w <= 0:
+            raise ModelError(
+                f"preprocess: the model input '{inp.name}' has no fixed height and width ({dims}); "
+                "export it with a fixed image size"
+            )
+        exported_name = inp.name
+        _unique(model, IMAGE)  # a model tensor (its input too) called `image` moves out of the way
+        body_in = single_input(model).name
+        x = "pre/cast"
+        nodes.append(helper.make_node("Cast", [IMAGE], [x], name="pre/cast", to=TensorProto.FLOAT))
+        if pre.color == "BGR":
+            inits.append(numpy_helper.from_array(np.array([2, 1, 0], np.int64), "pre/bgr_order"))
+            nodes.append(helper.make_node("Gather", [x, "pre/bgr_order"], ["pre/bgr"], name="pre/bgr", axis=3))
+            x = "pre/bgr"
+        if pre.layout == "NCHW":
+            nodes.append(helper.make_node("Transpose", [x], ["pre/nchw"], name="pre/nchw", perm=[0, 3, 1, 2]))
+            x = "pre/nchw"
+        bshape = (1, 3, 1, 1) if pre.layout == "NCHW" else (1, 1, 1, 3)
+        mean = (np.array(pre.mean, np.float32) * np.float32(pre.scale)).reshape(bshape)
+        inv = (1.0 / (np.array(pre.std, np.float64) * pre.scale)).astype(np.float32).reshape(bshape)
+        inits += [numpy_helper.from_array(mean, "pre/mean"), numpy_helper.from_array(inv, "pre/inv_std")]
+        nodes.append(helper.make_node("Sub", [x, "pre/mean"], ["pre/sub_mean"], name="pre/sub_mean"))
+        nodes.append(helper.make_node("Mul", ["pre/sub_mean", "pre/inv_std"], ["pre/scale"], name="pre/scale"))
+        x = "pre/scale"
+        if t.elem_type != TensorProto.FLOAT:
+            nodes.append(helper.make_node("Cast", [x], ["pre/to_model"], name="pre/to_model", to=t.elem_type))
+            x = "pre/to_model"
+        for n in g.node:
+            for j, name in enumerate(n.input):
+                if name == body_in:
+                    n.input[j] = x
+        del g.input[:]
+        g.input.append(helper.make_tensor_value_info(IMAGE, TensorProto.UINT8, [BATCH, h, w, 3]))
+        log.append(
+            Rewrite(
+                "wrap",
+                f"uint8 image (N, {h}, {w}, 3) {pre.color} -> /{pre.scale:g}, mean {list(pre.mean)}, "
+                f"std {list(pre.std)} -> {pre.layout} model input '{exported_name}'",
+            )
+        )
+    post_nodes: list[onnx.NodeProto] = []
+    if post is not None:
+        logits = logits_output(model, post)
+        for want in (MASK, PROBS):
+            if want != logits.name:
+                _unique(model, want)
+        logits = logits_output(model, post)  # the name may have moved out of the way
+        shape = _static_shapes(model)[logits.name]
+        x = logits.name
+        if logits.type.tensor_type.elem_type != TensorProto.FLOAT:
+            post_nodes.append(helper.make_node("Cast", [x], ["post/fp32"], name="post/fp32", to=TensorProto.FLOAT))
+            x = "post/fp32"
+        if post.activation == "softmax":
+            post_nodes.append(helper.make_node("Softmax", [x], ["post/probs"], name="post/softmax", axis=1))
+        elif post.activation == "sigmoid":
+            post_nodes.append(helper.make_node("Sigmoid", [x], ["post/probs"], name="post/sigmoid"))
+        else:
+            post_nodes.append(helper.make_node("Identity", [x], ["post/probs"], name="post/probs"))
+        post_nodes.append(helper.make_node("Identity", ["post/probs"], [PROBS], name="post/probs_out"))
+        if shape[1] == 1:  # one class: foreground where p > 0.5
+            inits.append(numpy_helper.from_array(np.array(0.5, np.float32), "post/half"))
+            post_nodes.append(helper.make_node("Greater", ["post/probs", "post/half"], ["post/fg"], name="post/fg"))
+            post_nodes.append(
+                helper.make_node("Squeeze", ["post/fg", "post/axis1"], ["post/fg2d"], name="post/squeeze")
+            )
+            inits.append(numpy_helper.from_array(np.array([1], np.int64), "post/axis1"))
+            post_nodes.append(helper.make_node("Cast", ["post/fg2d"], [MASK], name="post/mask", to=TensorProto.UINT8))
+        else:
+            post_nodes.append(
+                helper.make_node("ArgMax", ["post/probs"], ["post/argmax"], name="post/argmax", axis=1, keepdims=0)
+            )
+            post_nodes.append(helper.make_node("Cast", ["post/argmax"], [MASK], name="post/mask", to=TensorProto.UINT8))
+        dropped = [o.name for o in g.output if o.name != logits.name]
+        del g.output[:]
+        g.output.extend(
+            [
+                helper.make_tensor_value_info(MASK, TensorProto.UINT8, [BATCH, shape[2], shape[3]]),
+                helper.make_tensor_value_info(PROBS, TensorProto.FLOAT, [BATCH, shape[1], shape[2], shape[3]]),
+            ]
+        )
+        log.append(
+            Rewrite(
+                "wrap",
+                f"output '{logits.name}' (N, {', '.join(map(str, shape[1:]))}) -> {post.activation} "
+                f"-> `{PROBS}` and `{MASK}`"
+                + (f"; dropped outputs {', '.join(dropped)}" if dropped else ""),
+            )
+        )
+    body = list(g.node)
+    del g.node[:]
+    g.node.extend([*nodes, *body, *post_nodes])
+    g.initializer.extend(inits)
+    del g.value_info[:]
+    return _prune(model)
+
+
+def _prune(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Drop nodes and initializers that no output needs (an auxiliary head the wrap dropped)."""
+    g = model.graph
+    needed = {o.name for o in g.output}
+    keep: list[onnx.NodeProto] = []
+    for n in reversed(list(g.node)):
+        if any(o in needed for o in n.output):
+            keep.append(n)
+            needed.update(x for x in n.input if x)
+    keep.reverse()
+    del g.node[:]
+    g.node.extend(keep)
+    inits = [i for i in g.initializer if i.name in needed]
+    del g.initializer[:]
+    g.initializer.extend(inits)
+    return model
+
+
+# -- the whole front end ---------------------------------------------------------------------------
+
+
+def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
+    """Run every stage on the config's model (or ``model``, already loaded)."""
+    raw = model if model is not None else load_model(cfg.model)
+    log: list[Rewrite] = []
+    original = weights_out_of_inputs(raw, log)
+    single_input(original)
+    m = upgrade_opset(original, log)
+    m, export_batch = symbolic_batch(m, log)
+    if cfg.simplify:
+        m = simplify(m, log)
+    m = batch_generic_shapes(m, export_batch, log)
+    m = unique_parameter_keys(m, log)
+    m, precision = convert_precision(m, cfg.precision, log)
+    body = m
+    wrapped = wrap_image_io(m, cfg.preprocess, cfg.postprocess, log)
+    full_check(wrapped, f"the model after the front end ({cfg.model.name})")
+    classes = cfg.postprocess.classes if cfg.postprocess is not None else None
+    return FrontEnd(wrapped, body, original, export_batch, precision, classes, log)
+
+
+def load(cfg: BuildConfig) -> tuple[BuildConfig, FrontEnd]:
+    """The front end of a config, and the config with the precision it resolved (what the
+    partition, the tuners and the build take)."""
+    fe = prepare(cfg)
+    return cfg.model_copy(update={"precision": fe.precision}), fe
+
+
+__all__ = ["FrontEnd", "Rewrite", "load", "load_model", "prepare"]

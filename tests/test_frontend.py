@@ -1,0 +1,293 @@
+"""The front end: exports as torch writes them build without hand edits, and what it rewrites is checked."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from exports import reference_logits, torch_style
+from onnx import TensorProto, helper, numpy_helper
+
+from dualtrack import frontend, partition, verify
+from dualtrack.config import DEFAULT_TOLERANCES, BuildConfig, Postprocess, Preprocess, Tolerance
+from dualtrack.errors import ConfigError, ModelError, PartitionError
+from dualtrack.plan import parameter_key
+
+FP32 = DEFAULT_TOLERANCES["fp32"]
+
+
+def _cfg(**kw) -> BuildConfig:
+    return BuildConfig(model=Path("export.onnx"), **kw)
+
+
+def _ops(model: onnx.ModelProto) -> set[str]:
+    return {n.op_type for n in model.graph.node}
+
+
+def _plan(cfg: BuildConfig, fe: frontend.FrontEnd):
+    cfg = cfg.model_copy(update={"precision": fe.precision})
+    return partition.build_plan(cfg, partition.name_nodes(fe.model))
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
+
+
+# -- the stages ----------------------------------------------------------------------------------------
+
+
+def test_weights_listed_as_graph_inputs_become_initializers() -> None:
+    fe = frontend.prepare(_cfg(), torch_style(weights_as_inputs=True))
+    assert [i.name for i in fe.model.graph.input] == ["input.1"]
+    assert any(r.stage == "weights" and "7 initializers" in r.detail for r in fe.rewrites)
+
+
+def test_an_old_opset_is_upgraded_and_recorded() -> None:
+    fe = frontend.prepare(_cfg(), torch_style(opset=11))
+    assert next(o.version for o in fe.model.opset_import if o.domain == "") == frontend.TARGET_OPSET
+    assert any(r.stage == "opset" and "from opset 11 to 17" in r.detail for r in fe.rewrites)
+
+
+def test_identity_weights_constants_and_shape_ops_are_folded() -> None:
+    fe = frontend.prepare(_cfg(), torch_style())
+    assert not _ops(fe.model) & {"Identity", "Constant", "Shape", "Expand"}
+    assert any(r.stage == "simplify" and "Identity" in r.detail for r in fe.rewrites)
+
+
+def test_a_graph_with_nothing_to_fold_is_left_byte_identical() -> None:
+    from dualtrack.reference import UNetSpec, build_unet
+
+    model = build_unet(UNetSpec(base=4, depth=2, height=32, width=32, precision="fp16"))
+    fe = frontend.prepare(_cfg(), model)
+    assert fe.rewrites == []
+    assert fe.model.SerializeToString(deterministic=True) == model.SerializeToString(deterministic=True)
+    assert fe.precision == "fp16"
+
+
+@pytest.mark.parametrize("export_batch", [1, 4])
+def test_a_fixed_export_batch_becomes_generic_and_matches_the_export_image_by_image(export_batch: int) -> None:
+    """Reshape and Resize constants carry the export batch; at batch 3 the processed model must still
+    give what the export gives on each group of `export_batch` images."""
+    fe = frontend.prepare(_cfg(batch_sizes=(1, 3)), torch_style(batch=export_batch))
+    assert fe.export_batch == export_batch
+    rewritten = next(r.detail for r in fe.rewrites if r.stage == "batch" and "shape constant" in r.detail)
+    assert "Reshape" in rewritten and "Resize" in rewritten
+    plan, _ = _plan(_cfg(batch_sizes=(1, 3)), fe)
+    assert plan.inputs[0].shape == (1, 3, 16, 16)
+    checks = verify.check_frontend(fe, (1, 3, 5), FP32, seed=0)
+    assert [c.name for c in checks] == ["frontend b1 logits", "frontend b3 logits", "frontend b5 logits"]
+    assert all(c.passed and c.rel_l2 <= 1e-6 for c in checks), [verify.Report.line(c) for c in checks]
+    assert all(f"run {export_batch} at a time" in c.note for c in checks)
+
+
+def test_a_batch_the_front_end_cannot_free_is_refused_with_the_fix_but_batch_one_builds() -> None:
+    """ConstantOfShape([1, 8, 16, 16]) added to the features: a batch written into data, not a shape."""
+    model = torch_style()
+    g = model.graph
+    g.initializer.append(numpy_helper.from_array(np.array([1, 2, 16, 16], np.int64), "zshape"))
+    g.node.append(
+        helper.make_node(
+            "ConstantOfShape",
+            ["zshape"],
+            ["zeros"],
+            name="zeros",
+            value=numpy_helper.from_array(np.array([0.5], np.float32)),
+        )
+    )
+    g.node.append(helper.make_node("Add", ["logits_raw", "zeros"], ["logits"], name="bias_all"))
+    for n in g.node:
+        if n.name == "/head/Conv":
+            n.output[0] = "logits_raw"
+    model = copy.deepcopy(model)
+    with pytest.raises((PartitionError, ModelError), match=r"batch.*(batch_sizes: \[1\]|dynamic batch)"):
+        _plan(_cfg(batch_sizes=(1, 2)), frontend.prepare(_cfg(batch_sizes=(1, 2), simplify=False), model))
+    plan, _ = _plan(_cfg(batch_sizes=(1,)), frontend.prepare(_cfg(batch_sizes=(1,), simplify=False), model))
+    assert plan.batch_sizes == (1,)
+
+
+def test_parameter_keys_follow_the_iree_importer(tmp_path: Path) -> None:
+    """The rule is checked against iree-import-onnx itself: it names each externalized weight (it
+    externalizes those of 100 elements or more, so these have 256)."""
+    from dualtrack.tools import run_tool
+
+    names = ["onnx::Conv_546", "encoder.layer1.0.conv1.weight", "/dec/Constant_3_output_0", "a::b:c"]
+    inits = [numpy_helper.from_array(np.full((16, 16, 1, 1), i + 1, np.float32), n) for i, n in enumerate(names)]
+    nodes, x = [], "x"
+    for i, n in enumerate(names):
+        nodes.append(helper.make_node("Conv", [x, n], [f"y{i}"], name=f"c{i}"))
+        x = f"y{i}"
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 4, 4])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, 16, 4, 4])],
+        inits,
+    )
+    src = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(src))
+    out = tmp_path / "m.mlir"
+    run_tool("iree-import-onnx", [str(src), "-o", str(out), "--externalize-params"], what="importing")
+    keys = set(re.findall(r'#stream\.parameter\.named<"model"::"([^"]+)">', out.read_text()))
+    assert keys == {parameter_key(n) for n in names}
+    assert parameter_key("onnx::Conv_546") == "onnx__Conv_546"
+
+
+def test_initializers_whose_parameter_keys_collide_are_renamed_apart() -> None:
+    model = torch_style()
+    for init in model.graph.initializer:
+        if init.name == "onnx::Conv_6":
+            init.name = "onnx__Conv_5"  # the key of onnx::Conv_5
+    for n in model.graph.node:
+        for j, x in enumerate(n.input):
+            if x == "onnx::Conv_6":
+                n.input[j] = "onnx__Conv_5"
+    fe = frontend.prepare(_cfg(), model)
+    keys = [parameter_key(i.name) for i in fe.model.graph.initializer]
+    assert len(keys) == len(set(keys))
+    assert any(r.stage == "names" for r in fe.rewrites)
+    x = np.random.default_rng(0).standard_normal((1, 3, 16, 16)).astype(np.float32)
+    np.testing.assert_allclose(_run(fe.model, {"input.1": x})["logits"], reference_logits(model, x), rtol=1e-6)
+
+
+# -- precision --------------------------------------------------------------------------------------------
+
+
+def test_precision_comes_from_the_model_unless_the_config_asks() -> None:
+    model = torch_style()
+    assert frontend.prepare(_cfg(), model).precision == "fp32"
+    fe = frontend.prepare(_cfg(precision="fp16"), model)
+    assert fe.precision == "fp16"
+    assert any(r.stage == "precision" for r in fe.rewrites)
+    assert {i.data_type for i in fe.model.graph.initializer if len(i.dims) == 4} == {TensorProto.FLOAT16}
+    assert fe.model.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT  # I/O types kept
+    checks = verify.check_frontend(fe, (1, 2), DEFAULT_TOLERANCES["fp16"], seed=1)
+    assert all(c.passed for c in checks), [verify.Report.line(c) for c in checks]
+    assert all(0 < c.rel_l2 < 1e-2 for c in checks)  # really converted, and close to the fp32 export
+
+
+def test_fp32_on_an_fp16_model_is_refused() -> None:
+    from dualtrack.reference import UNetSpec, build_unet
+
+    model = build_unet(UNetSpec(base=4, depth=2, height=32, width=32, precision="fp16"))
+    with pytest.raises(ConfigError, match=r"precision: fp32.*weights are fp16"):
+        frontend.prepare(_cfg(precision="fp32"), model)
+
+
+# -- the image wrap ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("layout", "color"), [("NCHW", "RGB"), ("NCHW", "BGR"), ("NHWC", "RGB")])
+def test_the_wrap_feeds_the_model_the_declared_normalisation(layout: str, color: str) -> None:
+    model = torch_style()
+    if layout == "NHWC":  # an NHWC model: a transpose in front of the NCHW body
+        g = model.graph
+        for n in g.node:
+            for j, x in enumerate(n.input):
+                if x == "input.1":
+                    n.input[j] = "input_nchw"
+        g.node.insert(0, helper.make_node("Transpose", ["input.1"], ["input_nchw"], name="t", perm=[0, 3, 1, 2]))
+        del g.input[:]
+        g.input.append(helper.make_tensor_value_info("input.1", TensorProto.FLOAT, [1, 16, 16, 3]))
+    pre = Preprocess(layout=layout, color=color, scale=255.0, mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3))
+    fe = frontend.prepare(_cfg(preprocess=pre, postprocess=Postprocess()), model)
+    rng = np.random.default_rng(2)
+    image = rng.integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
+    got = _run(fe.model, {"image": image})
+    # the reference, by hand: float64 normalisation in numpy, the export run image by image
+    px = image.astype(np.float64)[..., ::-1] if color == "BGR" else image.astype(np.float64)
+    x = (px / 255.0 - np.array(pre.mean)) / np.array(pre.std)
+    x = x.astype(np.float32) if layout == "NHWC" else x.transpose(0, 3, 1, 2).astype(np.float32)
+    logits = reference_logits(model, x)
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs = e / e.sum(axis=1, keepdims=True)
+    assert got["probs"].dtype == np.float32 and got["mask"].dtype == np.uint8
+    np.testing.assert_allclose(got["probs"], probs, atol=1e-5)
+    confident = np.abs(probs[:, 0] - probs[:, 1]) > 1e-4
+    assert np.array_equal(got["mask"][confident], probs.argmax(axis=1)[confident])
+    assert [o.name for o in fe.model.graph.output] == ["mask", "probs"]
+
+
+def test_one_class_with_sigmoid_masks_where_p_exceeds_half() -> None:
+    pre = Preprocess(mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
+    fe = frontend.prepare(_cfg(preprocess=pre, postprocess=Postprocess(activation="sigmoid")), torch_style(classes=1))
+    image = np.random.default_rng(3).integers(0, 256, (2, 16, 16, 3), dtype=np.uint8)
+    got = _run(fe.model, {"image": image})
+    assert got["probs"].shape == (2, 1, 16, 16) and got["mask"].shape == (2, 16, 16)
+    assert np.array_equal(got["mask"], (got["probs"][:, 0] > 0.5).astype(np.uint8))
+    assert 0 < got["mask"].mean() < 1  # both classes present: the check is not vacuous
+
+
+def test_a_model_whose_output_is_not_a_segmentation_map_is_refused_with_the_fix() -> None:
+    model = torch_style()
+    g = model.graph
+    g.node.append(helper.make_node("GlobalAveragePool", ["logits"], ["pooled"], name="gap"))
+    g.node.append(helper.make_node("Flatten", ["pooled"], ["scores"], name="flat"))
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 2]))
+    with pytest.raises(ModelError, match=r"one 4-D \(N, classes, H, W\) float output.*postprocess.output"):
+        frontend.prepare(_cfg(postprocess=Postprocess()), model)
+    with pytest.raises(ModelError, match="not a segmentation map"):
+        frontend.prepare(_cfg(postprocess=Postprocess(output="scores")), model)
+    with pytest.raises(ConfigError, match="no output 'nope'"):
+        frontend.prepare(_cfg(postprocess=Postprocess(output="nope")), model)
+
+
+def test_class_names_must_match_the_channels() -> None:
+    with pytest.raises(ConfigError, match=r"names 3 classes.*2 channels"):
+        frontend.prepare(_cfg(postprocess=Postprocess(classes=("a", "b", "c"))), torch_style())
+
+
+def test_a_model_with_two_inputs_is_refused_with_the_fix() -> None:
+    model = torch_style()
+    model.graph.input.append(helper.make_tensor_value_info("extra", TensorProto.FLOAT, [1, 3]))
+    with pytest.raises(ModelError, match=r"2 inputs \('input.1', 'extra'\).*one input tensor"):
+        frontend.prepare(_cfg(), model)
+
+
+def test_a_preprocess_that_does_not_fit_the_input_is_refused() -> None:
+    with pytest.raises(ModelError, match=r"not a NHWC float image with 3 channels; fix preprocess.layout"):
+        frontend.prepare(_cfg(preprocess=Preprocess(layout="NHWC")), torch_style())
+
+
+# -- verification ----------------------------------------------------------------------------------------------
+
+
+def test_max_abs_scales_with_the_output() -> None:
+    """Logits that reach 1e4 with a 1e-6 relative error pass; the same absolute error at O(1) fails."""
+    tol = Tolerance(rel_l2=1e-4, max_abs=1e-3, mismatch=0)
+    rng = np.random.default_rng(4)
+    big = rng.standard_normal(1000) * 1e4
+    assert verify.compare("big", big, big * (1 + 1e-6), tol).passed
+    small = rng.standard_normal(1000)
+    off = small.copy()
+    off[7] += 2e-2
+    check = verify.compare("small", small, off, tol)
+    assert not check.passed and check.max_abs == pytest.approx(2e-2 / max(1.0, np.abs(small).max()))
+
+
+def test_random_float_inputs_are_signed() -> None:
+    from dualtrack.plan import TensorSpec
+
+    x = verify.random_input(TensorSpec("t", (1, 8, 8, 8), "float32"), 2, np.random.default_rng(5))
+    assert x.min() < 0 < x.max()
+
+
+def test_a_model_onnxruntime_cannot_load_is_a_model_error() -> None:
+    node = helper.make_node("NoSuchOp", ["x"], ["y"], domain="example.custom")
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("example.custom", 1)]
+    )
+    with pytest.raises(ModelError, match=r"onnxruntime .* cannot load the reference model .*NoSuchOp"):
+        verify.ort_session(model, "the reference model")
