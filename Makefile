@@ -10,7 +10,7 @@ BUNDLE  ?= build/unet
 ZOO_TORCH ?= 'torch==2.13.0'
 DEVICE  ?= $(shell (nvidia-smi -L >/dev/null 2>&1 && echo cuda) || echo cpu)
 
-.PHONY: install models ptx build run test gpu-test bench lint clean zoo
+.PHONY: install models ptx build run test gpu-test bench lint clean zoo zoo-deps
 
 $(BIN)/dualtrack: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -46,8 +46,10 @@ bench:  ## benchmarks on a GPU (bundles built beforehand: make build): prints a 
 	$(PYTHON) bench/gpu_check.py --bundle $(BUNDLE) --image models/sample.png --out bench/results
 	$(PYTHON) bench/bench.py --bundle $(BUNDLE) --out bench/results
 
-zoo: $(BIN)/dualtrack  ## export the model zoo (needs the zoo extra: torch, torchvision, smp)
+zoo-deps: $(BIN)/dualtrack  ## install the zoo extra (CPU torch, torchvision, smp): the zoo's tests run with it
 	$(BIN)/pip install -q $(ZOO_TORCH) -e '.[zoo]'
+
+zoo: zoo-deps  ## export the model zoo into models/zoo/ (512x512; configs/zoo/*.yaml build them)
 	$(BIN)/python models/zoo/export.py
 
 lint: $(BIN)/dualtrack

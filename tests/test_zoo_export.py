@@ -4,37 +4,19 @@ on fresh random images, and two exports are byte-identical. Skipped where the `z
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from zoo import load_export
 
-SKIP_REASON = "the zoo extra (torch, torchvision, segmentation-models-pytorch) is not installed: run `make zoo`"
-torch = pytest.importorskip("torch", reason=SKIP_REASON)
-# Not importorskip: importing torchvision beside the CPU torch needs the stub that export.py installs first.
-if any(importlib.util.find_spec(m) is None for m in ("torchvision", "segmentation_models_pytorch")):
-    pytest.skip(SKIP_REASON, allow_module_level=True)
-
-EXPORT_PY = Path(__file__).resolve().parents[1] / "models" / "zoo" / "export.py"
 SIZE = (64, 64)
 REL_L2 = 1e-4  # fp32 both sides; only summation order and the exporter's batch-norm folding differ
 
-
-def _load_export() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("zoo_export", EXPORT_PY)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-zoo = _load_export()
+zoo = load_export()
+torch = zoo.torch
 NAMES = list(zoo.ZOO)
 
 
