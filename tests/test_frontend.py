@@ -291,3 +291,33 @@ def test_a_model_onnxruntime_cannot_load_is_a_model_error() -> None:
     )
     with pytest.raises(ModelError, match=r"onnxruntime .* cannot load the reference model .*NoSuchOp"):
         verify.ort_session(model, "the reference model")
+
+
+def test_an_output_already_called_probs_or_mask_is_renamed_out_of_the_way() -> None:
+    model = torch_style()
+    for n in model.graph.node:
+        if n.name == "/head/Conv":
+            n.output[0] = "probs"
+    model.graph.output[0].name = "probs"
+    fe = frontend.prepare(_cfg(preprocess=Preprocess(), postprocess=Postprocess(output="probs")), model)
+    assert [o.name for o in fe.model.graph.output] == ["mask", "probs"]
+    image = np.random.default_rng(6).integers(0, 256, (2, 16, 16, 3), dtype=np.uint8)
+    got = _run(fe.model, {"image": image})
+    np.testing.assert_allclose(got["probs"].sum(axis=1), 1.0, rtol=1e-6)  # softmax'd logits, not the logits
+    assert any("output 'probs'" in r.detail for r in fe.rewrites)
+
+
+def test_a_shape_value_may_not_cross_between_tracks() -> None:
+    """Shape(x) on one track feeding a Reshape on the other: refused with the fix, never a broken boundary."""
+    from dualtrack.config import PartitionConfig, Rules
+
+    model = torch_style()
+    cfg = _cfg(simplify=False, partition=PartitionConfig(track_a=Rules(name_prefixes=("/enc/conv2",))))
+    g = model.graph
+    at = next(i for i, n in enumerate(g.node) if n.name == "/enc/conv2/Conv") + 1
+    g.node.insert(at, helper.make_node("Shape", ["/enc/conv2/Conv_output_0"], ["early_shape"], name="/enc/conv2/Shape"))
+    for n in g.node:
+        if n.op_type == "Expand":
+            n.input[1] = "early_shape"
+    with pytest.raises(PartitionError, match=r"is a constant or shape value .* keep its producers and consumers"):
+        _plan(cfg, frontend.prepare(cfg, model))

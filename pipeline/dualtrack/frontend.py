@@ -180,11 +180,11 @@ def symbolic_batch(model: onnx.ModelProto, log: list[Rewrite]) -> tuple[onnx.Mod
 def simplify(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
     """Constant folding, shape-op folding, Identity and dead-node elimination (onnxslim), where the
     graph has something for them; a graph without is left exactly as it is."""
+    if not _has_foldable(model):
+        return model
     import onnxslim  # heavy (sympy): loaded only when there is something to fold
 
     before = _op_counts(model)
-    if not _has_foldable(model):
-        return model
     try:
         slim = onnxslim.slim(model, skip_fusion_patterns=_SKIP_FUSIONS)
     except Exception as e:  # onnxslim surfaces its internal errors as whatever raised them
@@ -546,11 +546,12 @@ def wrap_image_io(
         )
     post_nodes: list[onnx.NodeProto] = []
     if post is not None:
-        logits = logits_output(model, post)
-        for want in (MASK, PROBS):
-            if want != logits.name:
-                _unique(model, want)
-        logits = logits_output(model, post)  # the name may have moved out of the way
+        exported = logits_output(model, post).name  # a string: the proto is renamed in place below
+        name = exported
+        for want in (MASK, PROBS):  # model tensors (the logits too) called `mask`/`probs` move out of the way
+            moved = _unique(model, want)
+            name = moved if name == want else name
+        logits = next(o for o in g.output if o.name == name)
         shape = _static_shapes(model)[logits.name]
         x = logits.name
         if logits.type.tensor_type.elem_type != TensorProto.FLOAT:
@@ -587,9 +588,8 @@ def wrap_image_io(
         log.append(
             Rewrite(
                 "wrap",
-                f"output '{logits.name}' (N, {', '.join(map(str, shape[1:]))}) -> {post.activation} "
-                f"-> `{PROBS}` and `{MASK}`"
-                + (f"; dropped outputs {', '.join(dropped)}" if dropped else ""),
+                f"output '{exported}' (N, {', '.join(map(str, shape[1:]))}) -> {post.activation} "
+                f"-> `{PROBS}` and `{MASK}`" + (f"; dropped outputs {', '.join(dropped)}" if dropped else ""),
             )
         )
     body = list(g.node)

@@ -429,6 +429,15 @@ def build_plan(cfg: BuildConfig, model: onnx.ModelProto) -> tuple[Plan, list[onn
     segments = order_segments(model, tracks)
     bounds = _boundaries(model, segments)
     seg_track = [tracks[s[0].name] for s in segments]
+    free = batch_free(model)
+    for k, b in enumerate(bounds):
+        crossing = [t for t in b.outputs if t in free]
+        if crossing:
+            raise PartitionError(
+                f"'{crossing[0]}' is a constant or shape value (computed from weights, constants or Shape; not "
+                f"batch-major) that would leave segment {k} for another track; keep its producers and consumers on "
+                "one track (partition rules), or leave `simplify` on to fold it"
+            )
     graph_io = {i.name for i in model.graph.input} | {o.name for o in model.graph.output}
 
     # NHWC wherever Track A is on either side of a boundary.
