@@ -67,7 +67,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# shared/FACTS.md, "Reference workload": 96.6 GFLOP per image; 790 TFLOP/s measured bf16 GEMM rate.
+# docs/facts.md, "The reference workload": 96.6 GFLOP per image; 790 TFLOP/s measured bf16 GEMM rate.
 GFLOP_PER_IMAGE = 96.6
 FLOOR_TFLOPS = 790.0
 CHECK_REL_L2 = 1e-2

@@ -27,7 +27,7 @@ STD = (0.229, 0.224, 0.225)
 
 @dataclass(frozen=True)
 class UNetSpec:
-    """Shape of a generated U-Net. The defaults are the reference model of FACTS.md."""
+    """Shape of a generated U-Net. The defaults are the reference model of docs/facts.md."""
 
     base: int = 32
     depth: int = 4
