@@ -364,7 +364,7 @@ def bench_bundle(name: str, path: Path | None, ctx: dict[str, Any]) -> list[dict
     from dualtrack.runtime.engine import Engine
 
     bundle = Bundle.open(path)
-    src = bundle.manifest.get("model", {}).get("source_sha256")
+    src = bundle.manifest.model.source_sha256
     if ctx["source_sha256"] and src and src != ctx["source_sha256"]:
         return skipped(name, f"{path} was built from another model than {ctx['model_path']}", batches)
     plan = [

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +18,9 @@ from onnx import numpy_helper
 
 from dualtrack import track_b
 from dualtrack.build import REPO_ROOT, build
-from dualtrack.bundle import BUNDLE_FORMAT, MANIFEST, Bundle
+from dualtrack.bundle import MANIFEST, Bundle
 from dualtrack.errors import BundleError, ConfigError, VerificationError
+from dualtrack.manifest import BUNDLE_FORMAT, Manifest
 from dualtrack.plan import Plan
 
 TINY_YAML = Path(__file__).parent / "data" / "tiny.yaml"
@@ -59,21 +61,24 @@ def bundle_copy(tiny_bundle: Path, tmp_path: Path) -> Path:
 def test_manifest_records_plan_and_model(tiny_bundle: Path, tiny_config: Path) -> None:
     b = Bundle.open(tiny_bundle)
     m = b.manifest
-    assert m["format"] == BUNDLE_FORMAT
+    assert m.format == BUNDLE_FORMAT
     assert [s.name for s in b.plan.segments] == ["seg0_B", "seg1_A", "seg2_B"]
-    assert Plan.from_json(json.loads(json.dumps(m["plan"]))) == b.plan
-    assert m["model"]["sha256"] == sha256(tiny_bundle / "model.onnx")
-    assert m["model"]["source_sha256"] == sha256(tiny_config.parent / "tiny_fp32.onnx")
-    assert [t["arch"] for t in m["targets"]] == ["sm_90a", "sm_80"]
-    assert any("sm_89" in n for n in m["notes"])
-    assert m["tools"]["iree-compile"].startswith("IREE compiler version 3.13")
+    raw = json.loads((tiny_bundle / MANIFEST).read_text())
+    assert Plan.from_json(raw["plan"]) == b.plan
+    assert Manifest.from_json(json.loads(json.dumps(m.to_json())), "x") == m  # the JSON form round-trips
+    assert m.model.sha256 == sha256(tiny_bundle / "model.onnx")
+    assert m.model.source_sha256 == sha256(tiny_config.parent / "tiny_fp32.onnx")
+    assert [t.arch for t in m.targets] == ["sm_90a", "sm_80"]
+    assert any("sm_89" in n for n in m.notes)
+    assert m.tools["iree-compile"].startswith("IREE compiler version 3.13")
+    assert m.cpu_batch == 1
     # Every file but the manifest is listed with its hash.
-    assert set(m["files"]) == set(snapshot(tiny_bundle)) - {MANIFEST}
+    assert set(m.files) == set(snapshot(tiny_bundle)) - {MANIFEST}
 
 
 def test_track_a_ptx_isa_and_min_driver(tiny_bundle: Path) -> None:
     m = Bundle.open(tiny_bundle).manifest
-    ptx = m["artifacts"]["track_a"]["ptx"]
+    ptx = m.artifacts.track_a["ptx"]
     assert set(ptx) == {"compute_80", "compute_90a"}
     for ptx_arch, kernels in ptx.items():
         assert set(kernels) == {"conv3x3_nhwc", "maxpool2x2_nhwc"}
@@ -84,11 +89,11 @@ def test_track_a_ptx_isa_and_min_driver(tiny_bundle: Path) -> None:
             assert (tiny_bundle / meta["path"]).read_bytes() == (
                 REPO_ROOT / "handwritten_ptx" / "ptx" / ptx_arch / f"{stem}.ptx"
             ).read_bytes()
-    assert m["min_driver"] == 13000
+    assert m.min_driver == 13000
 
 
 def test_track_a_cubins_for_each_target(tiny_bundle: Path) -> None:
-    cubins = Bundle.open(tiny_bundle).manifest["artifacts"]["track_a"]["cubin"]
+    cubins = Bundle.open(tiny_bundle).manifest.artifacts.track_a["cubin"]
     assert set(cubins) == {"sm_90a", "sm_80"}
     assert {k: v["from"] for k, v in cubins["sm_90a"].items()} == {
         "conv3x3_nhwc": "compute_90a",
@@ -102,7 +107,7 @@ def test_track_a_cubins_for_each_target(tiny_bundle: Path) -> None:
 
 def test_iree_modules_for_every_target_and_batch(tiny_bundle: Path) -> None:
     b = Bundle.open(tiny_bundle)
-    iree = b.manifest["artifacts"]["iree"]
+    iree = b.manifest.artifacts.iree
     assert b.iree_targets == ["cuda-sm_80", "cuda-sm_89", "llvm-cpu"]
     for seg in b.plan.segments:
         want = {"llvm-cpu"} if seg.track == "A" else {"cuda-sm_89", "cuda-sm_80", "llvm-cpu"}
@@ -133,7 +138,7 @@ def test_verify_json_passes(tiny_bundle: Path) -> None:
     assert any(n.startswith("seg1_A[numpy kernels]") for n in names)
     assert any(n.startswith("plan b4 probs") for n in names)
     assert all(c["passed"] for c in report["checks"])
-    assert Bundle.open(tiny_bundle).manifest["verification"] == {
+    assert asdict(Bundle.open(tiny_bundle).manifest.verification) == {
         "passed": True,
         "device": "cpu",
         "seed": report["seed"],
@@ -167,7 +172,7 @@ def test_changing_one_segment_recompiles_only_its_modules(
     tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A decoder weight lives only in seg2_B's ONNX: seg0_B's and seg1_A's keys must not move.
-    model = onnx.load(str(Path(Bundle.open(tiny_bundle).manifest["model"]["source"])))
+    model = onnx.load(str(Path(Bundle.open(tiny_bundle).manifest.model.source)))
     for init in model.graph.initializer:
         if init.name == "dec1/conv2.bias":
             bias = numpy_helper.to_array(init)
@@ -303,7 +308,21 @@ def test_open_wrong_format(bundle_copy: Path, fmt: int | None) -> None:
 
 def test_open_manifest_that_is_not_an_object(bundle_copy: Path) -> None:
     (bundle_copy / MANIFEST).write_text("[1, 2]")
-    with pytest.raises(BundleError, match=r"is bundle format None, this dualtrack reads format 1"):
+    with pytest.raises(BundleError, match=rf"is bundle format None, this dualtrack reads format {BUNDLE_FORMAT}"):
+        Bundle.open(bundle_copy)
+
+
+def test_open_refuses_a_model_swapped_in_with_its_file_hash_patched(bundle_copy: Path) -> None:
+    """The modules were built from the recorded model: other weights under a patched hash are refused."""
+    model = onnx.load(str(bundle_copy / "model.onnx"))
+    init = model.graph.initializer[-1]
+    arr = numpy_helper.to_array(init) + 1
+    init.CopyFrom(numpy_helper.from_array(arr.astype(arr.dtype), init.name))
+    onnx.save(model, str(bundle_copy / "model.onnx"))
+    m = json.loads((bundle_copy / MANIFEST).read_text())
+    m["files"]["model.onnx"] = sha256(bundle_copy / "model.onnx")
+    (bundle_copy / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(BundleError, match=r"model\.onnx is not the model its modules were built from .*rebuild"):
         Bundle.open(bundle_copy)
 
 

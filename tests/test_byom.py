@@ -54,11 +54,11 @@ def byom_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_an_unedited_torch_style_export_builds_and_verifies(byom_bundle: Path) -> None:
     b = Bundle.open(byom_bundle)
     m = b.manifest
-    assert m["targets"] == [] and "cuda" not in " ".join(b.iree_targets)
-    stages = {line.split(":")[0] for line in m["model"]["frontend"]}
+    assert m.targets == () and "cuda" not in " ".join(b.iree_targets)
+    stages = {line.split(":")[0] for line in m.model.frontend}
     assert stages >= {"weights", "opset", "batch", "simplify", "wrap"}
-    assert m["model"]["export_batch"] == 1 and m["model"]["classes"] == ["background", "object"]
-    assert m["verification"]["passed"]
+    assert m.model.export_batch == 1 and m.model.classes == ("background", "object")
+    assert m.verification is not None and m.verification.passed
     checks = json.loads((byom_bundle / "verify.json").read_text())["checks"]
     names = [c["name"] for c in checks]
     assert "frontend b2 logits" in names and any(n.startswith("plan b2 mask") for n in names)

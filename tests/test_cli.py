@@ -29,6 +29,7 @@ from dualtrack.errors import (
     ModelError,
     PartitionError,
 )
+from dualtrack.manifest import BUNDLE_FORMAT
 from dualtrack.runtime.engine import Engine
 
 TINY_YAML = Path(__file__).parent / "data" / "tiny.yaml"
@@ -114,7 +115,7 @@ def test_info(tiny_bundle: Path) -> None:
     result = invoke("info", tiny_bundle)
     assert result.exit_code == 0, result.stderr
     out = result.stdout
-    assert out.startswith(f"bundle     {tiny_bundle}  (format 1, dualtrack ")
+    assert out.startswith(f"bundle     {tiny_bundle}  (format {BUNDLE_FORMAT}, dualtrack ")
     assert "precision  fp32; batch sizes [1, 4]" in out
     assert "target     sm_90a (cc 9.0): Track A compute_90a -> sm_90a cubin; Track B IREE sm_89" in out
     assert "segment    seg1_A: 14 nodes, 8 kernel calls" in out

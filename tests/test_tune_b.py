@@ -9,7 +9,7 @@ from pathlib import Path
 import onnx
 import pytest
 
-from dualtrack import tune_b
+from dualtrack import tune_b, tuning
 from dualtrack.config import load_config
 from dualtrack.errors import BundleError, ConfigError
 
@@ -90,7 +90,7 @@ def test_winner_is_the_fastest_verified_candidate() -> None:
 
 
 def test_flags_for_picks_the_newest_matching_record() -> None:
-    base = {"kind": tune_b.RECORD_KIND, "segment_key": "k", "iree_target": "cuda-sm_89", "batch": 1}
+    base = {"kind": tuning.RECORD_KIND, "segment_key": "k", "iree_target": "cuda-sm_89", "batch": 1}
     recs = [
         {**base, "flags": ["--old"], "date": "2026-01-01T00:00:00Z"},
         {**base, "flags": ["--new"], "date": "2026-02-01T00:00:00Z"},
@@ -98,10 +98,10 @@ def test_flags_for_picks_the_newest_matching_record() -> None:
         {**base, "flags": None, "date": "2026-04-01T00:00:00Z"},  # nothing passed: no winner
         {**base, "kind": "kernel", "flags": ["--x"], "date": "2026-05-01T00:00:00Z"},
     ]
-    assert tune_b.flags_for(recs, "k", "cuda-sm_89", 1)["flags"] == ["--new"]
-    assert tune_b.flags_for(recs, "k", "cuda-sm_89", 8)["flags"] == ["--b8"]
-    assert tune_b.flags_for(recs, "k", "cuda-sm_80", 1) is None
-    assert tune_b.flags_for(recs, "other", "cuda-sm_89", 1) is None
+    assert tuning.flags_for(recs, "k", "cuda-sm_89", 1)["flags"] == ["--new"]
+    assert tuning.flags_for(recs, "k", "cuda-sm_89", 8)["flags"] == ["--b8"]
+    assert tuning.flags_for(recs, "k", "cuda-sm_80", 1) is None
+    assert tuning.flags_for(recs, "other", "cuda-sm_89", 1) is None
 
 
 def test_build_compiles_a_segment_with_its_tuned_flags(tiny_config: Path, tmp_path: Path) -> None:
@@ -113,9 +113,9 @@ def test_build_compiles_a_segment_with_its_tuned_flags(tiny_config: Path, tmp_pa
     cfg = load_config(tiny_config)
     plan, seg_models = partition.plan_config(cfg)
     seg = next(s for s in plan.segments if s.track == "B" and s.index > 0)
-    key = tune_b.segment_key(seg_models[seg.index])
+    key = tuning.segment_key(seg_models[seg.index])
     rec = {
-        "kind": tune_b.RECORD_KIND,
+        "kind": tuning.RECORD_KIND,
         "segment": seg.name,
         "segment_key": key,
         "iree_target": "cuda-sm_89",
@@ -130,12 +130,12 @@ def test_build_compiles_a_segment_with_its_tuned_flags(tiny_config: Path, tmp_pa
         "speedup": 2.0,
         "date": "2026-11-29T00:00:00Z",
     }
-    tuning = tmp_path / "tuning.json"
-    save_records(tuning, [rec], tune_b.record_key)
-    out = build(tiny_config, tmp_path / "b", tuning=tuning)
+    tuning_file = tmp_path / "tuning.json"
+    save_records(tuning_file, [rec], tuning.record_key)
+    out = build(tiny_config, tmp_path / "b", tuning=tuning_file)
     m = Bundle.open(out.bundle).manifest
-    tuned = m["artifacts"]["iree_tuned_flags"]
-    assert tuned == {seg.name: {"cuda-sm_89": {str(rec["batch"]): {k: rec[k] for k in tune_b.TUNED_FIELDS}}}}
+    tuned = m.artifacts.iree_tuned_flags
+    assert tuned == {seg.name: {"cuda-sm_89": {str(rec["batch"]): {k: rec[k] for k in tuning.TUNED_FIELDS}}}}
     assert any("tuned IREE flags" in n for n in out.notes)
     # The tuned module differs from the one the config's flags give; the other batch is unchanged.
     plain = Bundle.open(build(tiny_config, tmp_path / "plain").bundle)
@@ -143,7 +143,7 @@ def test_build_compiles_a_segment_with_its_tuned_flags(tiny_config: Path, tmp_pa
     big, small = cfg.batch_sizes[-1], cfg.batch_sizes[0]
     assert tuned_b.vmfb(seg, "cuda-sm_89", big).read_bytes() != plain.vmfb(seg, "cuda-sm_89", big).read_bytes()
     assert tuned_b.vmfb(seg, "cuda-sm_89", small).read_bytes() == plain.vmfb(seg, "cuda-sm_89", small).read_bytes()
-    assert tuned_b.manifest["build_key"] != plain.manifest["build_key"]
+    assert tuned_b.manifest.build_key != plain.manifest.build_key
     from click.testing import CliRunner
 
     from dualtrack.cli import main

@@ -333,11 +333,11 @@ def test_tuning_content_is_in_the_build_key(
     copy = tmp_path / "bundle"
     shutil.copytree(bundle, copy)
     assert build(tiny_full_config, copy, tuning=path).up_to_date  # unchanged file: nothing to do
-    key = Bundle.open(copy).manifest["build_key"]
+    key = Bundle.open(copy).manifest.build_key
     hand_tuning(tiny_full_config, path, time_ms=0.005, tiles=HAND_TILES)  # same choices, new measurements
     result = build(tiny_full_config, copy, tuning=path)
     assert not result.up_to_date and result.verification is not None
-    assert Bundle.open(copy).manifest["build_key"] != key
+    assert Bundle.open(copy).manifest.build_key != key
     assert build(tiny_full_config, copy, tuning=path).up_to_date
 
 

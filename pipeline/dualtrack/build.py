@@ -23,13 +23,14 @@ from importlib.metadata import version as pkg_version
 from pathlib import Path
 from typing import Any
 
-from dualtrack import arch, frontend, partition, track_b, tune_b, verify
+from dualtrack import arch, frontend, partition, track_b, verify
 from dualtrack.bundle import MANIFEST, Bundle, BundleWriter, sha256
 from dualtrack.config import BuildConfig, load_config
 from dualtrack.errors import BundleError, ConfigError, ToolError
+from dualtrack.manifest import Artifacts, Manifest, ModelInfo, Target, Verification
 from dualtrack.plan import ALIAS_OPS, Plan
 from dualtrack.settings import Settings
-from dualtrack.tuning import Selection
+from dualtrack.tuning import TUNED_FIELDS, Selection, flag_records, flags_for, segment_key
 from dualtrack.tuning import select as select_tuning
 
 Progress = Callable[[str], None]
@@ -219,21 +220,21 @@ def build(
         {track_b.cuda_target(r.iree_target) for r in resolutions}, key=lambda t: t.name
     )
     cpu = track_b.cpu_target(cfg.track_b.cpu_target) if cfg.track_b.cpu else None
-    flag_records = tune_b.flag_records(cfg.tuning) if cfg.tuning is not None else []
+    records_b = flag_records(cfg.tuning) if cfg.tuning is not None else []
     tuned_flags: dict[str, dict[str, dict[str, Any]]] = {}
     jobs: list[track_b.CompileJob] = []
     for seg, sm in zip(plan.segments, seg_models, strict=True):
         seg_targets = ([] if seg.track == "A" else list(targets)) + ([cpu] if cpu else [])
-        seg_key = tune_b.segment_key(sm) if flag_records and seg.track == "B" else ""
+        seg_key = segment_key(sm) if records_b and seg.track == "B" else ""
         for t in seg_targets:
             for b in cfg.batch_sizes if t is not cpu else (track_b.CPU_BATCH,):
                 extra = cfg.track_b.cpu_flags if t is cpu else cfg.track_b.cuda_flags
                 flags = (*cfg.track_b.flags, *extra)
-                rec = tune_b.flags_for(flag_records, seg_key, t.name, b) if seg_key and t is not cpu else None
+                rec = flags_for(records_b, seg_key, t.name, b) if seg_key and t is not cpu else None
                 if rec is not None:
                     flags = tuple(rec["flags"])
                     tuned_flags.setdefault(seg.name, {}).setdefault(t.name, {})[str(b)] = {
-                        k: rec[k] for k in tune_b.TUNED_FIELDS
+                        k: rec[k] for k in TUNED_FIELDS
                     }
                 jobs.append(track_b.CompileJob(seg.name, sm, b, t, flags))
     if tuned_flags:
@@ -248,20 +249,11 @@ def build(
 
     if not force and (dest / MANIFEST).exists():
         try:
-            existing = Bundle.open(dest)
-            if existing.manifest.get("build_key") == build_key and existing.manifest.get("verification", {}).get(
-                "passed"
-            ):
+            existing = Bundle.open(dest).manifest
+            if existing.build_key == build_key and existing.verification and existing.verification.passed:
                 say("up to date")
                 return BuildResult(
-                    dest,
-                    True,
-                    0,
-                    len(jobs),
-                    time.perf_counter() - t0,
-                    existing.manifest.get("verification"),
-                    notes,
-                    plan,
+                    dest, True, 0, len(jobs), time.perf_counter() - t0, asdict(existing.verification), notes, plan
                 )
         except BundleError:
             pass  # a broken bundle at the destination is simply rebuilt
@@ -294,29 +286,34 @@ def build(
             rel = f"iree/{r.job.segment}/{r.job.target.name}/b{r.job.batch}.vmfb"
             writer.add(rel, r.vmfb)
             iree_art.setdefault(r.job.segment, {}).setdefault(r.job.target.name, {})[str(r.job.batch)] = rel
-        manifest: dict[str, Any] = {
-            "dualtrack_version": pkg_version("dualtrack"),
-            "build_key": build_key,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "model": {
-                "source": str(cfg.model),
-                "source_sha256": source_digest,
-                "sha256": sha256((writer.tmp / "model.onnx").read_bytes()),
-                "graph": model.graph.name,
-                "export_batch": fe.export_batch,
-                "classes": list(fe.classes) if fe.classes else None,
-                "frontend": [str(r) for r in fe.rewrites],
-            },
-            "config": cfg.model_dump(mode="json"),
-            "targets": [r.to_json() for r in resolutions],
-            "plan": plan.to_json(),
-            "artifacts": {"iree": iree_art, "iree_tuned_flags": tuned_flags, "track_a": a_meta},
-            "min_driver": max(
+        if cpu is None:
+            notes.append(
+                "no llvm-cpu modules (track_b.cpu: false): verify on a GPU with `dualtrack verify BUNDLE --device cuda`"
+            )
+        manifest = Manifest(
+            dualtrack_version=pkg_version("dualtrack"),
+            build_key=build_key,
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            model=ModelInfo(
+                source=str(cfg.model),
+                source_sha256=source_digest,
+                sha256=writer.files["model.onnx"],
+                graph=model.graph.name,
+                export_batch=fe.export_batch,
+                classes=fe.classes,
+                frontend=tuple(str(r) for r in fe.rewrites),
+            ),
+            config=cfg.model_dump(mode="json"),
+            targets=tuple(Target(**r.to_json()) for r in resolutions),
+            plan=plan,
+            artifacts=Artifacts(iree=iree_art, iree_tuned_flags=tuned_flags, track_a=a_meta),
+            tools=tool_versions(compiler),
+            cpu_batch=track_b.CPU_BATCH,
+            min_driver=max(
                 (m["min_driver"] or 0 for per in a_meta["ptx"].values() for m in per.values()), default=None
             ),
-            "tools": tool_versions(compiler),
-            "notes": notes,
-        }
+            notes=tuple(notes),
+        )
         verification = None
         if cpu is not None:
             say("verify on the CPU against onnxruntime")
@@ -324,7 +321,9 @@ def build(
             if frontend_checks:
                 verification["checks"] = [asdict(c) for c in frontend_checks] + verification["checks"]
             writer.add_json("verify.json", verification)
-            manifest["verification"] = {"passed": verification["passed"], "device": "cpu", "seed": verification["seed"]}
+            manifest = manifest.with_verification(
+                Verification(passed=verification["passed"], device="cpu", seed=verification["seed"])
+            )
             if not verification["passed"]:
                 rep = verify.Report(
                     "cpu",
@@ -334,10 +333,6 @@ def build(
                     verification["seed"],
                 )
                 rep.raise_if_failed()
-        else:
-            notes.append(
-                "no llvm-cpu modules (track_b.cpu: false): verify on a GPU with `dualtrack verify BUNDLE --device cuda`"
-            )
         say(f"write {dest}")
         writer.commit(manifest)
     except BaseException:
@@ -372,11 +367,11 @@ def _compile(
         ) from None
 
 
-def _verify_tmp(writer: BundleWriter, manifest: dict[str, Any], cfg: BuildConfig, say: Progress) -> dict[str, Any]:
+def _verify_tmp(writer: BundleWriter, manifest: Manifest, cfg: BuildConfig, say: Progress) -> dict[str, Any]:
     """Verify the not-yet-committed bundle by loading it from its temporary directory."""
     from dualtrack.runtime.engine import Engine
 
-    bundle = Bundle(writer.tmp, {**manifest, "files": writer.files})
+    bundle = Bundle(writer.tmp, manifest.with_files(writer.files))
     engine = Engine.load(bundle, "cpu")
     try:
         report = verify.verify_engine(

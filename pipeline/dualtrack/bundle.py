@@ -2,7 +2,7 @@
 
 Layout::
 
-    manifest.json                 schema version, model hash, plan, artifacts, tools, cache key, file hashes
+    manifest.json                 dualtrack.manifest.Manifest: format, model hash, plan, artifacts, tools, file hashes
     model.onnx                    the (node-named) source model: the weights, once, and the verification reference
     segments/segK_T.onnx          each segment's graph, without weight data
     iree/segK_T/<target>/bN.vmfb  Track B modules (and Track A segments for llvm-cpu), weights externalized
@@ -32,10 +32,11 @@ import onnx
 from onnx import numpy_helper
 
 from dualtrack.errors import BundleError
+from dualtrack.manifest import Manifest, Target
+from dualtrack.partition import attach_initializers
 from dualtrack.plan import Plan, Segment
 
 MANIFEST = "manifest.json"
-BUNDLE_FORMAT = 1
 
 
 def sha256(data: bytes) -> str:
@@ -74,10 +75,10 @@ class BundleWriter:
     def add_json(self, rel: str, obj: Any) -> Path:
         return self.add(rel, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
-    def commit(self, manifest: dict[str, Any]) -> Path:
-        """Write the manifest last, then swap the directory into place."""
-        manifest = {**manifest, "format": BUNDLE_FORMAT, "files": dict(sorted(self.files.items()))}
-        (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    def commit(self, manifest: Manifest) -> Path:
+        """Write the manifest last (with every file's hash), then swap the directory into place."""
+        manifest = manifest.with_files(self.files)
+        (self.tmp / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=True) + "\n")
         old = None
         if self.dest.exists():
             old = self.dest.parent / f".{self.dest.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -106,7 +107,7 @@ class Bundle:
     """A bundle opened for reading, its integrity checked."""
 
     root: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
 
     @classmethod
     def open(cls, path: str | Path, *, check_hashes: bool = True) -> Bundle:
@@ -115,20 +116,15 @@ class Bundle:
             raise BundleError(f"bundle {root} not found; build one with `dualtrack build CONFIG -o {root}`")
         mpath = root / MANIFEST
         try:
-            manifest = json.loads(mpath.read_text())
+            raw = json.loads(mpath.read_text())
         except FileNotFoundError:
             raise BundleError(
                 f"{root} has no {MANIFEST}: not a dualtrack bundle, or its build did not finish; rebuild it"
             ) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BundleError(f"{mpath} is corrupt ({e.__class__.__name__}); rebuild the bundle") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
-            got = manifest.get("format") if isinstance(manifest, dict) else None
-            raise BundleError(
-                f"{root} is bundle format {got}, this dualtrack reads format {BUNDLE_FORMAT}; "
-                "rebuild it with this version"
-            )
-        for rel, digest in manifest.get("files", {}).items():
+        manifest = Manifest.from_json(raw, str(root))
+        for rel, digest in manifest.files.items():
             f = root / rel
             if not f.is_file():
                 raise BundleError(f"{root} is incomplete: {rel} is missing; rebuild the bundle")
@@ -136,25 +132,30 @@ class Bundle:
                 raise BundleError(
                     f"{root}: {rel} does not match its recorded hash (truncated or modified); rebuild the bundle"
                 )
+        # The modules were compiled from the model whose hash the build recorded: a model.onnx swapped in
+        # (its entry in `files` patched to match) would run other weights through code built for these.
+        if manifest.files.get("model.onnx") != manifest.model.sha256:
+            raise BundleError(
+                f"{root}: model.onnx is not the model its modules were built from (sha256 "
+                f"{manifest.files.get('model.onnx', 'missing')[:12]}, built from {manifest.model.sha256[:12]}); "
+                "rebuild the bundle"
+            )
         return cls(root, manifest)
 
-    @cached_property
+    @property
     def plan(self) -> Plan:
-        try:
-            return Plan.from_json(self.manifest["plan"])
-        except (KeyError, TypeError) as e:
-            raise BundleError(f"{self.root}: the plan in {MANIFEST} is malformed ({e}); rebuild the bundle") from None
+        return self.manifest.plan
 
     @property
     def model_sha256(self) -> str:
-        return self.manifest["model"]["sha256"]
+        return self.manifest.model.sha256
 
     def check_model(self, model_path: Path) -> None:
         """Refuse a bundle built from another model file."""
         digest = sha256(Path(model_path).read_bytes())
-        if digest != self.manifest["model"]["source_sha256"]:
+        if digest != self.manifest.model.source_sha256:
             raise BundleError(
-                f"{self.root} was built from another model (sha256 {self.manifest['model']['source_sha256'][:12]}, "
+                f"{self.root} was built from another model (sha256 {self.manifest.model.source_sha256[:12]}, "
                 f"{model_path} is {digest[:12]}); rebuild the bundle from {model_path}"
             )
 
@@ -167,15 +168,13 @@ class Bundle:
         return {t.name: numpy_helper.to_array(t) for t in self.model.graph.initializer}
 
     def segment_model(self, seg: Segment) -> onnx.ModelProto:
-        from dualtrack.partition import attach_initializers
-
         return attach_initializers(onnx.load(str(self.root / seg.onnx)), self.weights)
 
     def vmfb(self, seg: Segment, target: str, batch: int) -> Path:
         try:
-            rel = self.manifest["artifacts"]["iree"][seg.name][target][str(batch)]
+            rel = self.manifest.artifacts.iree[seg.name][target][str(batch)]
         except KeyError:
-            have = sorted(self.manifest["artifacts"]["iree"].get(seg.name, {}))
+            have = sorted(self.manifest.artifacts.iree.get(seg.name, {}))
             raise BundleError(
                 f"{self.root} has no {target} module for {seg.name} at batch {batch} "
                 f"(has: {', '.join(have) or 'none'}); "
@@ -185,13 +184,13 @@ class Bundle:
 
     @property
     def iree_targets(self) -> list[str]:
-        return sorted({t for seg in self.manifest["artifacts"]["iree"].values() for t in seg})
+        return sorted({t for seg in self.manifest.artifacts.iree.values() for t in seg})
 
     @property
-    def track_a(self) -> dict[str, Any]:
-        return self.manifest["artifacts"].get("track_a", {})
+    def track_a(self) -> Mapping[str, Any]:
+        return self.manifest.artifacts.track_a
 
-    def conv3x3_choices(self, target: Mapping[str, Any]) -> list[tuple[Any, Any]]:
+    def conv3x3_choices(self, target: Target) -> list[tuple[Any, Any]]:
         """Which kernel each Track A conv3x3 launch runs on a device of ``target`` (an entry of the
         manifest's ``targets``), as (``ConvLayer``, ``ConvChoice``) pairs in plan order: the wgmma
         kernel where the target's image has it and takes the shape (pointers assumed aligned, as
@@ -200,9 +199,9 @@ class Bundle:
         from dualtrack.kernels import CONV3X3_WGMMA, choose_conv3x3
         from dualtrack.tune_a.problems import conv_layers
 
-        image = self.track_a.get("ptx", {}).get(target["track_a_ptx"], {})
-        off = None if CONV3X3_WGMMA.stem in image else f"not in the {target['track_a_ptx']} PTX"
-        tuned = self.tuned_calls(tuple(int(v) for v in target["cc"].split(".")))
+        image = self.track_a.get("ptx", {}).get(target.track_a_ptx, {})
+        off = None if CONV3X3_WGMMA.stem in image else f"not in the {target.track_a_ptx} PTX"
+        tuned = self.tuned_calls(target.cc_tuple)
         out = []
         for layer in conv_layers(self.plan):
             p = layer.problem
@@ -215,7 +214,7 @@ class Bundle:
         """The tuned entry of each Track A conv layer (Conv node -> batch size -> entry) that the
         build chose for the target of compute capability ``cc``; empty where nothing was tuned."""
         tuned = self.track_a.get("tuned", {})
-        for t in self.manifest.get("targets", []):
-            if t["arch"] in tuned and tuple(int(v) for v in t["cc"].split(".")) == tuple(cc):
-                return tuned[t["arch"]]["calls"]
+        for t in self.manifest.targets:
+            if t.arch in tuned and t.cc_tuple == tuple(cc):
+                return tuned[t.arch]["calls"]
         return {}

@@ -72,13 +72,16 @@ def main(verbose: bool) -> None:
     type=click.Path(path_type=Path),
     help="Tuning file from `dualtrack tune` (overrides `tuning` in the config).",
 )
+@click.option(
+    "--cpu-only", is_flag=True, help="Build IREE llvm-cpu modules only (no GPU code), whatever `targets` says."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the build result as JSON on stdout.")
-def build(config: Path, output: Path | None, force: bool, tuning: Path | None, as_json: bool) -> None:
+def build(config: Path, output: Path | None, force: bool, tuning: Path | None, cpu_only: bool, as_json: bool) -> None:
     """Build, verify and write the bundle for CONFIG."""
     from dualtrack.build import build as run_build
 
     out = _Output(as_json)
-    result = run_build(config, output, force=force, progress=out.step, tuning=tuning)
+    result = run_build(config, output, force=force, progress=out.step, tuning=tuning, cpu_only=cpu_only)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
         return
@@ -311,7 +314,7 @@ def verify(bundle: Path, device: str, device_index: int, samples: int, seed: int
     out = _Output(as_json)
     with Engine.load(bundle, device, device_index) as engine:
         tol = None
-        cfg_tol = engine.bundle.manifest.get("config", {}).get("verify", {}).get("tolerance")
+        cfg_tol = engine.bundle.manifest.config.get("verify", {}).get("tolerance")
         if cfg_tol:
             from dualtrack.config import Tolerance
 
@@ -337,30 +340,36 @@ def info(bundle: Path, as_json: bool) -> None:
     b = Bundle.open(bundle)
     m = b.manifest
     if as_json:
-        click.echo(json.dumps({k: v for k, v in m.items() if k != "files"}, indent=2))
+        click.echo(json.dumps({k: v for k, v in m.to_json().items() if k != "files"}, indent=2))
         return
-    click.echo(f"bundle     {b.root}  (format {m['format']}, dualtrack {m['dualtrack_version']}, built {m['created']})")
-    click.echo(f"model      {m['model']['source']}  sha256 {m['model']['source_sha256'][:16]}")
+    click.echo(f"bundle     {b.root}  (format {m.format}, dualtrack {m.dualtrack_version}, built {m.created})")
+    click.echo(f"model      {m.model.source}  sha256 {m.model.source_sha256[:16]}")
     click.echo(f"precision  {b.plan.precision}; batch sizes {list(b.plan.batch_sizes)}")
-    for t in m["targets"]:
+    for rewrite in m.model.frontend:
+        click.echo(f"front end  {rewrite}")
+    if m.model.classes:
+        click.echo(f"classes    {', '.join(m.model.classes)}")
+    if not m.targets:
+        click.echo("target     none: CPU only (IREE llvm-cpu)")
+    for t in m.targets:
         click.echo(
-            f"target     {t['arch']} (cc {t['cc']}): Track A {t['track_a_ptx']} -> {t['track_a_cubin']} cubin; "
-            f"Track B IREE {t['track_b_iree_target']}"
+            f"target     {t.arch} (cc {t.cc}): Track A {t.track_a_ptx} -> {t.track_a_cubin} cubin; "
+            f"Track B IREE {t.track_b_iree_target}"
         )
     for line in b.plan.summary():
         click.echo(f"segment    {line}")
-    ptx = m["artifacts"]["track_a"].get("ptx", {})
+    ptx = m.artifacts.track_a.get("ptx", {})
     for a, kernels in sorted(ptx.items()):
         isas = {k["isa"] for k in kernels.values()}
         click.echo(f"ptx        {a}: {', '.join(sorted(kernels))} (ISA {', '.join(sorted(isas))})")
-    for t in m["targets"]:
+    for t in m.targets:
         choices = b.conv3x3_choices(t)
         wgmma = [(layer, c) for layer, c in choices if c.impl == "wgmma"]
         if not wgmma:
             continue
         rest = " and ".join(sorted({c.impl for _, c in choices if c.impl != "wgmma"})) or "mma.sync"
         click.echo(
-            f"conv3x3    {t['arch']}: {len(wgmma)} of {len(choices)} launches on the wgmma kernel, the rest "
+            f"conv3x3    {t.arch}: {len(wgmma)} of {len(choices)} launches on the wgmma kernel, the rest "
             f"on {rest} (DUALTRACK_WGMMA=0: those on mma.sync too)"
         )
         per_node: dict[str, dict[int, str]] = {}
@@ -371,7 +380,7 @@ def info(bundle: Path, as_json: bool) -> None:
         for node, per in per_node.items():
             picks = ", ".join(f"N={n}: {w}" for n, w in per.items()) if len(set(per.values())) > 1 else per[min(per)]
             click.echo(f"             {node}: {picks}")
-    for a, t in sorted(m["artifacts"]["track_a"].get("tuned", {}).items()):
+    for a, t in sorted(m.artifacts.track_a.get("tuned", {}).items()):
         calls, on = t["calls"], ", ".join(t["tuned_on"])
         if not calls:
             click.echo(f"tuned      {a}: {t['records']} records (tuned on {on}), none faster than the heuristic")
@@ -386,12 +395,12 @@ def info(bundle: Path, as_json: bool) -> None:
                 f"N={b}: {e.removeprefix('conv3x3_nhwc_')}" for b, e in sorted(per.items(), key=lambda kv: int(kv[0]))
             )
             click.echo(f"             {node}: {picks}")
-    if m.get("min_driver"):
+    if m.min_driver:
         from dualtrack.arch import driver_str
 
-        click.echo(f"driver     needs CUDA {driver_str(m['min_driver'])} or newer for the PTX")
+        click.echo(f"driver     needs CUDA {driver_str(m.min_driver)} or newer for the PTX")
     click.echo(f"iree       targets {', '.join(b.iree_targets)}")
-    for seg, per_target in sorted(m["artifacts"].get("iree_tuned_flags", {}).items()):
+    for seg, per_target in sorted(m.artifacts.iree_tuned_flags.items()):
         for target, per_batch in sorted(per_target.items()):
             for batch, r in sorted(per_batch.items(), key=lambda kv: int(kv[0])):
                 gain = f", {r['speedup']:.2f}x the config's flags" if r.get("speedup") else ""
@@ -399,12 +408,12 @@ def info(bundle: Path, as_json: bool) -> None:
                     f"tuned      {seg} {target} N={batch}: {r['candidate']} ({' '.join(r['flags']) or 'no flags'}); "
                     f"tuned on {r['gpu']}{gain}"
                 )
-    ver = m.get("verification") or {}
+    ver = m.verification
     click.echo(
-        f"verified   {'passed' if ver.get('passed') else 'no'} on {ver.get('device', '-')} "
-        f"(seed {ver.get('seed', '-')})"
+        f"verified   {'passed' if ver and ver.passed else 'no'} on {ver.device if ver else '-'} "
+        f"(seed {ver.seed if ver else '-'})"
     )
-    for n in m.get("notes", []):
+    for n in m.notes:
         click.echo(f"note       {n}")
 
 

@@ -38,6 +38,7 @@ from dualtrack.config import BuildConfig, Tolerance, load_config
 from dualtrack.errors import BundleError, ConfigError, ToolError
 from dualtrack.plan import TensorSpec
 from dualtrack.settings import Settings
+from dualtrack.tuning import RECORD_KIND, record_key, segment_key
 
 KIT_FORMAT = "dualtrack-iree-kit-1"
 KIT_FILE = "kit.json"
@@ -104,11 +105,6 @@ CANDIDATES: dict[str, tuple[str, ...]] = {
         "--iree-codegen-llvmgpu-use-tile-and-fuse-convolution",
     ),
 }
-
-
-def segment_key(model: onnx.ModelProto) -> str:
-    """What a flag choice is valid for: the segment's graph without weights and without a batch."""
-    return partition.model_hash(partition.strip_initializers(model))
 
 
 @dataclass(frozen=True)
@@ -436,11 +432,6 @@ def kit_digest(kit: Kit) -> str:
 
 # -- records for the tuning file --------------------------------------------------------------------
 
-RECORD_KIND = "iree_flags"
-# What a bundle's manifest keeps of the record each tuned module was compiled from.
-TUNED_FIELDS = ("flags", "candidate", "gpu", "time_ms", "baseline_ms", "speedup")
-
-
 def records(kit: Kit, gpu: dict[str, Any], results: Sequence[SegmentResult]) -> list[dict[str, Any]]:
     """One tuning-file record per (segment, batch): the winner, the baseline, every candidate."""
     import iree.runtime as rt
@@ -470,32 +461,6 @@ def records(kit: Kit, gpu: dict[str, Any], results: Sequence[SegmentResult]) -> 
             }
         )
     return out
-
-
-def record_key(rec: dict[str, Any]) -> tuple[Any, ...]:
-    """Records with the same key replace each other when a tuning file is merged."""
-    return (rec["kind"], rec["segment_key"], rec["iree_target"], rec["batch"], rec["gpu"], rec["cc"])
-
-
-def flag_records(path: str | Path) -> list[dict[str, Any]]:
-    """The Track B records of a tuning file (ConfigError, with the fix, if it is not one)."""
-    from dualtrack.tuning import read_records
-
-    return [r for r in read_records(path) if r.get("kind") == RECORD_KIND]
-
-
-def flags_for(recs: Sequence[dict[str, Any]], key: str, iree_target: str, batch: int) -> dict[str, Any] | None:
-    """The record whose winning flags `build` uses for this segment graph, IREE target and batch."""
-    found = [
-        r
-        for r in recs
-        if r.get("kind") == RECORD_KIND
-        and r.get("segment_key") == key
-        and r.get("iree_target") == iree_target
-        and r.get("batch") == batch
-        and r.get("flags") is not None
-    ]
-    return max(found, key=lambda r: r.get("date", "")) if found else None
 
 
 # -- the command ----------------------------------------------------------------------------------

@@ -33,9 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from dualtrack.arch import Resolution
 from dualtrack.errors import ConfigError, InputError
 from dualtrack.kernels import KERNELS, Conv3x3Spec, F16Tile
+from dualtrack.partition import model_hash, strip_initializers
 from dualtrack.plan import Plan
 from dualtrack.tune_a.problems import ConvProblem, conv_layers
 
@@ -359,3 +362,39 @@ def select(path: str | Path, plan: Plan, resolutions: Sequence[Resolution]) -> S
             )
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     return Selection(path, digest, targets, len(stale(records, current)))
+
+
+# -- Track B: IREE flag records (`dualtrack tune --track-b` writes them, `build` reads them) ----------
+
+RECORD_KIND = "iree_flags"
+# What a bundle's manifest keeps of the record each tuned module was compiled from.
+TUNED_FIELDS = ("flags", "candidate", "gpu", "time_ms", "baseline_ms", "speedup")
+
+
+def segment_key(model: onnx.ModelProto) -> str:
+    """What a flag choice is valid for: the segment's graph without weights and without a batch."""
+    return model_hash(strip_initializers(model))
+
+
+def record_key(rec: dict[str, Any]) -> tuple[Any, ...]:
+    """Records with the same key replace each other when a tuning file is merged."""
+    return (rec["kind"], rec["segment_key"], rec["iree_target"], rec["batch"], rec["gpu"], rec["cc"])
+
+
+def flag_records(path: str | Path) -> list[dict[str, Any]]:
+    """The Track B records of a tuning file (ConfigError, with the fix, if it is not one)."""
+    return [r for r in read_records(path) if r.get("kind") == RECORD_KIND]
+
+
+def flags_for(recs: Sequence[dict[str, Any]], key: str, iree_target: str, batch: int) -> dict[str, Any] | None:
+    """The record whose winning flags `build` uses for this segment graph, IREE target and batch."""
+    found = [
+        r
+        for r in recs
+        if r.get("kind") == RECORD_KIND
+        and r.get("segment_key") == key
+        and r.get("iree_target") == iree_target
+        and r.get("batch") == batch
+        and r.get("flags") is not None
+    ]
+    return max(found, key=lambda r: r.get("date", "")) if found else None

@@ -178,7 +178,7 @@ def test_the_engine_runs_the_wgmma_kernel_where_it_can(tiny_wgmma_bundle: Path) 
         finally:
             be.poison = False
         assert report.passed, "\n".join(report.lines())
-        target = next(t for t in e.bundle.manifest["targets"] if t["arch"] == "sm_90a")
+        target = next(t for t in e.bundle.manifest.targets if t.arch == "sm_90a")
         planned = {(layer.node, layer.batch): c for layer, c in e.bundle.conv3x3_choices(target)}
         ran = {(node, n): c for node, per in be.stats.conv3x3.items() for n, c in per.items()}
         assert set(ran) == set(planned) and len({n for _, n in ran}) == len(e.batch_sizes)

@@ -20,7 +20,6 @@ from dualtrack.bundle import Bundle
 from dualtrack.errors import InputError
 from dualtrack.plan import Segment, TensorSpec
 from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
-from dualtrack.track_b import CPU_BATCH
 
 DEVICES = ("cpu", "cuda")
 
@@ -66,12 +65,14 @@ class CpuBackend:
             return self.modules[key]
 
     def run_segment(self, seg: Segment, batch: int, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        """Run one segment; a batch runs image by image through the batch-1 module (see CPU_BATCH)."""
-        mod = self.module(seg, CPU_BATCH)
+        """Run one segment; a batch runs in rows of the manifest's ``cpu_batch`` (the batch the llvm-cpu
+        modules were compiled for, track_b.CPU_BATCH at build time)."""
+        step = self.bundle.manifest.cpu_batch
+        mod = self.module(seg, step)
         t0 = time.perf_counter()
         rows: list[dict[str, np.ndarray]] = []
-        for i in range(0, batch, CPU_BATCH):
-            outs = mod(*[np.ascontiguousarray(inputs[t.name][i : i + CPU_BATCH]) for t in seg.inputs])
+        for i in range(0, batch, step):
+            outs = mod(*[np.ascontiguousarray(inputs[t.name][i : i + step]) for t in seg.inputs])
             # Copy out of IREE's buffers: a host view must not outlive the device (use-after-free at exit).
             rows.append(
                 {

@@ -127,7 +127,7 @@ class CudaBackend:
 
     def _iree_target(self) -> str:
         """The IREE module built for this device's arch (sm_89 PTX on Hopper, FACTS 1 and 4)."""
-        built = [(t["arch"], t["track_b_iree_target"]) for t in self.bundle.manifest["targets"]]
+        built = [(t.arch, t.track_b_iree_target) for t in self.bundle.manifest.targets]
         return "cuda-" + arch.choose_iree_target(self.device.cc, built)
 
     def _load_track_a(self, jit_cache: Path, *, wgmma: bool) -> dict[str, Kernel]:

@@ -1,0 +1,144 @@
+"""The bundle's manifest: what a build produced and what a runtime may rely on, typed and versioned.
+
+Like :mod:`dualtrack.plan`, frozen dataclasses with a JSON form are the one contract between the
+build (which writes ``manifest.json`` through :meth:`Manifest.to_json`) and everything that reads a
+bundle (which gets it through :class:`dualtrack.bundle.Bundle`, parsed once by :meth:`Manifest.from_json`).
+A manifest of another format is refused with the fix (rebuild), never half-read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from dualtrack.errors import BundleError
+from dualtrack.plan import Plan
+
+# 2: typed manifest (model integrity, cpu_batch, front-end record). Bundles of format 1 are rebuilt.
+BUNDLE_FORMAT = 2
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model the bundle was built from, and what the front end made of it."""
+
+    source: str  # the config's model path at build time
+    source_sha256: str  # of that file
+    sha256: str  # of the bundle's model.onnx: the graph and weights every module was built from
+    graph: str
+    export_batch: int | None = None  # the batch the export fixed (None: symbolic)
+    classes: tuple[str, ...] | None = None
+    frontend: tuple[str, ...] = ()  # the front end's rewrites, one line each
+
+
+@dataclass(frozen=True)
+class Target:
+    """One GPU target of the build, as :func:`dualtrack.arch.resolve_targets` resolved it."""
+
+    requested: str
+    arch: str  # "sm_90a"
+    cc: str  # "9.0"
+    track_a_ptx: str  # "compute_90a"
+    track_a_cubin: str  # "sm_90a"
+    track_b_iree_target: str  # "sm_89"
+    tma: bool = False
+    notes: tuple[str, ...] = ()
+
+    @property
+    def cc_tuple(self) -> tuple[int, int]:
+        major, minor = self.cc.split(".")
+        return int(major), int(minor)
+
+
+@dataclass(frozen=True)
+class Verification:
+    passed: bool
+    device: str
+    seed: int
+
+
+@dataclass(frozen=True)
+class Artifacts:
+    """Where each compiled thing is in the bundle.
+
+    ``iree``: segment -> IREE target ("cuda-sm_89", "llvm-cpu") -> batch -> path.
+    ``track_a``: the Track A build stage's record (PTX and cubin per arch with ISA and minimum driver,
+    the kernels, tuned entries); its shape is owned by that stage (``build.track_a_artifacts``).
+    """
+
+    iree: Mapping[str, Mapping[str, Mapping[str, str]]]
+    iree_tuned_flags: Mapping[str, Any] = field(default_factory=dict)
+    track_a: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    dualtrack_version: str
+    build_key: str
+    created: str
+    model: ModelInfo
+    config: Mapping[str, Any]  # the validated config, as BuildConfig.model_dump(mode="json")
+    targets: tuple[Target, ...]
+    plan: Plan
+    artifacts: Artifacts
+    tools: Mapping[str, str]
+    cpu_batch: int  # the batch the llvm-cpu modules are compiled for (the CPU runs bigger ones row by row)
+    min_driver: int | None = None
+    notes: tuple[str, ...] = ()
+    verification: Verification | None = None
+    files: Mapping[str, str] = field(default_factory=dict)  # path -> SHA-256, every file but the manifest
+    format: int = BUNDLE_FORMAT
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["plan"] = self.plan.to_json()
+        return out
+
+    def with_files(self, files: Mapping[str, str]) -> Manifest:
+        return replace(self, files=dict(sorted(files.items())))
+
+    def with_verification(self, verification: Verification) -> Manifest:
+        return replace(self, verification=verification)
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> Manifest:
+        """Parse a manifest; BundleError (with the fix: rebuild) for another format or a malformed one."""
+        got = d.get("format") if isinstance(d, dict) else None
+        if got != BUNDLE_FORMAT:
+            raise BundleError(
+                f"{where} is bundle format {got}, this dualtrack reads format {BUNDLE_FORMAT}; "
+                "rebuild it with this version (`dualtrack build CONFIG -o BUNDLE`)"
+            )
+        try:
+            ver = d.get("verification")
+            return cls(
+                dualtrack_version=d["dualtrack_version"],
+                build_key=d["build_key"],
+                created=d["created"],
+                model=ModelInfo(
+                    **{
+                        **d["model"],
+                        "classes": tuple(d["model"]["classes"]) if d["model"].get("classes") else None,
+                        "frontend": tuple(d["model"].get("frontend", ())),
+                    }
+                ),
+                config=d["config"],
+                targets=tuple(Target(**{**t, "notes": tuple(t.get("notes", ()))}) for t in d["targets"]),
+                plan=Plan.from_json(d["plan"]),
+                artifacts=Artifacts(**d["artifacts"]),
+                tools=d["tools"],
+                cpu_batch=int(d["cpu_batch"]),
+                min_driver=d.get("min_driver"),
+                notes=tuple(d.get("notes", ())),
+                verification=Verification(**ver) if ver else None,
+                files=d.get("files", {}),
+                format=d["format"],
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise BundleError(
+                f"{where}: the manifest is malformed ({type(e).__name__}: {e}); rebuild the bundle"
+            ) from None
+
+
+__all__ = ["BUNDLE_FORMAT", "Artifacts", "Manifest", "ModelInfo", "Target", "Verification"]
