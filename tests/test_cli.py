@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -401,3 +402,141 @@ def test_info_shows_the_tuned_layers(tiny_tuned_bundle: Path) -> None:
     # The 4 layers with C <= 4 run the small-C entry: their records (the file has one for every
     # problem) are not used.
     assert not re.search(r"^             (enc1/conv[12]|enc2/conv1|dec1/conv2): N=", result.stdout, re.MULTILINE)
+
+
+# --- `run`: what the image and the bundle must be -----------------------------------------------
+
+
+def _tiny_variant_bundle(tiny_model: Path, root: Path, name: str, surgery: Callable[[onnx.ModelProto], str]) -> Path:
+    """Build the tiny U-Net after ``surgery`` (which edits the graph and returns the config's `input:`)."""
+    from dualtrack.build import build
+
+    model = onnx.load(str(tiny_model))
+    input_line = surgery(model)
+    onnx.checker.check_model(model, full_check=True)
+    root.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(root / f"{name}.onnx"))
+    config = root / f"{name}.yaml"
+    config.write_text(
+        f"model: {name}.onnx\nprecision: fp32\n{input_line}\nbatch_sizes: [1]\ntargets: [sm_80]\n"
+        "partition: {}\nverify:\n  samples: 1\n"
+    )
+    build(config, root / "bundle")
+    return root / "bundle"
+
+
+def _drop_mask(model: onnx.ModelProto) -> str:
+    """The U-Net without post/argmax and `mask`: it outputs `probs` only."""
+    keep = [n for n in model.graph.node if n.name not in ("post/argmax", "mask")]
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+    outputs = [o for o in model.graph.output if o.name != "mask"]
+    del model.graph.output[:]
+    model.graph.output.extend(outputs)
+    return "input: {name: image, shape: [1, 64, 64, 3], dtype: uint8}"
+
+
+def _drop_preprocessing(model: onnx.ModelProto) -> str:
+    """The U-Net without pre/: it takes a normalised float32 NCHW tensor `x`."""
+    first = next(n for n in model.graph.node if n.name.startswith("enc1/conv1"))
+    normalised = first.input[0]
+    keep = [n for n in model.graph.node if not n.name.startswith("pre/")]
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+    for node in model.graph.node:
+        node.input[:] = ["x" if name == normalised else name for name in node.input]
+    weights = [i for i in model.graph.initializer if not i.name.startswith("pre/")]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(weights)
+    del model.graph.input[:]
+    model.graph.input.append(helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3, 64, 64]))
+    return "input: {name: x, shape: [1, 3, 64, 64], dtype: float32}"
+
+
+@pytest.fixture(scope="module")
+def no_mask_bundle(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_variant_bundle(tiny_model, tmp_path_factory.mktemp("no_mask"), "no_mask", _drop_mask)
+
+
+@pytest.fixture(scope="module")
+def tensor_bundle(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_variant_bundle(tiny_model, tmp_path_factory.mktemp("tensor"), "tensor", _drop_preprocessing)
+
+
+def test_run_refuses_a_bundle_without_a_mask_output(
+    no_mask_bundle: Path, image_png: tuple[Path, np.ndarray], tmp_path: Path
+) -> None:
+    assert_error(
+        invoke("run", no_mask_bundle, image_png[0], "-o", tmp_path / "m.png"),
+        InputError.exit_code,
+        r"'s outputs are probs \(n, 2, 64, 64\) float32; build it with `postprocess:` in the config so it "
+        r"outputs a mask$",
+    )
+    assert list(tmp_path.iterdir()) == [image_png[0]]  # nothing written, not even a temporary file
+
+
+def test_run_refuses_a_bundle_whose_input_is_not_an_image(
+    tensor_bundle: Path, image_png: tuple[Path, np.ndarray], tmp_path: Path
+) -> None:
+    assert_error(
+        invoke("run", tensor_bundle, image_png[0], "-o", tmp_path / "m.png"),
+        InputError.exit_code,
+        rf"^error: bundle {re.escape(str(tensor_bundle))} takes \(n, 3, 64, 64\) float32, not an image; "
+        r"add `preprocess:` to the config to build an image model$",
+    )
+    assert list(tmp_path.iterdir()) == [image_png[0]]
+
+
+def test_run_refuses_an_output_folder_that_does_not_exist(
+    tiny_bundle: Path, image_png: tuple[Path, np.ndarray], tmp_path: Path
+) -> None:
+    missing = tmp_path / "no" / "such"
+    assert_error(
+        invoke("run", tiny_bundle, image_png[0], "-o", missing / "m.png"),
+        InputError.exit_code,
+        rf"folder {re.escape(str(missing))} does not exist; create the folder first \(mkdir -p ",
+    )
+    assert not (tmp_path / "no").exists()  # refused, not created
+    assert_error(invoke("run", tiny_bundle, image_png[0], "-o", tmp_path), 10, r"is a folder; pass a file path")
+
+
+def test_run_refuses_a_decompression_bomb_before_decoding_it(tiny_bundle: Path, tmp_path: Path) -> None:
+    bomb = tmp_path / "bomb.png"
+    Image.new("L", (9000, 8000)).save(bomb)  # 72 megapixels in 70 KB
+    assert bomb.stat().st_size < 200_000
+    assert_error(
+        invoke("run", tiny_bundle, bomb, "-o", tmp_path / "m.png"),
+        InputError.exit_code,
+        rf"^error: {re.escape(str(bomb))} is 9000x8000 = 72000000 pixels, over the limit of 67108864 "
+        r"\(64 megapixels\): downscale it first$",
+    )
+    assert not (tmp_path / "m.png").exists()
+
+
+def test_run_refuses_an_animated_png(tiny_bundle: Path, tmp_path: Path) -> None:
+    frames = [Image.new("RGB", (64, 64), (i * 80, 0, 0)) for i in range(3)]
+    anim = tmp_path / "anim.png"
+    frames[0].save(anim, save_all=True, append_images=frames[1:])
+    assert_error(
+        invoke("run", tiny_bundle, anim, "-o", tmp_path / "m.png"),
+        InputError.exit_code,
+        r"anim\.png is an animated PNG of 3 frames; dualtrack segments one still picture",
+    )
+
+
+def test_run_reads_a_16_bit_rotated_png_by_the_imaging_rules(tiny_bundle: Path, tmp_path: Path) -> None:
+    from test_imaging import raw_png
+
+    samples = np.random.default_rng().integers(0, 65536, (40, 64, 3), dtype=np.uint16)
+    image = tmp_path / "deep.png"
+    # 48-bit, displayed turned a quarter counter-clockwise (EXIF 8): 40 wide, 64 high.
+    image.write_bytes(raw_png(samples, color_type=2, orientation=8))
+    result = invoke("run", tiny_bundle, image, "-o", tmp_path / "m.png")
+    assert result.exit_code == 0, result.stderr
+    assert "mask 40x64," in result.stdout
+    upright = np.ascontiguousarray(np.rot90((samples >> 8).astype(np.uint8), k=1))  # the reference, in numpy
+    x = np.asarray(Image.fromarray(upright).resize((64, 64), Image.Resampling.BILINEAR))
+    with Engine.load(tiny_bundle, "cpu") as engine:
+        mask = engine.run(x[None])["mask"][0].astype(np.uint8)
+    want = np.asarray(Image.fromarray(mask).resize((40, 64), Image.Resampling.NEAREST))
+    np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "m.png")), want)

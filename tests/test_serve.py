@@ -6,6 +6,7 @@ bounded; a request that should be stuck in the queue is detected through /metric
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import re
@@ -504,3 +505,100 @@ def test_serve_cli_workers_share_one_engine(tiny_bundle: Path, reference, rng) -
     assert "2 HTTP processes" in output and "one engine in process" in output, output
     after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert not [n for n in after - before if n.startswith("dualtrack-serve-")], "slot file left behind"
+
+
+# --- images: the CLI's pixels, memory under a burst of large ones ------------------------------
+
+
+def _displayed_reference(engine: Engine, upright: np.ndarray) -> np.ndarray:
+    """The mask for an image whose displayed RGB pixels are ``upright`` (computed in numpy by the test)."""
+    _, height, width, _ = engine.input_spec.shape
+    x = np.asarray(Image.fromarray(upright).resize((width, height), Image.Resampling.BILINEAR))
+    mask = engine.run(x[None])["mask"][0]
+    back = Image.fromarray(np.ascontiguousarray(mask)).resize(upright.shape[1::-1], Image.Resampling.NEAREST)
+    return np.asarray(back)
+
+
+def test_cli_and_service_give_the_same_mask_for_16_bit_and_rotated_images(
+    server, reference, rng, tiny_bundle: Path, tmp_path: Path
+) -> None:
+    from test_imaging import raw_png
+
+    base, _ = server
+    samples = rng.integers(0, 65536, (48, 70), dtype=np.uint16)
+    png16 = raw_png(samples, color_type=0)  # 16-bit grey: was clipped to white everywhere
+    stored = rng.integers(0, 256, (40, 56, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # displayed turned a quarter clockwise: 40 wide, 56 high
+    buf = io.BytesIO()
+    Image.fromarray(stored).save(buf, format="JPEG", quality=95, exif=exif.tobytes())
+    jpeg = buf.getvalue()
+    with Image.open(io.BytesIO(jpeg)) as img:
+        decoded = np.asarray(img.convert("RGB"))  # the codec's pixels, as stored
+    cases = {
+        "deep.png": (png16, np.repeat((samples >> 8).astype(np.uint8)[..., None], 3, axis=-1)),
+        "turned.jpg": (jpeg, np.ascontiguousarray(np.rot90(decoded, k=-1))),
+    }
+    for name, (data, upright) in cases.items():
+        want = _displayed_reference(reference, upright)
+        r = httpx.post(f"{base}/v1/segment", content=data, timeout=WAIT_S)
+        assert r.status_code == 200, r.text
+        served = imaging.decode_mask_png(r.content)
+        path = tmp_path / name
+        path.write_bytes(data)
+        out = tmp_path / f"{name}.mask.png"
+        result = CliRunner().invoke(main, ["run", str(tiny_bundle), str(path), "-o", str(out)])
+        assert result.exit_code == 0, result.stderr
+        written = np.asarray(Image.open(out))
+        assert served.shape == upright.shape[:2], name
+        np.testing.assert_array_equal(served, want, err_msg=name)
+        np.testing.assert_array_equal(written, served, err_msg=name)
+
+
+def _rss_mb(pid: int, key: str = "VmRSS") -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the server's RSS from /proc")
+def test_memory_stays_bounded_under_a_burst_of_large_images(tiny_bundle: Path) -> None:
+    """50 concurrent 8192x8192 palette PNGs (8 KB each on the wire, 320 MB each to decode) at a
+    server with 8 image threads: the 1 GiB image budget, not the threads, bounds the peak, and the
+    memory goes back to the OS after the burst. ~35 s on 2 cores (the decodes themselves)."""
+    buf = io.BytesIO()
+    Image.new("P", (8192, 8192)).save(buf, format="PNG")  # the widest decode per wire byte: P -> RGB
+    data = buf.getvalue()
+    argv = [sys.executable, "-m", "dualtrack.cli", "serve", str(tiny_bundle), "--port", "0"]
+    argv += ["--image-threads", "8", "--max-queue", "64", "--log-level", "info"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port = None
+        deadline = time.monotonic() + WAIT_S
+        while port is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, f"`dualtrack serve` exited with {proc.wait()}"
+            match = re.search(r"running on http://127\.0\.0\.1:(\d+)", line)
+            port = int(match.group(1)) if match else None
+        base = f"http://127.0.0.1:{port}"
+        _wait_ready(base)
+        assert httpx.post(f"{base}/v1/segment", content=_png(np.random.default_rng(), 64, 64)).status_code == 200
+        idle = _rss_mb(proc.pid)
+
+        async def burst() -> list[int]:
+            limits = httpx.Limits(max_connections=50)
+            async with httpx.AsyncClient(timeout=WAIT_S, limits=limits) as client:
+                urls = [f"{base}/v1/segment" + ("?format=json" if i % 2 else "") for i in range(50)]
+                answers = await asyncio.gather(*(client.post(url, content=data) for url in urls))
+            return [r.status_code for r in answers]
+
+        assert asyncio.run(burst()) == [200] * 50
+        peak = _rss_mb(proc.pid, "VmHWM")  # the kernel's high-water mark: no sample can miss the peak
+        assert peak <= 2048, f"peak RSS {peak:.0f} MB (idle {idle:.0f} MB)"
+        _until(lambda: _rss_mb(proc.pid) < 1.5 * idle, f"RSS back under 1.5x the idle {idle:.0f} MB", 10)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

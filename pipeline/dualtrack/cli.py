@@ -247,21 +247,31 @@ _PALETTE = [
 ]
 
 
-def _read_image(path: Path, shape: tuple[int, ...]) -> np.ndarray:
-    from PIL import Image, UnidentifiedImageError
+def _read_image(path: Path, shape: tuple[int, ...]) -> tuple[np.ndarray, tuple[int, int]]:
+    """IMAGE at the model's ``(n, H, W, 3)`` input size and its displayed ``(width, height)``, by the
+    rules the service follows (dualtrack.imaging)."""
+    from dualtrack.imaging import load_for_model
 
     try:
-        img = Image.open(path).convert("RGB")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise InputError(f"image {path} not found") from None
-    except (UnidentifiedImageError, OSError) as e:
-        raise InputError(
-            f"{path} is not an image Pillow can read ({e.__class__.__name__}); pass a PNG or JPEG"
-        ) from None
-    h, w = shape[1], shape[2]
-    if img.size != (w, h):
-        img = img.resize((w, h), Image.Resampling.BILINEAR)
-    return np.asarray(img, dtype=np.uint8)[None]
+    except IsADirectoryError:
+        raise InputError(f"image {path} is a folder; pass an image file") from None
+    except OSError as e:
+        raise InputError(f"cannot read image {path} ({e.strerror or e}); check that it is readable") from None
+    picture = load_for_model(data, shape[1], shape[2], name=str(path))
+    return picture.pixels[None], picture.size
+
+
+def _check_output(output: Path) -> None:
+    """Refuse an -o that cannot be written, before the engine is loaded (no folder is created for it)."""
+    if output.is_dir():
+        raise InputError(f"-o {output} is a folder; pass a file path such as {output / 'mask.png'}")
+    folder = output.parent
+    if not folder.is_dir():
+        state = "is a file" if folder.exists() else "does not exist"
+        raise InputError(f"-o {output}: folder {folder} {state}; create the folder first (mkdir -p {folder})")
 
 
 @main.command()
@@ -271,23 +281,30 @@ def _read_image(path: Path, shape: tuple[int, ...]) -> np.ndarray:
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--device-index", type=int, default=0, show_default=True)
 def run(bundle: Path, image: Path, output: Path, device: str, device_index: int) -> None:
-    """Segment IMAGE with BUNDLE; write the mask as a palette PNG (pixel value = class id) at the image's size."""
+    """Segment IMAGE with BUNDLE; write the mask as a palette PNG (pixel value = class id) at the image's size.
+
+    IMAGE is read as the service reads it (dualtrack.imaging): PNG or JPEG, one frame, at most 64
+    megapixels, EXIF orientation applied, 16-bit and palette images scaled to 8-bit RGB."""
     from PIL import Image
 
+    from dualtrack.imaging import check_image_model, mask_to_size
     from dualtrack.runtime.engine import Engine
 
+    _check_output(output)
     with Engine.load(bundle, device, device_index) as engine:
-        x = _read_image(image, engine.input_spec.shape)
-        original = Image.open(image).size
+        check_image_model(engine.input_spec, engine.output_specs, str(bundle))
+        x, (width, height) = _read_image(image, engine.input_spec.shape)  # the size as displayed
         result = engine.run(x)
         # A palette PNG: pixel values are the class ids, and viewers show each class in its own colour.
-        mask = Image.fromarray(result["mask"][0].astype(np.uint8), mode="P")
+        mask = Image.fromarray(mask_to_size(result["mask"][0].astype(np.uint8), height, width), mode="P")
         mask.putpalette(_PALETTE)
-        if mask.size != original:
-            mask = mask.resize(original, Image.Resampling.NEAREST)
-        tmp = output.with_name(f".{output.name}.tmp")
-        mask.save(tmp, format="PNG")
-        tmp.replace(output)
+        tmp = output.with_name(f".{output.name}.tmp")  # the mask appears whole or not at all
+        try:
+            mask.save(tmp, format="PNG")
+            tmp.replace(output)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise InputError(f"cannot write {output} ({e.strerror or e}); pass -o a path you can write to") from None
         counts = np.bincount(
             result["mask"].ravel(),
             minlength=engine.output_specs[-1].shape[1] if len(engine.output_specs[-1].shape) == 4 else 0,

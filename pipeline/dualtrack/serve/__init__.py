@@ -2,7 +2,7 @@
 
 ``create_app(engine_or_bundle, ...)`` returns a Starlette ASGI app (run it with uvicorn, or
 ``dualtrack serve BUNDLE``); ``dualtrack loadtest URL`` measures it. The endpoints are documented in
-:mod:`dualtrack.serve.app`, the image and mask conventions in :mod:`dualtrack.serve.imaging`.
+:mod:`dualtrack.serve.app`, the image and mask conventions in :mod:`dualtrack.imaging`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Endpoints (every error is JSON ``{"error": "<one line>"}``; none takes the proce
 ``POST /v1/segment``
     Body: the image's raw PNG/JPEG bytes, or ``multipart/form-data`` with a file field ``image``.
     ``?format=png`` (default) answers ``image/png``: the mask at the image's own size, 8-bit gray,
-    pixel value = class id ``0 .. classes-1`` (see :mod:`dualtrack.serve.imaging`).
+    pixel value = class id ``0 .. classes-1`` (see :mod:`dualtrack.imaging`).
     ``?format=json`` answers ``{"shape": [h, w], "model_shape": [H, W], "classes": C,
     "counts": [pixels of class 0, 1, ...], "batch_size": n, "padded_size": s, "timings_ms": {...}}``;
     ``counts`` are over the returned ``h×w`` mask and sum to ``h*w``. Both formats carry the
@@ -47,8 +47,8 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from dualtrack import imaging
 from dualtrack.errors import DualtrackError, InputError
-from dualtrack.serve import imaging
 from dualtrack.serve.batcher import Batcher, BatchResult, EngineSource, NotReadyError, Phase, QueueFullError
 from dualtrack.serve.metrics import ServeMetrics
 from dualtrack.serve.options import ServeOptions
@@ -91,14 +91,16 @@ def create_app(
     retry_after_s: int = ServeOptions.retry_after_s,
     shutdown_timeout_s: float = ServeOptions.shutdown_timeout_s,
     image_threads: int = ServeOptions.image_threads,
+    image_memory_mb: int = ServeOptions.image_memory_mb,
 ) -> Starlette:
     """Build the ASGI app for ``source``: an ``Engine`` (borrowed), a bundle path, or an engine factory.
 
     The engine is loaded (if needed) and warmed up on the batcher's worker thread once the server
     starts (ASGI lifespan), so ``/healthz`` answers at once and ``/readyz`` turns 200 when warm.
     Images are decoded, resized and encoded on ``image_threads`` threads (0: one per core), never
-    on the event loop. ``app.state.batcher``, ``app.state.metrics`` and ``app.state.options`` are
-    there for embedding.
+    on the event loop, with at most ``image_memory_mb`` of full-size images in flight; allocations
+    over 4 MiB in this process are mmapped from then on (:func:`dualtrack.imaging.map_large_buffers`).
+    ``app.state.batcher``, ``app.state.metrics`` and ``app.state.options`` are there for embedding.
     """
     options = ServeOptions(
         max_batch_delay_ms=max_batch_delay_ms,
@@ -109,6 +111,7 @@ def create_app(
         retry_after_s=retry_after_s,
         shutdown_timeout_s=shutdown_timeout_s,
         image_threads=image_threads,
+        image_memory_mb=image_memory_mb,
     )
     # The gauges read the batcher at scrape time (the closures see `batcher` once it is assigned).
     metrics = ServeMetrics(queue_depth=lambda: batcher.depth, ready=lambda: batcher.phase is Phase.READY)
@@ -172,6 +175,10 @@ class _Service:
         # Decoding, resizing and encoding release the GIL (imaging.py): one thread per core runs
         # that many images at once, and the event loop only moves bytes.
         self.images = ThreadPoolExecutor(options.threads, thread_name_prefix="dualtrack-image")
+        # Threads bound how many decodes run, not their memory: an 8192x8192 PNG of 65 KB decodes
+        # to hundreds of MB, so full-size images in flight (decodes and masks) share a memory budget.
+        self.image_budget = imaging.MemoryBudget(options.image_memory_mb * 1024 * 1024)
+        imaging.map_large_buffers()  # process-wide: freed image buffers go back to the OS, not to an arena
         self.index_html = resources.files("dualtrack.serve").joinpath("static/index.html").read_text("utf-8")
 
     async def index(self, request: Request) -> Response:
@@ -239,15 +246,17 @@ class _Service:
         classes = _num_classes(engine)
 
         def queue() -> None:
-            img = imaging.decode_image(data)
-            queued = self.batcher.submit(imaging.to_model_input(img, height, width))
+            # Only the model-size pixels and the displayed size outlive this call: the full-size
+            # decode is freed here, not when the batch is answered.
+            image = imaging.load_for_model(data, height, width, budget=self.image_budget)
+            queued = self.batcher.submit(image.pixels)
 
             def withdraw(_: Future[_Answer]) -> None:
                 if answer.cancelled():
                     queued.cancel()  # a no-op once its batch has started
 
             def batch_done(_: Future[BatchResult]) -> None:  # on the batcher's thread: hand over, no more
-                self.images.submit(_step, answer, reply, queued, img.size)
+                self.images.submit(_step, answer, reply, queued, image.size)
 
             answer.add_done_callback(withdraw)
             queued.add_done_callback(batch_done)
@@ -261,12 +270,16 @@ class _Service:
     def _answer(self, result: BatchResult, size: tuple[int, int], fmt: str, classes: int, start: float) -> _Answer:
         """The response to one request (mask PNG or JSON counts), built on an image thread."""
         width, height = size
-        mask = imaging.mask_to_size(result.mask, height, width)
-        if fmt == "png":
-            body = imaging.encode_mask_png(mask)
-            return _Answer(body, "image/png", _timings_ms(result, start))
-        classes = classes or int(mask.max()) + 1
-        counts = imaging.class_counts(mask, classes)
+        # The mask at a large image's size is as large as a decode: it shares the budget.
+        with self.image_budget.hold(imaging.mask_bytes(width, height)):
+            mask = imaging.mask_to_size(result.mask, height, width)
+            if fmt == "png":
+                body = imaging.encode_mask_png(mask)
+                del mask
+                return _Answer(body, "image/png", _timings_ms(result, start))
+            classes = classes or int(mask.max()) + 1
+            counts = imaging.class_counts(mask, classes)
+            del mask
         timings = _timings_ms(result, start)
         payload: dict[str, Any] = {
             "shape": [height, width],

@@ -60,6 +60,14 @@ if TYPE_CHECKING:
     help="Threads that decode, resize and encode images (0: one per core).",
 )
 @click.option(
+    "--image-memory-mb",
+    default=ServeOptions.image_memory_mb,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Memory for full-size images in flight (decodes, masks); one that does not fit waits (with --workers: "
+    "split between them).",
+)
+@click.option(
     "--workers",
     default=1,
     show_default=True,
@@ -84,6 +92,7 @@ def serve(
     max_body_bytes: int,
     shutdown_timeout_s: float,
     image_threads: int,
+    image_memory_mb: int,
     workers: int,
     log_level: str,
 ) -> None:
@@ -113,6 +122,7 @@ def serve(
                     # Split between the workers: with one thread per core in every worker, 512 KB PNGs
                     # (CPU-bound) ran 10-20% slower on the H200 machine (serve_bench-f552e5d.json).
                     image_threads=image_threads or max(1, ServeOptions().threads // workers),
+                    image_memory_mb=max(1, image_memory_mb // workers),
                 ),
                 host=host,
                 port=port,
@@ -128,6 +138,7 @@ def serve(
             max_body_bytes=max_body_bytes,
             shutdown_timeout_s=shutdown_timeout_s,
             image_threads=image_threads,
+            image_memory_mb=image_memory_mb,
         )
         click.echo(f"serving with {loop} and {http}, {app.state.options.threads} image threads", err=True)
         uvicorn.run(
@@ -161,6 +172,7 @@ def _serve_workers(engine: Engine, workers: int, options: ServeOptions, **server
             "retry_after_s": options.retry_after_s,
             "shutdown_timeout_s": options.shutdown_timeout_s,
             "image_threads": options.image_threads,
+            "image_memory_mb": options.image_memory_mb,
         }
         os.environ[ENGINE_ENV] = host.worker_env(app_options)  # the spawned workers inherit it
         click.echo(

@@ -23,6 +23,9 @@ class ServeOptions:
     retry_after_s: int = 1  # the Retry-After of every 503
     shutdown_timeout_s: float = 30.0  # how long shutdown waits for queued work
     image_threads: int = 0  # threads that decode, resize and encode images; 0: one per usable core
+    # Memory for full-size images in flight, decodes and masks (dualtrack.imaging.MemoryBudget): 1 GiB
+    # holds two 64-megapixel RGB decodes at once; a larger one runs alone.
+    image_memory_mb: int = 1024
 
     @property
     def threads(self) -> int:
@@ -43,6 +46,7 @@ class ServeOptions:
             (self.retry_after_s >= 0, "retry_after_s", self.retry_after_s, ">= 0"),
             (self.shutdown_timeout_s >= 0, "shutdown_timeout_s", self.shutdown_timeout_s, ">= 0"),
             (self.image_threads >= 0, "image_threads", self.image_threads, ">= 0 (0: one per core)"),
+            (self.image_memory_mb >= 1, "image_memory_mb", self.image_memory_mb, ">= 1"),
         )
         for ok, name, value, rule in checks:
             if not ok:
