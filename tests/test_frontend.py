@@ -321,3 +321,22 @@ def test_a_shape_value_may_not_cross_between_tracks() -> None:
             n.input[1] = "early_shape"
     with pytest.raises(PartitionError, match=r"is a constant or shape value .* keep its producers and consumers"):
         _plan(cfg, frontend.prepare(cfg, model))
+
+
+def test_an_fp16_model_is_checked_against_the_same_weights_in_fp32() -> None:
+    """verify.upcast widens weights, casts and boundaries: the reference computes the fp16 network exactly."""
+    from dualtrack.reference import UNetSpec, build_unet
+
+    model = build_unet(UNetSpec(base=4, depth=2, height=32, width=32, precision="fp16", seed=2))
+    wide = verify.upcast(model)
+    assert not {i.data_type for i in wide.graph.initializer} & {TensorProto.FLOAT16}
+    assert all(a.i != TensorProto.FLOAT16 for n in wide.graph.node for a in n.attribute if a.name == "to")
+    image = np.random.default_rng(7).integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
+    narrow, exact = _run(model, {"image": image}), _run(wide, {"image": image})
+    for a, b in zip(model.graph.initializer, wide.graph.initializer, strict=True):
+        assert np.array_equal(numpy_helper.to_array(a).astype(np.float32), numpy_helper.to_array(b))
+    err = np.linalg.norm(narrow["probs"] - exact["probs"]) / np.linalg.norm(exact["probs"])
+    assert 0 < err < 1e-2  # the fp16 run rounds; the widened one does not, and they agree to fp16's precision
+    sess = ort.InferenceSession(wide.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = verify.run_ort(sess, {"image": image})  # uint8 feeds pass through unchanged
+    np.testing.assert_array_equal(got["mask"], exact["mask"])

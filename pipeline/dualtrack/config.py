@@ -94,8 +94,11 @@ class Tolerance(_Strict):
 
 
 DEFAULT_TOLERANCES: dict[str, Tolerance] = {
-    # fp16: each fp16 conv rounds its output; argmax may flip where two classes are within rounding.
-    "fp16": Tolerance(rel_l2=2e-2, max_abs=5e-2, mismatch=5e-3),
+    # fp16, against the same weights computed in fp32 (verify.upcast): each fp16 op rounds its output,
+    # so a probability near 0.5 moves by up to 0.07 on LR-ASPP (IREE and onnxruntime's fp16 alike; logits
+    # of O(10)); max_abs 0.15 keeps twice that, and a wrong tile (errors of 0.5 and more) still fails.
+    # argmax may flip where two classes are within rounding.
+    "fp16": Tolerance(rel_l2=2e-2, max_abs=0.15, mismatch=5e-3),
     "fp32": Tolerance(rel_l2=1e-4, max_abs=1e-3, mismatch=1e-4),
 }
 
