@@ -45,7 +45,7 @@ def test_onnxruntime_matches_torch_on_a_fresh_image(exports: tuple[Path, Path], 
     seed = int(np.random.SeedSequence().entropy % 2**32)
     image = np.random.default_rng(seed).standard_normal((1, 3, *SIZE), dtype=np.float32)
     with torch.no_grad():
-        expected = zoo.build_model(name).eval()(torch.from_numpy(image)).numpy()
+        expected = zoo.build_model(name, size=SIZE).eval()(torch.from_numpy(image)).numpy()
     session = ort.InferenceSession(str(exports[0] / f"{name}.onnx"), providers=["CPUExecutionProvider"])
     (got,) = session.run(None, {"image": image})
     rel = np.linalg.norm(got - expected) / np.linalg.norm(expected)

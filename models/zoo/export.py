@@ -101,34 +101,48 @@ class ZooError(Exception):
     """A zoo export that cannot run; the message names the value and the fix."""
 
 
-def _randomise_batch_norm(model: nn.Module, rng: np.random.Generator) -> None:
+def _randomise_batch_norm(model: nn.Module, rng: np.random.Generator, size: tuple[int, int]) -> None:
     # Fresh batch norms have mean 0, var 1, weight 1, bias 0: each is then an identity, and a test comparing two
-    # backends would not notice a normalisation dropped or mis-fused. Drawn with numpy so the values do not depend on
-    # torch's RNG implementation.
-    for module in model.modules():
-        if not isinstance(module, nn.modules.batchnorm._BatchNorm):
-            continue
-        n = module.num_features
-        values = {
-            "running_mean": rng.normal(0.0, 0.1, n),
-            "running_var": rng.uniform(0.5, 1.5, n),
-            "weight": rng.normal(1.0, 0.1, n),
-            "bias": rng.normal(0.0, 0.1, n),
-        }
-        with torch.no_grad():
-            for attr, value in values.items():
-                tensor = getattr(module, attr)
-                if tensor is not None:
-                    tensor.copy_(torch.from_numpy(value.astype(np.float32)))
+    # backends would not notice a normalisation dropped or mis-fused. Statistics drawn at random do not normalise
+    # either: activations then grow layer by layer (logits with a spread of 1e2 in the Unet), which no trained
+    # network has and which fp16 cannot carry (its spacing at 128 is 0.125). So the statistics are measured, as
+    # training would: forward passes in train mode over seeded random images at the export size (one thread, rounded to
+    # 4 significant digits so that the export stays byte-identical), then perturbed per channel; the affine
+    # weights and biases are drawn. Drawn with numpy so the values do not depend on torch's RNG implementation.
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    with torch.no_grad():
+        for module in norms:
+            n = module.num_features
+            module.weight.copy_(torch.from_numpy(rng.normal(1.0, 0.1, n).astype(np.float32)))
+            module.bias.copy_(torch.from_numpy(rng.normal(0.0, 0.1, n).astype(np.float32)))
+            module.reset_running_stats()
+            module.momentum = None  # a cumulative average over the calibration passes
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            model.train()
+            for _ in range(2):
+                model(torch.from_numpy(rng.standard_normal((2, 3, *size)).astype(np.float32)))
+        finally:
+            torch.set_num_threads(threads)
+            model.eval()
+        for module in norms:
+            n = module.num_features
+            mean = module.running_mean.numpy() + rng.normal(0.0, 0.1, n) * np.sqrt(module.running_var.numpy())
+            var = module.running_var.numpy() * rng.uniform(0.8, 1.25, n)
+            for tensor, value in ((module.running_mean, mean), (module.running_var, var)):
+                tensor.copy_(torch.from_numpy(np.array([float(f"{v:.4g}") for v in value], np.float32)))
+            module.momentum = 0.1
 
 
-def build_model(name: str, seed: int = 0) -> nn.Module:
-    """Build zoo entry `name` in eval mode with weights drawn from `seed` (the same seed gives the same weights)."""
+def build_model(name: str, seed: int = 0, size: tuple[int, int] = (512, 512)) -> nn.Module:
+    """Build zoo entry `name` in eval mode with weights drawn from `seed` and batch-norm statistics measured at
+    `size` (the same seed and size give the same weights)."""
     if name not in ZOO:
         raise ZooError(f"{name!r} is not in the zoo; choose from {', '.join(ZOO)}")
     torch.manual_seed(seed)  # the constructors' own initialisers draw from torch's global generator
     model = ZOO[name].build()
-    _randomise_batch_norm(model, np.random.default_rng(seed))
+    _randomise_batch_norm(model, np.random.default_rng(seed), size)
     return model.eval()
 
 
@@ -192,7 +206,7 @@ def export_model(
     by name from inside the model.
     """
     start = time.perf_counter()
-    model = build_model(name, seed)
+    model = build_model(name, seed, size)
     image = example_input(size, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.onnx"
