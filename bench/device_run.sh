@@ -2,7 +2,8 @@
 # One call on the lent GPU machine: install the carried wheels, then run the steps named on the
 # command line (default: all) — `test` (GPU tests on the carried tiny bundle), `check`
 # (bench/gpu_check.py on the reference bundle), `serve` (bench/serve_bench.py: the service under
-# the load test, against the engine alone), `bench` (bench/bench.py: dualtrack against PyTorch).
+# the load test, against the engine alone), `bench` (bench/bench.py: dualtrack against PyTorch);
+# `zoo` when named (bench/zoo_bench.py: the carried zoo bundles against PyTorch).
 # Everything worth keeping lands in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -68,6 +69,12 @@ for step in $steps; do
       # model (.carry/unet, .carry/unet_*) in one process, in alternating rounds (bench/ab.py).
       bs=$(for b in "$C"/unet "$C"/unet_*; do [ -f "$b/manifest.json" ] && [ "$b" != "$C/unet_seed_split" ] && echo "$(basename "$b")=$b"; done)
       python3 bench/ab.py $bs --batches 1 8 --rounds 7 --out "$OUT" --tag "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/ab.log" ;;
+    zoo)
+      # The zoo bundles carried as .carry/zoo/<zoo name> (dualtrack build configs/zoo/<name>.yaml -o ...), through
+      # Engine.run against PyTorch with the same weights (bench/zoo_bench.py; smp travels as a wheel in .whl/).
+      zb=$(for b in "$C"/zoo/*; do [ -f "$b/manifest.json" ] && echo "--bundle $b"; done)
+      [ -n "$zb" ] && python3 bench/zoo_bench.py $zb --batches 1 8 --iters "${BENCH_ITERS:-50}" \
+        --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT" 2>&1 | tee "$OUT/zoo_bench.log" ;;
     bench)
       python3 bench/bench.py --bundle $C/unet --seed-split-bundle $C/unet_seed_split --iree-only-bundle $C/iree_only --head-b-bundle $C/unet_head_b \
         --batches 1 8 --iters "${BENCH_ITERS:-50}" --skip-autotune --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT" 2>&1 | tee /tmp/bench.log ;;
