@@ -31,6 +31,7 @@ from cuda.bindings import driver as cu
 from dualtrack import arch, kernels
 from dualtrack.bundle import Bundle
 from dualtrack.errors import InputError
+from dualtrack.kernels.conv3x3_wgmma import input_map, weight_map
 from dualtrack.plan import ALIAS_OPS, KernelCall, Segment, TensorSpec
 from dualtrack.runtime import dlpack, tma
 from dualtrack.runtime.driver import Device, Event, Kernel, Module, Stream, call
@@ -446,8 +447,8 @@ class CudaBackend:
         if choice.impl == "wgmma":
             wspec = kernels.CONV3X3_WGMMA
             cfg = wspec.config(choice.entry)
-            tmx = tma.encode(tma.conv3x3_input(cfg, x.ptr, n, h, w, ch, ldx))
-            tmw = tma.encode(tma.conv3x3_weights(cfg, wt.ptr, k, ch))
+            tmx = tma.encode(input_map(cfg, x.ptr, n, h, w, ch, ldx))
+            tmw = tma.encode(weight_map(cfg, wt.ptr, k, ch))
             args = wspec.args(tmx=tmx, tmw=tmw, relu=relu, entry=choice.entry, **common)
             config = wspec.launch(x.dtype, n, h, w, ch, k, entry=choice.entry)
         else:
