@@ -31,7 +31,7 @@ from cuda.bindings import driver as cu
 from dualtrack import arch, kernels
 from dualtrack.bundle import Bundle
 from dualtrack.errors import InputError
-from dualtrack.kernels.conv3x3_wgmma import input_map, weight_map
+from dualtrack.kernels.tensormap import TiledMap
 from dualtrack.plan import ALIAS_OPS, KernelCall, Segment, TensorSpec
 from dualtrack.runtime import dlpack, tma
 from dualtrack.runtime.driver import Device, Event, Kernel, Module, Stream, call
@@ -183,22 +183,15 @@ class CudaBackend:
         return found
 
     def _upload_weights(self) -> dict[str, GpuTensor]:
-        """Repack every Track A conv's weights (KRSC / (4K, C), fp32 bias) and upload them once."""
+        """Every Track A call's weights, packed as its kernel reads them (its spec's
+        ``pack_weights``: KRSC, (4K, C), fp32 bias), uploaded once."""
         out: dict[str, GpuTensor] = {}
-        w = self.bundle.weights
-        packers = {
-            "conv3x3": kernels.pack_conv_weights,
-            "conv1x1": kernels.pack_conv_weights,
-            "convt2x2": kernels.pack_convt_weights,
-        }
         for seg in self.bundle.plan.segments:
             for c in seg.calls:
-                if c.op not in packers:
+                if c.op in ALIAS_OPS:
                     continue
-                kw, kb = packers[c.op](w[c.weights[0]], w[c.weights[1]] if len(c.weights) > 1 else None)
-                out[c.weights[0]] = self.from_host(kw)
-                if len(c.weights) > 1:
-                    out[c.weights[1]] = self.from_host(kb)
+                for name, arr in kernels.kernel(c.op).pack_weights(c, self.bundle.weights).items():
+                    out[name] = self.from_host(arr)
         self.stream.synchronize()
         return out
 
@@ -412,51 +405,14 @@ class CudaBackend:
 
     def prepare(self, c: KernelCall, env: Mapping[str, GpuTensor], *, allow_wgmma: bool = True) -> Launch:
         """The launch of one kernel call on the tensors ``env`` names for its input and output
-        (the planned buffers, or others of the same shapes: bench/bench.py times layers this way):
-        kernel, geometry and arguments. A conv3x3 runs what :func:`kernels.choose_conv3x3` picks:
-        the wgmma kernel where it is on and takes the launch (``allow_wgmma=False``: never), else
-        the layer's tuned mma.sync entry, else the heuristic's."""
-        x, y = env[c.inputs[0]], env[c.outputs[0]]
-        n, h, w, ch = x.shape
-        k = y.shape[3]
-        ldx, ldy = x.channel_stride, y.channel_stride
-        if c.op == "maxpool2x2":
-            spec = kernels.KERNELS[c.op]
-            args = spec.args(x=x.ptr, y=y.ptr, N=n, H=h, W=w, C=ch, ldx=ldx, ldy=ldy)
-            entry = spec.entry(x.dtype)
-            return Launch(self.kernels[entry], spec.launch(x.dtype, n, h, w, ch), args, entry)
-        wt = self.weights[c.weights[0]]
-        bias = self.weights[c.weights[1]].ptr if len(c.weights) > 1 else None
-        common = {"bias": bias, "y": y.ptr, "N": n, "H": h, "W": w, "C": ch, "K": k, "ldy": ldy}
-        if c.op in ("convt2x2", "conv1x1"):
-            spec = kernels.KERNELS[c.op]
-            entry = spec.entry(x.dtype)
-            extra = {"relu": bool(c.attr("relu"))} if c.op == "conv1x1" else {}
-            args = spec.args(x=x.ptr, w=wt.ptr, ldx=ldx, **common, **extra)
-            return Launch(self.kernels[entry], spec.launch(x.dtype, n, h, w, ch, k), args, entry)
-        if c.op != "conv3x3":
-            kernels.kernel(c.op)  # an op with no kernel: InputError naming the ops that have one
-            raise InputError(f"CudaBackend.prepare does not know how to launch '{c.op}'")
-        choice = kernels.choose_conv3x3(
-            x.dtype, n, h, w, ch, k, ldx, ldy,
-            wgmma_off=self.wgmma_off if allow_wgmma else "not allowed (prepare(allow_wgmma=False))",
-            tuned=self.tuned.get(c.nodes[0], {}).get(str(n)) if c.nodes else None,
-            x=x.ptr, w=wt.ptr, y=y.ptr,
-        )  # fmt: skip
-        relu = bool(c.attr("relu"))
-        if choice.impl == "wgmma":
-            wspec = kernels.CONV3X3_WGMMA
-            cfg = wspec.config(choice.entry)
-            tmx = tma.encode(input_map(cfg, x.ptr, n, h, w, ch, ldx))
-            tmw = tma.encode(weight_map(cfg, wt.ptr, k, ch))
-            args = wspec.args(tmx=tmx, tmw=tmw, relu=relu, entry=choice.entry, **common)
-            config = wspec.launch(x.dtype, n, h, w, ch, k, entry=choice.entry)
-        else:
-            conv = kernels.KERNELS["conv3x3"]
-            assert isinstance(conv, kernels.Conv3x3Spec)
-            args = conv.args(x=x.ptr, w=wt.ptr, ldx=ldx, relu=relu, **common)
-            config = conv.launch(x.dtype, n, h, w, ch, k, entry=choice.entry)
-        return Launch(self.kernels[choice.entry], config, args, choice.entry, choice)
+        (the planned buffers, or others of the same shapes: bench/bench.py times layers this way),
+        as the call's kernel spec prepares it (``KernelSpec.prepare``: entry, geometry, arguments,
+        tensor maps). ``allow_wgmma=False``: a conv3x3 never runs the wgmma kernel."""
+        wgmma_off = self.wgmma_off if allow_wgmma else "not allowed (prepare(allow_wgmma=False))"
+        ctx = _Context(wgmma_off, self.tuned)
+        weights = [self.weights[name] for name in c.weights]
+        p = kernels.kernel(c.op).prepare(c, env[c.inputs[0]], env[c.outputs[0]], weights, ctx)
+        return Launch(self.kernels[p.entry], p.config, p.args, p.entry, p.choice)
 
     def _handoff_to_iree(self) -> None:
         """Host wait before IREE reads what Track A wrote on our stream: the one wait per A -> B edge.
@@ -526,6 +482,20 @@ class CudaBackend:
         self.pool.close()
         self.stream.close()
         self.ctx.close()
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What a kernel spec asks the runtime while it prepares a launch (``kernels.LaunchContext``)."""
+
+    wgmma_off: str | None
+    tuned: Mapping[str, Mapping[str, str]]  # Conv node -> batch size -> tuned entry
+
+    def tuned_entry(self, call: KernelCall, batch: int) -> str | None:
+        return self.tuned.get(call.nodes[0], {}).get(str(batch)) if call.nodes else None
+
+    def tensor_map(self, m: TiledMap) -> cu.CUtensorMap:
+        return tma.encode(m)
 
 
 def _call_key(c: KernelCall) -> str:
