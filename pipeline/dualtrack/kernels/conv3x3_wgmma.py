@@ -97,9 +97,24 @@ class WgmmaConfig:
         return 3 if self.halo_tw else 1
 
     @property
+    def a_bytes(self) -> int:
+        """Bytes of a stage's A (input) box."""
+        return self.a_rows * self.row_bytes
+
+    @property
+    def b_bytes(self) -> int:
+        """Bytes of one tap's B (weight) box."""
+        return self.bn * self.row_bytes
+
+    @property
+    def acc_registers(self) -> int:
+        """fp32 accumulator registers a consumer thread holds."""
+        return self.mt * self.bn // 2
+
+    @property
     def stage_bytes(self) -> int:
         """Bytes one stage brings in (A box + its taps' B boxes): the mbarrier transaction count."""
-        return (self.a_rows + self.taps_per_stage * self.bn) * self.row_bytes
+        return self.a_bytes + self.taps_per_stage * self.b_bytes
 
     @property
     def smem_bytes(self) -> int:
