@@ -180,10 +180,15 @@ def test_source_hash_moves_with_the_source_and_the_tile_macros(tmp_path: Path) -
     src = tmp_path / "src"
     src.mkdir()
     cu = SOURCE_DIR / "conv3x3_nhwc.cu"
-    shutil.copy(cu, src / cu.name)
+    for f in (cu, *SOURCE_DIR.glob("*.cuh")):
+        shutil.copy(f, src / f.name)
     assert tuning.source_sha256(source_dir=src) == tuning.source_sha256()
     (src / cu.name).write_text(cu.read_text() + "\n// a comment\n")
     assert tuning.source_sha256(source_dir=src) != tuning.source_sha256()
+    (src / cu.name).write_text(cu.read_text())
+    header = next(src.glob("*.cuh"))
+    header.write_text(header.read_text() + "\n// a comment\n")
+    assert tuning.source_sha256(source_dir=src) != tuning.source_sha256()  # the shared header counts too
     wider = dataclasses.replace(CONV, f16_wide=(128, 128, 32, 4, 2, 2, 2))
     assert tuning.source_sha256(wider) != tuning.source_sha256()
 
