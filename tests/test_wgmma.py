@@ -396,8 +396,8 @@ class _Kernel:
 
 
 def _backend(monkeypatch: pytest.MonkeyPatch, wgmma_off: str | None = None):
-    """A CudaBackend with no GPU: kernels that record launches, tensor maps encoded by a fake."""
-    from dualtrack.runtime import gpu
+    """A Track A executor with no GPU: kernels that record launches, tensor maps encoded by a fake."""
+    from dualtrack.runtime import gpu, track_a
 
     encoded: list[TiledMap] = []
 
@@ -406,7 +406,7 @@ def _backend(monkeypatch: pytest.MonkeyPatch, wgmma_off: str | None = None):
         return cu.CUtensorMap()
 
     monkeypatch.setattr(tma, "encode", fake_encode)
-    be = gpu.CudaBackend.__new__(gpu.CudaBackend)
+    be = track_a.TrackA.__new__(track_a.TrackA)
     launched: list = []
     names = [*kernels.KERNELS["conv3x3"].entries, *WG.entries]
     be.kernels = {n: _Kernel(n, launched) for n in names}
@@ -486,7 +486,8 @@ class _Module:
 def test_the_loader_loads_the_wgmma_module_where_it_runs(
     tiny_full_bundle: Path, monkeypatch: pytest.MonkeyPatch, cc, wgmma, off
 ) -> None:
-    from dualtrack.runtime import gpu
+    from dualtrack.runtime import gpu, track_a
+    from dualtrack.runtime.images import device_images
 
     loaded: list[str] = []
     opted: dict[str, int] = {}
@@ -495,14 +496,14 @@ def test_the_loader_loads_the_wgmma_module_where_it_runs(
         loaded.append(Path(origin).stem)
         return _Module(origin, opted)
 
-    monkeypatch.setattr(gpu.Module, "load", staticmethod(fake_load))
-    be = gpu.CudaBackend.__new__(gpu.CudaBackend)
-    be.bundle, be.ctx, be.stats = Bundle.open(tiny_full_bundle), None, gpu.Stats()
-    be.device = type("FakeDevice", (), {"cc": cc})()
-    be.wgmma_off = "unset"
-    found = be._load_track_a(tiny_full_bundle / "jit", wgmma=wgmma)
-    assert be.wgmma_off == off
-    assert be.stats.wgmma == (f"off: {off}" if off else "on: conv3x3_wgmma in the sm_90a cubin")
+    monkeypatch.setattr(track_a.Module, "load", staticmethod(fake_load))
+    bundle = Bundle.open(tiny_full_bundle)
+    images = device_images(bundle, cc, wgmma=wgmma)
+    assert images.wgmma_off == off
+    ta = track_a.TrackA.__new__(track_a.TrackA)
+    ta.ctx, ta.stats = None, gpu.Stats()
+    found = ta.load(images, bundle.root, tiny_full_bundle / "jit")
+    assert ta.stats.wgmma == (f"off: {off}" if off else "on: conv3x3_wgmma in the sm_90a cubin")
     assert ("conv3x3_wgmma" in loaded) == (off is None)
     assert set(WG.entries) <= set(found) if off is None else not set(WG.entries) & set(found)
     assert opted == ({c.entry: c.smem_bytes for c in WGMMA_CONFIGS} if off is None else {})
