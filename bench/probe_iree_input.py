@@ -36,8 +36,8 @@ def probe(engine: Any, batch: int) -> None:
 
     be = engine.backend
     host = np.random.default_rng(0).integers(0, 256, (batch, 512, 512, 3), dtype=np.uint8)
-    mod = be.module(engine.plan.segments[0], batch)
-    dev = be.iree.device
+    mod = be.track_b.module(engine.plan.segments[0], batch)
+    dev = be.track_b.iree.device
 
     def imported(t: GpuTensor) -> Any:
         return dev.from_dlpack_capsule(dlpack.to_capsule(t.ptr, t.shape, t.dtype, be.device.index, t.keepalive))

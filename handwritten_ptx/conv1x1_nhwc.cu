@@ -10,13 +10,13 @@
 //
 // Weights: w[k * C + c] (ONNX (K, C, 1, 1) as it is stored); bias: fp32, or null for none.
 // ReLU maps negatives to 0 and keeps NaN, as the numpy reference (np.maximum) does.
-// No #include: see conv3x3_nhwc.cu. Sizes come from dualtrack.kernels as -D macros.
+// No toolkit #include: see conv3x3_nhwc.cu. Sizes come from dualtrack.kernels as -D macros.
 
 #if !defined(CONV1X1_THREADS) || !defined(CONV1X1_KG) || !defined(CONV1X1_MAX_C)
 #error "launch sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
 #endif
 
-typedef unsigned short f16;  // raw IEEE binary16 bits
+#include "dualtrack_device.cuh"
 
 __device__ __forceinline__ float to_f32(f16 h) {
     float f;
@@ -31,10 +31,6 @@ __device__ __forceinline__ void from_f32(float f, f16* out) {
     *out = h;
 }
 __device__ __forceinline__ void from_f32(float f, float* out) { *out = f; }
-
-__device__ __forceinline__ bool aligned16(const void* p) {
-    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
-}
 
 // 16 bytes of x as fp32 values: 8 halves or 4 floats.
 __device__ __forceinline__ void unpack(const uint4 v, float* out, const f16*) {

@@ -6,7 +6,7 @@
 // ldy and both pointers allow it, and a bounds-checked scalar loop otherwise.
 //
 // NaN propagates (max.NaN), as numpy's max and PyTorch's max-pool do.
-// No #include: see conv3x3_nhwc.cu. The block size comes from dualtrack.kernels as -D macros.
+// No toolkit #include: see conv3x3_nhwc.cu. The block size comes from dualtrack.kernels as -D macros.
 
 #if !defined(POOL_THREADS) || !defined(POOL_VEC_F16) || !defined(POOL_VEC_F32)
 #error "launch sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
@@ -14,11 +14,7 @@
 
 static_assert(POOL_VEC_F16 * 2 == 16 && POOL_VEC_F32 * 4 == 16, "one thread per 16-byte chunk of channels");
 
-typedef unsigned short f16;  // raw IEEE binary16 bits
-
-__device__ __forceinline__ bool aligned16(const void* p) {
-    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
-}
+#include "dualtrack_device.cuh"
 
 __device__ __forceinline__ unsigned max_f16x2(unsigned a, unsigned b) {
     unsigned d;

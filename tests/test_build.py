@@ -17,11 +17,12 @@ import pytest
 from onnx import numpy_helper
 
 from dualtrack import track_b
-from dualtrack.build import REPO_ROOT, build
+from dualtrack.build import build
 from dualtrack.bundle import MANIFEST, Bundle
 from dualtrack.errors import BundleError, ConfigError, VerificationError
 from dualtrack.manifest import BUNDLE_FORMAT, Manifest
 from dualtrack.plan import Plan
+from dualtrack.ptx import SOURCE_DIR
 
 TINY_YAML = Path(__file__).parent / "data" / "tiny.yaml"
 
@@ -87,7 +88,7 @@ def test_track_a_ptx_isa_and_min_driver(tiny_bundle: Path) -> None:
             assert meta["target"] == ptx_arch.replace("compute_", "sm_")
             # The bundle ships exactly the checked-in PTX.
             assert (tiny_bundle / meta["path"]).read_bytes() == (
-                REPO_ROOT / "handwritten_ptx" / "ptx" / ptx_arch / f"{stem}.ptx"
+                SOURCE_DIR / "ptx" / ptx_arch / f"{stem}.ptx"
             ).read_bytes()
     assert m.min_driver == 13000
 

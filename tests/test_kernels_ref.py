@@ -21,12 +21,12 @@ from dualtrack.kernels import (
     MaxPool2x2Spec,
     choose_conv3x3,
     kernel,
-    kernel_params,
     output_shape,
     pack_conv_weights,
     pack_convt_weights,
 )
 from dualtrack.ptx import SOURCE_DIR
+from dualtrack.runtime.driver import kernel_params
 
 CONV = KERNELS["conv3x3"]
 POOL = KERNELS["maxpool2x2"]

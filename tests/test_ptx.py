@@ -16,6 +16,7 @@ from dualtrack.ptx import (
     SOURCE_DIR,
     assemble_cubin,
     cached_cubin,
+    cached_ptx,
     check_fresh,
     compile_ptx,
     cubin_cache_key,
@@ -192,7 +193,8 @@ def test_parse_resources() -> None:
 
 
 def test_regenerate_and_check_fresh(tmp_path: Path) -> None:
-    shutil.copy(SOURCE_DIR / "maxpool2x2_nhwc.cu", tmp_path)
+    for f in (SOURCE_DIR / "maxpool2x2_nhwc.cu", *SOURCE_DIR.glob("*.cuh")):
+        shutil.copy(f, tmp_path)
     written = regenerate(tmp_path)
     assert [p.relative_to(tmp_path).as_posix() for p in written] == [
         f"ptx/{arch}/maxpool2x2_nhwc.ptx" for arch in PTX_ARCHES
@@ -259,3 +261,20 @@ def test_toolchain_versions() -> None:
     versions = toolchain_versions()
     assert versions["nvrtc"].startswith(f"{PINNED_NVRTC[0]}.{PINNED_NVRTC[1]} (nvidia-cuda-nvrtc ")
     assert versions["nvjitlink"].split()[0].count(".") == 1
+
+
+def test_the_shared_header_reaches_nvrtc_in_memory_and_moves_the_ptx_cache_key(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in (SOURCE_DIR / "maxpool2x2_nhwc.cu", *SOURCE_DIR.glob("*.cuh")):
+        shutil.copy(f, src)
+    cache = tmp_path / "cache"
+    defines = spec_for_stem("maxpool2x2_nhwc").defines()
+    text = cached_ptx(src / "maxpool2x2_nhwc.cu", "compute_80", defines, cache)
+    assert text == (SOURCE_DIR / "ptx" / "compute_80" / "maxpool2x2_nhwc.ptx").read_text()
+    assert cached_ptx(src / "maxpool2x2_nhwc.cu", "compute_80", defines, cache) == text
+    entries = sorted(cache.rglob("*.ptx"))
+    header = next(src.glob("*.cuh"))
+    header.write_text(header.read_text() + "\n// a comment\n")
+    assert cached_ptx(src / "maxpool2x2_nhwc.cu", "compute_80", defines, cache) == text  # same code, new key
+    assert len(sorted(cache.rglob("*.ptx"))) == len(entries) + 1

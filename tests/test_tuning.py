@@ -16,13 +16,13 @@ import pytest
 
 from dualtrack import partition, tuning
 from dualtrack.arch import resolve_targets
-from dualtrack.build import REPO_ROOT, build
+from dualtrack.build import build
 from dualtrack.bundle import Bundle
 from dualtrack.config import load_config
 from dualtrack.errors import ConfigError
 from dualtrack.kernels import KERNELS, Conv3x3Spec, F16Tile
 from dualtrack.plan import Plan
-from dualtrack.ptx import assemble_cubin
+from dualtrack.ptx import SOURCE_DIR, assemble_cubin
 from dualtrack.tune_a.problems import ConvProblem, by_problem, channel_strides, conv_layers
 from dualtrack.tune_a.search import random_fp16, sample_pixels
 
@@ -179,11 +179,16 @@ def test_lookup_matches_kernel_source_problem_and_cc_and_takes_the_newest() -> N
 def test_source_hash_moves_with_the_source_and_the_tile_macros(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
-    cu = REPO_ROOT / "handwritten_ptx" / "conv3x3_nhwc.cu"
-    shutil.copy(cu, src / cu.name)
+    cu = SOURCE_DIR / "conv3x3_nhwc.cu"
+    for f in (cu, *SOURCE_DIR.glob("*.cuh")):
+        shutil.copy(f, src / f.name)
     assert tuning.source_sha256(source_dir=src) == tuning.source_sha256()
     (src / cu.name).write_text(cu.read_text() + "\n// a comment\n")
     assert tuning.source_sha256(source_dir=src) != tuning.source_sha256()
+    (src / cu.name).write_text(cu.read_text())
+    header = next(src.glob("*.cuh"))
+    header.write_text(header.read_text() + "\n// a comment\n")
+    assert tuning.source_sha256(source_dir=src) != tuning.source_sha256()  # the shared header counts too
     wider = dataclasses.replace(CONV, f16_wide=(128, 128, 32, 4, 2, 2, 2))
     assert tuning.source_sha256(wider) != tuning.source_sha256()
 
@@ -308,7 +313,7 @@ def test_build_compiles_the_tuned_entries_into_the_target_ptx_and_cubin(tuned) -
     # Targets without tuned entries ship the checked-in PTX, byte for byte.
     sm80 = ta["ptx"]["compute_80"]["conv3x3_nhwc"]
     assert "tuned_entries" not in sm80
-    checked_in = REPO_ROOT / "handwritten_ptx" / "ptx" / "compute_80" / "conv3x3_nhwc.ptx"
+    checked_in = SOURCE_DIR / "ptx" / "compute_80" / "conv3x3_nhwc.ptx"
     assert (bundle / sm80["path"]).read_bytes() == checked_in.read_bytes()
     assert result.verification is not None and result.verification["passed"]
 
@@ -347,7 +352,7 @@ def test_without_a_tuning_file_nothing_is_tuned(tiny_full_bundle: Path) -> None:
     for ptx_arch, per in ta["ptx"].items():
         for stem, meta in per.items():
             assert "tuned_entries" not in meta
-            checked_in = REPO_ROOT / "handwritten_ptx" / "ptx" / ptx_arch / f"{stem}.ptx"
+            checked_in = SOURCE_DIR / "ptx" / ptx_arch / f"{stem}.ptx"
             assert (tiny_full_bundle / meta["path"]).read_bytes() == checked_in.read_bytes()
 
 

@@ -25,6 +25,8 @@ from dualtrack.build import track_a_stems
 from dualtrack.bundle import Bundle
 from dualtrack.errors import InputError
 from dualtrack.kernels import CONV3X3_WGMMA, WGMMA_CONFIGS, choose_conv3x3
+from dualtrack.kernels.conv3x3_wgmma import input_map, weight_map
+from dualtrack.kernels.tensormap import TiledMap
 from dualtrack.plan import KernelCall
 from dualtrack.ptx import SOURCE_DIR, assemble_cubin, ptx_path
 from dualtrack.runtime import tma
@@ -119,8 +121,8 @@ def test_same_configurations_and_geometry_as_the_prototype(prototype) -> None:
             )  # fmt: skip
             assert c.tw_log2(W) == geo.tw_log2
             for mine, theirs in (
-                (tma.conv3x3_input(c, X, N, H, W, C, ldx), prototype.input_map(p, X, N, H, W, C, ldx, geo.tw_log2)),
-                (tma.conv3x3_weights(c, W_, K, C), prototype.weight_map(p, W_, K, C)),
+                (input_map(c, X, N, H, W, C, ldx), prototype.input_map(p, X, N, H, W, C, ldx, geo.tw_log2)),
+                (weight_map(c, W_, K, C), prototype.weight_map(p, W_, K, C)),
             ):
                 assert (mine.address, mine.dims, mine.strides, mine.box) == (
                     theirs.address, theirs.dims, theirs.strides, theirs.box
@@ -235,8 +237,8 @@ def test_tensor_maps_of_every_unet_layer(n: int) -> None:
     for _, C, K, HW in UNET_LAYERS:
         assert WG.supported("float16", n, HW, HW, C, K) is None
         for c in WGMMA_CONFIGS:
-            mx = tma.conv3x3_input(c, X, n, HW, HW, C, C)
-            mw = tma.conv3x3_weights(c, W_, K, C)
+            mx = input_map(c, X, n, HW, HW, C, C)
+            mw = weight_map(c, W_, K, C)
             # what the producer's expect_tx counts: the A box and its taps' B boxes
             assert mx.box_bytes + c.taps_per_stage * mw.box_bytes == c.stage_bytes
             tw = c.halo_tw or min(c.bm, HW)
@@ -247,22 +249,22 @@ def test_tensor_maps_of_every_unet_layer(n: int) -> None:
 
 def test_tensor_maps_of_channel_slices() -> None:
     c = WG.config("conv3x3_wgmma_bn64_mt2_wg2_bk64")
-    m = tma.conv3x3_input(c, X + 32, 2, 24, 40, 96, 128)  # channels [16, 112) of a 128-wide tensor
+    m = input_map(c, X + 32, 2, 24, 40, 96, 128)  # channels [16, 112) of a 128-wide tensor
     assert m.address == X + 32 and m.dims == (96, 40, 24, 2)
     assert m.strides == (256, 40 * 256, 24 * 40 * 256)
-    w = tma.conv3x3_weights(c, W_, 40, 96)
+    w = weight_map(c, W_, 40, 96)
     assert w.dims == (9 * 96, 40) and w.strides == (9 * 96 * 2,)
 
 
 def test_tensor_map_rules_name_the_broken_one() -> None:
     c = WG.config("conv3x3_wgmma_bn128_mt2_wg2_bk64")
     with pytest.raises(InputError, match="address 0x1008 is not 16-byte aligned"):
-        tma.conv3x3_input(c, 0x1008, 1, 8, 8, 64, 64)
+        input_map(c, 0x1008, 1, 8, 8, 64, 64)
     with pytest.raises(InputError, match="stride 1 = 136 bytes is not a positive multiple of 16"):
-        tma.conv3x3_input(c, 0x1000, 1, 8, 8, 64, 68)
+        input_map(c, 0x1000, 1, 8, 8, 64, 68)
     with pytest.raises(InputError, match="stride 1 = 112 bytes is less than the 128 bytes"):
-        tma.conv3x3_input(c, 0x1000, 1, 8, 8, 64, 56)
-    base = tma.TiledMap(0x1000, (64, 8), (128,), (64, 8), swizzle_bytes=128)
+        input_map(c, 0x1000, 1, 8, 8, 64, 56)
+    base = TiledMap(0x1000, (64, 8), (128,), (64, 8), swizzle_bytes=128)
     base.validate()
     bad = {
         "box dim 1 = 512 is outside 1..256": {"box": (64, 512)},
@@ -275,12 +277,12 @@ def test_tensor_map_rules_name_the_broken_one() -> None:
     }
     for message, change in bad.items():
         with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
-            tma.TiledMap(**{**base.__dict__, **change}).validate()
+            TiledMap(**{**base.__dict__, **change}).validate()
 
 
 def test_encode_args_are_what_cuTensorMapEncodeTiled_takes() -> None:
     c = WG.config("conv3x3_wgmma_bn64_mt2_wg2_bk32")
-    args = tma.encode_args(tma.conv3x3_input(c, X, 2, 9, 13, 8, 16))
+    args = tma.encode_args(input_map(c, X, 2, 9, 13, 8, 16))
     dtype, rank, address, dims, strides, box, elem, interleave, swizzle, l2, oob = args
     assert dtype == cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 and rank == 4 and address == X
     assert [int(d) for d in dims] == [8, 13, 9, 2] and [int(s) for s in strides] == [32, 13 * 32, 9 * 13 * 32]
@@ -289,7 +291,7 @@ def test_encode_args_are_what_cuTensorMapEncodeTiled_takes() -> None:
     assert swizzle == cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B
     assert l2 == cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B
     assert oob == cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE  # zeros: the padding
-    w = tma.encode_args(tma.conv3x3_weights(WG.config("conv3x3_wgmma_bn128_mt2_wg2_bk64"), W_, 64, 64))
+    w = tma.encode_args(weight_map(WG.config("conv3x3_wgmma_bn128_mt2_wg2_bk64"), W_, 64, 64))
     assert w[8] == cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B and [int(b) for b in w[5]] == [64, 128]
 
 
@@ -394,17 +396,17 @@ class _Kernel:
 
 
 def _backend(monkeypatch: pytest.MonkeyPatch, wgmma_off: str | None = None):
-    """A CudaBackend with no GPU: kernels that record launches, tensor maps encoded by a fake."""
-    from dualtrack.runtime import gpu
+    """A Track A executor with no GPU: kernels that record launches, tensor maps encoded by a fake."""
+    from dualtrack.runtime import gpu, track_a
 
-    encoded: list[tma.TiledMap] = []
+    encoded: list[TiledMap] = []
 
-    def fake_encode(m: tma.TiledMap) -> cu.CUtensorMap:
+    def fake_encode(m: TiledMap) -> cu.CUtensorMap:
         encoded.append(m)
         return cu.CUtensorMap()
 
     monkeypatch.setattr(tma, "encode", fake_encode)
-    be = gpu.CudaBackend.__new__(gpu.CudaBackend)
+    be = track_a.TrackA.__new__(track_a.TrackA)
     launched: list = []
     names = [*kernels.KERNELS["conv3x3"].entries, *WG.entries]
     be.kernels = {n: _Kernel(n, launched) for n in names}
@@ -484,7 +486,8 @@ class _Module:
 def test_the_loader_loads_the_wgmma_module_where_it_runs(
     tiny_full_bundle: Path, monkeypatch: pytest.MonkeyPatch, cc, wgmma, off
 ) -> None:
-    from dualtrack.runtime import gpu
+    from dualtrack.runtime import gpu, track_a
+    from dualtrack.runtime.images import device_images
 
     loaded: list[str] = []
     opted: dict[str, int] = {}
@@ -493,14 +496,14 @@ def test_the_loader_loads_the_wgmma_module_where_it_runs(
         loaded.append(Path(origin).stem)
         return _Module(origin, opted)
 
-    monkeypatch.setattr(gpu.Module, "load", staticmethod(fake_load))
-    be = gpu.CudaBackend.__new__(gpu.CudaBackend)
-    be.bundle, be.ctx, be.stats = Bundle.open(tiny_full_bundle), None, gpu.Stats()
-    be.device = type("FakeDevice", (), {"cc": cc})()
-    be.wgmma_off = "unset"
-    found = be._load_track_a(tiny_full_bundle / "jit", wgmma=wgmma)
-    assert be.wgmma_off == off
-    assert be.stats.wgmma == (f"off: {off}" if off else "on: conv3x3_wgmma in the sm_90a cubin")
+    monkeypatch.setattr(track_a.Module, "load", staticmethod(fake_load))
+    bundle = Bundle.open(tiny_full_bundle)
+    images = device_images(bundle, cc, wgmma=wgmma)
+    assert images.wgmma_off == off
+    ta = track_a.TrackA.__new__(track_a.TrackA)
+    ta.ctx, ta.stats = None, gpu.Stats()
+    found = ta.load(images, bundle.root, tiny_full_bundle / "jit")
+    assert ta.stats.wgmma == (f"off: {off}" if off else "on: conv3x3_wgmma in the sm_90a cubin")
     assert ("conv3x3_wgmma" in loaded) == (off is None)
     assert set(WG.entries) <= set(found) if off is None else not set(WG.entries) & set(found)
     assert opted == ({c.entry: c.smem_bytes for c in WGMMA_CONFIGS} if off is None else {})

@@ -91,13 +91,13 @@ class Item:
     layer: str = ""
 
 
-def one_tile_shape(cfg: cp.Config) -> tuple[int, int]:
+def one_tile_shape(cfg: cp.WgmmaConfig) -> tuple[int, int]:
     """(H, W) of an image that is exactly one tile of ``cfg``."""
     tw = cfg.halo_tw or min(64, cfg.bm)
     return cfg.bm // tw, tw
 
 
-def configs_for(C: int, K: int) -> list[cp.Config]:
+def configs_for(C: int, K: int) -> list[cp.WgmmaConfig]:
     cands = list(cp.applicable(C))
     # no channel tile wider than K, nor so narrow that K needs more than 8 of them
     useful = [c for c in cands if c.bn <= max(K, 32) and 8 * c.bn >= K]
@@ -274,7 +274,7 @@ class Module:
 class Launcher:
     """Everything one (config, problem) launch needs, built once: tensor maps and the void** array."""
 
-    def __init__(self, mod: Module, cfg: cp.Config, x: int, w: int, bias: int, y: int, N: int, H: int, W: int,
+    def __init__(self, mod: Module, cfg: cp.WgmmaConfig, x: int, w: int, bias: int, y: int, N: int, H: int, W: int,
                  C: int, K: int, ldx: int, ldy: int, relu: bool, status: int) -> None:  # fmt: skip
         why = cp.supported(N, H, W, C, K, ldx, ldy, x, w, y)
         if why:
@@ -313,7 +313,7 @@ class EmuModule:
 class EmuLauncher:
     """--emulate: runs emulate.run on CPU tensors in place of the kernel launch."""
 
-    def __init__(self, cfg: cp.Config, xf: Any, w: Any, bias: Any | None, yf: Any, N: int, H: int, W: int, C: int,
+    def __init__(self, cfg: cp.WgmmaConfig, xf: Any, w: Any, bias: Any | None, yf: Any, N: int, H: int, W: int, C: int,
                  K: int, ldx: int, ldy: int, relu: bool, x_off: int, y_off: int) -> None:  # fmt: skip
         why = cp.supported(N, H, W, C, K, ldx, ldy, 2 * x_off, 0, 2 * y_off)
         if why:
@@ -388,7 +388,7 @@ class Ctx:
         except Exception:  # any failure here means the context is gone
             return False
 
-    def launcher(self, cfg: cp.Config, xf: Any, w: Any, bias: Any | None, yf: Any, N: int, H: int, W: int, C: int,
+    def launcher(self, cfg: cp.WgmmaConfig, xf: Any, w: Any, bias: Any | None, yf: Any, N: int, H: int, W: int, C: int,
                  K: int, ldx: int, ldy: int, relu: bool, x_off: int, y_off: int) -> Any:  # fmt: skip
         """A reusable launch of ``cfg`` on these buffers (x/y: the slices start at x_off/y_off)."""
         if EMULATE:
@@ -418,7 +418,7 @@ def f16_bits(torch: Any, t: Any) -> Any:
     return t.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
 
 
-def run_kernel(ctx: Ctx, cfg: cp.Config, x: Any, w: Any, bias: Any | None, y: Any, N: int, H: int, W: int, C: int,
+def run_kernel(ctx: Ctx, cfg: cp.WgmmaConfig, x: Any, w: Any, bias: Any | None, y: Any, N: int, H: int, W: int, C: int,
                K: int, ldx: int, ldy: int, relu: bool, x_off: int = 0, y_off: int = 0) -> Any:  # fmt: skip
     """One launch into y (already poisoned); x/y are full buffers, the slices start at x_off/y_off."""
     ctx.status.zero_()
@@ -440,7 +440,7 @@ def reference(torch: Any, x_nhwc: Any, w_krsc: Any, bias: Any | None, relu: bool
     return out.permute(0, 2, 3, 1)
 
 
-def diagnose(torch: Any, y: Any, ref: Any, cfg: cp.Config, geo: cp.Launch, H: int, W: int) -> dict[str, Any]:
+def diagnose(torch: Any, y: Any, ref: Any, cfg: cp.WgmmaConfig, geo: cp.Launch, H: int, W: int) -> dict[str, Any]:
     """Where the wrong outputs are: by tile row/column, channel chunk, image border, first examples."""
     yf = y.float()
     bad = ~(torch.isfinite(yf) & ((yf - ref).abs() <= 1e-2 + 1e-2 * ref.abs()))
@@ -505,7 +505,7 @@ def decode_probe(torch: Any, got_bits: Any, want_bits: Any, width: int, names: t
     return res
 
 
-def t_probe_id(ctx: Ctx, it: Item, cfg: cp.Config) -> dict[str, Any]:
+def t_probe_id(ctx: Ctx, it: Item, cfg: cp.WgmmaConfig) -> dict[str, Any]:
     torch = ctx.torch
     N, H, W, C, K = it.N, it.H, it.W, it.C, it.K
     P = N * H * W
@@ -520,7 +520,7 @@ def t_probe_id(ctx: Ctx, it: Item, cfg: cp.Config) -> dict[str, Any]:
     return {"pass": d["wrong"] == 0, "probe": d}
 
 
-def t_probe_w(ctx: Ctx, it: Item, cfg: cp.Config) -> dict[str, Any]:
+def t_probe_w(ctx: Ctx, it: Item, cfg: cp.WgmmaConfig) -> dict[str, Any]:
     torch = ctx.torch
     N, H, W, C, K = it.N, it.H, it.W, it.C, it.K
     P = N * H * W
@@ -539,7 +539,7 @@ def t_probe_w(ctx: Ctx, it: Item, cfg: cp.Config) -> dict[str, Any]:
     return {"pass": d["wrong"] == 0, "probe": d}
 
 
-def t_tap(ctx: Ctx, it: Item, cfg: cp.Config) -> dict[str, Any]:
+def t_tap(ctx: Ctx, it: Item, cfg: cp.WgmmaConfig) -> dict[str, Any]:
     torch = ctx.torch
     N, H, W, C = it.N, it.H, it.W, it.C
     r, s = divmod(it.tap, 3)
@@ -595,7 +595,7 @@ def make_case(ctx: Ctx, it: Item, slice_: bool) -> dict[str, Any]:
     return _CASE
 
 
-def t_random(ctx: Ctx, it: Item, cfg: cp.Config, *, slice_: bool = False, timed: bool = False) -> dict[str, Any]:
+def t_random(ctx: Ctx, it: Item, cfg: cp.WgmmaConfig, *, slice_: bool = False, timed: bool = False) -> dict[str, Any]:
     torch = ctx.torch
     N, H, W, C, K = it.N, it.H, it.W, it.C, it.K
     case = make_case(ctx, it, slice_)

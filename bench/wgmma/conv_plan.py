@@ -19,6 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The configuration type is dualtrack's: one definition for the kernel that ships and this bench.
+from dualtrack.kernels import WgmmaConfig
+
 # ---- machine limits (H100/H200, compute capability 9.0) -------------------------------------
 SMEM_PER_SM = 233472  # 228 KiB
 SMEM_RESERVED_PER_BLOCK = 1024  # the system's share of each resident block
@@ -33,76 +36,6 @@ ELEM = 2  # fp16 bytes
 TMA_BOX_MAX = 256
 TMA_STRIDE_LIMIT = 1 << 40
 TMA_DIM_LIMIT = 1 << 32
-
-
-@dataclass(frozen=True)
-class Config:
-    """One compiled kernel: BN output channels x BM = 64*MT*WGS pixels per CTA (WGS consumer
-    warpgroups of MT m64 blocks), BK-channel k-blocks, ``stages`` pipeline stages, registers capped
-    for ``min_blocks`` CTAs per SM. ``halo_tw`` > 0: the column-copy scheme (the .cu's header):
-    a TH x halo_tw tile, one A box of TH + 2 rows per column shift serving three taps."""
-
-    bn: int
-    mt: int
-    wgs: int
-    bk: int
-    min_blocks: int
-    stages: int
-    halo_tw: int = 0
-
-    @property
-    def bm(self) -> int:
-        return 64 * self.mt * self.wgs
-
-    @property
-    def threads(self) -> int:
-        return 32 * (4 * self.wgs + 1)  # consumer warpgroups + the producer warp
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes per smem tile row = the swizzle span (64 or 128)."""
-        return self.bk * ELEM
-
-    @property
-    def taps(self) -> int:
-        """Taps (weight boxes) per stage: 3 for a column copy, else 1."""
-        return 3 if self.halo_tw else 1
-
-    @property
-    def a_bytes(self) -> int:
-        return (self.bm + 2 * self.halo_tw) * self.row_bytes
-
-    @property
-    def b_bytes(self) -> int:
-        return self.bn * self.row_bytes
-
-    @property
-    def stage_bytes(self) -> int:
-        """Bytes one stage brings in = the mbarrier transaction count per stage."""
-        return self.a_bytes + self.taps * self.b_bytes
-
-    @property
-    def smem_bytes(self) -> int:
-        """Dynamic shared memory to launch with (the kernel aligns its base up to 1024)."""
-        return self.stages * self.stage_bytes + ALIGN
-
-    @property
-    def static_smem_bytes(self) -> int:
-        return 2 * self.stages * 8  # full[] and empty[] mbarriers
-
-    @property
-    def entry(self) -> str:
-        halo = f"_h{self.halo_tw}" if self.halo_tw else ""
-        return f"conv3x3_wgmma_bn{self.bn}_mt{self.mt}_wg{self.wgs}_bk{self.bk}{halo}"
-
-    @property
-    def macro(self) -> str:
-        args = f"{self.bn},{self.mt},{self.wgs},{self.bk},{self.stages},{self.min_blocks}"
-        return f"CONV_WGMMA_HALO_ENTRY({args},{self.halo_tw})" if self.halo_tw else f"CONV_WGMMA_ENTRY({args})"
-
-    @property
-    def acc_registers(self) -> int:
-        return self.mt * self.bn // 2
 
 
 def smem_budget(min_blocks: int, stages: int) -> int:
@@ -127,14 +60,15 @@ def stages_for(bn: int, mt: int, wgs: int, bk: int, min_blocks: int, halo_tw: in
     return stages
 
 
-def _config(bn: int, mt: int, wgs: int, bk: int, min_blocks: int, halo_tw: int = 0) -> Config:
-    return Config(bn, mt, wgs, bk, min_blocks, stages_for(bn, mt, wgs, bk, min_blocks, halo_tw), halo_tw)
+def _config(bn: int, mt: int, wgs: int, bk: int, min_blocks: int, halo_tw: int = 0) -> WgmmaConfig:
+    stages = stages_for(bn, mt, wgs, bk, min_blocks, halo_tw)
+    return WgmmaConfig(bn=bn, mt=mt, wgs=wgs, bk=bk, stages=stages, min_blocks=min_blocks, halo_tw=halo_tw)
 
 
 # Registers: 288 threads x 224 = 64.5 K -> one CTA per SM for 128 accumulators a thread; configs
 # with <= 64 accumulators cap at 112 registers so two CTAs (and their epilogues) overlap. The
 # one-warpgroup (wgs=1, BM=64) configs serve layers with few pixels (bottleneck at N=1).
-CONFIGS: tuple[Config, ...] = (
+CONFIGS: tuple[WgmmaConfig, ...] = (
     _config(256, 1, 2, 64, 1),
     _config(128, 2, 2, 64, 1),
     _config(128, 1, 2, 64, 2),
@@ -157,7 +91,7 @@ CONFIGS: tuple[Config, ...] = (
 BY_ENTRY = {c.entry: c for c in CONFIGS}
 
 
-def entries_macro(configs: tuple[Config, ...] = CONFIGS) -> str:
+def entries_macro(configs: tuple[WgmmaConfig, ...] = CONFIGS) -> str:
     """The -DCONV_WGMMA_ENTRIES value that instantiates ``configs``."""
     return " ".join(c.macro for c in configs)
 
@@ -169,7 +103,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def tile_width(cfg: Config, W: int) -> int:
+def tile_width(cfg: WgmmaConfig, W: int) -> int:
     """log2 of the tile width TW: ``halo_tw`` for a column-copy config, else the smallest power of
     two >= W, capped at BM (TH = BM / TW)."""
     if cfg.halo_tw:
@@ -190,7 +124,7 @@ class Launch:
     tiles_per_image: int
 
 
-def launch(cfg: Config, N: int, H: int, W: int, K: int) -> Launch:
+def launch(cfg: WgmmaConfig, N: int, H: int, W: int, K: int) -> Launch:
     """Grid (1-D: channel tile fastest, then tile column, tile row, image), block, shared memory."""
     tw_log2 = tile_width(cfg, W)
     TW = 1 << tw_log2
@@ -202,7 +136,7 @@ def launch(cfg: Config, N: int, H: int, W: int, K: int) -> Launch:
     return Launch((tiles, 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes, tw_log2, tiles, per_image)
 
 
-def decode_tile(cfg: Config, block: int, H: int, W: int, K: int, tw_log2: int) -> tuple[int, int, int, int]:
+def decode_tile(cfg: WgmmaConfig, block: int, H: int, W: int, K: int, tw_log2: int) -> tuple[int, int, int, int]:
     """(image, h0, w0, n0) of CTA ``block``: the kernel's decode, mirrored for the emulator."""
     TW = 1 << tw_log2
     TH = cfg.bm >> tw_log2
@@ -273,7 +207,7 @@ class TensorMapSpec:
             )
 
 
-def input_map(cfg: Config, x: int, N: int, H: int, W: int, C: int, ldx: int, tw_log2: int) -> TensorMapSpec:
+def input_map(cfg: WgmmaConfig, x: int, N: int, H: int, W: int, C: int, ldx: int, tw_log2: int) -> TensorMapSpec:
     """x (NHWC, per-pixel stride ldx elements) as a 4-D tensor (C, W, H, N); box (BK, TW, TH, 1),
     for a column-copy config (BK, TW, TH + 2, 1)."""
     TW = 1 << tw_log2
@@ -289,7 +223,7 @@ def input_map(cfg: Config, x: int, N: int, H: int, W: int, C: int, ldx: int, tw_
     return spec
 
 
-def weight_map(cfg: Config, w: int, K: int, C: int) -> TensorMapSpec:
+def weight_map(cfg: WgmmaConfig, w: int, K: int, C: int) -> TensorMapSpec:
     """Packed weights (K, 3, 3, C) as a 2-D (9C, K) tensor; box (BK, BN)."""
     spec = TensorMapSpec(
         address=w,
@@ -360,13 +294,13 @@ def supported(
     return None
 
 
-def applicable(C: int) -> tuple[Config, ...]:
+def applicable(C: int) -> tuple[WgmmaConfig, ...]:
     """Configs whose k-block suits C: BK=64 when C % 64 == 0, else the BK=32 ones."""
     bk = 64 if C % 64 == 0 else 32
     return tuple(c for c in CONFIGS if c.bk == bk)
 
 
-def pick_config(N: int, H: int, W: int, C: int, K: int, num_sms: int = NUM_SMS) -> Config:
+def pick_config(N: int, H: int, W: int, C: int, K: int, num_sms: int = NUM_SMS) -> WgmmaConfig:
     """A first heuristic: the widest channel tile that still gives about two waves of CTAs."""
     cands = applicable(C)
     # Prefer tiles that do not waste channels (bn <= K rounded up to 32), then big tiles, as

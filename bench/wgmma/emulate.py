@@ -170,7 +170,7 @@ def run(
         if BUG == "desc-swizzle" and row == 128:
             desc_a0 = [(d & ~(3 << 62)) | (2 << 62) for d in desc_a0]
         stage = 0
-        num_kb = (9 // cfg.taps) * cblocks
+        num_kb = (9 // cfg.taps_per_stage) * cblocks
         dw = 0 if BUG == "tap-shift" else 1
         for kb in range(num_kb):
             # producer (the waits are modelled in pipeline_model below), the kernel's decode of kb
@@ -192,7 +192,7 @@ def run(
             so = (stage * cfg.stage_bytes) >> 4
             shift = cfg.halo_tw - 1 if BUG == "halo-shift" else cfg.halo_tw
             for g in range(cfg.wgs):
-                for r in range(cfg.taps):
+                for r in range(cfg.taps_per_stage):
                     for k in range(cfg.bk // 16):
                         for mt in range(cfg.mt):
                             da = (desc_a0[g] + so + (((mt * 64 + r * shift) * row + k * 32) >> 4)) & MASK64

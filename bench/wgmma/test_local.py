@@ -84,7 +84,7 @@ def test_configs_fit_the_sm() -> None:
         assert c.smem_bytes <= cp.MAX_DYN_SMEM_PER_BLOCK
         assert per_cta * c.min_blocks <= cp.SMEM_PER_SM, c
         assert c.bm * (c.bn + 8) * 2 <= c.stages * c.stage_bytes  # epilogue staging fits
-        assert c.stages * c.taps >= 3 or c.min_blocks > 1, c  # taps of work buffered
+        assert c.stages * c.taps_per_stage >= 3 or c.min_blocks > 1, c  # taps of work buffered
 
 
 def test_entries_macro_names_every_config() -> None:
@@ -103,7 +103,7 @@ def test_tensor_maps_valid_for_every_unet_layer(n: int) -> None:
             geo = cp.launch(c, n, HW, HW, K)
             mx = cp.input_map(c, 0x7F0000000000, n, HW, HW, C, C, geo.tw_log2)
             mw = cp.weight_map(c, 0x7F0000100000, K, C)
-            assert mx.box_bytes + c.taps * mw.box_bytes == c.stage_bytes  # = the expect_tx count
+            assert mx.box_bytes + c.taps_per_stage * mw.box_bytes == c.stage_bytes  # = the expect_tx count
             tw = c.halo_tw or min(c.bm, HW)
             assert mx.box == (c.bk, tw, c.bm // tw + (2 if c.halo_tw else 0), 1)
 

@@ -23,7 +23,7 @@ from importlib.metadata import version as pkg_version
 from pathlib import Path
 from typing import Any
 
-from dualtrack import arch, frontend, partition, track_b, verify
+from dualtrack import arch, frontend, partition, ptx, track_b, verify
 from dualtrack.bundle import MANIFEST, Bundle, BundleWriter, sha256
 from dualtrack.config import BuildConfig, load_config
 from dualtrack.errors import BundleError, ConfigError, ToolError
@@ -34,7 +34,6 @@ from dualtrack.tuning import TUNED_FIELDS, Selection, flag_records, flags_for, s
 from dualtrack.tuning import select as select_tuning
 
 Progress = Callable[[str], None]
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -61,7 +60,7 @@ class BuildResult:
 
 
 def ptx_root() -> Path:
-    return REPO_ROOT / "handwritten_ptx"
+    return ptx.SOURCE_DIR  # the package data of an installed wheel, else the checkout's handwritten_ptx/
 
 
 def track_a_stems(plan: Plan, ptx_arch: str, use_tma: bool = True) -> list[str]:
@@ -92,7 +91,7 @@ def track_a_artifacts(
     The checked-in PTX, except where ``tuning`` selects tuned entries for a target: that target's
     PTX of the conv kernel is compiled here with NVRTC, the tuned entries added (cached).
     """
-    from dualtrack import kernels, ptx
+    from dualtrack import kernels
 
     per_target = {res.arch.ptx_arch: track_a_stems(plan, res.arch.ptx_arch, res.use_tma) for res in resolutions}
     stems = sorted({s for target in per_target.values() for s in target})

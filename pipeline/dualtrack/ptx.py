@@ -12,12 +12,21 @@ Each stage is a named function with explicit inputs and a frozen artifact as out
 
 The PTX ISA is fixed by the NVRTC that emits it, and the driver caps the ISA it can JIT (FACTS 13):
 NVRTC 13.0 emits ISA 9.0, which driver 580 takes. :func:`regenerate` refuses any other NVRTC.
+
+The sources are found by :func:`source_dir` (package data of an installed wheel, or the checkout's
+``handwritten_ptx/``); the headers next to them (``*.cuh``) reach NVRTC in memory, so no include
+path or toolkit is read, and they are part of every cache key.
+
+cuda.core 1.2's ``Program`` and ``Linker`` wrap the same two libraries, but ``Program`` needs
+libcuda at compile time (FACTS 14): builds run on machines without a GPU, so NVRTC and nvJitLink
+stay behind ``cuda.bindings`` here, each behind its one checker.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.resources
 import os
 import re
 import sys
@@ -33,7 +42,24 @@ from dualtrack.arch import PTX_ARCHES, parse_ptx_isa, parse_ptx_target, resolve
 from dualtrack.errors import ArchError, DualtrackError, ToolError
 from dualtrack.kernels import defines_for_stem, ptx_arches_for_stem
 
-SOURCE_DIR = Path(__file__).resolve().parents[2] / "handwritten_ptx"
+
+def source_dir() -> Path:
+    """The folder of the kernel sources (``*.cu``, ``*.cuh``, ``ptx/<arch>/*.ptx``): the package data
+    of an installed wheel (``dualtrack/handwritten_ptx``), else, in a source checkout or an editable
+    install, the repository's ``handwritten_ptx/`` (which the wheel is built from)."""
+    packaged = importlib.resources.files("dualtrack") / "handwritten_ptx"
+    if packaged.is_dir():
+        return Path(str(packaged))
+    checkout = Path(__file__).resolve().parents[2] / "handwritten_ptx"
+    if checkout.is_dir():
+        return checkout
+    raise DualtrackError(
+        "the Track A kernel sources are missing: neither the package data dualtrack/handwritten_ptx nor a "
+        f"checkout's {checkout}; reinstall dualtrack from a wheel built with `pip wheel .`"
+    )
+
+
+SOURCE_DIR = source_dir()
 PINNED_NVRTC = (13, 0)  # emits PTX ISA 9.0, the newest driver 580 (CUDA 13.0) JITs
 _ENTRY = re.compile(r"^\.(?:visible|weak)\s+\.entry\s+(\w+)\s*\(", re.MULTILINE)
 
@@ -152,6 +178,11 @@ def _program_log(program: Any) -> str:
     return buf.rstrip(b"\0").decode(errors="replace")
 
 
+def _headers(source_dir: Path) -> dict[str, bytes]:
+    """The headers the kernel sources may include (``handwritten_ptx/*.cuh``), by include name."""
+    return {p.name: p.read_bytes() for p in sorted(Path(source_dir).glob("*.cuh"))}
+
+
 def _repro(source: Path, options: CompileOptions) -> list[str]:
     argv = ["python", "-m", "dualtrack.ptx", "--source", str(source), "--arch", options.arch]
     for name, value in options.defines:
@@ -177,8 +208,15 @@ def compile_ptx(source: Path, arch: str, defines: Mapping[str, int | str] | None
     except OSError as exc:
         raise ToolError("NVRTC", f"cannot read {source}: {exc.strerror}", argv=repro) from exc
 
-    # The program is named by file name only, so nothing in the PTX depends on the checkout path.
-    program = _nvrtc_check(nvrtc.nvrtcCreateProgram(code, source.name.encode(), 0, [], []), "nvrtcCreateProgram")
+    # The program is named by file name only, so nothing in the PTX depends on the checkout path;
+    # the shared header is handed over in memory, so NVRTC reads no include path.
+    headers = _headers(source.parent)
+    program = _nvrtc_check(
+        nvrtc.nvrtcCreateProgram(
+            code, source.name.encode(), len(headers), list(headers.values()), [n.encode() for n in headers]
+        ),
+        "nvrtcCreateProgram",
+    )
     try:
         opts = [a.encode() for a in argv]
         _nvrtc_check(
@@ -218,6 +256,7 @@ def cached_ptx(
     key = hashlib.sha256()
     for part in (
         Path(source).read_bytes(),
+        *(name.encode() + body for name, body in _headers(Path(source).parent).items()),
         arch.encode(),
         repr(sorted(defines.items())).encode(),
         repr(nvrtc_version()).encode(),

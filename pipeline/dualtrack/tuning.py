@@ -40,13 +40,13 @@ from dualtrack.errors import ConfigError, InputError
 from dualtrack.kernels import KERNELS, Conv3x3Spec, F16Tile
 from dualtrack.partition import model_hash, strip_initializers
 from dualtrack.plan import Plan
+from dualtrack.ptx import SOURCE_DIR
 from dualtrack.tune_a.problems import ConvProblem, conv_layers
 
 SCHEMA = "dualtrack-tuning"
 SCHEMA_VERSION = 1
 TILE_KIND = "track_a_tile"
 MIN_SPEEDUP = 1.02
-_SOURCE_DIR = Path(__file__).resolve().parents[2] / "handwritten_ptx"
 
 Record = dict[str, Any]
 
@@ -119,10 +119,13 @@ def save_records(path: str | Path, new: Iterable[Record], key: Callable[[Record]
 # -- Track A: the fastest tile of a kernel for one problem ------------------------------------------
 
 
-def source_sha256(spec: Conv3x3Spec | None = None, source_dir: Path = _SOURCE_DIR) -> str:
-    """SHA-256 of a kernel's source file and the ``-D`` macros it is compiled with."""
+def source_sha256(spec: Conv3x3Spec | None = None, source_dir: Path = SOURCE_DIR) -> str:
+    """SHA-256 of a kernel's source file, the headers it may include and the ``-D`` macros it is
+    compiled with."""
     conv = spec or KERNELS["conv3x3"]
     h = hashlib.sha256((Path(source_dir) / f"{conv.source}.cu").read_bytes())
+    for header in sorted(Path(source_dir).glob("*.cuh")):
+        h.update(header.name.encode() + header.read_bytes())
     h.update(json.dumps(conv.defines(), sort_keys=True).encode())
     return h.hexdigest()
 

@@ -146,23 +146,20 @@ def _first_line(e: Exception) -> str:
 def interpret_track_a(
     seg: Segment, weights: Mapping[str, np.ndarray], inputs: Mapping[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
-    """Run a Track A segment's kernel calls with the kernels' numpy semantics (NHWC throughout)."""
+    """Run a Track A segment's kernel calls with the kernels' numpy semantics (NHWC throughout):
+    each call's spec packs its weights and runs its reference; a concat (an alias op: the
+    runtime writes its inputs into slices of its output) is a numpy concatenation."""
+    # Imported here only because the rest of this module has another owner (issue 18).
     from dualtrack import kernels
+    from dualtrack.plan import ALIAS_OPS
 
     env = dict(inputs)
     for call in seg.calls:
         args = [env[i] for i in call.inputs]
-        bias = weights[call.weights[1]] if len(call.weights) > 1 else None
-        if call.op == "concat":
+        if call.op in ALIAS_OPS:
             env[call.outputs[0]] = np.concatenate(args, axis=-1)
-        elif call.op in ("conv3x3", "conv1x1"):
-            w, b = kernels.pack_conv_weights(weights[call.weights[0]], bias)
-            env[call.outputs[0]] = kernels.KERNELS[call.op].reference(args[0], w, b, call.attr("relu"))
-        elif call.op == "convt2x2":
-            w, b = kernels.pack_convt_weights(weights[call.weights[0]], bias)
-            env[call.outputs[0]] = kernels.KERNELS[call.op].reference(args[0], w, b)
         else:
-            env[call.outputs[0]] = kernels.KERNELS[call.op].reference(args[0])
+            env[call.outputs[0]] = kernels.kernel(call.op).run_reference(call, args, weights)
     return {t.name: env[t.name] for t in seg.outputs}
 
 

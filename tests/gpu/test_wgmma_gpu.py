@@ -21,6 +21,7 @@ import pytest
 from dualtrack import kernels
 from dualtrack.bundle import Bundle
 from dualtrack.config import Tolerance
+from dualtrack.kernels.conv3x3_wgmma import input_map, weight_map
 from dualtrack.ptx import SOURCE_DIR, ptx_path
 from dualtrack.runtime import tma
 from dualtrack.runtime.driver import Device, Kernel, Module
@@ -102,8 +103,8 @@ def _run(
     x_ptr, y_ptr = dx.ptr + 2 * x_off, dy.ptr + 2 * y_off
     assert WG.supported("float16", n, h, w, c, k, ldx, ldy, x=x_ptr, w=dw.ptr, y=y_ptr) is None
     cfg = WG.config(entry)
-    tmx = tma.encode(tma.conv3x3_input(cfg, x_ptr, n, h, w, c, ldx))
-    tmw = tma.encode(tma.conv3x3_weights(cfg, dw.ptr, k, c))
+    tmx = tma.encode(input_map(cfg, x_ptr, n, h, w, c, ldx))
+    tmw = tma.encode(weight_map(cfg, dw.ptr, k, c))
     args = WG.args(
         tmx=tmx, tmw=tmw, bias=None if db is None else db.ptr, y=y_ptr,
         N=n, H=h, W=w, C=c, K=k, ldy=ldy, relu=relu, entry=entry, status=status.ptr,

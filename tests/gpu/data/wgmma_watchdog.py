@@ -22,6 +22,8 @@ import numpy as np
 
 from dualtrack import kernels
 from dualtrack.errors import CudaError
+from dualtrack.kernels.conv3x3_wgmma import input_map
+from dualtrack.kernels.tensormap import TiledMap
 from dualtrack.runtime import tma
 from dualtrack.runtime.driver import Device, Module, Stream
 from dualtrack.runtime.memory import DevicePool, download, upload
@@ -41,8 +43,8 @@ def main(ptx: Path) -> None:
     for buf, size in ((x, n * h * w * c), (wt, k * 9 * c)):
         upload(stream, buf, np.ones(size, np.float16))
     upload(stream, status, np.zeros(8, np.int32))
-    tmx = tma.encode(tma.conv3x3_input(cfg, int(x), n, h, w, c, c))
-    short = tma.TiledMap(int(wt), (9 * c, k), (9 * c * 2,), (cfg.bk, cfg.bn // 2), cfg.row_bytes, 256)
+    tmx = tma.encode(input_map(cfg, int(x), n, h, w, c, c))
+    short = TiledMap(int(wt), (9 * c, k), (9 * c * 2,), (cfg.bk, cfg.bn // 2), cfg.row_bytes, 256)
     tmw = tma.encode(short)
     geo = wg.launch("float16", n, h, w, c, k, entry=entry)
     common = {"tmx": tmx, "tmw": tmw, "y": int(y), "N": n, "H": h, "W": w, "C": c, "K": k, "entry": entry}

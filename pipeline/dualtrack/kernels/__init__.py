@@ -1,0 +1,98 @@
+"""The registry of Track A's hand-written kernels: the one place that knows which ones exist.
+
+Each kernel has one module here, named after its op, holding its :class:`KernelSpec`: its CUDA
+source (``handwritten_ptx/<stem>.cu``), the PTX arches it is built for, its entry symbols, the
+``-D`` macros that fix its tile sizes at compile time (so the source and the launch geometry cannot
+disagree), its launch geometry, its ``cuLaunchKernel`` argument list (the ABI of
+``handwritten_ptx/README.md``), its weight packing, its tensor maps where it has them, and its numpy
+reference. ``base.py`` holds what every spec shares, ``conv.py`` what the conv-like ones share,
+``select.py`` the policy that picks among conv3x3's kernels, ``tensormap.py`` tensor maps as data.
+
+:data:`KERNELS` holds each plan op's spec; :data:`CONV3X3_WGMMA` is the Hopper-only (compute_90a)
+conv3x3 that the conv3x3 spec hands a launch to where :func:`choose_conv3x3` picks it.
+:data:`SPECS` lists every source. Adding a kernel: its module, its ``.cu``, and one line below.
+
+Tensors are NHWC with a per-pixel channel stride (``ldx``/``ldy``); conv weights are KRSC in the
+activation dtype and the bias is fp32. The references take dense arrays (stride = channels);
+reading or writing channel slices is the runtime's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from dualtrack.arch import PTX_ARCHES
+from dualtrack.errors import InputError
+from dualtrack.kernels.base import (
+    DTYPES,
+    DeviceTensor,
+    KernelArg,
+    KernelSpec,
+    LaunchConfig,
+    LaunchContext,
+    PreparedCall,
+    dtype_name,
+)
+from dualtrack.kernels.conv import pack_conv_weights
+from dualtrack.kernels.conv1x1 import Conv1x1Spec
+from dualtrack.kernels.conv3x3 import Conv3x3Spec, F16Tile
+from dualtrack.kernels.conv3x3_wgmma import WGMMA_CONFIGS, Conv3x3WgmmaSpec, WgmmaConfig
+from dualtrack.kernels.convt2x2 import ConvT2x2Spec, pack_convt_weights
+from dualtrack.kernels.maxpool2x2 import MaxPool2x2Spec
+from dualtrack.kernels.select import SMALL_C_K_MAX, SMALL_C_MAX, ConvChoice
+
+__all__ = [
+    "CONV3X3_WGMMA", "DTYPES", "KERNELS", "SMALL_C_K_MAX", "SMALL_C_MAX", "SPECS", "WGMMA_CONFIGS",
+    "Conv1x1Spec", "Conv3x3Spec", "Conv3x3WgmmaSpec", "ConvChoice", "ConvT2x2Spec", "DeviceTensor", "F16Tile",
+    "KernelArg", "KernelSpec", "LaunchConfig", "LaunchContext", "MaxPool2x2Spec", "PreparedCall", "WgmmaConfig",
+    "choose_conv3x3", "defines_for_stem", "dtype_name", "kernel", "output_shape", "pack_conv_weights",
+    "pack_convt_weights", "ptx_arches_for_stem", "spec_for_stem",
+]  # fmt: skip
+
+CONV3X3_WGMMA = Conv3x3WgmmaSpec(op="conv3x3", stem="conv3x3_wgmma")
+
+KERNELS: Mapping[str, KernelSpec] = {
+    "conv3x3": Conv3x3Spec(op="conv3x3", stem="conv3x3_nhwc", hopper=CONV3X3_WGMMA),
+    "maxpool2x2": MaxPool2x2Spec(op="maxpool2x2", stem="maxpool2x2_nhwc"),
+    "convt2x2": ConvT2x2Spec(op="convt2x2", stem="convt2x2_nhwc"),
+    "conv1x1": Conv1x1Spec(op="conv1x1", stem="conv1x1_nhwc"),
+}
+
+SPECS: tuple[KernelSpec, ...] = (*KERNELS.values(), CONV3X3_WGMMA)  # every source under handwritten_ptx/
+
+_CONV3X3 = KERNELS["conv3x3"]
+assert isinstance(_CONV3X3, Conv3x3Spec)
+# The policy for the registered conv3x3 (select.choose_conv3x3 with this spec and its Hopper kernel):
+# what bundles, tools and tests ask when they have a shape and no spec at hand.
+choose_conv3x3 = _CONV3X3.select
+
+
+def kernel(op: str) -> KernelSpec:
+    """The spec of a plan op, or InputError naming the ops that exist."""
+    try:
+        return KERNELS[op]
+    except KeyError:
+        raise InputError(f"no Track A kernel for op '{op}'; Track A has {', '.join(sorted(KERNELS))}") from None
+
+
+def output_shape(op: str, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
+    """NHWC output shape of ``op`` on an (N,H,W,C) input (K: output channels, conv only)."""
+    return kernel(op).output_shape(N, H, W, C, K)
+
+
+def spec_for_stem(stem: str) -> KernelSpec | None:
+    """The spec of a source stem (``conv3x3_wgmma``), or None."""
+    return next((spec for spec in SPECS if spec.stem == stem), None)
+
+
+def defines_for_stem(stem: str) -> dict[str, int | str]:
+    """The ``-D`` macros a source file is compiled with (empty for a stem no spec names)."""
+    spec = spec_for_stem(stem)
+    return spec.defines() if spec is not None else {}
+
+
+def ptx_arches_for_stem(stem: str) -> tuple[str, ...]:
+    """The PTX arches a source is compiled for (every one of ``arch.PTX_ARCHES`` unless its spec
+    says otherwise: conv3x3_wgmma is compute_90a only)."""
+    spec = spec_for_stem(stem)
+    return spec.ptx_arches if spec is not None else PTX_ARCHES

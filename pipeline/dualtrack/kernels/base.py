@@ -1,0 +1,214 @@
+"""What every Track A kernel spec shares: the base class, the launch it describes, and the ABI checks.
+
+A :class:`KernelSpec` answers everything about one CUDA source (``handwritten_ptx/<stem>.cu``):
+its entries, its ``-D`` tile macros, its launch geometry, its ``cuLaunchKernel`` argument list
+(the ABI of ``handwritten_ptx/README.md``), how its weights are packed, and its numpy reference.
+:meth:`KernelSpec.prepare` puts these together for one call of a plan: the runtime hands it the
+call's device tensors and a :class:`LaunchContext` (what only the runtime knows: which kernels
+this device may run, tuned entries, the driver's tensor-map encoder) and launches what it gets.
+
+This package never imports the runtime: the runtime depends on the kernels, and reaches back only
+through the :class:`LaunchContext` it implements.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import numpy as np
+
+from dualtrack.arch import PTX_ARCHES
+from dualtrack.errors import InputError
+from dualtrack.plan import KernelCall
+
+if TYPE_CHECKING:  # annotations only: the choice is made by a conv spec's policy (select.py)
+    from dualtrack.kernels.select import ConvChoice
+    from dualtrack.kernels.tensormap import TiledMap
+
+DTYPES: dict[str, str] = {"float16": "f16", "float32": "f32"}  # numpy dtype name -> entry suffix
+INT32_MAX = 2**31 - 1
+GRID_Y_MAX = 65535
+
+# (value, ctypes type) for cuLaunchKernel's kernelParams; (struct, None) passes a cuda.bindings
+# struct such as a CUtensorMap by value. runtime/driver.py's kernel_params() turns a list of these
+# into what cuda.bindings takes: it lives there because it is the one place that knows the packer.
+KernelArg = tuple[Any, Any]
+
+
+def dtype_name(dtype: Any) -> str:
+    """Normalise ``"float16"``, ``np.float16`` or ``np.dtype("float16")`` to its numpy name."""
+    try:
+        name = np.dtype(dtype).name
+    except TypeError as exc:
+        raise InputError(f"dtype {dtype!r} is not a numpy dtype; Track A kernels take float16 or float32") from exc
+    if name not in DTYPES:
+        raise InputError(f"dtype {name} has no Track A kernel; use float16 or float32")
+    return name
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Grid and block dimensions and dynamic shared memory of one kernel launch."""
+
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class PreparedCall:
+    """What :meth:`KernelSpec.prepare` answers for one call: the entry to launch, its geometry and
+    its arguments (tensor maps included), and for a conv3x3 which implementation runs and why."""
+
+    entry: str
+    config: LaunchConfig
+    args: list[KernelArg]
+    choice: ConvChoice | None = None
+
+
+class DeviceTensor(Protocol):
+    """A tensor in device memory as the runtime holds it (runtime/gpu.py's GpuTensor)."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def channel_stride(self) -> int: ...
+
+
+class LaunchContext(Protocol):
+    """What a spec needs from the runtime to prepare a launch, and only the runtime knows."""
+
+    # Why conv3x3 may not run the Hopper (wgmma) kernel on this device, or None where it may.
+    wgmma_off: str | None
+
+    def tuned_entry(self, call: KernelCall, batch: int) -> str | None:
+        """The tuned entry a `dualtrack tune` file chose for this call and batch size, or None."""
+        ...
+
+    def tensor_map(self, m: TiledMap) -> Any:
+        """``m`` encoded by the driver (a ``CUtensorMap`` passed to the kernel by value)."""
+        ...
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def positive(**dims: int) -> None:
+    for name, value in dims.items():
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise InputError(f"{name}={value!r} must be a positive integer")
+
+
+def stride(name: str, value: int | None, channels: int) -> int:
+    if value is None:
+        return channels
+    if value < channels:
+        raise InputError(
+            f"{name}={value} is smaller than the {channels} channels it must hold; use {name} >= {channels}"
+        )
+    return int(value)
+
+
+def pointer(name: str, value: int | None, *, required: bool = True) -> int:
+    if value is None or value == 0:
+        if required:
+            raise InputError(f"{name} is a null device pointer")
+        return 0
+    return int(value)
+
+
+def pixels(N: int, H: int, W: int, ld: int) -> int:
+    # The kernels index pixels with 32-bit ints (element offsets are 64-bit).
+    if N * H * W > INT32_MAX:
+        raise InputError(f"N*H*W = {N * H * W} output pixels exceed 2^31-1; split the batch")
+    if ld > INT32_MAX:
+        raise InputError(f"channel stride {ld} exceeds 2^31-1")
+    return N * H * W
+
+
+def gemm_grid(M: int, K: int, bm: int, bn: int, z: int = 1) -> tuple[int, int, int]:
+    """The grid of the GEMM-shaped kernels: pixel tiles along x, channel tiles along y."""
+    grid_y = cdiv(K, bn)
+    if grid_y > GRID_Y_MAX:
+        raise InputError(f"K={K} output channels need {grid_y} channel tiles; the grid allows {GRID_Y_MAX}")
+    return (cdiv(M, bm), grid_y, z)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One op's kernels (an fp16 and an fp32 entry in one source file)."""
+
+    op: str
+    stem: str  # handwritten_ptx/<stem>.cu; entries are <stem>_f16 and <stem>_f32
+
+    # Kernel parameters in ABI order (handwritten_ptx/README.md); pointers first, then int32s.
+    PARAMS: ClassVar[tuple[str, ...]] = ()
+    POINTERS: ClassVar[int] = 0
+    # The PTX arches the source is compiled for (`make ptx`, ptx/<arch>/<stem>.ptx) and shipped in.
+    ptx_arches: ClassVar[tuple[str, ...]] = PTX_ARCHES
+
+    def entry(self, dtype: Any) -> str:
+        """The kernel's symbol name for an activation dtype, e.g. ``conv3x3_nhwc_f16``."""
+        return f"{self.stem}_{DTYPES[dtype_name(dtype)]}"
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        return tuple(self.entry(d) for d in DTYPES)
+
+    @property
+    def source(self) -> str:
+        """The source stem (``handwritten_ptx/<source>.cu``, ``ptx/<arch>/<source>.ptx``)."""
+        return self.stem
+
+    def defines(self) -> dict[str, int | str]:
+        """The ``-D`` macros the source is compiled with (tile and block sizes)."""
+        raise NotImplementedError
+
+    def threads(self, dtype: Any) -> int:
+        """Threads per block of the entry for ``dtype`` (its ``__launch_bounds__``)."""
+        raise NotImplementedError
+
+    def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
+        raise NotImplementedError
+
+    def launch(self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0) -> LaunchConfig:
+        raise NotImplementedError
+
+    def args(self, **kwargs: Any) -> list[KernelArg]:
+        raise NotImplementedError
+
+    def reference(self, x: np.ndarray, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    def prepare(
+        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext
+    ) -> PreparedCall:
+        """The launch of ``call`` reading ``x`` and writing ``y`` (NHWC, possibly channel slices),
+        with the device copies of its packed weights (:meth:`pack_weights`, in ``call.weights``
+        order): entry, geometry and arguments."""
+        raise NotImplementedError
+
+    def pack_weights(self, call: KernelCall, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The call's weights as the kernel reads them, by weight name (none by default)."""
+        return {}
+
+    def run_reference(
+        self, call: KernelCall, inputs: Sequence[np.ndarray], weights: Mapping[str, np.ndarray]
+    ) -> np.ndarray:
+        """The call's output by the numpy reference, from the plan's (ONNX-layout) weights."""
+        packed = self.pack_weights(call, weights)
+        return self.reference(inputs[0], *(packed[name] for name in call.weights))
+
+    def _ordered(self, values: Mapping[str, int]) -> list[KernelArg]:
+        """Values by name -> the ABI's ordered (value, ctypes type) list: 64-bit device addresses
+        as ``c_void_p``, then ``c_int32``."""
+        return [
+            (int(values[name]), ctypes.c_void_p if i < self.POINTERS else ctypes.c_int32)
+            for i, name in enumerate(self.PARAMS)
+        ]

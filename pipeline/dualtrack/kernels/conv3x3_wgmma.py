@@ -1,0 +1,430 @@
+"""conv3x3_wgmma: the conv3x3 op on Hopper (sm_90a), TMA loads and ``wgmma.mma_async`` products.
+
+:class:`WgmmaConfig` is one compiled tile configuration (the ``CONV_WGMMA_ENTRY`` macro's
+arguments), :data:`WGMMA_CONFIGS` those compiled in; :func:`input_map` and :func:`weight_map`
+describe the two tensor maps a launch passes by value. The conv3x3 op's spec
+(:class:`~dualtrack.kernels.conv3x3.Conv3x3Spec`, its ``hopper``) hands a launch over to
+:meth:`Conv3x3WgmmaSpec.prepare_entry` where the selection policy picks this kernel.
+
+The kernel reads two maps, both fp16, with the swizzle of one BK-channel row (BK = 64: 128 bytes,
+BK = 32: 64 bytes) and zero fill:
+
+- the input, NHWC with pixel stride ``ldx`` (a channel slice of a wider buffer: the address is the
+  slice's first channel), as the 4-D tensor (C, W, H, N); box (BK, TW, TH, 1), one spatial tile of
+  BK channels. Coordinates outside the image or past C read as zeros: the convolution's padding.
+- the packed weights (K, 3, 3, C) as the 2-D tensor (9C, K); box (BK, BN).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from dualtrack.errors import InputError
+from dualtrack.kernels.base import (
+    INT32_MAX,
+    DeviceTensor,
+    KernelArg,
+    KernelSpec,
+    LaunchConfig,
+    LaunchContext,
+    PreparedCall,
+    cdiv,
+    dtype_name,
+    pixels,
+    pointer,
+    positive,
+    stride,
+)
+from dualtrack.kernels.conv import conv3x3_reference
+from dualtrack.kernels.tensormap import DIM_LIMIT, STRIDE_LIMIT, TiledMap
+
+if TYPE_CHECKING:  # annotations only: select.py's policy makes the choice this kernel runs
+    from dualtrack.kernels.select import ConvChoice
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """One compiled configuration of ``conv3x3_wgmma.cu``: the ``CONV_WGMMA_ENTRY`` macro's arguments.
+
+    A CTA computes ``bm = 64 * mt * wgs`` output pixels of one image (a TH x TW spatial tile) by
+    ``bn`` output channels with ``wgs`` consumer warpgroups of ``mt`` m64 blocks each, plus one
+    producer warp that issues the TMA loads. The reduction (9 taps x C channels) runs in
+    ``bk``-channel k-blocks (one 64- or 128-byte swizzled shared-memory row) through ``stages``
+    pipeline stages; registers are capped so that ``min_blocks`` CTAs fit on an SM.
+
+    ``halo_tw`` > 0: the column-copy scheme (entry suffix ``_h<TW>``, the .cu's header). The tile
+    is ``bm / halo_tw`` rows of ``halo_tw`` pixels, and a stage holds one box of TH + 2 rows per
+    column shift plus the weights of its three taps, so each input pixel comes from L2 about three
+    times instead of nine.
+    """
+
+    bn: int
+    mt: int
+    wgs: int
+    bk: int
+    stages: int
+    min_blocks: int
+    halo_tw: int = 0
+
+    ELEMENT_BYTES: ClassVar[int] = 2  # fp16
+    ALIGN: ClassVar[int] = 1024  # the kernel rounds its dynamic shared memory up to the 128-byte swizzle repeat
+
+    @property
+    def bm(self) -> int:
+        return 64 * self.mt * self.wgs
+
+    @property
+    def threads(self) -> int:
+        return 32 * (4 * self.wgs + 1)  # consumer warpgroups + the producer warp
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one shared-memory tile row: the TMA/wgmma swizzle span (64 or 128)."""
+        return self.bk * self.ELEMENT_BYTES
+
+    @property
+    def a_rows(self) -> int:
+        """Rows of a stage's A box: the tile's pixels, plus two image rows for a column copy."""
+        return self.bm + 2 * self.halo_tw
+
+    @property
+    def taps_per_stage(self) -> int:
+        return 3 if self.halo_tw else 1
+
+    @property
+    def a_bytes(self) -> int:
+        """Bytes of a stage's A (input) box."""
+        return self.a_rows * self.row_bytes
+
+    @property
+    def b_bytes(self) -> int:
+        """Bytes of one tap's B (weight) box."""
+        return self.bn * self.row_bytes
+
+    @property
+    def acc_registers(self) -> int:
+        """fp32 accumulator registers a consumer thread holds."""
+        return self.mt * self.bn // 2
+
+    @property
+    def stage_bytes(self) -> int:
+        """Bytes one stage brings in (A box + its taps' B boxes): the mbarrier transaction count."""
+        return self.a_bytes + self.taps_per_stage * self.b_bytes
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of a launch (the kernel aligns its base up to 1024 bytes)."""
+        return self.stages * self.stage_bytes + self.ALIGN
+
+    @property
+    def static_smem_bytes(self) -> int:
+        return 2 * 8 * self.stages  # the full[] and empty[] mbarriers
+
+    @property
+    def entry(self) -> str:
+        halo = f"_h{self.halo_tw}" if self.halo_tw else ""
+        return f"conv3x3_wgmma_bn{self.bn}_mt{self.mt}_wg{self.wgs}_bk{self.bk}{halo}"
+
+    @property
+    def macro(self) -> str:
+        args = f"{self.bn},{self.mt},{self.wgs},{self.bk},{self.stages},{self.min_blocks}"
+        if self.halo_tw:
+            return f"CONV_WGMMA_HALO_ENTRY({args},{self.halo_tw})"
+        return f"CONV_WGMMA_ENTRY({args})"
+
+    def tw_log2(self, W: int) -> int:
+        """log2 of the spatial tile's width TW: ``halo_tw`` for a column-copy entry (compiled in),
+        else the smallest power of two >= W, at most ``bm`` (the tile is ``bm / TW`` rows of TW
+        pixels)."""
+        if self.halo_tw:
+            return self.halo_tw.bit_length() - 1
+        tw = 1
+        while tw < W and tw < self.bm:
+            tw *= 2
+        return tw.bit_length() - 1
+
+    def ctas(self, N: int, H: int, W: int, K: int) -> int:
+        """CTAs of a launch: N x spatial tiles x channel tiles (the kernel's 1-D grid)."""
+        log2 = self.tw_log2(W)
+        return N * cdiv(H, self.bm >> log2) * cdiv(W, 1 << log2) * cdiv(K, self.bn)
+
+
+# The compiled configurations (bench/wgmma/README.md, "Configurations"): stages as many as fit the
+# shared memory that `min_blocks` CTAs per SM leave, registers capped to match; no spills.
+WGMMA_CONFIGS: tuple[WgmmaConfig, ...] = (
+    WgmmaConfig(bn=256, mt=1, wgs=2, bk=64, stages=4, min_blocks=1),
+    WgmmaConfig(bn=128, mt=2, wgs=2, bk=64, stages=4, min_blocks=1),
+    WgmmaConfig(bn=128, mt=1, wgs=2, bk=64, stages=3, min_blocks=2),
+    WgmmaConfig(bn=64, mt=2, wgs=2, bk=64, stages=5, min_blocks=1),
+    WgmmaConfig(bn=64, mt=1, wgs=2, bk=64, stages=4, min_blocks=2),
+    WgmmaConfig(bn=32, mt=2, wgs=2, bk=64, stages=3, min_blocks=2),
+    WgmmaConfig(bn=128, mt=1, wgs=1, bk=64, stages=4, min_blocks=2),
+    WgmmaConfig(bn=64, mt=1, wgs=1, bk=64, stages=4, min_blocks=3),
+    WgmmaConfig(bn=64, mt=2, wgs=2, bk=32, stages=5, min_blocks=2),
+    WgmmaConfig(bn=32, mt=2, wgs=2, bk=32, stages=6, min_blocks=2),
+    # Column copies (halo_tw=16): for the layers with few channels, which per-tap boxes make L2-bound.
+    WgmmaConfig(bn=32, mt=2, wgs=2, bk=32, stages=3, min_blocks=2, halo_tw=16),
+    WgmmaConfig(bn=32, mt=2, wgs=2, bk=64, stages=2, min_blocks=2, halo_tw=16),
+    WgmmaConfig(bn=64, mt=2, wgs=2, bk=32, stages=3, min_blocks=2, halo_tw=16),
+    WgmmaConfig(bn=64, mt=2, wgs=2, bk=64, stages=3, min_blocks=1, halo_tw=16),
+    WgmmaConfig(bn=64, mt=1, wgs=2, bk=64, stages=2, min_blocks=2, halo_tw=16),
+    WgmmaConfig(bn=128, mt=2, wgs=2, bk=64, stages=2, min_blocks=1, halo_tw=16),
+)
+
+
+def input_map(cfg: WgmmaConfig, x: int, N: int, H: int, W: int, C: int, ldx: int) -> TiledMap:
+    """The input map of the wgmma conv for configuration ``cfg``: x (NHWC, pixel stride ``ldx``
+    elements) as (C, W, H, N), box (BK, TW, TH, 1) with ``TW = 2**cfg.tw_log2(W)``; a column-copy
+    configuration's box has the two halo rows too, (BK, TW, TH + 2, 1)."""
+    tw = 1 << cfg.tw_log2(W)
+    item = cfg.ELEMENT_BYTES
+    m = TiledMap(
+        address=int(x),
+        dims=(C, W, H, N),
+        strides=(ldx * item, W * ldx * item, H * W * ldx * item),
+        box=(cfg.bk, tw, cfg.a_rows // tw, 1),
+        swizzle_bytes=cfg.row_bytes,
+        l2_promotion_bytes=128,
+    )
+    m.validate()
+    return m
+
+
+def weight_map(cfg: WgmmaConfig, w: int, K: int, C: int) -> TiledMap:
+    """The weight map of the wgmma conv: packed KRSC weights as the (9C, K) matrix, box (BK, BN).
+    A box that runs past a tap's C channels reads the next tap's weights, which multiply the zeros
+    the input map supplies past C; past the last tap and past K it reads zeros."""
+    m = TiledMap(
+        address=int(w),
+        dims=(9 * C, K),
+        strides=(9 * C * cfg.ELEMENT_BYTES,),
+        box=(cfg.bk, cfg.bn),
+        swizzle_bytes=cfg.row_bytes,
+        l2_promotion_bytes=256,
+    )
+    m.validate()
+    return m
+
+
+@dataclass(frozen=True)
+class Conv3x3WgmmaSpec(KernelSpec):
+    """The conv3x3 op (same semantics as :class:`Conv3x3Spec`, fp16 only) on Hopper: the input and
+    weight tiles come by TMA (``cp.async.bulk.tensor`` into an mbarrier pipeline; the tensor map's
+    zero fill outside the image is the padding), the products by ``wgmma.mma_async`` from shared
+    memory, fp32 accumulators, bias + ReLU and one fp16 rounding in the epilogue.
+
+    sm_90a only (:attr:`ptx_arches`). One entry per :class:`WgmmaConfig` (:attr:`configs`, compiled
+    in through ``-DCONV_WGMMA_ENTRIES``); :meth:`choose` picks one per shape, :meth:`supported`
+    says which launches it can take at all. The input and the weights are passed as two
+    ``CUtensorMap`` structs by value (``runtime/tma.py`` builds them) instead of ``x``, ``w``, ``ldx``.
+    """
+
+    PARAMS: ClassVar[tuple[str, ...]] = (
+        "tmx", "tmw", "bias", "y", "N", "H", "W", "C", "K", "ldy", "relu", "tw_log2", "status",
+    )  # fmt: skip
+    ptx_arches: ClassVar[tuple[str, ...]] = ("compute_90a",)  # wgmma exists on sm_90a only
+
+    configs: tuple[WgmmaConfig, ...] = WGMMA_CONFIGS
+    # choose(), fitted to the per-layer winners of bench/results/wgmma_check-770a528.json (H200, 132
+    # SMs): of these tiles, the first that makes at least `min_ctas` CTAs, else the one with most.
+    prefer: tuple[str, ...] = (
+        "conv3x3_wgmma_bn128_mt2_wg2_bk64",  # 256x128
+        "conv3x3_wgmma_bn64_mt2_wg2_bk64_h16",  # 256x64, column copies
+        "conv3x3_wgmma_bn64_mt1_wg2_bk64_h16",  # 128x64, column copies
+        "conv3x3_wgmma_bn64_mt1_wg1_bk64",  # 64x64
+        "conv3x3_wgmma_bn64_mt2_wg2_bk32_h16",  # 256x64, column copies, C % 64 != 0
+    )
+    # With one channel block (C <= 64) a CTA fills only 3 stages: two smaller CTAs per SM overlap
+    # one's loads with the other's math, so the 128x64 tile goes before the 256x64 one.
+    one_block_first: str = "conv3x3_wgmma_bn64_mt1_wg2_bk64_h16"
+    narrow: tuple[str, ...] = (
+        "conv3x3_wgmma_bn32_mt2_wg2_bk64_h16",
+        "conv3x3_wgmma_bn32_mt2_wg2_bk32_h16",
+    )  # K <= 32
+    min_ctas: int = 128
+
+    def defines(self) -> dict[str, str]:
+        return {"CONV_WGMMA_ENTRIES": " ".join(c.macro for c in self.configs)}
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        return tuple(c.entry for c in self.configs)
+
+    def entry(self, dtype: Any) -> str:
+        raise InputError(f"{self.stem} has one entry per tile configuration; use choose(...).entry")
+
+    def config(self, entry: str) -> WgmmaConfig:
+        """The configuration an entry name stands for; InputError for any other name."""
+        for c in self.configs:
+            if c.entry == entry:
+                return c
+        raise InputError(f"'{entry}' is not an entry of {self.stem}; use one of {', '.join(self.entries)}")
+
+    def threads(self, dtype: Any, entry: str | None = None) -> int:
+        if entry is None:
+            raise InputError(f"{self.stem}: threads() needs the entry (configurations differ)")
+        return self.config(entry).threads
+
+    def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
+        positive(N=N, H=H, W=W, C=C, K=K)
+        return (N, H, W, K)
+
+    def supported(
+        self,
+        dtype: Any,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        K: int,
+        ldx: int | None = None,
+        ldy: int | None = None,
+        *,
+        x: int = 0,
+        w: int = 0,
+        y: int = 0,
+    ) -> str | None:
+        """None when this kernel can run the launch, else why not (the caller keeps the mma.sync kernel).
+
+        TMA needs 16-byte multiples for the weight rows (9C halves) and the pixel stride ``ldx``,
+        and 16-byte aligned ``x`` and ``w``; the epilogue's 16-byte stores need ``ldy % 8 == 0`` and
+        an aligned ``y``. Pointers default to 0 (aligned): the plan's shapes alone can be checked.
+        """
+        if dtype_name(dtype) != "float16":
+            return f"{dtype_name(dtype)}: the wgmma kernel is fp16 only"
+        positive(N=N, H=H, W=W, C=C, K=K)
+        ldx_, ldy_ = stride("ldx", ldx, C), stride("ldy", ldy, K)
+        if C % 8:
+            return f"C={C}: TMA needs 16-byte weight rows (C % 8 == 0)"
+        if ldx_ % 8:
+            return f"ldx={ldx_}: TMA needs a 16-byte pixel stride (ldx % 8 == 0)"
+        if ldy_ % 8:
+            return f"ldy={ldy_}: the epilogue's 16-byte stores need ldy % 8 == 0"
+        for name, p in (("x", x), ("w", w), ("y", y)):
+            if int(p) % 16:
+                return f"{name}={int(p):#x} is not 16-byte aligned"
+        if N * H * W > INT32_MAX or max(ldx_, ldy_) > INT32_MAX:
+            return f"N*H*W = {N * H * W} pixels or a channel stride exceed 2^31-1"
+        if max(N, H, W, 9 * C, K) >= DIM_LIMIT or N * H * W * ldx_ * 2 >= STRIDE_LIMIT:
+            return "the input is too large for a tensor map (dims < 2^32, byte strides < 2^40)"
+        return None
+
+    def choose(self, N: int, H: int, W: int, C: int, K: int) -> WgmmaConfig:
+        """The configuration to launch for this shape (H200 measurements, handwritten_ptx/README.md):
+
+        k-blocks of 64 channels when ``C % 64 == 0``, else of 32. K <= 32: the 256x32 column-copy
+        tile. Else 256x128, then the 256x64 and 128x64 column-copy tiles (128x64 first when C <= 64),
+        then 64x64 (with 32-channel k-blocks: the 256x64 column-copy tile only), skipping tiles
+        wider than K rounded up to 32: the first that makes at least :attr:`min_ctas` CTAs, else
+        the one that makes the most (of equals, the smaller). Within 0.5% of the per-layer best on
+        the U-Net's 26 (layer, batch) pairs (the worst single layer: 1.3%).
+        """
+        positive(N=N, H=H, W=W, C=C, K=K)
+        bk = 64 if C % 64 == 0 else 32
+        by_entry = {c.entry: c for c in self.configs}
+        if K > 32:
+            k32 = cdiv(K, 32) * 32
+            order = list(self.prefer)
+            if C <= 64:
+                order.remove(self.one_block_first)
+                order.insert(1, self.one_block_first)
+            wide = [by_entry[e] for e in order if by_entry[e].bk == bk and by_entry[e].bn <= k32]
+            for c in wide:
+                if c.ctas(N, H, W, K) >= self.min_ctas:
+                    return c
+            if wide:
+                # of equals the smaller tile: the same CTAs computing fewer rows and channels past the image
+                return max(wide, key=lambda c: (c.ctas(N, H, W, K), -c.bm * c.bn))
+        return next(by_entry[e] for e in self.narrow if by_entry[e].bk == bk)
+
+    def launch(
+        self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0, *, entry: str | None = None
+    ) -> LaunchConfig:
+        """1-D grid (channel tile fastest, so the CTAs that share an input tile run together),
+        block of ``32 * (4 * wgs + 1)`` threads, dynamic shared memory of the configuration (more
+        than 48 KiB: set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first). ``entry`` None:
+        :meth:`choose`'s."""
+        dtype_name(dtype)
+        positive(N=N, H=H, W=W, C=C, K=K)
+        pixels(N, H, W, C)
+        cfg = self.config(entry) if entry is not None else self.choose(N, H, W, C, K)
+        ctas = cfg.ctas(N, H, W, K)
+        if ctas > INT32_MAX:
+            raise InputError(f"{ctas} CTAs exceed the grid's 2^31-1; split the batch")
+        return LaunchConfig(grid=(ctas, 1, 1), block=(cfg.threads, 1, 1), shared_bytes=cfg.smem_bytes)
+
+    def args(
+        self,
+        *,
+        tmx: Any,
+        tmw: Any,
+        y: int,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        K: int,
+        entry: str,
+        bias: int | None = None,
+        ldy: int | None = None,
+        relu: bool = False,
+        status: int | None = None,
+        **_: Any,
+    ) -> list[KernelArg]:
+        """``tmx, tmw, bias, y, N, H, W, C, K, ldy, relu, tw_log2, status`` as (value, type) pairs.
+
+        ``tmx``/``tmw`` are the input's and the weights' tensor maps (``runtime/tma.py``), passed by
+        value; ``entry`` fixes ``tw_log2`` (the tile shape the maps were made for); ``status``: an
+        int[8] device buffer for the watchdog's report, or None (a stuck wait then traps).
+        """
+        positive(N=N, H=H, W=W, C=C, K=K)
+        ldy_ = stride("ldy", ldy, K)
+        pixels(N, H, W, ldy_)
+        for name, m in (("tmx", tmx), ("tmw", tmw)):
+            if not callable(getattr(m, "getPtr", None)):
+                raise InputError(f"{name} must be a CUtensorMap (runtime/tma.py encode()), not {type(m).__name__}")
+        cfg = self.config(entry)
+        return [
+            (tmx, None),
+            (tmw, None),
+            (pointer("bias", bias, required=False), ctypes.c_void_p),
+            (pointer("y", y), ctypes.c_void_p),
+            *((int(v), ctypes.c_int32) for v in (N, H, W, C, K, ldy_, 1 if relu else 0, cfg.tw_log2(W))),
+            (pointer("status", status, required=False), ctypes.c_void_p),
+        ]
+
+    def reference(
+        self, x: np.ndarray, w: np.ndarray | None = None, bias: np.ndarray | None = None, relu: bool = False
+    ) -> np.ndarray:
+        """The conv3x3 op's numpy semantics (:func:`~dualtrack.kernels.conv.conv3x3_reference`)."""
+        return conv3x3_reference(x, w, bias, relu)
+
+    def prepare_entry(
+        self,
+        choice: ConvChoice,
+        x: DeviceTensor,
+        y: DeviceTensor,
+        weights: Sequence[DeviceTensor],
+        relu: bool,
+        ctx: LaunchContext,
+    ) -> PreparedCall:
+        """The launch of the entry ``choice`` names on these tensors (the conv3x3 op's spec hands
+        it over where its policy picks this kernel): the input's and the weights' tensor maps,
+        encoded by the runtime for these very buffers, then the geometry and arguments."""
+        n, h, w, c = x.shape
+        k = y.shape[3]
+        cfg = self.config(choice.entry)
+        wt = weights[0]
+        tmx = ctx.tensor_map(input_map(cfg, x.ptr, n, h, w, c, x.channel_stride))
+        tmw = ctx.tensor_map(weight_map(cfg, wt.ptr, k, c))
+        bias = weights[1].ptr if len(weights) > 1 else None
+        args = self.args(
+            tmx=tmx, tmw=tmw, bias=bias, y=y.ptr, N=n, H=h, W=w, C=c, K=k, ldy=y.channel_stride,
+            relu=relu, entry=choice.entry,
+        )  # fmt: skip
+        return PreparedCall(choice.entry, self.launch(x.dtype, n, h, w, c, k, entry=choice.entry), args, choice)
