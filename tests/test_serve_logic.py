@@ -19,7 +19,9 @@ from PIL import Image
 from dualtrack.errors import ConfigError
 from dualtrack.plan import TensorSpec
 from dualtrack.serve import Batcher, ServeOptions, imaging
+from dualtrack.serve.batcher import BatchQueue
 from dualtrack.serve.loadtest import run_loadtest
+from dualtrack.serve.shared import EngineClient
 
 WAIT_S = 30.0
 
@@ -183,6 +185,14 @@ def test_queue_limit_counts_requests_not_batches() -> None:
         hold.set()
         assert [f.result(WAIT_S).batch_size for f in waiting] == [4, 4, 4, 4, 1]
         assert b.depth == 0
+
+
+def test_the_batcher_and_a_workers_engine_client_are_both_batch_queues() -> None:
+    # What the app holds in one process and in each worker of `serve --workers N`; test_serve_shared.py
+    # runs the same HTTP requests over both.
+    assert isinstance(Batcher(FakeEngine(), max_batch_delay_s=0.0, max_queue=1), BatchQueue)
+    assert isinstance(EngineClient("/nonexistent/engine.sock", b"key"), BatchQueue)
+    assert not isinstance(FakeEngine(), BatchQueue)  # an engine has no phase, submit or life cycle
 
 
 # --- load test client ----------------------------------------------------------------------------

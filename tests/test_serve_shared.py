@@ -7,23 +7,52 @@ real thing, `dualtrack serve --workers 2`, over HTTP.
 
 from __future__ import annotations
 
+import io
+import json
+import logging
 import os
 import re
 import socket
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
 from contextlib import contextmanager
+from multiprocessing.connection import Client, Connection, Listener, Pipe
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 import pytest
+from PIL import Image
 from polling import until
+from starlette.testclient import TestClient
 
 from dualtrack import Engine
-from dualtrack.errors import ConfigError, InputError
-from dualtrack.serve import NotReadyError, Phase, QueueFullError, ServeOptions, shared
-from dualtrack.serve.shared import EngineClient, EngineHost, RemoteMetrics
+from dualtrack.errors import BundleError, ConfigError, DualtrackError, InputError
+from dualtrack.plan import TensorSpec
+from dualtrack.serve import NotReadyError, Phase, QueueFullError, ServeOptions, create_app, imaging, shared
+from dualtrack.serve.app import worker_app
+from dualtrack.serve.batcher import BatchQueue, BatchResult
+from dualtrack.serve.protocol import (
+    Answer,
+    Cancel,
+    Cancelled,
+    Done,
+    EngineInfo,
+    EngineMessage,
+    Failed,
+    Hello,
+    LatencyObserved,
+    Observations,
+    PhaseChanged,
+    Question,
+    Refused,
+    RequestObserved,
+    RunRequest,
+    WorkerMessage,
+)
+from dualtrack.serve.shared import EngineClient, EngineHost, RemoteMetrics, SlotFile
 
 WAIT_S = 120.0
 
@@ -73,8 +102,6 @@ def _sample(text: str, name: str) -> float:
 
 
 def _key(host: EngineHost) -> str:
-    import json
-
     return json.loads(host.worker_env({}))["key"]
 
 
@@ -228,3 +255,166 @@ def test_engine_process_going_away_fails_requests_not_the_worker(engine, rng) ->
             client.submit(_images(rng, 1)[0])
     finally:
         client.close(5)
+
+
+# --- the messages --------------------------------------------------------------------------------
+
+_SPEC = TensorSpec("image", (1, 64, 64, 3), "uint8", "NHWC")
+_INFO = EngineInfo(_SPEC, (TensorSpec("mask", (1, 64, 64), "uint8"),), (1, 4), "cpu")
+MESSAGES = [
+    Hello("/dev/shm/dualtrack-x.slots", 24, 12288, 8, 8, _INFO, Phase.WARMING, ""),
+    Refused("all 3 slot ranges are in use"),
+    Done(7, 3, 4, 12.5, 3.25, {"track_a_ms": 1.5, "track_b_ms": 1.75}),
+    Failed(8, "queue_full", "request queue is full (1 waiting)"),
+    Cancelled(9),
+    Answer(10, b"# HELP dualtrack_ready 1 when ready to serve\n"),
+    PhaseChanged(Phase.FAILED, "engine failed: out of memory"),
+    RunRequest(11, 5),
+    Cancel(11),
+    Question(12, "metrics"),
+    Observations((RequestObserved("/v1/segment", 200), LatencyObserved(0.0125), RequestObserved("/readyz", 503))),
+]
+
+
+def test_the_sample_messages_cover_the_whole_protocol() -> None:
+    assert {type(m) for m in MESSAGES} == {*get_args(EngineMessage), *get_args(WorkerMessage)}
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips_through_a_pipe(msg: object) -> None:
+    here, there = Pipe()
+    try:
+        here.send(msg)
+        assert there.poll(WAIT_S)
+        got = there.recv()
+    finally:
+        here.close()
+        there.close()
+    assert type(got) is type(msg) and got == msg
+
+
+@pytest.mark.parametrize(
+    ("err", "kind", "raised"),
+    [
+        (QueueFullError("full"), "queue_full", QueueFullError),
+        (NotReadyError("loading"), "not_ready", NotReadyError),
+        (InputError("bad slot"), "input", InputError),
+        (DualtrackError("engine failed"), "engine", DualtrackError),
+        (BundleError("bad bundle"), "engine", DualtrackError),  # a class the worker does not map: a 500
+        (RuntimeError("CUDA error"), "engine", DualtrackError),
+    ],
+)
+def test_a_failure_is_raised_in_the_worker_as_the_batcher_raised_it(err, kind, raised) -> None:
+    failed = Failed.of(3, err)
+    assert (failed.rid, failed.kind, failed.message) == (3, kind, str(err))
+    back = failed.error()
+    assert type(back) is raised and str(back) == str(err)
+
+
+def test_done_carries_the_batch_result_but_the_mask() -> None:
+    mask = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    result = BatchResult(mask, 3, 4, 12.5, 3.25, {"track_a_ms": 1.5})
+    done = Done.of(5, result)
+    assert done == Done(5, 3, 4, 12.5, 3.25, {"track_a_ms": 1.5})
+    assert done.result(mask) == result
+
+
+def test_an_unknown_message_to_the_engine_process_drops_that_worker(engine, rng, caplog) -> None:
+    with hosting(engine, workers=1) as host:
+        free = len(host._free_ranges)
+        with Client(host.address, family="AF_UNIX", authkey=bytes.fromhex(_key(host))) as conn:
+            assert isinstance(conn.recv(), Hello)
+            with caplog.at_level(logging.ERROR, logger="dualtrack.serve.shared"):
+                conn.send(("run", 0, 0))  # the tuples this protocol replaced
+                assert conn.poll(WAIT_S)
+                with pytest.raises(EOFError):
+                    conn.recv()  # the engine process hung up
+        assert any(
+            r.levelno == logging.ERROR
+            and re.search(r"^worker \d+ sent tuple \('run', 0, 0\), .*closing the connection", r.message)
+            for r in caplog.records
+        ), caplog.text
+        _until(lambda: len(host._free_ranges) == free, "its slot range to be given back", 10)
+        with client_of(host) as a:  # the others are still served
+            assert a.submit(_images(rng, 1)[0]).result(WAIT_S).batch_size == 1
+
+
+def test_an_unknown_message_to_a_worker_fails_it_and_closes_the_connection(tmp_path, caplog) -> None:
+    key = os.urandom(16)
+    slots = SlotFile(tmp_path / "slots", 4, 64 * 64 * 3, create=True)
+    with Listener(str(tmp_path / "engine.sock"), family="AF_UNIX", authkey=key) as listener:
+        accepted: list[Connection] = []
+        accepting = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
+        accepting.start()
+        client = EngineClient(str(tmp_path / "engine.sock"), key)
+        try:
+            with caplog.at_level(logging.ERROR, logger="dualtrack.serve.shared"):
+                # A pretend engine process: a good hello, then a message of another protocol.
+                client_thread = threading.Thread(target=client.start, daemon=True)
+                client_thread.start()
+                accepting.join(WAIT_S)
+                (conn,) = accepted
+                conn.send(Hello(str(slots.path), 4, 64 * 64 * 3, 0, 4, _INFO, Phase.READY, ""))
+                client_thread.join(WAIT_S)
+                assert client.phase is Phase.READY, client.error
+                future = client.submit(np.zeros((64, 64, 3), np.uint8))
+                assert conn.recv() == RunRequest(0, 0)
+                conn.send(("done", 0, 1, 1, 0.0, 0.0, {}))
+                with pytest.raises(NotReadyError, match=r"which is not a message of dualtrack\.serve\.protocol"):
+                    future.result(WAIT_S)
+                assert client.phase is Phase.FAILED
+                assert "the engine connection failed: the engine process sent tuple ('done', 0," in client.error
+                assert conn.poll(WAIT_S)
+                with pytest.raises(EOFError):
+                    conn.recv()  # the worker hung up
+            assert any(r.levelno == logging.ERROR and "sent tuple ('done'" in r.message for r in caplog.records)
+        finally:
+            client.close(5)
+            for conn in accepted:
+                conn.close()
+            slots.close()
+
+
+# --- the app over either batcher -----------------------------------------------------------------
+
+
+@contextmanager
+def app_over(kind: str, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Iterator[TestClient]:
+    """The HTTP app over a Batcher in this process, or over an EngineClient as a worker process has it."""
+    if kind == "batcher":
+        with TestClient(create_app(engine, max_batch_delay_ms=1)) as http:
+            yield http
+        return
+    with hosting(engine, max_batch_delay_ms=1) as host:
+        monkeypatch.setenv(shared.ENGINE_ENV, host.worker_env({"max_batch_delay_ms": 1}))
+        with TestClient(worker_app()) as http:
+            yield http
+
+
+@pytest.mark.parametrize("kind", ["batcher", "engine client"])
+def test_the_app_answers_the_same_over_a_batcher_and_an_engine_client(kind, engine, rng, monkeypatch) -> None:
+    pixels = _images(rng, 1)[0]
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    with app_over(kind, engine, monkeypatch) as http:
+        _until(lambda: http.get("/readyz").status_code == 200, "/readyz to answer 200")
+        assert isinstance(http.app.state.batcher, BatchQueue)
+        assert http.get("/readyz").json() == {
+            "status": "ready",
+            "model_shape": [64, 64],
+            "classes": _classes(engine),
+            "batch_sizes": list(engine.batch_sizes),
+            "device": "cpu",
+        }
+        r = http.post("/v1/segment", content=buf.getvalue())
+        assert r.status_code == 200, r.text
+        np.testing.assert_array_equal(imaging.decode_mask_png(r.content), engine.run(pixels[None])["mask"][0])
+        r = http.post("/v1/segment", content=b"not an image")
+        assert r.status_code == 400 and "image" in r.json()["error"]
+        r = http.post("/v1/segment?format=json", content=buf.getvalue())
+        assert r.status_code == 200 and sum(r.json()["counts"]) == 64 * 64
+
+
+def _classes(engine: Engine) -> int:
+    (probs,) = (s for s in engine.output_specs if s.name != "mask")
+    return probs.shape[-1] if probs.layout == "NHWC" else probs.shape[1]

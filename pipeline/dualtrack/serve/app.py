@@ -49,13 +49,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dualtrack import imaging
 from dualtrack.errors import DualtrackError, InputError
-from dualtrack.serve.batcher import Batcher, BatchResult, EngineSource, NotReadyError, Phase, QueueFullError
+from dualtrack.serve.batcher import (
+    Batcher,
+    BatchQueue,
+    BatchResult,
+    EngineSource,
+    EngineSpecs,
+    NotReadyError,
+    Phase,
+    QueueFullError,
+)
 from dualtrack.serve.metrics import ServeMetrics
 from dualtrack.serve.options import ServeOptions
 
 if TYPE_CHECKING:
-    from dualtrack.runtime.engine import Engine
-    from dualtrack.serve.shared import EngineClient, EngineInfo, RemoteMetrics
+    from dualtrack.serve.shared import RemoteMetrics
 
 _log = logging.getLogger(__name__)
 
@@ -126,9 +134,7 @@ def create_app(
     return _assemble(batcher, metrics, options)
 
 
-def _assemble(
-    batcher: Batcher | EngineClient, metrics: ServeMetrics | RemoteMetrics, options: ServeOptions
-) -> Starlette:
+def _assemble(batcher: BatchQueue, metrics: ServeMetrics | RemoteMetrics, options: ServeOptions) -> Starlette:
     """The app around a batcher (or a worker's client of the engine process) and its metrics."""
     service = _Service(batcher, metrics, options)
 
@@ -166,9 +172,7 @@ def _assemble(
 class _Service:
     """The endpoint handlers, sharing one batcher, one metrics registry and the options."""
 
-    def __init__(
-        self, batcher: Batcher | EngineClient, metrics: ServeMetrics | RemoteMetrics, options: ServeOptions
-    ) -> None:
+    def __init__(self, batcher: BatchQueue, metrics: ServeMetrics | RemoteMetrics, options: ServeOptions) -> None:
         self.batcher = batcher
         self.stats = metrics
         self.options = options
@@ -234,7 +238,7 @@ class _Service:
         self.stats.observe_latency(time.perf_counter() - start)
         return response
 
-    def _segment_on_threads(self, data: bytes, engine: Engine | EngineInfo, fmt: str, start: float) -> Future[_Answer]:
+    def _segment_on_threads(self, data: bytes, engine: EngineSpecs, fmt: str, start: float) -> Future[_Answer]:
         """Decode and queue on an image thread; once the batch has run, answer on an image thread.
 
         The event loop waits on the returned future alone: one wake-up per request instead of one
@@ -380,7 +384,7 @@ def _timings_ms(result: BatchResult, start: float) -> dict[str, float]:
     return {k: round(v, 3) for k, v in timings.items()}
 
 
-def _num_classes(engine: Any) -> int:
+def _num_classes(engine: EngineSpecs) -> int:
     """Classes from the probability output's channel dim (NCHW, or NHWC when so laid out); 0 if unknown."""
     for spec in engine.output_specs:
         if spec.name != "mask" and len(spec.shape) == 4:

@@ -16,6 +16,10 @@ Batching policy (Triton's "dynamic batcher" with ``max_queue_delay``):
 - :meth:`Batcher.close` refuses new work, runs everything already queued without waiting out the
   delay, then closes the engine if the batcher loaded it (an engine passed in is borrowed).
 
+The HTTP app needs only :class:`BatchQueue` of a batcher: a :class:`Batcher` here, or in a worker of
+``dualtrack serve --workers N`` an :class:`~dualtrack.serve.shared.EngineClient` that reaches the
+engine process's batcher.
+
 Copies: :meth:`Batcher.submit` writes the image straight into its row of the batch it joins, on the
 caller's thread, and that batch's array is what the worker hands to ``engine.run``: an
 :meth:`~dualtrack.runtime.engine.Engine.host_array` (page-locked on a GPU), reused batch after
@@ -34,13 +38,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Protocol, Union, runtime_checkable
 
 import numpy as np
 
 from dualtrack.errors import BundleError, DualtrackError, InputError
 
 if TYPE_CHECKING:
+    from dualtrack.plan import TensorSpec
     from dualtrack.runtime.engine import Engine
 
 EngineSource = Union["Engine", str, os.PathLike[str], Callable[[], "Engine"]]
@@ -93,6 +98,57 @@ class _Batch:
     x: np.ndarray  # (largest batch size, H, W, 3): an engine host array, reused by later batches
     requests: list[_Request] = field(default_factory=list)
     copying: int = 0  # rows claimed whose image is still being copied in (by submit, off the lock)
+
+
+class EngineSpecs(Protocol):
+    """What an app reads of an engine: its specs and sizes (an ``Engine``, or a worker's ``EngineInfo``)."""
+
+    @property
+    def input_spec(self) -> TensorSpec: ...
+    @property
+    def output_specs(self) -> tuple[TensorSpec, ...]: ...
+    @property
+    def batch_sizes(self) -> tuple[int, ...]: ...
+    @property
+    def device(self) -> str: ...
+
+
+@runtime_checkable
+class BatchQueue(Protocol):
+    """What the HTTP app uses of a batcher: its life cycle, its readiness, the engine's specs, submit.
+
+    :class:`Batcher` is one; :class:`~dualtrack.serve.shared.EngineClient`, a worker's handle on the
+    engine process, is the other. Both raise the same errors from ``submit`` and from the future it
+    returns, so the app answers the same HTTP status whichever it holds.
+    """
+
+    @property
+    def phase(self) -> Phase: ...
+    @property
+    def error(self) -> str:
+        """Why the engine cannot serve (failed to load, unreachable); empty otherwise."""
+        ...
+
+    @property
+    def engine(self) -> EngineSpecs | None:
+        """The engine's specs once loaded (``None`` before)."""
+        ...
+
+    def start(self) -> None:
+        """Begin loading or connecting; readiness is reported by :attr:`phase`, never raised."""
+        ...
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish the accepted requests and stop; False if still busy after ``timeout`` seconds."""
+        ...
+
+    def submit(self, image: np.ndarray) -> Future[BatchResult]:
+        """Queue one ``(H, W, 3)`` uint8 image (copied before this returns); a future of its result.
+
+        Raises :class:`NotReadyError`, :class:`QueueFullError` or :class:`InputError` at once; the
+        future fails with one of those or with a :class:`DualtrackError` (the engine failed).
+        """
+        ...
 
 
 def padded_batch_size(n: int, batch_sizes: tuple[int, ...]) -> int:

@@ -18,18 +18,23 @@ when it has room) of fixed-size **slots**, one image each; every worker connecti
 ``max_queue + largest batch`` slots (as many requests as the engine can hold, so a worker is never
 the tighter limit). A request goes:
 
-1. the worker decodes into a free slot of its range and sends ``("run", slot)``;
+1. the worker decodes into a free slot of its range and sends
+   :class:`~dualtrack.serve.protocol.RunRequest` ``(rid, slot)``, ``rid`` a request id of its own;
 2. the engine process's reader thread for that worker submits the slot to the batcher, which
    copies it into the batch's page-locked row (numpy releases the GIL for the copy);
 3. when the batch has run, that worker's writer thread puts the mask into the same slot and
-   sends ``("done", slot, sizes and timings)``; the worker copies the mask out and frees the slot.
+   sends :class:`~dualtrack.serve.protocol.Done` ``(rid, sizes and timings)``; the worker copies
+   the mask out and frees the slot.
 
-Errors come back as ``("error", slot, kind, message)`` and are raised in the worker as the
-batcher would have raised them (full queue, not ready, bad input, engine failure), so the app
-answers them the same way. A cancelled request (client gone) is withdrawn from its batch if it has
-not started; its slot is reused only once the engine process says so. Each worker buffers its
-HTTP metrics and sends them every :data:`FLUSH_S` and before any ``/metrics`` answer, so every
-worker answers ``/metrics`` and ``/readyz`` for the whole service.
+A request that fails comes back as :class:`~dualtrack.serve.protocol.Failed` ``(rid, kind,
+message)``, raised in the worker as the batcher raised it (full queue, not ready, bad input,
+engine failure), so the app answers it the same way. A cancelled request (client gone) is
+withdrawn from its batch if it has not started (:class:`~dualtrack.serve.protocol.Cancel`, answered
+:class:`~dualtrack.serve.protocol.Cancelled`); its slot is reused only once the engine process has
+answered. Each worker buffers its HTTP metrics and sends them every :data:`FLUSH_S` and before any
+``/metrics`` answer, so every worker answers ``/metrics`` and ``/readyz`` for the whole service.
+:mod:`dualtrack.serve.protocol` lists every message, who sends it and when; a message that is not
+one of them is logged and closes its connection.
 
 The socket is a Unix socket in a private (0700) directory with a random key, and the slot file is
 readable by its owner only: nothing outside the user that started the server can reach either.
@@ -53,15 +58,35 @@ from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from queue import SimpleQueue
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
 from dualtrack.errors import ConfigError, DualtrackError, InputError
-from dualtrack.plan import TensorSpec
 from dualtrack.serve.batcher import Batcher, BatchResult, NotReadyError, Phase, QueueFullError
 from dualtrack.serve.metrics import ServeMetrics
 from dualtrack.serve.options import ServeOptions
+from dualtrack.serve.protocol import (
+    Answer,
+    Cancel,
+    Cancelled,
+    Done,
+    EngineInfo,
+    EngineMessage,
+    Failed,
+    Hello,
+    LatencyObserved,
+    Observation,
+    Observations,
+    PhaseChanged,
+    ProtocolError,
+    Question,
+    Refused,
+    RequestObserved,
+    RunRequest,
+    WorkerMessage,
+    unexpected,
+)
 
 if TYPE_CHECKING:
     from dualtrack.runtime.engine import Engine
@@ -74,26 +99,6 @@ ENGINE_ENV = "DUALTRACK_SERVE_ENGINE"
 FLUSH_S = 0.25  # longest a worker keeps HTTP metrics before sending them to the engine process
 SPARE_RANGES = 2  # slot ranges beyond one per worker: for workers that uvicorn restarts
 CONNECT_TIMEOUT_S = 30.0  # a worker gives up on an engine process that does not answer
-_ERRORS: dict[str, type[DualtrackError]] = {
-    "queue_full": QueueFullError,
-    "not_ready": NotReadyError,
-    "input": InputError,
-    "engine": DualtrackError,
-}
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What an app reads from its engine (specs and sizes): the part of an Engine a worker sees."""
-
-    input_spec: TensorSpec
-    output_specs: tuple[TensorSpec, ...]
-    batch_sizes: tuple[int, ...]
-    device: str
-
-    @classmethod
-    def of(cls, engine: Any) -> EngineInfo:
-        return cls(engine.input_spec, tuple(engine.output_specs), tuple(engine.batch_sizes), engine.device)
 
 
 class SlotFile:
@@ -238,7 +243,7 @@ class EngineHost:
                 index = self._free_ranges.pop(0) if self._free_ranges else None
             if index is None:
                 ranges = self.slots.count // self.slots_per_range
-                _send_quietly(conn, ("refused", f"all {ranges} slot ranges are in use"))
+                _send_quietly(conn, Refused(f"all {ranges} slot ranges are in use"))
                 conn.close()
                 continue
             peer = _Peer(self, conn, index)
@@ -255,19 +260,36 @@ class EngineHost:
         with self._lock:
             peers = list(self._peers)
         for peer in peers:
-            peer.out.put(("phase", phase.value, error))
+            peer.out.put(PhaseChanged(phase, error))
 
-    def hello(self, peer: _Peer) -> dict[str, Any]:
-        return {
-            "slot_path": str(self.slots.path),
-            "slot_count": self.slots.count,
-            "slot_bytes": self.slots.slot_bytes,
-            "first_slot": peer.first_slot,
-            "slots": self.slots_per_range,
-            "info": self.info,
-            "phase": self.batcher.phase.value,
-            "error": self.batcher.error,
-        }
+    def hello(self, peer: _Peer) -> Hello:
+        return Hello(
+            slot_path=str(self.slots.path),
+            slot_count=self.slots.count,
+            slot_bytes=self.slots.slot_bytes,
+            first_slot=peer.first_slot,
+            slots=self.slots_per_range,
+            info=self.info,
+            phase=self.batcher.phase,
+            error=self.batcher.error,
+        )
+
+
+@dataclass(frozen=True)
+class _Settled:
+    """Request ``rid``'s future resolved (put on the batcher's thread): the writer answers it."""
+
+    rid: int
+    slot: int
+    future: Future[BatchResult]
+
+
+@dataclass(frozen=True)
+class _ReaderGone:
+    """The reader has stopped: send nothing more, wait for the requests still in a batch."""
+
+
+_Outgoing: TypeAlias = EngineMessage | _Settled | _ReaderGone  # what a peer's writer thread takes
 
 
 class _Peer:
@@ -281,13 +303,13 @@ class _Peer:
     def __init__(self, host: EngineHost, conn: Connection, range_index: int) -> None:
         self.host, self.conn, self.range_index = host, conn, range_index
         self.first_slot = range_index * host.slots_per_range
-        self.out: SimpleQueue[tuple[Any, ...]] = SimpleQueue()
+        self.out: SimpleQueue[_Outgoing] = SimpleQueue()
         self.inflight: dict[int, Future[BatchResult]] = {}  # by request id
         self._reader = threading.Thread(target=self._read, name=f"dualtrack-peer-{range_index}-in", daemon=True)
         self._writer = threading.Thread(target=self._write, name=f"dualtrack-peer-{range_index}-out", daemon=True)
 
     def start(self) -> None:
-        self.out.put(("hello", self.host.hello(self)))
+        self.out.put(self.host.hello(self))
         self._writer.start()
         self._reader.start()
 
@@ -299,82 +321,92 @@ class _Peer:
         self._writer.join(timeout)
 
     def _read(self) -> None:
-        host = self.host
         try:
             while True:
-                msg = self.conn.recv()
-                kind = msg[0]
-                if kind == "run":
-                    self._run(msg[1], msg[2])
-                elif kind == "cancel":
-                    future = self.inflight.get(msg[1])
-                    if future is not None:
-                        future.cancel()  # its done callback tells the worker; a no-op once the batch runs
-                elif kind == "obs":
-                    host.metrics.observe_remote(msg[1])
-                elif kind == "ask":
-                    self.out.put(("answer", msg[1], self._answer(msg[2])))
-                else:
-                    _log.warning("worker sent an unknown message %r; ignored", kind)
+                msg: object = self.conn.recv()  # anything: a broken or foreign peer is dropped below
+                match msg:
+                    case RunRequest(rid, slot):
+                        self._run(rid, slot)
+                    case Cancel(rid):
+                        future = self.inflight.get(rid)
+                        if future is not None:
+                            future.cancel()  # its done callback tells the worker; a no-op once the batch runs
+                    case Observations(batch):
+                        self._record(batch)
+                    case Question(qid, what):
+                        self.out.put(Answer(qid, self._answer(what)))
+                    case _:
+                        raise unexpected(f"worker {self.range_index}", msg)
         except (EOFError, OSError):
             pass  # the worker is gone (or close() closed the connection)
+        except ProtocolError as err:
+            _log.error("%s", err)  # it names the worker, the message and that its connection closes
+            _shut_down(self.conn)  # the worker sees the connection end and fails its readiness
         except Exception:
             _log.exception("engine connection %d failed; dropping the worker", self.range_index)
+            _shut_down(self.conn)
         finally:
             for future in list(self.inflight.values()):
                 future.cancel()  # nobody waits for these any more
-            self.out.put(("closed",))
+            self.out.put(_ReaderGone())
 
     def _run(self, rid: int, slot: int) -> None:
         if not 0 <= slot < self.host.slots_per_range:
-            self.out.put(("error", rid, "input", f"slot {slot} is outside this worker's range"))
+            self.out.put(Failed(rid, "input", f"slot {slot} is outside this worker's range"))
             return
         image = self.host.slots.array(self.first_slot + slot, self.host.image_shape)
         try:
             future = self.host.batcher.submit(image)  # copies the image into its batch row, here
         except DualtrackError as err:
-            self.out.put(("error", rid, _kind(err), str(err)))
+            self.out.put(Failed.of(rid, err))
             return
         self.inflight[rid] = future
         # Runs on the batcher's thread (or the canceller's): a put, no more.
-        future.add_done_callback(lambda f, r=rid, s=slot: self.out.put(("result", r, s, f)))
+        future.add_done_callback(lambda f, r=rid, s=slot: self.out.put(_Settled(r, s, f)))
 
-    def _answer(self, what: str) -> Any:
+    def _record(self, observations: tuple[Observation, ...]) -> None:
+        metrics = self.host.metrics
+        for observation in observations:
+            match observation:
+                case RequestObserved(endpoint, code):
+                    metrics.observe_request(endpoint, code)
+                case LatencyObserved(seconds):
+                    metrics.observe_latency(seconds)
+                case _:
+                    raise unexpected(f"worker {self.range_index}", observation)
+
+    def _answer(self, what: str) -> bytes:
         if what == "metrics":
             return self.host.metrics.exposition()
-        raise ValueError(f"unknown question {what!r}")
+        raise ProtocolError(f"worker {self.range_index} asked for {what!r}; the engine process answers 'metrics'")
 
     def _write(self) -> None:
         closed = False
         while not (closed and not self.inflight):
             item = self.out.get()
-            if item[0] == "closed":
-                closed = True
-                continue
-            if item[0] == "result":
-                _, rid, slot, future = item
-                self.inflight.pop(rid, None)
-                item = self._result(rid, slot, future)
+            msg: EngineMessage
+            match item:
+                case _ReaderGone():
+                    closed = True
+                    continue
+                case _Settled(rid, slot, future):
+                    self.inflight.pop(rid, None)
+                    msg = self._reply(rid, slot, future)
+                case _:
+                    msg = item
             if not closed:
-                closed = not _send_quietly(self.conn, item)
+                closed = not _send_quietly(self.conn, msg)
         self.host._released(self)
 
-    def _result(self, rid: int, slot: int, future: Future[BatchResult]) -> tuple[Any, ...]:
+    def _reply(self, rid: int, slot: int, future: Future[BatchResult]) -> Done | Failed | Cancelled:
         if future.cancelled():
-            return ("cancelled", rid)
+            return Cancelled(rid)
         err = future.exception()
         if err is not None:
-            return ("error", rid, _kind(err), str(err))
+            return Failed.of(rid, err)
         result = future.result()
         self.host.slots.array(self.first_slot + slot, self.host.mask_shape)[:] = result.mask
-        return ("done", rid, result.batch_size, result.padded_size, result.queue_ms, result.run_ms, result.timings)
-
-
-def _kind(err: BaseException) -> str:
-    for kind, cls in _ERRORS.items():
-        if type(err) is cls:
-            return kind
-    return "engine"
+        return Done.of(rid, result)
 
 
 def _dial(address: str, key: bytes, timeout: float) -> Connection:
@@ -398,16 +430,22 @@ def _dial(address: str, key: bytes, timeout: float) -> Connection:
     return result["conn"]
 
 
-def _hang_up(conn: Connection) -> None:
-    """Close ``conn`` so that a thread blocked in its ``recv`` wakes up (EOF): closing the fd alone
-    does not wake it on Linux, shutting the socket down does."""
+def _shut_down(conn: Connection) -> None:
+    """End ``conn`` for both sides: a ``recv`` blocked on it here or in the peer wakes up (EOF) and a
+    ``send`` fails. Closing the fd alone does not wake a blocked ``recv`` on Linux; this does. The fd
+    stays open: another thread may still be using it."""
     with suppress(OSError), socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as dup:
         dup.shutdown(socket.SHUT_RDWR)
+
+
+def _hang_up(conn: Connection) -> None:
+    """Shut ``conn`` down (waking the thread blocked in its ``recv``), then close it."""
+    _shut_down(conn)
     with suppress(OSError):
         conn.close()
 
 
-def _send_quietly(conn: Connection, msg: tuple[Any, ...]) -> bool:
+def _send_quietly(conn: Connection, msg: EngineMessage | WorkerMessage) -> bool:
     try:
         conn.send(msg)
         return True
@@ -419,7 +457,7 @@ def _send_quietly(conn: Connection, msg: tuple[Any, ...]) -> bool:
 
 
 class EngineClient:
-    """A worker's handle on the engine process, with the batcher's interface for the app.
+    """A worker's handle on the engine process: a :class:`~dualtrack.serve.batcher.BatchQueue` for the app.
 
     ``start()`` connects (a failure is reported by :attr:`phase`/:attr:`error`, like a failed load);
     ``submit(image)`` returns a future of the request's :class:`BatchResult`; ``close()`` waits for
@@ -436,9 +474,9 @@ class EngineClient:
         self._first = 0
         self._free: list[int] = []
         self._pending: dict[int, tuple[int, Future[BatchResult]]] = {}  # request id -> (slot, future)
-        self._questions: dict[int, Future[Any]] = {}
+        self._questions: dict[int, Future[bytes]] = {}
         self._next_id = 0  # request and question ids: never reused, so a late message cannot hit a newer one
-        self._observations: list[tuple[Any, ...]] = []
+        self._observations: list[Observation] = []
         self._lock = threading.Lock()  # free slots, pending, questions, observations
         self._send_lock = threading.Lock()
         self._stopped = threading.Event()
@@ -464,23 +502,31 @@ class EngineClient:
         return len(self._pending)
 
     def start(self) -> None:
+        conn: Connection | None = None
         try:
             conn = _dial(self._address, self._key, CONNECT_TIMEOUT_S)
             if not conn.poll(CONNECT_TIMEOUT_S):
                 raise TimeoutError(f"no answer within {CONNECT_TIMEOUT_S:.0f} s")
-            kind, hello = conn.recv()
-            if kind == "refused":
-                raise ConnectionError(hello)
-            self._slots = SlotFile(Path(hello["slot_path"]), hello["slot_count"], hello["slot_bytes"], create=False)
+            hello: object = conn.recv()
+            match hello:
+                case Hello():
+                    pass
+                case Refused(reason):
+                    raise ConnectionError(reason)
+                case _:
+                    raise unexpected("the engine process", hello)
+            self._slots = SlotFile(Path(hello.slot_path), hello.slot_count, hello.slot_bytes, create=False)
         except Exception as err:
+            if conn is not None:
+                _hang_up(conn)  # the engine process gives this connection's slot range back
             self._fail(f"cannot reach the engine process at {self._address}: {err}")
             return
         self._conn = conn
-        self._first = hello["first_slot"]
-        self._free = list(range(hello["slots"]))[::-1]  # pop() takes the lowest: the same few stay warm
-        self._info = hello["info"]
-        self._error = hello["error"]
-        self._phase = Phase(hello["phase"])
+        self._first = hello.first_slot
+        self._free = list(range(hello.slots))[::-1]  # pop() takes the lowest: the same few stay warm
+        self._info = hello.info
+        self._error = hello.error
+        self._phase = hello.phase
         self._reader = threading.Thread(target=self._read, name="dualtrack-engine-in", daemon=True)
         self._flusher = threading.Thread(target=self._flush_periodically, name="dualtrack-metrics", daemon=True)
         self._reader.start()
@@ -530,7 +576,7 @@ class EngineClient:
             self._pending[rid] = (slot, future)
         self._slots.array(self._first + slot, expected)[:] = image
         future.add_done_callback(lambda f, r=rid: self._withdraw(f, r))
-        if not self._send(("run", rid, slot)):
+        if not self._send(RunRequest(rid, slot)):
             with self._lock:
                 self._pending.pop(rid, None)
                 self._free.append(slot)
@@ -539,16 +585,16 @@ class EngineClient:
 
     def _withdraw(self, future: Future[BatchResult], rid: int) -> None:
         if future.cancelled():  # its slot stays taken until the engine process answers
-            self._send(("cancel", rid))
+            self._send(Cancel(rid))
 
-    def ask(self, what: str) -> Future[Any]:
+    def ask(self, what: str) -> Future[bytes]:
         """Ask the engine process ``what`` (``"metrics"``: its Prometheus text); a future of the answer."""
-        future: Future[Any] = Future()
+        future: Future[bytes] = Future()
         with self._lock:
             qid = self._next_id
             self._next_id += 1
             self._questions[qid] = future
-        if not self._send(("ask", qid, what)):
+        if not self._send(Question(qid, what)):
             with self._lock:
                 self._questions.pop(qid, None)
             future.set_exception(self._gone())
@@ -556,7 +602,8 @@ class EngineClient:
 
     # --- metrics, sent in bulk -------------------------------------------------------------------
 
-    def observe(self, *observation: Any) -> None:
+    def observe(self, observation: Observation) -> None:
+        """Keep ``observation`` for the next flush (every :data:`FLUSH_S`, and before ``/metrics``)."""
         with self._lock:
             self._observations.append(observation)
 
@@ -564,7 +611,7 @@ class EngineClient:
         with self._lock:
             batch, self._observations = self._observations, []
         if batch:
-            self._send(("obs", batch))
+            self._send(Observations(tuple(batch)))
 
     def _flush_periodically(self) -> None:
         while not self._stopped.wait(FLUSH_S):
@@ -572,7 +619,7 @@ class EngineClient:
 
     # --- the connection --------------------------------------------------------------------------
 
-    def _send(self, msg: tuple[Any, ...]) -> bool:
+    def _send(self, msg: WorkerMessage) -> bool:
         conn = self._conn
         if conn is None:
             return False
@@ -583,50 +630,53 @@ class EngineClient:
         assert self._conn is not None
         try:
             while True:
-                msg = self._conn.recv()
-                kind = msg[0]
-                if kind in ("done", "error", "cancelled"):
-                    self._finish(msg)
-                elif kind == "phase":
-                    self._error = msg[2]
-                    self._phase = Phase(msg[1])
-                elif kind == "answer":
-                    with self._lock:
-                        question = self._questions.pop(msg[1], None)
-                    if question is not None:
-                        question.set_result(msg[2])
+                msg: object = self._conn.recv()  # anything: a broken or foreign peer fails this worker below
+                match msg:
+                    case Done() | Failed() | Cancelled():
+                        self._finish(msg)
+                    case PhaseChanged(phase, error):
+                        self._error = error  # before the phase: a reader that sees FAILED finds the reason
+                        self._phase = phase
+                    case Answer(qid, value):
+                        with self._lock:
+                            question = self._questions.pop(qid, None)
+                        if question is not None:
+                            question.set_result(value)
+                    case _:
+                        raise unexpected("the engine process", msg)
         except (EOFError, OSError):
             if not self._stopped.is_set():
                 self._fail("the engine process closed the connection (it exited or is shutting down)")
-        except Exception as err:
+        except Exception as err:  # a ProtocolError, or a message that does not unpickle here
             self._fail(f"the engine connection failed: {err}")
+            _shut_down(self._conn)  # the engine process drops this worker and gives its slots back
         finally:
             self._release_all()
 
-    def _finish(self, msg: tuple[Any, ...]) -> None:
-        kind, rid = msg[0], msg[1]
+    def _finish(self, reply: Done | Failed | Cancelled) -> None:
         assert self._slots is not None and self._info is not None
         with self._lock:
-            slot, future = self._pending.pop(rid, (-1, None))
+            slot, future = self._pending.pop(reply.rid, (-1, None))
         if future is None:
-            _log.warning("the engine process answered an unknown request %d; ignored", rid)
+            _log.warning("the engine process answered an unknown request %d; ignored", reply.rid)
             return
-        result: BatchResult | None = None
-        if kind == "done":
-            mask = self._slots.array(self._first + slot, tuple(self._info.input_spec.shape[1:3])).copy()
-            _, _, batch_size, padded, queue_ms, run_ms, timings = msg
-            result = BatchResult(mask, batch_size, padded, queue_ms, run_ms, timings)
+        outcome: BatchResult | DualtrackError
+        match reply:
+            case Done():
+                outcome = reply.result(self._slots.array(self._first + slot, self._info.input_spec.shape[1:3]).copy())
+            case Failed():
+                outcome = reply.error()
+            case Cancelled():  # the engine process withdrew it (it was shutting down)
+                outcome = NotReadyError("server is shutting down")
         with self._lock:
             self._free.append(slot)  # the mask is copied out: the slot is ours again
         if future.done():  # cancelled by the app meanwhile
             return
         with suppress(InvalidStateError):
-            if result is not None:
-                future.set_result(result)
-            elif kind == "error":
-                future.set_exception(_ERRORS.get(msg[2], DualtrackError)(msg[3]))
-            else:  # the engine process cancelled it (it was shutting down)
-                future.set_exception(NotReadyError("server is shutting down"))
+            if isinstance(outcome, BatchResult):
+                future.set_result(outcome)
+            else:
+                future.set_exception(outcome)
 
     def _gone(self) -> NotReadyError:
         return NotReadyError(self._error or "the engine process is gone")
@@ -641,7 +691,8 @@ class EngineClient:
             pending, self._pending = self._pending, {}
             questions, self._questions = self._questions, {}
         error = self._gone()
-        for future in [*(f for _, f in pending.values()), *questions.values()]:
+        futures: list[Future[Any]] = [*(f for _, f in pending.values()), *questions.values()]
+        for future in futures:
             if not future.done():
                 with suppress(InvalidStateError):
                     future.set_exception(error)
@@ -656,10 +707,10 @@ class RemoteMetrics:
         self.client = client
 
     def observe_request(self, endpoint: str, code: int) -> None:
-        self.client.observe("request", endpoint, code)
+        self.client.observe(RequestObserved(endpoint, code))
 
     def observe_latency(self, seconds: float) -> None:
-        self.client.observe("latency", seconds)
+        self.client.observe(LatencyObserved(seconds))
 
     def exposition(self, timeout: float = 10.0) -> bytes:
         """The whole service's metrics, from the engine process (this worker's sent first)."""

@@ -1,0 +1,227 @@
+"""The messages between the engine process of ``dualtrack serve --workers N`` and its HTTP workers.
+
+Each worker has one connection to the engine process (:mod:`multiprocessing.connection` over a
+Unix socket; :mod:`dualtrack.serve.shared` has the processes, the threads and the slot file).
+Every message is one of the frozen dataclasses below. Receivers dispatch on the type (``match``);
+anything else means the peer is broken or not ours: the receiver logs it and closes that connection.
+
+Engine process → worker
+    First exactly one of :class:`Hello` (the worker's range of image slots, the engine's specs and
+    phase) or :class:`Refused` (no range is free; the engine process hangs up after it). Then:
+
+    - for every :class:`RunRequest`, exactly one of :class:`Done`, :class:`Failed` or
+      :class:`Cancelled`, in the order the requests finish (not the order they were sent);
+    - for every :class:`Question`, one :class:`Answer`, after everything the worker sent before it;
+    - a :class:`PhaseChanged` whenever the batcher's phase changes (loading, warm, failed, closed).
+
+Worker → engine process, after the Hello
+    - :class:`RunRequest`: slot ``slot`` of the worker's range holds an image; queue it. The slot
+      belongs to the engine process until the request's answer arrives (a Done's mask is written
+      into that same slot).
+    - :class:`Cancel`: the client went away; withdraw the request if its batch has not started
+      (it is then answered :class:`Cancelled`; one whose batch started is answered as usual).
+    - :class:`Question`: ``"metrics"``, the whole service's Prometheus text.
+    - :class:`Observations`: the worker's HTTP metrics since its last flush, in bulk.
+
+Request and question ids are the worker's, from one counter that is never reset, so a late
+answer cannot be taken for a newer request's.
+
+Encoding: pickle, what :class:`~multiprocessing.connection.Connection` sends by default, not JSON.
+Both ends run the same installed dualtrack (the engine process starts its workers), the peer has
+proven it holds the engine process's random key before either side unpickles a byte, and the
+payloads are Python values that JSON would need converters for (a :class:`Phase`, TensorSpecs,
+the metrics text as bytes). Messages are small and few: the images travel in the slot file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+
+import numpy as np
+
+from dualtrack.errors import DualtrackError, InputError
+from dualtrack.plan import TensorSpec
+from dualtrack.serve.batcher import BatchResult, NotReadyError, Phase, QueueFullError
+
+ErrorKind: TypeAlias = Literal["queue_full", "not_ready", "input", "engine"]
+# The errors a request can fail with, by the name they travel under: the worker raises the same
+# class the batcher raised, so the app maps it to the same HTTP status in every process layout.
+_ERRORS: dict[ErrorKind, type[DualtrackError]] = {
+    "queue_full": QueueFullError,
+    "not_ready": NotReadyError,
+    "input": InputError,
+    "engine": DualtrackError,
+}
+
+
+class ProtocolError(DualtrackError):
+    """A peer sent something that is not a message of this protocol at that point."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an app reads from its engine (specs and sizes): the part of an Engine a worker sees."""
+
+    input_spec: TensorSpec
+    output_specs: tuple[TensorSpec, ...]
+    batch_sizes: tuple[int, ...]
+    device: str
+
+    @classmethod
+    def of(cls, engine: Any) -> EngineInfo:
+        return cls(engine.input_spec, tuple(engine.output_specs), tuple(engine.batch_sizes), engine.device)
+
+
+# --- engine process -> worker --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The first message to an accepted worker: its slot range in the slot file, and the engine."""
+
+    slot_path: str  # the slot file, mapped by both processes
+    slot_count: int  # slots in the whole file
+    slot_bytes: int  # bytes per slot: one input image; its mask fits in its place
+    first_slot: int  # where this worker's range starts in the file
+    slots: int  # slots in this worker's range: RunRequest.slot is in 0 .. slots - 1
+    info: EngineInfo
+    phase: Phase
+    error: str  # why loading or warmup failed; empty otherwise
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The first and last message to a worker the engine process cannot take."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """Request ``rid`` ran: its mask is in its slot; the rest of its :class:`BatchResult` is here."""
+
+    rid: int
+    batch_size: int
+    padded_size: int
+    queue_ms: float
+    run_ms: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, rid: int, result: BatchResult) -> Done:
+        return cls(rid, result.batch_size, result.padded_size, result.queue_ms, result.run_ms, result.timings)
+
+    def result(self, mask: np.ndarray) -> BatchResult:
+        """The request's result with ``mask``, read back from its slot."""
+        return BatchResult(mask, self.batch_size, self.padded_size, self.queue_ms, self.run_ms, self.timings)
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Request ``rid`` failed: refused by the batcher, a bad slot, or its batch failed."""
+
+    rid: int
+    kind: ErrorKind
+    message: str
+
+    @classmethod
+    def of(cls, rid: int, err: BaseException) -> Failed:
+        # Exact classes only: a subclass the worker cannot name travels as an engine failure (500).
+        for kind, error in _ERRORS.items():
+            if type(err) is error:
+                return cls(rid, kind, str(err))
+        return cls(rid, "engine", str(err))
+
+    def error(self) -> DualtrackError:
+        """The exception the batcher raised, to raise in the worker."""
+        return _ERRORS[self.kind](self.message)
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """Request ``rid`` was withdrawn before its batch ran (the worker cancelled it, or shutdown)."""
+
+    rid: int
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The answer to :class:`Question` ``qid``."""
+
+    qid: int
+    value: bytes
+
+
+@dataclass(frozen=True)
+class PhaseChanged:
+    """The batcher's phase changed; ``error`` says why when it failed."""
+
+    phase: Phase
+    error: str
+
+
+# --- worker -> engine process --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """Run the image in slot ``slot`` of the worker's range, as request ``rid``."""
+
+    rid: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Withdraw request ``rid`` if its batch has not started."""
+
+    rid: int
+
+
+@dataclass(frozen=True)
+class Question:
+    """Ask the engine process for ``what``: ``"metrics"`` (the Prometheus text of the whole service)."""
+
+    qid: int
+    what: str
+
+
+@dataclass(frozen=True)
+class RequestObserved:
+    """One HTTP answer of a worker, for ``dualtrack_requests_total``."""
+
+    endpoint: str
+    code: int
+
+
+@dataclass(frozen=True)
+class LatencyObserved:
+    """One ``POST /v1/segment``'s wall time in a worker, for ``dualtrack_request_latency_seconds``."""
+
+    seconds: float
+
+
+Observation: TypeAlias = RequestObserved | LatencyObserved
+
+
+@dataclass(frozen=True)
+class Observations:
+    """What a worker's app observed since its last flush, oldest first."""
+
+    batch: tuple[Observation, ...]
+
+
+EngineMessage: TypeAlias = Hello | Refused | Done | Failed | Cancelled | Answer | PhaseChanged
+WorkerMessage: TypeAlias = RunRequest | Cancel | Question | Observations
+
+
+def unexpected(sender: str, msg: object) -> ProtocolError:
+    """The error for a message ``sender`` should not have sent (shown shortened: it may be large)."""
+    shown = repr(msg)
+    if len(shown) > 200:
+        shown = shown[:200] + "..."
+    return ProtocolError(
+        f"{sender} sent {type(msg).__name__} {shown}, which is not a message of dualtrack.serve.protocol "
+        "it may send there; closing the connection (are both processes the same dualtrack?)"
+    )
