@@ -120,7 +120,7 @@ def write_hand_tuning(config: Path, path: Path, time_ms: float = 0.01, tiles: tu
     from dualtrack import partition, tuning
     from dualtrack.config import load_config
     from dualtrack.kernels import KERNELS, F16Tile
-    from dualtrack.tune_a.problems import by_problem, conv_layers
+    from dualtrack.kernels.problems import by_problem, conv_layers
 
     cfg = load_config(config)
     plan, _ = partition.plan_config(cfg)

@@ -16,9 +16,9 @@ import pytest
 from dualtrack import tuning
 from dualtrack.errors import VerificationError
 from dualtrack.kernels import KERNELS, Conv3x3Spec
+from dualtrack.kernels.problems import by_problem, conv_layers
 from dualtrack.settings import Settings
 from dualtrack.tune_a import TuneOptions, search, space
-from dualtrack.tune_a.problems import by_problem, conv_layers
 
 CONV = KERNELS["conv3x3"]
 assert isinstance(CONV, Conv3x3Spec)

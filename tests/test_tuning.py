@@ -21,9 +21,9 @@ from dualtrack.bundle import Bundle
 from dualtrack.config import load_config
 from dualtrack.errors import ConfigError
 from dualtrack.kernels import KERNELS, Conv3x3Spec, F16Tile
+from dualtrack.kernels.problems import ConvProblem, by_problem, channel_strides, conv_layers
 from dualtrack.plan import Plan
 from dualtrack.ptx import SOURCE_DIR, assemble_cubin
-from dualtrack.tune_a.problems import ConvProblem, by_problem, channel_strides, conv_layers
 from dualtrack.tune_a.search import random_fp16, sample_pixels
 
 CONV = KERNELS["conv3x3"]

@@ -346,7 +346,7 @@ def test_the_gpu_tests_model_runs_the_wgmma_kernel_almost_everywhere(tiny_wgmma_
     tiles, several configurations."""
     from dualtrack import partition
     from dualtrack.config import load_config
-    from dualtrack.tune_a.problems import conv_layers
+    from dualtrack.kernels.problems import conv_layers
 
     cfg = load_config(tiny_wgmma_config)
     plan, _ = partition.plan_config(cfg)

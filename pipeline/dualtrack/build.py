@@ -23,12 +23,14 @@ from importlib.metadata import version as pkg_version
 from pathlib import Path
 from typing import Any
 
-from dualtrack import arch, frontend, partition, ptx, track_b, verify
+from dualtrack import arch, frontend, kernels, partition, ptx, track_b, verify
 from dualtrack.bundle import MANIFEST, Bundle, BundleWriter, sha256
 from dualtrack.config import BuildConfig, load_config
 from dualtrack.errors import BundleError, ConfigError, ToolError
+from dualtrack.kernels.problems import conv_layers
 from dualtrack.manifest import Artifacts, Manifest, ModelInfo, Target, Verification
 from dualtrack.plan import ALIAS_OPS, Plan
+from dualtrack.runtime.engine import Engine
 from dualtrack.settings import Settings
 from dualtrack.tuning import TUNED_FIELDS, Selection, flag_records, flags_for, segment_key
 from dualtrack.tuning import select as select_tuning
@@ -69,9 +71,6 @@ def track_a_stems(plan: Plan, ptx_arch: str, use_tma: bool = True) -> list[str]:
     an arch with the copy engine), it is built for ``ptx_arch`` (compute_90a only) and at least one
     conv of the plan passes its shape checks (``Conv3x3WgmmaSpec.supported`` with the plan's channel
     strides; pointers are checked at launch). Which conv runs which kernel is decided at launch."""
-    from dualtrack import kernels
-    from dualtrack.tune_a.problems import conv_layers
-
     stems = {kernels.KERNELS[c.op].source for s in plan.segments for c in s.calls if c.op not in ALIAS_OPS}
     wgmma = kernels.CONV3X3_WGMMA
     if use_tma and ptx_arch in wgmma.ptx_arches:
@@ -91,8 +90,6 @@ def track_a_artifacts(
     The checked-in PTX, except where ``tuning`` selects tuned entries for a target: that target's
     PTX of the conv kernel is compiled here with NVRTC, the tuned entries added (cached).
     """
-    from dualtrack import kernels
-
     per_target = {res.arch.ptx_arch: track_a_stems(plan, res.arch.ptx_arch, res.use_tma) for res in resolutions}
     stems = sorted({s for target in per_target.values() for s in target})
     files: dict[str, bytes] = {}
@@ -368,8 +365,6 @@ def _compile(
 
 def _verify_tmp(writer: BundleWriter, manifest: Manifest, cfg: BuildConfig, say: Progress) -> dict[str, Any]:
     """Verify the not-yet-committed bundle by loading it from its temporary directory."""
-    from dualtrack.runtime.engine import Engine
-
     bundle = Bundle(writer.tmp, manifest.with_files(writer.files))
     engine = Engine.load(bundle, "cpu")
     try:
@@ -384,7 +379,6 @@ def _verify_tmp(writer: BundleWriter, manifest: Manifest, cfg: BuildConfig, say:
 
 
 def tool_versions(compiler: str) -> dict[str, str]:
-    from dualtrack import ptx
 
     out = {"iree-compile": compiler, "python": platform.python_version()}
     for pkg in ("iree-base-compiler", "iree-base-runtime", "onnx", "onnxruntime", "cuda-bindings", "numpy"):

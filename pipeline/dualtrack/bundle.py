@@ -32,6 +32,8 @@ import onnx
 from onnx import numpy_helper
 
 from dualtrack.errors import BundleError
+from dualtrack.kernels import CONV3X3_WGMMA, choose_conv3x3
+from dualtrack.kernels.problems import conv_layers
 from dualtrack.manifest import Manifest, Target
 from dualtrack.partition import attach_initializers
 from dualtrack.plan import Plan, Segment
@@ -196,9 +198,6 @@ class Bundle:
         kernel where the target's image has it and takes the shape (pointers assumed aligned, as
         planned buffers are), else the tuned or heuristic mma.sync entry. What did run on a device:
         the engine's ``backend.stats.conv3x3``."""
-        from dualtrack.kernels import CONV3X3_WGMMA, choose_conv3x3
-        from dualtrack.tune_a.problems import conv_layers
-
         image = self.track_a.get("ptx", {}).get(target.track_a_ptx, {})
         off = None if CONV3X3_WGMMA.stem in image else f"not in the {target.track_a_ptx} PTX"
         tuned = self.tuned_calls(target.cc_tuple)

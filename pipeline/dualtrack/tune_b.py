@@ -432,6 +432,7 @@ def kit_digest(kit: Kit) -> str:
 
 # -- records for the tuning file --------------------------------------------------------------------
 
+
 def records(kit: Kit, gpu: dict[str, Any], results: Sequence[SegmentResult]) -> list[dict[str, Any]]:
     """One tuning-file record per (segment, batch): the winner, the baseline, every candidate."""
     import iree.runtime as rt

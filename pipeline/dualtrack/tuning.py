@@ -38,10 +38,10 @@ import onnx
 from dualtrack.arch import Resolution
 from dualtrack.errors import ConfigError, InputError
 from dualtrack.kernels import KERNELS, Conv3x3Spec, F16Tile
+from dualtrack.kernels.problems import ConvProblem, conv_layers
 from dualtrack.partition import model_hash, strip_initializers
 from dualtrack.plan import Plan
 from dualtrack.ptx import SOURCE_DIR
-from dualtrack.tune_a.problems import ConvProblem, conv_layers
 
 SCHEMA = "dualtrack-tuning"
 SCHEMA_VERSION = 1

@@ -19,9 +19,10 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from dualtrack import kernels
 from dualtrack.config import DEFAULT_TOLERANCES, Tolerance
 from dualtrack.errors import ModelError, VerificationError
-from dualtrack.plan import Segment, TensorSpec
+from dualtrack.plan import ALIAS_OPS, Segment, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -150,8 +151,6 @@ def interpret_track_a(
     each call's spec packs its weights and runs its reference; a concat (an alias op: the
     runtime writes its inputs into slices of its output) is a numpy concatenation."""
     # Imported here only because the rest of this module has another owner (issue 18).
-    from dualtrack import kernels
-    from dualtrack.plan import ALIAS_OPS
 
     env = dict(inputs)
     for call in seg.calls:

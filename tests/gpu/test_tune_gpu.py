@@ -11,10 +11,10 @@ import pytest
 from dualtrack import kernels, tuning
 from dualtrack.bundle import Bundle
 from dualtrack.config import Tolerance
+from dualtrack.kernels.problems import by_problem, conv_layers
 from dualtrack.runtime.driver import Module
 from dualtrack.runtime.engine import Engine
 from dualtrack.tune_a import TuneOptions, tune_track_a
-from dualtrack.tune_a.problems import by_problem, conv_layers
 from dualtrack.tune_a.search import arch_of, compile_candidates
 from dualtrack.verify import compare, ort_session, random_input, run_ort, verify_engine
 

@@ -31,7 +31,7 @@ from dualtrack.kernels.base import (
 )
 from dualtrack.kernels.conv import ConvAbi, GemmTiles, conv3x3_reference
 from dualtrack.kernels.conv3x3_wgmma import Conv3x3WgmmaSpec
-from dualtrack.kernels.select import SMALL_C_K_MAX, SMALL_C_MAX, ConvChoice, choose_conv3x3
+from dualtrack.kernels.select import SMALL_C_K_MAX, SMALL_C_MAX, choose_conv3x3
 from dualtrack.plan import KernelCall
 
 
@@ -306,25 +306,8 @@ class Conv3x3Spec(ConvAbi, GemmTiles):
             np.maximum(out, 0.0, out=out)
         return out.astype(x.dtype)
 
-    def select(
-        self,
-        dtype: Any,
-        N: int,
-        H: int,
-        W: int,
-        C: int,
-        K: int,
-        ldx: int | None = None,
-        ldy: int | None = None,
-        *,
-        wgmma_off: str | None,
-        tuned: str | None = None,
-        x: int = 0,
-        w: int = 0,
-        y: int = 0,
-    ) -> ConvChoice:
-        """The kernel for one launch of this op: :func:`dualtrack.kernels.select.choose_conv3x3`."""
-        return choose_conv3x3(self, dtype, N, H, W, C, K, ldx, ldy, wgmma_off=wgmma_off, tuned=tuned, x=x, w=w, y=y)
+    # The kernel for one launch of this op: the policy in select.py, with this spec as its first argument.
+    select = choose_conv3x3
 
     def prepare(
         self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext

@@ -88,14 +88,6 @@ class ServeMetrics:
             if match:
                 self.track.labels(match.group(1)).observe(ms / 1e3)
 
-    def observe_remote(self, observations: list[tuple[object, ...]]) -> None:
-        """Record what a worker process observed (:class:`~dualtrack.serve.shared.RemoteMetrics`)."""
-        for kind, *args in observations:
-            if kind == "request":
-                self.observe_request(str(args[0]), int(args[1]))  # type: ignore[call-overload]
-            elif kind == "latency":
-                self.observe_latency(float(args[0]))  # type: ignore[arg-type]
-
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric in this app's registry."""
         return generate_latest(self.registry)

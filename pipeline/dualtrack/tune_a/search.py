@@ -41,12 +41,12 @@ from cuda.bindings import driver as cu
 from dualtrack import arch, kernels, ptx, tuning
 from dualtrack.errors import ArchError, ConfigError, DeviceError, VerificationError
 from dualtrack.kernels import Conv3x3Spec, F16Tile
+from dualtrack.kernels.problems import ConvLayer, ConvProblem, by_problem, conv_layers
 from dualtrack.plan import Plan
 from dualtrack.runtime.driver import NO_DEVICE, NO_DRIVER, Context, Device, Event, Kernel, Module, Stream, call
 from dualtrack.runtime.memory import DevicePool, HostBuffer, download, upload
 from dualtrack.settings import Settings
 from dualtrack.tune_a import space
-from dualtrack.tune_a.problems import ConvLayer, ConvProblem, by_problem, conv_layers
 
 _POISON = 0x7E00  # an fp16 quiet NaN: what no finite computation writes
 Progress = Callable[[str], None]

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Build here, where iree-compile is, everything bench/device_run.sh needs on the GPU machine, into
+# .carry/, and pack it as .carry.tar.xz (the 64 MiB carry limit): the reference bundles (the extra
+# ones without model.onnx: device_run.sh copies the reference's in), the tiny test bundles, the
+# Track B tuning kit, the sample images and, with `zoo` as an argument, the zoo bundles (their
+# exports: `make zoo`). Then carry [".whl", ".carry.tar.xz"] (bench/README.md).
+#
+#   bash bench/prepare_carry.sh [zoo|zoo-only]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+C=.carry
+PY=${PYTHON:-.venv/bin/python}
+DT=${DUALTRACK:-.venv/bin/dualtrack}
+what=${1:-}
+rm -rf "$C" .carry.tar.xz
+mkdir -p "$C"
+
+if [ "$what" != zoo-only ]; then
+  make -s models
+  "$DT" build configs/unet.yaml -o "$C/unet"
+  for c in unet_seed_split iree_only unet_head_b; do
+    "$DT" build "configs/$c.yaml" -o "$C/$c"
+    rm "$C/$c/model.onnx"  # the reference's: same model, same bytes (its hash is checked at load)
+  done
+  cp models/sample.png "$C/"
+  "$PY" -c "from PIL import Image; Image.open('models/sample.png').convert('RGB').save('$C/sample.jpg', quality=90)"
+  # The GPU tests' bundles (tests/conftest.py) and the IREE flag kit (tests/gpu/test_tune_b_gpu.py).
+  "$PY" - "$C" <<'EOF'
+import sys, tempfile
+from pathlib import Path
+sys.path.insert(0, "tests")
+import conftest
+from dualtrack.build import build
+from dualtrack.reference import UNetSpec
+out = Path(sys.argv[1])
+tmp = Path(tempfile.mkdtemp(prefix="carry-"))
+build(conftest.write_tiny_project(tmp / "tiny"), out / "tiny")
+fp16 = UNetSpec(**{**conftest.TINY.__dict__, "precision": "fp16"})
+full = conftest.write_tiny_project(tmp / "tiny_full", fp16, config="tiny_full.yaml")
+build(full, out / "tiny_full")
+conftest.build_tiny_tuned(out / "tiny_tuned")
+conftest.build_tiny_wgmma(out / "tiny_wgmma")
+(out / "tiny.yaml").write_text(str(tmp / "tiny" / "tiny.yaml"))
+EOF
+  "$DT" tune "$(cat "$C/tiny.yaml")" --track-b --prepare-kit "$C/kit_tiny"
+  rm "$C/tiny.yaml"
+fi
+if [ "$what" = zoo ] || [ "$what" = zoo-only ]; then
+  for m in configs/zoo/*.yaml; do
+    name=$(basename "$m" .yaml)
+    "$DT" build "$m" -o "$C/zoo/$name"
+  done
+fi
+tar -cf - "$C" | xz -T2 -6 > .carry.tar.xz
+du -sh "$C" .carry.tar.xz .whl 2>/dev/null || true
