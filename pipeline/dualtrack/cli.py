@@ -7,6 +7,7 @@ Every DualtrackError becomes one line on stderr and its documented exit code (RE
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from typing import Any
 import click
 import numpy as np
 
+from dualtrack import atomic
 from dualtrack.errors import EXIT_CODES, DualtrackError, InputError
 
 
@@ -298,12 +300,11 @@ def run(bundle: Path, image: Path, output: Path, device: str, device_index: int)
         # A palette PNG: pixel values are the class ids, and viewers show each class in its own colour.
         mask = Image.fromarray(mask_to_size(result["mask"][0].astype(np.uint8), height, width), mode="P")
         mask.putpalette(_PALETTE)
-        tmp = output.with_name(f".{output.name}.tmp")  # the mask appears whole or not at all
+        png = io.BytesIO()
+        mask.save(png, format="PNG")
         try:
-            mask.save(tmp, format="PNG")
-            tmp.replace(output)
+            atomic.write_bytes(output, png.getvalue())  # the mask appears whole or not at all
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             raise InputError(f"cannot write {output} ({e.strerror or e}); pass -o a path you can write to") from None
         counts = np.bincount(
             result["mask"].ravel(),

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.resources
-import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -38,6 +37,7 @@ from typing import Any
 
 from cuda.bindings import nvjitlink, nvrtc
 
+from dualtrack import atomic
 from dualtrack.arch import PTX_ARCHES, parse_ptx_isa, parse_ptx_target, resolve
 from dualtrack.errors import ArchError, DualtrackError, ToolError
 from dualtrack.kernels import defines_for_stem, ptx_arches_for_stem
@@ -268,10 +268,7 @@ def cached_ptx(
         return path.read_text()
     text = compile_ptx(source, arch, defines).text
     if enabled:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        atomic.write_text(path, text)
     return text
 
 
@@ -453,10 +450,7 @@ def cached_cubin(ptx: str | bytes, arch: str, cache_dir: Path, *, enabled: bool 
         return path.read_bytes()
     data = assemble_cubin(ptx, arch).data
     if enabled:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)  # atomic: concurrent builds never read half a cubin
+        atomic.write_bytes(path, data)  # concurrent builds never read half a cubin
     return data
 
 

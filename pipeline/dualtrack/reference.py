@@ -20,6 +20,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from dualtrack import atomic
+
 OPSET = 17
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -184,9 +186,7 @@ def write_reference(out_dir: Path, spec: UNetSpec = UNetSpec()) -> dict[str, Pat
     for precision in ("fp16", "fp32"):
         s = UNetSpec(**{**spec.__dict__, "precision": precision})
         path = out_dir / f"unet_{precision}.onnx"
-        tmp = path.with_suffix(".onnx.tmp")
-        onnx.save(build_unet(s), tmp)
-        tmp.replace(path)
+        atomic.write_bytes(path, build_unet(s).SerializeToString())
         written[precision] = path
     img_path = out_dir / "sample.png"
     Image.fromarray(sample_image(spec.height, spec.width)).save(img_path)

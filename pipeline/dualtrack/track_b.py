@@ -10,7 +10,6 @@ flags, and the compiler version.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shutil
 import tempfile
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import onnx
 
+from dualtrack import atomic
 from dualtrack.errors import ConfigError, ToolError, UnsupportedOpError
 from dualtrack.partition import with_batch
 from dualtrack.tools import run_tool, tool_version
@@ -141,12 +141,7 @@ class ModuleCache:
     def put(self, key: str, data: bytes) -> None:
         if not self.enabled:
             return
-        p = self.path(key)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, p)
+        atomic.write_bytes(self.path(key), data)
 
 
 def compiler_version() -> str:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from typing import Any
 
 import onnx
 
+from dualtrack import atomic
 from dualtrack.arch import Resolution
 from dualtrack.errors import ConfigError, InputError
 from dualtrack.kernels import KERNELS, Conv3x3Spec, F16Tile
@@ -98,13 +98,7 @@ def write_records(path: str | Path, records: Sequence[Record]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"schema": SCHEMA, "version": SCHEMA_VERSION, "records": list(records)}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return atomic.write_text(path, json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
 def save_records(path: str | Path, new: Iterable[Record], key: Callable[[Record], Any]) -> list[Record]:

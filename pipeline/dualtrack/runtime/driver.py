@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
-import os
 import time
 import warnings
 import weakref
@@ -36,6 +35,7 @@ from typing import Any
 
 from cuda.bindings import driver as cu
 
+from dualtrack import atomic
 from dualtrack.arch import check_ptx_loadable, parse_ptx_isa
 from dualtrack.errors import CudaError, DeviceError
 
@@ -400,13 +400,6 @@ def cubin_cache_name(ptx: bytes, *, arch: str, driver_version: int, opt_level: i
     return f"{arch}-{key.hexdigest()[:40]}.cubin"
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 class Module:
     """A loaded CUDA module (cubin, or PTX JIT-compiled by the driver).
 
@@ -484,7 +477,7 @@ class Module:
             self.cache = "miss"
         cubin = self._link(ptx, opt_level, log_size)
         try:
-            _write_atomic(path, cubin)
+            atomic.write_bytes(path, cubin)
         except OSError as exc:  # the load itself does not need the cache
             warnings.warn(
                 f"cannot write the cubin cache {path}: {exc}; the next start JIT-compiles again", stacklevel=4

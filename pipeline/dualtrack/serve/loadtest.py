@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from dualtrack import atomic
 from dualtrack.errors import InputError
 
 DEFAULT_PATH = "/v1/segment"
@@ -256,4 +257,4 @@ def _percentiles_ms(latencies: list[float]) -> dict[str, float]:
 
 def write_report(report: LoadTestReport, path: Path) -> None:
     """Write the report as JSON."""
-    path.write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
+    atomic.write_text(path, json.dumps(report.to_json(), indent=2) + "\n")
