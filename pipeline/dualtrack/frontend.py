@@ -40,6 +40,21 @@ BATCH = "N"  # the symbolic batch dimension
 IMAGE, MASK, PROBS = "image", "mask", "probs"
 # onnxslim fusions that would emit ops newer than TARGET_OPSET (Gelu is opset 20).
 _SKIP_FUSIONS = ["FusionGelu"]
+# Reductions stay fp32 when a model is converted to fp16, as mixed precision keeps them: a sum over a
+# feature map overflows fp16 (65504) long before its mean does. IREE's CUDA code for an fp16
+# GlobalAveragePool over a 128x128 squeeze-excitation input gave inf on the H200 (LR-ASPP; its CPU
+# code and onnxruntime accumulate in fp32), and torch accumulates half-precision means in fp32 too.
+FP32_REDUCTIONS = (
+    "GlobalAveragePool",
+    "GlobalLpPool",
+    "ReduceMean",
+    "ReduceSum",
+    "ReduceSumSquare",
+    "ReduceL1",
+    "ReduceL2",
+    "ReduceLogSum",
+    "ReduceLogSumExp",
+)
 # Ops whose presence means the simplifier has something to do (folding, elimination).
 _FOLDABLE_OPS = {"Identity", "Constant", "Shape", "Size", "ConstantOfShape", "Dropout"}
 
@@ -404,14 +419,26 @@ def convert_precision(model: onnx.ModelProto, want: str | None, log: list[Rewrit
     try:
         with warnings.catch_warnings():  # it warns once per weight it rounds to fp16's range
             warnings.simplefilter("ignore")
-            converted = float16.convert_float_to_float16(bare, keep_io_types=True, disable_shape_infer=False)
+            converted = float16.convert_float_to_float16(
+                bare,
+                keep_io_types=True,
+                disable_shape_infer=False,
+                op_block_list=[*float16.DEFAULT_OP_BLOCK_LIST, *FP32_REDUCTIONS],
+            )
         del converted.graph.value_info[:]
     except Exception as e:  # the converter raises whatever its graph walk hits
         raise ModelError(
             f"converting the model to fp16 failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
             "export it in fp16 or build with `precision: fp32`"
         ) from None
-    log.append(Rewrite("precision", "fp32 weights converted to fp16 (onnxconverter-common), inputs and outputs fp32"))
+    kept = sum(n.op_type in FP32_REDUCTIONS for n in model.graph.node)
+    log.append(
+        Rewrite(
+            "precision",
+            "fp32 weights converted to fp16 (onnxconverter-common), inputs and outputs fp32"
+            + (f"; {kept} reduction(s) kept in fp32" if kept else ""),
+        )
+    )
     return converted, "fp16"
 
 
