@@ -340,3 +340,25 @@ def test_an_fp16_model_is_checked_against_the_same_weights_in_fp32() -> None:
     sess = ort.InferenceSession(wide.SerializeToString(), providers=["CPUExecutionProvider"])
     got = verify.run_ort(sess, {"image": image})  # uint8 feeds pass through unchanged
     np.testing.assert_array_equal(got["mask"], exact["mask"])
+
+
+def test_a_mask_is_compared_where_its_reference_decides_the_class() -> None:
+    """A class flip where the reference's top two probabilities tie within the measured error is rounding;
+    a flip anywhere else is a mismatch, and the mask check fails on it."""
+    tol = Tolerance(rel_l2=1e-2, max_abs=0.1, mismatch=0.0)
+    rng = np.random.default_rng(8)
+    p1 = rng.uniform(0.6, 1.0, (1, 8, 8))
+    p1[0, 0, 0] = 0.501  # a near tie
+    probs = np.stack([1 - p1, p1], axis=1).astype(np.float32)
+    got_probs = probs.copy()
+    got_probs[0, :, 0, 0] = [0.503, 0.497]  # rounding moved it across
+    mask = np.ones((1, 8, 8), np.uint8)
+    flipped = mask.copy()
+    flipped[0, 0, 0] = 0
+    ref = {"mask": mask, "probs": probs}
+    ok = verify.compare_outputs("plan b1", "#0", ref, {"mask": flipped, "probs": got_probs}, tol)
+    assert all(c.passed for c in ok) and "1 of 64 pixels within rounding of a tie left out" in ok[0].note
+    wrong = flipped.copy()
+    wrong[0, 5, 5] = 0  # a decided pixel (p1 >= 0.6)
+    bad = verify.compare_outputs("plan b1", "#0", ref, {"mask": wrong, "probs": got_probs}, tol)
+    assert not bad[0].passed and bad[0].mismatch == pytest.approx(1 / 63)
