@@ -362,3 +362,15 @@ def test_a_mask_is_compared_where_its_reference_decides_the_class() -> None:
     wrong[0, 5, 5] = 0  # a decided pixel (p1 >= 0.6)
     bad = verify.compare_outputs("plan b1", "#0", ref, {"mask": wrong, "probs": got_probs}, tol)
     assert not bad[0].passed and bad[0].mismatch == pytest.approx(1 / 63)
+
+
+def test_probabilities_out_of_tolerance_excuse_no_mask_flip() -> None:
+    """Garbage probs (error 1.0) must not make every pixel a 'tie': the mask is then compared everywhere."""
+    tol = Tolerance(rel_l2=1e-2, max_abs=0.1, mismatch=0.0)
+    probs = np.stack([np.full((1, 4, 4), 0.1), np.full((1, 4, 4), 0.9)], axis=1).astype(np.float32)
+    garbage = probs[:, ::-1].copy()
+    ref = {"mask": np.ones((1, 4, 4), np.uint8), "probs": probs}
+    checks = verify.compare_outputs(
+        "plan b1", "#0", ref, {"mask": np.zeros((1, 4, 4), np.uint8), "probs": garbage}, tol
+    )
+    assert [c.passed for c in checks] == [False, False] and checks[0].mismatch == 1.0 and checks[0].note == ""
