@@ -374,3 +374,17 @@ def test_probabilities_out_of_tolerance_excuse_no_mask_flip() -> None:
         "plan b1", "#0", ref, {"mask": np.zeros((1, 4, 4), np.uint8), "probs": garbage}, tol
     )
     assert [c.passed for c in checks] == [False, False] and checks[0].mismatch == 1.0 and checks[0].note == ""
+
+
+def test_an_output_that_is_also_read_inside_converts_to_fp16() -> None:
+    """onnxconverter-common casts a kept-fp32 output in place; one read inside the graph gets its own Identity first."""
+    model = torch_style()
+    model.graph.output.append(
+        helper.make_tensor_value_info("/enc/relu/Relu_output_0", TensorProto.FLOAT, [1, 8, 16, 16])
+    )
+    fe = frontend.prepare(_cfg(precision="fp16"), model)
+    checks = verify.check_frontend(fe, (1, 2), DEFAULT_TOLERANCES["fp16"], seed=4)
+    assert [c.name for c in checks] == [
+        f"frontend b{b} {n}" for b in (1, 2) for n in ("logits", "/enc/relu/Relu_output_0")
+    ]
+    assert all(c.passed for c in checks), [verify.Report.line(c) for c in checks]

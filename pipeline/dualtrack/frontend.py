@@ -414,7 +414,7 @@ def convert_precision(model: onnx.ModelProto, want: str | None, log: list[Rewrit
         )
     from onnxconverter_common import float16
 
-    bare = copy.deepcopy(model)
+    bare = _outputs_apart(model)
     del bare.graph.value_info[:]  # shapes recorded before the conversion mislead its Cast insertion
     try:
         with warnings.catch_warnings():  # it warns once per weight it rounds to fp16's range
@@ -440,6 +440,28 @@ def convert_precision(model: onnx.ModelProto, want: str | None, log: list[Rewrit
         )
     )
     return converted, "fp16"
+
+
+def _outputs_apart(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy in which no graph output is also read inside the graph: such an output gets an Identity
+    of its own. onnxconverter-common keeps outputs fp32 (keep_io_types) by casting the tensor itself,
+    so a node reading it would get fp32 next to fp16 weights (an invalid graph)."""
+    model = copy.deepcopy(model)
+    g = model.graph
+    read = {x for n in g.node for x in n.input}
+    names = {x for n in g.node for x in (*n.input, *n.output)} | {i.name for i in g.initializer}
+    for out in g.output:
+        if out.name not in read:
+            continue
+        inner = out.name + "__inner"
+        while inner in names:
+            inner += "_"
+        names.add(inner)
+        for n in g.node:
+            n.input[:] = [inner if x == out.name else x for x in n.input]
+            n.output[:] = [inner if x == out.name else x for x in n.output]
+        g.node.append(helper.make_node("Identity", [inner], [out.name], name=f"{out.name}__out"))
+    return model
 
 
 # -- the image wrap -------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ class Settings:
     DUALTRACK_IREE_ALLOCATOR  IREE CUDA device allocator specs, comma-separated; default "caching" (reuses
                           freed buffers instead of a cuMemAlloc/cuMemFree pair per call); "none": IREE's plain one
     DUALTRACK_IREE_FLAGS  extra IREE runtime flags for the CUDA device, space-separated (read once per process)
+    DUALTRACK_GPU_SELF_CHECK  set to 0 to skip the check a bundle's first load on a GPU makes (runtime/selfcheck.py)
     """
 
     cache_dir: Path
@@ -33,6 +34,7 @@ class Settings:
     wgmma: bool = True
     iree_allocators: tuple[str, ...] = ("caching",)
     iree_flags: tuple[str, ...] = ()
+    gpu_self_check: bool = True
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -50,6 +52,7 @@ class Settings:
             wgmma=env.get("DUALTRACK_WGMMA", "1") not in ("0", "false", "no"),
             iree_allocators=_allocators(env.get("DUALTRACK_IREE_ALLOCATOR", "caching")),
             iree_flags=tuple(env.get("DUALTRACK_IREE_FLAGS", "").split()),
+            gpu_self_check=env.get("DUALTRACK_GPU_SELF_CHECK", "1") not in ("0", "false", "no"),
         )
 
 

@@ -187,3 +187,40 @@ def test_host_array_is_page_locked_and_uploaded_without_staging(engine) -> None:
     got = engine.run(x)
     for name in ("mask", "probs"):
         np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_the_first_load_on_this_gpu_is_checked_and_recorded(tiny_bundle: Path, tmp_path: Path, monkeypatch) -> None:
+    """runtime/selfcheck.py: the load verifies the bundle on this GPU once and keeps a passed record."""
+    from dualtrack.runtime.selfcheck import record_path
+
+    monkeypatch.setenv("DUALTRACK_CACHE_DIR", str(tmp_path))
+    with Engine.load(tiny_bundle, "cuda") as e:
+        dev = e.backend.device
+        name = f"{dev.name} cc{dev.cc[0]}.{dev.cc[1]} driver{dev.driver_version}"
+        record = json.loads(record_path(tmp_path, e.bundle.manifest.build_key, name).read_text())
+    assert record["passed"] is True and record["device"] == name
+    assert any(c["name"].startswith("plan b") for c in record["checks"])
+
+
+def test_a_bundle_whose_gpu_results_are_wrong_is_refused_at_load(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """A failing record does not stand in for a pass: the load checks again and refuses, engine closed."""
+    from dualtrack.errors import VerificationError
+    from dualtrack.runtime import selfcheck
+    from dualtrack.verify import Check, Report, verify_engine
+
+    def wrong(engine, **kw):
+        good = verify_engine(engine, **kw)
+        return Report(
+            good.device,
+            good.precision,
+            good.tolerance,
+            [*good.checks, Check("plan b1 probs #0", 1, 1, 0, 0, False)],
+            good.seed,
+        )
+
+    monkeypatch.setenv("DUALTRACK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(selfcheck, "verify_engine", wrong)
+    with pytest.raises(VerificationError, match="computes wrong results on NVIDIA"):
+        Engine.load(tiny_bundle, "cuda")

@@ -20,6 +20,8 @@ from dualtrack.bundle import Bundle
 from dualtrack.errors import InputError
 from dualtrack.plan import Segment, TensorSpec
 from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
+from dualtrack.runtime.selfcheck import self_check
+from dualtrack.settings import Settings
 
 DEVICES = ("cpu", "cuda")
 
@@ -133,7 +135,17 @@ class Engine:
         if device == "cuda":
             from dualtrack.runtime.gpu import CudaBackend
 
-            return cls(b, CudaBackend(b, device_index), "cuda")
+            engine = cls(b, CudaBackend(b, device_index), "cuda")
+            settings = Settings.from_env()
+            if settings.gpu_self_check:
+                dev = engine.backend.device
+                name = f"{dev.name} cc{dev.cc[0]}.{dev.cc[1]} driver{dev.driver_version}"
+                try:
+                    self_check(engine, name, settings.cache_dir)
+                except BaseException:
+                    engine.close()
+                    raise
+            return engine
         raise InputError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
 
     # -- validation -------------------------------------------------------------------------------

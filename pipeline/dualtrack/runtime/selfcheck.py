@@ -1,0 +1,65 @@
+"""A bundle's first load on a GPU checks what that GPU computes, because the build could not.
+
+The build verifies every bundle on the CPU (IREE llvm-cpu and the kernels' numpy semantics). The
+GPU runs other code: IREE's CUDA modules, the driver's JIT of their PTX, the hand-written kernels. A
+toolchain can get that code wrong where the CPU code is right: IREE 3.13's CUDA code for LR-ASPP in
+fp16 computes garbage from MobileNetV3's first inverted residual on, while its fp32 and its CPU code
+agree with onnxruntime to 1e-6 (bench/results/lraspp_diag-c14dd25-fp16.log, -fp32.log). Serving such a bundle would
+be silent wrong output. So the first :meth:`Engine.load` of a bundle on a GPU runs
+:func:`dualtrack.verify.verify_engine` once (every segment and the whole plan against onnxruntime,
+the build's tolerances), records the result per bundle and GPU (the cache's ``verified/``), and
+refuses a bundle that fails. Later loads read the record. ``DUALTRACK_GPU_SELF_CHECK=0`` skips it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dualtrack import atomic
+from dualtrack.config import Tolerance
+from dualtrack.errors import VerificationError
+from dualtrack.verify import Report, verify_engine
+
+
+def record_path(cache_dir: Path, build_key: str, device: str) -> Path:
+    """Where the result for this bundle (its build key) on this device (name, cc, driver) is kept."""
+    safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in device)
+    return cache_dir / "verified" / f"{build_key[:24]}-{safe}.json"
+
+
+def self_check(
+    engine: Any, device: str, cache_dir: Path, *, verify: Callable[..., Report] | None = None
+) -> dict[str, Any]:
+    """Verify ``engine`` on its device once; the record of a passed check makes later calls free.
+
+    ``device`` names the device as the record should (GPU name, compute capability, driver). Raises
+    VerificationError, with the first failing check and the way out, when the device gets it wrong.
+    """
+    manifest = engine.bundle.manifest
+    path = record_path(cache_dir, manifest.build_key, device)
+    try:
+        record = json.loads(path.read_text())
+        if record.get("passed") is True:
+            return record
+    except (OSError, ValueError):
+        pass  # no record yet (or an unreadable one): check
+    raw_tol = manifest.config.get("verify", {}).get("tolerance")
+    check = verify or verify_engine
+    report = check(engine, samples=1, interpret=False, tol=Tolerance(**raw_tol) if raw_tol else None)
+    record = {"passed": report.passed, "device": device, "build_key": manifest.build_key, **report.to_json()}
+    atomic.write_text(path, json.dumps(record, indent=2) + "\n")
+    if not report.passed:
+        bad = [c for c in report.checks if not c.passed]
+        first = bad[0]
+        raise VerificationError(
+            f"{engine.bundle.root} computes wrong results on {device}: {len(bad)} of {len(report.checks)} checks "
+            f"fail, first {first.name} (rel_l2 {first.rel_l2:.3g}, max_abs {first.max_abs:.3g}, mismatch "
+            f"{first.mismatch:.3g}); the CPU build verified, so this GPU's code for it is wrong: rebuild with "
+            "another `precision` or `track_b` flags (see `dualtrack verify BUNDLE --device cuda -v`), or set "
+            "DUALTRACK_GPU_SELF_CHECK=0 to load it regardless",
+            detail="\n".join(report.lines()),
+        )
+    return record
