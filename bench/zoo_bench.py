@@ -76,10 +76,19 @@ def time_host(torch: Any, fn: Any, xs: list[Any], warmup: int, iters: int) -> di
 
 
 def dualtrack_rows(torch: Any, name: str, bundle: Path, images: dict[int, list[np.ndarray]], args) -> list[dict]:
+    from dualtrack.errors import DualtrackError
     from dualtrack.runtime.engine import Engine
     from dualtrack.verify import verify_engine
 
-    engine = Engine.load(bundle, "cuda")
+    try:
+        engine = Engine.load(bundle, "cuda")  # the first load on this GPU checks it (runtime/selfcheck.py)
+    except DualtrackError as e:
+        print(f"[{name}] refused at load: {e}")
+        return [
+            {"name": f"{name}/{r}", "batch": b, "skipped": f"refused at load: {e}"}
+            for r in ("dualtrack_api", "dualtrack_api_numpy")
+            for b in args.batches
+        ]
     rows: list[dict[str, Any]] = []
     try:
         report = verify_engine(engine, samples=1)
