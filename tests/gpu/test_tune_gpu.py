@@ -86,6 +86,9 @@ def test_engine_built_with_tuned_tiles_matches_cpu_and_onnxruntime(
     # The wgmma kernel would take the C=8 and C=16 convs on sm_90a (tuned mma.sync tiles never
     # displace it: kernels.choose_conv3x3); this test is about the tuned tiles.
     monkeypatch.setenv("DUALTRACK_WGMMA", "0")
+    # The spies below must see the first launches: the load's own check (runtime/selfcheck.py) would
+    # prepare them first. This test verifies below, with the spies in place.
+    monkeypatch.setenv("DUALTRACK_GPU_SELF_CHECK", "0")
     with Engine.load(tiny_tuned_bundle, "cuda") as engine:
         be = engine.backend
         if be.device.cc != (9, 0):

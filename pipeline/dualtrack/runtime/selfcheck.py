@@ -49,7 +49,7 @@ def self_check(
     raw_tol = manifest.config.get("verify", {}).get("tolerance")
     check = verify or verify_engine
     report = check(engine, samples=1, interpret=False, tol=Tolerance(**raw_tol) if raw_tol else None)
-    record = {"passed": report.passed, "device": device, "build_key": manifest.build_key, **report.to_json()}
+    record = {**report.to_json(), "passed": report.passed, "device": device, "build_key": manifest.build_key}
     atomic.write_text(path, json.dumps(record, indent=2) + "\n")
     if not report.passed:
         bad = [c for c in report.checks if not c.passed]
