@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dualtrack import partition, tuning
+from dualtrack import atomic, partition, tuning
 from dualtrack.arch import resolve_targets
 from dualtrack.build import build
 from dualtrack.bundle import Bundle
@@ -107,7 +107,7 @@ def test_write_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     def crash(src: object, dst: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(tuning.os, "replace", crash)
+    monkeypatch.setattr(atomic.os, "replace", crash)  # tuning files are written through dualtrack.atomic
     with pytest.raises(OSError, match="disk full"):
         tuning.save(path, [record(time_ms=0.01)])
     assert path.read_text() == before  # the old file, whole
