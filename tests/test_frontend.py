@@ -388,3 +388,29 @@ def test_an_output_that_is_also_read_inside_converts_to_fp16() -> None:
         f"frontend b{b} {n}" for b in (1, 2) for n in ("logits", "/enc/relu/Relu_output_0")
     ]
     assert all(c.passed for c in checks), [verify.Report.line(c) for c in checks]
+
+
+def test_chained_resizes_with_the_export_batch_in_their_sizes_all_become_generic() -> None:
+    """torch's dynamo exporter writes every F.interpolate's sizes as a constant with the batch in it; after
+    the first becomes scales, shape inference names the batch afresh (N x 1.0), and the next must follow."""
+    x = "x"
+    nodes, inits = [], []
+    for i, hw in enumerate((16, 32, 64)):
+        inits.append(numpy_helper.from_array(np.array([1, 4, hw, hw], np.int64), f"sizes{i}"))
+        nodes.append(helper.make_node("Resize", [x, "", "", f"sizes{i}"], [f"up{i}"], name=f"up{i}", mode="nearest"))
+        nodes.append(helper.make_node("Relu", [f"up{i}"], [f"r{i}"], name=f"relu{i}"))
+        x = f"r{i}"
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, 4, 64, 64])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    fe = frontend.prepare(_cfg(batch_sizes=(1, 3)), model)
+    assert "3 shape constant(s) carried the export batch 1" in " ".join(r.detail for r in fe.rewrites)
+    plan, _ = _plan(_cfg(batch_sizes=(1, 3)), fe)
+    assert plan.outputs[0].shape == (1, 4, 64, 64)
+    checks = verify.check_frontend(fe, (1, 3), FP32, seed=9)
+    assert all(c.passed and c.rel_l2 == 0 for c in checks), [verify.Report.line(c) for c in checks]

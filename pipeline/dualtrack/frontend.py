@@ -261,7 +261,9 @@ def batch_generic_shapes(model: onnx.ModelProto, export_batch: int | None, log: 
         inits = {i.name: i for i in model.graph.initializer}
         changed = 0
         for node in model.graph.node:
-            if not node.input or dims.get(node.input[0]) != BATCH:
+            # A symbolic dim 0 is the batch: the input's N, or the fresh symbol shape inference gives
+            # the output of an op that scales N (a Resize with scales: N x 1.0).
+            if not node.input or not isinstance(dims.get(node.input[0]), str):
                 continue
             rewrite = _BATCH_REWRITES.get(node.op_type)
             if rewrite is not None and rewrite(model, node, inits, export_batch, dims):
@@ -276,7 +278,8 @@ def batch_generic_shapes(model: onnx.ModelProto, export_batch: int | None, log: 
 
 
 def _dim0(model: onnx.ModelProto) -> dict[str, str | int]:
-    """Dim 0 of every tensor under shape inference with the symbolic batch: "N" or an int."""
+    """Dim 0 of every tensor under shape inference with the symbolic batch: a symbol ("N", or one
+    inference made up for it) or an int."""
     try:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     except onnx.shape_inference.InferenceError:
@@ -299,7 +302,7 @@ def _const_input(model: onnx.ModelProto, inits: dict, node: onnx.NodeProto, k: i
 def _replace_input(model: onnx.ModelProto, node: onnx.NodeProto, k: int, value: np.ndarray, tag: str) -> None:
     """Give input ``k`` of ``node`` a constant of its own (the old one may be shared)."""
     names = {i.name for i in model.graph.initializer}
-    name, i = f"{node.input[k]}__{tag}", 0
+    name, i = f"{node.input[k] or node.name}__{tag}", 0
     while name in names:
         i += 1
         name = f"{node.input[k]}__{tag}{i}"
