@@ -51,15 +51,13 @@ def self_check(
     report = check(engine, samples=1, interpret=False, tol=Tolerance(**raw_tol) if raw_tol else None)
     record = {**report.to_json(), "passed": report.passed, "device": device, "build_key": manifest.build_key}
     atomic.write_text(path, json.dumps(record, indent=2) + "\n")
-    if not report.passed:
-        bad = [c for c in report.checks if not c.passed]
-        first = bad[0]
+    try:
+        report.raise_if_failed()
+    except VerificationError as e:
         raise VerificationError(
-            f"{engine.bundle.root} computes wrong results on {device}: {len(bad)} of {len(report.checks)} checks "
-            f"fail, first {first.name} (rel_l2 {first.rel_l2:.3g}, max_abs {first.max_abs:.3g}, mismatch "
-            f"{first.mismatch:.3g}); the CPU build verified, so this GPU's code for it is wrong: rebuild with "
-            "another `precision` or `track_b` flags (see `dualtrack verify BUNDLE --device cuda -v`), or set "
-            "DUALTRACK_GPU_SELF_CHECK=0 to load it regardless",
-            detail="\n".join(report.lines()),
-        )
+            f"{engine.bundle.root} computes wrong results on {device}: {e.message}; the CPU build verified, so this "
+            "GPU's code for it is wrong: rebuild with another `precision` or `track_b` flags (see `dualtrack verify "
+            "BUNDLE --device cuda -v`), or set DUALTRACK_GPU_SELF_CHECK=0 to load it regardless",
+            detail=e.detail,
+        ) from None
     return record
