@@ -1,7 +1,7 @@
 """Each zoo model, exported by the zoo script, builds unedited from its config in configs/zoo/ and
 verifies on the CPU, then `dualtrack run` segments an image with it.
 
-CI's size: the exports are 64x64 instead of 512x512 (the same export code, the same config with only
+CI's size: the exports are 128x128 instead of 512x512 (the same export code, the same config with only
 `model:` pointed at the small export) and built `--cpu-only`. Skipped where the zoo extra is missing.
 """
 
@@ -19,12 +19,12 @@ from zoo import CONFIGS, load_export
 from dualtrack.cli import main
 
 zoo = load_export()
-SIZE = (64, 64)
+SIZE = (128, 128)  # at 64x64 LR-ASPP's deepest maps are 4x4 and its fp16 error tail reaches the tolerance
 
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("zoo64")
+    out = tmp_path_factory.mktemp("zoo128")
     for name in zoo.ZOO:
         zoo.export_model(name, out, SIZE)
     return out
