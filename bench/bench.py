@@ -20,6 +20,9 @@ Rows (names are fixed so that result files compare across commits):
     dualtrack_head_b          bundle of configs/unet_head_b.yaml (the head's 1x1 conv on Track B, with softmax)
     dualtrack_mma_sync        the dualtrack bundle with DUALTRACK_WGMMA=0: every conv3x3 on the mma.sync
                               kernel (only where the dualtrack row ran the sm_90a wgmma kernel)
+    dualtrack_api             the dualtrack bundle through Engine.run on a torch CUDA tensor (what a service
+                              calls; the dualtrack row times run_batch, the internal path)
+    dualtrack_api_numpy       the same from numpy, results back on the host
 
 Timing: `median_ms` is host wall time around one synchronous call (time.perf_counter, the GPU idle
 before and drained after), the one clock that sees IREE's own streams; torch rows also record
@@ -83,6 +86,8 @@ ROWS = (
     "torch_compile_cudagraphs",
     "dualtrack_mma_sync",  # late: the chart's colours of the older rows stay as they were
     "dualtrack_head_b",
+    "dualtrack_api",  # Engine.run on a torch CUDA tensor: what a service calls (the dualtrack row: run_batch)
+    "dualtrack_api_numpy",  # Engine.run on numpy, results copied back to the host
 )
 BUNDLE_ROWS = {  # row -> (argparse dest, config that builds its bundle)
     "dualtrack": ("bundle", "configs/unet.yaml"),
@@ -352,6 +357,47 @@ def time_engine(engine: Any, xs: list[Any], batch: int, warmup: int, iters: int)
     }
 
 
+def time_api(torch: Any, engine: Any, xs: list[Any], warmup: int, iters: int) -> dict[str, Any]:
+    """The public path: ``Engine.run`` as a service calls it, the device drained after each call
+    (``torch.cuda.synchronize`` waits for IREE's streams too: one primary context)."""
+    for i in range(warmup):
+        engine.run(xs[i % len(xs)])
+    torch.cuda.synchronize()
+    totals, waits = [], []
+    for i in range(iters):
+        w0 = engine.backend.stats.host_waits
+        t0 = time.perf_counter()
+        engine.run(xs[i % len(xs)])
+        torch.cuda.synchronize()
+        totals.append((time.perf_counter() - t0) * 1e3)
+        waits.append(engine.backend.stats.host_waits - w0)
+    st = stats(totals)
+    return {
+        "host_waits": statistics.median(waits),  # per inference: each an A -> B hand-over
+        "median_ms": _r(st["median"]),
+        "median_event_ms": None,
+        "p10_ms": _r(st["p10"]),
+        "p90_ms": _r(st["p90"]),
+        "min_ms": _r(st["min"]),
+        "timer": "host perf_counter around Engine.run + torch.cuda.synchronize",
+    }
+
+
+def api_rows(engine: Any, b: int, ctx: dict[str, Any]) -> list[dict[str, Any]]:
+    """`dualtrack_api` (a torch CUDA uint8 tensor in, DLPack arrays out) and `dualtrack_api_numpy`
+    (numpy in, numpy out) on the dualtrack bundle: the calls a service makes, beside run_batch."""
+    import torch
+
+    args = ctx["args"]
+    host = ctx["inputs"][b]
+    out = []
+    for name, xs in (("dualtrack_api", [torch.from_numpy(x).cuda() for x in host]), ("dualtrack_api_numpy", host)):
+        t = time_api(torch, engine, xs, args.warmup, args.iters)
+        print(f"[{name}] N={b}: {t['median_ms']:.3f} ms")
+        out.append({"name": name, "batch": b, **t})
+    return out
+
+
 def bench_bundle(name: str, path: Path | None, ctx: dict[str, Any]) -> list[dict[str, Any]]:
     """Rows of one bundle at every batch size; for `dualtrack` with --layers also ctx["layers"], with
     --breakdown ctx["track_a_breakdown"]."""
@@ -403,6 +449,8 @@ def bench_bundle(name: str, path: Path | None, ctx: dict[str, Any]) -> list[dict
                 return [{**row, "engine_load_s": round(load_s, 2), "plan": plan, **extra}]
 
             rows += guarded(name, [b], one)
+            if name == "dualtrack":
+                rows += guarded("dualtrack_api", [b], lambda b=b: api_rows(engine, b, ctx))
         if name == "dualtrack" and args.layers:
             try:
                 ctx["layers"] = bench_layers(engine, batches, args)
