@@ -74,6 +74,20 @@ def _wait_ready(base: str) -> None:
     _until(lambda: httpx.get(f"{base}/readyz").status_code == 200, "/readyz to answer 200")
 
 
+def _serving(proc: subprocess.Popen) -> str:
+    """The base URL a `dualtrack serve --port 0` process announces, once it answers /readyz."""
+    port = None
+    deadline = time.monotonic() + WAIT_S
+    while port is None and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line, f"`dualtrack serve` exited with {proc.wait()}"
+        match = re.search(r"running on http://127\.0\.0\.1:(\d+)", line)
+        port = int(match.group(1)) if match else None
+    base = f"http://127.0.0.1:{port}"
+    _wait_ready(base)
+    return base
+
+
 def _metric(base: str, name: str) -> float:
     """The value of one unlabelled sample in /metrics."""
     text = httpx.get(f"{base}/metrics").text
@@ -350,15 +364,7 @@ def test_serve_cli_sigterm_finishes_in_flight_request(tiny_bundle: Path, rng) ->
     argv += ["--port", "0", "--max-batch-delay-ms", "1500", "--log-level", "info"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        port = None
-        deadline = time.monotonic() + WAIT_S
-        while port is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, f"`dualtrack serve` exited with {proc.wait()}"
-            match = re.search(r"running on http://127\.0\.0\.1:(\d+)", line)
-            port = int(match.group(1)) if match else None
-        base = f"http://127.0.0.1:{port}"
-        _wait_ready(base)
+        base = _serving(proc)
         with ThreadPoolExecutor(1) as pool:
             in_flight = pool.submit(httpx.post, f"{base}/v1/segment", content=_png(rng, 64, 64), timeout=WAIT_S)
             _until(lambda: _metric(base, "dualtrack_queue_depth") == 1, "the request to be queued", 10)
@@ -572,15 +578,7 @@ def test_memory_stays_bounded_under_a_burst_of_large_images(tiny_bundle: Path) -
     argv += ["--image-threads", "8", "--max-queue", "64", "--log-level", "info"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        port = None
-        deadline = time.monotonic() + WAIT_S
-        while port is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, f"`dualtrack serve` exited with {proc.wait()}"
-            match = re.search(r"running on http://127\.0\.0\.1:(\d+)", line)
-            port = int(match.group(1)) if match else None
-        base = f"http://127.0.0.1:{port}"
-        _wait_ready(base)
+        base = _serving(proc)
         assert httpx.post(f"{base}/v1/segment", content=_png(np.random.default_rng(), 64, 64)).status_code == 200
         idle = _rss_mb(proc.pid)
 
