@@ -20,7 +20,7 @@ from dualtrack.bundle import Bundle
 from dualtrack.errors import InputError
 from dualtrack.plan import Segment, TensorSpec
 from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
-from dualtrack.runtime.selfcheck import self_check
+from dualtrack.runtime.selfcheck import replay_check, self_check
 from dualtrack.settings import Settings
 
 DEVICES = ("cpu", "cuda")
@@ -28,6 +28,7 @@ DEVICES = ("cpu", "cuda")
 
 class Backend(Protocol):
     def run_segment(self, seg: Segment, batch: int, inputs: Mapping[str, Any]) -> dict[str, Any]: ...
+    def run_plan(self, batch: int, inputs: Mapping[str, Any]) -> dict[str, Any]: ...
     def to_host(self, value: Any) -> np.ndarray: ...
     def from_host(self, arr: np.ndarray, *, slot: str | None = None) -> Any: ...
     def host_array(self, shape: tuple[int, ...], dtype: str) -> np.ndarray: ...
@@ -55,7 +56,7 @@ class CpuBackend:
         self.params = parameter_index(bundle.weights)
         self.modules: dict[tuple[int, int], IreeModule] = {}
         self.lock = threading.Lock()
-        self.timings = {"A": 0.0, "B": 0.0}
+        self.timings = {"A": 0.0, "B": 0.0, "graph": 0.0}
 
     def module(self, seg: Segment, batch: int) -> IreeModule:
         with self.lock:
@@ -86,6 +87,12 @@ class CpuBackend:
         if len(rows) == 1:
             return rows[0]
         return {t.name: np.concatenate([r[t.name] for r in rows]) for t in seg.outputs}
+
+    def run_plan(self, batch: int, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        env = dict(inputs)
+        for seg in self.bundle.plan.segments:
+            env.update(self.run_segment(seg, batch, env))
+        return {o.name: env[o.name] for o in self.bundle.plan.outputs}
 
     def to_host(self, value: Any) -> np.ndarray:
         return np.asarray(value)
@@ -141,6 +148,7 @@ class Engine:
                 dev = engine.backend.device
                 name = f"{dev.name} cc{dev.cc[0]}.{dev.cc[1]} driver{dev.driver_version}"
                 try:
+                    replay_check(engine, name, settings.cache_dir)
                     self_check(engine, name, settings.cache_dir)
                 except BaseException:
                     engine.close()
@@ -178,11 +186,9 @@ class Engine:
     # -- execution --------------------------------------------------------------------------------
 
     def run_batch(self, x: Any, batch: int) -> dict[str, Any]:
-        """Run the plan on exactly one compiled batch size; values stay on the backend's device."""
-        tensors: dict[str, Any] = {self.input_spec.name: x}
-        for seg in self.plan.segments:
-            tensors.update(self.backend.run_segment(seg, batch, tensors))
-        return {o.name: tensors[o.name] for o in self.output_specs}
+        """Run the plan on exactly one compiled batch size; values stay on the backend's device (on
+        a GPU in the engine's planned buffers: valid until the next run)."""
+        return self.backend.run_plan(batch, {self.input_spec.name: x})
 
     def run(self, x: Any, outputs: Sequence[str] | None = None) -> dict[str, Any]:
         """Segment a batch of images: `x` is (n, *input.shape[1:]) in the input dtype.
@@ -218,6 +224,8 @@ class Engine:
                 "track_b_ms": self.backend.timings["B"],
                 "total_ms": total,
             }
+            if self.backend.timings.get("graph"):  # on a GPU, the whole inference as one CUDA graph
+                self.last_timings["graph_ms"] = self.backend.timings["graph"]
         return {k: np.concatenate(v) if len(v) > 1 else v[0] for k, v in parts.items()}
 
     def _wanted(self, outputs: Sequence[str] | None) -> tuple[str, ...]:
@@ -243,6 +251,8 @@ class Engine:
             )
         with self._lock:
             outs = self.run_batch(GpuTensor(imp.ptr, imp.shape, imp.dtype, imp.keepalive), n)
+            # The results are the caller's: out of the planned buffers the next run rewrites.
+            outs = {k: self.backend.own(t) for k, t in outs.items()}  # type: ignore[attr-defined]
         dev = self.backend.device.index  # type: ignore[attr-defined]
         return {k: dlpack.DeviceArray(t.ptr, t.shape, t.dtype, dev, t.keepalive) for k, t in outs.items()}
 
