@@ -204,7 +204,7 @@ class Imported(NamedTuple):
     keepalive: object
 
 
-def _compact_strides(shape: Sequence[int]) -> tuple[int, ...]:
+def compact_strides(shape: Sequence[int]) -> tuple[int, ...]:
     strides, step = [], 1
     for n in reversed(shape):
         strides.append(step)
@@ -236,7 +236,7 @@ def from_capsule(capsule: Any) -> Imported:
     m = struct.from_address(managed)
     t = m.dl_tensor
     shape = tuple(t.shape[i] for i in range(t.ndim))
-    strides = tuple(t.strides[i] for i in range(t.ndim)) if t.strides else _compact_strides(shape)
+    strides = tuple(t.strides[i] for i in range(t.ndim)) if t.strides else compact_strides(shape)
     dtype = np_dtype(t.dtype)  # before the capsule is marked used: a refusal leaves it unconsumed
     _capsule_set_name(capsule, used)
     return Imported(
@@ -262,7 +262,7 @@ def from_cuda_array_interface(obj: Any) -> Imported:
     dtype = np.dtype(cai["typestr"])
     shape = tuple(int(n) for n in cai["shape"])
     if cai.get("strides") is None:
-        strides = _compact_strides(shape)
+        strides = compact_strides(shape)
     else:
         if any(s % dtype.itemsize for s in cai["strides"]):
             raise InputError(f"strides {cai['strides']} are not whole {dtype} elements; pass an aligned array")

@@ -241,16 +241,15 @@ class Engine:
         if self.device != "cuda":
             raise InputError("a GPU tensor was given to a CPU engine; pass a numpy array or load with device='cuda'")
         from dualtrack.runtime import dlpack
-        from dualtrack.runtime.gpu import GpuTensor
 
-        imp = dlpack.from_capsule(x.__dlpack__()) if hasattr(x, "__dlpack__") else dlpack.from_cuda_array_interface(x)
-        n = self._check(imp.shape, imp.dtype.name)[0]
+        t = self.backend.import_tensor(x)  # type: ignore[attr-defined]
+        n = self._check(t.shape, t.dtype.name)[0]
         if n not in self.batch_sizes:
             raise InputError(
                 f"a GPU batch of {n} is not a compiled batch size {list(self.batch_sizes)}; pad it or pass numpy"
             )
         with self._lock:
-            outs = self.run_batch(GpuTensor(imp.ptr, imp.shape, imp.dtype, imp.keepalive), n)
+            outs = self.run_batch(t, n)
             # The results are the caller's: out of the planned buffers the next run rewrites.
             outs = {k: self.backend.own(t) for k, t in outs.items()}  # type: ignore[attr-defined]
         dev = self.backend.device.index  # type: ignore[attr-defined]

@@ -65,7 +65,7 @@ class CudaBackend:
         images = device_images(bundle, self.device.cc, wgmma=settings.wgmma)
         self.target = images.iree_target
         replayer = Replayer(
-            bundle, images.iree_target, self.ctx, self.stream, self.pool, self._upload_bytes,
+            bundle, images.iree_target, self.ctx, self.stream, self.pool,
             jit_cache=settings.cache_dir / "jit",
             enabled="" if settings.track_b == "replay" else "DUALTRACK_TRACK_B=iree",
         )  # fmt: skip
@@ -104,11 +104,26 @@ class CudaBackend:
 
     # -- host <-> device ----------------------------------------------------------------------------
 
-    def _upload_bytes(self, arr: np.ndarray) -> GpuTensor:
-        """A device copy of ``arr`` that the backend keeps (weights, constants): uploaded once."""
-        buf = self.pool.alloc(max(arr.nbytes, 1), self.stream)
-        upload(self.stream, buf, np.ascontiguousarray(arr), arr.nbytes)
-        return GpuTensor(int(buf), arr.shape, arr.dtype, buf)
+    def import_tensor(self, x: Any) -> GpuTensor:
+        """Another library's GPU tensor (DLPack or ``__cuda_array_interface__``), without a copy and
+        ordered before our stream's next work: DLPack's producer makes our stream wait for its
+        pending writes (``__dlpack__(stream=...)``). Refuses what the kernels cannot read as given."""
+        if hasattr(x, "__dlpack__"):
+            try:
+                capsule = x.__dlpack__(stream=int(self.stream.handle))
+            except TypeError:  # a producer without the stream argument (DLPack < 0.6)
+                capsule = x.__dlpack__()
+            imp = dlpack.from_capsule(capsule)
+        else:
+            imp = dlpack.from_cuda_array_interface(x)
+        if imp.device_type not in (dlpack.DLDeviceType.kDLCUDA, dlpack.DLDeviceType.kDLCUDAManaged):
+            raise InputError("the tensor is not in GPU memory; pass a numpy array or a CUDA tensor")
+        if imp.device_id not in (-1, self.device.index):
+            raise InputError(f"the tensor is on GPU {imp.device_id}, this engine on GPU {self.device.index}; move it")
+        dense = dlpack.compact_strides(imp.shape)
+        if any(n > 1 and a != b for n, a, b in zip(imp.shape, imp.strides, dense, strict=True)):
+            raise InputError(f"the tensor has strides {imp.strides}, not dense row-major; pass x.contiguous()")
+        return GpuTensor(imp.ptr, imp.shape, imp.dtype, imp.keepalive)
 
     def own(self, t: GpuTensor) -> GpuTensor:
         """``t`` in a buffer of its own, ordered after the work queued so far: what a caller may keep
@@ -293,12 +308,7 @@ class CudaBackend:
         elif isinstance(value, np.ndarray):
             t = self.from_host(value)
         else:
-            imp = (
-                dlpack.from_capsule(value.__dlpack__())
-                if hasattr(value, "__dlpack__")
-                else dlpack.from_cuda_array_interface(value)
-            )
-            t = GpuTensor(imp.ptr, imp.shape, imp.dtype, imp.keepalive)
+            t = self.import_tensor(value)
         want = spec.at_batch(batch)
         if tuple(t.shape) != want or t.dtype.name != spec.dtype:
             raise InputError(f"{spec.name}: got {t.shape} {t.dtype}, expected {want} {spec.dtype}")
@@ -324,6 +334,8 @@ class CudaBackend:
         self.stream.synchronize()  # nothing may still run when modules and buffers go away
         for batch in list(self.plan_graphs):
             self._drop_graph(batch)
+        for ev in self.graph_events or ():
+            ev.close()  # now, in this context: a handle freed later could name a context since recreated
         self.track_b.close()
         self.track_a.close()
         for b in self.slots.values():

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ from dualtrack.errors import ArchError
 from dualtrack.launch_plan import BINDING_ALIGNMENT, Command, Copy, Dispatch, Fill, LaunchPlan, Ref
 from dualtrack.plan import Segment, parameter_key
 from dualtrack.runtime.driver import Context, Kernel, Module, Stream, call
-from dualtrack.runtime.memory import DevicePool
+from dualtrack.runtime.memory import DevicePool, upload
 from dualtrack.runtime.tensors import GpuTensor
 
 log = logging.getLogger("dualtrack.replay")
@@ -130,14 +130,13 @@ class Replayer:
         ctx: Context,
         stream: Stream,
         pool: DevicePool,
-        upload: Callable[[np.ndarray], GpuTensor],
         *,
         jit_cache: Any,
         enabled: str = "",
     ) -> None:
         """``enabled``: "" to replay wherever a plan exists, else why the IREE runtime runs all."""
         self.bundle, self.target, self.ctx, self.stream, self.pool = bundle, target, ctx, stream, pool
-        self.upload, self.jit_cache, self.disabled = upload, jit_cache, enabled
+        self.jit_cache, self.disabled = jit_cache, enabled
         self.segments: dict[tuple[int, int], ReplaySegment] = {}
         self.params: dict[tuple[str, str], GpuTensor] = {}
         self.modules: dict[str, Module] = {}
@@ -200,6 +199,12 @@ class Replayer:
                 cache_dir=self.jit_cache if kind == "ptx" else None,
             )
         return self.modules[rel]
+
+    def upload(self, arr: np.ndarray) -> GpuTensor:
+        """A device copy of host bytes the replay keeps (parameters, constants), queued on the stream."""
+        buf = self.pool.alloc(max(arr.nbytes, 1), self.stream)
+        upload(self.stream, buf, np.ascontiguousarray(arr), arr.nbytes)
+        return GpuTensor(int(buf), arr.shape, arr.dtype, buf)
 
     def _param(self, scope: str, key: str) -> GpuTensor:
         if (scope, key) not in self.params:

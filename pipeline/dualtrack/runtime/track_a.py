@@ -271,6 +271,8 @@ class TrackA:
             for t in roots:
                 t.keepalive.close(self.stream)
         self.weights.clear()
+        self.ev_start.close()  # now, in this context (a handle freed later could name one since recreated)
+        self.ev_end.close()
 
 
 @dataclass(frozen=True)
