@@ -140,3 +140,27 @@ def test_replay_is_clean_under_memcheck(tiny_full_bundle: Path, tmp_path: Path) 
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "ERROR SUMMARY: 0 errors" in proc.stdout + proc.stderr
+
+
+def test_gpu_input_written_on_a_side_stream_is_waited_for(tiny_bundle: Path) -> None:
+    """The input is still being written on another torch stream when Engine.run is called: the
+    engine's stream must wait for it on the device (DLPack's stream handshake), not read early."""
+    torch = pytest.importorskip("torch", reason="needs torch for a GPU input tensor")
+    from dualtrack.errors import InputError
+
+    rng = np.random.default_rng(8)
+    x = random_input_batch(1, tiny_bundle, rng)
+    with Engine.load(tiny_bundle, "cuda") as e:
+        want = e.run(x)
+        e.run(torch.from_numpy(x).cuda())  # capture the graph first
+        side = torch.cuda.Stream()
+        src = torch.from_numpy(x).pin_memory()
+        with torch.cuda.stream(side):
+            t = torch.zeros(x.shape, dtype=torch.uint8, device="cuda")
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the real pixels land
+            t.copy_(src, non_blocking=True)
+            out = e.run(t)
+        got = torch.from_dlpack(out["mask"]).cpu().numpy()
+        np.testing.assert_array_equal(got, want["mask"])
+        with pytest.raises(InputError, match="contiguous"):
+            e.run(torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1, 3))).cuda().transpose(1, 2))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -250,11 +250,12 @@ def from_capsule(capsule: Any) -> Imported:
     )
 
 
-def from_cuda_array_interface(obj: Any) -> Imported:
+def from_cuda_array_interface(obj: Any, *, wait: Callable[[int], None] | None = None) -> Imported:
     """Read ``obj.__cuda_array_interface__`` (v3). ``keepalive`` is ``obj`` itself.
 
-    The interface does not name the device: ``device_id`` is -1. If it names a stream, that
-    stream is synchronized before returning, so the data is ready for any stream.
+    The interface does not name the device: ``device_id`` is -1. If it names a stream, ``wait``
+    is called with it (a consumer orders its own stream after it); without ``wait`` that stream
+    is synchronized before returning, so the data is ready for any stream.
     """
     cai = obj.__cuda_array_interface__
     if cai.get("mask") is not None:
@@ -268,7 +269,10 @@ def from_cuda_array_interface(obj: Any) -> Imported:
             raise InputError(f"strides {cai['strides']} are not whole {dtype} elements; pass an aligned array")
         strides = tuple(int(s) // dtype.itemsize for s in cai["strides"])
     if cai.get("stream") is not None:
-        call(cu.cuStreamSynchronize, cu.CUstream(int(cai["stream"])))
+        if wait is not None:
+            wait(int(cai["stream"]))
+        else:
+            call(cu.cuStreamSynchronize, cu.CUstream(int(cai["stream"])))
     return Imported(int(cai["data"][0]), shape, strides, dtype, int(DLDeviceType.kDLCUDA), -1, obj)
 
 

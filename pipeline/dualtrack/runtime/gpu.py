@@ -58,6 +58,7 @@ class CudaBackend:
         self.plan_graphs: dict[int, tuple[Any, Any, dict[str, GpuTensor], dict[str, GpuTensor]]] = {}
         self.graph_events: tuple[Event, Event] | None = None
         self.graph_ok: dict[tuple[int, int], bool] = {}
+        self.import_event: Event | None = None
         self.graph_pending = False
         self.staging: dict[int, HostBuffer] = {}
         self.host_arrays: list[HostBuffer] = []  # handed out by host_array(); uploaded from directly
@@ -106,16 +107,20 @@ class CudaBackend:
 
     def import_tensor(self, x: Any) -> GpuTensor:
         """Another library's GPU tensor (DLPack or ``__cuda_array_interface__``), without a copy and
-        ordered before our stream's next work: DLPack's producer makes our stream wait for its
-        pending writes (``__dlpack__(stream=...)``). Refuses what the kernels cannot read as given."""
+        ordered before our stream's next work. DLPack's producer is asked to make its pending
+        writes visible on the legacy default stream (``__dlpack__(stream=1)``: for torch on its
+        default stream, nothing to do; a side stream gets one event), and our stream waits for that
+        stream with an event, on the device (asking for our own stream instead costs torch tens of
+        microseconds a call). Refuses what the kernels cannot read as given."""
         if hasattr(x, "__dlpack__"):
             try:
-                capsule = x.__dlpack__(stream=int(self.stream.handle))
+                capsule = x.__dlpack__(stream=1)
             except TypeError:  # a producer without the stream argument (DLPack < 0.6)
                 capsule = x.__dlpack__()
             imp = dlpack.from_capsule(capsule)
+            self._wait_for(0)
         else:
-            imp = dlpack.from_cuda_array_interface(x)
+            imp = dlpack.from_cuda_array_interface(x, wait=self._wait_for)
         if imp.device_type not in (dlpack.DLDeviceType.kDLCUDA, dlpack.DLDeviceType.kDLCUDAManaged):
             raise InputError("the tensor is not in GPU memory; pass a numpy array or a CUDA tensor")
         if imp.device_id not in (-1, self.device.index):
@@ -124,6 +129,13 @@ class CudaBackend:
         if any(n > 1 and a != b for n, a, b in zip(imp.shape, imp.strides, dense, strict=True)):
             raise InputError(f"the tensor has strides {imp.strides}, not dense row-major; pass x.contiguous()")
         return GpuTensor(imp.ptr, imp.shape, imp.dtype, imp.keepalive)
+
+    def _wait_for(self, stream: int) -> None:
+        """Our stream waits (on the device) for the work queued so far on ``stream`` (0: legacy default)."""
+        if self.import_event is None:
+            self.import_event = Event(self.ctx, timing=False)
+        call(cu.cuEventRecord, self.import_event.handle, cu.CUstream(stream))
+        self.stream.wait(self.import_event)
 
     def own(self, t: GpuTensor) -> GpuTensor:
         """``t`` in a buffer of its own, ordered after the work queued so far: what a caller may keep
@@ -334,7 +346,7 @@ class CudaBackend:
         self.stream.synchronize()  # nothing may still run when modules and buffers go away
         for batch in list(self.plan_graphs):
             self._drop_graph(batch)
-        for ev in self.graph_events or ():
+        for ev in (*(self.graph_events or ()), *([self.import_event] if self.import_event else [])):
             ev.close()  # now, in this context: a handle freed later could name a context since recreated
         self.track_b.close()
         self.track_a.close()
