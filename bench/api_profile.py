@@ -14,6 +14,7 @@ import cProfile
 import gc
 import io
 import json
+import os
 import pstats
 import statistics
 import time
@@ -86,10 +87,19 @@ def main() -> None:
         rows.append(row)
         print(f"N={b}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float)))
         print(row["profile"])
+    dev = engine.backend.device
     engine.close()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "api_profile.json").write_text(json.dumps(rows, indent=2) + "\n")
+        result = {
+            "commit": os.environ.get("DUALTRACK_COMMIT", "unknown"),
+            "gpu": dev.name,
+            "driver": f"CUDA driver API {dev.driver_version}",
+            "bundle": str(args.bundle),
+            "iters": args.iters,
+            "rows": rows,
+        }
+        (args.out / "api_profile.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
