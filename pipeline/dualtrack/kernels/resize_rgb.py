@@ -84,7 +84,9 @@ class ResizeRgbSpec(KernelSpec):
             "out_h": out_h,
             "orientation": orientation,
         }
-        return [(values[n], ctypes.c_void_p if i < self.POINTERS else ctypes.c_int32) for i, n in enumerate(self.PARAMS)]
+        return [
+            (values[n], ctypes.c_void_p if i < self.POINTERS else ctypes.c_int32) for i, n in enumerate(self.PARAMS)
+        ]
 
     def reference(self, x: np.ndarray, *args: Any, **kwargs: Any) -> np.ndarray:
         """``x`` (h, w, 3) uint8 as stored -> ``(out_h, out_w, 3)`` uint8: ``reference(x, out_h, out_w,
@@ -103,7 +105,7 @@ def oriented(x: np.ndarray, orientation: int) -> np.ndarray:
         x = x.transpose(1, 0, 2)  # displayed (u, v) reads stored (v, u) before the flips below
     flip_u = orientation in (2, 3, 6, 7)  # displayed columns run backwards through the stored axis
     flip_v = orientation in (3, 4, 7, 8)
-    return x[::-1 if flip_v else 1, ::-1 if flip_u else 1]
+    return x[:: -1 if flip_v else 1, :: -1 if flip_u else 1]
 
 
 def _taps(in_size: int, out_size: int) -> int:
@@ -118,7 +120,7 @@ def axis_coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarr
     scale = np.float64(in_size) / np.float64(out_size)
     filterscale = max(scale, np.float64(1.0))
     support = filterscale
-    ksize = int(math.ceil(support)) * 2 + 1
+    ksize = math.ceil(support) * 2 + 1
     center = (np.arange(out_size, dtype=np.float64) + 0.5) * scale
     ss = np.float64(1.0) / filterscale
     first = np.maximum(np.trunc(center - support + 0.5).astype(np.int64), 0)
@@ -142,9 +144,7 @@ def _pass(x: np.ndarray, out_size: int, axis: int) -> np.ndarray:
     index = np.minimum(first[:, None] + np.arange(k.shape[1])[None, :], in_size - 1)  # weight 0 past count
     taken = np.take(x, index, axis=axis).astype(np.int64)  # axis replaced by (out_size, ksize)
     weights = k.astype(np.int64)
-    if axis == 1:  # (h, out, ksize, 3)
-        acc = np.einsum("hokc,ok->hoc", taken, weights)
-    else:  # (out, ksize, w, 3)
-        acc = np.einsum("okwc,ok->owc", taken, weights)
+    # horizontal: (h, out, ksize, 3); vertical: (out, ksize, w, 3)
+    acc = np.einsum("hokc,ok->hoc" if axis == 1 else "okwc,ok->owc", taken, weights)
     acc += 1 << (PRECISION_BITS - 1)
     return np.clip(acc >> PRECISION_BITS, 0, 255).astype(np.uint8)
