@@ -101,6 +101,7 @@ def create_app(
     shutdown_timeout_s: float = ServeOptions.shutdown_timeout_s,
     image_threads: int = ServeOptions.image_threads,
     image_memory_mb: int = ServeOptions.image_memory_mb,
+    jpeg_decoder: str = "auto",
 ) -> Starlette:
     """Build the ASGI app for ``source``: an ``Engine`` (borrowed), a bundle path, or an engine factory.
 
@@ -109,6 +110,8 @@ def create_app(
     Images are decoded, resized and encoded on ``image_threads`` threads (0: one per core), never
     on the event loop, with at most ``image_memory_mb`` of full-size images in flight; allocations
     over 4 MiB in this process are mmapped from then on (:func:`dualtrack.imaging.map_large_buffers`).
+    ``jpeg_decoder``: ``auto`` decodes JPEGs on the engine's GPU where nvImageCodec is installed
+    (:mod:`dualtrack.runtime.gpu_jpeg`), ``cpu`` always with Pillow; ``/readyz`` says which runs.
     ``app.state.batcher``, ``app.state.metrics`` and ``app.state.options`` are there for embedding.
     """
     options = ServeOptions(
@@ -135,6 +138,7 @@ def create_app(
         device=options.device,
         device_index=options.device_index,
         on_batch=metrics.observe_batch,
+        jpeg_decoder=jpeg_decoder,
     )
     return _assemble(batcher, metrics, options)
 
