@@ -406,9 +406,7 @@ class Batcher:
                 try:
                     staged = self._stage(engine, batch)
                 except Exception as err:  # one bad batch fails its requests, not the server
-                    for request in batch.requests:
-                        if not request.future.done():
-                            request.future.set_exception(err)
+                    _fail_unanswered(batch.requests, err)
                     continue
                 finally:
                     with self._cond:
@@ -482,9 +480,7 @@ class Batcher:
                 self._fail_rows(item, err)
 
     def _fail_rows(self, item: _Staged, err: BaseException) -> None:
-        for row, request in enumerate(item.requests):
-            if row not in item.failed and not request.future.done():
-                request.future.set_exception(err)
+        _fail_unanswered([r for row, r in enumerate(item.requests) if row not in item.failed], err)
 
     def _answer(self, engine: Engine, item: _Staged, submission: Submission, start: float) -> None:
         try:
@@ -494,19 +490,7 @@ class Batcher:
             return
         run_ms = (time.monotonic() - start) * 1e3
         timings = dict(engine.last_timings)
-        n = len(item.requests)
-        results = [
-            BatchResult(masks[i], n, item.size, (start - r.enqueued) * 1e3, run_ms, timings)
-            for i, r in enumerate(item.requests)
-        ]
-        for row, (request, result) in enumerate(zip(item.requests, results, strict=True)):
-            if row not in item.failed:
-                request.future.set_result(result)
-        if self._on_batch is not None:
-            try:
-                self._on_batch(results)
-            except Exception:  # a metrics bug must not stop inference
-                _log.exception("on_batch callback failed")
+        self._resolve(item.requests, masks, item.size, start, run_ms, timings, item.failed)
 
     def _load(self) -> Engine:
         source = self._source
@@ -567,9 +551,7 @@ class Batcher:
         try:
             self._run(engine, batch)
         except BaseException as err:  # a bug here stops the worker (_work): its requests must not hang
-            for request in batch.requests:
-                if not request.future.done():
-                    request.future.set_exception(err)
+            _fail_unanswered(batch.requests, err)
             raise
         finally:
             with self._cond:
@@ -600,16 +582,37 @@ class Batcher:
         run_ms = (time.monotonic() - start) * 1e3
         timings = dict(engine.last_timings)
         masks = outputs[MASK_OUTPUT]  # new arrays each run (Engine.run): the rows need no copy
+        self._resolve(requests, masks, size, start, run_ms, timings, set())
+
+    def _resolve(
+        self,
+        requests: list[_Request],
+        masks: np.ndarray,
+        size: int,
+        start: float,
+        run_ms: float,
+        timings: dict[str, float],
+        failed: set[int],
+    ) -> None:
+        """Answer every request of a run with its mask row (but the ``failed`` rows), then ``on_batch``."""
+        n = len(requests)
         results = [
             BatchResult(masks[i], n, size, (start - r.enqueued) * 1e3, run_ms, timings) for i, r in enumerate(requests)
         ]
-        for request, result in zip(requests, results, strict=True):
-            request.future.set_result(result)
+        for row, (request, result) in enumerate(zip(requests, results, strict=True)):
+            if row not in failed:
+                request.future.set_result(result)
         if self._on_batch is not None:
             try:
                 self._on_batch(results)
             except Exception:  # a metrics bug must not stop inference
                 _log.exception("on_batch callback failed")
+
+
+def _fail_unanswered(requests: list[_Request], err: BaseException) -> None:
+    for request in requests:
+        if not request.future.done():
+            request.future.set_exception(err)
 
 
 def _is_engine(source: object) -> bool:
