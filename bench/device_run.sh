@@ -64,7 +64,7 @@ for step in $steps; do
       # JPEG -> JSON and JPEG -> PNG on `serve --workers 4` and `--workers 8` (HTTP processes in front of one
       # engine); against the engine's own batch-8 throughput measured in the
       # same run (ratios: serve_bench-*.json and the last lines printed). About 5 minutes.
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" \
+      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
         --variant "workers_4=--workers 4 --max-batch-delay-ms 8" --variant "workers_8=--workers 8 --max-batch-delay-ms 8" --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve.log" ;;
     ab)
       # Not in the default steps: `bash bench/device_run.sh ab`. The carried bundles of the reference

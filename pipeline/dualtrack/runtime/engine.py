@@ -20,6 +20,7 @@ from dualtrack.bundle import Bundle
 from dualtrack.errors import InputError
 from dualtrack.plan import Segment, TensorSpec
 from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
+from dualtrack.runtime.overlap import Fill, Overlap, Staged, Submission
 from dualtrack.runtime.selfcheck import replay_check, self_check
 from dualtrack.settings import Settings
 
@@ -128,6 +129,7 @@ class Engine:
         self.last_timings: dict[str, float] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._overlap: Any = None  # runtime/overlap.py's slots and streams, made by the first stage() on cuda
 
     @classmethod
     def load(
@@ -255,6 +257,57 @@ class Engine:
         dev = self.backend.device.index  # type: ignore[attr-defined]
         return {k: dlpack.DeviceArray(t.ptr, t.shape, t.dtype, dev, t.keepalive) for k, t in outs.items()}
 
+    # -- overlapped runs (runtime/overlap.py) ---------------------------------------------------------
+
+    def stage(self, x: np.ndarray, fill: Fill | None = None) -> Staged:
+        """Upload ``x`` (a compiled batch size of images, numpy; from :meth:`host_array` it is copied
+        without staging) into a free device slot, for :meth:`launch`. On ``cuda`` the copy runs on an
+        upload stream, beside whatever the compute stream runs, and is complete when this returns
+        (``x`` is the caller's again); ``fill(stream, slot_tensor)`` may first write rows on the GPU
+        (the service's JPEG decode) and returns them: those rows of ``x`` are not copied. Safe to
+        call from one thread while another calls :meth:`launch`; waits while every slot is in use
+        (until a :meth:`Submission.result` collects one). On ``cpu``: a copy of ``x``."""
+        if self._closed:
+            raise InputError("this engine is closed; load the bundle again")
+        n = self.check_input(x)[0]
+        if n not in self.batch_sizes:
+            raise InputError(f"a staged batch of {n} is not a compiled batch size {list(self.batch_sizes)}; pad it")
+        if self.device != "cuda":
+            if fill is not None:
+                raise InputError("fill writes rows on the GPU: stage on a cuda engine")
+            return Staged(0, np.array(x, copy=True), n)
+        if self._overlap is None:
+            with self._lock:
+                if self._overlap is None:
+                    self._overlap = Overlap(self.backend)  # type: ignore[arg-type]
+        return self._overlap.stage(np.ascontiguousarray(x), np.dtype(self.input_spec.dtype), fill)
+
+    def launch(self, staged: Staged, outputs: Sequence[str] | None = None) -> Submission:
+        r"""Run the plan on a :meth:`stage`\ d batch; the outputs named (default: all) come back
+        through :meth:`Submission.result` as new numpy arrays, as :meth:`run` returns them. On
+        ``cuda`` this returns once the compute is queued and the outputs' download is queued on a
+        download stream: collect the result while the next batch runs. Launch staged batches in
+        the order they were staged, on one thread."""
+        wanted = self._wanted(outputs)
+        if self.device != "cuda":
+            result = self.run(staged.x, outputs=wanted)
+            return Submission(lambda: result)
+        with self._lock:
+            t0 = time.perf_counter()
+            for k in self.backend.timings:
+                self.backend.timings[k] = 0.0
+            submission = self._overlap.launch(staged, self.run_batch, wanted)
+            self.last_timings = {
+                "track_a_ms": self.backend.timings["A"],
+                "track_b_ms": self.backend.timings["B"],
+                "total_ms": (time.perf_counter() - t0) * 1e3,
+            }
+        return submission
+
+    def submit(self, x: np.ndarray, outputs: Sequence[str] | None = None) -> Submission:
+        """:meth:`stage` then :meth:`launch`: ``submit(x).result()`` is ``run(x)`` for a compiled batch size."""
+        return self.launch(self.stage(x), outputs)
+
     def host_array(self, n: int) -> np.ndarray:
         """A zeroed ``(n, *input.shape[1:])`` input array for :meth:`run`, to fill in place.
 
@@ -277,6 +330,8 @@ class Engine:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._overlap is not None:
+                self._overlap.close()  # its buffers and streams before the backend's context
             self.backend.close()
 
     def __enter__(self) -> Engine:
