@@ -275,14 +275,15 @@ class CudaBackend:
         # so that the capture below records launches on the same, final pointers and nothing else.
         self._enqueue_plan(batch, dict(staged))
         self.stream.synchronize()
-        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-        call(cu.cuStreamBeginCapture, self.stream.handle, mode)
-        try:
-            env = self._enqueue_plan(batch, dict(staged))
-        except BaseException:
-            cu.cuStreamEndCapture(self.stream.handle)  # leave capture mode; the launch error wins
-            raise
-        graph = call(cu.cuStreamEndCapture, self.stream.handle)
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        with self.pool.capture(self.stream):
+            call(cu.cuStreamBeginCapture, self.stream.handle, mode)
+            try:
+                env = self._enqueue_plan(batch, dict(staged))
+            except BaseException:
+                cu.cuStreamEndCapture(self.stream.handle)  # leave capture mode; the launch error wins
+                raise
+            graph = call(cu.cuStreamEndCapture, self.stream.handle)
         outs = {o.name: env[o.name] for o in plan.outputs}
         self.plan_graphs[batch] = (graph, call(cu.cuGraphInstantiate, graph, 0), staged, outs)
         return self.plan_graphs[batch]

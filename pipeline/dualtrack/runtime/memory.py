@@ -9,7 +9,10 @@ stream that last used it, after the work already queued there.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -50,8 +53,30 @@ class DevicePool:
         props.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         props.location.id = ctx.device.index
         self.handle: cu.CUmemoryPool = call(cu.cuMemPoolCreate, props)
+        # Streams being captured into a CUDA graph, and frees that arrived meanwhile: a free queued on
+        # a capturing stream would become a node of the graph (freed again at every replay).
+        self.capturing: set[int] = set()
+        self.deferred: list[tuple[int, Stream]] = []
         self._finalizer = weakref.finalize(self, release, ctx, cu.cuMemPoolDestroy, self.handle)
         call(cu.cuMemPoolSetAttribute, self.handle, _ATTR.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, cu.cuuint64_t(UINT64_MAX))
+
+    @contextlib.contextmanager
+    def capture(self, stream: Stream) -> Iterator[None]:
+        """While ``stream`` is captured: frees meant for it wait, and the cyclic garbage collector
+        (whose finalizers would free) is off; afterwards the waiting frees are queued on it."""
+        was_enabled = gc.isenabled()
+        gc.disable()
+        self.capturing.add(int(stream.handle))
+        try:
+            yield
+        finally:
+            self.capturing.discard(int(stream.handle))
+            if was_enabled:
+                gc.enable()
+            waiting = [d for d in self.deferred if d[1] is stream]
+            self.deferred = [d for d in self.deferred if d[1] is not stream]
+            for ptr, st in waiting:
+                _free_async(self, ptr, st)
 
     def alloc(self, nbytes: int, stream: Stream) -> DeviceBuffer:
         """``nbytes`` of device memory, usable by work queued on ``stream`` from now on."""
@@ -97,11 +122,14 @@ class DevicePool:
             self._finalizer()
 
 
-def _free_async(ctx: Context, ptr: int, stream: Stream) -> None:
+def _free_async(pool: DevicePool, ptr: int, stream: Stream) -> None:
+    if int(stream.handle) in pool.capturing:
+        pool.deferred.append((ptr, stream))  # queued when the capture ends (DevicePool.capture)
+        return
     # A stream destroyed before this buffer (an engine closed while a caller still holds one of its
     # tensors) must not be named again: free on the legacy stream, which orders after all work.
     alive = stream._finalizer is None or stream._finalizer.alive
-    release(ctx, cu.cuMemFreeAsync, ptr, stream.handle if alive else cu.CUstream(0))
+    release(pool.ctx, cu.cuMemFreeAsync, ptr, stream.handle if alive else cu.CUstream(0))
 
 
 class DeviceBuffer:
@@ -115,7 +143,7 @@ class DeviceBuffer:
     def __init__(self, ptr: int, nbytes: int, owner: DevicePool, stream: Stream) -> None:
         self.ptr, self.nbytes, self.owner, self.stream = ptr, nbytes, owner, stream
         # The finalizer holds the pool (and so the context) and the stream until the free is queued.
-        self._finalizer = weakref.finalize(self, _free_async, owner.ctx, ptr, stream)
+        self._finalizer = weakref.finalize(self, _free_async, owner, ptr, stream)
 
     def close(self, stream: Stream | None = None) -> None:
         """Free after the work queued on ``stream`` (default: the allocating stream). Idempotent."""
@@ -123,7 +151,7 @@ class DeviceBuffer:
             self._finalizer()
             return
         self._finalizer.detach()
-        _free_async(self.owner.ctx, self.ptr, stream)
+        _free_async(self.owner, self.ptr, stream)
 
     def __int__(self) -> int:
         return self.ptr

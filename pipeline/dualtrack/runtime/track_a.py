@@ -217,14 +217,15 @@ class TrackA:
             for c in seg.calls:
                 if c.op not in ALIAS_OPS:
                     self._prepared(c, env)
-            mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-            call(cu.cuStreamBeginCapture, self.stream.handle, mode)
-            try:
-                self._launch_all(seg, env)
-            except BaseException:
-                cu.cuStreamEndCapture(self.stream.handle)  # leave capture mode; the launch error wins
-                raise
-            graph = call(cu.cuStreamEndCapture, self.stream.handle)
+            mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+            with self.pool.capture(self.stream):
+                call(cu.cuStreamBeginCapture, self.stream.handle, mode)
+                try:
+                    self._launch_all(seg, env)
+                except BaseException:
+                    cu.cuStreamEndCapture(self.stream.handle)  # leave capture mode; the launch error wins
+                    raise
+                graph = call(cu.cuStreamEndCapture, self.stream.handle)
             self.graphs[key] = (graph, call(cu.cuGraphInstantiate, graph, 0))
         return self.graphs[key][1]
 
