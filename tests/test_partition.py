@@ -252,7 +252,11 @@ def test_dilated_1x1_head_lowers_to_the_general_conv(tiny: tuple[BuildConfig, on
     plan, _ = partition.build_plan(with_partition(cfg, Rules(name_prefixes=("enc", "mid/", "dec", "head/"))), dilated)
     last = plan.segments[1].calls[-1]
     assert (last.op, last.nodes, last.attr("dil_h"), last.attr("R"), last.attr("act")) == (
-        "conv", ("head/conv",), 2, 1, 0
+        "conv",
+        ("head/conv",),
+        2,
+        1,
+        0,
     )
 
 
