@@ -31,7 +31,7 @@
 #error "tile sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
 #endif
 
-#include "dualtrack_device.cuh"
+#include "mma_tile.cuh"
 
 // Output pixel m0+i of a block, decoded once: its row and column in the image. Rows past M get a
 // position so far outside the image that every tap of the 3x3 window reads zero.
@@ -64,52 +64,23 @@ namespace f16conv {
 // blocks fit on one SM (__launch_bounds__). The compile-time sizes are enumerators:
 // namespace-scope constexpr variables would be emitted as .global symbols in the PTX.
 template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, int MIN_BLOCKS_>
-struct Cfg {
+struct Cfg : mma_tile::Tile<BM_, BN_, BK_, WARPS_M_, WARPS_N_, STAGES_, MIN_BLOCKS_> {
+    // The GEMM tile (sizes, swizzle, its static_asserts) is mma_tile.cuh's; this kernel adds its
+    // epilogue and element-path layout.
+    typedef mma_tile::Tile<BM_, BN_, BK_, WARPS_M_, WARPS_N_, STAGES_, MIN_BLOCKS_> T;
     enum : int {
-        BM = BM_,
-        BN = BN_,
-        BK = BK_,
-        WARPS_M = WARPS_M_,
-        WARPS_N = WARPS_N_,
-        STAGES = STAGES_,
-        THREADS = 32 * WARPS_M * WARPS_N,
-        WM = BM / WARPS_M,  // warp tile
-        WN = BN / WARPS_N,
-        MT = WM / 16,  // m16 tiles per warp
-        NT = WN / 8,   // n8 tiles per warp
-        CPR = BK / 8,  // 16-byte chunks per tile row
-        // Tiles are unpadded, [rows][BK] halves, with the 16-byte chunks of each row XOR-swizzled
-        // (swz below), so the 8 row addresses of one ldmatrix phase hit 8 distinct bank groups.
-        A_STAGE = BM * BK,  // halves
-        STAGE = (BM + BN) * BK,
-        A_CH = BM * CPR / THREADS,  // 16-byte A chunks a thread copies per k-tile
-        B_CH = BN * CPR / THREADS,
-        BNP = BN + 8,  // epilogue tile row, padded by 16 bytes (conflict-free 4-byte stores)
-        PIPE = STAGES * STAGE,
-        SMEM_HALVES = PIPE > BM * BNP ? PIPE : BM * BNP,
+        BNP = T::BN + 8,  // epilogue tile row, padded by 16 bytes (conflict-free 4-byte stores)
+        SMEM_HALVES = T::PIPE > T::BM * BNP ? T::PIPE : T::BM * BNP,
         // Element paths (C not a multiple of 8, ...) use one stage plus, behind it, each row's
         // (h, w) as ints and, when C <= SEG_CMAX, the three input-row segments the tile's 3x3
         // windows read: 3 x (BM + 2) pixels x C channels, loaded once per block.
-        ROWS_OFF = STAGE,                // halves
-        SEG_OFF = STAGE + 4 * BM,        // halves
-        SEG_CMAX = (SMEM_HALVES - SEG_OFF) / (3 * (BM + 2)),
-        MIN_BLOCKS = MIN_BLOCKS_,  // blocks per SM the register allocation must allow
+        ROWS_OFF = T::STAGE,               // halves
+        SEG_OFF = T::STAGE + 4 * T::BM,    // halves
+        SEG_CMAX = (SMEM_HALVES - SEG_OFF) / (3 * (T::BM + 2)),
     };
-    static_assert(BM % (16 * WARPS_M) == 0 && BN % (16 * WARPS_N) == 0, "warp tile must be m16 x n16 multiples");
-    static_assert(BK == 32 || BK == 64, "the swizzle is written for 64- and 128-byte tile rows");
-    static_assert(STAGES >= 2, "cp.async pipeline needs two stages or more");
-    static_assert(THREADS % CPR == 0 && (BM * CPR) % THREADS == 0 && (BN * CPR) % THREADS == 0, "vector loads");
-    static_assert(THREADS % BK == 0 && (BM * BK) % THREADS == 0 && (BN * BK) % THREADS == 0, "scalar loads");
-    static_assert(THREADS % (BN / 8) == 0 && (BM * (BN / 8)) % THREADS == 0, "epilogue stores");
+    static_assert(T::THREADS % (T::BN / 8) == 0 && (T::BM * (T::BN / 8)) % T::THREADS == 0, "epilogue stores");
     static_assert(SMEM_HALVES * 2 <= 48 * 1024, "static shared memory is capped at 48 KiB");
     static_assert(SEG_CMAX >= 3, "the first layer's C = 3 must take the segment path");
-
-    // Physical 16-byte chunk of logical chunk q in tile row `row`. 64-byte rows (BK = 32): rows
-    // 2j, 2j+1 share a 128-byte line, so XOR with bits 1-2 of the row; 128-byte rows: bits 0-2.
-    static __device__ __forceinline__ int swz(int row, int q) {
-        return BK == 32 ? (q ^ ((row >> 1) & 3)) : (q ^ (row & 7));
-    }
-    static __device__ __forceinline__ int at(int row, int q) { return row * BK + swz(row, q) * 8; }  // halves
 };
 
 struct Problem {
@@ -225,39 +196,9 @@ __device__ __forceinline__ void load_tile_scalar(const Problem& p, const int* ro
     }
 }
 
-// One stage's BK columns through the tensor cores: ldmatrix fragments, MT x NT mma per k16.
-template <class CF>
-__device__ __forceinline__ void mma_stage(unsigned a_base, float (&acc)[CF::MT][CF::NT][4], int wm, int wn,
-                                          int lane) {
-    const unsigned b_base = a_base + CF::A_STAGE * 2;
-#pragma unroll
-    for (int kk = 0; kk < CF::BK; kk += 16) {
-        unsigned af[CF::MT][4];
-        unsigned bf[CF::NT][2];
-#pragma unroll
-        for (int mt = 0; mt < CF::MT; ++mt) {
-            // lanes 0-15 address rows 0-15 at k, lanes 16-31 the same rows at k+8: matrices
-            // (rows 0-7,k) (rows 8-15,k) (rows 0-7,k+8) (rows 8-15,k+8) = the mma A fragment.
-            const int row = wm * CF::WM + mt * 16 + (lane & 15);
-            ldmatrix_x4(af[mt], a_base + CF::at(row, kk / 8 + (lane >> 4)) * 2);
-        }
-#pragma unroll
-        for (int nt = 0; nt < CF::NT; nt += 2) {
-            // matrices (n 0-7,k) (n 0-7,k+8) (n 8-15,k) (n 8-15,k+8) = b0,b1 of two n8 tiles.
-            const int row = wn * CF::WN + nt * 8 + (lane >> 4) * 8 + (lane & 7);
-            unsigned r[4];
-            ldmatrix_x4(r, b_base + CF::at(row, kk / 8 + ((lane >> 3) & 1)) * 2);
-            bf[nt][0] = r[0];
-            bf[nt][1] = r[1];
-            bf[nt + 1][0] = r[2];
-            bf[nt + 1][1] = r[3];
-        }
-#pragma unroll
-        for (int mt = 0; mt < CF::MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < CF::NT; ++nt) mma_16816(acc[mt][nt], af[mt], bf[nt][0], bf[nt][1]);
-    }
-}
+// One stage's BK columns through the tensor cores: mma_tile.cuh's, for this file's Cfg (which has
+// the fields and swizzle it reads).
+using mma_tile::mma_stage;
 
 template <class CF>
 __device__ __forceinline__ void conv(const f16* __restrict__ x, const f16* __restrict__ w,
@@ -884,30 +825,7 @@ __device__ __forceinline__ void mainloop(const Problem& p, const int* row_h, con
         if (more) load_tile<VEC>(p, row_h, row_w, st, kt + 1, cblocks, m0, n0);
         const float* A = As + buf * BK * BMP;
         const float* B = Bs + buf * BK * BNP;
-#pragma unroll
-        for (int k = 0; k < BK; ++k) {
-            float a[TM], b[TN];
-#pragma unroll
-            for (int i = 0; i < TM; i += 4) {
-                const float4 v = lds128(A + k * BMP + tm0 + i);
-                a[i] = v.x;
-                a[i + 1] = v.y;
-                a[i + 2] = v.z;
-                a[i + 3] = v.w;
-            }
-#pragma unroll
-            for (int j = 0; j < TN; j += 4) {
-                const float4 v = lds128(B + k * BNP + tn0 + j);
-                b[j] = v.x;
-                b[j + 1] = v.y;
-                b[j + 2] = v.z;
-                b[j + 3] = v.w;
-            }
-#pragma unroll
-            for (int i = 0; i < TM; ++i)
-#pragma unroll
-                for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
-        }
+        simt_ktile<BK, TM, TN, BMP, BNP>(A, B, acc, tm0, tn0);
         // The other buffer was last read in iteration kt-1, which every thread has left (barrier
         // at its end), so it can be overwritten without a second barrier.
         if (more) store_tile<VEC>(st, As + (buf ^ 1) * BK * BMP, Bs + (buf ^ 1) * BK * BNP);

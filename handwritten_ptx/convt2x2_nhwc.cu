@@ -408,30 +408,7 @@ __device__ __forceinline__ void mainloop(const Problem& p, float* As, float* Bs,
         if (more) load_tile<VEC>(p, st, kt + 1, m0, n0);
         const float* A = As + buf * BK * BMP;
         const float* B = Bs + buf * BK * BNP;
-#pragma unroll
-        for (int k = 0; k < BK; ++k) {
-            float a[TM], b[TN];
-#pragma unroll
-            for (int i = 0; i < TM; i += 4) {
-                const float4 v = lds128(A + k * BMP + tm0 + i);
-                a[i] = v.x;
-                a[i + 1] = v.y;
-                a[i + 2] = v.z;
-                a[i + 3] = v.w;
-            }
-#pragma unroll
-            for (int j = 0; j < TN; j += 4) {
-                const float4 v = lds128(B + k * BNP + tn0 + j);
-                b[j] = v.x;
-                b[j + 1] = v.y;
-                b[j + 2] = v.z;
-                b[j + 3] = v.w;
-            }
-#pragma unroll
-            for (int i = 0; i < TM; ++i)
-#pragma unroll
-                for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
-        }
+        simt_ktile<BK, TM, TN, BMP, BNP>(A, B, acc, tm0, tn0);
         // The other buffer was last read in iteration kt-1, which every thread has left (barrier
         // at its end), so it can be overwritten without a second barrier.
         if (more) store_tile<VEC>(st, As + (buf ^ 1) * BK * BMP, Bs + (buf ^ 1) * BK * BNP);

@@ -59,6 +59,36 @@ __device__ __forceinline__ float4 lds128(const float* p) {
     return v;
 }
 
+// One k-tile of a register-tiled SIMT GEMM (the fp32 kernels): acc[i][j] += A[k][tm0+i] * B[k][tn0+j]
+// for k < BK, from k-major shared tiles with row pitches BMP and BNP floats (16-byte reads).
+template <int BK, int TM, int TN, int BMP, int BNP>
+__device__ __forceinline__ void simt_ktile(const float* A, const float* B, float (&acc)[TM][TN], int tm0, int tn0) {
+#pragma unroll
+    for (int k = 0; k < BK; ++k) {
+        float a[TM], b[TN];
+#pragma unroll
+        for (int i = 0; i < TM; i += 4) {
+            const float4 v = lds128(A + k * BMP + tm0 + i);
+            a[i] = v.x;
+            a[i + 1] = v.y;
+            a[i + 2] = v.z;
+            a[i + 3] = v.w;
+        }
+#pragma unroll
+        for (int j = 0; j < TN; j += 4) {
+            const float4 v = lds128(B + k * BNP + tn0 + j);
+            b[j] = v.x;
+            b[j + 1] = v.y;
+            b[j + 2] = v.z;
+            b[j + 3] = v.w;
+        }
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+}
+
 // D += A(16x16, row) * B(16x8, col), fp16 inputs, fp32 accumulators.
 __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm volatile(

@@ -208,8 +208,8 @@ def test_node_without_kernel_on_track_a_names_node_and_fix(tiny: tuple[BuildConf
     with pytest.raises(
         PartitionError,
         match=r"^node 'post/softmax' \(Softmax, no hand-written kernel\) is on Track A, whose kernels cover "
-        r"Conv 3x3/stride 1/pad 1 and 1x1/stride 1/pad 0 \(optionally \+Relu\), MaxPool 2x2/stride 2, "
-        r"ConvTranspose 2x2/stride 2 "
+        r"Conv of group 1, any kernel size, stride, dilation and padding \(optionally \+Add of a residual "
+        r"\+Relu/Clip\(0,6\)/HardSwish/HardSigmoid/Sigmoid/SiLU\), MaxPool 2x2/stride 2, ConvTranspose 2x2/stride 2 "
         r"and channel Concat of their outputs; move it to Track B with "
         r"partition\.track_b\.name_prefixes: \['post/softmax'\]$",
     ):
@@ -230,13 +230,34 @@ def test_whole_unet_body_lowers_to_kernels(tiny: tuple[BuildConfig, onnx.ModelPr
 
 def test_conv_the_kernel_cannot_take_names_why(tiny: tuple[BuildConfig, onnx.ModelProto]) -> None:
     cfg, model = tiny
+    grouped = copy.deepcopy(model)
+    head = next(n for n in grouped.graph.node if n.name == "head/conv")
+    head.attribute.append(helper.make_attribute("group", 2))  # the head's 32 channels in two groups
+    w = next(i for i in grouped.graph.initializer if i.name == head.input[1])
+    w.CopyFrom(helper.make_tensor(w.name, w.data_type, [2, 16, 1, 1], np.ones(32, np.float32)))
+    with pytest.raises(
+        PartitionError,
+        match=r"^node 'head/conv' \(Conv, group=2: the general conv takes group 1 \(no grouped or depthwise "
+        r"convolution\)\) is on Track A",
+    ):
+        partition.build_plan(with_partition(cfg, Rules(name_prefixes=("enc", "mid/", "dec", "head/"))), grouped)
+
+
+def test_dilated_1x1_head_lowers_to_the_general_conv(tiny: tuple[BuildConfig, onnx.ModelProto]) -> None:
+    """What conv1x1 refuses (a dilation, even a harmless one) the general conv takes."""
+    cfg, model = tiny
     dilated = copy.deepcopy(model)
     head = next(n for n in dilated.graph.node if n.name == "head/conv")
     head.attribute.append(helper.make_attribute("dilations", [2, 2]))  # same shapes for a 1x1 kernel
-    with pytest.raises(
-        PartitionError, match=r"^node 'head/conv' \(Conv, stride or dilation other than 1\) is on Track A"
-    ):
-        partition.build_plan(with_partition(cfg, Rules(name_prefixes=("enc", "mid/", "dec", "head/"))), dilated)
+    plan, _ = partition.build_plan(with_partition(cfg, Rules(name_prefixes=("enc", "mid/", "dec", "head/"))), dilated)
+    last = plan.segments[1].calls[-1]
+    assert (last.op, last.nodes, last.attr("dil_h"), last.attr("R"), last.attr("act")) == (
+        "conv",
+        ("head/conv",),
+        2,
+        1,
+        0,
+    )
 
 
 def test_head_1x1_conv_on_track_a(tiny: tuple[BuildConfig, onnx.ModelProto]) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from dualtrack.arch import ARCHES, PTX_ARCHES, parse_ptx_isa, parse_ptx_target
 from dualtrack.errors import ArchError, ToolError
-from dualtrack.kernels import CONV3X3_WGMMA, RESIZE_RGB, SPECS, spec_for_stem
+from dualtrack.kernels import CONV3X3_WGMMA, RESIZE_RGB, SPECS, ConvGeneralSpec, ConvGeometry, spec_for_stem
 from dualtrack.ptx import (
     PINNED_NVRTC,
     SOURCE_DIR,
@@ -87,6 +87,11 @@ def test_entries_and_block_size_match_the_registry(stem: str, arch: str) -> None
     elif spec is RESIZE_RGB:  # one uint8 entry, a 2-D block
         block = spec.launch(37, 29).block
         assert int(entries[spec.stem]) == block[0] * block[1] == spec.threads()
+    elif isinstance(spec, ConvGeneralSpec):  # its launches need a geometry; every entry's tile
+        for entry in spec.entries:
+            dtype = "float32" if entry == spec.entry("float32") else "float16"
+            block = spec.launch(dtype, 2, 37, 37, 3, 5, geom=ConvGeometry(3, 3), entry=entry).block[0]
+            assert int(entries[entry]) == block
     else:
         for dtype in ("float16", "float32"):
             assert int(entries[spec.entry(dtype)]) == spec.launch(dtype, 2, 37, 37, 3, 5).block[0]

@@ -16,24 +16,29 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from dualtrack import frontend, layout
+from dualtrack import frontend, kernels, layout
 from dualtrack.config import BuildConfig, Rules
 from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
 from dualtrack.frontend import model_precision
+from dualtrack.kernels import ConvGeometry
 from dualtrack.plan import KernelCall, Plan, Segment, TensorSpec
 
 TRACK_A_OPS = ("Conv", "Relu", "MaxPool")
 TRACK_A_DESCRIPTION = (
-    "Conv 3x3/stride 1/pad 1 and 1x1/stride 1/pad 0 (optionally +Relu), MaxPool 2x2/stride 2, "
-    "ConvTranspose 2x2/stride 2 "
+    "Conv of group 1, any kernel size, stride, dilation and padding (optionally +Add of a residual "
+    "+Relu/Clip(0,6)/HardSwish/HardSigmoid/Sigmoid/SiLU), MaxPool 2x2/stride 2, ConvTranspose 2x2/stride 2 "
     "and channel Concat of their outputs"
 )
+# A 1x1 conv with at most this many output channels (a segmentation head) runs conv1x1, one thread
+# per pixel; wider ones are GEMMs for the general conv.
+CONV1X1_MAX_K = 16
 _TO_NCHW, _TO_NHWC = [0, 3, 1, 2], [0, 2, 3, 1]
 
 
@@ -227,7 +232,8 @@ def _boundaries(model: onnx.ModelProto, segments: list[list[onnx.NodeProto]]) ->
 
 
 def _conv_attrs_ok(node: onnx.NodeProto) -> str | None:
-    """None when a Conv is one the Track A kernels take: 3x3 with padding 1, or 1x1 without."""
+    """None when a Conv is one the fixed-shape Track A kernels take (conv3x3: 3x3 with padding 1,
+    conv1x1: 1x1 without); the general conv takes the rest (:func:`conv_geometry`)."""
     a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
     kernel = list(a.get("kernel_shape", []))
     if kernel not in ([3, 3], [1, 1]):
@@ -268,17 +274,174 @@ def _pool_attrs_ok(node: onnx.NodeProto) -> str | None:
     return None
 
 
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {x.name: helper.get_attribute_value(x) for x in node.attribute}
+
+
+def conv_geometry(node: onnx.NodeProto, specs: dict) -> tuple[ConvGeometry | None, int, str | None]:
+    """(geometry, group, None) of a 2-D Conv as ONNX defines it (``auto_pad`` resolved against the
+    input size), or (None, group, why not) for one that is not 2-D or whose attributes are unknown."""
+    a = _attrs(node)
+    w_shape, x_shape = specs[node.input[1]][0], specs[node.input[0]][0]
+    group = int(a.get("group", 1))
+    if len(w_shape) != 4 or len(x_shape) != 4:
+        return None, group, f"a {len(w_shape) - 2}-D convolution (Track A takes 2-D)"
+    R, S = (int(v) for v in a.get("kernel_shape", w_shape[2:]))
+    sh, sw = (int(v) for v in a.get("strides", [1, 1]))
+    dh, dw = (int(v) for v in a.get("dilations", [1, 1]))
+    pads = [int(v) for v in a.get("pads", [0, 0, 0, 0])]
+    auto_pad = a.get("auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad == "VALID":
+        pads = [0, 0, 0, 0]
+    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        # ONNX: output = ceil(input / stride); the odd pixel of padding goes last (UPPER) or first.
+        totals = [
+            max((-(-size // st) - 1) * st + (k - 1) * d + 1 - size, 0)
+            for size, st, k, d in ((x_shape[2], sh, R, dh), (x_shape[3], sw, S, dw))
+        ]
+        first = [t // 2 if auto_pad == "SAME_UPPER" else t - t // 2 for t in totals]
+        pads = [first[0], first[1], totals[0] - first[0], totals[1] - first[1]]
+    elif auto_pad != "NOTSET":
+        return None, group, f"auto_pad {auto_pad}"
+    geom = ConvGeometry(R, S, sh, sw, dh, dw, pads[0], pads[1], pads[2], pads[3])
+    return geom, group, None
+
+
+def _constant(name: str, model: onnx.ModelProto) -> np.ndarray | None:
+    """The value of an initializer or a Constant node's output, or None."""
+    for init in model.graph.initializer:
+        if init.name == name:
+            return numpy_helper.to_array(init)
+    for n in model.graph.node:
+        if n.op_type == "Constant" and list(n.output) == [name]:
+            value = _attrs(n).get("value")
+            return numpy_helper.to_array(value) if value is not None else None
+    return None
+
+
+def _activation(node: onnx.NodeProto, model: onnx.ModelProto) -> int | None:
+    """The fused activation code (``kernels.ACTIVATIONS``) of a single-input activation node, or None."""
+    acts = kernels.ACTIVATIONS
+    simple = {"Relu": "relu", "HardSwish": "hardswish", "Sigmoid": "sigmoid"}
+    if node.op_type in simple:
+        return acts[simple[node.op_type]]
+    a = _attrs(node)
+    if node.op_type == "HardSigmoid":
+        alpha, beta = a.get("alpha", 0.2), a.get("beta", 0.5)
+        return acts["hardsigmoid"] if abs(alpha - 1 / 6) < 1e-6 and abs(beta - 0.5) < 1e-6 else None
+    if node.op_type == "Clip":
+        bounds = [a.get("min"), a.get("max")]  # opset < 11: attributes; later: optional inputs
+        for j, name in enumerate(node.input[1:3]):
+            if name:
+                value = _constant(name, model)
+                if value is None or value.size != 1:
+                    return None
+                bounds[j] = float(value.reshape(()))
+        if bounds[0] == 0 and bounds[1] == 6:
+            return acts["relu6"]
+        if bounds[0] == 0 and bounds[1] is None:
+            return acts["relu"]
+    return None
+
+
+@dataclass(frozen=True)
+class _Epilogue:
+    """What a Conv's consumers add to its kernel call: the covered nodes after the Conv, the
+    residual tensor, the activation code, and the tensor the call writes."""
+
+    nodes: tuple[onnx.NodeProto, ...] = ()
+    residual: str | None = None
+    act: int = 0
+    output: str = ""
+
+
+def _fuse_epilogue(
+    conv: onnx.NodeProto,
+    model: onnx.ModelProto,
+    specs: dict,
+    in_seg: set[str],
+    private: Callable[[str], bool],
+    consumers: dict[str, list[onnx.NodeProto]],
+    claimed: set[str],
+) -> _Epilogue:
+    """The Add (of a same-shaped activation computed elsewhere: a residual) and the activation that
+    follow a Conv and can run in its epilogue: each must be in this segment, not yet claimed, and
+    the only reader of what it consumes (``private``)."""
+    inits = {i.name for i in model.graph.initializer}
+    t = conv.output[0]
+    nodes: list[onnx.NodeProto] = []
+    residual = None
+
+    def sole(name: str) -> onnx.NodeProto | None:
+        users = consumers.get(name, [])
+        if len(users) == 1 and private(name) and users[0].name in in_seg and users[0].name not in claimed:
+            return users[0]
+        return None
+
+    nxt = sole(t)
+    if nxt is not None and nxt.op_type == "Add" and len(nxt.input) == 2 and t in nxt.input:
+        other = nxt.input[1] if nxt.input[0] == t else nxt.input[0]
+        if other != t and other not in inits and specs.get(other) == specs.get(t) and _constant(other, model) is None:
+            nodes.append(nxt)
+            residual, t = other, nxt.output[0]
+            nxt = sole(t)
+    act = 0
+    if nxt is not None and len([x for x in nxt.input if x]) >= 1 and nxt.input[0] == t:
+        code = _activation(nxt, model)
+        if code is not None:
+            nodes.append(nxt)
+            act, t = code, nxt.output[0]
+    elif private(t):
+        # SiLU as exported: Mul(t, Sigmoid(t)), t read by exactly those two nodes.
+        users = consumers.get(t, [])
+        sig = next((u for u in users if u.op_type == "Sigmoid"), None)
+        mul = next((u for u in users if u.op_type == "Mul"), None)
+        if (
+            len(users) == 2
+            and sig is not None
+            and mul is not None
+            and {sig.name, mul.name} <= in_seg
+            and not {sig.name, mul.name} & claimed
+            and sorted(mul.input) == sorted([t, sig.output[0]])
+            and consumers.get(sig.output[0]) == [mul]
+            and private(sig.output[0])
+        ):
+            nodes += [sig, mul]
+            act, t = kernels.ACTIVATIONS["silu"], mul.output[0]
+    return _Epilogue(tuple(nodes), residual, act, t)
+
+
 def lower_track_a(
     seg: list[onnx.NodeProto], model: onnx.ModelProto, specs: dict, boundary_outputs: set[str]
 ) -> list[KernelCall]:
-    """Match a Track A segment's nodes to hand-written kernel calls (Conv[+Relu], MaxPool,
-    ConvTranspose) and buffer aliases (Concat)."""
+    """Match a Track A segment's nodes to hand-written kernel calls (Conv with its fused epilogue,
+    MaxPool, ConvTranspose) and buffer aliases (Concat). A Conv's call covers the Add and the
+    activation after it (:func:`_fuse_epilogue`) and is placed where the last of them was, so that
+    a residual computed between them (ResNet's downsample) is ready."""
     inits = {i.name for i in model.graph.initializer}
     uses: dict[str, int] = defaultdict(int)
+    consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
     for n in model.graph.node:
         for i in n.input:
             uses[i] += 1
+            consumers[i].append(n)
     graph_outputs = {o.name for o in model.graph.output}
+    in_seg = {n.name for n in seg}
+
+    def private(t: str) -> bool:  # an intermediate no other track or graph output sees
+        return t not in graph_outputs and t not in boundary_outputs
+
+    # Fusion groups first: the Conv's call is emitted at the position of its group's last node.
+    epilogues: dict[str, _Epilogue] = {}
+    emit_at: dict[str, onnx.NodeProto] = {}
+    claimed: set[str] = set()
+    for node in seg:
+        if node.op_type == "Conv":
+            ep = _fuse_epilogue(node, model, specs, in_seg, private, consumers, claimed)
+            epilogues[node.name] = ep
+            claimed.update(n.name for n in ep.nodes)
+            emit_at[(ep.nodes[-1] if ep.nodes else node).name] = node
     calls: list[KernelCall] = []
     i = 0
 
@@ -290,9 +453,15 @@ def lower_track_a(
 
     while i < len(seg):
         node = seg[i]
+        i += 1
         dtype = specs[node.output[0]][1]
         if dtype not in ("float16", "float32"):
             raise refuse(node, f"dtype {dtype}")
+        if node.name in claimed:
+            if node.name in emit_at:
+                conv = emit_at[node.name]
+                calls.append(_conv_call(conv, epilogues[conv.name], specs, refuse))
+            continue
         why = _ATTR_CHECKS[node.op_type](node) if node.op_type in _ATTR_CHECKS else None
         if why:
             raise refuse(node, why)
@@ -300,23 +469,8 @@ def lower_track_a(
         if any(w not in inits for w in weights):
             raise refuse(node, "weights computed at run time")
         if node.op_type == "Conv":
-            out = node.output[0]
-            relu = 0
-            nxt = seg[i + 1] if i + 1 < len(seg) else None
-            if (
-                nxt is not None
-                and nxt.op_type == "Relu"
-                and list(nxt.input) == [out]
-                and uses[out] == 1
-                and out not in graph_outputs
-                and out not in boundary_outputs
-            ):
-                relu, out, covered = 1, nxt.output[0], (node.name, nxt.name)
-                i += 1
-            else:
-                covered = (node.name,)
-            op = "conv1x1" if specs[weights[0]][0][2:] == (1, 1) else "conv3x3"
-            calls.append(KernelCall(op, (node.input[0],), (out,), weights, (("relu", relu),), covered))
+            if node.name in emit_at:  # no epilogue nodes: the call goes here
+                calls.append(_conv_call(node, epilogues[node.name], specs, refuse))
         elif node.op_type == "MaxPool":
             calls.append(KernelCall("maxpool2x2", (node.input[0],), (node.output[0],), (), (), (node.name,)))
         elif node.op_type == "ConvTranspose":
@@ -335,11 +489,39 @@ def lower_track_a(
             calls.append(KernelCall("concat", tuple(node.input), (node.output[0],), (), (), (node.name,)))
         else:
             raise refuse(node, "no hand-written kernel")
-        i += 1
     return calls
 
 
-_ATTR_CHECKS = {"Conv": _conv_attrs_ok, "MaxPool": _pool_attrs_ok, "ConvTranspose": _convt_attrs_ok}
+def _conv_call(
+    node: onnx.NodeProto, ep: _Epilogue, specs: dict, refuse: Callable[[onnx.NodeProto, str], PartitionError]
+) -> KernelCall:
+    """A Conv and its fused epilogue as one call: conv3x3 or conv1x1 where their fixed shapes and
+    epilogue (bias, ReLU) fit, as before the general conv existed; else the general ``conv``, if
+    its spec's :meth:`~dualtrack.kernels.ConvGeneralSpec.supports` takes it."""
+    weights = tuple(w for w in node.input[1:] if w)
+    covered = (node.name, *(n.name for n in ep.nodes))
+    ins = (node.input[0],) if ep.residual is None else (node.input[0], ep.residual)
+    (_, c, h, w), dtype = specs[node.input[0]]
+    k = specs[weights[0]][0][0]
+    relu_only = ep.residual is None and ep.act in (0, kernels.ACTIVATIONS["relu"])
+    if relu_only and _conv_attrs_ok(node) is None:
+        relu = (("relu", 1 if ep.act else 0),)
+        if specs[weights[0]][0][2:] == (3, 3):
+            return KernelCall("conv3x3", ins, (ep.output,), weights, relu, covered)
+        if c <= kernels.KERNELS["conv1x1"].max_c and k <= CONV1X1_MAX_K:  # type: ignore[attr-defined]
+            return KernelCall("conv1x1", ins, (ep.output,), weights, relu, covered)
+    geom, group, why = conv_geometry(node, specs)
+    spec = kernels.KERNELS["conv"]
+    assert isinstance(spec, kernels.ConvGeneralSpec)
+    why = why or spec.supports(dtype, h, w, c, k, geom, groups=group)  # type: ignore[arg-type]
+    if why:
+        raise refuse(node, why)
+    assert geom is not None
+    attrs = (*geom.attrs(), ("act", ep.act), ("residual", 1 if ep.residual else 0))
+    return KernelCall("conv", ins, (ep.output,), weights, attrs, covered)
+
+
+_ATTR_CHECKS = {"MaxPool": _pool_attrs_ok, "ConvTranspose": _convt_attrs_ok}
 
 
 def _nhwc(shape: tuple[int, ...]) -> tuple[int, ...]:

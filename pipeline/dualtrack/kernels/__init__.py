@@ -38,44 +38,19 @@ from dualtrack.kernels.conv import pack_conv_weights
 from dualtrack.kernels.conv1x1 import Conv1x1Spec
 from dualtrack.kernels.conv3x3 import Conv3x3Spec, F16Tile
 from dualtrack.kernels.conv3x3_wgmma import WGMMA_CONFIGS, Conv3x3WgmmaSpec, WgmmaConfig
+from dualtrack.kernels.conv_general import ACTIVATIONS, ConvGeneralSpec, ConvGeometry
 from dualtrack.kernels.convt2x2 import ConvT2x2Spec, pack_convt_weights
 from dualtrack.kernels.maxpool2x2 import MaxPool2x2Spec
 from dualtrack.kernels.resize_rgb import ResizeRgbSpec
 from dualtrack.kernels.select import SMALL_C_K_MAX, SMALL_C_MAX, ConvChoice
 
 __all__ = [
-    "CONV3X3_WGMMA",
-    "DTYPES",
-    "KERNELS",
-    "RESIZE_RGB",
-    "SMALL_C_K_MAX",
-    "SMALL_C_MAX",
-    "SPECS",
-    "WGMMA_CONFIGS",
-    "Conv1x1Spec",
-    "Conv3x3Spec",
-    "Conv3x3WgmmaSpec",
-    "ConvChoice",
-    "ConvT2x2Spec",
-    "DeviceTensor",
-    "F16Tile",
-    "KernelArg",
-    "KernelSpec",
-    "LaunchConfig",
-    "LaunchContext",
-    "MaxPool2x2Spec",
-    "PreparedCall",
-    "ResizeRgbSpec",
-    "WgmmaConfig",
-    "choose_conv3x3",
-    "defines_for_stem",
-    "dtype_name",
-    "kernel",
-    "output_shape",
-    "pack_conv_weights",
-    "pack_convt_weights",
-    "ptx_arches_for_stem",
-    "spec_for_stem",
+    "ACTIVATIONS", "CONV3X3_WGMMA", "DTYPES", "KERNELS", "RESIZE_RGB", "SMALL_C_K_MAX", "SMALL_C_MAX", "SPECS",
+    "WGMMA_CONFIGS", "Conv1x1Spec", "Conv3x3Spec", "Conv3x3WgmmaSpec", "ConvChoice", "ConvGeneralSpec",
+    "ConvGeometry", "ConvT2x2Spec", "DeviceTensor", "F16Tile", "KernelArg", "KernelSpec", "LaunchConfig",
+    "LaunchContext", "MaxPool2x2Spec", "PreparedCall", "ResizeRgbSpec", "WgmmaConfig", "choose_conv3x3",
+    "defines_for_stem", "dtype_name", "kernel", "output_shape", "pack_conv_weights", "pack_convt_weights",
+    "ptx_arches_for_stem", "spec_for_stem",
 ]  # fmt: skip
 
 CONV3X3_WGMMA = Conv3x3WgmmaSpec(op="conv3x3", stem="conv3x3_wgmma")
@@ -85,6 +60,7 @@ KERNELS: Mapping[str, KernelSpec] = {
     "maxpool2x2": MaxPool2x2Spec(op="maxpool2x2", stem="maxpool2x2_nhwc"),
     "convt2x2": ConvT2x2Spec(op="convt2x2", stem="convt2x2_nhwc"),
     "conv1x1": Conv1x1Spec(op="conv1x1", stem="conv1x1_nhwc"),
+    "conv": ConvGeneralSpec(op="conv", stem="conv_nhwc"),
 }
 
 # Not a plan op: the service's GPU JPEG path resizes decoded pictures into the batch's input rows with it.

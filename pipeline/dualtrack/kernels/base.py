@@ -194,6 +194,19 @@ class KernelSpec:
         order): entry, geometry and arguments."""
         raise NotImplementedError
 
+    def prepare_inputs(
+        self,
+        call: KernelCall,
+        inputs: Sequence[DeviceTensor],
+        y: DeviceTensor,
+        weights: Sequence[DeviceTensor],
+        ctx: LaunchContext,
+    ) -> PreparedCall:
+        """:meth:`prepare` with every activation input of the call, in ``call.inputs`` order (what
+        the runtime calls). A kernel with more than one input (the general conv's residual)
+        overrides this; every other one reads ``inputs[0]``."""
+        return self.prepare(call, inputs[0], y, weights, ctx)
+
     def pack_weights(self, call: KernelCall, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The call's weights as the kernel reads them, by weight name (none by default)."""
         return {}

@@ -51,11 +51,15 @@ def gemm_values(
     }  # fmt: skip
 
 
-def pack_conv_weights(w: np.ndarray, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-    """ONNX Conv weights (K, C, 3, 3) or (K, C, 1, 1) and bias (K,) -> what the conv kernels take:
-    KRSC weights in the same dtype (contiguous) and an fp32 bias (None stays None)."""
-    if w.ndim != 4 or w.shape[2:] not in ((3, 3), (1, 1)):
-        raise InputError(f"conv weights must be (K, C, 3, 3) or (K, C, 1, 1) as ONNX stores them; got {w.shape}")
+def pack_conv_weights(
+    w: np.ndarray, bias: np.ndarray | None = None, *, any_size: bool = False
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """ONNX Conv weights (K, C, 3, 3) or (K, C, 1, 1) (``any_size``: any (K, C, R, S), the general
+    conv's) and bias (K,) -> what the conv kernels take: KRSC weights in the same dtype
+    (contiguous) and an fp32 bias (None stays None)."""
+    if w.ndim != 4 or not (any_size or w.shape[2:] in ((3, 3), (1, 1))):
+        sizes = "(K, C, R, S)" if any_size else "(K, C, 3, 3) or (K, C, 1, 1)"
+        raise InputError(f"conv weights must be {sizes} as ONNX stores them; got {w.shape}")
     packed = np.ascontiguousarray(w.transpose(0, 2, 3, 1))
     if bias is None:
         return packed, None

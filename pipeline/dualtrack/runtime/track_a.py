@@ -236,9 +236,9 @@ class TrackA:
         """A call's launch, prepared once per call, batch size and pointers (the planned buffers do
         not move; a segment input in the one-by-one path may, and then the launch, tensor maps
         included, is prepared again). Records the conv3x3 choice in ``stats.conv3x3``."""
-        x, y = env[c.inputs[0]], env[c.outputs[0]]
-        key = (_call_key(c), x.shape[0])
-        pointers = (x.ptr, y.ptr, x.channel_stride, y.channel_stride)
+        y = env[c.outputs[0]]
+        key = (_call_key(c), y.shape[0])
+        pointers = tuple(v for t in (*(env[i] for i in c.inputs), y) for v in (t.ptr, t.channel_stride))
         cached = self.launches.get(key)
         if cached is None or cached[0] != pointers:
             launch = self.prepare(c, env)
@@ -248,14 +248,15 @@ class TrackA:
         return cached[1]
 
     def prepare(self, c: KernelCall, env: Mapping[str, GpuTensor], *, allow_wgmma: bool = True) -> Launch:
-        """The launch of one kernel call on the tensors ``env`` names for its input and output
+        """The launch of one kernel call on the tensors ``env`` names for its inputs and output
         (the planned buffers, or others of the same shapes: bench/bench.py times layers this way),
-        as the call's kernel spec prepares it (``KernelSpec.prepare``: entry, geometry, arguments,
-        tensor maps). ``allow_wgmma=False``: a conv3x3 never runs the wgmma kernel."""
+        as the call's kernel spec prepares it (``KernelSpec.prepare_inputs``: entry, geometry,
+        arguments, tensor maps). ``allow_wgmma=False``: a conv3x3 never runs the wgmma kernel."""
         wgmma_off = self.wgmma_off if allow_wgmma else "not allowed (prepare(allow_wgmma=False))"
         ctx = _Context(wgmma_off, self.tuned)
         weights = [self.weights[name] for name in c.weights]
-        p = kernels.kernel(c.op).prepare(c, env[c.inputs[0]], env[c.outputs[0]], weights, ctx)
+        inputs = [env[name] for name in c.inputs]
+        p = kernels.kernel(c.op).prepare_inputs(c, inputs, env[c.outputs[0]], weights, ctx)
         return Launch(self.kernels[p.entry], p.config, p.args, p.entry, p.choice)
 
     def close(self) -> None:

@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Per-layer time of the general conv (op ``conv``, handwritten_ptx/conv_nhwc.cu) against torch's
+cuDNN convolution, on the distinct convolution shapes of smp ``Unet("resnet34")`` at 512x512.
+
+    python bench/conv_layers.py OUT.json [--batches 1 8] [--iters 50] [--only stem]
+
+Needs a CUDA GPU, torch with CUDA (random data, the fp32 reference, cuDNN) and dualtrack on the
+path (the kernel is the checked-in PTX for the device's arch, JIT-compiled by the driver, launched
+through dualtrack's driver layer on torch's stream; torch and dualtrack share the primary context).
+
+Each layer runs as the partition lowers it: bias, the residual (ResNet's ``Add``) and ReLU fused
+where the network has them. Before it is timed, the kernel's output (NaN-poisoned first) is
+checked against torch's fp32 convolution of the same fp16 data (rel L2 <= 2e-3). Times are the
+median of ``--iters`` launches between CUDA events after 5 warm-ups; cuDNN is ``F.conv2d`` on
+channels_last fp16 tensors with ``cudnn.benchmark`` on, conv + bias only (its residual add and
+ReLU would be further kernels in eager torch). ``op`` says which Track A kernel the partition
+gives the layer today: only the ``conv`` rows run the general kernel in a build (3x3 stride-1
+convs without a residual keep conv3x3); the others are timed for comparison. Prints a table and
+writes the rows and per-batch totals (weighted by how often each shape occurs) as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dualtrack.arch import PTX_ARCHES, choose_image
+from dualtrack.kernels import ACTIVATIONS, KERNELS, ConvGeometry
+from dualtrack.ptx import SOURCE_DIR, ptx_path
+from dualtrack.runtime.driver import Device, Module, Stream
+
+SPEC = KERNELS["conv"]
+TOL = 2e-3  # fp16 output rounding and a different summation order
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    op: str  # what the partition lowers it to
+    uses: int  # how often the shape occurs in the network
+    H: int
+    W: int
+    C: int
+    K: int
+    R: int
+    stride: int
+    residual: bool
+    relu: bool
+
+    @property
+    def geom(self) -> ConvGeometry:
+        p = self.R // 2
+        return ConvGeometry(self.R, self.R, self.stride, self.stride, pad_top=p, pad_left=p, pad_bottom=p, pad_right=p)
+
+
+LAYERS = (
+    Layer("stem 7x7/2", "conv", 1, 512, 512, 3, 64, 7, 2, False, True),
+    Layer("l1 conv1", "conv3x3", 3, 128, 128, 64, 64, 3, 1, False, True),
+    Layer("l1 conv2+res", "conv", 3, 128, 128, 64, 64, 3, 1, True, True),
+    Layer("l2.0 conv1 /2", "conv", 1, 128, 128, 64, 128, 3, 2, False, True),
+    Layer("l2.0 down 1x1/2", "conv", 1, 128, 128, 64, 128, 1, 2, False, False),
+    Layer("l2 conv1", "conv3x3", 3, 64, 64, 128, 128, 3, 1, False, True),
+    Layer("l2 conv2+res", "conv", 4, 64, 64, 128, 128, 3, 1, True, True),
+    Layer("l3.0 conv1 /2", "conv", 1, 64, 64, 128, 256, 3, 2, False, True),
+    Layer("l3.0 down 1x1/2", "conv", 1, 64, 64, 128, 256, 1, 2, False, False),
+    Layer("l3 conv1", "conv3x3", 5, 32, 32, 256, 256, 3, 1, False, True),
+    Layer("l3 conv2+res", "conv", 6, 32, 32, 256, 256, 3, 1, True, True),
+    Layer("l4.0 conv1 /2", "conv", 1, 32, 32, 256, 512, 3, 2, False, True),
+    Layer("l4.0 down 1x1/2", "conv", 1, 32, 32, 256, 512, 1, 2, False, False),
+    Layer("l4 conv1", "conv3x3", 2, 16, 16, 512, 512, 3, 1, False, True),
+    Layer("l4 conv2+res", "conv", 3, 16, 16, 512, 512, 3, 1, True, True),
+    Layer("dec0 conv1", "conv3x3", 1, 32, 32, 768, 256, 3, 1, False, True),
+    Layer("dec0 conv2", "conv3x3", 1, 32, 32, 256, 256, 3, 1, False, True),
+    Layer("dec1 conv1", "conv3x3", 1, 64, 64, 384, 128, 3, 1, False, True),
+    Layer("dec1 conv2", "conv3x3", 1, 64, 64, 128, 128, 3, 1, False, True),
+    Layer("dec2 conv1", "conv3x3", 1, 128, 128, 192, 64, 3, 1, False, True),
+    Layer("dec2 conv2", "conv3x3", 1, 128, 128, 64, 64, 3, 1, False, True),
+    Layer("dec3 conv1", "conv3x3", 1, 256, 256, 128, 32, 3, 1, False, True),
+    Layer("dec3 conv2", "conv3x3", 1, 256, 256, 32, 32, 3, 1, False, True),
+    Layer("dec4 conv1", "conv3x3", 1, 512, 512, 32, 16, 3, 1, False, True),
+    Layer("dec4 conv2", "conv3x3", 1, 512, 512, 16, 16, 3, 1, False, True),
+    Layer("head", "conv3x3", 1, 512, 512, 16, 2, 3, 1, False, False),
+)
+
+
+def median_ms(fn, iters: int) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def run_layer(kernels: dict, stream: Stream, layer: Layer, n: int, iters: int) -> dict:
+    g = layer.geom
+    _, p, q, _ = SPEC.output_shape(n, layer.H, layer.W, layer.C, layer.K, geom=g)
+    x = torch.randn(n, layer.H, layer.W, layer.C, device="cuda", dtype=torch.float16)
+    w = (torch.randn(layer.K, layer.R, layer.R, layer.C, device="cuda") / (layer.C * layer.R**2) ** 0.5).half()
+    b = torch.randn(layer.K, device="cuda")
+    res = torch.randn(n, p, q, layer.K, device="cuda", dtype=torch.float16) if layer.residual else None
+    y = torch.full((n, p, q, layer.K), float("nan"), device="cuda", dtype=torch.float16)
+    act = ACTIVATIONS["relu" if layer.relu else "none"]
+    entry = SPEC.variant("float16", n, layer.H, layer.W, layer.C, layer.K, g)
+    cfg = SPEC.launch("float16", n, layer.H, layer.W, layer.C, layer.K, geom=g, entry=entry)
+    args = SPEC.args(
+        x=x.data_ptr(), w=w.data_ptr(), bias=b.data_ptr(), res=None if res is None else res.data_ptr(),
+        y=y.data_ptr(), N=n, H=layer.H, W=layer.W, C=layer.C, K=layer.K, geom=g, act=act,
+    )  # fmt: skip
+    fn = kernels[entry]
+
+    def ours() -> None:
+        fn.launch(cfg.grid, cfg.block, cfg.shared_bytes, stream, args)
+
+    ours()
+    torch.cuda.synchronize()
+    x_cl = x.permute(0, 3, 1, 2)  # NHWC data = a channels_last NCHW tensor, no copy
+    w_cl = w.permute(0, 3, 1, 2)
+    pad = layer.R // 2
+    ref = F.conv2d(x_cl.float(), w_cl.float(), b, stride=layer.stride, padding=pad)
+    if res is not None:
+        ref = ref + res.permute(0, 3, 1, 2).float()
+    if layer.relu:
+        ref = torch.relu(ref)
+    got = y.permute(0, 3, 1, 2).float()
+    rel = float((got - ref).norm() / ref.norm()) if torch.isfinite(got).all() else float("inf")
+    row = {**asdict(layer), "N": n, "entry": entry, "rel_l2": rel, "passed": rel <= TOL}
+    if not row["passed"]:
+        return row
+    row["ours_ms"] = median_ms(ours, iters)
+    bh = b.half()
+    row["cudnn_ms"] = median_ms(lambda: F.conv2d(x_cl, w_cl, bh, stride=layer.stride, padding=pad), iters)
+    row["ratio"] = row["ours_ms"] / row["cudnn_ms"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path, help="JSON file to write")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--only", default="", help="run the layers whose name contains this")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("conv_layers: needs a CUDA GPU and torch with CUDA", file=sys.stderr)
+        return 2
+    torch.backends.cudnn.benchmark = True
+    torch.cuda.init()
+    dev = Device(0)
+    ctx = dev.primary_context()  # the one torch uses
+    ctx.make_current()
+    choice = choose_image(dev.cc, [], list(PTX_ARCHES))
+    path = ptx_path(SOURCE_DIR, SOURCE_DIR / f"{SPEC.stem}.cu", choice.arch)
+    mod = Module.load(ctx, path.read_bytes(), kind="ptx", origin=str(path), target=choice.arch)
+    kernels = {e: mod.function(e) for e in SPEC.entries}
+    stream = Stream.from_handle(torch.cuda.current_stream().cuda_stream, ctx)
+
+    rows = []
+    print(f"{'layer':18} {'op':8} {'N':>2} {'entry':22} {'rel_l2':>8} {'ours ms':>8} {'cudnn ms':>8} {'ratio':>6}")
+    for n in args.batches:
+        for layer in LAYERS:
+            if args.only and args.only not in layer.name:
+                continue
+            row = run_layer(kernels, stream, layer, n, args.iters)
+            rows.append(row)
+            times = f"{row['ours_ms']:8.4f} {row['cudnn_ms']:8.4f} {row['ratio']:6.2f}" if row["passed"] else "  FAILED"
+            entry = row["entry"].removeprefix("conv_nhwc_")
+            print(f"{layer.name:18} {layer.op:8} {n:>2} {entry:22} {row['rel_l2']:8.1e} {times}")
+    totals = {}
+    for n in args.batches:
+        mine = [r for r in rows if r["N"] == n and r["op"] == "conv" and r["passed"]]
+        totals[str(n)] = {
+            "general_conv_layers_ours_ms": sum(r["ours_ms"] * r["uses"] for r in mine),
+            "general_conv_layers_cudnn_ms": sum(r["cudnn_ms"] * r["uses"] for r in mine),
+        }
+        t = totals[str(n)]
+        print(
+            f"N={n}: the general conv's layers, weighted by use: ours {t['general_conv_layers_ours_ms']:.3f} ms, "
+            f"cuDNN {t['general_conv_layers_cudnn_ms']:.3f} ms"
+        )
+    doc = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "arch": choice.arch,
+        "rows": rows,
+        "totals": totals,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2))
+    mod.close()
+    return 0 if all(r["passed"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

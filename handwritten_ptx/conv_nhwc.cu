@@ -1,0 +1,511 @@
+// General 2-D convolution (group 1) with a fused epilogue, NHWC activations, KRSC weights:
+//
+//   y[n,p,q,k] = act(bias[k] + res[n,p,q,k]
+//                    + sum_{r,s,c} x[n, p*sh - pt + r*dh, q*sw - pl + s*dw, c] * w[k,r,s,c])
+//
+// for any R x S kernel, strides sh/sw, dilations dh/dw and top/left padding pt/pl (the bottom and
+// right padding only set the output size P x Q, which the caller passes); taps outside the image
+// read zero. `res` (null: none) is a second NHWC tensor of the output's shape with its own channel
+// stride ldr (ResNet's residual Add, added before the activation); `bias` is fp32 or null; `act`
+// is one of convg::Act (dualtrack.kernels.conv_general.ACTIVATIONS). Accumulation, bias, residual
+// and activation are fp32, rounded once to the output dtype.
+//
+// fp16 entries are an implicit GEMM on the tensor cores: M = N*P*Q output pixels, N_gemm = K,
+// K_gemm = R*S*C. Row m of A is output pixel m; its (r,s,c) column is input pixel
+// (n, h0 + r*dh, w0 + s*dw) at channel c, where (h0, w0) = (p*sh - pt, q*sw - pl). Since the
+// flattened input pixel of a tap is that of (h0, w0) plus r*dh*W + s*dw, each thread keeps its
+// rows' (h0, w0) and offsets in registers and adds one per-tap delta. Row k of B is filter k,
+// which KRSC stores contiguously (R*S*C values), so B is K-major ("col") as is.
+//
+// A k-tile of BK columns is taken one of two ways, and A and B always agree on it:
+//   vector path (C, ldx multiple of 8, x and w 16-byte aligned): one tap (r,s) and BK consecutive
+//     channels, 16-byte cp.async copies through a STAGES-deep pipeline, zero-filled (src-size 0)
+//     outside the image and past C;
+//   scalar path (anything else, e.g. the RGB stem with C = 3): BK consecutive flattened taps
+//     k = (r*S + s)*C + c, element by element with bounds checks, one stage.
+// Epilogue: the fp32 tile (accumulators + bias) goes through shared memory in passes of up to 64
+// channels, so the residual is read and y written as 16-byte chunks of consecutive channels
+// (element by element where ldr/ldy, the pointers or the last K % 8 channels do not allow it).
+//
+// The fp32 entry is the same GEMM on CUDA cores (SIMT, register-tiled, element loads).
+//
+// Tile sizes are not set here: `dualtrack.kernels` (ConvGeneralSpec) passes them as -D macros, so
+// the launch geometry and the code always agree. Compile with `python -m dualtrack.ptx`. No
+// toolkit #include: the helpers come from the in-memory headers (see conv3x3_nhwc.cu).
+
+#if !defined(CONVG_F16_MAIN) || !defined(CONVG_F16_NARROW) || !defined(CONVG_F16_WIDE) || \
+    !defined(CONVG_F16_SMALL) || !defined(CONVG_F32_BM) || !defined(CONVG_F32_BN) || !defined(CONVG_F32_BK) || \
+    !defined(CONVG_F32_TM) || !defined(CONVG_F32_TN)
+#error "tile sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
+#endif
+
+#include "mma_tile.cuh"
+
+namespace convg {
+
+// The fused activations; dualtrack.kernels.conv_general.ACTIVATIONS numbers them the same way.
+enum Act : int { NONE = 0, RELU = 1, RELU6 = 2, HARDSWISH = 3, HARDSIGMOID = 4, SIGMOID = 5, SILU = 6 };
+
+// ONNX's definitions (HardSwish and HardSigmoid with alpha = 1/6, beta = 1/2, as torch exports them).
+__device__ __forceinline__ float activate(float v, int act) {
+    switch (act) {
+        case RELU:
+            return fmaxf(v, 0.f);
+        case RELU6:
+            return fminf(fmaxf(v, 0.f), 6.f);
+        case HARDSWISH:
+            return v * fminf(fmaxf(v * (1.f / 6.f) + 0.5f, 0.f), 1.f);
+        case HARDSIGMOID:
+            return fminf(fmaxf(v * (1.f / 6.f) + 0.5f, 0.f), 1.f);
+        case SIGMOID:
+            return 1.f / (1.f + expf(-v));
+        case SILU:
+            return v / (1.f + expf(-v));
+        default:
+            return v;
+    }
+}
+
+struct Problem {
+    int N, H, W, C, K, P, Q, R, S, sh, sw, pt, pl, dh, dw, ldx, ldy, ldr, act;
+    int M;   // N*P*Q output pixels (the launcher refuses M >= 2^31)
+    int Kg;  // R*S*C
+};
+
+__device__ __forceinline__ bool inside(int h, int w, const Problem& p) {
+    return static_cast<unsigned>(h) < static_cast<unsigned>(p.H) && static_cast<unsigned>(w) < static_cast<unsigned>(p.W);
+}
+
+// Where output pixel m's (0,0) tap reads: input row h0, column w0 and the flat input pixel
+// (n*H + h0)*W + w0. Rows past M get a row so far above the image that every tap reads zero.
+struct Origin {
+    int h, w, pix;
+};
+
+__device__ __forceinline__ Origin origin(const Problem& p, int m) {
+    if (m >= p.M) return {-(1 << 29), 0, 0};
+    const int pq = p.P * p.Q;
+    const int n = m / pq;
+    const int rem = m - n * pq;
+    const int op = rem / p.Q;
+    const int oq = rem - op * p.Q;
+    const int h = op * p.sh - p.pt, w = oq * p.sw - p.pl;
+    return {h, w, (n * p.H + h) * p.W + w};
+}
+
+// Column kg of the scalar path's flattened taps: channel c of tap (r,s), which reads rows
+// (h0 + hh, w0 + ww), i.e. flat input pixel + dpix.
+struct Tap {
+    bool ok;  // kg < R*S*C
+    int c, hh, ww, dpix;
+};
+
+__device__ __forceinline__ Tap tap_of(const Problem& p, int kg) {
+    Tap t;
+    t.ok = kg < p.Kg;
+    const int rs = t.ok ? kg / p.C : 0;
+    t.c = t.ok ? kg - rs * p.C : 0;
+    const int r = rs / p.S, s = rs - r * p.S;
+    t.hh = r * p.dh;
+    t.ww = s * p.dw;
+    t.dpix = t.hh * p.W + t.ww;
+    return t;
+}
+
+// One element of A for the scalar paths: row (h0, w0, pix) at column tap t.
+template <typename T>
+__device__ __forceinline__ T gather(const T* x, const Problem& p, int h0, int w0, int pix, const Tap& t) {
+    if (t.ok && inside(h0 + t.hh, w0 + t.ww, p)) return x[static_cast<long long>(pix + t.dpix) * p.ldx + t.c];
+    return static_cast<T>(0);
+}
+
+// ------------------------------------------------------------------------------------------------
+// fp16: tensor cores (mma.sync m16n8k16), cp.async multi-stage pipeline, ldmatrix fragments.
+// ------------------------------------------------------------------------------------------------
+
+// Shared memory of a tile: the pipeline, the scalar path (one stage, then each row's h0, w0, pix
+// as ints) and the epilogue (fp32 rows of EPN channels padded by 8 floats, conflict-free float2
+// stores) reuse one buffer.
+template <class CF>
+struct Smem {
+    enum : int {
+        EPN = CF::BN < 64 ? CF::BN : 64,
+        EPP = EPN + 8,
+        EPI = CF::BM * EPP * 4,
+        SCALAR = CF::STAGE * 2 + 3 * CF::BM * 4,
+        PIPE = CF::PIPE * 2,
+        BYTES = PIPE > EPI ? (PIPE > SCALAR ? PIPE : SCALAR) : (EPI > SCALAR ? EPI : SCALAR),
+    };
+    static_assert(BYTES <= 48 * 1024, "static shared memory is capped at 48 KiB");
+    static_assert(CF::BN % EPN == 0 && EPN % 8 == 0, "epilogue passes");
+};
+
+// Vector path: the copies a thread issues for one k-tile, with everything that does not change
+// along k computed once. k-tiles are loaded in order: tap r, then s, then channel block cb.
+template <class CF>
+struct VecLoader {
+    long long a_off[CF::A_CH];  // element offset of the row's (0,0) tap pixel + its chunk's channels
+    int a_h[CF::A_CH], a_w[CF::A_CH];
+    long long b_off[CF::B_CH];
+    bool b_ok[CF::B_CH];
+    unsigned a_dst[CF::A_CH], b_dst[CF::B_CH];  // shared byte offsets within a stage
+    int q8, cb, r, s;
+
+    __device__ __forceinline__ void init(const Problem& p, int m0, int n0) {
+        const int q = threadIdx.x % CF::CPR;
+        q8 = q * 8;
+#pragma unroll
+        for (int i = 0; i < CF::A_CH; ++i) {
+            const int row = threadIdx.x / CF::CPR + i * (CF::THREADS / CF::CPR);
+            const Origin o = origin(p, m0 + row);
+            a_h[i] = o.h;
+            a_w[i] = o.w;
+            a_off[i] = static_cast<long long>(o.pix) * p.ldx + q8;
+            a_dst[i] = CF::at(row, q) * 2;
+        }
+#pragma unroll
+        for (int i = 0; i < CF::B_CH; ++i) {
+            const int row = threadIdx.x / CF::CPR + i * (CF::THREADS / CF::CPR);
+            const int k = n0 + row;
+            b_ok[i] = k < p.K;
+            b_off[i] = static_cast<long long>(k) * p.Kg + q8;
+            b_dst[i] = (CF::A_STAGE + CF::at(row, q)) * 2;
+        }
+        cb = 0;
+        r = 0;
+        s = 0;
+    }
+
+    // Copies the next k-tile into the stage at shared address `stage`, then advances.
+    __device__ __forceinline__ void load(const f16* x, const f16* w, const Problem& p, unsigned stage, int cblocks) {
+        const int c0 = cb * CF::BK;
+        const bool c_ok = c0 + q8 < p.C;
+        const int hh = r * p.dh, ww = s * p.dw;
+        const long long da = static_cast<long long>(hh * p.W + ww) * p.ldx + c0;
+        const int db = (r * p.S + s) * p.C + c0;
+#pragma unroll
+        for (int i = 0; i < CF::A_CH; ++i) {
+            const bool ok = c_ok && inside(a_h[i] + hh, a_w[i] + ww, p);
+            const f16* src = ok ? x + (a_off[i] + da) : x;  // with src-size 0 nothing is read
+            cp_async_16(stage + a_dst[i], src, ok ? 16u : 0u);
+        }
+#pragma unroll
+        for (int i = 0; i < CF::B_CH; ++i) {
+            const bool ok = c_ok && b_ok[i];
+            const f16* src = ok ? w + (b_off[i] + db) : w;
+            cp_async_16(stage + b_dst[i], src, ok ? 16u : 0u);
+        }
+        if (++cb == cblocks) {
+            cb = 0;
+            if (++s == p.S) {
+                s = 0;
+                ++r;
+            }
+        }
+    }
+};
+
+// Scalar path, k-tile kt = flattened taps [kt*BK, kt*BK + BK). Each thread owns one column.
+template <class CF>
+__device__ __forceinline__ void load_scalar(const f16* x, const f16* w, const Problem& p, const int* row_h,
+                                            const int* row_w, const int* row_pix, f16* stage, int kt, int n0) {
+    const int j = threadIdx.x % CF::BK;
+    const Tap t = tap_of(p, kt * CF::BK + j);
+    const int kg = kt * CF::BK + j;
+    f16* a = stage;
+    f16* b = stage + CF::A_STAGE;
+    const int jq = j >> 3, je = j & 7;
+#pragma unroll 4
+    for (int i = 0; i < CF::BM * CF::BK / CF::THREADS; ++i) {
+        const int row = threadIdx.x / CF::BK + i * (CF::THREADS / CF::BK);
+        a[CF::at(row, jq) + je] = gather(x, p, row_h[row], row_w[row], row_pix[row], t);
+    }
+#pragma unroll 4
+    for (int i = 0; i < CF::BN * CF::BK / CF::THREADS; ++i) {
+        const int row = threadIdx.x / CF::BK + i * (CF::THREADS / CF::BK);
+        const int k = n0 + row;
+        b[CF::at(row, jq) + je] = (t.ok && k < p.K) ? w[static_cast<long long>(k) * p.Kg + kg] : static_cast<f16>(0);
+    }
+}
+
+// bias, residual, activation, one rounding; y and res through 16-byte chunks where they allow.
+template <class CF>
+__device__ __forceinline__ void epilogue(float (&acc)[CF::MT][CF::NT][4], const float* bias, const f16* res, f16* y,
+                                         const Problem& p, int m0, int n0, int wm, int wn, int lane,
+                                         unsigned char* smem) {
+    typedef Smem<CF> SM;
+    enum : int { CHUNKS = SM::EPN / 8 };
+    float* tile = reinterpret_cast<float*>(smem);
+    const bool vec_y = p.ldy % 8 == 0 && aligned16(y);
+    const bool vec_r = res != nullptr && p.ldr % 8 == 0 && aligned16(res);
+#pragma unroll
+    for (int pass = 0; pass < CF::BN / SM::EPN; ++pass) {
+#pragma unroll
+        for (int nt = 0; nt < CF::NT; ++nt) {
+            const int col = wn * CF::WN + nt * 8 + (lane & 3) * 2;
+            const int local = col - pass * SM::EPN;
+            if (local < 0 || local >= SM::EPN) continue;
+            const int k = n0 + col;
+            const float b0 = (bias != nullptr && k < p.K) ? bias[k] : 0.f;
+            const float b1 = (bias != nullptr && k + 1 < p.K) ? bias[k + 1] : 0.f;
+#pragma unroll
+            for (int mt = 0; mt < CF::MT; ++mt) {
+                const int row = wm * CF::WM + mt * 16 + (lane >> 2);
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+                    *reinterpret_cast<float2*>(tile + (row + 8 * half) * SM::EPP + local) =
+                        make_float2(acc[mt][nt][2 * half] + b0, acc[mt][nt][2 * half + 1] + b1);
+            }
+        }
+        __syncthreads();
+        for (int u = threadIdx.x; u < CF::BM * CHUNKS; u += CF::THREADS) {
+            const int row = u / CHUNKS;
+            const int q8 = (u - row * CHUNKS) * 8;
+            const int m = m0 + row;
+            const int k = n0 + pass * SM::EPN + q8;
+            if (m >= p.M || k >= p.K) continue;
+            const bool full = k + 8 <= p.K;
+            float v[8];
+            const float* src = tile + row * SM::EPP + q8;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[e] = src[e];
+            if (res != nullptr) {
+                const f16* rp = res + (static_cast<long long>(m) * p.ldr + k);
+                if (vec_r && full) {
+                    const uint4 rv = *reinterpret_cast<const uint4*>(rp);
+                    const unsigned rw[4] = {rv.x, rv.y, rv.z, rv.w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        v[2 * e] += f16_to_f32(static_cast<f16>(rw[e] & 0xffffu));
+                        v[2 * e + 1] += f16_to_f32(static_cast<f16>(rw[e] >> 16));
+                    }
+                } else {
+                    for (int e = 0; e < 8 && k + e < p.K; ++e) v[e] += f16_to_f32(rp[e]);
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[e] = activate(v[e], p.act);
+            f16* dst = y + (static_cast<long long>(m) * p.ldy + k);
+            if (vec_y && full) {
+                uint4 out;
+                out.x = static_cast<unsigned>(f32_to_f16(v[0])) | (static_cast<unsigned>(f32_to_f16(v[1])) << 16);
+                out.y = static_cast<unsigned>(f32_to_f16(v[2])) | (static_cast<unsigned>(f32_to_f16(v[3])) << 16);
+                out.z = static_cast<unsigned>(f32_to_f16(v[4])) | (static_cast<unsigned>(f32_to_f16(v[5])) << 16);
+                out.w = static_cast<unsigned>(f32_to_f16(v[6])) | (static_cast<unsigned>(f32_to_f16(v[7])) << 16);
+                *reinterpret_cast<uint4*>(dst) = out;
+            } else {
+                for (int e = 0; e < 8 && k + e < p.K; ++e) dst[e] = f32_to_f16(v[e]);
+            }
+        }
+        __syncthreads();  // the next pass overwrites the tile
+    }
+}
+
+template <class CF>
+__device__ __forceinline__ void conv_f16(const f16* __restrict__ x, const f16* __restrict__ w,
+                                         const float* __restrict__ bias, const f16* __restrict__ res,
+                                         f16* __restrict__ y, const Problem& p, unsigned char* smem) {
+    const int m0 = blockIdx.x * CF::BM;
+    const int n0 = blockIdx.y * CF::BN;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int wm = warp % CF::WARPS_M;
+    const int wn = warp / CF::WARPS_M;
+    const unsigned smem_base = smem_u32(smem);
+
+    float acc[CF::MT][CF::NT][4];
+#pragma unroll
+    for (int mt = 0; mt < CF::MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < CF::NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+
+    if (p.C % 8 == 0 && p.ldx % 8 == 0 && aligned16(x) && aligned16(w)) {
+        const int cblocks = (p.C + CF::BK - 1) / CF::BK;
+        const int num_kt = p.R * p.S * cblocks;
+        VecLoader<CF> ld;
+        ld.init(p, m0, n0);
+        // Prologue fills STAGES-1 stages; every iteration then commits exactly one group (possibly
+        // empty), so "all but the newest STAGES-2 groups done" always means "tile kt has landed".
+#pragma unroll
+        for (int st = 0; st < CF::STAGES - 1; ++st) {
+            if (st < num_kt) ld.load(x, w, p, smem_base + st * CF::STAGE * 2, cblocks);
+            cp_async_commit();
+        }
+        int rd = 0, wr = CF::STAGES - 1;  // stage read this iteration / written by its prefetch
+        for (int kt = 0; kt < num_kt; ++kt) {
+            cp_async_wait<CF::STAGES - 2>();
+            // Publishes tile kt to all warps, and tells everyone that stage wr, last read in
+            // iteration kt-1, has been consumed.
+            __syncthreads();
+            if (kt + CF::STAGES - 1 < num_kt) ld.load(x, w, p, smem_base + wr * CF::STAGE * 2, cblocks);
+            cp_async_commit();
+            mma_tile::mma_stage<CF>(smem_base + rd * CF::STAGE * 2, acc, wm, wn, lane);
+            rd = rd + 1 == CF::STAGES ? 0 : rd + 1;
+            wr = wr + 1 == CF::STAGES ? 0 : wr + 1;
+        }
+        cp_async_wait<0>();
+    } else {
+        int* row_h = reinterpret_cast<int*>(smem + CF::STAGE * 2);
+        int* row_w = row_h + CF::BM;
+        int* row_pix = row_w + CF::BM;
+        for (int i = threadIdx.x; i < CF::BM; i += CF::THREADS) {
+            const Origin o = origin(p, m0 + i);
+            row_h[i] = o.h;
+            row_w[i] = o.w;
+            row_pix[i] = o.pix;
+        }
+        f16* stage = reinterpret_cast<f16*>(smem);
+        const int num_kt = (p.Kg + CF::BK - 1) / CF::BK;
+        for (int kt = 0; kt < num_kt; ++kt) {
+            __syncthreads();  // the rows are decoded / the previous k-tile has been read
+            load_scalar<CF>(x, w, p, row_h, row_w, row_pix, stage, kt, n0);
+            __syncthreads();
+            mma_tile::mma_stage<CF>(smem_base, acc, wm, wn, lane);
+        }
+    }
+    __syncthreads();  // the epilogue tile reuses the pipeline's shared memory
+    epilogue<CF>(acc, bias, res, y, p, m0, n0, wm, wn, lane, smem);
+}
+
+// Each macro is the list BM,BN,BK,WARPS_M,WARPS_N,STAGES,MIN_BLOCKS
+// (dualtrack.kernels.ConvGeneralSpec.variant picks one per launch).
+typedef mma_tile::Tile<CONVG_F16_MAIN> Main;
+typedef mma_tile::Tile<CONVG_F16_NARROW> Narrow;  // K <= 32 output channels
+typedef mma_tile::Tile<CONVG_F16_WIDE> Wide;      // K >= 128 and enough pixels to fill the GPU
+typedef mma_tile::Tile<CONVG_F16_SMALL> Small;    // too few Main tiles to fill the GPU
+
+}  // namespace convg
+
+#define CONVG_PARAMS(T)                                                                                     \
+    const T *__restrict__ x, const T *__restrict__ w, const float *__restrict__ bias,                      \
+        const T *__restrict__ res, T *__restrict__ y, int N, int H, int W, int C, int K, int P, int Q, int R, \
+        int S, int sh, int sw, int pt, int pl, int dh, int dw, int ldx, int ldy, int ldr, int act
+
+#define CONVG_PROBLEM \
+    convg::Problem { N, H, W, C, K, P, Q, R, S, sh, sw, pt, pl, dh, dw, ldx, ldy, ldr, act, N * P * Q, R * S * C }
+
+#define CONVG_F16_ENTRY(NAME, CF)                                                             \
+    extern "C" __global__ void __launch_bounds__(CF::THREADS, CF::MIN_BLOCKS) NAME(CONVG_PARAMS(f16)) { \
+        __shared__ __align__(16) unsigned char smem[convg::Smem<CF>::BYTES];                  \
+        convg::conv_f16<CF>(x, w, bias, res, y, CONVG_PROBLEM, smem);                         \
+    }
+
+CONVG_F16_ENTRY(conv_nhwc_f16, convg::Main)
+CONVG_F16_ENTRY(conv_nhwc_f16_narrow, convg::Narrow)
+CONVG_F16_ENTRY(conv_nhwc_f16_wide, convg::Wide)
+CONVG_F16_ENTRY(conv_nhwc_f16_small, convg::Small)
+
+// ------------------------------------------------------------------------------------------------
+// fp32: CUDA cores, register-tiled SIMT GEMM over the scalar path's flattened taps, k-major shared
+// tiles, register-staged double buffer. fp32 models are the exception on Track A, so this entry
+// is written for correctness on every shape rather than for speed.
+// ------------------------------------------------------------------------------------------------
+
+namespace convg32 {
+
+enum : int {
+    BM = CONVG_F32_BM,
+    BN = CONVG_F32_BN,
+    BK = CONVG_F32_BK,
+    TM = CONVG_F32_TM,  // outputs per thread along pixels
+    TN = CONVG_F32_TN,  // outputs per thread along channels
+    THREADS = (BM / TM) * (BN / TN),
+    BMP = BM + 4,  // k-major rows padded by 4 floats (16-byte aligned, fewer store conflicts)
+    BNP = BN + 4,
+    A_SCA = BM * BK / THREADS,  // elements a thread loads per k-tile
+    B_SCA = BN * BK / THREADS,
+};
+static_assert(TM % 4 == 0 && TN % 4 == 0, "float4 fragments");
+static_assert(THREADS % BK == 0 && (BM * BK) % THREADS == 0 && (BN * BK) % THREADS == 0, "scalar loads");
+static_assert(2 * BK * (BMP + BNP) * 4 + 3 * BM * 4 <= 48 * 1024, "static shared memory is capped at 48 KiB");
+
+struct Staged {
+    float a[A_SCA];
+    float b[B_SCA];
+};
+
+__device__ __forceinline__ void load(const float* x, const float* w, const convg::Problem& p, const int* row_h,
+                                     const int* row_w, const int* row_pix, Staged& st, int kt, int n0) {
+    const int kg = kt * BK + threadIdx.x % BK;
+    const convg::Tap t = convg::tap_of(p, kg);
+#pragma unroll
+    for (int i = 0; i < A_SCA; ++i) {
+        const int row = threadIdx.x / BK + i * (THREADS / BK);
+        st.a[i] = convg::gather(x, p, row_h[row], row_w[row], row_pix[row], t);
+    }
+#pragma unroll
+    for (int i = 0; i < B_SCA; ++i) {
+        const int k = n0 + threadIdx.x / BK + i * (THREADS / BK);
+        st.b[i] = (t.ok && k < p.K) ? w[static_cast<long long>(k) * p.Kg + kg] : 0.f;
+    }
+}
+
+__device__ __forceinline__ void store(const Staged& st, float* As, float* Bs) {
+    const int j = threadIdx.x % BK;
+#pragma unroll
+    for (int i = 0; i < A_SCA; ++i) As[j * BMP + threadIdx.x / BK + i * (THREADS / BK)] = st.a[i];
+#pragma unroll
+    for (int i = 0; i < B_SCA; ++i) Bs[j * BNP + threadIdx.x / BK + i * (THREADS / BK)] = st.b[i];
+}
+
+}  // namespace convg32
+
+extern "C" __global__ void __launch_bounds__(convg32::THREADS) conv_nhwc_f32(CONVG_PARAMS(float)) {
+    using namespace convg32;
+    __shared__ __align__(16) float As[2 * BK * BMP];
+    __shared__ __align__(16) float Bs[2 * BK * BNP];
+    __shared__ int row_h[BM], row_w[BM], row_pix[BM];
+    const convg::Problem p = CONVG_PROBLEM;
+    const int m0 = blockIdx.x * BM;
+    const int n0 = blockIdx.y * BN;
+    const int tm0 = (threadIdx.x / (BN / TN)) * TM;  // this thread's pixels: m0+tm0 .. +TM-1
+    const int tn0 = (threadIdx.x % (BN / TN)) * TN;  // this thread's channels: n0+tn0 .. +TN-1
+    for (int i = threadIdx.x; i < BM; i += THREADS) {
+        const convg::Origin o = convg::origin(p, m0 + i);
+        row_h[i] = o.h;
+        row_w[i] = o.w;
+        row_pix[i] = o.pix;
+    }
+    __syncthreads();
+
+    float acc[TM][TN];
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
+
+    const int num_kt = (p.Kg + BK - 1) / BK;
+    Staged st;
+    load(x, w, p, row_h, row_w, row_pix, st, 0, n0);
+    store(st, As, Bs);
+    __syncthreads();
+    for (int kt = 0; kt < num_kt; ++kt) {
+        const int buf = kt & 1;
+        const bool more = kt + 1 < num_kt;
+        // The next tile's global loads are in flight while this tile is multiplied.
+        if (more) load(x, w, p, row_h, row_w, row_pix, st, kt + 1, n0);
+        const float* A = As + buf * BK * BMP;
+        const float* B = Bs + buf * BK * BNP;
+        simt_ktile<BK, TM, TN, BMP, BNP>(A, B, acc, tm0, tn0);
+        // The other buffer was last read in iteration kt-1, which every thread has left (barrier
+        // at its end), so it can be overwritten without a second barrier.
+        if (more) store(st, As + (buf ^ 1) * BK * BMP, Bs + (buf ^ 1) * BK * BNP);
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const int m = m0 + tm0 + i;
+        if (m >= p.M) break;
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+            const int k = n0 + tn0 + j;
+            if (k >= p.K) break;
+            float v = acc[i][j] + (bias != nullptr ? bias[k] : 0.f);
+            if (res != nullptr) v += res[static_cast<long long>(m) * p.ldr + k];
+            y[static_cast<long long>(m) * p.ldy + k] = convg::activate(v, p.act);
+        }
+    }
+}

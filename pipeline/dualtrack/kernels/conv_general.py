@@ -1,0 +1,401 @@
+"""conv_nhwc: the general ``conv`` op — any R x S kernel, strides, dilations and padding (group 1)
+with a fused epilogue: bias, a residual input added before the activation, and an activation
+(:data:`ACTIVATIONS`), writing into a channel slice.
+
+A call's geometry and epilogue are its attributes (:class:`ConvGeometry`, ``act``, ``residual``);
+:meth:`ConvGeneralSpec.supports` is the one predicate that says whether the kernel computes a
+convolution, and the partition asks it before it lowers a Conv to this op. fp16 runs an implicit
+GEMM on mma.sync tensor cores in four tiles (:meth:`ConvGeneralSpec.variant`), fp32 a SIMT GEMM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from dualtrack.errors import InputError
+from dualtrack.kernels.base import (
+    DTYPES,
+    INT32_MAX,
+    DeviceTensor,
+    KernelArg,
+    KernelSpec,
+    LaunchConfig,
+    LaunchContext,
+    PreparedCall,
+    cdiv,
+    dtype_name,
+    gemm_grid,
+    pointer,
+    positive,
+    stride,
+)
+from dualtrack.kernels.conv import named_weights, pack_conv_weights
+from dualtrack.kernels.conv3x3 import F16Tile
+from dualtrack.plan import KernelCall
+
+# The fused activations by name, numbered as conv_nhwc.cu's convg::Act. HardSwish and HardSigmoid
+# are ONNX's with alpha = 1/6, beta = 1/2 (what torch exports); relu6 is Clip(0, 6).
+ACTIVATIONS: dict[str, int] = {
+    "none": 0, "relu": 1, "relu6": 2, "hardswish": 3, "hardsigmoid": 4, "sigmoid": 5, "silu": 6,
+}  # fmt: skip
+MAX_KERNEL = 15  # R and S; larger kernels are not worth an implicit GEMM's per-tap loads
+
+
+def activate(v: np.ndarray, act: int) -> np.ndarray:
+    """``act`` (an :data:`ACTIVATIONS` code) applied in float32, as the kernels compute it."""
+    v = v.astype(np.float32, copy=False)
+    if act == ACTIVATIONS["relu"]:
+        return np.maximum(v, np.float32(0))
+    if act == ACTIVATIONS["relu6"]:
+        return np.clip(v, np.float32(0), np.float32(6))
+    hard = np.clip(v * np.float32(1 / 6) + np.float32(0.5), np.float32(0), np.float32(1))
+    if act == ACTIVATIONS["hardswish"]:
+        return v * hard
+    if act == ACTIVATIONS["hardsigmoid"]:
+        return hard
+    with np.errstate(over="ignore"):  # exp(-v) overflows to inf for v << 0: sigmoid 0, as on the GPU
+        sig = np.float32(1) / (np.float32(1) + np.exp(-v))
+    if act == ACTIVATIONS["sigmoid"]:
+        return sig
+    if act == ACTIVATIONS["silu"]:
+        return v * sig
+    if act != ACTIVATIONS["none"]:
+        raise InputError(f"activation code {act} is not one of {ACTIVATIONS}")
+    return v
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """A convolution's window: ``R x S`` kernel, strides, dilations, and padding on each side (ONNX
+    ``pads`` = top, left, bottom, right). The kernel reads the top/left padding; the bottom/right
+    padding only sets the output size."""
+
+    R: int
+    S: int
+    stride_h: int = 1
+    stride_w: int = 1
+    dil_h: int = 1
+    dil_w: int = 1
+    pad_top: int = 0
+    pad_left: int = 0
+    pad_bottom: int = 0
+    pad_right: int = 0
+
+    def output_hw(self, H: int, W: int) -> tuple[int, int]:
+        """(P, Q): output rows and columns on an H x W input (ONNX's floor rule)."""
+        P = (H + self.pad_top + self.pad_bottom - self.dil_h * (self.R - 1) - 1) // self.stride_h + 1
+        Q = (W + self.pad_left + self.pad_right - self.dil_w * (self.S - 1) - 1) // self.stride_w + 1
+        return P, Q
+
+    def attrs(self) -> tuple[tuple[str, int], ...]:
+        """The geometry as :class:`KernelCall` attributes."""
+        return tuple(asdict(self).items())
+
+    @classmethod
+    def from_call(cls, call: KernelCall) -> ConvGeometry:
+        names = cls.__dataclass_fields__
+        got = dict(call.attrs)
+        missing = [n for n in ("R", "S") if n not in got]
+        if missing:
+            raise InputError(f"conv call {call.nodes or call.outputs} has no {'/'.join(missing)} attribute")
+        return cls(**{k: int(v) for k, v in got.items() if k in names})
+
+    def label(self) -> str:
+        pads = (self.pad_top, self.pad_left, self.pad_bottom, self.pad_right)
+        return (
+            f"{self.R}x{self.S} stride {self.stride_h},{self.stride_w} dilation {self.dil_h},{self.dil_w} "
+            f"pads {','.join(map(str, pads))}"
+        )
+
+
+# The fp16 tiles (BM, BN, BK, warps_m, warps_n, stages, min_blocks): conv3x3_nhwc's shapes.
+_MAIN = F16Tile(128, 64, 32, 2, 2, 4, 4)
+_NARROW = F16Tile(128, 32, 32, 4, 1, 4, 4)
+_WIDE = F16Tile(128, 128, 32, 4, 2, 3, 2)
+_SMALL = F16Tile(64, 64, 32, 2, 2, 4, 4)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvGeneralSpec(KernelSpec):
+    """The ``conv`` op: ``conv_nhwc_f16`` (128x64 tile) and its variants ``_narrow`` (K <= 32),
+    ``_wide`` (K >= 128 with enough pixels) and ``_small`` (too few default tiles to fill the
+    GPU), each an :class:`F16Tile`; ``conv_nhwc_f32``, a SIMT GEMM (``f32 = (BM, BN, BK, TM, TN)``).
+    Weights KRSC (:func:`pack_conv_weights`), bias fp32 or null, residual and output NHWC with
+    their own channel strides."""
+
+    PARAMS: ClassVar[tuple[str, ...]] = (
+        "x", "w", "bias", "res", "y", "N", "H", "W", "C", "K", "P", "Q", "R", "S", "stride_h", "stride_w",
+        "pad_top", "pad_left", "dil_h", "dil_w", "ldx", "ldy", "ldr", "act",
+    )  # fmt: skip
+    POINTERS: ClassVar[int] = 5
+    F16_VARIANTS: ClassVar[tuple[str, ...]] = ("narrow", "wide", "small")
+
+    f16_main: F16Tile = _MAIN
+    f16_narrow: F16Tile = _NARROW
+    f16_wide: F16Tile = _WIDE
+    f16_small: F16Tile = _SMALL
+    f32: tuple[int, int, int, int, int] = (64, 64, 16, 4, 4)
+    # variant(): wide tiles when there are at least this many of them, else the default tile when
+    # it has at least f16_main_min_tiles, else small (conv3x3's thresholds, measured on an H200).
+    f16_wide_min_tiles: int = 256
+    f16_main_min_tiles: int = 512
+
+    def defines(self) -> dict[str, int | str]:
+        bm, bn, bk, tm, tn = self.f32
+        tiles = {v: ",".join(map(str, t.as_tuple())) for v, t in self.f16_tiles_by_variant().items()}
+        return {
+            **{f"CONVG_F16_{v.upper()}": t for v, t in tiles.items()},
+            "CONVG_F32_BM": bm, "CONVG_F32_BN": bn, "CONVG_F32_BK": bk, "CONVG_F32_TM": tm, "CONVG_F32_TN": tn,
+        }  # fmt: skip
+
+    def f16_tiles_by_variant(self) -> dict[str, F16Tile]:
+        return {"main": self.f16_main, **{v: getattr(self, f"f16_{v}") for v in self.F16_VARIANTS}}
+
+    def f16_tiles(self) -> dict[str, F16Tile]:
+        """The tile of every fp16 entry, by entry name."""
+        return {
+            (self.entry("float16") if v == "main" else f"{self.stem}_f16_{v}"): t
+            for v, t in self.f16_tiles_by_variant().items()
+        }
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        return (*(self.entry(d) for d in DTYPES), *(f"{self.stem}_f16_{v}" for v in self.F16_VARIANTS))
+
+    # --- what the kernel computes -----------------------------------------------------------------
+
+    def supports(
+        self, dtype: Any, H: int, W: int, C: int, K: int, geom: ConvGeometry, *, groups: int = 1
+    ) -> str | None:
+        """None when the kernel computes this convolution (on an H x W x C input, K filters), else
+        why not. The partition lowers a Conv to this op only where this says None; launches check
+        it again."""
+        try:
+            dtype_name(dtype)
+        except InputError as exc:
+            return str(exc)
+        if groups != 1:
+            return f"group={groups}: the general conv takes group 1 (no grouped or depthwise convolution)"
+        g = geom
+        if not (1 <= g.R <= MAX_KERNEL and 1 <= g.S <= MAX_KERNEL):
+            return f"kernel {g.R}x{g.S}: the general conv takes 1..{MAX_KERNEL} a side"
+        if min(g.stride_h, g.stride_w, g.dil_h, g.dil_w) < 1:
+            return f"strides {g.stride_h},{g.stride_w} dilations {g.dil_h},{g.dil_w}: each must be >= 1"
+        if min(g.pad_top, g.pad_left, g.pad_bottom, g.pad_right) < 0:
+            return "negative padding (a crop)"
+        if min(H, W, C, K) < 1:
+            return f"input {H}x{W}x{C} -> {K} channels: every size must be >= 1"
+        P, Q = g.output_hw(H, W)
+        if P < 1 or Q < 1:
+            return f"{g.label()} on {H}x{W} has an empty output ({P}x{Q})"
+        if g.R * g.S * C > INT32_MAX // 2:
+            return f"R*S*C = {g.R * g.S * C} taps exceed the kernel's 32-bit indices"
+        return None
+
+    def output_shape(
+        self, N: int, H: int, W: int, C: int, K: int = 0, *, geom: ConvGeometry | None = None
+    ) -> tuple[int, int, int, int]:
+        if geom is None:
+            raise InputError("the general conv's output shape needs its geometry (geom=ConvGeometry(...))")
+        positive(N=N, H=H, W=W, C=C, K=K)
+        why = self.supports("float32", H, W, C, K, geom)
+        if why:
+            raise InputError(f"the general conv cannot run this convolution: {why}")
+        return (N, *geom.output_hw(H, W), K)
+
+    def _checked_pixels(self, N: int, H: int, W: int, geom: ConvGeometry) -> int:
+        """N*P*Q output pixels; the kernel indexes input pixels (padding included) and output
+        pixels with 32-bit ints."""
+        P, Q = geom.output_hw(H, W)
+        extent = N * (H + geom.pad_top + geom.pad_bottom + 1) * (W + geom.pad_left + geom.pad_right + 1)
+        if max(N * P * Q, extent) > INT32_MAX:
+            raise InputError(f"a {N}x{H}x{W} input with its padding exceeds 2^31-1 pixels; split the batch")
+        return N * P * Q
+
+    def variant(self, dtype: Any, N: int, H: int, W: int, C: int, K: int, geom: ConvGeometry) -> str:
+        """The entry to launch (fp32: the one entry; fp16: ``_narrow`` for K <= 32, ``_wide``
+        with enough wide tiles, the default entry with enough of its tiles, else ``_small``)."""
+        name = dtype_name(dtype)
+        if name != "float16":
+            return self.entry(name)
+        M = self._checked_pixels(N, H, W, geom)
+        if self.f16_narrow.bn >= K:
+            return f"{self.stem}_f16_narrow"
+        wide = self.f16_wide
+        if wide.bn <= K and cdiv(M, wide.bm) * cdiv(K, wide.bn) >= self.f16_wide_min_tiles:
+            return f"{self.stem}_f16_wide"
+        if cdiv(M, self.f16_main.bm) * cdiv(K, self.f16_main.bn) >= self.f16_main_min_tiles:
+            return self.entry(name)
+        return f"{self.stem}_f16_small"
+
+    def threads(self, dtype: Any, entry: str | None = None) -> int:
+        if dtype_name(dtype) == "float16":
+            return self._tile(entry).threads
+        bm, bn, _, tm, tn = self.f32
+        return (bm // tm) * (bn // tn)
+
+    def _tile(self, entry: str | None) -> F16Tile:
+        tiles = self.f16_tiles()
+        key = entry if entry is not None else self.entry("float16")
+        if key not in tiles:
+            raise InputError(f"'{entry}' is not an fp16 entry of {self.stem}; use one of {', '.join(tiles)}")
+        return tiles[key]
+
+    def launch(
+        self,
+        dtype: Any,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        K: int = 0,
+        *,
+        geom: ConvGeometry | None = None,
+        entry: str | None = None,
+    ) -> LaunchConfig:
+        """One block per (output-pixel tile, channel tile), pixel tiles along grid.x; ``entry``:
+        the fp16 variant launched (None: :meth:`variant`'s)."""
+        self.output_shape(N, H, W, C, K, geom=geom)
+        assert geom is not None  # output_shape refuses None
+        M = self._checked_pixels(N, H, W, geom)
+        name = dtype_name(dtype)
+        if name == "float16":
+            tile = self._tile(entry if entry is not None else self.variant(dtype, N, H, W, C, K, geom))
+            bm, bn = tile.bm, tile.bn
+            threads = tile.threads
+        else:
+            if entry not in (None, self.entry(name)):
+                raise InputError(f"'{entry}' is not the {name} entry of {self.stem}")
+            bm, bn = self.f32[:2]
+            threads = self.threads(name)
+        return LaunchConfig(grid=gemm_grid(M, K, bm, bn), block=(threads, 1, 1), shared_bytes=0)
+
+    def args(
+        self,
+        *,
+        x: int,
+        w: int,
+        y: int,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        K: int,
+        geom: ConvGeometry,
+        bias: int | None = None,
+        res: int | None = None,
+        ldx: int | None = None,
+        ldy: int | None = None,
+        ldr: int | None = None,
+        act: int = 0,
+        **_: Any,
+    ) -> list[KernelArg]:
+        """The ABI's argument list (handwritten_ptx/README.md). ``bias`` and ``res`` may be None
+        (null: none); strides default to dense (``C``, ``K``, ``K``)."""
+        _, P, Q, _ = self.output_shape(N, H, W, C, K, geom=geom)
+        self._checked_pixels(N, H, W, geom)
+        if act not in ACTIVATIONS.values():
+            raise InputError(f"act={act} is not an activation code; use one of {ACTIVATIONS}")
+        values = {
+            "x": pointer("x", x), "w": pointer("w", w), "bias": pointer("bias", bias, required=False),
+            "res": pointer("res", res, required=False), "y": pointer("y", y),
+            "N": N, "H": H, "W": W, "C": C, "K": K, "P": P, "Q": Q, "R": geom.R, "S": geom.S,
+            "stride_h": geom.stride_h, "stride_w": geom.stride_w, "pad_top": geom.pad_top,
+            "pad_left": geom.pad_left, "dil_h": geom.dil_h, "dil_w": geom.dil_w,
+            "ldx": stride("ldx", ldx, C), "ldy": stride("ldy", ldy, K), "ldr": stride("ldr", ldr, K), "act": act,
+        }  # fmt: skip
+        return self._ordered(values)
+
+    # --- a plan's call ----------------------------------------------------------------------------
+
+    def pack_weights(self, call: KernelCall, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        bias = weights[call.weights[1]] if len(call.weights) > 1 else None
+        return named_weights(call, pack_conv_weights(weights[call.weights[0]], bias, any_size=True))
+
+    def reference(
+        self,
+        x: np.ndarray,
+        w: np.ndarray | None = None,
+        bias: np.ndarray | None = None,
+        res: np.ndarray | None = None,
+        *,
+        geom: ConvGeometry | None = None,
+        act: int = 0,
+    ) -> np.ndarray:
+        """numpy semantics: ``x`` (N,H,W,C), ``w`` (K,R,S,C), ``bias`` (K,) or None, ``res``
+        (N,P,Q,K) or None. In float32: the products and sums, then bias and residual, then the
+        activation, rounded once to x's dtype."""
+        if w is None or geom is None:
+            raise InputError("the general conv's reference needs weights w (K, R, S, C) and its geometry")
+        if x.ndim != 4 or w.ndim != 4 or w.shape[1:] != (geom.R, geom.S, x.shape[3]):
+            raise InputError(f"conv takes x (N,H,W,C) and w (K,{geom.R},{geom.S},C); got x {x.shape}, w {w.shape}")
+        N, H, W, C = x.shape
+        K = w.shape[0]
+        _, P, Q, _ = self.output_shape(N, H, W, C, K, geom=geom)
+        g = geom
+        xp = np.pad(x.astype(np.float32), ((0, 0), (g.pad_top, g.pad_bottom), (g.pad_left, g.pad_right), (0, 0)))
+        wf = w.astype(np.float32)
+        out = np.zeros((N, P, Q, K), np.float32)
+        for r in range(g.R):
+            for s in range(g.S):
+                h0, w0 = r * g.dil_h, s * g.dil_w
+                rows = slice(h0, h0 + g.stride_h * (P - 1) + 1, g.stride_h)
+                cols = slice(w0, w0 + g.stride_w * (Q - 1) + 1, g.stride_w)
+                out += xp[:, rows, cols] @ wf[:, r, s, :].T
+        if bias is not None:
+            if bias.shape != (K,):
+                raise InputError(f"bias has shape {bias.shape}; expected ({K},)")
+            out += bias.astype(np.float32)
+        if res is not None:
+            if res.shape != out.shape:
+                raise InputError(f"residual has shape {res.shape}; expected the output's {out.shape}")
+            out += res.astype(np.float32)
+        return activate(out, act).astype(x.dtype)
+
+    def run_reference(
+        self, call: KernelCall, inputs: Sequence[np.ndarray], weights: Mapping[str, np.ndarray]
+    ) -> np.ndarray:
+        packed = self.pack_weights(call, weights)
+        w = packed[call.weights[0]]
+        bias = packed.get(call.weights[1]) if len(call.weights) > 1 else None
+        res = inputs[1] if call.attr("residual") else None
+        return self.reference(inputs[0], w, bias, res, geom=ConvGeometry.from_call(call), act=call.attr("act"))
+
+    def prepare(
+        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext
+    ) -> PreparedCall:
+        if call.attr("residual"):
+            raise InputError(f"conv call {call.nodes} has a residual input: prepare it with prepare_inputs")
+        return self.prepare_inputs(call, [x], y, weights, ctx)
+
+    def prepare_inputs(
+        self,
+        call: KernelCall,
+        inputs: Sequence[DeviceTensor],
+        y: DeviceTensor,
+        weights: Sequence[DeviceTensor],
+        ctx: LaunchContext,
+    ) -> PreparedCall:
+        """:meth:`variant`'s entry, its geometry and arguments; ``inputs``: x, then the residual
+        where the call has one (``residual`` attribute)."""
+        x = inputs[0]
+        res = inputs[1] if call.attr("residual") else None
+        geom = ConvGeometry.from_call(call)
+        n, h, w, c = x.shape
+        k = y.shape[3]
+        expect = self.output_shape(n, h, w, c, k, geom=geom)
+        for what, t in (("output", y), ("residual", res)):
+            if t is not None and tuple(t.shape) != expect:
+                raise InputError(f"conv call {call.nodes}: {what} has shape {tuple(t.shape)}; expected {expect}")
+        entry = self.variant(x.dtype, n, h, w, c, k, geom)
+        args = self.args(
+            x=x.ptr, w=weights[0].ptr, y=y.ptr, N=n, H=h, W=w, C=c, K=k, geom=geom,
+            bias=weights[1].ptr if len(weights) > 1 else None, res=None if res is None else res.ptr,
+            ldx=x.channel_stride, ldy=y.channel_stride, ldr=None if res is None else res.channel_stride,
+            act=call.attr("act"),
+        )  # fmt: skip
+        return PreparedCall(entry, self.launch(x.dtype, n, h, w, c, k, geom=geom, entry=entry), args)
