@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -191,7 +193,11 @@ def main(argv: list[str] | None = None) -> int:
             f"cuDNN {t['general_conv_layers_cudnn_ms']:.3f} ms"
         )
     doc = {
+        "commit": os.environ.get("DUALTRACK_COMMIT", "unknown"),
         "gpu": torch.cuda.get_device_name(),
+        "driver": subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip(),
         "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version(),
         "arch": choice.arch,
