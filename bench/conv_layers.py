@@ -24,8 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import statistics
+import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
