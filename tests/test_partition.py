@@ -209,8 +209,8 @@ def test_node_without_kernel_on_track_a_names_node_and_fix(tiny: tuple[BuildConf
         PartitionError,
         match=r"^node 'post/softmax' \(Softmax, no hand-written kernel\) is on Track A, whose kernels cover "
         r"Conv 3x3/stride 1/pad 1 and 1x1/stride 1/pad 0 \(optionally \+Relu\), MaxPool 2x2/stride 2, "
-        r"ConvTranspose 2x2/stride 2 "
-        r"and channel Concat of their outputs; move it to Track B with "
+        r"ConvTranspose 2x2/stride 2, channel Concat of their outputs, and the mobile ops: depthwise Conv "
+        r".* Resize nearest/linear over H,W; move it to Track B with "
         r"partition\.track_b\.name_prefixes: \['post/softmax'\]$",
     ):
         partition.build_plan(with_partition(cfg, Rules(name_prefixes=("enc", "mid/", "post/softmax"))), model)

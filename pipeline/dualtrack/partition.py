@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from dualtrack import frontend, layout
+from dualtrack import frontend, layout, lower_mobile
 from dualtrack.config import BuildConfig, Rules
 from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
 from dualtrack.frontend import model_precision
@@ -31,8 +31,9 @@ from dualtrack.plan import KernelCall, Plan, Segment, TensorSpec
 TRACK_A_OPS = ("Conv", "Relu", "MaxPool")
 TRACK_A_DESCRIPTION = (
     "Conv 3x3/stride 1/pad 1 and 1x1/stride 1/pad 0 (optionally +Relu), MaxPool 2x2/stride 2, "
-    "ConvTranspose 2x2/stride 2 "
-    "and channel Concat of their outputs"
+    "ConvTranspose 2x2/stride 2, "
+    "channel Concat of their outputs, "
+    f"and the mobile ops: {lower_mobile.DESCRIPTION}"
 )
 _TO_NCHW, _TO_NHWC = [0, 3, 1, 2], [0, 2, 3, 1]
 
@@ -281,6 +282,10 @@ def lower_track_a(
     graph_outputs = {o.name for o in model.graph.output}
     calls: list[KernelCall] = []
     i = 0
+    facts = lower_mobile.Facts(model, specs)
+
+    def fusable(t: str) -> bool:  # an op's output that an activation after it may consume in place
+        return uses[t] == 1 and t not in graph_outputs and t not in boundary_outputs
 
     def refuse(node: onnx.NodeProto, why: str) -> PartitionError:
         return PartitionError(
@@ -293,6 +298,16 @@ def lower_track_a(
         dtype = specs[node.output[0]][1]
         if dtype not in ("float16", "float32"):
             raise refuse(node, f"dtype {dtype}")
+        # --- the mobile ops (lower_mobile.RULES: depthwise/pooled-vector Conv, pools, eltwise, Resize)
+        if lower_mobile.claims(node, facts):
+            why = lower_mobile.supports(node, facts)
+            if why:
+                raise refuse(node, why)
+            call, covered_nodes = lower_mobile.lower(seg, i, facts, fusable)
+            calls.append(call)
+            i += covered_nodes
+            continue
+        # --- end of the mobile ops
         why = _ATTR_CHECKS[node.op_type](node) if node.op_type in _ATTR_CHECKS else None
         if why:
             raise refuse(node, why)

@@ -194,6 +194,18 @@ class KernelSpec:
         order): entry, geometry and arguments."""
         raise NotImplementedError
 
+    def prepare_inputs(
+        self,
+        call: KernelCall,
+        inputs: Sequence[DeviceTensor],
+        y: DeviceTensor,
+        weights: Sequence[DeviceTensor],
+        ctx: LaunchContext,
+    ) -> PreparedCall:
+        """:meth:`prepare` with every input of the call, in ``call.inputs`` order (what the runtime
+        calls). A kernel of one input takes the first; a binary one (eltwise) overrides this."""
+        return self.prepare(call, inputs[0], y, weights, ctx)
+
     def pack_weights(self, call: KernelCall, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The call's weights as the kernel reads them, by weight name (none by default)."""
         return {}

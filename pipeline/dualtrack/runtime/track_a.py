@@ -227,9 +227,9 @@ class TrackA:
         """A call's launch, prepared once per call, batch size and pointers (the planned buffers do
         not move; a segment input in the one-by-one path may, and then the launch, tensor maps
         included, is prepared again). Records the conv3x3 choice in ``stats.conv3x3``."""
-        x, y = env[c.inputs[0]], env[c.outputs[0]]
-        key = (_call_key(c), x.shape[0])
-        pointers = (x.ptr, y.ptr, x.channel_stride, y.channel_stride)
+        xs, y = [env[i] for i in c.inputs], env[c.outputs[0]]
+        key = (_call_key(c), xs[0].shape[0])
+        pointers = (*(t.ptr for t in xs), y.ptr, *(t.channel_stride for t in xs), y.channel_stride)
         cached = self.launches.get(key)
         if cached is None or cached[0] != pointers:
             launch = self.prepare(c, env)
@@ -246,7 +246,7 @@ class TrackA:
         wgmma_off = self.wgmma_off if allow_wgmma else "not allowed (prepare(allow_wgmma=False))"
         ctx = _Context(wgmma_off, self.tuned)
         weights = [self.weights[name] for name in c.weights]
-        p = kernels.kernel(c.op).prepare(c, env[c.inputs[0]], env[c.outputs[0]], weights, ctx)
+        p = kernels.kernel(c.op).prepare_inputs(c, [env[i] for i in c.inputs], env[c.outputs[0]], weights, ctx)
         return Launch(self.kernels[p.entry], p.config, p.args, p.entry, p.choice)
 
     def close(self) -> None:
