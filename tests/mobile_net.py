@@ -30,8 +30,9 @@ class _Net:
         w = self.rng.standard_normal((cout, cin // group, k, k)) * np.sqrt(2.0 / (cin // group * k * k))
         b = 0.1 * self.rng.standard_normal(cout)
         p = pads if pads is not None else [dil * (k // 2)] * 4
+        wb = [self.const(f"{name}.w", w.astype(np.float32)), self.const(f"{name}.b", b.astype(np.float32))]
         return self.node(
-            "Conv", name, [x, self.const(f"{name}.w", w.astype(np.float32)), self.const(f"{name}.b", b.astype(np.float32))],
+            "Conv", name, [x, *wb],
             kernel_shape=[k, k], strides=[stride, stride], dilations=[dil, dil], group=group, pads=p,
         )  # fmt: skip
 
