@@ -42,6 +42,11 @@ ACT_OPS = ("Relu", "Clip", "HardSigmoid", "HardSwish", "Sigmoid")
 SpecMap = dict[str, tuple[tuple[int, ...], str]]
 
 
+class Refused(Exception):
+    """:func:`lower` cannot lower a node that :func:`supports` accepts in this segment's context
+    (partition turns the reason into its PartitionError)."""
+
+
 @dataclass
 class Facts:
     """What the predicates need to know about the graph: tensor shapes and dtypes (``specs``, at
@@ -51,7 +56,15 @@ class Facts:
     specs: SpecMap
     _consts: dict[str, np.ndarray] = field(default_factory=dict, init=False)
 
+    consumers: dict[str, list[onnx.NodeProto]] = field(default_factory=dict, init=False)
+    producer: dict[str, onnx.NodeProto] = field(default_factory=dict, init=False)
+
     def __post_init__(self) -> None:
+        for n in self.model.graph.node:
+            for x in n.input:
+                self.consumers.setdefault(x, []).append(n)
+            for y in n.output:
+                self.producer[y] = n
         for init in self.model.graph.initializer:
             self._consts[init.name] = numpy_helper.to_array(init)
         for n in self.model.graph.node:
@@ -236,6 +249,51 @@ def _resize_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
     return resize_mode(node, facts)[1]
 
 
+# The front end's fp16 conversion keeps reductions and Resize in fp32 (frontend.FP32_REDUCTIONS and
+# onnxconverter-common's block list): Cast(fp16 -> fp32) -> op -> Cast(fp32 -> fp16). The kernels
+# compute exactly that in fp16 storage (fp32 math, one rounding at the end), so the three nodes
+# lower to one fp16 call.
+CAST_WRAPPED = ("GlobalAveragePool", "ReduceMean", "Resize")
+_FLOAT, _FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
+
+
+def _cast_to(node: onnx.NodeProto) -> int | None:
+    return _attrs(node).get("to") if node.op_type == "Cast" else None
+
+
+def cast_sandwich(node: onnx.NodeProto, facts: Facts) -> tuple[onnx.NodeProto, onnx.NodeProto, onnx.NodeProto] | None:
+    """(cast up, op, cast down) when ``node`` is either Cast of a Cast(fp16->fp32) -> op -> Cast(->fp16)
+    chain around one of :data:`CAST_WRAPPED` whose intermediate tensors have no other reader."""
+    if node.op_type != "Cast":
+        return None
+    if _cast_to(node) == _FLOAT:
+        up = node
+    elif _cast_to(node) == _FLOAT16 and node.input[0] in facts.producer:
+        op = facts.producer[node.input[0]]
+        up = facts.producer.get(op.input[0]) if op.input else None
+        if up is None:
+            return None
+    else:
+        return None
+    if _cast_to(up) != _FLOAT or facts.specs.get(up.input[0], ((), ""))[1] != "float16":
+        return None
+    readers = facts.consumers.get(up.output[0], [])
+    if len(readers) != 1 or readers[0].op_type not in CAST_WRAPPED or readers[0].input[0] != up.output[0]:
+        return None
+    op = readers[0]
+    after = facts.consumers.get(op.output[0], [])
+    if len(after) != 1 or _cast_to(after[0]) != _FLOAT16:
+        return None
+    return up, op, after[0]
+
+
+def _cast_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
+    chain = cast_sandwich(node, facts)
+    if chain is None:
+        return "a Cast that is not the fp32 island of a pooling or Resize in an fp16 model"
+    return RULES[chain[1].op_type].supports(chain[1], facts)
+
+
 # --- lowering --------------------------------------------------------------------------------------
 
 
@@ -276,6 +334,15 @@ def _lower_resize(node: onnx.NodeProto, facts: Facts) -> KernelCall:
     return KernelCall("resize", (node.input[0],), (node.output[0],), (), attrs, (node.name,))
 
 
+def _lower_cast(node: onnx.NodeProto, facts: Facts) -> KernelCall:
+    chain = cast_sandwich(node, facts)
+    assert chain is not None
+    up, op, down = chain
+    call = RULES[op.op_type].lower(op, facts)
+    nodes = (up.name, op.name, down.name)
+    return KernelCall(call.op, (up.input[0],), (down.output[0],), call.weights, call.attrs, nodes)
+
+
 @dataclass(frozen=True)
 class Rule:
     """One op type: whether the kernels take a node (None, or why not), the call it lowers to,
@@ -293,6 +360,7 @@ RULES: dict[str, Rule] = {
     "Add": Rule(_binary_ok, _lower_binary, fuses_act=True),
     "Mul": Rule(_binary_ok, _lower_binary, fuses_act=True),
     "Resize": Rule(_resize_ok, _lower_resize),
+    "Cast": Rule(_cast_ok, _lower_cast),
     **{op: Rule(_act_ok, _lower_act) for op in ACT_OPS},
 }
 
@@ -319,6 +387,11 @@ def lower(seg: list[onnx.NodeProto], i: int, facts: Facts, fusable: Callable[[st
     leaving the segment) and the kernel can fuse."""
     node = seg[i]
     call = RULES[node.op_type].lower(node, facts)
+    if node.op_type == "Cast":  # the fp32 island of an fp16 model: three nodes, in this order
+        names = [n.name for n in seg[i : i + 3]]
+        if names != list(call.nodes):
+            raise Refused(f"its fp32 island {', '.join(call.nodes)} is not consecutive in the segment's order")
+        return call, 3
     nxt = seg[i + 1] if i + 1 < len(seg) else None
     if (
         RULES[node.op_type].fuses_act

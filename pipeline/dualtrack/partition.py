@@ -303,7 +303,10 @@ def lower_track_a(
             why = lower_mobile.supports(node, facts)
             if why:
                 raise refuse(node, why)
-            call, covered_nodes = lower_mobile.lower(seg, i, facts, fusable)
+            try:
+                call, covered_nodes = lower_mobile.lower(seg, i, facts, fusable)
+            except lower_mobile.Refused as e:
+                raise refuse(node, str(e)) from None
             calls.append(call)
             i += covered_nodes
             continue
