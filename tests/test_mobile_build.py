@@ -9,32 +9,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import onnx
 import pytest
-from mobile_net import build_mobile_net
+from mobile_net import write_mobile_project
 
 from dualtrack.build import build
 from dualtrack.bundle import Bundle
-
-CONFIG = """\
-model: mobile.onnx
-precision: fp16
-batch_sizes: [1, 2]
-targets: [sm_80]
-partition:
-  track_a:
-    name_prefixes: [body/]
-verify:
-  samples: 1
-"""
 
 
 @pytest.fixture(scope="module")
 def mobile_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("mobile")
-    onnx.save(build_mobile_net(32, 32, seed=1), str(root / "mobile.onnx"))
-    (root / "mobile.yaml").write_text(CONFIG)
-    build(root / "mobile.yaml", root / "out")  # raises when verification fails
+    build(write_mobile_project(root), root / "out")  # raises when verification fails
     return root / "out"
 
 
