@@ -19,8 +19,9 @@ from dualtrack.kernels.base import (
     positive,
     stride,
 )
+from dualtrack.kernels.conv import named_weights
 from dualtrack.kernels.epilogue import Activation
-from dualtrack.kernels.streaming import StreamingSpec
+from dualtrack.kernels.streaming import StreamingSpec, onnx_weight_bias
 from dualtrack.plan import KernelCall
 
 KERNEL_SIZES = (3, 5)  # what the source unrolls (dwconv_any)
@@ -122,9 +123,7 @@ class DwConvSpec(StreamingSpec):
         return packed, np.ascontiguousarray(bias, dtype=np.float32)
 
     def pack_weights(self, call: KernelCall, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        bias = weights[call.weights[1]] if len(call.weights) > 1 else None
-        packed = self.pack(weights[call.weights[0]], bias)
-        return {name: arr for name, arr in zip(call.weights, packed, strict=False) if arr is not None}
+        return named_weights(call, self.pack(*onnx_weight_bias(call, weights)))
 
     def reference(
         self,
@@ -158,9 +157,7 @@ class DwConvSpec(StreamingSpec):
     def run_reference(
         self, call: KernelCall, inputs: Sequence[np.ndarray], weights: Mapping[str, np.ndarray]
     ) -> np.ndarray:
-        packed = self.pack_weights(call, weights)
-        w = packed[call.weights[0]]
-        bias = packed.get(call.weights[1]) if len(call.weights) > 1 else None
+        w, bias = self.pack(*onnx_weight_bias(call, weights))
         return self.reference(inputs[0], w, bias, DwGeometry.of(call), Activation.of(call))
 
     def prepare(

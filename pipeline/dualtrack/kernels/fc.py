@@ -23,7 +23,7 @@ from dualtrack.kernels.base import (
 )
 from dualtrack.kernels.conv import named_weights, pack_conv_weights
 from dualtrack.kernels.epilogue import Activation
-from dualtrack.kernels.streaming import StreamingSpec
+from dualtrack.kernels.streaming import StreamingSpec, onnx_weight_bias
 from dualtrack.plan import KernelCall
 
 
@@ -75,8 +75,7 @@ class FcSpec(StreamingSpec):
         return self.with_act(values, act or Activation())
 
     def pack_weights(self, call: KernelCall, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        bias = weights[call.weights[1]] if len(call.weights) > 1 else None
-        return named_weights(call, pack_conv_weights(weights[call.weights[0]], bias))
+        return named_weights(call, pack_conv_weights(*onnx_weight_bias(call, weights)))
 
     def reference(
         self, x: np.ndarray, w: np.ndarray | None = None, bias: np.ndarray | None = None, act: Activation | None = None
@@ -96,8 +95,8 @@ class FcSpec(StreamingSpec):
     def run_reference(
         self, call: KernelCall, inputs: Sequence[np.ndarray], weights: Mapping[str, np.ndarray]
     ) -> np.ndarray:
-        packed = self.pack_weights(call, weights)
-        return self.reference(inputs[0], *(packed[name] for name in call.weights), act=Activation.of(call))
+        w, bias = pack_conv_weights(*onnx_weight_bias(call, weights))
+        return self.reference(inputs[0], w, bias, Activation.of(call))
 
     def prepare(
         self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext

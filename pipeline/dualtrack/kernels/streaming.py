@@ -12,9 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import INT32_MAX, KernelArg, KernelSpec, LaunchConfig, cdiv, dtype_name, pixels
 from dualtrack.kernels.epilogue import Activation
+from dualtrack.plan import KernelCall
 
 
 @dataclass(frozen=True)
@@ -54,3 +57,8 @@ class StreamingSpec(KernelSpec):
     def with_act(self, values: dict[str, int], act: Activation) -> list[KernelArg]:
         """The ABI's list with the activation epilogue (``act, p0, p1``, the last three params)."""
         return self.typed({**values, "act": act.code, "p0": act.p0, "p1": act.p1})
+
+
+def onnx_weight_bias(call: KernelCall, weights: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+    """A conv-like call's weight and bias as the plan holds them (ONNX layout; no bias: None)."""
+    return weights[call.weights[0]], (weights[call.weights[1]] if len(call.weights) > 1 else None)
