@@ -94,3 +94,32 @@ __device__ __forceinline__ float apply_act(float v, int act, float p0, float p1)
         default: return v;
     }
 }
+
+// An NHWC element of a flat index (channel fastest, then w, h, n), as the one-thread-per-element
+// kernels enumerate their outputs. 64-bit division costs tens of instructions a step, so indices
+// that fit 32 bits (every launch short of 2^32 elements) divide in 32 bits.
+struct NhwcIndex {
+    long long n, p;  // image, pixel (n*H + h)*W + w
+    int h, w, c;
+};
+
+__device__ __forceinline__ NhwcIndex nhwc_index(long long idx, int H, int W, int C) {
+    NhwcIndex r;
+    if (idx < 0xffffffffll) {
+        const unsigned i = static_cast<unsigned>(idx), p = i / static_cast<unsigned>(C);
+        const unsigned hw = p / static_cast<unsigned>(W);
+        r.c = static_cast<int>(i - p * static_cast<unsigned>(C));
+        r.w = static_cast<int>(p - hw * static_cast<unsigned>(W));
+        r.h = static_cast<int>(hw % static_cast<unsigned>(H));
+        r.n = hw / static_cast<unsigned>(H);
+        r.p = p;
+    } else {
+        r.p = idx / C;
+        r.c = static_cast<int>(idx - r.p * C);
+        const long long hw = r.p / W;
+        r.w = static_cast<int>(r.p - hw * W);
+        r.h = static_cast<int>(hw % H);
+        r.n = hw / H;
+    }
+    return r;
+}

@@ -25,12 +25,9 @@ __device__ __forceinline__ void dwconv(const T* __restrict__ x, const T* __restr
                                        int act, float p0, float p1) {
     const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (idx >= static_cast<long long>(N) * Ho * Wo * C) return;
-    const int c = static_cast<int>(idx % C);
-    const long long p = idx / C;  // output pixel
-    const int wo = static_cast<int>(p % Wo);
-    const long long rest = p / Wo;
-    const int ho = static_cast<int>(rest % Ho);
-    const long long n = rest / Ho;
+    const NhwcIndex o = nhwc_index(idx, Ho, Wo, C);
+    const int c = o.c, ho = o.h, wo = o.w;
+    const long long n = o.n, p = o.p;  // image, output pixel
 
     const int h0 = ho * S - pt, w0 = wo * S - pl;
     float acc = bias != nullptr ? bias[c] : 0.0f;

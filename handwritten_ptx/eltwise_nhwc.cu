@@ -21,13 +21,13 @@ __device__ __forceinline__ void eltwise(const T* __restrict__ a, const T* __rest
                                         int H, int W, int C, int lda, int ldb, int ldy, int op, int bcast, int act,
                                         float p0, float p1) {
     const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-    const long long HW = static_cast<long long>(H) * W;
-    if (idx >= N * HW * C) return;
-    const int c = static_cast<int>(idx % C);
-    const long long p = idx / C;
+    if (idx >= static_cast<long long>(N) * H * W * C) return;
+    const NhwcIndex e = nhwc_index(idx, H, W, C);
+    const int c = e.c;
+    const long long p = e.p;
     float v = load_f32(a + p * lda + c);
     if (op != 0) {
-        const float u = load_f32(b + (bcast ? (p / HW) * ldb : p * ldb) + c);
+        const float u = load_f32(b + (bcast ? e.n : p) * ldb + c);
         v = op == 1 ? v + u : v * u;
     }
     store_f32(y + p * ldy + c, apply_act(v, act, p0, p1));

@@ -58,12 +58,9 @@ __device__ __forceinline__ void resize(const T* __restrict__ x, T* __restrict__ 
                                        float sw) {
     const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (idx >= static_cast<long long>(N) * Ho * Wo * C) return;
-    const int c = static_cast<int>(idx % C);
-    const long long p = idx / C;
-    const int wo = static_cast<int>(p % Wo);
-    const long long rest = p / Wo;
-    const int ho = static_cast<int>(rest % Ho);
-    const long long n = rest / Ho;
+    const NhwcIndex o = nhwc_index(idx, Ho, Wo, C);
+    const int c = o.c, ho = o.h, wo = o.w;
+    const long long n = o.n, p = o.p;  // image, output pixel
     const T* img = x + n * H * W * static_cast<long long>(ldx) + c;
     const float vh = source_coord(ho, H, Ho, sh, coord), vw = source_coord(wo, W, Wo, sw, coord);
     T* dst = y + p * ldy + c;
