@@ -40,6 +40,8 @@ def main() -> None:
     for key in ("model", "output"):  # paths are relative to the config, and the copy may live elsewhere
         if raw.get(key):
             raw[key] = str((args.config.parent / raw[key]).resolve())
+    if raw.get("output"):
+        raw["output"] += "_track_a"  # never over the original config's bundle
     raw["partition"] = {"track_a": {"name_prefixes": names}}
     for key, value in (("targets", args.targets), ("batch_sizes", args.batch_sizes), ("output", args.output)):
         if value:
