@@ -29,6 +29,8 @@ for step in $steps; do
       # tiny_wgmma (build_tiny_wgmma): a base-32 fp16 U-Net whose convs the sm_90a wgmma kernel takes.
       [ -d "$C/tiny_tuned" ] && export DUALTRACK_TEST_TUNED_BUNDLE=$PWD/$C/tiny_tuned
       [ -d "$C/tiny_wgmma" ] && export DUALTRACK_TEST_WGMMA_BUNDLE=$PWD/$C/tiny_wgmma
+      # tiny_mobile (tests/mobile_net.py): a MobileNetV3-like fp16 net, its body on the mobile kernels.
+      [ -d "$C/tiny_mobile" ] && export DUALTRACK_TEST_MOBILE_BUNDLE=$PWD/$C/tiny_mobile
       # kit_tiny (`dualtrack tune tests/.../tiny.yaml --track-b --prepare-kit`): IREE flag candidates.
       [ -d "$C/kit_tiny" ] && export DUALTRACK_TEST_KIT=$PWD/$C/kit_tiny
       DUALTRACK_TEST_BUNDLE=$PWD/$C/tiny DUALTRACK_TEST_FULL_BUNDLE=$PWD/$C/tiny_full \

@@ -40,6 +40,8 @@ full = conftest.write_tiny_project(tmp / "tiny_full", fp16, config="tiny_full.ya
 build(full, out / "tiny_full")
 conftest.build_tiny_tuned(out / "tiny_tuned")
 conftest.build_tiny_wgmma(out / "tiny_wgmma")
+import mobile_net  # tests/gpu/test_mobile_gpu.py: the mobile kernels through the engine
+build(mobile_net.write_mobile_project(tmp / "tiny_mobile", ("sm_90a", "sm_80")), out / "tiny_mobile")
 (out / "tiny.yaml").write_text(str(tmp / "tiny" / "tiny.yaml"))
 EOF
   "$DT" tune "$(cat "$C/tiny.yaml")" --track-b --prepare-kit "$C/kit_tiny"

@@ -97,3 +97,59 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+// --- element access and the activation epilogue of the mobile kernels (dwconv, fc, eltwise, ...) ---
+// One element of an fp16 or fp32 tensor as fp32, and back with one rounding (round to nearest even).
+__device__ __forceinline__ float load_f32(const f16* p) { return f16_to_f32(*p); }
+__device__ __forceinline__ float load_f32(const float* p) { return *p; }
+__device__ __forceinline__ void store_f32(f16* p, float v) { *p = f32_to_f16(v); }
+__device__ __forceinline__ void store_f32(float* p, float v) { *p = v; }
+
+// The activation codes of dualtrack.plan.ACTIVATIONS; p0, p1 are the activation's parameters
+// (Clip: min, max; HardSigmoid: alpha, beta). NaN propagates through every one of them, as numpy's.
+enum Act { ACT_NONE = 0, ACT_RELU = 1, ACT_CLIP = 2, ACT_HARDSIGMOID = 3, ACT_HARDSWISH = 4, ACT_SIGMOID = 5 };
+
+__device__ __forceinline__ float clamp_nan(float v, float lo, float hi) {
+    // fminf/fmaxf would turn NaN into a bound; the comparisons below keep it.
+    return v < lo ? lo : (v > hi ? hi : v);
+}
+
+__device__ __forceinline__ float apply_act(float v, int act, float p0, float p1) {
+    switch (act) {
+        case ACT_RELU: return v < 0.0f ? 0.0f : v;
+        case ACT_CLIP: return clamp_nan(v, p0, p1);
+        case ACT_HARDSIGMOID: return clamp_nan(fmaf(p0, v, p1), 0.0f, 1.0f);
+        case ACT_HARDSWISH: return v * clamp_nan(fmaf(v, 1.0f / 6.0f, 0.5f), 0.0f, 1.0f);
+        case ACT_SIGMOID: return 1.0f / (1.0f + expf(-v));
+        default: return v;
+    }
+}
+
+// An NHWC element of a flat index (channel fastest, then w, h, n), as the one-thread-per-element
+// kernels enumerate their outputs. 64-bit division costs tens of instructions a step, so indices
+// that fit 32 bits (every launch short of 2^32 elements) divide in 32 bits.
+struct NhwcIndex {
+    long long n, p;  // image, pixel (n*H + h)*W + w
+    int h, w, c;
+};
+
+__device__ __forceinline__ NhwcIndex nhwc_index(long long idx, int H, int W, int C) {
+    NhwcIndex r;
+    if (idx < 0xffffffffll) {
+        const unsigned i = static_cast<unsigned>(idx), p = i / static_cast<unsigned>(C);
+        const unsigned hw = p / static_cast<unsigned>(W);
+        r.c = static_cast<int>(i - p * static_cast<unsigned>(C));
+        r.w = static_cast<int>(p - hw * static_cast<unsigned>(W));
+        r.h = static_cast<int>(hw % static_cast<unsigned>(H));
+        r.n = hw / static_cast<unsigned>(H);
+        r.p = p;
+    } else {
+        r.p = idx / C;
+        r.c = static_cast<int>(idx - r.p * C);
+        const long long hw = r.p / W;
+        r.w = static_cast<int>(r.p - hw * W);
+        r.h = static_cast<int>(hw % H);
+        r.n = hw / H;
+    }
+    return r;
+}

@@ -414,3 +414,51 @@ def test_chained_resizes_with_the_export_batch_in_their_sizes_all_become_generic
     assert plan.outputs[0].shape == (1, 4, 64, 64)
     checks = verify.check_frontend(fe, (1, 3), FP32, seed=9)
     assert all(c.passed and c.rel_l2 == 0 for c in checks), [verify.Report.line(c) for c in checks]
+
+
+def _resize_to_shape_of(h: int, w: int, ho: int, wo: int) -> onnx.ModelProto:
+    """x (N, 3, h, w) -> Resize to the size of y (N, 3, ho, wo), as torch exports
+    ``F.interpolate(x, size=y.shape[-2:], mode="bilinear")``: sizes = Concat(Shape(x)[:2], Shape(y)[2:])."""
+    c = helper.make_tensor
+    nodes = [
+        helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[1, 1], strides=[h // ho or 1, w // wo or 1]),
+        helper.make_node("Shape", ["x"], ["sx"]),
+        helper.make_node("Shape", ["y"], ["sy"]),
+        helper.make_node("Slice", ["sx", "zero", "two"], ["nc"]),
+        helper.make_node("Slice", ["sy", "two", "four"], ["hw"]),
+        helper.make_node("Concat", ["nc", "hw"], ["sizes"], axis=0),
+        helper.make_node("Resize", ["y", "", "", "sizes"], ["up"], mode="linear"),
+        helper.make_node("Add", ["up", "up"], ["out"]),
+    ]
+    inits = [c(n, TensorProto.INT64, [1], [v]) for n, v in (("zero", 0), ("two", 2), ("four", 4))]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, h, w])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits,
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_resize_sizes_computed_from_static_shapes_become_constant_scales() -> None:
+    model = _resize_to_shape_of(16, 12, 16, 12)  # y has x's size: the sizes are (h, w)
+    model.graph.node[0].attribute[1].ints[:] = [2, 3]  # y: (8, 4), Resize back up to (8, 4)
+    log: list[frontend.Rewrite] = []
+    out = frontend.static_resize_scales(model, log)
+    resize = next(n for n in out.graph.node if n.op_type == "Resize")
+    scales = {i.name: numpy_helper.to_array(i) for i in out.graph.initializer}[resize.input[2]]
+    assert len(resize.input) == 3 and scales.tolist() == [1, 1, 1, 1]
+    assert "Shape" not in _ops(out) and "Concat" not in _ops(out)  # the shape nodes are gone
+    assert log and log[0].stage == "resize"
+    x = np.random.default_rng().standard_normal((2, 3, 16, 12)).astype(np.float32)
+    np.testing.assert_array_equal(_run(out, {"x": x})["out"], _run(model, {"x": x})["out"])
+
+
+def test_resize_sizes_stay_where_the_scale_would_not_give_the_size_back() -> None:
+    model = _resize_to_shape_of(11, 11, 11, 11)
+    # sizes (N, C) from the shape, (13, 13) constant: float32(13/11) * 11 rounds down to 12.99..., so
+    # scales would give a 12-pixel output (onnxruntime computes the size in float32)
+    model.graph.initializer.append(helper.make_tensor("thirteen", TensorProto.INT64, [2], [13, 13]))
+    model.graph.node[5].input[1] = "thirteen"
+    out = frontend.static_resize_scales(model, log := [])
+    assert not log and out is model

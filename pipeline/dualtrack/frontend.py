@@ -3,7 +3,8 @@
 Stages, in order, each a function ``(model, ...) -> model`` that records its rewrites:
 
     load_model -> weights_out_of_inputs -> upgrade_opset -> symbolic_batch -> simplify
-    -> batch_generic_shapes -> unique_parameter_keys -> convert_precision -> wrap_image_io
+    -> batch_generic_shapes -> static_resize_scales -> unique_parameter_keys -> convert_precision
+    -> wrap_image_io
 
 The generic work is done by libraries: opset upgrades by ``onnx.version_converter``, constant
 folding, shape-op folding, Identity and dead-node elimination by onnxslim, fp16 conversion by
@@ -337,6 +338,47 @@ def _resize_batch(model, node, inits, batch, dims) -> bool:
     _replace_input(model, node, 2, scales, "scales")
     del node.input[3:]
     return True
+
+
+def static_resize_scales(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """A Resize whose ``sizes`` are computed at run time from shapes (torch exports
+    ``F.interpolate(x, size=y.shape[-2:])`` as Shape -> Slice -> Concat, which keeps the batch
+    symbolic, so nothing folds it) but whose input and output are static apart from the batch
+    gets constant ``scales`` instead: ``[1, 1, Ho/H, Wo/W]`` in float32, which is what onnxruntime
+    and the ONNX spec divide by for ``sizes`` anyway. Only where ``floor(H * scale)`` gives ``Ho``
+    back (else the output size would change); the shape nodes left unused are dropped. Track A's
+    resize kernel takes constant scales only, and a shape value may not cross between tracks."""
+    shapes = _static_shapes(model)
+    inits = {i.name for i in model.graph.initializer}
+    done: list[str] = []
+    for node in model.graph.node:
+        if node.op_type != "Resize" or len(node.input) < 4 or not node.input[3] or node.input[3] in inits:
+            continue
+        src, dst = shapes.get(node.input[0]), shapes.get(node.output[0])
+        if src is None or dst is None or len(src) != 4 or len(dst) != 4 or src[1] != dst[1]:
+            continue
+        if min(*src[1:], *dst[1:]) <= 0:
+            continue  # not static
+        scales = np.array([1.0, 1.0] + [float(o) / float(i) for o, i in zip(dst[2:], src[2:], strict=True)], np.float32)
+        if any(int(np.floor(i * sc)) != o for i, sc, o in zip(src[2:], scales[2:], dst[2:], strict=True)):
+            continue
+        if len(node.input) < 3:
+            node.input.append("")
+        _replace_input(model, node, 2, scales, "scales")
+        del node.input[3:]
+        done.append(f"'{node.name or node.output[0]}'")
+    if not done:
+        return model
+    model = _prune(model)
+    log.append(
+        Rewrite(
+            "resize",
+            f"{len(done)} Resize(s) with run-time sizes of static shapes take constant scales: "
+            + ", ".join(done[:4])
+            + (f" and {len(done) - 4} more" if len(done) > 4 else ""),
+        )
+    )
+    return model
 
 
 def _expand_batch(model, node, inits, batch, dims) -> bool:
@@ -684,6 +726,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     if cfg.simplify:
         m = simplify(m, log)
     m = batch_generic_shapes(m, export_batch, log)
+    m = static_resize_scales(m, log)
     m = unique_parameter_keys(m, log)
     m, precision = convert_precision(m, cfg.precision, log)
     body = m

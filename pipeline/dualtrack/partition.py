@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from dualtrack import frontend, kernels, layout
+from dualtrack import frontend, kernels, layout, lower_mobile
 from dualtrack.config import BuildConfig, Rules
 from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
 from dualtrack.frontend import model_precision
@@ -33,8 +33,9 @@ from dualtrack.plan import KernelCall, Plan, Segment, TensorSpec
 TRACK_A_OPS = ("Conv", "Relu", "MaxPool")
 TRACK_A_DESCRIPTION = (
     "Conv of group 1, any kernel size, stride, dilation and padding (optionally +Add of a residual "
-    "+Relu/Clip(0,6)/HardSwish/HardSigmoid/Sigmoid/SiLU), MaxPool 2x2/stride 2, ConvTranspose 2x2/stride 2 "
-    "and channel Concat of their outputs"
+    "+Relu/Clip(0,6)/HardSwish/HardSigmoid/Sigmoid/SiLU), MaxPool 2x2/stride 2, ConvTranspose 2x2/stride 2, "
+    "channel Concat of their outputs, "
+    f"and the mobile ops: {lower_mobile.DESCRIPTION}"
 )
 # A 1x1 conv with at most this many output channels (a segmentation head) runs conv1x1, one thread
 # per pixel; wider ones are GEMMs for the general conv.
@@ -436,14 +437,18 @@ def lower_track_a(
     epilogues: dict[str, _Epilogue] = {}
     emit_at: dict[str, onnx.NodeProto] = {}
     claimed: set[str] = set()
+    facts = lower_mobile.Facts(model, specs)
     for node in seg:
-        if node.op_type == "Conv":
+        if node.op_type == "Conv" and not lower_mobile.claims(node, facts):  # depthwise / vector: lower_mobile's
             ep = _fuse_epilogue(node, model, specs, in_seg, private, consumers, claimed)
             epilogues[node.name] = ep
             claimed.update(n.name for n in ep.nodes)
             emit_at[(ep.nodes[-1] if ep.nodes else node).name] = node
     calls: list[KernelCall] = []
     i = 0
+
+    def fusable(t: str) -> bool:  # an op's output that an activation after it may consume in place
+        return uses[t] == 1 and t not in graph_outputs and t not in boundary_outputs
 
     def refuse(node: onnx.NodeProto, why: str) -> PartitionError:
         return PartitionError(
@@ -462,6 +467,19 @@ def lower_track_a(
                 conv = emit_at[node.name]
                 calls.append(_conv_call(conv, epilogues[conv.name], specs, refuse))
             continue
+        # --- the mobile ops (lower_mobile.RULES: depthwise/pooled-vector Conv, pools, eltwise, Resize)
+        if lower_mobile.claims(node, facts):
+            why = lower_mobile.supports(node, facts)
+            if why:
+                raise refuse(node, why)
+            try:
+                call, covered_nodes = lower_mobile.lower(seg, i - 1, facts, fusable)
+            except lower_mobile.Refused as e:
+                raise refuse(node, str(e)) from None
+            calls.append(call)
+            i += covered_nodes - 1
+            continue
+        # --- end of the mobile ops
         why = _ATTR_CHECKS[node.op_type](node) if node.op_type in _ATTR_CHECKS else None
         if why:
             raise refuse(node, why)

@@ -19,11 +19,46 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 Track = Literal["A", "B"]
 # Track A ops with no kernel: a concatenation is realised by its producers writing into channel
 # slices of one buffer (the kernels take a per-pixel channel stride).
 ALIAS_OPS = frozenset({"concat"})
 PLAN_SCHEMA_VERSION = 1
+
+# --- the fused activation epilogue of the mobile kernels (dwconv, fc, eltwise) ----------------------
+# A call's attrs hold ``act`` (one of these codes) and, where the activation has parameters, their
+# float32 bit patterns as ``act_p0`` / ``act_p1`` (attrs are ints in the plan's JSON; the bits keep
+# the exported float exactly). partition writes them, each kernel spec reads them: the codes are
+# part of the plan's contract, hence here.
+ACTIVATIONS: dict[str, int] = {
+    "none": 0,
+    "relu": 1,
+    "clip": 2,  # min(max(v, p0), p1); ReLU6 is Clip(0, 6)
+    "hardsigmoid": 3,  # max(0, min(1, p0 * v + p1)) (ONNX HardSigmoid's alpha, beta)
+    "hardswish": 4,  # v * max(0, min(1, v / 6 + 1 / 2))
+    "sigmoid": 5,
+}
+
+
+# The eltwise call's ``op`` attr; ``bcast`` 1: its second input is (N, 1, 1, C), broadcast over H, W.
+ELTWISE_OPS: dict[str, int] = {"unary": 0, "add": 1, "mul": 2}
+# The resize call's ``mode``, ``coord`` (ONNX coordinate_transformation_mode) and ``nearest`` attrs;
+# ``scale_h`` / ``scale_w`` hold the float32 bits of the scale ONNX divides by.
+RESIZE_MODES: dict[str, int] = {"nearest": 0, "linear": 1}
+RESIZE_COORDS: dict[str, int] = {"half_pixel": 0, "pytorch_half_pixel": 1, "align_corners": 2, "asymmetric": 3}
+RESIZE_NEAREST: dict[str, int] = {"floor": 0, "ceil": 1, "round_prefer_floor": 2, "round_prefer_ceil": 3}
+
+
+def f32_bits(value: float) -> int:
+    """The IEEE float32 bit pattern of ``value`` as a signed int32 (how a plan attr holds a float)."""
+    return int(np.array(value, np.float32).view(np.int32))
+
+
+def bits_f32(bits: int) -> float:
+    """Inverse of :func:`f32_bits`."""
+    return float(np.array(bits, np.int32).view(np.float32))
 
 
 def parameter_key(name: str) -> str:

@@ -40,15 +40,22 @@ from dualtrack.kernels.conv3x3 import Conv3x3Spec, F16Tile
 from dualtrack.kernels.conv3x3_wgmma import WGMMA_CONFIGS, Conv3x3WgmmaSpec, WgmmaConfig
 from dualtrack.kernels.conv_general import ACTIVATIONS, ConvGeneralSpec, ConvGeometry
 from dualtrack.kernels.convt2x2 import ConvT2x2Spec, pack_convt_weights
+from dualtrack.kernels.dwconv import DwConvSpec, DwGeometry
+from dualtrack.kernels.eltwise import EltwiseSpec
+from dualtrack.kernels.epilogue import Activation
+from dualtrack.kernels.fc import FcSpec
+from dualtrack.kernels.gap import GapSpec
 from dualtrack.kernels.maxpool2x2 import MaxPool2x2Spec
+from dualtrack.kernels.resize import ResizeMode, ResizeSpec
 from dualtrack.kernels.resize_rgb import ResizeRgbSpec
 from dualtrack.kernels.select import SMALL_C_K_MAX, SMALL_C_MAX, ConvChoice
 
 __all__ = [
     "ACTIVATIONS", "CONV3X3_WGMMA", "DTYPES", "KERNELS", "RESIZE_RGB", "SMALL_C_K_MAX", "SMALL_C_MAX", "SPECS",
-    "WGMMA_CONFIGS", "Conv1x1Spec", "Conv3x3Spec", "Conv3x3WgmmaSpec", "ConvChoice", "ConvGeneralSpec",
-    "ConvGeometry", "ConvT2x2Spec", "DeviceTensor", "F16Tile", "KernelArg", "KernelSpec", "LaunchConfig",
-    "LaunchContext", "MaxPool2x2Spec", "PreparedCall", "ResizeRgbSpec", "WgmmaConfig", "choose_conv3x3",
+    "WGMMA_CONFIGS", "Activation", "Conv1x1Spec", "Conv3x3Spec", "Conv3x3WgmmaSpec", "ConvChoice", "ConvGeneralSpec",
+    "ConvGeometry", "ConvT2x2Spec", "DeviceTensor", "DwConvSpec", "DwGeometry", "EltwiseSpec", "F16Tile", "FcSpec",
+    "GapSpec", "KernelArg", "KernelSpec", "LaunchConfig", "LaunchContext", "MaxPool2x2Spec", "PreparedCall",
+    "ResizeMode", "ResizeRgbSpec", "ResizeSpec", "WgmmaConfig", "choose_conv3x3",
     "defines_for_stem", "dtype_name", "kernel", "output_shape", "pack_conv_weights", "pack_convt_weights",
     "ptx_arches_for_stem", "spec_for_stem",
 ]  # fmt: skip
@@ -61,6 +68,12 @@ KERNELS: Mapping[str, KernelSpec] = {
     "convt2x2": ConvT2x2Spec(op="convt2x2", stem="convt2x2_nhwc"),
     "conv1x1": Conv1x1Spec(op="conv1x1", stem="conv1x1_nhwc"),
     "conv": ConvGeneralSpec(op="conv", stem="conv_nhwc"),
+    # The mobile network kernels (MobileNetV3 / LR-ASPP: depthwise, SE, HardSwish, bilinear heads).
+    "dwconv": DwConvSpec(op="dwconv", stem="dwconv_nhwc"),
+    "gap": GapSpec(op="gap", stem="gap_nhwc"),
+    "fc": FcSpec(op="fc", stem="fc_nhwc"),
+    "eltwise": EltwiseSpec(op="eltwise", stem="eltwise_nhwc"),
+    "resize": ResizeSpec(op="resize", stem="resize_nhwc"),
 }
 
 # Not a plan op: the service's GPU JPEG path resizes decoded pictures into the batch's input rows with it.

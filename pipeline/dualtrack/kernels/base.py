@@ -203,8 +203,8 @@ class KernelSpec:
         ctx: LaunchContext,
     ) -> PreparedCall:
         """:meth:`prepare` with every activation input of the call, in ``call.inputs`` order (what
-        the runtime calls). A kernel with more than one input (the general conv's residual)
-        overrides this; every other one reads ``inputs[0]``."""
+        the runtime calls). A kernel of one input takes the first; one with more (the general
+        conv's residual, eltwise's second operand) overrides this."""
         return self.prepare(call, inputs[0], y, weights, ctx)
 
     def pack_weights(self, call: KernelCall, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

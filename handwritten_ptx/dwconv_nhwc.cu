@@ -1,0 +1,70 @@
+// Depthwise convolution (ONNX Conv with group == C == K, weights (C, 1, R, R)), NHWC, bias and an
+// activation fused:
+//   y[n,ho,wo,c] = act(bias[c] + sum_{r,s} x[n, ho*S - pt + r*D, wo*S - pl + s*D, c] * w[r,s,c])
+// for R = 3 or 5, any stride S >= 1, dilation D >= 1 and top/left padding pt, pl (taps outside the
+// image read 0; the output size Ho x Wo comes from the caller, so bottom/right padding is implied).
+// act, p0, p1: dualtrack_device.cuh's apply_act (none, ReLU, Clip, HardSigmoid, HardSwish, Sigmoid).
+//
+// Memory-bound (R*R FMAs per output element): one thread per output pixel and channel, channel
+// fastest, so a warp reads 32 neighbouring channels of one tap (coalesced) and the R*R taps of
+// neighbouring output pixels overlap in L1. Weights are packed RSC (w[(r*R + s)*C + c], the
+// activation dtype) so they coalesce the same way; bias fp32 or null; fp32 accumulation, one
+// rounding. The tap loops are unrolled for each R.
+// No toolkit #include: see conv3x3_nhwc.cu. The block size comes from dualtrack.kernels as -D macros.
+
+#if !defined(DWCONV_THREADS)
+#error "launch sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
+#endif
+
+#include "dualtrack_device.cuh"
+
+template <typename T, int R>
+__device__ __forceinline__ void dwconv(const T* __restrict__ x, const T* __restrict__ w,
+                                       const float* __restrict__ bias, T* __restrict__ y, int N, int H, int W,
+                                       int C, int Ho, int Wo, int ldx, int ldy, int S, int D, int pt, int pl,
+                                       int act, float p0, float p1) {
+    const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= static_cast<long long>(N) * Ho * Wo * C) return;
+    const NhwcIndex o = nhwc_index(idx, Ho, Wo, C);
+    const int c = o.c, ho = o.h, wo = o.w;
+    const long long n = o.n, p = o.p;  // image, output pixel
+
+    const int h0 = ho * S - pt, w0 = wo * S - pl;
+    float acc = bias != nullptr ? bias[c] : 0.0f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int h = h0 + r * D;
+        if (h < 0 || h >= H) continue;
+        const T* row = x + ((n * H + h) * W) * static_cast<long long>(ldx) + c;
+#pragma unroll
+        for (int s = 0; s < R; ++s) {
+            const int wi = w0 + s * D;
+            if (wi < 0 || wi >= W) continue;
+            acc = fmaf(load_f32(row + static_cast<long long>(wi) * ldx), load_f32(w + (r * R + s) * C + c), acc);
+        }
+    }
+    store_f32(y + p * ldy + c, apply_act(acc, act, p0, p1));
+}
+
+template <typename T>
+__device__ __forceinline__ void dwconv_any(const T* __restrict__ x, const T* __restrict__ w,
+                                           const float* __restrict__ bias, T* __restrict__ y, int N, int H, int W,
+                                           int C, int Ho, int Wo, int ldx, int ldy, int R, int S, int D, int pt,
+                                           int pl, int act, float p0, float p1) {
+    if (R == 3) dwconv<T, 3>(x, w, bias, y, N, H, W, C, Ho, Wo, ldx, ldy, S, D, pt, pl, act, p0, p1);
+    if (R == 5) dwconv<T, 5>(x, w, bias, y, N, H, W, C, Ho, Wo, ldx, ldy, S, D, pt, pl, act, p0, p1);
+}
+
+extern "C" __global__ void __launch_bounds__(DWCONV_THREADS)
+dwconv_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const float* __restrict__ bias,
+                f16* __restrict__ y, int N, int H, int W, int C, int Ho, int Wo, int ldx, int ldy, int R, int S,
+                int D, int pt, int pl, int act, float p0, float p1) {
+    dwconv_any<f16>(x, w, bias, y, N, H, W, C, Ho, Wo, ldx, ldy, R, S, D, pt, pl, act, p0, p1);
+}
+
+extern "C" __global__ void __launch_bounds__(DWCONV_THREADS)
+dwconv_nhwc_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
+                float* __restrict__ y, int N, int H, int W, int C, int Ho, int Wo, int ldx, int ldy, int R, int S,
+                int D, int pt, int pl, int act, float p0, float p1) {
+    dwconv_any<float>(x, w, bias, y, N, H, W, C, Ho, Wo, ldx, ldy, R, S, D, pt, pl, act, p0, p1);
+}

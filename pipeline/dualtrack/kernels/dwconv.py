@@ -1,0 +1,174 @@
+"""dwconv_nhwc: the dwconv op (depthwise convolution, MobileNet's), one thread per output element."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from dualtrack.errors import InputError
+from dualtrack.kernels.base import (
+    DeviceTensor,
+    KernelArg,
+    LaunchConfig,
+    LaunchContext,
+    PreparedCall,
+    pointer,
+    positive,
+    stride,
+)
+from dualtrack.kernels.conv import named_weights
+from dualtrack.kernels.epilogue import Activation
+from dualtrack.kernels.streaming import StreamingSpec, onnx_weight_bias
+from dualtrack.plan import KernelCall
+
+KERNEL_SIZES = (3, 5)  # what the source unrolls (dwconv_any)
+
+
+@dataclass(frozen=True)
+class DwGeometry:
+    """The convolution's shape attributes: kernel R x R, stride, dilation, pads (top, left,
+    bottom, right) as ONNX writes them."""
+
+    R: int = 3
+    stride: int = 1
+    dilation: int = 1
+    pads: tuple[int, int, int, int] = (1, 1, 1, 1)
+
+    def __post_init__(self) -> None:
+        if self.R not in KERNEL_SIZES:
+            raise InputError(f"dwconv takes {' or '.join(f'{k}x{k}' for k in KERNEL_SIZES)} kernels; got {self.R}")
+        positive(stride=self.stride, dilation=self.dilation)
+        if min(self.pads) < 0:
+            raise InputError(f"dwconv pads {self.pads} must be >= 0")
+
+    @classmethod
+    def of(cls, call: KernelCall) -> DwGeometry:
+        a = call.attr
+        return cls(a("R"), a("stride"), a("dilation"), (a("pad_t"), a("pad_l"), a("pad_b"), a("pad_r")))
+
+    def output_hw(self, H: int, W: int) -> tuple[int, int]:
+        span = self.dilation * (self.R - 1) + 1
+        t, left, b, r = self.pads
+        Ho, Wo = (H + t + b - span) // self.stride + 1, (W + left + r - span) // self.stride + 1
+        if Ho < 1 or Wo < 1:
+            raise InputError(f"dwconv {self} of a {H}x{W} image has no output pixel")
+        return Ho, Wo
+
+
+@dataclass(frozen=True)
+class DwConvSpec(StreamingSpec):
+    """Depthwise R x R convolution (R = 3, 5; any stride, dilation and padding), bias and an
+    activation fused. Weights: ONNX (C, 1, R, R) packed RSC (:meth:`pack`), bias fp32."""
+
+    MACRO: ClassVar[str] = "DWCONV"
+    PARAMS: ClassVar[tuple[str, ...]] = (
+        "x", "w", "bias", "y", "N", "H", "W", "C", "Ho", "Wo", "ldx", "ldy",
+        "R", "S", "D", "pt", "pl", "act", "p0", "p1",
+    )  # fmt: skip
+    POINTERS: ClassVar[int] = 4
+
+    def output_shape(
+        self, N: int, H: int, W: int, C: int, K: int = 0, geometry: DwGeometry | None = None
+    ) -> tuple[int, int, int, int]:
+        positive(N=N, H=H, W=W, C=C)
+        if K not in (0, C):
+            raise InputError(f"a depthwise convolution keeps the channels: C={C}, K={K}")
+        return (N, *(geometry or DwGeometry()).output_hw(H, W), C)
+
+    def launch(self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0, geometry: DwGeometry | None = None,
+               ldy: int | None = None) -> LaunchConfig:  # fmt: skip
+        _, Ho, Wo, _ = self.output_shape(N, H, W, C, K, geometry)
+        return self.element_launch(dtype, N, Ho, Wo, C, ldy or C)
+
+    def args(
+        self,
+        *,
+        x: int,
+        w: int,
+        y: int,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        geometry: DwGeometry,
+        bias: int | None = None,
+        ldx: int | None = None,
+        ldy: int | None = None,
+        act: Activation | None = None,
+        **_: Any,
+    ) -> list[KernelArg]:
+        """``x, w, bias, y, N, H, W, C, Ho, Wo, ldx, ldy, R, S, D, pt, pl, act, p0, p1``."""
+        _, Ho, Wo, _ = self.output_shape(N, H, W, C, 0, geometry)
+        values = {
+            "x": pointer("x", x), "w": pointer("w", w), "bias": pointer("bias", bias, required=False),
+            "y": pointer("y", y), "N": N, "H": H, "W": W, "C": C, "Ho": Ho, "Wo": Wo,
+            "ldx": stride("ldx", ldx, C), "ldy": stride("ldy", ldy, C), "R": geometry.R, "S": geometry.stride,
+            "D": geometry.dilation, "pt": geometry.pads[0], "pl": geometry.pads[1],
+        }  # fmt: skip
+        return self.with_act(values, act or Activation())
+
+    @staticmethod
+    def pack(w: np.ndarray, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """ONNX depthwise weights (C, 1, R, R) -> RSC (R, R, C) in the same dtype; bias -> fp32."""
+        if w.ndim != 4 or w.shape[1] != 1 or w.shape[2] != w.shape[3]:
+            raise InputError(f"depthwise weights must be (C, 1, R, R) as ONNX stores them; got {w.shape}")
+        packed = np.ascontiguousarray(w[:, 0].transpose(1, 2, 0))
+        if bias is None:
+            return packed, None
+        if bias.shape != (w.shape[0],):
+            raise InputError(f"dwconv bias has shape {bias.shape}; expected ({w.shape[0]},)")
+        return packed, np.ascontiguousarray(bias, dtype=np.float32)
+
+    def pack_weights(self, call: KernelCall, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return named_weights(call, self.pack(*onnx_weight_bias(call, weights)))
+
+    def reference(
+        self,
+        x: np.ndarray,
+        w: np.ndarray | None = None,
+        bias: np.ndarray | None = None,
+        geometry: DwGeometry | None = None,
+        act: Activation | None = None,
+    ) -> np.ndarray:
+        """numpy semantics: ``x`` (N,H,W,C), ``w`` (R,R,C) packed, ``bias`` (C,) or None; float32
+        products and sums, then bias, then the activation, rounded once to x's dtype."""
+        g = geometry or DwGeometry()
+        if w is None or x.ndim != 4 or w.shape != (g.R, g.R, x.shape[3]):
+            raise InputError(
+                f"dwconv takes x (N,H,W,C) and w (R,R,C) with R={g.R}; got x {x.shape}, w {getattr(w, 'shape', None)}"
+            )
+        N, H, W, C = x.shape
+        Ho, Wo = g.output_hw(H, W)
+        t, left, b, r = g.pads
+        xp = np.pad(x.astype(np.float32), ((0, 0), (t, b), (left, r), (0, 0)))
+        out = np.zeros((N, Ho, Wo, C), np.float32)
+        S, D = g.stride, g.dilation
+        for i in range(g.R):
+            for j in range(g.R):
+                tap = xp[:, i * D : i * D + S * (Ho - 1) + 1 : S, j * D : j * D + S * (Wo - 1) + 1 : S, :]
+                out += tap * w[i, j].astype(np.float32)
+        if bias is not None:
+            out += bias.astype(np.float32)
+        return (act or Activation()).apply(out).astype(x.dtype)
+
+    def run_reference(
+        self, call: KernelCall, inputs: Sequence[np.ndarray], weights: Mapping[str, np.ndarray]
+    ) -> np.ndarray:
+        w, bias = self.pack(*onnx_weight_bias(call, weights))
+        return self.reference(inputs[0], w, bias, DwGeometry.of(call), Activation.of(call))
+
+    def prepare(
+        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext
+    ) -> PreparedCall:
+        n, h, w, c = x.shape
+        g = DwGeometry.of(call)
+        if tuple(y.shape) != self.output_shape(n, h, w, c, 0, g):
+            raise InputError(f"dwconv {call.nodes}: output {y.shape} is not {self.output_shape(n, h, w, c, 0, g)}")
+        args = self.args(
+            x=x.ptr, w=weights[0].ptr, bias=weights[1].ptr if len(weights) > 1 else None, y=y.ptr,
+            N=n, H=h, W=w, C=c, geometry=g, ldx=x.channel_stride, ldy=y.channel_stride, act=Activation.of(call),
+        )  # fmt: skip
+        return PreparedCall(self.entry(x.dtype), self.launch(x.dtype, n, h, w, c, 0, g, y.channel_stride), args)

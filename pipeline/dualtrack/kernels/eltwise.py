@@ -1,0 +1,127 @@
+"""eltwise_nhwc: the eltwise op (standalone activations, Add and Mul of NHWC tensors, the
+squeeze-and-excitation gate), one thread per output element."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from dualtrack.errors import InputError
+from dualtrack.kernels.base import (
+    DeviceTensor,
+    KernelArg,
+    LaunchConfig,
+    LaunchContext,
+    PreparedCall,
+    pointer,
+    positive,
+    stride,
+)
+from dualtrack.kernels.epilogue import Activation
+from dualtrack.kernels.streaming import StreamingSpec
+from dualtrack.plan import ELTWISE_OPS, KernelCall
+
+OP_NAMES = {code: name for name, code in ELTWISE_OPS.items()}
+
+
+@dataclass(frozen=True)
+class EltwiseSpec(StreamingSpec):
+    """``y = act(a)``, ``act(a + b)`` or ``act(a * b)`` on NHWC tensors; ``b`` of ``a``'s shape, or
+    (N, 1, 1, C) broadcast over H and W (``bcast``). fp32 math, one rounding."""
+
+    MACRO: ClassVar[str] = "ELTWISE"
+    PARAMS: ClassVar[tuple[str, ...]] = (
+        "a", "b", "y", "N", "H", "W", "C", "lda", "ldb", "ldy", "op", "bcast", "act", "p0", "p1",
+    )  # fmt: skip
+    POINTERS: ClassVar[int] = 3
+
+    def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
+        positive(N=N, H=H, W=W, C=C)
+        return (N, H, W, C)
+
+    def launch(self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0, ldy: int | None = None) -> LaunchConfig:
+        self.output_shape(N, H, W, C)
+        return self.element_launch(dtype, N, H, W, C, ldy or C)
+
+    def args(
+        self,
+        *,
+        a: int,
+        y: int,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        op: str = "unary",
+        b: int | None = None,
+        bcast: bool = False,
+        lda: int | None = None,
+        ldb: int | None = None,
+        ldy: int | None = None,
+        act: Activation | None = None,
+        **_: Any,
+    ) -> list[KernelArg]:
+        """``a, b, y, N, H, W, C, lda, ldb, ldy, op, bcast, act, p0, p1``; strides default to ``C``."""
+        self.output_shape(N, H, W, C)
+        if op not in ELTWISE_OPS:
+            raise InputError(f"eltwise op '{op}' is not one of {', '.join(ELTWISE_OPS)}")
+        binary = op != "unary"
+        values = {
+            "a": pointer("a", a), "b": pointer("b", b, required=binary), "y": pointer("y", y),
+            "N": N, "H": H, "W": W, "C": C, "lda": stride("lda", lda, C),
+            "ldb": stride("ldb", ldb, C) if binary else C, "ldy": stride("ldy", ldy, C),
+            "op": ELTWISE_OPS[op], "bcast": 1 if binary and bcast else 0,
+        }  # fmt: skip
+        return self.with_act(values, act or Activation())
+
+    def reference(
+        self, a: np.ndarray, b: np.ndarray | None = None, op: str = "unary", act: Activation | None = None
+    ) -> np.ndarray:
+        """numpy semantics: float32 ``a``, ``a + b`` or ``a * b`` (``b`` broadcast as numpy does:
+        (N,H,W,C) or (N,1,1,C)), then the activation, rounded once to a's dtype."""
+        v = a.astype(np.float32)
+        if op != "unary":
+            if b is None or b.shape not in (a.shape, (a.shape[0], 1, 1, a.shape[3])):
+                raise InputError(
+                    f"eltwise {op} takes b of a's shape {a.shape} or (N,1,1,C); got {getattr(b, 'shape', None)}"
+                )
+            v = v + b.astype(np.float32) if op == "add" else v * b.astype(np.float32)
+        return (act or Activation()).apply(v).astype(a.dtype)
+
+    def run_reference(
+        self, call: KernelCall, inputs: Sequence[np.ndarray], weights: Mapping[str, np.ndarray]
+    ) -> np.ndarray:
+        op = OP_NAMES[call.attr("op")]
+        return self.reference(inputs[0], inputs[1] if len(inputs) > 1 else None, op, Activation.of(call))
+
+    def prepare(
+        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext
+    ) -> PreparedCall:
+        return self.prepare_inputs(call, [x], y, weights, ctx)
+
+    def prepare_inputs(
+        self,
+        call: KernelCall,
+        inputs: Sequence[DeviceTensor],
+        y: DeviceTensor,
+        weights: Sequence[DeviceTensor],
+        ctx: LaunchContext,
+    ) -> PreparedCall:
+        a = inputs[0]
+        n, h, w, c = a.shape
+        op = OP_NAMES[call.attr("op")]
+        if (op == "unary") != (len(inputs) == 1):
+            raise InputError(f"eltwise {op} ({call.nodes}) got {len(inputs)} inputs")
+        b = inputs[1] if len(inputs) > 1 else None
+        bcast = b is not None and tuple(b.shape) == (n, 1, 1, c) and (h, w) != (1, 1)
+        if b is not None and not bcast and tuple(b.shape) != tuple(a.shape):
+            raise InputError(f"eltwise {op} ({call.nodes}): b {b.shape} is neither {a.shape} nor {(n, 1, 1, c)}")
+        args = self.args(
+            a=a.ptr, y=y.ptr, N=n, H=h, W=w, C=c, op=op, b=b.ptr if b is not None else None, bcast=bcast,
+            lda=a.channel_stride, ldb=b.channel_stride if b is not None else None, ldy=y.channel_stride,
+            act=Activation.of(call),
+        )  # fmt: skip
+        return PreparedCall(self.entry(a.dtype), self.launch(a.dtype, n, h, w, c, 0, y.channel_stride), args)

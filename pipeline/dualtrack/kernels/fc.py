@@ -1,0 +1,110 @@
+"""fc_nhwc: the fc op (a 1x1 convolution on an (N, 1, 1, C) vector: a squeeze-and-excitation FC)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from dualtrack.errors import InputError
+from dualtrack.kernels.base import (
+    INT32_MAX,
+    DeviceTensor,
+    KernelArg,
+    LaunchConfig,
+    LaunchContext,
+    PreparedCall,
+    cdiv,
+    pointer,
+    positive,
+    stride,
+)
+from dualtrack.kernels.conv import named_weights, pack_conv_weights
+from dualtrack.kernels.epilogue import Activation
+from dualtrack.kernels.streaming import StreamingSpec, onnx_weight_bias
+from dualtrack.plan import KernelCall
+
+
+@dataclass(frozen=True)
+class FcSpec(StreamingSpec):
+    """y = act(bias + w @ x) per image on (N, 1, 1, C) -> (N, 1, 1, K): one warp per output.
+    Weights ONNX (K, C, 1, 1) as stored, bias fp32. Any C (no shared-memory bound, unlike conv1x1)."""
+
+    MACRO: ClassVar[str] = "FC"
+    PARAMS: ClassVar[tuple[str, ...]] = (
+        "x", "w", "bias", "y", "N", "C", "K", "ldx", "ldy", "act", "p0", "p1",
+    )  # fmt: skip
+    POINTERS: ClassVar[int] = 4
+
+    def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
+        positive(N=N, C=C, K=K)
+        if (H, W) != (1, 1):
+            raise InputError(f"fc takes a pooled (N, 1, 1, C) vector; got an {H}x{W} image (use conv1x1)")
+        return (N, 1, 1, K)
+
+    def launch(self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0) -> LaunchConfig:
+        self.output_shape(N, H, W, C, K)
+        blocks = cdiv(N * K, self.threads(dtype) // 32)
+        if blocks > INT32_MAX:
+            raise InputError(f"fc of {N} x {K} outputs needs {blocks} blocks; split the batch")
+        return LaunchConfig(grid=(blocks, 1, 1), block=(self.block_threads, 1, 1), shared_bytes=0)
+
+    def args(
+        self,
+        *,
+        x: int,
+        w: int,
+        y: int,
+        N: int,
+        C: int,
+        K: int,
+        bias: int | None = None,
+        ldx: int | None = None,
+        ldy: int | None = None,
+        act: Activation | None = None,
+        **_: Any,
+    ) -> list[KernelArg]:
+        """``x, w, bias, y, N, C, K, ldx, ldy, act, p0, p1``; strides default to ``C`` / ``K``."""
+        self.output_shape(N, 1, 1, C, K)
+        values = {
+            "x": pointer("x", x), "w": pointer("w", w), "bias": pointer("bias", bias, required=False),
+            "y": pointer("y", y), "N": N, "C": C, "K": K, "ldx": stride("ldx", ldx, C), "ldy": stride("ldy", ldy, K),
+        }  # fmt: skip
+        return self.with_act(values, act or Activation())
+
+    def pack_weights(self, call: KernelCall, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return named_weights(call, pack_conv_weights(*onnx_weight_bias(call, weights)))
+
+    def reference(
+        self, x: np.ndarray, w: np.ndarray | None = None, bias: np.ndarray | None = None, act: Activation | None = None
+    ) -> np.ndarray:
+        """numpy semantics: ``x`` (N,1,1,C), ``w`` (K,1,1,C) or (K,C); float32 products and sums,
+        then bias, then the activation, rounded once to x's dtype."""
+        if w is None:
+            raise InputError("fc reference needs weights w of shape (K, 1, 1, C)")
+        wk = w.reshape(w.shape[0], -1)
+        if x.ndim != 4 or x.shape[1:3] != (1, 1) or wk.shape[1] != x.shape[3]:
+            raise InputError(f"fc takes x (N,1,1,C) and w (K,1,1,C); got x {x.shape}, w {w.shape}")
+        out = x.astype(np.float32) @ wk.astype(np.float32).T
+        if bias is not None:
+            out += bias.astype(np.float32)
+        return (act or Activation()).apply(out).astype(x.dtype)
+
+    def run_reference(
+        self, call: KernelCall, inputs: Sequence[np.ndarray], weights: Mapping[str, np.ndarray]
+    ) -> np.ndarray:
+        w, bias = pack_conv_weights(*onnx_weight_bias(call, weights))
+        return self.reference(inputs[0], w, bias, Activation.of(call))
+
+    def prepare(
+        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext
+    ) -> PreparedCall:
+        n, h, w, c = x.shape
+        k = y.shape[3]
+        args = self.args(
+            x=x.ptr, w=weights[0].ptr, bias=weights[1].ptr if len(weights) > 1 else None, y=y.ptr,
+            N=n, C=c, K=k, ldx=x.channel_stride, ldy=y.channel_stride, act=Activation.of(call),
+        )  # fmt: skip
+        return PreparedCall(self.entry(x.dtype), self.launch(x.dtype, n, h, w, c, k), args)

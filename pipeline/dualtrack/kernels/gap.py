@@ -1,0 +1,81 @@
+"""gap_nhwc: the gap op (global average pool: ONNX GlobalAveragePool, ReduceMean over H, W)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from dualtrack.errors import InputError
+from dualtrack.kernels.base import (
+    GRID_Y_MAX,
+    DeviceTensor,
+    KernelArg,
+    LaunchConfig,
+    LaunchContext,
+    PreparedCall,
+    cdiv,
+    pixels,
+    pointer,
+    positive,
+    stride,
+)
+from dualtrack.kernels.streaming import StreamingSpec
+from dualtrack.plan import KernelCall
+
+LANES = 32  # channels a block owns (gap_nhwc.cu: one warp's width)
+
+
+@dataclass(frozen=True)
+class GapSpec(StreamingSpec):
+    """(N, H, W, C) -> (N, 1, 1, C): the mean over the image, fp32 sums, one rounding. A block per
+    image and group of 32 channels; ``block_threads / 32`` pixel rows share the image."""
+
+    MACRO: ClassVar[str] = "GAP"
+    PARAMS: ClassVar[tuple[str, ...]] = ("x", "y", "N", "H", "W", "C", "ldx", "ldy")
+    POINTERS: ClassVar[int] = 2
+
+    def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
+        positive(N=N, H=H, W=W, C=C)
+        return (N, 1, 1, C)
+
+    def launch(self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0) -> LaunchConfig:
+        self.output_shape(N, H, W, C)
+        if N > GRID_Y_MAX:
+            raise InputError(f"gap of a batch of {N} needs {N} grid rows; the grid allows {GRID_Y_MAX}")
+        return LaunchConfig(grid=(cdiv(C, LANES), N, 1), block=(self.threads(dtype), 1, 1), shared_bytes=0)
+
+    def args(
+        self,
+        *,
+        x: int,
+        y: int,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        ldx: int | None = None,
+        ldy: int | None = None,
+        **_: Any,
+    ) -> list[KernelArg]:
+        """``x, y, N, H, W, C, ldx, ldy``; strides default to ``C``."""
+        self.output_shape(N, H, W, C)
+        ldx_, ldy_ = stride("ldx", ldx, C), stride("ldy", ldy, C)
+        pixels(N, H, W, max(ldx_, ldy_))
+        values = {"x": pointer("x", x), "y": pointer("y", y), "N": N, "H": H, "W": W, "C": C, "ldx": ldx_, "ldy": ldy_}
+        return self.typed(values)
+
+    def reference(self, x: np.ndarray, *_: Any, **__: Any) -> np.ndarray:
+        """numpy semantics: the float32 mean over axes 1, 2 (keepdims), rounded once to x's dtype."""
+        if x.ndim != 4:
+            raise InputError(f"gap takes x (N,H,W,C); got {x.shape}")
+        return x.astype(np.float32).mean(axis=(1, 2), keepdims=True, dtype=np.float32).astype(x.dtype)
+
+    def prepare(
+        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext
+    ) -> PreparedCall:
+        n, h, w, c = x.shape
+        args = self.args(x=x.ptr, y=y.ptr, N=n, H=h, W=w, C=c, ldx=x.channel_stride, ldy=y.channel_stride)
+        return PreparedCall(self.entry(x.dtype), self.launch(x.dtype, n, h, w, c), args)

@@ -1,0 +1,408 @@
+"""Track A lowering of the mobile-network ops (MobileNetV3, LR-ASPP): which ONNX nodes the
+dwconv, gap, fc, eltwise and resize kernels take, and the kernel call each becomes.
+
+One table, :data:`RULES` (op type -> :class:`Rule`), is the single answer to "can Track A run
+this node?" for these ops: :func:`supports` gives None or the reason it cannot, :func:`lower` the
+call. ``partition.lower_track_a`` asks it before its own (dense conv, pool, convt) branches, and a
+track-assignment policy asks :func:`supports` the same question. An activation node that directly
+follows a dwconv, fc or eltwise call (its only consumer) is fused into that call's epilogue.
+
+This module reads ONNX; it never imports the kernels (partition sits left of the tracks). The
+attr codes it writes are :mod:`dualtrack.plan`'s (ACTIVATIONS, ELTWISE_OPS, RESIZE_*), which the
+kernel specs read back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from dualtrack.plan import (
+    ACTIVATIONS,
+    ELTWISE_OPS,
+    RESIZE_COORDS,
+    RESIZE_MODES,
+    RESIZE_NEAREST,
+    KernelCall,
+    f32_bits,
+)
+
+DESCRIPTION = (
+    "depthwise Conv 3x3/5x5 (any stride, dilation, pads), 1x1 Conv on a pooled (N,C,1,1) vector, "
+    "GlobalAveragePool / ReduceMean over H,W, Add and Mul of NHWC tensors (or an (N,C,1,1) gate), "
+    "Relu/Clip/HardSigmoid/HardSwish/Sigmoid (fused into the op before them where they can be), "
+    "Resize nearest/linear over H,W"
+)
+DW_KERNELS = (3, 5)  # dwconv_nhwc.cu unrolls these
+ACT_OPS = ("Relu", "Clip", "HardSigmoid", "HardSwish", "Sigmoid")
+SpecMap = dict[str, tuple[tuple[int, ...], str]]
+
+
+class Refused(Exception):
+    """:func:`lower` cannot lower a node that :func:`supports` accepts in this segment's context
+    (partition turns the reason into its PartitionError)."""
+
+
+@dataclass
+class Facts:
+    """What the predicates need to know about the graph: tensor shapes and dtypes (``specs``, at
+    batch 1), and constant values (initializers and Constant nodes)."""
+
+    model: onnx.ModelProto
+    specs: SpecMap
+    _consts: dict[str, np.ndarray] = field(default_factory=dict, init=False)
+
+    consumers: dict[str, list[onnx.NodeProto]] = field(default_factory=dict, init=False)
+    producer: dict[str, onnx.NodeProto] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        for n in self.model.graph.node:
+            for x in n.input:
+                self.consumers.setdefault(x, []).append(n)
+            for y in n.output:
+                self.producer[y] = n
+        for init in self.model.graph.initializer:
+            self._consts[init.name] = numpy_helper.to_array(init)
+        for n in self.model.graph.node:
+            if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+                self._consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+
+    def const(self, name: str) -> np.ndarray | None:
+        """The value of a constant tensor, None when the name is empty or computed at run time."""
+        return self._consts.get(name) if name else None
+
+    def is_const(self, name: str) -> bool:
+        return name in self._consts
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.specs[name][0]
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    out = {}
+    for a in node.attribute:
+        v = helper.get_attribute_value(a)
+        out[a.name] = v.decode() if isinstance(v, bytes) else v
+    return out
+
+
+# --- activations ---------------------------------------------------------------------------------
+
+
+def activation(node: onnx.NodeProto, facts: Facts) -> tuple[tuple[str, float, float] | None, str | None]:
+    """(name, p0, p1) of an activation node, or (None, why not)."""
+    a = _attrs(node)
+    if node.op_type in ("Relu", "HardSwish", "Sigmoid"):
+        return (node.op_type.lower(), 0.0, 0.0), None
+    if node.op_type == "HardSigmoid":
+        return ("hardsigmoid", float(a.get("alpha", 0.2)), float(a.get("beta", 0.5))), None
+    if node.op_type == "Clip":
+        bounds = [a.get("min", -np.inf), a.get("max", np.inf)]  # opset < 11: attributes
+        for j in (1, 2):
+            if len(node.input) > j and node.input[j]:
+                value = facts.const(node.input[j])
+                if value is None:
+                    return None, "Clip bounds computed at run time"
+                bounds[j - 1] = float(value)
+        return ("clip", float(bounds[0]), float(bounds[1])), None
+    return None, f"{node.op_type} is not an activation"
+
+
+def _act_attrs(act: tuple[str, float, float] | None) -> tuple[tuple[str, int], ...]:
+    if act is None:
+        return (("act", 0),)
+    name, p0, p1 = act
+    return (("act", ACTIVATIONS[name]), ("act_p0", f32_bits(p0)), ("act_p1", f32_bits(p1)))
+
+
+# --- predicates: None when the kernels take the node, else why not ---------------------------------
+
+
+def conv_kind(node: onnx.NodeProto, facts: Facts) -> str | None:
+    """ "dwconv" for a depthwise Conv (group == C == K > 1), "fc" for a group-1 Conv on an
+    (N, C, 1, 1) input, None for the other convolutions (partition's dense conv branches)."""
+    if node.op_type != "Conv" or node.input[0] not in facts.specs:
+        return None
+    x = facts.shape(node.input[0])
+    group = _attrs(node).get("group", 1)
+    if len(x) == 4 and group > 1 and group == x[1]:
+        return "dwconv"
+    if len(x) == 4 and group == 1 and x[2:] == (1, 1):
+        return "fc"
+    return None
+
+
+def _conv_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
+    kind = conv_kind(node, facts)
+    if kind is None:
+        return "not a depthwise convolution nor a convolution of an (N,C,1,1) vector"
+    if any(not facts.is_const(w) for w in node.input[1:] if w):
+        return "weights computed at run time"
+    a = _attrs(node)
+    w = facts.shape(node.input[1])
+    if a.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        return f"auto_pad {a['auto_pad']} (re-export with explicit pads)"
+    pads = [0] * 4 if a.get("auto_pad") == "VALID" else list(a.get("pads", [0, 0, 0, 0]))
+    if kind == "fc":
+        if w[2:] != (1, 1) or any(pads):
+            return f"kernel {list(w[2:])} pads {pads} on a 1x1 input"
+        return None
+    x = facts.shape(node.input[0])
+    strides, dil = list(a.get("strides", [1, 1])), list(a.get("dilations", [1, 1]))
+    if w[0] != x[1] or w[1] != 1:
+        return f"depthwise weights {list(w)} with a channel multiplier (K != C)"
+    if w[2] != w[3] or w[2] not in DW_KERNELS:
+        return f"depthwise kernel {list(w[2:])} (the kernel takes {' or '.join(f'{k}x{k}' for k in DW_KERNELS)})"
+    if strides[0] != strides[1] or dil[0] != dil[1]:
+        return f"unequal strides {strides} or dilations {dil}"
+    if len(pads) != 4 or min(pads) < 0:
+        return f"pads {pads}"
+    return None
+
+
+def _gap_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
+    if len(facts.shape(node.input[0])) != 4:
+        return f"input of rank {len(facts.shape(node.input[0]))}, not an image"
+    if node.op_type == "GlobalAveragePool":
+        return None
+    a = _attrs(node)
+    axes = a.get("axes")
+    if len(node.input) > 1 and node.input[1]:  # opset 18: axes as an input
+        value = facts.const(node.input[1])
+        if value is None:
+            return "axes computed at run time"
+        axes = value.tolist()
+    if axes is None or sorted(int(v) % 4 for v in axes) != [2, 3]:
+        return f"axes {axes} (the kernel reduces over H and W: axes [2, 3])"
+    if a.get("keepdims", 1) != 1:
+        return "keepdims=0 (the kernel keeps (N, C, 1, 1))"
+    return None
+
+
+def _binary_operands(node: onnx.NodeProto, facts: Facts) -> tuple[tuple[str, str] | None, str | None]:
+    """(full, other) inputs of an Add/Mul in kernel order, or (None, why not)."""
+    if len(node.input) != 2 or any(facts.is_const(x) for x in node.input):
+        return None, "a constant operand"
+    s0, s1 = facts.shape(node.input[0]), facts.shape(node.input[1])
+    if len(s0) != 4 or len(s1) != 4:
+        return None, f"operands {list(s0)}, {list(s1)} are not both images"
+    if s0 == s1:
+        return (node.input[0], node.input[1]), None
+    for full, gate in ((0, 1), (1, 0)):
+        sf, sg = (s0, s1)[full], (s0, s1)[gate]
+        if sg == (sf[0], sf[1], 1, 1):
+            return (node.input[full], node.input[gate]), None
+    return None, f"broadcast of {list(s0)} with {list(s1)} (the kernel takes equal shapes or an (N,C,1,1) gate)"
+
+
+def _binary_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
+    return _binary_operands(node, facts)[1]
+
+
+def _act_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
+    if len(facts.shape(node.input[0])) != 4:
+        return f"input of rank {len(facts.shape(node.input[0]))}, not an image"
+    return activation(node, facts)[1]
+
+
+def resize_mode(node: onnx.NodeProto, facts: Facts) -> tuple[tuple[tuple[str, int], ...] | None, str | None]:
+    """The resize call's attrs (mode, coord, nearest, scales, Ho, Wo), or (None, why not)."""
+    a = _attrs(node)
+    mode = a.get("mode", "nearest")
+    coord = a.get("coordinate_transformation_mode", "half_pixel")
+    nearest = a.get("nearest_mode", "round_prefer_floor")
+    if mode not in RESIZE_MODES:
+        return None, f"mode {mode} (the kernel takes {', '.join(RESIZE_MODES)})"
+    if coord not in RESIZE_COORDS:
+        return None, f"coordinate_transformation_mode {coord} (the kernel takes {', '.join(RESIZE_COORDS)})"
+    if mode == "nearest" and nearest not in RESIZE_NEAREST:
+        return None, f"nearest_mode {nearest}"
+    if a.get("antialias", 0) or a.get("axes") is not None or a.get("keep_aspect_ratio_policy", "stretch") != "stretch":
+        return None, "antialias, axes or keep_aspect_ratio_policy"
+    x = facts.shape(node.input[0])
+    y = facts.shape(node.output[0])
+    if len(x) != 4 or len(y) != 4 or x[:2] != y[:2]:
+        return None, f"a resize of {list(x)} to {list(y)} that is not over H and W of an image"
+    scales = facts.const(node.input[2]) if len(node.input) > 2 else None
+    sizes = facts.const(node.input[3]) if len(node.input) > 3 else None
+    if scales is not None and scales.size:
+        if scales.size != 4 or scales[0] != 1 or scales[1] != 1:
+            return None, f"scales {scales.tolist()}"
+        sh, sw = float(np.float32(scales[2])), float(np.float32(scales[3]))
+    elif sizes is not None and sizes.size == 4:
+        sh, sw = float(np.float32(y[2]) / np.float32(x[2])), float(np.float32(y[3]) / np.float32(x[3]))
+    else:
+        return None, "scales or sizes computed at run time"
+    attrs = (
+        ("mode", RESIZE_MODES[mode]), ("coord", RESIZE_COORDS[coord]),
+        ("nearest", RESIZE_NEAREST.get(nearest, 0)), ("scale_h", f32_bits(sh)), ("scale_w", f32_bits(sw)),
+        ("Ho", y[2]), ("Wo", y[3]),
+    )  # fmt: skip
+    return attrs, None
+
+
+def _resize_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
+    return resize_mode(node, facts)[1]
+
+
+# The front end's fp16 conversion keeps reductions and Resize in fp32 (frontend.FP32_REDUCTIONS and
+# onnxconverter-common's block list): Cast(fp16 -> fp32) -> op -> Cast(fp32 -> fp16). The kernels
+# compute exactly that in fp16 storage (fp32 math, one rounding at the end), so the three nodes
+# lower to one fp16 call.
+CAST_WRAPPED = ("GlobalAveragePool", "ReduceMean", "Resize")
+_FLOAT, _FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
+
+
+def _cast_to(node: onnx.NodeProto) -> int | None:
+    return _attrs(node).get("to") if node.op_type == "Cast" else None
+
+
+def cast_sandwich(node: onnx.NodeProto, facts: Facts) -> tuple[onnx.NodeProto, onnx.NodeProto, onnx.NodeProto] | None:
+    """(cast up, op, cast down) when ``node`` is either Cast of a Cast(fp16->fp32) -> op -> Cast(->fp16)
+    chain around one of :data:`CAST_WRAPPED` whose intermediate tensors have no other reader."""
+    if node.op_type != "Cast":
+        return None
+    if _cast_to(node) == _FLOAT:
+        up = node
+    elif _cast_to(node) == _FLOAT16 and node.input[0] in facts.producer:
+        op = facts.producer[node.input[0]]
+        up = facts.producer.get(op.input[0]) if op.input else None
+        if up is None:
+            return None
+    else:
+        return None
+    if _cast_to(up) != _FLOAT or facts.specs.get(up.input[0], ((), ""))[1] != "float16":
+        return None
+    readers = facts.consumers.get(up.output[0], [])
+    if len(readers) != 1 or readers[0].op_type not in CAST_WRAPPED or readers[0].input[0] != up.output[0]:
+        return None
+    op = readers[0]
+    after = facts.consumers.get(op.output[0], [])
+    if len(after) != 1 or _cast_to(after[0]) != _FLOAT16:
+        return None
+    return up, op, after[0]
+
+
+def _cast_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
+    chain = cast_sandwich(node, facts)
+    if chain is None:
+        return "a Cast that is not the fp32 island of a pooling or Resize in an fp16 model"
+    return RULES[chain[1].op_type].supports(chain[1], facts)
+
+
+# --- lowering --------------------------------------------------------------------------------------
+
+
+def _lower_conv(node: onnx.NodeProto, facts: Facts) -> KernelCall:
+    weights = tuple(w for w in node.input[1:] if w)
+    if conv_kind(node, facts) == "fc":
+        return KernelCall("fc", (node.input[0],), (node.output[0],), weights, (), (node.name,))
+    a = _attrs(node)
+    R = facts.shape(node.input[1])[2]
+    pads = [0] * 4 if a.get("auto_pad") == "VALID" else list(a.get("pads", [0, 0, 0, 0]))
+    attrs = (
+        ("R", R), ("stride", a.get("strides", [1, 1])[0]), ("dilation", a.get("dilations", [1, 1])[0]),
+        ("pad_t", pads[0]), ("pad_l", pads[1]), ("pad_b", pads[2]), ("pad_r", pads[3]),
+    )  # fmt: skip
+    return KernelCall("dwconv", (node.input[0],), (node.output[0],), weights, attrs, (node.name,))
+
+
+def _lower_gap(node: onnx.NodeProto, facts: Facts) -> KernelCall:
+    return KernelCall("gap", (node.input[0],), (node.output[0],), (), (), (node.name,))
+
+
+def _lower_binary(node: onnx.NodeProto, facts: Facts) -> KernelCall:
+    operands, _ = _binary_operands(node, facts)
+    assert operands is not None
+    op = ELTWISE_OPS[node.op_type.lower()]
+    return KernelCall("eltwise", operands, (node.output[0],), (), (("op", op),), (node.name,))
+
+
+def _lower_act(node: onnx.NodeProto, facts: Facts) -> KernelCall:
+    act, _ = activation(node, facts)
+    attrs = (("op", ELTWISE_OPS["unary"]), *_act_attrs(act))
+    return KernelCall("eltwise", (node.input[0],), (node.output[0],), (), attrs, (node.name,))
+
+
+def _lower_resize(node: onnx.NodeProto, facts: Facts) -> KernelCall:
+    attrs, _ = resize_mode(node, facts)
+    assert attrs is not None
+    return KernelCall("resize", (node.input[0],), (node.output[0],), (), attrs, (node.name,))
+
+
+def _lower_cast(node: onnx.NodeProto, facts: Facts) -> KernelCall:
+    chain = cast_sandwich(node, facts)
+    assert chain is not None
+    up, op, down = chain
+    call = RULES[op.op_type].lower(op, facts)
+    nodes = (up.name, op.name, down.name)
+    return KernelCall(call.op, (up.input[0],), (down.output[0],), call.weights, call.attrs, nodes)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One op type: whether the kernels take a node (None, or why not), the call it lowers to,
+    and whether an activation after it can join its epilogue."""
+
+    supports: Callable[[onnx.NodeProto, Facts], str | None]
+    lower: Callable[[onnx.NodeProto, Facts], KernelCall]
+    fuses_act: bool = False
+
+
+RULES: dict[str, Rule] = {
+    "Conv": Rule(_conv_ok, _lower_conv, fuses_act=True),
+    "GlobalAveragePool": Rule(_gap_ok, _lower_gap),
+    "ReduceMean": Rule(_gap_ok, _lower_gap),
+    "Add": Rule(_binary_ok, _lower_binary, fuses_act=True),
+    "Mul": Rule(_binary_ok, _lower_binary, fuses_act=True),
+    "Resize": Rule(_resize_ok, _lower_resize),
+    "Cast": Rule(_cast_ok, _lower_cast),
+    **{op: Rule(_act_ok, _lower_act) for op in ACT_OPS},
+}
+
+
+def claims(node: onnx.NodeProto, facts: Facts) -> bool:
+    """Whether the node is one of this module's ops (a Conv only when depthwise or on a 1x1 vector;
+    a Relu after a dense conv is partition's to fuse): the lowering answers for it, yes or no."""
+    if node.op_type == "Conv":
+        return conv_kind(node, facts) is not None
+    return node.op_type in RULES
+
+
+def supports(node: onnx.NodeProto, facts: Facts) -> str | None:
+    """None when a mobile kernel takes the node, else why not (for an error message or a policy)."""
+    rule = RULES.get(node.op_type)
+    if rule is None:
+        return f"{node.op_type} is not a mobile-kernel op"
+    return rule.supports(node, facts)
+
+
+def lower(seg: list[onnx.NodeProto], i: int, facts: Facts, fusable: Callable[[str], bool]) -> tuple[KernelCall, int]:
+    """The call for ``seg[i]`` (which :func:`supports`) and how many nodes it covers: 2 when the
+    next node is an activation of its output that ``fusable(output)`` allows (one consumer, not
+    leaving the segment) and the kernel can fuse."""
+    node = seg[i]
+    call = RULES[node.op_type].lower(node, facts)
+    if node.op_type == "Cast":  # the fp32 island of an fp16 model: three nodes, in this order
+        names = [n.name for n in seg[i : i + 3]]
+        if names != list(call.nodes):
+            raise Refused(f"its fp32 island {', '.join(call.nodes)} is not consecutive in the segment's order")
+        return call, 3
+    nxt = seg[i + 1] if i + 1 < len(seg) else None
+    if (
+        RULES[node.op_type].fuses_act
+        and nxt is not None
+        and nxt.op_type in ACT_OPS
+        and list(nxt.input[:1]) == [node.output[0]]
+        and fusable(node.output[0])
+    ):
+        act, why = activation(nxt, facts)
+        if why is None:
+            attrs = tuple(kv for kv in call.attrs if kv[0] != "act") + _act_attrs(act)
+            fused = KernelCall(call.op, call.inputs, (nxt.output[0],), call.weights, attrs, (*call.nodes, nxt.name))
+            return fused, 2
+    return call, 1

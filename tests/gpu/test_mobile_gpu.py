@@ -1,0 +1,266 @@
+"""The mobile kernels (dwconv, gap, fc, eltwise, resize) on a real GPU against their numpy
+semantics: fp16 and fp32, odd shapes, every activation, strides/dilations/pads, the Resize modes,
+and channel-slice reads and writes (ld > C) whose neighbouring channels must survive. Outputs are
+poisoned (NaN) first, so an element a kernel does not write fails the comparison. Then a tiny
+MobileNetV3-like bundle (tests/mobile_net.py, body on Track A) runs through the engine against
+onnxruntime.
+
+Each module is loaded from handwritten_ptx/ptx/<arch>/<stem>.ptx (the engine only loads the kernels
+its bundle lists); the engine of the tiny bundle provides the context, stream and memory pool."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gpu_ptx import checked_in_ptx
+
+from dualtrack import kernels
+from dualtrack.config import Tolerance
+from dualtrack.kernels import Activation, DwConvSpec, DwGeometry, ResizeMode
+from dualtrack.runtime.engine import Engine
+from dualtrack.verify import compare, ort_session, random_input, run_ort, verify_engine
+
+# fp32 math and one rounding, like the references; only summation order (and expf) differ.
+TOL = {
+    "float16": Tolerance(rel_l2=2e-3, max_abs=2e-3, mismatch=0),
+    "float32": Tolerance(rel_l2=1e-5, max_abs=1e-5, mismatch=0),
+}
+SENTINEL = -1234.5  # exactly representable in fp16 and fp32
+ACTS = [
+    Activation(),
+    Activation.named("relu"),
+    Activation.named("clip", 0.0, 6.0),
+    Activation.named("hardsigmoid", float(np.float32(1 / 6)), 0.5),
+    Activation.named("hardswish"),
+    Activation.named("sigmoid"),
+]
+STEMS = ("dwconv_nhwc", "gap_nhwc", "fc_nhwc", "eltwise_nhwc", "resize_nhwc")
+
+
+@pytest.fixture(scope="module")
+def mods(engine: Engine):
+    """Every entry of the five mobile kernels, from the checked-in PTX of this device's arch."""
+    with (
+        checked_in_ptx(engine, STEMS[0]) as a,
+        checked_in_ptx(engine, STEMS[1]) as b,
+        checked_in_ptx(engine, STEMS[2]) as c,
+        checked_in_ptx(engine, STEMS[3]) as d,
+        checked_in_ptx(engine, STEMS[4]) as e,
+    ):
+        found = {}
+        for mod, stem in zip((a, b, c, d, e), STEMS, strict=True):
+            spec = kernels.spec_for_stem(stem)
+            found.update({entry: mod.function(entry) for entry in spec.entries})
+        yield found
+
+
+class Slices:
+    """Device copies of NHWC arrays placed in channel slices of wider buffers (noise around them),
+    and a poisoned output slice (NaN inside, SENTINEL outside)."""
+
+    def __init__(self, engine: Engine, dtype: str, off: int) -> None:
+        self.be, self.dtype, self.off = engine.backend, dtype, off
+        self.be.ctx.make_current()
+        self.rng = np.random.default_rng()
+        self.keep: list = []
+
+    def input(self, x: np.ndarray) -> tuple[int, int]:
+        """(device pointer of the slice, channel stride)."""
+        ld = x.shape[3] + 2 * self.off
+        wide = self.rng.standard_normal((*x.shape[:3], ld)).astype(self.dtype)
+        wide[..., self.off : self.off + x.shape[3]] = x
+        d = self.be.from_host(wide)
+        self.keep.append(d)
+        return d.ptr + self.off * np.dtype(self.dtype).itemsize, ld
+
+    def output(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        ld = shape[3] + 2 * self.off
+        wide = np.full((*shape[:3], ld), SENTINEL, self.dtype)
+        wide[..., self.off : self.off + shape[3]] = np.nan
+        self.y, self.y_c = self.be.from_host(wide), shape[3]
+        return self.y.ptr + self.off * np.dtype(self.dtype).itemsize, ld
+
+    def weights(self, arr: np.ndarray) -> int:
+        d = self.be.from_host(np.ascontiguousarray(arr))
+        self.keep.append(d)
+        return d.ptr
+
+    def result(self) -> np.ndarray:
+        wide = self.be.to_host(self.y)
+        outside = np.delete(wide, np.s_[self.off : self.off + self.y_c], axis=3)
+        assert (outside == SENTINEL).all(), "channels outside the output slice were written"
+        return wide[..., self.off : self.off + self.y_c]
+
+
+def launch(mods, spec, dtype: str, cfg, args, s: Slices) -> None:
+    mods[spec.entry(dtype)].launch(cfg.grid, cfg.block, cfg.shared_bytes, s.be.stream, args)
+
+
+def check(name: str, ref: np.ndarray, got: np.ndarray, dtype: str, exact: bool = False) -> None:
+    if exact:
+        np.testing.assert_array_equal(got, ref)
+        return
+    result = compare(name, ref, got, TOL[dtype])
+    assert result.passed, result
+
+
+DW = kernels.KERNELS["dwconv"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("off", [0, 3])
+@pytest.mark.parametrize(
+    ("n", "h", "w", "c", "g"),
+    [
+        (2, 37, 23, 5, DwGeometry(3, 1, 1, (1, 1, 1, 1))),
+        (1, 64, 64, 72, DwGeometry(5, 2, 1, (2, 2, 2, 2))),
+        (3, 17, 19, 40, DwGeometry(3, 2, 1, (1, 1, 1, 1))),
+        (1, 32, 32, 960, DwGeometry(5, 1, 2, (4, 4, 4, 4))),  # LR-ASPP's last dilated stage
+        (2, 9, 12, 33, DwGeometry(3, 3, 2, (0, 1, 2, 0))),
+    ],
+)
+def test_dwconv_kernel(engine, mods, dtype, off, n, h, w, c, g) -> None:
+    for act in ACTS[:2] if c > 100 else ACTS:
+        s = Slices(engine, dtype, off)
+        x = s.rng.standard_normal((n, h, w, c)).astype(dtype)
+        wt = (s.rng.standard_normal((c, 1, g.R, g.R)) / g.R).astype(dtype)
+        b = s.rng.standard_normal(c).astype(np.float32)
+        wp, bp = DwConvSpec.pack(wt, b)
+        ref = DW.reference(x, wp, bp, g, act)
+        (px, ldx), (py, ldy) = s.input(x), s.output(ref.shape)
+        args = DW.args(x=px, w=s.weights(wp), bias=s.weights(bp), y=py, N=n, H=h, W=w, C=c, geometry=g,
+                       ldx=ldx, ldy=ldy, act=act)  # fmt: skip
+        launch(mods, DW, dtype, DW.launch(dtype, n, h, w, c, 0, g, ldy), args, s)
+        check(f"dwconv {act}", ref, s.result(), dtype)
+
+
+GAP = kernels.KERNELS["gap"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("off", [0, 5])
+@pytest.mark.parametrize(("n", "h", "w", "c"), [(2, 37, 23, 5), (1, 128, 128, 72), (8, 16, 16, 960), (3, 1, 1, 33)])
+def test_gap_kernel(engine, mods, dtype, off, n, h, w, c) -> None:
+    s = Slices(engine, dtype, off)
+    x = (s.rng.standard_normal((n, h, w, c)) + 3).astype(dtype)  # a mean far from 0: the sums grow
+    ref = GAP.reference(x)
+    (px, ldx), (py, ldy) = s.input(x), s.output(ref.shape)
+    launch(
+        mods, GAP, dtype, GAP.launch(dtype, n, h, w, c), GAP.args(x=px, y=py, N=n, H=h, W=w, C=c, ldx=ldx, ldy=ldy), s
+    )
+    check("gap", ref, s.result(), dtype)
+
+
+FC = kernels.KERNELS["fc"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize(("n", "c", "k"), [(1, 72, 24), (8, 960, 240), (3, 5, 37), (2, 240, 960)])
+def test_fc_kernel(engine, mods, dtype, n, c, k) -> None:
+    for act, bias in ((ACTS[1], True), (ACTS[3], True), (ACTS[0], False)):
+        s = Slices(engine, dtype, 2)
+        x = s.rng.standard_normal((n, 1, 1, c)).astype(dtype)
+        wt = (s.rng.standard_normal((k, c, 1, 1)) / np.sqrt(c)).astype(dtype)
+        b = s.rng.standard_normal(k).astype(np.float32) if bias else None
+        ref = FC.reference(x, wt, b, act)
+        (px, ldx), (py, ldy) = s.input(x), s.output(ref.shape)
+        args = FC.args(x=px, w=s.weights(wt), bias=s.weights(b) if bias else None, y=py, N=n, C=c, K=k,
+                       ldx=ldx, ldy=ldy, act=act)  # fmt: skip
+        launch(mods, FC, dtype, FC.launch(dtype, n, 1, 1, c, k), args, s)
+        check(f"fc {act}", ref, s.result(), dtype)
+
+
+ELT = kernels.KERNELS["eltwise"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("off", [0, 1])
+@pytest.mark.parametrize(
+    ("op", "gate"), [("unary", False), ("add", False), ("mul", False), ("mul", True), ("add", True)]
+)
+def test_eltwise_kernel(engine, mods, dtype, off, op, gate) -> None:
+    n, h, w, c = 2, 19, 13, 37
+    for act in ACTS:
+        s = Slices(engine, dtype, off)
+        a = (3 * s.rng.standard_normal((n, h, w, c))).astype(dtype)
+        b = s.rng.standard_normal((n, 1, 1, c) if gate else a.shape).astype(dtype) if op != "unary" else None
+        ref = ELT.reference(a, b, op, act)
+        pa, lda = s.input(a)
+        pb, ldb = s.input(b) if b is not None else (None, None)
+        py, ldy = s.output(ref.shape)
+        args = ELT.args(a=pa, b=pb, y=py, N=n, H=h, W=w, C=c, op=op, bcast=gate, lda=lda, ldb=ldb, ldy=ldy, act=act)
+        launch(mods, ELT, dtype, ELT.launch(dtype, n, h, w, c, 0, ldy), args, s)
+        check(f"eltwise {op} {act}", ref, s.result(), dtype)
+
+
+RESIZE = kernels.KERNELS["resize"]
+RESIZES: list[tuple[ResizeMode, tuple[int, int, int, int]]] = [  # (mode, (H, W, Ho, Wo))
+    (ResizeMode("linear", "half_pixel", "floor", 8.0, 8.0), (64, 64, 512, 512)),  # LR-ASPP's final x8
+    (ResizeMode("linear", "half_pixel", "floor", 64 / 33, 64 / 31), (33, 31, 64, 64)),  # to a size
+    (ResizeMode("linear", "pytorch_half_pixel", "floor", 1.5, 1.0 / 7), (10, 7, 15, 1)),
+    (ResizeMode("linear", "align_corners", "floor", 13 / 7, 17 / 5), (7, 5, 13, 17)),
+    (ResizeMode("linear", "asymmetric", "floor", 0.5, 0.75), (16, 12, 8, 9)),
+    (ResizeMode("nearest", "asymmetric", "floor", 2.0, 3.0), (7, 5, 14, 15)),
+    (ResizeMode("nearest", "half_pixel", "round_prefer_floor", 2.5, 1.5), (6, 6, 15, 9)),
+    (ResizeMode("nearest", "align_corners", "round_prefer_ceil", 11 / 5, 9 / 5), (5, 5, 11, 9)),
+    (ResizeMode("nearest", "pytorch_half_pixel", "ceil", 0.5, 2.6), (8, 7, 4, 18)),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("off", [0, 2])
+@pytest.mark.parametrize(("how", "dims"), RESIZES)
+def test_resize_kernel(engine, mods, dtype, off, how, dims) -> None:
+    h, w, ho, wo = dims
+    n, c = 2, 6
+    s = Slices(engine, dtype, off)
+    x = s.rng.standard_normal((n, h, w, c)).astype(dtype)
+    how = ResizeMode(how.mode, how.coord, how.nearest, float(np.float32(how.scale_h)), float(np.float32(how.scale_w)))
+    ref = RESIZE.reference(x, ho, wo, how)
+    (px, ldx), (py, ldy) = s.input(x), s.output(ref.shape)
+    args = RESIZE.args(x=px, y=py, N=n, H=h, W=w, C=c, Ho=ho, Wo=wo, how=how, ldx=ldx, ldy=ldy)
+    launch(mods, RESIZE, dtype, RESIZE.launch(dtype, n, ho, wo, c, ldy), args, s)
+    check(f"resize {how}", ref, s.result(), dtype, exact=how.mode == "nearest")
+
+
+# --- the whole engine on a tiny MobileNetV3-like bundle ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mobile_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DUALTRACK_TEST_MOBILE_BUNDLE names a prebuilt bundle (GPU machines carry one: no IREE
+    compiler there; bench/prepare_carry.sh builds it); else it is built here (mobile_net.CONFIG)."""
+    prebuilt = os.environ.get("DUALTRACK_TEST_MOBILE_BUNDLE")
+    if prebuilt:
+        return Path(prebuilt)
+    pytest.importorskip("iree.compiler", reason="building the mobile bundle needs the IREE compiler")
+    from mobile_net import write_mobile_project
+
+    from dualtrack.build import build
+
+    root = tmp_path_factory.mktemp("mobile")
+    build(write_mobile_project(root, ("sm_90a", "sm_80")), root / "out")
+    return root / "out"
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_mobile_bundle_on_the_gpu_matches_onnxruntime(mobile_bundle: Path, graphs: bool, monkeypatch) -> None:
+    monkeypatch.setenv("DUALTRACK_CUDA_GRAPHS", "1" if graphs else "0")
+    with Engine.load(mobile_bundle, "cuda") as e:  # the first load's self-check runs here too
+        e.backend.poison = True  # Track A outputs NaN before each run: every element must be written
+        try:
+            report = verify_engine(e, samples=2, interpret=False)
+        finally:
+            e.backend.poison = False
+        assert report.passed, "\n".join(report.lines())
+        assert any("[kernels]" in c.name for c in report.checks)
+        for batch in (1, 2):
+            x = random_input(e.input_spec, batch, np.random.default_rng())
+            ref = run_ort(ort_session(e.bundle.model), {e.input_spec.name: x})
+            got = e.run(x)
+            for name, want in ref.items():
+                result = compare(name, want, got[name], Tolerance(rel_l2=5e-3, max_abs=5e-3, mismatch=0))
+                assert result.passed, result

@@ -1,0 +1,305 @@
+"""The mobile kernels' numpy references (dwconv, gap, fc, eltwise, resize) on the CPU against
+onnxruntime running a one-node ONNX model of the op they stand for (an independent implementation
+of the ONNX semantics), on odd shapes and fresh random inputs; and their argument lists (the ABI of
+handwritten_ptx/README.md) and launch geometry."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from dualtrack.errors import InputError
+from dualtrack.kernels import KERNELS, Activation, DwConvSpec, DwGeometry, ResizeMode
+from dualtrack.plan import ACTIVATIONS, KernelCall, bits_f32, f32_bits
+
+DW, GAP, FC, ELT, RESIZE = (KERNELS[k] for k in ("dwconv", "gap", "fc", "eltwise", "resize"))
+# fp32: the kernels' and onnxruntime's sums differ in order only; fp16: one rounding of the result
+# (half an ulp, 2^-11 relative) on top of that.
+REL = {"float32": 1e-5, "float16": 2.0**-10}
+
+
+def nchw(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+
+
+def nhwc(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+
+
+def run_onnx(nodes: list, inputs: dict[str, np.ndarray], inits: dict[str, np.ndarray], opset: int = 17) -> np.ndarray:
+    """The output ``y`` of a graph of ``nodes`` (NCHW, float32) run by onnxruntime on the CPU."""
+    graph = helper.make_graph(
+        nodes,
+        "one_op",
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(v.shape)) for k, v in inputs.items()],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(["y"], {k: v.astype(np.float32) for k, v in inputs.items()})[0]
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, dtype: str, scale: np.ndarray | float = 1.0) -> None:
+    """|got - want| <= REL[dtype] * (|want| + scale): ``scale`` bounds what the sums cancelled."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    bound = REL[dtype] * (np.abs(want.astype(np.float64)) + scale)
+    assert (err <= bound).all(), f"max error {err.max():.3g}, worst excess {(err - bound).max():.3g}"
+
+
+ACT_NODES = {  # activation -> (ONNX node building the same thing on input "t", its Activation)
+    "relu": (lambda: helper.make_node("Relu", ["t"], ["y"]), Activation.named("relu")),
+    "relu6": (
+        lambda: helper.make_node("Clip", ["t", "lo", "hi"], ["y"]),
+        Activation.named("clip", 0.0, 6.0),
+    ),
+    "hardsigmoid": (
+        lambda: helper.make_node("HardSigmoid", ["t"], ["y"], alpha=1 / 6),
+        Activation.named("hardsigmoid", float(np.float32(1 / 6)), 0.5),
+    ),
+    "hardswish": (lambda: helper.make_node("HardSwish", ["t"], ["y"]), Activation.named("hardswish")),
+    "sigmoid": (lambda: helper.make_node("Sigmoid", ["t"], ["y"]), Activation.named("sigmoid")),
+}
+CLIP_BOUNDS = {"lo": np.array(0, np.float32), "hi": np.array(6, np.float32)}
+
+
+def with_act(node, act: str | None) -> tuple[list, dict[str, np.ndarray], Activation]:
+    """``node`` (writing "y") followed by the activation ``act``: nodes, extra initializers, epilogue."""
+    if act is None:
+        return [node], {}, Activation()
+    node.output[0] = "t"
+    make, a = ACT_NODES[act]
+    return [node, make()], (CLIP_BOUNDS if act == "relu6" else {}), a
+
+
+# --- dwconv -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize(
+    ("N", "H", "W", "C", "R", "S", "D", "pads", "act"),
+    [
+        (2, 9, 7, 5, 3, 1, 1, (1, 1, 1, 1), "relu"),  # MobileNetV3's 3x3, odd everything
+        (1, 11, 13, 16, 3, 2, 1, (1, 1, 1, 1), "hardswish"),  # stride 2 on odd sizes
+        (2, 10, 9, 7, 5, 2, 1, (2, 2, 2, 2), "relu6"),  # 5x5 stride 2
+        (1, 12, 11, 9, 5, 1, 2, (4, 4, 4, 4), "hardswish"),  # the dilated 5x5 of LR-ASPP's last stages
+        (1, 8, 8, 3, 3, 1, 3, (3, 3, 3, 3), None),  # dilation 3, no activation
+        (1, 7, 10, 4, 3, 2, 1, (0, 1, 1, 0), "sigmoid"),  # asymmetric pads (TF-style SAME export)
+        (3, 5, 6, 33, 5, 3, 1, (1, 0, 2, 3), "hardsigmoid"),  # stride 3, odd pads, C > 32
+    ],
+)
+def test_dwconv_reference_matches_onnxruntime(dtype, N, H, W, C, R, S, D, pads, act) -> None:
+    rng = np.random.default_rng()
+    x = rng.standard_normal((N, H, W, C)).astype(dtype)
+    w = (rng.standard_normal((C, 1, R, R)) / R).astype(dtype)
+    b = rng.standard_normal(C).astype(dtype)
+    conv = helper.make_node(
+        "Conv", ["x", "w", "b"], ["y"], group=C, kernel_shape=[R, R], strides=[S, S], dilations=[D, D],
+        pads=[pads[0], pads[1], pads[2], pads[3]],
+    )  # fmt: skip
+    nodes, extra, a = with_act(conv, act)
+    inits = {"w": w.astype(np.float32), "b": b.astype(np.float32), **extra}
+    want = nhwc(run_onnx(nodes, {"x": nchw(x)}, inits))
+    g = DwGeometry(R, S, D, pads)
+    assert DW.output_shape(N, H, W, C, 0, g) == want.shape
+    wp, bp = DwConvSpec.pack(w, b)
+    got = DW.reference(x, wp, bp, g, a)
+    assert got.dtype == np.dtype(dtype)
+    scale = np.abs(x.astype(np.float64)).max() * np.abs(w.astype(np.float64)).sum(axis=(1, 2, 3)).max() + 1
+    assert_close(got, want, dtype, scale)
+
+
+def test_dwconv_geometry_refuses_what_the_kernel_cannot() -> None:
+    with pytest.raises(InputError, match=r"dwconv takes 3x3 or 5x5 kernels; got 7"):
+        DwGeometry(7)
+    with pytest.raises(InputError, match=r"has no output pixel"):
+        DwGeometry(5, 1, 2, (0, 0, 0, 0)).output_hw(6, 20)
+    with pytest.raises(InputError, match=r"keeps the channels: C=8, K=4"):
+        DW.output_shape(1, 8, 8, 8, 4)
+    with pytest.raises(InputError, match=r"\(C, 1, R, R\)"):
+        DwConvSpec.pack(np.zeros((8, 2, 3, 3), np.float32))
+
+
+def test_dwconv_args_follow_the_abi() -> None:
+    g = DwGeometry(5, 2, 1, (2, 1, 2, 2))
+    args = DW.args(
+        x=0x10, w=0x20, y=0x30, N=2, H=9, W=7, C=5, geometry=g, ldx=8, ldy=6, act=Activation.named("clip", -1, 2)
+    )
+    assert [v for v, _ in args] == [0x10, 0x20, 0, 0x30, 2, 9, 7, 5, 5, 3, 8, 6, 5, 2, 1, 2, 1, 2, -1.0, 2.0]
+    assert [t for _, t in args] == [ctypes.c_void_p] * 4 + [ctypes.c_int32] * 14 + [ctypes.c_float] * 2
+    assert len(args) == len(DW.PARAMS)
+    cfg = DW.launch("float16", 2, 9, 7, 5, 0, g)
+    assert cfg.block == (DW.block_threads, 1, 1) and cfg.grid[0] * cfg.block[0] >= 2 * 5 * 3 * 5
+
+
+# --- gap ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize(("N", "H", "W", "C"), [(2, 9, 7, 5), (1, 33, 31, 72), (3, 1, 1, 40)])
+@pytest.mark.parametrize("op", ["GlobalAveragePool", "ReduceMean"])
+def test_gap_reference_matches_onnxruntime(dtype, N, H, W, C, op) -> None:
+    x = np.random.default_rng().standard_normal((N, H, W, C)).astype(dtype)
+    extra = {"axes": [2, 3], "keepdims": 1} if op == "ReduceMean" else {}
+    want = nhwc(run_onnx([helper.make_node(op, ["x"], ["y"], **extra)], {"x": nchw(x)}, {}))
+    got = GAP.reference(x)
+    assert got.shape == GAP.output_shape(N, H, W, C) == want.shape
+    assert_close(got, want, dtype, np.abs(x.astype(np.float64)).max())
+
+
+def test_gap_args_and_launch() -> None:
+    args = GAP.args(x=1, y=2, N=3, H=4, W=5, C=70, ldy=72)
+    assert [v for v, _ in args] == [1, 2, 3, 4, 5, 70, 70, 72]
+    cfg = GAP.launch("float32", 3, 4, 5, 70)
+    assert cfg.grid == (3, 3, 1) and cfg.block == (GAP.block_threads, 1, 1)
+
+
+# --- fc ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize(
+    ("N", "C", "K", "act"), [(2, 72, 24, "relu"), (3, 24, 72, "hardsigmoid"), (1, 960, 240, "relu"), (2, 5, 3, None)]
+)
+def test_fc_reference_matches_onnxruntime(dtype, N, C, K, act) -> None:
+    rng = np.random.default_rng()
+    x = rng.standard_normal((N, 1, 1, C)).astype(dtype)
+    w = (rng.standard_normal((K, C, 1, 1)) / np.sqrt(C)).astype(dtype)
+    b = rng.standard_normal(K).astype(dtype)
+    nodes, extra, a = with_act(helper.make_node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[1, 1]), act)
+    want = nhwc(run_onnx(nodes, {"x": nchw(x)}, {"w": w.astype(np.float32), "b": b.astype(np.float32), **extra}))
+    got = FC.reference(x, w, b.astype(np.float32), a)
+    assert got.shape == FC.output_shape(N, 1, 1, C, K) == want.shape
+    assert_close(got, want, dtype, np.abs(x.astype(np.float64)).max() * np.abs(w.astype(np.float64)).sum(1).max())
+
+
+def test_fc_takes_only_a_pooled_vector() -> None:
+    with pytest.raises(InputError, match=r"fc takes a pooled \(N, 1, 1, C\) vector; got an 4x4 image"):
+        FC.output_shape(1, 4, 4, 8, 8)
+    args = FC.args(x=1, w=2, y=3, N=2, C=960, K=240, act=Activation.named("hardsigmoid", 0.2, 0.5))
+    assert [v for v, _ in args][4:] == [2, 960, 240, 960, 240, ACTIVATIONS["hardsigmoid"], pytest.approx(0.2), 0.5]
+    assert FC.launch("float16", 2, 1, 1, 960, 240).grid == (2 * 240 // (FC.block_threads // 32), 1, 1)
+
+
+# --- eltwise -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("act", [*ACT_NODES, "clip", "hardsigmoid_default"])
+def test_eltwise_activations_match_onnxruntime(dtype, act) -> None:
+    x = (3 * np.random.default_rng().standard_normal((2, 7, 5, 9))).astype(dtype)
+    if act == "clip":
+        node, inits, a = (
+            helper.make_node("Clip", ["x", "lo", "hi"], ["y"]),
+            {"lo": np.array(-1.5, np.float32), "hi": np.array(0.25, np.float32)},
+            Activation.named("clip", -1.5, 0.25),
+        )
+    elif act == "hardsigmoid_default":  # ONNX's defaults alpha 0.2, beta 0.5 (Keras exports)
+        node, inits, a = helper.make_node("HardSigmoid", ["x"], ["y"]), {}, Activation.named("hardsigmoid", 0.2, 0.5)
+    else:
+        make, a = ACT_NODES[act]
+        node = make()
+        node.input[0] = "x"
+        inits = CLIP_BOUNDS if act == "relu6" else {}
+    want = nhwc(run_onnx([node], {"x": nchw(x)}, inits))
+    got = ELT.reference(x, None, "unary", a)
+    assert_close(got, want, dtype, 0.1)  # 1e-6 absolute: onnxruntime vectorises Sigmoid, HardSwish (about 1e-7 off)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize(("op", "gate"), [("Add", False), ("Mul", False), ("Mul", True), ("Add", True)])
+def test_eltwise_binary_matches_onnxruntime(dtype, op, gate) -> None:
+    rng = np.random.default_rng()
+    a = rng.standard_normal((2, 9, 7, 13)).astype(dtype)
+    b = rng.standard_normal((2, 1, 1, 13) if gate else a.shape).astype(dtype)
+    want = nhwc(run_onnx([helper.make_node(op, ["a", "b"], ["y"])], {"a": nchw(a), "b": nchw(b)}, {}))
+    got = ELT.reference(a, b, op.lower())
+    assert_close(got, want, dtype, 0.1)
+    # fused activation after the op
+    nodes, extra, act = with_act(helper.make_node(op, ["a", "b"], ["y"]), "hardswish")
+    want = nhwc(run_onnx(nodes, {"a": nchw(a), "b": nchw(b)}, extra))
+    assert_close(ELT.reference(a, b, op.lower(), act), want, dtype, 0.1)
+
+
+def test_eltwise_args_and_refusals() -> None:
+    args = ELT.args(a=1, b=2, y=3, N=2, H=3, W=4, C=5, op="mul", bcast=True, ldb=8, act=Activation.named("relu"))
+    assert [v for v, _ in args] == [1, 2, 3, 2, 3, 4, 5, 5, 8, 5, 2, 1, 1, 0.0, 0.0]
+    unary = ELT.args(a=1, y=3, N=1, H=1, W=1, C=1)
+    assert [v for v, _ in unary][1] == 0 and [v for v, _ in unary][10:12] == [0, 0]
+    with pytest.raises(InputError, match=r"b is a null device pointer"):
+        ELT.args(a=1, y=3, N=1, H=1, W=1, C=1, op="add")
+    with pytest.raises(InputError, match=r"eltwise op 'sub' is not one of unary, add, mul"):
+        ELT.args(a=1, b=2, y=3, N=1, H=1, W=1, C=1, op="sub")
+    with pytest.raises(InputError, match=r"takes b of a's shape"):
+        ELT.reference(np.ones((1, 2, 2, 3), np.float32), np.ones((1, 2, 1, 3), np.float32), "add")
+
+
+# --- resize ------------------------------------------------------------------------------------------
+
+RESIZE_CASES = [  # (mode, coord, nearest, H, W, scales or None, sizes or None)
+    ("linear", "half_pixel", "floor", 7, 5, (2.0, 2.0), None),  # torch bilinear, align_corners=False
+    ("linear", "half_pixel", "floor", 9, 11, None, (64, 40)),  # LR-ASPP's head: to a given size
+    ("linear", "pytorch_half_pixel", "floor", 6, 1, (1.5, 3.0), None),  # a 1-wide image
+    ("linear", "pytorch_half_pixel", "floor", 9, 8, None, (1, 3)),  # to 1 row: coordinate 0
+    ("linear", "align_corners", "floor", 7, 5, None, (13, 17)),  # torch align_corners=True
+    ("linear", "align_corners", "floor", 8, 8, (0.5, 0.75), None),  # downsampling
+    ("linear", "asymmetric", "floor", 5, 7, (2.5, 1.7), None),  # fractional scales, floor(in*scale) sizes
+    ("linear", "half_pixel", "floor", 16, 12, (0.37, 0.5), None),
+    ("nearest", "asymmetric", "floor", 7, 5, (2.0, 3.0), None),  # torch nearest
+    ("nearest", "asymmetric", "floor", 9, 10, None, (20, 7)),
+    ("nearest", "half_pixel", "round_prefer_floor", 7, 6, (2.0, 1.5), None),  # ONNX's default nearest
+    ("nearest", "half_pixel", "round_prefer_ceil", 5, 5, None, (11, 9)),
+    ("nearest", "align_corners", "ceil", 6, 9, None, (13, 4)),
+    ("nearest", "pytorch_half_pixel", "floor", 8, 7, (0.5, 2.6), None),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize(("mode", "coord", "nearest", "H", "W", "scales", "sizes"), RESIZE_CASES)
+def test_resize_reference_matches_onnxruntime(dtype, mode, coord, nearest, H, W, scales, sizes) -> None:
+    N, C = 2, 3
+    x = np.random.default_rng().standard_normal((N, H, W, C)).astype(dtype)
+    inits = {"roi": np.zeros(0, np.float32)}
+    if scales is not None:
+        inits["scales"] = np.array([1, 1, *scales], np.float32)
+        ins = ["x", "roi", "scales"]
+    else:
+        inits["scales"] = np.zeros(0, np.float32)
+        inits["sizes"] = np.array([N, C, *sizes], np.int64)
+        ins = ["x", "roi", "scales", "sizes"]
+    node = helper.make_node("Resize", ins, ["y"], mode=mode, coordinate_transformation_mode=coord, nearest_mode=nearest)
+    want = nhwc(run_onnx([node], {"x": nchw(x)}, inits))
+    _, Ho, Wo, _ = want.shape
+    if scales is not None:
+        sh, sw = (float(np.float32(s)) for s in scales)
+    else:
+        sh, sw = (float(np.float32(o) / np.float32(i)) for o, i in ((Ho, H), (Wo, W)))
+    how = ResizeMode(mode, coord, nearest, sh, sw)
+    got = RESIZE.reference(x, Ho, Wo, how)
+    if mode == "nearest":  # a copy: exactly onnxruntime's pick
+        np.testing.assert_array_equal(got, want.astype(dtype))
+    else:
+        assert_close(got, want, dtype, np.abs(x.astype(np.float64)).max())
+
+
+def test_resize_mode_round_trips_through_call_attrs() -> None:
+    how = ResizeMode("nearest", "align_corners", "round_prefer_ceil", 2.5, 0.3)
+    call = KernelCall("resize", ("x",), ("y",), (), (*how.attrs(), ("Ho", 5), ("Wo", 3)))
+    back = ResizeMode.of(call)
+    assert back.mode == how.mode and back.coord == how.coord and back.nearest == how.nearest
+    assert back.scale_h == 2.5 and back.scale_w == float(np.float32(0.3))
+    with pytest.raises(InputError, match=r"resize takes nearest, linear; got 'cubic'"):
+        ResizeMode("cubic")
+    args = RESIZE.args(x=1, y=2, N=1, H=2, W=3, C=4, Ho=5, Wo=3, how=how)
+    assert [t for _, t in args][-2:] == [ctypes.c_float] * 2 and len(args) == len(RESIZE.PARAMS)
+
+
+def test_float_attrs_keep_the_exported_float32() -> None:
+    for v in (1 / 6, 0.2, -np.inf, 6.0, 1e-30):
+        assert bits_f32(f32_bits(v)) == float(np.float32(v))
