@@ -167,18 +167,22 @@ def test_activations_fuse(tmp_path: Path, make, act: str) -> None:
 
 
 def test_clip_other_than_0_6_is_not_fused(tmp_path: Path) -> None:
+    """The conv's epilogue takes Clip(0, 6) only; Clip(-1, 1) runs after it as its own eltwise call."""
     g = Graph(4, 6, 6)
     t = g.conv("a/conv", "x0", 4, 8, 3, 3, pads=[1, 1, 1, 1])
     out = g.op("Clip", "a/clip", [t, g.const("lo", -1.0), g.const("hi", 1.0)])
-    with pytest.raises(PartitionError, match=r"^node 'a/clip' \(Clip, no hand-written kernel\) is on Track A"):
-        plan_of(g.model(out), tmp_path)
+    plan = plan_of(g.model(out), tmp_path)
+    conv, clip = a_calls(plan)
+    assert conv.op in ("conv", "conv3x3") and conv.attr("act") == 0 and conv.attr("relu") == 0
+    assert conv.nodes == ("a/conv",)
+    assert clip.op == "eltwise" and clip.nodes == ("a/clip",)
 
 
 def test_broadcast_add_of_a_constant_is_not_a_residual(tmp_path: Path) -> None:
     g = Graph(4, 6, 6)
     t = g.conv("a/conv", "x0", 4, 8, 3, 3, pads=[1, 1, 1, 1])
     out = g.op("Add", "a/add", [t, g.const("one", 1.0)])
-    with pytest.raises(PartitionError, match=r"^node 'a/add' \(Add, no hand-written kernel\) is on Track A"):
+    with pytest.raises(PartitionError, match=r"^node 'a/add' \(Add, a constant operand\) is on Track A"):
         plan_of(g.model(out), tmp_path)
 
 
@@ -196,21 +200,23 @@ def test_same_upper_auto_pad_and_asymmetric_pads(tmp_path: Path) -> None:
 
 def test_grouped_conv_is_refused_with_the_predicate_reason(tmp_path: Path) -> None:
     g = Graph(8, 6, 6)
-    out = g.conv("a/dw", "x0", 1, 8, 3, 3, pads=[1, 1, 1, 1], group=8)
+    out = g.conv("a/dw", "x0", 4, 8, 3, 3, pads=[1, 1, 1, 1], group=2)  # grouped, not depthwise
     with pytest.raises(
         PartitionError,
-        match=r"^node 'a/dw' \(Conv, group=8: the general conv takes group 1 \(no grouped or depthwise "
+        match=r"^node 'a/dw' \(Conv, group=2: the general conv takes group 1 \(no grouped or depthwise "
         r"convolution\)\) is on Track A, whose kernels cover Conv of group 1",
     ):
         plan_of(g.model(out), tmp_path)
 
 
 def test_residual_add_read_twice_keeps_the_add_out(tmp_path: Path) -> None:
-    """A conv output that something else reads too cannot be fused away: the Add is then a node
-    with no kernel (and is refused, naming itself)."""
+    """A conv output that something else reads too cannot be fused away: the Add then runs as its
+    own eltwise call after the conv, which keeps its output."""
     g = Graph(4, 6, 6)
     t = g.conv("a/conv", "x0", 4, 4, 3, 3, pads=[1, 1, 1, 1])
     add = g.op("Add", "a/add", [t, "x0"])
     out = g.op("Mul", "a/mul", [add, t])
-    with pytest.raises(PartitionError, match=r"^node 'a/add' \(Add, no hand-written kernel\)"):
-        plan_of(g.model(out), tmp_path)
+    plan = plan_of(g.model(out), tmp_path)
+    calls = a_calls(plan)
+    assert [c.nodes for c in calls] == [("a/conv",), ("a/add",), ("a/mul",)]
+    assert [c.op for c in calls][1:] == ["eltwise", "eltwise"]
