@@ -79,7 +79,10 @@ def test_the_resize_kernel_matches_its_reference_into_poisoned_rows(engine) -> N
     be = engine.backend
     rng = np.random.default_rng(7)
     h, w = engine.input_spec.shape[1:3]
-    for src_h, src_w, orientation in ((300, 500, 1), (h, w, 1), (37, 23, 6), (700, 450, 8), (h * 3, w * 2, 3)):
+    # Sources within the kernel's 8x downscale (larger JPEGs take the CPU path, DCT-scaled): sizes
+    # relative to the model input, whatever bundle the test runs on.
+    cases = ((5 * h - 20, 7 * w + 4, 1), (h, w, 1), (37, 23, 6), (7 * h, 5 * w, 8), (h * 3, w * 2, 3))
+    for src_h, src_w, orientation in cases:
         src = rng.integers(0, 256, (src_h, src_w, 3), dtype=np.uint8)
         sbuf = be.pool.alloc(src.nbytes, be.stream)
         upload(be.stream, sbuf, src)
@@ -103,7 +106,8 @@ def test_gpu_decoded_jpegs_match_the_cpu_path_within_the_decoders_difference(eng
     be = engine.backend
     h, w = engine.input_spec.shape[1:3]
     rng = np.random.default_rng(8)
-    cases = [(640, 480, 1), (333, 517, 6), (w, h, 1), (900, 700, 3)]
+    # Pictures the GPU path takes (at most 8x the model input: larger ones are DCT-scaled on the CPU).
+    cases = [(5 * w, 4 * h, 1), (3 * w + 13, 4 * h + 5, 6), (w, h, 1), (7 * w, 5 * h, 3)]
     rows = {}
     for i, (pw, ph, orientation) in enumerate(cases):
         route = imaging.route_jpeg(_jpeg(_photo(rng, pw, ph), orientation), h, w, max_downscale=8)
