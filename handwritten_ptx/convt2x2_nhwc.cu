@@ -24,8 +24,9 @@
 // geometry and the code always agree. Compile with `python -m dualtrack.ptx`.
 //
 // No toolkit #include (see conv3x3_nhwc.cu): fp16 values are raw IEEE bits in `unsigned short`;
-// conversions and tensor-core ops are inline PTX. The GEMM mainloops are those of
-// conv3x3_nhwc.cu with the im2col addressing removed; the helpers are dualtrack_device.cuh's.
+// conversions and tensor-core ops are inline PTX. The fp16 mainloop is conv3x3_nhwc.cu's with the
+// im2col addressing removed; the fp32 GEMM (simt::mainloop) and the helpers are
+// dualtrack_device.cuh's.
 
 #if !defined(CONVT_F16_BM) || !defined(CONVT_F16_BN) || !defined(CONVT_F16_BK) || \
     !defined(CONVT_F16_WARPS_M) || !defined(CONVT_F16_WARPS_N) || !defined(CONVT_F16_STAGES) || \
@@ -286,33 +287,15 @@ convt2x2_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const fl
 }
 
 // ------------------------------------------------------------------------------------------------
-// fp32: CUDA cores, register-tiled SIMT GEMM, k-major shared tiles, register-staged double buffer.
+// fp32: CUDA cores, the register-tiled SIMT GEMM of dualtrack_device.cuh (simt::mainloop); this
+// section brings its loads and the scattering epilogue.
 // ------------------------------------------------------------------------------------------------
 
 namespace f32convt {
 
-enum : int {
-    BM = CONVT_F32_BM,
-    BN = CONVT_F32_BN,
-    BK = CONVT_F32_BK,
-    TM = CONVT_F32_TM,  // outputs per thread along pixels
-    TN = CONVT_F32_TN,  // outputs per thread along channels
-    THREADS = (BM / TM) * (BN / TN),
-    // k-major tiles (As[k][m]) so a thread's TM pixels and TN channels are float4 reads; rows padded
-    // by 4 floats (16-byte alignment kept, fewer bank conflicts in the transposing stores).
-    BMP = BM + 4,
-    BNP = BN + 4,
-    CPR = BK / 4,                // float4 chunks per tile row (vector path)
-    A_VEC = BM * CPR / THREADS,  // chunks per thread
-    B_VEC = BN * CPR / THREADS,
-    A_SCA = BM * BK / THREADS,  // elements per thread (scalar path)
-    B_SCA = BN * BK / THREADS,
-};
+typedef simt::Tiles<CONVT_F32_BM, CONVT_F32_BN, CONVT_F32_BK, CONVT_F32_TM, CONVT_F32_TN> T;
 
-static_assert(TM % 4 == 0 && TN % 4 == 0 && BK % 4 == 0, "float4 fragments");
-static_assert(THREADS % CPR == 0 && (BM * CPR) % THREADS == 0 && (BN * CPR) % THREADS == 0, "vector loads");
-static_assert(THREADS % BK == 0 && (BM * BK) % THREADS == 0 && (BN * BK) % THREADS == 0, "scalar loads");
-static_assert(2 * BK * (BMP + BNP) * 4 <= 48 * 1024, "static shared memory is capped at 48 KiB");
+static_assert(T::SMEM_BYTES <= 48 * 1024, "static shared memory is capped at 48 KiB");
 
 struct Problem {
     const float* x;
@@ -320,168 +303,93 @@ struct Problem {
     int C, NG, ldx, M;  // NG = 4K GEMM columns
 };
 
-// Staging registers: one k-tile of A and B on its way from global to shared memory.
-struct Stage {
-    float a[A_SCA > 4 * A_VEC ? A_SCA : 4 * A_VEC];
-    float b[B_SCA > 4 * B_VEC ? B_SCA : 4 * B_VEC];
-};
-
 template <bool VEC>
-__device__ __forceinline__ void load_tile(const Problem& p, Stage& st, int kt, int m0, int n0) {
+__device__ __forceinline__ void load_tile(const Problem& p, simt::Stage<T>& st, int kt, int m0, int n0) {
     if constexpr (VEC) {
-        const int c = kt * BK + (threadIdx.x % CPR) * 4;
+        const int c = kt * T::BK + (threadIdx.x % T::CPR) * 4;
         const bool c_ok = c < p.C;  // C % 4 == 0: a float4 is wholly inside or outside
 #pragma unroll
-        for (int i = 0; i < A_VEC; ++i) {
-            const int m = m0 + threadIdx.x / CPR + i * (THREADS / CPR);
+        for (int i = 0; i < T::A_VEC; ++i) {
+            const int m = m0 + threadIdx.x / T::CPR + i * (T::THREADS / T::CPR);
             float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
             if (c_ok && m < p.M) v = *reinterpret_cast<const float4*>(p.x + (static_cast<long long>(m) * p.ldx + c));
-            st.a[4 * i] = v.x;
-            st.a[4 * i + 1] = v.y;
-            st.a[4 * i + 2] = v.z;
-            st.a[4 * i + 3] = v.w;
+            simt::put4(st.a, 4 * i, v);
         }
 #pragma unroll
-        for (int i = 0; i < B_VEC; ++i) {
-            const int k = n0 + threadIdx.x / CPR + i * (THREADS / CPR);
+        for (int i = 0; i < T::B_VEC; ++i) {
+            const int k = n0 + threadIdx.x / T::CPR + i * (T::THREADS / T::CPR);
             float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
             if (c_ok && k < p.NG) v = *reinterpret_cast<const float4*>(p.w + (static_cast<long long>(k) * p.C + c));
-            st.b[4 * i] = v.x;
-            st.b[4 * i + 1] = v.y;
-            st.b[4 * i + 2] = v.z;
-            st.b[4 * i + 3] = v.w;
+            simt::put4(st.b, 4 * i, v);
         }
     } else {
-        const int c = kt * BK + threadIdx.x % BK;
+        const int c = kt * T::BK + threadIdx.x % T::BK;
         const bool c_ok = c < p.C;
 #pragma unroll
-        for (int i = 0; i < A_SCA; ++i) {
-            const int m = m0 + threadIdx.x / BK + i * (THREADS / BK);
+        for (int i = 0; i < T::A_SCA; ++i) {
+            const int m = m0 + threadIdx.x / T::BK + i * (T::THREADS / T::BK);
             st.a[i] = (c_ok && m < p.M) ? p.x[static_cast<long long>(m) * p.ldx + c] : 0.f;
         }
 #pragma unroll
-        for (int i = 0; i < B_SCA; ++i) {
-            const int k = n0 + threadIdx.x / BK + i * (THREADS / BK);
+        for (int i = 0; i < T::B_SCA; ++i) {
+            const int k = n0 + threadIdx.x / T::BK + i * (T::THREADS / T::BK);
             st.b[i] = (c_ok && k < p.NG) ? p.w[static_cast<long long>(k) * p.C + c] : 0.f;
         }
     }
 }
 
-// Transposing store of the staged tile into As[k][m], Bs[k][n] (same element mapping as load_tile).
+// The GEMM over the C input channels, BK of them a k-tile.
 template <bool VEC>
-__device__ __forceinline__ void store_tile(const Stage& st, float* As, float* Bs) {
-    if constexpr (VEC) {
-        const int c4 = (threadIdx.x % CPR) * 4;
-#pragma unroll
-        for (int i = 0; i < A_VEC; ++i) {
-            const int row = threadIdx.x / CPR + i * (THREADS / CPR);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) As[(c4 + e) * BMP + row] = st.a[4 * i + e];
-        }
-#pragma unroll
-        for (int i = 0; i < B_VEC; ++i) {
-            const int row = threadIdx.x / CPR + i * (THREADS / CPR);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) Bs[(c4 + e) * BNP + row] = st.b[4 * i + e];
-        }
-    } else {
-        const int j = threadIdx.x % BK;
-#pragma unroll
-        for (int i = 0; i < A_SCA; ++i) As[j * BMP + threadIdx.x / BK + i * (THREADS / BK)] = st.a[i];
-#pragma unroll
-        for (int i = 0; i < B_SCA; ++i) Bs[j * BNP + threadIdx.x / BK + i * (THREADS / BK)] = st.b[i];
-    }
-}
-
-template <bool VEC>
-__device__ __forceinline__ void mainloop(const Problem& p, float* As, float* Bs, float (&acc)[TM][TN], int m0,
+__device__ __forceinline__ void mainloop(const Problem& p, float* As, float* Bs, float (&acc)[T::TM][T::TN], int m0,
                                          int n0, int tm0, int tn0) {
-    const int num_kt = (p.C + BK - 1) / BK;
-    Stage st;
-    load_tile<VEC>(p, st, 0, m0, n0);
-    store_tile<VEC>(st, As, Bs);
-    __syncthreads();
-    for (int kt = 0; kt < num_kt; ++kt) {
-        const int buf = kt & 1;
-        const bool more = kt + 1 < num_kt;
-        // The next tile's global loads are in flight while this tile is multiplied.
-        if (more) load_tile<VEC>(p, st, kt + 1, m0, n0);
-        const float* A = As + buf * BK * BMP;
-        const float* B = Bs + buf * BK * BNP;
-#pragma unroll
-        for (int k = 0; k < BK; ++k) {
-            float a[TM], b[TN];
-#pragma unroll
-            for (int i = 0; i < TM; i += 4) {
-                const float4 v = lds128(A + k * BMP + tm0 + i);
-                a[i] = v.x;
-                a[i + 1] = v.y;
-                a[i + 2] = v.z;
-                a[i + 3] = v.w;
-            }
-#pragma unroll
-            for (int j = 0; j < TN; j += 4) {
-                const float4 v = lds128(B + k * BNP + tn0 + j);
-                b[j] = v.x;
-                b[j + 1] = v.y;
-                b[j + 2] = v.z;
-                b[j + 3] = v.w;
-            }
-#pragma unroll
-            for (int i = 0; i < TM; ++i)
-#pragma unroll
-                for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
-        }
-        // The other buffer was last read in iteration kt-1, which every thread has left (barrier
-        // at its end), so it can be overwritten without a second barrier.
-        if (more) store_tile<VEC>(st, As + (buf ^ 1) * BK * BMP, Bs + (buf ^ 1) * BK * BNP);
-        __syncthreads();
-    }
+    const int num_kt = (p.C + T::BK - 1) / T::BK;
+    const auto load = [&](simt::Stage<T>& st, int kt) { load_tile<VEC>(p, st, kt, m0, n0); };
+    simt::mainloop<T, VEC>(load, num_kt, As, Bs, acc, tm0, tn0);
 }
 
 }  // namespace f32convt
 
-extern "C" __global__ void __launch_bounds__(f32convt::THREADS)
+extern "C" __global__ void __launch_bounds__(f32convt::T::THREADS)
 convt2x2_nhwc_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
                   float* __restrict__ y, int N, int H, int W, int C, int K, int ldx, int ldy) {
-    using namespace f32convt;
-    __shared__ __align__(16) float As[2 * BK * BMP];
-    __shared__ __align__(16) float Bs[2 * BK * BNP];
+    using f32convt::T;
+    __shared__ __align__(16) float As[2 * T::BK * T::BMP];
+    __shared__ __align__(16) float Bs[2 * T::BK * T::BNP];
 
     const int M = N * H * W;
     const int NG = 4 * K;
     int m0, n0;
-    block_tile(BM, BN, NG, &m0, &n0);
-    const int tm0 = (threadIdx.x / (BN / TN)) * TM;  // this thread's pixels: m0+tm0 .. +TM-1
-    const int tn0 = (threadIdx.x % (BN / TN)) * TN;  // this thread's columns: n0+tn0 .. +TN-1
-    const Problem p{x, w, C, NG, ldx, M};
+    block_tile(T::BM, T::BN, NG, &m0, &n0);
+    const int tm0 = (threadIdx.x / (T::BN / T::TN)) * T::TM;  // this thread's pixels: m0+tm0 .. +TM-1
+    const int tn0 = (threadIdx.x % (T::BN / T::TN)) * T::TN;  // this thread's columns: n0+tn0 .. +TN-1
+    const f32convt::Problem p{x, w, C, NG, ldx, M};
 
-    float acc[TM][TN];
+    float acc[T::TM][T::TN];
 #pragma unroll
-    for (int i = 0; i < TM; ++i)
+    for (int i = 0; i < T::TM; ++i)
 #pragma unroll
-        for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
+        for (int j = 0; j < T::TN; ++j) acc[i][j] = 0.f;
 
     // With C % 4 == 0, every row of w is 16-byte aligned if w is.
     if (C % 4 == 0 && ldx % 4 == 0 && aligned16(x) && aligned16(w))
-        mainloop<true>(p, As, Bs, acc, m0, n0, tm0, tn0);
+        f32convt::mainloop<true>(p, As, Bs, acc, m0, n0, tm0, tn0);
     else
-        mainloop<false>(p, As, Bs, acc, m0, n0, tm0, tn0);
+        f32convt::mainloop<false>(p, As, Bs, acc, m0, n0, tm0, tn0);
 
-    float bv[TN];
+    float bv[T::TN];
 #pragma unroll
-    for (int j = 0; j < TN; ++j) {
+    for (int j = 0; j < T::TN; ++j) {
         const int n = n0 + tn0 + j;
         bv[j] = (bias != nullptr && n < NG) ? bias[n % K] : 0.f;
     }
     // 4 columns stay within one tap when K % 4 == 0: one 16-byte store where allowed.
     const bool vec_out = K % 4 == 0 && ldy % 4 == 0 && aligned16(y);
 #pragma unroll
-    for (int i = 0; i < TM; ++i) {
+    for (int i = 0; i < T::TM; ++i) {
         const int m = m0 + tm0 + i;
         if (m >= M) break;
 #pragma unroll
-        for (int j = 0; j < TN; j += 4) {
+        for (int j = 0; j < T::TN; j += 4) {
             const int n = n0 + tn0 + j;
             float v[4];
 #pragma unroll

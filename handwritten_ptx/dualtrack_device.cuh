@@ -67,3 +67,124 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+// ------------------------------------------------------------------------------------------------
+// The fp32 kernels' GEMM (conv3x3_nhwc_f32, convt2x2_nhwc_f32): CUDA cores, register-tiled SIMT,
+// k-major shared tiles, register-staged double buffer. A block computes BM x BN outputs, a thread
+// TM x TN of them; k-tiles are BK deep. A kernel brings only how one k-tile is read from global
+// memory (its `load`, into a Stage) and its epilogue.
+// ------------------------------------------------------------------------------------------------
+
+namespace simt {
+
+// The compile-time sizes as enumerators (namespace-scope constexpr variables become .global
+// symbols in the PTX).
+template <int BM_, int BN_, int BK_, int TM_, int TN_>
+struct Tiles {
+    enum : int {
+        BM = BM_,
+        BN = BN_,
+        BK = BK_,
+        TM = TM_,  // outputs per thread along pixels
+        TN = TN_,  // outputs per thread along channels
+        THREADS = (BM / TM) * (BN / TN),
+        // k-major tiles (As[k][m]) so a thread's TM pixels and TN channels are float4 reads; rows
+        // padded by 4 floats, which keeps 16-byte alignment and halves the bank conflicts of the
+        // transposing stores.
+        BMP = BM + 4,
+        BNP = BN + 4,
+        CPR = BK / 4,                // float4 chunks per tile row (vector path)
+        A_VEC = BM * CPR / THREADS,  // chunks per thread
+        B_VEC = BN * CPR / THREADS,
+        A_SCA = BM * BK / THREADS,  // elements per thread (scalar path)
+        B_SCA = BN * BK / THREADS,
+        SMEM_BYTES = 2 * BK * (BMP + BNP) * 4,  // the two buffers of As and Bs
+    };
+    static_assert(TM % 4 == 0 && TN % 4 == 0 && BK % 4 == 0, "float4 fragments");
+    static_assert(THREADS % CPR == 0 && (BM * CPR) % THREADS == 0 && (BN * CPR) % THREADS == 0, "vector loads");
+    static_assert(THREADS % BK == 0 && (BM * BK) % THREADS == 0 && (BN * BK) % THREADS == 0, "scalar loads");
+};
+
+// Staging registers: one k-tile of A and B on its way from global to shared memory. The vector
+// path fills a[4*i .. 4*i+3] with chunk i, the scalar path a[i] with element i.
+template <class T>
+struct Stage {
+    float a[T::A_SCA > 4 * T::A_VEC ? T::A_SCA : 4 * T::A_VEC];
+    float b[T::B_SCA > 4 * T::B_VEC ? T::B_SCA : 4 * T::B_VEC];
+};
+
+// dst[at .. at+3] = v: a float4 into a register array (staged tile, fragments).
+template <int N>
+__device__ __forceinline__ void put4(float (&dst)[N], int at, const float4 v) {
+    dst[at] = v.x;
+    dst[at + 1] = v.y;
+    dst[at + 2] = v.z;
+    dst[at + 3] = v.w;
+}
+
+// Transposing store of the staged tile into As[k][m], Bs[k][n] (the element mapping of the loads:
+// vector chunk i of a thread is row threadIdx.x / CPR + i * (THREADS / CPR), channels
+// (threadIdx.x % CPR) * 4 ..; scalar element i is row threadIdx.x / BK + i * (THREADS / BK),
+// column threadIdx.x % BK).
+template <class T, bool VEC>
+__device__ __forceinline__ void store_tile(const Stage<T>& st, float* As, float* Bs) {
+    if constexpr (VEC) {
+        const int c4 = (threadIdx.x % T::CPR) * 4;
+#pragma unroll
+        for (int i = 0; i < T::A_VEC; ++i) {
+            const int row = threadIdx.x / T::CPR + i * (T::THREADS / T::CPR);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) As[(c4 + e) * T::BMP + row] = st.a[4 * i + e];
+        }
+#pragma unroll
+        for (int i = 0; i < T::B_VEC; ++i) {
+            const int row = threadIdx.x / T::CPR + i * (T::THREADS / T::CPR);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) Bs[(c4 + e) * T::BNP + row] = st.b[4 * i + e];
+        }
+    } else {
+        const int j = threadIdx.x % T::BK;
+#pragma unroll
+        for (int i = 0; i < T::A_SCA; ++i) As[j * T::BMP + threadIdx.x / T::BK + i * (T::THREADS / T::BK)] = st.a[i];
+#pragma unroll
+        for (int i = 0; i < T::B_SCA; ++i) Bs[j * T::BNP + threadIdx.x / T::BK + i * (T::THREADS / T::BK)] = st.b[i];
+    }
+}
+
+// acc += A * B over num_kt k-tiles; `load(st, kt)` reads k-tile kt into the staging registers
+// (VEC: float4 chunks, else elements), As and Bs hold two k-tiles each. The thread's outputs are
+// pixels tm0 .. tm0+TM-1 and channels tn0 .. tn0+TN-1 of the block's tile.
+template <class T, bool VEC, class Load>
+__device__ __forceinline__ void mainloop(const Load& load, int num_kt, float* As, float* Bs,
+                                         float (&acc)[T::TM][T::TN], int tm0, int tn0) {
+    Stage<T> st;
+    load(st, 0);
+    store_tile<T, VEC>(st, As, Bs);
+    __syncthreads();
+    for (int kt = 0; kt < num_kt; ++kt) {
+        const int buf = kt & 1;
+        const bool more = kt + 1 < num_kt;
+        // The next tile's global loads are in flight while this tile is multiplied.
+        if (more) load(st, kt + 1);
+        const float* A = As + buf * T::BK * T::BMP;
+        const float* B = Bs + buf * T::BK * T::BNP;
+#pragma unroll
+        for (int k = 0; k < T::BK; ++k) {
+            float a[T::TM], b[T::TN];
+#pragma unroll
+            for (int i = 0; i < T::TM; i += 4) put4(a, i, lds128(A + k * T::BMP + tm0 + i));
+#pragma unroll
+            for (int j = 0; j < T::TN; j += 4) put4(b, j, lds128(B + k * T::BNP + tn0 + j));
+#pragma unroll
+            for (int i = 0; i < T::TM; ++i)
+#pragma unroll
+                for (int j = 0; j < T::TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        // The other buffer was last read in iteration kt-1, which every thread has left (barrier
+        // at its end), so it can be overwritten without a second barrier.
+        if (more) store_tile<T, VEC>(st, As + (buf ^ 1) * T::BK * T::BMP, Bs + (buf ^ 1) * T::BK * T::BNP);
+        __syncthreads();
+    }
+}
+
+}  // namespace simt
