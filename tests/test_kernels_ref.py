@@ -17,6 +17,7 @@ from dualtrack.kernels import (
     SMALL_C_K_MAX,
     SMALL_C_MAX,
     Conv3x3Spec,
+    ConvProblem,
     ConvT2x2Spec,
     MaxPool2x2Spec,
     choose_conv3x3,
@@ -285,17 +286,17 @@ def test_choose_conv3x3_puts_the_small_c_entry_before_tuned_tiles() -> None:
     tuned = "conv3x3_nhwc_f16_t64x32x32_w2x2_s4_b4"  # h200.json's enc1/conv1 at N=8, say
     for wgmma_off in (None, "DUALTRACK_WGMMA=0"):
         for C in (1, 3, 4):
-            choice = choose_conv3x3("float16", 8, 512, 512, C, 32, C, 32, wgmma_off=wgmma_off, tuned=tuned)
+            choice = choose_conv3x3(ConvProblem.dense(8, 512, 512, C, 32), wgmma_off=wgmma_off, tuned=tuned)
             assert (choice.impl, choice.entry) == ("direct", CONV.smallc_entry)
             assert choice.reason.startswith(f"C={C} <= 4: small-C direct conv; tuned f16_t64x32x32_w2x2_s4_b4 not used")
-        plain = choose_conv3x3("float16", 1, 512, 512, 3, 32, wgmma_off=wgmma_off)
+        plain = choose_conv3x3(ConvProblem.dense(1, 512, 512, 3, 32), wgmma_off=wgmma_off)
         assert (plain.impl, plain.entry) == ("direct", CONV.smallc_entry) and "not used" not in plain.reason
     # Past the bounds, or fp32: the tuned entry, else the heuristic's, as before.
-    five = choose_conv3x3("float16", 1, 64, 64, 5, 32, wgmma_off="off", tuned=tuned)
+    five = choose_conv3x3(ConvProblem.dense(1, 64, 64, 5, 32), wgmma_off="off", tuned=tuned)
     assert (five.impl, five.entry) == ("mma.sync", tuned)
-    wide = choose_conv3x3("float16", 1, 64, 64, 3, 256, wgmma_off="off")
+    wide = choose_conv3x3(ConvProblem.dense(1, 64, 64, 3, 256), wgmma_off="off")
     assert (wide.impl, wide.entry) == ("mma.sync", CONV.variant("float16", 1, 64, 64, 3, 256))
-    fp32 = choose_conv3x3("float32", 1, 64, 64, 3, 32, wgmma_off=None)
+    fp32 = choose_conv3x3(ConvProblem.dense(1, 64, 64, 3, 32, "float32"), wgmma_off=None)
     assert (fp32.impl, fp32.entry) == ("simt", "conv3x3_nhwc_f32")
 
 

@@ -21,6 +21,7 @@ import pytest
 from dualtrack import kernels
 from dualtrack.bundle import Bundle
 from dualtrack.config import Tolerance
+from dualtrack.kernels import ConvProblem
 from dualtrack.kernels.conv3x3_wgmma import input_map, weight_map
 from dualtrack.ptx import SOURCE_DIR, ptx_path
 from dualtrack.runtime import tma
@@ -101,7 +102,7 @@ def _run(
     db = be.from_host(b) if b is not None else None
     status = be.from_host(np.zeros(8, np.int32))
     x_ptr, y_ptr = dx.ptr + 2 * x_off, dy.ptr + 2 * y_off
-    assert WG.supported("float16", n, h, w, c, k, ldx, ldy, x=x_ptr, w=dw.ptr, y=y_ptr) is None
+    assert WG.supported(ConvProblem(n, h, w, c, k, ldx, ldy), x=x_ptr, w=dw.ptr, y=y_ptr) is None
     cfg = WG.config(entry)
     tmx = tma.encode(input_map(cfg, x_ptr, n, h, w, c, ldx))
     tmw = tma.encode(weight_map(cfg, dw.ptr, k, c))

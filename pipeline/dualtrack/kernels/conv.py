@@ -7,7 +7,7 @@
   kernels, and their ``-D`` macros under a source's prefix (``CONV_F16_BM``, ``CONVT_F32_TN``...).
 - :func:`pack_conv_weights`: ONNX conv weights -> KRSC and an fp32 bias.
 - :func:`conv3x3_reference`: the conv3x3 op's numpy semantics, which its two kernels
-  (conv3x3_nhwc and the Hopper conv3x3_wgmma) both compute.
+  (conv3x3_nhwc and the Hopper conv3x3_wgmma) both compute (their specs' :class:`Conv3x3Reference`).
 """
 
 from __future__ import annotations
@@ -96,6 +96,16 @@ def conv3x3_reference(
     if relu:
         np.maximum(out, 0.0, out=out)
     return out.astype(x.dtype)
+
+
+class Conv3x3Reference:
+    """The conv3x3 op's numpy semantics (:func:`conv3x3_reference`) as a spec's :meth:`reference`:
+    the op's two kernels, conv3x3_nhwc and the Hopper conv3x3_wgmma, compute the same thing."""
+
+    def reference(
+        self, x: np.ndarray, w: np.ndarray | None = None, bias: np.ndarray | None = None, relu: bool = False
+    ) -> np.ndarray:
+        return conv3x3_reference(x, w, bias, relu)
 
 
 @dataclass(frozen=True, kw_only=True)  # keyword-only: a kernel spec's op and stem come first

@@ -22,8 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
-
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import (
     INT32_MAX,
@@ -40,7 +38,8 @@ from dualtrack.kernels.base import (
     positive,
     stride,
 )
-from dualtrack.kernels.conv import conv3x3_reference
+from dualtrack.kernels.conv import Conv3x3Reference
+from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.tensormap import DIM_LIMIT, STRIDE_LIMIT, TiledMap
 
 if TYPE_CHECKING:  # annotations only: select.py's policy makes the choice this kernel runs
@@ -212,7 +211,7 @@ def weight_map(cfg: WgmmaConfig, w: int, K: int, C: int) -> TiledMap:
 
 
 @dataclass(frozen=True)
-class Conv3x3WgmmaSpec(KernelSpec):
+class Conv3x3WgmmaSpec(Conv3x3Reference, KernelSpec):
     """The conv3x3 op (same semantics as :class:`Conv3x3Spec`, fp16 only) on Hopper: the input and
     weight tiles come by TMA (``cp.async.bulk.tensor`` into an mbarrier pipeline; the tensor map's
     zero fill outside the image is the padding), the products by ``wgmma.mma_async`` from shared
@@ -274,43 +273,30 @@ class Conv3x3WgmmaSpec(KernelSpec):
         positive(N=N, H=H, W=W, C=C, K=K)
         return (N, H, W, K)
 
-    def supported(
-        self,
-        dtype: Any,
-        N: int,
-        H: int,
-        W: int,
-        C: int,
-        K: int,
-        ldx: int | None = None,
-        ldy: int | None = None,
-        *,
-        x: int = 0,
-        w: int = 0,
-        y: int = 0,
-    ) -> str | None:
-        """None when this kernel can run the launch, else why not (the caller keeps the mma.sync kernel).
+    def supported(self, p: ConvProblem, *, x: int = 0, w: int = 0, y: int = 0) -> str | None:
+        """None when this kernel can run launch ``p``, else why not (the caller keeps the mma.sync kernel).
 
         TMA needs 16-byte multiples for the weight rows (9C halves) and the pixel stride ``ldx``,
         and 16-byte aligned ``x`` and ``w``; the epilogue's 16-byte stores need ``ldy % 8 == 0`` and
         an aligned ``y``. Pointers default to 0 (aligned): the plan's shapes alone can be checked.
         """
-        if dtype_name(dtype) != "float16":
-            return f"{dtype_name(dtype)}: the wgmma kernel is fp16 only"
+        if dtype_name(p.dtype) != "float16":
+            return f"{dtype_name(p.dtype)}: the wgmma kernel is fp16 only"
+        N, H, W, C, K = p.N, p.H, p.W, p.C, p.K
         positive(N=N, H=H, W=W, C=C, K=K)
-        ldx_, ldy_ = stride("ldx", ldx, C), stride("ldy", ldy, K)
+        ldx, ldy = stride("ldx", p.ldx, C), stride("ldy", p.ldy, K)
         if C % 8:
             return f"C={C}: TMA needs 16-byte weight rows (C % 8 == 0)"
-        if ldx_ % 8:
-            return f"ldx={ldx_}: TMA needs a 16-byte pixel stride (ldx % 8 == 0)"
-        if ldy_ % 8:
-            return f"ldy={ldy_}: the epilogue's 16-byte stores need ldy % 8 == 0"
-        for name, p in (("x", x), ("w", w), ("y", y)):
-            if int(p) % 16:
-                return f"{name}={int(p):#x} is not 16-byte aligned"
-        if N * H * W > INT32_MAX or max(ldx_, ldy_) > INT32_MAX:
+        if ldx % 8:
+            return f"ldx={ldx}: TMA needs a 16-byte pixel stride (ldx % 8 == 0)"
+        if ldy % 8:
+            return f"ldy={ldy}: the epilogue's 16-byte stores need ldy % 8 == 0"
+        for name, ptr in (("x", x), ("w", w), ("y", y)):
+            if int(ptr) % 16:
+                return f"{name}={int(ptr):#x} is not 16-byte aligned"
+        if N * H * W > INT32_MAX or max(ldx, ldy) > INT32_MAX:
             return f"N*H*W = {N * H * W} pixels or a channel stride exceed 2^31-1"
-        if max(N, H, W, 9 * C, K) >= DIM_LIMIT or N * H * W * ldx_ * 2 >= STRIDE_LIMIT:
+        if max(N, H, W, 9 * C, K) >= DIM_LIMIT or N * H * W * ldx * 2 >= STRIDE_LIMIT:
             return "the input is too large for a tensor map (dims < 2^32, byte strides < 2^40)"
         return None
 
@@ -397,12 +383,6 @@ class Conv3x3WgmmaSpec(KernelSpec):
             *((int(v), ctypes.c_int32) for v in (N, H, W, C, K, ldy_, 1 if relu else 0, cfg.tw_log2(W))),
             (pointer("status", status, required=False), ctypes.c_void_p),
         ]
-
-    def reference(
-        self, x: np.ndarray, w: np.ndarray | None = None, bias: np.ndarray | None = None, relu: bool = False
-    ) -> np.ndarray:
-        """The conv3x3 op's numpy semantics (:func:`~dualtrack.kernels.conv.conv3x3_reference`)."""
-        return conv3x3_reference(x, w, bias, relu)
 
     def prepare_entry(
         self,
