@@ -302,7 +302,8 @@ def test_kernel_args_pass_the_tensor_maps_by_value() -> None:
     entry = "conv3x3_wgmma_bn128_mt1_wg1_bk64"
     tmx, tmw = cu.CUtensorMap(), cu.CUtensorMap()
     tmx.opaque = [cu.cuuint64_t(0x1111_0000 + i) for i in range(16)]
-    args = WG.args(tmx=tmx, tmw=tmw, bias=0x7F00, y=Y, N=2, H=9, W=13, C=64, K=200, ldy=208, relu=True, entry=entry)
+    p = ConvProblem(2, 9, 13, 64, 200, ldx=64, ldy=208)
+    args = WG.args(p, tmx=tmx, tmw=tmw, bias=0x7F00, y=Y, relu=True, entry=entry)
     values, types = zip(*args, strict=True)
     assert types == (None, None, ctypes.c_void_p, ctypes.c_void_p, *(ctypes.c_int32,) * 8, ctypes.c_void_p)
     assert values[2:] == (0x7F00, Y, 2, 9, 13, 64, 200, 208, 1, 4, 0)  # tw_log2: 16 columns for W=13; status null
@@ -314,7 +315,7 @@ def test_kernel_args_pass_the_tensor_maps_by_value() -> None:
     assert ctypes.string_at(slots[0], 128) == b"".join((0x1111_0000 + i).to_bytes(8, "little") for i in range(16))
     assert ctypes.c_int32.from_address(slots[11]).value == 4
     with pytest.raises(InputError, match="tmx must be a CUtensorMap"):
-        WG.args(tmx=X, tmw=tmw, y=Y, N=1, H=1, W=1, C=8, K=8, entry=entry)
+        WG.args(ConvProblem.dense(1, 1, 1, 8, 8), tmx=X, tmw=tmw, y=Y, entry=entry)
     with pytest.raises(TypeError, match=r"a by-value struct must be a cuda\.bindings struct"):
         kernel_params([(X, None)])
 

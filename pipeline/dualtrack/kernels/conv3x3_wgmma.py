@@ -346,41 +346,37 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, KernelSpec):
 
     def args(
         self,
+        p: ConvProblem,
         *,
         tmx: Any,
         tmw: Any,
         y: int,
-        N: int,
-        H: int,
-        W: int,
-        C: int,
-        K: int,
         entry: str,
         bias: int | None = None,
-        ldy: int | None = None,
         relu: bool = False,
         status: int | None = None,
-        **_: Any,
     ) -> list[KernelArg]:
-        """``tmx, tmw, bias, y, N, H, W, C, K, ldy, relu, tw_log2, status`` as (value, type) pairs.
+        """``tmx, tmw, bias, y, N, H, W, C, K, ldy, relu, tw_log2, status`` of launch ``p`` as (value,
+        type) pairs.
 
         ``tmx``/``tmw`` are the input's and the weights' tensor maps (``runtime/tma.py``), passed by
-        value; ``entry`` fixes ``tw_log2`` (the tile shape the maps were made for); ``status``: an
-        int[8] device buffer for the watchdog's report, or None (a stuck wait then traps).
+        value in place of ``x``, ``w`` and ``ldx``; ``entry`` fixes ``tw_log2`` (the tile shape the
+        maps were made for); ``status``: an int[8] device buffer for the watchdog's report, or None
+        (a stuck wait then traps).
         """
-        positive(N=N, H=H, W=W, C=C, K=K)
-        ldy_ = stride("ldy", ldy, K)
-        pixels(N, H, W, ldy_)
+        positive(N=p.N, H=p.H, W=p.W, C=p.C, K=p.K)
+        ldy = stride("ldy", p.ldy, p.K)
+        pixels(p.N, p.H, p.W, ldy)
         for name, m in (("tmx", tmx), ("tmw", tmw)):
             if not callable(getattr(m, "getPtr", None)):
                 raise InputError(f"{name} must be a CUtensorMap (runtime/tma.py encode()), not {type(m).__name__}")
-        cfg = self.config(entry)
+        ints = (p.N, p.H, p.W, p.C, p.K, ldy, 1 if relu else 0, self.config(entry).tw_log2(p.W))
         return [
             (tmx, None),
             (tmw, None),
             (pointer("bias", bias, required=False), ctypes.c_void_p),
             (pointer("y", y), ctypes.c_void_p),
-            *((int(v), ctypes.c_int32) for v in (N, H, W, C, K, ldy_, 1 if relu else 0, cfg.tw_log2(W))),
+            *((int(v), ctypes.c_int32) for v in ints),
             (pointer("status", status, required=False), ctypes.c_void_p),
         ]
 
@@ -396,15 +392,11 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, KernelSpec):
         """The launch of the entry ``choice`` names on these tensors (the conv3x3 op's spec hands
         it over where its policy picks this kernel): the input's and the weights' tensor maps,
         encoded by the runtime for these very buffers, then the geometry and arguments."""
-        n, h, w, c = x.shape
-        k = y.shape[3]
+        p = ConvProblem.of(x, y)
         cfg = self.config(choice.entry)
-        wt = weights[0]
-        tmx = ctx.tensor_map(input_map(cfg, x.ptr, n, h, w, c, x.channel_stride))
-        tmw = ctx.tensor_map(weight_map(cfg, wt.ptr, k, c))
+        tmx = ctx.tensor_map(input_map(cfg, x.ptr, p.N, p.H, p.W, p.C, p.ldx))
+        tmw = ctx.tensor_map(weight_map(cfg, weights[0].ptr, p.K, p.C))
         bias = weights[1].ptr if len(weights) > 1 else None
-        args = self.args(
-            tmx=tmx, tmw=tmw, bias=bias, y=y.ptr, N=n, H=h, W=w, C=c, K=k, ldy=y.channel_stride,
-            relu=relu, entry=choice.entry,
-        )  # fmt: skip
-        return PreparedCall(choice.entry, self.launch(x.dtype, n, h, w, c, k, entry=choice.entry), args, choice)
+        args = self.args(p, tmx=tmx, tmw=tmw, y=y.ptr, entry=choice.entry, bias=bias, relu=relu)
+        config = self.launch(p.dtype, p.N, p.H, p.W, p.C, p.K, entry=choice.entry)
+        return PreparedCall(choice.entry, config, args, choice)
