@@ -26,8 +26,10 @@ from dualtrack.kernels import (
     pack_conv_weights,
     pack_convt_weights,
 )
+from dualtrack.plan import KernelCall
 from dualtrack.ptx import SOURCE_DIR
 from dualtrack.runtime.driver import kernel_params
+from dualtrack.runtime.tensors import GpuTensor
 
 CONV = KERNELS["conv3x3"]
 POOL = KERNELS["maxpool2x2"]
@@ -330,6 +332,31 @@ def test_pool_args_follow_the_abi() -> None:
     args = POOL.args(x=0x10, y=0x20, N=1, H=9, W=8, C=40, ldx=72)
     assert [v for v, _ in args] == [0x10, 0x20, 1, 9, 8, 40, 72, 40]
     assert [t for _, t in args] == [ctypes.c_void_p] * 2 + [ctypes.c_int32] * 6
+
+
+def test_specs_without_a_choice_prepare_the_default_launch() -> None:
+    """maxpool2x2, conv1x1 and convt2x2 prepare through KernelSpec.prepare: the entry of x's dtype,
+    launch()'s geometry and args() of the call's tensors (channel slices keep their strides)."""
+    f16 = np.dtype("float16")
+    pool_call = KernelCall("maxpool2x2", ("x",), ("y",), (), (), ("pool",))
+    x, y = GpuTensor(0x1000, (2, 9, 8, 40), f16, ld=72), GpuTensor(0x2000, (2, 4, 4, 40), f16, ld=48)
+    pool = POOL.prepare(pool_call, x, y, [], ctx=None)
+    assert (pool.entry, pool.config, pool.choice) == ("maxpool2x2_nhwc_f16", POOL.launch(f16, 2, 9, 8, 40), None)
+    assert pool.args == POOL.args(x=0x1000, y=0x2000, N=2, H=9, W=8, C=40, ldx=72, ldy=48)
+
+    head_call = KernelCall("conv1x1", ("x",), ("y",), ("w", "b"), (("relu", 1),), ("head",))
+    x, y = GpuTensor(0x1000, (1, 5, 7, 32), f16, ld=64), GpuTensor(0x2000, (1, 5, 7, 3), f16)
+    w, b = GpuTensor(0x3000, (3, 1, 1, 32), f16), GpuTensor(0x4000, (3,), np.dtype("float32"))
+    head = CONV1.prepare(head_call, x, y, [w, b], ctx=None)
+    assert (head.entry, head.config) == ("conv1x1_nhwc_f16", CONV1.launch(f16, 1, 5, 7, 32, 3))
+    expected = CONV1.args(x=0x1000, w=0x3000, bias=0x4000, y=0x2000, N=1, H=5, W=7, C=32, K=3, ldx=64, relu=True)
+    assert head.args == expected
+
+    up_call = KernelCall("convt2x2", ("x",), ("y",), ("w",), (), ("up",))
+    x, y = GpuTensor(0x1000, (1, 4, 4, 16), f16), GpuTensor(0x2000, (1, 8, 8, 8), f16, ld=24)
+    up = CONVT.prepare(up_call, x, y, [GpuTensor(0x3000, (32, 16), f16)], ctx=None)
+    assert (up.entry, up.config) == ("convt2x2_nhwc_f16", CONVT.launch(f16, 1, 4, 4, 16, 8))
+    assert up.args == CONVT.args(x=0x1000, w=0x3000, y=0x2000, N=1, H=4, W=4, C=16, K=8, ldy=24)
 
 
 def test_readme_documents_the_registered_abi() -> None:
