@@ -814,11 +814,11 @@ __device__ __forceinline__ void load_tile(const Problem& p, const int* row_h, co
 // The GEMM over the 9*C taps: one tap (r,s) and BK channels a k-tile (VEC), else BK flattened taps.
 template <bool VEC>
 __device__ __forceinline__ void mainloop(const Problem& p, const int* row_h, const int* row_w, float* As, float* Bs,
-                                         float (&acc)[T::TM][T::TN], int m0, int n0, int tm0, int tn0) {
+                                         float (&acc)[T::TM][T::TN], int m0, int n0) {
     const int cblocks = (p.C + T::BK - 1) / T::BK;
     const int num_kt = VEC ? 9 * cblocks : (p.Kg + T::BK - 1) / T::BK;
     const auto load = [&](simt::Stage<T>& st, int kt) { load_tile<VEC>(p, row_h, row_w, st, kt, cblocks, m0, n0); };
-    simt::mainloop<T, VEC>(load, num_kt, As, Bs, acc, tm0, tn0);
+    simt::mainloop<T, VEC>(load, num_kt, As, Bs, acc);
 }
 
 }  // namespace f32conv
@@ -835,23 +835,19 @@ conv3x3_nhwc_f32(const float* __restrict__ x, const float* __restrict__ w, const
     const int M = N * H * W;
     const int m0 = blockIdx.x * T::BM;
     const int n0 = blockIdx.y * T::BN;
-    const int tm0 = (threadIdx.x / (T::BN / T::TN)) * T::TM;  // this thread's pixels: m0+tm0 .. +TM-1
-    const int tn0 = (threadIdx.x % (T::BN / T::TN)) * T::TN;  // this thread's channels: n0+tn0 .. +TN-1
+    const int tm0 = T::tm0();  // this thread's pixels: m0+tm0 .. +TM-1
+    const int tn0 = T::tn0();  // this thread's channels: n0+tn0 .. +TN-1
     const f32conv::Problem p{x, w, H, W, C, K, ldx, 9 * C};
 
     decode_rows(row_h, row_w, T::BM, m0, M, H, W);
     __syncthreads();
 
     float acc[T::TM][T::TN];
-#pragma unroll
-    for (int i = 0; i < T::TM; ++i)
-#pragma unroll
-        for (int j = 0; j < T::TN; ++j) acc[i][j] = 0.f;
 
     if (C % 4 == 0 && ldx % 4 == 0 && aligned16(x) && aligned16(w))
-        f32conv::mainloop<true>(p, row_h, row_w, As, Bs, acc, m0, n0, tm0, tn0);
+        f32conv::mainloop<true>(p, row_h, row_w, As, Bs, acc, m0, n0);
     else
-        f32conv::mainloop<false>(p, row_h, row_w, As, Bs, acc, m0, n0, tm0, tn0);
+        f32conv::mainloop<false>(p, row_h, row_w, As, Bs, acc, m0, n0);
 
     float bv[T::TN];
 #pragma unroll

@@ -341,10 +341,10 @@ __device__ __forceinline__ void load_tile(const Problem& p, simt::Stage<T>& st, 
 // The GEMM over the C input channels, BK of them a k-tile.
 template <bool VEC>
 __device__ __forceinline__ void mainloop(const Problem& p, float* As, float* Bs, float (&acc)[T::TM][T::TN], int m0,
-                                         int n0, int tm0, int tn0) {
+                                         int n0) {
     const int num_kt = (p.C + T::BK - 1) / T::BK;
     const auto load = [&](simt::Stage<T>& st, int kt) { load_tile<VEC>(p, st, kt, m0, n0); };
-    simt::mainloop<T, VEC>(load, num_kt, As, Bs, acc, tm0, tn0);
+    simt::mainloop<T, VEC>(load, num_kt, As, Bs, acc);
 }
 
 }  // namespace f32convt
@@ -360,21 +360,17 @@ convt2x2_nhwc_f32(const float* __restrict__ x, const float* __restrict__ w, cons
     const int NG = 4 * K;
     int m0, n0;
     block_tile(T::BM, T::BN, NG, &m0, &n0);
-    const int tm0 = (threadIdx.x / (T::BN / T::TN)) * T::TM;  // this thread's pixels: m0+tm0 .. +TM-1
-    const int tn0 = (threadIdx.x % (T::BN / T::TN)) * T::TN;  // this thread's columns: n0+tn0 .. +TN-1
+    const int tm0 = T::tm0();  // this thread's pixels: m0+tm0 .. +TM-1
+    const int tn0 = T::tn0();  // this thread's columns: n0+tn0 .. +TN-1
     const f32convt::Problem p{x, w, C, NG, ldx, M};
 
     float acc[T::TM][T::TN];
-#pragma unroll
-    for (int i = 0; i < T::TM; ++i)
-#pragma unroll
-        for (int j = 0; j < T::TN; ++j) acc[i][j] = 0.f;
 
     // With C % 4 == 0, every row of w is 16-byte aligned if w is.
     if (C % 4 == 0 && ldx % 4 == 0 && aligned16(x) && aligned16(w))
-        f32convt::mainloop<true>(p, As, Bs, acc, m0, n0, tm0, tn0);
+        f32convt::mainloop<true>(p, As, Bs, acc, m0, n0);
     else
-        f32convt::mainloop<false>(p, As, Bs, acc, m0, n0, tm0, tn0);
+        f32convt::mainloop<false>(p, As, Bs, acc, m0, n0);
 
     float bv[T::TN];
 #pragma unroll

@@ -103,6 +103,10 @@ struct Tiles {
     static_assert(TM % 4 == 0 && TN % 4 == 0 && BK % 4 == 0, "float4 fragments");
     static_assert(THREADS % CPR == 0 && (BM * CPR) % THREADS == 0 && (BN * CPR) % THREADS == 0, "vector loads");
     static_assert(THREADS % BK == 0 && (BM * BK) % THREADS == 0 && (BN * BK) % THREADS == 0, "scalar loads");
+
+    // This thread's outputs within the block's tile: rows tm0() .. +TM-1, columns tn0() .. +TN-1.
+    static __device__ __forceinline__ int tm0() { return (threadIdx.x / (BN / TN)) * TM; }
+    static __device__ __forceinline__ int tn0() { return (threadIdx.x % (BN / TN)) * TN; }
 };
 
 // Staging registers: one k-tile of A and B on its way from global to shared memory. The vector
@@ -151,12 +155,17 @@ __device__ __forceinline__ void store_tile(const Stage<T>& st, float* As, float*
     }
 }
 
-// acc += A * B over num_kt k-tiles; `load(st, kt)` reads k-tile kt into the staging registers
-// (VEC: float4 chunks, else elements), As and Bs hold two k-tiles each. The thread's outputs are
-// pixels tm0 .. tm0+TM-1 and channels tn0 .. tn0+TN-1 of the block's tile.
+// acc = A * B over num_kt k-tiles, for this thread's outputs (Tiles::tm0, tn0); `load(st, kt)`
+// reads k-tile kt into the staging registers (VEC: float4 chunks, else elements), As and Bs hold
+// two k-tiles each.
 template <class T, bool VEC, class Load>
 __device__ __forceinline__ void mainloop(const Load& load, int num_kt, float* As, float* Bs,
-                                         float (&acc)[T::TM][T::TN], int tm0, int tn0) {
+                                         float (&acc)[T::TM][T::TN]) {
+    const int tm0 = T::tm0(), tn0 = T::tn0();
+#pragma unroll
+    for (int i = 0; i < T::TM; ++i)
+#pragma unroll
+        for (int j = 0; j < T::TN; ++j) acc[i][j] = 0.f;
     Stage<T> st;
     load(st, 0);
     store_tile<T, VEC>(st, As, Bs);
