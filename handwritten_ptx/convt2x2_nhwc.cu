@@ -303,38 +303,40 @@ struct Problem {
     int C, NG, ldx, M;  // NG = 4K GEMM columns
 };
 
+// Rows first, first + STEP, ... (N of them) of a row-major matrix (`rows` rows, row stride ld),
+// columns c .. c+3 (VEC: one float4 a row into dst[4*i ..]) or column c (dst[i]); zero past the
+// matrix. A and B of this GEMM are both such matrices: x (M x C) and wp (4K x C).
+template <bool VEC, int N, int STEP, int LEN>
+__device__ __forceinline__ void load_rows(float (&dst)[LEN], const float* src, int ld, int rows, int first, int c,
+                                          bool c_ok) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const int row = first + i * STEP;
+        const bool ok = c_ok && row < rows;
+        if constexpr (VEC) {
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (ok) v = *reinterpret_cast<const float4*>(src + (static_cast<long long>(row) * ld + c));
+            simt::put4(dst, 4 * i, v);
+        } else {
+            dst[i] = ok ? src[static_cast<long long>(row) * ld + c] : 0.f;
+        }
+    }
+}
+
 template <bool VEC>
 __device__ __forceinline__ void load_tile(const Problem& p, simt::Stage<T>& st, int kt, int m0, int n0) {
     if constexpr (VEC) {
         const int c = kt * T::BK + (threadIdx.x % T::CPR) * 4;
         const bool c_ok = c < p.C;  // C % 4 == 0: a float4 is wholly inside or outside
-#pragma unroll
-        for (int i = 0; i < T::A_VEC; ++i) {
-            const int m = m0 + threadIdx.x / T::CPR + i * (T::THREADS / T::CPR);
-            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (c_ok && m < p.M) v = *reinterpret_cast<const float4*>(p.x + (static_cast<long long>(m) * p.ldx + c));
-            simt::put4(st.a, 4 * i, v);
-        }
-#pragma unroll
-        for (int i = 0; i < T::B_VEC; ++i) {
-            const int k = n0 + threadIdx.x / T::CPR + i * (T::THREADS / T::CPR);
-            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (c_ok && k < p.NG) v = *reinterpret_cast<const float4*>(p.w + (static_cast<long long>(k) * p.C + c));
-            simt::put4(st.b, 4 * i, v);
-        }
+        const int row = threadIdx.x / T::CPR;
+        load_rows<true, T::A_VEC, T::THREADS / T::CPR>(st.a, p.x, p.ldx, p.M, m0 + row, c, c_ok);
+        load_rows<true, T::B_VEC, T::THREADS / T::CPR>(st.b, p.w, p.C, p.NG, n0 + row, c, c_ok);
     } else {
         const int c = kt * T::BK + threadIdx.x % T::BK;
         const bool c_ok = c < p.C;
-#pragma unroll
-        for (int i = 0; i < T::A_SCA; ++i) {
-            const int m = m0 + threadIdx.x / T::BK + i * (T::THREADS / T::BK);
-            st.a[i] = (c_ok && m < p.M) ? p.x[static_cast<long long>(m) * p.ldx + c] : 0.f;
-        }
-#pragma unroll
-        for (int i = 0; i < T::B_SCA; ++i) {
-            const int k = n0 + threadIdx.x / T::BK + i * (T::THREADS / T::BK);
-            st.b[i] = (c_ok && k < p.NG) ? p.w[static_cast<long long>(k) * p.C + c] : 0.f;
-        }
+        const int row = threadIdx.x / T::BK;
+        load_rows<false, T::A_SCA, T::THREADS / T::BK>(st.a, p.x, p.ldx, p.M, m0 + row, c, c_ok);
+        load_rows<false, T::B_SCA, T::THREADS / T::BK>(st.b, p.w, p.C, p.NG, n0 + row, c, c_ok);
     }
 }
 
