@@ -17,7 +17,6 @@ from dualtrack.kernels import (
     SMALL_C_K_MAX,
     SMALL_C_MAX,
     Conv3x3Spec,
-    ConvProblem,
     ConvT2x2Spec,
     MaxPool2x2Spec,
     choose_conv3x3,
@@ -26,6 +25,7 @@ from dualtrack.kernels import (
     pack_conv_weights,
     pack_convt_weights,
 )
+from dualtrack.kernels.problems import ConvProblem
 from dualtrack.plan import KernelCall
 from dualtrack.ptx import SOURCE_DIR
 from dualtrack.runtime.driver import kernel_params

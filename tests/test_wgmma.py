@@ -24,8 +24,9 @@ from dualtrack.arch import ARCHES
 from dualtrack.build import track_a_stems
 from dualtrack.bundle import Bundle
 from dualtrack.errors import InputError
-from dualtrack.kernels import CONV3X3_WGMMA, WGMMA_CONFIGS, ConvProblem, choose_conv3x3
+from dualtrack.kernels import CONV3X3_WGMMA, WGMMA_CONFIGS, choose_conv3x3
 from dualtrack.kernels.conv3x3_wgmma import input_map, weight_map
+from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.tensormap import TiledMap
 from dualtrack.plan import KernelCall
 from dualtrack.ptx import SOURCE_DIR, assemble_cubin, ptx_path

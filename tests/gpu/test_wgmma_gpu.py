@@ -21,8 +21,8 @@ import pytest
 from dualtrack import kernels
 from dualtrack.bundle import Bundle
 from dualtrack.config import Tolerance
-from dualtrack.kernels import ConvProblem
 from dualtrack.kernels.conv3x3_wgmma import input_map, weight_map
+from dualtrack.kernels.problems import ConvProblem
 from dualtrack.ptx import SOURCE_DIR, ptx_path
 from dualtrack.runtime import tma
 from dualtrack.runtime.driver import Device, Kernel, Module

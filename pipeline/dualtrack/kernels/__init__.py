@@ -39,14 +39,12 @@ from dualtrack.kernels.conv3x3 import Conv3x3Spec, F16Tile
 from dualtrack.kernels.conv3x3_wgmma import WGMMA_CONFIGS, Conv3x3WgmmaSpec, WgmmaConfig
 from dualtrack.kernels.convt2x2 import ConvT2x2Spec, pack_convt_weights
 from dualtrack.kernels.maxpool2x2 import MaxPool2x2Spec
-from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.select import SMALL_C_K_MAX, SMALL_C_MAX, ConvChoice
 
 __all__ = [
     "CONV3X3_WGMMA", "DTYPES", "KERNELS", "SMALL_C_K_MAX", "SMALL_C_MAX", "SPECS", "WGMMA_CONFIGS",
-    "Conv1x1Spec", "Conv3x3Spec", "Conv3x3WgmmaSpec", "ConvChoice", "ConvProblem", "ConvT2x2Spec", "DeviceTensor",
-    "F16Tile", "KernelArg", "KernelSpec", "LaunchConfig", "LaunchContext", "MaxPool2x2Spec", "PreparedCall",
-    "WgmmaConfig",
+    "Conv1x1Spec", "Conv3x3Spec", "Conv3x3WgmmaSpec", "ConvChoice", "ConvT2x2Spec", "DeviceTensor", "F16Tile",
+    "KernelArg", "KernelSpec", "LaunchConfig", "LaunchContext", "MaxPool2x2Spec", "PreparedCall", "WgmmaConfig",
     "choose_conv3x3", "defines_for_stem", "dtype_name", "kernel", "output_shape", "pack_conv_weights",
     "pack_convt_weights", "ptx_arches_for_stem", "spec_for_stem",
 ]  # fmt: skip
@@ -65,7 +63,7 @@ SPECS: tuple[KernelSpec, ...] = (*KERNELS.values(), CONV3X3_WGMMA)  # every sour
 _CONV3X3 = KERNELS["conv3x3"]
 assert isinstance(_CONV3X3, Conv3x3Spec)
 # The policy for the registered conv3x3 (select.choose_conv3x3 with this spec and its Hopper kernel):
-# what bundles, tools and tests ask when they have a launch's ConvProblem and no spec at hand.
+# what bundles, tools and tests ask when they have a shape and no spec at hand.
 choose_conv3x3 = _CONV3X3.select
 
 

@@ -22,8 +22,8 @@ import numpy as np
 
 from dualtrack import kernels
 from dualtrack.errors import CudaError
-from dualtrack.kernels import ConvProblem
 from dualtrack.kernels.conv3x3_wgmma import input_map
+from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.tensormap import TiledMap
 from dualtrack.runtime import tma
 from dualtrack.runtime.driver import Device, Module, Stream
