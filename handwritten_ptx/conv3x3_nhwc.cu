@@ -64,52 +64,35 @@ namespace f16conv {
 // blocks fit on one SM (__launch_bounds__). The compile-time sizes are enumerators:
 // namespace-scope constexpr variables would be emitted as .global symbols in the PTX.
 template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, int MIN_BLOCKS_>
-struct Cfg {
+struct Cfg : mma::Tiles<BM_, BN_, BK_, WARPS_M_, WARPS_N_, STAGES_> {
+    typedef mma::Tiles<BM_, BN_, BK_, WARPS_M_, WARPS_N_, STAGES_> T;
     enum : int {
-        BM = BM_,
-        BN = BN_,
-        BK = BK_,
-        WARPS_M = WARPS_M_,
-        WARPS_N = WARPS_N_,
-        STAGES = STAGES_,
-        THREADS = 32 * WARPS_M * WARPS_N,
-        WM = BM / WARPS_M,  // warp tile
-        WN = BN / WARPS_N,
-        MT = WM / 16,  // m16 tiles per warp
-        NT = WN / 8,   // n8 tiles per warp
-        CPR = BK / 8,  // 16-byte chunks per tile row
         // Tiles are unpadded, [rows][BK] halves, with the 16-byte chunks of each row XOR-swizzled
         // (swz below), so the 8 row addresses of one ldmatrix phase hit 8 distinct bank groups.
-        A_STAGE = BM * BK,  // halves
-        STAGE = (BM + BN) * BK,
-        A_CH = BM * CPR / THREADS,  // 16-byte A chunks a thread copies per k-tile
-        B_CH = BN * CPR / THREADS,
-        BNP = BN + 8,  // epilogue tile row, padded by 16 bytes (conflict-free 4-byte stores)
-        PIPE = STAGES * STAGE,
-        SMEM_HALVES = PIPE > BM * BNP ? PIPE : BM * BNP,
+        A_STAGE = BM_ * BK_,  // halves
+        STAGE = (BM_ + BN_) * BK_,
+        A_CH = BM_ * T::CPR / T::THREADS,  // 16-byte A chunks a thread copies per k-tile
+        B_CH = BN_ * T::CPR / T::THREADS,
+        PIPE = STAGES_ * STAGE,
+        SMEM_HALVES = PIPE > BM_ * T::BNP ? PIPE : BM_ * T::BNP,
         // Element paths (C not a multiple of 8, ...) use one stage plus, behind it, each row's
         // (h, w) as ints and, when C <= SEG_CMAX, the three input-row segments the tile's 3x3
         // windows read: 3 x (BM + 2) pixels x C channels, loaded once per block.
         ROWS_OFF = STAGE,                // halves
-        SEG_OFF = STAGE + 4 * BM,        // halves
-        SEG_CMAX = (SMEM_HALVES - SEG_OFF) / (3 * (BM + 2)),
+        SEG_OFF = STAGE + 4 * BM_,       // halves
+        SEG_CMAX = (SMEM_HALVES - SEG_OFF) / (3 * (BM_ + 2)),
         MIN_BLOCKS = MIN_BLOCKS_,  // blocks per SM the register allocation must allow
     };
-    static_assert(BM % (16 * WARPS_M) == 0 && BN % (16 * WARPS_N) == 0, "warp tile must be m16 x n16 multiples");
-    static_assert(BK == 32 || BK == 64, "the swizzle is written for 64- and 128-byte tile rows");
-    static_assert(STAGES >= 2, "cp.async pipeline needs two stages or more");
-    static_assert(THREADS % CPR == 0 && (BM * CPR) % THREADS == 0 && (BN * CPR) % THREADS == 0, "vector loads");
-    static_assert(THREADS % BK == 0 && (BM * BK) % THREADS == 0 && (BN * BK) % THREADS == 0, "scalar loads");
-    static_assert(THREADS % (BN / 8) == 0 && (BM * (BN / 8)) % THREADS == 0, "epilogue stores");
+    static_assert(BK_ == 32 || BK_ == 64, "the swizzle is written for 64- and 128-byte tile rows");
     static_assert(SMEM_HALVES * 2 <= 48 * 1024, "static shared memory is capped at 48 KiB");
     static_assert(SEG_CMAX >= 3, "the first layer's C = 3 must take the segment path");
 
     // Physical 16-byte chunk of logical chunk q in tile row `row`. 64-byte rows (BK = 32): rows
     // 2j, 2j+1 share a 128-byte line, so XOR with bits 1-2 of the row; 128-byte rows: bits 0-2.
     static __device__ __forceinline__ int swz(int row, int q) {
-        return BK == 32 ? (q ^ ((row >> 1) & 3)) : (q ^ (row & 7));
+        return BK_ == 32 ? (q ^ ((row >> 1) & 3)) : (q ^ (row & 7));
     }
-    static __device__ __forceinline__ int at(int row, int q) { return row * BK + swz(row, q) * 8; }  // halves
+    static __device__ __forceinline__ int at(int row, int q) { return row * BK_ + swz(row, q) * 8; }  // halves
 };
 
 struct Problem {

@@ -69,6 +69,43 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
 }
 
 // ------------------------------------------------------------------------------------------------
+// The fp16 kernels' tensor-core tiling (conv3x3_nhwc_f16*, convt2x2_nhwc_f16): a BM x BN output
+// tile per block of WARPS_M x WARPS_N warps, each warp MT x NT mma.sync m16n8k16 tiles; BK-deep
+// k-tiles copied in 16-byte chunks through STAGES cp.async stages; the epilogue stages the tile in
+// shared memory in rows of BNP halves. How A and B lie in shared memory (padded rows, swizzled
+// chunks) is each kernel's own.
+// ------------------------------------------------------------------------------------------------
+
+namespace mma {
+
+template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_>
+struct Tiles {
+    enum : int {
+        BM = BM_,
+        BN = BN_,
+        BK = BK_,
+        WARPS_M = WARPS_M_,
+        WARPS_N = WARPS_N_,
+        STAGES = STAGES_,
+        THREADS = 32 * WARPS_M * WARPS_N,
+        WM = BM / WARPS_M,  // warp tile
+        WN = BN / WARPS_N,
+        MT = WM / 16,  // m16 tiles per warp
+        NT = WN / 8,   // n8 tiles per warp
+        CPR = BK / 8,  // 16-byte chunks per tile row
+        BNP = BN + 8,  // epilogue tile row, padded by 16 bytes (conflict-free 4-byte stores)
+    };
+    static_assert(BM % (16 * WARPS_M) == 0 && BN % (16 * WARPS_N) == 0, "warp tile must be m16 x n16 multiples");
+    static_assert(BK % 16 == 0, "BK is a multiple of the mma k (16)");
+    static_assert(STAGES >= 2, "cp.async pipeline needs two stages or more");
+    static_assert(THREADS % CPR == 0 && (BM * CPR) % THREADS == 0 && (BN * CPR) % THREADS == 0, "vector loads");
+    static_assert(THREADS % BK == 0 && (BM * BK) % THREADS == 0 && (BN * BK) % THREADS == 0, "scalar loads");
+    static_assert(THREADS % (BN / 8) == 0 && (BM * (BN / 8)) % THREADS == 0, "epilogue stores");
+};
+
+}  // namespace mma
+
+// ------------------------------------------------------------------------------------------------
 // The fp32 kernels' GEMM (conv3x3_nhwc_f32, convt2x2_nhwc_f32): CUDA cores, register-tiled SIMT,
 // k-major shared tiles, register-staged double buffer. A block computes BM x BN outputs, a thread
 // TM x TN of them; k-tiles are BK deep. A kernel brings only how one k-tile is read from global
