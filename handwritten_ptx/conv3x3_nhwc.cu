@@ -208,40 +208,6 @@ __device__ __forceinline__ void load_tile_scalar(const Problem& p, const int* ro
     }
 }
 
-// One stage's BK columns through the tensor cores: ldmatrix fragments, MT x NT mma per k16.
-template <class CF>
-__device__ __forceinline__ void mma_stage(unsigned a_base, float (&acc)[CF::MT][CF::NT][4], int wm, int wn,
-                                          int lane) {
-    const unsigned b_base = a_base + CF::A_STAGE * 2;
-#pragma unroll
-    for (int kk = 0; kk < CF::BK; kk += 16) {
-        unsigned af[CF::MT][4];
-        unsigned bf[CF::NT][2];
-#pragma unroll
-        for (int mt = 0; mt < CF::MT; ++mt) {
-            // lanes 0-15 address rows 0-15 at k, lanes 16-31 the same rows at k+8: matrices
-            // (rows 0-7,k) (rows 8-15,k) (rows 0-7,k+8) (rows 8-15,k+8) = the mma A fragment.
-            const int row = wm * CF::WM + mt * 16 + (lane & 15);
-            ldmatrix_x4(af[mt], a_base + CF::at(row, kk / 8 + (lane >> 4)) * 2);
-        }
-#pragma unroll
-        for (int nt = 0; nt < CF::NT; nt += 2) {
-            // matrices (n 0-7,k) (n 0-7,k+8) (n 8-15,k) (n 8-15,k+8) = b0,b1 of two n8 tiles.
-            const int row = wn * CF::WN + nt * 8 + (lane >> 4) * 8 + (lane & 7);
-            unsigned r[4];
-            ldmatrix_x4(r, b_base + CF::at(row, kk / 8 + ((lane >> 3) & 1)) * 2);
-            bf[nt][0] = r[0];
-            bf[nt][1] = r[1];
-            bf[nt + 1][0] = r[2];
-            bf[nt + 1][1] = r[3];
-        }
-#pragma unroll
-        for (int mt = 0; mt < CF::MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < CF::NT; ++nt) mma_16816(acc[mt][nt], af[mt], bf[nt][0], bf[nt][1]);
-    }
-}
-
 template <class CF>
 __device__ __forceinline__ void conv(const f16* __restrict__ x, const f16* __restrict__ w,
                                      const float* __restrict__ bias, f16* __restrict__ y, int N, int H, int W, int C,
@@ -285,7 +251,7 @@ __device__ __forceinline__ void conv(const f16* __restrict__ x, const f16* __res
             __syncthreads();
             if (kt + CF::STAGES - 1 < num_kt) ld.load(p, smem_base + wr * CF::STAGE * 2, cblocks);
             cp_async_commit();
-            mma_stage<CF>(smem_base + rd * CF::STAGE * 2, acc, wm, wn, lane);
+            mma::stage<CF>(smem_base + rd * CF::STAGE * 2, acc, wm, wn, lane);
             rd = rd + 1 == CF::STAGES ? 0 : rd + 1;
             wr = wr + 1 == CF::STAGES ? 0 : wr + 1;
         }
@@ -317,7 +283,7 @@ __device__ __forceinline__ void conv(const f16* __restrict__ x, const f16* __res
             else
                 load_tile_scalar<CF, false>(p, row_h, row_w, seg, smem, kt, m0, n0);
             __syncthreads();
-            mma_stage<CF>(smem_base, acc, wm, wn, lane);
+            mma::stage<CF>(smem_base, acc, wm, wn, lane);
         }
     }
     __syncthreads();  // the epilogue tile reuses the pipeline's shared memory

@@ -62,6 +62,8 @@ struct Cfg : mma::Tiles<CONVT_F16_BM, CONVT_F16_BN, CONVT_F16_BK, CONVT_F16_WARP
         SMEM_HALVES = (STAGES * STAGE > BM * BNP) ? STAGES * STAGE : BM * BNP,
     };
     static_assert(SMEM_HALVES * 2 <= 48 * 1024, "static shared memory is capped at 48 KiB");
+
+    static __device__ __forceinline__ int at(int row, int q) { return row * BKP + q * 8; }  // halves
 };
 
 struct Problem {
@@ -114,41 +116,6 @@ __device__ __forceinline__ void load_tile_scalar(const Problem& p, f16* stage, i
         const int row = threadIdx.x / Cfg::BK + i * (Cfg::THREADS / Cfg::BK);
         const int k = n0 + row;
         b[row * Cfg::BKP + j] = (c_ok && k < p.NG) ? p.w[static_cast<long long>(k) * p.C + c] : f16(0);
-    }
-}
-
-// One stage's BK columns through the tensor cores: ldmatrix fragments, MT x NT mma per k16.
-__device__ __forceinline__ void mma_stage(const f16* stage, float (&acc)[Cfg::MT][Cfg::NT][4], int wm, int wn,
-                                          int lane) {
-    const unsigned a_base = smem_u32(stage);
-    const unsigned b_base = smem_u32(stage + Cfg::A_STAGE);
-#pragma unroll
-    for (int kk = 0; kk < Cfg::BK; kk += 16) {
-        unsigned af[Cfg::MT][4];
-        unsigned bf[Cfg::NT][2];
-#pragma unroll
-        for (int mt = 0; mt < Cfg::MT; ++mt) {
-            // lanes 0-15: rows 0-15 at k, lanes 16-31: the same rows at k+8 (the mma A fragment).
-            const int row = wm * Cfg::WM + mt * 16 + (lane & 15);
-            const int col = kk + (lane >> 4) * 8;
-            ldmatrix_x4(af[mt], a_base + (row * Cfg::BKP + col) * 2);
-        }
-#pragma unroll
-        for (int nt = 0; nt < Cfg::NT; nt += 2) {
-            // matrices (n 0-7,k) (n 0-7,k+8) (n 8-15,k) (n 8-15,k+8) = b0,b1 of two n8 tiles.
-            const int row = wn * Cfg::WN + nt * 8 + (lane >> 4) * 8 + (lane & 7);
-            const int col = kk + ((lane >> 3) & 1) * 8;
-            unsigned r[4];
-            ldmatrix_x4(r, b_base + (row * Cfg::BKP + col) * 2);
-            bf[nt][0] = r[0];
-            bf[nt][1] = r[1];
-            bf[nt + 1][0] = r[2];
-            bf[nt + 1][1] = r[3];
-        }
-#pragma unroll
-        for (int mt = 0; mt < Cfg::MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < Cfg::NT; ++nt) mma_16816(acc[mt][nt], af[mt], bf[nt][0], bf[nt][1]);
     }
 }
 
@@ -213,7 +180,7 @@ convt2x2_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const fl
             const int pf = kt + Cfg::STAGES - 1;
             if (pf < num_kt) load_tile_vec(p, smem + (pf % Cfg::STAGES) * Cfg::STAGE, pf, m0, n0);
             cp_async_commit();
-            mma_stage(smem + (kt % Cfg::STAGES) * Cfg::STAGE, acc, wm, wn, lane);
+            mma::stage<Cfg>(smem_u32(smem + (kt % Cfg::STAGES) * Cfg::STAGE), acc, wm, wn, lane);
         }
         cp_async_wait<0>();
     } else {
@@ -221,7 +188,7 @@ convt2x2_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const fl
             __syncthreads();
             load_tile_scalar(p, smem, kt, m0, n0);
             __syncthreads();
-            mma_stage(smem, acc, wm, wn, lane);
+            mma::stage<Cfg>(smem_u32(smem), acc, wm, wn, lane);
         }
     }
     __syncthreads();  // the epilogue tile reuses the pipeline's shared memory

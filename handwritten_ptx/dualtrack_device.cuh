@@ -103,6 +103,41 @@ struct Tiles {
     static_assert(THREADS % (BN / 8) == 0 && (BM * (BN / 8)) % THREADS == 0, "epilogue stores");
 };
 
+// One stage's BK columns through the tensor cores: ldmatrix fragments, MT x NT mma per k16, into
+// acc. The stage at shared address a_base holds A (BM rows) then B (BN rows, from A_STAGE halves
+// on), each a [row][BK] tile whose 16-byte chunk q of row r starts CF::at(r, q) halves in.
+template <class CF>
+__device__ __forceinline__ void stage(unsigned a_base, float (&acc)[CF::MT][CF::NT][4], int wm, int wn, int lane) {
+    const unsigned b_base = a_base + CF::A_STAGE * 2;
+#pragma unroll
+    for (int kk = 0; kk < CF::BK; kk += 16) {
+        unsigned af[CF::MT][4];
+        unsigned bf[CF::NT][2];
+#pragma unroll
+        for (int mt = 0; mt < CF::MT; ++mt) {
+            // lanes 0-15 address rows 0-15 at k, lanes 16-31 the same rows at k+8: matrices
+            // (rows 0-7,k) (rows 8-15,k) (rows 0-7,k+8) (rows 8-15,k+8) = the mma A fragment.
+            const int row = wm * CF::WM + mt * 16 + (lane & 15);
+            ldmatrix_x4(af[mt], a_base + CF::at(row, kk / 8 + (lane >> 4)) * 2);
+        }
+#pragma unroll
+        for (int nt = 0; nt < CF::NT; nt += 2) {
+            // matrices (n 0-7,k) (n 0-7,k+8) (n 8-15,k) (n 8-15,k+8) = b0,b1 of two n8 tiles.
+            const int row = wn * CF::WN + nt * 8 + (lane >> 4) * 8 + (lane & 7);
+            unsigned r[4];
+            ldmatrix_x4(r, b_base + CF::at(row, kk / 8 + ((lane >> 3) & 1)) * 2);
+            bf[nt][0] = r[0];
+            bf[nt][1] = r[1];
+            bf[nt + 1][0] = r[2];
+            bf[nt + 1][1] = r[3];
+        }
+#pragma unroll
+        for (int mt = 0; mt < CF::MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < CF::NT; ++nt) mma_16816(acc[mt][nt], af[mt], bf[nt][0], bf[nt][1]);
+    }
+}
+
 }  // namespace mma
 
 // ------------------------------------------------------------------------------------------------
