@@ -31,7 +31,7 @@
 #error "tile sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
 #endif
 
-#include "mma_tile.cuh"
+#include "dualtrack_device.cuh"
 
 // Output pixel m0+i of a block, decoded once: its row and column in the image. Rows past M get a
 // position so far outside the image that every tap of the 3x3 window reads zero.
@@ -64,21 +64,19 @@ namespace f16conv {
 // blocks fit on one SM (__launch_bounds__). The compile-time sizes are enumerators:
 // namespace-scope constexpr variables would be emitted as .global symbols in the PTX.
 template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, int MIN_BLOCKS_>
-struct Cfg : mma_tile::Tile<BM_, BN_, BK_, WARPS_M_, WARPS_N_, STAGES_, MIN_BLOCKS_> {
-    // The GEMM tile (sizes, swizzle, its static_asserts) is mma_tile.cuh's; this kernel adds its
-    // epilogue and element-path layout.
-    typedef mma_tile::Tile<BM_, BN_, BK_, WARPS_M_, WARPS_N_, STAGES_, MIN_BLOCKS_> T;
+struct Cfg : mma::Swizzled<BM_, BN_, BK_, WARPS_M_, WARPS_N_, STAGES_, MIN_BLOCKS_> {
+    // The tiling and its swizzled shared-memory layout are dualtrack_device.cuh's (conv_nhwc.cu's
+    // too); this kernel adds its epilogue and element-path layout.
+    typedef mma::Swizzled<BM_, BN_, BK_, WARPS_M_, WARPS_N_, STAGES_, MIN_BLOCKS_> T;
     enum : int {
-        BNP = T::BN + 8,  // epilogue tile row, padded by 16 bytes (conflict-free 4-byte stores)
-        SMEM_HALVES = T::PIPE > T::BM * BNP ? T::PIPE : T::BM * BNP,
+        SMEM_HALVES = T::PIPE > BM_ * T::BNP ? T::PIPE : BM_ * T::BNP,
         // Element paths (C not a multiple of 8, ...) use one stage plus, behind it, each row's
         // (h, w) as ints and, when C <= SEG_CMAX, the three input-row segments the tile's 3x3
         // windows read: 3 x (BM + 2) pixels x C channels, loaded once per block.
-        ROWS_OFF = T::STAGE,               // halves
-        SEG_OFF = T::STAGE + 4 * T::BM,    // halves
-        SEG_CMAX = (SMEM_HALVES - SEG_OFF) / (3 * (T::BM + 2)),
+        ROWS_OFF = T::STAGE,           // halves
+        SEG_OFF = T::STAGE + 4 * BM_,  // halves
+        SEG_CMAX = (SMEM_HALVES - SEG_OFF) / (3 * (BM_ + 2)),
     };
-    static_assert(T::THREADS % (T::BN / 8) == 0 && (T::BM * (T::BN / 8)) % T::THREADS == 0, "epilogue stores");
     static_assert(SMEM_HALVES * 2 <= 48 * 1024, "static shared memory is capped at 48 KiB");
     static_assert(SEG_CMAX >= 3, "the first layer's C = 3 must take the segment path");
 };
@@ -196,10 +194,6 @@ __device__ __forceinline__ void load_tile_scalar(const Problem& p, const int* ro
     }
 }
 
-// One stage's BK columns through the tensor cores: mma_tile.cuh's, for this file's Cfg (which has
-// the fields and swizzle it reads).
-using mma_tile::mma_stage;
-
 template <class CF>
 __device__ __forceinline__ void conv(const f16* __restrict__ x, const f16* __restrict__ w,
                                      const float* __restrict__ bias, f16* __restrict__ y, int N, int H, int W, int C,
@@ -243,7 +237,7 @@ __device__ __forceinline__ void conv(const f16* __restrict__ x, const f16* __res
             __syncthreads();
             if (kt + CF::STAGES - 1 < num_kt) ld.load(p, smem_base + wr * CF::STAGE * 2, cblocks);
             cp_async_commit();
-            mma_stage<CF>(smem_base + rd * CF::STAGE * 2, acc, wm, wn, lane);
+            mma::stage<CF>(smem_base + rd * CF::STAGE * 2, acc, wm, wn, lane);
             rd = rd + 1 == CF::STAGES ? 0 : rd + 1;
             wr = wr + 1 == CF::STAGES ? 0 : wr + 1;
         }
@@ -275,7 +269,7 @@ __device__ __forceinline__ void conv(const f16* __restrict__ x, const f16* __res
             else
                 load_tile_scalar<CF, false>(p, row_h, row_w, seg, smem, kt, m0, n0);
             __syncthreads();
-            mma_stage<CF>(smem_base, acc, wm, wn, lane);
+            mma::stage<CF>(smem_base, acc, wm, wn, lane);
         }
     }
     __syncthreads();  // the epilogue tile reuses the pipeline's shared memory
@@ -687,34 +681,15 @@ extern "C" __global__ void __launch_bounds__(smallc::SmallC::THREADS, smallc::Sm
 }
 
 // ------------------------------------------------------------------------------------------------
-// fp32: CUDA cores, register-tiled SIMT GEMM, k-major shared tiles, register-staged double buffer.
+// fp32: CUDA cores, the register-tiled SIMT GEMM of dualtrack_device.cuh (simt::mainloop); this
+// section brings its im2col loads.
 // ------------------------------------------------------------------------------------------------
 
 namespace f32conv {
 
-enum : int {
-    BM = CONV_F32_BM,
-    BN = CONV_F32_BN,
-    BK = CONV_F32_BK,
-    TM = CONV_F32_TM,  // outputs per thread along pixels
-    TN = CONV_F32_TN,  // outputs per thread along channels
-    THREADS = (BM / TM) * (BN / TN),
-    // k-major tiles (As[k][m]) so a thread's TM pixels and TN channels are float4 reads; rows padded
-    // by 4 floats, which keeps 16-byte alignment and halves the bank conflicts of the transposing
-    // stores.
-    BMP = BM + 4,
-    BNP = BN + 4,
-    CPR = BK / 4,              // float4 chunks per tile row (vector path)
-    A_VEC = BM * CPR / THREADS,  // chunks per thread
-    B_VEC = BN * CPR / THREADS,
-    A_SCA = BM * BK / THREADS,  // elements per thread (scalar path)
-    B_SCA = BN * BK / THREADS,
-};
+typedef simt::Tiles<CONV_F32_BM, CONV_F32_BN, CONV_F32_BK, CONV_F32_TM, CONV_F32_TN> T;
 
-static_assert(TM % 4 == 0 && TN % 4 == 0 && BK % 4 == 0, "float4 fragments");
-static_assert(THREADS % CPR == 0 && (BM * CPR) % THREADS == 0 && (BN * CPR) % THREADS == 0, "vector loads");
-static_assert(THREADS % BK == 0 && (BM * BK) % THREADS == 0 && (BN * BK) % THREADS == 0, "scalar loads");
-static_assert(2 * BK * (BMP + BNP) * 4 + 2 * BM * 4 <= 48 * 1024, "static shared memory is capped at 48 KiB");
+static_assert(T::SMEM_BYTES + 2 * T::BM * 4 <= 48 * 1024, "static shared memory is capped at 48 KiB");
 
 struct Problem {
     const float* x;
@@ -722,163 +697,107 @@ struct Problem {
     int H, W, C, K, ldx, Kg;
 };
 
-// Staging registers: one k-tile of A and B on its way from global to shared memory.
-struct Stage {
-    float a[A_SCA > 4 * A_VEC ? A_SCA : 4 * A_VEC];
-    float b[B_SCA > 4 * B_VEC ? B_SCA : 4 * B_VEC];
-};
-
 template <bool VEC>
-__device__ __forceinline__ void load_tile(const Problem& p, const int* row_h, const int* row_w, Stage& st, int kt,
-                                          int cblocks, int m0, int n0) {
+__device__ __forceinline__ void load_tile(const Problem& p, const int* row_h, const int* row_w, simt::Stage<T>& st,
+                                          int kt, int cblocks, int m0, int n0) {
     if constexpr (VEC) {
         const int rs = kt / cblocks;
-        const int c = (kt - rs * cblocks) * BK + (threadIdx.x % CPR) * 4;
+        const int c = (kt - rs * cblocks) * T::BK + (threadIdx.x % T::CPR) * 4;
         const int r = rs / 3, s = rs - 3 * (rs / 3);
         const bool c_ok = c < p.C;
 #pragma unroll
-        for (int i = 0; i < A_VEC; ++i) {
-            const int row = threadIdx.x / CPR + i * (THREADS / CPR);
+        for (int i = 0; i < T::A_VEC; ++i) {
+            const int row = threadIdx.x / T::CPR + i * (T::THREADS / T::CPR);
             float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
             if (c_ok && inside(row_h[row] + r - 1, row_w[row] + s - 1, p.H, p.W))
                 v = *reinterpret_cast<const float4*>(
                     p.x + (static_cast<long long>(m0 + row + (r - 1) * p.W + (s - 1)) * p.ldx + c));
-            st.a[4 * i] = v.x;
-            st.a[4 * i + 1] = v.y;
-            st.a[4 * i + 2] = v.z;
-            st.a[4 * i + 3] = v.w;
+            simt::put4(st.a, 4 * i, v);
         }
 #pragma unroll
-        for (int i = 0; i < B_VEC; ++i) {
-            const int row = threadIdx.x / CPR + i * (THREADS / CPR);
+        for (int i = 0; i < T::B_VEC; ++i) {
+            const int row = threadIdx.x / T::CPR + i * (T::THREADS / T::CPR);
             const int k = n0 + row;
             float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
             if (c_ok && k < p.K)
                 v = *reinterpret_cast<const float4*>(p.w + (static_cast<long long>(k) * p.Kg + rs * p.C + c));
-            st.b[4 * i] = v.x;
-            st.b[4 * i + 1] = v.y;
-            st.b[4 * i + 2] = v.z;
-            st.b[4 * i + 3] = v.w;
+            simt::put4(st.b, 4 * i, v);
         }
     } else {
-        const int kg = kt * BK + threadIdx.x % BK;
+        const int kg = kt * T::BK + threadIdx.x % T::BK;
         const bool k_ok = kg < p.Kg;
         const int rs = k_ok ? kg / p.C : 0;
         const int c = kg - rs * p.C;
         const int r = rs / 3, s = rs - 3 * (rs / 3);
 #pragma unroll
-        for (int i = 0; i < A_SCA; ++i) {
-            const int row = threadIdx.x / BK + i * (THREADS / BK);
+        for (int i = 0; i < T::A_SCA; ++i) {
+            const int row = threadIdx.x / T::BK + i * (T::THREADS / T::BK);
             float v = 0.f;
             if (k_ok && inside(row_h[row] + r - 1, row_w[row] + s - 1, p.H, p.W))
                 v = p.x[static_cast<long long>(m0 + row + (r - 1) * p.W + (s - 1)) * p.ldx + c];
             st.a[i] = v;
         }
 #pragma unroll
-        for (int i = 0; i < B_SCA; ++i) {
-            const int row = threadIdx.x / BK + i * (THREADS / BK);
+        for (int i = 0; i < T::B_SCA; ++i) {
+            const int row = threadIdx.x / T::BK + i * (T::THREADS / T::BK);
             const int k = n0 + row;
             st.b[i] = (k_ok && k < p.K) ? p.w[static_cast<long long>(k) * p.Kg + kg] : 0.f;
         }
     }
 }
 
-// Transposing store of the staged tile into As[k][m], Bs[k][n] (same element mapping as load_tile).
-template <bool VEC>
-__device__ __forceinline__ void store_tile(const Stage& st, float* As, float* Bs) {
-    if constexpr (VEC) {
-        const int c4 = (threadIdx.x % CPR) * 4;
-#pragma unroll
-        for (int i = 0; i < A_VEC; ++i) {
-            const int row = threadIdx.x / CPR + i * (THREADS / CPR);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) As[(c4 + e) * BMP + row] = st.a[4 * i + e];
-        }
-#pragma unroll
-        for (int i = 0; i < B_VEC; ++i) {
-            const int row = threadIdx.x / CPR + i * (THREADS / CPR);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) Bs[(c4 + e) * BNP + row] = st.b[4 * i + e];
-        }
-    } else {
-        const int j = threadIdx.x % BK;
-#pragma unroll
-        for (int i = 0; i < A_SCA; ++i) As[j * BMP + threadIdx.x / BK + i * (THREADS / BK)] = st.a[i];
-#pragma unroll
-        for (int i = 0; i < B_SCA; ++i) Bs[j * BNP + threadIdx.x / BK + i * (THREADS / BK)] = st.b[i];
-    }
-}
-
+// The GEMM over the 9*C taps: one tap (r,s) and BK channels a k-tile (VEC), else BK flattened taps.
 template <bool VEC>
 __device__ __forceinline__ void mainloop(const Problem& p, const int* row_h, const int* row_w, float* As, float* Bs,
-                                         float (&acc)[TM][TN], int m0, int n0, int tm0, int tn0) {
-    const int cblocks = (p.C + BK - 1) / BK;
-    const int num_kt = VEC ? 9 * cblocks : (p.Kg + BK - 1) / BK;
-    Stage st;
-    load_tile<VEC>(p, row_h, row_w, st, 0, cblocks, m0, n0);
-    store_tile<VEC>(st, As, Bs);
-    __syncthreads();
-    for (int kt = 0; kt < num_kt; ++kt) {
-        const int buf = kt & 1;
-        const bool more = kt + 1 < num_kt;
-        // The next tile's global loads are in flight while this tile is multiplied.
-        if (more) load_tile<VEC>(p, row_h, row_w, st, kt + 1, cblocks, m0, n0);
-        const float* A = As + buf * BK * BMP;
-        const float* B = Bs + buf * BK * BNP;
-        simt_ktile<BK, TM, TN, BMP, BNP>(A, B, acc, tm0, tn0);
-        // The other buffer was last read in iteration kt-1, which every thread has left (barrier
-        // at its end), so it can be overwritten without a second barrier.
-        if (more) store_tile<VEC>(st, As + (buf ^ 1) * BK * BMP, Bs + (buf ^ 1) * BK * BNP);
-        __syncthreads();
-    }
+                                         float (&acc)[T::TM][T::TN], int m0, int n0) {
+    const int cblocks = (p.C + T::BK - 1) / T::BK;
+    const int num_kt = VEC ? 9 * cblocks : (p.Kg + T::BK - 1) / T::BK;
+    const auto load = [&](simt::Stage<T>& st, int kt) { load_tile<VEC>(p, row_h, row_w, st, kt, cblocks, m0, n0); };
+    simt::mainloop<T, VEC>(load, num_kt, As, Bs, acc);
 }
 
 }  // namespace f32conv
 
-extern "C" __global__ void __launch_bounds__(f32conv::THREADS)
+extern "C" __global__ void __launch_bounds__(f32conv::T::THREADS)
 conv3x3_nhwc_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
                  float* __restrict__ y, int N, int H, int W, int C, int K, int ldx, int ldy, int relu) {
-    using namespace f32conv;
-    __shared__ __align__(16) float As[2 * BK * BMP];
-    __shared__ __align__(16) float Bs[2 * BK * BNP];
-    __shared__ int row_h[BM];
-    __shared__ int row_w[BM];
+    using f32conv::T;
+    __shared__ __align__(16) float As[2 * T::BK * T::BMP];
+    __shared__ __align__(16) float Bs[2 * T::BK * T::BNP];
+    __shared__ int row_h[T::BM];
+    __shared__ int row_w[T::BM];
 
     const int M = N * H * W;
-    const int m0 = blockIdx.x * BM;
-    const int n0 = blockIdx.y * BN;
-    const int tm0 = (threadIdx.x / (BN / TN)) * TM;  // this thread's pixels: m0+tm0 .. +TM-1
-    const int tn0 = (threadIdx.x % (BN / TN)) * TN;  // this thread's channels: n0+tn0 .. +TN-1
-    const Problem p{x, w, H, W, C, K, ldx, 9 * C};
+    const int m0 = blockIdx.x * T::BM;
+    const int n0 = blockIdx.y * T::BN;
+    const int tm0 = T::tm0();  // this thread's pixels: m0+tm0 .. +TM-1
+    const int tn0 = T::tn0();  // this thread's channels: n0+tn0 .. +TN-1
+    const f32conv::Problem p{x, w, H, W, C, K, ldx, 9 * C};
 
-    decode_rows(row_h, row_w, BM, m0, M, H, W);
+    decode_rows(row_h, row_w, T::BM, m0, M, H, W);
     __syncthreads();
 
-    float acc[TM][TN];
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-        for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
+    float acc[T::TM][T::TN];
 
     if (C % 4 == 0 && ldx % 4 == 0 && aligned16(x) && aligned16(w))
-        mainloop<true>(p, row_h, row_w, As, Bs, acc, m0, n0, tm0, tn0);
+        f32conv::mainloop<true>(p, row_h, row_w, As, Bs, acc, m0, n0);
     else
-        mainloop<false>(p, row_h, row_w, As, Bs, acc, m0, n0, tm0, tn0);
+        f32conv::mainloop<false>(p, row_h, row_w, As, Bs, acc, m0, n0);
 
-    float bv[TN];
+    float bv[T::TN];
 #pragma unroll
-    for (int j = 0; j < TN; ++j) {
+    for (int j = 0; j < T::TN; ++j) {
         const int k = n0 + tn0 + j;
         bv[j] = (bias != nullptr && k < K) ? bias[k] : 0.f;
     }
     const bool vec_out = ldy % 4 == 0 && aligned16(y);
 #pragma unroll
-    for (int i = 0; i < TM; ++i) {
+    for (int i = 0; i < T::TM; ++i) {
         const int m = m0 + tm0 + i;
         if (m >= M) break;
         float* dst = y + static_cast<long long>(m) * ldy;
 #pragma unroll
-        for (int j = 0; j < TN; j += 4) {
+        for (int j = 0; j < T::TN; j += 4) {
             const int k = n0 + tn0 + j;
             float v[4];
 #pragma unroll

@@ -29,6 +29,9 @@
 //
 // The fp32 entry is the same GEMM on CUDA cores (SIMT, register-tiled, element loads).
 //
+// The fp16 tile and its swizzled shared-memory layout (mma::Swizzled, mma::stage) are conv3x3's,
+// the fp32 GEMM (simt::mainloop) conv3x3's and convt2x2's, all from dualtrack_device.cuh.
+//
 // Tile sizes are not set here: `dualtrack.kernels` (ConvGeneralSpec) passes them as -D macros, so
 // the launch geometry and the code always agree. Compile with `python -m dualtrack.ptx`. No
 // toolkit #include: the helpers come from the in-memory headers (see conv3x3_nhwc.cu).
@@ -39,7 +42,7 @@
 #error "tile sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
 #endif
 
-#include "mma_tile.cuh"
+#include "dualtrack_device.cuh"
 
 namespace convg {
 
@@ -341,7 +344,7 @@ __device__ __forceinline__ void conv_f16(const f16* __restrict__ x, const f16* _
             __syncthreads();
             if (kt + CF::STAGES - 1 < num_kt) ld.load(x, w, p, smem_base + wr * CF::STAGE * 2, cblocks);
             cp_async_commit();
-            mma_tile::mma_stage<CF>(smem_base + rd * CF::STAGE * 2, acc, wm, wn, lane);
+            mma::stage<CF>(smem_base + rd * CF::STAGE * 2, acc, wm, wn, lane);
             rd = rd + 1 == CF::STAGES ? 0 : rd + 1;
             wr = wr + 1 == CF::STAGES ? 0 : wr + 1;
         }
@@ -362,7 +365,7 @@ __device__ __forceinline__ void conv_f16(const f16* __restrict__ x, const f16* _
             __syncthreads();  // the rows are decoded / the previous k-tile has been read
             load_scalar<CF>(x, w, p, row_h, row_w, row_pix, stage, kt, n0);
             __syncthreads();
-            mma_tile::mma_stage<CF>(smem_base, acc, wm, wn, lane);
+            mma::stage<CF>(smem_base, acc, wm, wn, lane);
         }
     }
     __syncthreads();  // the epilogue tile reuses the pipeline's shared memory
@@ -371,10 +374,10 @@ __device__ __forceinline__ void conv_f16(const f16* __restrict__ x, const f16* _
 
 // Each macro is the list BM,BN,BK,WARPS_M,WARPS_N,STAGES,MIN_BLOCKS
 // (dualtrack.kernels.ConvGeneralSpec.variant picks one per launch).
-typedef mma_tile::Tile<CONVG_F16_MAIN> Main;
-typedef mma_tile::Tile<CONVG_F16_NARROW> Narrow;  // K <= 32 output channels
-typedef mma_tile::Tile<CONVG_F16_WIDE> Wide;      // K >= 128 and enough pixels to fill the GPU
-typedef mma_tile::Tile<CONVG_F16_SMALL> Small;    // too few Main tiles to fill the GPU
+typedef mma::Swizzled<CONVG_F16_MAIN> Main;
+typedef mma::Swizzled<CONVG_F16_NARROW> Narrow;  // K <= 32 output channels
+typedef mma::Swizzled<CONVG_F16_WIDE> Wide;      // K >= 128 and enough pixels to fill the GPU
+typedef mma::Swizzled<CONVG_F16_SMALL> Small;    // too few Main tiles to fill the GPU
 
 }  // namespace convg
 
@@ -405,64 +408,40 @@ CONVG_F16_ENTRY(conv_nhwc_f16_small, convg::Small)
 
 namespace convg32 {
 
-enum : int {
-    BM = CONVG_F32_BM,
-    BN = CONVG_F32_BN,
-    BK = CONVG_F32_BK,
-    TM = CONVG_F32_TM,  // outputs per thread along pixels
-    TN = CONVG_F32_TN,  // outputs per thread along channels
-    THREADS = (BM / TM) * (BN / TN),
-    BMP = BM + 4,  // k-major rows padded by 4 floats (16-byte aligned, fewer store conflicts)
-    BNP = BN + 4,
-    A_SCA = BM * BK / THREADS,  // elements a thread loads per k-tile
-    B_SCA = BN * BK / THREADS,
-};
-static_assert(TM % 4 == 0 && TN % 4 == 0, "float4 fragments");
-static_assert(THREADS % BK == 0 && (BM * BK) % THREADS == 0 && (BN * BK) % THREADS == 0, "scalar loads");
-static_assert(2 * BK * (BMP + BNP) * 4 + 3 * BM * 4 <= 48 * 1024, "static shared memory is capped at 48 KiB");
+typedef simt::Tiles<CONVG_F32_BM, CONVG_F32_BN, CONVG_F32_BK, CONVG_F32_TM, CONVG_F32_TN> T;
+static_assert(T::SMEM_BYTES + 3 * T::BM * 4 <= 48 * 1024, "static shared memory is capped at 48 KiB");
 
-struct Staged {
-    float a[A_SCA];
-    float b[B_SCA];
-};
-
+// k-tile kt = flattened taps [kt*BK, kt*BK + BK), element by element (simt::store_tile's scalar
+// mapping: element i of a thread is row threadIdx.x / BK + i * (THREADS / BK), column threadIdx.x % BK).
 __device__ __forceinline__ void load(const float* x, const float* w, const convg::Problem& p, const int* row_h,
-                                     const int* row_w, const int* row_pix, Staged& st, int kt, int n0) {
-    const int kg = kt * BK + threadIdx.x % BK;
+                                     const int* row_w, const int* row_pix, simt::Stage<T>& st, int kt, int n0) {
+    const int kg = kt * T::BK + threadIdx.x % T::BK;
     const convg::Tap t = convg::tap_of(p, kg);
 #pragma unroll
-    for (int i = 0; i < A_SCA; ++i) {
-        const int row = threadIdx.x / BK + i * (THREADS / BK);
+    for (int i = 0; i < T::A_SCA; ++i) {
+        const int row = threadIdx.x / T::BK + i * (T::THREADS / T::BK);
         st.a[i] = convg::gather(x, p, row_h[row], row_w[row], row_pix[row], t);
     }
 #pragma unroll
-    for (int i = 0; i < B_SCA; ++i) {
-        const int k = n0 + threadIdx.x / BK + i * (THREADS / BK);
+    for (int i = 0; i < T::B_SCA; ++i) {
+        const int k = n0 + threadIdx.x / T::BK + i * (T::THREADS / T::BK);
         st.b[i] = (t.ok && k < p.K) ? w[static_cast<long long>(k) * p.Kg + kg] : 0.f;
     }
 }
 
-__device__ __forceinline__ void store(const Staged& st, float* As, float* Bs) {
-    const int j = threadIdx.x % BK;
-#pragma unroll
-    for (int i = 0; i < A_SCA; ++i) As[j * BMP + threadIdx.x / BK + i * (THREADS / BK)] = st.a[i];
-#pragma unroll
-    for (int i = 0; i < B_SCA; ++i) Bs[j * BNP + threadIdx.x / BK + i * (THREADS / BK)] = st.b[i];
-}
-
 }  // namespace convg32
 
-extern "C" __global__ void __launch_bounds__(convg32::THREADS) conv_nhwc_f32(CONVG_PARAMS(float)) {
-    using namespace convg32;
-    __shared__ __align__(16) float As[2 * BK * BMP];
-    __shared__ __align__(16) float Bs[2 * BK * BNP];
-    __shared__ int row_h[BM], row_w[BM], row_pix[BM];
+extern "C" __global__ void __launch_bounds__(convg32::T::THREADS) conv_nhwc_f32(CONVG_PARAMS(float)) {
+    using convg32::T;
+    __shared__ __align__(16) float As[2 * T::BK * T::BMP];
+    __shared__ __align__(16) float Bs[2 * T::BK * T::BNP];
+    __shared__ int row_h[T::BM], row_w[T::BM], row_pix[T::BM];
     const convg::Problem p = CONVG_PROBLEM;
-    const int m0 = blockIdx.x * BM;
-    const int n0 = blockIdx.y * BN;
-    const int tm0 = (threadIdx.x / (BN / TN)) * TM;  // this thread's pixels: m0+tm0 .. +TM-1
-    const int tn0 = (threadIdx.x % (BN / TN)) * TN;  // this thread's channels: n0+tn0 .. +TN-1
-    for (int i = threadIdx.x; i < BM; i += THREADS) {
+    const int m0 = blockIdx.x * T::BM;
+    const int n0 = blockIdx.y * T::BN;
+    const int tm0 = T::tm0();  // this thread's pixels: m0+tm0 .. +TM-1
+    const int tn0 = T::tn0();  // this thread's channels: n0+tn0 .. +TN-1
+    for (int i = threadIdx.x; i < T::BM; i += T::THREADS) {
         const convg::Origin o = convg::origin(p, m0 + i);
         row_h[i] = o.h;
         row_w[i] = o.w;
@@ -470,37 +449,16 @@ extern "C" __global__ void __launch_bounds__(convg32::THREADS) conv_nhwc_f32(CON
     }
     __syncthreads();
 
-    float acc[TM][TN];
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-        for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
-
-    const int num_kt = (p.Kg + BK - 1) / BK;
-    Staged st;
-    load(x, w, p, row_h, row_w, row_pix, st, 0, n0);
-    store(st, As, Bs);
-    __syncthreads();
-    for (int kt = 0; kt < num_kt; ++kt) {
-        const int buf = kt & 1;
-        const bool more = kt + 1 < num_kt;
-        // The next tile's global loads are in flight while this tile is multiplied.
-        if (more) load(x, w, p, row_h, row_w, row_pix, st, kt + 1, n0);
-        const float* A = As + buf * BK * BMP;
-        const float* B = Bs + buf * BK * BNP;
-        simt_ktile<BK, TM, TN, BMP, BNP>(A, B, acc, tm0, tn0);
-        // The other buffer was last read in iteration kt-1, which every thread has left (barrier
-        // at its end), so it can be overwritten without a second barrier.
-        if (more) store(st, As + (buf ^ 1) * BK * BMP, Bs + (buf ^ 1) * BK * BNP);
-        __syncthreads();
-    }
+    float acc[T::TM][T::TN];
+    const auto load = [&](simt::Stage<T>& st, int kt) { convg32::load(x, w, p, row_h, row_w, row_pix, st, kt, n0); };
+    simt::mainloop<T, false>(load, (p.Kg + T::BK - 1) / T::BK, As, Bs, acc);
 
 #pragma unroll
-    for (int i = 0; i < TM; ++i) {
+    for (int i = 0; i < T::TM; ++i) {
         const int m = m0 + tm0 + i;
         if (m >= p.M) break;
 #pragma unroll
-        for (int j = 0; j < TN; ++j) {
+        for (int j = 0; j < T::TN; ++j) {
             const int k = n0 + tn0 + j;
             if (k >= p.K) break;
             float v = acc[i][j] + (bias != nullptr ? bias[k] : 0.f);

@@ -24,8 +24,9 @@
 // geometry and the code always agree. Compile with `python -m dualtrack.ptx`.
 //
 // No toolkit #include (see conv3x3_nhwc.cu): fp16 values are raw IEEE bits in `unsigned short`;
-// conversions and tensor-core ops are inline PTX. The GEMM mainloops are those of
-// conv3x3_nhwc.cu with the im2col addressing removed; the helpers are dualtrack_device.cuh's.
+// conversions and tensor-core ops are inline PTX. The fp16 mainloop is conv3x3_nhwc.cu's with the
+// im2col addressing removed; the fp32 GEMM (simt::mainloop) and the helpers are
+// dualtrack_device.cuh's.
 
 #if !defined(CONVT_F16_BM) || !defined(CONVT_F16_BN) || !defined(CONVT_F16_BK) || \
     !defined(CONVT_F16_WARPS_M) || !defined(CONVT_F16_WARPS_N) || !defined(CONVT_F16_STAGES) || \
@@ -50,36 +51,20 @@ __device__ __forceinline__ long long out_pixel(int m, int W, int i, int j) {
 
 namespace f16convt {
 
-// Compile-time sizes as enumerators (namespace-scope constexpr variables become .global symbols).
-enum : int {
-    BM = CONVT_F16_BM,  // input pixels per block
-    BN = CONVT_F16_BN,  // GEMM columns (tap, output channel) per block
-    BK = CONVT_F16_BK,  // input channels per pipeline stage
-    WARPS_M = CONVT_F16_WARPS_M,
-    WARPS_N = CONVT_F16_WARPS_N,
-    STAGES = CONVT_F16_STAGES,
-    THREADS = 32 * WARPS_M * WARPS_N,
-    WM = BM / WARPS_M,  // warp tile
-    WN = BN / WARPS_N,
-    MT = WM / 16,  // m16 tiles per warp
-    NT = WN / 8,   // n8 tiles per warp
-    // Rows padded by 16 bytes so the 8 row addresses of one ldmatrix phase hit 8 distinct 16-byte
-    // bank groups (conflict-free fragment loads).
-    BKP = BK + 8,
-    A_STAGE = BM * BKP,  // halves
-    STAGE = (BM + BN) * BKP,
-    BNP = BN + 8,  // epilogue tile row, padded likewise
-    CPR = BK / 8,  // 16-byte chunks per tile row
-    SMEM_HALVES = (STAGES * STAGE > BM * BNP) ? STAGES * STAGE : BM * BNP,
-};
+// The tile (mma::Tiles) and its shared memory: A and B rows padded by 16 bytes so the 8 row
+// addresses of one ldmatrix phase hit 8 distinct 16-byte bank groups (conflict-free fragment loads).
+struct Cfg : mma::Tiles<CONVT_F16_BM, CONVT_F16_BN, CONVT_F16_BK, CONVT_F16_WARPS_M, CONVT_F16_WARPS_N,
+                        CONVT_F16_STAGES> {
+    enum : int {
+        BKP = BK + 8,
+        A_STAGE = BM * BKP,  // halves
+        STAGE = (BM + BN) * BKP,
+        SMEM_HALVES = (STAGES * STAGE > BM * BNP) ? STAGES * STAGE : BM * BNP,
+    };
+    static_assert(SMEM_HALVES * 2 <= 48 * 1024, "static shared memory is capped at 48 KiB");
 
-static_assert(BM % (16 * WARPS_M) == 0 && BN % (16 * WARPS_N) == 0, "warp tile must be m16 x n16 multiples");
-static_assert(BK % 16 == 0, "BK is a multiple of the mma k (16)");
-static_assert(STAGES >= 2, "cp.async pipeline needs two stages or more");
-static_assert(THREADS % CPR == 0 && (BM * CPR) % THREADS == 0 && (BN * CPR) % THREADS == 0, "vector loads");
-static_assert(THREADS % BK == 0 && (BM * BK) % THREADS == 0 && (BN * BK) % THREADS == 0, "scalar loads");
-static_assert(THREADS % (BN / 8) == 0 && (BM * (BN / 8)) % THREADS == 0, "epilogue stores");
-static_assert(SMEM_HALVES * 2 <= 48 * 1024, "static shared memory is capped at 48 KiB");
+    static __device__ __forceinline__ int at(int row, int q) { return row * BKP + q * 8; }  // halves
+};
 
 struct Problem {
     const f16* x;
@@ -89,82 +74,48 @@ struct Problem {
 
 // Vector path, k-tile kt = channels [kt*BK, kt*BK + BK): one cp.async group's worth of copies.
 __device__ __forceinline__ void load_tile_vec(const Problem& p, f16* stage, int kt, int m0, int n0) {
-    const int q8 = (threadIdx.x % CPR) * 8;
-    const int c = kt * BK + q8;
+    const int q8 = (threadIdx.x % Cfg::CPR) * 8;
+    const int c = kt * Cfg::BK + q8;
     const bool c_ok = c < p.C;  // C % 8 == 0: a chunk is wholly inside or outside
     f16* a = stage;
-    f16* b = stage + A_STAGE;
+    f16* b = stage + Cfg::A_STAGE;
 #pragma unroll
-    for (int i = 0; i < BM * CPR / THREADS; ++i) {
-        const int row = threadIdx.x / CPR + i * (THREADS / CPR);
+    for (int i = 0; i < Cfg::BM * Cfg::CPR / Cfg::THREADS; ++i) {
+        const int row = threadIdx.x / Cfg::CPR + i * (Cfg::THREADS / Cfg::CPR);
         const bool ok = c_ok && m0 + row < p.M;
         const f16* src = p.x;  // any valid address: with src-size 0 nothing is read
         if (ok) src = p.x + (static_cast<long long>(m0 + row) * p.ldx + c);
-        cp_async_16(smem_u32(a + row * BKP + q8), src, ok ? 16u : 0u);
+        cp_async_16(smem_u32(a + row * Cfg::BKP + q8), src, ok ? 16u : 0u);
     }
 #pragma unroll
-    for (int i = 0; i < BN * CPR / THREADS; ++i) {
-        const int row = threadIdx.x / CPR + i * (THREADS / CPR);
+    for (int i = 0; i < Cfg::BN * Cfg::CPR / Cfg::THREADS; ++i) {
+        const int row = threadIdx.x / Cfg::CPR + i * (Cfg::THREADS / Cfg::CPR);
         const int k = n0 + row;
         const bool ok = c_ok && k < p.NG;
         const f16* src = p.w;
         if (ok) src = p.w + (static_cast<long long>(k) * p.C + c);
-        cp_async_16(smem_u32(b + row * BKP + q8), src, ok ? 16u : 0u);
+        cp_async_16(smem_u32(b + row * Cfg::BKP + q8), src, ok ? 16u : 0u);
     }
 }
 
 // Scalar path, same k-tile, element by element. Each thread owns one column (channel).
 __device__ __forceinline__ void load_tile_scalar(const Problem& p, f16* stage, int kt, int m0, int n0) {
-    const int j = threadIdx.x % BK;
-    const int c = kt * BK + j;
+    const int j = threadIdx.x % Cfg::BK;
+    const int c = kt * Cfg::BK + j;
     const bool c_ok = c < p.C;
     f16* a = stage;
-    f16* b = stage + A_STAGE;
+    f16* b = stage + Cfg::A_STAGE;
 #pragma unroll 4
-    for (int i = 0; i < BM * BK / THREADS; ++i) {
-        const int row = threadIdx.x / BK + i * (THREADS / BK);
+    for (int i = 0; i < Cfg::BM * Cfg::BK / Cfg::THREADS; ++i) {
+        const int row = threadIdx.x / Cfg::BK + i * (Cfg::THREADS / Cfg::BK);
         const int m = m0 + row;
-        a[row * BKP + j] = (c_ok && m < p.M) ? p.x[static_cast<long long>(m) * p.ldx + c] : f16(0);
+        a[row * Cfg::BKP + j] = (c_ok && m < p.M) ? p.x[static_cast<long long>(m) * p.ldx + c] : f16(0);
     }
 #pragma unroll 4
-    for (int i = 0; i < BN * BK / THREADS; ++i) {
-        const int row = threadIdx.x / BK + i * (THREADS / BK);
+    for (int i = 0; i < Cfg::BN * Cfg::BK / Cfg::THREADS; ++i) {
+        const int row = threadIdx.x / Cfg::BK + i * (Cfg::THREADS / Cfg::BK);
         const int k = n0 + row;
-        b[row * BKP + j] = (c_ok && k < p.NG) ? p.w[static_cast<long long>(k) * p.C + c] : f16(0);
-    }
-}
-
-// One stage's BK columns through the tensor cores: ldmatrix fragments, MT x NT mma per k16.
-__device__ __forceinline__ void mma_stage(const f16* stage, float (&acc)[MT][NT][4], int wm, int wn, int lane) {
-    const unsigned a_base = smem_u32(stage);
-    const unsigned b_base = smem_u32(stage + A_STAGE);
-#pragma unroll
-    for (int kk = 0; kk < BK; kk += 16) {
-        unsigned af[MT][4];
-        unsigned bf[NT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            // lanes 0-15: rows 0-15 at k, lanes 16-31: the same rows at k+8 (the mma A fragment).
-            const int row = wm * WM + mt * 16 + (lane & 15);
-            const int col = kk + (lane >> 4) * 8;
-            ldmatrix_x4(af[mt], a_base + (row * BKP + col) * 2);
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; nt += 2) {
-            // matrices (n 0-7,k) (n 0-7,k+8) (n 8-15,k) (n 8-15,k+8) = b0,b1 of two n8 tiles.
-            const int row = wn * WN + nt * 8 + (lane >> 4) * 8 + (lane & 7);
-            const int col = kk + ((lane >> 3) & 1) * 8;
-            unsigned r[4];
-            ldmatrix_x4(r, b_base + (row * BKP + col) * 2);
-            bf[nt][0] = r[0];
-            bf[nt][1] = r[1];
-            bf[nt + 1][0] = r[2];
-            bf[nt + 1][1] = r[3];
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) mma_16816(acc[mt][nt], af[mt], bf[nt][0], bf[nt][1]);
+        b[row * Cfg::BKP + j] = (c_ok && k < p.NG) ? p.w[static_cast<long long>(k) * p.C + c] : f16(0);
     }
 }
 
@@ -186,50 +137,50 @@ __device__ __forceinline__ T* out_at(T* y, int m, int W, int n, int K, int ldy) 
     return y + (out_pixel(m, W, t >> 1, t & 1) * ldy + (n - t * K));
 }
 
-extern "C" __global__ void __launch_bounds__(f16convt::THREADS)
+extern "C" __global__ void __launch_bounds__(f16convt::Cfg::THREADS)
 convt2x2_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const float* __restrict__ bias,
                   f16* __restrict__ y, int N, int H, int W, int C, int K, int ldx, int ldy) {
     using namespace f16convt;
-    __shared__ __align__(16) f16 smem[SMEM_HALVES];
+    __shared__ __align__(16) f16 smem[Cfg::SMEM_HALVES];
 
     const int M = N * H * W;  // the launcher refuses M >= 2^31
     const int NG = 4 * K;
     int m0, n0;
-    block_tile(BM, BN, NG, &m0, &n0);
+    block_tile(Cfg::BM, Cfg::BN, NG, &m0, &n0);
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const int wm = warp % WARPS_M;
-    const int wn = warp / WARPS_M;
+    const int wm = warp % Cfg::WARPS_M;
+    const int wn = warp / Cfg::WARPS_M;
     const Problem p{x, w, C, NG, ldx, M};
 
-    float acc[MT][NT][4];
+    float acc[Cfg::MT][Cfg::NT][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < Cfg::MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < Cfg::NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
 
-    const int num_kt = (C + BK - 1) / BK;
+    const int num_kt = (C + Cfg::BK - 1) / Cfg::BK;
     // With C % 8 == 0, every row of w is 16-byte aligned if w is.
     const bool vec = C % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(w);
     if (vec) {
         // Prologue fills STAGES-1 stages; every iteration then commits exactly one group (possibly
         // empty), so "all but the newest STAGES-2 groups done" always means "tile kt has landed".
 #pragma unroll
-        for (int st = 0; st < STAGES - 1; ++st) {
-            if (st < num_kt) load_tile_vec(p, smem + st * STAGE, st, m0, n0);
+        for (int st = 0; st < Cfg::STAGES - 1; ++st) {
+            if (st < num_kt) load_tile_vec(p, smem + st * Cfg::STAGE, st, m0, n0);
             cp_async_commit();
         }
         for (int kt = 0; kt < num_kt; ++kt) {
-            cp_async_wait<STAGES - 2>();
+            cp_async_wait<Cfg::STAGES - 2>();
             // Publishes tile kt to all warps, and tells everyone that stage (kt-1)%STAGES, which
             // the prefetch below overwrites, has been consumed.
             __syncthreads();
-            const int pf = kt + STAGES - 1;
-            if (pf < num_kt) load_tile_vec(p, smem + (pf % STAGES) * STAGE, pf, m0, n0);
+            const int pf = kt + Cfg::STAGES - 1;
+            if (pf < num_kt) load_tile_vec(p, smem + (pf % Cfg::STAGES) * Cfg::STAGE, pf, m0, n0);
             cp_async_commit();
-            mma_stage(smem + (kt % STAGES) * STAGE, acc, wm, wn, lane);
+            mma::stage<Cfg>(smem_u32(smem + (kt % Cfg::STAGES) * Cfg::STAGE), acc, wm, wn, lane);
         }
         cp_async_wait<0>();
     } else {
@@ -237,7 +188,7 @@ convt2x2_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const fl
             __syncthreads();
             load_tile_scalar(p, smem, kt, m0, n0);
             __syncthreads();
-            mma_stage(smem, acc, wm, wn, lane);
+            mma::stage<Cfg>(smem_u32(smem), acc, wm, wn, lane);
         }
     }
     __syncthreads();  // the epilogue tile reuses the pipeline's shared memory
@@ -246,21 +197,21 @@ convt2x2_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const fl
     // global stores are whole 16-byte chunks of consecutive channels.
     f16* tile = smem;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const int col = wn * WN + nt * 8 + (lane & 3) * 2;
+    for (int nt = 0; nt < Cfg::NT; ++nt) {
+        const int col = wn * Cfg::WN + nt * 8 + (lane & 3) * 2;
         const int n = n0 + col;  // bias of channel n % K
         const float b0 = (bias != nullptr && n < NG) ? bias[n % K] : 0.f;
         const float b1 = (bias != nullptr && n + 1 < NG) ? bias[(n + 1) % K] : 0.f;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const int row = wm * WM + mt * 16 + (lane >> 2);
+        for (int mt = 0; mt < Cfg::MT; ++mt) {
+            const int row = wm * Cfg::WM + mt * 16 + (lane >> 2);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const float v0 = acc[mt][nt][2 * half] + b0;
                 const float v1 = acc[mt][nt][2 * half + 1] + b1;
                 const unsigned packed = static_cast<unsigned>(f32_to_f16(v0)) |
                                         (static_cast<unsigned>(f32_to_f16(v1)) << 16);
-                *reinterpret_cast<unsigned*>(tile + (row + 8 * half) * BNP + col) = packed;
+                *reinterpret_cast<unsigned*>(tile + (row + 8 * half) * Cfg::BNP + col) = packed;
             }
         }
     }
@@ -268,15 +219,15 @@ convt2x2_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const fl
 
     // A chunk of 8 columns stays within one tap when K % 8 == 0: one 16-byte store where allowed.
     const bool vec_out = K % 8 == 0 && ldy % 8 == 0 && aligned16(y);
-    constexpr int OCPR = BN / 8;
+    constexpr int OCPR = Cfg::BN / 8;
 #pragma unroll
-    for (int i = 0; i < BM * OCPR / THREADS; ++i) {
-        const int row = threadIdx.x / OCPR + i * (THREADS / OCPR);
+    for (int i = 0; i < Cfg::BM * OCPR / Cfg::THREADS; ++i) {
+        const int row = threadIdx.x / OCPR + i * (Cfg::THREADS / OCPR);
         const int q8 = (threadIdx.x % OCPR) * 8;
         const int m = m0 + row;
         const int n = n0 + q8;
         if (m >= M || n >= NG) continue;
-        const f16* src = tile + row * BNP + q8;
+        const f16* src = tile + row * Cfg::BNP + q8;
         if (vec_out) {
             *reinterpret_cast<uint4*>(out_at(y, m, W, n, K, ldy)) = *reinterpret_cast<const uint4*>(src);
         } else {
@@ -286,33 +237,15 @@ convt2x2_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const fl
 }
 
 // ------------------------------------------------------------------------------------------------
-// fp32: CUDA cores, register-tiled SIMT GEMM, k-major shared tiles, register-staged double buffer.
+// fp32: CUDA cores, the register-tiled SIMT GEMM of dualtrack_device.cuh (simt::mainloop); this
+// section brings its loads and the scattering epilogue.
 // ------------------------------------------------------------------------------------------------
 
 namespace f32convt {
 
-enum : int {
-    BM = CONVT_F32_BM,
-    BN = CONVT_F32_BN,
-    BK = CONVT_F32_BK,
-    TM = CONVT_F32_TM,  // outputs per thread along pixels
-    TN = CONVT_F32_TN,  // outputs per thread along channels
-    THREADS = (BM / TM) * (BN / TN),
-    // k-major tiles (As[k][m]) so a thread's TM pixels and TN channels are float4 reads; rows padded
-    // by 4 floats (16-byte alignment kept, fewer bank conflicts in the transposing stores).
-    BMP = BM + 4,
-    BNP = BN + 4,
-    CPR = BK / 4,                // float4 chunks per tile row (vector path)
-    A_VEC = BM * CPR / THREADS,  // chunks per thread
-    B_VEC = BN * CPR / THREADS,
-    A_SCA = BM * BK / THREADS,  // elements per thread (scalar path)
-    B_SCA = BN * BK / THREADS,
-};
+typedef simt::Tiles<CONVT_F32_BM, CONVT_F32_BN, CONVT_F32_BK, CONVT_F32_TM, CONVT_F32_TN> T;
 
-static_assert(TM % 4 == 0 && TN % 4 == 0 && BK % 4 == 0, "float4 fragments");
-static_assert(THREADS % CPR == 0 && (BM * CPR) % THREADS == 0 && (BN * CPR) % THREADS == 0, "vector loads");
-static_assert(THREADS % BK == 0 && (BM * BK) % THREADS == 0 && (BN * BK) % THREADS == 0, "scalar loads");
-static_assert(2 * BK * (BMP + BNP) * 4 <= 48 * 1024, "static shared memory is capped at 48 KiB");
+static_assert(T::SMEM_BYTES <= 48 * 1024, "static shared memory is capped at 48 KiB");
 
 struct Problem {
     const float* x;
@@ -320,145 +253,91 @@ struct Problem {
     int C, NG, ldx, M;  // NG = 4K GEMM columns
 };
 
-// Staging registers: one k-tile of A and B on its way from global to shared memory.
-struct Stage {
-    float a[A_SCA > 4 * A_VEC ? A_SCA : 4 * A_VEC];
-    float b[B_SCA > 4 * B_VEC ? B_SCA : 4 * B_VEC];
-};
+// Rows first, first + STEP, ... (N of them) of a row-major matrix (`rows` rows, row stride ld),
+// columns c .. c+3 (VEC: one float4 a row into dst[4*i ..]) or column c (dst[i]); zero past the
+// matrix. A and B of this GEMM are both such matrices: x (M x C) and wp (4K x C).
+template <bool VEC, int N, int STEP, int LEN>
+__device__ __forceinline__ void load_rows(float (&dst)[LEN], const float* src, int ld, int rows, int first, int c,
+                                          bool c_ok) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const int row = first + i * STEP;
+        const bool ok = c_ok && row < rows;
+        if constexpr (VEC) {
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (ok) v = *reinterpret_cast<const float4*>(src + (static_cast<long long>(row) * ld + c));
+            simt::put4(dst, 4 * i, v);
+        } else {
+            dst[i] = ok ? src[static_cast<long long>(row) * ld + c] : 0.f;
+        }
+    }
+}
 
 template <bool VEC>
-__device__ __forceinline__ void load_tile(const Problem& p, Stage& st, int kt, int m0, int n0) {
+__device__ __forceinline__ void load_tile(const Problem& p, simt::Stage<T>& st, int kt, int m0, int n0) {
     if constexpr (VEC) {
-        const int c = kt * BK + (threadIdx.x % CPR) * 4;
+        const int c = kt * T::BK + (threadIdx.x % T::CPR) * 4;
         const bool c_ok = c < p.C;  // C % 4 == 0: a float4 is wholly inside or outside
-#pragma unroll
-        for (int i = 0; i < A_VEC; ++i) {
-            const int m = m0 + threadIdx.x / CPR + i * (THREADS / CPR);
-            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (c_ok && m < p.M) v = *reinterpret_cast<const float4*>(p.x + (static_cast<long long>(m) * p.ldx + c));
-            st.a[4 * i] = v.x;
-            st.a[4 * i + 1] = v.y;
-            st.a[4 * i + 2] = v.z;
-            st.a[4 * i + 3] = v.w;
-        }
-#pragma unroll
-        for (int i = 0; i < B_VEC; ++i) {
-            const int k = n0 + threadIdx.x / CPR + i * (THREADS / CPR);
-            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (c_ok && k < p.NG) v = *reinterpret_cast<const float4*>(p.w + (static_cast<long long>(k) * p.C + c));
-            st.b[4 * i] = v.x;
-            st.b[4 * i + 1] = v.y;
-            st.b[4 * i + 2] = v.z;
-            st.b[4 * i + 3] = v.w;
-        }
+        const int row = threadIdx.x / T::CPR;
+        load_rows<true, T::A_VEC, T::THREADS / T::CPR>(st.a, p.x, p.ldx, p.M, m0 + row, c, c_ok);
+        load_rows<true, T::B_VEC, T::THREADS / T::CPR>(st.b, p.w, p.C, p.NG, n0 + row, c, c_ok);
     } else {
-        const int c = kt * BK + threadIdx.x % BK;
+        const int c = kt * T::BK + threadIdx.x % T::BK;
         const bool c_ok = c < p.C;
-#pragma unroll
-        for (int i = 0; i < A_SCA; ++i) {
-            const int m = m0 + threadIdx.x / BK + i * (THREADS / BK);
-            st.a[i] = (c_ok && m < p.M) ? p.x[static_cast<long long>(m) * p.ldx + c] : 0.f;
-        }
-#pragma unroll
-        for (int i = 0; i < B_SCA; ++i) {
-            const int k = n0 + threadIdx.x / BK + i * (THREADS / BK);
-            st.b[i] = (c_ok && k < p.NG) ? p.w[static_cast<long long>(k) * p.C + c] : 0.f;
-        }
+        const int row = threadIdx.x / T::BK;
+        load_rows<false, T::A_SCA, T::THREADS / T::BK>(st.a, p.x, p.ldx, p.M, m0 + row, c, c_ok);
+        load_rows<false, T::B_SCA, T::THREADS / T::BK>(st.b, p.w, p.C, p.NG, n0 + row, c, c_ok);
     }
 }
 
-// Transposing store of the staged tile into As[k][m], Bs[k][n] (same element mapping as load_tile).
+// The GEMM over the C input channels, BK of them a k-tile.
 template <bool VEC>
-__device__ __forceinline__ void store_tile(const Stage& st, float* As, float* Bs) {
-    if constexpr (VEC) {
-        const int c4 = (threadIdx.x % CPR) * 4;
-#pragma unroll
-        for (int i = 0; i < A_VEC; ++i) {
-            const int row = threadIdx.x / CPR + i * (THREADS / CPR);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) As[(c4 + e) * BMP + row] = st.a[4 * i + e];
-        }
-#pragma unroll
-        for (int i = 0; i < B_VEC; ++i) {
-            const int row = threadIdx.x / CPR + i * (THREADS / CPR);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) Bs[(c4 + e) * BNP + row] = st.b[4 * i + e];
-        }
-    } else {
-        const int j = threadIdx.x % BK;
-#pragma unroll
-        for (int i = 0; i < A_SCA; ++i) As[j * BMP + threadIdx.x / BK + i * (THREADS / BK)] = st.a[i];
-#pragma unroll
-        for (int i = 0; i < B_SCA; ++i) Bs[j * BNP + threadIdx.x / BK + i * (THREADS / BK)] = st.b[i];
-    }
-}
-
-template <bool VEC>
-__device__ __forceinline__ void mainloop(const Problem& p, float* As, float* Bs, float (&acc)[TM][TN], int m0,
-                                         int n0, int tm0, int tn0) {
-    const int num_kt = (p.C + BK - 1) / BK;
-    Stage st;
-    load_tile<VEC>(p, st, 0, m0, n0);
-    store_tile<VEC>(st, As, Bs);
-    __syncthreads();
-    for (int kt = 0; kt < num_kt; ++kt) {
-        const int buf = kt & 1;
-        const bool more = kt + 1 < num_kt;
-        // The next tile's global loads are in flight while this tile is multiplied.
-        if (more) load_tile<VEC>(p, st, kt + 1, m0, n0);
-        const float* A = As + buf * BK * BMP;
-        const float* B = Bs + buf * BK * BNP;
-        simt_ktile<BK, TM, TN, BMP, BNP>(A, B, acc, tm0, tn0);
-        // The other buffer was last read in iteration kt-1, which every thread has left (barrier
-        // at its end), so it can be overwritten without a second barrier.
-        if (more) store_tile<VEC>(st, As + (buf ^ 1) * BK * BMP, Bs + (buf ^ 1) * BK * BNP);
-        __syncthreads();
-    }
+__device__ __forceinline__ void mainloop(const Problem& p, float* As, float* Bs, float (&acc)[T::TM][T::TN], int m0,
+                                         int n0) {
+    const int num_kt = (p.C + T::BK - 1) / T::BK;
+    const auto load = [&](simt::Stage<T>& st, int kt) { load_tile<VEC>(p, st, kt, m0, n0); };
+    simt::mainloop<T, VEC>(load, num_kt, As, Bs, acc);
 }
 
 }  // namespace f32convt
 
-extern "C" __global__ void __launch_bounds__(f32convt::THREADS)
+extern "C" __global__ void __launch_bounds__(f32convt::T::THREADS)
 convt2x2_nhwc_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
                   float* __restrict__ y, int N, int H, int W, int C, int K, int ldx, int ldy) {
-    using namespace f32convt;
-    __shared__ __align__(16) float As[2 * BK * BMP];
-    __shared__ __align__(16) float Bs[2 * BK * BNP];
+    using f32convt::T;
+    __shared__ __align__(16) float As[2 * T::BK * T::BMP];
+    __shared__ __align__(16) float Bs[2 * T::BK * T::BNP];
 
     const int M = N * H * W;
     const int NG = 4 * K;
     int m0, n0;
-    block_tile(BM, BN, NG, &m0, &n0);
-    const int tm0 = (threadIdx.x / (BN / TN)) * TM;  // this thread's pixels: m0+tm0 .. +TM-1
-    const int tn0 = (threadIdx.x % (BN / TN)) * TN;  // this thread's columns: n0+tn0 .. +TN-1
-    const Problem p{x, w, C, NG, ldx, M};
+    block_tile(T::BM, T::BN, NG, &m0, &n0);
+    const int tm0 = T::tm0();  // this thread's pixels: m0+tm0 .. +TM-1
+    const int tn0 = T::tn0();  // this thread's columns: n0+tn0 .. +TN-1
+    const f32convt::Problem p{x, w, C, NG, ldx, M};
 
-    float acc[TM][TN];
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-        for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
+    float acc[T::TM][T::TN];
 
     // With C % 4 == 0, every row of w is 16-byte aligned if w is.
     if (C % 4 == 0 && ldx % 4 == 0 && aligned16(x) && aligned16(w))
-        mainloop<true>(p, As, Bs, acc, m0, n0, tm0, tn0);
+        f32convt::mainloop<true>(p, As, Bs, acc, m0, n0);
     else
-        mainloop<false>(p, As, Bs, acc, m0, n0, tm0, tn0);
+        f32convt::mainloop<false>(p, As, Bs, acc, m0, n0);
 
-    float bv[TN];
+    float bv[T::TN];
 #pragma unroll
-    for (int j = 0; j < TN; ++j) {
+    for (int j = 0; j < T::TN; ++j) {
         const int n = n0 + tn0 + j;
         bv[j] = (bias != nullptr && n < NG) ? bias[n % K] : 0.f;
     }
     // 4 columns stay within one tap when K % 4 == 0: one 16-byte store where allowed.
     const bool vec_out = K % 4 == 0 && ldy % 4 == 0 && aligned16(y);
 #pragma unroll
-    for (int i = 0; i < TM; ++i) {
+    for (int i = 0; i < T::TM; ++i) {
         const int m = m0 + tm0 + i;
         if (m >= M) break;
 #pragma unroll
-        for (int j = 0; j < TN; j += 4) {
+        for (int j = 0; j < T::TN; j += 4) {
             const int n = n0 + tn0 + j;
             float v[4];
 #pragma unroll

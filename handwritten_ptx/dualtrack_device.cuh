@@ -59,36 +59,6 @@ __device__ __forceinline__ float4 lds128(const float* p) {
     return v;
 }
 
-// One k-tile of a register-tiled SIMT GEMM (the fp32 kernels): acc[i][j] += A[k][tm0+i] * B[k][tn0+j]
-// for k < BK, from k-major shared tiles with row pitches BMP and BNP floats (16-byte reads).
-template <int BK, int TM, int TN, int BMP, int BNP>
-__device__ __forceinline__ void simt_ktile(const float* A, const float* B, float (&acc)[TM][TN], int tm0, int tn0) {
-#pragma unroll
-    for (int k = 0; k < BK; ++k) {
-        float a[TM], b[TN];
-#pragma unroll
-        for (int i = 0; i < TM; i += 4) {
-            const float4 v = lds128(A + k * BMP + tm0 + i);
-            a[i] = v.x;
-            a[i + 1] = v.y;
-            a[i + 2] = v.z;
-            a[i + 3] = v.w;
-        }
-#pragma unroll
-        for (int j = 0; j < TN; j += 4) {
-            const float4 v = lds128(B + k * BNP + tn0 + j);
-            b[j] = v.x;
-            b[j + 1] = v.y;
-            b[j + 2] = v.z;
-            b[j + 3] = v.w;
-        }
-#pragma unroll
-        for (int i = 0; i < TM; ++i)
-#pragma unroll
-            for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
-    }
-}
-
 // D += A(16x16, row) * B(16x8, col), fp16 inputs, fp32 accumulators.
 __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm volatile(
@@ -153,3 +123,230 @@ __device__ __forceinline__ NhwcIndex nhwc_index(long long idx, int H, int W, int
     }
     return r;
 }
+
+// ------------------------------------------------------------------------------------------------
+// The fp16 kernels' tensor-core tiling (conv3x3_nhwc_f16*, conv_nhwc_f16*, convt2x2_nhwc_f16): a
+// BM x BN output tile per block of WARPS_M x WARPS_N warps, each warp MT x NT mma.sync m16n8k16
+// tiles; BK-deep k-tiles copied in 16-byte chunks through STAGES cp.async stages; the epilogue
+// stages the tile in shared memory in rows of BNP halves. How A and B lie in shared memory is the
+// layout's: Swizzled (the implicit-GEMM convolutions) or a kernel's own (convt2x2's padded rows).
+// ------------------------------------------------------------------------------------------------
+
+namespace mma {
+
+template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_>
+struct Tiles {
+    enum : int {
+        BM = BM_,
+        BN = BN_,
+        BK = BK_,
+        WARPS_M = WARPS_M_,
+        WARPS_N = WARPS_N_,
+        STAGES = STAGES_,
+        THREADS = 32 * WARPS_M * WARPS_N,
+        WM = BM / WARPS_M,  // warp tile
+        WN = BN / WARPS_N,
+        MT = WM / 16,  // m16 tiles per warp
+        NT = WN / 8,   // n8 tiles per warp
+        CPR = BK / 8,  // 16-byte chunks per tile row
+        BNP = BN + 8,  // epilogue tile row, padded by 16 bytes (conflict-free 4-byte stores)
+    };
+    static_assert(BM % (16 * WARPS_M) == 0 && BN % (16 * WARPS_N) == 0, "warp tile must be m16 x n16 multiples");
+    static_assert(BK % 16 == 0, "BK is a multiple of the mma k (16)");
+    static_assert(STAGES >= 2, "cp.async pipeline needs two stages or more");
+    static_assert(THREADS % CPR == 0 && (BM * CPR) % THREADS == 0 && (BN * CPR) % THREADS == 0, "vector loads");
+    static_assert(THREADS % BK == 0 && (BM * BK) % THREADS == 0 && (BN * BK) % THREADS == 0, "scalar loads");
+    static_assert(THREADS % (BN / 8) == 0 && (BM * (BN / 8)) % THREADS == 0, "epilogue stores");
+};
+
+// The implicit-GEMM convolutions' layout (conv3x3_nhwc_f16*, conv_nhwc_f16*): a stage is the A
+// tile (BM rows) then the B tile (BN rows), each unpadded [row][BK] halves with the 16-byte chunks
+// of each row XOR-swizzled (swz), so the 8 row addresses of one ldmatrix phase hit 8 distinct bank
+// groups. Registers are capped so that MIN_BLOCKS blocks fit on an SM (__launch_bounds__).
+template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, int MIN_BLOCKS_>
+struct Swizzled : Tiles<BM_, BN_, BK_, WARPS_M_, WARPS_N_, STAGES_> {
+    typedef Tiles<BM_, BN_, BK_, WARPS_M_, WARPS_N_, STAGES_> T;
+    enum : int {
+        A_STAGE = BM_ * BK_,  // halves
+        STAGE = (BM_ + BN_) * BK_,
+        A_CH = BM_ * T::CPR / T::THREADS,  // 16-byte A chunks a thread copies per k-tile
+        B_CH = BN_ * T::CPR / T::THREADS,
+        PIPE = STAGES_ * STAGE,  // halves
+        MIN_BLOCKS = MIN_BLOCKS_,
+    };
+    static_assert(BK_ == 32 || BK_ == 64, "the swizzle is written for 64- and 128-byte tile rows");
+
+    // Physical 16-byte chunk of logical chunk q in tile row `row`. 64-byte rows (BK = 32): rows
+    // 2j, 2j+1 share a 128-byte line, so XOR with bits 1-2 of the row; 128-byte rows: bits 0-2.
+    static __device__ __forceinline__ int swz(int row, int q) {
+        return BK_ == 32 ? (q ^ ((row >> 1) & 3)) : (q ^ (row & 7));
+    }
+    static __device__ __forceinline__ int at(int row, int q) { return row * BK_ + swz(row, q) * 8; }  // halves
+};
+
+// One stage's BK columns through the tensor cores: ldmatrix fragments, MT x NT mma per k16, into
+// acc. The stage at shared address a_base holds A (BM rows) then B (BN rows, from A_STAGE halves
+// on), each a [row][BK] tile whose 16-byte chunk q of row r starts CF::at(r, q) halves in.
+template <class CF>
+__device__ __forceinline__ void stage(unsigned a_base, float (&acc)[CF::MT][CF::NT][4], int wm, int wn, int lane) {
+    const unsigned b_base = a_base + CF::A_STAGE * 2;
+#pragma unroll
+    for (int kk = 0; kk < CF::BK; kk += 16) {
+        unsigned af[CF::MT][4];
+        unsigned bf[CF::NT][2];
+#pragma unroll
+        for (int mt = 0; mt < CF::MT; ++mt) {
+            // lanes 0-15 address rows 0-15 at k, lanes 16-31 the same rows at k+8: matrices
+            // (rows 0-7,k) (rows 8-15,k) (rows 0-7,k+8) (rows 8-15,k+8) = the mma A fragment.
+            const int row = wm * CF::WM + mt * 16 + (lane & 15);
+            ldmatrix_x4(af[mt], a_base + CF::at(row, kk / 8 + (lane >> 4)) * 2);
+        }
+#pragma unroll
+        for (int nt = 0; nt < CF::NT; nt += 2) {
+            // matrices (n 0-7,k) (n 0-7,k+8) (n 8-15,k) (n 8-15,k+8) = b0,b1 of two n8 tiles.
+            const int row = wn * CF::WN + nt * 8 + (lane >> 4) * 8 + (lane & 7);
+            unsigned r[4];
+            ldmatrix_x4(r, b_base + CF::at(row, kk / 8 + ((lane >> 3) & 1)) * 2);
+            bf[nt][0] = r[0];
+            bf[nt][1] = r[1];
+            bf[nt + 1][0] = r[2];
+            bf[nt + 1][1] = r[3];
+        }
+#pragma unroll
+        for (int mt = 0; mt < CF::MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < CF::NT; ++nt) mma_16816(acc[mt][nt], af[mt], bf[nt][0], bf[nt][1]);
+    }
+}
+
+}  // namespace mma
+
+// ------------------------------------------------------------------------------------------------
+// The fp32 kernels' GEMM (conv3x3_nhwc_f32, convt2x2_nhwc_f32, conv_nhwc_f32): CUDA cores, register-tiled SIMT,
+// k-major shared tiles, register-staged double buffer. A block computes BM x BN outputs, a thread
+// TM x TN of them; k-tiles are BK deep. A kernel brings only how one k-tile is read from global
+// memory (its `load`, into a Stage) and its epilogue.
+// ------------------------------------------------------------------------------------------------
+
+namespace simt {
+
+// The compile-time sizes as enumerators (namespace-scope constexpr variables become .global
+// symbols in the PTX).
+template <int BM_, int BN_, int BK_, int TM_, int TN_>
+struct Tiles {
+    enum : int {
+        BM = BM_,
+        BN = BN_,
+        BK = BK_,
+        TM = TM_,  // outputs per thread along pixels
+        TN = TN_,  // outputs per thread along channels
+        THREADS = (BM / TM) * (BN / TN),
+        // k-major tiles (As[k][m]) so a thread's TM pixels and TN channels are float4 reads; rows
+        // padded by 4 floats, which keeps 16-byte alignment and halves the bank conflicts of the
+        // transposing stores.
+        BMP = BM + 4,
+        BNP = BN + 4,
+        CPR = BK / 4,                // float4 chunks per tile row (vector path)
+        A_VEC = BM * CPR / THREADS,  // chunks per thread
+        B_VEC = BN * CPR / THREADS,
+        A_SCA = BM * BK / THREADS,  // elements per thread (scalar path)
+        B_SCA = BN * BK / THREADS,
+        SMEM_BYTES = 2 * BK * (BMP + BNP) * 4,  // the two buffers of As and Bs
+    };
+    static_assert(TM % 4 == 0 && TN % 4 == 0 && BK % 4 == 0, "float4 fragments");
+    static_assert(THREADS % CPR == 0 && (BM * CPR) % THREADS == 0 && (BN * CPR) % THREADS == 0, "vector loads");
+    static_assert(THREADS % BK == 0 && (BM * BK) % THREADS == 0 && (BN * BK) % THREADS == 0, "scalar loads");
+
+    // This thread's outputs within the block's tile: rows tm0() .. +TM-1, columns tn0() .. +TN-1.
+    static __device__ __forceinline__ int tm0() { return (threadIdx.x / (BN / TN)) * TM; }
+    static __device__ __forceinline__ int tn0() { return (threadIdx.x % (BN / TN)) * TN; }
+};
+
+// Staging registers: one k-tile of A and B on its way from global to shared memory. The vector
+// path fills a[4*i .. 4*i+3] with chunk i, the scalar path a[i] with element i.
+template <class T>
+struct Stage {
+    float a[T::A_SCA > 4 * T::A_VEC ? T::A_SCA : 4 * T::A_VEC];
+    float b[T::B_SCA > 4 * T::B_VEC ? T::B_SCA : 4 * T::B_VEC];
+};
+
+// dst[at .. at+3] = v: a float4 into a register array (staged tile, fragments).
+template <int N>
+__device__ __forceinline__ void put4(float (&dst)[N], int at, const float4 v) {
+    dst[at] = v.x;
+    dst[at + 1] = v.y;
+    dst[at + 2] = v.z;
+    dst[at + 3] = v.w;
+}
+
+// Transposing store of the staged tile into As[k][m], Bs[k][n] (the element mapping of the loads:
+// vector chunk i of a thread is row threadIdx.x / CPR + i * (THREADS / CPR), channels
+// (threadIdx.x % CPR) * 4 ..; scalar element i is row threadIdx.x / BK + i * (THREADS / BK),
+// column threadIdx.x % BK).
+template <class T, bool VEC>
+__device__ __forceinline__ void store_tile(const Stage<T>& st, float* As, float* Bs) {
+    if constexpr (VEC) {
+        const int c4 = (threadIdx.x % T::CPR) * 4;
+#pragma unroll
+        for (int i = 0; i < T::A_VEC; ++i) {
+            const int row = threadIdx.x / T::CPR + i * (T::THREADS / T::CPR);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) As[(c4 + e) * T::BMP + row] = st.a[4 * i + e];
+        }
+#pragma unroll
+        for (int i = 0; i < T::B_VEC; ++i) {
+            const int row = threadIdx.x / T::CPR + i * (T::THREADS / T::CPR);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) Bs[(c4 + e) * T::BNP + row] = st.b[4 * i + e];
+        }
+    } else {
+        const int j = threadIdx.x % T::BK;
+#pragma unroll
+        for (int i = 0; i < T::A_SCA; ++i) As[j * T::BMP + threadIdx.x / T::BK + i * (T::THREADS / T::BK)] = st.a[i];
+#pragma unroll
+        for (int i = 0; i < T::B_SCA; ++i) Bs[j * T::BNP + threadIdx.x / T::BK + i * (T::THREADS / T::BK)] = st.b[i];
+    }
+}
+
+// acc = A * B over num_kt k-tiles, for this thread's outputs (Tiles::tm0, tn0); `load(st, kt)`
+// reads k-tile kt into the staging registers (VEC: float4 chunks, else elements), As and Bs hold
+// two k-tiles each.
+template <class T, bool VEC, class Load>
+__device__ __forceinline__ void mainloop(const Load& load, int num_kt, float* As, float* Bs,
+                                         float (&acc)[T::TM][T::TN]) {
+    const int tm0 = T::tm0(), tn0 = T::tn0();
+#pragma unroll
+    for (int i = 0; i < T::TM; ++i)
+#pragma unroll
+        for (int j = 0; j < T::TN; ++j) acc[i][j] = 0.f;
+    Stage<T> st;
+    load(st, 0);
+    store_tile<T, VEC>(st, As, Bs);
+    __syncthreads();
+    for (int kt = 0; kt < num_kt; ++kt) {
+        const int buf = kt & 1;
+        const bool more = kt + 1 < num_kt;
+        // The next tile's global loads are in flight while this tile is multiplied.
+        if (more) load(st, kt + 1);
+        const float* A = As + buf * T::BK * T::BMP;
+        const float* B = Bs + buf * T::BK * T::BNP;
+#pragma unroll
+        for (int k = 0; k < T::BK; ++k) {
+            float a[T::TM], b[T::TN];
+#pragma unroll
+            for (int i = 0; i < T::TM; i += 4) put4(a, i, lds128(A + k * T::BMP + tm0 + i));
+#pragma unroll
+            for (int j = 0; j < T::TN; j += 4) put4(b, j, lds128(B + k * T::BNP + tn0 + j));
+#pragma unroll
+            for (int i = 0; i < T::TM; ++i)
+#pragma unroll
+                for (int j = 0; j < T::TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        // The other buffer was last read in iteration kt-1, which every thread has left (barrier
+        // at its end), so it can be overwritten without a second barrier.
+        if (more) store_tile<T, VEC>(st, As + (buf ^ 1) * T::BK * T::BMP, Bs + (buf ^ 1) * T::BK * T::BNP);
+        __syncthreads();
+    }
+}
+
+}  // namespace simt

@@ -11,10 +11,12 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 import pytest
+import uvicorn
 from click.testing import CliRunner, Result
 from onnx import helper
 from PIL import Image
@@ -32,6 +34,8 @@ from dualtrack.errors import (
 )
 from dualtrack.manifest import BUNDLE_FORMAT
 from dualtrack.runtime.engine import Engine
+from dualtrack.serve import app as app_module
+from dualtrack.serve.options import ServeOptions
 
 TINY_YAML = Path(__file__).parent / "data" / "tiny.yaml"
 
@@ -179,6 +183,27 @@ def test_run_resizes_the_mask_back_to_the_image(tiny_bundle: Path, tmp_path: Pat
     result = invoke("run", tiny_bundle, img, "-o", tmp_path / "mask.png")
     assert result.exit_code == 0, result.stderr
     assert Image.open(tmp_path / "mask.png").size == (100, 40)
+
+
+def test_serve_hands_its_options_to_the_app(tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve` builds one ServeOptions from the option table (the others at their defaults) and hands
+    it, with --jpeg-decoder, to create_app; uvicorn is not started."""
+    built: list[tuple[dict[str, Any], Any]] = []
+    real_create_app = app_module.create_app
+
+    def create_app(source: Any, **kwargs: Any) -> Any:
+        app = real_create_app(source, **kwargs)
+        built.append((kwargs, app))
+        return app
+
+    monkeypatch.setattr(app_module, "create_app", create_app)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **server: None)
+    result = invoke("serve", tiny_bundle, "--jpeg-decoder", "cpu", "--max-queue", "7", "--image-threads", "2")
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    [(kwargs, app)] = built
+    assert kwargs.pop("jpeg_decoder") == "cpu"
+    assert ServeOptions(**kwargs) == ServeOptions(max_queue=7, image_threads=2) == app.state.options
+    assert "2 image threads" in result.stderr
 
 
 def test_verify_passes(tiny_bundle: Path) -> None:

@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from dualtrack.errors import InputError
 from dualtrack.kernels import ACTIVATIONS, KERNELS, ConvGeneralSpec, ConvGeometry, pack_conv_weights
 from dualtrack.plan import KernelCall
+from dualtrack.runtime.tensors import GpuTensor
 
 SPEC = KERNELS["conv"]
 assert isinstance(SPEC, ConvGeneralSpec)
@@ -255,6 +256,34 @@ def test_args_follow_the_abi() -> None:
         SPEC.args(x=1, w=2, y=3, N=1, H=4, W=4, C=3, K=6, geom=ConvGeometry(1, 1), act=9)
     with pytest.raises(InputError, match="ldr=2 is smaller than the 6 channels"):
         SPEC.args(x=1, w=2, y=3, res=4, N=1, H=4, W=4, C=3, K=6, geom=ConvGeometry(1, 1), ldr=2)
+
+
+def test_prepare_reads_the_call_and_its_tensors() -> None:
+    """A plan call on device tensors (channel slices keep their strides): variant()'s entry, its
+    launch and args() of the call's geometry, activation, weights and residual."""
+    f16 = np.dtype("float16")
+    g = GEOMS["3x3/2 pad 1"]
+    silu = ACTIVATIONS["silu"]
+    call = KernelCall("conv", ("x", "r"), ("y",), ("w", "b"), (*g.attrs(), ("act", silu), ("residual", 1)), ("c",))
+    P, Q = g.output_hw(9, 10)
+    x = GpuTensor(0x1000, (2, 9, 10, 24), f16, ld=40)
+    res, y = GpuTensor(0x2000, (2, P, Q, 48), f16, ld=96), GpuTensor(0x3000, (2, P, Q, 48), f16, ld=64)
+    w, b = GpuTensor(0x4000, (48, 3, 3, 24), f16), GpuTensor(0x5000, (48,), np.dtype("float32"))
+    got = SPEC.prepare_inputs(call, [x, res], y, [w, b], ctx=None)
+    entry = SPEC.variant(f16, 2, 9, 10, 24, 48, g)
+    assert (got.entry, got.config) == (entry, SPEC.launch(f16, 2, 9, 10, 24, 48, geom=g, entry=entry))
+    assert got.args == SPEC.args(
+        x=0x1000, w=0x4000, bias=0x5000, res=0x2000, y=0x3000, N=2, H=9, W=10, C=24, K=48, geom=g,
+        ldx=40, ldy=64, ldr=96, act=silu,
+    )  # fmt: skip
+    with pytest.raises(InputError, match="has a residual input: prepare it with prepare_inputs"):
+        SPEC.prepare(call, x, y, [w, b], ctx=None)
+    with pytest.raises(InputError, match="residual has shape"):
+        SPEC.prepare_inputs(call, [x, GpuTensor(0x2000, (2, P, Q + 1, 48), f16)], y, [w, b], ctx=None)
+
+    plain = KernelCall("conv", ("x",), ("y",), ("w",), g.attrs(), ("c",))
+    no_res = SPEC.prepare(plain, x, y, [w], ctx=None)
+    assert no_res.args == SPEC.args(x=0x1000, w=0x4000, y=0x3000, N=2, H=9, W=10, C=24, K=48, geom=g, ldx=40, ldy=64)
 
 
 def test_launch_refuses_too_many_pixels() -> None:

@@ -25,8 +25,11 @@ from dualtrack.kernels import (
     pack_conv_weights,
     pack_convt_weights,
 )
+from dualtrack.kernels.problems import ConvProblem
+from dualtrack.plan import KernelCall
 from dualtrack.ptx import SOURCE_DIR
 from dualtrack.runtime.driver import kernel_params
+from dualtrack.runtime.tensors import GpuTensor
 
 CONV = KERNELS["conv3x3"]
 POOL = KERNELS["maxpool2x2"]
@@ -285,17 +288,17 @@ def test_choose_conv3x3_puts_the_small_c_entry_before_tuned_tiles() -> None:
     tuned = "conv3x3_nhwc_f16_t64x32x32_w2x2_s4_b4"  # h200.json's enc1/conv1 at N=8, say
     for wgmma_off in (None, "DUALTRACK_WGMMA=0"):
         for C in (1, 3, 4):
-            choice = choose_conv3x3("float16", 8, 512, 512, C, 32, C, 32, wgmma_off=wgmma_off, tuned=tuned)
+            choice = choose_conv3x3(ConvProblem.dense(8, 512, 512, C, 32), wgmma_off=wgmma_off, tuned=tuned)
             assert (choice.impl, choice.entry) == ("direct", CONV.smallc_entry)
             assert choice.reason.startswith(f"C={C} <= 4: small-C direct conv; tuned f16_t64x32x32_w2x2_s4_b4 not used")
-        plain = choose_conv3x3("float16", 1, 512, 512, 3, 32, wgmma_off=wgmma_off)
+        plain = choose_conv3x3(ConvProblem.dense(1, 512, 512, 3, 32), wgmma_off=wgmma_off)
         assert (plain.impl, plain.entry) == ("direct", CONV.smallc_entry) and "not used" not in plain.reason
     # Past the bounds, or fp32: the tuned entry, else the heuristic's, as before.
-    five = choose_conv3x3("float16", 1, 64, 64, 5, 32, wgmma_off="off", tuned=tuned)
+    five = choose_conv3x3(ConvProblem.dense(1, 64, 64, 5, 32), wgmma_off="off", tuned=tuned)
     assert (five.impl, five.entry) == ("mma.sync", tuned)
-    wide = choose_conv3x3("float16", 1, 64, 64, 3, 256, wgmma_off="off")
+    wide = choose_conv3x3(ConvProblem.dense(1, 64, 64, 3, 256), wgmma_off="off")
     assert (wide.impl, wide.entry) == ("mma.sync", CONV.variant("float16", 1, 64, 64, 3, 256))
-    fp32 = choose_conv3x3("float32", 1, 64, 64, 3, 32, wgmma_off=None)
+    fp32 = choose_conv3x3(ConvProblem.dense(1, 64, 64, 3, 32, "float32"), wgmma_off=None)
     assert (fp32.impl, fp32.entry) == ("simt", "conv3x3_nhwc_f32")
 
 
@@ -329,6 +332,31 @@ def test_pool_args_follow_the_abi() -> None:
     args = POOL.args(x=0x10, y=0x20, N=1, H=9, W=8, C=40, ldx=72)
     assert [v for v, _ in args] == [0x10, 0x20, 1, 9, 8, 40, 72, 40]
     assert [t for _, t in args] == [ctypes.c_void_p] * 2 + [ctypes.c_int32] * 6
+
+
+def test_specs_without_a_choice_prepare_the_default_launch() -> None:
+    """maxpool2x2, conv1x1 and convt2x2 prepare through KernelSpec.prepare: the entry of x's dtype,
+    launch()'s geometry and args() of the call's tensors (channel slices keep their strides)."""
+    f16 = np.dtype("float16")
+    pool_call = KernelCall("maxpool2x2", ("x",), ("y",), (), (), ("pool",))
+    x, y = GpuTensor(0x1000, (2, 9, 8, 40), f16, ld=72), GpuTensor(0x2000, (2, 4, 4, 40), f16, ld=48)
+    pool = POOL.prepare(pool_call, x, y, [], ctx=None)
+    assert (pool.entry, pool.config, pool.choice) == ("maxpool2x2_nhwc_f16", POOL.launch(f16, 2, 9, 8, 40), None)
+    assert pool.args == POOL.args(x=0x1000, y=0x2000, N=2, H=9, W=8, C=40, ldx=72, ldy=48)
+
+    head_call = KernelCall("conv1x1", ("x",), ("y",), ("w", "b"), (("relu", 1),), ("head",))
+    x, y = GpuTensor(0x1000, (1, 5, 7, 32), f16, ld=64), GpuTensor(0x2000, (1, 5, 7, 3), f16)
+    w, b = GpuTensor(0x3000, (3, 1, 1, 32), f16), GpuTensor(0x4000, (3,), np.dtype("float32"))
+    head = CONV1.prepare(head_call, x, y, [w, b], ctx=None)
+    assert (head.entry, head.config) == ("conv1x1_nhwc_f16", CONV1.launch(f16, 1, 5, 7, 32, 3))
+    expected = CONV1.args(x=0x1000, w=0x3000, bias=0x4000, y=0x2000, N=1, H=5, W=7, C=32, K=3, ldx=64, relu=True)
+    assert head.args == expected
+
+    up_call = KernelCall("convt2x2", ("x",), ("y",), ("w",), (), ("up",))
+    x, y = GpuTensor(0x1000, (1, 4, 4, 16), f16), GpuTensor(0x2000, (1, 8, 8, 8), f16, ld=24)
+    up = CONVT.prepare(up_call, x, y, [GpuTensor(0x3000, (32, 16), f16)], ctx=None)
+    assert (up.entry, up.config) == ("convt2x2_nhwc_f16", CONVT.launch(f16, 1, 4, 4, 16, 8))
+    assert up.args == CONVT.args(x=0x1000, w=0x3000, y=0x2000, N=1, H=4, W=4, C=16, K=8, ldy=24)
 
 
 def test_readme_documents_the_registered_abi() -> None:

@@ -26,6 +26,7 @@ from dualtrack.bundle import Bundle
 from dualtrack.errors import InputError
 from dualtrack.kernels import CONV3X3_WGMMA, WGMMA_CONFIGS, choose_conv3x3
 from dualtrack.kernels.conv3x3_wgmma import input_map, weight_map
+from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.tensormap import TiledMap
 from dualtrack.plan import KernelCall
 from dualtrack.ptx import SOURCE_DIR, assemble_cubin, ptx_path
@@ -156,22 +157,23 @@ def test_the_grid_covers_every_output_once(shape: tuple[int, int, int, int]) -> 
 
 
 def test_supported_says_why_not() -> None:
-    assert WG.supported("float16", 1, 512, 512, 32, 32) is None
-    assert WG.supported("float16", 2, 16, 16, 64, 32, ldx=128, ldy=96, x=X + 128, y=Y + 64) is None  # slices
+    assert WG.supported(ConvProblem.dense(1, 512, 512, 32, 32)) is None
+    slices = ConvProblem(2, 16, 16, 64, 32, ldx=128, ldy=96)
+    assert WG.supported(slices, x=X + 128, y=Y + 64) is None
     cases = [
-        (("float32", 1, 8, 8, 64, 64), {}, "fp16 only"),
-        (("float16", 1, 8, 8, 3, 32), {}, r"C=3: TMA needs 16-byte weight rows"),
-        (("float16", 1, 8, 8, 64, 32), {"ldx": 68}, r"ldx=68: TMA needs a 16-byte pixel stride"),
-        (("float16", 1, 8, 8, 64, 36), {}, r"ldy=36: the epilogue's 16-byte stores"),
-        (("float16", 1, 8, 8, 64, 32), {"ldx": 72, "x": X + 8}, r"x=0x7f0000000008 is not 16-byte aligned"),
-        (("float16", 1, 8, 8, 64, 32), {"y": Y + 2}, r"y=0x7f0000200002 is not 16-byte aligned"),
-        (("float16", 70000, 256, 256, 64, 64), {}, r"exceed 2\^31-1"),
+        (ConvProblem.dense(1, 8, 8, 64, 64, "float32"), {}, "fp16 only"),
+        (ConvProblem.dense(1, 8, 8, 3, 32), {}, r"C=3: TMA needs 16-byte weight rows"),
+        (ConvProblem(1, 8, 8, 64, 32, ldx=68, ldy=32), {}, r"ldx=68: TMA needs a 16-byte pixel stride"),
+        (ConvProblem.dense(1, 8, 8, 64, 36), {}, r"ldy=36: the epilogue's 16-byte stores"),
+        (ConvProblem(1, 8, 8, 64, 32, ldx=72, ldy=32), {"x": X + 8}, r"x=0x7f0000000008 is not 16-byte aligned"),
+        (ConvProblem.dense(1, 8, 8, 64, 32), {"y": Y + 2}, r"y=0x7f0000200002 is not 16-byte aligned"),
+        (ConvProblem.dense(70000, 256, 256, 64, 64), {}, r"exceed 2\^31-1"),
     ]
-    for shape, extra, why in cases:
-        reason = WG.supported(*shape, **extra)
+    for problem, pointers, why in cases:
+        reason = WG.supported(problem, **pointers)
         assert reason is not None and re.search(why, reason), (why, reason)
     with pytest.raises(InputError, match="ldx=16 is smaller than the 32 channels"):
-        WG.supported("float16", 1, 8, 8, 32, 32, ldx=16)
+        WG.supported(ConvProblem(1, 8, 8, 32, 32, ldx=16, ldy=32))
 
 
 def _measured() -> list[dict]:
@@ -211,21 +213,23 @@ def test_choose_on_shapes_outside_the_unet() -> None:
 
 
 def test_choose_conv3x3_decides_between_the_kernels() -> None:
-    args = ("float16", 1, 64, 64, 64, 128)
-    on = choose_conv3x3(*args, wgmma_off=None, tuned="conv3x3_nhwc_f16_t64x32x32_w2x2_s4_b4", x=X, w=W_, y=Y)
+    p = ConvProblem.dense(1, 64, 64, 64, 128)
+    on = choose_conv3x3(p, wgmma_off=None, tuned="conv3x3_nhwc_f16_t64x32x32_w2x2_s4_b4", x=X, w=W_, y=Y)
     assert (on.impl, on.entry) == ("wgmma", WG.choose(1, 64, 64, 64, 128).entry)  # a tuned tile does not displace it
     assert "CTAs" in on.reason and on.to_json() == {"impl": on.impl, "entry": on.entry, "reason": on.reason}
-    off = choose_conv3x3(*args, wgmma_off="DUALTRACK_WGMMA=0")
+    off = choose_conv3x3(p, wgmma_off="DUALTRACK_WGMMA=0")
     assert off == kernels.ConvChoice(
-        "mma.sync", kernels.KERNELS["conv3x3"].variant(*args), "heuristic; wgmma: DUALTRACK_WGMMA=0"
+        "mma.sync",
+        kernels.KERNELS["conv3x3"].variant("float16", 1, 64, 64, 64, 128),
+        "heuristic; wgmma: DUALTRACK_WGMMA=0",
     )
-    tuned = choose_conv3x3(*args, wgmma_off="DUALTRACK_WGMMA=0", tuned="conv3x3_nhwc_f16_wide")
+    tuned = choose_conv3x3(p, wgmma_off="DUALTRACK_WGMMA=0", tuned="conv3x3_nhwc_f16_wide")
     assert (tuned.impl, tuned.entry) == ("mma.sync", "conv3x3_nhwc_f16_wide") and tuned.reason.startswith("tuned")
-    first = choose_conv3x3("float16", 1, 64, 64, 3, 32, wgmma_off=None)  # the RGB layer: the small-C entry
+    first = choose_conv3x3(ConvProblem.dense(1, 64, 64, 3, 32), wgmma_off=None)  # the RGB layer: the small-C entry
     assert (first.impl, first.entry) == ("direct", "conv3x3_nhwc_f16_smallc") and "wgmma: C=3" in first.reason
-    misaligned = choose_conv3x3(*args, wgmma_off=None, x=X + 8)
+    misaligned = choose_conv3x3(p, wgmma_off=None, x=X + 8)
     assert misaligned.impl == "mma.sync" and "not 16-byte aligned" in misaligned.reason
-    fp32 = choose_conv3x3("float32", 1, 64, 64, 64, 128, wgmma_off=None)
+    fp32 = choose_conv3x3(ConvProblem.dense(1, 64, 64, 64, 128, "float32"), wgmma_off=None)
     assert (fp32.impl, fp32.entry) == ("simt", "conv3x3_nhwc_f32")
 
 
@@ -235,7 +239,7 @@ def test_choose_conv3x3_decides_between_the_kernels() -> None:
 @pytest.mark.parametrize("n", [1, 8])
 def test_tensor_maps_of_every_unet_layer(n: int) -> None:
     for _, C, K, HW in UNET_LAYERS:
-        assert WG.supported("float16", n, HW, HW, C, K) is None
+        assert WG.supported(ConvProblem.dense(n, HW, HW, C, K)) is None
         for c in WGMMA_CONFIGS:
             mx = input_map(c, X, n, HW, HW, C, C)
             mw = weight_map(c, W_, K, C)
@@ -299,7 +303,8 @@ def test_kernel_args_pass_the_tensor_maps_by_value() -> None:
     entry = "conv3x3_wgmma_bn128_mt1_wg1_bk64"
     tmx, tmw = cu.CUtensorMap(), cu.CUtensorMap()
     tmx.opaque = [cu.cuuint64_t(0x1111_0000 + i) for i in range(16)]
-    args = WG.args(tmx=tmx, tmw=tmw, bias=0x7F00, y=Y, N=2, H=9, W=13, C=64, K=200, ldy=208, relu=True, entry=entry)
+    p = ConvProblem(2, 9, 13, 64, 200, ldx=64, ldy=208)
+    args = WG.args(p, tmx=tmx, tmw=tmw, bias=0x7F00, y=Y, relu=True, entry=entry)
     values, types = zip(*args, strict=True)
     assert types == (None, None, ctypes.c_void_p, ctypes.c_void_p, *(ctypes.c_int32,) * 8, ctypes.c_void_p)
     assert values[2:] == (0x7F00, Y, 2, 9, 13, 64, 200, 208, 1, 4, 0)  # tw_log2: 16 columns for W=13; status null
@@ -311,7 +316,7 @@ def test_kernel_args_pass_the_tensor_maps_by_value() -> None:
     assert ctypes.string_at(slots[0], 128) == b"".join((0x1111_0000 + i).to_bytes(8, "little") for i in range(16))
     assert ctypes.c_int32.from_address(slots[11]).value == 4
     with pytest.raises(InputError, match="tmx must be a CUtensorMap"):
-        WG.args(tmx=X, tmw=tmw, y=Y, N=1, H=1, W=1, C=8, K=8, entry=entry)
+        WG.args(ConvProblem.dense(1, 1, 1, 8, 8), tmx=X, tmw=tmw, y=Y, entry=entry)
     with pytest.raises(TypeError, match=r"a by-value struct must be a cuda\.bindings struct"):
         kernel_params([(X, None)])
 
@@ -354,8 +359,7 @@ def test_the_gpu_tests_model_runs_the_wgmma_kernel_almost_everywhere(tiny_wgmma_
     layers = conv_layers(plan)
     picks = {}
     for x in layers:
-        p = x.problem
-        picks[x.node, x.batch] = choose_conv3x3(p.dtype, p.N, p.H, p.W, p.C, p.K, p.ldx, p.ldy, wgmma_off=None)
+        picks[x.node, x.batch] = choose_conv3x3(x.problem, wgmma_off=None)
     assert [key for key, c in picks.items() if c.impl != "wgmma"] == [("enc1/conv1", 1), ("enc1/conv1", 3)]
     assert any(x.problem.ldy > x.problem.K for x in layers)  # a conv writing half of a concatenation
     on = [(x.problem, picks[x.node, x.batch]) for x in layers]

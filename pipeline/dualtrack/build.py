@@ -73,11 +73,9 @@ def track_a_stems(plan: Plan, ptx_arch: str, use_tma: bool = True) -> list[str]:
     strides; pointers are checked at launch). Which conv runs which kernel is decided at launch."""
     stems = {kernels.KERNELS[c.op].source for s in plan.segments for c in s.calls if c.op not in ALIAS_OPS}
     wgmma = kernels.CONV3X3_WGMMA
-    if use_tma and ptx_arch in wgmma.ptx_arches:
-        dims = ("N", "H", "W", "C", "K", "ldx", "ldy")
-        layers = conv_layers(plan)
-        if any(wgmma.supported(x.problem.dtype, *(getattr(x.problem, d) for d in dims)) is None for x in layers):
-            stems.add(wgmma.stem)
+    on_target = use_tma and ptx_arch in wgmma.ptx_arches
+    if on_target and any(wgmma.supported(x.problem) is None for x in conv_layers(plan)):
+        stems.add(wgmma.stem)
     return sorted(s for s in stems if ptx_arch in kernels.ptx_arches_for_stem(s))
 
 

@@ -203,9 +203,8 @@ class Bundle:
         tuned = self.tuned_calls(target.cc_tuple)
         out = []
         for layer in conv_layers(self.plan):
-            p = layer.problem
             entry = tuned.get(layer.node, {}).get(str(layer.batch))
-            choice = choose_conv3x3(p.dtype, p.N, p.H, p.W, p.C, p.K, p.ldx, p.ldy, wgmma_off=off, tuned=entry)
+            choice = choose_conv3x3(layer.problem, wgmma_off=off, tuned=entry)
             out.append((layer, choice))
         return out
 

@@ -22,6 +22,7 @@ from dualtrack import kernels
 from dualtrack.bundle import Bundle
 from dualtrack.config import Tolerance
 from dualtrack.kernels.conv3x3_wgmma import input_map, weight_map
+from dualtrack.kernels.problems import ConvProblem
 from dualtrack.ptx import SOURCE_DIR, ptx_path
 from dualtrack.runtime import tma
 from dualtrack.runtime.driver import Device, Kernel, Module
@@ -101,14 +102,13 @@ def _run(
     db = be.from_host(b) if b is not None else None
     status = be.from_host(np.zeros(8, np.int32))
     x_ptr, y_ptr = dx.ptr + 2 * x_off, dy.ptr + 2 * y_off
-    assert WG.supported("float16", n, h, w, c, k, ldx, ldy, x=x_ptr, w=dw.ptr, y=y_ptr) is None
+    problem = ConvProblem(n, h, w, c, k, ldx, ldy)
+    assert WG.supported(problem, x=x_ptr, w=dw.ptr, y=y_ptr) is None
     cfg = WG.config(entry)
     tmx = tma.encode(input_map(cfg, x_ptr, n, h, w, c, ldx))
     tmw = tma.encode(weight_map(cfg, dw.ptr, k, c))
-    args = WG.args(
-        tmx=tmx, tmw=tmw, bias=None if db is None else db.ptr, y=y_ptr,
-        N=n, H=h, W=w, C=c, K=k, ldy=ldy, relu=relu, entry=entry, status=status.ptr,
-    )  # fmt: skip
+    bias = None if db is None else db.ptr
+    args = WG.args(problem, tmx=tmx, tmw=tmw, bias=bias, y=y_ptr, relu=relu, entry=entry, status=status.ptr)
     launch = WG.launch("float16", n, h, w, c, k, entry=entry)
     kern.launch(launch.grid, launch.block, launch.shared_bytes, be.stream, args)
     got_wide = be.to_host(dy)

@@ -132,6 +132,28 @@ def pixels(N: int, H: int, W: int, ld: int) -> int:
     return N * H * W
 
 
+def nhwc_values(
+    N: int,
+    H: int,
+    W: int,
+    C: int,
+    K: int,
+    ldx: int | None,
+    ldy: int | None,
+    pointers: Mapping[str, int | None],
+    nullable: Sequence[str] = (),
+) -> dict[str, int]:
+    """The checked values of an NHWC kernel's argument list, by ABI name: positive dims, pixel
+    strides that hold their C input and K output channels (None: dense), pixel indices that fit
+    32 bits, then non-null ``pointers`` (those named in ``nullable`` may be null: 0)."""
+    positive(N=N, H=H, W=W, C=C, K=K)
+    ldx_ = stride("ldx", ldx, C)
+    ldy_ = stride("ldy", ldy, K)
+    pixels(N, H, W, max(ldx_, ldy_))
+    checked = {name: pointer(name, value, required=name not in nullable) for name, value in pointers.items()}
+    return {**checked, "N": N, "H": H, "W": W, "C": C, "K": K, "ldx": ldx_, "ldy": ldy_}
+
+
 def gemm_grid(M: int, K: int, bm: int, bn: int, z: int = 1) -> tuple[int, int, int]:
     """The grid of the GEMM-shaped kernels: pixel tiles along x, channel tiles along y."""
     grid_y = cdiv(K, bn)
@@ -186,13 +208,30 @@ class KernelSpec:
     def reference(self, x: np.ndarray, *args: Any, **kwargs: Any) -> np.ndarray:
         raise NotImplementedError
 
+    def call_args(
+        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor]
+    ) -> dict[str, Any]:
+        """The keyword arguments of :meth:`args` for one call on these tensors: the pointers, the
+        input's shape, the output channels ``K`` and both pixel strides (a spec with weights or
+        attributes adds them)."""
+        n, h, w, c = x.shape
+        return {
+            "x": x.ptr, "y": y.ptr,
+            "N": n, "H": h, "W": w, "C": c, "K": y.shape[3],
+            "ldx": x.channel_stride, "ldy": y.channel_stride,
+        }  # fmt: skip
+
     def prepare(
         self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext
     ) -> PreparedCall:
         """The launch of ``call`` reading ``x`` and writing ``y`` (NHWC, possibly channel slices),
         with the device copies of its packed weights (:meth:`pack_weights`, in ``call.weights``
-        order): entry, geometry and arguments."""
-        raise NotImplementedError
+        order): entry, geometry and arguments. By default the entry of x's dtype, :meth:`launch`'s
+        geometry and :meth:`args` of :meth:`call_args`; a spec that chooses among entries or
+        passes tensor maps prepares its own."""
+        kw = self.call_args(call, x, y, weights)
+        config = self.launch(x.dtype, kw["N"], kw["H"], kw["W"], kw["C"], kw["K"])
+        return PreparedCall(self.entry(x.dtype), config, self.args(**kw))
 
     def prepare_inputs(
         self,

@@ -7,7 +7,7 @@
   kernels, and their ``-D`` macros under a source's prefix (``CONV_F16_BM``, ``CONVT_F32_TN``...).
 - :func:`pack_conv_weights`: ONNX conv weights -> KRSC and an fp32 bias.
 - :func:`conv3x3_reference`: the conv3x3 op's numpy semantics, which its two kernels
-  (conv3x3_nhwc and the Hopper conv3x3_wgmma) both compute.
+  (conv3x3_nhwc and the Hopper conv3x3_wgmma) both compute (their specs' :class:`Conv3x3Reference`).
 """
 
 from __future__ import annotations
@@ -19,17 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dualtrack.errors import InputError
-from dualtrack.kernels.base import (
-    DeviceTensor,
-    KernelArg,
-    KernelSpec,
-    LaunchContext,
-    PreparedCall,
-    pixels,
-    pointer,
-    positive,
-    stride,
-)
+from dualtrack.kernels.base import DeviceTensor, KernelArg, KernelSpec, nhwc_values
 from dualtrack.plan import KernelCall
 
 
@@ -37,18 +27,7 @@ def gemm_values(
     x: int, w: int, bias: int | None, y: int, N: int, H: int, W: int, C: int, K: int, ldx: int | None, ldy: int | None
 ) -> dict[str, int]:
     """Checked ``x, w, bias, y, N, H, W, C, K, ldx, ldy`` shared by the conv-like (GEMM) kernels."""
-    positive(N=N, H=H, W=W, C=C, K=K)
-    ldx_ = stride("ldx", ldx, C)
-    ldy_ = stride("ldy", ldy, K)
-    pixels(N, H, W, max(ldx_, ldy_))
-    return {
-        "x": pointer("x", x),
-        "w": pointer("w", w),
-        "bias": pointer("bias", bias, required=False),
-        "y": pointer("y", y),
-        "N": N, "H": H, "W": W, "C": C, "K": K,
-        "ldx": ldx_, "ldy": ldy_,
-    }  # fmt: skip
+    return nhwc_values(N, H, W, C, K, ldx, ldy, {"x": x, "w": w, "bias": bias, "y": y}, nullable=("bias",))
 
 
 def pack_conv_weights(
@@ -100,6 +79,16 @@ def conv3x3_reference(
     if relu:
         np.maximum(out, 0.0, out=out)
     return out.astype(x.dtype)
+
+
+class Conv3x3Reference:
+    """The conv3x3 op's numpy semantics (:func:`conv3x3_reference`) as a spec's :meth:`reference`:
+    the op's two kernels, conv3x3_nhwc and the Hopper conv3x3_wgmma, compute the same thing."""
+
+    def reference(
+        self, x: np.ndarray, w: np.ndarray | None = None, bias: np.ndarray | None = None, relu: bool = False
+    ) -> np.ndarray:
+        return conv3x3_reference(x, w, bias, relu)
 
 
 @dataclass(frozen=True, kw_only=True)  # keyword-only: a kernel spec's op and stem come first
@@ -196,23 +185,11 @@ class ConvAbi(KernelSpec):
     def call_args(
         self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor]
     ) -> dict[str, Any]:
-        """The keyword arguments of :meth:`args` for one call on these tensors."""
-        n, h, w, c = x.shape
+        """The keyword arguments of :meth:`args` for one call on these tensors: the NHWC ones, the
+        packed weights and bias (:meth:`pack_weights`' order), and the fused ReLU."""
         return {
-            "x": x.ptr,
+            **super().call_args(call, x, y, weights),
             "w": weights[0].ptr,
             "bias": weights[1].ptr if len(weights) > 1 else None,
-            "y": y.ptr,
-            "N": n, "H": h, "W": w, "C": c, "K": y.shape[3],
-            "ldx": x.channel_stride, "ldy": y.channel_stride,
             "relu": bool(call.attr("relu")),
-        }  # fmt: skip
-
-    def prepare(
-        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext
-    ) -> PreparedCall:
-        """The default entry of x's dtype, its geometry, and the argument list."""
-        kw = self.call_args(call, x, y, weights)
-        entry = self.entry(x.dtype)
-        config = self.launch(x.dtype, kw["N"], kw["H"], kw["W"], kw["C"], kw["K"])
-        return PreparedCall(entry, config, self.args(**kw))
+        }

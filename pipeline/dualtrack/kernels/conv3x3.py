@@ -29,8 +29,9 @@ from dualtrack.kernels.base import (
     pixels,
     positive,
 )
-from dualtrack.kernels.conv import ConvAbi, GemmTiles, conv3x3_reference
+from dualtrack.kernels.conv import Conv3x3Reference, ConvAbi, GemmTiles
 from dualtrack.kernels.conv3x3_wgmma import Conv3x3WgmmaSpec
+from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.select import SMALL_C_K_MAX, SMALL_C_MAX, choose_conv3x3
 from dualtrack.plan import KernelCall
 
@@ -73,7 +74,7 @@ class F16Tile:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Conv3x3Spec(ConvAbi, GemmTiles):
+class Conv3x3Spec(Conv3x3Reference, ConvAbi, GemmTiles):
     """3x3 convolution, stride 1, padding 1, bias and optional ReLU fused.
 
     fp16: tensor-core implicit GEMM, a ``f16_bm x f16_bn`` output tile (pixels x channels) per
@@ -265,12 +266,6 @@ class Conv3x3Spec(ConvAbi, GemmTiles):
         units = rows * cols // 8 * cdiv(K, 8)
         return LaunchConfig(grid=(blocks, 1, 1), block=(min(threads, units), 1, 1), shared_bytes=0)
 
-    def reference(
-        self, x: np.ndarray, w: np.ndarray | None = None, bias: np.ndarray | None = None, relu: bool = False
-    ) -> np.ndarray:
-        """numpy semantics: :func:`~dualtrack.kernels.conv.conv3x3_reference`."""
-        return conv3x3_reference(x, w, bias, relu)
-
     def reference_at(
         self,
         x: np.ndarray,
@@ -315,13 +310,10 @@ class Conv3x3Spec(ConvAbi, GemmTiles):
         """What :meth:`select` picks: the Hopper kernel (its own preparation, tensor maps included)
         where it is on and takes the launch, else the layer's tuned entry, else :meth:`variant`'s."""
         kw = self.call_args(call, x, y, weights)
-        n, h, w, c, k = (kw[d] for d in ("N", "H", "W", "C", "K"))
-        choice = self.select(
-            x.dtype, n, h, w, c, k, kw["ldx"], kw["ldy"],
-            wgmma_off=ctx.wgmma_off, tuned=ctx.tuned_entry(call, n), x=x.ptr, w=kw["w"], y=y.ptr,
-        )  # fmt: skip
+        p = ConvProblem.of(x, y)
+        choice = self.select(p, wgmma_off=ctx.wgmma_off, tuned=ctx.tuned_entry(call, p.N), x=x.ptr, w=kw["w"], y=y.ptr)
         if choice.impl == "wgmma":
             assert self.hopper is not None  # select() chooses wgmma only where there is one
             return self.hopper.prepare_entry(choice, x, y, weights, kw["relu"], ctx)
-        config = self.launch(x.dtype, n, h, w, c, k, entry=choice.entry)
+        config = self.launch(p.dtype, p.N, p.H, p.W, p.C, p.K, entry=choice.entry)
         return PreparedCall(choice.entry, config, self.args(**kw), choice)

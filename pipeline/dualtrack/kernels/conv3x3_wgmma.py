@@ -22,8 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
-
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import (
     INT32_MAX,
@@ -40,7 +38,8 @@ from dualtrack.kernels.base import (
     positive,
     stride,
 )
-from dualtrack.kernels.conv import conv3x3_reference
+from dualtrack.kernels.conv import Conv3x3Reference
+from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.tensormap import DIM_LIMIT, STRIDE_LIMIT, TiledMap
 
 if TYPE_CHECKING:  # annotations only: select.py's policy makes the choice this kernel runs
@@ -212,7 +211,7 @@ def weight_map(cfg: WgmmaConfig, w: int, K: int, C: int) -> TiledMap:
 
 
 @dataclass(frozen=True)
-class Conv3x3WgmmaSpec(KernelSpec):
+class Conv3x3WgmmaSpec(Conv3x3Reference, KernelSpec):
     """The conv3x3 op (same semantics as :class:`Conv3x3Spec`, fp16 only) on Hopper: the input and
     weight tiles come by TMA (``cp.async.bulk.tensor`` into an mbarrier pipeline; the tensor map's
     zero fill outside the image is the padding), the products by ``wgmma.mma_async`` from shared
@@ -274,43 +273,30 @@ class Conv3x3WgmmaSpec(KernelSpec):
         positive(N=N, H=H, W=W, C=C, K=K)
         return (N, H, W, K)
 
-    def supported(
-        self,
-        dtype: Any,
-        N: int,
-        H: int,
-        W: int,
-        C: int,
-        K: int,
-        ldx: int | None = None,
-        ldy: int | None = None,
-        *,
-        x: int = 0,
-        w: int = 0,
-        y: int = 0,
-    ) -> str | None:
-        """None when this kernel can run the launch, else why not (the caller keeps the mma.sync kernel).
+    def supported(self, p: ConvProblem, *, x: int = 0, w: int = 0, y: int = 0) -> str | None:
+        """None when this kernel can run launch ``p``, else why not (the caller keeps the mma.sync kernel).
 
         TMA needs 16-byte multiples for the weight rows (9C halves) and the pixel stride ``ldx``,
         and 16-byte aligned ``x`` and ``w``; the epilogue's 16-byte stores need ``ldy % 8 == 0`` and
         an aligned ``y``. Pointers default to 0 (aligned): the plan's shapes alone can be checked.
         """
-        if dtype_name(dtype) != "float16":
-            return f"{dtype_name(dtype)}: the wgmma kernel is fp16 only"
+        if dtype_name(p.dtype) != "float16":
+            return f"{dtype_name(p.dtype)}: the wgmma kernel is fp16 only"
+        N, H, W, C, K = p.N, p.H, p.W, p.C, p.K
         positive(N=N, H=H, W=W, C=C, K=K)
-        ldx_, ldy_ = stride("ldx", ldx, C), stride("ldy", ldy, K)
+        ldx, ldy = stride("ldx", p.ldx, C), stride("ldy", p.ldy, K)
         if C % 8:
             return f"C={C}: TMA needs 16-byte weight rows (C % 8 == 0)"
-        if ldx_ % 8:
-            return f"ldx={ldx_}: TMA needs a 16-byte pixel stride (ldx % 8 == 0)"
-        if ldy_ % 8:
-            return f"ldy={ldy_}: the epilogue's 16-byte stores need ldy % 8 == 0"
-        for name, p in (("x", x), ("w", w), ("y", y)):
-            if int(p) % 16:
-                return f"{name}={int(p):#x} is not 16-byte aligned"
-        if N * H * W > INT32_MAX or max(ldx_, ldy_) > INT32_MAX:
+        if ldx % 8:
+            return f"ldx={ldx}: TMA needs a 16-byte pixel stride (ldx % 8 == 0)"
+        if ldy % 8:
+            return f"ldy={ldy}: the epilogue's 16-byte stores need ldy % 8 == 0"
+        for name, ptr in (("x", x), ("w", w), ("y", y)):
+            if int(ptr) % 16:
+                return f"{name}={int(ptr):#x} is not 16-byte aligned"
+        if N * H * W > INT32_MAX or max(ldx, ldy) > INT32_MAX:
             return f"N*H*W = {N * H * W} pixels or a channel stride exceed 2^31-1"
-        if max(N, H, W, 9 * C, K) >= DIM_LIMIT or N * H * W * ldx_ * 2 >= STRIDE_LIMIT:
+        if max(N, H, W, 9 * C, K) >= DIM_LIMIT or N * H * W * ldx * 2 >= STRIDE_LIMIT:
             return "the input is too large for a tensor map (dims < 2^32, byte strides < 2^40)"
         return None
 
@@ -360,49 +346,39 @@ class Conv3x3WgmmaSpec(KernelSpec):
 
     def args(
         self,
+        p: ConvProblem,
         *,
         tmx: Any,
         tmw: Any,
         y: int,
-        N: int,
-        H: int,
-        W: int,
-        C: int,
-        K: int,
         entry: str,
         bias: int | None = None,
-        ldy: int | None = None,
         relu: bool = False,
         status: int | None = None,
-        **_: Any,
     ) -> list[KernelArg]:
-        """``tmx, tmw, bias, y, N, H, W, C, K, ldy, relu, tw_log2, status`` as (value, type) pairs.
+        """``tmx, tmw, bias, y, N, H, W, C, K, ldy, relu, tw_log2, status`` of launch ``p`` as (value,
+        type) pairs.
 
         ``tmx``/``tmw`` are the input's and the weights' tensor maps (``runtime/tma.py``), passed by
-        value; ``entry`` fixes ``tw_log2`` (the tile shape the maps were made for); ``status``: an
-        int[8] device buffer for the watchdog's report, or None (a stuck wait then traps).
+        value in place of ``x``, ``w`` and ``ldx``; ``entry`` fixes ``tw_log2`` (the tile shape the
+        maps were made for); ``status``: an int[8] device buffer for the watchdog's report, or None
+        (a stuck wait then traps).
         """
-        positive(N=N, H=H, W=W, C=C, K=K)
-        ldy_ = stride("ldy", ldy, K)
-        pixels(N, H, W, ldy_)
+        positive(N=p.N, H=p.H, W=p.W, C=p.C, K=p.K)
+        ldy = stride("ldy", p.ldy, p.K)
+        pixels(p.N, p.H, p.W, ldy)
         for name, m in (("tmx", tmx), ("tmw", tmw)):
             if not callable(getattr(m, "getPtr", None)):
                 raise InputError(f"{name} must be a CUtensorMap (runtime/tma.py encode()), not {type(m).__name__}")
-        cfg = self.config(entry)
+        ints = (p.N, p.H, p.W, p.C, p.K, ldy, 1 if relu else 0, self.config(entry).tw_log2(p.W))
         return [
             (tmx, None),
             (tmw, None),
             (pointer("bias", bias, required=False), ctypes.c_void_p),
             (pointer("y", y), ctypes.c_void_p),
-            *((int(v), ctypes.c_int32) for v in (N, H, W, C, K, ldy_, 1 if relu else 0, cfg.tw_log2(W))),
+            *((int(v), ctypes.c_int32) for v in ints),
             (pointer("status", status, required=False), ctypes.c_void_p),
         ]
-
-    def reference(
-        self, x: np.ndarray, w: np.ndarray | None = None, bias: np.ndarray | None = None, relu: bool = False
-    ) -> np.ndarray:
-        """The conv3x3 op's numpy semantics (:func:`~dualtrack.kernels.conv.conv3x3_reference`)."""
-        return conv3x3_reference(x, w, bias, relu)
 
     def prepare_entry(
         self,
@@ -416,15 +392,11 @@ class Conv3x3WgmmaSpec(KernelSpec):
         """The launch of the entry ``choice`` names on these tensors (the conv3x3 op's spec hands
         it over where its policy picks this kernel): the input's and the weights' tensor maps,
         encoded by the runtime for these very buffers, then the geometry and arguments."""
-        n, h, w, c = x.shape
-        k = y.shape[3]
+        p = ConvProblem.of(x, y)
         cfg = self.config(choice.entry)
-        wt = weights[0]
-        tmx = ctx.tensor_map(input_map(cfg, x.ptr, n, h, w, c, x.channel_stride))
-        tmw = ctx.tensor_map(weight_map(cfg, wt.ptr, k, c))
+        tmx = ctx.tensor_map(input_map(cfg, x.ptr, p.N, p.H, p.W, p.C, p.ldx))
+        tmw = ctx.tensor_map(weight_map(cfg, weights[0].ptr, p.K, p.C))
         bias = weights[1].ptr if len(weights) > 1 else None
-        args = self.args(
-            tmx=tmx, tmw=tmw, bias=bias, y=y.ptr, N=n, H=h, W=w, C=c, K=k, ldy=y.channel_stride,
-            relu=relu, entry=choice.entry,
-        )  # fmt: skip
-        return PreparedCall(choice.entry, self.launch(x.dtype, n, h, w, c, k, entry=choice.entry), args, choice)
+        args = self.args(p, tmx=tmx, tmw=tmw, y=y.ptr, entry=choice.entry, bias=bias, relu=relu)
+        config = self.launch(p.dtype, p.N, p.H, p.W, p.C, p.K, entry=choice.entry)
+        return PreparedCall(choice.entry, config, args, choice)

@@ -365,6 +365,19 @@ class ConvGeneralSpec(KernelSpec):
         res = inputs[1] if call.attr("residual") else None
         return self.reference(inputs[0], w, bias, res, geom=ConvGeometry.from_call(call), act=call.attr("act"))
 
+    def call_args(
+        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor]
+    ) -> dict[str, Any]:
+        """The keyword arguments of :meth:`args` for one call without its residual: the NHWC ones,
+        the packed weights and bias (:meth:`pack_weights`' order), the geometry and the activation."""
+        return {
+            **super().call_args(call, x, y, weights),
+            "w": weights[0].ptr,
+            "bias": weights[1].ptr if len(weights) > 1 else None,
+            "geom": ConvGeometry.from_call(call),
+            "act": call.attr("act"),
+        }
+
     def prepare(
         self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext
     ) -> PreparedCall:
@@ -384,18 +397,13 @@ class ConvGeneralSpec(KernelSpec):
         where the call has one (``residual`` attribute)."""
         x = inputs[0]
         res = inputs[1] if call.attr("residual") else None
-        geom = ConvGeometry.from_call(call)
-        n, h, w, c = x.shape
-        k = y.shape[3]
-        expect = self.output_shape(n, h, w, c, k, geom=geom)
+        kw = self.call_args(call, x, y, weights)
+        if res is not None:
+            kw.update(res=res.ptr, ldr=res.channel_stride)
+        shape = (kw["N"], kw["H"], kw["W"], kw["C"], kw["K"])
+        expect = self.output_shape(*shape, geom=kw["geom"])
         for what, t in (("output", y), ("residual", res)):
             if t is not None and tuple(t.shape) != expect:
                 raise InputError(f"conv call {call.nodes}: {what} has shape {tuple(t.shape)}; expected {expect}")
-        entry = self.variant(x.dtype, n, h, w, c, k, geom)
-        args = self.args(
-            x=x.ptr, w=weights[0].ptr, y=y.ptr, N=n, H=h, W=w, C=c, K=k, geom=geom,
-            bias=weights[1].ptr if len(weights) > 1 else None, res=None if res is None else res.ptr,
-            ldx=x.channel_stride, ldy=y.channel_stride, ldr=None if res is None else res.channel_stride,
-            act=call.attr("act"),
-        )  # fmt: skip
-        return PreparedCall(entry, self.launch(x.dtype, n, h, w, c, k, geom=geom, entry=entry), args)
+        entry = self.variant(x.dtype, *shape, kw["geom"])
+        return PreparedCall(entry, self.launch(x.dtype, *shape, geom=kw["geom"], entry=entry), self.args(**kw))

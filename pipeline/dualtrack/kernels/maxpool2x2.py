@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -11,20 +10,15 @@ import numpy as np
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import (
     INT32_MAX,
-    DeviceTensor,
     KernelArg,
     KernelSpec,
     LaunchConfig,
-    LaunchContext,
-    PreparedCall,
     cdiv,
     dtype_name,
+    nhwc_values,
     pixels,
-    pointer,
     positive,
-    stride,
 )
-from dualtrack.plan import KernelCall
 
 
 @dataclass(frozen=True)
@@ -81,20 +75,7 @@ class MaxPool2x2Spec(KernelSpec):
     ) -> list[KernelArg]:
         """``x, y, N, H, W, C, ldx, ldy`` as (value, ctypes type) pairs; strides default to ``C``."""
         self.output_shape(N, H, W, C)
-        ldx_ = stride("ldx", ldx, C)
-        ldy_ = stride("ldy", ldy, C)
-        pixels(N, H, W, max(ldx_, ldy_))
-        values = {
-            "x": pointer("x", x),
-            "y": pointer("y", y),
-            "N": N,
-            "H": H,
-            "W": W,
-            "C": C,
-            "ldx": ldx_,
-            "ldy": ldy_,
-        }
-        return self._ordered(values)
+        return self._ordered(nhwc_values(N, H, W, C, C, ldx, ldy, {"x": x, "y": y}))
 
     def reference(self, x: np.ndarray, *_: Any, **__: Any) -> np.ndarray:
         """numpy semantics: ``x`` (N,H,W,C) -> (N,H//2,W//2,C); an odd last row/column is dropped."""
@@ -102,10 +83,3 @@ class MaxPool2x2Spec(KernelSpec):
             raise InputError(f"maxpool2x2 takes x (N,H,W,C); got {x.shape}")
         N, Ho, Wo, C = self.output_shape(*x.shape)
         return x[:, : 2 * Ho, : 2 * Wo, :].reshape(N, Ho, 2, Wo, 2, C).max(axis=(2, 4))
-
-    def prepare(
-        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext
-    ) -> PreparedCall:
-        n, h, w, ch = x.shape
-        args = self.args(x=x.ptr, y=y.ptr, N=n, H=h, W=w, C=ch, ldx=x.channel_stride, ldy=y.channel_stride)
-        return PreparedCall(self.entry(x.dtype), self.launch(x.dtype, n, h, w, ch), args)

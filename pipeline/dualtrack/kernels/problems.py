@@ -1,9 +1,11 @@
-"""The Track A convolutions of a plan as tuning problems, as pure functions.
+"""Convolution launch shapes (:class:`ConvProblem`), and the Track A convolutions of a plan as
+tuning problems, as pure functions.
 
 A problem is what the kernel sees at launch: ``N, H, W, C, K``, the channel strides ``ldx``/``ldy``
 (a convolution that writes into a concatenation writes a channel slice of a wider buffer) and the
 dtype. ReLU is not part of it: it costs the same with or without. Layers with equal problems (the
-same shape at the same batch size) are tuned once.
+same shape at the same batch size) are tuned once. The conv3x3 selection policy
+(:func:`~dualtrack.kernels.select.choose_conv3x3`) and the Hopper kernel's shape checks take one.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dualtrack.kernels.base import DeviceTensor, dtype_name
 from dualtrack.plan import ALIAS_OPS, Plan, Segment
 
 TUNED_OPS = ("conv3x3",)  # convt2x2's tiles are namespace constants, not a template: nothing to search
@@ -31,6 +34,17 @@ class ConvProblem:
     ldx: int
     ldy: int
     dtype: str = "float16"
+
+    @classmethod
+    def dense(cls, N: int, H: int, W: int, C: int, K: int, dtype: str = "float16") -> ConvProblem:
+        """A problem on dense tensors (pixel strides ``C`` and ``K``)."""
+        return cls(N, H, W, C, K, C, K, dtype)
+
+    @classmethod
+    def of(cls, x: DeviceTensor, y: DeviceTensor) -> ConvProblem:
+        """The launch that reads ``x`` and writes ``y`` (NHWC; a channel slice has its buffer's stride)."""
+        n, h, w, c = x.shape
+        return cls(n, h, w, c, y.shape[3], x.channel_stride, y.channel_stride, dtype_name(x.dtype))
 
     @property
     def pixels(self) -> int:

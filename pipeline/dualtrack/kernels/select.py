@@ -10,9 +10,10 @@ takes the conv spec as an argument, so this module imports no kernel: the specs 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dualtrack.kernels.base import dtype_name
+from dualtrack.kernels.problems import ConvProblem
 
 if TYPE_CHECKING:  # annotations only: conv3x3.py imports this module
     from dualtrack.kernels.conv3x3 import Conv3x3Spec
@@ -42,14 +43,7 @@ class ConvChoice:
 
 def choose_conv3x3(
     conv: Conv3x3Spec,
-    dtype: Any,
-    N: int,
-    H: int,
-    W: int,
-    C: int,
-    K: int,
-    ldx: int | None = None,
-    ldy: int | None = None,
+    p: ConvProblem,
     *,
     wgmma_off: str | None,
     tuned: str | None = None,
@@ -57,7 +51,8 @@ def choose_conv3x3(
     w: int = 0,
     y: int = 0,
 ) -> ConvChoice:
-    """The kernel for one launch of ``conv``'s op (``KERNELS["conv3x3"]``), in this order:
+    """The kernel for launch ``p`` of ``conv``'s op (``KERNELS["conv3x3"]``; ``x``, ``w``, ``y``: its
+    device pointers, 0 where only the shape is known), in this order:
 
     1. the wgmma kernel wherever it is available (``wgmma_off`` is None: a cc 9.0 device whose
        image has it, DUALTRACK_WGMMA not 0) and :meth:`Conv3x3WgmmaSpec.supported` takes the
@@ -77,16 +72,16 @@ def choose_conv3x3(
     if hopper is None:
         why = wgmma_off or f"{conv.stem} has no Hopper kernel"
     else:
-        why = wgmma_off or hopper.supported(dtype, N, H, W, C, K, ldx, ldy, x=x, w=w, y=y)
+        why = wgmma_off or hopper.supported(p, x=x, w=w, y=y)
     if why is None and hopper is not None:
-        cfg = hopper.choose(N, H, W, C, K)
-        reason = f"{cfg.bm}x{cfg.bn} tile, {cfg.ctas(N, H, W, K)} CTAs"
+        cfg = hopper.choose(p.N, p.H, p.W, p.C, p.K)
+        reason = f"{cfg.bm}x{cfg.bn} tile, {cfg.ctas(p.N, p.H, p.W, p.K)} CTAs"
         return ConvChoice("wgmma", cfg.entry, reason)
-    if conv.smallc_supported(dtype, C, K) is None:
+    if conv.smallc_supported(p.dtype, p.C, p.K) is None:
         unused = f"; tuned {tuned.removeprefix(conv.stem + '_')} not used" if tuned else ""
-        reason = f"C={C} <= {SMALL_C_MAX}: small-C direct conv{unused}; wgmma: {why}"
+        reason = f"C={p.C} <= {SMALL_C_MAX}: small-C direct conv{unused}; wgmma: {why}"
         return ConvChoice("direct", conv.smallc_entry, reason)
-    impl = "mma.sync" if dtype_name(dtype) == "float16" else "simt"
+    impl = "mma.sync" if dtype_name(p.dtype) == "float16" else "simt"
     if tuned:
         return ConvChoice(impl, tuned, f"tuned (dualtrack tune); wgmma: {why}")
-    return ConvChoice(impl, conv.variant(dtype, N, H, W, C, K), f"heuristic; wgmma: {why}")
+    return ConvChoice(impl, conv.variant(p.dtype, p.N, p.H, p.W, p.C, p.K), f"heuristic; wgmma: {why}")

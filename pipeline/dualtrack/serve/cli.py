@@ -7,6 +7,8 @@ Only click and the options are imported up front, so ``dualtrack --help`` stays 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,55 +20,39 @@ if TYPE_CHECKING:
     from dualtrack.runtime.engine import Engine
 
 
+# The `dualtrack serve` options that set a ServeOptions field, in --help order: (field, click type,
+# help). Each becomes --<field with dashes>, its default the ServeOptions one.
+_SERVE_OPTIONS: tuple[tuple[str, click.ParamType, str | None], ...] = (
+    ("device", click.Choice(["cpu", "cuda"]), None),
+    ("device_index", click.IntRange(0), None),
+    ("max_batch_delay_ms", click.FloatRange(0), "Longest a request waits for others to share its batch."),
+    ("max_queue", click.IntRange(1), "Requests waiting for a batch; one more is answered 503 with Retry-After."),
+    ("max_body_bytes", click.IntRange(1), "Larger request bodies are answered 413."),
+    ("shutdown_timeout_s", click.FloatRange(0), "On SIGTERM/SIGINT, how long to wait for in-flight requests."),
+    ("image_threads", click.IntRange(0), "Threads that decode, resize and encode images (0: one per core)."),
+    (
+        "image_memory_mb",
+        click.IntRange(1),
+        "Memory for full-size images in flight (decodes, masks); one that does not fit waits (with --workers: "
+        "split between them).",
+    ),
+)
+
+
+def _serve_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Adds the :data:`_SERVE_OPTIONS` to ``command`` (click lists the last one added first)."""
+    for field, type_, help_ in reversed(_SERVE_OPTIONS):
+        flag = "--" + field.replace("_", "-")
+        default = getattr(ServeOptions, field)
+        command = click.option(flag, field, default=default, show_default=True, type=type_, help=help_)(command)
+    return command
+
+
 @click.command("serve")
 @click.argument("bundle", type=click.Path(exists=True, path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 for all).")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=ServeOptions.device, show_default=True)
-@click.option("--device-index", default=ServeOptions.device_index, show_default=True, type=click.IntRange(0))
-@click.option(
-    "--max-batch-delay-ms",
-    default=ServeOptions.max_batch_delay_ms,
-    show_default=True,
-    type=click.FloatRange(0),
-    help="Longest a request waits for others to share its batch.",
-)
-@click.option(
-    "--max-queue",
-    default=ServeOptions.max_queue,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Requests waiting for a batch; one more is answered 503 with Retry-After.",
-)
-@click.option(
-    "--max-body-bytes",
-    default=ServeOptions.max_body_bytes,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Larger request bodies are answered 413.",
-)
-@click.option(
-    "--shutdown-timeout-s",
-    default=ServeOptions.shutdown_timeout_s,
-    show_default=True,
-    type=click.FloatRange(0),
-    help="On SIGTERM/SIGINT, how long to wait for in-flight requests.",
-)
-@click.option(
-    "--image-threads",
-    default=ServeOptions.image_threads,
-    show_default=True,
-    type=click.IntRange(0),
-    help="Threads that decode, resize and encode images (0: one per core).",
-)
-@click.option(
-    "--image-memory-mb",
-    default=ServeOptions.image_memory_mb,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Memory for full-size images in flight (decodes, masks); one that does not fit waits (with --workers: "
-    "split between them).",
-)
+@_serve_options
 @click.option(
     "--workers",
     default=1,
@@ -89,22 +75,7 @@ if TYPE_CHECKING:
     default="info",
     show_default=True,
 )
-def serve(
-    bundle: Path,
-    host: str,
-    port: int,
-    device: str,
-    device_index: int,
-    max_batch_delay_ms: float,
-    max_queue: int,
-    max_body_bytes: int,
-    shutdown_timeout_s: float,
-    image_threads: int,
-    image_memory_mb: int,
-    workers: int,
-    jpeg_decoder: str,
-    log_level: str,
-) -> None:
+def serve(bundle: Path, host: str, port: int, workers: int, jpeg_decoder: str, log_level: str, **settings: Any) -> None:
     """Serve BUNDLE over HTTP: POST /v1/segment, /healthz, /readyz, /metrics and a web page at /.
 
     The bundle is loaded before the server listens, so a bad bundle or device fails here with its
@@ -116,40 +87,21 @@ def serve(
     from dualtrack.runtime.engine import Engine
     from dualtrack.serve.app import create_app
 
+    options = ServeOptions(**settings)
     loop, http = server_stack()
-    engine = Engine.load(bundle, device=device, device_index=device_index)
+    engine = Engine.load(bundle, device=options.device, device_index=options.device_index)
     try:
         if workers > 1:
-            _serve_workers(
-                engine,
-                workers,
-                ServeOptions(
-                    max_batch_delay_ms=max_batch_delay_ms,
-                    max_queue=max_queue,
-                    max_body_bytes=max_body_bytes,
-                    shutdown_timeout_s=shutdown_timeout_s,
-                    # Split between the workers: with one thread per core in every worker, 512 KB PNGs
-                    # (CPU-bound) ran 10-20% slower on the H200 machine (serve_bench-f552e5d.json).
-                    image_threads=image_threads or max(1, ServeOptions().threads // workers),
-                    image_memory_mb=max(1, image_memory_mb // workers),
-                ),
-                host=host,
-                port=port,
-                log_level=log_level,
-                loop=loop,
-                http=http,
+            # Split between the workers: with one thread per core in every worker, 512 KB PNGs
+            # (CPU-bound) ran 10-20% slower on the H200 machine (serve_bench-f552e5d.json).
+            shares = replace(
+                options,
+                image_threads=options.image_threads or max(1, ServeOptions().threads // workers),
+                image_memory_mb=max(1, options.image_memory_mb // workers),
             )
+            _serve_workers(engine, workers, shares, host=host, port=port, log_level=log_level, loop=loop, http=http)
             return
-        app = create_app(
-            engine,
-            max_batch_delay_ms=max_batch_delay_ms,
-            max_queue=max_queue,
-            max_body_bytes=max_body_bytes,
-            shutdown_timeout_s=shutdown_timeout_s,
-            image_threads=image_threads,
-            image_memory_mb=image_memory_mb,
-            jpeg_decoder=jpeg_decoder,
-        )
+        app = create_app(engine, jpeg_decoder=jpeg_decoder, **asdict(options))
         click.echo(f"serving with {loop} and {http}, {app.state.options.threads} image threads", err=True)
         uvicorn.run(
             app,
@@ -158,7 +110,7 @@ def serve(
             log_level=log_level,
             loop=loop,
             http=http,
-            timeout_graceful_shutdown=int(shutdown_timeout_s) or None,
+            timeout_graceful_shutdown=int(options.shutdown_timeout_s) or None,
         )
     finally:
         engine.close()

@@ -23,6 +23,7 @@ import numpy as np
 from dualtrack import kernels
 from dualtrack.errors import CudaError
 from dualtrack.kernels.conv3x3_wgmma import input_map
+from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.tensormap import TiledMap
 from dualtrack.runtime import tma
 from dualtrack.runtime.driver import Device, Module, Stream
@@ -47,10 +48,11 @@ def main(ptx: Path) -> None:
     short = TiledMap(int(wt), (9 * c, k), (9 * c * 2,), (cfg.bk, cfg.bn // 2), cfg.row_bytes, 256)
     tmw = tma.encode(short)
     geo = wg.launch("float16", n, h, w, c, k, entry=entry)
-    common = {"tmx": tmx, "tmw": tmw, "y": int(y), "N": n, "H": h, "W": w, "C": c, "K": k, "entry": entry}
+    problem = ConvProblem.dense(n, h, w, c, k)
+    common = {"tmx": tmx, "tmw": tmw, "y": int(y), "entry": entry}
 
     t0 = time.perf_counter()
-    kern.launch(geo.grid, geo.block, geo.shared_bytes, stream, wg.args(**common, status=int(status)))
+    kern.launch(geo.grid, geo.block, geo.shared_bytes, stream, wg.args(problem, **common, status=int(status)))
     stream.synchronize()
     report_s = time.perf_counter() - t0
     words = np.zeros(8, np.int32)
@@ -59,7 +61,7 @@ def main(ptx: Path) -> None:
 
     t0 = time.perf_counter()
     try:
-        kern.launch(geo.grid, geo.block, geo.shared_bytes, stream, wg.args(**common, status=None))
+        kern.launch(geo.grid, geo.block, geo.shared_bytes, stream, wg.args(problem, **common, status=None))
         stream.synchronize()
         trap = "no error"
     except CudaError as exc:
