@@ -25,14 +25,16 @@ the live ones): never a hang, never another request's mask. ``/readyz`` is 200 w
 model replica runs, 503 with Ray's reason when none can (``engine failed to load: ...``).
 
 Batching: dualtrack's :class:`~dualtrack.serve.batcher.Batcher` inside the replica, not Ray's
-``@serve.batch``. Measured on the CPU (``bench/ray_batching.py``, tiny bundle, one replica, 16
-callers; ``bench/results/ray_batching-*.json``) the two give the same throughput within noise,
-because the CPU's engine run dominates both; the batcher is kept because it is the policy
-``dualtrack serve`` has (Triton's delay from the oldest request, the smallest compiled size that
-holds the rows), it copies each image straight into its row of the engine's page-locked host array
-(``@serve.batch`` hands over a list that must be stacked into a new array: one more copy of every
-image on the thread the GPU waits for), and it keeps every engine call on one thread, which owns
-the CUDA context.
+``@serve.batch``. Measured on the CPU (``bench/ray_batching.py``: tiny bundle, one replica each, 16
+callers through a handle, two alternating 8 s rounds; ``bench/results/ray_batching-f98ee57f44.json``)
+the batcher answered 99 and 117 requests/s, ``@serve.batch`` 111 and 82: the same within the noise
+of a shared 2-core machine, because the CPU engine's run dominates both. The batcher is kept
+because it is the policy ``dualtrack serve`` has (the delay counted from the oldest request, the
+smallest compiled size that holds the rows), it copies each image straight into its row of the
+engine's page-locked host array (``@serve.batch`` hands over a list that must be stacked into a new
+array: one more copy of every image, on the path the GPU waits for), and it keeps every engine call
+on one thread, the one that owns the CUDA context. The GPU comparison is the same command with
+``--device cuda``.
 """
 
 from __future__ import annotations
