@@ -24,13 +24,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import test_serve
 import yaml
 from click.testing import CliRunner
 from PIL import Image
 from polling import until
 from test_serve import BAD_INPUTS, _expected_mask, _png, _sample
 
-from dualtrack import Engine
 from dualtrack.cli import main
 from dualtrack.errors import BundleError, ConfigError
 from dualtrack.serve import imaging
@@ -97,11 +97,7 @@ def _deploy(name: str, options: RayAppOptions, port: int) -> str:
 # --- fixtures ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_bundle: Path) -> Iterator[Engine]:
-    engine = Engine.load(tiny_bundle, device="cpu")
-    yield engine
-    engine.close()
+reference = test_serve.reference  # the module's engine for expected masks (a fixture, found by name)
 
 
 @pytest.fixture(scope="module")

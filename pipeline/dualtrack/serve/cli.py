@@ -123,21 +123,17 @@ def serve(
     own error; warmup runs once the server is up, and /readyz answers 200 when it is done.
     Uses uvloop and httptools when they are installed (the `serve` extra), else asyncio and h11.
     """
+    service = {
+        "max_batch_delay_ms": max_batch_delay_ms,
+        "max_queue": max_queue,
+        "max_body_bytes": max_body_bytes,
+        "shutdown_timeout_s": shutdown_timeout_s,
+        "image_threads": image_threads,
+        "image_memory_mb": image_memory_mb,
+    }
     if backend == "ray":
-        _serve_ray(
-            bundle,
-            _ray_options(bundle, device, replicas, autoscale, ingress_replicas)(
-                max_batch_delay_ms=max_batch_delay_ms,
-                max_queue=max_queue,
-                max_body_bytes=max_body_bytes,
-                shutdown_timeout_s=shutdown_timeout_s,
-                image_threads=image_threads,
-                image_memory_mb=image_memory_mb,
-            ),
-            host=host,
-            port=port,
-            address=ray_address,
-        )
+        options = _ray_options(bundle, device, replicas, autoscale, ingress_replicas)(**service)
+        _serve_ray(bundle, options, host=host, port=port, address=ray_address)
         return
     if replicas is not None or autoscale is not None or ray_address is not None:
         raise click.UsageError("--replicas, --autoscale and --ray-address go with --backend ray")
@@ -171,15 +167,7 @@ def serve(
                 http=http,
             )
             return
-        app = create_app(
-            engine,
-            max_batch_delay_ms=max_batch_delay_ms,
-            max_queue=max_queue,
-            max_body_bytes=max_body_bytes,
-            shutdown_timeout_s=shutdown_timeout_s,
-            image_threads=image_threads,
-            image_memory_mb=image_memory_mb,
-        )
+        app = create_app(engine, **service)
         click.echo(f"serving with {loop} and {http}, {app.state.options.threads} image threads", err=True)
         uvicorn.run(
             app,

@@ -59,7 +59,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from dualtrack import errors
-from dualtrack.errors import BundleError, DeviceError, DualtrackError, InputError
+from dualtrack.errors import BundleError, DeviceError, DualtrackError
 from dualtrack.serve.batcher import Batcher, BatchResult, NotReadyError, Phase, QueueFullError
 from dualtrack.serve.metrics import ServeMetrics
 from dualtrack.serve.protocol import EngineInfo, Failed, LatencyObserved, Observation, RequestObserved
@@ -297,13 +297,11 @@ class ModelClient:
         return not self._inflight
 
     def submit(self, image: np.ndarray) -> Future[BatchResult]:
-        info, loop = self._info, self._loop
-        if self._phase is not Phase.READY or info is None or loop is None:
+        loop = self._loop
+        if self._phase is not Phase.READY or loop is None:
             reason = f": {self._error}" if self._error else ""
             raise NotReadyError(f"engine is {self._phase.value}{reason}")
-        expected = tuple(info.input_spec.shape[1:])
-        if image.shape != expected or image.dtype != np.uint8:
-            raise InputError(f"image is {image.dtype}{list(image.shape)}, the engine takes uint8{list(expected)}")
+        # The image's shape is checked by the replica's batcher (an InputError comes back as Failed).
         with self._inflight_lock:
             self._inflight += 1
         # Cancelling the returned future cancels the task, which withdraws the request (_run).
