@@ -10,7 +10,7 @@ BUNDLE  ?= build/unet
 ZOO_TORCH ?= 'torch==2.13.0'
 DEVICE  ?= $(shell (nvidia-smi -L >/dev/null 2>&1 && echo cuda) || echo cpu)
 
-.PHONY: install models ptx build run test gpu-test bench lint clean zoo zoo-deps
+.PHONY: install models ptx build run test gpu-test bench lint clean zoo zoo-deps ray-deps
 
 $(BIN)/dualtrack: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -48,6 +48,9 @@ bench:  ## benchmarks on a GPU (bundles built beforehand: make build): prints a 
 
 zoo-deps: $(BIN)/dualtrack  ## install the zoo extra (CPU torch, torchvision, smp): the zoo's tests run with it
 	$(BIN)/pip install -q $(ZOO_TORCH) -e '.[zoo]'
+
+ray-deps: $(BIN)/dualtrack  ## install the ray extra (Ray Serve): tests/test_serve_ray.py runs with it
+	$(BIN)/pip install -q -e '.[ray]'
 
 zoo: zoo-deps  ## export the model zoo into models/zoo/ (512x512; configs/zoo/*.yaml build them)
 	$(BIN)/python models/zoo/export.py

@@ -207,18 +207,28 @@ def test_concurrent_requests_are_batched(server, reference, rng) -> None:
 # --- bad input, limits, probes -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("body", "kwargs", "reason"),
-    [
-        (b"this is not an image\n", {}, r"not a PNG or JPEG image"),
-        (b"", {}, r"empty image"),
-        (b"\x89PNG\r\n\x1a\n" + b"\0" * 40, {}, r"(corrupt or truncated|not a PNG or JPEG)"),
-        (b"GIF89a" + b"\0" * 20, {}, r"not a PNG or JPEG image"),
-        (None, {"files": {"other": ("a.png", b"x", "image/png")}}, r"no field 'image'"),
-        (None, {"data": {"image": "text, not a file"}, "files": {"x": ("x", b"", "text/plain")}}, r"file part"),
-    ],
-    ids=["text", "empty", "truncated-png", "gif", "multipart-no-image", "multipart-text-field"],
-)
+# Bad request bodies (httpx keyword arguments) and the reason each 400 must give; test_serve_ray.py
+# sends them to the Ray backend too.
+BAD_INPUTS = [
+    pytest.param(b"this is not an image\n", {}, r"not a PNG or JPEG image", id="text"),
+    pytest.param(b"", {}, r"empty image", id="empty"),
+    pytest.param(
+        b"\x89PNG\r\n\x1a\n" + b"\0" * 40, {}, r"(corrupt or truncated|not a PNG or JPEG)", id="truncated-png"
+    ),
+    pytest.param(b"GIF89a" + b"\0" * 20, {}, r"not a PNG or JPEG image", id="gif"),
+    pytest.param(
+        None, {"files": {"other": ("a.png", b"x", "image/png")}}, r"no field 'image'", id="multipart-no-image"
+    ),
+    pytest.param(
+        None,
+        {"data": {"image": "text, not a file"}, "files": {"x": ("x", b"", "text/plain")}},
+        r"file part",
+        id="multipart-text-field",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "kwargs", "reason"), BAD_INPUTS)
 def test_bad_input_is_400_with_reason(server, body, kwargs, reason) -> None:
     base, _ = server
     r = httpx.post(f"{base}/v1/segment", content=body, timeout=WAIT_S, **kwargs)

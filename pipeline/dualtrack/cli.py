@@ -487,10 +487,11 @@ def make_reference(output: Path, base: int, depth: int, size: int) -> None:
 
 
 try:  # the service is an optional extra (`pip install dualtrack[serve]`)
-    from dualtrack.serve.cli import loadtest, serve
+    from dualtrack.serve.cli import loadtest, ray_config, serve
 
     main.add_command(serve)
     main.add_command(loadtest)
+    main.add_command(ray_config)
 except ImportError:  # pragma: no cover - depends on the extra being installed
     pass
 

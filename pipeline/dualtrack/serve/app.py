@@ -86,7 +86,7 @@ def worker_app() -> Starlette:
     from dualtrack.serve.shared import RemoteMetrics, connect_from_env
 
     client, options = connect_from_env()
-    return _assemble(client, RemoteMetrics(client), ServeOptions(**options))
+    return assemble(client, RemoteMetrics(client), ServeOptions(**options))
 
 
 def create_app(
@@ -140,11 +140,12 @@ def create_app(
         on_batch=metrics.observe_batch,
         jpeg_decoder=jpeg_decoder,
     )
-    return _assemble(batcher, metrics, options)
+    return assemble(batcher, metrics, options)
 
 
-def _assemble(batcher: BatchQueue, metrics: ServeMetrics | RemoteMetrics, options: ServeOptions) -> Starlette:
-    """The app around a batcher (or a worker's client of the engine process) and its metrics."""
+def assemble(batcher: BatchQueue, metrics: ServeMetrics | RemoteMetrics, options: ServeOptions) -> Starlette:
+    """The app around a batcher and its metrics: a :class:`Batcher`, a worker's client of the engine
+    process (``--workers``), or a Ray ingress replica's client of the model deployment (``--backend ray``)."""
     service = _Service(batcher, metrics, options)
 
     @asynccontextmanager
@@ -444,7 +445,9 @@ class _CountRequests:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
+        # Behind a route prefix (Ray Serve's, a proxy's root_path) the path still carries the prefix.
+        path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+        endpoint = path if path in self.endpoints else "other"
         status = 500  # what ServerErrorMiddleware answers if the app raises before starting a response
 
         async def counting_send(message: Message) -> None:

@@ -7,6 +7,8 @@ Only click and the options are imported up front, so ``dualtrack --help`` stays 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -14,10 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from dualtrack.errors import ConfigError
 from dualtrack.serve.options import ServeOptions
 
 if TYPE_CHECKING:
     from dualtrack.runtime.engine import Engine
+    from dualtrack.serve.ray_config import RayAppOptions
 
 
 # The `dualtrack serve` options that set a ServeOptions field, in --help order: (field, click type,
@@ -75,13 +79,45 @@ def _serve_options(command: Callable[..., None]) -> Callable[..., None]:
     default="info",
     show_default=True,
 )
-def serve(bundle: Path, host: str, port: int, workers: int, jpeg_decoder: str, log_level: str, **settings: Any) -> None:
+@click.option(
+    "--backend",
+    type=click.Choice(["uvicorn", "ray"]),
+    default="uvicorn",
+    show_default=True,
+    help="uvicorn: one engine in this process. ray: Ray Serve, one engine per model replica (the `ray` extra).",
+)
+@click.option("--replicas", type=click.IntRange(1), help="[ray] Model replicas (one GPU each on cuda). [default: 1]")
+@click.option("--autoscale", metavar="MIN..MAX", help="[ray] Let Ray scale the model replicas between MIN and MAX.")
+@click.option("--ingress-replicas", default=1, show_default=True, type=click.IntRange(1), help="[ray] HTTP replicas.")
+@click.option("--ray-address", help="[ray] A running Ray cluster (`ray start`); default: RAY_ADDRESS, else local.")
+def serve(
+    bundle: Path,
+    host: str,
+    port: int,
+    workers: int,
+    jpeg_decoder: str,
+    log_level: str,
+    backend: str,
+    replicas: int | None,
+    autoscale: str | None,
+    ingress_replicas: int,
+    ray_address: str | None,
+    **settings: Any,
+) -> None:
     """Serve BUNDLE over HTTP: POST /v1/segment, /healthz, /readyz, /metrics and a web page at /.
 
     The bundle is loaded before the server listens, so a bad bundle or device fails here with its
     own error; warmup runs once the server is up, and /readyz answers 200 when it is done.
     Uses uvloop and httptools when they are installed (the `serve` extra), else asyncio and h11.
     """
+    if backend == "ray":
+        service = {k: v for k, v in settings.items() if k not in ("device", "device_index")}
+        options = _ray_options(bundle, settings["device"], replicas, autoscale, ingress_replicas)(**service)
+        _serve_ray(bundle, options, host=host, port=port, address=ray_address)
+        return
+    if replicas is not None or autoscale is not None or ray_address is not None:
+        raise click.UsageError("--replicas, --autoscale and --ray-address go with --backend ray")
+
     import uvicorn
 
     from dualtrack.runtime.engine import Engine
@@ -153,6 +189,80 @@ def _serve_workers(engine: Engine, workers: int, options: ServeOptions, **server
         # The workers have answered their requests and exited: finish anything still queued.
         if not host.close(options.shutdown_timeout_s):
             click.echo(f"the engine was still busy after {options.shutdown_timeout_s:.0f} s; exiting anyway", err=True)
+
+
+# --- --backend ray and `dualtrack ray-config` (dualtrack.serve.ray_app; only it imports ray) ---------
+
+
+def _ray_options(
+    bundle: Path, device: str, replicas: int | None, autoscale: str | None, ingress_replicas: int
+) -> Callable[..., RayAppOptions]:
+    """The options of a Ray deployment of ``bundle`` as far as these flags go; call it with the rest."""
+    from dualtrack.serve.ray_config import RayAppOptions, parse_autoscale
+
+    if replicas is not None and autoscale is not None:
+        raise click.UsageError("give --replicas N or --autoscale MIN..MAX, not both")
+    scale = parse_autoscale(autoscale) if autoscale is not None else None
+    return functools.partial(
+        RayAppOptions,
+        bundle=str(bundle.resolve()),
+        device=device,
+        replicas=replicas or 1,
+        autoscale=scale,
+        ingress_replicas=ingress_replicas,
+    )
+
+
+def _serve_ray(bundle: Path, options: RayAppOptions, **where: Any) -> None:
+    from dualtrack.bundle import Bundle
+
+    Bundle.open(bundle)  # a bad bundle fails here with its own error, before Ray starts
+    try:
+        from dualtrack.serve.ray_app import run_service
+    except ImportError as err:
+        raise ConfigError(f"--backend ray needs Ray Serve ({err}): pip install 'dualtrack[ray]'") from None
+    run_service(options, echo=lambda line: click.echo(line, err=True), **where)
+
+
+@click.command("ray-config")
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), help="YAML to write.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
+@click.option("--replicas", type=click.IntRange(1), help="Model replicas (one GPU each on cuda). [default: 1]")
+@click.option("--autoscale", metavar="MIN..MAX", help="Let Ray scale the model replicas between MIN and MAX.")
+@click.option("--ingress-replicas", default=1, show_default=True, type=click.IntRange(1), help="HTTP replicas.")
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address Ray's HTTP proxies listen on.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--bundle-path", help="The bundle's path on the cluster's nodes, if not BUNDLE's absolute path here.")
+@click.option("--max-batch-delay-ms", default=ServeOptions.max_batch_delay_ms, show_default=True, type=float)
+@click.option("--max-queue", default=ServeOptions.max_queue, show_default=True, type=click.IntRange(1))
+def ray_config(
+    bundle: Path,
+    output: Path,
+    device: str,
+    replicas: int | None,
+    autoscale: str | None,
+    ingress_replicas: int,
+    host: str,
+    port: int,
+    bundle_path: str | None,
+    max_batch_delay_ms: float,
+    max_queue: int,
+) -> None:
+    """Write a Ray Serve config for BUNDLE: `serve run FILE`, `serve deploy FILE`, a KubeRay RayService.
+
+    The bundle is read here for its batch sizes; the nodes read it at --bundle-path (default: the
+    absolute path of BUNDLE), so it must be there on every node (a shared volume or the image).
+    """
+    from dualtrack.serve.ray_config import write_serve_config
+
+    options = _ray_options(bundle, device, replicas, autoscale, ingress_replicas)(
+        max_batch_delay_ms=max_batch_delay_ms, max_queue=max_queue
+    ).resolved()
+    if bundle_path is not None:
+        options = dataclasses.replace(options, bundle=bundle_path)
+    write_serve_config(options, output, host=host, port=port)
+    click.echo(f"wrote {output}: `serve run {output}` or `serve deploy {output}`")
 
 
 def server_stack() -> tuple[str, str]:

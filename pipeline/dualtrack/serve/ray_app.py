@@ -1,0 +1,526 @@
+"""``dualtrack serve --backend ray``: the service as a Ray Serve application, one engine per replica.
+
+The only module of dualtrack that imports ``ray`` (the ``ray`` extra). Three deployments:
+
+- **DualtrackModel** (``replicas``, or autoscaled between ``autoscale`` bounds): one
+  :class:`~dualtrack.runtime.engine.Engine` per replica behind dualtrack's own
+  :class:`~dualtrack.serve.batcher.Batcher`. On ``cuda`` a replica asks Ray for one GPU
+  (``num_gpus=1``): Ray sets ``CUDA_VISIBLE_DEVICES`` to that GPU, so the engine opens device 0 of
+  the replica and owns its primary context. The constructor loads the bundle and warms it up
+  before it returns, so Ray routes to a replica only once it is warm; a bundle that fails to load
+  raises there, and Ray reports the deployment unhealthy (``DEPLOY_FAILED``) with that reason.
+  ``check_health`` fails a replica whose engine failed later, and Ray replaces it.
+- **DualtrackIngress** (CPU, ``ingress_replicas``, scaled apart from the model): the HTTP app of
+  ``dualtrack serve`` itself (:func:`dualtrack.serve.app.assemble`) with a :class:`ModelClient` in
+  place of the batcher, so ``POST /v1/segment``, ``/healthz``, ``/readyz``, ``/metrics`` and ``/``
+  answer the same bodies and codes; the images are decoded, resized and encoded here.
+- **DualtrackMetrics** (one replica, no CPU reserved): the service's one Prometheus registry
+  (:class:`~dualtrack.serve.metrics.ServeMetrics`), fed by every ingress replica (requests,
+  latency) and every model replica (batches, queue depth) the way ``--workers`` feeds the engine
+  process's, so ``/metrics`` on any replica is the whole service's.
+
+Faults. A request in flight on a model replica that dies fails with Ray's actor error, answered
+503 with ``Retry-After`` (the client retries; Ray restarts the replica and routes new requests to
+the live ones): never a hang, never another request's mask. ``/readyz`` is 200 while at least one
+model replica runs, 503 with Ray's reason when none can (``engine failed to load: ...``).
+
+Batching: dualtrack's :class:`~dualtrack.serve.batcher.Batcher` inside the replica, not Ray's
+``@serve.batch``. Measured on the CPU (``bench/ray_batching.py``: tiny bundle, one replica each, 16
+callers through a handle, two alternating 8 s rounds; ``bench/results/ray_batching-f98ee57f44.json``)
+the batcher answered 99 and 117 requests/s, ``@serve.batch`` 111 and 82: the same within the noise
+of a shared 2-core machine, because the CPU engine's run dominates both. The batcher is kept
+because it is the policy ``dualtrack serve`` has (the delay counted from the oldest request, the
+smallest compiled size that holds the rows), it copies each image straight into its row of the
+engine's page-locked host array (``@serve.batch`` hands over a list that must be stacked into a new
+array: one more copy of every image, on the path the GPU waits for), and it keeps every engine call
+on one thread, the one that owns the CUDA context. The GPU comparison is the same command with
+``--device cuda``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+from ray import serve
+from ray.exceptions import RayActorError, TaskCancelledError
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from dualtrack import errors
+from dualtrack.errors import BundleError, DeviceError, DualtrackError
+from dualtrack.serve.batcher import Batcher, BatchResult, NotReadyError, Phase, QueueFullError
+from dualtrack.serve.metrics import ServeMetrics
+from dualtrack.serve.protocol import EngineInfo, Failed, LatencyObserved, Observation, RequestObserved
+from dualtrack.serve.ray_config import APP_NAME, RayAppOptions
+
+MODEL = "DualtrackModel"
+INGRESS = "DualtrackIngress"
+METRICS = "DualtrackMetrics"
+FLUSH_S = 0.25  # how often replicas send what they observed to the metrics deployment
+WATCH_S = 0.5  # how often an ingress replica reads the model deployment's state from Ray
+_STALE_S = 10 * FLUSH_S  # a model replica that has not reported for this long no longer counts in the queue depth
+_RAISED = re.compile(r"^dualtrack\.errors\.(\w+): (.+)$", re.MULTILINE)  # the last line of a replica's traceback
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchObserved:
+    """One engine run of a model replica, for the batch metrics (the rows' results without masks)."""
+
+    queue_ms: tuple[float, ...]  # each row's wait
+    batch_size: int
+    padded_size: int
+    run_ms: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, results: list[BatchResult]) -> BatchObserved:
+        first = results[0]
+        return cls(tuple(r.queue_ms for r in results), first.batch_size, first.padded_size, first.run_ms, first.timings)
+
+    def results(self) -> list[BatchResult]:
+        empty = np.empty((0, 0), np.uint8)
+        return [
+            BatchResult(empty, self.batch_size, self.padded_size, q, self.run_ms, self.timings) for q in self.queue_ms
+        ]
+
+
+class _Observer:
+    """Buffers a replica's observations and sends them to the metrics deployment every FLUSH_S."""
+
+    def __init__(self, metrics: DeploymentHandle, depth: Any = None) -> None:
+        self._metrics = metrics
+        self._depth = depth  # a model replica's queue depth, sent with every flush
+        self._replica = f"{os.uname().nodename}:{os.getpid()}"
+        self._buffer: list[Observation | BatchObserved] = []
+        self._sent_depth: int | None = None
+        self._sent_at = 0.0
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._flush_periodically, name="dualtrack-metrics", daemon=True).start()
+
+    def observe(self, observation: Observation | BatchObserved) -> None:
+        with self._lock:
+            self._buffer.append(observation)
+
+    def flush(self) -> None:
+        with self._lock:
+            batch, self._buffer = self._buffer, []
+        depth = None if self._depth is None else self._depth()
+        # An idle model replica still reports its depth now and then, or it would count as gone.
+        due = depth is not None and (depth != self._sent_depth or time.monotonic() - self._sent_at > _STALE_S / 2)
+        if batch or due:
+            self._sent_depth, self._sent_at = depth, time.monotonic()
+            try:  # fire and forget: a metrics replica being restarted must not fail a request
+                self._metrics.record.remote(tuple(batch), self._replica, depth)
+            except Exception as err:
+                _log.warning("could not send metrics: %s", err)
+
+    def close(self) -> None:
+        self._stopped.set()
+        self.flush()
+
+    def _flush_periodically(self) -> None:
+        while not self._stopped.wait(FLUSH_S):
+            self.flush()
+
+
+# --- the model deployment ------------------------------------------------------------------------
+
+
+class ModelReplica:
+    """One engine and its batcher. ``run`` answers a :class:`BatchResult` or a :class:`Failed`."""
+
+    def __init__(self, options: RayAppOptions, metrics: DeploymentHandle) -> None:
+        device_index = 0
+        if options.device == "cuda" and not ray.get_gpu_ids():
+            raise DeviceError("this model replica was given no GPU: deploy it with ray_actor_options num_gpus=1")
+        settled = threading.Event()
+        self.batcher = Batcher(
+            options.bundle,
+            max_batch_delay_s=options.max_batch_delay_ms / 1e3,
+            max_queue=options.max_ongoing_requests,
+            device=options.device,
+            device_index=device_index,  # CUDA_VISIBLE_DEVICES holds only this replica's GPU
+            on_batch=lambda results: self.observer.observe(BatchObserved.of(results)),
+            on_phase=lambda phase, _error: settled.set() if phase is not Phase.WARMING else None,
+        )
+        self.observer = _Observer(metrics, depth=lambda: self.batcher.depth)
+        self.batcher.start()
+        settled.wait()
+        if self.batcher.phase is not Phase.READY:
+            self.observer.close()
+            # Raised from the constructor: Ray retries the replica, then marks the deployment
+            # DEPLOY_FAILED with this message, which the ingress's /readyz reports.
+            raise BundleError(self.batcher.error or f"engine is {self.batcher.phase.value}")
+        assert self.batcher.engine is not None
+        self.info_ = EngineInfo.of(self.batcher.engine)
+
+    def info(self) -> EngineInfo:
+        return self.info_
+
+    async def run(self, image: np.ndarray) -> BatchResult | Failed:
+        try:
+            future = self.batcher.submit(image)
+        except DualtrackError as err:
+            return Failed.of(0, err)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:  # the caller cancelled (its client went away): free the row
+            future.cancel()
+            raise
+        except DualtrackError as err:
+            return Failed.of(0, err)
+
+    def check_health(self) -> None:
+        if self.batcher.phase is not Phase.READY:
+            raise NotReadyError(self.batcher.error or f"engine is {self.batcher.phase.value}")
+
+    def __del__(self) -> None:
+        batcher = getattr(self, "batcher", None)
+        if batcher is not None:
+            batcher.close(30.0)
+        observer = getattr(self, "observer", None)
+        if observer is not None:
+            observer.close()
+
+
+# --- the metrics deployment ----------------------------------------------------------------------
+
+
+class MetricsReplica:
+    """The service's one registry: what every replica observed, and the model replicas' queue depth."""
+
+    def __init__(self) -> None:
+        self._depths: dict[str, tuple[int, float]] = {}  # replica -> (queue depth, when reported)
+        self._ready = False
+        self.metrics = ServeMetrics(queue_depth=self._queue_depth, ready=lambda: self._ready)
+
+    def record(self, batch: tuple[Observation | BatchObserved, ...], replica: str, depth: int | None) -> None:
+        if depth is not None:
+            self._depths[replica] = (depth, time.monotonic())
+        for observation in batch:
+            match observation:
+                case RequestObserved(endpoint, code):
+                    self.metrics.observe_request(endpoint, code)
+                case LatencyObserved(seconds):
+                    self.metrics.observe_latency(seconds)
+                case BatchObserved():
+                    self.metrics.observe_batch(observation.results())
+
+    def exposition(self, ready: bool) -> bytes:
+        """The Prometheus text; ``ready`` is the asking ingress replica's view (``/readyz`` is 200)."""
+        self._ready = ready
+        return self.metrics.exposition()
+
+    def queue_depths(self) -> dict[str, int]:
+        """Requests waiting in each live model replica's batcher, by ``host:pid`` (``dualtrack_queue_depth``
+        is their sum): which replica holds the queue."""
+        now = time.monotonic()
+        return {replica: depth for replica, (depth, when) in self._depths.items() if now - when < _STALE_S}
+
+    def _queue_depth(self) -> int:
+        return sum(self.queue_depths().values())
+
+
+# --- the ingress deployment ----------------------------------------------------------------------
+
+
+class ModelClient:
+    """The ingress app's :class:`~dualtrack.serve.batcher.BatchQueue`: requests go to the model deployment.
+
+    ``phase`` follows Ray's view of the model deployment (read every :data:`WATCH_S`): ``READY``
+    while a replica runs, ``FAILED`` with Ray's message when none runs and Ray has given up or
+    reports it unhealthy, ``LOADING`` before. The errors of ``submit`` and its future are the
+    batcher's, so the app answers them the same way; a replica that died under a request is
+    :class:`NotReadyError` (503).
+    """
+
+    def __init__(self, model: DeploymentHandle, metrics: DeploymentHandle, app_name: str) -> None:
+        self._model = model
+        self._app_name = app_name
+        self._phase = Phase.LOADING
+        self._error = ""
+        self._info: EngineInfo | None = None
+        self._inflight = 0
+        self._inflight_lock = threading.Lock()  # changed on image threads and on the event loop
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._closing = False
+        self.observer = _Observer(metrics)
+        self._metrics = metrics
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def error(self) -> str:
+        return self._error
+
+    @property
+    def engine(self) -> EngineInfo | None:
+        return self._info
+
+    @property
+    def depth(self) -> int:
+        """This ingress replica's requests sent to the model deployment and not yet answered."""
+        return self._inflight
+
+    def start(self) -> None:
+        # Called by the app's lifespan, on the replica's event loop: requests are sent from there.
+        self._loop = asyncio.get_running_loop()
+        self._watcher = self._loop.create_task(self._watch())
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Refuse new requests; wait up to ``timeout`` s for this replica's requests to be answered."""
+        self._closing = True
+        self._phase = Phase.CLOSED
+        if self._loop is not None and self._watcher is not None:
+            self._loop.call_soon_threadsafe(self._watcher.cancel)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._inflight and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.01)
+        self.observer.close()
+        return not self._inflight
+
+    def submit(self, image: np.ndarray) -> Future[BatchResult]:
+        loop = self._loop
+        if self._phase is not Phase.READY or loop is None:
+            reason = f": {self._error}" if self._error else ""
+            raise NotReadyError(f"engine is {self._phase.value}{reason}")
+        # The image's shape is checked by the replica's batcher (an InputError comes back as Failed).
+        with self._inflight_lock:
+            self._inflight += 1
+        # Cancelling the returned future cancels the task, which withdraws the request (_run).
+        return asyncio.run_coroutine_threadsafe(self._run(image.copy()), loop)
+
+    async def _run(self, image: np.ndarray) -> BatchResult:
+        response = self._model.run.remote(image)
+        try:
+            reply = await response
+        except asyncio.CancelledError:
+            # DeploymentResponse.cancel() may wait for the request to be assigned: not on the loop.
+            asyncio.get_running_loop().run_in_executor(None, response.cancel)
+            raise
+        except BackPressureError:
+            raise QueueFullError(
+                "request queue is full (every model replica is busy and max_queue requests wait): retry shortly, "
+                "raise max_queue or add replicas"
+            ) from None
+        except (RayActorError, TaskCancelledError) as err:
+            raise NotReadyError(f"the model replica running this request died ({type(err).__name__}); retry") from None
+        except ray.exceptions.RayError as err:
+            raise DualtrackError(f"the model deployment failed on this request: {err}") from None
+        finally:
+            with self._inflight_lock:
+                self._inflight -= 1
+        if isinstance(reply, Failed):
+            raise reply.error()
+        return reply
+
+    async def _watch(self) -> None:
+        """Follow the model deployment's state in Ray; fetch the engine's specs once a replica runs."""
+        while not self._closing:
+            try:
+                running, status, message = await asyncio.to_thread(model_status, self._app_name)
+                if running and self._info is None:
+                    self._info = await self._model.info.remote()
+                if running and self._info is not None:
+                    self._error, self._phase = "", Phase.READY
+                elif status in ("DEPLOY_FAILED", "UNHEALTHY") and message:
+                    self._error, self._phase = failure_reason(status, message), Phase.FAILED
+                elif self._phase is Phase.READY:
+                    self._error, self._phase = "no model replica is running (Ray is starting one)", Phase.LOADING
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # Ray's controller unreachable for a moment: keep the last state
+                _log.warning("could not read the model deployment's state: %s", err)
+            await asyncio.sleep(WATCH_S)
+
+    # --- what RemoteMetrics calls (dualtrack.serve.shared): the service's one registry --------------
+
+    def observe(self, observation: Observation) -> None:
+        self.observer.observe(observation)
+
+    def flush(self) -> None:
+        self.observer.flush()
+
+    def ask(self, what: str) -> Future[bytes]:
+        """``"metrics"``: the whole service's Prometheus text, from the metrics deployment."""
+        if what != "metrics":
+            raise ValueError(f"the metrics deployment answers 'metrics', not {what!r}")
+        response = self._metrics.exposition.remote(self._phase is Phase.READY)
+        future: Future[bytes] = Future()
+
+        def fetch() -> None:
+            try:
+                future.set_result(response.result())
+            except Exception as err:
+                future.set_exception(DualtrackError(f"the metrics deployment did not answer: {err}"))
+
+        threading.Thread(target=fetch, name="dualtrack-metrics-ask", daemon=True).start()
+        return future
+
+
+def model_status(app_name: str) -> tuple[int, str, str]:
+    """The model deployment of application ``app_name``: running replicas, Ray's status and message."""
+    app = serve.status().applications.get(app_name)
+    deployment = app.deployments.get(MODEL) if app is not None else None
+    if deployment is None:
+        return 0, "", ""
+    return int(deployment.replica_states.get("RUNNING", 0)), str(deployment.status.value), deployment.message
+
+
+def failure_reason(status: str, message: str) -> str:
+    """Why the model deployment cannot serve, in one line: the dualtrack error a replica raised
+    (``engine failed to load: ...``) when Ray's message (a replica's traceback) carries one."""
+    return str(failure_error(status, message))
+
+
+def failure_error(status: str, message: str) -> DualtrackError:
+    """:func:`failure_reason` as the error a replica raised (its class, hence its exit code)."""
+    found = _RAISED.findall(message)
+    if found:
+        name, reason = found[-1]
+        cls = getattr(errors, name, DualtrackError)
+        return (cls if isinstance(cls, type) and issubclass(cls, DualtrackError) else DualtrackError)(reason.strip())
+    return DualtrackError(f"the model deployment is {status}: {' '.join(message.split())}")
+
+
+class IngressReplica:
+    """The HTTP app of ``dualtrack serve`` in front of the model deployment (built per replica)."""
+
+    def __init__(self, model: DeploymentHandle, metrics: DeploymentHandle, options: RayAppOptions) -> None:
+        self.client = ModelClient(model, metrics, serve.get_replica_context().app_name)
+        self.options = options
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from dualtrack.serve.app import assemble
+        from dualtrack.serve.shared import RemoteMetrics
+
+        return assemble(self.client, RemoteMetrics(self.client), self.options.serve_options())  # type: ignore[arg-type]
+
+
+# --- the application -----------------------------------------------------------------------------
+
+
+def build_app(options: RayAppOptions) -> serve.Application:
+    """The Ray Serve application for ``options`` (``serve.run(build_app(...))``)."""
+    options = options.resolved()
+    if options.autoscale is not None:
+        low, high = options.autoscale
+        scaling: dict[str, Any] = {
+            "autoscaling_config": {
+                "min_replicas": low,
+                "max_replicas": high,
+                "initial_replicas": max(low, 1),
+                # A replica is "busy" at one full batch running and one gathering.
+                "target_ongoing_requests": options.max_ongoing_requests // 2,
+            }
+        }
+    else:
+        scaling = {"num_replicas": options.replicas}
+    gpu = {"num_gpus": 1} if options.device == "cuda" else {}
+    model = serve.deployment(
+        ModelReplica,
+        name=MODEL,
+        ray_actor_options={"num_cpus": 1, **gpu},
+        max_ongoing_requests=options.max_ongoing_requests,
+        max_queued_requests=options.max_queue,
+        health_check_period_s=2,
+        graceful_shutdown_timeout_s=options.shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=0.5,
+        **scaling,
+    )
+    metrics = serve.deployment(
+        MetricsReplica,
+        name=METRICS,
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_wait_loop_s=0.5,
+        logging_config={"enable_access_log": False},  # a line per flush of every replica otherwise
+    )
+    ingress = serve.deployment(
+        serve.ingress()(IngressReplica),
+        name=INGRESS,
+        num_replicas=options.ingress_replicas,
+        ray_actor_options={"num_cpus": 1},
+        # An ingress replica holds requests while their images decode and their batch runs.
+        max_ongoing_requests=options.max_queue + options.max_ongoing_requests,
+        graceful_shutdown_timeout_s=options.shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=0.5,  # Ray polls for in-flight requests this often (2 s by default)
+    )
+    metrics_app = metrics.bind()
+    return ingress.bind(model.bind(options, metrics_app), metrics_app, options)
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """The ``import_path`` of a Ray Serve config (``dualtrack ray-config`` writes one): ``args`` are
+    :class:`~dualtrack.serve.ray_config.RayAppOptions`' fields."""
+    return build_app(RayAppOptions.from_args(args))
+
+
+def run_service(
+    options: RayAppOptions, *, host: str, port: int, address: str | None, echo: Callable[[str], None]
+) -> None:
+    """``dualtrack serve --backend ray``: deploy, answer on ``host:port`` until SIGINT/SIGTERM, then undeploy.
+
+    ``address`` (or ``RAY_ADDRESS``) names a running cluster (``ray start``); without either, a
+    local Ray instance is started and shut down here. A model deployment that cannot start raises
+    the error its replica raised (a bad bundle: :class:`~dualtrack.errors.BundleError`).
+    """
+    options = options.resolved()
+    local = address is None and not os.environ.get("RAY_ADDRESS")
+    models = options.autoscale[1] if options.autoscale else options.replicas
+    if local:
+        # Logical CPUs: a replica reserves one while it mostly waits, so a laptop with fewer cores
+        # than replicas still runs them all (they share the cores) instead of waiting forever.
+        ray.init(num_cpus=max(os.cpu_count() or 1, options.ingress_replicas + models), include_dashboard=False)
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if options.device == "cuda" and gpus < models:
+            ray.shutdown()
+            raise DeviceError(
+                f"{models} model replicas need {models} GPUs, this machine has {gpus:.0f}: "
+                "lower --replicas (or the --autoscale maximum), or pass --ray-address of a cluster with more"
+            )
+    else:
+        ray.init(address=address or "auto")
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        try:
+            serve.run(build_app(options), name=APP_NAME, route_prefix="/")
+        except RuntimeError as err:
+            _, status, message = model_status(APP_NAME)
+            if message:
+                raise failure_error(status, message) from None
+            raise DualtrackError(f"Ray Serve could not deploy the application: {err}") from None
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        where = "a local Ray instance" if local else f"the Ray cluster at {address or os.environ['RAY_ADDRESS']}"
+        scale = f"{options.autoscale[0]}..{options.autoscale[1]}" if options.autoscale else str(options.replicas)
+        echo(
+            f"running on http://{host}:{port} (Ray Serve on {where}: {scale} model replicas on {options.device}, "
+            f"{options.ingress_replicas} ingress); Ctrl-C or SIGTERM stops it"
+        )
+        stop.wait()
+        echo("shutting down: finishing in-flight requests")
+    finally:
+        if local:
+            serve.shutdown()
+            ray.shutdown()
+        else:
+            serve.delete(APP_NAME)

@@ -1,0 +1,368 @@
+"""The Ray Serve backend (``dualtrack serve --backend ray``) over real HTTP on loopback, on the CPU.
+
+One local Ray instance for the module; the application runs two CPU model replicas of the tiny
+bundle. The answers must be those of ``dualtrack serve`` (the same app code) and of ``dualtrack run``;
+a model replica killed with requests in flight answers them 503, never a wrong mask, and the
+application answers again once Ray has replaced it. Waits are bounded; Ray is always shut down.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import test_serve
+import yaml
+from click.testing import CliRunner
+from PIL import Image
+from polling import until
+from test_serve import BAD_INPUTS, _expected_mask, _png, _sample
+
+from dualtrack.cli import main
+from dualtrack.errors import BundleError, ConfigError
+from dualtrack.serve import imaging
+
+ray = pytest.importorskip("ray", reason="the Ray backend needs the `ray` extra: pip install 'dualtrack[ray]'")
+from ray import serve  # noqa: E402
+
+from dualtrack.serve.ray_app import METRICS, MODEL, app_builder, build_app  # noqa: E402
+from dualtrack.serve.ray_config import RayAppOptions, parse_autoscale  # noqa: E402
+
+WAIT_S = 90.0  # upper bound on any one wait (Ray starting replicas on a slow CI core included)
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds Ray's replica processes in /proc")
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:  # Ray's proxy takes a port number, not a socket: pick a free one
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _replica_pids(app: str) -> set[int]:
+    """The live processes of ``app``'s model replicas (Ray titles them ``ray::ServeReplica:APP:MODEL``)."""
+    title = f"ray::ServeReplica:{app}:{MODEL}".encode()
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().startswith(title):
+                        pids.add(int(entry))
+            except OSError:
+                continue  # exited meanwhile
+    return pids
+
+
+def _running(app: str) -> int:
+    status = serve.status().applications.get(app)
+    deployment = status.deployments.get(MODEL) if status is not None else None
+    return int(deployment.replica_states.get("RUNNING", 0)) if deployment is not None else 0
+
+
+def _post(url: str, data: bytes) -> httpx.Response:
+    return httpx.post(url, content=data, timeout=WAIT_S)
+
+
+def _jpeg(rng: np.random.Generator, height: int, width: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def _deploy(name: str, options: RayAppOptions, port: int) -> str:
+    """Deploy ``options`` as application ``name`` at ``/name``; its base URL once it is running."""
+    serve.run(build_app(options), name=name, route_prefix=f"/{name}")
+    base = f"http://127.0.0.1:{port}/{name}"
+    # The ingress reads the model deployment's state from Ray every 0.5 s: ready soon after.
+    until(lambda: httpx.get(f"{base}/readyz").status_code == 200, f"{name}'s /readyz to answer 200", 10)
+    return base
+
+
+# --- fixtures ------------------------------------------------------------------------------------
+
+
+reference = test_serve.reference  # the module's engine for expected masks (a fixture, found by name)
+
+
+@pytest.fixture(scope="module")
+def ray_serve() -> Iterator[int]:
+    """A local Ray instance with Serve's HTTP proxy on a loopback port (yielded); shut down after."""
+    port = _free_port()
+    # Logical CPUs: every replica reserves one; the replicas of this module's apps share the 2 cores.
+    ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def app(ray_serve: int, tiny_bundle: Path) -> str:
+    """Two CPU model replicas of the tiny bundle, the limits of tests/test_serve.py's server."""
+    options = RayAppOptions(bundle=str(tiny_bundle), replicas=2, max_batch_delay_ms=100, max_body_bytes=256 * 1024)
+    return _deploy("app", options, ray_serve)
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+
+
+# --- the CLI (its own local Ray, before the module's one starts) ---------------------------------
+
+
+def test_cli_serves_on_ray_and_stops_on_sigterm(tiny_bundle: Path, reference, rng) -> None:
+    port = _free_port()
+    argv = [sys.executable, "-m", "dualtrack.cli", "serve", str(tiny_bundle), "--backend", "ray"]
+    argv += ["--device", "cpu", "--replicas", "1", "--port", str(port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        line = ""
+        while "running on" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, f"`dualtrack serve --backend ray` exited with {proc.wait()}"
+        assert f"running on http://127.0.0.1:{port}" in line and "1 model replicas on cpu" in line, line
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{base}/readyz").json()["batch_sizes"] == [1, 4]
+        data = _png(rng, 30, 70)
+        r = _post(f"{base}/v1/segment", data)
+        assert r.status_code == 200, r.text
+        np.testing.assert_array_equal(imaging.decode_mask_png(r.content), _expected_mask(reference, data))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_refuses_a_bad_bundle_before_starting_ray(tiny_bundle: Path, tmp_path: Path) -> None:
+    broken = shutil.copytree(tiny_bundle, tmp_path / "broken")
+    (broken / "manifest.json").write_text("{")
+    result = CliRunner().invoke(main, ["serve", str(broken), "--backend", "ray", "--device", "cpu"])
+    assert result.exit_code == BundleError.exit_code, result.output
+    assert "corrupt" in result.output and result.output.count("\n") == 1, result.output
+    result = CliRunner().invoke(main, ["serve", str(tiny_bundle), "--replicas", "2"])
+    assert result.exit_code == 2 and "--backend ray" in result.output, result.output
+    args = ["serve", str(tiny_bundle), "--backend", "ray", "--replicas", "2", "--autoscale", "1..3"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "not both" in result.output, result.output
+
+
+def test_ray_config_file_builds_the_application(tiny_bundle: Path, tmp_path: Path) -> None:
+    out = tmp_path / "serve.yaml"
+    args = ["ray-config", str(tiny_bundle), "-o", str(out), "--autoscale", "1..3", "--bundle-path", "/bundles/tiny"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    config = yaml.safe_load(out.read_text())
+    (application,) = config["applications"]
+    assert application["import_path"] == "dualtrack.serve.ray_app:app_builder"
+    assert application["args"]["bundle"] == "/bundles/tiny" and application["args"]["device"] == "cuda"
+    assert application["args"]["max_ongoing_requests"] == 8  # twice the largest batch size, 4
+    options = RayAppOptions.from_args({**application["args"], "bundle": str(tiny_bundle)})
+    assert options.autoscale == (1, 3)
+    built = app_builder({**application["args"], "bundle": str(tiny_bundle)})
+    assert isinstance(built, serve.Application)
+    with pytest.raises(ConfigError, match=r"unknown dualtrack Ray Serve args \['replica'\]"):
+        RayAppOptions.from_args({"bundle": "b", "replica": 2})
+    with pytest.raises(ConfigError, match=r"MIN\.\.MAX"):
+        parse_autoscale("3-1")
+    with pytest.raises(ConfigError, match=r"autoscale=3\.\.1 is invalid"):
+        RayAppOptions(bundle="b", autoscale=parse_autoscale("3..1"))
+
+
+# --- answers -------------------------------------------------------------------------------------
+
+
+def test_png_and_jpeg_masks_equal_dualtrack_run(app: str, reference, rng, tiny_bundle: Path, tmp_path: Path) -> None:
+    cases = {"image.png": (_png(rng, 50, 80), {}), "image.jpg": (_jpeg(rng, 40, 48), {"multipart": True})}
+    for name, (data, how) in cases.items():
+        if how:
+            r = httpx.post(f"{app}/v1/segment", files={"image": (name, data, "image/jpeg")}, timeout=WAIT_S)
+        else:
+            r = httpx.post(f"{app}/v1/segment", content=data, headers={"Content-Type": "image/png"}, timeout=WAIT_S)
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"] == "image/png" and "inference;dur=" in r.headers["server-timing"]
+        served = imaging.decode_mask_png(r.content)
+        path = tmp_path / name
+        path.write_bytes(data)
+        result = CliRunner().invoke(
+            main, ["run", str(tiny_bundle), str(path), "-o", str(tmp_path / f"{name}.mask.png")]
+        )
+        assert result.exit_code == 0, result.output
+        np.testing.assert_array_equal(served, np.asarray(Image.open(tmp_path / f"{name}.mask.png")), err_msg=name)
+        np.testing.assert_array_equal(served, _expected_mask(reference, data), err_msg=name)
+
+
+def test_json_answer_counts_the_mask(app: str, reference, rng) -> None:
+    data = _jpeg(rng, 64, 64)
+    r = _post(f"{app}/v1/segment?format=json", data)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["shape"] == [64, 64] and body["model_shape"] == [64, 64] and body["classes"] == 2
+    assert body["counts"] == np.bincount(_expected_mask(reference, data).ravel(), minlength=2).tolist()
+    assert {"queue", "inference", "request"} <= body["timings_ms"].keys()
+
+
+def test_concurrent_requests_are_batched_on_the_replicas(app: str, reference, rng) -> None:
+    images = [_png(rng, 64, 64) for _ in range(12)]
+    ok = 'dualtrack_requests_total{code="200",endpoint="/v1/segment"}'
+    before = _sample(httpx.get(f"{app}/metrics").text, ok)
+    with ThreadPoolExecutor(len(images)) as pool:
+        answers = list(pool.map(lambda b: _post(f"{app}/v1/segment?format=json", b), images))
+    assert [a.status_code for a in answers] == [200] * len(images), [a.text for a in answers]
+    assert max(a.json()["batch_size"] for a in answers) > 1, "12 concurrent requests never shared a batch"
+    # A row of a batch of 4 may differ from a batch-1 run in float rounding: 0.5% of pixels (as test_serve).
+    for data, answer in zip(images, answers, strict=True):
+        expected = np.bincount(_expected_mask(reference, data).ravel(), minlength=2)
+        assert np.abs(np.array(answer.json()["counts"]) - expected).sum() <= 0.005 * 64 * 64 * 2
+
+    # Both model replicas report their batches, and the ingress its answers, to the one registry
+    # /metrics shows: every image answered 200 is one row of some replica's batch.
+    def settled() -> bool:
+        text = httpx.get(f"{app}/metrics").text
+        answered = _sample(text, ok)
+        return answered == before + len(images) and _sample(text, "dualtrack_batch_size_sum") == answered
+
+    until(settled, "the replicas' batches and the ingress's answers in /metrics", 10)
+
+
+# --- bad input, limits, probes (tests/test_serve.py's, against this backend) ---------------------
+
+
+@pytest.mark.parametrize(("body", "kwargs", "reason"), BAD_INPUTS)
+def test_bad_input_is_400_with_reason(app: str, body, kwargs, reason) -> None:
+    r = httpx.post(f"{app}/v1/segment", content=body, timeout=WAIT_S, **kwargs)
+    assert r.status_code == 400, r.text
+    assert re.search(reason, r.json()["error"]), r.json()
+    assert "\n" not in r.json()["error"]
+
+
+def test_limits_formats_and_unknown_routes(app: str, rng) -> None:
+    r = _post(f"{app}/v1/segment", b"\0" * (256 * 1024 + 1))
+    assert r.status_code == 413 and "262144" in r.json()["error"]
+    assert _post(f"{app}/v1/segment", b"\0" * (256 * 1024)).status_code == 400  # at the limit: read, not an image
+    r = _post(f"{app}/v1/segment?format=xml", _png(rng, 8, 8))
+    assert r.status_code == 400 and "format=png" in r.json()["error"]
+    assert httpx.get(f"{app}/v1/segment").status_code == 405
+    assert httpx.get(f"{app}/no/such/page").json()["error"].endswith("Not Found")
+    data = _png(rng, 64, 64)
+    assert "truncated" in _post(f"{app}/v1/segment", data[: len(data) // 2]).json()["error"]
+
+
+def test_probes_and_metrics(app: str, rng) -> None:
+    assert httpx.get(f"{app}/healthz").json() == {"status": "alive"}
+    ready = httpx.get(f"{app}/readyz").json()
+    assert ready == {"status": "ready", "model_shape": [64, 64], "classes": 2, "batch_sizes": [1, 4], "device": "cpu"}
+    ok = 'dualtrack_requests_total{code="200",endpoint="/v1/segment"}'
+    bad = 'dualtrack_request_errors_total{code="400",endpoint="/v1/segment"}'
+    text = httpx.get(f"{app}/metrics").text
+    before = _sample(text, ok), _sample(text, bad)
+    assert _post(f"{app}/v1/segment", _png(rng, 16, 16)).status_code == 200
+    assert _post(f"{app}/v1/segment", b"nope").status_code == 400
+    # The ingress counts an answer once it is sent, and sends its counts every 0.25 s.
+    until(lambda: _sample(httpx.get(f"{app}/metrics").text, ok) == before[0] + 1, "the 200 in /metrics", 10)
+    text = httpx.get(f"{app}/metrics").text
+    assert _sample(text, bad) == before[1] + 1
+    for name in ("dualtrack_request_latency_seconds_bucket", "dualtrack_inference_seconds_bucket", "dualtrack_ready"):
+        assert f"\n{name}" in text, name
+    assert _sample(text, "dualtrack_ready") == 1.0
+    assert httpx.get(f"{app}/").headers["content-type"].startswith("text/html")
+
+
+# --- faults --------------------------------------------------------------------------------------
+
+
+def test_killed_replica_fails_its_requests_with_503_then_the_app_answers_again(
+    ray_serve: int, tiny_bundle: Path, reference, rng
+) -> None:
+    """Three requests wait out a 2 s batch delay on two replicas (a batch of 4 never fills); the
+    replica holding some is killed (SIGKILL): those answer 503, the others their own masks; once Ray
+    has started a new replica, every request is answered with its mask."""
+    name = "faults"
+    options = RayAppOptions(bundle=str(tiny_bundle), replicas=2, max_batch_delay_ms=2000)
+    base = _deploy(name, options, ray_serve)
+    try:
+        metrics = serve.get_deployment_handle(METRICS, app_name=name)
+        pids = _replica_pids(name)
+        assert len(pids) == 2, pids
+        images = [_png(rng, 40 + i, 64) for i in range(3)]
+        with ThreadPoolExecutor(len(images)) as pool:
+            futures = [pool.submit(_post, f"{base}/v1/segment", data) for data in images]
+            until(lambda: sum(metrics.queue_depths.remote().result().values()) == 3, "3 requests queued", 20)
+            depths = metrics.queue_depths.remote().result()
+            victim, held = max(depths.items(), key=lambda item: item[1])
+            pid = int(victim.rsplit(":", 1)[1])
+            assert pid in pids, (depths, pids)
+            os.kill(pid, signal.SIGKILL)
+            answers = [f.result(WAIT_S) for f in futures]
+        # The replica that died held `held` of them: each is a 503 that says so, the rest their masks.
+        refused = [a for a in answers if a.status_code == 503]
+        assert len(refused) == held, [(a.status_code, a.text) for a in answers]
+        for a in refused:
+            assert "died" in a.json()["error"] and a.headers["retry-after"] == "1", a.text
+        for data, a in zip(images, answers, strict=True):
+            if a.status_code != 503:
+                assert a.status_code == 200, a.text
+                np.testing.assert_array_equal(imaging.decode_mask_png(a.content), _expected_mask(reference, data))
+        # Ray replaces the replica; then every request is answered again, with its own mask.
+        until(lambda: _running(name) == 2 and pid not in _replica_pids(name), "Ray to replace the replica", WAIT_S)
+        assert httpx.get(f"{base}/readyz").status_code == 200
+        again = [_png(rng, 64, 30 + i) for i in range(8)]
+        with ThreadPoolExecutor(len(again)) as pool:
+            answers = list(pool.map(lambda b: _post(f"{base}/v1/segment", b), again))
+        assert [a.status_code for a in answers] == [200] * len(again), [a.text for a in answers]
+        for data, a in zip(again, answers, strict=True):
+            mask = imaging.decode_mask_png(a.content)
+            expected = _expected_mask(reference, data)
+            # Rows of a batch of 4 may differ from a batch-1 run in float rounding: 0.5% of pixels.
+            assert mask.shape == expected.shape and np.count_nonzero(mask != expected) <= 0.005 * mask.size
+    finally:
+        serve.delete(name)
+
+
+def test_bundle_that_fails_to_load_makes_the_deployment_unhealthy_with_the_reason(
+    ray_serve: int, tiny_bundle: Path, tmp_path: Path, rng
+) -> None:
+    name = "broken"
+    broken = shutil.copytree(tiny_bundle, tmp_path / "broken")
+    with open(broken / "model.onnx", "ab") as f:
+        f.write(b"tampered")
+    # The builder reads the batch sizes from the manifest, which is intact: only the replicas fail.
+    options = RayAppOptions(bundle=str(broken), replicas=1)
+    try:
+        with pytest.raises(RuntimeError, match="Deploying application broken failed"):
+            _deploy(name, options, ray_serve)
+        base = f"http://127.0.0.1:{ray_serve}/{name}"
+        reason = r"^engine failed to load: .*broken: model\.onnx does not match its recorded hash"
+
+        def failed() -> bool:
+            r = httpx.get(f"{base}/readyz")
+            return r.status_code == 503 and re.search(reason, r.json()["error"]) is not None
+
+        until(failed, "/readyz to report the failed load", 20)
+        r = _post(f"{base}/v1/segment", _png(rng, 8, 8))
+        assert r.status_code == 503 and re.search(reason, r.json()["error"]), r.text
+        assert httpx.get(f"{base}/healthz").status_code == 200
+        assert _sample(httpx.get(f"{base}/metrics").text, "dualtrack_ready") == 0.0
+    finally:
+        serve.delete(name)
