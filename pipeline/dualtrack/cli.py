@@ -376,6 +376,8 @@ def info(bundle: Path, as_json: bool) -> None:
         )
     for line in b.plan.summary():
         click.echo(f"segment    {line}")
+    for line in b.plan.notes:  # how the partition was chosen, and why each node runs where it does
+        click.echo(f"partition  {line}")
     ptx = m.artifacts.track_a.get("ptx", {})
     for a, kernels in sorted(ptx.items()):
         isas = {k["isa"] for k in kernels.values()}

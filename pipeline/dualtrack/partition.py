@@ -16,19 +16,19 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from dualtrack import frontend, layout
+from dualtrack import cost, frontend, layout
 from dualtrack.config import BuildConfig, Rules
 from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
 from dualtrack.frontend import model_precision
-from dualtrack.plan import KernelCall, Plan, Segment, TensorSpec
+from dualtrack.plan import KernelCall, Plan, Segment, TensorSpec, Track
 
-TRACK_A_OPS = ("Conv", "Relu", "MaxPool")
 TRACK_A_DESCRIPTION = (
     "Conv 3x3/stride 1/pad 1 and 1x1/stride 1/pad 0 (optionally +Relu), MaxPool 2x2/stride 2, "
     "ConvTranspose 2x2/stride 2 "
@@ -131,9 +131,15 @@ def _matches(node: onnx.NodeProto, rules: Rules) -> bool:
     return node.op_type in rules.op_types or any(node.name.startswith(p) for p in rules.name_prefixes)
 
 
-def assign_tracks(model: onnx.ModelProto, cfg: BuildConfig) -> dict[str, str]:
-    """Track per node: Track B rules win, then Track A rules, then Track B (the default)."""
-    nodes = list(model.graph.node)
+def _rule(node: onnx.NodeProto, rules: Rules, side: str) -> str | None:
+    """The rule of ``rules`` that names ``node``, spelled as in the config, or None."""
+    if node.op_type in rules.op_types:
+        return f"rule partition.{side}.op_types '{node.op_type}'"
+    prefix = next((p for p in rules.name_prefixes if node.name.startswith(p)), None)
+    return f"rule partition.{side}.name_prefixes '{prefix}'" if prefix is not None else None
+
+
+def _check_rules(nodes: list[onnx.NodeProto], cfg: BuildConfig) -> None:
     for side, rules in (("track_a", cfg.partition.track_a), ("track_b", cfg.partition.track_b)):
         for prefix in rules.name_prefixes:
             if not any(n.name.startswith(prefix) for n in nodes):
@@ -147,7 +153,6 @@ def assign_tracks(model: onnx.ModelProto, cfg: BuildConfig) -> dict[str, str]:
                 raise PartitionError(f"partition.{side}.op_types: '{op}' is not an ONNX op type")
             if not any(n.op_type == op for n in nodes):
                 raise PartitionError(f"partition.{side}.op_types: the model has no '{op}' node")
-    tracks = {}
     for n in nodes:
         if n.domain not in ("", "ai.onnx"):
             raise UnsupportedOpError(
@@ -155,13 +160,73 @@ def assign_tracks(model: onnx.ModelProto, cfg: BuildConfig) -> dict[str, str]:
                 f"(Track A: {TRACK_A_DESCRIPTION}; "
                 "Track B: standard ONNX ops through IREE); replace it with standard ONNX ops and re-export"
             )
-        if _matches(n, cfg.partition.track_b):
-            tracks[n.name] = "B"
-        elif _matches(n, cfg.partition.track_a):
-            tracks[n.name] = "A"
-        else:
-            tracks[n.name] = "B"
-    return tracks
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where one node runs and why; its estimated time on each track (us, summed over the batch
+    sizes: `dualtrack.cost`), ``a_us`` None where no Track A kernel takes it."""
+
+    node: str
+    op: str
+    track: Track
+    why: str
+    a_us: float | None
+    b_us: float
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The track of every node, why, and what the partition says about itself (mode, costs, moves)."""
+
+    tracks: dict[str, str]
+    decisions: tuple[Decision, ...]  # in graph order
+    notes: tuple[str, ...]
+    switch_us: float  # per track switch and batch size, as the estimate charges it
+    batch_sizes: tuple[int, ...]
+
+    def estimate_us(self, n_segments: int) -> float:
+        """The plan's estimated time (us, summed over the batch sizes) with ``n_segments`` segments."""
+        per_node = ((d.a_us or 0.0) if d.track == "A" else d.b_us for d in self.decisions)
+        return cost.plan_us(per_node, n_segments, self.switch_us, len(self.batch_sizes))
+
+    def grouped(self) -> list[str]:
+        """One line per (track, reason): the nodes it holds, in graph order."""
+        groups: dict[tuple[str, str], list[str]] = {}
+        for d in self.decisions:
+            groups.setdefault((d.track, d.why), []).append(d.node)
+        return [f"Track {t} ({len(ns)}): {why}: {', '.join(ns)}" for (t, why), ns in groups.items()]
+
+
+def assign_tracks(
+    model: onnx.ModelProto,
+    cfg: BuildConfig,
+    specs: Mapping[str, SpecMap],
+    measured: cost.MeasuredTimes | None = None,
+) -> Assignment:
+    """Track per node. ``partition.mode: rules``: Track B rules win, then Track A rules, then Track B
+    (the default). ``auto``: :func:`auto_tracks`, with the rules as overrides. ``measured``: Track A
+    kernel times from a tuning file (`dualtrack.tuning.measured_times`) for the cost model."""
+    nodes = list(model.graph.node)
+    _check_rules(nodes, cfg)
+    part = cfg.partition
+    switch = part.switch_cost_us if part.switch_cost_us is not None else cost.SWITCH_COST_US
+    ctx = SupportContext.of(model, specs)
+    costs = _node_costs(model, ctx, cfg.batch_sizes, measured)
+    if part.mode == "auto":
+        return auto_tracks(model, cfg, ctx, costs, switch, measured)
+    tracks: dict[str, str] = {}
+    decisions = []
+    for n in nodes:
+        rule_b, rule_a = _rule(n, part.track_b, "track_b"), _rule(n, part.track_a, "track_a")
+        track, why = ("B", rule_b) if rule_b else ("A", rule_a) if rule_a else ("B", "no rule puts it on Track A")
+        tracks[n.name] = track
+        decisions.append(Decision(n.name, n.op_type, track, why, costs[n.name].a_us, costs[n.name].b_us))  # type: ignore[arg-type]
+    notes = ("partition: hand-written rules (partition.track_a / track_b)", _cost_note(switch, costs, cfg))
+    return Assignment(tracks, tuple(decisions), notes, switch, cfg.batch_sizes)
 
 
 def order_segments(model: onnx.ModelProto, tracks: dict[str, str]) -> list[list[onnx.NodeProto]]:
@@ -268,37 +333,148 @@ def _pool_attrs_ok(node: onnx.NodeProto) -> str | None:
     return None
 
 
+# -- which nodes Track A takes: one predicate per op, asked by lower_track_a and by `partition: auto` --
+
+
+@dataclass(frozen=True)
+class SupportContext:
+    """What a Track A predicate may look at besides the node: shapes and the graph around it."""
+
+    specs: Mapping[str, SpecMap]
+    inits: frozenset[str]
+    producers: Mapping[str, onnx.NodeProto]  # tensor -> the node that computes it
+    uses: Mapping[str, int]  # tensor -> how many node inputs read it
+    graph_outputs: frozenset[str]
+    constant: frozenset[str]  # batch_free: computed from weights, constants or shapes alone
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto, specs: Mapping[str, SpecMap]) -> SupportContext:
+        uses: dict[str, int] = defaultdict(int)
+        for n in model.graph.node:
+            for i in n.input:
+                uses[i] += 1
+        return cls(
+            specs=specs,
+            inits=frozenset(i.name for i in model.graph.initializer),
+            producers={o: n for n in model.graph.node for o in n.output if o},
+            uses=dict(uses),
+            graph_outputs=frozenset(o.name for o in model.graph.output),
+            constant=frozenset(batch_free(model)),
+        )
+
+
+Predicate = Callable[[onnx.NodeProto, SupportContext], "str | None"]
+
+
+@dataclass(frozen=True)
+class TrackAOp:
+    """An ONNX op Track A takes: the predicate that says which of its nodes (None: this one; else
+    why not), and whether a node of it launches a kernel of its own (False: it is fused into its
+    producer's kernel or realised as a buffer alias, and costs nothing on Track A)."""
+
+    check: Predicate
+    launches: bool = True
+
+
+def _constant_weights(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    if any(w and w not in ctx.inits for w in node.input[1:]):
+        return "weights computed at run time"
+    return None
+
+
+def _conv_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    return _conv_attrs_ok(node) or _constant_weights(node, ctx)
+
+
+def _convt_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    return _convt_attrs_ok(node) or _constant_weights(node, ctx)
+
+
+def _pool_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    return _pool_attrs_ok(node)
+
+
+def _relu_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    """A Relu runs in the epilogue of the Conv that computes its input, when nothing else reads it."""
+    x = node.input[0]
+    conv = ctx.producers.get(x)
+    if conv is None or conv.op_type != "Conv":
+        return "a Relu not after a Conv (Track A fuses Relu into the Conv before it)"
+    if ctx.uses.get(x, 0) != 1 or x in ctx.graph_outputs:
+        return f"the output of Conv '{conv.name}' is read by more than this Relu, so it cannot fuse"
+    why = track_a_support(conv, ctx)
+    return f"its Conv '{conv.name}' is not on Track A ({why})" if why else None
+
+
+def _concat_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    """Producers write channel slices of the output; lower_track_a checks they share its segment."""
+    axis = {x.name: helper.get_attribute_value(x) for x in node.attribute}.get("axis")
+    if axis not in (1, -3):
+        return f"concatenation on axis {axis}, not channels"
+    for x in node.input:
+        producer = ctx.producers.get(x)
+        if producer is None or producer.op_type not in TRACK_A_SUPPORT or x in ctx.graph_outputs:
+            return f"input '{x}' is not computed by a Track A kernel"
+    return None
+
+
+# op type -> its predicate. A new Track A op joins lower_track_a's checks and `partition: auto` here.
+TRACK_A_SUPPORT: dict[str, TrackAOp] = {
+    "Conv": TrackAOp(_conv_support),
+    "Relu": TrackAOp(_relu_support, launches=False),
+    "MaxPool": TrackAOp(_pool_support),
+    "ConvTranspose": TrackAOp(_convt_support),
+    "Concat": TrackAOp(_concat_support, launches=False),
+}
+
+
+def track_a_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    """None when a Track A kernel takes ``node``, else why not: the one question lower_track_a and
+    `partition: auto` both ask (the segment-level conditions, a Relu right after its Conv and a
+    Concat's producers in its segment, are lower_track_a's)."""
+    op = TRACK_A_SUPPORT.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+    if op is None:
+        return "no hand-written kernel"
+    dtype = ctx.specs[node.output[0]][1]
+    if dtype not in ("float16", "float32"):
+        return f"dtype {dtype}"
+    if node.input[0] in ctx.constant:
+        return "input computed from constants alone (not batch-major)"
+    return op.check(node, ctx)
+
+
+class TrackARefusal(PartitionError):
+    """lower_track_a cannot lower a node of a Track A segment; ``node`` and ``why`` say which and why."""
+
+    def __init__(self, message: str, *, node: str, why: str) -> None:
+        super().__init__(message)
+        self.node, self.why = node, why
+
+
 def lower_track_a(
     seg: list[onnx.NodeProto], model: onnx.ModelProto, specs: dict, boundary_outputs: set[str]
 ) -> list[KernelCall]:
     """Match a Track A segment's nodes to hand-written kernel calls (Conv[+Relu], MaxPool,
     ConvTranspose) and buffer aliases (Concat)."""
-    inits = {i.name for i in model.graph.initializer}
-    uses: dict[str, int] = defaultdict(int)
-    for n in model.graph.node:
-        for i in n.input:
-            uses[i] += 1
-    graph_outputs = {o.name for o in model.graph.output}
+    ctx = SupportContext.of(model, specs)
+    uses, graph_outputs = ctx.uses, ctx.graph_outputs
     calls: list[KernelCall] = []
     i = 0
 
-    def refuse(node: onnx.NodeProto, why: str) -> PartitionError:
-        return PartitionError(
+    def refuse(node: onnx.NodeProto, why: str) -> TrackARefusal:
+        return TrackARefusal(
             f"node '{node.name}' ({node.op_type}, {why}) is on Track A, whose kernels cover {TRACK_A_DESCRIPTION}; "
-            f"move it to Track B with partition.track_b.name_prefixes: ['{node.name}']"
+            f"move it to Track B with partition.track_b.name_prefixes: ['{node.name}']",
+            node=node.name,
+            why=why,
         )
 
     while i < len(seg):
         node = seg[i]
-        dtype = specs[node.output[0]][1]
-        if dtype not in ("float16", "float32"):
-            raise refuse(node, f"dtype {dtype}")
-        why = _ATTR_CHECKS[node.op_type](node) if node.op_type in _ATTR_CHECKS else None
+        why = track_a_support(node, ctx)
         if why:
             raise refuse(node, why)
         weights = tuple(w for w in node.input[1:] if w) if node.op_type in ("Conv", "ConvTranspose") else ()
-        if any(w not in inits for w in weights):
-            raise refuse(node, "weights computed at run time")
         if node.op_type == "Conv":
             out = node.output[0]
             relu = 0
@@ -322,10 +498,8 @@ def lower_track_a(
         elif node.op_type == "ConvTranspose":
             calls.append(KernelCall("convt2x2", (node.input[0],), (node.output[0],), weights, (), (node.name,)))
         elif node.op_type == "Concat":
-            # No kernel: the producers write straight into channel slices of the output buffer.
-            axis = {x.name: helper.get_attribute_value(x) for x in node.attribute}.get("axis")
-            if axis not in (1, -3):
-                raise refuse(node, f"concatenation on axis {axis}, not channels")
+            # No kernel: the producers write straight into channel slices of the output buffer
+            # (the channel axis is _concat_support's check).
             produced = {t for c in calls for t in c.outputs}
             for x in node.input:
                 if x not in produced or x in boundary_outputs or x in graph_outputs:
@@ -333,13 +507,139 @@ def lower_track_a(
                 if sum(1 for c in calls if c.op == "concat" and x in c.inputs):
                     raise refuse(node, f"input '{x}' already feeds another concatenation")
             calls.append(KernelCall("concat", tuple(node.input), (node.output[0],), (), (), (node.name,)))
+        elif node.op_type == "Relu":
+            raise refuse(node, "a Relu whose Conv does not run right before it in this segment")
         else:
             raise refuse(node, "no hand-written kernel")
         i += 1
     return calls
 
 
-_ATTR_CHECKS = {"Conv": _conv_attrs_ok, "MaxPool": _pool_attrs_ok, "ConvTranspose": _convt_attrs_ok}
+# -- partition: auto ------------------------------------------------------------------------------
+#
+# 1. Every node a Track A kernel takes (track_a_support) starts on Track A; a node that reads the
+#    model's input or writes its output stays on Track B (Track A works in NHWC); rules override.
+# 2. Segments are cut (order_segments) and every Track A segment lowered (lower_track_a); a node it
+#    refuses (a Relu its Conv no longer precedes, a Concat whose input leaves the segment) moves to
+#    Track B, and the segments are cut again.
+# 3. Then, greedily, the Track A segment whose move to Track B lowers the plan's estimated time the
+#    most moves (dualtrack.cost: node times plus one switch cost per segment boundary); back to 2.
+# Nodes only ever move from A to B (Track B takes every op), so this ends within one pass per node.
+# Greedy, not optimal: an island is moved whole or not at all, which is the choice the switch cost
+# is about; trimming single nodes off an island's edge is not tried.
+
+
+def _node_costs(
+    model: onnx.ModelProto, ctx: SupportContext, batch_sizes: tuple[int, ...], measured: cost.MeasuredTimes | None
+) -> dict[str, cost.NodeCost]:
+    out = {}
+    inits = set(ctx.inits)
+    for n in model.graph.node:
+        why = track_a_support(n, ctx)
+        op = TRACK_A_SUPPORT.get(n.op_type)
+        on_a = why if why else "fused" if op is not None and not op.launches else None
+        out[n.name] = cost.node_cost(n, ctx.specs, inits, batch_sizes, on_a=on_a, measured=measured)
+    return out
+
+
+def _cost_note(switch: float, costs: dict[str, cost.NodeCost], cfg: BuildConfig) -> str:
+    n_measured = sum(c.source == "measured" for c in costs.values())
+    source = (
+        f"{n_measured} conv(s) measured (the `tuning:` records), the rest the default model"
+        if n_measured
+        else "the default model (dualtrack.cost: H200 rooflines)"
+    )
+    given = "partition.switch_cost_us" if cfg.partition.switch_cost_us is not None else "default, FACTS 9"
+    return f"costs: {source}, summed over batch sizes {list(cfg.batch_sizes)}; {switch:g} us per track switch ({given})"
+
+
+def _first_refusal(
+    model: onnx.ModelProto, specs: Mapping[str, SpecMap], segments: list[list[onnx.NodeProto]], tracks: dict[str, str]
+) -> TrackARefusal | None:
+    bounds = _boundaries(model, segments)
+    for seg, b in zip(segments, bounds, strict=True):
+        if tracks[seg[0].name] == "A":
+            try:
+                lower_track_a(seg, model, specs, set(b.outputs))
+            except TrackARefusal as refusal:
+                return refusal
+    return None
+
+
+def auto_tracks(
+    model: onnx.ModelProto,
+    cfg: BuildConfig,
+    ctx: SupportContext,
+    costs: dict[str, cost.NodeCost],
+    switch: float,
+    measured: cost.MeasuredTimes | None = None,
+) -> Assignment:
+    """`partition: auto` (the steps are at the top of this section)."""
+    nodes = list(model.graph.node)
+    part = cfg.partition
+    model_in = {i.name for i in model.graph.input}
+    tracks: dict[str, str] = {}
+    why: dict[str, str] = {}
+    forced_a: set[str] = set()
+    for n in nodes:
+        rule_b, rule_a = _rule(n, part.track_b, "track_b"), _rule(n, part.track_a, "track_a")
+        reason = track_a_support(n, ctx)
+        if rule_b or rule_a:
+            tracks[n.name], why[n.name] = ("B", rule_b) if rule_b else ("A", rule_a)  # type: ignore[assignment]
+            if not rule_b:
+                forced_a.add(n.name)
+        elif reason:
+            tracks[n.name], why[n.name] = "B", f"not a Track A node: {reason}"
+        elif any(x in model_in for x in n.input) or any(o in ctx.graph_outputs for o in n.output):
+            tracks[n.name], why[n.name] = "B", "reads or writes the model's own input/output (Track A works in NHWC)"
+        else:
+            launches = TRACK_A_SUPPORT[n.op_type].launches
+            tracks[n.name], why[n.name] = (
+                "A",
+                "a Track A kernel takes it" + ("" if launches else " (no launch of its own)"),
+            )
+    batches = len(cfg.batch_sizes)
+
+    def estimate(trial: dict[str, str], n_segments: int) -> float:
+        return cost.plan_us((costs[n].on(t) for n, t in trial.items()), n_segments, switch, batches)
+
+    moves: list[str] = []
+    while True:
+        segments = order_segments(model, tracks)
+        refusal = _first_refusal(model, ctx.specs, segments, tracks)
+        if refusal is not None:
+            if refusal.node in forced_a:
+                raise refusal  # the config's rule put it there; the message names the fix
+            tracks[refusal.node], why[refusal.node] = "B", f"Track A cannot lower it in its segment: {refusal.why}"
+            continue
+        now = estimate(tracks, len(segments))
+        best: tuple[float, list[onnx.NodeProto], int] | None = None
+        for seg in segments:
+            if tracks[seg[0].name] != "A" or any(n.name in forced_a for n in seg):
+                continue
+            trial = {**tracks, **{n.name: "B" for n in seg}}
+            n_after = len(order_segments(model, trial))
+            after = estimate(trial, n_after)
+            if after < now and (best is None or after < best[0]):
+                best = (after, seg, len(segments) - n_after)
+        if best is None:
+            break
+        _, seg, fewer = best
+        saving = sum(costs[n.name].on("B") - costs[n.name].on("A") for n in seg)
+        island = f"island {seg[0].name} .. {seg[-1].name} ({len(seg)} nodes)"
+        because = (
+            f"on Track A it saves {saving:.1f} us, less than the {fewer * switch * batches:.1f} us of the "
+            f"{fewer} track switch(es) it costs"
+        )
+        moves.append(f"moved the {island} to Track B: {because}")
+        for n in seg:
+            tracks[n.name], why[n.name] = "B", f"moved to Track B with its {island}: {because}"
+    decisions = tuple(
+        Decision(n.name, n.op_type, tracks[n.name], why[n.name], costs[n.name].a_us, costs[n.name].b_us)  # type: ignore[arg-type]
+        for n in nodes
+    )
+    notes = ("partition: auto", _cost_note(switch, costs, cfg), *moves)
+    return Assignment(tracks, decisions, notes, switch, cfg.batch_sizes)
 
 
 def _nhwc(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -419,13 +719,38 @@ def model_hash(model: onnx.ModelProto) -> str:
     return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
 
 
-def build_plan(cfg: BuildConfig, model: onnx.ModelProto) -> tuple[Plan, list[onnx.ModelProto]]:
-    """Partition a (named) model into a Plan plus one ONNX model per segment."""
+@dataclass(frozen=True)
+class Partitioned:
+    """A partitioned model: the plan, one ONNX model per segment, and the per-node decisions."""
+
+    plan: Plan
+    seg_models: list[onnx.ModelProto]
+    assignment: Assignment
+
+    def report(self) -> dict[str, object]:
+        """What the bundle's `partition.json` holds: the plan's partition notes and every node's decision."""
+        return {"notes": list(self.plan.notes), "nodes": [d.to_json() for d in self.assignment.decisions]}
+
+
+def build_plan(
+    cfg: BuildConfig, model: onnx.ModelProto, measured: cost.MeasuredTimes | None = None
+) -> tuple[Plan, list[onnx.ModelProto]]:
+    """Partition a (named) model into a Plan plus one ONNX model per segment (:func:`partition_model`)."""
+    p = partition_model(cfg, model, measured)
+    return p.plan, p.seg_models
+
+
+def partition_model(
+    cfg: BuildConfig, model: onnx.ModelProto, measured: cost.MeasuredTimes | None = None
+) -> Partitioned:
+    """Partition a (named) model: the plan, whose notes say how it was chosen, the segment models and
+    the decision behind every node. ``measured``: see :func:`assign_tracks`."""
     if len(model.graph.input) != 1:
         raise ModelError(f"the model has {len(model.graph.input)} inputs; dualtrack serves single-input models")
     specs = batch_checked_specs(model, (1, *cfg.batch_sizes))
     _check_input(cfg, model, specs)
-    tracks = assign_tracks(model, cfg)
+    assignment = assign_tracks(model, cfg, specs, measured)
+    tracks = assignment.tracks
     segments = order_segments(model, tracks)
     bounds = _boundaries(model, segments)
     seg_track = [tracks[s[0].name] for s in segments]
@@ -491,8 +816,27 @@ def build_plan(cfg: BuildConfig, model: onnx.ModelProto) -> tuple[Plan, list[onn
     model_inputs = tuple(spec(i.name) for i in model.graph.input)
     model_outputs = tuple(spec(o.name) for o in model.graph.output)
     precision = cfg.precision or model_precision(model)
-    plan = Plan(model_inputs, model_outputs, tuple(plan_segments), precision, cfg.batch_sizes)
-    return plan, seg_models
+    plan = Plan(
+        model_inputs,
+        model_outputs,
+        tuple(plan_segments),
+        precision,
+        cfg.batch_sizes,
+        notes=_notes(assignment, seg_track),
+    )
+    return Partitioned(plan, seg_models, assignment)
+
+
+def _notes(assignment: Assignment, seg_track: list[str]) -> tuple[str, ...]:
+    """The plan's notes: how the partition was chosen, the plan in one line, and each node's reason."""
+    waits = sum(1 for k in range(len(seg_track) - 1) if seg_track[k] == "A" and seg_track[k + 1] == "B")
+    all_b = sum(d.b_us for d in assignment.decisions)
+    plan_line = (
+        f"plan: {len(seg_track)} segment(s) ({' '.join(seg_track)}), {waits} host wait(s) per inference "
+        f"(one per Track A -> Track B hand-over, FACTS 8); estimated {assignment.estimate_us(len(seg_track)):.0f} us "
+        f"(Track B alone: {all_b:.0f} us)"
+    )
+    return (*assignment.notes, plan_line, *assignment.grouped())
 
 
 def _check_input(cfg: BuildConfig, model: onnx.ModelProto, specs: dict) -> None:
@@ -512,7 +856,9 @@ def _check_input(cfg: BuildConfig, model: onnx.ModelProto, specs: dict) -> None:
         raise PartitionError(f"input.dtype is {want.dtype} but the model's input is {dtype}; fix `input.dtype`")
 
 
-def plan_config(cfg: BuildConfig) -> tuple[Plan, list[onnx.ModelProto]]:
-    """The plan of a config's model as the build makes it: through the front end, then partitioned."""
+def plan_config(cfg: BuildConfig, measured: cost.MeasuredTimes | None = None) -> tuple[Plan, list[onnx.ModelProto]]:
+    """The plan of a config's model as the build makes it: through the front end, then partitioned
+    (``measured``: the tuning file's Track A times, as `dualtrack build` passes them to
+    `partition: auto`'s cost model; without them the default model decides)."""
     cfg, fe = frontend.load(cfg)
-    return build_plan(cfg, name_nodes(fe.model))
+    return build_plan(cfg, name_nodes(fe.model), measured)
