@@ -255,6 +255,19 @@ def test_measured_times_come_from_the_tuning_files_current_records(
     assert set(tuning.measured_times(tmp_path / "tuning.json", (8, 0)).values()) == {0.03}
 
 
+def test_every_command_takes_the_times_of_the_configs_first_target(
+    tiny_full_config: Path, tmp_path: Path, hand_tuning
+) -> None:
+    hand_tuning(tiny_full_config, tmp_path / "tuning.json")
+    cfg = load_config(tiny_full_config).model_copy(update={"tuning": tmp_path / "tuning.json"})
+    assert cfg.targets[0] == "sm_90a"
+    assert tuning.measured_for(cfg) == tuning.measured_times(tmp_path / "tuning.json", (9, 0))
+    assert tuning.measured_for(cfg.model_copy(update={"targets": ("sm_80",)})) == tuning.measured_times(
+        tmp_path / "tuning.json", (8, 0)
+    )
+    assert tuning.measured_for(cfg.model_copy(update={"tuning": None})) is None
+
+
 # --- the U-Nets -----------------------------------------------------------------------------------
 
 

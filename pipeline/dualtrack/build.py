@@ -32,7 +32,7 @@ from dualtrack.manifest import Artifacts, Manifest, ModelInfo, Target, Verificat
 from dualtrack.plan import ALIAS_OPS, Plan
 from dualtrack.runtime.engine import Engine
 from dualtrack.settings import Settings
-from dualtrack.tuning import TUNED_FIELDS, Selection, flag_records, flags_for, measured_times, segment_key
+from dualtrack.tuning import TUNED_FIELDS, Selection, flag_records, flags_for, measured_for, segment_key
 from dualtrack.tuning import select as select_tuning
 
 Progress = Callable[[str], None]
@@ -175,6 +175,7 @@ def build(
     cfg = config if isinstance(config, BuildConfig) else load_config(config)
     if tuning is not None:
         cfg = cfg.model_copy(update={"tuning": Path(tuning).resolve()})
+    measured = measured_for(cfg)
     if cpu_only:
         cfg = cfg.model_copy(update={"targets": (), "track_b": cfg.track_b.model_copy(update={"cpu": True})})
     if not cfg.targets and not cfg.track_b.cpu:
@@ -201,9 +202,8 @@ def build(
     notes.extend(fe.notes())
     say(f"partition {cfg.model.name}")
     model = partition.name_nodes(fe.model)
-    # The tuning file's measured Track A times feed the cost model (`partition: auto` decides with
-    # them; the rules' plan only reports them), taken for the first target: one plan serves all.
-    measured = measured_times(cfg.tuning, resolutions[0].arch.cc) if cfg.tuning is not None and resolutions else None
+    # `partition: auto` decides with the tuning file's measured Track A times (the rules' plan only
+    # reports them); those of the config's own targets, so that --cpu-only builds the same plan.
     parted = partition.partition_model(cfg, model, measured)
     plan, seg_models = parted.plan, parted.seg_models
 

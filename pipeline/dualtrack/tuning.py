@@ -35,7 +35,8 @@ from typing import Any
 import onnx
 
 from dualtrack import atomic
-from dualtrack.arch import Resolution
+from dualtrack.arch import Resolution, resolve
+from dualtrack.config import BuildConfig
 from dualtrack.cost import ConvKey
 from dualtrack.errors import ConfigError, InputError
 from dualtrack.kernels import KERNELS, Conv3x3Spec, F16Tile
@@ -376,6 +377,15 @@ def measured_times(path: str | Path, cc: tuple[int, int]) -> dict[ConvKey, float
             key = (p.N, p.H, p.W, p.C, p.K, p.dtype)
             out[key] = min(out.get(key, r.time_ms), r.time_ms)
     return out
+
+
+def measured_for(cfg: BuildConfig) -> dict[ConvKey, float] | None:
+    """The Track A times `dualtrack build` gives the partition's cost model for ``cfg``: those of its
+    tuning file on its first target (one plan serves every target), or None without a tuning file or
+    a GPU target. Every command that partitions a config asks this, so that they all see one plan."""
+    if cfg.tuning is None or not cfg.targets:
+        return None
+    return measured_times(cfg.tuning, resolve(cfg.targets[0]).cc)
 
 
 # -- Track B: IREE flag records (`dualtrack tune --track-b` writes them, `build` reads them) ----------
