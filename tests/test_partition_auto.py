@@ -244,6 +244,23 @@ def test_measured_conv_times_replace_the_estimate() -> None:
     assert measured.b_us == plain.b_us
 
 
+def test_a_conv_measured_slower_on_track_a_moves_to_b_even_with_free_switches() -> None:
+    g = Graph()
+    g.add("Sigmoid", "pre", ["x"])
+    g.add("Sigmoid", "post", [g.conv("conv", "pre")])
+    m = g.model("post")
+    slow = {(b, H, W, C, C, "float32"): 10.0 for b in (1, 8)}  # 10 ms a launch, measured
+    assert tracks(partition.partition_model(auto(0.0), m))["conv"] == "A"
+    p = partition.partition_model(auto(0.0), m, measured=slow)
+    d = next(d for d in p.assignment.decisions if d.node == "conv")
+    assert d.track == "B" and d.a_us == 20_000.0
+    assert (
+        d.why
+        == f"moved to Track B with its island conv .. conv (1 nodes): it is {d.a_us - d.b_us:.1f} us faster on Track B"
+    )
+    assert p.plan.notes[1].startswith("costs: 1 conv(s) measured (the `tuning:` records), the rest the default model")
+
+
 def test_measured_times_come_from_the_tuning_files_current_records(
     tiny_full_config: Path, tmp_path: Path, hand_tuning
 ) -> None:

@@ -27,7 +27,7 @@ from dualtrack import cost, frontend, layout
 from dualtrack.config import BuildConfig, Rules
 from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
 from dualtrack.frontend import model_precision
-from dualtrack.plan import KernelCall, Plan, Segment, TensorSpec, Track
+from dualtrack.plan import KernelCall, Plan, Segment, TensorSpec
 
 TRACK_A_DESCRIPTION = (
     "Conv 3x3/stride 1/pad 1 and 1x1/stride 1/pad 0 (optionally +Relu), MaxPool 2x2/stride 2, "
@@ -127,10 +127,6 @@ def batch_checked_specs(model: onnx.ModelProto, batch_sizes: tuple[int, ...] = (
     return one
 
 
-def _matches(node: onnx.NodeProto, rules: Rules) -> bool:
-    return node.op_type in rules.op_types or any(node.name.startswith(p) for p in rules.name_prefixes)
-
-
 def _rule(node: onnx.NodeProto, rules: Rules, side: str) -> str | None:
     """The rule of ``rules`` that names ``node``, spelled as in the config, or None."""
     if node.op_type in rules.op_types:
@@ -169,7 +165,7 @@ class Decision:
 
     node: str
     op: str
-    track: Track
+    track: str  # "A" or "B"
     why: str
     a_us: float | None
     b_us: float
@@ -217,14 +213,14 @@ def assign_tracks(
     ctx = SupportContext.of(model, specs)
     costs = _node_costs(model, ctx, cfg.batch_sizes, measured)
     if part.mode == "auto":
-        return auto_tracks(model, cfg, ctx, costs, switch, measured)
+        return auto_tracks(model, cfg, ctx, costs, switch)
     tracks: dict[str, str] = {}
     decisions = []
     for n in nodes:
         rule_b, rule_a = _rule(n, part.track_b, "track_b"), _rule(n, part.track_a, "track_a")
         track, why = ("B", rule_b) if rule_b else ("A", rule_a) if rule_a else ("B", "no rule puts it on Track A")
         tracks[n.name] = track
-        decisions.append(Decision(n.name, n.op_type, track, why, costs[n.name].a_us, costs[n.name].b_us))  # type: ignore[arg-type]
+        decisions.append(Decision(n.name, n.op_type, track, why, costs[n.name].a_us, costs[n.name].b_us))
     notes = ("partition: hand-written rules (partition.track_a / track_b)", _cost_note(switch, costs, cfg))
     return Assignment(tracks, tuple(decisions), notes, switch, cfg.batch_sizes)
 
@@ -572,9 +568,8 @@ def auto_tracks(
     ctx: SupportContext,
     costs: dict[str, cost.NodeCost],
     switch: float,
-    measured: cost.MeasuredTimes | None = None,
 ) -> Assignment:
-    """`partition: auto` (the steps are at the top of this section)."""
+    """`partition: auto` (the steps are at the top of this section), on the nodes' ``costs``."""
     nodes = list(model.graph.node)
     part = cfg.partition
     model_in = {i.name for i in model.graph.input}
@@ -584,10 +579,11 @@ def auto_tracks(
     for n in nodes:
         rule_b, rule_a = _rule(n, part.track_b, "track_b"), _rule(n, part.track_a, "track_a")
         reason = track_a_support(n, ctx)
-        if rule_b or rule_a:
-            tracks[n.name], why[n.name] = ("B", rule_b) if rule_b else ("A", rule_a)  # type: ignore[assignment]
-            if not rule_b:
-                forced_a.add(n.name)
+        if rule_b:
+            tracks[n.name], why[n.name] = "B", rule_b
+        elif rule_a:
+            tracks[n.name], why[n.name] = "A", rule_a
+            forced_a.add(n.name)
         elif reason:
             tracks[n.name], why[n.name] = "B", f"not a Track A node: {reason}"
         elif any(x in model_in for x in n.input) or any(o in ctx.graph_outputs for o in n.output):
@@ -630,13 +626,14 @@ def auto_tracks(
         because = (
             f"on Track A it saves {saving:.1f} us, less than the {fewer * switch * batches:.1f} us of the "
             f"{fewer} track switch(es) it costs"
+            if saving > 0
+            else f"it is {-saving:.1f} us faster on Track B"
         )
         moves.append(f"moved the {island} to Track B: {because}")
         for n in seg:
             tracks[n.name], why[n.name] = "B", f"moved to Track B with its {island}: {because}"
     decisions = tuple(
-        Decision(n.name, n.op_type, tracks[n.name], why[n.name], costs[n.name].a_us, costs[n.name].b_us)  # type: ignore[arg-type]
-        for n in nodes
+        Decision(n.name, n.op_type, tracks[n.name], why[n.name], costs[n.name].a_us, costs[n.name].b_us) for n in nodes
     )
     notes = ("partition: auto", _cost_note(switch, costs, cfg), *moves)
     return Assignment(tracks, decisions, notes, switch, cfg.batch_sizes)
