@@ -113,6 +113,20 @@ def test_the_default_switch_cost_is_facts_9s_iree_call() -> None:
     assert p.assignment.switch_us == 80.0
 
 
+def test_many_small_islands_each_go_by_the_switch_cost() -> None:
+    """Twelve conv + Relu islands between Sigmoids: all on Track A with free switches, all merged into
+    one Track B segment at the default 80 us (each saves ~30 us over the two batch sizes)."""
+    g = Graph()
+    x = g.add("Sigmoid", "s0", ["x"])
+    for i in range(12):
+        x = g.add("Sigmoid", f"s{i + 1}", [g.add("Relu", f"r{i}", [g.conv(f"c{i}", x)])])
+    m = g.model(x)
+    assert [s.track for s in partition.partition_model(auto(0.0), m).plan.segments] == ["B", "A"] * 12 + ["B"]
+    p = partition.partition_model(auto(), m)
+    assert [s.track for s in p.plan.segments] == ["B"]
+    assert sum(n.startswith("moved the island") for n in p.plan.notes) == 12
+
+
 def conv_chain() -> onnx.ModelProto:
     """B -> 3x3 conv + Relu (A) -> 7x7 conv (no Track A kernel) -> 3x3 conv, shared output -> B."""
     g = Graph()

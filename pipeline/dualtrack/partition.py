@@ -200,7 +200,7 @@ class Assignment:
 def assign_tracks(
     model: onnx.ModelProto,
     cfg: BuildConfig,
-    specs: Mapping[str, SpecMap],
+    specs: dict[str, SpecMap],
     measured: cost.MeasuredTimes | None = None,
 ) -> Assignment:
     """Track per node. ``partition.mode: rules``: Track B rules win, then Track A rules, then Track B
@@ -336,7 +336,7 @@ def _pool_attrs_ok(node: onnx.NodeProto) -> str | None:
 class SupportContext:
     """What a Track A predicate may look at besides the node: shapes and the graph around it."""
 
-    specs: Mapping[str, SpecMap]
+    specs: dict[str, SpecMap]
     inits: frozenset[str]
     producers: Mapping[str, onnx.NodeProto]  # tensor -> the node that computes it
     uses: Mapping[str, int]  # tensor -> how many node inputs read it
@@ -344,7 +344,7 @@ class SupportContext:
     constant: frozenset[str]  # batch_free: computed from weights, constants or shapes alone
 
     @classmethod
-    def of(cls, model: onnx.ModelProto, specs: Mapping[str, SpecMap]) -> SupportContext:
+    def of(cls, model: onnx.ModelProto, specs: dict[str, SpecMap]) -> SupportContext:
         uses: dict[str, int] = defaultdict(int)
         for n in model.graph.node:
             for i in n.input:
@@ -448,11 +448,15 @@ class TrackARefusal(PartitionError):
 
 
 def lower_track_a(
-    seg: list[onnx.NodeProto], model: onnx.ModelProto, specs: dict, boundary_outputs: set[str]
+    seg: list[onnx.NodeProto],
+    model: onnx.ModelProto,
+    specs: dict,
+    boundary_outputs: set[str],
+    ctx: SupportContext | None = None,
 ) -> list[KernelCall]:
     """Match a Track A segment's nodes to hand-written kernel calls (Conv[+Relu], MaxPool,
-    ConvTranspose) and buffer aliases (Concat)."""
-    ctx = SupportContext.of(model, specs)
+    ConvTranspose) and buffer aliases (Concat). ``ctx``: the model's, where the caller has it."""
+    ctx = ctx or SupportContext.of(model, specs)
     uses, graph_outputs = ctx.uses, ctx.graph_outputs
     calls: list[KernelCall] = []
     i = 0
@@ -518,8 +522,9 @@ def lower_track_a(
 # 2. Segments are cut (order_segments) and every Track A segment lowered (lower_track_a); a node it
 #    refuses (a Relu its Conv no longer precedes, a Concat whose input leaves the segment) moves to
 #    Track B, and the segments are cut again.
-# 3. Then, greedily, the Track A segment whose move to Track B lowers the plan's estimated time the
-#    most moves (dualtrack.cost: node times plus one switch cost per segment boundary); back to 2.
+# 3. Then, greedily, a Track A segment whose move to Track B lowers the plan's estimated time moves
+#    (dualtrack.cost: node times plus one switch cost per segment boundary), the one that saves the
+#    least on Track A first; back to 2.
 # Nodes only ever move from A to B (Track B takes every op), so this ends within one pass per node.
 # Greedy, not optimal: an island is moved whole or not at all, which is the choice the switch cost
 # is about; trimming single nodes off an island's edge is not tried.
@@ -550,15 +555,27 @@ def _cost_note(switch: float, costs: dict[str, cost.NodeCost], cfg: BuildConfig)
 
 
 def _first_refusal(
-    model: onnx.ModelProto, specs: Mapping[str, SpecMap], segments: list[list[onnx.NodeProto]], tracks: dict[str, str]
+    model: onnx.ModelProto,
+    ctx: SupportContext,
+    segments: list[list[onnx.NodeProto]],
+    tracks: dict[str, str],
+    seen: dict[tuple[tuple[str, ...], frozenset[str]], TrackARefusal | None],
 ) -> TrackARefusal | None:
+    """The first node a Track A segment cannot lower; ``seen`` remembers segments already lowered
+    (a segment that did not change lowers the same way)."""
     bounds = _boundaries(model, segments)
     for seg, b in zip(segments, bounds, strict=True):
-        if tracks[seg[0].name] == "A":
+        if tracks[seg[0].name] != "A":
+            continue
+        key = (tuple(n.name for n in seg), frozenset(b.outputs))
+        if key not in seen:
             try:
-                lower_track_a(seg, model, specs, set(b.outputs))
+                lower_track_a(seg, model, ctx.specs, set(b.outputs), ctx)
+                seen[key] = None
             except TrackARefusal as refusal:
-                return refusal
+                seen[key] = refusal
+        if seen[key] is not None:
+            return seen[key]
     return None
 
 
@@ -600,27 +617,31 @@ def auto_tracks(
         return cost.plan_us((costs[n].on(t) for n, t in trial.items()), n_segments, switch, batches)
 
     moves: list[str] = []
+    lowered: dict[tuple[tuple[str, ...], frozenset[str]], TrackARefusal | None] = {}
     while True:
         segments = order_segments(model, tracks)
-        refusal = _first_refusal(model, ctx.specs, segments, tracks)
+        refusal = _first_refusal(model, ctx, segments, tracks, lowered)
         if refusal is not None:
             if refusal.node in forced_a:
                 raise refusal  # the config's rule put it there; the message names the fix
             tracks[refusal.node], why[refusal.node] = "B", f"Track A cannot lower it in its segment: {refusal.why}"
             continue
         now = estimate(tracks, len(segments))
-        best: tuple[float, list[onnx.NodeProto], int] | None = None
-        for seg in segments:
-            if tracks[seg[0].name] != "A" or any(n.name in forced_a for n in seg):
-                continue
+        islands = [s for s in segments if tracks[s[0].name] == "A" and not any(n.name in forced_a for n in s)]
+        # Tried in the order of what they would save if each took its two switches with it (an island
+        # inside Track B does); the first that really lowers the estimate moves. Cutting the segments
+        # for every island on every round would cost islands^2 cuts.
+        islands.sort(key=lambda s: sum(costs[n.name].on("B") - costs[n.name].on("A") for n in s))
+        best: tuple[list[onnx.NodeProto], int] | None = None
+        for seg in islands:
             trial = {**tracks, **{n.name: "B" for n in seg}}
             n_after = len(order_segments(model, trial))
-            after = estimate(trial, n_after)
-            if after < now and (best is None or after < best[0]):
-                best = (after, seg, len(segments) - n_after)
+            if estimate(trial, n_after) < now:
+                best = (seg, len(segments) - n_after)
+                break
         if best is None:
             break
-        _, seg, fewer = best
+        seg, fewer = best
         saving = sum(costs[n.name].on("B") - costs[n.name].on("A") for n in seg)
         island = f"island {seg[0].name} .. {seg[-1].name} ({len(seg)} nodes)"
         because = (
