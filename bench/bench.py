@@ -23,6 +23,12 @@ Rows (names are fixed so that result files compare across commits):
     dualtrack_api             the dualtrack bundle through Engine.run on a torch CUDA tensor (what a service
                               calls; the dualtrack row times run_batch, the internal path)
     dualtrack_api_numpy       the same from numpy, results back on the host
+    dualtrack_iree            the dualtrack bundle with DUALTRACK_TRACK_B=iree: Track B through the IREE
+                              runtime instead of its launch plans replayed in the engine's CUDA graph
+    dualtrack_api_iree        that engine through Engine.run on a torch CUDA tensor
+
+Every Engine.run row records `host_waits`, the host waits per inference (the replayed path has none:
+the whole inference is one CUDA graph; through the IREE runtime each A -> B hand-over is one).
 
 Timing: `median_ms` is host wall time around one synchronous call (time.perf_counter, the GPU idle
 before and drained after), the one clock that sees IREE's own streams; torch rows also record
@@ -88,6 +94,8 @@ ROWS = (
     "dualtrack_head_b",
     "dualtrack_api",  # Engine.run on a torch CUDA tensor: what a service calls (the dualtrack row: run_batch)
     "dualtrack_api_numpy",  # Engine.run on numpy, results copied back to the host
+    "dualtrack_iree",  # the dualtrack bundle, Track B through the IREE runtime (run_batch)
+    "dualtrack_api_iree",  # the same through Engine.run on a torch CUDA tensor
 )
 BUNDLE_ROWS = {  # row -> (argparse dest, config that builds its bundle)
     "dualtrack": ("bundle", "configs/unet.yaml"),
@@ -95,8 +103,15 @@ BUNDLE_ROWS = {  # row -> (argparse dest, config that builds its bundle)
     "iree_only": ("iree_only_bundle", "configs/iree_only.yaml"),
     "dualtrack_mma_sync": ("bundle", "configs/unet.yaml"),
     "dualtrack_head_b": ("head_b_bundle", "configs/unet_head_b.yaml"),
+    "dualtrack_iree": ("bundle", "configs/unet.yaml"),
 }
-ROW_ENV = {"dualtrack_mma_sync": {"DUALTRACK_WGMMA": "0"}}  # settings a row's engine is loaded with
+# Settings a row's engine is loaded with.
+ROW_ENV = {"dualtrack_mma_sync": {"DUALTRACK_WGMMA": "0"}, "dualtrack_iree": {"DUALTRACK_TRACK_B": "iree"}}
+# Engine.run rows of a bundle row: (row name, input on the GPU as a torch tensor?).
+API_ROWS = {
+    "dualtrack": (("dualtrack_api", True), ("dualtrack_api_numpy", False)),
+    "dualtrack_iree": (("dualtrack_api_iree", True),),
+}
 
 
 # -- small helpers ----------------------------------------------------------------------------------
@@ -330,18 +345,21 @@ def time_engine(engine: Any, xs: list[Any], batch: int, warmup: int, iters: int)
     be.stream.synchronize()
     totals: list[float] = []
     tracks: dict[str, list[float]] = {"A": [], "B": []}
+    graph: list[float] = []
     segs: dict[str, list[float]] = {}
     with segment_timer(be) as seg_ms:
         for i in range(iters):
             x = xs[i % len(xs)]
-            be.timings = {"A": 0.0, "B": 0.0}
+            be.timings = {"A": 0.0, "B": 0.0, "graph": 0.0}
             seg_ms.clear()
             t0 = time.perf_counter()
             engine.run_batch(x, batch)
             be.stream.synchronize()
             totals.append((time.perf_counter() - t0) * 1e3)
+            be.collect_timings()
             for k in tracks:
                 tracks[k].append(be.timings[k])
+            graph.append(be.timings.get("graph", 0.0))
             for k, v in seg_ms.items():
                 segs.setdefault(k, []).append(v)
     st = stats(totals)
@@ -353,6 +371,7 @@ def time_engine(engine: Any, xs: list[Any], batch: int, warmup: int, iters: int)
         "min_ms": _r(st["min"]),
         "timer": "host perf_counter around run_batch + stream sync (IREE runs on its own streams)",
         "tracks_ms": {k: _r(statistics.median(v)) for k, v in tracks.items()},
+        "graph_ms": _r(statistics.median(graph)) if any(graph) else None,  # the whole inference as one graph
         "segments_ms": {k: _r(statistics.median(v)) for k, v in segs.items()},
     }
 
@@ -383,15 +402,16 @@ def time_api(torch: Any, engine: Any, xs: list[Any], warmup: int, iters: int) ->
     }
 
 
-def api_rows(engine: Any, b: int, ctx: dict[str, Any]) -> list[dict[str, Any]]:
-    """`dualtrack_api` (a torch CUDA uint8 tensor in, DLPack arrays out) and `dualtrack_api_numpy`
-    (numpy in, numpy out) on the dualtrack bundle: the calls a service makes, beside run_batch."""
+def api_rows(engine: Any, b: int, ctx: dict[str, Any], row: str) -> list[dict[str, Any]]:
+    """`<row>_api` rows (API_ROWS): a torch CUDA uint8 tensor in, DLPack arrays out, or numpy in,
+    numpy out: the calls a service makes, beside the row's run_batch."""
     import torch
 
     args = ctx["args"]
     host = ctx["inputs"][b]
     out = []
-    for name, xs in (("dualtrack_api", [torch.from_numpy(x).cuda() for x in host]), ("dualtrack_api_numpy", host)):
+    for name, on_gpu in API_ROWS[row]:
+        xs = [torch.from_numpy(x).cuda() for x in host] if on_gpu else host
         t = time_api(torch, engine, xs, args.warmup, args.iters)
         print(f"[{name}] N={b}: {t['median_ms']:.3f} ms")
         out.append({"name": name, "batch": b, **t})
@@ -449,8 +469,8 @@ def bench_bundle(name: str, path: Path | None, ctx: dict[str, Any]) -> list[dict
                 return [{**row, "engine_load_s": round(load_s, 2), "plan": plan, **extra}]
 
             rows += guarded(name, [b], one)
-            if name == "dualtrack":
-                rows += guarded("dualtrack_api", [b], lambda b=b: api_rows(engine, b, ctx))
+            if name in API_ROWS:
+                rows += guarded(API_ROWS[name][0][0], [b], lambda b=b: api_rows(engine, b, ctx, name))
         if name == "dualtrack" and args.layers:
             try:
                 ctx["layers"] = bench_layers(engine, batches, args)

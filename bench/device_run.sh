@@ -8,6 +8,8 @@
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/pipeline PYTHONUNBUFFERED=1 DUALTRACK_CACHE_DIR=/tmp/dtcache
+# compute-sanitizer (tests/gpu/test_replay_gpu.py runs the replay under memcheck) is in the image's toolkit.
+export PATH=$PATH:/usr/local/cuda/bin
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 C=.carry
 # The bundles may travel as one archive (PTX compresses 10x; the carry limit is 64 MiB):
@@ -62,7 +64,7 @@ for step in $steps; do
       # JPEG -> JSON and JPEG -> PNG on `serve --workers 4` and `--workers 8` (HTTP processes in front of one
       # engine); against the engine's own batch-8 throughput measured in the
       # same run (ratios: serve_bench-*.json and the last lines printed). About 5 minutes.
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" \
+      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
         --variant "workers_4=--workers 4 --max-batch-delay-ms 8" --variant "workers_8=--workers 8 --max-batch-delay-ms 8" --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve.log" ;;
     ab)
       # Not in the default steps: `bash bench/device_run.sh ab`. The carried bundles of the reference
@@ -75,6 +77,9 @@ for step in $steps; do
       zb=$(for b in "$C"/zoo/*; do [ -f "$b/manifest.json" ] && echo "--bundle $b"; done)
       [ -n "$zb" ] && python3 bench/zoo_bench.py $zb --batches 1 8 --iters "${BENCH_ITERS:-50}" \
         --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT" 2>&1 | tee "$OUT/zoo_bench.log" ;;
+    api)
+      # Where Engine.run's host time goes on a GPU tensor, against run_batch (bench/api_profile.py).
+      python3 bench/api_profile.py --bundle $C/unet --batches 1 8 --iters 200 --out "$OUT" 2>&1 | tee "$OUT/api_profile.log" ;;
     bench)
       python3 bench/bench.py --bundle $C/unet --seed-split-bundle $C/unet_seed_split --iree-only-bundle $C/iree_only --head-b-bundle $C/unet_head_b \
         --batches 1 8 --iters "${BENCH_ITERS:-50}" --skip-autotune --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT" 2>&1 | tee /tmp/bench.log ;;

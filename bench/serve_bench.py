@@ -7,8 +7,9 @@
    and from a plain numpy array.
 2. One request's CPU stages on this machine (decode, export into the batch row, mask PNG, counts),
    on one thread and on N threads at once: how far they scale with the cores.
-3. ``dualtrack serve`` in a child process under ``dualtrack loadtest``'s client (16 connections; --clients),
-   PNG in -> mask PNG out, JPEG in -> JSON out, then a 64x64 JPEG in -> JSON out (images that
+3. ``dualtrack serve`` in a child process under ``dualtrack loadtest``'s client (16 connections; --clients
+   16 32 runs every case at each), PNG in -> mask PNG out, JPEG in -> JSON out, JPEG in -> mask PNG
+   out, then a 64x64 JPEG in -> JSON out, each with the JPEG decoder /readyz reports and the server's RSS (images that
    cost almost nothing: what is left is the service's own cost per request, so this case's rate
    is the most one server process can answer): throughput, latency, errors, the ratio to (1), the
    server's batch statistics (from /metrics), and the CPU time of the client and of each of the
@@ -70,7 +71,13 @@ def main() -> None:
     )
     p.add_argument("--only-variants", action="store_true", help="skip the default cases: a sweep of --variant")
     p.add_argument("--tag", default="", help="appended to the result file names")
-    p.add_argument("--clients", type=int, default=CLIENTS, help="concurrent closed-loop connections of the load test")
+    p.add_argument(
+        "--clients",
+        type=int,
+        nargs="+",
+        default=[CLIENTS],
+        help="concurrent closed-loop connections of the load test; several values run every case at each",
+    )
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
@@ -80,6 +87,7 @@ def main() -> None:
         "clients": args.clients,
     }
     report["engine"], mask = engine_alone(args.bundle, args.device, args.iters, args.png.read_bytes())
+    report["machine"]["commit"] = args.commit
     report["stages"] = stages(args.png.read_bytes(), args.jpg.read_bytes(), mask)
     report["loadtests"], metrics_text = under_load(args, report["engine"]["reference_img_s"])
     name = args.commit[:10] + (f"-{args.tag}" if args.tag else "")
@@ -247,15 +255,15 @@ def under_load(args: argparse.Namespace, reference_img_s: float) -> tuple[list[d
     cases = [
         ("png_in_png_out", png, "/v1/segment", "image/png"),
         ("jpeg_in_json_out", jpg, "/v1/segment?format=json", "image/jpeg"),
+        ("jpeg_in_png_out", jpg, "/v1/segment", "image/jpeg"),
         ("tiny_jpeg_in_json_out", _tiny_jpeg(args.jpg), "/v1/segment?format=json", "image/jpeg"),
     ]
-    jpeg_png = ("jpeg_in_png_out", jpg, "/v1/segment", "image/jpeg")
     results, metrics_text = [], ""
     if not args.only_variants:
         results, metrics_text = _serve_and_load(args, reference_img_s, cases, {})
     for variant in args.variant:
         name, _, argv = variant.partition("=")
-        vcases = [(f"{c[0]}_{name}", *c[1:]) for c in (*cases[:2], jpeg_png)]
+        vcases = [(f"{c[0]}_{name}", *c[1:]) for c in cases[:3]]
         more, metrics_text = _serve_and_load(args, reference_img_s, vcases, {}, argv.split())
         results += more
     return results, metrics_text
@@ -283,15 +291,18 @@ def _serve_and_load(
     try:
         t0 = time.monotonic()
         _wait_ready(base, server)
-        print(f"[serve] ready after {time.monotonic() - t0:.1f} s {env or ''}")
-        for name, body, path, content_type in cases:
-            run_loadtest(base + path, body, content_type=content_type, concurrency=args.clients, requests=400)  # warm
+        ready = json.loads(urllib.request.urlopen(f"{base}/readyz", timeout=10).read())
+        decoder = ready.get("jpeg_decoder", {"name": "cpu", "reason": "this dualtrack reports none"})
+        print(f"[serve] ready after {time.monotonic() - t0:.1f} s {env or ''}; JPEG decoder {decoder}")
+        for (case, body, path, content_type), clients in ((c, n) for c in cases for n in args.clients):
+            name = f"{case}_c{clients}"
+            run_loadtest(base + path, body, content_type=content_type, concurrency=clients, requests=400)  # warm
             before, cpu0, usage0 = _metrics(base), _thread_cpu(server.pid), resource.getrusage(resource.RUSAGE_SELF)
             rep = run_loadtest(
                 base + path,
                 body,
                 content_type=content_type,
-                concurrency=args.clients,
+                concurrency=clients,
                 requests=10**6,
                 duration_s=args.duration_s,
             )
@@ -305,6 +316,9 @@ def _serve_and_load(
             batches = after["batches"] - before["batches"]
             entry = {
                 "case": name,
+                "clients": clients,
+                "jpeg_decoder": decoder,
+                "server_rss_mb": _rss_mb(server.pid),
                 "image_bytes": len(body),
                 "report": rep.to_json(),
                 "ratio": round(rep.throughput_rps / reference_img_s, 4),
@@ -342,6 +356,12 @@ def _serve_and_load(
         tail = log.getvalue().strip().splitlines()[-15:]
         print("[serve] server output (last lines):\n  " + "\n  ".join(tail))
     return results, metrics_text
+
+
+def _rss_mb(pid: int) -> float | None:
+    """Resident memory of the server process (VmRSS), MiB."""
+    match = re.search(r"^VmRSS:\s+(\d+) kB", _read(f"/proc/{pid}/status"), re.MULTILINE)
+    return round(int(match.group(1)) / 1024, 1) if match else None
 
 
 def _tiny_jpeg(jpg: Path) -> bytes:
@@ -433,9 +453,11 @@ def print_summary(report: dict[str, Any]) -> None:
     print(f"\nengine alone, batch {report['engine']['batch']}: {ref:.1f} img/s (the reference)")
     for entry in report["loadtests"]:
         rep = entry["report"]
+        lat = rep["latency_ms"]
         print(
-            f"{entry['case']:30s} {rep['throughput_rps']:8.1f} req/s = {100 * entry['ratio']:5.1f}% of the engine   "
-            f"p50 {rep['latency_ms'].get('p50', 0):.1f} ms   errors {rep['errors'] or 'none'}   "
+            f"{entry['case']:34s} {rep['throughput_rps']:8.1f} req/s = {100 * entry['ratio']:5.1f}% of the engine   "
+            f"p50 {lat.get('p50', 0):.1f} ms  p99 {lat.get('p99', 0):.1f} ms   errors {rep['errors'] or 'none'}   "
+            f"RSS {entry['server_rss_mb']} MiB   decoder {entry['jpeg_decoder']['name']}   "
             f"server CPU {entry['server_cpu_ms_per_request']:.2f} ms/req"
         )
 

@@ -124,6 +124,11 @@ def test_info(tiny_bundle: Path) -> None:
     assert "driver     needs CUDA 13.0 or newer for the PTX" in out
     assert "iree       targets cuda-sm_80, cuda-sm_89, llvm-cpu" in out
     assert re.search(r"^verified   passed on cpu \(seed \d+\)$", out, re.MULTILINE)
+    # Which path each Track B module takes on a GPU: its launch plan replayed, for every target and batch.
+    for seg in ("seg0_B", "seg2_B"):
+        for target in ("cuda-sm_80", "cuda-sm_89"):
+            line = f"track B    {seg} {target}: N=1: replayed on the engine's stream; N=4: replayed on the engine's stream"
+            assert line in out
 
 
 def test_info_shows_which_convs_run_the_wgmma_kernel(tiny_full_bundle: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from dualtrack.arch import ARCHES, PTX_ARCHES, parse_ptx_isa, parse_ptx_target
 from dualtrack.errors import ArchError, ToolError
-from dualtrack.kernels import CONV3X3_WGMMA, SPECS, spec_for_stem
+from dualtrack.kernels import CONV3X3_WGMMA, RESIZE_RGB, SPECS, spec_for_stem
 from dualtrack.ptx import (
     PINNED_NVRTC,
     SOURCE_DIR,
@@ -84,6 +84,9 @@ def test_entries_and_block_size_match_the_registry(stem: str, arch: str) -> None
     if spec is CONV3X3_WGMMA:
         for entry in spec.entries:
             assert int(entries[entry]) == spec.launch("float16", 2, 37, 37, 8, 5, entry=entry).block[0]
+    elif spec is RESIZE_RGB:  # one uint8 entry, a 2-D block
+        block = spec.launch(37, 29).block
+        assert int(entries[spec.stem]) == block[0] * block[1] == spec.threads()
     else:
         for dtype in ("float16", "float32"):
             assert int(entries[spec.entry(dtype)]) == spec.launch(dtype, 2, 37, 37, 3, 5).block[0]

@@ -132,6 +132,25 @@ def track_a_artifacts(
     return files, meta
 
 
+def replay_files(
+    writer: BundleWriter, base: str, replay: track_b.Replay, cubin_arches: list[str], settings: Settings
+) -> dict[str, Any]:
+    """Write a module's launch plan, its PTX and cubins for ``cubin_arches`` beside its .vmfb;
+    the manifest entry that finds them (runtime/replay.py), or the reason it has none."""
+    if replay.plan is None:
+        return {"refused": replay.refused}
+    writer.add(f"{base}.replay.json", json.dumps(replay.plan.to_json()).encode())
+    entry: dict[str, Any] = {"plan": f"{base}.replay.json", "ptx": [], "cubin": {}}
+    for i, text in enumerate(replay.ptx):
+        entry["ptx"].append(f"{base}.m{i}.ptx")
+        writer.add(entry["ptx"][-1], text)
+        for a in cubin_arches:
+            cubin = ptx.cached_cubin(text.decode(), a, settings.cache_dir / "cubin", enabled=settings.use_cache)
+            entry["cubin"].setdefault(a, []).append(f"{base}.m{i}.{a}.cubin")
+            writer.add(entry["cubin"][a][-1], cubin)
+    return entry
+
+
 def _build_key(
     cfg: BuildConfig,
     model_digest: str,
@@ -291,10 +310,32 @@ def build(
         for rel, data in a_files.items():
             writer.add(rel, data)
         iree_art: dict[str, dict[str, dict[str, str]]] = {}
+        replay_art: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+        cubin_arches = {
+            track_b.cuda_target(r.iree_target).name: sorted(
+                {x.arch.cubin_arch for x in resolutions if x.iree_target == r.iree_target}
+            )
+            for r in resolutions
+        }
         for r in results:
             rel = f"iree/{r.job.segment}/{r.job.target.name}/b{r.job.batch}.vmfb"
             writer.add(rel, r.vmfb)
             iree_art.setdefault(r.job.segment, {}).setdefault(r.job.target.name, {})[str(r.job.batch)] = rel
+            if r.replay is not None:
+                entry = replay_files(
+                    writer, rel.removesuffix(".vmfb"), r.replay, cubin_arches.get(r.job.target.name, []), settings
+                )
+                replay_art.setdefault(r.job.segment, {}).setdefault(r.job.target.name, {})[str(r.job.batch)] = entry
+        refused = sorted(
+            {
+                f"{seg}: {e['refused']}"
+                for seg, per in replay_art.items()
+                for per_t in per.values()
+                for e in per_t.values()
+                if "refused" in e
+            }
+        )
+        notes.extend(f"track B replay refused for {r} (the IREE runtime runs it)" for r in refused)
         if cpu is None:
             notes.append(
                 "no llvm-cpu modules (track_b.cpu: false): verify on a GPU with `dualtrack verify BUNDLE --device cuda`"
@@ -315,7 +356,7 @@ def build(
             config=cfg.model_dump(mode="json"),
             targets=tuple(Target(**r.to_json()) for r in resolutions),
             plan=plan,
-            artifacts=Artifacts(iree=iree_art, iree_tuned_flags=tuned_flags, track_a=a_meta),
+            artifacts=Artifacts(iree=iree_art, iree_tuned_flags=tuned_flags, track_a=a_meta, iree_replay=replay_art),
             tools=tool_versions(compiler),
             cpu_batch=track_b.CPU_BATCH,
             min_driver=max(

@@ -313,7 +313,12 @@ def run(bundle: Path, image: Path, output: Path, device: str, device_index: int)
         t = engine.last_timings
         click.echo(
             f"{output}: mask {mask.size[0]}x{mask.size[1]}, class pixels {counts.tolist()}, "
-            f"{t['total_ms']:.1f} ms on {device} (track A {t['track_a_ms']:.1f} ms, track B {t['track_b_ms']:.1f} ms)"
+            f"{t['total_ms']:.1f} ms on {device} "
+            + (
+                f"(one CUDA graph, {t['graph_ms']:.2f} ms on the GPU)"
+                if t.get("graph_ms")
+                else f"(track A {t['track_a_ms']:.1f} ms, track B {t['track_b_ms']:.1f} ms)"
+            )
         )
 
 
@@ -378,6 +383,17 @@ def info(bundle: Path, as_json: bool) -> None:
         click.echo(f"segment    {line}")
     for line in b.plan.notes:  # how the partition was chosen, and why each node runs where it does
         click.echo(f"partition  {line}")
+    for seg_name, per_target in sorted(m.artifacts.iree_replay.items()):
+        for target, per_batch in sorted(per_target.items()):
+            paths = []
+            for batch, e in sorted(per_batch.items(), key=lambda kv: int(kv[0])):
+                if "refused" in e:
+                    paths.append(f"N={batch}: IREE runtime ({e['refused']})")
+                else:
+                    paths.append(f"N={batch}: replayed on the engine's stream")
+            click.echo(f"track B    {seg_name} {target}: {'; '.join(paths)}")
+    if any(s.track == "B" for s in b.plan.segments) and not m.artifacts.iree_replay and m.targets:
+        click.echo("track B    no launch plans (built before replay existed): the IREE runtime runs it; rebuild")
     ptx = m.artifacts.track_a.get("ptx", {})
     for a, kernels in sorted(ptx.items()):
         isas = {k["isa"] for k in kernels.values()}

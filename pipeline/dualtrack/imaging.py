@@ -136,6 +136,54 @@ def load_for_model(
     return ModelImage(pixels, shown, decoded)
 
 
+@dataclass(frozen=True)
+class GpuJpeg:
+    """A JPEG the GPU decoder may take (:func:`route_jpeg`): its bytes and what its header says."""
+
+    data: bytes
+    stored: tuple[int, int]  # (width, height) as stored
+    orientation: int  # EXIF orientation 1-8, applied on the GPU by the resize kernel
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height) as displayed: what the mask is resized back to."""
+        w, h = self.stored
+        return (h, w) if self.orientation in _QUARTER_TURNS else (w, h)
+
+
+def route_jpeg(data: bytes, height: int, width: int, *, max_downscale: int) -> GpuJpeg | str:
+    """Whether the GPU decoder takes ``data`` (a :class:`GpuJpeg`) or, with the reason, the CPU path.
+
+    The header is read here with the CPU path's own checks, so a refused image (not PNG/JPEG, over
+    :data:`MAX_PIXELS`, several frames, an unreadable header) raises the same :class:`InputError`
+    whichever decoder is active. The GPU takes a baseline or progressive 3-component (YCbCr) JPEG
+    that the CPU path would decode at full size and that ends in its EOI marker; greyscale and CMYK
+    (the decoder would not give the CPU path's RGB), a JPEG the CPU path decodes at reduced size
+    (``Image.draft``: at least four times the model's size both ways), a downscale over
+    ``max_downscale`` per axis (more taps than the resize kernel holds) and a truncated stream (the
+    CPU path answers it 400; nvJPEG might fill it in) go to the CPU path.
+    """
+    with _open(data, None) as img:
+        if img.format not in _SINGLE_PICTURE_FORMATS:
+            return f"{img.format} is decoded on the CPU"
+        if img.mode != "RGB":
+            return f"a {img.mode} JPEG is decoded on the CPU (the GPU decoder gives RGB from YCbCr only)"
+        turns = _orientation(img)
+        stored = img.size
+        want = (2 * width, 2 * height)
+        if turns in _QUARTER_TURNS:
+            want = (want[1], want[0])
+        if img.width >= 2 * want[0] and img.height >= 2 * want[1]:
+            return "a large JPEG is decoded on the CPU at reduced size (DCT scaling)"
+    shown = (stored[1], stored[0]) if turns in _QUARTER_TURNS else stored
+    if shown[0] > max_downscale * width or shown[1] > max_downscale * height:
+        return f"a downscale over {max_downscale}x is resized on the CPU"
+    sos = data.find(b"\xff\xda")
+    if sos < 0 or data.rfind(b"\xff\xd9") < sos:  # entropy-coded data cannot hold FFD9: no EOI after SOS
+        return "a JPEG without its end marker is decoded on the CPU (truncated)"
+    return GpuJpeg(data, stored, turns)
+
+
 def decode_image(data: bytes, *, name: str | None = None) -> Image.Image:
     """Decode PNG or JPEG bytes into a full-size 8-bit RGB image with EXIF orientation applied.
 

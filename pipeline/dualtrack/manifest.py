@@ -70,6 +70,9 @@ class Artifacts:
     iree: Mapping[str, Mapping[str, Mapping[str, str]]]
     iree_tuned_flags: Mapping[str, Any] = field(default_factory=dict)
     track_a: Mapping[str, Any] = field(default_factory=dict)
+    # segment -> CUDA IREE target -> batch -> {"plan", "ptx": [...], "cubin": {arch: [...]}} or
+    # {"refused": why}: the module's launch plan (launch_plan.py) that runtime/replay.py runs
+    iree_replay: Mapping[str, Mapping[str, Mapping[str, Mapping[str, Any]]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

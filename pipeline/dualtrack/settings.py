@@ -24,6 +24,8 @@ class Settings:
                           freed buffers instead of a cuMemAlloc/cuMemFree pair per call); "none": IREE's plain one
     DUALTRACK_IREE_FLAGS  extra IREE runtime flags for the CUDA device, space-separated (read once per process)
     DUALTRACK_GPU_SELF_CHECK  set to 0 to skip the check a bundle's first load on a GPU makes (runtime/selfcheck.py)
+    DUALTRACK_TRACK_B     "replay" (default): Track B modules with a launch plan run on the engine's stream
+                          (runtime/replay.py); "iree": every Track B module through the IREE runtime
     """
 
     cache_dir: Path
@@ -35,6 +37,7 @@ class Settings:
     iree_allocators: tuple[str, ...] = ("caching",)
     iree_flags: tuple[str, ...] = ()
     gpu_self_check: bool = True
+    track_b: str = "replay"
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -53,7 +56,16 @@ class Settings:
             iree_allocators=_allocators(env.get("DUALTRACK_IREE_ALLOCATOR", "caching")),
             iree_flags=tuple(env.get("DUALTRACK_IREE_FLAGS", "").split()),
             gpu_self_check=env.get("DUALTRACK_GPU_SELF_CHECK", "1") not in ("0", "false", "no"),
+            track_b=_track_b(env.get("DUALTRACK_TRACK_B", "replay")),
         )
+
+
+def _track_b(value: str) -> str:
+    if value not in ("replay", "iree"):
+        from dualtrack.errors import ConfigError
+
+        raise ConfigError(f"DUALTRACK_TRACK_B={value!r}: use 'replay' (the default) or 'iree'")
+    return value
 
 
 def _allocators(value: str) -> tuple[str, ...]:

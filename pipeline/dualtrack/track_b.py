@@ -10,6 +10,7 @@ flags, and the compiler version.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import shutil
 import tempfile
@@ -20,10 +21,11 @@ import onnx
 
 from dualtrack import atomic
 from dualtrack.errors import ConfigError, ToolError, UnsupportedOpError
+from dualtrack.launch_plan import LaunchPlan, NotReplayable, extract
 from dualtrack.partition import with_batch
 from dualtrack.tools import run_tool, tool_version
 
-CACHE_FORMAT = "trackb-1"  # bump when the stages below change what they produce
+CACHE_FORMAT = "trackb-2"  # bump when the stages below change what they produce (2: launch plans)
 
 
 @dataclass(frozen=True)
@@ -72,9 +74,13 @@ def import_onnx(model: onnx.ModelProto, workdir: Path) -> Path:
     return mlir
 
 
-def compile_module(mlir: Path, target: IreeTarget, flags: tuple[str, ...], out: Path) -> Path:
-    """Stage 2: compile MLIR to a .vmfb for one target."""
-    args = [str(mlir), *target.flags, *flags, "-o", str(out)]
+def compile_module(
+    mlir: Path, target: IreeTarget, flags: tuple[str, ...], out: Path, *, phases: Path | None = None
+) -> Path:
+    """Stage 2: compile MLIR to a .vmfb for one target. ``phases``: where the compiler also writes
+    each phase's IR (the HAL stage is what :func:`launch_plan` reads)."""
+    dump = [f"--dump-compilation-phases-to={phases}"] if phases is not None else []
+    args = [str(mlir), *target.flags, *flags, *dump, "-o", str(out)]
     try:
         run_tool("iree-compile", args, what=f"compiling for {target.name}")
     except ToolError as e:
@@ -117,11 +123,46 @@ class CompileJob:
 
 
 @dataclass(frozen=True)
+class Replay:
+    """A CUDA module's launch plan and PTX modules (runtime/replay.py runs them without IREE), or
+    why it has none (``refused``)."""
+
+    plan: LaunchPlan | None
+    ptx: tuple[bytes, ...] = ()
+    refused: str = ""
+
+    def to_json(self) -> dict:
+        if self.plan is None:
+            return {"refused": self.refused}
+        return {"plan": self.plan.to_json(), "ptx": [m.decode() for m in self.ptx]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Replay:
+        if "refused" in d:
+            return cls(None, (), d["refused"])
+        return cls(LaunchPlan.from_json(d["plan"]), tuple(m.encode() for m in d["ptx"]))
+
+
+def launch_plan(phases: Path, vmfb: bytes) -> Replay:
+    """Stage 3 (CUDA targets): the launch plan from the HAL-stage IR and the .vmfb, or the reason
+    there is none (launch_plan.py: replay or refuse, never guess)."""
+    hal = sorted(phases.glob("*.hal.mlir"))
+    if len(hal) != 1:
+        return Replay(None, (), f"iree-compile wrote {len(hal)} HAL-stage files, expected 1")
+    try:
+        plan, ptx = extract(hal[0].read_text(), vmfb)
+    except NotReplayable as e:
+        return Replay(None, (), str(e))
+    return Replay(plan, ptx)
+
+
+@dataclass(frozen=True)
 class CompileResult:
     job: CompileJob
     vmfb: bytes
     key: str
     cached: bool
+    replay: Replay | None = None  # CUDA targets only
 
 
 class ModuleCache:
@@ -138,9 +179,20 @@ class ModuleCache:
         p = self.path(key)
         return p.read_bytes() if self.enabled and p.exists() else None
 
-    def put(self, key: str, data: bytes) -> None:
+    def get_replay(self, key: str) -> Replay | None:
+        p = self.path(key).with_suffix(".replay.json")
+        if not (self.enabled and p.exists()):
+            return None
+        try:
+            return Replay.from_json(json.loads(p.read_text()))
+        except (ValueError, KeyError, TypeError):
+            return None  # an unreadable entry is compiled again
+
+    def put(self, key: str, data: bytes, replay: Replay | None = None) -> None:
         if not self.enabled:
             return
+        if replay is not None:  # first: a module in the cache always has its plan beside it
+            atomic.write_text(self.path(key).with_suffix(".replay.json"), json.dumps(replay.to_json()))
         atomic.write_bytes(self.path(key), data)
 
 
@@ -163,9 +215,11 @@ def run_job(
     """
     static = with_batch(job.model, job.batch)
     key = cache_key(static, job.batch, job.target, job.flags, compiler)
+    cuda = job.target.driver == "cuda"
     hit = cache.get(key)
-    if hit is not None:
-        return CompileResult(job, hit, key, cached=True)
+    replay = cache.get_replay(key) if cuda else None
+    if hit is not None and (replay is not None or not cuda):
+        return CompileResult(job, hit, key, cached=True, replay=replay)
     with tempfile.TemporaryDirectory(prefix="dualtrack-") as tmp:
         work = Path(tmp)
         if save_temps is not None:
@@ -173,7 +227,8 @@ def run_job(
             work.mkdir(parents=True, exist_ok=True)
         try:
             mlir = import_onnx(static, work)
-            out = compile_module(mlir, job.target, job.flags, work / "module.vmfb")
+            phases = work / "phases" if cuda else None
+            out = compile_module(mlir, job.target, job.flags, work / "module.vmfb", phases=phases)
         except ToolError as e:
             if keep_failed is None or save_temps is not None:
                 raise
@@ -188,5 +243,6 @@ def run_job(
                 argv=[a.replace(str(work), str(kept)) for a in e.argv],
             ) from None
         data = out.read_bytes()
-    cache.put(key, data)
-    return CompileResult(job, data, key, cached=False)
+        replay = launch_plan(phases, data) if phases is not None else None
+    cache.put(key, data, replay)
+    return CompileResult(job, data, key, cached=False, replay=replay)

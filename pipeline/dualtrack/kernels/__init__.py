@@ -9,7 +9,8 @@ reference. ``base.py`` holds what every spec shares, ``conv.py`` what the conv-l
 ``select.py`` the policy that picks among conv3x3's kernels, ``tensormap.py`` tensor maps as data.
 
 :data:`KERNELS` holds each plan op's spec; :data:`CONV3X3_WGMMA` is the Hopper-only (compute_90a)
-conv3x3 that the conv3x3 spec hands a launch to where :func:`choose_conv3x3` picks it.
+conv3x3 that the conv3x3 spec hands a launch to where :func:`choose_conv3x3` picks it;
+:data:`RESIZE_RGB` prepares the service's GPU-decoded JPEGs (no plan calls it, no bundle ships it).
 :data:`SPECS` lists every source. Adding a kernel: its module, its ``.cu``, and one line below.
 
 Tensors are NHWC with a per-pixel channel stride (``ldx``/``ldy``); conv weights are KRSC in the
@@ -39,14 +40,42 @@ from dualtrack.kernels.conv3x3 import Conv3x3Spec, F16Tile
 from dualtrack.kernels.conv3x3_wgmma import WGMMA_CONFIGS, Conv3x3WgmmaSpec, WgmmaConfig
 from dualtrack.kernels.convt2x2 import ConvT2x2Spec, pack_convt_weights
 from dualtrack.kernels.maxpool2x2 import MaxPool2x2Spec
+from dualtrack.kernels.resize_rgb import ResizeRgbSpec
 from dualtrack.kernels.select import SMALL_C_K_MAX, SMALL_C_MAX, ConvChoice
 
 __all__ = [
-    "CONV3X3_WGMMA", "DTYPES", "KERNELS", "SMALL_C_K_MAX", "SMALL_C_MAX", "SPECS", "WGMMA_CONFIGS",
-    "Conv1x1Spec", "Conv3x3Spec", "Conv3x3WgmmaSpec", "ConvChoice", "ConvT2x2Spec", "DeviceTensor", "F16Tile",
-    "KernelArg", "KernelSpec", "LaunchConfig", "LaunchContext", "MaxPool2x2Spec", "PreparedCall", "WgmmaConfig",
-    "choose_conv3x3", "defines_for_stem", "dtype_name", "kernel", "output_shape", "pack_conv_weights",
-    "pack_convt_weights", "ptx_arches_for_stem", "spec_for_stem",
+    "CONV3X3_WGMMA",
+    "DTYPES",
+    "KERNELS",
+    "RESIZE_RGB",
+    "SMALL_C_K_MAX",
+    "SMALL_C_MAX",
+    "SPECS",
+    "WGMMA_CONFIGS",
+    "Conv1x1Spec",
+    "Conv3x3Spec",
+    "Conv3x3WgmmaSpec",
+    "ConvChoice",
+    "ConvT2x2Spec",
+    "DeviceTensor",
+    "F16Tile",
+    "KernelArg",
+    "KernelSpec",
+    "LaunchConfig",
+    "LaunchContext",
+    "MaxPool2x2Spec",
+    "PreparedCall",
+    "ResizeRgbSpec",
+    "WgmmaConfig",
+    "choose_conv3x3",
+    "defines_for_stem",
+    "dtype_name",
+    "kernel",
+    "output_shape",
+    "pack_conv_weights",
+    "pack_convt_weights",
+    "ptx_arches_for_stem",
+    "spec_for_stem",
 ]  # fmt: skip
 
 CONV3X3_WGMMA = Conv3x3WgmmaSpec(op="conv3x3", stem="conv3x3_wgmma")
@@ -58,7 +87,10 @@ KERNELS: Mapping[str, KernelSpec] = {
     "conv1x1": Conv1x1Spec(op="conv1x1", stem="conv1x1_nhwc"),
 }
 
-SPECS: tuple[KernelSpec, ...] = (*KERNELS.values(), CONV3X3_WGMMA)  # every source under handwritten_ptx/
+# Not a plan op: the service's GPU JPEG path resizes decoded pictures into the batch's input rows with it.
+RESIZE_RGB = ResizeRgbSpec(op="resize_rgb", stem="resize_rgb_u8")
+
+SPECS: tuple[KernelSpec, ...] = (*KERNELS.values(), CONV3X3_WGMMA, RESIZE_RGB)  # every source under handwritten_ptx/
 
 _CONV3X3 = KERNELS["conv3x3"]
 assert isinstance(_CONV3X3, Conv3x3Spec)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -204,7 +204,7 @@ class Imported(NamedTuple):
     keepalive: object
 
 
-def _compact_strides(shape: Sequence[int]) -> tuple[int, ...]:
+def compact_strides(shape: Sequence[int]) -> tuple[int, ...]:
     strides, step = [], 1
     for n in reversed(shape):
         strides.append(step)
@@ -236,7 +236,7 @@ def from_capsule(capsule: Any) -> Imported:
     m = struct.from_address(managed)
     t = m.dl_tensor
     shape = tuple(t.shape[i] for i in range(t.ndim))
-    strides = tuple(t.strides[i] for i in range(t.ndim)) if t.strides else _compact_strides(shape)
+    strides = tuple(t.strides[i] for i in range(t.ndim)) if t.strides else compact_strides(shape)
     dtype = np_dtype(t.dtype)  # before the capsule is marked used: a refusal leaves it unconsumed
     _capsule_set_name(capsule, used)
     return Imported(
@@ -250,11 +250,12 @@ def from_capsule(capsule: Any) -> Imported:
     )
 
 
-def from_cuda_array_interface(obj: Any) -> Imported:
+def from_cuda_array_interface(obj: Any, *, wait: Callable[[int], None] | None = None) -> Imported:
     """Read ``obj.__cuda_array_interface__`` (v3). ``keepalive`` is ``obj`` itself.
 
-    The interface does not name the device: ``device_id`` is -1. If it names a stream, that
-    stream is synchronized before returning, so the data is ready for any stream.
+    The interface does not name the device: ``device_id`` is -1. If it names a stream, ``wait``
+    is called with it (a consumer orders its own stream after it); without ``wait`` that stream
+    is synchronized before returning, so the data is ready for any stream.
     """
     cai = obj.__cuda_array_interface__
     if cai.get("mask") is not None:
@@ -262,13 +263,16 @@ def from_cuda_array_interface(obj: Any) -> Imported:
     dtype = np.dtype(cai["typestr"])
     shape = tuple(int(n) for n in cai["shape"])
     if cai.get("strides") is None:
-        strides = _compact_strides(shape)
+        strides = compact_strides(shape)
     else:
         if any(s % dtype.itemsize for s in cai["strides"]):
             raise InputError(f"strides {cai['strides']} are not whole {dtype} elements; pass an aligned array")
         strides = tuple(int(s) // dtype.itemsize for s in cai["strides"])
     if cai.get("stream") is not None:
-        call(cu.cuStreamSynchronize, cu.CUstream(int(cai["stream"])))
+        if wait is not None:
+            wait(int(cai["stream"]))
+        else:
+            call(cu.cuStreamSynchronize, cu.CUstream(int(cai["stream"])))
     return Imported(int(cai["data"][0]), shape, strides, dtype, int(DLDeviceType.kDLCUDA), -1, obj)
 
 

@@ -20,7 +20,8 @@ from dualtrack.bundle import Bundle
 from dualtrack.errors import InputError
 from dualtrack.plan import Segment, TensorSpec
 from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
-from dualtrack.runtime.selfcheck import self_check
+from dualtrack.runtime.overlap import Fill, Overlap, Staged, Submission
+from dualtrack.runtime.selfcheck import replay_check, self_check
 from dualtrack.settings import Settings
 
 DEVICES = ("cpu", "cuda")
@@ -28,6 +29,7 @@ DEVICES = ("cpu", "cuda")
 
 class Backend(Protocol):
     def run_segment(self, seg: Segment, batch: int, inputs: Mapping[str, Any]) -> dict[str, Any]: ...
+    def run_plan(self, batch: int, inputs: Mapping[str, Any]) -> dict[str, Any]: ...
     def to_host(self, value: Any) -> np.ndarray: ...
     def from_host(self, arr: np.ndarray, *, slot: str | None = None) -> Any: ...
     def host_array(self, shape: tuple[int, ...], dtype: str) -> np.ndarray: ...
@@ -55,7 +57,7 @@ class CpuBackend:
         self.params = parameter_index(bundle.weights)
         self.modules: dict[tuple[int, int], IreeModule] = {}
         self.lock = threading.Lock()
-        self.timings = {"A": 0.0, "B": 0.0}
+        self.timings = {"A": 0.0, "B": 0.0, "graph": 0.0}
 
     def module(self, seg: Segment, batch: int) -> IreeModule:
         with self.lock:
@@ -86,6 +88,12 @@ class CpuBackend:
         if len(rows) == 1:
             return rows[0]
         return {t.name: np.concatenate([r[t.name] for r in rows]) for t in seg.outputs}
+
+    def run_plan(self, batch: int, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        env = dict(inputs)
+        for seg in self.bundle.plan.segments:
+            env.update(self.run_segment(seg, batch, env))
+        return {o.name: env[o.name] for o in self.bundle.plan.outputs}
 
     def to_host(self, value: Any) -> np.ndarray:
         return np.asarray(value)
@@ -121,6 +129,7 @@ class Engine:
         self.last_timings: dict[str, float] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._overlap: Any = None  # runtime/overlap.py's slots and streams, made by the first stage() on cuda
 
     @classmethod
     def load(
@@ -141,6 +150,7 @@ class Engine:
                 dev = engine.backend.device
                 name = f"{dev.name} cc{dev.cc[0]}.{dev.cc[1]} driver{dev.driver_version}"
                 try:
+                    replay_check(engine, name, settings.cache_dir)
                     self_check(engine, name, settings.cache_dir)
                 except BaseException:
                     engine.close()
@@ -178,11 +188,9 @@ class Engine:
     # -- execution --------------------------------------------------------------------------------
 
     def run_batch(self, x: Any, batch: int) -> dict[str, Any]:
-        """Run the plan on exactly one compiled batch size; values stay on the backend's device."""
-        tensors: dict[str, Any] = {self.input_spec.name: x}
-        for seg in self.plan.segments:
-            tensors.update(self.backend.run_segment(seg, batch, tensors))
-        return {o.name: tensors[o.name] for o in self.output_specs}
+        """Run the plan on exactly one compiled batch size; values stay on the backend's device (on
+        a GPU in the engine's planned buffers: valid until the next run)."""
+        return self.backend.run_plan(batch, {self.input_spec.name: x})
 
     def run(self, x: Any, outputs: Sequence[str] | None = None) -> dict[str, Any]:
         """Segment a batch of images: `x` is (n, *input.shape[1:]) in the input dtype.
@@ -218,6 +226,8 @@ class Engine:
                 "track_b_ms": self.backend.timings["B"],
                 "total_ms": total,
             }
+            if self.backend.timings.get("graph"):  # on a GPU, the whole inference as one CUDA graph
+                self.last_timings["graph_ms"] = self.backend.timings["graph"]
         return {k: np.concatenate(v) if len(v) > 1 else v[0] for k, v in parts.items()}
 
     def _wanted(self, outputs: Sequence[str] | None) -> tuple[str, ...]:
@@ -233,18 +243,70 @@ class Engine:
         if self.device != "cuda":
             raise InputError("a GPU tensor was given to a CPU engine; pass a numpy array or load with device='cuda'")
         from dualtrack.runtime import dlpack
-        from dualtrack.runtime.gpu import GpuTensor
 
-        imp = dlpack.from_capsule(x.__dlpack__()) if hasattr(x, "__dlpack__") else dlpack.from_cuda_array_interface(x)
-        n = self._check(imp.shape, imp.dtype.name)[0]
+        t = self.backend.import_tensor(x)  # type: ignore[attr-defined]
+        n = self._check(t.shape, t.dtype.name)[0]
         if n not in self.batch_sizes:
             raise InputError(
                 f"a GPU batch of {n} is not a compiled batch size {list(self.batch_sizes)}; pad it or pass numpy"
             )
         with self._lock:
-            outs = self.run_batch(GpuTensor(imp.ptr, imp.shape, imp.dtype, imp.keepalive), n)
+            outs = self.run_batch(t, n)
+            # The results are the caller's: out of the planned buffers the next run rewrites.
+            outs = {k: self.backend.own(t) for k, t in outs.items()}  # type: ignore[attr-defined]
         dev = self.backend.device.index  # type: ignore[attr-defined]
         return {k: dlpack.DeviceArray(t.ptr, t.shape, t.dtype, dev, t.keepalive) for k, t in outs.items()}
+
+    # -- overlapped runs (runtime/overlap.py) ---------------------------------------------------------
+
+    def stage(self, x: np.ndarray, fill: Fill | None = None) -> Staged:
+        """Upload ``x`` (a compiled batch size of images, numpy; from :meth:`host_array` it is copied
+        without staging) into a free device slot, for :meth:`launch`. On ``cuda`` the copy runs on an
+        upload stream, beside whatever the compute stream runs, and is complete when this returns
+        (``x`` is the caller's again); ``fill(stream, slot_tensor)`` may first write rows on the GPU
+        (the service's JPEG decode) and returns them: those rows of ``x`` are not copied. Safe to
+        call from one thread while another calls :meth:`launch`; waits while every slot is in use
+        (until a :meth:`Submission.result` collects one). On ``cpu``: a copy of ``x``."""
+        if self._closed:
+            raise InputError("this engine is closed; load the bundle again")
+        n = self.check_input(x)[0]
+        if n not in self.batch_sizes:
+            raise InputError(f"a staged batch of {n} is not a compiled batch size {list(self.batch_sizes)}; pad it")
+        if self.device != "cuda":
+            if fill is not None:
+                raise InputError("fill writes rows on the GPU: stage on a cuda engine")
+            return Staged(0, np.array(x, copy=True), n)
+        if self._overlap is None:
+            with self._lock:
+                if self._overlap is None:
+                    self._overlap = Overlap(self.backend)  # type: ignore[arg-type]
+        return self._overlap.stage(np.ascontiguousarray(x), np.dtype(self.input_spec.dtype), fill)
+
+    def launch(self, staged: Staged, outputs: Sequence[str] | None = None) -> Submission:
+        r"""Run the plan on a :meth:`stage`\ d batch; the outputs named (default: all) come back
+        through :meth:`Submission.result` as new numpy arrays, as :meth:`run` returns them. On
+        ``cuda`` this returns once the compute is queued and the outputs' download is queued on a
+        download stream: collect the result while the next batch runs. Launch staged batches in
+        the order they were staged, on one thread."""
+        wanted = self._wanted(outputs)
+        if self.device != "cuda":
+            result = self.run(staged.x, outputs=wanted)
+            return Submission(lambda: result)
+        with self._lock:
+            t0 = time.perf_counter()
+            for k in self.backend.timings:
+                self.backend.timings[k] = 0.0
+            submission = self._overlap.launch(staged, self.run_batch, wanted)
+            self.last_timings = {
+                "track_a_ms": self.backend.timings["A"],
+                "track_b_ms": self.backend.timings["B"],
+                "total_ms": (time.perf_counter() - t0) * 1e3,
+            }
+        return submission
+
+    def submit(self, x: np.ndarray, outputs: Sequence[str] | None = None) -> Submission:
+        """:meth:`stage` then :meth:`launch`: ``submit(x).result()`` is ``run(x)`` for a compiled batch size."""
+        return self.launch(self.stage(x), outputs)
 
     def host_array(self, n: int) -> np.ndarray:
         """A zeroed ``(n, *input.shape[1:])`` input array for :meth:`run`, to fill in place.
@@ -268,6 +330,8 @@ class Engine:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._overlap is not None:
+                self._overlap.close()  # its buffers and streams before the backend's context
             self.backend.close()
 
     def __enter__(self) -> Engine:

@@ -90,8 +90,11 @@ class DevicePool:
         call(cu.cuMemPoolTrimTo, self.handle, keep_bytes)
 
     def close(self) -> None:
-        """Destroy the pool; memory still allocated from it is released when its buffers are freed."""
-        self._finalizer()
+        """Destroy the pool, now if nothing is allocated from it; else once the last buffer that
+        holds it is collected (results handed to a caller may outlive the engine: destroying the
+        pool under them crashed the driver on the H200, driver 580)."""
+        if self._finalizer.alive and self.used_bytes() == 0:
+            self._finalizer()
 
 
 def _free_async(ctx: Context, ptr: int, stream: Stream) -> None:

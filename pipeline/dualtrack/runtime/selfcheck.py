@@ -18,9 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dualtrack import atomic
 from dualtrack.config import Tolerance
 from dualtrack.errors import VerificationError
+from dualtrack.runtime.replay import compare, log_fallback, random_input
 from dualtrack.verify import Report, verify_engine
 
 
@@ -60,4 +63,42 @@ def self_check(
             "BUNDLE --device cuda -v`), or set DUALTRACK_GPU_SELF_CHECK=0 to load it regardless",
             detail=e.detail,
         ) from None
+    return record
+
+
+def replay_check(engine: Any, device: str, cache_dir: Path, *, seed: int = 0) -> dict[str, Any]:
+    """Run every replayed Track B module (runtime/replay.py) once both ways, replay and IREE runtime,
+    on the same random inputs; a module whose results are not bit-identical goes back to the IREE
+    runtime for good on this device (a warning names it). The record (``verified/``, per bundle and
+    device) makes later loads apply the outcome without running it again."""
+    backend = engine.backend
+    track_b = backend.track_b
+    manifest = engine.bundle.manifest
+    path = record_path(cache_dir, manifest.build_key, device).with_suffix(".replay.json")
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        record = None
+    plan = engine.bundle.plan
+    if record is None or record.get("build_key") != manifest.build_key:
+        rng = np.random.default_rng(seed)
+        modules: list[dict[str, Any]] = []
+        for seg in (s for s in plan.segments if s.track == "B"):
+            for batch in plan.batch_sizes:
+                if track_b.decide(seg, batch).path != "replay":
+                    continue
+                host = {t.name: random_input(t.at_batch(batch), t.dtype, rng) for t in seg.inputs}
+                ins = {k: backend.from_host(v) for k, v in host.items()}
+                replayed = {k: backend.to_host(v) for k, v in track_b.replay(seg, batch, ins, backend.stream).items()}
+                iree, _ms = track_b.run(seg, batch, ins, before_call=backend.stream.synchronize)
+                diffs = [f"{k}: {d}" for k in replayed if (d := compare(replayed[k], backend.to_host(iree[k])))]
+                modules.append({"segment": seg.name, "batch": batch, "identical": not diffs, "diff": "; ".join(diffs)})
+        record = {"build_key": manifest.build_key, "device": device, "seed": seed, "modules": modules}
+        atomic.write_text(path, json.dumps(record, indent=2) + "\n")
+    by_name = {s.name: s for s in plan.segments}
+    for m in record["modules"]:
+        if not m["identical"] and m["segment"] in by_name:
+            seg = by_name[m["segment"]]
+            track_b.replayer.refuse(seg, m["batch"], f"replay differs from the IREE runtime ({m['diff']})")
+            log_fallback(seg, m["batch"], m["diff"])
     return record

@@ -185,6 +185,14 @@ class TrackA:
         self.ev_end.record(self.stream)
         return {t.name: env[t.name] for t in seg.outputs}
 
+    def enqueue(self, seg: Segment, batch: int, ins: dict[str, GpuTensor]) -> dict[str, GpuTensor]:
+        """Queue the segment's launches on the stream, reading ``ins`` where they are (no events,
+        no graph of its own): what the backend records into one graph for a whole inference."""
+        views, _roots = self._plan_buffers(seg, batch)
+        env: dict[str, GpuTensor] = {**ins, **views}
+        self._launch_all(seg, env)
+        return {t.name: env[t.name] for t in seg.outputs}
+
     def _launch_all(self, seg: Segment, env: dict[str, GpuTensor]) -> None:
         for c in seg.calls:
             if c.op not in ALIAS_OPS:
@@ -263,6 +271,8 @@ class TrackA:
             for t in roots:
                 t.keepalive.close(self.stream)
         self.weights.clear()
+        self.ev_start.close()  # now, in this context (a handle freed later could name one since recreated)
+        self.ev_end.close()
 
 
 @dataclass(frozen=True)

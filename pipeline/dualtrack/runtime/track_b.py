@@ -1,8 +1,14 @@
 """The Track B executor: a plan's IREE CUDA modules, on the device and context Track A uses.
 
-Inputs go in zero-copy as DLPack capsules over the runtime's buffers (FACTS 6); results come out
-zero-copy as DLPack capsules over IREE's buffers (FACTS 7, with `--cuda_async_allocations=false`).
-IREE runs on its own streams; its synchronous call returns after its work is complete (FACTS 8).
+Each (segment, batch) runs one of two ways (:meth:`TrackB.decide`): its launch plan replayed on
+the engine's own stream (runtime/replay.py: no IREE call, no host wait, capturable in the
+engine's CUDA graph), or through the IREE runtime (below) where it has no launch plan, the
+both-ways check found a difference, or DUALTRACK_TRACK_B=iree asks for it.
+
+Through the IREE runtime, inputs go in zero-copy as DLPack capsules over the runtime's buffers
+(FACTS 6); results come out zero-copy as DLPack capsules over IREE's buffers (FACTS 7, with
+`--cuda_async_allocations=false`). IREE runs on its own streams; its synchronous call returns
+after its work is complete (FACTS 8).
 
 cuda.core 1.2's ``StridedMemoryView``/``Buffer`` speak DLPack too; runtime/dlpack.py stays because
 the hand-over is between raw pointers and IREE's own capsule API, with the owner kept alive in
@@ -20,21 +26,43 @@ import numpy as np
 from dualtrack.bundle import Bundle
 from dualtrack.plan import Segment
 from dualtrack.runtime import dlpack
+from dualtrack.runtime.driver import Stream
 from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
+from dualtrack.runtime.replay import Decision, Replayer
 from dualtrack.runtime.tensors import GpuTensor
 from dualtrack.settings import Settings
 
 
 class TrackB:
-    """Runs Track B segments: the bundle's module for ``target`` (runtime/images.py), per batch size."""
+    """Runs Track B segments: the bundle's module for ``target`` (runtime/images.py), per batch
+    size, replayed by ``replayer`` or through the IREE runtime (created on first use)."""
 
-    def __init__(self, bundle: Bundle, device_index: int, target: str, settings: Settings) -> None:
+    def __init__(self, bundle: Bundle, device_index: int, target: str, settings: Settings, replayer: Replayer) -> None:
         self.bundle, self.device_index, self.target = bundle, device_index, target
-        self.iree: IreeDevice | None = IreeDevice.create(
-            "cuda", device_index, allocators=settings.iree_allocators, flags=settings.iree_flags
-        )
-        self.params: Any = parameter_index(bundle.weights)
+        self.settings = settings
+        self.replayer = replayer
+        self._iree: IreeDevice | None = None
+        self.params: Any = None
         self.modules: dict[tuple[int, int], IreeModule] = {}
+        self.closed = False
+
+    @property
+    def iree(self) -> IreeDevice:
+        if self._iree is None:
+            assert not self.closed, "TrackB used after close()"
+            self._iree = IreeDevice.create(
+                "cuda", self.device_index, allocators=self.settings.iree_allocators, flags=self.settings.iree_flags
+            )
+            self.params = parameter_index(self.bundle.weights)
+        return self._iree
+
+    def decide(self, seg: Segment, batch: int) -> Decision:
+        """Replay or the IREE runtime for this module, and why."""
+        return self.replayer.decide(seg, batch)
+
+    def replay(self, seg: Segment, batch: int, ins: dict[str, GpuTensor], stream: Stream) -> dict[str, GpuTensor]:
+        """Queue the module's launches on ``stream`` (no host wait; capturable)."""
+        return self.replayer.segment(seg, batch).enqueue(ins, stream)
 
     def module(self, seg: Segment, batch: int) -> IreeModule:
         key = (seg.index, batch)
@@ -48,7 +76,6 @@ class TrackB:
         """The segment's outputs and the milliseconds of IREE's call. ``before_call`` runs after the
         input views are made and before the call: where the backend waits for Track A's writes."""
         mod = self.module(seg, batch)
-        assert self.iree is not None, "TrackB.run after close()"
         dev = self.iree.device
         # The views only wrap pointers: made before the wait, they are off the A -> B critical path.
         views = [
@@ -70,6 +97,8 @@ class TrackB:
         return result, call_ms
 
     def close(self) -> None:
+        self.closed = True
+        self.replayer.close()
         self.modules.clear()
-        self.iree = None
+        self._iree = None
         self.params = None  # an index still alive at interpreter exit is reported as a leak by nanobind

@@ -49,6 +49,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dualtrack import imaging
 from dualtrack.errors import DualtrackError, InputError
+from dualtrack.kernels import RESIZE_RGB
 from dualtrack.serve.batcher import (
     Batcher,
     BatchQueue,
@@ -100,6 +101,7 @@ def create_app(
     shutdown_timeout_s: float = ServeOptions.shutdown_timeout_s,
     image_threads: int = ServeOptions.image_threads,
     image_memory_mb: int = ServeOptions.image_memory_mb,
+    jpeg_decoder: str = "auto",
 ) -> Starlette:
     """Build the ASGI app for ``source``: an ``Engine`` (borrowed), a bundle path, or an engine factory.
 
@@ -108,6 +110,8 @@ def create_app(
     Images are decoded, resized and encoded on ``image_threads`` threads (0: one per core), never
     on the event loop, with at most ``image_memory_mb`` of full-size images in flight; allocations
     over 4 MiB in this process are mmapped from then on (:func:`dualtrack.imaging.map_large_buffers`).
+    ``jpeg_decoder``: ``auto`` decodes JPEGs on the engine's GPU where nvImageCodec is installed
+    (:mod:`dualtrack.runtime.gpu_jpeg`), ``cpu`` always with Pillow; ``/readyz`` says which runs.
     ``app.state.batcher``, ``app.state.metrics`` and ``app.state.options`` are there for embedding.
     """
     options = ServeOptions(
@@ -122,7 +126,11 @@ def create_app(
         image_memory_mb=image_memory_mb,
     )
     # The gauges read the batcher at scrape time (the closures see `batcher` once it is assigned).
-    metrics = ServeMetrics(queue_depth=lambda: batcher.depth, ready=lambda: batcher.phase is Phase.READY)
+    metrics = ServeMetrics(
+        queue_depth=lambda: batcher.depth,
+        ready=lambda: batcher.phase is Phase.READY,
+        decoder=lambda: batcher.decoder[0],
+    )
     batcher = Batcher(
         source,
         max_batch_delay_s=options.max_batch_delay_ms / 1e3,
@@ -130,6 +138,7 @@ def create_app(
         device=options.device,
         device_index=options.device_index,
         on_batch=metrics.observe_batch,
+        jpeg_decoder=jpeg_decoder,
     )
     return _assemble(batcher, metrics, options)
 
@@ -204,6 +213,7 @@ class _Service:
                 "classes": _num_classes(engine),
                 "batch_sizes": list(engine.batch_sizes),
                 "device": engine.device,
+                "jpeg_decoder": {"name": self.decoder[0], "reason": self.decoder[1]},
             }
         )
 
@@ -250,17 +260,22 @@ class _Service:
         classes = _num_classes(engine)
 
         def queue() -> None:
-            # Only the model-size pixels and the displayed size outlive this call: the full-size
-            # decode is freed here, not when the batch is answered.
-            image = imaging.load_for_model(data, height, width, budget=self.image_budget)
-            queued = self.batcher.submit(image.pixels)
+            # A JPEG the GPU decoder takes goes to the batcher as bytes (decoded on the GPU when its
+            # batch is staged); anything else is decoded here. Only the model-size pixels and the
+            # displayed size outlive this call: the full-size decode is freed here.
+            route = self._gpu_route(data, height, width)
+            if isinstance(route, imaging.GpuJpeg):
+                queued, size = self.batcher.submit_jpeg(route), route.size  # type: ignore[attr-defined]
+            else:
+                image = imaging.load_for_model(data, height, width, budget=self.image_budget)
+                queued, size = self.batcher.submit(image.pixels), image.size
 
             def withdraw(_: Future[_Answer]) -> None:
                 if answer.cancelled():
                     queued.cancel()  # a no-op once its batch has started
 
             def batch_done(_: Future[BatchResult]) -> None:  # on the batcher's thread: hand over, no more
-                self.images.submit(_step, answer, reply, queued, image.size)
+                self.images.submit(_step, answer, reply, queued, size)
 
             answer.add_done_callback(withdraw)
             queued.add_done_callback(batch_done)
@@ -270,6 +285,17 @@ class _Service:
 
         self.images.submit(_step, answer, queue)
         return answer
+
+    def _gpu_route(self, data: bytes, height: int, width: int) -> imaging.GpuJpeg | str:
+        """The GPU decoder's :class:`~dualtrack.imaging.GpuJpeg` for a JPEG it takes, else why not."""
+        if self.decoder[0] != "gpu" or not data.startswith(b"\xff\xd8"):
+            return "not a JPEG for the GPU decoder"
+        return imaging.route_jpeg(data, height, width, max_downscale=RESIZE_RGB.max_downscale)
+
+    @property
+    def decoder(self) -> tuple[str, str]:
+        """(name, reason) of the JPEG decoder: ``cpu`` where the batcher has none (``--workers``)."""
+        return getattr(self.batcher, "decoder", ("cpu", "Pillow in the HTTP processes (--workers)"))
 
     def _answer(self, result: BatchResult, size: tuple[int, int], fmt: str, classes: int, start: float) -> _Answer:
         """The response to one request (mask PNG or JSON counts), built on an image thread."""

@@ -31,6 +31,8 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -38,15 +40,17 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
 
 import numpy as np
 
+from dualtrack import imaging
 from dualtrack.errors import BundleError, DualtrackError, InputError
 
 if TYPE_CHECKING:
     from dualtrack.plan import TensorSpec
     from dualtrack.runtime.engine import Engine
+    from dualtrack.runtime.overlap import Staged, Submission
 
 EngineSource = Union["Engine", str, os.PathLike[str], Callable[[], "Engine"]]
 """An engine to borrow, a bundle path to load, or a zero-argument factory that returns an engine."""
@@ -98,6 +102,17 @@ class _Batch:
     x: np.ndarray  # (largest batch size, H, W, 3): an engine host array, reused by later batches
     requests: list[_Request] = field(default_factory=list)
     copying: int = 0  # rows claimed whose image is still being copied in (by submit, off the lock)
+    jpegs: dict[int, imaging.GpuJpeg] = field(default_factory=dict)  # rows the GPU decodes (submit_jpeg)
+
+
+@dataclass
+class _Staged:
+    """A batch in the engine's device slot, waiting for its launch (the overlapped path)."""
+
+    requests: list[_Request]  # the live rows, in row order
+    failed: set[int]  # rows whose request already failed (a JPEG the CPU path refused too)
+    size: int
+    staged: Staged
 
 
 class EngineSpecs(Protocol):
@@ -178,6 +193,7 @@ class Batcher:
         device_index: int = 0,
         on_batch: Callable[[list[BatchResult]], None] | None = None,
         on_phase: Callable[[Phase, str], None] | None = None,
+        jpeg_decoder: str = "auto",
     ) -> None:
         if max_batch_delay_s < 0:
             raise ValueError(f"max_batch_delay_s must be >= 0, got {max_batch_delay_s}")
@@ -199,6 +215,9 @@ class Batcher:
         self._error = ""
         self._engine: Engine | None = None
         self._thread = threading.Thread(target=self._work, name="dualtrack-batcher", daemon=True)
+        self._wanted_decoder = jpeg_decoder
+        self.decoder = ("cpu", "the engine is loading")  # (name, reason): which decoder takes JPEGs
+        self._jpeg: Any = None  # runtime.gpu_jpeg.GpuJpegDecoder when the decoder is "gpu"
 
     # --- state, read from any thread -------------------------------------------------------------
 
@@ -255,13 +274,46 @@ class Batcher:
         Raises :class:`NotReadyError` before the engine is warm or after :meth:`close`,
         :class:`QueueFullError` when ``max_queue`` requests wait, :class:`InputError` on a wrong shape.
         """
+        engine = self._ready_engine()
+        expected = tuple(engine.input_spec.shape[1:])
+        if image.shape != expected or image.dtype != np.uint8:
+            raise InputError(f"image is {image.dtype}{list(image.shape)}, the engine takes uint8{list(expected)}")
+        request, batch, row = self._claim_row(engine)
+        try:
+            batch.x[row] = image
+        except BaseException:
+            request.future.cancel()  # the worker drops a cancelled row
+            raise
+        finally:
+            with self._cond:
+                batch.copying -= 1
+                self._cond.notify()
+        return request.future
+
+    def submit_jpeg(self, jpeg: imaging.GpuJpeg) -> Future[BatchResult]:
+        """Queue one JPEG that :func:`dualtrack.imaging.route_jpeg` gave the GPU: it is decoded and
+        resized on the engine's GPU when its batch is staged (a JPEG nvImageCodec refuses is decoded
+        on the CPU then, and fails its future with the CPU path's :class:`InputError` if that refuses
+        it too). Raises as :meth:`submit`, and :class:`NotReadyError` when the decoder is not ``gpu``."""
+        engine = self._ready_engine()
+        if self._jpeg is None:
+            raise NotReadyError(f"the JPEG decoder is {self.decoder[0]}: decode on the CPU and call submit()")
+        request, batch, row = self._claim_row(engine)
+        with self._cond:
+            batch.jpegs[row] = jpeg
+            batch.copying -= 1
+            self._cond.notify()
+        return request.future
+
+    def _ready_engine(self) -> Engine:
         engine = self._engine
         if self._phase is not Phase.READY or engine is None:
             reason = f": {self._error}" if self._error else ""
             raise NotReadyError(f"engine is {self._phase.value}{reason}")
-        expected = tuple(engine.input_spec.shape[1:])
-        if image.shape != expected or image.dtype != np.uint8:
-            raise InputError(f"image is {image.dtype}{list(image.shape)}, the engine takes uint8{list(expected)}")
+        return engine
+
+    def _claim_row(self, engine: Engine) -> tuple[_Request, _Batch, int]:
+        """A row of the batch that takes requests now (counted as copying until the caller is done)."""
         request = _Request(Future(), time.monotonic())
         with self._cond:
             if self._closing:
@@ -279,16 +331,7 @@ class Batcher:
             batch.copying += 1
             self._waiting += 1
             self._cond.notify()
-        try:
-            batch.x[row] = image
-        except BaseException:
-            request.future.cancel()  # the worker drops a cancelled row
-            raise
-        finally:
-            with self._cond:
-                batch.copying -= 1
-                self._cond.notify()
-        return request.future
+        return request, batch, row
 
     def _new_array(self, engine: Engine) -> np.ndarray:
         # At most ceil(max_queue / largest batch) + 1 are ever in use at once (the queued batches and
@@ -315,18 +358,139 @@ class Batcher:
             # The running batch and the next one: no request thread waits for page-locked memory
             # (milliseconds to allocate) until the load calls for a third.
             self._spare = [self._new_array(engine) for _ in range(2)]
+            self._open_decoder(engine)
             self._engine = engine
             self._set_phase(Phase.READY)
-            while self._serve_one_batch(engine):
-                pass
+            if getattr(engine, "device", "cpu") == "cuda":
+                self._pipeline(engine)
+            else:  # on the CPU there is no copy to overlap: one batch at a time, as before
+                while self._serve_one_batch(engine):
+                    pass
         except Exception as err:
             self._fail(f"engine failed: {err}")
         finally:
             self._set_phase(Phase.CLOSED if not self._error else Phase.FAILED)
             with self._cond:
                 self._spare.clear()  # host arrays die with the engine: drop them first
+            self._jpeg = None  # its nvImageCodec decoder and kernel before the engine's context
             if owned:
                 engine.close()
+
+    def _open_decoder(self, engine: Engine) -> None:
+        if getattr(engine, "device", "cpu") == "cuda" or self._wanted_decoder == "gpu":
+            from dualtrack.runtime.gpu_jpeg import open_decoder  # the GPU stack, only for a GPU engine
+            from dualtrack.settings import Settings
+
+            choice, self._jpeg = open_decoder(engine, self._wanted_decoder, Settings.from_env().cache_dir / "jit")
+            self.decoder = (choice.name, choice.reason)
+        else:
+            self.decoder = ("cpu", f"Pillow on the image threads: the engine runs on {engine.device}")
+        sys.stderr.write(f"dualtrack serve: JPEG decoder {self.decoder[0]} ({self.decoder[1]})\n")
+
+    # --- the overlapped path: stage here, launch and answer on the launcher thread -----------------
+
+    def _pipeline(self, engine: Engine) -> None:
+        """Stage each batch (upload, GPU decode) on this thread while the launcher thread runs the
+        previous one and answers the one before (runtime/overlap.py)."""
+        handoff: queue.Queue[_Staged | None] = queue.Queue(maxsize=1)
+        failure: list[BaseException] = []
+        launcher = threading.Thread(
+            target=self._launch_loop, args=(engine, handoff, failure), name="dualtrack-launcher", daemon=True
+        )
+        launcher.start()
+        try:
+            while not failure:
+                batch = self._take_batch()
+                if batch is None:
+                    break
+                try:
+                    staged = self._stage(engine, batch)
+                except Exception as err:  # one bad batch fails its requests, not the server
+                    _fail_unanswered(batch.requests, err)
+                    continue
+                finally:
+                    with self._cond:
+                        self._spare.append(batch.x)  # uploaded (or failed): the host array is free
+                if staged is not None:
+                    handoff.put(staged)
+        finally:
+            handoff.put(None)
+            launcher.join()
+        if failure:
+            raise failure[0]
+
+    def _stage(self, engine: Engine, batch: _Batch) -> _Staged | None:
+        x = batch.x
+        live = [i for i, r in enumerate(batch.requests) if r.future.set_running_or_notify_cancel()]
+        jpegs: dict[int, imaging.GpuJpeg] = {}
+        for row, i in enumerate(live):
+            if i in batch.jpegs:
+                jpegs[row] = batch.jpegs[i]
+            elif row != i:
+                x[row] = x[i]
+        requests = [batch.requests[i] for i in live]
+        n = len(requests)
+        if n == 0:
+            return None
+        size = padded_batch_size(n, engine.batch_sizes)
+        x[n:size] = 0
+        failed: set[int] = set()
+        fill = None
+        if jpegs:
+            _, height, width, _ = engine.input_spec.shape
+
+            def fill(stream: Any, tensor: Any) -> set[int]:
+                decoded = self._jpeg.decode_into(stream, jpegs, tensor.ptr, height, width)
+                for row, why in decoded.refused.items():  # the CPU path decides: pixels or its 400
+                    try:
+                        x[row] = imaging.load_for_model(jpegs[row].data, height, width).pixels
+                    except InputError as err:
+                        _log.info("JPEG refused by nvImageCodec (%s) and by the CPU path: %s", why, err)
+                        x[row] = 0
+                        failed.add(row)
+                        requests[row].future.set_exception(err)
+                fill.keepalive = decoded.keepalive  # type: ignore[attr-defined]  # until stage() has synced
+                return decoded.written
+
+        return _Staged(requests, failed, size, engine.stage(x[:size], fill))
+
+    def _launch_loop(self, engine: Engine, handoff: queue.Queue[_Staged | None], failure: list[BaseException]) -> None:
+        pending: tuple[_Staged, Submission, float] | None = None
+        try:
+            while (item := handoff.get()) is not None:
+                start = time.monotonic()
+                try:
+                    submission = engine.launch(item.staged, outputs=(MASK_OUTPUT,))
+                except Exception as err:
+                    self._fail_rows(item, err)
+                    continue
+                if pending is not None:
+                    self._answer(engine, *pending)
+                pending = (item, submission, start)
+                if handoff.empty():  # nothing staged behind it: answer now rather than after the next batch
+                    self._answer(engine, *pending)
+                    pending = None
+            if pending is not None:
+                self._answer(engine, *pending)
+        except BaseException as err:  # a bug here stops the worker: no request may hang
+            failure.append(err)
+            if pending is not None:
+                self._fail_rows(pending[0], err)
+            while (item := handoff.get()) is not None:
+                self._fail_rows(item, err)
+
+    def _fail_rows(self, item: _Staged, err: BaseException) -> None:
+        _fail_unanswered([r for row, r in enumerate(item.requests) if row not in item.failed], err)
+
+    def _answer(self, engine: Engine, item: _Staged, submission: Submission, start: float) -> None:
+        try:
+            masks = submission.result()[MASK_OUTPUT]
+        except Exception as err:
+            self._fail_rows(item, err)
+            return
+        run_ms = (time.monotonic() - start) * 1e3
+        timings = dict(engine.last_timings)
+        self._resolve(item.requests, masks, item.size, start, run_ms, timings, item.failed)
 
     def _load(self) -> Engine:
         source = self._source
@@ -387,9 +551,7 @@ class Batcher:
         try:
             self._run(engine, batch)
         except BaseException as err:  # a bug here stops the worker (_work): its requests must not hang
-            for request in batch.requests:
-                if not request.future.done():
-                    request.future.set_exception(err)
+            _fail_unanswered(batch.requests, err)
             raise
         finally:
             with self._cond:
@@ -420,16 +582,37 @@ class Batcher:
         run_ms = (time.monotonic() - start) * 1e3
         timings = dict(engine.last_timings)
         masks = outputs[MASK_OUTPUT]  # new arrays each run (Engine.run): the rows need no copy
+        self._resolve(requests, masks, size, start, run_ms, timings, set())
+
+    def _resolve(
+        self,
+        requests: list[_Request],
+        masks: np.ndarray,
+        size: int,
+        start: float,
+        run_ms: float,
+        timings: dict[str, float],
+        failed: set[int],
+    ) -> None:
+        """Answer every request of a run with its mask row (but the ``failed`` rows), then ``on_batch``."""
+        n = len(requests)
         results = [
             BatchResult(masks[i], n, size, (start - r.enqueued) * 1e3, run_ms, timings) for i, r in enumerate(requests)
         ]
-        for request, result in zip(requests, results, strict=True):
-            request.future.set_result(result)
+        for row, (request, result) in enumerate(zip(requests, results, strict=True)):
+            if row not in failed:
+                request.future.set_result(result)
         if self._on_batch is not None:
             try:
                 self._on_batch(results)
             except Exception:  # a metrics bug must not stop inference
                 _log.exception("on_batch callback failed")
+
+
+def _fail_unanswered(requests: list[_Request], err: BaseException) -> None:
+    for request in requests:
+        if not request.future.done():
+            request.future.set_exception(err)
 
 
 def _is_engine(source: object) -> bool:

@@ -76,6 +76,14 @@ if TYPE_CHECKING:
     "batcher for all of them, one /metrics); the image threads are split between them.",
 )
 @click.option(
+    "--jpeg-decoder",
+    type=click.Choice(["auto", "cpu"]),
+    default="auto",
+    show_default=True,
+    help="auto: JPEGs are decoded on the engine's GPU where nvImageCodec is installed (one process: not with "
+    "--workers); cpu: always Pillow. The startup line and /readyz say which runs.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
     default="info",
@@ -94,6 +102,7 @@ def serve(
     image_threads: int,
     image_memory_mb: int,
     workers: int,
+    jpeg_decoder: str,
     log_level: str,
 ) -> None:
     """Serve BUNDLE over HTTP: POST /v1/segment, /healthz, /readyz, /metrics and a web page at /.
@@ -139,6 +148,7 @@ def serve(
             shutdown_timeout_s=shutdown_timeout_s,
             image_threads=image_threads,
             image_memory_mb=image_memory_mb,
+            jpeg_decoder=jpeg_decoder,
         )
         click.echo(f"serving with {loop} and {http}, {app.state.options.threads} image threads", err=True)
         uvicorn.run(

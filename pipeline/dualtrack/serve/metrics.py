@@ -19,6 +19,7 @@ name                                        type       meaning
 ``dualtrack_track_seconds``                 histogram  engine-reported time per ``track`` (``a``, ``b``)
 ``dualtrack_queue_depth``                   gauge      requests waiting for a batch, at scrape time
 ``dualtrack_ready``                         gauge      1 when ``/readyz`` answers 200, else 0
+``dualtrack_jpeg_decoder``                  gauge      1 for the ``decoder`` (``gpu``, ``cpu``) that takes JPEGs
 ==========================================  =========  ==============================================
 """
 
@@ -41,7 +42,9 @@ class ServeMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, queue_depth: Callable[[], int], ready: Callable[[], bool]) -> None:
+    def __init__(
+        self, queue_depth: Callable[[], int], ready: Callable[[], bool], decoder: Callable[[], str] = lambda: "cpu"
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("dualtrack_requests", "HTTP requests", ["endpoint", "code"], registry=r)
@@ -64,6 +67,9 @@ class ServeMetrics:
         )
         Gauge("dualtrack_queue_depth", "requests waiting for a batch", registry=r).set_function(queue_depth)
         Gauge("dualtrack_ready", "1 when ready to serve", registry=r).set_function(lambda: float(ready()))
+        active = Gauge("dualtrack_jpeg_decoder", "1 for the decoder that takes JPEGs", ["decoder"], registry=r)
+        for name in ("gpu", "cpu"):
+            active.labels(name).set_function(lambda name=name: float(decoder() == name))
 
     def observe_request(self, endpoint: str, code: int) -> None:
         """Count one answered request."""

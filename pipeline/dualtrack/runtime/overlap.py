@@ -1,0 +1,286 @@
+"""Overlapped runs on a GPU: the next batch's upload and the last batch's download beside the compute.
+
+:meth:`Engine.stage <dualtrack.runtime.engine.Engine.stage>` uploads a batch into one of
+:data:`SLOTS` device input slots on an upload stream (and lets the caller write rows on the GPU
+first: the JPEG path), :meth:`Engine.launch <dualtrack.runtime.engine.Engine.launch>` runs the plan
+on a staged slot on the compute stream and queues the outputs' download into that slot's
+page-locked staging on a download stream, and :meth:`Submission.result` waits for that download
+alone. Called from two threads (stage on one, launch and result on the other, as the service's
+batcher does), batch k+1 is uploaded while batch k computes and batch k's masks come down while
+batch k+1 computes.
+
+Ordering, all device-side except where IREE needs the host (FACTS 8):
+
+- an upload into slot s waits (``cuStreamWaitEvent``) for ``consumed[s]``, recorded on the compute
+  stream after the previous run on s, whose first segment may be Track A (asynchronous);
+- the upload is complete on the host before :meth:`stage` returns: IREE reads the input on its own
+  streams and cannot wait on an event (one host wait per batch, on the staging thread);
+- a download waits for ``ran[s]``, recorded on the compute stream after the run: a Track A last
+  segment is then done, and an IREE one is done before its call returned;
+- :meth:`Submission.result` waits for ``downloaded[s]`` and copies the outputs out, after which
+  slot s may be staged again.
+
+:class:`SlotRing` holds the slots' states (pure logic, tested without a GPU): stages and launches
+take slots in one order, a slot is staged again only after its outputs were collected, so three
+slots let stage(k+2) run during launch(k+1) while result(k) is collected between them.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from dualtrack.runtime.driver import Event, Stream, call
+from dualtrack.runtime.memory import DeviceBuffer, HostBuffer
+from dualtrack.runtime.tensors import GpuTensor
+
+if TYPE_CHECKING:
+    from dualtrack.runtime.gpu import CudaBackend
+
+SLOTS = 3  # staging k+2, computing k+1, collecting k
+
+Fill = Callable[[Stream, GpuTensor], "set[int]"]
+"""Writes rows of the staged device input on the upload stream; returns the rows it wrote (the
+others are copied from the host array)."""
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    STAGING = "staging"
+    STAGED = "staged"
+    RUNNING = "running"
+    DOWNLOADING = "downloading"
+
+
+class SlotRing:
+    """The states of ``n`` slots used in turn: stage -> launch -> collect, in one order.
+
+    :meth:`begin_stage` blocks until the next slot in turn has been collected; :meth:`begin_launch`
+    refuses a slot out of turn or not staged (a bug in the caller, never a wait); every other
+    transition checks the state it leaves. :meth:`abandon` frees a slot whose work failed.
+    """
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"a ring of {n} slots holds nothing: give it at least 1")
+        self.states = [SlotState.FREE] * n
+        self._next_stage = 0
+        self._next_launch = 0
+        self._cond = threading.Condition()
+
+    def begin_stage(self, timeout: float | None = None) -> int:
+        with self._cond:
+            slot = self._next_stage
+            if not self._cond.wait_for(lambda: self.states[slot] is SlotState.FREE, timeout):
+                raise TimeoutError(f"slot {slot} was not collected within {timeout} s")
+            self.states[slot] = SlotState.STAGING
+            self._next_stage = (slot + 1) % len(self.states)
+            return slot
+
+    def staged(self, slot: int) -> None:
+        self._move(slot, SlotState.STAGING, SlotState.STAGED)
+
+    def begin_launch(self, slot: int) -> None:
+        with self._cond:
+            if slot != self._next_launch:
+                raise RuntimeError(f"slot {slot} launched out of turn: slot {self._next_launch} was staged first")
+            self._move_locked(slot, SlotState.STAGED, SlotState.RUNNING)
+            self._next_launch = (slot + 1) % len(self.states)
+
+    def launched(self, slot: int) -> None:
+        self._move(slot, SlotState.RUNNING, SlotState.DOWNLOADING)
+
+    def collected(self, slot: int) -> None:
+        self._move(slot, SlotState.DOWNLOADING, SlotState.FREE)
+
+    def abandon(self, slot: int) -> None:
+        """Free ``slot`` after a failure; a staged slot that will never launch passes its turn on."""
+        with self._cond:
+            if self.states[slot] in (SlotState.STAGING, SlotState.STAGED) and slot == self._next_launch:
+                self._next_launch = (slot + 1) % len(self.states)
+            self.states[slot] = SlotState.FREE
+            self._cond.notify_all()
+
+    def _move(self, slot: int, before: SlotState, after: SlotState) -> None:
+        with self._cond:
+            self._move_locked(slot, before, after)
+
+    def _move_locked(self, slot: int, before: SlotState, after: SlotState) -> None:
+        if self.states[slot] is not before:
+            raise RuntimeError(f"slot {slot} is {self.states[slot].value}, not {before.value}")
+        self.states[slot] = after
+        self._cond.notify_all()
+
+
+@dataclass
+class Staged:
+    """A batch in a device input slot (or, on the CPU, the batch itself)."""
+
+    slot: int
+    x: Any  # GpuTensor of the slot on cuda; a numpy copy on cpu
+    n: int
+
+
+@dataclass
+class Submission:
+    """A launched batch; :meth:`result` waits for its outputs and returns new numpy arrays."""
+
+    _collect: Callable[[], dict[str, np.ndarray]]
+    _result: dict[str, np.ndarray] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def result(self) -> dict[str, np.ndarray]:
+        with self._lock:
+            if self._result is None:
+                self._result = self._collect()
+            return self._result
+
+
+class Overlap:
+    """The GPU side: slots, the upload and download streams, the events between them."""
+
+    def __init__(self, backend: CudaBackend, slots: int = SLOTS) -> None:
+        self.be = backend
+        ctx = backend.ctx
+        ctx.make_current()
+        self.up = Stream(ctx)
+        self.down = Stream(ctx)
+        self.ring = SlotRing(slots)
+        self.inputs: dict[tuple[int, int], DeviceBuffer] = {}
+        self.device_out: dict[tuple[int, str], DeviceBuffer] = {}
+        self.pinned_in: dict[int, HostBuffer] = {}
+        self.pinned_out: dict[tuple[int, str], HostBuffer] = {}
+        self.consumed = [Event(ctx, timing=False) for _ in range(slots)]
+        self.ran = [Event(ctx, timing=False) for _ in range(slots)]
+        self.uploaded = [Event(ctx, timing=False) for _ in range(slots)]
+        self.downloaded = [Event(ctx, timing=False) for _ in range(slots)]
+        for e in self.consumed:
+            e.record(backend.stream)  # every slot starts consumed
+        self._stage_lock = threading.Lock()
+
+    def stage(self, x: np.ndarray, dtype: np.dtype, fill: Fill | None) -> Staged:
+        be = self.be
+        be.ctx.make_current()  # callers may be on any thread
+        with self._stage_lock:
+            slot = self.ring.begin_stage()
+            try:
+                n = x.shape[0]
+                key = (slot, x.nbytes)
+                if key not in self.inputs:
+                    self.inputs[key] = be.pool.alloc(max(x.nbytes, 1), self.up)
+                buf = self.inputs[key]
+                tensor = GpuTensor(buf.ptr, tuple(x.shape), dtype, buf)
+                self.up.wait(self.consumed[slot])
+                written = fill(self.up, tensor) if fill is not None else set()
+                src = x if be._is_host_array(x) else self._pinned_copy(slot, x)
+                row = x.nbytes // max(n, 1)
+                for first, count in rows_to_upload(n, written):
+                    call(cu.cuMemcpyHtoDAsync, buf.ptr + first * row, src.ctypes.data + first * row, count * row,
+                         self.up.handle)  # fmt: skip
+                self.uploaded[slot].record(self.up)
+                self.uploaded[slot].synchronize()  # IREE reads it on its own streams (FACTS 8)
+                self.ring.staged(slot)
+            except BaseException:
+                self.ring.abandon(slot)
+                raise
+        return Staged(slot, tensor, n)
+
+    def _pinned_copy(self, slot: int, x: np.ndarray) -> np.ndarray:
+        held = self.pinned_in.get(slot)
+        if held is None or held.nbytes < x.nbytes:
+            held = self.pinned_in[slot] = HostBuffer(self.be.ctx, max(x.nbytes, 1))
+        view = held.numpy(x.dtype, x.shape)
+        view[...] = x
+        return view
+
+    def launch(
+        self, staged: Staged, run: Callable[[GpuTensor, int], Mapping[str, Any]], wanted: tuple[str, ...]
+    ) -> Submission:
+        be, slot = self.be, staged.slot
+        self.ring.begin_launch(slot)
+        try:
+            outs = run(staged.x, staged.n)
+            # The run's outputs may live in buffers the next run rewrites (a replayed plan's CUDA
+            # graph): a device copy per slot on the compute stream, which the download then reads.
+            kept: dict[str, DeviceBuffer] = {}
+            for name in wanted:
+                t = outs[name]
+                kept[name] = self._device_out(slot, name, t.nbytes)
+                call(cu.cuMemcpyDtoDAsync, kept[name].ptr, t.ptr, t.nbytes, be.stream.handle)
+            self.consumed[slot].record(be.stream)
+            self.ran[slot].record(be.stream)
+            self.down.wait(self.ran[slot])
+            views: dict[str, np.ndarray] = {}
+            for name in wanted:
+                t = outs[name]
+                host = self._pinned_out(slot, name, t.nbytes)
+                call(cu.cuMemcpyDtoHAsync, host.ptr, kept[name].ptr, t.nbytes, self.down.handle)
+                views[name] = host.numpy(t.dtype, tuple(t.shape))
+            self.downloaded[slot].record(self.down)
+            self.ring.launched(slot)
+        except BaseException:
+            self.ring.abandon(slot)
+            raise
+        keep = dict(outs)  # IREE's output buffers stay alive until the download has passed them
+
+        def collect() -> dict[str, np.ndarray]:
+            try:
+                self.downloaded[slot].synchronize()
+                return {name: np.array(v, copy=True) for name, v in views.items()}
+            finally:
+                keep.clear()
+                self.ring.collected(slot)
+
+        return Submission(collect)
+
+    def _device_out(self, slot: int, name: str, nbytes: int) -> DeviceBuffer:
+        held = self.device_out.get((slot, name))
+        if held is None or held.nbytes < nbytes:
+            if held is not None:
+                held.close(self.be.stream)
+            held = self.device_out[(slot, name)] = self.be.pool.alloc(max(nbytes, 1), self.be.stream)
+        return held
+
+    def _pinned_out(self, slot: int, name: str, nbytes: int) -> HostBuffer:
+        held = self.pinned_out.get((slot, name))
+        if held is None or held.nbytes < nbytes:
+            held = self.pinned_out[(slot, name)] = HostBuffer(self.be.ctx, max(nbytes, 1))
+        return held
+
+    def close(self) -> None:
+        self.be.ctx.make_current()
+        self.up.synchronize()
+        self.down.synchronize()
+        for buf in self.inputs.values():
+            buf.close(self.up)
+        for buf in self.device_out.values():
+            buf.close(self.down)  # the download stream read it last
+        self.up.synchronize()
+        self.down.synchronize()
+        for h in (*self.pinned_in.values(), *self.pinned_out.values()):
+            h.close()
+        for e in (*self.consumed, *self.ran, *self.uploaded, *self.downloaded):
+            e.close()
+        self.up.close()
+        self.down.close()
+
+
+def rows_to_upload(batch: int, written: set[int]) -> list[tuple[int, int]]:
+    """The ``(first row, row count)`` runs of ``0 .. batch-1`` not in ``written``: what is copied
+    from the host array after the GPU wrote its rows (one copy per run, none over a GPU row)."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for r in range(batch + 1):
+        host = r < batch and r not in written
+        if host and start is None:
+            start = r
+        elif not host and start is not None:
+            runs.append((start, r - start))
+            start = None
+    return runs

@@ -1,0 +1,203 @@
+"""The GPU JPEG path and the overlapped engine path on a GPU (the CPU halves: test_gpu_decode_logic.py).
+
+Tolerances, stated here and checked below:
+- resize_rgb_u8 against its numpy reference (kernels/resize_rgb.py): 0, into poisoned rows;
+- nvJPEG (nvImageCodec) against libjpeg-turbo (Pillow), model input after the same resize: at most
+  ``DECODE_MAX_ABS`` levels on any value and a mean under ``DECODE_MEAN_ABS`` (the two decoders'
+  IDCT and chroma upsampling differ by a few levels; the test prints the measured numbers);
+- masks of the service path via GPU decode against CPU decode: at least ``MASK_AGREEMENT`` of pixels;
+- Engine.submit against Engine.run: bit-identical.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cuda.bindings import driver as cu
+from PIL import Image
+from starlette.testclient import TestClient
+
+from dualtrack import imaging
+from dualtrack.kernels import RESIZE_RGB
+from dualtrack.runtime.driver import call
+from dualtrack.runtime.gpu_jpeg import open_decoder, probe_library
+from dualtrack.runtime.memory import download, upload
+from dualtrack.serve import create_app
+
+DECODE_MAX_ABS = 24
+DECODE_MEAN_ABS = 2.0
+MASK_AGREEMENT = 0.99
+NO_LIBRARY = probe_library()[1]
+needs_nvimgcodec = pytest.mark.skipif(NO_LIBRARY is not None, reason=f"needs nvImageCodec: {NO_LIBRARY}")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_bundle: Path):
+    from dualtrack.runtime.engine import Engine
+
+    with Engine.load(tiny_bundle, "cuda") as e:
+        yield e
+
+
+def _photo(rng: np.random.Generator, w: int, h: int) -> np.ndarray:
+    """Smooth random content (a JPEG of white noise is mostly quantization error)."""
+    small = rng.integers(0, 256, (max(h // 16, 2), max(w // 16, 2), 3), dtype=np.uint8)
+    return np.asarray(Image.fromarray(small).resize((w, h), Image.Resampling.BICUBIC))
+
+
+def _jpeg(pixels: np.ndarray, orientation: int = 1) -> bytes:
+    buf = io.BytesIO()
+    exif = Image.Exif()
+    if orientation != 1:
+        exif[0x0112] = orientation
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=90, exif=exif.tobytes())
+    return buf.getvalue()
+
+
+def _device_rows(engine, n: int):
+    be = engine.backend
+    h, w = engine.input_spec.shape[1:3]
+    buf = be.pool.alloc(n * h * w * 3, be.stream)
+    return buf, (n, h, w, 3)
+
+
+def _read(engine, buf, shape) -> np.ndarray:
+    out = np.empty(shape, np.uint8)
+    download(engine.backend.stream, out, buf)
+    return out
+
+
+@needs_nvimgcodec
+def test_the_resize_kernel_matches_its_reference_into_poisoned_rows(engine) -> None:
+    choice, decoder = open_decoder(engine, "auto", None)
+    assert decoder is not None, choice.reason
+    be = engine.backend
+    rng = np.random.default_rng(7)
+    h, w = engine.input_spec.shape[1:3]
+    for src_h, src_w, orientation in ((300, 500, 1), (h, w, 1), (37, 23, 6), (700, 450, 8), (h * 3, w * 2, 3)):
+        src = rng.integers(0, 256, (src_h, src_w, 3), dtype=np.uint8)
+        sbuf = be.pool.alloc(src.nbytes, be.stream)
+        upload(be.stream, sbuf, src)
+        dbuf, shape = _device_rows(engine, 1)
+        call(cu.cuMemsetD8Async, dbuf.ptr, 0xA5, dbuf.nbytes, be.stream.handle)  # poison
+        args = RESIZE_RGB.args(
+            src=sbuf.ptr, dst=dbuf.ptr, src_w=src_w, src_h=src_h, src_pitch=3 * src_w,
+            out_w=w, out_h=h, orientation=orientation,
+        )  # fmt: skip
+        cfg = RESIZE_RGB.launch(w, h)
+        decoder.kernel.launch(cfg.grid, cfg.block, cfg.shared_bytes, be.stream, args)
+        got = _read(engine, dbuf, shape)[0]
+        be.stream.synchronize()
+        np.testing.assert_array_equal(got, RESIZE_RGB.reference(src, h, w, orientation=orientation))
+
+
+@needs_nvimgcodec
+def test_gpu_decoded_jpegs_match_the_cpu_path_within_the_decoders_difference(engine) -> None:
+    choice, decoder = open_decoder(engine, "auto", None)
+    assert decoder is not None, choice.reason
+    be = engine.backend
+    h, w = engine.input_spec.shape[1:3]
+    rng = np.random.default_rng(8)
+    cases = [(640, 480, 1), (333, 517, 6), (w, h, 1), (900, 700, 3)]
+    rows = {}
+    for i, (pw, ph, orientation) in enumerate(cases):
+        route = imaging.route_jpeg(_jpeg(_photo(rng, pw, ph), orientation), h, w, max_downscale=8)
+        assert isinstance(route, imaging.GpuJpeg), route
+        rows[i] = route
+    dbuf, shape = _device_rows(engine, len(cases))
+    decoded = decoder.decode_into(be.stream, rows, dbuf.ptr, h, w)
+    assert decoded.written == set(rows) and not decoded.refused
+    got = _read(engine, dbuf, shape)
+    be.stream.synchronize()
+    for i, route in rows.items():
+        cpu = imaging.load_for_model(route.data, h, w).pixels
+        diff = np.abs(got[i].astype(np.int16) - cpu)
+        print(f"case {cases[i]}: max |nvJPEG - libjpeg| {diff.max()}, mean {diff.mean():.3f}")
+        assert diff.max() <= DECODE_MAX_ABS and diff.mean() < DECODE_MEAN_ABS
+
+
+@needs_nvimgcodec
+def test_a_jpeg_nvimgcodec_refuses_is_handed_back_for_the_cpu_path(engine) -> None:
+    _, decoder = open_decoder(engine, "auto", None)
+    assert decoder is not None
+    h, w = engine.input_spec.shape[1:3]
+    good = _jpeg(_photo(np.random.default_rng(9), 200, 200))
+    sos = good.find(b"\xff\xda")
+    broken = good[: sos + 20] + bytes(200) + b"\xff\xd9"  # a scan of zeros: header fine, data corrupt
+    rows = {0: imaging.GpuJpeg(broken, (200, 200), 1), 1: imaging.GpuJpeg(good, (200, 200), 1)}
+    dbuf, _shape = _device_rows(engine, 2)
+    decoded = decoder.decode_into(engine.backend.stream, rows, dbuf.ptr, h, w)
+    engine.backend.stream.synchronize()
+    assert 1 in decoded.written
+    assert decoded.written | set(decoded.refused) == {0, 1}  # nvJPEG either decodes it or hands it back
+
+
+def test_submit_is_bit_identical_to_run(engine) -> None:
+    rng = np.random.default_rng(10)
+    for b in engine.batch_sizes:
+        x = rng.integers(0, 256, engine.input_spec.at_batch(b), dtype=np.uint8)
+        want = engine.run(x)
+        pinned = engine.host_array(b)
+        pinned[:] = x
+        subs = [engine.submit(x), engine.submit(pinned)]  # from plain numpy (staged) and from a host array
+        for sub in subs:
+            got = sub.result()
+            for name, value in want.items():
+                np.testing.assert_array_equal(got[name], value)
+
+
+def test_overlapped_stage_and_launch_on_two_threads_answer_every_batch_in_order(engine) -> None:
+    rng = np.random.default_rng(11)
+    b = max(engine.batch_sizes)
+    batches = [rng.integers(0, 256, engine.input_spec.at_batch(b), dtype=np.uint8) for _ in range(6)]
+    want = [engine.run(x, outputs=("mask",))["mask"] for x in batches]
+    staged: list = []
+    ready = threading.Semaphore(0)
+
+    def stager() -> None:
+        for x in batches:
+            staged.append(engine.stage(x))
+            ready.release()
+
+    t = threading.Thread(target=stager)
+    t.start()
+    pending = None
+    got = []
+    for _ in batches:
+        ready.acquire()
+        sub = engine.launch(staged[len(got) + (pending is not None)], outputs=("mask",))
+        if pending is not None:
+            got.append(pending.result()["mask"])
+        pending = sub
+    got.append(pending.result()["mask"])
+    t.join()
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+@needs_nvimgcodec
+def test_service_masks_agree_between_gpu_and_cpu_decode(tiny_bundle: Path) -> None:
+    rng = np.random.default_rng(12)
+    bodies = [_jpeg(_photo(rng, 320, 240), o) for o in (1, 6, 3)]
+    masks = {}
+    for decoder in ("auto", "cpu"):
+        app = create_app(tiny_bundle, device="cuda", jpeg_decoder=decoder)
+        with TestClient(app) as http:
+            deadline = time.monotonic() + 120
+            while http.get("/readyz").status_code != 200 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            ready = http.get("/readyz").json()
+            assert ready["jpeg_decoder"]["name"] == ("gpu" if decoder == "auto" else "cpu"), ready
+            metrics = http.get("/metrics").text
+            assert f'dualtrack_jpeg_decoder{{decoder="{ready["jpeg_decoder"]["name"]}"}} 1.0' in metrics
+            masks[decoder] = [imaging.decode_mask_png(http.post("/v1/segment", content=b).content) for b in bodies]
+            assert http.post("/v1/segment", content=bodies[0][:-400]).status_code == 400  # truncated: the CPU's 400
+    for gpu, cpu in zip(masks["auto"], masks["cpu"], strict=True):
+        agreement = float((gpu == cpu).mean())
+        print(f"mask agreement GPU decode vs CPU decode: {agreement:.5f}")
+        assert gpu.shape == cpu.shape and agreement >= MASK_AGREEMENT

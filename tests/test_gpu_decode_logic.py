@@ -1,0 +1,183 @@
+"""The GPU JPEG path and the overlapped engine path as pure logic, with no GPU: which decoder runs,
+which JPEGs the GPU takes, the resize kernel's numpy reference against Pillow, the slot ring."""
+
+from __future__ import annotations
+
+import io
+import threading
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dualtrack import imaging
+from dualtrack.errors import InputError
+from dualtrack.kernels import RESIZE_RGB
+from dualtrack.kernels.resize_rgb import oriented
+from dualtrack.runtime.gpu_jpeg import choose_decoder
+from dualtrack.runtime.overlap import SlotRing, SlotState, rows_to_upload
+
+TRANSPOSES = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
+
+
+def _jpeg(rng: np.random.Generator, w: int, h: int, *, mode: str = "RGB", orientation: int = 1) -> bytes:
+    img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).convert(mode)
+    buf = io.BytesIO()
+    exif = Image.Exif()
+    if orientation != 1:
+        exif[0x0112] = orientation
+    img.save(buf, format="JPEG", quality=90, exif=exif.tobytes())
+    return buf.getvalue()
+
+
+# --- which decoder -------------------------------------------------------------------------------
+
+
+def test_the_gpu_decoder_runs_only_on_a_cuda_engine_with_the_library() -> None:
+    assert choose_decoder("cuda", None).name == "gpu"
+    cpu_engine = choose_decoder("cpu", None)
+    assert cpu_engine.name == "cpu" and "engine runs on cpu" in cpu_engine.reason
+    missing = choose_decoder("cuda", "nvImageCodec is not installed")
+    assert missing.name == "cpu" and "nvImageCodec is not installed" in missing.reason
+    assert choose_decoder("cuda", None, wanted="cpu").name == "cpu"
+
+
+# --- which JPEGs the GPU takes -------------------------------------------------------------------
+
+
+def test_a_plain_rgb_jpeg_goes_to_the_gpu_with_its_orientation_and_displayed_size(rng) -> None:
+    route = imaging.route_jpeg(_jpeg(rng, 300, 200, orientation=6), 64, 64, max_downscale=8)
+    assert isinstance(route, imaging.GpuJpeg)
+    assert route.stored == (300, 200) and route.orientation == 6 and route.size == (200, 300)
+    # The displayed size is the CPU path's: the mask is resized back to the same size on both paths.
+    assert imaging.load_for_model(route.data, 64, 64).size == route.size
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda rng: _jpeg(rng, 64, 64, mode="L"), "a L JPEG"),
+        (lambda rng: _jpeg(rng, 64, 64, mode="CMYK"), "a CMYK JPEG"),
+        (lambda rng: _jpeg(rng, 1024, 1024), "reduced size"),
+        (lambda rng: _jpeg(rng, 600, 64), "downscale over 8x"),
+        (lambda rng: _jpeg(rng, 64, 64)[:-300], "truncated"),
+    ],
+)
+def test_jpegs_the_gpu_would_not_decode_as_the_cpu_does_stay_on_the_cpu(rng, make, why) -> None:
+    route = imaging.route_jpeg(make(rng), 64, 64, max_downscale=8)
+    assert isinstance(route, str) and why in route
+
+
+def test_a_refused_image_is_refused_the_same_way_whichever_decoder_is_active(rng) -> None:
+    for data in (b"not an image", b"\xff\xd8\xff\xe0 corrupt"):
+        with pytest.raises(InputError) as on_gpu:
+            imaging.route_jpeg(data, 64, 64, max_downscale=8)
+        with pytest.raises(InputError) as on_cpu:
+            imaging.load_for_model(data, 64, 64)
+        assert str(on_gpu.value) == str(on_cpu.value)
+
+
+# --- the resize kernel's reference ---------------------------------------------------------------
+
+
+def test_the_orientation_map_is_pillows_exif_transpose(rng) -> None:
+    x = rng.integers(0, 256, (7, 5, 3), dtype=np.uint8)
+    for orientation, op in TRANSPOSES.items():
+        np.testing.assert_array_equal(oriented(x, orientation), np.asarray(Image.fromarray(x).transpose(op)))
+
+
+def test_the_resize_reference_matches_pillow_bilinear_within_one_level(rng) -> None:
+    """Tolerance: 1 of 255 on any pixel, 0 along one axis. The reference (and the kernel) run
+    Pillow's two passes horizontal then vertical, as libImaging/Resample.c does; Pillow 13 may
+    run them in the other order (measured: equal on a single-axis resize, within 1 level on ~20% of
+    the pixels of a two-axis one where it does), and each pass rounds to 8 bits."""
+    for _ in range(12):
+        h, w = (int(v) for v in rng.integers(2, 700, 2))
+        oh, ow = (int(v) for v in rng.integers(2, 200, 2))
+        orientation = int(rng.integers(1, 9))
+        x = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        if RESIZE_RGB.supported(w, h, ow, oh, orientation) is not None:
+            continue
+        img = Image.fromarray(x)
+        if orientation != 1:
+            img = img.transpose(TRANSPOSES[orientation])
+        want = np.asarray(img.resize((ow, oh), Image.Resampling.BILINEAR)).astype(np.int16)
+        got = RESIZE_RGB.reference(x, oh, ow, orientation=orientation)
+        assert np.abs(want - got).max() <= 1, (h, w, oh, ow, orientation)
+        one_axis = np.asarray(img.resize((ow, img.height), Image.Resampling.BILINEAR))
+        np.testing.assert_array_equal(one_axis, RESIZE_RGB.reference(np.asarray(img), img.height, ow))
+
+
+def test_the_resize_kernel_refuses_a_downscale_it_cannot_hold() -> None:
+    assert RESIZE_RGB.supported(512 * 8, 512, 512, 512) is None
+    assert "downscale over 8x" in RESIZE_RGB.supported(512 * 8 + 1, 512, 512, 512)
+    with pytest.raises(InputError, match="cannot resize"):
+        RESIZE_RGB.args(src=1, dst=2, src_w=5000, src_h=100, src_pitch=15000, out_w=64, out_h=64, orientation=1)
+
+
+# --- the overlapped path's ordering --------------------------------------------------------------
+
+
+def test_rows_the_gpu_wrote_are_not_copied_from_the_host() -> None:
+    assert rows_to_upload(8, set()) == [(0, 8)]
+    assert rows_to_upload(8, {0, 3, 4, 7}) == [(1, 2), (5, 2)]
+    assert rows_to_upload(4, {0, 1, 2, 3}) == []
+
+
+def test_slots_go_stage_launch_collect_in_one_order() -> None:
+    ring = SlotRing(3)
+    a, b = ring.begin_stage(), ring.begin_stage()
+    assert (a, b) == (0, 1)
+    ring.staged(a)
+    ring.staged(b)
+    with pytest.raises(RuntimeError, match="out of turn"):
+        ring.begin_launch(b)
+    ring.begin_launch(a)
+    ring.launched(a)
+    with pytest.raises(RuntimeError, match="is downloading, not running"):
+        ring.launched(a)
+    c = ring.begin_stage()
+    assert c == 2
+    with pytest.raises(TimeoutError):  # slot 0 comes round again only once its outputs are collected
+        ring.begin_stage(timeout=0.05)
+    ring.collected(a)
+    assert ring.begin_stage(timeout=1) == 0
+    assert ring.states == [SlotState.STAGING, SlotState.STAGED, SlotState.STAGING]
+
+
+def test_a_stage_waiting_for_a_slot_proceeds_when_the_slot_is_collected() -> None:
+    ring = SlotRing(1)
+    slot = ring.begin_stage()
+    ring.staged(slot)
+    ring.begin_launch(slot)
+    ring.launched(slot)
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(ring.begin_stage(timeout=5)))
+    waiter.start()
+    waiter.join(0.1)
+    assert not got and waiter.is_alive()
+    ring.collected(slot)
+    waiter.join(5)
+    assert got == [0]
+
+
+def test_an_abandoned_stage_passes_its_launch_turn_on() -> None:
+    ring = SlotRing(2)
+    a, b = ring.begin_stage(), ring.begin_stage()
+    ring.abandon(a)  # its upload failed: it never launches
+    ring.staged(b)
+    ring.begin_launch(b)
+    assert ring.states == [SlotState.FREE, SlotState.RUNNING]
