@@ -127,7 +127,9 @@ def test_info(tiny_bundle: Path) -> None:
     # Which path each Track B module takes on a GPU: its launch plan replayed, for every target and batch.
     for seg in ("seg0_B", "seg2_B"):
         for target in ("cuda-sm_80", "cuda-sm_89"):
-            line = f"track B    {seg} {target}: N=1: replayed on the engine's stream; N=4: replayed on the engine's stream"
+            line = (
+                f"track B    {seg} {target}: N=1: replayed on the engine's stream; N=4: replayed on the engine's stream"
+            )
             assert line in out
 
 

@@ -103,26 +103,33 @@ def test_a_lone_supported_node_stays_on_a_when_switches_are_free() -> None:
     assert [s.track for s in p.plan.segments] == ["B", "A", "B"]
     assert why(p, "pool") == "a Track A kernel takes it"
     assert why(p, "pre") == "not a Track A node: no hand-written kernel"
-    assert any(n.startswith("plan: 3 segment(s) (B A B), 1 host wait(s) per inference") for n in p.plan.notes)
+    assert any(
+        n.startswith(
+            "plan: 3 segment(s) (B A B); host waits per inference: none where every Track B module replays "
+            "(FACTS 23), else 1 "
+        )
+        for n in p.plan.notes
+    )
 
 
-def test_the_default_switch_cost_is_facts_9s_iree_call() -> None:
-    assert cost.SWITCH_COST_US == 80.0
+def test_the_default_switch_cost_is_the_replayed_paths() -> None:
+    assert cost.DEFAULT_PATH == "replay" and cost.SWITCH_COST_US == {"replay": 3.0, "iree": 80.0}
     p = partition.partition_model(auto(), lone_pool())
-    assert "80 us per track switch (default, FACTS 9)" in p.plan.notes[1]
-    assert p.assignment.switch_us == 80.0
+    assert "; 3 us per track switch (the default runtime path, Track B replayed in one CUDA graph; " in p.plan.notes[1]
+    assert p.assignment.switch_us == 3.0
+    assert tracks(p)["pool"] == "A"  # it saves more than 2 x 2 x 3 us
 
 
 def test_many_small_islands_each_go_by_the_switch_cost() -> None:
     """Twelve conv + Relu islands between Sigmoids: all on Track A with free switches, all merged into
-    one Track B segment at the default 80 us (each saves ~30 us over the two batch sizes)."""
+    one Track B segment at the IREE runtime's 80 us (each saves ~30 us over the two batch sizes)."""
     g = Graph()
     x = g.add("Sigmoid", "s0", ["x"])
     for i in range(12):
         x = g.add("Sigmoid", f"s{i + 1}", [g.add("Relu", f"r{i}", [g.conv(f"c{i}", x)])])
     m = g.model(x)
     assert [s.track for s in partition.partition_model(auto(0.0), m).plan.segments] == ["B", "A"] * 12 + ["B"]
-    p = partition.partition_model(auto(), m)
+    p = partition.partition_model(auto(cost.SWITCH_COST_US["iree"]), m)
     assert [s.track for s in p.plan.segments] == ["B"]
     assert sum(n.startswith("moved the island") for n in p.plan.notes) == 12
 
@@ -336,11 +343,11 @@ def test_reference_unet_auto_chooses_configs_unet_yamls_plan(reference: Path) ->
     # Its estimate (N=1 and N=8 summed) against bench-962eac1199's measured 0.75 + 2.9 ms: within 25%.
     est = float(re.search(r"estimated (\d+) us", next(n for n in chosen.notes if n.startswith("plan:")))[1])
     assert 0.75 * 3650 < est < 1.25 * 3650
-    # With free switches the plan is the same: nothing on Track A is cheaper on Track B.
-    free, _ = partition.plan_config(
-        cfg.model_copy(update={"partition": PartitionConfig(mode="auto", switch_cost_us=0)})
-    )
-    assert free.segments == hand.segments
+    # The same plan with free switches (nothing on Track A is cheaper on Track B) and through the
+    # IREE runtime's 80 us ones (the body saves far more than two switches).
+    for switch in (0.0, cost.SWITCH_COST_US["iree"]):
+        part = PartitionConfig(mode="auto", switch_cost_us=switch)
+        assert partition.plan_config(cfg.model_copy(update={"partition": part}))[0].segments == hand.segments
 
 
 # --- the config and a whole build -----------------------------------------------------------------
@@ -384,7 +391,7 @@ def test_cpu_build_with_auto_verifies_and_reports_its_plan(tiny_config: Path, tm
     bundle = Bundle.open(tmp_path / "bundle")
     assert [s.track for s in bundle.plan.segments] == ["B", "A", "B"]
     assert bundle.plan.notes[0] == "partition: auto"
-    assert any(n.startswith("plan: 3 segment(s) (B A B), 1 host wait(s)") for n in result.notes)
+    assert any(n.startswith("plan: 3 segment(s) (B A B); host waits per inference: ") for n in result.notes)
     report = json.loads((bundle.root / PARTITION_REPORT).read_text())
     assert report["notes"] == list(bundle.plan.notes)
     nodes = {d["node"]: d for d in report["nodes"]}

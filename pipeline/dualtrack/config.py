@@ -62,8 +62,8 @@ class PartitionConfig(_Strict):
         ge=0,
         description=(
             "auto only: what one track switch costs per inference, in microseconds (default: "
-            "dualtrack.cost.SWITCH_COST_US, one synchronous IREE call on the H200, FACTS 9); about 0 "
-            "where Track B's dispatches replay in the loader's own CUDA graph"
+            "dualtrack.cost.SWITCH_COST_US for the default runtime path, Track B replayed in one CUDA "
+            "graph; 80 for a bundle served through the IREE runtime, FACTS 9)"
         ),
     )
 

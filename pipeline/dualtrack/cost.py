@@ -4,13 +4,16 @@ A plan's estimated time is the sum of its nodes' times, each on the track it run
 switch cost for every boundary between two segments, at every batch size being built (each batch
 size weighs the same). Times are in microseconds per call.
 
-**A track switch** is what the runtime pays where one track hands over to the other. Today that is
-one synchronous IREE call per Track B segment and one host wait per A -> B hand-over (IREE can
-neither wait on nor signal a CUDA event, FACTS 8), so a Track A island inside Track B adds two
-switches: one more IREE call and one more wait. :data:`SWITCH_COST_US` is FACTS 9's measured
-synchronous IREE call, ~80 us on the H200 (`docs/performance.md` measured 0.10-0.15 ms of host time
-per IREE call inside the reference U-Net); once Track B's dispatches replay in the loader's own CUDA
-graph a switch costs about nothing, and `partition.switch_cost_us` says so.
+**A track switch** is what the runtime pays where one track hands over to the other, and that
+depends on the path Track B takes (:data:`SWITCH_COST_US`). By default (`DUALTRACK_TRACK_B=replay`)
+each Track B module's dispatches replay on the engine's stream, and when all of them do the whole
+inference is one CUDA graph (FACTS 23): a switch is one more kernel boundary in that graph. Through
+the IREE runtime (`DUALTRACK_TRACK_B=iree`, or a module whose replay the build refused) each Track B
+segment is one synchronous IREE call, ~80 us on the H200 (FACTS 9; `docs/performance.md` measured
+0.10-0.15 ms of host time per call inside the reference U-Net), and each A -> B hand-over a host wait
+(FACTS 8), so an island inside Track B costs two such switches. The plan is made before IREE
+compiles, so it takes the default path's cost; `partition.switch_cost_us` overrides it (80 for a
+bundle served through the IREE runtime).
 
 **A node's time** on a track is, where a `dualtrack tune` file has a record for its launch shape on
 the build's first target, the measured kernel time (Track A conv3x3 only: what the tile records
@@ -33,7 +36,15 @@ import numpy as np
 import onnx
 from onnx import helper
 
-SWITCH_COST_US = 80.0  # FACTS 9: one synchronous IREE call on device-resident data, H200
+# us per track switch, by Track B's runtime path (settings.Settings.track_b).
+SWITCH_COST_US = {
+    # One CUDA graph: Track A's graph shows no measurable gap between its kernels (kernel sum 0.485 ms,
+    # graph 0.468 ms at N=1, bench-962eac1199), so this charges one launch (Rates.track_a) per switch,
+    # enough that of two plans that cost the same the one with fewer segments wins.
+    "replay": 3.0,
+    "iree": 80.0,  # FACTS 9: one synchronous IREE call on device-resident data, H200
+}
+DEFAULT_PATH = "replay"  # the runtime's default (DUALTRACK_TRACK_B)
 
 # Launch shape of a Track A conv3x3 call -> measured time (ms): (N, H, W, C, K, dtype), NHWC, dense.
 ConvKey = tuple[int, int, int, int, int, str]
