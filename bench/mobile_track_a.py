@@ -1,7 +1,8 @@
 """Write a copy of a build config whose Track A takes every node the mobile kernels accept
-(``lower_mobile.supports``), by name: until ``partition: auto`` chooses per node, this is how a
-MobileNetV3-style export (the zoo's LR-ASPP) gets its depthwise convolutions, SE blocks,
-activations, adds and Resizes onto Track A. Dense convolutions stay on Track B.
+(``lower_mobile.supports``), by name, as hand-written rules (they replace the config's
+``partition``): a MobileNetV3-style export (the zoo's LR-ASPP) with its depthwise convolutions, SE
+blocks, activations, adds and Resizes on Track A and its dense convolutions on Track B, to set
+against the plan ``partition: auto`` chooses.
 
     python bench/mobile_track_a.py configs/zoo/tv_lraspp_mobilenet_v3_large.yaml -o /tmp/lraspp_a.yaml \\
         [--targets sm_90a] [--batch-sizes 1 8] [--output build/lraspp_a]

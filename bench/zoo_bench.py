@@ -15,8 +15,8 @@ Rows, per zoo name (the names the issues use):
     <zoo>/torch_eager_cl         PyTorch eager, channels_last
     <zoo>/torch_compile_cudagraphs  torch.compile(mode="reduce-overhead")
 
-Until `partition: auto` exists, the zoo configs put nothing on Track A: their bundles are IREE alone,
-so the dualtrack rows are also the `iree_only` baseline (each row says `track_a_segments`).
+The zoo configs take `partition: auto` (Track A where its kernels take a node and that pays); each
+row says `track_a_segments`. Results written before that (zoo_bench-74c94fbc6f and older) are IREE alone.
 
 Checks before timing: the engine passes `verify_engine` on the GPU (every segment and the whole plan
 against onnxruntime, the build's tolerances); each torch row's probs at N=1 are within relative L2

@@ -32,10 +32,11 @@ from dualtrack.manifest import Artifacts, Manifest, ModelInfo, Target, Verificat
 from dualtrack.plan import ALIAS_OPS, Plan
 from dualtrack.runtime.engine import Engine
 from dualtrack.settings import Settings
-from dualtrack.tuning import TUNED_FIELDS, Selection, flag_records, flags_for, segment_key
+from dualtrack.tuning import TUNED_FIELDS, Selection, flag_records, flags_for, measured_for, segment_key
 from dualtrack.tuning import select as select_tuning
 
 Progress = Callable[[str], None]
+PARTITION_REPORT = "partition.json"  # every node's track, why, and its estimated time on each track
 
 
 @dataclass
@@ -191,6 +192,7 @@ def build(
     cfg = config if isinstance(config, BuildConfig) else load_config(config)
     if tuning is not None:
         cfg = cfg.model_copy(update={"tuning": Path(tuning).resolve()})
+    measured = measured_for(cfg)
     if cpu_only:
         cfg = cfg.model_copy(update={"targets": (), "track_b": cfg.track_b.model_copy(update={"cpu": True})})
     if not cfg.targets and not cfg.track_b.cpu:
@@ -217,7 +219,10 @@ def build(
     notes.extend(fe.notes())
     say(f"partition {cfg.model.name}")
     model = partition.name_nodes(fe.model)
-    plan, seg_models = partition.build_plan(cfg, model)
+    # `partition: auto` decides with the tuning file's measured Track A times (the rules' plan only
+    # reports them); those of the config's own targets, so that --cpu-only builds the same plan.
+    parted = partition.partition_model(cfg, model, measured)
+    plan, seg_models = parted.plan, parted.seg_models
 
     selection = None
     if cfg.tuning is not None:
@@ -266,7 +271,14 @@ def build(
             if existing.build_key == build_key and existing.verification and existing.verification.passed:
                 say("up to date")
                 return BuildResult(
-                    dest, True, 0, len(jobs), time.perf_counter() - t0, asdict(existing.verification), notes, plan
+                    dest,
+                    True,
+                    0,
+                    len(jobs),
+                    time.perf_counter() - t0,
+                    asdict(existing.verification),
+                    [*notes, *plan.notes],
+                    plan,
                 )
         except BundleError:
             pass  # a broken bundle at the destination is simply rebuilt
@@ -290,6 +302,7 @@ def build(
     writer = BundleWriter(dest)
     try:
         writer.add("model.onnx", model.SerializeToString())
+        writer.add_json(PARTITION_REPORT, parted.report())
         for seg, sm in zip(plan.segments, seg_models, strict=True):
             writer.add(seg.onnx, partition.strip_initializers(sm).SerializeToString())
         for rel, data in a_files.items():
@@ -374,7 +387,14 @@ def build(
         writer.abort()
         raise
     return BuildResult(
-        dest, False, compiled, len(results) - compiled, time.perf_counter() - t0, verification, notes, plan
+        dest,
+        False,
+        compiled,
+        len(results) - compiled,
+        time.perf_counter() - t0,
+        verification,
+        [*notes, *plan.notes],
+        plan,
     )
 
 

@@ -381,6 +381,8 @@ def info(bundle: Path, as_json: bool) -> None:
         )
     for line in b.plan.summary():
         click.echo(f"segment    {line}")
+    for line in b.plan.notes:  # how the partition was chosen, and why each node runs where it does
+        click.echo(f"partition  {line}")
     for seg_name, per_target in sorted(m.artifacts.iree_replay.items()):
         for target, per_batch in sorted(per_target.items()):
             paths = []

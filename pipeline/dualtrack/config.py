@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dualtrack.errors import ConfigError
 
@@ -40,13 +40,48 @@ class Rules(_Strict):
 
 
 class PartitionConfig(_Strict):
-    """Which nodes run on Track A (hand-written kernels); all others run on Track B (IREE).
+    """Which nodes run on Track A (hand-written kernels) and which on Track B (IREE).
 
-    `track_b` rules win over `track_a` rules, so a broad Track A rule can have exceptions.
+    ``mode: rules`` (the default, and what a config without a ``partition:`` section gets): the
+    nodes the ``track_a`` rules match run on Track A, every other node on Track B; a config with
+    no rules runs IREE alone. ``mode: auto`` (or just ``partition: auto``): every node a Track A
+    kernel takes starts on Track A, then Track A islands whose estimated saving is less than the
+    track switches they cost move to Track B (`dualtrack.partition.assign_tracks`); the rules
+    then only override it, node by node. In both modes `track_b` rules win over `track_a` rules,
+    so a broad Track A rule can have exceptions.
+
+    Rules stay the default so that an existing config keeps its plan (and `configs/iree_only.yaml`
+    stays IREE alone); `auto` is asked for by name.
     """
 
+    mode: Literal["rules", "auto"] = "rules"
     track_a: Rules = Rules()
     track_b: Rules = Rules()
+    switch_cost_us: float | None = Field(
+        None,
+        ge=0,
+        description=(
+            "auto only: what one track switch costs per inference, in microseconds (default: "
+            "dualtrack.cost.SWITCH_COST_US for the default runtime path, Track B replayed in one CUDA "
+            "graph; 80 for a bundle served through the IREE runtime, FACTS 9)"
+        ),
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        """`partition: auto` is `partition: {mode: auto}`."""
+        if isinstance(v, str):
+            if v != "auto":
+                raise ValueError(f"'{v}' is not a partition; write `partition: auto` or a mapping with track_a/track_b")
+            return {"mode": "auto"}
+        return v
+
+    @model_validator(mode="after")
+    def _auto_only(self) -> PartitionConfig:
+        if self.switch_cost_us is not None and self.mode != "auto":
+            raise ValueError("switch_cost_us only applies to `mode: auto`; add `mode: auto` or drop it")
+        return self
 
 
 class TrackBConfig(_Strict):

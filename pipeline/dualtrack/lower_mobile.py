@@ -3,8 +3,9 @@ dwconv, gap, fc, eltwise and resize kernels take, and the kernel call each becom
 
 One table, :data:`RULES` (op type -> :class:`Rule`), is the single answer to "can Track A run
 this node?" for these ops: :func:`supports` gives None or the reason it cannot, :func:`lower` the
-call. ``partition.lower_track_a`` asks it before its own (dense conv, pool, convt) branches, and a
-track-assignment policy asks :func:`supports` the same question. An activation node that directly
+call. ``partition.TRACK_A_SUPPORT`` wraps :func:`supports` for every op this module claims, so
+``partition.lower_track_a`` and `partition: auto` ask it the same question, and the lowering asks
+it before its own (dense conv, pool, convt) branches. An activation node that directly
 follows a dwconv, fc or eltwise call (its only consumer) is fused into that call's epilogue.
 
 This module reads ONNX; it never imports the kernels (partition sits left of the tracks). The

@@ -16,21 +16,20 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from dualtrack import frontend, kernels, layout, lower_mobile
+from dualtrack import cost, frontend, kernels, layout, lower_mobile
 from dualtrack.config import BuildConfig, Rules
 from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
 from dualtrack.frontend import model_precision
 from dualtrack.kernels import ConvGeometry
 from dualtrack.plan import KernelCall, Plan, Segment, TensorSpec
 
-TRACK_A_OPS = ("Conv", "Relu", "MaxPool")
 TRACK_A_DESCRIPTION = (
     "Conv of group 1, any kernel size, stride, dilation and padding (optionally +Add of a residual "
     "+Relu/Clip(0,6)/HardSwish/HardSigmoid/Sigmoid/SiLU), MaxPool 2x2/stride 2, ConvTranspose 2x2/stride 2, "
@@ -133,13 +132,15 @@ def batch_checked_specs(model: onnx.ModelProto, batch_sizes: tuple[int, ...] = (
     return one
 
 
-def _matches(node: onnx.NodeProto, rules: Rules) -> bool:
-    return node.op_type in rules.op_types or any(node.name.startswith(p) for p in rules.name_prefixes)
+def _rule(node: onnx.NodeProto, rules: Rules, side: str) -> str | None:
+    """The rule of ``rules`` that names ``node``, spelled as in the config, or None."""
+    if node.op_type in rules.op_types:
+        return f"rule partition.{side}.op_types '{node.op_type}'"
+    prefix = next((p for p in rules.name_prefixes if node.name.startswith(p)), None)
+    return f"rule partition.{side}.name_prefixes '{prefix}'" if prefix is not None else None
 
 
-def assign_tracks(model: onnx.ModelProto, cfg: BuildConfig) -> dict[str, str]:
-    """Track per node: Track B rules win, then Track A rules, then Track B (the default)."""
-    nodes = list(model.graph.node)
+def _check_rules(nodes: list[onnx.NodeProto], cfg: BuildConfig) -> None:
     for side, rules in (("track_a", cfg.partition.track_a), ("track_b", cfg.partition.track_b)):
         for prefix in rules.name_prefixes:
             if not any(n.name.startswith(prefix) for n in nodes):
@@ -153,7 +154,6 @@ def assign_tracks(model: onnx.ModelProto, cfg: BuildConfig) -> dict[str, str]:
                 raise PartitionError(f"partition.{side}.op_types: '{op}' is not an ONNX op type")
             if not any(n.op_type == op for n in nodes):
                 raise PartitionError(f"partition.{side}.op_types: the model has no '{op}' node")
-    tracks = {}
     for n in nodes:
         if n.domain not in ("", "ai.onnx"):
             raise UnsupportedOpError(
@@ -161,13 +161,75 @@ def assign_tracks(model: onnx.ModelProto, cfg: BuildConfig) -> dict[str, str]:
                 f"(Track A: {TRACK_A_DESCRIPTION}; "
                 "Track B: standard ONNX ops through IREE); replace it with standard ONNX ops and re-export"
             )
-        if _matches(n, cfg.partition.track_b):
-            tracks[n.name] = "B"
-        elif _matches(n, cfg.partition.track_a):
-            tracks[n.name] = "A"
-        else:
-            tracks[n.name] = "B"
-    return tracks
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where one node runs and why; its estimated time on each track (us, summed over the batch
+    sizes: `dualtrack.cost`), ``a_us`` None where no Track A kernel takes it."""
+
+    node: str
+    op: str
+    track: str  # "A" or "B"
+    why: str
+    a_us: float | None
+    b_us: float
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The track of every node, why, and what the partition says about itself (mode, costs, moves)."""
+
+    tracks: dict[str, str]
+    decisions: tuple[Decision, ...]  # in graph order
+    notes: tuple[str, ...]
+    switch_us: float  # per track switch and batch size, as the estimate charges it
+    batch_sizes: tuple[int, ...]
+
+    def estimate_us(self, n_segments: int) -> float:
+        """The plan's estimated time (us, summed over the batch sizes) with ``n_segments`` segments."""
+        per_node = ((d.a_us or 0.0) if d.track == "A" else d.b_us for d in self.decisions)
+        return cost.plan_us(per_node, n_segments, self.switch_us, len(self.batch_sizes))
+
+    def grouped(self) -> list[str]:
+        """One line per (track, reason): the nodes it holds, in graph order."""
+        groups: dict[tuple[str, str], list[str]] = {}
+        for d in self.decisions:
+            groups.setdefault((d.track, d.why), []).append(d.node)
+        return [f"Track {t} ({len(ns)}): {why}: {', '.join(ns)}" for (t, why), ns in groups.items()]
+
+
+def assign_tracks(
+    model: onnx.ModelProto,
+    cfg: BuildConfig,
+    specs: dict[str, SpecMap],
+    measured: cost.MeasuredTimes | None = None,
+    ctx: SupportContext | None = None,
+) -> Assignment:
+    """Track per node. ``partition.mode: rules``: Track B rules win, then Track A rules, then Track B
+    (the default). ``auto``: :func:`auto_tracks`, with the rules as overrides. ``measured``: Track A
+    kernel times from a tuning file (`dualtrack.tuning.measured_times`) for the cost model; ``ctx``:
+    the model's :class:`SupportContext`, where the caller has it."""
+    nodes = list(model.graph.node)
+    _check_rules(nodes, cfg)
+    part = cfg.partition
+    switch = part.switch_cost_us if part.switch_cost_us is not None else cost.SWITCH_COST_US[cost.DEFAULT_PATH]
+    ctx = ctx or SupportContext.of(model, specs)
+    costs = _node_costs(model, ctx, cfg.batch_sizes, measured)
+    if part.mode == "auto":
+        return auto_tracks(model, cfg, ctx, costs, switch)
+    tracks: dict[str, str] = {}
+    decisions = []
+    for n in nodes:
+        rule_b, rule_a = _rule(n, part.track_b, "track_b"), _rule(n, part.track_a, "track_a")
+        track, why = ("B", rule_b) if rule_b else ("A", rule_a) if rule_a else ("B", "no rule puts it on Track A")
+        tracks[n.name] = track
+        decisions.append(Decision(n.name, n.op_type, track, why, costs[n.name].a_us, costs[n.name].b_us))
+    notes = ("partition: hand-written rules (partition.track_a / track_b)", _cost_note(switch, costs, cfg))
+    return Assignment(tracks, tuple(decisions), notes, switch, cfg.batch_sizes)
 
 
 def order_segments(model: onnx.ModelProto, tracks: dict[str, str]) -> list[list[onnx.NodeProto]]:
@@ -413,21 +475,216 @@ def _fuse_epilogue(
     return _Epilogue(tuple(nodes), residual, act, t)
 
 
+# -- which nodes Track A takes: one predicate per op, asked by lower_track_a and by `partition: auto` --
+
+
+@dataclass(frozen=True)
+class SupportContext:
+    """What a Track A predicate may look at besides the node: shapes, the graph around it, and the
+    epilogue every dense Conv fuses as :func:`_fuse_epilogue` finds it in the whole graph (a segment
+    boundary may cut one short: that is lower_track_a's to see)."""
+
+    specs: dict[str, SpecMap]
+    inits: frozenset[str]
+    producers: Mapping[str, onnx.NodeProto]  # tensor -> the node that computes it
+    consumers: Mapping[str, list[onnx.NodeProto]]  # tensor -> the nodes that read it
+    uses: Mapping[str, int]  # tensor -> how many node inputs read it
+    graph_outputs: frozenset[str]
+    constant: frozenset[str]  # batch_free: computed from weights, constants or shapes alone
+    facts: lower_mobile.Facts  # the same graph as the mobile ops' predicates see it
+    epilogues: Mapping[str, _Epilogue]  # dense Conv -> the Add and activation its call covers
+    fused_into: Mapping[str, onnx.NodeProto]  # a node of such an epilogue -> its Conv
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto, specs: dict[str, SpecMap]) -> SupportContext:
+        uses: dict[str, int] = defaultdict(int)
+        consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        for n in model.graph.node:
+            for i in n.input:
+                uses[i] += 1
+                consumers[i].append(n)
+        graph_outputs = frozenset(o.name for o in model.graph.output)
+        facts = lower_mobile.Facts(model, specs)
+        everywhere = {n.name for n in model.graph.node}
+
+        def private(t: str) -> bool:  # segments aside: an intermediate the caller never sees
+            return t not in graph_outputs
+
+        epilogues: dict[str, _Epilogue] = {}
+        fused_into: dict[str, onnx.NodeProto] = {}
+        for n in model.graph.node:
+            if n.op_type == "Conv" and not lower_mobile.claims(n, facts):
+                ep = _fuse_epilogue(n, model, specs, everywhere, private, consumers, set(fused_into))
+                epilogues[n.name] = ep
+                fused_into.update((e.name, n) for e in ep.nodes)
+        return cls(
+            specs=specs,
+            inits=frozenset(i.name for i in model.graph.initializer),
+            producers={o: n for n in model.graph.node for o in n.output if o},
+            consumers=dict(consumers),
+            uses=dict(uses),
+            graph_outputs=graph_outputs,
+            constant=frozenset(batch_free(model)),
+            facts=facts,
+            epilogues=epilogues,
+            fused_into=fused_into,
+        )
+
+
+Predicate = Callable[[onnx.NodeProto, SupportContext], "str | None"]
+
+
+@dataclass(frozen=True)
+class TrackAOp:
+    """An ONNX op Track A takes: the predicate that says which of its nodes (None: this one; else
+    why not), and the kernel a node it takes launches (a `KernelCall.op`, which picks its cost), or
+    None where it has no launch of its own: fused into another node's kernel, or a buffer alias."""
+
+    check: Predicate
+    kernel: Callable[[onnx.NodeProto, SupportContext], str | None]
+
+
+def _constant_weights(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    if any(w and w not in ctx.inits for w in node.input[1:]):
+        return "weights computed at run time"
+    return None
+
+
+def _conv_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    """A depthwise Conv or one on a pooled (N,C,1,1) vector is lower_mobile's (never the dense conv's,
+    even where the general conv could take it); the others the dense kernels' (:func:`_dense_conv`)."""
+    if lower_mobile.claims(node, ctx.facts):
+        return lower_mobile.supports(node, ctx.facts)
+    return _constant_weights(node, ctx) or _dense_conv(node, ctx.epilogues[node.name], ctx.specs)[2]
+
+
+def _conv_kernel(node: onnx.NodeProto, ctx: SupportContext) -> str:
+    if lower_mobile.claims(node, ctx.facts):
+        return lower_mobile.RULES["Conv"].lower(node, ctx.facts).op
+    return _dense_conv(node, ctx.epilogues[node.name], ctx.specs)[0]
+
+
+def _convt_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    return _convt_attrs_ok(node) or _constant_weights(node, ctx)
+
+
+def _pool_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    return _pool_attrs_ok(node)
+
+
+def _in_conv_epilogue(node: onnx.NodeProto, ctx: SupportContext) -> bool:
+    """Whether the node runs in the epilogue of a dense Conv that Track A takes (no kernel of its own)."""
+    conv = ctx.fused_into.get(node.name)
+    return conv is not None and track_a_support(conv, ctx) is None
+
+
+def _mobile_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    return lower_mobile.supports(node, ctx.facts)
+
+
+def _mobile_kernel(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    # The Casts around the fp32 island of an fp16 model lower with the pool or Resize they wrap
+    # (one call, lower_mobile.CAST_WRAPPED): that node's kernel is the island's launch.
+    return None if node.op_type == "Cast" else lower_mobile.RULES[node.op_type].lower(node, ctx.facts).op
+
+
+def _epilogue_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    """An Add, Mul or activation (Relu and the others): none of its own in the epilogue of the dense
+    Conv before it (:func:`_fuse_epilogue`) where Track A takes that Conv; else the eltwise kernel's."""
+    return None if _in_conv_epilogue(node, ctx) else _mobile_support(node, ctx)
+
+
+def _epilogue_kernel(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    if _in_conv_epilogue(node, ctx):
+        return None
+    x = node.input[0]
+    producer = ctx.producers.get(x)
+    rule = lower_mobile.RULES.get(producer.op_type) if producer is not None else None
+    if producer is None or rule is None or node.op_type not in lower_mobile.ACT_OPS:
+        return _mobile_kernel(node, ctx)
+    if (
+        rule.fuses_act
+        and lower_mobile.claims(producer, ctx.facts)
+        and ctx.uses.get(x, 0) == 1
+        and x not in ctx.graph_outputs
+    ):
+        return None  # in the epilogue of the dwconv, fc or eltwise call before it (lower_mobile.lower)
+    return _mobile_kernel(node, ctx)
+
+
+def _concat_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    """Producers write channel slices of the output; lower_track_a checks they share its segment."""
+    axis = {x.name: helper.get_attribute_value(x) for x in node.attribute}.get("axis")
+    if axis not in (1, -3):
+        return f"concatenation on axis {axis}, not channels"
+    for x in node.input:
+        producer = ctx.producers.get(x)
+        if producer is None or producer.op_type not in TRACK_A_SUPPORT or x in ctx.graph_outputs:
+            return f"input '{x}' is not computed by a Track A kernel"
+    return None
+
+
+def _launches(op: str | None) -> Callable[[onnx.NodeProto, SupportContext], str | None]:
+    return lambda node, ctx: op
+
+
+# op type -> its predicate and kernel. A new Track A op joins lower_track_a's checks and `partition:
+# auto` here; every op lower_mobile claims is its predicate's (lower_mobile.RULES).
+TRACK_A_SUPPORT: dict[str, TrackAOp] = {
+    **{op: TrackAOp(_mobile_support, _mobile_kernel) for op in lower_mobile.RULES},
+    **{op: TrackAOp(_epilogue_support, _epilogue_kernel) for op in ("Add", "Mul", *lower_mobile.ACT_OPS)},
+    "Conv": TrackAOp(_conv_support, _conv_kernel),
+    "MaxPool": TrackAOp(_pool_support, _launches("maxpool2x2")),
+    "ConvTranspose": TrackAOp(_convt_support, _launches("convt2x2")),
+    "Concat": TrackAOp(_concat_support, _launches(None)),
+}
+
+
+def track_a_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    """None when a Track A kernel takes ``node``, else why not: the one question lower_track_a and
+    `partition: auto` both ask (the segment-level conditions, an epilogue in its Conv's segment, an
+    activation right after the op it fuses into, a Concat's producers in its segment, are
+    lower_track_a's)."""
+    op = TRACK_A_SUPPORT.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+    if op is None:
+        return "no hand-written kernel"
+    dtype = ctx.specs[node.output[0]][1]
+    if dtype not in ("float16", "float32"):
+        return f"dtype {dtype}"
+    if node.input[0] in ctx.constant:
+        return "input computed from constants alone (not batch-major)"
+    return op.check(node, ctx)
+
+
+def track_a_kernel(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    """The kernel (`KernelCall.op`) a node :func:`track_a_support` takes launches on Track A, or None
+    where it has no launch of its own (an epilogue, a Concat's buffer alias, an fp32 island's Cast)."""
+    return TRACK_A_SUPPORT[node.op_type].kernel(node, ctx)
+
+
+class TrackARefusal(PartitionError):
+    """lower_track_a cannot lower a node of a Track A segment; ``node`` and ``why`` say which and why."""
+
+    def __init__(self, message: str, *, node: str, why: str) -> None:
+        super().__init__(message)
+        self.node, self.why = node, why
+
+
 def lower_track_a(
-    seg: list[onnx.NodeProto], model: onnx.ModelProto, specs: dict, boundary_outputs: set[str]
+    seg: list[onnx.NodeProto],
+    model: onnx.ModelProto,
+    specs: dict,
+    boundary_outputs: set[str],
+    ctx: SupportContext | None = None,
 ) -> list[KernelCall]:
     """Match a Track A segment's nodes to hand-written kernel calls (Conv with its fused epilogue,
-    MaxPool, ConvTranspose) and buffer aliases (Concat). A Conv's call covers the Add and the
+    MaxPool, ConvTranspose, the mobile ops of :mod:`dualtrack.lower_mobile`) and buffer aliases
+    (Concat); each node must pass :func:`track_a_support`. A Conv's call covers the Add and the
     activation after it (:func:`_fuse_epilogue`) and is placed where the last of them was, so that
-    a residual computed between them (ResNet's downsample) is ready."""
-    inits = {i.name for i in model.graph.initializer}
-    uses: dict[str, int] = defaultdict(int)
-    consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-    for n in model.graph.node:
-        for i in n.input:
-            uses[i] += 1
-            consumers[i].append(n)
-    graph_outputs = {o.name for o in model.graph.output}
+    a residual computed between them (ResNet's downsample) is ready. ``ctx``: the model's, where the
+    caller has it."""
+    ctx = ctx or SupportContext.of(model, specs)
+    uses, graph_outputs, facts = ctx.uses, ctx.graph_outputs, ctx.facts
     in_seg = {n.name for n in seg}
 
     def private(t: str) -> bool:  # an intermediate no other track or graph output sees
@@ -437,10 +694,9 @@ def lower_track_a(
     epilogues: dict[str, _Epilogue] = {}
     emit_at: dict[str, onnx.NodeProto] = {}
     claimed: set[str] = set()
-    facts = lower_mobile.Facts(model, specs)
     for node in seg:
         if node.op_type == "Conv" and not lower_mobile.claims(node, facts):  # depthwise / vector: lower_mobile's
-            ep = _fuse_epilogue(node, model, specs, in_seg, private, consumers, claimed)
+            ep = _fuse_epilogue(node, model, specs, in_seg, private, ctx.consumers, claimed)
             epilogues[node.name] = ep
             claimed.update(n.name for n in ep.nodes)
             emit_at[(ep.nodes[-1] if ep.nodes else node).name] = node
@@ -448,27 +704,31 @@ def lower_track_a(
     i = 0
 
     def fusable(t: str) -> bool:  # an op's output that an activation after it may consume in place
-        return uses[t] == 1 and t not in graph_outputs and t not in boundary_outputs
+        return uses[t] == 1 and private(t)
 
-    def refuse(node: onnx.NodeProto, why: str) -> PartitionError:
-        return PartitionError(
+    def refuse(node: onnx.NodeProto, why: str) -> TrackARefusal:
+        return TrackARefusal(
             f"node '{node.name}' ({node.op_type}, {why}) is on Track A, whose kernels cover {TRACK_A_DESCRIPTION}; "
-            f"move it to Track B with partition.track_b.name_prefixes: ['{node.name}']"
+            f"move it to Track B with partition.track_b.name_prefixes: ['{node.name}']",
+            node=node.name,
+            why=why,
         )
 
     while i < len(seg):
         node = seg[i]
         i += 1
-        dtype = specs[node.output[0]][1]
-        if dtype not in ("float16", "float32"):
-            raise refuse(node, f"dtype {dtype}")
-        if node.name in claimed:
+        if node.name in claimed:  # in the epilogue of a Conv of this segment, which answers for it
             if node.name in emit_at:
                 conv = emit_at[node.name]
                 calls.append(_conv_call(conv, epilogues[conv.name], specs, refuse))
             continue
+        why = track_a_support(node, ctx)
+        if why:
+            raise refuse(node, why)
         # --- the mobile ops (lower_mobile.RULES: depthwise/pooled-vector Conv, pools, eltwise, Resize)
         if lower_mobile.claims(node, facts):
+            # An Add or activation whose predicate counted on its Conv's epilogue, which this segment
+            # does not hold, is an eltwise call of its own here.
             why = lower_mobile.supports(node, facts)
             if why:
                 raise refuse(node, why)
@@ -480,12 +740,10 @@ def lower_track_a(
             i += covered_nodes - 1
             continue
         # --- end of the mobile ops
-        why = _ATTR_CHECKS[node.op_type](node) if node.op_type in _ATTR_CHECKS else None
+        why = track_a_support(node, ctx)
         if why:
             raise refuse(node, why)
         weights = tuple(w for w in node.input[1:] if w) if node.op_type in ("Conv", "ConvTranspose") else ()
-        if any(w not in inits for w in weights):
-            raise refuse(node, "weights computed at run time")
         if node.op_type == "Conv":
             if node.name in emit_at:  # no epilogue nodes: the call goes here
                 calls.append(_conv_call(node, epilogues[node.name], specs, refuse))
@@ -494,10 +752,8 @@ def lower_track_a(
         elif node.op_type == "ConvTranspose":
             calls.append(KernelCall("convt2x2", (node.input[0],), (node.output[0],), weights, (), (node.name,)))
         elif node.op_type == "Concat":
-            # No kernel: the producers write straight into channel slices of the output buffer.
-            axis = {x.name: helper.get_attribute_value(x) for x in node.attribute}.get("axis")
-            if axis not in (1, -3):
-                raise refuse(node, f"concatenation on axis {axis}, not channels")
+            # No kernel: the producers write straight into channel slices of the output buffer
+            # (the channel axis is _concat_support's check).
             produced = {t for c in calls for t in c.outputs}
             for x in node.input:
                 if x not in produced or x in boundary_outputs or x in graph_outputs:
@@ -510,36 +766,192 @@ def lower_track_a(
     return calls
 
 
+def _dense_conv(node: onnx.NodeProto, ep: _Epilogue, specs: dict) -> tuple[str, ConvGeometry | None, str | None]:
+    """The kernel a dense Conv with epilogue ``ep`` runs: conv3x3 or conv1x1 where their fixed shapes
+    and epilogue (bias, ReLU) fit, as before the general conv existed; else the general ``conv``,
+    with its geometry and why its spec's :meth:`~dualtrack.kernels.ConvGeneralSpec.supports` refuses
+    it (None where it takes it)."""
+    x_shape, dtype = specs[node.input[0]]
+    w_shape = specs[node.input[1]][0]
+    relu_only = ep.residual is None and ep.act in (0, kernels.ACTIVATIONS["relu"])
+    if relu_only and len(x_shape) == 4 and _conv_attrs_ok(node) is None:
+        if w_shape[2:] == (3, 3):
+            return "conv3x3", None, None
+        if x_shape[1] <= kernels.KERNELS["conv1x1"].max_c and w_shape[0] <= CONV1X1_MAX_K:  # type: ignore[attr-defined]
+            return "conv1x1", None, None
+    geom, group, why = conv_geometry(node, specs)
+    if geom is None:
+        return "conv", None, why
+    spec = kernels.KERNELS["conv"]
+    assert isinstance(spec, kernels.ConvGeneralSpec)
+    (_, c, h, w), k = x_shape, w_shape[0]
+    return "conv", geom, spec.supports(dtype, h, w, c, k, geom, groups=group)
+
+
 def _conv_call(
     node: onnx.NodeProto, ep: _Epilogue, specs: dict, refuse: Callable[[onnx.NodeProto, str], PartitionError]
 ) -> KernelCall:
-    """A Conv and its fused epilogue as one call: conv3x3 or conv1x1 where their fixed shapes and
-    epilogue (bias, ReLU) fit, as before the general conv existed; else the general ``conv``, if
-    its spec's :meth:`~dualtrack.kernels.ConvGeneralSpec.supports` takes it."""
+    """A Conv and its fused epilogue as one call, on the kernel :func:`_dense_conv` picks."""
+    op, geom, why = _dense_conv(node, ep, specs)
+    if why:
+        raise refuse(node, why)
     weights = tuple(w for w in node.input[1:] if w)
     covered = (node.name, *(n.name for n in ep.nodes))
     ins = (node.input[0],) if ep.residual is None else (node.input[0], ep.residual)
-    (_, c, h, w), dtype = specs[node.input[0]]
-    k = specs[weights[0]][0][0]
-    relu_only = ep.residual is None and ep.act in (0, kernels.ACTIVATIONS["relu"])
-    if relu_only and _conv_attrs_ok(node) is None:
-        relu = (("relu", 1 if ep.act else 0),)
-        if specs[weights[0]][0][2:] == (3, 3):
-            return KernelCall("conv3x3", ins, (ep.output,), weights, relu, covered)
-        if c <= kernels.KERNELS["conv1x1"].max_c and k <= CONV1X1_MAX_K:  # type: ignore[attr-defined]
-            return KernelCall("conv1x1", ins, (ep.output,), weights, relu, covered)
-    geom, group, why = conv_geometry(node, specs)
-    spec = kernels.KERNELS["conv"]
-    assert isinstance(spec, kernels.ConvGeneralSpec)
-    why = why or spec.supports(dtype, h, w, c, k, geom, groups=group)  # type: ignore[arg-type]
-    if why:
-        raise refuse(node, why)
-    assert geom is not None
-    attrs = (*geom.attrs(), ("act", ep.act), ("residual", 1 if ep.residual else 0))
-    return KernelCall("conv", ins, (ep.output,), weights, attrs, covered)
+    if geom is None:  # conv3x3 / conv1x1
+        attrs: tuple[tuple[str, int], ...] = (("relu", 1 if ep.act else 0),)
+    else:
+        attrs = (*geom.attrs(), ("act", ep.act), ("residual", 1 if ep.residual else 0))
+    return KernelCall(op, ins, (ep.output,), weights, attrs, covered)
 
 
-_ATTR_CHECKS = {"MaxPool": _pool_attrs_ok, "ConvTranspose": _convt_attrs_ok}
+# -- partition: auto ------------------------------------------------------------------------------
+#
+# 1. Every node a Track A kernel takes (track_a_support) starts on Track A; a node that reads the
+#    model's input or writes its output stays on Track B (Track A works in NHWC); rules override.
+# 2. Segments are cut (order_segments) and every Track A segment lowered (lower_track_a); a node it
+#    refuses (a Concat whose input leaves the segment, an Add the eltwise kernel cannot take once a
+#    segment boundary cuts it off its Conv's epilogue) moves to Track B, and the segments are cut again.
+# 3. Then, greedily, a Track A segment whose move to Track B lowers the plan's estimated time moves
+#    (dualtrack.cost: node times plus one switch cost per segment boundary), the one that saves the
+#    least on Track A first; back to 2.
+# Nodes only ever move from A to B (Track B takes every op), so this ends within one pass per node.
+# Greedy, not optimal: an island is moved whole or not at all, which is the choice the switch cost
+# is about; trimming single nodes off an island's edge is not tried.
+
+
+def _node_costs(
+    model: onnx.ModelProto, ctx: SupportContext, batch_sizes: tuple[int, ...], measured: cost.MeasuredTimes | None
+) -> dict[str, cost.NodeCost]:
+    out = {}
+    inits = set(ctx.inits)
+    for n in model.graph.node:
+        why = track_a_support(n, ctx)
+        kernel = None if why else track_a_kernel(n, ctx)
+        on_a = why if why else "fused" if kernel is None else None
+        out[n.name] = cost.node_cost(n, ctx.specs, inits, batch_sizes, on_a=on_a, kernel=kernel, measured=measured)
+    return out
+
+
+def _cost_note(switch: float, costs: dict[str, cost.NodeCost], cfg: BuildConfig) -> str:
+    n_measured = sum(c.source == "measured" for c in costs.values())
+    source = (
+        f"{n_measured} conv(s) measured (the `tuning:` records), the rest the default model"
+        if n_measured
+        else "the default model (dualtrack.cost: H200 rooflines)"
+    )
+    given = (
+        "partition.switch_cost_us"
+        if cfg.partition.switch_cost_us is not None
+        else "the default runtime path, Track B replayed in one CUDA graph; 80 through the IREE runtime"
+    )
+    return f"costs: {source}, summed over batch sizes {list(cfg.batch_sizes)}; {switch:g} us per track switch ({given})"
+
+
+def _first_refusal(
+    model: onnx.ModelProto,
+    ctx: SupportContext,
+    segments: list[list[onnx.NodeProto]],
+    tracks: dict[str, str],
+    seen: dict[tuple[tuple[str, ...], frozenset[str]], TrackARefusal | None],
+) -> TrackARefusal | None:
+    """The first node a Track A segment cannot lower; ``seen`` remembers segments already lowered
+    (a segment that did not change lowers the same way)."""
+    bounds = _boundaries(model, segments)
+    for seg, b in zip(segments, bounds, strict=True):
+        if tracks[seg[0].name] != "A":
+            continue
+        key = (tuple(n.name for n in seg), frozenset(b.outputs))
+        if key not in seen:
+            try:
+                lower_track_a(seg, model, ctx.specs, set(b.outputs), ctx)
+                seen[key] = None
+            except TrackARefusal as refusal:
+                seen[key] = refusal
+        if seen[key] is not None:
+            return seen[key]
+    return None
+
+
+def auto_tracks(
+    model: onnx.ModelProto,
+    cfg: BuildConfig,
+    ctx: SupportContext,
+    costs: dict[str, cost.NodeCost],
+    switch: float,
+) -> Assignment:
+    """`partition: auto` (the steps are at the top of this section), on the nodes' ``costs``."""
+    nodes = list(model.graph.node)
+    part = cfg.partition
+    model_in = {i.name for i in model.graph.input}
+    tracks: dict[str, str] = {}
+    why: dict[str, str] = {}
+    forced_a: set[str] = set()
+    for n in nodes:
+        rule_b, rule_a = _rule(n, part.track_b, "track_b"), _rule(n, part.track_a, "track_a")
+        reason = track_a_support(n, ctx)
+        if rule_b:
+            tracks[n.name], why[n.name] = "B", rule_b
+        elif rule_a:
+            tracks[n.name], why[n.name] = "A", rule_a
+            forced_a.add(n.name)
+        elif reason:
+            tracks[n.name], why[n.name] = "B", f"not a Track A node: {reason}"
+        elif any(x in model_in for x in n.input) or any(o in ctx.graph_outputs for o in n.output):
+            tracks[n.name], why[n.name] = "B", "reads or writes the model's own input/output (Track A works in NHWC)"
+        else:
+            launches = track_a_kernel(n, ctx) is not None
+            tracks[n.name], why[n.name] = (
+                "A",
+                "a Track A kernel takes it" + ("" if launches else " (no launch of its own)"),
+            )
+    batches = len(cfg.batch_sizes)
+
+    def estimate(trial: dict[str, str], n_segments: int) -> float:
+        return cost.plan_us((costs[n].on(t) for n, t in trial.items()), n_segments, switch, batches)
+
+    moves: list[str] = []
+    lowered: dict[tuple[tuple[str, ...], frozenset[str]], TrackARefusal | None] = {}
+    while True:
+        segments = order_segments(model, tracks)
+        refusal = _first_refusal(model, ctx, segments, tracks, lowered)
+        if refusal is not None:
+            if refusal.node in forced_a:
+                raise refusal  # the config's rule put it there; the message names the fix
+            tracks[refusal.node], why[refusal.node] = "B", f"Track A cannot lower it in its segment: {refusal.why}"
+            continue
+        now = estimate(tracks, len(segments))
+        islands = [s for s in segments if tracks[s[0].name] == "A" and not any(n.name in forced_a for n in s)]
+        # Tried in the order of what they would save if each took its two switches with it (an island
+        # inside Track B does); the first that really lowers the estimate moves. Cutting the segments
+        # for every island on every round would cost islands^2 cuts.
+        islands.sort(key=lambda s: sum(costs[n.name].on("B") - costs[n.name].on("A") for n in s))
+        best: tuple[list[onnx.NodeProto], int] | None = None
+        for seg in islands:
+            trial = {**tracks, **{n.name: "B" for n in seg}}
+            n_after = len(order_segments(model, trial))
+            if estimate(trial, n_after) < now:
+                best = (seg, len(segments) - n_after)
+                break
+        if best is None:
+            break
+        seg, fewer = best
+        saving = sum(costs[n.name].on("B") - costs[n.name].on("A") for n in seg)
+        island = f"island {seg[0].name} .. {seg[-1].name} ({len(seg)} nodes)"
+        because = (
+            f"on Track A it saves {saving:.1f} us, less than the {fewer * switch * batches:.1f} us of the "
+            f"{fewer} track switch(es) it costs"
+            if saving > 0
+            else f"it is {-saving:.1f} us faster on Track B"
+        )
+        moves.append(f"moved the {island} to Track B: {because}")
+        for n in seg:
+            tracks[n.name], why[n.name] = "B", f"moved to Track B with its {island}: {because}"
+    decisions = tuple(
+        Decision(n.name, n.op_type, tracks[n.name], why[n.name], costs[n.name].a_us, costs[n.name].b_us) for n in nodes
+    )
+    notes = ("partition: auto", _cost_note(switch, costs, cfg), *moves)
+    return Assignment(tracks, decisions, notes, switch, cfg.batch_sizes)
 
 
 def _nhwc(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -619,13 +1031,39 @@ def model_hash(model: onnx.ModelProto) -> str:
     return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
 
 
-def build_plan(cfg: BuildConfig, model: onnx.ModelProto) -> tuple[Plan, list[onnx.ModelProto]]:
-    """Partition a (named) model into a Plan plus one ONNX model per segment."""
+@dataclass(frozen=True)
+class Partitioned:
+    """A partitioned model: the plan, one ONNX model per segment, and the per-node decisions."""
+
+    plan: Plan
+    seg_models: list[onnx.ModelProto]
+    assignment: Assignment
+
+    def report(self) -> dict[str, object]:
+        """What the bundle's `partition.json` holds: the plan's partition notes and every node's decision."""
+        return {"notes": list(self.plan.notes), "nodes": [d.to_json() for d in self.assignment.decisions]}
+
+
+def build_plan(
+    cfg: BuildConfig, model: onnx.ModelProto, measured: cost.MeasuredTimes | None = None
+) -> tuple[Plan, list[onnx.ModelProto]]:
+    """Partition a (named) model into a Plan plus one ONNX model per segment (:func:`partition_model`)."""
+    p = partition_model(cfg, model, measured)
+    return p.plan, p.seg_models
+
+
+def partition_model(
+    cfg: BuildConfig, model: onnx.ModelProto, measured: cost.MeasuredTimes | None = None
+) -> Partitioned:
+    """Partition a (named) model: the plan, whose notes say how it was chosen, the segment models and
+    the decision behind every node. ``measured``: see :func:`assign_tracks`."""
     if len(model.graph.input) != 1:
         raise ModelError(f"the model has {len(model.graph.input)} inputs; dualtrack serves single-input models")
     specs = batch_checked_specs(model, (1, *cfg.batch_sizes))
     _check_input(cfg, model, specs)
-    tracks = assign_tracks(model, cfg)
+    ctx = SupportContext.of(model, specs)
+    assignment = assign_tracks(model, cfg, specs, measured, ctx)
+    tracks = assignment.tracks
     segments = order_segments(model, tracks)
     bounds = _boundaries(model, segments)
     seg_track = [tracks[s[0].name] for s in segments]
@@ -669,7 +1107,7 @@ def build_plan(cfg: BuildConfig, model: onnx.ModelProto) -> tuple[Plan, list[onn
         calls: tuple[KernelCall, ...] = ()
         tensors: tuple[TensorSpec, ...] = ()
         if seg_track[k] == "A":
-            calls = tuple(lower_track_a(nodes, model, specs, set(b.outputs)))
+            calls = tuple(lower_track_a(nodes, model, specs, set(b.outputs), ctx))
             boundary = {t.name for t in ins + outs}
             inner = [t for c in calls for t in c.outputs if t not in boundary]
             tensors = tuple(TensorSpec(t, _nhwc(specs[t][0]), specs[t][1], "NHWC") for t in inner)
@@ -691,8 +1129,27 @@ def build_plan(cfg: BuildConfig, model: onnx.ModelProto) -> tuple[Plan, list[onn
     model_inputs = tuple(spec(i.name) for i in model.graph.input)
     model_outputs = tuple(spec(o.name) for o in model.graph.output)
     precision = cfg.precision or model_precision(model)
-    plan = Plan(model_inputs, model_outputs, tuple(plan_segments), precision, cfg.batch_sizes)
-    return plan, seg_models
+    plan = Plan(
+        model_inputs,
+        model_outputs,
+        tuple(plan_segments),
+        precision,
+        cfg.batch_sizes,
+        notes=_notes(assignment, seg_track),
+    )
+    return Partitioned(plan, seg_models, assignment)
+
+
+def _notes(assignment: Assignment, seg_track: list[str]) -> tuple[str, ...]:
+    """The plan's notes: how the partition was chosen, the plan in one line, and each node's reason."""
+    waits = sum(1 for k in range(len(seg_track) - 1) if seg_track[k] == "A" and seg_track[k + 1] == "B")
+    all_b = sum(d.b_us for d in assignment.decisions)
+    plan_line = (
+        f"plan: {len(seg_track)} segment(s) ({' '.join(seg_track)}); host waits per inference: none where every "
+        f"Track B module replays (FACTS 23), else {waits} (one per Track A -> Track B hand-over, FACTS 8); "
+        f"estimated {assignment.estimate_us(len(seg_track)):.0f} us (Track B alone: {all_b:.0f} us)"
+    )
+    return (*assignment.notes, plan_line, *assignment.grouped())
 
 
 def _check_input(cfg: BuildConfig, model: onnx.ModelProto, specs: dict) -> None:
@@ -712,7 +1169,9 @@ def _check_input(cfg: BuildConfig, model: onnx.ModelProto, specs: dict) -> None:
         raise PartitionError(f"input.dtype is {want.dtype} but the model's input is {dtype}; fix `input.dtype`")
 
 
-def plan_config(cfg: BuildConfig) -> tuple[Plan, list[onnx.ModelProto]]:
-    """The plan of a config's model as the build makes it: through the front end, then partitioned."""
+def plan_config(cfg: BuildConfig, measured: cost.MeasuredTimes | None = None) -> tuple[Plan, list[onnx.ModelProto]]:
+    """The plan of a config's model as the build makes it: through the front end, then partitioned
+    (``measured``: the tuning file's Track A times, as `dualtrack build` passes them to
+    `partition: auto`'s cost model; without them the default model decides)."""
     cfg, fe = frontend.load(cfg)
-    return build_plan(cfg, name_nodes(fe.model))
+    return build_plan(cfg, name_nodes(fe.model), measured)

@@ -38,7 +38,7 @@ from dualtrack.config import BuildConfig, Tolerance, load_config
 from dualtrack.errors import BundleError, ConfigError, ToolError
 from dualtrack.plan import TensorSpec
 from dualtrack.settings import Settings
-from dualtrack.tuning import RECORD_KIND, record_key, segment_key
+from dualtrack.tuning import RECORD_KIND, measured_for, record_key, segment_key
 
 KIT_FORMAT = "dualtrack-iree-kit-1"
 KIT_FILE = "kit.json"
@@ -225,7 +225,7 @@ def prepare_kit(
     cands = _candidates(cfg, only)
     cfg, fe = frontend.load(cfg)
     model = partition.name_nodes(fe.model)
-    plan, seg_models = partition.build_plan(cfg, model)
+    plan, seg_models = partition.build_plan(cfg, model, measured_for(cfg))
     segs = [(s, m) for s, m in zip(plan.segments, seg_models, strict=True) if s.track == "B"]
     if not segs:
         raise ConfigError(f"{cfg.model.name}: the plan has no Track B segment, so there are no IREE flags to tune")

@@ -35,7 +35,9 @@ from typing import Any
 import onnx
 
 from dualtrack import atomic
-from dualtrack.arch import Resolution
+from dualtrack.arch import Resolution, resolve
+from dualtrack.config import BuildConfig
+from dualtrack.cost import ConvKey
 from dualtrack.errors import ConfigError, InputError
 from dualtrack.kernels import KERNELS, Conv3x3Spec, F16Tile
 from dualtrack.kernels.problems import ConvProblem, conv_layers
@@ -359,6 +361,31 @@ def select(path: str | Path, plan: Plan, resolutions: Sequence[Resolution]) -> S
             )
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     return Selection(path, digest, targets, len(stale(records, current)))
+
+
+def measured_times(path: str | Path, cc: tuple[int, int]) -> dict[ConvKey, float]:
+    """What `partition: auto`'s cost model takes from a tuning file: the fastest measured time (ms)
+    of each conv3x3 launch shape, from the current records of compute capability ``cc`` (the build's
+    first target). Records keyed by channel strides collapse to the dense shape the partition sees."""
+    spec = KERNELS["conv3x3"]
+    assert isinstance(spec, Conv3x3Spec)
+    current, cc_str = source_sha256(spec), f"{cc[0]}.{cc[1]}"
+    out: dict[ConvKey, float] = {}
+    for r in load(path):
+        if r.source_sha256 == current and r.cc == cc_str:
+            p = r.problem
+            key = (p.N, p.H, p.W, p.C, p.K, p.dtype)
+            out[key] = min(out.get(key, r.time_ms), r.time_ms)
+    return out
+
+
+def measured_for(cfg: BuildConfig) -> dict[ConvKey, float] | None:
+    """The Track A times `dualtrack build` gives the partition's cost model for ``cfg``: those of its
+    tuning file on its first target (one plan serves every target), or None without a tuning file or
+    a GPU target. Every command that partitions a config asks this, so that they all see one plan."""
+    if cfg.tuning is None or not cfg.targets:
+        return None
+    return measured_times(cfg.tuning, resolve(cfg.targets[0]).cc)
 
 
 # -- Track B: IREE flag records (`dualtrack tune --track-b` writes them, `build` reads them) ----------

@@ -112,7 +112,8 @@ def load_plan(source: str | Path) -> Plan:
     path = Path(source)
     if path.is_dir():
         return Bundle.open(path, check_hashes=False).plan
-    plan, _ = partition.plan_config(load_config(path))
+    cfg = load_config(path)
+    plan, _ = partition.plan_config(cfg, tuning.measured_for(cfg))
     return plan
 
 
