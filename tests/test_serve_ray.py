@@ -272,7 +272,9 @@ def test_limits_formats_and_unknown_routes(app: str, rng) -> None:
 def test_probes_and_metrics(app: str, rng) -> None:
     assert httpx.get(f"{app}/healthz").json() == {"status": "alive"}
     ready = httpx.get(f"{app}/readyz").json()
+    decoder = ready.pop("jpeg_decoder")
     assert ready == {"status": "ready", "model_shape": [64, 64], "classes": 2, "batch_sizes": [1, 4], "device": "cpu"}
+    assert decoder["name"] == "cpu"  # the ingress replicas decode with Pillow
     ok = 'dualtrack_requests_total{code="200",endpoint="/v1/segment"}'
     bad = 'dualtrack_request_errors_total{code="400",endpoint="/v1/segment"}'
     text = httpx.get(f"{app}/metrics").text
