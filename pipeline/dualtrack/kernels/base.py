@@ -95,6 +95,15 @@ class LaunchContext(Protocol):
         ...
 
 
+Tensors = Sequence[DeviceTensor]  # a call's inputs or weights, in the call's order
+
+
+def weight_pointers(weights: Tensors) -> dict[str, int | None]:
+    """``w`` and ``bias`` of :meth:`KernelSpec.args` from a call's packed weights and optional
+    bias on the device (no bias: None, a null pointer)."""
+    return {"w": weights[0].ptr, "bias": weights[1].ptr if len(weights) > 1 else None}
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -208,12 +217,11 @@ class KernelSpec:
     def reference(self, x: np.ndarray, *args: Any, **kwargs: Any) -> np.ndarray:
         raise NotImplementedError
 
-    def call_args(
-        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor]
-    ) -> dict[str, Any]:
-        """The keyword arguments of :meth:`args` for one call on these tensors: the pointers, the
-        input's shape, the output channels ``K`` and both pixel strides (a spec with weights or
-        attributes adds them)."""
+    def call_args(self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors) -> dict[str, Any]:
+        """The keyword arguments of :meth:`args` for one call on these tensors (``inputs`` in
+        ``call.inputs`` order): the pointers, the first input's shape, the output channels ``K``
+        and both pixel strides (a spec with weights, attributes or more inputs adds them)."""
+        x = inputs[0]
         n, h, w, c = x.shape
         return {
             "x": x.ptr, "y": y.ptr,
@@ -221,30 +229,29 @@ class KernelSpec:
             "ldx": x.channel_stride, "ldy": y.channel_stride,
         }  # fmt: skip
 
+    def call_launch(self, dtype: Any, kw: Mapping[str, Any]) -> LaunchConfig:
+        """:meth:`launch`'s geometry for :meth:`call_args`' values (a spec whose launch takes
+        attributes too passes them)."""
+        return self.launch(dtype, kw["N"], kw["H"], kw["W"], kw["C"], kw["K"])
+
     def prepare(
-        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext
+        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Tensors, ctx: LaunchContext
     ) -> PreparedCall:
-        """The launch of ``call`` reading ``x`` and writing ``y`` (NHWC, possibly channel slices),
-        with the device copies of its packed weights (:meth:`pack_weights`, in ``call.weights``
-        order): entry, geometry and arguments. By default the entry of x's dtype, :meth:`launch`'s
-        geometry and :meth:`args` of :meth:`call_args`; a spec that chooses among entries or
-        passes tensor maps prepares its own."""
-        kw = self.call_args(call, x, y, weights)
-        config = self.launch(x.dtype, kw["N"], kw["H"], kw["W"], kw["C"], kw["K"])
-        return PreparedCall(self.entry(x.dtype), config, self.args(**kw))
+        """:meth:`prepare_inputs` of a call with the one input ``x``."""
+        return self.prepare_inputs(call, [x], y, weights, ctx)
 
     def prepare_inputs(
-        self,
-        call: KernelCall,
-        inputs: Sequence[DeviceTensor],
-        y: DeviceTensor,
-        weights: Sequence[DeviceTensor],
-        ctx: LaunchContext,
+        self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors, ctx: LaunchContext
     ) -> PreparedCall:
-        """:meth:`prepare` with every activation input of the call, in ``call.inputs`` order (what
-        the runtime calls). A kernel of one input takes the first; one with more (the general
-        conv's residual, eltwise's second operand) overrides this."""
-        return self.prepare(call, inputs[0], y, weights, ctx)
+        """The launch of ``call`` reading ``inputs`` (in ``call.inputs`` order: what the runtime
+        calls) and writing ``y`` (NHWC, possibly channel slices), with the device copies of its
+        packed weights (:meth:`pack_weights`, in ``call.weights`` order): entry, geometry and
+        arguments. By default the entry of the first input's dtype, :meth:`call_launch`'s geometry
+        and :meth:`args` of :meth:`call_args`; a spec that chooses among entries or passes tensor
+        maps prepares its own."""
+        kw = self.call_args(call, inputs, y, weights)
+        dtype = inputs[0].dtype
+        return PreparedCall(self.entry(dtype), self.call_launch(dtype, kw), self.args(**kw))
 
     def pack_weights(self, call: KernelCall, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The call's weights as the kernel reads them, by weight name (none by default)."""

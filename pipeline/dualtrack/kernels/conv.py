@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dualtrack.errors import InputError
-from dualtrack.kernels.base import DeviceTensor, KernelArg, KernelSpec, nhwc_values
+from dualtrack.kernels.base import DeviceTensor, KernelArg, KernelSpec, Tensors, nhwc_values, weight_pointers
 from dualtrack.plan import KernelCall
 
 
@@ -182,14 +182,11 @@ class ConvAbi(KernelSpec):
         fused = {"relu": call.attr("relu")} if "relu" in self.PARAMS else {}  # what the kernel fuses
         return self.reference(inputs[0], *(packed[name] for name in call.weights), **fused)
 
-    def call_args(
-        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor]
-    ) -> dict[str, Any]:
+    def call_args(self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors) -> dict[str, Any]:
         """The keyword arguments of :meth:`args` for one call on these tensors: the NHWC ones, the
         packed weights and bias (:meth:`pack_weights`' order), and the fused ReLU."""
         return {
-            **super().call_args(call, x, y, weights),
-            "w": weights[0].ptr,
-            "bias": weights[1].ptr if len(weights) > 1 else None,
+            **super().call_args(call, inputs, y, weights),
+            **weight_pointers(weights),
             "relu": bool(call.attr("relu")),
         }

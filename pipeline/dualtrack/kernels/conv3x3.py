@@ -9,7 +9,7 @@ and entry a launch runs is the selection policy's (select.py).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -23,6 +23,7 @@ from dualtrack.kernels.base import (
     LaunchConfig,
     LaunchContext,
     PreparedCall,
+    Tensors,
     cdiv,
     dtype_name,
     gemm_grid,
@@ -304,12 +305,13 @@ class Conv3x3Spec(Conv3x3Reference, ConvAbi, GemmTiles):
     # The kernel for one launch of this op: the policy in select.py, with this spec as its first argument.
     select = choose_conv3x3
 
-    def prepare(
-        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext
+    def prepare_inputs(
+        self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors, ctx: LaunchContext
     ) -> PreparedCall:
         """What :meth:`select` picks: the Hopper kernel (its own preparation, tensor maps included)
         where it is on and takes the launch, else the layer's tuned entry, else :meth:`variant`'s."""
-        kw = self.call_args(call, x, y, weights)
+        x = inputs[0]
+        kw = self.call_args(call, inputs, y, weights)
         p = ConvProblem.of(x, y)
         choice = self.select(p, wgmma_off=ctx.wgmma_off, tuned=ctx.tuned_entry(call, p.N), x=x.ptr, w=kw["w"], y=y.ptr)
         if choice.impl == "wgmma":

@@ -26,12 +26,14 @@ from dualtrack.kernels.base import (
     LaunchConfig,
     LaunchContext,
     PreparedCall,
+    Tensors,
     cdiv,
     dtype_name,
     gemm_grid,
     pointer,
     positive,
     stride,
+    weight_pointers,
 )
 from dualtrack.kernels.conv import named_weights, pack_conv_weights
 from dualtrack.kernels.conv3x3 import F16Tile
@@ -365,45 +367,34 @@ class ConvGeneralSpec(KernelSpec):
         res = inputs[1] if call.attr("residual") else None
         return self.reference(inputs[0], w, bias, res, geom=ConvGeometry.from_call(call), act=call.attr("act"))
 
-    def call_args(
-        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor]
-    ) -> dict[str, Any]:
-        """The keyword arguments of :meth:`args` for one call without its residual: the NHWC ones,
-        the packed weights and bias (:meth:`pack_weights`' order), the geometry and the activation."""
-        return {
-            **super().call_args(call, x, y, weights),
-            "w": weights[0].ptr,
-            "bias": weights[1].ptr if len(weights) > 1 else None,
+    def call_args(self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors) -> dict[str, Any]:
+        """The keyword arguments of :meth:`args` for one call on these tensors: the NHWC ones, the
+        packed weights and bias (:meth:`pack_weights`' order), the geometry, the activation, and
+        the residual (``inputs[1]``) where the call has one (``residual`` attribute)."""
+        kw = {
+            **super().call_args(call, inputs, y, weights),
+            **weight_pointers(weights),
             "geom": ConvGeometry.from_call(call),
             "act": call.attr("act"),
         }
-
-    def prepare(
-        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext
-    ) -> PreparedCall:
         if call.attr("residual"):
-            raise InputError(f"conv call {call.nodes} has a residual input: prepare it with prepare_inputs")
-        return self.prepare_inputs(call, [x], y, weights, ctx)
+            if len(inputs) < 2:
+                raise InputError(f"conv call {call.nodes} has a residual input: prepare it with prepare_inputs")
+            kw.update(res=inputs[1].ptr, ldr=inputs[1].channel_stride)
+        return kw
 
     def prepare_inputs(
-        self,
-        call: KernelCall,
-        inputs: Sequence[DeviceTensor],
-        y: DeviceTensor,
-        weights: Sequence[DeviceTensor],
-        ctx: LaunchContext,
+        self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors, ctx: LaunchContext
     ) -> PreparedCall:
         """:meth:`variant`'s entry, its geometry and arguments; ``inputs``: x, then the residual
         where the call has one (``residual`` attribute)."""
-        x = inputs[0]
+        kw = self.call_args(call, inputs, y, weights)
         res = inputs[1] if call.attr("residual") else None
-        kw = self.call_args(call, x, y, weights)
-        if res is not None:
-            kw.update(res=res.ptr, ldr=res.channel_stride)
         shape = (kw["N"], kw["H"], kw["W"], kw["C"], kw["K"])
         expect = self.output_shape(*shape, geom=kw["geom"])
         for what, t in (("output", y), ("residual", res)):
             if t is not None and tuple(t.shape) != expect:
                 raise InputError(f"conv call {call.nodes}: {what} has shape {tuple(t.shape)}; expected {expect}")
-        entry = self.variant(x.dtype, *shape, kw["geom"])
-        return PreparedCall(entry, self.launch(x.dtype, *shape, geom=kw["geom"], entry=entry), self.args(**kw))
+        dtype = inputs[0].dtype
+        entry = self.variant(dtype, *shape, kw["geom"])
+        return PreparedCall(entry, self.launch(dtype, *shape, geom=kw["geom"], entry=entry), self.args(**kw))

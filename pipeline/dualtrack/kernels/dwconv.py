@@ -9,19 +9,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dualtrack.errors import InputError
-from dualtrack.kernels.base import (
-    DeviceTensor,
-    KernelArg,
-    LaunchConfig,
-    LaunchContext,
-    PreparedCall,
-    pointer,
-    positive,
-    stride,
-)
+from dualtrack.kernels.base import DeviceTensor, KernelArg, Tensors, pointer, positive, stride, weight_pointers
 from dualtrack.kernels.conv import named_weights
 from dualtrack.kernels.epilogue import Activation
-from dualtrack.kernels.streaming import StreamingSpec, onnx_weight_bias
+from dualtrack.kernels.streaming import ElementSpec, onnx_weight_bias
 from dualtrack.plan import KernelCall
 
 KERNEL_SIZES = (3, 5)  # what the source unrolls (dwconv_any)
@@ -59,7 +50,7 @@ class DwGeometry:
 
 
 @dataclass(frozen=True)
-class DwConvSpec(StreamingSpec):
+class DwConvSpec(ElementSpec):
     """Depthwise R x R convolution (R = 3, 5; any stride, dilation and padding), bias and an
     activation fused. Weights: ONNX (C, 1, R, R) packed RSC (:meth:`pack`), bias fp32."""
 
@@ -69,6 +60,7 @@ class DwConvSpec(StreamingSpec):
         "R", "S", "D", "pt", "pl", "act", "p0", "p1",
     )  # fmt: skip
     POINTERS: ClassVar[int] = 4
+    SHAPE_ATTRS: ClassVar[tuple[str, ...]] = ("geometry",)
 
     def output_shape(
         self, N: int, H: int, W: int, C: int, K: int = 0, geometry: DwGeometry | None = None
@@ -77,11 +69,6 @@ class DwConvSpec(StreamingSpec):
         if K not in (0, C):
             raise InputError(f"a depthwise convolution keeps the channels: C={C}, K={K}")
         return (N, *(geometry or DwGeometry()).output_hw(H, W), C)
-
-    def launch(self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0, geometry: DwGeometry | None = None,
-               ldy: int | None = None) -> LaunchConfig:  # fmt: skip
-        _, Ho, Wo, _ = self.output_shape(N, H, W, C, K, geometry)
-        return self.element_launch(dtype, N, Ho, Wo, C, ldy or C)
 
     def args(
         self,
@@ -160,15 +147,16 @@ class DwConvSpec(StreamingSpec):
         w, bias = self.pack(*onnx_weight_bias(call, weights))
         return self.reference(inputs[0], w, bias, DwGeometry.of(call), Activation.of(call))
 
-    def prepare(
-        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext
-    ) -> PreparedCall:
-        n, h, w, c = x.shape
-        g = DwGeometry.of(call)
-        if tuple(y.shape) != self.output_shape(n, h, w, c, 0, g):
-            raise InputError(f"dwconv {call.nodes}: output {y.shape} is not {self.output_shape(n, h, w, c, 0, g)}")
-        args = self.args(
-            x=x.ptr, w=weights[0].ptr, bias=weights[1].ptr if len(weights) > 1 else None, y=y.ptr,
-            N=n, H=h, W=w, C=c, geometry=g, ldx=x.channel_stride, ldy=y.channel_stride, act=Activation.of(call),
-        )  # fmt: skip
-        return PreparedCall(self.entry(x.dtype), self.launch(x.dtype, n, h, w, c, 0, g, y.channel_stride), args)
+    def call_args(self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors) -> dict[str, Any]:
+        """The NHWC keyword arguments, the packed weights and bias, the geometry and the epilogue;
+        ``y`` must have the convolution's output shape."""
+        kw = {
+            **super().call_args(call, inputs, y, weights),
+            **weight_pointers(weights),
+            "geometry": DwGeometry.of(call),
+            "act": Activation.of(call),
+        }
+        expect = self.output_shape(kw["N"], kw["H"], kw["W"], kw["C"], 0, kw["geometry"])
+        if tuple(y.shape) != expect:
+            raise InputError(f"dwconv {call.nodes}: output {y.shape} is not {expect}")
+        return kw

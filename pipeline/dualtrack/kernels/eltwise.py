@@ -10,25 +10,16 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dualtrack.errors import InputError
-from dualtrack.kernels.base import (
-    DeviceTensor,
-    KernelArg,
-    LaunchConfig,
-    LaunchContext,
-    PreparedCall,
-    pointer,
-    positive,
-    stride,
-)
+from dualtrack.kernels.base import DeviceTensor, KernelArg, Tensors, pointer, positive, stride
 from dualtrack.kernels.epilogue import Activation
-from dualtrack.kernels.streaming import StreamingSpec
+from dualtrack.kernels.streaming import ElementSpec
 from dualtrack.plan import ELTWISE_OPS, KernelCall
 
 OP_NAMES = {code: name for name, code in ELTWISE_OPS.items()}
 
 
 @dataclass(frozen=True)
-class EltwiseSpec(StreamingSpec):
+class EltwiseSpec(ElementSpec):
     """``y = act(a)``, ``act(a + b)`` or ``act(a * b)`` on NHWC tensors; ``b`` of ``a``'s shape, or
     (N, 1, 1, C) broadcast over H and W (``bcast``). fp32 math, one rounding."""
 
@@ -41,10 +32,6 @@ class EltwiseSpec(StreamingSpec):
     def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
         positive(N=N, H=H, W=W, C=C)
         return (N, H, W, C)
-
-    def launch(self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0, ldy: int | None = None) -> LaunchConfig:
-        self.output_shape(N, H, W, C)
-        return self.element_launch(dtype, N, H, W, C, ldy or C)
 
     def args(
         self,
@@ -97,31 +84,25 @@ class EltwiseSpec(StreamingSpec):
         op = OP_NAMES[call.attr("op")]
         return self.reference(inputs[0], inputs[1] if len(inputs) > 1 else None, op, Activation.of(call))
 
-    def prepare(
-        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext
-    ) -> PreparedCall:
-        return self.prepare_inputs(call, [x], y, weights, ctx)
-
-    def prepare_inputs(
-        self,
-        call: KernelCall,
-        inputs: Sequence[DeviceTensor],
-        y: DeviceTensor,
-        weights: Sequence[DeviceTensor],
-        ctx: LaunchContext,
-    ) -> PreparedCall:
-        a = inputs[0]
-        n, h, w, c = a.shape
+    def call_args(self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors) -> dict[str, Any]:
+        """The keyword arguments of :meth:`args`: ``a`` is the first input (its shape the call's),
+        ``b`` the second where the op is binary, of a's shape or (N, 1, 1, C) (broadcast)."""
         op = OP_NAMES[call.attr("op")]
         if (op == "unary") != (len(inputs) == 1):
             raise InputError(f"eltwise {op} ({call.nodes}) got {len(inputs)} inputs")
-        b = inputs[1] if len(inputs) > 1 else None
+        kw = super().call_args(call, inputs, y, weights)
+        a, b = inputs[0], (inputs[1] if len(inputs) > 1 else None)
+        n, h, w, c = a.shape
         bcast = b is not None and tuple(b.shape) == (n, 1, 1, c) and (h, w) != (1, 1)
         if b is not None and not bcast and tuple(b.shape) != tuple(a.shape):
             raise InputError(f"eltwise {op} ({call.nodes}): b {b.shape} is neither {a.shape} nor {(n, 1, 1, c)}")
-        args = self.args(
-            a=a.ptr, y=y.ptr, N=n, H=h, W=w, C=c, op=op, b=b.ptr if b is not None else None, bcast=bcast,
-            lda=a.channel_stride, ldb=b.channel_stride if b is not None else None, ldy=y.channel_stride,
-            act=Activation.of(call),
-        )  # fmt: skip
-        return PreparedCall(self.entry(a.dtype), self.launch(a.dtype, n, h, w, c, 0, y.channel_stride), args)
+        operand = {"b": b.ptr, "ldb": b.channel_stride} if b is not None else {}
+        return {
+            **kw,
+            "a": a.ptr,
+            "lda": a.channel_stride,
+            **operand,
+            "op": op,
+            "bcast": bcast,
+            "act": Activation.of(call),
+        }

@@ -14,12 +14,12 @@ from dualtrack.kernels.base import (
     DeviceTensor,
     KernelArg,
     LaunchConfig,
-    LaunchContext,
-    PreparedCall,
+    Tensors,
     cdiv,
     pointer,
     positive,
     stride,
+    weight_pointers,
 )
 from dualtrack.kernels.conv import named_weights, pack_conv_weights
 from dualtrack.kernels.epilogue import Activation
@@ -98,13 +98,6 @@ class FcSpec(StreamingSpec):
         w, bias = pack_conv_weights(*onnx_weight_bias(call, weights))
         return self.reference(inputs[0], w, bias, Activation.of(call))
 
-    def prepare(
-        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext
-    ) -> PreparedCall:
-        n, h, w, c = x.shape
-        k = y.shape[3]
-        args = self.args(
-            x=x.ptr, w=weights[0].ptr, bias=weights[1].ptr if len(weights) > 1 else None, y=y.ptr,
-            N=n, C=c, K=k, ldx=x.channel_stride, ldy=y.channel_stride, act=Activation.of(call),
-        )  # fmt: skip
-        return PreparedCall(self.entry(x.dtype), self.launch(x.dtype, n, h, w, c, k), args)
+    def call_args(self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors) -> dict[str, Any]:
+        """The NHWC keyword arguments, the packed weights and bias, and the epilogue."""
+        return {**super().call_args(call, inputs, y, weights), **weight_pointers(weights), "act": Activation.of(call)}

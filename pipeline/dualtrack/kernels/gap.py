@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -11,11 +10,8 @@ import numpy as np
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import (
     GRID_Y_MAX,
-    DeviceTensor,
     KernelArg,
     LaunchConfig,
-    LaunchContext,
-    PreparedCall,
     cdiv,
     pixels,
     pointer,
@@ -23,7 +19,6 @@ from dualtrack.kernels.base import (
     stride,
 )
 from dualtrack.kernels.streaming import StreamingSpec
-from dualtrack.plan import KernelCall
 
 LANES = 32  # channels a block owns (gap_nhwc.cu: one warp's width)
 
@@ -72,10 +67,3 @@ class GapSpec(StreamingSpec):
         if x.ndim != 4:
             raise InputError(f"gap takes x (N,H,W,C); got {x.shape}")
         return x.astype(np.float32).mean(axis=(1, 2), keepdims=True, dtype=np.float32).astype(x.dtype)
-
-    def prepare(
-        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext
-    ) -> PreparedCall:
-        n, h, w, c = x.shape
-        args = self.args(x=x.ptr, y=y.ptr, N=n, H=h, W=w, C=c, ldx=x.channel_stride, ldy=y.channel_stride)
-        return PreparedCall(self.entry(x.dtype), self.launch(x.dtype, n, h, w, c), args)

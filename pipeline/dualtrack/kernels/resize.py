@@ -10,17 +10,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dualtrack.errors import InputError
-from dualtrack.kernels.base import (
-    DeviceTensor,
-    KernelArg,
-    LaunchConfig,
-    LaunchContext,
-    PreparedCall,
-    pointer,
-    positive,
-    stride,
-)
-from dualtrack.kernels.streaming import StreamingSpec
+from dualtrack.kernels.base import DeviceTensor, KernelArg, Tensors, pointer, positive, stride
+from dualtrack.kernels.streaming import ElementSpec
 from dualtrack.plan import RESIZE_COORDS, RESIZE_MODES, RESIZE_NEAREST, KernelCall, bits_f32, f32_bits
 
 
@@ -90,7 +81,7 @@ class ResizeMode:
 
 
 @dataclass(frozen=True)
-class ResizeSpec(StreamingSpec):
+class ResizeSpec(ElementSpec):
     """(N, H, W, C) -> (N, Ho, Wo, C) by :class:`ResizeMode`; fp32 math, one rounding."""
 
     MACRO: ClassVar[str] = "RESIZE"
@@ -99,17 +90,13 @@ class ResizeSpec(StreamingSpec):
     )  # fmt: skip
     FLOATS: ClassVar[frozenset[str]] = frozenset({"sh", "sw"})
     POINTERS: ClassVar[int] = 2
+    SHAPE_ATTRS: ClassVar[tuple[str, ...]] = ("Ho", "Wo")
 
     def output_shape(
         self, N: int, H: int, W: int, C: int, K: int = 0, Ho: int = 0, Wo: int = 0
     ) -> tuple[int, int, int, int]:
         positive(N=N, H=H, W=W, C=C, Ho=Ho, Wo=Wo)
         return (N, Ho, Wo, C)
-
-    def launch(self, dtype: Any, N: int, Ho: int, Wo: int, C: int, ldy: int | None = None) -> LaunchConfig:
-        """One thread per element of the (N, Ho, Wo, C) output."""
-        positive(N=N, Ho=Ho, Wo=Wo, C=C)
-        return self.element_launch(dtype, N, Ho, Wo, C, ldy or C)
 
     def args(
         self,
@@ -161,13 +148,11 @@ class ResizeSpec(StreamingSpec):
     ) -> np.ndarray:
         return self.reference(inputs[0], call.attr("Ho"), call.attr("Wo"), ResizeMode.of(call))
 
-    def prepare(
-        self, call: KernelCall, x: DeviceTensor, y: DeviceTensor, weights: Sequence[DeviceTensor], ctx: LaunchContext
-    ) -> PreparedCall:
-        n, h, w, c = x.shape
-        _, ho, wo, _ = y.shape
-        args = self.args(
-            x=x.ptr, y=y.ptr, N=n, H=h, W=w, C=c, Ho=ho, Wo=wo, how=ResizeMode.of(call),
-            ldx=x.channel_stride, ldy=y.channel_stride,
-        )  # fmt: skip
-        return PreparedCall(self.entry(x.dtype), self.launch(x.dtype, n, ho, wo, c, y.channel_stride), args)
+    def call_args(self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors) -> dict[str, Any]:
+        """The NHWC keyword arguments, the output's size and the call's :class:`ResizeMode`."""
+        return {
+            **super().call_args(call, inputs, y, weights),
+            "Ho": y.shape[1],
+            "Wo": y.shape[2],
+            "how": ResizeMode.of(call),
+        }

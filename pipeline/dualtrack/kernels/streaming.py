@@ -1,5 +1,6 @@
-"""What the streaming (memory-bound, one thread per output element) kernels share: their block
-size macro, their 1-D grid, and their per-call argument list with the activation epilogue last.
+"""What the streaming (memory-bound) kernels share: their block size macro, their typed argument
+list with the activation epilogue last, and (:class:`ElementSpec`) the 1-D grid of one thread per
+output element.
 
 dwconv, eltwise and resize launch one thread per output element (pixel x channel, channel
 fastest); gap and fc have their own geometry but the same ``-D`` block-size convention.
@@ -57,6 +58,26 @@ class StreamingSpec(KernelSpec):
     def with_act(self, values: dict[str, int], act: Activation) -> list[KernelArg]:
         """The ABI's list with the activation epilogue (``act, p0, p1``, the last three params)."""
         return self.typed({**values, "act": act.code, "p0": act.p0, "p1": act.p1})
+
+
+@dataclass(frozen=True)
+class ElementSpec(StreamingSpec):
+    """A streaming kernel of one thread per element of its output, :meth:`output_shape` of the call
+    (which may take the attributes named in :attr:`SHAPE_ATTRS`, from :meth:`call_args`)."""
+
+    SHAPE_ATTRS: ClassVar[tuple[str, ...]] = ()
+
+    def launch(
+        self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0, *shape: Any, ldy: int | None = None, **attrs: Any
+    ) -> LaunchConfig:
+        """One thread per element of :meth:`output_shape` (input (N, H, W, C), its attributes),
+        written with channel stride ``ldy`` (None: dense)."""
+        n, h, w, c = self.output_shape(N, H, W, C, K, *shape, **attrs)
+        return self.element_launch(dtype, n, h, w, c, ldy or c)
+
+    def call_launch(self, dtype: Any, kw: Mapping[str, Any]) -> LaunchConfig:
+        shape = {name: kw[name] for name in self.SHAPE_ATTRS}
+        return self.launch(dtype, kw["N"], kw["H"], kw["W"], kw["C"], kw["K"], ldy=kw["ldy"], **shape)
 
 
 def onnx_weight_bias(call: KernelCall, weights: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:

@@ -1,0 +1,328 @@
+"""Every registered spec prepares, for a representative plan call, the launch it prepared before the
+specs shared their preparation (issue 18): the same entry, geometry and argument list, value by value
+and type by type. The expectations are data written out from the specs as they were, so a refactor of
+the preparation cannot move what the checked-in PTX receives without this test failing."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dualtrack.kernels import ACTIVATIONS, KERNELS, RESIZE_RGB, ConvGeometry, DwGeometry, ResizeMode
+from dualtrack.kernels.base import PreparedCall
+from dualtrack.kernels.tensormap import TiledMap
+from dualtrack.plan import ACTIVATIONS as PLAN_ACTS
+from dualtrack.plan import ELTWISE_OPS, KernelCall, f32_bits
+from dualtrack.runtime.tensors import GpuTensor
+
+f16, f32 = np.dtype("float16"), np.dtype("float32")
+
+
+class EncodedMap:
+    """What the runtime's encoder hands back, as far as the wgmma spec looks (a ``getPtr``)."""
+
+    def __init__(self, m: TiledMap) -> None:
+        self.m = m
+
+    def getPtr(self) -> int:  # cuda.bindings' spelling
+        return 0
+
+
+class Context:
+    """A LaunchContext without a tuning file; ``wgmma_off`` None lets conv3x3 pick the Hopper kernel."""
+
+    def __init__(self, wgmma_off: str | None) -> None:
+        self.wgmma_off = wgmma_off
+
+    def tuned_entry(self, call: KernelCall, batch: int) -> str | None:
+        return None
+
+    def tensor_map(self, m: TiledMap) -> EncodedMap:
+        return EncodedMap(m)
+
+
+def T(ptr: int, shape: tuple[int, ...], dtype: np.dtype = f16, ld: int = 0) -> GpuTensor:
+    return GpuTensor(ptr, shape, dtype, ld=ld)
+
+
+# An argument's kind: a 64-bit address, an int32, a float32 (each from a Python value of that
+# kind), or a tensor map passed by value (written as the address, dims and box it was encoded for).
+KINDS = {(int, ctypes.c_void_p): "P", (int, ctypes.c_int32): "I", (float, ctypes.c_float): "F"}
+
+
+def plain(entry: str, config: Any, args: list[tuple[Any, Any]]) -> tuple[Any, ...]:
+    """entry, grid, block, shared bytes, the argument values and their kinds (:data:`KINDS`)."""
+    values = [(v.m.address, v.m.dims, v.m.box) if t is None else v for v, t in args]
+    kinds = "".join("M" if t is None else KINDS.get((type(v), t), "?") for v, t in args)
+    return (entry, config.grid, config.block, config.shared_bytes, values, kinds)
+
+
+def prepared(p: PreparedCall) -> tuple[Any, ...]:
+    return plain(p.entry, p.config, p.args)
+
+
+K = KERNELS
+G = ConvGeometry(3, 3, stride_h=2, stride_w=2, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1)
+G2 = ConvGeometry(5, 3, dil_h=2, pad_top=4, pad_bottom=4, pad_left=1, pad_right=1)
+DW = (("R", 5), ("stride", 2), ("dilation", 1), ("pad_t", 2), ("pad_l", 1), ("pad_b", 2), ("pad_r", 2))
+DW_DILATED = (("R", 3), ("stride", 1), ("dilation", 2), ("pad_t", 2), ("pad_l", 2), ("pad_b", 2), ("pad_r", 2))
+CLIP = (("act", PLAN_ACTS["clip"]), ("act_p0", f32_bits(0.5)), ("act_p1", f32_bits(6.25)))
+HSIG = (("act", PLAN_ACTS["hardsigmoid"]), ("act_p0", f32_bits(0.2)), ("act_p1", f32_bits(0.5)))
+LINEAR = (*ResizeMode("linear", "half_pixel", "floor", 2.0, 2.5).attrs(), ("Ho", 10), ("Wo", 15))
+NEAREST = (*ResizeMode("nearest", "asymmetric", "round_prefer_ceil", 0.5, 0.75).attrs(), ("Ho", 4), ("Wo", 6))
+C3 = KernelCall("conv3x3", ("x",), ("y",), ("w", "b"), (("relu", 1),), ("c",))
+P, Q = G.output_hw(9, 10)
+P2, Q2 = G2.output_hw(12, 11)
+HO, WO = DwGeometry(5, 2, 1, (2, 1, 2, 2)).output_hw(13, 14)
+
+# Each case: how to prepare it (the plan call on device tensors, channel slices included).
+CASES: dict[str, Callable[[], PreparedCall]] = {
+    "conv3x3 f16 portable": lambda: K["conv3x3"].prepare(
+        C3, T(0x1000, (2, 16, 16, 32), ld=48), T(0x2000, (2, 16, 16, 64), ld=96),
+        [T(0x3000, (64, 3, 3, 32)), T(0x4000, (64,), f32)], Context("off"),
+    ),
+    "conv3x3 f32": lambda: K["conv3x3"].prepare(
+        C3, T(0x1000, (1, 8, 8, 16), f32), T(0x2000, (1, 8, 8, 24), f32), [T(0x3000, (24, 3, 3, 16), f32)],
+        Context("off"),
+    ),
+    "conv3x3 f16 hopper": lambda: K["conv3x3"].prepare_inputs(
+        C3, [T(0x1000, (2, 64, 64, 64))], T(0x2000, (2, 64, 64, 128), ld=192),
+        [T(0x3000, (128, 3, 3, 64)), T(0x4000, (128,), f32)], Context(None),
+    ),
+    "maxpool2x2": lambda: K["maxpool2x2"].prepare(
+        KernelCall("maxpool2x2", ("x",), ("y",)), T(0x1000, (2, 9, 8, 40), ld=72), T(0x2000, (2, 4, 4, 40), ld=48),
+        [], Context("off"),
+    ),
+    "convt2x2": lambda: K["convt2x2"].prepare_inputs(
+        KernelCall("convt2x2", ("x",), ("y",), ("w", "b")), [T(0x1000, (1, 4, 4, 16), f32)],
+        T(0x2000, (1, 8, 8, 8), f32, ld=24), [T(0x3000, (32, 16), f32), T(0x4000, (8,), f32)], Context("off"),
+    ),
+    "conv1x1": lambda: K["conv1x1"].prepare(
+        KernelCall("conv1x1", ("x",), ("y",), ("w", "b"), (("relu", 1),)), T(0x1000, (1, 5, 7, 32), ld=64),
+        T(0x2000, (1, 5, 7, 3)), [T(0x3000, (3, 1, 1, 32)), T(0x4000, (3,), f32)], Context("off"),
+    ),
+    "conv residual": lambda: K["conv"].prepare_inputs(
+        KernelCall("conv", ("x", "r"), ("y",), ("w", "b"), (*G.attrs(), ("act", ACTIVATIONS["silu"]), ("residual", 1))),
+        [T(0x1000, (2, 9, 10, 24), ld=40), T(0x2000, (2, P, Q, 48), ld=96)], T(0x3000, (2, P, Q, 48), ld=64),
+        [T(0x4000, (48, 3, 3, 24)), T(0x5000, (48,), f32)], Context("off"),
+    ),
+    "conv f32 plain": lambda: K["conv"].prepare(
+        KernelCall("conv", ("x",), ("y",), ("w",), (*G2.attrs(), ("act", 2))), T(0x1000, (1, 12, 11, 5), f32),
+        T(0x3000, (1, P2, Q2, 7), f32, ld=9), [T(0x4000, (7, 5, 3, 5), f32)], Context("off"),
+    ),
+    "dwconv": lambda: K["dwconv"].prepare(
+        KernelCall("dwconv", ("x",), ("y",), ("w", "b"), (*DW, ("act", PLAN_ACTS["hardswish"]))),
+        T(0x1000, (2, 13, 14, 24), ld=40), T(0x2000, (2, HO, WO, 24), ld=56),
+        [T(0x3000, (5, 5, 24)), T(0x4000, (24,), f32)], Context("off"),
+    ),
+    "dwconv nobias f32": lambda: K["dwconv"].prepare_inputs(
+        KernelCall("dwconv", ("x",), ("y",), ("w",), DW_DILATED), [T(0x1000, (1, 6, 7, 8), f32)],
+        T(0x2000, (1, 6, 7, 8), f32), [T(0x3000, (3, 3, 8), f32)], Context("off"),
+    ),
+    "gap": lambda: K["gap"].prepare(
+        KernelCall("gap", ("x",), ("y",)), T(0x1000, (3, 7, 9, 72), ld=80), T(0x2000, (3, 1, 1, 72), ld=96), [],
+        Context("off"),
+    ),
+    "fc": lambda: K["fc"].prepare(
+        KernelCall("fc", ("x",), ("y",), ("w", "b"), CLIP), T(0x1000, (4, 1, 1, 40), ld=48),
+        T(0x2000, (4, 1, 1, 10), ld=16), [T(0x3000, (10, 40, 1, 1)), T(0x4000, (10,), f32)], Context("off"),
+    ),
+    "fc nobias f32": lambda: K["fc"].prepare_inputs(
+        KernelCall("fc", ("x",), ("y",), ("w",)), [T(0x1000, (2, 1, 1, 8), f32)], T(0x2000, (2, 1, 1, 3), f32),
+        [T(0x3000, (3, 8, 1, 1), f32)], Context("off"),
+    ),
+    "eltwise unary": lambda: K["eltwise"].prepare(
+        KernelCall("eltwise", ("a",), ("y",), (), (("op", ELTWISE_OPS["unary"]), *HSIG)),
+        T(0x1000, (2, 5, 6, 16), ld=32), T(0x2000, (2, 5, 6, 16)), [], Context("off"),
+    ),
+    "eltwise add": lambda: K["eltwise"].prepare_inputs(
+        KernelCall("eltwise", ("a", "b"), ("y",), (), (("op", ELTWISE_OPS["add"]), ("act", PLAN_ACTS["relu"]))),
+        [T(0x1000, (2, 5, 6, 16), f32), T(0x1800, (2, 5, 6, 16), f32, ld=20)], T(0x2000, (2, 5, 6, 16), f32, ld=24),
+        [], Context("off"),
+    ),
+    "eltwise mul bcast": lambda: K["eltwise"].prepare_inputs(
+        KernelCall("eltwise", ("a", "b"), ("y",), (), (("op", ELTWISE_OPS["mul"]),)),
+        [T(0x1000, (2, 5, 6, 16)), T(0x1800, (2, 1, 1, 16))], T(0x2000, (2, 5, 6, 16)), [], Context("off"),
+    ),
+    "resize linear": lambda: K["resize"].prepare(
+        KernelCall("resize", ("x",), ("y",), (), LINEAR), T(0x1000, (1, 5, 6, 12), ld=20),
+        T(0x2000, (1, 10, 15, 12), ld=16), [], Context("off"),
+    ),
+    "resize nearest f32": lambda: K["resize"].prepare_inputs(
+        KernelCall("resize", ("x",), ("y",), (), NEAREST), [T(0x1000, (2, 8, 8, 3), f32)], T(0x2000, (2, 4, 6, 3), f32),
+        [], Context("off"),
+    ),
+}  # fmt: skip
+
+
+# Written out from the specs before the refactor (main at d88e21e): entry, grid, block, shared bytes,
+# argument values and kinds.
+EXPECTED: dict[str, tuple[Any, ...]] = {
+    "conv3x3 f16 portable": (
+        "conv3x3_nhwc_f16_small",
+        (8, 1, 1),
+        (128, 1, 1),
+        0,
+        [4096, 12288, 16384, 8192, 2, 16, 16, 32, 64, 48, 96, 1],
+        "PPPPIIIIIIII",
+    ),
+    "conv3x3 f32": (
+        "conv3x3_nhwc_f32",
+        (1, 1, 1),
+        (256, 1, 1),
+        0,
+        [4096, 12288, 0, 8192, 1, 8, 8, 16, 24, 16, 24, 1],
+        "PPPPIIIIIIII",
+    ),
+    "conv3x3 f16 hopper": (
+        "conv3x3_wgmma_bn64_mt1_wg2_bk64_h16",
+        (128, 1, 1),
+        (288, 1, 1),
+        91136,
+        [
+            (4096, (64, 64, 64, 2), (64, 16, 10, 1)),
+            (12288, (576, 128), (64, 64)),
+            16384,
+            8192,
+            2,
+            64,
+            64,
+            64,
+            128,
+            192,
+            1,
+            4,
+            0,
+        ],
+        "MMPPIIIIIIIIP",
+    ),
+    "maxpool2x2": ("maxpool2x2_nhwc_f16", (1, 1, 1), (256, 1, 1), 0, [4096, 8192, 2, 9, 8, 40, 72, 48], "PPIIIIII"),
+    "convt2x2": (
+        "convt2x2_nhwc_f32",
+        (1, 1, 1),
+        (256, 1, 1),
+        0,
+        [4096, 12288, 16384, 8192, 1, 4, 4, 16, 8, 16, 24],
+        "PPPPIIIIIII",
+    ),
+    "conv1x1": (
+        "conv1x1_nhwc_f16",
+        (1, 1, 1),
+        (256, 1, 1),
+        0,
+        [4096, 12288, 16384, 8192, 1, 5, 7, 32, 3, 64, 3, 1],
+        "PPPPIIIIIIII",
+    ),
+    "conv residual": (
+        "conv_nhwc_f16_small",
+        (1, 1, 1),
+        (128, 1, 1),
+        0,
+        [4096, 16384, 20480, 8192, 12288, 2, 9, 10, 24, 48, 5, 5, 3, 3, 2, 2, 1, 1, 1, 1, 40, 64, 96, 6],
+        "PPPPPIIIIIIIIIIIIIIIIIII",
+    ),
+    "conv f32 plain": (
+        "conv_nhwc_f32",
+        (3, 1, 1),
+        (256, 1, 1),
+        0,
+        [4096, 16384, 0, 0, 12288, 1, 12, 11, 5, 7, 12, 11, 5, 3, 1, 1, 4, 1, 2, 1, 5, 9, 7, 2],
+        "PPPPPIIIIIIIIIIIIIIIIIII",
+    ),
+    "dwconv": (
+        "dwconv_nhwc_f16",
+        (10, 1, 1),
+        (256, 1, 1),
+        0,
+        [4096, 12288, 16384, 8192, 2, 13, 14, 24, 7, 7, 40, 56, 5, 2, 1, 2, 1, 4, 0.0, 0.0],
+        "PPPPIIIIIIIIIIIIIIFF",
+    ),
+    "dwconv nobias f32": (
+        "dwconv_nhwc_f32",
+        (2, 1, 1),
+        (256, 1, 1),
+        0,
+        [4096, 12288, 0, 8192, 1, 6, 7, 8, 6, 7, 8, 8, 3, 1, 2, 2, 2, 0, 0.0, 0.0],
+        "PPPPIIIIIIIIIIIIIIFF",
+    ),
+    "gap": ("gap_nhwc_f16", (3, 3, 1), (256, 1, 1), 0, [4096, 8192, 3, 7, 9, 72, 80, 96], "PPIIIIII"),
+    "fc": (
+        "fc_nhwc_f16",
+        (5, 1, 1),
+        (256, 1, 1),
+        0,
+        [4096, 12288, 16384, 8192, 4, 40, 10, 48, 16, 2, 0.5, 6.25],
+        "PPPPIIIIIIFF",
+    ),
+    "fc nobias f32": (
+        "fc_nhwc_f32",
+        (1, 1, 1),
+        (256, 1, 1),
+        0,
+        [4096, 12288, 0, 8192, 2, 8, 3, 8, 3, 0, 0.0, 0.0],
+        "PPPPIIIIIIFF",
+    ),
+    "eltwise unary": (
+        "eltwise_nhwc_f16",
+        (4, 1, 1),
+        (256, 1, 1),
+        0,
+        [4096, 0, 8192, 2, 5, 6, 16, 32, 16, 16, 0, 0, 3, 0.20000000298023224, 0.5],
+        "PPPIIIIIIIIIIFF",
+    ),
+    "eltwise add": (
+        "eltwise_nhwc_f32",
+        (4, 1, 1),
+        (256, 1, 1),
+        0,
+        [4096, 6144, 8192, 2, 5, 6, 16, 16, 20, 24, 1, 0, 1, 0.0, 0.0],
+        "PPPIIIIIIIIIIFF",
+    ),
+    "eltwise mul bcast": (
+        "eltwise_nhwc_f16",
+        (4, 1, 1),
+        (256, 1, 1),
+        0,
+        [4096, 6144, 8192, 2, 5, 6, 16, 16, 16, 16, 2, 1, 0, 0.0, 0.0],
+        "PPPIIIIIIIIIIFF",
+    ),
+    "resize linear": (
+        "resize_nhwc_f16",
+        (8, 1, 1),
+        (256, 1, 1),
+        0,
+        [4096, 8192, 1, 5, 6, 12, 10, 15, 20, 16, 1, 0, 0, 2.0, 2.5],
+        "PPIIIIIIIIIIIFF",
+    ),
+    "resize nearest f32": (
+        "resize_nhwc_f32",
+        (1, 1, 1),
+        (256, 1, 1),
+        0,
+        [4096, 8192, 2, 8, 8, 3, 4, 6, 3, 3, 0, 3, 3, 0.5, 0.75],
+        "PPIIIIIIIIIIIFF",
+    ),
+    "resize_rgb": ("resize_rgb_u8", (20, 16, 1), (16, 16, 1), 0, [4096, 8192, 640, 480, 1920, 320, 256, 6], "PPIIIIII"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_registered_op_prepares_the_argument_list_the_ptx_takes(case: str) -> None:
+    assert prepared(CASES[case]()) == EXPECTED[case]
+
+
+def test_the_jpeg_resize_takes_the_argument_list_its_ptx_takes() -> None:
+    args = RESIZE_RGB.args(
+        src=0x1000, dst=0x2000, src_w=640, src_h=480, src_pitch=1920, out_w=320, out_h=256, orientation=6
+    )
+    assert plain(RESIZE_RGB.stem, RESIZE_RGB.launch(320, 256), args) == EXPECTED["resize_rgb"]
+
+
+def test_the_cases_cover_every_registered_spec() -> None:
+    covered = {case.split()[0] for case in EXPECTED}
+    assert covered == {*KERNELS, RESIZE_RGB.op}
+    assert any(entry.startswith("conv3x3_wgmma") for entry, *_ in EXPECTED.values())  # the Hopper spec too
