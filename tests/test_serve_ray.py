@@ -142,7 +142,11 @@ def test_cli_serves_on_ray_and_stops_on_sigterm(tiny_bundle: Path, reference, rn
             assert line, f"`dualtrack serve --backend ray` exited with {proc.wait()}"
         assert f"running on http://127.0.0.1:{port}" in line and "1 model replicas on cpu" in line, line
         base = f"http://127.0.0.1:{port}"
-        assert httpx.get(f"{base}/readyz").json()["batch_sizes"] == [1, 4]
+        ready = httpx.get(f"{base}/readyz")
+        while ready.status_code != 200 and time.monotonic() < deadline:  # the ingress learns of its replica
+            time.sleep(0.2)
+            ready = httpx.get(f"{base}/readyz")
+        assert ready.status_code == 200 and ready.json()["batch_sizes"] == [1, 4], ready.text
         data = _png(rng, 30, 70)
         r = _post(f"{base}/v1/segment", data)
         assert r.status_code == 200, r.text
