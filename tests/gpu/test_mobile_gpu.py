@@ -133,7 +133,7 @@ def test_dwconv_kernel(engine, mods, dtype, off, n, h, w, c, g) -> None:
         (px, ldx), (py, ldy) = s.input(x), s.output(ref.shape)
         args = DW.args(x=px, w=s.weights(wp), bias=s.weights(bp), y=py, N=n, H=h, W=w, C=c, geometry=g,
                        ldx=ldx, ldy=ldy, act=act)  # fmt: skip
-        launch(mods, DW, dtype, DW.launch(dtype, n, h, w, c, 0, g, ldy), args, s)
+        launch(mods, DW, dtype, DW.launch(dtype, n, h, w, c, 0, g, ldy=ldy), args, s)
         check(f"dwconv {act}", ref, s.result(), dtype)
 
 
@@ -192,7 +192,7 @@ def test_eltwise_kernel(engine, mods, dtype, off, op, gate) -> None:
         pb, ldb = s.input(b) if b is not None else (None, None)
         py, ldy = s.output(ref.shape)
         args = ELT.args(a=pa, b=pb, y=py, N=n, H=h, W=w, C=c, op=op, bcast=gate, lda=lda, ldb=ldb, ldy=ldy, act=act)
-        launch(mods, ELT, dtype, ELT.launch(dtype, n, h, w, c, 0, ldy), args, s)
+        launch(mods, ELT, dtype, ELT.launch(dtype, n, h, w, c, 0, ldy=ldy), args, s)
         check(f"eltwise {op} {act}", ref, s.result(), dtype)
 
 
@@ -222,7 +222,7 @@ def test_resize_kernel(engine, mods, dtype, off, how, dims) -> None:
     ref = RESIZE.reference(x, ho, wo, how)
     (px, ldx), (py, ldy) = s.input(x), s.output(ref.shape)
     args = RESIZE.args(x=px, y=py, N=n, H=h, W=w, C=c, Ho=ho, Wo=wo, how=how, ldx=ldx, ldy=ldy)
-    launch(mods, RESIZE, dtype, RESIZE.launch(dtype, n, ho, wo, c, ldy), args, s)
+    launch(mods, RESIZE, dtype, RESIZE.launch(dtype, n, h, w, c, 0, ldy=ldy, Ho=ho, Wo=wo), args, s)
     check(f"resize {how}", ref, s.result(), dtype, exact=how.mode == "nearest")
 
 
