@@ -42,9 +42,12 @@ test: $(BIN)/dualtrack  ## the test suite (GPU tests skip without a GPU)
 gpu-test:  ## GPU tests only (on a GPU machine; skipped with their reason elsewhere)
 	$(PYTHON) -m pytest -q -m gpu tests/gpu
 
-bench:  ## benchmarks on a GPU (bundles built beforehand: make build): prints a table, writes bench/results/
+ZOO_BUNDLES = $(wildcard build/zoo/*/manifest.json)
+
+bench:  ## benchmarks on a GPU (bundles built beforehand: make build, and the zoo's: dualtrack build configs/zoo/*.yaml): tables, bench/results/
 	$(PYTHON) bench/gpu_check.py --bundle $(BUNDLE) --image models/sample.png --out bench/results
 	$(PYTHON) bench/bench.py --bundle $(BUNDLE) --out bench/results
+	$(if $(ZOO_BUNDLES),$(PYTHON) bench/zoo_bench.py $(foreach m,$(ZOO_BUNDLES),--bundle $(dir $(m))) --out bench/results)
 
 zoo-deps: $(BIN)/dualtrack  ## install the zoo extra (CPU torch, torchvision, smp): the zoo's tests run with it
 	$(BIN)/pip install -q $(ZOO_TORCH) -e '.[zoo]'
