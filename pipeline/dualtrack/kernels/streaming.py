@@ -3,7 +3,8 @@ list with the activation epilogue last, and (:class:`ElementSpec`) the 1-D grid 
 output element.
 
 dwconv, eltwise and resize launch one thread per output element (pixel x channel, channel
-fastest; dwconv's and eltwise's fp16 entries one per 8 channels where they can); gap and fc have their own geometry but the same ``-D`` block-size convention.
+fastest; dwconv's and eltwise's fp16 entries one per 8 channels where they can); gap and fc have
+their own geometry but the same ``-D`` block-size convention.
 """
 
 from __future__ import annotations
