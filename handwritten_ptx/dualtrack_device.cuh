@@ -75,6 +75,26 @@ __device__ __forceinline__ float load_f32(const float* p) { return *p; }
 __device__ __forceinline__ void store_f32(f16* p, float v) { *p = f32_to_f16(v); }
 __device__ __forceinline__ void store_f32(float* p, float v) { *p = v; }
 
+// 8 fp16 elements (16 bytes, p 16-byte aligned) as fp32, and back with one rounding each: the
+// vector paths of the fp16 mobile kernels, element for element the same conversions as above.
+__device__ __forceinline__ void load_f16x8(float (&v)[8], const f16* p) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const unsigned words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[2 * i] = f16_to_f32(static_cast<f16>(words[i] & 0xffffu));
+        v[2 * i + 1] = f16_to_f32(static_cast<f16>(words[i] >> 16));
+    }
+}
+
+__device__ __forceinline__ void store_f16x8(f16* p, const float (&v)[8]) {
+    unsigned words[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        words[i] = static_cast<unsigned>(f32_to_f16(v[2 * i])) | (static_cast<unsigned>(f32_to_f16(v[2 * i + 1])) << 16);
+    *reinterpret_cast<uint4*>(p) = make_uint4(words[0], words[1], words[2], words[3]);
+}
+
 // The activation codes of dualtrack.plan.ACTIVATIONS; p0, p1 are the activation's parameters
 // (Clip: min, max; HardSigmoid: alpha, beta). NaN propagates through every one of them, as numpy's.
 enum Act { ACT_NONE = 0, ACT_RELU = 1, ACT_CLIP = 2, ACT_HARDSIGMOID = 3, ACT_HARDSWISH = 4, ACT_SIGMOID = 5 };

@@ -5,9 +5,10 @@
 // image read 0; the output size Ho x Wo comes from the caller, so bottom/right padding is implied).
 // act, p0, p1: dualtrack_device.cuh's apply_act (none, ReLU, Clip, HardSigmoid, HardSwish, Sigmoid).
 //
-// Memory-bound (R*R FMAs per output element): one thread per output pixel and channel, channel
-// fastest, so a warp reads 32 neighbouring channels of one tap (coalesced) and the R*R taps of
-// neighbouring output pixels overlap in L1. Weights are packed RSC (w[(r*R + s)*C + c], the
+// Memory-bound (R*R FMAs per output element): work items are output pixel x channel, channel
+// fastest, so a warp reads neighbouring channels of one tap (coalesced) and the R*R taps of
+// neighbouring output pixels overlap in L1. fp16 with C and the strides multiples of 8 (and
+// 16-byte aligned pointers) takes 8 channels an item (16-byte loads and stores); else one. Weights are packed RSC (w[(r*R + s)*C + c], the
 // activation dtype) so they coalesce the same way; bias fp32 or null; fp32 accumulation, one
 // rounding. The tap loops are unrolled for each R.
 // No toolkit #include: see conv3x3_nhwc.cu. The block size comes from dualtrack.kernels as -D macros.
@@ -18,32 +19,85 @@
 
 #include "dualtrack_device.cuh"
 
+// Every element (pixel, channel) is one work item; a grid-stride loop covers them, so any grid
+// is correct and the host's grid only sets how many items a thread takes (dualtrack.kernels.dwconv
+// sizes it for the vector path when C and the strides allow it).
 template <typename T, int R>
 __device__ __forceinline__ void dwconv(const T* __restrict__ x, const T* __restrict__ w,
                                        const float* __restrict__ bias, T* __restrict__ y, int N, int H, int W,
                                        int C, int Ho, int Wo, int ldx, int ldy, int S, int D, int pt, int pl,
                                        int act, float p0, float p1) {
-    const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (idx >= static_cast<long long>(N) * Ho * Wo * C) return;
-    const NhwcIndex o = nhwc_index(idx, Ho, Wo, C);
-    const int c = o.c, ho = o.h, wo = o.w;
-    const long long n = o.n, p = o.p;  // image, output pixel
+    const long long total = static_cast<long long>(N) * Ho * Wo * C;
+    const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += step) {
+        const NhwcIndex o = nhwc_index(idx, Ho, Wo, C);
+        const int c = o.c, ho = o.h, wo = o.w;
+        const long long n = o.n, p = o.p;  // image, output pixel
 
-    const int h0 = ho * S - pt, w0 = wo * S - pl;
-    float acc = bias != nullptr ? bias[c] : 0.0f;
+        const int h0 = ho * S - pt, w0 = wo * S - pl;
+        float acc = bias != nullptr ? bias[c] : 0.0f;
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const int h = h0 + r * D;
-        if (h < 0 || h >= H) continue;
-        const T* row = x + ((n * H + h) * W) * static_cast<long long>(ldx) + c;
+        for (int r = 0; r < R; ++r) {
+            const int h = h0 + r * D;
+            if (h < 0 || h >= H) continue;
+            const T* row = x + ((n * H + h) * W) * static_cast<long long>(ldx) + c;
 #pragma unroll
-        for (int s = 0; s < R; ++s) {
-            const int wi = w0 + s * D;
-            if (wi < 0 || wi >= W) continue;
-            acc = fmaf(load_f32(row + static_cast<long long>(wi) * ldx), load_f32(w + (r * R + s) * C + c), acc);
+            for (int s = 0; s < R; ++s) {
+                const int wi = w0 + s * D;
+                if (wi < 0 || wi >= W) continue;
+                acc = fmaf(load_f32(row + static_cast<long long>(wi) * ldx), load_f32(w + (r * R + s) * C + c), acc);
+            }
         }
+        store_f32(y + p * ldy + c, apply_act(acc, act, p0, p1));
     }
-    store_f32(y + p * ldy + c, apply_act(acc, act, p0, p1));
+}
+
+// The fp16 vector path: a work item is 8 neighbouring channels of one output pixel, so each tap is
+// one 16-byte load of x and one of w and the result one 16-byte store. Needs C, ldx, ldy multiples
+// of 8 and x, w, y 16-byte aligned (dwconv_vec8). The same fmaf chain per channel as dwconv (bias
+// first, taps in r, s order), so the results are bit-identical to the scalar path's.
+template <int R>
+__device__ __forceinline__ void dwconv_f16x8(const f16* __restrict__ x, const f16* __restrict__ w,
+                                             const float* __restrict__ bias, f16* __restrict__ y, int N, int H,
+                                             int W, int C, int Ho, int Wo, int ldx, int ldy, int S, int D, int pt,
+                                             int pl, int act, float p0, float p1) {
+    const int C8 = C / 8;
+    const long long total = static_cast<long long>(N) * Ho * Wo * C8;
+    const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += step) {
+        const NhwcIndex o = nhwc_index(idx, Ho, Wo, C8);
+        const int c = o.c * 8, ho = o.h, wo = o.w;
+        const long long n = o.n, p = o.p;
+
+        const int h0 = ho * S - pt, w0 = wo * S - pl;
+        float acc[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = bias != nullptr ? bias[c + j] : 0.0f;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int h = h0 + r * D;
+            if (h < 0 || h >= H) continue;
+            const f16* row = x + ((n * H + h) * W) * static_cast<long long>(ldx) + c;
+#pragma unroll
+            for (int s = 0; s < R; ++s) {
+                const int wi = w0 + s * D;
+                if (wi < 0 || wi >= W) continue;
+                float xv[8], wv[8];
+                load_f16x8(xv, row + static_cast<long long>(wi) * ldx);
+                load_f16x8(wv, w + (r * R + s) * C + c);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[j] = fmaf(xv[j], wv[j], acc[j]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = apply_act(acc[j], act, p0, p1);
+        store_f16x8(y + p * ldy + c, acc);
+    }
+}
+
+// Whether the fp16 vector path applies (uniform over the launch, so no divergence).
+__device__ __forceinline__ bool dwconv_vec8(const f16* x, const f16* w, const f16* y, int C, int ldx, int ldy) {
+    return C % 8 == 0 && ldx % 8 == 0 && ldy % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(y);
 }
 
 template <typename T>
@@ -59,6 +113,11 @@ extern "C" __global__ void __launch_bounds__(DWCONV_THREADS)
 dwconv_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const float* __restrict__ bias,
                 f16* __restrict__ y, int N, int H, int W, int C, int Ho, int Wo, int ldx, int ldy, int R, int S,
                 int D, int pt, int pl, int act, float p0, float p1) {
+    if (dwconv_vec8(x, w, y, C, ldx, ldy)) {
+        if (R == 3) dwconv_f16x8<3>(x, w, bias, y, N, H, W, C, Ho, Wo, ldx, ldy, S, D, pt, pl, act, p0, p1);
+        if (R == 5) dwconv_f16x8<5>(x, w, bias, y, N, H, W, C, Ho, Wo, ldx, ldy, S, D, pt, pl, act, p0, p1);
+        return;
+    }
     dwconv_any<f16>(x, w, bias, y, N, H, W, C, Ho, Wo, ldx, ldy, R, S, D, pt, pl, act, p0, p1);
 }
 

@@ -7,7 +7,8 @@
 // fp32, rounded once; act, p0, p1: dualtrack_device.cuh's apply_act. Every operand has its own
 // channel stride (lda, ldb, ldy), so any of them may be a channel slice.
 //
-// One thread per output element, channel fastest (coalesced), no shared memory.
+// Work items of one output element, channel fastest (coalesced), no shared memory; fp16 with C and
+// the strides multiples of 8 (16-byte aligned pointers) takes 8 channels an item: 16-byte accesses.
 // No toolkit #include: see conv3x3_nhwc.cu. The block size comes from dualtrack.kernels as -D macros.
 
 #if !defined(ELTWISE_THREADS)
@@ -16,26 +17,68 @@
 
 #include "dualtrack_device.cuh"
 
+// Work items (pixel x channel, channel fastest) in a grid-stride loop: any grid is correct, the
+// host's grid (dualtrack.kernels.eltwise) only sets how many items a thread takes.
 template <typename T>
 __device__ __forceinline__ void eltwise(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ y, int N,
                                         int H, int W, int C, int lda, int ldb, int ldy, int op, int bcast, int act,
                                         float p0, float p1) {
-    const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (idx >= static_cast<long long>(N) * H * W * C) return;
-    const NhwcIndex e = nhwc_index(idx, H, W, C);
-    const int c = e.c;
-    const long long p = e.p;
-    float v = load_f32(a + p * lda + c);
-    if (op != 0) {
-        const float u = load_f32(b + (bcast ? e.n : p) * ldb + c);
-        v = op == 1 ? v + u : v * u;
+    const long long total = static_cast<long long>(N) * H * W * C;
+    const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += step) {
+        const NhwcIndex e = nhwc_index(idx, H, W, C);
+        const int c = e.c;
+        const long long p = e.p;
+        float v = load_f32(a + p * lda + c);
+        if (op != 0) {
+            const float u = load_f32(b + (bcast ? e.n : p) * ldb + c);
+            v = op == 1 ? v + u : v * u;
+        }
+        store_f32(y + p * ldy + c, apply_act(v, act, p0, p1));
     }
-    store_f32(y + p * ldy + c, apply_act(v, act, p0, p1));
+}
+
+// The fp16 vector path: a work item is 8 neighbouring channels of one pixel (16-byte loads and
+// store). Needs C, lda, ldy (and ldb where the op is binary) multiples of 8 and the pointers
+// 16-byte aligned (eltwise_vec8); per element the same fp32 math and rounding as eltwise.
+__device__ __forceinline__ void eltwise_f16x8(const f16* __restrict__ a, const f16* __restrict__ b,
+                                              f16* __restrict__ y, int N, int H, int W, int C, int lda, int ldb,
+                                              int ldy, int op, int bcast, int act, float p0, float p1) {
+    const int C8 = C / 8;
+    const long long total = static_cast<long long>(N) * H * W * C8;
+    const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += step) {
+        const NhwcIndex e = nhwc_index(idx, H, W, C8);
+        const int c = e.c * 8;
+        const long long p = e.p;
+        float v[8];
+        load_f16x8(v, a + p * lda + c);
+        if (op != 0) {
+            float u[8];
+            load_f16x8(u, b + (bcast ? e.n : p) * ldb + c);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] = op == 1 ? v[j] + u[j] : v[j] * u[j];
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = apply_act(v[j], act, p0, p1);
+        store_f16x8(y + p * ldy + c, v);
+    }
+}
+
+// Whether the fp16 vector path applies (uniform over the launch).
+__device__ __forceinline__ bool eltwise_vec8(const f16* a, const f16* b, const f16* y, int C, int lda, int ldb,
+                                             int ldy, int op) {
+    const bool b_ok = op == 0 || (ldb % 8 == 0 && aligned16(b));
+    return C % 8 == 0 && lda % 8 == 0 && ldy % 8 == 0 && aligned16(a) && aligned16(y) && b_ok;
 }
 
 extern "C" __global__ void __launch_bounds__(ELTWISE_THREADS)
 eltwise_nhwc_f16(const f16* __restrict__ a, const f16* __restrict__ b, f16* __restrict__ y, int N, int H, int W,
                  int C, int lda, int ldb, int ldy, int op, int bcast, int act, float p0, float p1) {
+    if (eltwise_vec8(a, b, y, C, lda, ldb, ldy, op)) {
+        eltwise_f16x8(a, b, y, N, H, W, C, lda, ldb, ldy, op, bcast, act, p0, p1);
+        return;
+    }
     eltwise<f16>(a, b, y, N, H, W, C, lda, ldb, ldy, op, bcast, act, p0, p1);
 }
 

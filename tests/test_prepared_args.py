@@ -235,7 +235,7 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
     ),
     "dwconv": (
         "dwconv_nhwc_f16",
-        (10, 1, 1),
+        (2, 1, 1),  # fp16, C and the strides multiples of 8: a thread per 8 channels
         (256, 1, 1),
         0,
         [4096, 12288, 16384, 8192, 2, 13, 14, 24, 7, 7, 40, 56, 5, 2, 1, 2, 1, 4, 0.0, 0.0],
@@ -249,7 +249,7 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
         [4096, 12288, 0, 8192, 1, 6, 7, 8, 6, 7, 8, 8, 3, 1, 2, 2, 2, 0, 0.0, 0.0],
         "PPPPIIIIIIIIIIIIIIFF",
     ),
-    "gap": ("gap_nhwc_f16", (3, 3, 1), (256, 1, 1), 0, [4096, 8192, 3, 7, 9, 72, 80, 96], "PPIIIIII"),
+    "gap": ("gap_nhwc_f16", (3, 3, 1), (1024, 1, 1), 0, [4096, 8192, 3, 7, 9, 72, 80, 96], "PPIIIIII"),
     "fc": (
         "fc_nhwc_f16",
         (5, 1, 1),
@@ -268,7 +268,7 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
     ),
     "eltwise unary": (
         "eltwise_nhwc_f16",
-        (4, 1, 1),
+        (1, 1, 1),  # the fp16 vector path: 2*5*6*16/8 threads
         (256, 1, 1),
         0,
         [4096, 0, 8192, 2, 5, 6, 16, 32, 16, 16, 0, 0, 3, 0.20000000298023224, 0.5],
@@ -284,7 +284,7 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
     ),
     "eltwise mul bcast": (
         "eltwise_nhwc_f16",
-        (4, 1, 1),
+        (1, 1, 1),
         (256, 1, 1),
         0,
         [4096, 6144, 8192, 2, 5, 6, 16, 16, 16, 16, 2, 1, 0, 0.0, 0.0],

@@ -1,7 +1,10 @@
 """The mobile kernels (dwconv, gap, fc, eltwise, resize) on a real GPU against their numpy
 semantics: fp16 and fp32, odd shapes, every activation, strides/dilations/pads, the Resize modes,
 and channel-slice reads and writes (ld > C) whose neighbouring channels must survive. Outputs are
-poisoned (NaN) first, so an element a kernel does not write fails the comparison. Then a tiny
+poisoned (NaN) first, so an element a kernel does not write fails the comparison. The fp16 vector
+paths (dwconv, eltwise, gap: 8 channels a 16-byte access) and their scalar fallbacks both run: the
+slice offsets (OFFS) give dense and 16-byte aligned slices (vector), strides that are multiples of 8
+on misaligned pointers (the host sizes the grid for vectors, the device falls back) and odd strides. Then a tiny
 MobileNetV3-like bundle (tests/mobile_net.py, body on Track A) runs through the engine against
 onnxruntime.
 
@@ -37,6 +40,10 @@ ACTS = [
     Activation.named("hardswish"),
     Activation.named("sigmoid"),
 ]
+# Channel offsets of the slices: 0 dense; 8 aligned slices (ld = C + 16); 4 strides still multiples of
+# 8 for C % 8 == 0 but pointers 8 bytes off 16-byte alignment in fp16 (the device's scalar fallback
+# under a vector-sized grid); 3 odd strides (scalar everywhere).
+OFFS = [0, 3, 4, 8]
 STEMS = ("dwconv_nhwc", "gap_nhwc", "fc_nhwc", "eltwise_nhwc", "resize_nhwc")
 
 
@@ -111,11 +118,12 @@ DW = kernels.KERNELS["dwconv"]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("off", [0, 3])
+@pytest.mark.parametrize("off", OFFS)
 @pytest.mark.parametrize(
     ("n", "h", "w", "c", "g"),
     [
         (2, 37, 23, 5, DwGeometry(3, 1, 1, (1, 1, 1, 1))),
+        (3, 11, 7, 8, DwGeometry(3, 1, 1, (1, 1, 1, 1))),  # one vector a pixel
         (1, 64, 64, 72, DwGeometry(5, 2, 1, (2, 2, 2, 2))),
         (3, 17, 19, 40, DwGeometry(3, 2, 1, (1, 1, 1, 1))),
         (1, 32, 32, 960, DwGeometry(5, 1, 2, (4, 4, 4, 4))),  # LR-ASPP's last dilated stage
@@ -141,8 +149,10 @@ GAP = kernels.KERNELS["gap"]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("off", [0, 5])
-@pytest.mark.parametrize(("n", "h", "w", "c"), [(2, 37, 23, 5), (1, 128, 128, 72), (8, 16, 16, 960), (3, 1, 1, 33)])
+@pytest.mark.parametrize("off", [*OFFS, 5])
+@pytest.mark.parametrize(
+    ("n", "h", "w", "c"), [(2, 37, 23, 5), (1, 128, 128, 72), (8, 16, 16, 960), (3, 1, 1, 33), (2, 7, 9, 40)]
+)
 def test_gap_kernel(engine, mods, dtype, off, n, h, w, c) -> None:
     s = Slices(engine, dtype, off)
     x = (s.rng.standard_normal((n, h, w, c)) + 3).astype(dtype)  # a mean far from 0: the sums grow
@@ -177,12 +187,13 @@ ELT = kernels.KERNELS["eltwise"]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("off", [0, 1])
+@pytest.mark.parametrize("off", [*OFFS, 1])
+@pytest.mark.parametrize("c", [37, 40, 8])
 @pytest.mark.parametrize(
     ("op", "gate"), [("unary", False), ("add", False), ("mul", False), ("mul", True), ("add", True)]
 )
-def test_eltwise_kernel(engine, mods, dtype, off, op, gate) -> None:
-    n, h, w, c = 2, 19, 13, 37
+def test_eltwise_kernel(engine, mods, dtype, off, c, op, gate) -> None:
+    n, h, w = 2, 19, 13
     for act in ACTS:
         s = Slices(engine, dtype, off)
         a = (3 * s.rng.standard_normal((n, h, w, c))).astype(dtype)
@@ -194,6 +205,46 @@ def test_eltwise_kernel(engine, mods, dtype, off, op, gate) -> None:
         args = ELT.args(a=pa, b=pb, y=py, N=n, H=h, W=w, C=c, op=op, bcast=gate, lda=lda, ldb=ldb, ldy=ldy, act=act)
         launch(mods, ELT, dtype, ELT.launch(dtype, n, h, w, c, 0, ldy=ldy), args, s)
         check(f"eltwise {op} {act}", ref, s.result(), dtype)
+
+
+def test_vector_and_scalar_paths_agree_bit_for_bit_under_any_grid(engine, mods) -> None:
+    """dwconv and eltwise fp16 on the same data: the vector path (dense) and the scalar fallback
+    (slices 4 channels in: 8 bytes off 16-byte alignment) give identical bits (the same fp32 math
+    and rounding per element), with the grid the spec chooses, one thread per element and a single
+    block (the kernels loop over their work items)."""
+    n, h, w, c, g = 2, 21, 17, 48, DwGeometry(3, 2, 1, (1, 1, 1, 1))
+    rng = np.random.default_rng()
+    x = rng.standard_normal((n, h, w, c)).astype("float16")
+    wp, bp = DwConvSpec.pack((rng.standard_normal((c, 1, 3, 3)) / 3).astype("float16"), rng.standard_normal(c))
+    b = rng.standard_normal((n, 1, 1, c)).astype("float16")
+    act = Activation.named("hardswish")
+    _, ho, wo, _ = DW.output_shape(n, h, w, c, 0, g)
+    one_block = kernels.LaunchConfig(grid=(1, 1, 1), block=(DW.block_threads, 1, 1))
+    grids = [  # (dwconv's, eltwise's): the spec's (vector-sized), one thread per element, one block
+        (DW.launch("float16", n, h, w, c, 0, g), ELT.launch("float16", n, h, w, c)),
+        (DW.element_launch("float16", n, ho, wo, c, c), ELT.element_launch("float16", n, h, w, c, c)),
+        (one_block, one_block),
+    ]
+    outs = []
+    for off in (0, 4):
+        for dw_cfg, elt_cfg in grids:
+            s = Slices(engine, "float16", off)
+            (px, ldx), (py, ldy) = s.input(x), s.output((n, ho, wo, c))
+            args = DW.args(x=px, w=s.weights(wp), bias=s.weights(bp), y=py, N=n, H=h, W=w, C=c, geometry=g,
+                           ldx=ldx, ldy=ldy, act=act)  # fmt: skip
+            launch(mods, DW, "float16", dw_cfg, args, s)
+            dw = s.result()
+            s = Slices(engine, "float16", off)
+            (pa, lda), (pb, ldb), (py, ldy) = s.input(x), s.input(b), s.output(x.shape)
+            args = ELT.args(a=pa, b=pb, y=py, N=n, H=h, W=w, C=c, op="mul", bcast=True, lda=lda, ldb=ldb, ldy=ldy,
+                            act=act)  # fmt: skip
+            launch(mods, ELT, "float16", elt_cfg, args, s)
+            outs.append((dw, s.result()))
+    check("dwconv", DW.reference(x, wp, bp, g, act), outs[0][0], "float16")
+    check("eltwise", ELT.reference(x, b, "mul", act), outs[0][1], "float16")
+    for dw, elt in outs[1:]:
+        np.testing.assert_array_equal(dw.view(np.uint16), outs[0][0].view(np.uint16))
+        np.testing.assert_array_equal(elt.view(np.uint16), outs[0][1].view(np.uint16))
 
 
 RESIZE = kernels.KERNELS["resize"]

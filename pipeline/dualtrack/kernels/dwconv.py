@@ -1,4 +1,5 @@
-"""dwconv_nhwc: the dwconv op (depthwise convolution, MobileNet's), one thread per output element."""
+"""dwconv_nhwc: the dwconv op (depthwise convolution, MobileNet's), one thread per output element
+(fp16: per 8 channels where C and the strides allow)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ class DwConvSpec(ElementSpec):
         "x", "w", "bias", "y", "N", "H", "W", "C", "Ho", "Wo", "ldx", "ldy",
         "R", "S", "D", "pt", "pl", "act", "p0", "p1",
     )  # fmt: skip
+    F16_LANES: ClassVar[int] = 8  # the fp16 vector path: one 16-byte access
     POINTERS: ClassVar[int] = 4
     SHAPE_ATTRS: ClassVar[tuple[str, ...]] = ("geometry",)
 

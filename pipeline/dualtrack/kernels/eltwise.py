@@ -1,5 +1,6 @@
 """eltwise_nhwc: the eltwise op (standalone activations, Add and Mul of NHWC tensors, the
-squeeze-and-excitation gate), one thread per output element."""
+squeeze-and-excitation gate), one thread per output element (fp16: per 8 channels where C and
+the strides allow)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class EltwiseSpec(ElementSpec):
     PARAMS: ClassVar[tuple[str, ...]] = (
         "a", "b", "y", "N", "H", "W", "C", "lda", "ldb", "ldy", "op", "bcast", "act", "p0", "p1",
     )  # fmt: skip
+    F16_LANES: ClassVar[int] = 8  # the fp16 vector path: one 16-byte access
     POINTERS: ClassVar[int] = 3
 
     def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:

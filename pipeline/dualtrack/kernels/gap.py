@@ -26,7 +26,12 @@ LANES = 32  # channels a block owns (gap_nhwc.cu: one warp's width)
 @dataclass(frozen=True)
 class GapSpec(StreamingSpec):
     """(N, H, W, C) -> (N, 1, 1, C): the mean over the image, fp32 sums, one rounding. A block per
-    image and group of 32 channels; ``block_threads / 32`` pixel rows share the image."""
+    image and group of 32 channels; ``block_threads / 32`` pixel rows share the image (fp16 with
+    C and ldx multiples of 8: ``block_threads / 4`` rows of 16-byte loads). 1024 threads: at N=1 an
+    SE block's pool has a handful of blocks (C=72: 3), so each needs as many loads in flight as a
+    block can hold."""
+
+    block_threads: int = 1024
 
     MACRO: ClassVar[str] = "GAP"
     PARAMS: ClassVar[tuple[str, ...]] = ("x", "y", "N", "H", "W", "C", "ldx", "ldy")

@@ -1,0 +1,307 @@
+#!/usr/bin/env python3
+"""Per-layer time of the mobile kernels (dwconv, fc, gap, eltwise, resize: handwritten_ptx/*_nhwc.cu)
+against PyTorch's kernel for the same op, on the distinct layer shapes of torchvision's
+``lraspp_mobilenet_v3_large`` at 512x512, fp16.
+
+    python bench/mobile_layers.py OUT.json [--batches 1 8] [--iters 200] [--only dwconv]
+
+Needs a CUDA GPU, torch with CUDA and dualtrack on the path (each kernel is the checked-in PTX for
+the device's arch, JIT-compiled by the driver and launched through dualtrack's driver layer on
+torch's stream; torch and dualtrack share the primary context).
+
+The shapes are hard-coded from torchvision's architecture (``_mobilenet_v3_conf("mobilenet_v3_large",
+dilated=True)`` as ``lraspp_mobilenet_v3_large`` builds it, and ``LRASPPHead``) rather than read from
+the zoo ONNX's plan: the GPU machines carry no zoo model, and the table below is what that plan's
+Track A calls are (15 depthwise convs, 9 pools, 17 FCs, 9 gates, 2 resizes; ``uses`` counts repeats).
+
+Each row is checked first: our output (NaN-poisoned before) against torch's fp32 computation of the
+same fp16 data, activation included (rel L2 <= 2e-3). Then both sides are timed as ``--iters``
+launches captured in one CUDA graph, replayed between CUDA events after a warm-up (median of 5
+replays, per launch): these kernels take microseconds, so launching from Python would time the host,
+and ``Engine.run`` replays the whole inference as one CUDA graph anyway. PyTorch's side is the op
+alone, as eager torch runs it: ``F.conv2d(groups=C)`` on channels_last (cuDNN) + bias for dwconv,
+``F.linear`` for fc, ``mean`` over H, W for gap, ``*`` / ``+`` for eltwise, ``F.interpolate`` for
+resize; its fused activation would be one more kernel, so the ratio flatters torch slightly.
+Prints a table and writes the rows and per-batch totals (weighted by ``uses``) as JSON, with the
+commit (env DUALTRACK_COMMIT), the GPU name and the driver version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dualtrack.arch import PTX_ARCHES, choose_image
+from dualtrack.kernels import KERNELS, Activation, DwGeometry, ResizeMode
+from dualtrack.ptx import SOURCE_DIR, ptx_path
+from dualtrack.runtime.driver import Device, Module, Stream
+
+TOL = 2e-3  # fp16 output rounding and a different summation order
+HSIG = (float(torch.tensor(1 / 6, dtype=torch.float32)), 0.5)  # torch's Hardsigmoid as ONNX HardSigmoid
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One distinct shape: ``C`` channels of an ``H`` x ``H`` input; ``K`` output channels (fc),
+    ``R``/``stride``/``dilation`` (dwconv), ``Ho`` (resize), ``op2`` the eltwise op, ``act`` the
+    fused activation."""
+
+    name: str
+    op: str
+    uses: int
+    H: int
+    C: int
+    act: str = "none"
+    K: int = 0
+    R: int = 3
+    stride: int = 1
+    dilation: int = 1
+    Ho: int = 0
+    op2: str = ""
+
+
+# torchvision MobileNetV3-Large (dilated, as LR-ASPP builds it) at 512x512: the stem halves to 256;
+# blocks (in, k, exp, out, SE, act, stride, dilation); SE squeezes to make_divisible(exp / 4, 8);
+# blocks with dilation 2 keep stride 1. LR-ASPP's head: 960 -> 128 (cbr) times sigmoid(fc(gap)),
+# upsampled 32 -> 64, classifiers to 2 channels, added, upsampled 64 -> 512.
+LAYERS = (
+    Layer("dw16 3x3 @256", "dwconv", 1, 256, 16, "relu"),
+    Layer("dw64 3x3/2 @256", "dwconv", 1, 256, 64, "relu", stride=2),
+    Layer("dw72 3x3 @128", "dwconv", 1, 128, 72, "relu"),
+    Layer("dw72 5x5/2 @128", "dwconv", 1, 128, 72, "relu", R=5, stride=2),
+    Layer("dw120 5x5 @64", "dwconv", 2, 64, 120, "relu", R=5),
+    Layer("dw240 3x3/2 @64", "dwconv", 1, 64, 240, "hardswish", stride=2),
+    Layer("dw200 3x3 @32", "dwconv", 1, 32, 200, "hardswish"),
+    Layer("dw184 3x3 @32", "dwconv", 2, 32, 184, "hardswish"),
+    Layer("dw480 3x3 @32", "dwconv", 1, 32, 480, "hardswish"),
+    Layer("dw672 3x3 @32", "dwconv", 1, 32, 672, "hardswish"),
+    Layer("dw672 5x5 d2 @32", "dwconv", 1, 32, 672, "hardswish", R=5, dilation=2),
+    Layer("dw960 5x5 d2 @32", "dwconv", 2, 32, 960, "hardswish", R=5, dilation=2),
+    Layer("gap72 @64", "gap", 1, 64, 72),
+    Layer("gap120 @64", "gap", 2, 64, 120),
+    Layer("gap480 @32", "gap", 1, 32, 480),
+    Layer("gap672 @32", "gap", 2, 32, 672),
+    Layer("gap960 @32", "gap", 3, 32, 960),  # two SE blocks and the head's scale branch
+    Layer("fc 72->24", "fc", 1, 1, 72, "relu", K=24),
+    Layer("fc 24->72", "fc", 1, 1, 24, "hardsigmoid", K=72),
+    Layer("fc 120->32", "fc", 2, 1, 120, "relu", K=32),
+    Layer("fc 32->120", "fc", 2, 1, 32, "hardsigmoid", K=120),
+    Layer("fc 480->120", "fc", 1, 1, 480, "relu", K=120),
+    Layer("fc 120->480", "fc", 1, 1, 120, "hardsigmoid", K=480),
+    Layer("fc 672->168", "fc", 2, 1, 672, "relu", K=168),
+    Layer("fc 168->672", "fc", 2, 1, 168, "hardsigmoid", K=672),
+    Layer("fc 960->240", "fc", 2, 1, 960, "relu", K=240),
+    Layer("fc 240->960", "fc", 2, 1, 240, "hardsigmoid", K=960),
+    Layer("fc 960->128 head", "fc", 1, 1, 960, "sigmoid", K=128),
+    Layer("gate72 @64", "eltwise", 1, 64, 72, op2="gate"),
+    Layer("gate120 @64", "eltwise", 2, 64, 120, op2="gate"),
+    Layer("gate480 @32", "eltwise", 1, 32, 480, op2="gate"),
+    Layer("gate672 @32", "eltwise", 2, 32, 672, op2="gate"),
+    Layer("gate960 @32", "eltwise", 2, 32, 960, op2="gate"),
+    Layer("gate128 @32 head", "eltwise", 1, 32, 128, op2="gate"),
+    Layer("add2 @64 head", "eltwise", 1, 64, 2, op2="add"),
+    Layer("add40 @64 residual", "eltwise", 0, 64, 40, op2="add"),  # fused into the conv in a build: uses 0
+    Layer("resize128 32->64", "resize", 1, 32, 128, Ho=64),
+    Layer("resize2 64->512", "resize", 1, 64, 2, Ho=512),
+)
+
+
+def act_of(name: str) -> Activation:
+    return Activation.named(name, *HSIG) if name == "hardsigmoid" else Activation.named(name)
+
+
+def torch_act(name: str, v: torch.Tensor) -> torch.Tensor:
+    """The activation on fp32 values, as ONNX (and the kernels) define it."""
+    match name:
+        case "relu":
+            return torch.relu(v)
+        case "hardswish":
+            return F.hardswish(v)
+        case "hardsigmoid":
+            return torch.clamp(HSIG[0] * v + HSIG[1], 0.0, 1.0)
+        case "sigmoid":
+            return torch.sigmoid(v)
+        case _:
+            return v
+
+
+def graph_ms(launch: Callable[[], None], stream: torch.cuda.Stream, iters: int) -> float:
+    """Per-launch time of ``iters`` launches captured in one CUDA graph (median of 5 replays)."""
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            launch()
+    stream.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        for _ in range(iters):
+            launch()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return statistics.median(times)
+
+
+def problem(layer: Layer, n: int) -> tuple[dict, Callable[[], torch.Tensor], Callable[[], torch.Tensor], tuple]:
+    """(our args by name, torch's fp32 reference, torch's fp16 op, our output shape NHWC) of a layer.
+    Tensors are NHWC contiguous: their NCHW permute is channels_last, no copy."""
+    dev, h, c = "cuda", layer.H, layer.C
+    x = torch.randn(n, h, h, c, device=dev, dtype=torch.float16)
+    xc = x.permute(0, 3, 1, 2)
+    a = act_of(layer.act)
+    if layer.op == "dwconv":
+        g = DwGeometry(layer.R, layer.stride, layer.dilation, (layer.dilation * (layer.R // 2),) * 4)
+        w = (torch.randn(c, 1, layer.R, layer.R, device=dev) / layer.R).half()
+        b = torch.randn(c, device=dev)
+        wp = w[:, 0].permute(1, 2, 0).contiguous()  # RSC, as DwConvSpec.pack
+        conv = dict(stride=layer.stride, padding=g.pads[0], dilation=layer.dilation, groups=c)
+        ref = lambda: torch_act(layer.act, F.conv2d(xc.float(), w.float(), b, **conv))  # noqa: E731
+        bh = b.half()
+        theirs = lambda: F.conv2d(xc, w, bh, **conv)  # noqa: E731
+        _, ho, wo, _ = KERNELS["dwconv"].output_shape(n, h, h, c, 0, g)
+        kw = dict(x=x, w=wp, bias=b, N=n, H=h, W=h, C=c, geometry=g, act=a, keep=(w,))
+        return kw, ref, theirs, (n, ho, wo, c)
+    if layer.op == "gap":
+        ref = lambda: xc.float().mean((2, 3), keepdim=True)  # noqa: E731
+        return dict(x=x, N=n, H=h, W=h, C=c), ref, lambda: xc.mean((2, 3)), (n, 1, 1, c)
+    if layer.op == "fc":
+        v = x.reshape(n, c)
+        w = (torch.randn(layer.K, c, device=dev) / c**0.5).half()
+        b = torch.randn(layer.K, device=dev)
+        bh = b.half()
+        ref = lambda: torch_act(layer.act, F.linear(v.float(), w.float(), b)).reshape(n, layer.K, 1, 1)  # noqa: E731
+        kw = dict(x=x, w=w, bias=b, N=n, C=c, K=layer.K, act=a)
+        return kw, ref, lambda: F.linear(v, w, bh), (n, 1, 1, layer.K)
+    if layer.op == "eltwise":
+        gate = layer.op2 == "gate"
+        y = torch.rand(n, 1, 1, c, device=dev).half() if gate else torch.randn(n, h, h, c, device=dev).half()
+        yc = y.permute(0, 3, 1, 2)
+        op = "mul" if gate else "add"
+        ref = (lambda: xc.float() * yc.float()) if gate else (lambda: xc.float() + yc.float())
+        theirs = (lambda: xc * yc) if gate else (lambda: xc + yc)
+        kw = dict(a=x, b=y, N=n, H=h, W=h, C=c, op=op, bcast=gate)
+        return kw, ref, theirs, (n, h, h, c)
+    ho = layer.Ho
+    how = ResizeMode("linear", "half_pixel", "floor", ho / h, ho / h)
+    ref = lambda: F.interpolate(xc.float(), size=(ho, ho), mode="bilinear", align_corners=False)  # noqa: E731
+    theirs = lambda: F.interpolate(xc, size=(ho, ho), mode="bilinear", align_corners=False)  # noqa: E731
+    return dict(x=x, N=n, H=h, W=h, C=c, Ho=ho, Wo=ho, how=how), ref, theirs, (n, ho, ho, c)
+
+
+def run_layer(fns: dict, ctx, stream: torch.cuda.Stream, layer: Layer, n: int, iters: int) -> dict:
+    spec = KERNELS[layer.op]
+    kw, ref_fn, theirs, out_shape = problem(layer, n)
+    y = torch.full(out_shape, float("nan"), device="cuda", dtype=torch.float16)
+    ptrs = {k: v.data_ptr() for k, v in kw.items() if isinstance(v, torch.Tensor)}
+    call = {**kw, **ptrs, "y": y.data_ptr()}
+    call.pop("keep", None)
+    if layer.op == "dwconv":
+        cfg = spec.launch("float16", n, layer.H, layer.H, layer.C, 0, kw["geometry"])
+    elif layer.op == "resize":
+        cfg = spec.launch("float16", n, layer.H, layer.H, layer.C, 0, Ho=layer.Ho, Wo=layer.Ho)
+    else:
+        cfg = spec.launch("float16", n, layer.H, layer.H, layer.C, layer.K)
+    args = spec.args(**call)
+    fn = fns[spec.entry("float16")]
+    ours_stream = Stream.from_handle(stream.cuda_stream, ctx)
+
+    def ours() -> None:
+        fn.launch(cfg.grid, cfg.block, cfg.shared_bytes, ours_stream, args)
+
+    with torch.cuda.stream(stream):
+        ours()
+    stream.synchronize()
+    ref = ref_fn()
+    got = y.permute(0, 3, 1, 2).float()
+    rel = float((got - ref).norm() / ref.norm()) if torch.isfinite(got).all() else float("inf")
+    row = {**asdict(layer), "N": n, "grid": list(cfg.grid), "block": cfg.block[0], "rel_l2": rel, "passed": rel <= TOL}
+    if row["passed"]:
+        row["ours_ms"] = graph_ms(ours, stream, iters)
+        row["torch_ms"] = graph_ms(theirs, stream, iters)
+        row["ratio"] = row["ours_ms"] / row["torch_ms"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path, help="JSON file to write")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--iters", type=int, default=200, help="launches per captured graph")
+    ap.add_argument("--only", default="", help="run the layers whose name or op contains this")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("mobile_layers: needs a CUDA GPU and torch with CUDA", file=sys.stderr)
+        return 2
+    torch.backends.cudnn.benchmark = True
+    torch.cuda.init()
+    dev = Device(0)
+    ctx = dev.primary_context()  # the one torch uses
+    ctx.make_current()
+    choice = choose_image(dev.cc, [], list(PTX_ARCHES))
+    mods, fns = [], {}
+    for op in sorted({layer.op for layer in LAYERS}):
+        spec = KERNELS[op]
+        path = ptx_path(SOURCE_DIR, SOURCE_DIR / f"{spec.source}.cu", choice.arch)
+        mods.append(Module.load(ctx, path.read_bytes(), kind="ptx", origin=str(path), target=choice.arch))
+        fns.update({e: mods[-1].function(e) for e in spec.entries})
+    stream = torch.cuda.Stream()
+
+    rows = []
+    print(f"{'layer':20} {'op':8} {'N':>2} {'uses':>4} {'rel_l2':>8} {'ours us':>8} {'torch us':>8} {'ratio':>6}")
+    for n in args.batches:
+        for layer in LAYERS:
+            if args.only and args.only not in layer.name and args.only != layer.op:
+                continue
+            row = run_layer(fns, ctx, stream, layer, n, args.iters)
+            rows.append(row)
+            us = (
+                f"{1e3 * row['ours_ms']:8.2f} {1e3 * row['torch_ms']:8.2f} {row['ratio']:6.2f}"
+                if row["passed"]
+                else "  FAILED"
+            )
+            print(f"{layer.name:20} {layer.op:8} {n:>2} {layer.uses:>4} {row['rel_l2']:8.1e} {us}")
+    totals: dict[str, dict[str, float]] = {}
+    for n in args.batches:
+        for op in sorted({r["op"] for r in rows}):
+            mine = [r for r in rows if r["N"] == n and r["op"] == op and r["passed"]]
+            ours, theirs = (sum(r[k] * r["uses"] for r in mine) for k in ("ours_ms", "torch_ms"))
+            totals.setdefault(str(n), {})[op] = {"ours_ms": ours, "torch_ms": theirs}
+            print(f"N={n} {op:8}: weighted by use, ours {1e3 * ours:8.2f} us, torch {1e3 * theirs:8.2f} us")
+    doc = {
+        "commit": os.environ.get("DUALTRACK_COMMIT", "unknown"),
+        "gpu": torch.cuda.get_device_name(),
+        "driver": subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip(),
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "arch": choice.arch,
+        "iters": args.iters,
+        "rows": rows,
+        "totals": totals,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2))
+    for m in mods:
+        m.close()
+    return 0 if all(r["passed"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
