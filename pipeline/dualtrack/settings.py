@@ -8,6 +8,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dualtrack.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -62,8 +64,6 @@ class Settings:
 
 def _track_b(value: str) -> str:
     if value not in ("replay", "iree"):
-        from dualtrack.errors import ConfigError
-
         raise ConfigError(f"DUALTRACK_TRACK_B={value!r}: use 'replay' (the default) or 'iree'")
     return value
 
