@@ -45,6 +45,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -321,9 +322,10 @@ def _serve_and_load(
     try:
         t0 = time.monotonic()
         _wait_ready(base, server)
-        ready = json.loads(urllib.request.urlopen(f"{base}/readyz", timeout=10).read())
         if on_ray:  # each model replica reports where its engine runs with its metrics (every 1.25 s)
             ready = _wait_devices(base, _flag(extra, "--replicas") or "1")
+        else:
+            ready = json.loads(urllib.request.urlopen(f"{base}/readyz", timeout=10).read())
         decoder = ready.get("jpeg_decoder", {"name": "cpu", "reason": "this dualtrack reports none"})
         print(f"[serve] ready after {time.monotonic() - t0:.1f} s {env or ''}; JPEG decoder {decoder}")
         for (case, body, path, content_type), clients in ((c, n) for c in cases for n in args.clients):
@@ -540,13 +542,23 @@ def _tree_rss_mb(pid: int) -> dict[str, float]:
 
 
 def _wait_devices(base: str, replicas: str, timeout_s: float = 30.0) -> dict[str, Any]:
-    """/readyz once it lists every model replica's device (each reports it with its metrics)."""
+    """/readyz once 8 answers in a row list every model replica's device (each reports it with its metrics).
+
+    Each ingress replica answers /readyz from its own view of the model deployment, so one that has
+    not yet seen it ready answers 503 after another answered 200: retried until ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
+    streak = 0  # consecutive complete answers: Ray's proxy spreads them over the ingress replicas
     while True:
-        ready = json.loads(urllib.request.urlopen(f"{base}/readyz", timeout=10).read())
-        if len(ready.get("devices", ())) >= int(replicas) or time.monotonic() > deadline:
+        try:
+            ready = json.loads(urllib.request.urlopen(f"{base}/readyz", timeout=10).read())
+        except urllib.error.HTTPError as e:
+            if e.code != 503 or time.monotonic() > deadline:
+                raise
+            ready = {}
+        streak = streak + 1 if len(ready.get("devices", ())) >= int(replicas) else 0
+        if streak >= 8 or time.monotonic() > deadline:
             return ready
-        time.sleep(0.5)
+        time.sleep(0.25)
 
 
 def _device_check(ready: dict[str, Any], tree: set[int]) -> dict[str, Any]:
