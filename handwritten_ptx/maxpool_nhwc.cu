@@ -45,23 +45,19 @@ __device__ __forceinline__ void maxpool(const T* __restrict__ x, T* __restrict__
                                         int dw, int pt, int pl) {
     const int chunks = (C + V - 1) / V;
     const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-    const long long total = static_cast<long long>(N) * Ho * Wo * chunks;
-    if (idx >= total) return;
-
-    const int q = static_cast<int>(idx % chunks);
-    long long rest = idx / chunks;
-    const int wo = static_cast<int>(rest % Wo);
-    rest /= Wo;
-    const int ho = static_cast<int>(rest % Ho);
-    const long long n = rest / Ho;
-    const int c = q * V;
+    if (idx >= static_cast<long long>(N) * Ho * Wo * chunks) return;
+    // Output pixel (n, ho, wo) and channel chunk, chunk fastest: neighbouring threads read
+    // neighbouring bytes of one pixel.
+    const NhwcIndex o = nhwc_index(idx, Ho, Wo, chunks);
+    const long long n = o.n;
+    const int ho = o.h, wo = o.w, c = o.c * V;
 
     const int h0 = ho * sh - pt, w0 = wo * sw - pl;
     int r0, r1, s0, s1;
     taps_inside(h0, dh, H, R, r0, r1);
     taps_inside(w0, dw, W, S, s0, s1);
     const T* img = x + n * H * static_cast<long long>(W) * ldx + c;  // channel c of pixel (n, 0, 0)
-    T* dst = y + ((n * Ho + ho) * Wo + wo) * ldy + c;
+    T* dst = y + o.p * ldy + c;
 
     const bool vec = C % V == 0 && ldx % V == 0 && ldy % V == 0 && aligned16(x) && aligned16(y);
     if (vec) {
