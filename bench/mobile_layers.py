@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Per-layer time of the mobile kernels (dwconv, fc, gap, eltwise, resize: handwritten_ptx/*_nhwc.cu)
 against PyTorch's kernel for the same op, on the distinct layer shapes of torchvision's
-``lraspp_mobilenet_v3_large`` at 512x512, fp16.
+``lraspp_mobilenet_v3_large`` at 512x512, fp16; and of the max-pools (the general ``maxpool`` on smp
+Unet-resnet34's 3x3/2 stem pool, 64 channels 256x256 -> 128x128, against ``F.max_pool2d``; both
+max-pool kernels on a 2x2/2 window of the same input, the window ``maxpool2x2`` keeps).
 
     python bench/mobile_layers.py OUT.json [--batches 1 8] [--iters 200] [--only dwconv]
 
@@ -12,7 +14,8 @@ torch's stream; torch and dualtrack share the primary context).
 The shapes are hard-coded from torchvision's architecture (``_mobilenet_v3_conf("mobilenet_v3_large",
 dilated=True)`` as ``lraspp_mobilenet_v3_large`` builds it, and ``LRASPPHead``) rather than read from
 the zoo ONNX's plan: the GPU machines carry no zoo model, and the table below is what that plan's
-Track A calls are (15 depthwise convs, 9 pools, 17 FCs, 9 gates, 2 resizes; ``uses`` counts repeats).
+Track A calls are (15 depthwise convs, 9 pools, 17 FCs, 9 gates, 2 resizes; ``uses`` counts repeats;
+the max-pool rows are not LR-ASPP's: ``uses`` 1 for the smp stem pool, 0 for the 2x2 comparison).
 
 Each row is checked first: our output (NaN-poisoned before) against torch's fp32 computation of the
 same fp16 data, activation included (rel L2 <= 2e-3). Then both sides are timed as ``--iters``
@@ -21,7 +24,8 @@ replays, per launch): these kernels take microseconds, so launching from Python 
 and ``Engine.run`` replays the whole inference as one CUDA graph anyway. PyTorch's side is the op
 alone, as eager torch runs it: ``F.conv2d(groups=C)`` on channels_last (cuDNN) + bias for dwconv,
 ``F.linear`` for fc, ``mean`` over H, W for gap, ``*`` / ``+`` for eltwise, ``F.interpolate`` for
-resize; its fused activation would be one more kernel, so the ratio flatters torch slightly.
+resize, ``F.max_pool2d`` (channels_last) for the max-pools; its fused activation would be one more
+kernel, so the ratio flatters torch slightly.
 Prints a table and writes the rows and per-batch totals (weighted by ``uses``) as JSON, with the
 commit (env DUALTRACK_COMMIT), the GPU name and the driver version.
 """
@@ -42,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from dualtrack.arch import PTX_ARCHES, choose_image
-from dualtrack.kernels import KERNELS, Activation, DwGeometry, ResizeMode
+from dualtrack.kernels import KERNELS, Activation, DwGeometry, PoolGeometry, ResizeMode
 from dualtrack.ptx import SOURCE_DIR, ptx_path
 from dualtrack.runtime.driver import Device, Module, Stream
 
@@ -53,8 +57,8 @@ HSIG = (float(torch.tensor(1 / 6, dtype=torch.float32)), 0.5)  # torch's Hardsig
 @dataclass(frozen=True)
 class Layer:
     """One distinct shape: ``C`` channels of an ``H`` x ``H`` input; ``K`` output channels (fc),
-    ``R``/``stride``/``dilation`` (dwconv), ``Ho`` (resize), ``op2`` the eltwise op, ``act`` the
-    fused activation."""
+    ``R``/``stride``/``dilation`` (dwconv; ``R``/``stride`` the max-pools' window), ``Ho`` (resize),
+    ``op2`` the eltwise op, ``act`` the fused activation."""
 
     name: str
     op: str
@@ -113,6 +117,12 @@ LAYERS = (
     Layer("add40 @64 residual", "eltwise", 0, 64, 40, op2="add"),  # fused into the conv in a build: uses 0
     Layer("resize128 32->64", "resize", 1, 32, 128, Ho=64),
     Layer("resize2 64->512", "resize", 1, 64, 2, Ho=512),
+    # Not LR-ASPP's: smp Unet-resnet34's stem pool (3x3/2, pad 1) on the general max-pool; then a 2x2/2
+    # window of the same input on both max-pool kernels (uses 0), which says whether maxpool2x2 still
+    # earns its place beside the general kernel (partition._max_pool routes 2x2/2 windows to it).
+    Layer("maxpool64 3x3/2 @256", "maxpool", 1, 256, 64, R=3, stride=2),
+    Layer("maxpool64 2x2/2 @256", "maxpool", 0, 256, 64, R=2, stride=2),
+    Layer("maxpool2x2 64 @256", "maxpool2x2", 0, 256, 64, R=2, stride=2),
 )
 
 
@@ -197,6 +207,13 @@ def problem(layer: Layer, n: int) -> tuple[dict, Callable[[], torch.Tensor], Cal
         theirs = (lambda: xc * yc) if gate else (lambda: xc + yc)
         kw = dict(a=x, b=y, N=n, H=h, W=h, C=c, op=op, bcast=gate)
         return kw, ref, theirs, (n, h, h, c)
+    if layer.op in ("maxpool", "maxpool2x2"):
+        k, pad = layer.R, (layer.R - 1) // 2  # ResNet's 3x3/2 pads 1; a 2x2/2 window none
+        g = PoolGeometry(k, k, layer.stride, layer.stride, pad_top=pad, pad_left=pad, pad_bottom=pad, pad_right=pad)
+        ref = lambda: F.max_pool2d(xc.float(), k, layer.stride, pad)  # noqa: E731
+        theirs = lambda: F.max_pool2d(xc, k, layer.stride, pad)  # noqa: E731
+        _, ho, wo, _ = KERNELS["maxpool"].output_shape(n, h, h, c, 0, g)
+        return dict(x=x, N=n, H=h, W=h, C=c, geom=g), ref, theirs, (n, ho, wo, c)
     ho = layer.Ho
     how = ResizeMode("linear", "half_pixel", "floor", ho / h, ho / h)
     ref = lambda: F.interpolate(xc.float(), size=(ho, ho), mode="bilinear", align_corners=False)  # noqa: E731
@@ -213,6 +230,8 @@ def run_layer(fns: dict, ctx, stream: torch.cuda.Stream, layer: Layer, n: int, i
     call.pop("keep", None)
     if layer.op == "dwconv":
         cfg = spec.launch("float16", n, layer.H, layer.H, layer.C, 0, kw["geometry"])
+    elif layer.op == "maxpool":
+        cfg = spec.launch("float16", n, layer.H, layer.H, layer.C, 0, kw["geom"])
     elif layer.op == "resize":
         cfg = spec.launch("float16", n, layer.H, layer.H, layer.C, 0, Ho=layer.Ho, Wo=layer.Ho)
     else:

@@ -95,6 +95,39 @@ __device__ __forceinline__ void store_f16x8(f16* p, const float (&v)[8]) {
     *reinterpret_cast<uint4*>(p) = make_uint4(words[0], words[1], words[2], words[3]);
 }
 
+// Maxima that propagate NaN (max.NaN: NaN if either operand is, as numpy's max and PyTorch's max-pool),
+// of one value or of a 16-byte chunk (8 fp16 in a uint4, 4 fp32 in a float4); max_of picks by type.
+__device__ __forceinline__ unsigned max_f16x2(unsigned a, unsigned b) {
+    unsigned d;
+    asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+__device__ __forceinline__ f16 max_f16(f16 a, f16 b) {
+    f16 d;
+    asm("max.NaN.f16 %0, %1, %2;" : "=h"(d) : "h"(a), "h"(b));
+    return d;
+}
+
+__device__ __forceinline__ float max_f32(float a, float b) {
+    float d;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+
+__device__ __forceinline__ uint4 max_f16x8(uint4 a, uint4 b) {
+    return make_uint4(max_f16x2(a.x, b.x), max_f16x2(a.y, b.y), max_f16x2(a.z, b.z), max_f16x2(a.w, b.w));
+}
+
+__device__ __forceinline__ float4 max_f32x4(float4 a, float4 b) {
+    return make_float4(max_f32(a.x, b.x), max_f32(a.y, b.y), max_f32(a.z, b.z), max_f32(a.w, b.w));
+}
+
+__device__ __forceinline__ f16 max_of(f16 a, f16 b) { return max_f16(a, b); }
+__device__ __forceinline__ float max_of(float a, float b) { return max_f32(a, b); }
+__device__ __forceinline__ uint4 max_of(uint4 a, uint4 b) { return max_f16x8(a, b); }
+__device__ __forceinline__ float4 max_of(float4 a, float4 b) { return max_f32x4(a, b); }
+
 // The activation codes of dualtrack.plan.ACTIVATIONS; p0, p1 are the activation's parameters
 // (Clip: min, max; HardSigmoid: alpha, beta). NaN propagates through every one of them, as numpy's.
 enum Act { ACT_NONE = 0, ACT_RELU = 1, ACT_CLIP = 2, ACT_HARDSIGMOID = 3, ACT_HARDSWISH = 4, ACT_SIGMOID = 5 };

@@ -16,37 +16,6 @@ static_assert(POOL_VEC_F16 * 2 == 16 && POOL_VEC_F32 * 4 == 16, "one thread per 
 
 #include "dualtrack_device.cuh"
 
-__device__ __forceinline__ unsigned max_f16x2(unsigned a, unsigned b) {
-    unsigned d;
-    asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-
-__device__ __forceinline__ f16 max_f16(f16 a, f16 b) {
-    f16 d;
-    asm("max.NaN.f16 %0, %1, %2;" : "=h"(d) : "h"(a), "h"(b));
-    return d;
-}
-
-__device__ __forceinline__ float max_f32(float a, float b) {
-    float d;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-    return d;
-}
-
-__device__ __forceinline__ uint4 max_f16x8(uint4 a, uint4 b) {
-    return make_uint4(max_f16x2(a.x, b.x), max_f16x2(a.y, b.y), max_f16x2(a.z, b.z), max_f16x2(a.w, b.w));
-}
-
-__device__ __forceinline__ float4 max_f32x4(float4 a, float4 b) {
-    return make_float4(max_f32(a.x, b.x), max_f32(a.y, b.y), max_f32(a.z, b.z), max_f32(a.w, b.w));
-}
-
-__device__ __forceinline__ f16 max_of(f16 a, f16 b) { return max_f16(a, b); }
-__device__ __forceinline__ float max_of(float a, float b) { return max_f32(a, b); }
-__device__ __forceinline__ uint4 max_of(uint4 a, uint4 b) { return max_f16x8(a, b); }
-__device__ __forceinline__ float4 max_of(float4 a, float4 b) { return max_f32x4(a, b); }
-
 // T: element type; V: elements per 16-byte chunk; Vec: the 16-byte type.
 template <typename T, int V, typename Vec>
 __device__ __forceinline__ void maxpool2x2(const T* __restrict__ x, T* __restrict__ y, int N, int H, int W, int C,

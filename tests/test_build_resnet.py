@@ -1,7 +1,7 @@
 """A small ResNet-like network built on the CPU with its convolutions on Track A as the general conv:
 the 7x7 stride-2 stem, basic blocks (3x3 + residual Add + ReLU fused into one call), a stride-2
-block with its 1x1 stride-2 downsample. The 3x3 stride-2 max-pool stays on Track B (a track switch
-in the middle). Through the real pipeline: `dualtrack build --cpu-only` (front end, partition,
+block with its 1x1 stride-2 downsample, and between them the 3x3 stride-2 max-pool on the general
+max-pool (one Track A segment). Through the real pipeline: `dualtrack build --cpu-only` (front end, partition,
 IREE llvm-cpu, and the verification: every segment against onnxruntime, every Track A call list
 interpreted with the kernels' numpy semantics, the whole plan at both batch sizes against
 onnxruntime on the whole model)."""
@@ -27,7 +27,7 @@ targets: []
 preprocess: {layout: NCHW, color: RGB, scale: 255, mean: [0.485, 0.456, 0.406], std: [0.229, 0.224, 0.225]}
 partition:
   track_a:
-    name_prefixes: [stem/, layer]
+    name_prefixes: [stem/, pool, layer]
 verify: {samples: 1, seed: 3}
 """
 
@@ -93,10 +93,13 @@ def resnet_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_resnet_convolutions_lower_to_the_general_conv(resnet_bundle: Path) -> None:
     plan = Bundle.open(resnet_bundle).manifest.plan
-    assert [s.track for s in plan.segments] == ["B", "A", "B", "A", "B"]
-    stem, blocks = plan.segments[1].calls, plan.segments[3].calls
+    assert [s.track for s in plan.segments] == ["B", "A", "B"]
+    calls = plan.segments[1].calls
+    stem, pool, blocks = calls[:1], calls[1], calls[2:]
     assert [(c.op, c.nodes) for c in stem] == [("conv", ("stem/conv", "stem/relu"))]
     assert (stem[0].attr("R"), stem[0].attr("stride_h"), stem[0].attr("pad_top")) == (7, 2, 3)
+    assert (pool.op, pool.nodes) == ("maxpool", ("pool",))
+    assert (pool.attr("R"), pool.attr("stride_h"), pool.attr("pad_top"), pool.attr("ceil_mode")) == (3, 2, 1, 0)
     assert [(c.op, c.nodes) for c in blocks] == [
         ("conv3x3", ("layer1/conv1", "layer1/relu1")),
         ("conv", ("layer1/conv2", "layer1/add", "layer1/relu2")),

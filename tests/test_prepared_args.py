@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dualtrack.kernels import ACTIVATIONS, KERNELS, RESIZE_RGB, ConvGeometry, DwGeometry, ResizeMode
+from dualtrack.kernels import ACTIVATIONS, KERNELS, RESIZE_RGB, ConvGeometry, DwGeometry, PoolGeometry, ResizeMode
 from dualtrack.kernels.base import PreparedCall
 from dualtrack.kernels.tensormap import TiledMap
 from dualtrack.plan import ACTIVATIONS as PLAN_ACTS
@@ -78,6 +78,8 @@ C3 = KernelCall("conv3x3", ("x",), ("y",), ("w", "b"), (("relu", 1),), ("c",))
 P, Q = G.output_hw(9, 10)
 P2, Q2 = G2.output_hw(12, 11)
 HO, WO = DwGeometry(5, 2, 1, (2, 1, 2, 2)).output_hw(13, 14)
+POOL3 = PoolGeometry(3, 3, 2, 2, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1)
+POOL_CEIL = PoolGeometry(3, 2, 2, 3, dil_h=2, pad_bottom=1, ceil_mode=1)
 
 # Each case: how to prepare it (the plan call on device tensors, channel slices included).
 CASES: dict[str, Callable[[], PreparedCall]] = {
@@ -96,6 +98,14 @@ CASES: dict[str, Callable[[], PreparedCall]] = {
     "maxpool2x2": lambda: K["maxpool2x2"].prepare(
         KernelCall("maxpool2x2", ("x",), ("y",)), T(0x1000, (2, 9, 8, 40), ld=72), T(0x2000, (2, 4, 4, 40), ld=48),
         [], Context("off"),
+    ),
+    "maxpool": lambda: K["maxpool"].prepare(
+        KernelCall("maxpool", ("x",), ("y",), (), POOL3.attrs()), T(0x1000, (2, 9, 8, 40), ld=72),
+        T(0x2000, (2, 5, 4, 40), ld=48), [], Context("off"),
+    ),
+    "maxpool ceil f32": lambda: K["maxpool"].prepare_inputs(
+        KernelCall("maxpool", ("x",), ("y",), (), POOL_CEIL.attrs()), [T(0x1000, (1, 11, 10, 5), f32)],
+        T(0x2000, (1, *POOL_CEIL.output_hw(11, 10), 5), f32), [], Context("off"),
     ),
     "convt2x2": lambda: K["convt2x2"].prepare_inputs(
         KernelCall("convt2x2", ("x",), ("y",), ("w", "b")), [T(0x1000, (1, 4, 4, 16), f32)],
@@ -201,6 +211,22 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
         "MMPPIIIIIIIIP",
     ),
     "maxpool2x2": ("maxpool2x2_nhwc_f16", (1, 1, 1), (256, 1, 1), 0, [4096, 8192, 2, 9, 8, 40, 72, 48], "PPIIIIII"),
+    "maxpool": (
+        "maxpool_nhwc_f16",
+        (1, 1, 1),  # 2*5*4 pixels x 5 chunks of 8 channels
+        (256, 1, 1),
+        0,
+        [4096, 8192, 2, 9, 8, 40, 5, 4, 72, 48, 3, 3, 2, 2, 1, 1, 1, 1],
+        "PPIIIIIIIIIIIIIIII",
+    ),
+    "maxpool ceil f32": (
+        "maxpool_nhwc_f32",
+        (1, 1, 1),
+        (256, 1, 1),
+        0,
+        [4096, 8192, 1, 11, 10, 5, 5, 4, 5, 5, 3, 2, 2, 3, 2, 1, 0, 0],
+        "PPIIIIIIIIIIIIIIII",
+    ),
     "convt2x2": (
         "convt2x2_nhwc_f32",
         (1, 1, 1),

@@ -24,7 +24,8 @@ Track B records of `configs/tuning/h200.json`; each number's source is next to i
 roofline per kind of kernel (:meth:`Rates.track_a_for`): the fixed-shape tensor-core kernels
 (conv3x3, conv1x1, convt2x2; maxpool2x2 by its bytes), the general conv (any kernel size and stride:
 its FLOPs count every tap of every output pixel, so the stride is in them), and the SIMT kernels of
-the mobile ops (dwconv, gap, fc, eltwise, resize), whose few FLOPs per byte leave them bytes-bound.
+the mobile ops (dwconv, gap, fc, eltwise, resize) and of the general max-pool (one comparison per
+tap), whose few FLOPs per byte leave them bytes-bound.
 A Track A node with no kernel of its own (an Add or activation fused into its Conv, a Concat
 realised as channel slices) costs nothing there. The numbers are the H200's; on another GPU they
 are a guess of the right order, which is all an island decision needs (an island moves when its
@@ -55,8 +56,9 @@ ConvKey = tuple[int, int, int, int, int, str]
 MeasuredTimes = Mapping[ConvKey, float]
 
 
-# The Track A kernels of the mobile ops: fp32 math on the CUDA cores, memory-bound (Rates.track_a_simt).
-SIMT_KERNELS = ("dwconv", "gap", "fc", "eltwise", "resize")
+# The Track A kernels on the CUDA cores, memory-bound (Rates.track_a_simt): the mobile ops' and the
+# general max-pool's (one comparison per tap, node_work).
+SIMT_KERNELS = ("dwconv", "gap", "fc", "eltwise", "resize", "maxpool")
 
 
 @dataclass(frozen=True)
@@ -150,8 +152,8 @@ def _itemsize(dtype: str) -> int:
 def node_work(node: onnx.NodeProto, specs: Mapping[str, tuple[tuple[int, ...], str]], inits: set[str]) -> Work:
     """FLOPs and bytes of one node at batch 1, from the static shapes (``partition.infer_specs``).
 
-    Convolutions and matrix products count 2 FLOPs per multiply-add; any other node one per output
-    element (they are memory-bound: the bytes decide)."""
+    Convolutions and matrix products count 2 FLOPs per multiply-add, a max-pool one per tap; any
+    other node one per output element (they are memory-bound: the bytes decide)."""
     outs = [specs[o] for o in node.output if o and o in specs]
     out_elems = sum(_numel(s) for s, _ in outs)
     act = sum(_numel(s) * _itemsize(d) for s, d in outs)
@@ -168,6 +170,9 @@ def node_work(node: onnx.NodeProto, specs: Mapping[str, tuple[tuple[int, ...], s
         flops = 2.0 * out_elems * _numel(specs[node.input[1]][0][1:])  # (K, C/group, kh, kw)
     elif node.op_type == "ConvTranspose" and len(node.input) > 1 and node.input[1] in specs:
         flops = 2.0 * _numel(specs[node.input[0]][0]) * _numel(specs[node.input[1]][0][1:])  # (C, K/group, kh, kw)
+    elif node.op_type == "MaxPool" and node.output[0] in specs:
+        kernel = next((list(x.ints) for x in node.attribute if x.name == "kernel_shape"), [])
+        flops = float(_numel(specs[node.output[0]][0]) * _numel(kernel))  # one comparison per tap
     elif node.op_type in ("MatMul", "Gemm") and node.input[0] in specs:
         a = specs[node.input[0]][0]
         trans_a = any(x.name == "transA" and x.i for x in node.attribute)

@@ -27,12 +27,13 @@ from dualtrack import cost, frontend, kernels, layout, lower_mobile
 from dualtrack.config import BuildConfig, Rules
 from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
 from dualtrack.frontend import model_precision
-from dualtrack.kernels import ConvGeometry
+from dualtrack.kernels import ConvGeometry, PoolGeometry
 from dualtrack.plan import KernelCall, Plan, Segment, TensorSpec
 
 TRACK_A_DESCRIPTION = (
     "Conv of group 1, any kernel size, stride, dilation and padding (optionally +Add of a residual "
-    "+Relu/Clip(0,6)/HardSwish/HardSigmoid/Sigmoid/SiLU), MaxPool 2x2/stride 2, ConvTranspose 2x2/stride 2, "
+    "+Relu/Clip(0,6)/HardSwish/HardSigmoid/Sigmoid/SiLU), MaxPool of any window up to "
+    f"{kernels.maxpool.MAX_KERNEL}x{kernels.maxpool.MAX_KERNEL} (no Indices output), ConvTranspose 2x2/stride 2, "
     "channel Concat of their outputs, "
     f"and the mobile ops: {lower_mobile.DESCRIPTION}"
 )
@@ -326,19 +327,31 @@ def _convt_attrs_ok(node: onnx.NodeProto) -> str | None:
     return None
 
 
-def _pool_attrs_ok(node: onnx.NodeProto) -> str | None:
-    a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
-    if list(a.get("kernel_shape", [])) != [2, 2] or list(a.get("strides", [1, 1])) != [2, 2]:
-        return f"kernel {list(a.get('kernel_shape', []))} stride {list(a.get('strides', [1, 1]))}"
-    if any(a.get("pads", [0, 0, 0, 0])) or a.get("ceil_mode", 0) or list(a.get("dilations", [1, 1])) != [1, 1]:
-        return "padding, ceil_mode or dilation"
-    if len([o for o in node.output if o]) != 1:
-        return "an Indices output"
-    return None
-
-
 def _attrs(node: onnx.NodeProto) -> dict:
     return {x.name: helper.get_attribute_value(x) for x in node.attribute}
+
+
+def _window_pads(
+    a: dict, x_shape: tuple[int, ...], kernel: list[int], strides: list[int], dilations: list[int]
+) -> tuple[list[int] | None, str | None]:
+    """The (top, left, bottom, right) pads of a 2-D Conv's or pool's window as ONNX defines them
+    (``auto_pad`` resolved against the input size), or (None, why) for an ``auto_pad`` it has not."""
+    pads = [int(v) for v in a.get("pads", [0, 0, 0, 0])]
+    auto_pad = a.get("auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad == "VALID":
+        return [0, 0, 0, 0], None
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        # ONNX: output = ceil(input / stride); the odd pixel of padding goes last (UPPER) or first.
+        totals = [
+            max((-(-size // st) - 1) * st + (k - 1) * d + 1 - size, 0)
+            for size, st, k, d in zip(x_shape[2:], strides, kernel, dilations, strict=True)
+        ]
+        first = [t // 2 if auto_pad == "SAME_UPPER" else t - t // 2 for t in totals]
+        return [first[0], first[1], totals[0] - first[0], totals[1] - first[1]], None
+    if auto_pad != "NOTSET":
+        return None, f"auto_pad {auto_pad}"
+    return pads, None
 
 
 def conv_geometry(node: onnx.NodeProto, specs: dict) -> tuple[ConvGeometry | None, int, str | None]:
@@ -352,23 +365,31 @@ def conv_geometry(node: onnx.NodeProto, specs: dict) -> tuple[ConvGeometry | Non
     R, S = (int(v) for v in a.get("kernel_shape", w_shape[2:]))
     sh, sw = (int(v) for v in a.get("strides", [1, 1]))
     dh, dw = (int(v) for v in a.get("dilations", [1, 1]))
-    pads = [int(v) for v in a.get("pads", [0, 0, 0, 0])]
-    auto_pad = a.get("auto_pad", b"NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    if auto_pad == "VALID":
-        pads = [0, 0, 0, 0]
-    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        # ONNX: output = ceil(input / stride); the odd pixel of padding goes last (UPPER) or first.
-        totals = [
-            max((-(-size // st) - 1) * st + (k - 1) * d + 1 - size, 0)
-            for size, st, k, d in ((x_shape[2], sh, R, dh), (x_shape[3], sw, S, dw))
-        ]
-        first = [t // 2 if auto_pad == "SAME_UPPER" else t - t // 2 for t in totals]
-        pads = [first[0], first[1], totals[0] - first[0], totals[1] - first[1]]
-    elif auto_pad != "NOTSET":
-        return None, group, f"auto_pad {auto_pad}"
-    geom = ConvGeometry(R, S, sh, sw, dh, dw, pads[0], pads[1], pads[2], pads[3])
-    return geom, group, None
+    pads, why = _window_pads(a, x_shape, [R, S], [sh, sw], [dh, dw])
+    if pads is None:
+        return None, group, why
+    return ConvGeometry(R, S, sh, sw, dh, dw, *pads), group, None
+
+
+def pool_geometry(node: onnx.NodeProto, specs: dict) -> tuple[PoolGeometry | None, str | None]:
+    """(window, None) of a 2-D MaxPool as ONNX defines it, or (None, why not): not 2-D, an Indices
+    output, or attributes the kernels do not know."""
+    a = _attrs(node)
+    x_shape = specs[node.input[0]][0]
+    if len(x_shape) != 4:
+        return None, f"a {len(x_shape) - 2}-D max-pool (Track A takes 2-D)"
+    if len([o for o in node.output if o]) != 1:
+        return None, "an Indices output (Track A computes the values only)"
+    kernel = [int(v) for v in a.get("kernel_shape", [])]
+    if len(kernel) != 2:
+        return None, f"kernel_shape {kernel}"
+    strides = [int(v) for v in a.get("strides", [1, 1])]
+    dilations = [int(v) for v in a.get("dilations", [1, 1])]
+    pads, why = _window_pads(a, x_shape, kernel, strides, dilations)
+    if pads is None:
+        return None, why
+    # storage_order only orders the Indices output, which Track A never computes.
+    return PoolGeometry(*kernel, *strides, *dilations, *pads, ceil_mode=int(a.get("ceil_mode", 0))), None
 
 
 def _constant(name: str, model: onnx.ModelProto) -> np.ndarray | None:
@@ -568,8 +589,39 @@ def _convt_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
     return _convt_attrs_ok(node) or _constant_weights(node, ctx)
 
 
+# The window maxpool2x2 is specialised for (the reference U-Net's pools); the general maxpool takes the rest.
+_POOL_2X2 = PoolGeometry(2, 2, 2, 2)
+
+
+def _max_pool(node: onnx.NodeProto, specs: dict) -> tuple[str, PoolGeometry | None, str | None]:
+    """The kernel a MaxPool runs, its window and why the kernel cannot take it (None where it can):
+    ``maxpool2x2`` for a plain 2x2 / stride 2 window, else the general ``maxpool``, where its spec's
+    :meth:`~dualtrack.kernels.MaxPoolSpec.supports` says so and its output size is the graph's
+    (ONNX's shape inference and onnxruntime disagree on some ``ceil_mode`` windows:
+    :mod:`dualtrack.kernels.maxpool`)."""
+    geom, why = pool_geometry(node, specs)
+    if geom is None:
+        return "maxpool", None, why
+    if geom == _POOL_2X2:
+        return "maxpool2x2", geom, None
+    (_, c, h, w), dtype = specs[node.input[0]]
+    spec = kernels.KERNELS["maxpool"]
+    assert isinstance(spec, kernels.MaxPoolSpec)
+    why = spec.supports(dtype, h, w, c, geom)
+    if why is None and specs[node.output[0]][0][2:] != geom.output_hw(h, w):
+        why = (
+            f"{geom.label()} on {h}x{w}: the graph says {specs[node.output[0]][0][2:]}, onnxruntime computes "
+            f"{geom.output_hw(h, w)} (ceil_mode's last window would start in the padding)"
+        )
+    return "maxpool", geom, why
+
+
 def _pool_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
-    return _pool_attrs_ok(node)
+    return _max_pool(node, ctx.specs)[2]
+
+
+def _pool_kernel(node: onnx.NodeProto, ctx: SupportContext) -> str:
+    return _max_pool(node, ctx.specs)[0]
 
 
 def _in_conv_epilogue(node: onnx.NodeProto, ctx: SupportContext) -> bool:
@@ -634,7 +686,7 @@ TRACK_A_SUPPORT: dict[str, TrackAOp] = {
     **{op: TrackAOp(_mobile_support, _mobile_kernel) for op in lower_mobile.RULES},
     **{op: TrackAOp(_epilogue_support, _epilogue_kernel) for op in ("Add", "Mul", *lower_mobile.ACT_OPS)},
     "Conv": TrackAOp(_conv_support, _conv_kernel),
-    "MaxPool": TrackAOp(_pool_support, _launches("maxpool2x2")),
+    "MaxPool": TrackAOp(_pool_support, _pool_kernel),
     "ConvTranspose": TrackAOp(_convt_support, _launches("convt2x2")),
     "Concat": TrackAOp(_concat_support, _launches(None)),
 }
@@ -748,7 +800,9 @@ def lower_track_a(
             if node.name in emit_at:  # no epilogue nodes: the call goes here
                 calls.append(_conv_call(node, epilogues[node.name], specs, refuse))
         elif node.op_type == "MaxPool":
-            calls.append(KernelCall("maxpool2x2", (node.input[0],), (node.output[0],), (), (), (node.name,)))
+            op, geom, _ = _max_pool(node, specs)
+            attrs = geom.attrs() if op == "maxpool" and geom is not None else ()
+            calls.append(KernelCall(op, (node.input[0],), (node.output[0],), (), attrs, (node.name,)))
         elif node.op_type == "ConvTranspose":
             calls.append(KernelCall("convt2x2", (node.input[0],), (node.output[0],), weights, (), (node.name,)))
         elif node.op_type == "Concat":

@@ -1,9 +1,18 @@
-"""The checked-in PTX of a Track A kernel, loaded for a GPU test (tests/gpu/test_*_gpu.py)."""
+"""What the kernel GPU tests (tests/gpu/test_*_gpu.py) share: the checked-in PTX of a Track A kernel,
+loaded for a test, and channel-slice buffers with a poisoned output slice."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from dualtrack.runtime.engine import Engine
+
+SENTINEL = -1234.5  # exactly representable in fp16 and fp32
 
 
 @contextmanager
@@ -25,3 +34,41 @@ def checked_in_ptx(engine, stem: str) -> Iterator:
         be.ctx.make_current()
         be.stream.synchronize()
         mod.close()
+
+
+class Slices:
+    """Device copies of NHWC arrays placed in channel slices of wider buffers (noise around them),
+    and a poisoned output slice (NaN inside, SENTINEL outside)."""
+
+    def __init__(self, engine: Engine, dtype: str, off: int) -> None:
+        self.be, self.dtype, self.off = engine.backend, dtype, off
+        self.be.ctx.make_current()
+        self.rng = np.random.default_rng()
+        self.keep: list = []
+
+    def input(self, x: np.ndarray) -> tuple[int, int]:
+        """(device pointer of the slice, channel stride)."""
+        ld = x.shape[3] + 2 * self.off
+        wide = self.rng.standard_normal((*x.shape[:3], ld)).astype(self.dtype)
+        wide[..., self.off : self.off + x.shape[3]] = x
+        d = self.be.from_host(wide)
+        self.keep.append(d)
+        return d.ptr + self.off * np.dtype(self.dtype).itemsize, ld
+
+    def output(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        ld = shape[3] + 2 * self.off
+        wide = np.full((*shape[:3], ld), SENTINEL, self.dtype)
+        wide[..., self.off : self.off + shape[3]] = np.nan
+        self.y, self.y_c = self.be.from_host(wide), shape[3]
+        return self.y.ptr + self.off * np.dtype(self.dtype).itemsize, ld
+
+    def weights(self, arr: np.ndarray) -> int:
+        d = self.be.from_host(np.ascontiguousarray(arr))
+        self.keep.append(d)
+        return d.ptr
+
+    def result(self) -> np.ndarray:
+        wide = self.be.to_host(self.y)
+        outside = np.delete(wide, np.s_[self.off : self.off + self.y_c], axis=3)
+        assert (outside == SENTINEL).all(), "channels outside the output slice were written"
+        return wide[..., self.off : self.off + self.y_c]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gpu_ptx import checked_in_ptx
+from gpu_ptx import Slices, checked_in_ptx
 
 from dualtrack import kernels
 from dualtrack.config import Tolerance
@@ -31,7 +31,6 @@ TOL = {
     "float16": Tolerance(rel_l2=2e-3, max_abs=2e-3, mismatch=0),
     "float32": Tolerance(rel_l2=1e-5, max_abs=1e-5, mismatch=0),
 }
-SENTINEL = -1234.5  # exactly representable in fp16 and fp32
 ACTS = [
     Activation(),
     Activation.named("relu"),
@@ -62,44 +61,6 @@ def mods(engine: Engine):
             spec = kernels.spec_for_stem(stem)
             found.update({entry: mod.function(entry) for entry in spec.entries})
         yield found
-
-
-class Slices:
-    """Device copies of NHWC arrays placed in channel slices of wider buffers (noise around them),
-    and a poisoned output slice (NaN inside, SENTINEL outside)."""
-
-    def __init__(self, engine: Engine, dtype: str, off: int) -> None:
-        self.be, self.dtype, self.off = engine.backend, dtype, off
-        self.be.ctx.make_current()
-        self.rng = np.random.default_rng()
-        self.keep: list = []
-
-    def input(self, x: np.ndarray) -> tuple[int, int]:
-        """(device pointer of the slice, channel stride)."""
-        ld = x.shape[3] + 2 * self.off
-        wide = self.rng.standard_normal((*x.shape[:3], ld)).astype(self.dtype)
-        wide[..., self.off : self.off + x.shape[3]] = x
-        d = self.be.from_host(wide)
-        self.keep.append(d)
-        return d.ptr + self.off * np.dtype(self.dtype).itemsize, ld
-
-    def output(self, shape: tuple[int, ...]) -> tuple[int, int]:
-        ld = shape[3] + 2 * self.off
-        wide = np.full((*shape[:3], ld), SENTINEL, self.dtype)
-        wide[..., self.off : self.off + shape[3]] = np.nan
-        self.y, self.y_c = self.be.from_host(wide), shape[3]
-        return self.y.ptr + self.off * np.dtype(self.dtype).itemsize, ld
-
-    def weights(self, arr: np.ndarray) -> int:
-        d = self.be.from_host(np.ascontiguousarray(arr))
-        self.keep.append(d)
-        return d.ptr
-
-    def result(self) -> np.ndarray:
-        wide = self.be.to_host(self.y)
-        outside = np.delete(wide, np.s_[self.off : self.off + self.y_c], axis=3)
-        assert (outside == SENTINEL).all(), "channels outside the output slice were written"
-        return wide[..., self.off : self.off + self.y_c]
 
 
 def launch(mods, spec, dtype: str, cfg, args, s: Slices) -> None:

@@ -45,6 +45,7 @@ from dualtrack.kernels.eltwise import EltwiseSpec
 from dualtrack.kernels.epilogue import Activation
 from dualtrack.kernels.fc import FcSpec
 from dualtrack.kernels.gap import GapSpec
+from dualtrack.kernels.maxpool import MaxPoolSpec, PoolGeometry
 from dualtrack.kernels.maxpool2x2 import MaxPool2x2Spec
 from dualtrack.kernels.resize import ResizeMode, ResizeSpec
 from dualtrack.kernels.resize_rgb import ResizeRgbSpec
@@ -54,8 +55,8 @@ __all__ = [
     "ACTIVATIONS", "CONV3X3_WGMMA", "DTYPES", "KERNELS", "RESIZE_RGB", "SMALL_C_K_MAX", "SMALL_C_MAX", "SPECS",
     "WGMMA_CONFIGS", "Activation", "Conv1x1Spec", "Conv3x3Spec", "Conv3x3WgmmaSpec", "ConvChoice", "ConvGeneralSpec",
     "ConvGeometry", "ConvT2x2Spec", "DeviceTensor", "DwConvSpec", "DwGeometry", "EltwiseSpec", "F16Tile", "FcSpec",
-    "GapSpec", "KernelArg", "KernelSpec", "LaunchConfig", "LaunchContext", "MaxPool2x2Spec", "PreparedCall",
-    "ResizeMode", "ResizeRgbSpec", "ResizeSpec", "WgmmaConfig", "choose_conv3x3",
+    "GapSpec", "KernelArg", "KernelSpec", "LaunchConfig", "LaunchContext", "MaxPool2x2Spec", "MaxPoolSpec",
+    "PoolGeometry", "PreparedCall", "ResizeMode", "ResizeRgbSpec", "ResizeSpec", "WgmmaConfig", "choose_conv3x3",
     "defines_for_stem", "dtype_name", "kernel", "output_shape", "pack_conv_weights", "pack_convt_weights",
     "ptx_arches_for_stem", "spec_for_stem",
 ]  # fmt: skip
@@ -65,6 +66,7 @@ CONV3X3_WGMMA = Conv3x3WgmmaSpec(op="conv3x3", stem="conv3x3_wgmma")
 KERNELS: Mapping[str, KernelSpec] = {
     "conv3x3": Conv3x3Spec(op="conv3x3", stem="conv3x3_nhwc", hopper=CONV3X3_WGMMA),
     "maxpool2x2": MaxPool2x2Spec(op="maxpool2x2", stem="maxpool2x2_nhwc"),
+    "maxpool": MaxPoolSpec(op="maxpool", stem="maxpool_nhwc"),  # any window; maxpool2x2 keeps 2x2/2
     "convt2x2": ConvT2x2Spec(op="convt2x2", stem="convt2x2_nhwc"),
     "conv1x1": Conv1x1Spec(op="conv1x1", stem="conv1x1_nhwc"),
     "conv": ConvGeneralSpec(op="conv", stem="conv_nhwc"),

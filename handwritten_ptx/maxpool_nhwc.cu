@@ -1,0 +1,108 @@
+// General max-pool, NHWC (ONNX MaxPool, 2-D, first output only):
+//   y[n,ho,wo,c] = max over r < R, s < S with 0 <= h < H, 0 <= w < W of x[n,h,w,c],
+//   h = ho*sh - pt + r*dh,  w = wo*sw - pl + s*dw.
+// Taps in the padding are skipped, so a padded value never wins (ONNX pads with -inf). The output
+// size Ho x Wo is the caller's (dualtrack.kernels.maxpool.PoolGeometry: ONNX's floor or ceil rule,
+// the bottom/right padding only sets it); the caller also refuses a geometry in which some window
+// holds no pixel of the image, which would leave -inf here.
+//
+// One thread per output pixel and 16-byte chunk of channels (8 fp16 or 4 fp32 values), channel
+// chunk fastest, as maxpool2x2_nhwc.cu: the chunk is one vector load per tap when C, ldx, ldy and
+// both pointers allow it, a bounds-checked scalar loop otherwise, so the launch geometry does not
+// depend on alignment. The taps inside the image are found once per thread (no test per tap).
+//
+// NaN propagates (max.NaN), as in maxpool2x2, numpy's max and PyTorch's max_pool2d (onnxruntime's
+// CPU MaxPool gives NaN or not depending on where in the window it is: dualtrack/kernels/maxpool.py).
+// No toolkit #include: see conv3x3_nhwc.cu. The block size comes from dualtrack.kernels as -D macros.
+
+#if !defined(MAXPOOL_THREADS) || !defined(MAXPOOL_VEC_F16) || !defined(MAXPOOL_VEC_F32)
+#error "launch sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
+#endif
+
+static_assert(MAXPOOL_VEC_F16 * 2 == 16 && MAXPOOL_VEC_F32 * 4 == 16, "one thread per 16-byte chunk of channels");
+
+#include "dualtrack_device.cuh"
+
+// -inf of each type the kernel reduces in (the identity of max; never an output, see above).
+__device__ __forceinline__ void neg_inf(f16& v) { v = 0xFC00u; }
+__device__ __forceinline__ void neg_inf(float& v) { v = __int_as_float(0xFF800000u); }
+__device__ __forceinline__ void neg_inf(uint4& v) { v = make_uint4(0xFC00FC00u, 0xFC00FC00u, 0xFC00FC00u, 0xFC00FC00u); }
+__device__ __forceinline__ void neg_inf(float4& v) {
+    const float m = __int_as_float(0xFF800000u);
+    v = make_float4(m, m, m, m);
+}
+
+// [lo, hi): the taps r of one axis whose coordinate o0 + r*d lies in [0, L).
+__device__ __forceinline__ void taps_inside(int o0, int d, int L, int R, int& lo, int& hi) {
+    lo = o0 < 0 ? (-o0 + d - 1) / d : 0;
+    hi = o0 < L ? min(R, (L - o0 + d - 1) / d) : 0;
+}
+
+// T: element type; V: elements per 16-byte chunk; Vec: the 16-byte type.
+template <typename T, int V, typename Vec>
+__device__ __forceinline__ void maxpool(const T* __restrict__ x, T* __restrict__ y, int N, int H, int W, int C,
+                                        int Ho, int Wo, int ldx, int ldy, int R, int S, int sh, int sw, int dh,
+                                        int dw, int pt, int pl) {
+    const int chunks = (C + V - 1) / V;
+    const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= static_cast<long long>(N) * Ho * Wo * chunks) return;
+    // Output pixel (n, ho, wo) and channel chunk, chunk fastest: neighbouring threads read
+    // neighbouring bytes of one pixel.
+    const NhwcIndex o = nhwc_index(idx, Ho, Wo, chunks);
+    const long long n = o.n;
+    const int ho = o.h, wo = o.w, c = o.c * V;
+
+    const int h0 = ho * sh - pt, w0 = wo * sw - pl;
+    int r0, r1, s0, s1;
+    taps_inside(h0, dh, H, R, r0, r1);
+    taps_inside(w0, dw, W, S, s0, s1);
+    const T* img = x + n * H * static_cast<long long>(W) * ldx + c;  // channel c of pixel (n, 0, 0)
+    T* dst = y + o.p * ldy + c;
+
+    const bool vec = C % V == 0 && ldx % V == 0 && ldy % V == 0 && aligned16(x) && aligned16(y);
+    if (vec) {
+        Vec acc;
+        neg_inf(acc);
+        // Unrolled by 3 along a row: a 3-wide window's loads are in flight together, at about half
+        // the registers a wider unroll takes (occupancy is what a memory-bound kernel lives on).
+#pragma unroll 1
+        for (int r = r0; r < r1; ++r) {
+            const T* row = img + static_cast<long long>(h0 + r * dh) * W * ldx;
+#pragma unroll 3
+            for (int s = s0; s < s1; ++s)
+                acc = max_of(acc, *reinterpret_cast<const Vec*>(row + static_cast<long long>(w0 + s * dw) * ldx));
+        }
+        *reinterpret_cast<Vec*>(dst) = acc;
+    } else {
+        const int n_el = C - c < V ? C - c : V;
+        T acc[V];
+        for (int e = 0; e < V; ++e) neg_inf(acc[e]);
+#pragma unroll 1
+        for (int r = r0; r < r1; ++r) {
+            const T* row = img + static_cast<long long>(h0 + r * dh) * W * ldx;
+#pragma unroll 1
+            for (int s = s0; s < s1; ++s) {
+                const T* px = row + static_cast<long long>(w0 + s * dw) * ldx;
+#pragma unroll
+                for (int e = 0; e < V; ++e)
+                    if (e < n_el) acc[e] = max_of(acc[e], px[e]);
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < V; ++e)
+            if (e < n_el) dst[e] = acc[e];
+    }
+}
+
+#define MAXPOOL_PARAMS(T)                                                                                        \
+    const T *__restrict__ x, T *__restrict__ y, int N, int H, int W, int C, int Ho, int Wo, int ldx, int ldy, int R, \
+        int S, int sh, int sw, int dh, int dw, int pt, int pl
+#define MAXPOOL_ARGS x, y, N, H, W, C, Ho, Wo, ldx, ldy, R, S, sh, sw, dh, dw, pt, pl
+
+extern "C" __global__ void __launch_bounds__(MAXPOOL_THREADS) maxpool_nhwc_f16(MAXPOOL_PARAMS(f16)) {
+    maxpool<f16, MAXPOOL_VEC_F16, uint4>(MAXPOOL_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(MAXPOOL_THREADS) maxpool_nhwc_f32(MAXPOOL_PARAMS(float)) {
+    maxpool<float, MAXPOOL_VEC_F32, float4>(MAXPOOL_ARGS);
+}
