@@ -21,7 +21,8 @@ row says `track_a_segments`. Results written before that (zoo_bench-74c94fbc6f a
 Checks before timing: the engine passes `verify_engine` on the GPU (every segment and the whole plan
 against onnxruntime, the build's tolerances); each torch row's probs at N=1 are within the relative L2
 that dualtrack's own fp16 bundles are verified with (2e-2, dualtrack.config.DEFAULT_TOLERANCES) of
-onnxruntime on the bundle's model (smp's fp16 torch rows differ by 1.2e-2, zoo_bench-7029b1b). A row that fails is reported and not timed. Timing is
+onnxruntime on the bundle's model (smp's fp16 torch rows differ by 1.2e-2, zoo_bench-7029b1b).
+A row that fails is reported and not timed. Timing is
 host wall time around one call with the device drained after (`torch.cuda.synchronize`, which waits
 for IREE's streams too: one primary context). Writes zoo_bench-<commit10>.json; prints a table last.
 """

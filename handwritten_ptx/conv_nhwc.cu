@@ -38,7 +38,8 @@
 // toolkit #include: the helpers come from the in-memory headers (see conv3x3_nhwc.cu).
 
 #if !defined(CONVG_F16_MAIN) || !defined(CONVG_F16_NARROW) || !defined(CONVG_F16_WIDE) || \
-    !defined(CONVG_F16_SMALL) || !defined(CONVG_F16_GATHER) || !defined(CONVG_F32_BM) || !defined(CONVG_F32_BN) || !defined(CONVG_F32_BK) || \
+    !defined(CONVG_F16_SMALL) || !defined(CONVG_F16_GATHER) || !defined(CONVG_DIRECT_THREADS) || \
+    !defined(CONVG_DIRECT_K) || !defined(CONVG_DIRECT_W) || !defined(CONVG_F32_BM) || !defined(CONVG_F32_BN) || !defined(CONVG_F32_BK) || \
     !defined(CONVG_F32_TM) || !defined(CONVG_F32_TN)
 #error "tile sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
 #endif
@@ -448,6 +449,75 @@ __device__ __forceinline__ void conv_f16(const f16* __restrict__ x, const f16* _
     epilogue<CF>(acc, bias, res, y, p, m0, n0, wm, wn, lane, smem);
 }
 
+// ------------------------------------------------------------------------------------------------
+// fp16, few output channels (K <= CONVG_DIRECT_K: a segmentation head's classes): a GEMM tile would
+// leave most of its N columns empty, so this is a direct convolution on CUDA cores. A thread per
+// output pixel keeps all K sums in registers; the block's filters (K*R*S*C <= CONVG_DIRECT_W)
+// sit in shared memory as fp32, read as float4; the input comes as 16-byte chunks where C and
+// ldx allow (else element by element). Same epilogue math as the tiles: fp32, one rounding.
+// ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void direct_taps(const float (&v)[8], const float* wt, int Kg, int K,
+                                            float (&acc)[CONVG_DIRECT_K]) {
+#pragma unroll
+    for (int k = 0; k < CONVG_DIRECT_K; ++k) {
+        if (k < K) {
+            const float4 w0 = lds128(wt + k * Kg), w1 = lds128(wt + k * Kg + 4);
+            acc[k] += v[0] * w0.x + v[1] * w0.y + v[2] * w0.z + v[3] * w0.w + v[4] * w1.x + v[5] * w1.y +
+                      v[6] * w1.z + v[7] * w1.w;
+        }
+    }
+}
+
+__device__ __forceinline__ void conv_direct(const f16* __restrict__ x, const f16* __restrict__ w,
+                                            const float* __restrict__ bias, const f16* __restrict__ res,
+                                            f16* __restrict__ y, const Problem& p, float* ws) {
+    for (int i = threadIdx.x; i < p.K * p.Kg; i += blockDim.x) ws[i] = f16_to_f32(w[i]);  // KRSC
+    __syncthreads();
+    const bool vec = p.C % 8 == 0 && p.ldx % 8 == 0 && aligned16(x);
+    const int step = gridDim.x * blockDim.x;
+    for (int m = blockIdx.x * blockDim.x + threadIdx.x; m < p.M; m += step) {
+        const Origin o = origin(p, m);
+        float acc[CONVG_DIRECT_K];
+#pragma unroll
+        for (int k = 0; k < CONVG_DIRECT_K; ++k) acc[k] = 0.f;
+        for (int r = 0; r < p.R; ++r) {
+            const int hh = r * p.dh;
+            if (static_cast<unsigned>(o.h + hh) >= static_cast<unsigned>(p.H)) continue;
+            for (int s = 0; s < p.S; ++s) {
+                const int ww = s * p.dw;
+                if (static_cast<unsigned>(o.w + ww) >= static_cast<unsigned>(p.W)) continue;
+                const f16* px = x + static_cast<long long>(o.pix + hh * p.W + ww) * p.ldx;
+                const float* wt = ws + (r * p.S + s) * p.C;
+                if (vec) {
+                    for (int c = 0; c < p.C; c += 8) {
+                        float v[8];
+                        load_f16x8(v, px + c);
+                        direct_taps(v, wt + c, p.Kg, p.K, acc);
+                    }
+                } else {
+                    for (int c = 0; c < p.C; ++c) {
+                        const float v = f16_to_f32(px[c]);
+#pragma unroll
+                        for (int k = 0; k < CONVG_DIRECT_K; ++k)
+                            if (k < p.K) acc[k] += v * wt[k * p.Kg + c];
+                    }
+                }
+            }
+        }
+        f16* dst = y + static_cast<long long>(m) * p.ldy;
+        const f16* rp = res != nullptr ? res + static_cast<long long>(m) * p.ldr : nullptr;
+#pragma unroll
+        for (int k = 0; k < CONVG_DIRECT_K; ++k) {
+            if (k < p.K) {
+                float v = acc[k] + (bias != nullptr ? bias[k] : 0.f);
+                if (rp != nullptr) v += f16_to_f32(rp[k]);
+                dst[k] = f32_to_f16(activate(v, p.act));
+            }
+        }
+    }
+}
+
 // Each macro is the list BM,BN,BK,WARPS_M,WARPS_N,STAGES,MIN_BLOCKS
 // (dualtrack.kernels.ConvGeneralSpec.variant picks one per launch).
 typedef mma::Swizzled<CONVG_F16_MAIN> Main;
@@ -477,6 +547,11 @@ CONVG_F16_ENTRY(conv_nhwc_f16_narrow, convg::Narrow, false)
 CONVG_F16_ENTRY(conv_nhwc_f16_wide, convg::Wide, false)
 CONVG_F16_ENTRY(conv_nhwc_f16_small, convg::Small, false)
 CONVG_F16_ENTRY(conv_nhwc_f16_gather, convg::Gather, true)
+
+extern "C" __global__ void __launch_bounds__(CONVG_DIRECT_THREADS) conv_nhwc_f16_direct(CONVG_PARAMS(f16)) {
+    __shared__ __align__(16) float ws[CONVG_DIRECT_W];
+    convg::conv_direct(x, w, bias, res, y, CONVG_PROBLEM, ws);
+}
 
 // ------------------------------------------------------------------------------------------------
 // fp32: CUDA cores, register-tiled SIMT GEMM over the scalar path's flattened taps, k-major shared

@@ -215,6 +215,19 @@ def test_variants_follow_the_shape() -> None:
     assert SPEC.variant("float16", 8, 128, 128, 64, 64, g) == "conv_nhwc_f16"
     assert SPEC.variant("float16", 1, 16, 16, 512, 512, g) == "conv_nhwc_f16_small"
     assert SPEC.variant("float32", 1, 16, 16, 512, 512, g) == "conv_nhwc_f32"
+    assert SPEC.variant("float16", 1, 64, 64, 3, 64, g) == "conv_nhwc_f16_gather"  # C % 8 != 0
+    assert SPEC.variant("float16", 8, 512, 512, 16, 2, g) == "conv_nhwc_f16_direct"  # a head's classes
+    assert SPEC.variant("float16", 1, 64, 64, 3, 8, g) == "conv_nhwc_f16_direct"
+    assert SPEC.variant("float16", 1, 64, 64, 512, 2, g) == "conv_nhwc_f16_narrow"  # filters too big for it
+
+
+def test_direct_entry_launch_and_limits() -> None:
+    g = GEOMS["3x3/1 pad 1"]
+    cfg = SPEC.launch("float16", 2, 37, 29, 16, 2, geom=g)
+    assert cfg.block == (SPEC.direct_threads, 1, 1) and cfg.grid[0] * SPEC.direct_threads >= 2 * 37 * 29
+    assert SPEC.direct_supported(16, 9, g) == "K=9 > 8 output channels"
+    with pytest.raises(InputError, match="conv_nhwc_f16_direct cannot run this convolution: K=16 > 8"):
+        SPEC.launch("float16", 1, 8, 8, 16, 16, geom=g, entry=SPEC.direct_entry)
 
 
 def test_args_follow_the_abi() -> None:

@@ -220,3 +220,35 @@ def test_residual_add_read_twice_keeps_the_add_out(tmp_path: Path) -> None:
     calls = a_calls(plan)
     assert [c.nodes for c in calls] == [("a/conv",), ("a/add",), ("a/mul",)]
     assert [c.op for c in calls][1:] == ["eltwise", "eltwise"]
+
+
+@pytest.mark.parametrize(
+    ("c", "k", "hw", "dtype", "op"),
+    [
+        (16, 2, 128, "float16", "conv"),  # a segmentation head on a large image: the direct entry
+        (16, 8, 256, "float16", "conv"),
+        (16, 9, 256, "float16", "conv3x3"),  # more channels than the direct entry keeps
+        (16, 2, 64, "float16", "conv3x3"),  # a small image keeps the tiles
+        (16, 2, 128, "float32", "conv3x3"),  # the direct entry is fp16 only
+        (512, 2, 256, "float16", "conv3x3"),  # 2*3*3*512 filter values exceed its shared memory
+    ],
+)
+def test_3x3_heads_with_few_classes_run_the_direct_entry(c: int, k: int, hw: int, dtype: str, op: str) -> None:
+    node = helper.make_node("Conv", ["x", "w"], ["y"], name="head", kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    specs = {"x": ((1, c, hw, hw), dtype), "w": ((k, c, 3, 3), dtype), "y": ((1, k, hw, hw), dtype)}
+    got, _, why = partition._dense_conv(node, partition._Epilogue(output="y"), specs)
+    assert (got, why) == (op, None)
+    if op == "conv":
+        spec = partition.kernels.KERNELS["conv"]
+        assert (
+            spec.variant(
+                dtype,
+                1,
+                hw,
+                hw,
+                c,
+                k,
+                spec_geom := partition.ConvGeometry(3, 3, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1),
+            )
+            == spec.direct_entry
+        ), spec_geom

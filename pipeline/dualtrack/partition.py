@@ -40,6 +40,11 @@ TRACK_A_DESCRIPTION = (
 # A 1x1 conv with at most this many output channels (a segmentation head) runs conv1x1, one thread
 # per pixel; wider ones are GEMMs for the general conv.
 CONV1X1_MAX_K = 16
+# A fp16 3x3 conv with at most ConvGeneralSpec.direct_k output channels on an image of at least this
+# many pixels runs the general conv's direct entry instead of conv3x3's tiles: measured on smp
+# Unet-resnet34's head (16 -> 2 channels at 512x512, kernel_profile-e75130f: conv3x3's narrow tile
+# 273 us at N=8); smaller images keep the tiles (not measured there).
+DIRECT_MIN_PIXELS = 128 * 128
 _TO_NCHW, _TO_NHWC = [0, 3, 1, 2], [0, 2, 3, 1]
 
 
@@ -822,22 +827,29 @@ def lower_track_a(
 
 def _dense_conv(node: onnx.NodeProto, ep: _Epilogue, specs: dict) -> tuple[str, ConvGeometry | None, str | None]:
     """The kernel a dense Conv with epilogue ``ep`` runs: conv3x3 or conv1x1 where their fixed shapes
-    and epilogue (bias, ReLU) fit, as before the general conv existed; else the general ``conv``,
+    and epilogue (bias, ReLU) fit, as before the general conv existed (except a 3x3 conv on a large
+    image with few enough output channels for the general conv's direct entry, :data:`DIRECT_MIN_PIXELS`:
+    a segmentation head, whose tensor-core tiles would be mostly empty); else the general ``conv``,
     with its geometry and why its spec's :meth:`~dualtrack.kernels.ConvGeneralSpec.supports` refuses
     it (None where it takes it)."""
     x_shape, dtype = specs[node.input[0]]
     w_shape = specs[node.input[1]][0]
+    spec = kernels.KERNELS["conv"]
+    assert isinstance(spec, kernels.ConvGeneralSpec)
     relu_only = ep.residual is None and ep.act in (0, kernels.ACTIVATIONS["relu"])
     if relu_only and len(x_shape) == 4 and _conv_attrs_ok(node) is None:
-        if w_shape[2:] == (3, 3):
+        few = (
+            dtype == "float16"
+            and x_shape[2] * x_shape[3] >= DIRECT_MIN_PIXELS
+            and spec.direct_supported(x_shape[1], w_shape[0], ConvGeometry(3, 3)) is None
+        )
+        if w_shape[2:] == (3, 3) and not few:
             return "conv3x3", None, None
-        if x_shape[1] <= kernels.KERNELS["conv1x1"].max_c and w_shape[0] <= CONV1X1_MAX_K:  # type: ignore[attr-defined]
+        if w_shape[2:] == (1, 1) and x_shape[1] <= kernels.KERNELS["conv1x1"].max_c and w_shape[0] <= CONV1X1_MAX_K:  # type: ignore[attr-defined]
             return "conv1x1", None, None
     geom, group, why = conv_geometry(node, specs)
     if geom is None:
         return "conv", None, why
-    spec = kernels.KERNELS["conv"]
-    assert isinstance(spec, kernels.ConvGeneralSpec)
     (_, c, h, w), k = x_shape, w_shape[0]
     return "conv", geom, spec.supports(dtype, h, w, c, k, geom, groups=group)
 

@@ -176,3 +176,20 @@ def test_channel_slices(engine, conv, dtype, x_slice, y_slice, r_slice) -> None:
 
 def test_no_bias_no_residual_no_activation(engine, conv) -> None:
     _run(engine, conv, "float16", (1, 12, 12, 16, 16), S1, act="none", residual=False, bias=False)
+
+
+@pytest.mark.parametrize(
+    ("shape", "geom", "x_slice", "y_slice"),
+    [
+        ((2, 37, 29, 16, 2), S1, (0, 0), (0, 0)),  # a segmentation head: vector loads, K=2
+        ((1, 33, 35, 24, 8), S2, (8, 0), (3, 1)),  # K at the limit, stride 2, x and y in slices
+        ((2, 20, 18, 3, 5), STEM, (0, 0), (0, 0)),  # C % 8 != 0: element loads
+        ((1, 17, 15, 13, 3), ODD, (1, 2), (2, 0)),  # dilation, asymmetric padding, odd slices
+    ],
+    ids=["head", "k8_s2_slices", "c3", "odd"],
+)
+@pytest.mark.parametrize("act", ["none", "relu", "hardswish"])
+def test_direct_entry_for_few_output_channels(engine, conv, shape, geom, x_slice, y_slice, act) -> None:
+    n, h, w, c, k = shape
+    assert SPEC.variant("float16", n, h, w, c, k, geom) == SPEC.direct_entry  # the policy picks it
+    _run(engine, conv, "float16", shape, geom, act=act, x_slice=x_slice, y_slice=y_slice)

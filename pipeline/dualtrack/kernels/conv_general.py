@@ -144,6 +144,11 @@ class ConvGeneralSpec(KernelSpec):
     f16_wide: F16Tile = _WIDE
     f16_small: F16Tile = _SMALL
     f16_gather: F16Tile = _GATHER
+    # The direct entry (``_f16_direct``, CUDA cores, a thread per output pixel): convs with at most
+    # direct_k output channels (a head's classes) whose K*R*S*C fp32 filters fit its shared memory.
+    direct_k: int = 8
+    direct_weights: int = 8192
+    direct_threads: int = 256
     f32: tuple[int, int, int, int, int] = (64, 64, 16, 4, 4)
     # variant(): wide tiles when there are at least this many of them, else the default tile when
     # it has at least f16_main_min_tiles, else small (conv3x3's thresholds, measured on an H200).
@@ -155,6 +160,8 @@ class ConvGeneralSpec(KernelSpec):
         tiles = {v: ",".join(map(str, t.as_tuple())) for v, t in self.f16_tiles_by_variant().items()}
         return {
             **{f"CONVG_F16_{v.upper()}": t for v, t in tiles.items()},
+            "CONVG_DIRECT_THREADS": self.direct_threads, "CONVG_DIRECT_K": self.direct_k,
+            "CONVG_DIRECT_W": self.direct_weights,
             "CONVG_F32_BM": bm, "CONVG_F32_BN": bn, "CONVG_F32_BK": bk, "CONVG_F32_TM": tm, "CONVG_F32_TN": tn,
         }  # fmt: skip
 
@@ -170,7 +177,23 @@ class ConvGeneralSpec(KernelSpec):
 
     @property
     def entries(self) -> tuple[str, ...]:
-        return (*(self.entry(d) for d in DTYPES), *(f"{self.stem}_f16_{v}" for v in self.F16_VARIANTS))
+        return (
+            *(self.entry(d) for d in DTYPES),
+            *(f"{self.stem}_f16_{v}" for v in self.F16_VARIANTS),
+            self.direct_entry,
+        )
+
+    @property
+    def direct_entry(self) -> str:
+        return f"{self.stem}_f16_direct"
+
+    def direct_supported(self, C: int, K: int, geom: ConvGeometry) -> str | None:
+        """None when the direct entry takes a conv of C -> K channels, else why not."""
+        if self.direct_k < K:
+            return f"K={K} > {self.direct_k} output channels"
+        if self.direct_weights < K * geom.R * geom.S * C:
+            return f"K*R*S*C = {K * geom.R * geom.S * C} fp32 filter values exceed its {self.direct_weights}"
+        return None
 
     # --- what the kernel computes -----------------------------------------------------------------
 
@@ -223,13 +246,16 @@ class ConvGeneralSpec(KernelSpec):
         return N * P * Q
 
     def variant(self, dtype: Any, N: int, H: int, W: int, C: int, K: int, geom: ConvGeometry) -> str:
-        """The entry to launch (fp32: the one entry; fp16: ``_gather`` where C % 8 != 0 (the
-        vector path's 16-byte copies cannot take the input), ``_narrow`` for K <= 32, ``_wide``
-        with enough wide tiles, the default entry with enough of its tiles, else ``_small``)."""
+        """The entry to launch (fp32: the one entry; fp16: ``_direct`` for a few output channels
+        (:meth:`direct_supported`), ``_gather`` where C % 8 != 0 (the vector path's 16-byte copies
+        cannot take the input), ``_narrow`` for K <= 32, ``_wide`` with enough wide tiles, the
+        default entry with enough of its tiles, else ``_small``)."""
         name = dtype_name(dtype)
         if name != "float16":
             return self.entry(name)
         M = self._checked_pixels(N, H, W, geom)
+        if self.direct_supported(C, K, geom) is None:
+            return self.direct_entry
         if C % 8:
             return f"{self.stem}_f16_gather"
         if self.f16_narrow.bn >= K:
@@ -243,7 +269,7 @@ class ConvGeneralSpec(KernelSpec):
 
     def threads(self, dtype: Any, entry: str | None = None) -> int:
         if dtype_name(dtype) == "float16":
-            return self._tile(entry).threads
+            return self.direct_threads if entry == self.direct_entry else self._tile(entry).threads
         bm, bn, _, tm, tn = self.f32
         return (bm // tm) * (bn // tn)
 
@@ -273,7 +299,15 @@ class ConvGeneralSpec(KernelSpec):
         M = self._checked_pixels(N, H, W, geom)
         name = dtype_name(dtype)
         if name == "float16":
-            tile = self._tile(entry if entry is not None else self.variant(dtype, N, H, W, C, K, geom))
+            entry = entry if entry is not None else self.variant(dtype, N, H, W, C, K, geom)
+            if entry == self.direct_entry:
+                why = self.direct_supported(C, K, geom)
+                if why:
+                    raise InputError(f"{entry} cannot run this convolution: {why}")
+                # grid-stride over the pixels; enough blocks for every SM several times over
+                blocks = min(cdiv(M, self.direct_threads), 132 * 16)
+                return LaunchConfig(grid=(blocks, 1, 1), block=(self.direct_threads, 1, 1), shared_bytes=0)
+            tile = self._tile(entry)
             bm, bn = tile.bm, tile.bn
             threads = tile.threads
         else:
