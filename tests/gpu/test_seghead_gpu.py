@@ -1,5 +1,6 @@
 """The seghead kernel (a segmentation head's softmax / sigmoid / none, probabilities and class mask) on
-a real GPU against its numpy semantics (kernels.SegHeadSpec.reference): 2, 3 and 21 classes, fp16 and
+a real GPU against its numpy semantics (kernels.SegHeadSpec.reference): 2, 3, 9 and 21 classes (each of
+the kernel's paths), fp16 and
 fp32 logits, odd sizes, logits read from a channel slice (ldx > C), the reference U-Net's fp16
 roundings, a one-class threshold, ties and large values. Both outputs are poisoned first (NaN
 probabilities, mask 255), so an element the kernel does not write fails. Then the tiny fp16 U-Net
@@ -62,7 +63,7 @@ MODES = {
 }
 
 
-@pytest.mark.parametrize("classes", [2, 3, 21])
+@pytest.mark.parametrize("classes", [2, 3, 9, 21])  # registers for C <= 4 and C <= 16, re-reads above
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("off", [0, 3])
