@@ -12,7 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack import frontend, lower_head, lower_mobile, partition
+from dualtrack import cost, frontend, lower_head, lower_mobile, partition
 from dualtrack.config import BuildConfig, PartitionConfig, Postprocess
 from dualtrack.errors import InputError
 from dualtrack.kernels import KERNELS, HeadMode
@@ -254,3 +254,16 @@ def test_a_probability_read_outside_the_head_keeps_it_off_the_kernel() -> None:
         heads.refused["post/argmax"]
         == "not a segmentation head the kernel takes: 'act' inside the head is read outside it"
     )
+
+
+def test_the_cost_model_charges_the_head_one_launch_of_its_bytes() -> None:
+    p = auto_plan(wrapped(conv_logits(2), Postprocess()))
+    d = {x.node: x for x in p.assignment.decisions}
+    (call,) = p.plan.segments[-1].calls
+    a_us = [d[n].a_us for n in call.nodes]
+    # logits (fp32 2x8x8) read once, probs (fp32) and mask (uint8) written once, at batch 1 and 2
+    nbytes, flops = 2 * 64 * 4 + 2 * 64 * 4 + 64, 10.0 * 2 * 64
+    simt = cost.DEFAULT_RATES.track_a_simt
+    assert a_us[0] == pytest.approx(sum(simt.time_us(b * flops, b * nbytes) for b in (1, 2)))
+    assert a_us[1:] == [0.0] * (len(a_us) - 1)  # one launch for the whole head
+    assert a_us[0] < sum(d[n].b_us for n in call.nodes)  # against ~10 us a node on Track B
