@@ -771,6 +771,12 @@ def plan_views(
         by_root.setdefault(slices[name][0], []).append(name)
     views = {}
     for root, members in by_root.items():
+        if specs[root].layout != "NHWC" and root not in data:  # a model output in its own layout (seghead's)
+            shape = specs[root].at_batch(batch)
+            dtype = np.dtype(specs[root].dtype)
+            buf = be.pool.alloc(int(np.prod(shape)) * dtype.itemsize, be.stream)
+            views[root] = GpuTensor(int(buf), shape, dtype, buf)
+            continue
         n, h, w, ld = _nhwc(specs[root], batch)
         dtype = np.dtype(specs[root].dtype)
         if any(m in data for m in members):

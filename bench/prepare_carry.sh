@@ -42,6 +42,7 @@ conftest.build_tiny_tuned(out / "tiny_tuned")
 conftest.build_tiny_wgmma(out / "tiny_wgmma")
 import mobile_net  # tests/gpu/test_mobile_gpu.py: the mobile kernels through the engine
 build(mobile_net.write_mobile_project(tmp / "tiny_mobile", ("sm_90a", "sm_80")), out / "tiny_mobile")
+conftest.build_tiny_head(out / "tiny_head", tmp / "tiny_head")  # tests/gpu/test_seghead_gpu.py: the head on Track A
 (out / "tiny.yaml").write_text(str(tmp / "tiny" / "tiny.yaml"))
 EOF
   "$DT" tune "$(cat "$C/tiny.yaml")" --track-b --prepare-kit "$C/kit_tiny"

@@ -106,6 +106,26 @@ def tiny_full_bundle(tiny_full_config: Path, tmp_path_factory: pytest.TempPathFa
     return out
 
 
+def build_tiny_head(dest: str | Path, root: Path | None = None) -> Path:
+    """The tiny fp16 U-Net with `partition: auto` (tests/data/tiny_head.yaml): its plan ends in the
+    seghead kernel on Track A (bench/prepare_carry.sh builds it for GPU machines)."""
+    from dualtrack.build import build
+
+    spec = UNetSpec(**{**TINY.__dict__, "precision": "fp16"})
+    config = write_tiny_project(Path(root or tempfile.mkdtemp(prefix="tiny_head-")), spec, config="tiny_head.yaml")
+    build(config, dest)
+    return Path(dest)
+
+
+@pytest.fixture(scope="session")
+def tiny_head_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """:func:`build_tiny_head`'s bundle (DUALTRACK_TEST_HEAD_BUNDLE: prebuilt)."""
+    prebuilt = os.environ.get("DUALTRACK_TEST_HEAD_BUNDLE")
+    if prebuilt:
+        return Path(prebuilt)
+    return build_tiny_head(tmp_path_factory.mktemp("bundles") / "tiny_head", tmp_path_factory.mktemp("tiny_head"))
+
+
 # Tiles a hand-written tuning file picks (all in the H200 search space), in turn per problem; every
 # fourth problem gets a fixed entry other than the heuristic's instead. tests/test_cli.py's info
 # test and the GPU tests expect these three.

@@ -30,7 +30,7 @@ def test_reference_config_loads() -> None:
     assert cfg.precision == "fp16"
     assert cfg.batch_sizes == (1, 8)
     assert cfg.targets == ("sm_90a", "sm_80", "sm_120")
-    assert cfg.partition.track_a.name_prefixes == ("enc", "mid/", "dec", "head/")
+    assert cfg.partition.track_a.name_prefixes == ("enc", "mid/", "dec", "head/", "post/", "probs", "mask")
     assert cfg.input.shape == (1, 512, 512, 3) and cfg.input.dtype == "uint8"
     assert all(f.startswith("--") for f in cfg.track_b.cuda_flags)
     assert cfg.notes == ()  # nothing of the seed's vocabulary left to translate

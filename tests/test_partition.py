@@ -207,13 +207,24 @@ def test_node_without_kernel_on_track_a_names_node_and_fix(tiny: tuple[BuildConf
     cfg, model = tiny
     with pytest.raises(
         PartitionError,
-        match=r"^node 'post/softmax' \(Softmax, no hand-written kernel\) is on Track A, whose kernels cover "
+        match=r"^node 'pre/nchw' \(Transpose, no hand-written kernel\) is on Track A, whose kernels cover "
         r"Conv of group 1, any kernel size, stride, dilation and padding \(optionally \+Add of a residual "
         r"\+Relu/Clip\(0,6\)/HardSwish/HardSigmoid/Sigmoid/SiLU\), MaxPool of any window up to 15x15 \(no Indices "
         r"output\), ConvTranspose 2x2/stride 2, "
-        r"channel Concat of their outputs, and the mobile ops: depthwise Conv "
-        r".* Resize nearest/linear over H,W; move it to Track B with "
-        r"partition\.track_b\.name_prefixes: \['post/softmax'\]$",
+        r"channel Concat of their outputs, the mobile ops: depthwise Conv "
+        r".* Resize nearest/linear over H,W; and a segmentation head: .*; move it to Track B with "
+        r"partition\.track_b\.name_prefixes: \['pre/nchw'\]$",
+    ):
+        partition.build_plan(with_partition(cfg, Rules(name_prefixes=("enc", "mid/", "pre/nchw"))), model)
+
+
+def test_a_head_split_across_segments_names_its_other_nodes(tiny: tuple[BuildConfig, onnx.ModelProto]) -> None:
+    cfg, model = tiny
+    with pytest.raises(
+        PartitionError,
+        match=r"^node 'post/softmax' \(Softmax, its segmentation head's nodes probs, post/argmax, mask are in "
+        r"another segment\) is on Track A, .*; move it to Track B with partition\.track_b\.name_prefixes: "
+        r"\['post/softmax'\]$",
     ):
         partition.build_plan(with_partition(cfg, Rules(name_prefixes=("enc", "mid/", "post/softmax"))), model)
 

@@ -12,14 +12,23 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dualtrack.kernels import ACTIVATIONS, KERNELS, RESIZE_RGB, ConvGeometry, DwGeometry, PoolGeometry, ResizeMode
+from dualtrack.kernels import (
+    ACTIVATIONS,
+    KERNELS,
+    RESIZE_RGB,
+    ConvGeometry,
+    DwGeometry,
+    HeadMode,
+    PoolGeometry,
+    ResizeMode,
+)
 from dualtrack.kernels.base import PreparedCall
 from dualtrack.kernels.tensormap import TiledMap
 from dualtrack.plan import ACTIVATIONS as PLAN_ACTS
 from dualtrack.plan import ELTWISE_OPS, KernelCall, f32_bits
 from dualtrack.runtime.tensors import GpuTensor
 
-f16, f32 = np.dtype("float16"), np.dtype("float32")
+f16, f32, u8 = np.dtype("float16"), np.dtype("float32"), np.dtype("uint8")
 
 
 class EncodedMap:
@@ -165,6 +174,15 @@ CASES: dict[str, Callable[[], PreparedCall]] = {
     "resize nearest f32": lambda: K["resize"].prepare_inputs(
         KernelCall("resize", ("x",), ("y",), (), NEAREST), [T(0x1000, (2, 8, 8, 3), f32)], T(0x2000, (2, 4, 6, 3), f32),
         [], Context("off"),
+    ),
+    # Two outputs (probabilities NCHW, uint8 mask): prepared with prepare_outputs, as the runtime does.
+    "seghead softmax f16": lambda: K["seghead"].prepare_outputs(
+        KernelCall("seghead", ("x",), ("p", "m"), (), HeadMode("softmax", round_probs=True, round_arg=True).attrs()),
+        [T(0x1000, (2, 5, 6, 3), ld=8)], [T(0x2000, (2, 3, 5, 6), f32), T(0x3000, (2, 5, 6), u8)], [], Context("off"),
+    ),
+    "seghead threshold f32": lambda: K["seghead"].prepare_outputs(
+        KernelCall("seghead", ("x",), ("p", "m"), (), HeadMode("sigmoid", threshold=0.5).attrs()),
+        [T(0x1000, (1, 4, 4, 1), f32)], [T(0x2000, (1, 1, 4, 4), f32), T(0x3000, (1, 4, 4), u8)], [], Context("off"),
     ),
 }  # fmt: skip
 
@@ -331,6 +349,23 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
         0,
         [4096, 8192, 2, 8, 8, 3, 4, 6, 3, 3, 0, 3, 3, 0.5, 0.75],
         "PPIIIIIIIIIIIFF",
+    ),
+    # Added with the kernel (not in d88e21e): entry, one thread a pixel, x probs mask N H W C ldx act flags thr.
+    "seghead softmax f16": (
+        "seghead_nhwc_f16",
+        (1, 1, 1),
+        (256, 1, 1),
+        0,
+        [4096, 8192, 12288, 2, 5, 6, 3, 8, 1, 6, 0.0],
+        "PPPIIIIIIIF",
+    ),
+    "seghead threshold f32": (
+        "seghead_nhwc_f32",
+        (1, 1, 1),
+        (256, 1, 1),
+        0,
+        [4096, 8192, 12288, 1, 4, 4, 1, 1, 2, 16, 0.5],
+        "PPPIIIIIIIF",
     ),
     "resize_rgb": ("resize_rgb_u8", (20, 16, 1), (16, 16, 1), 0, [4096, 8192, 640, 480, 1920, 320, 256, 6], "PPIIIIII"),
 }

@@ -56,9 +56,9 @@ ConvKey = tuple[int, int, int, int, int, str]
 MeasuredTimes = Mapping[ConvKey, float]
 
 
-# The Track A kernels on the CUDA cores, memory-bound (Rates.track_a_simt): the mobile ops' and the
-# general max-pool's (one comparison per tap, node_work).
-SIMT_KERNELS = ("dwconv", "gap", "fc", "eltwise", "resize", "maxpool")
+# The Track A kernels on the CUDA cores, memory-bound (Rates.track_a_simt): the mobile ops', the
+# general max-pool's (one comparison per tap, node_work) and the segmentation head's.
+SIMT_KERNELS = ("dwconv", "gap", "fc", "eltwise", "resize", "maxpool", "seghead")
 
 
 @dataclass(frozen=True)
@@ -181,6 +181,15 @@ def node_work(node: onnx.NodeProto, specs: Mapping[str, tuple[tuple[int, ...], s
     return Work(flops, float(act), float(weights))
 
 
+def head_work(specs: Mapping[str, tuple[tuple[int, ...], str]], logits: str, outputs: Sequence[str]) -> Work:
+    """What the seghead kernel moves at batch 1, charged to its head's first node (the others have no
+    launch of their own): the logits read once, the probabilities and the mask written once; ~10
+    FLOPs a logit (softmax's max, exp, sum, divide, argmax), far under the SIMT roofline's ridge."""
+    shape, dtype = specs[logits]
+    nbytes = _numel(shape) * _itemsize(dtype) + sum(_numel(specs[o][0]) * _itemsize(specs[o][1]) for o in outputs)
+    return Work(10.0 * _numel(shape), float(nbytes), 0.0)
+
+
 def conv3x3_key(node: onnx.NodeProto, specs: Mapping[str, tuple[tuple[int, ...], str]], batch: int) -> ConvKey | None:
     """The launch shape a tuning record of conv3x3 is keyed by, for a 3x3 Conv at ``batch``; else None."""
     a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
@@ -201,19 +210,23 @@ def node_cost(
     kernel: str | None = None,
     rates: Rates = DEFAULT_RATES,
     measured: MeasuredTimes | None = None,
+    work: Work | None = None,
 ) -> NodeCost:
     """The node's time on each track, summed over ``batch_sizes``.
 
     ``on_a``: None where a Track A kernel takes the node, "fused" where it runs with no kernel of
     its own (its Track A time is 0), else the reason it cannot run there (no Track A time).
     ``kernel``: the Track A kernel it launches (`KernelCall.op`, :meth:`Rates.track_a_for`); the
-    tuning file's ``measured`` times are conv3x3's, so they count for that kernel alone."""
-    work = node_work(node, specs, inits)
+    tuning file's ``measured`` times are conv3x3's, so they count for that kernel alone. ``work``:
+    what its Track A kernel moves where that is not the node's own (:func:`head_work`); its Track B
+    time stays the node's."""
+    own = node_work(node, specs, inits)
+    a_work = work or own
 
-    def roofline(r: TrackRates, b: int) -> float:
-        return r.time_us(b * work.flops, b * work.act_bytes + work.weight_bytes)
+    def roofline(r: TrackRates, b: int, w: Work = a_work) -> float:
+        return r.time_us(b * w.flops, b * w.act_bytes + w.weight_bytes)
 
-    b_us = sum(roofline(rates.track_b, b) for b in batch_sizes)
+    b_us = sum(roofline(rates.track_b, b, own) for b in batch_sizes)
     if on_a == "fused":
         return NodeCost(0.0, b_us, "fused")
     if on_a is not None:

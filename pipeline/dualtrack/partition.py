@@ -23,19 +23,19 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from dualtrack import cost, frontend, kernels, layout, lower_mobile
+from dualtrack import cost, frontend, kernels, layout, lower_head, lower_mobile
 from dualtrack.config import BuildConfig, Rules
 from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
 from dualtrack.frontend import model_precision
 from dualtrack.kernels import ConvGeometry, PoolGeometry
-from dualtrack.plan import KernelCall, Plan, Segment, TensorSpec
+from dualtrack.plan import MODEL_LAYOUT_OPS, KernelCall, Plan, Segment, TensorSpec
 
 TRACK_A_DESCRIPTION = (
     "Conv of group 1, any kernel size, stride, dilation and padding (optionally +Add of a residual "
     "+Relu/Clip(0,6)/HardSwish/HardSigmoid/Sigmoid/SiLU), MaxPool of any window up to "
     f"{kernels.maxpool.MAX_KERNEL}x{kernels.maxpool.MAX_KERNEL} (no Indices output), ConvTranspose 2x2/stride 2, "
     "channel Concat of their outputs, "
-    f"and the mobile ops: {lower_mobile.DESCRIPTION}"
+    f"the mobile ops: {lower_mobile.DESCRIPTION}; and {lower_head.DESCRIPTION}"
 )
 # A 1x1 conv with at most this many output channels (a segmentation head) runs conv1x1, one thread
 # per pixel; wider ones are GEMMs for the general conv.
@@ -520,6 +520,7 @@ class SupportContext:
     facts: lower_mobile.Facts  # the same graph as the mobile ops' predicates see it
     epilogues: Mapping[str, _Epilogue]  # dense Conv -> the Add and activation its call covers
     fused_into: Mapping[str, onnx.NodeProto]  # a node of such an epilogue -> its Conv
+    heads: lower_head.Heads  # the segmentation heads the seghead kernel takes, by node
 
     @classmethod
     def of(cls, model: onnx.ModelProto, specs: dict[str, SpecMap]) -> SupportContext:
@@ -532,6 +533,7 @@ class SupportContext:
         graph_outputs = frozenset(o.name for o in model.graph.output)
         facts = lower_mobile.Facts(model, specs)
         everywhere = {n.name for n in model.graph.node}
+        heads = _supported_heads(facts)
 
         def private(t: str) -> bool:  # segments aside: an intermediate the caller never sees
             return t not in graph_outputs
@@ -540,7 +542,7 @@ class SupportContext:
         fused_into: dict[str, onnx.NodeProto] = {}
         for n in model.graph.node:
             if n.op_type == "Conv" and not lower_mobile.claims(n, facts):
-                ep = _fuse_epilogue(n, model, specs, everywhere, private, consumers, set(fused_into))
+                ep = _fuse_epilogue(n, model, specs, everywhere, private, consumers, {*fused_into, *heads.found})
                 epilogues[n.name] = ep
                 fused_into.update((e.name, n) for e in ep.nodes)
         return cls(
@@ -554,7 +556,24 @@ class SupportContext:
             facts=facts,
             epilogues=epilogues,
             fused_into=fused_into,
+            heads=heads,
         )
+
+
+def _supported_heads(facts: lower_mobile.Facts) -> lower_head.Heads:
+    """The model's heads (:func:`lower_head.find_heads`) that the seghead kernel computes; the nodes
+    of the others get the kernel's reason (``SegHeadSpec.supports``, the check its launch makes)."""
+    found = lower_head.find_heads(facts)
+    spec = kernels.KERNELS["seghead"]
+    assert isinstance(spec, kernels.SegHeadSpec)
+    heads = lower_head.Heads(refused=dict(found.refused))
+    for name, head in found.found.items():
+        why = spec.supports(head.classes, kernels.HeadMode.of(head.call()))
+        if why:
+            heads.refused[name] = f"the seghead kernel does not take its head: {why}"
+        else:
+            heads.found[name] = head
+    return heads
 
 
 Predicate = Callable[[onnx.NodeProto, SupportContext], "str | None"]
@@ -685,6 +704,28 @@ def _launches(op: str | None) -> Callable[[onnx.NodeProto, SupportContext], str 
     return lambda node, ctx: op
 
 
+def _head_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    return ctx.heads.why(node)
+
+
+def _head_kernel(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    """A head is one seghead launch, charged to its first node; the others have none of their own."""
+    return "seghead" if ctx.heads.found[node.name].nodes[0] == node.name else None
+
+
+def _or_head(op: TrackAOp) -> TrackAOp:
+    """``op`` for a node of an op type heads share with other lowerings (Cast, Sigmoid), unless the
+    node is in a head: then the head's."""
+
+    def check(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+        return None if node.name in ctx.heads.found else op.check(node, ctx)
+
+    def kernel(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+        return _head_kernel(node, ctx) if node.name in ctx.heads.found else op.kernel(node, ctx)
+
+    return TrackAOp(check, kernel)
+
+
 # op type -> its predicate and kernel. A new Track A op joins lower_track_a's checks and `partition:
 # auto` here; every op lower_mobile claims is its predicate's (lower_mobile.RULES).
 TRACK_A_SUPPORT: dict[str, TrackAOp] = {
@@ -695,6 +736,11 @@ TRACK_A_SUPPORT: dict[str, TrackAOp] = {
     "ConvTranspose": TrackAOp(_convt_support, _launches("convt2x2")),
     "Concat": TrackAOp(_concat_support, _launches(None)),
 }
+# The segmentation head's ops (lower_head: one seghead call writes the model's probs and mask).
+TRACK_A_SUPPORT.update(
+    {op: _or_head(TRACK_A_SUPPORT[op]) if op in TRACK_A_SUPPORT else TrackAOp(_head_support, _head_kernel)
+     for op in lower_head.OPS}
+)  # fmt: skip
 
 
 def track_a_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
@@ -706,7 +752,7 @@ def track_a_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
     if op is None:
         return "no hand-written kernel"
     dtype = ctx.specs[node.output[0]][1]
-    if dtype not in ("float16", "float32"):
+    if dtype not in ("float16", "float32") and node.name not in ctx.heads.found:  # a head's mask is uint8
         return f"dtype {dtype}"
     if node.input[0] in ctx.constant:
         return "input computed from constants alone (not batch-major)"
@@ -747,10 +793,15 @@ def lower_track_a(
     def private(t: str) -> bool:  # an intermediate no other track or graph output sees
         return t not in graph_outputs and t not in boundary_outputs
 
+    # A segmentation head is one call, emitted at its last node in the segment (it reads its logits
+    # alone, computed before any of its nodes); none of its nodes joins a Conv's epilogue or a mobile op's.
+    last_of = {ctx.heads.found[n.name]: n.name for n in seg if n.name in ctx.heads.found}
+    head_at = {name: h for h, name in last_of.items()}
+    in_heads = {name for h in last_of for name in h.nodes}
     # Fusion groups first: the Conv's call is emitted at the position of its group's last node.
     epilogues: dict[str, _Epilogue] = {}
     emit_at: dict[str, onnx.NodeProto] = {}
-    claimed: set[str] = set()
+    claimed: set[str] = set(in_heads)
     for node in seg:
         if node.op_type == "Conv" and not lower_mobile.claims(node, facts):  # depthwise / vector: lower_mobile's
             ep = _fuse_epilogue(node, model, specs, in_seg, private, ctx.consumers, claimed)
@@ -761,7 +812,7 @@ def lower_track_a(
     i = 0
 
     def fusable(t: str) -> bool:  # an op's output that an activation after it may consume in place
-        return uses[t] == 1 and private(t)
+        return uses[t] == 1 and private(t) and not any(u.name in in_heads for u in ctx.consumers.get(t, []))
 
     def refuse(node: onnx.NodeProto, why: str) -> TrackARefusal:
         return TrackARefusal(
@@ -774,6 +825,14 @@ def lower_track_a(
     while i < len(seg):
         node = seg[i]
         i += 1
+        if node.name in in_heads:
+            head = ctx.heads.found[node.name]
+            missing = [name for name in head.nodes if name not in in_seg]
+            if missing:
+                raise refuse(node, f"its segmentation head's nodes {', '.join(missing)} are in another segment")
+            if node.name in head_at:
+                calls.append(head.call())
+            continue
         if node.name in claimed:  # in the epilogue of a Conv of this segment, which answers for it
             if node.name in emit_at:
                 conv = emit_at[node.name]
@@ -895,7 +954,11 @@ def _node_costs(
         why = track_a_support(n, ctx)
         kernel = None if why else track_a_kernel(n, ctx)
         on_a = why if why else "fused" if kernel is None else None
-        out[n.name] = cost.node_cost(n, ctx.specs, inits, batch_sizes, on_a=on_a, kernel=kernel, measured=measured)
+        head = ctx.heads.found.get(n.name) if kernel == "seghead" else None
+        work = cost.head_work(ctx.specs, head.logits, (head.probs, head.mask)) if head is not None else None
+        out[n.name] = cost.node_cost(
+            n, ctx.specs, inits, batch_sizes, on_a=on_a, kernel=kernel, measured=measured, work=work
+        )
     return out
 
 
@@ -963,7 +1026,10 @@ def auto_tracks(
             forced_a.add(n.name)
         elif reason:
             tracks[n.name], why[n.name] = "B", f"not a Track A node: {reason}"
-        elif any(x in model_in for x in n.input) or any(o in ctx.graph_outputs for o in n.output):
+        elif any(x in model_in for x in n.input) or (
+            n.name not in ctx.heads.found and any(o in ctx.graph_outputs for o in n.output)
+        ):
+            # A head's call writes the model's outputs in the model's layout (MODEL_LAYOUT_OPS).
             tracks[n.name], why[n.name] = "B", "reads or writes the model's own input/output (Track A works in NHWC)"
         else:
             launches = track_a_kernel(n, ctx) is not None
@@ -1144,14 +1210,17 @@ def partition_model(
             )
     graph_io = {i.name for i in model.graph.input} | {o.name for o in model.graph.output}
 
-    # NHWC wherever Track A is on either side of a boundary.
+    # NHWC wherever Track A is on either side of a boundary, but for the model's own outputs: a Track A
+    # segment writes those only through a call that writes the model's layout (MODEL_LAYOUT_OPS:
+    # the segmentation head), checked once the segment is lowered.
+    graph_outputs = {o.name for o in model.graph.output}
     touches_a: set[str] = set()
     for k, b in enumerate(bounds):
         if seg_track[k] == "A":
             touches_a.update(b.inputs, b.outputs)
     for k, b in enumerate(bounds):
         if seg_track[k] == "A":
-            for t in b.inputs + b.outputs:
+            for t in b.inputs + [o for o in b.outputs if o not in graph_outputs or _head_output(o, ctx) is None]:
                 if t in graph_io:
                     raise PartitionError(
                         f"Track A would read or write the model's own input/output '{t}' directly; "
@@ -1161,6 +1230,8 @@ def partition_model(
 
     def spec(name: str) -> TensorSpec:
         shape, dtype = specs[name]
+        if name in graph_outputs:  # the model's own layout wherever it is written (NCHW for an image)
+            return TensorSpec(name, shape, dtype, "NCHW" if name in touches_a and len(shape) == 4 else "")
         if name in touches_a and len(shape) == 4:
             return TensorSpec(name, _nhwc(shape), dtype, "NHWC")
         return TensorSpec(name, shape, dtype, "")  # as the model has it (ONNX does not record layouts)
@@ -1174,6 +1245,7 @@ def partition_model(
         tensors: tuple[TensorSpec, ...] = ()
         if seg_track[k] == "A":
             calls = tuple(lower_track_a(nodes, model, specs, set(b.outputs), ctx))
+            _check_model_outputs(k, calls, graph_outputs)
             boundary = {t.name for t in ins + outs}
             inner = [t for c in calls for t in c.outputs if t not in boundary]
             tensors = tuple(TensorSpec(t, _nhwc(specs[t][0]), specs[t][1], "NHWC") for t in inner)
@@ -1204,6 +1276,23 @@ def partition_model(
         notes=_notes(assignment, seg_track),
     )
     return Partitioned(plan, seg_models, assignment)
+
+
+def _head_output(t: str, ctx: SupportContext) -> lower_head.Head | None:
+    """The head whose call writes ``t``, or None."""
+    producer = ctx.producers.get(t)
+    return ctx.heads.found.get(producer.name) if producer is not None else None
+
+
+def _check_model_outputs(k: int, calls: tuple[KernelCall, ...], graph_outputs: set[str]) -> None:
+    """A Track A segment's calls write a model output only where they write the model's layout."""
+    for c in calls:
+        for t in c.outputs:
+            if t in graph_outputs and c.op not in MODEL_LAYOUT_OPS:
+                raise PartitionError(
+                    f"Track A would write the model's own output '{t}' with {c.op} (segment {k}), which writes "
+                    "NHWC; keep the last ops on Track B (narrow partition.track_a)"
+                )
 
 
 def _notes(assignment: Assignment, seg_track: list[str]) -> tuple[str, ...]:

@@ -50,6 +50,15 @@ RESIZE_MODES: dict[str, int] = {"nearest": 0, "linear": 1}
 RESIZE_COORDS: dict[str, int] = {"half_pixel": 0, "pytorch_half_pixel": 1, "align_corners": 2, "asymmetric": 3}
 RESIZE_NEAREST: dict[str, int] = {"floor": 0, "ceil": 1, "round_prefer_floor": 2, "round_prefer_ceil": 3}
 
+# The seghead call (the segmentation head's post-processing: probabilities and class mask): its
+# ``act`` attr, the fp16 roundings of its ``flags`` attr (bits), and ``thr``, the float32 bits of a
+# one-class head's threshold (mask = p > thr). handwritten_ptx/seghead_nhwc.cu has the semantics.
+HEAD_ACTS: dict[str, int] = {"none": 0, "softmax": 1, "sigmoid": 2}
+HEAD_FLAGS: dict[str, int] = {"round_in": 1, "round_probs": 2, "round_arg": 4, "probs_f16": 8, "threshold": 16}
+# Track A ops that write the model's own outputs in the model's layout (NCHW probabilities, an
+# (N, H, W) mask) rather than NHWC: the only Track A calls a graph output may come from.
+MODEL_LAYOUT_OPS = frozenset({"seghead"})
+
 
 def f32_bits(value: float) -> int:
     """The IEEE float32 bit pattern of ``value`` as a signed int32 (how a plan attr holds a float)."""

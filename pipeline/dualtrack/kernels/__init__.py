@@ -49,14 +49,16 @@ from dualtrack.kernels.maxpool import MaxPoolSpec, PoolGeometry
 from dualtrack.kernels.maxpool2x2 import MaxPool2x2Spec
 from dualtrack.kernels.resize import ResizeMode, ResizeSpec
 from dualtrack.kernels.resize_rgb import ResizeRgbSpec
+from dualtrack.kernels.seghead import HeadMode, SegHeadSpec
 from dualtrack.kernels.select import SMALL_C_K_MAX, SMALL_C_MAX, ConvChoice
 
 __all__ = [
     "ACTIVATIONS", "CONV3X3_WGMMA", "DTYPES", "KERNELS", "RESIZE_RGB", "SMALL_C_K_MAX", "SMALL_C_MAX", "SPECS",
     "WGMMA_CONFIGS", "Activation", "Conv1x1Spec", "Conv3x3Spec", "Conv3x3WgmmaSpec", "ConvChoice", "ConvGeneralSpec",
     "ConvGeometry", "ConvT2x2Spec", "DeviceTensor", "DwConvSpec", "DwGeometry", "EltwiseSpec", "F16Tile", "FcSpec",
-    "GapSpec", "KernelArg", "KernelSpec", "LaunchConfig", "LaunchContext", "MaxPool2x2Spec", "MaxPoolSpec",
-    "PoolGeometry", "PreparedCall", "ResizeMode", "ResizeRgbSpec", "ResizeSpec", "WgmmaConfig", "choose_conv3x3",
+    "GapSpec", "HeadMode", "KernelArg", "KernelSpec", "LaunchConfig", "LaunchContext", "MaxPool2x2Spec",
+    "MaxPoolSpec", "PoolGeometry", "PreparedCall", "ResizeMode", "ResizeRgbSpec", "ResizeSpec", "SegHeadSpec",
+    "WgmmaConfig", "choose_conv3x3",
     "defines_for_stem", "dtype_name", "kernel", "output_shape", "pack_conv_weights", "pack_convt_weights",
     "ptx_arches_for_stem", "spec_for_stem",
 ]  # fmt: skip
@@ -76,6 +78,7 @@ KERNELS: Mapping[str, KernelSpec] = {
     "fc": FcSpec(op="fc", stem="fc_nhwc"),
     "eltwise": EltwiseSpec(op="eltwise", stem="eltwise_nhwc"),
     "resize": ResizeSpec(op="resize", stem="resize_nhwc"),
+    "seghead": SegHeadSpec(op="seghead", stem="seghead_nhwc"),  # softmax/sigmoid + argmax: the model's outputs
 }
 
 # Not a plan op: the service's GPU JPEG path resizes decoded pictures into the batch's input rows with it.

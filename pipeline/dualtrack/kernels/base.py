@@ -253,6 +253,15 @@ class KernelSpec:
         dtype = inputs[0].dtype
         return PreparedCall(self.entry(dtype), self.call_launch(dtype, kw), self.args(**kw))
 
+    def prepare_outputs(
+        self, call: KernelCall, inputs: Tensors, outputs: Tensors, weights: Tensors, ctx: LaunchContext
+    ) -> PreparedCall:
+        """The launch of ``call`` writing ``outputs`` (in ``call.outputs`` order): what the runtime
+        calls. A one-output kernel's :meth:`prepare_inputs`; a spec with more outputs overrides it."""
+        if len(outputs) != 1:
+            raise InputError(f"{self.op} ({call.nodes}) writes one output; the call names {len(outputs)}")
+        return self.prepare_inputs(call, inputs, outputs[0], weights, ctx)
+
     def pack_weights(self, call: KernelCall, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The call's weights as the kernel reads them, by weight name (none by default)."""
         return {}

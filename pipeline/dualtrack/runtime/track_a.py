@@ -32,8 +32,10 @@ from dualtrack.runtime.images import DeviceImages
 from dualtrack.runtime.memory import DevicePool
 from dualtrack.runtime.tensors import GpuTensor, Stats
 
-# Poison written into Track A outputs before a verification run: fp16 / fp32 quiet NaN.
-_POISON = {"float16": (0x7E00, 2), "float32": (0x7FC00000, 4)}
+# Poison written into Track A outputs before a verification run: fp16 / fp32 quiet NaN; a uint8
+# mask gets 255 (no class id of a head of fewer than 256 classes).
+_POISON = {"float16": (0x7E00, 2), "float32": (0x7FC00000, 4), "uint8": (0xFF, 1)}
+_MEMSET = {1: cu.cuMemsetD8Async, 2: cu.cuMemsetD16Async, 4: cu.cuMemsetD32Async}
 
 
 @dataclass
@@ -170,8 +172,7 @@ class TrackA:
         if poison:
             for t in roots:
                 value, width = _POISON[t.dtype.name]
-                fn = cu.cuMemsetD16Async if width == 2 else cu.cuMemsetD32Async
-                call(fn, t.ptr, value, t.nbytes // width, self.stream.handle)
+                call(_MEMSET[width], t.ptr, value, t.nbytes // width, self.stream.handle)
         self.ev_start.record(self.stream)
         if self.use_graphs:
             # A graph replays fixed addresses: inputs (IREE's buffers, new every call) are copied into
@@ -236,9 +237,9 @@ class TrackA:
         """A call's launch, prepared once per call, batch size and pointers (the planned buffers do
         not move; a segment input in the one-by-one path may, and then the launch, tensor maps
         included, is prepared again). Records the conv3x3 choice in ``stats.conv3x3``."""
-        y = env[c.outputs[0]]
-        key = (_call_key(c), y.shape[0])
-        pointers = tuple(v for t in (*(env[i] for i in c.inputs), y) for v in (t.ptr, t.channel_stride))
+        outs = [env[o] for o in c.outputs]
+        key = (_call_key(c), outs[0].shape[0])
+        pointers = tuple(v for t in (*(env[i] for i in c.inputs), *outs) for v in (t.ptr, t.channel_stride))
         cached = self.launches.get(key)
         if cached is None or cached[0] != pointers:
             launch = self.prepare(c, env)
@@ -250,13 +251,14 @@ class TrackA:
     def prepare(self, c: KernelCall, env: Mapping[str, GpuTensor], *, allow_wgmma: bool = True) -> Launch:
         """The launch of one kernel call on the tensors ``env`` names for its inputs and output
         (the planned buffers, or others of the same shapes: bench/bench.py times layers this way),
-        as the call's kernel spec prepares it (``KernelSpec.prepare_inputs``: entry, geometry,
+        as the call's kernel spec prepares it (``KernelSpec.prepare_outputs``: entry, geometry,
         arguments, tensor maps). ``allow_wgmma=False``: a conv3x3 never runs the wgmma kernel."""
         wgmma_off = self.wgmma_off if allow_wgmma else "not allowed (prepare(allow_wgmma=False))"
         ctx = _Context(wgmma_off, self.tuned)
         weights = [self.weights[name] for name in c.weights]
         inputs = [env[name] for name in c.inputs]
-        p = kernels.kernel(c.op).prepare_inputs(c, inputs, env[c.outputs[0]], weights, ctx)
+        outputs = [env[name] for name in c.outputs]
+        p = kernels.kernel(c.op).prepare_outputs(c, inputs, outputs, weights, ctx)
         return Launch(self.kernels[p.entry], p.config, p.args, p.entry, p.choice)
 
     def close(self) -> None:
