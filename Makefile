@@ -44,7 +44,7 @@ gpu-test:  ## GPU tests only (on a GPU machine; skipped with their reason elsewh
 
 ZOO_BUNDLES = $(wildcard build/zoo/*/manifest.json)
 
-bench:  ## benchmarks on a GPU (bundles built beforehand: make build, and the zoo's: dualtrack build configs/zoo/*.yaml): tables, bench/results/
+bench:  ## benchmarks on a GPU (bundles built beforehand: make build, and the zoo's: dualtrack build configs/zoo/*.yaml configs/zoo/iree_only/*/*.yaml): tables, bench/results/
 	$(PYTHON) bench/gpu_check.py --bundle $(BUNDLE) --image models/sample.png --out bench/results
 	$(PYTHON) bench/bench.py --bundle $(BUNDLE) --out bench/results
 	$(if $(ZOO_BUNDLES),$(PYTHON) bench/zoo_bench.py $(foreach m,$(ZOO_BUNDLES),--bundle $(dir $(m))) --out bench/results)

@@ -18,6 +18,8 @@ C=.carry
 [ -f .carry.tar.xz ] && { rm -rf "$C"; tar -xJf .carry.tar.xz || exit 1; }
 # Bundles of the same model share model.onnx: it travels once (the 64 MiB carry limit).
 for b in "$C"/unet_seed_split "$C"/iree_only "$C"/unet_*; do [ -d "$b" ] && [ ! -f "$b/model.onnx" ] && cp "$C/unet/model.onnx" "$b/"; done
+# An IREE-only zoo variant (.carry/zoo/<zoo>.iree_only/<v>) of the zoo bundle's precision: its model.onnx.
+for v in "$C"/zoo/*.iree_only/*; do [ -d "$v" ] && [ ! -f "$v/model.onnx" ] && cp "$(dirname "$v" | sed 's/\.iree_only$//')/model.onnx" "$v/"; done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 echo "commit ${DUALTRACK_COMMIT:-unknown}"
 dt() { python3 -c 'from dualtrack.cli import main; main()' "$@"; }
@@ -78,7 +80,8 @@ for step in $steps; do
       python3 bench/ab.py $bs --batches 1 8 --rounds 7 --out "$OUT" --tag "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/ab.log" ;;
     zoo)
       # The zoo bundles carried as .carry/zoo/<zoo name> (dualtrack build configs/zoo/<name>.yaml -o ...), through
-      # Engine.run against PyTorch with the same weights (bench/zoo_bench.py; smp travels as a wheel in .whl/).
+      # Engine.run against PyTorch with the same weights (bench/zoo_bench.py; smp travels as a wheel in .whl/),
+      # and the IREE-only variants beside them (.carry/zoo/<zoo name>.iree_only/<variant>: rows iree_only*).
       zb=$(for b in "$C"/zoo/*; do [ -f "$b/manifest.json" ] && echo "--bundle $b"; done)
       [ -n "$zb" ] && python3 bench/zoo_bench.py $zb --batches 1 8 --iters "${BENCH_ITERS:-50}" \
         --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT" 2>&1 | tee "$OUT/zoo_bench.log" ;;

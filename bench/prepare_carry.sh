@@ -3,9 +3,15 @@
 # .carry/, and pack it as .carry.tar.xz (the 64 MiB carry limit): the reference bundles (the extra
 # ones without model.onnx: device_run.sh copies the reference's in), the tiny test bundles, the
 # Track B tuning kit, the sample images and, with `zoo` as an argument, the zoo bundles (their
-# exports: `make zoo`). Then carry [".whl", ".carry.tar.xz"] (bench/README.md).
+# exports: `make zoo`) and the IREE-only variants beside them (configs/zoo/iree_only/<zoo>/<v>.yaml
+# -> .carry/zoo/<zoo>.iree_only/<v>: each first built --cpu-only, which must verify on the CPU; the
+# ones whose model.onnx is the zoo bundle's travel without it). Then carry [".whl", ".carry.tar.xz"]
+# (bench/README.md); the last line says what that weighs against the 64 MiB carry limit.
 #
-#   bash bench/prepare_carry.sh [zoo|zoo-only]
+#   [ZOO="name ..."] bash bench/prepare_carry.sh [zoo|zoo-only]
+#
+# ZOO names the zoo models to build (default: every configs/zoo/*.yaml; smp_unet_resnet34's fp16
+# weights alone are ~47 MB, most of the limit).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 C=.carry
@@ -49,10 +55,23 @@ EOF
   rm "$C/tiny.yaml"
 fi
 if [ "$what" = zoo ] || [ "$what" = zoo-only ]; then
-  for m in configs/zoo/*.yaml; do
-    name=$(basename "$m" .yaml)
-    "$DT" build "$m" -o "$C/zoo/$name"
+  names=${ZOO:-$(for m in configs/zoo/*.yaml; do basename "$m" .yaml; done)}
+  for name in $names; do
+    "$DT" build "configs/zoo/$name.yaml" -o "$C/zoo/$name"
   done
+  cpu=$(mktemp -d)
+  for zoo in $names; do for v in configs/zoo/iree_only/"$zoo"/*.yaml; do
+    [ -f "$v" ] || continue
+    out="$C/zoo/$zoo.iree_only/$(basename "$v" .yaml)"
+    # The CPU path of every variant must verify (the GPU's code is checked at its first load there).
+    "$DT" build --cpu-only "$v" -o "$cpu/$zoo-$(basename "$v" .yaml)" | tail -1
+    "$DT" build "$v" -o "$out" | tail -1
+    if cmp -s "$out/model.onnx" "$C/zoo/$zoo/model.onnx"; then rm "$out/model.onnx"; fi
+  done; done
+  rm -rf "$cpu"
 fi
 tar -cf - "$C" | xz -T2 -6 > .carry.tar.xz
 du -sh "$C" .carry.tar.xz .whl 2>/dev/null || true
+[ -d .whl ] || echo "no .whl/ here: the wheels the GPU machine installs (bench/README.md) are not counted"
+carried=$(du -cb .carry.tar.xz $( [ -d .whl ] && echo .whl) | tail -1 | cut -f1)
+echo "carried [.whl, .carry.tar.xz]: $((carried / 1048576)) MiB of the 64 MiB limit"

@@ -14,6 +14,17 @@ Rows, per zoo name (the names the issues use):
     <zoo>/dualtrack_api_numpy    Engine.run on a numpy array (host in, host out), as a service calls it
     <zoo>/torch_eager_cl         PyTorch eager, channels_last
     <zoo>/torch_compile_cudagraphs  torch.compile(mode="reduce-overhead")
+    <zoo>/iree_only/<variant>    an IREE-only bundle carried beside the zoo bundle (below), Engine.run on
+                                 a torch CUDA tensor like dualtrack_api
+    <zoo>/iree_only              the fastest of those variants, of the zoo bundle's precision, that verified
+                                 (`variant` names it); `skipped`, with each variant's reason, if none did
+    <zoo>/iree_only_fp32         the same over the fp32 variants: a labelled extra, IREE alone where its
+                                 fp16 code is wrong (bench/results/lraspp_diag-c14dd25-*.log)
+
+IREE-only variants: every bundle `<zoo>.iree_only/<variant>/` next to the zoo bundle `<zoo>/` (built
+from configs/zoo/iree_only/<zoo>/<variant>.yaml: the whole graph on Track B, one Track B flag set
+each, sm_90a only; bench/prepare_carry.sh zoo builds them). Each is checked the way the zoo bundle is;
+a variant the GPU gets wrong is reported with its error and the module and flags that computed it.
 
 The zoo configs take `partition: auto` (Track A where its kernels take a node and that pays); each
 row says `track_a_segments`. Results written before that (zoo_bench-74c94fbc6f and older) are IREE alone.
@@ -34,6 +45,7 @@ import importlib.util
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -77,42 +89,72 @@ def time_host(torch: Any, fn: Any, xs: list[Any], warmup: int, iters: int) -> di
     }
 
 
-def dualtrack_rows(torch: Any, name: str, bundle: Path, images: dict[int, list[np.ndarray]], args) -> list[dict]:
+API_ROWS = (("dualtrack_api", True), ("dualtrack_api_numpy", False))  # (row, input a torch CUDA tensor?)
+IREE_ONLY = "iree_only"
+
+
+def iree_only_variants(bundle: Path) -> list[Path]:
+    """The IREE-only bundles carried beside a zoo bundle: ``<zoo>.iree_only/<variant>/`` next to
+    ``<zoo>/``, one per config in configs/zoo/iree_only/<zoo>/ (a Track B flag variant, or fp32)."""
+    folder = bundle.parent / f"{bundle.name}.{IREE_ONLY}"
+    return sorted(m.parent for m in folder.glob("*/manifest.json"))
+
+
+def worst_rel_l2(checks: list[dict[str, Any]]) -> float:
+    """The largest relative L2 error over the float checks of a verification report's JSON."""
+    return max((c["rel_l2"] for c in checks if not c.get("integer")), default=0.0)
+
+
+def engine_rows(
+    torch: Any,
+    name: str,
+    bundle: Path,
+    images: dict[int, list[np.ndarray]],
+    args: Any,
+    rows: tuple[tuple[str, bool], ...] = API_ROWS,
+    extra: dict[str, Any] | None = None,
+) -> list[dict]:
+    """Load ``bundle`` on the GPU (its first-load check), verify it against onnxruntime, then time
+    Engine.run for each (row, GPU input?) in ``rows`` at each batch size. A bundle refused at load or
+    failing verification gets rows that say `skipped`, with the reason and the error measured."""
     from dualtrack.errors import DualtrackError
     from dualtrack.runtime.engine import Engine
+    from dualtrack.runtime.selfcheck import GpuCheckError
     from dualtrack.verify import verify_engine
+
+    extra = extra or {}
+
+    def skipped(why: str, worst: float | None) -> list[dict]:
+        err = {} if worst is None else {"verify_worst_rel_l2": round(worst, 6)}
+        return [
+            {"name": f"{name}/{r}", "batch": b, **extra, "skipped": why, **err} for r, _ in rows for b in args.batches
+        ]
 
     try:
         engine = Engine.load(bundle, "cuda")  # the first load on this GPU checks it (runtime/selfcheck.py)
     except DualtrackError as e:
-        print(f"[{name}] refused at load: {e}")
-        return [
-            {"name": f"{name}/{r}", "batch": b, "skipped": f"refused at load: {e}"}
-            for r in ("dualtrack_api", "dualtrack_api_numpy")
-            for b in args.batches
-        ]
-    rows: list[dict[str, Any]] = []
+        worst = worst_rel_l2(e.record["checks"]) if isinstance(e, GpuCheckError) else None
+        print(f"[{name}] {bundle} refused at load: {e}")
+        return skipped(f"refused at load: {e}", worst)
+    out: list[dict[str, Any]] = []
     try:
         report = verify_engine(engine, samples=1)
-        worst = max((c.rel_l2 for c in report.checks if not c.integer), default=0.0)
+        worst = worst_rel_l2([asdict(c) for c in report.checks])
         print(f"[{name}] verify on the GPU: {'passed' if report.passed else 'FAILED'} (worst rel L2 {worst:.2e})")
         if not report.passed:
             bad = "; ".join(line for line in report.lines() if line.startswith("FAIL"))
-            return [
-                {"name": f"{name}/{r}", "batch": b, "skipped": f"GPU verification failed: {bad[:300]}"}
-                for r in ("dualtrack_api", "dualtrack_api_numpy")
-                for b in args.batches
-            ]
+            return skipped(f"GPU verification failed: {bad[:300]}", worst)
         engine.warmup()
         track_a = sum(s.track == "A" for s in engine.plan.segments)
         for b in args.batches:
             gpu = [torch.from_numpy(x).cuda() for x in images[b]]
-            for row, xs in (("dualtrack_api", gpu), ("dualtrack_api_numpy", images[b])):
-                t = time_host(torch, engine.run, xs, args.warmup, args.iters)
-                rows.append(
+            for row, on_gpu in rows:
+                t = time_host(torch, engine.run, gpu if on_gpu else images[b], args.warmup, args.iters)
+                out.append(
                     {
                         "name": f"{name}/{row}",
                         "batch": b,
+                        **extra,
                         **t,
                         "track_a_segments": track_a,
                         "segments": len(engine.plan.segments),
@@ -122,7 +164,58 @@ def dualtrack_rows(torch: Any, name: str, bundle: Path, images: dict[int, list[n
                 print(f"[{name}/{row}] N={b}: {t['median_ms']:.3f} ms")
     finally:
         engine.close()
-    return rows
+    return out
+
+
+def iree_only_rows(
+    torch: Any, name: str, precision: str, bundle: Path, images: dict[int, list[np.ndarray]], args: Any
+) -> list[dict]:
+    """Each IREE-only variant beside ``bundle`` as its own row (`<zoo>/iree_only/<variant>`), timed and
+    verified like the dualtrack_api row, then the summary rows (:func:`best_iree_only`)."""
+    variants: list[dict] = []
+    for path in iree_only_variants(bundle):
+        # The config as the manifest records it, read as JSON: a variant that does not open (its
+        # model.onnx missing, say) still gets its row, refused by Engine.load with the reason.
+        cfg = json.loads((path / "manifest.json").read_text())["config"]
+        extra = {
+            "variant": path.name,
+            "precision": cfg["precision"],
+            "track_b_flags": [*cfg["track_b"]["flags"], *cfg["track_b"]["cuda_flags"]],
+        }
+        variants += engine_rows(torch, name, path, images, args, ((f"{IREE_ONLY}/{path.name}", True),), extra)
+    return variants + best_iree_only(name, precision, variants, args.batches)
+
+
+def measured(row: dict) -> str:
+    """A skipped row's error in a few words: its worst relative L2 where the check measured one."""
+    return f"rel L2 {row['verify_worst_rel_l2']:.3g}" if "verify_worst_rel_l2" in row else "not loaded"
+
+
+def best_iree_only(name: str, precision: str, variants: list[dict], batches: list[int]) -> list[dict]:
+    """The `<zoo>/iree_only` row at each batch size: the fastest variant of the zoo bundle's precision
+    that verified on the GPU (the row names it); `<zoo>/iree_only_<precision>` the same for each other
+    precision built (fp32: a labelled extra, never the comparison). Where no variant of a precision
+    verified, its row says `skipped` with each variant's reason and error: never a time for a wrong result."""
+    out: list[dict] = []
+    for prec in sorted({v["precision"] for v in variants}, key=lambda p: p != precision):
+        row = IREE_ONLY if prec == precision else f"{IREE_ONLY}_{prec}"
+        mine = [v for v in variants if v["precision"] == prec]
+        for b in batches:
+            timed = [v for v in mine if v["batch"] == b and "median_ms" in v]
+            if timed:
+                best = min(timed, key=lambda v: v["median_ms"])
+                out.append({**best, "name": f"{name}/{row}", "of_variants": len({v["variant"] for v in mine})})
+                continue
+            why = ", ".join(f"{v['variant']} {measured(v)}" for v in mine if v["batch"] == b)
+            out.append(
+                {
+                    "name": f"{name}/{row}",
+                    "batch": b,
+                    "precision": prec,
+                    "skipped": f"no variant verified on the GPU ({why}; each variant's row says why)",
+                }
+            )
+    return out
 
 
 def torch_rows(torch: Any, zoo: Any, name: str, size: tuple[int, int], ref_probs: np.ndarray, images, args) -> list:
@@ -195,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             images[1] = [rng.integers(0, 256, (1, h, w, 3), dtype=np.uint8)]
         sess = ort.InferenceSession(b.model.SerializeToString(), providers=["CPUExecutionProvider"])
         ref_probs = sess.run(["probs"], {"image": images[1][0]})[0]
-        rows += dualtrack_rows(torch, name, bundle, images, args)
+        rows += engine_rows(torch, name, bundle, images, args)
+        rows += iree_only_rows(torch, name, b.plan.precision, bundle, images, args)
         rows += torch_rows(torch, zoo, name, (h, w), ref_probs, images, args)
     result = {
         "commit": commit,
@@ -211,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{gpu}, driver {driver}, commit {commit[:10]} -> {path}")
     print(f"{'row':<52} {'N':>3} {'median ms':>10}")
     for r in rows:
-        print(f"{r['name']:<52} {r['batch']:>3} {r.get('median_ms', 'skipped: ' + str(r.get('skipped'))[:40]):>10}")
+        label = r["name"] if r["name"].endswith(f"/{r.get('variant')}") else f"{r['name']} {r.get('variant', '')}"
+        print(f"{label.strip():<52} {r['batch']:>3} {r.get('median_ms', 'skipped: ' + str(r.get('skipped'))[:40]):>10}")
     return 0
 
 

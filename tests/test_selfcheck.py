@@ -11,7 +11,7 @@ import pytest
 
 from dualtrack.errors import VerificationError
 from dualtrack.runtime.engine import Engine
-from dualtrack.runtime.selfcheck import record_path, self_check
+from dualtrack.runtime.selfcheck import GpuCheckError, record_path, self_check
 from dualtrack.verify import Check, Report, verify_engine
 
 
@@ -47,3 +47,28 @@ def test_a_device_that_computes_wrong_results_is_refused_every_time(tiny_bundle:
             ):
                 self_check(engine, "Bad GPU", tmp_path, verify=wrong)
     assert json.loads(record_path(tmp_path, engine.bundle.manifest.build_key, "Bad GPU").read_text())["passed"] is False
+
+
+def test_a_refusal_names_the_failing_module_and_its_flags_and_keeps_what_it_measured(
+    tiny_bundle: Path, tmp_path: Path
+) -> None:
+    with Engine.load(tiny_bundle, "cpu") as engine:
+        plan = engine.bundle.manifest.plan
+        seg = next(s for s in plan.segments if s.track == "B")
+        batch = engine.bundle.manifest.cpu_batch
+        module = engine.bundle.manifest.artifacts.iree[seg.name]["llvm-cpu"][str(batch)]
+
+        def wrong(engine, **kw):
+            good = verify_engine(engine, **kw)
+            bad = [
+                Check(f"{seg.name}[llvm-cpu] probs #0", 1.05, 1.0, 0.0, 0, False),
+                Check("plan b1 x", 2, 1, 0, 0, False),
+            ]
+            return Report(good.device, good.precision, good.tolerance, [*good.checks, *bad], good.seed)
+
+        with pytest.raises(GpuCheckError) as err:
+            self_check(engine, "Bad GPU", tmp_path, verify=wrong)
+    assert f"(failing module: {module} (IREE flags: " in err.value.message
+    assert isinstance(err.value, VerificationError)  # the same exit code as any verification failure
+    failed = [c for c in err.value.record["checks"] if not c["passed"]]
+    assert [c["rel_l2"] for c in failed] == [1.05, 2]  # what the check measured travels with the refusal

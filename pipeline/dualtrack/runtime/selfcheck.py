@@ -14,6 +14,7 @@ refuses a bundle that fails. Later loads read the record. ``DUALTRACK_GPU_SELF_C
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,43 @@ from dualtrack.config import Tolerance
 from dualtrack.errors import VerificationError
 from dualtrack.runtime.replay import compare, log_fallback, random_input
 from dualtrack.verify import Report, verify_engine
+
+
+class GpuCheckError(VerificationError):
+    """The first-load check's refusal (same exit code as any VerificationError); ``record`` is what it
+    measured: the report's JSON (every check with its error), as the cache keeps it."""
+
+    def __init__(self, message: str, record: dict[str, Any], *, detail: str = "") -> None:
+        super().__init__(message, detail=detail)
+        self.record = record
+
+
+_SEGMENT_CHECK = re.compile(r"^(\S+)\[([^\]]+)\] ")
+
+
+def failing_modules(bundle: Any, report: Report) -> list[str]:
+    """The bundle's files behind the failed segment checks: each Track B segment's IREE module at
+    the batch the check ran (the plan's first; the CPU's one batch on llvm-cpu), with the IREE flags it
+    was compiled with, so that a refusal says which compiled module (and flag variant) computes it wrong."""
+    manifest = bundle.manifest
+    track_b = manifest.config.get("track_b", {})
+    out: list[str] = []
+    for c in report.checks:
+        m = _SEGMENT_CHECK.match(c.name)
+        if c.passed or m is None:
+            continue
+        seg, target = m.groups()
+        batch = str(manifest.cpu_batch if target == "llvm-cpu" else manifest.plan.batch_sizes[0])
+        rel = manifest.artifacts.iree.get(seg, {}).get(target, {}).get(batch)
+        if rel is None:
+            continue  # a Track A segment (its kernels) or a check that names no module
+        tuned = manifest.artifacts.iree_tuned_flags.get(seg, {}).get(target, {}).get(batch)
+        own = track_b.get("cpu_flags" if target == "llvm-cpu" else "cuda_flags", ())
+        flags = tuned["flags"] if tuned else [*track_b.get("flags", ()), *own]
+        line = f"{rel} (IREE flags: {' '.join(flags) or 'none'})"
+        if line not in out:
+            out.append(line)
+    return out
 
 
 def record_path(cache_dir: Path, build_key: str, device: str) -> Path:
@@ -57,10 +95,13 @@ def self_check(
     try:
         report.raise_if_failed()
     except VerificationError as e:
-        raise VerificationError(
-            f"{engine.bundle.root} computes wrong results on {device}: {e.message}; the CPU build verified, so this "
-            "GPU's code for it is wrong: rebuild with another `precision` or `track_b` flags (see `dualtrack verify "
-            "BUNDLE --device cuda -v`), or set DUALTRACK_GPU_SELF_CHECK=0 to load it regardless",
+        modules = failing_modules(engine.bundle, report)
+        where = f" (failing module: {'; '.join(modules)})" if modules else ""
+        raise GpuCheckError(
+            f"{engine.bundle.root} computes wrong results on {device}: {e.message}{where}; the CPU build verified, "
+            "so this GPU's code for it is wrong: rebuild with another `precision` or `track_b` flags (see `dualtrack "
+            "verify BUNDLE --device cuda -v`), or set DUALTRACK_GPU_SELF_CHECK=0 to load it regardless",
+            record,
             detail=e.detail,
         ) from None
     return record
