@@ -95,6 +95,19 @@ __device__ __forceinline__ void store_f16x8(f16* p, const float (&v)[8]) {
     *reinterpret_cast<uint4*>(p) = make_uint4(words[0], words[1], words[2], words[3]);
 }
 
+// V neighbouring elements as fp32 and back, for a kernel written once for its scalar path (V = 1,
+// either dtype) and its fp16 vector path (V = 8, 16 bytes, p 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void load_f32s(float (&v)[1], const T* p) {
+    v[0] = load_f32(p);
+}
+__device__ __forceinline__ void load_f32s(float (&v)[8], const f16* p) { load_f16x8(v, p); }
+template <typename T>
+__device__ __forceinline__ void store_f32s(T* p, const float (&v)[1]) {
+    store_f32(p, v[0]);
+}
+__device__ __forceinline__ void store_f32s(f16* p, const float (&v)[8]) { store_f16x8(p, v); }
+
 // The activation codes of dualtrack.plan.ACTIVATIONS; p0, p1 are the activation's parameters
 // (Clip: min, max; HardSigmoid: alpha, beta). NaN propagates through every one of them, as numpy's.
 enum Act { ACT_NONE = 0, ACT_RELU = 1, ACT_CLIP = 2, ACT_HARDSIGMOID = 3, ACT_HARDSWISH = 4, ACT_SIGMOID = 5 };
