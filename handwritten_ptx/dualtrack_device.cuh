@@ -7,6 +7,13 @@
 
 typedef unsigned short f16;  // raw IEEE binary16 bits
 
+// The fp16 and fp32 entries of a kernel that is one template over its element type: NAME##_f16 and
+// NAME##_f32, of THREADS threads a block, with the parameter list PARAMS(T) (a function-like macro
+// of the element type: the ABI of handwritten_ptx/README.md), each calling BODY<T> ARGS.
+#define DUALTRACK_F16_F32_ENTRIES(NAME, THREADS, PARAMS, BODY, ARGS)                                    \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_f16 PARAMS(f16) { BODY<f16> ARGS; }   \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_f32 PARAMS(float) { BODY<float> ARGS; }
+
 __device__ __forceinline__ float f16_to_f32(f16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));

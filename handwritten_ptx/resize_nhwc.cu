@@ -80,14 +80,8 @@ __device__ __forceinline__ void resize(const T* __restrict__ x, T* __restrict__ 
     store_f32(dst, top + th * (bottom - top));
 }
 
-extern "C" __global__ void __launch_bounds__(RESIZE_THREADS)
-resize_nhwc_f16(const f16* __restrict__ x, f16* __restrict__ y, int N, int H, int W, int C, int Ho, int Wo, int ldx,
-                int ldy, int mode, int coord, int nearest, float sh, float sw) {
-    resize<f16>(x, y, N, H, W, C, Ho, Wo, ldx, ldy, mode, coord, nearest, sh, sw);
-}
-
-extern "C" __global__ void __launch_bounds__(RESIZE_THREADS)
-resize_nhwc_f32(const float* __restrict__ x, float* __restrict__ y, int N, int H, int W, int C, int Ho, int Wo,
-                int ldx, int ldy, int mode, int coord, int nearest, float sh, float sw) {
-    resize<float>(x, y, N, H, W, C, Ho, Wo, ldx, ldy, mode, coord, nearest, sh, sw);
-}
+#define RESIZE_PARAMS(T)                                                                                    \
+    (const T* __restrict__ x, T* __restrict__ y, int N, int H, int W, int C, int Ho, int Wo, int ldx, int ldy,   \
+     int mode, int coord, int nearest, float sh, float sw)
+DUALTRACK_F16_F32_ENTRIES(resize_nhwc, RESIZE_THREADS, RESIZE_PARAMS, resize,
+                          (x, y, N, H, W, C, Ho, Wo, ldx, ldy, mode, coord, nearest, sh, sw))
