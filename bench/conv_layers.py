@@ -106,7 +106,7 @@ def median_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def run_layer(kernels: dict, stream: Stream, layer: Layer, n: int, iters: int) -> dict:
+def run_layer(kernels: dict, stream: Stream, layer: Layer, n: int, iters: int, variants: bool = False) -> dict:
     g = layer.geom
     _, p, q, _ = SPEC.output_shape(n, layer.H, layer.W, layer.C, layer.K, geom=g)
     x = torch.randn(n, layer.H, layer.W, layer.C, device="cuda", dtype=torch.float16)
@@ -116,16 +116,17 @@ def run_layer(kernels: dict, stream: Stream, layer: Layer, n: int, iters: int) -
     y = torch.full((n, p, q, layer.K), float("nan"), device="cuda", dtype=torch.float16)
     act = ACTIVATIONS["relu" if layer.relu else "none"]
     entry = SPEC.variant("float16", n, layer.H, layer.W, layer.C, layer.K, g)
-    cfg = SPEC.launch("float16", n, layer.H, layer.W, layer.C, layer.K, geom=g, entry=entry)
     args = SPEC.args(
         x=x.data_ptr(), w=w.data_ptr(), bias=b.data_ptr(), res=None if res is None else res.data_ptr(),
         y=y.data_ptr(), N=n, H=layer.H, W=layer.W, C=layer.C, K=layer.K, geom=g, act=act,
     )  # fmt: skip
-    fn = kernels[entry]
 
-    def ours() -> None:
-        fn.launch(cfg.grid, cfg.block, cfg.shared_bytes, stream, args)
+    def launcher(name: str):
+        cfg = SPEC.launch("float16", n, layer.H, layer.W, layer.C, layer.K, geom=g, entry=name)
+        fn = kernels[name]
+        return lambda: fn.launch(cfg.grid, cfg.block, cfg.shared_bytes, stream, args)
 
+    ours = launcher(entry)
     ours()
     torch.cuda.synchronize()
     x_cl = x.permute(0, 3, 1, 2)  # NHWC data = a channels_last NCHW tensor, no copy
@@ -145,6 +146,8 @@ def run_layer(kernels: dict, stream: Stream, layer: Layer, n: int, iters: int) -
     bh = b.half()
     row["cudnn_ms"] = median_ms(lambda: F.conv2d(x_cl, w_cl, bh, stride=layer.stride, padding=pad), iters)
     row["ratio"] = row["ours_ms"] / row["cudnn_ms"]
+    if variants:  # every fp16 entry on this layer (same arguments), to check the selection policy
+        row["variants_ms"] = {e: median_ms(launcher(e), iters) for e in SPEC.entries if "f16" in e}
     return row
 
 
@@ -154,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--only", default="", help="run the layers whose name contains this")
+    ap.add_argument("--variants", action="store_true", help="also time every fp16 entry on each layer")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("conv_layers: needs a CUDA GPU and torch with CUDA", file=sys.stderr)
@@ -175,11 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         for layer in LAYERS:
             if args.only and args.only not in layer.name:
                 continue
-            row = run_layer(kernels, stream, layer, n, args.iters)
+            row = run_layer(kernels, stream, layer, n, args.iters, args.variants)
             rows.append(row)
             times = f"{row['ours_ms']:8.4f} {row['cudnn_ms']:8.4f} {row['ratio']:6.2f}" if row["passed"] else "  FAILED"
             entry = row["entry"].removeprefix("conv_nhwc_")
             print(f"{layer.name:18} {layer.op:8} {n:>2} {entry:22} {row['rel_l2']:8.1e} {times}")
+            for e, ms in row.get("variants_ms", {}).items():
+                print(f"{'':30} {e.removeprefix('conv_nhwc_'):22} {'':8} {ms:8.4f}")
     totals = {}
     for n in args.batches:
         mine = [r for r in rows if r["N"] == n and r["op"] == "conv" and r["passed"]]

@@ -3,7 +3,8 @@
 # command line (default: all) — `test` (GPU tests on the carried tiny bundle), `check`
 # (bench/gpu_check.py on the reference bundle), `serve` (bench/serve_bench.py: the service under
 # the load test, against the engine alone), `bench` (bench/bench.py: dualtrack against PyTorch);
-# `zoo` when named (bench/zoo_bench.py: the carried zoo bundles against PyTorch).
+# `zoo` when named (bench/zoo_bench.py: the carried zoo bundles against PyTorch); `ray` when named
+# (bench/ray_install.sh, then the Ray Serve application under the load test).
 # Everything worth keeping lands in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -82,6 +83,18 @@ for step in $steps; do
     api)
       # Where Engine.run's host time goes on a GPU tensor, against run_batch (bench/api_profile.py).
       python3 bench/api_profile.py --bundle $C/unet --batches 1 8 --iters 200 --out "$OUT" 2>&1 | tee "$OUT/api_profile.log" ;;
+    ray)
+      # Not in the default steps: `bash bench/device_run.sh ray` (issues 16 and 17). Ray and what Ray
+      # Serve needs travel in parts over earlier calls of this warm machine (bench/ray_wheels.sh
+      # prints the plan); reassembled and installed here, then the Ray application with one GPU
+      # replica and `dualtrack serve --workers 4` under the load test, JPEG -> JSON and PNG -> PNG at
+      # 16 and 32 clients, and the replica's device check: serve_ray-<commit>.json.
+      bash bench/ray_install.sh /tmp/site || exit 1
+      export RAY_USAGE_STATS_ENABLED=0  # no network here: Ray need not try to report usage
+      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
+        --only-variants --cases png_in_png_out jpeg_in_json_out --tag ray \
+        --variant "ray_1gpu=--backend ray --replicas 1 --ingress-replicas 4 --max-batch-delay-ms 8" \
+        --variant "workers_4=--workers 4 --max-batch-delay-ms 8" --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_ray.log" ;;
     bench)
       python3 bench/bench.py --bundle $C/unet --seed-split-bundle $C/unet_seed_split --iree-only-bundle $C/iree_only --head-b-bundle $C/unet_head_b \
         --batches 1 8 --iters "${BENCH_ITERS:-50}" --skip-autotune --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT" 2>&1 | tee /tmp/bench.log ;;

@@ -16,10 +16,15 @@
    server's threads (event loop, image threads, batcher), per request and as cores kept busy.
 4. Each ``--variant NAME=ARGS``: PNG -> PNG, JPEG -> JSON and JPEG -> PNG on ``dualtrack serve
    ARGS`` (e.g. ``--workers 6``: HTTP processes in front of one engine; their CPU time is summed
-   as "worker: THREAD"). ``--only-variants`` skips (3), for sweeps of settings.
+   as "worker: THREAD"). ``--only-variants`` skips (3), for sweeps of settings; ``--cases`` picks cases.
+5. A variant with ``--backend ray`` (the Ray Serve application): CPU time and RSS over Ray's whole
+   process tree by process title, Ray's processes reaped after the server stops, and the device
+   check of its model replicas (``/readyz``'s ``devices`` against ``nvidia-smi``'s compute
+   processes: each replica sees one GPU and holds one primary context there, no two share a GPU).
 
-Writes ``serve_bench-<commit>[-TAG].json`` and ``serve-metrics-<commit>[-TAG].txt``; prints a
-summary last.
+Writes ``serve_bench-<commit>[-TAG].json`` and ``serve-metrics-<commit>[-TAG].txt``, with a Ray
+variant also ``serve_ray-<commit>.json`` (issue 17's ``scaling``: GPUs -> requests/s, JPEG -> JSON
+at the most clients); prints a summary last.
 Linux only (/proc); the child names its threads (prctl) so their CPU time can be told apart.
 """
 
@@ -48,6 +53,13 @@ import numpy as np
 
 CLIENTS = 16  # what issue 5 measures at; --clients changes it
 PORT = 8087
+# (name, request path, content type): the image each sends is chosen in under_load.
+CASES = (
+    ("png_in_png_out", "/v1/segment", "image/png"),
+    ("jpeg_in_json_out", "/v1/segment?format=json", "image/jpeg"),
+    ("jpeg_in_png_out", "/v1/segment", "image/jpeg"),
+    ("tiny_jpeg_in_json_out", "/v1/segment?format=json", "image/jpeg"),
+)
 
 
 def main() -> None:
@@ -70,6 +82,12 @@ def main() -> None:
         "'workers_6=--workers 6 --max-batch-delay-ms 8' (repeatable; the cases are named CASE_NAME)",
     )
     p.add_argument("--only-variants", action="store_true", help="skip the default cases: a sweep of --variant")
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        choices=[c[0] for c in CASES],
+        help="run only these cases (default: all; a --variant runs the first three)",
+    )
     p.add_argument("--tag", default="", help="appended to the result file names")
     p.add_argument(
         "--clients",
@@ -89,8 +107,10 @@ def main() -> None:
     report["engine"], mask = engine_alone(args.bundle, args.device, args.iters, args.png.read_bytes())
     report["machine"]["commit"] = args.commit
     report["stages"] = stages(args.png.read_bytes(), args.jpg.read_bytes(), mask)
-    report["loadtests"], metrics_text = under_load(args, report["engine"]["reference_img_s"])
+    report["loadtests"], metrics_text, report["device_checks"] = under_load(args, report["engine"]["reference_img_s"])
     name = args.commit[:10] + (f"-{args.tag}" if args.tag else "")
+    if report["device_checks"]:
+        write_ray_summary(args, report)
     (args.out / f"serve-metrics-{name}.txt").write_text(metrics_text)
     path = args.out / f"serve_bench-{name}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
@@ -249,24 +269,25 @@ def _throughput(fn: Any, threads: int, seconds: float = 1.5) -> float:
 # -- 3. the service under load ------------------------------------------------------------------------
 
 
-def under_load(args: argparse.Namespace, reference_img_s: float) -> tuple[list[dict[str, Any]], str]:
-    """The cases on a plain `dualtrack serve` (unless --only-variants), then on each --variant."""
-    png, jpg = args.png.read_bytes(), args.jpg.read_bytes()
-    cases = [
-        ("png_in_png_out", png, "/v1/segment", "image/png"),
-        ("jpeg_in_json_out", jpg, "/v1/segment?format=json", "image/jpeg"),
-        ("jpeg_in_png_out", jpg, "/v1/segment", "image/jpeg"),
-        ("tiny_jpeg_in_json_out", _tiny_jpeg(args.jpg), "/v1/segment?format=json", "image/jpeg"),
-    ]
-    results, metrics_text = [], ""
+def under_load(args: argparse.Namespace, reference_img_s: float) -> tuple[list[dict[str, Any]], str, dict[str, Any]]:
+    """The cases on a plain `dualtrack serve` (unless --only-variants), then on each --variant; and
+    each `--backend ray` variant's device check (:func:`_device_check`), by variant name."""
+    images = {"png": args.png.read_bytes(), "jpeg": args.jpg.read_bytes(), "tiny": _tiny_jpeg(args.jpg)}
+    cases = [(name, images[name.split("_")[0]], path, kind) for name, path, kind in CASES]
+    results, metrics_text, checks = [], "", {}
     if not args.only_variants:
-        results, metrics_text = _serve_and_load(args, reference_img_s, cases, {})
+        chosen = [c for c in cases if not args.cases or c[0] in args.cases]
+        results, metrics_text, _ = _serve_and_load(args, reference_img_s, chosen, {})
     for variant in args.variant:
         name, _, argv = variant.partition("=")
-        vcases = [(f"{c[0]}_{name}", *c[1:]) for c in cases[:3]]
-        more, metrics_text = _serve_and_load(args, reference_img_s, vcases, {}, argv.split())
+        vcases = [(f"{c[0]}_{name}", *c[1:]) for c in cases[:3] if not args.cases or c[0] in args.cases]
+        more, metrics_text, check = _serve_and_load(args, reference_img_s, vcases, {}, argv.split())
+        for entry in more:
+            entry["variant"] = name
         results += more
-    return results, metrics_text
+        if check is not None:
+            checks[name] = check
+    return results, metrics_text, checks
 
 
 def _serve_and_load(
@@ -275,8 +296,17 @@ def _serve_and_load(
     cases: list[tuple[str, bytes, str, str]],
     env: dict[str, str],
     extra: tuple[str, ...] | list[str] = (),
-) -> tuple[list[dict[str, Any]], str]:
+) -> tuple[list[dict[str, Any]], str, dict[str, Any] | None]:
+    """Start `dualtrack serve ARGS`, run ``cases`` at each client count, stop it. Under ``--backend
+    ray`` the server is Ray's process tree (CPU time and RSS are summed over it by process title,
+    and whatever of it outlives the server is killed) and the placement of its model replicas is
+    checked (:func:`_device_check`, the third value; None otherwise)."""
     from dualtrack.serve.loadtest import run_loadtest
+
+    on_ray = _flag(extra, "--backend") == "ray"
+    cpu_of = _tree_cpu if on_ray else _thread_cpu
+    check = None
+    tree: set[int] = set()
 
     cmd = [sys.executable, __file__, "--child", "serve", str(args.bundle), "--device", args.device]
     cmd += ["--port", str(PORT), "--log-level", "warning", *args.serve_arg, *extra]
@@ -292,12 +322,14 @@ def _serve_and_load(
         t0 = time.monotonic()
         _wait_ready(base, server)
         ready = json.loads(urllib.request.urlopen(f"{base}/readyz", timeout=10).read())
+        if on_ray:  # each model replica reports where its engine runs with its metrics (every 1.25 s)
+            ready = _wait_devices(base, _flag(extra, "--replicas") or "1")
         decoder = ready.get("jpeg_decoder", {"name": "cpu", "reason": "this dualtrack reports none"})
         print(f"[serve] ready after {time.monotonic() - t0:.1f} s {env or ''}; JPEG decoder {decoder}")
         for (case, body, path, content_type), clients in ((c, n) for c in cases for n in args.clients):
             name = f"{case}_c{clients}"
             run_loadtest(base + path, body, content_type=content_type, concurrency=clients, requests=400)  # warm
-            before, cpu0, usage0 = _metrics(base), _thread_cpu(server.pid), resource.getrusage(resource.RUSAGE_SELF)
+            before, cpu0, usage0 = _metrics(base), cpu_of(server.pid), resource.getrusage(resource.RUSAGE_SELF)
             rep = run_loadtest(
                 base + path,
                 body,
@@ -306,7 +338,7 @@ def _serve_and_load(
                 requests=10**6,
                 duration_s=args.duration_s,
             )
-            after, cpu1, usage1 = _metrics(base), _thread_cpu(server.pid), resource.getrusage(resource.RUSAGE_SELF)
+            after, cpu1, usage1 = _metrics(base), cpu_of(server.pid), resource.getrusage(resource.RUSAGE_SELF)
             for line in rep.lines():
                 print(f"[{name}] {line}")
             ok = max(rep.ok, 1)
@@ -318,7 +350,8 @@ def _serve_and_load(
                 "case": name,
                 "clients": clients,
                 "jpeg_decoder": decoder,
-                "server_rss_mb": _rss_mb(server.pid),
+                "backend": "ray" if on_ray else "dualtrack",
+                "server_rss_mb": _tree_rss_mb(server.pid)["total"] if on_ray else _rss_mb(server.pid),
                 "image_bytes": len(body),
                 "report": rep.to_json(),
                 "ratio": round(rep.throughput_rps / reference_img_s, 4),
@@ -343,9 +376,17 @@ def _serve_and_load(
             print(f"[{name}] batches {entry['batches']}")
             print(f"[{name}] CPU ms per request: client {entry['cpu_ms_per_request']['client']}, server {server_ms}")
             print(f"[{name}] cores kept busy: {entry['cores_busy']}")
+            if on_ray:
+                entry["server_rss_mb_by_process"] = _tree_rss_mb(server.pid)
+                entry["cpu_accounting"] = RAY_CPU_NOTE
             results.append(entry)
+        if on_ray:  # while the replicas hold their engines: what they report, and what nvidia-smi sees
+            tree = set(_descendants(server.pid))
+            check = _device_check(json.loads(urllib.request.urlopen(f"{base}/readyz", timeout=10).read()), tree)
+            print(f"[serve] device check: {json.dumps(check)}")
         metrics_text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
     finally:
+        tree |= set(_descendants(server.pid)) if on_ray and server.poll() is None else set()
         server.terminate()
         try:
             server.wait(60)
@@ -353,9 +394,11 @@ def _serve_and_load(
             server.kill()
             server.wait()
         reader.join(5)
+        if on_ray:
+            _reap(tree)
         tail = log.getvalue().strip().splitlines()[-15:]
         print("[serve] server output (last lines):\n  " + "\n  ".join(tail))
-    return results, metrics_text
+    return results, metrics_text, check
 
 
 def _rss_mb(pid: int) -> float | None:
@@ -427,6 +470,206 @@ def _thread_cpu(pid: int, prefix: str = "") -> dict[str, float]:
         for child in children:
             out.update(_thread_cpu(int(child), "worker: "))
     return dict(out)
+
+
+# -- the Ray backend (`--variant 'NAME=--backend ray ...'`) -----------------------------------------
+
+RAY_CPU_NOTE = (
+    "summed over the process tree of `dualtrack serve --backend ray` (Ray's gcs_server, raylet and "
+    "workers are its descendants), by process title; a process that left the tree (reparented) is "
+    "not counted, and 'worker: NAME' threads are not told apart inside a Ray process"
+)
+
+
+def _flag(argv: tuple[str, ...] | list[str], name: str) -> str | None:
+    """The value of ``name`` in ``argv`` (``--name VALUE`` or ``--name=VALUE``), or None."""
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children of its threads, recursively)."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for tid in _listdir(f"/proc/{parent}/task"):
+            children = [int(c) for c in _read(f"/proc/{parent}/task/{tid}/children").split()]
+            out += children
+            todo += children
+    return out
+
+
+def _title(pid: int) -> str:
+    """A process's name for the tables: Ray's title for its workers (``ray::ServeReplica:APP:DEPLOYMENT``),
+    else the executable's name."""
+    argv0 = _read(f"/proc/{pid}/cmdline").split("\0", 1)[0]
+    if argv0.startswith("ray::"):  # the title carries the method running now: ray::ProxyActor.receive_asgi_messages
+        return argv0.split(" ", 1)[0].split(".", 1)[0]
+    stat = _read(f"/proc/{pid}/stat")
+    return stat[stat.find("(") + 1 : stat.rfind(")")] if stat else "?"
+
+
+def _tree_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of ``pid`` ("dualtrack serve") and each of its descendants, summed by title."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: collections.Counter[str] = collections.Counter()
+    for proc in (pid, *_descendants(pid)):
+        stat = _read(f"/proc/{proc}/stat")
+        try:
+            fields = stat[stat.rindex(")") + 2 :].split()
+            name = "dualtrack serve" if proc == pid else _title(proc)
+            out[name] += (int(fields[11]) + int(fields[12])) / tick
+        except (ValueError, IndexError):  # the process ended while being read
+            continue
+    return dict(out)
+
+
+def _tree_rss_mb(pid: int) -> dict[str, float]:
+    """Resident memory of ``pid`` and its descendants by title, MiB, and their ``total``."""
+    out: collections.Counter[str] = collections.Counter()
+    for proc in (pid, *_descendants(pid)):
+        rss = _rss_mb(proc)
+        if rss is not None:
+            out["dualtrack serve" if proc == pid else _title(proc)] += rss
+    return {k: round(v, 1) for k, v in {**out, "total": sum(out.values())}.items()}
+
+
+def _wait_devices(base: str, replicas: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    """/readyz once it lists every model replica's device (each reports it with its metrics)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ready = json.loads(urllib.request.urlopen(f"{base}/readyz", timeout=10).read())
+        if len(ready.get("devices", ())) >= int(replicas) or time.monotonic() > deadline:
+            return ready
+        time.sleep(0.5)
+
+
+def _device_check(ready: dict[str, Any], tree: set[int]) -> dict[str, Any]:
+    """Does each model replica's engine own one GPU, and no two replicas share one?
+
+    From the replicas (``/readyz``'s ``devices``: their CUDA_VISIBLE_DEVICES and what their CUDA
+    driver reports) and from outside (``nvidia-smi``'s compute processes: every process holding a
+    context on a GPU, once per GPU): each replica sees one device, holds exactly one active primary
+    context, on that device, and its engine runs in that context; nvidia-smi lists the replica's
+    process on that GPU alone, and no other process of the Ray tree on any GPU.
+    """
+    devices = ready.get("devices", [])
+    gpus = _smi(["--query-gpu=index,uuid,pci.bus_id,name"])
+    apps = _smi(["--query-compute-apps=pid,gpu_uuid,used_memory"])
+    uuids = {g[1] for g in gpus}
+    problems = []
+    if not devices:
+        problems.append("/readyz lists no model replica's device")
+    for d in devices:
+        who = f"replica pid {d.get('pid')}"
+        if d.get("device") != "cuda" or "error" in d:
+            problems.append(f"{who}: engine on {d.get('device')} {d.get('error', '')}".strip())
+            continue
+        if d.get("visible_devices") != 1:
+            seen = f"{d.get('visible_devices')} devices (CUDA_VISIBLE_DEVICES={d.get('cuda_visible_devices')})"
+            problems.append(f"{who} sees {seen}")
+        if d.get("active_primary_contexts") != [d.get("index")]:
+            active = d.get("active_primary_contexts")
+            problems.append(f"{who}: active primary contexts on devices {active}, not on [{d.get('index')}] alone")
+        if not d.get("engine_context_is_primary"):
+            problems.append(f"{who}: the engine's context is not the device's primary context")
+        if gpus and d.get("uuid") not in uuids:
+            problems.append(f"{who}: {d.get('uuid')} is none of nvidia-smi's GPUs")
+        on = [a[1] for a in apps if a[0] == str(d.get("pid"))]
+        if apps and on != [d.get("uuid")]:
+            problems.append(f"{who}: nvidia-smi lists it on {on}, not once on {d.get('uuid')}")
+    held = [d.get("uuid") for d in devices]
+    if len(set(held)) != len(held):
+        problems.append(f"two replicas on one GPU: {held}")
+    replicas = {str(d.get("pid")) for d in devices}
+    strays = [a for a in apps if a[0] not in replicas and int(a[0]) in tree]
+    if strays:
+        problems.append(f"other processes of the Ray tree hold a GPU context: {strays}")
+    return {
+        "devices": devices,
+        "nvidia_smi_gpus": gpus,
+        "nvidia_smi_compute_apps": apps,
+        # Where nvidia-smi lists no process (a container that hides other PID namespaces), the
+        # outside half of the check did not run: the replicas' own reports remain.
+        "outside_check": "ran" if apps else "nvidia-smi listed no compute process",
+        "ok": not problems,
+        "problems": problems,
+    }
+
+
+def _smi(query: list[str]) -> list[list[str]]:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", *query, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [[f.strip() for f in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+
+
+def _reap(pids: set[int], timeout_s: float = 30.0) -> None:
+    """Wait for Ray's processes of a stopped server to exit; kill (by pid) those still there after."""
+    deadline = time.monotonic() + timeout_s
+    alive = {p for p in pids if os.path.exists(f"/proc/{p}")}
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.5)
+        alive = {p for p in alive if os.path.exists(f"/proc/{p}") and "zombie" not in _read(f"/proc/{p}/status")}
+    for pid in alive:
+        with contextlib.suppress(OSError):
+            os.kill(pid, 9)
+    if alive:
+        print(f"[serve] killed {len(alive)} Ray processes left after the server stopped: {sorted(alive)}")
+
+
+def write_ray_summary(args: argparse.Namespace, report: dict[str, Any]) -> Path:
+    """``serve_ray-<commit>.json``: every case's numbers, the device checks, and ``scaling`` (GPUs ->
+    requests/s of the Ray application, JPEG -> JSON at the most clients; issue 17's format)."""
+    gpu = report["machine"]["gpu"].splitlines()[0] if report["machine"]["gpu"] else "?"
+    name, _, driver = gpu.partition(",")
+    keep = ("throughput_rps", "latency_ms", "errors", "ok", "elapsed_s")
+    cases = [
+        {
+            "case": e["case"],
+            "variant": e.get("variant"),
+            "backend": e["backend"],
+            "clients": e["clients"],
+            **{k: e["report"].get(k) for k in keep},
+            "ratio_to_engine": e["ratio"],
+            "server_rss_mb": e["server_rss_mb"],
+            "server_cpu_ms_per_request": e["server_cpu_ms_per_request"],
+            "cores_busy": e["cores_busy"],
+            "batches": e["batches"],
+        }
+        for e in report["loadtests"]
+    ]
+    scaling = {}
+    for variant, check in report["device_checks"].items():
+        rows = [c for c in cases if c["variant"] == variant and c["case"].startswith("jpeg_in_json_out")]
+        if rows:
+            best = max(rows, key=lambda c: c["clients"])
+            scaling[str(max(len(check["devices"]), 1))] = best["throughput_rps"]
+    out = {
+        "commit": args.commit,
+        "gpu": name.strip(),
+        "driver": driver.strip(),
+        "machine": report["machine"],
+        "engine_alone_img_s": report["engine"]["reference_img_s"],
+        "clients": args.clients,
+        "duration_s": args.duration_s,
+        "cases": cases,
+        "scaling": scaling,
+        "device_checks": report["device_checks"],
+        "cpu_accounting": RAY_CPU_NOTE,
+    }
+    path = args.out / f"serve_ray-{args.commit[:10]}.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}: scaling {scaling}")
+    return path
 
 
 def _listdir(path: str) -> list[str]:

@@ -22,7 +22,8 @@
 //     channels, 16-byte cp.async copies through a STAGES-deep pipeline, zero-filled (src-size 0)
 //     outside the image and past C;
 //   scalar path (anything else, e.g. the RGB stem with C = 3): BK consecutive flattened taps
-//     k = (r*S + s)*C + c, element by element with bounds checks, one stage.
+//     k = (r*S + s)*C + c, element by element with bounds checks, gathered into registers one
+//     k-tile ahead (the loads of tile kt+1 fly during tile kt's MMAs), one shared stage.
 // Epilogue: the fp32 tile (accumulators + bias) goes through shared memory in passes of up to 64
 // channels, so the residual is read and y written as 16-byte chunks of consecutive channels
 // (element by element where ldr/ldy, the pointers or the last K % 8 channels do not allow it).
@@ -37,7 +38,7 @@
 // toolkit #include: the helpers come from the in-memory headers (see conv3x3_nhwc.cu).
 
 #if !defined(CONVG_F16_MAIN) || !defined(CONVG_F16_NARROW) || !defined(CONVG_F16_WIDE) || \
-    !defined(CONVG_F16_SMALL) || !defined(CONVG_F32_BM) || !defined(CONVG_F32_BN) || !defined(CONVG_F32_BK) || \
+    !defined(CONVG_F16_SMALL) || !defined(CONVG_F16_GATHER) || !defined(CONVG_F32_BM) || !defined(CONVG_F32_BN) || !defined(CONVG_F32_BK) || \
     !defined(CONVG_F32_TM) || !defined(CONVG_F32_TN)
 #error "tile sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
 #endif
@@ -208,28 +209,75 @@ struct VecLoader {
     }
 };
 
-// Scalar path, k-tile kt = flattened taps [kt*BK, kt*BK + BK). Each thread owns one column.
+// Scalar path, k-tile kt = flattened taps [kt*BK, kt*BK + BK); each thread owns one column. A
+// thread first fetches all its elements of a k-tile into registers (every load in flight at once,
+// two halves a register), then puts them into the stage: the conv fetches tile kt+1 before it
+// multiplies tile kt, so the gathers' latency hides behind the MMAs.
 template <class CF>
-__device__ __forceinline__ void load_scalar(const f16* x, const f16* w, const Problem& p, const int* row_h,
-                                            const int* row_w, const int* row_pix, f16* stage, int kt, int n0) {
-    const int j = threadIdx.x % CF::BK;
-    const Tap t = tap_of(p, kt * CF::BK + j);
-    const int kg = kt * CF::BK + j;
-    f16* a = stage;
-    f16* b = stage + CF::A_STAGE;
-    const int jq = j >> 3, je = j & 7;
-#pragma unroll 4
-    for (int i = 0; i < CF::BM * CF::BK / CF::THREADS; ++i) {
-        const int row = threadIdx.x / CF::BK + i * (CF::THREADS / CF::BK);
-        a[CF::at(row, jq) + je] = gather(x, p, row_h[row], row_w[row], row_pix[row], t);
+struct ScalarLoader {
+    enum : int {
+        ROWS = CF::THREADS / CF::BK,             // rows apart of a thread's consecutive elements
+        A_EL = CF::BM * CF::BK / CF::THREADS,    // A elements a thread owns per k-tile
+        B_EL = CF::BN * CF::BK / CF::THREADS,
+    };
+    static_assert(A_EL % 2 == 0 && B_EL % 2 == 0, "elements are kept in pairs");
+    unsigned a[A_EL / 2], b[B_EL / 2];
+
+    // Gathers this thread's elements of k-tile kt: into the registers (DIRECT false; put() stores
+    // them later), or straight into `stage` (DIRECT true: nothing held, for the other entries).
+    template <bool DIRECT>
+    __device__ __forceinline__ void fetch(const f16* x, const f16* w, const Problem& p, const int* row_h,
+                                          const int* row_w, const int* row_pix, int kt, int n0, f16* stage) {
+        const int j = threadIdx.x % CF::BK, jq = j >> 3, je = j & 7;
+        const int kg = kt * CF::BK + j;
+        const Tap t = tap_of(p, kg);
+        const int row0 = threadIdx.x / CF::BK;
+        // DIRECT keeps few loads in flight (registers stay with the vector path); else all of them.
+#pragma unroll(DIRECT ? 2 : A_EL / 2)
+        for (int i = 0; i < A_EL; i += 2) {
+            const int r0 = row0 + i * ROWS, r1 = r0 + ROWS;
+            const f16 lo = gather(x, p, row_h[r0], row_w[r0], row_pix[r0], t);
+            const f16 hi = gather(x, p, row_h[r1], row_w[r1], row_pix[r1], t);
+            if constexpr (DIRECT) {
+                stage[CF::at(r0, jq) + je] = lo;
+                stage[CF::at(r1, jq) + je] = hi;
+            } else {
+                a[i / 2] = lo | (static_cast<unsigned>(hi) << 16);
+            }
+        }
+#pragma unroll(DIRECT ? 2 : B_EL / 2)
+        for (int i = 0; i < B_EL; i += 2) {
+            const int k0 = n0 + row0 + i * ROWS, k1 = k0 + ROWS;
+            const f16 lo = (t.ok && k0 < p.K) ? w[static_cast<long long>(k0) * p.Kg + kg] : f16(0);
+            const f16 hi = (t.ok && k1 < p.K) ? w[static_cast<long long>(k1) * p.Kg + kg] : f16(0);
+            if constexpr (DIRECT) {
+                stage[CF::A_STAGE + CF::at(row0 + i * ROWS, jq) + je] = lo;
+                stage[CF::A_STAGE + CF::at(row0 + i * ROWS + ROWS, jq) + je] = hi;
+            } else {
+                b[i / 2] = lo | (static_cast<unsigned>(hi) << 16);
+            }
+        }
     }
-#pragma unroll 4
-    for (int i = 0; i < CF::BN * CF::BK / CF::THREADS; ++i) {
-        const int row = threadIdx.x / CF::BK + i * (CF::THREADS / CF::BK);
-        const int k = n0 + row;
-        b[CF::at(row, jq) + je] = (t.ok && k < p.K) ? w[static_cast<long long>(k) * p.Kg + kg] : static_cast<f16>(0);
+
+    __device__ __forceinline__ void put(f16* stage) const {
+        const int j = threadIdx.x % CF::BK, jq = j >> 3, je = j & 7;
+        const int row0 = threadIdx.x / CF::BK;
+        f16* as = stage;
+        f16* bs = stage + CF::A_STAGE;
+#pragma unroll
+        for (int i = 0; i < A_EL; i += 2) {
+            const int r0 = row0 + i * ROWS;
+            as[CF::at(r0, jq) + je] = static_cast<f16>(a[i / 2] & 0xffffu);
+            as[CF::at(r0 + ROWS, jq) + je] = static_cast<f16>(a[i / 2] >> 16);
+        }
+#pragma unroll
+        for (int i = 0; i < B_EL; i += 2) {
+            const int r0 = row0 + i * ROWS;
+            bs[CF::at(r0, jq) + je] = static_cast<f16>(b[i / 2] & 0xffffu);
+            bs[CF::at(r0 + ROWS, jq) + je] = static_cast<f16>(b[i / 2] >> 16);
+        }
     }
-}
+};
 
 // bias, residual, activation, one rounding; y and res through 16-byte chunks where they allow.
 template <class CF>
@@ -304,7 +352,43 @@ __device__ __forceinline__ void epilogue(float (&acc)[CF::MT][CF::NT][4], const 
     }
 }
 
+// The vector path's main loop (16-byte cp.async copies, STAGES-deep pipeline).
 template <class CF>
+__device__ __forceinline__ void vector_mainloop(const f16* __restrict__ x, const f16* __restrict__ w, const Problem& p,
+                                                int m0, int n0, unsigned smem_base, float (&acc)[CF::MT][CF::NT][4],
+                                                int wm, int wn, int lane) {
+    const int cblocks = (p.C + CF::BK - 1) / CF::BK;
+    const int num_kt = p.R * p.S * cblocks;
+    VecLoader<CF> ld;
+    ld.init(p, m0, n0);
+    // Prologue fills STAGES-1 stages; every iteration then commits exactly one group (possibly
+    // empty), so "all but the newest STAGES-2 groups done" always means "tile kt has landed".
+#pragma unroll
+    for (int st = 0; st < CF::STAGES - 1; ++st) {
+        if (st < num_kt) ld.load(x, w, p, smem_base + st * CF::STAGE * 2, cblocks);
+        cp_async_commit();
+    }
+    int rd = 0, wr = CF::STAGES - 1;  // stage read this iteration / written by its prefetch
+    for (int kt = 0; kt < num_kt; ++kt) {
+        cp_async_wait<CF::STAGES - 2>();
+        // Publishes tile kt to all warps, and tells everyone that stage wr, last read in
+        // iteration kt-1, has been consumed.
+        __syncthreads();
+        if (kt + CF::STAGES - 1 < num_kt) ld.load(x, w, p, smem_base + wr * CF::STAGE * 2, cblocks);
+        cp_async_commit();
+        mma::stage<CF>(smem_base + rd * CF::STAGE * 2, acc, wm, wn, lane);
+        rd = rd + 1 == CF::STAGES ? 0 : rd + 1;
+        wr = wr + 1 == CF::STAGES ? 0 : wr + 1;
+    }
+    cp_async_wait<0>();
+}
+
+// GATHER: the entry for inputs the vector path cannot take (C % 8 != 0: RGB stems): the scalar
+// path with the next k-tile's gathers in flight during this tile's MMAs. The other entries keep
+// the vector path and, for the odd launch it refuses (an unaligned pointer or channel stride),
+// the scalar path one k-tile at a time (no registers held across the MMAs, so the vector path
+// keeps its register budget).
+template <class CF, bool GATHER>
 __device__ __forceinline__ void conv_f16(const f16* __restrict__ x, const f16* __restrict__ w,
                                          const float* __restrict__ bias, const f16* __restrict__ res,
                                          f16* __restrict__ y, const Problem& p, unsigned char* smem) {
@@ -324,32 +408,14 @@ __device__ __forceinline__ void conv_f16(const f16* __restrict__ x, const f16* _
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
 
-    if (p.C % 8 == 0 && p.ldx % 8 == 0 && aligned16(x) && aligned16(w)) {
-        const int cblocks = (p.C + CF::BK - 1) / CF::BK;
-        const int num_kt = p.R * p.S * cblocks;
-        VecLoader<CF> ld;
-        ld.init(p, m0, n0);
-        // Prologue fills STAGES-1 stages; every iteration then commits exactly one group (possibly
-        // empty), so "all but the newest STAGES-2 groups done" always means "tile kt has landed".
-#pragma unroll
-        for (int st = 0; st < CF::STAGES - 1; ++st) {
-            if (st < num_kt) ld.load(x, w, p, smem_base + st * CF::STAGE * 2, cblocks);
-            cp_async_commit();
+    bool done = false;
+    if constexpr (!GATHER) {
+        if (p.C % 8 == 0 && p.ldx % 8 == 0 && aligned16(x) && aligned16(w)) {
+            vector_mainloop<CF>(x, w, p, m0, n0, smem_base, acc, wm, wn, lane);
+            done = true;
         }
-        int rd = 0, wr = CF::STAGES - 1;  // stage read this iteration / written by its prefetch
-        for (int kt = 0; kt < num_kt; ++kt) {
-            cp_async_wait<CF::STAGES - 2>();
-            // Publishes tile kt to all warps, and tells everyone that stage wr, last read in
-            // iteration kt-1, has been consumed.
-            __syncthreads();
-            if (kt + CF::STAGES - 1 < num_kt) ld.load(x, w, p, smem_base + wr * CF::STAGE * 2, cblocks);
-            cp_async_commit();
-            mma::stage<CF>(smem_base + rd * CF::STAGE * 2, acc, wm, wn, lane);
-            rd = rd + 1 == CF::STAGES ? 0 : rd + 1;
-            wr = wr + 1 == CF::STAGES ? 0 : wr + 1;
-        }
-        cp_async_wait<0>();
-    } else {
+    }
+    if (!done) {
         int* row_h = reinterpret_cast<int*>(smem + CF::STAGE * 2);
         int* row_w = row_h + CF::BM;
         int* row_pix = row_w + CF::BM;
@@ -361,10 +427,20 @@ __device__ __forceinline__ void conv_f16(const f16* __restrict__ x, const f16* _
         }
         f16* stage = reinterpret_cast<f16*>(smem);
         const int num_kt = (p.Kg + CF::BK - 1) / CF::BK;
+        ScalarLoader<CF> ld;
+        __syncthreads();  // the rows are decoded
+        if constexpr (GATHER) ld.template fetch<false>(x, w, p, row_h, row_w, row_pix, 0, n0, stage);
         for (int kt = 0; kt < num_kt; ++kt) {
-            __syncthreads();  // the rows are decoded / the previous k-tile has been read
-            load_scalar<CF>(x, w, p, row_h, row_w, row_pix, stage, kt, n0);
+            __syncthreads();  // the previous k-tile has been read
+            if constexpr (GATHER) {
+                ld.put(stage);
+            } else {
+                ld.template fetch<true>(x, w, p, row_h, row_w, row_pix, kt, n0, stage);
+            }
             __syncthreads();
+            if constexpr (GATHER) {
+                if (kt + 1 < num_kt) ld.template fetch<false>(x, w, p, row_h, row_w, row_pix, kt + 1, n0, stage);
+            }
             mma::stage<CF>(smem_base, acc, wm, wn, lane);
         }
     }
@@ -378,6 +454,7 @@ typedef mma::Swizzled<CONVG_F16_MAIN> Main;
 typedef mma::Swizzled<CONVG_F16_NARROW> Narrow;  // K <= 32 output channels
 typedef mma::Swizzled<CONVG_F16_WIDE> Wide;      // K >= 128 and enough pixels to fill the GPU
 typedef mma::Swizzled<CONVG_F16_SMALL> Small;    // too few Main tiles to fill the GPU
+typedef mma::Swizzled<CONVG_F16_GATHER> Gather;  // C % 8 != 0: the pipelined scalar path
 
 }  // namespace convg
 
@@ -389,16 +466,17 @@ typedef mma::Swizzled<CONVG_F16_SMALL> Small;    // too few Main tiles to fill t
 #define CONVG_PROBLEM \
     convg::Problem { N, H, W, C, K, P, Q, R, S, sh, sw, pt, pl, dh, dw, ldx, ldy, ldr, act, N * P * Q, R * S * C }
 
-#define CONVG_F16_ENTRY(NAME, CF)                                                             \
+#define CONVG_F16_ENTRY(NAME, CF, GATHER)                                                     \
     extern "C" __global__ void __launch_bounds__(CF::THREADS, CF::MIN_BLOCKS) NAME(CONVG_PARAMS(f16)) { \
         __shared__ __align__(16) unsigned char smem[convg::Smem<CF>::BYTES];                  \
-        convg::conv_f16<CF>(x, w, bias, res, y, CONVG_PROBLEM, smem);                         \
+        convg::conv_f16<CF, GATHER>(x, w, bias, res, y, CONVG_PROBLEM, smem);                 \
     }
 
-CONVG_F16_ENTRY(conv_nhwc_f16, convg::Main)
-CONVG_F16_ENTRY(conv_nhwc_f16_narrow, convg::Narrow)
-CONVG_F16_ENTRY(conv_nhwc_f16_wide, convg::Wide)
-CONVG_F16_ENTRY(conv_nhwc_f16_small, convg::Small)
+CONVG_F16_ENTRY(conv_nhwc_f16, convg::Main, false)
+CONVG_F16_ENTRY(conv_nhwc_f16_narrow, convg::Narrow, false)
+CONVG_F16_ENTRY(conv_nhwc_f16_wide, convg::Wide, false)
+CONVG_F16_ENTRY(conv_nhwc_f16_small, convg::Small, false)
+CONVG_F16_ENTRY(conv_nhwc_f16_gather, convg::Gather, true)
 
 // ------------------------------------------------------------------------------------------------
 // fp32: CUDA cores, register-tiled SIMT GEMM over the scalar path's flattened taps, k-major shared

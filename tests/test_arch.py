@@ -70,7 +70,7 @@ def test_unknown_arch_without_a_near_name() -> None:
 
 
 def test_resolve_targets_records_why_for_hopper() -> None:
-    (r,) = arch.resolve_targets(["sm_90"])
+    (r,) = arch.resolve_targets(["sm_90"], enable_tma=False)
     assert (r.requested, r.arch.name, r.iree_target, r.use_tma) == ("sm_90", "sm_90a", "sm_89", False)
     assert r.notes == (
         "'sm_90' means sm_90a (compute capability 9.0)",
@@ -86,6 +86,15 @@ def test_resolve_targets_records_why_for_hopper() -> None:
         "tma": False,
         "notes": list(r.notes),
     }
+
+
+def test_tma_kernels_are_on_by_default_where_the_arch_has_the_engine() -> None:
+    hopper, ampere = arch.resolve_targets(["sm_90a", "sm_80"])
+    assert (hopper.use_tma, ampere.use_tma) == (True, False)
+    assert any("enable_tma (default on): Track A only, the TMA + wgmma conv3x3" in n for n in hopper.notes)
+    assert not any("enable_tma" in n for n in ampere.notes)  # unset: no note where it cannot apply
+    (only_ampere,) = arch.resolve_targets(["sm_80"])  # unset and no TMA target: no error
+    assert only_ampere.use_tma is False
 
 
 def test_resolve_targets_plain_arch_has_no_notes() -> None:

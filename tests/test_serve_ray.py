@@ -276,10 +276,15 @@ def test_limits_formats_and_unknown_routes(app: str, rng) -> None:
 
 def test_probes_and_metrics(app: str, rng) -> None:
     assert httpx.get(f"{app}/healthz").json() == {"status": "alive"}
+    # Each model replica reports where its engine runs with its metrics (every 1.25 s when idle).
+    until(lambda: len(httpx.get(f"{app}/readyz").json().get("devices", ())) == 2, "both replicas in /readyz", 10)
     ready = httpx.get(f"{app}/readyz").json()
-    decoder = ready.pop("jpeg_decoder")
+    decoder, devices = ready.pop("jpeg_decoder"), ready.pop("devices")
     assert ready == {"status": "ready", "model_shape": [64, 64], "classes": 2, "batch_sizes": [1, 4], "device": "cpu"}
     assert decoder["name"] == "cpu"  # the ingress replicas decode with Pillow
+    # One entry per model replica, from the replica's own process: a CPU engine names no GPU.
+    assert {d["pid"] for d in devices} == _replica_pids("app")
+    assert all(d["device"] == "cpu" and "uuid" not in d for d in devices), devices
     ok = 'dualtrack_requests_total{code="200",endpoint="/v1/segment"}'
     bad = 'dualtrack_request_errors_total{code="400",endpoint="/v1/segment"}'
     text = httpx.get(f"{app}/metrics").text

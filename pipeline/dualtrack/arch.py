@@ -122,13 +122,15 @@ class Resolution:
 
 
 def resolve_targets(
-    requested: list[str], *, enable_tma: bool = False, iree_target: str | None = None
+    requested: list[str], *, enable_tma: bool | None = None, iree_target: str | None = None
 ) -> list[Resolution]:
     """Resolve the config's targets into what each toolchain is asked for.
 
     ``iree_target`` overrides the IREE target for every entry (it must be one IREE accepts).
-    ``enable_tma`` turns on Track A's bulk-tensor-copy kernels where the arch has the engine;
-    IREE 3.13 has no TMA option (FACTS 2), so it never reaches Track B.
+    ``enable_tma`` turns on Track A's bulk-tensor-copy kernels where the arch has the engine
+    (None, the default: on for every such target, silently off for the others; True: the same, but
+    an error when no target has the engine; False: off); IREE 3.13 has no TMA option (FACTS 2), so
+    it never reaches Track B.
     """
     if not requested:
         raise ArchError("`targets` is empty; list at least one, e.g. [sm_90a]")
@@ -157,14 +159,14 @@ def resolve_targets(
             notes.append(f"Track B: {target} ({why})")
         if arch.ptx_arch.removeprefix("compute_") != arch.name.removeprefix("sm_"):
             notes.append(f"Track A: {arch.ptx_arch} PTX assembled to a {arch.cubin_arch} cubin")
-        use_tma = enable_tma and arch.tma
+        use_tma = enable_tma is not False and arch.tma
         if enable_tma and not arch.tma:
             notes.append(f"enable_tma ignored for {arch.name}: the bulk tensor copy engine needs sm_90 or newer")
-        if enable_tma and arch.tma:
+        if use_tma:
             kernel = "the TMA + wgmma conv3x3" if arch.wgmma else "no TMA kernel for this arch yet (mma.sync)"
+            how = "enable_tma" if enable_tma else "enable_tma (default on)"
             notes.append(
-                f"enable_tma: Track A only, {kernel} (IREE 3.13 has no TMA option; --iree-cuda-enable-tma "
-                "does not exist)"
+                f"{how}: Track A only, {kernel} (IREE 3.13 has no TMA option; --iree-cuda-enable-tma does not exist)"
             )
         out.append(Resolution(name, arch, target, use_tma, tuple(notes)))
     if enable_tma and not any(r.use_tma for r in out):

@@ -206,7 +206,13 @@ class BuildConfig(_Strict):
     targets: tuple[str, ...] = Field(
         ("sm_90a",), description="GPU architectures to build for; [] builds for the CPU only (IREE llvm-cpu)"
     )
-    enable_tma: bool = False
+    enable_tma: bool | None = Field(
+        None,
+        description=(
+            "Track A's TMA kernels (the sm_90a TMA + wgmma conv3x3): unset, on for every target that has "
+            "the bulk tensor copy engine; true, the same but an error when no target has it; false, off"
+        ),
+    )
     partition: PartitionConfig = PartitionConfig()
     tuning: Path | None = Field(
         None,

@@ -115,6 +115,9 @@ _MAIN = F16Tile(128, 64, 32, 2, 2, 4, 4)
 _NARROW = F16Tile(128, 32, 32, 4, 1, 4, 4)
 _WIDE = F16Tile(128, 128, 32, 4, 2, 3, 2)
 _SMALL = F16Tile(64, 64, 32, 2, 2, 4, 4)
+# The gather entry (C % 8 != 0): the fewest stages a tile may have (it uses one; its prefetch is in
+# registers), so a small footprint and several blocks an SM to hide the element-wise gathers.
+_GATHER = F16Tile(64, 64, 32, 2, 2, 2, 4)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,12 +133,13 @@ class ConvGeneralSpec(KernelSpec):
         "pad_top", "pad_left", "dil_h", "dil_w", "ldx", "ldy", "ldr", "act",
     )  # fmt: skip
     POINTERS: ClassVar[int] = 5
-    F16_VARIANTS: ClassVar[tuple[str, ...]] = ("narrow", "wide", "small")
+    F16_VARIANTS: ClassVar[tuple[str, ...]] = ("narrow", "wide", "small", "gather")
 
     f16_main: F16Tile = _MAIN
     f16_narrow: F16Tile = _NARROW
     f16_wide: F16Tile = _WIDE
     f16_small: F16Tile = _SMALL
+    f16_gather: F16Tile = _GATHER
     f32: tuple[int, int, int, int, int] = (64, 64, 16, 4, 4)
     # variant(): wide tiles when there are at least this many of them, else the default tile when
     # it has at least f16_main_min_tiles, else small (conv3x3's thresholds, measured on an H200).
@@ -215,12 +219,15 @@ class ConvGeneralSpec(KernelSpec):
         return N * P * Q
 
     def variant(self, dtype: Any, N: int, H: int, W: int, C: int, K: int, geom: ConvGeometry) -> str:
-        """The entry to launch (fp32: the one entry; fp16: ``_narrow`` for K <= 32, ``_wide``
+        """The entry to launch (fp32: the one entry; fp16: ``_gather`` where C % 8 != 0 (the
+        vector path's 16-byte copies cannot take the input), ``_narrow`` for K <= 32, ``_wide``
         with enough wide tiles, the default entry with enough of its tiles, else ``_small``)."""
         name = dtype_name(dtype)
         if name != "float16":
             return self.entry(name)
         M = self._checked_pixels(N, H, W, geom)
+        if C % 8:
+            return f"{self.stem}_f16_gather"
         if self.f16_narrow.bn >= K:
             return f"{self.stem}_f16_narrow"
         wide = self.f16_wide

@@ -1,5 +1,5 @@
 """resize_nhwc: the resize op (ONNX Resize over H and W, nearest or bilinear), one thread per
-output element."""
+output element, or per 8 channels of an output pixel on the fp16 vector path."""
 
 from __future__ import annotations
 
@@ -92,6 +92,7 @@ class ResizeSpec(ElementSpec):
     POINTERS: ClassVar[int] = 2
     STRIDES: ClassVar[tuple[tuple[str, str], ...]] = (("ldx", "C"), ("ldy", "C"))
     SHAPE_ATTRS: ClassVar[tuple[str, ...]] = ("Ho", "Wo")
+    F16_LANES: ClassVar[int] = 8  # the fp16 vector path: one 16-byte access
 
     def output_shape(
         self, N: int, H: int, W: int, C: int, K: int = 0, Ho: int = 0, Wo: int = 0

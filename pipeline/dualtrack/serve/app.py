@@ -17,7 +17,8 @@ Endpoints (every error is JSON ``{"error": "<one line>"}``; none takes the proce
     200 while the process runs (liveness).
 ``GET /readyz``
     200 with the model's shape once the engine is loaded and warmed up; 503 with the reason before
-    that, if loading failed, and during shutdown (readiness).
+    that, if loading failed, and during shutdown (readiness). Under ``--backend ray``, ``devices``
+    says where each model replica's engine runs (:mod:`dualtrack.serve.placement`).
 ``GET /metrics``
     Prometheus text format, see :mod:`dualtrack.serve.metrics`.
 ``GET /``
@@ -207,16 +208,18 @@ class _Service:
             reason = self.batcher.error or f"engine is {self.batcher.phase.value}"
             return self._unavailable(reason)
         _, height, width, _ = engine.input_spec.shape
-        return JSONResponse(
-            {
-                "status": "ready",
-                "model_shape": [height, width],
-                "classes": _num_classes(engine),
-                "batch_sizes": list(engine.batch_sizes),
-                "device": engine.device,
-                "jpeg_decoder": {"name": self.decoder[0], "reason": self.decoder[1]},
-            }
-        )
+        body = {
+            "status": "ready",
+            "model_shape": [height, width],
+            "classes": _num_classes(engine),
+            "batch_sizes": list(engine.batch_sizes),
+            "device": engine.device,
+            "jpeg_decoder": {"name": self.decoder[0], "reason": self.decoder[1]},
+        }
+        devices = getattr(engine, "devices", ())  # where each Ray model replica's engine runs (EngineInfo)
+        if devices:
+            body["devices"] = list(devices)
+        return JSONResponse(body)
 
     async def metrics_text(self, request: Request) -> Response:
         # A worker of `serve --workers N` asks the engine process: off the event loop.

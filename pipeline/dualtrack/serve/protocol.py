@@ -43,6 +43,7 @@ import numpy as np
 from dualtrack.errors import DualtrackError, InputError
 from dualtrack.plan import TensorSpec
 from dualtrack.serve.batcher import BatchResult, NotReadyError, Phase, QueueFullError
+from dualtrack.serve.placement import engine_placement
 
 ErrorKind: TypeAlias = Literal["queue_full", "not_ready", "input", "engine"]
 # The errors a request can fail with, by the name they travel under: the worker raises the same
@@ -67,10 +68,15 @@ class EngineInfo:
     output_specs: tuple[TensorSpec, ...]
     batch_sizes: tuple[int, ...]
     device: str
+    # Where each engine runs (dualtrack.serve.placement): a Ray model replica's own, and in a Ray
+    # ingress every live model replica's; empty where nobody asked (``/readyz`` then omits it).
+    devices: tuple[dict[str, Any], ...] = ()
 
     @classmethod
-    def of(cls, engine: Any) -> EngineInfo:
-        return cls(engine.input_spec, tuple(engine.output_specs), tuple(engine.batch_sizes), engine.device)
+    def of(cls, engine: Any, *, placed: bool = False) -> EngineInfo:
+        """``engine``'s specs; with ``placed``, also where it runs (a few CUDA driver calls)."""
+        devices = (engine_placement(engine),) if placed else ()
+        return cls(engine.input_spec, tuple(engine.output_specs), tuple(engine.batch_sizes), engine.device, devices)
 
 
 # --- engine process -> worker --------------------------------------------------------------------

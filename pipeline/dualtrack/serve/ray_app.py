@@ -22,7 +22,10 @@ The only module of dualtrack that imports ``ray`` (the ``ray`` extra). Three dep
 Faults. A request in flight on a model replica that dies fails with Ray's actor error, answered
 503 with ``Retry-After`` (the client retries; Ray restarts the replica and routes new requests to
 the live ones): never a hang, never another request's mask. ``/readyz`` is 200 while at least one
-model replica runs, 503 with Ray's reason when none can (``engine failed to load: ...``).
+model replica runs, 503 with Ray's reason when none can (``engine failed to load: ...``); its
+``devices`` lists where each live model replica's engine runs (its process, ``CUDA_VISIBLE_DEVICES``,
+and the GPU's name, PCI bus id, UUID and primary contexts as the replica's driver reports them:
+:mod:`dualtrack.serve.placement`), so a deployment can check that no two replicas share a GPU.
 
 Batching: dualtrack's :class:`~dualtrack.serve.batcher.Batcher` inside the replica, not Ray's
 ``@serve.batch``. Measured on the CPU (``bench/ray_batching.py``: tiny bundle, one replica each, 16
@@ -48,7 +51,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -103,6 +106,7 @@ class _Observer:
     def __init__(self, metrics: DeploymentHandle, depth: Any = None) -> None:
         self._metrics = metrics
         self._depth = depth  # a model replica's queue depth, sent with every flush
+        self.placement: dict[str, Any] | None = None  # a model replica's engine placement, likewise
         self._replica = f"{os.uname().nodename}:{os.getpid()}"
         self._buffer: list[Observation | BatchObserved] = []
         self._sent_depth: int | None = None
@@ -124,7 +128,7 @@ class _Observer:
         if batch or due:
             self._sent_depth, self._sent_at = depth, time.monotonic()
             try:  # fire and forget: a metrics replica being restarted must not fail a request
-                self._metrics.record.remote(tuple(batch), self._replica, depth)
+                self._metrics.record.remote(tuple(batch), self._replica, depth, self.placement)
             except Exception as err:
                 _log.warning("could not send metrics: %s", err)
 
@@ -166,7 +170,10 @@ class ModelReplica:
             # DEPLOY_FAILED with this message, which the ingress's /readyz reports.
             raise BundleError(self.batcher.error or f"engine is {self.batcher.phase.value}")
         assert self.batcher.engine is not None
-        self.info_ = EngineInfo.of(self.batcher.engine)
+        self.info_ = EngineInfo.of(self.batcher.engine, placed=True)
+        # Sent with every flush (a restarted metrics replica learns it again): the ingress's /readyz
+        # lists every live replica's device from the metrics replica.
+        self.observer.placement = self.info_.devices[0]
 
     def info(self) -> EngineInfo:
         return self.info_
@@ -205,12 +212,21 @@ class MetricsReplica:
 
     def __init__(self) -> None:
         self._depths: dict[str, tuple[int, float]] = {}  # replica -> (queue depth, when reported)
+        self._placements: dict[str, dict[str, Any]] = {}  # replica -> where its engine runs
         self._ready = False
         self.metrics = ServeMetrics(queue_depth=self._queue_depth, ready=lambda: self._ready)
 
-    def record(self, batch: tuple[Observation | BatchObserved, ...], replica: str, depth: int | None) -> None:
+    def record(
+        self,
+        batch: tuple[Observation | BatchObserved, ...],
+        replica: str,
+        depth: int | None,
+        placement: dict[str, Any] | None = None,
+    ) -> None:
         if depth is not None:
             self._depths[replica] = (depth, time.monotonic())
+        if placement is not None:
+            self._placements[replica] = placement
         for observation in batch:
             match observation:
                 case RequestObserved(endpoint, code):
@@ -230,6 +246,12 @@ class MetricsReplica:
         is their sum): which replica holds the queue."""
         now = time.monotonic()
         return {replica: depth for replica, (depth, when) in self._depths.items() if now - when < _STALE_S}
+
+    def placements(self) -> tuple[dict[str, Any], ...]:
+        """Where each live model replica's engine runs (:mod:`dualtrack.serve.placement`), by replica."""
+        live = self.queue_depths()  # a replica that stopped reporting its depth is gone
+        self._placements = {replica: where for replica, where in self._placements.items() if replica in live}
+        return tuple(self._placements[replica] for replica in sorted(self._placements))
 
     def _queue_depth(self) -> int:
         return sum(self.queue_depths().values())
@@ -322,6 +344,10 @@ class ModelClient(QueueState[EngineInfo]):
                 running, status, message = await asyncio.to_thread(model_status, self._app_name)
                 if running and self._engine is None:
                     self._engine = await self._model.info.remote()
+                if running and self._engine is not None:
+                    devices = await self._metrics.placements.remote()
+                    if devices and devices != self._engine.devices:
+                        self._engine = replace(self._engine, devices=devices)
                 if running and self._engine is not None:
                     self._error, self._phase = "", Phase.READY
                 elif status in ("DEPLOY_FAILED", "UNHEALTHY") and message:

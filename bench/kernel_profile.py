@@ -1,0 +1,107 @@
+"""Where one inference's GPU time goes: every kernel of ``Engine.run``, by name, from CUPTI.
+
+torch.profiler's CUDA activity (CUPTI) records every kernel of the process's primary context, the
+ones the engine's CUDA graph launches included (Track A's cubins and Track B's replayed IREE
+dispatches alike). For each bundle and batch size this runs ``Engine.run`` on a torch CUDA uint8
+tensor a few times under the profiler and prints, per kernel name, the calls and the GPU
+microseconds per inference, the sum of kernel time, and the wall time per inference, so the gap
+(launch gaps, copies, host waits) shows too. --out writes kernel_profile-<commit>.json.
+
+    python bench/kernel_profile.py --bundle .carry/zoo/smp_unet_resnet34 --batches 1 8 --out DIR
+
+Nsight Compute cannot read counters on the lent machines (gVisor); CUPTI's activity trace needs
+none. A run where CUPTI records no kernel says so instead of printing an empty table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench as common  # noqa: E402  (bench/bench.py: git, GPU name)
+
+
+def profile(torch: Any, engine: Any, batch: int, reps: int) -> dict[str, Any]:
+    """Kernel time per inference of ``engine.run`` at ``batch``, by kernel name."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    shape = (batch, *engine.input_spec.shape[1:])
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
+    for _ in range(5):
+        engine.run(x)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            engine.run(x)
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / reps
+    per_name: dict[str, list[float]] = defaultdict(list)
+    for ev in prof.events():
+        if ev.device_type.name != "CUDA":
+            continue
+        per_name[ev.name].append(ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total)
+    rows = sorted(
+        ({"kernel": n, "calls": len(t) / reps, "us": sum(t) / reps} for n, t in per_name.items()),
+        key=lambda r: -r["us"],
+    )
+    return {
+        "batch": batch,
+        "reps": reps,
+        "wall_ms_per_inference": round(wall_ms, 4),
+        "kernel_ms_per_inference": round(sum(r["us"] for r in rows) / 1e3, 4),
+        "kernels": [{**r, "us": round(r["us"], 2), "calls": round(r["calls"], 2)} for r in rows],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bundle", action="append", type=Path, required=True)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--top", type=int, default=25, help="kernel rows printed per bundle and batch")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    import torch
+
+    from dualtrack.runtime.engine import Engine
+
+    gpu, driver = common.gpu_and_driver()
+    commit = os.environ.get("DUALTRACK_COMMIT") or common._git("rev-parse", "--short", "HEAD") or "unknown"
+    result: dict[str, Any] = {"commit": commit, "gpu": gpu, "driver": driver, "profiles": []}
+    for bundle in args.bundle:
+        engine = Engine.load(bundle, device="cuda")
+        for batch in args.batches:
+            if batch not in engine.batch_sizes:
+                continue
+            p = profile(torch, engine, batch, args.reps)
+            p["bundle"] = bundle.name
+            result["profiles"].append(p)
+            print(
+                f"\n{bundle.name} N={batch}: wall {p['wall_ms_per_inference']:.3f} ms/inference, "
+                f"kernels {p['kernel_ms_per_inference']:.3f} ms ({len(p['kernels'])} names)"
+            )
+            if not p["kernels"]:
+                print("  CUPTI recorded no kernel (profiler unavailable here)")
+            for r in p["kernels"][: args.top]:
+                print(f"  {r['us']:9.1f} us  x{r['calls']:<5g} {r['kernel'][:110]}")
+        engine.close()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"kernel_profile-{result['commit']}.json"
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
