@@ -205,9 +205,9 @@ class KernelSpec:
         """
         ld = {name: stride(name, kw.get(name), kw[channels]) for name, channels in self.STRIDES}
         own = self.arg_values({**kw, **ld})
-        nullable = self.NULLABLE
         ptrs = {
-            name: pointer(name, kw.get(name), required=name not in nullable) for name in self.PARAMS[: self.POINTERS]
+            name: pointer(name, kw.get(name), required=name not in self.NULLABLE)
+            for name in self.PARAMS[: self.POINTERS]
         }
         return self.typed({**kw, **ld, **ptrs, **own})
 
