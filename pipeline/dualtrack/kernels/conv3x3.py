@@ -270,14 +270,14 @@ class Conv3x3Spec(Conv3x3Reference, ConvAbi, GemmTiles):
         if x.ndim != 4 or w.ndim != 4 or w.shape[1:] != (3, 3, x.shape[3]):
             raise InputError(f"conv3x3 takes x (N,H,W,C) and w (K,3,3,C); got x {x.shape}, w {w.shape}")
         N, H, W, C = x.shape
-        base.pixels = np.asarray(base.pixels, dtype=np.int64)
-        if base.pixels.size and (base.pixels.min() < 0 or base.pixels.max() >= N * H * W):
+        pixels = np.asarray(pixels, dtype=np.int64)
+        if pixels.size and (pixels.min() < 0 or pixels.max() >= N * H * W):
             raise InputError(f"pixel indices must lie in [0, {N * H * W})")
-        n, hw = np.divmod(base.pixels, H * W)
+        n, hw = np.divmod(pixels, H * W)
         h, col = np.divmod(hw, W)
         wf = w.astype(np.float32)
-        out = np.zeros((base.pixels.size, w.shape[0]), np.float32)
-        patch = np.empty((base.pixels.size, C), np.float32)
+        out = np.zeros((pixels.size, w.shape[0]), np.float32)
+        patch = np.empty((pixels.size, C), np.float32)
         for r in range(3):
             for s in range(3):
                 hh, ww = h + r - 1, col + s - 1
