@@ -99,14 +99,8 @@ __device__ __forceinline__ void conv1x1(const T* __restrict__ x, const T* __rest
     }
 }
 
-extern "C" __global__ void __launch_bounds__(CONV1X1_THREADS)
-conv1x1_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const float* __restrict__ bias,
-                 f16* __restrict__ y, int N, int H, int W, int C, int K, int ldx, int ldy, int relu) {
-    conv1x1<f16>(x, w, bias, y, N, H, W, C, K, ldx, ldy, relu);
-}
-
-extern "C" __global__ void __launch_bounds__(CONV1X1_THREADS)
-conv1x1_nhwc_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
-                 float* __restrict__ y, int N, int H, int W, int C, int K, int ldx, int ldy, int relu) {
-    conv1x1<float>(x, w, bias, y, N, H, W, C, K, ldx, ldy, relu);
-}
+#define CONV1X1_PARAMS(T)                                                                                   \
+    (const T* __restrict__ x, const T* __restrict__ w, const float* __restrict__ bias, T* __restrict__ y, int N, \
+     int H, int W, int C, int K, int ldx, int ldy, int relu)
+DUALTRACK_F16_F32_ENTRIES(conv1x1_nhwc, CONV1X1_THREADS, CONV1X1_PARAMS, conv1x1,
+                          (x, w, bias, y, N, H, W, C, K, ldx, ldy, relu))

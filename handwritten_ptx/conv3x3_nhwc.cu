@@ -209,12 +209,7 @@ __device__ __forceinline__ void conv(const f16* __restrict__ x, const f16* __res
     const unsigned smem_base = smem_u32(smem);
 
     float acc[CF::MT][CF::NT][4];
-#pragma unroll
-    for (int mt = 0; mt < CF::MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < CF::NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+    mma::clear<CF>(acc);
 
     const bool vec = C % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(w);
     if (vec) {
@@ -277,48 +272,13 @@ __device__ __forceinline__ void conv(const f16* __restrict__ x, const f16* __res
     // Epilogue: bias + ReLU in fp32, round once to fp16, stage the BM x BN tile in shared memory
     // so that global stores are whole 16-byte chunks of consecutive channels.
     f16* tile = smem;
-#pragma unroll
-    for (int nt = 0; nt < CF::NT; ++nt) {
-        const int col = wn * CF::WN + nt * 8 + (lane & 3) * 2;
-        const int k = n0 + col;
-        const float b0 = (bias != nullptr && k < K) ? bias[k] : 0.f;
-        const float b1 = (bias != nullptr && k + 1 < K) ? bias[k + 1] : 0.f;
-#pragma unroll
-        for (int mt = 0; mt < CF::MT; ++mt) {
-            const int row = wm * CF::WM + mt * 16 + (lane >> 2);
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                float v0 = acc[mt][nt][2 * half] + b0;
-                float v1 = acc[mt][nt][2 * half + 1] + b1;
-                if (relu) {
-                    v0 = fmaxf(v0, 0.f);
-                    v1 = fmaxf(v1, 0.f);
-                }
-                const unsigned packed = static_cast<unsigned>(f32_to_f16(v0)) |
-                                        (static_cast<unsigned>(f32_to_f16(v1)) << 16);
-                *reinterpret_cast<unsigned*>(tile + (row + 8 * half) * CF::BNP + col) = packed;
-            }
-        }
-    }
+    mma::stage_epilogue<CF>(
+        tile, acc, wm, wn, lane,
+        [&](int col) { return (bias != nullptr && n0 + col < K) ? bias[n0 + col] : 0.f; },
+        [&](float v) { return relu ? fmaxf(v, 0.f) : v; });
     __syncthreads();
-
-    const bool vec_out = ldy % 8 == 0 && aligned16(y);
-    constexpr int OCPR = CF::BN / 8;
-#pragma unroll
-    for (int i = 0; i < CF::BM * OCPR / CF::THREADS; ++i) {
-        const int row = threadIdx.x / OCPR + i * (CF::THREADS / OCPR);
-        const int q8 = (threadIdx.x % OCPR) * 8;
-        const int m = m0 + row;
-        const int k = n0 + q8;
-        if (m >= M || k >= K) continue;
-        f16* dst = y + (static_cast<long long>(m) * ldy + k);
-        const f16* src = tile + row * CF::BNP + q8;
-        if (vec_out && k + 8 <= K) {
-            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-        } else {
-            for (int e = 0; e < 8 && k + e < K; ++e) dst[e] = src[e];
-        }
-    }
+    mma::store_epilogue<CF>(tile, m0, n0, M, K, ldy % 8 == 0 && aligned16(y),
+                            [&](int m, int k) { return y + (static_cast<long long>(m) * ldy + k); });
 }
 
 typedef Cfg<CONV_F16_BM, CONV_F16_BN, CONV_F16_BK, CONV_F16_WARPS_M, CONV_F16_WARPS_N, CONV_F16_STAGES,

@@ -402,12 +402,7 @@ __device__ __forceinline__ void conv_f16(const f16* __restrict__ x, const f16* _
     const unsigned smem_base = smem_u32(smem);
 
     float acc[CF::MT][CF::NT][4];
-#pragma unroll
-    for (int mt = 0; mt < CF::MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < CF::NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+    mma::clear<CF>(acc);
 
     bool done = false;
     if constexpr (!GATHER) {

@@ -154,12 +154,7 @@ convt2x2_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const fl
     const Problem p{x, w, C, NG, ldx, M};
 
     float acc[Cfg::MT][Cfg::NT][4];
-#pragma unroll
-    for (int mt = 0; mt < Cfg::MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < Cfg::NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+    mma::clear<Cfg>(acc);
 
     const int num_kt = (C + Cfg::BK - 1) / Cfg::BK;
     // With C % 8 == 0, every row of w is 16-byte aligned if w is.
@@ -196,44 +191,14 @@ convt2x2_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const fl
     // Epilogue: bias in fp32, round once to fp16, stage the BM x BN tile in shared memory so that
     // global stores are whole 16-byte chunks of consecutive channels.
     f16* tile = smem;
-#pragma unroll
-    for (int nt = 0; nt < Cfg::NT; ++nt) {
-        const int col = wn * Cfg::WN + nt * 8 + (lane & 3) * 2;
-        const int n = n0 + col;  // bias of channel n % K
-        const float b0 = (bias != nullptr && n < NG) ? bias[n % K] : 0.f;
-        const float b1 = (bias != nullptr && n + 1 < NG) ? bias[(n + 1) % K] : 0.f;
-#pragma unroll
-        for (int mt = 0; mt < Cfg::MT; ++mt) {
-            const int row = wm * Cfg::WM + mt * 16 + (lane >> 2);
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const float v0 = acc[mt][nt][2 * half] + b0;
-                const float v1 = acc[mt][nt][2 * half + 1] + b1;
-                const unsigned packed = static_cast<unsigned>(f32_to_f16(v0)) |
-                                        (static_cast<unsigned>(f32_to_f16(v1)) << 16);
-                *reinterpret_cast<unsigned*>(tile + (row + 8 * half) * Cfg::BNP + col) = packed;
-            }
-        }
-    }
+    mma::stage_epilogue<Cfg>(
+        tile, acc, wm, wn, lane,
+        [&](int col) { return (bias != nullptr && n0 + col < NG) ? bias[(n0 + col) % K] : 0.f; },  // channel n % K
+        [](float v) { return v; });
     __syncthreads();
-
     // A chunk of 8 columns stays within one tap when K % 8 == 0: one 16-byte store where allowed.
-    const bool vec_out = K % 8 == 0 && ldy % 8 == 0 && aligned16(y);
-    constexpr int OCPR = Cfg::BN / 8;
-#pragma unroll
-    for (int i = 0; i < Cfg::BM * OCPR / Cfg::THREADS; ++i) {
-        const int row = threadIdx.x / OCPR + i * (Cfg::THREADS / OCPR);
-        const int q8 = (threadIdx.x % OCPR) * 8;
-        const int m = m0 + row;
-        const int n = n0 + q8;
-        if (m >= M || n >= NG) continue;
-        const f16* src = tile + row * Cfg::BNP + q8;
-        if (vec_out) {
-            *reinterpret_cast<uint4*>(out_at(y, m, W, n, K, ldy)) = *reinterpret_cast<const uint4*>(src);
-        } else {
-            for (int e = 0; e < 8 && n + e < NG; ++e) *out_at(y, m, W, n + e, K, ldy) = src[e];
-        }
-    }
+    mma::store_epilogue<Cfg>(tile, m0, n0, M, NG, K % 8 == 0 && ldy % 8 == 0 && aligned16(y),
+                             [&](int m, int n) { return out_at(y, m, W, n, K, ldy); });
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -7,6 +7,13 @@
 
 typedef unsigned short f16;  // raw IEEE binary16 bits
 
+// The fp16 and fp32 entries of a kernel that is one template over its element type: NAME##_f16 and
+// NAME##_f32, of THREADS threads a block, with the parameter list PARAMS(T) (a function-like macro
+// of the element type: the ABI of handwritten_ptx/README.md), each calling BODY<T> ARGS.
+#define DUALTRACK_F16_F32_ENTRIES(NAME, THREADS, PARAMS, BODY, ARGS)                                    \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_f16 PARAMS(f16) { BODY<f16> ARGS; }   \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_f32 PARAMS(float) { BODY<float> ARGS; }
+
 __device__ __forceinline__ float f16_to_f32(f16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -128,6 +135,19 @@ __device__ __forceinline__ float max_of(float a, float b) { return max_f32(a, b)
 __device__ __forceinline__ uint4 max_of(uint4 a, uint4 b) { return max_f16x8(a, b); }
 __device__ __forceinline__ float4 max_of(float4 a, float4 b) { return max_f32x4(a, b); }
 
+// V neighbouring elements as fp32 and back, for a kernel written once for its scalar path (V = 1,
+// either dtype) and its fp16 vector path (V = 8, 16 bytes, p 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void load_f32s(float (&v)[1], const T* p) {
+    v[0] = load_f32(p);
+}
+__device__ __forceinline__ void load_f32s(float (&v)[8], const f16* p) { load_f16x8(v, p); }
+template <typename T>
+__device__ __forceinline__ void store_f32s(T* p, const float (&v)[1]) {
+    store_f32(p, v[0]);
+}
+__device__ __forceinline__ void store_f32s(f16* p, const float (&v)[8]) { store_f16x8(p, v); }
+
 // The activation codes of dualtrack.plan.ACTIVATIONS; p0, p1 are the activation's parameters
 // (Clip: min, max; HardSigmoid: alpha, beta). NaN propagates through every one of them, as numpy's.
 enum Act { ACT_NONE = 0, ACT_RELU = 1, ACT_CLIP = 2, ACT_HARDSIGMOID = 3, ACT_HARDSWISH = 4, ACT_SIGMOID = 5 };
@@ -237,6 +257,17 @@ struct Swizzled : Tiles<BM_, BN_, BK_, WARPS_M_, WARPS_N_, STAGES_> {
     static __device__ __forceinline__ int at(int row, int q) { return row * BK_ + swz(row, q) * 8; }  // halves
 };
 
+// A warp's accumulators, MT x NT m16n8 tiles of 4 fp32 values, set to 0 before the first stage.
+template <class CF>
+__device__ __forceinline__ void clear(float (&acc)[CF::MT][CF::NT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < CF::MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < CF::NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+}
+
 // One stage's BK columns through the tensor cores: ldmatrix fragments, MT x NT mma per k16, into
 // acc. The stage at shared address a_base holds A (BM rows) then B (BN rows, from A_STAGE halves
 // on), each a [row][BK] tile whose 16-byte chunk q of row r starts CF::at(r, q) halves in.
@@ -269,6 +300,55 @@ __device__ __forceinline__ void stage(unsigned a_base, float (&acc)[CF::MT][CF::
         for (int mt = 0; mt < CF::MT; ++mt)
 #pragma unroll
             for (int nt = 0; nt < CF::NT; ++nt) mma_16816(acc[mt][nt], af[mt], bf[nt][0], bf[nt][1]);
+    }
+}
+
+// The epilogue's first step (after a barrier: the tile reuses the pipeline's shared memory): every
+// accumulator plus bias_of(col) (col: the column in the block's tile), through act (fp32), rounded
+// once to fp16 into tile, BM rows of BNP halves. bias_of is read once a column a warp.
+template <class CF, class Bias, class Act>
+__device__ __forceinline__ void stage_epilogue(f16* tile, const float (&acc)[CF::MT][CF::NT][4], int wm, int wn,
+                                               int lane, Bias bias_of, Act act) {
+#pragma unroll
+    for (int nt = 0; nt < CF::NT; ++nt) {
+        const int col = wn * CF::WN + nt * 8 + (lane & 3) * 2;
+        const float b0 = bias_of(col);
+        const float b1 = bias_of(col + 1);
+#pragma unroll
+        for (int mt = 0; mt < CF::MT; ++mt) {
+            const int row = wm * CF::WM + mt * 16 + (lane >> 2);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float v0 = act(acc[mt][nt][2 * half] + b0);
+                const float v1 = act(acc[mt][nt][2 * half + 1] + b1);
+                const unsigned packed = static_cast<unsigned>(f32_to_f16(v0)) |
+                                        (static_cast<unsigned>(f32_to_f16(v1)) << 16);
+                *reinterpret_cast<unsigned*>(tile + (row + 8 * half) * CF::BNP + col) = packed;
+            }
+        }
+    }
+}
+
+// The second step (after a barrier): the staged tile out in chunks of 8 consecutive columns, of
+// output rows m0 + row < M and columns n0 + col < NC; out(m, n) is the address of column n of
+// row m. A whole chunk is one 16-byte store where vec allows it (the caller's alignment and
+// strides), element stores elsewhere.
+template <class CF, class Out>
+__device__ __forceinline__ void store_epilogue(const f16* tile, int m0, int n0, int M, int NC, bool vec, Out out) {
+    constexpr int OCPR = CF::BN / 8;
+#pragma unroll
+    for (int i = 0; i < CF::BM * OCPR / CF::THREADS; ++i) {
+        const int row = threadIdx.x / OCPR + i * (CF::THREADS / OCPR);
+        const int q8 = (threadIdx.x % OCPR) * 8;
+        const int m = m0 + row;
+        const int n = n0 + q8;
+        if (m >= M || n >= NC) continue;
+        const f16* src = tile + row * CF::BNP + q8;
+        if (vec && n + 8 <= NC) {
+            *reinterpret_cast<uint4*>(out(m, n)) = *reinterpret_cast<const uint4*>(src);
+        } else {
+            for (int e = 0; e < 8 && n + e < NC; ++e) *out(m, n + e) = src[e];
+        }
     }
 }
 

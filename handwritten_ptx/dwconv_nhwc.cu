@@ -19,23 +19,30 @@
 
 #include "dualtrack_device.cuh"
 
-// Every element (pixel, channel) is one work item; a grid-stride loop covers them, so any grid
-// is correct and the host's grid only sets how many items a thread takes (dualtrack.kernels.dwconv
-// sizes it for the vector path when C and the strides allow it).
-template <typename T, int R>
+// Every element (pixel, channel) is one work item, or with V = 8 (the fp16 vector path) every 8
+// neighbouring channels of one output pixel, so each tap is one 16-byte load of x and one of w and
+// the result one 16-byte store (needs C, ldx, ldy multiples of 8 and x, w, y 16-byte aligned:
+// dwconv_vec8). Per channel the same fmaf chain either way (bias first, taps in r, s order), so the
+// two paths give bit-identical results. A grid-stride loop covers the items, so any grid is correct
+// and the host's grid only sets how many items a thread takes (dualtrack.kernels.dwconv sizes it
+// for the vector path when C and the strides allow it).
+template <typename T, int R, int V>
 __device__ __forceinline__ void dwconv(const T* __restrict__ x, const T* __restrict__ w,
                                        const float* __restrict__ bias, T* __restrict__ y, int N, int H, int W,
                                        int C, int Ho, int Wo, int ldx, int ldy, int S, int D, int pt, int pl,
                                        int act, float p0, float p1) {
-    const long long total = static_cast<long long>(N) * Ho * Wo * C;
+    const int CV = C / V;
+    const long long total = static_cast<long long>(N) * Ho * Wo * CV;
     const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
     for (long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += step) {
-        const NhwcIndex o = nhwc_index(idx, Ho, Wo, C);
-        const int c = o.c, ho = o.h, wo = o.w;
+        const NhwcIndex o = nhwc_index(idx, Ho, Wo, CV);
+        const int c = o.c * V, ho = o.h, wo = o.w;
         const long long n = o.n, p = o.p;  // image, output pixel
 
         const int h0 = ho * S - pt, w0 = wo * S - pl;
-        float acc = bias != nullptr ? bias[c] : 0.0f;
+        float acc[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[j] = bias != nullptr ? bias[c + j] : 0.0f;
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const int h = h0 + r * D;
@@ -45,53 +52,16 @@ __device__ __forceinline__ void dwconv(const T* __restrict__ x, const T* __restr
             for (int s = 0; s < R; ++s) {
                 const int wi = w0 + s * D;
                 if (wi < 0 || wi >= W) continue;
-                acc = fmaf(load_f32(row + static_cast<long long>(wi) * ldx), load_f32(w + (r * R + s) * C + c), acc);
-            }
-        }
-        store_f32(y + p * ldy + c, apply_act(acc, act, p0, p1));
-    }
-}
-
-// The fp16 vector path: a work item is 8 neighbouring channels of one output pixel, so each tap is
-// one 16-byte load of x and one of w and the result one 16-byte store. Needs C, ldx, ldy multiples
-// of 8 and x, w, y 16-byte aligned (dwconv_vec8). The same fmaf chain per channel as dwconv (bias
-// first, taps in r, s order), so the results are bit-identical to the scalar path's.
-template <int R>
-__device__ __forceinline__ void dwconv_f16x8(const f16* __restrict__ x, const f16* __restrict__ w,
-                                             const float* __restrict__ bias, f16* __restrict__ y, int N, int H,
-                                             int W, int C, int Ho, int Wo, int ldx, int ldy, int S, int D, int pt,
-                                             int pl, int act, float p0, float p1) {
-    const int C8 = C / 8;
-    const long long total = static_cast<long long>(N) * Ho * Wo * C8;
-    const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
-    for (long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += step) {
-        const NhwcIndex o = nhwc_index(idx, Ho, Wo, C8);
-        const int c = o.c * 8, ho = o.h, wo = o.w;
-        const long long n = o.n, p = o.p;
-
-        const int h0 = ho * S - pt, w0 = wo * S - pl;
-        float acc[8];
+                float xv[V], wv[V];
+                load_f32s(xv, row + static_cast<long long>(wi) * ldx);
+                load_f32s(wv, w + (r * R + s) * C + c);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] = bias != nullptr ? bias[c + j] : 0.0f;
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const int h = h0 + r * D;
-            if (h < 0 || h >= H) continue;
-            const f16* row = x + ((n * H + h) * W) * static_cast<long long>(ldx) + c;
-#pragma unroll
-            for (int s = 0; s < R; ++s) {
-                const int wi = w0 + s * D;
-                if (wi < 0 || wi >= W) continue;
-                float xv[8], wv[8];
-                load_f16x8(xv, row + static_cast<long long>(wi) * ldx);
-                load_f16x8(wv, w + (r * R + s) * C + c);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[j] = fmaf(xv[j], wv[j], acc[j]);
+                for (int j = 0; j < V; ++j) acc[j] = fmaf(xv[j], wv[j], acc[j]);
             }
         }
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] = apply_act(acc[j], act, p0, p1);
-        store_f16x8(y + p * ldy + c, acc);
+        for (int j = 0; j < V; ++j) acc[j] = apply_act(acc[j], act, p0, p1);
+        store_f32s(y + p * ldy + c, acc);
     }
 }
 
@@ -105,8 +75,8 @@ __device__ __forceinline__ void dwconv_any(const T* __restrict__ x, const T* __r
                                            const float* __restrict__ bias, T* __restrict__ y, int N, int H, int W,
                                            int C, int Ho, int Wo, int ldx, int ldy, int R, int S, int D, int pt,
                                            int pl, int act, float p0, float p1) {
-    if (R == 3) dwconv<T, 3>(x, w, bias, y, N, H, W, C, Ho, Wo, ldx, ldy, S, D, pt, pl, act, p0, p1);
-    if (R == 5) dwconv<T, 5>(x, w, bias, y, N, H, W, C, Ho, Wo, ldx, ldy, S, D, pt, pl, act, p0, p1);
+    if (R == 3) dwconv<T, 3, 1>(x, w, bias, y, N, H, W, C, Ho, Wo, ldx, ldy, S, D, pt, pl, act, p0, p1);
+    if (R == 5) dwconv<T, 5, 1>(x, w, bias, y, N, H, W, C, Ho, Wo, ldx, ldy, S, D, pt, pl, act, p0, p1);
 }
 
 extern "C" __global__ void __launch_bounds__(DWCONV_THREADS)
@@ -114,8 +84,8 @@ dwconv_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const floa
                 f16* __restrict__ y, int N, int H, int W, int C, int Ho, int Wo, int ldx, int ldy, int R, int S,
                 int D, int pt, int pl, int act, float p0, float p1) {
     if (dwconv_vec8(x, w, y, C, ldx, ldy)) {
-        if (R == 3) dwconv_f16x8<3>(x, w, bias, y, N, H, W, C, Ho, Wo, ldx, ldy, S, D, pt, pl, act, p0, p1);
-        if (R == 5) dwconv_f16x8<5>(x, w, bias, y, N, H, W, C, Ho, Wo, ldx, ldy, S, D, pt, pl, act, p0, p1);
+        if (R == 3) dwconv<f16, 3, 8>(x, w, bias, y, N, H, W, C, Ho, Wo, ldx, ldy, S, D, pt, pl, act, p0, p1);
+        if (R == 5) dwconv<f16, 5, 8>(x, w, bias, y, N, H, W, C, Ho, Wo, ldx, ldy, S, D, pt, pl, act, p0, p1);
         return;
     }
     dwconv_any<f16>(x, w, bias, y, N, H, W, C, Ho, Wo, ldx, ldy, R, S, D, pt, pl, act, p0, p1);

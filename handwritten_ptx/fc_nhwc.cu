@@ -35,14 +35,7 @@ __device__ __forceinline__ void fc(const T* __restrict__ x, const T* __restrict_
     if (lane == 0) store_f32(y + n * ldy + k, apply_act(acc + (bias != nullptr ? bias[k] : 0.0f), act, p0, p1));
 }
 
-extern "C" __global__ void __launch_bounds__(FC_THREADS)
-fc_nhwc_f16(const f16* __restrict__ x, const f16* __restrict__ w, const float* __restrict__ bias,
-            f16* __restrict__ y, int N, int C, int K, int ldx, int ldy, int act, float p0, float p1) {
-    fc<f16>(x, w, bias, y, N, C, K, ldx, ldy, act, p0, p1);
-}
-
-extern "C" __global__ void __launch_bounds__(FC_THREADS)
-fc_nhwc_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
-            float* __restrict__ y, int N, int C, int K, int ldx, int ldy, int act, float p0, float p1) {
-    fc<float>(x, w, bias, y, N, C, K, ldx, ldy, act, p0, p1);
-}
+#define FC_PARAMS(T)                                                                                        \
+    (const T* __restrict__ x, const T* __restrict__ w, const float* __restrict__ bias, T* __restrict__ y, int N, \
+     int C, int K, int ldx, int ldy, int act, float p0, float p1)
+DUALTRACK_F16_F32_ENTRIES(fc_nhwc, FC_THREADS, FC_PARAMS, fc, (x, w, bias, y, N, C, K, ldx, ldy, act, p0, p1))

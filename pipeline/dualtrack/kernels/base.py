@@ -141,28 +141,6 @@ def pixels(N: int, H: int, W: int, ld: int) -> int:
     return N * H * W
 
 
-def nhwc_values(
-    N: int,
-    H: int,
-    W: int,
-    C: int,
-    K: int,
-    ldx: int | None,
-    ldy: int | None,
-    pointers: Mapping[str, int | None],
-    nullable: Sequence[str] = (),
-) -> dict[str, int]:
-    """The checked values of an NHWC kernel's argument list, by ABI name: positive dims, pixel
-    strides that hold their C input and K output channels (None: dense), pixel indices that fit
-    32 bits, then non-null ``pointers`` (those named in ``nullable`` may be null: 0)."""
-    positive(N=N, H=H, W=W, C=C, K=K)
-    ldx_ = stride("ldx", ldx, C)
-    ldy_ = stride("ldy", ldy, K)
-    pixels(N, H, W, max(ldx_, ldy_))
-    checked = {name: pointer(name, value, required=name not in nullable) for name, value in pointers.items()}
-    return {**checked, "N": N, "H": H, "W": W, "C": C, "K": K, "ldx": ldx_, "ldy": ldy_}
-
-
 def gemm_grid(M: int, K: int, bm: int, bn: int, z: int = 1) -> tuple[int, int, int]:
     """The grid of the GEMM-shaped kernels: pixel tiles along x, channel tiles along y."""
     grid_y = cdiv(K, bn)
@@ -178,9 +156,14 @@ class KernelSpec:
     op: str
     stem: str  # handwritten_ptx/<stem>.cu; entries are <stem>_f16 and <stem>_f32
 
-    # Kernel parameters in ABI order (handwritten_ptx/README.md); pointers first, then int32s.
+    # Kernel parameters in ABI order (handwritten_ptx/README.md): POINTERS device pointers first,
+    # then int32s but the float32s in FLOATS. NULLABLE pointers may be null (an optional bias);
+    # each pixel stride in STRIDES must hold the channel count it names (omitted: dense).
     PARAMS: ClassVar[tuple[str, ...]] = ()
     POINTERS: ClassVar[int] = 0
+    FLOATS: ClassVar[frozenset[str]] = frozenset()
+    NULLABLE: ClassVar[frozenset[str]] = frozenset()
+    STRIDES: ClassVar[tuple[tuple[str, str], ...]] = ()
     # The PTX arches the source is compiled for (`make ptx`, ptx/<arch>/<stem>.ptx) and shipped in.
     ptx_arches: ClassVar[tuple[str, ...]] = PTX_ARCHES
 
@@ -211,22 +194,53 @@ class KernelSpec:
     def launch(self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0) -> LaunchConfig:
         raise NotImplementedError
 
-    def args(self, **kwargs: Any) -> list[KernelArg]:
-        raise NotImplementedError
+    def args(self, **kw: Any) -> list[KernelArg]:
+        """The ABI's argument list (:attr:`PARAMS`) as (value, ctypes type) pairs, from values by
+        parameter name (what :meth:`call_args` answers; the unnamed are ignored).
+
+        Pointers are device addresses (ints), null only where :attr:`NULLABLE` (omitted: null);
+        the :attr:`STRIDES` default to their channel counts (dense tensors); the kernel's own
+        checks and the values it derives (output size, attributes) are :meth:`arg_values`';
+        the other parameters (``N``, ``H``...) pass as given.
+        """
+        ld = {name: stride(name, kw.get(name), kw[channels]) for name, channels in self.STRIDES}
+        own = self.arg_values({**kw, **ld})
+        ptrs = {
+            name: pointer(name, kw.get(name), required=name not in self.NULLABLE)
+            for name in self.PARAMS[: self.POINTERS]
+        }
+        return self.typed({**kw, **ld, **ptrs, **own})
+
+    def checked_output(self, kw: Mapping[str, Any]) -> tuple[int, int, int, int]:
+        """:meth:`output_shape` of the input (``N, H, W, C``) and output channels (``K``) in
+        :meth:`args`' values, having checked that the pixels and strides fit 32-bit indices."""
+        out = self.output_shape(kw["N"], kw["H"], kw["W"], kw["C"], kw.get("K", 0))
+        pixels(kw["N"], kw["H"], kw["W"], max(kw["ldx"], kw["ldy"]))
+        return out
+
+    def arg_values(self, kw: Mapping[str, Any]) -> dict[str, Any]:
+        """:meth:`args`' checks of the call's shape and attributes in ``kw`` (strides checked and
+        filled in), and the parameters that are not passed as given, by name. By default
+        :meth:`checked_output` and none."""
+        self.checked_output(kw)
+        return {}
 
     def reference(self, x: np.ndarray, *args: Any, **kwargs: Any) -> np.ndarray:
         raise NotImplementedError
 
     def call_args(self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors) -> dict[str, Any]:
         """The keyword arguments of :meth:`args` for one call on these tensors (``inputs`` in
-        ``call.inputs`` order): the pointers, the first input's shape, the output channels ``K``
-        and both pixel strides (a spec with weights, attributes or more inputs adds them)."""
+        ``call.inputs`` order): the pointers (the packed weights' and bias's too, in
+        :meth:`pack_weights`' order), the first input's shape, the output channels ``K`` and both
+        pixel strides, and :meth:`call_attrs` (a spec with more inputs adds them)."""
         x = inputs[0]
         n, h, w, c = x.shape
         return {
             "x": x.ptr, "y": y.ptr,
             "N": n, "H": h, "W": w, "C": c, "K": y.shape[3],
             "ldx": x.channel_stride, "ldy": y.channel_stride,
+            **(weight_pointers(weights) if weights else {}),
+            **self.call_attrs(call),
         }  # fmt: skip
 
     def call_launch(self, dtype: Any, kw: Mapping[str, Any]) -> LaunchConfig:
@@ -269,14 +283,23 @@ class KernelSpec:
     def run_reference(
         self, call: KernelCall, inputs: Sequence[np.ndarray], weights: Mapping[str, np.ndarray]
     ) -> np.ndarray:
-        """The call's output by the numpy reference, from the plan's (ONNX-layout) weights."""
+        """The call's output by the numpy reference, from the plan's (ONNX-layout) weights: the
+        first input, the packed weights in the call's order and :meth:`call_attrs`."""
         packed = self.pack_weights(call, weights)
-        return self.reference(inputs[0], *(packed[name] for name in call.weights))
+        return self.reference(inputs[0], *(packed[name] for name in call.weights), **self.call_attrs(call))
 
-    def _ordered(self, values: Mapping[str, int]) -> list[KernelArg]:
-        """Values by name -> the ABI's ordered (value, ctypes type) list: 64-bit device addresses
-        as ``c_void_p``, then ``c_int32``."""
+    def call_attrs(self, call: KernelCall) -> dict[str, Any]:
+        """The call's attributes as the keywords of :meth:`args` and :meth:`reference` alike (the
+        fused epilogue, the geometry; none by default)."""
+        return {}
+
+    def typed(self, values: Mapping[str, float]) -> list[KernelArg]:
+        """Values by name -> the ABI's ordered list (:attr:`PARAMS`): 64-bit device addresses as
+        ``c_void_p``, the names in :attr:`FLOATS` as ``c_float``, the rest ``c_int32``."""
+
+        def ctype(i: int, name: str) -> Any:
+            return ctypes.c_void_p if i < self.POINTERS else ctypes.c_float if name in self.FLOATS else ctypes.c_int32
+
         return [
-            (int(values[name]), ctypes.c_void_p if i < self.POINTERS else ctypes.c_int32)
-            for i, name in enumerate(self.PARAMS)
+            (float(values[n]) if n in self.FLOATS else int(values[n]), ctype(i, n)) for i, n in enumerate(self.PARAMS)
         ]

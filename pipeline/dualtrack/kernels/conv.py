@@ -12,22 +12,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
 from dualtrack.errors import InputError
-from dualtrack.kernels.base import DeviceTensor, KernelArg, KernelSpec, Tensors, nhwc_values, weight_pointers
+from dualtrack.kernels.base import KernelSpec
 from dualtrack.plan import KernelCall
-
-
-def gemm_values(
-    x: int, w: int, bias: int | None, y: int, N: int, H: int, W: int, C: int, K: int, ldx: int | None, ldy: int | None
-) -> dict[str, int]:
-    """Checked ``x, w, bias, y, N, H, W, C, K, ldx, ldy`` shared by the conv-like (GEMM) kernels."""
-    return nhwc_values(N, H, W, C, K, ldx, ldy, {"x": x, "w": w, "bias": bias, "y": y}, nullable=("bias",))
 
 
 def pack_conv_weights(
@@ -140,53 +133,22 @@ class GemmTiles:
 
 class ConvAbi(KernelSpec):
     """The argument list the conv-like kernels share (conv3x3, conv1x1; convt2x2 without ``relu``):
-    checked by the kind's :meth:`output_shape`, then ``x, w, bias, y, N, H, W, C, K, ldx, ldy, relu``."""
+    checked by the kind's :meth:`output_shape`, then ``x, w, bias, y, N, H, W, C, K, ldx, ldy, relu``
+    (``bias`` may be omitted: none; ``ldx``/``ldy`` default to ``C``/``K``)."""
 
     PARAMS: ClassVar[tuple[str, ...]] = ("x", "w", "bias", "y", "N", "H", "W", "C", "K", "ldx", "ldy", "relu")
     POINTERS: ClassVar[int] = 4
+    NULLABLE: ClassVar[frozenset[str]] = frozenset({"bias"})
+    STRIDES: ClassVar[tuple[tuple[str, str], ...]] = (("ldx", "C"), ("ldy", "K"))
 
-    def args(
-        self,
-        *,
-        x: int,
-        w: int,
-        y: int,
-        N: int,
-        H: int,
-        W: int,
-        C: int,
-        K: int,
-        bias: int | None = None,
-        ldx: int | None = None,
-        ldy: int | None = None,
-        relu: bool = False,
-        **_: Any,
-    ) -> list[KernelArg]:
-        """``x, w, bias, y, N, H, W, C, K, ldx, ldy[, relu]`` as (value, ctypes type) pairs.
-
-        Pointers are device addresses (ints); ``bias`` may be omitted (null: no bias);
-        ``ldx``/``ldy`` default to ``C``/``K`` (dense tensors).
-        """
-        self.output_shape(N, H, W, C, K)
-        values = gemm_values(x, w, bias, y, N, H, W, C, K, ldx, ldy)
-        return self._ordered({**values, "relu": 1 if relu else 0})
+    def arg_values(self, kw: Mapping[str, Any]) -> dict[str, Any]:
+        """The kind's :meth:`output_shape` checks, and ``relu`` (a bool; False by default)."""
+        return {**super().arg_values(kw), "relu": 1 if kw.get("relu") else 0}
 
     def pack_weights(self, call: KernelCall, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         bias = weights[call.weights[1]] if len(call.weights) > 1 else None
         return named_weights(call, pack_conv_weights(weights[call.weights[0]], bias))
 
-    def run_reference(
-        self, call: KernelCall, inputs: Sequence[np.ndarray], weights: Mapping[str, np.ndarray]
-    ) -> np.ndarray:
-        packed = self.pack_weights(call, weights)
-        fused = {"relu": call.attr("relu")} if "relu" in self.PARAMS else {}  # what the kernel fuses
-        return self.reference(inputs[0], *(packed[name] for name in call.weights), **fused)
-
-    def call_args(self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors) -> dict[str, Any]:
-        """The keyword arguments of :meth:`args` for one call on these tensors: the NHWC ones, the
-        packed weights and bias (:meth:`pack_weights`' order), and the fused ReLU."""
-        return {
-            **super().call_args(call, inputs, y, weights),
-            **weight_pointers(weights),
-            "relu": bool(call.attr("relu")),
-        }
+    def call_attrs(self, call: KernelCall) -> dict[str, Any]:
+        """The fused ReLU, where the kernel has one."""
+        return {"relu": bool(call.attr("relu"))} if "relu" in self.PARAMS else {}

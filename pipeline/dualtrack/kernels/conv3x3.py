@@ -16,20 +16,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dualtrack.errors import InputError
-from dualtrack.kernels.base import (
-    DTYPES,
-    INT32_MAX,
-    DeviceTensor,
-    LaunchConfig,
-    LaunchContext,
-    PreparedCall,
-    Tensors,
-    cdiv,
-    dtype_name,
-    gemm_grid,
-    pixels,
-    positive,
-)
+from dualtrack.kernels import base
 from dualtrack.kernels.conv import Conv3x3Reference, ConvAbi, GemmTiles
 from dualtrack.kernels.conv3x3_wgmma import Conv3x3WgmmaSpec
 from dualtrack.kernels.problems import ConvProblem
@@ -124,7 +111,7 @@ class Conv3x3Spec(Conv3x3Reference, ConvAbi, GemmTiles):
     def entries(self) -> tuple[str, ...]:
         """Every entry in the PTX: the default fp16 and fp32 ones, the fp16 variants, the small-C one."""
         return (
-            *(self.entry(d) for d in DTYPES),
+            *(self.entry(d) for d in base.DTYPES),
             *(f"{self.stem}_f16_{v}" for v in self.F16_VARIANTS),
             self.smallc_entry,
         )
@@ -143,7 +130,7 @@ class Conv3x3Spec(Conv3x3Reference, ConvAbi, GemmTiles):
         """None when the small-C entry computes this conv, else why not. It takes fp16 with
         ``C <= SMALL_C_MAX`` and ``K <= SMALL_C_K_MAX``, any ``ldx``/``ldy`` and alignment (16-byte
         stores where ``ldy % 8 == 0`` and ``y`` is aligned, element stores elsewhere)."""
-        name = dtype_name(dtype)
+        name = base.dtype_name(dtype)
         if name != "float16":
             return f"{name}: the small-C entry is fp16 only"
         if C > SMALL_C_MAX:
@@ -205,8 +192,8 @@ class Conv3x3Spec(Conv3x3Reference, ConvAbi, GemmTiles):
         fp16: the small-C entry wherever :meth:`smallc_supported` takes the shape; else ``_narrow``
         for K <= 32, ``_wide`` with enough wide tiles, the default entry with enough of its tiles,
         else ``_small``."""
-        name = dtype_name(dtype)
-        positive(N=N, H=H, W=W, C=C, K=K)
+        name = base.dtype_name(dtype)
+        base.positive(N=N, H=H, W=W, C=C, K=K)
         if name != "float16":
             return self.entry(name)
         if self.smallc_supported(name, C, K) is None:
@@ -216,44 +203,46 @@ class Conv3x3Spec(Conv3x3Reference, ConvAbi, GemmTiles):
         if narrow_bn >= K:
             return f"{self.stem}_f16_narrow"
         wbm, wbn = self.f16_wide[:2]
-        if wbn <= K and cdiv(M, wbm) * cdiv(K, wbn) >= self.f16_wide_min_tiles:
+        if wbn <= K and base.cdiv(M, wbm) * base.cdiv(K, wbn) >= self.f16_wide_min_tiles:
             return f"{self.stem}_f16_wide"
-        if cdiv(M, self.f16_bm) * cdiv(K, self.f16_bn) >= self.f16_main_min_tiles:
+        if base.cdiv(M, self.f16_bm) * base.cdiv(K, self.f16_bn) >= self.f16_main_min_tiles:
             return self.entry(name)
         return f"{self.stem}_f16_small"
 
     def tile(self, dtype: Any, entry: str | None = None) -> tuple[int, int]:
         """(output pixels, output channels) computed by one block of ``entry`` (default entry: None)."""
-        if dtype_name(dtype) == "float16":
+        if base.dtype_name(dtype) == "float16":
             return self._f16_config(entry)[:2]
         return self.gemm_tile("float32")
 
     def threads(self, dtype: Any, entry: str | None = None) -> int:
         """Threads per block of an entry's ``__launch_bounds__`` (the small-C entry's launches may use fewer)."""
-        if dtype_name(dtype) == "float16":
+        if base.dtype_name(dtype) == "float16":
             return self.smallc_threads if entry == self.smallc_entry else self._f16_config(entry)[2]
         return self.gemm_threads("float32")
 
     def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
-        positive(N=N, H=H, W=W, C=C, K=K)
+        base.positive(N=N, H=H, W=W, C=C, K=K)
         return (N, H, W, K)
 
     def launch(
         self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0, *, entry: str | None = None
-    ) -> LaunchConfig:
+    ) -> base.LaunchConfig:
         """One block per (pixel tile, channel tile); grid.x runs over pixels so that blocks in
         flight together share one slice of the weights. ``entry``: the fp16 variant launched
         (:meth:`variant`); None is the default entry of ``dtype``."""
-        positive(N=N, H=H, W=W, C=C, K=K)
-        M = pixels(N, H, W, C)
-        if dtype_name(dtype) != "float16" and entry not in (None, self.entry(dtype)):
-            raise InputError(f"'{entry}' is not the {dtype_name(dtype)} entry of {self.stem}")
+        base.positive(N=N, H=H, W=W, C=C, K=K)
+        M = base.pixels(N, H, W, C)
+        if base.dtype_name(dtype) != "float16" and entry not in (None, self.entry(dtype)):
+            raise InputError(f"'{entry}' is not the {base.dtype_name(dtype)} entry of {self.stem}")
         if entry == self.smallc_entry:
             return self._smallc_launch(dtype, N, H, W, C, K)
         bm, bn = self.tile(dtype, entry)
-        return LaunchConfig(grid=gemm_grid(M, K, bm, bn), block=(self.threads(dtype, entry), 1, 1), shared_bytes=0)
+        return base.LaunchConfig(
+            grid=base.gemm_grid(M, K, bm, bn), block=(self.threads(dtype, entry), 1, 1), shared_bytes=0
+        )
 
-    def _smallc_launch(self, dtype: Any, N: int, H: int, W: int, C: int, K: int) -> LaunchConfig:
+    def _smallc_launch(self, dtype: Any, N: int, H: int, W: int, C: int, K: int) -> base.LaunchConfig:
         """The small-C entry: a 1-D grid of ``N * ceil(H/rows) * ceil(W/cols)`` blocks (column tile
         fastest, then row tile, then image); a block's units are its ``rows * cols / 8`` pixel groups
         x ``ceil(K/8)`` channel groups, one thread each up to the entry's thread count."""
@@ -261,11 +250,11 @@ class Conv3x3Spec(Conv3x3Reference, ConvAbi, GemmTiles):
         if why is not None:
             raise InputError(f"{self.smallc_entry} cannot run this conv: {why}; launch variant()'s entry")
         rows, cols, threads, _ = self.f16_smallc
-        blocks = N * cdiv(H, rows) * cdiv(W, cols)
-        if blocks > INT32_MAX:
+        blocks = N * base.cdiv(H, rows) * base.cdiv(W, cols)
+        if blocks > base.INT32_MAX:
             raise InputError(f"{self.smallc_entry} needs {blocks} blocks; the grid allows 2^31-1; split the batch")
-        units = rows * cols // 8 * cdiv(K, 8)
-        return LaunchConfig(grid=(blocks, 1, 1), block=(min(threads, units), 1, 1), shared_bytes=0)
+        units = rows * cols // 8 * base.cdiv(K, 8)
+        return base.LaunchConfig(grid=(blocks, 1, 1), block=(min(threads, units), 1, 1), shared_bytes=0)
 
     def reference_at(
         self,
@@ -306,8 +295,13 @@ class Conv3x3Spec(Conv3x3Reference, ConvAbi, GemmTiles):
     select = choose_conv3x3
 
     def prepare_inputs(
-        self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors, ctx: LaunchContext
-    ) -> PreparedCall:
+        self,
+        call: KernelCall,
+        inputs: base.Tensors,
+        y: base.DeviceTensor,
+        weights: base.Tensors,
+        ctx: base.LaunchContext,
+    ) -> base.PreparedCall:
         """What :meth:`select` picks: the Hopper kernel (its own preparation, tensor maps included)
         where it is on and takes the launch, else the layer's tuned entry, else :meth:`variant`'s."""
         x = inputs[0]
@@ -318,4 +312,4 @@ class Conv3x3Spec(Conv3x3Reference, ConvAbi, GemmTiles):
             assert self.hopper is not None  # select() chooses wgmma only where there is one
             return self.hopper.prepare_entry(choice, x, y, weights, kw["relu"], ctx)
         config = self.launch(p.dtype, p.N, p.H, p.W, p.C, p.K, entry=choice.entry)
-        return PreparedCall(choice.entry, config, self.args(**kw), choice)
+        return base.PreparedCall(choice.entry, config, self.args(**kw), choice)

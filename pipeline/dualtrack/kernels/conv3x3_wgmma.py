@@ -23,21 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dualtrack.errors import InputError
-from dualtrack.kernels.base import (
-    INT32_MAX,
-    DeviceTensor,
-    KernelArg,
-    KernelSpec,
-    LaunchConfig,
-    LaunchContext,
-    PreparedCall,
-    cdiv,
-    dtype_name,
-    pixels,
-    pointer,
-    positive,
-    stride,
-)
+from dualtrack.kernels import base
 from dualtrack.kernels.conv import Conv3x3Reference
 from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.tensormap import DIM_LIMIT, STRIDE_LIMIT, TiledMap
@@ -150,7 +136,7 @@ class WgmmaConfig:
     def ctas(self, N: int, H: int, W: int, K: int) -> int:
         """CTAs of a launch: N x spatial tiles x channel tiles (the kernel's 1-D grid)."""
         log2 = self.tw_log2(W)
-        return N * cdiv(H, self.bm >> log2) * cdiv(W, 1 << log2) * cdiv(K, self.bn)
+        return N * base.cdiv(H, self.bm >> log2) * base.cdiv(W, 1 << log2) * base.cdiv(K, self.bn)
 
 
 # The compiled configurations (bench/wgmma/README.md, "Configurations"): stages as many as fit the
@@ -211,7 +197,7 @@ def weight_map(cfg: WgmmaConfig, w: int, K: int, C: int) -> TiledMap:
 
 
 @dataclass(frozen=True)
-class Conv3x3WgmmaSpec(Conv3x3Reference, KernelSpec):
+class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
     """The conv3x3 op (same semantics as :class:`Conv3x3Spec`, fp16 only) on Hopper: the input and
     weight tiles come by TMA (``cp.async.bulk.tensor`` into an mbarrier pipeline; the tensor map's
     zero fill outside the image is the padding), the products by ``wgmma.mma_async`` from shared
@@ -270,7 +256,7 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, KernelSpec):
         return self.config(entry).threads
 
     def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
-        positive(N=N, H=H, W=W, C=C, K=K)
+        base.positive(N=N, H=H, W=W, C=C, K=K)
         return (N, H, W, K)
 
     def supported(self, p: ConvProblem, *, x: int = 0, w: int = 0, y: int = 0) -> str | None:
@@ -280,11 +266,11 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, KernelSpec):
         and 16-byte aligned ``x`` and ``w``; the epilogue's 16-byte stores need ``ldy % 8 == 0`` and
         an aligned ``y``. Pointers default to 0 (aligned): the plan's shapes alone can be checked.
         """
-        if dtype_name(p.dtype) != "float16":
-            return f"{dtype_name(p.dtype)}: the wgmma kernel is fp16 only"
+        if base.dtype_name(p.dtype) != "float16":
+            return f"{base.dtype_name(p.dtype)}: the wgmma kernel is fp16 only"
         N, H, W, C, K = p.N, p.H, p.W, p.C, p.K
-        positive(N=N, H=H, W=W, C=C, K=K)
-        ldx, ldy = stride("ldx", p.ldx, C), stride("ldy", p.ldy, K)
+        base.positive(N=N, H=H, W=W, C=C, K=K)
+        ldx, ldy = base.stride("ldx", p.ldx, C), base.stride("ldy", p.ldy, K)
         if C % 8:
             return f"C={C}: TMA needs 16-byte weight rows (C % 8 == 0)"
         if ldx % 8:
@@ -294,7 +280,7 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, KernelSpec):
         for name, ptr in (("x", x), ("w", w), ("y", y)):
             if int(ptr) % 16:
                 return f"{name}={int(ptr):#x} is not 16-byte aligned"
-        if N * H * W > INT32_MAX or max(ldx, ldy) > INT32_MAX:
+        if N * H * W > base.INT32_MAX or max(ldx, ldy) > base.INT32_MAX:
             return f"N*H*W = {N * H * W} pixels or a channel stride exceed 2^31-1"
         if max(N, H, W, 9 * C, K) >= DIM_LIMIT or N * H * W * ldx * 2 >= STRIDE_LIMIT:
             return "the input is too large for a tensor map (dims < 2^32, byte strides < 2^40)"
@@ -310,11 +296,11 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, KernelSpec):
         the one that makes the most (of equals, the smaller). Within 0.5% of the per-layer best on
         the U-Net's 26 (layer, batch) pairs (the worst single layer: 1.3%).
         """
-        positive(N=N, H=H, W=W, C=C, K=K)
+        base.positive(N=N, H=H, W=W, C=C, K=K)
         bk = 64 if C % 64 == 0 else 32
         by_entry = {c.entry: c for c in self.configs}
         if K > 32:
-            k32 = cdiv(K, 32) * 32
+            k32 = base.cdiv(K, 32) * 32
             order = list(self.prefer)
             if C <= 64:
                 order.remove(self.one_block_first)
@@ -330,19 +316,19 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, KernelSpec):
 
     def launch(
         self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0, *, entry: str | None = None
-    ) -> LaunchConfig:
+    ) -> base.LaunchConfig:
         """1-D grid (channel tile fastest, so the CTAs that share an input tile run together),
         block of ``32 * (4 * wgs + 1)`` threads, dynamic shared memory of the configuration (more
         than 48 KiB: set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first). ``entry`` None:
         :meth:`choose`'s."""
-        dtype_name(dtype)
-        positive(N=N, H=H, W=W, C=C, K=K)
-        pixels(N, H, W, C)
+        base.dtype_name(dtype)
+        base.positive(N=N, H=H, W=W, C=C, K=K)
+        base.pixels(N, H, W, C)
         cfg = self.config(entry) if entry is not None else self.choose(N, H, W, C, K)
         ctas = cfg.ctas(N, H, W, K)
-        if ctas > INT32_MAX:
+        if ctas > base.INT32_MAX:
             raise InputError(f"{ctas} CTAs exceed the grid's 2^31-1; split the batch")
-        return LaunchConfig(grid=(ctas, 1, 1), block=(cfg.threads, 1, 1), shared_bytes=cfg.smem_bytes)
+        return base.LaunchConfig(grid=(ctas, 1, 1), block=(cfg.threads, 1, 1), shared_bytes=cfg.smem_bytes)
 
     def args(
         self,
@@ -355,7 +341,7 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, KernelSpec):
         bias: int | None = None,
         relu: bool = False,
         status: int | None = None,
-    ) -> list[KernelArg]:
+    ) -> list[base.KernelArg]:
         """``tmx, tmw, bias, y, N, H, W, C, K, ldy, relu, tw_log2, status`` of launch ``p`` as (value,
         type) pairs.
 
@@ -364,9 +350,9 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, KernelSpec):
         maps were made for); ``status``: an int[8] device buffer for the watchdog's report, or None
         (a stuck wait then traps).
         """
-        positive(N=p.N, H=p.H, W=p.W, C=p.C, K=p.K)
-        ldy = stride("ldy", p.ldy, p.K)
-        pixels(p.N, p.H, p.W, ldy)
+        base.positive(N=p.N, H=p.H, W=p.W, C=p.C, K=p.K)
+        ldy = base.stride("ldy", p.ldy, p.K)
+        base.pixels(p.N, p.H, p.W, ldy)
         for name, m in (("tmx", tmx), ("tmw", tmw)):
             if not callable(getattr(m, "getPtr", None)):
                 raise InputError(f"{name} must be a CUtensorMap (runtime/tma.py encode()), not {type(m).__name__}")
@@ -374,21 +360,21 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, KernelSpec):
         return [
             (tmx, None),
             (tmw, None),
-            (pointer("bias", bias, required=False), ctypes.c_void_p),
-            (pointer("y", y), ctypes.c_void_p),
+            (base.pointer("bias", bias, required=False), ctypes.c_void_p),
+            (base.pointer("y", y), ctypes.c_void_p),
             *((int(v), ctypes.c_int32) for v in ints),
-            (pointer("status", status, required=False), ctypes.c_void_p),
+            (base.pointer("status", status, required=False), ctypes.c_void_p),
         ]
 
     def prepare_entry(
         self,
         choice: ConvChoice,
-        x: DeviceTensor,
-        y: DeviceTensor,
-        weights: Sequence[DeviceTensor],
+        x: base.DeviceTensor,
+        y: base.DeviceTensor,
+        weights: Sequence[base.DeviceTensor],
         relu: bool,
-        ctx: LaunchContext,
-    ) -> PreparedCall:
+        ctx: base.LaunchContext,
+    ) -> base.PreparedCall:
         """The launch of the entry ``choice`` names on these tensors (the conv3x3 op's spec hands
         it over where its policy picks this kernel): the input's and the weights' tensor maps,
         encoded by the runtime for these very buffers, then the geometry and arguments."""
@@ -399,4 +385,4 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, KernelSpec):
         bias = weights[1].ptr if len(weights) > 1 else None
         args = self.args(p, tmx=tmx, tmw=tmw, y=y.ptr, entry=choice.entry, bias=bias, relu=relu)
         config = self.launch(p.dtype, p.N, p.H, p.W, p.C, p.K, entry=choice.entry)
-        return PreparedCall(choice.entry, config, args, choice)
+        return base.PreparedCall(choice.entry, config, args, choice)

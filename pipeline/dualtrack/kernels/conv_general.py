@@ -21,7 +21,6 @@ from dualtrack.kernels.base import (
     DTYPES,
     INT32_MAX,
     DeviceTensor,
-    KernelArg,
     KernelSpec,
     LaunchConfig,
     LaunchContext,
@@ -30,10 +29,7 @@ from dualtrack.kernels.base import (
     cdiv,
     dtype_name,
     gemm_grid,
-    pointer,
     positive,
-    stride,
-    weight_pointers,
 )
 from dualtrack.kernels.conv import named_weights, pack_conv_weights
 from dualtrack.kernels.conv3x3 import F16Tile
@@ -289,21 +285,11 @@ class ConvGeneralSpec(KernelSpec):
         return tiles[key]
 
     def launch(
-        self,
-        dtype: Any,
-        N: int,
-        H: int,
-        W: int,
-        C: int,
-        K: int = 0,
-        *,
-        geom: ConvGeometry | None = None,
-        entry: str | None = None,
+        self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0, *, geom: ConvGeometry, entry: str | None = None
     ) -> LaunchConfig:
         """One block per (output-pixel tile, channel tile), pixel tiles along grid.x; ``entry``:
         the fp16 variant launched (None: :meth:`variant`'s)."""
         self.output_shape(N, H, W, C, K, geom=geom)
-        assert geom is not None  # output_shape refuses None
         M = self._checked_pixels(N, H, W, geom)
         name = dtype_name(dtype)
         if name == "float16":
@@ -325,41 +311,21 @@ class ConvGeneralSpec(KernelSpec):
             threads = self.threads(name)
         return LaunchConfig(grid=gemm_grid(M, K, bm, bn), block=(threads, 1, 1), shared_bytes=0)
 
-    def args(
-        self,
-        *,
-        x: int,
-        w: int,
-        y: int,
-        N: int,
-        H: int,
-        W: int,
-        C: int,
-        K: int,
-        geom: ConvGeometry,
-        bias: int | None = None,
-        res: int | None = None,
-        ldx: int | None = None,
-        ldy: int | None = None,
-        ldr: int | None = None,
-        act: int = 0,
-        **_: Any,
-    ) -> list[KernelArg]:
-        """The ABI's argument list (handwritten_ptx/README.md). ``bias`` and ``res`` may be None
-        (null: none); strides default to dense (``C``, ``K``, ``K``)."""
-        _, P, Q, _ = self.output_shape(N, H, W, C, K, geom=geom)
-        self._checked_pixels(N, H, W, geom)
+    # args(): the bias and the residual (``res``, stride ``ldr``) may be null.
+    NULLABLE: ClassVar[frozenset[str]] = frozenset({"bias", "res"})
+    STRIDES: ClassVar[tuple[tuple[str, str], ...]] = (("ldx", "C"), ("ldy", "K"), ("ldr", "K"))
+    _GEOMETRY: ClassVar[tuple[str, ...]] = ("R", "S", "stride_h", "stride_w", "pad_top", "pad_left", "dil_h", "dil_w")
+
+    def arg_values(self, kw: Mapping[str, Any]) -> dict[str, Any]:
+        """The output size ``P, Q`` and the rest of the ``geom`` (a :class:`ConvGeometry`)
+        checked, and the activation code ``act`` (none by default)."""
+        g: ConvGeometry = kw["geom"]
+        _, P, Q, _ = self.output_shape(kw["N"], kw["H"], kw["W"], kw["C"], kw["K"], geom=g)
+        self._checked_pixels(kw["N"], kw["H"], kw["W"], g)
+        act = kw.get("act", 0)
         if act not in ACTIVATIONS.values():
             raise InputError(f"act={act} is not an activation code; use one of {ACTIVATIONS}")
-        values = {
-            "x": pointer("x", x), "w": pointer("w", w), "bias": pointer("bias", bias, required=False),
-            "res": pointer("res", res, required=False), "y": pointer("y", y),
-            "N": N, "H": H, "W": W, "C": C, "K": K, "P": P, "Q": Q, "R": geom.R, "S": geom.S,
-            "stride_h": geom.stride_h, "stride_w": geom.stride_w, "pad_top": geom.pad_top,
-            "pad_left": geom.pad_left, "dil_h": geom.dil_h, "dil_w": geom.dil_w,
-            "ldx": stride("ldx", ldx, C), "ldy": stride("ldy", ldy, K), "ldr": stride("ldr", ldr, K), "act": act,
-        }  # fmt: skip
-        return self._ordered(values)
+        return {"P": P, "Q": Q, **{name: getattr(g, name) for name in self._GEOMETRY}, "act": act}
 
     # --- a plan's call ----------------------------------------------------------------------------
 
@@ -416,16 +382,14 @@ class ConvGeneralSpec(KernelSpec):
         res = inputs[1] if call.attr("residual") else None
         return self.reference(inputs[0], w, bias, res, geom=ConvGeometry.from_call(call), act=call.attr("act"))
 
+    def call_attrs(self, call: KernelCall) -> dict[str, Any]:
+        return {"geom": ConvGeometry.from_call(call), "act": call.attr("act")}
+
     def call_args(self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors) -> dict[str, Any]:
         """The keyword arguments of :meth:`args` for one call on these tensors: the NHWC ones, the
-        packed weights and bias (:meth:`pack_weights`' order), the geometry, the activation, and
-        the residual (``inputs[1]``) where the call has one (``residual`` attribute)."""
-        kw = {
-            **super().call_args(call, inputs, y, weights),
-            **weight_pointers(weights),
-            "geom": ConvGeometry.from_call(call),
-            "act": call.attr("act"),
-        }
+        geometry, the activation, and the residual (``inputs[1]``) where the call has one
+        (``residual`` attribute)."""
+        kw = super().call_args(call, inputs, y, weights)
         if call.attr("residual"):
             if len(inputs) < 2:
                 raise InputError(f"conv call {call.nodes} has a residual input: prepare it with prepare_inputs")

@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
 from dualtrack.errors import InputError
-from dualtrack.kernels.base import DeviceTensor, KernelArg, Tensors, pointer, positive, stride, weight_pointers
+from dualtrack.kernels.base import DeviceTensor, Tensors, positive
 from dualtrack.kernels.conv import named_weights
 from dualtrack.kernels.epilogue import Activation
 from dualtrack.kernels.streaming import ElementSpec, onnx_weight_bias
@@ -62,6 +62,8 @@ class DwConvSpec(ElementSpec):
     )  # fmt: skip
     F16_LANES: ClassVar[int] = 8  # the fp16 vector path: one 16-byte access
     POINTERS: ClassVar[int] = 4
+    NULLABLE: ClassVar[frozenset[str]] = frozenset({"bias"})
+    STRIDES: ClassVar[tuple[tuple[str, str], ...]] = (("ldx", "C"), ("ldy", "C"))
     SHAPE_ATTRS: ClassVar[tuple[str, ...]] = ("geometry",)
 
     def output_shape(
@@ -72,32 +74,13 @@ class DwConvSpec(ElementSpec):
             raise InputError(f"a depthwise convolution keeps the channels: C={C}, K={K}")
         return (N, *(geometry or DwGeometry()).output_hw(H, W), C)
 
-    def args(
-        self,
-        *,
-        x: int,
-        w: int,
-        y: int,
-        N: int,
-        H: int,
-        W: int,
-        C: int,
-        geometry: DwGeometry,
-        bias: int | None = None,
-        ldx: int | None = None,
-        ldy: int | None = None,
-        act: Activation | None = None,
-        **_: Any,
-    ) -> list[KernelArg]:
-        """``x, w, bias, y, N, H, W, C, Ho, Wo, ldx, ldy, R, S, D, pt, pl, act, p0, p1``."""
-        _, Ho, Wo, _ = self.output_shape(N, H, W, C, 0, geometry)
-        values = {
-            "x": pointer("x", x), "w": pointer("w", w), "bias": pointer("bias", bias, required=False),
-            "y": pointer("y", y), "N": N, "H": H, "W": W, "C": C, "Ho": Ho, "Wo": Wo,
-            "ldx": stride("ldx", ldx, C), "ldy": stride("ldy", ldy, C), "R": geometry.R, "S": geometry.stride,
-            "D": geometry.dilation, "pt": geometry.pads[0], "pl": geometry.pads[1],
-        }  # fmt: skip
-        return self.with_act(values, act or Activation())
+    def arg_values(self, kw: Mapping[str, Any]) -> dict[str, Any]:
+        """``Ho, Wo`` of the output, ``R, S, D, pt, pl`` of the ``geometry`` (a :class:`DwGeometry`)
+        and the epilogue ``act, p0, p1``."""
+        g: DwGeometry = kw["geometry"]
+        _, Ho, Wo, _ = self.output_shape(kw["N"], kw["H"], kw["W"], kw["C"], 0, g)
+        geometry = {"R": g.R, "S": g.stride, "D": g.dilation, "pt": g.pads[0], "pl": g.pads[1]}
+        return {"Ho": Ho, "Wo": Wo, **geometry, **self.epilogue(kw)}
 
     @staticmethod
     def pack(w: np.ndarray, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -143,18 +126,14 @@ class DwConvSpec(ElementSpec):
             out += bias.astype(np.float32)
         return (act or Activation()).apply(out).astype(x.dtype)
 
-    def run_reference(
-        self, call: KernelCall, inputs: Sequence[np.ndarray], weights: Mapping[str, np.ndarray]
-    ) -> np.ndarray:
-        w, bias = self.pack(*onnx_weight_bias(call, weights))
-        return self.reference(inputs[0], w, bias, DwGeometry.of(call), Activation.of(call))
+    def call_attrs(self, call: KernelCall) -> dict[str, Any]:
+        return {"geometry": DwGeometry.of(call), "act": Activation.of(call)}
 
     def call_args(self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors) -> dict[str, Any]:
         """The NHWC keyword arguments, the packed weights and bias, the geometry and the epilogue;
         ``y`` must have the convolution's output shape."""
         kw = {
             **super().call_args(call, inputs, y, weights),
-            **weight_pointers(weights),
             "geometry": DwGeometry.of(call),
             "act": Activation.of(call),
         }

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dualtrack.errors import InputError
-from dualtrack.kernels.base import DeviceTensor, KernelArg, Tensors, pointer, positive, stride
+from dualtrack.kernels.base import DeviceTensor, Tensors, pointer, positive, stride
 from dualtrack.kernels.epilogue import Activation
 from dualtrack.kernels.streaming import ElementSpec
 from dualtrack.plan import ELTWISE_OPS, KernelCall
@@ -30,41 +30,28 @@ class EltwiseSpec(ElementSpec):
     )  # fmt: skip
     F16_LANES: ClassVar[int] = 8  # the fp16 vector path: one 16-byte access
     POINTERS: ClassVar[int] = 3
+    NULLABLE: ClassVar[frozenset[str]] = frozenset({"b"})  # unary: none; a binary op's is checked with op
+    STRIDES: ClassVar[tuple[tuple[str, str], ...]] = (("lda", "C"), ("ldy", "C"))
 
     def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
         positive(N=N, H=H, W=W, C=C)
         return (N, H, W, C)
 
-    def args(
-        self,
-        *,
-        a: int,
-        y: int,
-        N: int,
-        H: int,
-        W: int,
-        C: int,
-        op: str = "unary",
-        b: int | None = None,
-        bcast: bool = False,
-        lda: int | None = None,
-        ldb: int | None = None,
-        ldy: int | None = None,
-        act: Activation | None = None,
-        **_: Any,
-    ) -> list[KernelArg]:
-        """``a, b, y, N, H, W, C, lda, ldb, ldy, op, bcast, act, p0, p1``; strides default to ``C``."""
-        self.output_shape(N, H, W, C)
+    def arg_values(self, kw: Mapping[str, Any]) -> dict[str, Any]:
+        """The ``op`` (``"unary"``, ``"add"``, ``"mul"``) by its code; for a binary one the operand
+        ``b`` (required), its stride ``ldb`` (default ``C``) and ``bcast`` (b is (N, 1, 1, C));
+        the epilogue ``act, p0, p1``."""
+        op, C = kw.get("op", "unary"), kw["C"]
+        self.output_shape(kw["N"], kw["H"], kw["W"], C)
         if op not in ELTWISE_OPS:
             raise InputError(f"eltwise op '{op}' is not one of {', '.join(ELTWISE_OPS)}")
         binary = op != "unary"
-        values = {
-            "a": pointer("a", a), "b": pointer("b", b, required=binary), "y": pointer("y", y),
-            "N": N, "H": H, "W": W, "C": C, "lda": stride("lda", lda, C),
-            "ldb": stride("ldb", ldb, C) if binary else C, "ldy": stride("ldy", ldy, C),
-            "op": ELTWISE_OPS[op], "bcast": 1 if binary and bcast else 0,
-        }  # fmt: skip
-        return self.with_act(values, act or Activation())
+        operand = {
+            "b": pointer("b", kw.get("b"), required=binary),
+            "ldb": stride("ldb", kw.get("ldb"), C) if binary else C,
+            "bcast": 1 if binary and kw.get("bcast") else 0,
+        }
+        return {**operand, "op": ELTWISE_OPS[op], **self.epilogue(kw)}
 
     def reference(
         self, a: np.ndarray, b: np.ndarray | None = None, op: str = "unary", act: Activation | None = None

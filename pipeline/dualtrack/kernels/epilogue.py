@@ -3,7 +3,7 @@ and how a call's attrs become kernel arguments.
 
 The codes are :data:`dualtrack.plan.ACTIVATIONS` (the plan's contract: partition writes them); the
 device side is ``apply_act`` in ``handwritten_ptx/dualtrack_device.cuh``. It travels as the last three
-kernel arguments, ``act`` (int32), ``p0``, ``p1`` (float32): ``StreamingSpec.with_act``.
+kernel arguments, ``act`` (int32), ``p0``, ``p1`` (float32): ``StreamingSpec.epilogue``.
 """
 
 from __future__ import annotations

@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
 from dualtrack.errors import InputError
-from dualtrack.kernels.base import (
-    INT32_MAX,
-    DeviceTensor,
-    KernelArg,
-    LaunchConfig,
-    Tensors,
-    cdiv,
-    pointer,
-    positive,
-    stride,
-    weight_pointers,
-)
+from dualtrack.kernels.base import INT32_MAX, LaunchConfig, cdiv, positive
 from dualtrack.kernels.conv import named_weights, pack_conv_weights
 from dualtrack.kernels.epilogue import Activation
 from dualtrack.kernels.streaming import StreamingSpec, onnx_weight_bias
@@ -37,6 +26,8 @@ class FcSpec(StreamingSpec):
         "x", "w", "bias", "y", "N", "C", "K", "ldx", "ldy", "act", "p0", "p1",
     )  # fmt: skip
     POINTERS: ClassVar[int] = 4
+    NULLABLE: ClassVar[frozenset[str]] = frozenset({"bias"})
+    STRIDES: ClassVar[tuple[tuple[str, str], ...]] = (("ldx", "C"), ("ldy", "K"))
 
     def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
         positive(N=N, C=C, K=K)
@@ -51,28 +42,10 @@ class FcSpec(StreamingSpec):
             raise InputError(f"fc of {N} x {K} outputs needs {blocks} blocks; split the batch")
         return LaunchConfig(grid=(blocks, 1, 1), block=(self.block_threads, 1, 1), shared_bytes=0)
 
-    def args(
-        self,
-        *,
-        x: int,
-        w: int,
-        y: int,
-        N: int,
-        C: int,
-        K: int,
-        bias: int | None = None,
-        ldx: int | None = None,
-        ldy: int | None = None,
-        act: Activation | None = None,
-        **_: Any,
-    ) -> list[KernelArg]:
-        """``x, w, bias, y, N, C, K, ldx, ldy, act, p0, p1``; strides default to ``C`` / ``K``."""
-        self.output_shape(N, 1, 1, C, K)
-        values = {
-            "x": pointer("x", x), "w": pointer("w", w), "bias": pointer("bias", bias, required=False),
-            "y": pointer("y", y), "N": N, "C": C, "K": K, "ldx": stride("ldx", ldx, C), "ldy": stride("ldy", ldy, K),
-        }  # fmt: skip
-        return self.with_act(values, act or Activation())
+    def arg_values(self, kw: Mapping[str, Any]) -> dict[str, Any]:
+        """The vector's shape checked (no ``H``, ``W``: 1 x 1) and the epilogue ``act, p0, p1``."""
+        self.output_shape(kw["N"], 1, 1, kw["C"], kw["K"])
+        return self.epilogue(kw)
 
     def pack_weights(self, call: KernelCall, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return named_weights(call, pack_conv_weights(*onnx_weight_bias(call, weights)))
@@ -92,12 +65,5 @@ class FcSpec(StreamingSpec):
             out += bias.astype(np.float32)
         return (act or Activation()).apply(out).astype(x.dtype)
 
-    def run_reference(
-        self, call: KernelCall, inputs: Sequence[np.ndarray], weights: Mapping[str, np.ndarray]
-    ) -> np.ndarray:
-        w, bias = pack_conv_weights(*onnx_weight_bias(call, weights))
-        return self.reference(inputs[0], w, bias, Activation.of(call))
-
-    def call_args(self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors) -> dict[str, Any]:
-        """The NHWC keyword arguments, the packed weights and bias, and the epilogue."""
-        return {**super().call_args(call, inputs, y, weights), **weight_pointers(weights), "act": Activation.of(call)}
+    def call_attrs(self, call: KernelCall) -> dict[str, Any]:
+        return {"act": Activation.of(call)}

@@ -8,16 +8,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dualtrack.errors import InputError
-from dualtrack.kernels.base import (
-    GRID_Y_MAX,
-    KernelArg,
-    LaunchConfig,
-    cdiv,
-    pixels,
-    pointer,
-    positive,
-    stride,
-)
+from dualtrack.kernels.base import GRID_Y_MAX, LaunchConfig, cdiv, positive
 from dualtrack.kernels.streaming import StreamingSpec
 
 LANES = 32  # channels a block owns (gap_nhwc.cu: one warp's width)
@@ -36,6 +27,7 @@ class GapSpec(StreamingSpec):
     MACRO: ClassVar[str] = "GAP"
     PARAMS: ClassVar[tuple[str, ...]] = ("x", "y", "N", "H", "W", "C", "ldx", "ldy")
     POINTERS: ClassVar[int] = 2
+    STRIDES: ClassVar[tuple[tuple[str, str], ...]] = (("ldx", "C"), ("ldy", "C"))
 
     def output_shape(self, N: int, H: int, W: int, C: int, K: int = 0) -> tuple[int, int, int, int]:
         positive(N=N, H=H, W=W, C=C)
@@ -46,26 +38,6 @@ class GapSpec(StreamingSpec):
         if N > GRID_Y_MAX:
             raise InputError(f"gap of a batch of {N} needs {N} grid rows; the grid allows {GRID_Y_MAX}")
         return LaunchConfig(grid=(cdiv(C, LANES), N, 1), block=(self.threads(dtype), 1, 1), shared_bytes=0)
-
-    def args(
-        self,
-        *,
-        x: int,
-        y: int,
-        N: int,
-        H: int,
-        W: int,
-        C: int,
-        ldx: int | None = None,
-        ldy: int | None = None,
-        **_: Any,
-    ) -> list[KernelArg]:
-        """``x, y, N, H, W, C, ldx, ldy``; strides default to ``C``."""
-        self.output_shape(N, H, W, C)
-        ldx_, ldy_ = stride("ldx", ldx, C), stride("ldy", ldy, C)
-        pixels(N, H, W, max(ldx_, ldy_))
-        values = {"x": pointer("x", x), "y": pointer("y", y), "N": N, "H": H, "W": W, "C": C, "ldx": ldx_, "ldy": ldy_}
-        return self.typed(values)
 
     def reference(self, x: np.ndarray, *_: Any, **__: Any) -> np.ndarray:
         """numpy semantics: the float32 mean over axes 1, 2 (keepdims), rounded once to x's dtype."""

@@ -8,17 +8,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dualtrack.errors import InputError
-from dualtrack.kernels.base import (
-    INT32_MAX,
-    KernelArg,
-    KernelSpec,
-    LaunchConfig,
-    cdiv,
-    dtype_name,
-    nhwc_values,
-    pixels,
-    positive,
-)
+from dualtrack.kernels.base import INT32_MAX, KernelSpec, LaunchConfig, cdiv, dtype_name, pixels, positive
 
 
 @dataclass(frozen=True)
@@ -29,6 +19,7 @@ class MaxPool2x2Spec(KernelSpec):
     CHUNK_BYTES: ClassVar[int] = 16
     PARAMS: ClassVar[tuple[str, ...]] = ("x", "y", "N", "H", "W", "C", "ldx", "ldy")
     POINTERS: ClassVar[int] = 2
+    STRIDES: ClassVar[tuple[tuple[str, str], ...]] = (("ldx", "C"), ("ldy", "C"))
 
     def vector(self, dtype: Any) -> int:
         """Channels a thread handles: one 16-byte chunk."""
@@ -59,23 +50,6 @@ class MaxPool2x2Spec(KernelSpec):
         if blocks > INT32_MAX:
             raise InputError(f"maxpool2x2 of {N}x{H}x{W}x{C} needs {blocks} blocks; split the batch")
         return LaunchConfig(grid=(blocks, 1, 1), block=(self.block_threads, 1, 1), shared_bytes=0)
-
-    def args(
-        self,
-        *,
-        x: int,
-        y: int,
-        N: int,
-        H: int,
-        W: int,
-        C: int,
-        ldx: int | None = None,
-        ldy: int | None = None,
-        **_: Any,
-    ) -> list[KernelArg]:
-        """``x, y, N, H, W, C, ldx, ldy`` as (value, ctypes type) pairs; strides default to ``C``."""
-        self.output_shape(N, H, W, C)
-        return self._ordered(nhwc_values(N, H, W, C, C, ldx, ldy, {"x": x, "y": y}))
 
     def reference(self, x: np.ndarray, *_: Any, **__: Any) -> np.ndarray:
         """numpy semantics: ``x`` (N,H,W,C) -> (N,H//2,W//2,C); an odd last row/column is dropped."""

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dualtrack.errors import InputError
-from dualtrack.kernels.base import DeviceTensor, KernelArg, Tensors, pointer, positive, stride
+from dualtrack.kernels.base import DeviceTensor, Tensors, positive
 from dualtrack.kernels.streaming import ElementSpec
 from dualtrack.plan import RESIZE_COORDS, RESIZE_MODES, RESIZE_NEAREST, KernelCall, bits_f32, f32_bits
 
@@ -90,6 +90,7 @@ class ResizeSpec(ElementSpec):
     )  # fmt: skip
     FLOATS: ClassVar[frozenset[str]] = frozenset({"sh", "sw"})
     POINTERS: ClassVar[int] = 2
+    STRIDES: ClassVar[tuple[tuple[str, str], ...]] = (("ldx", "C"), ("ldy", "C"))
     SHAPE_ATTRS: ClassVar[tuple[str, ...]] = ("Ho", "Wo")
     F16_LANES: ClassVar[int] = 8  # the fp16 vector path: one 16-byte access
 
@@ -99,30 +100,17 @@ class ResizeSpec(ElementSpec):
         positive(N=N, H=H, W=W, C=C, Ho=Ho, Wo=Wo)
         return (N, Ho, Wo, C)
 
-    def args(
-        self,
-        *,
-        x: int,
-        y: int,
-        N: int,
-        H: int,
-        W: int,
-        C: int,
-        Ho: int,
-        Wo: int,
-        how: ResizeMode,
-        ldx: int | None = None,
-        ldy: int | None = None,
-        **_: Any,
-    ) -> list[KernelArg]:
-        """``x, y, N, H, W, C, Ho, Wo, ldx, ldy, mode, coord, nearest, sh, sw``."""
-        self.output_shape(N, H, W, C, 0, Ho, Wo)
-        values = {
-            "x": pointer("x", x), "y": pointer("y", y), "N": N, "H": H, "W": W, "C": C, "Ho": Ho, "Wo": Wo,
-            "ldx": stride("ldx", ldx, C), "ldy": stride("ldy", ldy, C), "mode": RESIZE_MODES[how.mode],
-            "coord": RESIZE_COORDS[how.coord], "nearest": RESIZE_NEAREST[how.nearest],
-        }  # fmt: skip
-        return self.typed({**values, "sh": how.scale_h, "sw": how.scale_w})
+    def arg_values(self, kw: Mapping[str, Any]) -> dict[str, Any]:
+        """The output size checked, and the ``how`` (a :class:`ResizeMode`) as
+        ``mode, coord, nearest, sh, sw``."""
+        self.output_shape(kw["N"], kw["H"], kw["W"], kw["C"], 0, kw["Ho"], kw["Wo"])
+        how: ResizeMode = kw["how"]
+        modes = {
+            "mode": RESIZE_MODES[how.mode],
+            "coord": RESIZE_COORDS[how.coord],
+            "nearest": RESIZE_NEAREST[how.nearest],
+        }
+        return {**modes, "sh": how.scale_h, "sw": how.scale_w}
 
     def reference(self, x: np.ndarray, Ho: int = 0, Wo: int = 0, how: ResizeMode | None = None) -> np.ndarray:
         """numpy semantics of resize_nhwc.cu: ``x`` (N,H,W,C) -> (N,Ho,Wo,C) in float32, rounded once."""

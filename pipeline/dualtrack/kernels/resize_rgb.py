@@ -11,7 +11,6 @@ the CPU and the kernel against the reference on a GPU, both with tolerance 0.
 
 from __future__ import annotations
 
-import ctypes
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -84,9 +83,7 @@ class ResizeRgbSpec(KernelSpec):
             "out_h": out_h,
             "orientation": orientation,
         }
-        return [
-            (values[n], ctypes.c_void_p if i < self.POINTERS else ctypes.c_int32) for i, n in enumerate(self.PARAMS)
-        ]
+        return self.typed(values)
 
     def reference(self, x: np.ndarray, *args: Any, **kwargs: Any) -> np.ndarray:
         """``x`` (h, w, 3) uint8 as stored -> ``(out_h, out_w, 3)`` uint8: ``reference(x, out_h, out_w,

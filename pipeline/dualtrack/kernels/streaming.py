@@ -9,7 +9,6 @@ their own geometry but the same ``-D`` block-size convention.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -17,14 +16,15 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dualtrack.errors import InputError
-from dualtrack.kernels.base import INT32_MAX, KernelArg, KernelSpec, LaunchConfig, cdiv, dtype_name, pixels
+from dualtrack.kernels.base import INT32_MAX, KernelSpec, LaunchConfig, cdiv, dtype_name, pixels
 from dualtrack.kernels.epilogue import Activation
 from dualtrack.plan import KernelCall
 
 
 @dataclass(frozen=True)
 class StreamingSpec(KernelSpec):
-    """A kernel of ``block_threads`` threads a block, compiled with ``-D<MACRO>_THREADS``."""
+    """A kernel of ``block_threads`` threads a block, compiled with ``-D<MACRO>_THREADS``; its
+    float parameters are an activation epilogue's (:meth:`epilogue`) unless it says otherwise."""
 
     block_threads: int = 256
     MACRO: ClassVar[str] = ""
@@ -46,20 +46,12 @@ class StreamingSpec(KernelSpec):
             raise InputError(f"{self.op} of {N}x{H}x{W}x{C} needs {blocks} blocks; split the batch")
         return LaunchConfig(grid=(blocks, 1, 1), block=(self.block_threads, 1, 1), shared_bytes=0)
 
-    def typed(self, values: Mapping[str, float]) -> list[KernelArg]:
-        """Values by name -> the ABI's ordered list (:attr:`PARAMS`): pointers as ``c_void_p``,
-        the names in :attr:`FLOATS` as ``c_float``, the rest ``c_int32``."""
-
-        def ctype(i: int, name: str) -> Any:
-            return ctypes.c_void_p if i < self.POINTERS else ctypes.c_float if name in self.FLOATS else ctypes.c_int32
-
-        return [
-            (float(values[n]) if n in self.FLOATS else int(values[n]), ctype(i, n)) for i, n in enumerate(self.PARAMS)
-        ]
-
-    def with_act(self, values: dict[str, int], act: Activation) -> list[KernelArg]:
-        """The ABI's list with the activation epilogue (``act, p0, p1``, the last three params)."""
-        return self.typed({**values, "act": act.code, "p0": act.p0, "p1": act.p1})
+    @staticmethod
+    def epilogue(kw: Mapping[str, Any]) -> dict[str, float]:
+        """The activation epilogue (``act``, an :class:`Activation`; none by default) as the last
+        three parameters: ``act``, ``p0``, ``p1``."""
+        act: Activation = kw.get("act") or Activation()
+        return {"act": act.code, "p0": act.p0, "p1": act.p1}
 
 
 @dataclass(frozen=True)
@@ -77,22 +69,16 @@ class ElementSpec(StreamingSpec):
     F16_LANES: ClassVar[int] = 1  # channels a work item of the fp16 entry's vector path
 
     def launch(
-        self,
-        dtype: Any,
-        N: int,
-        H: int,
-        W: int,
-        C: int,
-        K: int = 0,
-        *shape: Any,
-        ldy: int | None = None,
-        strides: tuple[int, ...] = (),
-        **attrs: Any,
+        self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0, *shape: Any, ldy: int | None = None, **attrs: Any
     ) -> LaunchConfig:
-        """One thread per element of :meth:`output_shape` (input (N, H, W, C), its attributes),
-        written with channel stride ``ldy`` (None: dense), or per vector (:meth:`lanes`) when
-        the output and the input ``strides`` allow it."""
-        n, h, w, c = self.output_shape(N, H, W, C, K, *shape, **attrs)
+        """:meth:`output_launch` of :meth:`output_shape` (input (N, H, W, C), its attributes),
+        written with channel stride ``ldy`` (None: dense)."""
+        return self.output_launch(dtype, self.output_shape(N, H, W, C, K, *shape, **attrs), ldy)
+
+    def output_launch(self, dtype: Any, out: tuple[int, int, int, int], ldy: int | None, *strides: int) -> LaunchConfig:
+        """One thread per element of the output ``out`` written with channel stride ``ldy`` (None:
+        dense), or per vector (:meth:`lanes`) when the output and the input ``strides`` allow it."""
+        n, h, w, c = out
         ld = ldy or c
         return self.element_launch(dtype, n, h, w, c, ld, self.lanes(dtype, c, ld, *strides))
 
@@ -103,8 +89,9 @@ class ElementSpec(StreamingSpec):
 
     def call_launch(self, dtype: Any, kw: Mapping[str, Any]) -> LaunchConfig:
         shape = {name: kw[name] for name in self.SHAPE_ATTRS}
-        strides = tuple(v for k, v in kw.items() if k in ("ldx", "lda", "ldb") and v is not None)
-        return self.launch(dtype, kw["N"], kw["H"], kw["W"], kw["C"], kw["K"], ldy=kw["ldy"], strides=strides, **shape)
+        out = self.output_shape(kw["N"], kw["H"], kw["W"], kw["C"], kw["K"], **shape)
+        strides = (v for k, v in kw.items() if k in ("ldx", "lda", "ldb") and v is not None)
+        return self.output_launch(dtype, out, kw["ldy"], *strides)
 
 
 def onnx_weight_bias(call: KernelCall, weights: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, Union, runtime_checkable
 
 import numpy as np
 
@@ -166,6 +166,39 @@ class BatchQueue(Protocol):
         ...
 
 
+EngineT = TypeVar("EngineT")  # what a queue knows of its engine: an Engine, or a worker's EngineInfo
+
+
+class QueueState(Generic[EngineT]):
+    """The readiness every :class:`BatchQueue` keeps, and its three properties: the phase, why it
+    failed, and the engine once known. The holder sets the fields (from any thread: each is
+    replaced whole; :attr:`_error` before :attr:`_phase`, so a reader that sees FAILED finds why)."""
+
+    _phase: Phase = Phase.LOADING
+    _error: str = ""
+    _engine: EngineT | None = None
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def error(self) -> str:
+        """Why loading, warmup or connecting failed; empty otherwise."""
+        return self._error
+
+    @property
+    def engine(self) -> EngineT | None:
+        """The engine once loaded (a worker's: its specs). A :class:`Batcher`'s specs may be read
+        from any thread; it is called only through the batcher."""
+        return self._engine
+
+    def _not_ready(self) -> NotReadyError:
+        """What ``submit`` raises before the phase is READY."""
+        reason = f": {self._error}" if self._error else ""
+        return NotReadyError(f"engine is {self._phase.value}{reason}")
+
+
 def padded_batch_size(n: int, batch_sizes: tuple[int, ...]) -> int:
     """The smallest compiled batch size that holds ``n`` rows."""
     for size in sorted(batch_sizes):
@@ -174,7 +207,7 @@ def padded_batch_size(n: int, batch_sizes: tuple[int, ...]) -> int:
     raise InputError(f"{n} rows exceed the largest compiled batch size {max(batch_sizes)}")
 
 
-class Batcher:
+class Batcher(QueueState["Engine"]):
     """Owns an engine on one worker thread and runs queued images in micro-batches.
 
     ``on_batch`` (if given) is called on the worker thread after every batch with the batch's
@@ -211,29 +244,12 @@ class Batcher:
         self._spare: list[np.ndarray] = []  # batch arrays not in use
         self._cond = threading.Condition()
         self._closing = False
-        self._phase = Phase.LOADING
-        self._error = ""
-        self._engine: Engine | None = None
         self._thread = threading.Thread(target=self._work, name="dualtrack-batcher", daemon=True)
         self._wanted_decoder = jpeg_decoder
         self.decoder = ("cpu", "the engine is loading")  # (name, reason): which decoder takes JPEGs
         self._jpeg: Any = None  # runtime.gpu_jpeg.GpuJpegDecoder when the decoder is "gpu"
 
     # --- state, read from any thread -------------------------------------------------------------
-
-    @property
-    def phase(self) -> Phase:
-        return self._phase
-
-    @property
-    def error(self) -> str:
-        """Why loading or warmup failed; empty otherwise."""
-        return self._error
-
-    @property
-    def engine(self) -> Engine | None:
-        """The engine once loaded. Read its specs from any thread; call it only through the batcher."""
-        return self._engine
 
     @property
     def depth(self) -> int:
@@ -308,8 +324,7 @@ class Batcher:
     def _ready_engine(self) -> Engine:
         engine = self._engine
         if self._phase is not Phase.READY or engine is None:
-            reason = f": {self._error}" if self._error else ""
-            raise NotReadyError(f"engine is {self._phase.value}{reason}")
+            raise self._not_ready()
         return engine
 
     def _claim_row(self, engine: Engine) -> tuple[_Request, _Batch, int]:

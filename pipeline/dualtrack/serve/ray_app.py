@@ -63,7 +63,7 @@ from ray.serve.handle import DeploymentHandle
 
 from dualtrack import errors
 from dualtrack.errors import BundleError, DeviceError, DualtrackError
-from dualtrack.serve.batcher import Batcher, BatchResult, NotReadyError, Phase, QueueFullError
+from dualtrack.serve.batcher import Batcher, BatchResult, NotReadyError, Phase, QueueFullError, QueueState
 from dualtrack.serve.metrics import ServeMetrics
 from dualtrack.serve.protocol import EngineInfo, Failed, LatencyObserved, Observation, RequestObserved
 from dualtrack.serve.ray_config import APP_NAME, RayAppOptions
@@ -260,7 +260,7 @@ class MetricsReplica:
 # --- the ingress deployment ----------------------------------------------------------------------
 
 
-class ModelClient:
+class ModelClient(QueueState[EngineInfo]):
     """The ingress app's :class:`~dualtrack.serve.batcher.BatchQueue`: requests go to the model deployment.
 
     ``phase`` follows Ray's view of the model deployment (read every :data:`WATCH_S`): ``READY``
@@ -273,9 +273,6 @@ class ModelClient:
     def __init__(self, model: DeploymentHandle, metrics: DeploymentHandle, app_name: str) -> None:
         self._model = model
         self._app_name = app_name
-        self._phase = Phase.LOADING
-        self._error = ""
-        self._info: EngineInfo | None = None
         self._inflight = 0
         self._inflight_lock = threading.Lock()  # changed on image threads and on the event loop
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -283,18 +280,6 @@ class ModelClient:
         self._closing = False
         self.observer = _Observer(metrics)
         self._metrics = metrics
-
-    @property
-    def phase(self) -> Phase:
-        return self._phase
-
-    @property
-    def error(self) -> str:
-        return self._error
-
-    @property
-    def engine(self) -> EngineInfo | None:
-        return self._info
 
     @property
     def depth(self) -> int:
@@ -321,8 +306,7 @@ class ModelClient:
     def submit(self, image: np.ndarray) -> Future[BatchResult]:
         loop = self._loop
         if self._phase is not Phase.READY or loop is None:
-            reason = f": {self._error}" if self._error else ""
-            raise NotReadyError(f"engine is {self._phase.value}{reason}")
+            raise self._not_ready()
         # The image's shape is checked by the replica's batcher (an InputError comes back as Failed).
         with self._inflight_lock:
             self._inflight += 1
@@ -358,13 +342,13 @@ class ModelClient:
         while not self._closing:
             try:
                 running, status, message = await asyncio.to_thread(model_status, self._app_name)
-                if running and self._info is None:
-                    self._info = await self._model.info.remote()
-                if running and self._info is not None:
+                if running and self._engine is None:
+                    self._engine = await self._model.info.remote()
+                if running and self._engine is not None:
                     devices = await self._metrics.placements.remote()
-                    if devices and devices != self._info.devices:
-                        self._info = replace(self._info, devices=devices)
-                if running and self._info is not None:
+                    if devices and devices != self._engine.devices:
+                        self._engine = replace(self._engine, devices=devices)
+                if running and self._engine is not None:
                     self._error, self._phase = "", Phase.READY
                 elif status in ("DEPLOY_FAILED", "UNHEALTHY") and message:
                     self._error, self._phase = failure_reason(status, message), Phase.FAILED

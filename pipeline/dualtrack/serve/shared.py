@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import numpy as np
 
 from dualtrack.errors import ConfigError, DualtrackError, InputError
-from dualtrack.serve.batcher import Batcher, BatchResult, NotReadyError, Phase, QueueFullError
+from dualtrack.serve.batcher import Batcher, BatchResult, NotReadyError, Phase, QueueFullError, QueueState
 from dualtrack.serve.metrics import ServeMetrics
 from dualtrack.serve.options import ServeOptions
 from dualtrack.serve.protocol import (
@@ -456,7 +456,7 @@ def _send_quietly(conn: Connection, msg: EngineMessage | WorkerMessage) -> bool:
 # --- a worker process ----------------------------------------------------------------------------
 
 
-class EngineClient:
+class EngineClient(QueueState[EngineInfo]):
     """A worker's handle on the engine process: a :class:`~dualtrack.serve.batcher.BatchQueue` for the app.
 
     ``start()`` connects (a failure is reported by :attr:`phase`/:attr:`error`, like a failed load);
@@ -466,9 +466,6 @@ class EngineClient:
 
     def __init__(self, address: str, key: bytes) -> None:
         self._address, self._key = address, key
-        self._phase = Phase.LOADING
-        self._error = ""
-        self._info: EngineInfo | None = None
         self._conn: Connection | None = None
         self._slots: SlotFile | None = None
         self._first = 0
@@ -482,19 +479,6 @@ class EngineClient:
         self._stopped = threading.Event()
         self._reader: threading.Thread | None = None
         self._flusher: threading.Thread | None = None
-
-    @property
-    def phase(self) -> Phase:
-        return self._phase
-
-    @property
-    def error(self) -> str:
-        return self._error
-
-    @property
-    def engine(self) -> EngineInfo | None:
-        """The engine's specs once connected (read by the app like ``Batcher.engine``)."""
-        return self._info
 
     @property
     def depth(self) -> int:
@@ -524,7 +508,7 @@ class EngineClient:
         self._conn = conn
         self._first = hello.first_slot
         self._free = list(range(hello.slots))[::-1]  # pop() takes the lowest: the same few stay warm
-        self._info = hello.info
+        self._engine = hello.info
         self._error = hello.error
         self._phase = hello.phase
         self._reader = threading.Thread(target=self._read, name="dualtrack-engine-in", daemon=True)
@@ -556,10 +540,9 @@ class EngineClient:
 
     def submit(self, image: np.ndarray) -> Future[BatchResult]:
         """Queue one ``(H, W, 3)`` uint8 image (copied before this returns), as ``Batcher.submit``."""
-        info = self._info
+        info = self._engine
         if self._phase is not Phase.READY or info is None or self._slots is None:
-            reason = f": {self._error}" if self._error else ""
-            raise NotReadyError(f"engine is {self._phase.value}{reason}")
+            raise self._not_ready()
         expected = tuple(info.input_spec.shape[1:])
         if image.shape != expected or image.dtype != np.uint8:
             raise InputError(f"image is {image.dtype}{list(image.shape)}, the engine takes uint8{list(expected)}")
@@ -654,7 +637,7 @@ class EngineClient:
             self._release_all()
 
     def _finish(self, reply: Done | Failed | Cancelled) -> None:
-        assert self._slots is not None and self._info is not None
+        assert self._slots is not None and self._engine is not None
         with self._lock:
             slot, future = self._pending.pop(reply.rid, (-1, None))
         if future is None:
@@ -663,7 +646,7 @@ class EngineClient:
         outcome: BatchResult | DualtrackError
         match reply:
             case Done():
-                outcome = reply.result(self._slots.array(self._first + slot, self._info.input_spec.shape[1:3]).copy())
+                outcome = reply.result(self._slots.array(self._first + slot, self._engine.input_spec.shape[1:3]).copy())
             case Failed():
                 outcome = reply.error()
             case Cancelled():  # the engine process withdrew it (it was shutting down)
