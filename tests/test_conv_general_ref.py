@@ -214,7 +214,7 @@ def test_variants_follow_the_shape() -> None:
     assert SPEC.variant("float16", 8, 128, 128, 64, 128, g) == "conv_nhwc_f16_wide"
     assert SPEC.variant("float16", 8, 128, 128, 64, 64, g) == "conv_nhwc_f16"
     assert SPEC.variant("float16", 4, 32, 32, 256, 256, g) == "conv_nhwc_f16_small"
-    assert SPEC.variant("float16", 1, 16, 16, 512, 512, g) == "conv_nhwc_f16_deep"  # small: 32 blocks
+    assert SPEC.variant("float16", 1, 16, 16, 512, 512, g) == "conv_nhwc_f16_small"  # deep is off by default
     assert SPEC.variant("float32", 1, 16, 16, 512, 512, g) == "conv_nhwc_f32"
     assert SPEC.variant("float16", 1, 64, 64, 3, 64, g) == "conv_nhwc_f16_gather"  # C % 8 != 0
     assert SPEC.variant("float16", 8, 512, 512, 16, 2, g) == "conv_nhwc_f16_direct"  # a head's classes

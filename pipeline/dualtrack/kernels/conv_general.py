@@ -154,8 +154,10 @@ class ConvGeneralSpec(KernelSpec):
     # it has at least f16_main_min_tiles, else small (conv3x3's thresholds, measured on an H200).
     f16_wide_min_tiles: int = 256
     f16_main_min_tiles: int = 512
-    # ... and the deep tile where small makes fewer blocks than the H200 has SMs.
-    f16_small_min_tiles: int = 132
+    # ... and the deep tile where small makes fewer blocks than this: 0, off. Measured on the H200 at
+    # 132 (an SM each), it was slower than small on ResNet-34's last stages at N=1 (16 launches 412 us
+    # against 19 small ones 375 us, kernel_profile-acc495c / -e75130f): more blocks, same serial k-loop.
+    f16_small_min_tiles: int = 0
 
     def defines(self) -> dict[str, int | str]:
         bm, bn, bk, tm, tn = self.f32
