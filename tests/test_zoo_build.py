@@ -48,10 +48,10 @@ def test_a_zoo_model_builds_unedited_verifies_and_segments(exports: Path, tmp_pa
     checks = json.loads((bundle / "verify.json").read_text())["checks"]
     assert any(c["name"].startswith("frontend b8 logits") and c["passed"] for c in checks)
     assert all(c["passed"] for c in checks)
-    if name == "smp_unet_resnet34":  # the stem's 3x3/2 max-pool on Track A: one Track A segment, not three
-        assert [s["track"] for s in manifest["plan"]["segments"]] == ["B", "A", "B"]
+    if name == "smp_unet_resnet34":  # the stem's 3x3/2 max-pool and the head on Track A: one Track A segment
+        assert [s["track"] for s in manifest["plan"]["segments"]] == ["B", "A"]
         (body,) = [s for s in manifest["plan"]["segments"] if s["track"] == "A"]
-        assert {"maxpool", "concat"} <= {c["op"] for c in body["calls"]}
+        assert {"maxpool", "concat", "seghead"} <= {c["op"] for c in body["calls"]}
 
     image = tmp_path / "photo.png"
     rng = np.random.default_rng(0)
