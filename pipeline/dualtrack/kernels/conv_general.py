@@ -102,6 +102,16 @@ class ConvGeometry:
             raise InputError(f"conv call {call.nodes or call.outputs} has no {'/'.join(missing)} attribute")
         return cls(**{k: int(v) for k, v in got.items() if k in names})
 
+    def window_problem(self, max_kernel: int, kernel: str) -> str | None:
+        """Why ``kernel`` (taking windows up to ``max_kernel`` a side) cannot take this window, or None."""
+        if not (1 <= self.R <= max_kernel and 1 <= self.S <= max_kernel):
+            return f"kernel {self.R}x{self.S}: {kernel} takes 1..{max_kernel} a side"
+        if min(self.stride_h, self.stride_w, self.dil_h, self.dil_w) < 1:
+            return f"strides {self.stride_h},{self.stride_w} dilations {self.dil_h},{self.dil_w}: each must be >= 1"
+        if min(self.pad_top, self.pad_left, self.pad_bottom, self.pad_right) < 0:
+            return "negative padding (a crop)"
+        return None
+
     def label(self) -> str:
         pads = (self.pad_top, self.pad_left, self.pad_bottom, self.pad_right)
         return (
@@ -214,12 +224,9 @@ class ConvGeneralSpec(KernelSpec):
         if groups != 1:
             return f"group={groups}: the general conv takes group 1 (no grouped or depthwise convolution)"
         g = geom
-        if not (1 <= g.R <= MAX_KERNEL and 1 <= g.S <= MAX_KERNEL):
-            return f"kernel {g.R}x{g.S}: the general conv takes 1..{MAX_KERNEL} a side"
-        if min(g.stride_h, g.stride_w, g.dil_h, g.dil_w) < 1:
-            return f"strides {g.stride_h},{g.stride_w} dilations {g.dil_h},{g.dil_w}: each must be >= 1"
-        if min(g.pad_top, g.pad_left, g.pad_bottom, g.pad_right) < 0:
-            return "negative padding (a crop)"
+        why = g.window_problem(MAX_KERNEL, "the general conv")
+        if why:
+            return why
         if min(H, W, C, K) < 1:
             return f"input {H}x{W}x{C} -> {K} channels: every size must be >= 1"
         P, Q = g.output_hw(H, W)

@@ -142,12 +142,9 @@ class MaxPoolSpec(StreamingSpec):
         except InputError as exc:
             return str(exc)
         g = geom
-        if not (1 <= g.R <= MAX_KERNEL and 1 <= g.S <= MAX_KERNEL):
-            return f"kernel {g.R}x{g.S}: the max-pool takes 1..{MAX_KERNEL} a side"
-        if min(g.stride_h, g.stride_w, g.dil_h, g.dil_w) < 1:
-            return f"strides {g.stride_h},{g.stride_w} dilations {g.dil_h},{g.dil_w}: each must be >= 1"
-        if min(g.pad_top, g.pad_left, g.pad_bottom, g.pad_right) < 0:
-            return "negative padding (a crop)"
+        why = g.window_problem(MAX_KERNEL, "the max-pool")
+        if why:
+            return why
         if g.ceil_mode not in (0, 1):
             return f"ceil_mode {g.ceil_mode}"
         if min(H, W, C) < 1:
