@@ -7,7 +7,13 @@
 # (bench/ray_install.sh, then the Ray Serve application under the load test).
 # Everything worth keeping lands in $OUT.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# The lent machine's /tmp survives between calls while it stays warm (not the repository's copy):
+# a call without wheels in .whl/ reuses what an earlier call installed into /tmp/site, and a call
+# without .carry/ the one an earlier call kept in /tmp/keep (the `keep` step).
+if compgen -G ".whl/*.whl" >/dev/null || [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+[ -e .carry ] || [ -e .carry.tar.xz ] || [ ! -d /tmp/keep/.carry ] || ln -s /tmp/keep/.carry .carry
 export PYTHONPATH=/tmp/site:$PWD/pipeline PYTHONUNBUFFERED=1 DUALTRACK_CACHE_DIR=/tmp/dtcache
 # compute-sanitizer (tests/gpu/test_replay_gpu.py runs the replay under memcheck) is in the image's toolkit.
 export PATH=$PATH:/usr/local/cuda/bin
@@ -27,6 +33,23 @@ steps=${*:-test check serve bench}
 for step in $steps; do
   echo "=== $step"
   case $step in
+    keep)
+      # Not in the default steps. Keeps .carry/ in /tmp/keep for the next calls, and every carried
+      # part .parts*/NAME.partN (a file too big for one call's carry, `split` here) in /tmp/keep/parts;
+      # once all parts of NAME are there (NAME.count says how many), NAME (a tar) is unpacked into .carry/.
+      mkdir -p /tmp/keep/parts
+      [ -d .carry ] && [ ! -L .carry ] && { rm -rf /tmp/keep/.carry; cp -r .carry /tmp/keep/.carry; }
+      for f in .parts*/*; do [ -f "$f" ] && cp "$f" /tmp/keep/parts/; done
+      for count in /tmp/keep/parts/*.count; do
+        [ -f "$count" ] || continue
+        name=${count%.count}; n=$(cat "$count")
+        have=$(ls "$name".part* 2>/dev/null | wc -l)
+        echo "parts of $(basename "$name"): $have of $n"
+        if [ "$have" = "$n" ]; then
+          cat "$name".part* | tar -x -C /tmp/keep/.carry && rm -f "$name".part* "$count"
+        fi
+      done
+      ls /tmp/keep/.carry /tmp/keep/.carry/zoo 2>/dev/null ;;
     test)
       # tiny_tuned (tests/conftest.py build_tiny_tuned): the tiny fp16 U-Net built with a tuning file;
       # tiny_wgmma (build_tiny_wgmma): a base-32 fp16 U-Net whose convs the sm_90a wgmma kernel takes.
@@ -85,6 +108,11 @@ for step in $steps; do
       zb=$(for b in "$C"/zoo/*; do [ -f "$b/manifest.json" ] && echo "--bundle $b"; done)
       [ -n "$zb" ] && python3 bench/zoo_bench.py $zb --batches 1 8 --iters "${BENCH_ITERS:-50}" \
         --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT" 2>&1 | tee "$OUT/zoo_bench.log" ;;
+    profile)
+      # Not in the default steps: every kernel of Engine.run by name, from CUPTI (bench/kernel_profile.py),
+      # for the reference bundle and each carried zoo bundle: kernel_profile-<commit>.json.
+      kp=$(for b in "$C"/unet "$C"/zoo/*; do [ -f "$b/manifest.json" ] && echo "--bundle $b"; done)
+      python3 bench/kernel_profile.py $kp --batches 1 8 --out "$OUT" 2>&1 | tee "$OUT/kernel_profile.log" ;;
     api)
       # Where Engine.run's host time goes on a GPU tensor, against run_batch (bench/api_profile.py).
       python3 bench/api_profile.py --bundle $C/unet --batches 1 8 --iters 200 --out "$OUT" 2>&1 | tee "$OUT/api_profile.log" ;;

@@ -1,8 +1,12 @@
-// 3x3 convolution, stride 1, padding 1, NHWC fp16, fused bias + ReLU, for Hopper (sm_90a):
-// TMA (cp.async.bulk.tensor) loads into a multi-stage mbarrier pipeline, wgmma.mma_async with
-// both operands in shared memory, fp32 accumulators in registers.
+// 3x3 convolution, stride 1, padding 1, NHWC fp16, fused bias, residual and ReLU, for Hopper
+// (sm_90a): TMA (cp.async.bulk.tensor) loads into a multi-stage mbarrier pipeline, wgmma.mma_async
+// with both operands in shared memory, fp32 accumulators in registers.
 //
-//   y[n,h,w,k] = act(bias[k] + sum_{r,s,c} x[n,h+r-1,w+s-1,c] * w[k,r,s,c])
+//   y[n,h,w,k] = act(bias[k] + res[n,h,w,k] + sum_{r,s,c} x[n,h+r-1,w+s-1,c] * w[k,r,s,c])
+//
+// `res` (null: none) is ResNet's residual Add: an NHWC tensor of the output's shape with its own
+// channel stride ldr (even, 4-byte aligned: the epilogue reads channel pairs), added in fp32
+// before the activation, so bias, residual and ReLU cost one rounding, as in conv_nhwc.cu.
 //
 // Implicit GEMM: M = output pixels, N_gemm = K output channels, K_gemm = 9*C, walked tap-major
 // (for each tap (r,s), the C input channels in BK-wide blocks: 9 * ceil(C/BK) k-blocks).
@@ -56,7 +60,8 @@
 // stores, so no fence.proxy.async is needed in the main loop.
 //
 // Epilogue. After wait_group 0 and a barrier over all consumer threads (no wgmma still
-// reads the pipeline's shared memory), each warpgroup adds the bias, applies ReLU, rounds to
+// reads the pipeline's shared memory), each warpgroup adds the bias and the residual (each
+// thread reads the channel pairs of its own accumulators), applies ReLU, rounds to
 // fp16 and stages its 64*MT x BN tile in shared memory (rows padded by 16 bytes: conflict-free),
 // then writes whole 16-byte chunks of consecutive channels to y at pixel*ldy + channel, so y
 // may be a channel slice of a wider (concat) buffer. Pixels outside the image and channels
@@ -269,6 +274,22 @@ WG_MMA(32, 64, "%32", "%33", "%34", WG_REGS_32, WG_D32(0))
 WG_MMA(64, 128, "%64", "%65", "%66", WG_REGS_64, WG_D64(0))
 WG_MMA(128, 256, "%128", "%129", "%130", WG_REGS_128, WG_D128(0))
 
+// Split-K's partial sums: stored and read at L2 (not L1, which another SM's stores do not update).
+__device__ __forceinline__ void st_cg(float* p, float v) {
+    asm volatile("st.global.cg.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+}
+__device__ __forceinline__ float ld_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ float f16_bits_to_f32(f16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
 __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
     u32 r;
     // cvt.rn.f16x2.f32 d, a, b puts a in the upper half and b in the lower half.
@@ -312,7 +333,8 @@ struct Cfg {
     static_assert(MT == 1 || MT == 2, "one or two m64 blocks per warpgroup");
     static_assert(WGS == 1 || WGS == 2, "one or two consumer warpgroups");
     static_assert(A_BYTES % ALIGN == 0 && B_BYTES % ALIGN == 0, "tiles must stay 1024-byte aligned");
-    static_assert(BM * EPI_PITCH * 2 <= STAGES * STAGE_BYTES, "epilogue staging reuses the pipeline");
+    static_assert(BM * EPI_PITCH * 2 + 16 <= STAGES * STAGE_BYTES,
+                  "epilogue staging (and split-K's flag after it) reuses the pipeline");
     static_assert(STAGES >= 2, "pipeline needs two stages or more");
     static_assert(HALO_TW == 0 || HALO_TW == 8 || HALO_TW == 16 || HALO_TW == 32,
                   "a tap's row shift (TW rows) must keep the 8-row core groups on the swizzle repeat");
@@ -321,7 +343,8 @@ struct Cfg {
 
 template <class CF>
 __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw, const float* __restrict__ bias,
-                                     f16* __restrict__ y, int N, int H, int W, int C, int K, int ldy, int relu,
+                                     const f16* __restrict__ res, f16* __restrict__ y, int N, int H, int W, int C,
+                                     int K, int ldy, int ldr, int relu, float* __restrict__ ws,
                                      int tw_log2, int* status, unsigned char* dsmem, u64* bars) {
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
@@ -350,7 +373,11 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
     const u32 full0 = smem_u32(bars);                  // full[s]  at full0 + 8*s
     const u32 empty0 = full0 + 8 * CF::STAGES;         // empty[s] at empty0 + 8*s
     const int cblocks = (C + CF::BK - 1) / CF::BK;
-    const int num_kb = (9 / CF::TAPS) * cblocks;  // pipeline stages filled per CTA
+    const int num_kb = (9 / CF::TAPS) * cblocks;  // k-blocks of the whole reduction
+    // Split-K: split blockIdx.y of gridDim.y takes k-blocks [kb0, kb1) (the host leaves none empty).
+    const int per_split = (num_kb + static_cast<int>(gridDim.y) - 1) / static_cast<int>(gridDim.y);
+    const int kb0 = static_cast<int>(blockIdx.y) * per_split;
+    const int kb1 = min(num_kb, kb0 + per_split);
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < CF::STAGES; ++s) {
@@ -373,12 +400,13 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
         // about 100 ns and this one thread's issue rate is on the critical path.
         //   per-tap boxes:  outer = tap (r, s), inner = channel block (tap-major k-blocks);
         //   column copies:  outer = channel block, inner = column shift s (taps (0..2, s)).
-        const int outer_n = CF::HALO_TW ? cblocks : 9;
+        // A split (split-K) starts inside them: one division per CTA, then counters.
         const int inner_n = CF::HALO_TW ? 3 : cblocks;
-        int kb = 0;
-        for (int o = 0; o < outer_n; ++o) {
-            const int r = o / 3;  // per-tap boxes only
-            for (int i = 0; i < inner_n; ++i, ++kb) {
+        int o = kb0 / inner_n;
+        int i = kb0 - o * inner_n;
+        int r = o / 3, s = o - 3 * (o / 3);  // per-tap boxes only: tap (r, s) = outer index o
+        for (int kb = kb0; kb < kb1; ++kb) {
+            {
                 const u32 empty = empty0 + 8 * stage;
                 const u32 full = full0 + 8 * stage;
                 if (!mbar_wait(empty, phase ^ 1u, status, WAIT_EMPTY, kb, stage)) return;
@@ -393,7 +421,6 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
                     for (int rr = 0; rr < 3; ++rr)
                         tma_load_2d(a_dst + CF::A_BYTES + rr * CF::B_BYTES, tmw, full, (3 * rr + i) * C + c0, n0);
                 } else {
-                    const int s = o - 3 * r;
                     const int c0 = i * CF::BK;
                     tma_load_4d(a_dst, tmx, full, c0, w0 + s - 1, h0 + r - 1, img);
                     tma_load_2d(a_dst + CF::A_BYTES, tmw, full, o * C + c0, n0);
@@ -401,6 +428,14 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
                 if (++stage == CF::STAGES) {
                     stage = 0;
                     phase ^= 1u;
+                }
+            }
+            if (++i == inner_n) {
+                i = 0;
+                ++o;
+                if (++s == 3) {
+                    s = 0;
+                    ++r;
                 }
             }
         }
@@ -423,7 +458,7 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
     bool ok = true;
     int stage = 0, prev = 0;
     u32 phase = 0;
-    for (int kb = 0; kb < num_kb; ++kb) {
+    for (int kb = kb0; kb < kb1; ++kb) {
         if (!mbar_wait(full0 + 8 * stage, phase, status, WAIT_FULL, kb, stage)) {
             ok = false;
             break;
@@ -452,7 +487,7 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
 #pragma unroll
         for (int mt = 0; mt < CF::MT; ++mt) fence_regs(acc[mt]);
         wgmma_wait<1>();  // k-block kb-1 has retired: its stage may be refilled
-        if (kb > 0 && lane == 0) mbar_arrive(empty0 + 8 * prev);
+        if (kb > kb0 && lane == 0) mbar_arrive(empty0 + 8 * prev);
         prev = stage;
         if (++stage == CF::STAGES) {
             stage = 0;
@@ -467,27 +502,83 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
     named_barrier<1, 32 * CF::CONSUMER_WARPS>();
     if (!ok) return;
 
-    // ---- epilogue: bias + ReLU, fp16, staged per warpgroup, 16-byte stores ----
+    if (gridDim.y > 1) {
+        // ---- split-K: every split stores its fp32 partial sums in ws; the last split of the
+        // tile to arrive (a counter per tile, after the partials) adds them all up, in split
+        // order (the same sum whichever arrives last), resets the counter and runs the epilogue.
+        constexpr int CT = 32 * CF::CONSUMER_WARPS;  // consumer threads: the partial's stride
+        constexpr int PER_CTA = CF::MT * CF::NREG * CT;
+        const long long tile = blockIdx.x;
+        int* counter = reinterpret_cast<int*>(ws + static_cast<long long>(gridDim.x) * gridDim.y * PER_CTA) + tile;
+        float* mine = ws + (tile * gridDim.y + blockIdx.y) * PER_CTA + threadIdx.x;
+#pragma unroll
+        for (int mt = 0; mt < CF::MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < CF::NREG; ++i) st_cg(mine + (mt * CF::NREG + i) * CT, acc[mt][i]);
+        __threadfence();
+        named_barrier<1, CT>();
+        // The flag lives past the epilogue's staging rows (static_assert in Cfg).
+        volatile int* last = reinterpret_cast<volatile int*>(dsmem + (base - raw) + CF::STAGES * CF::STAGE_BYTES - 16);
+        if (threadIdx.x == 0) {
+            const int arrived = atomicAdd(counter, 1);
+            *last = arrived == static_cast<int>(gridDim.y) - 1;
+            if (arrived == static_cast<int>(gridDim.y) - 1) *counter = 0;  // every split has arrived
+        }
+        named_barrier<1, CT>();
+        if (!*last) return;
+        __threadfence();
+        const float* all = ws + tile * gridDim.y * PER_CTA + threadIdx.x;
+#pragma unroll
+        for (int mt = 0; mt < CF::MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < CF::NREG; ++i) acc[mt][i] = 0.f;
+        for (int sp = 0; sp < static_cast<int>(gridDim.y); ++sp) {
+#pragma unroll
+            for (int mt = 0; mt < CF::MT; ++mt)
+#pragma unroll
+                for (int i = 0; i < CF::NREG; ++i) acc[mt][i] += ld_cg(all + sp * PER_CTA + (mt * CF::NREG + i) * CT);
+        }
+        named_barrier<1, CT>();  // every thread has read the flag before the staging rows are written
+    }
+
+    // ---- epilogue: bias + residual + ReLU, fp16, staged per warpgroup, 16-byte stores ----
     const int wl = warp & 3;  // warp within the warpgroup: accumulator rows 16*wl .. +15
     f16* tile = reinterpret_cast<f16*>(dsmem + (base - raw)) + g * (CF::MT * 64 * CF::EPI_PITCH);
+    // Row by row of the accumulators this thread holds (mt, half), so that only one residual row
+    // pointer is live at a time (a pointer per row spilled the 256x64 tiles); the bias comes from L1.
 #pragma unroll
-    for (int j = 0; j < CF::BN / 8; ++j) {
-        const int col = 8 * j + 2 * (lane & 3);
-        const int k = n0 + col;
-        const float b0 = (bias != nullptr && k < K) ? bias[k] : 0.f;
-        const float b1 = (bias != nullptr && k + 1 < K) ? bias[k + 1] : 0.f;
+    for (int mt = 0; mt < CF::MT; ++mt) {
 #pragma unroll
-        for (int mt = 0; mt < CF::MT; ++mt) {
-            const int row = mt * 64 + 16 * wl + (lane >> 2);
+        for (int half = 0; half < 2; ++half) {
+            const int row = mt * 64 + 16 * wl + (lane >> 2) + 8 * half;  // in the warpgroup's rows
+            const int p = g * CF::MT * 64 + row;                           // tile pixel
+            const int h = h0 + (p >> tw_log2);
+            const int w = w0 + (p & (TW - 1));
+            // The residual's pixel (null: no residual, or a pixel outside the image).
+            const f16* r =
+                (res != nullptr && h < H && w < W) ? res + ((static_cast<long long>(img) * H + h) * W + w) * ldr : nullptr;
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                float v0 = acc[mt][4 * j + 2 * half] + b0;
-                float v1 = acc[mt][4 * j + 2 * half + 1] + b1;
+            for (int j = 0; j < CF::BN / 8; ++j) {
+                const int col = 8 * j + 2 * (lane & 3);
+                const int k = n0 + col;
+                float v0 = acc[mt][4 * j + 2 * half];
+                float v1 = acc[mt][4 * j + 2 * half + 1];
+                if (bias != nullptr && k < K) v0 += bias[k];
+                if (bias != nullptr && k + 1 < K) v1 += bias[k + 1];
+                if (r != nullptr && k < K) {
+                    if (k + 1 < K) {  // k is even and ldr even: one aligned 4-byte read
+                        const u32 pair = *reinterpret_cast<const u32*>(r + k);
+                        v0 += f16_bits_to_f32(static_cast<f16>(pair & 0xffffu));
+                        v1 += f16_bits_to_f32(static_cast<f16>(pair >> 16));
+                    } else {
+                        v0 += f16_bits_to_f32(r[k]);
+                    }
+                }
                 if (relu) {
                     v0 = fmaxf(v0, 0.f);
                     v1 = fmaxf(v1, 0.f);
                 }
-                *reinterpret_cast<u32*>(tile + (row + 8 * half) * CF::EPI_PITCH + col) = pack_f16x2(v0, v1);
+                *reinterpret_cast<u32*>(tile + row * CF::EPI_PITCH + col) = pack_f16x2(v0, v1);
             }
         }
     }
@@ -519,8 +610,12 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
 }  // namespace wg
 
 // One entry per configuration. Parameters (cuLaunchKernel order): tensor map of x, tensor map of
-// w, bias (fp32, may be null), y, N, H, W, C, K, ldy, relu, tw_log2, status (int[8] or null).
-// Grid: (N * ceil(H/TH) * ceil(W/TW) * ceil(K/BN), 1, 1); block: 32*(4*WGS+1); dynamic shared
+// w, bias (fp32, may be null), res (fp16, may be null), y, N, H, W, C, K, ldy, ldr, relu, tw_log2,
+// ws (fp32 split-K workspace, null unless gridDim.y > 1), status (int[8] or null).
+// Split-K: gridDim.y = splits (each of the ceil(k-blocks / splits) k-blocks, none empty); ws holds
+// tiles * splits * BM * BN floats, then tiles int counters, zero before the first launch (the
+// last split of a tile resets its counter); launches that share ws must not overlap.
+// Grid: (N * ceil(H/TH) * ceil(W/TW) * ceil(K/BN), splits, 1); block: 32*(4*WGS+1); dynamic shared
 // memory: STAGES * STAGE_BYTES + 1024 bytes, STAGE_BYTES = (BM + BN) * BK * 2, or for a column-copy
 // entry (name suffix _h<TW>; tw_log2 must be log2(TW)) (BM + 2*TW + 3*BN) * BK * 2.
 #define CONV_WGMMA_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS) CONV_WGMMA_KERNEL(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, 0, )
@@ -530,12 +625,12 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
     extern "C" __global__ void __launch_bounds__(32 * (4 * (WGS) + 1), MIN_BLOCKS)                          \
         conv3x3_wgmma_bn##BN##_mt##MT##_wg##WGS##_bk##BK##SUFFIX(                                           \
             const __grid_constant__ TensorMap tmx, const __grid_constant__ TensorMap tmw,                    \
-            const float* __restrict__ bias, f16* __restrict__ y, int N, int H, int W, int C, int K, int ldy, \
-            int relu, int tw_log2, int* status) {                                                           \
+            const float* __restrict__ bias, const f16* __restrict__ res, f16* __restrict__ y, int N, int H,   \
+            int W, int C, int K, int ldy, int ldr, int relu, int tw_log2, float* ws, int* status) {         \
         extern __shared__ __align__(1024) unsigned char dsmem[];                                            \
         __shared__ u64 bars[2 * (STAGES)];                                                                  \
-        wg::conv<wg::Cfg<BN, MT, WGS, BK, STAGES, HALO_TW>>(&tmx, &tmw, bias, y, N, H, W, C, K, ldy, relu, tw_log2,  \
-                                              status, dsmem, bars);                                         \
+        wg::conv<wg::Cfg<BN, MT, WGS, BK, STAGES, HALO_TW>>(&tmx, &tmw, bias, res, y, N, H, W, C, K, ldy, ldr, relu,  \
+                                                            ws, tw_log2, status, dsmem, bars);              \
     }
 
 CONV_WGMMA_ENTRIES

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import onnxruntime as ort
@@ -274,8 +275,9 @@ def test_args_follow_the_abi() -> None:
 
 def test_prepare_reads_the_call_and_its_tensors() -> None:
     """A plan call on device tensors (channel slices keep their strides): variant()'s entry, its
-    launch and args() of the call's geometry, activation, weights and residual."""
+    launch and args() of the call's geometry, activation, weights and residual (no Hopper kernel)."""
     f16 = np.dtype("float16")
+    ctx = SimpleNamespace(wgmma_off="not an sm_90a device")
     g = GEOMS["3x3/2 pad 1"]
     silu = ACTIVATIONS["silu"]
     call = KernelCall("conv", ("x", "r"), ("y",), ("w", "b"), (*g.attrs(), ("act", silu), ("residual", 1)), ("c",))
@@ -283,7 +285,7 @@ def test_prepare_reads_the_call_and_its_tensors() -> None:
     x = GpuTensor(0x1000, (2, 9, 10, 24), f16, ld=40)
     res, y = GpuTensor(0x2000, (2, P, Q, 48), f16, ld=96), GpuTensor(0x3000, (2, P, Q, 48), f16, ld=64)
     w, b = GpuTensor(0x4000, (48, 3, 3, 24), f16), GpuTensor(0x5000, (48,), np.dtype("float32"))
-    got = SPEC.prepare_inputs(call, [x, res], y, [w, b], ctx=None)
+    got = SPEC.prepare_inputs(call, [x, res], y, [w, b], ctx=ctx)
     entry = SPEC.variant(f16, 2, 9, 10, 24, 48, g)
     assert (got.entry, got.config) == (entry, SPEC.launch(f16, 2, 9, 10, 24, 48, geom=g, entry=entry))
     assert got.args == SPEC.args(
@@ -291,12 +293,12 @@ def test_prepare_reads_the_call_and_its_tensors() -> None:
         ldx=40, ldy=64, ldr=96, act=silu,
     )  # fmt: skip
     with pytest.raises(InputError, match="has a residual input: prepare it with prepare_inputs"):
-        SPEC.prepare(call, x, y, [w, b], ctx=None)
+        SPEC.prepare(call, x, y, [w, b], ctx=ctx)
     with pytest.raises(InputError, match="residual has shape"):
-        SPEC.prepare_inputs(call, [x, GpuTensor(0x2000, (2, P, Q + 1, 48), f16)], y, [w, b], ctx=None)
+        SPEC.prepare_inputs(call, [x, GpuTensor(0x2000, (2, P, Q + 1, 48), f16)], y, [w, b], ctx=ctx)
 
     plain = KernelCall("conv", ("x",), ("y",), ("w",), g.attrs(), ("c",))
-    no_res = SPEC.prepare(plain, x, y, [w], ctx=None)
+    no_res = SPEC.prepare(plain, x, y, [w], ctx=ctx)
     assert no_res.args == SPEC.args(x=0x1000, w=0x4000, y=0x3000, N=2, H=9, W=10, C=24, K=48, geom=g, ldx=40, ldy=64)
 
 

@@ -53,6 +53,10 @@ class Context:
     def tensor_map(self, m: TiledMap) -> EncodedMap:
         return EncodedMap(m)
 
+    def workspace(self, nbytes: int) -> int:
+        self.workspace_bytes = nbytes
+        return 0x9000
+
 
 def T(ptr: int, shape: tuple[int, ...], dtype: np.dtype = f16, ld: int = 0) -> GpuTensor:
     return GpuTensor(ptr, shape, dtype, ld=ld)
@@ -76,6 +80,7 @@ def prepared(p: PreparedCall) -> tuple[Any, ...]:
 
 K = KERNELS
 G = ConvGeometry(3, 3, stride_h=2, stride_w=2, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1)
+G1 = ConvGeometry(3, 3, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1)
 G2 = ConvGeometry(5, 3, dil_h=2, pad_top=4, pad_bottom=4, pad_left=1, pad_right=1)
 DW = (("R", 5), ("stride", 2), ("dilation", 1), ("pad_t", 2), ("pad_l", 1), ("pad_b", 2), ("pad_r", 2))
 DW_DILATED = (("R", 3), ("stride", 1), ("dilation", 2), ("pad_t", 2), ("pad_l", 2), ("pad_b", 2), ("pad_r", 2))
@@ -128,6 +133,20 @@ CASES: dict[str, Callable[[], PreparedCall]] = {
         KernelCall("conv", ("x", "r"), ("y",), ("w", "b"), (*G.attrs(), ("act", ACTIVATIONS["silu"]), ("residual", 1))),
         [T(0x1000, (2, 9, 10, 24), ld=40), T(0x2000, (2, P, Q, 48), ld=96)], T(0x3000, (2, P, Q, 48), ld=64),
         [T(0x4000, (48, 3, 3, 24)), T(0x5000, (48,), f32)], Context("off"),
+    ),
+    "conv residual hopper": lambda: K["conv"].prepare_inputs(
+        KernelCall(
+            "conv", ("x", "r"), ("y",), ("w", "b"), (*G1.attrs(), ("act", ACTIVATIONS["relu"]), ("residual", 1))
+        ),
+        [T(0x1000, (2, 16, 16, 64)), T(0x2000, (2, 16, 16, 128), ld=136)], T(0x3000, (2, 16, 16, 128)),
+        [T(0x4000, (128, 3, 3, 64)), T(0x5000, (128,), f32)], Context(None),
+    ),
+    "conv residual hopper split-k": lambda: K["conv"].prepare_inputs(
+        KernelCall(
+            "conv", ("x", "r"), ("y",), ("w", "b"), (*G1.attrs(), ("act", ACTIVATIONS["relu"]), ("residual", 1))
+        ),
+        [T(0x1000, (1, 16, 16, 512)), T(0x2000, (1, 16, 16, 512))], T(0x3000, (1, 16, 16, 512)),
+        [T(0x4000, (512, 3, 3, 512)), T(0x5000, (512,), f32)], Context(None),
     ),
     "conv f32 plain": lambda: K["conv"].prepare(
         KernelCall("conv", ("x",), ("y",), ("w",), (*G2.attrs(), ("act", 2))), T(0x1000, (1, 12, 11, 5), f32),
@@ -215,6 +234,7 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
             (4096, (64, 64, 64, 2), (64, 16, 10, 1)),
             (12288, (576, 128), (64, 64)),
             16384,
+            0,  # no residual (added with the general conv's Hopper path)
             8192,
             2,
             64,
@@ -222,11 +242,39 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
             64,
             128,
             192,
+            0,
             1,
             4,
             0,
+            0,
         ],
-        "MMPPIIIIIIIIP",
+        "MMPPPIIIIIIIIIPP",
+    ),
+    # Added with the general conv's Hopper path: ResNet's conv2 + residual + ReLU on the wgmma kernel.
+    "conv residual hopper": (
+        "conv3x3_wgmma_bn64_mt1_wg1_bk64",
+        (16, 1, 1),  # 2 images x 4 tiles of 8x8 pixels x 2 of 64 channels
+        (160, 1, 1),
+        66560,  # 4 stages of (64 + 64) rows of 128 bytes, + 1024 for the alignment
+        [
+            (4096, (64, 16, 16, 2), (64, 16, 4, 1)),
+            (16384, (576, 128), (64, 64)),
+            20480,
+            8192,
+            12288,
+            2,
+            16,
+            16,
+            64,
+            128,
+            128,
+            136,
+            1,
+            4,
+            0,
+            0,
+        ],
+        "MMPPPIIIIIIIIIPP",
     ),
     "maxpool2x2": ("maxpool2x2_nhwc_f16", (1, 1, 1), (256, 1, 1), 0, [4096, 8192, 2, 9, 8, 40, 72, 48], "PPIIIIII"),
     "maxpool": (
@@ -268,6 +316,33 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
         0,
         [4096, 16384, 20480, 8192, 12288, 2, 9, 10, 24, 48, 5, 5, 3, 3, 2, 2, 1, 1, 1, 1, 40, 64, 96, 6],
         "PPPPPIIIIIIIIIIIIIIIIIII",
+    ),
+    # ResNet-34's last stage at N=1: 32 tiles of 64x64, so the reduction (72 k-blocks) splits four ways
+    # (grid.y); ws: the context's workspace of 32 * 4 * 64 * 64 floats and 32 counters.
+    "conv residual hopper split-k": (
+        "conv3x3_wgmma_bn64_mt1_wg1_bk64",
+        (32, 4, 1),
+        (160, 1, 1),
+        66560,
+        [
+            (4096, (512, 16, 16, 1), (64, 16, 4, 1)),
+            (16384, (4608, 512), (64, 64)),
+            20480,
+            8192,
+            12288,
+            1,
+            16,
+            16,
+            512,
+            512,
+            512,
+            512,
+            1,
+            4,
+            0x9000,
+            0,
+        ],
+        "MMPPPIIIIIIIIIPP",
     ),
     "conv f32 plain": (
         "conv_nhwc_f32",

@@ -212,6 +212,37 @@ def test_choose_on_shapes_outside_the_unet() -> None:
     assert WG.choose(8, 256, 256, 128, 64).entry == "conv3x3_wgmma_bn64_mt2_wg2_bk64_h16"
 
 
+def test_split_k_fills_the_gpu_where_the_tiles_do_not() -> None:
+    """Launches of fewer than min_ctas CTAs split their reduction (at most max_splits ways, each
+    split at least min_split_kb k-blocks, none empty); the grid's y is the split and the workspace
+    holds a partial tile per (tile, split) and a counter per tile."""
+    cases = {  # (N, H, W, C, K) -> splits, on ResNet-34's stages and the U-Net's
+        (1, 16, 16, 512, 512): 4,  # 32 CTAs of 64x64, 72 k-blocks
+        (1, 32, 32, 256, 256): 2,  # 64 CTAs
+        (8, 16, 16, 512, 512): 1,  # enough CTAs
+        (1, 16, 16, 64, 64): 1,  # 9 k-blocks: too short to split
+        (1, 512, 512, 32, 32): 1,
+    }
+    for (n, h, w, c, k), want in cases.items():
+        cfg = WG.choose(n, h, w, c, k)
+        splits = WG.splits(cfg, n, h, w, c, k)
+        assert splits == want, ((n, h, w, c, k), cfg.entry, splits)
+        kb = cfg.k_blocks(c)
+        assert (splits - 1) * -(-kb // splits) < kb  # no empty split
+        launch = WG.launch("float16", n, h, w, c, k, entry=cfg.entry, splits=splits)
+        assert launch.grid == (cfg.ctas(n, h, w, k), splits, 1)
+        ws = WG.workspace_bytes(cfg, n, h, w, k, splits)
+        assert ws == (0 if splits == 1 else cfg.ctas(n, h, w, k) * (splits * cfg.bm * cfg.bn * 4 + 4))
+        choice = kernels.choose_conv3x3(ConvProblem.dense(n, h, w, c, k), wgmma_off=None)
+        assert (choice.impl, choice.entry, choice.splits) == ("wgmma", cfg.entry, splits)
+        assert ("split-K" in choice.reason) == (splits > 1) and choice.to_json().get("splits", 1) == splits
+    cfg = WG.config("conv3x3_wgmma_bn64_mt1_wg1_bk64")
+    with pytest.raises(InputError, match="leave one empty"):
+        WG.launch("float16", 1, 16, 16, 64, 64, entry=cfg.entry, splits=6)  # 9 k-blocks: 5 splits of 2 fit, 6 do not
+    with pytest.raises(InputError, match="splits=0"):
+        WG.launch("float16", 1, 16, 16, 64, 64, entry=cfg.entry, splits=0)
+
+
 def test_choose_conv3x3_decides_between_the_kernels() -> None:
     p = ConvProblem.dense(1, 64, 64, 64, 128)
     on = choose_conv3x3(p, wgmma_off=None, tuned="conv3x3_nhwc_f16_t64x32x32_w2x2_s4_b4", x=X, w=W_, y=Y)
@@ -306,15 +337,16 @@ def test_kernel_args_pass_the_tensor_maps_by_value() -> None:
     p = ConvProblem(2, 9, 13, 64, 200, ldx=64, ldy=208)
     args = WG.args(p, tmx=tmx, tmw=tmw, bias=0x7F00, y=Y, relu=True, entry=entry)
     values, types = zip(*args, strict=True)
-    assert types == (None, None, ctypes.c_void_p, ctypes.c_void_p, *(ctypes.c_int32,) * 8, ctypes.c_void_p)
-    assert values[2:] == (0x7F00, Y, 2, 9, 13, 64, 200, 208, 1, 4, 0)  # tw_log2: 16 columns for W=13; status null
+    assert types == (None, None, *(ctypes.c_void_p,) * 3, *(ctypes.c_int32,) * 9, ctypes.c_void_p, ctypes.c_void_p)
+    # no residual (null, ldr 0); tw_log2: 16 columns for W=13; no split-K workspace; status null
+    assert values[2:] == (0x7F00, 0, Y, 2, 9, 13, 64, 200, 208, 0, 1, 4, 0, 0)
     assert len(args) == len(WG.PARAMS)
     from dualtrack.runtime.driver import kernel_params
 
     packed = cu._HelperKernelParams(kernel_params(args))  # what cuLaunchKernel hands the driver
     slots = (ctypes.c_void_p * len(args)).from_address(packed.ckernelParams)
     assert ctypes.string_at(slots[0], 128) == b"".join((0x1111_0000 + i).to_bytes(8, "little") for i in range(16))
-    assert ctypes.c_int32.from_address(slots[11]).value == 4
+    assert ctypes.c_int32.from_address(slots[13]).value == 4
     with pytest.raises(InputError, match="tmx must be a CUtensorMap"):
         WG.args(ConvProblem.dense(1, 1, 1, 8, 8), tmx=X, tmw=tmw, y=Y, entry=entry)
     with pytest.raises(TypeError, match=r"a by-value struct must be a cuda\.bindings struct"):
@@ -463,6 +495,52 @@ def test_unsupported_or_disabled_convs_keep_the_mma_sync_kernel(monkeypatch: pyt
     assert be.stats.conv3x3["enc2/conv2"][1]["impl"] == "mma.sync"
     be2, _, _ = _backend(monkeypatch)
     assert be2.prepare(CALL, _env(X), allow_wgmma=False).choice.impl == "mma.sync"
+
+
+def _general_call(*, act: str = "relu", stride: int = 1, residual: bool = True) -> KernelCall:
+    geom = kernels.ConvGeometry(3, 3, stride, stride, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1)
+    ins = ("x", "r") if residual else ("x",)
+    attrs = (*geom.attrs(), ("act", kernels.ACTIVATIONS[act]), ("residual", int(residual)))
+    return KernelCall("conv", ins, ("y",), ("w", "b"), attrs, ("layer4/1/conv2",))
+
+
+def test_general_3x3_convs_with_a_residual_run_the_wgmma_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ResNet's second conv of a block (the general conv: bias + residual + ReLU) takes the wgmma
+    kernel on sm_90a, the residual's pointer and stride in its arguments; strides other than 1,
+    activations other than ReLU, or a residual the epilogue cannot read keep the mma.sync kernel."""
+    from dualtrack.runtime.gpu import GpuTensor
+
+    be, launched, encoded = _backend(monkeypatch)
+    general = kernels.KERNELS["conv"]
+    be.kernels.update({n: _Kernel(n, launched) for n in general.entries})
+    res = 0x7D0000
+    env = {**_env(X), "r": GpuTensor(res, (1, 32, 32, 64), np.dtype("float16"), ld=128)}
+    be._launch(_general_call(), env)
+    cfg = WG.choose(1, 32, 32, 64, 64)
+    name, *_, args = launched[-1]
+    assert name == cfg.entry and [m.address for m in encoded] == [X, W_]
+    got = dict(zip(WG.PARAMS, (v for v, _ in args), strict=True))
+    assert (got["res"], got["ldr"], got["relu"], got["ldy"], got["bias"]) == (res, 128, 1, 64, 0x7E00)
+    assert be.stats.conv3x3["layer4/1/conv2"][1]["impl"] == "wgmma"
+
+    be, launched, encoded = _backend(monkeypatch)
+    be.kernels.update({n: _Kernel(n, launched) for n in general.entries})
+    odd = {**env, "r": GpuTensor(res, (1, 32, 32, 64), np.dtype("float16"), ld=65)}
+    cases = (
+        (_general_call(act="sigmoid"), env),
+        (_general_call(stride=2, residual=False), env),
+        (_general_call(), odd),
+    )
+    for call, e in cases:
+        be.launches.clear()
+        if call.attr("stride_h") == 2:
+            e = {**e, "y": GpuTensor(Y, (1, 16, 16, 64), np.dtype("float16"))}
+        be._launch(call, e)
+        assert launched[-1][0].startswith("conv_nhwc_f16"), call
+    assert not encoded
+    why = general.hopper_choice(ConvProblem.dense(1, 32, 32, 64, 64), kernels.ConvGeometry(3, 3, pad_top=1,
+        pad_left=1, pad_bottom=1, pad_right=1), 1, wgmma_off=None, res=res, ldr=65)[1]  # fmt: skip
+    assert why == "wgmma: ldr=65: the epilogue reads the residual's channel pairs (ldr % 2 == 0)"
 
 
 class _Module:

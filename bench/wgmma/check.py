@@ -284,8 +284,9 @@ class Launcher:
         self.func = mod.functions[cfg.entry]
         self.tmx = mod.tensor_map(cp.input_map(cfg, x, N, H, W, C, ldx, self.geo.tw_log2))
         self.tmw = mod.tensor_map(cp.weight_map(cfg, w, K, C))
-        self.scalars = [ctypes.c_uint64(bias), ctypes.c_uint64(y)]
-        self.scalars += [ctypes.c_int32(v) for v in (N, H, W, C, K, ldy, int(relu), self.geo.tw_log2)]
+        self.scalars = [ctypes.c_uint64(bias), ctypes.c_uint64(0), ctypes.c_uint64(y)]  # no residual
+        self.scalars += [ctypes.c_int32(v) for v in (N, H, W, C, K, ldy, 0, int(relu), self.geo.tw_log2)]
+        self.scalars.append(ctypes.c_uint64(0))  # no split-K workspace: grid.y = 1
         self.scalars.append(ctypes.c_uint64(status))
         ptrs = [self.tmx.getPtr(), self.tmw.getPtr()] + [ctypes.addressof(v) for v in self.scalars]
         assert len(ptrs) == len(cp.kernel_arg_names())

@@ -27,7 +27,7 @@ from dualtrack import arch, frontend, kernels, partition, ptx, track_b, verify
 from dualtrack.bundle import MANIFEST, Bundle, BundleWriter, sha256
 from dualtrack.config import BuildConfig, load_config
 from dualtrack.errors import BundleError, ConfigError, ToolError
-from dualtrack.kernels.problems import conv_layers
+from dualtrack.kernels.problems import ConvLayer, conv_layers
 from dualtrack.manifest import Artifacts, Manifest, ModelInfo, Target, Verification
 from dualtrack.plan import ALIAS_OPS, Plan
 from dualtrack.runtime.engine import Engine
@@ -71,11 +71,23 @@ def track_a_stems(plan: Plan, ptx_arch: str, use_tma: bool = True) -> list[str]:
     conv3x3_wgmma (TMA + wgmma) where the config enables TMA kernels (``use_tma``: `enable_tma` and
     an arch with the copy engine), it is built for ``ptx_arch`` (compute_90a only) and at least one
     conv of the plan passes its shape checks (``Conv3x3WgmmaSpec.supported`` with the plan's channel
-    strides; pointers are checked at launch). Which conv runs which kernel is decided at launch."""
+    strides; pointers are checked at launch), or a general conv that it can take
+    (``ConvGeneralSpec.hopper_choice``: 3x3 stride 1). Which conv runs which kernel is decided at launch."""
     stems = {kernels.KERNELS[c.op].source for s in plan.segments for c in s.calls if c.op not in ALIAS_OPS}
     wgmma = kernels.CONV3X3_WGMMA
+    general = kernels.KERNELS["conv"]
+    assert isinstance(general, kernels.ConvGeneralSpec)
+
+    def general_takes(layer: ConvLayer) -> bool:
+        assert layer.call is not None
+        geom = kernels.ConvGeometry.from_call(layer.call)
+        return general.hopper_choice(layer.problem, geom, layer.call.attr("act"), wgmma_off=None)[0] is not None
+
     on_target = use_tma and ptx_arch in wgmma.ptx_arches
-    if on_target and any(wgmma.supported(x.problem) is None for x in conv_layers(plan)):
+    if on_target and (
+        any(wgmma.supported(x.problem) is None for x in conv_layers(plan))
+        or any(general_takes(x) for x in conv_layers(plan, ops=("conv",)))
+    ):
         stems.add(wgmma.stem)
     return sorted(s for s in stems if ptx_arch in kernels.ptx_arches_for_stem(s))
 

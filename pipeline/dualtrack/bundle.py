@@ -32,7 +32,7 @@ import onnx
 from onnx import numpy_helper
 
 from dualtrack.errors import BundleError
-from dualtrack.kernels import CONV3X3_WGMMA, choose_conv3x3
+from dualtrack.kernels import CONV3X3_WGMMA, KERNELS, ConvGeneralSpec, ConvGeometry, choose_conv3x3
 from dualtrack.kernels.problems import conv_layers
 from dualtrack.manifest import Manifest, Target
 from dualtrack.partition import attach_initializers
@@ -197,15 +197,24 @@ class Bundle:
         manifest's ``targets``), as (``ConvLayer``, ``ConvChoice``) pairs in plan order: the wgmma
         kernel where the target's image has it and takes the shape (pointers assumed aligned, as
         planned buffers are), else the tuned or heuristic mma.sync entry. What did run on a device:
-        the engine's ``backend.stats.conv3x3``."""
+        the engine's ``backend.stats.conv3x3``. The general conv's 3x3 stride-1 calls that the wgmma
+        kernel takes (``ConvGeneralSpec.hopper_choice``) are listed too; its other calls are not."""
         image = self.track_a.get("ptx", {}).get(target.track_a_ptx, {})
         off = None if CONV3X3_WGMMA.stem in image else f"not in the {target.track_a_ptx} PTX"
         tuned = self.tuned_calls(target.cc_tuple)
+        general = KERNELS["conv"]
+        assert isinstance(general, ConvGeneralSpec)
         out = []
-        for layer in conv_layers(self.plan):
+        for layer in conv_layers(self.plan, ops=("conv3x3", "conv")):
+            assert layer.call is not None
+            if layer.call.op == "conv":
+                geom = ConvGeometry.from_call(layer.call)
+                choice, _ = general.hopper_choice(layer.problem, geom, layer.call.attr("act"), wgmma_off=off)
+                if choice is not None:
+                    out.append((layer, choice))
+                continue
             entry = tuned.get(layer.node, {}).get(str(layer.batch))
-            choice = choose_conv3x3(layer.problem, wgmma_off=off, tuned=entry)
-            out.append((layer, choice))
+            out.append((layer, choose_conv3x3(layer.problem, wgmma_off=off, tuned=entry)))
         return out
 
     def tuned_calls(self, cc: tuple[int, int]) -> dict[str, dict[str, str]]:

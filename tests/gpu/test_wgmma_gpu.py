@@ -81,10 +81,18 @@ def _run(
     ldy: int | None = None,
     bias: bool = True,
     relu: bool = True,
+    residual: bool = False,
+    r_off: int = 0,
+    ldr: int | None = None,
+    splits: int = 1,
+    repeat: int = 1,
 ) -> None:
     """One launch on fresh random data: x is channels [x_off, x_off+c) of an (n,h,w,ldx) buffer, y
     channels [y_off, y_off+k) of an (n,h,w,ldy) buffer whose slice holds NaN before the launch and
-    whose other channels hold SENTINEL and must keep it; the watchdog's status must stay 0."""
+    whose other channels hold SENTINEL and must keep it; the watchdog's status must stay 0.
+    ``residual``: channels [r_off, r_off+k) of an (n,h,w,ldr) buffer are added before the ReLU
+    (the general conv's reference: one rounding). ``splits``: split-K over that many CTAs a tile,
+    launched ``repeat`` times on one workspace (its tile counters must come back to zero)."""
     be = engine.backend
     be.ctx.make_current()
     rng = np.random.default_rng()
@@ -93,7 +101,12 @@ def _run(
     x = rng.standard_normal((n, h, w, c)).astype(np.float16)
     wt = (rng.standard_normal((k, 3, 3, c)) / np.sqrt(9 * c)).astype(np.float16)
     b = rng.standard_normal(k).astype(np.float32) if bias else None
-    ref = WG.reference(x, wt, b, relu)
+    r = rng.standard_normal((n, h, w, k)).astype(np.float16) if residual else None
+    if r is None:
+        ref = WG.reference(x, wt, b, relu)
+    else:
+        act = kernels.ACTIVATIONS["relu" if relu else "none"]
+        ref = kernels.KERNELS["conv"].reference(x, wt, b, r, geom=GEOM_3X3, act=act)
     x_wide = rng.standard_normal((n, h, w, ldx)).astype(np.float16)  # other channels: noise, never read
     x_wide[..., x_off : x_off + c] = x
     y_wide = np.full((n, h, w, ldy), SENTINEL, np.float16)
@@ -108,10 +121,28 @@ def _run(
     tmx = tma.encode(input_map(cfg, x_ptr, n, h, w, c, ldx))
     tmw = tma.encode(weight_map(cfg, dw.ptr, k, c))
     bias = None if db is None else db.ptr
-    args = WG.args(problem, tmx=tmx, tmw=tmw, bias=bias, y=y_ptr, relu=relu, entry=entry, status=status.ptr)
-    launch = WG.launch("float16", n, h, w, c, k, entry=entry)
-    kern.launch(launch.grid, launch.block, launch.shared_bytes, be.stream, args)
-    got_wide = be.to_host(dy)
+    extra = {}
+    if r is not None:
+        ldr = k + r_off if ldr is None else ldr
+        r_wide = rng.standard_normal((n, h, w, ldr)).astype(np.float16)  # other channels: noise, never read
+        r_wide[..., r_off : r_off + k] = r
+        dr = be.from_host(r_wide)
+        extra = {"res": dr.ptr + 2 * r_off, "ldr": ldr}
+    if splits > 1:
+        nbytes = WG.workspace_bytes(cfg, n, h, w, k, splits)
+        ws = be.from_host(np.zeros(nbytes // 4, np.float32))
+        extra["ws"] = ws.ptr
+    args = WG.args(problem, tmx=tmx, tmw=tmw, bias=bias, y=y_ptr, relu=relu, entry=entry, status=status.ptr, **extra)
+    launch = WG.launch("float16", n, h, w, c, k, entry=entry, splits=splits)
+    got_wide = None
+    for _ in range(repeat):
+        kern.launch(launch.grid, launch.block, launch.shared_bytes, be.stream, args)
+        got = be.to_host(dy)
+        assert got_wide is None or np.array_equal(got, got_wide, equal_nan=True), f"{entry}: a repeat differs"
+        got_wide = got
+    if splits > 1:
+        counters = be.to_host(ws)[-cfg.ctas(n, h, w, k) :].view(np.int32)
+        assert not counters.any(), f"{entry}: split-K tile counters left at {counters.max()}"
     assert not be.to_host(status).any(), f"{entry}: the watchdog fired: {be.to_host(status).tolist()}"
     check = compare(entry, ref, got_wide[..., y_off : y_off + k], KERNEL_TOL)
     assert check.passed, check
@@ -127,6 +158,18 @@ SHAPES = [
     (1, 17, 9, 128, 20, {"y_off": 24, "ldy": 48}),  # K < 32, not a multiple of 8: element stores at the tail
     (1, 3, 200, 32, 32, {}),  # W > BM: TW = BM, one row per tile
     (1, 1, 1, 64, 8, {"relu": False, "bias": False}),  # a 1x1 image: every tap but the centre is padding
+    # the residual (ResNet's conv2 on the general conv's Hopper path): partial tiles, a K tail of
+    # odd channel count (the last channel read alone), a residual slice with its own stride
+    (2, 9, 13, 64, 40, {"residual": True, "r_off": 8, "ldr": 50}),
+    (1, 17, 9, 128, 21, {"residual": True, "ldr": 22, "y_off": 24, "ldy": 48, "relu": False}),
+]
+GEOM_3X3 = kernels.ConvGeometry(3, 3, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1)
+SPLIT_SHAPES = [
+    # n, h, w, c, k, extra: split-K (k-blocks split unevenly, partial tiles, a residual), launched
+    # three times on one workspace: the same bits every time, the counters back at zero
+    (1, 16, 16, 512, 512, {"splits": 4}),
+    (1, 9, 13, 200, 40, {"splits": 3, "residual": True, "ldr": 40}),
+    (2, 7, 5, 96, 64, {"splits": 2, "x_off": 8, "ldx": 104, "relu": False}),
 ]
 
 
@@ -136,12 +179,22 @@ def test_every_configuration_computes_the_convolution(engine, wgmma, entry, n, h
     _run(engine, wgmma[entry], entry, n, h, w, c, k, **extra)
 
 
+@pytest.mark.parametrize("entry", WG.entries)
+@pytest.mark.parametrize(("n", "h", "w", "c", "k", "extra"), SPLIT_SHAPES)
+def test_every_configuration_splits_k(engine, wgmma, entry, n, h, w, c, k, extra) -> None:
+    cfg = WG.config(entry)
+    if (extra["splits"] - 1) * -(-cfg.k_blocks(c) // extra["splits"]) >= cfg.k_blocks(c):
+        pytest.skip(f"{entry}: {cfg.k_blocks(c)} k-blocks cannot make {extra['splits']} non-empty splits")
+    _run(engine, wgmma[entry], entry, n, h, w, c, k, repeat=3, **extra)
+
+
 @pytest.mark.parametrize(
-    ("n", "hw", "c", "k"), [(1, 64, 32, 32), (2, 32, 64, 128), (1, 16, 256, 512), (8, 16, 128, 64)]
+    ("n", "hw", "c", "k"), [(1, 64, 32, 32), (2, 32, 64, 128), (1, 16, 256, 512), (8, 16, 128, 64), (1, 32, 256, 256)]
 )
 def test_the_chosen_configuration_on_unet_like_shapes(engine, wgmma, n, hw, c, k) -> None:
-    entry = WG.choose(n, hw, hw, c, k).entry
-    _run(engine, wgmma[entry], entry, n, hw, hw, c, k)
+    cfg = WG.choose(n, hw, hw, c, k)
+    splits = WG.splits(cfg, n, hw, hw, c, k)
+    _run(engine, wgmma[cfg.entry], cfg.entry, n, hw, hw, c, k, splits=splits, repeat=2)
 
 
 class _Spy:

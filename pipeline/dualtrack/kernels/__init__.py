@@ -71,7 +71,7 @@ KERNELS: Mapping[str, KernelSpec] = {
     "maxpool": MaxPoolSpec(op="maxpool", stem="maxpool_nhwc"),  # any window; maxpool2x2 keeps 2x2/2
     "convt2x2": ConvT2x2Spec(op="convt2x2", stem="convt2x2_nhwc"),
     "conv1x1": Conv1x1Spec(op="conv1x1", stem="conv1x1_nhwc"),
-    "conv": ConvGeneralSpec(op="conv", stem="conv_nhwc"),
+    "conv": ConvGeneralSpec(op="conv", stem="conv_nhwc", hopper=CONV3X3_WGMMA),  # 3x3/1 fp16 on wgmma where it can
     # The mobile network kernels (MobileNetV3 / LR-ASPP: depthwise, SE, HardSwish, bilinear heads).
     "dwconv": DwConvSpec(op="dwconv", stem="dwconv_nhwc"),
     "gap": GapSpec(op="gap", stem="gap_nhwc"),

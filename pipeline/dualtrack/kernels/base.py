@@ -94,6 +94,11 @@ class LaunchContext(Protocol):
         """``m`` encoded by the driver (a ``CUtensorMap`` passed to the kernel by value)."""
         ...
 
+    def workspace(self, nbytes: int) -> int:
+        """The device address of ``nbytes`` of zeroed scratch memory for the launch being prepared
+        (the wgmma conv's split-K partial sums and tile counters), kept as long as the launch."""
+        ...
+
 
 Tensors = Sequence[DeviceTensor]  # a call's inputs or weights, in the call's order
 

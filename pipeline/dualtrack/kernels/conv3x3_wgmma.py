@@ -20,16 +20,14 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from dualtrack.errors import InputError
 from dualtrack.kernels import base
 from dualtrack.kernels.conv import Conv3x3Reference
 from dualtrack.kernels.problems import ConvProblem
+from dualtrack.kernels.select import ConvChoice
 from dualtrack.kernels.tensormap import DIM_LIMIT, STRIDE_LIMIT, TiledMap
-
-if TYPE_CHECKING:  # annotations only: select.py's policy makes the choice this kernel runs
-    from dualtrack.kernels.select import ConvChoice
 
 
 @dataclass(frozen=True)
@@ -133,8 +131,13 @@ class WgmmaConfig:
             tw *= 2
         return tw.bit_length() - 1
 
+    def k_blocks(self, C: int) -> int:
+        """Pipeline stages of the whole reduction: 9 taps (3 column copies) x ceil(C / bk)."""
+        return (9 // self.taps_per_stage) * base.cdiv(C, self.bk)
+
     def ctas(self, N: int, H: int, W: int, K: int) -> int:
-        """CTAs of a launch: N x spatial tiles x channel tiles (the kernel's 1-D grid)."""
+        """CTAs of a launch: N x spatial tiles x channel tiles (the kernel's grid.x; split-K
+        multiplies them by grid.y)."""
         log2 = self.tw_log2(W)
         return N * base.cdiv(H, self.bm >> log2) * base.cdiv(W, 1 << log2) * base.cdiv(K, self.bn)
 
@@ -210,7 +213,7 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
     """
 
     PARAMS: ClassVar[tuple[str, ...]] = (
-        "tmx", "tmw", "bias", "y", "N", "H", "W", "C", "K", "ldy", "relu", "tw_log2", "status",
+        "tmx", "tmw", "bias", "res", "y", "N", "H", "W", "C", "K", "ldy", "ldr", "relu", "tw_log2", "ws", "status",
     )  # fmt: skip
     ptx_arches: ClassVar[tuple[str, ...]] = ("compute_90a",)  # wgmma exists on sm_90a only
 
@@ -232,6 +235,11 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         "conv3x3_wgmma_bn32_mt2_wg2_bk32_h16",
     )  # K <= 32
     min_ctas: int = 128
+    # Split-K (:meth:`splits`): a launch of fewer than min_ctas CTAs splits its reduction over up to
+    # max_splits CTAs a tile, each at least min_split_kb k-blocks, so the GPU fills: ResNet-34's
+    # last stages at N=1 (32 CTAs of 64x64 and 72 k-blocks at 16x16x512) left 100 of 132 SMs idle.
+    max_splits: int = 4
+    min_split_kb: int = 8
 
     def defines(self) -> dict[str, str]:
         return {"CONV_WGMMA_ENTRIES": " ".join(c.macro for c in self.configs)}
@@ -286,6 +294,17 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
             return "the input is too large for a tensor map (dims < 2^32, byte strides < 2^40)"
         return None
 
+    def residual_supported(self, K: int, res: int, ldr: int) -> str | None:
+        """None when the epilogue can add the residual at ``res`` (channel stride ``ldr``) to a
+        K-channel output, else why not: it reads channel pairs, 4-byte words."""
+        if ldr < K:
+            return f"ldr={ldr} < K={K}: the residual's pixels overlap"
+        if ldr % 2:
+            return f"ldr={ldr}: the epilogue reads the residual's channel pairs (ldr % 2 == 0)"
+        if int(res) % 4:
+            return f"res={int(res):#x} is not 4-byte aligned"
+        return None
+
     def choose(self, N: int, H: int, W: int, C: int, K: int) -> WgmmaConfig:
         """The configuration to launch for this shape (H200 measurements, handwritten_ptx/README.md):
 
@@ -314,21 +333,45 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
                 return max(wide, key=lambda c: (c.ctas(N, H, W, K), -c.bm * c.bn))
         return next(by_entry[e] for e in self.narrow if by_entry[e].bk == bk)
 
+    def splits(self, cfg: WgmmaConfig, N: int, H: int, W: int, C: int, K: int) -> int:
+        """Split-K factor of a launch: 1 where it makes :attr:`min_ctas` CTAs, else enough splits
+        to reach that many (at most :attr:`max_splits`), each at least :attr:`min_split_kb`
+        k-blocks long; never an empty split."""
+        ctas, kb = cfg.ctas(N, H, W, K), cfg.k_blocks(C)
+        want = min(self.max_splits, base.cdiv(self.min_ctas, ctas), kb // self.min_split_kb)
+        if want <= 1:
+            return 1
+        per = base.cdiv(kb, want)
+        return base.cdiv(kb, per)  # splits of `per` k-blocks, the last one not empty
+
+    def workspace_bytes(self, cfg: WgmmaConfig, N: int, H: int, W: int, K: int, splits: int) -> int:
+        """Bytes of a split-K launch's workspace: fp32 partial sums of every (tile, split), then an
+        int counter per tile (0 where splits == 1: no workspace)."""
+        if splits <= 1:
+            return 0
+        ctas = cfg.ctas(N, H, W, K)
+        return ctas * splits * cfg.bm * cfg.bn * 4 + ctas * 4
+
     def launch(
-        self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0, *, entry: str | None = None
+        self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0, *, entry: str | None = None, splits: int = 1
     ) -> base.LaunchConfig:
-        """1-D grid (channel tile fastest, so the CTAs that share an input tile run together),
-        block of ``32 * (4 * wgs + 1)`` threads, dynamic shared memory of the configuration (more
-        than 48 KiB: set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first). ``entry`` None:
-        :meth:`choose`'s."""
+        """Grid (tiles, splits): the tiles along x (channel tile fastest, so the CTAs that share an
+        input tile run together), the split-K parts along y; block of ``32 * (4 * wgs + 1)``
+        threads, dynamic shared memory of the configuration (more than 48 KiB: set
+        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first). ``entry`` None: :meth:`choose`'s."""
         base.dtype_name(dtype)
-        base.positive(N=N, H=H, W=W, C=C, K=K)
+        base.positive(N=N, H=H, W=W, C=C, K=K, splits=splits)
         base.pixels(N, H, W, C)
         cfg = self.config(entry) if entry is not None else self.choose(N, H, W, C, K)
         ctas = cfg.ctas(N, H, W, K)
         if ctas > base.INT32_MAX:
             raise InputError(f"{ctas} CTAs exceed the grid's 2^31-1; split the batch")
-        return base.LaunchConfig(grid=(ctas, 1, 1), block=(cfg.threads, 1, 1), shared_bytes=cfg.smem_bytes)
+        kb = cfg.k_blocks(C)
+        if splits > 1 and (splits - 1) * base.cdiv(kb, splits) >= kb:
+            raise InputError(f"{splits} splits of {kb} k-blocks leave one empty; use splits() for the count")
+        if splits > 65535:
+            raise InputError(f"splits={splits} exceeds grid.y's 65535")
+        return base.LaunchConfig(grid=(ctas, splits, 1), block=(cfg.threads, 1, 1), shared_bytes=cfg.smem_bytes)
 
     def args(
         self,
@@ -339,16 +382,21 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         y: int,
         entry: str,
         bias: int | None = None,
+        res: int | None = None,
+        ldr: int | None = None,
         relu: bool = False,
+        ws: int | None = None,
         status: int | None = None,
     ) -> list[base.KernelArg]:
-        """``tmx, tmw, bias, y, N, H, W, C, K, ldy, relu, tw_log2, status`` of launch ``p`` as (value,
-        type) pairs.
+        """``tmx, tmw, bias, res, y, N, H, W, C, K, ldy, ldr, relu, tw_log2, ws, status`` of launch
+        ``p`` as (value, type) pairs; ``ws``: the split-K workspace (:meth:`workspace_bytes`,
+        zeroed), None for a launch of one split.
 
         ``tmx``/``tmw`` are the input's and the weights' tensor maps (``runtime/tma.py``), passed by
         value in place of ``x``, ``w`` and ``ldx``; ``entry`` fixes ``tw_log2`` (the tile shape the
-        maps were made for); ``status``: an int[8] device buffer for the watchdog's report, or None
-        (a stuck wait then traps).
+        maps were made for); ``res``: the residual added before the activation (None: none), its
+        channel stride ``ldr`` (default K); ``status``: an int[8] device buffer for the watchdog's
+        report, or None (a stuck wait then traps).
         """
         base.positive(N=p.N, H=p.H, W=p.W, C=p.C, K=p.K)
         ldy = base.stride("ldy", p.ldy, p.K)
@@ -356,13 +404,23 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         for name, m in (("tmx", tmx), ("tmw", tmw)):
             if not callable(getattr(m, "getPtr", None)):
                 raise InputError(f"{name} must be a CUtensorMap (runtime/tma.py encode()), not {type(m).__name__}")
-        ints = (p.N, p.H, p.W, p.C, p.K, ldy, 1 if relu else 0, self.config(entry).tw_log2(p.W))
+        if res is None:
+            ldr = 0
+        else:
+            ldr = base.stride("ldr", ldr, p.K)
+            why = self.residual_supported(p.K, res, ldr)
+            if why:
+                raise InputError(f"{self.stem} cannot add this residual: {why}")
+            base.pixels(p.N, p.H, p.W, ldr)
+        ints = (p.N, p.H, p.W, p.C, p.K, ldy, ldr, 1 if relu else 0, self.config(entry).tw_log2(p.W))
         return [
             (tmx, None),
             (tmw, None),
             (base.pointer("bias", bias, required=False), ctypes.c_void_p),
+            (base.pointer("res", res, required=False), ctypes.c_void_p),
             (base.pointer("y", y), ctypes.c_void_p),
             *((int(v), ctypes.c_int32) for v in ints),
+            (base.pointer("ws", ws, required=False), ctypes.c_void_p),
             (base.pointer("status", status, required=False), ctypes.c_void_p),
         ]
 
@@ -374,15 +432,28 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         weights: Sequence[base.DeviceTensor],
         relu: bool,
         ctx: base.LaunchContext,
+        res: base.DeviceTensor | None = None,
     ) -> base.PreparedCall:
-        """The launch of the entry ``choice`` names on these tensors (the conv3x3 op's spec hands
-        it over where its policy picks this kernel): the input's and the weights' tensor maps,
-        encoded by the runtime for these very buffers, then the geometry and arguments."""
+        """The launch of the entry ``choice`` names on these tensors (the conv3x3 op's spec, and
+        the general conv's for its 3x3 stride-1 layers, hand it over where they pick this kernel):
+        the input's and the weights' tensor maps, encoded by the runtime for these very buffers,
+        then the geometry and arguments; ``res``: the residual added before the ReLU, or None."""
         p = ConvProblem.of(x, y)
         cfg = self.config(choice.entry)
         tmx = ctx.tensor_map(input_map(cfg, x.ptr, p.N, p.H, p.W, p.C, p.ldx))
         tmw = ctx.tensor_map(weight_map(cfg, weights[0].ptr, p.K, p.C))
         bias = weights[1].ptr if len(weights) > 1 else None
-        args = self.args(p, tmx=tmx, tmw=tmw, y=y.ptr, entry=choice.entry, bias=bias, relu=relu)
-        config = self.launch(p.dtype, p.N, p.H, p.W, p.C, p.K, entry=choice.entry)
+        extra: dict[str, int] = {} if res is None else {"res": res.ptr, "ldr": res.channel_stride}
+        if choice.splits > 1:
+            extra["ws"] = ctx.workspace(self.workspace_bytes(cfg, p.N, p.H, p.W, p.K, choice.splits))
+        args = self.args(p, tmx=tmx, tmw=tmw, y=y.ptr, entry=choice.entry, bias=bias, relu=relu, **extra)
+        config = self.launch(p.dtype, p.N, p.H, p.W, p.C, p.K, entry=choice.entry, splits=choice.splits)
         return base.PreparedCall(choice.entry, config, args, choice)
+
+    def choice(self, p: ConvProblem) -> ConvChoice:
+        """The launch of ``p`` on this kernel (:meth:`choose`'s tile, :meth:`splits`' split-K) and why."""
+        cfg = self.choose(p.N, p.H, p.W, p.C, p.K)
+        splits = self.splits(cfg, p.N, p.H, p.W, p.C, p.K)
+        ctas = cfg.ctas(p.N, p.H, p.W, p.K)
+        split = f" x {splits} split-K" if splits > 1 else ""
+        return ConvChoice("wgmma", cfg.entry, f"{cfg.bm}x{cfg.bn} tile, {ctas} CTAs{split}", splits)

@@ -6,6 +6,8 @@ A call's geometry and epilogue are its attributes (:class:`ConvGeometry`, ``act`
 :meth:`ConvGeneralSpec.supports` is the one predicate that says whether the kernel computes a
 convolution, and the partition asks it before it lowers a Conv to this op. fp16 runs an implicit
 GEMM on mma.sync tensor cores in four tiles (:meth:`ConvGeneralSpec.variant`), fp32 a SIMT GEMM.
+On Hopper its 3x3 stride-1 fp16 layers with ReLU or no activation (ResNet's second conv of a block,
+the one with the residual) run conv3x3_wgmma instead (:meth:`ConvGeneralSpec.hopper_choice`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from dualtrack.kernels.base import (
 )
 from dualtrack.kernels.conv import named_weights, pack_conv_weights
 from dualtrack.kernels.conv3x3 import F16Tile
+from dualtrack.kernels.conv3x3_wgmma import Conv3x3WgmmaSpec
+from dualtrack.kernels.problems import ConvProblem
+from dualtrack.kernels.select import ConvChoice
 from dualtrack.plan import KernelCall
 
 # The fused activations by name, numbered as conv_nhwc.cu's convg::Act. HardSwish and HardSigmoid
@@ -168,6 +173,10 @@ class ConvGeneralSpec(KernelSpec):
     # 132 (an SM each), it was slower than small on ResNet-34's last stages at N=1 (16 launches 412 us
     # against 19 small ones 375 us, kernel_profile-acc495c / -e75130f): more blocks, same serial k-loop.
     f16_small_min_tiles: int = 0
+    # The Hopper kernel that its 3x3 stride-1 layers run where the device has it (None: none). On
+    # the H200 it took ResNet-34's residual convs at 16x16..128x128 in about 60% of the small
+    # tile's time (the conv3x3 op's same shapes, kernel_profile-acc495c).
+    hopper: Conv3x3WgmmaSpec | None = None
 
     def defines(self) -> dict[str, int | str]:
         bm, bn, bk, tm, tn = self.f32
@@ -208,6 +217,50 @@ class ConvGeneralSpec(KernelSpec):
         if self.direct_weights < K * geom.R * geom.S * C:
             return f"K*R*S*C = {K * geom.R * geom.S * C} fp32 filter values exceed its {self.direct_weights}"
         return None
+
+    # --- the Hopper kernel ------------------------------------------------------------------------
+
+    def hopper_window(self, geom: ConvGeometry, act: int) -> str | None:
+        """None when :attr:`hopper` computes this window and activation (3x3, stride 1, dilation
+        1, padding 1 on every side; ReLU or none), else why not."""
+        g = geom
+        if (g.R, g.S, g.stride_h, g.stride_w, g.dil_h, g.dil_w) != (3, 3, 1, 1, 1, 1):
+            return f"{g.label()}: the wgmma kernel takes 3x3 stride 1 dilation 1"
+        if (g.pad_top, g.pad_left, g.pad_bottom, g.pad_right) != (1, 1, 1, 1):
+            return f"{g.label()}: the wgmma kernel takes padding 1 on every side"
+        if act not in (ACTIVATIONS["none"], ACTIVATIONS["relu"]):
+            name = next(k for k, v in ACTIVATIONS.items() if v == act)
+            return f"activation {name}: the wgmma kernel fuses ReLU only"
+        return None
+
+    def hopper_choice(
+        self,
+        p: ConvProblem,
+        geom: ConvGeometry,
+        act: int,
+        *,
+        wgmma_off: str | None,
+        x: int = 0,
+        w: int = 0,
+        y: int = 0,
+        res: int | None = None,
+        ldr: int = 0,
+    ) -> tuple[ConvChoice | None, str]:
+        """The wgmma launch of this conv (``p``: its input and output, which a 3x3 stride-1 conv
+        keeps the same size) and why, or (None, why not). Pointers 0: only the shapes are known."""
+        why = wgmma_off
+        if why is None and self.hopper is None:
+            why = f"{self.stem} has no Hopper kernel"
+        why = why or self.hopper_window(geom, act)
+        hopper = self.hopper
+        if why is None and hopper is not None:
+            why = hopper.supported(p, x=x, w=w, y=y)
+            if why is None and res is not None:
+                why = hopper.residual_supported(p.K, res, ldr)
+        if why is not None or hopper is None:
+            return None, f"wgmma: {why}"
+        choice = hopper.choice(p)
+        return choice, choice.reason
 
     # --- what the kernel computes -----------------------------------------------------------------
 
@@ -418,5 +471,15 @@ class ConvGeneralSpec(KernelSpec):
             if t is not None and tuple(t.shape) != expect:
                 raise InputError(f"conv call {call.nodes}: {what} has shape {tuple(t.shape)}; expected {expect}")
         dtype = inputs[0].dtype
+        if dtype_name(dtype) == "float16":
+            x = inputs[0]
+            choice, _ = self.hopper_choice(
+                ConvProblem.of(x, y), kw["geom"], kw["act"], wgmma_off=ctx.wgmma_off, x=x.ptr, w=kw["w"], y=y.ptr,
+                res=None if res is None else res.ptr, ldr=0 if res is None else res.channel_stride,
+            )  # fmt: skip
+            if choice is not None:
+                assert self.hopper is not None  # hopper_choice() picks wgmma only where there is one
+                relu = kw["act"] == ACTIVATIONS["relu"]
+                return self.hopper.prepare_entry(choice, x, y, weights, relu, ctx, res=res)
         entry = self.variant(dtype, *shape, kw["geom"])
         return PreparedCall(entry, self.launch(dtype, *shape, geom=kw["geom"], entry=entry), self.args(**kw))

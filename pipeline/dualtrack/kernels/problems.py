@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dualtrack.kernels.base import DeviceTensor, dtype_name
-from dualtrack.plan import ALIAS_OPS, Plan, Segment
+from dualtrack.plan import ALIAS_OPS, KernelCall, Plan, Segment
 
 TUNED_OPS = ("conv3x3",)  # convt2x2's tiles are namespace constants, not a template: nothing to search
 
@@ -81,6 +81,7 @@ class ConvLayer:
     batch: int
     problem: ConvProblem
     relu: bool
+    call: KernelCall | None = None
 
 
 def channel_strides(seg: Segment) -> dict[str, int]:
@@ -102,9 +103,12 @@ def channel_strides(seg: Segment) -> dict[str, int]:
     return strides
 
 
-def conv_layers(plan: Plan, batches: Iterable[int] | None = None, layers: str | None = None) -> list[ConvLayer]:
-    """Every Track A conv3x3 call of ``plan`` at each batch size (default: the plan's), in plan
-    order; ``layers`` is a glob on the Conv node's name (``enc*``, ``dec1/*``)."""
+def conv_layers(
+    plan: Plan, batches: Iterable[int] | None = None, layers: str | None = None, ops: tuple[str, ...] = TUNED_OPS
+) -> list[ConvLayer]:
+    """Every Track A conv3x3 call (``ops``: calls of these ops) of ``plan`` at each batch size
+    (default: the plan's), in plan order; ``layers`` is a glob on the Conv node's name (``enc*``,
+    ``dec1/*``). The problem's H and W are the input's."""
     sizes = tuple(batches) if batches else plan.batch_sizes
     out: list[ConvLayer] = []
     for seg in plan.segments:
@@ -113,13 +117,13 @@ def conv_layers(plan: Plan, batches: Iterable[int] | None = None, layers: str | 
         specs = {t.name: t for t in (*seg.inputs, *seg.tensors, *seg.outputs)}
         strides = channel_strides(seg)
         for c in seg.calls:
-            if c.op not in TUNED_OPS or (layers and not fnmatch.fnmatchcase(c.nodes[0], layers)):
+            if c.op not in ops or (layers and not fnmatch.fnmatchcase(c.nodes[0], layers)):
                 continue
             x, y = specs[c.inputs[0]], specs[c.outputs[0]]
             _, h, w, ch = x.shape
             for n in sizes:
                 p = ConvProblem(n, h, w, ch, y.shape[-1], strides[x.name], strides[y.name], x.dtype)
-                out.append(ConvLayer(c.nodes[0], n, p, bool(c.attr("relu"))))
+                out.append(ConvLayer(c.nodes[0], n, p, bool(c.attr("relu")), c))
     return out
 
 

@@ -10,7 +10,7 @@ takes the conv spec as an argument, so this module imports no kernel: the specs 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dualtrack.kernels.base import dtype_name
 from dualtrack.kernels.problems import ConvProblem
@@ -36,9 +36,11 @@ class ConvChoice:
     impl: str
     entry: str
     reason: str
+    splits: int = 1  # wgmma: split-K parts of the reduction (grid.y)
 
-    def to_json(self) -> dict[str, str]:
-        return {"impl": self.impl, "entry": self.entry, "reason": self.reason}
+    def to_json(self) -> dict[str, Any]:
+        split = {"splits": self.splits} if self.splits > 1 else {}
+        return {"impl": self.impl, "entry": self.entry, "reason": self.reason, **split}
 
 
 def choose_conv3x3(
@@ -74,9 +76,7 @@ def choose_conv3x3(
     else:
         why = wgmma_off or hopper.supported(p, x=x, w=w, y=y)
     if why is None and hopper is not None:
-        cfg = hopper.choose(p.N, p.H, p.W, p.C, p.K)
-        reason = f"{cfg.bm}x{cfg.bn} tile, {cfg.ctas(p.N, p.H, p.W, p.K)} CTAs"
-        return ConvChoice("wgmma", cfg.entry, reason)
+        return hopper.choice(p)
     if conv.smallc_supported(p.dtype, p.C, p.K) is None:
         unused = f"; tuned {tuned.removeprefix(conv.stem + '_')} not used" if tuned else ""
         reason = f"C={p.C} <= {SMALL_C_MAX}: small-C direct conv{unused}; wgmma: {why}"

@@ -29,7 +29,7 @@ from dualtrack.plan import ALIAS_OPS, KernelCall, Plan, Segment
 from dualtrack.runtime import tma
 from dualtrack.runtime.driver import Context, Event, Kernel, Module, Stream, call
 from dualtrack.runtime.images import DeviceImages
-from dualtrack.runtime.memory import DevicePool
+from dualtrack.runtime.memory import DeviceBuffer, DevicePool
 from dualtrack.runtime.tensors import GpuTensor, Stats
 
 # Poison written into Track A outputs before a verification run: fp16 / fp32 quiet NaN; a uint8
@@ -77,6 +77,7 @@ class TrackA:
         self.staged: dict[tuple[int, int], dict[str, GpuTensor]] = {}
         self.buffers: dict[int, tuple[dict[str, GpuTensor], list[GpuTensor]]] = {}
         self.weights: dict[str, GpuTensor] = {}
+        self.workspaces: dict[tuple[str, int], DeviceBuffer] = {}  # (call, batch) -> split-K scratch
         self.kernels = self.load(images, root, jit_cache)
         self.ev_start, self.ev_end = Event(ctx), Event(ctx)
 
@@ -254,15 +255,27 @@ class TrackA:
         as the call's kernel spec prepares it (``KernelSpec.prepare_outputs``: entry, geometry,
         arguments, tensor maps). ``allow_wgmma=False``: a conv3x3 never runs the wgmma kernel."""
         wgmma_off = self.wgmma_off if allow_wgmma else "not allowed (prepare(allow_wgmma=False))"
-        ctx = _Context(wgmma_off, self.tuned)
+        key = (_call_key(c), env[c.outputs[0]].shape[0])
+        ctx = _Context(wgmma_off, self.tuned, lambda nbytes: self._workspace(key, nbytes))
         weights = [self.weights[name] for name in c.weights]
         inputs = [env[name] for name in c.inputs]
         outputs = [env[name] for name in c.outputs]
         p = kernels.kernel(c.op).prepare_outputs(c, inputs, outputs, weights, ctx)
         return Launch(self.kernels[p.entry], p.config, p.args, p.entry, p.choice)
 
+    def _workspace(self, key: tuple[str, int], nbytes: int) -> int:
+        """Zeroed scratch memory of one call at one batch size (a launch prepared again for other
+        pointers reuses it: its split-K counters are back at zero after every launch)."""
+        have = self.workspaces.get(key)
+        if have is None or have.nbytes < nbytes:
+            if have is not None:
+                have.close(self.stream)
+            have = self.workspaces[key] = self.pool.alloc(nbytes, self.stream)
+            call(cu.cuMemsetD8Async, have.ptr, 0, nbytes, self.stream.handle)
+        return have.ptr
+
     def close(self) -> None:
-        """Free graphs, planned buffers and weights (the caller synchronizes the stream first)."""
+        """Free graphs, planned buffers, workspaces and weights (the caller synchronizes the stream first)."""
         for graph, graph_exec in self.graphs.values():
             call(cu.cuGraphExecDestroy, graph_exec)
             call(cu.cuGraphDestroy, graph)
@@ -274,6 +287,9 @@ class TrackA:
         for _views, roots in self.buffers.values():
             for t in roots:
                 t.keepalive.close(self.stream)
+        for buf in self.workspaces.values():
+            buf.close(self.stream)
+        self.workspaces.clear()
         self.weights.clear()
         self.ev_start.close()  # now, in this context (a handle freed later could name one since recreated)
         self.ev_end.close()
@@ -285,12 +301,16 @@ class _Context:
 
     wgmma_off: str | None
     tuned: Mapping[str, Mapping[str, str]]  # Conv node -> batch size -> tuned entry
+    alloc: Callable[[int], int]  # zeroed scratch of the call being prepared (TrackA._workspace)
 
     def tuned_entry(self, call: KernelCall, batch: int) -> str | None:
         return self.tuned.get(call.nodes[0], {}).get(str(batch)) if call.nodes else None
 
     def tensor_map(self, m: TiledMap) -> cu.CUtensorMap:
         return tma.encode(m)
+
+    def workspace(self, nbytes: int) -> int:
+        return self.alloc(nbytes)
 
 
 def _call_key(c: KernelCall) -> str:
