@@ -9,14 +9,16 @@ path (the kernel is the checked-in PTX for the device's arch, JIT-compiled by th
 through dualtrack's driver layer on torch's stream; torch and dualtrack share the primary context).
 
 Each layer runs as the partition lowers it: bias, the residual (ResNet's ``Add``) and ReLU fused
-where the network has them. Before it is timed, the kernel's output (NaN-poisoned first) is
-checked against torch's fp32 convolution of the same fp16 data (rel L2 <= 2e-3). Times are the
-median of ``--iters`` launches between CUDA events after 5 warm-ups; cuDNN is ``F.conv2d`` on
-channels_last fp16 tensors with ``cudnn.benchmark`` on, conv + bias only (its residual add and
-ReLU would be further kernels in eager torch). ``op`` says which Track A kernel the partition
-gives the layer today: only the ``conv`` rows run the general kernel in a build (3x3 stride-1
-convs without a residual keep conv3x3); the others are timed for comparison. Prints a table and
-writes the rows and per-batch totals (weighted by how often each shape occurs) as JSON.
+where the network has them. Two of our timings per layer: ``ours_ms``, the general conv's mma.sync
+entry (``variant()``), and ``engine_ms``, the kernel the engine launches for the layer's op on this
+device (``KernelSpec.prepare_inputs`` with tensor maps and split-K workspace: on sm_90a the wgmma
+kernel for every 3x3 stride-1 layer, residual ones included; ``engine_entry`` names it). Before it
+is timed, each kernel's output (NaN-poisoned first) is checked against torch's fp32 convolution of
+the same fp16 data (rel L2 <= 2e-3). Times are the median of ``--iters`` launches between CUDA
+events after 5 warm-ups; cuDNN is ``F.conv2d`` on channels_last fp16 tensors with
+``cudnn.benchmark`` on, conv + bias only (its residual add and ReLU would be further kernels in
+eager torch). ``op`` says which Track A op the partition gives the layer. Prints a table and writes
+the rows and per-batch totals (weighted by how often each shape occurs) as JSON.
 """
 
 from __future__ import annotations
@@ -30,13 +32,17 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from dualtrack.arch import PTX_ARCHES, choose_image
 from dualtrack.kernels import ACTIVATIONS, KERNELS, ConvGeometry
+from dualtrack.plan import KernelCall
 from dualtrack.ptx import SOURCE_DIR, ptx_path
+from dualtrack.runtime import tma
 from dualtrack.runtime.driver import Device, Module, Stream
+from dualtrack.runtime.tensors import GpuTensor
 
 SPEC = KERNELS["conv"]
 TOL = 2e-3  # fp16 output rounding and a different summation order
@@ -88,7 +94,7 @@ LAYERS = (
     Layer("dec3 conv2", "conv3x3", 1, 256, 256, 32, 32, 3, 1, False, True),
     Layer("dec4 conv1", "conv3x3", 1, 512, 512, 32, 16, 3, 1, False, True),
     Layer("dec4 conv2", "conv3x3", 1, 512, 512, 16, 16, 3, 1, False, True),
-    Layer("head", "conv3x3", 1, 512, 512, 16, 2, 3, 1, False, False),
+    Layer("head", "conv", 1, 512, 512, 16, 2, 3, 1, False, False),  # the direct entry (partition.DIRECT_MIN_PIXELS)
 )
 
 
@@ -106,7 +112,56 @@ def median_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def run_layer(kernels: dict, stream: Stream, layer: Layer, n: int, iters: int, variants: bool = False) -> dict:
+class EngineContext:
+    """What the engine's Track A gives a spec preparing a launch (runtime/track_a.py's _Context):
+    tensor maps encoded by the driver, zeroed workspace (torch memory, kept alive here)."""
+
+    def __init__(self, wgmma_off: str | None) -> None:
+        self.wgmma_off = wgmma_off
+        self.keep: list[torch.Tensor] = []
+
+    def tuned_entry(self, call: KernelCall, batch: int) -> str | None:
+        return None
+
+    def tensor_map(self, m):
+        return tma.encode(m)
+
+    def workspace(self, nbytes: int) -> int:
+        buf = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+        self.keep.append(buf)
+        return buf.data_ptr()
+
+
+def _t(t: torch.Tensor) -> GpuTensor:
+    return GpuTensor(t.data_ptr(), tuple(t.shape), np.dtype(str(t.dtype).removeprefix("torch.")))
+
+
+def engine_launch(kernels: dict, stream: Stream, ctx: EngineContext, layer: Layer, tensors: dict):
+    """The launch the engine prepares for this layer's op (conv3x3 or the general conv), as a
+    callable, and its (impl, entry, why)."""
+    g, act = layer.geom, ACTIVATIONS["relu" if layer.relu else "none"]
+    ins = ("x", "r") if layer.residual else ("x",)
+    if layer.op == "conv3x3":
+        call = KernelCall("conv3x3", ins, ("y",), ("w", "b"), (("relu", int(layer.relu)),), (layer.name,))
+    else:
+        attrs = (*g.attrs(), ("act", act), ("residual", int(layer.residual)))
+        call = KernelCall("conv", ins, ("y",), ("w", "b"), attrs, (layer.name,))
+    inputs = [_t(tensors[i]) for i in ins]
+    p = KERNELS[layer.op].prepare_inputs(call, inputs, _t(tensors["y"]), [_t(tensors["w"]), _t(tensors["b"])], ctx)
+    fn = kernels[p.entry]
+    impl, why = (p.choice.impl, p.choice.reason) if p.choice is not None else ("mma.sync", "variant()")
+    return (lambda: fn.launch(p.config.grid, p.config.block, p.config.shared_bytes, stream, p.args)), impl, p.entry, why
+
+
+def run_layer(
+    kernels: dict,
+    stream: Stream,
+    layer: Layer,
+    n: int,
+    iters: int,
+    variants: bool = False,
+    ctx: EngineContext | None = None,
+) -> dict:
     g = layer.geom
     _, p, q, _ = SPEC.output_shape(n, layer.H, layer.W, layer.C, layer.K, geom=g)
     x = torch.randn(n, layer.H, layer.W, layer.C, device="cuda", dtype=torch.float16)
@@ -142,10 +197,25 @@ def run_layer(kernels: dict, stream: Stream, layer: Layer, n: int, iters: int, v
     row = {**asdict(layer), "N": n, "entry": entry, "rel_l2": rel, "passed": rel <= TOL}
     if not row["passed"]:
         return row
+    if ctx is not None:
+        y.fill_(float("nan"))
+        tensors = {"x": x, "w": w, "b": b, "r": res, "y": y}
+        engine, impl, engine_entry, why = engine_launch(kernels, stream, ctx, layer, tensors)
+        engine()
+        torch.cuda.synchronize()
+        got = y.permute(0, 3, 1, 2).float()
+        erel = float((got - ref).norm() / ref.norm()) if torch.isfinite(got).all() else float("inf")
+        row.update(engine_impl=impl, engine_entry=engine_entry, engine_reason=why, engine_rel_l2=erel)
+        row["passed"] = erel <= TOL
+        if not row["passed"]:
+            return row
+        row["engine_ms"] = median_ms(engine, iters)
     row["ours_ms"] = median_ms(ours, iters)
     bh = b.half()
     row["cudnn_ms"] = median_ms(lambda: F.conv2d(x_cl, w_cl, bh, stride=layer.stride, padding=pad), iters)
     row["ratio"] = row["ours_ms"] / row["cudnn_ms"]
+    if "engine_ms" in row:
+        row["engine_ratio"] = row["engine_ms"] / row["cudnn_ms"]
     if variants:  # every fp16 entry on this layer (same arguments), to check the selection policy
         row["variants_ms"] = {e: median_ms(launcher(e), iters) for e in SPEC.entries if "f16" in e}
     return row
@@ -169,19 +239,39 @@ def main(argv: list[str] | None = None) -> int:
     ctx.make_current()
     choice = choose_image(dev.cc, [], list(PTX_ARCHES))
     path = ptx_path(SOURCE_DIR, SOURCE_DIR / f"{SPEC.stem}.cu", choice.arch)
-    mod = Module.load(ctx, path.read_bytes(), kind="ptx", origin=str(path), target=choice.arch)
-    kernels = {e: mod.function(e) for e in SPEC.entries}
+    mods, kernels = [], {}
+    wgmma = KERNELS["conv3x3"].hopper  # type: ignore[attr-defined]
+    for spec in (SPEC, KERNELS["conv3x3"], wgmma):
+        if choice.arch not in spec.ptx_arches:
+            continue
+        path = ptx_path(SOURCE_DIR, SOURCE_DIR / f"{spec.stem}.cu", choice.arch)
+        mod = Module.load(ctx, path.read_bytes(), kind="ptx", origin=str(path), target=choice.arch)
+        mods.append(mod)
+        kernels.update({e: mod.function(e) for e in spec.entries})
+    has_wgmma = wgmma.configs[0].entry in kernels
+    for c in wgmma.configs if has_wgmma else ():
+        kernels[c.entry].set_max_dynamic_shared(c.smem_bytes)
+    engine_ctx = EngineContext(None if has_wgmma else f"no wgmma kernel for {choice.arch}")
     stream = Stream.from_handle(torch.cuda.current_stream().cuda_stream, ctx)
 
     rows = []
-    print(f"{'layer':18} {'op':8} {'N':>2} {'entry':22} {'rel_l2':>8} {'ours ms':>8} {'cudnn ms':>8} {'ratio':>6}")
+    print(
+        f"{'layer':18} {'op':8} {'N':>2} {'entry':22} {'rel_l2':>8} {'ours ms':>8} {'cudnn ms':>8} {'ratio':>6}"
+        f"  {'engine kernel':36} {'ms':>8} {'ratio':>6}"
+    )
     for n in args.batches:
         for layer in LAYERS:
             if args.only and args.only not in layer.name:
                 continue
-            row = run_layer(kernels, stream, layer, n, args.iters, args.variants)
+            row = run_layer(kernels, stream, layer, n, args.iters, args.variants, engine_ctx)
             rows.append(row)
             times = f"{row['ours_ms']:8.4f} {row['cudnn_ms']:8.4f} {row['ratio']:6.2f}" if row["passed"] else "  FAILED"
+            if row["passed"] and "engine_ms" in row:
+                split = (
+                    f" x{row['engine_reason'].split(' x ')[1].split()[0]}" if " split-K" in row["engine_reason"] else ""
+                )
+                name = row["engine_entry"].removeprefix("conv3x3_") + split
+                times += f"  {name:36} {row['engine_ms']:8.4f} {row['engine_ratio']:6.2f}"
             entry = row["entry"].removeprefix("conv_nhwc_")
             print(f"{layer.name:18} {layer.op:8} {n:>2} {entry:22} {row['rel_l2']:8.1e} {times}")
             for e, ms in row.get("variants_ms", {}).items():
@@ -193,7 +283,12 @@ def main(argv: list[str] | None = None) -> int:
             "general_conv_layers_ours_ms": sum(r["ours_ms"] * r["uses"] for r in mine),
             "general_conv_layers_cudnn_ms": sum(r["cudnn_ms"] * r["uses"] for r in mine),
         }
+        every = [r for r in rows if r["N"] == n and r["passed"] and "engine_ms" in r]
+        totals[str(n)]["all_layers_engine_ms"] = sum(r["engine_ms"] * r["uses"] for r in every)
+        totals[str(n)]["all_layers_cudnn_ms"] = sum(r["cudnn_ms"] * r["uses"] for r in every)
         t = totals[str(n)]
+        print(f"N={n}: every layer, weighted by use: the engine's kernels {t['all_layers_engine_ms']:.3f} ms, "
+              f"cuDNN {t['all_layers_cudnn_ms']:.3f} ms")  # fmt: skip
         print(
             f"N={n}: the general conv's layers, weighted by use: ours {t['general_conv_layers_ours_ms']:.3f} ms, "
             f"cuDNN {t['general_conv_layers_cudnn_ms']:.3f} ms"
@@ -212,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2))
-    mod.close()
+    for mod in mods:
+        mod.close()
     return 0 if all(r["passed"] for r in rows) else 1
 
 

@@ -113,6 +113,10 @@ for step in $steps; do
       # for the reference bundle and each carried zoo bundle: kernel_profile-<commit>.json.
       kp=$(for b in "$C"/unet "$C"/zoo/*; do [ -f "$b/manifest.json" ] && echo "--bundle $b"; done)
       python3 bench/kernel_profile.py $kp --batches 1 8 --out "$OUT" 2>&1 | tee "$OUT/kernel_profile.log" ;;
+    layers)
+      # Not in the default steps: smp Unet-resnet34's conv layers, each on the kernel the engine launches
+      # for it (and the general conv's mma.sync entry) against cuDNN (bench/conv_layers.py; no bundle needed).
+      python3 bench/conv_layers.py "$OUT/conv_layers-${DUALTRACK_COMMIT:-unknown}.json" 2>&1 | tee "$OUT/conv_layers.log" ;;
     api)
       # Where Engine.run's host time goes on a GPU tensor, against run_batch (bench/api_profile.py).
       python3 bench/api_profile.py --bundle $C/unet --batches 1 8 --iters 200 --out "$OUT" 2>&1 | tee "$OUT/api_profile.log" ;;
