@@ -88,6 +88,16 @@ for step in $steps; do
       dt run $C/unet $C/sample.png -o /tmp/sample_mask_cli.png --device cuda 2>&1 | tee -a "$OUT/gpu_check.log"
       dt doctor --bundle $C/unet 2>&1 | tee -a "$OUT/gpu_check.log"
       dt verify $C/unet --device cuda --samples 2 2>&1 | tail -3 | tee -a "$OUT/gpu_check.log" ;;
+    serve_gpu)
+      # Not in the default steps (issue 15): JPEG -> JSON and PNG -> PNG at 16 and 32 clients on `serve
+      # --workers 4 / 8` with the JPEGs decoded on the engine's GPU (nvImageCodec: its wheels, too big
+      # to travel with the rest, installed into /tmp/site by an earlier call of this warm machine), the
+      # same with --jpeg-decoder cpu, and one process with the GPU decoder.
+      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
+        --only-variants --cases jpeg_in_json_out png_in_png_out --tag gpu_decode \
+        --variant "w4_gpu=--workers 4 --max-batch-delay-ms 8" --variant "w8_gpu=--workers 8 --max-batch-delay-ms 8" \
+        --variant "w4_cpu=--workers 4 --max-batch-delay-ms 8 --jpeg-decoder cpu" --variant "one_gpu=--max-batch-delay-ms 8" \
+        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_gpu.log" ;;
     serve)
       # The service (uvloop, httptools from .whl/, one image thread per core) under 16 clients for 15 s
       # each: PNG in -> mask PNG out, JPEG in -> JSON out, a 64x64 JPEG in -> JSON out, then PNG -> PNG,

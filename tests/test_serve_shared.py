@@ -16,7 +16,7 @@ import socket
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, Future
 from contextlib import contextmanager
 from multiprocessing.connection import Client, Connection, Listener, Pipe
 from pathlib import Path
@@ -30,6 +30,7 @@ from starlette.testclient import TestClient
 
 from dualtrack import Engine
 from dualtrack.errors import BundleError, ConfigError, DualtrackError, InputError
+from dualtrack.imaging import GpuJpeg, load_for_model, route_jpeg
 from dualtrack.plan import TensorSpec
 from dualtrack.serve import NotReadyError, Phase, QueueFullError, ServeOptions, create_app, imaging, shared
 from dualtrack.serve.app import worker_app
@@ -49,6 +50,7 @@ from dualtrack.serve.protocol import (
     Question,
     Refused,
     RequestObserved,
+    RunJpeg,
     RunRequest,
     WorkerMessage,
 )
@@ -153,6 +155,54 @@ def test_a_worker_out_of_slots_refuses_at_once(engine, rng) -> None:
         a._free.clear()  # as if all of its slots held requests in flight
         with pytest.raises(QueueFullError, match="requests in flight"):
             a.submit(_images(rng, 1)[0])
+
+
+def _jpeg_bytes(rng: np.random.Generator, w: int = 80, h: int = 60) -> bytes:
+    buf = io.BytesIO()
+    small = rng.integers(0, 256, (h // 8, w // 8, 3), dtype=np.uint8)
+    Image.fromarray(small).resize((w, h), Image.Resampling.BICUBIC).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def test_a_jpeg_for_the_gpu_travels_as_bytes_to_the_engine_process(engine, rng, monkeypatch) -> None:
+    """Under --workers a JPEG that route_jpeg gives the GPU goes to the engine process as its bytes and
+    header (RunJpeg), into the batcher's submit_jpeg. The GPU decode itself is tested on the GPU
+    (tests/gpu/test_gpu_decode_gpu.py); here the engine is on the CPU, so the batcher's submit_jpeg
+    is replaced by what the CPU path does with the bytes it receives, and the mask must be the
+    engine's on the CPU-decoded image."""
+    with hosting(engine, max_batch_delay_ms=1) as host, client_of(host) as a:
+        assert a.decoder[0] == "cpu" and a.max_jpeg_bytes == 64 * 64 * 3
+        data = _jpeg_bytes(rng)
+        jpeg = route_jpeg(data, 64, 64, max_downscale=8)
+        assert isinstance(jpeg, GpuJpeg)
+        with pytest.raises(NotReadyError, match="JPEG decoder is cpu"):
+            a.submit_jpeg(jpeg)  # the engine process has no GPU decoder: the worker decodes
+        received: list[GpuJpeg] = []
+
+        def submit_jpeg(got: GpuJpeg):
+            received.append(got)
+            return host.batcher.submit(load_for_model(got.data, 64, 64).pixels)
+
+        monkeypatch.setattr(host.batcher, "submit_jpeg", submit_jpeg)
+        monkeypatch.setattr(a, "decoder", ("gpu", "as if nvImageCodec had opened"))
+        result = a.submit_jpeg(jpeg).result(WAIT_S)
+        assert received == [jpeg]
+        pixels = load_for_model(data, 64, 64).pixels
+        np.testing.assert_array_equal(result.mask, engine.run(pixels[None])["mask"][0])
+        assert a.depth == 0
+        too_long = GpuJpeg(bytes(a.max_jpeg_bytes + 1), (64, 64), 1)
+        with pytest.raises(InputError, match="does not fit"):
+            a.submit_jpeg(too_long)
+        # A forged RunJpeg outside the slot is refused in the engine process, not read past the slot.
+        forged: Future[BatchResult] = Future()
+        with a._lock:
+            rid, slot = a._next_id, a._free.pop()
+            a._pending[rid] = (slot, forged)
+            a._next_id += 1
+        a._send(RunJpeg(rid, slot, a.max_jpeg_bytes + 1, (64, 64), 1))
+        with pytest.raises(InputError, match="outside this worker's range"):
+            forged.result(WAIT_S)
+        _until(lambda: a.depth == 0, "the slot to come back", 10)
 
 
 def test_wrong_image_shape_is_refused_in_the_worker(engine) -> None:
@@ -269,7 +319,9 @@ MESSAGES = [
     Cancelled(9),
     Answer(10, b"# HELP dualtrack_ready 1 when ready to serve\n"),
     PhaseChanged(Phase.FAILED, "engine failed: out of memory"),
+    PhaseChanged(Phase.READY, "", ("gpu", "nvImageCodec (nvJPEG) on the engine's GPU")),
     RunRequest(11, 5),
+    RunJpeg(13, 6, 64123, (640, 480), 6),
     Cancel(11),
     Question(12, "metrics"),
     Observations((RequestObserved("/v1/segment", 200), LatencyObserved(0.0125), RequestObserved("/readyz", 503))),

@@ -206,3 +206,43 @@ def test_service_masks_agree_between_gpu_and_cpu_decode(tiny_bundle: Path) -> No
         agreement = float((gpu == cpu).mean())
         print(f"mask agreement GPU decode vs CPU decode: {agreement:.5f}")
         assert gpu.shape == cpu.shape and agreement >= MASK_AGREEMENT
+
+
+@needs_nvimgcodec
+def test_workers_send_their_jpegs_to_the_engine_process_gpu_decoder(tiny_bundle: Path) -> None:
+    """`serve --workers N`: a worker sends a JPEG that route_jpeg gives the GPU as bytes (RunJpeg);
+    the engine process decodes it on its GPU with its batch. Its mask agrees with the CPU decode's
+    on at least MASK_AGREEMENT of pixels, as in the one-process service."""
+    import json
+
+    from dualtrack.runtime.engine import Engine
+    from dualtrack.serve import Phase, ServeOptions
+    from dualtrack.serve.shared import EngineClient, EngineHost
+
+    rng = np.random.default_rng(13)
+    bodies = [_jpeg(_photo(rng, 320, 240), o) for o in (1, 6, 3)]
+    with Engine.load(tiny_bundle, "cuda") as e:
+        h, w = e.input_spec.shape[1:3]
+        want = [e.run(imaging.load_for_model(b, h, w).pixels[None], outputs=("mask",))["mask"][0] for b in bodies]
+        host = EngineHost(e, ServeOptions(max_batch_delay_ms=2), 1)
+        host.start()
+        try:
+            deadline = time.monotonic() + 120
+            while host.batcher.phase is not Phase.READY and time.monotonic() < deadline:
+                time.sleep(0.1)
+            client = EngineClient(host.address, bytes.fromhex(json.loads(host.worker_env({}))["key"]))
+            client.start()
+            try:
+                assert client.phase is Phase.READY and client.decoder[0] == "gpu", (client.error, client.decoder)
+                jpegs = [imaging.route_jpeg(b, h, w, max_downscale=RESIZE_RGB.max_downscale) for b in bodies]
+                assert all(isinstance(j, imaging.GpuJpeg) for j in jpegs)
+                futures = [client.submit_jpeg(j) for j in jpegs]  # type: ignore[arg-type]
+                for f, expected in zip(futures, want, strict=True):
+                    got = f.result(120).mask
+                    agreement = float((got == expected).mean())
+                    print(f"--workers GPU decode vs CPU decode, mask agreement {agreement:.5f}")
+                    assert got.shape == expected.shape and agreement >= MASK_AGREEMENT
+            finally:
+                client.close(30)
+        finally:
+            assert host.close(60)

@@ -294,12 +294,15 @@ class _Service:
         """The GPU decoder's :class:`~dualtrack.imaging.GpuJpeg` for a JPEG it takes, else why not."""
         if self.decoder[0] != "gpu" or not data.startswith(b"\xff\xd8"):
             return "not a JPEG for the GPU decoder"
+        if len(data) > getattr(self.batcher, "max_jpeg_bytes", len(data)):  # --workers: it travels in one slot
+            return "a JPEG longer than an image slot is decoded on the CPU"
         return imaging.route_jpeg(data, height, width, max_downscale=RESIZE_RGB.max_downscale)
 
     @property
     def decoder(self) -> tuple[str, str]:
-        """(name, reason) of the JPEG decoder: ``cpu`` where the batcher has none (``--workers``)."""
-        return getattr(self.batcher, "decoder", ("cpu", "Pillow in the HTTP processes (--workers)"))
+        """(name, reason) of the JPEG decoder: the batcher's, or under ``--workers`` the engine
+        process's (``gpu``: the workers send it the JPEGs that route_jpeg gives the GPU)."""
+        return getattr(self.batcher, "decoder", ("cpu", "Pillow in the HTTP processes"))
 
     def _answer(self, result: BatchResult, size: tuple[int, int], fmt: str, classes: int, start: float) -> _Answer:
         """The response to one request (mask PNG or JSON counts), built on an image thread."""

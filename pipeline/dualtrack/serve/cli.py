@@ -70,8 +70,9 @@ def _serve_options(command: Callable[..., None]) -> Callable[..., None]:
     type=click.Choice(["auto", "cpu"]),
     default="auto",
     show_default=True,
-    help="auto: JPEGs are decoded on the engine's GPU where nvImageCodec is installed (one process: not with "
-    "--workers); cpu: always Pillow. The startup line and /readyz say which runs.",
+    help="auto: JPEGs are decoded on the engine's GPU where nvImageCodec is installed (with --workers the "
+    "workers send the engine process the JPEG bytes); cpu: always Pillow. The startup line and /readyz say "
+    "which runs.",
 )
 @click.option(
     "--log-level",
@@ -135,7 +136,9 @@ def serve(
                 image_threads=options.image_threads or max(1, ServeOptions().threads // workers),
                 image_memory_mb=max(1, options.image_memory_mb // workers),
             )
-            _serve_workers(engine, workers, shares, host=host, port=port, log_level=log_level, loop=loop, http=http)
+            _serve_workers(
+                engine, workers, shares, jpeg_decoder, host=host, port=port, log_level=log_level, loop=loop, http=http
+            )
             return
         app = create_app(engine, jpeg_decoder=jpeg_decoder, **asdict(options))
         click.echo(f"serving with {loop} and {http}, {app.state.options.threads} image threads", err=True)
@@ -152,17 +155,18 @@ def serve(
         engine.close()
 
 
-def _serve_workers(engine: Engine, workers: int, options: ServeOptions, **server: Any) -> None:
+def _serve_workers(engine: Engine, workers: int, options: ServeOptions, jpeg_decoder: str, **server: Any) -> None:
     """``workers`` HTTP processes on one port (uvicorn's supervisor, spawned) in front of ``engine``,
     which stays in this process (:mod:`dualtrack.serve.shared`): one CUDA context, one batcher
-    gathering every worker's requests, one metrics registry."""
+    gathering every worker's requests (and decoding their JPEGs on the GPU where ``jpeg_decoder``
+    and nvImageCodec allow), one metrics registry."""
     import os
 
     import uvicorn
 
     from dualtrack.serve.shared import ENGINE_ENV, EngineHost
 
-    host = EngineHost(engine, options, workers)
+    host = EngineHost(engine, options, workers, jpeg_decoder=jpeg_decoder)
     host.start()
     try:
         app_options = {

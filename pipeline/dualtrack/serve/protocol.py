@@ -12,12 +12,16 @@ Engine process → worker
     - for every :class:`RunRequest`, exactly one of :class:`Done`, :class:`Failed` or
       :class:`Cancelled`, in the order the requests finish (not the order they were sent);
     - for every :class:`Question`, one :class:`Answer`, after everything the worker sent before it;
-    - a :class:`PhaseChanged` whenever the batcher's phase changes (loading, warm, failed, closed).
+    - a :class:`PhaseChanged` whenever the batcher's phase changes (loading, warm, failed, closed),
+      with the JPEG decoder the engine process has (``gpu`` once nvImageCodec opened on its GPU).
 
 Worker → engine process, after the Hello
     - :class:`RunRequest`: slot ``slot`` of the worker's range holds an image; queue it. The slot
       belongs to the engine process until the request's answer arrives (a Done's mask is written
       into that same slot).
+    - :class:`RunJpeg`: the same, but the slot holds the first ``nbytes`` of a JPEG that
+      :func:`dualtrack.imaging.route_jpeg` gave the GPU; the engine process decodes it on its GPU
+      with its batch. Sent only while the engine process reports the ``gpu`` decoder.
     - :class:`Cancel`: the client went away; withdraw the request if its batch has not started
       (it is then answered :class:`Cancelled`; one whose batch started is answered as usual).
     - :class:`Question`: ``"metrics"``, the whole service's Prometheus text.
@@ -94,6 +98,7 @@ class Hello:
     info: EngineInfo
     phase: Phase
     error: str  # why loading or warmup failed; empty otherwise
+    decoder: tuple[str, str] = ("cpu", "the engine is loading")  # the batcher's JPEG decoder: (name, reason)
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,7 @@ class PhaseChanged:
 
     phase: Phase
     error: str
+    decoder: tuple[str, str] = ("cpu", "the engine is loading")  # the batcher's JPEG decoder: (name, reason)
 
 
 # --- worker -> engine process --------------------------------------------------------------------
@@ -176,6 +182,19 @@ class RunRequest:
 
     rid: int
     slot: int
+
+
+@dataclass(frozen=True)
+class RunJpeg:
+    """Run the JPEG whose first ``nbytes`` are in slot ``slot``, as request ``rid``: decoded on the
+    engine's GPU. ``stored`` (width, height) and ``orientation`` are its header's
+    (:class:`dualtrack.imaging.GpuJpeg`)."""
+
+    rid: int
+    slot: int
+    nbytes: int
+    stored: tuple[int, int]
+    orientation: int
 
 
 @dataclass(frozen=True)
@@ -219,7 +238,7 @@ class Observations:
 
 
 EngineMessage: TypeAlias = Hello | Refused | Done | Failed | Cancelled | Answer | PhaseChanged
-WorkerMessage: TypeAlias = RunRequest | Cancel | Question | Observations
+WorkerMessage: TypeAlias = RunRequest | RunJpeg | Cancel | Question | Observations
 
 
 def unexpected(sender: str, msg: object) -> ProtocolError:

@@ -52,6 +52,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from contextlib import suppress
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
+from dualtrack import imaging
 from dualtrack.errors import ConfigError, DualtrackError, InputError
 from dualtrack.serve.batcher import Batcher, BatchResult, NotReadyError, Phase, QueueFullError, QueueState
 from dualtrack.serve.metrics import ServeMetrics
@@ -83,6 +85,7 @@ from dualtrack.serve.protocol import (
     Question,
     Refused,
     RequestObserved,
+    RunJpeg,
     RunRequest,
     WorkerMessage,
     unexpected,
@@ -154,7 +157,7 @@ class EngineHost:
     releases the socket and the slot file. The engine is borrowed: the caller closes it after.
     """
 
-    def __init__(self, engine: Engine, options: ServeOptions, workers: int) -> None:
+    def __init__(self, engine: Engine, options: ServeOptions, workers: int, *, jpeg_decoder: str = "auto") -> None:
         self.options = options
         self.info = EngineInfo.of(engine)
         shape = self.info.input_spec.shape
@@ -172,6 +175,7 @@ class EngineHost:
             max_queue=options.max_queue,
             on_batch=self.metrics.observe_batch,
             on_phase=self._phase_changed,
+            jpeg_decoder=jpeg_decoder,
         )
         self._dir = Path(tempfile.mkdtemp(prefix="dualtrack-serve-"))  # 0700
         size = ranges * self.slots_per_range * slot_bytes
@@ -260,7 +264,7 @@ class EngineHost:
         with self._lock:
             peers = list(self._peers)
         for peer in peers:
-            peer.out.put(PhaseChanged(phase, error))
+            peer.out.put(PhaseChanged(phase, error, self.batcher.decoder))
 
     def hello(self, peer: _Peer) -> Hello:
         return Hello(
@@ -272,6 +276,7 @@ class EngineHost:
             info=self.info,
             phase=self.batcher.phase,
             error=self.batcher.error,
+            decoder=self.batcher.decoder,
         )
 
 
@@ -327,6 +332,8 @@ class _Peer:
                 match msg:
                     case RunRequest(rid, slot):
                         self._run(rid, slot)
+                    case RunJpeg(rid, slot, nbytes, stored, orientation):
+                        self._run_jpeg(rid, slot, nbytes, stored, orientation)
                     case Cancel(rid):
                         future = self.inflight.get(rid)
                         if future is not None:
@@ -355,8 +362,19 @@ class _Peer:
             self.out.put(Failed(rid, "input", f"slot {slot} is outside this worker's range"))
             return
         image = self.host.slots.array(self.first_slot + slot, self.host.image_shape)
+        self._queued(rid, slot, lambda: self.host.batcher.submit(image))  # copies the image into its batch row, here
+
+    def _run_jpeg(self, rid: int, slot: int, nbytes: int, stored: tuple[int, int], orientation: int) -> None:
+        if not 0 <= slot < self.host.slots_per_range or not 0 < nbytes <= self.host.slots.slot_bytes:
+            self.out.put(Failed(rid, "input", f"slot {slot} of {nbytes} bytes is outside this worker's range"))
+            return
+        data = self.host.slots.array(self.first_slot + slot, (nbytes,)).tobytes()  # the slot gets the mask later
+        jpeg = imaging.GpuJpeg(data, stored, orientation)
+        self._queued(rid, slot, lambda: self.host.batcher.submit_jpeg(jpeg))
+
+    def _queued(self, rid: int, slot: int, submit: Callable[[], Future[BatchResult]]) -> None:
         try:
-            future = self.host.batcher.submit(image)  # copies the image into its batch row, here
+            future = submit()
         except DualtrackError as err:
             self.out.put(Failed.of(rid, err))
             return
@@ -468,6 +486,10 @@ class EngineClient(QueueState[EngineInfo]):
         self._address, self._key = address, key
         self._conn: Connection | None = None
         self._slots: SlotFile | None = None
+        # The engine process's JPEG decoder (name, reason), from its Hello and PhaseChanged: the
+        # app sends a JPEG that route_jpeg gives the GPU as bytes (submit_jpeg) while it is "gpu".
+        self.decoder: tuple[str, str] = ("cpu", "not connected to the engine process")
+        self.max_jpeg_bytes = 0
         self._first = 0
         self._free: list[int] = []
         self._pending: dict[int, tuple[int, Future[BatchResult]]] = {}  # request id -> (slot, future)
@@ -510,6 +532,8 @@ class EngineClient(QueueState[EngineInfo]):
         self._free = list(range(hello.slots))[::-1]  # pop() takes the lowest: the same few stay warm
         self._engine = hello.info
         self._error = hello.error
+        self.decoder = hello.decoder
+        self.max_jpeg_bytes = hello.slot_bytes  # a JPEG for the GPU travels in one slot
         self._phase = hello.phase
         self._reader = threading.Thread(target=self._read, name="dualtrack-engine-in", daemon=True)
         self._flusher = threading.Thread(target=self._flush_periodically, name="dualtrack-metrics", daemon=True)
@@ -546,6 +570,37 @@ class EngineClient(QueueState[EngineInfo]):
         expected = tuple(info.input_spec.shape[1:])
         if image.shape != expected or image.dtype != np.uint8:
             raise InputError(f"image is {image.dtype}{list(image.shape)}, the engine takes uint8{list(expected)}")
+        return self._queue(lambda rid, slot: RunRequest(rid, slot), lambda view: view.__setitem__(..., image), expected)
+
+    def submit_jpeg(self, jpeg: imaging.GpuJpeg) -> Future[BatchResult]:
+        """Queue one JPEG that :func:`dualtrack.imaging.route_jpeg` gave the GPU (its bytes copied into
+        a slot before this returns), as ``Batcher.submit_jpeg``: the engine process decodes it on its
+        GPU with its batch. :class:`NotReadyError` unless the engine process's decoder is ``gpu``;
+        :class:`InputError` for a JPEG longer than a slot (:attr:`max_jpeg_bytes`: decode it here)."""
+        if self._phase is not Phase.READY or self._engine is None or self._slots is None:
+            raise self._not_ready()
+        if self.decoder[0] != "gpu":
+            raise NotReadyError(
+                f"the engine process's JPEG decoder is {self.decoder[0]}: decode here and call submit()"
+            )
+        n = len(jpeg.data)
+        if n > self.max_jpeg_bytes:
+            raise InputError(f"a {n}-byte JPEG does not fit a {self.max_jpeg_bytes}-byte slot: decode it on the CPU")
+        data = np.frombuffer(jpeg.data, np.uint8)
+        return self._queue(
+            lambda rid, slot: RunJpeg(rid, slot, n, jpeg.stored, jpeg.orientation),
+            lambda view: view.__setitem__(..., data),
+            (n,),
+        )
+
+    def _queue(
+        self,
+        message: Callable[[int, int], RunRequest | RunJpeg],
+        fill: Callable[[np.ndarray], None],
+        shape: tuple[int, ...],
+    ) -> Future[BatchResult]:
+        """Take a free slot, ``fill`` its first ``shape`` bytes, send ``message(rid, slot)``."""
+        assert self._slots is not None
         with self._lock:
             if not self._free:
                 raise QueueFullError(
@@ -557,9 +612,9 @@ class EngineClient(QueueState[EngineInfo]):
             self._next_id += 1
             future: Future[BatchResult] = Future()
             self._pending[rid] = (slot, future)
-        self._slots.array(self._first + slot, expected)[:] = image
+        fill(self._slots.array(self._first + slot, shape))
         future.add_done_callback(lambda f, r=rid: self._withdraw(f, r))
-        if not self._send(RunRequest(rid, slot)):
+        if not self._send(message(rid, slot)):
             with self._lock:
                 self._pending.pop(rid, None)
                 self._free.append(slot)
@@ -617,8 +672,9 @@ class EngineClient(QueueState[EngineInfo]):
                 match msg:
                     case Done() | Failed() | Cancelled():
                         self._finish(msg)
-                    case PhaseChanged(phase, error):
+                    case PhaseChanged(phase, error, decoder):
                         self._error = error  # before the phase: a reader that sees FAILED finds the reason
+                        self.decoder = decoder  # before the phase: READY comes with the decoder that serves
                         self._phase = phase
                     case Answer(qid, value):
                         with self._lock:
