@@ -220,7 +220,7 @@ def test_workers_send_their_jpegs_to_the_engine_process_gpu_decoder(tiny_bundle:
     from dualtrack.serve.shared import EngineClient, EngineHost
 
     rng = np.random.default_rng(13)
-    bodies = [_jpeg(_photo(rng, 320, 240), o) for o in (1, 6, 3)]
+    bodies = [_jpeg(_photo(rng, 96, 72), o) for o in (1, 6, 3)]  # each fits one slot of the tiny model's 64x64x3
     with Engine.load(tiny_bundle, "cuda") as e:
         h, w = e.input_spec.shape[1:3]
         want = [e.run(imaging.load_for_model(b, h, w).pixels[None], outputs=("mask",))["mask"][0] for b in bodies]

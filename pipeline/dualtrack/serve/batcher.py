@@ -29,6 +29,7 @@ batch. The worker thread, the one every batch waits for, copies no image.
 from __future__ import annotations
 
 import enum
+import gc
 import logging
 import os
 import queue
@@ -388,6 +389,7 @@ class Batcher(QueueState["Engine"]):
             with self._cond:
                 self._spare.clear()  # host arrays die with the engine: drop them first
             self._jpeg = None  # its nvImageCodec decoder and kernel before the engine's context
+            gc.collect()  # and anything of theirs that a reference cycle still holds, while the context lives
             if owned:
                 engine.close()
 
@@ -451,6 +453,11 @@ class Batcher(QueueState["Engine"]):
         x[n:size] = 0
         failed: set[int] = set()
         fill = None
+        # The decoded pictures stay alive until stage() has synchronised its upload stream, then go
+        # here, on this thread, while the engine's context is alive. (They hung off `fill` itself
+        # before: a cycle that only the garbage collector broke, on whatever thread and whenever,
+        # once after the engine was closed: nvImageCodec freed into a dead context and segfaulted.)
+        held: list[Any] = []
         if jpegs:
             _, height, width, _ = engine.input_spec.shape
 
@@ -464,10 +471,13 @@ class Batcher(QueueState["Engine"]):
                         x[row] = 0
                         failed.add(row)
                         requests[row].future.set_exception(err)
-                fill.keepalive = decoded.keepalive  # type: ignore[attr-defined]  # until stage() has synced
+                held.append(decoded.keepalive)
                 return decoded.written
 
-        return _Staged(requests, failed, size, engine.stage(x[:size], fill))
+        try:
+            return _Staged(requests, failed, size, engine.stage(x[:size], fill))
+        finally:
+            held.clear()
 
     def _launch_loop(self, engine: Engine, handoff: queue.Queue[_Staged | None], failure: list[BaseException]) -> None:
         pending: tuple[_Staged, Submission, float] | None = None
