@@ -227,10 +227,33 @@ def test_json_answer_counts_the_mask(app: str, reference, rng) -> None:
     assert {"queue", "inference", "request"} <= body["timings_ms"].keys()
 
 
+def test_a_model_replica_takes_a_jpeg_as_its_bytes(app: str, reference, rng) -> None:
+    """``ModelReplica.run_jpeg``: what an ingress sends for a JPEG that route_jpeg gives the GPU (the
+    bytes, 64 KB where the decoded image is 768 KB). These replicas run on the CPU, so they report
+    the CPU decoder (the ingress keeps decoding) and decode the bytes themselves: the mask at the
+    model's size is the engine's on the CPU path's pixels."""
+    from dualtrack.imaging import GpuJpeg, load_for_model, route_jpeg
+
+    handle = serve.get_deployment_handle(MODEL, app_name="app")
+    assert handle.info.remote().result(timeout_s=WAIT_S).decoder[0] == "cpu"
+    r = httpx.get(f"{app}/readyz", timeout=WAIT_S).json()
+    assert r["jpeg_decoder"]["name"] == "cpu", r
+    data = _jpeg(rng, 48, 40)
+    _, height, width, _ = reference.input_spec.shape
+    jpeg = route_jpeg(data, height, width, max_downscale=8)
+    assert isinstance(jpeg, GpuJpeg)
+    got = handle.run_jpeg.remote(jpeg.data, jpeg.stored, jpeg.orientation).result(timeout_s=WAIT_S)
+    want = reference.run(load_for_model(data, height, width).pixels[None])["mask"][0]
+    np.testing.assert_array_equal(got.mask, want)
+    failed = handle.run_jpeg.remote(data[: len(data) // 2], jpeg.stored, 1).result(timeout_s=WAIT_S)
+    assert failed.kind == "input"  # a truncated JPEG: the CPU path's 400, as a Failed
+
+
 def test_concurrent_requests_are_batched_on_the_replicas(app: str, reference, rng) -> None:
     images = [_png(rng, 64, 64) for _ in range(12)]
     ok = 'dualtrack_requests_total{code="200",endpoint="/v1/segment"}'
-    before = _sample(httpx.get(f"{app}/metrics").text, ok)
+    text = httpx.get(f"{app}/metrics").text
+    before, rows_before = _sample(text, ok), _sample(text, "dualtrack_batch_size_sum")
     with ThreadPoolExecutor(len(images)) as pool:
         answers = list(pool.map(lambda b: _post(f"{app}/v1/segment?format=json", b), images))
     assert [a.status_code for a in answers] == [200] * len(images), [a.text for a in answers]
@@ -241,11 +264,13 @@ def test_concurrent_requests_are_batched_on_the_replicas(app: str, reference, rn
         assert np.abs(np.array(answer.json()["counts"]) - expected).sum() <= 0.005 * 64 * 64 * 2
 
     # Both model replicas report their batches, and the ingress its answers, to the one registry
-    # /metrics shows: every image answered 200 is one row of some replica's batch.
+    # /metrics shows: every image answered 200 is one row of some replica's batch (counted from
+    # before: other tests call the replicas directly too).
     def settled() -> bool:
         text = httpx.get(f"{app}/metrics").text
         answered = _sample(text, ok)
-        return answered == before + len(images) and _sample(text, "dualtrack_batch_size_sum") == answered
+        rows = _sample(text, "dualtrack_batch_size_sum") - rows_before
+        return answered == before + len(images) and rows == len(images)
 
     # Replicas flush what they observed every FLUSH_S; on a loaded 2-core CI machine a flush can lag.
     until(settled, "the replicas' batches and the ingress's answers in /metrics", 60)

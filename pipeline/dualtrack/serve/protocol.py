@@ -75,6 +75,9 @@ class EngineInfo:
     # Where each engine runs (dualtrack.serve.placement): a Ray model replica's own, and in a Ray
     # ingress every live model replica's; empty where nobody asked (``/readyz`` then omits it).
     devices: tuple[dict[str, Any], ...] = ()
+    # A Ray model replica's JPEG decoder (name, reason): "gpu" where its batcher decodes on the GPU,
+    # and the ingress then sends it the JPEG bytes (ModelClient.submit_jpeg).
+    decoder: tuple[str, str] = ("cpu", "Pillow in the HTTP processes")
 
     @classmethod
     def of(cls, engine: Any, *, placed: bool = False) -> EngineInfo:

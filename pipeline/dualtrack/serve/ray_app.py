@@ -61,7 +61,7 @@ from ray.exceptions import RayActorError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from dualtrack import errors
+from dualtrack import errors, imaging
 from dualtrack.errors import BundleError, DeviceError, DualtrackError
 from dualtrack.serve.batcher import Batcher, BatchResult, NotReadyError, Phase, QueueFullError, QueueState
 from dualtrack.serve.metrics import ServeMetrics
@@ -170,7 +170,7 @@ class ModelReplica:
             # DEPLOY_FAILED with this message, which the ingress's /readyz reports.
             raise BundleError(self.batcher.error or f"engine is {self.batcher.phase.value}")
         assert self.batcher.engine is not None
-        self.info_ = EngineInfo.of(self.batcher.engine, placed=True)
+        self.info_ = replace(EngineInfo.of(self.batcher.engine, placed=True), decoder=self.batcher.decoder)
         # Sent with every flush (a restarted metrics replica learns it again): the ingress's /readyz
         # lists every live replica's device from the metrics replica.
         self.observer.placement = self.info_.devices[0]
@@ -179,8 +179,26 @@ class ModelReplica:
         return self.info_
 
     async def run(self, image: np.ndarray) -> BatchResult | Failed:
+        return await self._answer(lambda: self.batcher.submit(image))
+
+    async def run_jpeg(self, data: bytes, stored: tuple[int, int], orientation: int) -> BatchResult | Failed:
+        """A JPEG that :func:`dualtrack.imaging.route_jpeg` gave the GPU, as its bytes (64 KB where
+        ``run``'s decoded image is 768 KB: small enough for Ray to pass inline, not through its
+        object store): decoded on this replica's GPU with its batch, or here on the CPU where this
+        replica's decoder is not ``gpu``."""
+        jpeg = imaging.GpuJpeg(data, stored, orientation)
+        if self.batcher.decoder[0] == "gpu":
+            return await self._answer(lambda: self.batcher.submit_jpeg(jpeg))
+        _, height, width, _ = self.info_.input_spec.shape
         try:
-            future = self.batcher.submit(image)
+            pixels = await asyncio.to_thread(lambda: imaging.load_for_model(data, height, width).pixels)
+        except DualtrackError as err:
+            return Failed.of(0, err)
+        return await self._answer(lambda: self.batcher.submit(pixels))
+
+    async def _answer(self, submit: Callable[[], Future[BatchResult]]) -> BatchResult | Failed:
+        try:
+            future = submit()
         except DualtrackError as err:
             return Failed.of(0, err)
         try:
@@ -303,18 +321,33 @@ class ModelClient(QueueState[EngineInfo]):
         self.observer.close()
         return not self._inflight
 
+    @property
+    def decoder(self) -> tuple[str, str]:
+        """The model replicas' JPEG decoder as the first one reported it: ``gpu`` makes the app send
+        the JPEGs that route_jpeg gives the GPU as bytes (:meth:`submit_jpeg`)."""
+        engine = self._engine
+        return engine.decoder if engine is not None else ("cpu", "no model replica has reported yet")
+
     def submit(self, image: np.ndarray) -> Future[BatchResult]:
+        # The image's shape is checked by the replica's batcher (an InputError comes back as Failed).
+        image = image.copy()
+        return self._send(lambda: self._model.run.remote(image))
+
+    def submit_jpeg(self, jpeg: imaging.GpuJpeg) -> Future[BatchResult]:
+        """Send the JPEG's bytes and header to a model replica (``ModelReplica.run_jpeg``)."""
+        return self._send(lambda: self._model.run_jpeg.remote(jpeg.data, jpeg.stored, jpeg.orientation))
+
+    def _send(self, remote: Callable[[], Any]) -> Future[BatchResult]:
         loop = self._loop
         if self._phase is not Phase.READY or loop is None:
             raise self._not_ready()
-        # The image's shape is checked by the replica's batcher (an InputError comes back as Failed).
         with self._inflight_lock:
             self._inflight += 1
         # Cancelling the returned future cancels the task, which withdraws the request (_run).
-        return asyncio.run_coroutine_threadsafe(self._run(image.copy()), loop)
+        return asyncio.run_coroutine_threadsafe(self._run(remote), loop)
 
-    async def _run(self, image: np.ndarray) -> BatchResult:
-        response = self._model.run.remote(image)
+    async def _run(self, remote: Callable[[], Any]) -> BatchResult:
+        response = remote()
         try:
             reply = await response
         except asyncio.CancelledError:
