@@ -544,41 +544,43 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
     // ---- epilogue: bias + residual + ReLU, fp16, staged per warpgroup, 16-byte stores ----
     const int wl = warp & 3;  // warp within the warpgroup: accumulator rows 16*wl .. +15
     f16* tile = reinterpret_cast<f16*>(dsmem + (base - raw)) + g * (CF::MT * 64 * CF::EPI_PITCH);
-    // Row by row of the accumulators this thread holds (mt, half), so that only one residual row
-    // pointer is live at a time (a pointer per row spilled the 256x64 tiles); the bias comes from L1.
+    // The bias once per column pair; the residual (where there is one) at each accumulator's
+    // pixel, its address computed there: a pointer kept per accumulator row spilled the 256x64
+    // tiles, and running the rows outermost (to keep one) reloaded the bias per row and cost the
+    // few-channel layers ~20% (kernel_profile-a387fe0, reference U-Net at N=8).
 #pragma unroll
-    for (int mt = 0; mt < CF::MT; ++mt) {
+    for (int j = 0; j < CF::BN / 8; ++j) {
+        const int col = 8 * j + 2 * (lane & 3);
+        const int k = n0 + col;
+        const float b0 = (bias != nullptr && k < K) ? bias[k] : 0.f;
+        const float b1 = (bias != nullptr && k + 1 < K) ? bias[k + 1] : 0.f;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = mt * 64 + 16 * wl + (lane >> 2) + 8 * half;  // in the warpgroup's rows
-            const int p = g * CF::MT * 64 + row;                           // tile pixel
-            const int h = h0 + (p >> tw_log2);
-            const int w = w0 + (p & (TW - 1));
-            // The residual's pixel (null: no residual, or a pixel outside the image).
-            const f16* r =
-                (res != nullptr && h < H && w < W) ? res + ((static_cast<long long>(img) * H + h) * W + w) * ldr : nullptr;
+        for (int mt = 0; mt < CF::MT; ++mt) {
+            const int row = mt * 64 + 16 * wl + (lane >> 2);
 #pragma unroll
-            for (int j = 0; j < CF::BN / 8; ++j) {
-                const int col = 8 * j + 2 * (lane & 3);
-                const int k = n0 + col;
-                float v0 = acc[mt][4 * j + 2 * half];
-                float v1 = acc[mt][4 * j + 2 * half + 1];
-                if (bias != nullptr && k < K) v0 += bias[k];
-                if (bias != nullptr && k + 1 < K) v1 += bias[k + 1];
-                if (r != nullptr && k < K) {
-                    if (k + 1 < K) {  // k is even and ldr even: one aligned 4-byte read
-                        const u32 pair = *reinterpret_cast<const u32*>(r + k);
-                        v0 += f16_bits_to_f32(static_cast<f16>(pair & 0xffffu));
-                        v1 += f16_bits_to_f32(static_cast<f16>(pair >> 16));
-                    } else {
-                        v0 += f16_bits_to_f32(r[k]);
+            for (int half = 0; half < 2; ++half) {
+                float v0 = acc[mt][4 * j + 2 * half] + b0;
+                float v1 = acc[mt][4 * j + 2 * half + 1] + b1;
+                if (res != nullptr && k < K) {
+                    const int p = g * CF::MT * 64 + row + 8 * half;  // tile pixel
+                    const int h = h0 + (p >> tw_log2);
+                    const int w = w0 + (p & (TW - 1));
+                    if (h < H && w < W) {
+                        const f16* r = res + ((static_cast<long long>(img) * H + h) * W + w) * ldr + k;
+                        if (k + 1 < K) {  // k is even and ldr even: one aligned 4-byte read
+                            const u32 pair = *reinterpret_cast<const u32*>(r);
+                            v0 += f16_bits_to_f32(static_cast<f16>(pair & 0xffffu));
+                            v1 += f16_bits_to_f32(static_cast<f16>(pair >> 16));
+                        } else {
+                            v0 += f16_bits_to_f32(*r);
+                        }
                     }
                 }
                 if (relu) {
                     v0 = fmaxf(v0, 0.f);
                     v1 = fmaxf(v1, 0.f);
                 }
-                *reinterpret_cast<u32*>(tile + row * CF::EPI_PITCH + col) = pack_f16x2(v0, v1);
+                *reinterpret_cast<u32*>(tile + (row + 8 * half) * CF::EPI_PITCH + col) = pack_f16x2(v0, v1);
             }
         }
     }
