@@ -341,6 +341,52 @@ struct Cfg {
     static_assert(HALO_TW == 0 || BM % HALO_TW == 0, "the tile is TH = BM / TW whole rows");
 };
 
+// Bias, residual (RES: res is not null) and ReLU on the accumulators, rounded to fp16 and staged in
+// `tile` (this warpgroup's rows, EPI_PITCH apart). The bias once per column pair; the residual at
+// each accumulator's pixel (tile pixel p0 + row offset), its address computed there.
+template <class CF, bool RES>
+__device__ __forceinline__ void stage_tile(const float (&acc)[CF::MT][CF::NREG], f16* tile, const float* __restrict__ bias,
+                                           const f16* __restrict__ res, int K, int n0, int lane, int wl, int p0, int img,
+                                           int H, int W, int h0, int w0, int tw_log2, int ldr, int relu) {
+    const int TW = 1 << tw_log2;
+#pragma unroll
+    for (int j = 0; j < CF::BN / 8; ++j) {
+        const int col = 8 * j + 2 * (lane & 3);
+        const int k = n0 + col;
+        const float b0 = (bias != nullptr && k < K) ? bias[k] : 0.f;
+        const float b1 = (bias != nullptr && k + 1 < K) ? bias[k + 1] : 0.f;
+#pragma unroll
+        for (int mt = 0; mt < CF::MT; ++mt) {
+            const int row = mt * 64 + 16 * wl + (lane >> 2);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float v0 = acc[mt][4 * j + 2 * half] + b0;
+                float v1 = acc[mt][4 * j + 2 * half + 1] + b1;
+                if (RES && k < K) {
+                    const int p = p0 + mt * 64 + 8 * half;  // tile pixel
+                    const int h = h0 + (p >> tw_log2);
+                    const int w = w0 + (p & (TW - 1));
+                    if (h < H && w < W) {
+                        const f16* r = res + ((static_cast<long long>(img) * H + h) * W + w) * ldr + k;
+                        if (k + 1 < K) {  // k is even and ldr even: one aligned 4-byte read
+                            const u32 pair = *reinterpret_cast<const u32*>(r);
+                            v0 += f16_bits_to_f32(static_cast<f16>(pair & 0xffffu));
+                            v1 += f16_bits_to_f32(static_cast<f16>(pair >> 16));
+                        } else {
+                            v0 += f16_bits_to_f32(*r);
+                        }
+                    }
+                }
+                if (relu) {
+                    v0 = fmaxf(v0, 0.f);
+                    v1 = fmaxf(v1, 0.f);
+                }
+                *reinterpret_cast<u32*>(tile + (row + 8 * half) * CF::EPI_PITCH + col) = pack_f16x2(v0, v1);
+            }
+        }
+    }
+}
+
 template <class CF>
 __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw, const float* __restrict__ bias,
                                      const f16* __restrict__ res, f16* __restrict__ y, int N, int H, int W, int C,
@@ -400,8 +446,42 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
         // about 100 ns and this one thread's issue rate is on the critical path.
         //   per-tap boxes:  outer = tap (r, s), inner = channel block (tap-major k-blocks);
         //   column copies:  outer = channel block, inner = column shift s (taps (0..2, s)).
-        // A split (split-K) starts inside them: one division per CTA, then counters.
+        const int outer_n = CF::HALO_TW ? cblocks : 9;
         const int inner_n = CF::HALO_TW ? 3 : cblocks;
+        // Without split-K (grid.y == 1) the two loops as written; a split starts inside them
+        // (below). One loop with counters for both cost 20% on ResNet's 16x16x512 layers at N=1
+        // (bench/wgmma/ab.py on the H200).
+        if (gridDim.y == 1) {
+            int kb = 0;
+            for (int o = 0; o < outer_n; ++o) {
+                const int r = o / 3;  // per-tap boxes only
+                for (int i = 0; i < inner_n; ++i, ++kb) {
+                    const u32 empty = empty0 + 8 * stage;
+                    const u32 full = full0 + 8 * stage;
+                    if (!mbar_wait(empty, phase ^ 1u, status, WAIT_EMPTY, kb, stage)) return;
+                    mbar_arrive_expect_tx(full, CF::STAGE_BYTES);
+                    const u32 a_dst = base + stage * CF::STAGE_BYTES;
+                    if (CF::HALO_TW) {
+                        const int c0 = o * CF::BK;
+                        tma_load_4d(a_dst, tmx, full, c0, w0 + i - 1, h0 - 1, img);
+#pragma unroll
+                        for (int rr = 0; rr < 3; ++rr)
+                            tma_load_2d(a_dst + CF::A_BYTES + rr * CF::B_BYTES, tmw, full, (3 * rr + i) * C + c0, n0);
+                    } else {
+                        const int s = o - 3 * r;
+                        const int c0 = i * CF::BK;
+                        tma_load_4d(a_dst, tmx, full, c0, w0 + s - 1, h0 + r - 1, img);
+                        tma_load_2d(a_dst + CF::A_BYTES, tmw, full, o * C + c0, n0);
+                    }
+                    if (++stage == CF::STAGES) {
+                        stage = 0;
+                        phase ^= 1u;
+                    }
+                }
+            }
+            return;
+        }
+        // A split (split-K) starts inside them: one division per CTA, then counters.
         int o = kb0 / inner_n;
         int i = kb0 - o * inner_n;
         int r = o / 3, s = o - 3 * (o / 3);  // per-tap boxes only: tap (r, s) = outer index o
@@ -544,46 +624,13 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
     // ---- epilogue: bias + residual + ReLU, fp16, staged per warpgroup, 16-byte stores ----
     const int wl = warp & 3;  // warp within the warpgroup: accumulator rows 16*wl .. +15
     f16* tile = reinterpret_cast<f16*>(dsmem + (base - raw)) + g * (CF::MT * 64 * CF::EPI_PITCH);
-    // The bias once per column pair; the residual (where there is one) at each accumulator's
-    // pixel, its address computed there: a pointer kept per accumulator row spilled the 256x64
-    // tiles, and running the rows outermost (to keep one) reloaded the bias per row and cost the
-    // few-channel layers ~20% (kernel_profile-a387fe0, reference U-Net at N=8).
-#pragma unroll
-    for (int j = 0; j < CF::BN / 8; ++j) {
-        const int col = 8 * j + 2 * (lane & 3);
-        const int k = n0 + col;
-        const float b0 = (bias != nullptr && k < K) ? bias[k] : 0.f;
-        const float b1 = (bias != nullptr && k + 1 < K) ? bias[k + 1] : 0.f;
-#pragma unroll
-        for (int mt = 0; mt < CF::MT; ++mt) {
-            const int row = mt * 64 + 16 * wl + (lane >> 2);
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                float v0 = acc[mt][4 * j + 2 * half] + b0;
-                float v1 = acc[mt][4 * j + 2 * half + 1] + b1;
-                if (res != nullptr && k < K) {
-                    const int p = g * CF::MT * 64 + row + 8 * half;  // tile pixel
-                    const int h = h0 + (p >> tw_log2);
-                    const int w = w0 + (p & (TW - 1));
-                    if (h < H && w < W) {
-                        const f16* r = res + ((static_cast<long long>(img) * H + h) * W + w) * ldr + k;
-                        if (k + 1 < K) {  // k is even and ldr even: one aligned 4-byte read
-                            const u32 pair = *reinterpret_cast<const u32*>(r);
-                            v0 += f16_bits_to_f32(static_cast<f16>(pair & 0xffffu));
-                            v1 += f16_bits_to_f32(static_cast<f16>(pair >> 16));
-                        } else {
-                            v0 += f16_bits_to_f32(*r);
-                        }
-                    }
-                }
-                if (relu) {
-                    v0 = fmaxf(v0, 0.f);
-                    v1 = fmaxf(v1, 0.f);
-                }
-                *reinterpret_cast<u32*>(tile + (row + 8 * half) * CF::EPI_PITCH + col) = pack_f16x2(v0, v1);
-            }
-        }
-    }
+    // Without a residual the epilogue is the plain one: with the residual's code in its loop, the
+    // compiler's schedule cost 10-20% at N=8 (bench/wgmma/ab.py on the H200).
+    const int p0 = g * CF::MT * 64 + 16 * wl + (lane >> 2);  // the first tile pixel of this thread's rows
+    if (res == nullptr)
+        stage_tile<CF, false>(acc, tile, bias, res, K, n0, lane, wl, p0, img, H, W, h0, w0, tw_log2, ldr, relu);
+    else
+        stage_tile<CF, true>(acc, tile, bias, res, K, n0, lane, wl, p0, img, H, W, h0, w0, tw_log2, ldr, relu);
     if (g == 0)
         named_barrier<2, 128>();
     else
