@@ -252,6 +252,16 @@ def test_a_model_replica_takes_a_jpeg_as_its_bytes(app: str, reference, rng) -> 
 def test_concurrent_requests_are_batched_on_the_replicas(app: str, reference, rng) -> None:
     images = [_png(rng, 64, 64) for _ in range(12)]
     ok = 'dualtrack_requests_total{code="200",endpoint="/v1/segment"}'
+    # Batches of earlier tests (some call the replicas directly) may still be on their way to the
+    # registry (flushed every FLUSH_S): start from a count that has stopped moving.
+    seen: list[float] = []
+
+    def quiet() -> bool:
+        seen.append(_sample(httpx.get(f"{app}/metrics").text, "dualtrack_batch_size_sum"))
+        time.sleep(1.0)
+        return len(seen) > 1 and seen[-1] == seen[-2]
+
+    until(quiet, "the replicas' earlier batches to reach /metrics", 60)
     text = httpx.get(f"{app}/metrics").text
     before, rows_before = _sample(text, ok), _sample(text, "dualtrack_batch_size_sum")
     with ThreadPoolExecutor(len(images)) as pool:
