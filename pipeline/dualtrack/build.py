@@ -72,7 +72,7 @@ def track_a_stems(plan: Plan, ptx_arch: str, use_tma: bool = True) -> list[str]:
     an arch with the copy engine), it is built for ``ptx_arch`` (compute_90a only) and at least one
     conv of the plan passes its shape checks (``Conv3x3WgmmaSpec.supported`` with the plan's channel
     strides; pointers are checked at launch), or a general conv that it can take
-    (``ConvGeneralSpec.hopper_choice``: 3x3 stride 1). Which conv runs which kernel is decided at launch."""
+    (``ConvGeneralSpec.call_choice``: 3x3 stride 1). Which conv runs which kernel is decided at launch."""
     stems = {kernels.KERNELS[c.op].source for s in plan.segments for c in s.calls if c.op not in ALIAS_OPS}
     wgmma = kernels.CONV3X3_WGMMA
     general = kernels.KERNELS["conv"]
@@ -80,8 +80,7 @@ def track_a_stems(plan: Plan, ptx_arch: str, use_tma: bool = True) -> list[str]:
 
     def general_takes(layer: ConvLayer) -> bool:
         assert layer.call is not None
-        geom = kernels.ConvGeometry.from_call(layer.call)
-        return general.hopper_choice(layer.problem, geom, layer.call.attr("act"), wgmma_off=None)[0] is not None
+        return general.call_choice(layer.call, layer.problem, wgmma_off=None) is not None
 
     on_target = use_tma and ptx_arch in wgmma.ptx_arches
     if on_target and (

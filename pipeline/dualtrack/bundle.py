@@ -32,7 +32,7 @@ import onnx
 from onnx import numpy_helper
 
 from dualtrack.errors import BundleError
-from dualtrack.kernels import CONV3X3_WGMMA, KERNELS, ConvGeneralSpec, ConvGeometry, choose_conv3x3
+from dualtrack.kernels import CONV3X3_WGMMA, KERNELS, ConvGeneralSpec, choose_conv3x3
 from dualtrack.kernels.problems import conv_layers
 from dualtrack.manifest import Manifest, Target
 from dualtrack.partition import attach_initializers
@@ -198,7 +198,7 @@ class Bundle:
         kernel where the target's image has it and takes the shape (pointers assumed aligned, as
         planned buffers are), else the tuned or heuristic mma.sync entry. What did run on a device:
         the engine's ``backend.stats.conv3x3``. The general conv's 3x3 stride-1 calls that the wgmma
-        kernel takes (``ConvGeneralSpec.hopper_choice``) are listed too; its other calls are not."""
+        kernel takes (``ConvGeneralSpec.call_choice``) are listed too; its other calls are not."""
         image = self.track_a.get("ptx", {}).get(target.track_a_ptx, {})
         off = None if CONV3X3_WGMMA.stem in image else f"not in the {target.track_a_ptx} PTX"
         tuned = self.tuned_calls(target.cc_tuple)
@@ -208,8 +208,7 @@ class Bundle:
         for layer in conv_layers(self.plan, ops=("conv3x3", "conv")):
             assert layer.call is not None
             if layer.call.op == "conv":
-                geom = ConvGeometry.from_call(layer.call)
-                choice, _ = general.hopper_choice(layer.problem, geom, layer.call.attr("act"), wgmma_off=off)
+                choice = general.call_choice(layer.call, layer.problem, wgmma_off=off)
                 if choice is not None:
                     out.append((layer, choice))
                 continue

@@ -262,6 +262,12 @@ class ConvGeneralSpec(KernelSpec):
         choice = hopper.choice(p)
         return choice, choice.reason
 
+    def call_choice(self, call: KernelCall, p: ConvProblem, *, wgmma_off: str | None) -> ConvChoice | None:
+        """:meth:`hopper_choice` of a plan call on launch shape ``p`` (its geometry and activation from
+        the call's attributes; pointers assumed aligned, as planned buffers are): what the build and
+        the bundle's report ask before there are tensors."""
+        return self.hopper_choice(p, ConvGeometry.from_call(call), call.attr("act"), wgmma_off=wgmma_off)[0]
+
     # --- what the kernel computes -----------------------------------------------------------------
 
     def supports(

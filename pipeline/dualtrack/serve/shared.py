@@ -570,7 +570,7 @@ class EngineClient(QueueState[EngineInfo]):
         expected = tuple(info.input_spec.shape[1:])
         if image.shape != expected or image.dtype != np.uint8:
             raise InputError(f"image is {image.dtype}{list(image.shape)}, the engine takes uint8{list(expected)}")
-        return self._queue(lambda rid, slot: RunRequest(rid, slot), lambda view: view.__setitem__(..., image), expected)
+        return self._queue(lambda rid, slot: RunRequest(rid, slot), lambda view: np.copyto(view, image), expected)
 
     def submit_jpeg(self, jpeg: imaging.GpuJpeg) -> Future[BatchResult]:
         """Queue one JPEG that :func:`dualtrack.imaging.route_jpeg` gave the GPU (its bytes copied into
@@ -589,7 +589,7 @@ class EngineClient(QueueState[EngineInfo]):
         data = np.frombuffer(jpeg.data, np.uint8)
         return self._queue(
             lambda rid, slot: RunJpeg(rid, slot, n, jpeg.stored, jpeg.orientation),
-            lambda view: view.__setitem__(..., data),
+            lambda view: np.copyto(view, data),
             (n,),
         )
 
