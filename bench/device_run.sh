@@ -98,6 +98,11 @@ for step in $steps; do
         --variant "w4_gpu=--workers 4 --max-batch-delay-ms 8" --variant "w8_gpu=--workers 8 --max-batch-delay-ms 8" \
         --variant "w4_cpu=--workers 4 --max-batch-delay-ms 8 --jpeg-decoder cpu" --variant "one_gpu=--max-batch-delay-ms 8" \
         --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_gpu.log" ;;
+    decode)
+      # Not in the default steps (issue 15): the engine process's batch cycle with the GPU JPEG decoder,
+      # without HTTP (bench/decode_probe.py): the decode alone per nvImageCodec backend set, the batcher
+      # under in-process clients (JPEGs and pixels), and a CUPTI kernel table. Needs nvImageCodec in /tmp/site.
+      python3 bench/decode_probe.py --bundle $C/unet --jpg $C/sample.jpg --out "$OUT" --kernels 2>&1 | tee "$OUT/decode_probe.log" ;;
     serve)
       # The service (uvloop, httptools from .whl/, one image thread per core) under 16 clients for 15 s
       # each: PNG in -> mask PNG out, JPEG in -> JSON out, a 64x64 JPEG in -> JSON out, then PNG -> PNG,

@@ -35,6 +35,7 @@ from dualtrack.imaging import GpuJpeg
 from dualtrack.runtime.driver import Context, Kernel, Module, Stream
 
 DECODERS = ("gpu", "cpu")
+GPU_BACKENDS = ("HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU")  # nvImageCodec's BackendKinds that decode on the GPU
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,14 @@ class Decoded:
 class GpuJpegDecoder:
     """nvImageCodec's decoder on one device plus the resize kernel, for one engine's context."""
 
-    def __init__(self, ctx: Context, *, jit_cache: Path | None = None, nvimgcodec: Any = None) -> None:
+    def __init__(
+        self,
+        ctx: Context,
+        *,
+        jit_cache: Path | None = None,
+        nvimgcodec: Any = None,
+        backends: tuple[str, ...] = ("HW_GPU_ONLY", "GPU_ONLY"),
+    ) -> None:
         if nvimgcodec is None:
             nvimgcodec, why = probe_library()
             if why is not None:
@@ -93,11 +101,14 @@ class GpuJpegDecoder:
         self.nv = nvimgcodec
         self.ctx = ctx
         device = ctx.device
-        # GPU backends only: with every backend allowed, a missing nvJPEG silently falls back to
-        # nvImageCodec's own CPU decoder, which would call itself GPU decode here.
-        kinds = (nvimgcodec.BackendKind.HW_GPU_ONLY, nvimgcodec.BackendKind.GPU_ONLY)
-        backends = [nvimgcodec.Backend(kind) for kind in kinds]
-        self.decoder = nvimgcodec.Decoder(device_id=device.index, backends=backends)
+        # GPU backends only (``backends``: BackendKind names, in order; bench/decode_probe.py times
+        # each): with every backend allowed, a missing nvJPEG silently falls back to nvImageCodec's
+        # own CPU decoder, which would call itself GPU decode here.
+        if not backends or any(b not in GPU_BACKENDS for b in backends):
+            raise ValueError(f"backends must be some of {GPU_BACKENDS}, got {backends}")
+        self.backends = backends
+        kinds = [nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, b)) for b in backends]
+        self.decoder = nvimgcodec.Decoder(device_id=device.index, backends=kinds)
         # The orientation is applied by the resize kernel, from the EXIF Pillow read (route_jpeg):
         # one reading of the EXIF for both paths.
         self.params = nvimgcodec.DecodeParams(

@@ -1,0 +1,315 @@
+"""Where the engine process's time goes with the GPU JPEG decoder, without HTTP in front (issue 15).
+
+The service's rate is bounded by the engine process's batch cycle (take a batch, decode and stage
+it, launch it, answer it) and by the requests' transit around it. This measures the first alone,
+in one process, on the reference bundle:
+
+1. the engine alone at the largest batch: ``Engine.run`` from a host array, mask out (the issue's
+   reference rate) and ``stage``/``launch`` back to back (the overlapped path the batcher uses);
+2. nvImageCodec's decode of one batch of JPEGs into the batch's device rows
+   (``GpuJpegDecoder.decode_into``, resize included), for each set of nvImageCodec backends: the
+   host time of the call and the stream time to its end (CUDA events), alone on the GPU;
+3. the batcher (``serve.batcher.Batcher``, the one the service runs) under T closed-loop client
+   threads submitting pre-routed JPEGs (``submit_jpeg``) or decoded pixels (``submit``), for each
+   decoder backend set: images/s, rows per batch, and per batch the time spent in ``stage`` (the
+   decode and upload, on the batcher thread) and from launch to answer;
+4. with ``--kernels``, every kernel of a few seconds of (3) by name (torch.profiler's CUPTI trace):
+   what the decode puts on the SMs beside the engine.
+
+    python bench/decode_probe.py --bundle .carry/unet --jpg .carry/sample.jpg --out DIR [--kernels]
+
+Writes decode_probe-<commit>.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench as common  # noqa: E402  (bench/bench.py: git, GPU name)
+
+
+def _median(xs: list[float]) -> float:
+    return round(statistics.median(xs), 4) if xs else float("nan")
+
+
+def engine_alone(engine: Any, batch: int, iters: int) -> dict[str, Any]:
+    x = engine.host_array(batch)
+    x[...] = np.random.default_rng(0).integers(0, 255, size=x.shape, dtype=np.uint8)
+    for _ in range(5):
+        engine.run(x, outputs=("mask",))
+    run_ms = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        engine.run(x, outputs=("mask",))
+        run_ms.append((time.perf_counter() - t) * 1e3)
+    # stage / launch with one batch in flight behind the one collected: the batcher's pattern
+    subs = [engine.launch(engine.stage(x), outputs=("mask",))]
+    t = time.perf_counter()
+    for _ in range(iters):
+        subs.append(engine.launch(engine.stage(x), outputs=("mask",)))
+        subs.pop(0).result()
+    subs.pop(0).result()
+    overlapped = (time.perf_counter() - t) * 1e3 / iters
+    return {
+        "batch": batch,
+        "run_host_array_ms": _median(run_ms),
+        "run_img_s": round(batch / statistics.median(run_ms) * 1e3, 1),
+        "stage_launch_ms": round(overlapped, 4),
+        "stage_launch_img_s": round(batch / overlapped * 1e3, 1),
+    }
+
+
+def decode_alone(engine: Any, jpeg: Any, batch: int, backends: tuple[str, ...], iters: int) -> dict[str, Any]:
+    from dualtrack.runtime.driver import Event, Stream
+    from dualtrack.runtime.gpu_jpeg import GpuJpegDecoder
+
+    be = engine.backend
+    be.ctx.make_current()
+    _, h, w, _ = engine.input_spec.shape
+    stream = Stream(be.ctx)
+    buf = be.pool.alloc(batch * h * w * 3, stream)
+    dec = GpuJpegDecoder(be.ctx, backends=backends)
+    rows = dict.fromkeys(range(batch), jpeg)
+    e0, e1 = Event(be.ctx), Event(be.ctx)
+    host_ms, gpu_ms, wall_ms = [], [], []
+    try:
+        for i in range(iters + 3):
+            t = time.perf_counter()
+            e0.record(stream)
+            out = dec.decode_into(stream, rows, buf.ptr, h, w)
+            t1 = time.perf_counter()
+            e1.record(stream)
+            e1.synchronize()
+            t2 = time.perf_counter()
+            if out.refused:
+                return {"backends": list(backends), "error": f"refused rows: {out.refused}"}
+            if i >= 3:
+                host_ms.append((t1 - t) * 1e3)
+                wall_ms.append((t2 - t) * 1e3)
+                gpu_ms.append(e0.elapsed_ms(e1))
+            out.keepalive.clear()
+    finally:
+        buf.close(stream)
+        stream.synchronize()
+        e0.close()
+        e1.close()
+        stream.close()
+    return {
+        "backends": list(backends),
+        "batch": batch,
+        "host_call_ms": _median(host_ms),
+        "stream_ms": _median(gpu_ms),
+        "wall_ms": _median(wall_ms),
+    }
+
+
+class _Timed:
+    """Wraps the engine's stage and launch to time them per batch (the batcher calls them)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.stage_ms: list[float] = []
+        self.launch_ms: list[float] = []
+        self._stage, self._launch = engine.stage, engine.launch
+        engine.stage, engine.launch = self.stage, self.launch
+
+    def stage(self, *a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return self._stage(*a, **k)
+        finally:
+            self.stage_ms.append((time.perf_counter() - t) * 1e3)
+
+    def launch(self, *a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return self._launch(*a, **k)
+        finally:
+            self.launch_ms.append((time.perf_counter() - t) * 1e3)
+
+    def restore(self) -> None:
+        self.engine.stage, self.engine.launch = self._stage, self._launch
+
+
+def batcher_load(
+    engine: Any, what: str, payload: Any, clients: int, seconds: float, backends: tuple[str, ...], delay_ms: float,
+    profile: Any = None,
+) -> dict[str, Any]:  # fmt: skip
+    from dualtrack.runtime import gpu_jpeg
+    from dualtrack.serve.batcher import Batcher, Phase
+
+    batches: list[tuple[int, float, float]] = []  # rows, run ms, mean queue ms
+
+    def on_batch(results: list[Any]) -> None:
+        batches.append((results[0].batch_size, results[0].run_ms, statistics.fmean(r.queue_ms for r in results)))
+
+    # The decoder the batcher opens: the same module function, with these backends.
+    original = gpu_jpeg.GpuJpegDecoder
+    gpu_jpeg.GpuJpegDecoder = lambda ctx, **k: original(ctx, **k, backends=backends)  # type: ignore[misc]
+    batcher = Batcher(engine, max_batch_delay_s=delay_ms / 1e3, max_queue=4096, device="cuda", on_batch=on_batch)
+    batcher.start()
+    try:
+        while batcher.phase in (Phase.LOADING, Phase.WARMING):
+            time.sleep(0.05)
+        if batcher.phase is not Phase.READY:
+            return {"error": batcher.error}
+        if what == "jpeg" and batcher.decoder[0] != "gpu":
+            return {"error": f"decoder is {batcher.decoder}"}
+        submit = (lambda: batcher.submit_jpeg(payload)) if what == "jpeg" else (lambda: batcher.submit(payload))
+        stop = threading.Event()
+        done = [0] * clients
+        lat: list[list[float]] = [[] for _ in range(clients)]
+
+        def client(i: int) -> None:
+            while not stop.is_set():
+                t = time.perf_counter()
+                submit().result()
+                lat[i].append((time.perf_counter() - t) * 1e3)
+                done[i] += 1
+
+        timed = _Timed(engine)
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+        for th in threads:
+            th.start()
+        time.sleep(1.0)  # ramp
+        n0, b0, s0, l0 = sum(done), len(batches), len(timed.stage_ms), len(timed.launch_ms)
+        t0 = time.perf_counter()
+        if profile is not None:
+            kernels = profile(lambda: time.sleep(seconds))
+        else:
+            kernels = None
+            time.sleep(seconds)
+        elapsed = time.perf_counter() - t0
+        n1, b1 = sum(done), len(batches)
+        stop.set()
+        for th in threads:
+            th.join()
+        timed.restore()
+        window = batches[b0:b1]
+        every = [x for lx in lat for x in lx]
+        out = {
+            "what": what,
+            "backends": list(backends) if what == "jpeg" else None,
+            "clients": clients,
+            "img_s": round((n1 - n0) / elapsed, 1),
+            "latency_ms": {"p50": _median(every), "p99": round(float(np.percentile(every, 99)), 3)},
+            "batches_per_s": round((b1 - b0) / elapsed, 1),
+            "mean_rows": round(statistics.fmean(b[0] for b in window), 3) if window else 0,
+            "run_ms": _median([b[1] for b in window]),
+            "queue_ms": _median([b[2] for b in window]),
+            "stage_ms": _median(timed.stage_ms[s0:]),
+            "launch_ms": _median(timed.launch_ms[l0:]),
+        }
+        if kernels is not None:
+            out["kernels_per_batch"] = {k: round(v / max(b1 - b0, 1), 2) for k, v in kernels.items()}
+        return out
+    finally:
+        batcher.close(30)
+        gpu_jpeg.GpuJpegDecoder = original  # type: ignore[misc]
+
+
+def cupti_profile(fn: Any) -> dict[str, float]:
+    """GPU microseconds by kernel name (memcpy too) while ``fn`` runs, from torch.profiler."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+    per: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            per[ev.name[:60]] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    return dict(sorted(per.items(), key=lambda kv: -kv[1])[:20])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bundle", type=Path, required=True)
+    ap.add_argument("--jpg", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--clients", type=int, nargs="+", default=[16, 32])
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--delay-ms", type=float, default=8.0)
+    ap.add_argument("--backends", nargs="+", default=["HW_GPU_ONLY,GPU_ONLY", "HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU"])
+    ap.add_argument("--kernels", action="store_true", help="a CUPTI kernel table of the batcher run (needs torch)")
+    args = ap.parse_args()
+
+    from dualtrack import imaging
+    from dualtrack.kernels import RESIZE_RGB
+    from dualtrack.runtime.engine import Engine
+
+    gpu, driver = common.gpu_and_driver()
+    commit = os.environ.get("DUALTRACK_COMMIT") or common._git("rev-parse", "--short", "HEAD") or "unknown"
+    if args.kernels:
+        import torch
+
+        torch.cuda.init()
+    engine = Engine.load(args.bundle, device="cuda")
+    engine.warmup()
+    _, h, w, _ = engine.input_spec.shape
+    batch = max(engine.batch_sizes)
+    data = args.jpg.read_bytes()
+    jpeg = imaging.route_jpeg(data, h, w, max_downscale=RESIZE_RGB.max_downscale)
+    if isinstance(jpeg, str):
+        raise SystemExit(f"{args.jpg} does not go to the GPU decoder: {jpeg}")
+    pixels = imaging.load_for_model(data, h, w).pixels
+    sets = [tuple(s.split(",")) for s in args.backends]
+    report: dict[str, Any] = {"commit": commit, "gpu": gpu, "driver": driver, "jpeg_bytes": len(data)}
+    report["engine"] = engine_alone(engine, batch, 100)
+    print("engine alone", report["engine"], flush=True)
+    report["decode"] = []
+    for s in sets:
+        try:
+            row = decode_alone(engine, jpeg, batch, s, 30)
+        except Exception as err:  # a backend set nvImageCodec refuses here: say so, go on
+            row = {"backends": list(s), "error": f"{type(err).__name__}: {err}"}
+        report["decode"].append(row)
+        print("decode", row, flush=True)
+    report["batcher"] = []
+    for clients in args.clients:
+        row = batcher_load(engine, "pixels", pixels, clients, args.seconds, (), args.delay_ms)
+        report["batcher"].append(row)
+        print("batcher", row, flush=True)
+        for s in sets:
+            try:
+                row = batcher_load(engine, "jpeg", jpeg, clients, args.seconds, s, args.delay_ms)
+            except Exception as err:
+                row = {"what": "jpeg", "backends": list(s), "clients": clients, "error": f"{type(err).__name__}: {err}"}
+            report["batcher"].append(row)
+            print("batcher", row, flush=True)
+    if args.kernels:
+        for what, payload in (("jpeg", jpeg), ("pixels", pixels)):
+            row = batcher_load(engine, what, payload, max(args.clients), 2.0, sets[0], args.delay_ms, cupti_profile)
+            report.setdefault("kernels", []).append(row)
+            print("kernels", json.dumps(row, indent=1), flush=True)
+    engine.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"decode_probe-{commit}.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"\n{'what':8} {'backends':26} {'clients':>7} {'img/s':>8} {'rows':>5} {'stage':>7} {'launch':>7} {'run':>7}")
+    for r in report["batcher"]:
+        if "error" in r:
+            print(f"{r.get('what', ''):8} {','.join(r.get('backends') or []):26} error: {r['error']}")
+            continue
+        print(
+            f"{r['what']:8} {','.join(r['backends'] or ['-']):26} {r['clients']:>7} {r['img_s']:>8} "
+            f"{r['mean_rows']:>5} {r['stage_ms']:>7} {r['launch_ms']:>7} {r['run_ms']:>7}"
+        )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
