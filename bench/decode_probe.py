@@ -243,7 +243,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, nargs="+", default=[16, 32])
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--delay-ms", type=float, default=8.0)
-    ap.add_argument("--backends", nargs="+", default=["HW_GPU_ONLY,GPU_ONLY", "HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU"])
+    sets = ["HW_GPU_ONLY,GPU_ONLY", "HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU"]
+    ap.add_argument("--backends", nargs="+", default=sets, help="nvImageCodec backend sets, comma-separated")
     ap.add_argument("--kernels", action="store_true", help="a CUPTI kernel table of the batcher run (needs torch)")
     args = ap.parse_args()
 
