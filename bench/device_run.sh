@@ -94,15 +94,18 @@ for step in $steps; do
       # to travel with the rest, installed into /tmp/site by an earlier call of this warm machine), the
       # same with --jpeg-decoder cpu, and one process with the GPU decoder.
       python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
-        --only-variants --cases jpeg_in_json_out png_in_png_out --tag gpu_decode \
+        --only-variants --cases jpeg_in_json_out jpeg_in_png_out png_in_png_out --tag gpu_decode --duration-s "${SERVE_S:-10}" \
         --variant "w4_gpu=--workers 4 --max-batch-delay-ms 8" --variant "w8_gpu=--workers 8 --max-batch-delay-ms 8" \
-        --variant "w4_cpu=--workers 4 --max-batch-delay-ms 8 --jpeg-decoder cpu" --variant "one_gpu=--max-batch-delay-ms 8" \
+        --variant "w4_cpu=--workers 4 --max-batch-delay-ms 8 --jpeg-decoder cpu" \
         --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_gpu.log" ;;
     decode)
       # Not in the default steps (issue 15): the engine process's batch cycle with the GPU JPEG decoder,
       # without HTTP (bench/decode_probe.py): the decode alone per nvImageCodec backend set, the batcher
       # under in-process clients (JPEGs and pixels), and a CUPTI kernel table. Needs nvImageCodec in /tmp/site.
-      python3 bench/decode_probe.py --bundle $C/unet --jpg $C/sample.jpg --out "$OUT" --kernels 2>&1 | tee "$OUT/decode_probe.log" ;;
+      python3 bench/decode_probe.py --bundle $C/unet --jpg $C/sample.jpg --out "$OUT" ${DECODE_ARGS:---kernels} 2>&1 | tee "$OUT/decode_probe.log" ;;
+    decode_test)
+      # The GPU JPEG path's GPU tests alone (tests/gpu/test_gpu_decode_gpu.py; needs nvImageCodec in /tmp/site).
+      DUALTRACK_TEST_BUNDLE=$PWD/$C/tiny python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_decode_gpu.py 2>&1 | tee "$OUT/gpu-test-decode.log" | tail -15 ;;
     serve)
       # The service (uvloop, httptools from .whl/, one image thread per core) under 16 clients for 15 s
       # each: PNG in -> mask PNG out, JPEG in -> JSON out, a 64x64 JPEG in -> JSON out, then PNG -> PNG,

@@ -1,10 +1,12 @@
 """The GPU JPEG path and the overlapped engine path as pure logic, with no GPU: which decoder runs,
-which JPEGs the GPU takes, the resize kernel's numpy reference against Pillow, the slot ring."""
+which JPEGs the GPU takes, the resize kernel's numpy reference against Pillow, the slot ring, the
+decode-ahead thread's order and bound (with Pillow decoding for it)."""
 
 from __future__ import annotations
 
 import io
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from dualtrack import imaging
 from dualtrack.errors import InputError
 from dualtrack.kernels import RESIZE_RGB
 from dualtrack.kernels.resize_rgb import oriented
-from dualtrack.runtime.gpu_jpeg import choose_decoder
+from dualtrack.runtime.gpu_jpeg import JpegPrefetcher, choose_decoder
 from dualtrack.runtime.overlap import SlotRing, SlotState, rows_to_upload
 
 TRANSPOSES = {
@@ -181,3 +183,97 @@ def test_an_abandoned_stage_passes_its_launch_turn_on() -> None:
     ring.staged(b)
     ring.begin_launch(b)
     assert ring.states == [SlotState.FREE, SlotState.RUNNING]
+
+
+# --- the decode-ahead thread (JpegPrefetcher), with Pillow as its decoder ---------------------------
+
+
+class _PillowDecodes:
+    """A JpegPrefetcher decoder: Pillow's pixels per JPEG, each call's size recorded; ``gate``
+    (when set) holds every call until the test opens it."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, jpegs: list[imaging.GpuJpeg]) -> list[object]:
+        self.gate.wait(10)
+        self.calls.append(len(jpegs))
+        return [np.asarray(Image.open(io.BytesIO(j.data)).convert("RGB")) for j in jpegs]
+
+
+def _routed(rng: np.random.Generator, n: int) -> list[imaging.GpuJpeg]:
+    out = []
+    for _ in range(n):
+        route = imaging.route_jpeg(_jpeg(rng, 40, 30), 64, 64, max_downscale=8)
+        assert isinstance(route, imaging.GpuJpeg)
+        out.append(route)
+    return out
+
+
+def _wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_the_prefetcher_decodes_each_jpeg_once_in_order_in_calls_of_at_most_its_batch(rng) -> None:
+    decodes = _PillowDecodes()
+    decodes.gate.clear()  # the first call waits: the others queue behind it
+    prefetch = JpegPrefetcher(decodes, ahead=16, most_per_call=3)
+    try:
+        jpegs = _routed(rng, 7)
+        tickets = [prefetch.add(j) for j in jpegs]
+        decodes.gate.set()
+        for ticket, jpeg in zip(tickets, jpegs, strict=True):
+            np.testing.assert_array_equal(prefetch.take(ticket), np.asarray(Image.open(io.BytesIO(jpeg.data))))
+        assert sum(decodes.calls) == 7 and max(decodes.calls) <= 3
+        for ticket in tickets:
+            prefetch.release(ticket)
+            assert ticket.image is None and ticket.state == "released"
+    finally:
+        prefetch.close()
+
+
+def test_the_prefetcher_holds_at_most_ahead_pictures_but_serves_a_waiting_stager_first(rng) -> None:
+    decodes = _PillowDecodes()
+    prefetch = JpegPrefetcher(decodes, ahead=2, most_per_call=8)
+    try:
+        tickets = [prefetch.add(j) for j in _routed(rng, 6)]
+        _wait_until(lambda: sum(decodes.calls) == 2)
+        time.sleep(0.05)
+        assert sum(decodes.calls) == 2  # the bound: two pictures held, four JPEGs still bytes
+        assert [t.state for t in tickets] == ["decoded"] * 2 + ["queued"] * 4
+        assert isinstance(prefetch.take(tickets[3]), np.ndarray)  # past the bound: a stager waits for it
+        prefetch.release(tickets[0])
+        prefetch.release(tickets[4])  # withdrawn before its decode: never decoded
+        for t in tickets[1:4]:
+            prefetch.release(t)
+        _wait_until(lambda: tickets[5].state == "decoded")  # room again: the next in line
+        prefetch.release(tickets[5])
+        assert sum(decodes.calls) == 5 and tickets[4].image is None
+    finally:
+        prefetch.close()
+
+
+def test_a_failed_decode_refuses_its_jpegs_and_close_frees_what_is_held(rng) -> None:
+    def broken(jpegs: list[imaging.GpuJpeg]) -> list[object]:
+        raise RuntimeError("decoder lost")
+
+    prefetch = JpegPrefetcher(broken, ahead=4, most_per_call=4)
+    ticket = prefetch.add(_routed(rng, 1)[0])
+    why = prefetch.take(ticket)
+    assert isinstance(why, str) and "decoder lost" in why
+    prefetch.close()
+
+    decodes = _PillowDecodes()
+    prefetch = JpegPrefetcher(decodes, ahead=1, most_per_call=4)
+    held, queued = (prefetch.add(j) for j in _routed(rng, 2))
+    _wait_until(lambda: held.state == "decoded")
+    prefetch.close()
+    assert held.image is None and held.state == "released"
+    assert prefetch.take(queued) == "the GPU decoder is shutting down"  # never decoded: the CPU path takes it
+    late = prefetch.add(_routed(rng, 1)[0])
+    assert prefetch.take(late) == "the GPU decoder is shutting down"

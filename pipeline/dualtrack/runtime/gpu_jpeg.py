@@ -23,8 +23,11 @@ bundle ships it), loaded through the driver chokepoint with the JIT cache.
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping
-from dataclasses import dataclass
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +124,8 @@ class GpuJpegDecoder:
             ctx, path.read_bytes(), kind="ptx", origin=str(path), target=choice.arch, cache_dir=jit_cache
         )
         self.kernel: Kernel = module.function(spec.stem)
+        with ctx.push_current():
+            self.stream = Stream(ctx)  # decode_now's
         self._check_decodes()
 
     def _check_decodes(self) -> None:
@@ -135,38 +140,41 @@ class GpuJpegDecoder:
                 "nvImageCodec's GPU backends decode no JPEG here (nvJPEG missing? pip install nvidia-nvjpeg)"
             )
 
-    def decode_into(self, stream: Stream, rows: Mapping[int, GpuJpeg], dst: int, height: int, width: int) -> Decoded:
-        """Decode ``rows`` (batch row -> JPEG) on ``stream`` and resize each into row ``r`` of the
-        uint8 NHWC device tensor at ``dst`` (``height x width x 3`` per row). Returns the rows
-        written and those nvImageCodec refused (decode them on the CPU); nothing is waited for."""
-        order = sorted(rows)
-        streams = [self.nv.CodeStream(rows[r].data) for r in order]
+    def decode(self, stream: Stream, jpegs: Sequence[GpuJpeg]) -> tuple[list[Any], list[Any]]:
+        """Decode ``jpegs`` on ``stream``: per JPEG, nvImageCodec's image (ready in ``stream``'s
+        order; hold it until the stream has passed its last reader) or, as a ``str``, why it was
+        refused (decode that one on the CPU); and what else to hold until ``stream`` has passed the
+        decode (the code streams it reads)."""
+        streams = [self.nv.CodeStream(j.data) for j in jpegs]
         images = self.decoder.decode(streams, params=self.params, cuda_stream=int(stream.handle))
-        out = Decoded(set(), {}, [streams])
-        for r, image in zip(order, images, strict=True):
+        out: list[Any] = []
+        for jpeg, image in zip(jpegs, images, strict=True):
             if image is None:
-                out.refused[r] = "nvImageCodec could not decode it"
-                continue
-            why = self._resize(stream, image, rows[r], dst + r * height * width * 3, height, width)
-            if why is None:
-                out.written.add(r)
-                out.keepalive.append(image)
+                out.append("nvImageCodec could not decode it")
             else:
-                out.refused[r] = why
-        return out
+                why = _unusable(image, jpeg)
+                out.append(image if why is None else why)
+        return out, streams
 
-    def _resize(self, stream: Stream, image: Any, jpeg: GpuJpeg, dst: int, height: int, width: int) -> str | None:
+    def decode_now(self, jpegs: list[GpuJpeg]) -> list[Any]:
+        """:meth:`decode` on this decoder's own stream, waiting for it: complete pictures (what
+        :class:`JpegPrefetcher` runs on its thread, off every request's path)."""
+        results, streams = self.decode(self.stream, jpegs)
+        self.stream.synchronize()
+        del streams
+        return results
+
+    def close(self) -> None:
+        """Destroy the decoder's stream (its pictures must be gone first); idempotent."""
+        self.stream.close()
+
+    def resize_into(self, stream: Stream, image: Any, jpeg: GpuJpeg, dst: int, height: int, width: int) -> None:
+        """Resize (and orient) a decoded ``image`` into the ``height x width x 3`` uint8 row at ``dst``,
+        on ``stream``: the image must stay alive until ``stream`` has passed this."""
         cai = image.__cuda_array_interface__
-        shape = tuple(cai["shape"])
-        if cai["typestr"] != "|u1" or len(shape) != 3 or shape[2] != 3:
-            return f"nvImageCodec gave {cai['typestr']}{list(shape)}, not 8-bit RGB"
-        h, w = shape[0], shape[1]
-        if (w, h) != jpeg.stored:  # the header Pillow read must be the picture decoded
-            return f"nvImageCodec decoded {w}x{h}, the header says {jpeg.stored[0]}x{jpeg.stored[1]}"
+        h, w = cai["shape"][0], cai["shape"][1]
         strides = cai.get("strides")
         pitch = int(strides[0]) if strides else 3 * w
-        if strides and (int(strides[1]) != 3 or int(strides[2]) != 1):
-            return f"nvImageCodec gave strides {strides}, not interleaved RGB"
         spec = kernels.RESIZE_RGB
         args = spec.args(
             src=int(cai["data"][0]), dst=dst, src_w=w, src_h=h, src_pitch=pitch,
@@ -174,7 +182,178 @@ class GpuJpegDecoder:
         )  # fmt: skip
         config = spec.launch(width, height)
         self.kernel.launch(config.grid, config.block, config.shared_bytes, stream, args)
-        return None
+
+    def decode_into(self, stream: Stream, rows: Mapping[int, GpuJpeg], dst: int, height: int, width: int) -> Decoded:
+        """Decode ``rows`` (batch row -> JPEG) on ``stream`` and resize each into row ``r`` of the
+        uint8 NHWC device tensor at ``dst`` (``height x width x 3`` per row). Returns the rows
+        written and those nvImageCodec refused (decode them on the CPU); nothing is waited for."""
+        order = sorted(rows)
+        images, streams = self.decode(stream, [rows[r] for r in order])
+        out = Decoded(set(), {}, [streams])
+        for r, image in zip(order, images, strict=True):
+            if isinstance(image, str):
+                out.refused[r] = image
+                continue
+            self.resize_into(stream, image, rows[r], dst + r * height * width * 3, height, width)
+            out.written.add(r)
+            out.keepalive.append(image)
+        return out
+
+
+def _unusable(image: Any, jpeg: GpuJpeg) -> str | None:
+    """Why a decoded ``image`` cannot be resized as ``jpeg``'s picture (None: it can)."""
+    cai = image.__cuda_array_interface__
+    shape = tuple(cai["shape"])
+    if cai["typestr"] != "|u1" or len(shape) != 3 or shape[2] != 3:
+        return f"nvImageCodec gave {cai['typestr']}{list(shape)}, not 8-bit RGB"
+    if (shape[1], shape[0]) != jpeg.stored:  # the header Pillow read must be the picture decoded
+        return f"nvImageCodec decoded {shape[1]}x{shape[0]}, the header says {jpeg.stored[0]}x{jpeg.stored[1]}"
+    strides = cai.get("strides")
+    if strides and (int(strides[1]) != 3 or int(strides[2]) != 1):
+        return f"nvImageCodec gave strides {strides}, not interleaved RGB"
+    return None
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One JPEG handed to :class:`JpegPrefetcher`: decoded on its thread, taken by the stager."""
+
+    jpeg: GpuJpeg
+    done: threading.Event = field(default_factory=threading.Event)
+    image: Any = None  # nvImageCodec's image once decoded (complete on the GPU: its stream was synchronised)
+    refused: str | None = None  # or why not (the CPU path decides)
+    state: str = "queued"  # queued -> decoding -> decoded -> released (or queued -> released)
+
+
+class JpegPrefetcher:
+    """Decodes the service's JPEGs as they arrive, on a thread and a stream of its own, so that a
+    batch's decode is done (beside the previous batch's compute) by the time the batch is staged.
+
+    Why: decoding a batch when it is staged put ~1 ms of nvJPEG (8 JPEGs, the H200's hardware
+    decoder) and its host wait on the path of every batch: staging took 2.1-2.5 ms against 0.4 ms
+    for pixels (``bench/decode_probe.py``, ``decode_probe-a05bb7c.json``), and under the service's
+    closed loop the GPU waited for it. The JPEGs of a batch arrive over milliseconds; decoding
+    them as they come (as many as are waiting, in one nvImageCodec call) leaves the stager only
+    the resize kernels.
+
+    Bounded: at most ``ahead`` decoded pictures not yet released (each as large as its JPEG's
+    pixels, up to the resize kernel's largest downscale of the model input); more wait in a queue
+    as bytes. A stager that needs a ticket still queued is served first, whatever the bound.
+    Tickets are decoded in the order given; every ticket must be released (its picture
+    freed) once its resize has run or it is dropped, and :meth:`close` frees what is left, before
+    the engine's context goes.
+    """
+
+    def __init__(
+        self,
+        decode: Callable[[list[GpuJpeg]], list[Any]],
+        *,
+        ahead: int,
+        most_per_call: int,
+        on_thread: Callable[[], None] | None = None,
+    ) -> None:
+        """``decode(jpegs)`` returns, per JPEG, its complete picture or why not (a ``str``):
+        :meth:`GpuJpegDecoder.decode_now`. ``on_thread`` runs first on the decode thread (binding
+        the engine's context)."""
+        if ahead < 1 or most_per_call < 1:
+            raise ValueError(f"ahead and most_per_call must be >= 1, got {ahead}, {most_per_call}")
+        self._decode, self._on_thread = decode, on_thread
+        self.ahead, self.most_per_call = ahead, most_per_call
+        self._queue: deque[Ticket] = deque()
+        self._held: set[Ticket] = set()  # decoding or decoded, not released
+        self._wanted: list[Ticket] = []  # tickets a stager waits for
+        self._closing = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._work, name="dualtrack-jpeg", daemon=True)
+        self._thread.start()
+
+    def add(self, jpeg: GpuJpeg) -> Ticket:
+        ticket = Ticket(jpeg)
+        with self._cond:
+            if self._closing:
+                ticket.refused = "the GPU decoder is shutting down"
+                ticket.state = "released"
+                ticket.done.set()
+                return ticket
+            self._queue.append(ticket)
+            self._cond.notify_all()
+        return ticket
+
+    def take(self, ticket: Ticket) -> Any:
+        """The ticket's image, or why it was refused (a ``str``), waiting for its decode if needed."""
+        if not ticket.done.is_set():
+            with self._cond:
+                self._wanted.append(ticket)
+                self._cond.notify_all()
+            try:
+                while not ticket.done.wait(0.5):
+                    if not self._thread.is_alive():
+                        return "the GPU decoder stopped"
+            finally:
+                with self._cond:
+                    self._wanted.remove(ticket)
+        return ticket.refused if ticket.refused is not None else ticket.image
+
+    def release(self, ticket: Ticket) -> None:
+        """Free the ticket's picture (its readers have run) or withdraw it if not decoded yet."""
+        with self._cond:
+            if ticket.state == "queued":
+                with suppress(ValueError):
+                    self._queue.remove(ticket)
+                ticket.done.set()
+            self._held.discard(ticket)
+            ticket.state, ticket.image = "released", None
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop the thread and free every picture not yet released (before the context goes)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        with self._cond:
+            for ticket in (*self._queue, *self._held):
+                ticket.image, ticket.state = None, "released"
+                if ticket.refused is None and not ticket.done.is_set():
+                    ticket.refused = "the GPU decoder is shutting down"
+                ticket.done.set()
+            self._queue.clear()
+            self._held.clear()
+
+    def _urgent(self) -> bool:
+        """A stager waits for a ticket still queued: decode past the bound until it is reached."""
+        return any(t.state == "queued" for t in self._wanted)
+
+    def _work(self) -> None:
+        if self._on_thread is not None:
+            self._on_thread()
+        while True:
+            with self._cond:
+                while not self._closing and not (self._queue and (len(self._held) < self.ahead or self._urgent())):
+                    self._cond.wait()
+                if self._closing:
+                    return
+                room = max(self.ahead - len(self._held), 1 if self._urgent() else 0)
+                n = min(len(self._queue), self.most_per_call, room)
+                jobs = [self._queue.popleft() for _ in range(n)]
+                for ticket in jobs:
+                    ticket.state = "decoding"
+                    self._held.add(ticket)
+            try:
+                results = self._decode([t.jpeg for t in jobs])
+            except Exception as err:  # the CPU path decides each of them
+                results = [f"nvImageCodec failed: {err}"] * len(jobs)
+            with self._cond:
+                for ticket, result in zip(jobs, results, strict=True):
+                    if ticket.state == "decoding":  # not released meanwhile
+                        ticket.state = "decoded"
+                        if isinstance(result, str):
+                            ticket.refused = result
+                            self._held.discard(ticket)
+                        else:
+                            ticket.image = result
+                    ticket.done.set()
+                self._cond.notify_all()
 
 
 def open_decoder(engine: Any, wanted: str, jit_cache: Path | None) -> tuple[DecoderChoice, GpuJpegDecoder | None]:

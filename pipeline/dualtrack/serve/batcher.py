@@ -51,6 +51,7 @@ from dualtrack.errors import BundleError, DualtrackError, InputError
 if TYPE_CHECKING:
     from dualtrack.plan import TensorSpec
     from dualtrack.runtime.engine import Engine
+    from dualtrack.runtime.gpu_jpeg import JpegPrefetcher, Ticket
     from dualtrack.runtime.overlap import Staged, Submission
 
 EngineSource = Union["Engine", str, os.PathLike[str], Callable[[], "Engine"]]
@@ -103,7 +104,7 @@ class _Batch:
     x: np.ndarray  # (largest batch size, H, W, 3): an engine host array, reused by later batches
     requests: list[_Request] = field(default_factory=list)
     copying: int = 0  # rows claimed whose image is still being copied in (by submit, off the lock)
-    jpegs: dict[int, imaging.GpuJpeg] = field(default_factory=dict)  # rows the GPU decodes (submit_jpeg)
+    jpegs: dict[int, Ticket] = field(default_factory=dict)  # rows the GPU decodes (submit_jpeg): their decodes
 
 
 @dataclass
@@ -249,6 +250,7 @@ class Batcher(QueueState["Engine"]):
         self._wanted_decoder = jpeg_decoder
         self.decoder = ("cpu", "the engine is loading")  # (name, reason): which decoder takes JPEGs
         self._jpeg: Any = None  # runtime.gpu_jpeg.GpuJpegDecoder when the decoder is "gpu"
+        self._prefetch: JpegPrefetcher | None = None  # decodes each JPEG as it arrives, with _jpeg
 
     # --- state, read from any thread -------------------------------------------------------------
 
@@ -311,13 +313,16 @@ class Batcher(QueueState["Engine"]):
         """Queue one JPEG that :func:`dualtrack.imaging.route_jpeg` gave the GPU: it is decoded and
         resized on the engine's GPU when its batch is staged (a JPEG nvImageCodec refuses is decoded
         on the CPU then, and fails its future with the CPU path's :class:`InputError` if that refuses
-        it too). Raises as :meth:`submit`, and :class:`NotReadyError` when the decoder is not ``gpu``."""
+        it too). Raises as :meth:`submit`, and :class:`NotReadyError` when the decoder is not ``gpu``.
+        Its decode starts at once, while its batch fills (:class:`~dualtrack.runtime.gpu_jpeg.JpegPrefetcher`)."""
         engine = self._ready_engine()
         if self._jpeg is None:
             raise NotReadyError(f"the JPEG decoder is {self.decoder[0]}: decode on the CPU and call submit()")
         request, batch, row = self._claim_row(engine)
+        assert self._prefetch is not None
+        ticket = self._prefetch.add(jpeg)  # its decode starts now, on the prefetcher's thread
         with self._cond:
-            batch.jpegs[row] = jpeg
+            batch.jpegs[row] = ticket
             batch.copying -= 1
             self._cond.notify()
         return request.future
@@ -388,6 +393,11 @@ class Batcher(QueueState["Engine"]):
             self._set_phase(Phase.CLOSED if not self._error else Phase.FAILED)
             with self._cond:
                 self._spare.clear()  # host arrays die with the engine: drop them first
+            if self._prefetch is not None:
+                self._prefetch.close()  # its pictures and stream, while the context lives
+                self._prefetch = None
+            if self._jpeg is not None:
+                self._jpeg.close()
             self._jpeg = None  # its nvImageCodec decoder and kernel before the engine's context
             gc.collect()  # and anything of theirs that a reference cycle still holds, while the context lives
             if owned:
@@ -400,6 +410,17 @@ class Batcher(QueueState["Engine"]):
 
             choice, self._jpeg = open_decoder(engine, self._wanted_decoder, Settings.from_env().cache_dir / "jit")
             self.decoder = (choice.name, choice.reason)
+            if self._jpeg is not None:
+                from dualtrack.runtime.gpu_jpeg import JpegPrefetcher
+
+                # Two batches of pictures ahead: the one staged next and the one filling behind it.
+                largest = max(engine.batch_sizes)
+                self._prefetch = JpegPrefetcher(
+                    self._jpeg.decode_now,
+                    ahead=2 * largest,
+                    most_per_call=largest,
+                    on_thread=self._jpeg.ctx.make_current,
+                )
         else:
             self.decoder = ("cpu", f"Pillow on the image threads: the engine runs on {engine.device}")
         sys.stderr.write(f"dualtrack serve: JPEG decoder {self.decoder[0]} ({self.decoder[1]})\n")
@@ -439,7 +460,7 @@ class Batcher(QueueState["Engine"]):
     def _stage(self, engine: Engine, batch: _Batch) -> _Staged | None:
         x = batch.x
         live = [i for i, r in enumerate(batch.requests) if r.future.set_running_or_notify_cancel()]
-        jpegs: dict[int, imaging.GpuJpeg] = {}
+        jpegs: dict[int, Ticket] = {}
         for row, i in enumerate(live):
             if i in batch.jpegs:
                 jpegs[row] = batch.jpegs[i]
@@ -447,37 +468,53 @@ class Batcher(QueueState["Engine"]):
                 x[row] = x[i]
         requests = [batch.requests[i] for i in live]
         n = len(requests)
+        prefetch = self._prefetch
         if n == 0:
+            for ticket in batch.jpegs.values():
+                prefetch.release(ticket)  # type: ignore[union-attr]
             return None
         size = padded_batch_size(n, engine.batch_sizes)
         x[n:size] = 0
         failed: set[int] = set()
         fill = None
-        # The decoded pictures stay alive until stage() has synchronised its upload stream, then go
-        # here, on this thread, while the engine's context is alive. (They hung off `fill` itself
-        # before: a cycle that only the garbage collector broke, on whatever thread and whenever,
-        # once after the engine was closed: nvImageCodec freed into a dead context and segfaulted.)
-        held: list[Any] = []
+        # The decoded pictures (the prefetcher's tickets) are released after stage() has
+        # synchronised its upload stream, the resizes' stream, on this thread while the engine's
+        # context is alive; if staging fails after fill queued resizes, that stream is waited for first.
+        used: list[Any] = []
         if jpegs:
+            assert prefetch is not None
             _, height, width, _ = engine.input_spec.shape
 
             def fill(stream: Any, tensor: Any) -> set[int]:
-                decoded = self._jpeg.decode_into(stream, jpegs, tensor.ptr, height, width)
-                for row, why in decoded.refused.items():  # the CPU path decides: pixels or its 400
-                    try:
-                        x[row] = imaging.load_for_model(jpegs[row].data, height, width).pixels
+                used.append(stream)
+                written: set[int] = set()
+                for row, ticket in jpegs.items():
+                    image = prefetch.take(ticket)
+                    if not isinstance(image, str):
+                        self._jpeg.resize_into(
+                            stream, image, ticket.jpeg, tensor.ptr + row * height * width * 3, height, width
+                        )
+                        written.add(row)
+                        continue
+                    try:  # refused by nvImageCodec: the CPU path decides, pixels or its 400
+                        x[row] = imaging.load_for_model(ticket.jpeg.data, height, width).pixels
                     except InputError as err:
-                        _log.info("JPEG refused by nvImageCodec (%s) and by the CPU path: %s", why, err)
+                        _log.info("JPEG refused by nvImageCodec (%s) and by the CPU path: %s", image, err)
                         x[row] = 0
                         failed.add(row)
                         requests[row].future.set_exception(err)
-                held.append(decoded.keepalive)
-                return decoded.written
+                return written
 
+        ok = False
         try:
-            return _Staged(requests, failed, size, engine.stage(x[:size], fill))
+            staged = _Staged(requests, failed, size, engine.stage(x[:size], fill))
+            ok = True
+            return staged
         finally:
-            held.clear()
+            if not ok and used:
+                used[0].synchronize()
+            for ticket in batch.jpegs.values():
+                prefetch.release(ticket)  # type: ignore[union-attr]
 
     def _launch_loop(self, engine: Engine, handoff: queue.Queue[_Staged | None], failure: list[BaseException]) -> None:
         pending: tuple[_Staged, Submission, float] | None = None
