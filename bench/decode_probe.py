@@ -116,6 +116,32 @@ def decode_alone(engine: Any, jpeg: Any, batch: int, backends: tuple[str, ...], 
     }
 
 
+def gil_share(fn: Any, seconds: float = 1.0) -> float:
+    """How much of its lone rate a pure-Python spinner thread keeps while ``fn`` runs in a loop on
+    this thread: ~1 where ``fn`` waits with the GIL released, ~0.5 where it runs Python, ~0 where
+    it holds the GIL in C (every other thread of the process stalls behind it)."""
+    count = [0]
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    th = threading.Thread(target=spin, daemon=True)
+    th.start()
+    time.sleep(0.2)
+    c0, t0 = count[0], time.perf_counter()
+    time.sleep(seconds / 2)
+    alone = (count[0] - c0) / (time.perf_counter() - t0)
+    c0, t0 = count[0], time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+    busy = (count[0] - c0) / (time.perf_counter() - t0)
+    stop.set()
+    th.join()
+    return round(busy / alone, 3)
+
+
 class _Timed:
     """Wraps the engine's stage and launch to time them per batch (the batcher calls them)."""
 
@@ -271,6 +297,18 @@ def main() -> None:
     report: dict[str, Any] = {"commit": commit, "gpu": gpu, "driver": driver, "jpeg_bytes": len(data)}
     report["engine"] = engine_alone(engine, batch, 100)
     print("engine alone", report["engine"], flush=True)
+    from dualtrack.runtime.gpu_jpeg import GpuJpegDecoder
+
+    gil_decoder = GpuJpegDecoder(engine.backend.ctx)
+    x8 = engine.host_array(batch)
+    report["gil_share"] = {
+        "nvimagecodec_decode_now_8": gil_share(lambda: gil_decoder.decode_now([jpeg] * batch)),
+        "engine_run_host_array_8": gil_share(lambda: engine.run(x8, outputs=("mask",))),
+        "sleep_1ms": gil_share(lambda: time.sleep(0.001)),
+    }
+    gil_decoder.close()
+    gil_decoder = None  # nvImageCodec's decoder goes before the engine's context
+    print("GIL share kept by a spinner thread", report["gil_share"], flush=True)
     report["decode"] = []
     for s in sets:
         try:

@@ -49,6 +49,7 @@ from dualtrack.serve.protocol import (
     PhaseChanged,
     Question,
     Refused,
+    Replies,
     RequestObserved,
     RunJpeg,
     RunRequest,
@@ -123,6 +124,28 @@ def test_two_workers_share_batches_and_get_their_own_masks(engine, rng) -> None:
             np.testing.assert_array_equal(r.mask, expected[i])
         assert max(r.batch_size for r in results) == 4, [r.batch_size for r in results]
         assert a.depth == b.depth == 0  # every slot came back
+
+
+def test_answers_ready_together_travel_as_one_replies_message(engine, rng, monkeypatch) -> None:
+    """A batch finishes its rows at once: the engine process's writer sends a worker's answers that
+    are waiting together as one Replies (fewer sends and wake-ups), and each mask still comes back."""
+    sent: list[object] = []
+    send = shared._send_quietly
+
+    def recording(conn: Connection, msg: object) -> bool:
+        sent.append(msg)
+        return send(conn, msg)
+
+    monkeypatch.setattr(shared, "_send_quietly", recording)
+    with hosting(engine, max_batch_delay_ms=500) as host, client_of(host) as a:
+        images = _images(rng, 4)
+        results = [f.result(WAIT_S) for f in [a.submit(x) for x in images]]
+    expected = engine.run(np.stack(images))["mask"]
+    for i, r in enumerate(results):
+        np.testing.assert_array_equal(r.mask, expected[i])
+    answers = [m for m in sent if isinstance(m, Replies | Done)]
+    assert sum(len(m.replies) if isinstance(m, Replies) else 1 for m in answers) == 4
+    assert any(isinstance(m, Replies) for m in answers), [type(m).__name__ for m in answers]
 
 
 def test_cancelled_request_is_withdrawn_and_its_slot_reused(engine, rng) -> None:
@@ -317,6 +340,7 @@ MESSAGES = [
     Done(7, 3, 4, 12.5, 3.25, {"track_a_ms": 1.5, "track_b_ms": 1.75}),
     Failed(8, "queue_full", "request queue is full (1 waiting)"),
     Cancelled(9),
+    Replies((Done(10, 2, 4, 1.0, 2.0, {}), Failed(11, "input", "bad"), Cancelled(12))),
     Answer(10, b"# HELP dualtrack_ready 1 when ready to serve\n"),
     PhaseChanged(Phase.FAILED, "engine failed: out of memory"),
     PhaseChanged(Phase.READY, "", ("gpu", "nvImageCodec (nvJPEG) on the engine's GPU")),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -91,6 +92,12 @@ def _serve_options(command: Callable[..., None]) -> Callable[..., None]:
 @click.option("--autoscale", metavar="MIN..MAX", help="[ray] Let Ray scale the model replicas between MIN and MAX.")
 @click.option("--ingress-replicas", default=1, show_default=True, type=click.IntRange(1), help="[ray] HTTP replicas.")
 @click.option("--ray-address", help="[ray] A running Ray cluster (`ray start`); default: RAY_ADDRESS, else local.")
+@click.option(
+    "--gil-switch-ms",
+    type=click.FloatRange(0.05, 100),
+    help="This process's GIL switch interval (Python's default: 5 ms): how long a thread woken by I/O may "
+    "wait for the one running Python code; docs/performance.md has what it measured.",
+)
 def serve(
     bundle: Path,
     host: str,
@@ -103,6 +110,7 @@ def serve(
     autoscale: str | None,
     ingress_replicas: int,
     ray_address: str | None,
+    gil_switch_ms: float | None,
     **settings: Any,
 ) -> None:
     """Serve BUNDLE over HTTP: POST /v1/segment, /healthz, /readyz, /metrics and a web page at /.
@@ -118,6 +126,8 @@ def serve(
         return
     if replicas is not None or autoscale is not None or ray_address is not None:
         raise click.UsageError("--replicas, --autoscale and --ray-address go with --backend ray")
+    if gil_switch_ms is not None:  # the engine's process: its batcher, launcher and connection threads
+        sys.setswitchinterval(gil_switch_ms / 1e3)
 
     import uvicorn
 

@@ -10,7 +10,8 @@ Engine process → worker
     phase) or :class:`Refused` (no range is free; the engine process hangs up after it). Then:
 
     - for every :class:`RunRequest`, exactly one of :class:`Done`, :class:`Failed` or
-      :class:`Cancelled`, in the order the requests finish (not the order they were sent);
+      :class:`Cancelled`, in the order the requests finish (not the order they were sent); answers
+      that are ready together travel as one :class:`Replies`;
     - for every :class:`Question`, one :class:`Answer`, after everything the worker sent before it;
     - a :class:`PhaseChanged` whenever the batcher's phase changes (loading, warm, failed, closed),
       with the JPEG decoder the engine process has (``gpu`` once nvImageCodec opened on its GPU).
@@ -240,7 +241,19 @@ class Observations:
     batch: tuple[Observation, ...]
 
 
-EngineMessage: TypeAlias = Hello | Refused | Done | Failed | Cancelled | Answer | PhaseChanged
+Reply: TypeAlias = Done | Failed | Cancelled
+
+
+@dataclass(frozen=True)
+class Replies:
+    """Several requests' answers at once, in the order they finished: what the writer sends when
+    more than one is waiting (a batch finishes its rows together), one message and one wake-up in
+    the worker instead of one each."""
+
+    replies: tuple[Reply, ...]
+
+
+EngineMessage: TypeAlias = Hello | Refused | Done | Failed | Cancelled | Replies | Answer | PhaseChanged
 WorkerMessage: TypeAlias = RunRequest | RunJpeg | Cancel | Question | Observations
 
 

@@ -84,6 +84,7 @@ from dualtrack.serve.protocol import (
     ProtocolError,
     Question,
     Refused,
+    Replies,
     RequestObserved,
     RunJpeg,
     RunRequest,
@@ -102,6 +103,7 @@ ENGINE_ENV = "DUALTRACK_SERVE_ENGINE"
 FLUSH_S = 0.25  # longest a worker keeps HTTP metrics before sending them to the engine process
 SPARE_RANGES = 2  # slot ranges beyond one per worker: for workers that uvicorn restarts
 CONNECT_TIMEOUT_S = 30.0  # a worker gives up on an engine process that does not answer
+MAX_REPLIES = 64  # most answers one Replies message carries
 
 
 class SlotFile:
@@ -400,21 +402,34 @@ class _Peer:
 
     def _write(self) -> None:
         closed = False
+        replies: list[Done | Failed | Cancelled] = []  # answers ready together: one Replies message
         while not (closed and not self.inflight):
-            item = self.out.get()
-            msg: EngineMessage
-            match item:
-                case _ReaderGone():
-                    closed = True
-                    continue
-                case _Settled(rid, slot, future):
-                    self.inflight.pop(rid, None)
-                    msg = self._reply(rid, slot, future)
-                case _:
-                    msg = item
-            if not closed:
-                closed = not _send_quietly(self.conn, msg)
+            items = [self.out.get()]
+            while len(items) < MAX_REPLIES and not self.out.empty():
+                items.append(self.out.get())
+            for item in items:
+                match item:
+                    case _ReaderGone():
+                        closed = True
+                    case _Settled(rid, slot, future):
+                        self.inflight.pop(rid, None)
+                        replies.append(self._reply(rid, slot, future))
+                    case _:  # in order: the answers before it go first
+                        if not closed:
+                            closed = not (self._send_replies(replies) and _send_quietly(self.conn, item))
+            if closed:
+                replies.clear()  # the worker is gone: nobody to tell
+            else:
+                closed = not self._send_replies(replies)
         self.host._released(self)
+
+    def _send_replies(self, replies: list[Done | Failed | Cancelled]) -> bool:
+        """Send the answers gathered (one message, or a Replies of several) and clear them."""
+        if not replies:
+            return True
+        msg: EngineMessage = replies[0] if len(replies) == 1 else Replies(tuple(replies))
+        replies.clear()
+        return _send_quietly(self.conn, msg)
 
     def _reply(self, rid: int, slot: int, future: Future[BatchResult]) -> Done | Failed | Cancelled:
         if future.cancelled():
@@ -672,6 +687,9 @@ class EngineClient(QueueState[EngineInfo]):
                 match msg:
                     case Done() | Failed() | Cancelled():
                         self._finish(msg)
+                    case Replies(replies):
+                        for reply in replies:
+                            self._finish(reply)
                     case PhaseChanged(phase, error, decoder):
                         self._error = error  # before the phase: a reader that sees FAILED finds the reason
                         self.decoder = decoder  # before the phase: READY comes with the decoder that serves
