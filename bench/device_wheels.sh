@@ -2,7 +2,8 @@
 # Here, where pip reaches PyPI: the wheels the GPU machine's image lacks (KINDS.md's package list),
 # at the versions this checkout's .venv runs, for Python 3.12 on manylinux x86_64 (device/README.md).
 #   .whl/   dualtrack's run-time needs: the IREE runtime, pydantic, the service's HTTP stack
-#   .whl2/  nvImageCodec + nvJPEG (the service's GPU JPEG decoder, issue 15): ~28 MB, too much beside
+#   .whl2/  nvImageCodec + nvJPEG (the service's GPU JPEG decoder, issue 15) and py-spy (serve_bench.py
+#           --profile): ~31 MB, too much beside
 #           .whl and .carry.tar.xz in one call, so installed by a call of its own:
 #           run(carry=[".whl2"], command="python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl2/*.whl")
 # Both are git-ignored (.git/info/exclude). Usage: bash bench/device_wheels.sh [whl|whl2|all]
@@ -25,6 +26,6 @@ if [ "$what" = whl ] || [ "$what" = all ]; then
   get .whl $(for n in $names; do echo "$n==$(version "$n")"; done)
 fi
 if [ "$what" = whl2 ] || [ "$what" = all ]; then
-  get .whl2 nvidia-nvimgcodec-cu13==0.9.0.20 "nvidia-nvjpeg==13.*"
+  get .whl2 nvidia-nvimgcodec-cu13==0.9.0.20 "nvidia-nvjpeg==13.*" py-spy==0.4.3
 fi
 du -sh .whl .whl2 2>/dev/null || true

@@ -21,6 +21,10 @@
    process tree by process title, Ray's processes reaped after the server stops, and the device
    check of its model replicas (``/readyz``'s ``devices`` against ``nvidia-smi``'s compute
    processes: each replica sees one GPU and holds one primary context there, no two share a GPU).
+6. ``--profile``: py-spy (when on PATH) samples the server's processes during each timed load test,
+   once over the threads that hold the GIL and once over all running threads, without pausing them
+   (``--nonblocking``): ``pyspy-<case>-{gil,cpu}.txt`` (collapsed stacks), and each case's entry gets
+   ``gil_busy`` (per process: the share of samples in which some thread of it held the GIL).
 
 Writes ``serve_bench-<commit>[-TAG].json`` and ``serve-metrics-<commit>[-TAG].txt``, with a Ray
 variant also ``serve_ray-<commit>.json`` (issue 17's ``scaling``: GPUs -> requests/s, JPEG -> JSON
@@ -89,6 +93,7 @@ def main() -> None:
         choices=[c[0] for c in CASES],
         help="run only these cases (default: all; a --variant runs the first three)",
     )
+    p.add_argument("--profile", action="store_true", help="py-spy the server during each timed load test (item 6)")
     p.add_argument("--tag", default="", help="appended to the result file names")
     p.add_argument(
         "--clients",
@@ -332,6 +337,7 @@ def _serve_and_load(
             name = f"{case}_c{clients}"
             run_loadtest(base + path, body, content_type=content_type, concurrency=clients, requests=400)  # warm
             before, cpu0, usage0 = _metrics(base), cpu_of(server.pid), resource.getrusage(resource.RUSAGE_SELF)
+            spies = _start_spies(args, server.pid, name) if args.profile else []
             rep = run_loadtest(
                 base + path,
                 body,
@@ -343,6 +349,7 @@ def _serve_and_load(
             after, cpu1, usage1 = _metrics(base), cpu_of(server.pid), resource.getrusage(resource.RUSAGE_SELF)
             for line in rep.lines():
                 print(f"[{name}] {line}")
+            gil_busy = _finish_spies(spies)
             ok = max(rep.ok, 1)
             client_s = usage1.ru_utime + usage1.ru_stime - usage0.ru_utime - usage0.ru_stime
             server_s = {k: cpu1[k] - cpu0.get(k, 0) for k in cpu1 if cpu1[k] > cpu0.get(k, 0)}
@@ -375,6 +382,9 @@ def _serve_and_load(
                     ),
                 },
             }
+            if spies:
+                entry["gil_busy"] = gil_busy
+                print(f"[{name}] GIL held (share of samples, by process): {gil_busy}")
             print(f"[{name}] batches {entry['batches']}")
             print(f"[{name}] CPU ms per request: client {entry['cpu_ms_per_request']['client']}, server {server_ms}")
             print(f"[{name}] cores kept busy: {entry['cores_busy']}")
@@ -401,6 +411,55 @@ def _serve_and_load(
         tail = log.getvalue().strip().splitlines()[-15:]
         print("[serve] server output (last lines):\n  " + "\n  ".join(tail))
     return results, metrics_text, check
+
+
+PYSPY_RATE = 200  # samples per second
+
+
+def _start_spies(args: argparse.Namespace, pid: int, name: str) -> list[tuple[subprocess.Popen[bytes], Path, str]]:
+    """py-spy over ``pid`` and its children for the timed load test: GIL holders, and all running threads."""
+    import shutil
+
+    exe = shutil.which("py-spy")
+    if exe is None:
+        print("[serve] --profile: py-spy is not on PATH; no profile")
+        return []
+    seconds = max(1, int(args.duration_s) - 2)
+    spies = []
+    for kind in ("gil", "cpu"):
+        path = args.out / f"pyspy-{name}-{kind}.txt"
+        cmd = [exe, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--threads", "--format", "raw"]
+        cmd += ["--rate", str(PYSPY_RATE), "--duration", str(seconds), "-o", str(path)]
+        cmd += ["--gil"] if kind == "gil" else []
+        spies.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), path, kind))
+    return spies
+
+
+def _finish_spies(spies: list[tuple[subprocess.Popen[bytes], Path, str]]) -> dict[str, float]:
+    """Wait for the samplers; from the GIL profile, the share of sampling instants in which some thread
+    of each process held the GIL (samples of one instant are counted once per process)."""
+    busy: dict[str, float] = {}
+    for spy, path, kind in spies:
+        try:
+            _, err = spy.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+            _, err = spy.communicate()
+        if spy.returncode != 0 or not path.exists():
+            print(f"[serve] py-spy ({kind}) failed: {err.decode(errors='replace').strip()[-300:]}")
+            continue
+        if kind != "gil":
+            continue
+        seconds = float(re.search(r"--duration (\d+)", " ".join(map(str, spy.args))).group(1))  # type: ignore[union-attr]
+        per_process: collections.Counter[str] = collections.Counter()
+        for line in path.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            if stack and count.isdigit():
+                procs = [f for f in stack.split(";") if f.startswith("process ")]  # a child nests in its parent
+                per_process[procs[-1][:60] if procs else "?"] += int(count)
+        # One thread holds a process's GIL at a time: its samples over the instants sampled.
+        busy = {proc: round(n / (seconds * PYSPY_RATE), 3) for proc, n in per_process.most_common()}
+    return busy
 
 
 def _rss_mb(pid: int) -> float | None:
