@@ -16,7 +16,7 @@ fi
 [ -e .carry ] || [ -e .carry.tar.xz ] || [ ! -d /tmp/keep/.carry ] || ln -s /tmp/keep/.carry .carry
 export PYTHONPATH=/tmp/site:$PWD/pipeline PYTHONUNBUFFERED=1 DUALTRACK_CACHE_DIR=/tmp/dtcache
 # compute-sanitizer (tests/gpu/test_replay_gpu.py runs the replay under memcheck) is in the image's toolkit.
-export PATH=$PATH:/usr/local/cuda/bin:/tmp/site/bin  # and py-spy, from .whl2
+export PATH=$PATH:/usr/local/cuda/bin:/tmp/tools/bin  # and py-spy (.whl2, installed into /tmp/tools)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 C=.carry
 # The bundles may travel as one archive (PTX compresses 10x; the carry limit is 64 MiB):
@@ -101,9 +101,9 @@ for step in $steps; do
     serve_prof)
       # Not in the default steps (issue 15): JPEG -> JSON at 16 and 32 clients on `serve --workers 4` with
       # the GPU decoder, py-spy sampling the server's processes (serve_bench.py --profile; py-spy from .whl2):
-      # where the GIL of the engine process and of the workers goes, pyspy-*.txt.
+      # where the GIL of the engine process and of the workers goes, pyspy-*.txt (SERVE_PROFILE= : no py-spy).
       python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
-        --only-variants --cases jpeg_in_json_out --tag prof --duration-s "${SERVE_S:-10}" --profile \
+        --only-variants --cases jpeg_in_json_out --tag prof --duration-s "${SERVE_S:-10}" ${SERVE_PROFILE---profile} \
         --variant "w4_gpu=--workers 4 --max-batch-delay-ms 8" \
         --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_prof.log" ;;
     decode)

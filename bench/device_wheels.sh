@@ -5,7 +5,9 @@
 #   .whl2/  nvImageCodec + nvJPEG (the service's GPU JPEG decoder, issue 15) and py-spy (serve_bench.py
 #           --profile): ~31 MB, too much beside
 #           .whl and .carry.tar.xz in one call, so installed by a call of its own:
-#           run(carry=[".whl2"], command="python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl2/*.whl")
+#           run(carry=[".whl2"], command="python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl2/nvidia*.whl
+#             && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tools .whl2/py_spy*.whl")
+#           (py-spy apart: device_run.sh's own install of .whl/ into /tmp/site replaces /tmp/site/bin)
 # Both are git-ignored (.git/info/exclude). Usage: bash bench/device_wheels.sh [whl|whl2|all]
 set -euo pipefail
 cd "$(dirname "$0")/.."

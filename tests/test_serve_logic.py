@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 from PIL import Image
+from polling import until
 
 from dualtrack.errors import ConfigError
 from dualtrack.plan import TensorSpec
@@ -185,6 +186,63 @@ def test_queue_limit_counts_requests_not_batches() -> None:
         hold.set()
         assert [f.result(WAIT_S).batch_size for f in waiting] == [4, 4, 4, 4, 1]
         assert b.depth == 0
+
+
+class FakeGpuEngine(FakeEngine):
+    """The overlapped surface of a GPU engine (stage, launch, a submission's result) on the CPU. The
+    result of launch ``k`` waits for ``gates[k]``: a batch whose masks are still coming down."""
+
+    def __init__(self, gates: list[threading.Event]) -> None:
+        super().__init__()
+        self.device = "cuda"
+        self.gates = gates
+        self.launched: list[np.ndarray] = []
+
+    def stage(self, x: np.ndarray, fill: object = None) -> np.ndarray:
+        assert fill is None  # no JPEG rows here
+        return x.copy()
+
+    def launch(self, staged: np.ndarray, outputs: tuple[str, ...] = ()) -> _HeldSubmission:
+        gate = self.gates[len(self.launched)]
+        self.launched.append(staged)
+        return _HeldSubmission(gate, staged[..., 0].copy())
+
+
+class _HeldSubmission:
+    def __init__(self, gate: threading.Event, mask: np.ndarray) -> None:
+        self.gate, self.mask = gate, mask
+
+    def result(self) -> dict[str, np.ndarray]:
+        assert self.gate.wait(WAIT_S)
+        return {"mask": self.mask}
+
+
+def test_a_staged_batch_is_launched_while_the_one_ahead_is_still_being_collected() -> None:
+    """The GPU must not idle while a batch's masks come down and its requests are answered: the
+    launcher queues the next batch behind it at once, and the answers still come in launch order."""
+    gates = [threading.Event() for _ in range(3)]
+    engine = FakeGpuEngine(gates)
+    b = Batcher(engine, max_batch_delay_s=0.01, max_queue=16, jpeg_decoder="cpu")
+    b.start()
+    try:
+        until(lambda: b.phase.value == "ready", "the batcher to be ready", WAIT_S)
+        first = b.submit(_image(1))
+        until(lambda: len(engine.launched) == 1, "the first batch's launch", WAIT_S)
+        second = b.submit(_image(2))
+        # The first batch's result is held back: the second is launched all the same.
+        until(lambda: len(engine.launched) == 2, "the second launch while the first is uncollected", WAIT_S)
+        assert not first.done() and not second.done()
+        gates[1].set()  # the second's masks are down first: it is still answered after the first
+        time.sleep(0.05)
+        assert not second.done()
+        gates[0].set()
+        assert int(first.result(WAIT_S).mask[0, 0]) == 1
+        assert int(second.result(WAIT_S).mask[0, 0]) == 2
+        gates[2].set()
+    finally:
+        for gate in gates:
+            gate.set()
+        assert b.close(WAIT_S)
 
 
 def test_the_batcher_and_a_workers_engine_client_are_both_batch_queues() -> None:

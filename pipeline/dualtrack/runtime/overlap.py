@@ -5,7 +5,7 @@
 first: the JPEG path), :meth:`Engine.launch <dualtrack.runtime.engine.Engine.launch>` runs the plan
 on a staged slot on the compute stream and queues the outputs' download into that slot's
 page-locked staging on a download stream, and :meth:`Submission.result` waits for that download
-alone. Called from two threads (stage on one, launch and result on the other, as the service's
+alone. Called from three threads (stage, launch and result each on one, as the service's
 batcher does), batch k+1 is uploaded while batch k computes and batch k's masks come down while
 batch k+1 computes.
 
@@ -231,6 +231,7 @@ class Overlap:
 
         def collect() -> dict[str, np.ndarray]:
             try:
+                be.ctx.make_current()  # the collecting thread need not be the launching one
                 self.downloaded[slot].synchronize()
                 return {name: np.array(v, copy=True) for name, v in views.items()}
             finally:

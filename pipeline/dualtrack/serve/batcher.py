@@ -1,7 +1,9 @@
 """Dynamic micro-batching: one worker thread owns the engine; requests wait in a bounded queue.
 
-The engine is not safe for concurrent callers, and on a GPU the worker is the one thread with the
-CUDA context current, so every engine call (load, warmup, run, close) happens on the worker thread.
+The engine is not safe for concurrent callers, so every engine call (load, warmup, run, close)
+happens on the worker thread; on a GPU the worker stages each batch and hands it to a launcher
+thread, which queues it on the GPU, and a collector thread answers it once its masks are down
+(:meth:`Engine.stage` / :meth:`Engine.launch` / ``Submission.result``, each on one thread).
 Request handlers only :meth:`Batcher.submit` an image and wait on the returned future.
 
 Batching policy (Triton's "dynamic batcher" with ``max_queue_delay``):
@@ -28,6 +30,7 @@ batch. The worker thread, the one every batch waits for, copies no image.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import gc
 import logging
@@ -115,6 +118,16 @@ class _Staged:
     failed: set[int]  # rows whose request already failed (a JPEG the CPU path refused too)
     size: int
     staged: Staged
+
+
+@dataclass(frozen=True)
+class _Landed:
+    """A launched batch, waiting for the collector: its submission, launch time and engine timings."""
+
+    item: _Staged
+    submission: Submission
+    start: float
+    timings: dict[str, float]
 
 
 class EngineSpecs(Protocol):
@@ -212,7 +225,7 @@ def padded_batch_size(n: int, batch_sizes: tuple[int, ...]) -> int:
 class Batcher(QueueState["Engine"]):
     """Owns an engine on one worker thread and runs queued images in micro-batches.
 
-    ``on_batch`` (if given) is called on the worker thread after every batch with the batch's
+    ``on_batch`` (if given) is called on the worker thread (on a GPU, the collector) after every batch with the batch's
     :class:`BatchResult` of every row, in row order (sizes and timings are shared by all rows).
     ``on_phase`` (if given) is called with the new :class:`Phase` and :attr:`error` whenever the
     phase changes, on the thread that changed it. Neither may block: the next batch waits for them.
@@ -425,17 +438,26 @@ class Batcher(QueueState["Engine"]):
             self.decoder = ("cpu", f"Pillow on the image threads: the engine runs on {engine.device}")
         sys.stderr.write(f"dualtrack serve: JPEG decoder {self.decoder[0]} ({self.decoder[1]})\n")
 
-    # --- the overlapped path: stage here, launch and answer on the launcher thread -----------------
+    # --- the overlapped path: stage here, launch on the launcher thread, answer on the collector ----
 
     def _pipeline(self, engine: Engine) -> None:
-        """Stage each batch (upload, GPU decode) on this thread while the launcher thread runs the
-        previous one and answers the one before (runtime/overlap.py)."""
+        """Stage each batch (upload, GPU decode) on this thread while the launcher thread queues the
+        previous one on the GPU and the collector thread waits for the one before and answers it
+        (runtime/overlap.py). The launcher never waits for a result: a batch staged while the one
+        ahead still computes is queued behind it at once, so the GPU does not idle while a batch's
+        masks come down and its requests are answered."""
         handoff: queue.Queue[_Staged | None] = queue.Queue(maxsize=1)
+        # Launched batches, oldest first: at most the engine's slots (a stage waits for a collected slot).
+        landed: queue.Queue[_Landed | None] = queue.Queue()
         failure: list[BaseException] = []
         launcher = threading.Thread(
-            target=self._launch_loop, args=(engine, handoff, failure), name="dualtrack-launcher", daemon=True
+            target=self._launch_loop, args=(engine, handoff, landed, failure), name="dualtrack-launcher", daemon=True
+        )
+        collector = threading.Thread(
+            target=self._collect_loop, args=(landed, failure), name="dualtrack-collector", daemon=True
         )
         launcher.start()
+        collector.start()
         try:
             while not failure:
                 batch = self._take_batch()
@@ -453,7 +475,8 @@ class Batcher(QueueState["Engine"]):
                     handoff.put(staged)
         finally:
             handoff.put(None)
-            launcher.join()
+            launcher.join()  # it ends the collector's queue
+            collector.join()
         if failure:
             raise failure[0]
 
@@ -516,8 +539,13 @@ class Batcher(QueueState["Engine"]):
             for ticket in batch.jpegs.values():
                 prefetch.release(ticket)  # type: ignore[union-attr]
 
-    def _launch_loop(self, engine: Engine, handoff: queue.Queue[_Staged | None], failure: list[BaseException]) -> None:
-        pending: tuple[_Staged, Submission, float] | None = None
+    def _launch_loop(
+        self,
+        engine: Engine,
+        handoff: queue.Queue[_Staged | None],
+        landed: queue.Queue[_Landed | None],
+        failure: list[BaseException],
+    ) -> None:
         try:
             while (item := handoff.get()) is not None:
                 start = time.monotonic()
@@ -526,33 +554,38 @@ class Batcher(QueueState["Engine"]):
                 except Exception as err:
                     self._fail_rows(item, err)
                     continue
-                if pending is not None:
-                    self._answer(engine, *pending)
-                pending = (item, submission, start)
-                if handoff.empty():  # nothing staged behind it: answer now rather than after the next batch
-                    self._answer(engine, *pending)
-                    pending = None
-            if pending is not None:
-                self._answer(engine, *pending)
+                landed.put(_Landed(item, submission, start, dict(engine.last_timings)))  # this launch's
         except BaseException as err:  # a bug here stops the worker: no request may hang
             failure.append(err)
-            if pending is not None:
-                self._fail_rows(pending[0], err)
             while (item := handoff.get()) is not None:
                 self._fail_rows(item, err)
+        finally:
+            landed.put(None)
+
+    def _collect_loop(self, landed: queue.Queue[_Landed | None], failure: list[BaseException]) -> None:
+        try:
+            while (entry := landed.get()) is not None:
+                self._answer(entry)
+        except BaseException as err:  # a bug here stops the worker: no request may hang
+            failure.append(err)
+            self._fail_rows(entry.item, err)  # type: ignore[union-attr]
+            while (entry := landed.get()) is not None:
+                with contextlib.suppress(Exception):
+                    entry.submission.result()  # its slot is collected: a stage waiting for it goes on
+                self._fail_rows(entry.item, err)
 
     def _fail_rows(self, item: _Staged, err: BaseException) -> None:
         _fail_unanswered([r for row, r in enumerate(item.requests) if row not in item.failed], err)
 
-    def _answer(self, engine: Engine, item: _Staged, submission: Submission, start: float) -> None:
+    def _answer(self, entry: _Landed) -> None:
+        item = entry.item
         try:
-            masks = submission.result()[MASK_OUTPUT]
+            masks = entry.submission.result()[MASK_OUTPUT]
         except Exception as err:
             self._fail_rows(item, err)
             return
-        run_ms = (time.monotonic() - start) * 1e3
-        timings = dict(engine.last_timings)
-        self._resolve(item.requests, masks, item.size, start, run_ms, timings, item.failed)
+        run_ms = (time.monotonic() - entry.start) * 1e3
+        self._resolve(item.requests, masks, item.size, entry.start, run_ms, entry.timings, item.failed)
 
     def _load(self) -> Engine:
         source = self._source
