@@ -380,12 +380,22 @@ def _serve_and_load(
                     "queue_wait_mean_ms": _ratio(
                         1e3 * (after["queue_wait_s"] - before["queue_wait_s"]), after["queued"] - before["queued"]
                     ),
+                    # Where a batch's time goes (serve/batcher.py), mean ms per batch.
+                    "phase_mean_ms": {
+                        p: _ratio(1e3 * (after[f"phase_{p}_s"] - before[f"phase_{p}_s"]), batches)
+                        for p in ("gather", "stage", "handoff", "gpu")
+                    },
                 },
+                # The app's own wall time per POST (body read to answer), against the client's latency:
+                # the difference is HTTP and the loopback; the handler's minus queue and run is the hand-overs.
+                "handler_mean_ms": _ratio(
+                    1e3 * (after["handler_s"] - before["handler_s"]), after["handled"] - before["handled"]
+                ),
             }
             if spies:
                 entry["gil_busy"] = gil_busy
                 print(f"[{name}] GIL held (share of samples, by process): {gil_busy}")
-            print(f"[{name}] batches {entry['batches']}")
+            print(f"[{name}] batches {entry['batches']}; handler mean {entry['handler_mean_ms']} ms")
             print(f"[{name}] CPU ms per request: client {entry['cpu_ms_per_request']['client']}, server {server_ms}")
             print(f"[{name}] cores kept busy: {entry['cores_busy']}")
             if on_ray:
@@ -500,6 +510,12 @@ _SAMPLES = {
     "queued": "dualtrack_queue_wait_seconds_count",
     "track_a_s": 'dualtrack_track_seconds_sum{track="a"}',
     "track_b_s": 'dualtrack_track_seconds_sum{track="b"}',
+    "handler_s": "dualtrack_request_latency_seconds_sum",
+    "handled": "dualtrack_request_latency_seconds_count",
+    **{
+        f"phase_{p}_s": f'dualtrack_batch_phase_seconds_sum{{phase="{p}"}}'
+        for p in ("gather", "stage", "handoff", "gpu")
+    },
 }
 
 

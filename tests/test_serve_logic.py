@@ -22,6 +22,7 @@ from dualtrack.plan import TensorSpec
 from dualtrack.serve import Batcher, ServeOptions, imaging
 from dualtrack.serve.batcher import BatchQueue
 from dualtrack.serve.loadtest import run_loadtest
+from dualtrack.serve.metrics import ServeMetrics
 from dualtrack.serve.shared import EngineClient
 
 WAIT_S = 30.0
@@ -238,7 +239,17 @@ def test_a_staged_batch_is_launched_while_the_one_ahead_is_still_being_collected
         gates[0].set()
         assert int(first.result(WAIT_S).mask[0, 0]) == 1
         assert int(second.result(WAIT_S).mask[0, 0]) == 2
-        gates[2].set()
+        # Where each batch's time went: the first's masks were held back for at least the 50 ms slept.
+        phases = {"batch_gather_ms", "batch_stage_ms", "batch_handoff_ms", "batch_gpu_ms"}
+        for f in (first, second):
+            assert phases <= f.result().timings.keys() and min(f.result().timings[k] for k in phases) >= 0
+        assert first.result().timings["batch_gpu_ms"] >= 50
+        metrics = ServeMetrics(queue_depth=lambda: 0, ready=lambda: True)
+        metrics.observe_batch([first.result()])
+        text = metrics.exposition().decode()
+        for phase in ("gather", "stage", "handoff", "gpu"):
+            assert f'dualtrack_batch_phase_seconds_count{{phase="{phase}"}} 1.0' in text
+        assert float(text.split('dualtrack_batch_phase_seconds_sum{phase="gpu"} ')[1].split()[0]) >= 0.05
     finally:
         for gate in gates:
             gate.set()

@@ -22,6 +22,13 @@ The HTTP app needs only :class:`BatchQueue` of a batcher: a :class:`Batcher` her
 ``dualtrack serve --workers N`` an :class:`~dualtrack.serve.shared.EngineClient` that reaches the
 engine process's batcher.
 
+Where a batch's time goes, in every request's ``BatchResult.timings`` (ms; the app's JSON
+``timings_ms`` and ``Server-Timing``, and ``dualtrack_batch_phase_seconds`` in /metrics):
+``batch_gather_ms`` from its oldest request's arrival until it stopped taking rows; on a GPU then
+``batch_stage_ms`` (its JPEG decodes finishing, resizes and upload, a free device slot),
+``batch_handoff_ms`` (staged until the launcher took it) and ``batch_gpu_ms`` (launched until its
+masks were on the host: its compute, queued behind the batch ahead, and the download).
+
 Copies: :meth:`Batcher.submit` writes the image straight into its row of the batch it joins, on the
 caller's thread, and that batch's array is what the worker hands to ``engine.run``: an
 :meth:`~dualtrack.runtime.engine.Engine.host_array` (page-locked on a GPU), reused batch after
@@ -108,6 +115,7 @@ class _Batch:
     requests: list[_Request] = field(default_factory=list)
     copying: int = 0  # rows claimed whose image is still being copied in (by submit, off the lock)
     jpegs: dict[int, Ticket] = field(default_factory=dict)  # rows the GPU decodes (submit_jpeg): their decodes
+    closed: float = 0.0  # when it stopped taking rows (monotonic)
 
 
 @dataclass
@@ -118,6 +126,8 @@ class _Staged:
     failed: set[int]  # rows whose request already failed (a JPEG the CPU path refused too)
     size: int
     staged: Staged
+    phases: dict[str, float]  # the batch's phases so far, ms (the module's "Where a batch's time goes")
+    ready: float = 0.0  # when it was handed to the launcher (monotonic)
 
 
 @dataclass(frozen=True)
@@ -472,6 +482,7 @@ class Batcher(QueueState["Engine"]):
                     with self._cond:
                         self._spare.append(batch.x)  # uploaded (or failed): the host array is free
                 if staged is not None:
+                    staged.ready = time.monotonic()
                     handoff.put(staged)
         finally:
             handoff.put(None)
@@ -530,7 +541,9 @@ class Batcher(QueueState["Engine"]):
 
         ok = False
         try:
-            staged = _Staged(requests, failed, size, engine.stage(x[:size], fill))
+            staged = _Staged(requests, failed, size, engine.stage(x[:size], fill), {})
+            staged.phases["batch_gather_ms"] = (batch.closed - batch.requests[0].enqueued) * 1e3
+            staged.phases["batch_stage_ms"] = (time.monotonic() - batch.closed) * 1e3
             ok = True
             return staged
         finally:
@@ -549,6 +562,7 @@ class Batcher(QueueState["Engine"]):
         try:
             while (item := handoff.get()) is not None:
                 start = time.monotonic()
+                item.phases["batch_handoff_ms"] = (start - item.ready) * 1e3
                 try:
                     submission = engine.launch(item.staged, outputs=(MASK_OUTPUT,))
                 except Exception as err:
@@ -585,7 +599,8 @@ class Batcher(QueueState["Engine"]):
             self._fail_rows(item, err)
             return
         run_ms = (time.monotonic() - entry.start) * 1e3
-        self._resolve(item.requests, masks, item.size, entry.start, run_ms, entry.timings, item.failed)
+        timings = {**entry.timings, **item.phases, "batch_gpu_ms": run_ms}
+        self._resolve(item.requests, masks, item.size, entry.start, run_ms, timings, item.failed)
 
     def _load(self) -> Engine:
         source = self._source
@@ -634,6 +649,7 @@ class Batcher(QueueState["Engine"]):
                     break
                 self._cond.wait(remaining)
             self._pending.popleft()  # from here on, new requests start the next batch
+            batch.closed = time.monotonic()
             self._waiting -= len(batch.requests)
             while batch.copying:  # rows claimed just before: their copies take microseconds
                 self._cond.wait()
@@ -675,7 +691,7 @@ class Batcher(QueueState["Engine"]):
                 request.future.set_exception(err)
             return
         run_ms = (time.monotonic() - start) * 1e3
-        timings = dict(engine.last_timings)
+        timings = {**engine.last_timings, "batch_gather_ms": (batch.closed - batch.requests[0].enqueued) * 1e3}
         masks = outputs[MASK_OUTPUT]  # new arrays each run (Engine.run): the rows need no copy
         self._resolve(requests, masks, size, start, run_ms, timings, set())
 

@@ -17,6 +17,8 @@ name                                        type       meaning
 ``dualtrack_padded_rows_total``             counter    pad rows run to reach a compiled batch size
 ``dualtrack_inference_seconds``             histogram  wall time of one ``engine.run`` (whole batch)
 ``dualtrack_track_seconds``                 histogram  engine-reported time per ``track`` (``a``, ``b``)
+``dualtrack_batch_phase_seconds``           histogram  a batch's time per ``phase``: ``gather``, ``stage``,
+                                                       ``handoff``, ``gpu`` (serve/batcher.py says which is what)
 ``dualtrack_queue_depth``                   gauge      requests waiting for a batch, at scrape time
 ``dualtrack_ready``                         gauge      1 when ``/readyz`` answers 200, else 0
 ``dualtrack_jpeg_decoder``                  gauge      1 for the ``decoder`` (``gpu``, ``cpu``) that takes JPEGs
@@ -35,6 +37,7 @@ from dualtrack.serve.batcher import BatchResult
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 _TRACK_KEY = re.compile(r"^track_([a-z0-9]+)_ms$")
+_PHASE_KEY = re.compile(r"^batch_([a-z]+)_ms$")
 
 
 class ServeMetrics:
@@ -65,6 +68,13 @@ class ServeMetrics:
         self.track = Histogram(
             "dualtrack_track_seconds", "engine-reported time per track", ["track"], buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.phase = Histogram(
+            "dualtrack_batch_phase_seconds",
+            "time per phase of a batch",
+            ["phase"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         Gauge("dualtrack_queue_depth", "requests waiting for a batch", registry=r).set_function(queue_depth)
         Gauge("dualtrack_ready", "1 when ready to serve", registry=r).set_function(lambda: float(ready()))
         active = Gauge("dualtrack_jpeg_decoder", "1 for the decoder that takes JPEGs", ["decoder"], registry=r)
@@ -90,9 +100,10 @@ class ServeMetrics:
         self.padded_rows.inc(result.padded_size - result.batch_size)
         self.inference.observe(result.run_ms / 1e3)
         for key, ms in result.timings.items():
-            match = _TRACK_KEY.match(key)
-            if match:
+            if match := _TRACK_KEY.match(key):
                 self.track.labels(match.group(1)).observe(ms / 1e3)
+            elif match := _PHASE_KEY.match(key):
+                self.phase.labels(match.group(1)).observe(ms / 1e3)
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric in this app's registry."""
