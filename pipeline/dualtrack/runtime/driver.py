@@ -236,9 +236,18 @@ class Context:
 class Stream:
     """A CUDA stream: owned (created non-blocking, destroyed on close) or borrowed (never destroyed)."""
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, *, urgent: bool = False) -> None:
+        """``urgent``: the context's highest stream priority. The block scheduler then starts this
+        stream's waiting blocks before those of default-priority streams (nothing running is
+        preempted): small kernels beside a long compute (a JPEG's resize next to the previous
+        batch's convolutions) start as soon as blocks free up, not once the compute is done."""
         self.ctx = ctx
-        self.handle: cu.CUstream = call(cu.cuStreamCreate, cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+        if urgent:
+            _least, greatest = call(cu.cuCtxGetStreamPriorityRange)
+            self.handle: cu.CUstream = call(cu.cuStreamCreateWithPriority, flags, greatest)
+        else:
+            self.handle = call(cu.cuStreamCreate, flags)
         self.owned = True
         self._finalizer = weakref.finalize(self, release, ctx, cu.cuStreamDestroy, self.handle)
 

@@ -125,7 +125,7 @@ class GpuJpegDecoder:
         )
         self.kernel: Kernel = module.function(spec.stem)
         with ctx.push_current():
-            self.stream = Stream(ctx)  # decode_now's
+            self.stream = Stream(ctx, urgent=True)  # decode_now's: its kernels go before the batch computing
         self._check_decodes()
 
     def _check_decodes(self) -> None:

@@ -149,8 +149,10 @@ class Overlap:
         self.be = backend
         ctx = backend.ctx
         ctx.make_current()
-        self.up = Stream(ctx)
-        self.down = Stream(ctx)
+        # Urgent: the next batch's resizes and upload, and the last one's download, start beside the
+        # running batch rather than after it (their kernels and copies are small).
+        self.up = Stream(ctx, urgent=True)
+        self.down = Stream(ctx, urgent=True)
         self.ring = SlotRing(slots)
         self.inputs: dict[tuple[int, int], DeviceBuffer] = {}
         self.device_out: dict[tuple[int, str], DeviceBuffer] = {}
