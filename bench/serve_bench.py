@@ -383,7 +383,7 @@ def _serve_and_load(
                     # Where a batch's time goes (serve/batcher.py), mean ms per batch.
                     "phase_mean_ms": {
                         p: _ratio(1e3 * (after[f"phase_{p}_s"] - before[f"phase_{p}_s"]), batches)
-                        for p in ("gather", "stage", "handoff", "gpu")
+                        for p in ("gather", "stage", "decode", "handoff", "gpu")
                     },
                 },
                 # The app's own wall time per POST (body read to answer), against the client's latency:

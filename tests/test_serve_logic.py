@@ -327,6 +327,19 @@ def test_loadtest_reads_every_answer_framing(answer: bytes, close_after: bool) -
     assert (report.sent, report.ok, report.errors) == (30, 30, {}), report
 
 
+def test_loadtest_reports_the_mean_of_each_server_timing_duration() -> None:
+    answer = (
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n"
+        b'Server-Timing: queue;dur=1.5, inference;desc="engine";dur=3, cache, bad;dur=x, hop_in;dur=0.25\r\n\r\nok'
+    )
+    with raw_server(answer) as port:
+        report = run_loadtest(f"http://127.0.0.1:{port}/", b"x", concurrency=2, requests=10, duration_s=WAIT_S)
+    assert report.ok == 10
+    # No duration (cache) or a bad one: left out, not counted as zero.
+    assert report.server_timing_ms == {"queue": 1.5, "inference": 3.0, "hop_in": 0.25}
+    assert report.lines()[-1] == "server says (mean ms)  queue 1.50  inference 3.00  hop_in 0.25"
+
+
 def test_loadtest_counts_errors_by_status_and_exception() -> None:
     with raw_server(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n") as port:
         report = run_loadtest(f"http://127.0.0.1:{port}/", b"x", concurrency=2, requests=6, duration_s=WAIT_S)

@@ -15,6 +15,7 @@ import re
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future
 from contextlib import contextmanager
@@ -393,6 +394,12 @@ def test_done_carries_the_batch_result_but_the_mask() -> None:
     done = Done.of(5, result)
     assert done == Done(5, 3, 4, 12.5, 3.25, {"track_a_ms": 1.5})
     assert done.result(mask) == result
+    # With the hand-over stamps, the result's timings add them (ms): the way back from the monotonic clock.
+    timed = Done.of(5, result, in_ms=0.25, writer_ms=0.5, sent=100.0).result(mask, received=100.002)
+    assert timed.timings.keys() == {"track_a_ms", "hop_in_ms", "hop_writer_ms", "hop_back_ms"}
+    assert (timed.timings["hop_in_ms"], timed.timings["hop_writer_ms"]) == (0.25, 0.5)
+    assert timed.timings["hop_back_ms"] == pytest.approx(2.0, abs=1e-6)
+    assert result.timings == {"track_a_ms": 1.5}  # the batch's own dict, shared by its rows, is not changed
 
 
 def test_an_unknown_message_to_the_engine_process_drops_that_worker(engine, rng, caplog) -> None:
@@ -434,7 +441,9 @@ def test_an_unknown_message_to_a_worker_fails_it_and_closes_the_connection(tmp_p
                 client_thread.join(WAIT_S)
                 assert client.phase is Phase.READY, client.error
                 future = client.submit(np.zeros((64, 64, 3), np.uint8))
-                assert conn.recv() == RunRequest(0, 0)
+                sent = conn.recv()
+                assert isinstance(sent, RunRequest) and (sent.rid, sent.slot) == (0, 0)
+                assert 0 <= time.monotonic() - sent.sent < WAIT_S  # stamped on the one clock of the machine
                 conn.send(("done", 0, 1, 1, 0.0, 0.0, {}))
                 with pytest.raises(NotReadyError, match=r"which is not a message of dualtrack\.serve\.protocol"):
                     future.result(WAIT_S)

@@ -25,7 +25,8 @@ engine process's batcher.
 Where a batch's time goes, in every request's ``BatchResult.timings`` (ms; the app's JSON
 ``timings_ms`` and ``Server-Timing``, and ``dualtrack_batch_phase_seconds`` in /metrics):
 ``batch_gather_ms`` from its oldest request's arrival until it stopped taking rows; on a GPU then
-``batch_stage_ms`` (its JPEG decodes finishing, resizes and upload, a free device slot),
+``batch_stage_ms`` (its JPEG decodes finishing, resizes and upload, a free device slot; of it
+``batch_decode_ms``, waiting for the decodes),
 ``batch_handoff_ms`` (staged until the launcher took it) and ``batch_gpu_ms`` (launched until its
 masks were on the host: its compute, queued behind the batch ahead, and the download).
 
@@ -515,6 +516,7 @@ class Batcher(QueueState["Engine"]):
         # synchronised its upload stream, the resizes' stream, on this thread while the engine's
         # context is alive; if staging fails after fill queued resizes, that stream is waited for first.
         used: list[Any] = []
+        decode_wait = [0.0]  # seconds fill waited for the prefetcher's decodes
         if jpegs:
             assert prefetch is not None
             _, height, width, _ = engine.input_spec.shape
@@ -523,7 +525,9 @@ class Batcher(QueueState["Engine"]):
                 used.append(stream)
                 written: set[int] = set()
                 for row, ticket in jpegs.items():
+                    t0 = time.monotonic()
                     image = prefetch.take(ticket)
+                    decode_wait[0] += time.monotonic() - t0
                     if not isinstance(image, str):
                         self._jpeg.resize_into(
                             stream, image, ticket.jpeg, tensor.ptr + row * height * width * 3, height, width
@@ -544,6 +548,8 @@ class Batcher(QueueState["Engine"]):
             staged = _Staged(requests, failed, size, engine.stage(x[:size], fill), {})
             staged.phases["batch_gather_ms"] = (batch.closed - batch.requests[0].enqueued) * 1e3
             staged.phases["batch_stage_ms"] = (time.monotonic() - batch.closed) * 1e3
+            if jpegs:
+                staged.phases["batch_decode_ms"] = decode_wait[0] * 1e3
             ok = True
             return staged
         finally:

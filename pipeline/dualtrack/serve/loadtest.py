@@ -55,6 +55,9 @@ class LoadTestReport:
     elapsed_s: float
     throughput_rps: float  # 2xx answers per second of wall time
     latency_ms: dict[str, float] = field(default_factory=dict)  # p50, p90, p99, max, mean
+    # The mean of each duration the server's 2xx answers reported in ``Server-Timing`` (ms), over
+    # the answers that reported it: where the server says a request's time went.
+    server_timing_ms: dict[str, float] = field(default_factory=dict)
 
     def lines(self) -> list[str]:
         """A few human-readable lines (what the CLI prints)."""
@@ -63,12 +66,16 @@ class LoadTestReport:
         latency = (
             f"p50 {lat['p50']:.1f} ms   p99 {lat['p99']:.1f} ms   max {lat['max']:.1f} ms" if lat else "no 2xx answers"
         )
-        return [
+        lines = [
             f"target      {self.url}   concurrency {self.concurrency}",
             f"requests    {self.sent} sent, {self.ok} ok   errors: {errors}",
             f"throughput  {self.throughput_rps:.1f} req/s over {self.elapsed_s:.2f} s",
             f"latency     {latency}",
         ]
+        if self.server_timing_ms:
+            said = "  ".join(f"{k} {v:.2f}" for k, v in self.server_timing_ms.items())
+            lines.append(f"server says (mean ms)  {said}")
+        return lines
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,7 +147,9 @@ def run_loadtest(
     )
     message = head.encode("latin-1") + body
     start = time.monotonic()
-    latencies, outcomes = _run_loop(_load(target, message, concurrency, requests, start + duration_s, timeout_s))
+    latencies, outcomes, timing = _run_loop(
+        _load(target, message, concurrency, requests, start + duration_s, timeout_s)
+    )
     elapsed_s = time.monotonic() - start
     ok = sum(n for k, n in outcomes.items() if k.startswith("2"))
     return LoadTestReport(
@@ -152,6 +161,7 @@ def run_loadtest(
         elapsed_s=round(elapsed_s, 3),
         throughput_rps=round(ok / elapsed_s, 2) if elapsed_s > 0 else 0.0,
         latency_ms=_percentiles_ms(latencies),
+        server_timing_ms={k: round(total / timing.seen[k], 3) for k, total in timing.total.items()},
     )
 
 
@@ -172,12 +182,37 @@ class _BadResponse(Exception):
 _FAILURES = (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, _BadResponse)
 
 
+@dataclass
+class _ServerTiming:
+    """Sums of the durations named in answers' ``Server-Timing`` headers, and how many had each."""
+
+    total: dict[str, float] = field(default_factory=dict)
+    seen: Counter[str] = field(default_factory=Counter)
+
+    def add(self, header: str) -> None:
+        # RFC 8673's syntax as servers send it: "name;dur=1.5, other;desc=x;dur=2"; a malformed
+        # entry is skipped (this is a report, never a reason to fail a request).
+        for entry in header.split(","):
+            name, *params = (part.strip() for part in entry.split(";"))
+            for param in params:
+                key, _, value = param.partition("=")
+                if key.strip().lower() == "dur" and name:
+                    try:
+                        ms = float(value.strip().strip('"'))
+                    except ValueError:
+                        break
+                    self.total[name] = self.total.get(name, 0.0) + ms
+                    self.seen[name] += 1
+                    break
+
+
 async def _load(
     target: Target, message: bytes, concurrency: int, requests: int, deadline: float, timeout_s: float
-) -> tuple[list[float], Counter[str]]:
+) -> tuple[list[float], Counter[str], _ServerTiming]:
     issued = 0
     latencies: list[float] = []
     outcomes: Counter[str] = Counter()
+    timing = _ServerTiming()
 
     def claim() -> bool:
         nonlocal issued  # one event loop: no lock needed
@@ -195,8 +230,10 @@ async def _load(
                     async with asyncio.timeout(timeout_s):
                         if streams is None:
                             streams = await asyncio.open_connection(target.host, target.port)
-                        status, keep_alive = await _exchange(*streams, message)
+                        status, keep_alive, server_timing = await _exchange(*streams, message)
                     outcome = str(status)
+                    if server_timing and 200 <= status < 300:
+                        timing.add(server_timing)
                 except _FAILURES as err:
                     outcome, keep_alive = type(err).__name__, False
                 if not keep_alive and streams is not None:
@@ -210,11 +247,14 @@ async def _load(
                 _close(streams[1])
 
     await asyncio.gather(*(connection() for _ in range(concurrency)))
-    return latencies, outcomes
+    return latencies, outcomes, timing
 
 
-async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, message: bytes) -> tuple[int, bool]:
-    """Send one request, read its whole answer; returns (status, whether the connection stays open)."""
+async def _exchange(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, message: bytes
+) -> tuple[int, bool, str]:
+    """Send one request, read its whole answer; returns (status, whether the connection stays open,
+    its Server-Timing header or "")."""
     writer.write(message)  # no drain(): reading the answer waits as long, and one message bounds the buffer
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
@@ -236,7 +276,7 @@ async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
     else:  # the body runs to the end of the connection
         await reader.read()
         keep_alive = False
-    return int(parts[1]), keep_alive
+    return int(parts[1]), keep_alive, headers.get("server-timing", "")
 
 
 def _close(writer: asyncio.StreamWriter) -> None:

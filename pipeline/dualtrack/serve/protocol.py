@@ -114,7 +114,12 @@ class Refused:
 
 @dataclass(frozen=True)
 class Done:
-    """Request ``rid`` ran: its mask is in its slot; the rest of its :class:`BatchResult` is here."""
+    """Request ``rid`` ran: its mask is in its slot; the rest of its :class:`BatchResult` is here.
+
+    The hand-overs around the batch, for the request's timings: ``in_ms`` from the worker's send
+    of its :class:`RunRequest` to the engine process's reader having it, ``writer_ms`` from its
+    batch's answer to this message, ``sent`` when this was sent (``time.monotonic()``: one clock for
+    every process of the machine, so the worker times the way back)."""
 
     rid: int
     batch_size: int
@@ -122,14 +127,31 @@ class Done:
     queue_ms: float
     run_ms: float
     timings: dict[str, float] = field(default_factory=dict)
+    in_ms: float = 0.0
+    writer_ms: float = 0.0
+    sent: float = 0.0
 
     @classmethod
-    def of(cls, rid: int, result: BatchResult) -> Done:
-        return cls(rid, result.batch_size, result.padded_size, result.queue_ms, result.run_ms, result.timings)
+    def of(
+        cls, rid: int, result: BatchResult, *, in_ms: float = 0.0, writer_ms: float = 0.0, sent: float = 0.0
+    ) -> Done:
+        return cls(
+            rid, result.batch_size, result.padded_size, result.queue_ms, result.run_ms, result.timings,
+            in_ms, writer_ms, sent,
+        )  # fmt: skip
 
-    def result(self, mask: np.ndarray) -> BatchResult:
-        """The request's result with ``mask``, read back from its slot."""
-        return BatchResult(mask, self.batch_size, self.padded_size, self.queue_ms, self.run_ms, self.timings)
+    def result(self, mask: np.ndarray, received: float = 0.0) -> BatchResult:
+        """The request's result with ``mask``, read back from its slot; with ``received`` (when the
+        worker had this message, monotonic) its timings add the hand-overs (``hop_*_ms``)."""
+        timings = self.timings
+        if self.sent and received:
+            hops = {
+                "hop_in_ms": self.in_ms,
+                "hop_writer_ms": self.writer_ms,
+                "hop_back_ms": (received - self.sent) * 1e3,
+            }
+            timings = {**timings, **hops}
+        return BatchResult(mask, self.batch_size, self.padded_size, self.queue_ms, self.run_ms, timings)
 
 
 @dataclass(frozen=True)
@@ -182,10 +204,12 @@ class PhaseChanged:
 
 @dataclass(frozen=True)
 class RunRequest:
-    """Run the image in slot ``slot`` of the worker's range, as request ``rid``."""
+    """Run the image in slot ``slot`` of the worker's range, as request ``rid``; ``sent``: when
+    (``time.monotonic()``, for :attr:`Done.in_ms`)."""
 
     rid: int
     slot: int
+    sent: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -199,6 +223,7 @@ class RunJpeg:
     nbytes: int
     stored: tuple[int, int]
     orientation: int
+    sent: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -289,6 +289,7 @@ class _Settled:
     rid: int
     slot: int
     future: Future[BatchResult]
+    at: float  # when (monotonic)
 
 
 @dataclass(frozen=True)
@@ -312,6 +313,7 @@ class _Peer:
         self.first_slot = range_index * host.slots_per_range
         self.out: SimpleQueue[_Outgoing] = SimpleQueue()
         self.inflight: dict[int, Future[BatchResult]] = {}  # by request id
+        self._arrived: dict[int, float] = {}  # by request id: seconds from the worker's send to the reader
         self._reader = threading.Thread(target=self._read, name=f"dualtrack-peer-{range_index}-in", daemon=True)
         self._writer = threading.Thread(target=self._write, name=f"dualtrack-peer-{range_index}-out", daemon=True)
 
@@ -332,10 +334,10 @@ class _Peer:
             while True:
                 msg: object = self.conn.recv()  # anything: a broken or foreign peer is dropped below
                 match msg:
-                    case RunRequest(rid, slot):
-                        self._run(rid, slot)
-                    case RunJpeg(rid, slot, nbytes, stored, orientation):
-                        self._run_jpeg(rid, slot, nbytes, stored, orientation)
+                    case RunRequest(rid, slot, sent):
+                        self._run(rid, slot, time.monotonic() - sent)
+                    case RunJpeg(rid, slot, nbytes, stored, orientation, sent):
+                        self._run_jpeg(rid, slot, nbytes, stored, orientation, time.monotonic() - sent)
                     case Cancel(rid):
                         future = self.inflight.get(rid)
                         if future is not None:
@@ -359,30 +361,35 @@ class _Peer:
                 future.cancel()  # nobody waits for these any more
             self.out.put(_ReaderGone())
 
-    def _run(self, rid: int, slot: int) -> None:
+    def _run(self, rid: int, slot: int, transit: float) -> None:
         if not 0 <= slot < self.host.slots_per_range:
             self.out.put(Failed(rid, "input", f"slot {slot} is outside this worker's range"))
             return
         image = self.host.slots.array(self.first_slot + slot, self.host.image_shape)
-        self._queued(rid, slot, lambda: self.host.batcher.submit(image))  # copies the image into its batch row, here
+        self._queued(
+            rid, slot, transit, lambda: self.host.batcher.submit(image)
+        )  # copies the image into its batch row, here
 
-    def _run_jpeg(self, rid: int, slot: int, nbytes: int, stored: tuple[int, int], orientation: int) -> None:
+    def _run_jpeg(
+        self, rid: int, slot: int, nbytes: int, stored: tuple[int, int], orientation: int, transit: float
+    ) -> None:
         if not 0 <= slot < self.host.slots_per_range or not 0 < nbytes <= self.host.slots.slot_bytes:
             self.out.put(Failed(rid, "input", f"slot {slot} of {nbytes} bytes is outside this worker's range"))
             return
         data = self.host.slots.array(self.first_slot + slot, (nbytes,)).tobytes()  # the slot gets the mask later
         jpeg = imaging.GpuJpeg(data, stored, orientation)
-        self._queued(rid, slot, lambda: self.host.batcher.submit_jpeg(jpeg))
+        self._queued(rid, slot, transit, lambda: self.host.batcher.submit_jpeg(jpeg))
 
-    def _queued(self, rid: int, slot: int, submit: Callable[[], Future[BatchResult]]) -> None:
+    def _queued(self, rid: int, slot: int, transit: float, submit: Callable[[], Future[BatchResult]]) -> None:
         try:
             future = submit()
         except DualtrackError as err:
             self.out.put(Failed.of(rid, err))
             return
         self.inflight[rid] = future
+        self._arrived[rid] = transit
         # Runs on the batcher's thread (or the canceller's): a put, no more.
-        future.add_done_callback(lambda f, r=rid, s=slot: self.out.put(_Settled(r, s, f)))
+        future.add_done_callback(lambda f, r=rid, s=slot: self.out.put(_Settled(r, s, f, time.monotonic())))
 
     def _record(self, observations: tuple[Observation, ...]) -> None:
         metrics = self.host.metrics
@@ -411,9 +418,9 @@ class _Peer:
                 match item:
                     case _ReaderGone():
                         closed = True
-                    case _Settled(rid, slot, future):
+                    case _Settled(rid, slot, future, at):
                         self.inflight.pop(rid, None)
-                        replies.append(self._reply(rid, slot, future))
+                        replies.append(self._reply(rid, slot, future, at))
                     case _:  # in order: the answers before it go first
                         if not closed:
                             closed = not (self._send_replies(replies) and _send_quietly(self.conn, item))
@@ -431,7 +438,8 @@ class _Peer:
         replies.clear()
         return _send_quietly(self.conn, msg)
 
-    def _reply(self, rid: int, slot: int, future: Future[BatchResult]) -> Done | Failed | Cancelled:
+    def _reply(self, rid: int, slot: int, future: Future[BatchResult], at: float) -> Done | Failed | Cancelled:
+        arrived = self._arrived.pop(rid, 0.0)
         if future.cancelled():
             return Cancelled(rid)
         err = future.exception()
@@ -439,7 +447,8 @@ class _Peer:
             return Failed.of(rid, err)
         result = future.result()
         self.host.slots.array(self.first_slot + slot, self.host.mask_shape)[:] = result.mask
-        return Done.of(rid, result)
+        now = time.monotonic()
+        return Done.of(rid, result, in_ms=arrived * 1e3, writer_ms=(now - at) * 1e3, sent=now)
 
 
 def _dial(address: str, key: bytes, timeout: float) -> Connection:
@@ -585,7 +594,9 @@ class EngineClient(QueueState[EngineInfo]):
         expected = tuple(info.input_spec.shape[1:])
         if image.shape != expected or image.dtype != np.uint8:
             raise InputError(f"image is {image.dtype}{list(image.shape)}, the engine takes uint8{list(expected)}")
-        return self._queue(lambda rid, slot: RunRequest(rid, slot), lambda view: np.copyto(view, image), expected)
+        return self._queue(
+            lambda rid, slot: RunRequest(rid, slot, time.monotonic()), lambda view: np.copyto(view, image), expected
+        )
 
     def submit_jpeg(self, jpeg: imaging.GpuJpeg) -> Future[BatchResult]:
         """Queue one JPEG that :func:`dualtrack.imaging.route_jpeg` gave the GPU (its bytes copied into
@@ -603,7 +614,7 @@ class EngineClient(QueueState[EngineInfo]):
             raise InputError(f"a {n}-byte JPEG does not fit a {self.max_jpeg_bytes}-byte slot: decode it on the CPU")
         data = np.frombuffer(jpeg.data, np.uint8)
         return self._queue(
-            lambda rid, slot: RunJpeg(rid, slot, n, jpeg.stored, jpeg.orientation),
+            lambda rid, slot: RunJpeg(rid, slot, n, jpeg.stored, jpeg.orientation, time.monotonic()),
             lambda view: np.copyto(view, data),
             (n,),
         )
@@ -686,10 +697,11 @@ class EngineClient(QueueState[EngineInfo]):
                 msg: object = self._conn.recv()  # anything: a broken or foreign peer fails this worker below
                 match msg:
                     case Done() | Failed() | Cancelled():
-                        self._finish(msg)
+                        self._finish(msg, time.monotonic())
                     case Replies(replies):
+                        received = time.monotonic()
                         for reply in replies:
-                            self._finish(reply)
+                            self._finish(reply, received)
                     case PhaseChanged(phase, error, decoder):
                         self._error = error  # before the phase: a reader that sees FAILED finds the reason
                         self.decoder = decoder  # before the phase: READY comes with the decoder that serves
@@ -710,7 +722,7 @@ class EngineClient(QueueState[EngineInfo]):
         finally:
             self._release_all()
 
-    def _finish(self, reply: Done | Failed | Cancelled) -> None:
+    def _finish(self, reply: Done | Failed | Cancelled, received: float) -> None:
         assert self._slots is not None and self._engine is not None
         with self._lock:
             slot, future = self._pending.pop(reply.rid, (-1, None))
@@ -720,7 +732,8 @@ class EngineClient(QueueState[EngineInfo]):
         outcome: BatchResult | DualtrackError
         match reply:
             case Done():
-                outcome = reply.result(self._slots.array(self._first + slot, self._engine.input_spec.shape[1:3]).copy())
+                mask = self._slots.array(self._first + slot, self._engine.input_spec.shape[1:3]).copy()
+                outcome = reply.result(mask, received)
             case Failed():
                 outcome = reply.error()
             case Cancelled():  # the engine process withdrew it (it was shutting down)
