@@ -382,8 +382,7 @@ def _serve_and_load(
                     ),
                     # Where a batch's time goes (serve/batcher.py), mean ms per batch.
                     "phase_mean_ms": {
-                        p: _ratio(1e3 * (after[f"phase_{p}_s"] - before[f"phase_{p}_s"]), batches)
-                        for p in ("gather", "stage", "decode", "handoff", "gpu")
+                        p: _ratio(1e3 * (after[f"phase_{p}_s"] - before[f"phase_{p}_s"]), batches) for p in PHASES
                     },
                 },
                 # The app's own wall time per POST (body read to answer), against the client's latency:
@@ -501,6 +500,7 @@ def _wait_ready(base: str, server: subprocess.Popen[str]) -> None:
     raise SystemExit("`dualtrack serve` was not ready within 300 s")
 
 
+PHASES = ("gather", "stage", "decode", "handoff", "gpu")  # dualtrack_batch_phase_seconds (serve/batcher.py)
 _SAMPLES = {
     "batches": "dualtrack_batch_size_count",
     "rows": "dualtrack_batch_size_sum",
@@ -512,10 +512,7 @@ _SAMPLES = {
     "track_b_s": 'dualtrack_track_seconds_sum{track="b"}',
     "handler_s": "dualtrack_request_latency_seconds_sum",
     "handled": "dualtrack_request_latency_seconds_count",
-    **{
-        f"phase_{p}_s": f'dualtrack_batch_phase_seconds_sum{{phase="{p}"}}'
-        for p in ("gather", "stage", "handoff", "gpu")
-    },
+    **{f"phase_{p}_s": f'dualtrack_batch_phase_seconds_sum{{phase="{p}"}}' for p in PHASES},
 }
 
 
