@@ -105,6 +105,7 @@ for step in $steps; do
       python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
         --only-variants --cases jpeg_in_json_out --tag prof --duration-s "${SERVE_S:-10}" ${SERVE_PROFILE---profile} \
         --variant "w4_gpu=--workers 4 --max-batch-delay-ms 8" \
+        --variant "w4_gil05=--workers 4 --max-batch-delay-ms 8 --gil-switch-ms 0.5" \
         --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_prof.log" ;;
     decode)
       # Not in the default steps (issue 15): the engine process's batch cycle with the GPU JPEG decoder,

@@ -258,6 +258,42 @@ def test_the_prefetcher_holds_at_most_ahead_pictures_but_serves_a_waiting_stager
         prefetch.close()
 
 
+class _HeldLane(_PillowDecodes):
+    """A decode lane that says when a call has begun, and finishes it only once its gate opens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate.clear()
+        self.entered = threading.Event()
+
+    def __call__(self, jpegs: list[imaging.GpuJpeg]) -> list[object]:
+        self.entered.set()
+        return super().__call__(jpegs)
+
+
+def test_with_several_lanes_a_jpeg_is_decoded_while_another_lane_is_busy(rng) -> None:
+    lanes = [_HeldLane(), _HeldLane()]
+    prefetch = JpegPrefetcher(lanes, ahead=16, most_per_call=8)
+    try:
+        first, second = _routed(rng, 2)
+        a = prefetch.add(first)
+        _wait_until(lambda: any(lane.entered.is_set() for lane in lanes))  # one lane is inside a's decode
+        b = prefetch.add(second)
+        # b does not wait for a's decode: the other lane takes it while the first is still held.
+        _wait_until(lambda: all(lane.entered.is_set() for lane in lanes))
+        assert a.state == b.state == "decoding"
+        for lane in lanes:
+            lane.gate.set()
+        for ticket, jpeg in ((a, first), (b, second)):
+            np.testing.assert_array_equal(prefetch.take(ticket), np.asarray(Image.open(io.BytesIO(jpeg.data))))
+            prefetch.release(ticket)
+        assert [lane.calls for lane in lanes] == [[1], [1]]
+    finally:
+        for lane in lanes:
+            lane.gate.set()
+        prefetch.close()
+
+
 def test_a_failed_decode_refuses_its_jpegs_and_close_frees_what_is_held(rng) -> None:
     def broken(jpegs: list[imaging.GpuJpeg]) -> list[object]:
         raise RuntimeError("decoder lost")

@@ -111,6 +111,7 @@ class GpuJpegDecoder:
             raise ValueError(f"backends must be some of {GPU_BACKENDS}, got {backends}")
         self.backends = backends
         kinds = [nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, b)) for b in backends]
+        self._backend_kinds = kinds
         self.decoder = nvimgcodec.Decoder(device_id=device.index, backends=kinds)
         # The orientation is applied by the resize kernel, from the EXIF Pillow read (route_jpeg):
         # one reading of the EXIF for both paths.
@@ -126,7 +127,26 @@ class GpuJpegDecoder:
         self.kernel: Kernel = module.function(spec.stem)
         with ctx.push_current():
             self.stream = Stream(ctx, urgent=True)  # decode_now's: its kernels go before the batch computing
+        self._lanes: list[Stream] = []  # add_lane's streams
         self._check_decodes()
+
+    def add_lane(self) -> Callable[[list[GpuJpeg]], list[Any]]:
+        """Another :meth:`decode_now`, with a decoder and stream of its own, for another thread: one
+        nvImageCodec call decodes its JPEGs together, but a call waits for the one before it on the
+        same decoder, so JPEGs that arrive one by one wait for each other's decodes unless several
+        threads each have a lane (the H200 has 7 hardware JPEG engines)."""
+        decoder = self.nv.Decoder(device_id=self.ctx.device.index, backends=self._backend_kinds)
+        with self.ctx.push_current():
+            stream = Stream(self.ctx, urgent=True)
+        self._lanes.append(stream)
+
+        def decode_now(jpegs: list[GpuJpeg]) -> list[Any]:
+            results, streams = self.decode(stream, jpegs, decoder)
+            stream.synchronize()
+            del streams
+            return results
+
+        return decode_now
 
     def _check_decodes(self) -> None:
         """Decode one small JPEG now: GPU backends that cannot load (no nvJPEG) refuse every image,
@@ -140,13 +160,14 @@ class GpuJpegDecoder:
                 "nvImageCodec's GPU backends decode no JPEG here (nvJPEG missing? pip install nvidia-nvjpeg)"
             )
 
-    def decode(self, stream: Stream, jpegs: Sequence[GpuJpeg]) -> tuple[list[Any], list[Any]]:
+    def decode(self, stream: Stream, jpegs: Sequence[GpuJpeg], decoder: Any = None) -> tuple[list[Any], list[Any]]:
         """Decode ``jpegs`` on ``stream``: per JPEG, nvImageCodec's image (ready in ``stream``'s
         order; hold it until the stream has passed its last reader) or, as a ``str``, why it was
         refused (decode that one on the CPU); and what else to hold until ``stream`` has passed the
         decode (the code streams it reads)."""
         streams = [self.nv.CodeStream(j.data) for j in jpegs]
-        images = self.decoder.decode(streams, params=self.params, cuda_stream=int(stream.handle))
+        decoder = self.decoder if decoder is None else decoder
+        images = decoder.decode(streams, params=self.params, cuda_stream=int(stream.handle))
         out: list[Any] = []
         for jpeg, image in zip(jpegs, images, strict=True):
             if image is None:
@@ -165,8 +186,10 @@ class GpuJpegDecoder:
         return results
 
     def close(self) -> None:
-        """Destroy the decoder's stream (its pictures must be gone first); idempotent."""
+        """Destroy the decoder's streams (its pictures must be gone first); idempotent."""
         self.stream.close()
+        for stream in self._lanes:
+            stream.close()
 
     def resize_into(self, stream: Stream, image: Any, jpeg: GpuJpeg, dst: int, height: int, width: int) -> None:
         """Resize (and orient) a decoded ``image`` into the ``height x width x 3`` uint8 row at ``dst``,
@@ -246,26 +269,34 @@ class JpegPrefetcher:
 
     def __init__(
         self,
-        decode: Callable[[list[GpuJpeg]], list[Any]],
+        decode: Callable[[list[GpuJpeg]], list[Any]] | Sequence[Callable[[list[GpuJpeg]], list[Any]]],
         *,
         ahead: int,
         most_per_call: int,
         on_thread: Callable[[], None] | None = None,
     ) -> None:
         """``decode(jpegs)`` returns, per JPEG, its complete picture or why not (a ``str``):
-        :meth:`GpuJpegDecoder.decode_now`. ``on_thread`` runs first on the decode thread (binding
-        the engine's context)."""
+        :meth:`GpuJpegDecoder.decode_now`; several (:meth:`GpuJpegDecoder.add_lane`) decode on a
+        thread each, so a JPEG that arrives while another is decoding starts at once. ``on_thread``
+        runs first on each decode thread (binding the engine's context)."""
         if ahead < 1 or most_per_call < 1:
             raise ValueError(f"ahead and most_per_call must be >= 1, got {ahead}, {most_per_call}")
-        self._decode, self._on_thread = decode, on_thread
+        decoders = [decode] if callable(decode) else list(decode)
+        if not decoders:
+            raise ValueError("give the prefetcher at least one decode function")
+        self._on_thread = on_thread
         self.ahead, self.most_per_call = ahead, most_per_call
         self._queue: deque[Ticket] = deque()
         self._held: set[Ticket] = set()  # decoding or decoded, not released
         self._wanted: list[Ticket] = []  # tickets a stager waits for
         self._closing = False
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._work, name="dualtrack-jpeg", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._work, args=(d,), name=f"dualtrack-jpeg-{i}", daemon=True)
+            for i, d in enumerate(decoders)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def add(self, jpeg: GpuJpeg) -> Ticket:
         ticket = Ticket(jpeg)
@@ -287,7 +318,7 @@ class JpegPrefetcher:
                 self._cond.notify_all()
             try:
                 while not ticket.done.wait(0.5):
-                    if not self._thread.is_alive():
+                    if not any(t.is_alive() for t in self._threads):
                         return "the GPU decoder stopped"
             finally:
                 with self._cond:
@@ -310,7 +341,8 @@ class JpegPrefetcher:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
         with self._cond:
             for ticket in (*self._queue, *self._held):
                 ticket.image, ticket.state = None, "released"
@@ -324,7 +356,7 @@ class JpegPrefetcher:
         """A stager waits for a ticket still queued: decode past the bound until it is reached."""
         return any(t.state == "queued" for t in self._wanted)
 
-    def _work(self) -> None:
+    def _work(self, decode: Callable[[list[GpuJpeg]], list[Any]]) -> None:
         if self._on_thread is not None:
             self._on_thread()
         while True:
@@ -340,7 +372,7 @@ class JpegPrefetcher:
                     ticket.state = "decoding"
                     self._held.add(ticket)
             try:
-                results = self._decode([t.jpeg for t in jobs])
+                results = decode([t.jpeg for t in jobs])
             except Exception as err:  # the CPU path decides each of them
                 results = [f"nvImageCodec failed: {err}"] * len(jobs)
             with self._cond:

@@ -69,6 +69,7 @@ EngineSource = Union["Engine", str, os.PathLike[str], Callable[[], "Engine"]]
 """An engine to borrow, a bundle path to load, or a zero-argument factory that returns an engine."""
 
 MASK_OUTPUT = "mask"
+DECODE_LANES = 3  # JPEG decode threads, each with an nvImageCodec decoder and stream (JpegPrefetcher)
 _log = logging.getLogger(__name__)
 
 
@@ -439,8 +440,9 @@ class Batcher(QueueState["Engine"]):
 
                 # Two batches of pictures ahead: the one staged next and the one filling behind it.
                 largest = max(engine.batch_sizes)
+                lanes = [self._jpeg.decode_now, *(self._jpeg.add_lane() for _ in range(DECODE_LANES - 1))]
                 self._prefetch = JpegPrefetcher(
-                    self._jpeg.decode_now,
+                    lanes,
                     ahead=2 * largest,
                     most_per_call=largest,
                     on_thread=self._jpeg.ctx.make_current,

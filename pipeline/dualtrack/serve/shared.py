@@ -43,6 +43,7 @@ readable by its owner only: nothing outside the user that started the server can
 from __future__ import annotations
 
 import json
+import math
 import logging
 import mmap
 import os
@@ -131,7 +132,7 @@ class SlotFile:
 
     def array(self, slot: int, shape: tuple[int, ...]) -> np.ndarray:
         """Slot ``slot`` as a uint8 array of ``shape`` (a view: no copy)."""
-        return self.buffer[slot, : int(np.prod(shape))].reshape(shape)
+        return self.buffer[slot, : math.prod(shape)].reshape(shape)
 
     def close(self) -> None:
         self.buffer = np.empty((0, 0), np.uint8)  # drop the view before the map (mmap refuses otherwise)
