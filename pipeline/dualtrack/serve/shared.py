@@ -43,8 +43,8 @@ readable by its owner only: nothing outside the user that started the server can
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 import mmap
 import os
 import secrets
