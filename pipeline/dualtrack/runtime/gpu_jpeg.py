@@ -139,14 +139,7 @@ class GpuJpegDecoder:
         with self.ctx.push_current():
             stream = Stream(self.ctx, urgent=True)
         self._lanes.append(stream)
-
-        def decode_now(jpegs: list[GpuJpeg]) -> list[Any]:
-            results, streams = self.decode(stream, jpegs, decoder)
-            stream.synchronize()
-            del streams
-            return results
-
-        return decode_now
+        return lambda jpegs: self._decode_waiting(stream, jpegs, decoder)
 
     def _check_decodes(self) -> None:
         """Decode one small JPEG now: GPU backends that cannot load (no nvJPEG) refuse every image,
@@ -180,9 +173,12 @@ class GpuJpegDecoder:
     def decode_now(self, jpegs: list[GpuJpeg]) -> list[Any]:
         """:meth:`decode` on this decoder's own stream, waiting for it: complete pictures (what
         :class:`JpegPrefetcher` runs on its thread, off every request's path)."""
-        results, streams = self.decode(self.stream, jpegs)
-        self.stream.synchronize()
-        del streams
+        return self._decode_waiting(self.stream, jpegs, self.decoder)
+
+    def _decode_waiting(self, stream: Stream, jpegs: list[GpuJpeg], decoder: Any) -> list[Any]:
+        results, streams = self.decode(stream, jpegs, decoder)
+        stream.synchronize()
+        del streams  # the code streams, once the decode has read them
         return results
 
     def close(self) -> None:
