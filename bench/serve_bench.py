@@ -425,7 +425,7 @@ def _serve_and_load(
 PYSPY_RATE = 200  # samples per second
 
 
-def _start_spies(args: argparse.Namespace, pid: int, name: str) -> list[tuple[subprocess.Popen[bytes], Path, str]]:
+def _start_spies(args: argparse.Namespace, pid: int, name: str) -> list[tuple[subprocess.Popen[bytes], Path, str, int]]:
     """py-spy over ``pid`` and its children for the timed load test: GIL holders, and all running threads."""
     import shutil
 
@@ -440,15 +440,15 @@ def _start_spies(args: argparse.Namespace, pid: int, name: str) -> list[tuple[su
         cmd = [exe, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--threads", "--format", "raw"]
         cmd += ["--rate", str(PYSPY_RATE), "--duration", str(seconds), "-o", str(path)]
         cmd += ["--gil"] if kind == "gil" else []
-        spies.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), path, kind))
+        spies.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), path, kind, seconds))
     return spies
 
 
-def _finish_spies(spies: list[tuple[subprocess.Popen[bytes], Path, str]]) -> dict[str, float]:
+def _finish_spies(spies: list[tuple[subprocess.Popen[bytes], Path, str, int]]) -> dict[str, float]:
     """Wait for the samplers; from the GIL profile, the share of sampling instants in which some thread
     of each process held the GIL (samples of one instant are counted once per process)."""
     busy: dict[str, float] = {}
-    for spy, path, kind in spies:
+    for spy, path, kind, seconds in spies:
         try:
             _, err = spy.communicate(timeout=60)
         except subprocess.TimeoutExpired:
@@ -459,7 +459,6 @@ def _finish_spies(spies: list[tuple[subprocess.Popen[bytes], Path, str]]) -> dic
             continue
         if kind != "gil":
             continue
-        seconds = float(re.search(r"--duration (\d+)", " ".join(map(str, spy.args))).group(1))  # type: ignore[union-attr]
         per_process: collections.Counter[str] = collections.Counter()
         for line in path.read_text().splitlines():
             stack, _, count = line.rpartition(" ")
