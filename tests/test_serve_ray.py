@@ -322,8 +322,18 @@ def test_probes_and_metrics(app: str, rng) -> None:
     assert all(d["device"] == "cpu" and "uuid" not in d for d in devices), devices
     ok = 'dualtrack_requests_total{code="200",endpoint="/v1/segment"}'
     bad = 'dualtrack_request_errors_total{code="400",endpoint="/v1/segment"}'
-    text = httpx.get(f"{app}/metrics").text
-    before = _sample(text, ok), _sample(text, bad)
+    # Counts of earlier tests' answers may still be on their way (an ingress sends them every 0.25 s):
+    # start from counts that two reads 0.5 s apart agree on.
+    counts: list[tuple[float, float]] = []
+
+    def settled() -> bool:
+        text = httpx.get(f"{app}/metrics").text
+        counts.append((_sample(text, ok), _sample(text, bad)))
+        time.sleep(0.5)
+        return len(counts) > 1 and counts[-1] == counts[-2]
+
+    until(settled, "the counts in /metrics to settle", 10)
+    before = counts[-1]
     assert _post(f"{app}/v1/segment", _png(rng, 16, 16)).status_code == 200
     assert _post(f"{app}/v1/segment", b"nope").status_code == 400
     # The ingress counts an answer once it is sent, and sends its counts every 0.25 s.
