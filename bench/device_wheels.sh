@@ -24,7 +24,7 @@ get() {  # DIR NAME==VERSION ...
 }
 what=${1:-all}
 if [ "$what" = whl ] || [ "$what" = all ]; then
-  names="iree-base-runtime pydantic pydantic-core annotated-types typing-inspection starlette uvicorn python-multipart httptools"
+  names="iree-base-runtime archspec pydantic pydantic-core annotated-types typing-inspection starlette uvicorn python-multipart httptools"
   get .whl $(for n in $names; do echo "$n==$(version "$n")"; done)
 fi
 if [ "$what" = whl2 ] || [ "$what" = all ]; then

@@ -23,7 +23,7 @@ from importlib.metadata import version as pkg_version
 from pathlib import Path
 from typing import Any
 
-from dualtrack import arch, frontend, kernels, partition, ptx, track_b, verify
+from dualtrack import arch, frontend, hostcpu, kernels, partition, ptx, track_b, verify
 from dualtrack.bundle import MANIFEST, Bundle, BundleWriter, sha256
 from dualtrack.config import BuildConfig, load_config
 from dualtrack.errors import BundleError, ConfigError, ToolError
@@ -248,7 +248,13 @@ def build(
     targets: list[track_b.IreeTarget] = sorted(
         {track_b.cuda_target(r.iree_target) for r in resolutions}, key=lambda t: t.name
     )
-    cpu = track_b.cpu_target(cfg.track_b.cpu_target) if cfg.track_b.cpu else None
+    cpu_name = hostcpu.resolve(cfg.track_b.cpu_target) if cfg.track_b.cpu else None
+    if cpu_name is not None and (why := hostcpu.cannot_run(cpu_name)):  # the build verifies on this CPU
+        raise ConfigError(
+            f"track_b.cpu_target {cpu_name}: {why}, so this build could not verify its CPU modules; "
+            f"set track_b.cpu_target: auto ({hostcpu.resolve(hostcpu.AUTO)} here)"
+        )
+    cpu = track_b.cpu_target(cpu_name) if cpu_name is not None else None
     records_b = flag_records(cfg.tuning) if cfg.tuning is not None else []
     tuned_flags: dict[str, dict[str, dict[str, Any]]] = {}
     jobs: list[track_b.CompileJob] = []
@@ -368,6 +374,7 @@ def build(
             artifacts=Artifacts(iree=iree_art, iree_tuned_flags=tuned_flags, track_a=a_meta, iree_replay=replay_art),
             tools=tool_versions(compiler),
             cpu_batch=track_b.CPU_BATCH,
+            cpu_target=cpu_name,
             min_driver=max(
                 (m["min_driver"] or 0 for per in a_meta["ptx"].values() for m in per.values()), default=None
             ),

@@ -101,11 +101,12 @@ class TrackBConfig(_Strict):
         ),
     )
     cpu_target: str = Field(
-        "x86-64-v4",
+        "auto",
         description=(
-            "--iree-llvmcpu-target-cpu: x86-64-v4 (AVX-512: current Xeon and EPYC) by default; "
-            "x86-64-v3 runs on any AVX2 CPU but IREE 3.13's fp16 code there is about 7x slower; "
-            "'host' for this CPU only"
+            "--iree-llvmcpu-target-cpu: 'auto' (default) is the best x86-64 level of the building CPU "
+            "(x86-64-v4 where it has AVX-512, else x86-64-v3 ...; dualtrack.hostcpu); x86-64-v3 runs on "
+            "any AVX2 CPU but IREE 3.13's fp16 code there is about 7x slower than v4's; 'host' for "
+            "this CPU only. A level the building CPU lacks is refused (the build verifies on it)"
         ),
     )
 

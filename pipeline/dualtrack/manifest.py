@@ -88,6 +88,7 @@ class Manifest:
     tools: Mapping[str, str]
     cpu_batch: int  # the batch the llvm-cpu modules are compiled for (the CPU runs bigger ones row by row)
     min_driver: int | None = None
+    cpu_target: str | None = None  # the llvm-cpu modules' --iree-llvmcpu-target-cpu (track_b.cpu_target resolved)
     notes: tuple[str, ...] = ()
     verification: Verification | None = None
     files: Mapping[str, str] = field(default_factory=dict)  # path -> SHA-256, every file but the manifest
@@ -133,6 +134,8 @@ class Manifest:
                 tools=d["tools"],
                 cpu_batch=int(d["cpu_batch"]),
                 min_driver=d.get("min_driver"),
+                # Bundles built before it was recorded: their config's value (then never "auto").
+                cpu_target=d.get("cpu_target", d["config"].get("track_b", {}).get("cpu_target")),
                 notes=tuple(d.get("notes", ())),
                 verification=Verification(**ver) if ver else None,
                 files=d.get("files", {}),

@@ -16,8 +16,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from dualtrack import hostcpu
 from dualtrack.bundle import Bundle
-from dualtrack.errors import InputError
+from dualtrack.errors import BundleError, InputError
 from dualtrack.plan import Segment, TensorSpec
 from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
 from dualtrack.runtime.overlap import Fill, Overlap, Staged, Submission
@@ -52,6 +53,12 @@ class CpuBackend:
     target = "llvm-cpu"
 
     def __init__(self, bundle: Bundle) -> None:
+        target = bundle.manifest.cpu_target
+        if why := hostcpu.cannot_run(target):  # its first call would die of SIGILL
+            raise BundleError(
+                f"{bundle.root}'s CPU modules cannot run here: {why}; rebuild it on this machine "
+                "(track_b.cpu_target: auto) or run it on a GPU (--device cuda)"
+            )
         self.bundle = bundle
         self.device = IreeDevice.create("cpu")
         self.params = parameter_index(bundle.weights)
