@@ -499,7 +499,8 @@ def _wait_ready(base: str, server: subprocess.Popen[str]) -> None:
     raise SystemExit("`dualtrack serve` was not ready within 300 s")
 
 
-PHASES = ("gather", "stage", "decode", "handoff", "gpu")  # dualtrack_batch_phase_seconds (serve/batcher.py)
+# dualtrack_batch_phase_seconds (serve/batcher.py)
+PHASES = ("gather", "stage", "slot", "rows", "decode", "sync", "handoff", "gpu")
 _SAMPLES = {
     "batches": "dualtrack_batch_size_count",
     "rows": "dualtrack_batch_size_sum",

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -125,6 +126,9 @@ class Staged:
     slot: int
     x: Any  # GpuTensor of the slot on cuda; a numpy copy on cpu
     n: int
+    # Where the stage's time went (ms): ``slot`` waiting for a free slot, ``rows`` the caller's
+    # fill (its GPU rows), ``sync`` waiting for the upload stream. Empty on the CPU.
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -169,8 +173,10 @@ class Overlap:
     def stage(self, x: np.ndarray, dtype: np.dtype, fill: Fill | None) -> Staged:
         be = self.be
         be.ctx.make_current()  # callers may be on any thread
+        t0 = time.monotonic()
         with self._stage_lock:
             slot = self.ring.begin_stage()
+            t_slot = time.monotonic()
             try:
                 n = x.shape[0]
                 key = (slot, x.nbytes)
@@ -180,18 +186,21 @@ class Overlap:
                 tensor = GpuTensor(buf.ptr, tuple(x.shape), dtype, buf)
                 self.up.wait(self.consumed[slot])
                 written = fill(self.up, tensor) if fill is not None else set()
+                t_rows = time.monotonic()
                 src = x if be._is_host_array(x) else self._pinned_copy(slot, x)
                 row = x.nbytes // max(n, 1)
                 for first, count in rows_to_upload(n, written):
                     call(cu.cuMemcpyHtoDAsync, buf.ptr + first * row, src.ctypes.data + first * row, count * row,
                          self.up.handle)  # fmt: skip
                 self.uploaded[slot].record(self.up)
+                t_copy = time.monotonic()
                 self.uploaded[slot].synchronize()  # IREE reads it on its own streams (FACTS 8)
                 self.ring.staged(slot)
             except BaseException:
                 self.ring.abandon(slot)
                 raise
-        return Staged(slot, tensor, n)
+        timings = {"slot": t_slot - t0, "rows": t_rows - t_slot, "sync": time.monotonic() - t_copy}
+        return Staged(slot, tensor, n, {k: v * 1e3 for k, v in timings.items()})
 
     def _pinned_copy(self, slot: int, x: np.ndarray) -> np.ndarray:
         held = self.pinned_in.get(slot)

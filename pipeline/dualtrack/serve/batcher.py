@@ -25,8 +25,9 @@ engine process's batcher.
 Where a batch's time goes, in every request's ``BatchResult.timings`` (ms; the app's JSON
 ``timings_ms`` and ``Server-Timing``, and ``dualtrack_batch_phase_seconds`` in /metrics):
 ``batch_gather_ms`` from its oldest request's arrival until it stopped taking rows; on a GPU then
-``batch_stage_ms`` (its JPEG decodes finishing, resizes and upload, a free device slot; of it
-``batch_decode_ms``, waiting for the decodes),
+``batch_stage_ms`` (a free device slot, its JPEG decodes finishing, resizes and upload; of it
+``batch_slot_ms`` waiting for the slot, ``batch_rows_ms`` writing the GPU rows, of that
+``batch_decode_ms`` waiting for the decodes, and ``batch_sync_ms`` waiting for the upload stream),
 ``batch_handoff_ms`` (staged until the launcher took it) and ``batch_gpu_ms`` (launched until its
 masks were on the host: its compute, queued behind the batch ahead, and the download).
 
@@ -550,6 +551,8 @@ class Batcher(QueueState["Engine"]):
             staged = _Staged(requests, failed, size, engine.stage(x[:size], fill), {})
             staged.phases["batch_gather_ms"] = (batch.closed - batch.requests[0].enqueued) * 1e3
             staged.phases["batch_stage_ms"] = (time.monotonic() - batch.closed) * 1e3
+            for part, ms in getattr(staged.staged, "timings", {}).items():  # slot wait, rows written, upload wait
+                staged.phases[f"batch_{part}_ms"] = ms
             if jpegs:
                 staged.phases["batch_decode_ms"] = decode_wait[0] * 1e3
             ok = True

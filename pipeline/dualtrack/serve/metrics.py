@@ -18,7 +18,8 @@ name                                        type       meaning
 ``dualtrack_inference_seconds``             histogram  wall time of one ``engine.run`` (whole batch)
 ``dualtrack_track_seconds``                 histogram  engine-reported time per ``track`` (``a``, ``b``)
 ``dualtrack_batch_phase_seconds``           histogram  a batch's time per ``phase``: ``gather``, ``stage``
-                                                       (of it ``decode``), ``handoff``, ``gpu`` (serve/batcher.py)
+                                                       (of it ``slot``, ``rows``, ``decode``, ``sync``),
+                                                       ``handoff``, ``gpu`` (serve/batcher.py)
 ``dualtrack_queue_depth``                   gauge      requests waiting for a batch, at scrape time
 ``dualtrack_ready``                         gauge      1 when ``/readyz`` answers 200, else 0
 ``dualtrack_jpeg_decoder``                  gauge      1 for the ``decoder`` (``gpu``, ``cpu``) that takes JPEGs
