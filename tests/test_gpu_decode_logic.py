@@ -313,31 +313,3 @@ def test_a_failed_decode_refuses_its_jpegs_and_close_frees_what_is_held(rng) -> 
     assert prefetch.take(queued) == "the GPU decoder is shutting down"  # never decoded: the CPU path takes it
     late = prefetch.add(_routed(rng, 1)[0])
     assert prefetch.take(late) == "the GPU decoder is shutting down"
-
-
-def test_every_decoded_result_goes_back_to_recycle_once_and_only_once(rng) -> None:
-    """The service's lanes hand back pooled rows (RowPool): each must return to the pool exactly
-    once, whether its ticket was released after its stage, released while it was still decoding,
-    or still held at close."""
-    returned: list[object] = []  # the results themselves: alive, so no two share an id
-    lane = _HeldLane()
-    prefetch = JpegPrefetcher(lane, ahead=16, most_per_call=1, recycle=returned.append)
-    try:
-        withdrawn = prefetch.add(_routed(rng, 1)[0])
-        _wait_until(lambda: lane.entered.is_set())
-        assert withdrawn.state == "decoding"
-        prefetch.release(withdrawn)  # its client went away mid-decode: nobody will take its row
-        assert returned == []
-        lane.gate.set()
-        _wait_until(lambda: len(returned) == 1)  # the lane hands it back when the decode ends
-        staged, held = (prefetch.add(j) for j in _routed(rng, 2))
-        image = prefetch.take(staged)
-        prefetch.release(staged)  # its stage has run: its row goes back
-        assert returned[1] is image
-        _wait_until(lambda: held.state == "decoded")
-        assert len(returned) == 2
-    finally:
-        prefetch.close()  # held: returned at close
-    assert len(returned) == 3 and len({id(r) for r in returned}) == 3
-    prefetch.release(held)  # released again after close: nothing more comes back
-    assert len(returned) == 3

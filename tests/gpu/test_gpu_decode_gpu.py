@@ -127,46 +127,6 @@ def test_gpu_decoded_jpegs_match_the_cpu_path_within_the_decoders_difference(eng
 
 
 @needs_nvimgcodec
-def test_rows_resized_on_a_lane_then_copied_equal_the_resize_into_the_batch(engine) -> None:
-    """The service's path (each picture resized into a RowPool row as it is decoded, the row
-    copied into the batch at staging) against decode_into's (resized into the batch): 0 difference,
-    into poisoned rows; every row goes back to the pool and is reused."""
-    from dualtrack.runtime.gpu_jpeg import RowPool
-
-    _, decoder = open_decoder(engine, "auto", None)
-    assert decoder is not None
-    be = engine.backend
-    h, w = engine.input_spec.shape[1:3]
-    rng = np.random.default_rng(13)
-    routes = {}
-    for i, (pw, ph, orientation) in enumerate([(3 * w, h + 5, 1), (w + 13, 5 * h, 6), (w, h, 8)]):
-        route = imaging.route_jpeg(_jpeg(_photo(rng, pw, ph), orientation), h, w, max_downscale=8)
-        assert isinstance(route, imaging.GpuJpeg), route
-        routes[i] = route
-    want_buf, shape = _device_rows(engine, len(routes))
-    assert decoder.decode_into(be.stream, routes, want_buf.ptr, h, w).written == set(routes)
-    want = _read(engine, want_buf, shape)
-    pool = RowPool(be.pool, h, w)
-    lane = decoder.add_lane(pool)
-    try:
-        for _ in range(2):  # the second round reuses the first round's rows
-            rows = lane([routes[i] for i in sorted(routes)])
-            assert all(not isinstance(r, str) for r in rows), rows
-            got_buf, _ = _device_rows(engine, len(routes))
-            call(cu.cuMemsetD8Async, got_buf.ptr, 0xA5, got_buf.nbytes, be.stream.handle)  # poison
-            for i, row in enumerate(rows):
-                decoder.write_row(be.stream, row, routes[i], got_buf.ptr + i * h * w * 3, h, w)
-            got = _read(engine, got_buf, shape)
-            be.stream.synchronize()
-            np.testing.assert_array_equal(got, want)
-            for row in rows:
-                pool.give(row)
-        assert len(pool) == len(routes)
-    finally:
-        pool.close()
-
-
-@needs_nvimgcodec
 def test_a_jpeg_nvimgcodec_refuses_is_handed_back_for_the_cpu_path(engine) -> None:
     _, decoder = open_decoder(engine, "auto", None)
     assert decoder is not None

@@ -2,14 +2,12 @@
 
 The service's JPEGs (those :func:`dualtrack.imaging.route_jpeg` sends here) are decoded by
 nvImageCodec (``nvidia-nvimgcodec-cu13`` with ``nvidia-nvjpeg``: nvJPEG, the GPU's hardware JPEG
-engines where it has them; FACTS 19), then the Track A kernel ``resize_rgb_u8``
-(:data:`dualtrack.kernels.RESIZE_RGB`) applies the EXIF orientation and Pillow's bilinear resize
-and writes each picture at the model's size: into its row of the batch's device input
-(:meth:`GpuJpegDecoder.decode_into`), or, in the service, into a row of a :class:`RowPool` as soon
-as it is decoded (:class:`JpegPrefetcher`, off the request's path), which the batch's stage then
-copies into its row. The decoded picture never leaves the GPU; nvImageCodec owns its buffer (it
-cannot decode into ours), so it is read through its ``__cuda_array_interface__`` and kept alive
-until the stream has passed the resize.
+engines where it has them; FACTS 19) on the stream the engine stages its batch on, then the Track A
+kernel ``resize_rgb_u8`` (:data:`dualtrack.kernels.RESIZE_RGB`) applies the EXIF orientation and
+Pillow's bilinear resize and writes each picture into its row of the batch's device input. The
+decoded picture never leaves the GPU; nvImageCodec owns its buffer (it cannot decode into ours), so
+it is read through its ``__cuda_array_interface__`` and kept alive until the stream has passed the
+resize.
 
 Which decoder runs is :func:`choose_decoder`'s answer, a pure function of what is installed and
 the device, reported by ``/readyz``, ``/metrics`` (``dualtrack_decoder_info``) and the startup line:
@@ -33,13 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cuda.bindings import driver as cu
 from PIL import Image
 
 from dualtrack import arch, kernels, ptx
 from dualtrack.imaging import GpuJpeg
-from dualtrack.runtime.driver import Context, Kernel, Module, Stream, call
-from dualtrack.runtime.memory import DeviceBuffer, DevicePool
+from dualtrack.runtime.driver import Context, Kernel, Module, Stream
 
 DECODERS = ("gpu", "cpu")
 GPU_BACKENDS = ("HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU")  # nvImageCodec's BackendKinds that decode on the GPU
@@ -78,47 +74,6 @@ def probe_library() -> tuple[Any, str | None]:
     except ImportError as err:
         return None, f"nvImageCodec is not installed ({err}): pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg"
     return nvimgcodec, None
-
-
-class RowPool:
-    """Device rows of the model's input size (``height x width x 3`` uint8) for pictures resized as
-    they are decoded (:meth:`GpuJpegDecoder.add_lane` with ``rows``), reused row after row.
-
-    Grows when empty (a row is allocated on the stream about to write it) and keeps what it made:
-    as many rows as the prefetcher holds at once, its ``ahead`` bound plus the rows a stager
-    waited for. :meth:`close` frees them (before the engine's context goes)."""
-
-    def __init__(self, pool: DevicePool, height: int, width: int) -> None:
-        self.pool, self.height, self.width = pool, height, width
-        self.nbytes = height * width * 3
-        self._free: list[DeviceBuffer] = []
-        self._made: list[DeviceBuffer] = []
-        self._lock = threading.Lock()
-
-    def take(self, stream: Stream) -> DeviceBuffer:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        row = self.pool.alloc(self.nbytes, stream)
-        with self._lock:
-            self._made.append(row)
-        return row
-
-    def give(self, row: object) -> None:
-        """Take back a row once its readers have run (anything else handed here is ignored)."""
-        if isinstance(row, DeviceBuffer):
-            with self._lock:
-                self._free.append(row)
-
-    def __len__(self) -> int:
-        """Rows made so far."""
-        return len(self._made)
-
-    def close(self) -> None:
-        with self._lock:
-            made, self._made, self._free = self._made, [], []
-        for row in made:
-            row.close()
 
 
 @dataclass
@@ -175,17 +130,16 @@ class GpuJpegDecoder:
         self._lanes: list[Stream] = []  # add_lane's streams
         self._check_decodes()
 
-    def add_lane(self, rows: RowPool | None = None) -> Callable[[list[GpuJpeg]], list[Any]]:
+    def add_lane(self) -> Callable[[list[GpuJpeg]], list[Any]]:
         """Another :meth:`decode_now`, with a decoder and stream of its own, for another thread: one
         nvImageCodec call decodes its JPEGs together, but a call waits for the one before it on the
         same decoder, so JPEGs that arrive one by one wait for each other's decodes unless several
-        threads each have a lane (the H200 has 7 hardware JPEG engines). With ``rows``, as
-        :meth:`decode_now` with them."""
+        threads each have a lane (the H200 has 7 hardware JPEG engines)."""
         decoder = self.nv.Decoder(device_id=self.ctx.device.index, backends=self._backend_kinds)
         with self.ctx.push_current():
             stream = Stream(self.ctx, urgent=True)
         self._lanes.append(stream)
-        return lambda jpegs: self._decode_waiting(stream, jpegs, decoder, rows)
+        return lambda jpegs: self._decode_waiting(stream, jpegs, decoder)
 
     def _check_decodes(self) -> None:
         """Decode one small JPEG now: GPU backends that cannot load (no nvJPEG) refuse every image,
@@ -216,38 +170,16 @@ class GpuJpegDecoder:
                 out.append(image if why is None else why)
         return out, streams
 
-    def decode_now(self, jpegs: list[GpuJpeg], rows: RowPool | None = None) -> list[Any]:
+    def decode_now(self, jpegs: list[GpuJpeg]) -> list[Any]:
         """:meth:`decode` on this decoder's own stream, waiting for it: complete pictures (what
-        :class:`JpegPrefetcher` runs on its thread, off every request's path). With ``rows``, each
-        picture is resized (and oriented) into a row of the pool at once, on the same stream, and
-        the row comes back instead: at staging time a row is one device copy, not a resize."""
-        return self._decode_waiting(self.stream, jpegs, self.decoder, rows)
+        :class:`JpegPrefetcher` runs on its thread, off every request's path)."""
+        return self._decode_waiting(self.stream, jpegs, self.decoder)
 
-    def _decode_waiting(self, stream: Stream, jpegs: list[GpuJpeg], decoder: Any, rows: RowPool | None) -> list[Any]:
-        pictures, streams = self.decode(stream, jpegs, decoder)
-        results = pictures
-        if rows is not None:
-            results = [
-                p if isinstance(p, str) else self._resize_to_row(stream, p, j, rows)
-                for p, j in zip(pictures, jpegs, strict=True)
-            ]
+    def _decode_waiting(self, stream: Stream, jpegs: list[GpuJpeg], decoder: Any) -> list[Any]:
+        results, streams = self.decode(stream, jpegs, decoder)
         stream.synchronize()
-        del streams, pictures  # the code streams and pictures, once the stream has read them
+        del streams  # the code streams, once the decode has read them
         return results
-
-    def _resize_to_row(self, stream: Stream, picture: Any, jpeg: GpuJpeg, rows: RowPool) -> DeviceBuffer:
-        row = rows.take(stream)
-        self.resize_into(stream, picture, jpeg, row.ptr, rows.height, rows.width)
-        return row
-
-    def write_row(self, stream: Stream, decoded: Any, jpeg: GpuJpeg, dst: int, height: int, width: int) -> None:
-        """Write a decoded JPEG (a picture, or a row of a :class:`RowPool`) into the ``height x width
-        x 3`` row at ``dst`` on ``stream``: a resize, or a device copy; keep ``decoded`` alive until
-        ``stream`` has passed this."""
-        if isinstance(decoded, DeviceBuffer):
-            call(cu.cuMemcpyDtoDAsync, dst, decoded.ptr, height * width * 3, stream.handle)
-        else:
-            self.resize_into(stream, decoded, jpeg, dst, height, width)
 
     def close(self) -> None:
         """Destroy the decoder's streams (its pictures must be gone first); idempotent."""
@@ -321,8 +253,7 @@ class JpegPrefetcher:
     for pixels (``bench/decode_probe.py``, ``decode_probe-a05bb7c.json``), and under the service's
     closed loop the GPU waited for it. The JPEGs of a batch arrive over milliseconds; decoding
     them as they come (as many as are waiting, in one nvImageCodec call) leaves the stager only
-    the resize kernels; resizing them into rows as they come, too (``rows``: a
-    :class:`RowPool`), leaves it one device copy per row.
+    the resize kernels.
 
     Bounded: at most ``ahead`` decoded pictures not yet released (each as large as its JPEG's
     pixels, up to the resize kernel's largest downscale of the model input); more wait in a queue
@@ -339,20 +270,17 @@ class JpegPrefetcher:
         ahead: int,
         most_per_call: int,
         on_thread: Callable[[], None] | None = None,
-        recycle: Callable[[Any], None] | None = None,
     ) -> None:
         """``decode(jpegs)`` returns, per JPEG, its complete picture or why not (a ``str``):
         :meth:`GpuJpegDecoder.decode_now`; several (:meth:`GpuJpegDecoder.add_lane`) decode on a
         thread each, so a JPEG that arrives while another is decoding starts at once. ``on_thread``
-        runs first on each decode thread (binding the engine's context); ``recycle`` takes back
-        each decoded result once it is released (a :class:`RowPool`'s ``give``)."""
+        runs first on each decode thread (binding the engine's context)."""
         if ahead < 1 or most_per_call < 1:
             raise ValueError(f"ahead and most_per_call must be >= 1, got {ahead}, {most_per_call}")
         decoders = [decode] if callable(decode) else list(decode)
         if not decoders:
             raise ValueError("give the prefetcher at least one decode function")
         self._on_thread = on_thread
-        self._recycle = recycle
         self.ahead, self.most_per_call = ahead, most_per_call
         self._queue: deque[Ticket] = deque()
         self._held: set[Ticket] = set()  # decoding or decoded, not released
@@ -401,13 +329,8 @@ class JpegPrefetcher:
                     self._queue.remove(ticket)
                 ticket.done.set()
             self._held.discard(ticket)
-            self._give_back(ticket.image)
             ticket.state, ticket.image = "released", None
             self._cond.notify_all()
-
-    def _give_back(self, image: Any) -> None:
-        if image is not None and self._recycle is not None:
-            self._recycle(image)
 
     def close(self) -> None:
         """Stop the thread and free every picture not yet released (before the context goes)."""
@@ -418,7 +341,6 @@ class JpegPrefetcher:
             thread.join()
         with self._cond:
             for ticket in (*self._queue, *self._held):
-                self._give_back(ticket.image)
                 ticket.image, ticket.state = None, "released"
                 if ticket.refused is None and not ticket.done.is_set():
                     ticket.refused = "the GPU decoder is shutting down"
@@ -458,8 +380,6 @@ class JpegPrefetcher:
                             self._held.discard(ticket)
                         else:
                             ticket.image = result
-                    elif not isinstance(result, str):
-                        self._give_back(result)  # released while it decoded: nobody takes it
                     ticket.done.set()
                 self._cond.notify_all()
 

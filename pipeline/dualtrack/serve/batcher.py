@@ -25,7 +25,7 @@ engine process's batcher.
 Where a batch's time goes, in every request's ``BatchResult.timings`` (ms; the app's JSON
 ``timings_ms`` and ``Server-Timing``, and ``dualtrack_batch_phase_seconds`` in /metrics):
 ``batch_gather_ms`` from its oldest request's arrival until it stopped taking rows; on a GPU then
-``batch_stage_ms`` (a free device slot, its JPEG decodes finishing, their rows copied in and the upload; of it
+``batch_stage_ms`` (a free device slot, its JPEG decodes finishing, resizes and upload; of it
 ``batch_slot_ms`` waiting for the slot, ``batch_rows_ms`` writing the GPU rows, of that
 ``batch_decode_ms`` waiting for the decodes, and ``batch_sync_ms`` waiting for the upload stream),
 ``batch_handoff_ms`` (staged until the launcher took it) and ``batch_gpu_ms`` (launched until its
@@ -63,7 +63,7 @@ from dualtrack.errors import BundleError, DualtrackError, InputError
 if TYPE_CHECKING:
     from dualtrack.plan import TensorSpec
     from dualtrack.runtime.engine import Engine
-    from dualtrack.runtime.gpu_jpeg import JpegPrefetcher, RowPool, Ticket
+    from dualtrack.runtime.gpu_jpeg import JpegPrefetcher, Ticket
     from dualtrack.runtime.overlap import Staged, Submission
 
 EngineSource = Union["Engine", str, os.PathLike[str], Callable[[], "Engine"]]
@@ -277,7 +277,6 @@ class Batcher(QueueState["Engine"]):
         self.decoder = ("cpu", "the engine is loading")  # (name, reason): which decoder takes JPEGs
         self._jpeg: Any = None  # runtime.gpu_jpeg.GpuJpegDecoder when the decoder is "gpu"
         self._prefetch: JpegPrefetcher | None = None  # decodes each JPEG as it arrives, with _jpeg
-        self._rows: RowPool | None = None  # the model-size rows the prefetcher resizes into
 
     # --- state, read from any thread -------------------------------------------------------------
 
@@ -423,9 +422,6 @@ class Batcher(QueueState["Engine"]):
             if self._prefetch is not None:
                 self._prefetch.close()  # its pictures and stream, while the context lives
                 self._prefetch = None
-            if self._rows is not None:
-                self._rows.close()
-                self._rows = None
             if self._jpeg is not None:
                 self._jpeg.close()
             self._jpeg = None  # its nvImageCodec decoder and kernel before the engine's context
@@ -441,24 +437,16 @@ class Batcher(QueueState["Engine"]):
             choice, self._jpeg = open_decoder(engine, self._wanted_decoder, Settings.from_env().cache_dir / "jit")
             self.decoder = (choice.name, choice.reason)
             if self._jpeg is not None:
-                from dualtrack.runtime.gpu_jpeg import JpegPrefetcher, RowPool
+                from dualtrack.runtime.gpu_jpeg import JpegPrefetcher
 
-                # Each picture is resized into a model-size row as soon as it is decoded, on its
-                # lane: a batch's stage copies rows instead of resizing (on the path of every batch).
-                _, height, width, _ = engine.input_spec.shape
-                rows = self._rows = RowPool(engine.backend.pool, height, width)
-                # Two batches of rows ahead: the one staged next and the one filling behind it.
+                # Two batches of pictures ahead: the one staged next and the one filling behind it.
                 largest = max(engine.batch_sizes)
-                lanes = [
-                    lambda jpegs: self._jpeg.decode_now(jpegs, rows),
-                    *(self._jpeg.add_lane(rows) for _ in range(DECODE_LANES - 1)),
-                ]
+                lanes = [self._jpeg.decode_now, *(self._jpeg.add_lane() for _ in range(DECODE_LANES - 1))]
                 self._prefetch = JpegPrefetcher(
                     lanes,
                     ahead=2 * largest,
                     most_per_call=largest,
                     on_thread=self._jpeg.ctx.make_current,
-                    recycle=rows.give,
                 )
         else:
             self.decoder = ("cpu", f"Pillow on the image threads: the engine runs on {engine.device}")
@@ -527,9 +515,9 @@ class Batcher(QueueState["Engine"]):
         x[n:size] = 0
         failed: set[int] = set()
         fill = None
-        # The decoded rows (the prefetcher's tickets) are released after stage() has synchronised
-        # its upload stream, the copies' stream, on this thread while the engine's context is
-        # alive; if staging fails after fill queued copies, that stream is waited for first.
+        # The decoded pictures (the prefetcher's tickets) are released after stage() has
+        # synchronised its upload stream, the resizes' stream, on this thread while the engine's
+        # context is alive; if staging fails after fill queued resizes, that stream is waited for first.
         used: list[Any] = []
         decode_wait = [0.0]  # seconds fill waited for the prefetcher's decodes
         if jpegs:
@@ -543,8 +531,8 @@ class Batcher(QueueState["Engine"]):
                     t0 = time.monotonic()
                     image = prefetch.take(ticket)
                     decode_wait[0] += time.monotonic() - t0
-                    if not isinstance(image, str):  # its row (resized on its lane): one device copy
-                        self._jpeg.write_row(
+                    if not isinstance(image, str):
+                        self._jpeg.resize_into(
                             stream, image, ticket.jpeg, tensor.ptr + row * height * width * 3, height, width
                         )
                         written.add(row)
