@@ -1,6 +1,8 @@
-// Image preparation for the service's GPU JPEG path: one decoded 8-bit RGB picture (HWC, any row
-// pitch, as stored) -> its EXIF orientation applied -> resized to the model's H x W -> one dense
-// uint8 NHWC row of the batch's input. Bit-identical to the CPU path (dualtrack.imaging:
+// Image preparation for the service's GPU JPEG path: decoded 8-bit RGB pictures (HWC, any row
+// pitch, as stored) -> each one's EXIF orientation applied -> resized to the model's H x W -> one
+// dense uint8 NHWC row of the batch's input each. One launch takes a whole batch: the jobs travel
+// by value in the kernel's parameters (no table to upload or keep alive), blockIdx.z picks the
+// job; a host thread that launches pays one driver call per batch, not one per picture. Bit-identical to the CPU path (dualtrack.imaging:
 // ImageOps.exif_transpose, then Pillow's Image.resize with Resampling.BILINEAR), so a picture
 // gives the model the same pixels whichever decoder ran (the decoders themselves differ slightly).
 //
@@ -22,7 +24,7 @@
 // writes nothing for a larger one rather than a wrong picture.
 // No toolkit #include: see conv3x3_nhwc.cu. The sizes come from dualtrack.kernels as -D macros.
 
-#if !defined(RESIZE_TILE) || !defined(RESIZE_MAX_TAPS)
+#if !defined(RESIZE_TILE) || !defined(RESIZE_MAX_TAPS) || !defined(RESIZE_MAX_ROWS)
 #error "launch sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
 #endif
 
@@ -30,6 +32,20 @@ static_assert(RESIZE_TILE * RESIZE_TILE <= 1024, "one thread per output pixel of
 static_assert(RESIZE_TILE <= 32, "one warp computes a tile's coefficients per axis");
 
 #define RESIZE_PRECISION_BITS 22  // Pillow's PRECISION_BITS for 8-bit images: 32 - 8 - 2
+
+// One picture and the row it is resized into (dualtrack.kernels.resize_rgb.ResizeJob: 32 bytes).
+struct ResizeJob {
+    const unsigned char* src;  // stored picture, 3 bytes a pixel, rows src_pitch bytes apart
+    unsigned char* dst;        // out_h x out_w x 3, dense
+    int src_w, src_h, src_pitch, orientation;
+};
+
+// A launch's jobs, by value: blockIdx.z < the launch's grid depth indexes them.
+struct ResizeJobs {
+    ResizeJob job[RESIZE_MAX_ROWS];
+    int out_w, out_h;
+};
+static_assert(sizeof(ResizeJobs) <= 4096, "kernel parameters of every driver and arch: 4 KiB");
 
 __device__ __forceinline__ double bilinear(double x) {
     if (x < 0.0) x = -x;
@@ -90,10 +106,14 @@ __device__ __forceinline__ void stored_at(int orientation, int u, int v, int w, 
     }
 }
 
-// src: stored picture, 3 bytes a pixel, rows src_pitch bytes apart; dst: out_h x out_w x 3, dense.
+// Grid (tiles across, tiles down, jobs): each block one output tile of job blockIdx.z.
 extern "C" __global__ void __launch_bounds__(RESIZE_TILE * RESIZE_TILE)
-resize_rgb_u8(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, int src_w, int src_h,
-              int src_pitch, int out_w, int out_h, int orientation) {
+resize_rgb_u8(const __grid_constant__ ResizeJobs jobs) {
+    const ResizeJob& job = jobs.job[blockIdx.z];
+    const unsigned char* __restrict__ src = job.src;
+    unsigned char* __restrict__ dst = job.dst;
+    const int src_w = job.src_w, src_h = job.src_h, src_pitch = job.src_pitch, orientation = job.orientation;
+    const int out_w = jobs.out_w, out_h = jobs.out_h;
     __shared__ int kx[RESIZE_TILE][RESIZE_MAX_TAPS];
     __shared__ int ky[RESIZE_TILE][RESIZE_MAX_TAPS];
     __shared__ int x_first[RESIZE_TILE], x_count[RESIZE_TILE], y_first[RESIZE_TILE], y_count[RESIZE_TILE];

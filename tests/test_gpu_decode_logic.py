@@ -4,7 +4,9 @@ decode-ahead thread's order and bound (with Pillow decoding for it)."""
 
 from __future__ import annotations
 
+import ctypes
 import io
+import struct
 import threading
 import time
 
@@ -15,7 +17,7 @@ from PIL import Image
 from dualtrack import imaging
 from dualtrack.errors import InputError
 from dualtrack.kernels import RESIZE_RGB
-from dualtrack.kernels.resize_rgb import oriented
+from dualtrack.kernels.resize_rgb import ResizeJob, oriented
 from dualtrack.runtime.gpu_jpeg import JpegPrefetcher, choose_decoder
 from dualtrack.runtime.overlap import SlotRing, SlotState, rows_to_upload
 
@@ -127,7 +129,30 @@ def test_the_resize_kernel_refuses_a_downscale_it_cannot_hold() -> None:
     assert RESIZE_RGB.supported(512 * 8, 512, 512, 512) is None
     assert "downscale over 8x" in RESIZE_RGB.supported(512 * 8 + 1, 512, 512, 512)
     with pytest.raises(InputError, match="cannot resize"):
-        RESIZE_RGB.args(src=1, dst=2, src_w=5000, src_h=100, src_pitch=15000, out_w=64, out_h=64, orientation=1)
+        RESIZE_RGB.args(jobs=[ResizeJob(1, 2, 5000, 100, 15000)], out_w=64, out_h=64)
+
+
+def test_a_batch_of_resizes_travels_in_one_launch_with_every_job_checked() -> None:
+    """The jobs go by value in the kernel's parameters (struct ResizeJobs: 32 bytes each, then
+    out_w and out_h): each job's fields land where the PTX reads them, at most max_rows a launch."""
+    jobs = [ResizeJob(0x1000 * (i + 1), 0x100000 * (i + 1), 640 + i, 480, 1920 + 3 * i, 1 + i % 8) for i in range(70)]
+    chunks = RESIZE_RGB.chunks(jobs)
+    assert [len(c) for c in chunks] == [RESIZE_RGB.max_rows, 70 - RESIZE_RGB.max_rows]
+    [(table, ctype)] = RESIZE_RGB.args(jobs=chunks[1], out_w=320, out_h=256)
+    assert ctype is None and ctypes.sizeof(table) == 32 * RESIZE_RGB.max_rows + 8
+    raw = bytes(table)
+    for i, job in enumerate(chunks[1]):
+        src, dst, w, h, pitch, orientation = struct.unpack_from("<QQiiii", raw, 32 * i)
+        assert (src, dst, w, h, pitch, orientation) == (job.src, job.dst, job.src_w, job.src_h, job.src_pitch,
+                                                        job.orientation)  # fmt: skip
+    assert struct.unpack_from("<ii", raw, 32 * RESIZE_RGB.max_rows) == (320, 256)
+    assert RESIZE_RGB.launch(320, 256, len(chunks[1])).grid == (20, 16, 6)
+    with pytest.raises(InputError, match="at most 64"):
+        RESIZE_RGB.launch(320, 256, 65)
+    with pytest.raises(InputError, match="1 to 64 jobs"):
+        RESIZE_RGB.args(jobs=jobs, out_w=320, out_h=256)
+    with pytest.raises(InputError, match="orientation=9"):
+        RESIZE_RGB.args(jobs=[ResizeJob(1, 2, 64, 64, 192, 9)], out_w=64, out_h=64)
 
 
 # --- the overlapped path's ordering --------------------------------------------------------------

@@ -23,6 +23,7 @@ from dualtrack.kernels import (
     ResizeMode,
 )
 from dualtrack.kernels.base import PreparedCall
+from dualtrack.kernels.resize_rgb import ResizeJob
 from dualtrack.kernels.tensormap import TiledMap
 from dualtrack.plan import ACTIVATIONS as PLAN_ACTS
 from dualtrack.plan import ELTWISE_OPS, KernelCall, f32_bits
@@ -442,7 +443,15 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
         [4096, 8192, 12288, 1, 4, 4, 1, 1, 2, 16, 0.5],
         "PPPIIIIIIIF",
     ),
-    "resize_rgb": ("resize_rgb_u8", (20, 16, 1), (16, 16, 1), 0, [4096, 8192, 640, 480, 1920, 320, 256, 6], "PPIIIIII"),
+    # one struct ResizeJobs by value: the jobs' table (src, dst, w, h, pitch, orientation), then out_w, out_h
+    "resize_rgb": (
+        "resize_rgb_u8",
+        (20, 16, 2),
+        (16, 16, 1),
+        0,
+        [[(4096, 8192, 640, 480, 1920, 6), (12288, 16384, 480, 640, 1440, 1)], (320, 256)],
+        "S",
+    ),
 }
 
 
@@ -452,10 +461,13 @@ def test_every_registered_op_prepares_the_argument_list_the_ptx_takes(case: str)
 
 
 def test_the_jpeg_resize_takes_the_argument_list_its_ptx_takes() -> None:
-    args = RESIZE_RGB.args(
-        src=0x1000, dst=0x2000, src_w=640, src_h=480, src_pitch=1920, out_w=320, out_h=256, orientation=6
-    )
-    assert plain(RESIZE_RGB.stem, RESIZE_RGB.launch(320, 256), args) == EXPECTED["resize_rgb"]
+    jobs = [ResizeJob(0x1000, 0x2000, 640, 480, 1920, 6), ResizeJob(0x3000, 0x4000, 480, 640, 1440)]
+    [(table, ctype)] = RESIZE_RGB.args(jobs=jobs, out_w=320, out_h=256)
+    assert ctype is None and isinstance(table, ctypes.Structure)  # the PTX's one .param .b8[2056]
+    rows = [(j.src, j.dst, j.src_w, j.src_h, j.src_pitch, j.orientation) for j in table.job[: len(jobs)]]
+    config = RESIZE_RGB.launch(320, 256, len(jobs))
+    got = (RESIZE_RGB.stem, config.grid, config.block, config.shared_bytes, [rows, (table.out_w, table.out_h)], "S")
+    assert got == EXPECTED["resize_rgb"]
 
 
 def test_the_cases_cover_every_registered_spec() -> None:

@@ -24,6 +24,7 @@ from starlette.testclient import TestClient
 
 from dualtrack import imaging
 from dualtrack.kernels import RESIZE_RGB
+from dualtrack.kernels.resize_rgb import ResizeJob
 from dualtrack.runtime.driver import call
 from dualtrack.runtime.gpu_jpeg import open_decoder, probe_library
 from dualtrack.runtime.memory import download, upload
@@ -82,21 +83,27 @@ def test_the_resize_kernel_matches_its_reference_into_poisoned_rows(engine) -> N
     # Sources within the kernel's 8x downscale (larger JPEGs take the CPU path, DCT-scaled): sizes
     # relative to the model input, whatever bundle the test runs on.
     cases = ((5 * h - 20, 7 * w + 4, 1), (h, w, 1), (37, 23, 6), (7 * h, 5 * w, 8), (h * 3, w * 2, 3))
-    for src_h, src_w, orientation in cases:
+    sources, jobs = [], []
+    dbuf, shape = _device_rows(engine, len(cases))
+    call(cu.cuMemsetD8Async, dbuf.ptr, 0xA5, dbuf.nbytes, be.stream.handle)  # poison
+    for i, (src_h, src_w, orientation) in enumerate(cases):
         src = rng.integers(0, 256, (src_h, src_w, 3), dtype=np.uint8)
         sbuf = be.pool.alloc(src.nbytes, be.stream)
         upload(be.stream, sbuf, src)
-        dbuf, shape = _device_rows(engine, 1)
-        call(cu.cuMemsetD8Async, dbuf.ptr, 0xA5, dbuf.nbytes, be.stream.handle)  # poison
-        args = RESIZE_RGB.args(
-            src=sbuf.ptr, dst=dbuf.ptr, src_w=src_w, src_h=src_h, src_pitch=3 * src_w,
-            out_w=w, out_h=h, orientation=orientation,
-        )  # fmt: skip
-        cfg = RESIZE_RGB.launch(w, h)
-        decoder.kernel.launch(cfg.grid, cfg.block, cfg.shared_bytes, be.stream, args)
-        got = _read(engine, dbuf, shape)[0]
-        be.stream.synchronize()
-        np.testing.assert_array_equal(got, RESIZE_RGB.reference(src, h, w, orientation=orientation))
+        sources.append((src, sbuf))
+        jobs.append(ResizeJob(sbuf.ptr, dbuf.ptr + i * h * w * 3, src_w, src_h, 3 * src_w, orientation))
+    # Every case in one launch (the service's batch), then each alone: the same pixels.
+    decoder.resize_rows(be.stream, jobs, h, w)
+    together = _read(engine, dbuf, shape)
+    for job in jobs:
+        call(cu.cuMemsetD8Async, job.dst, 0x5A, h * w * 3, be.stream.handle)
+        decoder.resize_rows(be.stream, [job], h, w)
+    alone = _read(engine, dbuf, shape)
+    be.stream.synchronize()
+    for i, (src, _) in enumerate(sources):
+        want = RESIZE_RGB.reference(src, h, w, orientation=cases[i][2])
+        np.testing.assert_array_equal(together[i], want)
+        np.testing.assert_array_equal(alone[i], want)
 
 
 @needs_nvimgcodec

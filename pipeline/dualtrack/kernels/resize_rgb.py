@@ -11,7 +11,10 @@ the CPU and the kernel against the reference on a GPU, both with tolerance 0.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -25,20 +28,59 @@ QUARTER_TURNS = (5, 6, 7, 8)  # EXIF orientations whose displayed width is the s
 
 
 @dataclass(frozen=True)
+class ResizeJob:
+    """One picture of a launch: its stored pixels (device address, size, row pitch in bytes, EXIF
+    orientation) and the device address of the ``out_h x out_w x 3`` row it is resized into."""
+
+    src: int
+    dst: int
+    src_w: int
+    src_h: int
+    src_pitch: int
+    orientation: int = 1
+
+
+@functools.cache
+def _jobs_type(max_rows: int) -> type[ctypes.Structure]:
+    class Jobs(ctypes.Structure):
+        _fields_ = [("job", _JobC * max_rows), ("out_w", ctypes.c_int32), ("out_h", ctypes.c_int32)]
+
+    return Jobs
+
+
+class _JobC(ctypes.Structure):
+    """``struct ResizeJob`` of resize_rgb_u8.cu, field for field (32 bytes)."""
+
+    _fields_ = [
+        ("src", ctypes.c_void_p),
+        ("dst", ctypes.c_void_p),
+        ("src_w", ctypes.c_int32),
+        ("src_h", ctypes.c_int32),
+        ("src_pitch", ctypes.c_int32),
+        ("orientation", ctypes.c_int32),
+    ]
+
+
+@dataclass(frozen=True)
 class ResizeRgbSpec(KernelSpec):
     """Orientation + Pillow-exact bilinear resize of 8-bit RGB into a dense ``(H, W, 3)`` row."""
 
     tile: int = 16  # output pixels per block side
     max_taps: int = 17  # taps per axis: a downscale of up to 8x ((max_taps - 1) / 2)
-    PARAMS: ClassVar[tuple[str, ...]] = ("src", "dst", "src_w", "src_h", "src_pitch", "out_w", "out_h", "orientation")
-    POINTERS: ClassVar[int] = 2
+    max_rows: int = 64  # jobs per launch: their table (32 bytes each) travels in the 4 KiB of parameters
+    PARAMS: ClassVar[tuple[str, ...]] = ("jobs",)  # one struct ResizeJobs, by value
+    POINTERS: ClassVar[int] = 0
 
     @property
     def entries(self) -> tuple[str, ...]:
         return (self.stem,)
 
     def defines(self) -> dict[str, int | str]:
-        return {"RESIZE_TILE": self.tile, "RESIZE_MAX_TAPS": self.max_taps}
+        return {"RESIZE_TILE": self.tile, "RESIZE_MAX_TAPS": self.max_taps, "RESIZE_MAX_ROWS": self.max_rows}
+
+    def jobs_type(self) -> type[ctypes.Structure]:
+        """``struct ResizeJobs`` of resize_rgb_u8.cu for :attr:`max_rows` jobs."""
+        return _jobs_type(self.max_rows)
 
     def threads(self, dtype: Any = None) -> int:
         return self.tile * self.tile
@@ -58,32 +100,44 @@ class ResizeRgbSpec(KernelSpec):
                 )
         return None
 
-    def launch(self, out_w: int, out_h: int) -> LaunchConfig:  # type: ignore[override]
-        positive(out_w=out_w, out_h=out_h)
-        return LaunchConfig(grid=(cdiv(out_w, self.tile), cdiv(out_h, self.tile), 1), block=(self.tile, self.tile, 1))
+    def launch(self, out_w: int, out_h: int, rows: int = 1) -> LaunchConfig:  # type: ignore[override]
+        """``rows`` jobs (at most :attr:`max_rows`: :meth:`chunks` splits more) of ``out_w x out_h``."""
+        positive(out_w=out_w, out_h=out_h, rows=rows)
+        if rows > self.max_rows:
+            raise InputError(f"{rows} jobs in one resize_rgb_u8 launch; it takes at most {self.max_rows}")
+        grid = (cdiv(out_w, self.tile), cdiv(out_h, self.tile), rows)
+        return LaunchConfig(grid=grid, block=(self.tile, self.tile, 1))
 
-    def args(  # type: ignore[override]
-        self, *, src: int, dst: int, src_w: int, src_h: int, src_pitch: int, out_w: int, out_h: int, orientation: int
-    ) -> list[KernelArg]:
-        positive(src_w=src_w, src_h=src_h, out_w=out_w, out_h=out_h)
-        if src_pitch < 3 * src_w:
-            raise InputError(f"src_pitch={src_pitch} is smaller than a row of {src_w} RGB pixels ({3 * src_w} bytes)")
-        if not 1 <= orientation <= 8:
-            raise InputError(f"orientation={orientation} is not an EXIF orientation (1-8)")
-        why = self.supported(src_w, src_h, out_w, out_h, orientation)
+    def chunks(self, jobs: Sequence[ResizeJob]) -> list[Sequence[ResizeJob]]:
+        """``jobs`` in launches of at most :attr:`max_rows`."""
+        return [jobs[i : i + self.max_rows] for i in range(0, len(jobs), self.max_rows)]
+
+    def args(self, *, jobs: Sequence[ResizeJob], out_w: int, out_h: int) -> list[KernelArg]:  # type: ignore[override]
+        """One launch's argument: its jobs (1 to :attr:`max_rows`, each checked) as ``struct
+        ResizeJobs`` by value, for :meth:`launch` ``(out_w, out_h, len(jobs))``."""
+        positive(out_w=out_w, out_h=out_h)
+        if not 1 <= len(jobs) <= self.max_rows:
+            raise InputError(f"a resize_rgb_u8 launch takes 1 to {self.max_rows} jobs, got {len(jobs)}")
+        table = self.jobs_type()()
+        table.out_w, table.out_h = out_w, out_h
+        for i, job in enumerate(jobs):
+            self._check(job, out_w, out_h)
+            table.job[i] = _JobC(
+                pointer("src", job.src), pointer("dst", job.dst), job.src_w, job.src_h, job.src_pitch, job.orientation
+            )
+        return [(table, None)]
+
+    def _check(self, job: ResizeJob, out_w: int, out_h: int) -> None:
+        positive(src_w=job.src_w, src_h=job.src_h)
+        if job.src_pitch < 3 * job.src_w:
+            raise InputError(
+                f"src_pitch={job.src_pitch} is smaller than a row of {job.src_w} RGB pixels ({3 * job.src_w} bytes)"
+            )
+        if not 1 <= job.orientation <= 8:
+            raise InputError(f"orientation={job.orientation} is not an EXIF orientation (1-8)")
+        why = self.supported(job.src_w, job.src_h, out_w, out_h, job.orientation)
         if why is not None:
-            raise InputError(f"resize_rgb_u8 cannot resize a {src_w}x{src_h} picture: {why}")
-        values = {
-            "src": pointer("src", src),
-            "dst": pointer("dst", dst),
-            "src_w": src_w,
-            "src_h": src_h,
-            "src_pitch": src_pitch,
-            "out_w": out_w,
-            "out_h": out_h,
-            "orientation": orientation,
-        }
-        return self.typed(values)
+            raise InputError(f"resize_rgb_u8 cannot resize a {job.src_w}x{job.src_h} picture: {why}")
 
     def reference(self, x: np.ndarray, *args: Any, **kwargs: Any) -> np.ndarray:
         """``x`` (h, w, 3) uint8 as stored -> ``(out_h, out_w, 3)`` uint8: ``reference(x, out_h, out_w,

@@ -360,16 +360,18 @@ def kernel_params(args: Sequence[tuple[Any, type | None]]) -> tuple[tuple[Any, .
 
     Pointers are ``(int address, ctypes.c_void_p)``: pass ``buffer.ptr``, never a CUdeviceptr
     object (the packer would take the address of its handle). A struct parameter passed by value
-    (``__grid_constant__ CUtensorMap``) is ``(cu.CUtensorMap, None)``. No arguments gives 0 (NULL).
+    is ``(value, None)``: a cuda.bindings struct (``__grid_constant__ CUtensorMap``) or a
+    ``ctypes.Structure`` laid out as the kernel's struct (resize_rgb_u8's jobs); the driver copies
+    as many bytes as the kernel's parameter takes. No arguments gives 0 (NULL).
     """
     if not args:
         return 0
     for i, (value, ctype) in enumerate(args):
         if ctype is None:
-            if not callable(getattr(value, "getPtr", None)):
+            if not (callable(getattr(value, "getPtr", None)) or isinstance(value, ctypes.Structure)):
                 raise TypeError(
-                    f"kernel argument {i}: a by-value struct must be a cuda.bindings struct (CUtensorMap), "
-                    f"got {type(value).__name__}"
+                    f"kernel argument {i}: a by-value struct must be a cuda.bindings struct (CUtensorMap) "
+                    f"or a ctypes.Structure, got {type(value).__name__}"
                 )
             continue
         if ctype not in _PARAM_TYPES:

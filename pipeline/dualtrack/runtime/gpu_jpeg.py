@@ -4,7 +4,8 @@ The service's JPEGs (those :func:`dualtrack.imaging.route_jpeg` sends here) are 
 nvImageCodec (``nvidia-nvimgcodec-cu13`` with ``nvidia-nvjpeg``: nvJPEG, the GPU's hardware JPEG
 engines where it has them; FACTS 19) on the stream the engine stages its batch on, then the Track A
 kernel ``resize_rgb_u8`` (:data:`dualtrack.kernels.RESIZE_RGB`) applies the EXIF orientation and
-Pillow's bilinear resize and writes each picture into its row of the batch's device input. The
+Pillow's bilinear resize and writes each picture into its row of the batch's device input, the
+whole batch in one launch (:meth:`GpuJpegDecoder.resize_rows`). The
 decoded picture never leaves the GPU; nvImageCodec owns its buffer (it cannot decode into ours), so
 it is read through its ``__cuda_array_interface__`` and kept alive until the stream has passed the
 resize.
@@ -35,6 +36,7 @@ from PIL import Image
 
 from dualtrack import arch, kernels, ptx
 from dualtrack.imaging import GpuJpeg
+from dualtrack.kernels.resize_rgb import ResizeJob
 from dualtrack.runtime.driver import Context, Kernel, Module, Stream
 
 DECODERS = ("gpu", "cpu")
@@ -187,20 +189,30 @@ class GpuJpegDecoder:
         for stream in self._lanes:
             stream.close()
 
-    def resize_into(self, stream: Stream, image: Any, jpeg: GpuJpeg, dst: int, height: int, width: int) -> None:
-        """Resize (and orient) a decoded ``image`` into the ``height x width x 3`` uint8 row at ``dst``,
-        on ``stream``: the image must stay alive until ``stream`` has passed this."""
+    @staticmethod
+    def job(image: Any, jpeg: GpuJpeg, dst: int) -> ResizeJob:
+        """The resize of a decoded ``image`` (shown as ``jpeg``'s orientation says) into the row at ``dst``."""
         cai = image.__cuda_array_interface__
         h, w = cai["shape"][0], cai["shape"][1]
         strides = cai.get("strides")
         pitch = int(strides[0]) if strides else 3 * w
+        return ResizeJob(int(cai["data"][0]), dst, w, h, pitch, jpeg.orientation)
+
+    def resize_rows(self, stream: Stream, jobs: Sequence[ResizeJob], height: int, width: int) -> None:
+        """Resize (and orient) every job's picture into its ``height x width x 3`` uint8 row, on
+        ``stream``, in one launch per :attr:`~dualtrack.kernels.resize_rgb.ResizeRgbSpec.max_rows`
+        jobs (a batch's host cost is one driver call, not one per picture); the pictures must stay
+        alive until ``stream`` has passed this."""
         spec = kernels.RESIZE_RGB
-        args = spec.args(
-            src=int(cai["data"][0]), dst=dst, src_w=w, src_h=h, src_pitch=pitch,
-            out_w=width, out_h=height, orientation=jpeg.orientation,
-        )  # fmt: skip
-        config = spec.launch(width, height)
-        self.kernel.launch(config.grid, config.block, config.shared_bytes, stream, args)
+        for chunk in spec.chunks(jobs):
+            config = spec.launch(width, height, len(chunk))
+            args = spec.args(jobs=chunk, out_w=width, out_h=height)
+            self.kernel.launch(config.grid, config.block, config.shared_bytes, stream, args)
+
+    def resize_into(self, stream: Stream, image: Any, jpeg: GpuJpeg, dst: int, height: int, width: int) -> None:
+        """Resize (and orient) a decoded ``image`` into the ``height x width x 3`` uint8 row at ``dst``,
+        on ``stream``: the image must stay alive until ``stream`` has passed this."""
+        self.resize_rows(stream, [self.job(image, jpeg, dst)], height, width)
 
     def decode_into(self, stream: Stream, rows: Mapping[int, GpuJpeg], dst: int, height: int, width: int) -> Decoded:
         """Decode ``rows`` (batch row -> JPEG) on ``stream`` and resize each into row ``r`` of the
@@ -209,13 +221,15 @@ class GpuJpegDecoder:
         order = sorted(rows)
         images, streams = self.decode(stream, [rows[r] for r in order])
         out = Decoded(set(), {}, [streams])
+        jobs = []
         for r, image in zip(order, images, strict=True):
             if isinstance(image, str):
                 out.refused[r] = image
                 continue
-            self.resize_into(stream, image, rows[r], dst + r * height * width * 3, height, width)
+            jobs.append(self.job(image, rows[r], dst + r * height * width * 3))
             out.written.add(r)
             out.keepalive.append(image)
+        self.resize_rows(stream, jobs, height, width)
         return out
 
 

@@ -527,14 +527,13 @@ class Batcher(QueueState["Engine"]):
             def fill(stream: Any, tensor: Any) -> set[int]:
                 used.append(stream)
                 written: set[int] = set()
+                resizes = []  # every GPU row's resize in one launch: one driver call per batch
                 for row, ticket in jpegs.items():
                     t0 = time.monotonic()
                     image = prefetch.take(ticket)
                     decode_wait[0] += time.monotonic() - t0
                     if not isinstance(image, str):
-                        self._jpeg.resize_into(
-                            stream, image, ticket.jpeg, tensor.ptr + row * height * width * 3, height, width
-                        )
+                        resizes.append(self._jpeg.job(image, ticket.jpeg, tensor.ptr + row * height * width * 3))
                         written.add(row)
                         continue
                     try:  # refused by nvImageCodec: the CPU path decides, pixels or its 400
@@ -544,6 +543,7 @@ class Batcher(QueueState["Engine"]):
                         x[row] = 0
                         failed.add(row)
                         requests[row].future.set_exception(err)
+                self._jpeg.resize_rows(stream, resizes, height, width)
                 return written
 
         ok = False
