@@ -156,7 +156,7 @@ class GpuJpegDecoder:
             )
 
     def decode(self, stream: Stream, jpegs: Sequence[GpuJpeg], decoder: Any = None) -> tuple[list[Any], list[Any]]:
-        """Decode ``jpegs`` on ``stream``: per JPEG, nvImageCodec's image (ready in ``stream``'s
+        """Decode ``jpegs`` on ``stream``: per JPEG, its :class:`Picture` (ready in ``stream``'s
         order; hold it until the stream has passed its last reader) or, as a ``str``, why it was
         refused (decode that one on the CPU); and what else to hold until ``stream`` has passed the
         decode (the code streams it reads)."""
@@ -165,11 +165,7 @@ class GpuJpegDecoder:
         images = decoder.decode(streams, params=self.params, cuda_stream=int(stream.handle))
         out: list[Any] = []
         for jpeg, image in zip(jpegs, images, strict=True):
-            if image is None:
-                out.append("nvImageCodec could not decode it")
-            else:
-                why = _unusable(image, jpeg)
-                out.append(image if why is None else why)
+            out.append("nvImageCodec could not decode it" if image is None else _picture(image, jpeg))
         return out, streams
 
     def decode_now(self, jpegs: list[GpuJpeg]) -> list[Any]:
@@ -190,13 +186,9 @@ class GpuJpegDecoder:
             stream.close()
 
     @staticmethod
-    def job(image: Any, jpeg: GpuJpeg, dst: int) -> ResizeJob:
-        """The resize of a decoded ``image`` (shown as ``jpeg``'s orientation says) into the row at ``dst``."""
-        cai = image.__cuda_array_interface__
-        h, w = cai["shape"][0], cai["shape"][1]
-        strides = cai.get("strides")
-        pitch = int(strides[0]) if strides else 3 * w
-        return ResizeJob(int(cai["data"][0]), dst, w, h, pitch, jpeg.orientation)
+    def job(picture: Picture, jpeg: GpuJpeg, dst: int) -> ResizeJob:
+        """The resize of a decoded ``picture`` (shown as ``jpeg``'s orientation says) into the row at ``dst``."""
+        return ResizeJob(picture.ptr, dst, picture.width, picture.height, picture.pitch, jpeg.orientation)
 
     def resize_rows(self, stream: Stream, jobs: Sequence[ResizeJob], height: int, width: int) -> None:
         """Resize (and orient) every job's picture into its ``height x width x 3`` uint8 row, on
@@ -233,8 +225,21 @@ class GpuJpegDecoder:
         return out
 
 
-def _unusable(image: Any, jpeg: GpuJpeg) -> str | None:
-    """Why a decoded ``image`` cannot be resized as ``jpeg``'s picture (None: it can)."""
+@dataclass(frozen=True)
+class Picture:
+    """A decoded picture on the GPU: nvImageCodec's image (its owner: keep it alive while the GPU
+    reads it) and where its pixels are, read once from its ``__cuda_array_interface__`` on the
+    decoding thread (reading it costs ~15 us of the GIL: not on the stager's path)."""
+
+    image: Any
+    ptr: int
+    width: int
+    height: int
+    pitch: int  # bytes from one row to the next
+
+
+def _picture(image: Any, jpeg: GpuJpeg) -> Picture | str:
+    """A decoded ``image`` as ``jpeg``'s :class:`Picture`, or why it cannot be resized as it."""
     cai = image.__cuda_array_interface__
     shape = tuple(cai["shape"])
     if cai["typestr"] != "|u1" or len(shape) != 3 or shape[2] != 3:
@@ -244,7 +249,8 @@ def _unusable(image: Any, jpeg: GpuJpeg) -> str | None:
     strides = cai.get("strides")
     if strides and (int(strides[1]) != 3 or int(strides[2]) != 1):
         return f"nvImageCodec gave strides {strides}, not interleaved RGB"
-    return None
+    pitch = int(strides[0]) if strides else 3 * shape[1]
+    return Picture(image, int(cai["data"][0]), shape[1], shape[0], pitch)
 
 
 @dataclass(eq=False)
@@ -253,7 +259,7 @@ class Ticket:
 
     jpeg: GpuJpeg
     done: threading.Event = field(default_factory=threading.Event)
-    image: Any = None  # nvImageCodec's image once decoded (complete on the GPU: its stream was synchronised)
+    image: Any = None  # its Picture once decoded (complete on the GPU: its stream was synchronised)
     refused: str | None = None  # or why not (the CPU path decides)
     state: str = "queued"  # queued -> decoding -> decoded -> released (or queued -> released)
 
@@ -317,7 +323,7 @@ class JpegPrefetcher:
                 ticket.done.set()
                 return ticket
             self._queue.append(ticket)
-            self._cond.notify_all()
+            self._cond.notify()  # one JPEG: one lane (waking them all cost each a GIL turn)
         return ticket
 
     def take(self, ticket: Ticket) -> Any:
@@ -325,7 +331,7 @@ class JpegPrefetcher:
         if not ticket.done.is_set():
             with self._cond:
                 self._wanted.append(ticket)
-                self._cond.notify_all()
+                self._cond.notify()  # a lane may go past the bound for it
             try:
                 while not ticket.done.wait(0.5):
                     if not any(t.is_alive() for t in self._threads):
@@ -344,7 +350,7 @@ class JpegPrefetcher:
                 ticket.done.set()
             self._held.discard(ticket)
             ticket.state, ticket.image = "released", None
-            self._cond.notify_all()
+            self._cond.notify()  # room for one more picture
 
     def close(self) -> None:
         """Stop the thread and free every picture not yet released (before the context goes)."""
@@ -392,10 +398,10 @@ class JpegPrefetcher:
                         if isinstance(result, str):
                             ticket.refused = result
                             self._held.discard(ticket)
+                            self._cond.notify()  # its room is free again
                         else:
                             ticket.image = result
                     ticket.done.set()
-                self._cond.notify_all()
 
 
 def open_decoder(engine: Any, wanted: str, jit_cache: Path | None) -> tuple[DecoderChoice, GpuJpegDecoder | None]:
