@@ -127,6 +127,7 @@ def test_info(tiny_bundle: Path) -> None:
     assert "ptx        compute_80: conv3x3_nhwc, maxpool2x2_nhwc (ISA 9.0)" in out
     assert "driver     needs CUDA 13.0 or newer for the PTX" in out
     assert "iree       targets cuda-sm_80, cuda-sm_89, llvm-cpu" in out
+    assert re.search(r"^cpu        llvm-cpu modules for (x86-64(-v\d)?|host) \(batch 1\)$", out, re.MULTILINE)
     assert re.search(r"^verified   passed on cpu \(seed \d+\)$", out, re.MULTILINE)
     # Which path each Track B module takes on a GPU: its launch plan replayed, for every target and batch.
     for seg in ("seg0_B", "seg2_B"):

@@ -436,6 +436,8 @@ def info(bundle: Path, as_json: bool) -> None:
 
         click.echo(f"driver     needs CUDA {driver_str(m.min_driver)} or newer for the PTX")
     click.echo(f"iree       targets {', '.join(b.iree_targets)}")
+    if m.cpu_target is not None:  # what the CPU modules need of the CPU that runs them
+        click.echo(f"cpu        llvm-cpu modules for {m.cpu_target} (batch {m.cpu_batch})")
     for seg, per_target in sorted(m.artifacts.iree_tuned_flags.items()):
         for target, per_batch in sorted(per_target.items()):
             for batch, r in sorted(per_batch.items(), key=lambda kv: int(kv[0])):
