@@ -118,9 +118,8 @@ class Done:
 
     The hand-overs around the batch, for the request's timings: ``in_ms`` from the worker's send
     of its :class:`RunRequest` to the engine process's reader having it, ``writer_ms`` from its
-    batch's answer to this message (its mask written, the worker's earlier answers of the batch
-    built), ``sent`` when this was sent (``time.monotonic()``: one clock for every process of the
-    machine, so the worker times the way back)."""
+    batch's answer to this message (its mask written, the worker's earlier answers of the batch built), ``sent`` when this was sent (``time.monotonic()``: one clock for
+    every process of the machine, so the worker times the way back)."""
 
     rid: int
     batch_size: int
