@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from multiprocessing.connection import Client, Connection, Listener, Pipe
 from pathlib import Path
 from typing import get_args
@@ -147,52 +147,6 @@ def test_answers_ready_together_travel_as_one_replies_message(engine, rng, monke
     answers = [m for m in sent if isinstance(m, Replies | Done)]
     assert sum(len(m.replies) if isinstance(m, Replies) else 1 for m in answers) == 4
     assert any(isinstance(m, Replies) for m in answers), [type(m).__name__ for m in answers]
-
-
-def test_a_worker_that_stops_reading_is_dropped_and_the_others_keep_their_answers(
-    engine, rng, monkeypatch, caplog
-) -> None:
-    """A batch's answers are sent by the thread that ran it: a worker that reads none of them must
-    not hold that thread (and every other worker's answers) for longer than SEND_TIMEOUT_S; it is
-    dropped, its slot range comes back, and the others are served as before. A small send buffer
-    stands in for a worker that stopped reading long ago."""
-    timeout = shared._send_timeout
-
-    def small_buffer(conn: Connection, seconds: float) -> None:
-        timeout(conn, seconds)
-        with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as dup:
-            dup.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-
-    monkeypatch.setattr(shared, "SEND_TIMEOUT_S", 0.3)
-    monkeypatch.setattr(shared, "_send_timeout", small_buffer)
-    with hosting(engine, max_batch_delay_ms=1, max_queue=16) as host, client_of(host) as good:
-        free = len(host._free_ranges)
-        images = _images(rng, 4)
-        with Client(host.address, family="AF_UNIX", authkey=bytes.fromhex(_key(host))) as stuck:
-            hello = stuck.recv()
-            assert isinstance(hello, Hello)
-            slots = SlotFile(Path(hello.slot_path), hello.slot_count, hello.slot_bytes, create=False)
-            try:
-                with caplog.at_level(logging.ERROR, logger="dualtrack.serve.shared"):
-                    for i in range(hello.slots):
-                        slots.array(hello.first_slot + i, images[0].shape)[:] = images[i % 4]
-                    deadline = time.monotonic() + 60
-                    rid = 0
-                    while "dropping worker" not in caplog.text:  # requests round its range, and never a read
-                        assert time.monotonic() < deadline, "the worker that reads nothing was never dropped"
-                        with suppress(OSError):
-                            stuck.send(RunRequest(rid, rid % hello.slots, time.monotonic()))
-                        rid += 1
-                        time.sleep(0.002)
-                    start = time.monotonic()
-                    results = [good.submit(x).result(WAIT_S) for x in images]
-                    assert time.monotonic() - start < 10
-            finally:
-                slots.close()
-        expected = engine.run(np.stack(images))["mask"]
-        for i, r in enumerate(results):
-            np.testing.assert_array_equal(r.mask, expected[i])
-        _until(lambda: len(host._free_ranges) == free, "the dropped worker's slot range to come back", 30)
 
 
 def test_cancelled_request_is_withdrawn_and_its_slot_reused(engine, rng) -> None:

@@ -118,7 +118,7 @@ class Done:
 
     The hand-overs around the batch, for the request's timings: ``in_ms`` from the worker's send
     of its :class:`RunRequest` to the engine process's reader having it, ``writer_ms`` from its
-    batch's answer to this message (its mask written, the worker's earlier answers of the batch built), ``sent`` when this was sent (``time.monotonic()``: one clock for
+    batch's answer to this message, ``sent`` when this was sent (``time.monotonic()``: one clock for
     every process of the machine, so the worker times the way back)."""
 
     rid: int
@@ -271,9 +271,9 @@ Reply: TypeAlias = Done | Failed | Cancelled
 
 @dataclass(frozen=True)
 class Replies:
-    """Several requests' answers at once, in the order they finished: a batch's answers to one
-    worker (sent by the thread that ran the batch), or the failures waiting together on the
-    connection's writer; one message and one wake-up in the worker instead of one each."""
+    """Several requests' answers at once, in the order they finished: what the writer sends when
+    more than one is waiting (a batch finishes its rows together), one message and one wake-up in
+    the worker instead of one each."""
 
     replies: tuple[Reply, ...]
 

@@ -22,12 +22,9 @@ the tighter limit). A request goes:
    :class:`~dualtrack.serve.protocol.RunRequest` ``(rid, slot)``, ``rid`` a request id of its own;
 2. the engine process's reader thread for that worker submits the slot to the batcher, which
    copies it into the batch's page-locked row (numpy releases the GIL for the copy);
-3. when the batch has run, the thread that answered the batch (the batcher's collector) puts each
-   mask into its request's slot and sends each worker one message with its requests'
-   :class:`~dualtrack.serve.protocol.Done` ``(rid, sizes and timings)``; the worker copies the
-   mask out and frees the slot. Why there and not on a writer thread of the connection: waking
-   one more thread per batch cost every request ~1 ms under load (``hop_writer`` in the answers'
-   timings, H200); a worker that stops reading cannot stall it for long (:data:`SEND_TIMEOUT_S`).
+3. when the batch has run, that worker's writer thread puts the mask into the same slot and
+   sends :class:`~dualtrack.serve.protocol.Done` ``(rid, sizes and timings)``; the worker copies
+   the mask out and frees the slot.
 
 A request that fails comes back as :class:`~dualtrack.serve.protocol.Failed` ``(rid, kind,
 message)``, raised in the worker as the batcher raised it (full queue, not ready, bad input,
@@ -53,7 +50,6 @@ import os
 import secrets
 import shutil
 import socket
-import struct
 import tempfile
 import threading
 import time
@@ -109,9 +105,6 @@ FLUSH_S = 0.25  # longest a worker keeps HTTP metrics before sending them to the
 SPARE_RANGES = 2  # slot ranges beyond one per worker: for workers that uvicorn restarts
 CONNECT_TIMEOUT_S = 30.0  # a worker gives up on an engine process that does not answer
 MAX_REPLIES = 64  # most answers one Replies message carries
-# A send to a worker that has not read for this long fails, and that worker is dropped (its
-# requests fail, it fails readiness): the batcher's collector sends the answers and must go on.
-SEND_TIMEOUT_S = 2.0
 
 
 class SlotFile:
@@ -183,7 +176,7 @@ class EngineHost:
             engine,
             max_batch_delay_s=options.max_batch_delay_ms / 1e3,
             max_queue=options.max_queue,
-            on_batch=self._batch_done,
+            on_batch=self.metrics.observe_batch,
             on_phase=self._phase_changed,
             jpeg_decoder=jpeg_decoder,
         )
@@ -260,23 +253,10 @@ class EngineHost:
                 _send_quietly(conn, Refused(f"all {ranges} slot ranges are in use"))
                 conn.close()
                 continue
-            _send_timeout(conn, SEND_TIMEOUT_S)
             peer = _Peer(self, conn, index)
             with self._lock:
                 self._peers.add(peer)
             peer.start()
-
-    def _batch_done(self, results: list[BatchResult]) -> None:
-        """After each batch, on the thread that answered it: its metrics (first, so that a worker
-        that has its answer finds its batch in /metrics), then every worker's answers."""
-        try:
-            self.metrics.observe_batch(results)
-        except Exception:  # a metrics bug must not keep the answers back
-            _log.exception("recording a batch's metrics failed")
-        with self._lock:
-            peers = list(self._peers)
-        for peer in peers:
-            peer.send_ready()
 
     def _released(self, peer: _Peer) -> None:
         with self._lock:
@@ -318,21 +298,14 @@ class _ReaderGone:
     """The reader has stopped: send nothing more, wait for the requests still in a batch."""
 
 
-@dataclass(frozen=True)
-class _Answered:
-    """Requests were answered off the writer thread: it checks whether it may stop."""
-
-
-_Outgoing: TypeAlias = EngineMessage | _Settled | _ReaderGone | _Answered  # what a peer's writer thread takes
+_Outgoing: TypeAlias = EngineMessage | _Settled | _ReaderGone  # what a peer's writer thread takes
 
 
 class _Peer:
     """One worker's connection in the engine process: a reader thread and a writer thread.
 
-    The reader receives and submits. A batch's results are answered by the thread that ran the
-    batch (:meth:`send_ready`, after the batch: one message per worker); the writer sends
-    everything else (failures, cancellations, questions' answers, phase changes). One lock keeps
-    their messages whole. The slot range is given back once the worker has gone and none of its
+    The reader receives and submits; only the writer sends (one sender per connection) and writes
+    masks into the slots. The slot range is given back once the worker has gone and none of its
     requests is still in a batch.
     """
 
@@ -342,11 +315,6 @@ class _Peer:
         self.out: SimpleQueue[_Outgoing] = SimpleQueue()
         self.inflight: dict[int, Future[BatchResult]] = {}  # by request id
         self._arrived: dict[int, float] = {}  # by request id: seconds from the worker's send to the reader
-        self._ready: list[_Settled] = []  # results of the batch being answered, for send_ready
-        self._ready_lock = threading.Lock()
-        self._send_lock = threading.Lock()
-        self._reader_gone = False
-        self._broken = False  # a send failed: the worker is gone or stopped reading
         self._reader = threading.Thread(target=self._read, name=f"dualtrack-peer-{range_index}-in", daemon=True)
         self._writer = threading.Thread(target=self._write, name=f"dualtrack-peer-{range_index}-out", daemon=True)
 
@@ -392,7 +360,6 @@ class _Peer:
         finally:
             for future in list(self.inflight.values()):
                 future.cancel()  # nobody waits for these any more
-            self._reader_gone = True
             self.out.put(_ReaderGone())
 
     def _run(self, rid: int, slot: int, transit: float) -> None:
@@ -422,46 +389,8 @@ class _Peer:
             return
         self.inflight[rid] = future
         self._arrived[rid] = transit
-        future.add_done_callback(lambda f, r=rid, s=slot: self._settled(_Settled(r, s, f, time.monotonic())))
-
-    def _settled(self, item: _Settled) -> None:
-        """A future resolved (on the batcher's thread, or the canceller's): a put, no more. A
-        batch's result waits for :meth:`send_ready`, which the batcher calls right after the batch;
-        a failure or a cancellation goes to the writer."""
-        future = item.future
-        if not future.cancelled() and future.exception() is None:
-            with self._ready_lock:
-                self._ready.append(item)
-        else:
-            self.out.put(item)
-
-    def send_ready(self) -> None:
-        """Answer the results gathered since the last call (masks into their slots, one message),
-        on the calling thread: the batcher's, after each batch. Never raises: a send that fails
-        (the worker gone, or not reading for :data:`SEND_TIMEOUT_S`) drops the worker."""
-        with self._ready_lock:
-            items, self._ready = self._ready, []
-        if not items:
-            return
-        try:
-            replies = [self._reply(i.rid, i.slot, i.future, i.at) for i in items]
-            if not self._broken and not self._reader_gone:
-                for first in range(0, len(replies), MAX_REPLIES):
-                    if not self._send_replies(replies[first : first + MAX_REPLIES]):
-                        self._drop("its connection failed while answering a batch")
-                        break
-        except Exception:  # a bug here must not stop the batcher: this worker is dropped instead
-            _log.exception("answering worker %d failed; dropping it", self.range_index)
-            self._drop("answering it failed")
-        finally:
-            if self._reader_gone:
-                self.out.put(_Answered())  # the writer may be waiting for these to stop
-
-    def _drop(self, why: str) -> None:
-        if not self._broken:
-            self._broken = True
-            _log.error("dropping worker %d: %s", self.range_index, why)
-            _shut_down(self.conn)  # its reader ends; the worker sees the connection end
+        # Runs on the batcher's thread (or the canceller's): a put, no more.
+        future.add_done_callback(lambda f, r=rid, s=slot: self.out.put(_Settled(r, s, f, time.monotonic())))
 
     def _record(self, observations: tuple[Observation, ...]) -> None:
         metrics = self.host.metrics
@@ -490,13 +419,12 @@ class _Peer:
                 match item:
                     case _ReaderGone():
                         closed = True
-                    case _Answered():
-                        pass  # the loop's condition is checked again
                     case _Settled(rid, slot, future, at):
+                        self.inflight.pop(rid, None)
                         replies.append(self._reply(rid, slot, future, at))
                     case _:  # in order: the answers before it go first
                         if not closed:
-                            closed = not (self._send_replies(replies) and self._send(item))
+                            closed = not (self._send_replies(replies) and _send_quietly(self.conn, item))
             if closed:
                 replies.clear()  # the worker is gone: nobody to tell
             else:
@@ -509,28 +437,19 @@ class _Peer:
             return True
         msg: EngineMessage = replies[0] if len(replies) == 1 else Replies(tuple(replies))
         replies.clear()
-        return self._send(msg)
-
-    def _send(self, msg: EngineMessage) -> bool:
-        with self._send_lock:  # the writer and the batcher's thread both send: one message at a time
-            return not self._broken and _send_quietly(self.conn, msg)
+        return _send_quietly(self.conn, msg)
 
     def _reply(self, rid: int, slot: int, future: Future[BatchResult], at: float) -> Done | Failed | Cancelled:
-        """The answer to request ``rid`` (its mask written into its slot), then no longer in flight
-        (last: the writer gives the slot range back once nothing is in flight)."""
         arrived = self._arrived.pop(rid, 0.0)
-        reply: Done | Failed | Cancelled
         if future.cancelled():
-            reply = Cancelled(rid)
-        elif (err := future.exception()) is not None:
-            reply = Failed.of(rid, err)
-        else:
-            result = future.result()
-            self.host.slots.array(self.first_slot + slot, self.host.mask_shape)[:] = result.mask
-            now = time.monotonic()
-            reply = Done.of(rid, result, in_ms=arrived * 1e3, writer_ms=(now - at) * 1e3, sent=now)
-        self.inflight.pop(rid, None)
-        return reply
+            return Cancelled(rid)
+        err = future.exception()
+        if err is not None:
+            return Failed.of(rid, err)
+        result = future.result()
+        self.host.slots.array(self.first_slot + slot, self.host.mask_shape)[:] = result.mask
+        now = time.monotonic()
+        return Done.of(rid, result, in_ms=arrived * 1e3, writer_ms=(now - at) * 1e3, sent=now)
 
 
 def _dial(address: str, key: bytes, timeout: float) -> Connection:
@@ -567,13 +486,6 @@ def _hang_up(conn: Connection) -> None:
     _shut_down(conn)
     with suppress(OSError):
         conn.close()
-
-
-def _send_timeout(conn: Connection, seconds: float) -> None:
-    """Make a send on ``conn`` that cannot proceed for ``seconds`` fail (SO_SNDTIMEO) instead of blocking."""
-    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as dup:  # the same socket
-        whole = int(seconds)
-        dup.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
 
 def _send_quietly(conn: Connection, msg: EngineMessage | WorkerMessage) -> bool:
