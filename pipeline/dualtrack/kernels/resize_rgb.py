@@ -40,14 +40,6 @@ class ResizeJob:
     orientation: int = 1
 
 
-@functools.cache
-def _jobs_type(max_rows: int) -> type[ctypes.Structure]:
-    class Jobs(ctypes.Structure):
-        _fields_ = [("job", _JobC * max_rows), ("out_w", ctypes.c_int32), ("out_h", ctypes.c_int32)]
-
-    return Jobs
-
-
 class _JobC(ctypes.Structure):
     """``struct ResizeJob`` of resize_rgb_u8.cu, field for field (32 bytes)."""
 
@@ -59,6 +51,14 @@ class _JobC(ctypes.Structure):
         ("src_pitch", ctypes.c_int32),
         ("orientation", ctypes.c_int32),
     ]
+
+
+@functools.cache
+def _jobs_type(max_rows: int) -> type[ctypes.Structure]:
+    class Jobs(ctypes.Structure):
+        _fields_ = [("job", _JobC * max_rows), ("out_w", ctypes.c_int32), ("out_h", ctypes.c_int32)]
+
+    return Jobs
 
 
 @dataclass(frozen=True)
