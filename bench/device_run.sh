@@ -107,16 +107,6 @@ for step in $steps; do
         --variant "w4_gpu=--workers 4 --max-batch-delay-ms 8" \
         --variant "w4_gil05=--workers 4 --max-batch-delay-ms 8 --gil-switch-ms 0.5" \
         --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_prof.log" ;;
-    serve_sweep)
-      # Not in the default steps (issue 15): JPEG -> JSON at 16 and 32 clients on `serve --workers 2, 3, 4`
-      # with the GPU decoder, each with the load test's connections on one event loop and spread over 4
-      # client processes (serve_bench.py --client-processes 1 4): how many HTTP processes, and what the
-      # one-loop client adds to the latency it measures.
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
-        --only-variants --cases jpeg_in_json_out --tag sweep --duration-s "${SERVE_S:-10}" --client-processes 1 4 \
-        --variant "w4_gpu=--workers 4 --max-batch-delay-ms 8" --variant "w2_gpu=--workers 2 --max-batch-delay-ms 8" \
-        --variant "w3_gpu=--workers 3 --max-batch-delay-ms 8" \
-        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_sweep.log" ;;
     decode)
       # Not in the default steps (issue 15): the engine process's batch cycle with the GPU JPEG decoder,
       # without HTTP (bench/decode_probe.py): the decode alone per nvImageCodec backend set, the batcher

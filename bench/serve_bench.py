@@ -102,14 +102,6 @@ def main() -> None:
         default=[CLIENTS],
         help="concurrent closed-loop connections of the load test; several values run every case at each",
     )
-    p.add_argument(
-        "--client-processes",
-        type=int,
-        nargs="+",
-        default=[1],
-        help="client processes the connections are spread over (loadtest's processes: independent clients "
-        "rather than one event loop); several values run every case at each; a case run over P > 1 is named _pP",
-    )
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
@@ -117,7 +109,6 @@ def main() -> None:
         "machine": machine(),
         "device": args.device,
         "clients": args.clients,
-        "client_processes": args.client_processes,
     }
     report["engine"], mask = engine_alone(args.bundle, args.device, args.iters, args.png.read_bytes())
     report["machine"]["commit"] = args.commit
@@ -131,13 +122,6 @@ def main() -> None:
     path.write_text(json.dumps(report, indent=2) + "\n")
     print_summary(report)
     print(f"wrote {path}")
-
-
-def _client_cpu_s() -> float:
-    """CPU seconds of this process and of its finished children (the load test's client processes;
-    the server, still running, is not among them)."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def machine() -> dict[str, Any]:
@@ -349,11 +333,10 @@ def _serve_and_load(
             ready = json.loads(urllib.request.urlopen(f"{base}/readyz", timeout=10).read())
         decoder = ready.get("jpeg_decoder", {"name": "cpu", "reason": "this dualtrack reports none"})
         print(f"[serve] ready after {time.monotonic() - t0:.1f} s {env or ''}; JPEG decoder {decoder}")
-        runs = ((c, n, min(p, n)) for c in cases for n in args.clients for p in args.client_processes)
-        for (case, body, path, content_type), clients, procs in runs:
-            name = f"{case}_c{clients}" + (f"_p{procs}" if procs > 1 else "")
+        for (case, body, path, content_type), clients in ((c, n) for c in cases for n in args.clients):
+            name = f"{case}_c{clients}"
             run_loadtest(base + path, body, content_type=content_type, concurrency=clients, requests=400)  # warm
-            before, cpu0, usage0 = _metrics(base), cpu_of(server.pid), _client_cpu_s()
+            before, cpu0, usage0 = _metrics(base), cpu_of(server.pid), resource.getrusage(resource.RUSAGE_SELF)
             spies = _start_spies(args, server.pid, name) if args.profile else []
             rep = run_loadtest(
                 base + path,
@@ -362,21 +345,19 @@ def _serve_and_load(
                 concurrency=clients,
                 requests=10**6,
                 duration_s=args.duration_s,
-                processes=procs,
             )
-            after, cpu1, usage1 = _metrics(base), cpu_of(server.pid), _client_cpu_s()
+            after, cpu1, usage1 = _metrics(base), cpu_of(server.pid), resource.getrusage(resource.RUSAGE_SELF)
             for line in rep.lines():
                 print(f"[{name}] {line}")
             gil_busy = _finish_spies(spies)
             ok = max(rep.ok, 1)
-            client_s = usage1 - usage0
+            client_s = usage1.ru_utime + usage1.ru_stime - usage0.ru_utime - usage0.ru_stime
             server_s = {k: cpu1[k] - cpu0.get(k, 0) for k in cpu1 if cpu1[k] > cpu0.get(k, 0)}
             server_ms = {k: round(v * 1e3 / ok, 3) for k, v in server_s.items()}
             batches = after["batches"] - before["batches"]
             entry = {
                 "case": name,
                 "clients": clients,
-                "client_processes": procs,
                 "jpeg_decoder": decoder,
                 "backend": "ray" if on_ray else "dualtrack",
                 "server_rss_mb": _tree_rss_mb(server.pid)["total"] if on_ray else _rss_mb(server.pid),

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 from polling import until
 
-from dualtrack.errors import ConfigError, InputError
+from dualtrack.errors import ConfigError
 from dualtrack.plan import TensorSpec
 from dualtrack.serve import Batcher, ServeOptions, imaging
 from dualtrack.serve.batcher import BatchQueue
@@ -338,26 +338,6 @@ def test_loadtest_reports_the_mean_of_each_server_timing_duration() -> None:
     # No duration (cache) or a bad one: left out, not counted as zero.
     assert report.server_timing_ms == {"queue": 1.5, "inference": 3.0, "hop_in": 0.25}
     assert report.lines()[-1] == "server says (mean ms)  queue 1.50  inference 3.00  hop_in 0.25"
-
-
-def test_loadtest_over_processes_merges_their_counts_latencies_and_timings() -> None:
-    answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nServer-Timing: queue;dur=2, run;dur=4\r\n\r\nok"
-    with raw_server(answer) as port:
-        # 5 connections over 3 processes (2, 2, 1) and 31 requests split 12 + 12 + 7: exactly 31 sent.
-        report = run_loadtest(
-            f"http://127.0.0.1:{port}/", b"x" * 100, concurrency=5, requests=31, duration_s=WAIT_S, processes=3
-        )
-    assert (report.sent, report.ok, report.errors, report.processes) == (31, 31, {}, 3), report
-    assert report.server_timing_ms == {"queue": 2.0, "run": 4.0}
-    assert 0 < report.latency_ms["p50"] <= report.latency_ms["p99"] <= report.latency_ms["max"]
-    assert "over 3 processes" in report.lines()[0]
-
-
-def test_loadtest_refuses_more_processes_than_connections() -> None:
-    with pytest.raises(InputError, match="processes=4 exceeds concurrency=2"):
-        run_loadtest("http://127.0.0.1:9/", b"x", concurrency=2, requests=2, processes=4)
-    with pytest.raises(InputError, match="processes=0 must be > 0"):
-        run_loadtest("http://127.0.0.1:9/", b"x", concurrency=2, requests=2, processes=0)
 
 
 def test_loadtest_counts_errors_by_status_and_exception() -> None:

@@ -302,13 +302,6 @@ def server_stack() -> tuple[str, str]:
 @click.option("--requests", "requests_", default=1000, show_default=True, type=click.IntRange(1), help="At most.")
 @click.option("--duration-s", default=30.0, show_default=True, type=click.FloatRange(0, min_open=True), help="At most.")
 @click.option("--timeout-s", default=30.0, show_default=True, type=click.FloatRange(0, min_open=True))
-@click.option(
-    "--processes",
-    default=1,
-    show_default=True,
-    type=click.IntRange(1, 64),
-    help="Client processes to spread the connections over (one event loop each): independent clients.",
-)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write the report.")
 def loadtest(
     url: str,
@@ -317,7 +310,6 @@ def loadtest(
     requests_: int,
     duration_s: float,
     timeout_s: float,
-    processes: int,
     json_path: Path | None,
 ) -> None:
     """Load URL (loopback only; a bare host:port means /v1/segment) with IMAGE and report.
@@ -336,7 +328,6 @@ def loadtest(
         requests=requests_,
         duration_s=duration_s,
         timeout_s=timeout_s,
-        processes=processes,
     )
     for line in report.lines():
         click.echo(line)

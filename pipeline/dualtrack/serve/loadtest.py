@@ -9,15 +9,6 @@ The client must cost far less than the server it measures, since both share the 
 it runs on one asyncio event loop (uvloop when installed), sends a request built once, and reads
 answers with a minimal HTTP/1.1 parser: ~0.1 ms of CPU per 512 KB request, a third of what a
 thread per connection with ``http.client`` cost.
-
-One event loop also couples its connections: the answers of one server batch arrive together and
-the loop reads them, and sends the next requests, one after another, so the last of 8 waits for
-the other 7 (~0.05-0.1 ms each) before it asks again. Independent clients do not wait for each
-other. ``processes`` spreads the connections over that many processes (each its own event loop,
-started before the clock starts, all sharing one deadline), so the measurement does not add
-that wait; the report merges theirs. Why processes and not a library (locust, wrk): locust's
-workers are the same Python loops behind a master that adds a hop, wrk is not installable from
-PyPI, and neither reports the server's ``Server-Timing`` the way the benchmarks read it.
 """
 
 from __future__ import annotations
@@ -26,8 +17,6 @@ import asyncio
 import contextlib
 import ipaddress
 import json
-import multiprocessing
-import queue
 import socket
 import time
 from collections import Counter
@@ -69,7 +58,6 @@ class LoadTestReport:
     # The mean of each duration the server's 2xx answers reported in ``Server-Timing`` (ms), over
     # the answers that reported it: where the server says a request's time went.
     server_timing_ms: dict[str, float] = field(default_factory=dict)
-    processes: int = 1  # client processes the connections were spread over
 
     def lines(self) -> list[str]:
         """A few human-readable lines (what the CLI prints)."""
@@ -79,8 +67,7 @@ class LoadTestReport:
             f"p50 {lat['p50']:.1f} ms   p99 {lat['p99']:.1f} ms   max {lat['max']:.1f} ms" if lat else "no 2xx answers"
         )
         lines = [
-            f"target      {self.url}   concurrency {self.concurrency}"
-            + (f" over {self.processes} processes" if self.processes > 1 else ""),
+            f"target      {self.url}   concurrency {self.concurrency}",
             f"requests    {self.sent} sent, {self.ok} ok   errors: {errors}",
             f"throughput  {self.throughput_rps:.1f} req/s over {self.elapsed_s:.2f} s",
             f"latency     {latency}",
@@ -144,26 +131,14 @@ def run_loadtest(
     requests: int = 1000,
     duration_s: float = 30.0,
     timeout_s: float = 30.0,
-    processes: int = 1,
 ) -> LoadTestReport:
     """Send ``body`` to ``url`` over ``concurrency`` connections until ``requests`` or ``duration_s`` runs out.
 
-    ``processes`` > 1 spreads the connections (and the request budget) over that many processes,
-    each with its own event loop (see the module's docstring). Runs its own event loop(s): call
-    it from synchronous code, not from inside a running loop.
+    Runs its own event loop: call it from synchronous code, not from inside a running loop.
     """
-    for name, value in (
-        ("concurrency", concurrency),
-        ("requests", requests),
-        ("duration_s", duration_s),
-        ("processes", processes),
-    ):
+    for name, value in (("concurrency", concurrency), ("requests", requests), ("duration_s", duration_s)):
         if value <= 0:
             raise InputError(f"loadtest {name}={value} must be > 0")
-    if processes > concurrency:
-        raise InputError(
-            f"loadtest processes={processes} exceeds concurrency={concurrency}: give each one a connection"
-        )
     target = loopback_target(url)
     host = f"[{target.host}]" if ":" in target.host else target.host
     head = (
@@ -171,15 +146,10 @@ def run_loadtest(
         f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     message = head.encode("latin-1") + body
-    if processes == 1:
-        start = time.monotonic()
-        latencies, outcomes, timing = _run_loop(
-            _load(target, message, concurrency, requests, start + duration_s, timeout_s)
-        )
-    else:
-        start, (latencies, outcomes, timing) = _in_processes(
-            target, message, processes, concurrency, requests, duration_s, timeout_s
-        )
+    start = time.monotonic()
+    latencies, outcomes, timing = _run_loop(
+        _load(target, message, concurrency, requests, start + duration_s, timeout_s)
+    )
     elapsed_s = time.monotonic() - start
     ok = sum(n for k, n in outcomes.items() if k.startswith("2"))
     return LoadTestReport(
@@ -192,88 +162,7 @@ def run_loadtest(
         throughput_rps=round(ok / elapsed_s, 2) if elapsed_s > 0 else 0.0,
         latency_ms=_percentiles_ms(latencies),
         server_timing_ms={k: round(total / timing.seen[k], 3) for k, total in timing.total.items()},
-        processes=processes,
     )
-
-
-def _shares(total: int, parts: int) -> list[int]:
-    """``total`` split into ``parts`` shares that differ by at most one, the larger first."""
-    return [total // parts + (i < total % parts) for i in range(parts)]
-
-
-_START_TIMEOUT_S = 60.0  # for a client process to start (spawn, imports) and say it is ready
-
-
-def _in_processes(
-    target: Target,
-    message: bytes,
-    processes: int,
-    concurrency: int,
-    requests: int,
-    duration_s: float,
-    timeout_s: float,
-) -> tuple[float, tuple[list[float], Counter[str], _ServerTiming]]:
-    """Run :func:`_load` in ``processes`` spawned processes with one shared deadline; returns when
-    the clock started (once every process was ready) and their results merged."""
-    ctx = multiprocessing.get_context("spawn")  # no fork: the caller may hold threads or a CUDA context
-    ready, results = ctx.Queue(), ctx.Queue()
-    go = ctx.Event()
-    deadline = ctx.Value("d", 0.0)
-    conns = _shares(concurrency, processes)
-    budget = [requests * c // concurrency for c in conns]
-    budget[0] += requests - sum(budget)
-    children = [
-        ctx.Process(
-            target=_client_process,
-            args=(target, message, c, max(b, 1), timeout_s, ready, go, deadline, results),
-            name=f"dualtrack-loadtest-{i}",
-            daemon=True,
-        )
-        for i, (c, b) in enumerate(zip(conns, budget, strict=True))
-    ]
-    for child in children:
-        child.start()
-    try:
-        for _ in children:
-            ready.get(timeout=_START_TIMEOUT_S)
-        start = time.monotonic()
-        deadline.value = start + duration_s  # one clock for every process of the machine
-        go.set()
-        merged: tuple[list[float], Counter[str], _ServerTiming] = ([], Counter(), _ServerTiming())
-        for _ in children:
-            latencies, outcomes, total, seen = results.get(timeout=duration_s + timeout_s + _START_TIMEOUT_S)
-            merged[0].extend(latencies)
-            merged[1].update(outcomes)
-            for k, v in total.items():
-                merged[2].total[k] = merged[2].total.get(k, 0.0) + v
-            merged[2].seen.update(seen)
-    except queue.Empty:
-        codes = [c.exitcode for c in children]
-        raise RuntimeError(f"a loadtest client process did not answer in time (exit codes {codes})") from None
-    finally:
-        for child in children:
-            child.join(5)
-            if child.is_alive():
-                child.kill()
-    return start, merged
-
-
-def _client_process(
-    target: Target,
-    message: bytes,
-    concurrency: int,
-    requests: int,
-    timeout_s: float,
-    ready: Any,
-    go: Any,
-    deadline: Any,
-    results: Any,
-) -> None:
-    """One client process: say it is ready, wait for the start, load, send back what it saw."""
-    ready.put(True)
-    go.wait()
-    latencies, outcomes, timing = _run_loop(_load(target, message, concurrency, requests, deadline.value, timeout_s))
-    results.put((latencies, dict(outcomes), timing.total, dict(timing.seen)))
 
 
 def _run_loop(main: Any) -> Any:
