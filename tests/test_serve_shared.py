@@ -56,7 +56,7 @@ from dualtrack.serve.protocol import (
     RunRequest,
     WorkerMessage,
 )
-from dualtrack.serve.shared import EngineClient, EngineHost, RemoteMetrics, SlotFile
+from dualtrack.serve.shared import EngineClient, EngineHost, RemoteMetrics, SlotFile, copy_holding_gil
 
 WAIT_S = 120.0
 
@@ -505,3 +505,16 @@ def test_the_app_answers_the_same_over_a_batcher_and_an_engine_client(kind, engi
 def _classes(engine: Engine) -> int:
     (probs,) = (s for s in engine.output_specs if s.name != "mask")
     return probs.shape[-1] if probs.layout == "NHWC" else probs.shape[1]
+
+
+def test_a_mask_goes_into_its_slot_whole_and_nowhere_else(rng) -> None:
+    slots = np.zeros((3, 5000), np.uint8)
+    mask = rng.integers(0, 7, (40, 60), dtype=np.uint8)
+    dst = slots[1, : mask.size].reshape(mask.shape)
+    copy_holding_gil(dst, mask[:, :])
+    np.testing.assert_array_equal(dst, mask)
+    assert not slots[0].any() and not slots[2].any() and not slots[1, mask.size :].any()
+    copy_holding_gil(dst, np.asfortranarray(mask[::-1]))  # any layout of the source
+    np.testing.assert_array_equal(dst, mask[::-1])
+    with pytest.raises(ValueError, match=r"cannot copy uint8\[60, 40\] into uint8\[40, 60\]"):
+        copy_holding_gil(dst, mask.T)
