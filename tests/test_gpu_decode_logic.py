@@ -319,36 +319,6 @@ def test_with_several_lanes_a_jpeg_is_decoded_while_another_lane_is_busy(rng) ->
         prefetch.close()
 
 
-def test_the_stager_claims_what_no_lane_has_started_and_waits_for_the_rest(rng) -> None:
-    lane = _HeldLane()
-    prefetch = JpegPrefetcher(lane, ahead=1, most_per_call=1)
-    try:
-        jpegs = _routed(rng, 3)
-        tickets = [prefetch.add(j) for j in jpegs]
-        _wait_until(lambda: lane.entered.is_set())  # the lane holds the first; the others stay queued
-        assert [t.state for t in tickets] == ["decoding", "queued", "queued"]
-        mine = prefetch.claim(tickets)
-        assert mine == tickets[1:]  # in the order given, only the queued ones
-        assert prefetch.claim(tickets) == []  # claimed once
-        pixels = [np.asarray(Image.open(io.BytesIO(j.data)).convert("RGB")) for j in jpegs]
-        prefetch.settle(mine, [pixels[1], "nvImageCodec could not decode it"])
-        assert prefetch.take(tickets[2]) == "nvImageCodec could not decode it"  # the CPU path decides it
-        np.testing.assert_array_equal(prefetch.take(tickets[1]), pixels[1])
-        lane.gate.set()
-        np.testing.assert_array_equal(prefetch.take(tickets[0]), pixels[0])  # the lane's, waited for
-        assert lane.calls == [1]  # the lane never saw the claimed two
-        for ticket in tickets:
-            prefetch.release(ticket)
-            assert ticket.image is None and ticket.state == "released"
-        # Their room is free again: the next JPEG is the lane's.
-        late = prefetch.add(_routed(rng, 1)[0])
-        _wait_until(lambda: late.state == "decoded")
-        prefetch.release(late)
-    finally:
-        lane.gate.set()
-        prefetch.close()
-
-
 def test_a_failed_decode_refuses_its_jpegs_and_close_frees_what_is_held(rng) -> None:
     def broken(jpegs: list[imaging.GpuJpeg]) -> list[object]:
         raise RuntimeError("decoder lost")

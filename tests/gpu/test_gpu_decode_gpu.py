@@ -134,37 +134,6 @@ def test_gpu_decoded_jpegs_match_the_cpu_path_within_the_decoders_difference(eng
 
 
 @needs_nvimgcodec
-def test_the_stagers_own_decode_writes_the_rows_a_lanes_decode_writes(engine) -> None:
-    """decode_on (the stager's decoder, on the stream its resize follows, no host wait) against
-    decode_into (the decoder's own): the same rows, bit for bit."""
-    _, decoder = open_decoder(engine, "auto", None)
-    assert decoder is not None
-    be = engine.backend
-    h, w = engine.input_spec.shape[1:3]
-    rng = np.random.default_rng(14)
-    jpegs = []
-    for pw, ph, orientation in ((w + 40, h + 8, 1), (w, 2 * h - 1, 6), (w // 2, h // 3, 3)):
-        route = imaging.route_jpeg(_jpeg(_photo(rng, pw, ph), orientation), h, w, max_downscale=8)
-        assert isinstance(route, imaging.GpuJpeg), route
-        jpegs.append(route)
-    want_buf, shape = _device_rows(engine, len(jpegs))
-    decoded = decoder.decode_into(be.stream, dict(enumerate(jpegs)), want_buf.ptr, h, w)
-    assert decoded.written == set(range(len(jpegs)))
-    want = _read(engine, want_buf, shape)
-    got_buf, _ = _device_rows(engine, len(jpegs))
-    pictures, code_streams = decoder.decode_on(be.stream, jpegs)
-    assert not any(isinstance(p, str) for p in pictures), pictures
-    jobs = [
-        decoder.job(p, j, got_buf.ptr + i * h * w * 3) for i, (p, j) in enumerate(zip(pictures, jpegs, strict=True))
-    ]
-    decoder.resize_rows(be.stream, jobs, h, w)
-    got = _read(engine, got_buf, shape)
-    be.stream.synchronize()
-    del pictures, code_streams
-    np.testing.assert_array_equal(got, want)
-
-
-@needs_nvimgcodec
 def test_a_jpeg_nvimgcodec_refuses_is_handed_back_for_the_cpu_path(engine) -> None:
     _, decoder = open_decoder(engine, "auto", None)
     assert decoder is not None

@@ -130,8 +130,6 @@ class GpuJpegDecoder:
         with ctx.push_current():
             self.stream = Stream(ctx, urgent=True)  # decode_now's: its kernels go before the batch computing
         self._lanes: list[Stream] = []  # add_lane's streams
-        # The stager's own (decode_on): nvImageCodec runs one call at a time per decoder.
-        self._stager_decoder = nvimgcodec.Decoder(device_id=device.index, backends=kinds)
         self._check_decodes()
 
     def add_lane(self) -> Callable[[list[GpuJpeg]], list[Any]]:
@@ -169,16 +167,6 @@ class GpuJpegDecoder:
         for jpeg, image in zip(jpegs, images, strict=True):
             out.append("nvImageCodec could not decode it" if image is None else _picture(image, jpeg))
         return out, streams
-
-    def decode_on(self, stream: Stream, jpegs: Sequence[GpuJpeg]) -> tuple[list[Any], list[Any]]:
-        """:meth:`decode` with a decoder of the stager's own, on ``stream`` (the upload stream,
-        whose resize follows in its order), waiting for nothing: for :meth:`JpegPrefetcher.claim`'s
-        JPEGs. Hold the pictures and the code streams (the second value) until ``stream`` has
-        passed their readers. A decode that fails refuses its JPEGs (the CPU path takes them)."""
-        try:
-            return self.decode(stream, jpegs, self._stager_decoder)
-        except Exception as err:
-            return [f"nvImageCodec failed: {err}"] * len(jpegs), []
 
     def decode_now(self, jpegs: list[GpuJpeg]) -> list[Any]:
         """:meth:`decode` on this decoder's own stream, waiting for it: complete pictures (what
@@ -271,7 +259,7 @@ class Ticket:
 
     jpeg: GpuJpeg
     done: threading.Event = field(default_factory=threading.Event)
-    image: Any = None  # its Picture once decoded (complete on the GPU after a lane's; in stream order after claim's)
+    image: Any = None  # its Picture once decoded (complete on the GPU: its stream was synchronised)
     refused: str | None = None  # or why not (the CPU path decides)
     state: str = "queued"  # queued -> decoding -> decoded -> released (or queued -> released)
 
@@ -353,30 +341,6 @@ class JpegPrefetcher:
                     self._wanted.remove(ticket)
         return ticket.refused if ticket.refused is not None else ticket.image
 
-    def claim(self, tickets: Sequence[Ticket]) -> list[Ticket]:
-        """Those of ``tickets`` that no lane has started, taken out of the queue for the caller to
-        decode itself and hand back with :meth:`settle` (in the given order).
-
-        Why: the stager reaches the last JPEGs of a batch a few tens of microseconds after they
-        were queued, usually before a lane has woken for them. A lane's decode then costs the
-        stager the lane's wake-up, the lane's host wait for its stream and the stager's own
-        wake-up, each a turn of the engine process's GIL (~1 ms for the batch's last JPEG under
-        load, ``batch_decode`` in the service's timings), where decoding them itself costs one
-        nvImageCodec call on the stream whose resize follows, with no host wait."""
-        with self._cond:
-            mine = [t for t in tickets if t.state == "queued"]
-            for ticket in mine:
-                self._queue.remove(ticket)
-                ticket.state = "decoding"
-                self._held.add(ticket)  # past the bound, as for a waiting stager
-        return mine
-
-    def settle(self, tickets: Sequence[Ticket], results: Sequence[Any]) -> None:
-        """Hand back :meth:`claim`'s tickets decoded: per ticket its picture (ready in the stream
-        order of the caller's decode: the caller orders its readers after it) or why not."""
-        with self._cond:
-            self._settle(tickets, results)
-
     def release(self, ticket: Ticket) -> None:
         """Free the ticket's picture (its readers have run) or withdraw it if not decoded yet."""
         with self._cond:
@@ -428,19 +392,16 @@ class JpegPrefetcher:
             except Exception as err:  # the CPU path decides each of them
                 results = [f"nvImageCodec failed: {err}"] * len(jobs)
             with self._cond:
-                self._settle(jobs, results)
-
-    def _settle(self, tickets: Sequence[Ticket], results: Sequence[Any]) -> None:
-        for ticket, result in zip(tickets, results, strict=True):
-            if ticket.state == "decoding":  # not released meanwhile
-                ticket.state = "decoded"
-                if isinstance(result, str):
-                    ticket.refused = result
-                    self._held.discard(ticket)
-                    self._cond.notify()  # its room is free again
-                else:
-                    ticket.image = result
-            ticket.done.set()
+                for ticket, result in zip(jobs, results, strict=True):
+                    if ticket.state == "decoding":  # not released meanwhile
+                        ticket.state = "decoded"
+                        if isinstance(result, str):
+                            ticket.refused = result
+                            self._held.discard(ticket)
+                            self._cond.notify()  # its room is free again
+                        else:
+                            ticket.image = result
+                    ticket.done.set()
 
 
 def open_decoder(engine: Any, wanted: str, jit_cache: Path | None) -> tuple[DecoderChoice, GpuJpegDecoder | None]:

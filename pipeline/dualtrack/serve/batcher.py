@@ -528,15 +528,6 @@ class Batcher(QueueState["Engine"]):
                 used.append(stream)
                 written: set[int] = set()
                 resizes = []  # every GPU row's resize in one launch: one driver call per batch
-                # The JPEGs no decode lane has started yet (usually the batch's last): decoded here,
-                # in one call on this stream, ahead of their resize (JpegPrefetcher.claim says why).
-                t0 = time.monotonic()
-                mine = prefetch.claim(list(jpegs.values()))
-                if mine:
-                    pictures, code_streams = self._jpeg.decode_on(stream, [t.jpeg for t in mine])
-                    used.append(code_streams)  # alive until the stream has passed the decode
-                    prefetch.settle(mine, pictures)
-                decode_wait[0] += time.monotonic() - t0
                 for row, ticket in jpegs.items():
                     t0 = time.monotonic()
                     image = prefetch.take(ticket)
