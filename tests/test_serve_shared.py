@@ -11,8 +11,10 @@ import io
 import json
 import logging
 import os
+import pickle
 import re
 import socket
+import struct
 import tempfile
 import threading
 import time
@@ -56,7 +58,14 @@ from dualtrack.serve.protocol import (
     RunRequest,
     WorkerMessage,
 )
-from dualtrack.serve.shared import EngineClient, EngineHost, RemoteMetrics, SlotFile, copy_holding_gil
+from dualtrack.serve.shared import (
+    EngineClient,
+    EngineHost,
+    FrameReader,
+    RemoteMetrics,
+    SlotFile,
+    copy_holding_gil,
+)
 
 WAIT_S = 120.0
 
@@ -518,3 +527,28 @@ def test_a_mask_goes_into_its_slot_whole_and_nowhere_else(rng) -> None:
     np.testing.assert_array_equal(dst, mask[::-1])
     with pytest.raises(ValueError, match=r"cannot copy uint8\[60, 40\] into uint8\[40, 60\]"):
         copy_holding_gil(dst, mask.T)
+
+
+def test_the_frame_reader_reads_what_connection_send_writes_in_order() -> None:
+    left, right = Pipe()  # Unix sockets: Connection's own framing
+    try:
+        frames = FrameReader(right)
+        big = bytes(range(256)) * 300  # 76,800 bytes: sent as header and body apart, read in several chunks
+        messages = [("small", i) for i in range(50)] + [big, {"after": "big"}]
+        sender = threading.Thread(target=lambda: [left.send(m) for m in messages])
+        sender.start()
+        got = [frames.recv() for _ in messages]
+        sender.join()
+        assert got == messages
+        # The long header (-1, then an 8-byte length) that Connection writes for bodies over 2 GiB.
+        body = pickle.dumps(("long header", 7))
+        os.write(left.fileno(), struct.pack("!i", -1) + struct.pack("!Q", len(body)) + body)
+        assert frames.recv() == ("long header", 7)
+        left.send(("cut", 1))
+        os.write(left.fileno(), struct.pack("!i", 100) + b"only part of it")
+        assert frames.recv() == ("cut", 1)
+    finally:
+        left.close()
+    with pytest.raises(EOFError, match="inside a message"):
+        frames.recv()
+    right.close()

@@ -11,12 +11,13 @@ batch k+1 computes.
 
 Ordering, all device-side except where IREE needs the host (FACTS 8):
 
-- an upload into slot s waits (``cuStreamWaitEvent``) for ``consumed[s]``, recorded on the compute
-  stream after the previous run on s, whose first segment may be Track A (asynchronous);
+- ``ran[s]`` is recorded on the compute stream after a run on slot s (and its outputs' copy);
+- an upload into slot s waits (``cuStreamWaitEvent``) for ``ran[s]`` of the previous run on s,
+  whose first segment may be Track A (asynchronous);
 - the upload is complete on the host before :meth:`stage` returns: IREE reads the input on its own
   streams and cannot wait on an event (one host wait per batch, on the staging thread);
-- a download waits for ``ran[s]``, recorded on the compute stream after the run: a Track A last
-  segment is then done, and an IREE one is done before its call returned;
+- a download waits for ``ran[s]``: a Track A last segment is then done, and an IREE one is done
+  before its call returned;
 - :meth:`Submission.result` waits for ``downloaded[s]`` and copies the outputs out, after which
   slot s may be staged again.
 
@@ -162,12 +163,14 @@ class Overlap:
         self.device_out: dict[tuple[int, str], DeviceBuffer] = {}
         self.pinned_in: dict[int, HostBuffer] = {}
         self.pinned_out: dict[tuple[int, str], HostBuffer] = {}
-        self.consumed = [Event(ctx, timing=False) for _ in range(slots)]
+        # One event per slot for "its run has passed": the next upload into the slot and the
+        # download both wait for it (one driver call fewer per batch than an event for each; every
+        # driver call lets the GIL go and must win it back: docs/performance.md, "Every driver call").
         self.ran = [Event(ctx, timing=False) for _ in range(slots)]
         self.uploaded = [Event(ctx, timing=False) for _ in range(slots)]
         self.downloaded = [Event(ctx, timing=False) for _ in range(slots)]
-        for e in self.consumed:
-            e.record(backend.stream)  # every slot starts consumed
+        for e in self.ran:
+            e.record(backend.stream)  # every slot starts free
         self._stage_lock = threading.Lock()
 
     def stage(self, x: np.ndarray, dtype: np.dtype, fill: Fill | None) -> Staged:
@@ -184,7 +187,7 @@ class Overlap:
                     self.inputs[key] = be.pool.alloc(max(x.nbytes, 1), self.up)
                 buf = self.inputs[key]
                 tensor = GpuTensor(buf.ptr, tuple(x.shape), dtype, buf)
-                self.up.wait(self.consumed[slot])
+                self.up.wait(self.ran[slot])
                 written = fill(self.up, tensor) if fill is not None else set()
                 t_rows = time.monotonic()
                 src = x if be._is_host_array(x) else self._pinned_copy(slot, x)
@@ -224,7 +227,6 @@ class Overlap:
                 t = outs[name]
                 kept[name] = self._device_out(slot, name, t.nbytes)
                 call(cu.cuMemcpyDtoDAsync, kept[name].ptr, t.ptr, t.nbytes, be.stream.handle)
-            self.consumed[slot].record(be.stream)
             self.ran[slot].record(be.stream)
             self.down.wait(self.ran[slot])
             views: dict[str, np.ndarray] = {}
@@ -277,7 +279,7 @@ class Overlap:
         self.down.synchronize()
         for h in (*self.pinned_in.values(), *self.pinned_out.values()):
             h.close()
-        for e in (*self.consumed, *self.ran, *self.uploaded, *self.downloaded):
+        for e in (*self.ran, *self.uploaded, *self.downloaded):
             e.close()
         self.up.close()
         self.down.close()

@@ -47,9 +47,11 @@ import logging
 import math
 import mmap
 import os
+import pickle
 import secrets
 import shutil
 import socket
+import struct
 import tempfile
 import threading
 import time
@@ -342,9 +344,10 @@ class _Peer:
         self._writer.join(timeout)
 
     def _read(self) -> None:
+        frames = FrameReader(self.conn)
         try:
             while True:
-                msg: object = self.conn.recv()  # anything: a broken or foreign peer is dropped below
+                msg: object = frames.recv()  # anything: a broken or foreign peer is dropped below
                 match msg:
                     case RunRequest(rid, slot, sent):
                         self._run(rid, slot, time.monotonic() - sent)
@@ -482,6 +485,57 @@ def _dial(address: str, key: bytes, timeout: float) -> Connection:
     if "error" in result:
         raise result["error"]
     return result["conn"]
+
+
+class FrameReader:
+    """``Connection.recv()`` for one reading thread, with fewer system calls: the frames of
+    :mod:`multiprocessing.connection` (a 4-byte big-endian length, or -1 and an 8-byte one, then
+    the pickle), read with one ``os.read`` of up to :attr:`CHUNK` bytes per wake-up, which may
+    bring several messages.
+
+    Why: ``Connection.recv`` reads each message with two system calls (its length, then its
+    body), and each lets the GIL go and must win it back, behind a dozen threads in the engine
+    process under load (the hand-over ``hop_in``). The connection must not be read any other way
+    once this reads it (what this has buffered would be lost to it); sending on it is unchanged.
+    """
+
+    CHUNK = 1 << 16
+
+    def __init__(self, conn: Connection) -> None:
+        self._fd = conn.fileno()
+        self._buf = bytearray()
+        self._pending: list[object] = []  # messages already read, not yet returned
+
+    def recv(self) -> object:
+        """The next message; raises ``EOFError`` at the end of the stream (mid-frame too)."""
+        while not self._pending:
+            data = os.read(self._fd, max(self.CHUNK, self._missing()))
+            if not data:
+                raise EOFError("the connection ended" + (" inside a message" if self._buf else ""))
+            self._buf += data
+            self._split()
+        return self._pending.pop(0)
+
+    def _frame(self) -> tuple[int, int] | None:
+        """(header size, body size) of the first frame buffered, or None while its header is incomplete."""
+        if len(self._buf) < 4:
+            return None
+        (size,) = struct.unpack_from("!i", self._buf)
+        if size != -1:
+            return 4, size
+        if len(self._buf) < 12:
+            return None
+        return 12, struct.unpack_from("!Q", self._buf, 4)[0]
+
+    def _missing(self) -> int:
+        frame = self._frame()
+        return 0 if frame is None else sum(frame) - len(self._buf)
+
+    def _split(self) -> None:
+        while (frame := self._frame()) is not None and len(self._buf) >= sum(frame):
+            head, size = frame
+            self._pending.append(pickle.loads(self._buf[head : head + size]))  # a copy: the buffer may shrink
+            del self._buf[: head + size]
 
 
 def _shut_down(conn: Connection) -> None:
@@ -704,9 +758,10 @@ class EngineClient(QueueState[EngineInfo]):
 
     def _read(self) -> None:
         assert self._conn is not None
+        frames = FrameReader(self._conn)
         try:
             while True:
-                msg: object = self._conn.recv()  # anything: a broken or foreign peer fails this worker below
+                msg: object = frames.recv()  # anything: a broken or foreign peer fails this worker below
                 match msg:
                     case Done() | Failed() | Cancelled():
                         self._finish(msg, time.monotonic())
