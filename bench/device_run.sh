@@ -107,6 +107,19 @@ for step in $steps; do
         --variant "w4_gpu=--workers 4 --max-batch-delay-ms 8" \
         --variant "w4_gil05=--workers 4 --max-batch-delay-ms 8 --gil-switch-ms 0.5" \
         --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_prof.log" ;;
+    serve_ab)
+      # Not in the default steps (issue 15): the engine process's GIL switch interval (5 ms, Python's
+      # default; 0.5; 0.2), JPEG -> JSON at 16 and 32 clients on `serve --workers 4`, in two alternating
+      # rounds (the call-to-call spread is ~10%: each setting twice, in one call, side by side).
+      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
+        --only-variants --cases jpeg_in_json_out --tag ab --duration-s "${SERVE_S:-10}" \
+        --variant "w4_sw5a=--workers 4 --max-batch-delay-ms 8" \
+        --variant "w4_sw05a=--workers 4 --max-batch-delay-ms 8 --gil-switch-ms 0.5" \
+        --variant "w4_sw02a=--workers 4 --max-batch-delay-ms 8 --gil-switch-ms 0.2" \
+        --variant "w4_sw5b=--workers 4 --max-batch-delay-ms 8" \
+        --variant "w4_sw05b=--workers 4 --max-batch-delay-ms 8 --gil-switch-ms 0.5" \
+        --variant "w4_sw02b=--workers 4 --max-batch-delay-ms 8 --gil-switch-ms 0.2" \
+        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_ab.log" ;;
     decode)
       # Not in the default steps (issue 15): the engine process's batch cycle with the GPU JPEG decoder,
       # without HTTP (bench/decode_probe.py): the decode alone per nvImageCodec backend set, the batcher

@@ -462,7 +462,8 @@ class Batcher(QueueState["Engine"]):
         masks come down and its requests are answered."""
         handoff: queue.Queue[_Staged | None] = queue.Queue(maxsize=1)
         # Launched batches, oldest first: at most the engine's slots (a stage waits for a collected slot).
-        landed: queue.Queue[_Landed | None] = queue.Queue()
+        # SimpleQueue (C): queue.Queue's Python Condition costs its callers GIL time on every put and get.
+        landed: queue.SimpleQueue[_Landed | None] = queue.SimpleQueue()
         failure: list[BaseException] = []
         launcher = threading.Thread(
             target=self._launch_loop, args=(engine, handoff, landed, failure), name="dualtrack-launcher", daemon=True
@@ -567,7 +568,7 @@ class Batcher(QueueState["Engine"]):
         self,
         engine: Engine,
         handoff: queue.Queue[_Staged | None],
-        landed: queue.Queue[_Landed | None],
+        landed: queue.SimpleQueue[_Landed | None],
         failure: list[BaseException],
     ) -> None:
         try:
@@ -587,7 +588,7 @@ class Batcher(QueueState["Engine"]):
         finally:
             landed.put(None)
 
-    def _collect_loop(self, landed: queue.Queue[_Landed | None], failure: list[BaseException]) -> None:
+    def _collect_loop(self, landed: queue.SimpleQueue[_Landed | None], failure: list[BaseException]) -> None:
         try:
             while (entry := landed.get()) is not None:
                 self._answer(entry)
