@@ -39,6 +39,7 @@ import collections
 import contextlib
 import ctypes
 import io
+import itertools
 import json
 import os
 import platform
@@ -84,7 +85,8 @@ def main() -> None:
         default=[],
         metavar="NAME=ARGS",
         help="also run PNG -> PNG, JPEG -> JSON and JPEG -> PNG on `dualtrack serve ARGS`, e.g. "
-        "'workers_6=--workers 6 --max-batch-delay-ms 8' (repeatable; the cases are named CASE_NAME)",
+        "'workers_6=--workers 6 --max-batch-delay-ms 8' (repeatable; the cases are named CASE_NAME); leading "
+        "NAME=VALUE words set the server's environment, e.g. 'lanes_4=DUALTRACK_JPEG_LANES=4 --workers 4'",
     )
     p.add_argument("--only-variants", action="store_true", help="skip the default cases: a sweep of --variant")
     p.add_argument(
@@ -287,7 +289,9 @@ def under_load(args: argparse.Namespace, reference_img_s: float) -> tuple[list[d
     for variant in args.variant:
         name, _, argv = variant.partition("=")
         vcases = [(f"{c[0]}_{name}", *c[1:]) for c in cases[:3] if not args.cases or c[0] in args.cases]
-        more, metrics_text, check = _serve_and_load(args, reference_img_s, vcases, {}, argv.split())
+        words = argv.split()  # leading NAME=VALUE words are the server's environment, the rest its arguments
+        env = dict(w.split("=", 1) for w in itertools.takewhile(lambda w: re.match(r"[A-Z_][A-Z0-9_]*=", w), words))
+        more, metrics_text, check = _serve_and_load(args, reference_img_s, vcases, env, words[len(env) :])
         for entry in more:
             entry["variant"] = name
         results += more

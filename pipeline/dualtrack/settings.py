@@ -28,6 +28,8 @@ class Settings:
     DUALTRACK_GPU_SELF_CHECK  set to 0 to skip the check a bundle's first load on a GPU makes (runtime/selfcheck.py)
     DUALTRACK_TRACK_B     "replay" (default): Track B modules with a launch plan run on the engine's stream
                           (runtime/replay.py); "iree": every Track B module through the IREE runtime
+    DUALTRACK_JPEG_LANES  the service's GPU JPEG decode threads, each with an nvImageCodec decoder and
+                          stream (1-16, default 3); GPUs differ in hardware JPEG engines (the H200 has 7)
     """
 
     cache_dir: Path
@@ -40,6 +42,7 @@ class Settings:
     iree_flags: tuple[str, ...] = ()
     gpu_self_check: bool = True
     track_b: str = "replay"
+    jpeg_lanes: int = 3
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -59,6 +62,7 @@ class Settings:
             iree_flags=tuple(env.get("DUALTRACK_IREE_FLAGS", "").split()),
             gpu_self_check=env.get("DUALTRACK_GPU_SELF_CHECK", "1") not in ("0", "false", "no"),
             track_b=_track_b(env.get("DUALTRACK_TRACK_B", "replay")),
+            jpeg_lanes=_int_in("DUALTRACK_JPEG_LANES", env.get("DUALTRACK_JPEG_LANES") or "3", 1, 16),
         )
 
 
@@ -66,6 +70,16 @@ def _track_b(value: str) -> str:
     if value not in ("replay", "iree"):
         raise ConfigError(f"DUALTRACK_TRACK_B={value!r}: use 'replay' (the default) or 'iree'")
     return value
+
+
+def _int_in(name: str, value: str, low: int, high: int) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = low - 1
+    if not low <= number <= high:
+        raise ConfigError(f"{name}={value!r}: use a whole number from {low} to {high}")
+    return number
 
 
 def _allocators(value: str) -> tuple[str, ...]:

@@ -70,7 +70,6 @@ EngineSource = Union["Engine", str, os.PathLike[str], Callable[[], "Engine"]]
 """An engine to borrow, a bundle path to load, or a zero-argument factory that returns an engine."""
 
 MASK_OUTPUT = "mask"
-DECODE_LANES = 3  # JPEG decode threads, each with an nvImageCodec decoder and stream (JpegPrefetcher)
 _log = logging.getLogger(__name__)
 
 
@@ -434,14 +433,16 @@ class Batcher(QueueState["Engine"]):
             from dualtrack.runtime.gpu_jpeg import open_decoder  # the GPU stack, only for a GPU engine
             from dualtrack.settings import Settings
 
-            choice, self._jpeg = open_decoder(engine, self._wanted_decoder, Settings.from_env().cache_dir / "jit")
+            settings = Settings.from_env()
+            choice, self._jpeg = open_decoder(engine, self._wanted_decoder, settings.cache_dir / "jit")
             self.decoder = (choice.name, choice.reason)
             if self._jpeg is not None:
                 from dualtrack.runtime.gpu_jpeg import JpegPrefetcher
 
                 # Two batches of pictures ahead: the one staged next and the one filling behind it.
                 largest = max(engine.batch_sizes)
-                lanes = [self._jpeg.decode_now, *(self._jpeg.add_lane() for _ in range(DECODE_LANES - 1))]
+                # JPEG decode threads, each with an nvImageCodec decoder and stream (DUALTRACK_JPEG_LANES).
+                lanes = [self._jpeg.decode_now, *(self._jpeg.add_lane() for _ in range(settings.jpeg_lanes - 1))]
                 self._prefetch = JpegPrefetcher(
                     lanes,
                     ahead=2 * largest,

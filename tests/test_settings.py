@@ -1,0 +1,32 @@
+"""Settings read from the environment: defaults, and one line naming the fix for a bad value."""
+
+from __future__ import annotations
+
+import pytest
+
+from dualtrack.errors import ConfigError
+from dualtrack.settings import Settings
+
+
+def test_the_jpeg_lanes_default_to_three_and_take_a_number_in_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DUALTRACK_JPEG_LANES", raising=False)
+    assert Settings.from_env().jpeg_lanes == 3
+    for value, lanes in (("1", 1), ("7", 7), ("16", 16), ("", 3)):
+        monkeypatch.setenv("DUALTRACK_JPEG_LANES", value)
+        assert Settings.from_env().jpeg_lanes == lanes
+
+
+@pytest.mark.parametrize("value", ["0", "17", "-2", "three", "2.5"])
+def test_a_bad_jpeg_lanes_value_is_a_config_error_that_says_the_range(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("DUALTRACK_JPEG_LANES", value)
+    with pytest.raises(ConfigError, match=rf"^DUALTRACK_JPEG_LANES={value!r}: use a whole number from 1 to 16$"):
+        Settings.from_env()
+    assert ConfigError.exit_code == 2
+
+
+def test_a_bad_track_b_value_names_the_two_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DUALTRACK_TRACK_B", "graph")
+    with pytest.raises(ConfigError, match=r"^DUALTRACK_TRACK_B='graph': use 'replay' \(the default\) or 'iree'$"):
+        Settings.from_env()
