@@ -552,3 +552,8 @@ def test_the_frame_reader_reads_what_connection_send_writes_in_order() -> None:
     with pytest.raises(EOFError, match="inside a message"):
         frames.recv()
     right.close()
+    left, right = Pipe()
+    with left, right:
+        os.write(left.fileno(), struct.pack("!i", -7) + b"garbage")
+        with pytest.raises(ValueError, match="a frame of -7 bytes"):
+            FrameReader(right).recv()

@@ -55,6 +55,7 @@ import struct
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from contextlib import suppress
@@ -500,27 +501,31 @@ class FrameReader:
     """
 
     CHUNK = 1 << 16
+    MOST_PER_READ = 1 << 24  # a long message is read in parts of at most this (os.read allocates what it asks for)
 
     def __init__(self, conn: Connection) -> None:
         self._fd = conn.fileno()
         self._buf = bytearray()
-        self._pending: list[object] = []  # messages already read, not yet returned
+        self._pending: deque[object] = deque()  # messages already read, not yet returned
 
     def recv(self) -> object:
-        """The next message; raises ``EOFError`` at the end of the stream (mid-frame too)."""
+        """The next message; raises ``EOFError`` at the end of the stream (mid-frame too) and
+        ``ValueError`` for a frame with a negative length (not a Connection's)."""
         while not self._pending:
-            data = os.read(self._fd, max(self.CHUNK, self._missing()))
+            data = os.read(self._fd, min(max(self.CHUNK, self._missing()), self.MOST_PER_READ))
             if not data:
                 raise EOFError("the connection ended" + (" inside a message" if self._buf else ""))
             self._buf += data
             self._split()
-        return self._pending.pop(0)
+        return self._pending.popleft()
 
     def _frame(self) -> tuple[int, int] | None:
         """(header size, body size) of the first frame buffered, or None while its header is incomplete."""
         if len(self._buf) < 4:
             return None
         (size,) = struct.unpack_from("!i", self._buf)
+        if size < -1:
+            raise ValueError(f"a frame of {size} bytes: the peer does not speak multiprocessing.connection")
         if size != -1:
             return 4, size
         if len(self._buf) < 12:
