@@ -290,8 +290,9 @@ def under_load(args: argparse.Namespace, reference_img_s: float) -> tuple[list[d
         name, _, argv = variant.partition("=")
         vcases = [(f"{c[0]}_{name}", *c[1:]) for c in cases[:3] if not args.cases or c[0] in args.cases]
         words = argv.split()  # leading NAME=VALUE words are the server's environment, the rest its arguments
-        env = dict(w.split("=", 1) for w in itertools.takewhile(lambda w: re.match(r"[A-Z_][A-Z0-9_]*=", w), words))
-        more, metrics_text, check = _serve_and_load(args, reference_img_s, vcases, env, words[len(env) :])
+        assigns = list(itertools.takewhile(lambda w: re.match(r"[A-Z_][A-Z0-9_]*=", w), words))
+        env = dict(w.split("=", 1) for w in assigns)
+        more, metrics_text, check = _serve_and_load(args, reference_img_s, vcases, env, words[len(assigns) :])
         for entry in more:
             entry["variant"] = name
         results += more

@@ -511,12 +511,13 @@ class FrameReader:
     def recv(self) -> object:
         """The next message; raises ``EOFError`` at the end of the stream (mid-frame too) and
         ``ValueError`` for a frame with a negative length (not a Connection's)."""
+        missing = 0  # bytes the first incomplete frame still lacks, when its header is in
         while not self._pending:
-            data = os.read(self._fd, min(max(self.CHUNK, self._missing()), self.MOST_PER_READ))
+            data = os.read(self._fd, min(max(self.CHUNK, missing), self.MOST_PER_READ))
             if not data:
                 raise EOFError("the connection ended" + (" inside a message" if self._buf else ""))
             self._buf += data
-            self._split()
+            missing = self._split()
         return self._pending.popleft()
 
     def _frame(self) -> tuple[int, int] | None:
@@ -532,15 +533,16 @@ class FrameReader:
             return None
         return 12, struct.unpack_from("!Q", self._buf, 4)[0]
 
-    def _missing(self) -> int:
-        frame = self._frame()
-        return 0 if frame is None else sum(frame) - len(self._buf)
-
-    def _split(self) -> None:
-        while (frame := self._frame()) is not None and len(self._buf) >= sum(frame):
+    def _split(self) -> int:
+        """Move every complete frame buffered to the messages; returns the bytes the next still lacks
+        (0 while its header is incomplete)."""
+        while (frame := self._frame()) is not None:
             head, size = frame
+            if len(self._buf) < head + size:
+                return head + size - len(self._buf)
             self._pending.append(pickle.loads(self._buf[head : head + size]))  # a copy: the buffer may shrink
             del self._buf[: head + size]
+        return 0
 
 
 def _shut_down(conn: Connection) -> None:
