@@ -110,6 +110,17 @@ for step in $steps; do
         --variant "w4_l2=DUALTRACK_JPEG_LANES=2 --workers 4 --max-batch-delay-ms 8" \
         --variant "w4_l5=DUALTRACK_JPEG_LANES=5 --workers 4 --max-batch-delay-ms 8" \
         --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee -a "$OUT/serve_lanes.log" ;;
+    serve_rounds)
+      # Not in the default steps (issue 15): the table of serve_gpu on `serve --workers 4` (3 decode lanes),
+      # then JPEG -> JSON on the same server twice more (rounds b, c): the call's own spread beside the table.
+      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
+        --only-variants --cases jpeg_in_json_out jpeg_in_png_out png_in_png_out --tag rounds --duration-s "${SERVE_S:-10}" \
+        --variant "w4_gpu=--workers 4 --max-batch-delay-ms 8" \
+        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_rounds.log"
+      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
+        --only-variants --cases jpeg_in_json_out --tag rounds_bc --duration-s "${SERVE_S:-10}" \
+        --variant "w4_gpu_b=--workers 4 --max-batch-delay-ms 8" --variant "w4_gpu_c=--workers 4 --max-batch-delay-ms 8" \
+        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee -a "$OUT/serve_rounds.log" ;;
     serve_prof)
       # Not in the default steps (issue 15): JPEG -> JSON at 16 and 32 clients on `serve --workers 4` with
       # the GPU decoder, py-spy sampling the server's processes (serve_bench.py --profile; py-spy from .whl2):

@@ -238,3 +238,27 @@ def test_run_returns_arrays_the_caller_owns(engine: Engine, rng) -> None:
     kept = first.copy()
     engine.run(images(gen, 1), outputs=("mask",))
     np.testing.assert_array_equal(first, kept)
+
+
+def test_launch_into_the_callers_rows(engine: Engine, rng) -> None:
+    """launch(into=...) writes the named output row by row into the caller's arrays (None: not
+    wanted) and leaves it out of the result; exactly run's rows. Wrong arrays are refused."""
+    r, _ = rng
+    x = images(r, 4)
+    want = engine.run(x, outputs=("mask", "probs"))
+    h, w = engine.input_spec.shape[1:3]
+    rows = [np.full((h, w), 77, np.uint8) for _ in range(4)]
+    into = [rows[0], None, rows[2], rows[3]]
+    got = engine.launch(engine.stage(x), outputs=("mask", "probs"), into={"mask": into}).result()
+    assert set(got) == {"probs"}
+    np.testing.assert_array_equal(got["probs"], want["probs"])
+    for i in (0, 2, 3):
+        np.testing.assert_array_equal(rows[i], want["mask"][i])
+    assert (rows[1] == 77).all()
+    with pytest.raises(InputError, match=r"into\['mask'\] has 3 rows for a staged batch of 4"):
+        engine.launch(engine.stage(x), outputs=("mask",), into={"mask": into[:3]})
+    with pytest.raises(InputError, match=r"each row must be a C-contiguous uint8\[64, 64\]"):
+        engine.launch(engine.stage(x), outputs=("mask",), into={"mask": [np.zeros((h, w), np.int32)] * 4})
+    with pytest.raises(InputError, match="not among the outputs asked for"):
+        engine.launch(engine.stage(x), outputs=("probs",), into={"mask": into})
+    assert engine.pin_host(rows[0]) is None  # nothing to page-lock on the CPU

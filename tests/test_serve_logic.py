@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 from polling import until
 
-from dualtrack.errors import ConfigError
+from dualtrack.errors import ConfigError, InputError
 from dualtrack.plan import TensorSpec
 from dualtrack.serve import Batcher, ServeOptions, imaging
 from dualtrack.serve.batcher import BatchQueue
@@ -198,24 +198,34 @@ class FakeGpuEngine(FakeEngine):
         self.device = "cuda"
         self.gates = gates
         self.launched: list[np.ndarray] = []
+        self.into: list[dict[str, list] | None] = []  # what each launch was given
 
     def stage(self, x: np.ndarray, fill: object = None) -> np.ndarray:
         assert fill is None  # no JPEG rows here
         return x.copy()
 
-    def launch(self, staged: np.ndarray, outputs: tuple[str, ...] = ()) -> _HeldSubmission:
+    def launch(
+        self, staged: np.ndarray, outputs: tuple[str, ...] = (), into: dict[str, list] | None = None
+    ) -> _HeldSubmission:
         gate = self.gates[len(self.launched)]
         self.launched.append(staged)
-        return _HeldSubmission(gate, staged[..., 0].copy())
+        self.into.append(into)
+        mask = staged[..., 0].copy()
+        if into is None:
+            return _HeldSubmission(gate, mask)
+        for row, dst in zip(mask, into["mask"], strict=True):  # as Engine.launch: the rows go into the arrays
+            if dst is not None:
+                dst[...] = row
+        return _HeldSubmission(gate, None)
 
 
 class _HeldSubmission:
-    def __init__(self, gate: threading.Event, mask: np.ndarray) -> None:
+    def __init__(self, gate: threading.Event, mask: np.ndarray | None) -> None:
         self.gate, self.mask = gate, mask
 
     def result(self) -> dict[str, np.ndarray]:
         assert self.gate.wait(WAIT_S)
-        return {"mask": self.mask}
+        return {} if self.mask is None else {"mask": self.mask}
 
 
 def test_a_staged_batch_is_launched_while_the_one_ahead_is_still_being_collected() -> None:
@@ -253,6 +263,38 @@ def test_a_staged_batch_is_launched_while_the_one_ahead_is_still_being_collected
     finally:
         for gate in gates:
             gate.set()
+        assert b.close(WAIT_S)
+
+
+def test_masks_go_into_the_callers_arrays() -> None:
+    """submit(into=...): the mask is written into the caller's array and the result's mask is that
+    array. A batch whose every row has one is launched with them (the GPU writes them: Engine.launch's
+    ``into``); a batch with a row without one is launched as before and the rows that have one are
+    copied into it. A wrong array is refused at submit."""
+    gates = [threading.Event() for _ in range(2)]
+    for gate in gates:
+        gate.set()
+    engine = FakeGpuEngine(gates)
+    b = Batcher(engine, max_batch_delay_s=0.05, max_queue=16, jpeg_decoder="cpu")
+    b.start()
+    try:
+        until(lambda: b.phase.value == "ready", "the batcher to be ready", WAIT_S)
+        arrays = [np.full((4, 5), 99, np.uint8) for _ in range(4)]
+        direct = [b.submit(_image(v), into=a) for v, a in zip((3, 5), arrays, strict=False)]
+        results = [f.result(WAIT_S) for f in direct]
+        assert engine.into[0] is not None and len(engine.into[0]["mask"]) == 4  # padded to the batch size 4
+        assert engine.into[0]["mask"][2:] == [None, None]
+        for result, array, v in zip(results, arrays, (3, 5), strict=False):
+            assert result.mask is array and (array == v).all()
+        mixed = [b.submit(_image(7), into=arrays[2]), b.submit(_image(8))]
+        assert mixed[0].result(WAIT_S).mask is arrays[2] and (arrays[2] == 7).all()
+        assert int(mixed[1].result(WAIT_S).mask[0, 0]) == 8
+        assert engine.into[1] is None
+        with pytest.raises(InputError, match=r"into is a uint8\[5, 4\] array; a mask needs a writable C-contiguous"):
+            b.submit(_image(1), into=np.zeros((5, 4), np.uint8))
+        with pytest.raises(InputError, match="writable"):
+            b.submit(_image(1), into=np.broadcast_to(np.zeros(5, np.uint8), (4, 5)))  # read-only, not contiguous
+    finally:
         assert b.close(WAIT_S)
 
 

@@ -163,6 +163,34 @@ def test_submit_is_bit_identical_to_run(engine) -> None:
                 np.testing.assert_array_equal(got[name], value)
 
 
+def test_launch_into_page_locked_rows_is_bit_identical_to_run(engine) -> None:
+    """Engine.launch(into=...): each wanted row of the mask lands in its own array of memory
+    pin_host registered (rows in any order, a row not wanted left alone), bit-identical to run;
+    the result then leaves the mask out. An array outside pinned memory is refused."""
+    from dualtrack.errors import InputError
+
+    rng = np.random.default_rng(14)
+    b = max(engine.batch_sizes)
+    h, w = engine.input_spec.shape[1:3]
+    x = rng.integers(0, 256, engine.input_spec.at_batch(b), dtype=np.uint8)
+    want = engine.run(x, outputs=("mask",))["mask"]
+    slots = np.full((b + 2, h, w), 0xEE, np.uint8)
+    pinned = engine.pin_host(slots)
+    try:
+        order = list(range(b + 1, 1, -1))  # row i -> slot order[i]
+        into = [slots[s] for s in order]
+        into[0] = None  # not wanted: slot b + 1 stays as it was
+        sub = engine.launch(engine.stage(x), outputs=("mask",), into={"mask": into})
+        assert "mask" not in sub.result()
+        for i, s in enumerate(order[1:], start=1):
+            np.testing.assert_array_equal(slots[s], want[i])
+        assert (slots[[0, 1, b + 1]] == 0xEE).all()
+        with pytest.raises(InputError, match="pin_host"):
+            engine.launch(engine.stage(x), outputs=("mask",), into={"mask": [np.zeros((h, w), np.uint8)] * b})
+    finally:
+        pinned.close()
+
+
 def test_overlapped_stage_and_launch_on_two_threads_answer_every_batch_in_order(engine) -> None:
     rng = np.random.default_rng(11)
     b = max(engine.batch_sizes)

@@ -13,9 +13,10 @@ import pytest
 from cuda.bindings import driver as cu
 
 from dualtrack.errors import CudaError, DeviceError
+from dualtrack.runtime import memory
 from dualtrack.runtime.dlpack import DeviceArray
 from dualtrack.runtime.driver import Context, Device, Event, Module, Stream, call
-from dualtrack.runtime.memory import DevicePool, HostBuffer, download, upload
+from dualtrack.runtime.memory import DevicePool, HostBuffer, PinnedRange, copy_rows_to_host, download, upload
 
 DATA = Path(__file__).parent / "data"
 AXPY = (DATA / "axpy.ptx").read_bytes()
@@ -193,6 +194,48 @@ def test_pinned_upload_download_round_trip(ctx: Context, stream: Stream, pool: D
     stream.synchronize()
     src.close()
     dst.close()
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_rows_copied_into_a_page_locked_shared_file(
+    ctx: Context, stream: Stream, pool: DevicePool, tmp_path: Path, monkeypatch, batched: bool
+) -> None:
+    """copy_rows_to_host: device rows land at the host addresses given (a mapped file registered
+    with PinnedRange, as the service's slot file), in any order, and nothing else is written;
+    cuMemcpyBatchAsync and the one-copy-per-row fallback alike. Exact (a copy)."""
+    import mmap
+
+    monkeypatch.setattr(memory, "_BATCH_COPY", batched)
+    rows, row_bytes, slots = 5, 4096 + 64, 9
+    path = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    f = path / f"dualtrack-test-{id(tmp_path)}.slots"
+    with open(f, "w+b") as fh:
+        fh.truncate(slots * row_bytes)
+        mapped = mmap.mmap(fh.fileno(), slots * row_bytes)
+    f.unlink()
+    try:
+        view = np.frombuffer(mapped, np.uint8).reshape(slots, row_bytes)
+        view[:] = 0xEE
+        pinned = PinnedRange(ctx, view)
+        src = np.random.default_rng(3).integers(0, 255, (rows, row_bytes), dtype=np.uint8)
+        buf = pool.alloc(src.nbytes, stream)
+        upload(stream, buf, np.ascontiguousarray(src))
+        targets = {0: 7, 2: 1, 3: 4, 4: 0}  # row -> slot; row 1 is not wanted
+        copy_rows_to_host(stream, buf.ptr, row_bytes, [(r, int(view[s].ctypes.data)) for r, s in targets.items()])
+        stream.synchronize()
+        for r, s in targets.items():
+            np.testing.assert_array_equal(view[s], src[r])
+        untouched = sorted(set(range(slots)) - set(targets.values()))
+        assert (view[untouched] == 0xEE).all()
+        last = int(view[8].ctypes.data)
+        assert pinned.holds(last, row_bytes) and not pinned.holds(last, row_bytes + 1)
+        pinned.close()
+        assert not pinned.holds(int(view[0].ctypes.data), 1)
+        buf.close()
+        stream.synchronize()
+        del view
+    finally:
+        mapped.close()
 
 
 def test_dlpack_capsule_into_iree_is_zero_copy(ctx: Context, stream: Stream, pool: DevicePool) -> None:

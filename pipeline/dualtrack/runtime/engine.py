@@ -21,6 +21,7 @@ from dualtrack.bundle import Bundle
 from dualtrack.errors import BundleError, InputError
 from dualtrack.plan import Segment, TensorSpec
 from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
+from dualtrack.runtime.memory import PinnedRange
 from dualtrack.runtime.overlap import Fill, Overlap, Staged, Submission
 from dualtrack.runtime.selfcheck import replay_check, self_check
 from dualtrack.settings import Settings
@@ -137,6 +138,7 @@ class Engine:
         self._lock = threading.Lock()
         self._closed = False
         self._overlap: Any = None  # runtime/overlap.py's slots and streams, made by the first stage() on cuda
+        self._pinned: list[PinnedRange] = []  # host memory pin_host registered: what launch(into=...) may write
 
     @classmethod
     def load(
@@ -289,15 +291,40 @@ class Engine:
                     self._overlap = Overlap(self.backend)  # type: ignore[arg-type]
         return self._overlap.stage(np.ascontiguousarray(x), np.dtype(self.input_spec.dtype), fill)
 
-    def launch(self, staged: Staged, outputs: Sequence[str] | None = None) -> Submission:
+    def launch(
+        self,
+        staged: Staged,
+        outputs: Sequence[str] | None = None,
+        *,
+        into: Mapping[str, Sequence[np.ndarray | None]] | None = None,
+    ) -> Submission:
         r"""Run the plan on a :meth:`stage`\ d batch; the outputs named (default: all) come back
         through :meth:`Submission.result` as new numpy arrays, as :meth:`run` returns them. On
         ``cuda`` this returns once the compute is queued and the outputs' download is queued on a
         download stream: collect the result while the next batch runs. Launch staged batches in
-        the order they were staged, on one thread."""
+        the order they were staged, on one thread.
+
+        ``into`` names outputs to write row by row into the caller's arrays instead (one per row
+        of the staged batch, ``None`` for a row not wanted; each of the output's row shape and
+        dtype, C-contiguous). On ``cuda`` they must lie in memory :meth:`pin_host` registered:
+        the rows go there straight from the GPU, and are there once ``Submission.result()`` has
+        returned (which then leaves those outputs out). An ``into`` array must not be read or
+        written until then."""
         wanted = self._wanted(outputs)
+        into = dict(into or {})
+        try:
+            self._check_into(into, wanted, staged.n)
+            addresses = {name: [self._pinned_address(d) for d in rows] for name, rows in into.items()}
+        except InputError:
+            if self._overlap is not None:
+                self._overlap.ring.abandon(staged.slot)  # the staged batch will not run: its slot is free
+            raise
         if self.device != "cuda":
             result = self.run(staged.x, outputs=wanted)
+            for name, rows in into.items():
+                for row, dst in zip(result.pop(name), rows, strict=False):
+                    if dst is not None:
+                        dst[...] = row
             return Submission(lambda: result)
         with self._lock:
             t0 = time.perf_counter()
@@ -305,7 +332,7 @@ class Engine:
                 self.backend.timings[k] = 0.0
             name = self.input_spec.name
             submission = self._overlap.launch(  # nobody reads a launch's graph time: no timing events
-                staged, lambda x, n: self.backend.run_plan(n, {name: x}, timed=False), wanted
+                staged, lambda x, n: self.backend.run_plan(n, {name: x}, timed=False), wanted, addresses
             )
             self.last_timings = {
                 "track_a_ms": self.backend.timings["A"],
@@ -313,6 +340,44 @@ class Engine:
                 "total_ms": (time.perf_counter() - t0) * 1e3,
             }
         return submission
+
+    def _check_into(self, into: Mapping[str, Sequence[np.ndarray | None]], wanted: tuple[str, ...], n: int) -> None:
+        specs = {s.name: s for s in self.output_specs}
+        for name, rows in into.items():
+            if name not in wanted:
+                raise InputError(f"into names {name!r}, which is not among the outputs asked for {list(wanted)}")
+            if len(rows) != n:
+                raise InputError(f"into[{name!r}] has {len(rows)} rows for a staged batch of {n}")
+            spec = specs[name]
+            shape, dtype = tuple(spec.shape[1:]), np.dtype(spec.dtype)
+            for dst in rows:
+                if dst is not None and (dst.shape != shape or dst.dtype != dtype or not dst.flags.c_contiguous):
+                    raise InputError(
+                        f"into[{name!r}] holds a {dst.dtype}{list(dst.shape)} array; each row must be a C-contiguous "
+                        f"{dtype}{list(shape)}"
+                    )
+
+    def _pinned_address(self, dst: np.ndarray | None) -> int | None:
+        if dst is None or self.device != "cuda":
+            return None
+        ptr = int(dst.ctypes.data)
+        if not dst.flags.writeable or not any(r.holds(ptr, dst.nbytes) for r in self._pinned):
+            raise InputError("an into array must be writable memory registered with Engine.pin_host on this engine")
+        return ptr
+
+    def pin_host(self, array: np.ndarray) -> PinnedRange | None:
+        """Page-lock ``array`` (host memory the caller keeps mapped, e.g. a shared file) so that
+        :meth:`launch` may write outputs into it directly; ``None`` on ``cpu``, where nothing needs
+        it. Close the returned range (or this engine) before unmapping the memory. Raises
+        :class:`~dualtrack.errors.CudaError` when the driver refuses the memory."""
+        if self._closed:
+            raise InputError("this engine is closed; load the bundle again")
+        if self.device != "cuda":
+            return None
+        self.backend.ctx.make_current()  # type: ignore[attr-defined]
+        pinned = PinnedRange(self.backend.ctx, array)  # type: ignore[attr-defined]
+        self._pinned = [r for r in self._pinned if r.alive] + [pinned]
+        return pinned
 
     def submit(self, x: np.ndarray, outputs: Sequence[str] | None = None) -> Submission:
         """:meth:`stage` then :meth:`launch`: ``submit(x).result()`` is ``run(x)`` for a compiled batch size."""
@@ -342,6 +407,8 @@ class Engine:
             self._closed = True
             if self._overlap is not None:
                 self._overlap.close()  # its buffers and streams before the backend's context
+            for pinned in self._pinned:
+                pinned.close()
             self.backend.close()
 
     def __enter__(self) -> Engine:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -219,3 +219,71 @@ def download(stream: Stream, dst: HostBuffer | np.ndarray, src: DeviceBuffer, nb
     synchronized; into a pageable numpy array, the call returns after the copy."""
     ptr, size = _host_span(dst, writable=True)
     call(cu.cuMemcpyDtoHAsync, ptr, src.ptr, _span(nbytes, src.nbytes, size), stream.handle)
+
+
+class PinnedRange:
+    """Host memory the caller owns (a numpy array, a mapped file), page-locked for the GPU with
+    ``cuMemHostRegister`` until :meth:`close`: copies into it run asynchronously, as into a
+    :class:`HostBuffer`, without a staging copy.
+
+    It keeps no reference to the memory: the owner must keep it mapped until ``close()`` (an
+    ``mmap`` refuses to close while a view of it lives, so holding one here would block that).
+    """
+
+    def __init__(self, ctx: Context, array: np.ndarray) -> None:
+        if not array.flags.c_contiguous or array.nbytes == 0:
+            raise ValueError("only a non-empty C-contiguous array can be page-locked")
+        self.start, self.nbytes = int(array.ctypes.data), int(array.nbytes)
+        call(cu.cuMemHostRegister, self.start, self.nbytes, cu.CU_MEMHOSTREGISTER_PORTABLE)
+        self._finalizer = weakref.finalize(self, release, ctx, cu.cuMemHostUnregister, self.start)
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+    def holds(self, ptr: int, nbytes: int) -> bool:
+        """Whether ``[ptr, ptr + nbytes)`` lies inside this range while it is registered."""
+        return self._finalizer.alive and self.start <= ptr and ptr + nbytes <= self.start + self.nbytes
+
+    def close(self) -> None:
+        """Unregister (idempotent); copies into the range must have completed."""
+        self._finalizer()
+
+
+def copy_rows_to_host(stream: Stream, src: int, row_bytes: int, dests: Sequence[tuple[int, int]]) -> None:
+    """Queue on ``stream`` the copy of device row ``i`` (``row_bytes`` each, from ``src``) to host
+    address ``a``, for each ``(i, a)`` of ``dests``; the host memory must be page-locked (a
+    :class:`HostBuffer` or a :class:`PinnedRange`).
+
+    One ``cuMemcpyBatchAsync`` for all of them: every driver call lets the GIL go and must win it
+    back, and in the service that turn costs more than the call (docs/performance.md, "Every
+    driver call is a GIL turn"). A driver older than CUDA 12.8 gets one ``cuMemcpyDtoHAsync`` per row.
+    """
+    if not dests:
+        return
+    global _BATCH_COPY
+    if _BATCH_COPY:
+        attrs = cu.CUmemcpyAttributes()
+        attrs.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        try:
+            call(
+                cu.cuMemcpyBatchAsync,
+                [cu.CUdeviceptr(a) for _, a in dests],
+                [cu.CUdeviceptr(src + i * row_bytes) for i, _ in dests],
+                [row_bytes] * len(dests),
+                len(dests),
+                [attrs],
+                [0],
+                1,
+                stream.handle,
+            )
+            return
+        except (CudaError, RuntimeError) as err:  # RuntimeError: cuda-bindings found no such symbol
+            if isinstance(err, CudaError) and err.name not in ("CUDA_ERROR_NOT_SUPPORTED", "CUDA_ERROR_NOT_FOUND"):
+                raise
+            _BATCH_COPY = False  # this driver lacks it: one copy per row from now on
+    for i, a in dests:
+        call(cu.cuMemcpyDtoHAsync, a, src + i * row_bytes, row_bytes, stream.handle)
+
+
+_BATCH_COPY = True  # cuMemcpyBatchAsync works here (until a driver says it does not)

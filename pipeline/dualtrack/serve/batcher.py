@@ -107,6 +107,7 @@ class BatchResult:
 class _Request:
     future: Future[BatchResult]
     enqueued: float
+    into: np.ndarray | None = None  # where its mask goes (submit's ``into``), else a new array
 
 
 @dataclass
@@ -130,6 +131,9 @@ class _Staged:
     staged: Staged
     phases: dict[str, float]  # the batch's phases so far, ms (the module's "Where a batch's time goes")
     ready: float = 0.0  # when it was handed to the launcher (monotonic)
+    # The masks' destinations by row (None: a failed or pad row) when every live row has one: the
+    # launch writes them there; else None, and _resolve copies into those that have one.
+    into: list[np.ndarray | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -310,11 +314,16 @@ class Batcher(QueueState["Engine"]):
             self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def submit(self, image: np.ndarray) -> Future[BatchResult]:
+    def submit(self, image: np.ndarray, *, into: np.ndarray | None = None) -> Future[BatchResult]:
         """Queue one ``(H, W, 3)`` uint8 image; the future resolves to its :class:`BatchResult`.
 
         The image is copied into its batch's input array before this returns (on the calling
-        thread, so callers copy in parallel); the caller may reuse ``image`` at once.
+        thread, so callers copy in parallel); the caller may reuse ``image`` at once. With
+        ``into`` (an ``(H, W)`` uint8 array the caller keeps untouched until the future resolves)
+        the mask is written there and the result's ``mask`` is ``into``: when every row of a batch
+        has one in memory :meth:`Engine.pin_host <dualtrack.runtime.engine.Engine.pin_host>`
+        registered, the masks go there straight from the GPU (``serve --workers N``: the requests'
+        slots), else they are copied there.
         Raises :class:`NotReadyError` before the engine is warm or after :meth:`close`,
         :class:`QueueFullError` when ``max_queue`` requests wait, :class:`InputError` on a wrong shape.
         """
@@ -322,7 +331,7 @@ class Batcher(QueueState["Engine"]):
         expected = tuple(engine.input_spec.shape[1:])
         if image.shape != expected or image.dtype != np.uint8:
             raise InputError(f"image is {image.dtype}{list(image.shape)}, the engine takes uint8{list(expected)}")
-        request, batch, row = self._claim_row(engine)
+        request, batch, row = self._claim_row(engine, into)
         try:
             batch.x[row] = image
         except BaseException:
@@ -334,16 +343,17 @@ class Batcher(QueueState["Engine"]):
                 self._cond.notify()
         return request.future
 
-    def submit_jpeg(self, jpeg: imaging.GpuJpeg) -> Future[BatchResult]:
+    def submit_jpeg(self, jpeg: imaging.GpuJpeg, *, into: np.ndarray | None = None) -> Future[BatchResult]:
         """Queue one JPEG that :func:`dualtrack.imaging.route_jpeg` gave the GPU: it is decoded and
         resized on the engine's GPU when its batch is staged (a JPEG nvImageCodec refuses is decoded
         on the CPU then, and fails its future with the CPU path's :class:`InputError` if that refuses
         it too). Raises as :meth:`submit`, and :class:`NotReadyError` when the decoder is not ``gpu``.
-        Its decode starts at once, while its batch fills (:class:`~dualtrack.runtime.gpu_jpeg.JpegPrefetcher`)."""
+        Its decode starts at once, while its batch fills (:class:`~dualtrack.runtime.gpu_jpeg.JpegPrefetcher`).
+        ``into`` as for :meth:`submit`."""
         engine = self._ready_engine()
         if self._jpeg is None:
             raise NotReadyError(f"the JPEG decoder is {self.decoder[0]}: decode on the CPU and call submit()")
-        request, batch, row = self._claim_row(engine)
+        request, batch, row = self._claim_row(engine, into)
         assert self._prefetch is not None
         ticket = self._prefetch.add(jpeg)  # its decode starts now, on the prefetcher's thread
         with self._cond:
@@ -358,9 +368,16 @@ class Batcher(QueueState["Engine"]):
             raise self._not_ready()
         return engine
 
-    def _claim_row(self, engine: Engine) -> tuple[_Request, _Batch, int]:
+    def _claim_row(self, engine: Engine, into: np.ndarray | None) -> tuple[_Request, _Batch, int]:
         """A row of the batch that takes requests now (counted as copying until the caller is done)."""
-        request = _Request(Future(), time.monotonic())
+        if into is not None:
+            shape = next(tuple(o.shape[1:]) for o in engine.output_specs if o.name == MASK_OUTPUT)
+            if into.shape != shape or into.dtype != np.uint8 or not into.flags.c_contiguous or not into.flags.writeable:
+                raise InputError(
+                    f"into is a {into.dtype}{list(into.shape)} array; "
+                    f"a mask needs a writable C-contiguous uint8{list(shape)}"
+                )
+        request = _Request(Future(), time.monotonic(), into)
         with self._cond:
             if self._closing:
                 raise NotReadyError("server is shutting down")
@@ -557,6 +574,10 @@ class Batcher(QueueState["Engine"]):
                 staged.phases[f"batch_{part}_ms"] = ms
             if jpegs:
                 staged.phases["batch_decode_ms"] = decode_wait[0] * 1e3
+            if all(r.into is not None for r in requests):
+                # A failed row's request is answered already, and its caller may reuse its array.
+                staged.into = [None if row in failed else r.into for row, r in enumerate(requests)]
+                staged.into += [None] * (size - n)
             ok = True
             return staged
         finally:
@@ -577,7 +598,11 @@ class Batcher(QueueState["Engine"]):
                 start = time.monotonic()
                 item.phases["batch_handoff_ms"] = (start - item.ready) * 1e3
                 try:
-                    submission = engine.launch(item.staged, outputs=(MASK_OUTPUT,))
+                    if item.into is None:
+                        submission = engine.launch(item.staged, outputs=(MASK_OUTPUT,))
+                    else:
+                        into = {MASK_OUTPUT: item.into}
+                        submission = engine.launch(item.staged, outputs=(MASK_OUTPUT,), into=into)
                 except Exception as err:
                     self._fail_rows(item, err)
                     continue
@@ -607,7 +632,7 @@ class Batcher(QueueState["Engine"]):
     def _answer(self, entry: _Landed) -> None:
         item = entry.item
         try:
-            masks = entry.submission.result()[MASK_OUTPUT]
+            masks = entry.submission.result().get(MASK_OUTPUT)  # None: the launch wrote them into the rows' arrays
         except Exception as err:
             self._fail_rows(item, err)
             return
@@ -711,17 +736,27 @@ class Batcher(QueueState["Engine"]):
     def _resolve(
         self,
         requests: list[_Request],
-        masks: np.ndarray,
+        masks: np.ndarray | None,
         size: int,
         start: float,
         run_ms: float,
         timings: dict[str, float],
         failed: set[int],
     ) -> None:
-        """Answer every request of a run with its mask row (but the ``failed`` rows), then ``on_batch``."""
+        """Answer every request of a run with its mask row (but the ``failed`` rows), then ``on_batch``.
+        ``masks`` None: each row's mask is in its request's ``into`` already."""
         n = len(requests)
+        rows: list[np.ndarray] = []
+        for i, r in enumerate(requests):
+            if r.into is None:
+                assert masks is not None, "a request without into in a batch launched into the rows' arrays"
+                rows.append(masks[i])
+                continue
+            if masks is not None and i not in failed:
+                r.into[...] = masks[i]
+            rows.append(r.into)
         results = [
-            BatchResult(masks[i], n, size, (start - r.enqueued) * 1e3, run_ms, timings) for i, r in enumerate(requests)
+            BatchResult(rows[i], n, size, (start - r.enqueued) * 1e3, run_ms, timings) for i, r in enumerate(requests)
         ]
         for row, (request, result) in enumerate(zip(requests, results, strict=True)):
             if row not in failed:

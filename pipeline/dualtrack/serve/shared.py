@@ -98,6 +98,7 @@ from dualtrack.serve.protocol import (
 
 if TYPE_CHECKING:
     from dualtrack.runtime.engine import Engine
+    from dualtrack.runtime.memory import PinnedRange
 
 _log = logging.getLogger(__name__)
 
@@ -205,6 +206,7 @@ class EngineHost:
                 f"cannot reserve {size / 2**20:.0f} MiB for the image slots in {slot_path.parent}: {err.strerror}; "
                 "free space there, or lower --max-queue or --workers"
             ) from None
+        self.pinned = self._pin(engine)
         self._key = secrets.token_bytes(32)
         self.address = str(self._dir / "engine.sock")
         self._listener = Listener(self.address, family="AF_UNIX", authkey=self._key)
@@ -213,6 +215,23 @@ class EngineHost:
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._accepting = threading.Thread(target=self._accept, name="dualtrack-accept", daemon=True)
+
+    def _pin(self, engine: Engine) -> PinnedRange | None:
+        """The slot file, page-locked for the engine's GPU: each batch's masks are then copied from
+        the GPU straight into their requests' slots (one driver call per batch), not into a
+        staging buffer, then a new array, then each slot (two host copies of every mask, the
+        largest item of the engine process's GIL time: docs/performance.md). None on the CPU, or
+        when the driver refuses the file (the masks then take the host copies)."""
+        try:
+            return engine.pin_host(self.slots.buffer)
+        except DualtrackError as err:
+            _log.warning("masks are copied into the slots on the host: the slot file cannot be page-locked: %s", err)
+            return None
+
+    def mask_into(self, slot: int) -> np.ndarray | None:
+        """Where the batcher writes the mask of the request in ``slot`` (the slot itself, when the
+        GPU can write it directly); None: the writer copies the mask there."""
+        return self.slots.array(slot, self.mask_shape) if self.pinned is not None else None
 
     def worker_env(self, app_options: dict[str, Any]) -> str:
         """The value of :data:`ENGINE_ENV` for the workers: where to connect, the key, the app's options."""
@@ -242,6 +261,8 @@ class EngineHost:
             peer.close()
         for peer in peers:
             peer.join(5)
+        if self.pinned is not None:
+            self.pinned.close()  # before the file is unmapped; the batcher has collected every batch
         self.slots.close()
         self.slots.path.unlink(missing_ok=True)
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -382,8 +403,9 @@ class _Peer:
             self.out.put(Failed(rid, "input", f"slot {slot} is outside this worker's range"))
             return
         image = self.host.slots.array(self.first_slot + slot, self.host.image_shape)
+        into = self.host.mask_into(self.first_slot + slot)
         self._queued(
-            rid, slot, transit, lambda: self.host.batcher.submit(image)
+            rid, slot, transit, lambda: self.host.batcher.submit(image, into=into)
         )  # copies the image into its batch row, here
 
     def _run_jpeg(
@@ -394,7 +416,8 @@ class _Peer:
             return
         data = self.host.slots.array(self.first_slot + slot, (nbytes,)).tobytes()  # the slot gets the mask later
         jpeg = imaging.GpuJpeg(data, stored, orientation)
-        self._queued(rid, slot, transit, lambda: self.host.batcher.submit_jpeg(jpeg))
+        into = self.host.mask_into(self.first_slot + slot)
+        self._queued(rid, slot, transit, lambda: self.host.batcher.submit_jpeg(jpeg, into=into))
 
     def _queued(self, rid: int, slot: int, transit: float, submit: Callable[[], Future[BatchResult]]) -> None:
         try:
@@ -462,7 +485,9 @@ class _Peer:
         if err is not None:
             return Failed.of(rid, err)
         result = future.result()
-        copy_holding_gil(self.host.slots.array(self.first_slot + slot, self.host.mask_shape), result.mask)
+        dst = self.host.slots.array(self.first_slot + slot, self.host.mask_shape)
+        if result.mask.ctypes.data != dst.ctypes.data:  # not written there by the batcher (mask_into)
+            copy_holding_gil(dst, result.mask)
         now = time.monotonic()
         return Done.of(rid, result, in_ms=arrived * 1e3, writer_ms=(now - at) * 1e3, sent=now)
 
