@@ -121,6 +121,19 @@ for step in $steps; do
         --only-variants --cases jpeg_in_json_out --tag rounds_bc --duration-s "${SERVE_S:-10}" \
         --variant "w4_gpu_b=--workers 4 --max-batch-delay-ms 8" --variant "w4_gpu_c=--workers 4 --max-batch-delay-ms 8" \
         --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee -a "$OUT/serve_rounds.log" ;;
+    serve_pin)
+      # Not in the default steps (issue 15): JPEG -> JSON at 16 and 32 clients on `serve --workers 4`, the
+      # defaults against DUALTRACK_PIN_SLOTS=0 (masks through host copies) and DUALTRACK_JPEG_AHEAD_MB=12
+      # (about the former bound of 16 decoded 512x512 pictures), in two alternating rounds.
+      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
+        --only-variants --cases jpeg_in_json_out --tag pin --duration-s "${SERVE_S:-10}" \
+        --variant "w4_a=--workers 4 --max-batch-delay-ms 8" \
+        --variant "w4_nopin_a=DUALTRACK_PIN_SLOTS=0 --workers 4 --max-batch-delay-ms 8" \
+        --variant "w4_ahead12_a=DUALTRACK_JPEG_AHEAD_MB=12 --workers 4 --max-batch-delay-ms 8" \
+        --variant "w4_b=--workers 4 --max-batch-delay-ms 8" \
+        --variant "w4_nopin_b=DUALTRACK_PIN_SLOTS=0 --workers 4 --max-batch-delay-ms 8" \
+        --variant "w4_ahead12_b=DUALTRACK_JPEG_AHEAD_MB=12 --workers 4 --max-batch-delay-ms 8" \
+        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_pin.log" ;;
     serve_prof)
       # Not in the default steps (issue 15): JPEG -> JSON at 16 and 32 clients on `serve --workers 4` with
       # the GPU decoder, py-spy sampling the server's processes (serve_bench.py --profile; py-spy from .whl2):

@@ -228,6 +228,9 @@ class _PillowDecodes:
         return [np.asarray(Image.open(io.BytesIO(j.data)).convert("RGB")) for j in jpegs]
 
 
+PICTURE = 40 * 30 * 3  # bytes of one decoded picture of _routed's JPEGs
+
+
 def _routed(rng: np.random.Generator, n: int) -> list[imaging.GpuJpeg]:
     out = []
     for _ in range(n):
@@ -247,7 +250,7 @@ def _wait_until(predicate, timeout: float = 10.0) -> None:
 def test_the_prefetcher_decodes_each_jpeg_once_in_order_in_calls_of_at_most_its_batch(rng) -> None:
     decodes = _PillowDecodes()
     decodes.gate.clear()  # the first call waits: the others queue behind it
-    prefetch = JpegPrefetcher(decodes, ahead=16, most_per_call=3)
+    prefetch = JpegPrefetcher(decodes, ahead_bytes=16 * PICTURE, most_per_call=3)
     try:
         jpegs = _routed(rng, 7)
         tickets = [prefetch.add(j) for j in jpegs]
@@ -262,14 +265,15 @@ def test_the_prefetcher_decodes_each_jpeg_once_in_order_in_calls_of_at_most_its_
         prefetch.close()
 
 
-def test_the_prefetcher_holds_at_most_ahead_pictures_but_serves_a_waiting_stager_first(rng) -> None:
+def test_the_prefetcher_holds_at_most_ahead_bytes_but_serves_a_waiting_stager_first(rng) -> None:
     decodes = _PillowDecodes()
-    prefetch = JpegPrefetcher(decodes, ahead=2, most_per_call=8)
+    prefetch = JpegPrefetcher(decodes, ahead_bytes=2 * PICTURE + PICTURE // 2, most_per_call=8)
     try:
         tickets = [prefetch.add(j) for j in _routed(rng, 6)]
+        assert tickets[0].nbytes == PICTURE
         _wait_until(lambda: sum(decodes.calls) == 2)
         time.sleep(0.05)
-        assert sum(decodes.calls) == 2  # the bound: two pictures held, four JPEGs still bytes
+        assert sum(decodes.calls) == 2  # the bound: two pictures held (a third does not fit), four JPEGs still bytes
         assert [t.state for t in tickets] == ["decoded"] * 2 + ["queued"] * 4
         assert isinstance(prefetch.take(tickets[3]), np.ndarray)  # past the bound: a stager waits for it
         prefetch.release(tickets[0])
@@ -279,6 +283,22 @@ def test_the_prefetcher_holds_at_most_ahead_pictures_but_serves_a_waiting_stager
         _wait_until(lambda: tickets[5].state == "decoded")  # room again: the next in line
         prefetch.release(tickets[5])
         assert sum(decodes.calls) == 5 and tickets[4].image is None
+    finally:
+        prefetch.close()
+
+
+def test_a_picture_larger_than_the_bound_is_still_decoded_alone(rng) -> None:
+    """One picture may always be held, however large: the bound only keeps others from joining it."""
+    decodes = _PillowDecodes()
+    prefetch = JpegPrefetcher(decodes, ahead_bytes=PICTURE // 2, most_per_call=8)
+    try:
+        tickets = [prefetch.add(j) for j in _routed(rng, 2)]
+        _wait_until(lambda: tickets[0].state == "decoded")
+        time.sleep(0.05)
+        assert tickets[1].state == "queued" and decodes.calls == [1]
+        prefetch.release(tickets[0])
+        _wait_until(lambda: tickets[1].state == "decoded")
+        prefetch.release(tickets[1])
     finally:
         prefetch.close()
 
@@ -298,7 +318,7 @@ class _HeldLane(_PillowDecodes):
 
 def test_with_several_lanes_a_jpeg_is_decoded_while_another_lane_is_busy(rng) -> None:
     lanes = [_HeldLane(), _HeldLane()]
-    prefetch = JpegPrefetcher(lanes, ahead=16, most_per_call=8)
+    prefetch = JpegPrefetcher(lanes, ahead_bytes=16 * PICTURE, most_per_call=8)
     try:
         first, second = _routed(rng, 2)
         a = prefetch.add(first)
@@ -323,14 +343,14 @@ def test_a_failed_decode_refuses_its_jpegs_and_close_frees_what_is_held(rng) -> 
     def broken(jpegs: list[imaging.GpuJpeg]) -> list[object]:
         raise RuntimeError("decoder lost")
 
-    prefetch = JpegPrefetcher(broken, ahead=4, most_per_call=4)
+    prefetch = JpegPrefetcher(broken, ahead_bytes=4 * PICTURE, most_per_call=4)
     ticket = prefetch.add(_routed(rng, 1)[0])
     why = prefetch.take(ticket)
     assert isinstance(why, str) and "decoder lost" in why
     prefetch.close()
 
     decodes = _PillowDecodes()
-    prefetch = JpegPrefetcher(decodes, ahead=1, most_per_call=4)
+    prefetch = JpegPrefetcher(decodes, ahead_bytes=PICTURE, most_per_call=4)
     held, queued = (prefetch.add(j) for j in _routed(rng, 2))
     _wait_until(lambda: held.state == "decoded")
     prefetch.close()

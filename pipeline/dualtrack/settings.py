@@ -30,6 +30,10 @@ class Settings:
                           (runtime/replay.py); "iree": every Track B module through the IREE runtime
     DUALTRACK_JPEG_LANES  the service's GPU JPEG decode threads, each with an nvImageCodec decoder and
                           stream (1-16, default 3); GPUs differ in hardware JPEG engines (the H200 has 7)
+    DUALTRACK_JPEG_AHEAD_MB  GPU memory the service's JPEGs decoded ahead of their batch may hold, MiB
+                          (1-65536, default 256; a 512x512 JPEG decodes to 0.75 MiB)
+    DUALTRACK_PIN_SLOTS   set to 0 to leave the image slot file of `serve --workers N` pageable: the masks
+                          then take two host copies each instead of going from the GPU straight into it
     """
 
     cache_dir: Path
@@ -43,6 +47,8 @@ class Settings:
     gpu_self_check: bool = True
     track_b: str = "replay"
     jpeg_lanes: int = 3
+    jpeg_ahead_mb: int = 256
+    pin_slots: bool = True
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -63,6 +69,8 @@ class Settings:
             gpu_self_check=env.get("DUALTRACK_GPU_SELF_CHECK", "1") not in ("0", "false", "no"),
             track_b=_track_b(env.get("DUALTRACK_TRACK_B", "replay")),
             jpeg_lanes=_int_in("DUALTRACK_JPEG_LANES", env.get("DUALTRACK_JPEG_LANES") or "3", 1, 16),
+            jpeg_ahead_mb=_int_in("DUALTRACK_JPEG_AHEAD_MB", env.get("DUALTRACK_JPEG_AHEAD_MB") or "256", 1, 65536),
+            pin_slots=env.get("DUALTRACK_PIN_SLOTS", "1") not in ("0", "false", "no"),
         )
 
 

@@ -263,6 +263,11 @@ class Ticket:
     refused: str | None = None  # or why not (the CPU path decides)
     state: str = "queued"  # queued -> decoding -> decoded -> released (or queued -> released)
 
+    @property
+    def nbytes(self) -> int:
+        """Its decoded picture's size (8-bit RGB at the size its header gives)."""
+        return self.jpeg.stored[0] * self.jpeg.stored[1] * 3
+
 
 class JpegPrefetcher:
     """Decodes the service's JPEGs as they arrive, on a thread and a stream of its own, so that a
@@ -275,9 +280,14 @@ class JpegPrefetcher:
     them as they come (as many as are waiting, in one nvImageCodec call) leaves the stager only
     the resize kernels.
 
-    Bounded: at most ``ahead`` decoded pictures not yet released (each as large as its JPEG's
-    pixels, up to the resize kernel's largest downscale of the model input); more wait in a queue
-    as bytes. A stager that needs a ticket still queued is served first, whatever the bound.
+    Bounded by bytes, not pictures: the decoded pictures not yet released hold at most
+    ``ahead_bytes`` of GPU memory (one picture always may, however large); more JPEGs wait in a
+    queue as bytes. A picture is as large as its JPEG's pixels, up to the resize kernel's largest
+    downscale of the model input (~48 MB for a 512x512 model), while a JPEG of the model's size
+    decodes to 0.75 MB: a bound of pictures would have to allow for the largest and would then
+    stall the common case (at 32 clients on the H200, a bound of 16 pictures left a batch's JPEGs
+    queued until the batch ahead of it was staged). A stager that needs a ticket still queued is
+    served first, whatever the bound.
     Tickets are decoded in the order given; every ticket must be released (its picture
     freed) once its resize has run or it is dropped, and :meth:`close` frees what is left, before
     the engine's context goes.
@@ -287,7 +297,7 @@ class JpegPrefetcher:
         self,
         decode: Callable[[list[GpuJpeg]], list[Any]] | Sequence[Callable[[list[GpuJpeg]], list[Any]]],
         *,
-        ahead: int,
+        ahead_bytes: int,
         most_per_call: int,
         on_thread: Callable[[], None] | None = None,
     ) -> None:
@@ -295,15 +305,16 @@ class JpegPrefetcher:
         :meth:`GpuJpegDecoder.decode_now`; several (:meth:`GpuJpegDecoder.add_lane`) decode on a
         thread each, so a JPEG that arrives while another is decoding starts at once. ``on_thread``
         runs first on each decode thread (binding the engine's context)."""
-        if ahead < 1 or most_per_call < 1:
-            raise ValueError(f"ahead and most_per_call must be >= 1, got {ahead}, {most_per_call}")
+        if ahead_bytes < 1 or most_per_call < 1:
+            raise ValueError(f"ahead_bytes and most_per_call must be >= 1, got {ahead_bytes}, {most_per_call}")
         decoders = [decode] if callable(decode) else list(decode)
         if not decoders:
             raise ValueError("give the prefetcher at least one decode function")
         self._on_thread = on_thread
-        self.ahead, self.most_per_call = ahead, most_per_call
+        self.ahead_bytes, self.most_per_call = ahead_bytes, most_per_call
         self._queue: deque[Ticket] = deque()
         self._held: set[Ticket] = set()  # decoding or decoded, not released
+        self._held_bytes = 0  # their pictures' bytes
         self._wanted: list[Ticket] = []  # tickets a stager waits for
         self._closing = False
         self._cond = threading.Condition()
@@ -348,9 +359,9 @@ class JpegPrefetcher:
                 with suppress(ValueError):
                     self._queue.remove(ticket)
                 ticket.done.set()
-            self._held.discard(ticket)
+            self._drop(ticket)
             ticket.state, ticket.image = "released", None
-            self._cond.notify()  # room for one more picture
+            self._cond.notify()  # room for more pictures
 
     def close(self) -> None:
         """Stop the thread and free every picture not yet released (before the context goes)."""
@@ -367,26 +378,42 @@ class JpegPrefetcher:
                 ticket.done.set()
             self._queue.clear()
             self._held.clear()
+            self._held_bytes = 0
 
     def _urgent(self) -> bool:
         """A stager waits for a ticket still queued: decode past the bound until it is reached."""
         return any(t.state == "queued" for t in self._wanted)
+
+    def _may_start(self) -> bool:
+        """Whether the next queued JPEG may be decoded now (within the bound, or nothing held, or urgent)."""
+        if not self._queue:
+            return False
+        fits = self._held_bytes + self._queue[0].nbytes <= self.ahead_bytes
+        return fits or not self._held or self._urgent()
+
+    def _drop(self, ticket: Ticket) -> None:
+        if ticket in self._held:
+            self._held.remove(ticket)
+            self._held_bytes -= ticket.nbytes
 
     def _work(self, decode: Callable[[list[GpuJpeg]], list[Any]]) -> None:
         if self._on_thread is not None:
             self._on_thread()
         while True:
             with self._cond:
-                while not self._closing and not (self._queue and (len(self._held) < self.ahead or self._urgent())):
+                while not self._closing and not self._may_start():
                     self._cond.wait()
                 if self._closing:
                     return
-                room = max(self.ahead - len(self._held), 1 if self._urgent() else 0)
-                n = min(len(self._queue), self.most_per_call, room)
-                jobs = [self._queue.popleft() for _ in range(n)]
+                jobs = [self._queue.popleft()]  # _may_start: the first goes, past the bound if it must
+                while self._queue and len(jobs) < self.most_per_call:
+                    if self._held_bytes + sum(t.nbytes for t in jobs) + self._queue[0].nbytes > self.ahead_bytes:
+                        break
+                    jobs.append(self._queue.popleft())
                 for ticket in jobs:
                     ticket.state = "decoding"
                     self._held.add(ticket)
+                    self._held_bytes += ticket.nbytes
             try:
                 results = decode([t.jpeg for t in jobs])
             except Exception as err:  # the CPU path decides each of them
@@ -397,7 +424,7 @@ class JpegPrefetcher:
                         ticket.state = "decoded"
                         if isinstance(result, str):
                             ticket.refused = result
-                            self._held.discard(ticket)
+                            self._drop(ticket)
                             self._cond.notify()  # its room is free again
                         else:
                             ticket.image = result

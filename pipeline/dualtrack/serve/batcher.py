@@ -456,13 +456,12 @@ class Batcher(QueueState["Engine"]):
             if self._jpeg is not None:
                 from dualtrack.runtime.gpu_jpeg import JpegPrefetcher
 
-                # Two batches of pictures ahead: the one staged next and the one filling behind it.
                 largest = max(engine.batch_sizes)
                 # JPEG decode threads, each with an nvImageCodec decoder and stream (DUALTRACK_JPEG_LANES).
                 lanes = [self._jpeg.decode_now, *(self._jpeg.add_lane() for _ in range(settings.jpeg_lanes - 1))]
                 self._prefetch = JpegPrefetcher(
                     lanes,
-                    ahead=2 * largest,
+                    ahead_bytes=settings.jpeg_ahead_mb << 20,  # DUALTRACK_JPEG_AHEAD_MB
                     most_per_call=largest,
                     on_thread=self._jpeg.ctx.make_current,
                 )

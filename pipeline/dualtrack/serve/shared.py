@@ -52,6 +52,7 @@ import secrets
 import shutil
 import socket
 import struct
+import sys
 import tempfile
 import threading
 import time
@@ -95,6 +96,7 @@ from dualtrack.serve.protocol import (
     WorkerMessage,
     unexpected,
 )
+from dualtrack.settings import Settings
 
 if TYPE_CHECKING:
     from dualtrack.runtime.engine import Engine
@@ -220,13 +222,24 @@ class EngineHost:
         """The slot file, page-locked for the engine's GPU: each batch's masks are then copied from
         the GPU straight into their requests' slots (one driver call per batch), not into a
         staging buffer, then a new array, then each slot (two host copies of every mask, the
-        largest item of the engine process's GIL time: docs/performance.md). None on the CPU, or
-        when the driver refuses the file (the masks then take the host copies)."""
+        largest item of the engine process's GIL time: docs/performance.md). None on the CPU, with
+        ``DUALTRACK_PIN_SLOTS=0``, or when the driver refuses the file (the masks then take the host
+        copies); the startup line says which."""
+        if getattr(engine, "device", "cpu") != "cuda":
+            return None
+        size = f"{self.slots.buffer.nbytes / 2**20:.0f} MiB"
+        if not Settings.from_env().pin_slots:
+            sys.stderr.write(
+                f"dualtrack serve: masks copied into the {size} slot file on the host (DUALTRACK_PIN_SLOTS=0)\n"
+            )
+            return None
         try:
-            return engine.pin_host(self.slots.buffer)
+            pinned = engine.pin_host(self.slots.buffer)
         except DualtrackError as err:
             _log.warning("masks are copied into the slots on the host: the slot file cannot be page-locked: %s", err)
             return None
+        sys.stderr.write(f"dualtrack serve: masks go from the GPU straight into the {size} slot file (page-locked)\n")
+        return pinned
 
     def mask_into(self, slot: int) -> np.ndarray | None:
         """Where the batcher writes the mask of the request in ``slot`` (the slot itself, when the
