@@ -21,10 +21,14 @@ the tighter limit). A request goes:
 1. the worker decodes into a free slot of its range and sends
    :class:`~dualtrack.serve.protocol.RunRequest` ``(rid, slot)``, ``rid`` a request id of its own;
 2. the engine process's reader thread for that worker submits the slot to the batcher, which
-   copies it into the batch's page-locked row (numpy releases the GIL for the copy);
-3. when the batch has run, that worker's writer thread puts the mask into the same slot and
-   sends :class:`~dualtrack.serve.protocol.Done` ``(rid, sizes and timings)``; the worker copies
-   the mask out and frees the slot.
+   copies it into the batch's page-locked row (numpy releases the GIL for the copy); a JPEG
+   for the GPU (:class:`~dualtrack.serve.protocol.RunJpeg`) the reader decodes on the GPU itself
+   with a lane of its own before it joins a batch (no hand-over to a decode thread);
+3. when the batch has run, its masks are in the slots (copied from the GPU straight into the
+   page-locked slot file; without a GPU, or with ``DUALTRACK_PIN_SLOTS=0``, the writer thread
+   copies each one there), and that worker's writer thread sends
+   :class:`~dualtrack.serve.protocol.Done` ``(rid, sizes and timings)``; the worker copies the
+   mask out and frees the slot.
 
 A request that fails comes back as :class:`~dualtrack.serve.protocol.Failed` ``(rid, kind,
 message)``, raised in the worker as the batcher raised it (full queue, not ready, bad input,
@@ -430,7 +434,9 @@ class _Peer:
         data = self.host.slots.array(self.first_slot + slot, (nbytes,)).tobytes()  # the slot gets the mask later
         jpeg = imaging.GpuJpeg(data, stored, orientation)
         into = self.host.mask_into(self.first_slot + slot)
-        self._queued(rid, slot, transit, lambda: self.host.batcher.submit_jpeg(jpeg, into=into))
+        # Decoded here, on this reader, before its row is claimed: no hand-over to a decode thread.
+        submit = self.host.batcher.submit_jpeg
+        self._queued(rid, slot, transit, lambda: submit(jpeg, into=into, decode_here=True))
 
     def _queued(self, rid: int, slot: int, transit: float, submit: Callable[[], Future[BatchResult]]) -> None:
         try:
