@@ -213,6 +213,7 @@ class EngineHost:
                 "free space there, or lower --max-queue or --workers"
             ) from None
         self.pinned = self._pin(engine)
+        self.reader_decodes = Settings.from_env().reader_decodes  # DUALTRACK_READER_DECODES
         self._key = secrets.token_bytes(32)
         self.address = str(self._dir / "engine.sock")
         self._listener = Listener(self.address, family="AF_UNIX", authkey=self._key)
@@ -435,8 +436,8 @@ class _Peer:
         jpeg = imaging.GpuJpeg(data, stored, orientation)
         into = self.host.mask_into(self.first_slot + slot)
         # Decoded here, on this reader, before its row is claimed: no hand-over to a decode thread.
-        submit = self.host.batcher.submit_jpeg
-        self._queued(rid, slot, transit, lambda: submit(jpeg, into=into, decode_here=True))
+        submit, here = self.host.batcher.submit_jpeg, self.host.reader_decodes
+        self._queued(rid, slot, transit, lambda: submit(jpeg, into=into, decode_here=here))
 
     def _queued(self, rid: int, slot: int, transit: float, submit: Callable[[], Future[BatchResult]]) -> None:
         try:
