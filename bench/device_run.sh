@@ -163,6 +163,13 @@ for step in $steps; do
         --variant "w4_gpu=--workers 4 --max-batch-delay-ms 8" \
         --variant "w4_gil05=--workers 4 --max-batch-delay-ms 8 --gil-switch-ms 0.5" \
         --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_prof.log" ;;
+    serve_prof1)
+      # Not in the default steps (issue 15): serve_prof on the defaults alone (py-spy over `serve --workers 4`,
+      # JPEG -> JSON at 16 and 32 clients; profiled runs are not rates).
+      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
+        --only-variants --cases jpeg_in_json_out --tag prof1 --duration-s "${SERVE_S:-10}" --profile \
+        --variant "w4_gpu=--workers 4 --max-batch-delay-ms 8" \
+        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_prof1.log" ;;
     serve_ab)
       # Not in the default steps (issue 15): the engine process's GIL switch interval (5 ms, Python's
       # default; 0.5; 0.2), JPEG -> JSON at 16 and 32 clients on `serve --workers 4`, in two alternating
