@@ -141,19 +141,6 @@ for step in $steps; do
         --only-variants --cases jpeg_in_json_out jpeg_in_png_out png_in_png_out --tag table --duration-s "${SERVE_S:-10}" \
         --variant "w4_gpu=--workers 4 --max-batch-delay-ms 8" \
         --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_table.log" ;;
-    serve_reader)
-      # Not in the default steps (issue 15): JPEG -> JSON at 16 and 32 clients on `serve --workers 4`, the
-      # engine process's readers decoding the JPEGs they receive (default) against the decode lanes
-      # (DUALTRACK_READER_DECODES=0), in three alternating rounds (servers differ by 10-30% from one another).
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
-        --only-variants --cases jpeg_in_json_out --tag reader --duration-s "${SERVE_S:-10}" \
-        --variant "w4_rd_a=--workers 4 --max-batch-delay-ms 8" \
-        --variant "w4_lanes_a=DUALTRACK_READER_DECODES=0 --workers 4 --max-batch-delay-ms 8" \
-        --variant "w4_rd_b=--workers 4 --max-batch-delay-ms 8" \
-        --variant "w4_lanes_b=DUALTRACK_READER_DECODES=0 --workers 4 --max-batch-delay-ms 8" \
-        --variant "w4_rd_c=--workers 4 --max-batch-delay-ms 8" \
-        --variant "w4_lanes_c=DUALTRACK_READER_DECODES=0 --workers 4 --max-batch-delay-ms 8" \
-        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_reader.log" ;;
     serve_prof)
       # Not in the default steps (issue 15): JPEG -> JSON at 16 and 32 clients on `serve --workers 4` with
       # the GPU decoder, py-spy sampling the server's processes (serve_bench.py --profile; py-spy from .whl2):

@@ -303,42 +303,6 @@ def test_a_picture_larger_than_the_bound_is_still_decoded_alone(rng) -> None:
         prefetch.close()
 
 
-def test_decode_here_decodes_on_the_calling_thread_within_the_bound_else_queues(rng) -> None:
-    """decode_here: within the bound the ticket comes back decoded, by the caller's own lane on the
-    caller's thread (no hand-over); past the bound it is queued for the prefetcher's threads; once
-    closing, refused as add() refuses."""
-    lane_threads: list[str] = []
-    own = _PillowDecodes()
-
-    def here(jpegs: list[imaging.GpuJpeg]) -> list[object]:
-        lane_threads.append(threading.current_thread().name)
-        return own(jpegs)
-
-    lanes = _PillowDecodes()
-    lanes.gate.clear()  # the prefetcher's own thread holds any call it gets until the test opens it
-    prefetch = JpegPrefetcher(lanes, ahead_bytes=2 * PICTURE, most_per_call=8)
-    try:
-        a, b, c = _routed(rng, 3)
-        first = prefetch.decode_here(a, here)
-        assert first.done.is_set() and first.state == "decoded" and lane_threads == [threading.current_thread().name]
-        np.testing.assert_array_equal(prefetch.take(first), np.asarray(Image.open(io.BytesIO(a.data))))
-        second = prefetch.decode_here(b, here)
-        assert second.state == "decoded" and own.calls == [1, 1]
-        third = prefetch.decode_here(c, here)  # two pictures held: the bound is reached, it queues
-        assert third.state == "queued" and own.calls == [1, 1] and not third.done.is_set()
-        prefetch.release(first)  # room again: the prefetcher's thread takes it
-        lanes.gate.set()
-        np.testing.assert_array_equal(prefetch.take(third), np.asarray(Image.open(io.BytesIO(c.data))))
-        assert lanes.calls == [1]
-        for t in (second, third):
-            prefetch.release(t)
-    finally:
-        lanes.gate.set()
-        prefetch.close()
-    late = prefetch.decode_here(a, here)
-    assert prefetch.take(late) == "the GPU decoder is shutting down" and own.calls == [1, 1]
-
-
 class _HeldLane(_PillowDecodes):
     """A decode lane that says when a call has begun, and finishes it only once its gate opens."""
 

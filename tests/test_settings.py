@@ -38,16 +38,12 @@ def test_the_jpeg_ahead_bound_defaults_to_256_mib_and_takes_a_number_in_range(mo
             Settings.from_env()
 
 
-SWITCHES = [("DUALTRACK_PIN_SLOTS", "pin_slots"), ("DUALTRACK_READER_DECODES", "reader_decodes")]
-
-
-@pytest.mark.parametrize("name, field", SWITCHES)
-def test_the_service_switches_are_on_unless_told_not_to(monkeypatch: pytest.MonkeyPatch, name: str, field: str) -> None:
-    monkeypatch.delenv(name, raising=False)
-    assert getattr(Settings.from_env(), field) is True
-    for value, on in (("0", False), ("no", False), ("1", True)):
-        monkeypatch.setenv(name, value)
-        assert getattr(Settings.from_env(), field) is on
+def test_the_slot_file_is_page_locked_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DUALTRACK_PIN_SLOTS", raising=False)
+    assert Settings.from_env().pin_slots
+    for value, pinned in (("0", False), ("no", False), ("1", True)):
+        monkeypatch.setenv("DUALTRACK_PIN_SLOTS", value)
+        assert Settings.from_env().pin_slots is pinned
 
 
 def test_a_bad_track_b_value_names_the_two_choices(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,8 +32,6 @@ class Settings:
                           stream (1-16, default 3); GPUs differ in hardware JPEG engines (the H200 has 7)
     DUALTRACK_JPEG_AHEAD_MB  GPU memory the service's JPEGs decoded ahead of their batch may hold, MiB
                           (1-65536, default 256; a 512x512 JPEG decodes to 0.75 MiB)
-    DUALTRACK_READER_DECODES  set to 0 to hand the JPEGs `serve --workers N` receives to the decode lanes
-                          instead of decoding each on the thread that read it from its worker
     DUALTRACK_PIN_SLOTS   set to 0 to leave the image slot file of `serve --workers N` pageable: the masks
                           then take two host copies each instead of going from the GPU straight into it
     """
@@ -51,7 +49,6 @@ class Settings:
     jpeg_lanes: int = 3
     jpeg_ahead_mb: int = 256
     pin_slots: bool = True
-    reader_decodes: bool = True
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -74,7 +71,6 @@ class Settings:
             jpeg_lanes=_int_in("DUALTRACK_JPEG_LANES", env.get("DUALTRACK_JPEG_LANES") or "3", 1, 16),
             jpeg_ahead_mb=_int_in("DUALTRACK_JPEG_AHEAD_MB", env.get("DUALTRACK_JPEG_AHEAD_MB") or "256", 1, 65536),
             pin_slots=env.get("DUALTRACK_PIN_SLOTS", "1") not in ("0", "false", "no"),
-            reader_decodes=env.get("DUALTRACK_READER_DECODES", "1") not in ("0", "false", "no"),
         )
 
 

@@ -343,37 +343,19 @@ class Batcher(QueueState["Engine"]):
                 self._cond.notify()
         return request.future
 
-    def submit_jpeg(
-        self, jpeg: imaging.GpuJpeg, *, into: np.ndarray | None = None, decode_here: bool = False
-    ) -> Future[BatchResult]:
+    def submit_jpeg(self, jpeg: imaging.GpuJpeg, *, into: np.ndarray | None = None) -> Future[BatchResult]:
         """Queue one JPEG that :func:`dualtrack.imaging.route_jpeg` gave the GPU: it is decoded and
         resized on the engine's GPU when its batch is staged (a JPEG nvImageCodec refuses is decoded
         on the CPU then, and fails its future with the CPU path's :class:`InputError` if that refuses
         it too). Raises as :meth:`submit`, and :class:`NotReadyError` when the decoder is not ``gpu``.
-        Its decode starts at once, while its batch fills (:class:`~dualtrack.runtime.gpu_jpeg.JpegPrefetcher`);
-        with ``decode_here`` on the calling thread, before this returns (a thread that may block for
-        a decode, ~0.1-0.3 ms on the H200: the engine process's connection readers, never an event
-        loop), so that its row is claimed decoded. ``into`` as for :meth:`submit`."""
+        Its decode starts at once, while its batch fills (:class:`~dualtrack.runtime.gpu_jpeg.JpegPrefetcher`).
+        ``into`` as for :meth:`submit`."""
         engine = self._ready_engine()
-        jpegs, prefetch = self._jpeg, self._prefetch
-        if jpegs is None or prefetch is None:
+        if self._jpeg is None:
             raise NotReadyError(f"the JPEG decoder is {self.decoder[0]}: decode on the CPU and call submit()")
-        if not decode_here:
-            request, batch, row = self._claim_row(engine, into)
-            ticket = prefetch.add(jpeg)  # its decode starts now, on the prefetcher's thread
-        else:
-            if self._waiting >= self._max_queue:  # no decode for a request the queue would refuse
-                raise self._full()
-            try:
-                with jpegs.borrow() as lane:
-                    ticket = prefetch.decode_here(jpeg, lane)
-            except RuntimeError as err:  # the decoder closed under us: the engine is shutting down
-                raise NotReadyError(f"server is shutting down ({err})") from None
-            try:
-                request, batch, row = self._claim_row(engine, into)
-            except BaseException:
-                prefetch.release(ticket)
-                raise
+        request, batch, row = self._claim_row(engine, into)
+        assert self._prefetch is not None
+        ticket = self._prefetch.add(jpeg)  # its decode starts now, on the prefetcher's thread
         with self._cond:
             batch.jpegs[row] = ticket
             batch.copying -= 1
@@ -400,7 +382,9 @@ class Batcher(QueueState["Engine"]):
             if self._closing:
                 raise NotReadyError("server is shutting down")
             if self._waiting >= self._max_queue:
-                raise self._full()
+                raise QueueFullError(
+                    f"request queue is full ({self._max_queue} waiting): retry shortly or raise --max-queue"
+                )
             batch = self._pending[-1] if self._pending else None
             if batch is None or len(batch.requests) == len(batch.x):
                 batch = _Batch(self._spare.pop() if self._spare else self._new_array(engine))
@@ -411,9 +395,6 @@ class Batcher(QueueState["Engine"]):
             self._waiting += 1
             self._cond.notify()
         return request, batch, row
-
-    def _full(self) -> QueueFullError:
-        return QueueFullError(f"request queue is full ({self._max_queue} waiting): retry shortly or raise --max-queue")
 
     def _new_array(self, engine: Engine) -> np.ndarray:
         # At most ceil(max_queue / largest batch) + 1 are ever in use at once (the queued batches and

@@ -21,9 +21,7 @@ the tighter limit). A request goes:
 1. the worker decodes into a free slot of its range and sends
    :class:`~dualtrack.serve.protocol.RunRequest` ``(rid, slot)``, ``rid`` a request id of its own;
 2. the engine process's reader thread for that worker submits the slot to the batcher, which
-   copies it into the batch's page-locked row (numpy releases the GIL for the copy); a JPEG
-   for the GPU (:class:`~dualtrack.serve.protocol.RunJpeg`) the reader decodes on the GPU itself
-   with a lane of its own before it joins a batch (no hand-over to a decode thread);
+   copies it into the batch's page-locked row (numpy releases the GIL for the copy);
 3. when the batch has run, its masks are in the slots (copied from the GPU straight into the
    page-locked slot file; without a GPU, or with ``DUALTRACK_PIN_SLOTS=0``, the writer thread
    copies each one there), and that worker's writer thread sends
@@ -213,7 +211,6 @@ class EngineHost:
                 "free space there, or lower --max-queue or --workers"
             ) from None
         self.pinned = self._pin(engine)
-        self.reader_decodes = Settings.from_env().reader_decodes  # DUALTRACK_READER_DECODES
         self._key = secrets.token_bytes(32)
         self.address = str(self._dir / "engine.sock")
         self._listener = Listener(self.address, family="AF_UNIX", authkey=self._key)
@@ -435,9 +432,7 @@ class _Peer:
         data = self.host.slots.array(self.first_slot + slot, (nbytes,)).tobytes()  # the slot gets the mask later
         jpeg = imaging.GpuJpeg(data, stored, orientation)
         into = self.host.mask_into(self.first_slot + slot)
-        # Decoded here, on this reader, before its row is claimed: no hand-over to a decode thread.
-        submit, here = self.host.batcher.submit_jpeg, self.host.reader_decodes
-        self._queued(rid, slot, transit, lambda: submit(jpeg, into=into, decode_here=here))
+        self._queued(rid, slot, transit, lambda: self.host.batcher.submit_jpeg(jpeg, into=into))
 
     def _queued(self, rid: int, slot: int, transit: float, submit: Callable[[], Future[BatchResult]]) -> None:
         try:
