@@ -284,10 +284,9 @@ class JpegPrefetcher:
     ``ahead_bytes`` of GPU memory (one picture always may, however large); more JPEGs wait in a
     queue as bytes. A picture is as large as its JPEG's pixels, up to the resize kernel's largest
     downscale of the model input (~48 MB for a 512x512 model), while a JPEG of the model's size
-    decodes to 0.75 MB: a bound of pictures would have to allow for the largest and would then
-    stall the common case (at 32 clients on the H200, a bound of 16 pictures left a batch's JPEGs
-    queued until the batch ahead of it was staged). A stager that needs a ticket still queued is
-    served first, whatever the bound.
+    decodes to 0.75 MB: a bound of pictures sized for the largest would hold back model-size JPEGs
+    that fit many times over. A stager that needs a ticket still queued is served first, whatever
+    the bound.
     Tickets are decoded in the order given; every ticket must be released (its picture
     freed) once its resize has run or it is dropped, and :meth:`close` frees what is left, before
     the engine's context goes.
@@ -405,15 +404,16 @@ class JpegPrefetcher:
                     self._cond.wait()
                 if self._closing:
                     return
-                jobs = [self._queue.popleft()]  # _may_start: the first goes, past the bound if it must
+                jobs: list[Ticket] = []
+                # _may_start: the first goes (past the bound if it must); the others while they fit.
                 while self._queue and len(jobs) < self.most_per_call:
-                    if self._held_bytes + sum(t.nbytes for t in jobs) + self._queue[0].nbytes > self.ahead_bytes:
+                    if jobs and self._held_bytes + self._queue[0].nbytes > self.ahead_bytes:
                         break
-                    jobs.append(self._queue.popleft())
-                for ticket in jobs:
+                    ticket = self._queue.popleft()
                     ticket.state = "decoding"
                     self._held.add(ticket)
                     self._held_bytes += ticket.nbytes
+                    jobs.append(ticket)
             try:
                 results = decode([t.jpeg for t in jobs])
             except Exception as err:  # the CPU path decides each of them
