@@ -597,11 +597,8 @@ class Batcher(QueueState["Engine"]):
                 start = time.monotonic()
                 item.phases["batch_handoff_ms"] = (start - item.ready) * 1e3
                 try:
-                    if item.into is None:
-                        submission = engine.launch(item.staged, outputs=(MASK_OUTPUT,))
-                    else:
-                        into = {MASK_OUTPUT: item.into}
-                        submission = engine.launch(item.staged, outputs=(MASK_OUTPUT,), into=into)
+                    into = None if item.into is None else {MASK_OUTPUT: item.into}
+                    submission = engine.launch(item.staged, outputs=(MASK_OUTPUT,), into=into)
                 except Exception as err:
                     self._fail_rows(item, err)
                     continue
