@@ -134,6 +134,19 @@ for step in $steps; do
         --variant "w4_nopin_b=DUALTRACK_PIN_SLOTS=0 --workers 4 --max-batch-delay-ms 8" \
         --variant "w4_ahead12_b=DUALTRACK_JPEG_AHEAD_MB=12 --workers 4 --max-batch-delay-ms 8" \
         --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_pin.log" ;;
+    serve_inflight)
+      # Not in the default steps (issue 15): the batching policy `--batches-in-flight K` (a batch starts with
+      # the rows it has while fewer than K batches are in the engine) on `serve --workers 4`, JPEG -> JSON at
+      # 16 and 32 clients, in two alternating rounds: the reference bundle (batch sizes 1, 8) with K = 0 (the
+      # default: full batches) and K = 2, and unet_batches (1, 2, 4, 8; its engine alone at each size) with K = 1, 2.
+      V="--workers 4 --max-batch-delay-ms 8"
+      python3 bench/serve_bench.py --bundle $C/unet_batches --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" \
+        --clients 16 32 --only-variants --cases jpeg_in_json_out --tag inflight --duration-s "${SERVE_S:-10}" \
+        --variant "k0_a=--bundle $C/unet $V" --variant "k2_18_a=--bundle $C/unet $V --batches-in-flight 2" \
+        --variant "k1_a=$V --batches-in-flight 1" --variant "k2_a=$V --batches-in-flight 2" \
+        --variant "k0_b=--bundle $C/unet $V" --variant "k2_18_b=--bundle $C/unet $V --batches-in-flight 2" \
+        --variant "k1_b=$V --batches-in-flight 1" --variant "k2_b=$V --batches-in-flight 2" \
+        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_inflight.log" ;;
     serve_table)
       # Not in the default steps (issue 15): the issue's table on `serve --workers 4` (defaults): JPEG -> JSON,
       # JPEG -> mask PNG and PNG -> mask PNG at 16 and 32 clients, against the engine alone.

@@ -24,7 +24,7 @@ mkdir -p "$C"
 if [ "$what" != zoo-only ]; then
   make -s models
   "$DT" build configs/unet.yaml -o "$C/unet"
-  for c in unet_seed_split iree_only unet_head_b; do
+  for c in unet_seed_split iree_only unet_head_b unet_batches; do
     "$DT" build "configs/$c.yaml" -o "$C/$c"
     rm "$C/$c/model.onnx"  # the reference's: same model, same bytes (its hash is checked at load)
   done

@@ -4,7 +4,7 @@
 
 1. The engine alone, batch 8: images/s with the input already on the GPU (what bench.py reports, the
    number issue 5 compares with), and numpy in -> mask out, from a host array (the service's path)
-   and from a plain numpy array.
+   and from a plain numpy array; then from a host array at each of the bundle's batch sizes.
 2. One request's CPU stages on this machine (decode, export into the batch row, mask PNG, counts),
    on one thread and on N threads at once: how far they scale with the cores.
 3. ``dualtrack serve`` in a child process under ``dualtrack loadtest``'s client (16 connections; --clients
@@ -17,6 +17,8 @@
 4. Each ``--variant NAME=ARGS``: PNG -> PNG, JPEG -> JSON and JPEG -> PNG on ``dualtrack serve
    ARGS`` (e.g. ``--workers 6``: HTTP processes in front of one engine; their CPU time is summed
    as "worker: THREAD"). ``--only-variants`` skips (3), for sweeps of settings; ``--cases`` picks cases.
+   Leading ``NAME=VALUE`` words of ARGS are the server's environment; ``--bundle PATH`` in ARGS
+   serves that bundle instead of ``--bundle`` (whose engine alone is (1)).
 5. A variant with ``--backend ray`` (the Ray Serve application): CPU time and RSS over Ray's whole
    process tree by process title, Ray's processes reaped after the server stops, and the device
    check of its model replicas (``/readyz``'s ``devices`` against ``nvidia-smi``'s compute
@@ -186,6 +188,14 @@ def engine_alone(bundle: Path, device: str, iters: int, png: bytes) -> tuple[dic
         for k, v in out.items():
             if isinstance(v, dict):
                 print(f"[engine] batch {batch}, {k}: {v['median_ms']:.3f} ms = {v['img_s']:.1f} img/s")
+        # What a batch that starts before it is full costs (serve --batches-in-flight): each size.
+        out["host_array_by_batch"] = {}
+        for size in sorted(engine.batch_sizes):
+            part = pinned[:size]
+            timed = _time_batches(lambda part=part: engine.run(part, outputs=("mask",)), size, iters)
+            out["host_array_by_batch"][str(size)] = timed
+            ms, rate = timed["median_ms"], timed["img_s"]
+            print(f"[engine] batch {size}, host array in, mask out: {ms:.3f} ms = {rate:.1f} img/s")
         return out, mask
     finally:
         engine.close()
@@ -319,7 +329,13 @@ def _serve_and_load(
     check = None
     tree: set[int] = set()
 
-    cmd = [sys.executable, __file__, "--child", "serve", str(args.bundle), "--device", args.device]
+    extra = list(extra)
+    bundle = args.bundle
+    if "--bundle" in extra:  # the variant's own bundle
+        at = extra.index("--bundle")
+        bundle = Path(extra[at + 1])
+        del extra[at : at + 2]
+    cmd = [sys.executable, __file__, "--child", "serve", str(bundle), "--device", args.device]
     cmd += ["--port", str(PORT), "--log-level", "warning", *args.serve_arg, *extra]
     log = io.StringIO()
     server = subprocess.Popen(
@@ -790,7 +806,7 @@ def print_summary(report: dict[str, Any]) -> None:
             f"{entry['case']:34s} {rep['throughput_rps']:8.1f} req/s = {100 * entry['ratio']:5.1f}% of the engine   "
             f"p50 {lat.get('p50', 0):.1f} ms  p99 {lat.get('p99', 0):.1f} ms   errors {rep['errors'] or 'none'}   "
             f"RSS {entry['server_rss_mb']} MiB   decoder {entry['jpeg_decoder']['name']}   "
-            f"server CPU {entry['server_cpu_ms_per_request']:.2f} ms/req"
+            f"server CPU {entry['server_cpu_ms_per_request']:.2f} ms/req   rows/batch {entry['batches']['mean_rows']}"
         )
 
 

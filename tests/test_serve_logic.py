@@ -266,6 +266,59 @@ def test_a_staged_batch_is_launched_while_the_one_ahead_is_still_being_collected
         assert b.close(WAIT_S)
 
 
+def test_batches_in_flight_start_a_batch_before_it_is_full_while_the_engine_has_room() -> None:
+    """--batches-in-flight 2: while fewer than 2 batches are in the engine (launched, not yet
+    answered), the next batch starts with the rows it has, at the smallest compiled size that holds
+    them; with 2 in flight it gathers as before (here it would wait out a 60 s delay) until one is
+    answered."""
+    gates = [threading.Event() for _ in range(3)]
+    engine = FakeGpuEngine(gates)  # compiled batch sizes 1 and 4
+    b = Batcher(engine, max_batch_delay_s=60.0, max_queue=16, jpeg_decoder="cpu", batches_in_flight=2)
+    b.start()
+    try:
+        until(lambda: b.phase.value == "ready", "the batcher to be ready", WAIT_S)
+        first = b.submit(_image(1))
+        until(lambda: len(engine.launched) == 1, "a lone request's batch to start at once", WAIT_S)
+        second = b.submit(_image(2))
+        until(lambda: len(engine.launched) == 2, "a second batch while one is in flight", WAIT_S)
+        rest = [b.submit(_image(v)) for v in (3, 4)]
+        time.sleep(0.2)
+        assert len(engine.launched) == 2, "a third batch started with 2 batches in flight"
+        gates[0].set()  # the first is answered: one batch in flight, the gathering one starts
+        until(lambda: len(engine.launched) == 3, "the gathering batch once a batch was answered", WAIT_S)
+        assert [int(row[0, 0, 0]) for row in engine.launched[2]] == [3, 4, 0, 0]
+        gates[1].set()
+        gates[2].set()
+        assert [int(f.result(WAIT_S).mask[0, 0]) for f in (first, second, *rest)] == [1, 2, 3, 4]
+        assert [(f.result().batch_size, f.result().padded_size) for f in (first, second, rest[0])] == [
+            (1, 1),
+            (1, 1),
+            (2, 4),
+        ]
+    finally:
+        for gate in gates:
+            gate.set()
+        assert b.close(WAIT_S)
+
+
+def test_batches_in_flight_on_the_cpu_start_each_batch_with_what_waits() -> None:
+    """On the CPU a batch runs before the next is taken: with --batches-in-flight 1 a lone request
+    runs at once (batch size 1) instead of waiting out the 60 s delay for others."""
+    engine = FakeEngine()
+    b = Batcher(engine, max_batch_delay_s=60.0, max_queue=16, batches_in_flight=1)
+    b.start()
+    try:
+        until(lambda: b.phase.value == "ready", "the batcher to be ready", WAIT_S)
+        result = b.submit(_image(6)).result(WAIT_S)
+        assert (result.batch_size, result.padded_size, int(result.mask[0, 0])) == (1, 1, 6)
+    finally:
+        assert b.close(WAIT_S)
+    with pytest.raises(ValueError, match="batches_in_flight must be >= 0"):
+        Batcher(engine, max_batch_delay_s=0.0, max_queue=1, batches_in_flight=-1)
+    with pytest.raises(ConfigError, match="batches_in_flight=-1 is invalid"):
+        ServeOptions(batches_in_flight=-1)
+
+
 def test_masks_go_into_the_callers_arrays() -> None:
     """submit(into=...): the mask is written into the caller's array and the result's mask is that
     array. A batch whose every row has one is launched with them (the GPU writes them: Engine.launch's

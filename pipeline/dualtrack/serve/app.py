@@ -96,6 +96,7 @@ def create_app(
     source: EngineSource,
     *,
     max_batch_delay_ms: float = ServeOptions.max_batch_delay_ms,
+    batches_in_flight: int = ServeOptions.batches_in_flight,
     max_queue: int = ServeOptions.max_queue,
     max_body_bytes: int = ServeOptions.max_body_bytes,
     device: str = ServeOptions.device,
@@ -119,6 +120,7 @@ def create_app(
     """
     options = ServeOptions(
         max_batch_delay_ms=max_batch_delay_ms,
+        batches_in_flight=batches_in_flight,
         max_queue=max_queue,
         max_body_bytes=max_body_bytes,
         device=device,
@@ -142,6 +144,7 @@ def create_app(
         device_index=options.device_index,
         on_batch=metrics.observe_batch,
         jpeg_decoder=jpeg_decoder,
+        batches_in_flight=options.batches_in_flight,
     )
     return assemble(batcher, metrics, options)
 

@@ -11,6 +11,12 @@ Batching policy (Triton's "dynamic batcher" with ``max_queue_delay``):
 - The worker takes the oldest waiting request and gathers more until it holds the largest compiled
   batch size or ``max_batch_delay_s`` has passed since that oldest request arrived, whichever is
   first. A request that already waited while the previous batch ran does not wait again.
+- With ``batches_in_flight=K`` (``serve --batches-in-flight``), a batch also stops gathering as
+  soon as fewer than ``K`` batches are in the engine (launched and not yet answered): rather than
+  let the GPU idle while a batch fills, it starts with the rows it has. Under light load batches
+  are then small and start at once; under heavy load they fill while the ones ahead run. ``0``
+  (the default) keeps the rule above alone. On the CPU a batch runs before the next is taken, so
+  there any ``K >= 1`` starts each batch with whatever is waiting.
 - ``n`` gathered requests run at the smallest compiled batch size ``>= n``; pad rows are zeros and
   their outputs are dropped.
 - At most ``max_queue`` requests wait (requests inside a running batch do not count). One more is
@@ -258,9 +264,12 @@ class Batcher(QueueState["Engine"]):
         on_batch: Callable[[list[BatchResult]], None] | None = None,
         on_phase: Callable[[Phase, str], None] | None = None,
         jpeg_decoder: str = "auto",
+        batches_in_flight: int = 0,
     ) -> None:
         if max_batch_delay_s < 0:
             raise ValueError(f"max_batch_delay_s must be >= 0, got {max_batch_delay_s}")
+        if batches_in_flight < 0:
+            raise ValueError(f"batches_in_flight must be >= 0, got {batches_in_flight}")
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self._source = source
@@ -268,6 +277,8 @@ class Batcher(QueueState["Engine"]):
         self._device_index = device_index
         self._delay = max_batch_delay_s
         self._max_queue = max_queue
+        self._in_flight_wanted = batches_in_flight
+        self._in_flight = 0  # batches handed to the launcher whose results have not come back (GPU path)
         self._on_batch = on_batch
         self._on_phase = on_phase
         self._pending: deque[_Batch] = deque()  # oldest first; only the last one may still take rows
@@ -505,6 +516,8 @@ class Batcher(QueueState["Engine"]):
                         self._spare.append(batch.x)  # uploaded (or failed): the host array is free
                 if staged is not None:
                     staged.ready = time.monotonic()
+                    with self._cond:
+                        self._in_flight += 1  # until the collector has its result (_landed)
                     handoff.put(staged)
         finally:
             handoff.put(None)
@@ -600,6 +613,7 @@ class Batcher(QueueState["Engine"]):
                     into = None if item.into is None else {MASK_OUTPUT: item.into}
                     submission = engine.launch(item.staged, outputs=(MASK_OUTPUT,), into=into)
                 except Exception as err:
+                    self._landed()
                     self._fail_rows(item, err)
                     continue
                 landed.put(_Landed(item, submission, start, dict(engine.last_timings)))  # this launch's
@@ -622,6 +636,13 @@ class Batcher(QueueState["Engine"]):
                     entry.submission.result()  # its slot is collected: a stage waiting for it goes on
                 self._fail_rows(entry.item, err)
 
+    def _landed(self) -> None:
+        """One batch fewer in the engine; with ``batches_in_flight``, the gathering batch may start."""
+        with self._cond:
+            self._in_flight -= 1
+            if self._in_flight < self._in_flight_wanted:
+                self._cond.notify()
+
     def _fail_rows(self, item: _Staged, err: BaseException) -> None:
         _fail_unanswered([r for row, r in enumerate(item.requests) if row not in item.failed], err)
 
@@ -632,6 +653,8 @@ class Batcher(QueueState["Engine"]):
         except Exception as err:
             self._fail_rows(item, err)
             return
+        finally:
+            self._landed()  # its GPU work is done (or failed): a batch gathering may start
         run_ms = (time.monotonic() - entry.start) * 1e3
         timings = {**entry.timings, **item.phases, "batch_gpu_ms": run_ms}
         self._resolve(item.requests, masks, item.size, entry.start, run_ms, timings, item.failed)
@@ -678,6 +701,8 @@ class Batcher(QueueState["Engine"]):
             batch = self._pending[0]
             deadline = batch.requests[0].enqueued + self._delay
             while len(batch.requests) < len(batch.x) and not self._closing:
+                if self._in_flight < self._in_flight_wanted:
+                    break  # the engine would idle while this batch fills: start it with the rows it has
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break

@@ -31,6 +31,12 @@ _SERVE_OPTIONS: tuple[tuple[str, click.ParamType, str | None], ...] = (
     ("device", click.Choice(["cpu", "cuda"]), None),
     ("device_index", click.IntRange(0), None),
     ("max_batch_delay_ms", click.FloatRange(0), "Longest a request waits for others to share its batch."),
+    (
+        "batches_in_flight",
+        click.IntRange(0),
+        "While fewer batches than this are in the engine, the next one starts with the rows it has instead of "
+        "waiting to fill (0: it waits for a full batch or --max-batch-delay-ms).",
+    ),
     ("max_queue", click.IntRange(1), "Requests waiting for a batch; one more is answered 503 with Retry-After."),
     ("max_body_bytes", click.IntRange(1), "Larger request bodies are answered 413."),
     ("shutdown_timeout_s", click.FloatRange(0), "On SIGTERM/SIGINT, how long to wait for in-flight requests."),
@@ -249,6 +255,13 @@ def _serve_ray(bundle: Path, options: RayAppOptions, **where: Any) -> None:
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--bundle-path", help="The bundle's path on the cluster's nodes, if not BUNDLE's absolute path here.")
 @click.option("--max-batch-delay-ms", default=ServeOptions.max_batch_delay_ms, show_default=True, type=float)
+@click.option(
+    "--batches-in-flight",
+    default=ServeOptions.batches_in_flight,
+    show_default=True,
+    type=click.IntRange(0),
+    help="As for `dualtrack serve`, in each model replica.",
+)
 @click.option("--max-queue", default=ServeOptions.max_queue, show_default=True, type=click.IntRange(1))
 def ray_config(
     bundle: Path,
@@ -261,6 +274,7 @@ def ray_config(
     port: int,
     bundle_path: str | None,
     max_batch_delay_ms: float,
+    batches_in_flight: int,
     max_queue: int,
 ) -> None:
     """Write a Ray Serve config for BUNDLE: `serve run FILE`, `serve deploy FILE`, a KubeRay RayService.
@@ -271,7 +285,7 @@ def ray_config(
     from dualtrack.serve.ray_config import write_serve_config
 
     options = _ray_options(bundle, device, replicas, autoscale, ingress_replicas)(
-        max_batch_delay_ms=max_batch_delay_ms, max_queue=max_queue
+        max_batch_delay_ms=max_batch_delay_ms, batches_in_flight=batches_in_flight, max_queue=max_queue
     ).resolved()
     if bundle_path is not None:
         options = dataclasses.replace(options, bundle=bundle_path)

@@ -16,6 +16,9 @@ class ServeOptions:
     """How the service batches, queues and limits. The CLI's defaults are these."""
 
     max_batch_delay_ms: float = 5.0  # longest a request waits for others to share its batch
+    # A batch not yet full starts while fewer than this many batches are in the engine (0: it waits
+    # to fill or for max_batch_delay_ms); serve/batcher.py's batching policy.
+    batches_in_flight: int = 0
     max_queue: int = 64  # requests waiting for a batch; one more is answered 503
     max_body_bytes: int = 16 * 1024 * 1024  # larger request bodies are answered 413
     device: str = "cpu"  # used only when the app loads the bundle itself
@@ -39,6 +42,7 @@ class ServeOptions:
     def __post_init__(self) -> None:
         checks = (
             (self.max_batch_delay_ms >= 0, "max_batch_delay_ms", self.max_batch_delay_ms, ">= 0"),
+            (self.batches_in_flight >= 0, "batches_in_flight", self.batches_in_flight, ">= 0 (0: off)"),
             (self.max_queue >= 1, "max_queue", self.max_queue, ">= 1"),
             (self.max_body_bytes >= 1, "max_body_bytes", self.max_body_bytes, ">= 1"),
             (self.device in ("cpu", "cuda"), "device", self.device, "'cpu' or 'cuda'"),

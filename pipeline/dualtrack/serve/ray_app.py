@@ -155,6 +155,7 @@ class ModelReplica:
         self.batcher = Batcher(
             options.bundle,
             max_batch_delay_s=options.max_batch_delay_ms / 1e3,
+            batches_in_flight=options.batches_in_flight,
             max_queue=options.max_ongoing_requests,
             device=options.device,
             device_index=device_index,  # CUDA_VISIBLE_DEVICES holds only this replica's GPU

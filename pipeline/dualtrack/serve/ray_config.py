@@ -49,6 +49,7 @@ class RayAppOptions:
     ingress_replicas: int = 1
     max_ongoing_requests: int = 0
     max_batch_delay_ms: float = ServeOptions.max_batch_delay_ms
+    batches_in_flight: int = ServeOptions.batches_in_flight
     max_queue: int = ServeOptions.max_queue
     max_body_bytes: int = ServeOptions.max_body_bytes
     retry_after_s: int = ServeOptions.retry_after_s
@@ -78,6 +79,7 @@ class RayAppOptions:
         """The options the ingress's HTTP app and the model replicas' batchers take."""
         return ServeOptions(
             max_batch_delay_ms=self.max_batch_delay_ms,
+            batches_in_flight=self.batches_in_flight,
             max_queue=self.max_queue,
             max_body_bytes=self.max_body_bytes,
             device=self.device,

@@ -198,6 +198,7 @@ class EngineHost:
             on_batch=self.metrics.observe_batch,
             on_phase=self._phase_changed,
             jpeg_decoder=jpeg_decoder,
+            batches_in_flight=options.batches_in_flight,
         )
         self._dir = Path(tempfile.mkdtemp(prefix="dualtrack-serve-"))  # 0700
         size = ranges * self.slots_per_range * slot_bytes
