@@ -134,6 +134,17 @@ for step in $steps; do
         --variant "w4_nopin_b=DUALTRACK_PIN_SLOTS=0 --workers 4 --max-batch-delay-ms 8" \
         --variant "w4_ahead12_b=DUALTRACK_JPEG_AHEAD_MB=12 --workers 4 --max-batch-delay-ms 8" \
         --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_pin.log" ;;
+    serve_gil)
+      # Not in the default steps (issue 15): the driver's enqueue calls keeping the GIL (runtime/driver.py
+      # HeldCalls, the default) against cuda-python's release (DUALTRACK_HOLD_GIL=0), JPEG -> JSON at 16 and
+      # 32 clients on `serve --workers 4`, in three alternating rounds.
+      V="--workers 4 --max-batch-delay-ms 8"
+      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" \
+        --clients 16 32 --only-variants --cases jpeg_in_json_out --tag gil --duration-s "${SERVE_S:-10}" \
+        --variant "hold_a=$V" --variant "release_a=DUALTRACK_HOLD_GIL=0 $V" \
+        --variant "release_b=DUALTRACK_HOLD_GIL=0 $V" --variant "hold_b=$V" \
+        --variant "hold_c=$V" --variant "release_c=DUALTRACK_HOLD_GIL=0 $V" \
+        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_gil.log" ;;
     serve_inflight)
       # Not in the default steps (issue 15): the batching policy `--batches-in-flight K` (a batch starts with
       # the rows it has while fewer than K batches are in the engine) on `serve --workers 4`, JPEG -> JSON at

@@ -145,6 +145,82 @@ def test_kernel_params_refuse_what_would_pack_wrongly() -> None:
         drv.kernel_params([(1, ctypes.c_int), (1, int)])
 
 
+def test_param_array_points_at_what_cuda_python_packs() -> None:
+    """HeldCalls' kernelParams (ctypes, the GIL kept) hold the same bytes as cuda-python's, for
+    scalars, a pointer and a struct by value (resize_rgb_u8's jobs)."""
+
+    class Jobs(ctypes.Structure):
+        _fields_ = (("w", ctypes.c_int), ("src", ctypes.c_uint64 * 2))
+
+    jobs = Jobs(640, (ctypes.c_uint64 * 2)(0x7F00DEAD0000, 0x7F00BEEF0000))
+    args = [(0x7F0000001000, ctypes.c_void_p), (2.5, ctypes.c_float), (1000, ctypes.c_uint), (jobs, None)]
+    drv.kernel_params(args)  # accepted by the checker
+    array, keep = drv.param_array(args)
+    assert ctypes.c_uint64.from_address(array[0]).value == 0x7F0000001000
+    assert ctypes.c_float.from_address(array[1]).value == 2.5
+    assert ctypes.c_uint.from_address(array[2]).value == 1000
+    assert array[3] == ctypes.addressof(jobs)
+    assert ctypes.string_at(array[3], ctypes.sizeof(Jobs)) == bytes(jobs)
+    assert len(keep) == 3
+
+
+def test_memcpy_attributes_lay_out_as_cuda_h() -> None:
+    """The ctypes CUmemcpyAttributes HeldCalls.copy_batch passes has cuda-python's layout (cuda.h)."""
+    theirs = cu.CUmemcpyAttributes()
+    theirs.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    theirs.srcLocHint.type = cu.CUmemLocationType(1)
+    theirs.srcLocHint.id = 3
+    theirs.dstLocHint.type = cu.CUmemLocationType(2)
+    theirs.dstLocHint.id = 5
+    theirs.flags = 1
+    ours = drv._MemcpyAttributes(
+        srcAccessOrder=drv._SRC_ACCESS_ORDER_STREAM,
+        srcLocHint=drv._MemLocation(1, 3),
+        dstLocHint=drv._MemLocation(2, 5),
+        flags=1,
+    )
+    assert ctypes.string_at(int(theirs.getPtr()), ctypes.sizeof(ours)) == bytes(ours)
+
+
+def test_held_calls_check_every_status_and_skip_missing_symbols() -> None:
+    """A failing status raises the checker's CudaError naming the call; a symbol this libcuda lacks
+    is left to cuda-python (has() is False). Here a stand-in library records the calls."""
+    seen: list[tuple[str, tuple[int, ...]]] = []
+
+    def symbol(name: str, status: int):  # a ctypes function's surface: argtypes, restype, call
+        def fn(*args: int) -> int:
+            seen.append((name, args))
+            return status
+
+        return fn
+
+    lib = SimpleNamespace(
+        cuEventRecord=symbol("cuEventRecord", 0),
+        cuStreamWaitEvent=symbol("cuStreamWaitEvent", int(CU.CUDA_ERROR_INVALID_HANDLE)),
+        cuMemcpyDtoDAsync_v2=symbol("cuMemcpyDtoDAsync_v2", 0),
+    )
+    held = drv.HeldCalls(lib)  # type: ignore[arg-type]
+    assert held.has("cuEventRecord") and held.has("cuMemcpyDtoDAsync")
+    assert not held.has("cuLaunchKernel") and not held.has("cuMemcpyBatchAsync")
+    held.event_record(0x10, cu.CUstream(0x20))
+    held.copy("DtoD", 0x1000, 0x2000, 64, 0x20)
+    with pytest.raises(CudaError, match=r"^cuStreamWaitEvent failed: CUDA_ERROR_INVALID_HANDLE"):
+        held.stream_wait(0x20, 0x10)
+    assert seen == [
+        ("cuEventRecord", (0x10, 0x20)),
+        ("cuMemcpyDtoDAsync_v2", (0x1000, 0x2000, 64, 0x20)),
+        ("cuStreamWaitEvent", (0x20, 0x10, 0)),
+    ]
+
+
+def test_hold_gil_is_a_setting(monkeypatch) -> None:
+    from dualtrack.settings import Settings
+
+    assert Settings.from_env().hold_gil
+    monkeypatch.setenv("DUALTRACK_HOLD_GIL", "0")
+    assert not Settings.from_env().hold_gil
+
+
 def test_cubin_cache_name_moves_with_every_input() -> None:
     ptx = b".version 8.0\n.target sm_80\n"
     base = drv.cubin_cache_name(ptx, arch="sm_90", driver_version=13000, opt_level=4)

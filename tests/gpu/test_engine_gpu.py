@@ -173,6 +173,40 @@ def test_whole_body_on_track_a_verifies_on_gpu(tiny_full_bundle: Path) -> None:
         assert compare(name, ref[name], got[name], tol).passed
 
 
+def test_engine_is_bit_identical_with_the_gil_kept_or_released(tiny_full_bundle: Path) -> None:
+    """The enqueue calls through driver.HeldCalls (ctypes, the GIL kept: the default) and through
+    cuda-python give the same engine: graph replay, copies, the overlapped stage and launch, the
+    masks copied into page-locked rows. Exact (the same kernels in the same order)."""
+    from dualtrack.runtime import driver
+
+    x = None
+    results = []
+    for hold in (True, False):
+        driver.set_hold_gil(hold)
+        try:
+            with Engine.load(tiny_full_bundle, "cuda") as e:
+                if x is None:
+                    x = random_input(e.input_spec, 4, np.random.default_rng(11))
+                direct = e.run(x)
+                rows = e.host_array(4)
+                mask_rows = np.zeros_like(direct["mask"])
+                e.pin_host(mask_rows)
+                rows[:] = x
+                sub = e.launch(
+                    e.stage(rows), outputs=("mask", "probs"), into={"mask": [mask_rows[i] for i in range(4)]}
+                )
+                overlapped = sub.result()
+                results.append((direct, overlapped["probs"], mask_rows.copy()))
+        finally:
+            driver.set_hold_gil(True)
+    (held, held_probs, held_rows), (released, released_probs, released_rows) = results
+    for name in ("mask", "probs"):
+        np.testing.assert_array_equal(held[name], released[name])
+    np.testing.assert_array_equal(held_probs, released_probs)
+    np.testing.assert_array_equal(held_rows, released_rows)
+    np.testing.assert_array_equal(held_rows, held["mask"])
+
+
 def test_host_array_is_page_locked_and_uploaded_without_staging(engine) -> None:
     from cuda.bindings import driver as cu
 

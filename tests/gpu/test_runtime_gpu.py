@@ -13,7 +13,7 @@ import pytest
 from cuda.bindings import driver as cu
 
 from dualtrack.errors import CudaError, DeviceError
-from dualtrack.runtime import memory
+from dualtrack.runtime import driver, memory
 from dualtrack.runtime.dlpack import DeviceArray
 from dualtrack.runtime.driver import Context, Device, Event, Module, Stream, call
 from dualtrack.runtime.memory import DevicePool, HostBuffer, PinnedRange, copy_rows_to_host, download, upload
@@ -37,6 +37,17 @@ def stream(ctx: Context) -> Stream:
 @pytest.fixture(scope="module")
 def pool(ctx: Context) -> DevicePool:
     return DevicePool(ctx)
+
+
+@pytest.fixture(params=[True, False], ids=["gil-held", "gil-released"])
+def hold(request) -> Iterator[bool]:
+    """Both ways of making the enqueue calls (driver.HeldCalls through ctypes, or cuda-python)."""
+    driver.set_hold_gil(request.param)
+    assert (driver.held_calls() is not None) == request.param
+    try:
+        yield request.param
+    finally:
+        driver.set_hold_gil(True)
 
 
 def _axpy(ctx: Context, module: Module, stream: Stream, pool: DevicePool, n: int = 100_003) -> None:
@@ -86,7 +97,20 @@ def test_other_threads_make_the_context_current(ctx: Context) -> None:
     assert seen == [0, int(ctx.handle)]
 
 
-def test_ptx_loads_launches_and_computes(ctx: Context, stream: Stream, pool: DevicePool) -> None:
+def test_held_calls_find_every_symbol_and_report_errors(ctx: Context, stream: Stream) -> None:
+    """This driver exports every call HeldCalls makes (their versioned names: a missing one would
+    silently fall back to cuda-python), and a failing one raises the checker's CudaError."""
+    held = driver.HeldCalls(ctypes.PyDLL("libcuda.so.1"))
+    names = ("cuCtxSetCurrent", "cuEventRecord", "cuStreamWaitEvent", "cuGraphLaunch", "cuLaunchKernel")
+    for name in (*names, "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuMemcpyDtoDAsync", "cuMemcpyBatchAsync"):
+        assert held.has(name), name
+    with pytest.raises(CudaError, match="cuMemcpyDtoDAsync"):
+        held.copy("DtoD", 0, 0, 16, stream.handle)
+    held.set_current(ctx.handle)
+    assert int(call(cu.cuCtxGetCurrent)) == int(ctx.handle)
+
+
+def test_ptx_loads_launches_and_computes(ctx: Context, stream: Stream, pool: DevicePool, hold: bool) -> None:
     module = Module.load(ctx, AXPY, kind="ptx", origin="tests/gpu/data/axpy.ptx", target="sm_80")
     assert module.cache == "off" and module.jit_ms > 0 and module.load_ms >= module.jit_ms
     _axpy(ctx, module, stream, pool)
@@ -150,7 +174,7 @@ def test_dynamic_shared_memory_opt_in(ctx: Context, stream: Stream) -> None:
     module.close()
 
 
-def test_event_timing(ctx: Context, stream: Stream, pool: DevicePool) -> None:
+def test_event_timing(ctx: Context, stream: Stream, pool: DevicePool, hold: bool) -> None:
     module = Module.load(ctx, AXPY, kind="ptx", origin="axpy.ptx", target="sm_80")
     start, end = Event(ctx), Event(ctx)
     start.record(stream)
@@ -180,7 +204,7 @@ def test_pool_alloc_free_and_peak(ctx: Context, stream: Stream) -> None:
     pool.close()
 
 
-def test_pinned_upload_download_round_trip(ctx: Context, stream: Stream, pool: DevicePool) -> None:
+def test_pinned_upload_download_round_trip(ctx: Context, stream: Stream, pool: DevicePool, hold: bool) -> None:
     n = 1 << 20
     src, dst = HostBuffer(ctx, 4 * n), HostBuffer(ctx, 4 * n)
     expected = np.random.default_rng().standard_normal(n).astype(np.float32)
@@ -198,7 +222,7 @@ def test_pinned_upload_download_round_trip(ctx: Context, stream: Stream, pool: D
 
 @pytest.mark.parametrize("batched", [True, False])
 def test_rows_copied_into_a_page_locked_shared_file(
-    ctx: Context, stream: Stream, pool: DevicePool, tmp_path: Path, monkeypatch, batched: bool
+    ctx: Context, stream: Stream, pool: DevicePool, tmp_path: Path, monkeypatch, batched: bool, hold: bool
 ) -> None:
     """copy_rows_to_host: device rows land at the host addresses given (a mapped file registered
     with PinnedRange, as the service's slot file), in any order, and nothing else is written;

@@ -18,6 +18,13 @@ Notes on cuda-python 13 that shape this module:
 - ``cuLaunchKernel`` takes ``kernelParams`` as ``((values...), (ctypes types...))`` — two tuples —
   and builds the ``void**`` array itself (:func:`kernel_params`); a type ``None`` passes a
   cuda.bindings struct (a ``CUtensorMap``) by value: the driver copies the bytes at its ``getPtr()``.
+- Every cuda-python call lets the GIL go (``with nogil``) and must win it back. For a call that
+  blocks (a synchronize) that is what it should do; for one that only queues work or sets the
+  thread's context (microseconds in the driver), winning the GIL back behind a busy process's
+  other threads costs far more than the call (docs/performance.md, "Every driver call is a GIL
+  turn"). Those calls (:class:`HeldCalls`: context, event record and wait, kernel and graph launch,
+  asynchronous copies) go to libcuda through ``ctypes.PyDLL``, which keeps the GIL, with the same
+  checker and errors; ``DUALTRACK_HOLD_GIL=0`` sends them through cuda-python like the rest.
 """
 
 from __future__ import annotations
@@ -209,8 +216,12 @@ class Context:
         self.make_current()
 
     def make_current(self) -> None:
-        """Bind this context to the calling thread (cuCtxSetCurrent)."""
-        call(cu.cuCtxSetCurrent, self.handle)
+        """Bind this context to the calling thread (cuCtxSetCurrent, keeping the GIL)."""
+        held = held_calls()
+        if held is None or not held.has("cuCtxSetCurrent"):
+            call(cu.cuCtxSetCurrent, self.handle)
+        else:
+            held.set_current(self.handle)
 
     @contextlib.contextmanager
     def push_current(self) -> Iterator[Context]:
@@ -265,8 +276,12 @@ class Stream:
         call(cu.cuStreamSynchronize, self.handle)
 
     def wait(self, event: Event) -> None:
-        """Make later work on this stream wait for ``event`` (no host wait)."""
-        call(cu.cuStreamWaitEvent, self.handle, event.handle, 0)
+        """Make later work on this stream wait for ``event`` (no host wait; keeps the GIL)."""
+        held = held_calls()
+        if held is None or not held.has("cuStreamWaitEvent"):
+            call(cu.cuStreamWaitEvent, self.handle, event.handle, 0)
+        else:
+            held.stream_wait(self.handle, event.handle)
 
     def close(self) -> None:
         """Destroy an owned stream (pending work still completes); a borrowed one is left alone."""
@@ -286,7 +301,12 @@ class Event:
         self._finalizer = weakref.finalize(self, release, ctx, cu.cuEventDestroy, self.handle)
 
     def record(self, stream: Stream) -> Event:
-        call(cu.cuEventRecord, self.handle, stream.handle)
+        """Record this event on ``stream`` (keeps the GIL)."""
+        held = held_calls()
+        if held is None or not held.has("cuEventRecord"):
+            call(cu.cuEventRecord, self.handle, stream.handle)
+        else:
+            held.event_record(self.handle, stream.handle)
         return self
 
     def synchronize(self) -> None:
@@ -580,14 +600,189 @@ class Kernel:
         args: Sequence[tuple[Any, type | None]],
     ) -> None:
         """Enqueue one launch on ``stream``; ``args`` are ``(value, ctypes type)`` pairs in order
-        (:func:`kernel_params`). The driver copies the parameters: nothing needs to outlive the call."""
-        call(
-            cu.cuLaunchKernel,
-            self.handle,
-            *_dim3(grid),
-            *_dim3(block),
-            shared_bytes,
-            stream.handle,
-            kernel_params(args),
-            0,
-        )
+        (:func:`kernel_params`). The driver copies the parameters: nothing needs to outlive the call.
+        Keeps the GIL (:class:`HeldCalls`)."""
+        params = kernel_params(args)  # checks the arguments on either path
+        held = held_calls()
+        if held is not None and held.has("cuLaunchKernel"):
+            held.launch_kernel(self.handle, _dim3(grid), _dim3(block), shared_bytes, stream.handle, args)
+            return
+        call(cu.cuLaunchKernel, self.handle, *_dim3(grid), *_dim3(block), shared_bytes, stream.handle, params, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Calls that keep the GIL
+
+
+def _address(handle: Any) -> int:
+    """The pointer value of a cuda.bindings handle (CUstream, CUevent, ...) or an int."""
+    return handle if isinstance(handle, int) else int(handle)
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = (("type", ctypes.c_int), ("id", ctypes.c_int))
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    """``CUmemcpyAttributes`` (cuda.h, CUDA 12.8+)."""
+
+    _fields_ = (
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _MemLocation),
+        ("dstLocHint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    )
+
+
+_SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+
+
+def param_array(args: Sequence[tuple[Any, type | None]]) -> tuple[Any, list[Any]]:
+    """cuLaunchKernel's ``void** kernelParams`` for ``args`` (checked by :func:`kernel_params`):
+    the array, and the ctypes values it points at (keep them alive until the call returns)."""
+    keep: list[Any] = []
+    array = (ctypes.c_void_p * max(len(args), 1))()
+    for i, (value, ctype) in enumerate(args):
+        if ctype is None:  # a struct by value: its bytes' address
+            array[i] = ctypes.addressof(value) if isinstance(value, ctypes.Structure) else int(value.getPtr())
+            continue
+        cell = ctype(value)
+        keep.append(cell)
+        array[i] = ctypes.addressof(cell)
+    return array, keep
+
+
+class HeldCalls:
+    """libcuda's enqueue calls through ``ctypes.PyDLL``: the GIL is kept during the call.
+
+    Why not cuda-python for these: its calls release the GIL, and in the service's engine process
+    (a dozen threads) each release costs a wait to win the GIL back, ~75 us measured per call on
+    the launcher's path (docs/performance.md), for a call that spends microseconds in the driver.
+    Only calls that return at once belong here: context binding, event record and stream wait,
+    kernel and graph launches, asynchronous copies. Blocking ones (synchronize) keep cuda-python's
+    release. Errors go through the same checker as :func:`call`.
+    """
+
+    def __init__(self, lib: ctypes.PyDLL) -> None:
+        p, u, st = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t
+        dptr = ctypes.c_uint64
+        self._fns: dict[str, Any] = {}
+        signatures: dict[str, tuple[str, list[Any]]] = {
+            "cuCtxSetCurrent": ("cuCtxSetCurrent", [p]),
+            "cuEventRecord": ("cuEventRecord", [p, p]),
+            "cuStreamWaitEvent": ("cuStreamWaitEvent", [p, p, u]),
+            "cuGraphLaunch": ("cuGraphLaunch", [p, p]),
+            "cuLaunchKernel": ("cuLaunchKernel", [p, u, u, u, u, u, u, u, p, p, p]),
+            "cuMemcpyHtoDAsync": ("cuMemcpyHtoDAsync_v2", [dptr, p, st, p]),
+            "cuMemcpyDtoHAsync": ("cuMemcpyDtoHAsync_v2", [p, dptr, st, p]),
+            "cuMemcpyDtoDAsync": ("cuMemcpyDtoDAsync_v2", [dptr, dptr, st, p]),
+            "cuMemcpyBatchAsync": ("cuMemcpyBatchAsync_v2", [p, p, p, st, p, p, st, p]),
+        }
+        for name, (symbol, argtypes) in signatures.items():
+            fn = getattr(lib, symbol, None)
+            if fn is None:
+                continue  # an older driver: that call goes through cuda-python
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            self._fns[name] = fn
+
+    def has(self, name: str) -> bool:
+        return name in self._fns
+
+    def _call(self, name: str, *args: Any) -> None:
+        status = self._fns[name](*args)
+        if status:
+            raise CudaError(name, *describe(status))
+
+    def set_current(self, ctx: Any) -> None:
+        self._call("cuCtxSetCurrent", _address(ctx))
+
+    def event_record(self, event: Any, stream: Any) -> None:
+        self._call("cuEventRecord", _address(event), _address(stream))
+
+    def stream_wait(self, stream: Any, event: Any) -> None:
+        self._call("cuStreamWaitEvent", _address(stream), _address(event), 0)
+
+    def graph_launch(self, graph_exec: Any, stream: Any) -> None:
+        self._call("cuGraphLaunch", _address(graph_exec), _address(stream))
+
+    def launch_kernel(
+        self,
+        fn: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_bytes: int,
+        stream: Any,
+        args: Sequence[tuple[Any, type | None]],
+    ) -> None:
+        array, _keep = param_array(args)
+        params = ctypes.addressof(array) if args else None
+        self._call("cuLaunchKernel", _address(fn), *grid, *block, shared_bytes, _address(stream), params, None)
+
+    def copy(self, kind: str, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        """``kind``: ``HtoD``, ``DtoH`` or ``DtoD``; addresses as ints."""
+        self._call(f"cuMemcpy{kind}Async", dst, src, nbytes, _address(stream))
+
+    def copy_batch(self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], stream: Any) -> None:
+        """One ``cuMemcpyBatchAsync`` in stream order (every copy pointer to pointer)."""
+        n = len(dsts)
+        d, s = (ctypes.c_uint64 * n)(*dsts), (ctypes.c_uint64 * n)(*srcs)
+        z = (ctypes.c_size_t * n)(*sizes)
+        attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
+        index = (ctypes.c_size_t * 1)(0)
+        self._call(
+            "cuMemcpyBatchAsync",
+            ctypes.addressof(d), ctypes.addressof(s), ctypes.addressof(z), n,
+            ctypes.addressof(attrs), ctypes.addressof(index), 1, _address(stream),
+        )  # fmt: skip
+
+
+def copy_async(kind: str, dst: int, src: int, nbytes: int, stream: Any) -> None:
+    """``cuMemcpy{kind}Async`` (``HtoD``, ``DtoH``, ``DtoD``; addresses as ints) on ``stream`` (a
+    handle), keeping the GIL where it can (:class:`HeldCalls`)."""
+    held = held_calls()
+    if held is not None and held.has(f"cuMemcpy{kind}Async"):
+        held.copy(kind, dst, src, nbytes, stream)
+        return
+    call(getattr(cu, f"cuMemcpy{kind}Async"), dst, src, nbytes, stream)
+
+
+def graph_launch(graph_exec: Any, stream: Any) -> None:
+    """``cuGraphLaunch`` on ``stream`` (a handle), keeping the GIL where it can."""
+    held = held_calls()
+    if held is not None and held.has("cuGraphLaunch"):
+        held.graph_launch(graph_exec, stream)
+        return
+    call(cu.cuGraphLaunch, graph_exec, stream)
+
+
+_HELD: HeldCalls | None = None
+_HELD_CHOSEN = False
+
+
+def held_calls() -> HeldCalls | None:
+    """The GIL-keeping calls, or None: ``DUALTRACK_HOLD_GIL=0``, or libcuda not loadable through
+    ctypes (then every call goes through cuda-python). Decided once per process."""
+    global _HELD, _HELD_CHOSEN
+    if not _HELD_CHOSEN:
+        _HELD = _open_held() if _hold_gil_wanted() else None
+        _HELD_CHOSEN = True
+    return _HELD
+
+
+def set_hold_gil(on: bool) -> None:
+    """Choose the path for this process from now on (tests compare the two)."""
+    global _HELD, _HELD_CHOSEN
+    _HELD, _HELD_CHOSEN = (_open_held() if on else None), True
+
+
+def _hold_gil_wanted() -> bool:
+    from dualtrack.settings import Settings
+
+    return Settings.from_env().hold_gil
+
+
+def _open_held() -> HeldCalls | None:
+    try:
+        return HeldCalls(ctypes.PyDLL("libcuda.so.1"))
+    except OSError:
+        return None

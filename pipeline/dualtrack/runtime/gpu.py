@@ -28,7 +28,7 @@ from dualtrack.bundle import Bundle
 from dualtrack.errors import InputError
 from dualtrack.plan import KernelCall, Segment, TensorSpec
 from dualtrack.runtime import dlpack
-from dualtrack.runtime.driver import Device, Event, Kernel, Stream, call
+from dualtrack.runtime.driver import Device, Event, Kernel, Stream, call, copy_async, graph_launch
 from dualtrack.runtime.images import device_images
 from dualtrack.runtime.memory import DeviceBuffer, DevicePool, HostBuffer, download, upload
 from dualtrack.runtime.replay import Replayer
@@ -141,7 +141,7 @@ class CudaBackend:
         """``t`` in a buffer of its own, ordered after the work queued so far: what a caller may keep
         while the next inference rewrites the planned buffers ``t`` may live in."""
         buf = self.pool.alloc(max(t.nbytes, 1), self.stream)
-        call(cu.cuMemcpyDtoDAsync, int(buf), t.ptr, t.nbytes, self.stream.handle)
+        copy_async("DtoD", int(buf), t.ptr, t.nbytes, self.stream.handle)
         return GpuTensor(int(buf), t.shape, t.dtype, buf)
 
     def from_host(self, arr: np.ndarray, *, slot: str | None = None) -> GpuTensor:
@@ -233,15 +233,15 @@ class CudaBackend:
         _graph, graph_exec, staged, outs = self._plan_graph(batch)
         for name, t in ins.items():
             if t.ptr != staged[name].ptr:
-                call(cu.cuMemcpyDtoDAsync, staged[name].ptr, t.ptr, t.nbytes, self.stream.handle)
+                copy_async("DtoD", staged[name].ptr, t.ptr, t.nbytes, self.stream.handle)
         if not timed:
-            call(cu.cuGraphLaunch, graph_exec, self.stream.handle)
+            graph_launch(graph_exec, self.stream.handle)
             self.stream_pending = True
             return dict(outs)
         if self.graph_events is None:
             self.graph_events = (Event(self.ctx), Event(self.ctx))
         self.graph_events[0].record(self.stream)
-        call(cu.cuGraphLaunch, graph_exec, self.stream.handle)
+        graph_launch(graph_exec, self.stream.handle)
         self.graph_events[1].record(self.stream)
         self.graph_pending = self.stream_pending = True
         return dict(outs)

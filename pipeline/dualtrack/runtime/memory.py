@@ -19,7 +19,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from dualtrack.errors import CudaError, DeviceError
-from dualtrack.runtime.driver import Context, Stream, call, release
+from dualtrack.runtime.driver import Context, Stream, call, copy_async, held_calls, release
 
 UINT64_MAX = (1 << 64) - 1
 _ATTR = cu.CUmemPool_attribute
@@ -211,14 +211,20 @@ def upload(stream: Stream, dst: DeviceBuffer, src: HostBuffer | np.ndarray, nbyt
     it. From a pageable numpy array the driver stages the data before this returns.
     """
     ptr, size = _host_span(src, writable=False)
-    call(cu.cuMemcpyHtoDAsync, dst.ptr, ptr, _span(nbytes, dst.nbytes, size), stream.handle)
+    if isinstance(src, HostBuffer):  # returns at once: keeps the GIL (driver.HeldCalls)
+        copy_async("HtoD", dst.ptr, ptr, _span(nbytes, dst.nbytes, size), stream.handle)
+    else:  # the driver stages pageable memory before it returns: let the GIL go meanwhile
+        call(cu.cuMemcpyHtoDAsync, dst.ptr, ptr, _span(nbytes, dst.nbytes, size), stream.handle)
 
 
 def download(stream: Stream, dst: HostBuffer | np.ndarray, src: DeviceBuffer, nbytes: int | None = None) -> None:
     """Queue a device-to-host copy. Into a HostBuffer, the data is there once ``stream`` is
     synchronized; into a pageable numpy array, the call returns after the copy."""
     ptr, size = _host_span(dst, writable=True)
-    call(cu.cuMemcpyDtoHAsync, ptr, src.ptr, _span(nbytes, src.nbytes, size), stream.handle)
+    if isinstance(dst, HostBuffer):  # returns at once: keeps the GIL (driver.HeldCalls)
+        copy_async("DtoH", ptr, src.ptr, _span(nbytes, src.nbytes, size), stream.handle)
+    else:  # into pageable memory the call waits for the stream: let the GIL go meanwhile
+        call(cu.cuMemcpyDtoHAsync, ptr, src.ptr, _span(nbytes, src.nbytes, size), stream.handle)
 
 
 class PinnedRange:
@@ -262,6 +268,16 @@ def copy_rows_to_host(stream: Stream, src: int, row_bytes: int, dests: Sequence[
     if not dests:
         return
     global _BATCH_COPY
+    held = held_calls()
+    if _BATCH_COPY and held is not None and held.has("cuMemcpyBatchAsync"):  # keeping the GIL
+        try:
+            held.copy_batch([a for _, a in dests], [src + i * row_bytes for i, _ in dests], [row_bytes] * len(dests),
+                            stream.handle)  # fmt: skip
+            return
+        except CudaError as err:
+            if err.name not in ("CUDA_ERROR_NOT_SUPPORTED", "CUDA_ERROR_NOT_FOUND"):
+                raise
+            _BATCH_COPY = False
     if _BATCH_COPY:
         attrs = cu.CUmemcpyAttributes()
         attrs.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
@@ -283,7 +299,7 @@ def copy_rows_to_host(stream: Stream, src: int, row_bytes: int, dests: Sequence[
                 raise
             _BATCH_COPY = False  # this driver lacks it: one copy per row from now on
     for i, a in dests:
-        call(cu.cuMemcpyDtoHAsync, a, src + i * row_bytes, row_bytes, stream.handle)
+        copy_async("DtoH", a, src + i * row_bytes, row_bytes, stream.handle)
 
 
 _BATCH_COPY = True  # cuMemcpyBatchAsync works here (until a driver says it does not)

@@ -43,9 +43,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from cuda.bindings import driver as cu
 
-from dualtrack.runtime.driver import Event, Stream, call
+from dualtrack.runtime.driver import Event, Stream, copy_async
 from dualtrack.runtime.memory import DeviceBuffer, HostBuffer, copy_rows_to_host
 from dualtrack.runtime.tensors import GpuTensor
 
@@ -200,8 +199,9 @@ class Overlap:
                 src = x if be._is_host_array(x) else self._pinned_copy(slot, x)
                 row = x.nbytes // max(n, 1)
                 for first, count in rows_to_upload(n, written):
-                    call(cu.cuMemcpyHtoDAsync, buf.ptr + first * row, src.ctypes.data + first * row, count * row,
-                         self.up.handle)  # fmt: skip
+                    copy_async(
+                        "HtoD", buf.ptr + first * row, src.ctypes.data + first * row, count * row, self.up.handle
+                    )
                 self.uploaded[slot].record(self.up)
                 t_copy = time.monotonic()
                 self.uploaded[slot].synchronize()  # IREE reads it on its own streams (FACTS 8)
@@ -251,7 +251,7 @@ class Overlap:
             for name in rest:
                 t = outs[name]
                 kept[name] = self._device_out(slot, name, t.nbytes)
-                call(cu.cuMemcpyDtoDAsync, kept[name].ptr, t.ptr, t.nbytes, be.stream.handle)
+                copy_async("DtoD", kept[name].ptr, t.ptr, t.nbytes, be.stream.handle)
             self.ran[slot].record(be.stream)
             views: dict[str, np.ndarray] = {}
             done = self.ran[slot]
@@ -260,7 +260,7 @@ class Overlap:
                 for name in rest:
                     t = outs[name]
                     host = self._pinned_out(slot, name, t.nbytes)
-                    call(cu.cuMemcpyDtoHAsync, host.ptr, kept[name].ptr, t.nbytes, self.down.handle)
+                    copy_async("DtoH", host.ptr, kept[name].ptr, t.nbytes, self.down.handle)
                     views[name] = host.numpy(t.dtype, tuple(t.shape))
                 done = self.downloaded[slot].record(self.down)
             self.ring.launched(slot)

@@ -30,7 +30,7 @@ from dualtrack.bundle import Bundle
 from dualtrack.errors import ArchError
 from dualtrack.launch_plan import BINDING_ALIGNMENT, Command, Copy, Dispatch, Fill, LaunchPlan, Ref
 from dualtrack.plan import Segment, parameter_key
-from dualtrack.runtime.driver import Context, Kernel, Module, Stream, call
+from dualtrack.runtime.driver import Context, Kernel, Module, Stream, call, copy_async
 from dualtrack.runtime.memory import DevicePool, upload
 from dualtrack.runtime.tensors import GpuTensor
 
@@ -83,7 +83,7 @@ class ReplaySegment:
                     buf = self.pool.alloc(t.nbytes, self.stream)
                     self.aligned[i] = GpuTensor(int(buf), t.shape, t.dtype, buf)
                 a = self.aligned[i]
-                call(cu.cuMemcpyDtoDAsync, a.ptr, t.ptr, t.nbytes, stream.handle)
+                copy_async("DtoD", a.ptr, t.ptr, t.nbytes, stream.handle)
                 t = a
             out.append(t)
         return out
@@ -109,7 +109,7 @@ class ReplaySegment:
                 call(_MEMSET[cmd.width], self._ptr(cmd.target, inputs), cmd.pattern, count, stream.handle)
             elif isinstance(cmd, Copy):
                 src, dst = self._ptr(cmd.source, inputs), self._ptr(cmd.target, inputs)
-                call(cu.cuMemcpyDtoDAsync, dst, src, cmd.source.length, stream.handle)
+                copy_async("DtoD", dst, src, cmd.source.length, stream.handle)
 
 
 @dataclass(frozen=True)

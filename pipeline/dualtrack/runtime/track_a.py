@@ -27,7 +27,7 @@ from dualtrack import kernels
 from dualtrack.kernels.tensormap import TiledMap
 from dualtrack.plan import ALIAS_OPS, KernelCall, Plan, Segment
 from dualtrack.runtime import tma
-from dualtrack.runtime.driver import Context, Event, Kernel, Module, Stream, call
+from dualtrack.runtime.driver import Context, Event, Kernel, Module, Stream, call, copy_async, graph_launch
 from dualtrack.runtime.images import DeviceImages
 from dualtrack.runtime.memory import DeviceBuffer, DevicePool
 from dualtrack.runtime.tensors import GpuTensor, Stats
@@ -180,8 +180,8 @@ class TrackA:
             # planned ones first, a few microseconds of device bandwidth against one launch per kernel.
             staged = self._staged_inputs(seg, batch)
             for name, t in ins.items():
-                call(cu.cuMemcpyDtoDAsync, staged[name].ptr, t.ptr, t.nbytes, self.stream.handle)
-            call(cu.cuGraphLaunch, self._graph(seg, batch, {**env, **staged}), self.stream.handle)
+                copy_async("DtoD", staged[name].ptr, t.ptr, t.nbytes, self.stream.handle)
+            graph_launch(self._graph(seg, batch, {**env, **staged}), self.stream.handle)
         else:
             self._launch_all(seg, env)
         self.ev_end.record(self.stream)
