@@ -191,6 +191,77 @@ def test_launch_into_page_locked_rows_is_bit_identical_to_run(engine) -> None:
         pinned.close()
 
 
+def test_a_stage_whose_rows_the_gpu_wrote_is_ordered_on_the_device(engine) -> None:
+    """A batch whose every row fill wrote on the GPU, for a plan that runs as one graph on the
+    compute stream, is not waited for on the host (Staged.pending): the launch waits for it on the
+    compute stream. Its masks are bit-identical to run() on the same rows; a batch with a row from
+    the host is waited for as before, with the same masks."""
+    be = engine.backend
+    b = max(engine.batch_sizes)
+    h, w = engine.input_spec.shape[1:3]
+    rng = np.random.default_rng(15)
+    rows = rng.integers(0, 256, (b, h, w, 3), dtype=np.uint8)
+    engine.run(rows)  # decides (and captures) the one graph at this batch size
+    assert be.runs_on_stream(b)
+    src = be.pool.alloc(rows.nbytes, be.stream)
+    upload(be.stream, src, rows)
+    be.stream.synchronize()
+    want = engine.run(rows, outputs=("mask",))["mask"]
+
+    def fill_all(stream, tensor) -> set[int]:  # the rows come from device memory, as JPEG rows do
+        call(cu.cuMemcpyDtoDAsync, tensor.ptr, src.ptr, rows.nbytes, stream.handle)
+        return set(range(b))
+
+    def fill_but_last(stream, tensor) -> set[int]:
+        call(cu.cuMemcpyDtoDAsync, tensor.ptr, src.ptr, rows.nbytes - h * w * 3, stream.handle)
+        return set(range(b - 1))
+
+    host = np.zeros_like(rows)
+    host[b - 1] = rows[b - 1]
+    for fill, x, pending in ((fill_all, np.zeros_like(rows), True), (fill_but_last, host, False)):
+        for _ in range(3):  # more batches than slots: every slot's turn
+            staged = engine.stage(x, fill)
+            assert staged.pending is pending
+            got = engine.launch(staged, outputs=("mask",)).result()["mask"]
+            np.testing.assert_array_equal(got, want)
+    src.close(be.stream)
+    be.stream.synchronize()
+
+
+@needs_nvimgcodec
+def test_the_batcher_keeps_decoded_pictures_until_a_pending_batch_has_run(tiny_bundle: Path) -> None:
+    """Batcher.submit_jpeg one JPEG at a time (batches of 1: no host row, so the stage is pending):
+    each mask agrees with the CPU decode's on at least MASK_AGREEMENT of pixels, and once answered
+    every decoded picture is released (the prefetcher holds nothing)."""
+    from dualtrack.runtime.engine import Engine
+    from dualtrack.serve import Batcher, Phase
+
+    rng = np.random.default_rng(16)
+    bodies = [_jpeg(_photo(rng, 96 + 8 * i, 72), o) for i, o in enumerate((1, 6, 3, 8, 1))]
+    with Engine.load(tiny_bundle, "cuda") as e:
+        h, w = e.input_spec.shape[1:3]
+        want = [e.run(imaging.load_for_model(b, h, w).pixels[None], outputs=("mask",))["mask"][0] for b in bodies]
+        batcher = Batcher(e, max_batch_delay_s=0.0, max_queue=16)
+        batcher.start()
+        try:
+            deadline = time.monotonic() + 120
+            while batcher.phase is not Phase.READY and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert batcher.decoder[0] == "gpu", batcher.decoder
+            for body, expected in zip(bodies, want, strict=True):
+                route = imaging.route_jpeg(body, h, w, max_downscale=RESIZE_RGB.max_downscale)
+                result = batcher.submit_jpeg(route).result(60)  # type: ignore[arg-type]
+                assert (result.batch_size, result.padded_size) == (1, 1)
+                agreement = float((result.mask == expected).mean())
+                assert agreement >= MASK_AGREEMENT, agreement
+            deadline = time.monotonic() + 10
+            while batcher._prefetch._held_bytes and time.monotonic() < deadline:  # released after answering
+                time.sleep(0.01)
+            assert batcher._prefetch._held_bytes == 0 and not batcher._prefetch._held
+        finally:
+            assert batcher.close(60)
+
+
 def test_overlapped_stage_and_launch_on_two_threads_answer_every_batch_in_order(engine) -> None:
     rng = np.random.default_rng(11)
     b = max(engine.batch_sizes)

@@ -101,13 +101,23 @@ def test_held_calls_find_every_symbol_and_report_errors(ctx: Context, stream: St
     """This driver exports every call HeldCalls makes (their versioned names: a missing one would
     silently fall back to cuda-python), and a failing one raises the checker's CudaError."""
     held = driver.HeldCalls(ctypes.PyDLL("libcuda.so.1"))
-    names = ("cuCtxSetCurrent", "cuEventRecord", "cuStreamWaitEvent", "cuGraphLaunch", "cuLaunchKernel")
+    names = (
+        "cuCtxSetCurrent",
+        "cuEventRecord",
+        "cuStreamWaitEvent",
+        "cuGraphLaunch",
+        "cuLaunchKernel",
+        "cuStreamQuery",
+    )
     for name in (*names, "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuMemcpyDtoDAsync", "cuMemcpyBatchAsync"):
         assert held.has(name), name
     with pytest.raises(CudaError, match="cuMemcpyDtoDAsync"):
         held.copy("DtoD", 0, 0, 16, stream.handle)
     held.set_current(ctx.handle)
     assert int(call(cu.cuCtxGetCurrent)) == int(ctx.handle)
+    stream.synchronize()
+    assert held.stream_done(stream.handle)
+    stream.finish()
 
 
 def test_ptx_loads_launches_and_computes(ctx: Context, stream: Stream, pool: DevicePool, hold: bool) -> None:

@@ -57,6 +57,7 @@ NO_DEVICE = (
     "CUDA_VISIBLE_DEVICES and nvidia-smi); run with --device cpu or on a GPU machine"
 )
 _SUCCESS = cu.CUresult.CUDA_SUCCESS
+_NOT_READY = int(cu.CUresult.CUDA_ERROR_NOT_READY)
 _DEINITIALIZED = cu.CUresult.CUDA_ERROR_DEINITIALIZED
 
 
@@ -274,6 +275,13 @@ class Stream:
 
     def synchronize(self) -> None:
         call(cu.cuStreamSynchronize, self.handle)
+
+    def finish(self) -> None:
+        """Wait for the stream's work, first asking without waiting (keeping the GIL): a stream
+        already done costs no GIL turn, where :meth:`synchronize` always lets the GIL go."""
+        held = held_calls()
+        if held is None or not held.has("cuStreamQuery") or not held.stream_done(self.handle):
+            self.synchronize()
 
     def wait(self, event: Event) -> None:
         """Make later work on this stream wait for ``event`` (no host wait; keeps the GIL)."""
@@ -659,8 +667,8 @@ class HeldCalls:
     (a dozen threads) each release costs a wait to win the GIL back, ~75 us measured per call on
     the launcher's path (docs/performance.md), for a call that spends microseconds in the driver.
     Only calls that return at once belong here: context binding, event record and stream wait,
-    kernel and graph launches, asynchronous copies. Blocking ones (synchronize) keep cuda-python's
-    release. Errors go through the same checker as :func:`call`.
+    kernel and graph launches, asynchronous copies, a stream's query. Blocking ones (synchronize)
+    keep cuda-python's release. Errors go through the same checker as :func:`call`.
     """
 
     def __init__(self, lib: ctypes.PyDLL) -> None:
@@ -672,6 +680,7 @@ class HeldCalls:
             "cuEventRecord": ("cuEventRecord", [p, p]),
             "cuStreamWaitEvent": ("cuStreamWaitEvent", [p, p, u]),
             "cuGraphLaunch": ("cuGraphLaunch", [p, p]),
+            "cuStreamQuery": ("cuStreamQuery", [p]),
             "cuLaunchKernel": ("cuLaunchKernel", [p, u, u, u, u, u, u, u, p, p, p]),
             "cuMemcpyHtoDAsync": ("cuMemcpyHtoDAsync_v2", [dptr, p, st, p]),
             "cuMemcpyDtoHAsync": ("cuMemcpyDtoHAsync_v2", [p, dptr, st, p]),
@@ -704,6 +713,15 @@ class HeldCalls:
 
     def graph_launch(self, graph_exec: Any, stream: Any) -> None:
         self._call("cuGraphLaunch", _address(graph_exec), _address(stream))
+
+    def stream_done(self, stream: Any) -> bool:
+        """Whether all work queued on ``stream`` has completed (cuStreamQuery; never waits)."""
+        status = self._fns["cuStreamQuery"](_address(stream))
+        if status == _NOT_READY:
+            return False
+        if status:
+            raise CudaError("cuStreamQuery", *describe(status))
+        return True
 
     def launch_kernel(
         self,

@@ -289,7 +289,15 @@ class Engine:
             with self._lock:
                 if self._overlap is None:
                     self._overlap = Overlap(self.backend)  # type: ignore[arg-type]
-        return self._overlap.stage(np.ascontiguousarray(x), np.dtype(self.input_spec.dtype), fill)
+        x = np.ascontiguousarray(x)
+        ordered = fill is not None and self.backend.runs_on_stream(n)  # type: ignore[attr-defined]
+        return self._overlap.stage(x, np.dtype(self.input_spec.dtype), fill, device_ordered=ordered)
+
+    def wait_staged(self, staged: Staged) -> None:
+        """Wait until the GPU has passed what :meth:`stage` queued for ``staged`` (its ``fill``'s
+        work): a caller that drops a ``pending`` staged batch unlaunched frees what it read after this."""
+        if self._overlap is not None and staged.pending:
+            self._overlap.wait_staged(staged)
 
     def launch(
         self,
@@ -332,7 +340,11 @@ class Engine:
                 self.backend.timings[k] = 0.0
             name = self.input_spec.name
             submission = self._overlap.launch(  # nobody reads a launch's graph time: no timing events
-                staged, lambda x, n: self.backend.run_plan(n, {name: x}, timed=False), wanted, addresses
+                staged,
+                lambda x, n: self.backend.run_plan(n, {name: x}, timed=False),
+                wanted,
+                addresses,
+                device_ordered=self.backend.runs_on_stream(staged.n),  # type: ignore[attr-defined]
             )
             self.last_timings = {
                 "track_a_ms": self.backend.timings["A"],

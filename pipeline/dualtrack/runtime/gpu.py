@@ -246,6 +246,13 @@ class CudaBackend:
         self.graph_pending = self.stream_pending = True
         return dict(outs)
 
+    def runs_on_stream(self, batch: int) -> bool:
+        """Whether a run at ``batch`` is known to be one CUDA graph on :attr:`stream` (nothing of it on
+        IREE's own streams), from any thread without a lock: False until a run has decided it."""
+        if self.poison or not self.track_a.use_graphs:
+            return False
+        return self.graph_ok.get((batch, self.track_b.replayer.version), False)
+
     def _one_graph(self, batch: int) -> bool:
         """Whether this batch size runs as one graph: graphs on, no poisoned verification run, and
         every Track B module replayed (decided once per batch and set of refusals)."""

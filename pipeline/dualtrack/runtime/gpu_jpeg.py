@@ -175,7 +175,7 @@ class GpuJpegDecoder:
 
     def _decode_waiting(self, stream: Stream, jpegs: list[GpuJpeg], decoder: Any) -> list[Any]:
         results, streams = self.decode(stream, jpegs, decoder)
-        stream.synchronize()
+        stream.finish()  # nvJPEG's hardware decode is mostly done when decode() returns: often no wait
         del streams  # the code streams, once the decode has read them
         return results
 

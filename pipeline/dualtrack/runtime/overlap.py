@@ -15,7 +15,11 @@ Ordering, all device-side except where IREE needs the host (FACTS 8):
 - an upload into slot s waits (``cuStreamWaitEvent``) for ``ran[s]`` of the previous run on s,
   whose first segment may be Track A (asynchronous);
 - the upload is complete on the host before :meth:`stage` returns: IREE reads the input on its own
-  streams and cannot wait on an event (one host wait per batch, on the staging thread);
+  streams and cannot wait on an event (one host wait per batch, on the staging thread); except
+  where the caller says the run is ordered on the compute stream alone (the whole plan one CUDA
+  graph, every Track B module replayed) and no row came from the host: then the launch makes the
+  compute stream wait for ``uploaded[s]`` instead, and what the upload stream reads (the caller's
+  decoded pictures) must stay alive until :meth:`Submission.result` (``Staged.pending``);
 - a download waits for ``ran[s]``: a Track A last segment is then done, and an IREE one is done
   before its call returned;
 - :meth:`Submission.result` waits for ``downloaded[s]`` and copies the outputs out, after which
@@ -136,6 +140,9 @@ class Staged:
     # Where the stage's time went (ms): ``slot`` waiting for a free slot, ``rows`` the caller's
     # fill (its GPU rows), ``sync`` waiting for the upload stream. Empty on the CPU.
     timings: dict[str, float] = field(default_factory=dict)
+    # The upload is ordered on the device only (no host wait): the launch waits for it on the
+    # compute stream, and what fill's work reads must outlive Submission.result().
+    pending: bool = False
 
 
 @dataclass
@@ -179,7 +186,10 @@ class Overlap:
             e.record(backend.stream)  # every slot starts free
         self._stage_lock = threading.Lock()
 
-    def stage(self, x: np.ndarray, dtype: np.dtype, fill: Fill | None) -> Staged:
+    def stage(self, x: np.ndarray, dtype: np.dtype, fill: Fill | None, *, device_ordered: bool = False) -> Staged:
+        """``device_ordered``: the launch of this batch runs on the compute stream alone, so a
+        batch whose rows ``fill`` wrote on the GPU (no host row to upload) need not be waited for
+        on the host: its :class:`Staged` is ``pending`` (the module's ordering)."""
         be = self.be
         be.ctx.make_current()  # callers may be on any thread
         t0 = time.monotonic()
@@ -196,21 +206,30 @@ class Overlap:
                 self.up.wait(self.ran[slot])
                 written = fill(self.up, tensor) if fill is not None else set()
                 t_rows = time.monotonic()
-                src = x if be._is_host_array(x) else self._pinned_copy(slot, x)
+                runs = rows_to_upload(n, written)
+                src = x if not runs or be._is_host_array(x) else self._pinned_copy(slot, x)
                 row = x.nbytes // max(n, 1)
-                for first, count in rows_to_upload(n, written):
+                for first, count in runs:
                     copy_async(
                         "HtoD", buf.ptr + first * row, src.ctypes.data + first * row, count * row, self.up.handle
                     )
                 self.uploaded[slot].record(self.up)
                 t_copy = time.monotonic()
-                self.uploaded[slot].synchronize()  # IREE reads it on its own streams (FACTS 8)
+                pending = device_ordered and not runs
+                if not pending:
+                    self.uploaded[slot].synchronize()  # IREE reads it on its own streams (FACTS 8)
                 self.ring.staged(slot)
             except BaseException:
                 self.ring.abandon(slot)
                 raise
         timings = {"slot": t_slot - t0, "rows": t_rows - t_slot, "sync": time.monotonic() - t_copy}
-        return Staged(slot, tensor, n, {k: v * 1e3 for k, v in timings.items()})
+        return Staged(slot, tensor, n, {k: v * 1e3 for k, v in timings.items()}, pending)
+
+    def wait_staged(self, staged: Staged) -> None:
+        """Wait on the host until the upload stream has passed ``staged``'s stage (before freeing
+        what a ``pending`` stage's rows were read from, when the batch does not run)."""
+        self.be.ctx.make_current()
+        self.uploaded[staged.slot].synchronize()
 
     def _pinned_copy(self, slot: int, x: np.ndarray) -> np.ndarray:
         held = self.pinned_in.get(slot)
@@ -226,12 +245,16 @@ class Overlap:
         run: Callable[[GpuTensor, int], Mapping[str, Any]],
         wanted: tuple[str, ...],
         into: Mapping[str, Sequence[int | None]] | None = None,
+        *,
+        device_ordered: bool = False,
     ) -> Submission:
         """Queue ``run`` on the staged slot and its outputs' way to the host. An output named in
         ``into`` goes straight from the run's buffer to the page-locked host addresses given per
         row (``None``: the row is not wanted), on the compute stream before ``ran[s]`` (one batched
         copy; no device copy, no download stream, nothing to copy on the host); the others are
-        copied into the slot's page-locked staging on the download stream, as the module says."""
+        copied into the slot's page-locked staging on the download stream, as the module says.
+        A ``pending`` stage is waited for on the compute stream, or on the host when this run is not
+        ``device_ordered`` after all (its plan changed since the stage)."""
         be, slot = self.be, staged.slot
         into = into or {}
         direct = [name for name in wanted if name in into]
@@ -239,6 +262,11 @@ class Overlap:
         self.ring.begin_launch(slot)
         queued_direct = False
         try:
+            if staged.pending:
+                if device_ordered:
+                    be.stream.wait(self.uploaded[slot])
+                else:
+                    self.uploaded[slot].synchronize()
             outs = run(staged.x, staged.n)
             for name in direct:
                 t = outs[name]

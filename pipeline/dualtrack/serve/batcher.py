@@ -140,6 +140,9 @@ class _Staged:
     # The masks' destinations by row (None: a failed or pad row) when every live row has one: the
     # launch writes them there; else None, and _resolve copies into those that have one.
     into: list[np.ndarray | None] | None = None
+    # Decoded pictures the GPU still reads (a stage not waited for on the host, Staged.pending):
+    # released once the batch's result is in, or after Engine.wait_staged if it never runs.
+    tickets: list[Ticket] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -549,6 +552,8 @@ class Batcher(QueueState["Engine"]):
         # The decoded pictures (the prefetcher's tickets) are released after stage() has
         # synchronised its upload stream, the resizes' stream, on this thread while the engine's
         # context is alive; if staging fails after fill queued resizes, that stream is waited for first.
+        # A stage the engine orders on the GPU alone (Staged.pending: no host wait) hands them to
+        # the _Staged, released once its result is in (_release_tickets).
         used: list[Any] = []
         decode_wait = [0.0]  # seconds fill waited for the prefetcher's decodes
         if jpegs:
@@ -578,8 +583,11 @@ class Batcher(QueueState["Engine"]):
                 return written
 
         ok = False
+        held: list[Ticket] = []  # the tickets a pending stage keeps until its result
         try:
             staged = _Staged(requests, failed, size, engine.stage(x[:size], fill), {})
+            if getattr(staged.staged, "pending", False):
+                held = staged.tickets = list(batch.jpegs.values())
             staged.phases["batch_gather_ms"] = (batch.closed - batch.requests[0].enqueued) * 1e3
             staged.phases["batch_stage_ms"] = (time.monotonic() - batch.closed) * 1e3
             for part, ms in getattr(staged.staged, "timings", {}).items():  # slot wait, rows written, upload wait
@@ -596,7 +604,8 @@ class Batcher(QueueState["Engine"]):
             if not ok and used:
                 used[0].synchronize()
             for ticket in batch.jpegs.values():
-                prefetch.release(ticket)  # type: ignore[union-attr]
+                if not (ok and held):
+                    prefetch.release(ticket)  # type: ignore[union-attr]
 
     def _launch_loop(
         self,
@@ -614,12 +623,14 @@ class Batcher(QueueState["Engine"]):
                     submission = engine.launch(item.staged, outputs=(MASK_OUTPUT,), into=into)
                 except Exception as err:
                     self._landed()
+                    self._release_tickets(engine, item, ran=False)
                     self._fail_rows(item, err)
                     continue
                 landed.put(_Landed(item, submission, start, dict(engine.last_timings)))  # this launch's
         except BaseException as err:  # a bug here stops the worker: no request may hang
             failure.append(err)
             while (item := handoff.get()) is not None:
+                self._release_tickets(engine, item, ran=False)
                 self._fail_rows(item, err)
         finally:
             landed.put(None)
@@ -634,7 +645,21 @@ class Batcher(QueueState["Engine"]):
             while (entry := landed.get()) is not None:
                 with contextlib.suppress(Exception):
                     entry.submission.result()  # its slot is collected: a stage waiting for it goes on
+                self._release_tickets(None, entry.item, ran=True)
                 self._fail_rows(entry.item, err)
+
+    def _release_tickets(self, engine: Engine | None, item: _Staged, *, ran: bool) -> None:
+        """Free the decoded pictures a pending stage kept: after its result (``ran``: the GPU
+        passed the resizes before the compute), or, for a batch that never ran, once the GPU has
+        passed its stage (Engine.wait_staged)."""
+        if not item.tickets:
+            return
+        if not ran and engine is not None:
+            with contextlib.suppress(Exception):  # a broken context: nothing reads them any more
+                engine.wait_staged(item.staged)
+        tickets, item.tickets = item.tickets, []
+        for ticket in tickets:
+            self._prefetch.release(ticket)  # type: ignore[union-attr]
 
     def _landed(self) -> None:
         """One batch fewer in the engine; with ``batches_in_flight``, the gathering batch may start."""
@@ -655,6 +680,7 @@ class Batcher(QueueState["Engine"]):
             return
         finally:
             self._landed()  # its GPU work is done (or failed): a batch gathering may start
+            self._release_tickets(None, item, ran=True)
         run_ms = (time.monotonic() - entry.start) * 1e3
         timings = {**entry.timings, **item.phases, "batch_gpu_ms": run_ms}
         self._resolve(item.requests, masks, item.size, entry.start, run_ms, timings, item.failed)
