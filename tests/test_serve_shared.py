@@ -212,8 +212,7 @@ def test_a_jpeg_for_the_gpu_travels_as_bytes_to_the_engine_process(engine, rng, 
             a.submit_jpeg(jpeg)  # the engine process has no GPU decoder: the worker decodes
         received: list[GpuJpeg] = []
 
-        def submit_jpeg(got: GpuJpeg, into: np.ndarray | None = None, decode_filling: bool = False):
-            assert decode_filling  # the engine process's reader may decode a batch's filling JPEG itself
+        def submit_jpeg(got: GpuJpeg, into: np.ndarray | None = None):
             received.append(got)
             return host.batcher.submit(load_for_model(got.data, 64, 64).pixels, into=into)
 
