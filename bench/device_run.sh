@@ -134,17 +134,6 @@ for step in $steps; do
         --variant "w4_nopin_b=DUALTRACK_PIN_SLOTS=0 --workers 4 --max-batch-delay-ms 8" \
         --variant "w4_ahead12_b=DUALTRACK_JPEG_AHEAD_MB=12 --workers 4 --max-batch-delay-ms 8" \
         --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_pin.log" ;;
-    serve_fill)
-      # Not in the default steps (issue 15): the engine process's reader decoding the JPEG that fills its
-      # batch (the default) against every JPEG on the decode lanes (DUALTRACK_DECODE_FILLING=0), JPEG -> JSON
-      # at 16 and 32 clients on `serve --workers 4`, in three alternating rounds.
-      V="--workers 4 --max-batch-delay-ms 8"
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" \
-        --clients 16 32 --only-variants --cases jpeg_in_json_out --tag fill --duration-s "${SERVE_S:-10}" \
-        --variant "fill_a=$V" --variant "lanes_a=DUALTRACK_DECODE_FILLING=0 $V" \
-        --variant "lanes_b=DUALTRACK_DECODE_FILLING=0 $V" --variant "fill_b=$V" \
-        --variant "fill_c=$V" --variant "lanes_c=DUALTRACK_DECODE_FILLING=0 $V" \
-        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_fill.log" ;;
     serve_gil)
       # Not in the default steps (issue 15): the driver's enqueue calls keeping the GIL (runtime/driver.py
       # HeldCalls, the default) against cuda-python's release (DUALTRACK_HOLD_GIL=0), JPEG -> JSON at 16 and

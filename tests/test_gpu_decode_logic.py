@@ -4,13 +4,11 @@ decode-ahead thread's order and bound (with Pillow decoding for it)."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import io
 import struct
 import threading
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,7 +20,6 @@ from dualtrack.kernels import RESIZE_RGB
 from dualtrack.kernels.resize_rgb import ResizeJob, oriented
 from dualtrack.runtime.gpu_jpeg import JpegPrefetcher, choose_decoder
 from dualtrack.runtime.overlap import SlotRing, SlotState, rows_to_upload
-from dualtrack.serve.batcher import Phase
 
 TRANSPOSES = {
     2: Image.Transpose.FLIP_LEFT_RIGHT,
@@ -361,69 +358,3 @@ def test_a_failed_decode_refuses_its_jpegs_and_close_frees_what_is_held(rng) -> 
     assert prefetch.take(queued) == "the GPU decoder is shutting down"  # never decoded: the CPU path takes it
     late = prefetch.add(_routed(rng, 1)[0])
     assert prefetch.take(late) == "the GPU decoder is shutting down"
-
-
-def test_decode_here_decodes_on_the_callers_thread_when_the_bound_has_room(rng) -> None:
-    """JpegPrefetcher.decode_here: decoded on the calling thread before it returns, counted in the
-    bound like a lane's; with no room (another picture held, this one over the bound) it is queued
-    for the lanes as add() does."""
-    lanes, here = _PillowDecodes(), _PillowDecodes()
-    lanes.gate.clear()  # the lanes decode nothing until the test opens them
-    prefetch = JpegPrefetcher(lanes, ahead_bytes=PICTURE + PICTURE // 2, most_per_call=4)
-    try:
-        first, second = _routed(rng, 2)
-        ticket = prefetch.decode_here(first, here)
-        assert ticket.state == "decoded" and ticket.done.is_set() and here.calls == [1]
-        np.testing.assert_array_equal(prefetch.take(ticket), np.asarray(Image.open(io.BytesIO(first.data))))
-        over = prefetch.decode_here(second, here)  # a second picture would pass the bound: the lanes take it
-        assert over.state in ("queued", "decoding") and here.calls == [1]
-        prefetch.release(ticket)
-        lanes.gate.set()
-        assert isinstance(prefetch.take(over), np.ndarray) and lanes.calls == [1]
-        prefetch.release(over)
-    finally:
-        prefetch.close()
-
-
-class _FakeLanes:
-    """The GpuJpegDecoder surface Batcher.submit_jpeg uses for decode_filling: borrow() a lane."""
-
-    def __init__(self, decode: _PillowDecodes) -> None:
-        self.decode, self.borrowed = decode, 0
-
-    @contextlib.contextmanager
-    def borrow(self):
-        self.borrowed += 1
-        yield self.decode
-
-
-def test_only_the_jpeg_that_fills_its_batch_is_decoded_by_its_caller(rng) -> None:
-    """Batcher.submit_jpeg(decode_filling=True): the rows before the last go to the lanes; the JPEG
-    whose row fills the batch is decoded on the calling thread (it is what the stage waits for)."""
-    from dualtrack.serve.batcher import Batcher, _Batch
-
-    lanes, here = _PillowDecodes(), _PillowDecodes()
-    b = Batcher(object(), max_batch_delay_s=60.0, max_queue=16)  # type: ignore[arg-type]
-    b._engine = SimpleNamespace(  # type: ignore[assignment]
-        input_spec=SimpleNamespace(shape=(1, 4, 5, 3)),
-        output_specs=(SimpleNamespace(name="mask", shape=(1, 4, 5)),),
-        batch_sizes=(1, 4),
-    )
-    b._phase = Phase.READY
-    b._jpeg = _FakeLanes(here)
-    b._prefetch = JpegPrefetcher(lanes, ahead_bytes=64 * PICTURE, most_per_call=4)
-    b._spare = [np.zeros((4, 4, 5, 3), np.uint8)]
-    try:
-        jpegs = _routed(rng, 5)
-        for jpeg in jpegs:
-            b.submit_jpeg(jpeg, decode_filling=True)
-        first, second = b._pending
-        assert isinstance(first, _Batch) and len(first.requests) == 4 and len(second.requests) == 1
-        assert b._jpeg.borrowed == 1 and here.calls == [1]  # the 4th: it filled the first batch
-        assert first.jpegs[3].state == "decoded" and first.jpegs[3].jpeg is jpegs[3]
-        _wait_until(lambda: sum(lanes.calls) == 4)  # rows 0-2 and the next batch's first on the lanes
-    finally:
-        for batch in b._pending:
-            for ticket in batch.jpegs.values():
-                b._prefetch.release(ticket)
-        b._prefetch.close()

@@ -34,8 +34,6 @@ class Settings:
                           (1-65536, default 256; a 512x512 JPEG decodes to 0.75 MiB)
     DUALTRACK_PIN_SLOTS   set to 0 to leave the image slot file of `serve --workers N` pageable: the masks
                           then take two host copies each instead of going from the GPU straight into it
-    DUALTRACK_DECODE_FILLING  set to 0 to leave every JPEG of `serve --workers N` to the decode lanes; by
-                          default the engine process's reader that receives the JPEG filling a batch decodes it
     DUALTRACK_HOLD_GIL    set to 0 to let the GIL go in every CUDA driver call (cuda-python's way); by default
                           the calls that only queue work keep it (runtime/driver.py HeldCalls)
     """
@@ -54,7 +52,6 @@ class Settings:
     jpeg_ahead_mb: int = 256
     pin_slots: bool = True
     hold_gil: bool = True
-    decode_filling: bool = True
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -78,7 +75,6 @@ class Settings:
             jpeg_ahead_mb=_int_in("DUALTRACK_JPEG_AHEAD_MB", env.get("DUALTRACK_JPEG_AHEAD_MB") or "256", 1, 65536),
             pin_slots=env.get("DUALTRACK_PIN_SLOTS", "1") not in ("0", "false", "no"),
             hold_gil=env.get("DUALTRACK_HOLD_GIL", "1") not in ("0", "false", "no"),
-            decode_filling=env.get("DUALTRACK_DECODE_FILLING", "1") not in ("0", "false", "no"),
         )
 
 

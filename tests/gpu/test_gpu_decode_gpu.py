@@ -149,45 +149,6 @@ def test_a_jpeg_nvimgcodec_refuses_is_handed_back_for_the_cpu_path(engine) -> No
     assert decoded.written | set(decoded.refused) == {0, 1}  # nvJPEG either decodes it or hands it back
 
 
-@needs_nvimgcodec
-def test_borrowed_lanes_decode_on_the_callers_threads_and_a_closed_decoder_lends_none(engine) -> None:
-    """GpuJpegDecoder.borrow (a reader decodes the JPEG that fills its batch itself): threads that
-    decode at once each get a lane; the pictures match the CPU path within the decoders'
-    difference after the same resize; close() refuses further loans."""
-    choice, decoder = open_decoder(engine, "auto", None)
-    assert decoder is not None, choice.reason
-    be = engine.backend
-    h, w = engine.input_spec.shape[1:3]
-    route = imaging.route_jpeg(_jpeg(_photo(np.random.default_rng(15), w + 9, h + 5)), h, w, max_downscale=8)
-    assert isinstance(route, imaging.GpuJpeg)
-    pictures: dict[int, object] = {}
-    inside = threading.Barrier(3, timeout=60)
-
-    def work(i: int) -> None:
-        with decoder.borrow() as lane:
-            inside.wait()  # all three hold a lane at once
-            pictures[i] = lane([route])[0]
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert len(pictures) == 3 and len(decoder._idle) == 3  # three lanes lent at once, all given back
-    dbuf, shape = _device_rows(engine, 3)
-    decoder.resize_rows(be.stream, [decoder.job(p, route, dbuf.ptr + i * h * w * 3) for i, p in pictures.items()], h, w)
-    got = _read(engine, dbuf, shape)
-    be.stream.synchronize()
-    cpu = imaging.load_for_model(route.data, h, w).pixels
-    for i in range(3):
-        diff = np.abs(got[i].astype(np.int16) - cpu)
-        assert diff.max() <= DECODE_MAX_ABS and diff.mean() < DECODE_MEAN_ABS
-    pictures.clear()
-    decoder.close()
-    with pytest.raises(RuntimeError, match="closed"), decoder.borrow():
-        pass
-
-
 def test_submit_is_bit_identical_to_run(engine) -> None:
     rng = np.random.default_rng(10)
     for b in engine.batch_sizes:
@@ -297,22 +258,6 @@ def test_the_batcher_keeps_decoded_pictures_until_a_pending_batch_has_run(tiny_b
             while batcher._prefetch._held_bytes and time.monotonic() < deadline:  # released after answering
                 time.sleep(0.01)
             assert batcher._prefetch._held_bytes == 0 and not batcher._prefetch._held
-        finally:
-            assert batcher.close(60)
-        # A full batch (4 rows, no pad row: pending), its last JPEG decoded by the caller (decode_filling).
-        batcher = Batcher(e, max_batch_delay_s=30.0, max_queue=16)
-        batcher.start()
-        try:
-            deadline = time.monotonic() + 120
-            while batcher.phase is not Phase.READY and time.monotonic() < deadline:
-                time.sleep(0.05)
-            routes = [imaging.route_jpeg(b, h, w, max_downscale=RESIZE_RGB.max_downscale) for b in bodies[:4]]
-            futures = [batcher.submit_jpeg(r, decode_filling=True) for r in routes]  # type: ignore[arg-type]
-            for f, expected in zip(futures, want, strict=False):
-                result = f.result(60)
-                assert (result.batch_size, result.padded_size) == (4, 4)
-                assert float((result.mask == expected).mean()) >= MASK_AGREEMENT
-            assert len(batcher._jpeg._idle) == 1  # the lane the filling JPEG was decoded on, given back
         finally:
             assert batcher.close(60)
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import io
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,11 +130,6 @@ class GpuJpegDecoder:
         with ctx.push_current():
             self.stream = Stream(ctx, urgent=True)  # decode_now's: its kernels go before the batch computing
         self._lanes: list[Stream] = []  # add_lane's streams
-        self._idle: list[Callable[[list[GpuJpeg]], list[Any]]] = []  # borrow()'s lanes not in use
-        self._lending = threading.Condition()  # guards _idle, _borrowed, _closed
-        self._borrowed = 0
-        self._closed = False
-        self._bound = threading.local()  # whether this thread has made the context current
         self._check_decodes()
 
     def add_lane(self) -> Callable[[list[GpuJpeg]], list[Any]]:
@@ -147,31 +142,6 @@ class GpuJpegDecoder:
             stream = Stream(self.ctx, urgent=True)
         self._lanes.append(stream)
         return lambda jpegs: self._decode_waiting(stream, jpegs, decoder)
-
-    @contextmanager
-    def borrow(self) -> Iterator[Callable[[list[GpuJpeg]], list[Any]]]:
-        """A lane (:meth:`add_lane`: a decoder and stream) for the calling thread until the block
-        ends: one of those given back before, or a new one. For threads that decode the JPEGs they
-        receive themselves (the engine process's connection readers): the pool grows to as many
-        lanes as threads decode at once. Raises :class:`RuntimeError` once :meth:`close` has begun."""
-        with self._lending:
-            if self._closed:
-                raise RuntimeError("the GPU JPEG decoder is closed")
-            self._borrowed += 1
-            lane = self._idle.pop() if self._idle else None
-        try:
-            if not getattr(self._bound, "done", False):
-                self.ctx.make_current()
-                self._bound.done = True
-            if lane is None:
-                lane = self.add_lane()
-            yield lane
-        finally:
-            with self._lending:
-                if lane is not None:
-                    self._idle.append(lane)
-                self._borrowed -= 1
-                self._lending.notify_all()
 
     def _check_decodes(self) -> None:
         """Decode one small JPEG now: GPU backends that cannot load (no nvJPEG) refuse every image,
@@ -209,12 +179,8 @@ class GpuJpegDecoder:
         del streams  # the code streams, once the decode has read them
         return results
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Destroy the decoder's streams (its pictures must be gone first) once every borrowed
-        lane is back (at most ``timeout`` s: a decode takes milliseconds); idempotent."""
-        with self._lending:
-            self._closed = True
-            self._lending.wait_for(lambda: self._borrowed == 0, timeout)
+    def close(self) -> None:
+        """Destroy the decoder's streams (its pictures must be gone first); idempotent."""
         self.stream.close()
         for stream in self._lanes:
             stream.close()
@@ -321,8 +287,7 @@ class JpegPrefetcher:
     decodes to 0.75 MB: a bound of pictures sized for the largest would hold back model-size JPEGs
     that fit many times over. A stager that needs a ticket still queued is served first, whatever
     the bound.
-    Queued tickets are decoded in the order given (:meth:`decode_here` decodes on its caller's
-    thread at once when there is room); every ticket must be released (its picture
+    Tickets are decoded in the order given; every ticket must be released (its picture
     freed) once its resize has run or it is dropped, and :meth:`close` frees what is left, before
     the engine's context goes.
     """
@@ -360,9 +325,7 @@ class JpegPrefetcher:
             thread.start()
 
     def add(self, jpeg: GpuJpeg) -> Ticket:
-        return self._enqueue(Ticket(jpeg))
-
-    def _enqueue(self, ticket: Ticket) -> Ticket:
+        ticket = Ticket(jpeg)
         with self._cond:
             if self._closing:
                 ticket.refused = "the GPU decoder is shutting down"
@@ -371,27 +334,6 @@ class JpegPrefetcher:
                 return ticket
             self._queue.append(ticket)
             self._cond.notify()  # one JPEG: one lane (waking them all cost each a GIL turn)
-        return ticket
-
-    def decode_here(self, jpeg: GpuJpeg, decode: Callable[[list[GpuJpeg]], list[Any]]) -> Ticket:
-        """``jpeg``'s ticket, decoded on the calling thread with ``decode`` (a lane of its own:
-        :meth:`GpuJpegDecoder.borrow`) before this returns when the bound has room; else queued
-        for the prefetcher's threads, as :meth:`add` does.
-
-        Why: a thread that receives a JPEG and hands it to a decode thread makes that thread wake
-        and win the GIL; decoding where it arrives saves that turn, and a JPEG decoded before its
-        row is claimed never keeps its batch's stager waiting (``batch_decode_ms``)."""
-        ticket = Ticket(jpeg)
-        with self._cond:
-            if self._closing or (self._held and self._held_bytes + ticket.nbytes > self.ahead_bytes):
-                pass  # add() below: refused while closing, else queued for the lanes
-            else:
-                ticket.state = "decoding"
-                self._held.add(ticket)
-                self._held_bytes += ticket.nbytes
-        if ticket.state == "queued":
-            return self._enqueue(ticket)
-        self._finish([ticket], self._decode(decode, [ticket]))
         return ticket
 
     def take(self, ticket: Ticket) -> Any:
@@ -472,27 +414,21 @@ class JpegPrefetcher:
                     self._held.add(ticket)
                     self._held_bytes += ticket.nbytes
                     jobs.append(ticket)
-            self._finish(jobs, self._decode(decode, jobs))
-
-    @staticmethod
-    def _decode(decode: Callable[[list[GpuJpeg]], list[Any]], jobs: list[Ticket]) -> list[Any]:
-        try:
-            return decode([t.jpeg for t in jobs])
-        except Exception as err:  # the CPU path decides each of them
-            return [f"nvImageCodec failed: {err}"] * len(jobs)
-
-    def _finish(self, jobs: list[Ticket], results: list[Any]) -> None:
-        with self._cond:
-            for ticket, result in zip(jobs, results, strict=True):
-                if ticket.state == "decoding":  # not released meanwhile
-                    ticket.state = "decoded"
-                    if isinstance(result, str):
-                        ticket.refused = result
-                        self._drop(ticket)
-                        self._cond.notify()  # its room is free again
-                    else:
-                        ticket.image = result
-                ticket.done.set()
+            try:
+                results = decode([t.jpeg for t in jobs])
+            except Exception as err:  # the CPU path decides each of them
+                results = [f"nvImageCodec failed: {err}"] * len(jobs)
+            with self._cond:
+                for ticket, result in zip(jobs, results, strict=True):
+                    if ticket.state == "decoding":  # not released meanwhile
+                        ticket.state = "decoded"
+                        if isinstance(result, str):
+                            ticket.refused = result
+                            self._drop(ticket)
+                            self._cond.notify()  # its room is free again
+                        else:
+                            ticket.image = result
+                    ticket.done.set()
 
 
 def open_decoder(engine: Any, wanted: str, jit_cache: Path | None) -> tuple[DecoderChoice, GpuJpegDecoder | None]:

@@ -357,43 +357,19 @@ class Batcher(QueueState["Engine"]):
                 self._cond.notify()
         return request.future
 
-    def submit_jpeg(
-        self, jpeg: imaging.GpuJpeg, *, into: np.ndarray | None = None, decode_filling: bool = False
-    ) -> Future[BatchResult]:
+    def submit_jpeg(self, jpeg: imaging.GpuJpeg, *, into: np.ndarray | None = None) -> Future[BatchResult]:
         """Queue one JPEG that :func:`dualtrack.imaging.route_jpeg` gave the GPU: it is decoded and
         resized on the engine's GPU when its batch is staged (a JPEG nvImageCodec refuses is decoded
         on the CPU then, and fails its future with the CPU path's :class:`InputError` if that refuses
         it too). Raises as :meth:`submit`, and :class:`NotReadyError` when the decoder is not ``gpu``.
         Its decode starts at once, while its batch fills (:class:`~dualtrack.runtime.gpu_jpeg.JpegPrefetcher`).
-        ``into`` as for :meth:`submit`.
-
-        ``decode_filling``: a JPEG that would fill its batch (the last row the stager waits for) is
-        decoded on the calling thread before its row is claimed (a thread that may block for a
-        decode, ~0.2-0.5 ms on the H200: the engine process's connection readers, never an event
-        loop). Why only that one: its decode is what the batch's stage waits for, and the hand-over
-        to a decode lane costs that lane's wake-up and GIL turn; the others have time on the lanes,
-        and a thread decoding every JPEG it receives makes the next ones it receives wait (tried:
-        docs/performance.md, "decoding on the readers, tried and reverted")."""
+        ``into`` as for :meth:`submit`."""
         engine = self._ready_engine()
-        jpegs, prefetch = self._jpeg, self._prefetch
-        if jpegs is None or prefetch is None:
+        if self._jpeg is None:
             raise NotReadyError(f"the JPEG decoder is {self.decoder[0]}: decode on the CPU and call submit()")
-        if not (decode_filling and self._fills_batch()):
-            request, batch, row = self._claim_row(engine, into)
-            ticket = prefetch.add(jpeg)  # its decode starts now, on the prefetcher's thread
-        else:
-            if self._waiting >= self._max_queue:  # no decode for a request the queue would refuse
-                raise self._full()
-            try:
-                with jpegs.borrow() as lane:
-                    ticket = prefetch.decode_here(jpeg, lane)
-            except RuntimeError as err:  # the decoder closed under us: the engine is shutting down
-                raise NotReadyError(f"server is shutting down ({err})") from None
-            try:
-                request, batch, row = self._claim_row(engine, into)
-            except BaseException:
-                prefetch.release(ticket)
-                raise
+        request, batch, row = self._claim_row(engine, into)
+        assert self._prefetch is not None
+        ticket = self._prefetch.add(jpeg)  # its decode starts now, on the prefetcher's thread
         with self._cond:
             batch.jpegs[row] = ticket
             batch.copying -= 1
@@ -420,7 +396,9 @@ class Batcher(QueueState["Engine"]):
             if self._closing:
                 raise NotReadyError("server is shutting down")
             if self._waiting >= self._max_queue:
-                raise self._full()
+                raise QueueFullError(
+                    f"request queue is full ({self._max_queue} waiting): retry shortly or raise --max-queue"
+                )
             batch = self._pending[-1] if self._pending else None
             if batch is None or len(batch.requests) == len(batch.x):
                 batch = _Batch(self._spare.pop() if self._spare else self._new_array(engine))
@@ -431,15 +409,6 @@ class Batcher(QueueState["Engine"]):
             self._waiting += 1
             self._cond.notify()
         return request, batch, row
-
-    def _full(self) -> QueueFullError:
-        return QueueFullError(f"request queue is full ({self._max_queue} waiting): retry shortly or raise --max-queue")
-
-    def _fills_batch(self) -> bool:
-        """Whether the next row claimed fills the batch taking rows (the one its stager waits for)."""
-        with self._cond:
-            batch = self._pending[-1] if self._pending else None
-            return batch is not None and len(batch.requests) == len(batch.x) - 1
 
     def _new_array(self, engine: Engine) -> np.ndarray:
         # At most ceil(max_queue / largest batch) + 1 are ever in use at once (the queued batches and

@@ -187,8 +187,6 @@ class EngineHost:
         self.mask_shape = tuple(shape[1:3])
         slot_bytes = int(np.prod(self.image_shape))  # a uint8 image; its mask (H x W) fits in its place
         self.slots_per_range = options.max_queue + max(self.info.batch_sizes)
-        # The readers decode a JPEG that fills its batch themselves (Batcher.submit_jpeg).
-        self.decode_filling = Settings.from_env().decode_filling
         ranges = workers + SPARE_RANGES
         self.metrics = ServeMetrics(
             queue_depth=lambda: self.batcher.depth, ready=lambda: self.batcher.phase is Phase.READY
@@ -435,8 +433,7 @@ class _Peer:
         data = self.host.slots.array(self.first_slot + slot, (nbytes,)).tobytes()  # the slot gets the mask later
         jpeg = imaging.GpuJpeg(data, stored, orientation)
         into = self.host.mask_into(self.first_slot + slot)
-        filling = self.host.decode_filling  # a JPEG that fills its batch: decoded on this reader
-        self._queued(rid, slot, transit, lambda: self.host.batcher.submit_jpeg(jpeg, into=into, decode_filling=filling))
+        self._queued(rid, slot, transit, lambda: self.host.batcher.submit_jpeg(jpeg, into=into))
 
     def _queued(self, rid: int, slot: int, transit: float, submit: Callable[[], Future[BatchResult]]) -> None:
         try:
