@@ -134,6 +134,15 @@ for step in $steps; do
         --variant "w4_nopin_b=DUALTRACK_PIN_SLOTS=0 --workers 4 --max-batch-delay-ms 8" \
         --variant "w4_ahead12_b=DUALTRACK_JPEG_AHEAD_MB=12 --workers 4 --max-batch-delay-ms 8" \
         --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_pin.log" ;;
+    serve_light)
+      # Not in the default steps: light load (1 and 4 clients, JPEG -> JSON) on `serve --workers 4
+      # --max-batch-delay-ms 8`, full batches only (the default) against --batches-in-flight 1 (a batch starts
+      # with the rows it has while the engine has none): the latency a lone request pays for the batch delay.
+      V="--workers 4 --max-batch-delay-ms 8"
+      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" \
+        --clients 1 4 --only-variants --cases jpeg_in_json_out --tag light --duration-s "${SERVE_S:-5}" --iters 30 \
+        --variant "k0=$V" --variant "k1=$V --batches-in-flight 1" \
+        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_light.log" ;;
     serve_gil)
       # Not in the default steps (issue 15): the driver's enqueue calls keeping the GIL (runtime/driver.py
       # HeldCalls, the default) against cuda-python's release (DUALTRACK_HOLD_GIL=0), JPEG -> JSON at 16 and
