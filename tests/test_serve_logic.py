@@ -115,8 +115,9 @@ class FakeEngine:
 
 
 @contextmanager
-def batcher_of(engine: FakeEngine, delay_s: float = 0.2, max_queue: int = 16) -> Iterator[Batcher]:
-    b = Batcher(engine, max_batch_delay_s=delay_s, max_queue=max_queue)
+def batcher_of(engine: FakeEngine, delay_s: float = 0.2, max_queue: int = 16, **options: object) -> Iterator[Batcher]:
+    """A started batcher of ``engine``, ready; ``options`` are Batcher's other keywords."""
+    b = Batcher(engine, max_batch_delay_s=delay_s, max_queue=max_queue, **options)  # type: ignore[arg-type]
     b.start()
     deadline = time.monotonic() + WAIT_S
     while b.phase.value != "ready":
@@ -273,10 +274,7 @@ def test_batches_in_flight_start_a_batch_before_it_is_full_while_the_engine_has_
     answered."""
     gates = [threading.Event() for _ in range(3)]
     engine = FakeGpuEngine(gates)  # compiled batch sizes 1 and 4
-    b = Batcher(engine, max_batch_delay_s=60.0, max_queue=16, jpeg_decoder="cpu", batches_in_flight=2)
-    b.start()
-    try:
-        until(lambda: b.phase.value == "ready", "the batcher to be ready", WAIT_S)
+    with batcher_of(engine, 60.0, jpeg_decoder="cpu", batches_in_flight=2) as b, _opened(gates):
         first = b.submit(_image(1))
         until(lambda: len(engine.launched) == 1, "a lone request's batch to start at once", WAIT_S)
         second = b.submit(_image(2))
@@ -295,24 +293,25 @@ def test_batches_in_flight_start_a_batch_before_it_is_full_while_the_engine_has_
             (1, 1),
             (2, 4),
         ]
+
+
+@contextmanager
+def _opened(gates: list[threading.Event]) -> Iterator[None]:
+    """Open every gate on the way out, so that the batcher can finish its batches and close."""
+    try:
+        yield
     finally:
         for gate in gates:
             gate.set()
-        assert b.close(WAIT_S)
 
 
 def test_batches_in_flight_on_the_cpu_start_each_batch_with_what_waits() -> None:
     """On the CPU a batch runs before the next is taken: with --batches-in-flight 1 a lone request
     runs at once (batch size 1) instead of waiting out the 60 s delay for others."""
     engine = FakeEngine()
-    b = Batcher(engine, max_batch_delay_s=60.0, max_queue=16, batches_in_flight=1)
-    b.start()
-    try:
-        until(lambda: b.phase.value == "ready", "the batcher to be ready", WAIT_S)
+    with batcher_of(engine, 60.0, batches_in_flight=1) as b:
         result = b.submit(_image(6)).result(WAIT_S)
         assert (result.batch_size, result.padded_size, int(result.mask[0, 0])) == (1, 1, 6)
-    finally:
-        assert b.close(WAIT_S)
     with pytest.raises(ValueError, match="batches_in_flight must be >= 0"):
         Batcher(engine, max_batch_delay_s=0.0, max_queue=1, batches_in_flight=-1)
     with pytest.raises(ConfigError, match="batches_in_flight=-1 is invalid"):
