@@ -623,14 +623,14 @@ class Batcher(QueueState["Engine"]):
                     submission = engine.launch(item.staged, outputs=(MASK_OUTPUT,), into=into)
                 except Exception as err:
                     self._landed()
-                    self._release_tickets(engine, item, ran=False)
+                    self._release_tickets(item, unlaunched_on=engine)
                     self._fail_rows(item, err)
                     continue
                 landed.put(_Landed(item, submission, start, dict(engine.last_timings)))  # this launch's
         except BaseException as err:  # a bug here stops the worker: no request may hang
             failure.append(err)
             while (item := handoff.get()) is not None:
-                self._release_tickets(engine, item, ran=False)
+                self._release_tickets(item, unlaunched_on=engine)
                 self._fail_rows(item, err)
         finally:
             landed.put(None)
@@ -645,18 +645,18 @@ class Batcher(QueueState["Engine"]):
             while (entry := landed.get()) is not None:
                 with contextlib.suppress(Exception):
                     entry.submission.result()  # its slot is collected: a stage waiting for it goes on
-                self._release_tickets(None, entry.item, ran=True)
+                self._release_tickets(entry.item)
                 self._fail_rows(entry.item, err)
 
-    def _release_tickets(self, engine: Engine | None, item: _Staged, *, ran: bool) -> None:
-        """Free the decoded pictures a pending stage kept: after its result (``ran``: the GPU
-        passed the resizes before the compute), or, for a batch that never ran, once the GPU has
-        passed its stage (Engine.wait_staged)."""
+    def _release_tickets(self, item: _Staged, unlaunched_on: Engine | None = None) -> None:
+        """Free the decoded pictures a pending stage kept: after its result (the GPU passed the
+        resizes before the compute), or, for a batch never launched on ``unlaunched_on``, once
+        that GPU has passed its stage (Engine.wait_staged)."""
         if not item.tickets:
             return
-        if not ran and engine is not None:
+        if unlaunched_on is not None:
             with contextlib.suppress(Exception):  # a broken context: nothing reads them any more
-                engine.wait_staged(item.staged)
+                unlaunched_on.wait_staged(item.staged)
         tickets, item.tickets = item.tickets, []
         for ticket in tickets:
             self._prefetch.release(ticket)  # type: ignore[union-attr]
@@ -680,7 +680,7 @@ class Batcher(QueueState["Engine"]):
             return
         finally:
             self._landed()  # its GPU work is done (or failed): a batch gathering may start
-            self._release_tickets(None, item, ran=True)
+            self._release_tickets(item)
         run_ms = (time.monotonic() - entry.start) * 1e3
         timings = {**entry.timings, **item.phases, "batch_gpu_ms": run_ms}
         self._resolve(item.requests, masks, item.size, entry.start, run_ms, timings, item.failed)
