@@ -29,6 +29,9 @@ for v in "$C"/zoo/*.iree_only/*; do [ -d "$v" ] && [ ! -f "$v/model.onnx" ] && c
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 echo "commit ${DUALTRACK_COMMIT:-unknown}"
 dt() { python3 -c 'from dualtrack.cli import main; main()' "$@"; }
+# bench/serve_bench.py on BUNDLE with the carried sample images, writing into $OUT: serve_bench BUNDLE [ARGS...]
+serve_bench() { local b=$1; shift; python3 bench/serve_bench.py --bundle "$b" --png $C/sample.png --jpg $C/sample.jpg \
+  --out "$OUT" --commit "${DUALTRACK_COMMIT:-unknown}" "$@"; }
 steps=${*:-test check serve bench}
 for step in $steps; do
   echo "=== $step"
@@ -93,39 +96,39 @@ for step in $steps; do
       # --workers 4 / 8` with the JPEGs decoded on the engine's GPU (nvImageCodec: its wheels, too big
       # to travel with the rest, installed into /tmp/site by an earlier call of this warm machine), the
       # same with --jpeg-decoder cpu, and one process with the GPU decoder.
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
+      serve_bench $C/unet --clients 16 32 \
         --only-variants --cases jpeg_in_json_out jpeg_in_png_out png_in_png_out --tag gpu_decode --duration-s "${SERVE_S:-10}" \
         --variant "w4_gpu=--workers 4 --max-batch-delay-ms 8" --variant "w8_gpu=--workers 8 --max-batch-delay-ms 8" \
         --variant "w4_cpu=--workers 4 --max-batch-delay-ms 8 --jpeg-decoder cpu" \
-        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_gpu.log" ;;
+        2>&1 | tee "$OUT/serve_gpu.log" ;;
     serve_lanes)
       # Not in the default steps (issue 15): the table of serve_gpu on `serve --workers 4` with 3 GPU JPEG
       # decode lanes (the default), then JPEG -> JSON with 2 and 5 (DUALTRACK_JPEG_LANES), side by side.
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
+      serve_bench $C/unet --clients 16 32 \
         --only-variants --cases jpeg_in_json_out jpeg_in_png_out png_in_png_out --tag lanes --duration-s "${SERVE_S:-10}" \
         --variant "w4_gpu=--workers 4 --max-batch-delay-ms 8" \
-        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_lanes.log"
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
+        2>&1 | tee "$OUT/serve_lanes.log"
+      serve_bench $C/unet --clients 16 32 \
         --only-variants --cases jpeg_in_json_out --tag lanes25 --duration-s "${SERVE_S:-10}" \
         --variant "w4_l2=DUALTRACK_JPEG_LANES=2 --workers 4 --max-batch-delay-ms 8" \
         --variant "w4_l5=DUALTRACK_JPEG_LANES=5 --workers 4 --max-batch-delay-ms 8" \
-        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee -a "$OUT/serve_lanes.log" ;;
+        2>&1 | tee -a "$OUT/serve_lanes.log" ;;
     serve_rounds)
       # Not in the default steps (issue 15): the table of serve_gpu on `serve --workers 4` (3 decode lanes),
       # then JPEG -> JSON on the same server twice more (rounds b, c): the call's own spread beside the table.
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
+      serve_bench $C/unet --clients 16 32 \
         --only-variants --cases jpeg_in_json_out jpeg_in_png_out png_in_png_out --tag rounds --duration-s "${SERVE_S:-10}" \
         --variant "w4_gpu=--workers 4 --max-batch-delay-ms 8" \
-        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_rounds.log"
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
+        2>&1 | tee "$OUT/serve_rounds.log"
+      serve_bench $C/unet --clients 16 32 \
         --only-variants --cases jpeg_in_json_out --tag rounds_bc --duration-s "${SERVE_S:-10}" \
         --variant "w4_gpu_b=--workers 4 --max-batch-delay-ms 8" --variant "w4_gpu_c=--workers 4 --max-batch-delay-ms 8" \
-        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee -a "$OUT/serve_rounds.log" ;;
+        2>&1 | tee -a "$OUT/serve_rounds.log" ;;
     serve_pin)
       # Not in the default steps (issue 15): JPEG -> JSON at 16 and 32 clients on `serve --workers 4`, the
       # defaults against DUALTRACK_PIN_SLOTS=0 (masks through host copies) and DUALTRACK_JPEG_AHEAD_MB=12
       # (about the former bound of 16 decoded 512x512 pictures), in two alternating rounds.
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
+      serve_bench $C/unet --clients 16 32 \
         --only-variants --cases jpeg_in_json_out --tag pin --duration-s "${SERVE_S:-10}" \
         --variant "w4_a=--workers 4 --max-batch-delay-ms 8" \
         --variant "w4_nopin_a=DUALTRACK_PIN_SLOTS=0 --workers 4 --max-batch-delay-ms 8" \
@@ -133,68 +136,68 @@ for step in $steps; do
         --variant "w4_b=--workers 4 --max-batch-delay-ms 8" \
         --variant "w4_nopin_b=DUALTRACK_PIN_SLOTS=0 --workers 4 --max-batch-delay-ms 8" \
         --variant "w4_ahead12_b=DUALTRACK_JPEG_AHEAD_MB=12 --workers 4 --max-batch-delay-ms 8" \
-        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_pin.log" ;;
+        2>&1 | tee "$OUT/serve_pin.log" ;;
     serve_light)
       # Not in the default steps: light load (1 and 4 clients, JPEG -> JSON) on `serve --workers 4
       # --max-batch-delay-ms 8`, full batches only (the default) against --batches-in-flight 1 (a batch starts
       # with the rows it has while the engine has none): the latency a lone request pays for the batch delay.
       V="--workers 4 --max-batch-delay-ms 8"
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" \
+      serve_bench $C/unet \
         --clients 1 4 --only-variants --cases jpeg_in_json_out --tag light --duration-s "${SERVE_S:-5}" --iters 30 \
         --variant "k0=$V" --variant "k1=$V --batches-in-flight 1" \
-        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_light.log" ;;
+        2>&1 | tee "$OUT/serve_light.log" ;;
     serve_gil)
       # Not in the default steps (issue 15): the driver's enqueue calls keeping the GIL (runtime/driver.py
       # HeldCalls, the default) against cuda-python's release (DUALTRACK_HOLD_GIL=0), JPEG -> JSON at 16 and
       # 32 clients on `serve --workers 4`, in three alternating rounds.
       V="--workers 4 --max-batch-delay-ms 8"
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" \
+      serve_bench $C/unet \
         --clients 16 32 --only-variants --cases jpeg_in_json_out --tag gil --duration-s "${SERVE_S:-10}" \
         --variant "hold_a=$V" --variant "release_a=DUALTRACK_HOLD_GIL=0 $V" \
         --variant "release_b=DUALTRACK_HOLD_GIL=0 $V" --variant "hold_b=$V" \
         --variant "hold_c=$V" --variant "release_c=DUALTRACK_HOLD_GIL=0 $V" \
-        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_gil.log" ;;
+        2>&1 | tee "$OUT/serve_gil.log" ;;
     serve_inflight)
       # Not in the default steps (issue 15): the batching policy `--batches-in-flight K` (a batch starts with
       # the rows it has while fewer than K batches are in the engine) on `serve --workers 4`, JPEG -> JSON at
       # 16 and 32 clients, in two alternating rounds: the reference bundle (batch sizes 1, 8) with K = 0 (the
       # default: full batches) and K = 2, and unet_batches (1, 2, 4, 8; its engine alone at each size) with K = 1, 2.
       V="--workers 4 --max-batch-delay-ms 8"
-      python3 bench/serve_bench.py --bundle $C/unet_batches --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" \
+      serve_bench $C/unet_batches \
         --clients 16 32 --only-variants --cases jpeg_in_json_out --tag inflight --duration-s "${SERVE_S:-10}" \
         --variant "k0_a=--bundle $C/unet $V" --variant "k2_18_a=--bundle $C/unet $V --batches-in-flight 2" \
         --variant "k1_a=$V --batches-in-flight 1" --variant "k2_a=$V --batches-in-flight 2" \
         --variant "k0_b=--bundle $C/unet $V" --variant "k2_18_b=--bundle $C/unet $V --batches-in-flight 2" \
         --variant "k1_b=$V --batches-in-flight 1" --variant "k2_b=$V --batches-in-flight 2" \
-        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_inflight.log" ;;
+        2>&1 | tee "$OUT/serve_inflight.log" ;;
     serve_table)
       # Not in the default steps (issue 15): the issue's table on `serve --workers 4` (defaults): JPEG -> JSON,
       # JPEG -> mask PNG and PNG -> mask PNG at 16 and 32 clients, against the engine alone.
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
+      serve_bench $C/unet --clients 16 32 \
         --only-variants --cases jpeg_in_json_out jpeg_in_png_out png_in_png_out --tag table --duration-s "${SERVE_S:-10}" \
         --variant "w4_gpu=--workers 4 --max-batch-delay-ms 8" \
-        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_table.log" ;;
+        2>&1 | tee "$OUT/serve_table.log" ;;
     serve_prof)
       # Not in the default steps (issue 15): JPEG -> JSON at 16 and 32 clients on `serve --workers 4` with
       # the GPU decoder, py-spy sampling the server's processes (serve_bench.py --profile; py-spy from .whl2):
       # where the GIL of the engine process and of the workers goes, pyspy-*.txt (SERVE_PROFILE= : no py-spy).
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
+      serve_bench $C/unet --clients 16 32 \
         --only-variants --cases jpeg_in_json_out --tag prof --duration-s "${SERVE_S:-10}" ${SERVE_PROFILE---profile} \
         --variant "w4_gpu=--workers 4 --max-batch-delay-ms 8" \
         --variant "w4_gil05=--workers 4 --max-batch-delay-ms 8 --gil-switch-ms 0.5" \
-        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_prof.log" ;;
+        2>&1 | tee "$OUT/serve_prof.log" ;;
     serve_prof1)
       # Not in the default steps (issue 15): serve_prof on the defaults alone (py-spy over `serve --workers 4`,
       # JPEG -> JSON at 16 and 32 clients; profiled runs are not rates).
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
+      serve_bench $C/unet --clients 16 32 \
         --only-variants --cases jpeg_in_json_out --tag prof1 --duration-s "${SERVE_S:-10}" --profile \
         --variant "w4_gpu=--workers 4 --max-batch-delay-ms 8" \
-        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_prof1.log" ;;
+        2>&1 | tee "$OUT/serve_prof1.log" ;;
     serve_ab)
       # Not in the default steps (issue 15): the engine process's GIL switch interval (5 ms, Python's
       # default; 0.5; 0.2), JPEG -> JSON at 16 and 32 clients on `serve --workers 4`, in two alternating
       # rounds (the call-to-call spread is ~10%: each setting twice, in one call, side by side).
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
+      serve_bench $C/unet --clients 16 32 \
         --only-variants --cases jpeg_in_json_out --tag ab --duration-s "${SERVE_S:-10}" \
         --variant "w4_sw5a=--workers 4 --max-batch-delay-ms 8" \
         --variant "w4_sw05a=--workers 4 --max-batch-delay-ms 8 --gil-switch-ms 0.5" \
@@ -202,7 +205,7 @@ for step in $steps; do
         --variant "w4_sw5b=--workers 4 --max-batch-delay-ms 8" \
         --variant "w4_sw05b=--workers 4 --max-batch-delay-ms 8 --gil-switch-ms 0.5" \
         --variant "w4_sw02b=--workers 4 --max-batch-delay-ms 8 --gil-switch-ms 0.2" \
-        --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_ab.log" ;;
+        2>&1 | tee "$OUT/serve_ab.log" ;;
     decode)
       # Not in the default steps (issue 15): the engine process's batch cycle with the GPU JPEG decoder,
       # without HTTP (bench/decode_probe.py): the decode alone per nvImageCodec backend set, the batcher
@@ -217,8 +220,8 @@ for step in $steps; do
       # JPEG -> JSON and JPEG -> PNG on `serve --workers 4` and `--workers 8` (HTTP processes in front of one
       # engine); against the engine's own batch-8 throughput measured in the
       # same run (ratios: serve_bench-*.json and the last lines printed). About 5 minutes.
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
-        --variant "workers_4=--workers 4 --max-batch-delay-ms 8" --variant "workers_8=--workers 8 --max-batch-delay-ms 8" --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve.log" ;;
+      serve_bench $C/unet --clients 16 32 \
+        --variant "workers_4=--workers 4 --max-batch-delay-ms 8" --variant "workers_8=--workers 8 --max-batch-delay-ms 8" 2>&1 | tee "$OUT/serve.log" ;;
     ab)
       # Not in the default steps: `bash bench/device_run.sh ab`. The carried bundles of the reference
       # model (.carry/unet, .carry/unet_*) in one process, in alternating rounds (bench/ab.py).
@@ -251,10 +254,10 @@ for step in $steps; do
       # 16 and 32 clients, and the replica's device check: serve_ray-<commit>.json.
       bash bench/ray_install.sh /tmp/site || exit 1
       export RAY_USAGE_STATS_ENABLED=0  # no network here: Ray need not try to report usage
-      python3 bench/serve_bench.py --bundle $C/unet --png $C/sample.png --jpg $C/sample.jpg --out "$OUT" --clients 16 32 \
+      serve_bench $C/unet --clients 16 32 \
         --only-variants --cases png_in_png_out jpeg_in_json_out --tag ray \
         --variant "ray_1gpu=--backend ray --replicas 1 --ingress-replicas 4 --max-batch-delay-ms 8" \
-        --variant "workers_4=--workers 4 --max-batch-delay-ms 8" --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/serve_ray.log" ;;
+        --variant "workers_4=--workers 4 --max-batch-delay-ms 8" 2>&1 | tee "$OUT/serve_ray.log" ;;
     bench)
       python3 bench/bench.py --bundle $C/unet --seed-split-bundle $C/unet_seed_split --iree-only-bundle $C/iree_only --head-b-bundle $C/unet_head_b \
         --batches 1 8 --iters "${BENCH_ITERS:-50}" --skip-autotune --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT" 2>&1 | tee /tmp/bench.log ;;
