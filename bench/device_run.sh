@@ -170,6 +170,18 @@ for step in $steps; do
         --variant "k0_b=--bundle $C/unet $V" --variant "k2_18_b=--bundle $C/unet $V --batches-in-flight 2" \
         --variant "k1_b=$V --batches-in-flight 1" --variant "k2_b=$V --batches-in-flight 2" \
         2>&1 | tee "$OUT/serve_inflight.log" ;;
+    serve_balance)
+      # Not in the default steps (issue 15): the engine process handing each HTTP connection to the worker
+      # holding the fewest (serve/workers.py, the default) against uvicorn's workers racing for them on one
+      # socket (DUALTRACK_BALANCE_WORKERS=0), JPEG -> JSON at 16 and 32 clients on `serve --workers 4`, in
+      # three alternating rounds; each run records how its connections were spread (connections_per_process).
+      V="--workers 4 --max-batch-delay-ms 8"
+      serve_bench $C/unet \
+        --clients 16 32 --only-variants --cases jpeg_in_json_out --tag balance --duration-s "${SERVE_S:-10}" \
+        --variant "balanced_a=$V" --variant "race_a=DUALTRACK_BALANCE_WORKERS=0 $V" \
+        --variant "race_b=DUALTRACK_BALANCE_WORKERS=0 $V" --variant "balanced_b=$V" \
+        --variant "balanced_c=$V" --variant "race_c=DUALTRACK_BALANCE_WORKERS=0 $V" \
+        2>&1 | tee "$OUT/serve_balance.log" ;;
     serve_table)
       # Not in the default steps (issue 15): the issue's table on `serve --workers 4` (defaults): JPEG -> JSON,
       # JPEG -> mask PNG and PNG -> mask PNG at 16 and 32 clients, against the engine alone.

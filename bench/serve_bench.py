@@ -359,6 +359,9 @@ def _serve_and_load(
             run_loadtest(base + path, body, content_type=content_type, concurrency=clients, requests=400)  # warm
             before, cpu0, usage0 = _metrics(base), cpu_of(server.pid), resource.getrusage(resource.RUSAGE_SELF)
             spies = _start_spies(args, server.pid, name) if args.profile else []
+            spread: list[int] = []  # the clients' connections held by each process, midway through
+            sampler = threading.Timer(args.duration_s / 2, _sample_connections, [server.pid, spread])
+            sampler.start()
             rep = run_loadtest(
                 base + path,
                 body,
@@ -368,6 +371,8 @@ def _serve_and_load(
                 duration_s=args.duration_s,
             )
             after, cpu1, usage1 = _metrics(base), cpu_of(server.pid), resource.getrusage(resource.RUSAGE_SELF)
+            sampler.cancel()
+            sampler.join()
             for line in rep.lines():
                 print(f"[{name}] {line}")
             gil_busy = _finish_spies(spies)
@@ -383,6 +388,9 @@ def _serve_and_load(
                 "backend": "ray" if on_ray else "dualtrack",
                 "server_rss_mb": _tree_rss_mb(server.pid)["total"] if on_ray else _rss_mb(server.pid),
                 "image_bytes": len(body),
+                # How the load test's connections were spread over the server's processes (most first):
+                # each HTTP process answers its own connections one after another.
+                "connections_per_process": spread,
                 "report": rep.to_json(),
                 "ratio": round(rep.throughput_rps / reference_img_s, 4),
                 "cpu_ms_per_request": {"client": round(client_s * 1e3 / ok, 3), "server": server_ms},
@@ -416,6 +424,7 @@ def _serve_and_load(
                 entry["gil_busy"] = gil_busy
                 print(f"[{name}] GIL held (share of samples, by process): {gil_busy}")
             print(f"[{name}] batches {entry['batches']}; handler mean {entry['handler_mean_ms']} ms")
+            print(f"[{name}] client connections per server process: {spread}")
             print(f"[{name}] CPU ms per request: client {entry['cpu_ms_per_request']['client']}, server {server_ms}")
             print(f"[{name}] cores kept busy: {entry['cores_busy']}")
             if on_ray:
@@ -597,6 +606,31 @@ def _descendants(pid: int) -> list[int]:
             out += children
             todo += children
     return out
+
+
+def _sample_connections(pid: int, into: list[int]) -> None:
+    into.extend(_connections_by_process(pid))
+
+
+def _connections_by_process(pid: int, port: int = PORT) -> list[int]:
+    """How many established TCP connections to ``port`` each of ``pid`` and its descendants holds, most
+    first (/proc/net/tcp{,6} by socket inode, against each process's open files)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in _read(table).splitlines()[1:]:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    counts = []
+    for proc in (pid, *_descendants(pid)):
+        held = 0
+        for fd in _listdir(f"/proc/{proc}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{proc}/fd/{fd}")
+                held += link.startswith("socket:[") and link[8:-1] in inodes
+        if held:
+            counts.append(held)
+    return sorted(counts, reverse=True)
 
 
 def _title(pid: int) -> str:
@@ -807,6 +841,7 @@ def print_summary(report: dict[str, Any]) -> None:
             f"p50 {lat.get('p50', 0):.1f} ms  p99 {lat.get('p99', 0):.1f} ms   errors {rep['errors'] or 'none'}   "
             f"RSS {entry['server_rss_mb']} MiB   decoder {entry['jpeg_decoder']['name']}   "
             f"server CPU {entry['server_cpu_ms_per_request']:.2f} ms/req   rows/batch {entry['batches']['mean_rows']}"
+            f"   connections {entry.get('connections_per_process')}"
         )
 
 

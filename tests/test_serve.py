@@ -7,6 +7,7 @@ bounded; a request that should be stuck in the queue is detected through /metric
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import re
@@ -521,6 +522,91 @@ def test_serve_cli_workers_share_one_engine(tiny_bundle: Path, reference, rng) -
     assert "2 HTTP processes" in output and "one engine in process" in output, output
     after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert not [n for n in after - before if n.startswith("dualtrack-serve-")], "slot file left behind"
+
+
+def _connections_by_process(pids: list[int], port: int) -> dict[int, int]:
+    """Established TCP connections to ``port`` each of ``pids`` holds (Linux /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(fields[9])
+    held = {}
+    for pid in pids:
+        links = []
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        held[pid] = sum(link.startswith("socket:[") and link[8:-1] in inodes for link in links)
+    return held
+
+
+def _keep_alive(port: int, count: int) -> list[socket.socket]:
+    """``count`` connections opened together, each answered once (so a worker holds it)."""
+    conns = [socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) for _ in range(count)]
+    for c in conns:
+        c.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+    for c in conns:
+        assert c.recv(4096).startswith(b"HTTP/1.1 200"), "a connection was not answered"
+    return conns
+
+
+def _each_handed_a_connection(port: int, pids: list[int]) -> Callable[[], bool]:
+    """A condition: one connection at a time (opened, answered, closed) until each of ``pids`` has held
+    one; a worker is handed connections once its app has started and it registered with the balancer."""
+    seen: set[int] = set()
+
+    def probe() -> bool:
+        (conn,) = _keep_alive(port, 1)
+        with conn:
+            seen.update(pid for pid, n in _connections_by_process(pids, port).items() if n)
+        _until(lambda: sum(_connections_by_process(pids, port).values()) == 0, "the probe to close")
+        return seen >= set(pids)
+
+    return probe
+
+
+def test_serve_cli_workers_hold_equal_shares_of_the_connections(tiny_bundle: Path) -> None:
+    """`--workers 3`: 12 connections opened at once land 4 / 4 / 4 (the engine process hands each to the
+    worker holding the fewest; uvicorn's shared socket gave 16 / 0 / 0 / 0 to four workers); a worker
+    whose event loop stops answering is killed, replaced, and the new one gets the next connections."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "dualtrack.cli", "serve", str(tiny_bundle), "--workers", "3"]
+    argv += ["--port", str(port), "--log-level", "info", "--device", "cpu"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    conns: list[socket.socket] = []
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _until(lambda: len(_children(proc.pid)) == 3 and _answers(base), "three workers")
+        workers = _children(proc.pid)
+        _until(_each_handed_a_connection(port, workers), "every worker to be handed a connection")
+        conns = _keep_alive(port, 12)
+        assert sorted(_connections_by_process(workers, port).values()) == [4, 4, 4]
+        # A worker frozen (SIGSTOP) no longer answers the balancer's pings: after uvicorn's
+        # timeout_worker_healthcheck (5 s) it is killed and another takes its place.
+        os.kill(workers[0], signal.SIGSTOP)
+        _until(lambda: workers[0] not in _children(proc.pid) and len(_children(proc.pid)) == 3, "a replacement", 60)
+        for c in conns:
+            c.close()
+        _until(lambda: _answers(base), "the service to answer")
+        _until(_each_handed_a_connection(port, _children(proc.pid)), "the replacement to be handed a connection")
+        conns = _keep_alive(port, 6)  # every worker's connections closed before: 2 / 2 / 2
+        assert sorted(_connections_by_process(_children(proc.pid), port).values()) == [2, 2, 2]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) in (0, -signal.SIGTERM)
+    finally:
+        for c in conns:
+            c.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = proc.stdout.read()
+    assert "each connection handed to the one holding the fewest" in output, output
+    assert f"HTTP worker [{workers[0]}] did not answer" in output, output
 
 
 # --- images: the CLI's pixels, memory under a burst of large ones ------------------------------

@@ -36,6 +36,9 @@ class Settings:
                           then take two host copies each instead of going from the GPU straight into it
     DUALTRACK_HOLD_GIL    set to 0 to let the GIL go in every CUDA driver call (cuda-python's way); by default
                           the calls that only queue work keep it (runtime/driver.py HeldCalls)
+    DUALTRACK_BALANCE_WORKERS  set to 0 to let the HTTP processes of `serve --workers N` race for connections
+                          on one listening socket (uvicorn's supervisor) instead of the engine process handing
+                          each to the one holding the fewest (serve/workers.py)
     """
 
     cache_dir: Path
@@ -52,6 +55,7 @@ class Settings:
     jpeg_ahead_mb: int = 256
     pin_slots: bool = True
     hold_gil: bool = True
+    balance_workers: bool = True
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -75,6 +79,7 @@ class Settings:
             jpeg_ahead_mb=_int_in("DUALTRACK_JPEG_AHEAD_MB", env.get("DUALTRACK_JPEG_AHEAD_MB") or "256", 1, 65536),
             pin_slots=env.get("DUALTRACK_PIN_SLOTS", "1") not in ("0", "false", "no"),
             hold_gil=env.get("DUALTRACK_HOLD_GIL", "1") not in ("0", "false", "no"),
+            balance_workers=env.get("DUALTRACK_BALANCE_WORKERS", "1") not in ("0", "false", "no"),
         )
 
 

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from dualtrack.errors import ConfigError
+from dualtrack.errors import ConfigError, DualtrackError
 from dualtrack.serve.options import ServeOptions
+from dualtrack.settings import Settings
 
 if TYPE_CHECKING:
     from dualtrack.runtime.engine import Engine
@@ -181,6 +182,7 @@ def _serve_workers(engine: Engine, workers: int, options: ServeOptions, jpeg_dec
     import uvicorn
 
     from dualtrack.serve.shared import ENGINE_ENV, EngineHost
+    from dualtrack.serve.workers import run_workers
 
     host = EngineHost(engine, options, workers, jpeg_decoder=jpeg_decoder)
     host.start()
@@ -193,18 +195,21 @@ def _serve_workers(engine: Engine, workers: int, options: ServeOptions, jpeg_dec
             "image_memory_mb": options.image_memory_mb,
         }
         os.environ[ENGINE_ENV] = host.worker_env(app_options)  # the spawned workers inherit it
+        balanced = Settings.from_env().balance_workers
+        spread = "each connection handed to the one holding the fewest" if balanced else "racing for connections"
         click.echo(
             f"serving with {server['loop']} and {server['http']}: {workers} HTTP processes x "
-            f"{options.image_threads} image threads, one engine in process {os.getpid()}",
+            f"{options.image_threads} image threads ({spread}), one engine in process {os.getpid()}",
             err=True,
         )
-        uvicorn.run(
-            "dualtrack.serve.app:worker_app",
-            factory=True,
-            workers=workers,
-            timeout_graceful_shutdown=int(options.shutdown_timeout_s) or None,
-            **server,
-        )
+        graceful = int(options.shutdown_timeout_s) or None
+        app = "dualtrack.serve.app:worker_app"
+        if not balanced:  # DUALTRACK_BALANCE_WORKERS=0: uvicorn's supervisor, one listening socket shared
+            uvicorn.run(app, factory=True, workers=workers, timeout_graceful_shutdown=graceful, **server)
+        elif not run_workers(
+            uvicorn.Config(app, factory=True, workers=workers, timeout_graceful_shutdown=graceful, **server), workers
+        ):
+            raise DualtrackError("an HTTP worker process failed to start; the lines above say why")
     finally:
         # The workers have answered their requests and exited: finish anything still queued.
         if not host.close(options.shutdown_timeout_s):
