@@ -175,13 +175,15 @@ for step in $steps; do
       # holding the fewest (serve/workers.py, the default) against uvicorn's workers racing for them on one
       # socket (DUALTRACK_BALANCE_WORKERS=0), JPEG -> JSON at 16 and 32 clients on `serve --workers 4`, in
       # three alternating rounds; each run records how its connections were spread (connections_per_process).
+      # BALANCE_CASE=png_in_png_out: the same for 512 KB PNGs -> mask PNG (decoded on the workers' CPUs).
       V="--workers 4 --max-batch-delay-ms 8"
-      serve_bench $C/unet \
-        --clients 16 32 --only-variants --cases jpeg_in_json_out --tag balance --duration-s "${SERVE_S:-10}" \
+      case=${BALANCE_CASE:-jpeg_in_json_out}
+      serve_bench $C/unet --clients 16 32 --only-variants --cases "$case" --tag "balance${case%%_*}" \
+        --duration-s "${SERVE_S:-10}" \
         --variant "balanced_a=$V" --variant "race_a=DUALTRACK_BALANCE_WORKERS=0 $V" \
         --variant "race_b=DUALTRACK_BALANCE_WORKERS=0 $V" --variant "balanced_b=$V" \
         --variant "balanced_c=$V" --variant "race_c=DUALTRACK_BALANCE_WORKERS=0 $V" \
-        2>&1 | tee "$OUT/serve_balance.log" ;;
+        2>&1 | tee "$OUT/serve_balance_$case.log" ;;
     serve_table)
       # Not in the default steps (issue 15): the issue's table on `serve --workers 4` (defaults): JPEG -> JSON,
       # JPEG -> mask PNG and PNG -> mask PNG at 16 and 32 clients, against the engine alone.
