@@ -184,6 +184,16 @@ for step in $steps; do
         --variant "race_b=DUALTRACK_BALANCE_WORKERS=0 $V" --variant "balanced_b=$V" \
         --variant "balanced_c=$V" --variant "race_c=DUALTRACK_BALANCE_WORKERS=0 $V" \
         2>&1 | tee "$OUT/serve_balance_$case.log" ;;
+    serve_nworkers)
+      # Not in the default steps (issue 15): how many HTTP processes in front of the engine (`serve --workers
+      # 2 / 3 / 4`, each connection handed to the one holding the fewest): JPEG -> JSON at 16 and 32 clients,
+      # two rounds in mirrored order. Fewer workers: fewer connection threads in the engine process.
+      V="--max-batch-delay-ms 8"
+      serve_bench $C/unet \
+        --clients 16 32 --only-variants --cases jpeg_in_json_out --tag nworkers --duration-s "${SERVE_S:-10}" \
+        --variant "w2_a=--workers 2 $V" --variant "w3_a=--workers 3 $V" --variant "w4_a=--workers 4 $V" \
+        --variant "w4_b=--workers 4 $V" --variant "w3_b=--workers 3 $V" --variant "w2_b=--workers 2 $V" \
+        2>&1 | tee "$OUT/serve_nworkers.log" ;;
     serve_table)
       # Not in the default steps (issue 15): the issue's table on `serve --workers 4` (defaults): JPEG -> JSON,
       # JPEG -> mask PNG and PNG -> mask PNG at 16 and 32 clients, against the engine alone.
