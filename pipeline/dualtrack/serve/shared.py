@@ -9,7 +9,8 @@ contexts, each with half-empty batches. So the work is split the way Triton spli
   :class:`~dualtrack.runtime.engine.Engine`, one :class:`~dualtrack.serve.batcher.Batcher` that
   forms batches from the requests of every worker, and the one Prometheus registry
   (:class:`EngineHost`).
-- **N worker processes** (uvicorn's, on one port) speak HTTP and decode, resize and encode images,
+- **N worker processes** (uvicorn servers started by :mod:`dualtrack.serve.workers`, which hands each
+  the connections the engine process accepts on the port) speak HTTP and decode, resize and encode images,
   each on its own cores and GIL; their apps reach the engine through an :class:`EngineClient`,
   which stands in for the batcher (same ``submit``, ``phase``, ``engine`` and life cycle).
 
