@@ -199,3 +199,14 @@ def test_a_short_or_silent_registration_hands_nothing(data: bytes) -> None:
         assert balancer.held() == {}
         clients[0].close()
         half.close()
+
+
+def test_workers_that_cannot_start_stop_the_supervisor_instead_of_restarting_forever() -> None:
+    """An app that does not import: the worker exits before it registers, and run_workers returns False
+    (the CLI turns that into one line) instead of starting another every half second."""
+    import uvicorn
+
+    config = uvicorn.Config("dualtrack_no_such_module:app", host="127.0.0.1", port=0, log_level="critical")
+    started = time.monotonic()
+    assert workers.run_workers(config, 2) is False
+    assert time.monotonic() - started < 60

@@ -105,6 +105,7 @@ class Balancer:
         self._selector.register(self._control, selectors.EVENT_READ, "control")
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._workers: dict[socket.socket, _Worker] = {}
+        self.registered: set[int] = set()  # pids of every worker that ever registered
         self._listening = False
         self._turns = itertools.count(1)
         self._lock = threading.Lock()  # the workers' table, read by held() and unresponsive()
@@ -198,6 +199,7 @@ class Balancer:
             data = worker.hello[_HELLO.size :]
             with self._lock:
                 worker.pid, worker.ready, worker.hello = pid, True, b""
+                self.registered.add(pid)
             if not self._listening:
                 self._selector.register(self.listener, selectors.EVENT_READ, "listener")
                 self._listening = True
@@ -411,7 +413,8 @@ def run_workers(config: uvicorn.Config, workers: int) -> bool:
                 if process.is_alive():
                     continue
                 process.join()
-                if process.exitcode == STARTUP_FAILURE:
+                if process.exitcode == STARTUP_FAILURE or process.pid not in balancer.registered:
+                    # Before serving (its app, the balancer): every replacement would fail the same way.
                     _log.error("HTTP worker [%d] failed to start; stopping (its log is above)", process.pid)
                     started = False
                     stop.set()
@@ -432,4 +435,5 @@ def run_workers(config: uvicorn.Config, workers: int) -> bool:
                 process.join()
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        os.environ.pop(BALANCER_ENV, None)
     return started
