@@ -197,8 +197,8 @@ for step in $steps; do
     serve_stagedec)
       # Not in the default steps (issue 15): the stager decoding a JPEG of its batch that no decode lane has
       # started (the default) against waiting for a lane (DUALTRACK_STAGE_DECODES=0), JPEG -> JSON at 16 and
-      # 32 clients on `serve --workers 3`, two rounds in mirrored order.
-      V="--workers 3 --max-batch-delay-ms 8"
+      # 32 clients on `serve --workers 2`, two rounds in mirrored order.
+      V="--workers 2 --max-batch-delay-ms 8"
       serve_bench $C/unet \
         --clients 16 32 --only-variants --cases jpeg_in_json_out --tag stagedec --duration-s "${SERVE_S:-10}" \
         --variant "inline_a=$V" --variant "lanes_a=DUALTRACK_STAGE_DECODES=0 $V" \
