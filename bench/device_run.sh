@@ -194,16 +194,6 @@ for step in $steps; do
         --variant "w2_a=--workers 2 $V" --variant "w3_a=--workers 3 $V" --variant "w4_a=--workers 4 $V" \
         --variant "w4_b=--workers 4 $V" --variant "w3_b=--workers 3 $V" --variant "w2_b=--workers 2 $V" \
         2>&1 | tee "$OUT/serve_nworkers.log" ;;
-    serve_stagedec)
-      # Not in the default steps (issue 15): the stager decoding a JPEG of its batch that no decode lane has
-      # started (the default) against waiting for a lane (DUALTRACK_STAGE_DECODES=0), JPEG -> JSON at 16 and
-      # 32 clients on `serve --workers 2`, two rounds in mirrored order.
-      V="--workers 2 --max-batch-delay-ms 8"
-      serve_bench $C/unet \
-        --clients 16 32 --only-variants --cases jpeg_in_json_out --tag stagedec --duration-s "${SERVE_S:-10}" \
-        --variant "inline_a=$V" --variant "lanes_a=DUALTRACK_STAGE_DECODES=0 $V" \
-        --variant "lanes_b=DUALTRACK_STAGE_DECODES=0 $V" --variant "inline_b=$V" \
-        2>&1 | tee "$OUT/serve_stagedec.log" ;;
     serve_table)
       # Not in the default steps (issue 15): the issue's table on `serve --workers ${WORKERS:-4}` (defaults): JPEG -> JSON,
       # JPEG -> mask PNG and PNG -> mask PNG at 16 and 32 clients, against the engine alone.

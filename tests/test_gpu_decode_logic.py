@@ -339,44 +339,6 @@ def test_with_several_lanes_a_jpeg_is_decoded_while_another_lane_is_busy(rng) ->
         prefetch.close()
 
 
-class _Recording(_PillowDecodes):
-    """Decodes, noting the thread of each call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.threads: list[threading.Thread] = []
-
-    def __call__(self, jpegs: list[imaging.GpuJpeg]) -> list[object]:
-        self.threads.append(threading.current_thread())
-        return super().__call__(jpegs)
-
-
-def test_take_decodes_a_jpeg_no_lane_has_started_on_the_callers_thread(rng) -> None:
-    """With ``inline``, a ticket still queued (every lane busy) is decoded by take() itself; one a lane
-    has started is waited for, as before; the held bytes count both and are given back on release."""
-    lane = _HeldLane()
-    inline = _Recording()
-    prefetch = JpegPrefetcher([lane], ahead_bytes=16 * PICTURE, most_per_call=1, inline=inline)
-    try:
-        first, second = _routed(rng, 2)
-        a = prefetch.add(first)
-        _wait_until(lane.entered.is_set)  # the only lane is inside a's decode, held there
-        b = prefetch.add(second)
-        assert b.state == "queued"
-        np.testing.assert_array_equal(prefetch.take(b), np.asarray(Image.open(io.BytesIO(second.data))))
-        assert inline.threads == [threading.current_thread()]  # decoded here, while the lane still holds a
-        assert b.state == "decoded" and a.state == "decoding"
-        lane.gate.set()
-        np.testing.assert_array_equal(prefetch.take(a), np.asarray(Image.open(io.BytesIO(first.data))))
-        assert lane.calls == [1] and inline.calls == [1]
-        for ticket in (a, b):
-            prefetch.release(ticket)
-        assert prefetch._held_bytes == 0 and not prefetch._held
-    finally:
-        lane.gate.set()
-        prefetch.close()
-
-
 def test_a_failed_decode_refuses_its_jpegs_and_close_frees_what_is_held(rng) -> None:
     def broken(jpegs: list[imaging.GpuJpeg]) -> list[object]:
         raise RuntimeError("decoder lost")

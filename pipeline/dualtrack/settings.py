@@ -36,8 +36,6 @@ class Settings:
                           then take two host copies each instead of going from the GPU straight into it
     DUALTRACK_HOLD_GIL    set to 0 to let the GIL go in every CUDA driver call (cuda-python's way); by default
                           the calls that only queue work keep it (runtime/driver.py HeldCalls)
-    DUALTRACK_STAGE_DECODES  set to 0 to have the service's stager wait for a decode lane to decode a JPEG of its
-                          batch that none has started; by default the stager decodes it itself
     DUALTRACK_BALANCE_WORKERS  set to 0 to let the HTTP processes of `serve --workers N` race for connections
                           on one listening socket (uvicorn's supervisor) instead of the engine process handing
                           each to the one holding the fewest (serve/workers.py)
@@ -58,7 +56,6 @@ class Settings:
     pin_slots: bool = True
     hold_gil: bool = True
     balance_workers: bool = True
-    stage_decodes: bool = True
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -83,7 +80,6 @@ class Settings:
             pin_slots=env.get("DUALTRACK_PIN_SLOTS", "1") not in ("0", "false", "no"),
             hold_gil=env.get("DUALTRACK_HOLD_GIL", "1") not in ("0", "false", "no"),
             balance_workers=env.get("DUALTRACK_BALANCE_WORKERS", "1") not in ("0", "false", "no"),
-            stage_decodes=env.get("DUALTRACK_STAGE_DECODES", "1") not in ("0", "false", "no"),
         )
 
 

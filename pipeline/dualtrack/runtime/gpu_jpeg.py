@@ -299,21 +299,17 @@ class JpegPrefetcher:
         ahead_bytes: int,
         most_per_call: int,
         on_thread: Callable[[], None] | None = None,
-        inline: Callable[[list[GpuJpeg]], list[Any]] | None = None,
     ) -> None:
         """``decode(jpegs)`` returns, per JPEG, its complete picture or why not (a ``str``):
         :meth:`GpuJpegDecoder.decode_now`; several (:meth:`GpuJpegDecoder.add_lane`) decode on a
         thread each, so a JPEG that arrives while another is decoding starts at once. ``on_thread``
-        runs first on each decode thread (binding the engine's context). ``inline`` (a decode function
-        of its own, for the caller of :meth:`take`): a ticket :meth:`take` finds still queued is
-        decoded there, on the caller's thread, instead of waking a lane and waiting to be woken."""
+        runs first on each decode thread (binding the engine's context)."""
         if ahead_bytes < 1 or most_per_call < 1:
             raise ValueError(f"ahead_bytes and most_per_call must be >= 1, got {ahead_bytes}, {most_per_call}")
         decoders = [decode] if callable(decode) else list(decode)
         if not decoders:
             raise ValueError("give the prefetcher at least one decode function")
         self._on_thread = on_thread
-        self._inline = inline
         self.ahead_bytes, self.most_per_call = ahead_bytes, most_per_call
         self._queue: deque[Ticket] = deque()
         self._held: set[Ticket] = set()  # decoding or decoded, not released
@@ -342,14 +338,6 @@ class JpegPrefetcher:
 
     def take(self, ticket: Ticket) -> Any:
         """The ticket's image, or why it was refused (a ``str``), waiting for its decode if needed."""
-        if not ticket.done.is_set() and self._inline is not None:
-            with self._cond:
-                mine = ticket.state == "queued"
-                if mine:  # no lane has it yet: decode it here (past the bound, as an urgent one would be)
-                    self._queue.remove(ticket)
-                    self._start(ticket)
-            if mine:
-                self._settle([ticket], self._decode(self._inline, [ticket]))
         if not ticket.done.is_set():
             with self._cond:
                 self._wanted.append(ticket)
@@ -422,34 +410,25 @@ class JpegPrefetcher:
                     if jobs and self._held_bytes + self._queue[0].nbytes > self.ahead_bytes:
                         break
                     ticket = self._queue.popleft()
-                    self._start(ticket)
+                    ticket.state = "decoding"
+                    self._held.add(ticket)
+                    self._held_bytes += ticket.nbytes
                     jobs.append(ticket)
-            self._settle(jobs, self._decode(decode, jobs))
-
-    def _start(self, ticket: Ticket) -> None:
-        ticket.state = "decoding"
-        self._held.add(ticket)
-        self._held_bytes += ticket.nbytes
-
-    @staticmethod
-    def _decode(decode: Callable[[list[GpuJpeg]], list[Any]], jobs: list[Ticket]) -> list[Any]:
-        try:
-            return decode([t.jpeg for t in jobs])
-        except Exception as err:  # the CPU path decides each of them
-            return [f"nvImageCodec failed: {err}"] * len(jobs)
-
-    def _settle(self, jobs: list[Ticket], results: list[Any]) -> None:
-        with self._cond:
-            for ticket, result in zip(jobs, results, strict=True):
-                if ticket.state == "decoding":  # not released meanwhile
-                    ticket.state = "decoded"
-                    if isinstance(result, str):
-                        ticket.refused = result
-                        self._drop(ticket)
-                        self._cond.notify()  # its room is free again
-                    else:
-                        ticket.image = result
-                ticket.done.set()
+            try:
+                results = decode([t.jpeg for t in jobs])
+            except Exception as err:  # the CPU path decides each of them
+                results = [f"nvImageCodec failed: {err}"] * len(jobs)
+            with self._cond:
+                for ticket, result in zip(jobs, results, strict=True):
+                    if ticket.state == "decoding":  # not released meanwhile
+                        ticket.state = "decoded"
+                        if isinstance(result, str):
+                            ticket.refused = result
+                            self._drop(ticket)
+                            self._cond.notify()  # its room is free again
+                        else:
+                            ticket.image = result
+                    ticket.done.set()
 
 
 def open_decoder(engine: Any, wanted: str, jit_cache: Path | None) -> tuple[DecoderChoice, GpuJpegDecoder | None]:

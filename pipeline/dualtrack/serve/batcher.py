@@ -478,8 +478,6 @@ class Batcher(QueueState["Engine"]):
                     ahead_bytes=settings.jpeg_ahead_mb << 20,  # DUALTRACK_JPEG_AHEAD_MB
                     most_per_call=largest,
                     on_thread=self._jpeg.ctx.make_current,
-                    # The stager decodes a JPEG of its batch that no lane has started (DUALTRACK_STAGE_DECODES).
-                    inline=self._jpeg.add_lane() if settings.stage_decodes else None,
                 )
         else:
             self.decoder = ("cpu", f"Pillow on the image threads: the engine runs on {engine.device}")
