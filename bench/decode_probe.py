@@ -271,6 +271,9 @@ def main() -> None:
     ap.add_argument("--delay-ms", type=float, default=8.0)
     sets = ["HW_GPU_ONLY,GPU_ONLY", "HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU"]
     ap.add_argument("--backends", nargs="+", default=sets, help="nvImageCodec backend sets, comma-separated")
+    ap.add_argument(
+        "--decode-batches", type=int, nargs="+", default=[], help="(2) also at these batch sizes (default: the largest)"
+    )
     ap.add_argument("--kernels", action="store_true", help="a CUPTI kernel table of the batcher run (needs torch)")
     args = ap.parse_args()
 
@@ -311,12 +314,13 @@ def main() -> None:
     print("GIL share kept by a spinner thread", report["gil_share"], flush=True)
     report["decode"] = []
     for s in sets:
-        try:
-            row = decode_alone(engine, jpeg, batch, s, 30)
-        except Exception as err:  # a backend set nvImageCodec refuses here: say so, go on
-            row = {"backends": list(s), "error": f"{type(err).__name__}: {err}"}
-        report["decode"].append(row)
-        print("decode", row, flush=True)
+        for n in sorted({batch, *args.decode_batches}):
+            try:
+                row = decode_alone(engine, jpeg, n, s, 30)
+            except Exception as err:  # a backend set nvImageCodec refuses here: say so, go on
+                row = {"backends": list(s), "batch": n, "error": f"{type(err).__name__}: {err}"}
+            report["decode"].append(row)
+            print("decode", row, flush=True)
     report["batcher"] = []
     for clients in args.clients:
         row = batcher_load(engine, "pixels", pixels, clients, args.seconds, (), args.delay_ms)
