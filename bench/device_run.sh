@@ -194,21 +194,6 @@ for step in $steps; do
         --variant "w2_a=--workers 2 $V" --variant "w3_a=--workers 3 $V" --variant "w4_a=--workers 4 $V" \
         --variant "w4_b=--workers 4 $V" --variant "w3_b=--workers 3 $V" --variant "w2_b=--workers 2 $V" \
         2>&1 | tee "$OUT/serve_nworkers.log" ;;
-    serve_io)
-      # Not in the default steps (issue 15): one thread for every worker connection in the engine process
-      # (the default) against a reader and a writer per worker (DUALTRACK_PEER_THREADS=1), on `--workers 2`,
-      # and the one thread with 3 and 4 workers: JPEG -> JSON at 16 and 32 clients, two rounds in mirrored order.
-      V="--max-batch-delay-ms 8"
-      serve_bench $C/unet \
-        --clients 16 32 --only-variants --cases jpeg_in_json_out --tag io --duration-s "${SERVE_S:-10}" \
-        --variant "io2_a=--workers 2 $V" --variant "th2_a=DUALTRACK_PEER_THREADS=1 --workers 2 $V" \
-        --variant "io3_a=--workers 3 $V" --variant "io4_a=--workers 4 $V" \
-        --variant "io4_b=--workers 4 $V" --variant "io3_b=--workers 3 $V" \
-        --variant "th2_b=DUALTRACK_PEER_THREADS=1 --workers 2 $V" --variant "io2_b=--workers 2 $V" \
-        2>&1 | tee "$OUT/serve_io.log" ;;
-    wake)
-      # Not in the default steps (issue 15): what one hand-over between threads and between processes costs.
-      python3 bench/wake_probe.py --out "$OUT" --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/wake.log" ;;
     serve_table)
       # Not in the default steps (issue 15): the issue's table on `serve --workers ${WORKERS:-4}` (defaults): JPEG -> JSON,
       # JPEG -> mask PNG and PNG -> mask PNG at 16 and 32 clients, against the engine alone.

@@ -137,17 +137,16 @@ def test_two_workers_share_batches_and_get_their_own_masks(engine, rng) -> None:
 
 
 def test_answers_ready_together_travel_as_one_replies_message(engine, rng, monkeypatch) -> None:
-    """A batch finishes its rows at once: the engine process's connection thread sends a worker's
-    answers that are waiting together as one Replies (fewer sends and wake-ups), and each mask still
-    comes back."""
+    """A batch finishes its rows at once: the engine process's writer sends a worker's answers that
+    are waiting together as one Replies (fewer sends and wake-ups), and each mask still comes back."""
     sent: list[object] = []
-    frame = shared._frame
+    send = shared._send_quietly
 
-    def recording(msg: EngineMessage) -> bytes:
+    def recording(conn: Connection, msg: object) -> bool:
         sent.append(msg)
-        return frame(msg)
+        return send(conn, msg)
 
-    monkeypatch.setattr(shared, "_frame", recording)
+    monkeypatch.setattr(shared, "_send_quietly", recording)
     with hosting(engine, max_batch_delay_ms=500) as host, client_of(host) as a:
         images = _images(rng, 4)
         results = [f.result(WAIT_S) for f in [a.submit(x) for x in images]]

@@ -21,12 +21,11 @@ the tighter limit). A request goes:
 
 1. the worker decodes into a free slot of its range and sends
    :class:`~dualtrack.serve.protocol.RunRequest` ``(rid, slot)``, ``rid`` a request id of its own;
-2. the engine process's connection thread (one for every worker: :class:`_PeerIO`) submits the
-   slot to the batcher, which copies it into the batch's page-locked row (numpy releases the GIL
-   for the copy);
+2. the engine process's reader thread for that worker submits the slot to the batcher, which
+   copies it into the batch's page-locked row (numpy releases the GIL for the copy);
 3. when the batch has run, its masks are in the slots (copied from the GPU straight into the
-   page-locked slot file; without a GPU, or with ``DUALTRACK_PIN_SLOTS=0``, the connection thread
-   copies each one there), and the connection thread sends
+   page-locked slot file; without a GPU, or with ``DUALTRACK_PIN_SLOTS=0``, the writer thread
+   copies each one there), and that worker's writer thread sends
    :class:`~dualtrack.serve.protocol.Done` ``(rid, sizes and timings)``; the worker copies the
    mask out and frees the slot.
 
@@ -53,7 +52,6 @@ import mmap
 import os
 import pickle
 import secrets
-import selectors
 import shutil
 import socket
 import struct
@@ -67,7 +65,6 @@ from concurrent.futures import Future, InvalidStateError
 from contextlib import suppress
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -155,7 +152,7 @@ def copy_holding_gil(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src`` (same shape, ``dst`` C-contiguous) as one memcpy that keeps the GIL.
 
     Why not numpy's assignment: numpy lets the GIL go for a copy of this size (a mask, 256 KB,
-    ~20 us), and winning it back costs the engine process's connection thread a turn behind a dozen
+    ~20 us), and winning it back costs the engine process's writer thread a turn behind a dozen
     others, up to a millisecond under load (``hop_writer`` in the service's timings)."""
     if dst.shape != src.shape or dst.dtype != src.dtype:
         raise ValueError(f"cannot copy {src.dtype}{list(src.shape)} into {dst.dtype}{list(dst.shape)}")
@@ -223,8 +220,6 @@ class EngineHost:
         self._peers: set[_Peer] = set()
         self._lock = threading.Lock()
         self._closing = threading.Event()
-        self.io = _PeerIO(self)
-        self._threads = os.environ.get("DUALTRACK_PEER_THREADS") == "1"  # temporary: issue 15's A/B
         self._accepting = threading.Thread(target=self._accept, name="dualtrack-accept", daemon=True)
 
     def _pin(self, engine: Engine) -> PinnedRange | None:
@@ -252,7 +247,7 @@ class EngineHost:
 
     def mask_into(self, slot: int) -> np.ndarray | None:
         """Where the batcher writes the mask of the request in ``slot`` (the slot itself, when the
-        GPU can write it directly); None: the connection thread copies the mask there."""
+        GPU can write it directly); None: the writer copies the mask there."""
         return self.slots.array(slot, self.mask_shape) if self.pinned is not None else None
 
     def worker_env(self, app_options: dict[str, Any]) -> str:
@@ -261,7 +256,6 @@ class EngineHost:
 
     def start(self) -> None:
         self.batcher.start()
-        self.io.start()
         self._accepting.start()
 
     def close(self, timeout: float | None = None) -> bool:
@@ -278,12 +272,11 @@ class EngineHost:
             self._accepting.join(5)
         self._listener.close()
         done = self.batcher.close(timeout)
-        self.io.stop(5)  # the answers posted until now go out, then every worker connection closes
         with self._lock:
-            threaded = [p for p in self._peers if isinstance(p, _ThreadedPeer)]
-        for peer in threaded:
+            peers = list(self._peers)
+        for peer in peers:
             peer.close()
-        for peer in threaded:
+        for peer in peers:
             peer.join(5)
         if self.pinned is not None:
             self.pinned.close()  # before the file is unmapped; the batcher has collected every batch
@@ -312,16 +305,10 @@ class EngineHost:
                 _send_quietly(conn, Refused(f"all {ranges} slot ranges are in use"))
                 conn.close()
                 continue
-            if self._threads:
-                threaded = _ThreadedPeer(self, conn, index)
-                with self._lock:
-                    self._peers.add(threaded)  # type: ignore[arg-type]
-                threaded.start()
-                continue
             peer = _Peer(self, conn, index)
-            with self._lock:  # its Hello is posted before any PhaseChanged that sees it in _peers
+            with self._lock:
                 self._peers.add(peer)
-                self.io.post(peer, _Joined())
+            peer.start()
 
     def _released(self, peer: _Peer) -> None:
         with self._lock:
@@ -332,10 +319,7 @@ class EngineHost:
         with self._lock:
             peers = list(self._peers)
         for peer in peers:
-            if isinstance(peer, _ThreadedPeer):
-                peer.out.put(PhaseChanged(phase, error, self.batcher.decoder))
-            else:
-                self.io.post(peer, PhaseChanged(phase, error, self.batcher.decoder))
+            peer.out.put(PhaseChanged(phase, error, self.batcher.decoder))
 
     def hello(self, peer: _Peer) -> Hello:
         return Hello(
@@ -353,315 +337,12 @@ class EngineHost:
 
 @dataclass(frozen=True)
 class _Settled:
-    """Request ``rid``'s future resolved (posted from the batcher's thread): its answer goes out."""
+    """Request ``rid``'s future resolved (put on the batcher's thread): the writer answers it."""
 
     rid: int
     slot: int
     future: Future[BatchResult]
     at: float  # when (monotonic)
-
-
-@dataclass(frozen=True)
-class _Joined:
-    """A worker connection accepted: the I/O thread takes it, and sends its Hello first."""
-
-
-@dataclass(frozen=True)
-class _Stop:
-    """The host is closing: answer what is posted, then close every connection and end."""
-
-
-_Posted: TypeAlias = EngineMessage | _Settled | _Joined | _Stop  # what other threads hand the I/O thread
-
-
-class _Peer:
-    """One worker's connection in the engine process, served by the :class:`_PeerIO` thread.
-
-    Requests it sends are submitted to the batcher as they are read; their answers are framed
-    into :attr:`outgoing` and sent as the socket takes them. The slot range is given back once the
-    worker has gone and none of its requests is still in a batch.
-    """
-
-    def __init__(self, host: EngineHost, conn: Connection, range_index: int) -> None:
-        self.host, self.conn, self.range_index = host, conn, range_index
-        self.fd = conn.fileno()
-        self.first_slot = range_index * host.slots_per_range
-        self.frames = FrameReader(conn)
-        self.outgoing = bytearray()  # framed messages the socket has not taken yet
-        self.replies: list[Done | Failed | Cancelled] = []  # answers gathered while handling posted items
-        self.inflight: dict[int, Future[BatchResult]] = {}  # by request id
-        self._arrived: dict[int, float] = {}  # by request id: seconds from the worker's send to the I/O thread
-        self.reading = True  # until the worker hangs up, breaks the protocol, or the host closes
-        self.writing = False  # registered for EVENT_WRITE: the socket was full
-
-    def handle(self, msg: object) -> None:
-        """One message from the worker, on the I/O thread."""
-        match msg:
-            case RunRequest(rid, slot, sent):
-                self._run(rid, slot, time.monotonic() - sent)
-            case RunJpeg(rid, slot, nbytes, stored, orientation, sent):
-                self._run_jpeg(rid, slot, nbytes, stored, orientation, time.monotonic() - sent)
-            case Cancel(rid):
-                future = self.inflight.get(rid)
-                if future is not None:
-                    future.cancel()  # its done callback answers it; a no-op once the batch runs
-            case Observations(batch):
-                self._record(batch)
-            case Question(qid, "metrics"):
-                # Rendering every metric takes milliseconds: not on the thread every worker's requests pass.
-                threading.Thread(
-                    target=lambda: self.host.io.post(self, Answer(qid, self.host.metrics.exposition())),
-                    name="dualtrack-metrics-text",
-                    daemon=True,
-                ).start()
-            case Question(_, what):
-                raise ProtocolError(
-                    f"worker {self.range_index} asked for {what!r}; the engine process answers 'metrics'"
-                )
-            case _:
-                raise unexpected(f"worker {self.range_index}", msg)
-
-    def send(self, msg: EngineMessage) -> None:
-        """Frame ``msg`` behind the replies gathered so far (in order: they finished before it)."""
-        self.frame_replies()
-        if self.reading:  # else the worker is gone: nobody to tell
-            self.outgoing += _frame(msg)
-
-    def frame_replies(self) -> None:
-        """The gathered answers as one message (a Replies of several), framed to go out."""
-        replies, self.replies = self.replies, []
-        for i in range(0, len(replies), MAX_REPLIES):
-            part = replies[i : i + MAX_REPLIES]
-            self.outgoing += _frame(part[0] if len(part) == 1 else Replies(tuple(part)))
-
-    def settled(self, rid: int, slot: int, future: Future[BatchResult], at: float) -> None:
-        self.inflight.pop(rid, None)
-        reply = self._reply(rid, slot, future, at)
-        if self.reading:  # else the worker is gone: nobody to tell
-            self.replies.append(reply)
-
-    def _run(self, rid: int, slot: int, transit: float) -> None:
-        if not 0 <= slot < self.host.slots_per_range:
-            self.replies.append(Failed(rid, "input", f"slot {slot} is outside this worker's range"))
-            return
-        image = self.host.slots.array(self.first_slot + slot, self.host.image_shape)
-        into = self.host.mask_into(self.first_slot + slot)
-        self._queued(
-            rid, slot, transit, lambda: self.host.batcher.submit(image, into=into)
-        )  # copies the image into its batch row, here
-
-    def _run_jpeg(
-        self, rid: int, slot: int, nbytes: int, stored: tuple[int, int], orientation: int, transit: float
-    ) -> None:
-        if not 0 <= slot < self.host.slots_per_range or not 0 < nbytes <= self.host.slots.slot_bytes:
-            self.replies.append(Failed(rid, "input", f"slot {slot} of {nbytes} bytes is outside this worker's range"))
-            return
-        data = self.host.slots.array(self.first_slot + slot, (nbytes,)).tobytes()  # the slot gets the mask later
-        jpeg = imaging.GpuJpeg(data, stored, orientation)
-        into = self.host.mask_into(self.first_slot + slot)
-        self._queued(rid, slot, transit, lambda: self.host.batcher.submit_jpeg(jpeg, into=into))
-
-    def _queued(self, rid: int, slot: int, transit: float, submit: Callable[[], Future[BatchResult]]) -> None:
-        try:
-            future = submit()
-        except DualtrackError as err:
-            self.replies.append(Failed.of(rid, err))
-            return
-        self.inflight[rid] = future
-        self._arrived[rid] = transit
-        post = self.host.io.post
-        # Runs on the batcher's thread (or the canceller's): a post, no more.
-        future.add_done_callback(lambda f, r=rid, s=slot: post(self, _Settled(r, s, f, time.monotonic())))
-
-    def _record(self, observations: tuple[Observation, ...]) -> None:
-        metrics = self.host.metrics
-        for observation in observations:
-            match observation:
-                case RequestObserved(endpoint, code):
-                    metrics.observe_request(endpoint, code)
-                case LatencyObserved(seconds):
-                    metrics.observe_latency(seconds)
-                case _:
-                    raise unexpected(f"worker {self.range_index}", observation)
-
-    def _reply(self, rid: int, slot: int, future: Future[BatchResult], at: float) -> Done | Failed | Cancelled:
-        arrived = self._arrived.pop(rid, 0.0)
-        if future.cancelled():
-            return Cancelled(rid)
-        err = future.exception()
-        if err is not None:
-            return Failed.of(rid, err)
-        result = future.result()
-        dst = self.host.slots.array(self.first_slot + slot, self.host.mask_shape)
-        if result.mask.ctypes.data != dst.ctypes.data:  # not written there by the batcher (mask_into)
-            copy_holding_gil(dst, result.mask)
-        now = time.monotonic()
-        return Done.of(rid, result, in_ms=arrived * 1e3, writer_ms=(now - at) * 1e3, sent=now)
-
-
-class _PeerIO:
-    """The engine process's one thread for every worker connection: it reads their requests and
-    submits them, and sends their answers (non-blocking sockets, one :mod:`selectors` selector).
-
-    Why one thread, not a reader and a writer per worker: each thread the engine process wakes
-    must win the GIL back behind the others (a turn on every request's way in and every batch's
-    way out), and a thread per worker added two more with each worker (``--workers 4`` against 2:
-    a batch's stage 1.43 against 1.13 ms, docs/performance.md). Here one wake-up handles whatever
-    every worker has sent by then, and a batch's answers to all workers leave on one wake-up.
-    Why not asyncio: its loop costs each message a callback and a task; a selector is all this needs.
-    A worker that stops reading does not hold the others up: what its socket does not take waits
-    in its :attr:`_Peer.outgoing` until it does (a few hundred bytes per batch it is in).
-    """
-
-    def __init__(self, host: EngineHost) -> None:
-        self.host = host
-        self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self._posted: SimpleQueue[tuple[_Peer | None, _Posted]] = SimpleQueue()
-        self._signalled = False  # a wake-up byte is on its way: posts need not send another
-        self._peers: set[_Peer] = set()
-        self._thread = threading.Thread(target=self._run, name="dualtrack-peers", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def post(self, peer: _Peer | None, item: _Posted) -> None:
-        """Hand ``item`` to the I/O thread (any thread; a message for ``peer``, or _Stop)."""
-        self._posted.put((peer, item))
-        # The I/O thread clears the flag before it drains the queue: a post it has not drained yet
-        # either sees the flag clear and wakes it, or is drained by the wake-up already coming.
-        if not self._signalled:
-            self._signalled = True
-            with suppress(BlockingIOError, OSError):  # full: wake-ups are pending; closed: stopped
-                self._wake_w.send(b"\0")
-
-    def stop(self, timeout: float) -> None:
-        """Answer what is posted, close every connection, end the thread (after the batcher closed)."""
-        if self._thread.is_alive():
-            self.post(None, _Stop())
-            self._thread.join(timeout)
-        self._selector.close()
-        self._wake_r.close()
-        self._wake_w.close()
-
-    def _run(self) -> None:
-        try:
-            while self._serve():
-                pass
-        except Exception:  # a bug here must not leave workers waiting on answers that never come
-            _log.exception("the engine process's connection thread failed; dropping every worker")
-        finally:
-            for peer in list(self._peers):
-                self._close(peer)
-
-    def _serve(self) -> bool:
-        """One wake-up: what the workers sent, then what was posted; False once stopped."""
-        touched: set[_Peer] = set()
-        for key, events in self._selector.select():
-            peer = key.data
-            if peer is None:
-                continue  # the wake-up socket: drained below
-            touched.add(peer)
-            if events & selectors.EVENT_READ:
-                self._receive(peer)
-            if events & selectors.EVENT_WRITE:
-                peer.writing = False  # _flush registers it again if the socket is still full
-        stopped = self._drain_posted(touched)
-        for peer in touched:
-            peer.frame_replies()
-            self._flush(peer)
-            self._forget_if_done(peer)
-        return not stopped
-
-    def _drain_posted(self, touched: set[_Peer]) -> bool:
-        with suppress(BlockingIOError):
-            while self._wake_r.recv(4096):
-                pass
-        self._signalled = False
-        stopped = False
-        while not self._posted.empty():
-            peer, item = self._posted.get()
-            match item:
-                case _Stop():
-                    stopped = True
-                case _Joined():
-                    assert peer is not None
-                    self._peers.add(peer)
-                    os.set_blocking(peer.fd, False)
-                    self._selector.register(peer.fd, selectors.EVENT_READ, peer)
-                    peer.send(self.host.hello(peer))
-                case _Settled(rid, slot, future, at):
-                    assert peer is not None
-                    peer.settled(rid, slot, future, at)
-                case _:
-                    assert peer is not None
-                    peer.send(item)
-            if peer is not None:
-                touched.add(peer)
-        return stopped
-
-    def _receive(self, peer: _Peer) -> None:
-        try:
-            data = os.read(peer.fd, FrameReader.CHUNK)
-            if not data:
-                raise EOFError
-            for msg in peer.frames.take(data):
-                peer.handle(msg)
-        except BlockingIOError:
-            pass
-        except (EOFError, ConnectionError):
-            self._hang_up(peer, shut=False)  # the worker is gone
-        except ProtocolError as err:
-            _log.error("%s", err)  # it names the worker, the message and that its connection closes
-            self._hang_up(peer, shut=True)  # the worker sees the connection end and fails its readiness
-        except Exception:
-            _log.exception("engine connection %d failed; dropping the worker", peer.range_index)
-            self._hang_up(peer, shut=True)
-
-    def _hang_up(self, peer: _Peer, *, shut: bool) -> None:
-        """Stop reading ``peer``; its requests not yet in a batch are withdrawn, the rest run out."""
-        if not peer.reading:
-            return
-        peer.reading = False
-        peer.replies.clear()
-        peer.outgoing.clear()  # nobody to tell
-        if shut:
-            _shut_down(peer.conn)
-        with suppress(KeyError, ValueError):
-            self._selector.unregister(peer.fd)
-        for future in list(peer.inflight.values()):
-            future.cancel()  # nobody waits for these any more; their callbacks post them back
-
-    def _flush(self, peer: _Peer) -> None:
-        """Send what the socket takes of ``peer``'s framed messages; wait for it to take the rest."""
-        while peer.outgoing and peer.reading:
-            try:
-                sent = os.write(peer.fd, peer.outgoing)
-            except BlockingIOError:
-                break
-            except OSError:  # the other side is gone
-                self._hang_up(peer, shut=False)
-                return
-            del peer.outgoing[:sent]
-        if peer.reading and bool(peer.outgoing) != peer.writing:
-            peer.writing = bool(peer.outgoing)
-            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if peer.writing else 0)
-            self._selector.modify(peer.fd, events, peer)
-
-    def _forget_if_done(self, peer: _Peer) -> None:
-        """A worker gone, with none of its requests left in a batch: its slot range is free again."""
-        if not peer.reading and not peer.inflight and peer in self._peers:
-            self._close(peer)
-
-    def _close(self, peer: _Peer) -> None:
-        self._peers.discard(peer)
-        with suppress(KeyError, ValueError):
-            self._selector.unregister(peer.fd)
-        _hang_up(peer.conn)
-        self.host._released(peer)
 
 
 @dataclass(frozen=True)
@@ -672,9 +353,8 @@ class _ReaderGone:
 _Outgoing: TypeAlias = EngineMessage | _Settled | _ReaderGone  # what a peer's writer thread takes
 
 
-class _ThreadedPeer:
-    """(Temporary, issue 15's A/B: DUALTRACK_PEER_THREADS=1.) One worker's connection in the
-    engine process: a reader thread and a writer thread.
+class _Peer:
+    """One worker's connection in the engine process: a reader thread and a writer thread.
 
     The reader receives and submits; only the writer sends (one sender per connection) and writes
     masks into the slots. The slot range is given back once the worker has gone and none of its
@@ -829,15 +509,6 @@ class _ThreadedPeer:
         return Done.of(rid, result, in_ms=arrived * 1e3, writer_ms=(now - at) * 1e3, sent=now)
 
 
-def _frame(msg: EngineMessage) -> bytes:
-    """``msg`` as :meth:`Connection.send <multiprocessing.connection.Connection.send>` writes it: a
-    4-byte big-endian length (or -1 and an 8-byte one past 2 GiB), then the pickle."""
-    body = ForkingPickler.dumps(msg)
-    n = len(body)
-    head = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
-    return head + bytes(body)
-
-
 def _dial(address: str, key: bytes, timeout: float) -> Connection:
     """``Client(address, authkey=key)`` that gives up after ``timeout`` s: its key handshake has no
     timeout of its own, and an engine process that never answers must fail readiness, not hang it."""
@@ -890,15 +561,6 @@ class FrameReader:
             self._buf += data
             missing = self._split()
         return self._pending.popleft()
-
-    def take(self, data: bytes) -> list[object]:
-        """The messages ``data`` completes, for a reader that reads the connection itself (a
-        non-blocking one); raises ``ValueError`` as :meth:`recv` does."""
-        self._buf += data
-        self._split()
-        messages = list(self._pending)
-        self._pending.clear()
-        return messages
 
     def _frame(self) -> tuple[int, int] | None:
         """(header size, body size) of the first frame buffered, or None while its header is incomplete."""
