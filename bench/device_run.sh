@@ -194,6 +194,9 @@ for step in $steps; do
         --variant "w2_a=--workers 2 $V" --variant "w3_a=--workers 3 $V" --variant "w4_a=--workers 4 $V" \
         --variant "w4_b=--workers 4 $V" --variant "w3_b=--workers 3 $V" --variant "w2_b=--workers 2 $V" \
         2>&1 | tee "$OUT/serve_nworkers.log" ;;
+    wake)
+      # Not in the default steps (issue 15): what one hand-over between threads and between processes costs.
+      python3 bench/wake_probe.py --out "$OUT" --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/wake.log" ;;
     serve_table)
       # Not in the default steps (issue 15): the issue's table on `serve --workers ${WORKERS:-4}` (defaults): JPEG -> JSON,
       # JPEG -> mask PNG and PNG -> mask PNG at 16 and 32 clients, against the engine alone.
