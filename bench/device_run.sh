@@ -194,6 +194,18 @@ for step in $steps; do
         --variant "w2_a=--workers 2 $V" --variant "w3_a=--workers 3 $V" --variant "w4_a=--workers 4 $V" \
         --variant "w4_b=--workers 4 $V" --variant "w3_b=--workers 3 $V" --variant "w2_b=--workers 2 $V" \
         2>&1 | tee "$OUT/serve_nworkers.log" ;;
+    serve_answers)
+      # Not in the default steps (issue 15): answers written into the slots, each worker woken by a shared
+      # semaphore (the default), against answers as messages (DUALTRACK_SLOT_ANSWERS=0), on `--workers 2` and
+      # 3: JPEG -> JSON at 16 and 32 clients, two rounds in mirrored order.
+      V="--max-batch-delay-ms 8"
+      serve_bench $C/unet \
+        --clients 16 32 --only-variants --cases jpeg_in_json_out --tag answers --duration-s "${SERVE_S:-10}" \
+        --variant "slot2_a=--workers 2 $V" --variant "msg2_a=DUALTRACK_SLOT_ANSWERS=0 --workers 2 $V" \
+        --variant "slot3_a=--workers 3 $V" --variant "msg3_a=DUALTRACK_SLOT_ANSWERS=0 --workers 3 $V" \
+        --variant "msg3_b=DUALTRACK_SLOT_ANSWERS=0 --workers 3 $V" --variant "slot3_b=--workers 3 $V" \
+        --variant "msg2_b=DUALTRACK_SLOT_ANSWERS=0 --workers 2 $V" --variant "slot2_b=--workers 2 $V" \
+        2>&1 | tee "$OUT/serve_answers.log" ;;
     wake)
       # Not in the default steps (issue 15): what one hand-over between threads and between processes costs.
       python3 bench/wake_probe.py --out "$OUT" --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/wake.log" ;;

@@ -147,6 +147,7 @@ def test_answers_ready_together_travel_as_one_replies_message(engine, rng, monke
         return send(conn, msg)
 
     monkeypatch.setattr(shared, "_send_quietly", recording)
+    monkeypatch.setenv("DUALTRACK_SLOT_ANSWERS", "0")  # the answers that travel as messages
     with hosting(engine, max_batch_delay_ms=500) as host, client_of(host) as a:
         images = _images(rng, 4)
         results = [f.result(WAIT_S) for f in [a.submit(x) for x in images]]
@@ -156,6 +157,103 @@ def test_answers_ready_together_travel_as_one_replies_message(engine, rng, monke
     answers = [m for m in sent if isinstance(m, Replies | Done)]
     assert sum(len(m.replies) if isinstance(m, Replies) else 1 for m in answers) == 4
     assert any(isinstance(m, Replies) for m in answers), [type(m).__name__ for m in answers]
+
+
+def test_answers_written_into_the_slots_need_no_message(engine, rng, monkeypatch) -> None:
+    """Each request that ran is answered from its slot (its worker woken by its semaphore): the
+    right mask, the batch's sizes and timings, no Done message; its slot comes back for the next."""
+    sent: list[object] = []
+    send = shared._Peer._send_replies
+
+    def recording(peer: object, replies: list[object]) -> bool:
+        sent.extend(replies)
+        return send(peer, replies)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(shared._Peer, "_send_replies", recording)
+    with hosting(engine, max_batch_delay_ms=500) as host, client_of(host) as a, client_of(host) as b:
+        assert host.answers is not None and a._answers is not None
+        images = _images(rng, 8)
+        futures = [(a if i % 2 else b).submit(x) for i, x in enumerate(images)]
+        results = [f.result(WAIT_S) for f in futures]
+        expected = engine.run(np.stack(images))["mask"]
+        for i, r in enumerate(results):
+            np.testing.assert_array_equal(r.mask, expected[i])
+            assert r.batch_size == 4 and r.padded_size == 4, (r.batch_size, r.padded_size)
+            assert r.queue_ms > 0 and r.run_ms > 0 and "batch_gather_ms" in r.timings and "hop_in_ms" in r.timings
+            assert "hop_writer_ms" not in r.timings  # no message's hand-overs: the slot answered it
+        assert not [m for m in sent if isinstance(m, Done)], sent
+        _until(lambda: a.depth == b.depth == 0, "the slots to come back", 10)
+        # The slots are reused: the answer a slot held is never taken for the next request there.
+        again = [a.submit(x) for x in images[4:]]
+        for i, f in enumerate(again):
+            np.testing.assert_array_equal(f.result(WAIT_S).mask, expected[4 + i])
+        _until(lambda: a.depth == 0, "the slots to come back again", 10)
+
+
+def test_answers_travel_as_messages_only_with_slot_answers_off(engine, rng, monkeypatch) -> None:
+    monkeypatch.setenv("DUALTRACK_SLOT_ANSWERS", "0")
+    with hosting(engine, max_batch_delay_ms=300) as host, client_of(host) as a:
+        assert host.answers is None and a._answers is None and a._watcher is None
+        images = _images(rng, 3)
+        results = [f.result(WAIT_S) for f in [a.submit(x) for x in images]]
+        expected = engine.run(np.stack(images))["mask"]
+        for i, r in enumerate(results):
+            np.testing.assert_array_equal(r.mask, expected[i])
+            assert "hop_writer_ms" in r.timings  # the Done message's hand-overs: the message answered it
+
+
+def test_a_slot_answer_is_taken_only_for_its_own_request(tmp_path) -> None:
+    """The word names the request (token = id + 1); a word of another request, a cleared word or an
+    answer too long for the area is no answer."""
+    slots = SlotFile(tmp_path / "s", 3, 1000, create=True, answer_bytes=200)
+    try:
+        assert slots.payload_bytes == 800
+        assert slots.read_answer(1, 8) is None  # nothing written yet (the word is 0)
+        assert slots.write_answer(1, 8, b"seven's answer")
+        assert slots.read_answer(1, 8) == b"seven's answer"
+        assert slots.read_answer(1, 9) is None and slots.read_answer(0, 8) is None and slots.read_answer(2, 8) is None
+        assert not slots.write_answer(1, 9, b"x" * 185)  # 16 bytes of head + 185 > 200: a message only
+        assert slots.read_answer(1, 8) == b"seven's answer"  # untouched
+        slots.clear_answer(1)
+        assert slots.read_answer(1, 8) is None
+        assert not slots.write_answer(2, 0, b"token 0 would read as no answer")
+        np.testing.assert_array_equal(slots.buffer[:, :800], 0)  # the payloads are not touched
+    finally:
+        slots.close()
+
+
+def _post_from_another_process(path: str, index: int) -> None:
+    from dualtrack.serve.semaphores import SemaphoreFile
+
+    sems = SemaphoreFile(Path(path), 4, create=False)
+    sems.post(index)
+    sems.close()
+
+
+@pytest.mark.skipif(not shared.semaphores.available(), reason="no process-shared semaphores in this C library")
+def test_a_semaphore_posted_in_another_process_wakes_its_waiter(tmp_path) -> None:
+    import multiprocessing
+
+    sems = shared.SemaphoreFile(tmp_path / "sem", 4, create=True)
+    try:
+        assert not sems.wait(2, 0.05)  # nothing posted: the timeout
+        child = multiprocessing.get_context("spawn").Process(
+            target=_post_from_another_process, args=(str(sems.path), 2)
+        )
+        child.start()
+        assert sems.wait(2, 30)
+        child.join(30)
+        assert not sems.wait(1, 0.05) and not sems.wait(2, 0.05)  # one post, one wake, that semaphore only
+        sems.post(3)
+        sems.post(3)
+        assert sems.wait(3, 0) and sems.wait(3, 0) and not sems.wait(3, 0)
+        for _ in range(5):
+            sems.post(0)
+        assert sems.drain(0) == 5 and sems.drain(0) == 0 and not sems.wait(0, 0)
+        with pytest.raises(IndexError):
+            sems.post(4)
+    finally:
+        sems.close()
 
 
 def test_cancelled_request_is_withdrawn_and_its_slot_reused(engine, rng) -> None:

@@ -39,6 +39,8 @@ class Settings:
     DUALTRACK_BALANCE_WORKERS  set to 0 to let the HTTP processes of `serve --workers N` race for connections
                           on one listening socket (uvicorn's supervisor) instead of the engine process handing
                           each to the one holding the fewest (serve/workers.py)
+    DUALTRACK_SLOT_ANSWERS  set to 0 to answer the workers of `serve --workers N` by message only; by default a
+                          request's answer is written into its slot and its worker woken by a shared semaphore
     """
 
     cache_dir: Path
@@ -56,6 +58,7 @@ class Settings:
     pin_slots: bool = True
     hold_gil: bool = True
     balance_workers: bool = True
+    slot_answers: bool = True
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -80,6 +83,7 @@ class Settings:
             pin_slots=env.get("DUALTRACK_PIN_SLOTS", "1") not in ("0", "false", "no"),
             hold_gil=env.get("DUALTRACK_HOLD_GIL", "1") not in ("0", "false", "no"),
             balance_workers=env.get("DUALTRACK_BALANCE_WORKERS", "1") not in ("0", "false", "no"),
+            slot_answers=env.get("DUALTRACK_SLOT_ANSWERS", "1") not in ("0", "false", "no"),
         )
 
 

@@ -251,7 +251,9 @@ class Batcher(QueueState["Engine"]):
     """Owns an engine on one worker thread and runs queued images in micro-batches.
 
     ``on_batch`` (if given) is called on the worker thread (on a GPU, the collector) after every batch with the batch's
-    :class:`BatchResult` of every row, in row order (sizes and timings are shared by all rows).
+    :class:`BatchResult` of every row, in row order (sizes and timings are shared by all rows),
+    on the thread that resolved the batch's futures and after all of them (``serve --workers``
+    wakes the workers with answers in the batch then: serve/shared.py).
     ``on_phase`` (if given) is called with the new :class:`Phase` and :attr:`error` whenever the
     phase changes, on the thread that changed it. Neither may block: the next batch waits for them.
     """

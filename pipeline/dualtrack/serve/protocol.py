@@ -9,9 +9,12 @@ Engine process → worker
     First exactly one of :class:`Hello` (the worker's range of image slots, the engine's specs and
     phase) or :class:`Refused` (no range is free; the engine process hangs up after it). Then:
 
-    - for every :class:`RunRequest`, exactly one of :class:`Done`, :class:`Failed` or
-      :class:`Cancelled`, in the order the requests finish (not the order they were sent); answers
-      that are ready together travel as one :class:`Replies`;
+    - for every :class:`RunRequest`, exactly one answer: where the Hello names an ``answers``
+      semaphore file, a request that ran is answered in its slot (the word at the start of the
+      slot's answer area set to its id + 1, the worker's semaphore posted once per batch), with no
+      message; otherwise, and for a request that failed or was withdrawn, exactly one of
+      :class:`Done`, :class:`Failed` or :class:`Cancelled`, in the order the requests finish (not
+      the order they were sent); answers that are ready together travel as one :class:`Replies`;
     - for every :class:`Question`, one :class:`Answer`, after everything the worker sent before it;
     - a :class:`PhaseChanged` whenever the batcher's phase changes (loading, warm, failed, closed),
       with the JPEG decoder the engine process has (``gpu`` once nvImageCodec opened on its GPU).
@@ -103,6 +106,11 @@ class Hello:
     phase: Phase
     error: str  # why loading or warmup failed; empty otherwise
     decoder: tuple[str, str] = ("cpu", "the engine is loading")  # the batcher's JPEG decoder: (name, reason)
+    # The last ``answer_bytes`` of every slot hold its request's answer once it has run, and the
+    # semaphore file ``answers`` (one semaphore per slot range) wakes the worker that owns the
+    # range: shared.SlotFile.write_answer. Empty: answers come only as messages.
+    answers: str = ""
+    answer_bytes: int = 0
 
 
 @dataclass(frozen=True)

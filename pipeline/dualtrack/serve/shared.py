@@ -24,10 +24,20 @@ the tighter limit). A request goes:
 2. the engine process's reader thread for that worker submits the slot to the batcher, which
    copies it into the batch's page-locked row (numpy releases the GIL for the copy);
 3. when the batch has run, its masks are in the slots (copied from the GPU straight into the
-   page-locked slot file; without a GPU, or with ``DUALTRACK_PIN_SLOTS=0``, the writer thread
-   copies each one there), and that worker's writer thread sends
-   :class:`~dualtrack.serve.protocol.Done` ``(rid, sizes and timings)``; the worker copies the
-   mask out and frees the slot.
+   page-locked slot file; without a GPU, or with ``DUALTRACK_PIN_SLOTS=0``, on the host), the
+   rest of each answer (sizes and timings) is written at the end of its slot, and each worker
+   with answers in the batch is woken once through its semaphore in a shared file
+   (:mod:`dualtrack.serve.semaphores`); the worker's answer thread copies the mask out and frees
+   the slot. No message, no engine process thread between the batch and the worker: the thread
+   that resolved the batch writes the answers and posts, with the GIL kept. With
+   ``DUALTRACK_SLOT_ANSWERS=0`` (or no process-shared semaphores) that worker's writer thread
+   sends :class:`~dualtrack.serve.protocol.Done` ``(rid, sizes and timings)`` instead.
+
+Why answers in the slots: the message way back cost a request ~0.8-0.9 ms under load on the H200
+(the engine process's writer thread waking and winning the GIL, pickling, sending; the worker's
+reader thread waking and unpickling: ``hop_writer`` + ``hop_back``, docs/performance.md), on the
+path of every request, in a closed loop where each millisecond of a request's latency is
+throughput lost.
 
 A request that fails comes back as :class:`~dualtrack.serve.protocol.Failed` ``(rid, kind,
 message)``, raised in the worker as the batcher raised it (full queue, not ready, bad input,
@@ -73,6 +83,7 @@ import numpy as np
 
 from dualtrack import imaging
 from dualtrack.errors import ConfigError, DualtrackError, InputError
+from dualtrack.serve import semaphores
 from dualtrack.serve.batcher import Batcher, BatchResult, NotReadyError, Phase, QueueFullError, QueueState
 from dualtrack.serve.metrics import ServeMetrics
 from dualtrack.serve.options import ServeOptions
@@ -99,6 +110,7 @@ from dualtrack.serve.protocol import (
     WorkerMessage,
     unexpected,
 )
+from dualtrack.serve.semaphores import SemaphoreFile
 from dualtrack.settings import Settings
 
 if TYPE_CHECKING:
@@ -114,13 +126,25 @@ FLUSH_S = 0.25  # longest a worker keeps HTTP metrics before sending them to the
 SPARE_RANGES = 2  # slot ranges beyond one per worker: for workers that uvicorn restarts
 CONNECT_TIMEOUT_S = 30.0  # a worker gives up on an engine process that does not answer
 MAX_REPLIES = 64  # most answers one Replies message carries
+ANSWER_BYTES = 4096  # the end of every slot: its request's answer (SlotFile.write_answer)
 
 
 class SlotFile:
-    """A shared file of ``count`` slots of ``slot_bytes`` each, mapped into this process."""
+    """A shared file of ``count`` slots of ``slot_bytes`` each, mapped into this process.
 
-    def __init__(self, path: Path, count: int, slot_bytes: int, *, create: bool) -> None:
+    A slot's first :attr:`payload_bytes` hold its request (an image, or a JPEG's bytes) and then
+    its mask; the last ``answer_bytes`` (when given) the rest of its answer, written by the engine
+    process once the request has run (:meth:`write_answer`): a word naming the request (its
+    ``token``), the length of the answer, then the answer. The word is written last and read
+    first; on a CPU that may show another core's stores out of order, the answer itself must name
+    its request too (the caller checks), so a stale answer is never taken for this one."""
+
+    def __init__(self, path: Path, count: int, slot_bytes: int, *, create: bool, answer_bytes: int = 0) -> None:
+        if not 0 <= answer_bytes < slot_bytes:
+            raise ValueError(f"answer_bytes={answer_bytes} must be below slot_bytes={slot_bytes}")
         self.path, self.count, self.slot_bytes = path, count, slot_bytes
+        self.answer_bytes = answer_bytes
+        self.payload_bytes = slot_bytes - answer_bytes
         size = count * slot_bytes
         if create:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -143,9 +167,40 @@ class SlotFile:
         """Slot ``slot`` as a uint8 array of ``shape`` (a view: no copy)."""
         return self.buffer[slot, : math.prod(shape)].reshape(shape)
 
+    def write_answer(self, slot: int, token: int, body: bytes) -> bool:
+        """Put ``body`` in slot ``slot``'s answer area, then ``token`` (> 0) in its word; False if
+        it does not fit (the answer then travels as a message only). Plain stores: keeps the GIL."""
+        at = slot * self.slot_bytes + self.payload_bytes
+        if token <= 0 or self.answer_bytes < _ANSWER_HEAD + len(body):
+            return False
+        struct.pack_into("<I", self._map, at + 8, len(body))
+        self._map[at + _ANSWER_HEAD : at + _ANSWER_HEAD + len(body)] = body
+        struct.pack_into("<Q", self._map, at, token)
+        return True
+
+    def clear_answer(self, slot: int) -> None:
+        """Mark slot ``slot`` as holding no answer (before its next request is sent)."""
+        if self.answer_bytes:
+            struct.pack_into("<Q", self._map, slot * self.slot_bytes + self.payload_bytes, 0)
+
+    def read_answer(self, slot: int, token: int) -> bytes | None:
+        """Slot ``slot``'s answer if its word is ``token``, else None (not written yet)."""
+        if not self.answer_bytes:
+            return None
+        at = slot * self.slot_bytes + self.payload_bytes
+        if struct.unpack_from("<Q", self._map, at)[0] != token:
+            return None
+        (n,) = struct.unpack_from("<I", self._map, at + 8)
+        if n > self.answer_bytes - _ANSWER_HEAD:
+            return None
+        return bytes(self._map[at + _ANSWER_HEAD : at + _ANSWER_HEAD + n])
+
     def close(self) -> None:
         self.buffer = np.empty((0, 0), np.uint8)  # drop the view before the map (mmap refuses otherwise)
         self._map.close()
+
+
+_ANSWER_HEAD = 16  # an answer area's word (8 bytes) and length (4), before the answer
 
 
 def copy_holding_gil(dst: np.ndarray, src: np.ndarray) -> None:
@@ -186,7 +241,8 @@ class EngineHost:
         shape = self.info.input_spec.shape
         self.image_shape = tuple(shape[1:])
         self.mask_shape = tuple(shape[1:3])
-        slot_bytes = int(np.prod(self.image_shape))  # a uint8 image; its mask (H x W) fits in its place
+        # A uint8 image (its mask, H x W, fits in its place), then the answer area.
+        slot_bytes = int(np.prod(self.image_shape)) + ANSWER_BYTES
         self.slots_per_range = options.max_queue + max(self.info.batch_sizes)
         ranges = workers + SPARE_RANGES
         self.metrics = ServeMetrics(
@@ -196,7 +252,7 @@ class EngineHost:
             engine,
             max_batch_delay_s=options.max_batch_delay_ms / 1e3,
             max_queue=options.max_queue,
-            on_batch=self.metrics.observe_batch,
+            on_batch=self._batch_answered,
             on_phase=self._phase_changed,
             jpeg_decoder=jpeg_decoder,
             batches_in_flight=options.batches_in_flight,
@@ -205,7 +261,9 @@ class EngineHost:
         size = ranges * self.slots_per_range * slot_bytes
         slot_path = slot_directory(size) / f"{self._dir.name}.slots"
         try:
-            self.slots = SlotFile(slot_path, ranges * self.slots_per_range, slot_bytes, create=True)
+            self.slots = SlotFile(
+                slot_path, ranges * self.slots_per_range, slot_bytes, create=True, answer_bytes=ANSWER_BYTES
+            )
         except OSError as err:
             shutil.rmtree(self._dir, ignore_errors=True)
             raise ConfigError(
@@ -213,6 +271,8 @@ class EngineHost:
                 "free space there, or lower --max-queue or --workers"
             ) from None
         self.pinned = self._pin(engine)
+        self.answers = self._answer_semaphores(ranges)
+        self._to_wake: set[int] = set()  # slot ranges with answers written in this batch (batcher thread only)
         self._key = secrets.token_bytes(32)
         self.address = str(self._dir / "engine.sock")
         self._listener = Listener(self.address, family="AF_UNIX", authkey=self._key)
@@ -244,6 +304,48 @@ class EngineHost:
             return None
         sys.stderr.write(f"dualtrack serve: masks go from the GPU straight into the {size} slot file (page-locked)\n")
         return pinned
+
+    def _answer_semaphores(self, ranges: int) -> SemaphoreFile | None:
+        """One semaphore per slot range, with which a request's answer written into its slot wakes
+        its worker (None: answers travel as messages only, with ``DUALTRACK_SLOT_ANSWERS=0`` or
+        where the C library has no process-shared semaphores)."""
+        if not Settings.from_env().slot_answers or not semaphores.available():
+            return None
+        try:
+            return SemaphoreFile(self._dir / "answers.sem", ranges, create=True)
+        except OSError as err:
+            _log.warning("answers travel as messages only: no shared semaphores: %s", err)
+            return None
+
+    def answer_in_slot(self, peer: _Peer, rid: int, slot: int, future: Future[BatchResult]) -> bool:
+        """Write request ``rid``'s answer into its slot and wake its worker, on the thread that
+        resolved it (the batcher's collector), with the GIL kept throughout; True if so, and then
+        no message answers it. False for a failed or cancelled request, which a message answers."""
+        if self.answers is None or future.cancelled() or future.exception() is not None:
+            return False
+        result = future.result()
+        index = peer.first_slot + slot
+        dst = self.slots.array(index, self.mask_shape)
+        if result.mask.ctypes.data != dst.ctypes.data:  # not written there by the GPU (mask_into)
+            copy_holding_gil(dst, result.mask)
+        in_ms = peer.transit_ms(rid)
+        body = pickle.dumps(
+            (rid, result.batch_size, result.padded_size, result.queue_ms, result.run_ms, result.timings, in_ms),
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
+        if not self.slots.write_answer(index, rid + 1, body):
+            return False
+        self._to_wake.add(peer.range_index)  # posted once the batch's rows are all answered
+        return True
+
+    def _batch_answered(self, results: list[BatchResult]) -> None:
+        """After a batch's requests are resolved (on the same thread): wake each worker that has
+        answers in its slots once, then the batch's metrics."""
+        if self.answers is not None:
+            for index in self._to_wake:
+                self.answers.post(index)
+            self._to_wake.clear()
+        self.metrics.observe_batch(results)
 
     def mask_into(self, slot: int) -> np.ndarray | None:
         """Where the batcher writes the mask of the request in ``slot`` (the slot itself, when the
@@ -280,6 +382,8 @@ class EngineHost:
             peer.join(5)
         if self.pinned is not None:
             self.pinned.close()  # before the file is unmapped; the batcher has collected every batch
+        if self.answers is not None:
+            self.answers.close()
         self.slots.close()
         self.slots.path.unlink(missing_ok=True)
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -332,6 +436,8 @@ class EngineHost:
             phase=self.batcher.phase,
             error=self.batcher.error,
             decoder=self.batcher.decoder,
+            answers=str(self.answers.path) if self.answers is not None else "",
+            answer_bytes=self.slots.answer_bytes,
         )
 
 
@@ -343,6 +449,7 @@ class _Settled:
     slot: int
     future: Future[BatchResult]
     at: float  # when (monotonic)
+    in_slot: bool = False  # answered in its slot already (EngineHost.answer_in_slot): no message
 
 
 @dataclass(frozen=True)
@@ -428,7 +535,7 @@ class _Peer:
     def _run_jpeg(
         self, rid: int, slot: int, nbytes: int, stored: tuple[int, int], orientation: int, transit: float
     ) -> None:
-        if not 0 <= slot < self.host.slots_per_range or not 0 < nbytes <= self.host.slots.slot_bytes:
+        if not 0 <= slot < self.host.slots_per_range or not 0 < nbytes <= self.host.slots.payload_bytes:
             self.out.put(Failed(rid, "input", f"slot {slot} of {nbytes} bytes is outside this worker's range"))
             return
         data = self.host.slots.array(self.first_slot + slot, (nbytes,)).tobytes()  # the slot gets the mask later
@@ -444,8 +551,17 @@ class _Peer:
             return
         self.inflight[rid] = future
         self._arrived[rid] = transit
-        # Runs on the batcher's thread (or the canceller's): a put, no more.
-        future.add_done_callback(lambda f, r=rid, s=slot: self.out.put(_Settled(r, s, f, time.monotonic())))
+
+        def settled(f: Future[BatchResult], r: int = rid, s: int = slot) -> None:
+            # On the batcher's thread (or the canceller's): the answer into the slot, a post, a put.
+            in_slot = self.host.answer_in_slot(self, r, s, f)
+            self.out.put(_Settled(r, s, f, time.monotonic(), in_slot))
+
+        future.add_done_callback(settled)
+
+    def transit_ms(self, rid: int) -> float:
+        """ms from the worker's send of request ``rid`` to this reader having it (0 once answered)."""
+        return self._arrived.get(rid, 0.0) * 1e3
 
     def _record(self, observations: tuple[Observation, ...]) -> None:
         metrics = self.host.metrics
@@ -474,9 +590,12 @@ class _Peer:
                 match item:
                     case _ReaderGone():
                         closed = True
-                    case _Settled(rid, slot, future, at):
+                    case _Settled(rid, slot, future, at, in_slot):
                         self.inflight.pop(rid, None)
-                        replies.append(self._reply(rid, slot, future, at))
+                        if in_slot:
+                            self._arrived.pop(rid, None)
+                        else:
+                            replies.append(self._reply(rid, slot, future, at))
                     case _:  # in order: the answers before it go first
                         if not closed:
                             closed = not (self._send_replies(replies) and _send_quietly(self.conn, item))
@@ -640,6 +759,9 @@ class EngineClient(QueueState[EngineInfo]):
         self._stopped = threading.Event()
         self._reader: threading.Thread | None = None
         self._flusher: threading.Thread | None = None
+        self._answers: SemaphoreFile | None = None  # the Hello's: answers written into the slots
+        self._range = 0  # this worker's slot range: its semaphore in _answers
+        self._watcher: threading.Thread | None = None
 
     @property
     def depth(self) -> int:
@@ -660,7 +782,11 @@ class EngineClient(QueueState[EngineInfo]):
                     raise ConnectionError(reason)
                 case _:
                     raise unexpected("the engine process", hello)
-            self._slots = SlotFile(Path(hello.slot_path), hello.slot_count, hello.slot_bytes, create=False)
+            self._slots = SlotFile(
+                Path(hello.slot_path), hello.slot_count, hello.slot_bytes, create=False, answer_bytes=hello.answer_bytes
+            )
+            if hello.answers:
+                self._answers = SemaphoreFile(Path(hello.answers), hello.slot_count // hello.slots, create=False)
         except Exception as err:
             if conn is not None:
                 _hang_up(conn)  # the engine process gives this connection's slot range back
@@ -672,12 +798,16 @@ class EngineClient(QueueState[EngineInfo]):
         self._engine = hello.info
         self._error = hello.error
         self.decoder = hello.decoder
-        self.max_jpeg_bytes = hello.slot_bytes  # a JPEG for the GPU travels in one slot
+        self.max_jpeg_bytes = self._slots.payload_bytes  # a JPEG for the GPU travels in one slot
         self._phase = hello.phase
+        self._range = hello.first_slot // hello.slots
         self._reader = threading.Thread(target=self._read, name="dualtrack-engine-in", daemon=True)
         self._flusher = threading.Thread(target=self._flush_periodically, name="dualtrack-metrics", daemon=True)
         self._reader.start()
         self._flusher.start()
+        if self._answers is not None:
+            self._watcher = threading.Thread(target=self._watch_answers, name="dualtrack-answers", daemon=True)
+            self._watcher.start()
 
     def close(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` s for this worker's requests, flush its metrics, disconnect."""
@@ -688,6 +818,11 @@ class EngineClient(QueueState[EngineInfo]):
             time.sleep(0.01)
         drained = not self._pending
         self._stopped.set()
+        if self._watcher is not None and self._answers is not None:
+            self._answers.post(self._range)  # wake the watcher: it sees _stopped
+            self._watcher.join(5)
+            if not self._watcher.is_alive():
+                self._answers.close()
         self.flush()
         if self._conn is not None:
             _hang_up(self._conn)
@@ -753,6 +888,7 @@ class EngineClient(QueueState[EngineInfo]):
             self._next_id += 1
             future: Future[BatchResult] = Future()
             self._pending[rid] = (slot, future)
+        self._slots.clear_answer(self._first + slot)  # before the slot changes: see _answer_from_slot
         fill(self._slots.array(self._first + slot, shape))
         future.add_done_callback(lambda f, r=rid: self._withdraw(f, r))
         if not self._send(message(rid, slot)):
@@ -838,6 +974,40 @@ class EngineClient(QueueState[EngineInfo]):
         finally:
             self._release_all()
 
+    def _watch_answers(self) -> None:
+        """Answer each request whose answer the engine process wrote into its slot (no message
+        comes for it), as this worker's semaphore is posted, and give its slot back."""
+        assert self._answers is not None and self._slots is not None and self._engine is not None
+        shape = tuple(self._engine.input_spec.shape[1:3])
+        while not self._stopped.is_set():
+            # On a timeout too: an answer read before its word showed (a CPU that reorders stores) is there now.
+            if self._answers.wait(self._range, 0.5):
+                self._answers.drain(self._range)  # a batch posts once per request: one look for all of them
+            with self._lock:
+                waiting = list(self._pending.items())
+            for rid, (slot, future) in waiting:
+                result = self._answer_from_slot(rid, self._first + slot, shape)
+                if result is None:
+                    continue
+                with self._lock:
+                    self._pending.pop(rid, None)
+                with suppress(InvalidStateError):  # cancelled by the app meanwhile
+                    future.set_result(result)
+                with self._lock:
+                    self._free.append(slot)  # the mask is copied out: the slot is ours again
+
+    def _answer_from_slot(self, rid: int, index: int, shape: tuple[int, ...]) -> BatchResult | None:
+        """Request ``rid``'s result from slot ``index``, if the engine process has written it there."""
+        assert self._slots is not None
+        body = self._slots.read_answer(index, rid + 1)
+        if body is None:
+            return None
+        named, batch_size, padded_size, queue_ms, run_ms, timings, in_ms = pickle.loads(body)
+        if named != rid:  # seen before its own answer was (a CPU that reorders stores): the Done will do
+            return None
+        mask = self._slots.array(index, shape).copy()
+        return BatchResult(mask, batch_size, padded_size, queue_ms, run_ms, {**timings, "hop_in_ms": in_ms})
+
     def _finish(self, reply: Done | Failed | Cancelled, received: float) -> None:
         assert self._slots is not None and self._engine is not None
         with self._lock:
@@ -854,15 +1024,13 @@ class EngineClient(QueueState[EngineInfo]):
                 outcome = reply.error()
             case Cancelled():  # the engine process withdrew it (it was shutting down)
                 outcome = NotReadyError("server is shutting down")
-        with self._lock:
-            self._free.append(slot)  # the mask is copied out: the slot is ours again
-        if future.done():  # cancelled by the app meanwhile
-            return
-        with suppress(InvalidStateError):
+        with suppress(InvalidStateError):  # cancelled by the app meanwhile
             if isinstance(outcome, BatchResult):
                 future.set_result(outcome)
             else:
                 future.set_exception(outcome)
+        with self._lock:
+            self._free.append(slot)  # the mask is copied out: the slot is ours again
 
     def _gone(self) -> NotReadyError:
         return NotReadyError(self._error or "the engine process is gone")
