@@ -206,6 +206,14 @@ for step in $steps; do
         --variant "msg3_b=DUALTRACK_SLOT_ANSWERS=0 --workers 3 $V" --variant "slot3_b=--workers 3 $V" \
         --variant "msg2_b=DUALTRACK_SLOT_ANSWERS=0 --workers 2 $V" --variant "slot2_b=--workers 2 $V" \
         2>&1 | tee "$OUT/serve_answers.log" ;;
+    serve_answers2)
+      # Not in the default steps (issue 15): serve_answers' `--workers 2` pair again, two more rounds in mirrored order.
+      V="--workers 2 --max-batch-delay-ms 8"
+      serve_bench $C/unet \
+        --clients 16 32 --only-variants --cases jpeg_in_json_out --tag answers2 --duration-s "${SERVE_S:-10}" \
+        --variant "slot2_c=$V" --variant "msg2_c=DUALTRACK_SLOT_ANSWERS=0 $V" \
+        --variant "msg2_d=DUALTRACK_SLOT_ANSWERS=0 $V" --variant "slot2_d=$V" \
+        2>&1 | tee "$OUT/serve_answers2.log" ;;
     wake)
       # Not in the default steps (issue 15): what one hand-over between threads and between processes costs.
       python3 bench/wake_probe.py --out "$OUT" --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/wake.log" ;;
