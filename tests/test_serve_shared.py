@@ -308,16 +308,16 @@ def test_a_jpeg_for_the_gpu_travels_as_bytes_to_the_engine_process(engine, rng, 
         assert isinstance(jpeg, GpuJpeg)
         with pytest.raises(NotReadyError, match="JPEG decoder is cpu"):
             a.submit_jpeg(jpeg)  # the engine process has no GPU decoder: the worker decodes
-        received: list[tuple[GpuJpeg, bool]] = []
+        received: list[GpuJpeg] = []
 
-        def submit_jpeg(got: GpuJpeg, into: np.ndarray | None = None, decode_filling: bool = False):
-            received.append((got, decode_filling))
+        def submit_jpeg(got: GpuJpeg, into: np.ndarray | None = None):
+            received.append(got)
             return host.batcher.submit(load_for_model(got.data, 64, 64).pixels, into=into)
 
         monkeypatch.setattr(host.batcher, "submit_jpeg", submit_jpeg)
         monkeypatch.setattr(a, "decoder", ("gpu", "as if nvImageCodec had opened"))
         result = a.submit_jpeg(jpeg).result(WAIT_S)
-        assert received == [(jpeg, True)]  # the reader may decode it: it is not an event loop
+        assert received == [jpeg]
         pixels = load_for_model(data, 64, 64).pixels
         np.testing.assert_array_equal(result.mask, engine.run(pixels[None])["mask"][0])
         assert a.depth == 0
