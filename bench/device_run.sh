@@ -214,16 +214,6 @@ for step in $steps; do
         --variant "slot2_c=$V" --variant "msg2_c=DUALTRACK_SLOT_ANSWERS=0 $V" \
         --variant "msg2_d=DUALTRACK_SLOT_ANSWERS=0 $V" --variant "slot2_d=$V" \
         2>&1 | tee "$OUT/serve_answers2.log" ;;
-    serve_fill2)
-      # Not in the default steps (issue 15): the engine process's connection reader decoding the JPEG that fills
-      # its batch after claiming its row (the default) against every JPEG on the lanes (DUALTRACK_DECODE_FILLING=0),
-      # on `--workers 2`: JPEG -> JSON at 16 and 32 clients, two rounds in mirrored order.
-      V="--workers 2 --max-batch-delay-ms 8"
-      serve_bench $C/unet \
-        --clients 16 32 --only-variants --cases jpeg_in_json_out --tag fill2 --duration-s "${SERVE_S:-10}" \
-        --variant "fill_a=$V" --variant "lanes_a=DUALTRACK_DECODE_FILLING=0 $V" \
-        --variant "lanes_b=DUALTRACK_DECODE_FILLING=0 $V" --variant "fill_b=$V" \
-        2>&1 | tee "$OUT/serve_fill2.log" ;;
     wake)
       # Not in the default steps (issue 15): what one hand-over between threads and between processes costs.
       python3 bench/wake_probe.py --out "$OUT" --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/wake.log" ;;

@@ -287,47 +287,6 @@ def test_the_prefetcher_holds_at_most_ahead_bytes_but_serves_a_waiting_stager_fi
         prefetch.close()
 
 
-def test_a_jpeg_added_here_is_decoded_on_the_calling_thread_and_taken_like_the_others(rng) -> None:
-    """add_here + decode_here: the calling thread decodes it (not a lane), a stager waiting for it
-    gets it; past the bound it goes to the lanes instead, and one withdrawn first is never decoded."""
-    lanes = _PillowDecodes()
-    threads: list[int] = []
-    here = _PillowDecodes()
-
-    def on_caller(jpegs: list[imaging.GpuJpeg]) -> list[object]:
-        threads.append(threading.get_ident())
-        return here(jpegs)
-
-    prefetch = JpegPrefetcher(lanes, ahead_bytes=2 * PICTURE, most_per_call=8)
-    try:
-        first, second, third, fourth = _routed(rng, 4)
-        ticket = prefetch.add_here(first)
-        assert ticket.state == "decoding" and not ticket.done.is_set()
-        taken: list[object] = []
-        stager = threading.Thread(target=lambda: taken.append(prefetch.take(ticket)))
-        stager.start()
-        prefetch.decode_here(ticket, on_caller)
-        stager.join(10)
-        np.testing.assert_array_equal(taken[0], np.asarray(Image.open(io.BytesIO(first.data))))
-        assert threads == [threading.get_ident()] and lanes.calls == [] and here.calls == [1]
-        held = prefetch.add(second)  # the bound (two pictures) is full with it
-        _wait_until(lambda: held.state == "decoded")
-        queued = prefetch.add_here(third)  # no room: the lanes take it once there is
-        assert queued.state == "queued"
-        prefetch.decode_here(queued, on_caller)
-        assert here.calls == [1]  # not decoded here
-        withdrawn = prefetch.add_here(fourth)  # past the bound too: queued behind the third
-        prefetch.release(withdrawn)
-        prefetch.decode_here(withdrawn, on_caller)
-        for t in (ticket, held):
-            prefetch.release(t)
-        assert isinstance(prefetch.take(queued), np.ndarray)
-        prefetch.release(queued)
-        assert here.calls == [1] and sum(lanes.calls) == 2 and withdrawn.image is None
-    finally:
-        prefetch.close()
-
-
 def test_a_picture_larger_than_the_bound_is_still_decoded_alone(rng) -> None:
     """One picture may always be held, however large: the bound only keeps others from joining it."""
     decodes = _PillowDecodes()

@@ -39,8 +39,6 @@ class Settings:
     DUALTRACK_BALANCE_WORKERS  set to 0 to let the HTTP processes of `serve --workers N` race for connections
                           on one listening socket (uvicorn's supervisor) instead of the engine process handing
                           each to the one holding the fewest (serve/workers.py)
-    DUALTRACK_DECODE_FILLING  set to 0 to leave every JPEG of `serve --workers N` to the decode lanes; by default
-                          the engine process's connection reader decodes the one that fills its batch
     DUALTRACK_SLOT_ANSWERS  set to 0 to answer the workers of `serve --workers N` by message only; by default a
                           request's answer is written into its slot and its worker woken by a shared semaphore
     """
@@ -61,7 +59,6 @@ class Settings:
     hold_gil: bool = True
     balance_workers: bool = True
     slot_answers: bool = True
-    decode_filling: bool = True
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -87,7 +84,6 @@ class Settings:
             hold_gil=env.get("DUALTRACK_HOLD_GIL", "1") not in ("0", "false", "no"),
             balance_workers=env.get("DUALTRACK_BALANCE_WORKERS", "1") not in ("0", "false", "no"),
             slot_answers=env.get("DUALTRACK_SLOT_ANSWERS", "1") not in ("0", "false", "no"),
-            decode_filling=env.get("DUALTRACK_DECODE_FILLING", "1") not in ("0", "false", "no"),
         )
 
 

@@ -262,45 +262,6 @@ def test_the_batcher_keeps_decoded_pictures_until_a_pending_batch_has_run(tiny_b
             assert batcher.close(60)
 
 
-def test_the_jpeg_that_fills_a_batch_is_decoded_by_the_thread_that_submits_it(tiny_bundle: Path) -> None:
-    """submit_jpeg(decode_filling=True): the JPEG whose row fills the batch is decoded on the calling
-    thread (the others on the lanes), and every mask agrees with the CPU decode's as on the lanes."""
-    from dualtrack.runtime.engine import Engine
-    from dualtrack.serve import Batcher, Phase
-
-    rng = np.random.default_rng(23)
-    with Engine.load(tiny_bundle, "cuda") as e:
-        h, w = e.input_spec.shape[1:3]
-        largest = max(e.batch_sizes)
-        bodies = [_jpeg(_photo(rng, 80 + 8 * i, 72), 1 + i % 2 * 5) for i in range(largest)]
-        want = [e.run(imaging.load_for_model(b, h, w).pixels[None], outputs=("mask",))["mask"][0] for b in bodies]
-        batcher = Batcher(e, max_batch_delay_s=30.0, max_queue=16)  # the batch waits to be filled
-        batcher.start()
-        try:
-            deadline = time.monotonic() + 120
-            while batcher.phase is not Phase.READY and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert batcher.decoder[0] == "gpu" and batcher._decode_here is not None, batcher.decoder
-            callers: list[int] = []
-            decode = batcher._decode_here
-
-            def recorded(jpegs: list[imaging.GpuJpeg]) -> list[object]:
-                callers.append(threading.get_ident())
-                return decode(jpegs)
-
-            batcher._decode_here = recorded
-            routes = [imaging.route_jpeg(b, h, w, max_downscale=RESIZE_RGB.max_downscale) for b in bodies]
-            futures = [batcher.submit_jpeg(r, decode_filling=True) for r in routes]  # type: ignore[arg-type]
-            results = [f.result(60) for f in futures]
-            assert callers == [threading.get_ident()]  # the last row's JPEG only, on this thread
-            for result, expected in zip(results, want, strict=True):
-                assert (result.batch_size, result.padded_size) == (largest, largest)
-                agreement = float((result.mask == expected).mean())
-                assert agreement >= MASK_AGREEMENT, agreement
-        finally:
-            assert batcher.close(60)
-
-
 def test_overlapped_stage_and_launch_on_two_threads_answer_every_batch_in_order(engine) -> None:
     rng = np.random.default_rng(11)
     b = max(engine.batch_sizes)

@@ -336,28 +336,6 @@ class JpegPrefetcher:
             self._cond.notify()  # one JPEG: one lane (waking them all cost each a GIL turn)
         return ticket
 
-    def add_here(self, jpeg: GpuJpeg) -> Ticket:
-        """A ticket for ``jpeg`` that the calling thread decodes itself, with :meth:`decode_here`,
-        once it has handed the ticket on; or, when the bound has no room for its picture (or the
-        prefetcher is closing), one queued for the lanes as :meth:`add` gives (decode_here then
-        leaves it to them)."""
-        ticket = Ticket(jpeg)
-        with self._cond:
-            if not self._closing and (not self._held or self._held_bytes + ticket.nbytes <= self.ahead_bytes):
-                ticket.state = "decoding"
-                self._held.add(ticket)
-                self._held_bytes += ticket.nbytes
-                return ticket
-        return self.add(jpeg)
-
-    def decode_here(self, ticket: Ticket, decode: Callable[[list[GpuJpeg]], list[Any]]) -> None:
-        """Decode an :meth:`add_here` ticket on the calling thread with ``decode`` (a lane of its own);
-        nothing for a ticket queued for the lanes, or released (withdrawn) before its decode."""
-        with self._cond:
-            if ticket.state != "decoding" or ticket.done.is_set() or ticket in self._queue:
-                return
-        self._finish([ticket], _decode_safely(decode, [ticket]))
-
     def take(self, ticket: Ticket) -> Any:
         """The ticket's image, or why it was refused (a ``str``), waiting for its decode if needed."""
         if not ticket.done.is_set():
@@ -436,27 +414,21 @@ class JpegPrefetcher:
                     self._held.add(ticket)
                     self._held_bytes += ticket.nbytes
                     jobs.append(ticket)
-            self._finish(jobs, _decode_safely(decode, jobs))
-
-    def _finish(self, jobs: list[Ticket], results: list[Any]) -> None:
-        with self._cond:
-            for ticket, result in zip(jobs, results, strict=True):
-                if ticket.state == "decoding":  # not released meanwhile
-                    ticket.state = "decoded"
-                    if isinstance(result, str):
-                        ticket.refused = result
-                        self._drop(ticket)
-                        self._cond.notify()  # its room is free again
-                    else:
-                        ticket.image = result
-                ticket.done.set()
-
-
-def _decode_safely(decode: Callable[[list[GpuJpeg]], list[Any]], jobs: list[Ticket]) -> list[Any]:
-    try:
-        return decode([t.jpeg for t in jobs])
-    except Exception as err:  # the CPU path decides each of them
-        return [f"nvImageCodec failed: {err}"] * len(jobs)
+            try:
+                results = decode([t.jpeg for t in jobs])
+            except Exception as err:  # the CPU path decides each of them
+                results = [f"nvImageCodec failed: {err}"] * len(jobs)
+            with self._cond:
+                for ticket, result in zip(jobs, results, strict=True):
+                    if ticket.state == "decoding":  # not released meanwhile
+                        ticket.state = "decoded"
+                        if isinstance(result, str):
+                            ticket.refused = result
+                            self._drop(ticket)
+                            self._cond.notify()  # its room is free again
+                        else:
+                            ticket.image = result
+                    ticket.done.set()
 
 
 def open_decoder(engine: Any, wanted: str, jit_cache: Path | None) -> tuple[DecoderChoice, GpuJpegDecoder | None]:

@@ -296,8 +296,6 @@ class Batcher(QueueState["Engine"]):
         self.decoder = ("cpu", "the engine is loading")  # (name, reason): which decoder takes JPEGs
         self._jpeg: Any = None  # runtime.gpu_jpeg.GpuJpegDecoder when the decoder is "gpu"
         self._prefetch: JpegPrefetcher | None = None  # decodes each JPEG as it arrives, with _jpeg
-        # The lane a submit_jpeg(decode_filling=True) caller decodes on (None: every JPEG on the lanes).
-        self._decode_here: Callable[[list[imaging.GpuJpeg]], list[Any]] | None = None
 
     # --- state, read from any thread -------------------------------------------------------------
 
@@ -361,38 +359,23 @@ class Batcher(QueueState["Engine"]):
                 self._cond.notify()
         return request.future
 
-    def submit_jpeg(
-        self, jpeg: imaging.GpuJpeg, *, into: np.ndarray | None = None, decode_filling: bool = False
-    ) -> Future[BatchResult]:
+    def submit_jpeg(self, jpeg: imaging.GpuJpeg, *, into: np.ndarray | None = None) -> Future[BatchResult]:
         """Queue one JPEG that :func:`dualtrack.imaging.route_jpeg` gave the GPU: it is decoded and
         resized on the engine's GPU when its batch is staged (a JPEG nvImageCodec refuses is decoded
         on the CPU then, and fails its future with the CPU path's :class:`InputError` if that refuses
         it too). Raises as :meth:`submit`, and :class:`NotReadyError` when the decoder is not ``gpu``.
         Its decode starts at once, while its batch fills (:class:`~dualtrack.runtime.gpu_jpeg.JpegPrefetcher`).
-        ``into`` as for :meth:`submit`.
-
-        ``decode_filling``: a JPEG whose row fills its batch is decoded on the calling thread, after
-        the row is claimed (the stager starts at once and waits for this decode alone), before this
-        returns: for threads that may block for a decode (~0.3 ms on the H200's hardware decoder),
-        the engine process's connection readers, never an event loop. Why: a decode lane must first
-        wake and win the GIL, on the one decode every batch's stage waits for (the stage's decode
-        wait was ~1 ms at 16 clients for 0.34 ms of hardware). Decoding before claiming the row was
-        tried and moved the wait into the batch's gather instead (docs/performance.md)."""
+        ``into`` as for :meth:`submit`."""
         engine = self._ready_engine()
         if self._jpeg is None:
             raise NotReadyError(f"the JPEG decoder is {self.decoder[0]}: decode on the CPU and call submit()")
         request, batch, row = self._claim_row(engine, into)
-        prefetch = self._prefetch
-        assert prefetch is not None
-        here = self._decode_here if decode_filling and row == len(batch.x) - 1 else None
-        # Its decode starts now: on the prefetcher's threads, or on this one just below.
-        ticket = prefetch.add(jpeg) if here is None else prefetch.add_here(jpeg)
+        assert self._prefetch is not None
+        ticket = self._prefetch.add(jpeg)  # its decode starts now, on the prefetcher's thread
         with self._cond:
             batch.jpegs[row] = ticket
             batch.copying -= 1
             self._cond.notify()
-        if here is not None:
-            prefetch.decode_here(ticket, here)
         return request.future
 
     def _ready_engine(self) -> Engine:
@@ -473,7 +456,7 @@ class Batcher(QueueState["Engine"]):
                 self._prefetch = None
             if self._jpeg is not None:
                 self._jpeg.close()
-            self._jpeg = self._decode_here = None  # its nvImageCodec decoders and kernel before the engine's context
+            self._jpeg = None  # its nvImageCodec decoder and kernel before the engine's context
             gc.collect()  # and anything of theirs that a reference cycle still holds, while the context lives
             if owned:
                 engine.close()
@@ -498,8 +481,6 @@ class Batcher(QueueState["Engine"]):
                     most_per_call=largest,
                     on_thread=self._jpeg.ctx.make_current,
                 )
-                if settings.decode_filling:
-                    self._decode_here = _decode_on_callers(self._jpeg)
         else:
             self.decoder = ("cpu", f"Pillow on the image threads: the engine runs on {engine.device}")
         sys.stderr.write(f"dualtrack serve: JPEG decoder {self.decoder[0]} ({self.decoder[1]})\n")
@@ -834,24 +815,6 @@ class Batcher(QueueState["Engine"]):
                 self._on_batch(results)
             except Exception:  # a metrics bug must not stop inference
                 _log.exception("on_batch callback failed")
-
-
-def _decode_on_callers(jpeg: Any) -> Callable[[list[imaging.GpuJpeg]], list[Any]]:
-    """A decode lane of ``jpeg`` (a GpuJpegDecoder) for whichever thread calls it, one call at a
-    time (its nvImageCodec decoder and stream are one), the engine's context made current on each
-    calling thread once."""
-    lane = jpeg.add_lane()
-    lock = threading.Lock()
-    bound = threading.local()
-
-    def decode(jpegs: list[imaging.GpuJpeg]) -> list[Any]:
-        if not getattr(bound, "done", False):
-            jpeg.ctx.make_current()
-            bound.done = True
-        with lock:
-            return lane(jpegs)
-
-    return decode
 
 
 def _fail_unanswered(requests: list[_Request], err: BaseException) -> None:

@@ -541,8 +541,7 @@ class _Peer:
         data = self.host.slots.array(self.first_slot + slot, (nbytes,)).tobytes()  # the slot gets the mask later
         jpeg = imaging.GpuJpeg(data, stored, orientation)
         into = self.host.mask_into(self.first_slot + slot)
-        # decode_filling: this thread may block for a decode (the JPEG that fills its batch).
-        self._queued(rid, slot, transit, lambda: self.host.batcher.submit_jpeg(jpeg, into=into, decode_filling=True))
+        self._queued(rid, slot, transit, lambda: self.host.batcher.submit_jpeg(jpeg, into=into))
 
     def _queued(self, rid: int, slot: int, transit: float, submit: Callable[[], Future[BatchResult]]) -> None:
         try:
