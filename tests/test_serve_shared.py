@@ -202,6 +202,23 @@ def test_answers_travel_as_messages_only_with_slot_answers_off(engine, rng, monk
             assert "hop_writer_ms" in r.timings  # the Done message's hand-overs: the message answered it
 
 
+def test_an_answer_that_cannot_be_written_into_its_slot_goes_as_a_message(engine, rng, monkeypatch, caplog) -> None:
+    def broken(*_: object) -> bool:
+        raise RuntimeError("answer area out of order")
+
+    monkeypatch.setattr(shared.EngineHost, "answer_in_slot", broken)
+    with hosting(engine, max_batch_delay_ms=300) as host, client_of(host) as a:
+        assert host.answers is not None
+        images = _images(rng, 2)
+        with caplog.at_level(logging.ERROR, logger="dualtrack.serve.shared"):
+            results = [f.result(WAIT_S) for f in [a.submit(x) for x in images]]
+        expected = engine.run(np.stack(images))["mask"]
+        for i, r in enumerate(results):
+            np.testing.assert_array_equal(r.mask, expected[i])
+            assert "hop_writer_ms" in r.timings  # the message answered it
+        assert "its answer goes as a message" in caplog.text
+
+
 def test_a_slot_answer_is_taken_only_for_its_own_request(tmp_path) -> None:
     """The word names the request (token = id + 1); a word of another request, a cleared word or an
     answer too long for the area is no answer."""

@@ -553,8 +553,12 @@ class _Peer:
         self._arrived[rid] = transit
 
         def settled(f: Future[BatchResult], r: int = rid, s: int = slot) -> None:
-            # On the batcher's thread (or the canceller's): the answer into the slot, a post, a put.
-            in_slot = self.host.answer_in_slot(self, r, s, f)
+            # On the batcher's thread (or the canceller's): the answer into the slot, a put.
+            try:
+                in_slot = self.host.answer_in_slot(self, r, s, f)
+            except Exception:  # a callback's exception would be swallowed, and the request never answered
+                _log.exception("request %d of worker %d: its answer goes as a message", r, self.range_index)
+                in_slot = False
             self.out.put(_Settled(r, s, f, time.monotonic(), in_slot))
 
         future.add_done_callback(settled)
@@ -980,9 +984,10 @@ class EngineClient(QueueState[EngineInfo]):
         assert self._answers is not None and self._slots is not None and self._engine is not None
         shape = tuple(self._engine.input_spec.shape[1:3])
         while not self._stopped.is_set():
-            # On a timeout too: an answer read before its word showed (a CPU that reorders stores) is there now.
+            # A look on a timeout too: an answer whose post went missing (an on_batch that failed), or
+            # whose pickle was read before its own (a CPU that reorders stores), is taken there.
             if self._answers.wait(self._range, 0.5):
-                self._answers.drain(self._range)  # a batch posts once per request: one look for all of them
+                self._answers.drain(self._range)  # posts of several batches since: one look for all
             with self._lock:
                 waiting = list(self._pending.items())
             for rid, (slot, future) in waiting:
@@ -1003,7 +1008,7 @@ class EngineClient(QueueState[EngineInfo]):
         if body is None:
             return None
         named, batch_size, padded_size, queue_ms, run_ms, timings, in_ms = pickle.loads(body)
-        if named != rid:  # seen before its own answer was (a CPU that reorders stores): the Done will do
+        if named != rid:  # the word seen before its own pickle (a CPU that reorders stores): the next look
             return None
         mask = self._slots.array(index, shape).copy()
         return BatchResult(mask, batch_size, padded_size, queue_ms, run_ms, {**timings, "hop_in_ms": in_ms})
