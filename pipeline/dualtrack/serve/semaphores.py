@@ -52,6 +52,26 @@ def _libraries() -> tuple[ctypes.CDLL, ctypes.PyDLL] | None:
 _LIBS = _libraries()
 
 
+def map_file(path: Path, size: int, *, create: bool) -> mmap.mmap:
+    """``path`` mapped shared, read-write, ``size`` bytes; with ``create``, a new file only its owner
+    may open, its pages reserved now (on a full tmpfs a sparse file fails later, on first touch,
+    with SIGBUS), removed again if they cannot be."""
+    if create:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError:
+            os.close(fd)
+            path.unlink()
+            raise
+    else:
+        fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
 def available() -> bool:
     """Whether this platform's C library gives process-shared semaphores (glibc on Linux)."""
     return _LIBS is not None
@@ -69,20 +89,7 @@ class SemaphoreFile:
         self._wait_lib, self._post_lib = _LIBS
         self.path, self.count = path, count
         size = max(1, count) * _CELL
-        if create:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError:
-                os.close(fd)
-                path.unlink()
-                raise
-        else:
-            fd = os.open(path, os.O_RDWR)
-        try:
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        self._map = map_file(path, size, create=create)
         self._cells = (ctypes.c_char * size).from_buffer(self._map)
         self._base = ctypes.addressof(self._cells)
         if create:

@@ -58,7 +58,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import mmap
 import os
 import pickle
 import secrets
@@ -145,22 +144,7 @@ class SlotFile:
         self.path, self.count, self.slot_bytes = path, count, slot_bytes
         self.answer_bytes = answer_bytes
         self.payload_bytes = slot_bytes - answer_bytes
-        size = count * slot_bytes
-        if create:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                # Reserve the pages now: on a full tmpfs a sparse file fails later, on first touch, with SIGBUS.
-                os.posix_fallocate(fd, 0, size)
-            except OSError:
-                os.close(fd)
-                path.unlink()
-                raise
-        else:
-            fd = os.open(path, os.O_RDWR)
-        try:
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        self._map = semaphores.map_file(path, count * slot_bytes, create=create)
         self.buffer = np.frombuffer(self._map, dtype=np.uint8).reshape(count, slot_bytes)
 
     def array(self, slot: int, shape: tuple[int, ...]) -> np.ndarray:
