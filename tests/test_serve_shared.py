@@ -159,7 +159,7 @@ def test_answers_ready_together_travel_as_one_replies_message(engine, rng, monke
     assert any(isinstance(m, Replies) for m in answers), [type(m).__name__ for m in answers]
 
 
-def test_answers_written_into_the_slots_need_no_message(engine, rng, monkeypatch) -> None:
+def test_answers_written_into_the_slots_need_no_message(engine, rng, monkeypatch, capfd) -> None:
     """Each request that ran is answered from its slot (its worker woken by its semaphore): the
     right mask, the batch's sizes and timings, no Done message; its slot comes back for the next."""
     sent: list[object] = []
@@ -172,6 +172,7 @@ def test_answers_written_into_the_slots_need_no_message(engine, rng, monkeypatch
     monkeypatch.setattr(shared._Peer, "_send_replies", recording)
     with hosting(engine, max_batch_delay_ms=500) as host, client_of(host) as a, client_of(host) as b:
         assert host.answers is not None and a._answers is not None
+        assert "answers go to the workers through their slots" in capfd.readouterr().err  # the startup line
         images = _images(rng, 8)
         futures = [(a if i % 2 else b).submit(x) for i, x in enumerate(images)]
         results = [f.result(WAIT_S) for f in futures]
@@ -190,9 +191,10 @@ def test_answers_written_into_the_slots_need_no_message(engine, rng, monkeypatch
         _until(lambda: a.depth == 0, "the slots to come back again", 10)
 
 
-def test_answers_travel_as_messages_only_with_slot_answers_off(engine, rng, monkeypatch) -> None:
+def test_answers_travel_as_messages_only_with_slot_answers_off(engine, rng, monkeypatch, capfd) -> None:
     monkeypatch.setenv("DUALTRACK_SLOT_ANSWERS", "0")
     with hosting(engine, max_batch_delay_ms=300) as host, client_of(host) as a:
+        assert "answers go to the workers as messages (DUALTRACK_SLOT_ANSWERS=0)" in capfd.readouterr().err
         assert host.answers is None and a._answers is None and a._watcher is None
         images = _images(rng, 3)
         results = [f.result(WAIT_S) for f in [a.submit(x) for x in images]]

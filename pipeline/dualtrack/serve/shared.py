@@ -293,13 +293,19 @@ class EngineHost:
         """One semaphore per slot range, with which a request's answer written into its slot wakes
         its worker (None: answers travel as messages only, with ``DUALTRACK_SLOT_ANSWERS=0`` or
         where the C library has no process-shared semaphores)."""
-        if not Settings.from_env().slot_answers or not semaphores.available():
+        if not Settings.from_env().slot_answers:
+            sys.stderr.write("dualtrack serve: answers go to the workers as messages (DUALTRACK_SLOT_ANSWERS=0)\n")
+            return None
+        if not semaphores.available():
+            sys.stderr.write("dualtrack serve: answers go to the workers as messages (no process-shared semaphores)\n")
             return None
         try:
-            return SemaphoreFile(self._dir / "answers.sem", ranges, create=True)
+            answers = SemaphoreFile(self._dir / "answers.sem", ranges, create=True)
         except OSError as err:
-            _log.warning("answers travel as messages only: no shared semaphores: %s", err)
+            _log.warning("answers go to the workers as messages: no shared semaphores: %s", err)
             return None
+        sys.stderr.write("dualtrack serve: answers go to the workers through their slots (shared semaphores)\n")
+        return answers
 
     def answer_in_slot(self, peer: _Peer, rid: int, slot: int, future: Future[BatchResult]) -> bool:
         """Write request ``rid``'s answer into its slot and wake its worker, on the thread that
