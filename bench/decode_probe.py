@@ -116,6 +116,124 @@ def decode_alone(engine: Any, jpeg: Any, batch: int, backends: tuple[str, ...], 
     }
 
 
+def decode_contended(engine: Any, jpeg: Any, iters: int, kernels: Any = None) -> list[dict[str, Any]]:
+    """One JPEG's decode, as a decode lane does it (one nvImageCodec call on an urgent stream of its
+    own, then a wait for that stream), with the GPU idle or busy with the engine's batches back to
+    back (the service at load), with and without Python threads contending for the GIL, and with
+    each output layout nvImageCodec offers: where a lone decode's ~1 ms in the service's stage
+    comes from (the hardware takes ~0.34 ms for it alone), and whether an output without the
+    colour-conversion kernel (planar YCbCr) waits less behind the engine's kernels."""
+    import random
+
+    from dualtrack.runtime.driver import Event, Stream
+    from dualtrack.runtime.gpu_jpeg import GpuJpegDecoder
+
+    be = engine.backend
+    be.ctx.make_current()
+    dec = GpuJpegDecoder(be.ctx)
+    nv = dec.nv
+    layouts: dict[str, Any] = {"srgb_interleaved": dec.params}
+    wanted = {
+        "srgb_planar": {"color_spec": "SRGB", "sample_format": "P_RGB"},
+        "ycc_planar": {"color_spec": "SYCC", "sample_format": "P_YUV"},
+        "unchanged_planar": {"sample_format": "P_UNCHANGED"},
+    }
+    rows: list[dict[str, Any]] = []
+    for name, kw in wanted.items():
+        try:
+            args = {k: getattr(nv.ColorSpec if k == "color_spec" else nv.SampleFormat, v) for k, v in kw.items()}
+            layouts[name] = nv.DecodeParams(apply_exif_orientation=False, allow_any_depth=False, **args)
+        except Exception as err:  # this nvImageCodec has no such layout: say so
+            rows.append({"layout": name, "error": f"{type(err).__name__}: {err}"})
+    decoder = nv.Decoder(device_id=be.ctx.device.index, backends=dec._backend_kinds)
+    with be.ctx.push_current():
+        stream = Stream(be.ctx, urgent=True)
+    e0, e1 = Event(be.ctx), Event(be.ctx)
+    data = jpeg.data
+
+    stop = threading.Event()
+
+    def engine_busy() -> None:  # the service at load: batches back to back on the compute stream
+        be.ctx.make_current()
+        x = engine.host_array(max(engine.batch_sizes))
+        subs = [engine.launch(engine.stage(x), outputs=("mask",))]
+        while not stop.is_set():
+            subs.append(engine.launch(engine.stage(x), outputs=("mask",)))
+            subs.pop(0).result()
+        subs.pop(0).result()
+
+    def gil_busy() -> None:  # a Python thread that runs ~50 us bursts and sleeps, as the service's do
+        while not stop.is_set():
+            t = time.perf_counter()
+            while time.perf_counter() - t < 5e-5:
+                pass
+            time.sleep(5e-5)
+
+    def one(params: Any) -> tuple[float, float, float, Any]:
+        t0 = time.perf_counter()
+        e0.record(stream)
+        images = decoder.decode([nv.CodeStream(data)], params=params, cuda_stream=int(stream.handle))
+        t1 = time.perf_counter()
+        e1.record(stream)
+        stream.finish()
+        t2 = time.perf_counter()
+        return (t1 - t0) * 1e3, (t2 - t0) * 1e3, e0.elapsed_ms(e1), images[0]
+
+    try:
+        for load in ("idle", "engine", "gil", "engine+gil"):
+            stop.clear()
+            threads = []
+            if "engine" in load:
+                threads.append(threading.Thread(target=engine_busy, daemon=True))
+            if "gil" in load:
+                threads += [threading.Thread(target=gil_busy, daemon=True) for _ in range(4)]
+            for th in threads:
+                th.start()
+            time.sleep(0.3)
+            for name, params in layouts.items():
+                host, wall, gpu = [], [], []
+                info = None
+                for i in range(iters + 3):
+                    time.sleep(random.uniform(0.0005, 0.003))  # land anywhere in the engine's batch
+                    h_ms, w_ms, g_ms, image = one(params)
+                    if image is None:
+                        info = "refused"
+                        break
+                    if info is None:
+                        cai = image.__cuda_array_interface__
+                        info = {"shape": list(cai["shape"]), "strides": cai.get("strides"), "typestr": cai["typestr"]}
+                    if i >= 3:
+                        host.append(h_ms)
+                        wall.append(w_ms)
+                        gpu.append(g_ms)
+                    del image
+                row = {"load": load, "layout": name, "image": info}
+                if wall:
+                    row.update(
+                        host_call_ms=_median(host), wall_ms=_median(wall), stream_ms=_median(gpu),
+                        wall_p90_ms=round(float(np.percentile(wall, 90)), 4),
+                    )  # fmt: skip
+                rows.append(row)
+                print("contended", row, flush=True)
+            stop.set()
+            for th in threads:
+                th.join()
+        if kernels is not None:  # what each layout puts on the GPU (CUPTI), the GPU otherwise idle
+            for name, params in layouts.items():
+                per = kernels(lambda p=params: [one(p) for _ in range(20)])
+                rows.append({"layout": name, "kernels_per_20": {k: round(v, 1) for k, v in per.items()}})
+                print("contended kernels", rows[-1], flush=True)
+    finally:
+        stop.set()
+        stream.synchronize()
+        e0.close()
+        e1.close()
+        stream.close()
+        decoder = None
+        dec.close()
+    return rows
+
+
 def gil_share(fn: Any, seconds: float = 1.0) -> float:
     """How much of its lone rate a pure-Python spinner thread keeps while ``fn`` runs in a loop on
     this thread: ~1 where ``fn`` waits with the GIL released, ~0.5 where it runs Python, ~0 where
@@ -275,6 +393,10 @@ def main() -> None:
         "--decode-batches", type=int, nargs="+", default=[], help="(2) also at these batch sizes (default: the largest)"
     )
     ap.add_argument("--kernels", action="store_true", help="a CUPTI kernel table of the batcher run (needs torch)")
+    ap.add_argument(
+        "--contention-only", action="store_true",
+        help="only the engine alone and one JPEG's decode beside the engine's batches and busy threads",
+    )  # fmt: skip
     args = ap.parse_args()
 
     from dualtrack import imaging
@@ -300,6 +422,14 @@ def main() -> None:
     report: dict[str, Any] = {"commit": commit, "gpu": gpu, "driver": driver, "jpeg_bytes": len(data)}
     report["engine"] = engine_alone(engine, batch, 100)
     print("engine alone", report["engine"], flush=True)
+    if args.contention_only:
+        report["contended"] = decode_contended(engine, jpeg, 100, cupti_profile if args.kernels else None)
+        engine.close()
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"decode_probe-{commit}-contended.json"
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {path}")
+        return
     from dualtrack.runtime.gpu_jpeg import GpuJpegDecoder
 
     gil_decoder = GpuJpegDecoder(engine.backend.ctx)
