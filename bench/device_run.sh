@@ -217,6 +217,17 @@ for step in $steps; do
     wake)
       # Not in the default steps (issue 15): what one hand-over between threads and between processes costs.
       python3 bench/wake_probe.py --out "$OUT" --commit "${DUALTRACK_COMMIT:-unknown}" 2>&1 | tee "$OUT/wake.log" ;;
+    serve_signals)
+      # Not in the default steps (issue 15): the GPU marking each answer in its slot and waking its worker
+      # (Engine.signal, the default) against the collector thread doing it (DUALTRACK_GPU_SIGNALS=0), on
+      # `--workers 2`: JPEG -> JSON at 16 and 32 clients, three rounds in mirrored order.
+      V="--workers 2 --max-batch-delay-ms 8"
+      serve_bench $C/unet \
+        --clients 16 32 --only-variants --cases jpeg_in_json_out --tag signals --duration-s "${SERVE_S:-10}" \
+        --variant "gpu_a=$V" --variant "cpu_a=DUALTRACK_GPU_SIGNALS=0 $V" \
+        --variant "cpu_b=DUALTRACK_GPU_SIGNALS=0 $V" --variant "gpu_b=$V" \
+        --variant "gpu_c=$V" --variant "cpu_c=DUALTRACK_GPU_SIGNALS=0 $V" \
+        2>&1 | tee "$OUT/serve_signals.log" ;;
     serve_table)
       # Not in the default steps (issue 15): the issue's table on `serve --workers ${WORKERS:-4}` (defaults): JPEG -> JSON,
       # JPEG -> mask PNG and PNG -> mask PNG at 16 and 32 clients, against the engine alone.

@@ -7,6 +7,7 @@ real thing, `dualtrack serve --workers 2`, over HTTP.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import json
 import logging
@@ -237,6 +238,65 @@ def test_a_slot_answer_is_taken_only_for_its_own_request(tmp_path) -> None:
         assert slots.read_answer(1, 8) is None
         assert not slots.write_answer(2, 0, b"token 0 would read as no answer")
         np.testing.assert_array_equal(slots.buffer[:, :800], 0)  # the payloads are not touched
+    finally:
+        slots.close()
+
+
+def test_an_answer_put_without_its_word_is_taken_once_the_word_lands(tmp_path) -> None:
+    """put_answer writes the answer but not its word (the GPU writes that: Engine.signal); the word's
+    address is 8-byte aligned, and index_of finds a slot from a view of it."""
+    image = 5 * 7 * 3  # 105 bytes: not a multiple of 8
+    assert shared.payload_bytes(image) == 128 and shared.payload_bytes(128) == 128
+    slots = SlotFile(tmp_path / "s", 4, shared.payload_bytes(image) + 256, create=True, answer_bytes=256)
+    try:
+        word = slots.put_answer(2, b"answer of 41")
+        assert word == slots.word_address(2) and word % 8 == 0
+        assert slots.read_answer(2, 42) is None  # no word yet: no answer
+        ctypes.c_uint64.from_address(word).value = 42  # what the GPU's store does
+        assert slots.read_answer(2, 42) == b"answer of 41"
+        assert slots.put_answer(1, b"x" * 241) is None  # 16 + 241 > 256
+        assert slots.index_of(slots.array(3, (5, 7, 3))) == 3 and slots.index_of(slots.array(0, (4,))) == 0
+        assert slots.index_of(slots.buffer[1, 8:16]) is None  # not a slot's start
+        assert slots.index_of(np.zeros(4, np.uint8)) is None  # not in the file
+    finally:
+        slots.close()
+
+
+@pytest.mark.skipif(not shared.semaphores.available(), reason="no process-shared semaphores in this C library")
+def test_engine_signal_on_the_cpu_stores_the_marks_then_posts(engine, tmp_path) -> None:
+    """Engine.signal on the CPU (a launch there has run when it returns): the marks stored and the C
+    functions called at once; here sem_post, as the service has the CUDA driver's thread call it."""
+    sems = shared.SemaphoreFile(tmp_path / "sem", 2, create=True)
+    words = np.zeros(4, np.uint64)
+    try:
+        base = int(words.ctypes.data)
+        engine.signal([(base + 8, 7), (base + 24, 2**63 + 5)], [(shared.semaphores.post_function(), sems.address(1))])
+        assert words.tolist() == [0, 7, 0, 2**63 + 5]
+        assert sems.wait(1, 0) and not sems.wait(1, 0) and not sems.wait(0, 0)
+        with pytest.raises(InputError, match="aligned"):
+            engine.signal([(base + 4, 1)])
+        assert words.tolist() == [0, 7, 0, 2**63 + 5]
+    finally:
+        sems.close()
+
+
+def test_a_worker_times_a_gpu_marked_answer_from_its_launch(tmp_path, monkeypatch) -> None:
+    """An answer the GPU marked carries its launch time: the worker reads its run as the time from
+    then (one monotonic clock for every process), not the 0 written before the run."""
+    slots = SlotFile(tmp_path / "s", 2, 64 + 256, create=True, answer_bytes=256)
+    try:
+        client = EngineClient("unused", b"k")
+        client._slots = slots
+        launched = time.monotonic() - 0.004
+        body = pickle.dumps((5, 8, 8, 2.5, 0.0, {"batch_gather_ms": 1.0}, 0.3, launched))
+        assert slots.write_answer(1, 6, body)
+        result = client._answer_from_slot(5, 1, (8, 8))
+        assert result is not None and result.batch_size == 8 and result.queue_ms == 2.5
+        assert 4.0 <= result.run_ms < 4.0 + WAIT_S * 1e3
+        assert result.timings["batch_gpu_ms"] == result.run_ms and result.timings["hop_in_ms"] == 0.3
+        assert slots.write_answer(0, 6, pickle.dumps((5, 8, 8, 2.5, 3.25, {}, 0.3, 0.0)))
+        result = client._answer_from_slot(5, 0, (8, 8))
+        assert result is not None and result.run_ms == 3.25 and "batch_gpu_ms" not in result.timings
     finally:
         slots.close()
 

@@ -41,6 +41,9 @@ class Settings:
                           each to the one holding the fewest (serve/workers.py)
     DUALTRACK_SLOT_ANSWERS  set to 0 to answer the workers of `serve --workers N` by message only; by default a
                           request's answer is written into its slot and its worker woken by a shared semaphore
+    DUALTRACK_GPU_SIGNALS  set to 0 to have the engine process's collector thread mark each answer in its slot
+                          and wake its worker; by default the GPU does both itself once the batch has run
+                          (Engine.signal: a store, then sem_post on the CUDA driver's thread)
     """
 
     cache_dir: Path
@@ -59,6 +62,7 @@ class Settings:
     hold_gil: bool = True
     balance_workers: bool = True
     slot_answers: bool = True
+    gpu_signals: bool = True
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -84,6 +88,7 @@ class Settings:
             hold_gil=env.get("DUALTRACK_HOLD_GIL", "1") not in ("0", "false", "no"),
             balance_workers=env.get("DUALTRACK_BALANCE_WORKERS", "1") not in ("0", "false", "no"),
             slot_answers=env.get("DUALTRACK_SLOT_ANSWERS", "1") not in ("0", "false", "no"),
+            gpu_signals=env.get("DUALTRACK_GPU_SIGNALS", "1") not in ("0", "false", "no"),
         )
 
 

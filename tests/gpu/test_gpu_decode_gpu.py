@@ -191,6 +191,55 @@ def test_launch_into_page_locked_rows_is_bit_identical_to_run(engine) -> None:
         pinned.close()
 
 
+@needs_nvimgcodec
+def test_signal_marks_land_after_the_rows_and_wake_another_thread(engine, tmp_path) -> None:
+    """Engine.signal after a launch into page-locked rows: the GPU stores each mark once the batch
+    has run, the driver's thread then calls sem_post, and a thread waiting on that semaphore finds
+    the marks and the rows (bit-identical to run) in place; a mark outside pinned memory is refused."""
+    from dualtrack.errors import InputError
+    from dualtrack.serve import semaphores
+
+    rng = np.random.default_rng(15)
+    b = max(engine.batch_sizes)
+    h, w = engine.input_spec.shape[1:3]
+    x = rng.integers(0, 256, engine.input_spec.at_batch(b), dtype=np.uint8)
+    want = engine.run(x, outputs=("mask",))["mask"]
+    at = -(-b * h * w // 64) * 64  # the marks after the rows, 8-byte aligned, in one registered range
+    buf = np.zeros(at + 8 * b, np.uint8)
+    rows = buf[: b * h * w].reshape(b, h, w)
+    rows[...] = 0xEE
+    words = buf[at:].view(np.uint64)
+    sems = semaphores.SemaphoreFile(tmp_path / "sem", 1, create=True)
+    pinned = [engine.pin_host(buf)]
+    try:
+        for round_ in range(3):  # the same rows and words again: each round's marks are its own
+            seen: dict[str, object] = {}
+
+            def waiter(seen: dict[str, object] = seen) -> None:
+                seen["woken"] = sems.wait(0, 30)
+                seen["words"] = words.tolist()
+                seen["rows"] = rows.copy()
+
+            th = threading.Thread(target=waiter)
+            th.start()
+            sub = engine.launch(engine.stage(x), outputs=("mask",), into={"mask": list(rows)})
+            base = int(words.ctypes.data)
+            engine.signal([(base + 8 * i, round_ * 100 + i + 1) for i in range(b)],
+                          [(semaphores.post_function(), sems.address(0))])  # fmt: skip
+            th.join(60)
+            assert seen["woken"] is True
+            assert seen["words"] == [round_ * 100 + i + 1 for i in range(b)]
+            np.testing.assert_array_equal(seen["rows"], want)
+            sub.result()
+        with pytest.raises(InputError, match="pin_host"):
+            engine.signal([(int(np.zeros(1, np.uint64).ctypes.data), 1)])
+    finally:
+        engine.backend.stream.synchronize()
+        for p in pinned:
+            p.close()
+        sems.close()
+
+
 def test_a_stage_whose_rows_the_gpu_wrote_is_ordered_on_the_device(engine) -> None:
     """A batch whose every row fill wrote on the GPU, for a plan that runs as one graph on the
     compute stream, is not waited for on the host (Staged.pending): the launch waits for it on the
@@ -315,10 +364,15 @@ def test_service_masks_agree_between_gpu_and_cpu_decode(tiny_bundle: Path) -> No
 
 
 @needs_nvimgcodec
-def test_workers_send_their_jpegs_to_the_engine_process_gpu_decoder(tiny_bundle: Path) -> None:
+@pytest.mark.parametrize("gpu_signals", ["1", "0"])
+def test_workers_send_their_jpegs_to_the_engine_process_gpu_decoder(
+    tiny_bundle: Path, gpu_signals, monkeypatch
+) -> None:
     """`serve --workers N`: a worker sends a JPEG that route_jpeg gives the GPU as bytes (RunJpeg);
     the engine process decodes it on its GPU with its batch. Its mask agrees with the CPU decode's
-    on at least MASK_AGREEMENT of pixels, as in the one-process service."""
+    on at least MASK_AGREEMENT of pixels, as in the one-process service. With the GPU marking the
+    answers (the default) and without (DUALTRACK_GPU_SIGNALS=0), over rounds that reuse the slots."""
+    monkeypatch.setenv("DUALTRACK_GPU_SIGNALS", gpu_signals)
     import json
 
     from dualtrack.runtime.engine import Engine
@@ -342,12 +396,15 @@ def test_workers_send_their_jpegs_to_the_engine_process_gpu_decoder(tiny_bundle:
                 assert client.phase is Phase.READY and client.decoder[0] == "gpu", (client.error, client.decoder)
                 jpegs = [imaging.route_jpeg(b, h, w, max_downscale=RESIZE_RGB.max_downscale) for b in bodies]
                 assert all(isinstance(j, imaging.GpuJpeg) for j in jpegs)
-                futures = [client.submit_jpeg(j) for j in jpegs]  # type: ignore[arg-type]
-                for f, expected in zip(futures, want, strict=True):
-                    got = f.result(120).mask
-                    agreement = float((got == expected).mean())
-                    print(f"--workers GPU decode vs CPU decode, mask agreement {agreement:.5f}")
-                    assert got.shape == expected.shape and agreement >= MASK_AGREEMENT
+                assert bool(host._signals) == (gpu_signals == "1")
+                for _ in range(4):
+                    futures = [client.submit_jpeg(j) for j in jpegs]  # type: ignore[arg-type]
+                    for f, expected in zip(futures, want, strict=True):
+                        result = f.result(120)
+                        agreement = float((result.mask == expected).mean())
+                        print(f"--workers GPU decode vs CPU decode, mask agreement {agreement:.5f}")
+                        assert result.mask.shape == expected.shape and agreement >= MASK_AGREEMENT
+                        assert 0 < result.timings["batch_gpu_ms"] == result.run_ms < 120e3
             finally:
                 client.close(30)
         finally:

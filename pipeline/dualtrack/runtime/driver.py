@@ -686,6 +686,8 @@ class HeldCalls:
             "cuMemcpyDtoHAsync": ("cuMemcpyDtoHAsync_v2", [p, dptr, st, p]),
             "cuMemcpyDtoDAsync": ("cuMemcpyDtoDAsync_v2", [dptr, dptr, st, p]),
             "cuMemcpyBatchAsync": ("cuMemcpyBatchAsync_v2", [p, p, p, st, p, p, st, p]),
+            "cuStreamWriteValue64": ("cuStreamWriteValue64_v2", [p, dptr, ctypes.c_uint64, u]),
+            "cuLaunchHostFunc": ("cuLaunchHostFunc", [p, p, p]),
         }
         for name, (symbol, argtypes) in signatures.items():
             fn = getattr(lib, symbol, None)
@@ -752,6 +754,16 @@ class HeldCalls:
             ctypes.addressof(d), ctypes.addressof(s), ctypes.addressof(z), n,
             ctypes.addressof(attrs), ctypes.addressof(index), 1, _address(stream),
         )  # fmt: skip
+
+    def write_value(self, stream: Any, address: int, value: int) -> None:
+        """``cuStreamWriteValue64``: the GPU stores ``value`` at device address ``address`` once
+        ``stream`` reaches it, after a fence that makes everything before it on ``stream`` visible."""
+        self._call("cuStreamWriteValue64", _address(stream), address, value, 0)
+
+    def host_call(self, stream: Any, fn: int, arg: int) -> None:
+        """``cuLaunchHostFunc``: the driver's own thread calls the C function at ``fn`` with ``arg``
+        once ``stream`` reaches it; ``stream`` waits for it to return."""
+        self._call("cuLaunchHostFunc", _address(stream), fn, arg)
 
 
 def copy_async(kind: str, dst: int, src: int, nbytes: int, stream: Any) -> None:

@@ -8,6 +8,7 @@ asking for `cuda` where there is no GPU is an error.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -18,8 +19,9 @@ import numpy as np
 
 from dualtrack import hostcpu
 from dualtrack.bundle import Bundle
-from dualtrack.errors import BundleError, InputError
+from dualtrack.errors import BundleError, CudaError, InputError
 from dualtrack.plan import Segment, TensorSpec
+from dualtrack.runtime.driver import held_calls
 from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
 from dualtrack.runtime.memory import PinnedRange
 from dualtrack.runtime.overlap import Fill, Overlap, Staged, Submission
@@ -27,6 +29,10 @@ from dualtrack.runtime.selfcheck import replay_check, self_check
 from dualtrack.settings import Settings
 
 DEVICES = ("cpu", "cuda")
+
+
+# A C function of one pointer argument (CUDA's CUhostFn); Engine.signal calls one on the CPU.
+_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
 class Backend(Protocol):
@@ -390,6 +396,49 @@ class Engine:
         pinned = PinnedRange(self.backend.ctx, array)  # type: ignore[attr-defined]
         self._pinned = [r for r in self._pinned if r.alive] + [pinned]
         return pinned
+
+    def signal(self, marks: Sequence[tuple[int, int]], calls: Sequence[tuple[int, int]] = ()) -> None:
+        """Queue behind every :meth:`launch` so far: a 64-bit store of each ``(address, value)`` of
+        ``marks``, then a call of each ``(C function address, argument)`` of ``calls``.
+
+        The stores are made by the GPU once it has passed those launches, after a fence: a host
+        that reads a mark's value there may read every output written before it (the ``into`` rows
+        included). The addresses must be 8-byte aligned, in memory :meth:`pin_host` registered.
+        The calls run on the driver's own thread, no thread of this process woken: a function
+        that never blocks and touches no CUDA API (``sem_post`` of a process-shared semaphore, which
+        wakes another process as soon as the GPU is there). On ``cpu``, where a launch has run
+        when it returns, the stores and the calls are made here and now.
+
+        Raises :class:`~dualtrack.errors.CudaError` where the driver refuses them (then nothing
+        may be assumed of what was queued) and :class:`~dualtrack.errors.InputError` for an
+        address outside the registered memory."""
+        if self._closed:
+            raise InputError("this engine is closed; load the bundle again")
+        for address, _ in marks:
+            if address % 8:
+                raise InputError(f"mark address {address:#x} is not 8-byte aligned")
+        if self.device != "cuda":
+            for address, value in marks:
+                ctypes.c_uint64.from_address(address).value = value
+            for fn, arg in calls:
+                _HOST_FN(fn)(arg)
+            return
+        targets = []
+        for address, value in marks:
+            pinned = next((r for r in self._pinned if r.holds(address, 8)), None)
+            if pinned is None:
+                raise InputError("a mark address must lie in memory registered with Engine.pin_host on this engine")
+            targets.append((pinned.device_address(address), value))
+        held = held_calls()
+        if held is None or not (held.has("cuStreamWriteValue64") and held.has("cuLaunchHostFunc")):
+            raise CudaError("cuStreamWriteValue64", "CUDA_ERROR_NOT_SUPPORTED", "needs libcuda through ctypes")
+        with self._lock:
+            be = self.backend
+            be.ctx.make_current()  # type: ignore[attr-defined]
+            for address, value in targets:
+                held.write_value(be.stream, address, value)  # type: ignore[attr-defined]
+            for fn, arg in calls:
+                held.host_call(be.stream, fn, arg)  # type: ignore[attr-defined]
 
     def submit(self, x: np.ndarray, outputs: Sequence[str] | None = None) -> Submission:
         """:meth:`stage` then :meth:`launch`: ``submit(x).result()`` is ``run(x)`` for a compiled batch size."""

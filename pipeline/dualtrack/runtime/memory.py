@@ -240,8 +240,19 @@ class PinnedRange:
         if not array.flags.c_contiguous or array.nbytes == 0:
             raise ValueError("only a non-empty C-contiguous array can be page-locked")
         self.start, self.nbytes = int(array.ctypes.data), int(array.nbytes)
-        call(cu.cuMemHostRegister, self.start, self.nbytes, cu.CU_MEMHOSTREGISTER_PORTABLE)
+        # DEVICEMAP: the GPU may also store into it itself (Engine.signal's cuStreamWriteValue64).
+        flags = cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP
+        call(cu.cuMemHostRegister, self.start, self.nbytes, flags)
         self._finalizer = weakref.finalize(self, release, ctx, cu.cuMemHostUnregister, self.start)
+        self._device_start: int | None = None
+
+    def device_address(self, ptr: int) -> int:
+        """The GPU's address of host address ``ptr`` inside this range (for the GPU's own stores)."""
+        if not self.holds(ptr, 1):
+            raise ValueError(f"address {ptr:#x} is not in this page-locked range")
+        if self._device_start is None:
+            self._device_start = int(call(cu.cuMemHostGetDevicePointer, self.start, 0))
+        return self._device_start + (ptr - self.start)
 
     @property
     def alive(self) -> bool:

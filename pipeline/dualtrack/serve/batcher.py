@@ -146,6 +146,22 @@ class _Staged:
 
 
 @dataclass(frozen=True)
+class LaunchedBatch:
+    """What ``on_launch`` learns of a batch the launcher has just queued on the GPU, before its
+    requests are resolved: each row the launch writes into its request's ``into`` array, as that
+    array and the request's wait from submit to the launch (ms); the batch's real and compiled
+    sizes; its timings so far (its phases, the launch's engine timings: ``batch_gpu_ms`` is not
+    known yet); when it was launched (``time.monotonic()``); and the engine it runs on."""
+
+    engine: Engine
+    rows: tuple[tuple[np.ndarray, float], ...]
+    batch_size: int
+    padded_size: int
+    timings: dict[str, float]
+    launched: float
+
+
+@dataclass(frozen=True)
 class _Landed:
     """A launched batch, waiting for the collector: its submission, launch time and engine timings."""
 
@@ -255,7 +271,11 @@ class Batcher(QueueState["Engine"]):
     on the thread that resolved the batch's futures and after all of them (``serve --workers``
     wakes the workers with answers in the batch then: serve/shared.py).
     ``on_phase`` (if given) is called with the new :class:`Phase` and :attr:`error` whenever the
-    phase changes, on the thread that changed it. Neither may block: the next batch waits for them.
+    phase changes, on the thread that changed it. ``on_launch`` (if given) is called on the GPU
+    path's launcher thread with a :class:`LaunchedBatch` once a batch whose rows go into their
+    requests' ``into`` arrays is queued, before the collector may resolve it (``serve --workers``
+    has the GPU mark those answers and wake the workers then: serve/shared.py). None of them may
+    block: the next batch waits for them.
     """
 
     def __init__(
@@ -270,6 +290,7 @@ class Batcher(QueueState["Engine"]):
         on_phase: Callable[[Phase, str], None] | None = None,
         jpeg_decoder: str = "auto",
         batches_in_flight: int = 0,
+        on_launch: Callable[[LaunchedBatch], None] | None = None,
     ) -> None:
         if max_batch_delay_s < 0:
             raise ValueError(f"max_batch_delay_s must be >= 0, got {max_batch_delay_s}")
@@ -286,6 +307,7 @@ class Batcher(QueueState["Engine"]):
         self._in_flight = 0  # batches handed to the launcher whose results have not come back (GPU path)
         self._on_batch = on_batch
         self._on_phase = on_phase
+        self._on_launch = on_launch
         self._pending: deque[_Batch] = deque()  # oldest first; only the last one may still take rows
         self._waiting = 0  # requests in _pending
         self._spare: list[np.ndarray] = []  # batch arrays not in use
@@ -628,7 +650,10 @@ class Batcher(QueueState["Engine"]):
                     self._release_tickets(item, unlaunched_on=engine)
                     self._fail_rows(item, err)
                     continue
-                landed.put(_Landed(item, submission, start, dict(engine.last_timings)))  # this launch's
+                timings = dict(engine.last_timings)  # this launch's
+                if self._on_launch is not None and item.into is not None:
+                    self._launched(engine, item, start, timings)
+                landed.put(_Landed(item, submission, start, timings))
         except BaseException as err:  # a bug here stops the worker: no request may hang
             failure.append(err)
             while (item := handoff.get()) is not None:
@@ -636,6 +661,19 @@ class Batcher(QueueState["Engine"]):
                 self._fail_rows(item, err)
         finally:
             landed.put(None)
+
+    def _launched(self, engine: Engine, item: _Staged, start: float, timings: dict[str, float]) -> None:
+        assert self._on_launch is not None and item.into is not None
+        rows = tuple(
+            (into, (start - r.enqueued) * 1e3)
+            for r, into in zip(item.requests, item.into, strict=False)
+            if into is not None
+        )
+        batch = LaunchedBatch(engine, rows, len(item.requests), item.size, {**timings, **item.phases}, start)
+        try:
+            self._on_launch(batch)
+        except Exception:  # its requests are answered as any others, once resolved
+            _log.exception("on_launch callback failed")
 
     def _collect_loop(self, landed: queue.SimpleQueue[_Landed | None], failure: list[BaseException]) -> None:
         try:

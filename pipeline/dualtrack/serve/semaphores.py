@@ -72,6 +72,15 @@ def map_file(path: Path, size: int, *, create: bool) -> mmap.mmap:
         os.close(fd)
 
 
+def post_function() -> int:
+    """The address of the C library's ``sem_post`` (a C function of one pointer argument): what
+    ``Engine.signal`` has the CUDA driver's thread call, with :meth:`SemaphoreFile.address`, so that
+    the GPU itself wakes a worker. 0 where :func:`available` is False."""
+    if _LIBS is None:
+        return 0
+    return int(ctypes.cast(_LIBS[1].sem_post, ctypes.c_void_p).value or 0)
+
+
 def available() -> bool:
     """Whether this platform's C library gives process-shared semaphores (glibc on Linux)."""
     return _LIBS is not None
@@ -98,6 +107,10 @@ class SemaphoreFile:
                     err = ctypes.get_errno()
                     self.close()
                     raise OSError(err, f"sem_init: {os.strerror(err)}")
+
+    def address(self, index: int) -> int:
+        """Where semaphore ``index`` lies in this process (valid until :meth:`close`)."""
+        return self._address(index)
 
     def _address(self, index: int) -> int:
         if not 0 <= index < self.count:

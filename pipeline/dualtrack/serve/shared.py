@@ -83,7 +83,15 @@ import numpy as np
 from dualtrack import imaging
 from dualtrack.errors import ConfigError, DualtrackError, InputError
 from dualtrack.serve import semaphores
-from dualtrack.serve.batcher import Batcher, BatchResult, NotReadyError, Phase, QueueFullError, QueueState
+from dualtrack.serve.batcher import (
+    Batcher,
+    BatchResult,
+    LaunchedBatch,
+    NotReadyError,
+    Phase,
+    QueueFullError,
+    QueueState,
+)
 from dualtrack.serve.metrics import ServeMetrics
 from dualtrack.serve.options import ServeOptions
 from dualtrack.serve.protocol import (
@@ -154,13 +162,31 @@ class SlotFile:
     def write_answer(self, slot: int, token: int, body: bytes) -> bool:
         """Put ``body`` in slot ``slot``'s answer area, then ``token`` (> 0) in its word; False if
         it does not fit (the answer then travels as a message only). Plain stores: keeps the GIL."""
-        at = slot * self.slot_bytes + self.payload_bytes
-        if token <= 0 or self.answer_bytes < _ANSWER_HEAD + len(body):
+        if token <= 0 or self.put_answer(slot, body) is None:
             return False
+        struct.pack_into("<Q", self._map, slot * self.slot_bytes + self.payload_bytes, token)
+        return True
+
+    def put_answer(self, slot: int, body: bytes) -> int | None:
+        """Put ``body`` in slot ``slot``'s answer area without its word, which someone else writes
+        (the GPU: ``Engine.signal``); the word's address in this process, or None if it does not fit."""
+        at = slot * self.slot_bytes + self.payload_bytes
+        if self.answer_bytes < _ANSWER_HEAD + len(body):
+            return None
         struct.pack_into("<I", self._map, at + 8, len(body))
         self._map[at + _ANSWER_HEAD : at + _ANSWER_HEAD + len(body)] = body
-        struct.pack_into("<Q", self._map, at, token)
-        return True
+        return self.word_address(slot)
+
+    def word_address(self, slot: int) -> int:
+        """The address, in this process, of slot ``slot``'s answer word (8-byte aligned when the
+        payload is: :func:`payload_bytes`)."""
+        return int(self.buffer.ctypes.data) + slot * self.slot_bytes + self.payload_bytes
+
+    def index_of(self, view: np.ndarray) -> int | None:
+        """The slot whose start ``view`` starts at (a view :meth:`array` gave), else None."""
+        offset = int(view.ctypes.data) - int(self.buffer.ctypes.data)
+        slot, rest = divmod(offset, self.slot_bytes)
+        return slot if rest == 0 and 0 <= slot < self.count else None
 
     def clear_answer(self, slot: int) -> None:
         """Mark slot ``slot`` as holding no answer (before its next request is sent)."""
@@ -185,6 +211,13 @@ class SlotFile:
 
 
 _ANSWER_HEAD = 16  # an answer area's word (8 bytes) and length (4), before the answer
+
+
+def payload_bytes(image_bytes: int) -> int:
+    """A slot's request-and-mask part for images of ``image_bytes``: rounded up to 64 bytes, so that
+    the answer word after it is aligned (the GPU's 64-bit store needs 8; a cache line keeps the
+    word off the mask's last line)."""
+    return -(-image_bytes // 64) * 64
 
 
 def copy_holding_gil(dst: np.ndarray, src: np.ndarray) -> None:
@@ -226,7 +259,7 @@ class EngineHost:
         self.image_shape = tuple(shape[1:])
         self.mask_shape = tuple(shape[1:3])
         # A uint8 image (its mask, H x W, fits in its place), then the answer area.
-        slot_bytes = int(np.prod(self.image_shape)) + ANSWER_BYTES
+        slot_bytes = payload_bytes(int(np.prod(self.image_shape))) + ANSWER_BYTES
         self.slots_per_range = options.max_queue + max(self.info.batch_sizes)
         ranges = workers + SPARE_RANGES
         self.metrics = ServeMetrics(
@@ -240,7 +273,11 @@ class EngineHost:
             on_phase=self._phase_changed,
             jpeg_decoder=jpeg_decoder,
             batches_in_flight=options.batches_in_flight,
+            on_launch=self._signal_answers,
         )
+        self._signals = 0  # sem_post's address once the GPU marks answers and wakes workers (_gpu_signals)
+        # Slot -> (peer, request id) of the request last sent in it: whose answer a launched row is.
+        self._owners: dict[int, tuple[_Peer, int]] = {}
         self._dir = Path(tempfile.mkdtemp(prefix="dualtrack-serve-"))  # 0700
         size = ranges * self.slots_per_range * slot_bytes
         slot_path = slot_directory(size) / f"{self._dir.name}.slots"
@@ -256,6 +293,7 @@ class EngineHost:
             ) from None
         self.pinned = self._pin(engine)
         self.answers = self._answer_semaphores(ranges)
+        self._signals = self._gpu_signals(engine)
         self._to_wake: set[int] = set()  # slot ranges with answers written in this batch (batcher thread only)
         self._key = secrets.token_bytes(32)
         self.address = str(self._dir / "engine.sock")
@@ -307,20 +345,97 @@ class EngineHost:
         sys.stderr.write("dualtrack serve: answers go to the workers through their slots (shared semaphores)\n")
         return answers
 
+    def _gpu_signals(self, engine: Engine) -> int:
+        """Whether the GPU marks each answer in its slot and wakes its worker itself, once the
+        batch has run (:meth:`_signal_answers`): ``sem_post``'s address if so, after one such mark
+        and post here worked end to end; 0 otherwise (the collector thread does both)."""
+        if self.answers is None or self.pinned is None:
+            return 0
+        if not Settings.from_env().gpu_signals:
+            sys.stderr.write(
+                "dualtrack serve: the collector thread marks answers and wakes workers (DUALTRACK_GPU_SIGNALS=0)\n"
+            )
+            return 0
+        post, probe = semaphores.post_function(), 0xD7A1_5EED
+        try:
+            engine.signal([(self.slots.word_address(0), probe)], [(post, self.answers.address(0))])
+            woken = self.answers.wait(0, 5.0)
+            landed = struct.unpack_from("<Q", self.slots.buffer, self.slots.payload_bytes)[0] == probe
+        except DualtrackError as err:
+            woken = landed = False
+            _log.warning("the GPU cannot mark answers: %s", err)
+        finally:
+            self.slots.clear_answer(0)
+            self.answers.drain(0)
+        if not (woken and landed):
+            sys.stderr.write(
+                "dualtrack serve: the collector thread marks answers and wakes workers "
+                f"(the GPU's own mark {'landed' if landed else 'did not land'}, its wake-up "
+                f"{'came' if woken else 'did not come'})\n"
+            )
+            return 0
+        sys.stderr.write("dualtrack serve: the GPU marks each answer in its slot and wakes its worker itself\n")
+        return post
+
+    def _signal_answers(self, batch: LaunchedBatch) -> None:
+        """On the launcher thread, once a batch is queued: each row's answer into its slot but for
+        its word, then the GPU told to write the words and post the workers' semaphores once the
+        batch has run (Engine.signal). The worker then takes its answers with no thread of this
+        process woken; the collector only resolves the requests (answer_in_slot sees them marked)."""
+        if not self._signals or self.answers is None:
+            return
+        marks: list[tuple[int, int]] = []
+        ranges: set[int] = set()
+        taken: list[tuple[_Peer, int]] = []
+        for into, queue_ms in batch.rows:
+            index = self.slots.index_of(into)
+            owner = None if index is None else self._owners.get(index)
+            if index is None or owner is None:
+                continue  # not a worker's slot: resolved as any other request
+            peer, rid = owner
+            body = pickle.dumps(
+                (rid, batch.batch_size, batch.padded_size, queue_ms, 0.0, batch.timings, peer.transit_ms(rid),
+                 batch.launched),
+                protocol=pickle.HIGHEST_PROTOCOL,
+            )  # fmt: skip
+            word = self.slots.put_answer(index, body)
+            if word is None:
+                continue
+            marks.append((word, rid + 1))
+            ranges.add(peer.range_index)
+            taken.append((peer, rid))
+        if not marks:
+            return
+        for peer, rid in taken:  # before the GPU may get there: the collector must not answer them again
+            peer.signalled.add(rid)
+        try:
+            batch.engine.signal(marks, [(self._signals, self.answers.address(r)) for r in sorted(ranges)])
+        except DualtrackError as err:
+            for peer, rid in taken:
+                peer.signalled.discard(rid)
+            self._signals = 0
+            _log.error("the GPU cannot mark answers any more (%s): the collector thread does from now on", err)
+
     def answer_in_slot(self, peer: _Peer, rid: int, slot: int, future: Future[BatchResult]) -> bool:
         """Write request ``rid``'s answer into its slot and wake its worker, on the thread that
         resolved it (the batcher's collector), with the GIL kept throughout; True if so, and then
-        no message answers it. False for a failed or cancelled request, which a message answers."""
+        no message answers it. False for a failed or cancelled request, which a message answers.
+        A request the GPU marks itself (:meth:`_signal_answers`) is answered already: True."""
         if self.answers is None or future.cancelled() or future.exception() is not None:
             return False
+        if rid in peer.signalled:
+            peer.signalled.discard(rid)
+            return True
         result = future.result()
         index = peer.first_slot + slot
+        if self._owners.get(index) != (peer, rid):
+            return False  # the slot holds a newer request: never write over its answer
         dst = self.slots.array(index, self.mask_shape)
         if result.mask.ctypes.data != dst.ctypes.data:  # not written there by the GPU (mask_into)
             copy_holding_gil(dst, result.mask)
         in_ms = peer.transit_ms(rid)
         body = pickle.dumps(
-            (rid, result.batch_size, result.padded_size, result.queue_ms, result.run_ms, result.timings, in_ms),
+            (rid, result.batch_size, result.padded_size, result.queue_ms, result.run_ms, result.timings, in_ms, 0.0),
             protocol=pickle.HIGHEST_PROTOCOL,
         )
         if not self.slots.write_answer(index, rid + 1, body):
@@ -464,6 +579,7 @@ class _Peer:
         self.out: SimpleQueue[_Outgoing] = SimpleQueue()
         self.inflight: dict[int, Future[BatchResult]] = {}  # by request id
         self._arrived: dict[int, float] = {}  # by request id: seconds from the worker's send to the reader
+        self.signalled: set[int] = set()  # request ids whose answers the GPU marks (EngineHost._signal_answers)
         self._reader = threading.Thread(target=self._read, name=f"dualtrack-peer-{range_index}-in", daemon=True)
         self._writer = threading.Thread(target=self._write, name=f"dualtrack-peer-{range_index}-out", daemon=True)
 
@@ -541,6 +657,7 @@ class _Peer:
             return
         self.inflight[rid] = future
         self._arrived[rid] = transit
+        self.host._owners[self.first_slot + slot] = (self, rid)
 
         def settled(f: Future[BatchResult], r: int = rid, s: int = slot) -> None:
             # On the batcher's thread (or the canceller's): the answer into the slot, a put.
@@ -997,11 +1114,14 @@ class EngineClient(QueueState[EngineInfo]):
         body = self._slots.read_answer(index, rid + 1)
         if body is None:
             return None
-        named, batch_size, padded_size, queue_ms, run_ms, timings, in_ms = pickle.loads(body)
+        named, batch_size, padded_size, queue_ms, run_ms, timings, in_ms, launched = pickle.loads(body)
         if named != rid:  # the word seen before its own pickle (a CPU that reorders stores): the next look
             return None
         mask = self._slots.array(index, shape).copy()
-        return BatchResult(mask, batch_size, padded_size, queue_ms, run_ms, {**timings, "hop_in_ms": in_ms})
+        timings = {**timings, "hop_in_ms": in_ms}
+        if launched:  # marked by the GPU at the launch: its run is timed here (one monotonic clock)
+            run_ms = timings["batch_gpu_ms"] = (time.monotonic() - launched) * 1e3
+        return BatchResult(mask, batch_size, padded_size, queue_ms, run_ms, timings)
 
     def _finish(self, reply: Done | Failed | Cancelled, received: float) -> None:
         assert self._slots is not None and self._engine is not None
