@@ -436,9 +436,9 @@ class Engine:
             be = self.backend
             be.ctx.make_current()  # type: ignore[attr-defined]
             for address, value in targets:
-                held.write_value(be.stream, address, value)  # type: ignore[attr-defined]
+                held.write_value(be.stream.handle, address, value)  # type: ignore[attr-defined]
             for fn, arg in calls:
-                held.host_call(be.stream, fn, arg)  # type: ignore[attr-defined]
+                held.host_call(be.stream.handle, fn, arg)  # type: ignore[attr-defined]
 
     def submit(self, x: np.ndarray, outputs: Sequence[str] | None = None) -> Submission:
         """:meth:`stage` then :meth:`launch`: ``submit(x).result()`` is ``run(x)`` for a compiled batch size."""
