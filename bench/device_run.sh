@@ -228,6 +228,15 @@ for step in $steps; do
         --variant "cpu_b=DUALTRACK_GPU_SIGNALS=0 $V" --variant "gpu_b=$V" \
         --variant "gpu_c=$V" --variant "cpu_c=DUALTRACK_GPU_SIGNALS=0 $V" \
         2>&1 | tee "$OUT/serve_signals.log" ;;
+    serve_nworkers2)
+      # Not in the default steps (issue 15): with the GPU marking the answers, how many workers: JPEG -> JSON
+      # at 16 and 32 clients on `--workers 2`, 3 and 4, two rounds in mirrored order.
+      V="--max-batch-delay-ms 8"
+      serve_bench $C/unet \
+        --clients 16 32 --only-variants --cases jpeg_in_json_out --tag nworkers2 --duration-s "${SERVE_S:-10}" \
+        --variant "w2_a=--workers 2 $V" --variant "w3_a=--workers 3 $V" --variant "w4_a=--workers 4 $V" \
+        --variant "w4_b=--workers 4 $V" --variant "w3_b=--workers 3 $V" --variant "w2_b=--workers 2 $V" \
+        2>&1 | tee "$OUT/serve_nworkers2.log" ;;
     serve_table)
       # Not in the default steps (issue 15): the issue's table on `serve --workers ${WORKERS:-4}` (defaults): JPEG -> JSON,
       # JPEG -> mask PNG and PNG -> mask PNG at 16 and 32 clients, against the engine alone.

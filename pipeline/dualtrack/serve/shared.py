@@ -580,6 +580,7 @@ class _Peer:
         self.inflight: dict[int, Future[BatchResult]] = {}  # by request id
         self._arrived: dict[int, float] = {}  # by request id: seconds from the worker's send to the reader
         self.signalled: set[int] = set()  # request ids whose answers the GPU marks (EngineHost._signal_answers)
+        self._reader_gone = False
         self._reader = threading.Thread(target=self._read, name=f"dualtrack-peer-{range_index}-in", daemon=True)
         self._writer = threading.Thread(target=self._write, name=f"dualtrack-peer-{range_index}-out", daemon=True)
 
@@ -626,6 +627,7 @@ class _Peer:
         finally:
             for future in list(self.inflight.values()):
                 future.cancel()  # nobody waits for these any more
+            self._reader_gone = True  # before the writer can see it gone: see _settled_in_slot
             self.out.put(_ReaderGone())
 
     def _run(self, rid: int, slot: int, transit: float) -> None:
@@ -666,9 +668,21 @@ class _Peer:
             except Exception:  # a callback's exception would be swallowed, and the request never answered
                 _log.exception("request %d of worker %d: its answer goes as a message", r, self.range_index)
                 in_slot = False
-            self.out.put(_Settled(r, s, f, time.monotonic(), in_slot))
+            if in_slot:
+                self._settled_in_slot(r)
+            else:
+                self.out.put(_Settled(r, s, f, time.monotonic(), in_slot))
 
         future.add_done_callback(settled)
+
+    def _settled_in_slot(self, rid: int) -> None:
+        """A request answered in its slot: forgotten here, with no wake-up of the writer (a GIL turn
+        in this process per request, for nothing to send) unless the reader has gone and the
+        writer waits for the last requests in a batch before giving the slot range back."""
+        self.inflight.pop(rid, None)
+        self._arrived.pop(rid, None)
+        if self._reader_gone:  # read after the pop: the writer sees either the pop or this wake-up
+            self.out.put(_ReaderGone())
 
     def transit_ms(self, rid: int) -> float:
         """ms from the worker's send of request ``rid`` to this reader having it (0 once answered)."""
@@ -1117,7 +1131,8 @@ class EngineClient(QueueState[EngineInfo]):
         named, batch_size, padded_size, queue_ms, run_ms, timings, in_ms, launched = pickle.loads(body)
         if named != rid:  # the word seen before its own pickle (a CPU that reorders stores): the next look
             return None
-        mask = self._slots.array(index, shape).copy()
+        mask = np.empty(shape, np.uint8)
+        copy_holding_gil(mask, self._slots.array(index, shape))  # numpy's copy lets the GIL go, then queues for it
         timings = {**timings, "hop_in_ms": in_ms}
         if launched:  # marked by the GPU at the launch: its run is timed here (one monotonic clock)
             run_ms = timings["batch_gpu_ms"] = (time.monotonic() - launched) * 1e3
