@@ -341,7 +341,8 @@ class JpegPrefetcher:
         if not ticket.done.is_set():
             with self._cond:
                 self._wanted.append(ticket)
-                self._cond.notify()  # a lane may go past the bound for it
+                if ticket.state == "queued":
+                    self._cond.notify()  # a lane may go past the bound for it
             try:
                 while not ticket.done.wait(0.5):
                     if not any(t.is_alive() for t in self._threads):
@@ -360,7 +361,8 @@ class JpegPrefetcher:
                 ticket.done.set()
             self._drop(ticket)
             ticket.state, ticket.image = "released", None
-            self._cond.notify()  # room for more pictures
+            if self._queue:  # room for the JPEGs waiting behind the bound; an idle lane need not wake
+                self._cond.notify()
 
     def close(self) -> None:
         """Stop the thread and free every picture not yet released (before the context goes)."""

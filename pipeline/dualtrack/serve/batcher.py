@@ -376,9 +376,7 @@ class Batcher(QueueState["Engine"]):
             request.future.cancel()  # the worker drops a cancelled row
             raise
         finally:
-            with self._cond:
-                batch.copying -= 1
-                self._cond.notify()
+            self._copied(batch)
         return request.future
 
     def submit_jpeg(self, jpeg: imaging.GpuJpeg, *, into: np.ndarray | None = None) -> Future[BatchResult]:
@@ -396,9 +394,16 @@ class Batcher(QueueState["Engine"]):
         ticket = self._prefetch.add(jpeg)  # its decode starts now, on the prefetcher's thread
         with self._cond:
             batch.jpegs[row] = ticket
-            batch.copying -= 1
-            self._cond.notify()
+        self._copied(batch)
         return request.future
+
+    def _copied(self, batch: _Batch) -> None:
+        """A claimed row is filled in; the worker waits for that only once the batch has closed.
+        (Each wake-up of the worker is a GIL turn for a thread that would go back to waiting.)"""
+        with self._cond:
+            batch.copying -= 1
+            if not batch.copying and batch.closed:
+                self._cond.notify()
 
     def _ready_engine(self) -> Engine:
         engine = self._engine
@@ -424,14 +429,17 @@ class Batcher(QueueState["Engine"]):
                     f"request queue is full ({self._max_queue} waiting): retry shortly or raise --max-queue"
                 )
             batch = self._pending[-1] if self._pending else None
-            if batch is None or len(batch.requests) == len(batch.x):
+            opened = batch is None or len(batch.requests) == len(batch.x)
+            if opened:
                 batch = _Batch(self._spare.pop() if self._spare else self._new_array(engine))
                 self._pending.append(batch)
+            assert batch is not None
             row = len(batch.requests)
             batch.requests.append(request)
             batch.copying += 1
             self._waiting += 1
-            self._cond.notify()
+            if opened or len(batch.requests) == len(batch.x):  # what the worker waits for (_take_batch)
+                self._cond.notify()
         return request, batch, row
 
     def _new_array(self, engine: Engine) -> np.ndarray:
