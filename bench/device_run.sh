@@ -237,6 +237,17 @@ for step in $steps; do
         --variant "w2_a=--workers 2 $V" --variant "w3_a=--workers 3 $V" --variant "w4_a=--workers 4 $V" \
         --variant "w4_b=--workers 4 $V" --variant "w3_b=--workers 3 $V" --variant "w2_b=--workers 2 $V" \
         2>&1 | tee "$OUT/serve_nworkers2.log" ;;
+    serve_vs)
+      # Not in the default steps: JPEG -> JSON at 16 and 32 clients on `--workers ${WORKERS:-4}`, this tree against
+      # the pipeline/ of another commit carried untracked in .ab/pipeline (`git archive REV pipeline | tar -x -C .ab`),
+      # two rounds in mirrored order: a change with no setting of its own, measured side by side in one call.
+      [ -d .ab/pipeline ] || { echo "serve_vs: no .ab/pipeline carried"; continue; }
+      V="--workers ${WORKERS:-4} --max-batch-delay-ms 8"
+      B="PYTHONPATH=/tmp/site:$PWD/.ab/pipeline"
+      serve_bench $C/unet \
+        --clients 16 32 --only-variants --cases jpeg_in_json_out --tag vs --duration-s "${SERVE_S:-10}" \
+        --variant "new_a=$V" --variant "base_a=$B $V" --variant "base_b=$B $V" --variant "new_b=$V" \
+        2>&1 | tee "$OUT/serve_vs.log" ;;
     serve_table)
       # Not in the default steps (issue 15): the issue's table on `serve --workers ${WORKERS:-4}` (defaults): JPEG -> JSON,
       # JPEG -> mask PNG and PNG -> mask PNG at 16 and 32 clients, against the engine alone.
