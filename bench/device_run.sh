@@ -239,9 +239,10 @@ for step in $steps; do
         2>&1 | tee "$OUT/serve_nworkers2.log" ;;
     serve_vs)
       # Not in the default steps: JPEG -> JSON at 16 and 32 clients on `--workers ${WORKERS:-4}`, this tree against
-      # the pipeline/ of another commit carried untracked in .ab/pipeline (`git archive REV pipeline | tar -x -C .ab`),
+      # the pipeline/ of another commit carried in .ab/ (`git archive REV pipeline handwritten_ptx | tar -x -C .ab`,
+      # carry [".ab"]; the package finds its kernel sources beside itself, so .ab/handwritten_ptx must be there too),
       # two rounds in mirrored order: a change with no setting of its own, measured side by side in one call.
-      [ -d .ab/pipeline ] || { echo "serve_vs: no .ab/pipeline carried"; continue; }
+      [ -d .ab/pipeline ] && [ -d .ab/handwritten_ptx ] || { echo "serve_vs: carry .ab/pipeline and .ab/handwritten_ptx"; continue; }
       V="--workers ${WORKERS:-4} --max-batch-delay-ms 8"
       B="PYTHONPATH=/tmp/site:$PWD/.ab/pipeline"
       serve_bench $C/unet \

@@ -28,16 +28,21 @@ the tighter limit). A request goes:
    rest of each answer (sizes and timings) is written at the end of its slot, and each worker
    with answers in the batch is woken once through its semaphore in a shared file
    (:mod:`dualtrack.serve.semaphores`); the worker's answer thread copies the mask out and frees
-   the slot. No message, no engine process thread between the batch and the worker: the thread
-   that resolved the batch writes the answers and posts, with the GIL kept. With
-   ``DUALTRACK_SLOT_ANSWERS=0`` (or no process-shared semaphores) that worker's writer thread
-   sends :class:`~dualtrack.serve.protocol.Done` ``(rid, sizes and timings)`` instead.
+   the slot. No message, no engine process thread between the batch and the worker: on a GPU the
+   launcher writes the answers when it queues the batch, and the GPU itself marks them ready and
+   posts the semaphores once the batch has run (``Engine.signal``: a store per row, then ``sem_post``
+   on the CUDA driver's own thread; :meth:`EngineHost._signal_answers`); otherwise, or with
+   ``DUALTRACK_GPU_SIGNALS=0``, the thread that resolved the batch writes and posts, with the GIL
+   kept. With ``DUALTRACK_SLOT_ANSWERS=0`` (or no process-shared semaphores) that worker's writer
+   thread sends :class:`~dualtrack.serve.protocol.Done` ``(rid, sizes and timings)`` instead.
 
 Why answers in the slots: the message way back cost a request ~0.8-0.9 ms under load on the H200
 (the engine process's writer thread waking and winning the GIL, pickling, sending; the worker's
 reader thread waking and unpickling: ``hop_writer`` + ``hop_back``, docs/performance.md), on the
 path of every request, in a closed loop where each millisecond of a request's latency is
-throughput lost.
+throughput lost. Why the GPU marks them: the collector thread that would otherwise do it must first
+wake and win the engine process's GIL; with the GPU's marks a request spent ~0.6 ms less in its worker's app and
+16 clients got 8.6% more (docs/performance.md, "The GPU wakes the workers").
 
 A request that fails comes back as :class:`~dualtrack.serve.protocol.Failed` ``(rid, kind,
 message)``, raised in the worker as the batcher raised it (full queue, not ready, bad input,
