@@ -191,55 +191,6 @@ def test_launch_into_page_locked_rows_is_bit_identical_to_run(engine) -> None:
         pinned.close()
 
 
-@needs_nvimgcodec
-def test_signal_marks_land_after_the_rows_and_wake_another_thread(engine, tmp_path) -> None:
-    """Engine.signal after a launch into page-locked rows: the GPU stores each mark once the batch
-    has run, the driver's thread then calls sem_post, and a thread waiting on that semaphore finds
-    the marks and the rows (bit-identical to run) in place; a mark outside pinned memory is refused."""
-    from dualtrack.errors import InputError
-    from dualtrack.serve import semaphores
-
-    rng = np.random.default_rng(15)
-    b = max(engine.batch_sizes)
-    h, w = engine.input_spec.shape[1:3]
-    x = rng.integers(0, 256, engine.input_spec.at_batch(b), dtype=np.uint8)
-    want = engine.run(x, outputs=("mask",))["mask"]
-    at = -(-b * h * w // 64) * 64  # the marks after the rows, 8-byte aligned, in one registered range
-    buf = np.zeros(at + 8 * b, np.uint8)
-    rows = buf[: b * h * w].reshape(b, h, w)
-    rows[...] = 0xEE
-    words = buf[at:].view(np.uint64)
-    sems = semaphores.SemaphoreFile(tmp_path / "sem", 1, create=True)
-    pinned = [engine.pin_host(buf)]
-    try:
-        for round_ in range(3):  # the same rows and words again: each round's marks are its own
-            seen: dict[str, object] = {}
-
-            def waiter(seen: dict[str, object] = seen) -> None:
-                seen["woken"] = sems.wait(0, 30)
-                seen["words"] = words.tolist()
-                seen["rows"] = rows.copy()
-
-            th = threading.Thread(target=waiter)
-            th.start()
-            sub = engine.launch(engine.stage(x), outputs=("mask",), into={"mask": list(rows)})
-            base = int(words.ctypes.data)
-            engine.signal([(base + 8 * i, round_ * 100 + i + 1) for i in range(b)],
-                          [(semaphores.post_function(), sems.address(0))])  # fmt: skip
-            th.join(60)
-            assert seen["woken"] is True
-            assert seen["words"] == [round_ * 100 + i + 1 for i in range(b)]
-            np.testing.assert_array_equal(seen["rows"], want)
-            sub.result()
-        with pytest.raises(InputError, match="pin_host"):
-            engine.signal([(int(np.zeros(1, np.uint64).ctypes.data), 1)])
-    finally:
-        engine.backend.stream.synchronize()
-        for p in pinned:
-            p.close()
-        sems.close()
-
-
 def test_a_stage_whose_rows_the_gpu_wrote_is_ordered_on_the_device(engine) -> None:
     """A batch whose every row fill wrote on the GPU, for a plan that runs as one graph on the
     compute stream, is not waited for on the host (Staged.pending): the launch waits for it on the

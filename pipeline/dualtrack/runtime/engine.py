@@ -406,7 +406,9 @@ class Engine:
         included). The addresses must be 8-byte aligned, in memory :meth:`pin_host` registered.
         The calls run on the driver's own thread, no thread of this process woken: a function
         that never blocks and touches no CUDA API (``sem_post`` of a process-shared semaphore, which
-        wakes another process as soon as the GPU is there). On ``cpu``, where a launch has run
+        wakes another process as soon as the GPU is there). The last launch's
+        :meth:`Submission.result` returns only once the GPU has passed them too: until then the
+        marked memory and the calls' arguments must stay valid. On ``cpu``, where a launch has run
         when it returns, the stores and the calls are made here and now.
 
         Raises :class:`~dualtrack.errors.CudaError` where the driver refuses them (then nothing
@@ -439,6 +441,8 @@ class Engine:
                 held.write_value(be.stream.handle, address, value)  # type: ignore[attr-defined]
             for fn, arg in calls:
                 held.host_call(be.stream.handle, fn, arg)  # type: ignore[attr-defined]
+            if self._overlap is not None:
+                self._overlap.cover_last()
 
     def submit(self, x: np.ndarray, outputs: Sequence[str] | None = None) -> Submission:
         """:meth:`stage` then :meth:`launch`: ``submit(x).result()`` is ``run(x)`` for a compiled batch size."""

@@ -185,6 +185,7 @@ class Overlap:
         for e in self.ran:
             e.record(backend.stream)  # every slot starts free
         self._stage_lock = threading.Lock()
+        self._last: tuple[int, bool] | None = None  # the last launch: its slot, whether it downloads
 
     def stage(self, x: np.ndarray, dtype: np.dtype, fill: Fill | None, *, device_ordered: bool = False) -> Staged:
         """``device_ordered``: the launch of this batch runs on the compute stream alone, so a
@@ -292,6 +293,7 @@ class Overlap:
                     views[name] = host.numpy(t.dtype, tuple(t.shape))
                 done = self.downloaded[slot].record(self.down)
             self.ring.launched(slot)
+            self._last = (slot, bool(rest))
         except BaseException:
             if queued_direct:  # the caller reuses the host rows once this fails: let the copies land first
                 with contextlib.suppress(Exception):
@@ -310,6 +312,17 @@ class Overlap:
                 self.ring.collected(slot)
 
         return Submission(collect)
+
+    def cover_last(self) -> None:
+        """Make the last launch's :meth:`Submission.result` wait also for what the compute stream
+        was given since (Engine.signal's stores and host calls): its events are recorded again."""
+        if self._last is None:
+            return
+        slot, downloads = self._last
+        self.ran[slot].record(self.be.stream)
+        if downloads:
+            self.down.wait(self.ran[slot])
+            self.downloaded[slot].record(self.down)
 
     def _device_out(self, slot: int, name: str, nbytes: int) -> DeviceBuffer:
         held = self.device_out.get((slot, name))
