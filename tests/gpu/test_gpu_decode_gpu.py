@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cuda.bindings import driver as cu
+from gpu_serving import host_and_client
 from PIL import Image
 from starlette.testclient import TestClient
 
@@ -324,39 +325,23 @@ def test_workers_send_their_jpegs_to_the_engine_process_gpu_decoder(
     on at least MASK_AGREEMENT of pixels, as in the one-process service. With the GPU marking the
     answers (the default) and without (DUALTRACK_GPU_SIGNALS=0), over rounds that reuse the slots."""
     monkeypatch.setenv("DUALTRACK_GPU_SIGNALS", gpu_signals)
-    import json
-
     from dualtrack.runtime.engine import Engine
-    from dualtrack.serve import Phase, ServeOptions
-    from dualtrack.serve.shared import EngineClient, EngineHost
 
     rng = np.random.default_rng(13)
     bodies = [_jpeg(_photo(rng, 96, 72), o) for o in (1, 6, 3)]  # each fits one slot of the tiny model's 64x64x3
     with Engine.load(tiny_bundle, "cuda") as e:
         h, w = e.input_spec.shape[1:3]
         want = [e.run(imaging.load_for_model(b, h, w).pixels[None], outputs=("mask",))["mask"][0] for b in bodies]
-        host = EngineHost(e, ServeOptions(max_batch_delay_ms=2), 1)
-        host.start()
-        try:
-            deadline = time.monotonic() + 120
-            while host.batcher.phase is not Phase.READY and time.monotonic() < deadline:
-                time.sleep(0.1)
-            client = EngineClient(host.address, bytes.fromhex(json.loads(host.worker_env({}))["key"]))
-            client.start()
-            try:
-                assert client.phase is Phase.READY and client.decoder[0] == "gpu", (client.error, client.decoder)
-                jpegs = [imaging.route_jpeg(b, h, w, max_downscale=RESIZE_RGB.max_downscale) for b in bodies]
-                assert all(isinstance(j, imaging.GpuJpeg) for j in jpegs)
-                assert bool(host._signals) == (gpu_signals == "1")
-                for _ in range(4):
-                    futures = [client.submit_jpeg(j) for j in jpegs]  # type: ignore[arg-type]
-                    for f, expected in zip(futures, want, strict=True):
-                        result = f.result(120)
-                        agreement = float((result.mask == expected).mean())
-                        print(f"--workers GPU decode vs CPU decode, mask agreement {agreement:.5f}")
-                        assert result.mask.shape == expected.shape and agreement >= MASK_AGREEMENT
-                        assert 0 < result.timings["batch_gpu_ms"] == result.run_ms < 120e3
-            finally:
-                client.close(30)
-        finally:
-            assert host.close(60)
+        with host_and_client(e) as (host, client):
+            assert client.decoder[0] == "gpu", client.decoder
+            jpegs = [imaging.route_jpeg(b, h, w, max_downscale=RESIZE_RGB.max_downscale) for b in bodies]
+            assert all(isinstance(j, imaging.GpuJpeg) for j in jpegs)
+            assert bool(host._signals) == (gpu_signals == "1")
+            for _ in range(4):
+                futures = [client.submit_jpeg(j) for j in jpegs]  # type: ignore[arg-type]
+                for f, expected in zip(futures, want, strict=True):
+                    result = f.result(120)
+                    agreement = float((result.mask == expected).mean())
+                    print(f"--workers GPU decode vs CPU decode, mask agreement {agreement:.5f}")
+                    assert result.mask.shape == expected.shape and agreement >= MASK_AGREEMENT
+                    assert 0 < result.timings["batch_gpu_ms"] == result.run_ms < 120e3

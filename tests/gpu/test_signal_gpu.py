@@ -11,13 +11,12 @@ of another request would agree on about half), with the GPU's marks (the default
 
 from __future__ import annotations
 
-import json
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from gpu_serving import host_and_client
 
 from dualtrack.serve import semaphores
 
@@ -82,8 +81,6 @@ def test_signal_marks_land_after_the_rows_and_wake_another_thread(engine, tmp_pa
 @pytest.mark.parametrize("gpu_signals", ["1", "0"])
 def test_a_worker_gets_its_own_masks_marked_by_the_gpu(tiny_bundle: Path, gpu_signals, monkeypatch) -> None:
     from dualtrack.runtime.engine import Engine
-    from dualtrack.serve import Phase, ServeOptions
-    from dualtrack.serve.shared import EngineClient, EngineHost
 
     monkeypatch.setenv("DUALTRACK_GPU_SIGNALS", gpu_signals)
     rng = np.random.default_rng(16)
@@ -91,25 +88,12 @@ def test_a_worker_gets_its_own_masks_marked_by_the_gpu(tiny_bundle: Path, gpu_si
         shape = tuple(e.input_spec.shape[1:])
         images = [rng.integers(0, 256, shape, dtype=np.uint8) for _ in range(11)]
         want = [e.run(im[None], outputs=("mask",))["mask"][0] for im in images]
-        host = EngineHost(e, ServeOptions(max_batch_delay_ms=2), 1)
-        host.start()
-        try:
-            deadline = time.monotonic() + 120
-            while host.batcher.phase is not Phase.READY and time.monotonic() < deadline:
-                time.sleep(0.1)
+        with host_and_client(e) as (host, client):
             assert bool(host._signals) == (gpu_signals == "1")
-            client = EngineClient(host.address, bytes.fromhex(json.loads(host.worker_env({}))["key"]))
-            client.start()
-            try:
-                assert client.phase is Phase.READY, client.error
-                for _ in range(4):  # full and partial batches, the slots reused
-                    futures = [client.submit(im) for im in images]
-                    for f, expected in zip(futures, want, strict=True):
-                        result = f.result(120)
-                        assert result.mask.shape == expected.shape
-                        assert float((result.mask == expected).mean()) >= MASK_AGREEMENT
-                        assert 0 < result.timings["batch_gpu_ms"] == result.run_ms < 120e3
-            finally:
-                client.close(30)
-        finally:
-            assert host.close(60)
+            for _ in range(4):  # full and partial batches, the slots reused
+                futures = [client.submit(im) for im in images]
+                for f, expected in zip(futures, want, strict=True):
+                    result = f.result(120)
+                    assert result.mask.shape == expected.shape
+                    assert float((result.mask == expected).mean()) >= MASK_AGREEMENT
+                    assert 0 < result.timings["batch_gpu_ms"] == result.run_ms < 120e3
