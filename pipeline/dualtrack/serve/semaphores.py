@@ -103,34 +103,31 @@ class SemaphoreFile:
         self._base = ctypes.addressof(self._cells)
         if create:
             for i in range(count):
-                if self._post_lib.sem_init(ctypes.c_void_p(self._address(i)), 1, 0) != 0:
+                if self._post_lib.sem_init(ctypes.c_void_p(self.address(i)), 1, 0) != 0:
                     err = ctypes.get_errno()
                     self.close()
                     raise OSError(err, f"sem_init: {os.strerror(err)}")
 
     def address(self, index: int) -> int:
         """Where semaphore ``index`` lies in this process (valid until :meth:`close`)."""
-        return self._address(index)
-
-    def _address(self, index: int) -> int:
         if not 0 <= index < self.count:
             raise IndexError(f"semaphore {index} of {self.count}")
         return self._base + index * _CELL
 
     def post(self, index: int) -> None:
         """Wake whoever waits on semaphore ``index`` (or the next wait); keeps the GIL."""
-        self._post_lib.sem_post(ctypes.c_void_p(self._address(index)))
+        self._post_lib.sem_post(ctypes.c_void_p(self.address(index)))
 
     def wait(self, index: int, timeout: float) -> bool:
         """Wait up to ``timeout`` s for semaphore ``index`` (the GIL is let go meanwhile); True if
         it was posted, False on the timeout or a signal."""
         deadline = time.time() + timeout  # sem_timedwait's clock is CLOCK_REALTIME
         spec = _Timespec(int(deadline), int((deadline % 1) * 1e9))
-        return self._wait_lib.sem_timedwait(ctypes.c_void_p(self._address(index)), ctypes.byref(spec)) == 0
+        return self._wait_lib.sem_timedwait(ctypes.c_void_p(self.address(index)), ctypes.byref(spec)) == 0
 
     def drain(self, index: int) -> int:
         """Take every post semaphore ``index`` holds now, without waiting; how many (keeps the GIL)."""
-        address = ctypes.c_void_p(self._address(index))
+        address = ctypes.c_void_p(self.address(index))
         taken = 0
         while self._post_lib.sem_trywait(address) == 0:
             taken += 1

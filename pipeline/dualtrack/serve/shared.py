@@ -553,13 +553,13 @@ class EngineHost:
 
 @dataclass(frozen=True)
 class _Settled:
-    """Request ``rid``'s future resolved (put on the batcher's thread): the writer answers it."""
+    """Request ``rid``'s future resolved (put on the batcher's thread) and not answered in its slot:
+    the writer answers it by message."""
 
     rid: int
     slot: int
     future: Future[BatchResult]
     at: float  # when (monotonic)
-    in_slot: bool = False  # answered in its slot already (EngineHost.answer_in_slot): no message
 
 
 @dataclass(frozen=True)
@@ -676,7 +676,7 @@ class _Peer:
             if in_slot:
                 self._settled_in_slot(r)
             else:
-                self.out.put(_Settled(r, s, f, time.monotonic(), in_slot))
+                self.out.put(_Settled(r, s, f, time.monotonic()))
 
         future.add_done_callback(settled)
 
@@ -720,12 +720,9 @@ class _Peer:
                 match item:
                     case _ReaderGone():
                         closed = True
-                    case _Settled(rid, slot, future, at, in_slot):
+                    case _Settled(rid, slot, future, at):
                         self.inflight.pop(rid, None)
-                        if in_slot:
-                            self._arrived.pop(rid, None)
-                        else:
-                            replies.append(self._reply(rid, slot, future, at))
+                        replies.append(self._reply(rid, slot, future, at))
                     case _:  # in order: the answers before it go first
                         if not closed:
                             closed = not (self._send_replies(replies) and _send_quietly(self.conn, item))
