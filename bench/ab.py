@@ -36,7 +36,7 @@ def main() -> int:
     sys.path.insert(0, str(HERE))
     from bench import gpu_and_driver, time_engine
 
-    from dualtrack.bundle import Bundle
+    from dualtrack.contract.bundle import Bundle
     from dualtrack.runtime.engine import Engine
 
     named = [b.split("=", 1) for b in args.bundles]

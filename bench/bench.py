@@ -426,7 +426,7 @@ def bench_bundle(name: str, path: Path | None, ctx: dict[str, Any]) -> list[dict
     if path is None or not (path / "manifest.json").is_file():
         where = f"bundle {path} not found" if path else "no bundle given"
         return skipped(name, f"{where} (build it with `dualtrack build {config}`)", batches)
-    from dualtrack.bundle import Bundle
+    from dualtrack.contract.bundle import Bundle
     from dualtrack.runtime.engine import Engine
 
     bundle = Bundle.open(path)
@@ -725,7 +725,7 @@ def channel_slices(seg: Any) -> dict[str, tuple[str, int]]:
     CudaBackend._plan_buffers lays them out (producers write with a channel stride, no copy); any
     other tensor is its own buffer, from channel 0.
     """
-    from dualtrack.plan import ALIAS_OPS
+    from dualtrack.contract.plan import ALIAS_OPS
 
     channels = {t.name: t.shape[-1] for t in (*seg.inputs, *seg.tensors, *seg.outputs)}
     parent: dict[str, tuple[str, int]] = {}
@@ -1040,7 +1040,7 @@ def _track_a_at(engine: Any, clock: LayerClock, b: int, graph_ms: float, rng: np
     --layer-reps runs."""
     from cuda.bindings import driver as cu
 
-    from dualtrack.plan import ALIAS_OPS
+    from dualtrack.contract.plan import ALIAS_OPS
     from dualtrack.runtime.driver import Event, call
 
     be = engine.backend
@@ -1327,7 +1327,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if importlib.util.find_spec("dualtrack") is None:  # run from a checkout without `pip install -e .`
         sys.path.insert(0, str(ROOT / "pipeline"))
-    from dualtrack.reference import sample_image
+    from dualtrack.compiler.reference import sample_image
 
     t_start = time.perf_counter()
     commit = args.commit or _git("rev-parse", "HEAD") or "unknown"

@@ -36,10 +36,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dualtrack.arch import PTX_ARCHES, choose_image
+from dualtrack.compiler.track_a import SOURCE_DIR, ptx_path
+from dualtrack.contract.arch import PTX_ARCHES, choose_image
+from dualtrack.contract.plan import KernelCall
 from dualtrack.kernels import ACTIVATIONS, KERNELS, ConvGeometry
-from dualtrack.plan import KernelCall
-from dualtrack.ptx import SOURCE_DIR, ptx_path
 from dualtrack.runtime import tma
 from dualtrack.runtime.driver import Device, Module, Stream
 from dualtrack.runtime.tensors import GpuTensor

@@ -34,7 +34,7 @@ def _commit() -> str:
 
 def module_load_times(bundle, ctx) -> dict:
     """Track A module load: shipped cubin, PTX JIT cold (empty cache) and PTX with the cache warm."""
-    from dualtrack import arch
+    from dualtrack.contract import arch
     from dualtrack.runtime.driver import Module
 
     ta = bundle.track_a
@@ -71,7 +71,7 @@ def module_load_times(bundle, ctx) -> dict:
 
 def time_batch(engine, batch: int, iters: int, warmup: int) -> dict:
     """Median per-inference time with the input already on the GPU, and each track's share."""
-    from dualtrack.verify import random_input
+    from dualtrack.compiler.verify import random_input
 
     be = engine.backend
     x = be.from_host(random_input(engine.input_spec, batch, np.random.default_rng()))
@@ -113,9 +113,9 @@ def main() -> None:
     from cuda.bindings import driver as cu
     from PIL import Image
 
+    from dualtrack.compiler.verify import verify_engine
     from dualtrack.runtime.driver import call
     from dualtrack.runtime.engine import Engine
-    from dualtrack.verify import verify_engine
 
     result: dict = {"commit": _commit(), "bundle": str(args.bundle)}
     from dualtrack.runtime.driver import Device

@@ -36,7 +36,7 @@ def child(bundle: Path, batches: list[int], iters: int, probs_out: Path | None) 
     sys.path.insert(0, str(HERE))
     from bench import time_engine  # the same timer as `make bench`
 
-    from dualtrack.bundle import Bundle
+    from dualtrack.contract.bundle import Bundle
     from dualtrack.runtime.engine import Engine
 
     engine = Engine.load(Bundle.open(bundle), "cuda")

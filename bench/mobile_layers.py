@@ -45,9 +45,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dualtrack.arch import PTX_ARCHES, choose_image
+from dualtrack.compiler.track_a import SOURCE_DIR, ptx_path
+from dualtrack.contract.arch import PTX_ARCHES, choose_image
 from dualtrack.kernels import KERNELS, Activation, DwGeometry, PoolGeometry, ResizeMode
-from dualtrack.ptx import SOURCE_DIR, ptx_path
 from dualtrack.runtime.driver import Device, Module, Stream
 
 TOL = 2e-3  # fp16 output rounding and a different summation order

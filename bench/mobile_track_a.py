@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from dualtrack import config, frontend, lower_mobile, partition
+from dualtrack.compiler import config, frontend, lower_mobile, partition
 
 
 def supported_nodes(cfg_path: Path) -> list[str]:

@@ -36,8 +36,8 @@ import sys, tempfile
 from pathlib import Path
 sys.path.insert(0, "tests")
 import conftest
-from dualtrack.build import build
-from dualtrack.reference import UNetSpec
+from dualtrack.compiler.build import build
+from dualtrack.compiler.reference import UNetSpec
 out = Path(sys.argv[1])
 tmp = Path(tempfile.mkdtemp(prefix="carry-"))
 build(conftest.write_tiny_project(tmp / "tiny"), out / "tiny")

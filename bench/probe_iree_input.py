@@ -77,7 +77,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", default=".carry/unet")
     args = p.parse_args()
-    from dualtrack.bundle import Bundle
+    from dualtrack.contract.bundle import Bundle
     from dualtrack.runtime.engine import Engine
 
     with Engine.load(Bundle.open(args.bundle), "cuda") as engine:

@@ -31,7 +31,7 @@ row says `track_a_segments`. Results written before that (zoo_bench-74c94fbc6f a
 
 Checks before timing: the engine passes `verify_engine` on the GPU (every segment and the whole plan
 against onnxruntime, the build's tolerances); each torch row's probs at N=1 are within the relative L2
-that dualtrack's own fp16 bundles are verified with (2e-2, dualtrack.config.DEFAULT_TOLERANCES) of
+that dualtrack's own fp16 bundles are verified with (2e-2, dualtrack.compiler.config.DEFAULT_TOLERANCES) of
 onnxruntime on the bundle's model (smp's fp16 torch rows differ by 1.2e-2, zoo_bench-7029b1b).
 A row that fails is reported and not timed. Timing is
 host wall time around one call with the device drained after (`torch.cuda.synchronize`, which waits
@@ -117,10 +117,10 @@ def engine_rows(
     """Load ``bundle`` on the GPU (its first-load check), verify it against onnxruntime, then time
     Engine.run for each (row, GPU input?) in ``rows`` at each batch size. A bundle refused at load or
     failing verification gets rows that say `skipped`, with the reason and the error measured."""
+    from dualtrack.compiler.verify import verify_engine
     from dualtrack.errors import DualtrackError
     from dualtrack.runtime.engine import Engine
     from dualtrack.runtime.selfcheck import GpuCheckError
-    from dualtrack.verify import verify_engine
 
     extra = extra or {}
 
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
     import torch
 
-    from dualtrack.bundle import Bundle
+    from dualtrack.contract.bundle import Bundle
 
     zoo = load_zoo()
     gpu, driver = common.gpu_and_driver()

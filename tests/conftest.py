@@ -15,7 +15,7 @@ from pathlib import Path
 import onnx
 import pytest
 
-from dualtrack.reference import UNetSpec, build_unet
+from dualtrack.compiler.reference import UNetSpec, build_unet
 
 DATA = Path(__file__).parent / "data"
 TINY = UNetSpec(base=4, depth=2, height=64, width=64, precision="fp32", seed=1)
@@ -48,7 +48,7 @@ def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_bundle(tiny_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny bundle. DUALTRACK_TEST_BUNDLE names a prebuilt one: GPU machines carry it, since
     the IREE compiler is too large to install there."""
-    from dualtrack.build import build
+    from dualtrack.compiler.build import build
 
     prebuilt = os.environ.get("DUALTRACK_TEST_BUNDLE")
     if prebuilt:
@@ -78,7 +78,7 @@ def tiny_wgmma_bundle(tiny_wgmma_config: Path, tmp_path_factory: pytest.TempPath
 
 def build_tiny_wgmma(dest: str | Path, config: Path | None = None) -> Path:
     """Build the wgmma test bundle at ``dest`` (to carry to a GPU machine: see bench/README.md)."""
-    from dualtrack.build import build
+    from dualtrack.compiler.build import build
 
     if config is None:
         config = write_tiny_project(Path(tempfile.mkdtemp(prefix="tiny_wgmma-")), WGMMA_NET, "tiny_wgmma.yaml")
@@ -96,7 +96,7 @@ def tiny_full_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_full_bundle(tiny_full_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny U-Net with encoder, bottleneck and decoder on Track A (DUALTRACK_TEST_FULL_BUNDLE: prebuilt)."""
-    from dualtrack.build import build
+    from dualtrack.compiler.build import build
 
     prebuilt = os.environ.get("DUALTRACK_TEST_FULL_BUNDLE")
     if prebuilt:
@@ -109,7 +109,7 @@ def tiny_full_bundle(tiny_full_config: Path, tmp_path_factory: pytest.TempPathFa
 def build_tiny_head(dest: str | Path, root: Path | None = None) -> Path:
     """The tiny fp16 U-Net with `partition: auto` (tests/data/tiny_head.yaml): its plan ends in the
     seghead kernel on Track A (bench/prepare_carry.sh builds it for GPU machines)."""
-    from dualtrack.build import build
+    from dualtrack.compiler.build import build
 
     spec = UNetSpec(**{**TINY.__dict__, "precision": "fp16"})
     config = write_tiny_project(Path(root or tempfile.mkdtemp(prefix="tiny_head-")), spec, config="tiny_head.yaml")
@@ -137,8 +137,9 @@ def write_hand_tuning(config: Path, path: Path, time_ms: float = 0.01, tiles: tu
     chosen winners: a tuned tile or another fixed entry for every conv problem (cc 9.0, twice as fast
     as the baseline), one cc 8.0 record slower than its baseline (recorded, not used) and one stale
     record (another source hash)."""
-    from dualtrack import partition, tuning
-    from dualtrack.config import load_config
+    from dualtrack.compiler import partition
+    from dualtrack.compiler import tuned as tuning
+    from dualtrack.compiler.config import load_config
     from dualtrack.kernels import KERNELS, F16Tile
     from dualtrack.kernels.problems import by_problem, conv_layers
 
@@ -185,7 +186,7 @@ def tiny_tuned_bundle(tiny_full_config: Path, tmp_path_factory: pytest.TempPathF
 
 def build_tiny_tuned(dest: str | Path, config: Path | None = None) -> Path:
     """Build the tuned tiny bundle at ``dest`` (to carry to a GPU machine: see bench/README.md)."""
-    from dualtrack.build import build
+    from dualtrack.compiler.build import build
 
     dest = Path(dest)
     if config is None:

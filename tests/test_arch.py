@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dualtrack import arch
+from dualtrack.contract import arch
 from dualtrack.errors import ArchError, DeviceError
 
 # --- resolve ----------------------------------------------------------------------------------

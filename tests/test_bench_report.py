@@ -9,7 +9,7 @@ from types import ModuleType
 
 import pytest
 
-from dualtrack.plan import KernelCall, Segment, TensorSpec
+from dualtrack.contract.plan import KernelCall, Segment, TensorSpec
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench.py"
 

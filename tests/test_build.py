@@ -16,13 +16,13 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from dualtrack import track_b
-from dualtrack.build import build
-from dualtrack.bundle import MANIFEST, Bundle
+from dualtrack.compiler import track_b
+from dualtrack.compiler.build import build
+from dualtrack.compiler.track_a import SOURCE_DIR
+from dualtrack.contract.bundle import MANIFEST, Bundle
+from dualtrack.contract.manifest import BUNDLE_FORMAT, Manifest
+from dualtrack.contract.plan import Plan
 from dualtrack.errors import BundleError, ConfigError, VerificationError
-from dualtrack.manifest import BUNDLE_FORMAT, Manifest
-from dualtrack.plan import Plan
-from dualtrack.ptx import SOURCE_DIR
 
 TINY_YAML = Path(__file__).parent / "data" / "tiny.yaml"
 

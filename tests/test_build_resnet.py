@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack.bundle import Bundle
 from dualtrack.cli import main
+from dualtrack.contract.bundle import Bundle
 
 SIZE = 32
 CONFIG = """\

@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 from exports import reference_logits, torch_style
 
-from dualtrack.bundle import Bundle
 from dualtrack.cli import main
+from dualtrack.contract.bundle import Bundle
 from dualtrack.errors import ToolError
 from dualtrack.runtime.engine import Engine
 
@@ -94,7 +94,7 @@ def test_info_shows_the_front_end_and_cpu_only(byom_bundle: Path) -> None:
 def test_targets_empty_in_the_config_is_a_cpu_only_build(tmp_path: Path) -> None:
     cfg = _project(tmp_path)
     cfg.write_text(cfg.read_text().replace("targets: [sm_90a]", "targets: []"))
-    from dualtrack.build import build
+    from dualtrack.compiler.build import build
 
     result = build(cfg, tmp_path / "bundle")
     assert result.verification and result.verification["passed"]

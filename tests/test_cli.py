@@ -22,6 +22,7 @@ from onnx import helper
 from PIL import Image
 
 from dualtrack.cli import main
+from dualtrack.contract.manifest import BUNDLE_FORMAT
 from dualtrack.errors import (
     EXIT_CODES,
     ArchError,
@@ -32,7 +33,6 @@ from dualtrack.errors import (
     ModelError,
     PartitionError,
 )
-from dualtrack.manifest import BUNDLE_FORMAT
 from dualtrack.runtime.engine import Engine
 from dualtrack.serve import app as app_module
 from dualtrack.serve.options import ServeOptions
@@ -440,7 +440,7 @@ def test_info_shows_the_tuned_layers(tiny_tuned_bundle: Path) -> None:
 
 def _tiny_variant_bundle(tiny_model: Path, root: Path, name: str, surgery: Callable[[onnx.ModelProto], str]) -> Path:
     """Build the tiny U-Net after ``surgery`` (which edits the graph and returns the config's `input:`)."""
-    from dualtrack.build import build
+    from dualtrack.compiler.build import build
 
     model = onnx.load(str(tiny_model))
     input_line = surgery(model)

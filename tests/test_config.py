@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dualtrack.config import BuildConfig, load_config
+from dualtrack.compiler.config import BuildConfig, load_config
 from dualtrack.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,9 +13,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels import ACTIVATIONS, KERNELS, ConvGeneralSpec, ConvGeometry, pack_conv_weights
-from dualtrack.plan import KernelCall
 from dualtrack.runtime.tensors import GpuTensor
 
 SPEC = KERNELS["conv"]

@@ -13,10 +13,10 @@ import pytest
 from exports import reference_logits, torch_style
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack import frontend, partition, verify
-from dualtrack.config import DEFAULT_TOLERANCES, BuildConfig, Postprocess, Preprocess, Tolerance
+from dualtrack.compiler import frontend, partition, verify
+from dualtrack.compiler.config import DEFAULT_TOLERANCES, BuildConfig, Postprocess, Preprocess, Tolerance
+from dualtrack.contract.plan import parameter_key
 from dualtrack.errors import ConfigError, ModelError, PartitionError
-from dualtrack.plan import parameter_key
 
 FP32 = DEFAULT_TOLERANCES["fp32"]
 
@@ -61,7 +61,7 @@ def test_identity_weights_constants_and_shape_ops_are_folded() -> None:
 
 
 def test_a_graph_with_nothing_to_fold_is_left_byte_identical() -> None:
-    from dualtrack.reference import UNetSpec, build_unet
+    from dualtrack.compiler.reference import UNetSpec, build_unet
 
     model = build_unet(UNetSpec(base=4, depth=2, height=32, width=32, precision="fp16"))
     fe = frontend.prepare(_cfg(), model)
@@ -114,7 +114,7 @@ def test_a_batch_the_front_end_cannot_free_is_refused_with_the_fix_but_batch_one
 def test_parameter_keys_follow_the_iree_importer(tmp_path: Path) -> None:
     """The rule is checked against iree-import-onnx itself: it names each externalized weight (it
     externalizes those of 100 elements or more, so these have 256)."""
-    from dualtrack.tools import run_tool
+    from dualtrack.compiler.tools import run_tool
 
     names = ["onnx::Conv_546", "encoder.layer1.0.conv1.weight", "/dec/Constant_3_output_0", "a::b:c"]
     inits = [numpy_helper.from_array(np.full((16, 16, 1, 1), i + 1, np.float32), n) for i, n in enumerate(names)]
@@ -172,7 +172,7 @@ def test_precision_comes_from_the_model_unless_the_config_asks() -> None:
 
 
 def test_fp32_on_an_fp16_model_is_refused() -> None:
-    from dualtrack.reference import UNetSpec, build_unet
+    from dualtrack.compiler.reference import UNetSpec, build_unet
 
     model = build_unet(UNetSpec(base=4, depth=2, height=32, width=32, precision="fp16"))
     with pytest.raises(ConfigError, match=r"precision: fp32.*weights are fp16"):
@@ -272,7 +272,7 @@ def test_max_abs_scales_with_the_output() -> None:
 
 
 def test_random_float_inputs_are_signed() -> None:
-    from dualtrack.plan import TensorSpec
+    from dualtrack.contract.plan import TensorSpec
 
     x = verify.random_input(TensorSpec("t", (1, 8, 8, 8), "float32"), 2, np.random.default_rng(5))
     assert x.min() < 0 < x.max()
@@ -309,7 +309,7 @@ def test_an_output_already_called_probs_or_mask_is_renamed_out_of_the_way() -> N
 
 def test_a_shape_value_may_not_cross_between_tracks() -> None:
     """Shape(x) on one track feeding a Reshape on the other: refused with the fix, never a broken boundary."""
-    from dualtrack.config import PartitionConfig, Rules
+    from dualtrack.compiler.config import PartitionConfig, Rules
 
     model = torch_style()
     cfg = _cfg(simplify=False, partition=PartitionConfig(track_a=Rules(name_prefixes=("/enc/conv2",))))
@@ -325,7 +325,7 @@ def test_a_shape_value_may_not_cross_between_tracks() -> None:
 
 def test_an_fp16_model_is_checked_against_the_same_weights_in_fp32() -> None:
     """verify.upcast widens weights, casts and boundaries: the reference computes the fp16 network exactly."""
-    from dualtrack.reference import UNetSpec, build_unet
+    from dualtrack.compiler.reference import UNetSpec, build_unet
 
     model = build_unet(UNetSpec(base=4, depth=2, height=32, width=32, precision="fp16", seed=2))
     wide = verify.upcast(model)

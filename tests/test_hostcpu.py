@@ -14,8 +14,8 @@ from click.testing import CliRunner
 
 from dualtrack import hostcpu
 from dualtrack.cli import main
+from dualtrack.contract.manifest import Manifest
 from dualtrack.errors import BundleError
-from dualtrack.manifest import Manifest
 from dualtrack.runtime.engine import Engine
 
 TINY_YAML = Path(__file__).parent / "data" / "tiny.yaml"

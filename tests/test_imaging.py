@@ -18,8 +18,8 @@ import pytest
 from PIL import Image
 
 from dualtrack import imaging
+from dualtrack.contract.plan import TensorSpec
 from dualtrack.errors import InputError
-from dualtrack.plan import TensorSpec
 
 WHITE = 255
 

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
+from dualtrack.compiler.track_a import SOURCE_DIR
+from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels import (
     KERNELS,
@@ -26,8 +28,6 @@ from dualtrack.kernels import (
     pack_convt_weights,
 )
 from dualtrack.kernels.problems import ConvProblem
-from dualtrack.plan import KernelCall
-from dualtrack.ptx import SOURCE_DIR
 from dualtrack.runtime.driver import kernel_params
 from dualtrack.runtime.tensors import GpuTensor
 

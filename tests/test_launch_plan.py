@@ -15,10 +15,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack import launch_plan, track_b
-from dualtrack.bundle import Bundle
-from dualtrack.launch_plan import Dispatch, LaunchPlan, NotReplayable, extract
-from dualtrack.plan import parameter_key
+from dualtrack.compiler import track_b
+from dualtrack.contract import launch_plan
+from dualtrack.contract.bundle import Bundle
+from dualtrack.contract.launch_plan import Dispatch, LaunchPlan, NotReplayable, extract
+from dualtrack.contract.plan import parameter_key
 
 RNG = np.random.default_rng(7)
 

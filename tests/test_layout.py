@@ -1,4 +1,4 @@
-"""dualtrack.layout.sink_transposes: the rewritten graph computes the same outputs (onnxruntime,
+"""dualtrack.compiler.layout.sink_transposes: the rewritten graph computes the same outputs (onnxruntime,
 fresh random inputs) with the activation transposes gone wherever the ops allow."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack.layout import sink_transposes
+from dualtrack.compiler.layout import sink_transposes
 
 RTOL, ATOL = 1e-5, 1e-5  # fp32: only the summation order of a 1x1 conv may change
 
@@ -154,8 +154,8 @@ def test_partition_rewrites_track_b_segments_only(tiny_config, nhwc):
     the NCHW round trip (the segment chain is checked against the whole model in
     test_partition.py); the decoder's inputs feed ConvTranspose and Concat, which need NCHW, so
     they keep their transposes; the Track A segment is never rewritten."""
-    from dualtrack import partition
-    from dualtrack.config import load_config
+    from dualtrack.compiler import partition
+    from dualtrack.compiler.config import load_config
 
     cfg = load_config(tiny_config)
     cfg = cfg.model_copy(update={"track_b": cfg.track_b.model_copy(update={"nhwc": nhwc})})
@@ -190,7 +190,7 @@ def _pre(h: int, w: int, c: int, const_shapes: dict[str, tuple[int, ...]], extra
 
 
 def test_preprocessing_runs_on_wide_rows_with_tiled_channel_constants():
-    from dualtrack.layout import WIDE_ROW, widen_elementwise
+    from dualtrack.compiler.layout import WIDE_ROW, widen_elementwise
 
     m = _pre(16, 64, 3, {"mean": (1, 3, 1, 1), "inv_std": (3, 1, 1)})
     wide = widen_elementwise(sink_transposes(m))
@@ -219,7 +219,7 @@ def test_preprocessing_runs_on_wide_rows_with_tiled_channel_constants():
     ],
 )
 def test_segments_that_are_not_plain_element_wise_keep_their_shape(h, w, c, shapes, softmax, why):
-    from dualtrack.layout import widen_elementwise
+    from dualtrack.compiler.layout import widen_elementwise
 
     extra = (helper.make_node("Softmax", ["m"], ["sm"], name="softmax", axis=1),) if softmax else ()
     m = _pre(h, w, c, shapes, extra)

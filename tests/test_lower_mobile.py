@@ -12,11 +12,11 @@ import pytest
 from mobile_net import build_mobile_net
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack import lower_mobile, partition
-from dualtrack.config import BuildConfig, PartitionConfig, Rules
+from dualtrack.compiler import lower_mobile, partition
+from dualtrack.compiler.config import BuildConfig, PartitionConfig, Rules
+from dualtrack.compiler.verify import interpret_track_a
+from dualtrack.contract.plan import ACTIVATIONS, ELTWISE_OPS, RESIZE_COORDS, RESIZE_MODES, bits_f32
 from dualtrack.errors import PartitionError
-from dualtrack.plan import ACTIVATIONS, ELTWISE_OPS, RESIZE_COORDS, RESIZE_MODES, bits_f32
-from dualtrack.verify import interpret_track_a
 
 
 def config(

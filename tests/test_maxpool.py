@@ -16,11 +16,11 @@ import pytest
 from onnx import helper
 from test_partition_conv import Graph, a_calls, plan_of, track_a_matches_onnxruntime
 
-from dualtrack import partition
-from dualtrack.config import BuildConfig, PartitionConfig
+from dualtrack.compiler import partition
+from dualtrack.compiler.config import BuildConfig, PartitionConfig
+from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError, PartitionError
 from dualtrack.kernels import KERNELS, MaxPoolSpec, PoolGeometry
-from dualtrack.plan import KernelCall
 from dualtrack.runtime.tensors import GpuTensor
 
 POOL = KERNELS["maxpool"]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from mobile_net import write_mobile_project
 
-from dualtrack.build import build
-from dualtrack.bundle import Bundle
+from dualtrack.compiler.build import build
+from dualtrack.contract.bundle import Bundle
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from dualtrack.contract.plan import ACTIVATIONS, KernelCall, bits_f32, f32_bits
 from dualtrack.errors import InputError
 from dualtrack.kernels import KERNELS, Activation, DwConvSpec, DwGeometry, ResizeMode
-from dualtrack.plan import ACTIVATIONS, KernelCall, bits_f32, f32_bits
 
 DW, GAP, FC, ELT, RESIZE = (KERNELS[k] for k in ("dwconv", "gap", "fc", "eltwise", "resize"))
 # fp32: the kernels' and onnxruntime's sums differ in order only; fp16: one rounding of the result

@@ -13,10 +13,10 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from dualtrack import frontend, partition
-from dualtrack.config import BuildConfig, InputSpec, PartitionConfig, Rules, load_config
+from dualtrack.compiler import frontend, partition
+from dualtrack.compiler.config import BuildConfig, InputSpec, PartitionConfig, Rules, load_config
+from dualtrack.contract.plan import Plan
 from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
-from dualtrack.plan import Plan
 
 PROBS_REL_L2 = 1e-5  # fp32 end to end, same onnxruntime kernels: only summation order may differ
 MASK_MISMATCH = 1e-3  # argmax may flip only where two classes tie to within fp32 rounding

@@ -15,13 +15,14 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack import cost, partition, tuning
-from dualtrack.build import PARTITION_REPORT, build
-from dualtrack.bundle import Bundle
 from dualtrack.cli import main
-from dualtrack.config import BuildConfig, PartitionConfig, Rules, load_config
+from dualtrack.compiler import cost, partition
+from dualtrack.compiler import tuned as tuning
+from dualtrack.compiler.build import PARTITION_REPORT, build
+from dualtrack.compiler.config import BuildConfig, PartitionConfig, Rules, load_config
+from dualtrack.compiler.reference import UNetSpec, write_reference
+from dualtrack.contract.bundle import Bundle
 from dualtrack.errors import ConfigError, PartitionError
-from dualtrack.reference import UNetSpec, write_reference
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 C, H, W = 8, 16, 16  # channels and size of the small graphs

@@ -13,12 +13,12 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack import partition
-from dualtrack.config import BuildConfig, PartitionConfig, Rules
+from dualtrack.compiler import partition
+from dualtrack.compiler.config import BuildConfig, PartitionConfig, Rules
+from dualtrack.compiler.verify import interpret_track_a
+from dualtrack.contract.plan import Plan
 from dualtrack.errors import PartitionError
 from dualtrack.kernels import ACTIVATIONS
-from dualtrack.plan import Plan
-from dualtrack.verify import interpret_track_a
 
 RNG = np.random.default_rng()
 

@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dualtrack.contract.plan import ACTIVATIONS as PLAN_ACTS
+from dualtrack.contract.plan import ELTWISE_OPS, KernelCall, f32_bits
 from dualtrack.kernels import (
     ACTIVATIONS,
     KERNELS,
@@ -25,8 +27,6 @@ from dualtrack.kernels import (
 from dualtrack.kernels.base import PreparedCall
 from dualtrack.kernels.resize_rgb import ResizeJob
 from dualtrack.kernels.tensormap import TiledMap
-from dualtrack.plan import ACTIVATIONS as PLAN_ACTS
-from dualtrack.plan import ELTWISE_OPS, KernelCall, f32_bits
 from dualtrack.runtime.tensors import GpuTensor
 
 f16, f32, u8 = np.dtype("float16"), np.dtype("float32"), np.dtype("uint8")

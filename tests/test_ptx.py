@@ -8,11 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dualtrack.arch import ARCHES, PTX_ARCHES, parse_ptx_isa, parse_ptx_target
-from dualtrack.errors import ArchError, ToolError
-from dualtrack.kernels import CONV3X3_WGMMA, RESIZE_RGB, SPECS, ConvGeneralSpec, ConvGeometry, spec_for_stem
-from dualtrack.kernels.streaming import StreamingSpec
-from dualtrack.ptx import (
+from dualtrack.compiler.track_a import (
     PINNED_NVRTC,
     SOURCE_DIR,
     assemble_cubin,
@@ -29,6 +25,10 @@ from dualtrack.ptx import (
     sources,
     toolchain_versions,
 )
+from dualtrack.contract.arch import ARCHES, PTX_ARCHES, parse_ptx_isa, parse_ptx_target
+from dualtrack.errors import ArchError, ToolError
+from dualtrack.kernels import CONV3X3_WGMMA, RESIZE_RGB, SPECS, ConvGeneralSpec, ConvGeometry, spec_for_stem
+from dualtrack.kernels.streaming import StreamingSpec
 
 STEMS = sorted(spec.stem for spec in SPECS)
 CHECKED_IN = sorted((spec.stem, arch) for spec in SPECS for arch in spec.ptx_arches)  # each kernel's own arches
@@ -151,7 +151,7 @@ def test_broken_source_raises_with_the_nvrtc_log(tmp_path: Path) -> None:
         compile_ptx(bad, "compute_80")
     assert info.value.tool == "NVRTC"
     assert "undeclared_name" in info.value.detail and "error" in info.value.detail
-    assert "python -m dualtrack.ptx --source" in info.value.detail  # the repro command
+    assert "python -m dualtrack.compiler.track_a --source" in info.value.detail  # the repro command
 
 
 @pytest.mark.parametrize("stem", ["conv3x3_nhwc", "convt2x2_nhwc"])

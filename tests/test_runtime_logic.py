@@ -542,7 +542,7 @@ def test_iree_allocator_setting(monkeypatch: pytest.MonkeyPatch, value: str | No
 def test_iree_caching_allocator_runs_a_module(tiny_bundle: Path) -> None:
     """The caching allocator layered over IREE's CPU device gives the same results as the plain one."""
 
-    from dualtrack.bundle import Bundle
+    from dualtrack.contract.bundle import Bundle
     from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
 
     bundle = Bundle.open(tiny_bundle)

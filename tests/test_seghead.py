@@ -12,14 +12,14 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack import cost, frontend, lower_head, lower_mobile, partition
-from dualtrack.config import BuildConfig, PartitionConfig, Postprocess
+from dualtrack.compiler import cost, frontend, lower_head, lower_mobile, partition
+from dualtrack.compiler.config import BuildConfig, PartitionConfig, Postprocess
+from dualtrack.compiler.verify import ort_session, run_ort
+from dualtrack.contract.plan import HEAD_ACTS, KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels import KERNELS, HeadMode
 from dualtrack.kernels.seghead import MAX_CLASSES
-from dualtrack.plan import HEAD_ACTS, KernelCall
 from dualtrack.runtime.tensors import GpuTensor
-from dualtrack.verify import ort_session, run_ort
 
 SPEC = KERNELS["seghead"]
 ONNX_TYPE = {"float16": TensorProto.FLOAT16, "float32": TensorProto.FLOAT}

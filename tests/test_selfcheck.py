@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from dualtrack.compiler.verify import Check, Report, verify_engine
 from dualtrack.errors import VerificationError
 from dualtrack.runtime.engine import Engine
 from dualtrack.runtime.selfcheck import GpuCheckError, record_path, self_check
-from dualtrack.verify import Check, Report, verify_engine
 
 
 def test_the_first_load_verifies_and_later_ones_read_the_record(tiny_bundle: Path, tmp_path: Path) -> None:

@@ -17,8 +17,8 @@ import pytest
 from PIL import Image
 from polling import until
 
+from dualtrack.contract.plan import TensorSpec
 from dualtrack.errors import ConfigError, InputError
-from dualtrack.plan import TensorSpec
 from dualtrack.serve import Batcher, ServeOptions, imaging
 from dualtrack.serve.batcher import BatchQueue
 from dualtrack.serve.loadtest import run_loadtest

@@ -33,9 +33,9 @@ from polling import until
 from starlette.testclient import TestClient
 
 from dualtrack import Engine
+from dualtrack.contract.plan import TensorSpec
 from dualtrack.errors import BundleError, ConfigError, DualtrackError, InputError
 from dualtrack.imaging import GpuJpeg, load_for_model, route_jpeg
-from dualtrack.plan import TensorSpec
 from dualtrack.serve import NotReadyError, Phase, QueueFullError, ServeOptions, create_app, imaging, shared
 from dualtrack.serve.app import worker_app
 from dualtrack.serve.batcher import BatchQueue, BatchResult

@@ -9,9 +9,10 @@ from pathlib import Path
 import onnx
 import pytest
 
-from dualtrack import tune_b, tuning
-from dualtrack.config import load_config
+from dualtrack.compiler import tuned as tuning
+from dualtrack.compiler.config import load_config
 from dualtrack.errors import BundleError, ConfigError
+from dualtrack.tuning import track_b as tune_b
 
 
 def test_candidates_start_with_the_config_and_drop_duplicates(tiny_config: Path) -> None:
@@ -105,10 +106,10 @@ def test_flags_for_picks_the_newest_matching_record() -> None:
 
 
 def test_build_compiles_a_segment_with_its_tuned_flags(tiny_config: Path, tmp_path: Path) -> None:
-    from dualtrack import partition
-    from dualtrack.build import build
-    from dualtrack.bundle import Bundle
-    from dualtrack.tuning import save_records
+    from dualtrack.compiler import partition
+    from dualtrack.compiler.build import build
+    from dualtrack.compiler.tuned import save_records
+    from dualtrack.contract.bundle import Bundle
 
     cfg = load_config(tiny_config)
     plan, seg_models = partition.plan_config(cfg)

@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dualtrack import tuning
+from dualtrack.compiler import tuned as tuning
 from dualtrack.errors import VerificationError
 from dualtrack.kernels import KERNELS, Conv3x3Spec
 from dualtrack.kernels.problems import by_problem, conv_layers
 from dualtrack.settings import Settings
-from dualtrack.tune_a import TuneOptions, search, space
+from dualtrack.tuning import TuneOptions, search, space
 
 CONV = KERNELS["conv3x3"]
 assert isinstance(CONV, Conv3x3Spec)

@@ -7,11 +7,11 @@ import re
 
 import pytest
 
-from dualtrack.arch import ARCHES
+from dualtrack.compiler.track_a import SOURCE_DIR, assemble_cubin, compile_ptx
+from dualtrack.contract.arch import ARCHES
 from dualtrack.errors import ToolError
 from dualtrack.kernels import KERNELS, Conv3x3Spec, F16Tile
-from dualtrack.ptx import SOURCE_DIR, assemble_cubin, compile_ptx
-from dualtrack.tune_a import space
+from dualtrack.tuning import space
 
 CONV = KERNELS["conv3x3"]
 assert isinstance(CONV, Conv3x3Spec)

@@ -14,17 +14,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dualtrack import atomic, partition, tuning
-from dualtrack.arch import resolve_targets
-from dualtrack.build import build
-from dualtrack.bundle import Bundle
-from dualtrack.config import load_config
+from dualtrack import atomic
+from dualtrack.compiler import partition
+from dualtrack.compiler import tuned as tuning
+from dualtrack.compiler.build import build
+from dualtrack.compiler.config import load_config
+from dualtrack.compiler.track_a import SOURCE_DIR, assemble_cubin
+from dualtrack.contract.arch import resolve_targets
+from dualtrack.contract.bundle import Bundle
+from dualtrack.contract.plan import Plan
 from dualtrack.errors import ConfigError
 from dualtrack.kernels import KERNELS, Conv3x3Spec, F16Tile
 from dualtrack.kernels.problems import ConvProblem, by_problem, channel_strides, conv_layers
-from dualtrack.plan import Plan
-from dualtrack.ptx import SOURCE_DIR, assemble_cubin
-from dualtrack.tune_a.search import random_fp16, sample_pixels
+from dualtrack.tuning.track_a import random_fp16, sample_pixels
 
 CONV = KERNELS["conv3x3"]
 assert isinstance(CONV, Conv3x3Spec)

@@ -20,16 +20,16 @@ import pytest
 from cuda.bindings import driver as cu
 
 from dualtrack import kernels
-from dualtrack.arch import ARCHES
-from dualtrack.build import track_a_stems
-from dualtrack.bundle import Bundle
+from dualtrack.compiler.build import track_a_stems
+from dualtrack.compiler.track_a import SOURCE_DIR, assemble_cubin, ptx_path
+from dualtrack.contract.arch import ARCHES
+from dualtrack.contract.bundle import Bundle
+from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels import CONV3X3_WGMMA, WGMMA_CONFIGS, choose_conv3x3
 from dualtrack.kernels.conv3x3_wgmma import input_map, weight_map
 from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.tensormap import TiledMap
-from dualtrack.plan import KernelCall
-from dualtrack.ptx import SOURCE_DIR, assemble_cubin, ptx_path
 from dualtrack.runtime import tma
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -357,8 +357,8 @@ def test_kernel_args_pass_the_tensor_maps_by_value() -> None:
 
 
 def test_only_sm90a_targets_carry_the_wgmma_kernel(tiny_full_config: Path) -> None:
-    from dualtrack import partition
-    from dualtrack.config import load_config
+    from dualtrack.compiler import partition
+    from dualtrack.compiler.config import load_config
 
     cfg = load_config(tiny_full_config)
     plan, _ = partition.plan_config(cfg)
@@ -381,8 +381,8 @@ def test_the_gpu_tests_model_runs_the_wgmma_kernel_almost_everywhere(tiny_wgmma_
     """tests/data/tiny_wgmma.yaml (the GPU tests' bundle): every conv but the first (C=3) on the
     wgmma kernel at both batch sizes, skip connections written into concatenation slices, partial
     tiles, several configurations."""
-    from dualtrack import partition
-    from dualtrack.config import load_config
+    from dualtrack.compiler import partition
+    from dualtrack.compiler.config import load_config
     from dualtrack.kernels.problems import conv_layers
 
     cfg = load_config(tiny_wgmma_config)
@@ -402,8 +402,8 @@ def test_the_gpu_tests_model_runs_the_wgmma_kernel_almost_everywhere(tiny_wgmma_
 
 def test_enable_tma_false_carries_no_wgmma_module(tiny_full_config: Path) -> None:
     """`enable_tma: false` keeps every arch on mma.sync: the TMA kernel is not even shipped."""
-    from dualtrack import partition
-    from dualtrack.config import load_config
+    from dualtrack.compiler import partition
+    from dualtrack.compiler.config import load_config
 
     cfg = load_config(tiny_full_config)
     plan, _ = partition.plan_config(cfg)
@@ -412,8 +412,8 @@ def test_enable_tma_false_carries_no_wgmma_module(tiny_full_config: Path) -> Non
 
 
 def test_unsupported_plans_carry_no_wgmma_module(tiny_config: Path) -> None:
-    from dualtrack import partition
-    from dualtrack.config import load_config
+    from dualtrack.compiler import partition
+    from dualtrack.compiler.config import load_config
 
     cfg = load_config(tiny_config)  # fp32: the wgmma kernel is fp16 only
     plan, _ = partition.plan_config(cfg)
@@ -569,7 +569,7 @@ def test_the_loader_loads_the_wgmma_module_where_it_runs(
     tiny_full_bundle: Path, monkeypatch: pytest.MonkeyPatch, cc, wgmma, off
 ) -> None:
     from dualtrack.runtime import gpu, track_a
-    from dualtrack.runtime.images import device_images
+    from dualtrack.runtime.code_images import device_images
 
     loaded: list[str] = []
     opted: dict[str, int] = {}

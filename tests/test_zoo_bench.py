@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-from dualtrack.config import load_config
+from dualtrack.compiler.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ZOO_BENCH = ROOT / "bench" / "zoo_bench.py"

@@ -17,7 +17,7 @@ from PIL import Image
 from zoo import CONFIGS, load_export
 
 from dualtrack.cli import main
-from dualtrack.config import load_config
+from dualtrack.compiler.config import load_config
 
 zoo = load_export()
 SIZE = (128, 128)  # at 64x64 LR-ASPP's deepest maps are 4x4 and its fp16 error tail reaches the tolerance

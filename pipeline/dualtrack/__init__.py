@@ -18,7 +18,7 @@ def __getattr__(name: str):
 
         return Engine
     if name == "build":
-        from dualtrack.build import build
+        from dualtrack.compiler.build import build
 
         return build
     raise AttributeError(name)

@@ -70,7 +70,7 @@ from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from dualtrack.errors import InputError
 
 if TYPE_CHECKING:
-    from dualtrack.plan import TensorSpec
+    from dualtrack.contract.plan import TensorSpec
 
 ACCEPTED_FORMATS = ("PNG", "JPEG")
 # 64 megapixels: larger than any camera image a client sends here, small enough that a hostile PNG

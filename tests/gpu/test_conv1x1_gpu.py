@@ -15,10 +15,10 @@ import pytest
 from gpu_ptx import checked_in_ptx
 
 from dualtrack import kernels
-from dualtrack.config import Tolerance
+from dualtrack.compiler.config import Tolerance
+from dualtrack.compiler.verify import compare
 from dualtrack.runtime.driver import Kernel
 from dualtrack.runtime.engine import Engine
-from dualtrack.verify import compare
 
 SPEC = kernels.KERNELS["conv1x1"]
 # Both accumulate in fp32 and round once, like the reference; only the summation order differs.

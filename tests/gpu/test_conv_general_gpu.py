@@ -17,11 +17,11 @@ import pytest
 from gpu_ptx import checked_in_ptx
 
 from dualtrack import kernels
-from dualtrack.config import Tolerance
+from dualtrack.compiler.config import Tolerance
+from dualtrack.compiler.verify import compare
 from dualtrack.kernels import ACTIVATIONS, ConvGeometry
 from dualtrack.runtime.driver import Kernel
 from dualtrack.runtime.engine import Engine
-from dualtrack.verify import compare
 
 SPEC = kernels.KERNELS["conv"]
 assert isinstance(SPEC, kernels.ConvGeneralSpec)

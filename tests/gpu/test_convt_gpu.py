@@ -14,10 +14,10 @@ import pytest
 from gpu_ptx import checked_in_ptx
 
 from dualtrack import kernels
-from dualtrack.config import Tolerance
+from dualtrack.compiler.config import Tolerance
+from dualtrack.compiler.verify import compare
 from dualtrack.runtime.driver import Kernel
 from dualtrack.runtime.engine import Engine
-from dualtrack.verify import compare
 
 SPEC = kernels.KERNELS["convt2x2"]
 # fp16 kernels accumulate in fp32 and round once, like the reference; fp32 sums in another order.

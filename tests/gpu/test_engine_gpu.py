@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from dualtrack import kernels
-from dualtrack.config import Tolerance
+from dualtrack.compiler.config import Tolerance
+from dualtrack.compiler.verify import compare, ort_session, random_input, run_ort
 from dualtrack.errors import ArchError, DeviceError
 from dualtrack.runtime.engine import Engine
-from dualtrack.verify import compare, ort_session, random_input, run_ort
 
 # fp16 kernels accumulate in fp32 and round once, like the reference; fp32 sums in another order.
 KERNEL_TOL = {"float16": 2e-3, "float32": 1e-5}
@@ -80,7 +80,7 @@ def test_maxpool_kernel(engine, dtype, n, h, w, c) -> None:
 
 def test_engine_verifies_on_gpu(engine) -> None:
     """Every segment (kernels and IREE CUDA) and the whole plan against onnxruntime, outputs poisoned."""
-    from dualtrack.verify import verify_engine
+    from dualtrack.compiler.verify import verify_engine
 
     engine.backend.poison = True
     try:
@@ -160,7 +160,7 @@ def test_missing_device_index() -> None:
 
 def test_whole_body_on_track_a_verifies_on_gpu(tiny_full_bundle: Path) -> None:
     """fp16 encoder + bottleneck + decoder as kernels (concat by channel slices), outputs poisoned."""
-    from dualtrack.verify import verify_engine
+    from dualtrack.compiler.verify import verify_engine
 
     with Engine.load(tiny_full_bundle, "cuda") as e:
         report = verify_engine(e, samples=2, interpret=False)
@@ -240,9 +240,9 @@ def test_a_bundle_whose_gpu_results_are_wrong_is_refused_at_load(
     tiny_bundle: Path, tmp_path: Path, monkeypatch
 ) -> None:
     """A failing record does not stand in for a pass: the load checks again and refuses, engine closed."""
+    from dualtrack.compiler.verify import Check, Report, verify_engine
     from dualtrack.errors import VerificationError
     from dualtrack.runtime import selfcheck
-    from dualtrack.verify import Check, Report, verify_engine
 
     def wrong(engine, **kw):
         good = verify_engine(engine, **kw)

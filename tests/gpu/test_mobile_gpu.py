@@ -21,10 +21,10 @@ import pytest
 from gpu_ptx import Slices, checked_in_ptx
 
 from dualtrack import kernels
-from dualtrack.config import Tolerance
+from dualtrack.compiler.config import Tolerance
+from dualtrack.compiler.verify import compare, ort_session, random_input, run_ort, verify_engine
 from dualtrack.kernels import Activation, DwConvSpec, DwGeometry, ResizeMode
 from dualtrack.runtime.engine import Engine
-from dualtrack.verify import compare, ort_session, random_input, run_ort, verify_engine
 
 # fp32 math and one rounding, like the references; only summation order (and expf) differ.
 TOL = {
@@ -251,7 +251,7 @@ def mobile_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("iree.compiler", reason="building the mobile bundle needs the IREE compiler")
     from mobile_net import write_mobile_project
 
-    from dualtrack.build import build
+    from dualtrack.compiler.build import build
 
     root = tmp_path_factory.mktemp("mobile")
     build(write_mobile_project(root, ("sm_90a", "sm_80")), root / "out")

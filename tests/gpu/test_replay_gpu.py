@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dualtrack.launch_plan import Dispatch
+from dualtrack.compiler.verify import random_input
+from dualtrack.contract.launch_plan import Dispatch
 from dualtrack.runtime.engine import Engine
 from dualtrack.runtime.selfcheck import replay_check
-from dualtrack.verify import random_input
 
 ROOT = Path(__file__).resolve().parents[2]
 

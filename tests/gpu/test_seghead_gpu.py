@@ -19,9 +19,9 @@ import pytest
 from gpu_ptx import checked_in_ptx
 
 from dualtrack import kernels
+from dualtrack.compiler.verify import compare_outputs, random_input, verify_engine
 from dualtrack.kernels import HeadMode
 from dualtrack.runtime.engine import Engine
-from dualtrack.verify import compare_outputs, random_input, verify_engine
 
 SPEC = kernels.KERNELS["seghead"]
 # fp32 math like the reference; expf (2 ulp) against numpy's exp and the order of nothing else.

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dualtrack import tune_b
-from dualtrack.config import Tolerance
+from dualtrack.compiler.config import Tolerance
+from dualtrack.tuning import track_b as tune_b
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dualtrack import kernels, tuning
-from dualtrack.bundle import Bundle
-from dualtrack.config import Tolerance
+from dualtrack import kernels
+from dualtrack.compiler import tuned as tuning
+from dualtrack.compiler.config import Tolerance
+from dualtrack.compiler.verify import compare, ort_session, random_input, run_ort, verify_engine
+from dualtrack.contract.bundle import Bundle
 from dualtrack.kernels.problems import by_problem, conv_layers
 from dualtrack.runtime.driver import Module
 from dualtrack.runtime.engine import Engine
-from dualtrack.tune_a import TuneOptions, tune_track_a
-from dualtrack.tune_a.search import arch_of, compile_candidates
-from dualtrack.verify import compare, ort_session, random_input, run_ort, verify_engine
+from dualtrack.tuning import TuneOptions, tune_track_a
+from dualtrack.tuning.track_a import arch_of, compile_candidates
 
 CONV = kernels.KERNELS["conv3x3"]
 FP16_KERNEL = Tolerance(rel_l2=2e-3, max_abs=1.0, mismatch=0)  # one fp16 rounding, fp32 sums in another order

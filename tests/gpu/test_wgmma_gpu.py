@@ -19,15 +19,15 @@ import numpy as np
 import pytest
 
 from dualtrack import kernels
-from dualtrack.bundle import Bundle
-from dualtrack.config import Tolerance
+from dualtrack.compiler.config import Tolerance
+from dualtrack.compiler.track_a import SOURCE_DIR, ptx_path
+from dualtrack.compiler.verify import compare, random_input, verify_engine
+from dualtrack.contract.bundle import Bundle
 from dualtrack.kernels.conv3x3_wgmma import input_map, weight_map
 from dualtrack.kernels.problems import ConvProblem
-from dualtrack.ptx import SOURCE_DIR, ptx_path
 from dualtrack.runtime import tma
 from dualtrack.runtime.driver import Device, Kernel, Module
 from dualtrack.runtime.engine import Engine
-from dualtrack.verify import compare, random_input, verify_engine
 
 WG = kernels.CONV3X3_WGMMA
 PTX = ptx_path(SOURCE_DIR, SOURCE_DIR / f"{WG.stem}.cu", "compute_90a")

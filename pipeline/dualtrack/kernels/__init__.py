@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from dualtrack.arch import PTX_ARCHES
+from dualtrack.contract.arch import PTX_ARCHES
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import (
     DTYPES,

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
-from dualtrack.arch import PTX_ARCHES
+from dualtrack.contract.arch import PTX_ARCHES
+from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
-from dualtrack.plan import KernelCall
 
 if TYPE_CHECKING:  # annotations only: the choice is made by a conv spec's policy (select.py)
     from dualtrack.kernels.select import ConvChoice

@@ -18,9 +18,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import KernelSpec
-from dualtrack.plan import KernelCall
 
 
 def pack_conv_weights(

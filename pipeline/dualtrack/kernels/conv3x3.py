@@ -15,13 +15,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels import base
 from dualtrack.kernels.conv import Conv3x3Reference, ConvAbi, GemmTiles
 from dualtrack.kernels.conv3x3_wgmma import Conv3x3WgmmaSpec
 from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.select import SMALL_C_K_MAX, SMALL_C_MAX, choose_conv3x3
-from dualtrack.plan import KernelCall
 
 
 @dataclass(frozen=True, order=True)

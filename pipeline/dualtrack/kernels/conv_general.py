@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import (
     DTYPES,
@@ -38,7 +39,6 @@ from dualtrack.kernels.conv3x3 import F16Tile
 from dualtrack.kernels.conv3x3_wgmma import Conv3x3WgmmaSpec
 from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.select import ConvChoice
-from dualtrack.plan import KernelCall
 
 # The fused activations by name, numbered as conv_nhwc.cu's convg::Act. HardSwish and HardSigmoid
 # are ONNX's with alpha = 1/6, beta = 1/2 (what torch exports); relu6 is Clip(0, 6).

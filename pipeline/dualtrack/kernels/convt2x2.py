@@ -12,10 +12,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import INT32_MAX, LaunchConfig, cdiv, dtype_name, pixels, positive
 from dualtrack.kernels.conv import ConvAbi, GemmTiles, named_weights
-from dualtrack.plan import KernelCall
 
 
 def pack_convt_weights(w: np.ndarray, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:

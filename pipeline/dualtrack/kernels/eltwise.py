@@ -10,11 +10,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dualtrack.contract.plan import ELTWISE_OPS, KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import DeviceTensor, Tensors, pointer, positive, stride
 from dualtrack.kernels.epilogue import Activation
 from dualtrack.kernels.streaming import ElementSpec
-from dualtrack.plan import ELTWISE_OPS, KernelCall
 
 OP_NAMES = {code: name for name, code in ELTWISE_OPS.items()}
 

@@ -1,7 +1,7 @@
 """The fused activation epilogue of the mobile kernels (dwconv, fc, eltwise): its numpy semantics
 and how a call's attrs become kernel arguments.
 
-The codes are :data:`dualtrack.plan.ACTIVATIONS` (the plan's contract: partition writes them); the
+The codes are :data:`dualtrack.contract.plan.ACTIVATIONS` (the plan's contract: partition writes them); the
 device side is ``apply_act`` in ``handwritten_ptx/dualtrack_device.cuh``. It travels as the last three
 kernel arguments, ``act`` (int32), ``p0``, ``p1`` (float32): ``StreamingSpec.epilogue``.
 """
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dualtrack.contract.plan import ACTIVATIONS, KernelCall, bits_f32
 from dualtrack.errors import InputError
-from dualtrack.plan import ACTIVATIONS, KernelCall, bits_f32
 
 ACT_NAMES = {code: name for name, code in ACTIVATIONS.items()}
 

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import (
     INT32_MAX,
@@ -47,7 +48,6 @@ from dualtrack.kernels.base import (
 )
 from dualtrack.kernels.conv_general import ConvGeometry
 from dualtrack.kernels.streaming import StreamingSpec
-from dualtrack.plan import KernelCall
 
 MAX_KERNEL = 15  # R and S: one thread loops over the R*S taps; a wider window is a global pool's job
 

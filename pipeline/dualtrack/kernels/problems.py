@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dualtrack.contract.plan import ALIAS_OPS, KernelCall, Plan, Segment
 from dualtrack.kernels.base import DeviceTensor, dtype_name
-from dualtrack.plan import ALIAS_OPS, KernelCall, Plan, Segment
 
 TUNED_OPS = ("conv3x3",)  # convt2x2's tiles are namespace constants, not a template: nothing to search
 

@@ -9,10 +9,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dualtrack.contract.plan import RESIZE_COORDS, RESIZE_MODES, RESIZE_NEAREST, KernelCall, bits_f32, f32_bits
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import DeviceTensor, Tensors, positive
 from dualtrack.kernels.streaming import ElementSpec
-from dualtrack.plan import RESIZE_COORDS, RESIZE_MODES, RESIZE_NEAREST, KernelCall, bits_f32, f32_bits
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dualtrack.contract.plan import HEAD_ACTS, HEAD_FLAGS, KernelCall, bits_f32, f32_bits
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import (
     DeviceTensor,
@@ -32,7 +33,6 @@ from dualtrack.kernels.base import (
     stride,
 )
 from dualtrack.kernels.streaming import StreamingSpec
-from dualtrack.plan import HEAD_ACTS, HEAD_FLAGS, KernelCall, bits_f32, f32_bits
 
 MAX_CLASSES = 256  # the mask holds class ids as uint8
 BLOCKS_MAX = 1 << 20  # a grid-stride loop: more blocks than this only add scheduling

@@ -15,10 +15,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import INT32_MAX, KernelSpec, LaunchConfig, cdiv, dtype_name, pixels
 from dualtrack.kernels.epilogue import Activation
-from dualtrack.plan import KernelCall
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from typing import Any
 from cuda.bindings import driver as cu
 
 from dualtrack import atomic
-from dualtrack.arch import check_ptx_loadable, parse_ptx_isa
+from dualtrack.contract.arch import check_ptx_loadable, parse_ptx_isa
 from dualtrack.errors import CudaError, DeviceError
 
 try:  # cuda-bindings 13 raises this when libcuda.so.1 cannot be loaded

@@ -18,9 +18,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from dualtrack import hostcpu
-from dualtrack.bundle import Bundle
+from dualtrack.contract.bundle import Bundle
+from dualtrack.contract.plan import Segment, TensorSpec
 from dualtrack.errors import BundleError, CudaError, InputError
-from dualtrack.plan import Segment, TensorSpec
 from dualtrack.runtime.driver import held_calls
 from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
 from dualtrack.runtime.memory import PinnedRange

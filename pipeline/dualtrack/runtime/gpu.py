@@ -24,12 +24,12 @@ from typing import Any
 import numpy as np
 from cuda.bindings import driver as cu
 
-from dualtrack.bundle import Bundle
+from dualtrack.contract.bundle import Bundle
+from dualtrack.contract.plan import KernelCall, Segment, TensorSpec
 from dualtrack.errors import InputError
-from dualtrack.plan import KernelCall, Segment, TensorSpec
 from dualtrack.runtime import dlpack
+from dualtrack.runtime.code_images import device_images
 from dualtrack.runtime.driver import Device, Event, Kernel, Stream, call, copy_async, graph_launch
-from dualtrack.runtime.images import device_images
 from dualtrack.runtime.memory import DeviceBuffer, DevicePool, HostBuffer, download, upload
 from dualtrack.runtime.replay import Replayer
 from dualtrack.runtime.tensors import GpuTensor, Stats

@@ -34,8 +34,10 @@ from typing import Any
 
 from PIL import Image
 
-from dualtrack import arch, kernels, ptx
+from dualtrack import kernels
+from dualtrack.contract import arch
 from dualtrack.imaging import GpuJpeg
+from dualtrack.kernels import sources
 from dualtrack.kernels.resize_rgb import ResizeJob
 from dualtrack.runtime.driver import Context, Kernel, Module, Stream
 
@@ -122,7 +124,7 @@ class GpuJpegDecoder:
         )
         spec = kernels.RESIZE_RGB
         choice = arch.choose_image(device.cc, [], list(spec.ptx_arches))
-        path = ptx.ptx_path(ptx.SOURCE_DIR, Path(f"{spec.stem}.cu"), choice.arch)
+        path = sources.ptx_path(sources.SOURCE_DIR, Path(f"{spec.stem}.cu"), choice.arch)
         module = Module.load(
             ctx, path.read_bytes(), kind="ptx", origin=str(path), target=choice.arch, cache_dir=jit_cache
         )

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dualtrack.contract.plan import parameter_key
 from dualtrack.errors import DeviceError
-from dualtrack.plan import parameter_key
 
 PARAM_SCOPE = "model"
 # IREE driver name for each dualtrack device.
@@ -54,7 +54,7 @@ def _parse_runtime_flags_once(extra: tuple[str, ...] = ()) -> None:
 
 def parameter_index(weights: Mapping[str, np.ndarray]):
     """An IREE parameter index over host arrays, keyed as the importer names them
-    (:func:`dualtrack.plan.parameter_key`). The arrays must outlive the index."""
+    (:func:`dualtrack.contract.plan.parameter_key`). The arrays must outlive the index."""
     import iree.runtime as rt
 
     index = rt.ParameterIndex()

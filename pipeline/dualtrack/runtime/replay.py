@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 from cuda.bindings import driver as cu
 
-from dualtrack import arch
-from dualtrack.bundle import Bundle
+from dualtrack.contract import arch
+from dualtrack.contract.bundle import Bundle
+from dualtrack.contract.launch_plan import BINDING_ALIGNMENT, Command, Copy, Dispatch, Fill, LaunchPlan, Ref
+from dualtrack.contract.plan import Segment, parameter_key
 from dualtrack.errors import ArchError
-from dualtrack.launch_plan import BINDING_ALIGNMENT, Command, Copy, Dispatch, Fill, LaunchPlan, Ref
-from dualtrack.plan import Segment, parameter_key
 from dualtrack.runtime.driver import Context, Kernel, Module, Stream, call, copy_async
 from dualtrack.runtime.memory import DevicePool, upload
 from dualtrack.runtime.tensors import GpuTensor

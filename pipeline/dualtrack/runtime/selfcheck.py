@@ -6,7 +6,7 @@ toolchain can get that code wrong where the CPU code is right: IREE 3.13's CUDA 
 fp16 computes garbage from MobileNetV3's first inverted residual on, while its fp32 and its CPU code
 agree with onnxruntime to 1e-6 (bench/results/lraspp_diag-c14dd25-fp16.log, -fp32.log). Serving such a bundle would
 be silent wrong output. So the first :meth:`Engine.load` of a bundle on a GPU runs
-:func:`dualtrack.verify.verify_engine` once (every segment and the whole plan against onnxruntime,
+:func:`dualtrack.compiler.verify.verify_engine` once (every segment and the whole plan against onnxruntime,
 the build's tolerances), records the result per bundle and GPU (the cache's ``verified/``), and
 refuses a bundle that fails. Later loads read the record. ``DUALTRACK_GPU_SELF_CHECK=0`` skips it.
 """
@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from dualtrack import atomic
-from dualtrack.config import Tolerance
+from dualtrack.compiler.config import Tolerance
+from dualtrack.compiler.verify import Report, verify_engine
 from dualtrack.errors import VerificationError
 from dualtrack.runtime.replay import compare, log_fallback, random_input
-from dualtrack.verify import Report, verify_engine
 
 
 class GpuCheckError(VerificationError):

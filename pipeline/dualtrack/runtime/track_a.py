@@ -24,11 +24,11 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from dualtrack import kernels
+from dualtrack.contract.plan import ALIAS_OPS, KernelCall, Plan, Segment
 from dualtrack.kernels.tensormap import TiledMap
-from dualtrack.plan import ALIAS_OPS, KernelCall, Plan, Segment
 from dualtrack.runtime import tma
+from dualtrack.runtime.code_images import DeviceImages
 from dualtrack.runtime.driver import Context, Event, Kernel, Module, Stream, call, copy_async, graph_launch
-from dualtrack.runtime.images import DeviceImages
 from dualtrack.runtime.memory import DeviceBuffer, DevicePool
 from dualtrack.runtime.tensors import GpuTensor, Stats
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from dualtrack.bundle import Bundle
-from dualtrack.plan import Segment
+from dualtrack.contract.bundle import Bundle
+from dualtrack.contract.plan import Segment
 from dualtrack.runtime import dlpack
 from dualtrack.runtime.driver import Stream
 from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index

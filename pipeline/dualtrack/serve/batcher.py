@@ -67,7 +67,7 @@ from dualtrack import imaging
 from dualtrack.errors import BundleError, DualtrackError, InputError
 
 if TYPE_CHECKING:
-    from dualtrack.plan import TensorSpec
+    from dualtrack.contract.plan import TensorSpec
     from dualtrack.runtime.engine import Engine
     from dualtrack.runtime.gpu_jpeg import JpegPrefetcher, Ticket
     from dualtrack.runtime.overlap import Staged, Submission

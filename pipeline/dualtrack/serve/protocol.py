@@ -48,8 +48,8 @@ from typing import Any, Literal, TypeAlias
 
 import numpy as np
 
+from dualtrack.contract.plan import TensorSpec
 from dualtrack.errors import DualtrackError, InputError
-from dualtrack.plan import TensorSpec
 from dualtrack.serve.batcher import BatchResult, NotReadyError, Phase, QueueFullError
 from dualtrack.serve.placement import engine_placement
 

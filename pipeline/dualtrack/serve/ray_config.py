@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from dualtrack import atomic
-from dualtrack.bundle import Bundle
+from dualtrack.contract.bundle import Bundle
 from dualtrack.errors import ConfigError
 from dualtrack.serve.options import ServeOptions
 

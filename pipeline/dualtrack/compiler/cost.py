@@ -1,4 +1,4 @@
-"""What a plan costs: the estimates `partition: auto` minimises (`dualtrack.partition.assign_tracks`).
+"""What a plan costs: the estimates `partition: auto` minimises (`dualtrack.compiler.partition.assign_tracks`).
 
 A plan's estimated time is the sum of its nodes' times, each on the track it runs on, plus one
 switch cost for every boundary between two segments, at every batch size being built (each batch

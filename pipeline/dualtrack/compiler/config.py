@@ -46,7 +46,7 @@ class PartitionConfig(_Strict):
     nodes the ``track_a`` rules match run on Track A, every other node on Track B; a config with
     no rules runs IREE alone. ``mode: auto`` (or just ``partition: auto``): every node a Track A
     kernel takes starts on Track A, then Track A islands whose estimated saving is less than the
-    track switches they cost move to Track B (`dualtrack.partition.assign_tracks`); the rules
+    track switches they cost move to Track B (`dualtrack.compiler.partition.assign_tracks`); the rules
     then only override it, node by node. In both modes `track_b` rules win over `track_a` rules,
     so a broad Track A rule can have exceptions.
 
@@ -62,7 +62,7 @@ class PartitionConfig(_Strict):
         ge=0,
         description=(
             "auto only: what one track switch costs per inference, in microseconds (default: "
-            "dualtrack.cost.SWITCH_COST_US for the default runtime path, Track B replayed in one CUDA "
+            "dualtrack.compiler.cost.SWITCH_COST_US for the default runtime path, Track B replayed in one CUDA "
             "graph; 80 for a bundle served through the IREE runtime, FACTS 9)"
         ),
     )
@@ -95,7 +95,7 @@ class TrackBConfig(_Strict):
     nhwc: bool = Field(
         True,
         description=(
-            "keep Track A's NHWC tensors NHWC inside Track B segments (dualtrack.layout): a 1x1 conv "
+            "keep Track A's NHWC tensors NHWC inside Track B segments (dualtrack.compiler.layout): a 1x1 conv "
             "becomes a matmul, a softmax over channels a per-pixel one, and an element-wise segment "
             "with few channels runs on rows of 512 pixels; false compiles the graph as partitioned"
         ),

@@ -92,7 +92,7 @@ Command = Dispatch | Fill | Copy
 @dataclass(frozen=True)
 class Param:
     """Bytes ``offset``..``offset+length`` of parameter ``key`` in ``scope`` (the ONNX initializer
-    whose :func:`dualtrack.plan.parameter_key` is ``key``), uploaded once."""
+    whose :func:`dualtrack.contract.plan.parameter_key` is ``key``), uploaded once."""
 
     scope: str
     key: str

@@ -9,7 +9,7 @@ it before its own (dense conv, pool, convt) branches. An activation node that di
 follows a dwconv, fc or eltwise call (its only consumer) is fused into that call's epilogue.
 
 This module reads ONNX; it never imports the kernels (partition sits left of the tracks). The
-attr codes it writes are :mod:`dualtrack.plan`'s (ACTIVATIONS, ELTWISE_OPS, RESIZE_*), which the
+attr codes it writes are :mod:`dualtrack.contract.plan`'s (ACTIVATIONS, ELTWISE_OPS, RESIZE_*), which the
 kernel specs read back.
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from dualtrack.plan import (
+from dualtrack.contract.plan import (
     ACTIVATIONS,
     ELTWISE_OPS,
     RESIZE_COORDS,

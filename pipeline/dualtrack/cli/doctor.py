@@ -8,7 +8,7 @@ from importlib.metadata import version as pkg_version
 from pathlib import Path
 from typing import Any
 
-from dualtrack import arch
+from dualtrack.contract import arch
 from dualtrack.errors import DualtrackError
 
 
@@ -33,8 +33,8 @@ def _pkg(name: str) -> str:
 
 def diagnose(bundle: Path | None = None) -> dict[str, Any]:
     """A flat report of the GPU, driver, compilers and IREE; with a bundle, whether its code loads here."""
-    from dualtrack import ptx
-    from dualtrack.tools import tool_version
+    from dualtrack.compiler import track_a as ptx
+    from dualtrack.compiler.tools import tool_version
 
     report: dict[str, Any] = {}
     device = None
@@ -65,7 +65,7 @@ def diagnose(bundle: Path | None = None) -> dict[str, Any]:
 
 
 def _bundle_loadable(path: Path, device) -> str:
-    from dualtrack.bundle import Bundle
+    from dualtrack.contract.bundle import Bundle
 
     try:
         b = Bundle.open(path)

@@ -1,8 +1,8 @@
 """The bundle's manifest: what a build produced and what a runtime may rely on, typed and versioned.
 
-Like :mod:`dualtrack.plan`, frozen dataclasses with a JSON form are the one contract between the
+Like :mod:`dualtrack.contract.plan`, frozen dataclasses with a JSON form are the one contract between the
 build (which writes ``manifest.json`` through :meth:`Manifest.to_json`) and everything that reads a
-bundle (which gets it through :class:`dualtrack.bundle.Bundle`, parsed once by :meth:`Manifest.from_json`).
+bundle (which gets it through :class:`dualtrack.contract.bundle.Bundle`, parsed once by :meth:`Manifest.from_json`).
 A manifest of another format is refused with the fix (rebuild), never half-read.
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from dualtrack.contract.plan import Plan
 from dualtrack.errors import BundleError
-from dualtrack.plan import Plan
 
 # 2: typed manifest (model integrity, cpu_batch, front-end record). Bundles of format 1 are rebuilt.
 BUNDLE_FORMAT = 2
@@ -34,7 +34,7 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class Target:
-    """One GPU target of the build, as :func:`dualtrack.arch.resolve_targets` resolved it."""
+    """One GPU target of the build, as :func:`dualtrack.contract.arch.resolve_targets` resolved it."""
 
     requested: str
     arch: str  # "sm_90a"

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import TensorProto, helper
 
-from dualtrack.lower_mobile import Facts, cast_sandwich
-from dualtrack.plan import HEAD_ACTS, HEAD_FLAGS, KernelCall, f32_bits
+from dualtrack.compiler.lower_mobile import Facts, cast_sandwich
+from dualtrack.contract.plan import HEAD_ACTS, HEAD_FLAGS, KernelCall, f32_bits
 
 DESCRIPTION = (
     "a segmentation head: Softmax over the classes / Sigmoid / none, its probabilities and its ArgMax "

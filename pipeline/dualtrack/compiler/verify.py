@@ -20,10 +20,10 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack import kernels
-from dualtrack.config import DEFAULT_TOLERANCES, Tolerance
+from dualtrack.compiler.config import DEFAULT_TOLERANCES, Tolerance
+from dualtrack.compiler.frontend import MASK, PROBS
+from dualtrack.contract.plan import ALIAS_OPS, Segment, TensorSpec
 from dualtrack.errors import ModelError, VerificationError
-from dualtrack.frontend import MASK, PROBS
-from dualtrack.plan import ALIAS_OPS, Segment, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Check:
 def compare(name: str, ref: np.ndarray, got: np.ndarray, tol: Tolerance, note: str = "") -> Check:
     """Relative L2 and max-abs error for floats; the fraction of differing elements for integers.
 
-    The max-abs bound scales with the output (:class:`~dualtrack.config.Tolerance`): a float output
+    The max-abs bound scales with the output (:class:`~dualtrack.compiler.config.Tolerance`): a float output
     passes when rel_l2 <= tol.rel_l2 and max|got - ref| <= tol.max_abs * max(1, max|ref|).
     ``Check.max_abs`` reports that scaled difference, max|got - ref| / max(1, max|ref|).
     """
@@ -305,7 +305,7 @@ def check_frontend(fe, batch_sizes: tuple[int, ...], tol: Tolerance, seed: int |
 
     An export with a fixed batch B runs B images at a time (the last group padded), so a batch-8
     result of the processed model is checked against eight batch-1 runs of the export: this is what
-    proves the batch rewrites. ``fe`` is a :class:`dualtrack.frontend.FrontEnd`.
+    proves the batch rewrites. ``fe`` is a :class:`dualtrack.compiler.frontend.FrontEnd`.
     """
     rng = np.random.default_rng(seed)
     body = ort_session(fe.body, "the processed model")

@@ -10,8 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dualtrack import arch, kernels
-from dualtrack.bundle import Bundle
+from dualtrack import kernels
+from dualtrack.contract import arch
+from dualtrack.contract.bundle import Bundle
 
 
 @dataclass(frozen=True)

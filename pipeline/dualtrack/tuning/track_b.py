@@ -12,7 +12,7 @@ wheel is large; serving machines rarely carry it):
   fastest passing candidate is the winner. The baseline is the config's own flags.
 
 `dualtrack tune CONFIG --track-b` runs both where both are available; `--prepare-kit DIR` and
-`--kit DIR` split them. Winners go into the tuning file that `build` reads (:mod:`dualtrack.tuning`).
+`--kit DIR` split them. Winners go into the tuning file that `build` reads (:mod:`dualtrack.compiler.tuned`).
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from dualtrack import arch, frontend, partition, track_b
-from dualtrack.config import BuildConfig, Tolerance, load_config
+from dualtrack.compiler import frontend, partition, track_b
+from dualtrack.compiler.config import BuildConfig, Tolerance, load_config
+from dualtrack.compiler.tuned import RECORD_KIND, measured_for, record_key, segment_key
+from dualtrack.contract import arch
+from dualtrack.contract.plan import TensorSpec
 from dualtrack.errors import BundleError, ConfigError, ToolError
-from dualtrack.plan import TensorSpec
 from dualtrack.settings import Settings
-from dualtrack.tuning import RECORD_KIND, measured_for, record_key, segment_key
 
 KIT_FORMAT = "dualtrack-iree-kit-1"
 KIT_FILE = "kit.json"
@@ -362,10 +363,10 @@ def time_kit(
     """
     import iree.runtime as rt
 
+    from dualtrack.compiler.verify import compare, ort_session, random_input, run_ort
     from dualtrack.runtime.driver import Device
     from dualtrack.runtime.engine import as_dtype
     from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
-    from dualtrack.verify import compare, ort_session, random_input, run_ort
 
     settings = Settings.from_env()
     device = Device(device_index)
@@ -508,8 +509,8 @@ def tune_track_b(
     """
     import tempfile
 
-    from dualtrack.tune_a.search import default_output
-    from dualtrack.tuning import save_records
+    from dualtrack.compiler.tuned import save_records
+    from dualtrack.tuning.track_a import default_output
 
     t0 = time.perf_counter()
     source = Path(source)

@@ -23,17 +23,20 @@ from importlib.metadata import version as pkg_version
 from pathlib import Path
 from typing import Any
 
-from dualtrack import arch, frontend, hostcpu, kernels, partition, ptx, track_b, verify
-from dualtrack.bundle import MANIFEST, Bundle, BundleWriter, sha256
-from dualtrack.config import BuildConfig, load_config
+from dualtrack import hostcpu, kernels
+from dualtrack.compiler import frontend, partition, track_b, verify
+from dualtrack.compiler import track_a as ptx
+from dualtrack.compiler.config import BuildConfig, load_config
+from dualtrack.compiler.tuned import TUNED_FIELDS, Selection, flag_records, flags_for, measured_for, segment_key
+from dualtrack.compiler.tuned import select as select_tuning
+from dualtrack.contract import arch
+from dualtrack.contract.bundle import MANIFEST, Bundle, BundleWriter, sha256
+from dualtrack.contract.manifest import Artifacts, Manifest, ModelInfo, Target, Verification
+from dualtrack.contract.plan import ALIAS_OPS, Plan
 from dualtrack.errors import BundleError, ConfigError, ToolError
 from dualtrack.kernels.problems import ConvLayer, conv_layers
-from dualtrack.manifest import Artifacts, Manifest, ModelInfo, Target, Verification
-from dualtrack.plan import ALIAS_OPS, Plan
 from dualtrack.runtime.engine import Engine
 from dualtrack.settings import Settings
-from dualtrack.tuning import TUNED_FIELDS, Selection, flag_records, flags_for, measured_for, segment_key
-from dualtrack.tuning import select as select_tuning
 
 Progress = Callable[[str], None]
 PARTITION_REPORT = "partition.json"  # every node's track, why, and its estimated time on each track

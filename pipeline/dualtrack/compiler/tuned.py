@@ -35,15 +35,15 @@ from typing import Any
 import onnx
 
 from dualtrack import atomic
-from dualtrack.arch import Resolution, resolve
-from dualtrack.config import BuildConfig
-from dualtrack.cost import ConvKey
+from dualtrack.compiler.config import BuildConfig
+from dualtrack.compiler.cost import ConvKey
+from dualtrack.compiler.partition import model_hash, strip_initializers
+from dualtrack.compiler.track_a import SOURCE_DIR
+from dualtrack.contract.arch import Resolution, resolve
+from dualtrack.contract.plan import Plan
 from dualtrack.errors import ConfigError, InputError
 from dualtrack.kernels import KERNELS, Conv3x3Spec, F16Tile
 from dualtrack.kernels.problems import ConvProblem, conv_layers
-from dualtrack.partition import model_hash, strip_initializers
-from dualtrack.plan import Plan
-from dualtrack.ptx import SOURCE_DIR
 
 SCHEMA = "dualtrack-tuning"
 SCHEMA_VERSION = 1

@@ -15,7 +15,7 @@ symbolic batch survives) and keeps node and tensor names. Only what is specific 
 written here: making the batch dimension generic, the IREE parameter-name rule, and the image
 pre/post-processing the runtime and the service expect.
 
-A model whose outputs might change under a rewrite is never trusted: :func:`dualtrack.verify.check_frontend`
+A model whose outputs might change under a rewrite is never trusted: :func:`dualtrack.compiler.verify.check_frontend`
 runs the processed model against the exported one (image by image where the export fixed the batch)
 before anything is compiled.
 """
@@ -32,9 +32,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack.config import BuildConfig, Postprocess, Preprocess
+from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
+from dualtrack.contract.plan import parameter_key
 from dualtrack.errors import ConfigError, ModelError
-from dualtrack.plan import parameter_key
 
 TARGET_OPSET = 17  # what the reference and the zoo are exported with; IREE 3.13 imports it
 BATCH = "N"  # the symbolic batch dimension
@@ -76,7 +76,7 @@ class FrontEnd:
     """The model as the pipeline takes it, and what it was made from.
 
     ``original`` is the export (weights moved out of its inputs, nothing else), ``body`` the processed
-    model before the image wrap: the two are compared by :func:`dualtrack.verify.check_frontend`.
+    model before the image wrap: the two are compared by :func:`dualtrack.compiler.verify.check_frontend`.
     """
 
     model: onnx.ModelProto
@@ -406,7 +406,7 @@ def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
 
 def unique_parameter_keys(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
     """IREE's importer renames parameters (``onnx::Conv_5`` becomes ``onnx__Conv_5``, see
-    :func:`dualtrack.plan.parameter_key`) and the runtime looks them up under that key: two
+    :func:`dualtrack.contract.plan.parameter_key`) and the runtime looks them up under that key: two
     initializers whose keys collide are renamed apart here."""
     seen: dict[str, str] = {}
     clash = [i.name for i in model.graph.initializer if seen.setdefault(parameter_key(i.name), i.name) != i.name]

@@ -7,14 +7,14 @@ Each stage is a named function with explicit inputs and a frozen artifact as out
 - :func:`assemble_cubin` — PTX to a cubin for one exact GPU arch with nvJitLink, recording each
   kernel's registers and spills from the verbose info log;
 - :func:`regenerate` / :func:`check_fresh` — write / verify the PTX checked in under
-  ``handwritten_ptx/ptx/<arch>/<stem>.ptx`` (``python -m dualtrack.ptx`` and ``--check``), for the
+  ``handwritten_ptx/ptx/<arch>/<stem>.ptx`` (``python -m dualtrack.compiler.track_a`` and ``--check``), for the
   PTX arches each kernel states (``KernelSpec.ptx_arches``: conv3x3_wgmma is compute_90a only).
 
 The PTX ISA is fixed by the NVRTC that emits it, and the driver caps the ISA it can JIT (FACTS 13):
 NVRTC 13.0 emits ISA 9.0, which driver 580 takes. :func:`regenerate` refuses any other NVRTC.
 
-The sources are found by :func:`source_dir` (package data of an installed wheel, or the checkout's
-``handwritten_ptx/``); the headers next to them (``*.cuh``) reach NVRTC in memory, so no include
+The sources are found by :func:`dualtrack.kernels.sources.source_dir` (package data of an installed
+wheel, or the checkout's ``handwritten_ptx/``); the headers next to them (``*.cuh``) reach NVRTC in memory, so no include
 path or toolkit is read, and they are part of every cache key.
 
 cuda.core 1.2's ``Program`` and ``Linker`` wrap the same two libraries, but ``Program`` needs
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.resources
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -38,36 +37,13 @@ from typing import Any
 from cuda.bindings import nvjitlink, nvrtc
 
 from dualtrack import atomic
-from dualtrack.arch import PTX_ARCHES, parse_ptx_isa, parse_ptx_target, resolve
+from dualtrack.contract.arch import PTX_ARCHES, parse_ptx_isa, parse_ptx_target, resolve
 from dualtrack.errors import ArchError, DualtrackError, ToolError
 from dualtrack.kernels import defines_for_stem, ptx_arches_for_stem
+from dualtrack.kernels.sources import SOURCE_DIR, ptx_image, ptx_path, sources
 
-
-def source_dir() -> Path:
-    """The folder of the kernel sources (``*.cu``, ``*.cuh``, ``ptx/<arch>/*.ptx``): the package data
-    of an installed wheel (``dualtrack/handwritten_ptx``), else, in a source checkout or an editable
-    install, the repository's ``handwritten_ptx/`` (which the wheel is built from)."""
-    packaged = importlib.resources.files("dualtrack") / "handwritten_ptx"
-    if packaged.is_dir():
-        return Path(str(packaged))
-    checkout = Path(__file__).resolve().parents[2] / "handwritten_ptx"
-    if checkout.is_dir():
-        return checkout
-    raise DualtrackError(
-        "the Track A kernel sources are missing: neither the package data dualtrack/handwritten_ptx nor a "
-        f"checkout's {checkout}; reinstall dualtrack from a wheel built with `pip wheel .`"
-    )
-
-
-SOURCE_DIR = source_dir()
 PINNED_NVRTC = (13, 0)  # emits PTX ISA 9.0, the newest driver 580 (CUDA 13.0) JITs
 _ENTRY = re.compile(r"^\.(?:visible|weak)\s+\.entry\s+(\w+)\s*\(", re.MULTILINE)
-
-
-def ptx_image(text: str | bytes) -> bytes:
-    """PTX as the driver's loaders take it: bytes ending in exactly one NUL (FACTS 12)."""
-    data = text.encode() if isinstance(text, str) else bytes(text)
-    return data.rstrip(b"\0") + b"\0"
 
 
 def nvrtc_version() -> tuple[int, int]:
@@ -184,7 +160,7 @@ def _headers(source_dir: Path) -> dict[str, bytes]:
 
 
 def _repro(source: Path, options: CompileOptions) -> list[str]:
-    argv = ["python", "-m", "dualtrack.ptx", "--source", str(source), "--arch", options.arch]
+    argv = ["python", "-m", "dualtrack.compiler.track_a", "--source", str(source), "--arch", options.arch]
     for name, value in options.defines:
         argv += ["-D", f"{name}={value}"]
     return argv
@@ -459,16 +435,6 @@ def cached_cubin(ptx: str | bytes, arch: str, cache_dir: Path, *, enabled: bool 
 # --------------------------------------------------------------------------------------------
 
 
-def sources(root: Path = SOURCE_DIR) -> list[Path]:
-    """The kernel sources, ``root/*.cu``, in name order."""
-    return sorted(Path(root).glob("*.cu"))
-
-
-def ptx_path(root: Path, source: Path, arch: str) -> Path:
-    """Where the PTX of ``source`` for ``arch`` is kept: ``root/ptx/<arch>/<stem>.ptx``."""
-    return Path(root) / "ptx" / arch / f"{Path(source).stem}.ptx"
-
-
 def _require_pinned_nvrtc() -> None:
     found = nvrtc_version()
     if found != PINNED_NVRTC:
@@ -528,8 +494,8 @@ def check_fresh(root: Path = SOURCE_DIR) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m dualtrack.ptx`: regenerate the checked-in PTX (what `make ptx` runs)."""
-    parser = argparse.ArgumentParser(prog="python -m dualtrack.ptx", description=main.__doc__)
+    """`python -m dualtrack.compiler.track_a`: regenerate the checked-in PTX (what `make ptx` runs)."""
+    parser = argparse.ArgumentParser(prog="python -m dualtrack.compiler.track_a", description=main.__doc__)
     parser.add_argument("--root", type=Path, default=SOURCE_DIR, help="kernel source folder (default: %(default)s)")
     parser.add_argument("--check", action="store_true", help="list stale PTX files and exit 1 if there are any")
     parser.add_argument("--source", type=Path, help="compile this one source and print its PTX (a repro)")

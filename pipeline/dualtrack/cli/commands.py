@@ -80,7 +80,7 @@ def main(verbose: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the build result as JSON on stdout.")
 def build(config: Path, output: Path | None, force: bool, tuning: Path | None, cpu_only: bool, as_json: bool) -> None:
     """Build, verify and write the bundle for CONFIG."""
-    from dualtrack.build import build as run_build
+    from dualtrack.compiler.build import build as run_build
 
     out = _Output(as_json)
     result = run_build(config, output, force=force, progress=out.step, tuning=tuning, cpu_only=cpu_only)
@@ -151,7 +151,7 @@ def tune(
             raise click.UsageError("--prepare-kit, --arch and --candidates go with --track-b")
         _tune_track_b(config, output, prepare_kit, target, candidates, iters, device_index)
         return
-    from dualtrack.tune_a import TuneOptions, tune_track_a
+    from dualtrack.tuning import TuneOptions, tune_track_a
 
     opts = TuneOptions(batches=batches, layers=layers, max_configs=max_configs, iters=iters, device_index=device_index)
     out = _Output(False)
@@ -180,7 +180,7 @@ def _tune_track_b(
     iters: int,
     device_index: int,
 ) -> None:
-    from dualtrack.tune_b import tune_track_b
+    from dualtrack.tuning.track_b import tune_track_b
 
     out = _Output(False)
     only = [c.strip() for c in candidates.split(",") if c.strip()] if candidates else None
@@ -331,15 +331,15 @@ def run(bundle: Path, image: Path, output: Path, device: str, device_index: int)
 @click.option("--json", "as_json", is_flag=True)
 def verify(bundle: Path, device: str, device_index: int, samples: int, seed: int | None, as_json: bool) -> None:
     """Check every segment and the whole plan of BUNDLE against onnxruntime."""
+    from dualtrack.compiler.verify import verify_engine
     from dualtrack.runtime.engine import Engine
-    from dualtrack.verify import verify_engine
 
     out = _Output(as_json)
     with Engine.load(bundle, device, device_index) as engine:
         tol = None
         cfg_tol = engine.bundle.manifest.config.get("verify", {}).get("tolerance")
         if cfg_tol:
-            from dualtrack.config import Tolerance
+            from dualtrack.compiler.config import Tolerance
 
             tol = Tolerance(**cfg_tol)
         report = verify_engine(engine, samples=samples, seed=seed, tol=tol, progress=out.step)
@@ -358,7 +358,7 @@ def verify(bundle: Path, device: str, device_index: int, samples: int, seed: int
 @click.option("--json", "as_json", is_flag=True)
 def info(bundle: Path, as_json: bool) -> None:
     """Describe BUNDLE: model, plan, targets, artifacts and tools."""
-    from dualtrack.bundle import Bundle
+    from dualtrack.contract.bundle import Bundle
 
     b = Bundle.open(bundle)
     m = b.manifest
@@ -432,7 +432,7 @@ def info(bundle: Path, as_json: bool) -> None:
             )
             click.echo(f"             {node}: {picks}")
     if m.min_driver:
-        from dualtrack.arch import driver_str
+        from dualtrack.contract.arch import driver_str
 
         click.echo(f"driver     needs CUDA {driver_str(m.min_driver)} or newer for the PTX")
     click.echo(f"iree       targets {', '.join(b.iree_targets)}")
@@ -462,7 +462,7 @@ def info(bundle: Path, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def doctor(bundle: Path | None, as_json: bool) -> None:
     """Report the GPU and driver, the compilers found, and what IREE can target."""
-    from dualtrack.doctor import diagnose
+    from dualtrack.cli.doctor import diagnose
 
     report = diagnose(bundle)
     if as_json:
@@ -479,7 +479,7 @@ def doctor(bundle: Path | None, as_json: bool) -> None:
 @click.option("--size", type=int, default=512, show_default=True, help="Height and width.")
 def make_reference(output: Path, base: int, depth: int, size: int) -> None:
     """Write the reference U-Net (fp16 and fp32 ONNX) and a sample image."""
-    from dualtrack.reference import UNetSpec, parameter_count, write_reference
+    from dualtrack.compiler.reference import UNetSpec, parameter_count, write_reference
 
     written = write_reference(output, UNetSpec(base=base, depth=depth, height=size, width=size))
     import onnx
@@ -491,7 +491,7 @@ def make_reference(output: Path, base: int, depth: int, size: int) -> None:
 
 
 try:  # the service is an optional extra (`pip install dualtrack[serve]`)
-    from dualtrack.serve.cli import loadtest, ray_config, serve
+    from dualtrack.cli.serve import loadtest, ray_config, serve
 
     main.add_command(serve)
     main.add_command(loadtest)

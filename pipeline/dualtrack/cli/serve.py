@@ -239,7 +239,7 @@ def _ray_options(
 
 
 def _serve_ray(bundle: Path, options: RayAppOptions, **where: Any) -> None:
-    from dualtrack.bundle import Bundle
+    from dualtrack.contract.bundle import Bundle
 
     Bundle.open(bundle)  # a bad bundle fails here with its own error, before Ray starts
     try:

@@ -20,7 +20,7 @@ Phases, each timed (:attr:`TuneResult.phases`):
 - ``time``: each verified candidate, the heuristic's entry (``Conv3x3Spec.variant``, the baseline)
   always among them: warm-up launches, then the median of ``iters`` back-to-back launches timed
   with CUDA events (inputs stay in L2 where they fit, as they partly do in the engine);
-- ``write``: one record per problem merged into the tuning file (:mod:`dualtrack.tuning`).
+- ``write``: one record per problem merged into the tuning file (:mod:`dualtrack.compiler.tuned`).
 """
 
 from __future__ import annotations
@@ -38,15 +38,18 @@ from pathlib import Path
 import numpy as np
 from cuda.bindings import driver as cu
 
-from dualtrack import arch, kernels, ptx, tuning
+from dualtrack import kernels
+from dualtrack.compiler import track_a as ptx
+from dualtrack.compiler import tuned as tuning
+from dualtrack.contract import arch
+from dualtrack.contract.plan import Plan
 from dualtrack.errors import ArchError, ConfigError, DeviceError, VerificationError
 from dualtrack.kernels import Conv3x3Spec, F16Tile
 from dualtrack.kernels.problems import ConvLayer, ConvProblem, by_problem, conv_layers
-from dualtrack.plan import Plan
 from dualtrack.runtime.driver import NO_DEVICE, NO_DRIVER, Context, Device, Event, Kernel, Module, Stream, call
 from dualtrack.runtime.memory import DevicePool, HostBuffer, download, upload
 from dualtrack.settings import Settings
-from dualtrack.tune_a import space
+from dualtrack.tuning import space
 
 _POISON = 0x7E00  # an fp16 quiet NaN: what no finite computation writes
 Progress = Callable[[str], None]
@@ -105,9 +108,9 @@ class _Phases:
 
 def load_plan(source: str | Path) -> Plan:
     """The plan of a build config (partitioned here) or of a built bundle (a directory)."""
-    from dualtrack import partition
-    from dualtrack.bundle import Bundle
-    from dualtrack.config import load_config
+    from dualtrack.compiler import partition
+    from dualtrack.compiler.config import load_config
+    from dualtrack.contract.bundle import Bundle
 
     path = Path(source)
     if path.is_dir():
@@ -119,7 +122,7 @@ def load_plan(source: str | Path) -> Plan:
 
 def default_output(source: str | Path) -> Path:
     """Where results go without -o: the config's `tuning`, else ./tuning.json."""
-    from dualtrack.config import load_config
+    from dualtrack.compiler.config import load_config
 
     path = Path(source)
     if path.is_file():

@@ -23,12 +23,13 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from dualtrack import cost, frontend, kernels, layout, lower_head, lower_mobile
-from dualtrack.config import BuildConfig, Rules
+from dualtrack import kernels
+from dualtrack.compiler import cost, frontend, layout, lower_head, lower_mobile
+from dualtrack.compiler.config import BuildConfig, Rules
+from dualtrack.compiler.frontend import model_precision
+from dualtrack.contract.plan import MODEL_LAYOUT_OPS, KernelCall, Plan, Segment, TensorSpec
 from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
-from dualtrack.frontend import model_precision
 from dualtrack.kernels import ConvGeometry, PoolGeometry
-from dualtrack.plan import MODEL_LAYOUT_OPS, KernelCall, Plan, Segment, TensorSpec
 
 TRACK_A_DESCRIPTION = (
     "Conv of group 1, any kernel size, stride, dilation and padding (optionally +Add of a residual "
@@ -172,7 +173,7 @@ def _check_rules(nodes: list[onnx.NodeProto], cfg: BuildConfig) -> None:
 @dataclass(frozen=True)
 class Decision:
     """Where one node runs and why; its estimated time on each track (us, summed over the batch
-    sizes: `dualtrack.cost`), ``a_us`` None where no Track A kernel takes it."""
+    sizes: `dualtrack.compiler.cost`), ``a_us`` None where no Track A kernel takes it."""
 
     node: str
     op: str
@@ -217,7 +218,7 @@ def assign_tracks(
 ) -> Assignment:
     """Track per node. ``partition.mode: rules``: Track B rules win, then Track A rules, then Track B
     (the default). ``auto``: :func:`auto_tracks`, with the rules as overrides. ``measured``: Track A
-    kernel times from a tuning file (`dualtrack.tuning.measured_times`) for the cost model; ``ctx``:
+    kernel times from a tuning file (`dualtrack.compiler.tuned.measured_times`) for the cost model; ``ctx``:
     the model's :class:`SupportContext`, where the caller has it."""
     nodes = list(model.graph.node)
     _check_rules(nodes, cfg)
@@ -781,7 +782,7 @@ def lower_track_a(
     ctx: SupportContext | None = None,
 ) -> list[KernelCall]:
     """Match a Track A segment's nodes to hand-written kernel calls (Conv with its fused epilogue,
-    MaxPool, ConvTranspose, the mobile ops of :mod:`dualtrack.lower_mobile`) and buffer aliases
+    MaxPool, ConvTranspose, the mobile ops of :mod:`dualtrack.compiler.lower_mobile`) and buffer aliases
     (Concat); each node must pass :func:`track_a_support`. A Conv's call covers the Add and the
     activation after it (:func:`_fuse_epilogue`) and is placed where the last of them was, so that
     a residual computed between them (ResNet's downsample) is ready. ``ctx``: the model's, where the
@@ -938,7 +939,7 @@ def _conv_call(
 #    refuses (a Concat whose input leaves the segment, an Add the eltwise kernel cannot take once a
 #    segment boundary cuts it off its Conv's epilogue) moves to Track B, and the segments are cut again.
 # 3. Then, greedily, a Track A segment whose move to Track B lowers the plan's estimated time moves
-#    (dualtrack.cost: node times plus one switch cost per segment boundary), the one that saves the
+#    (dualtrack.compiler.cost: node times plus one switch cost per segment boundary), the one that saves the
 #    least on Track A first; back to 2.
 # Nodes only ever move from A to B (Track B takes every op), so this ends within one pass per node.
 # Greedy, not optimal: an island is moved whole or not at all, which is the choice the switch cost
@@ -967,7 +968,7 @@ def _cost_note(switch: float, costs: dict[str, cost.NodeCost], cfg: BuildConfig)
     source = (
         f"{n_measured} conv(s) measured (the `tuning:` records), the rest the default model"
         if n_measured
-        else "the default model (dualtrack.cost: H200 rooflines)"
+        else "the default model (dualtrack.compiler.cost: H200 rooflines)"
     )
     given = (
         "partition.switch_cost_us"

@@ -2,7 +2,7 @@
 
 Layout::
 
-    manifest.json                 dualtrack.manifest.Manifest: format, model hash, plan, artifacts, tools, file hashes
+    manifest.json                 contract.manifest.Manifest: format, model hash, plan, artifacts, tools, file hashes
     model.onnx                    the (node-named) source model: the weights, once, and the verification reference
     segments/segK_T.onnx          each segment's graph, without weight data
     iree/segK_T/<target>/bN.vmfb  Track B modules (and Track A segments for llvm-cpu), weights externalized
@@ -31,12 +31,12 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from dualtrack.compiler.partition import attach_initializers
+from dualtrack.contract.manifest import Manifest, Target
+from dualtrack.contract.plan import Plan, Segment
 from dualtrack.errors import BundleError
 from dualtrack.kernels import CONV3X3_WGMMA, KERNELS, ConvGeneralSpec, choose_conv3x3
 from dualtrack.kernels.problems import conv_layers
-from dualtrack.manifest import Manifest, Target
-from dualtrack.partition import attach_initializers
-from dualtrack.plan import Plan, Segment
 
 MANIFEST = "manifest.json"
 

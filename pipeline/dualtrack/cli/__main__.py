@@ -1,0 +1,3 @@
+from dualtrack.cli.commands import main
+
+main()
