@@ -14,8 +14,8 @@ The PTX ISA is fixed by the NVRTC that emits it, and the driver caps the ISA it 
 NVRTC 13.0 emits ISA 9.0, which driver 580 takes. :func:`regenerate` refuses any other NVRTC.
 
 The sources are found by :func:`dualtrack.kernels.sources.source_dir` (package data of an installed
-wheel, or the checkout's ``handwritten_ptx/``); the headers next to them (``*.cuh``) reach NVRTC in memory, so no include
-path or toolkit is read, and they are part of every cache key.
+wheel, or the checkout's ``handwritten_ptx/``); the headers next to them (``*.cuh``) reach NVRTC in memory, so no
+include path or toolkit is read, and they are part of every cache key.
 
 cuda.core 1.2's ``Program`` and ``Linker`` wrap the same two libraries, but ``Program`` needs
 libcuda at compile time (FACTS 14): builds run on machines without a GPU, so NVRTC and nvJitLink
