@@ -157,8 +157,8 @@ def machine() -> dict[str, Any]:
 
 def engine_alone(bundle: Path, device: str, iters: int, png: bytes) -> tuple[dict[str, Any], np.ndarray]:
     """Batch-8 timings, and the model's mask of ``png`` (what the stages below encode)."""
+    from dualtrack import imaging
     from dualtrack.runtime.engine import Engine
-    from dualtrack.serve import imaging
 
     engine = Engine.load(bundle, device=device)
     try:
@@ -222,7 +222,7 @@ def _time_batches(fn: Any, batch: int, iters: int) -> dict[str, float]:
 
 def stages(png: bytes, jpg: bytes, mask: np.ndarray) -> dict[str, Any]:
     """ms per call on one thread; requests' image work per second on 1, 4, 8 and all-core threads."""
-    from dualtrack.serve import imaging
+    from dualtrack import imaging
 
     img = imaging.decode_image(png)
     row = np.zeros((img.height, img.width, 3), np.uint8)

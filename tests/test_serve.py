@@ -30,10 +30,10 @@ from click.testing import CliRunner
 from PIL import Image
 from polling import until
 
-from dualtrack import Engine
+from dualtrack import Engine, imaging
 from dualtrack.cli import main
 from dualtrack.errors import InputError
-from dualtrack.serve import Phase, create_app, imaging
+from dualtrack.serve import Phase, create_app
 from dualtrack.serve.loadtest import loopback_target, run_loadtest
 
 WAIT_S = 120.0  # upper bound on any wait (engine load + warmup on a slow CI core included)

@@ -19,7 +19,8 @@ import pytest
 import uvicorn
 from PIL import Image
 
-from dualtrack.serve import create_app, imaging
+from dualtrack import imaging
+from dualtrack.serve import create_app
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")

@@ -17,9 +17,10 @@ import pytest
 from PIL import Image
 from polling import until
 
+from dualtrack import imaging
 from dualtrack.contract.plan import TensorSpec
 from dualtrack.errors import ConfigError, InputError
-from dualtrack.serve import Batcher, ServeOptions, imaging
+from dualtrack.serve import Batcher, ServeOptions
 from dualtrack.serve.batcher import BatchQueue
 from dualtrack.serve.loadtest import run_loadtest
 from dualtrack.serve.metrics import ServeMetrics

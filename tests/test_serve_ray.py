@@ -31,9 +31,9 @@ from PIL import Image
 from polling import until
 from test_serve import BAD_INPUTS, _expected_mask, _png, _sample
 
+from dualtrack import imaging
 from dualtrack.cli import main
 from dualtrack.errors import BundleError, ConfigError
-from dualtrack.serve import imaging
 
 ray = pytest.importorskip("ray", reason="the Ray backend needs the `ray` extra: pip install 'dualtrack[ray]'")
 from ray import serve  # noqa: E402

@@ -32,11 +32,11 @@ from PIL import Image
 from polling import until
 from starlette.testclient import TestClient
 
-from dualtrack import Engine
+from dualtrack import Engine, imaging
 from dualtrack.contract.plan import TensorSpec
 from dualtrack.errors import BundleError, ConfigError, DualtrackError, InputError
 from dualtrack.imaging import GpuJpeg, load_for_model, route_jpeg
-from dualtrack.serve import NotReadyError, Phase, QueueFullError, ServeOptions, create_app, imaging, shared
+from dualtrack.serve import NotReadyError, Phase, QueueFullError, ServeOptions, create_app, shared
 from dualtrack.serve.app import worker_app
 from dualtrack.serve.batcher import BatchQueue, BatchResult
 from dualtrack.serve.protocol import (

@@ -18,7 +18,8 @@ from dualtrack.errors import VerificationError
 from dualtrack.kernels import KERNELS, Conv3x3Spec
 from dualtrack.kernels.problems import by_problem, conv_layers
 from dualtrack.settings import Settings
-from dualtrack.tuning import TuneOptions, search, space
+from dualtrack.tuning import TuneOptions, space
+from dualtrack.tuning import track_a as search
 
 CONV = KERNELS["conv3x3"]
 assert isinstance(CONV, Conv3x3Spec)
