@@ -1,4 +1,4 @@
-"""Track B launch plans (launch_plan.py): what a compiled IREE CUDA module launches, or why not.
+"""Track B launch plans (compiler/launch_plan.py reads them): what a compiled IREE CUDA module launches, or why not.
 
 The modules are compiled here by the real iree-compile for sm_89 (no GPU needed to compile); the GPU
 tests (tests/gpu/test_replay_gpu.py) run the plans against the IREE runtime, bit for bit.
@@ -15,10 +15,12 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from dualtrack.compiler import launch_plan as reader
 from dualtrack.compiler import track_b
+from dualtrack.compiler.launch_plan import extract
 from dualtrack.contract import launch_plan
 from dualtrack.contract.bundle import Bundle
-from dualtrack.contract.launch_plan import Dispatch, LaunchPlan, NotReplayable, extract
+from dualtrack.contract.launch_plan import Dispatch, LaunchPlan, NotReplayable
 from dualtrack.contract.plan import parameter_key
 
 RNG = np.random.default_rng(7)
@@ -218,7 +220,7 @@ def test_binding_past_its_buffer_is_refused(conv_module: tuple[str, bytes, track
     ],
 )
 def test_constant_forms(entry: str, expect: bytes) -> None:
-    assert launch_plan._dense_bytes(entry) == expect
+    assert reader._dense_bytes(entry) == expect
 
 
 def test_composite_constant() -> None:
@@ -226,12 +228,12 @@ def test_composite_constant() -> None:
         "#c": '#util.composite<12xi8, [\n    dense<"0x0000803F00000040"> : tensor<2xf32>,\n'
         "    dense<7> : tensor<1xi32>,\n]>"
     }
-    data = launch_plan._composite_bytes("#c", aliases)
+    data = reader._composite_bytes("#c", aliases)
     assert data == np.array([1.0, 2.0], np.float32).tobytes() + np.array([7], np.int32).tobytes()
     with pytest.raises(NotReplayable, match="decoded to"):
-        launch_plan._composite_bytes("#d", {"#d": aliases["#c"].replace("12xi8", "16xi8")})
+        reader._composite_bytes("#d", {"#d": aliases["#c"].replace("12xi8", "16xi8")})
     with pytest.raises(NotReplayable, match="not understood"):
-        launch_plan._dense_bytes("dense_resource<blob> : tensor<4xf32>")
+        reader._dense_bytes("dense_resource<blob> : tensor<4xf32>")
 
 
 def test_bundle_carries_launch_plans(tiny_bundle: Path) -> None:

@@ -20,9 +20,10 @@ from pathlib import Path
 import onnx
 
 from dualtrack import atomic
+from dualtrack.compiler.launch_plan import extract
 from dualtrack.compiler.partition import with_batch
 from dualtrack.compiler.tools import run_tool, tool_version
-from dualtrack.contract.launch_plan import LaunchPlan, NotReplayable, extract
+from dualtrack.contract.launch_plan import LaunchPlan, NotReplayable
 from dualtrack.errors import ConfigError, ToolError, UnsupportedOpError
 
 CACHE_FORMAT = "trackb-2"  # bump when the stages below change what they produce (2: launch plans)
