@@ -38,7 +38,7 @@
 // toolkit #include: the helpers come from the in-memory headers (see conv3x3_nhwc.cu).
 
 #if !defined(CONVG_F16_MAIN) || !defined(CONVG_F16_NARROW) || !defined(CONVG_F16_WIDE) || \
-    !defined(CONVG_F16_SMALL) || !defined(CONVG_F16_GATHER) || !defined(CONVG_F16_DEEP) || !defined(CONVG_DIRECT_THREADS) || \
+    !defined(CONVG_F16_SMALL) || !defined(CONVG_F16_GATHER) || !defined(CONVG_DIRECT_THREADS) || \
     !defined(CONVG_DIRECT_K) || !defined(CONVG_DIRECT_W) || !defined(CONVG_F32_BM) || !defined(CONVG_F32_BN) || !defined(CONVG_F32_BK) || \
     !defined(CONVG_F32_TM) || !defined(CONVG_F32_TN)
 #error "tile sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
@@ -520,7 +520,6 @@ typedef mma::Swizzled<CONVG_F16_NARROW> Narrow;  // K <= 32 output channels
 typedef mma::Swizzled<CONVG_F16_WIDE> Wide;      // K >= 128 and enough pixels to fill the GPU
 typedef mma::Swizzled<CONVG_F16_SMALL> Small;    // too few Main tiles to fill the GPU
 typedef mma::Swizzled<CONVG_F16_GATHER> Gather;  // C % 8 != 0: the pipelined scalar path
-typedef mma::Swizzled<CONVG_F16_DEEP> Deep;      // even Small tiles leave SMs idle
 
 }  // namespace convg
 
@@ -543,7 +542,6 @@ CONVG_F16_ENTRY(conv_nhwc_f16_narrow, convg::Narrow, false)
 CONVG_F16_ENTRY(conv_nhwc_f16_wide, convg::Wide, false)
 CONVG_F16_ENTRY(conv_nhwc_f16_small, convg::Small, false)
 CONVG_F16_ENTRY(conv_nhwc_f16_gather, convg::Gather, true)
-CONVG_F16_ENTRY(conv_nhwc_f16_deep, convg::Deep, false)
 
 extern "C" __global__ void __launch_bounds__(CONVG_DIRECT_THREADS) conv_nhwc_f16_direct(CONVG_PARAMS(f16)) {
     __shared__ __align__(16) float ws[CONVG_DIRECT_W];

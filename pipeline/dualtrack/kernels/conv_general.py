@@ -133,9 +133,6 @@ _SMALL = F16Tile(64, 64, 32, 2, 2, 4, 4)
 # The gather entry (C % 8 != 0): the fewest stages a tile may have (it uses one; its prefetch is in
 # registers), so a small footprint and several blocks an SM to hide the element-wise gathers.
 _GATHER = F16Tile(64, 64, 32, 2, 2, 2, 4)
-# The deep entry: small's warp tile (32x32) on half its channels, so twice the blocks where even
-# small tiles leave SMs idle (ResNet's last stages at N=1: 16x16 or 32x32 pixels, 256-512 channels).
-_DEEP = F16Tile(64, 32, 32, 2, 1, 4, 8)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,14 +148,13 @@ class ConvGeneralSpec(KernelSpec):
         "pad_top", "pad_left", "dil_h", "dil_w", "ldx", "ldy", "ldr", "act",
     )  # fmt: skip
     POINTERS: ClassVar[int] = 5
-    F16_VARIANTS: ClassVar[tuple[str, ...]] = ("narrow", "wide", "small", "gather", "deep")
+    F16_VARIANTS: ClassVar[tuple[str, ...]] = ("narrow", "wide", "small", "gather")
 
     f16_main: F16Tile = _MAIN
     f16_narrow: F16Tile = _NARROW
     f16_wide: F16Tile = _WIDE
     f16_small: F16Tile = _SMALL
     f16_gather: F16Tile = _GATHER
-    f16_deep: F16Tile = _DEEP
     # The direct entry (``_f16_direct``, CUDA cores, a thread per output pixel): convs with at most
     # direct_k output channels (a head's classes) whose K*R*S*C fp32 filters fit its shared memory.
     direct_k: int = 8
@@ -169,10 +165,7 @@ class ConvGeneralSpec(KernelSpec):
     # it has at least f16_main_min_tiles, else small (conv3x3's thresholds, measured on an H200).
     f16_wide_min_tiles: int = 256
     f16_main_min_tiles: int = 512
-    # ... and the deep tile where small makes fewer blocks than this: 0, off. Measured on the H200 at
-    # 132 (an SM each), it was slower than small on ResNet-34's last stages at N=1 (16 launches 412 us
-    # against 19 small ones 375 us, kernel_profile-acc495c / -e75130f): more blocks, same serial k-loop.
-    f16_small_min_tiles: int = 0
+    # Nothing below small: a 64x32 tile with twice its blocks measured slower (docs/performance.md).
     # The Hopper kernel that its 3x3 stride-1 layers run where the device has it (None: none). On
     # the H200 it took ResNet-34's residual convs at 16x16..128x128 in about 60% of the small
     # tile's time (the conv3x3 op's same shapes, kernel_profile-acc495c).
@@ -319,7 +312,7 @@ class ConvGeneralSpec(KernelSpec):
         """The entry to launch (fp32: the one entry; fp16: ``_direct`` for a few output channels
         (:meth:`direct_supported`), ``_gather`` where C % 8 != 0 (the vector path's 16-byte copies
         cannot take the input), ``_narrow`` for K <= 32, ``_wide`` with enough wide tiles, the
-        default entry with enough of its tiles, ``_small`` with enough of its tiles, else ``_deep``)."""
+        default entry with enough of its tiles, else ``_small``)."""
         name = dtype_name(dtype)
         if name != "float16":
             return self.entry(name)
@@ -335,8 +328,6 @@ class ConvGeneralSpec(KernelSpec):
             return f"{self.stem}_f16_wide"
         if cdiv(M, self.f16_main.bm) * cdiv(K, self.f16_main.bn) >= self.f16_main_min_tiles:
             return self.entry(name)
-        if cdiv(M, self.f16_small.bm) * cdiv(K, self.f16_small.bn) < self.f16_small_min_tiles:
-            return f"{self.stem}_f16_deep"
         return f"{self.stem}_f16_small"
 
     def threads(self, dtype: Any, entry: str | None = None) -> int:
