@@ -12,13 +12,16 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import numpy as np
 
 from dualtrack import atomic
 from dualtrack.errors import EXIT_CODES, DualtrackError, InputError
+
+if TYPE_CHECKING:
+    from dualtrack.contract.bundle import Bundle
 
 
 class _Output:
@@ -361,10 +364,16 @@ def info(bundle: Path, as_json: bool) -> None:
     from dualtrack.contract.bundle import Bundle
 
     b = Bundle.open(bundle)
-    m = b.manifest
     if as_json:
-        click.echo(json.dumps({k: v for k, v in m.to_json().items() if k != "files"}, indent=2))
+        click.echo(json.dumps({k: v for k, v in b.manifest.to_json().items() if k != "files"}, indent=2))
         return
+    for section in (_info_model, _info_plan, _info_track_a, _info_tuned_tiles, _info_targets, _info_checks):
+        section(b)
+
+
+def _info_model(b: Bundle) -> None:
+    """What was built from what, and for which GPUs."""
+    m = b.manifest
     click.echo(f"bundle     {b.root}  (format {m.format}, dualtrack {m.dualtrack_version}, built {m.created})")
     click.echo(f"model      {m.model.source}  sha256 {m.model.source_sha256[:16]}")
     click.echo(f"precision  {b.plan.precision}; batch sizes {list(b.plan.batch_sizes)}")
@@ -379,6 +388,11 @@ def info(bundle: Path, as_json: bool) -> None:
             f"target     {t.arch} (cc {t.cc}): Track A {t.track_a_ptx} -> {t.track_a_cubin} cubin; "
             f"Track B IREE {t.track_b_iree_target}"
         )
+
+
+def _info_plan(b: Bundle) -> None:
+    """The segments, why the partition is what it is, and how each Track B module runs."""
+    m = b.manifest
     for line in b.plan.summary():
         click.echo(f"segment    {line}")
     for line in b.plan.notes:  # how the partition was chosen, and why each node runs where it does
@@ -394,11 +408,15 @@ def info(bundle: Path, as_json: bool) -> None:
             click.echo(f"track B    {seg_name} {target}: {'; '.join(paths)}")
     if any(s.track == "B" for s in b.plan.segments) and not m.artifacts.iree_replay and m.targets:
         click.echo("track B    no launch plans (built before replay existed): the IREE runtime runs it; rebuild")
-    ptx = m.artifacts.track_a.get("ptx", {})
+
+
+def _info_track_a(b: Bundle) -> None:
+    """Track A's PTX per arch, and which kernel each 3x3 convolution launches."""
+    ptx = b.manifest.artifacts.track_a.get("ptx", {})
     for a, kernels in sorted(ptx.items()):
         isas = {k["isa"] for k in kernels.values()}
         click.echo(f"ptx        {a}: {', '.join(sorted(kernels))} (ISA {', '.join(sorted(isas))})")
-    for t in m.targets:
+    for t in b.manifest.targets:
         choices = b.conv3x3_choices(t)
         wgmma = [(layer, c) for layer, c in choices if c.impl == "wgmma"]
         if not wgmma:
@@ -416,7 +434,11 @@ def info(bundle: Path, as_json: bool) -> None:
         for node, per in per_node.items():
             picks = ", ".join(f"N={n}: {w}" for n, w in per.items()) if len(set(per.values())) > 1 else per[min(per)]
             click.echo(f"             {node}: {picks}")
-    for a, t in sorted(m.artifacts.track_a.get("tuned", {}).items()):
+
+
+def _info_tuned_tiles(b: Bundle) -> None:
+    """The Track A launches a tuning file moved off the heuristic's tiles."""
+    for a, t in sorted(b.manifest.artifacts.track_a.get("tuned", {}).items()):
         calls, on = t["calls"], ", ".join(t["tuned_on"])
         if not calls:
             click.echo(f"tuned      {a}: {t['records']} records (tuned on {on}), none faster than the heuristic")
@@ -428,9 +450,15 @@ def info(bundle: Path, as_json: bool) -> None:
         )
         for node, per in sorted(calls.items()):
             picks = ", ".join(
-                f"N={b}: {e.removeprefix('conv3x3_nhwc_')}" for b, e in sorted(per.items(), key=lambda kv: int(kv[0]))
+                f"N={batch}: {e.removeprefix('conv3x3_nhwc_')}"
+                for batch, e in sorted(per.items(), key=lambda kv: int(kv[0]))
             )
             click.echo(f"             {node}: {picks}")
+
+
+def _info_targets(b: Bundle) -> None:
+    """What the bundle needs of the machine that runs it, and the IREE flags tuning chose."""
+    m = b.manifest
     if m.min_driver:
         from dualtrack.contract.arch import driver_str
 
@@ -446,12 +474,16 @@ def info(bundle: Path, as_json: bool) -> None:
                     f"tuned      {seg} {target} N={batch}: {r['candidate']} ({' '.join(r['flags']) or 'no flags'}); "
                     f"tuned on {r['gpu']}{gain}"
                 )
-    ver = m.verification
+
+
+def _info_checks(b: Bundle) -> None:
+    """The build's verification and its notes."""
+    ver = b.manifest.verification
     click.echo(
         f"verified   {'passed' if ver and ver.passed else 'no'} on {ver.device if ver else '-'} "
         f"(seed {ver.seed if ver else '-'})"
     )
-    for n in m.notes:
+    for n in b.manifest.notes:
         click.echo(f"note       {n}")
 
 

@@ -585,113 +585,152 @@ def wrap_image_io(
         return model
     model = copy.deepcopy(model)
     g = model.graph
-    nodes: list[onnx.NodeProto] = []
-    inits: list[onnx.TensorProto] = []
-    if pre is not None:
-        inp = single_input(model)
-        t = inp.type.tensor_type
-        dims = [d.dim_value for d in t.shape.dim]
-        channels = dims[1] if pre.layout == "NCHW" else dims[-1]
-        if len(dims) != 4 or channels != 3 or not _is_float(inp):
-            raise ModelError(
-                f"preprocess: the model input '{inp.name}' is {helper.tensor_dtype_to_np_dtype(t.elem_type)} "
-                f"{dims}, not a {pre.layout} float image with 3 channels; fix preprocess.layout or remove `preprocess`"
-            )
-        h, w = (dims[2], dims[3]) if pre.layout == "NCHW" else (dims[1], dims[2])
-        if h <= 0 or w <= 0:
-            raise ModelError(
-                f"preprocess: the model input '{inp.name}' has no fixed height and width ({dims}); "
-                "export it with a fixed image size"
-            )
-        exported_name = inp.name
-        _unique(model, IMAGE)  # a model tensor (its input too) called `image` moves out of the way
-        body_in = single_input(model).name
-        x = "pre/cast"
-        nodes.append(helper.make_node("Cast", [IMAGE], [x], name="pre/cast", to=TensorProto.FLOAT))
-        if pre.color == "BGR":
-            inits.append(numpy_helper.from_array(np.array([2, 1, 0], np.int64), "pre/bgr_order"))
-            nodes.append(helper.make_node("Gather", [x, "pre/bgr_order"], ["pre/bgr"], name="pre/bgr", axis=3))
-            x = "pre/bgr"
-        if pre.layout == "NCHW":
-            nodes.append(helper.make_node("Transpose", [x], ["pre/nchw"], name="pre/nchw", perm=[0, 3, 1, 2]))
-            x = "pre/nchw"
-        bshape = (1, 3, 1, 1) if pre.layout == "NCHW" else (1, 1, 1, 3)
-        mean = (np.array(pre.mean, np.float32) * np.float32(pre.scale)).reshape(bshape)
-        inv = (1.0 / (np.array(pre.std, np.float64) * pre.scale)).astype(np.float32).reshape(bshape)
-        inits += [numpy_helper.from_array(mean, "pre/mean"), numpy_helper.from_array(inv, "pre/inv_std")]
-        nodes.append(helper.make_node("Sub", [x, "pre/mean"], ["pre/sub_mean"], name="pre/sub_mean"))
-        nodes.append(helper.make_node("Mul", ["pre/sub_mean", "pre/inv_std"], ["pre/scale"], name="pre/scale"))
-        x = "pre/scale"
-        if t.elem_type != TensorProto.FLOAT:
-            nodes.append(helper.make_node("Cast", [x], ["pre/to_model"], name="pre/to_model", to=t.elem_type))
-            x = "pre/to_model"
-        for n in g.node:
-            for j, name in enumerate(n.input):
-                if name == body_in:
-                    n.input[j] = x
-        del g.input[:]
-        g.input.append(helper.make_tensor_value_info(IMAGE, TensorProto.UINT8, [BATCH, h, w, 3]))
-        log.append(
-            Rewrite(
-                "wrap",
-                f"uint8 image (N, {h}, {w}, 3) {pre.color} -> /{pre.scale:g}, mean {list(pre.mean)}, "
-                f"std {list(pre.std)} -> {pre.layout} model input '{exported_name}'",
-            )
-        )
-    post_nodes: list[onnx.NodeProto] = []
-    if post is not None:
-        exported = logits_output(model, post).name  # a string: the proto is renamed in place below
-        name = exported
-        for want in (MASK, PROBS):  # model tensors (the logits too) called `mask`/`probs` move out of the way
-            moved = _unique(model, want)
-            name = moved if name == want else name
-        logits = next(o for o in g.output if o.name == name)
-        shape = _static_shapes(model)[logits.name]
-        x = logits.name
-        if logits.type.tensor_type.elem_type != TensorProto.FLOAT:
-            post_nodes.append(helper.make_node("Cast", [x], ["post/fp32"], name="post/fp32", to=TensorProto.FLOAT))
-            x = "post/fp32"
-        if post.activation == "softmax":
-            post_nodes.append(helper.make_node("Softmax", [x], ["post/probs"], name="post/softmax", axis=1))
-        elif post.activation == "sigmoid":
-            post_nodes.append(helper.make_node("Sigmoid", [x], ["post/probs"], name="post/sigmoid"))
-        else:
-            post_nodes.append(helper.make_node("Identity", [x], ["post/probs"], name="post/probs"))
-        post_nodes.append(helper.make_node("Identity", ["post/probs"], [PROBS], name="post/probs_out"))
-        if shape[1] == 1:  # one class: foreground where p > 0.5
-            inits.append(numpy_helper.from_array(np.array(0.5, np.float32), "post/half"))
-            post_nodes.append(helper.make_node("Greater", ["post/probs", "post/half"], ["post/fg"], name="post/fg"))
-            post_nodes.append(
-                helper.make_node("Squeeze", ["post/fg", "post/axis1"], ["post/fg2d"], name="post/squeeze")
-            )
-            inits.append(numpy_helper.from_array(np.array([1], np.int64), "post/axis1"))
-            post_nodes.append(helper.make_node("Cast", ["post/fg2d"], [MASK], name="post/mask", to=TensorProto.UINT8))
-        else:
-            post_nodes.append(
-                helper.make_node("ArgMax", ["post/probs"], ["post/argmax"], name="post/argmax", axis=1, keepdims=0)
-            )
-            post_nodes.append(helper.make_node("Cast", ["post/argmax"], [MASK], name="post/mask", to=TensorProto.UINT8))
-        dropped = [o.name for o in g.output if o.name != logits.name]
-        del g.output[:]
-        g.output.extend(
-            [
-                helper.make_tensor_value_info(MASK, TensorProto.UINT8, [BATCH, shape[2], shape[3]]),
-                helper.make_tensor_value_info(PROBS, TensorProto.FLOAT, [BATCH, shape[1], shape[2], shape[3]]),
-            ]
-        )
-        log.append(
-            Rewrite(
-                "wrap",
-                f"output '{exported}' (N, {', '.join(map(str, shape[1:]))}) -> {post.activation} "
-                f"-> `{PROBS}` and `{MASK}`" + (f"; dropped outputs {', '.join(dropped)}" if dropped else ""),
-            )
-        )
+    pre_nodes, pre_inits = _wrap_input(model, pre, log) if pre is not None else ([], [])
+    post_nodes, post_inits = _wrap_output(model, post, log) if post is not None else ([], [])
     body = list(g.node)
     del g.node[:]
-    g.node.extend([*nodes, *body, *post_nodes])
-    g.initializer.extend(inits)
+    g.node.extend([*pre_nodes, *body, *post_nodes])
+    g.initializer.extend([*pre_inits, *post_inits])
     del g.value_info[:]
     return _prune(model)
+
+
+def _image_size(inp: onnx.ValueInfoProto, pre: Preprocess) -> tuple[int, int]:
+    """The (height, width) of the model's image input; it must be a fixed-size float 3-channel image."""
+    t = inp.type.tensor_type
+    dims = [d.dim_value for d in t.shape.dim]
+    channels = dims[1] if pre.layout == "NCHW" else dims[-1]
+    if len(dims) != 4 or channels != 3 or not _is_float(inp):
+        raise ModelError(
+            f"preprocess: the model input '{inp.name}' is {helper.tensor_dtype_to_np_dtype(t.elem_type)} "
+            f"{dims}, not a {pre.layout} float image with 3 channels; fix preprocess.layout or remove `preprocess`"
+        )
+    h, w = (dims[2], dims[3]) if pre.layout == "NCHW" else (dims[1], dims[2])
+    if h <= 0 or w <= 0:
+        raise ModelError(
+            f"preprocess: the model input '{inp.name}' has no fixed height and width ({dims}); "
+            "export it with a fixed image size"
+        )
+    return h, w
+
+
+def _wrap_input(
+    model: onnx.ModelProto, pre: Preprocess, log: list[Rewrite]
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """Replace the model's input by a uint8 NHWC ``image``; returns the ``pre/*`` nodes that turn it
+    into what the model read, and their constants. The model's body is rewired in place."""
+    g = model.graph
+    inp = single_input(model)
+    elem_type = inp.type.tensor_type.elem_type
+    h, w = _image_size(inp, pre)
+    exported_name = inp.name
+    _unique(model, IMAGE)  # a model tensor (its input too) called `image` moves out of the way
+    body_in = single_input(model).name
+    nodes, inits, x = _preprocess_nodes(pre, elem_type)
+    for n in g.node:
+        for j, name in enumerate(n.input):
+            if name == body_in:
+                n.input[j] = x
+    del g.input[:]
+    g.input.append(helper.make_tensor_value_info(IMAGE, TensorProto.UINT8, [BATCH, h, w, 3]))
+    log.append(
+        Rewrite(
+            "wrap",
+            f"uint8 image (N, {h}, {w}, 3) {pre.color} -> /{pre.scale:g}, mean {list(pre.mean)}, "
+            f"std {list(pre.std)} -> {pre.layout} model input '{exported_name}'",
+        )
+    )
+    return nodes, inits
+
+
+def _preprocess_nodes(pre: Preprocess, elem_type: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], str]:
+    """``image`` -> float -> channel order -> layout -> (x - mean) / std -> the model's dtype: the
+    nodes, their constants, and the name of the tensor the model now reads."""
+    nodes: list[onnx.NodeProto] = []
+    inits: list[onnx.TensorProto] = []
+    x = "pre/cast"
+    nodes.append(helper.make_node("Cast", [IMAGE], [x], name="pre/cast", to=TensorProto.FLOAT))
+    if pre.color == "BGR":
+        inits.append(numpy_helper.from_array(np.array([2, 1, 0], np.int64), "pre/bgr_order"))
+        nodes.append(helper.make_node("Gather", [x, "pre/bgr_order"], ["pre/bgr"], name="pre/bgr", axis=3))
+        x = "pre/bgr"
+    if pre.layout == "NCHW":
+        nodes.append(helper.make_node("Transpose", [x], ["pre/nchw"], name="pre/nchw", perm=[0, 3, 1, 2]))
+        x = "pre/nchw"
+    bshape = (1, 3, 1, 1) if pre.layout == "NCHW" else (1, 1, 1, 3)
+    mean = (np.array(pre.mean, np.float32) * np.float32(pre.scale)).reshape(bshape)
+    inv = (1.0 / (np.array(pre.std, np.float64) * pre.scale)).astype(np.float32).reshape(bshape)
+    inits += [numpy_helper.from_array(mean, "pre/mean"), numpy_helper.from_array(inv, "pre/inv_std")]
+    nodes.append(helper.make_node("Sub", [x, "pre/mean"], ["pre/sub_mean"], name="pre/sub_mean"))
+    nodes.append(helper.make_node("Mul", ["pre/sub_mean", "pre/inv_std"], ["pre/scale"], name="pre/scale"))
+    x = "pre/scale"
+    if elem_type != TensorProto.FLOAT:
+        nodes.append(helper.make_node("Cast", [x], ["pre/to_model"], name="pre/to_model", to=elem_type))
+        x = "pre/to_model"
+    return nodes, inits, x
+
+
+def _wrap_output(
+    model: onnx.ModelProto, post: Postprocess, log: list[Rewrite]
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """Replace the model's outputs by ``mask`` and ``probs`` computed from its logits; returns the
+    ``post/*`` nodes and their constants. The graph's outputs are replaced in place."""
+    g = model.graph
+    exported = logits_output(model, post).name  # a string: the proto is renamed in place below
+    name = exported
+    for want in (MASK, PROBS):  # model tensors (the logits too) called `mask`/`probs` move out of the way
+        moved = _unique(model, want)
+        name = moved if name == want else name
+    logits = next(o for o in g.output if o.name == name)
+    shape = _static_shapes(model)[logits.name]
+    nodes, inits = _postprocess_nodes(post, logits, classes=shape[1])
+    dropped = [o.name for o in g.output if o.name != logits.name]
+    del g.output[:]
+    g.output.extend(
+        [
+            helper.make_tensor_value_info(MASK, TensorProto.UINT8, [BATCH, shape[2], shape[3]]),
+            helper.make_tensor_value_info(PROBS, TensorProto.FLOAT, [BATCH, shape[1], shape[2], shape[3]]),
+        ]
+    )
+    log.append(
+        Rewrite(
+            "wrap",
+            f"output '{exported}' (N, {', '.join(map(str, shape[1:]))}) -> {post.activation} "
+            f"-> `{PROBS}` and `{MASK}`" + (f"; dropped outputs {', '.join(dropped)}" if dropped else ""),
+        )
+    )
+    return nodes, inits
+
+
+def _postprocess_nodes(
+    post: Postprocess, logits: onnx.ValueInfoProto, classes: int
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """logits -> float -> activation -> ``probs``, and ``mask``: argmax over classes, or p > 0.5 for one."""
+    nodes: list[onnx.NodeProto] = []
+    inits: list[onnx.TensorProto] = []
+    x = logits.name
+    if logits.type.tensor_type.elem_type != TensorProto.FLOAT:
+        nodes.append(helper.make_node("Cast", [x], ["post/fp32"], name="post/fp32", to=TensorProto.FLOAT))
+        x = "post/fp32"
+    if post.activation == "softmax":
+        nodes.append(helper.make_node("Softmax", [x], ["post/probs"], name="post/softmax", axis=1))
+    elif post.activation == "sigmoid":
+        nodes.append(helper.make_node("Sigmoid", [x], ["post/probs"], name="post/sigmoid"))
+    else:
+        nodes.append(helper.make_node("Identity", [x], ["post/probs"], name="post/probs"))
+    nodes.append(helper.make_node("Identity", ["post/probs"], [PROBS], name="post/probs_out"))
+    if classes == 1:  # one class: foreground where p > 0.5
+        inits.append(numpy_helper.from_array(np.array(0.5, np.float32), "post/half"))
+        nodes.append(helper.make_node("Greater", ["post/probs", "post/half"], ["post/fg"], name="post/fg"))
+        nodes.append(helper.make_node("Squeeze", ["post/fg", "post/axis1"], ["post/fg2d"], name="post/squeeze"))
+        inits.append(numpy_helper.from_array(np.array([1], np.int64), "post/axis1"))
+        nodes.append(helper.make_node("Cast", ["post/fg2d"], [MASK], name="post/mask", to=TensorProto.UINT8))
+    else:
+        nodes.append(
+            helper.make_node("ArgMax", ["post/probs"], ["post/argmax"], name="post/argmax", axis=1, keepdims=0)
+        )
+        nodes.append(helper.make_node("Cast", ["post/argmax"], [MASK], name="post/mask", to=TensorProto.UINT8))
+    return nodes, inits
 
 
 def _prune(model: onnx.ModelProto) -> onnx.ModelProto:

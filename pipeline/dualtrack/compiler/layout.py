@@ -273,36 +273,74 @@ def widen_elementwise(model: onnx.ModelProto) -> onnx.ModelProto:
     graph input and output is an (N, H, W, C) tensor with the same H, W and C <= 8, H*W a multiple
     of WIDE_ROW, and every constant operand a scalar or a per-channel vector (shape (..., 1, C) or
     (..., 1, 1)); then the same graph on (N*H*W/WIDE_ROW, WIDE_ROW*C) views, constants tiled."""
-    from onnx.reference import ReferenceEvaluator
-
     g = model.graph
+    dims = _narrow_image(g)
+    split = _split_elementwise(g) if dims is not None else None
+    if dims is None or split is None:
+        return model
+    h, w, c = dims
+    const, active = split
+    tiled = _tiled_constants(model, const, c)
+    if tiled is None:
+        return model  # a constant broadcasts along more than the channels: no per-row form
+    nodes, row_names = tiled
+    nodes += _reshape_constants(g.name, (-1, c * WIDE_ROW), (-1, h, w, c))
+    nodes += _rows_body(g, active, row_names)
+    out = copy.deepcopy(model)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    used = {t for n in nodes for t in n.input}
+    kept = [i for i in out.graph.initializer if i.name in used]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    del out.graph.value_info[:]
+    return out
+
+
+def _narrow_image(g: onnx.GraphProto) -> tuple[int, int, int] | None:
+    """The (H, W, C) every graph input and output shares, if C is narrow and H*W fills whole rows."""
     dims = {}
     for vi in (*g.input, *g.output):
         shape = vi.type.tensor_type.shape.dim
         if len(shape) != 4 or not all(d.HasField("dim_value") for d in shape[1:]):
-            return model
+            return None
         dims[vi.name] = tuple(d.dim_value for d in shape[1:])
     if len(set(dims.values())) != 1:
-        return model
+        return None
     h, w, c = next(iter(dims.values()))
     if c > _WIDE_MAX_C or (h * w) % WIDE_ROW:
-        return model
+        return None
+    return h, w, c
+
+
+def _split_elementwise(g: onnx.GraphProto) -> tuple[set[str], set[str]] | None:
+    """The graph's constant tensors and the tensors computed from its inputs, if every node that
+    reads an input is element-wise and every output is computed from the inputs."""
     const = {i.name for i in g.initializer}
     active = {i.name for i in g.input}
     for n in g.node:
         if not any(t in active for t in n.input):
             if n.op_type != "Constant" and not all(t in const for t in n.input if t):
-                return model
+                return None
             const.update(n.output)
         elif _elementwise(n, active):
             active.update(n.output)
         else:
-            return model
+            return None
     if not all(o.name in active for o in g.output):
-        return model
+        return None
+    return const, active
 
-    # The constant operands of the element-wise ops, evaluated here (data movement of the model's
-    # initializers: Transpose, Unsqueeze) and tiled to one row of WIDE_ROW pixels.
+
+def _tiled_constants(
+    model: onnx.ModelProto, const: set[str], c: int
+) -> tuple[list[onnx.NodeProto], dict[str, str]] | None:
+    """The constant operands of the element-wise ops as Constant nodes tiled to one row of WIDE_ROW
+    pixels, and each operand's row name; None if one is not a scalar or per-channel vector."""
+    from onnx.reference import ReferenceEvaluator
+
+    g = model.graph
+    # Evaluated here: they are data movement of the model's initializers (Transpose, Unsqueeze).
     wanted = sorted({t for n in g.node if n.op_type in _BINARY for t in n.input if t in const})
     values: dict[str, np.ndarray] = {}
     if wanted:
@@ -320,28 +358,33 @@ def widen_elementwise(model: onnx.ModelProto) -> onnx.ModelProto:
     tiled: dict[str, str] = {}
     for name, v in values.items():
         if v.ndim > 4 or any(d != 1 for d in v.shape[:-1]) or (v.ndim and v.shape[-1] not in (1, c)):
-            return model  # broadcast along more than the channels: no per-row form
+            return None
         flat = v.reshape(-1)
         tiled[name] = f"{name}__row"
         value = np.tile(flat, row // flat.size) if flat.size == c else flat
         nodes.extend(_inline_constant(value, tiled[name]))
-    to_rows = f"{g.name}__rows_shape"
-    nodes.append(
-        helper.make_node(
-            "Constant", [], [to_rows], name=to_rows, value=numpy_helper.from_array(np.array([-1, row], np.int64))
-        )
-    )
-    back = f"{g.name}__nhwc_shape"
-    nodes.append(
-        helper.make_node(
-            "Constant", [], [back], name=back, value=numpy_helper.from_array(np.array([-1, h, w, c], np.int64))
-        )
-    )
+    return nodes, tiled
+
+
+def _reshape_constants(graph: str, rows: tuple[int, int], nhwc: tuple[int, ...]) -> list[onnx.NodeProto]:
+    """The two shapes the widened graph reshapes through: its inputs to rows, its outputs back."""
+    nodes = []
+    for suffix, shape in (("__rows_shape", rows), ("__nhwc_shape", nhwc)):
+        name = f"{graph}{suffix}"
+        value = numpy_helper.from_array(np.array(shape, np.int64))
+        nodes.append(helper.make_node("Constant", [], [name], name=name, value=value))
+    return nodes
+
+
+def _rows_body(g: onnx.GraphProto, active: set[str], tiled: dict[str, str]) -> list[onnx.NodeProto]:
+    """Inputs reshaped to rows, the element-wise nodes on rows (constants read as their tiled rows),
+    outputs reshaped back to NHWC."""
+    to_rows, back = f"{g.name}__rows_shape", f"{g.name}__nhwc_shape"
+    nodes: list[onnx.NodeProto] = []
     rename = {}
     for i in g.input:
         rename[i.name] = f"{i.name}__rows"
         nodes.append(helper.make_node("Reshape", [i.name, to_rows], [rename[i.name]], name=f"{i.name}__to_rows"))
-    outputs = {o.name for o in g.output}
     for n in g.node:
         if not any(t in active for t in n.output):
             continue  # constants: replaced by their tiled rows
@@ -353,16 +396,7 @@ def widen_elementwise(model: onnx.ModelProto) -> onnx.ModelProto:
         nodes.append(n2)
     for o in g.output:
         nodes.append(helper.make_node("Reshape", [rename[o.name], back], [o.name], name=f"{o.name}__to_nhwc"))
-    assert outputs <= {n.output[0] for n in nodes}
-    out = copy.deepcopy(model)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    used = {t for n in nodes for t in n.input}
-    kept = [i for i in out.graph.initializer if i.name in used]
-    del out.graph.initializer[:]
-    out.graph.initializer.extend(kept)
-    del out.graph.value_info[:]
-    return out
+    return nodes
 
 
 def _live(nodes: list[onnx.NodeProto], outputs: Iterable[str]) -> list[onnx.NodeProto]:
