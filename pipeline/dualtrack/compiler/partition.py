@@ -788,41 +788,23 @@ def lower_track_a(
     a residual computed between them (ResNet's downsample) is ready. ``ctx``: the model's, where the
     caller has it."""
     ctx = ctx or SupportContext.of(model, specs)
-    uses, graph_outputs, facts = ctx.uses, ctx.graph_outputs, ctx.facts
     in_seg = {n.name for n in seg}
 
     def private(t: str) -> bool:  # an intermediate no other track or graph output sees
-        return t not in graph_outputs and t not in boundary_outputs
+        return t not in ctx.graph_outputs and t not in boundary_outputs
 
     # A segmentation head is one call, emitted at its last node in the segment (it reads its logits
     # alone, computed before any of its nodes); none of its nodes joins a Conv's epilogue or a mobile op's.
     last_of = {ctx.heads.found[n.name]: n.name for n in seg if n.name in ctx.heads.found}
     head_at = {name: h for h, name in last_of.items()}
     in_heads = {name for h in last_of for name in h.nodes}
-    # Fusion groups first: the Conv's call is emitted at the position of its group's last node.
-    epilogues: dict[str, _Epilogue] = {}
-    emit_at: dict[str, onnx.NodeProto] = {}
-    claimed: set[str] = set(in_heads)
-    for node in seg:
-        if node.op_type == "Conv" and not lower_mobile.claims(node, facts):  # depthwise / vector: lower_mobile's
-            ep = _fuse_epilogue(node, model, specs, in_seg, private, ctx.consumers, claimed)
-            epilogues[node.name] = ep
-            claimed.update(n.name for n in ep.nodes)
-            emit_at[(ep.nodes[-1] if ep.nodes else node).name] = node
-    calls: list[KernelCall] = []
-    i = 0
+    groups = _fusion_groups(seg, model, specs, ctx, private, in_heads)
 
     def fusable(t: str) -> bool:  # an op's output that an activation after it may consume in place
-        return uses[t] == 1 and private(t) and not any(u.name in in_heads for u in ctx.consumers.get(t, []))
+        return ctx.uses[t] == 1 and private(t) and not any(u.name in in_heads for u in ctx.consumers.get(t, []))
 
-    def refuse(node: onnx.NodeProto, why: str) -> TrackARefusal:
-        return TrackARefusal(
-            f"node '{node.name}' ({node.op_type}, {why}) is on Track A, whose kernels cover {TRACK_A_DESCRIPTION}; "
-            f"move it to Track B with partition.track_b.name_prefixes: ['{node.name}']",
-            node=node.name,
-            why=why,
-        )
-
+    calls: list[KernelCall] = []
+    i = 0
     while i < len(seg):
         node = seg[i]
         i += 1
@@ -830,59 +812,112 @@ def lower_track_a(
             head = ctx.heads.found[node.name]
             missing = [name for name in head.nodes if name not in in_seg]
             if missing:
-                raise refuse(node, f"its segmentation head's nodes {', '.join(missing)} are in another segment")
+                raise _refusal(node, f"its segmentation head's nodes {', '.join(missing)} are in another segment")
             if node.name in head_at:
                 calls.append(head.call())
             continue
-        if node.name in claimed:  # in the epilogue of a Conv of this segment, which answers for it
-            if node.name in emit_at:
-                conv = emit_at[node.name]
-                calls.append(_conv_call(conv, epilogues[conv.name], specs, refuse))
+        if node.name in groups.claimed:  # in the epilogue of a Conv of this segment, which answers for it
+            if node.name in groups.emit_at:
+                conv = groups.emit_at[node.name]
+                calls.append(_conv_call(conv, groups.epilogues[conv.name], specs, _refusal))
             continue
         why = track_a_support(node, ctx)
         if why:
-            raise refuse(node, why)
-        # --- the mobile ops (lower_mobile.RULES: depthwise/pooled-vector Conv, pools, eltwise, Resize)
-        if lower_mobile.claims(node, facts):
-            # An Add or activation whose predicate counted on its Conv's epilogue, which this segment
-            # does not hold, is an eltwise call of its own here.
-            why = lower_mobile.supports(node, facts)
-            if why:
-                raise refuse(node, why)
-            try:
-                call, covered_nodes = lower_mobile.lower(seg, i - 1, facts, fusable)
-            except lower_mobile.Refused as e:
-                raise refuse(node, str(e)) from None
+            raise _refusal(node, why)
+        if lower_mobile.claims(node, ctx.facts):
+            call, covered_nodes = _lower_mobile_op(seg, i - 1, ctx.facts, fusable)
             calls.append(call)
             i += covered_nodes - 1
             continue
-        # --- end of the mobile ops
-        why = track_a_support(node, ctx)
-        if why:
-            raise refuse(node, why)
-        weights = tuple(w for w in node.input[1:] if w) if node.op_type in ("Conv", "ConvTranspose") else ()
-        if node.op_type == "Conv":
-            if node.name in emit_at:  # no epilogue nodes: the call goes here
-                calls.append(_conv_call(node, epilogues[node.name], specs, refuse))
-        elif node.op_type == "MaxPool":
-            op, geom, _ = _max_pool(node, specs)
-            attrs = geom.attrs() if op == "maxpool" and geom is not None else ()
-            calls.append(KernelCall(op, (node.input[0],), (node.output[0],), (), attrs, (node.name,)))
-        elif node.op_type == "ConvTranspose":
-            calls.append(KernelCall("convt2x2", (node.input[0],), (node.output[0],), weights, (), (node.name,)))
-        elif node.op_type == "Concat":
-            # No kernel: the producers write straight into channel slices of the output buffer
-            # (the channel axis is _concat_support's check).
-            produced = {t for c in calls for t in c.outputs}
-            for x in node.input:
-                if x not in produced or x in boundary_outputs or x in graph_outputs:
-                    raise refuse(node, f"input '{x}' is not produced by a Track A kernel of this segment")
-                if sum(1 for c in calls if c.op == "concat" and x in c.inputs):
-                    raise refuse(node, f"input '{x}' already feeds another concatenation")
-            calls.append(KernelCall("concat", tuple(node.input), (node.output[0],), (), (), (node.name,)))
-        else:
-            raise refuse(node, "no hand-written kernel")
+        call = _lower_dense_op(node, specs, groups, calls, boundary_outputs | ctx.graph_outputs)
+        if call is not None:
+            calls.append(call)
     return calls
+
+
+def _refusal(node: onnx.NodeProto, why: str) -> TrackARefusal:
+    return TrackARefusal(
+        f"node '{node.name}' ({node.op_type}, {why}) is on Track A, whose kernels cover {TRACK_A_DESCRIPTION}; "
+        f"move it to Track B with partition.track_b.name_prefixes: ['{node.name}']",
+        node=node.name,
+        why=why,
+    )
+
+
+@dataclass
+class _FusionGroups:
+    """A segment's dense Convs with the epilogue each fuses within the segment."""
+
+    epilogues: dict[str, _Epilogue]  # Conv name -> its epilogue
+    emit_at: dict[str, onnx.NodeProto]  # node name -> the Conv whose call goes where that node was
+    claimed: set[str]  # nodes another call answers for: epilogue and segmentation head nodes
+
+
+def _fusion_groups(
+    seg: list[onnx.NodeProto],
+    model: onnx.ModelProto,
+    specs: dict,
+    ctx: SupportContext,
+    private: Callable[[str], bool],
+    in_heads: set[str],
+) -> _FusionGroups:
+    """Fusion groups first: the Conv's call is emitted at the position of its group's last node."""
+    in_seg = {n.name for n in seg}
+    groups = _FusionGroups({}, {}, set(in_heads))
+    for node in seg:
+        if node.op_type == "Conv" and not lower_mobile.claims(node, ctx.facts):  # depthwise / vector: lower_mobile's
+            ep = _fuse_epilogue(node, model, specs, in_seg, private, ctx.consumers, groups.claimed)
+            groups.epilogues[node.name] = ep
+            groups.claimed.update(n.name for n in ep.nodes)
+            groups.emit_at[(ep.nodes[-1] if ep.nodes else node).name] = node
+    return groups
+
+
+def _lower_mobile_op(
+    seg: list[onnx.NodeProto], at: int, facts: lower_mobile.Facts, fusable: Callable[[str], bool]
+) -> tuple[KernelCall, int]:
+    """The lower_mobile.RULES call for ``seg[at]`` (depthwise/pooled-vector Conv, pools, eltwise,
+    Resize) and how many nodes it covers."""
+    node = seg[at]
+    # An Add or activation whose predicate counted on its Conv's epilogue, which this segment does not
+    # hold, is an eltwise call of its own here.
+    why = lower_mobile.supports(node, facts)
+    if why:
+        raise _refusal(node, why)
+    try:
+        return lower_mobile.lower(seg, at, facts, fusable)
+    except lower_mobile.Refused as e:
+        raise _refusal(node, str(e)) from None
+
+
+def _lower_dense_op(
+    node: onnx.NodeProto, specs: dict, groups: _FusionGroups, calls: list[KernelCall], escaping: set[str]
+) -> KernelCall | None:
+    """The call for a dense Conv without epilogue nodes, MaxPool, ConvTranspose or Concat (None for a
+    Conv whose call waits for its epilogue's last node). ``calls``: the segment's so far; ``escaping``:
+    tensors another segment or the graph's outputs read."""
+    if node.op_type == "Conv":
+        if node.name in groups.emit_at:  # no epilogue nodes: the call goes here
+            return _conv_call(node, groups.epilogues[node.name], specs, _refusal)
+        return None
+    if node.op_type == "MaxPool":
+        op, geom, _ = _max_pool(node, specs)
+        attrs = geom.attrs() if op == "maxpool" and geom is not None else ()
+        return KernelCall(op, (node.input[0],), (node.output[0],), (), attrs, (node.name,))
+    if node.op_type == "ConvTranspose":
+        weights = tuple(w for w in node.input[1:] if w)
+        return KernelCall("convt2x2", (node.input[0],), (node.output[0],), weights, (), (node.name,))
+    if node.op_type == "Concat":
+        # No kernel: the producers write straight into channel slices of the output buffer
+        # (the channel axis is _concat_support's check).
+        produced = {t for c in calls for t in c.outputs}
+        for x in node.input:
+            if x not in produced or x in escaping:
+                raise _refusal(node, f"input '{x}' is not produced by a Track A kernel of this segment")
+            if sum(1 for c in calls if c.op == "concat" and x in c.inputs):
+                raise _refusal(node, f"input '{x}' already feeds another concatenation")
+        return KernelCall("concat", tuple(node.input), (node.output[0],), (), (), (node.name,))
+    raise _refusal(node, "no hand-written kernel")
 
 
 def _dense_conv(node: onnx.NodeProto, ep: _Epilogue, specs: dict) -> tuple[str, ConvGeometry | None, str | None]:
@@ -1200,70 +1235,13 @@ def partition_model(
     segments = order_segments(model, tracks)
     bounds = _boundaries(model, segments)
     seg_track = [tracks[s[0].name] for s in segments]
-    free = batch_free(model)
-    for k, b in enumerate(bounds):
-        crossing = [t for t in b.outputs if t in free]
-        if crossing:
-            raise PartitionError(
-                f"'{crossing[0]}' is a constant or shape value (computed from weights, constants or Shape; not "
-                f"batch-major) that would leave segment {k} for another track; keep its producers and consumers on "
-                "one track (partition rules), or leave `simplify` on to fold it"
-            )
-    graph_io = {i.name for i in model.graph.input} | {o.name for o in model.graph.output}
-
-    # NHWC wherever Track A is on either side of a boundary, but for the model's own outputs: a Track A
-    # segment writes those only through a call that writes the model's layout (MODEL_LAYOUT_OPS:
-    # the segmentation head), checked once the segment is lowered.
-    graph_outputs = {o.name for o in model.graph.output}
-    touches_a: set[str] = set()
-    for k, b in enumerate(bounds):
-        if seg_track[k] == "A":
-            touches_a.update(b.inputs, b.outputs)
-    for k, b in enumerate(bounds):
-        if seg_track[k] == "A":
-            for t in b.inputs + [o for o in b.outputs if o not in graph_outputs or _head_output(o, ctx) is None]:
-                if t in graph_io:
-                    raise PartitionError(
-                        f"Track A would read or write the model's own input/output '{t}' directly; "
-                        "Track A works in NHWC, "
-                        "so keep the first and last ops on Track B (narrow partition.track_a)"
-                    )
-
-    def spec(name: str) -> TensorSpec:
-        shape, dtype = specs[name]
-        if name in graph_outputs:  # the model's own layout wherever it is written (NCHW for an image)
-            return TensorSpec(name, shape, dtype, "NCHW" if name in touches_a and len(shape) == 4 else "")
-        if name in touches_a and len(shape) == 4:
-            return TensorSpec(name, _nhwc(shape), dtype, "NHWC")
-        return TensorSpec(name, shape, dtype, "")  # as the model has it (ONNX does not record layouts)
-
+    _check_batch_major_boundaries(model, bounds)
+    spec = _boundary_spec(specs, ctx.graph_outputs, _nhwc_tensors(model, bounds, seg_track, ctx))
     plan_segments: list[Segment] = []
     seg_models: list[onnx.ModelProto] = []
     for k, (nodes, b) in enumerate(zip(segments, bounds, strict=True)):
-        ins, outs = [spec(t) for t in b.inputs], [spec(t) for t in b.outputs]
-        seg_model = extract_segment(model, nodes, ins, outs, nhwc=seg_track[k] == "B" and cfg.track_b.nhwc)
-        calls: tuple[KernelCall, ...] = ()
-        tensors: tuple[TensorSpec, ...] = ()
-        if seg_track[k] == "A":
-            calls = tuple(lower_track_a(nodes, model, specs, set(b.outputs), ctx))
-            _check_model_outputs(k, calls, graph_outputs)
-            boundary = {t.name for t in ins + outs}
-            inner = [t for c in calls for t in c.outputs if t not in boundary]
-            tensors = tuple(TensorSpec(t, _nhwc(specs[t][0]), specs[t][1], "NHWC") for t in inner)
-        track = seg_track[k]
-        plan_segments.append(
-            Segment(
-                index=k,
-                track=track,  # type: ignore[arg-type]
-                nodes=tuple(n.name for n in nodes),
-                inputs=tuple(ins),
-                outputs=tuple(outs),
-                onnx=f"segments/seg{k}_{track}.onnx",
-                key=model_hash(seg_model),
-                calls=calls,
-                tensors=tensors,
-            )
-        )
+        segment, seg_model = _segment(k, seg_track[k], nodes, b, model, cfg, specs, ctx, spec)
+        plan_segments.append(segment)
         seg_models.append(seg_model)
     model_inputs = tuple(spec(i.name) for i in model.graph.input)
     model_outputs = tuple(spec(o.name) for o in model.graph.output)
@@ -1277,6 +1255,92 @@ def partition_model(
         notes=_notes(assignment, seg_track),
     )
     return Partitioned(plan, seg_models, assignment)
+
+
+def _check_batch_major_boundaries(model: onnx.ModelProto, bounds: list[_Boundaries]) -> None:
+    """Every tensor that crosses a boundary is batch-major: the tracks run it per batch size."""
+    free = batch_free(model)
+    for k, b in enumerate(bounds):
+        crossing = [t for t in b.outputs if t in free]
+        if crossing:
+            raise PartitionError(
+                f"'{crossing[0]}' is a constant or shape value (computed from weights, constants or Shape; not "
+                f"batch-major) that would leave segment {k} for another track; keep its producers and consumers on "
+                "one track (partition rules), or leave `simplify` on to fold it"
+            )
+
+
+def _nhwc_tensors(
+    model: onnx.ModelProto, bounds: list[_Boundaries], seg_track: list[str], ctx: SupportContext
+) -> set[str]:
+    """The boundary tensors in NHWC: wherever Track A is on either side of a boundary, but for the
+    model's own outputs: a Track A segment writes those only through a call that writes the model's
+    layout (MODEL_LAYOUT_OPS: the segmentation head), checked once the segment is lowered."""
+    graph_io = {i.name for i in model.graph.input} | {o.name for o in model.graph.output}
+    touches_a: set[str] = set()
+    for k, b in enumerate(bounds):
+        if seg_track[k] == "A":
+            touches_a.update(b.inputs, b.outputs)
+    for k, b in enumerate(bounds):
+        if seg_track[k] == "A":
+            for t in b.inputs + [o for o in b.outputs if o not in ctx.graph_outputs or _head_output(o, ctx) is None]:
+                if t in graph_io:
+                    raise PartitionError(
+                        f"Track A would read or write the model's own input/output '{t}' directly; "
+                        "Track A works in NHWC, "
+                        "so keep the first and last ops on Track B (narrow partition.track_a)"
+                    )
+    return touches_a
+
+
+def _boundary_spec(specs: dict, graph_outputs: frozenset[str], touches_a: set[str]) -> Callable[[str], TensorSpec]:
+    """A boundary tensor's spec: its shape, dtype and layout as the plan records it."""
+
+    def spec(name: str) -> TensorSpec:
+        shape, dtype = specs[name]
+        if name in graph_outputs:  # the model's own layout wherever it is written (NCHW for an image)
+            return TensorSpec(name, shape, dtype, "NCHW" if name in touches_a and len(shape) == 4 else "")
+        if name in touches_a and len(shape) == 4:
+            return TensorSpec(name, _nhwc(shape), dtype, "NHWC")
+        return TensorSpec(name, shape, dtype, "")  # as the model has it (ONNX does not record layouts)
+
+    return spec
+
+
+def _segment(
+    k: int,
+    track: str,
+    nodes: list[onnx.NodeProto],
+    b: _Boundaries,
+    model: onnx.ModelProto,
+    cfg: BuildConfig,
+    specs: dict,
+    ctx: SupportContext,
+    spec: Callable[[str], TensorSpec],
+) -> tuple[Segment, onnx.ModelProto]:
+    """Segment ``k`` of the plan, its kernel calls lowered where it is on Track A, and its ONNX model."""
+    ins, outs = [spec(t) for t in b.inputs], [spec(t) for t in b.outputs]
+    seg_model = extract_segment(model, nodes, ins, outs, nhwc=track == "B" and cfg.track_b.nhwc)
+    calls: tuple[KernelCall, ...] = ()
+    tensors: tuple[TensorSpec, ...] = ()
+    if track == "A":
+        calls = tuple(lower_track_a(nodes, model, specs, set(b.outputs), ctx))
+        _check_model_outputs(k, calls, set(ctx.graph_outputs))
+        boundary = {t.name for t in ins + outs}
+        inner = [t for c in calls for t in c.outputs if t not in boundary]
+        tensors = tuple(TensorSpec(t, _nhwc(specs[t][0]), specs[t][1], "NHWC") for t in inner)
+    segment = Segment(
+        index=k,
+        track=track,  # type: ignore[arg-type]
+        nodes=tuple(n.name for n in nodes),
+        inputs=tuple(ins),
+        outputs=tuple(outs),
+        onnx=f"segments/seg{k}_{track}.onnx",
+        key=model_hash(seg_model),
+        calls=calls,
+        tensors=tensors,
+    )
+    return segment, seg_model
 
 
 def _head_output(t: str, ctx: SupportContext) -> lower_head.Head | None:
