@@ -17,13 +17,14 @@ wheel is large; serving machines rarely carry it):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ from dualtrack.compiler import frontend, partition, track_b
 from dualtrack.compiler.config import BuildConfig, Tolerance, load_config
 from dualtrack.compiler.tuned import RECORD_KIND, measured_for, record_key, segment_key
 from dualtrack.contract import arch
-from dualtrack.contract.plan import TensorSpec
+from dualtrack.contract.plan import Segment, TensorSpec
 from dualtrack.errors import BundleError, ConfigError, ToolError
 from dualtrack.settings import Settings
 
@@ -224,13 +225,7 @@ def prepare_kit(
     res = arch.resolve_targets([arch_name], enable_tma=cfg.enable_tma, iree_target=cfg.track_b.iree_target)[0]
     iree_target = track_b.cuda_target(res.iree_target)
     cands = _candidates(cfg, only)
-    cfg, fe = frontend.load(cfg)
-    model = partition.name_nodes(fe.model)
-    plan, seg_models = partition.build_plan(cfg, model, measured_for(cfg))
-    segs = [(s, m) for s, m in zip(plan.segments, seg_models, strict=True) if s.track == "B"]
-    if not segs:
-        raise ConfigError(f"{cfg.model.name}: the plan has no Track B segment, so there are no IREE flags to tune")
-
+    cfg, model, segs = _track_b_segments(cfg)
     jobs = [
         track_b.CompileJob(f"{s.name}:{c}", m, b, iree_target, flags)
         for s, m in segs
@@ -242,43 +237,12 @@ def prepare_kit(
         f" x {len(cfg.batch_sizes)} batch sizes"
     )
     compiler = track_b.compiler_version()
-    cache = track_b.ModuleCache(settings.cache_dir / "iree", enabled=settings.use_cache)
-
-    def compile_one(job: track_b.CompileJob) -> tuple[track_b.CompileJob, bytes | None, str]:
-        try:
-            return job, track_b.run_job(job, cache, compiler, settings.save_temps).vmfb, ""
-        except (ToolError, ConfigError) as e:  # a candidate that does not compile is a result
-            return job, None, str(e).splitlines()[0]
-
-    with ThreadPoolExecutor(max_workers=settings.jobs) as pool:
-        results = list(pool.map(compile_one, jobs))
-
+    results = _compile_candidates(jobs, compiler, settings)
     dest = Path(out)
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        kit_segments = []
-        failed: dict[str, dict[str, str]] = {}
+    with _replaced_folder(dest) as tmp:
         model_bytes = model.SerializeToString()
         (tmp / MODEL_FILE).write_bytes(model_bytes)
-        for s, m in segs:
-            (tmp / "segments").mkdir(exist_ok=True)
-            onnx_rel = f"segments/{s.name}.onnx"
-            onnx.save(partition.strip_initializers(m), str(tmp / onnx_rel))
-            modules: dict[str, dict[int, str]] = {}
-            for job, data, err in results:
-                seg_name, cand = job.segment.split(":", 1)
-                if seg_name != s.name:
-                    continue
-                if data is None:
-                    failed.setdefault(s.name, {})[cand] = err
-                    continue
-                rel = f"iree/{s.name}/{cand}/b{job.batch}.vmfb"
-                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                (tmp / rel).write_bytes(data)
-                modules.setdefault(cand, {})[job.batch] = rel
-            kit_segments.append(KitSegment(s.name, segment_key(m), onnx_rel, s.inputs, s.outputs, modules))
+        kit_segments, failed = _write_segments(tmp, segs, results)
         manifest = {
             "format": KIT_FORMAT,
             "config": str(config),
@@ -292,16 +256,82 @@ def prepare_kit(
             "segments": [k.to_json() for k in kit_segments],
         }
         (tmp / KIT_FILE).write_text(json.dumps(manifest, indent=1))
+    for seg, per in failed.items():
+        for cand, err in per.items():
+            say(f"{seg}: candidate {cand} does not compile: {err}")
+    return Kit.open(dest)
+
+
+def _track_b_segments(cfg: BuildConfig) -> tuple[BuildConfig, onnx.ModelProto, list[tuple[Segment, onnx.ModelProto]]]:
+    """The config after the front end, the named model, and the plan's Track B segments with their models."""
+    cfg, fe = frontend.load(cfg)
+    model = partition.name_nodes(fe.model)
+    plan, seg_models = partition.build_plan(cfg, model, measured_for(cfg))
+    segs = [(s, m) for s, m in zip(plan.segments, seg_models, strict=True) if s.track == "B"]
+    if not segs:
+        raise ConfigError(f"{cfg.model.name}: the plan has no Track B segment, so there are no IREE flags to tune")
+    return cfg, model, segs
+
+
+_Compiled = tuple[track_b.CompileJob, bytes | None, str]  # the job, its module or None, why it failed
+
+
+def _compile_candidates(jobs: list[track_b.CompileJob], compiler: str, settings: Settings) -> list[_Compiled]:
+    """Every job compiled, ``settings.jobs`` at a time; a candidate that does not compile is a result."""
+    cache = track_b.ModuleCache(settings.cache_dir / "iree", enabled=settings.use_cache)
+
+    def compile_one(job: track_b.CompileJob) -> _Compiled:
+        try:
+            return job, track_b.run_job(job, cache, compiler, settings.save_temps).vmfb, ""
+        except (ToolError, ConfigError) as e:
+            return job, None, str(e).splitlines()[0]
+
+    with ThreadPoolExecutor(max_workers=settings.jobs) as pool:
+        return list(pool.map(compile_one, jobs))
+
+
+@contextlib.contextmanager
+def _replaced_folder(dest: Path) -> Iterator[Path]:
+    """A fresh folder beside ``dest`` to fill; it replaces ``dest`` when the block succeeds, and is
+    removed when it fails, so a kit folder is never half written."""
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for seg, per in failed.items():
-        for cand, err in per.items():
-            say(f"{seg}: candidate {cand} does not compile: {err}")
-    return Kit.open(dest)
+
+
+def _write_segments(
+    kit: Path, segs: list[tuple[Segment, onnx.ModelProto]], results: list[_Compiled]
+) -> tuple[list[KitSegment], dict[str, dict[str, str]]]:
+    """Each segment's ONNX (weights stripped) and compiled modules in the kit folder; returns the
+    segments' entries and, per segment, the candidates that did not compile and why."""
+    kit_segments = []
+    failed: dict[str, dict[str, str]] = {}
+    for s, m in segs:
+        (kit / "segments").mkdir(exist_ok=True)
+        onnx_rel = f"segments/{s.name}.onnx"
+        onnx.save(partition.strip_initializers(m), str(kit / onnx_rel))
+        modules: dict[str, dict[int, str]] = {}
+        for job, data, err in results:
+            seg_name, cand = job.segment.split(":", 1)
+            if seg_name != s.name:
+                continue
+            if data is None:
+                failed.setdefault(s.name, {})[cand] = err
+                continue
+            rel = f"iree/{s.name}/{cand}/b{job.batch}.vmfb"
+            (kit / rel).parent.mkdir(parents=True, exist_ok=True)
+            (kit / rel).write_bytes(data)
+            modules.setdefault(cand, {})[job.batch] = rel
+        kit_segments.append(KitSegment(s.name, segment_key(m), onnx_rel, s.inputs, s.outputs, modules))
+    return kit_segments, failed
 
 
 # -- timing on the GPU ----------------------------------------------------------------------------
