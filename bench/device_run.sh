@@ -22,10 +22,10 @@ C=.carry
 # The bundles may travel as one archive (PTX compresses 10x; the carry limit is 64 MiB):
 # `tar -cf - .carry | xz > .carry.tar.xz` here, carry [".whl", ".carry.tar.xz"].
 [ -f .carry.tar.xz ] && { rm -rf "$C"; tar -xJf .carry.tar.xz || exit 1; }
-# Bundles of the same model share model.onnx: it travels once (the 64 MiB carry limit).
-for b in "$C"/unet_seed_split "$C"/iree_only "$C"/unet_*; do [ -d "$b" ] && [ ! -f "$b/model.onnx" ] && cp "$C/unet/model.onnx" "$b/"; done
-# An IREE-only zoo variant (.carry/zoo/<zoo>.iree_only/<v>) of the zoo bundle's precision: its model.onnx.
-for v in "$C"/zoo/*.iree_only/*; do [ -d "$v" ] && [ ! -f "$v/model.onnx" ] && cp "$(dirname "$v" | sed 's/\.iree_only$//')/model.onnx" "$v/"; done
+# Bundles of the same model share model.onnx and weights.bin: they travel once (the 64 MiB carry limit).
+for b in "$C"/unet_seed_split "$C"/iree_only "$C"/unet_*; do [ -d "$b" ] && [ ! -f "$b/weights.bin" ] && cp "$C/unet/model.onnx" "$C/unet/weights.bin" "$b/"; done
+# An IREE-only zoo variant (.carry/zoo/<zoo>.iree_only/<v>) of the zoo bundle's precision: its model.onnx and weights.bin.
+for v in "$C"/zoo/*.iree_only/*; do [ -d "$v" ] && [ ! -f "$v/weights.bin" ] && z=$(dirname "$v" | sed 's/\.iree_only$//') && cp "$z/model.onnx" "$z/weights.bin" "$v/"; done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 echo "commit ${DUALTRACK_COMMIT:-unknown}"
 dt() { python3 -c 'from dualtrack.cli import main; main()' "$@"; }

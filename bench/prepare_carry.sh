@@ -26,7 +26,7 @@ if [ "$what" != zoo-only ]; then
   "$DT" build configs/unet.yaml -o "$C/unet"
   for c in unet_seed_split iree_only unet_head_b unet_batches; do
     "$DT" build "configs/$c.yaml" -o "$C/$c"
-    rm "$C/$c/model.onnx"  # the reference's: same model, same bytes (its hash is checked at load)
+    rm "$C/$c/model.onnx" "$C/$c/weights.bin"  # the reference's: same model, same bytes (hashes checked at load)
   done
   cp models/sample.png "$C/"
   "$PY" -c "from PIL import Image; Image.open('models/sample.png').convert('RGB').save('$C/sample.jpg', quality=90)"
@@ -66,7 +66,9 @@ if [ "$what" = zoo ] || [ "$what" = zoo-only ]; then
     # The CPU path of every variant must verify (the GPU's code is checked at its first load there).
     "$DT" build --cpu-only "$v" -o "$cpu/$zoo-$(basename "$v" .yaml)" | tail -1
     "$DT" build "$v" -o "$out" | tail -1
-    if cmp -s "$out/model.onnx" "$C/zoo/$zoo/model.onnx"; then rm "$out/model.onnx"; fi
+    if cmp -s "$out/model.onnx" "$C/zoo/$zoo/model.onnx" && cmp -s "$out/weights.bin" "$C/zoo/$zoo/weights.bin"; then
+      rm "$out/model.onnx" "$out/weights.bin"
+    fi
   done; done
   rm -rf "$cpu"
 fi

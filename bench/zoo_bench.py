@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
     import torch
 
+    from dualtrack.compiler.bundle import load_model
     from dualtrack.contract.bundle import Bundle
 
     zoo = load_zoo()
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         if 1 not in images:
             images[1] = [rng.integers(0, 256, (1, h, w, 3), dtype=np.uint8)]
-        sess = ort.InferenceSession(b.model.SerializeToString(), providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(load_model(b).SerializeToString(), providers=["CPUExecutionProvider"])
         ref_probs = sess.run(["probs"], {"image": images[1][0]})[0]
         rows += engine_rows(torch, name, bundle, images, args)
         rows += iree_only_rows(torch, name, b.plan.precision, bundle, images, args)

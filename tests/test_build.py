@@ -19,7 +19,7 @@ from onnx import numpy_helper
 from dualtrack.compiler import track_b
 from dualtrack.compiler.build import build
 from dualtrack.compiler.track_a import SOURCE_DIR
-from dualtrack.contract.bundle import MANIFEST, Bundle
+from dualtrack.contract.bundle import MANIFEST, Bundle, model_digest
 from dualtrack.contract.manifest import BUNDLE_FORMAT, Manifest
 from dualtrack.contract.plan import Plan
 from dualtrack.errors import BundleError, ConfigError, VerificationError
@@ -67,7 +67,9 @@ def test_manifest_records_plan_and_model(tiny_bundle: Path, tiny_config: Path) -
     raw = json.loads((tiny_bundle / MANIFEST).read_text())
     assert Plan.from_json(raw["plan"]) == b.plan
     assert Manifest.from_json(json.loads(json.dumps(m.to_json())), "x") == m  # the JSON form round-trips
-    assert m.model.sha256 == sha256(tiny_bundle / "model.onnx")
+    files = {f: sha256(tiny_bundle / f) for f in ("model.onnx", "weights.bin")}
+    assert m.model.sha256 == model_digest(files) and all(m.files[f] == h for f, h in files.items())
+    assert m.weights and all(w.offset % 64 == 0 for w in m.weights.values())  # the index into weights.bin
     assert m.model.source_sha256 == sha256(tiny_config.parent / "tiny_fp32.onnx")
     assert [t.arch for t in m.targets] == ["sm_90a", "sm_80"]
     assert any("sm_89" in n for n in m.notes)
@@ -315,15 +317,26 @@ def test_open_manifest_that_is_not_an_object(bundle_copy: Path) -> None:
 
 def test_open_refuses_a_model_swapped_in_with_its_file_hash_patched(bundle_copy: Path) -> None:
     """The modules were built from the recorded model: other weights under a patched hash are refused."""
-    model = onnx.load(str(bundle_copy / "model.onnx"))
+    model = onnx.load(str(bundle_copy / "model.onnx"))  # its weights resolved from weights.bin
     init = model.graph.initializer[-1]
     arr = numpy_helper.to_array(init) + 1
     init.CopyFrom(numpy_helper.from_array(arr.astype(arr.dtype), init.name))
-    onnx.save(model, str(bundle_copy / "model.onnx"))
+    onnx.save(model, str(bundle_copy / "model.onnx"))  # the weights inline now: weights.bin no longer read
     m = json.loads((bundle_copy / MANIFEST).read_text())
     m["files"]["model.onnx"] = sha256(bundle_copy / "model.onnx")
     (bundle_copy / MANIFEST).write_text(json.dumps(m))
-    with pytest.raises(BundleError, match=r"model\.onnx is not the model its modules were built from .*rebuild"):
+    with pytest.raises(BundleError, match=r"model\.onnx and weights\.bin are not the model its modules were built"):
+        Bundle.open(bundle_copy)
+
+
+def test_open_refuses_weights_swapped_in_with_their_file_hash_patched(bundle_copy: Path) -> None:
+    data = bytearray((bundle_copy / "weights.bin").read_bytes())
+    data[-1] ^= 0xFF
+    (bundle_copy / "weights.bin").write_bytes(bytes(data))
+    m = json.loads((bundle_copy / MANIFEST).read_text())
+    m["files"]["weights.bin"] = sha256(bundle_copy / "weights.bin")
+    (bundle_copy / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(BundleError, match=r"are not the model its modules were built from .*rebuild the bundle"):
         Bundle.open(bundle_copy)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dualtrack import kernels
+from dualtrack.compiler.bundle import load_model
 from dualtrack.compiler.config import Tolerance
 from dualtrack.compiler.verify import compare, ort_session, random_input, run_ort
 from dualtrack.errors import ArchError, DeviceError
@@ -93,7 +94,7 @@ def test_engine_verifies_on_gpu(engine) -> None:
 
 def test_gpu_matches_cpu_and_onnxruntime(engine, tiny_bundle: Path) -> None:
     x = random_input(engine.input_spec, 4, np.random.default_rng())
-    ref = run_ort(ort_session(engine.bundle.model), {engine.input_spec.name: x})
+    ref = run_ort(ort_session(load_model(engine.bundle)), {engine.input_spec.name: x})
     with Engine.load(tiny_bundle, "cpu") as cpu:
         want = cpu.run(x)
     got = engine.run(x)
@@ -166,7 +167,7 @@ def test_whole_body_on_track_a_verifies_on_gpu(tiny_full_bundle: Path) -> None:
         report = verify_engine(e, samples=2, interpret=False)
         assert report.passed, "\n".join(report.lines())
         x = random_input(e.input_spec, 4, np.random.default_rng())
-        ref = run_ort(ort_session(e.bundle.model), {e.input_spec.name: x})
+        ref = run_ort(ort_session(load_model(e.bundle)), {e.input_spec.name: x})
         got = e.run(x)
     tol = Tolerance(rel_l2=2e-2, max_abs=5e-2, mismatch=5e-3)
     for name in ("probs", "mask"):
@@ -240,12 +241,14 @@ def test_a_bundle_whose_gpu_results_are_wrong_is_refused_at_load(
     tiny_bundle: Path, tmp_path: Path, monkeypatch
 ) -> None:
     """A failing record does not stand in for a pass: the load checks again and refuses, engine closed."""
-    from dualtrack.compiler.verify import Check, Report, verify_engine
+    from dualtrack.contract.checks import Check, Report
     from dualtrack.errors import VerificationError
     from dualtrack.runtime import selfcheck
 
-    def wrong(engine, **kw):
-        good = verify_engine(engine, **kw)
+    check_cases = selfcheck.check_cases
+
+    def wrong(engine):
+        good = check_cases(engine)
         return Report(
             good.device,
             good.precision,
@@ -255,6 +258,6 @@ def test_a_bundle_whose_gpu_results_are_wrong_is_refused_at_load(
         )
 
     monkeypatch.setenv("DUALTRACK_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(selfcheck, "verify_engine", wrong)
+    monkeypatch.setattr(selfcheck, "check_cases", wrong)
     with pytest.raises(VerificationError, match="computes wrong results on NVIDIA"):
         Engine.load(tiny_bundle, "cuda")

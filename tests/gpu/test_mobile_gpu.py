@@ -21,6 +21,7 @@ import pytest
 from gpu_ptx import Slices, checked_in_ptx
 
 from dualtrack import kernels
+from dualtrack.compiler.bundle import load_model
 from dualtrack.compiler.config import Tolerance
 from dualtrack.compiler.verify import compare, ort_session, random_input, run_ort, verify_engine
 from dualtrack.kernels import Activation, DwConvSpec, DwGeometry, ResizeMode
@@ -271,7 +272,7 @@ def test_mobile_bundle_on_the_gpu_matches_onnxruntime(mobile_bundle: Path, graph
         assert any("[kernels]" in c.name for c in report.checks)
         for batch in (1, 2):
             x = random_input(e.input_spec, batch, np.random.default_rng())
-            ref = run_ort(ort_session(e.bundle.model), {e.input_spec.name: x})
+            ref = run_ort(ort_session(load_model(e.bundle)), {e.input_spec.name: x})
             got = e.run(x)
             for name, want in ref.items():
                 result = compare(name, want, got[name], Tolerance(rel_l2=5e-3, max_abs=5e-3, mismatch=0))

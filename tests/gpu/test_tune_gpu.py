@@ -10,6 +10,7 @@ import pytest
 
 from dualtrack import kernels
 from dualtrack.compiler import tuned as tuning
+from dualtrack.compiler.bundle import load_model
 from dualtrack.compiler.config import Tolerance
 from dualtrack.compiler.verify import compare, ort_session, random_input, run_ort, verify_engine
 from dualtrack.contract.bundle import Bundle
@@ -109,7 +110,7 @@ def test_engine_built_with_tuned_tiles_matches_cpu_and_onnxruntime(
         assert {e for e in launched if e.startswith("conv3x3")} == want | {CONV.smallc_entry}
         x = random_input(engine.input_spec, 4, np.random.default_rng())
         got = engine.run(x)
-    ref = run_ort(ort_session(Bundle.open(tiny_tuned_bundle).model), {engine.input_spec.name: x})
+    ref = run_ort(ort_session(load_model(Bundle.open(tiny_tuned_bundle))), {engine.input_spec.name: x})
     with Engine.load(tiny_tuned_bundle, "cpu") as cpu:
         cpu_out = cpu.run(x)
     tol = Tolerance(rel_l2=2e-2, max_abs=5e-2, mismatch=5e-3)

@@ -2,9 +2,10 @@
 
 Named stages, in order:
 
-    load_config -> resolve_targets -> frontend (exports cleaned, image I/O wrapped, checked against
-    the export) -> build_plan -> track_a_artifacts -> track_b_modules -> write bundle (temporary)
-    -> verify on the CPU -> commit (rename)
+    configure -> resolve (targets) -> front_end (exports cleaned, image I/O wrapped; partitioned
+    into a plan) -> track_a_artifacts -> track_b_jobs -> [up_to_date] -> check_front_end (against
+    the export) -> compile -> write_files (model, weights, segments, Track A, reference cases) ->
+    write_modules (IREE) -> verify_on_cpu -> commit (rename)
 
 A build whose inputs all hash the same as the bundle already at the destination compiles nothing,
 verifies nothing and says so; otherwise only the modules whose cache key moved are compiled.
@@ -23,17 +24,22 @@ from importlib.metadata import version as pkg_version
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import onnx
+
 from dualtrack import hostcpu, kernels
 from dualtrack.compiler import frontend, partition, track_b, verify
 from dualtrack.compiler import track_a as ptx
+from dualtrack.compiler.bundle import BundleWriter
 from dualtrack.compiler.config import BuildConfig, load_config
 from dualtrack.compiler.tuned import TUNED_FIELDS, Selection, flag_records, flags_for, measured_for, segment_key
 from dualtrack.compiler.tuned import select as select_tuning
 from dualtrack.contract import arch
-from dualtrack.contract.bundle import MANIFEST, Bundle, BundleWriter, sha256
-from dualtrack.contract.manifest import Artifacts, Manifest, ModelInfo, Target, Verification
+from dualtrack.contract.bundle import CASES, MANIFEST, Bundle, model_digest, sha256
+from dualtrack.contract.manifest import Artifacts, Manifest, ModelInfo, Target, Verification, Weight
 from dualtrack.contract.plan import ALIAS_OPS, Plan
 from dualtrack.errors import BundleError, ConfigError, ToolError
+from dualtrack.kernels.device import REFERENCE
 from dualtrack.kernels.problems import ConvLayer, conv_layers
 from dualtrack.runtime.engine import Engine
 from dualtrack.settings import Settings
@@ -73,23 +79,16 @@ def track_a_stems(plan: Plan, ptx_arch: str, use_tma: bool = True) -> list[str]:
     """The kernel sources one target's bundle carries: those of the plan's Track A ops, and
     conv3x3_wgmma (TMA + wgmma) where the config enables TMA kernels (``use_tma``: `enable_tma` and
     an arch with the copy engine), it is built for ``ptx_arch`` (compute_90a only) and at least one
-    conv of the plan passes its shape checks (``Conv3x3WgmmaSpec.supported`` with the plan's channel
-    strides; pointers are checked at launch), or a general conv that it can take
-    (``ConvGeneralSpec.call_choice``: 3x3 stride 1). Which conv runs which kernel is decided at launch."""
+    conv of the plan runs it (``kernels.conv_choice`` with the plan's channel strides; pointers are
+    checked at launch). Which conv runs which kernel is decided at launch, by the same chooser."""
     stems = {kernels.KERNELS[c.op].source for s in plan.segments for c in s.calls if c.op not in ALIAS_OPS}
     wgmma = kernels.CONV3X3_WGMMA
-    general = kernels.KERNELS["conv"]
-    assert isinstance(general, kernels.ConvGeneralSpec)
 
-    def general_takes(layer: ConvLayer) -> bool:
-        assert layer.call is not None
-        return general.call_choice(layer.call, layer.problem, wgmma_off=None) is not None
+    def runs_wgmma(layer: ConvLayer) -> bool:
+        # Whether the wgmma kernel takes a launch does not depend on the device (its tile does).
+        return kernels.conv_choice(layer.problem, REFERENCE, call=layer.call).impl == "wgmma"
 
-    on_target = use_tma and ptx_arch in wgmma.ptx_arches
-    if on_target and (
-        any(wgmma.supported(x.problem) is None for x in conv_layers(plan))
-        or any(general_takes(x) for x in conv_layers(plan, ops=("conv",)))
-    ):
+    if use_tma and ptx_arch in wgmma.ptx_arches and any(map(runs_wgmma, conv_layers(plan, ops=("conv3x3", "conv")))):
         stems.add(wgmma.stem)
     return sorted(s for s in stems if ptx_arch in kernels.ptx_arches_for_stem(s))
 
@@ -185,6 +184,34 @@ def _build_key(
     return h.hexdigest()
 
 
+@dataclass
+class _Inputs:
+    """What the stages after the front end read: the config as the front end left it, the model
+    (nodes named) and its partition, the source file's hash."""
+
+    cfg: BuildConfig
+    fe: frontend.FrontEnd
+    model: onnx.ModelProto
+    parted: partition.Partitioned
+    source_digest: str
+
+    @property
+    def plan(self) -> Plan:
+        return self.parted.plan
+
+
+@dataclass
+class _TrackB:
+    """The IREE compile jobs of a build, their cache keys, the CPU target and the tuned flags used."""
+
+    jobs: list[track_b.CompileJob]
+    keys: list[str]
+    compiler: str
+    cpu_name: str | None
+    cpu: track_b.IreeTarget | None
+    tuned_flags: dict[str, dict[str, dict[str, Any]]]
+
+
 def build(
     config: str | Path | BuildConfig,
     output: str | Path | None = None,
@@ -203,6 +230,72 @@ def build(
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
     settings = settings or Settings.from_env()
+    cfg, dest, measured = configure(config, output, tuning, cpu_only)
+    notes = list(cfg.notes)
+    say("resolve targets")
+    resolutions = resolve(cfg, notes)
+    inputs = front_end(cfg, measured, notes, say)
+    plan = inputs.plan
+    selection = None
+    if inputs.cfg.tuning is not None:
+        say(f"track A: tuning file {inputs.cfg.tuning}")
+        selection = select_tuning(inputs.cfg.tuning, plan, resolutions)
+        if stale := selection.note():
+            notes.append(stale)
+    say("track A: PTX and cubins")
+    a_files, a_meta = track_a_artifacts(plan, resolutions, settings, selection)
+    jobs = track_b_jobs(inputs, resolutions, notes)
+    build_key = _build_key(inputs.cfg, inputs.source_digest, plan, jobs.keys, a_files, selection)
+    if not force and (done := up_to_date(dest, build_key, len(jobs.jobs), [*notes, *plan.notes], plan)):
+        say("up to date")
+        done.seconds = time.perf_counter() - t0
+        return done
+    frontend_checks = check_front_end(inputs, say)
+    results = compile_modules(jobs, settings, say)
+    compiled = sum(not r.cached for r in results)
+    writer = BundleWriter(dest)
+    try:
+        weights = write_files(writer, inputs, a_files)
+        iree_art, replay_art = write_modules(writer, results, resolutions, settings, notes)
+        artifacts = Artifacts(iree=iree_art, iree_tuned_flags=jobs.tuned_flags, track_a=a_meta, iree_replay=replay_art)
+        manifest = Manifest(
+            dualtrack_version=pkg_version("dualtrack"),
+            build_key=build_key,
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            model=model_info(inputs, writer.files),
+            config=inputs.cfg.model_dump(mode="json"),
+            targets=tuple(Target(**r.to_json()) for r in resolutions),
+            plan=plan,
+            artifacts=artifacts,
+            tools=tool_versions(jobs.compiler),
+            cpu_batch=track_b.CPU_BATCH,
+            cpu_target=jobs.cpu_name,
+            min_driver=max(
+                (m["min_driver"] or 0 for per in a_meta["ptx"].values() for m in per.values()), default=None
+            ),
+            notes=tuple(notes),
+            weights=weights,
+        )
+        verification = None
+        if jobs.cpu is not None:
+            manifest, verification = verify_on_cpu(writer, manifest, inputs, frontend_checks, say)
+        say(f"write {dest}")
+        writer.commit(manifest)
+    except BaseException:
+        writer.abort()
+        raise
+    seconds = time.perf_counter() - t0
+    return BuildResult(
+        dest, False, compiled, len(results) - compiled, seconds, verification, [*notes, *plan.notes], plan
+    )
+
+
+def configure(
+    config: str | Path | BuildConfig, output: str | Path | None, tuning: str | Path | None, cpu_only: bool
+) -> tuple[BuildConfig, Path, Any]:
+    """The validated config with the call's overrides, the destination, and the tuning file's measured
+    Track A times (``partition: auto`` decides with those of the config's own targets, so that
+    --cpu-only builds the same plan)."""
     cfg = config if isinstance(config, BuildConfig) else load_config(config)
     if tuning is not None:
         cfg = cfg.model_copy(update={"tuning": Path(tuning).resolve()})
@@ -214,9 +307,11 @@ def build(
     dest = Path(output) if output is not None else cfg.output
     if dest is None:
         raise BundleError("no output directory: pass -o DIR or set `output:` in the config")
-    notes = list(cfg.notes)
+    return cfg, dest, measured
 
-    say("resolve targets")
+
+def resolve(cfg: BuildConfig, notes: list[str]) -> list[arch.Resolution]:
+    """The config's GPU targets resolved (none for a CPU-only build); their notes join ``notes``."""
     resolutions = (
         arch.resolve_targets(list(cfg.targets), enable_tma=cfg.enable_tma, iree_target=cfg.track_b.iree_target)
         if cfg.targets
@@ -226,31 +321,26 @@ def build(
         notes.extend(f"{r.arch.name}: {n}" for n in r.notes)
     if not resolutions:
         notes.append("CPU only: no GPU code (add `targets` to build for a GPU)")
+    return resolutions
 
+
+def front_end(cfg: BuildConfig, measured: Any, notes: list[str], say: Progress) -> _Inputs:
+    """The front end's model, nodes named, and its partition into segments and a plan."""
     say(f"front end {cfg.model.name}")
     source_digest = sha256(cfg.model.read_bytes()) if cfg.model.exists() else ""
     cfg, fe = frontend.load(cfg)
     notes.extend(fe.notes())
     say(f"partition {cfg.model.name}")
     model = partition.name_nodes(fe.model)
-    # `partition: auto` decides with the tuning file's measured Track A times (the rules' plan only
-    # reports them); those of the config's own targets, so that --cpu-only builds the same plan.
     parted = partition.partition_model(cfg, model, measured)
-    plan, seg_models = parted.plan, parted.seg_models
+    return _Inputs(cfg, fe, model, parted, source_digest)
 
-    selection = None
-    if cfg.tuning is not None:
-        say(f"track A: tuning file {cfg.tuning}")
-        selection = select_tuning(cfg.tuning, plan, resolutions)
-        stale = selection.note()
-        if stale:
-            notes.append(stale)
-    say("track A: PTX and cubins")
-    a_files, a_meta = track_a_artifacts(plan, resolutions, settings, selection)
 
-    targets: list[track_b.IreeTarget] = sorted(
-        {track_b.cuda_target(r.iree_target) for r in resolutions}, key=lambda t: t.name
-    )
+def track_b_jobs(inputs: _Inputs, resolutions: list[arch.Resolution], notes: list[str]) -> _TrackB:
+    """One IREE compile job per segment, target and batch (Track A segments: the CPU's only), with
+    the tuning file's flags where it has a record, and each job's cache key."""
+    cfg, plan = inputs.cfg, inputs.plan
+    targets = sorted({track_b.cuda_target(r.iree_target) for r in resolutions}, key=lambda t: t.name)
     cpu_name = hostcpu.resolve(cfg.track_b.cpu_target) if cfg.track_b.cpu else None
     if cpu_name is not None and (why := hostcpu.cannot_run(cpu_name)):  # the build verifies on this CPU
         raise ConfigError(
@@ -261,7 +351,7 @@ def build(
     records_b = flag_records(cfg.tuning) if cfg.tuning is not None else []
     tuned_flags: dict[str, dict[str, dict[str, Any]]] = {}
     jobs: list[track_b.CompileJob] = []
-    for seg, sm in zip(plan.segments, seg_models, strict=True):
+    for seg, sm in zip(plan.segments, inputs.parted.seg_models, strict=True):
         seg_targets = ([] if seg.track == "A" else list(targets)) + ([cpu] if cpu else [])
         seg_key = segment_key(sm) if records_b and seg.track == "B" else ""
         for t in seg_targets:
@@ -271,152 +361,150 @@ def build(
                 rec = flags_for(records_b, seg_key, t.name, b) if seg_key and t is not cpu else None
                 if rec is not None:
                     flags = tuple(rec["flags"])
-                    tuned_flags.setdefault(seg.name, {}).setdefault(t.name, {})[str(b)] = {
-                        k: rec[k] for k in TUNED_FIELDS
-                    }
+                    tuned = {k: rec[k] for k in TUNED_FIELDS}
+                    tuned_flags.setdefault(seg.name, {}).setdefault(t.name, {})[str(b)] = tuned
                 jobs.append(track_b.CompileJob(seg.name, sm, b, t, flags))
     if tuned_flags:
         n = sum(len(per_b) for per_t in tuned_flags.values() for per_b in per_t.values())
         notes.append(f"track B: {n} module(s) compiled with tuned IREE flags from {cfg.tuning}")
+    if cpu is None:
+        notes.append(
+            "no llvm-cpu modules (track_b.cpu: false): verify on a GPU with `dualtrack verify BUNDLE --device cuda`"
+        )
     compiler = track_b.compiler_version()
-    cache = track_b.ModuleCache(settings.cache_dir / "iree", enabled=settings.use_cache)
     keys = [
         track_b.cache_key(partition.with_batch(j.model, j.batch), j.batch, j.target, j.flags, compiler) for j in jobs
     ]
-    build_key = _build_key(cfg, source_digest, plan, keys, a_files, selection)
+    return _TrackB(jobs, keys, compiler, cpu_name, cpu, tuned_flags)
 
-    if not force and (dest / MANIFEST).exists():
-        try:
-            existing = Bundle.open(dest).manifest
-            if existing.build_key == build_key and existing.verification and existing.verification.passed:
-                say("up to date")
-                return BuildResult(
-                    dest,
-                    True,
-                    0,
-                    len(jobs),
-                    time.perf_counter() - t0,
-                    asdict(existing.verification),
-                    [*notes, *plan.notes],
-                    plan,
-                )
-        except BundleError:
-            pass  # a broken bundle at the destination is simply rebuilt
 
-    frontend_checks: list[verify.Check] = []
-    if fe.rewrites:
-        say("front end: the processed model against the export (onnxruntime)")
-        frontend_checks = verify.check_frontend(fe, cfg.batch_sizes, cfg.tolerance(), cfg.verify.seed)
-        for c in frontend_checks:
-            say(verify.Report.line(c))
-        bad = [c for c in frontend_checks if not c.passed]
-        if bad:
-            verify.Report("onnxruntime", fe.precision, cfg.tolerance(), frontend_checks, 0).raise_if_failed()
+def up_to_date(dest: Path, build_key: str, jobs: int, notes: list[str], plan: Plan) -> BuildResult | None:
+    """The result of a build that has nothing to do: the bundle at ``dest`` has this build key and
+    passed its verification. None otherwise (a broken bundle there is simply rebuilt)."""
+    if not (dest / MANIFEST).exists():
+        return None
+    try:
+        existing = Bundle.open(dest).manifest
+    except BundleError:
+        return None
+    if existing.build_key != build_key or not (existing.verification and existing.verification.passed):
+        return None
+    return BuildResult(dest, True, 0, jobs, 0.0, asdict(existing.verification), notes, plan)
 
-    say(f"track B: {len(jobs)} IREE modules")
+
+def check_front_end(inputs: _Inputs, say: Progress) -> list[verify.Check]:
+    """The front end's rewrites checked against the export (onnxruntime); raises on a failure."""
+    fe, cfg = inputs.fe, inputs.cfg
+    if not fe.rewrites:
+        return []
+    say("front end: the processed model against the export (onnxruntime)")
+    checks = verify.check_frontend(fe, cfg.batch_sizes, cfg.tolerance(), cfg.verify.seed)
+    for c in checks:
+        say(verify.Report.line(c))
+    if any(not c.passed for c in checks):
+        verify.Report("onnxruntime", fe.precision, cfg.tolerance(), checks, 0).raise_if_failed()
+    return checks
+
+
+def compile_modules(jobs: _TrackB, settings: Settings, say: Progress) -> list[track_b.CompileResult]:
+    """Every IREE module, ``settings.jobs`` at a time; those whose cache key is cached are not compiled."""
+    say(f"track B: {len(jobs.jobs)} IREE modules")
+    cache = track_b.ModuleCache(settings.cache_dir / "iree", enabled=settings.use_cache)
     with ThreadPoolExecutor(max_workers=settings.jobs) as pool:
-        results = list(pool.map(lambda j: _compile(j, cache, compiler, settings), jobs))
+        results = list(pool.map(lambda j: _compile(j, cache, jobs.compiler, settings), jobs.jobs))
     compiled = sum(not r.cached for r in results)
     say(f"track B: {compiled} compiled, {len(results) - compiled} from cache")
+    return results
 
-    writer = BundleWriter(dest)
-    try:
-        writer.add("model.onnx", model.SerializeToString())
-        writer.add_json(PARTITION_REPORT, parted.report())
-        for seg, sm in zip(plan.segments, seg_models, strict=True):
-            writer.add(seg.onnx, partition.strip_initializers(sm).SerializeToString())
-        for rel, data in a_files.items():
-            writer.add(rel, data)
-        iree_art: dict[str, dict[str, dict[str, str]]] = {}
-        replay_art: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
-        cubin_arches = {
-            track_b.cuda_target(r.iree_target).name: sorted(
-                {x.arch.cubin_arch for x in resolutions if x.iree_target == r.iree_target}
-            )
-            for r in resolutions
+
+def write_files(writer: BundleWriter, inputs: _Inputs, a_files: dict[str, bytes]) -> dict[str, Weight]:
+    """The model (graph in model.onnx, weights once in weights.bin), the partition report, each
+    segment's graph, the Track A files and the reference cases; the weights' index."""
+    plan = inputs.plan
+    weights = writer.add_model(inputs.model)
+    writer.add_json(PARTITION_REPORT, inputs.parted.report())
+    for seg, sm in zip(plan.segments, inputs.parted.seg_models, strict=True):
+        writer.add(seg.onnx, partition.strip_initializers(sm).SerializeToString())
+    for rel, data in a_files.items():
+        writer.add(rel, data)
+    seed = inputs.cfg.verify.seed
+    seed = int(np.random.SeedSequence().entropy % (2**31)) if seed is None else seed
+    writer.add(CASES, verify.reference_cases(inputs.model, plan, seed).to_bytes())
+    return weights
+
+
+def write_modules(
+    writer: BundleWriter,
+    results: list[track_b.CompileResult],
+    resolutions: list[arch.Resolution],
+    settings: Settings,
+    notes: list[str],
+) -> tuple[dict[str, dict[str, dict[str, str]]], dict[str, dict[str, dict[str, dict[str, Any]]]]]:
+    """Each IREE module and its launch plan's files; the manifest's ``iree`` and ``iree_replay``
+    entries. A module whose launch plan was refused gets a note (the IREE runtime runs it)."""
+    iree_art: dict[str, dict[str, dict[str, str]]] = {}
+    replay_art: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    cubin_arches = {
+        track_b.cuda_target(r.iree_target).name: sorted(
+            {x.arch.cubin_arch for x in resolutions if x.iree_target == r.iree_target}
+        )
+        for r in resolutions
+    }
+    for r in results:
+        rel = f"iree/{r.job.segment}/{r.job.target.name}/b{r.job.batch}.vmfb"
+        writer.add(rel, r.vmfb)
+        iree_art.setdefault(r.job.segment, {}).setdefault(r.job.target.name, {})[str(r.job.batch)] = rel
+        if r.replay is not None:
+            arches = cubin_arches.get(r.job.target.name, [])
+            entry = replay_files(writer, rel.removesuffix(".vmfb"), r.replay, arches, settings)
+            replay_art.setdefault(r.job.segment, {}).setdefault(r.job.target.name, {})[str(r.job.batch)] = entry
+    refused = sorted(
+        {
+            f"{seg}: {e['refused']}"
+            for seg, per in replay_art.items()
+            for per_t in per.values()
+            for e in per_t.values()
+            if "refused" in e
         }
-        for r in results:
-            rel = f"iree/{r.job.segment}/{r.job.target.name}/b{r.job.batch}.vmfb"
-            writer.add(rel, r.vmfb)
-            iree_art.setdefault(r.job.segment, {}).setdefault(r.job.target.name, {})[str(r.job.batch)] = rel
-            if r.replay is not None:
-                entry = replay_files(
-                    writer, rel.removesuffix(".vmfb"), r.replay, cubin_arches.get(r.job.target.name, []), settings
-                )
-                replay_art.setdefault(r.job.segment, {}).setdefault(r.job.target.name, {})[str(r.job.batch)] = entry
-        refused = sorted(
-            {
-                f"{seg}: {e['refused']}"
-                for seg, per in replay_art.items()
-                for per_t in per.values()
-                for e in per_t.values()
-                if "refused" in e
-            }
-        )
-        notes.extend(f"track B replay refused for {r} (the IREE runtime runs it)" for r in refused)
-        if cpu is None:
-            notes.append(
-                "no llvm-cpu modules (track_b.cpu: false): verify on a GPU with `dualtrack verify BUNDLE --device cuda`"
-            )
-        manifest = Manifest(
-            dualtrack_version=pkg_version("dualtrack"),
-            build_key=build_key,
-            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            model=ModelInfo(
-                source=str(cfg.model),
-                source_sha256=source_digest,
-                sha256=writer.files["model.onnx"],
-                graph=model.graph.name,
-                export_batch=fe.export_batch,
-                classes=fe.classes,
-                frontend=tuple(str(r) for r in fe.rewrites),
-            ),
-            config=cfg.model_dump(mode="json"),
-            targets=tuple(Target(**r.to_json()) for r in resolutions),
-            plan=plan,
-            artifacts=Artifacts(iree=iree_art, iree_tuned_flags=tuned_flags, track_a=a_meta, iree_replay=replay_art),
-            tools=tool_versions(compiler),
-            cpu_batch=track_b.CPU_BATCH,
-            cpu_target=cpu_name,
-            min_driver=max(
-                (m["min_driver"] or 0 for per in a_meta["ptx"].values() for m in per.values()), default=None
-            ),
-            notes=tuple(notes),
-        )
-        verification = None
-        if cpu is not None:
-            say("verify on the CPU against onnxruntime")
-            verification = _verify_tmp(writer, manifest, cfg, say)
-            if frontend_checks:
-                verification["checks"] = [asdict(c) for c in frontend_checks] + verification["checks"]
-            writer.add_json("verify.json", verification)
-            manifest = manifest.with_verification(
-                Verification(passed=verification["passed"], device="cpu", seed=verification["seed"])
-            )
-            if not verification["passed"]:
-                rep = verify.Report(
-                    "cpu",
-                    fe.precision,
-                    cfg.tolerance(),
-                    [verify.Check(**c) for c in verification["checks"]],
-                    verification["seed"],
-                )
-                rep.raise_if_failed()
-        say(f"write {dest}")
-        writer.commit(manifest)
-    except BaseException:
-        writer.abort()
-        raise
-    return BuildResult(
-        dest,
-        False,
-        compiled,
-        len(results) - compiled,
-        time.perf_counter() - t0,
-        verification,
-        [*notes, *plan.notes],
-        plan,
     )
+    notes.extend(f"track B replay refused for {r} (the IREE runtime runs it)" for r in refused)
+    return iree_art, replay_art
+
+
+def model_info(inputs: _Inputs, files: dict[str, str]) -> ModelInfo:
+    """The manifest's record of the model, once model.onnx and weights.bin are written."""
+    digest = model_digest(files)
+    assert digest is not None, "write_files writes model.onnx and weights.bin first"
+    fe = inputs.fe
+    return ModelInfo(
+        source=str(inputs.cfg.model),
+        source_sha256=inputs.source_digest,
+        sha256=digest,
+        graph=inputs.model.graph.name,
+        export_batch=fe.export_batch,
+        classes=fe.classes,
+        frontend=tuple(str(r) for r in fe.rewrites),
+    )
+
+
+def verify_on_cpu(
+    writer: BundleWriter, manifest: Manifest, inputs: _Inputs, frontend_checks: list[verify.Check], say: Progress
+) -> tuple[Manifest, dict[str, Any]]:
+    """Verify the written bundle on the CPU against onnxruntime; write verify.json and record the
+    outcome in the manifest; raise (the bundle is not committed) on a failure."""
+    say("verify on the CPU against onnxruntime")
+    cfg = inputs.cfg
+    verification = _verify_tmp(writer, manifest, cfg, say)
+    if frontend_checks:
+        verification["checks"] = [asdict(c) for c in frontend_checks] + verification["checks"]
+    writer.add_json("verify.json", verification)
+    manifest = manifest.with_verification(
+        Verification(passed=verification["passed"], device="cpu", seed=verification["seed"])
+    )
+    if not verification["passed"]:
+        checks = [verify.Check(**c) for c in verification["checks"]]
+        verify.Report("cpu", inputs.fe.precision, cfg.tolerance(), checks, verification["seed"]).raise_if_failed()
+    return manifest, verification
 
 
 def _compile(

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import difflib
 import typing
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dualtrack.contract.checks import DEFAULT_TOLERANCES, Tolerance
 from dualtrack.errors import ConfigError
 
 
@@ -117,26 +119,6 @@ class TrackBConfig(_Strict):
             if not f.startswith("--"):
                 raise ValueError(f"{f!r} is not an iree-compile flag (flags start with --, e.g. --iree-opt-level=O3)")
         return v
-
-
-class Tolerance(_Strict):
-    """Per-output limits. ``max_abs`` scales with the output: an output passes when
-    ``max|got - ref| <= max_abs * max(1, max|ref|)``, so logits that reach 1e4 are held to the same
-    relative standard as probabilities in [0, 1] (an absolute bound would fail exact results there)."""
-
-    rel_l2: float = Field(gt=0)
-    max_abs: float = Field(gt=0, description="largest difference, relative to max(1, the output's largest |value|)")
-    mismatch: float = Field(ge=0, description="fraction of integer outputs (class ids) allowed to differ")
-
-
-DEFAULT_TOLERANCES: dict[str, Tolerance] = {
-    # fp16, against the same weights computed in fp32 (verify.upcast): each fp16 op rounds its output,
-    # so a probability near 0.5 moves by up to 0.07 on LR-ASPP (IREE and onnxruntime's fp16 alike; logits
-    # of O(10)); max_abs 0.15 keeps twice that, and a wrong tile (errors of 0.5 and more) still fails.
-    # argmax may flip where two classes are within rounding.
-    "fp16": Tolerance(rel_l2=2e-2, max_abs=0.15, mismatch=5e-3),
-    "fp32": Tolerance(rel_l2=1e-4, max_abs=1e-3, mismatch=1e-4),
-}
 
 
 class VerifyConfig(_Strict):
@@ -328,9 +310,11 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
         field = model.model_fields.get(str(part))
         ann = getattr(field, "annotation", None) if field else None
         candidates = [ann, *typing.get_args(ann)]  # Tolerance | None -> Tolerance
-        found = [a for a in candidates if isinstance(a, type) and issubclass(a, BaseModel)]
+        found = [a for a in candidates if isinstance(a, type) and (issubclass(a, BaseModel) or is_dataclass(a))]
         if not found:
             return []
+        if not issubclass(found[0], BaseModel):  # a contract dataclass (Tolerance): a leaf
+            return [f.name for f in fields(found[0])]
         model = found[0]
     return list(model.model_fields)
 
@@ -340,7 +324,7 @@ def _format(err: dict[str, Any], path: Path, root: yaml.Node | None) -> str:
     dotted = ".".join(str(p) for p in loc)
     line = _key_line(root, loc)
     where = f"{path}:{line}" if line else str(path)
-    if err["type"] == "extra_forbidden":
+    if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):  # a model's, a dataclass's
         near = difflib.get_close_matches(str(loc[-1]), _fields_at(loc), n=1)
         hint = f"; did you mean `{near[0]}`?" if near else f"; valid keys here: {', '.join(_fields_at(loc))}"
         return f"{where}: unknown key `{dotted}`{hint}"

@@ -33,12 +33,13 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
+from dualtrack.contract.checks import MASK, PROBS
 from dualtrack.contract.plan import parameter_key
 from dualtrack.errors import ConfigError, ModelError
 
 TARGET_OPSET = 17  # what the reference and the zoo are exported with; IREE 3.13 imports it
 BATCH = "N"  # the symbolic batch dimension
-IMAGE, MASK, PROBS = "image", "mask", "probs"
+IMAGE = "image"  # the wrap's input; its outputs MASK and PROBS are named in contract/checks.py
 # onnxslim fusions that would emit ops newer than TARGET_OPSET (Gelu is opset 20).
 _SKIP_FUSIONS = ["FusionGelu"]
 # Reductions stay fp32 when a model is converted to fp16, as mixed precision keeps them: a sum over a

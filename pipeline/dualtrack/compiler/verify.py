@@ -6,13 +6,15 @@ Checks, each with its own report row:
 - on the CPU, every Track A segment's kernel-call list interpreted with the kernels' numpy
   semantics (this proves the lowering: fusion, weight repacking, NHWC boundaries);
 - the whole plan, at every compiled batch size, against onnxruntime on the whole model.
+
+It also computes the reference cases a bundle carries for the runtime's first-load check on a GPU
+(:func:`reference_cases`; contract/cases.py stores them, runtime/selfcheck.py runs them).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
 
 import numpy as np
 import onnx
@@ -20,79 +22,14 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack import kernels
-from dualtrack.compiler.config import DEFAULT_TOLERANCES, Tolerance
-from dualtrack.compiler.frontend import MASK, PROBS
-from dualtrack.contract.plan import ALIAS_OPS, Segment, TensorSpec
-from dualtrack.errors import ModelError, VerificationError
+from dualtrack.compiler.bundle import load_model, segment_model
+from dualtrack.contract.cases import ReferenceCases
+from dualtrack.contract.checks import DEFAULT_TOLERANCES, Check, Report, Tolerance, compare, compare_outputs
+from dualtrack.contract.plan import ALIAS_OPS, Plan, Segment, TensorSpec
+from dualtrack.errors import ModelError
 
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    rel_l2: float
-    max_abs: float
-    mismatch: float
-    nonfinite: int
-    passed: bool
-    note: str = ""
-    integer: bool = False
-
-
-def compare(name: str, ref: np.ndarray, got: np.ndarray, tol: Tolerance, note: str = "") -> Check:
-    """Relative L2 and max-abs error for floats; the fraction of differing elements for integers.
-
-    The max-abs bound scales with the output (:class:`~dualtrack.compiler.config.Tolerance`): a float output
-    passes when rel_l2 <= tol.rel_l2 and max|got - ref| <= tol.max_abs * max(1, max|ref|).
-    ``Check.max_abs`` reports that scaled difference, max|got - ref| / max(1, max|ref|).
-    """
-    if ref.shape != got.shape:
-        return Check(name, float("inf"), float("inf"), 1.0, 0, False, f"shape {got.shape} != reference {ref.shape}")
-    if np.issubdtype(ref.dtype, np.integer):
-        mism = float(np.mean(ref != got)) if ref.size else 0.0
-        return Check(name, 0.0, 0.0, mism, 0, mism <= tol.mismatch, note, integer=True)
-    r, g = ref.astype(np.float64), got.astype(np.float64)
-    nonfinite = int(np.count_nonzero(~np.isfinite(g)))
-    diff = g - r
-    rel = float(np.linalg.norm(diff) / max(np.linalg.norm(r), 1e-30)) if nonfinite == 0 else float("inf")
-    scale = max(1.0, float(np.max(np.abs(r)))) if r.size and np.isfinite(r).all() else 1.0
-    mx = (
-        float(np.max(np.abs(diff))) / scale
-        if diff.size and nonfinite == 0
-        else (0.0 if not diff.size else float("inf"))
-    )
-    return Check(name, rel, mx, 0.0, nonfinite, nonfinite == 0 and rel <= tol.rel_l2 and mx <= tol.max_abs, note)
-
-
-def compare_outputs(
-    where: str, tag: str, ref: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray], tol: Tolerance
-) -> list[Check]:
-    """One check per output of ``got``. A class-id ``mask`` computed beside its ``probs`` (the image
-    wrap's outputs) is compared where the class is decided: a pixel whose reference top two classes
-    are within twice the measured probability error can flip by rounding alone, so it is left out
-    (and counted in the note); anywhere else a different class is a mismatch. A probability error
-    beyond the tolerance excuses nothing: then every pixel is compared."""
-    checks = []
-    decided = None
-    if MASK in got and PROBS in got and ref[PROBS].ndim == 4 and ref[PROBS].shape == got[PROBS].shape:
-        p_ref = ref[PROBS].astype(np.float64)
-        err = float(np.max(np.abs(got[PROBS].astype(np.float64) - p_ref))) if p_ref.size else 0.0
-        if p_ref.shape[1] == 1:
-            margin = np.abs(2 * p_ref[:, 0] - 1)  # one class (sigmoid): p against 0.5
-        else:
-            top = np.sort(p_ref, axis=1)
-            margin = top[:, -1] - top[:, -2]
-        # Only an error the probs check accepts can excuse a flip: beyond it, every pixel counts.
-        decided = margin > 2 * err if err <= tol.max_abs else np.ones(margin.shape, bool)
-    for name in got:
-        if name == MASK and decided is not None and ref[name].shape == decided.shape:
-            undecided = int(decided.size - np.count_nonzero(decided))
-            note = f"{undecided} of {decided.size} pixels within rounding of a tie left out" if undecided else ""
-            checks.append(
-                compare(f"{where} {name} {tag}", ref[name][decided], np.asarray(got[name])[decided], tol, note)
-            )
-        else:
-            checks.append(compare(f"{where} {name} {tag}", ref[name], got[name], tol))
-    return checks
+# The comparison itself (Check, compare, compare_outputs, Report) is contract/checks.py's, shared with
+# the runtime's first-load check; this module runs the references (onnxruntime, the kernels' numpy).
 
 
 def random_input(spec: TensorSpec, batch: int, rng: np.random.Generator) -> np.ndarray:
@@ -183,8 +120,6 @@ def interpret_track_a(
     """Run a Track A segment's kernel calls with the kernels' numpy semantics (NHWC throughout):
     each call's spec packs its weights and runs its reference; a concat (an alias op: the
     runtime writes its inputs into slices of its output) is a numpy concatenation."""
-    # Imported here only because the rest of this module has another owner (issue 18).
-
     env = dict(inputs)
     for call in seg.calls:
         args = [env[i] for i in call.inputs]
@@ -194,51 +129,6 @@ def interpret_track_a(
             out = kernels.kernel(call.op).run_reference(call, args, weights)
             env.update(zip(call.outputs, out if isinstance(out, tuple) else (out,), strict=True))
     return {t.name: env[t.name] for t in seg.outputs}
-
-
-@dataclass
-class Report:
-    device: str
-    precision: str
-    tolerance: Tolerance
-    checks: list[Check]
-    seed: int
-
-    @property
-    def passed(self) -> bool:
-        return all(c.passed for c in self.checks)
-
-    def to_json(self) -> dict:
-        return {
-            "device": self.device,
-            "precision": self.precision,
-            "tolerance": self.tolerance.model_dump(),
-            "seed": self.seed,
-            "passed": self.passed,
-            "checks": [asdict(c) for c in self.checks],
-        }
-
-    def lines(self) -> list[str]:
-        return [self.line(c) for c in self.checks]
-
-    @staticmethod
-    def line(c: Check) -> str:
-        what = f"mismatch {c.mismatch:.2e}" if c.integer else f"rel_l2 {c.rel_l2:.2e} max_abs {c.max_abs:.2e}"
-        return f"{'ok  ' if c.passed else 'FAIL'} {c.name:<44} {what}{'  ' + c.note if c.note else ''}"
-
-    def raise_if_failed(self) -> None:
-        if not self.passed:
-            bad = [c for c in self.checks if not c.passed]
-            first = bad[0]
-            raise VerificationError(
-                f"{len(bad)} of {len(self.checks)} checks exceed the {self.precision} tolerance "
-                f"(rel_l2 {self.tolerance.rel_l2:g}, max_abs {self.tolerance.max_abs:g} scaled, "
-                f"mismatch {self.tolerance.mismatch:g}); "
-                f"first: {first.name} rel_l2 {first.rel_l2:.3g} max_abs {first.max_abs:.3g} "
-                f"mismatch {first.mismatch:.3g}"
-                f"{' (' + first.note + ')' if first.note else ''}",
-                detail="\n".join(self.lines()),
-            )
 
 
 def verify_engine(
@@ -277,7 +167,7 @@ def _verify_checks(
     b0 = plan.batch_sizes[0]
     for seg in plan.segments:
         step(f"verify {seg.name}")
-        sess = ort_session(upcast(bundle.segment_model(seg)), f"segment {seg.name}")
+        sess = ort_session(upcast(segment_model(bundle, seg)), f"segment {seg.name}")
         for s in range(samples):
             feeds = {t.name: random_input(t, b0, rng) for t in seg.inputs}
             ref = run_ort(sess, feeds)
@@ -289,7 +179,7 @@ def _verify_checks(
                 got_i = interpret_track_a(seg, bundle.weights, feeds)
                 checks += compare_outputs(f"{seg.name}[numpy kernels]", f"#{s}", ref, got_i, tol)
     step("verify whole plan")
-    full = ort_session(upcast(bundle.model))
+    full = ort_session(upcast(load_model(bundle)))
     for b in plan.batch_sizes:
         for s in range(samples):
             x = random_input(plan.inputs[0], b, rng)
@@ -297,6 +187,18 @@ def _verify_checks(
             got = engine.run(x)
             checks += compare_outputs(f"plan b{b}", f"#{s}", ref, {t.name: got[t.name] for t in plan.outputs}, tol)
     return checks
+
+
+def reference_cases(model: onnx.ModelProto, plan: Plan, seed: int, k: int = 2) -> ReferenceCases:
+    """``k`` fresh images (:func:`random_input`, seeded) and onnxruntime's outputs for them, each
+    image run alone, from the fp32 model (:func:`upcast`) as the whole-plan check computes them."""
+    rng = np.random.default_rng(seed)
+    spec = plan.inputs[0]
+    images = np.concatenate([random_input(spec, 1, rng) for _ in range(k)])
+    session = ort_session(upcast(model))
+    rows = [run_ort(session, {spec.name: images[i : i + 1]}) for i in range(k)]
+    ref = {o.name: np.concatenate([r[o.name] for r in rows]) for o in plan.outputs}
+    return ReferenceCases.from_reference(seed, images, plan.outputs, ref)
 
 
 def check_frontend(fe, batch_sizes: tuple[int, ...], tol: Tolerance, seed: int | None = None) -> list[Check]:
@@ -339,3 +241,20 @@ def check_frontend(fe, batch_sizes: tuple[int, ...], tol: Tolerance, seed: int |
             if name in got:
                 checks.append(compare(f"frontend b{b} {name}", ref[name], got[name], tol, note=f"vs {how}"))
     return checks
+
+
+__all__ = [
+    "Check",
+    "Report",
+    "Tolerance",
+    "check_frontend",
+    "compare",
+    "compare_outputs",
+    "interpret_track_a",
+    "ort_session",
+    "random_input",
+    "reference_cases",
+    "run_ort",
+    "upcast",
+    "verify_engine",
+]

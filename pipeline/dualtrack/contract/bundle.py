@@ -2,25 +2,26 @@
 
 Layout::
 
-    manifest.json                 contract.manifest.Manifest: format, model hash, plan, artifacts, tools, file hashes
-    model.onnx                    the (node-named) source model: the weights, once, and the verification reference
+    manifest.json                 contract.manifest.Manifest: format, model hash, plan, artifacts, tools, file
+                                  hashes, and the weights' index into weights.bin
+    model.onnx                    the (node-named) source model, its initializers ONNX external data in weights.bin
+    weights.bin                   the weights, once: what the kernels, IREE's parameters and model.onnx read
     segments/segK_T.onnx          each segment's graph, without weight data
     iree/segK_T/<target>/bN.vmfb  Track B modules (and Track A segments for llvm-cpu), weights externalized
     track_a/ptx/<arch>/*.ptx      hand-written kernels as PTX; track_a/cubin/<sm>/*.cubin assembled from them
     verify.json                   the build-time verification report
+    verify/cases.npz              reference cases: inputs and onnxruntime's outputs (contract/cases.py)
 
-A bundle is written into a temporary sibling directory and renamed into place only once it is
-complete and verified; `manifest.json` is written last and lists the SHA-256 of every other file,
-so a truncated or edited bundle is refused at load.
+A bundle is written into a temporary sibling directory (compiler/bundle.py's BundleWriter) and renamed
+into place only once it is complete and verified; `manifest.json` is written last and lists the
+SHA-256 of every other file, so a truncated or edited bundle is refused at load. This module reads
+one, with numpy alone: a serving process never imports onnx.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -28,80 +29,32 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
-from onnx import numpy_helper
 
-from dualtrack.compiler.partition import attach_initializers
+from dualtrack.contract.cases import ReferenceCases
 from dualtrack.contract.manifest import Manifest, Target
 from dualtrack.contract.plan import Plan, Segment
 from dualtrack.errors import BundleError
-from dualtrack.kernels import CONV3X3_WGMMA, KERNELS, ConvGeneralSpec, choose_conv3x3
+from dualtrack.kernels import CONV3X3_WGMMA, conv_choice
+from dualtrack.kernels.device import DeviceInfo, for_target
 from dualtrack.kernels.problems import conv_layers
 
 MANIFEST = "manifest.json"
+MODEL = "model.onnx"
+WEIGHTS = "weights.bin"
+CASES = "verify/cases.npz"
 
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-class BundleWriter:
-    """Collects files in a temporary directory next to the destination; `commit` renames it into place."""
-
-    def __init__(self, dest: Path) -> None:
-        self.dest = dest.resolve()
-        self.dest.parent.mkdir(parents=True, exist_ok=True)
-        self._sweep_abandoned()
-        # The writer's pid is in the name, so a later build can tell an abandoned directory (its
-        # build was killed) from one another build is writing right now.
-        self.tmp = self.dest.parent / f".{self.dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.tmp.mkdir()
-        self.files: dict[str, str] = {}
-
-    def _sweep_abandoned(self) -> None:
-        """Remove temporary siblings left by builds that were killed before they could clean up."""
-        for kind in ("tmp", "old"):
-            for path in self.dest.parent.glob(f".{self.dest.name}.{kind}-*"):
-                pid = path.name.rsplit(f".{kind}-", 1)[1].split("-", 1)[0]
-                if pid.isdigit() and _pid_alive(int(pid)):
-                    continue
-                shutil.rmtree(path, ignore_errors=True)
-
-    def add(self, rel: str, data: bytes) -> Path:
-        path = self.tmp / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-        self.files[rel] = sha256(data)
-        return path
-
-    def add_json(self, rel: str, obj: Any) -> Path:
-        return self.add(rel, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
-
-    def commit(self, manifest: Manifest) -> Path:
-        """Write the manifest last (with every file's hash), then swap the directory into place."""
-        manifest = manifest.with_files(self.files)
-        (self.tmp / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=True) + "\n")
-        old = None
-        if self.dest.exists():
-            old = self.dest.parent / f".{self.dest.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.replace(self.dest, old)
-        os.replace(self.tmp, self.dest)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        return self.dest
-
-    def abort(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, but another user's
-        return True
-    return True
+def model_digest(files: Mapping[str, str]) -> str | None:
+    """The model's identity, ``ModelInfo.sha256``: a hash of model.onnx's and weights.bin's hashes
+    (``files``: path -> SHA-256), so that neither the graph nor the weights can be swapped alone.
+    None while either is missing."""
+    if MODEL not in files or WEIGHTS not in files:
+        return None
+    return sha256(f"{MODEL} {files[MODEL]}\n{WEIGHTS} {files[WEIGHTS]}\n".encode())
 
 
 @dataclass
@@ -134,13 +87,14 @@ class Bundle:
                 raise BundleError(
                     f"{root}: {rel} does not match its recorded hash (truncated or modified); rebuild the bundle"
                 )
-        # The modules were compiled from the model whose hash the build recorded: a model.onnx swapped in
-        # (its entry in `files` patched to match) would run other weights through code built for these.
-        if manifest.files.get("model.onnx") != manifest.model.sha256:
+        # The modules were compiled from the model whose hash the build recorded: a model.onnx or
+        # weights.bin swapped in (its entry in `files` patched to match) would run other weights
+        # through code built for these.
+        digest = model_digest(manifest.files)
+        if digest != manifest.model.sha256:
             raise BundleError(
-                f"{root}: model.onnx is not the model its modules were built from (sha256 "
-                f"{manifest.files.get('model.onnx', 'missing')[:12]}, built from {manifest.model.sha256[:12]}); "
-                "rebuild the bundle"
+                f"{root}: {MODEL} and {WEIGHTS} are not the model its modules were built from (sha256 "
+                f"{(digest or 'missing')[:12]}, built from {manifest.model.sha256[:12]}); rebuild the bundle"
             )
         return cls(root, manifest)
 
@@ -162,15 +116,26 @@ class Bundle:
             )
 
     @cached_property
-    def model(self) -> onnx.ModelProto:
-        return onnx.load(str(self.root / "model.onnx"))
+    def weights(self) -> dict[str, np.ndarray]:
+        """Every initializer of the model, name -> read-only array mapped from weights.bin (the
+        manifest's index says where): processes that serve one bundle share the pages."""
+        path = self.root / WEIGHTS
+        data = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
+        out: dict[str, np.ndarray] = {}
+        for name, w in self.manifest.weights.items():
+            dtype = np.dtype(w.dtype).newbyteorder("<")
+            if w.offset + w.length > data.size or w.length != dtype.itemsize * int(np.prod(w.shape, dtype=np.int64)):
+                raise BundleError(
+                    f"{self.root}: weight {name} ({w.dtype}{list(w.shape)}, {w.length} bytes at {w.offset}) does "
+                    f"not fit {WEIGHTS} ({data.size} bytes); rebuild the bundle"
+                )
+            out[name] = data[w.offset : w.offset + w.length].view(dtype).reshape(w.shape)
+        return out
 
     @cached_property
-    def weights(self) -> dict[str, np.ndarray]:
-        return {t.name: numpy_helper.to_array(t) for t in self.model.graph.initializer}
-
-    def segment_model(self, seg: Segment) -> onnx.ModelProto:
-        return attach_initializers(onnx.load(str(self.root / seg.onnx)), self.weights)
+    def cases(self) -> ReferenceCases:
+        """The reference cases the build stored (contract/cases.py) for the first-load check."""
+        return ReferenceCases.load(self.root / CASES)
 
     def vmfb(self, seg: Segment, target: str, batch: int) -> Path:
         try:
@@ -192,28 +157,25 @@ class Bundle:
     def track_a(self) -> Mapping[str, Any]:
         return self.manifest.artifacts.track_a
 
-    def conv3x3_choices(self, target: Target) -> list[tuple[Any, Any]]:
-        """Which kernel each Track A conv3x3 launch runs on a device of ``target`` (an entry of the
-        manifest's ``targets``), as (``ConvLayer``, ``ConvChoice``) pairs in plan order: the wgmma
-        kernel where the target's image has it and takes the shape (pointers assumed aligned, as
-        planned buffers are), else the tuned or heuristic mma.sync entry. What did run on a device:
-        the engine's ``backend.stats.conv3x3``. The general conv's 3x3 stride-1 calls that the wgmma
-        kernel takes (``ConvGeneralSpec.call_choice``) are listed too; its other calls are not."""
+    def conv3x3_choices(self, target: Target, device: DeviceInfo | None = None) -> list[tuple[Any, Any]]:
+        """Which kernel each Track A conv3x3 launch runs on ``device`` (default: the GPU ``target``
+        names, ``kernels.device.for_target``) of ``target`` (an entry of the manifest's ``targets``),
+        as (``ConvLayer``, ``ConvChoice``) pairs in plan order: ``kernels.conv_choice``'s answer
+        with the target's image (wgmma where it has it) and tuned entries, pointers assumed aligned,
+        as planned buffers are. What did run on a device: the engine's ``backend.stats.conv3x3``.
+        The general conv's calls that the wgmma kernel takes are listed too; its other calls are not."""
         image = self.track_a.get("ptx", {}).get(target.track_a_ptx, {})
         off = None if CONV3X3_WGMMA.stem in image else f"not in the {target.track_a_ptx} PTX"
         tuned = self.tuned_calls(target.cc_tuple)
-        general = KERNELS["conv"]
-        assert isinstance(general, ConvGeneralSpec)
+        gpu = device if device is not None else for_target(target.requested)
         out = []
         for layer in conv_layers(self.plan, ops=("conv3x3", "conv")):
-            assert layer.call is not None
-            if layer.call.op == "conv":
-                choice = general.call_choice(layer.call, layer.problem, wgmma_off=off)
-                if choice is not None:
-                    out.append((layer, choice))
-                continue
-            entry = tuned.get(layer.node, {}).get(str(layer.batch))
-            out.append((layer, choose_conv3x3(layer.problem, wgmma_off=off, tuned=entry)))
+            call = layer.call
+            assert call is not None  # conv_layers sets it
+            entry = tuned.get(layer.node, {}).get(str(layer.batch)) if call.op == "conv3x3" else None
+            choice = conv_choice(layer.problem, gpu, call=call, tuned=entry, wgmma_off=off)
+            if call.op == "conv3x3" or choice.impl == "wgmma":
+                out.append((layer, choice))
         return out
 
     def tuned_calls(self, cc: tuple[int, int]) -> dict[str, dict[str, str]]:

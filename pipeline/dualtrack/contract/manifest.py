@@ -16,7 +16,9 @@ from dualtrack.contract.plan import Plan
 from dualtrack.errors import BundleError
 
 # 2: typed manifest (model integrity, cpu_batch, front-end record). Bundles of format 1 are rebuilt.
-BUNDLE_FORMAT = 2
+# 3: the weights in weights.bin (ONNX external data of model.onnx) with an index here; reference
+#    cases (verify/cases.npz) for the runtime's first-load check. Bundles of format 2 are rebuilt.
+BUNDLE_FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -25,11 +27,23 @@ class ModelInfo:
 
     source: str  # the config's model path at build time
     source_sha256: str  # of that file
-    sha256: str  # of the bundle's model.onnx: the graph and weights every module was built from
+    # contract.bundle.model_digest of model.onnx and weights.bin: the graph and weights every module was built from
+    sha256: str
     graph: str
     export_batch: int | None = None  # the batch the export fixed (None: symbolic)
     classes: tuple[str, ...] | None = None
     frontend: tuple[str, ...] = ()  # the front end's rewrites, one line each
+
+
+@dataclass(frozen=True)
+class Weight:
+    """Where one initializer of model.onnx is in weights.bin: ``length`` bytes at ``offset`` (the
+    ONNX external-data entry says the same), a little-endian ``dtype`` array of ``shape``."""
+
+    dtype: str  # a numpy dtype name: "float16"
+    shape: tuple[int, ...]
+    offset: int
+    length: int
 
 
 @dataclass(frozen=True)
@@ -92,6 +106,7 @@ class Manifest:
     notes: tuple[str, ...] = ()
     verification: Verification | None = None
     files: Mapping[str, str] = field(default_factory=dict)  # path -> SHA-256, every file but the manifest
+    weights: Mapping[str, Weight] = field(default_factory=dict)  # initializer name -> its place in weights.bin
     format: int = BUNDLE_FORMAT
 
     def to_json(self) -> dict[str, Any]:
@@ -139,6 +154,10 @@ class Manifest:
                 notes=tuple(d.get("notes", ())),
                 verification=Verification(**ver) if ver else None,
                 files=d.get("files", {}),
+                weights={
+                    k: Weight(w["dtype"], tuple(w["shape"]), int(w["offset"]), int(w["length"]))
+                    for k, w in d["weights"].items()
+                },
                 format=d["format"],
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -147,4 +166,4 @@ class Manifest:
             ) from None
 
 
-__all__ = ["BUNDLE_FORMAT", "Artifacts", "Manifest", "ModelInfo", "Target", "Verification"]
+__all__ = ["BUNDLE_FORMAT", "Artifacts", "Manifest", "ModelInfo", "Target", "Verification", "Weight"]

@@ -6,15 +6,22 @@ toolchain can get that code wrong where the CPU code is right: IREE 3.13's CUDA 
 fp16 computes garbage from MobileNetV3's first inverted residual on, while its fp32 and its CPU code
 agree with onnxruntime to 1e-6 (bench/results/lraspp_diag-c14dd25-fp16.log, -fp32.log). Serving such a bundle would
 be silent wrong output. So the first :meth:`Engine.load` of a bundle on a GPU runs
-:func:`dualtrack.compiler.verify.verify_engine` once (every segment and the whole plan against onnxruntime,
-the build's tolerances), records the result per bundle and GPU (the cache's ``verified/``), and
-refuses a bundle that fails. Later loads read the record. ``DUALTRACK_GPU_SELF_CHECK=0`` skips it.
+:func:`check_cases` once: the reference cases the build stored in the bundle (contract/cases.py: K
+images and onnxruntime's outputs for them) through the whole plan at every compiled batch size, the
+K images tiled over the rows, each row compared with its image's reference at the build's tolerance
+(contract/checks.py, the comparison the build's verification uses). No onnxruntime and no compiler
+run here: a serving process has neither. The result is recorded per bundle and GPU (the cache's
+``verified/``); a bundle that fails is refused, and later loads read the record.
+``DUALTRACK_GPU_SELF_CHECK=0`` skips the check.
+
+The check is of the whole plan: which segment computes wrong is for the build tools to find,
+``DUALTRACK_GPU_SELF_CHECK=0 dualtrack verify BUNDLE --device cuda`` (every segment against
+onnxruntime) on a machine that has them, as the refusal says.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,8 +29,7 @@ from typing import Any
 import numpy as np
 
 from dualtrack import atomic
-from dualtrack.compiler.config import Tolerance
-from dualtrack.compiler.verify import Report, verify_engine
+from dualtrack.contract.checks import DEFAULT_TOLERANCES, Report, Tolerance
 from dualtrack.errors import VerificationError
 from dualtrack.runtime.replay import compare, log_fallback, random_input
 
@@ -37,32 +43,26 @@ class GpuCheckError(VerificationError):
         self.record = record
 
 
-_SEGMENT_CHECK = re.compile(r"^(\S+)\[([^\]]+)\] ")
-
-
-def failing_modules(bundle: Any, report: Report) -> list[str]:
-    """The bundle's files behind the failed segment checks: each Track B segment's IREE module at
-    the batch the check ran (the plan's first; the CPU's one batch on llvm-cpu), with the IREE flags it
-    was compiled with, so that a refusal says which compiled module (and flag variant) computes it wrong."""
-    manifest = bundle.manifest
-    track_b = manifest.config.get("track_b", {})
-    out: list[str] = []
-    for c in report.checks:
-        m = _SEGMENT_CHECK.match(c.name)
-        if c.passed or m is None:
-            continue
-        seg, target = m.groups()
-        batch = str(manifest.cpu_batch if target == "llvm-cpu" else manifest.plan.batch_sizes[0])
-        rel = manifest.artifacts.iree.get(seg, {}).get(target, {}).get(batch)
-        if rel is None:
-            continue  # a Track A segment (its kernels) or a check that names no module
-        tuned = manifest.artifacts.iree_tuned_flags.get(seg, {}).get(target, {}).get(batch)
-        own = track_b.get("cpu_flags" if target == "llvm-cpu" else "cuda_flags", ())
-        flags = tuned["flags"] if tuned else [*track_b.get("flags", ()), *own]
-        line = f"{rel} (IREE flags: {' '.join(flags) or 'none'})"
-        if line not in out:
-            out.append(line)
-    return out
+def check_cases(engine: Any) -> Report:
+    """Run the bundle's reference cases through ``engine`` at every batch size of its plan; the
+    build's tolerance (the config's ``verify.tolerance``, else the precision's default). On a GPU,
+    Track A outputs are filled with NaN before every run, so an element a kernel fails to write
+    fails the check instead of passing with stale data."""
+    bundle, plan = engine.bundle, engine.plan
+    raw = bundle.manifest.config.get("verify", {}).get("tolerance")
+    tol = Tolerance(**raw) if raw else DEFAULT_TOLERANCES[plan.precision]
+    cases = bundle.cases
+    poison_before = getattr(engine.backend, "poison", None)
+    if poison_before is not None:
+        engine.backend.poison = True
+    try:
+        checks = []
+        for b in plan.batch_sizes:
+            checks += cases.check(engine.run(cases.batch(b)), b, tol, f"plan b{b}")
+    finally:
+        if poison_before is not None:
+            engine.backend.poison = poison_before
+    return Report(engine.device, plan.precision, tol, checks, cases.seed)
 
 
 def record_path(cache_dir: Path, build_key: str, device: str) -> Path:
@@ -72,12 +72,13 @@ def record_path(cache_dir: Path, build_key: str, device: str) -> Path:
 
 
 def self_check(
-    engine: Any, device: str, cache_dir: Path, *, verify: Callable[..., Report] | None = None
+    engine: Any, device: str, cache_dir: Path, *, check: Callable[[Any], Report] | None = None
 ) -> dict[str, Any]:
-    """Verify ``engine`` on its device once; the record of a passed check makes later calls free.
+    """Check ``engine`` on its device once (:func:`check_cases`); the record of a passed check makes
+    later calls free.
 
     ``device`` names the device as the record should (GPU name, compute capability, driver). Raises
-    VerificationError, with the first failing check and the way out, when the device gets it wrong.
+    GpuCheckError, with the first failing check and the way out, when the device gets it wrong.
     """
     manifest = engine.bundle.manifest
     path = record_path(cache_dir, manifest.build_key, device)
@@ -87,20 +88,17 @@ def self_check(
             return record
     except (OSError, ValueError):
         pass  # no record yet (or an unreadable one): check
-    raw_tol = manifest.config.get("verify", {}).get("tolerance")
-    check = verify or verify_engine
-    report = check(engine, samples=1, interpret=False, tol=Tolerance(**raw_tol) if raw_tol else None)
+    report = (check or check_cases)(engine)
     record = {**report.to_json(), "passed": report.passed, "device": device, "build_key": manifest.build_key}
     atomic.write_text(path, json.dumps(record, indent=2) + "\n")
     try:
         report.raise_if_failed()
     except VerificationError as e:
-        modules = failing_modules(engine.bundle, report)
-        where = f" (failing module: {'; '.join(modules)})" if modules else ""
         raise GpuCheckError(
-            f"{engine.bundle.root} computes wrong results on {device}: {e.message}{where}; the CPU build verified, "
-            "so this GPU's code for it is wrong: rebuild with another `precision` or `track_b` flags (see `dualtrack "
-            "verify BUNDLE --device cuda -v`), or set DUALTRACK_GPU_SELF_CHECK=0 to load it regardless",
+            f"{engine.bundle.root} computes wrong results on {device}: {e.message}; the CPU build verified, so "
+            "this GPU's code for it is wrong: rebuild with another `precision` or `track_b` flags (to find the "
+            "segment, run `DUALTRACK_GPU_SELF_CHECK=0 dualtrack verify BUNDLE --device cuda` where the build "
+            "tools are installed), or set DUALTRACK_GPU_SELF_CHECK=0 to load it regardless",
             record,
             detail=e.detail,
         ) from None

@@ -250,7 +250,7 @@ def prepare_kit(
             "batch_sizes": list(cfg.batch_sizes),
             "candidates": {k: list(v) for k, v in cands.items()},
             "compile_failures": failed,
-            "tolerance": cfg.tolerance().model_dump(),
+            "tolerance": cfg.tolerance().to_json(),
             "compiler": compiler,
             "model_sha256": hashlib.sha256(model_bytes).hexdigest(),
             "segments": [k.to_json() for k in kit_segments],
