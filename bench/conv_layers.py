@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from dualtrack.compiler.track_a import SOURCE_DIR, ptx_path
 from dualtrack.contract.arch import PTX_ARCHES, choose_image
 from dualtrack.contract.plan import KernelCall
-from dualtrack.kernels import ACTIVATIONS, KERNELS, ConvGeometry
+from dualtrack.kernels import ACTIVATIONS, KERNELS, ConvGeometry, DeviceInfo
 from dualtrack.runtime import tma
 from dualtrack.runtime.driver import Device, Module, Stream
 from dualtrack.runtime.tensors import GpuTensor
@@ -116,8 +116,9 @@ class EngineContext:
     """What the engine's Track A gives a spec preparing a launch (runtime/track_a.py's _Context):
     tensor maps encoded by the driver, zeroed workspace (torch memory, kept alive here)."""
 
-    def __init__(self, wgmma_off: str | None) -> None:
+    def __init__(self, wgmma_off: str | None, device: DeviceInfo) -> None:
         self.wgmma_off = wgmma_off
+        self.device = device  # the GPU measured on (runtime.driver.Device.info)
         self.keep: list[torch.Tensor] = []
 
     def tuned_entry(self, call: KernelCall, batch: int) -> str | None:
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     has_wgmma = wgmma.configs[0].entry in kernels
     for c in wgmma.configs if has_wgmma else ():
         kernels[c.entry].set_max_dynamic_shared(c.smem_bytes)
-    engine_ctx = EngineContext(None if has_wgmma else f"no wgmma kernel for {choice.arch}")
+    engine_ctx = EngineContext(None if has_wgmma else f"no wgmma kernel for {choice.arch}", dev.info())
     stream = Stream.from_handle(torch.cuda.current_stream().cuda_stream, ctx)
 
     rows = []

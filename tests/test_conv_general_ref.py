@@ -15,7 +15,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
-from dualtrack.kernels import ACTIVATIONS, KERNELS, ConvGeneralSpec, ConvGeometry, pack_conv_weights
+from dualtrack.kernels import KERNELS, Activation, ConvGeneralSpec, ConvGeometry, pack_conv_weights
+from dualtrack.kernels.device import REFERENCE
 from dualtrack.runtime.tensors import GpuTensor
 
 SPEC = KERNELS["conv"]
@@ -277,10 +278,10 @@ def test_prepare_reads_the_call_and_its_tensors() -> None:
     """A plan call on device tensors (channel slices keep their strides): variant()'s entry, its
     launch and args() of the call's geometry, activation, weights and residual (no Hopper kernel)."""
     f16 = np.dtype("float16")
-    ctx = SimpleNamespace(wgmma_off="not an sm_90a device")
+    ctx = SimpleNamespace(wgmma_off="not an sm_90a device", device=REFERENCE)
     g = GEOMS["3x3/2 pad 1"]
-    silu = ACTIVATIONS["silu"]
-    call = KernelCall("conv", ("x", "r"), ("y",), ("w", "b"), (*g.attrs(), ("act", silu), ("residual", 1)), ("c",))
+    silu = ACTS["silu"]
+    call = KernelCall("conv", ("x", "r"), ("y",), ("w", "b"), (*g.attrs(), *silu.attrs(), ("residual", 1)), ("c",))
     P, Q = g.output_hw(9, 10)
     x = GpuTensor(0x1000, (2, 9, 10, 24), f16, ld=40)
     res, y = GpuTensor(0x2000, (2, P, Q, 48), f16, ld=96), GpuTensor(0x3000, (2, P, Q, 48), f16, ld=64)

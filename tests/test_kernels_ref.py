@@ -21,12 +21,13 @@ from dualtrack.kernels import (
     Conv3x3Spec,
     ConvT2x2Spec,
     MaxPool2x2Spec,
-    choose_conv3x3,
+    conv_choice,
     kernel,
     output_shape,
     pack_conv_weights,
     pack_convt_weights,
 )
+from dualtrack.kernels.device import REFERENCE
 from dualtrack.kernels.problems import ConvProblem
 from dualtrack.runtime.driver import kernel_params
 from dualtrack.runtime.tensors import GpuTensor
@@ -288,17 +289,17 @@ def test_choose_conv3x3_puts_the_small_c_entry_before_tuned_tiles() -> None:
     tuned = "conv3x3_nhwc_f16_t64x32x32_w2x2_s4_b4"  # h200.json's enc1/conv1 at N=8, say
     for wgmma_off in (None, "DUALTRACK_WGMMA=0"):
         for C in (1, 3, 4):
-            choice = choose_conv3x3(ConvProblem.dense(8, 512, 512, C, 32), wgmma_off=wgmma_off, tuned=tuned)
+            choice = conv_choice(ConvProblem.dense(8, 512, 512, C, 32), REFERENCE, wgmma_off=wgmma_off, tuned=tuned)
             assert (choice.impl, choice.entry) == ("direct", CONV.smallc_entry)
             assert choice.reason.startswith(f"C={C} <= 4: small-C direct conv; tuned f16_t64x32x32_w2x2_s4_b4 not used")
-        plain = choose_conv3x3(ConvProblem.dense(1, 512, 512, 3, 32), wgmma_off=wgmma_off)
+        plain = conv_choice(ConvProblem.dense(1, 512, 512, 3, 32), REFERENCE, wgmma_off=wgmma_off)
         assert (plain.impl, plain.entry) == ("direct", CONV.smallc_entry) and "not used" not in plain.reason
     # Past the bounds, or fp32: the tuned entry, else the heuristic's, as before.
-    five = choose_conv3x3(ConvProblem.dense(1, 64, 64, 5, 32), wgmma_off="off", tuned=tuned)
+    five = conv_choice(ConvProblem.dense(1, 64, 64, 5, 32), REFERENCE, wgmma_off="off", tuned=tuned)
     assert (five.impl, five.entry) == ("mma.sync", tuned)
-    wide = choose_conv3x3(ConvProblem.dense(1, 64, 64, 3, 256), wgmma_off="off")
+    wide = conv_choice(ConvProblem.dense(1, 64, 64, 3, 256), REFERENCE, wgmma_off="off")
     assert (wide.impl, wide.entry) == ("mma.sync", CONV.variant("float16", 1, 64, 64, 3, 256))
-    fp32 = choose_conv3x3(ConvProblem.dense(1, 64, 64, 3, 32, "float32"), wgmma_off=None)
+    fp32 = conv_choice(ConvProblem.dense(1, 64, 64, 3, 32, "float32"), REFERENCE, wgmma_off=None)
     assert (fp32.impl, fp32.entry) == ("simt", "conv3x3_nhwc_f32")
 
 

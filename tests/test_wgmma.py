@@ -26,8 +26,9 @@ from dualtrack.contract.arch import ARCHES
 from dualtrack.contract.bundle import Bundle
 from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
-from dualtrack.kernels import CONV3X3_WGMMA, WGMMA_CONFIGS, choose_conv3x3
+from dualtrack.kernels import CONV3X3_WGMMA, WGMMA_CONFIGS, ConvChoice, Pointers, choose_conv, conv_choice
 from dualtrack.kernels.conv3x3_wgmma import input_map, weight_map
+from dualtrack.kernels.device import REFERENCE
 from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.tensormap import TiledMap
 from dualtrack.runtime import tma
@@ -39,6 +40,11 @@ SMEM_PER_SM = 233472  # H100/H200: 228 KiB per SM
 SMEM_RESERVED_PER_BLOCK = 1024
 MAX_DYNAMIC_SMEM = 232448  # 227 KiB, the opt-in limit per block
 REGISTERS_PER_SM = 65536
+
+
+def choose_conv3x3(p: ConvProblem, *, wgmma_off: str | None, tuned: str | None = None, x=0, w=0, y=0) -> ConvChoice:
+    """The chooser's answer for a conv3x3 launch on the H200."""
+    return conv_choice(p, REFERENCE, tuned=tuned, wgmma_off=wgmma_off, at=Pointers(x, w, y))
 
 # The reference U-Net's 3x3 layers after the first (C=3): (name, C, K, H=W) at a 512x512 input.
 UNET_LAYERS = (
@@ -233,7 +239,7 @@ def test_split_k_fills_the_gpu_where_the_tiles_do_not() -> None:
         assert launch.grid == (cfg.ctas(n, h, w, k), splits, 1)
         ws = WG.workspace_bytes(cfg, n, h, w, k, splits)
         assert ws == (0 if splits == 1 else cfg.ctas(n, h, w, k) * (splits * cfg.bm * cfg.bn * 4 + 4))
-        choice = kernels.choose_conv3x3(ConvProblem.dense(n, h, w, c, k), wgmma_off=None)
+        choice = choose_conv3x3(ConvProblem.dense(n, h, w, c, k), wgmma_off=None)
         assert (choice.impl, choice.entry, choice.splits) == ("wgmma", cfg.entry, splits)
         assert ("split-K" in choice.reason) == (splits > 1) and choice.to_json().get("splits", 1) == splits
     cfg = WG.config("conv3x3_wgmma_bn64_mt1_wg1_bk64")
@@ -451,7 +457,7 @@ def _backend(monkeypatch: pytest.MonkeyPatch, wgmma_off: str | None = None):
         "b": gpu.GpuTensor(0x7E00, (64,), np.dtype("float32")),
     }
     be.tuned, be.launches, be.stats, be.stream = {}, {}, gpu.Stats(), object()
-    be.wgmma_off = wgmma_off
+    be.wgmma_off, be.device = wgmma_off, REFERENCE
     return be, launched, encoded
 
 
@@ -538,9 +544,10 @@ def test_general_3x3_convs_with_a_residual_run_the_wgmma_kernel(monkeypatch: pyt
         be._launch(call, e)
         assert launched[-1][0].startswith("conv_nhwc_f16"), call
     assert not encoded
-    why = general.hopper_choice(ConvProblem.dense(1, 32, 32, 64, 64), kernels.ConvGeometry(3, 3, pad_top=1,
-        pad_left=1, pad_bottom=1, pad_right=1), 1, wgmma_off=None, res=res, ldr=65)[1]  # fmt: skip
-    assert why == "wgmma: ldr=65: the epilogue reads the residual's channel pairs (ldr % 2 == 0)"
+    why = choose_conv(general, ConvProblem.dense(1, 32, 32, 64, 64), REFERENCE, window=kernels.ConvGeometry(3, 3,
+        pad_top=1, pad_left=1, pad_bottom=1, pad_right=1), act=kernels.Activation.named("relu"),
+        at=Pointers(res=res, ldr=65)).reason  # fmt: skip
+    assert why.endswith("wgmma: ldr=65: the epilogue reads the residual's channel pairs (ldr % 2 == 0)")
 
 
 class _Module:

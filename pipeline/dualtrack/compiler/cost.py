@@ -18,28 +18,39 @@ bundle served through the IREE runtime).
 **A node's time** on a track is, where a `dualtrack tune` file has a record for its launch shape on
 the build's first target, the measured kernel time (Track A conv3x3 only: what the tile records
 hold; Track B records time whole segments, which cannot be split into nodes). Otherwise a roofline:
-``max(FLOPs / rate, bytes / bandwidth) + launch`` with the numbers of :data:`DEFAULT_RATES`, measured
-on the H200 (`bench/results/bench-962eac1199.json`, `bench/results/conv_layers-6097e87.json` and the
-Track B records of `configs/tuning/h200.json`; each number's source is next to it). Track A has one
+``max(FLOPs / rate, bytes / bandwidth) + launch`` with the numbers of the build's device class: the
+rates table `compiler/rates.json` (:func:`load_rates`) has one row per class (H200, H100, the sm_120
+and the sm_80 class), each saying whether it was measured (the H200's: `bench/results/bench-962eac1199.json`,
+`conv_layers-6097e87.json`, the Track B records of `configs/tuning/h200.json`) or estimated from the
+published peak ratios, and why; `python bench/measure_rates.py` on a GPU writes its row. The partition
+takes the row of the device its first target names (:func:`rates_for_target`: ``sm_90a`` is the H200,
+``h100`` the H100, ``sm_89`` the sm_80 class; ``kernels.device``). Track A has one
 roofline per kind of kernel (:meth:`Rates.track_a_for`): the fixed-shape tensor-core kernels
 (conv3x3, conv1x1, convt2x2; maxpool2x2 by its bytes), the general conv (any kernel size and stride:
 its FLOPs count every tap of every output pixel, so the stride is in them), and the SIMT kernels of
 the mobile ops (dwconv, gap, fc, eltwise, resize) and of the general max-pool (one comparison per
 tap), whose few FLOPs per byte leave them bytes-bound.
 A Track A node with no kernel of its own (an Add or activation fused into its Conv, a Concat
-realised as channel slices) costs nothing there. The numbers are the H200's; on another GPU they
-are a guess of the right order, which is all an island decision needs (an island moves when its
-saving is below the switches it costs, and Track A's convolutions are ~10x IREE's).
+realised as channel slices) costs nothing there. An estimated row is a guess of the right order,
+which is all an island decision needs (an island moves when its saving is below the switches it
+costs, and Track A's convolutions are ~10x IREE's).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 from onnx import helper
+
+from dualtrack.errors import ConfigError
+from dualtrack.kernels.device import DeviceInfo, for_target
 
 # us per track switch, by Track B's runtime path (settings.Settings.track_b).
 SWITCH_COST_US = {
@@ -75,27 +86,15 @@ class TrackRates:
 
 @dataclass(frozen=True)
 class Rates:
-    """The default model's numbers, one roofline per track."""
+    """One device class's numbers (a row of `compiler/rates.json`), one roofline per kind of kernel."""
 
-    # Track A, bench-962eac1199 at N=1: the 18 conv3x3 launches of the reference U-Net, 92.3 GFLOP
-    # in 0.310 ms (297 TFLOP/s; 426 at N=8); the 2x2 max-pools move 39 MB in 0.016 ms (2.5 TB/s);
-    # the smallest kernels (a max-pool at 64x64) take ~5 us, of which ~3 us is the launch in a graph.
-    track_a: TrackRates = TrackRates(tflops=300.0, tbps=2.5, launch_us=3.0)
-    # The general conv (`conv`), conv_layers-6097e87 at N=8 (smp Unet-resnet34's layers, fp16): the
-    # 3x3 layers of 64..512 channels run 100-230 TFLOP/s, ~140 typical; the 7x7/2 stem on 3 channels
-    # 23 (its GEMM's reduction, 147 taps, is short for the tile). Its N=1 rows time single launches
-    # from the host (~35 us each, cuDNN's too), so the launch is Track A's in a graph.
-    track_a_conv: TrackRates = TrackRates(tflops=140.0, tbps=2.5, launch_us=3.0)
-    # The mobile ops' SIMT kernels (dwconv, gap, fc, eltwise, resize): fp32 math on the CUDA cores
-    # (the H200's 67 TFLOP/s peak, half of it sustained) and the max-pool's 2.5 TB/s, the other
-    # memory-bound Track A kernel; a depthwise 3x3 does ~4.5 FLOPs a byte in fp16, under the ridge.
-    track_a_simt: TrackRates = TrackRates(tflops=33.0, tbps=2.5, launch_us=3.0)
-    # Track B (IREE 3.13 with configs/unet.yaml's flags): the reference U-Net alone runs 8 x 96.6
-    # GFLOP in 18.6 ms (FACTS 11b: 41 TFLOP/s); the pre- and post-processing segments of its plan
-    # take ~0.05 ms at N=1 for 4-5 nodes (configs/tuning/h200.json: ~10 us each). 1 TB/s puts the
-    # model's estimate of IREE alone on that U-Net at 3.42 / 23.3 ms (N=1 / N=8) against the
-    # measured 3.26 / 18.8 ms (bench-962eac1199's `iree_only` rows): within 25%, on the slow side.
-    track_b: TrackRates = TrackRates(tflops=41.0, tbps=1.0, launch_us=10.0)
+    track_a: TrackRates  # the fixed-shape tensor-core kernels (conv3x3, conv1x1, convt2x2, maxpool2x2)
+    track_a_conv: TrackRates  # the general conv (any window: its FLOPs count every tap)
+    track_a_simt: TrackRates  # the mobile ops' and the max-pool's SIMT kernels, bytes-bound
+    track_b: TrackRates  # IREE
+    device: str = "h200"  # the row's key
+    status: str = "measured"  # or "estimate"
+    basis: str = ""  # where the numbers come from
 
     def track_a_for(self, kernel: str | None) -> TrackRates:
         """The Track A roofline of ``kernel`` (a `KernelCall.op`; None: the fixed-shape kernels')."""
@@ -105,8 +104,76 @@ class Rates:
             return self.track_a_simt
         return self.track_a
 
+    def to_json(self) -> dict[str, Any]:
+        """The row as `compiler/rates.json` holds it (what bench/measure_rates.py writes)."""
+        return {"status": self.status, "basis": self.basis, **{t: asdict(getattr(self, t)) for t in _TRACKS}}
 
-DEFAULT_RATES = Rates()
+
+RATES_FILE = Path(__file__).with_name("rates.json")
+_TRACKS = ("track_a", "track_a_conv", "track_a_simt", "track_b")
+
+
+def _track(where: str, raw: Any) -> TrackRates:
+    keys = ("tflops", "tbps", "launch_us")
+    if not isinstance(raw, dict) or set(raw) != set(keys):
+        raise ConfigError(f"{where} must have exactly {', '.join(keys)}; fix it or rerun bench/measure_rates.py")
+    bad = [k for k in keys if isinstance(raw[k], bool) or not isinstance(raw[k], int | float) or raw[k] <= 0]
+    if bad:
+        fix = "fix it or rerun bench/measure_rates.py"
+        raise ConfigError(f"{where}.{bad[0]} = {raw[bad[0]]!r} must be a positive number; {fix}")
+    return TrackRates(*(float(raw[k]) for k in keys))
+
+
+def parse_rates(doc: Any, origin: str = "rates.json") -> dict[str, Rates]:
+    """The rows of a rates table by the device classes they cover (``covers``); ConfigError, one
+    line naming the row and field, for anything else."""
+    rows = doc.get("rows") if isinstance(doc, dict) else None
+    if not isinstance(rows, dict) or not rows:
+        raise ConfigError(f"{origin} has no 'rows' object of device classes; restore it from the package")
+    out: dict[str, Rates] = {}
+    for key, row in rows.items():
+        where = f"{origin}: row {key!r}"
+        if not isinstance(row, dict) or row.get("status") not in ("measured", "estimate"):
+            raise ConfigError(f"{where} needs status 'measured' or 'estimate'")
+        covers = row.get("covers", [key])
+        if not isinstance(covers, list) or not all(isinstance(c, str) for c in covers):
+            raise ConfigError(f"{where}: 'covers' must be a list of device classes such as 'h100' or 'sm_80'")
+        tracks = [_track(f"{where} {t}", row.get(t)) for t in _TRACKS]
+        rates = Rates(*tracks, device=key, status=row["status"], basis=str(row.get("basis", "")))
+        for c in covers:
+            if c in out:
+                raise ConfigError(f"{where} covers {c!r}, which row {out[c].device!r} covers too; keep one")
+            out[c] = rates
+    return out
+
+
+@functools.cache
+def load_rates(path: Path = RATES_FILE) -> dict[str, Rates]:
+    """:func:`parse_rates` of a rates file (default: the package's `compiler/rates.json`), read once."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read the rates table {path}: {exc}; restore it from the package") from None
+    return parse_rates(doc, str(path))
+
+
+def rates_for(device: DeviceInfo, table: Mapping[str, Rates] | None = None) -> Rates:
+    """The row of ``device``'s class (:attr:`DeviceInfo.key`); ConfigError where the table has none."""
+    rows = table if table is not None else load_rates()
+    if device.key not in rows:
+        raise ConfigError(
+            f"the rates table has no row for {device.name} ({device.key}); it has {', '.join(sorted(rows))}: "
+            "run bench/measure_rates.py on that GPU, or set partition rules instead of `auto`"
+        )
+    return rows[device.key]
+
+
+def rates_for_target(target: str | None) -> Rates:
+    """The row of the device a build target names (``kernels.device.for_target``; None: the H200)."""
+    return rates_for(for_target(target))
+
+
+DEFAULT_RATES = rates_for(for_target(None))  # the reference H200's row
 
 
 @dataclass(frozen=True)

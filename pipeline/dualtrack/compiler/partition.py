@@ -225,7 +225,7 @@ def assign_tracks(
     part = cfg.partition
     switch = part.switch_cost_us if part.switch_cost_us is not None else cost.SWITCH_COST_US[cost.DEFAULT_PATH]
     ctx = ctx or SupportContext.of(model, specs)
-    costs = _node_costs(model, ctx, cfg.batch_sizes, measured)
+    costs = _node_costs(model, ctx, cfg.batch_sizes, measured, _target_rates(cfg))
     if part.mode == "auto":
         return auto_tracks(model, cfg, ctx, costs, switch)
     tracks: dict[str, str] = {}
@@ -982,7 +982,11 @@ def _conv_call(
 
 
 def _node_costs(
-    model: onnx.ModelProto, ctx: SupportContext, batch_sizes: tuple[int, ...], measured: cost.MeasuredTimes | None
+    model: onnx.ModelProto,
+    ctx: SupportContext,
+    batch_sizes: tuple[int, ...],
+    measured: cost.MeasuredTimes | None,
+    rates: cost.Rates = cost.DEFAULT_RATES,
 ) -> dict[str, cost.NodeCost]:
     out = {}
     inits = set(ctx.inits)
@@ -993,9 +997,19 @@ def _node_costs(
         head = ctx.heads.found.get(n.name) if kernel == "seghead" else None
         work = cost.head_work(ctx.specs, head.logits, (head.probs, head.mask)) if head is not None else None
         out[n.name] = cost.node_cost(
-            n, ctx.specs, inits, batch_sizes, on_a=on_a, kernel=kernel, measured=measured, work=work
+            n, ctx.specs, inits, batch_sizes, on_a=on_a, kernel=kernel, rates=rates, measured=measured, work=work
         )
     return out
+
+
+def _target_rates(cfg: BuildConfig) -> cost.Rates:
+    """The cost model's row for the build's first target (the H200's for a CPU-only build)."""
+    return cost.rates_for_target(cfg.targets[0] if cfg.targets else None)
+
+
+def _rates_label(cfg: BuildConfig) -> str:
+    rates = _target_rates(cfg)
+    return f"the {rates.device} rooflines of compiler/rates.json, {rates.status}"
 
 
 def _cost_note(switch: float, costs: dict[str, cost.NodeCost], cfg: BuildConfig) -> str:
@@ -1003,7 +1017,7 @@ def _cost_note(switch: float, costs: dict[str, cost.NodeCost], cfg: BuildConfig)
     source = (
         f"{n_measured} conv(s) measured (the `tuning:` records), the rest the default model"
         if n_measured
-        else "the default model (dualtrack.compiler.cost: H200 rooflines)"
+        else f"the default model (dualtrack.compiler.cost: {_rates_label(cfg)})"
     )
     given = (
         "partition.switch_cost_us"
@@ -1047,12 +1061,54 @@ def auto_tracks(
 ) -> Assignment:
     """`partition: auto` (the steps are at the top of this section), on the nodes' ``costs``."""
     nodes = list(model.graph.node)
+    tracks, why, forced_a = _first_tracks(model, cfg, ctx)
+    batches = len(cfg.batch_sizes)
+
+    def estimate(trial: dict[str, str], n_segments: int) -> float:
+        return cost.plan_us((costs[n].on(t) for n, t in trial.items()), n_segments, switch, batches)
+
+    moves: list[str] = []
+    lowered: dict[tuple[tuple[str, ...], frozenset[str]], TrackARefusal | None] = {}
+    while True:
+        segments = order_segments(model, tracks)
+        refusal = _first_refusal(model, ctx, segments, tracks, lowered)
+        if refusal is not None:
+            if refusal.node in forced_a:
+                raise refusal  # the config's rule put it there; the message names the fix
+            tracks[refusal.node], why[refusal.node] = "B", f"Track A cannot lower it in its segment: {refusal.why}"
+            continue
+        best = _island_to_move(model, segments, tracks, forced_a, costs, estimate)
+        if best is None:
+            break
+        seg, fewer = best
+        saving = sum(costs[n.name].on("B") - costs[n.name].on("A") for n in seg)
+        island = f"island {seg[0].name} .. {seg[-1].name} ({len(seg)} nodes)"
+        because = (
+            f"on Track A it saves {saving:.1f} us, less than the {fewer * switch * batches:.1f} us of the "
+            f"{fewer} track switch(es) it costs"
+            if saving > 0
+            else f"it is {-saving:.1f} us faster on Track B"
+        )
+        moves.append(f"moved the {island} to Track B: {because}")
+        for n in seg:
+            tracks[n.name], why[n.name] = "B", f"moved to Track B with its {island}: {because}"
+    decisions = tuple(
+        Decision(n.name, n.op_type, tracks[n.name], why[n.name], costs[n.name].a_us, costs[n.name].b_us) for n in nodes
+    )
+    notes = ("partition: auto", _cost_note(switch, costs, cfg), *moves)
+    return Assignment(tracks, decisions, notes, switch, cfg.batch_sizes)
+
+
+def _first_tracks(
+    model: onnx.ModelProto, cfg: BuildConfig, ctx: SupportContext
+) -> tuple[dict[str, str], dict[str, str], set[str]]:
+    """Step 1 of `partition: auto`: every node's first track and why, and the nodes a rule puts on A."""
     part = cfg.partition
     model_in = {i.name for i in model.graph.input}
     tracks: dict[str, str] = {}
     why: dict[str, str] = {}
     forced_a: set[str] = set()
-    for n in nodes:
+    for n in model.graph.node:
         rule_b, rule_a = _rule(n, part.track_b, "track_b"), _rule(n, part.track_a, "track_a")
         reason = track_a_support(n, ctx)
         if rule_b:
@@ -1073,53 +1129,31 @@ def auto_tracks(
                 "A",
                 "a Track A kernel takes it" + ("" if launches else " (no launch of its own)"),
             )
-    batches = len(cfg.batch_sizes)
+    return tracks, why, forced_a
 
-    def estimate(trial: dict[str, str], n_segments: int) -> float:
-        return cost.plan_us((costs[n].on(t) for n, t in trial.items()), n_segments, switch, batches)
 
-    moves: list[str] = []
-    lowered: dict[tuple[tuple[str, ...], frozenset[str]], TrackARefusal | None] = {}
-    while True:
-        segments = order_segments(model, tracks)
-        refusal = _first_refusal(model, ctx, segments, tracks, lowered)
-        if refusal is not None:
-            if refusal.node in forced_a:
-                raise refusal  # the config's rule put it there; the message names the fix
-            tracks[refusal.node], why[refusal.node] = "B", f"Track A cannot lower it in its segment: {refusal.why}"
-            continue
-        now = estimate(tracks, len(segments))
-        islands = [s for s in segments if tracks[s[0].name] == "A" and not any(n.name in forced_a for n in s)]
-        # Tried in the order of what they would save if each took its two switches with it (an island
-        # inside Track B does); the first that really lowers the estimate moves. Cutting the segments
-        # for every island on every round would cost islands^2 cuts.
-        islands.sort(key=lambda s: sum(costs[n.name].on("B") - costs[n.name].on("A") for n in s))
-        best: tuple[list[onnx.NodeProto], int] | None = None
-        for seg in islands:
-            trial = {**tracks, **{n.name: "B" for n in seg}}
-            n_after = len(order_segments(model, trial))
-            if estimate(trial, n_after) < now:
-                best = (seg, len(segments) - n_after)
-                break
-        if best is None:
-            break
-        seg, fewer = best
-        saving = sum(costs[n.name].on("B") - costs[n.name].on("A") for n in seg)
-        island = f"island {seg[0].name} .. {seg[-1].name} ({len(seg)} nodes)"
-        because = (
-            f"on Track A it saves {saving:.1f} us, less than the {fewer * switch * batches:.1f} us of the "
-            f"{fewer} track switch(es) it costs"
-            if saving > 0
-            else f"it is {-saving:.1f} us faster on Track B"
-        )
-        moves.append(f"moved the {island} to Track B: {because}")
-        for n in seg:
-            tracks[n.name], why[n.name] = "B", f"moved to Track B with its {island}: {because}"
-    decisions = tuple(
-        Decision(n.name, n.op_type, tracks[n.name], why[n.name], costs[n.name].a_us, costs[n.name].b_us) for n in nodes
-    )
-    notes = ("partition: auto", _cost_note(switch, costs, cfg), *moves)
-    return Assignment(tracks, decisions, notes, switch, cfg.batch_sizes)
+def _island_to_move(
+    model: onnx.ModelProto,
+    segments: list[list[onnx.NodeProto]],
+    tracks: dict[str, str],
+    forced_a: set[str],
+    costs: dict[str, cost.NodeCost],
+    estimate: Callable[[dict[str, str], int], float],
+) -> tuple[list[onnx.NodeProto], int] | None:
+    """Step 3: the first Track A island whose move to Track B lowers the estimate, and how many
+    segments fewer the plan then has; None where no move pays."""
+    now = estimate(tracks, len(segments))
+    islands = [s for s in segments if tracks[s[0].name] == "A" and not any(n.name in forced_a for n in s)]
+    # Tried in the order of what they would save if each took its two switches with it (an island
+    # inside Track B does); the first that really lowers the estimate moves. Cutting the segments
+    # for every island on every round would cost islands^2 cuts.
+    islands.sort(key=lambda s: sum(costs[n.name].on("B") - costs[n.name].on("A") for n in s))
+    for seg in islands:
+        trial = {**tracks, **{n.name: "B" for n in seg}}
+        n_after = len(order_segments(model, trial))
+        if estimate(trial, n_after) < now:
+            return seg, len(segments) - n_after
+    return None
 
 
 def _nhwc(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -6,10 +6,11 @@ source (``handwritten_ptx/<stem>.cu``), the PTX arches it is built for, its entr
 disagree), its launch geometry, its ``cuLaunchKernel`` argument list (the ABI of
 ``handwritten_ptx/README.md``), its weight packing, its tensor maps where it has them, and its numpy
 reference. ``base.py`` holds what every spec shares, ``conv.py`` what the conv-like ones share,
-``select.py`` the policy that picks among conv3x3's kernels, ``tensormap.py`` tensor maps as data.
+``select.py`` the one chooser of a convolution's kernel, ``device.py`` the GPU it plans for,
+``tensormap.py`` tensor maps as data.
 
 :data:`KERNELS` holds each plan op's spec; :data:`CONV3X3_WGMMA` is the Hopper-only (compute_90a)
-conv3x3 that the conv3x3 spec hands a launch to where :func:`choose_conv3x3` picks it;
+conv3x3 that the conv specs hand a launch to where :func:`conv_choice` picks it;
 :data:`RESIZE_RGB` prepares the service's GPU-decoded JPEGs (no plan calls it, no bundle ships it).
 :data:`SPECS` lists every source. Adding a kernel: its module, its ``.cu``, and one line below.
 
@@ -38,27 +39,28 @@ from dualtrack.kernels.conv import pack_conv_weights
 from dualtrack.kernels.conv1x1 import Conv1x1Spec
 from dualtrack.kernels.conv3x3 import Conv3x3Spec, F16Tile
 from dualtrack.kernels.conv3x3_wgmma import WGMMA_CONFIGS, Conv3x3WgmmaSpec, WgmmaConfig
-from dualtrack.kernels.conv_general import ACTIVATIONS, ConvGeneralSpec, ConvGeometry
+from dualtrack.kernels.conv_general import ConvGeneralSpec, ConvGeometry
 from dualtrack.kernels.convt2x2 import ConvT2x2Spec, pack_convt_weights
+from dualtrack.kernels.device import DeviceInfo
 from dualtrack.kernels.dwconv import DwConvSpec, DwGeometry
 from dualtrack.kernels.eltwise import EltwiseSpec
-from dualtrack.kernels.epilogue import Activation
 from dualtrack.kernels.fc import FcSpec
 from dualtrack.kernels.gap import GapSpec
 from dualtrack.kernels.maxpool import MaxPoolSpec, PoolGeometry
 from dualtrack.kernels.maxpool2x2 import MaxPool2x2Spec
+from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.resize import ResizeMode, ResizeSpec
 from dualtrack.kernels.resize_rgb import ResizeRgbSpec
 from dualtrack.kernels.seghead import HeadMode, SegHeadSpec
-from dualtrack.kernels.select import SMALL_C_K_MAX, SMALL_C_MAX, ConvChoice
+from dualtrack.kernels.select import PLANNED, SMALL_C_K_MAX, SMALL_C_MAX, ConvChoice, Pointers, choose_conv
 
 __all__ = [
     "ACTIVATIONS", "CONV3X3_WGMMA", "DTYPES", "KERNELS", "RESIZE_RGB", "SMALL_C_K_MAX", "SMALL_C_MAX", "SPECS",
     "WGMMA_CONFIGS", "Activation", "Conv1x1Spec", "Conv3x3Spec", "Conv3x3WgmmaSpec", "ConvChoice", "ConvGeneralSpec",
-    "ConvGeometry", "ConvT2x2Spec", "DeviceTensor", "DwConvSpec", "DwGeometry", "EltwiseSpec", "F16Tile", "FcSpec",
-    "GapSpec", "HeadMode", "KernelArg", "KernelSpec", "LaunchConfig", "LaunchContext", "MaxPool2x2Spec",
-    "MaxPoolSpec", "PoolGeometry", "PreparedCall", "ResizeMode", "ResizeRgbSpec", "ResizeSpec", "SegHeadSpec",
-    "WgmmaConfig", "choose_conv3x3",
+    "ConvGeometry", "ConvT2x2Spec", "DeviceInfo", "DeviceTensor", "DwConvSpec", "DwGeometry", "EltwiseSpec", "F16Tile",
+    "FcSpec", "GapSpec", "HeadMode", "KernelArg", "KernelSpec", "LaunchConfig", "LaunchContext", "MaxPool2x2Spec",
+    "MaxPoolSpec", "Pointers", "PoolGeometry", "PreparedCall", "ResizeMode", "ResizeRgbSpec", "ResizeSpec",
+    "SegHeadSpec", "WgmmaConfig", "choose_conv", "conv_choice",
     "defines_for_stem", "dtype_name", "kernel", "output_shape", "pack_conv_weights", "pack_convt_weights",
     "ptx_arches_for_stem", "spec_for_stem",
 ]  # fmt: skip
@@ -86,11 +88,28 @@ RESIZE_RGB = ResizeRgbSpec(op="resize_rgb", stem="resize_rgb_u8")
 
 SPECS: tuple[KernelSpec, ...] = (*KERNELS.values(), CONV3X3_WGMMA, RESIZE_RGB)  # every source under handwritten_ptx/
 
-_CONV3X3 = KERNELS["conv3x3"]
-assert isinstance(_CONV3X3, Conv3x3Spec)
-# The policy for the registered conv3x3 (select.choose_conv3x3 with this spec and its Hopper kernel):
-# what bundles, tools and tests ask when they have a shape and no spec at hand.
-choose_conv3x3 = _CONV3X3.select
+
+def conv_choice(
+    p: ConvProblem,
+    device: DeviceInfo,
+    *,
+    call: KernelCall | None = None,
+    tuned: str | None = None,
+    wgmma_off: str | None = None,
+    at: Pointers = PLANNED,
+) -> ConvChoice:
+    """:func:`choose_conv` with the registry's spec: of ``call``'s op (``conv3x3`` or the general
+    ``conv``, whose window and activation are the call's attributes), or conv3x3 where ``call`` is
+    None. What the bundle, the build, the cost model, the tuner and tools ask for a planned launch."""
+    op = "conv3x3" if call is None else call.op
+    spec = KERNELS[op]
+    if isinstance(spec, ConvGeneralSpec):
+        assert call is not None
+        geom, act = ConvGeometry.from_call(call), Activation.of(call)
+        return choose_conv(spec, p, device, window=geom, act=act, tuned=tuned, wgmma_off=wgmma_off, at=at)
+    if not isinstance(spec, Conv3x3Spec):
+        raise InputError(f"{op} is not a convolution the chooser knows; it takes conv3x3 and conv calls")
+    return choose_conv(spec, p, device, tuned=tuned, wgmma_off=wgmma_off, at=at)
 
 
 def kernel(op: str) -> KernelSpec:

@@ -25,6 +25,7 @@ from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 
 if TYPE_CHECKING:  # annotations only: the choice is made by a conv spec's policy (select.py)
+    from dualtrack.kernels.device import DeviceInfo
     from dualtrack.kernels.select import ConvChoice
     from dualtrack.kernels.tensormap import TiledMap
 
@@ -85,6 +86,8 @@ class LaunchContext(Protocol):
 
     # Why conv3x3 may not run the Hopper (wgmma) kernel on this device, or None where it may.
     wgmma_off: str | None
+    # The GPU launched on (runtime.driver.Device.info): what the conv chooser and grids plan for.
+    device: DeviceInfo
 
     def tuned_entry(self, call: KernelCall, batch: int) -> str | None:
         """The tuned entry a `dualtrack tune` file chose for this call and batch size, or None."""

@@ -3,7 +3,7 @@
 Its fp16 entries are one implicit GEMM in several tiles (the default, ``_narrow``, ``_wide``,
 ``_small`` and the tuned ones, :class:`F16Tile`) and a direct convolution for few input channels
 (``_smallc``). On Hopper the op prefers conv3x3_wgmma (:attr:`Conv3x3Spec.hopper`); which kernel
-and entry a launch runs is the selection policy's (select.py).
+and entry a launch runs is the one convolution chooser's (select.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from dualtrack.kernels import base
 from dualtrack.kernels.conv import Conv3x3Reference, ConvAbi, GemmTiles
 from dualtrack.kernels.conv3x3_wgmma import Conv3x3WgmmaSpec
 from dualtrack.kernels.problems import ConvProblem
-from dualtrack.kernels.select import SMALL_C_K_MAX, SMALL_C_MAX, choose_conv3x3
+from dualtrack.kernels.device import REFERENCE, DeviceInfo
+from dualtrack.kernels.select import SMALL_C_K_MAX, SMALL_C_MAX, Pointers, choose_conv
 
 
 @dataclass(frozen=True, order=True)
@@ -90,11 +91,7 @@ class Conv3x3Spec(Conv3x3Reference, ConvAbi, GemmTiles):
     f16_small: tuple[int, ...] = (64, 64, 64, 2, 2, 3, 4)
     # rows, columns of the output tile, threads (at most), min blocks per SM
     f16_smallc: tuple[int, ...] = (16, 64, 256, 2)
-    # variant(): wide tiles when there are at least this many of them, else the default tile when
-    # it has at least f16_main_min_tiles, else small (measured on an H200, 132 SMs).
-    f16_wide_min_tiles: int = 256
-    f16_main_min_tiles: int = 512
-    # The Hopper kernel of the same op that select() prefers where it runs (None: none).
+    # The Hopper kernel of the same op that the chooser prefers where it runs (None: none).
     hopper: Conv3x3WgmmaSpec | None = None
 
     def defines(self) -> dict[str, int | str]:
@@ -185,12 +182,26 @@ class Conv3x3Spec(Conv3x3Reference, ConvAbi, GemmTiles):
         tile = self.entry_tile(entry if entry is not None else self.entry("float16"))
         return tile.bm, tile.bn, tile.threads
 
-    def variant(self, dtype: Any, N: int, H: int, W: int, C: int, K: int) -> str:
-        """The entry to launch for this shape (fp32: the one entry). Launch it with the geometry of
-        ``launch(dtype, N, H, W, C, K, entry=<this name>)``; every entry computes the same thing.
+    def hopper_window(self, geom: Any, act: Any) -> str | None:
+        """None: the op is 3x3 stride 1 with ReLU or none, all the wgmma kernel computes."""
+        return None
+
+    def direct_for(self, p: ConvProblem, geom: Any = None) -> tuple[str, str] | None:
+        """The small-C entry and why, where :meth:`smallc_supported` takes ``p``; else None."""
+        if self.smallc_supported(p.dtype, p.C, p.K) is None:
+            return self.smallc_entry, f"C={p.C} <= {SMALL_C_MAX}: small-C direct conv"
+        return None
+
+    def variant(
+        self, dtype: Any, N: int, H: int, W: int, C: int, K: int, geom: Any = None, *, device: DeviceInfo = REFERENCE
+    ) -> str:
+        """The entry to launch for this shape on ``device`` (fp32: the one entry). Launch it with
+        the geometry of ``launch(dtype, N, H, W, C, K, entry=<this name>)``; every entry computes
+        the same thing. ``geom`` is unused (the op's window is fixed).
 
         fp16: the small-C entry wherever :meth:`smallc_supported` takes the shape; else ``_narrow``
-        for K <= 32, ``_wide`` with enough wide tiles, the default entry with enough of its tiles,
+        for K <= 32, ``_wide`` where its tiles make a full wave at their occupancy
+        (:meth:`DeviceInfo.full_wave` of its min-blocks), the default entry where its tiles do,
         else ``_small``."""
         name = base.dtype_name(dtype)
         base.positive(N=N, H=H, W=W, C=C, K=K)
@@ -202,10 +213,11 @@ class Conv3x3Spec(Conv3x3Reference, ConvAbi, GemmTiles):
         narrow_bn = self.f16_narrow[1]
         if narrow_bn >= K:
             return f"{self.stem}_f16_narrow"
-        wbm, wbn = self.f16_wide[:2]
-        if wbn <= K and base.cdiv(M, wbm) * base.cdiv(K, wbn) >= self.f16_wide_min_tiles:
+        wide = F16Tile(*self.f16_wide)
+        if wide.bn <= K and base.cdiv(M, wide.bm) * base.cdiv(K, wide.bn) >= device.full_wave(wide.min_blocks):
             return f"{self.stem}_f16_wide"
-        if base.cdiv(M, self.f16_bm) * base.cdiv(K, self.f16_bn) >= self.f16_main_min_tiles:
+        main_tiles = base.cdiv(M, self.f16_bm) * base.cdiv(K, self.f16_bn)
+        if main_tiles >= device.full_wave(self.f16_min_blocks):
             return self.entry(name)
         return f"{self.stem}_f16_small"
 
@@ -291,9 +303,6 @@ class Conv3x3Spec(Conv3x3Reference, ConvAbi, GemmTiles):
             np.maximum(out, 0.0, out=out)
         return out.astype(x.dtype)
 
-    # The kernel for one launch of this op: the policy in select.py, with this spec as its first argument.
-    select = choose_conv3x3
-
     def prepare_inputs(
         self,
         call: KernelCall,
@@ -302,14 +311,17 @@ class Conv3x3Spec(Conv3x3Reference, ConvAbi, GemmTiles):
         weights: base.Tensors,
         ctx: base.LaunchContext,
     ) -> base.PreparedCall:
-        """What :meth:`select` picks: the Hopper kernel (its own preparation, tensor maps included)
-        where it is on and takes the launch, else the layer's tuned entry, else :meth:`variant`'s."""
+        """What :func:`~dualtrack.kernels.select.choose_conv` picks on ``ctx.device``: the Hopper
+        kernel (its own preparation, tensor maps included) where it is on and takes the launch, else
+        the small-C entry, the layer's tuned entry, or :meth:`variant`'s."""
         x = inputs[0]
         kw = self.call_args(call, inputs, y, weights)
         p = ConvProblem.of(x, y)
-        choice = self.select(p, wgmma_off=ctx.wgmma_off, tuned=ctx.tuned_entry(call, p.N), x=x.ptr, w=kw["w"], y=y.ptr)
+        tuned = ctx.tuned_entry(call, p.N)
+        at = Pointers(x.ptr, kw["w"], y.ptr)
+        choice = choose_conv(self, p, ctx.device, tuned=tuned, wgmma_off=ctx.wgmma_off, at=at)
         if choice.impl == "wgmma":
-            assert self.hopper is not None  # select() chooses wgmma only where there is one
+            assert self.hopper is not None  # the chooser picks wgmma only where there is one
             return self.hopper.prepare_entry(choice, x, y, weights, kw["relu"], ctx)
         config = self.launch(p.dtype, p.N, p.H, p.W, p.C, p.K, entry=choice.entry)
         return base.PreparedCall(choice.entry, config, self.args(**kw), choice)

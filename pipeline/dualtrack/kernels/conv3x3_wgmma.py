@@ -26,6 +26,7 @@ from dualtrack.errors import InputError
 from dualtrack.kernels import base
 from dualtrack.kernels.conv import Conv3x3Reference
 from dualtrack.kernels.problems import ConvProblem
+from dualtrack.kernels.device import REFERENCE, DeviceInfo
 from dualtrack.kernels.select import ConvChoice
 from dualtrack.kernels.tensormap import DIM_LIMIT, STRIDE_LIMIT, TiledMap
 
@@ -218,8 +219,8 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
     ptx_arches: ClassVar[tuple[str, ...]] = ("compute_90a",)  # wgmma exists on sm_90a only
 
     configs: tuple[WgmmaConfig, ...] = WGMMA_CONFIGS
-    # choose(), fitted to the per-layer winners of bench/results/wgmma_check-770a528.json (H200, 132
-    # SMs): of these tiles, the first that makes at least `min_ctas` CTAs, else the one with most.
+    # choose(), fitted to the per-layer winners of bench/results/wgmma_check-770a528.json (H200): of
+    # these tiles, the first that makes a full wave of CTAs (DeviceInfo.full_wave), else the one with most.
     prefer: tuple[str, ...] = (
         "conv3x3_wgmma_bn128_mt2_wg2_bk64",  # 256x128
         "conv3x3_wgmma_bn64_mt2_wg2_bk64_h16",  # 256x64, column copies
@@ -234,10 +235,9 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         "conv3x3_wgmma_bn32_mt2_wg2_bk64_h16",
         "conv3x3_wgmma_bn32_mt2_wg2_bk32_h16",
     )  # K <= 32
-    min_ctas: int = 128
-    # Split-K (:meth:`splits`): a launch of fewer than min_ctas CTAs splits its reduction over up to
-    # max_splits CTAs a tile, each at least min_split_kb k-blocks, so the GPU fills: ResNet-34's
-    # last stages at N=1 (32 CTAs of 64x64 and 72 k-blocks at 16x16x512) left 100 of 132 SMs idle.
+    # Split-K (:meth:`splits`): a launch of less than a full wave of CTAs splits its reduction over up
+    # to max_splits CTAs a tile, each at least min_split_kb k-blocks, so the GPU fills (ResNet-34's
+    # last stages at N=1: 32 CTAs of 64x64 and 72 k-blocks at 16x16x512).
     max_splits: int = 4
     min_split_kb: int = 8
 
@@ -305,17 +305,20 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
             return f"res={int(res):#x} is not 4-byte aligned"
         return None
 
-    def choose(self, N: int, H: int, W: int, C: int, K: int) -> WgmmaConfig:
-        """The configuration to launch for this shape (H200 measurements, handwritten_ptx/README.md):
+    def choose(self, N: int, H: int, W: int, C: int, K: int, *, device: DeviceInfo = REFERENCE) -> WgmmaConfig:
+        """The configuration to launch for this shape on ``device`` (H200 measurements,
+        handwritten_ptx/README.md):
 
         k-blocks of 64 channels when ``C % 64 == 0``, else of 32. K <= 32: the 256x32 column-copy
         tile. Else 256x128, then the 256x64 and 128x64 column-copy tiles (128x64 first when C <= 64),
         then 64x64 (with 32-channel k-blocks: the 256x64 column-copy tile only), skipping tiles
         wider than K rounded up to 32: the first that makes at least :attr:`min_ctas` CTAs, else
         the one that makes the most (of equals, the smaller). Within 0.5% of the per-layer best on
-        the U-Net's 26 (layer, batch) pairs (the worst single layer: 1.3%).
+        the U-Net's 26 (layer, batch) pairs (the worst single layer: 1.3%). A CTA a time per SM: a
+        full wave is :meth:`DeviceInfo.full_wave` CTAs (128 on the H200's 132 SMs).
         """
         base.positive(N=N, H=H, W=W, C=C, K=K)
+        min_ctas = device.full_wave()
         bk = 64 if C % 64 == 0 else 32
         by_entry = {c.entry: c for c in self.configs}
         if K > 32:
@@ -326,19 +329,21 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
                 order.insert(1, self.one_block_first)
             wide = [by_entry[e] for e in order if by_entry[e].bk == bk and by_entry[e].bn <= k32]
             for c in wide:
-                if c.ctas(N, H, W, K) >= self.min_ctas:
+                if c.ctas(N, H, W, K) >= min_ctas:
                     return c
             if wide:
                 # of equals the smaller tile: the same CTAs computing fewer rows and channels past the image
                 return max(wide, key=lambda c: (c.ctas(N, H, W, K), -c.bm * c.bn))
         return next(by_entry[e] for e in self.narrow if by_entry[e].bk == bk)
 
-    def splits(self, cfg: WgmmaConfig, N: int, H: int, W: int, C: int, K: int) -> int:
-        """Split-K factor of a launch: 1 where it makes :attr:`min_ctas` CTAs, else enough splits
-        to reach that many (at most :attr:`max_splits`), each at least :attr:`min_split_kb`
-        k-blocks long; never an empty split."""
+    def splits(
+        self, cfg: WgmmaConfig, N: int, H: int, W: int, C: int, K: int, *, device: DeviceInfo = REFERENCE
+    ) -> int:
+        """Split-K factor of a launch: 1 where it makes a full wave of CTAs on ``device``
+        (:meth:`DeviceInfo.full_wave`), else enough splits to reach one (at most :attr:`max_splits`),
+        each at least :attr:`min_split_kb` k-blocks long; never an empty split."""
         ctas, kb = cfg.ctas(N, H, W, K), cfg.k_blocks(C)
-        want = min(self.max_splits, base.cdiv(self.min_ctas, ctas), kb // self.min_split_kb)
+        want = min(self.max_splits, base.cdiv(device.full_wave(), ctas), kb // self.min_split_kb)
         if want <= 1:
             return 1
         per = base.cdiv(kb, want)
@@ -450,10 +455,11 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         config = self.launch(p.dtype, p.N, p.H, p.W, p.C, p.K, entry=choice.entry, splits=choice.splits)
         return base.PreparedCall(choice.entry, config, args, choice)
 
-    def choice(self, p: ConvProblem) -> ConvChoice:
-        """The launch of ``p`` on this kernel (:meth:`choose`'s tile, :meth:`splits`' split-K) and why."""
-        cfg = self.choose(p.N, p.H, p.W, p.C, p.K)
-        splits = self.splits(cfg, p.N, p.H, p.W, p.C, p.K)
+    def choice(self, p: ConvProblem, device: DeviceInfo) -> ConvChoice:
+        """The launch of ``p`` on this kernel and ``device`` (:meth:`choose`'s tile, :meth:`splits`'
+        split-K) and why."""
+        cfg = self.choose(p.N, p.H, p.W, p.C, p.K, device=device)
+        splits = self.splits(cfg, p.N, p.H, p.W, p.C, p.K, device=device)
         ctas = cfg.ctas(p.N, p.H, p.W, p.K)
         split = f" x {splits} split-K" if splits > 1 else ""
         return ConvChoice("wgmma", cfg.entry, f"{cfg.bm}x{cfg.bn} tile, {ctas} CTAs{split}", splits)

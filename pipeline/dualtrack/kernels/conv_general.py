@@ -7,7 +7,7 @@ A call's geometry and epilogue are its attributes (:class:`ConvGeometry`, ``act`
 convolution, and the partition asks it before it lowers a Conv to this op. fp16 runs an implicit
 GEMM on mma.sync tensor cores in four tiles (:meth:`ConvGeneralSpec.variant`), fp32 a SIMT GEMM.
 On Hopper its 3x3 stride-1 fp16 layers with ReLU or no activation (ResNet's second conv of a block,
-the one with the residual) run conv3x3_wgmma instead (:meth:`ConvGeneralSpec.hopper_choice`).
+the one with the residual) run conv3x3_wgmma instead (:func:`~dualtrack.kernels.select.choose_conv`).
 """
 
 from __future__ import annotations
@@ -38,13 +38,9 @@ from dualtrack.kernels.conv import named_weights, pack_conv_weights
 from dualtrack.kernels.conv3x3 import F16Tile
 from dualtrack.kernels.conv3x3_wgmma import Conv3x3WgmmaSpec
 from dualtrack.kernels.problems import ConvProblem
-from dualtrack.kernels.select import ConvChoice
+from dualtrack.kernels.device import REFERENCE, DeviceInfo
+from dualtrack.kernels.select import Pointers, choose_conv
 
-# The fused activations by name, numbered as conv_nhwc.cu's convg::Act. HardSwish and HardSigmoid
-# are ONNX's with alpha = 1/6, beta = 1/2 (what torch exports); relu6 is Clip(0, 6).
-ACTIVATIONS: dict[str, int] = {
-    "none": 0, "relu": 1, "relu6": 2, "hardswish": 3, "hardsigmoid": 4, "sigmoid": 5, "silu": 6,
-}  # fmt: skip
 MAX_KERNEL = 15  # R and S; larger kernels are not worth an implicit GEMM's per-tap loads
 
 
@@ -161,10 +157,8 @@ class ConvGeneralSpec(KernelSpec):
     direct_weights: int = 8192
     direct_threads: int = 256
     f32: tuple[int, int, int, int, int] = (64, 64, 16, 4, 4)
-    # variant(): wide tiles when there are at least this many of them, else the default tile when
-    # it has at least f16_main_min_tiles, else small (conv3x3's thresholds, measured on an H200).
-    f16_wide_min_tiles: int = 256
-    f16_main_min_tiles: int = 512
+    # The direct entry's grid-stride loop: at most this many blocks per SM, enough to hide latency.
+    direct_blocks_per_sm: int = 16
     # Nothing below small: a 64x32 tile with twice its blocks measured slower (docs/performance.md).
     # The Hopper kernel that its 3x3 stride-1 layers run where the device has it (None: none). On
     # the H200 it took ResNet-34's residual convs at 16x16..128x128 in about 60% of the small
@@ -213,53 +207,25 @@ class ConvGeneralSpec(KernelSpec):
 
     # --- the Hopper kernel ------------------------------------------------------------------------
 
-    def hopper_window(self, geom: ConvGeometry, act: int) -> str | None:
+    def hopper_window(self, geom: ConvGeometry | None, act: Activation | None) -> str | None:
         """None when :attr:`hopper` computes this window and activation (3x3, stride 1, dilation
-        1, padding 1 on every side; ReLU or none), else why not."""
+        1, padding 1 on every side; an activation its ``relu`` flag says: ReLU or none), else why not."""
         g = geom
+        if g is None or act is None:
+            return "a general conv's launch needs its window and activation"
         if (g.R, g.S, g.stride_h, g.stride_w, g.dil_h, g.dil_w) != (3, 3, 1, 1, 1, 1):
             return f"{g.label()}: the wgmma kernel takes 3x3 stride 1 dilation 1"
         if (g.pad_top, g.pad_left, g.pad_bottom, g.pad_right) != (1, 1, 1, 1):
             return f"{g.label()}: the wgmma kernel takes padding 1 on every side"
-        if act not in (ACTIVATIONS["none"], ACTIVATIONS["relu"]):
-            name = next(k for k, v in ACTIVATIONS.items() if v == act)
-            return f"activation {name}: the wgmma kernel fuses ReLU only"
+        if act.relu_flag() is None:
+            return f"activation {act.kind.name}: the wgmma kernel fuses ReLU only"
         return None
 
-    def hopper_choice(
-        self,
-        p: ConvProblem,
-        geom: ConvGeometry,
-        act: int,
-        *,
-        wgmma_off: str | None,
-        x: int = 0,
-        w: int = 0,
-        y: int = 0,
-        res: int | None = None,
-        ldr: int = 0,
-    ) -> tuple[ConvChoice | None, str]:
-        """The wgmma launch of this conv (``p``: its input and output, which a 3x3 stride-1 conv
-        keeps the same size) and why, or (None, why not). Pointers 0: only the shapes are known."""
-        why = wgmma_off
-        if why is None and self.hopper is None:
-            why = f"{self.stem} has no Hopper kernel"
-        why = why or self.hopper_window(geom, act)
-        hopper = self.hopper
-        if why is None and hopper is not None:
-            why = hopper.supported(p, x=x, w=w, y=y)
-            if why is None and res is not None:
-                why = hopper.residual_supported(p.K, res, ldr)
-        if why is not None or hopper is None:
-            return None, f"wgmma: {why}"
-        choice = hopper.choice(p)
-        return choice, choice.reason
-
-    def call_choice(self, call: KernelCall, p: ConvProblem, *, wgmma_off: str | None) -> ConvChoice | None:
-        """:meth:`hopper_choice` of a plan call on launch shape ``p`` (its geometry and activation from
-        the call's attributes; pointers assumed aligned, as planned buffers are): what the build and
-        the bundle's report ask before there are tensors."""
-        return self.hopper_choice(p, ConvGeometry.from_call(call), call.attr("act"), wgmma_off=wgmma_off)[0]
+    def direct_for(self, p: ConvProblem, geom: ConvGeometry | None) -> tuple[str, str] | None:
+        """The direct entry and why, where it takes fp16 launch ``p`` (:meth:`direct_supported`); else None."""
+        if geom is not None and dtype_name(p.dtype) == "float16" and self.direct_supported(p.C, p.K, geom) is None:
+            return self.direct_entry, f"K={p.K} <= {self.direct_k}: direct conv"
+        return None
 
     # --- what the kernel computes -----------------------------------------------------------------
 
@@ -308,11 +274,24 @@ class ConvGeneralSpec(KernelSpec):
             raise InputError(f"a {N}x{H}x{W} input with its padding exceeds 2^31-1 pixels; split the batch")
         return N * P * Q
 
-    def variant(self, dtype: Any, N: int, H: int, W: int, C: int, K: int, geom: ConvGeometry) -> str:
-        """The entry to launch (fp32: the one entry; fp16: ``_direct`` for a few output channels
-        (:meth:`direct_supported`), ``_gather`` where C % 8 != 0 (the vector path's 16-byte copies
-        cannot take the input), ``_narrow`` for K <= 32, ``_wide`` with enough wide tiles, the
-        default entry with enough of its tiles, else ``_small``)."""
+    def variant(
+        self,
+        dtype: Any,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        K: int,
+        geom: ConvGeometry,
+        *,
+        device: DeviceInfo = REFERENCE,
+    ) -> str:
+        """The entry to launch on ``device`` (fp32: the one entry; fp16: ``_direct`` for a few output
+        channels (:meth:`direct_supported`), ``_gather`` where C % 8 != 0 (the vector path's 16-byte
+        copies cannot take the input), ``_narrow`` for K <= 32, ``_wide`` where its tiles make a full
+        wave at their occupancy (:meth:`DeviceInfo.full_wave` of its min-blocks), the default entry
+        where its tiles do, else ``_small``: a 64x32 tile with twice its blocks measured slower,
+        docs/performance.md)."""
         name = dtype_name(dtype)
         if name != "float16":
             return self.entry(name)
@@ -324,9 +303,10 @@ class ConvGeneralSpec(KernelSpec):
         if self.f16_narrow.bn >= K:
             return f"{self.stem}_f16_narrow"
         wide = self.f16_wide
-        if wide.bn <= K and cdiv(M, wide.bm) * cdiv(K, wide.bn) >= self.f16_wide_min_tiles:
+        if wide.bn <= K and cdiv(M, wide.bm) * cdiv(K, wide.bn) >= device.full_wave(wide.min_blocks):
             return f"{self.stem}_f16_wide"
-        if cdiv(M, self.f16_main.bm) * cdiv(K, self.f16_main.bn) >= self.f16_main_min_tiles:
+        main = self.f16_main
+        if cdiv(M, main.bm) * cdiv(K, main.bn) >= device.full_wave(main.min_blocks):
             return self.entry(name)
         return f"{self.stem}_f16_small"
 
@@ -344,21 +324,31 @@ class ConvGeneralSpec(KernelSpec):
         return tiles[key]
 
     def launch(
-        self, dtype: Any, N: int, H: int, W: int, C: int, K: int = 0, *, geom: ConvGeometry, entry: str | None = None
+        self,
+        dtype: Any,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        K: int = 0,
+        *,
+        geom: ConvGeometry,
+        entry: str | None = None,
+        device: DeviceInfo = REFERENCE,
     ) -> LaunchConfig:
         """One block per (output-pixel tile, channel tile), pixel tiles along grid.x; ``entry``:
-        the fp16 variant launched (None: :meth:`variant`'s)."""
+        the fp16 variant launched (None: :meth:`variant`'s on ``device``); the direct entry loops
+        over the pixels in at most :attr:`direct_blocks_per_sm` blocks per SM of ``device``."""
         self.output_shape(N, H, W, C, K, geom=geom)
         M = self._checked_pixels(N, H, W, geom)
         name = dtype_name(dtype)
         if name == "float16":
-            entry = entry if entry is not None else self.variant(dtype, N, H, W, C, K, geom)
+            entry = entry if entry is not None else self.variant(dtype, N, H, W, C, K, geom, device=device)
             if entry == self.direct_entry:
                 why = self.direct_supported(C, K, geom)
                 if why:
                     raise InputError(f"{entry} cannot run this convolution: {why}")
-                # grid-stride over the pixels; enough blocks for every SM several times over
-                blocks = min(cdiv(M, self.direct_threads), 132 * 16)
+                blocks = min(cdiv(M, self.direct_threads), device.sm_count * self.direct_blocks_per_sm)
                 return LaunchConfig(grid=(blocks, 1, 1), block=(self.direct_threads, 1, 1), shared_bytes=0)
             tile = self._tile(entry)
             bm, bn = tile.bm, tile.bn
@@ -400,7 +390,7 @@ class ConvGeneralSpec(KernelSpec):
         res: np.ndarray | None = None,
         *,
         geom: ConvGeometry | None = None,
-        act: int = 0,
+        act: Activation | None = None,
     ) -> np.ndarray:
         """numpy semantics: ``x`` (N,H,W,C), ``w`` (K,R,S,C), ``bias`` (K,) or None, ``res``
         (N,P,Q,K) or None. In float32: the products and sums, then bias and residual, then the
@@ -458,8 +448,9 @@ class ConvGeneralSpec(KernelSpec):
     def prepare_inputs(
         self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors, ctx: LaunchContext
     ) -> PreparedCall:
-        """:meth:`variant`'s entry, its geometry and arguments; ``inputs``: x, then the residual
-        where the call has one (``residual`` attribute)."""
+        """The entry :func:`~dualtrack.kernels.select.choose_conv` picks on ``ctx.device`` (the wgmma
+        kernel where it takes the launch), its geometry and arguments; ``inputs``: x, then the
+        residual where the call has one (``residual`` attribute)."""
         kw = self.call_args(call, inputs, y, weights)
         res = inputs[1] if call.attr("residual") else None
         shape = (kw["N"], kw["H"], kw["W"], kw["C"], kw["K"])
@@ -467,16 +458,13 @@ class ConvGeneralSpec(KernelSpec):
         for what, t in (("output", y), ("residual", res)):
             if t is not None and tuple(t.shape) != expect:
                 raise InputError(f"conv call {call.nodes}: {what} has shape {tuple(t.shape)}; expected {expect}")
-        dtype = inputs[0].dtype
-        if dtype_name(dtype) == "float16":
-            x = inputs[0]
-            choice, _ = self.hopper_choice(
-                ConvProblem.of(x, y), kw["geom"], kw["act"], wgmma_off=ctx.wgmma_off, x=x.ptr, w=kw["w"], y=y.ptr,
-                res=None if res is None else res.ptr, ldr=0 if res is None else res.channel_stride,
-            )  # fmt: skip
-            if choice is not None:
-                assert self.hopper is not None  # hopper_choice() picks wgmma only where there is one
-                relu = kw["act"] == ACTIVATIONS["relu"]
-                return self.hopper.prepare_entry(choice, x, y, weights, relu, ctx, res=res)
-        entry = self.variant(dtype, *shape, kw["geom"])
-        return PreparedCall(entry, self.launch(dtype, *shape, geom=kw["geom"], entry=entry), self.args(**kw))
+        x = inputs[0]
+        at = Pointers(x.ptr, kw["w"], y.ptr, None if res is None else res.ptr, 0 if res is None else res.channel_stride)
+        p = ConvProblem.of(x, y)
+        choice = choose_conv(self, p, ctx.device, window=kw["geom"], act=kw["act"], wgmma_off=ctx.wgmma_off, at=at)
+        if choice.impl == "wgmma":
+            assert self.hopper is not None  # the chooser picks wgmma only where there is one
+            relu = kw["act"].relu_flag() == 1
+            return self.hopper.prepare_entry(choice, x, y, weights, relu, ctx, res=res)
+        launch = self.launch(x.dtype, *shape, geom=kw["geom"], entry=choice.entry, device=ctx.device)
+        return PreparedCall(choice.entry, launch, self.args(**kw))

@@ -1,38 +1,43 @@
-"""Which kernel runs a conv3x3 launch: the policy between conv3x3_wgmma and conv3x3_nhwc's entries.
+"""Which kernel runs a convolution on a device: :func:`choose_conv`, the one place that decides.
 
-:func:`choose_conv3x3` is the one place that orders the op's kernels (Hopper first, the small-C
-direct entry, a tuned tile, the heuristic); each kernel's own shape rules stay with its spec
-(:meth:`Conv3x3WgmmaSpec.supported` and ``.choose``, :meth:`Conv3x3Spec.variant`). The policy
-takes the conv spec as an argument, so this module imports no kernel: the specs call it
-(:meth:`Conv3x3Spec.select`), and ``dualtrack.kernels.choose_conv3x3`` is the registry's one.
+Both conv ops go through it: ``conv3x3`` (conv3x3_nhwc's entries) and the general ``conv``
+(conv_nhwc's), each preferring the Hopper kernel conv3x3_wgmma where it takes the launch. The
+runtime's launch preparation, the bundle's report, the build's kernel list, the partition's cost
+model and the tuner all ask it, so they cannot disagree. Each kernel's own shape rules stay with
+its spec (:meth:`Conv3x3WgmmaSpec.supported` and ``.choose``, :meth:`Conv3x3Spec.smallc_supported`
+and ``.variant``, :meth:`ConvGeneralSpec.hopper_window`, ``.direct_supported`` and ``.variant``);
+this module holds their order. It takes the spec as an argument and imports no kernel module, so
+the specs can call it; ``dualtrack.kernels.conv_choice`` asks it with the registry's specs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dualtrack.kernels.base import dtype_name
+from dualtrack.kernels.device import DeviceInfo
 from dualtrack.kernels.problems import ConvProblem
 
-if TYPE_CHECKING:  # annotations only: conv3x3.py imports this module
-    from dualtrack.kernels.conv3x3 import Conv3x3Spec
+if TYPE_CHECKING:  # annotations only: the spec modules import this one
+    from dualtrack.contract.activations import Activation
+    from dualtrack.kernels.conv3x3_wgmma import Conv3x3WgmmaSpec
+    from dualtrack.kernels.conv_general import ConvGeometry
 
 # The small-C conv3x3 entry (``conv3x3_nhwc_f16_smallc``, a direct convolution on CUDA cores) takes
 # fp16 layers with at most SMALL_C_MAX input channels (the RGB first layer), where the implicit
 # GEMM's 9*C-deep reduction is too short for tensor-core tiles, and at most SMALL_C_K_MAX output
-# channels (its fp32 weights stay in shared memory). Such a layer always runs it:
-# :meth:`Conv3x3Spec.variant` and :func:`choose_conv3x3` put it before every other fp16 entry.
+# channels (its fp32 weights stay in shared memory). Such a layer always runs it.
 SMALL_C_MAX = 4
 SMALL_C_K_MAX = 128
 
 
 @dataclass(frozen=True)
 class ConvChoice:
-    """Which kernel runs one conv3x3 launch, and why (:func:`choose_conv3x3`)."""
+    """Which kernel runs one convolution launch, and why (:func:`choose_conv`)."""
 
-    # "wgmma" (conv3x3_wgmma, sm_90a), "mma.sync" (conv3x3_nhwc fp16), "direct" (its small-C fp16
-    # entry, CUDA cores), "simt" (fp32)
+    # "wgmma" (conv3x3_wgmma, sm_90a), "mma.sync" (a tensor-core GEMM entry), "direct" (a direct
+    # convolution on CUDA cores: conv3x3's small-C entry, the general conv's few-K entry), "simt" (fp32)
     impl: str
     entry: str
     reason: str
@@ -43,45 +48,101 @@ class ConvChoice:
         return {"impl": self.impl, "entry": self.entry, "reason": self.reason, **split}
 
 
-def choose_conv3x3(
-    conv: Conv3x3Spec,
-    p: ConvProblem,
-    *,
-    wgmma_off: str | None,
-    tuned: str | None = None,
-    x: int = 0,
-    w: int = 0,
-    y: int = 0,
-) -> ConvChoice:
-    """The kernel for launch ``p`` of ``conv``'s op (``KERNELS["conv3x3"]``; ``x``, ``w``, ``y``: its
-    device pointers, 0 where only the shape is known), in this order:
+@dataclass(frozen=True)
+class Pointers:
+    """The device addresses of a launch, where known: 0 (and ``res`` None: no residual) plans with
+    aligned buffers, as planned buffers are."""
 
-    1. the wgmma kernel wherever it is available (``wgmma_off`` is None: a cc 9.0 device whose
-       image has it, DUALTRACK_WGMMA not 0) and :meth:`Conv3x3WgmmaSpec.supported` takes the
-       launch (``conv.hopper``), with :meth:`Conv3x3WgmmaSpec.choose`'s tile (it never takes
-       C <= SMALL_C_MAX: TMA needs C % 8 == 0);
-    2. the small-C direct entry for fp16 with C <= :data:`SMALL_C_MAX` (and K <= :data:`SMALL_C_K_MAX`,
-       :meth:`Conv3x3Spec.smallc_supported`), even where the layer has a tuned entry: tuning
-       searches mma.sync tiles, and for such layers those gather their A tile element by element
-       (`dualtrack tune` skips these layers, and builds ignore their records);
+    x: int = 0
+    w: int = 0
+    y: int = 0
+    res: int | None = None  # the general conv's residual input
+    ldr: int = 0  # its channel stride
+
+
+PLANNED = Pointers()
+
+
+class ConvFamily(Protocol):
+    """What :func:`choose_conv` asks a conv op's spec (``Conv3x3Spec``, ``ConvGeneralSpec``): its
+    shape rules, never the order between its kernels."""
+
+    stem: str
+    hopper: Conv3x3WgmmaSpec | None  # the wgmma kernel it hands launches to, or None
+
+    def hopper_window(self, geom: ConvGeometry | None, act: Activation | None) -> str | None:
+        """Why the wgmma kernel cannot compute this window and activation, or None."""
+        ...
+
+    def direct_for(self, p: ConvProblem, geom: ConvGeometry | None) -> tuple[str, str] | None:
+        """Its direct-convolution entry and why, where that takes ``p``; else None."""
+        ...
+
+    def variant(
+        self, dtype: Any, N: int, H: int, W: int, C: int, K: int, geom: Any = None, *, device: DeviceInfo
+    ) -> str:
+        """Its heuristic entry for this shape on ``device``."""
+        ...
+
+
+def choose_conv(
+    spec: ConvFamily,
+    p: ConvProblem,
+    device: DeviceInfo,
+    *,
+    window: ConvGeometry | None = None,
+    act: Activation | None = None,
+    tuned: str | None = None,
+    wgmma_off: str | None = None,
+    at: Pointers = PLANNED,
+) -> ConvChoice:
+    """The kernel for launch ``p`` of ``spec``'s op on ``device``, in this order:
+
+    1. the wgmma kernel (``spec.hopper``) wherever it is available (``wgmma_off`` None: a cc 9.0
+       device whose image has it, DUALTRACK_WGMMA not 0) and takes the launch: its shape and
+       pointers (:meth:`Conv3x3WgmmaSpec.supported`), for the general conv also its ``window``
+       and activation ``act`` (3x3 stride 1, ReLU or none) and residual; with
+       :meth:`Conv3x3WgmmaSpec.choice`'s tile and split-K for ``device``;
+    2. the direct entry where the op has one that takes the shape (conv3x3: fp16 with C <=
+       :data:`SMALL_C_MAX`, even over a tuned entry, which is an mma.sync tile that would gather
+       such a layer's A tile element by element; the general conv: a few output channels);
     3. the tuned mma.sync entry of the layer (``tuned``, from a `dualtrack tune` file);
-    4. :meth:`Conv3x3Spec.variant`.
+    4. the spec's ``variant`` for ``device`` (the tile that fills its SMs).
 
     A tuned entry never displaces the wgmma kernel: the tuner searches mma.sync tiles only, and the
     wgmma kernel beat cuDNN on every U-Net layer it takes (bench/results/wgmma_check-e477c6d.json).
+    ``window`` is None for conv3x3 (3x3, stride 1, padding 1) and the geometry of a general conv.
     """
-    hopper = conv.hopper
-    if hopper is None:
-        why = wgmma_off or f"{conv.stem} has no Hopper kernel"
-    else:
-        why = wgmma_off or hopper.supported(p, x=x, w=w, y=y)
-    if why is None and hopper is not None:
-        return hopper.choice(p)
-    if conv.smallc_supported(p.dtype, p.C, p.K) is None:
-        unused = f"; tuned {tuned.removeprefix(conv.stem + '_')} not used" if tuned else ""
-        reason = f"C={p.C} <= {SMALL_C_MAX}: small-C direct conv{unused}; wgmma: {why}"
-        return ConvChoice("direct", conv.smallc_entry, reason)
+    why = _wgmma_refusal(spec, p, window, act, wgmma_off, at)
+    if why is None and spec.hopper is not None:
+        return spec.hopper.choice(p, device)
+    wgmma = f"wgmma: {why}"
+    direct = spec.direct_for(p, window)
+    if direct is not None:
+        unused = f"; tuned {tuned.removeprefix(spec.stem + '_')} not used" if tuned else ""
+        return ConvChoice("direct", direct[0], f"{direct[1]}{unused}; {wgmma}")
     impl = "mma.sync" if dtype_name(p.dtype) == "float16" else "simt"
     if tuned:
-        return ConvChoice(impl, tuned, f"tuned (dualtrack tune); wgmma: {why}")
-    return ConvChoice(impl, conv.variant(p.dtype, p.N, p.H, p.W, p.C, p.K), f"heuristic; wgmma: {why}")
+        return ConvChoice(impl, tuned, f"tuned (dualtrack tune); {wgmma}")
+    entry = spec.variant(p.dtype, p.N, p.H, p.W, p.C, p.K, window, device=device)
+    return ConvChoice(impl, entry, f"heuristic; {wgmma}")
+
+
+def _wgmma_refusal(
+    spec: ConvFamily,
+    p: ConvProblem,
+    window: ConvGeometry | None,
+    act: Activation | None,
+    wgmma_off: str | None,
+    at: Pointers,
+) -> str | None:
+    """Why the wgmma kernel does not take this launch, or None where it does."""
+    hopper = spec.hopper
+    if wgmma_off is not None:
+        return wgmma_off
+    if hopper is None:
+        return f"{spec.stem} has no Hopper kernel"
+    why = spec.hopper_window(window, act) or hopper.supported(p, x=at.x, w=at.w, y=at.y)
+    if why is None and at.res is not None:
+        why = hopper.residual_supported(p.K, at.res, at.ldr)
+    return why

@@ -45,6 +45,7 @@ from cuda.bindings import driver as cu
 from dualtrack import atomic
 from dualtrack.contract.arch import check_ptx_loadable, parse_ptx_isa
 from dualtrack.errors import CudaError, DeviceError
+from dualtrack.kernels.device import DeviceInfo
 
 try:  # cuda-bindings 13 raises this when libcuda.so.1 cannot be loaded
     from cuda.pathfinder import DynamicLibNotFoundError as _LibNotFound
@@ -189,6 +190,11 @@ class Device:
         self.multiprocessor_count = _attr(self.handle, "MULTIPROCESSOR_COUNT")
         self.l2_size = _attr(self.handle, "L2_CACHE_SIZE")
         self.max_shared_per_block_optin = _attr(self.handle, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN")
+
+    def info(self) -> DeviceInfo:
+        """What the kernels plan launches with (SMs, grid limits, shared memory, L2), read from
+        ``cuDeviceGetAttribute`` through the one checker."""
+        return DeviceInfo.from_attributes(self.name, lambda name: _attr(self.handle, name))
 
     @property
     def arch(self) -> str:

@@ -71,6 +71,7 @@ class TrackA:
         self.ctx, self.stream, self.pool, self.stats = ctx, stream, pool, stats
         self.use_graphs = use_graphs
         self.wgmma_off = images.wgmma_off
+        self.device = ctx.device.info()  # what the conv chooser and the specs' grids plan for
         self.tuned = dict(images.tuned)  # Conv node -> batch -> entry (bundle.tuned_calls)
         self.launches: dict[tuple[str, int], tuple[tuple[int, ...], Launch]] = {}
         self.graphs: dict[tuple[int, int], tuple[Any, Any]] = {}
@@ -256,7 +257,7 @@ class TrackA:
         arguments, tensor maps). ``allow_wgmma=False``: a conv3x3 never runs the wgmma kernel."""
         wgmma_off = self.wgmma_off if allow_wgmma else "not allowed (prepare(allow_wgmma=False))"
         key = (_call_key(c), env[c.outputs[0]].shape[0])
-        ctx = _Context(wgmma_off, self.tuned, lambda nbytes: self._workspace(key, nbytes))
+        ctx = _Context(wgmma_off, self.device, self.tuned, lambda nbytes: self._workspace(key, nbytes))
         weights = [self.weights[name] for name in c.weights]
         inputs = [env[name] for name in c.inputs]
         outputs = [env[name] for name in c.outputs]
@@ -300,6 +301,7 @@ class _Context:
     """What a kernel spec asks the runtime while it prepares a launch (``kernels.LaunchContext``)."""
 
     wgmma_off: str | None
+    device: kernels.DeviceInfo  # the GPU launched on (runtime.driver.Device.info)
     tuned: Mapping[str, Mapping[str, str]]  # Conv node -> batch size -> tuned entry
     alloc: Callable[[int], int]  # zeroed scratch of the call being prepared (TrackA._workspace)
 

@@ -45,9 +45,10 @@ from dualtrack.contract import arch
 from dualtrack.contract.plan import Plan
 from dualtrack.errors import ArchError, ConfigError, DeviceError, VerificationError
 from dualtrack.kernels import Conv3x3Spec, F16Tile
+from dualtrack.kernels.device import REFERENCE
 from dualtrack.kernels.problems import ConvLayer, ConvProblem, by_problem, conv_layers
 from dualtrack.runtime.driver import NO_DEVICE, NO_DRIVER, Context, Device, Event, Kernel, Module, Stream, call
-from dualtrack.runtime.memory import DevicePool, HostBuffer, download, upload
+from dualtrack.runtime.memory import DeviceBuffer, DevicePool, HostBuffer, download, upload
 from dualtrack.settings import Settings
 from dualtrack.tuning import space
 
@@ -224,6 +225,7 @@ class _Gpu:
     """This GPU as a record states it, and what runs on it."""
 
     device: Device
+    info: kernels.DeviceInfo  # what the chooser plans for (device.info())
     target: arch.ArchInfo
     nvrtc: str
     source_sha256: str
@@ -231,6 +233,46 @@ class _Gpu:
     stream: Stream
     pool: DevicePool
     events: list[Event]
+
+
+def _open_device(index: int) -> Device:
+    """The GPU to tune on, or DeviceError naming where to run `dualtrack tune`."""
+    try:
+        return Device(index)
+    except DeviceError as exc:
+        if exc.message not in (NO_DRIVER, NO_DEVICE):
+            raise
+        found = exc.message.split(";")[0]
+        raise DeviceError(
+            f"dualtrack tune times kernels on a GPU: {found}; run it on the GPU machine and build "
+            "with its file (`dualtrack build CONFIG --tuning FILE`)"
+        ) from None
+
+
+# What the tuner searches: mma.sync tiles, so it asks the chooser with the wgmma kernel off.
+_MMA_ONLY = "the tuner times conv3x3_nhwc's mma.sync tiles"
+
+
+def _problems(source: str | Path, opts: TuneOptions) -> tuple[dict[ConvProblem, list[ConvLayer]], int]:
+    """The distinct problems worth tuning (and how many layers they cover): those the chooser runs on
+    an mma.sync tile. fp32 has one entry, and a small-C layer runs the direct entry whatever is
+    tuned (``kernels.conv_choice``): neither has tiles to search. Which kernel runs a layer does not
+    depend on the device (its tile does), so this is asked before there is one."""
+    device = REFERENCE
+    layers = conv_layers(load_plan(source), opts.batches or None, opts.layers)
+    problems = {
+        p: ls
+        for p, ls in by_problem(layers).items()
+        if kernels.conv_choice(p, device, wgmma_off=_MMA_ONLY).impl == "mma.sync"
+    }
+    if not problems:
+        what = f" matching {opts.layers!r}" if opts.layers else ""
+        raise ConfigError(
+            f"{source}: no fp16 Track A conv3x3 layer{what} to tune (fp32 convolutions have one "
+            f"entry, and layers with C <= {kernels.SMALL_C_MAX} run the small-C entry: nothing to "
+            "search); check --layers and the config's precision and partition"
+        )
+    return problems, len(layers)
 
 
 def tune_track_a(
@@ -255,39 +297,15 @@ def tune_track_a(
 
     with phase("plan"):
         out_path = Path(output) if output is not None else default_output(source)
-        plan = load_plan(source)
-        layers = conv_layers(plan, opts.batches or None, opts.layers)
-        # fp32 has one entry, and small-C layers run the direct entry whatever is tuned
-        # (kernels.choose_conv3x3): neither has tiles to search.
-        problems = {
-            p: ls
-            for p, ls in by_problem(layers).items()
-            if p.dtype == "float16" and conv.smallc_supported(p.dtype, p.C, p.K) is not None
-        }
-        if not problems:
-            what = f" matching {opts.layers!r}" if opts.layers else ""
-            raise ConfigError(
-                f"{source}: no fp16 Track A conv3x3 layer{what} to tune (fp32 convolutions have one "
-                f"entry, and layers with C <= {kernels.SMALL_C_MAX} run the small-C entry: nothing to "
-                "search); check --layers and the config's precision and partition"
-            )
-        say(f"{len(layers)} conv layers x batch sizes -> {len(problems)} distinct problems")
-
-    try:
-        device = Device(opts.device_index)
-    except DeviceError as exc:
-        if exc.message not in (NO_DRIVER, NO_DEVICE):
-            raise
-        found = exc.message.split(";")[0]
-        raise DeviceError(
-            f"dualtrack tune times kernels on a GPU: {found}; run it on the GPU machine and build "
-            "with its file (`dualtrack build CONFIG --tuning FILE`)"
-        ) from None
+        problems, n_layers = _problems(source, opts)
+        say(f"{n_layers} conv layers x batch sizes -> {len(problems)} distinct problems")
+    device = _open_device(opts.device_index)
     target = arch_of(device.cc)
     ctx = device.primary_context()
     stream = Stream(ctx)
     gpu = _Gpu(
         device,
+        device.info(),
         target,
         "{}.{}".format(*ptx.nvrtc_version()),
         tuning.source_sha256(conv),
@@ -327,6 +345,64 @@ def tune_track_a(
     return TuneResult(out_path, records, device.name, target.name, len(built.entries), phase.seconds, seconds)
 
 
+@dataclass
+class _Inputs:
+    """One problem's data on the GPU and its reference at the sampled pixels."""
+
+    bufs: list[DeviceBuffer]  # x, w, bias
+    y: DeviceBuffer
+    host: HostBuffer
+    pixels: np.ndarray
+    ref: np.ndarray
+    ref_norm: float
+
+    def close(self) -> None:
+        for buf in (*self.bufs, self.y):
+            buf.close()
+        self.host.close()
+
+
+def _inputs(gpu: _Gpu, conv: Conv3x3Spec, p: ConvProblem, opts: TuneOptions) -> _Inputs:
+    """Seeded random input, weights and bias uploaded, and the numpy reference at the sampled pixels."""
+    stream, M = gpu.stream, p.pixels
+    rng = np.random.default_rng([opts.seed, p.N, p.H, p.W, p.C, p.K, p.ldx, p.ldy])
+    x = random_fp16(rng, M * p.ldx)
+    w = (rng.standard_normal((p.K, 3, 3, p.C), dtype=np.float32) / math.sqrt(9 * p.C)).astype(np.float16)
+    bias = rng.standard_normal(p.K, dtype=np.float32)
+    pixels = sample_pixels(M, rng, opts.sample_run, opts.sample_all)
+    ref = conv.reference_at(x.reshape(p.N, p.H, p.W, p.ldx)[..., : p.C], w, pixels, bias).astype(np.float64)
+    bufs = [gpu.pool.alloc(a.nbytes, stream) for a in (x, w, bias)]
+    for buf, a in zip(bufs, (x, w, bias), strict=True):
+        upload(stream, buf, a)
+    y = gpu.pool.alloc(M * p.ldy * 2, stream)
+    host = HostBuffer(gpu.ctx, M * p.ldy * 2)
+    stream.synchronize()
+    return _Inputs(bufs, y, host, pixels, ref, max(float(np.linalg.norm(ref)), 1e-30))
+
+
+def _verify(
+    gpu: _Gpu, p: ConvProblem, data: _Inputs, launchers: dict[str, Callable[[], None]], opts: TuneOptions, say: Progress
+) -> tuple[dict[str, float], list[tuple[str, str]]]:
+    """Each candidate once on a NaN-poisoned output: {entry: rel L2} of those that pass, and
+    (entry, why) of those that fail."""
+    stream, M = gpu.stream, p.pixels
+    verified: dict[str, float] = {}
+    rejected: list[tuple[str, str]] = []
+    for entry, launch in launchers.items():
+        call(cu.cuMemsetD16Async, data.y.ptr, _POISON, M * p.ldy, stream.handle)
+        launch()
+        download(stream, data.host, data.y)
+        stream.synchronize()
+        out = data.host.numpy(np.uint16, (M, p.ldy))
+        result = _check(out, p.K, data.pixels, data.ref, data.ref_norm, opts.tolerance)
+        if isinstance(result, str):
+            rejected.append((entry, result))
+            say(f"{p.label()}: {entry} rejected ({result})")
+        else:
+            verified[entry] = result
+    return verified, rejected
+
+
 def _tune_problem(
     gpu: _Gpu,
     conv: Conv3x3Spec,
@@ -339,30 +415,17 @@ def _tune_problem(
     say: Progress,
 ) -> tuning.TileRecord:
     """Inputs, reference, verification and timing of every candidate on one problem -> its record."""
-    stream, M = gpu.stream, p.pixels
     with phase("inputs"):
-        rng = np.random.default_rng([opts.seed, p.N, p.H, p.W, p.C, p.K, p.ldx, p.ldy])
-        x = random_fp16(rng, M * p.ldx)
-        w = (rng.standard_normal((p.K, 3, 3, p.C), dtype=np.float32) / math.sqrt(9 * p.C)).astype(np.float16)
-        bias = rng.standard_normal(p.K, dtype=np.float32)
-        pixels = sample_pixels(M, rng, opts.sample_run, opts.sample_all)
-        ref = conv.reference_at(x.reshape(p.N, p.H, p.W, p.ldx)[..., : p.C], w, pixels, bias).astype(np.float64)
-        ref_norm = max(float(np.linalg.norm(ref)), 1e-30)
-        bufs = [gpu.pool.alloc(a.nbytes, stream) for a in (x, w, bias)]
-        for buf, a in zip(bufs, (x, w, bias), strict=True):
-            upload(stream, buf, a)
-        y = gpu.pool.alloc(M * p.ldy * 2, stream)
-        host = HostBuffer(gpu.ctx, M * p.ldy * 2)
-        stream.synchronize()
-        del x
+        data = _inputs(gpu, conv, p, opts)
     try:
+        x, w, bias = (b.ptr for b in data.bufs)
         args = conv.args(
-            x=bufs[0].ptr, w=bufs[1].ptr, bias=bufs[2].ptr, y=y.ptr,
-            N=p.N, H=p.H, W=p.W, C=p.C, K=p.K, ldx=p.ldx, ldy=p.ldy, relu=False,
-        )  # fmt: skip
-        baseline = conv.variant(p.dtype, p.N, p.H, p.W, p.C, p.K)
+            x=x, w=w, bias=bias, y=data.y.ptr, N=p.N, H=p.H, W=p.W, C=p.C, K=p.K, ldx=p.ldx, ldy=p.ldy, relu=False
+        )
+        # What the engine launches without a tuning file (the wgmma kernel aside: it is not tuned).
+        baseline = kernels.conv_choice(p, gpu.info, wgmma_off=_MMA_ONLY).entry
         every = [*built.entries.values(), *(conv.entry_tile(e) for e in built.rejected)]
-        entries = list(dict.fromkeys([baseline, *(conv.tuned_entry(t) for t in space.prune(every, M, p.K))]))
+        entries = list(dict.fromkeys([baseline, *(conv.tuned_entry(t) for t in space.prune(every, p.pixels, p.K))]))
         # The baseline runs whatever ptxas said: it is what the engine launches without a tuning file.
         rejected: list[tuple[str, str]] = [(e, built.rejected[e]) for e in entries[1:] if e in built.rejected]
         candidates = [baseline, *(e for e in entries[1:] if e not in built.rejected)]
@@ -370,21 +433,12 @@ def _tune_problem(
         def launcher(entry: str) -> Callable[[], None]:
             cfg = conv.launch(p.dtype, p.N, p.H, p.W, p.C, p.K, entry=entry)
             kern = functions[entry]
-            return lambda: kern.launch(cfg.grid, cfg.block, cfg.shared_bytes, stream, args)
+            return lambda: kern.launch(cfg.grid, cfg.block, cfg.shared_bytes, gpu.stream, args)
 
-        verified: dict[str, float] = {}  # entry -> rel L2
+        launchers = {entry: launcher(entry) for entry in candidates}
         with phase("verify"):
-            for entry in candidates:
-                call(cu.cuMemsetD16Async, y.ptr, _POISON, M * p.ldy, stream.handle)
-                launcher(entry)()
-                download(stream, host, y)
-                stream.synchronize()
-                result = _check(host.numpy(np.uint16, (M, p.ldy)), p.K, pixels, ref, ref_norm, opts.tolerance)
-                if isinstance(result, str):
-                    rejected.append((entry, result))
-                    say(f"{p.label()}: {entry} rejected ({result})")
-                else:
-                    verified[entry] = result
+            verified, failed = _verify(gpu, p, data, launchers, opts, say)
+        rejected += failed
         if baseline not in verified:
             reason = dict(rejected).get(baseline, "not run")
             raise VerificationError(
@@ -392,16 +446,30 @@ def _tune_problem(
                 "tuning result; run `make gpu-test`"
             )
         with phase("time"):
-            times = {entry: _median_ms(launcher(entry), gpu.events, stream, opts.warmup) for entry in verified}
+            times = {e: _median_ms(launchers[e], gpu.events, gpu.stream, opts.warmup) for e in verified}
     finally:  # also when a candidate fails: the pool is reused by the next problem
-        for buf in (*bufs, y):
-            buf.close()
-        host.close()
+        data.close()
     best = min(times, key=times.__getitem__)
     say(
         f"{p.label()}: {best} {times[best]:.4f} ms, baseline {baseline} {times[baseline]:.4f} ms "
         f"({times[baseline] / times[best]:.2f}x; {len(candidates)} run, {len(rejected)} rejected)"
     )
+    return _record(gpu, conv, p, group, best, baseline, times, verified[best], len(entries), rejected)
+
+
+def _record(
+    gpu: _Gpu,
+    conv: Conv3x3Spec,
+    p: ConvProblem,
+    group: list[ConvLayer],
+    best: str,
+    baseline: str,
+    times: dict[str, float],
+    rel_l2: float,
+    tried: int,
+    rejected: list[tuple[str, str]],
+) -> tuning.TileRecord:
+    """One problem's tuning record: the winner, the baseline, this GPU and toolchain."""
     cc = gpu.device.cc
     return tuning.TileRecord(
         kernel=conv.source,
@@ -417,8 +485,8 @@ def _tune_problem(
         time_ms=times[best],
         baseline_entry=baseline,
         baseline_ms=times[baseline],
-        rel_l2=verified[best],
-        tried=len(entries),
+        rel_l2=rel_l2,
+        tried=tried,
         rejected=tuple(rejected),
         layers=tuple(dict.fromkeys(f"{layer.node}@{layer.batch}" for layer in group)),
     )
