@@ -351,7 +351,7 @@ def select(path: str | Path, plan: Plan, resolutions: Sequence[Resolution]) -> S
             if not rec.beats_baseline or rec.entry == spec.variant(p.dtype, p.N, p.H, p.W, p.C, p.K):
                 continue
             if spec.smallc_supported(p.dtype, p.C, p.K) is None:
-                continue  # a small-C layer runs the direct entry whatever the file says (kernels.choose_conv3x3)
+                continue  # a small-C layer runs the direct entry whatever the file says (kernels.conv_choice)
             calls.setdefault(layer.node, {})[str(layer.batch)] = rec.entry
             if rec.entry not in spec.f16_tiles():
                 tiles.add(rec.params)

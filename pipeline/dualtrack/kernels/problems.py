@@ -5,7 +5,7 @@ A problem is what the kernel sees at launch: ``N, H, W, C, K``, the channel stri
 (a convolution that writes into a concatenation writes a channel slice of a wider buffer) and the
 dtype. ReLU is not part of it: it costs the same with or without. Layers with equal problems (the
 same shape at the same batch size) are tuned once. The conv3x3 selection policy
-(:func:`~dualtrack.kernels.select.choose_conv3x3`) and the Hopper kernel's shape checks take one.
+(:func:`~dualtrack.kernels.select.choose_conv`) and the Hopper kernel's shape checks take one.
 """
 
 from __future__ import annotations
