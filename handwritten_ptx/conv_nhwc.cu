@@ -6,8 +6,9 @@
 // for any R x S kernel, strides sh/sw, dilations dh/dw and top/left padding pt/pl (the bottom and
 // right padding only set the output size P x Q, which the caller passes); taps outside the image
 // read zero. `res` (null: none) is a second NHWC tensor of the output's shape with its own channel
-// stride ldr (ResNet's residual Add, added before the activation); `bias` is fp32 or null; `act`
-// is one of convg::Act (dualtrack.kernels.conv_general.ACTIVATIONS). Accumulation, bias, residual
+// stride ldr (ResNet's residual Add, added before the activation); `bias` is fp32 or null; `act`,
+// `p0`, `p1` are dt_activate's (dualtrack_activations.cuh, from dualtrack.contract.activations),
+// applied in the epilogue only. Accumulation, bias, residual
 // and activation are fp32, rounded once to the output dtype.
 //
 // fp16 entries are an implicit GEMM on the tensor cores: M = N*P*Q output pixels, N_gemm = K,
@@ -48,31 +49,9 @@
 
 namespace convg {
 
-// The fused activations; dualtrack.kernels.conv_general.ACTIVATIONS numbers them the same way.
-enum Act : int { NONE = 0, RELU = 1, RELU6 = 2, HARDSWISH = 3, HARDSIGMOID = 4, SIGMOID = 5, SILU = 6 };
-
-// ONNX's definitions (HardSwish and HardSigmoid with alpha = 1/6, beta = 1/2, as torch exports them).
-__device__ __forceinline__ float activate(float v, int act) {
-    switch (act) {
-        case RELU:
-            return fmaxf(v, 0.f);
-        case RELU6:
-            return fminf(fmaxf(v, 0.f), 6.f);
-        case HARDSWISH:
-            return v * fminf(fmaxf(v * (1.f / 6.f) + 0.5f, 0.f), 1.f);
-        case HARDSIGMOID:
-            return fminf(fmaxf(v * (1.f / 6.f) + 0.5f, 0.f), 1.f);
-        case SIGMOID:
-            return 1.f / (1.f + expf(-v));
-        case SILU:
-            return v / (1.f + expf(-v));
-        default:
-            return v;
-    }
-}
-
 struct Problem {
     int N, H, W, C, K, P, Q, R, S, sh, sw, pt, pl, dh, dw, ldx, ldy, ldr, act;
+    float p0, p1;  // act's parameters
     int M;   // N*P*Q output pixels (the launcher refuses M >= 2^31)
     int Kg;  // R*S*C
 };
@@ -335,8 +314,7 @@ __device__ __forceinline__ void epilogue(float (&acc)[CF::MT][CF::NT][4], const 
                     for (int e = 0; e < 8 && k + e < p.K; ++e) v[e] += f16_to_f32(rp[e]);
                 }
             }
-#pragma unroll
-            for (int e = 0; e < 8; ++e) v[e] = activate(v[e], p.act);
+            dt_activate_n(v, p.act, p.p0, p.p1);
             f16* dst = y + (static_cast<long long>(m) * p.ldy + k);
             if (vec_y && full) {
                 uint4 out;
@@ -505,11 +483,15 @@ __device__ __forceinline__ void conv_direct(const f16* __restrict__ x, const f16
 #pragma unroll
         for (int k = 0; k < CONVG_DIRECT_K; ++k) {
             if (k < p.K) {
-                float v = acc[k] + (bias != nullptr ? bias[k] : 0.f);
-                if (rp != nullptr) v += f16_to_f32(rp[k]);
-                dst[k] = f32_to_f16(activate(v, p.act));
+                acc[k] += bias != nullptr ? bias[k] : 0.f;
+                if (rp != nullptr) acc[k] += f16_to_f32(rp[k]);
             }
         }
+        // One switch on act for all of acc (a switch a channel held every row's temporaries live).
+        dt_activate_n(acc, p.act, p.p0, p.p1);
+#pragma unroll
+        for (int k = 0; k < CONVG_DIRECT_K; ++k)
+            if (k < p.K) dst[k] = f32_to_f16(acc[k]);
     }
 }
 
@@ -526,10 +508,10 @@ typedef mma::Swizzled<CONVG_F16_GATHER> Gather;  // C % 8 != 0: the pipelined sc
 #define CONVG_PARAMS(T)                                                                                     \
     const T *__restrict__ x, const T *__restrict__ w, const float *__restrict__ bias,                      \
         const T *__restrict__ res, T *__restrict__ y, int N, int H, int W, int C, int K, int P, int Q, int R, \
-        int S, int sh, int sw, int pt, int pl, int dh, int dw, int ldx, int ldy, int ldr, int act
+        int S, int sh, int sw, int pt, int pl, int dh, int dw, int ldx, int ldy, int ldr, int act, float p0, float p1
 
 #define CONVG_PROBLEM \
-    convg::Problem { N, H, W, C, K, P, Q, R, S, sh, sw, pt, pl, dh, dw, ldx, ldy, ldr, act, N * P * Q, R * S * C }
+    convg::Problem { N, H, W, C, K, P, Q, R, S, sh, sw, pt, pl, dh, dw, ldx, ldy, ldr, act, p0, p1, N * P * Q, R * S * C }
 
 #define CONVG_F16_ENTRY(NAME, CF, GATHER)                                                     \
     extern "C" __global__ void __launch_bounds__(CF::THREADS, CF::MIN_BLOCKS) NAME(CONVG_PARAMS(f16)) { \
@@ -543,7 +525,9 @@ CONVG_F16_ENTRY(conv_nhwc_f16_wide, convg::Wide, false)
 CONVG_F16_ENTRY(conv_nhwc_f16_small, convg::Small, false)
 CONVG_F16_ENTRY(conv_nhwc_f16_gather, convg::Gather, true)
 
-extern "C" __global__ void __launch_bounds__(CONVG_DIRECT_THREADS) conv_nhwc_f16_direct(CONVG_PARAMS(f16)) {
+// At least 1536 threads an SM (6 blocks of 256): the 40 registers it took before dt_activate had
+// every activation's formula (ptxas spills nothing at that bound).
+extern "C" __global__ void __launch_bounds__(CONVG_DIRECT_THREADS, 1536 / CONVG_DIRECT_THREADS) conv_nhwc_f16_direct(CONVG_PARAMS(f16)) {
     __shared__ __align__(16) float ws[CONVG_DIRECT_W];
     convg::conv_direct(x, w, bias, res, y, CONVG_PROBLEM, ws);
 }
@@ -611,7 +595,7 @@ extern "C" __global__ void __launch_bounds__(convg32::T::THREADS) conv_nhwc_f32(
             if (k >= p.K) break;
             float v = acc[i][j] + (bias != nullptr ? bias[k] : 0.f);
             if (res != nullptr) v += res[static_cast<long long>(m) * p.ldr + k];
-            y[static_cast<long long>(m) * p.ldy + k] = convg::activate(v, p.act);
+            y[static_cast<long long>(m) * p.ldy + k] = dt_activate(v, p.act, p.p0, p.p1);
         }
     }
 }

@@ -148,25 +148,8 @@ __device__ __forceinline__ void store_f32s(T* p, const float (&v)[1]) {
 }
 __device__ __forceinline__ void store_f32s(f16* p, const float (&v)[8]) { store_f16x8(p, v); }
 
-// The activation codes of dualtrack.plan.ACTIVATIONS; p0, p1 are the activation's parameters
-// (Clip: min, max; HardSigmoid: alpha, beta). NaN propagates through every one of them, as numpy's.
-enum Act { ACT_NONE = 0, ACT_RELU = 1, ACT_CLIP = 2, ACT_HARDSIGMOID = 3, ACT_HARDSWISH = 4, ACT_SIGMOID = 5 };
-
-__device__ __forceinline__ float clamp_nan(float v, float lo, float hi) {
-    // fminf/fmaxf would turn NaN into a bound; the comparisons below keep it.
-    return v < lo ? lo : (v > hi ? hi : v);
-}
-
-__device__ __forceinline__ float apply_act(float v, int act, float p0, float p1) {
-    switch (act) {
-        case ACT_RELU: return v < 0.0f ? 0.0f : v;
-        case ACT_CLIP: return clamp_nan(v, p0, p1);
-        case ACT_HARDSIGMOID: return clamp_nan(fmaf(p0, v, p1), 0.0f, 1.0f);
-        case ACT_HARDSWISH: return v * clamp_nan(fmaf(v, 1.0f / 6.0f, 0.5f), 0.0f, 1.0f);
-        case ACT_SIGMOID: return 1.0f / (1.0f + expf(-v));
-        default: return v;
-    }
-}
+// The fused activations (dt_activate): generated from the table dualtrack.contract.activations.
+#include "dualtrack_activations.cuh"
 
 // An NHWC element of a flat index (channel fastest, then w, h, n), as the one-thread-per-element
 // kernels enumerate their outputs. 64-bit division costs tens of instructions a step, so indices

@@ -3,7 +3,7 @@
 //   y[n,ho,wo,c] = act(bias[c] + sum_{r,s} x[n, ho*S - pt + r*D, wo*S - pl + s*D, c] * w[r,s,c])
 // for R = 3 or 5, any stride S >= 1, dilation D >= 1 and top/left padding pt, pl (taps outside the
 // image read 0; the output size Ho x Wo comes from the caller, so bottom/right padding is implied).
-// act, p0, p1: dualtrack_device.cuh's apply_act (none, ReLU, Clip, HardSigmoid, HardSwish, Sigmoid).
+// act, p0, p1: dt_activate (dualtrack_activations.cuh, generated from dualtrack.contract.activations).
 //
 // Memory-bound (R*R FMAs per output element): work items are output pixel x channel, channel
 // fastest, so a warp reads neighbouring channels of one tap (coalesced) and the R*R taps of
@@ -60,7 +60,7 @@ __device__ __forceinline__ void dwconv(const T* __restrict__ x, const T* __restr
             }
         }
 #pragma unroll
-        for (int j = 0; j < V; ++j) acc[j] = apply_act(acc[j], act, p0, p1);
+        for (int j = 0; j < V; ++j) acc[j] = dt_activate(acc[j], act, p0, p1);
         store_f32s(y + p * ldy + c, acc);
     }
 }

@@ -4,7 +4,7 @@
 //   op 2 (mul):   y = act(a * b)
 // b is either a tensor of y's shape (bcast 0) or an (N, 1, 1, C) vector broadcast over H and W
 // (bcast 1: the gate of a squeeze-and-excitation block, the scale of LR-ASPP's head). Computed in
-// fp32, rounded once; act, p0, p1: dualtrack_device.cuh's apply_act. Every operand has its own
+// fp32, rounded once; act, p0, p1: dt_activate (dualtrack_activations.cuh). Every operand has its own
 // channel stride (lda, ldb, ldy), so any of them may be a channel slice.
 //
 // Work items of one output element, channel fastest (coalesced), no shared memory; fp16 with C and
@@ -34,7 +34,7 @@ __device__ __forceinline__ void eltwise(const T* __restrict__ a, const T* __rest
             const float u = load_f32(b + (bcast ? e.n : p) * ldb + c);
             v = op == 1 ? v + u : v * u;
         }
-        store_f32(y + p * ldy + c, apply_act(v, act, p0, p1));
+        store_f32(y + p * ldy + c, dt_activate(v, act, p0, p1));
     }
 }
 
@@ -60,7 +60,7 @@ __device__ __forceinline__ void eltwise_f16x8(const f16* __restrict__ a, const f
             for (int j = 0; j < 8; ++j) v[j] = op == 1 ? v[j] + u[j] : v[j] * u[j];
         }
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = apply_act(v[j], act, p0, p1);
+        for (int j = 0; j < 8; ++j) v[j] = dt_activate(v[j], act, p0, p1);
         store_f16x8(y + p * ldy + c, v);
     }
 }

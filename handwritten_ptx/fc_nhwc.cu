@@ -1,7 +1,7 @@
 // Fully connected layer on a pooled vector (ONNX Conv 1x1 on an (N, C, 1, 1) tensor: the two small
 // convolutions of a squeeze-and-excitation block), bias and an activation fused:
 //   y[n, k] = act(bias[k] + sum_c x[n, c] * w[k, c])      x: (N,1,1,C), y: (N,1,1,K)
-// act, p0, p1: dualtrack_device.cuh's apply_act. Weights: w[k * C + c] (ONNX (K, C, 1, 1) as it is
+// act, p0, p1: dt_activate (dualtrack_activations.cuh). Weights: w[k * C + c] (ONNX (K, C, 1, 1) as it is
 // stored, the activation dtype); bias fp32 or null.
 //
 // A matrix-vector product per image (a few hundred thousand FMAs): one warp per output (n, k), its
@@ -32,7 +32,7 @@ __device__ __forceinline__ void fc(const T* __restrict__ x, const T* __restrict_
     for (int c = lane; c < C; c += 32) acc = fmaf(load_f32(xs + c), load_f32(ws + c), acc);
 #pragma unroll
     for (int d = 16; d > 0; d /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, d);
-    if (lane == 0) store_f32(y + n * ldy + k, apply_act(acc + (bias != nullptr ? bias[k] : 0.0f), act, p0, p1));
+    if (lane == 0) store_f32(y + n * ldy + k, dt_activate(acc + (bias != nullptr ? bias[k] : 0.0f), act, p0, p1));
 }
 
 #define FC_PARAMS(T)                                                                                        \

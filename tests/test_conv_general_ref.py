@@ -21,6 +21,16 @@ from dualtrack.runtime.tensors import GpuTensor
 
 SPEC = KERNELS["conv"]
 assert isinstance(SPEC, ConvGeneralSpec)
+# The activations act64 writes out independently, as the table's rows with their parameters.
+ACTS = {
+    "none": Activation(),
+    "relu": Activation.named("relu"),
+    "relu6": Activation.named("clip", 0.0, 6.0),
+    "hardswish": Activation.named("hardswish"),
+    "hardsigmoid": Activation.named("hardsigmoid", 1 / 6, 0.5),
+    "sigmoid": Activation.named("sigmoid"),
+    "silu": Activation.named("silu"),
+}
 
 
 def act64(v: np.ndarray, act: str) -> np.ndarray:
@@ -102,20 +112,20 @@ def test_reference_matches_float64_loops(dtype: str, geom: str, act: str, residu
     rng = np.random.default_rng()
     g = GEOMS[geom]
     x, w, b, res = random_case(rng, dtype, 2, 11, 9, 5, 7, g, residual=residual)
-    got = SPEC.reference(x, w, b, res, geom=g, act=ACTIVATIONS[act])
+    got = SPEC.reference(x, w, b, res, geom=g, act=ACTS[act])
     assert got.dtype == np.dtype(dtype) and got.shape == SPEC.output_shape(2, 11, 9, 5, 7, geom=g)
     exact = conv_loops(x, w, b, res, g, act)
     err = np.abs(got.astype(np.float64) - exact)
     assert (err <= bound(x, w, b, res, g, act, dtype)).all(), f"max error {err.max():.3g}"
 
 
-@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("act", list(ACTS))
 def test_every_activation_matches_float64(act: str) -> None:
     rng = np.random.default_rng()
     g = GEOMS["3x3/1 pad 1"]
     x, w, b, res = random_case(rng, "float32", 1, 6, 7, 3, 4, g, residual=True)
     x *= 4  # outputs well past the activations' knees (|v| > 3, 6)
-    got = SPEC.reference(x, w, b, res, geom=g, act=ACTIVATIONS[act])
+    got = SPEC.reference(x, w, b, res, geom=g, act=ACTS[act])
     exact = conv_loops(x, w, b, res, g, act)
     assert np.abs(got - exact).max() <= 1e-5 * max(1.0, np.abs(exact).max())
     if act != "none":
@@ -163,11 +173,11 @@ def test_run_reference_reads_the_call() -> None:
     x, w, b, res = random_case(rng, "float32", 1, 8, 8, 4, 6, g, residual=True)
     w_onnx = np.ascontiguousarray(w.transpose(0, 3, 1, 2))
     call = KernelCall(
-        "conv", ("x", "r"), ("y",), ("w", "b"), (*g.attrs(), ("act", ACTIVATIONS["relu"]), ("residual", 1)), ("c",)
+        "conv", ("x", "r"), ("y",), ("w", "b"), (*g.attrs(), ("act", ACTS["relu"].code), ("residual", 1)), ("c",)
     )
     assert ConvGeometry.from_call(call) == g
     got = SPEC.run_reference(call, [x, res], {"w": w_onnx, "b": b})
-    np.testing.assert_array_equal(got, SPEC.reference(x, w, b, res, geom=g, act=ACTIVATIONS["relu"]))
+    np.testing.assert_array_equal(got, SPEC.reference(x, w, b, res, geom=g, act=ACTS["relu"]))
 
 
 def test_supports_names_what_it_refuses() -> None:
@@ -236,7 +246,8 @@ def test_direct_entry_launch_and_limits() -> None:
 def test_args_follow_the_abi() -> None:
     g = ConvGeometry(7, 5, 2, 1, 1, 2, pad_top=3, pad_left=4, pad_bottom=2, pad_right=1)
     args = SPEC.args(
-        x=0x10, w=0x20, bias=0x30, res=0x40, y=0x50, N=2, H=21, W=19, C=3, K=5, geom=g, ldx=8, ldy=16, ldr=24, act=6
+        x=0x10, w=0x20, bias=0x30, res=0x40, y=0x50, N=2, H=21, W=19, C=3, K=5, geom=g, ldx=8, ldy=16, ldr=24,
+        act=ACTS["relu6"],
     )
     P, Q = g.output_hw(21, 19)
     assert [v for v, _ in args] == [
@@ -263,12 +274,14 @@ def test_args_follow_the_abi() -> None:
         8,
         16,
         24,
-        6,
+        2,
+        0.0,
+        6.0,
     ]
-    assert [t for _, t in args] == [ctypes.c_void_p] * 5 + [ctypes.c_int32] * 19
+    assert [t for _, t in args] == [ctypes.c_void_p] * 5 + [ctypes.c_int32] * 19 + [ctypes.c_float] * 2
     dense = SPEC.args(x=1, w=2, y=3, N=1, H=4, W=4, C=3, K=6, geom=ConvGeometry(1, 1))
-    assert [v for v, _ in dense][2:4] == [0, 0] and [v for v, _ in dense][-4:] == [3, 6, 6, 0]
-    with pytest.raises(InputError, match="act=9 is not an activation code"):
+    assert [v for v, _ in dense][2:4] == [0, 0] and [v for v, _ in dense][-6:] == [3, 6, 6, 0, 0.0, 0.0]
+    with pytest.raises(InputError, match="act=9 is not an Activation"):
         SPEC.args(x=1, w=2, y=3, N=1, H=4, W=4, C=3, K=6, geom=ConvGeometry(1, 1), act=9)
     with pytest.raises(InputError, match="ldr=2 is smaller than the 6 channels"):
         SPEC.args(x=1, w=2, y=3, res=4, N=1, H=4, W=4, C=3, K=6, geom=ConvGeometry(1, 1), ldr=2)

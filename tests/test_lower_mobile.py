@@ -15,7 +15,8 @@ from onnx import TensorProto, helper, numpy_helper
 from dualtrack.compiler import lower_mobile, partition
 from dualtrack.compiler.config import BuildConfig, PartitionConfig, Rules
 from dualtrack.compiler.verify import interpret_track_a
-from dualtrack.contract.plan import ACTIVATIONS, ELTWISE_OPS, RESIZE_COORDS, RESIZE_MODES, bits_f32
+from dualtrack.contract.activations import ACTIVATIONS
+from dualtrack.contract.plan import ELTWISE_OPS, RESIZE_COORDS, RESIZE_MODES, bits_f32
 from dualtrack.errors import PartitionError
 
 

@@ -12,7 +12,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack.contract.plan import ACTIVATIONS, KernelCall, bits_f32, f32_bits
+from dualtrack.contract.activations import ACTIVATIONS
+from dualtrack.contract.plan import KernelCall, bits_f32, f32_bits
 from dualtrack.errors import InputError
 from dualtrack.kernels import KERNELS, Activation, DwConvSpec, DwGeometry, ResizeMode
 

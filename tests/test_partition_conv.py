@@ -18,7 +18,7 @@ from dualtrack.compiler.config import BuildConfig, PartitionConfig, Rules
 from dualtrack.compiler.verify import interpret_track_a
 from dualtrack.contract.plan import Plan
 from dualtrack.errors import PartitionError
-from dualtrack.kernels import ACTIVATIONS
+from dualtrack.kernels import ACTIVATIONS, Activation
 
 RNG = np.random.default_rng()
 
@@ -146,7 +146,7 @@ def test_resnet_downsample_block_places_the_call_after_its_residual(tmp_path: Pa
 @pytest.mark.parametrize(
     ("make", "act"),
     [
-        (lambda g, t: g.op("Clip", "a/act", [t, g.const("lo", 0.0), g.const("hi", 6.0)]), "relu6"),
+        (lambda g, t: g.op("Clip", "a/act", [t, g.const("lo", 0.0), g.const("hi", 6.0)]), "clip"),
         (lambda g, t: g.op("HardSwish", "a/act", [t]), "hardswish"),
         (lambda g, t: g.op("HardSigmoid", "a/act", [t], alpha=1 / 6, beta=0.5), "hardsigmoid"),
         (lambda g, t: g.op("Sigmoid", "a/act", [t]), "sigmoid"),
@@ -166,16 +166,18 @@ def test_activations_fuse(tmp_path: Path, make, act: str) -> None:
     track_a_matches_onnxruntime(model, plan)
 
 
-def test_clip_other_than_0_6_is_not_fused(tmp_path: Path) -> None:
-    """The conv's epilogue takes Clip(0, 6) only; Clip(-1, 1) runs after it as its own eltwise call."""
+def test_clip_with_any_bounds_fuses_with_its_bounds(tmp_path: Path) -> None:
+    """The conv's epilogue takes every row of the activation table with its parameters: Clip(-1, 1)
+    is the clip row with p0 = -1, p1 = 1 (the kernels with a relu flag only cannot take it)."""
     g = Graph(4, 6, 6)
     t = g.conv("a/conv", "x0", 4, 8, 3, 3, pads=[1, 1, 1, 1])
     out = g.op("Clip", "a/clip", [t, g.const("lo", -1.0), g.const("hi", 1.0)])
-    plan = plan_of(g.model(out), tmp_path)
-    conv, clip = a_calls(plan)
-    assert conv.op in ("conv", "conv3x3") and conv.attr("act") == 0 and conv.attr("relu") == 0
-    assert conv.nodes == ("a/conv",)
-    assert clip.op == "eltwise" and clip.nodes == ("a/clip",)
+    model = g.model(out)
+    plan = plan_of(model, tmp_path)
+    (conv,) = a_calls(plan)
+    assert conv.op == "conv" and conv.nodes == ("a/conv", "a/clip")
+    assert Activation.of(conv) == Activation.named("clip", -1.0, 1.0)
+    track_a_matches_onnxruntime(model, plan)
 
 
 def test_broadcast_add_of_a_constant_is_not_a_residual(tmp_path: Path) -> None:

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dualtrack.contract.plan import ACTIVATIONS as PLAN_ACTS
+from dualtrack.contract.activations import ACTIVATIONS as PLAN_ACTS
+from dualtrack.contract.activations import Activation
 from dualtrack.contract.plan import ELTWISE_OPS, KernelCall, f32_bits
 from dualtrack.kernels import (
     ACTIVATIONS,
@@ -88,6 +89,7 @@ G2 = ConvGeometry(5, 3, dil_h=2, pad_top=4, pad_bottom=4, pad_left=1, pad_right=
 DW = (("R", 5), ("stride", 2), ("dilation", 1), ("pad_t", 2), ("pad_l", 1), ("pad_b", 2), ("pad_r", 2))
 DW_DILATED = (("R", 3), ("stride", 1), ("dilation", 2), ("pad_t", 2), ("pad_l", 2), ("pad_b", 2), ("pad_r", 2))
 CLIP = (("act", PLAN_ACTS["clip"]), ("act_p0", f32_bits(0.5)), ("act_p1", f32_bits(6.25)))
+RELU6 = Activation.named("clip", 0, 6)
 HSIG = (("act", PLAN_ACTS["hardsigmoid"]), ("act_p0", f32_bits(0.2)), ("act_p1", f32_bits(0.5)))
 LINEAR = (*ResizeMode("linear", "half_pixel", "floor", 2.0, 2.5).attrs(), ("Ho", 10), ("Wo", 15))
 NEAREST = (*ResizeMode("nearest", "asymmetric", "round_prefer_ceil", 0.5, 0.75).attrs(), ("Ho", 4), ("Wo", 6))
@@ -152,7 +154,7 @@ CASES: dict[str, Callable[[], PreparedCall]] = {
         [T(0x4000, (512, 3, 3, 512)), T(0x5000, (512,), f32)], Context(None),
     ),
     "conv f32 plain": lambda: K["conv"].prepare(
-        KernelCall("conv", ("x",), ("y",), ("w",), (*G2.attrs(), ("act", 2))), T(0x1000, (1, 12, 11, 5), f32),
+        KernelCall("conv", ("x",), ("y",), ("w",), (*G2.attrs(), *RELU6.attrs())), T(0x1000, (1, 12, 11, 5), f32),
         T(0x3000, (1, P2, Q2, 7), f32, ld=9), [T(0x4000, (7, 5, 3, 5), f32)], Context("off"),
     ),
     "dwconv": lambda: K["dwconv"].prepare(
@@ -317,8 +319,8 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
         (1, 1, 1),
         (128, 1, 1),
         0,
-        [4096, 16384, 20480, 8192, 12288, 2, 9, 10, 24, 48, 5, 5, 3, 3, 2, 2, 1, 1, 1, 1, 40, 64, 96, 6],
-        "PPPPPIIIIIIIIIIIIIIIIIII",
+        [4096, 16384, 20480, 8192, 12288, 2, 9, 10, 24, 48, 5, 5, 3, 3, 2, 2, 1, 1, 1, 1, 40, 64, 96, 6, 0.0, 0.0],
+        "PPPPPIIIIIIIIIIIIIIIIIIIFF",
     ),
     # ResNet-34's last stage at N=1: 32 tiles of 64x64, so the reduction (72 k-blocks) splits four ways
     # (grid.y); ws: the context's workspace of 32 * 4 * 64 * 64 floats and 32 counters.
@@ -352,8 +354,8 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
         (3, 1, 1),
         (256, 1, 1),
         0,
-        [4096, 16384, 0, 0, 12288, 1, 12, 11, 5, 7, 12, 11, 5, 3, 1, 1, 4, 1, 2, 1, 5, 9, 7, 2],
-        "PPPPPIIIIIIIIIIIIIIIIIII",
+        [4096, 16384, 0, 0, 12288, 1, 12, 11, 5, 7, 12, 11, 5, 3, 1, 1, 4, 1, 2, 1, 5, 9, 7, 2, 0.0, 6.0],
+        "PPPPPIIIIIIIIIIIIIIIIIIIFF",
     ),
     "dwconv": (
         "dwconv_nhwc_f16",

@@ -83,7 +83,7 @@ def _run(
     b = rng.standard_normal(k).astype(np.float32) if bias else None
     res = rng.standard_normal((n, p, q, k)).astype(dtype) if residual else None
     wp, bp = kernels.pack_conv_weights(w_onnx, b, any_size=True)
-    code = ACTIVATIONS[act]
+    code = kernels.Activation.named(act)  # ONNX's default parameters
     ref = SPEC.reference(x, wp, bp, res, geom=geom, act=code)
 
     item = np.dtype(dtype).itemsize

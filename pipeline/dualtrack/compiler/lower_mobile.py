@@ -9,8 +9,8 @@ it before its own (dense conv, pool, convt) branches. An activation node that di
 follows a dwconv, fc or eltwise call (its only consumer) is fused into that call's epilogue.
 
 This module reads ONNX; it never imports the kernels (partition sits left of the tracks). The
-attr codes it writes are :mod:`dualtrack.contract.plan`'s (ACTIVATIONS, ELTWISE_OPS, RESIZE_*), which the
-kernel specs read back.
+attr codes it writes are the contract's (:mod:`dualtrack.contract.activations`; plan's ELTWISE_OPS,
+RESIZE_*), which the kernel specs read back.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from dualtrack.contract import activations
+from dualtrack.contract.activations import Activation, match_onnx
 from dualtrack.contract.plan import (
-    ACTIVATIONS,
     ELTWISE_OPS,
     RESIZE_COORDS,
     RESIZE_MODES,
@@ -35,11 +36,11 @@ from dualtrack.contract.plan import (
 DESCRIPTION = (
     "depthwise Conv 3x3/5x5 (any stride, dilation, pads), 1x1 Conv on a pooled (N,C,1,1) vector, "
     "GlobalAveragePool / ReduceMean over H,W, Add and Mul of NHWC tensors (or an (N,C,1,1) gate), "
-    "Relu/Clip/HardSigmoid/HardSwish/Sigmoid (fused into the op before them where they can be), "
+    f"{'/'.join(activations.ONNX_OPS)} (fused into the op before them where they can be), "
     "Resize nearest/linear over H,W"
 )
 DW_KERNELS = (3, 5)  # dwconv_nhwc.cu unrolls these
-ACT_OPS = ("Relu", "Clip", "HardSigmoid", "HardSwish", "Sigmoid")
+ACT_OPS = activations.ONNX_OPS  # the activation nodes: the ops some row of the table matches
 SpecMap = dict[str, tuple[tuple[int, ...], str]]
 
 
@@ -94,30 +95,28 @@ def _attrs(node: onnx.NodeProto) -> dict:
 # --- activations ---------------------------------------------------------------------------------
 
 
-def activation(node: onnx.NodeProto, facts: Facts) -> tuple[tuple[str, float, float] | None, str | None]:
-    """(name, p0, p1) of an activation node, or (None, why not)."""
-    a = _attrs(node)
-    if node.op_type in ("Relu", "HardSwish", "Sigmoid"):
-        return (node.op_type.lower(), 0.0, 0.0), None
-    if node.op_type == "HardSigmoid":
-        return ("hardsigmoid", float(a.get("alpha", 0.2)), float(a.get("beta", 0.5))), None
-    if node.op_type == "Clip":
-        bounds = [a.get("min", -np.inf), a.get("max", np.inf)]  # opset < 11: attributes
-        for j in (1, 2):
-            if len(node.input) > j and node.input[j]:
-                value = facts.const(node.input[j])
-                if value is None:
-                    return None, "Clip bounds computed at run time"
-                bounds[j - 1] = float(value)
-        return ("clip", float(bounds[0]), float(bounds[1])), None
-    return None, f"{node.op_type} is not an activation"
+def activation(node: onnx.NodeProto, facts: Facts) -> tuple[Activation | None, str | None]:
+    """The activation a node is (a row of :mod:`dualtrack.contract.activations` and its
+    parameters), or (None, why not)."""
+    return match_activation(node, facts.const)
 
 
-def _act_attrs(act: tuple[str, float, float] | None) -> tuple[tuple[str, int], ...]:
-    if act is None:
-        return (("act", 0),)
-    name, p0, p1 = act
-    return (("act", ACTIVATIONS[name]), ("act_p0", f32_bits(p0)), ("act_p1", f32_bits(p1)))
+def match_activation(
+    node: onnx.NodeProto, const: Callable[[str], np.ndarray | None]
+) -> tuple[Activation | None, str | None]:
+    """:func:`activation` with constants from ``const`` (a tensor name -> its value or None): the
+    table's one lookup from an ONNX node to a row and its parameters (Clip's min and max may be
+    scalar constant inputs since opset 11)."""
+    scalars: dict[int, float | None] = {}
+    for j, name in enumerate(node.input[1:], start=1):
+        if name:
+            value = const(name)
+            scalars[j] = float(value.reshape(())) if value is not None and value.size == 1 else None
+    return match_onnx(node.op_type, _attrs(node), scalars)
+
+
+def _act_attrs(act: Activation | None) -> tuple[tuple[str, int], ...]:
+    return (act or Activation()).attrs()
 
 
 # --- predicates: None when the kernels take the node, else why not ---------------------------------

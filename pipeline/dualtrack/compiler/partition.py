@@ -17,7 +17,7 @@ import copy
 import hashlib
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import onnx
@@ -27,6 +27,7 @@ from dualtrack import kernels
 from dualtrack.compiler import cost, frontend, layout, lower_head, lower_mobile
 from dualtrack.compiler.config import BuildConfig, Rules
 from dualtrack.compiler.frontend import model_precision
+from dualtrack.contract.activations import Activation
 from dualtrack.contract.plan import MODEL_LAYOUT_OPS, KernelCall, Plan, Segment, TensorSpec
 from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
 from dualtrack.kernels import ConvGeometry, PoolGeometry
@@ -410,39 +411,14 @@ def _constant(name: str, model: onnx.ModelProto) -> np.ndarray | None:
     return None
 
 
-def _activation(node: onnx.NodeProto, model: onnx.ModelProto) -> int | None:
-    """The fused activation code (``kernels.ACTIVATIONS``) of a single-input activation node, or None."""
-    acts = kernels.ACTIVATIONS
-    simple = {"Relu": "relu", "HardSwish": "hardswish", "Sigmoid": "sigmoid"}
-    if node.op_type in simple:
-        return acts[simple[node.op_type]]
-    a = _attrs(node)
-    if node.op_type == "HardSigmoid":
-        alpha, beta = a.get("alpha", 0.2), a.get("beta", 0.5)
-        return acts["hardsigmoid"] if abs(alpha - 1 / 6) < 1e-6 and abs(beta - 0.5) < 1e-6 else None
-    if node.op_type == "Clip":
-        bounds = [a.get("min"), a.get("max")]  # opset < 11: attributes; later: optional inputs
-        for j, name in enumerate(node.input[1:3]):
-            if name:
-                value = _constant(name, model)
-                if value is None or value.size != 1:
-                    return None
-                bounds[j] = float(value.reshape(()))
-        if bounds[0] == 0 and bounds[1] == 6:
-            return acts["relu6"]
-        if bounds[0] == 0 and bounds[1] is None:
-            return acts["relu"]
-    return None
-
-
 @dataclass(frozen=True)
 class _Epilogue:
     """What a Conv's consumers add to its kernel call: the covered nodes after the Conv, the
-    residual tensor, the activation code, and the tensor the call writes."""
+    residual tensor, the activation, and the tensor the call writes."""
 
     nodes: tuple[onnx.NodeProto, ...] = ()
     residual: str | None = None
-    act: int = 0
+    act: Activation = field(default_factory=Activation)
     output: str = ""
 
 
@@ -476,12 +452,12 @@ def _fuse_epilogue(
             nodes.append(nxt)
             residual, t = other, nxt.output[0]
             nxt = sole(t)
-    act = 0
+    act = Activation()
     if nxt is not None and len([x for x in nxt.input if x]) >= 1 and nxt.input[0] == t:
-        code = _activation(nxt, model)
-        if code is not None:
+        found, _ = lower_mobile.match_activation(nxt, lambda name: _constant(name, model))
+        if found is not None:
             nodes.append(nxt)
-            act, t = code, nxt.output[0]
+            act, t = found, nxt.output[0]
     elif private(t):
         # SiLU as exported: Mul(t, Sigmoid(t)), t read by exactly those two nodes.
         users = consumers.get(t, [])
@@ -498,7 +474,7 @@ def _fuse_epilogue(
             and private(sig.output[0])
         ):
             nodes += [sig, mul]
-            act, t = kernels.ACTIVATIONS["silu"], mul.output[0]
+            act, t = Activation.named("silu"), mul.output[0]
     return _Epilogue(tuple(nodes), residual, act, t)
 
 
@@ -931,7 +907,7 @@ def _dense_conv(node: onnx.NodeProto, ep: _Epilogue, specs: dict) -> tuple[str, 
     w_shape = specs[node.input[1]][0]
     spec = kernels.KERNELS["conv"]
     assert isinstance(spec, kernels.ConvGeneralSpec)
-    relu_only = ep.residual is None and ep.act in (0, kernels.ACTIVATIONS["relu"])
+    relu_only = ep.residual is None and ep.act.relu_flag() is not None
     if relu_only and len(x_shape) == 4 and _conv_attrs_ok(node) is None:
         few = (
             dtype == "float16"
@@ -960,9 +936,9 @@ def _conv_call(
     covered = (node.name, *(n.name for n in ep.nodes))
     ins = (node.input[0],) if ep.residual is None else (node.input[0], ep.residual)
     if geom is None:  # conv3x3 / conv1x1
-        attrs: tuple[tuple[str, int], ...] = (("relu", 1 if ep.act else 0),)
+        attrs: tuple[tuple[str, int], ...] = (("relu", ep.act.relu_flag() or 0),)
     else:
-        attrs = (*geom.attrs(), ("act", ep.act), ("residual", 1 if ep.residual else 0))
+        attrs = (*geom.attrs(), *ep.act.attrs(), ("residual", 1 if ep.residual else 0))
     return KernelCall(op, ins, (ep.output,), weights, attrs, covered)
 
 

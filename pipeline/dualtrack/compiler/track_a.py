@@ -37,6 +37,7 @@ from typing import Any
 from cuda.bindings import nvjitlink, nvrtc
 
 from dualtrack import atomic
+from dualtrack.contract import activations
 from dualtrack.contract.arch import PTX_ARCHES, parse_ptx_isa, parse_ptx_target, resolve
 from dualtrack.errors import ArchError, DualtrackError, ToolError
 from dualtrack.kernels import defines_for_stem, ptx_arches_for_stem
@@ -446,9 +447,14 @@ def _require_pinned_nvrtc() -> None:
         )
 
 
+# Headers written from Python tables, by file name: the kernels include them like the others.
+GENERATED_HEADERS: Mapping[str, str] = {activations.HEADER: activations.render_header()}
+
+
 def regenerate(root: Path = SOURCE_DIR) -> list[Path]:
-    """Compile every source under ``root`` for each of its PTX arches (:func:`dualtrack.kernels.
-    ptx_arches_for_stem`) into ``root/ptx/<arch>/<stem>.ptx``.
+    """Write :data:`GENERATED_HEADERS` into ``root``, then compile every source under ``root`` for
+    each of its PTX arches (:func:`dualtrack.kernels.ptx_arches_for_stem`) into
+    ``root/ptx/<arch>/<stem>.ptx``.
 
     Files whose text is unchanged are not rewritten (their mtimes stay); PTX files whose source is
     gone, or that are for an arch the source is no longer built for, are deleted. Returns the paths
@@ -456,6 +462,9 @@ def regenerate(root: Path = SOURCE_DIR) -> list[Path]:
     """
     _require_pinned_nvrtc()
     root = Path(root)
+    for name, text in GENERATED_HEADERS.items():  # before the compiles that include them
+        if not (root / name).exists() or (root / name).read_text() != text:
+            (root / name).write_text(text)
     expected: list[Path] = []
     for source in sources(root):
         for arch in ptx_arches_for_stem(source.stem):
@@ -475,7 +484,11 @@ def check_fresh(root: Path = SOURCE_DIR) -> list[str]:
     as paths relative to ``root`` with the reason (empty when everything is fresh)."""
     _require_pinned_nvrtc()
     root = Path(root)
-    stale: list[str] = []
+    stale = [
+        f"{name} (differs from its table)"
+        for name, text in GENERATED_HEADERS.items()
+        if not (root / name).exists() or (root / name).read_text() != text
+    ]
     expected: set[Path] = set()
     for source in sources(root):
         for arch in ptx_arches_for_stem(source.stem):

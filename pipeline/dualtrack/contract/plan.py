@@ -27,20 +27,8 @@ Track = Literal["A", "B"]
 ALIAS_OPS = frozenset({"concat"})
 PLAN_SCHEMA_VERSION = 1
 
-# --- the fused activation epilogue of the mobile kernels (dwconv, fc, eltwise) ----------------------
-# A call's attrs hold ``act`` (one of these codes) and, where the activation has parameters, their
-# float32 bit patterns as ``act_p0`` / ``act_p1`` (attrs are ints in the plan's JSON; the bits keep
-# the exported float exactly). partition writes them, each kernel spec reads them: the codes are
-# part of the plan's contract, hence here.
-ACTIVATIONS: dict[str, int] = {
-    "none": 0,
-    "relu": 1,
-    "clip": 2,  # min(max(v, p0), p1); ReLU6 is Clip(0, 6)
-    "hardsigmoid": 3,  # max(0, min(1, p0 * v + p1)) (ONNX HardSigmoid's alpha, beta)
-    "hardswish": 4,  # v * max(0, min(1, v / 6 + 1 / 2))
-    "sigmoid": 5,
-}
-
+# The fused activations' ids (a call's ``act``, ``act_p0``, ``act_p1`` attrs) are the table in
+# dualtrack.contract.activations.
 
 # The eltwise call's ``op`` attr; ``bcast`` 1: its second input is (N, 1, 1, C), broadcast over H, W.
 ELTWISE_OPS: dict[str, int] = {"unary": 0, "add": 1, "mul": 2}

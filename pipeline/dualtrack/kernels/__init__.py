@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from dualtrack.contract.activations import ACTIVATIONS, Activation
 from dualtrack.contract.arch import PTX_ARCHES
+from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import (
     DTYPES,

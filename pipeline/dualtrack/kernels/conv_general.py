@@ -1,8 +1,9 @@
 """conv_nhwc: the general ``conv`` op — any R x S kernel, strides, dilations and padding (group 1)
 with a fused epilogue: bias, a residual input added before the activation, and an activation
-(:data:`ACTIVATIONS`), writing into a channel slice.
+(any row of :mod:`dualtrack.contract.activations`, with its parameters), writing into a channel slice.
 
-A call's geometry and epilogue are its attributes (:class:`ConvGeometry`, ``act``, ``residual``);
+A call's geometry and epilogue are its attributes (:class:`ConvGeometry`, ``act`` / ``act_p0`` /
+``act_p1``, ``residual``);
 :meth:`ConvGeneralSpec.supports` is the one predicate that says whether the kernel computes a
 convolution, and the partition asks it before it lowers a Conv to this op. fp16 runs an implicit
 GEMM on mma.sync tensor cores in four tiles (:meth:`ConvGeneralSpec.variant`), fp32 a SIMT GEMM.
@@ -18,6 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dualtrack.contract.activations import Activation
 from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import (
@@ -42,29 +44,6 @@ from dualtrack.kernels.device import REFERENCE, DeviceInfo
 from dualtrack.kernels.select import Pointers, choose_conv
 
 MAX_KERNEL = 15  # R and S; larger kernels are not worth an implicit GEMM's per-tap loads
-
-
-def activate(v: np.ndarray, act: int) -> np.ndarray:
-    """``act`` (an :data:`ACTIVATIONS` code) applied in float32, as the kernels compute it."""
-    v = v.astype(np.float32, copy=False)
-    if act == ACTIVATIONS["relu"]:
-        return np.maximum(v, np.float32(0))
-    if act == ACTIVATIONS["relu6"]:
-        return np.clip(v, np.float32(0), np.float32(6))
-    hard = np.clip(v * np.float32(1 / 6) + np.float32(0.5), np.float32(0), np.float32(1))
-    if act == ACTIVATIONS["hardswish"]:
-        return v * hard
-    if act == ACTIVATIONS["hardsigmoid"]:
-        return hard
-    with np.errstate(over="ignore"):  # exp(-v) overflows to inf for v << 0: sigmoid 0, as on the GPU
-        sig = np.float32(1) / (np.float32(1) + np.exp(-v))
-    if act == ACTIVATIONS["sigmoid"]:
-        return sig
-    if act == ACTIVATIONS["silu"]:
-        return v * sig
-    if act != ACTIVATIONS["none"]:
-        raise InputError(f"activation code {act} is not one of {ACTIVATIONS}")
-    return v
 
 
 @dataclass(frozen=True)
@@ -141,9 +120,10 @@ class ConvGeneralSpec(KernelSpec):
 
     PARAMS: ClassVar[tuple[str, ...]] = (
         "x", "w", "bias", "res", "y", "N", "H", "W", "C", "K", "P", "Q", "R", "S", "stride_h", "stride_w",
-        "pad_top", "pad_left", "dil_h", "dil_w", "ldx", "ldy", "ldr", "act",
+        "pad_top", "pad_left", "dil_h", "dil_w", "ldx", "ldy", "ldr", "act", "p0", "p1",
     )  # fmt: skip
     POINTERS: ClassVar[int] = 5
+    FLOATS: ClassVar[frozenset[str]] = frozenset({"p0", "p1"})  # the activation's parameters
     F16_VARIANTS: ClassVar[tuple[str, ...]] = ("narrow", "wide", "small", "gather")
 
     f16_main: F16Tile = _MAIN
@@ -367,14 +347,14 @@ class ConvGeneralSpec(KernelSpec):
 
     def arg_values(self, kw: Mapping[str, Any]) -> dict[str, Any]:
         """The output size ``P, Q`` and the rest of the ``geom`` (a :class:`ConvGeometry`)
-        checked, and the activation code ``act`` (none by default)."""
+        checked, and the activation ``act`` (an :class:`Activation`; none by default) as ``act, p0, p1``."""
         g: ConvGeometry = kw["geom"]
         _, P, Q, _ = self.output_shape(kw["N"], kw["H"], kw["W"], kw["C"], kw["K"], geom=g)
         self._checked_pixels(kw["N"], kw["H"], kw["W"], g)
-        act = kw.get("act", 0)
-        if act not in ACTIVATIONS.values():
-            raise InputError(f"act={act} is not an activation code; use one of {ACTIVATIONS}")
-        return {"P": P, "Q": Q, **{name: getattr(g, name) for name in self._GEOMETRY}, "act": act}
+        act = kw.get("act") or Activation()
+        if not isinstance(act, Activation):
+            raise InputError(f"act={act!r} is not an Activation; pass dualtrack.kernels.Activation.named(NAME, p0, p1)")
+        return {"P": P, "Q": Q, **{name: getattr(g, name) for name in self._GEOMETRY}, **act.kernel_args()}
 
     # --- a plan's call ----------------------------------------------------------------------------
 
@@ -420,7 +400,7 @@ class ConvGeneralSpec(KernelSpec):
             if res.shape != out.shape:
                 raise InputError(f"residual has shape {res.shape}; expected the output's {out.shape}")
             out += res.astype(np.float32)
-        return activate(out, act).astype(x.dtype)
+        return (act or Activation()).apply(out).astype(x.dtype)
 
     def run_reference(
         self, call: KernelCall, inputs: Sequence[np.ndarray], weights: Mapping[str, np.ndarray]
@@ -429,10 +409,10 @@ class ConvGeneralSpec(KernelSpec):
         w = packed[call.weights[0]]
         bias = packed.get(call.weights[1]) if len(call.weights) > 1 else None
         res = inputs[1] if call.attr("residual") else None
-        return self.reference(inputs[0], w, bias, res, geom=ConvGeometry.from_call(call), act=call.attr("act"))
+        return self.reference(inputs[0], w, bias, res, geom=ConvGeometry.from_call(call), act=Activation.of(call))
 
     def call_attrs(self, call: KernelCall) -> dict[str, Any]:
-        return {"geom": ConvGeometry.from_call(call), "act": call.attr("act")}
+        return {"geom": ConvGeometry.from_call(call), "act": Activation.of(call)}
 
     def call_args(self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors) -> dict[str, Any]:
         """The keyword arguments of :meth:`args` for one call on these tensors: the NHWC ones, the

@@ -9,11 +9,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dualtrack.contract.activations import Activation
 from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import DeviceTensor, Tensors, positive
 from dualtrack.kernels.conv import named_weights
-from dualtrack.kernels.epilogue import Activation
 from dualtrack.kernels.streaming import ElementSpec, onnx_weight_bias
 
 KERNEL_SIZES = (3, 5)  # what the source unrolls (dwconv_any)

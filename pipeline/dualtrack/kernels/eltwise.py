@@ -10,10 +10,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dualtrack.contract.activations import Activation
 from dualtrack.contract.plan import ELTWISE_OPS, KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import DeviceTensor, Tensors, pointer, positive, stride
-from dualtrack.kernels.epilogue import Activation
 from dualtrack.kernels.streaming import ElementSpec
 
 OP_NAMES = {code: name for name, code in ELTWISE_OPS.items()}

@@ -8,11 +8,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dualtrack.contract.activations import Activation
 from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import INT32_MAX, LaunchConfig, cdiv, positive
 from dualtrack.kernels.conv import named_weights, pack_conv_weights
-from dualtrack.kernels.epilogue import Activation
 from dualtrack.kernels.streaming import StreamingSpec, onnx_weight_bias
 
 

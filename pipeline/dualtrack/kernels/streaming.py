@@ -15,10 +15,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dualtrack.contract.activations import Activation
 from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import INT32_MAX, KernelSpec, LaunchConfig, cdiv, dtype_name, pixels
-from dualtrack.kernels.epilogue import Activation
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class StreamingSpec(KernelSpec):
         """The activation epilogue (``act``, an :class:`Activation`; none by default) as the last
         three parameters: ``act``, ``p0``, ``p1``."""
         act: Activation = kw.get("act") or Activation()
-        return {"act": act.code, "p0": act.p0, "p1": act.p1}
+        return act.kernel_args()
 
 
 @dataclass(frozen=True)
