@@ -26,7 +26,7 @@ models/unet_fp16.onnx: | $(BIN)/dualtrack
 models: models/unet_fp16.onnx  ## generate the reference U-Net (fp16, fp32) and the sample image
 
 ptx: $(BIN)/dualtrack  ## regenerate handwritten_ptx/ptx/* from the .cu sources with NVRTC 13.0
-	$(BIN)/python -m dualtrack.compiler.track_a
+	$(BIN)/python -m dualtrack.compiler.kernel_build
 
 build: models  ## build, verify and write the reference bundle
 	$(BIN)/dualtrack build $(CONFIG) -o $(BUNDLE)

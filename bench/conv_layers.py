@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dualtrack.compiler.track_a import SOURCE_DIR, ptx_path
+from dualtrack.compiler.kernel_build import SOURCE_DIR, ptx_path
 from dualtrack.contract.arch import PTX_ARCHES, choose_image
 from dualtrack.contract.plan import KernelCall
 from dualtrack.kernels import ACTIVATIONS, KERNELS, ConvGeometry, DeviceInfo

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dualtrack.compiler.track_a import SOURCE_DIR, ptx_path
+from dualtrack.compiler.kernel_build import SOURCE_DIR, ptx_path
 from dualtrack.contract.arch import PTX_ARCHES, choose_image
 from dualtrack.kernels import KERNELS, Activation, DwGeometry, PoolGeometry, ResizeMode
 from dualtrack.runtime.driver import Device, Module, Stream

@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
     import torch
 
-    from dualtrack.compiler.bundle import load_model
+    from dualtrack.compiler.bundle_writer import load_model
     from dualtrack.contract.bundle import Bundle
 
     zoo = load_zoo()

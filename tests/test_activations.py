@@ -10,7 +10,7 @@ from activation_cases import ROWS, TEST_PARAMS, act_nodes, case_activation, run_
 from onnx import numpy_helper
 
 from dualtrack.compiler import lower_mobile
-from dualtrack.compiler.track_a import GENERATED_HEADERS
+from dualtrack.compiler.kernel_build import GENERATED_HEADERS
 from dualtrack.contract import activations
 from dualtrack.contract.activations import ACTIVATIONS, BY_NAME, KINDS, Activation, match_onnx, render_header
 from dualtrack.contract.plan import KernelCall

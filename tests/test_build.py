@@ -16,9 +16,9 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from dualtrack.compiler import track_b
+from dualtrack.compiler import iree_build as track_b
 from dualtrack.compiler.build import build
-from dualtrack.compiler.track_a import SOURCE_DIR
+from dualtrack.compiler.kernel_build import SOURCE_DIR
 from dualtrack.contract.bundle import MANIFEST, Bundle, model_digest
 from dualtrack.contract.manifest import BUNDLE_FORMAT, Manifest
 from dualtrack.contract.plan import Plan

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from exports import reference_logits, torch_style
 
 from dualtrack.cli import main
-from dualtrack.compiler.bundle import load_model
+from dualtrack.compiler.bundle_writer import load_model
 from dualtrack.contract.bundle import Bundle
 from dualtrack.errors import ToolError
 from dualtrack.runtime.engine import Engine

@@ -246,7 +246,20 @@ def test_direct_entry_launch_and_limits() -> None:
 def test_args_follow_the_abi() -> None:
     g = ConvGeometry(7, 5, 2, 1, 1, 2, pad_top=3, pad_left=4, pad_bottom=2, pad_right=1)
     args = SPEC.args(
-        x=0x10, w=0x20, bias=0x30, res=0x40, y=0x50, N=2, H=21, W=19, C=3, K=5, geom=g, ldx=8, ldy=16, ldr=24,
+        x=0x10,
+        w=0x20,
+        bias=0x30,
+        res=0x40,
+        y=0x50,
+        N=2,
+        H=21,
+        W=19,
+        C=3,
+        K=5,
+        geom=g,
+        ldx=8,
+        ldy=16,
+        ldr=24,
         act=ACTS["relu6"],
     )
     P, Q = g.output_hw(21, 19)

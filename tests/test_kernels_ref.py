@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
-from dualtrack.compiler.track_a import SOURCE_DIR
+from dualtrack.compiler.kernel_build import SOURCE_DIR
 from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels import (

@@ -15,9 +15,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack.compiler import launch_plan as reader
-from dualtrack.compiler import track_b
-from dualtrack.compiler.launch_plan import extract
+from dualtrack.compiler import iree_build as track_b
+from dualtrack.compiler import launch_extract as reader
+from dualtrack.compiler.launch_extract import extract
 from dualtrack.contract import launch_plan
 from dualtrack.contract.bundle import Bundle
 from dualtrack.contract.launch_plan import Dispatch, LaunchPlan, NotReplayable

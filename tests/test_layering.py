@@ -80,7 +80,7 @@ def test_the_weights_read_without_onnx_equal_the_models_initializers(tiny_bundle
     import onnx
     from onnx import numpy_helper
 
-    from dualtrack.compiler.bundle import load_model
+    from dualtrack.compiler.bundle_writer import load_model
 
     bundle = Bundle.open(tiny_bundle)
     want = {t.name: numpy_helper.to_array(t) for t in load_model(bundle).graph.initializer}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dualtrack.compiler.track_a import (
+from dualtrack.compiler.kernel_build import (
     PINNED_NVRTC,
     SOURCE_DIR,
     assemble_cubin,
@@ -151,7 +151,7 @@ def test_broken_source_raises_with_the_nvrtc_log(tmp_path: Path) -> None:
         compile_ptx(bad, "compute_80")
     assert info.value.tool == "NVRTC"
     assert "undeclared_name" in info.value.detail and "error" in info.value.detail
-    assert "python -m dualtrack.compiler.track_a --source" in info.value.detail  # the repro command
+    assert "python -m dualtrack.compiler.kernel_build --source" in info.value.detail  # the repro command
 
 
 @pytest.mark.parametrize("stem", ["conv3x3_nhwc", "convt2x2_nhwc"])

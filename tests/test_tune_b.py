@@ -12,7 +12,7 @@ import pytest
 from dualtrack.compiler import tuned as tuning
 from dualtrack.compiler.config import load_config
 from dualtrack.errors import BundleError, ConfigError
-from dualtrack.tuning import track_b as tune_b
+from dualtrack.tuning import iree_flags as tune_b
 
 
 def test_candidates_start_with_the_config_and_drop_duplicates(tiny_config: Path) -> None:

@@ -20,7 +20,7 @@ from dualtrack.kernels.device import REFERENCE, DeviceInfo
 from dualtrack.kernels.problems import by_problem, conv_layers
 from dualtrack.settings import Settings
 from dualtrack.tuning import TuneOptions, space
-from dualtrack.tuning import track_a as search
+from dualtrack.tuning import tiles as search
 
 CONV = KERNELS["conv3x3"]
 assert isinstance(CONV, Conv3x3Spec)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from dualtrack.compiler.track_a import SOURCE_DIR, assemble_cubin, compile_ptx
+from dualtrack.compiler.kernel_build import SOURCE_DIR, assemble_cubin, compile_ptx
 from dualtrack.contract.arch import ARCHES
 from dualtrack.errors import ToolError
 from dualtrack.kernels import KERNELS, Conv3x3Spec, F16Tile

@@ -19,14 +19,14 @@ from dualtrack.compiler import partition
 from dualtrack.compiler import tuned as tuning
 from dualtrack.compiler.build import build
 from dualtrack.compiler.config import load_config
-from dualtrack.compiler.track_a import SOURCE_DIR, assemble_cubin
+from dualtrack.compiler.kernel_build import SOURCE_DIR, assemble_cubin
 from dualtrack.contract.arch import resolve_targets
 from dualtrack.contract.bundle import Bundle
 from dualtrack.contract.plan import Plan
 from dualtrack.errors import ConfigError
 from dualtrack.kernels import KERNELS, Conv3x3Spec, F16Tile
 from dualtrack.kernels.problems import ConvProblem, by_problem, channel_strides, conv_layers
-from dualtrack.tuning.track_a import random_fp16, sample_pixels
+from dualtrack.tuning.tiles import random_fp16, sample_pixels
 
 CONV = KERNELS["conv3x3"]
 assert isinstance(CONV, Conv3x3Spec)

@@ -21,7 +21,7 @@ from cuda.bindings import driver as cu
 
 from dualtrack import kernels
 from dualtrack.compiler.build import track_a_stems
-from dualtrack.compiler.track_a import SOURCE_DIR, assemble_cubin, ptx_path
+from dualtrack.compiler.kernel_build import SOURCE_DIR, assemble_cubin, ptx_path
 from dualtrack.contract.arch import ARCHES
 from dualtrack.contract.bundle import Bundle
 from dualtrack.contract.plan import KernelCall
@@ -45,6 +45,7 @@ REGISTERS_PER_SM = 65536
 def choose_conv3x3(p: ConvProblem, *, wgmma_off: str | None, tuned: str | None = None, x=0, w=0, y=0) -> ConvChoice:
     """The chooser's answer for a conv3x3 launch on the H200."""
     return conv_choice(p, REFERENCE, tuned=tuned, wgmma_off=wgmma_off, at=Pointers(x, w, y))
+
 
 # The reference U-Net's 3x3 layers after the first (C=3): (name, C, K, H=W) at a 512x512 input.
 UNET_LAYERS = (

@@ -3,7 +3,7 @@
 Every cache entry, tuning file, model and mask dualtrack writes goes through :func:`write_bytes` or
 :func:`write_text`, so a reader (a concurrent build, a second process) sees the old file or the new
 one, never half of one, and a failed write leaves no temporary file behind. (Whole directories,
-such as a bundle, are swapped in by their own writer: :class:`dualtrack.compiler.bundle.BundleWriter`.)
+such as a bundle, are swapped in by their own writer: :class:`dualtrack.compiler.bundle_writer.BundleWriter`.)
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ SENTINEL = -1234.5  # exactly representable in fp16 and fp32
 def checked_in_ptx(engine, stem: str) -> Iterator:
     """The module of handwritten_ptx/ptx/<arch>/<stem>.ptx for this device's arch, JIT-compiled by
     the driver (the engine only loads the kernels its bundle's plan lists); closed afterwards."""
-    from dualtrack.compiler.track_a import SOURCE_DIR, ptx_path
+    from dualtrack.compiler.kernel_build import SOURCE_DIR, ptx_path
     from dualtrack.contract.arch import PTX_ARCHES, choose_image
     from dualtrack.runtime.driver import Module
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dualtrack import kernels
-from dualtrack.compiler.bundle import load_model
+from dualtrack.compiler.bundle_writer import load_model
 from dualtrack.compiler.config import Tolerance
 from dualtrack.compiler.verify import compare, ort_session, random_input, run_ort
 from dualtrack.errors import ArchError, DeviceError

@@ -21,7 +21,7 @@ import pytest
 from gpu_ptx import Slices, checked_in_ptx
 
 from dualtrack import kernels
-from dualtrack.compiler.bundle import load_model
+from dualtrack.compiler.bundle_writer import load_model
 from dualtrack.compiler.config import Tolerance
 from dualtrack.compiler.verify import compare, ort_session, random_input, run_ort, verify_engine
 from dualtrack.kernels import Activation, DwConvSpec, DwGeometry, ResizeMode

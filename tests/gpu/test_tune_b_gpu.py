@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dualtrack.compiler.config import Tolerance
-from dualtrack.tuning import track_b as tune_b
+from dualtrack.tuning import iree_flags as tune_b
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 from dualtrack import kernels
 from dualtrack.compiler import tuned as tuning
-from dualtrack.compiler.bundle import load_model
+from dualtrack.compiler.bundle_writer import load_model
 from dualtrack.compiler.config import Tolerance
 from dualtrack.compiler.verify import compare, ort_session, random_input, run_ort, verify_engine
 from dualtrack.contract.bundle import Bundle
@@ -18,7 +18,7 @@ from dualtrack.kernels.problems import by_problem, conv_layers
 from dualtrack.runtime.driver import Module
 from dualtrack.runtime.engine import Engine
 from dualtrack.tuning import TuneOptions, tune_track_a
-from dualtrack.tuning.track_a import arch_of, compile_candidates
+from dualtrack.tuning.tiles import arch_of, compile_candidates
 
 CONV = kernels.KERNELS["conv3x3"]
 FP16_KERNEL = Tolerance(rel_l2=2e-3, max_abs=1.0, mismatch=0)  # one fp16 rounding, fp32 sums in another order

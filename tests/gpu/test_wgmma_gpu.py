@@ -20,7 +20,7 @@ import pytest
 
 from dualtrack import kernels
 from dualtrack.compiler.config import Tolerance
-from dualtrack.compiler.track_a import SOURCE_DIR, ptx_path
+from dualtrack.compiler.kernel_build import SOURCE_DIR, ptx_path
 from dualtrack.compiler.verify import compare, random_input, verify_engine
 from dualtrack.contract.bundle import Bundle
 from dualtrack.kernels.conv3x3_wgmma import input_map, weight_map
@@ -233,7 +233,7 @@ def test_the_engine_runs_the_wgmma_kernel_where_it_can(tiny_wgmma_bundle: Path) 
             be.poison = False
         assert report.passed, "\n".join(report.lines())
         target = next(t for t in e.bundle.manifest.targets if t.arch == "sm_90a")
-        planned = {(layer.node, layer.batch): c for layer, c in e.bundle.conv3x3_choices(target)}
+        planned = {(layer.node, layer.batch): c for layer, c in kernels.planned_conv_choices(e.bundle, target)}
         ran = {(node, n): c for node, per in be.stats.conv3x3.items() for n, c in per.items()}
         assert set(ran) == set(planned) and len({n for _, n in ran}) == len(e.batch_sizes)
         for key, c in planned.items():

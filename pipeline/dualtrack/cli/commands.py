@@ -183,7 +183,7 @@ def _tune_track_b(
     iters: int,
     device_index: int,
 ) -> None:
-    from dualtrack.tuning.track_b import tune_track_b
+    from dualtrack.tuning.iree_flags import tune_track_b
 
     out = _Output(False)
     only = [c.strip() for c in candidates.split(",") if c.strip()] if candidates else None
@@ -412,12 +412,14 @@ def _info_plan(b: Bundle) -> None:
 
 def _info_track_a(b: Bundle) -> None:
     """Track A's PTX per arch, and which kernel each 3x3 convolution launches."""
+    from dualtrack.kernels import planned_conv_choices
+
     ptx = b.manifest.artifacts.track_a.get("ptx", {})
-    for a, kernels in sorted(ptx.items()):
-        isas = {k["isa"] for k in kernels.values()}
-        click.echo(f"ptx        {a}: {', '.join(sorted(kernels))} (ISA {', '.join(sorted(isas))})")
+    for a, entries in sorted(ptx.items()):
+        isas = {k["isa"] for k in entries.values()}
+        click.echo(f"ptx        {a}: {', '.join(sorted(entries))} (ISA {', '.join(sorted(isas))})")
     for t in b.manifest.targets:
-        choices = b.conv3x3_choices(t)
+        choices = planned_conv_choices(b, t)
         wgmma = [(layer, c) for layer, c in choices if c.impl == "wgmma"]
         if not wgmma:
             continue
@@ -523,7 +525,7 @@ def make_reference(output: Path, base: int, depth: int, size: int) -> None:
 
 
 try:  # the service is an optional extra (`pip install dualtrack[serve]`)
-    from dualtrack.cli.serve import loadtest, ray_config, serve
+    from dualtrack.cli.service import loadtest, ray_config, serve
 
     main.add_command(serve)
     main.add_command(loadtest)

@@ -33,7 +33,7 @@ def _pkg(name: str) -> str:
 
 def diagnose(bundle: Path | None = None) -> dict[str, Any]:
     """A flat report of the GPU, driver, compilers and IREE; with a bundle, whether its code loads here."""
-    from dualtrack.compiler import track_a as ptx
+    from dualtrack.compiler import kernel_build as ptx
     from dualtrack.compiler.tools import tool_version
 
     report: dict[str, Any] = {}

@@ -28,9 +28,10 @@ import numpy as np
 import onnx
 
 from dualtrack import hostcpu, kernels
-from dualtrack.compiler import frontend, partition, track_b, verify
-from dualtrack.compiler import track_a as ptx
-from dualtrack.compiler.bundle import BundleWriter
+from dualtrack.compiler import frontend, partition, verify
+from dualtrack.compiler import iree_build as track_b
+from dualtrack.compiler import kernel_build as ptx
+from dualtrack.compiler.bundle_writer import BundleWriter
 from dualtrack.compiler.config import BuildConfig, load_config
 from dualtrack.compiler.tuned import TUNED_FIELDS, Selection, flag_records, flags_for, measured_for, segment_key
 from dualtrack.compiler.tuned import select as select_tuning

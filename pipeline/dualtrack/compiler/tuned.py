@@ -37,8 +37,8 @@ import onnx
 from dualtrack import atomic
 from dualtrack.compiler.config import BuildConfig
 from dualtrack.compiler.cost import ConvKey
+from dualtrack.compiler.kernel_build import SOURCE_DIR
 from dualtrack.compiler.partition import model_hash, strip_initializers
-from dualtrack.compiler.track_a import SOURCE_DIR
 from dualtrack.contract.arch import Resolution, resolve
 from dualtrack.contract.plan import Plan
 from dualtrack.errors import ConfigError, InputError

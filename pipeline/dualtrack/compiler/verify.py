@@ -22,7 +22,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack import kernels
-from dualtrack.compiler.bundle import load_model, segment_model
+from dualtrack.compiler.bundle_writer import load_model, segment_model
 from dualtrack.contract.cases import ReferenceCases
 from dualtrack.contract.checks import DEFAULT_TOLERANCES, Check, Report, Tolerance, compare, compare_outputs
 from dualtrack.contract.plan import ALIAS_OPS, Plan, Segment, TensorSpec

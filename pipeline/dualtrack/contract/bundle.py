@@ -31,12 +31,9 @@ from typing import Any
 import numpy as np
 
 from dualtrack.contract.cases import ReferenceCases
-from dualtrack.contract.manifest import Manifest, Target
+from dualtrack.contract.manifest import Manifest
 from dualtrack.contract.plan import Plan, Segment
 from dualtrack.errors import BundleError
-from dualtrack.kernels import CONV3X3_WGMMA, conv_choice
-from dualtrack.kernels.device import DeviceInfo, for_target
-from dualtrack.kernels.problems import conv_layers
 
 MANIFEST = "manifest.json"
 MODEL = "model.onnx"
@@ -156,27 +153,6 @@ class Bundle:
     @property
     def track_a(self) -> Mapping[str, Any]:
         return self.manifest.artifacts.track_a
-
-    def conv3x3_choices(self, target: Target, device: DeviceInfo | None = None) -> list[tuple[Any, Any]]:
-        """Which kernel each Track A conv3x3 launch runs on ``device`` (default: the GPU ``target``
-        names, ``kernels.device.for_target``) of ``target`` (an entry of the manifest's ``targets``),
-        as (``ConvLayer``, ``ConvChoice``) pairs in plan order: ``kernels.conv_choice``'s answer
-        with the target's image (wgmma where it has it) and tuned entries, pointers assumed aligned,
-        as planned buffers are. What did run on a device: the engine's ``backend.stats.conv3x3``.
-        The general conv's calls that the wgmma kernel takes are listed too; its other calls are not."""
-        image = self.track_a.get("ptx", {}).get(target.track_a_ptx, {})
-        off = None if CONV3X3_WGMMA.stem in image else f"not in the {target.track_a_ptx} PTX"
-        tuned = self.tuned_calls(target.cc_tuple)
-        gpu = device if device is not None else for_target(target.requested)
-        out = []
-        for layer in conv_layers(self.plan, ops=("conv3x3", "conv")):
-            call = layer.call
-            assert call is not None  # conv_layers sets it
-            entry = tuned.get(layer.node, {}).get(str(layer.batch)) if call.op == "conv3x3" else None
-            choice = conv_choice(layer.problem, gpu, call=call, tuned=entry, wgmma_off=off)
-            if call.op == "conv3x3" or choice.impl == "wgmma":
-                out.append((layer, choice))
-        return out
 
     def tuned_calls(self, cc: tuple[int, int]) -> dict[str, dict[str, str]]:
         """The tuned entry of each Track A conv layer (Conv node -> batch size -> entry) that the

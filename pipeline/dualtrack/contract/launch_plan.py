@@ -6,7 +6,7 @@ and constants hoisted at initialisation (FACTS 23). A :class:`LaunchPlan` holds 
 runtime (runtime/replay.py) launches it on its own stream, inside its own CUDA graph, with no IREE
 runtime call. This module is the contract only: the plan's dataclasses, their JSON form and the
 bounds :func:`check` proves. The compiler reads plans out of IREE's output
-(:mod:`dualtrack.compiler.launch_plan`); anything it cannot read raises :class:`NotReplayable`, and
+(:mod:`dualtrack.compiler.launch_extract`); anything it cannot read raises :class:`NotReplayable`, and
 the segment keeps the IREE runtime path.
 """
 

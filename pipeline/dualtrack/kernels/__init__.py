@@ -22,9 +22,12 @@ reading or writing channel slices is the runtime's business.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from dualtrack.contract.activations import ACTIVATIONS, Activation
 from dualtrack.contract.arch import PTX_ARCHES
+from dualtrack.contract.bundle import Bundle
+from dualtrack.contract.manifest import Target
 from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import (
@@ -43,28 +46,71 @@ from dualtrack.kernels.conv3x3 import Conv3x3Spec, F16Tile
 from dualtrack.kernels.conv3x3_wgmma import WGMMA_CONFIGS, Conv3x3WgmmaSpec, WgmmaConfig
 from dualtrack.kernels.conv_general import ConvGeneralSpec, ConvGeometry
 from dualtrack.kernels.convt2x2 import ConvT2x2Spec, pack_convt_weights
-from dualtrack.kernels.device import DeviceInfo
+from dualtrack.kernels.device import DeviceInfo, for_target
 from dualtrack.kernels.dwconv import DwConvSpec, DwGeometry
 from dualtrack.kernels.eltwise import EltwiseSpec
 from dualtrack.kernels.fc import FcSpec
 from dualtrack.kernels.gap import GapSpec
 from dualtrack.kernels.maxpool import MaxPoolSpec, PoolGeometry
 from dualtrack.kernels.maxpool2x2 import MaxPool2x2Spec
-from dualtrack.kernels.problems import ConvProblem
+from dualtrack.kernels.problems import ConvProblem, conv_layers
 from dualtrack.kernels.resize import ResizeMode, ResizeSpec
 from dualtrack.kernels.resize_rgb import ResizeRgbSpec
 from dualtrack.kernels.seghead import HeadMode, SegHeadSpec
 from dualtrack.kernels.select import PLANNED, SMALL_C_K_MAX, SMALL_C_MAX, ConvChoice, Pointers, choose_conv
 
 __all__ = [
-    "ACTIVATIONS", "CONV3X3_WGMMA", "DTYPES", "KERNELS", "RESIZE_RGB", "SMALL_C_K_MAX", "SMALL_C_MAX", "SPECS",
-    "WGMMA_CONFIGS", "Activation", "Conv1x1Spec", "Conv3x3Spec", "Conv3x3WgmmaSpec", "ConvChoice", "ConvGeneralSpec",
-    "ConvGeometry", "ConvT2x2Spec", "DeviceInfo", "DeviceTensor", "DwConvSpec", "DwGeometry", "EltwiseSpec", "F16Tile",
-    "FcSpec", "GapSpec", "HeadMode", "KernelArg", "KernelSpec", "LaunchConfig", "LaunchContext", "MaxPool2x2Spec",
-    "MaxPoolSpec", "Pointers", "PoolGeometry", "PreparedCall", "ResizeMode", "ResizeRgbSpec", "ResizeSpec",
-    "SegHeadSpec", "WgmmaConfig", "choose_conv", "conv_choice",
-    "defines_for_stem", "dtype_name", "kernel", "output_shape", "pack_conv_weights", "pack_convt_weights",
-    "ptx_arches_for_stem", "spec_for_stem",
+    "ACTIVATIONS",
+    "CONV3X3_WGMMA",
+    "DTYPES",
+    "KERNELS",
+    "RESIZE_RGB",
+    "SMALL_C_K_MAX",
+    "SMALL_C_MAX",
+    "SPECS",
+    "WGMMA_CONFIGS",
+    "Activation",
+    "Conv1x1Spec",
+    "Conv3x3Spec",
+    "Conv3x3WgmmaSpec",
+    "ConvChoice",
+    "ConvGeneralSpec",
+    "ConvGeometry",
+    "ConvT2x2Spec",
+    "DeviceInfo",
+    "DeviceTensor",
+    "DwConvSpec",
+    "DwGeometry",
+    "EltwiseSpec",
+    "F16Tile",
+    "FcSpec",
+    "GapSpec",
+    "HeadMode",
+    "KernelArg",
+    "KernelSpec",
+    "LaunchConfig",
+    "LaunchContext",
+    "MaxPool2x2Spec",
+    "MaxPoolSpec",
+    "Pointers",
+    "PoolGeometry",
+    "PreparedCall",
+    "ResizeMode",
+    "ResizeRgbSpec",
+    "ResizeSpec",
+    "SegHeadSpec",
+    "WgmmaConfig",
+    "choose_conv",
+    "conv_choice",
+    "defines_for_stem",
+    "dtype_name",
+    "kernel",
+    "output_shape",
+    "pack_conv_weights",
+    "pack_convt_weights",
+    "planned_conv_choices",
+    "ptx_arches_for_stem",
+    "spec_for_stem",
 ]  # fmt: skip
 
 CONV3X3_WGMMA = Conv3x3WgmmaSpec(op="conv3x3", stem="conv3x3_wgmma")
@@ -112,6 +158,28 @@ def conv_choice(
     if not isinstance(spec, Conv3x3Spec):
         raise InputError(f"{op} is not a convolution the chooser knows; it takes conv3x3 and conv calls")
     return choose_conv(spec, p, device, tuned=tuned, wgmma_off=wgmma_off, at=at)
+
+
+def planned_conv_choices(bundle: Bundle, target: Target, device: DeviceInfo | None = None) -> list[tuple[Any, Any]]:
+    """Which kernel each Track A conv3x3 launch of ``bundle``'s plan runs on ``device`` (default: the
+    GPU ``target`` names, ``kernels.device.for_target``) of ``target`` (an entry of the manifest's
+    ``targets``), as (``ConvLayer``, ``ConvChoice``) pairs in plan order: :func:`conv_choice`'s answer
+    with the target's image (wgmma where it has it) and tuned entries, pointers assumed aligned, as
+    planned buffers are. What did run on a device: the engine's ``backend.stats.conv3x3``. The general
+    conv's calls that the wgmma kernel takes are listed too; its other calls are not."""
+    image = bundle.track_a.get("ptx", {}).get(target.track_a_ptx, {})
+    off = None if CONV3X3_WGMMA.stem in image else f"not in the {target.track_a_ptx} PTX"
+    tuned = bundle.tuned_calls(target.cc_tuple)
+    gpu = device if device is not None else for_target(target.requested)
+    out = []
+    for layer in conv_layers(bundle.plan, ops=("conv3x3", "conv")):
+        call = layer.call
+        assert call is not None  # conv_layers sets it
+        entry = tuned.get(layer.node, {}).get(str(layer.batch)) if call.op == "conv3x3" else None
+        choice = conv_choice(layer.problem, gpu, call=call, tuned=entry, wgmma_off=off)
+        if call.op == "conv3x3" or choice.impl == "wgmma":
+            out.append((layer, choice))
+    return out
 
 
 def kernel(op: str) -> KernelSpec:

@@ -20,8 +20,8 @@ from dualtrack.errors import InputError
 from dualtrack.kernels import base
 from dualtrack.kernels.conv import Conv3x3Reference, ConvAbi, GemmTiles
 from dualtrack.kernels.conv3x3_wgmma import Conv3x3WgmmaSpec
-from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.device import REFERENCE, DeviceInfo
+from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.select import SMALL_C_K_MAX, SMALL_C_MAX, Pointers, choose_conv
 
 

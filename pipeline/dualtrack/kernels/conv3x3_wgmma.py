@@ -25,8 +25,8 @@ from typing import Any, ClassVar
 from dualtrack.errors import InputError
 from dualtrack.kernels import base
 from dualtrack.kernels.conv import Conv3x3Reference
-from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.device import REFERENCE, DeviceInfo
+from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.select import ConvChoice
 from dualtrack.kernels.tensormap import DIM_LIMIT, STRIDE_LIMIT, TiledMap
 

@@ -39,8 +39,8 @@ from dualtrack.kernels.base import (
 from dualtrack.kernels.conv import named_weights, pack_conv_weights
 from dualtrack.kernels.conv3x3 import F16Tile
 from dualtrack.kernels.conv3x3_wgmma import Conv3x3WgmmaSpec
-from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.device import REFERENCE, DeviceInfo
+from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.select import Pointers, choose_conv
 
 MAX_KERNEL = 15  # R and S; larger kernels are not worth an implicit GEMM's per-tap loads

@@ -1,7 +1,7 @@
 """Where the Track A kernels' sources and their checked-in PTX live, and the PTX as loaders take it.
 
 The runtime reads the PTX from here (the GPU JPEG path's resize kernel); the compiler
-(:mod:`dualtrack.compiler.track_a`) builds from the same folder with NVRTC.
+(:mod:`dualtrack.compiler.kernel_build`) builds from the same folder with NVRTC.
 """
 
 from __future__ import annotations

@@ -7,6 +7,6 @@
 Both write the tuning file (:mod:`dualtrack.compiler.tuned`), which `dualtrack build` reads.
 """
 
-from dualtrack.tuning.track_a import TuneOptions, TuneResult, tune_track_a
+from dualtrack.tuning.tiles import TuneOptions, TuneResult, tune_track_a
 
 __all__ = ["TuneOptions", "TuneResult", "tune_track_a"]

@@ -39,7 +39,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from dualtrack import kernels
-from dualtrack.compiler import track_a as ptx
+from dualtrack.compiler import kernel_build as ptx
 from dualtrack.compiler import tuned as tuning
 from dualtrack.contract import arch
 from dualtrack.contract.plan import Plan

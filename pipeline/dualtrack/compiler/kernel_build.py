@@ -7,7 +7,7 @@ Each stage is a named function with explicit inputs and a frozen artifact as out
 - :func:`assemble_cubin` — PTX to a cubin for one exact GPU arch with nvJitLink, recording each
   kernel's registers and spills from the verbose info log;
 - :func:`regenerate` / :func:`check_fresh` — write / verify the PTX checked in under
-  ``handwritten_ptx/ptx/<arch>/<stem>.ptx`` (``python -m dualtrack.compiler.track_a`` and ``--check``), for the
+  ``handwritten_ptx/ptx/<arch>/<stem>.ptx`` (``python -m dualtrack.compiler.kernel_build`` and ``--check``), for the
   PTX arches each kernel states (``KernelSpec.ptx_arches``: conv3x3_wgmma is compute_90a only).
 
 The PTX ISA is fixed by the NVRTC that emits it, and the driver caps the ISA it can JIT (FACTS 13):
@@ -161,7 +161,7 @@ def _headers(source_dir: Path) -> dict[str, bytes]:
 
 
 def _repro(source: Path, options: CompileOptions) -> list[str]:
-    argv = ["python", "-m", "dualtrack.compiler.track_a", "--source", str(source), "--arch", options.arch]
+    argv = ["python", "-m", "dualtrack.compiler.kernel_build", "--source", str(source), "--arch", options.arch]
     for name, value in options.defines:
         argv += ["-D", f"{name}={value}"]
     return argv
@@ -507,8 +507,8 @@ def check_fresh(root: Path = SOURCE_DIR) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m dualtrack.compiler.track_a`: regenerate the checked-in PTX (what `make ptx` runs)."""
-    parser = argparse.ArgumentParser(prog="python -m dualtrack.compiler.track_a", description=main.__doc__)
+    """`python -m dualtrack.compiler.kernel_build`: regenerate the checked-in PTX (what `make ptx` runs)."""
+    parser = argparse.ArgumentParser(prog="python -m dualtrack.compiler.kernel_build", description=main.__doc__)
     parser.add_argument("--root", type=Path, default=SOURCE_DIR, help="kernel source folder (default: %(default)s)")
     parser.add_argument("--check", action="store_true", help="list stale PTX files and exit 1 if there are any")
     parser.add_argument("--source", type=Path, help="compile this one source and print its PTX (a repro)")

@@ -20,7 +20,7 @@ from pathlib import Path
 import onnx
 
 from dualtrack import atomic
-from dualtrack.compiler.launch_plan import extract
+from dualtrack.compiler.launch_extract import extract
 from dualtrack.compiler.partition import with_batch
 from dualtrack.compiler.tools import run_tool, tool_version
 from dualtrack.contract.launch_plan import LaunchPlan, NotReplayable

@@ -34,7 +34,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from dualtrack.compiler import frontend, partition, track_b
+from dualtrack.compiler import frontend, partition
+from dualtrack.compiler import iree_build as track_b
 from dualtrack.compiler.config import BuildConfig, Tolerance, load_config
 from dualtrack.compiler.tuned import RECORD_KIND, measured_for, record_key, segment_key
 from dualtrack.contract import arch
@@ -540,7 +541,7 @@ def tune_track_b(
     import tempfile
 
     from dualtrack.compiler.tuned import save_records
-    from dualtrack.tuning.track_a import default_output
+    from dualtrack.tuning.tiles import default_output
 
     t0 = time.perf_counter()
     source = Path(source)
