@@ -301,6 +301,32 @@ for step in $steps; do
       # same run (ratios: serve_bench-*.json and the last lines printed). About 5 minutes.
       serve_bench $C/unet --clients 16 32 \
         --variant "workers_4=--workers 4 --max-batch-delay-ms 8" --variant "workers_8=--workers 8 --max-batch-delay-ms 8" 2>&1 | tee "$OUT/serve.log" ;;
+    versus)
+      # Not in the default steps (issue 37): this tree against a baseline commit whose pipeline/ and
+      # handwritten_ptx/ travel in .ab/ (`git archive REV pipeline handwritten_ptx | tar -x -C .ab`) with
+      # the bundles that commit built in .ab/carry/<name> (or kept from an earlier call in /tmp/keep/ab);
+      # this tree's bundles of the same names are .carry/<name> or .carry/zoo/<name>. Engine.run in four
+      # processes, mirrored order (new, base, base, new), then the table (bench/versus.py).
+      ab=.ab; [ -d "$ab/pipeline" ] || ab=/tmp/keep/ab
+      [ -d "$ab/pipeline" ] || { echo "versus: carry .ab (pipeline, handwritten_ptx, carry/)"; continue; }
+      abs=$(cd "$ab" && pwd); base=(); new=()
+      for b in "$abs"/carry/*; do
+        n=$(basename "$b")
+        for c in "$C/$n" "$C/zoo/$n"; do
+          [ -f "$c/manifest.json" ] && { base+=(--bundle "$n=$b"); new+=(--bundle "$n=$c"); break; }
+        done
+      done
+      [ ${#new[@]} -gt 0 ] || { echo "versus: no bundle in both trees"; continue; }
+      tag=${VS_TAG:-vs}
+      for r in new_a base_a base_b new_b; do
+        if [ "${r%_*}" = base ]; then
+          PYTHONPATH=/tmp/site:$abs/pipeline python3 bench/versus.py round "${base[@]}" --tag base --out "$OUT/$tag-$r.json"
+        else
+          python3 bench/versus.py round "${new[@]}" --tag new --out "$OUT/$tag-$r.json"
+        fi
+      done 2>&1 | tee "$OUT/$tag.log"
+      python3 bench/versus.py table "$OUT/$tag"-*_?.json --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT/$tag.json" \
+        2>&1 | tee -a "$OUT/$tag.log" ;;
     ab)
       # Not in the default steps: `bash bench/device_run.sh ab`. The carried bundles of the reference
       # model (.carry/unet, .carry/unet_*) in one process, in alternating rounds (bench/ab.py).

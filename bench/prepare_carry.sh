@@ -11,7 +11,8 @@
 #   [ZOO="name ..."] bash bench/prepare_carry.sh [zoo|zoo-only]
 #
 # ZOO names the zoo models to build (default: every configs/zoo/*.yaml; smp_unet_resnet34's fp16
-# weights alone are ~47 MB, most of the limit).
+# weights alone are ~47 MB, most of the limit). EXTRA names the extra reference-model bundles (default:
+# unet_seed_split iree_only unet_head_b unet_batches, which bench.py's rows need; EXTRA= builds none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 C=.carry
@@ -24,7 +25,7 @@ mkdir -p "$C"
 if [ "$what" != zoo-only ]; then
   make -s models
   "$DT" build configs/unet.yaml -o "$C/unet"
-  for c in unet_seed_split iree_only unet_head_b unet_batches; do
+  for c in ${EXTRA-unet_seed_split iree_only unet_head_b unet_batches}; do
     "$DT" build "configs/$c.yaml" -o "$C/$c"
     rm "$C/$c/model.onnx" "$C/$c/weights.bin"  # the reference's: same model, same bytes (hashes checked at load)
   done
