@@ -76,11 +76,11 @@ def why(p: partition.Partitioned, node: str) -> str:
 
 
 def lone_pool() -> onnx.ModelProto:
-    """B (Tanh) -> one 2x2 max-pool, the only node Track A takes -> B (Tanh)."""
+    """B (Sin) -> one 2x2 max-pool, the only node Track A takes -> B (Sin)."""
     g = Graph()
-    g.add("Tanh", "pre", ["x"])
+    g.add("Sin", "pre", ["x"])
     g.add("MaxPool", "pool", ["pre"], kernel_shape=[2, 2], strides=[2, 2])
-    g.add("Tanh", "post", ["pool"])
+    g.add("Sin", "post", ["pool"])
     return g.model("post")
 
 
@@ -124,13 +124,13 @@ def test_the_default_switch_cost_is_the_replayed_paths() -> None:
 
 
 def test_many_small_islands_each_go_by_the_switch_cost() -> None:
-    """Twelve conv + Relu islands between Tanhs (no Track A kernel): all on Track A with free switches,
+    """Twelve conv + Relu islands between Sins (no Track A kernel): all on Track A with free switches,
     all merged into one Track B segment at the IREE runtime's 80 us (each saves ~30 us over the two
     batch sizes)."""
     g = Graph()
-    x = g.add("Tanh", "s0", ["x"])
+    x = g.add("Sin", "s0", ["x"])
     for i in range(12):
-        x = g.add("Tanh", f"s{i + 1}", [g.add("Relu", f"r{i}", [g.conv(f"c{i}", x)])])
+        x = g.add("Sin", f"s{i + 1}", [g.add("Relu", f"r{i}", [g.conv(f"c{i}", x)])])
     m = g.model(x)
     assert [s.track for s in partition.partition_model(auto(0.0), m).plan.segments] == ["B", "A"] * 12 + ["B"]
     p = partition.partition_model(auto(cost.SWITCH_COST_US["iree"]), m)
@@ -142,12 +142,12 @@ def conv_chain() -> onnx.ModelProto:
     """B -> 3x3 conv + Relu (A) -> grouped 7x7 conv (no Track A kernel) -> 3x3 conv, shared output: its
     Relu an eltwise call of its own -> B."""
     g = Graph()
-    g.add("Tanh", "pre", ["x"])
+    g.add("Sin", "pre", ["x"])
     g.add("Relu", "c1_relu", [g.conv("c1", "pre")])
     g.conv("cg", "c1_relu", k=7, group=2)
     g.conv("c2", "cg")
     g.add("Relu", "c2_relu", ["c2"])
-    g.add("Tanh", "side", ["c2"])  # c2's output is read twice: its Relu cannot fuse
+    g.add("Sin", "side", ["c2"])  # c2's output is read twice: its Relu cannot fuse
     g.add("Add", "y", ["c2_relu", "side"])
     return g.model("y")
 
@@ -172,12 +172,12 @@ def test_every_node_gets_the_predicates_answer() -> None:
 
 
 def refused_convs() -> onnx.ModelProto:
-    """Between Tanhs: a grouped conv (the general conv refuses it) and a depthwise 7x7 (lower_mobile does)."""
+    """Between Sins: a grouped conv (the general conv refuses it) and a depthwise 7x7 (lower_mobile does)."""
     g = Graph()
-    g.add("Tanh", "pre", ["x"])
+    g.add("Sin", "pre", ["x"])
     g.conv("grouped", "pre", group=2)
     g.conv("dw7", "grouped", k=7, group=C)
-    g.add("Tanh", "post", ["dw7"])
+    g.add("Sin", "post", ["dw7"])
     return g.model("post")
 
 
@@ -206,11 +206,11 @@ def shared_concat_input() -> onnx.ModelProto:
     """Two convs concatenated, the first one's output also read by a Track B node: the concat passes
     its predicate, but its input leaves the segment, so it cannot be a channel slice there."""
     g = Graph()
-    g.add("Tanh", "pre", ["x"])
+    g.add("Sin", "pre", ["x"])
     a, b = g.conv("a", "pre"), g.conv("b", "pre")
     g.add("Concat", "cat", [a, b], axis=1)
     g.conv("c", "cat", cin=2 * C)
-    g.add("Tanh", "side", [a])
+    g.add("Sin", "side", [a])
     g.add("Add", "y", ["c", "side"])
     return g.model("y")
 
@@ -242,7 +242,7 @@ def test_rules_override_auto_node_by_node() -> None:
 def test_the_model_input_and_output_stay_on_track_b() -> None:
     g = Graph()
     g.add("MaxPool", "first", ["x"], kernel_shape=[2, 2], strides=[2, 2])
-    g.add("Tanh", "mid", ["first"])
+    g.add("Sin", "mid", ["first"])
     g.add("MaxPool", "last", ["mid"], kernel_shape=[2, 2], strides=[2, 2])
     p = partition.partition_model(auto(0.0), g.model("last"))
     assert set(tracks(p).values()) == {"B"}
@@ -283,10 +283,10 @@ def test_conv_work_counts_every_tap_of_every_output_pixel() -> None:
 
 
 def mobile_block() -> onnx.ModelProto:
-    """Between Tanhs: a strided 3x3 (the general conv), a depthwise 3x3 + HardSwish, squeeze-and-excite
+    """Between Sins: a strided 3x3 (the general conv), a depthwise 3x3 + HardSwish, squeeze-and-excite
     (global pool, 1x1 fc + HardSigmoid, gated Mul) and a bilinear 2x upsampling."""
     g = Graph()
-    g.add("Tanh", "pre", ["x"])
+    g.add("Sin", "pre", ["x"])
     s2 = g.conv("s2", "pre", stride=2)
     act = g.add("HardSwish", "act", [g.conv("dw", s2, group=C)])
     fc = g.conv("fc", g.add("GlobalAveragePool", "gap", [act]), k=1)
@@ -294,7 +294,7 @@ def mobile_block() -> onnx.ModelProto:
     scales = numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")
     g.inits.append(scales)
     up = g.add("Resize", "up", [g.add("Mul", "mul", [act, gate]), "", "scales"], mode="linear")
-    g.add("Tanh", "post", [up])
+    g.add("Sin", "post", [up])
     return g.model("post")
 
 
@@ -305,7 +305,7 @@ def test_each_track_a_node_is_costed_on_the_kernel_it_lowers_to() -> None:
     m = partition.name_nodes(mobile_block())
     specs = partition.infer_specs(m)
     ctx = partition.SupportContext.of(m, specs)
-    body = [n for n in m.graph.node if n.op_type != "Tanh"]
+    body = [n for n in m.graph.node if n.op_type != "Sin"]
     kernels = {n.name: partition.track_a_kernel(n, ctx) for n in body}
     assert kernels == {
         "s2": "conv", "dw": "dwconv", "act": None, "gap": "gap", "fc": "fc", "gate": None, "mul": "eltwise",
@@ -345,8 +345,8 @@ def test_measured_conv_times_replace_the_estimate() -> None:
 
 def test_a_conv_measured_slower_on_track_a_moves_to_b_even_with_free_switches() -> None:
     g = Graph()
-    g.add("Tanh", "pre", ["x"])
-    g.add("Tanh", "post", [g.conv("conv", "pre")])
+    g.add("Sin", "pre", ["x"])
+    g.add("Sin", "post", [g.conv("conv", "pre")])
     m = g.model("post")
     slow = {(b, H, W, C, C, "float32"): 10.0 for b in (1, 8)}  # 10 ms a launch, measured
     assert tracks(partition.partition_model(auto(0.0), m))["conv"] == "A"
