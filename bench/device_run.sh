@@ -301,6 +301,11 @@ for step in $steps; do
       # same run (ratios: serve_bench-*.json and the last lines printed). About 5 minutes.
       serve_bench $C/unet --clients 16 32 \
         --variant "workers_4=--workers 4 --max-batch-delay-ms 8" --variant "workers_8=--workers 8 --max-batch-delay-ms 8" 2>&1 | tee "$OUT/serve.log" ;;
+    rates)
+      # Not in the default steps (issue 37): this GPU's Track A rates (bench/measure_rates.py) as its row
+      # of a copy of compiler/rates.json in $OUT; commit the row here if it should replace the table's.
+      cp pipeline/dualtrack/compiler/rates.json "$OUT/rates.json"
+      python3 bench/measure_rates.py --out "$OUT/rates.json" 2>&1 | tee "$OUT/rates.log" ;;
     versus)
       # Not in the default steps (issue 37): this tree against a baseline commit whose pipeline/ and
       # handwritten_ptx/ travel in .ab/ (`git archive REV pipeline handwritten_ptx | tar -x -C .ab`) with
