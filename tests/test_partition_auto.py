@@ -481,3 +481,12 @@ def test_cpu_build_with_auto_verifies_and_reports_its_plan(tiny_config: Path, tm
     assert info.exit_code == 0, info.stderr
     assert "partition  partition: auto" in info.stdout
     assert re.search(r"^partition  Track A \(\d+\): a Track A kernel takes it: enc1/conv1, ", info.stdout, re.M)
+
+
+def test_a_tuned_time_counts_only_where_the_chooser_runs_the_tuned_tile() -> None:
+    # fp16 64 -> 64 channels: on an sm_90a target the wgmma kernel takes it (no tuned tile runs), on
+    # sm_80 an mma.sync tile does; a 3-channel layer runs the direct entry everywhere.
+    key = (8, 64, 64, 64, 64, "float16")
+    assert cost.ConvTarget.of("sm_90a").runs_tuned_tile(key) is False
+    assert cost.ConvTarget.of("sm_80").runs_tuned_tile(key) is True
+    assert cost.ConvTarget.of("sm_80").runs_tuned_tile((8, 64, 64, 3, 64, "float16")) is False

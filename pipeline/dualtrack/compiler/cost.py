@@ -49,8 +49,11 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from dualtrack.contract import arch
 from dualtrack.errors import ConfigError
+from dualtrack.kernels import conv_choice
 from dualtrack.kernels.device import DeviceInfo, for_target
+from dualtrack.kernels.problems import ConvProblem
 
 # us per track switch, by Track B's runtime path (settings.Settings.track_b).
 SWITCH_COST_US = {
@@ -177,6 +180,31 @@ DEFAULT_RATES = rates_for(for_target(None))  # the reference H200's row
 
 
 @dataclass(frozen=True)
+class ConvTarget:
+    """The GPU a build plans its convolutions for, as the one chooser (``kernels.conv_choice``) sees it:
+    the device and whether the target's Track A image has the sm_90a wgmma kernel."""
+
+    device: DeviceInfo
+    wgmma: bool
+
+    @classmethod
+    def of(cls, target: str | None) -> ConvTarget:
+        """The build's first target (None: a CPU-only build, costed as the reference H200)."""
+        return cls(for_target(target), arch.resolve(target or "sm_90a").wgmma)
+
+    def runs_tuned_tile(self, key: ConvKey) -> bool:
+        """Whether the chooser runs a tuned tile for this conv3x3 launch: only then does a tuning
+        record's time stand for the node; where wgmma or the direct entry takes it (neither is tuned),
+        the record measured a kernel that does not run."""
+        n, h, w, c, k, dtype = key
+        off = None if self.wgmma else "the target's image has no wgmma kernel"
+        return conv_choice(ConvProblem.dense(n, h, w, c, k, dtype), self.device, wgmma_off=off).impl not in (
+            "wgmma",
+            "direct",
+        )
+
+
+@dataclass(frozen=True)
 class NodeCost:
     """A node's estimated time on each track (us, summed over the batch sizes); ``a_us`` is None where
     no Track A kernel takes it. ``source`` says where the Track A number comes from."""
@@ -278,13 +306,15 @@ def node_cost(
     rates: Rates = DEFAULT_RATES,
     measured: MeasuredTimes | None = None,
     work: Work | None = None,
+    target: ConvTarget | None = None,
 ) -> NodeCost:
     """The node's time on each track, summed over ``batch_sizes``.
 
     ``on_a``: None where a Track A kernel takes the node, "fused" where it runs with no kernel of
     its own (its Track A time is 0), else the reason it cannot run there (no Track A time).
     ``kernel``: the Track A kernel it launches (`KernelCall.op`, :meth:`Rates.track_a_for`); the
-    tuning file's ``measured`` times are conv3x3's, so they count for that kernel alone. ``work``:
+    tuning file's ``measured`` times are conv3x3's, so they count for that kernel alone, and only where
+    the chooser runs the tuned tile on ``target`` (:meth:`ConvTarget.runs_tuned_tile`). ``work``:
     what its Track A kernel moves where that is not the node's own (:func:`head_work`); its Track B
     time stays the node's."""
     own = node_work(node, specs, inits)
@@ -302,7 +332,12 @@ def node_cost(
     track_a = rates.track_a_for(kernel)
     for b in batch_sizes:
         key = conv3x3_key(node, specs, b) if measured and kernel == "conv3x3" else None
-        if key is not None and measured is not None and key in measured:
+        if (
+            key is not None
+            and measured is not None
+            and key in measured
+            and (target is None or target.runs_tuned_tile(key))
+        ):
             a_us += measured[key] * 1e3
             source = "measured"
         else:

@@ -226,7 +226,8 @@ def assign_tracks(
     part = cfg.partition
     switch = part.switch_cost_us if part.switch_cost_us is not None else cost.SWITCH_COST_US[cost.DEFAULT_PATH]
     ctx = ctx or SupportContext.of(model, specs)
-    costs = _node_costs(model, ctx, cfg.batch_sizes, measured, _target_rates(cfg))
+    first = cfg.targets[0] if cfg.targets else None
+    costs = _node_costs(model, ctx, cfg.batch_sizes, measured, _target_rates(cfg), cost.ConvTarget.of(first))
     if part.mode == "auto":
         return auto_tracks(model, cfg, ctx, costs, switch)
     tracks: dict[str, str] = {}
@@ -963,6 +964,7 @@ def _node_costs(
     batch_sizes: tuple[int, ...],
     measured: cost.MeasuredTimes | None,
     rates: cost.Rates = cost.DEFAULT_RATES,
+    target: cost.ConvTarget | None = None,
 ) -> dict[str, cost.NodeCost]:
     out = {}
     inits = set(ctx.inits)
@@ -973,7 +975,16 @@ def _node_costs(
         head = ctx.heads.found.get(n.name) if kernel == "seghead" else None
         work = cost.head_work(ctx.specs, head.logits, (head.probs, head.mask)) if head is not None else None
         out[n.name] = cost.node_cost(
-            n, ctx.specs, inits, batch_sizes, on_a=on_a, kernel=kernel, rates=rates, measured=measured, work=work
+            n,
+            ctx.specs,
+            inits,
+            batch_sizes,
+            on_a=on_a,
+            kernel=kernel,
+            rates=rates,
+            measured=measured,
+            work=work,
+            target=target,
         )
     return out
 
