@@ -1,5 +1,5 @@
 // GENERATED from the activation table, dualtrack.contract.activations (render_header): do not edit.
-// `make ptx` (python -m dualtrack.compiler.track_a) rewrites it; its --check says when it is stale.
+// `make ptx` (python -m dualtrack.compiler.kernel_build) rewrites it; its --check says when it is stale.
 //
 // dt_activate(v, act, p0, p1): the fused activation `act` (an id of the table) with its parameters
 // p0, p1, in fp32. NaN propagates through every one of them, as through numpy.

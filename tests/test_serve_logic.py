@@ -457,7 +457,7 @@ def test_loadtest_counts_errors_by_status_and_exception() -> None:
 def test_server_stack_uses_the_fast_parts_when_installed(monkeypatch, installed, stack) -> None:
     import importlib.util
 
-    from dualtrack.serve import cli
+    from dualtrack.cli import service as cli
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name in installed else None)
     assert cli.server_stack() == stack
