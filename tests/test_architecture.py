@@ -15,6 +15,8 @@ PKG = Path(__file__).resolve().parents[1] / "pipeline" / "dualtrack"
 # Each layer and the layers it may import (itself included). Top-level modules are layers of their
 # own: errors and atomic at the ground, settings and hostcpu on them, imaging (the image I/O
 # contract of `dualtrack run` and the service) on the plan's TensorSpec.
+_GROUND = {"errors", "atomic", "settings", "hostcpu", "imaging", "contract", "kernels"}
+_RUNTIME = _GROUND | {"runtime"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "atomic": set(),
@@ -23,36 +25,12 @@ ALLOWED: dict[str, set[str]] = {
     "contract": {"errors", "atomic", "settings", "contract"},
     "imaging": {"errors", "contract"},
     "kernels": {"errors", "contract", "kernels"},
-    "runtime": {"errors", "atomic", "settings", "hostcpu", "imaging", "contract", "kernels", "runtime"},
-    "serve": {"errors", "atomic", "settings", "hostcpu", "imaging", "contract", "kernels", "runtime", "serve"},
+    "runtime": _RUNTIME,
+    "serve": _RUNTIME | {"serve"},
     # The compiler verifies what it built by running it (the CPU engine), so it stands above the runtime.
-    "compiler": {"errors", "atomic", "settings", "hostcpu", "imaging", "contract", "kernels", "runtime", "compiler"},
-    "tuning": {
-        "errors",
-        "atomic",
-        "settings",
-        "hostcpu",
-        "imaging",
-        "contract",
-        "kernels",
-        "runtime",
-        "compiler",
-        "tuning",
-    },
-    "cli": {
-        "errors",
-        "atomic",
-        "settings",
-        "hostcpu",
-        "imaging",
-        "contract",
-        "kernels",
-        "runtime",
-        "compiler",
-        "tuning",
-        "serve",
-        "cli",
-    },
+    "compiler": _RUNTIME | {"compiler"},
+    "tuning": _RUNTIME | {"compiler", "tuning"},
+    "cli": _RUNTIME | {"compiler", "tuning", "serve", "cli"},
     "__init__": {"errors", "runtime", "compiler"},  # the lazy public names: Engine, build
 }
 # Third-party packages only the build machine has (pyproject: the compiler's dependencies).

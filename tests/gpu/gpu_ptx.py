@@ -4,7 +4,7 @@ loaded for a test, and channel-slice buffers with a poisoned output slice."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,8 +19,8 @@ SENTINEL = -1234.5  # exactly representable in fp16 and fp32
 def checked_in_ptx(engine, stem: str) -> Iterator:
     """The module of handwritten_ptx/ptx/<arch>/<stem>.ptx for this device's arch, JIT-compiled by
     the driver (the engine only loads the kernels its bundle's plan lists); closed afterwards."""
-    from dualtrack.compiler.kernel_build import SOURCE_DIR, ptx_path
     from dualtrack.contract.arch import PTX_ARCHES, choose_image
+    from dualtrack.kernels.sources import SOURCE_DIR, ptx_path
     from dualtrack.runtime.driver import Module
 
     be = engine.backend
@@ -34,6 +34,20 @@ def checked_in_ptx(engine, stem: str) -> Iterator:
         be.ctx.make_current()
         be.stream.synchronize()
         mod.close()
+
+
+@contextmanager
+def checked_in_entries(engine, stems: tuple[str, ...]) -> Iterator[dict]:
+    """Every entry of the kernels of ``stems`` (entry name -> function), from this device's checked-in
+    PTX (:func:`checked_in_ptx`); the modules closed afterwards."""
+    from dualtrack import kernels
+
+    with ExitStack() as stack:
+        found = {}
+        for stem in stems:
+            mod = stack.enter_context(checked_in_ptx(engine, stem))
+            found.update({entry: mod.function(entry) for entry in kernels.spec_for_stem(stem).entries})
+        yield found
 
 
 class Slices:

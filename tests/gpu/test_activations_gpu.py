@@ -16,7 +16,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from activation_cases import ROWS, act_nodes, case_activation, opset, run_ort_activation
-from gpu_ptx import Slices, checked_in_ptx
+from gpu_ptx import Slices, checked_in_entries
 from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack import kernels
@@ -35,15 +35,7 @@ CONV, DW, FC, ELT = (kernels.KERNELS[op] for op in ("conv", "dwconv", "fc", "elt
 @pytest.fixture(scope="module")
 def mods(engine: Engine):
     """Every entry of the four kernel families, from this device's checked-in PTX."""
-    with (
-        checked_in_ptx(engine, STEMS[0]) as a,
-        checked_in_ptx(engine, STEMS[1]) as b,
-        checked_in_ptx(engine, STEMS[2]) as c,
-        checked_in_ptx(engine, STEMS[3]) as d,
-    ):
-        found = {}
-        for mod, stem in zip((a, b, c, d), STEMS, strict=True):
-            found.update({entry: mod.function(entry) for entry in kernels.spec_for_stem(stem).entries})
+    with checked_in_entries(engine, STEMS) as found:
         yield found
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gpu_ptx import Slices, checked_in_ptx
+from gpu_ptx import Slices, checked_in_entries
 
 from dualtrack import kernels
 from dualtrack.compiler.bundle_writer import load_model
@@ -50,17 +50,7 @@ STEMS = ("dwconv_nhwc", "gap_nhwc", "fc_nhwc", "eltwise_nhwc", "resize_nhwc")
 @pytest.fixture(scope="module")
 def mods(engine: Engine):
     """Every entry of the five mobile kernels, from the checked-in PTX of this device's arch."""
-    with (
-        checked_in_ptx(engine, STEMS[0]) as a,
-        checked_in_ptx(engine, STEMS[1]) as b,
-        checked_in_ptx(engine, STEMS[2]) as c,
-        checked_in_ptx(engine, STEMS[3]) as d,
-        checked_in_ptx(engine, STEMS[4]) as e,
-    ):
-        found = {}
-        for mod, stem in zip((a, b, c, d, e), STEMS, strict=True):
-            spec = kernels.spec_for_stem(stem)
-            found.update({entry: mod.function(entry) for entry in spec.entries})
+    with checked_in_entries(engine, STEMS) as found:
         yield found
 
 
