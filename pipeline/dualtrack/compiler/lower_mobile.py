@@ -44,7 +44,7 @@ ACT_OPS = activations.ONNX_OPS  # the activation nodes: the ops some row of the 
 SpecMap = dict[str, tuple[tuple[int, ...], str]]
 
 
-class Refused(Exception):
+class LoweringRefused(Exception):
     """:func:`lower` cannot lower a node that :func:`supports` accepts in this segment's context
     (partition turns the reason into its PartitionError)."""
 
@@ -390,7 +390,7 @@ def lower(seg: list[onnx.NodeProto], i: int, facts: Facts, fusable: Callable[[st
     if node.op_type == "Cast":  # the fp32 island of an fp16 model: three nodes, in this order
         names = [n.name for n in seg[i : i + 3]]
         if names != list(call.nodes):
-            raise Refused(f"its fp32 island {', '.join(call.nodes)} is not consecutive in the segment's order")
+            raise LoweringRefused(f"its fp32 island {', '.join(call.nodes)} is not consecutive in the segment's order")
         return call, 3
     nxt = seg[i + 1] if i + 1 < len(seg) else None
     if (

@@ -172,7 +172,7 @@ def _check_rules(nodes: list[onnx.NodeProto], cfg: BuildConfig) -> None:
 
 
 @dataclass(frozen=True)
-class Decision:
+class TrackDecision:
     """Where one node runs and why; its estimated time on each track (us, summed over the batch
     sizes: `dualtrack.compiler.cost`), ``a_us`` None where no Track A kernel takes it."""
 
@@ -192,7 +192,7 @@ class Assignment:
     """The track of every node, why, and what the partition says about itself (mode, costs, moves)."""
 
     tracks: dict[str, str]
-    decisions: tuple[Decision, ...]  # in graph order
+    decisions: tuple[TrackDecision, ...]  # in graph order
     notes: tuple[str, ...]
     switch_us: float  # per track switch and batch size, as the estimate charges it
     batch_sizes: tuple[int, ...]
@@ -236,7 +236,7 @@ def assign_tracks(
         rule_b, rule_a = _rule(n, part.track_b, "track_b"), _rule(n, part.track_a, "track_a")
         track, why = ("B", rule_b) if rule_b else ("A", rule_a) if rule_a else ("B", "no rule puts it on Track A")
         tracks[n.name] = track
-        decisions.append(Decision(n.name, n.op_type, track, why, costs[n.name].a_us, costs[n.name].b_us))
+        decisions.append(TrackDecision(n.name, n.op_type, track, why, costs[n.name].a_us, costs[n.name].b_us))
     notes = ("partition: hand-written rules (partition.track_a / track_b)", _cost_note(switch, costs, cfg))
     return Assignment(tracks, tuple(decisions), notes, switch, cfg.batch_sizes)
 
@@ -863,7 +863,7 @@ def _lower_mobile_op(
         raise _refusal(node, why)
     try:
         return lower_mobile.lower(seg, at, facts, fusable)
-    except lower_mobile.Refused as e:
+    except lower_mobile.LoweringRefused as e:
         raise _refusal(node, str(e)) from None
 
 
@@ -1080,7 +1080,8 @@ def auto_tracks(
         for n in seg:
             tracks[n.name], why[n.name] = "B", f"moved to Track B with its {island}: {because}"
     decisions = tuple(
-        Decision(n.name, n.op_type, tracks[n.name], why[n.name], costs[n.name].a_us, costs[n.name].b_us) for n in nodes
+        TrackDecision(n.name, n.op_type, tracks[n.name], why[n.name], costs[n.name].a_us, costs[n.name].b_us)
+        for n in nodes
     )
     notes = ("partition: auto", _cost_note(switch, costs, cfg), *moves)
     return Assignment(tracks, decisions, notes, switch, cfg.batch_sizes)

@@ -113,7 +113,7 @@ class ReplaySegment:
 
 
 @dataclass(frozen=True)
-class Decision:
+class ReplayDecision:
     """Which path a Track B module takes on this device, and why (``dualtrack info``, stats)."""
 
     path: str  # "replay" or "iree"
@@ -141,7 +141,7 @@ class Replayer:
         self.params: dict[tuple[str, str], GpuTensor] = {}
         self.modules: dict[str, Module] = {}
         self.refused: dict[tuple[int, int], str] = {}  # self-check failures
-        self.decisions: dict[tuple[int, int], Decision] = {}
+        self.decisions: dict[tuple[int, int], ReplayDecision] = {}
         self.version = 0  # moves when a module is refused: cached choices built on decisions are stale
         self.param_names = {parameter_key(n): n for n in bundle.weights}
 
@@ -154,23 +154,23 @@ class Replayer:
         self.decisions.pop((seg.index, batch), None)
         self.version += 1
 
-    def decide(self, seg: Segment, batch: int) -> Decision:
+    def decide(self, seg: Segment, batch: int) -> ReplayDecision:
         key = (seg.index, batch)
         if key not in self.decisions:
             self.decisions[key] = self._decide(seg, batch)
         return self.decisions[key]
 
-    def _decide(self, seg: Segment, batch: int) -> Decision:
+    def _decide(self, seg: Segment, batch: int) -> ReplayDecision:
         if self.disabled:
-            return Decision("iree", self.disabled)
+            return ReplayDecision("iree", self.disabled)
         if (seg.index, batch) in self.refused:
-            return Decision("iree", self.refused[(seg.index, batch)])
+            return ReplayDecision("iree", self.refused[(seg.index, batch)])
         e = self.entry(seg, batch)
         if e is None:
-            return Decision("iree", "the bundle has no launch plan for it (built before replay existed: rebuild)")
+            return ReplayDecision("iree", "the bundle has no launch plan for it (built before replay existed: rebuild)")
         if "refused" in e:
-            return Decision("iree", f"not replayable: {e['refused']}")
-        return Decision("replay", f"{len(self.plan(e).dispatches)} launches on the engine's stream")
+            return ReplayDecision("iree", f"not replayable: {e['refused']}")
+        return ReplayDecision("replay", f"{len(self.plan(e).dispatches)} launches on the engine's stream")
 
     def plan(self, e: Mapping[str, Any]) -> LaunchPlan:
         return LaunchPlan.from_json(json.loads((self.bundle.root / e["plan"]).read_bytes()))

@@ -28,7 +28,7 @@ from dualtrack.contract.plan import Segment
 from dualtrack.runtime import dlpack
 from dualtrack.runtime.driver import Stream
 from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
-from dualtrack.runtime.replay import Decision, Replayer
+from dualtrack.runtime.replay import ReplayDecision, Replayer
 from dualtrack.runtime.tensors import GpuTensor
 from dualtrack.settings import Settings
 
@@ -56,7 +56,7 @@ class TrackB:
             self.params = parameter_index(self.bundle.weights)
         return self._iree
 
-    def decide(self, seg: Segment, batch: int) -> Decision:
+    def decide(self, seg: Segment, batch: int) -> ReplayDecision:
         """Replay or the IREE runtime for this module, and why."""
         return self.replayer.decide(seg, batch)
 

@@ -35,7 +35,7 @@ _CONTENT_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpe
 
 
 @dataclass(frozen=True)
-class Target:
+class Endpoint:
     """Where the load goes: a loopback host, a port and a path with its query."""
 
     host: str
@@ -81,7 +81,7 @@ class LoadTestReport:
         return asdict(self)
 
 
-def loopback_target(url: str) -> Target:
+def loopback_target(url: str) -> Endpoint:
     """Parse ``url`` and refuse any host that is not loopback (127.0.0.0/8, localhost, ::1).
 
     A path of ``/`` or none means ``/v1/segment``. Raises :class:`InputError` with one line.
@@ -100,7 +100,7 @@ def loopback_target(url: str) -> Target:
     except ValueError as err:
         raise InputError(f"loadtest URL {url!r} has a bad port: {err}") from None
     path = parts.path if parts.path not in ("", "/") else DEFAULT_PATH
-    return Target(host, port, f"{path}?{parts.query}" if parts.query else path)
+    return Endpoint(host, port, f"{path}?{parts.query}" if parts.query else path)
 
 
 def _is_loopback(host: str) -> bool:
@@ -207,7 +207,7 @@ class _ServerTiming:
 
 
 async def _load(
-    target: Target, message: bytes, concurrency: int, requests: int, deadline: float, timeout_s: float
+    target: Endpoint, message: bytes, concurrency: int, requests: int, deadline: float, timeout_s: float
 ) -> tuple[list[float], Counter[str], _ServerTiming]:
     issued = 0
     latencies: list[float] = []
