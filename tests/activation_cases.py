@@ -59,5 +59,6 @@ def run_ort_activation(act: Activation, x: np.ndarray) -> np.ndarray:
     vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(x.shape)) for n in ("x", "y")]
     graph = helper.make_graph(nodes, "act", [vi[0]], [vi[1]], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset(act.kind))])
+    model.ir_version = 9  # what onnxruntime 1.20+ loads, whatever IR the installed onnx writes by default
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return sess.run(None, {"x": x.astype(np.float32)})[0]

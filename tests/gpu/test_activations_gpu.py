@@ -53,6 +53,7 @@ def ort_conv_act(x: np.ndarray, w: np.ndarray, b: np.ndarray, act: Activation, p
         inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset(act.kind))])
+    model.ir_version = 9  # what onnxruntime 1.20+ loads, whatever IR the installed onnx writes by default
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return sess.run(None, {"x": x_nchw})[0].transpose(0, 2, 3, 1)
 

@@ -105,7 +105,7 @@ def _run(
     if r is None:
         ref = WG.reference(x, wt, b, relu)
     else:
-        act = kernels.ACTIVATIONS["relu" if relu else "none"]
+        act = kernels.Activation.named("relu" if relu else "none")
         ref = kernels.KERNELS["conv"].reference(x, wt, b, r, geom=GEOM_3X3, act=act)
     x_wide = rng.standard_normal((n, h, w, ldx)).astype(np.float16)  # other channels: noise, never read
     x_wide[..., x_off : x_off + c] = x
