@@ -52,14 +52,8 @@ __device__ __forceinline__ float dt_act_gelu(float v, float p0, float p1) { retu
 __device__ __forceinline__ float dt_act_gelu_tanh(float v, float p0, float p1) { return 0.5f * v * (1.0f + tanhf(0.79788456080286536f * fmaf(0.044715f * v, v * v, v))); }
 __device__ __forceinline__ float dt_act_softsign(float v, float p0, float p1) { return v / (1.0f + fabsf(v)); }
 
-__device__ __forceinline__ float dt_activate(float v, int act, float p0, float p1) {
+__device__ __noinline__ float dt_activate_rest(float v, int act, float p0, float p1) {
     switch (act) {
-        case DT_ACT_RELU: return dt_act_relu(v, p0, p1);
-        case DT_ACT_CLIP: return dt_act_clip(v, p0, p1);
-        case DT_ACT_HARDSIGMOID: return dt_act_hardsigmoid(v, p0, p1);
-        case DT_ACT_HARDSWISH: return dt_act_hardswish(v, p0, p1);
-        case DT_ACT_SIGMOID: return dt_act_sigmoid(v, p0, p1);
-        case DT_ACT_SILU: return dt_act_silu(v, p0, p1);
         case DT_ACT_LEAKYRELU: return dt_act_leakyrelu(v, p0, p1);
         case DT_ACT_ELU: return dt_act_elu(v, p0, p1);
         case DT_ACT_SELU: return dt_act_selu(v, p0, p1);
@@ -73,8 +67,26 @@ __device__ __forceinline__ float dt_activate(float v, int act, float p0, float p
     }
 }
 
+__device__ __forceinline__ float dt_activate(float v, int act, float p0, float p1) {
+    if (act > DT_ACT_SILU) return dt_activate_rest(v, act, p0, p1);
+    switch (act) {
+        case DT_ACT_RELU: return dt_act_relu(v, p0, p1);
+        case DT_ACT_CLIP: return dt_act_clip(v, p0, p1);
+        case DT_ACT_HARDSIGMOID: return dt_act_hardsigmoid(v, p0, p1);
+        case DT_ACT_HARDSWISH: return dt_act_hardswish(v, p0, p1);
+        case DT_ACT_SIGMOID: return dt_act_sigmoid(v, p0, p1);
+        case DT_ACT_SILU: return dt_act_silu(v, p0, p1);
+        default: return v;
+    }
+}
+
 template <int N>
 __device__ __forceinline__ void dt_activate_n(float (&v)[N], int act, float p0, float p1) {
+    if (act > DT_ACT_SILU) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) v[i] = dt_activate_rest(v[i], act, p0, p1);
+        return;
+    }
     switch (act) {
         case DT_ACT_RELU:
 #pragma unroll
@@ -99,42 +111,6 @@ __device__ __forceinline__ void dt_activate_n(float (&v)[N], int act, float p0, 
         case DT_ACT_SILU:
 #pragma unroll
             for (int i = 0; i < N; ++i) v[i] = dt_act_silu(v[i], p0, p1);
-            break;
-        case DT_ACT_LEAKYRELU:
-#pragma unroll
-            for (int i = 0; i < N; ++i) v[i] = dt_act_leakyrelu(v[i], p0, p1);
-            break;
-        case DT_ACT_ELU:
-#pragma unroll
-            for (int i = 0; i < N; ++i) v[i] = dt_act_elu(v[i], p0, p1);
-            break;
-        case DT_ACT_SELU:
-#pragma unroll
-            for (int i = 0; i < N; ++i) v[i] = dt_act_selu(v[i], p0, p1);
-            break;
-        case DT_ACT_TANH:
-#pragma unroll
-            for (int i = 0; i < N; ++i) v[i] = dt_act_tanh(v[i], p0, p1);
-            break;
-        case DT_ACT_SOFTPLUS:
-#pragma unroll
-            for (int i = 0; i < N; ++i) v[i] = dt_act_softplus(v[i], p0, p1);
-            break;
-        case DT_ACT_MISH:
-#pragma unroll
-            for (int i = 0; i < N; ++i) v[i] = dt_act_mish(v[i], p0, p1);
-            break;
-        case DT_ACT_GELU:
-#pragma unroll
-            for (int i = 0; i < N; ++i) v[i] = dt_act_gelu(v[i], p0, p1);
-            break;
-        case DT_ACT_GELU_TANH:
-#pragma unroll
-            for (int i = 0; i < N; ++i) v[i] = dt_act_gelu_tanh(v[i], p0, p1);
-            break;
-        case DT_ACT_SOFTSIGN:
-#pragma unroll
-            for (int i = 0; i < N; ++i) v[i] = dt_act_softsign(v[i], p0, p1);
             break;
         default: break;
     }

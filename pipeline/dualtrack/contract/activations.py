@@ -321,29 +321,47 @@ __device__ __forceinline__ float dt_softplus(float v) {
 """
 
 
+# Rows up to this id (none .. silu: the activations of the CNN segmenters) are inlined into every
+# kernel's epilogue; the later rows (transcendental: erf, tanh, log1p) go through one __noinline__
+# function. With all 16 rows inlined at every epilogue site the conv and mobile kernels' PTX doubled
+# and LR-ASPP ran 4% slower at N=8 on an H100 (bench/results/versus-lraspp-26b42dd-h100*.json).
+INLINE_MAX_ID = 6
+
+
 def render_header() -> str:
     """The text of ``handwritten_ptx/dualtrack_activations.cuh``: the ids as an enum, one
     ``dt_act_<name>`` function a row, and the two dispatchers on ``act``: ``dt_activate`` (one value)
     and ``dt_activate_n`` (an array, the switch outside its loop, so that a kernel applying it to
-    the registers of an unrolled epilogue keeps one formula's temporaries live, not every row's)."""
+    the registers of an unrolled epilogue keeps one formula's temporaries live, not every row's).
+    Rows past :data:`INLINE_MAX_ID` are dispatched by ``dt_activate_rest``, never inlined."""
     enum = "".join(f"    {k.enum} = {k.id},\n" for k in KINDS)
     rows = "".join(
         f"__device__ __forceinline__ float dt_act_{k.name}(float v, float p0, float p1) {{ return {k.device}; }}\n"
         for k in KINDS
     )
-    one = "".join(f"        case {k.enum}: return dt_act_{k.name}(v, p0, p1);\n" for k in KINDS if k.id != 0)
+    hot = [k for k in KINDS if 0 < k.id <= INLINE_MAX_ID]
+    rest = [k for k in KINDS if k.id > INLINE_MAX_ID]
+    last_hot = hot[-1].enum
+    cases = "".join(f"        case {k.enum}: return dt_act_{k.name}(v, p0, p1);\n" for k in rest)
+    one = "".join(f"        case {k.enum}: return dt_act_{k.name}(v, p0, p1);\n" for k in hot)
     many = "".join(
         f"        case {k.enum}:\n#pragma unroll\n"
         f"            for (int i = 0; i < N; ++i) v[i] = dt_act_{k.name}(v[i], p0, p1);\n"
         "            break;\n"
-        for k in KINDS
-        if k.id != 0
+        for k in hot
     )
     return (
         f"{_PRELUDE}\n"
         f"enum DtAct : int {{\n{enum}}};\n\n"
         f"{rows}\n"
+        "__device__ __noinline__ float dt_activate_rest(float v, int act, float p0, float p1) {\n"
+        "    switch (act) {\n"
+        f"{cases}"
+        "        default: return v;\n"
+        "    }\n"
+        "}\n\n"
         "__device__ __forceinline__ float dt_activate(float v, int act, float p0, float p1) {\n"
+        f"    if (act > {last_hot}) return dt_activate_rest(v, act, p0, p1);\n"
         "    switch (act) {\n"
         f"{one}"
         "        default: return v;\n"
@@ -351,6 +369,11 @@ def render_header() -> str:
         "}\n\n"
         "template <int N>\n"
         "__device__ __forceinline__ void dt_activate_n(float (&v)[N], int act, float p0, float p1) {\n"
+        f"    if (act > {last_hot}) {{\n"
+        "#pragma unroll\n"
+        "        for (int i = 0; i < N; ++i) v[i] = dt_activate_rest(v[i], act, p0, p1);\n"
+        "        return;\n"
+        "    }\n"
         "    switch (act) {\n"
         f"{many}"
         "        default: break;\n"
