@@ -103,6 +103,7 @@ precision: fp16
 batch_sizes: [1, 2]
 targets: [{targets}]
 partition:
+  mode: rules
   track_a:
     name_prefixes: [body/]
 verify:

@@ -413,7 +413,7 @@ def test_any_onnx_model_builds_and_verifies(tmp_path: Path) -> None:
     onnx.save(model, str(tmp_path / "m.onnx"))
     (tmp_path / "c.yaml").write_text(
         "model: m.onnx\nprecision: fp32\nbatch_sizes: [1, 2]\ntargets: [sm_80]\n"
-        "partition:\n  track_a:\n    name_prefixes: [Conv_2]\n"
+        "partition:\n  mode: rules\n  track_a:\n    name_prefixes: [Conv_2]\n"
     )
     result = build(tmp_path / "c.yaml", tmp_path / "bundle")
     assert result.verification is not None and result.verification["passed"]

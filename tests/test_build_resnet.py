@@ -26,6 +26,7 @@ batch_sizes: [1, 2]
 targets: []
 preprocess: {layout: NCHW, color: RGB, scale: 255, mean: [0.485, 0.456, 0.406], std: [0.229, 0.224, 0.225]}
 partition:
+  mode: rules
   track_a:
     name_prefixes: [stem/, pool, layer]
 verify: {samples: 1, seed: 3}

@@ -450,7 +450,7 @@ def _tiny_variant_bundle(tiny_model: Path, root: Path, name: str, surgery: Calla
     config = root / f"{name}.yaml"
     config.write_text(
         f"model: {name}.onnx\nprecision: fp32\n{input_line}\nbatch_sizes: [1]\ntargets: [sm_80]\n"
-        "partition: {}\nverify:\n  samples: 1\n"
+        "partition: iree\nverify:\n  samples: 1\n"
     )
     build(config, root / "bundle")
     return root / "bundle"

@@ -339,13 +339,7 @@ def verify(bundle: Path, device: str, device_index: int, samples: int, seed: int
 
     out = _Output(as_json)
     with Engine.load(bundle, device, device_index) as engine:
-        tol = None
-        cfg_tol = engine.bundle.manifest.config.get("verify", {}).get("tolerance")
-        if cfg_tol:
-            from dualtrack.compiler.config import Tolerance
-
-            tol = Tolerance(**cfg_tol)
-        report = verify_engine(engine, samples=samples, seed=seed, tol=tol, progress=out.step)
+        report = verify_engine(engine, samples=samples, seed=seed, tol=engine.bundle.tolerance(), progress=out.step)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:

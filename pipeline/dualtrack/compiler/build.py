@@ -31,7 +31,7 @@ from dualtrack import hostcpu, kernels
 from dualtrack.compiler import frontend, partition, verify
 from dualtrack.compiler import iree_build as track_b
 from dualtrack.compiler import kernel_build as ptx
-from dualtrack.compiler.bundle_writer import BundleWriter
+from dualtrack.compiler.bundle_writer import BundleWriter, load_model
 from dualtrack.compiler.config import BuildConfig, load_config
 from dualtrack.compiler.tuned import TUNED_FIELDS, Selection, flag_records, flags_for, measured_for, segment_key
 from dualtrack.compiler.tuned import select as select_tuning
@@ -499,12 +499,13 @@ def verify_on_cpu(
     if frontend_checks:
         verification["checks"] = [asdict(c) for c in frontend_checks] + verification["checks"]
     writer.add_json("verify.json", verification)
+    tol = verify.Tolerance(**verification["tolerance"])
     manifest = manifest.with_verification(
-        Verification(passed=verification["passed"], device="cpu", seed=verification["seed"])
+        Verification(passed=verification["passed"], device="cpu", seed=verification["seed"], tolerance=tol.to_json())
     )
     if not verification["passed"]:
         checks = [verify.Check(**c) for c in verification["checks"]]
-        verify.Report("cpu", inputs.fe.precision, cfg.tolerance(), checks, verification["seed"]).raise_if_failed()
+        verify.Report("cpu", inputs.fe.precision, tol, checks, verification["seed"]).raise_if_failed()
     return manifest, verification
 
 
@@ -536,15 +537,21 @@ def _verify_tmp(writer: BundleWriter, manifest: Manifest, cfg: BuildConfig, say:
     """Verify the not-yet-committed bundle by loading it from its temporary directory."""
     bundle = Bundle(writer.tmp, manifest.with_files(writer.files))
     engine = Engine.load(bundle, "cpu")
+    seed = cfg.verify.seed if cfg.verify.seed is not None else int(np.random.SeedSequence().entropy % (2**31))
     try:
-        report = verify.verify_engine(
-            engine, samples=cfg.verify.samples, seed=cfg.verify.seed, tol=cfg.tolerance(), progress=say
+        tol, note = (
+            (cfg.verify.tolerance, "")
+            if cfg.verify.tolerance is not None
+            else verify.judged_tolerance(load_model(bundle), engine.plan, seed)
         )
+        if note:
+            say(note)
+        report = verify.verify_engine(engine, samples=cfg.verify.samples, seed=seed, tol=tol, progress=say)
     finally:
         engine.close()
     for line in report.lines():
         say(line)
-    return report.to_json()
+    return {**report.to_json(), **({"tolerance_note": note} if note else {})}
 
 
 def tool_versions(compiler: str) -> dict[str, str]:

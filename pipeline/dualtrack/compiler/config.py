@@ -44,19 +44,17 @@ class Rules(_Strict):
 class PartitionConfig(_Strict):
     """Which nodes run on Track A (hand-written kernels) and which on Track B (IREE).
 
-    ``mode: rules`` (the default, and what a config without a ``partition:`` section gets): the
-    nodes the ``track_a`` rules match run on Track A, every other node on Track B; a config with
-    no rules runs IREE alone. ``mode: auto`` (or just ``partition: auto``): every node a Track A
-    kernel takes starts on Track A, then Track A islands whose estimated saving is less than the
-    track switches they cost move to Track B (`dualtrack.compiler.partition.assign_tracks`); the rules
-    then only override it, node by node. In both modes `track_b` rules win over `track_a` rules,
-    so a broad Track A rule can have exceptions.
-
-    Rules stay the default so that an existing config keeps its plan (and `configs/iree_only.yaml`
-    stays IREE alone); `auto` is asked for by name.
+    ``mode: auto`` (the default, and what a config without a ``partition:`` section gets): every
+    node a Track A kernel takes starts on Track A, then Track A islands whose estimated saving is
+    less than the track switches they cost move to Track B, and the plan is IREE alone where the
+    cost model predicts that faster (`dualtrack.compiler.partition.assign_tracks`); the rules only
+    override it, node by node. ``mode: rules``: exactly the nodes the ``track_a`` rules match run on
+    Track A, every other node on Track B. ``mode: iree`` (or ``partition: iree``): every node on
+    Track B, IREE alone (the baseline the others are measured against). In every mode `track_b`
+    rules win over `track_a` rules, so a broad Track A rule can have exceptions.
     """
 
-    mode: Literal["rules", "auto"] = "rules"
+    mode: Literal["auto", "rules", "iree"] = "auto"
     track_a: Rules = Rules()
     track_b: Rules = Rules()
     switch_cost_us: float | None = Field(
@@ -72,17 +70,22 @@ class PartitionConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, v: Any) -> Any:
-        """`partition: auto` is `partition: {mode: auto}`."""
+        """`partition: auto` is `partition: {mode: auto}` (likewise `rules` and `iree`)."""
         if isinstance(v, str):
-            if v != "auto":
-                raise ValueError(f"'{v}' is not a partition; write `partition: auto` or a mapping with track_a/track_b")
-            return {"mode": "auto"}
+            if v not in ("auto", "rules", "iree"):
+                raise ValueError(
+                    f"'{v}' is not a partition; write `partition: auto`, `partition: iree` or a mapping with "
+                    "mode/track_a/track_b"
+                )
+            return {"mode": v}
         return v
 
     @model_validator(mode="after")
     def _auto_only(self) -> PartitionConfig:
         if self.switch_cost_us is not None and self.mode != "auto":
             raise ValueError("switch_cost_us only applies to `mode: auto`; add `mode: auto` or drop it")
+        if self.mode == "iree" and (self.track_a.name_prefixes or self.track_a.op_types):
+            raise ValueError("`mode: iree` runs every node on Track B; drop the track_a rules or use `mode: rules`")
         return self
 
 

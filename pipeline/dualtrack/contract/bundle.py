@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from dualtrack.contract.cases import ReferenceCases
+from dualtrack.contract.checks import DEFAULT_TOLERANCES, Tolerance
 from dualtrack.contract.manifest import Manifest
 from dualtrack.contract.plan import Plan, Segment
 from dualtrack.errors import BundleError
@@ -128,6 +129,13 @@ class Bundle:
                 )
             out[name] = data[w.offset : w.offset + w.length].view(dtype).reshape(w.shape)
         return out
+
+    def tolerance(self) -> Tolerance:
+        """The tolerance the build verified at (the manifest's record), else the config's
+        `verify.tolerance`, else the precision's default: what a later check of this bundle holds it to."""
+        ver = self.manifest.verification
+        raw = (ver.tolerance if ver is not None else None) or self.manifest.config.get("verify", {}).get("tolerance")
+        return Tolerance(**raw) if raw else DEFAULT_TOLERANCES[self.plan.precision]
 
     @cached_property
     def cases(self) -> ReferenceCases:

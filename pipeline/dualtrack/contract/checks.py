@@ -181,9 +181,27 @@ class Report:
                 f"mismatch {self.tolerance.mismatch:g}); "
                 f"first: {first.name} rel_l2 {first.rel_l2:.3g} max_abs {first.max_abs:.3g} "
                 f"mismatch {first.mismatch:.3g}"
-                f"{' (' + first.note + ')' if first.note else ''}",
+                f"{' (' + first.note + ')' if first.note else ''}; {self.fix(bad)}",
                 detail="\n".join(self.lines()),
             )
+
+    def fix(self, bad: list[Check]) -> str:
+        """The config key that sets the tolerance, with values the failed checks would pass at (a
+        quarter more than they measured), where the failures are finite: an error that is rounding
+        alone (a deep fp16 network) is accepted there; NaN or infinity never is."""
+        if any(c.nonfinite or not (np.isfinite(c.rel_l2) and np.isfinite(c.max_abs)) for c in bad):
+            return "non-finite outputs are a wrong result: no tolerance accepts them"
+        t = self.tolerance
+        want = Tolerance(
+            rel_l2=float(f"{max(t.rel_l2, *(1.25 * c.rel_l2 for c in bad)):.2g}"),
+            max_abs=float(f"{max(t.max_abs, *(1.25 * c.max_abs for c in bad)):.2g}"),
+            mismatch=float(f"{max(t.mismatch, *(1.25 * c.mismatch for c in bad)):.2g}"),
+        )
+        return (
+            f"if that is rounding, set `verify: {{tolerance: {{rel_l2: {want.rel_l2:g}, max_abs: {want.max_abs:g}, "
+            f"mismatch: {want.mismatch:g}}}}}` in the config and rebuild"
+            + (", or build with `precision: fp32`" if self.precision == "fp16" else "")
+        )
 
 
 __all__ = [

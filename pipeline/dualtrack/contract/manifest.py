@@ -70,6 +70,10 @@ class Verification:
     passed: bool
     device: str
     seed: int
+    # The tolerance the build verified at (rel_l2, max_abs, mismatch): the config's, else the
+    # precision's default as judged on the network (compiler/verify.judged_tolerance). None in
+    # bundles built before it was recorded.
+    tolerance: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from dualtrack import atomic
-from dualtrack.contract.checks import DEFAULT_TOLERANCES, Report, Tolerance
+from dualtrack.contract.checks import Report
 from dualtrack.errors import VerificationError
 from dualtrack.runtime.replay import compare, log_fallback, random_input
 
@@ -49,8 +49,7 @@ def check_cases(engine: Any) -> Report:
     Track A outputs are filled with NaN before every run, so an element a kernel fails to write
     fails the check instead of passing with stale data."""
     bundle, plan = engine.bundle, engine.plan
-    raw = bundle.manifest.config.get("verify", {}).get("tolerance")
-    tol = Tolerance(**raw) if raw else DEFAULT_TOLERANCES[plan.precision]
+    tol = bundle.tolerance()
     cases = bundle.cases
     poison_before = getattr(engine.backend, "poison", None)
     if poison_before is not None:
