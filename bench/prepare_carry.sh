@@ -8,7 +8,13 @@
 # ones whose model.onnx is the zoo bundle's travel without it). Then carry [".whl", ".carry.tar.xz"]
 # (bench/README.md); the last line says what that weighs against the 64 MiB carry limit.
 #
-#   [ZOO="name ..."] bash bench/prepare_carry.sh [zoo|zoo-only]
+#   [ZOO="name ..."] bash bench/prepare_carry.sh [zoo|zoo-only|corpus]
+#
+# `corpus`: only the named corpus models (ZOO, required), each exported at 512x512 where models/zoo
+# lacks it, built for sm_90a without llvm-cpu modules (bench/corpus_configs.py: checked on the GPU, not
+# here) as .carry/zoo/<name>, and IREE alone beside it as .carry/zoo/<name>.iree_only/iree (its model.onnx
+# and weights.bin are the zoo bundle's and travel once): the rows <name>/dualtrack_api and
+# <name>/iree_alone of bench/zoo_bench.py, torch's rows from the same seeded export on the GPU machine.
 #
 # ZOO names the zoo models to build (default: every configs/zoo/*.yaml; smp_unet_resnet34's fp16
 # weights alone are ~47 MB, most of the limit). EXTRA names the extra reference-model bundles (default:
@@ -22,7 +28,24 @@ what=${1:-}
 rm -rf "$C" .carry.tar.xz
 mkdir -p "$C"
 
-if [ "$what" != zoo-only ]; then
+if [ "$what" = corpus ]; then
+  [ -n "${ZOO:-}" ] || { echo "prepare_carry.sh corpus: name the models, e.g. ZOO=\"monai_unet\"" >&2; exit 2; }
+  cfgs=$(mktemp -d)
+  "$PY" bench/corpus_configs.py "$cfgs" $ZOO
+  for name in $ZOO; do
+    [ -f "models/zoo/$name.onnx" ] || "$PY" models/zoo/export.py "$name"
+    "$DT" build "$cfgs/$name.yaml" -o "$C/zoo/$name" | tail -1
+    "$DT" build "$cfgs/$name.iree.yaml" -o "$C/zoo/$name.iree_only/iree" | tail -1
+    if cmp -s "$C/zoo/$name.iree_only/iree/model.onnx" "$C/zoo/$name/model.onnx" \
+      && cmp -s "$C/zoo/$name.iree_only/iree/weights.bin" "$C/zoo/$name/weights.bin"; then
+      rm "$C/zoo/$name.iree_only/iree/model.onnx" "$C/zoo/$name.iree_only/iree/weights.bin"
+    fi
+  done
+  rm -rf "$cfgs"
+  what=corpus-done
+fi
+
+if [ "$what" != zoo-only ] && [ "$what" != corpus-done ]; then
   make -s models
   "$DT" build configs/unet.yaml -o "$C/unet"
   for c in ${EXTRA-unet_seed_split iree_only unet_head_b unet_batches}; do

@@ -16,9 +16,9 @@ Rows, per zoo name (the names the issues use):
     <zoo>/torch_compile_cudagraphs  torch.compile(mode="reduce-overhead")
     <zoo>/iree_only/<variant>    an IREE-only bundle carried beside the zoo bundle (below), Engine.run on
                                  a torch CUDA tensor like dualtrack_api
-    <zoo>/iree_only              the fastest of those variants, of the zoo bundle's precision, that verified
+    <zoo>/iree_alone             the fastest of those variants, of the zoo bundle's precision, that verified
                                  (`variant` names it); `skipped`, with each variant's reason, if none did
-    <zoo>/iree_only_fp32         the same over the fp32 variants: a labelled extra, IREE alone where its
+    <zoo>/iree_alone_fp32        the same over the fp32 variants: a labelled extra, IREE alone where its
                                  fp16 code is wrong (bench/results/lraspp_diag-c14dd25-*.log)
 
 IREE-only variants: every bundle `<zoo>.iree_only/<variant>/` next to the zoo bundle `<zoo>/` (built
@@ -90,7 +90,8 @@ def time_host(torch: Any, fn: Any, xs: list[Any], warmup: int, iters: int) -> di
 
 
 API_ROWS = (("dualtrack_api", True), ("dualtrack_api_numpy", False))  # (row, input a torch CUDA tensor?)
-IREE_ONLY = "iree_only"
+IREE_ONLY = "iree_only"  # the folder beside a zoo bundle that holds its IREE-alone variants
+IREE_ALONE = "iree_alone"  # the summary row: the issue's `<model>/iree_alone`
 
 
 def iree_only_variants(bundle: Path) -> list[Path]:
@@ -98,6 +99,18 @@ def iree_only_variants(bundle: Path) -> list[Path]:
     ``<zoo>/``, one per config in configs/zoo/iree_only/<zoo>/ (a Track B flag variant, or fp32)."""
     folder = bundle.parent / f"{bundle.name}.{IREE_ONLY}"
     return sorted(m.parent for m in folder.glob("*/manifest.json"))
+
+
+def track_a_flop_share(bundle: Path) -> float | None:
+    """The fraction of the model's FLOPs its Track A nodes compute (the bundle's partition.json, whose
+    nodes carry their FLOPs since 38's partition), None where the bundle does not say."""
+    path = bundle / "partition.json"
+    if not path.is_file():
+        return None
+    nodes = json.loads(path.read_text()).get("nodes", [])
+    total = sum(n.get("flops", 0.0) for n in nodes)
+    on_a = sum(n.get("flops", 0.0) for n in nodes if n.get("track") == "A")
+    return round(on_a / total, 4) if total else None
 
 
 def worst_rel_l2(checks: list[dict[str, Any]]) -> float:
@@ -146,6 +159,7 @@ def engine_rows(
             return skipped(f"GPU verification failed: {bad[:300]}", worst)
         engine.warmup()
         track_a = sum(s.track == "A" for s in engine.plan.segments)
+        share = track_a_flop_share(bundle)
         for b in args.batches:
             gpu = [torch.from_numpy(x).cuda() for x in images[b]]
             for row, on_gpu in rows:
@@ -158,6 +172,7 @@ def engine_rows(
                         **t,
                         "track_a_segments": track_a,
                         "segments": len(engine.plan.segments),
+                        "track_a_flop_share": share,
                         "verify_worst_rel_l2": round(worst, 6),
                     }
                 )
@@ -192,13 +207,13 @@ def measured(row: dict) -> str:
 
 
 def best_iree_only(name: str, precision: str, variants: list[dict], batches: list[int]) -> list[dict]:
-    """The `<zoo>/iree_only` row at each batch size: the fastest variant of the zoo bundle's precision
-    that verified on the GPU (the row names it); `<zoo>/iree_only_<precision>` the same for each other
+    """The `<zoo>/iree_alone` row at each batch size: the fastest variant of the zoo bundle's precision
+    that verified on the GPU (the row names it); `<zoo>/iree_alone_<precision>` the same for each other
     precision built (fp32: a labelled extra, never the comparison). Where no variant of a precision
     verified, its row says `skipped` with each variant's reason and error: never a time for a wrong result."""
     out: list[dict] = []
     for prec in sorted({v["precision"] for v in variants}, key=lambda p: p != precision):
-        row = IREE_ONLY if prec == precision else f"{IREE_ONLY}_{prec}"
+        row = IREE_ALONE if prec == precision else f"{IREE_ALONE}_{prec}"
         mine = [v for v in variants if v["precision"] == prec]
         for b in batches:
             timed = [v for v in mine if v["batch"] == b and "median_ms" in v]

@@ -49,7 +49,7 @@ def test_iree_only_is_the_fastest_verified_variant_at_each_batch(zb: ModuleType)
     rows = [_row("a", 1, 1.2), _row("a", 8, 5.0), _row("b", 1, 1.0), _row("b", 8, 5.5), _row("c", 1, None, err=1.05)]
     rows.append(_row("c", 8, None, err=1.05))
     best = {r["batch"]: r for r in zb.best_iree_only("lraspp", "fp16", rows, [1, 8])}
-    assert (best[1]["name"], best[1]["variant"], best[1]["median_ms"]) == ("lraspp/iree_only", "b", 1.0)
+    assert (best[1]["name"], best[1]["variant"], best[1]["median_ms"]) == ("lraspp/iree_alone", "b", 1.0)
     assert (best[8]["variant"], best[8]["median_ms"], best[8]["of_variants"]) == ("a", 5.0, 3)
 
 
@@ -58,12 +58,12 @@ def test_no_verified_variant_gives_a_skipped_row_with_each_error_never_a_time(zb
     rows += [_row("fp32", b, ms, precision="fp32", err=7e-7) for b, ms in ((1, 2.5), (8, 11.0))]
     out = {(r["name"], r["batch"]): r for r in zb.best_iree_only("lraspp", "fp16", rows, [1, 8])}
     for b in (1, 8):
-        fp16 = out[("lraspp/iree_only", b)]
+        fp16 = out[("lraspp/iree_alone", b)]
         assert "median_ms" not in fp16
         assert fp16["skipped"].startswith("no variant verified on the GPU (o2 rel L2 0.93, o3_fusion rel L2 1.05;")
-        assert out[("lraspp/iree_only_fp32", b)]["variant"] == "fp32"  # the labelled extra row
-    assert out[("lraspp/iree_only_fp32", 8)]["median_ms"] == 11.0
-    assert list(out)[:2] == [("lraspp/iree_only", 1), ("lraspp/iree_only", 8)]  # the zoo's precision first
+        assert out[("lraspp/iree_alone_fp32", b)]["variant"] == "fp32"  # the labelled extra row
+    assert out[("lraspp/iree_alone_fp32", 8)]["median_ms"] == 11.0
+    assert list(out)[:2] == [("lraspp/iree_alone", 1), ("lraspp/iree_alone", 8)]  # the zoo's precision first
 
 
 @pytest.mark.parametrize("path", VARIANTS, ids=lambda p: f"{p.parent.name}/{p.stem}")
@@ -75,7 +75,7 @@ def test_a_variant_config_is_its_zoo_config_all_on_track_b(path: Path) -> None:
     same = ("model", "input", "preprocess", "postprocess", "batch_sizes", "verify")
     assert {k: getattr(variant, k) for k in same} == {k: getattr(zoo, k) for k in same}
     p = variant.partition
-    assert (p.mode, p.track_a.name_prefixes, p.track_a.op_types) == ("rules", (), ())
+    assert (p.mode, p.track_a.name_prefixes, p.track_a.op_types) == ("iree", (), ())
     assert variant.targets == ("sm_90a",) and variant.track_b.cpu is False
     assert variant.output == zoo.output.parent / f"{zoo.output.name}.iree_only" / path.stem
     assert variant.track_b.cuda_flags  # each variant names its flags (a stated list, not IREE's defaults)
