@@ -25,7 +25,13 @@ C=.carry
 # Bundles of the same model share model.onnx and weights.bin: they travel once (the 64 MiB carry limit).
 for b in "$C"/unet_seed_split "$C"/iree_only "$C"/unet_*; do [ -d "$b" ] && [ ! -f "$b/weights.bin" ] && cp "$C/unet/model.onnx" "$C/unet/weights.bin" "$b/"; done
 # An IREE-only zoo variant (.carry/zoo/<zoo>.iree_only/<v>) of the zoo bundle's precision: its model.onnx and weights.bin.
-for v in "$C"/zoo/*.iree_only/*; do [ -d "$v" ] && [ ! -f "$v/weights.bin" ] && z=$(dirname "$v" | sed 's/\.iree_only$//') && cp "$z/model.onnx" "$z/weights.bin" "$v/"; done
+for v in "$C"/zoo/*.iree_only/*; do [ -d "$v" ] && [ ! -f "$v/model.onnx" ] && z=$(dirname "$v" | sed 's/\.iree_only$//') && cp "$z/model.onnx" "$v/"; done
+for v in "$C"/zoo/*.iree_only/*; do [ -d "$v" ] && [ ! -f "$v/weights.bin" ] && [ -f "$(dirname "$v" | sed 's/\.iree_only$//')/weights.bin" ] && cp "$(dirname "$v" | sed 's/\.iree_only$//')/weights.bin" "$v/"; done
+# A corpus bundle sealed by bench/reweight.py travels without weights.bin and reference cases: grow them here.
+for z in "$C"/zoo/*/weights.regrow.npz; do
+  [ -f "$z" ] || continue; z=$(dirname "$z"); [ -f "$z/weights.bin" ] && [ -f "$z/verify/cases.npz" ] && continue
+  PYTHONPATH=/tmp/site:$PWD/pipeline python3 bench/reweight.py regrow "$z" $(ls -d "$z.iree_only"/*/ 2>/dev/null) || exit 1
+done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 echo "commit ${DUALTRACK_COMMIT:-unknown}"
 dt() { python3 -c 'from dualtrack.cli import main; main()' "$@"; }

@@ -13,8 +13,9 @@
 # `corpus`: only the named corpus models (ZOO, required), each exported at 512x512 where models/zoo
 # lacks it, built for sm_90a without llvm-cpu modules (bench/corpus_configs.py: checked on the GPU, not
 # here) as .carry/zoo/<name>, and IREE alone beside it as .carry/zoo/<name>.iree_only/iree (its model.onnx
-# and weights.bin are the zoo bundle's and travel once): the rows <name>/dualtrack_api and
-# <name>/iree_alone of bench/zoo_bench.py, torch's rows from the same seeded export on the GPU machine.
+# is the zoo bundle's and travels once): the rows <name>/dualtrack_api and <name>/iree_alone of
+# bench/zoo_bench.py, torch's rows from the same seeded export on the GPU machine. No weights travel:
+# bench/reweight.py seals each bundle with seeded weights that device_run.sh grows back there.
 #
 # ZOO names the zoo models to build (default: every configs/zoo/*.yaml; smp_unet_resnet34's fp16
 # weights alone are ~47 MB, most of the limit). EXTRA names the extra reference-model bundles (default:
@@ -36,10 +37,12 @@ if [ "$what" = corpus ]; then
     [ -f "models/zoo/$name.onnx" ] || "$PY" models/zoo/export.py "$name"
     "$DT" build "$cfgs/$name.yaml" -o "$C/zoo/$name" | tail -1
     "$DT" build "$cfgs/$name.iree.yaml" -o "$C/zoo/$name.iree_only/iree" | tail -1
-    if cmp -s "$C/zoo/$name.iree_only/iree/model.onnx" "$C/zoo/$name/model.onnx" \
-      && cmp -s "$C/zoo/$name.iree_only/iree/weights.bin" "$C/zoo/$name/weights.bin"; then
-      rm "$C/zoo/$name.iree_only/iree/model.onnx" "$C/zoo/$name.iree_only/iree/weights.bin"
-    fi
+    # The weights stay here: drawn again from a seed on the GPU machine (bench/reweight.py), the
+    # reference cases recomputed there; what travels is the graph, the code and the per-channel statistics.
+    "$PY" bench/reweight.py seal "$C/zoo/$name" "$C/zoo/$name.iree_only/iree"
+    cmp -s "$C/zoo/$name.iree_only/iree/model.onnx" "$C/zoo/$name/model.onnx" && rm "$C/zoo/$name.iree_only/iree/model.onnx"
+    rm -f "$C/zoo/$name"/weights.bin "$C/zoo/$name"/verify/cases.npz "$C/zoo/$name.iree_only/iree"/weights.bin \
+      "$C/zoo/$name.iree_only/iree"/verify/cases.npz
   done
   rm -rf "$cfgs"
   what=corpus-done
