@@ -1,11 +1,15 @@
-// Elementwise ops on NHWC tensors, an activation fused after them:
+// Elementwise ops on NHWC tensors, an activation fused after them (op: dualtrack.contract.plan.ELTWISE_OPS):
 //   op 0 (unary): y = act(a)
-//   op 1 (add):   y = act(a + b)
-//   op 2 (mul):   y = act(a * b)
-// b is either a tensor of y's shape (bcast 0) or an (N, 1, 1, C) vector broadcast over H and W
-// (bcast 1: the gate of a squeeze-and-excitation block, the scale of LR-ASPP's head). Computed in
-// fp32, rounded once; act, p0, p1: dt_activate (dualtrack_activations.cuh). Every operand has its own
-// channel stride (lda, ldb, ldy), so any of them may be a channel slice.
+//   op 1 (add):   y = act(a + b)        op 5 (rsub):  y = act(b - a)
+//   op 2 (mul):   y = act(a * b)        op 6 (rdiv):  y = act(b / a)
+//   op 3 (sub):   y = act(a - b)        op 7 (prelu): y = act(a < 0 ? a * b : a)   (NaN stays NaN)
+//   op 4 (div):   y = act(a / b)
+// b is a tensor of y's shape (bcast 0), an (N, 1, 1, C) vector broadcast over H and W (bcast 1: the
+// gate of a squeeze-and-excitation block, the scale of LR-ASPP's head), or a (C,) vector broadcast
+// over N, H and W (bcast 2: a constant operand, a per-channel PReLU slope or layer scale; ldb unused).
+// Computed in fp32 (IEEE division), rounded once; act, p0, p1: dt_activate
+// (dualtrack_activations.cuh). Every operand has its own channel stride (lda, ldb, ldy), so any of
+// them may be a channel slice.
 //
 // Work items of one output element, channel fastest (coalesced), no shared memory; fp16 with C and
 // the strides multiples of 8 (16-byte aligned pointers) takes 8 channels an item: 16-byte accesses.
@@ -16,6 +20,24 @@
 #endif
 
 #include "dualtrack_device.cuh"
+
+// a op b of one element (op >= 1; the header's table).
+__device__ __forceinline__ float binary_op(int op, float v, float u) {
+    switch (op) {
+        case 1: return v + u;
+        case 2: return v * u;
+        case 3: return v - u;
+        case 4: return v / u;
+        case 5: return u - v;
+        case 6: return u / v;
+        default: return v < 0.0f ? v * u : v;  // 7: prelu
+    }
+}
+
+// The pixel row of b that pixel p of image n reads (bcast 0, 1, 2).
+__device__ __forceinline__ long long operand_row(int bcast, long long n, long long p) {
+    return bcast == 0 ? p : (bcast == 1 ? n : 0);
+}
 
 // Work items (pixel x channel, channel fastest) in a grid-stride loop: any grid is correct, the
 // host's grid (dualtrack.kernels.eltwise) only sets how many items a thread takes.
@@ -31,8 +53,8 @@ __device__ __forceinline__ void eltwise(const T* __restrict__ a, const T* __rest
         const long long p = e.p;
         float v = load_f32(a + p * lda + c);
         if (op != 0) {
-            const float u = load_f32(b + (bcast ? e.n : p) * ldb + c);
-            v = op == 1 ? v + u : v * u;
+            const float u = load_f32(b + operand_row(bcast, e.n, p) * ldb + c);
+            v = binary_op(op, v, u);
         }
         store_f32(y + p * ldy + c, dt_activate(v, act, p0, p1));
     }
@@ -55,9 +77,9 @@ __device__ __forceinline__ void eltwise_f16x8(const f16* __restrict__ a, const f
         load_f16x8(v, a + p * lda + c);
         if (op != 0) {
             float u[8];
-            load_f16x8(u, b + (bcast ? e.n : p) * ldb + c);
+            load_f16x8(u, b + operand_row(bcast, e.n, p) * ldb + c);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) v[j] = op == 1 ? v[j] + u[j] : v[j] * u[j];
+            for (int j = 0; j < 8; ++j) v[j] = binary_op(op, v[j], u[j]);
         }
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] = dt_activate(v[j], act, p0, p1);

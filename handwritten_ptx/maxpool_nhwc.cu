@@ -1,6 +1,13 @@
-// General max-pool, NHWC (ONNX MaxPool, 2-D, first output only):
-//   y[n,ho,wo,c] = max over r < R, s < S with 0 <= h < H, 0 <= w < W of x[n,h,w,c],
+// General 2-D pooling, NHWC: ONNX MaxPool (first output only) and AveragePool, by `mode`
+// (dualtrack.contract.plan.POOL_MODES):
+//   mode 0 (max):  y[n,ho,wo,c] = max over r < R, s < S with 0 <= h < H, 0 <= w < W of x[n,h,w,c],
 //   h = ho*sh - pt + r*dh,  w = wo*sw - pl + s*dw.
+//   mode 1, 2 (average): the fp32 sum over the same taps divided by a count, one rounding:
+//   mode 2 (count_include_pad 0) the taps inside the image; mode 1 (count_include_pad 1) the window
+//   clipped to the padded image, (min(h0 + R, H + pb) - h0) * (min(w0 + S, W + pr) - w0) with
+//   h0 = ho*sh - pt, w0 = wo*sw - pl (onnxruntime's and PyTorch's rule: a ceil_mode window that
+//   reaches past the bottom/right pads counts only up to them). Average pools have dilation 1
+//   (the partition's check: opset 19's dilated AveragePool counts taps differently).
 // Taps in the padding are skipped, so a padded value never wins (ONNX pads with -inf). The output
 // size Ho x Wo is the caller's (dualtrack.kernels.maxpool.PoolGeometry: ONNX's floor or ceil rule,
 // the bottom/right padding only sets it); the caller also refuses a geometry in which some window
@@ -23,6 +30,17 @@ static_assert(MAXPOOL_VEC_F16 * 2 == 16 && MAXPOOL_VEC_F32 * 4 == 16, "one threa
 
 #include "dualtrack_device.cuh"
 
+// V neighbouring elements (one 16-byte chunk) as fp32 and back: the average's vector path.
+__device__ __forceinline__ void load_chunk(float (&v)[8], const f16* p) { load_f16x8(v, p); }
+__device__ __forceinline__ void load_chunk(float (&v)[4], const float* p) {
+    const float4 q = *reinterpret_cast<const float4*>(p);
+    v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+}
+__device__ __forceinline__ void store_chunk(f16* p, const float (&v)[8]) { store_f16x8(p, v); }
+__device__ __forceinline__ void store_chunk(float* p, const float (&v)[4]) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+
 // -inf of each type the kernel reduces in (the identity of max; never an output, see above).
 __device__ __forceinline__ void neg_inf(f16& v) { v = 0xFC00u; }
 __device__ __forceinline__ void neg_inf(float& v) { v = __int_as_float(0xFF800000u); }
@@ -38,11 +56,52 @@ __device__ __forceinline__ void taps_inside(int o0, int d, int L, int R, int& lo
     hi = o0 < L ? min(R, (L - o0 + d - 1) / d) : 0;
 }
 
+// The average of one chunk's window (modes 1, 2): taps [r0, r1) x [s0, s1) of rows h0 + r*dh and
+// columns w0 + s*dw, summed in fp32 in row-major tap order, divided by `count` once.
+template <typename T, int V>
+__device__ __forceinline__ void avg_chunk(const T* __restrict__ img, T* __restrict__ dst, int W, int ldx, int h0,
+                                          int w0, int dh, int dw, int r0, int r1, int s0, int s1, float count,
+                                          bool vec, int n_el) {
+    float acc[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) acc[e] = 0.0f;
+#pragma unroll 1
+    for (int r = r0; r < r1; ++r) {
+        const T* row = img + static_cast<long long>(h0 + r * dh) * W * ldx;
+        if (vec) {
+#pragma unroll 3
+            for (int s = s0; s < s1; ++s) {
+                float v[V];
+                load_chunk(v, row + static_cast<long long>(w0 + s * dw) * ldx);
+#pragma unroll
+                for (int e = 0; e < V; ++e) acc[e] += v[e];
+            }
+        } else {
+#pragma unroll 1
+            for (int s = s0; s < s1; ++s) {
+                const T* px = row + static_cast<long long>(w0 + s * dw) * ldx;
+#pragma unroll
+                for (int e = 0; e < V; ++e)
+                    if (e < n_el) acc[e] += load_f32(px + e);
+            }
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < V; ++e) acc[e] = acc[e] / count;
+    if (vec) {
+        store_chunk(dst, acc);
+    } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e)
+            if (e < n_el) store_f32(dst + e, acc[e]);
+    }
+}
+
 // T: element type; V: elements per 16-byte chunk; Vec: the 16-byte type.
 template <typename T, int V, typename Vec>
 __device__ __forceinline__ void maxpool(const T* __restrict__ x, T* __restrict__ y, int N, int H, int W, int C,
                                         int Ho, int Wo, int ldx, int ldy, int R, int S, int sh, int sw, int dh,
-                                        int dw, int pt, int pl) {
+                                        int dw, int pt, int pl, int pb, int pr, int mode) {
     const int chunks = (C + V - 1) / V;
     const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (idx >= static_cast<long long>(N) * Ho * Wo * chunks) return;
@@ -60,6 +119,15 @@ __device__ __forceinline__ void maxpool(const T* __restrict__ x, T* __restrict__
     T* dst = y + o.p * ldy + c;
 
     const bool vec = C % V == 0 && ldx % V == 0 && ldy % V == 0 && aligned16(x) && aligned16(y);
+    if (mode != 0) {
+        // The count is per output pixel (the same for every channel); the partition refuses a
+        // window with no tap in the image, so mode 2's count is >= 1.
+        const int hi = min(h0 + R, H + pb), wi = min(w0 + S, W + pr);
+        const float count = mode == 1 ? static_cast<float>((hi - h0) * (wi - w0))
+                                      : static_cast<float>((r1 - r0) * (s1 - s0));
+        avg_chunk<T, V>(img, dst, W, ldx, h0, w0, dh, dw, r0, r1, s0, s1, count, vec, C - c < V ? C - c : V);
+        return;
+    }
     if (vec) {
         Vec acc;
         neg_inf(acc);
@@ -96,8 +164,8 @@ __device__ __forceinline__ void maxpool(const T* __restrict__ x, T* __restrict__
 
 #define MAXPOOL_PARAMS(T)                                                                                        \
     const T *__restrict__ x, T *__restrict__ y, int N, int H, int W, int C, int Ho, int Wo, int ldx, int ldy, int R, \
-        int S, int sh, int sw, int dh, int dw, int pt, int pl
-#define MAXPOOL_ARGS x, y, N, H, W, C, Ho, Wo, ldx, ldy, R, S, sh, sw, dh, dw, pt, pl
+        int S, int sh, int sw, int dh, int dw, int pt, int pl, int pb, int pr, int mode
+#define MAXPOOL_ARGS x, y, N, H, W, C, Ho, Wo, ldx, ldy, R, S, sh, sw, dh, dw, pt, pl, pb, pr, mode
 
 extern "C" __global__ void __launch_bounds__(MAXPOOL_THREADS) maxpool_nhwc_f16(MAXPOOL_PARAMS(f16)) {
     maxpool<f16, MAXPOOL_VEC_F16, uint4>(MAXPOOL_ARGS);

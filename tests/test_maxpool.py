@@ -182,7 +182,8 @@ def test_a_call_prepares_its_window_and_channel_slices() -> None:
     y = GpuTensor(0x2000, (2, 5, 5, 24), np.dtype("float16"), ld=64)
     p = POOL.prepare(call, x, y, [], None)  # type: ignore[arg-type]  # no context needed
     assert p.entry == "maxpool_nhwc_f16" and p.config == POOL.launch("float16", 2, 9, 10, 24, 0, STEM)
-    assert [v for v, _ in p.args] == [0x1000, 0x2000, 2, 9, 10, 24, 5, 5, 40, 64, 3, 3, 2, 2, 1, 1, 1, 1]
+    # ... pt, pl, then pb, pr and the mode (max: 0), which only an average pool reads
+    assert [v for v, _ in p.args] == [0x1000, 0x2000, 2, 9, 10, 24, 5, 5, 40, 64, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, 0]
     with pytest.raises(InputError, match="output \\(2, 4, 5, 24\\) is not \\(2, 5, 5, 24\\)"):
         POOL.prepare(call, x, GpuTensor(0x2000, (2, 4, 5, 24), np.dtype("float16")), [], None)  # type: ignore[arg-type]
     with pytest.raises(InputError, match="no R/S attribute"):

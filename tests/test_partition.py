@@ -209,7 +209,8 @@ def test_node_without_kernel_on_track_a_names_node_and_fix(tiny: tuple[BuildConf
         PartitionError,
         match=r"^node 'pre/nchw' \(Transpose, no hand-written kernel\) is on Track A, whose kernels cover "
         r"Conv of group 1, any kernel size, stride, dilation and padding \(optionally \+Add of a residual "
-        r"\+Relu/Clip\(0,6\)/HardSwish/HardSigmoid/Sigmoid/SiLU\), MaxPool of any window up to 15x15 \(no Indices "
+        r"\+Relu/Clip\(0,6\)/HardSwish/HardSigmoid/Sigmoid/SiLU\), MaxPool and AveragePool of any window up to 15x15 "
+        r"\(no Indices "
         r"output\), ConvTranspose 2x2/stride 2, "
         r"channel Concat of their outputs, the mobile ops: depthwise Conv "
         r".* Resize nearest/linear over H,W; and a segmentation head: .*; move it to Track B with "

@@ -184,8 +184,13 @@ def test_broadcast_add_of_a_constant_is_not_a_residual(tmp_path: Path) -> None:
     g = Graph(4, 6, 6)
     t = g.conv("a/conv", "x0", 4, 8, 3, 3, pads=[1, 1, 1, 1])
     out = g.op("Add", "a/add", [t, g.const("one", 1.0)])
-    with pytest.raises(PartitionError, match=r"^node 'a/add' \(Add, a constant operand\) is on Track A"):
-        plan_of(g.model(out), tmp_path)
+    model = g.model(out)
+    plan = plan_of(model, tmp_path)
+    # the conv's call has no residual; the Add is an eltwise call with the scalar as its constant operand
+    assert [c.attr("residual") for c in a_calls(plan) if c.op != "eltwise"] == [0]
+    (add,) = [c for c in a_calls(plan) if c.op == "eltwise"]
+    assert add.nodes == ("a/add",) and add.weights == ("one",) and add.inputs == ("a/conv",)
+    track_a_matches_onnxruntime(model, plan)
 
 
 def test_same_upper_auto_pad_and_asymmetric_pads(tmp_path: Path) -> None:

@@ -30,8 +30,16 @@ PLAN_SCHEMA_VERSION = 1
 # The fused activations' ids (a call's ``act``, ``act_p0``, ``act_p1`` attrs) are the table in
 # dualtrack.contract.activations.
 
-# The eltwise call's ``op`` attr; ``bcast`` 1: its second input is (N, 1, 1, C), broadcast over H, W.
-ELTWISE_OPS: dict[str, int] = {"unary": 0, "add": 1, "mul": 2}
+# The eltwise call's ``op`` attr: y = act(a op b); rsub, rdiv: b - a, b / a; prelu: a < 0 ? a * b : a.
+# ``b`` is its second input, of a's shape or (N, 1, 1, C) broadcast over H, W (``bcast`` 1), or, for a
+# call with a weight, that constant: a (C,) vector broadcast over N, H and W (``bcast`` 2), a call's
+# ``C`` attr its length (a scalar constant is broadcast to it when packed).
+ELTWISE_OPS: dict[str, int] = {
+    "unary": 0, "add": 1, "mul": 2, "sub": 3, "div": 4, "rsub": 5, "rdiv": 6, "prelu": 7,
+}  # fmt: skip
+# The maxpool call's ``mode`` attr (kernels.maxpool.PoolGeometry): ONNX MaxPool, or AveragePool with
+# count_include_pad 1 or 0 (what its divisor counts: the padded window, or the taps in the image).
+POOL_MODES: dict[str, int] = {"max": 0, "avg_include_pad": 1, "avg_exclude_pad": 2}
 # The resize call's ``mode``, ``coord`` (ONNX coordinate_transformation_mode) and ``nearest`` attrs;
 # ``scale_h`` / ``scale_w`` hold the float32 bits of the scale ONNX divides by.
 RESIZE_MODES: dict[str, int] = {"nearest": 0, "linear": 1}

@@ -1,6 +1,14 @@
-"""maxpool_nhwc: the general ``maxpool`` op — ONNX MaxPool on 2-D NHWC images: any window up to
-:data:`MAX_KERNEL` a side, strides, dilations, padding, ``ceil_mode`` 0 or 1 (the first output only:
-no Indices). One thread per output pixel and 16-byte chunk of channels, as maxpool2x2's.
+"""maxpool_nhwc: the general ``maxpool`` op, the pooling family — ONNX MaxPool and AveragePool on
+2-D NHWC images: any window up to :data:`MAX_KERNEL` a side, strides, dilations (max only),
+padding, ``ceil_mode`` 0 or 1 (MaxPool's first output only: no Indices), and for the average
+``count_include_pad`` 1 or 0 — a mode row (:data:`~dualtrack.contract.plan.POOL_MODES`) of the one
+kernel. One thread per output pixel and 16-byte chunk of channels, as maxpool2x2's.
+
+**The average** sums the window's taps inside the image in fp32 (row-major tap order) and divides
+once: by the taps inside the image (``count_include_pad`` 0), or by the window clipped to the
+padded image (1: a ``ceil_mode`` window that reaches past the bottom/right pads counts only up to
+them), onnxruntime's and PyTorch's rule (tests/test_pool_resize_family.py checks it against
+onnxruntime). The bottom/right pads are kernel arguments for that count alone.
 
 A call's window is its attributes (:class:`PoolGeometry`); :meth:`MaxPoolSpec.supports` is the one
 predicate that says whether the kernel computes a pooling, and the partition asks it before it
@@ -31,7 +39,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from dualtrack.contract.plan import KernelCall
+from dualtrack.contract.plan import POOL_MODES, KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import (
     INT32_MAX,
@@ -54,10 +62,32 @@ MAX_KERNEL = 15  # R and S: one thread loops over the R*S taps; a wider window i
 
 @dataclass(frozen=True)
 class PoolGeometry(ConvGeometry):
-    """A max-pool's window: :class:`ConvGeometry`'s (kernel, strides, dilations, ONNX pads top, left,
-    bottom, right) and ONNX's ``ceil_mode``, which with the bottom/right padding sets the output size."""
+    """A pooling's window: :class:`ConvGeometry`'s (kernel, strides, dilations, ONNX pads top, left,
+    bottom, right), ONNX's ``ceil_mode``, which with the bottom/right padding sets the output size,
+    and what it computes (``mode``, :data:`~dualtrack.contract.plan.POOL_MODES`: max by default)."""
 
     ceil_mode: int = 0
+    mode: int = POOL_MODES["max"]
+
+    @property
+    def average(self) -> bool:
+        return self.mode != POOL_MODES["max"]
+
+    def counts(self, H: int, W: int) -> np.ndarray:
+        """(Ho, Wo) float32: an average's divisor per output pixel (maxpool_nhwc.cu's count)."""
+        Ho, Wo = self.output_hw(H, W)
+        axes = []
+        for n_out, L, k, s, d, before, after in (
+            (Ho, H, self.R, self.stride_h, self.dil_h, self.pad_top, self.pad_bottom),
+            (Wo, W, self.S, self.stride_w, self.dil_w, self.pad_left, self.pad_right),
+        ):
+            if self.mode == POOL_MODES["avg_include_pad"]:
+                o0 = np.arange(n_out, dtype=np.int64) * s - before
+                axes.append(np.minimum(o0 + k, L + after) - o0)
+            else:
+                lo, hi = self._taps_inside(n_out, L, k, s, d, before)
+                axes.append(hi - lo)
+        return (axes[0][:, None] * axes[1][None, :]).astype(np.float32)
 
     @staticmethod
     def _axis(L: int, k: int, s: int, d: int, before: int, after: int, ceil: bool) -> int:
@@ -103,23 +133,25 @@ class PoolGeometry(ConvGeometry):
     def from_call(cls, call: KernelCall) -> PoolGeometry:
         got = dict(call.attrs)
         if "R" not in got or "S" not in got:
-            raise InputError(f"maxpool call {call.nodes or call.outputs} has no R/S attribute")
+            raise InputError(f"pooling call {call.nodes or call.outputs} has no R/S attribute")
         return cls(**{k: int(v) for k, v in got.items() if k in cls.__dataclass_fields__})
 
     def label(self) -> str:
-        return f"{super().label()}{' ceil_mode' if self.ceil_mode else ''}"
+        mode = next((k for k, v in POOL_MODES.items() if v == self.mode), str(self.mode))
+        return f"{mode} {super().label()}{' ceil_mode' if self.ceil_mode else ''}"
 
 
 @dataclass(frozen=True)
 class MaxPoolSpec(StreamingSpec):
-    """ONNX MaxPool, NHWC, one thread per output pixel and 16-byte chunk of channels (8 fp16 or
-    4 fp32): one vector load per tap when C, the strides and the pointers allow, element loads
-    otherwise (the device decides; the grid is the same)."""
+    """ONNX MaxPool and AveragePool, NHWC, one thread per output pixel and 16-byte chunk of channels
+    (8 fp16 or 4 fp32): one vector load per tap when C, the strides and the pointers allow, element
+    loads otherwise (the device decides; the grid is the same)."""
 
     MACRO: ClassVar[str] = "MAXPOOL"
     CHUNK_BYTES: ClassVar[int] = 16
     PARAMS: ClassVar[tuple[str, ...]] = (
         "x", "y", "N", "H", "W", "C", "Ho", "Wo", "ldx", "ldy", "R", "S", "sh", "sw", "dh", "dw", "pt", "pl",
+        "pb", "pr", "mode",
     )  # fmt: skip
     POINTERS: ClassVar[int] = 2
 
@@ -135,18 +167,23 @@ class MaxPoolSpec(StreamingSpec):
         }
 
     def supports(self, dtype: Any, H: int, W: int, C: int, geom: PoolGeometry) -> str | None:
-        """None when the kernel computes this max-pool of an H x W x C input, else why not. The
-        partition lowers a MaxPool to this op only where this says None; launches check it again."""
+        """None when the kernel computes this pooling of an H x W x C input, else why not. The
+        partition lowers a MaxPool or AveragePool to this op only where this says None; launches
+        check it again."""
         try:
             dtype_name(dtype)
         except InputError as exc:
             return str(exc)
         g = geom
-        why = g.window_problem(MAX_KERNEL, "the max-pool")
+        why = g.window_problem(MAX_KERNEL, "the average pool" if g.average else "the max-pool")
         if why:
             return why
         if g.ceil_mode not in (0, 1):
             return f"ceil_mode {g.ceil_mode}"
+        if g.mode not in POOL_MODES.values():
+            return f"pooling mode {g.mode} (one of {POOL_MODES})"
+        if g.average and (g.dil_h, g.dil_w) != (1, 1):
+            return f"a dilated average pool ({g.dil_h},{g.dil_w}): the kernel averages windows of dilation 1"
         if min(H, W, C) < 1:
             return f"input {H}x{W}x{C}: every size must be >= 1"
         Ho, Wo = g.output_hw(H, W)
@@ -158,13 +195,13 @@ class MaxPoolSpec(StreamingSpec):
         self, N: int, H: int, W: int, C: int, K: int = 0, geom: PoolGeometry | None = None
     ) -> tuple[int, int, int, int]:
         if geom is None:
-            raise InputError("the max-pool's output shape needs its window (geom=PoolGeometry(...))")
+            raise InputError("the pooling's output shape needs its window (geom=PoolGeometry(...))")
         positive(N=N, H=H, W=W, C=C)
         if K not in (0, C):
-            raise InputError(f"a max-pool keeps the channels: C={C}, K={K}")
+            raise InputError(f"a pooling keeps the channels: C={C}, K={K}")
         why = self.supports("float32", H, W, C, geom)
         if why:
-            raise InputError(f"the max-pool cannot run this pooling: {why}")
+            raise InputError(f"the pooling kernel cannot run this pooling: {why}")
         return (N, *geom.output_hw(H, W), C)
 
     def launch(
@@ -194,7 +231,8 @@ class MaxPoolSpec(StreamingSpec):
         ldy: int | None = None,
         **_: Any,
     ) -> list[KernelArg]:
-        """``x, y, N, H, W, C, Ho, Wo, ldx, ldy, R, S, sh, sw, dh, dw, pt, pl``; strides default to ``C``."""
+        """``x, y, N, H, W, C, Ho, Wo, ldx, ldy, R, S, sh, sw, dh, dw, pt, pl, pb, pr, mode``; strides
+        default to ``C``."""
         _, Ho, Wo, _ = self.output_shape(N, H, W, C, 0, geom)
         ldx_, ldy_ = stride("ldx", ldx, C), stride("ldy", ldy, C)
         pixels(N, H, W, max(ldx_, ldy_))
@@ -202,12 +240,15 @@ class MaxPoolSpec(StreamingSpec):
         return self.typed({
             "x": pointer("x", x), "y": pointer("y", y), "N": N, "H": H, "W": W, "C": C, "Ho": Ho, "Wo": Wo,
             "ldx": ldx_, "ldy": ldy_, "R": g.R, "S": g.S, "sh": g.stride_h, "sw": g.stride_w,
-            "dh": g.dil_h, "dw": g.dil_w, "pt": g.pad_top, "pl": g.pad_left,
+            "dh": g.dil_h, "dw": g.dil_w, "pt": g.pad_top, "pl": g.pad_left, "pb": g.pad_bottom,
+            "pr": g.pad_right, "mode": g.mode,
         })  # fmt: skip
 
     def reference(self, x: np.ndarray, geom: PoolGeometry | None = None) -> np.ndarray:
-        """numpy semantics: ``x`` (N,H,W,C) -> (N,Ho,Wo,C), the max over each window of ``x`` padded
-        with -inf (NaN propagates: np.maximum); exact in x's dtype."""
+        """numpy semantics: ``x`` (N,H,W,C) -> (N,Ho,Wo,C). Max: the max over each window of ``x``
+        padded with -inf (NaN propagates: np.maximum), exact in x's dtype. Average: the float32 sum of
+        the window's taps in row-major order (padding adds zeros) divided by
+        :meth:`PoolGeometry.counts`, rounded once to x's dtype (the kernel's order and rounding)."""
         if x.ndim != 4:
             raise InputError(f"maxpool takes x (N,H,W,C); got {x.shape}")
         g = geom or PoolGeometry(2, 2, 2, 2)
@@ -216,16 +257,20 @@ class MaxPoolSpec(StreamingSpec):
         # Pad far enough for ceil_mode's last window, which may reach past the bottom/right pads.
         bottom = max(0, (Ho - 1) * g.stride_h + g.dil_h * (g.R - 1) + 1 - H - g.pad_top)
         right = max(0, (Wo - 1) * g.stride_w + g.dil_w * (g.S - 1) + 1 - W - g.pad_left)
-        xp = np.full((N, g.pad_top + H + bottom, g.pad_left + W + right, C), -np.inf, x.dtype)
+        dtype = np.dtype(np.float32) if g.average else x.dtype
+        fill = 0.0 if g.average else -np.inf
+        xp = np.full((N, g.pad_top + H + bottom, g.pad_left + W + right, C), fill, dtype)
         xp[:, g.pad_top : g.pad_top + H, g.pad_left : g.pad_left + W] = x
-        out = np.full((N, Ho, Wo, C), -np.inf, x.dtype)
+        out = np.full((N, Ho, Wo, C), fill, dtype)
         for r in range(g.R):
             for s in range(g.S):
                 h, w = r * g.dil_h, s * g.dil_w
                 tap = xp[
                     :, h : h + g.stride_h * (Ho - 1) + 1 : g.stride_h, w : w + g.stride_w * (Wo - 1) + 1 : g.stride_w
                 ]
-                out = np.maximum(out, tap)
+                out = out + tap if g.average else np.maximum(out, tap)
+        if g.average:
+            return (out / g.counts(H, W)[None, :, :, None]).astype(x.dtype)
         return out
 
     def run_reference(
