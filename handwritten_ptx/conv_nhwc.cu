@@ -1,7 +1,13 @@
-// General 2-D convolution (group 1) with a fused epilogue, NHWC activations, KRSC weights:
+// General 2-D convolution (any group count) with a fused epilogue, NHWC activations, KRSC weights:
 //
 //   y[n,p,q,k] = act(bias[k] + res[n,p,q,k]
 //                    + sum_{r,s,c} x[n, p*sh - pt + r*dh, q*sw - pl + s*dw, c] * w[k,r,s,c])
+//
+// Groups: gridDim.z = G and C, K are the channels of ONE group (the tensors hold G*C and G*K,
+// their pixel strides ldx, ldy, ldr say so). Group g = blockIdx.z is the same convolution on
+// channel slices: x + g*C, filters w + g*K*R*S*C (KRSC of ONNX's (G*K, C, R, S) weights is
+// group-major), bias, res and y + g*K. Every path below reads its pointers' alignment at run time,
+// so an odd per-group width (ResNeXt's 4, g=3 of odd channels) takes the scalar paths by itself.
 //
 // for any R x S kernel, strides sh/sw, dilations dh/dw and top/left padding pt/pl (the bottom and
 // right padding only set the output size P x Q, which the caller passes); taps outside the image
@@ -55,6 +61,22 @@ struct Problem {
     int M;   // N*P*Q output pixels (the launcher refuses M >= 2^31)
     int Kg;  // R*S*C
 };
+
+// Group blockIdx.z's element offsets into x, w and the K-channel tensors (bias, res, y).
+struct GroupOffsets {
+    long long x, w, k;
+};
+
+__device__ __forceinline__ GroupOffsets group_offsets(const Problem& p) {
+    const long long g = blockIdx.z;
+    return {g * p.C, g * p.K * p.Kg, g * p.K};
+}
+
+// A nullable pointer moved to its group's slice (null stays null).
+template <typename T>
+__device__ __forceinline__ T* shifted(T* ptr, long long off) {
+    return ptr != nullptr ? ptr + off : nullptr;
+}
 
 __device__ __forceinline__ bool inside(int h, int w, const Problem& p) {
     return static_cast<unsigned>(h) < static_cast<unsigned>(p.H) && static_cast<unsigned>(w) < static_cast<unsigned>(p.W);
@@ -516,7 +538,10 @@ typedef mma::Swizzled<CONVG_F16_GATHER> Gather;  // C % 8 != 0: the pipelined sc
 #define CONVG_F16_ENTRY(NAME, CF, GATHER)                                                     \
     extern "C" __global__ void __launch_bounds__(CF::THREADS, CF::MIN_BLOCKS) NAME(CONVG_PARAMS(f16)) { \
         __shared__ __align__(16) unsigned char smem[convg::Smem<CF>::BYTES];                  \
-        convg::conv_f16<CF, GATHER>(x, w, bias, res, y, CONVG_PROBLEM, smem);                 \
+        const convg::Problem p = CONVG_PROBLEM;                                               \
+        const convg::GroupOffsets o = convg::group_offsets(p);                                \
+        convg::conv_f16<CF, GATHER>(x + o.x, w + o.w, convg::shifted(bias, o.k), convg::shifted(res, o.k), \
+                                    y + o.k, p, smem);                                        \
     }
 
 CONVG_F16_ENTRY(conv_nhwc_f16, convg::Main, false)
@@ -529,7 +554,9 @@ CONVG_F16_ENTRY(conv_nhwc_f16_gather, convg::Gather, true)
 // every activation's formula (ptxas spills nothing at that bound).
 extern "C" __global__ void __launch_bounds__(CONVG_DIRECT_THREADS, 1536 / CONVG_DIRECT_THREADS) conv_nhwc_f16_direct(CONVG_PARAMS(f16)) {
     __shared__ __align__(16) float ws[CONVG_DIRECT_W];
-    convg::conv_direct(x, w, bias, res, y, CONVG_PROBLEM, ws);
+    const convg::Problem p = CONVG_PROBLEM;
+    const convg::GroupOffsets o = convg::group_offsets(p);
+    convg::conv_direct(x + o.x, w + o.w, convg::shifted(bias, o.k), convg::shifted(res, o.k), y + o.k, p, ws);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -569,6 +596,12 @@ extern "C" __global__ void __launch_bounds__(convg32::T::THREADS) conv_nhwc_f32(
     __shared__ __align__(16) float Bs[2 * T::BK * T::BNP];
     __shared__ int row_h[T::BM], row_w[T::BM], row_pix[T::BM];
     const convg::Problem p = CONVG_PROBLEM;
+    const convg::GroupOffsets go = convg::group_offsets(p);
+    x += go.x;
+    w += go.w;
+    bias = convg::shifted(bias, go.k);
+    res = convg::shifted(res, go.k);
+    y += go.k;
     const int m0 = blockIdx.x * T::BM;
     const int n0 = blockIdx.y * T::BN;
     const int tm0 = T::tm0();  // this thread's pixels: m0+tm0 .. +TM-1

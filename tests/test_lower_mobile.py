@@ -155,17 +155,11 @@ def dw_node(k: int, c: int, **attrs) -> tuple[onnx.NodeProto, dict]:
     return helper.make_node("Conv", ["x", "w"], ["y"], group=c, kernel_shape=[k, k], **attrs), {"w": w}
 
 
-def test_depthwise_7x7_is_refused_with_the_reason(tmp_path) -> None:
-    node, inits = dw_node(7, 8, pads=[3, 3, 3, 3])
+def test_depthwise_9x9_is_refused_with_the_reason(tmp_path) -> None:
+    node, inits = dw_node(9, 8, pads=[4, 4, 4, 4])
     msg = refusal(one_op(node, (1, 8, 12, 12), inits), tmp_path)
-    assert "node 'body/op' (Conv, depthwise kernel [7, 7] (the kernel takes 3x3 or 5x5))" in msg
+    assert "node 'body/op' (Conv, depthwise kernel [9, 9] (the kernel takes 1..7 a side))" in msg
     assert "partition.track_b.name_prefixes: ['body/op']" in msg
-
-
-def test_depthwise_with_channel_multiplier_is_refused(tmp_path) -> None:
-    w = np.ones((16, 1, 3, 3), np.float32)
-    node = helper.make_node("Conv", ["x", "w"], ["y"], group=8, kernel_shape=[3, 3], pads=[1, 1, 1, 1])
-    assert "channel multiplier" in refusal(one_op(node, (1, 8, 6, 6), {"w": w}), tmp_path)
 
 
 def test_same_auto_pad_is_refused(tmp_path) -> None:
@@ -206,10 +200,10 @@ def test_reduce_mean_over_channels_or_without_keepdims_is_refused(tmp_path) -> N
     assert [c.op for c in plan.segments[1].calls] == ["gap"]
 
 
-def test_mul_by_a_constant_along_w_or_a_row_broadcast_is_refused(tmp_path) -> None:
-    scale = {"s": np.full((1, 1, 1, 6), 0.5, np.float32)}  # one value per column: not a channel vector
+def test_mul_by_a_constant_or_a_row_broadcast_is_refused(tmp_path) -> None:
+    scale = {"s": np.full((1, 4, 1, 1), 0.5, np.float32)}
     node = helper.make_node("Mul", ["x", "s"], ["y"])
-    assert "(Mul, a constant of shape [1, 1, 1, 6]" in refusal(one_op(node, (1, 4, 6, 6), scale), tmp_path)
+    assert "(Mul, a constant operand)" in refusal(one_op(node, (1, 4, 6, 6), scale), tmp_path)
     node = helper.make_node("Mul", ["x", "row"], ["y"])
     model = one_op(node, (1, 4, 6, 6), {"axis_h": np.array([2], np.int64)})
     model.graph.node.insert(1, helper.make_node("ReduceMean", ["stem", "axis_h"], ["row"], name="stem/row"))

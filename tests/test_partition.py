@@ -208,10 +208,9 @@ def test_node_without_kernel_on_track_a_names_node_and_fix(tiny: tuple[BuildConf
     with pytest.raises(
         PartitionError,
         match=r"^node 'pre/nchw' \(Transpose, no hand-written kernel\) is on Track A, whose kernels cover "
-        r"Conv of group 1, any kernel size, stride, dilation and padding \(optionally \+Add of a residual "
-        r"\+Relu/Clip\(0,6\)/HardSwish/HardSigmoid/Sigmoid/SiLU\), MaxPool and AveragePool of any window up to 15x15 "
-        r"\(no Indices "
-        r"output\), ConvTranspose 2x2/stride 2, "
+        r"Conv of any kernel size, stride, dilation, padding and group count \(optionally \+Add of a residual "
+        r"\+Relu/Clip\(0,6\)/HardSwish/HardSigmoid/Sigmoid/SiLU\), MaxPool of any window up to 15x15 \(no Indices "
+        r"output\), ConvTranspose of any window, "
         r"channel Concat of their outputs, the mobile ops: depthwise Conv "
         r".* Resize nearest/linear over H,W; and a segmentation head: .*; move it to Track B with "
         r"partition\.track_b\.name_prefixes: \['pre/nchw'\]$",
@@ -244,15 +243,16 @@ def test_whole_unet_body_lowers_to_kernels(tiny: tuple[BuildConfig, onnx.ModelPr
 
 def test_conv_the_kernel_cannot_take_names_why(tiny: tuple[BuildConfig, onnx.ModelProto]) -> None:
     cfg, model = tiny
-    grouped = copy.deepcopy(model)
-    head = next(n for n in grouped.graph.node if n.name == "head/conv")
-    head.attribute.append(helper.make_attribute("group", 2))  # the head's 32 channels in two groups
-    w = next(i for i in grouped.graph.initializer if i.name == head.input[1])
-    w.CopyFrom(helper.make_tensor(w.name, w.data_type, [2, 16, 1, 1], np.ones(32, np.float32)))
+    wide = copy.deepcopy(model)
+    head = next(n for n in wide.graph.node if n.name == "head/conv")
+    del head.attribute[:]  # a 17x17 window: wider than the general conv's 15x15
+    head.attribute.extend([helper.make_attribute("kernel_shape", [17, 17]), helper.make_attribute("pads", [8] * 4)])
+    w = next(i for i in wide.graph.initializer if i.name == head.input[1])
+    k, c = w.dims[0], w.dims[1]
+    w.CopyFrom(helper.make_tensor(w.name, w.data_type, [k, c, 17, 17], np.ones(k * c * 289, np.float32)))
     with pytest.raises(
         PartitionError,
-        match=r"^node 'head/conv' \(Conv, group=2: the general conv takes group 1 \(no grouped or depthwise "
-        r"convolution\)\) is on Track A",
+        match=r"^node 'head/conv' \(Conv, kernel 17x17: the general conv takes 1..15 a side\) is on Track A",
     ):
         partition.build_plan(with_partition(cfg, Rules(name_prefixes=("enc", "mid/", "dec", "head/"))), grouped)
 

@@ -139,12 +139,12 @@ def test_many_small_islands_each_go_by_the_switch_cost() -> None:
 
 
 def conv_chain() -> onnx.ModelProto:
-    """B -> 3x3 conv + Relu (A) -> grouped 7x7 conv (no Track A kernel) -> 3x3 conv, shared output: its
+    """B -> 3x3 conv + Relu (A) -> grouped 17x17 conv (no Track A kernel) -> 3x3 conv, shared output: its
     Relu an eltwise call of its own -> B."""
     g = Graph()
     g.add("Sin", "pre", ["x"])
     g.add("Relu", "c1_relu", [g.conv("c1", "pre")])
-    g.conv("cg", "c1_relu", k=7, group=2)
+    g.conv("cg", "c1_relu", k=17, group=2)
     g.conv("c2", "cg")
     g.add("Relu", "c2_relu", ["c2"])
     g.add("Sin", "side", ["c2"])  # c2's output is read twice: its Relu cannot fuse
@@ -160,7 +160,7 @@ def test_every_node_gets_the_predicates_answer() -> None:
     assert why(p, "c1_relu") == "a Track A kernel takes it (no launch of its own)"
     assert (
         why(p, "cg")
-        == "not a Track A node: group=2: the general conv takes group 1 (no grouped or depthwise convolution)"
+        == "not a Track A node: kernel 17x17: the general conv takes 1..15 a side"
     )
     assert why(p, "c2_relu") == "a Track A kernel takes it"
     calls = [c for s in p.plan.segments for c in s.calls]
@@ -172,20 +172,20 @@ def test_every_node_gets_the_predicates_answer() -> None:
 
 
 def refused_convs() -> onnx.ModelProto:
-    """Between Sins: a grouped conv (the general conv refuses it) and a depthwise 7x7 (lower_mobile does)."""
+    """Between Sins: a grouped 17x17 conv (the general conv refuses it) and a depthwise 9x9 (lower_mobile does)."""
     g = Graph()
     g.add("Sin", "pre", ["x"])
-    g.conv("grouped", "pre", group=2)
-    g.conv("dw7", "grouped", k=7, group=C)
-    g.add("Sin", "post", ["dw7"])
+    g.conv("grouped", "pre", k=17, group=2)
+    g.conv("dw9", "grouped", k=9, group=C)
+    g.add("Sin", "post", ["dw9"])
     return g.model("post")
 
 
 @pytest.mark.parametrize(
     ("node", "reason"),
     [
-        ("grouped", "group=2: the general conv takes group 1 (no grouped or depthwise convolution)"),
-        ("dw7", "depthwise kernel [7, 7] (the kernel takes 3x3 or 5x5)"),
+        ("grouped", "kernel 17x17: the general conv takes 1..15 a side"),
+        ("dw9", "depthwise kernel [9, 9] (the kernel takes 1..7 a side)"),
     ],
 )
 def test_the_lowering_and_auto_ask_the_same_predicate(node: str, reason: str) -> None:
@@ -235,7 +235,7 @@ def test_rules_override_auto_node_by_node() -> None:
     p = partition.partition_model(auto(0.0, track_b=Rules(op_types=("MaxPool",))), lone_pool())
     assert tracks(p)["pool"] == "B" and why(p, "pool") == "rule partition.track_b.op_types 'MaxPool'"
     # ... and a Track A rule on a node no kernel takes fails as it does without auto.
-    with pytest.raises(PartitionError, match=r"^node 'cg' \(Conv, group=2: the general conv takes group 1 "):
+    with pytest.raises(PartitionError, match=r"^node 'cg' \(Conv, kernel 17x17: the general conv takes 1..15 a side"):
         partition.partition_model(auto(0.0, track_a=Rules(name_prefixes=("cg",))), conv_chain())
 
 

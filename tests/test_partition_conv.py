@@ -17,7 +17,6 @@ from dualtrack.compiler import partition
 from dualtrack.compiler.config import BuildConfig, PartitionConfig, Rules
 from dualtrack.compiler.verify import interpret_track_a
 from dualtrack.contract.plan import Plan
-from dualtrack.errors import PartitionError
 from dualtrack.kernels import ACTIVATIONS, Activation
 
 RNG = np.random.default_rng()
@@ -205,15 +204,11 @@ def test_same_upper_auto_pad_and_asymmetric_pads(tmp_path: Path) -> None:
     track_a_matches_onnxruntime(model, plan)
 
 
-def test_grouped_conv_is_refused_with_the_predicate_reason(tmp_path: Path) -> None:
+def test_grouped_conv_lowers_to_the_general_conv_with_its_groups(tmp_path: Path) -> None:
     g = Graph(8, 6, 6)
-    out = g.conv("a/dw", "x0", 4, 8, 3, 3, pads=[1, 1, 1, 1], group=2)  # grouped, not depthwise
-    with pytest.raises(
-        PartitionError,
-        match=r"^node 'a/dw' \(Conv, group=2: the general conv takes group 1 \(no grouped or depthwise "
-        r"convolution\)\) is on Track A, whose kernels cover Conv of group 1",
-    ):
-        plan_of(g.model(out), tmp_path)
+    out = g.conv("a/g2", "x0", 4, 8, 3, 3, pads=[1, 1, 1, 1], group=2)  # grouped, not depthwise
+    [call] = a_calls(plan_of(g.model(out), tmp_path))
+    assert (call.op, call.attr("groups"), call.attr("R")) == ("conv", 2, 3)
 
 
 def test_residual_add_read_twice_keeps_the_add_out(tmp_path: Path) -> None:

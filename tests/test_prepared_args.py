@@ -20,6 +20,7 @@ from dualtrack.kernels import (
     KERNELS,
     RESIZE_RGB,
     ConvGeometry,
+    ConvTGeometry,
     DwGeometry,
     HeadMode,
     PoolGeometry,
@@ -97,6 +98,10 @@ C3 = KernelCall("conv3x3", ("x",), ("y",), ("w", "b"), (("relu", 1),), ("c",))
 P, Q = G.output_hw(9, 10)
 P2, Q2 = G2.output_hw(12, 11)
 HO, WO = DwGeometry(5, 2, 1, (2, 1, 2, 2)).output_hw(13, 14)
+TG = ConvTGeometry(3, 3, 2, 2, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1, out_pad_h=1, out_pad_w=1, groups=2)
+TG2 = ConvTGeometry(4, 5, 3, 2, pad_top=1, pad_left=2, pad_bottom=0, pad_right=1)
+RES = ("residual", 1)
+GG = ConvGeometry(3, 3, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1, groups=32)
 POOL3 = PoolGeometry(3, 3, 2, 2, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1)
 POOL_CEIL = PoolGeometry(3, 2, 2, 3, dil_h=2, pad_bottom=1, ceil_mode=1)
 
@@ -156,6 +161,19 @@ CASES: dict[str, Callable[[], PreparedCall]] = {
     "conv f32 plain": lambda: K["conv"].prepare(
         KernelCall("conv", ("x",), ("y",), ("w",), (*G2.attrs(), *RELU6.attrs())), T(0x1000, (1, 12, 11, 5), f32),
         T(0x3000, (1, P2, Q2, 7), f32, ld=9), [T(0x4000, (7, 5, 3, 5), f32)], Context("off"),
+    ),
+    "conv grouped": lambda: K["conv"].prepare_inputs(
+        KernelCall("conv", ("x",), ("y",), ("w", "b"), (*GG.attrs(), ("residual", 0))), [T(0x1000, (2, 16, 16, 128))],
+        T(0x3000, (2, 16, 16, 128)), [T(0x4000, (128, 3, 3, 4)), T(0x5000, (128,), f32)], Context(None),
+    ),
+    "convt": lambda: K["convt"].prepare_inputs(
+        KernelCall("convt", ("x", "r"), ("y",), ("w", "b"), (*TG.attrs(), ("act", ACTIVATIONS["relu"]), RES)),
+        [T(0x1000, (2, 5, 6, 16), ld=24), T(0x2000, (2, 10, 12, 32), ld=40)], T(0x3000, (2, 10, 12, 32), ld=48),
+        [T(0x4000, (2, 3, 3, 8, 16)), T(0x5000, (32,), f32)], Context("off"),
+    ),
+    "convt f32 plain": lambda: K["convt"].prepare_inputs(
+        KernelCall("convt", ("x",), ("y",), ("w",), TG2.attrs()), [T(0x1000, (1, 4, 5, 3), f32)],
+        T(0x3000, (1, 12, 10, 7), f32), [T(0x4000, (1, 4, 5, 3, 7), f32)], Context("off"),
     ),
     "dwconv": lambda: K["dwconv"].prepare(
         KernelCall("dwconv", ("x",), ("y",), ("w", "b"), (*DW, ("act", PLAN_ACTS["hardswish"]))),
@@ -357,21 +375,45 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
         [4096, 16384, 0, 0, 12288, 1, 12, 11, 5, 7, 12, 11, 5, 3, 1, 1, 4, 1, 2, 1, 5, 9, 7, 2, 0.0, 6.0],
         "PPPPPIIIIIIIIIIIIIIIIIIIFF",
     ),
+    "conv grouped": (
+        "conv_nhwc_f16_direct",  # 4 -> 4 channels a group: the direct entry, one grid layer a group
+        (2, 1, 32),
+        (256, 1, 1),
+        0,
+        [4096, 16384, 20480, 0, 12288, 2, 16, 16, 4, 4, 16, 16, 3, 3, 1, 1, 1, 1, 1, 1, 128, 128, 128, 0, 0.0, 0.0],
+        "PPPPPIIIIIIIIIIIIIIIIIIIFF",
+    ),
+    "convt": (
+        "convt_nhwc_f16",
+        (4, 1, 1),  # 2*10*12 pixels x 2 groups x 2 blocks of 8 channels, 256 a block
+        (256, 1, 1),
+        0,
+        [4096, 16384, 20480, 8192, 12288, 2, 5, 6, 8, 16, 2, 10, 12, 3, 3, 2, 2, 1, 1, 1, 1, 24, 48, 40, 1, 0.0, 0.0],
+        "PPPPPIIIIIIIIIIIIIIIIIIIIFF",
+    ),
+    "convt f32 plain": (
+        "convt_nhwc_f32",
+        (1, 1, 1),
+        (256, 1, 1),
+        0,
+        [4096, 16384, 0, 0, 12288, 1, 4, 5, 3, 7, 1, 12, 10, 4, 5, 3, 2, 1, 2, 1, 1, 3, 7, 7, 0, 0.0, 0.0],
+        "PPPPPIIIIIIIIIIIIIIIIIIIIFF",
+    ),
     "dwconv": (
         "dwconv_nhwc_f16",
         (2, 1, 1),  # fp16, C and the strides multiples of 8: a thread per 8 channels
         (256, 1, 1),
         0,
-        [4096, 12288, 16384, 8192, 2, 13, 14, 24, 7, 7, 40, 56, 5, 2, 1, 2, 1, 4, 0.0, 0.0],
-        "PPPPIIIIIIIIIIIIIIFF",
+        [4096, 12288, 16384, 8192, 2, 13, 14, 24, 7, 7, 40, 56, 5, 5, 2, 2, 1, 1, 2, 1, 1, 4, 0.0, 0.0],
+        "PPPPIIIIIIIIIIIIIIIIIIFF",
     ),
     "dwconv nobias f32": (
         "dwconv_nhwc_f32",
         (2, 1, 1),
         (256, 1, 1),
         0,
-        [4096, 12288, 0, 8192, 1, 6, 7, 8, 6, 7, 8, 8, 3, 1, 2, 2, 2, 0, 0.0, 0.0],
-        "PPPPIIIIIIIIIIIIIIFF",
+        [4096, 12288, 0, 8192, 1, 6, 7, 8, 6, 7, 8, 8, 3, 3, 1, 1, 2, 2, 2, 2, 1, 0, 0.0, 0.0],
+        "PPPPIIIIIIIIIIIIIIIIIIFF",
     ),
     "gap": ("gap_nhwc_f16", (3, 3, 1), (1024, 1, 1), 0, [4096, 8192, 3, 7, 9, 72, 80, 96], "PPIIIIII"),
     "fc": (

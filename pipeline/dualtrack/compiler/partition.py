@@ -28,14 +28,14 @@ from dualtrack.compiler import cost, frontend, layout, lower_head, lower_mobile
 from dualtrack.compiler.config import BuildConfig, Rules
 from dualtrack.compiler.frontend import model_precision
 from dualtrack.contract.activations import Activation
-from dualtrack.contract.plan import MODEL_LAYOUT_OPS, POOL_MODES, KernelCall, Plan, Segment, TensorSpec
+from dualtrack.contract.plan import MODEL_LAYOUT_OPS, KernelCall, Plan, Segment, TensorSpec
 from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
 from dualtrack.kernels import ConvGeometry, PoolGeometry
 
 TRACK_A_DESCRIPTION = (
-    "Conv of group 1, any kernel size, stride, dilation and padding (optionally +Add of a residual "
-    "+Relu/Clip(0,6)/HardSwish/HardSigmoid/Sigmoid/SiLU), MaxPool and AveragePool of any window up to "
-    f"{kernels.maxpool.MAX_KERNEL}x{kernels.maxpool.MAX_KERNEL} (no Indices output), ConvTranspose 2x2/stride 2, "
+    "Conv of any kernel size, stride, dilation, padding and group count (optionally +Add of a residual "
+    "+Relu/Clip(0,6)/HardSwish/HardSigmoid/Sigmoid/SiLU), MaxPool of any window up to "
+    f"{kernels.maxpool.MAX_KERNEL}x{kernels.maxpool.MAX_KERNEL} (no Indices output), ConvTranspose of any window, "
     "channel Concat of their outputs, "
     f"the mobile ops: {lower_mobile.DESCRIPTION}; and {lower_head.DESCRIPTION}"
 )
@@ -376,17 +376,16 @@ def conv_geometry(node: onnx.NodeProto, specs: dict) -> tuple[ConvGeometry | Non
     pads, why = _window_pads(a, x_shape, [R, S], [sh, sw], [dh, dw])
     if pads is None:
         return None, group, why
-    return ConvGeometry(R, S, sh, sw, dh, dw, *pads), group, None
+    return ConvGeometry(R, S, sh, sw, dh, dw, *pads, groups=group), group, None
 
 
 def pool_geometry(node: onnx.NodeProto, specs: dict) -> tuple[PoolGeometry | None, str | None]:
-    """(window, None) of a 2-D MaxPool or AveragePool as ONNX defines it (its mode one of
-    ``plan.POOL_MODES``), or (None, why not): not 2-D, an Indices output, or attributes the kernels
-    do not know."""
+    """(window, None) of a 2-D MaxPool as ONNX defines it, or (None, why not): not 2-D, an Indices
+    output, or attributes the kernels do not know."""
     a = _attrs(node)
     x_shape = specs[node.input[0]][0]
     if len(x_shape) != 4:
-        return None, f"a {len(x_shape) - 2}-D pooling (Track A takes 2-D)"
+        return None, f"a {len(x_shape) - 2}-D max-pool (Track A takes 2-D)"
     if len([o for o in node.output if o]) != 1:
         return None, "an Indices output (Track A computes the values only)"
     kernel = [int(v) for v in a.get("kernel_shape", [])]
@@ -398,10 +397,7 @@ def pool_geometry(node: onnx.NodeProto, specs: dict) -> tuple[PoolGeometry | Non
     if pads is None:
         return None, why
     # storage_order only orders the Indices output, which Track A never computes.
-    mode = POOL_MODES["max"]
-    if node.op_type == "AveragePool":
-        mode = POOL_MODES["avg_include_pad" if a.get("count_include_pad", 0) else "avg_exclude_pad"]
-    return PoolGeometry(*kernel, *strides, *dilations, *pads, ceil_mode=int(a.get("ceil_mode", 0)), mode=mode), None
+    return PoolGeometry(*kernel, *strides, *dilations, *pads, ceil_mode=int(a.get("ceil_mode", 0))), None
 
 
 def _constant(name: str, model: onnx.ModelProto) -> np.ndarray | None:
@@ -591,8 +587,43 @@ def _conv_kernel(node: onnx.NodeProto, ctx: SupportContext) -> str:
     return _dense_conv(node, ctx.epilogues[node.name], ctx.specs)[0]
 
 
+def convt_geometry(node: onnx.NodeProto, specs: dict) -> tuple[kernels.ConvTGeometry | None, str | None]:
+    """(window, None) of a 2-D ConvTranspose with explicit pads, or (None, why not)."""
+    a = _attrs(node)
+    w_shape = specs[node.input[1]][0]
+    if len(w_shape) != 4 or len(specs[node.input[0]][0]) != 4:
+        return None, f"a {len(w_shape) - 2}-D transposed convolution (Track A takes 2-D)"
+    auto_pad = a.get("auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if a.get("output_shape") or auto_pad not in ("NOTSET", "VALID"):
+        return None, "output_shape or auto_pad SAME_* (re-export with explicit pads and output_padding)"
+    R, S = (int(v) for v in a.get("kernel_shape", w_shape[2:]))
+    pads = [0, 0, 0, 0] if auto_pad == "VALID" else [int(v) for v in a.get("pads", [0, 0, 0, 0])]
+    rest = (*a.get("strides", [1, 1]), *a.get("dilations", [1, 1]), *pads, *a.get("output_padding", [0, 0]))
+    return kernels.ConvTGeometry(R, S, *(int(v) for v in rest), groups=int(a.get("group", 1))), None
+
+
+def _convt_choice(node: onnx.NodeProto, specs: dict) -> tuple[str, kernels.ConvTGeometry | None, str | None]:
+    """The kernel a ConvTranspose runs: convt2x2 (tensor cores) for the 2x2 stride-2 unpadded one it is
+    written for, else the general ``convt``, with its window and why its spec refuses it (None: takes it)."""
+    if _convt_attrs_ok(node) is None:
+        return "convt2x2", None, None
+    geom, why = convt_geometry(node, specs)
+    if geom is None:
+        return "convt", None, why
+    (_, c, h, w), dtype = specs[node.input[0]]
+    k = specs[node.output[0]][0][1]
+    spec = kernels.KERNELS["convt"]
+    assert isinstance(spec, kernels.ConvTSpec)
+    return "convt", geom, spec.supports(dtype, h, w, c, k, geom)
+
+
 def _convt_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
-    return _convt_attrs_ok(node) or _constant_weights(node, ctx)
+    return _constant_weights(node, ctx) or _convt_choice(node, ctx.specs)[2]
+
+
+def _convt_kernel(node: onnx.NodeProto, ctx: SupportContext) -> str:
+    return _convt_choice(node, ctx.specs)[0]
 
 
 # The window maxpool2x2 is specialised for (the reference U-Net's pools); the general maxpool takes the rest.
@@ -600,7 +631,7 @@ _POOL_2X2 = PoolGeometry(2, 2, 2, 2)
 
 
 def _max_pool(node: onnx.NodeProto, specs: dict) -> tuple[str, PoolGeometry | None, str | None]:
-    """The kernel a MaxPool or AveragePool runs, its window and why the kernel cannot take it (None where it can):
+    """The kernel a MaxPool runs, its window and why the kernel cannot take it (None where it can):
     ``maxpool2x2`` for a plain 2x2 / stride 2 window, else the general ``maxpool``, where its spec's
     :meth:`~dualtrack.kernels.MaxPoolSpec.supports` says so and its output size is the graph's
     (ONNX's shape inference and onnxruntime disagree on some ``ceil_mode`` windows:
@@ -715,8 +746,7 @@ TRACK_A_SUPPORT: dict[str, TrackAOp] = {
     **{op: TrackAOp(_epilogue_support, _epilogue_kernel) for op in ("Add", "Mul", *lower_mobile.ACT_OPS)},
     "Conv": TrackAOp(_conv_support, _conv_kernel),
     "MaxPool": TrackAOp(_pool_support, _pool_kernel),
-    "AveragePool": TrackAOp(_pool_support, _pool_kernel),
-    "ConvTranspose": TrackAOp(_convt_support, _launches("convt2x2")),
+    "ConvTranspose": TrackAOp(_convt_support, _convt_kernel),
     "Concat": TrackAOp(_concat_support, _launches(None)),
 }
 # The segmentation head's ops (lower_head: one seghead call writes the model's probs and mask).
@@ -737,8 +767,7 @@ def track_a_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
     dtype = ctx.specs[node.output[0]][1]
     if dtype not in ("float16", "float32") and node.name not in ctx.heads.found:  # a head's mask is uint8
         return f"dtype {dtype}"
-    # The data input, or either operand of a binary op (1 - x: Sub's constant comes first).
-    if all(x in ctx.constant for x in node.input[:2] if x):
+    if node.input[0] in ctx.constant:
         return "input computed from constants alone (not batch-major)"
     return op.check(node, ctx)
 
@@ -883,13 +912,17 @@ def _lower_dense_op(
         if node.name in groups.emit_at:  # no epilogue nodes: the call goes here
             return _conv_call(node, groups.epilogues[node.name], specs, _refusal)
         return None
-    if node.op_type in ("MaxPool", "AveragePool"):
+    if node.op_type == "MaxPool":
         op, geom, _ = _max_pool(node, specs)
         attrs = geom.attrs() if op == "maxpool" and geom is not None else ()
         return KernelCall(op, (node.input[0],), (node.output[0],), (), attrs, (node.name,))
     if node.op_type == "ConvTranspose":
         weights = tuple(w for w in node.input[1:] if w)
-        return KernelCall("convt2x2", (node.input[0],), (node.output[0],), weights, (), (node.name,))
+        op, tgeom, why = _convt_choice(node, specs)
+        if why:
+            raise _refusal(node, why)
+        attrs = () if tgeom is None else tgeom.attrs()
+        return KernelCall(op, (node.input[0],), (node.output[0],), weights, attrs, (node.name,))
     if node.op_type == "Concat":
         # No kernel: the producers write straight into channel slices of the output buffer
         # (the channel axis is _concat_support's check).
@@ -925,11 +958,11 @@ def _dense_conv(node: onnx.NodeProto, ep: _Epilogue, specs: dict) -> tuple[str, 
             return "conv3x3", None, None
         if w_shape[2:] == (1, 1) and x_shape[1] <= kernels.KERNELS["conv1x1"].max_c and w_shape[0] <= CONV1X1_MAX_K:  # type: ignore[attr-defined]
             return "conv1x1", None, None
-    geom, group, why = conv_geometry(node, specs)
+    geom, _, why = conv_geometry(node, specs)
     if geom is None:
         return "conv", None, why
     (_, c, h, w), k = x_shape, w_shape[0]
-    return "conv", geom, spec.supports(dtype, h, w, c, k, geom, groups=group)
+    return "conv", geom, spec.supports(dtype, h, w, c, k, geom)
 
 
 def _conv_call(

@@ -45,6 +45,7 @@ from dualtrack.kernels.conv1x1 import Conv1x1Spec
 from dualtrack.kernels.conv3x3 import Conv3x3Spec, F16Tile
 from dualtrack.kernels.conv3x3_wgmma import WGMMA_CONFIGS, Conv3x3WgmmaSpec, WgmmaConfig
 from dualtrack.kernels.conv_general import ConvGeneralSpec, ConvGeometry
+from dualtrack.kernels.convt import ConvTGeometry, ConvTSpec
 from dualtrack.kernels.convt2x2 import ConvT2x2Spec, pack_convt_weights
 from dualtrack.kernels.device import DeviceInfo, for_target
 from dualtrack.kernels.dwconv import DwConvSpec, DwGeometry
@@ -77,6 +78,8 @@ __all__ = [
     "ConvGeneralSpec",
     "ConvGeometry",
     "ConvT2x2Spec",
+    "ConvTGeometry",
+    "ConvTSpec",
     "DeviceInfo",
     "DeviceTensor",
     "DwConvSpec",
@@ -120,6 +123,7 @@ KERNELS: Mapping[str, KernelSpec] = {
     "maxpool2x2": MaxPool2x2Spec(op="maxpool2x2", stem="maxpool2x2_nhwc"),
     "maxpool": MaxPoolSpec(op="maxpool", stem="maxpool_nhwc"),  # any window; maxpool2x2 keeps 2x2/2
     "convt2x2": ConvT2x2Spec(op="convt2x2", stem="convt2x2_nhwc"),
+    "convt": ConvTSpec(op="convt", stem="convt_nhwc"),  # any other ConvTranspose (gather form, CUDA cores)
     "conv1x1": Conv1x1Spec(op="conv1x1", stem="conv1x1_nhwc"),
     "conv": ConvGeneralSpec(op="conv", stem="conv_nhwc", hopper=CONV3X3_WGMMA),  # 3x3/1 fp16 on wgmma where it can
     # The mobile network kernels (MobileNetV3 / LR-ASPP: depthwise, SE, HardSwish, bilinear heads).

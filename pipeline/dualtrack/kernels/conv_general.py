@@ -1,4 +1,4 @@
-"""conv_nhwc: the general ``conv`` op — any R x S kernel, strides, dilations and padding (group 1)
+"""conv_nhwc: the general ``conv`` op — any R x S kernel, strides, dilations, padding and group count
 with a fused epilogue: bias, a residual input added before the activation, and an activation
 (any row of :mod:`dualtrack.contract.activations`, with its parameters), writing into a channel slice.
 
@@ -9,6 +9,12 @@ convolution, and the partition asks it before it lowers a Conv to this op. fp16 
 GEMM on mma.sync tensor cores in four tiles (:meth:`ConvGeneralSpec.variant`), fp32 a SIMT GEMM.
 On Hopper its 3x3 stride-1 fp16 layers with ReLU or no activation (ResNet's second conv of a block,
 the one with the residual) run conv3x3_wgmma instead (:func:`~dualtrack.kernels.select.choose_conv`).
+
+A grouped convolution (ResNeXt's 32 groups, any C/g and K/g) is the same GEMM per group, one grid
+layer (``grid.z``) a group on channel slices: its launch passes the channels of one group and the
+chooser sizes its tile for that group's GEMM. Depthwise convolutions are the dwconv op's
+(:mod:`dualtrack.kernels.dwconv`): with one input channel a group every load here would be a
+strided 2-byte read, where dwconv reads neighbouring channels together.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels.base import (
     DTYPES,
+    GRID_Y_MAX,
     INT32_MAX,
     DeviceTensor,
     KernelSpec,
@@ -62,6 +69,7 @@ class ConvGeometry:
     pad_left: int = 0
     pad_bottom: int = 0
     pad_right: int = 0
+    groups: int = 1  # ONNX ``group``: C and K split into this many independent convolutions
 
     def output_hw(self, H: int, W: int) -> tuple[int, int]:
         """(P, Q): output rows and columns on an H x W input (ONNX's floor rule)."""
@@ -70,8 +78,9 @@ class ConvGeometry:
         return P, Q
 
     def attrs(self) -> tuple[tuple[str, int], ...]:
-        """The geometry as :class:`KernelCall` attributes."""
-        return tuple(asdict(self).items())
+        """The geometry as :class:`KernelCall` attributes (``groups`` only where it is not 1, so a
+        group-1 call reads as it did before groups existed)."""
+        return tuple((k, v) for k, v in asdict(self).items() if k != "groups" or v != 1)
 
     @classmethod
     def from_call(cls, call: KernelCall) -> ConvGeometry:
@@ -90,13 +99,22 @@ class ConvGeometry:
             return f"strides {self.stride_h},{self.stride_w} dilations {self.dil_h},{self.dil_w}: each must be >= 1"
         if min(self.pad_top, self.pad_left, self.pad_bottom, self.pad_right) < 0:
             return "negative padding (a crop)"
+        if self.groups < 1:
+            return f"group={self.groups}: must be >= 1"
+        return None
+
+    def group_problem(self, C: int, K: int) -> str | None:
+        """Why C input and K output channels do not split into :attr:`groups` groups, or None."""
+        if C % self.groups or K % self.groups:
+            return f"group={self.groups} does not divide C={C} and K={K}"
         return None
 
     def label(self) -> str:
         pads = (self.pad_top, self.pad_left, self.pad_bottom, self.pad_right)
+        grouped = f" group {self.groups}" if self.groups != 1 else ""
         return (
             f"{self.R}x{self.S} stride {self.stride_h},{self.stride_w} dilation {self.dil_h},{self.dil_w} "
-            f"pads {','.join(map(str, pads))}"
+            f"pads {','.join(map(str, pads))}{grouped}"
         )
 
 
@@ -178,7 +196,9 @@ class ConvGeneralSpec(KernelSpec):
         return f"{self.stem}_f16_direct"
 
     def direct_supported(self, C: int, K: int, geom: ConvGeometry) -> str | None:
-        """None when the direct entry takes a conv of C -> K channels, else why not."""
+        """None when the direct entry takes a conv of C -> K channels (all groups; it runs one
+        group's C/g -> K/g a grid layer), else why not."""
+        C, K = C // geom.groups, K // geom.groups
         if self.direct_k < K:
             return f"K={K} > {self.direct_k} output channels"
         if self.direct_weights < K * geom.R * geom.S * C:
@@ -193,6 +213,8 @@ class ConvGeneralSpec(KernelSpec):
         g = geom
         if g is None or act is None:
             return "a general conv's launch needs its window and activation"
+        if g.groups != 1:
+            return f"group={g.groups}: the wgmma kernel takes group 1"
         if (g.R, g.S, g.stride_h, g.stride_w, g.dil_h, g.dil_w) != (3, 3, 1, 1, 1, 1):
             return f"{g.label()}: the wgmma kernel takes 3x3 stride 1 dilation 1"
         if (g.pad_top, g.pad_left, g.pad_bottom, g.pad_right) != (1, 1, 1, 1):
@@ -209,20 +231,16 @@ class ConvGeneralSpec(KernelSpec):
 
     # --- what the kernel computes -----------------------------------------------------------------
 
-    def supports(
-        self, dtype: Any, H: int, W: int, C: int, K: int, geom: ConvGeometry, *, groups: int = 1
-    ) -> str | None:
-        """None when the kernel computes this convolution (on an H x W x C input, K filters), else
-        why not. The partition lowers a Conv to this op only where this says None; launches check
-        it again."""
+    def supports(self, dtype: Any, H: int, W: int, C: int, K: int, geom: ConvGeometry) -> str | None:
+        """None when the kernel computes this convolution (on an H x W x C input, K filters in
+        ``geom.groups`` groups), else why not. The partition lowers a Conv to this op only where this
+        says None; launches check it again."""
         try:
             dtype_name(dtype)
         except InputError as exc:
             return str(exc)
-        if groups != 1:
-            return f"group={groups}: the general conv takes group 1 (no grouped or depthwise convolution)"
         g = geom
-        why = g.window_problem(MAX_KERNEL, "the general conv")
+        why = g.window_problem(MAX_KERNEL, "the general conv") or g.group_problem(C, K)
         if why:
             return why
         if min(H, W, C, K) < 1:
@@ -232,6 +250,8 @@ class ConvGeneralSpec(KernelSpec):
             return f"{g.label()} on {H}x{W} has an empty output ({P}x{Q})"
         if g.R * g.S * C > INT32_MAX // 2:
             return f"R*S*C = {g.R * g.S * C} taps exceed the kernel's 32-bit indices"
+        if g.groups > GRID_Y_MAX:
+            return f"group={g.groups}: the grid holds at most {GRID_Y_MAX} groups"
         return None
 
     def output_shape(
@@ -278,15 +298,17 @@ class ConvGeneralSpec(KernelSpec):
         M = self._checked_pixels(N, H, W, geom)
         if self.direct_supported(C, K, geom) is None:
             return self.direct_entry
+        G = geom.groups
+        C, K = C // G, K // G  # one group's GEMM; G of them side by side in the grid
         if C % 8:
             return f"{self.stem}_f16_gather"
         if self.f16_narrow.bn >= K:
             return f"{self.stem}_f16_narrow"
         wide = self.f16_wide
-        if wide.bn <= K and cdiv(M, wide.bm) * cdiv(K, wide.bn) >= device.full_wave(wide.min_blocks):
+        if wide.bn <= K and G * cdiv(M, wide.bm) * cdiv(K, wide.bn) >= device.full_wave(wide.min_blocks):
             return f"{self.stem}_f16_wide"
         main = self.f16_main
-        if cdiv(M, main.bm) * cdiv(K, main.bn) >= device.full_wave(main.min_blocks):
+        if G * cdiv(M, main.bm) * cdiv(K, main.bn) >= device.full_wave(main.min_blocks):
             return self.entry(name)
         return f"{self.stem}_f16_small"
 
@@ -328,8 +350,11 @@ class ConvGeneralSpec(KernelSpec):
                 why = self.direct_supported(C, K, geom)
                 if why:
                     raise InputError(f"{entry} cannot run this convolution: {why}")
-                blocks = min(cdiv(M, self.direct_threads), device.sm_count * self.direct_blocks_per_sm)
-                return LaunchConfig(grid=(blocks, 1, 1), block=(self.direct_threads, 1, 1), shared_bytes=0)
+                # The grid-stride loop's blocks per SM are shared by the groups' grid layers.
+                per_group = max(1, device.sm_count * self.direct_blocks_per_sm // geom.groups)
+                blocks = min(cdiv(M, self.direct_threads), per_group)
+                grid = (blocks, 1, geom.groups)
+                return LaunchConfig(grid=grid, block=(self.direct_threads, 1, 1), shared_bytes=0)
             tile = self._tile(entry)
             bm, bn = tile.bm, tile.bn
             threads = tile.threads
@@ -338,7 +363,8 @@ class ConvGeneralSpec(KernelSpec):
                 raise InputError(f"'{entry}' is not the {name} entry of {self.stem}")
             bm, bn = self.f32[:2]
             threads = self.threads(name)
-        return LaunchConfig(grid=gemm_grid(M, K, bm, bn), block=(threads, 1, 1), shared_bytes=0)
+        grid = gemm_grid(M, K // geom.groups, bm, bn, geom.groups)
+        return LaunchConfig(grid=grid, block=(threads, 1, 1), shared_bytes=0)
 
     # args(): the bias and the residual (``res``, stride ``ldr``) may be null.
     NULLABLE: ClassVar[frozenset[str]] = frozenset({"bias", "res"})
@@ -347,14 +373,17 @@ class ConvGeneralSpec(KernelSpec):
 
     def arg_values(self, kw: Mapping[str, Any]) -> dict[str, Any]:
         """The output size ``P, Q`` and the rest of the ``geom`` (a :class:`ConvGeometry`)
-        checked, and the activation ``act`` (an :class:`Activation`; none by default) as ``act, p0, p1``."""
+        checked, one group's channels ``C, K`` (the kernel's grid.z walks the groups), and the
+        activation ``act`` (an :class:`Activation`; none by default) as ``act, p0, p1``."""
         g: ConvGeometry = kw["geom"]
         _, P, Q, _ = self.output_shape(kw["N"], kw["H"], kw["W"], kw["C"], kw["K"], geom=g)
         self._checked_pixels(kw["N"], kw["H"], kw["W"], g)
         act = kw.get("act") or Activation()
         if not isinstance(act, Activation):
             raise InputError(f"act={act!r} is not an Activation; pass dualtrack.kernels.Activation.named(NAME, p0, p1)")
-        return {"P": P, "Q": Q, **{name: getattr(g, name) for name in self._GEOMETRY}, **act.kernel_args()}
+        per_group = {"C": kw["C"] // g.groups, "K": kw["K"] // g.groups}
+        geometry = {name: getattr(g, name) for name in self._GEOMETRY}
+        return {"P": P, "Q": Q, **per_group, **geometry, **act.kernel_args()}
 
     # --- a plan's call ----------------------------------------------------------------------------
 
@@ -372,17 +401,19 @@ class ConvGeneralSpec(KernelSpec):
         geom: ConvGeometry | None = None,
         act: Activation | None = None,
     ) -> np.ndarray:
-        """numpy semantics: ``x`` (N,H,W,C), ``w`` (K,R,S,C), ``bias`` (K,) or None, ``res``
-        (N,P,Q,K) or None. In float32: the products and sums, then bias and residual, then the
-        activation, rounded once to x's dtype."""
+        """numpy semantics: ``x`` (N,H,W,C), ``w`` (K,R,S,C/groups), ``bias`` (K,) or None, ``res``
+        (N,P,Q,K) or None; filter k reads group k // (K/groups)'s input channels. In float32: the
+        products and sums, then bias and residual, then the activation, rounded once to x's dtype."""
         if w is None or geom is None:
-            raise InputError("the general conv's reference needs weights w (K, R, S, C) and its geometry")
-        if x.ndim != 4 or w.ndim != 4 or w.shape[1:] != (geom.R, geom.S, x.shape[3]):
-            raise InputError(f"conv takes x (N,H,W,C) and w (K,{geom.R},{geom.S},C); got x {x.shape}, w {w.shape}")
+            raise InputError("the general conv's reference needs weights w (K, R, S, C/groups) and its geometry")
+        g = geom
+        cg = x.shape[3] // g.groups if x.ndim == 4 else 0
+        if x.ndim != 4 or w.ndim != 4 or w.shape[1:] != (g.R, g.S, cg) or x.shape[3] % g.groups:
+            raise InputError(f"conv takes x (N,H,W,C) and w (K,{g.R},{g.S},C/{g.groups}); got x {x.shape}, w {w.shape}")
         N, H, W, C = x.shape
         K = w.shape[0]
         _, P, Q, _ = self.output_shape(N, H, W, C, K, geom=geom)
-        g = geom
+        kg = K // g.groups
         xp = np.pad(x.astype(np.float32), ((0, 0), (g.pad_top, g.pad_bottom), (g.pad_left, g.pad_right), (0, 0)))
         wf = w.astype(np.float32)
         out = np.zeros((N, P, Q, K), np.float32)
@@ -391,7 +422,10 @@ class ConvGeneralSpec(KernelSpec):
                 h0, w0 = r * g.dil_h, s * g.dil_w
                 rows = slice(h0, h0 + g.stride_h * (P - 1) + 1, g.stride_h)
                 cols = slice(w0, w0 + g.stride_w * (Q - 1) + 1, g.stride_w)
-                out += xp[:, rows, cols] @ wf[:, r, s, :].T
+                tap = xp[:, rows, cols]
+                for j in range(g.groups):
+                    ks, cs = slice(j * kg, (j + 1) * kg), slice(j * cg, (j + 1) * cg)
+                    out[..., ks] += tap[..., cs] @ wf[ks, r, s, :].T
         if bias is not None:
             if bias.shape != (K,):
                 raise InputError(f"bias has shape {bias.shape}; expected ({K},)")
