@@ -209,7 +209,8 @@ def test_node_without_kernel_on_track_a_names_node_and_fix(tiny: tuple[BuildConf
         PartitionError,
         match=r"^node 'pre/nchw' \(Transpose, no hand-written kernel\) is on Track A, whose kernels cover "
         r"Conv of any kernel size, stride, dilation, padding and group count \(optionally \+Add of a residual "
-        r"\+Relu/Clip\(0,6\)/HardSwish/HardSigmoid/Sigmoid/SiLU\), MaxPool of any window up to 15x15 \(no Indices "
+        r"\+Relu/Clip\(0,6\)/HardSwish/HardSigmoid/Sigmoid/SiLU\), MaxPool and AveragePool of any window up to 15x15 "
+        r"\(no Indices "
         r"output\), ConvTranspose of any window, "
         r"channel Concat of their outputs, the mobile ops: depthwise Conv "
         r".* Resize nearest/linear over H,W; and a segmentation head: .*; move it to Track B with "
@@ -254,7 +255,7 @@ def test_conv_the_kernel_cannot_take_names_why(tiny: tuple[BuildConfig, onnx.Mod
         PartitionError,
         match=r"^node 'head/conv' \(Conv, kernel 17x17: the general conv takes 1..15 a side\) is on Track A",
     ):
-        partition.build_plan(with_partition(cfg, Rules(name_prefixes=("enc", "mid/", "dec", "head/"))), grouped)
+        partition.build_plan(with_partition(cfg, Rules(name_prefixes=("enc", "mid/", "dec", "head/"))), wide)
 
 
 def test_dilated_1x1_head_lowers_to_the_general_conv(tiny: tuple[BuildConfig, onnx.ModelProto]) -> None:

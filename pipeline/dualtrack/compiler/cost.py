@@ -248,7 +248,7 @@ def _itemsize(dtype: str) -> int:
 def node_work(node: onnx.NodeProto, specs: Mapping[str, tuple[tuple[int, ...], str]], inits: set[str]) -> Work:
     """FLOPs and bytes of one node at batch 1, from the static shapes (``partition.infer_specs``).
 
-    Convolutions and matrix products count 2 FLOPs per multiply-add, a max-pool one per tap; any
+    Convolutions and matrix products count 2 FLOPs per multiply-add, a max- or average pool one per tap; any
     other node one per output element (they are memory-bound: the bytes decide)."""
     outs = [specs[o] for o in node.output if o and o in specs]
     out_elems = sum(_numel(s) for s, _ in outs)
@@ -266,7 +266,7 @@ def node_work(node: onnx.NodeProto, specs: Mapping[str, tuple[tuple[int, ...], s
         flops = 2.0 * out_elems * _numel(specs[node.input[1]][0][1:])  # (K, C/group, kh, kw)
     elif node.op_type == "ConvTranspose" and len(node.input) > 1 and node.input[1] in specs:
         flops = 2.0 * _numel(specs[node.input[0]][0]) * _numel(specs[node.input[1]][0][1:])  # (C, K/group, kh, kw)
-    elif node.op_type == "MaxPool" and node.output[0] in specs:
+    elif node.op_type in ("MaxPool", "AveragePool") and node.output[0] in specs:
         kernel = next((list(x.ints) for x in node.attribute if x.name == "kernel_shape"), [])
         flops = float(_numel(specs[node.output[0]][0]) * _numel(kernel))  # one comparison per tap
     elif node.op_type in ("MatMul", "Gemm") and node.input[0] in specs:

@@ -37,7 +37,8 @@ from dualtrack.kernels.dwconv import DwGeometry
 DESCRIPTION = (
     "depthwise Conv 1..7 a side (any strides, dilations, pads, channel multiplier), "
     "1x1 Conv on a pooled (N,C,1,1) vector, "
-    "GlobalAveragePool / ReduceMean over H,W, Add and Mul of NHWC tensors (or an (N,C,1,1) gate), "
+    "GlobalAveragePool / ReduceMean over H,W, Add, Mul, Sub and Div of NHWC tensors (or an (N,C,1,1) gate, "
+    "or a constant per-channel vector or scalar), PRelu (per-channel or single slope), "
     f"{'/'.join(activations.ONNX_OPS)} (fused into the op before them where they can be), "
     "Resize nearest/linear over H,W"
 )
@@ -62,6 +63,7 @@ class Facts:
 
     consumers: dict[str, list[onnx.NodeProto]] = field(default_factory=dict, init=False)
     producer: dict[str, onnx.NodeProto] = field(default_factory=dict, init=False)
+    inits: set[str] = field(default_factory=set, init=False)  # what a call may name as a weight
 
     def __post_init__(self) -> None:
         for n in self.model.graph.node:
@@ -71,6 +73,7 @@ class Facts:
                 self.producer[y] = n
         for init in self.model.graph.initializer:
             self._consts[init.name] = numpy_helper.to_array(init)
+            self.inits.add(init.name)
         for n in self.model.graph.node:
             if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
                 self._consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
@@ -182,19 +185,59 @@ def _gap_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
     return None
 
 
-def _binary_operands(node: onnx.NodeProto, facts: Facts) -> tuple[tuple[str, str] | None, str | None]:
-    """(full, other) inputs of an Add/Mul in kernel order, or (None, why not)."""
-    if len(node.input) != 2 or any(facts.is_const(x) for x in node.input):
-        return None, "a constant operand"
+# A binary node lowered to one eltwise call: its tensor inputs, its constant operand (a weight), its op.
+Binary = tuple[tuple[str, ...], tuple[str, ...], str]
+# The op when the broadcast operand is the node's first input: a - b and a / b turn around.
+_SWAPPED = {"add": "add", "mul": "mul", "sub": "rsub", "div": "rdiv"}
+
+
+def _channel_constant(name: str, x: str, facts: Facts) -> str | None:
+    """None when ``name`` is an initializer of ``x``'s dtype that ONNX broadcasts to ``x`` (N,C,H,W)
+    as one value per channel, a (1, C, 1, 1) shape once right-aligned ((C,1,1), (1,C,1,1), a
+    scalar), else why not."""
+    value = facts.const(name)
+    if value is None or name not in facts.inits:
+        return f"operand '{name}' is computed at run time"
+    xs = facts.shape(x)
+    if value.ndim > 4 or len(xs) != 4:
+        return f"a constant of shape {list(value.shape)} on {list(xs)}"
+    v4 = (1,) * (4 - value.ndim) + tuple(value.shape)
+    if v4[0] != 1 or v4[2:] != (1, 1) or v4[1] not in (1, xs[1]):
+        return f"a constant of shape {list(value.shape)} (the kernel takes one value per channel: (C,1,1) or a scalar)"
+    if value.dtype.name != facts.specs[x][1]:
+        return f"a {value.dtype.name} constant on a {facts.specs[x][1]} tensor"
+    return None
+
+
+def _binary_operands(node: onnx.NodeProto, facts: Facts) -> tuple[Binary | None, str | None]:
+    """(tensor inputs in kernel order, constant operand, eltwise op) of an Add/Mul/Sub/Div or PRelu,
+    or (None, why not): tensors of equal shapes, a full tensor and an (N,C,1,1) gate, or a tensor and
+    a constant per-channel vector (PRelu's slope)."""
+    op = node.op_type.lower()
+    if len(node.input) != 2:
+        return None, f"{len(node.input)} inputs"
+    consts = [facts.is_const(x) for x in node.input]
+    if all(consts):
+        return None, "both operands constant (the front end folds these)"
+    if op == "prelu" and consts[0]:
+        return None, "a constant input (the front end folds these)"
+    if any(consts):
+        x, c = (node.input[1], node.input[0]) if consts[0] else (node.input[0], node.input[1])
+        why = _channel_constant(c, x, facts)
+        if why:
+            return None, why
+        return ((x,), (c,), op if not consts[0] or op == "prelu" else _SWAPPED[op]), None
+    if op == "prelu":
+        return None, "a slope computed at run time (the kernel takes a constant per-channel slope)"
     s0, s1 = facts.shape(node.input[0]), facts.shape(node.input[1])
     if len(s0) != 4 or len(s1) != 4:
         return None, f"operands {list(s0)}, {list(s1)} are not both images"
     if s0 == s1:
-        return (node.input[0], node.input[1]), None
+        return ((node.input[0], node.input[1]), (), op), None
     for full, gate in ((0, 1), (1, 0)):
         sf, sg = (s0, s1)[full], (s0, s1)[gate]
         if sg == (sf[0], sf[1], 1, 1):
-            return (node.input[full], node.input[gate]), None
+            return ((node.input[full], node.input[gate]), (), op if full == 0 else _SWAPPED[op]), None
     return None, f"broadcast of {list(s0)} with {list(s1)} (the kernel takes equal shapes or an (N,C,1,1) gate)"
 
 
@@ -314,10 +357,13 @@ def _lower_gap(node: onnx.NodeProto, facts: Facts) -> KernelCall:
 
 
 def _lower_binary(node: onnx.NodeProto, facts: Facts) -> KernelCall:
-    operands, _ = _binary_operands(node, facts)
-    assert operands is not None
-    op = ELTWISE_OPS[node.op_type.lower()]
-    return KernelCall("eltwise", operands, (node.output[0],), (), (("op", op),), (node.name,))
+    parts, _ = _binary_operands(node, facts)
+    assert parts is not None
+    inputs, weights, op = parts
+    attrs: tuple[tuple[str, int], ...] = (("op", ELTWISE_OPS[op]),)
+    if weights:  # the constant's length once packed: the channels it is broadcast over
+        attrs += (("C", facts.shape(inputs[0])[1]),)
+    return KernelCall("eltwise", inputs, (node.output[0],), weights, attrs, (node.name,))
 
 
 def _lower_act(node: onnx.NodeProto, facts: Facts) -> KernelCall:
@@ -357,6 +403,9 @@ RULES: dict[str, Rule] = {
     "ReduceMean": Rule(_gap_ok, _lower_gap),
     "Add": Rule(_binary_ok, _lower_binary, fuses_act=True),
     "Mul": Rule(_binary_ok, _lower_binary, fuses_act=True),
+    "Sub": Rule(_binary_ok, _lower_binary, fuses_act=True),
+    "Div": Rule(_binary_ok, _lower_binary, fuses_act=True),
+    "PRelu": Rule(_binary_ok, _lower_binary, fuses_act=True),
     "Resize": Rule(_resize_ok, _lower_resize),
     "Cast": Rule(_cast_ok, _lower_cast),
     **{op: Rule(_act_ok, _lower_act) for op in ACT_OPS},

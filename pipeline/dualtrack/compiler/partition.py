@@ -28,13 +28,13 @@ from dualtrack.compiler import cost, frontend, layout, lower_head, lower_mobile
 from dualtrack.compiler.config import BuildConfig, Rules
 from dualtrack.compiler.frontend import model_precision
 from dualtrack.contract.activations import Activation
-from dualtrack.contract.plan import MODEL_LAYOUT_OPS, KernelCall, Plan, Segment, TensorSpec
+from dualtrack.contract.plan import MODEL_LAYOUT_OPS, POOL_MODES, KernelCall, Plan, Segment, TensorSpec
 from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
 from dualtrack.kernels import ConvGeometry, PoolGeometry
 
 TRACK_A_DESCRIPTION = (
     "Conv of any kernel size, stride, dilation, padding and group count (optionally +Add of a residual "
-    "+Relu/Clip(0,6)/HardSwish/HardSigmoid/Sigmoid/SiLU), MaxPool of any window up to "
+    "+Relu/Clip(0,6)/HardSwish/HardSigmoid/Sigmoid/SiLU), MaxPool and AveragePool of any window up to "
     f"{kernels.maxpool.MAX_KERNEL}x{kernels.maxpool.MAX_KERNEL} (no Indices output), ConvTranspose of any window, "
     "channel Concat of their outputs, "
     f"the mobile ops: {lower_mobile.DESCRIPTION}; and {lower_head.DESCRIPTION}"
@@ -380,12 +380,13 @@ def conv_geometry(node: onnx.NodeProto, specs: dict) -> tuple[ConvGeometry | Non
 
 
 def pool_geometry(node: onnx.NodeProto, specs: dict) -> tuple[PoolGeometry | None, str | None]:
-    """(window, None) of a 2-D MaxPool as ONNX defines it, or (None, why not): not 2-D, an Indices
-    output, or attributes the kernels do not know."""
+    """(window, None) of a 2-D MaxPool or AveragePool as ONNX defines it (its mode one of
+    ``plan.POOL_MODES``), or (None, why not): not 2-D, an Indices output, or attributes the kernels
+    do not know."""
     a = _attrs(node)
     x_shape = specs[node.input[0]][0]
     if len(x_shape) != 4:
-        return None, f"a {len(x_shape) - 2}-D max-pool (Track A takes 2-D)"
+        return None, f"a {len(x_shape) - 2}-D pooling (Track A takes 2-D)"
     if len([o for o in node.output if o]) != 1:
         return None, "an Indices output (Track A computes the values only)"
     kernel = [int(v) for v in a.get("kernel_shape", [])]
@@ -397,7 +398,10 @@ def pool_geometry(node: onnx.NodeProto, specs: dict) -> tuple[PoolGeometry | Non
     if pads is None:
         return None, why
     # storage_order only orders the Indices output, which Track A never computes.
-    return PoolGeometry(*kernel, *strides, *dilations, *pads, ceil_mode=int(a.get("ceil_mode", 0))), None
+    mode = POOL_MODES["max"]
+    if node.op_type == "AveragePool":
+        mode = POOL_MODES["avg_include_pad" if a.get("count_include_pad", 0) else "avg_exclude_pad"]
+    return PoolGeometry(*kernel, *strides, *dilations, *pads, ceil_mode=int(a.get("ceil_mode", 0)), mode=mode), None
 
 
 def _constant(name: str, model: onnx.ModelProto) -> np.ndarray | None:
@@ -631,7 +635,7 @@ _POOL_2X2 = PoolGeometry(2, 2, 2, 2)
 
 
 def _max_pool(node: onnx.NodeProto, specs: dict) -> tuple[str, PoolGeometry | None, str | None]:
-    """The kernel a MaxPool runs, its window and why the kernel cannot take it (None where it can):
+    """The kernel a MaxPool or AveragePool runs, its window and why the kernel cannot take it (None where it can):
     ``maxpool2x2`` for a plain 2x2 / stride 2 window, else the general ``maxpool``, where its spec's
     :meth:`~dualtrack.kernels.MaxPoolSpec.supports` says so and its output size is the graph's
     (ONNX's shape inference and onnxruntime disagree on some ``ceil_mode`` windows:
@@ -746,6 +750,7 @@ TRACK_A_SUPPORT: dict[str, TrackAOp] = {
     **{op: TrackAOp(_epilogue_support, _epilogue_kernel) for op in ("Add", "Mul", *lower_mobile.ACT_OPS)},
     "Conv": TrackAOp(_conv_support, _conv_kernel),
     "MaxPool": TrackAOp(_pool_support, _pool_kernel),
+    "AveragePool": TrackAOp(_pool_support, _pool_kernel),
     "ConvTranspose": TrackAOp(_convt_support, _convt_kernel),
     "Concat": TrackAOp(_concat_support, _launches(None)),
 }
@@ -767,7 +772,8 @@ def track_a_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
     dtype = ctx.specs[node.output[0]][1]
     if dtype not in ("float16", "float32") and node.name not in ctx.heads.found:  # a head's mask is uint8
         return f"dtype {dtype}"
-    if node.input[0] in ctx.constant:
+    # The data input, or either operand of a binary op (1 - x: Sub's constant comes first).
+    if all(x in ctx.constant for x in node.input[:2] if x):
         return "input computed from constants alone (not batch-major)"
     return op.check(node, ctx)
 
@@ -912,7 +918,7 @@ def _lower_dense_op(
         if node.name in groups.emit_at:  # no epilogue nodes: the call goes here
             return _conv_call(node, groups.epilogues[node.name], specs, _refusal)
         return None
-    if node.op_type == "MaxPool":
+    if node.op_type in ("MaxPool", "AveragePool"):
         op, geom, _ = _max_pool(node, specs)
         attrs = geom.attrs() if op == "maxpool" and geom is not None else ()
         return KernelCall(op, (node.input[0],), (node.output[0],), (), attrs, (node.name,))
