@@ -73,7 +73,7 @@ MeasuredTimes = Mapping[ConvKey, float]
 # The Track A kernels on the CUDA cores, memory-bound (Rates.track_a_simt): the mobile ops', the
 # general max-pool's (one comparison per tap, node_work) and the segmentation head's.
 # The general ConvTranspose's gather (convt) runs on the CUDA cores too.
-SIMT_KERNELS = ("dwconv", "gap", "fc", "eltwise", "resize", "maxpool", "seghead", "convt")
+SIMT_KERNELS = ("dwconv", "gap", "fc", "eltwise", "resize", "maxpool", "seghead", "convt", "norm")
 
 
 @dataclass(frozen=True)
@@ -275,6 +275,18 @@ def node_work(node: onnx.NodeProto, specs: Mapping[str, tuple[tuple[int, ...], s
         inner = a[-2] if trans_a and len(a) >= 2 else a[-1] if a else 1
         flops = 2.0 * out_elems * inner
     return Work(flops, float(act), float(weights))
+
+
+def norm_work(
+    specs: Mapping[str, tuple[tuple[int, ...], str]], inputs: Sequence[str], output: str, kind: int
+) -> Work:
+    """What a norm call moves at batch 1, charged to its chain's first node (the others have no launch
+    of their own): a group norm's statistics read x once more (``kind`` 0, ``plan.NORM_KINDS``), the
+    apply pass reads x (and a residual) and writes y; ~10 FLOPs an element, bytes-bound."""
+    x_shape, dtype = specs[inputs[0]]
+    x_bytes = _numel(x_shape) * _itemsize(dtype)
+    reads = sum(_numel(specs[t][0]) * _itemsize(specs[t][1]) for t in inputs) + (x_bytes if kind == 0 else 0)
+    return Work(10.0 * _numel(x_shape), float(reads + x_bytes), 0.0)
 
 
 def head_work(specs: Mapping[str, tuple[tuple[int, ...], str]], logits: str, outputs: Sequence[str]) -> Work:

@@ -24,7 +24,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from dualtrack import kernels
-from dualtrack.compiler import cost, frontend, layout, lower_head, lower_mobile
+from dualtrack.compiler import cost, frontend, layout, lower_head, lower_mobile, lower_norm
 from dualtrack.compiler.config import BuildConfig, Rules
 from dualtrack.compiler.frontend import model_precision
 from dualtrack.contract.activations import Activation
@@ -38,6 +38,7 @@ TRACK_A_DESCRIPTION = (
     f"{kernels.maxpool.MAX_KERNEL}x{kernels.maxpool.MAX_KERNEL} (no Indices output), ConvTranspose of any window, "
     "channel Concat of their outputs, "
     f"the mobile ops: {lower_mobile.DESCRIPTION}; and {lower_head.DESCRIPTION}"
+    f"; the normalisation family: {lower_norm.DESCRIPTION}"
 )
 # A 1x1 conv with at most this many output channels (a segmentation head) runs conv1x1, one thread
 # per pixel; wider ones are GEMMs for the general conv.
@@ -503,6 +504,7 @@ class SupportContext:
     epilogues: Mapping[str, _Epilogue]  # dense Conv -> the Add and activation its call covers
     fused_into: Mapping[str, onnx.NodeProto]  # a node of such an epilogue -> its Conv
     heads: lower_head.Heads  # the segmentation heads the seghead kernel takes, by node
+    norms: lower_norm.Norms  # the normalisation chains the norm kernel takes, by node
 
     @classmethod
     def of(cls, model: onnx.ModelProto, specs: dict[str, SpecMap]) -> SupportContext:
@@ -527,6 +529,7 @@ class SupportContext:
                 ep = _fuse_epilogue(n, model, specs, everywhere, private, consumers, {*fused_into, *heads.found})
                 epilogues[n.name] = ep
                 fused_into.update((e.name, n) for e in ep.nodes)
+        norms = lower_norm.find_norms(facts, {*fused_into, *heads.found})
         return cls(
             specs=specs,
             inits=frozenset(i.name for i in model.graph.initializer),
@@ -539,6 +542,7 @@ class SupportContext:
             epilogues=epilogues,
             fused_into=fused_into,
             heads=heads,
+            norms=norms,
         )
 
 
@@ -761,6 +765,27 @@ TRACK_A_SUPPORT.update(
 )  # fmt: skip
 
 
+def _or_norm(op: TrackAOp | None) -> TrackAOp:
+    """``op`` (None: no other lowering takes the op type) for a node outside a normalisation chain;
+    a chain's nodes are its norm call's (lower_norm), launched once, charged to its first node."""
+
+    def check(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+        if node.name in ctx.norms.found or op is None:
+            return ctx.norms.why(node)
+        return op.check(node, ctx)
+
+    def kernel(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+        if node.name in ctx.norms.found or op is None:
+            return ctx.norms.kernel(node)
+        return op.kernel(node, ctx)
+
+    return TrackAOp(check, kernel)
+
+
+# The normalisation family's ops (lower_norm: a chain is one norm call).
+TRACK_A_SUPPORT.update({op: _or_norm(TRACK_A_SUPPORT.get(op)) for op in lower_norm.OPS})
+
+
 def track_a_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
     """None when a Track A kernel takes ``node``, else why not: the one question lower_track_a and
     `partition: auto` both ask (the segment-level conditions, an epilogue in its Conv's segment, an
@@ -816,7 +841,11 @@ def lower_track_a(
     last_of = {ctx.heads.found[n.name]: n.name for n in seg if n.name in ctx.heads.found}
     head_at = {name: h for h, name in last_of.items()}
     in_heads = {name for h in last_of for name in h.nodes}
-    groups = _fusion_groups(seg, model, specs, ctx, private, in_heads)
+    # A norm chain is one call too, emitted at its last node (its residual is computed before that).
+    norm_last = {ctx.norms.found[n.name]: n.name for n in seg if n.name in ctx.norms.found}
+    norm_at = {name: nm for nm, name in norm_last.items()}
+    in_norms = {name for nm in norm_last for name in nm.nodes}
+    groups = _fusion_groups(seg, model, specs, ctx, private, in_heads | in_norms)
 
     def fusable(t: str) -> bool:  # an op's output that an activation after it may consume in place
         return ctx.uses[t] == 1 and private(t) and not any(u.name in in_heads for u in ctx.consumers.get(t, []))
@@ -833,6 +862,14 @@ def lower_track_a(
                 raise _refusal(node, f"its segmentation head's nodes {', '.join(missing)} are in another segment")
             if node.name in head_at:
                 calls.append(head.call())
+            continue
+        if node.name in in_norms:
+            norm = ctx.norms.found[node.name]
+            missing = [name for name in norm.nodes if name not in in_seg]
+            if missing:
+                raise _refusal(node, f"its normalisation's nodes {', '.join(missing)} are in another segment")
+            if node.name in norm_at:
+                calls.append(norm.call)
             continue
         if node.name in groups.claimed:  # in the epilogue of a Conv of this segment, which answers for it
             if node.name in groups.emit_at:
@@ -1019,6 +1056,9 @@ def _node_costs(
         on_a = why if why else "fused" if kernel is None else None
         head = ctx.heads.found.get(n.name) if kernel == "seghead" else None
         work = cost.head_work(ctx.specs, head.logits, (head.probs, head.mask)) if head is not None else None
+        if kernel == "norm":
+            call = ctx.norms.found[n.name].call
+            work = cost.norm_work(ctx.specs, call.inputs, call.outputs[0], call.attr("kind"))
         out[n.name] = cost.node_cost(
             n,
             ctx.specs,

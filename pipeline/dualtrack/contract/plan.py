@@ -45,6 +45,11 @@ POOL_MODES: dict[str, int] = {"max": 0, "avg_include_pad": 1, "avg_exclude_pad":
 RESIZE_MODES: dict[str, int] = {"nearest": 0, "linear": 1}
 RESIZE_COORDS: dict[str, int] = {"half_pixel": 0, "pytorch_half_pixel": 1, "align_corners": 2, "asymmetric": 3}
 RESIZE_NEAREST: dict[str, int] = {"floor": 0, "ceil": 1, "round_prefer_floor": 2, "round_prefer_ceil": 3}
+# The norm call's ``kind`` attr (kernels.norm): statistics per (image, group of ``groups``), per pixel
+# over the channels, or per-channel constants (an unfolded BatchNormalization); ``eps`` holds float32
+# bits; ``res``: where its second input, a residual, is added (none, before or after the activation).
+NORM_KINDS: dict[str, int] = {"group": 0, "layer": 1, "affine": 2}
+NORM_RES: dict[str, int] = {"none": 0, "before_act": 1, "after_act": 2}
 
 # The seghead call (the segmentation head's post-processing: probabilities and class mask): its
 # ``act`` attr, the fp16 roundings of its ``flags`` attr (bits), and ``thr``, the float32 bits of a

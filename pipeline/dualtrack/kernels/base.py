@@ -62,12 +62,14 @@ class LaunchConfig:
 @dataclass(frozen=True)
 class PreparedCall:
     """What :meth:`KernelSpec.prepare` answers for one call: the entry to launch, its geometry and
-    its arguments (tensor maps included), and for a conv3x3 which implementation runs and why."""
+    its arguments (tensor maps included), and for a conv3x3 which implementation runs and why.
+    ``before``: launches that run first, in order, on the same stream (a norm's statistics passes)."""
 
     entry: str
     config: LaunchConfig
     args: list[KernelArg]
     choice: ConvChoice | None = None
+    before: tuple[PreparedCall, ...] = ()
 
 
 class DeviceTensor(Protocol):

@@ -48,8 +48,11 @@ class Launch:
     args: list[kernels.KernelArg]
     entry: str
     choice: kernels.ConvChoice | None = None  # conv3x3: which implementation, and why
+    before: tuple[Launch, ...] = ()  # launched first, in order (a norm's statistics passes)
 
     def __call__(self, stream: Stream) -> None:
+        for first in self.before:
+            first(stream)
         self.kernel.launch(self.config.grid, self.config.block, self.config.shared_bytes, stream, self.args)
 
 
@@ -262,7 +265,8 @@ class TrackA:
         inputs = [env[name] for name in c.inputs]
         outputs = [env[name] for name in c.outputs]
         p = kernels.kernel(c.op).prepare_outputs(c, inputs, outputs, weights, ctx)
-        return Launch(self.kernels[p.entry], p.config, p.args, p.entry, p.choice)
+        before = tuple(Launch(self.kernels[b.entry], b.config, b.args, b.entry) for b in p.before)
+        return Launch(self.kernels[p.entry], p.config, p.args, p.entry, p.choice, before)
 
     def _workspace(self, key: tuple[str, int], nbytes: int) -> int:
         """Zeroed scratch memory of one call at one batch size (a launch prepared again for other

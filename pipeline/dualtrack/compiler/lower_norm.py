@@ -1,0 +1,293 @@
+"""Track A lowering of the normalisation family: which ONNX nodes one ``norm`` call takes.
+
+A norm is a chain of nodes matched from its core node (:data:`CORE`, one matcher each) and lowered to
+one call (``kernels.norm``):
+
+- InstanceNormalization of an image (G = C groups), any epsilon;
+- GroupNorm as torch's opset-17 export writes it: Reshape(x, [N, G, -1]) -> InstanceNormalization
+  (scale ones, B zeros) -> Reshape(back to x's shape) [-> Mul(gamma[C,1,1])] [-> Add(beta[C,1,1])];
+  and the GroupNormalization node (opset 18: per-group scale and bias; 21: per-channel);
+- LayerNormalization over channels: Transpose(0,2,3,1) -> LayerNormalization(axis -1) ->
+  Transpose(0,3,1,2) (the transposes are layout no-ops on Track A, which is NHWC already);
+- BatchNormalization the export did not fold (inference mode): per-channel constants.
+
+After the core chain, an Add of a same-shaped tensor (a residual) and an activation (any row of the
+activation table, or SiLU as ``Mul(t, Sigmoid(t))``) join the call in either order. Casts between
+links (an fp16 conversion's islands) are absorbed when the call's input and output keep one dtype.
+Every intermediate tensor must have one reader and not be a graph output.
+
+:func:`find_norms` answers for the whole graph once (``partition.SupportContext.norms``); the
+partition charges the call to the chain's first node and emits it at its last one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from dualtrack.compiler.lower_mobile import ACT_OPS, Facts, match_activation
+from dualtrack.contract.activations import Activation
+from dualtrack.contract.plan import NORM_KINDS, NORM_RES, KernelCall, f32_bits
+
+DESCRIPTION = (
+    "InstanceNormalization, GroupNorm (torch's Reshape/InstanceNormalization/Reshape/Mul/Add export or "
+    "GroupNormalization), LayerNormalization over channels (between NCHW<->NHWC Transposes), unfolded "
+    "BatchNormalization, each with a following residual Add and activation fused"
+)
+CORE = ("InstanceNormalization", "GroupNormalization", "LayerNormalization", "BatchNormalization")
+# Every op type a norm chain may hold (partition routes these nodes to the norm's answer).
+OPS = tuple(dict.fromkeys((*CORE, "Reshape", "Transpose", "Cast", "Mul", "Add", "Sigmoid", *ACT_OPS)))
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+@dataclass(frozen=True)
+class Norm:
+    """One matched chain: its nodes in graph order and the call it lowers to."""
+
+    nodes: tuple[str, ...]
+    call: KernelCall
+
+
+@dataclass
+class Norms:
+    """The graph's norms by node, and why a core node is not one."""
+
+    found: dict[str, Norm] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+
+    def why(self, node: onnx.NodeProto) -> str | None:
+        if node.name in self.found:
+            return None
+        # Another op type (Reshape, Transpose) outside a chain: no kernel of its own, as for any op.
+        return self.refused.get(node.name, "no hand-written kernel")
+
+    def kernel(self, node: onnx.NodeProto) -> str | None:
+        """``norm`` for the chain's first node (its launch is charged there), None for the others."""
+        return "norm" if self.found[node.name].nodes[0] == node.name else None
+
+
+class _Chain:
+    """A chain being matched: its nodes, its current tail tensor, and the graph it reads."""
+
+    def __init__(self, facts: Facts, taken: set[str], x: str) -> None:
+        self.facts, self.taken = facts, taken
+        self.nodes: list[onnx.NodeProto] = []
+        self.x, self.t = x, x
+
+    def sole(self, name: str | None = None) -> onnx.NodeProto | None:
+        """The one reader of ``name`` (default the tail), skipping Casts; None where there are several,
+        it is a graph output, or the reader is another lowering's."""
+        name = name or self.t
+        outs = {o.name for o in self.facts.model.graph.output}
+        users = self.facts.consumers.get(name, [])
+        if len(users) != 1 or name in outs or users[0].name in self.taken:
+            return None
+        return users[0]
+
+    def take(self, node: onnx.NodeProto) -> None:
+        self.nodes.append(node)
+        self.t = node.output[0]
+
+    def dtype(self, name: str) -> str:
+        return self.facts.specs[name][1]
+
+    def skip_casts(self) -> None:
+        """Absorb an fp16 model's fp32 island around the chain: a Cast of x whose only reader is the
+        chain's first node, and a Cast of the tail back to x's dtype."""
+        cast = self.facts.producer.get(self.x)
+        first = self.nodes[0] if self.nodes else None
+        if cast is not None and cast.op_type == "Cast" and first is not None and self.sole(self.x) is first:
+            self.nodes.insert(0, cast)
+            self.x = cast.input[0]
+        nxt = self.sole()
+        back = nxt is not None and nxt.op_type == "Cast" and self.dtype(nxt.output[0]) == self.dtype(self.x)
+        if back and nxt is not None and self.dtype(self.t) != self.dtype(self.x):
+            self.take(nxt)
+
+
+def _const_vec(facts: Facts, name: str, size: int) -> np.ndarray | None:
+    v = facts.const(name)
+    return None if v is None or v.size != size else v.reshape(-1)
+
+
+def _channel_const(facts: Facts, node: onnx.NodeProto, t: str, c: int) -> str | None:
+    """The constant operand of a Mul/Add of ``t`` by a per-channel (C,1,1) / (1,C,1,1) vector, or None."""
+    if len(node.input) != 2 or t not in node.input:
+        return None
+    other = node.input[1] if node.input[0] == t else node.input[0]
+    v = facts.const(other)
+    if v is None or v.size != c or v.ndim < 3 or v.shape[-2:] != (1, 1):
+        return None
+    return other
+
+
+def _group_chain(node: onnx.NodeProto, facts: Facts, ch: _Chain) -> tuple[str, str | None, list[str], int]:
+    """InstanceNormalization alone (G = C) or inside torch's GroupNorm chain: (kind, why not, weights, G)."""
+    shape = facts.shape(node.input[0])
+    if len(shape) == 4:
+        c = shape[1]
+        if any(not facts.is_const(w) for w in node.input[1:3]):
+            return "group", "scale or B computed at run time", [], 0
+        ch.take(node)
+        return "group", None, [node.input[1], node.input[2]], c
+    before = facts.producer.get(node.input[0])
+    if len(shape) != 3 or before is None or before.op_type != "Reshape" or len(facts.shape(before.input[0])) != 4:
+        return "group", f"an InstanceNormalization of a rank-{len(shape)} tensor that is not torch's GroupNorm", [], 0
+    x_shape, g = facts.shape(before.input[0]), shape[1]
+    ones, zeros = _const_vec(facts, node.input[1], g), _const_vec(facts, node.input[2], g)
+    if ones is None or zeros is None or np.any(ones != 1) or np.any(zeros != 0):
+        return "group", "a GroupNorm whose InstanceNormalization has a scale or B other than ones and zeros", [], 0
+    ch.x = ch.t = before.input[0]
+    if ch.sole(before.output[0]) is not node:
+        return "group", "its Reshape's output has other readers", [], 0
+    ch.take(before)
+    ch.take(node)
+    after = ch.sole()
+    if after is None or after.op_type != "Reshape" or facts.shape(after.output[0]) != x_shape:
+        return "group", "its InstanceNormalization is not reshaped back to the image", [], 0
+    ch.take(after)
+    weights: list[str] = []  # gamma, then beta: a beta without a gamma stays an eltwise Add
+    for op in ("Mul", "Add"):
+        nxt = ch.sole()
+        operand = _channel_const(facts, nxt, ch.t, x_shape[1]) if nxt is not None and nxt.op_type == op else None
+        if operand is None or nxt is None:
+            break
+        weights.append(operand)
+        ch.take(nxt)
+    return "group", None, weights, g
+
+
+def _group_norm(node: onnx.NodeProto, facts: Facts, ch: _Chain) -> tuple[str, str | None, list[str], int]:
+    if len(facts.shape(node.input[0])) != 4:
+        return "group", "a GroupNormalization of a tensor that is not an image", [], 0
+    if any(not facts.is_const(w) for w in node.input[1:3]):
+        return "group", "scale or bias computed at run time", [], 0
+    ch.take(node)
+    return "group", None, [node.input[1], node.input[2]], int(_attrs(node)["num_groups"])
+
+
+def _layer_norm(node: onnx.NodeProto, facts: Facts, ch: _Chain) -> tuple[str, str | None, list[str], int]:
+    before = facts.producer.get(node.input[0])
+    if before is None or before.op_type != "Transpose" or list(_attrs(before).get("perm", [])) != [0, 2, 3, 1]:
+        return "layer", "a LayerNormalization that is not over the channels of an NCHW image", [], 0
+    a = _attrs(node)
+    if a.get("axis", -1) not in (-1, 3) or len([o for o in node.output if o]) != 1:
+        return "layer", "a LayerNormalization over more than the last axis, or with Mean/InvStdDev outputs", [], 0
+    if any(w and not facts.is_const(w) for w in node.input[1:3]):
+        return "layer", "scale or bias computed at run time", [], 0
+    ch.x = ch.t = before.input[0]
+    if ch.sole(before.output[0]) is not node:
+        return "layer", "its Transpose's output has other readers", [], 0
+    ch.take(before)
+    ch.take(node)
+    after = ch.sole()
+    if after is None or after.op_type != "Transpose" or list(_attrs(after).get("perm", [])) != [0, 3, 1, 2]:
+        return "layer", "its output is not transposed back to NCHW", [], 0
+    ch.take(after)
+    return "layer", None, [w for w in node.input[1:3] if w], 1
+
+
+def _batch_norm(node: onnx.NodeProto, facts: Facts, ch: _Chain) -> tuple[str, str | None, list[str], int]:
+    if len(facts.shape(node.input[0])) != 4 or _attrs(node).get("training_mode", 0):
+        return "affine", "a BatchNormalization in training mode or not of an image", [], 0
+    if any(not facts.is_const(w) for w in node.input[1:5]) or len([o for o in node.output if o]) != 1:
+        return "affine", "statistics computed at run time, or running-statistics outputs", [], 0
+    ch.take(node)
+    return "affine", None, list(node.input[1:5]), 1
+
+
+_MATCHERS: dict[str, Callable[[onnx.NodeProto, Facts, _Chain], tuple[str, str | None, list[str], int]]] = {
+    "InstanceNormalization": _group_chain,
+    "GroupNormalization": _group_norm,
+    "LayerNormalization": _layer_norm,
+    "BatchNormalization": _batch_norm,
+}
+
+
+def _residual(ch: _Chain) -> str | None:
+    """An Add of the tail and a same-shaped computed tensor: taken, its other operand returned."""
+    nxt = ch.sole()
+    if nxt is None or nxt.op_type != "Add" or len(nxt.input) != 2 or ch.t not in nxt.input:
+        return None
+    other = nxt.input[1] if nxt.input[0] == ch.t else nxt.input[0]
+    spec, mine = ch.facts.specs.get(other), ch.facts.specs.get(ch.t)
+    if other == ch.t or ch.facts.is_const(other) or spec != mine or spec is None or spec[1] != ch.facts.specs[ch.x][1]:
+        return None
+    ch.take(nxt)
+    return other
+
+
+def _activation(ch: _Chain) -> Activation | None:
+    """An activation of the tail (a row of the table, or SiLU as Mul(t, Sigmoid(t))): taken."""
+    t, nxt = ch.t, ch.sole()
+    if nxt is not None and nxt.input[:1] == [t]:
+        act, _ = match_activation(nxt, ch.facts.const)
+        if act is not None:
+            ch.take(nxt)
+            return act
+    users = ch.facts.consumers.get(t, [])
+    sig = next((u for u in users if u.op_type == "Sigmoid"), None)
+    mul = next((u for u in users if u.op_type == "Mul"), None)
+    outs = {o.name for o in ch.facts.model.graph.output}
+    if (
+        len(users) == 2 and sig is not None and mul is not None and t not in outs
+        and not {sig.name, mul.name} & ch.taken
+        and sorted(mul.input) == sorted([t, sig.output[0]]) and ch.sole(sig.output[0]) is mul
+    ):  # fmt: skip
+        ch.take(sig)
+        ch.take(mul)
+        return Activation.named("silu")
+    return None
+
+
+def match(node: onnx.NodeProto, facts: Facts, taken: set[str]) -> tuple[Norm | None, str | None]:
+    """The norm whose core is ``node`` (one of :data:`CORE`), or (None, why not)."""
+    ch = _Chain(facts, taken, node.input[0])
+    kind, why, weights, groups = _MATCHERS[node.op_type](node, facts, ch)
+    if why:
+        return None, why
+    ch.skip_casts()
+    res, r = "none", _residual(ch)
+    if r is not None:
+        res = "before_act"
+    act = _activation(ch)
+    if r is None and act is not None and (r := _residual(ch)) is not None:
+        res = "after_act"
+    ch.skip_casts()
+    x_spec, y_spec = facts.specs[ch.x], facts.specs[ch.t]
+    if x_spec != y_spec:
+        return None, f"the chain turns {x_spec} into {y_spec} (the kernel keeps the shape and dtype)"
+    c = x_spec[0][1]
+    core = next(n for n in ch.nodes if n.op_type in CORE)
+    eps = float(_attrs(core).get("epsilon", 1e-5))
+    attrs = (
+        ("kind", NORM_KINDS[kind]), ("groups", groups), ("C", c), ("eps", f32_bits(eps)), ("res", NORM_RES[res]),
+        *(act or Activation()).attrs(),
+    )  # fmt: skip
+    inputs = (ch.x, r) if r is not None else (ch.x,)
+    order = {n.name: i for i, n in enumerate(facts.model.graph.node)}
+    nodes = tuple(sorted((n.name for n in ch.nodes), key=order.__getitem__))
+    return Norm(nodes, KernelCall("norm", inputs, (ch.t,), tuple(weights), attrs, nodes)), None
+
+
+def find_norms(facts: Facts, taken: set[str]) -> Norms:
+    """Every norm of the graph whose nodes no other lowering has ``taken`` (conv epilogues, heads)."""
+    norms = Norms()
+    busy = set(taken)
+    for node in facts.model.graph.node:
+        if node.op_type not in CORE or node.name in busy:
+            continue
+        found, why = match(node, facts, busy)
+        if found is None:
+            norms.refused[node.name] = why or "no match"
+            continue
+        busy.update(found.nodes)
+        norms.found.update((name, found) for name in found.nodes)
+    return norms
