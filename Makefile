@@ -49,13 +49,13 @@ bench:  ## benchmarks on a GPU (bundles built beforehand: make build, and the zo
 	$(PYTHON) bench/bench.py --bundle $(BUNDLE) --out bench/results
 	$(if $(ZOO_BUNDLES),$(PYTHON) bench/zoo_bench.py $(foreach m,$(ZOO_BUNDLES),--bundle $(dir $(m))) --out bench/results)
 
-zoo-deps: $(BIN)/dualtrack  ## install the zoo extra (CPU torch, torchvision, smp): the zoo's tests run with it
+zoo-deps: $(BIN)/dualtrack  ## install the zoo extra (CPU torch, torchvision, smp, monai): the zoo's tests run with it
 	$(BIN)/pip install -q $(ZOO_TORCH) -e '.[zoo]'
 
 ray-deps: $(BIN)/dualtrack  ## install the ray extra (Ray Serve): tests/test_serve_ray.py runs with it
 	$(BIN)/pip install -q -e '.[ray]'
 
-zoo: zoo-deps  ## export the model zoo into models/zoo/ (512x512; configs/zoo/*.yaml build them)
+zoo: zoo-deps  ## export the model zoo (16 networks) into models/zoo/ (512x512, PSPNet 528x528; configs/zoo/*.yaml build them)
 	$(BIN)/python models/zoo/export.py
 
 lint: $(BIN)/dualtrack

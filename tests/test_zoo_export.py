@@ -12,7 +12,6 @@ import onnxruntime as ort
 import pytest
 from zoo import load_export
 
-SIZE = (64, 64)
 REL_L2 = 1e-4  # fp32 both sides; only summation order and the exporter's batch-norm folding differ
 
 zoo = load_export()
@@ -22,11 +21,11 @@ NAMES = list(zoo.ZOO)
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Every entry exported twice, into two folders, in this one process."""
+    """Every entry exported twice, into two folders, in this one process, each at its smallest side of 64 or more."""
     first, second = tmp_path_factory.mktemp("zoo_a"), tmp_path_factory.mktemp("zoo_b")
     for out in (first, second):
         for name in NAMES:
-            zoo.export_model(name, out, SIZE)
+            zoo.export_model(name, out, zoo.small_size(name))
     return first, second
 
 
@@ -36,16 +35,18 @@ def test_export_has_the_zoo_interface(exports: tuple[Path, Path], name: str) -> 
     dims = [[d.dim_value for d in v.type.tensor_type.shape.dim] for v in (*model.graph.input, *model.graph.output)]
     assert [i.name for i in model.graph.input] == ["image"]
     assert [o.name for o in model.graph.output] == ["logits"]
-    assert dims == [[1, 3, *SIZE], [1, 2, *SIZE]]
+    size = zoo.small_size(name)
+    assert dims == [[1, 3, *size], [1, 2, *size]]
     assert {o.domain: o.version for o in model.opset_import}[""] == 17
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_onnxruntime_matches_torch_on_a_fresh_image(exports: tuple[Path, Path], name: str) -> None:
     seed = int(np.random.SeedSequence().entropy % 2**32)
-    image = np.random.default_rng(seed).standard_normal((1, 3, *SIZE), dtype=np.float32)
+    size = zoo.small_size(name)
+    image = np.random.default_rng(seed).standard_normal((1, 3, *size), dtype=np.float32)
     with torch.no_grad():
-        expected = zoo.build_model(name, size=SIZE).eval()(torch.from_numpy(image)).numpy()
+        expected = zoo.build_model(name, size=size).eval()(torch.from_numpy(image)).numpy()
     session = ort.InferenceSession(str(exports[0] / f"{name}.onnx"), providers=["CPUExecutionProvider"])
     (got,) = session.run(None, {"image": image})
     rel = np.linalg.norm(got - expected) / np.linalg.norm(expected)
@@ -62,3 +63,8 @@ def test_two_exports_are_byte_identical(exports: tuple[Path, Path], name: str) -
 def test_an_unknown_entry_names_the_zoo(tmp_path: Path) -> None:
     with pytest.raises(zoo.ZooError, match=r"'unet' is not in the zoo; choose from smp_unet_resnet34"):
         zoo.export_model("unet", tmp_path)
+
+
+def test_a_side_the_network_cannot_take_names_the_sizes_it_takes(tmp_path: Path) -> None:
+    with pytest.raises(zoo.ZooError, match=r"smp_pspnet_resnet34 takes sides that are multiples of 48 .* not 512x512"):
+        zoo.export_model("smp_pspnet_resnet34", tmp_path, (512, 512))

@@ -1,12 +1,13 @@
 """Export the model zoo: real PyTorch segmentation networks as ONNX, deterministically.
 
-Each entry is built with seeded random weights (nothing is downloaded), its batch-norm statistics randomised so
-the network is not degenerate, and exported in eval mode with one input `image` (1, 3, H, W) float32 and one
-output `logits`. Two runs with the same arguments write byte-identical files.
+Each entry is built with seeded random weights (nothing is downloaded), its batch-norm statistics measured in
+train-mode passes and the other normalisations' affine parameters drawn, so the network is not degenerate, and
+exported in eval mode with one input `image` (1, 3, H, W) float32 and one output `logits`. Two runs with the same
+arguments write byte-identical files.
 
     python models/zoo/export.py [NAMES...] [-o DIR] [--size H W] [--opset 17] [--exporter torchscript|dynamo]
 
-Needs the `zoo` extra (torch, torchvision, segmentation-models-pytorch): `make zoo` installs it and runs this.
+Needs the `zoo` extra (torch, torchvision, segmentation-models-pytorch, monai): `make zoo` installs it and runs this.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import types
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +37,7 @@ from torch import nn
 # loads normally (the GPU machine) this only skips those fake kernels, which no zoo export calls.
 sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
 
+import monai.networks.nets as monai_nets  # noqa: E402
 import segmentation_models_pytorch as smp  # noqa: E402
 import torchvision  # noqa: E402
 
@@ -55,8 +58,8 @@ class OutTensor(nn.Module):
         return self.net(image)["out"]
 
 
-def _smp_unet_resnet34() -> nn.Module:
-    return smp.Unet("resnet34", encoder_weights=None, classes=2)
+def _smp(arch: str, encoder: str) -> nn.Module:
+    return getattr(smp, arch)(encoder, encoder_weights=None, classes=2)
 
 
 def _tv_lraspp_mobilenet_v3_large() -> nn.Module:
@@ -64,23 +67,116 @@ def _tv_lraspp_mobilenet_v3_large() -> nn.Module:
     return OutTensor(net)
 
 
+def _tv_fcn_resnet50() -> nn.Module:
+    net = torchvision.models.segmentation.fcn_resnet50(
+        weights=None, weights_backbone=None, num_classes=2, aux_loss=False
+    )
+    return OutTensor(net)
+
+
+# The MONAI networks as their tutorials build them in 2D: five levels, four stride-2 steps.
+_MONAI_LEVELS = {"channels": (16, 32, 64, 128, 256), "strides": (2, 2, 2, 2)}
+
+
+def _monai_unet() -> nn.Module:
+    return monai_nets.UNet(spatial_dims=2, in_channels=3, out_channels=2, num_res_units=2, **_MONAI_LEVELS)
+
+
+def _monai_attention_unet() -> nn.Module:
+    return monai_nets.AttentionUnet(spatial_dims=2, in_channels=3, out_channels=2, **_MONAI_LEVELS)
+
+
+def _monai_segresnet() -> nn.Module:
+    return monai_nets.SegResNet(spatial_dims=2, init_filters=16, in_channels=3, out_channels=2)
+
+
+def _monai_dynunet() -> nn.Module:
+    return monai_nets.DynUNet(
+        spatial_dims=2,
+        in_channels=3,
+        out_channels=2,
+        kernel_size=[3, 3, 3, 3, 3],
+        strides=[1, 2, 2, 2, 2],
+        upsample_kernel_size=[2, 2, 2, 2],
+    )
+
+
 @dataclass(frozen=True)
 class ZooEntry:
-    """One zoo model: its file name (without `.onnx`), how to build it, and what it is."""
+    """One zoo model: its file name (without `.onnx`), how to build it, and what it is.
+
+    `multiple`: the input side must be a multiple of it (the network's total stride, or what its pooling needs to
+    export); `min_size`: the smallest side it takes; `size`: the side exported by default.
+    """
 
     name: str
     build: Callable[[], nn.Module]
     about: str
+    multiple: int = 32
+    min_size: int = 64
+    size: int = 512
 
 
 ZOO: dict[str, ZooEntry] = {
     e.name: e
     for e in (
-        ZooEntry("smp_unet_resnet34", _smp_unet_resnet34, 'segmentation-models-pytorch Unet("resnet34"), 2 classes'),
+        ZooEntry(
+            "smp_unet_resnet34",
+            partial(_smp, "Unet", "resnet34"),
+            'segmentation-models-pytorch Unet("resnet34"), 2 classes',
+        ),
         ZooEntry(
             "tv_lraspp_mobilenet_v3_large",
             _tv_lraspp_mobilenet_v3_large,
             "torchvision lraspp_mobilenet_v3_large, 2 classes, the dict's 'out' tensor",
+        ),
+        ZooEntry(
+            "monai_unet",
+            _monai_unet,
+            "MONAI UNet, 2D, channels 16..256, strides 2x4, 2 residual units (InstanceNorm, PReLU)",
+            multiple=16,
+        ),
+        ZooEntry(
+            "monai_attention_unet",
+            _monai_attention_unet,
+            "MONAI AttentionUnet, 2D, channels 16..256, strides 2x4 (BatchNorm, sigmoid attention gates)",
+            multiple=16,
+        ),
+        ZooEntry(
+            "monai_segresnet",
+            _monai_segresnet,
+            "MONAI SegResNet, 2D, 16 initial filters (GroupNorm of 8 groups, bilinear upsampling)",
+            multiple=8,
+        ),
+        ZooEntry(
+            "monai_dynunet",
+            _monai_dynunet,
+            "MONAI DynUNet, 2D, 3x3 kernels, strides 1,2,2,2,2 (InstanceNorm + LeakyReLU, transposed convs)",
+            multiple=16,
+        ),
+        *(
+            ZooEntry(f"smp_{arch.lower()}_resnet34", partial(_smp, arch, "resnet34"), f'smp {arch}("resnet34")')
+            for arch in ("UnetPlusPlus", "FPN", "MAnet", "Linknet")
+        ),
+        # PSPNet pools its 1/8 map into 1, 2, 3 and 6 bins; the TorchScript exporter writes that adaptive pooling
+        # only where every bin count divides the map (its error otherwise: "output size that are not factor of input
+        # size"), so the side is a multiple of 8 * 6 and 528 stands in for 512.
+        ZooEntry("smp_pspnet_resnet34", partial(_smp, "PSPNet", "resnet34"), 'smp PSPNet("resnet34")', 48, 96, 528),
+        # PAN's feature pyramid attention halves the 1/32 map three times more: 128 is the smallest side it takes.
+        ZooEntry("smp_pan_resnet34", partial(_smp, "PAN", "resnet34"), 'smp PAN("resnet34")', min_size=128),
+        *(
+            ZooEntry(f"smp_unet_{tag}", partial(_smp, "Unet", encoder), f'smp Unet("{encoder}")')
+            for tag, encoder in (
+                ("mobilenet_v2", "mobilenet_v2"),
+                ("resnext50_32x4d", "resnext50_32x4d"),
+                ("convnext_tiny", "tu-convnext_tiny"),
+            )
+        ),
+        ZooEntry(
+            "tv_fcn_resnet50",
+            _tv_fcn_resnet50,
+            "torchvision fcn_resnet50, 2 classes, no aux head, the dict's 'out' tensor",
+            multiple=8,
         ),
     )
 }
@@ -92,6 +188,7 @@ class ExportResult:
 
     name: str
     path: Path
+    size: tuple[int, int]
     params: int
     size_bytes: int  # the model file plus any external-data file beside it
     seconds: float
@@ -99,6 +196,33 @@ class ExportResult:
 
 class ZooError(Exception):
     """A zoo export that cannot run; the message names the value and the fix."""
+
+
+def default_size(name: str) -> tuple[int, int]:
+    """The (H, W) zoo entry `name` is exported at by default."""
+    return (_entry(name).size,) * 2
+
+
+def small_size(name: str, at_least: int = 64) -> tuple[int, int]:
+    """The smallest square (H, W) of at least `at_least` that zoo entry `name` takes: CI's export size."""
+    entry = _entry(name)
+    side = max(at_least, entry.min_size)
+    return (-(-side // entry.multiple) * entry.multiple,) * 2
+
+
+def _entry(name: str) -> ZooEntry:
+    if name not in ZOO:
+        raise ZooError(f"{name!r} is not in the zoo; choose from {', '.join(ZOO)}")
+    return ZOO[name]
+
+
+def _check_size(name: str, size: tuple[int, int]) -> None:
+    entry = _entry(name)
+    if any(s % entry.multiple or s < entry.min_size for s in size):
+        raise ZooError(
+            f"{name} takes sides that are multiples of {entry.multiple} and at least {entry.min_size}, not"
+            f" {size[0]}x{size[1]}; pass e.g. --size {entry.size} {entry.size}"
+        )
 
 
 def _randomise_batch_norm(model: nn.Module, rng: np.random.Generator, size: tuple[int, int]) -> None:
@@ -110,11 +234,14 @@ def _randomise_batch_norm(model: nn.Module, rng: np.random.Generator, size: tupl
     # 4 significant digits so that the export stays byte-identical), then perturbed per channel; the affine
     # weights and biases are drawn. Drawn with numpy so the values do not depend on torch's RNG implementation.
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return
     with torch.no_grad():
         for module in norms:
             n = module.num_features
-            module.weight.copy_(torch.from_numpy(rng.normal(1.0, 0.1, n).astype(np.float32)))
-            module.bias.copy_(torch.from_numpy(rng.normal(0.0, 0.1, n).astype(np.float32)))
+            if module.affine:
+                module.weight.copy_(torch.from_numpy(rng.normal(1.0, 0.1, n).astype(np.float32)))
+                module.bias.copy_(torch.from_numpy(rng.normal(0.0, 0.1, n).astype(np.float32)))
             module.reset_running_stats()
             module.momentum = None  # a cumulative average over the calibration passes
         threads = torch.get_num_threads()
@@ -135,14 +262,34 @@ def _randomise_batch_norm(model: nn.Module, rng: np.random.Generator, size: tupl
             module.momentum = 0.1
 
 
-def build_model(name: str, seed: int = 0, size: tuple[int, int] = (512, 512)) -> nn.Module:
+def _randomise_affine(model: nn.Module, rng: np.random.Generator) -> None:
+    # Group, instance and layer norms start with weight 1 and bias 0, and PReLU with one slope (0.25) on every
+    # channel: a kernel that dropped the affine step or read the slope of the wrong channel would still agree.
+    # Drawn per channel before the batch-norm passes, so those measure the network as exported.
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.PReLU):
+                n = module.weight.numel()
+                module.weight.copy_(torch.from_numpy(rng.uniform(0.05, 0.4, n).astype(np.float32)))
+            elif isinstance(module, nn.GroupNorm | nn.modules.instancenorm._InstanceNorm | nn.LayerNorm):
+                if getattr(module, "weight", None) is not None:
+                    shape = module.weight.shape
+                    module.weight.copy_(torch.from_numpy(rng.normal(1.0, 0.1, shape).astype(np.float32)))
+                if getattr(module, "bias", None) is not None:
+                    shape = module.bias.shape
+                    module.bias.copy_(torch.from_numpy(rng.normal(0.0, 0.1, shape).astype(np.float32)))
+
+
+def build_model(name: str, seed: int = 0, size: tuple[int, int] | None = None) -> nn.Module:
     """Build zoo entry `name` in eval mode with weights drawn from `seed` and batch-norm statistics measured at
-    `size` (the same seed and size give the same weights)."""
-    if name not in ZOO:
-        raise ZooError(f"{name!r} is not in the zoo; choose from {', '.join(ZOO)}")
+    `size` (default: the entry's export size; the same seed and size give the same weights)."""
+    size = size or default_size(name)
+    _check_size(name, size)
     torch.manual_seed(seed)  # the constructors' own initialisers draw from torch's global generator
     model = ZOO[name].build()
-    _randomise_batch_norm(model, np.random.default_rng(seed), size)
+    rng = np.random.default_rng(seed)
+    _randomise_affine(model, rng)
+    _randomise_batch_norm(model, rng, size)
     return model.eval()
 
 
@@ -194,7 +341,7 @@ def _export_to(model: nn.Module, image: torch.Tensor, path: Path, opset: int, ex
 def export_model(
     name: str,
     out_dir: Path = DEFAULT_DIR,
-    size: tuple[int, int] = (512, 512),
+    size: tuple[int, int] | None = None,
     opset: int = 17,
     exporter: str = "torchscript",
     seed: int = 0,
@@ -206,6 +353,7 @@ def export_model(
     by name from inside the model.
     """
     start = time.perf_counter()
+    size = size or default_size(name)
     model = build_model(name, seed, size)
     image = example_input(size, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -226,7 +374,7 @@ def export_model(
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     params = sum(p.numel() for p in model.parameters())
-    return ExportResult(name, path, params, size_bytes, time.perf_counter() - start)
+    return ExportResult(name, path, size, params, size_bytes, time.perf_counter() - start)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -234,15 +382,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"zoo entries (default: all): {', '.join(ZOO)}")
     parser.add_argument("-o", "--out", type=Path, default=DEFAULT_DIR, help="output folder (default: %(default)s)")
-    parser.add_argument("--size", nargs=2, type=int, default=(512, 512), metavar=("H", "W"), help="input height, width")
+    parser.add_argument(
+        "--size", nargs=2, type=int, metavar=("H", "W"), help="input height, width (default: each entry's, 512 mostly)"
+    )
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default: %(default)s)")
     parser.add_argument("--exporter", choices=EXPORTERS, default="torchscript", help="torch.onnx exporter")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         for name in args.names or list(ZOO):
-            r = export_model(name, args.out, tuple(args.size), args.opset, args.exporter, args.seed)
-            print(f"{r.name:32s} {r.params / 1e6:7.2f} M params {r.size_bytes / 2**20:8.1f} MiB {r.seconds:6.1f} s")
+            r = export_model(name, args.out, tuple(args.size or ()) or None, args.opset, args.exporter, args.seed)
+            print(
+                f"{r.name:32s} {r.size[0]:4d}x{r.size[1]:<4d} {r.params / 1e6:7.2f} M params"
+                f" {r.size_bytes / 2**20:8.1f} MiB {r.seconds:6.1f} s"
+            )
     except ZooError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

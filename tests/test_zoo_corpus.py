@@ -1,0 +1,73 @@
+"""The public corpus (issue 38): every zoo model that tests/test_zoo_build.py does not build is exported at a small
+size and built from its config in configs/zoo/ through the Python API, on the CPU: partition auto, the Track A
+lowering, IREE llvm-cpu and the build's own verification against onnxruntime. Each test prints the plan it got
+(segments, Track A's share of the nodes) so a CI log shows where each architecture runs.
+
+CI's size: each model at the smallest side of at least 64 it takes (models/zoo/export.py's `small_size`: 96 for
+PSPNet, 128 for PAN), batch 1 only, CPU modules only; the export, the front end and the partition are the same code
+as at 512. Skipped where the zoo extra is missing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from zoo import CONFIGS, FULL_BUILD, load_export
+
+from dualtrack.compiler.build import build
+from dualtrack.contract.plan import Plan
+
+zoo = load_export()
+CORPUS = sorted(set(zoo.ZOO) - set(FULL_BUILD))
+
+
+def small_config(name: str, model: Path, tmp_path: Path) -> Path:
+    """configs/zoo/<name>.yaml with `model:` at the small export, batch 1 only and the output left to the caller.
+
+    `partition: auto` is written out where the config has no partition line, so that the corpus goes through the
+    cost model whatever the build's default is."""
+    lines = (CONFIGS / f"{name}.yaml").read_text().splitlines()
+    keep = [ln for ln in lines if not ln.startswith(("model:", "batch_sizes:", "output:"))]
+    extra = [f"model: {model}", "batch_sizes: [1]"]
+    if not any(ln.startswith("partition:") for ln in lines):
+        extra.append("partition: auto")
+    config = tmp_path / f"{name}.yaml"
+    config.write_text("\n".join([*keep, *extra]) + "\n")
+    return config
+
+
+def track_a_share(plan: Plan) -> float:
+    """The fraction of the graph's nodes that run in Track A segments."""
+    nodes = {s.track: 0 for s in plan.segments}
+    for s in plan.segments:
+        nodes[s.track] += len(s.nodes)
+    return nodes.get("A", 0) / max(1, sum(nodes.values()))
+
+
+@pytest.mark.parametrize("name", CORPUS)
+def test_a_corpus_model_builds_from_its_config_and_verifies_on_the_cpu(tmp_path: Path, name: str) -> None:
+    size = zoo.small_size(name)
+    exported = zoo.export_model(name, tmp_path / "export", size)
+    result = build(small_config(name, exported.path, tmp_path), tmp_path / "bundle", cpu_only=True)
+
+    assert result.verification is not None and result.verification["passed"] is True
+    checks = result.verification["checks"]
+    assert checks and all(c["passed"] for c in checks)
+    assert any(c["name"].startswith("frontend b1 logits") for c in checks)
+    plan = result.plan
+    assert plan is not None and plan.precision == "fp16" and plan.batch_sizes == (1,)
+    tracks = "".join(s.track for s in plan.segments)
+    print(
+        f"\n{name} {size[0]}x{size[1]}: {len(plan.segments)} segments ({tracks}),"
+        f" Track A {track_a_share(plan):.0%} of the nodes, built in {result.seconds:.0f} s"
+    )
+
+
+def test_every_zoo_model_has_a_config_written_like_the_readme_example() -> None:
+    """A config per zoo entry, none choosing its partition: the corpus measures the build's default."""
+    for name in zoo.ZOO:
+        text = (CONFIGS / f"{name}.yaml").read_text()
+        assert f"model: ../../models/zoo/{name}.onnx" in text.splitlines()
+        if name not in FULL_BUILD:
+            assert "partition:" not in text, f"{name}.yaml chooses its partition"
