@@ -113,6 +113,36 @@ def track_a_flop_share(bundle: Path) -> float | None:
     return round(on_a / total, 4) if total else None
 
 
+def prediction_row(name: str, bundle: Path, rows: list[dict]) -> dict | None:
+    """Whether the partition's prediction held: its estimate for the plan and for IREE alone (the
+    bundle's partition.json, summed over the batch sizes) beside the measured `dualtrack_api` and
+    `iree_alone` medians summed the same way; ``held`` where both say the same one is faster."""
+    path = bundle / "partition.json"
+    report = json.loads(path.read_text()) if path.is_file() else {}
+    if "estimate_us" not in report:
+        return None
+    batches = report["batch_sizes"]
+
+    def measured(row: str) -> float | None:
+        got = [
+            r["median_ms"] for r in rows if r["name"] == f"{name}/{row}" and "median_ms" in r and r["batch"] in batches
+        ]
+        return 1e3 * sum(got) if len(got) == len(batches) else None
+
+    mine, alone = measured("dualtrack_api"), measured(IREE_ALONE)
+    out = {
+        "name": f"{name}/prediction",
+        "batch": 0,
+        "predicted_us": report["estimate_us"],
+        "predicted_iree_alone_us": report["iree_alone_us"],
+        "measured_us": mine,
+        "measured_iree_alone_us": alone,
+    }
+    if mine is not None and alone is not None:
+        out["held"] = (report["estimate_us"] <= report["iree_alone_us"]) == (mine <= alone)
+    return out
+
+
 def worst_rel_l2(checks: list[dict[str, Any]]) -> float:
     """The largest relative L2 error over the float checks of a verification report's JSON."""
     return max((c["rel_l2"] for c in checks if not c.get("integer")), default=0.0)
@@ -322,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += engine_rows(torch, name, bundle, images, args)
         rows += iree_only_rows(torch, name, b.plan.precision, bundle, images, args)
         rows += torch_rows(torch, zoo, name, (h, w), ref_probs, images, args)
+        held = prediction_row(name, bundle, rows)
+        rows += [held] if held else []
     result = {
         "commit": commit,
         "gpu": gpu,
@@ -337,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'row':<52} {'N':>3} {'median ms':>10}")
     for r in rows:
         label = r["name"] if r["name"].endswith(f"/{r.get('variant')}") else f"{r['name']} {r.get('variant', '')}"
+        if r["name"].endswith("/prediction"):
+            est = f"predicted {r['predicted_us']:.0f} us vs IREE alone {r['predicted_iree_alone_us']:.0f} us"
+            print(f"{r['name']:<52}     {est}; held: {r.get('held')}")
+            continue
         print(f"{label.strip():<52} {r['batch']:>3} {r.get('median_ms', 'skipped: ' + str(r.get('skipped'))[:40]):>10}")
     return 0
 

@@ -5,6 +5,7 @@ never gives that row a time (made-up rows, no GPU, no torch)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -84,3 +85,23 @@ def test_a_variant_config_is_its_zoo_config_all_on_track_b(path: Path) -> None:
 def test_the_variants_differ_in_flags_or_precision() -> None:
     seen = {(load_config(p).precision, load_config(p).track_b.cuda_flags) for p in VARIANTS}
     assert len(VARIANTS) >= 2 and len(seen) == len(VARIANTS)
+
+
+def test_the_prediction_row_says_whether_the_partitions_estimate_held(zb, tmp_path: Path) -> None:
+    bundle = tmp_path / "m"
+    bundle.mkdir()
+    report = {"estimate_us": 300.0, "iree_alone_us": 900.0, "batch_sizes": [1, 8], "nodes": []}
+    (bundle / "partition.json").write_text(json.dumps(report))
+    rows = [
+        {"name": "m/dualtrack_api", "batch": 1, "median_ms": 0.1},
+        {"name": "m/dualtrack_api", "batch": 8, "median_ms": 0.5},
+        {"name": "m/iree_alone", "batch": 1, "median_ms": 0.4},
+        {"name": "m/iree_alone", "batch": 8, "median_ms": 2.0},
+    ]
+    row = zb.prediction_row("m", bundle, rows)
+    assert row["measured_us"] == pytest.approx(600.0) and row["measured_iree_alone_us"] == pytest.approx(2400.0)
+    assert row["held"] is True
+    rows[1] = {"name": "m/dualtrack_api", "batch": 8, "median_ms": 5.0}  # measured slower than IREE alone
+    assert zb.prediction_row("m", bundle, rows)["held"] is False
+    rows[1] = {"name": "m/dualtrack_api", "batch": 8, "skipped": "refused"}  # nothing to compare: no verdict
+    assert "held" not in zb.prediction_row("m", bundle, rows)
