@@ -719,30 +719,9 @@ def layer_label(c: Any) -> str:
 
 
 def channel_slices(seg: Any) -> dict[str, tuple[str, int]]:
-    """Every tensor of a Track A segment -> (the tensor whose buffer holds it, its first channel there).
-
-    A concatenation's inputs are channel slices of its output's buffer, nested ones included, as
-    CudaBackend._plan_buffers lays them out (producers write with a channel stride, no copy); any
-    other tensor is its own buffer, from channel 0.
-    """
-    from dualtrack.contract.plan import ALIAS_OPS
-
-    channels = {t.name: t.shape[-1] for t in (*seg.inputs, *seg.tensors, *seg.outputs)}
-    parent: dict[str, tuple[str, int]] = {}
-    for c in seg.calls:
-        if c.op in ALIAS_OPS:
-            offset = 0
-            for x in c.inputs:
-                parent[x] = (c.outputs[0], offset)
-                offset += channels[x]
-    out = {}
-    for name in channels:
-        root, offset = name, 0
-        while root in parent:
-            root, extra = parent[root]
-            offset += extra
-        out[name] = (root, offset)
-    return out
+    """Every tensor of a Track A segment -> (the tensor whose buffer holds it, its first channel there),
+    as the engine lays them out: ``Segment.channel_views`` (a concat's inputs, a slice's output)."""
+    return seg.channel_views()
 
 
 def layer_bytes(op: str, n: int, h: int, w: int, c: int, k: int, itemsize: int) -> int:

@@ -212,7 +212,7 @@ def test_node_without_kernel_on_track_a_names_node_and_fix(tiny: tuple[BuildConf
         r"\+Relu/Clip\(0,6\)/HardSwish/HardSigmoid/Sigmoid/SiLU\), MaxPool and AveragePool of any window up to 15x15 "
         r"\(no Indices "
         r"output\), ConvTranspose of any window, "
-        r"channel Concat of their outputs, the mobile ops: depthwise Conv "
+        r"channel Concat of any inputs .*, Pad constant/reflect/edge over H,W, the mobile ops: depthwise Conv "
         r".* Resize nearest/linear over H,W; and a segmentation head: .*; move it to Track B with "
         r"partition\.track_b\.name_prefixes: \['pre/nchw'\]$",
     ):

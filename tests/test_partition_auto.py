@@ -203,8 +203,8 @@ def test_the_lowering_and_auto_ask_the_same_predicate(node: str, reason: str) ->
 
 
 def shared_concat_input() -> onnx.ModelProto:
-    """Two convs concatenated, the first one's output also read by a Track B node: the concat passes
-    its predicate, but its input leaves the segment, so it cannot be a channel slice there."""
+    """Two convs concatenated, the first one's output also read by a Track B node: its input leaves
+    the segment, so it cannot be a channel slice there, and is copied into one (lower_pad)."""
     g = Graph()
     g.add("Sin", "pre", ["x"])
     a, b = g.conv("a", "pre"), g.conv("b", "pre")
@@ -215,13 +215,15 @@ def shared_concat_input() -> onnx.ModelProto:
     return g.model("y")
 
 
-def test_a_node_the_lowering_refuses_moves_to_b_with_its_reason() -> None:
+def test_a_concat_whose_input_leaves_its_segment_stays_on_a_with_a_copy_of_that_input() -> None:
     p = partition.partition_model(auto(switch_us=0.0), shared_concat_input())
     t = tracks(p)
-    assert (t["a"], t["b"], t["cat"], t["side"]) == ("A", "A", "B", "B")
-    assert why(p, "cat") == (
-        "Track A cannot lower it in its segment: input 'a' is not produced by a Track A kernel of this segment"
-    )
+    assert (t["a"], t["b"], t["cat"], t["side"]) == ("A", "A", "A", "B")
+    cat_seg = next(s for s in p.plan.segments if "cat" in s.nodes)
+    assert [(c.op, c.inputs) for c in cat_seg.calls if c.op in ("pad", "concat")] == [
+        ("pad", ("a",)),
+        ("concat", ("cat__part0", "b")),
+    ]
     for seg in p.plan.segments:  # every Track A segment lowers; every node is covered once
         if seg.track == "A":
             assert tuple(n for c in seg.calls for n in c.nodes) == seg.nodes

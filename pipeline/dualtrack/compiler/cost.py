@@ -71,9 +71,9 @@ MeasuredTimes = Mapping[ConvKey, float]
 
 
 # The Track A kernels on the CUDA cores, memory-bound (Rates.track_a_simt): the mobile ops', the
-# general max-pool's (one comparison per tap, node_work) and the segmentation head's.
+# general max-pool's (one comparison per tap, node_work), the segmentation head's and the pad/copy's.
 # The general ConvTranspose's gather (convt) runs on the CUDA cores too.
-SIMT_KERNELS = ("dwconv", "gap", "fc", "eltwise", "resize", "maxpool", "seghead", "convt", "norm")
+SIMT_KERNELS = ("dwconv", "gap", "fc", "eltwise", "resize", "maxpool", "seghead", "convt", "norm", "pad")
 
 
 @dataclass(frozen=True)

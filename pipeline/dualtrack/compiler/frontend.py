@@ -3,7 +3,7 @@
 Stages, in order, each a function ``(model, ...) -> model`` that records its rewrites:
 
     load_model -> weights_out_of_inputs -> upgrade_opset -> symbolic_batch -> simplify
-    -> batch_generic_shapes -> static_resize_scales -> unique_parameter_keys -> convert_precision
+    -> batch_generic_shapes -> static_resize_scales -> fold_zero_pads -> unique_parameter_keys -> convert_precision
     -> wrap_image_io
 
 The generic work is done by libraries: opset upgrades by ``onnx.version_converter``, constant
@@ -33,6 +33,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
+from dualtrack.compiler.lower_pad import full_pads
 from dualtrack.contract.checks import MASK, PROBS
 from dualtrack.contract.plan import parameter_key
 from dualtrack.errors import ConfigError, ModelError
@@ -380,6 +381,98 @@ def static_resize_scales(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.Mod
         )
     )
     return model
+
+
+def fold_zero_pads(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """A Pad of zeros over H and W whose every reader is a Conv, or an AveragePool that counts its
+    padding (``count_include_pad`` 1, ``ceil_mode`` 0), is dropped and its pads added to theirs: a
+    convolution reads zeros outside the image anyway, so the padded tensor never has to exist (one
+    op and one tensor fewer on either track). Not folded: a crop (a negative pad), pads on N or C,
+    another value or mode, a MaxPool reader (its padding is -inf, not 0), an ``auto_pad`` SAME_*
+    reader (its padding depends on the size it sees), a Pad the graph outputs."""
+    model = copy.deepcopy(model)
+    g = model.graph
+    consts = {i.name: numpy_helper.to_array(i) for i in g.initializer}
+    consts.update(
+        (n.output[0], numpy_helper.to_array(n.attribute[0].t))
+        for n in g.node
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
+    )
+    readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    for n in g.node:
+        for x in n.input:
+            readers[x].append(n)
+    outputs = {o.name for o in g.output}
+    folded: list[onnx.NodeProto] = []
+    for pad in g.node:
+        hw = _zero_pad_hw(pad, consts) if pad.op_type == "Pad" else None
+        users = readers.get(pad.output[0], [])
+        if hw is None or pad.output[0] in outputs or not users or not all(_takes_zeros(u, pad, hw) for u in users):
+            continue
+        for u in users:
+            keep = [x for x in u.attribute if x.name not in ("pads", "auto_pad")]
+            pads = _summed_pads(u, hw)
+            del u.attribute[:]
+            u.attribute.extend([*keep, helper.make_attribute("pads", pads)])
+            u.input[0] = pad.input[0]
+        folded.append(pad)
+    if not folded:
+        return model
+    gone = {p.output[0] for p in folded}
+    kept = [n for n in g.node if not (n.op_type == "Pad" and n.output[0] in gone)]
+    del g.node[:]
+    g.node.extend(kept)
+    vis = [v for v in g.value_info if v.name not in gone]
+    del g.value_info[:]
+    g.value_info.extend(vis)
+    model = _prune(model)
+    names = ", ".join(f"'{p.name or p.output[0]}'" for p in folded[:4])
+    more = f" and {len(folded) - 4} more" if len(folded) > 4 else ""
+    what = f"{len(folded)} zero Pad(s) folded into the padding of the Conv/AveragePool after them"
+    log.append(Rewrite("pad", f"{what}: {names}{more}"))
+    return model
+
+
+def _zero_pad_hw(pad: onnx.NodeProto, consts: dict[str, np.ndarray]) -> list[int] | None:
+    """The (top, left, bottom, right) pads of a constant-0 Pad over H and W of a 4-D tensor (pads
+    and value constant inputs since opset 11, attributes before; opset 18's axes), or None."""
+    a = {x.name: helper.get_attribute_value(x) for x in pad.attribute}
+    if a.get("mode", b"constant") != b"constant":
+        return None
+    inputs = [*pad.input, "", "", ""]
+    pads = consts.get(inputs[1]) if inputs[1] else np.array(a.get("pads", []))
+    value = consts.get(inputs[2]) if inputs[2] else np.array(a.get("value", 0.0))
+    axes = consts.get(inputs[3]) if inputs[3] else None
+    if pads is None or value is None or value.size > 1 or (inputs[3] and axes is None):
+        return None
+    full = full_pads(pads.astype(np.int64).tolist(), axes)
+    if full is None or float(value.reshape(())) != 0.0 or any(full[i] for i in (0, 1, 4, 5)) or min(full) < 0:
+        return None
+    return [full[2], full[3], full[6], full[7]]
+
+
+def _summed_pads(node: onnx.NodeProto, hw: list[int]) -> list[int]:
+    """A 2-D Conv's or pool's explicit pads (``auto_pad`` VALID: none) plus ``hw``."""
+    a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    old = [0, 0, 0, 0] if a.get("auto_pad", b"NOTSET") == b"VALID" else list(a.get("pads", [0, 0, 0, 0]))
+    return [int(p + q) for p, q in zip(old, hw, strict=True)]
+
+
+def _takes_zeros(node: onnx.NodeProto, pad: onnx.NodeProto, hw: list[int]) -> bool:
+    """Whether ``node`` reads ``pad``'s output as its image only and pads it with zeros of its own
+    (an AveragePool's pads stay under its window, as onnxruntime requires)."""
+    t = pad.output[0]
+    if node.op_type not in ("Conv", "AveragePool") or node.input[0] != t or t in node.input[1:]:
+        return False
+    a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    if a.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID"):
+        return False
+    if node.op_type == "Conv":
+        return True
+    kernel = list(a.get("kernel_shape", []))
+    pads = _summed_pads(node, hw)
+    fits = len(kernel) == 2 and all(pads[i] < kernel[i % 2] for i in range(4))
+    return fits and a.get("count_include_pad", 0) == 1 and a.get("ceil_mode", 0) == 0
 
 
 def _expand_batch(model, node, inits, batch, dims) -> bool:
@@ -767,6 +860,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
         m = simplify(m, log)
     m = batch_generic_shapes(m, export_batch, log)
     m = static_resize_scales(m, log)
+    m = fold_zero_pads(m, log)
     m = unique_parameter_keys(m, log)
     m, precision = convert_precision(m, cfg.precision, log)
     body = m

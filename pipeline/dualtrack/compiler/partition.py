@@ -24,7 +24,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from dualtrack import kernels
-from dualtrack.compiler import cost, frontend, layout, lower_head, lower_mobile, lower_norm
+from dualtrack.compiler import cost, frontend, layout, lower_head, lower_mobile, lower_norm, lower_pad
 from dualtrack.compiler.config import BuildConfig, Rules
 from dualtrack.compiler.frontend import model_precision
 from dualtrack.contract.activations import Activation
@@ -36,7 +36,7 @@ TRACK_A_DESCRIPTION = (
     "Conv of any kernel size, stride, dilation, padding and group count (optionally +Add of a residual "
     "+Relu/Clip(0,6)/HardSwish/HardSigmoid/Sigmoid/SiLU), MaxPool and AveragePool of any window up to "
     f"{kernels.maxpool.MAX_KERNEL}x{kernels.maxpool.MAX_KERNEL} (no Indices output), ConvTranspose of any window, "
-    "channel Concat of their outputs, "
+    f"{lower_pad.DESCRIPTION}, "
     f"the mobile ops: {lower_mobile.DESCRIPTION}; and {lower_head.DESCRIPTION}"
     f"; the normalisation family: {lower_norm.DESCRIPTION}"
 )
@@ -709,16 +709,13 @@ def _epilogue_kernel(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
     return _mobile_kernel(node, ctx)
 
 
-def _concat_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
-    """Producers write channel slices of the output; lower_track_a checks they share its segment."""
-    axis = {x.name: helper.get_attribute_value(x) for x in node.attribute}.get("axis")
-    if axis not in (1, -3):
-        return f"concatenation on axis {axis}, not channels"
-    for x in node.input:
-        producer = ctx.producers.get(x)
-        if producer is None or producer.op_type not in TRACK_A_SUPPORT or x in ctx.graph_outputs:
-            return f"input '{x}' is not computed by a Track A kernel"
-    return None
+def _moves_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    """Pad, Slice, Split, Concat: lower_pad's (a Concat's inputs from anywhere: copies where needed)."""
+    return lower_pad.supports(node, ctx.facts)
+
+
+def _moves_kernel(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+    return lower_pad.kernel(node, ctx.facts)
 
 
 def _launches(op: str | None) -> Callable[[onnx.NodeProto, SupportContext], str | None]:
@@ -756,7 +753,7 @@ TRACK_A_SUPPORT: dict[str, TrackAOp] = {
     "MaxPool": TrackAOp(_pool_support, _pool_kernel),
     "AveragePool": TrackAOp(_pool_support, _pool_kernel),
     "ConvTranspose": TrackAOp(_convt_support, _convt_kernel),
-    "Concat": TrackAOp(_concat_support, _launches(None)),
+    **{op: TrackAOp(_moves_support, _moves_kernel) for op in lower_pad.OPS},
 }
 # The segmentation head's ops (lower_head: one seghead call writes the model's probs and mask).
 TRACK_A_SUPPORT.update(
@@ -836,6 +833,8 @@ def lower_track_a(
     def private(t: str) -> bool:  # an intermediate no other track or graph output sees
         return t not in ctx.graph_outputs and t not in boundary_outputs
 
+    escaping = boundary_outputs | ctx.graph_outputs
+
     # A segmentation head is one call, emitted at its last node in the segment (it reads its logits
     # alone, computed before any of its nodes); none of its nodes joins a Conv's epilogue or a mobile op's.
     last_of = {ctx.heads.found[n.name]: n.name for n in seg if n.name in ctx.heads.found}
@@ -884,7 +883,10 @@ def lower_track_a(
             calls.append(call)
             i += covered_nodes - 1
             continue
-        call = _lower_dense_op(node, specs, groups, calls, boundary_outputs | ctx.graph_outputs)
+        if node.op_type in lower_pad.OPS:
+            calls += lower_pad.lower(node, ctx.facts, lower_pad.SegmentSoFar(calls, escaping, specs))
+            continue
+        call = _lower_dense_op(node, specs, groups)
         if call is not None:
             calls.append(call)
     return calls
@@ -945,12 +947,9 @@ def _lower_mobile_op(
         raise _refusal(node, str(e)) from None
 
 
-def _lower_dense_op(
-    node: onnx.NodeProto, specs: dict, groups: _FusionGroups, calls: list[KernelCall], escaping: set[str]
-) -> KernelCall | None:
-    """The call for a dense Conv without epilogue nodes, MaxPool, ConvTranspose or Concat (None for a
-    Conv whose call waits for its epilogue's last node). ``calls``: the segment's so far; ``escaping``:
-    tensors another segment or the graph's outputs read."""
+def _lower_dense_op(node: onnx.NodeProto, specs: dict, groups: _FusionGroups) -> KernelCall | None:
+    """The call for a dense Conv without epilogue nodes, MaxPool or ConvTranspose (None for a Conv
+    whose call waits for its epilogue's last node)."""
     if node.op_type == "Conv":
         if node.name in groups.emit_at:  # no epilogue nodes: the call goes here
             return _conv_call(node, groups.epilogues[node.name], specs, _refusal)
@@ -966,16 +965,6 @@ def _lower_dense_op(
             raise _refusal(node, why)
         attrs = () if tgeom is None else tgeom.attrs()
         return KernelCall(op, (node.input[0],), (node.output[0],), weights, attrs, (node.name,))
-    if node.op_type == "Concat":
-        # No kernel: the producers write straight into channel slices of the output buffer
-        # (the channel axis is _concat_support's check).
-        produced = {t for c in calls for t in c.outputs}
-        for x in node.input:
-            if x not in produced or x in escaping:
-                raise _refusal(node, f"input '{x}' is not produced by a Track A kernel of this segment")
-            if sum(1 for c in calls if c.op == "concat" and x in c.inputs):
-                raise _refusal(node, f"input '{x}' already feeds another concatenation")
-        return KernelCall("concat", tuple(node.input), (node.output[0],), (), (), (node.name,))
     raise _refusal(node, "no hand-written kernel")
 
 

@@ -22,9 +22,11 @@ from typing import Any, Literal
 import numpy as np
 
 Track = Literal["A", "B"]
-# Track A ops with no kernel: a concatenation is realised by its producers writing into channel
-# slices of one buffer (the kernels take a per-pixel channel stride).
-ALIAS_OPS = frozenset({"concat"})
+# Track A ops with no kernel: buffer aliases (Segment.channel_views). A concatenation is realised by
+# its producers writing into channel slices of one buffer (the kernels take a per-pixel channel
+# stride); a slice (attr ``start``) is a channel slice of its input, which its consumers read with
+# that stride.
+ALIAS_OPS = frozenset({"concat", "slice"})
 PLAN_SCHEMA_VERSION = 1
 
 # The fused activations' ids (a call's ``act``, ``act_p0``, ``act_p1`` attrs) are the table in
@@ -45,6 +47,9 @@ POOL_MODES: dict[str, int] = {"max": 0, "avg_include_pad": 1, "avg_exclude_pad":
 RESIZE_MODES: dict[str, int] = {"nearest": 0, "linear": 1}
 RESIZE_COORDS: dict[str, int] = {"half_pixel": 0, "pytorch_half_pixel": 1, "align_corners": 2, "asymmetric": 3}
 RESIZE_NEAREST: dict[str, int] = {"floor": 0, "ceil": 1, "round_prefer_floor": 2, "round_prefer_ceil": 3}
+# The pad call's ``mode`` attr (handwritten_ptx/pad_nhwc.cu); ``value`` holds the float32 bits of a
+# constant pad's value, ``c0`` the input's first channel copied (a pad of zeros is a channel copy).
+PAD_MODES: dict[str, int] = {"constant": 0, "reflect": 1, "edge": 2}
 # The norm call's ``kind`` attr (kernels.norm): statistics per (image, group of ``groups``), per pixel
 # over the channels, or per-channel constants (an unfolded BatchNormalization); ``eps`` holds float32
 # bits; ``res``: where its second input, a residual, is added (none, before or after the activation).
@@ -147,6 +152,30 @@ class Segment:
     @property
     def name(self) -> str:
         return f"seg{self.index}_{self.track}"
+
+    def channel_views(self) -> dict[str, tuple[str, int]]:
+        """Every tensor of this Track A segment -> (the tensor whose buffer holds it, its first channel
+        there), as the runtime lays them out (:data:`ALIAS_OPS`): a concatenation's inputs are channel
+        slices of its output, a slice's output a channel slice of its input, nested ones included;
+        any other tensor is its own buffer, from channel 0."""
+        channels = {t.name: t.shape[-1] for t in (*self.inputs, *self.tensors, *self.outputs)}
+        parent: dict[str, tuple[str, int]] = {}
+        for c in self.calls:
+            if c.op == "concat":
+                offset = 0
+                for x in c.inputs:
+                    parent[x] = (c.outputs[0], offset)
+                    offset += channels[x]
+            elif c.op == "slice":
+                parent[c.outputs[0]] = (c.inputs[0], c.attr("start"))
+        out = {}
+        for name in channels:
+            root, offset = name, 0
+            while root in parent:
+                root, extra = parent[root]
+                offset += extra
+            out[name] = (root, offset)
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Segment:

@@ -54,6 +54,7 @@ from dualtrack.kernels.fc import FcSpec
 from dualtrack.kernels.gap import GapSpec
 from dualtrack.kernels.maxpool import MaxPoolSpec, PoolGeometry
 from dualtrack.kernels.maxpool2x2 import MaxPool2x2Spec
+from dualtrack.kernels.pad import PadMode, PadSpec
 from dualtrack.kernels.norm import NormSpec
 from dualtrack.kernels.problems import ConvProblem, conv_layers
 from dualtrack.kernels.resize import ResizeMode, ResizeSpec
@@ -96,6 +97,8 @@ __all__ = [
     "LaunchContext",
     "MaxPool2x2Spec",
     "MaxPoolSpec",
+    "PadMode",
+    "PadSpec",
     "NormSpec",
     "Pointers",
     "PoolGeometry",
@@ -135,6 +138,7 @@ KERNELS: Mapping[str, KernelSpec] = {
     "eltwise": EltwiseSpec(op="eltwise", stem="eltwise_nhwc"),
     "resize": ResizeSpec(op="resize", stem="resize_nhwc"),
     "seghead": SegHeadSpec(op="seghead", stem="seghead_nhwc"),  # softmax/sigmoid + argmax: the model's outputs
+    "pad": PadSpec(op="pad", stem="pad_nhwc"),  # Pad over H, W; with zero pads a channel-slice copy
     "norm": NormSpec(op="norm", stem="norm_nhwc"),  # Group/Instance/Layer/BatchNorm + affine + activation
 }
 

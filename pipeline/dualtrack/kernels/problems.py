@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dualtrack.contract.plan import ALIAS_OPS, KernelCall, Plan, Segment
+from dualtrack.contract.plan import KernelCall, Plan, Segment
 from dualtrack.kernels.base import DeviceTensor, dtype_name
 
 TUNED_OPS = ("conv3x3",)  # convt2x2's tiles are namespace constants, not a template: nothing to search
@@ -85,22 +85,11 @@ class ConvLayer:
 
 
 def channel_strides(seg: Segment) -> dict[str, int]:
-    """Per-pixel channel stride of every tensor of a Track A segment, as the runtime plans its buffers:
-    a concatenation's inputs are channel slices of its output, so they have the output's stride (a
-    chain of concatenations: the outermost one's); every other tensor is dense."""
+    """Per-pixel channel stride of every tensor of a Track A segment, as the runtime plans its buffers
+    (``Segment.channel_views``): a channel slice of another buffer (a concatenation's input, a
+    slice's output) has that buffer's stride; every other tensor is dense."""
     specs = {t.name: t for t in (*seg.inputs, *seg.tensors, *seg.outputs)}
-    parent: dict[str, str] = {}
-    for c in seg.calls:
-        if c.op in ALIAS_OPS:
-            for x in c.inputs:
-                parent[x] = c.outputs[0]
-    strides = {}
-    for name in specs:
-        root = name
-        while root in parent:
-            root = parent[root]
-        strides[name] = specs[root].shape[-1]
-    return strides
+    return {name: specs[root].shape[-1] for name, (root, _) in seg.channel_views().items()}
 
 
 def conv_layers(

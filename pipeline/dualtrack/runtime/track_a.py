@@ -134,26 +134,18 @@ class TrackA:
         """Every Track A tensor at this batch size, planned once and reused: (views, root buffers).
 
         A concatenation's inputs are channel slices of its output buffer (their producers write
-        there with a channel stride), so no kernel ever copies for a Concat.
+        there with a channel stride), and a channel slice's output is a view of its input
+        (``Segment.channel_views``), so no kernel ever copies for them.
         """
         key = seg.index * 1_000_003 + batch
         if key in self.buffers:
             return self.buffers[key]
         specs = {t.name: t for t in (*seg.tensors, *seg.outputs)}
-        parent: dict[str, tuple[str, int]] = {}
-        for c in seg.calls:
-            if c.op in ALIAS_OPS:
-                offset = 0
-                for x in c.inputs:
-                    parent[x] = (c.outputs[0], offset)
-                    offset += specs[x].shape[-1]
+        where = seg.channel_views()
         roots: dict[str, GpuTensor] = {}
         views: dict[str, GpuTensor] = {}
         for name, t in specs.items():
-            root, offset = name, 0
-            while root in parent:
-                root, extra = parent[root]
-                offset += extra
+            root, offset = where[name]
             if root not in roots:
                 r = specs[root]
                 dtype = np.dtype(r.dtype)
