@@ -1,11 +1,11 @@
 """The public corpus (issue 38): every zoo model that tests/test_zoo_build.py does not build is exported at a small
-size and built from its config in configs/zoo/ through the Python API, on the CPU: partition auto, the Track A
-lowering, IREE llvm-cpu and the build's own verification against onnxruntime. Each test prints the plan it got
-(segments, Track A's share of the nodes) so a CI log shows where each architecture runs.
+size and built from its config in configs/zoo/ through the Python API, on the CPU: the default partition (auto), the
+Track A lowering, IREE llvm-cpu and the build's own verification against onnxruntime. Each test prints the plan it
+got (segments, Track A's share of the nodes) so a CI log shows where each architecture runs.
 
 CI's size: each model at the smallest side of at least 64 it takes (models/zoo/export.py's `small_size`: 96 for
 PSPNet, 128 for PAN), batch 1 only, CPU modules only; the export, the front end and the partition are the same code
-as at 512. Skipped where the zoo extra is missing.
+as at 512. The 14 builds take about 6 CPU-minutes on two cores. Skipped where the zoo extra is missing.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 from zoo import CONFIGS, FULL_BUILD, load_export
 
 from dualtrack.compiler.build import build
+from dualtrack.compiler.config import load_config
 from dualtrack.contract.plan import Plan
 
 zoo = load_export()
@@ -23,17 +24,11 @@ CORPUS = sorted(set(zoo.ZOO) - set(FULL_BUILD))
 
 
 def small_config(name: str, model: Path, tmp_path: Path) -> Path:
-    """configs/zoo/<name>.yaml with `model:` at the small export, batch 1 only and the output left to the caller.
-
-    `partition: auto` is written out where the config has no partition line, so that the corpus goes through the
-    cost model whatever the build's default is."""
+    """configs/zoo/<name>.yaml with `model:` at the small export, batch 1 only and the output left to the caller."""
     lines = (CONFIGS / f"{name}.yaml").read_text().splitlines()
     keep = [ln for ln in lines if not ln.startswith(("model:", "batch_sizes:", "output:"))]
-    extra = [f"model: {model}", "batch_sizes: [1]"]
-    if not any(ln.startswith("partition:") for ln in lines):
-        extra.append("partition: auto")
     config = tmp_path / f"{name}.yaml"
-    config.write_text("\n".join([*keep, *extra]) + "\n")
+    config.write_text("\n".join([*keep, f"model: {model}", "batch_sizes: [1]"]) + "\n")
     return config
 
 
@@ -49,7 +44,9 @@ def track_a_share(plan: Plan) -> float:
 def test_a_corpus_model_builds_from_its_config_and_verifies_on_the_cpu(tmp_path: Path, name: str) -> None:
     size = zoo.small_size(name)
     exported = zoo.export_model(name, tmp_path / "export", size)
-    result = build(small_config(name, exported.path, tmp_path), tmp_path / "bundle", cpu_only=True)
+    config = small_config(name, exported.path, tmp_path)
+    assert load_config(config).partition.mode == "auto"  # the default: the configs choose no partition
+    result = build(config, tmp_path / "bundle", cpu_only=True)
 
     assert result.verification is not None and result.verification["passed"] is True
     checks = result.verification["checks"]
