@@ -184,7 +184,9 @@ def test_supports_names_what_it_refuses() -> None:
     ok = ConvGeometry(3, 3)
     assert SPEC.supports("float16", 8, 8, 3, 4, ok) is None
     assert SPEC.supports("float16", 8, 8, 32, 32, ConvGeometry(3, 3, groups=32)) is None  # grouped: per-group GEMMs
-    assert "group=4 does not divide C=30" in (SPEC.supports("float16", 8, 8, 30, 32, ConvGeometry(3, 3, groups=4)) or "")
+    assert "group=4 does not divide C=30" in (
+        SPEC.supports("float16", 8, 8, 30, 32, ConvGeometry(3, 3, groups=4)) or ""
+    )
     assert "int8" in (SPEC.supports("int8", 8, 8, 3, 4, ok) or "")
     assert "kernel 17x3" in (SPEC.supports("float16", 32, 32, 3, 4, ConvGeometry(17, 3)) or "")
     assert "negative padding" in (SPEC.supports("float16", 8, 8, 3, 4, ConvGeometry(3, 3, pad_top=-1)) or "")

@@ -307,22 +307,6 @@ def test_an_output_already_called_probs_or_mask_is_renamed_out_of_the_way() -> N
     assert any("output 'probs'" in r.detail for r in fe.rewrites)
 
 
-def test_a_shape_value_may_not_cross_between_tracks() -> None:
-    """Shape(x) on one track feeding a Reshape on the other: refused with the fix, never a broken boundary."""
-    from dualtrack.compiler.config import PartitionConfig, Rules
-
-    model = torch_style()
-    cfg = _cfg(simplify=False, partition=PartitionConfig(track_a=Rules(name_prefixes=("/enc/conv2",))))
-    g = model.graph
-    at = next(i for i, n in enumerate(g.node) if n.name == "/enc/conv2/Conv") + 1
-    g.node.insert(at, helper.make_node("Shape", ["/enc/conv2/Conv_output_0"], ["early_shape"], name="/enc/conv2/Shape"))
-    for n in g.node:
-        if n.op_type == "Expand":
-            n.input[1] = "early_shape"
-    with pytest.raises(PartitionError, match=r"is a constant or shape value .* keep its producers and consumers"):
-        _plan(cfg, frontend.prepare(cfg, model))
-
-
 def test_an_fp16_model_is_checked_against_the_same_weights_in_fp32() -> None:
     """verify.upcast widens weights, casts and boundaries: the reference computes the fp16 network exactly."""
     from dualtrack.compiler.reference import UNetSpec, build_unet

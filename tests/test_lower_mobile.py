@@ -28,7 +28,7 @@ def config(
         precision="fp32",
         batch_sizes=batch_sizes,
         targets=["sm_80"],
-        partition=PartitionConfig(track_a=Rules(name_prefixes=prefixes)),
+        partition=PartitionConfig(mode="rules", track_a=Rules(name_prefixes=prefixes)),
     )
 
 

@@ -249,9 +249,9 @@ def write_reflect_project(root: Path) -> Path:
         def __init__(self) -> None:
             super().__init__()
             self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
-            # (left, right, top, bottom): pads (1, 2, 0, 3), which IREE 3.13's llvm-cpu compiles (the CPU
-            # check of the segment); (0, 1, 3, 2) and, with a dynamic batch, (1, 1, 1, 1) it cannot.
-            self.pad = torch.nn.ReflectionPad2d((2, 3, 1, 0))
+            # (left, right, top, bottom): ONNX pads (0, 1, 3, 2), which IREE 3.13's llvm-cpu cannot
+            # compile as a Pad; iree_build.gather_pads hands it over as Gathers (tests/test_iree_pads.py).
+            self.pad = torch.nn.ReflectionPad2d((1, 2, 0, 3))
             self.conv = torch.nn.Conv2d(8, 12, 3)
             self.mix = torch.nn.Conv2d(5, 4, 1)
             self.head = torch.nn.Conv2d(4 + 7 + 12, 2, 1)

@@ -29,7 +29,9 @@ def tiny(tiny_config: Path) -> tuple[BuildConfig, onnx.ModelProto]:
 
 
 def with_partition(cfg: BuildConfig, track_a: Rules, track_b: Rules | None = None) -> BuildConfig:
-    return cfg.model_copy(update={"partition": PartitionConfig(track_a=track_a, track_b=track_b or Rules())})
+    return cfg.model_copy(
+        update={"partition": PartitionConfig(mode="rules", track_a=track_a, track_b=track_b or Rules())}
+    )
 
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:
@@ -209,7 +211,7 @@ def test_node_without_kernel_on_track_a_names_node_and_fix(tiny: tuple[BuildConf
         PartitionError,
         match=r"^node 'pre/nchw' \(Transpose, no hand-written kernel\) is on Track A, whose kernels cover "
         r"Conv of any kernel size, stride, dilation, padding and group count \(optionally \+Add of a residual "
-        r"\+Relu/Clip\(0,6\)/HardSwish/HardSigmoid/Sigmoid/SiLU\), MaxPool and AveragePool of any window up to 15x15 "
+        r"\+Relu/Clip\(0,6\)/HardSwish/HardSigmoid/Sigmoid/SiLU\), MaxPool and AveragePool of any window up to 64x64 "
         r"\(no Indices "
         r"output\), ConvTranspose of any window, "
         r"channel Concat of any inputs .*, Pad constant/reflect/edge over H,W, the mobile ops: depthwise Conv "

@@ -65,7 +65,9 @@ class Graph:
 def plan_of(model: onnx.ModelProto, tmp_path: Path) -> Plan:
     path = tmp_path / "m.onnx"
     onnx.save(model, path)
-    cfg = BuildConfig(model=path, targets=(), partition=PartitionConfig(track_a=Rules(name_prefixes=("a/",))))
+    cfg = BuildConfig(
+        model=path, targets=(), partition=PartitionConfig(mode="rules", track_a=Rules(name_prefixes=("a/",)))
+    )
     plan, _ = partition.build_plan(cfg, partition.name_nodes(model))
     return plan
 

@@ -59,6 +59,7 @@ AVG_WINDOWS = [
     ((2, 3), (1, 2), (0, 1, 1, 0), 1),
     ((7, 7), (7, 7), (0, 0, 0, 0), 1),
     ((8, 8), (8, 8), (0, 0, 0, 0), 0),  # PSPNet's AdaptiveAvgPool2d(bins) exports as kernel = stride = H / bins
+    ((16, 15), (16, 15), (0, 0, 0, 0), 0),  # windows past 15 a side (PSPNet's bin 2 pools 32x32 of a 64x64 map)
 ]
 
 

@@ -71,9 +71,9 @@ MeasuredTimes = Mapping[ConvKey, float]
 
 
 # The Track A kernels on the CUDA cores, memory-bound (Rates.track_a_simt): the mobile ops', the
-# general max-pool's (one comparison per tap, node_work), the segmentation head's and the pad/copy's.
-# The general ConvTranspose's gather (convt) runs on the CUDA cores too.
-SIMT_KERNELS = ("dwconv", "gap", "fc", "eltwise", "resize", "maxpool", "seghead", "convt", "norm", "pad")
+# general max-pool's (one comparison per tap, node_work), the segmentation head's and the pad/copy's;
+# the general ConvTranspose's gather (convt) runs on the CUDA cores too.
+SIMT_KERNELS = ("dwconv", "gap", "fc", "eltwise", "resize", "maxpool", "seghead", "pad", "convt", "norm")
 
 
 @dataclass(frozen=True)
@@ -277,9 +277,7 @@ def node_work(node: onnx.NodeProto, specs: Mapping[str, tuple[tuple[int, ...], s
     return Work(flops, float(act), float(weights))
 
 
-def norm_work(
-    specs: Mapping[str, tuple[tuple[int, ...], str]], inputs: Sequence[str], output: str, kind: int
-) -> Work:
+def norm_work(specs: Mapping[str, tuple[tuple[int, ...], str]], inputs: Sequence[str], output: str, kind: int) -> Work:
     """What a norm call moves at batch 1, charged to its chain's first node (the others have no launch
     of their own): a group norm's statistics read x once more (``kind`` 0, ``plan.NORM_KINDS``), the
     apply pass reads x (and a residual) and writes y; ~10 FLOPs an element, bytes-bound."""
@@ -306,6 +304,19 @@ def conv3x3_key(node: onnx.NodeProto, specs: Mapping[str, tuple[tuple[int, ...],
     (_, c, h, w), dtype = specs[node.input[0]]
     k = specs[node.output[0]][0][1]
     return (batch, h, w, c, k, dtype)
+
+
+# Element-wise ops IREE fuses into the dispatch of the op that produces their input (its dispatch
+# formation): on Track B they cost nothing of their own (no launch; their input and output are the
+# producer's registers, not memory). A Track A island of a few of them (each its own launch and its
+# own pass over memory) then does not look cheaper than leaving them to IREE's fusion.
+IREE_FUSES = frozenset(
+    {
+        "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Pow", "Erf",
+        "Relu", "LeakyRelu", "PRelu", "Elu", "Selu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh",
+        "Softplus", "Softsign", "Mish", "Gelu", "Cast", "Identity", "Min", "Max", "Where",
+    }
+)  # fmt: skip
 
 
 def node_cost(
@@ -337,6 +348,8 @@ def node_cost(
         return r.time_us(b * w.flops, b * w.act_bytes + w.weight_bytes)
 
     b_us = sum(roofline(rates.track_b, b, own) for b in batch_sizes)
+    if node.op_type in IREE_FUSES:  # in the dispatch of the op before it: no launch, no bytes of its own
+        b_us = 0.0
     if on_a == "fused":
         return NodeCost(0.0, b_us, "fused")
     if on_a is not None:

@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from dualtrack import atomic
@@ -26,7 +27,7 @@ from dualtrack.compiler.tools import run_tool, tool_version
 from dualtrack.contract.launch_plan import LaunchPlan, NotReplayable
 from dualtrack.errors import ConfigError, ToolError, UnsupportedOpError
 
-CACHE_FORMAT = "trackb-2"  # bump when the stages below change what they produce (2: launch plans)
+CACHE_FORMAT = "trackb-3"  # bump when the stages below change what they produce (2: launch plans, 3: gather_pads)
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,79 @@ def cpu_target(cpu: str) -> IreeTarget:
     )
 
 
+def gather_pads(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Stage 0: every reflect or edge Pad of a 4-D tensor over H and W as two Gathers of constant
+    indices (reflect: ... 2 1 | 0 1 .. n-1 | n-2 ...; edge: 0 0 | 0 .. n-1 | n-1 n-1), the same values
+    bit for bit. IREE 3.13's llvm-cpu backend fails to compile many reflect Pads ("LLVM Translation
+    failed for operation: builtin.unrealized_conversion_cast": ReflectionPad2d(1) with a dynamic
+    batch, (0,1,3,2) always), while a Gather compiles on every target. The indices are Constant nodes,
+    not initializers: initializers are externalized and supplied from the bundle's weights at run time."""
+    pads_of = {n.output[0]: n for n in model.graph.node if n.op_type == "Pad" and _pad_mode(n) in ("reflect", "edge")}
+    if not pads_of:
+        return model
+    shapes = {
+        vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim]
+        for vi in [*onnx.shape_inference.infer_shapes(model).graph.value_info, *model.graph.input]
+    }
+    consts = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    consts.update(
+        {n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node if n.op_type == "Constant"}
+    )
+    nodes: list[onnx.NodeProto] = []
+    for n in model.graph.node:
+        gathers = _pad_gathers(n, shapes.get(n.input[0], []), consts) if n.output[0] in pads_of else None
+        nodes.extend(gathers or [n])
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
+def _pad_mode(node: onnx.NodeProto) -> str:
+    mode = next((a.s for a in node.attribute if a.name == "mode"), b"constant")
+    return mode.decode()
+
+
+def _pad_gathers(node: onnx.NodeProto, shape: list[int], consts: dict) -> list[onnx.NodeProto] | None:
+    """The Gathers that compute ``node`` (a reflect/edge Pad), or None where its pads are not constant
+    or touch an axis other than H and W of a 4-D tensor of known H and W."""
+    pads = consts.get(node.input[1]) if len(node.input) > 1 and node.input[1] else None
+    if pads is None:
+        pads = next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "pads"), None)
+    axes = list(range(len(shape)))
+    if len(node.input) > 3 and node.input[3]:
+        if node.input[3] not in consts:
+            return None
+        axes = [int(a) % len(shape) for a in consts[node.input[3]]] if shape else []
+    if pads is None or len(shape) != 4 or not all(shape[2:]):
+        return None
+    before = dict(zip(axes, [int(v) for v in list(pads)[: len(axes)]], strict=True))
+    after = dict(zip(axes, [int(v) for v in list(pads)[len(axes) :]], strict=True))
+    if any(before.get(a, 0) or after.get(a, 0) for a in (0, 1)) or min([*before.values(), *after.values()]) < 0:
+        return None
+    reflect = _pad_mode(node) == "reflect"
+    out, x = [], node.input[0]
+    for axis in (2, 3):
+        lo, hi, size = before.get(axis, 0), after.get(axis, 0), shape[axis]
+        if not (lo or hi):
+            continue
+        idx = [abs(i) if reflect else 0 for i in range(-lo, 0)] + list(range(size))
+        idx += [2 * (size - 1) - i if reflect else size - 1 for i in range(size, size + hi)]
+        name = f"{node.output[0]}.gather{axis}"
+        tensor = onnx.numpy_helper.from_array(np.array(idx, np.int64), f"{name}.idx")
+        out.append(onnx.helper.make_node("Constant", [], [f"{name}.idx"], value=tensor))
+        y = node.output[0] if axis == 3 or not (after.get(3, 0) or before.get(3, 0)) else name
+        out.append(onnx.helper.make_node("Gather", [x, f"{name}.idx"], [y], axis=axis))
+        x = y
+    return out or None
+
+
 def import_onnx(model: onnx.ModelProto, workdir: Path) -> Path:
-    """Stage 1: write the model and import it to MLIR with externalized weights."""
+    """Stage 1: write the model (its reflect and edge Pads as Gathers, :func:`gather_pads`) and
+    import it to MLIR with externalized weights."""
     src = workdir / "segment.onnx"
-    onnx.save(model, str(src))
+    onnx.save(gather_pads(model), str(src))
     mlir = workdir / "segment.mlir"
     args = [str(src), "-o", str(mlir), "--externalize-params", "--save-params-to", str(workdir / "unused.irpa")]
     try:

@@ -17,7 +17,7 @@ import copy
 import hashlib
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import onnx
@@ -183,9 +183,13 @@ class TrackDecision:
     why: str
     a_us: float | None
     b_us: float
+    flops: float = 0.0  # at batch 1 (dualtrack.compiler.cost.node_work)
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
+
+
+GROUP_NAMES = 8  # node names a plan note lists per (track, reason)
 
 
 @dataclass(frozen=True)
@@ -203,12 +207,56 @@ class Assignment:
         per_node = ((d.a_us or 0.0) if d.track == "A" else d.b_us for d in self.decisions)
         return cost.plan_us(per_node, n_segments, self.switch_us, len(self.batch_sizes))
 
-    def grouped(self) -> list[str]:
-        """One line per (track, reason): the nodes it holds, in graph order."""
+    def iree_alone_us(self) -> float:
+        """IREE alone's estimate: every node's Track B time, one segment (what step 4 compares with)."""
+        return cost.plan_us((d.b_us for d in self.decisions), 1, self.switch_us, len(self.batch_sizes))
+
+    def track_a_flop_share(self) -> float:
+        """The fraction of the model's FLOPs (batch 1) that its Track A nodes compute."""
+        total = sum(d.flops for d in self.decisions)
+        return sum(d.flops for d in self.decisions if d.track == "A") / total if total else 0.0
+
+    def by_op(self) -> list[str]:
+        """One line per op type: how many of its nodes run on each track and, for Track B, why (the
+        reasons reduced to their kind, so a model's 40 refused Pads read as one reason)."""
+        per_op: dict[str, dict[str, list[str]]] = {}
+        for d in self.decisions:
+            per_op.setdefault(d.op, {"A": [], "B": []})[d.track].append(_reason_kind(d.why))
+        lines = []
+        for op, tracks in sorted(per_op.items(), key=lambda kv: (-len(kv[1]["B"]), kv[0])):
+            line = f"ops: {op}: {len(tracks['A'])} on Track A, {len(tracks['B'])} on Track B"
+            kinds: dict[str, int] = {}
+            for k in tracks["B"]:
+                kinds[k] = kinds.get(k, 0) + 1
+            if kinds:
+                line += " (" + "; ".join(f"{n}x {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])) + ")"
+            lines.append(line)
+        return lines
+
+    def grouped(self, most: int = GROUP_NAMES) -> list[str]:
+        """One line per (track, reason): the nodes it holds, in graph order, the first ``most`` by
+        name (the bundle's partition.json lists every node)."""
         groups: dict[tuple[str, str], list[str]] = {}
         for d in self.decisions:
             groups.setdefault((d.track, d.why), []).append(d.node)
-        return [f"Track {t} ({len(ns)}): {why}: {', '.join(ns)}" for (t, why), ns in groups.items()]
+        lines = []
+        for (t, why), ns in groups.items():
+            more = f" and {len(ns) - most} more (partition.json lists them)" if len(ns) > most else ""
+            lines.append(f"Track {t} ({len(ns)}): {why}: {', '.join(ns[:most])}{more}")
+        return lines
+
+
+def _reason_kind(why: str) -> str:
+    """A Track B node's reason without what names one node (its island, its shapes' details)."""
+    for prefix, kind in (
+        ("moved to Track B with its island", "its Track A island is not worth its track switches"),
+        ("moved to Track B with the whole plan", "IREE alone is predicted faster"),
+        ("Track A cannot lower it in its segment", "Track A cannot lower it in its segment"),
+    ):
+        if why.startswith(prefix):
+            return kind
+    why = why.removeprefix("not a Track A node: ")
+    return why.split(" (")[0][:80]
 
 
 def assign_tracks(
@@ -229,17 +277,31 @@ def assign_tracks(
     ctx = ctx or SupportContext.of(model, specs)
     first = cfg.targets[0] if cfg.targets else None
     costs = _node_costs(model, ctx, cfg.batch_sizes, measured, _target_rates(cfg), cost.ConvTarget.of(first))
+    flops = {n.name: cost.node_work(n, ctx.specs, set(ctx.inits)).flops for n in nodes}
     if part.mode == "auto":
-        return auto_tracks(model, cfg, ctx, costs, switch)
+        return _with_flops(auto_tracks(model, cfg, ctx, costs, switch), flops)
     tracks: dict[str, str] = {}
     decisions = []
     for n in nodes:
         rule_b, rule_a = _rule(n, part.track_b, "track_b"), _rule(n, part.track_a, "track_a")
-        track, why = ("B", rule_b) if rule_b else ("A", rule_a) if rule_a else ("B", "no rule puts it on Track A")
+        if part.mode == "iree":
+            track, why = "B", "partition: iree (IREE alone)"
+        else:
+            track, why = ("B", rule_b) if rule_b else ("A", rule_a) if rule_a else ("B", "no rule puts it on Track A")
         tracks[n.name] = track
         decisions.append(TrackDecision(n.name, n.op_type, track, why, costs[n.name].a_us, costs[n.name].b_us))
-    notes = ("partition: hand-written rules (partition.track_a / track_b)", _cost_note(switch, costs, cfg))
-    return Assignment(tracks, tuple(decisions), notes, switch, cfg.batch_sizes)
+    head = (
+        "partition: iree, every node on Track B"
+        if part.mode == "iree"
+        else "partition: hand-written rules (partition.track_a / track_b)"
+    )
+    notes = (head, _cost_note(switch, costs, cfg))
+    return _with_flops(Assignment(tracks, tuple(decisions), notes, switch, cfg.batch_sizes), flops)
+
+
+def _with_flops(a: Assignment, flops: Mapping[str, float]) -> Assignment:
+    decisions = tuple(replace(d, flops=flops[d.node]) for d in a.decisions)
+    return replace(a, decisions=decisions)
 
 
 def order_segments(model: onnx.ModelProto, tracks: dict[str, str]) -> list[list[onnx.NodeProto]]:
@@ -275,6 +337,86 @@ def order_segments(model: onnx.ModelProto, tracks: dict[str, str]) -> list[list[
     return segments
 
 
+def recompute_constants(
+    model: onnx.ModelProto, segments: list[list[onnx.NodeProto]], tracks: Mapping[str, str]
+) -> tuple[list[list[onnx.NodeProto]], list[str]]:
+    """Segments in which a constant the graph computes (:func:`batch_free`: a ConstantOfShape, a
+    Shape chain the front end did not fold) is computed again by every Track B segment that reads it,
+    instead of crossing a boundary: the tracks hand over tensors per batch, and such a tensor has no
+    batch. The copies keep their node names (the same node, run twice); a producer left with no
+    reader in its own segment is dropped, and a segment left empty goes, its neighbours joined.
+    Returns the segments and each one's track (a copy's own track may be the other one)."""
+    free = batch_free(model)
+    producer = {o: n for n in model.graph.node for o in n.output if o}
+    out = []
+    seg_tracks = [tracks[seg[0].name] for seg in segments]
+    for seg, track in zip(segments, seg_tracks, strict=True):
+        made = {o for n in seg for o in n.output}
+        wanted = [x for n in seg for x in n.input if x in free and x not in made]
+        clones = _producers(wanted, producer, free, made) if track == "B" else []
+        out.append(clones + list(seg))
+    return _drop_unread_constants(model, out, free, seg_tracks)
+
+
+def _producers(
+    tensors: list[str], producer: Mapping[str, onnx.NodeProto], free: set[str], made: set[str]
+) -> list[onnx.NodeProto]:
+    """The nodes that compute ``tensors`` from constants (and Shape), in topological order, less
+    those whose outputs are in ``made``."""
+    order: list[onnx.NodeProto] = []
+    todo = list(tensors)
+    seen: set[str] = set()
+    while todo:
+        t = todo.pop()
+        n = producer.get(t)
+        if n is None or t in made or n.name in seen:
+            continue
+        seen.add(n.name)
+        order.append(n)
+        todo += [x for x in n.input if x in free]
+    position = {id(n): i for i, n in enumerate(producer.values())}
+    return sorted(order, key=lambda n: position.get(id(n), 0))
+
+
+def _drop_unread_constants(
+    model: onnx.ModelProto, segments: list[list[onnx.NodeProto]], free: set[str], seg_tracks: list[str]
+) -> tuple[list[list[onnx.NodeProto]], list[str]]:
+    """Drop a node computing constants that no reader needs from its segment (every other segment
+    that reads them computes them itself); then drop empty segments and join same-track neighbours."""
+    keep_out = {o.name for o in model.graph.output}
+    changed = True
+    while changed:
+        changed = False
+        for k, seg in enumerate(segments):
+            read_here = {x for n in seg for x in n.input}
+            others = [s for j, s in enumerate(segments) if j != k]
+            for n in list(seg):
+                outs = [o for o in n.output if o]
+                idle = bool(outs) and all(o in free and o not in keep_out and o not in read_here for o in outs)
+                if idle and all(_computes(s, outs) for s in others if _reads(s, outs)):
+                    segments[k] = seg = [m for m in seg if m is not n]  # by identity: a copy is equal to it
+                    changed = True
+    merged: list[list[onnx.NodeProto]] = []
+    merged_tracks: list[str] = []
+    for seg, track in zip(segments, seg_tracks, strict=True):
+        if not seg:
+            continue
+        if merged_tracks and merged_tracks[-1] == track:
+            merged[-1].extend(seg)
+        else:
+            merged.append(list(seg))
+            merged_tracks.append(track)
+    return merged, merged_tracks
+
+
+def _reads(seg: list[onnx.NodeProto], tensors: list[str]) -> bool:
+    return any(x in tensors for n in seg for x in n.input)
+
+
+def _computes(seg: list[onnx.NodeProto], tensors: list[str]) -> bool:
+    return all(any(t in n.output for n in seg) for t in tensors)
+
+
 @dataclass(frozen=True)
 class _Boundaries:
     inputs: list[str]
@@ -284,12 +426,15 @@ class _Boundaries:
 def _boundaries(model: onnx.ModelProto, segments: list[list[onnx.NodeProto]]) -> list[_Boundaries]:
     inits = {i.name for i in model.graph.initializer}
     graph_outputs = {o.name for o in model.graph.output}
-    seg_of_node = {n.name: k for k, seg in enumerate(segments) for n in seg}
+    # Which segments read a tensor they do not compute themselves (recompute_constants gives some
+    # segments their own copy of a constant's producers).
     consumers: dict[str, set[int]] = defaultdict(set)
-    for n in model.graph.node:
-        for i in n.input:
-            if i:
-                consumers[i].add(seg_of_node[n.name])
+    for k, seg in enumerate(segments):
+        made = {o for n in seg for o in n.output}
+        for n in seg:
+            for i in n.input:
+                if i and i not in made:
+                    consumers[i].add(k)
     result = []
     for k, seg in enumerate(segments):
         produced = [o for n in seg for o in n.output if o]
@@ -797,6 +942,11 @@ def track_a_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
     # The data input, or either operand of a binary op (1 - x: Sub's constant comes first).
     if all(x in ctx.constant for x in node.input[:2] if x):
         return "input computed from constants alone (not batch-major)"
+    # A constant the graph computes (ConstantOfShape, a Shape chain left unfolded) is no weight the
+    # lowering can fold, and as a tensor it is not batch-major: it cannot cross into a Track A segment.
+    computed = next((x for x in node.input if x and x in ctx.constant and ctx.facts.const(x) is None), None)
+    if computed is not None:
+        return f"input '{computed}' is a constant computed at run time (fold it: leave `simplify` on)"
     return op.check(node, ctx)
 
 
@@ -1023,7 +1173,12 @@ def _conv_call(
 #    segment boundary cuts it off its Conv's epilogue) moves to Track B, and the segments are cut again.
 # 3. Then, greedily, a Track A segment whose move to Track B lowers the plan's estimated time moves
 #    (dualtrack.compiler.cost: node times plus one switch cost per segment boundary), the one that saves the
-#    least on Track A first; back to 2.
+#    least on Track A first; back to 2. Where no island pays, a few nodes at either end of a Track A
+#    segment that are cheaper on Track B (element-wise ops IREE fuses into its neighbour's dispatch)
+#    move (3b); back to 2.
+# 4. Last, the plan's estimate is compared with IREE alone's (every node on Track B, one segment),
+#    and IREE alone is taken where it is predicted no slower: auto never picks a plan it predicts
+#    slower than not using Track A at all.
 # Nodes only ever move from A to B (Track B takes every op), so this ends within one pass per node.
 # Greedy, not optimal: an island is moved whole or not at all, which is the choice the switch cost
 # is about; trimming single nodes off an island's edge is not tried.
@@ -1139,26 +1294,100 @@ def auto_tracks(
             tracks[refusal.node], why[refusal.node] = "B", f"Track A cannot lower it in its segment: {refusal.why}"
             continue
         best = _island_to_move(model, segments, tracks, forced_a, costs, estimate)
-        if best is None:
+        if best is not None:
+            moves.append(_move_island(*best, tracks, why, costs, switch * batches))
+            continue
+        edge = _edge_to_trim(model, segments, tracks, forced_a, estimate)
+        if edge is None:
             break
-        seg, fewer = best
-        saving = sum(costs[n.name].on("B") - costs[n.name].on("A") for n in seg)
-        island = f"island {seg[0].name} .. {seg[-1].name} ({len(seg)} nodes)"
-        because = (
-            f"on Track A it saves {saving:.1f} us, less than the {fewer * switch * batches:.1f} us of the "
-            f"{fewer} track switch(es) it costs"
-            if saving > 0
-            else f"it is {-saving:.1f} us faster on Track B"
-        )
-        moves.append(f"moved the {island} to Track B: {because}")
-        for n in seg:
-            tracks[n.name], why[n.name] = "B", f"moved to Track B with its {island}: {because}"
+        saving = sum(costs[n.name].on("A") - costs[n.name].on("B") for n in edge)
+        because = f"IREE runs it in its neighbour's dispatch, {saving:.1f} us less than its own Track A launches"
+        moves.append(f"moved {', '.join(n.name for n in edge)} off the edge of their Track A segment: {because}")
+        for n in edge:
+            tracks[n.name], why[n.name] = "B", f"moved to Track B off the edge of its Track A segment: {because}"
+    moves += _iree_alone_if_faster(model, tracks, why, forced_a, estimate)
     decisions = tuple(
         TrackDecision(n.name, n.op_type, tracks[n.name], why[n.name], costs[n.name].a_us, costs[n.name].b_us)
         for n in nodes
     )
     notes = ("partition: auto", _cost_note(switch, costs, cfg), *moves)
     return Assignment(tracks, decisions, notes, switch, cfg.batch_sizes)
+
+
+def _move_island(
+    seg: list[onnx.NodeProto],
+    fewer: int,
+    tracks: dict[str, str],
+    why: dict[str, str],
+    costs: dict[str, cost.NodeCost],
+    switch_all_batches: float,
+) -> str:
+    """Step 3's move of one island to Track B (``tracks`` and ``why`` updated); its partition note."""
+    saving = sum(costs[n.name].on("B") - costs[n.name].on("A") for n in seg)
+    island = f"island {seg[0].name} .. {seg[-1].name} ({len(seg)} nodes)"
+    because = (
+        f"on Track A it saves {saving:.1f} us, less than the {fewer * switch_all_batches:.1f} us of the "
+        f"{fewer} track switch(es) it costs"
+        if saving > 0
+        else f"it is {-saving:.1f} us faster on Track B"
+    )
+    for n in seg:
+        tracks[n.name], why[n.name] = "B", f"moved to Track B with its {island}: {because}"
+    return f"moved the {island} to Track B: {because}"
+
+
+EDGE_MAX = 8  # nodes step 3b tries to trim off either end of a Track A segment
+
+
+def _edge_to_trim(
+    model: onnx.NodeProto,
+    segments: list[list[onnx.NodeProto]],
+    tracks: dict[str, str],
+    forced_a: set[str],
+    estimate: Callable[[dict[str, str], int], float],
+) -> list[onnx.NodeProto] | None:
+    """Step 3b: the first few nodes at either end of a Track A segment (up to EDGE_MAX) whose move to
+    Track B lowers the estimate: element-wise ops that IREE fuses into the dispatch beside them (an
+    image's normalisation before the body) cost a launch each on Track A and nothing there. Step 3
+    moves whole islands only, and a segment that holds the body never pays to move whole."""
+    now = estimate(tracks, len(segments))
+    for seg in segments:
+        if tracks[seg[0].name] != "A":
+            continue
+        ends = [seg[:j] for j in range(1, min(len(seg) - 1, EDGE_MAX) + 1)]
+        ends += [seg[-j:] for j in range(1, min(len(seg) - 1, EDGE_MAX) + 1)]
+        for part in ends:
+            if any(n.name in forced_a for n in part):
+                continue
+            trial = {**tracks, **{n.name: "B" for n in part}}
+            if estimate(trial, len(order_segments(model, trial))) < now - 1e-6:
+                return part
+    return None
+
+
+def _iree_alone_if_faster(
+    model: onnx.ModelProto,
+    tracks: dict[str, str],
+    why: dict[str, str],
+    forced_a: set[str],
+    estimate: Callable[[dict[str, str], int], float],
+) -> list[str]:
+    """Step 4: the greedy moves can stop at a plan that is slower than no Track A at all (moving any
+    one island does not pay, moving them all would). Compare the two estimates and, where IREE alone
+    is predicted no slower, take it (``tracks`` and ``why`` updated in place); a config's Track A
+    rules (``forced_a``) keep their nodes on A. Returns the partition note for the comparison."""
+    chosen = estimate(tracks, len(order_segments(model, tracks)))
+    alone = {n: ("A" if n in forced_a else "B") for n in tracks}
+    if alone == tracks:
+        return []
+    alone_us = estimate(alone, len(order_segments(model, alone)))
+    if alone_us > chosen:
+        return [f"the plan is predicted {chosen:.1f} us against {alone_us:.1f} us for IREE alone: kept"]
+    because = f"IREE alone is predicted {alone_us:.1f} us, the mixed plan {chosen:.1f} us"
+    for n, t in alone.items():
+        if t != tracks[n]:
+            tracks[n], why[n] = t, f"moved to Track B with the whole plan: {because}"
+    return [f"took IREE alone: {because}"]
 
 
 def _first_tracks(
@@ -1305,7 +1534,16 @@ class Partitioned:
 
     def report(self) -> dict[str, object]:
         """What the bundle's `partition.json` holds: the plan's partition notes and every node's decision."""
-        return {"notes": list(self.plan.notes), "nodes": [d.to_json() for d in self.assignment.decisions]}
+        a = self.assignment
+        return {
+            "notes": list(self.plan.notes),
+            # Summed over the batch sizes, as the partition compared them (bench/zoo_bench.py checks
+            # the measured times against these).
+            "estimate_us": round(a.estimate_us(len(self.plan.segments)), 3),
+            "iree_alone_us": round(a.iree_alone_us(), 3),
+            "batch_sizes": list(a.batch_sizes),
+            "nodes": [d.to_json() for d in a.decisions],
+        }
 
 
 def build_plan(
@@ -1328,9 +1566,8 @@ def partition_model(
     ctx = SupportContext.of(model, specs)
     assignment = assign_tracks(model, cfg, specs, measured, ctx)
     tracks = assignment.tracks
-    segments = order_segments(model, tracks)
+    segments, seg_track = recompute_constants(model, order_segments(model, tracks), tracks)
     bounds = _boundaries(model, segments)
-    seg_track = [tracks[s[0].name] for s in segments]
     _check_batch_major_boundaries(model, bounds)
     spec = _boundary_spec(specs, ctx.graph_outputs, _nhwc_tensors(model, bounds, seg_track, ctx))
     plan_segments: list[Segment] = []
@@ -1463,9 +1700,10 @@ def _notes(assignment: Assignment, seg_track: list[str]) -> tuple[str, ...]:
     plan_line = (
         f"plan: {len(seg_track)} segment(s) ({' '.join(seg_track)}); host waits per inference: none where every "
         f"Track B module replays (FACTS 23), else {waits} (one per Track A -> Track B hand-over, FACTS 8); "
-        f"estimated {assignment.estimate_us(len(seg_track)):.0f} us (Track B alone: {all_b:.0f} us)"
+        f"estimated {assignment.estimate_us(len(seg_track)):.0f} us (Track B alone: {all_b:.0f} us); "
+        f"Track A computes {100 * assignment.track_a_flop_share():.1f}% of the FLOPs"
     )
-    return (*assignment.notes, plan_line, *assignment.grouped())
+    return (*assignment.notes, plan_line, *assignment.by_op(), *assignment.grouped())
 
 
 def _check_input(cfg: BuildConfig, model: onnx.ModelProto, specs: dict) -> None:

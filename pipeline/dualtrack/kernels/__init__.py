@@ -54,8 +54,8 @@ from dualtrack.kernels.fc import FcSpec
 from dualtrack.kernels.gap import GapSpec
 from dualtrack.kernels.maxpool import MaxPoolSpec, PoolGeometry
 from dualtrack.kernels.maxpool2x2 import MaxPool2x2Spec
-from dualtrack.kernels.pad import PadMode, PadSpec
 from dualtrack.kernels.norm import NormSpec
+from dualtrack.kernels.pad import PadMode, PadSpec
 from dualtrack.kernels.problems import ConvProblem, conv_layers
 from dualtrack.kernels.resize import ResizeMode, ResizeSpec
 from dualtrack.kernels.resize_rgb import ResizeRgbSpec
@@ -97,9 +97,9 @@ __all__ = [
     "LaunchContext",
     "MaxPool2x2Spec",
     "MaxPoolSpec",
+    "NormSpec",
     "PadMode",
     "PadSpec",
-    "NormSpec",
     "Pointers",
     "PoolGeometry",
     "PreparedCall",
@@ -138,8 +138,8 @@ KERNELS: Mapping[str, KernelSpec] = {
     "eltwise": EltwiseSpec(op="eltwise", stem="eltwise_nhwc"),
     "resize": ResizeSpec(op="resize", stem="resize_nhwc"),
     "seghead": SegHeadSpec(op="seghead", stem="seghead_nhwc"),  # softmax/sigmoid + argmax: the model's outputs
-    "pad": PadSpec(op="pad", stem="pad_nhwc"),  # Pad over H, W; with zero pads a channel-slice copy
     "norm": NormSpec(op="norm", stem="norm_nhwc"),  # Group/Instance/Layer/BatchNorm + affine + activation
+    "pad": PadSpec(op="pad", stem="pad_nhwc"),  # Pad over H, W; with zero pads a channel-slice copy
 }
 
 # Not a plan op: the service's GPU JPEG path resizes decoded pictures into the batch's input rows with it.

@@ -57,7 +57,7 @@ from dualtrack.kernels.base import (
 from dualtrack.kernels.conv_general import ConvGeometry
 from dualtrack.kernels.streaming import StreamingSpec
 
-MAX_KERNEL = 15  # R and S: one thread loops over the R*S taps; a wider window is a global pool's job
+MAX_KERNEL = 64  # R and S: one thread loops over the R*S taps (PSPNet's bins pool 32x32 windows of a 64x64 map)
 
 
 @dataclass(frozen=True)
