@@ -133,31 +133,8 @@ def test_dwconv_args_follow_the_abi() -> None:
         x=0x10, w=0x20, y=0x30, N=2, H=9, W=7, C=5, geometry=g, ldx=8, ldy=6, act=Activation.named("clip", -1, 2)
     )
     assert [v for v, _ in args] == [
-        0x10,
-        0x20,
-        0,
-        0x30,
-        2,
-        9,
-        7,
-        5,
-        5,
-        3,
-        8,
-        6,
-        5,
-        5,
-        2,
-        2,
-        1,
-        1,
-        2,
-        1,
-        1,
-        2,
-        -1.0,
-        2.0,
-    ]
+        0x10, 0x20, 0, 0x30, 2, 9, 7, 5, 5, 3, 8, 6, 5, 5, 2, 2, 1, 1, 2, 1, 1, 2, -1.0, 2.0,
+    ]  # fmt: skip
     assert [t for _, t in args] == [ctypes.c_void_p] * 4 + [ctypes.c_int32] * 18 + [ctypes.c_float] * 2
     assert len(args) == len(DW.PARAMS)
     cfg = DW.launch("float16", 2, 9, 7, 5, 0, g)
