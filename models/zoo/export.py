@@ -265,9 +265,16 @@ def _randomise_batch_norm(model: nn.Module, rng: np.random.Generator, size: tupl
 def _randomise_affine(model: nn.Module, rng: np.random.Generator) -> None:
     # Group, instance and layer norms start with weight 1 and bias 0, and PReLU with one slope (0.25) on every
     # channel: a kernel that dropped the affine step or read the slope of the wrong channel would still agree.
-    # Drawn per channel before the batch-norm passes, so those measure the network as exported.
+    # A layer scale (ConvNeXt's gamma) starts at one tiny value (1e-6), which silences its residual branch: the
+    # branch's kernels would go unchecked. Trained ones are 0.1 to 1. Drawn per channel before the batch-norm
+    # passes, so those measure the network as exported.
     with torch.no_grad():
         for module in model.modules():
+            for param in module.parameters(recurse=False):
+                first = float(param.flatten()[0]) if param.ndim == 1 else 0.0
+                if 0.0 < abs(first) < 1e-3 and bool(torch.all(param == first)):
+                    scale = rng.uniform(0.1, 0.5, param.shape) * np.sign(first)
+                    param.copy_(torch.from_numpy(scale.astype(np.float32)))
             if isinstance(module, nn.PReLU):
                 n = module.weight.numel()
                 module.weight.copy_(torch.from_numpy(rng.uniform(0.05, 0.4, n).astype(np.float32)))
