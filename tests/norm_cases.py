@@ -45,10 +45,14 @@ class Graph:
 
     # -- the chains ----------------------------------------------------------------------------------
 
-    def group_norm(self, x: str, g: int, eps: float = 1e-5, affine: bool = True) -> str:
-        """torch's opset-17 export of nn.GroupNorm(g, C)."""
+    def group_norm(self, x: str, g: int, eps: float = 1e-5, affine: bool = True, shape_of_x: bool = False) -> str:
+        """torch's opset-17 export of nn.GroupNorm(g, C); ``shape_of_x``: reshaped back by Shape(x), as
+        the export writes it where the batch is symbolic and the front end cannot fold the shape."""
         shape = self.const("gn.shape", np.array([0, g, -1], np.int64))
-        back = self.const("gn.back", np.array([-1, self.c, self.h, self.w], np.int64))
+        if shape_of_x:
+            back = self.node("Shape", "gn/shape_of_x", [x])
+        else:
+            back = self.const("gn.back", np.array([-1, self.c, self.h, self.w], np.int64))
         t = self.node("Reshape", "gn/reshape", [x, shape])
         ones, zeros = self.const("gn.ones", np.ones(g, np.float32)), self.const("gn.zeros", np.zeros(g, np.float32))
         t = self.node("InstanceNormalization", "gn/in", [t, ones, zeros], epsilon=eps)

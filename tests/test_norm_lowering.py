@@ -58,6 +58,24 @@ def test_torch_group_norm_chain_is_one_call_that_matches_onnxruntime(groups: int
     assert c.weights == ("gn.gamma", "gn.beta") and c.inputs == ("x",)
 
 
+def test_group_norm_reshaped_back_by_the_shape_of_its_input_is_one_call() -> None:
+    """A decoder's GroupNorm with a symbolic batch: Reshape(.., Shape(x)) back. The Shape is the chain's
+    (no launch, no tensor leaves it), so a conv + GroupNorm + SiLU block is one Track A segment."""
+    gr = Graph(16, 11, 9)
+    norm = check_against_ort(gr.model(gr.silu(gr.group_norm("x", 4, shape_of_x=True))))
+    assert "gn/shape_of_x" in norm.nodes and norm.call.attr("groups") == 4
+    gr = Graph(16, 11, 9)
+    x = gr.node("Sin", "pre", ["x"])
+    w = gr.vec("conv.w", (16, 16, 3, 3), 0.1)
+    t = gr.node("Conv", "conv", [x, w], pads=[1, 1, 1, 1])
+    y = gr.node("Sin", "post", [gr.silu(gr.group_norm(t, 4, shape_of_x=True))])
+    cfg = BuildConfig(model=Path("m.onnx"), precision="fp32", batch_sizes=(1, 2), targets=["sm_80"])
+    p = partition.partition_model(cfg, partition.name_nodes(gr.model(y)))
+    assert [s.track for s in p.plan.segments] == ["B", "A", "B"]
+    assert "gn/shape_of_x" in p.plan.segments[1].nodes
+    assert [c.op for c in p.plan.segments[1].calls] == ["conv", "norm"]
+
+
 def test_group_norm_without_affine_and_another_epsilon() -> None:
     gr = Graph(6, 9, 7)
     norm = check_against_ort(gr.model(gr.node("LeakyRelu", "act", [gr.group_norm("x", 3, 1e-3, False)], alpha=0.2)))

@@ -40,7 +40,7 @@ DESCRIPTION = (
 )
 CORE = ("InstanceNormalization", "GroupNormalization", "LayerNormalization", "BatchNormalization")
 # Every op type a norm chain may hold (partition routes these nodes to the norm's answer).
-OPS = tuple(dict.fromkeys((*CORE, "Reshape", "Transpose", "Cast", "Mul", "Add", "Sigmoid", *ACT_OPS)))
+OPS = tuple(dict.fromkeys((*CORE, "Reshape", "Shape", "Transpose", "Cast", "Mul", "Add", "Sigmoid", *ACT_OPS)))
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -152,6 +152,11 @@ def _group_chain(node: onnx.NodeProto, facts: Facts, ch: _Chain) -> tuple[str, s
     after = ch.sole()
     if after is None or after.op_type != "Reshape" or facts.shape(after.output[0]) != x_shape:
         return "group", "its InstanceNormalization is not reshaped back to the image", [], 0
+    shape_of = _shape_of_input(after, before.input[0], facts)
+    if shape_of is False:
+        return "group", "its InstanceNormalization is reshaped back by a shape computed at run time", [], 0
+    if shape_of is not None:  # Reshape(.., Shape(x)): x's own shape, the chain's (no launch, no tensor)
+        ch.nodes.append(shape_of)
     ch.take(after)
     weights: list[str] = []  # gamma, then beta: a beta without a gamma stays an eltwise Add
     for op in ("Mul", "Add"):
@@ -162,6 +167,20 @@ def _group_chain(node: onnx.NodeProto, facts: Facts, ch: _Chain) -> tuple[str, s
         weights.append(operand)
         ch.take(nxt)
     return "group", None, weights, g
+
+
+def _shape_of_input(reshape: onnx.NodeProto, x: str, facts: Facts) -> onnx.NodeProto | bool | None:
+    """None where the Reshape's target shape is a constant; the Shape node where it is Shape(x) of
+    the chain's own input read by this Reshape alone (a decoder's GroupNorm when the batch is
+    symbolic: the front end cannot fold it); False for any other shape computed at run time."""
+    target = reshape.input[1] if len(reshape.input) > 1 else ""
+    if facts.is_const(target):
+        return None
+    shape = facts.producer.get(target)
+    whole = shape is not None and not any(a.name in ("start", "end") for a in shape.attribute)
+    if whole and shape.op_type == "Shape" and shape.input[0] == x and len(facts.consumers.get(target, [])) == 1:
+        return shape
+    return False
 
 
 def _group_norm(node: onnx.NodeProto, facts: Facts, ch: _Chain) -> tuple[str, str | None, list[str], int]:

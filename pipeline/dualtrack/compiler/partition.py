@@ -937,7 +937,8 @@ def track_a_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
     if op is None:
         return "no hand-written kernel"
     dtype = ctx.specs[node.output[0]][1]
-    if dtype not in ("float16", "float32") and node.name not in ctx.heads.found:  # a head's mask is uint8
+    # A head's mask is uint8; a norm chain's Shape (of its own input) is int64 and launches nothing.
+    if dtype not in ("float16", "float32") and node.name not in ctx.heads.found and node.name not in ctx.norms.found:
         return f"dtype {dtype}"
     # The data input, or either operand of a binary op (1 - x: Sub's constant comes first).
     if all(x in ctx.constant for x in node.input[:2] if x):
@@ -945,7 +946,7 @@ def track_a_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
     # A constant the graph computes (ConstantOfShape, a Shape chain left unfolded) is no weight the
     # lowering can fold, and as a tensor it is not batch-major: it cannot cross into a Track A segment.
     computed = next((x for x in node.input if x and x in ctx.constant and ctx.facts.const(x) is None), None)
-    if computed is not None:
+    if computed is not None and node.name not in ctx.norms.found:  # a chain reads its shapes at build time
         return f"input '{computed}' is a constant computed at run time (fold it: leave `simplify` on)"
     return op.check(node, ctx)
 
