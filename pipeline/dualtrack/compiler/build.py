@@ -399,11 +399,18 @@ def check_front_end(inputs: _Inputs, say: Progress) -> list[verify.Check]:
     if not fe.rewrites:
         return []
     say("front end: the processed model against the export (onnxruntime)")
-    checks = verify.check_frontend(fe, cfg.batch_sizes, cfg.tolerance(), cfg.verify.seed)
+    tol, note = (
+        (cfg.verify.tolerance, "")
+        if cfg.verify.tolerance is not None
+        else verify.frontend_tolerance(fe, cfg.verify.seed)
+    )
+    if note:
+        say(note)
+    checks = verify.check_frontend(fe, cfg.batch_sizes, tol, cfg.verify.seed)
     for c in checks:
         say(verify.Report.line(c))
     if any(not c.passed for c in checks):
-        verify.Report("onnxruntime", fe.precision, cfg.tolerance(), checks, 0).raise_if_failed()
+        verify.Report("onnxruntime", fe.precision, tol, checks, 0).raise_if_failed()
     return checks
 
 

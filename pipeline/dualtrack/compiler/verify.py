@@ -244,21 +244,68 @@ def judged_tolerance(model: onnx.ModelProto, plan: Plan, seed: int) -> tuple[Tol
     checks = [compare(k, ref[k], fp16[k], default) for k in floats]
     if not checks:
         return default, ""
+    return _loosened(checks, "the model with fp16 storage")
+
+
+def _loosened(checks: list[Check], what: str) -> tuple[Tolerance, str]:
+    """The fp16 default loosened to FP16_FLOOR_FACTOR times the error ``checks`` measured of ``what``
+    (within the default and FP16_CEILING), and the note that says so."""
+    default = DEFAULT_TOLERANCES["fp16"]
     rel, mx = max(c.rel_l2 for c in checks), max(c.max_abs for c in checks)
     if not (np.isfinite(rel) and np.isfinite(mx)):
-        return default, "fp16 tolerance: the fixed default (onnxruntime's fp16 run of the model overflows)"
+        return default, f"fp16 tolerance: the fixed default ({what} overflows)"
     tol = Tolerance(
         rel_l2=min(max(default.rel_l2, FP16_FLOOR_FACTOR * rel), FP16_CEILING.rel_l2),
         max_abs=min(max(default.max_abs, FP16_FLOOR_FACTOR * mx), FP16_CEILING.max_abs),
         mismatch=default.mismatch,
     )
     note = (
-        f"fp16 tolerance judged on this network: the model with fp16 storage is off by rel_l2 {rel:.3g}, "
-        f"max_abs {mx:.3g} from fp32, so the build may be off by rel_l2 {tol.rel_l2:.3g}, max_abs {tol.max_abs:.3g} "
+        f"fp16 tolerance judged on this network: {what} is off by rel_l2 {rel:.3g}, max_abs {mx:.3g} from fp32, "
+        f"so the build may be off by rel_l2 {tol.rel_l2:.3g}, max_abs {tol.max_abs:.3g} "
         f"({FP16_FLOOR_FACTOR:g}x that, at least the fixed default {default.rel_l2:g} / {default.max_abs:g}, "
         f"at most {FP16_CEILING.rel_l2:g} / {FP16_CEILING.max_abs:g}; `verify.tolerance` in the config overrides it)"
     )
     return tol, note
+
+
+def rounded_weights(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with every fp32 weight (initializer or Constant) rounded to fp16 and back: what an
+    fp16 conversion does to the weights alone, the arithmetic still fp32."""
+    model = copy.deepcopy(model)
+
+    def rounded(t: onnx.TensorProto) -> onnx.TensorProto:
+        a = numpy_helper.to_array(t)
+        return numpy_helper.from_array(a.astype(np.float16).astype(np.float32), t.name) if a.dtype == np.float32 else t
+
+    for i, init in enumerate(model.graph.initializer):
+        model.graph.initializer[i].CopyFrom(rounded(init))
+    for n in model.graph.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.TENSOR:
+                a.t.CopyFrom(rounded(a.t))
+    return model
+
+
+def frontend_tolerance(fe, seed: int | None = None) -> tuple[Tolerance, str]:
+    """The tolerance of the front end's check (:func:`check_frontend`: its processed model computed in
+    fp32 with the fp16 weights, against the export) for an fp16 build: judged on the export itself,
+    its weights rounded to fp16 against it (a deep random network amplifies that rounding past the
+    fixed 2e-2 on its own), as :func:`judged_tolerance` does for the engine."""
+    if fe.precision != "fp16":
+        return DEFAULT_TOLERANCES[fe.precision], ""
+    export = fe.original
+    inp = export.graph.input[0]
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(inp.type.tensor_type.elem_type)).name
+    shape = tuple(d.dim_value or 1 for d in inp.type.tensor_type.shape.dim)
+    feeds = {inp.name: random_input(TensorSpec(inp.name, shape, dtype), shape[0], np.random.default_rng(seed))}
+    ref = run_ort(ort_session(export, "the exported model"), feeds)
+    got = run_ort(ort_session(rounded_weights(export), "the export with fp16 weights"), feeds)
+    checks = [
+        compare(k, ref[k], got[k], DEFAULT_TOLERANCES["fp16"]) for k in ref if np.issubdtype(ref[k].dtype, np.floating)
+    ]
+    if not checks:
+        return DEFAULT_TOLERANCES["fp16"], ""
+    return _loosened(checks, "the export with its weights rounded to fp16")
 
 
 def reference_cases(model: onnx.ModelProto, plan: Plan, seed: int, k: int = 2) -> ReferenceCases:
@@ -332,6 +379,7 @@ __all__ = [
     "ort_session",
     "random_input",
     "reference_cases",
+    "rounded_weights",
     "run_ort",
     "upcast",
     "verify_engine",
