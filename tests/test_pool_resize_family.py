@@ -199,6 +199,25 @@ def test_sub_and_div_of_two_tensors_match_onnxruntime(op_type: str, gate_first: 
     assert rel_l2(ELT.reference(a, g, op), want) <= TOL
 
 
+def test_a_pixel_gate_reference_matches_onnxruntime_and_the_partition_takes_it(tmp_path: Path) -> None:
+    """x * sigmoid(psi(x)) with psi(x) of one channel, (N, 1, H, W): an attention gate (MONAI AttentionUnet,
+    scSE) broadcast over the channels is one eltwise call on Track A, and its calls reproduce onnxruntime."""
+    a = RNG.standard_normal((2, 6, 5, 7)).astype(np.float32)
+    gate = RNG.uniform(0, 1, (2, 1, 5, 7)).astype(np.float32)
+    got = ELT.reference(a.transpose(0, 2, 3, 1), gate.transpose(0, 2, 3, 1), "mul")
+    want = ort_run(helper.make_node("Mul", ["x", "g"], ["y"]), a, (numpy_helper.from_array(gate, "g"),))
+    assert rel_l2(got.transpose(0, 3, 1, 2), want) <= TOL
+    g = Graph(8, 9, 11)
+    g.inits.append(numpy_helper.from_array(RNG.standard_normal((1, 8, 1, 1)).astype(np.float32), "psi.w"))
+    psi = g.op("Conv", "a/psi", ["x0", "psi.w"])
+    t = g.op("Mul", "a/gated", ["x0", g.op("Sigmoid", "a/sig", [psi])])
+    model = g.model(t)
+    plan = plan_of(model, tmp_path)
+    assert [s.track for s in plan.segments] == ["B", "A", "B"]
+    assert [c.op for c in a_calls(plan)][-1] == "eltwise" and a_calls(plan)[-1].nodes == ("a/gated",)
+    track_a_matches_onnxruntime(model, plan)
+
+
 # --- the partition takes them: one Track A segment whose calls reproduce onnxruntime ------------------
 
 

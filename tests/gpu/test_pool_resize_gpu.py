@@ -153,3 +153,23 @@ def test_resize_kernel_by_scales_and_sizes(engine, mods, dtype, off, c, mode, co
     args = RESIZE.args(x=px, y=py, N=n, H=h, W=w, C=c, Ho=Ho, Wo=Wo, ldx=ldx, ldy=ldy, how=how)
     launch(mods, RESIZE, dtype, RESIZE.launch(dtype, n, h, w, c, 0, Ho=Ho, Wo=Wo, ldy=ldy), args, s)
     check(f"resize {mode} {coord} {scales or sizes} {dtype}", s.result(), ref, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("off", [0, 3])
+@pytest.mark.parametrize("c", [24, 5])  # fp16: the 8-channel vector path, and the scalar one
+@pytest.mark.parametrize("op", ["mul", "add", "rsub"])
+def test_eltwise_pixel_gate(engine, mods, dtype, off, c, op) -> None:
+    """b an (N, H, W, 1) map broadcast over the channels (bcast 3: an attention gate, scSE's spatial gate)."""
+    n, h, w = 2, 7, 9
+    rng = np.random.default_rng()
+    a = rng.standard_normal((n, h, w, c)).astype(dtype)
+    b = rng.uniform(0.0, 1.0, (n, h, w, 1)).astype(dtype)
+    ref = ELT.reference(a, b, op)
+    s = Slices(engine, dtype, off)
+    (pa, lda), (pb, ldb), (py, ldy) = s.input(a), s.input(b), s.output(ref.shape)
+    args = ELT.args(a=pa, b=pb, y=py, N=n, H=h, W=w, C=c, op=op, bcast=3, lda=lda, ldb=ldb, ldy=ldy)
+    launch(mods, ELT, dtype, ELT.launch(dtype, n, h, w, c, 0, ldy=ldy), args, s)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    want = {"mul": a64 * b64, "add": a64 + b64, "rsub": b64 - a64}[op]
+    check(f"{op} by an (N,H,W,1) gate, C={c} {dtype} offset {off}", s.result(), ref, want, dtype)

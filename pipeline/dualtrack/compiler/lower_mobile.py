@@ -37,7 +37,8 @@ from dualtrack.kernels.dwconv import DwGeometry
 DESCRIPTION = (
     "depthwise Conv 1..7 a side (any strides, dilations, pads, channel multiplier), "
     "1x1 Conv on a pooled (N,C,1,1) vector, "
-    "GlobalAveragePool / ReduceMean over H,W, Add, Mul, Sub and Div of NHWC tensors (or an (N,C,1,1) gate, "
+    "GlobalAveragePool / ReduceMean over H,W, Add, Mul, Sub and Div of NHWC tensors "
+    "(or an (N,C,1,1) or (N,1,H,W) gate, "
     "or a constant per-channel vector or scalar), PRelu (per-channel or single slope), "
     f"{'/'.join(activations.ONNX_OPS)} (fused into the op before them where they can be), "
     "Resize nearest/linear over H,W"
@@ -236,9 +237,11 @@ def _binary_operands(node: onnx.NodeProto, facts: Facts) -> tuple[Binary | None,
         return ((node.input[0], node.input[1]), (), op), None
     for full, gate in ((0, 1), (1, 0)):
         sf, sg = (s0, s1)[full], (s0, s1)[gate]
-        if sg == (sf[0], sf[1], 1, 1):
+        if sg in ((sf[0], sf[1], 1, 1), (sf[0], 1, sf[2], sf[3])) and sf[1] > 1:  # a channel or a pixel gate
             return ((node.input[full], node.input[gate]), (), op if full == 0 else _SWAPPED[op]), None
-    return None, f"broadcast of {list(s0)} with {list(s1)} (the kernel takes equal shapes or an (N,C,1,1) gate)"
+    return None, (
+        f"broadcast of {list(s0)} with {list(s1)} (the kernel takes equal shapes, an (N,C,1,1) or an (N,1,H,W) gate)"
+    )
 
 
 def _binary_ok(node: onnx.NodeProto, facts: Facts) -> str | None:

@@ -21,7 +21,7 @@ from dualtrack.kernels.base import DeviceTensor, Tensors, dtype_name, pointer, p
 from dualtrack.kernels.streaming import ElementSpec
 
 OP_NAMES = {code: name for name, code in ELTWISE_OPS.items()}
-BCAST_MODES = (0, 1, 2)  # b of a's shape, (N, 1, 1, C), (C,)
+BCAST_MODES = (0, 1, 2, 3)  # b of a's shape, (N, 1, 1, C), (C,), (N, H, W, 1)
 
 # a op b in float32, as eltwise_nhwc.cu's binary_op (the ops but unary).
 BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
@@ -38,8 +38,9 @@ BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
 @dataclass(frozen=True)
 class EltwiseSpec(ElementSpec):
     """``y = act(a)`` or ``act(a op b)`` (:data:`BINARY`) on NHWC tensors; ``b`` of ``a``'s shape,
-    (N, 1, 1, C) broadcast over H and W (``bcast`` 1), or a constant (C,) vector (``bcast`` 2, the
-    call's weight). fp32 math, one rounding."""
+    (N, 1, 1, C) broadcast over H and W (``bcast`` 1), a constant (C,) vector (``bcast`` 2, the
+    call's weight), or an (N, H, W, 1) map broadcast over C (``bcast`` 3: an attention gate). fp32
+    math, one rounding."""
 
     MACRO: ClassVar[str] = "ELTWISE"
     PARAMS: ClassVar[tuple[str, ...]] = (
@@ -57,7 +58,8 @@ class EltwiseSpec(ElementSpec):
     def arg_values(self, kw: Mapping[str, Any]) -> dict[str, Any]:
         """The ``op`` (a name of :data:`~dualtrack.contract.plan.ELTWISE_OPS`) by its code; for a
         binary one the operand ``b`` (required), its stride ``ldb`` (default ``C``) and ``bcast``
-        (0, 1: b is (N, 1, 1, C), 2: b is a (C,) vector); the epilogue ``act, p0, p1``."""
+        (0, 1: b is (N, 1, 1, C), 2: b is a (C,) vector, 3: b is an (N, H, W, 1) map); the epilogue
+        ``act, p0, p1``."""
         op, C = kw.get("op", "unary"), kw["C"]
         self.output_shape(kw["N"], kw["H"], kw["W"], C)
         if op not in ELTWISE_OPS:
@@ -82,9 +84,11 @@ class EltwiseSpec(ElementSpec):
         if op != "unary":
             if op not in BINARY:
                 raise InputError(f"eltwise op '{op}' is not one of {', '.join(ELTWISE_OPS)}")
-            if b is None or b.shape not in (a.shape, (a.shape[0], 1, 1, a.shape[3]), (a.shape[3],)):
+            shapes = (a.shape, (a.shape[0], 1, 1, a.shape[3]), (a.shape[3],), (*a.shape[:3], 1))
+            if b is None or b.shape not in shapes:
                 raise InputError(
-                    f"eltwise {op} takes b of a's shape {a.shape}, (N,1,1,C) or (C,); got {getattr(b, 'shape', None)}"
+                    f"eltwise {op} takes b of a's shape {a.shape}, (N,1,1,C), (C,) or (N,H,W,1); "
+                    f"got {getattr(b, 'shape', None)}"
                 )
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # inf and NaN as on the GPU
                 v = BINARY[op](v, b.astype(np.float32)).astype(np.float32)
@@ -129,10 +133,15 @@ class EltwiseSpec(ElementSpec):
             operand = {"b": b.ptr, "ldb": c, "bcast": 2}
         else:
             b = inputs[1] if len(inputs) > 1 else None
-            bcast = b is not None and tuple(b.shape) == (n, 1, 1, c) and (h, w) != (1, 1)
-            if b is not None and not bcast and tuple(b.shape) != tuple(a.shape):
-                raise InputError(f"eltwise {op} ({call.nodes}): b {b.shape} is neither {a.shape} nor {(n, 1, 1, c)}")
-            operand = {"b": b.ptr, "ldb": b.channel_stride, "bcast": int(bcast)} if b is not None else {}
+            bcast = 0
+            if b is not None and tuple(b.shape) != tuple(a.shape):
+                shapes = {(n, 1, 1, c): 1, (n, h, w, 1): 3}
+                if tuple(b.shape) not in shapes:
+                    raise InputError(
+                        f"eltwise {op} ({call.nodes}): b {b.shape} is none of {a.shape}, {(n, 1, 1, c)}, {(n, h, w, 1)}"
+                    )
+                bcast = shapes[tuple(b.shape)]
+            operand = {"b": b.ptr, "ldb": b.channel_stride, "bcast": bcast} if b is not None else {}
         return {
             **kw,
             "a": a.ptr,
