@@ -446,3 +446,39 @@ def test_resize_sizes_stay_where_the_scale_would_not_give_the_size_back() -> Non
     model.graph.node[5].input[1] = "thirteen"
     out = frontend.static_resize_scales(model, log := [])
     assert not log and out is model
+
+
+@pytest.mark.parametrize(
+    ("reduce", "op", "k"), [("ReduceSum", "Add", 4), ("ReduceMean", "Add", 3), ("ReduceMax", "Max", 2)]
+)
+def test_a_reduction_over_a_stack_becomes_an_element_wise_chain(reduce: str, op: str, k: int) -> None:
+    """torch.stack(xs).sum(0) (smp FPN's merge) puts the batch in dim 1: rewritten as a chain of
+    element-wise ops on the tensors themselves, the same result, every tensor batch-major."""
+    rng = np.random.default_rng(3)
+    xs = [f"x{i}" for i in range(k)]
+    nodes, inits = [], [numpy_helper.from_array(np.array([0], np.int64), "zero")]
+    for x in xs:
+        nodes.append(helper.make_node("Relu", ["image"], [f"{x}_r"]))
+        nodes.append(helper.make_node("Mul", [f"{x}_r", f"{x}_s"], [x]))
+        inits.append(numpy_helper.from_array(rng.standard_normal((1, 3, 1, 1)).astype(np.float32), f"{x}_s"))
+        nodes.append(helper.make_node("Unsqueeze", [x, "zero"], [f"{x}_u"]))
+    nodes.append(helper.make_node("Concat", [f"{x}_u" for x in xs], ["stack"], axis=0))
+    nodes.append(helper.make_node(reduce, ["stack", "zero"] if reduce == "ReduceSum" else ["stack"], ["y"], keepdims=0,
+                                  **({} if reduce == "ReduceSum" else {"axes": [0]})))  # fmt: skip
+    graph = helper.make_graph(
+        nodes,
+        "stack",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3, 8, 8])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    log: list = []
+    out = frontend.unstack_reductions(model, log)
+    ops = [n.op_type for n in out.graph.node]
+    assert "Concat" not in ops and "Unsqueeze" not in ops and reduce not in ops
+    assert ops.count(op) == k - 1 and str(log[0]).startswith("stack: 1 reduction(s)")
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    want = _run(model, {"image": x})["y"]
+    np.testing.assert_allclose(_run(out, {"image": x})["y"], want, rtol=1e-6, atol=1e-6)

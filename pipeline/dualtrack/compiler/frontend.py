@@ -433,6 +433,85 @@ def fold_zero_pads(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProt
     return model
 
 
+# A reduction over a stack of tensors, and the element-wise chain that computes it without the stack.
+_STACK_REDUCTIONS = {"ReduceSum": "Add", "ReduceMean": "Add", "ReduceMax": "Max", "ReduceMin": "Min"}
+
+
+def unstack_reductions(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """ReduceSum/Mean/Max/Min over axis 0 (keepdims 0) of Concat(axis 0) of Unsqueeze(axis 0) tensors
+    (``torch.stack(xs).sum(0)``, smp FPN's merge) becomes an Add (Max, Min) chain of the tensors, a
+    mean then scaled by 1/k. The stack puts the images of a batch in dim 1, which no track hands over
+    per batch; the chain keeps every tensor batch-major, and is the same sum."""
+    model = copy.deepcopy(model)
+    g = model.graph
+    consts = {i.name: numpy_helper.to_array(i) for i in g.initializer}
+    consts.update(
+        (n.output[0], numpy_helper.to_array(n.attribute[0].t))
+        for n in g.node
+        if n.op_type == "Constant" and n.attribute
+    )
+    producer = {o: n for n in g.node for o in n.output}
+    readers: dict[str, int] = defaultdict(int)
+    for n in g.node:
+        for x in n.input:
+            readers[x] += 1
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in onnx.shape_inference.infer_shapes(model).graph.value_info}
+    gone: set[int] = set()
+    new: dict[int, list[onnx.NodeProto]] = {}
+    for r in g.node:
+        stack = _stacked(r, producer, readers, consts) if r.op_type in _STACK_REDUCTIONS else None
+        if stack is None:
+            continue
+        cat, unsq = stack
+        chain, t = [], unsq[0].input[0]
+        op = _STACK_REDUCTIONS[r.op_type]
+        for k, u in enumerate(unsq[1:], start=1):
+            y = r.output[0] if k == len(unsq) - 1 and r.op_type != "ReduceMean" else f"{r.output[0]}/{op.lower()}{k}"
+            chain.append(helper.make_node(op, [t, u.input[0]], [y], name=f"{r.name or r.output[0]}/{op.lower()}{k}"))
+            t = y
+        if r.op_type == "ReduceMean":
+            dtype = helper.tensor_dtype_to_np_dtype(types.get(unsq[0].input[0], TensorProto.FLOAT))
+            scale = f"{r.output[0]}/one_over_{len(unsq)}"
+            g.initializer.append(numpy_helper.from_array(np.array(1.0 / len(unsq), dtype), scale))
+            chain.append(helper.make_node("Mul", [t, scale], [r.output[0]], name=f"{r.name or r.output[0]}/mean"))
+        new[id(r)] = chain
+        gone.update(id(n) for n in (cat, *unsq))
+    if not new:
+        return model
+    nodes = [m for n in g.node if id(n) not in gone for m in new.get(id(n), [n])]
+    del g.node[:]
+    g.node.extend(nodes)
+    model = _prune(model)
+    log.append(Rewrite("stack", f"{len(new)} reduction(s) over a stacked axis 0 as element-wise chains"))
+    return model
+
+
+def _stacked(
+    r: onnx.NodeProto, producer: dict, readers: dict[str, int], consts: dict[str, np.ndarray]
+) -> tuple[onnx.NodeProto, list[onnx.NodeProto]] | None:
+    """(Concat, its Unsqueezes) where ``r`` reduces axis 0 (keepdims 0) of a stack built by them."""
+    a = {x.name: helper.get_attribute_value(x) for x in r.attribute}
+    axes = a.get("axes")
+    if axes is None and len(r.input) > 1 and r.input[1]:
+        axes = consts.get(r.input[1])
+    if axes is None or [int(v) for v in np.ravel(axes)] != [0] or a.get("keepdims", 1) != 0:
+        return None
+    cat = producer.get(r.input[0])
+    if cat is None or cat.op_type != "Concat" or readers[cat.output[0]] != 1:
+        return None
+    if {x.name: helper.get_attribute_value(x) for x in cat.attribute}.get("axis") != 0 or len(cat.input) < 2:
+        return None
+    unsq = [producer.get(x) for x in cat.input]
+    for u in unsq:
+        if u is None or u.op_type != "Unsqueeze" or readers[u.output[0]] != 1:
+            return None
+        ua = {x.name: helper.get_attribute_value(x) for x in u.attribute}
+        u_axes = ua.get("axes", consts.get(u.input[1]) if len(u.input) > 1 else None)
+        if u_axes is None or [int(v) for v in np.ravel(u_axes)] != [0]:
+            return None
+    return cat, unsq
+
+
 def _zero_pad_hw(pad: onnx.NodeProto, consts: dict[str, np.ndarray]) -> list[int] | None:
     """The (top, left, bottom, right) pads of a constant-0 Pad over H and W of a 4-D tensor (pads
     and value constant inputs since opset 11, attributes before; opset 18's axes), or None."""
@@ -861,6 +940,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     m = batch_generic_shapes(m, export_batch, log)
     m = static_resize_scales(m, log)
     m = fold_zero_pads(m, log)
+    m = unstack_reductions(m, log)
     m = unique_parameter_keys(m, log)
     m, precision = convert_precision(m, cfg.precision, log)
     body = m
