@@ -347,8 +347,11 @@ for step in $steps; do
       # The zoo bundles carried as .carry/zoo/<zoo name> (dualtrack build configs/zoo/<name>.yaml -o ...), through
       # Engine.run against PyTorch with the same weights (bench/zoo_bench.py; smp travels as a wheel in .whl/),
       # and the IREE-only variants beside them (.carry/zoo/<zoo name>.iree_only/<variant>: rows iree_only*).
-      zb=$(for b in "$C"/zoo/*; do [ -f "$b/manifest.json" ] && echo "--bundle $b"; done)
-      [ -n "$zb" ] && python3 bench/zoo_bench.py $zb --batches 1 8 --iters "${BENCH_ITERS:-50}" \
+      # ZOO_ONLY="name ..." limits it to those (a corpus split over calls); ZOO_QUICK=1 times only the rows
+      # the corpus is judged by (zoo_bench.py --quick).
+      zb=$(for b in "$C"/zoo/*; do [ -f "$b/manifest.json" ] || continue
+        { [ -z "${ZOO_ONLY:-}" ] || [[ " $ZOO_ONLY " == *" $(basename "$b") "* ]]; } && echo "--bundle $b"; done)
+      [ -n "$zb" ] && python3 bench/zoo_bench.py $zb --batches 1 8 --iters "${BENCH_ITERS:-50}" ${ZOO_QUICK:+--quick} \
         --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT" 2>&1 | tee "$OUT/zoo_bench.log" ;;
     profile)
       # Not in the default steps: every kernel of Engine.run by name, from CUPTI (bench/kernel_profile.py),
