@@ -235,6 +235,10 @@ def test_eltwise_args_and_refusals() -> None:
     assert [v for v, _ in args] == [1, 2, 3, 2, 3, 4, 5, 5, 8, 5, 2, 1, 1, 0.0, 0.0]
     unary = ELT.args(a=1, y=3, N=1, H=1, W=1, C=1)
     assert [v for v, _ in unary][1] == 0 and [v for v, _ in unary][10:12] == [0, 0]
+    gate = ELT.args(a=1, b=2, y=3, N=2, H=3, W=4, C=5, op="mul", bcast=3, ldb=1)  # an (N,H,W,1) map: ldb >= 1
+    assert [v for v, _ in gate][8] == 1 and [v for v, _ in gate][11] == 3
+    with pytest.raises(InputError, match=r"ldb=4 is smaller than the 5 channels"):
+        ELT.args(a=1, b=2, y=3, N=2, H=3, W=4, C=5, op="mul", bcast=1, ldb=4)
     with pytest.raises(InputError, match=r"b is a null device pointer"):
         ELT.args(a=1, y=3, N=1, H=1, W=1, C=1, op="add")
     with pytest.raises(InputError, match=r"eltwise op 'pow' is not one of unary, add, mul, sub"):

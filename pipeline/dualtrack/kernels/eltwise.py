@@ -70,7 +70,7 @@ class EltwiseSpec(ElementSpec):
             raise InputError(f"eltwise bcast {bcast} is not one of {BCAST_MODES}")
         operand = {
             "b": pointer("b", kw.get("b"), required=binary),
-            "ldb": stride("ldb", kw.get("ldb"), C) if binary and bcast != 2 else C,
+            "ldb": stride("ldb", kw.get("ldb"), 1 if bcast == 3 else C) if binary and bcast != 2 else C,
             "bcast": bcast,
         }
         return {**operand, "op": ELTWISE_OPS[op], **self.epilogue(kw)}
