@@ -314,6 +314,21 @@ def torch_rows(
     return rows
 
 
+def write_result(out: Path, commit: str, gpu: str, driver: str, torch_version: str, rows: list[dict]) -> Path:
+    result = {
+        "commit": commit,
+        "gpu": gpu,
+        "driver": driver,
+        "torch": torch_version,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "rows": rows,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"zoo_bench-{commit[:10]}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", action="append", type=Path, required=True, help="a zoo bundle (folder = zoo name)")
@@ -360,17 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += torch_rows(torch, zoo, name, (h, w), ref_probs, images, args)
         held = prediction_row(name, bundle, rows)
         rows += [held] if held else []
-    result = {
-        "commit": commit,
-        "gpu": gpu,
-        "driver": driver,
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "rows": rows,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"zoo_bench-{commit[:10]}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+        # Written after every model: a call cut off at its time limit keeps the models it finished.
+        path = write_result(args.out, commit, gpu, driver, torch.__version__, rows)
     print(f"\n{gpu}, driver {driver}, commit {commit[:10]} -> {path}")
     print(f"{'row':<52} {'N':>3} {'median ms':>10}")
     for r in rows:
