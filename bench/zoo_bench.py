@@ -59,6 +59,9 @@ import bench as common  # noqa: E402  (bench/bench.py: git, GPU name, stats, tor
 MEAN = np.array([0.485, 0.456, 0.406], np.float32)
 STD = np.array([0.229, 0.224, 0.225], np.float32)
 CHECK_REL_L2 = 2e-2  # = DEFAULT_TOLERANCES["fp16"].rel_l2: torch is held to what dualtrack is held to
+# A re-weighted bundle's torch rows are checked against torch's own fp32 run: fp16 of a deep random
+# network may be that far from fp32 on its own (compiler/verify.FP16_CEILING, what fp16 builds may reach).
+CHECK_SELF_REL_L2 = 8e-2
 
 
 def load_zoo() -> Any:
@@ -298,7 +301,7 @@ def torch_rows(
             first = time.perf_counter() - t0
             err = common.rel_l2(ref_probs, probs)
             print(f"[{name}/{row}] probs vs {against} at N=1: rel L2 {err:.2e}; first call {first:.1f} s")
-            if not err <= CHECK_REL_L2:
+            if not err <= (CHECK_REL_L2 if against == "onnxruntime" else CHECK_SELF_REL_L2):
                 rows += [
                     {"name": f"{name}/{row}", "batch": b, "skipped": f"probs differ from {against}: {err:.2e}"}
                     for b in args.batches

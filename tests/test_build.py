@@ -141,11 +141,14 @@ def test_verify_json_passes(tiny_bundle: Path) -> None:
     assert any(n.startswith("seg1_A[numpy kernels]") for n in names)
     assert any(n.startswith("plan b4 probs") for n in names)
     assert all(c["passed"] for c in report["checks"])
-    assert asdict(Bundle.open(tiny_bundle).manifest.verification) == {
+    manifest = Bundle.open(tiny_bundle).manifest
+    assert asdict(manifest.verification) == {
         "passed": True,
         "device": "cpu",
         "seed": report["seed"],
+        "tolerance": report["tolerance"],  # what the first GPU load and `dualtrack verify` hold it to
     }
+    assert manifest.tolerance == report["tolerance"] == {"rel_l2": 1e-4, "max_abs": 1e-3, "mismatch": 1e-4}  # fp32
 
 
 # --- the cache ----------------------------------------------------------------------------------

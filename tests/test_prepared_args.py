@@ -6,7 +6,9 @@ the preparation cannot move what the checked-in PTX receives without this test f
 from __future__ import annotations
 
 import ctypes
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,7 +16,7 @@ import pytest
 
 from dualtrack.contract.activations import ACTIVATIONS as PLAN_ACTS
 from dualtrack.contract.activations import Activation
-from dualtrack.contract.plan import ELTWISE_OPS, KernelCall, f32_bits
+from dualtrack.contract.plan import ELTWISE_OPS, NORM_KINDS, NORM_RES, KernelCall, f32_bits
 from dualtrack.kernels import (
     ACTIVATIONS,
     KERNELS,
@@ -305,16 +307,16 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
         (1, 1, 1),  # 2*5*4 pixels x 5 chunks of 8 channels
         (256, 1, 1),
         0,
-        [4096, 8192, 2, 9, 8, 40, 5, 4, 72, 48, 3, 3, 2, 2, 1, 1, 1, 1],
-        "PPIIIIIIIIIIIIIIII",
+        [4096, 8192, 2, 9, 8, 40, 5, 4, 72, 48, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, 0],  # pad_b, pad_r, mode: max
+        "PPIIIIIIIIIIIIIIIIIII",
     ),
     "maxpool ceil f32": (
         "maxpool_nhwc_f32",
         (1, 1, 1),
         (256, 1, 1),
         0,
-        [4096, 8192, 1, 11, 10, 5, 5, 4, 5, 5, 3, 2, 2, 3, 2, 1, 0, 0],
-        "PPIIIIIIIIIIIIIIII",
+        [4096, 8192, 1, 11, 10, 5, 5, 4, 5, 5, 3, 2, 2, 3, 2, 1, 0, 0, 1, 0, 0],
+        "PPIIIIIIIIIIIIIIIIIII",
     ),
     "convt2x2": (
         "convt2x2_nhwc_f32",
@@ -516,7 +518,64 @@ def test_the_jpeg_resize_takes_the_argument_list_its_ptx_takes() -> None:
     assert got == EXPECTED["resize_rgb"]
 
 
+def ptx_param_kinds(stem: str, entry: str) -> str:
+    """The kinds of an entry's parameters as the checked-in compute_90a PTX of ``stem`` declares them."""
+    text = (Path(__file__).resolve().parents[1] / "handwritten_ptx" / "ptx" / "compute_90a" / f"{stem}.ptx").read_text()
+    head = text[text.index(f".entry {entry}(") :]
+    params = head[: head.index(")")]
+    return "".join({".u64": "P", ".u32": "I", ".f32": "F"}[t] for t in re.findall(r"\.param (\.\w+)", params))
+
+
+def test_a_norm_prepares_every_launch_with_the_argument_list_its_ptx_takes() -> None:
+    """A group norm is three launches (statistics into the call's workspace, their finalize, the apply
+    pass); each one's arguments match its entry's parameters in the PTX, and the apply pass reads the
+    workspace the statistics wrote."""
+    attrs = (("kind", NORM_KINDS["group"]), ("groups", 4), ("res", NORM_RES["after_act"]), ("eps", f32_bits(1e-5)))
+    call = KernelCall("norm", ("x", "r"), ("y",), ("g", "b"), (*attrs, ("act", PLAN_ACTS["silu"])))
+    x, r, y = T(0x1000, (2, 9, 7, 32), ld=40), T(0x2000, (2, 9, 7, 32)), T(0x3000, (2, 9, 7, 32), ld=48)
+    p = K["norm"].prepare_inputs(call, [x, r], y, [T(0x4000, (32,), f32), T(0x5000, (32,), f32)], Context("off"))
+    launches = [*p.before, p]
+    assert [q.entry for q in launches] == ["norm_nhwc_stats_f16", "norm_nhwc_finalize", "norm_nhwc_f16"]
+    for q in launches:
+        assert plain(q.entry, q.config, q.args)[5] == ptx_param_kinds("norm_nhwc", q.entry), q.entry
+    apply = dict(zip(K["norm"].PARAMS, [v for v, _ in p.args], strict=True))
+    assert (apply["x"], apply["r"], apply["y"], apply["gamma"], apply["beta"]) == (
+        0x1000,
+        0x2000,
+        0x3000,
+        0x4000,
+        0x5000,
+    )
+    assert (apply["N"], apply["H"], apply["W"], apply["C"], apply["ldx"], apply["ldr"], apply["ldy"]) == (
+        2,
+        9,
+        7,
+        32,
+        40,
+        32,
+        48,
+    )
+    assert apply["G"] == 4 and apply["res"] == NORM_RES["after_act"] and apply["mean"] > 0x9000
+    layer = K["norm"].prepare_inputs(
+        KernelCall("norm", ("x",), ("y",), ("g", "b"), (("kind", NORM_KINDS["layer"]), ("eps", f32_bits(1e-6)))),
+        [T(0x1000, (1, 5, 6, 96), f32)], T(0x3000, (1, 5, 6, 96), f32), [T(0x4000, (96,), f32)] * 2, Context("off"),
+    )  # fmt: skip
+    assert not layer.before and plain(layer.entry, layer.config, layer.args)[5] == ptx_param_kinds(
+        "norm_nhwc", layer.entry
+    )
+
+
+def test_a_pad_prepares_the_argument_list_its_ptx_takes() -> None:
+    from dualtrack.kernels import PadMode
+
+    call = KernelCall("pad", ("x",), ("y",), (), PadMode("reflect", pt=2, pl=0, pb=1, pr=3).attrs())
+    p = K["pad"].prepare_inputs(call, [T(0x1000, (2, 7, 5, 16), ld=24)], T(0x3000, (2, 10, 8, 16)), [], Context("off"))
+    assert plain(p.entry, p.config, p.args)[5] == ptx_param_kinds("pad_nhwc", p.entry)
+    values = [v for v, _ in p.args]
+    assert values[:2] == [0x1000, 0x3000] and {2, 7, 5, 16, 24} <= set(values)
+
+
 def test_the_cases_cover_every_registered_spec() -> None:
-    covered = {case.split()[0] for case in EXPECTED}
+    covered = {case.split()[0] for case in EXPECTED} | {"norm", "pad"}  # their own tests above
     assert covered == {*KERNELS, RESIZE_RGB.op}
     assert any(entry.startswith("conv3x3_wgmma") for entry, *_ in EXPECTED.values())  # the Hopper spec too

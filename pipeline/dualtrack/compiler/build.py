@@ -31,7 +31,7 @@ from dualtrack import hostcpu, kernels
 from dualtrack.compiler import frontend, partition, verify
 from dualtrack.compiler import iree_build as track_b
 from dualtrack.compiler import kernel_build as ptx
-from dualtrack.compiler.bundle_writer import BundleWriter, load_model
+from dualtrack.compiler.bundle_writer import BundleWriter
 from dualtrack.compiler.config import BuildConfig, load_config
 from dualtrack.compiler.tuned import TUNED_FIELDS, Selection, flag_records, flags_for, measured_for, segment_key
 from dualtrack.compiler.tuned import select as select_tuning
@@ -276,6 +276,7 @@ def build(
             ),
             notes=tuple(notes),
             weights=weights,
+            tolerance=bundle_tolerance(inputs, plan, say).to_json(),
         )
         verification = None
         if jobs.cpu is not None:
@@ -540,25 +541,32 @@ def _compile(
         ) from None
 
 
+def bundle_tolerance(inputs: _Inputs, plan: Plan, say: Progress) -> verify.Tolerance:
+    """The tolerance the bundle is held to (the manifest records it, for the CPU check and every GPU
+    load alike): the config's, else the precision's default judged on the wrapped model."""
+    cfg = inputs.cfg
+    if cfg.verify.tolerance is not None:
+        return cfg.verify.tolerance
+    seed = cfg.verify.seed if cfg.verify.seed is not None else 0
+    tol, note = verify.judged_tolerance(inputs.model, plan, seed)
+    if note:
+        say(note)
+    return tol
+
+
 def _verify_tmp(writer: BundleWriter, manifest: Manifest, cfg: BuildConfig, say: Progress) -> dict[str, Any]:
     """Verify the not-yet-committed bundle by loading it from its temporary directory."""
     bundle = Bundle(writer.tmp, manifest.with_files(writer.files))
     engine = Engine.load(bundle, "cpu")
     seed = cfg.verify.seed if cfg.verify.seed is not None else int(np.random.SeedSequence().entropy % (2**31))
     try:
-        tol, note = (
-            (cfg.verify.tolerance, "")
-            if cfg.verify.tolerance is not None
-            else verify.judged_tolerance(load_model(bundle), engine.plan, seed)
-        )
-        if note:
-            say(note)
+        tol = bundle.tolerance()  # the manifest's (bundle_tolerance)
         report = verify.verify_engine(engine, samples=cfg.verify.samples, seed=seed, tol=tol, progress=say)
     finally:
         engine.close()
     for line in report.lines():
         say(line)
-    return {**report.to_json(), **({"tolerance_note": note} if note else {})}
+    return report.to_json()
 
 
 def tool_versions(compiler: str) -> dict[str, str]:

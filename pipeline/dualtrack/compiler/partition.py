@@ -1298,7 +1298,9 @@ def auto_tracks(
         if best is not None:
             moves.append(_move_island(*best, tracks, why, costs, switch * batches))
             continue
-        edge = _edge_to_trim(model, segments, tracks, forced_a, estimate)
+        # A head's or a norm chain's nodes are one launch (charged to its first node): never split.
+        chained = forced_a | set(ctx.heads.found) | set(ctx.norms.found)
+        edge = _edge_to_trim(model, segments, tracks, chained, estimate)
         if edge is None:
             break
         saving = sum(costs[n.name].on("A") - costs[n.name].on("B") for n in edge)
@@ -1344,10 +1346,11 @@ def _edge_to_trim(
     model: onnx.NodeProto,
     segments: list[list[onnx.NodeProto]],
     tracks: dict[str, str],
-    forced_a: set[str],
+    keep: set[str],
     estimate: Callable[[dict[str, str], int], float],
 ) -> list[onnx.NodeProto] | None:
-    """Step 3b: the first few nodes at either end of a Track A segment (up to EDGE_MAX) whose move to
+    """Step 3b (``keep``: nodes never trimmed): the first few nodes at either end of a Track A segment
+    (up to EDGE_MAX) whose move to
     Track B lowers the estimate: element-wise ops that IREE fuses into the dispatch beside them (an
     image's normalisation before the body) cost a launch each on Track A and nothing there. Step 3
     moves whole islands only, and a segment that holds the body never pays to move whole."""
@@ -1358,7 +1361,7 @@ def _edge_to_trim(
         ends = [seg[:j] for j in range(1, min(len(seg) - 1, EDGE_MAX) + 1)]
         ends += [seg[-j:] for j in range(1, min(len(seg) - 1, EDGE_MAX) + 1)]
         for part in ends:
-            if any(n.name in forced_a for n in part):
+            if any(n.name in keep for n in part):
                 continue
             trial = {**tracks, **{n.name: "B" for n in part}}
             if estimate(trial, len(order_segments(model, trial))) < now - 1e-6:

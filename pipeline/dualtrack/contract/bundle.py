@@ -134,7 +134,11 @@ class Bundle:
         """The tolerance the build verified at (the manifest's record), else the config's
         `verify.tolerance`, else the precision's default: what a later check of this bundle holds it to."""
         ver = self.manifest.verification
-        raw = (ver.tolerance if ver is not None else None) or self.manifest.config.get("verify", {}).get("tolerance")
+        raw = (
+            (ver.tolerance if ver is not None else None)
+            or self.manifest.tolerance
+            or self.manifest.config.get("verify", {}).get("tolerance")
+        )
         return Tolerance(**raw) if raw else DEFAULT_TOLERANCES[self.plan.precision]
 
     @cached_property

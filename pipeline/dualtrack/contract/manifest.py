@@ -111,6 +111,10 @@ class Manifest:
     verification: Verification | None = None
     files: Mapping[str, str] = field(default_factory=dict)  # path -> SHA-256, every file but the manifest
     weights: Mapping[str, Weight] = field(default_factory=dict)  # initializer name -> its place in weights.bin
+    # The tolerance the bundle is held to (rel_l2, max_abs, mismatch): the config's `verify.tolerance`,
+    # else the precision's default as the build judged it on the network (compiler/verify.judged_tolerance),
+    # also where no CPU verification ran. None in bundles built before it was recorded.
+    tolerance: Mapping[str, float] | None = None
     format: int = BUNDLE_FORMAT
 
     def to_json(self) -> dict[str, Any]:
@@ -163,6 +167,7 @@ class Manifest:
                     for k, w in d["weights"].items()
                 },
                 format=d["format"],
+                tolerance=d.get("tolerance"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise BundleError(
