@@ -87,6 +87,15 @@ def _cases(bundle_dir: Path, seed: int) -> bytes:
     return reference_cases(model, b.plan, seed).to_bytes()
 
 
+def _judged(bundle_dir: Path) -> dict[str, float]:
+    """The bundle's tolerance judged again on its (re-weighted) model, as the build judges it."""
+    from dualtrack.compiler.bundle_writer import load_model
+    from dualtrack.compiler.verify import judged_tolerance
+
+    b = Bundle(bundle_dir, Manifest.from_json(json.loads((bundle_dir / MANIFEST).read_text()), str(bundle_dir)))
+    return judged_tolerance(load_model(b), b.plan, 0)[0].to_json()
+
+
 def _record(bundle_dir: Path, manifest: dict, files: dict[str, bytes]) -> None:
     """Write ``files`` into the bundle and their hashes (and the model's identity) into its manifest."""
     for rel, data in files.items():
@@ -115,6 +124,8 @@ def seal(bundle_dir: Path, sharing: list[Path]) -> None:
     for d in (bundle_dir, *sharing):
         m = json.loads((d / MANIFEST).read_text())
         _record(d, m, {WEIGHTS: weights, REGROW: buf.getvalue()})
+        if m.get("tolerance") and not m["config"].get("verify", {}).get("tolerance"):
+            m["tolerance"] = _judged(d)  # the re-weighted network's fp16 error, not the export's
         _record(d, m, {CASES: _cases(d, seed)})
         Bundle.open(d)  # every hash checks out
         kb = len(buf.getvalue()) / 1e3
