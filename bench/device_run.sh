@@ -30,6 +30,7 @@ for v in "$C"/zoo/*.iree_only/*; do [ -d "$v" ] && [ ! -f "$v/weights.bin" ] && 
 # A corpus bundle sealed by bench/reweight.py travels without weights.bin and reference cases: grow them here.
 for z in "$C"/zoo/*/weights.regrow.npz; do
   [ -f "$z" ] || continue; z=$(dirname "$z"); [ -f "$z/weights.bin" ] && [ -f "$z/verify/cases.npz" ] && continue
+  [ -z "${ZOO_ONLY:-}" ] || [[ " $ZOO_ONLY " == *" $(basename "$z") "* ]] || continue  # the models this call runs
   PYTHONPATH=/tmp/site:$PWD/pipeline python3 bench/reweight.py regrow "$z" $(ls -d "$z.iree_only"/*/ 2>/dev/null) || exit 1
 done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
