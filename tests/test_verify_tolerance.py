@@ -137,3 +137,21 @@ def test_the_front_end_check_is_judged_on_the_exports_own_fp16_weights() -> None
         DEFAULT_TOLERANCES["fp32"],
         "",
     )
+
+
+def test_the_judged_tolerance_covers_every_segment_boundary_a_check_compares() -> None:
+    """A boundary tensor can carry more of fp16's relative error than the outputs (a difference of close
+    values, later offset again): the floor is taken over the segments' outputs too."""
+    from dualtrack.contract.plan import Segment
+
+    model = conv_chain(depth=2, gain=1.0, offset=100.0)  # ... -> down = (t + 100) - 100 -> y
+    bump = numpy_helper.from_array(np.array(100.0, np.float16), "bump")
+    model.graph.initializer.append(bump)
+    model.graph.node[-1].CopyFrom(helper.make_node("Add", ["down", "bump"], ["y"]))  # y ~ 100: fp16 barely rounds it
+    alone = plan_of("fp16")
+    spec = TensorSpec("down", (1, C, H, W), "float16")
+    seg = Segment(0, "B", ("n",), alone.inputs, (spec,), "segments/seg0_B.onnx", "k")
+    with_boundary = Plan(alone.inputs, alone.outputs, (seg,), "fp16", (1,))
+    tol_out, _ = verify.judged_tolerance(model, alone, seed=4)
+    tol_all, _ = verify.judged_tolerance(model, with_boundary, seed=4)
+    assert tol_out.rel_l2 == DEFAULT_TOLERANCES["fp16"].rel_l2 < tol_all.rel_l2
