@@ -155,3 +155,15 @@ def test_the_judged_tolerance_covers_every_segment_boundary_a_check_compares() -
     tol_out, _ = verify.judged_tolerance(model, alone, seed=4)
     tol_all, _ = verify.judged_tolerance(model, with_boundary, seed=4)
     assert tol_out.rel_l2 == DEFAULT_TOLERANCES["fp16"].rel_l2 < tol_all.rel_l2
+
+
+def test_a_handful_of_values_is_judged_by_the_scaled_max_abs_alone() -> None:
+    from dualtrack.contract.checks import REL_L2_MIN_ELEMENTS, compare
+
+    tol = DEFAULT_TOLERANCES["fp16"]
+    one = compare("pooled", np.array([[[[0.5]]]]), np.array([[[[0.515]]]]), tol)  # 3% off, 0.015 absolute
+    assert one.passed and "rel_l2 not judged" in one.note
+    far = compare("pooled", np.array([[[[0.5]]]]), np.array([[[[0.9]]]]), tol)  # 0.4 absolute: past max_abs
+    assert not far.passed
+    many = np.full(REL_L2_MIN_ELEMENTS, 0.5)
+    assert not compare("map", many, many * 1.03, tol).passed  # enough values: rel_l2 decides again
