@@ -383,6 +383,17 @@ def static_resize_scales(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.Mod
     return model
 
 
+def _graph_constants(g: onnx.GraphProto) -> dict[str, np.ndarray]:
+    """Initializers and Constant nodes' values (``value`` tensors), by name."""
+    consts = {i.name: numpy_helper.to_array(i) for i in g.initializer}
+    consts.update(
+        (n.output[0], numpy_helper.to_array(n.attribute[0].t))
+        for n in g.node
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
+    )
+    return consts
+
+
 def fold_zero_pads(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
     """A Pad of zeros over H and W whose every reader is a Conv, or an AveragePool that counts its
     padding (``count_include_pad`` 1, ``ceil_mode`` 0), is dropped and its pads added to theirs: a
@@ -392,12 +403,7 @@ def fold_zero_pads(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProt
     reader (its padding depends on the size it sees), a Pad the graph outputs."""
     model = copy.deepcopy(model)
     g = model.graph
-    consts = {i.name: numpy_helper.to_array(i) for i in g.initializer}
-    consts.update(
-        (n.output[0], numpy_helper.to_array(n.attribute[0].t))
-        for n in g.node
-        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
-    )
+    consts = _graph_constants(g)
     readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
     for n in g.node:
         for x in n.input:
@@ -444,12 +450,7 @@ def unstack_reductions(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.Model
     per batch; the chain keeps every tensor batch-major, and is the same sum."""
     model = copy.deepcopy(model)
     g = model.graph
-    consts = {i.name: numpy_helper.to_array(i) for i in g.initializer}
-    consts.update(
-        (n.output[0], numpy_helper.to_array(n.attribute[0].t))
-        for n in g.node
-        if n.op_type == "Constant" and n.attribute
-    )
+    consts = _graph_constants(g)
     producer = {o: n for n in g.node for o in n.output}
     readers: dict[str, int] = defaultdict(int)
     for n in g.node:

@@ -26,9 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import helper
 
-from dualtrack.compiler.lower_mobile import Facts
+from dualtrack.compiler.lower_mobile import (
+    Facts,
+    _attrs,  # the one attribute reader of the lowerings
+)
 from dualtrack.contract.plan import KernelCall
 from dualtrack.kernels.pad import PadMode
 
@@ -38,14 +40,6 @@ DESCRIPTION = (
 )
 OPS = ("Pad", "Slice", "Split", "Concat")
 SpecMap = dict[str, tuple[tuple[int, ...], str]]
-
-
-def _attrs(node: onnx.NodeProto) -> dict:
-    out = {}
-    for a in node.attribute:
-        v = helper.get_attribute_value(a)
-        out[a.name] = v.decode() if isinstance(v, bytes) else v
-    return out
 
 
 def _image(node: onnx.NodeProto, facts: Facts) -> str | None:
