@@ -32,6 +32,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from dualtrack.compiler.batch_free import BATCH, batch_generic_shapes, replace_input, static_shapes, symbolic_batch
 from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
 from dualtrack.compiler.lower_pad import full_pads
 from dualtrack.contract.checks import MASK, PROBS
@@ -39,7 +40,6 @@ from dualtrack.contract.plan import parameter_key
 from dualtrack.errors import ConfigError, ModelError
 
 TARGET_OPSET = 17  # what the reference and the zoo are exported with; IREE 3.13 imports it
-BATCH = "N"  # the symbolic batch dimension
 IMAGE = "image"  # the wrap's input; its outputs MASK and PROBS are named in contract/checks.py
 # onnxslim fusions that would emit ops newer than TARGET_OPSET (Gelu is opset 20).
 _SKIP_FUSIONS = ["FusionGelu"]
@@ -175,26 +175,6 @@ def upgrade_opset(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto
     return upgraded
 
 
-def symbolic_batch(model: onnx.ModelProto, log: list[Rewrite]) -> tuple[onnx.ModelProto, int | None]:
-    """Make dim 0 of the input (and of the outputs) the symbolic batch ``N``.
-
-    Returns the batch the export fixed, or None when it was symbolic already. Recorded shapes of
-    inner tensors are dropped: they were inferred at the export's batch.
-    """
-    model = copy.deepcopy(model)
-    dim = single_input(model).type.tensor_type.shape.dim[0]
-    fixed = dim.dim_value if dim.HasField("dim_value") else None
-    for vi in [*model.graph.input, *model.graph.output]:
-        dims = vi.type.tensor_type.shape.dim
-        if len(dims) and (fixed is None or not dims[0].HasField("dim_value") or dims[0].dim_value == fixed):
-            dims[0].Clear()
-            dims[0].dim_param = BATCH
-    del model.graph.value_info[:]
-    if fixed is not None:
-        log.append(Rewrite("batch", f"the export fixed the batch at {fixed}; dim 0 of the input and outputs is now N"))
-    return model, fixed
-
-
 def simplify(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
     """Constant folding, shape-op folding, Identity and dead-node elimination (onnxslim), where the
     graph has something for them; a graph without is left exactly as it is."""
@@ -245,103 +225,6 @@ def _has_foldable(model: onnx.ModelProto) -> bool:
     return False
 
 
-def batch_generic_shapes(model: onnx.ModelProto, export_batch: int | None, log: list[Rewrite]) -> onnx.ModelProto:
-    """Shape constants that carry the export's fixed batch are made batch-generic.
-
-    An exporter that traces at batch B writes B into shape arguments: ``Reshape(x, [B, C, -1])``,
-    ``Resize(x, sizes=[B, C, H, W])``, ``Expand(x, [B, ...])``. Where the tensor reshaped keeps the
-    batch in dim 0 (shape inference with a symbolic batch says so), the B becomes "this dim of the
-    input": 0 for Reshape (copy), scales instead of sizes for Resize, 1 for Expand (broadcast).
-    Anything else that carries the batch is caught by the batch check at the sizes being built.
-    """
-    if export_batch is None:
-        return model
-    model = copy.deepcopy(model)
-    del model.graph.value_info[:]  # shapes recorded at the export batch would pin dim 0 again
-    done: list[str] = []
-    for _ in range(len(model.graph.node) + 1):  # each pass frees the consumers of the last; bounded
-        dims = _dim0(model)
-        inits = {i.name: i for i in model.graph.initializer}
-        changed = 0
-        for node in model.graph.node:
-            # A symbolic dim 0 is the batch: the input's N, or the fresh symbol shape inference gives
-            # the output of an op that scales N (a Resize with scales: N x 1.0).
-            if not node.input or not isinstance(dims.get(node.input[0]), str):
-                continue
-            rewrite = _BATCH_REWRITES.get(node.op_type)
-            if rewrite is not None and rewrite(model, node, inits, export_batch, dims):
-                done.append(f"{node.op_type} '{node.name or node.output[0]}'")
-                changed += 1
-        if not changed:
-            break
-    if done:
-        shown = ", ".join(done[:4]) + (f" and {len(done) - 4} more" if len(done) > 4 else "")
-        log.append(Rewrite("batch", f"{len(done)} shape constant(s) carried the export batch {export_batch}: {shown}"))
-    return model
-
-
-def _dim0(model: onnx.ModelProto) -> dict[str, str | int]:
-    """Dim 0 of every tensor under shape inference with the symbolic batch: a symbol ("N", or one
-    inference made up for it) or an int."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
-    except onnx.shape_inference.InferenceError:
-        return {}
-    out: dict[str, str | int] = {}
-    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
-        t = vi.type.tensor_type
-        if t.HasField("shape") and len(t.shape.dim):
-            d = t.shape.dim[0]
-            out[vi.name] = d.dim_param if d.HasField("dim_param") else d.dim_value
-    return out
-
-
-def _const_input(model: onnx.ModelProto, inits: dict, node: onnx.NodeProto, k: int) -> np.ndarray | None:
-    if len(node.input) <= k or node.input[k] not in inits:
-        return None
-    return numpy_helper.to_array(inits[node.input[k]])
-
-
-def _replace_input(model: onnx.ModelProto, node: onnx.NodeProto, k: int, value: np.ndarray, tag: str) -> None:
-    """Give input ``k`` of ``node`` a constant of its own (the old one may be shared)."""
-    names = {i.name for i in model.graph.initializer}
-    name, i = f"{node.input[k] or node.name}__{tag}", 0
-    while name in names:
-        i += 1
-        name = f"{node.input[k]}__{tag}{i}"
-    model.graph.initializer.append(numpy_helper.from_array(value, name))
-    node.input[k] = name
-
-
-def _reshape_batch(model, node, inits, batch, dims) -> bool:
-    shape = _const_input(model, inits, node, 1)
-    if shape is None or shape.ndim != 1 or not len(shape) or int(shape[0]) != batch:
-        return False
-    allowzero = next((a.i for a in node.attribute if a.name == "allowzero"), 0)
-    if allowzero and -1 in shape[1:]:
-        return False
-    new = shape.copy()
-    new[0] = -1 if allowzero else 0  # 0: copy dim 0 of the input, which is the batch
-    _replace_input(model, node, 1, new, "batch")
-    return True
-
-
-def _resize_batch(model, node, inits, batch, dims) -> bool:
-    sizes = _const_input(model, inits, node, 3)
-    if sizes is None or len(sizes) < 3 or int(sizes[0]) != batch:
-        return False
-    shapes = _static_shapes(model)
-    src = shapes.get(node.input[0])
-    if src is None or len(src) != len(sizes) or any(d <= 0 for d in src[1:]):
-        return False
-    scales = np.array([1.0] + [float(o) / float(i) for o, i in zip(sizes[1:], src[1:], strict=True)], np.float32)
-    if any(int(np.floor(i * s)) != int(o) for i, s, o in zip(src[1:], scales[1:], sizes[1:], strict=True)):
-        return False  # the ratio does not round back to the size in float32: leave it to the batch check
-    _replace_input(model, node, 2, scales, "scales")
-    del node.input[3:]
-    return True
-
-
 def static_resize_scales(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
     """A Resize whose ``sizes`` are computed at run time from shapes (torch exports
     ``F.interpolate(x, size=y.shape[-2:])`` as Shape -> Slice -> Concat, which keeps the batch
@@ -350,7 +233,7 @@ def static_resize_scales(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.Mod
     and the ONNX spec divide by for ``sizes`` anyway. Only where ``floor(H * scale)`` gives ``Ho``
     back (else the output size would change); the shape nodes left unused are dropped. Track A's
     resize kernel takes constant scales only, and a shape value may not cross between tracks."""
-    shapes = _static_shapes(model)
+    shapes = static_shapes(model)
     inits = {i.name for i in model.graph.initializer}
     done: list[str] = []
     for node in model.graph.node:
@@ -366,7 +249,7 @@ def static_resize_scales(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.Mod
             continue
         if len(node.input) < 3:
             node.input.append("")
-        _replace_input(model, node, 2, scales, "scales")
+        replace_input(model, node, 2, scales, "scales")
         del node.input[3:]
         done.append(f"'{node.name or node.output[0]}'")
     if not done:
@@ -555,29 +438,6 @@ def _takes_zeros(node: onnx.NodeProto, pad: onnx.NodeProto, hw: list[int]) -> bo
     return fits and a.get("count_include_pad", 0) == 1 and a.get("ceil_mode", 0) == 0
 
 
-def _expand_batch(model, node, inits, batch, dims) -> bool:
-    shape = _const_input(model, inits, node, 1)
-    if shape is None or shape.ndim != 1 or not len(shape) or int(shape[0]) != batch:
-        return False
-    new = shape.copy()
-    new[0] = 1  # broadcast: keeps the input's batch
-    _replace_input(model, node, 1, new, "batch")
-    return True
-
-
-_BATCH_REWRITES = {"Reshape": _reshape_batch, "Resize": _resize_batch, "Expand": _expand_batch}
-
-
-def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
-    out = {}
-    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
-        t = vi.type.tensor_type
-        if t.HasField("shape"):
-            out[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim)
-    return out
-
-
 def unique_parameter_keys(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
     """IREE's importer renames parameters (``onnx::Conv_5`` becomes ``onnx__Conv_5``, see
     :func:`dualtrack.contract.plan.parameter_key`) and the runtime looks them up under that key: two
@@ -716,7 +576,7 @@ def _unique(model: onnx.ModelProto, want: str) -> str:
 def logits_output(model: onnx.ModelProto, post: Postprocess) -> onnx.ValueInfoProto:
     """The output that holds the segmentation map (N, classes, H, W), or ModelError with the fix."""
     outs = list(model.graph.output)
-    shapes = _static_shapes(model)
+    shapes = static_shapes(model)
     if post.output is not None:
         chosen = [o for o in outs if o.name == post.output]
         if not chosen:
@@ -856,7 +716,7 @@ def _wrap_output(
         moved = _unique(model, want)
         name = moved if name == want else name
     logits = next(o for o in g.output if o.name == name)
-    shape = _static_shapes(model)[logits.name]
+    shape = static_shapes(model)[logits.name]
     nodes, inits = _postprocess_nodes(post, logits, classes=shape[1])
     dropped = [o.name for o in g.output if o.name != logits.name]
     del g.output[:]
@@ -935,10 +795,15 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     original = weights_out_of_inputs(raw, log)
     single_input(original)
     m = upgrade_opset(original, log)
-    m, export_batch = symbolic_batch(m, log)
+    m, export_batch = symbolic_batch(m)
+    if export_batch is not None:
+        fixed = f"the export fixed the batch at {export_batch}; dim 0 of the input and outputs is now N"
+        log.append(Rewrite("batch", fixed))
     if cfg.simplify:
         m = simplify(m, log)
-    m = batch_generic_shapes(m, export_batch, log)
+    m, freed = batch_generic_shapes(m, export_batch)
+    if freed:
+        log.append(Rewrite("batch", freed))
     m = static_resize_scales(m, log)
     m = fold_zero_pads(m, log)
     m = unstack_reductions(m, log)
