@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from dualtrack.compiler import frontend, partition, verify
 from dualtrack.compiler.config import DEFAULT_TOLERANCES, BuildConfig, Postprocess, Preprocess, Tolerance
 from dualtrack.contract.plan import parameter_key
-from dualtrack.errors import ConfigError, ModelError, PartitionError
+from dualtrack.errors import ConfigError, ModelError
 
 FP32 = DEFAULT_TOLERANCES["fp32"]
 
@@ -87,25 +87,20 @@ def test_a_fixed_export_batch_becomes_generic_and_matches_the_export_image_by_im
 
 
 def test_a_batch_the_front_end_cannot_free_is_refused_with_the_fix_but_batch_one_builds() -> None:
-    """ConstantOfShape([1, 8, 16, 16]) added to the features: a batch written into data, not a shape."""
+    """The logits minus their mean over the batch: at the export's batch of 1 a no-op per image, at any
+    other batch a mix of the images, so the batch cannot be freed (a ConstantOfShape([1, ...]) added
+    instead broadcasts, which is right at any batch)."""
     model = torch_style()
     g = model.graph
-    g.initializer.append(numpy_helper.from_array(np.array([1, 2, 16, 16], np.int64), "zshape"))
-    g.node.append(
-        helper.make_node(
-            "ConstantOfShape",
-            ["zshape"],
-            ["zeros"],
-            name="zeros",
-            value=numpy_helper.from_array(np.array([0.5], np.float32)),
-        )
-    )
-    g.node.append(helper.make_node("Add", ["logits_raw", "zeros"], ["logits"], name="bias_all"))
+    g.node.append(helper.make_node("ReduceMean", ["logits_raw"], ["bmean"], name="bmean", axes=[0], keepdims=1))
+    g.node.append(helper.make_node("Sub", ["logits_raw", "bmean"], ["logits"], name="centre"))
     for n in g.node:
         if n.name == "/head/Conv":
             n.output[0] = "logits_raw"
     model = copy.deepcopy(model)
-    with pytest.raises((PartitionError, ModelError), match=r"batch.*(batch_sizes: \[1\]|dynamic batch)"):
+    with pytest.raises(
+        ModelError, match=r"ReduceMean 'bmean' reduces over the dim that holds the batch.*batch_sizes: \[1\]"
+    ):
         _plan(_cfg(batch_sizes=(1, 2)), frontend.prepare(_cfg(batch_sizes=(1, 2), simplify=False), model))
     plan, _ = _plan(_cfg(batch_sizes=(1,)), frontend.prepare(_cfg(batch_sizes=(1,), simplify=False), model))
     assert plan.batch_sizes == (1,)

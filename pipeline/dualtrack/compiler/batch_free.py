@@ -1,20 +1,42 @@
 """Batch freeing: make an export whose batch was fixed at export time take any batch.
 
 An exporter that traces at batch B fixes dim 0 of the input and writes B into shape arguments
-(``Reshape(x, [B, C, -1])``, ``Resize(x, sizes=[B, C, H, W])``, ``Expand(x, [B, ...])``). The front end
+(``Reshape(x, [B, C, -1])``, ``Resize(x, sizes=[B, C, H, W])``, ``Expand(x, [B, ...])``, a ``Slice`` that
+ends at B). torch's dynamo exporter does it for every ``view`` of a transformer's tokens, with the batch
+folded into other dims as well (attention's ``(B * heads, T, d)``). The front end
 (:mod:`dualtrack.compiler.frontend`) calls :func:`symbolic_batch` to make dim 0 the symbol ``N`` and
-:func:`batch_generic_shapes` to turn the shape constants that carry B into "this dim of the input".
+:func:`free_batch` to make the shape arguments generic, so one graph serves every batch.
+
+Why not a library: onnx's shape inference and onnxruntime's ``symbolic_shape_infer`` both propagate a
+symbolic N, but take a constant shape argument at its face value (a baked ``[1, 256, 1, 32]`` gives
+dim 0 = 1, and N is lost there); onnxslim and onnxscript's optimizer fold constants, they do not unfold
+them. What is missing is knowing which entry of a constant is the batch, and that is what this module
+decides: it walks the graph once with the shapes at B (onnx shape inference) and tracks, per tensor, the
+one dim that holds the batch (row-major, the batch is always the outer part of that dim: B x f). Each
+shape argument is then rewritten so the batch dim is computed rather than written: ``-1`` in a Reshape
+(every other dim made concrete), ``1`` in an Expand (broadcast keeps the input's), scales for a Resize,
+an open end for a Slice. Where the batch would be reduced, gathered, concatenated on, mixed into another
+dim that a weight depends on, or cannot be placed, the walk stops with one line naming the node and why.
+The build then checks the freed graph at every batch against the export run image by image
+(:func:`dualtrack.compiler.verify.check_frontend`).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from dualtrack.errors import ModelError
+
 BATCH = "N"  # the symbolic batch dimension
+_OPEN_END = np.iinfo(np.int64).max  # a Slice end past any dim
+Axis = int | None  # the dim of a tensor that holds the batch; None: the tensor has none (weights, shapes)
+_UNKNOWN = -99  # the batch is somewhere this walk cannot tell (after an op it does not model)
 
 
 def symbolic_batch(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int | None]:
@@ -36,60 +58,435 @@ def symbolic_batch(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int | None]
     return model, fixed
 
 
-def batch_generic_shapes(model: onnx.ModelProto, export_batch: int | None) -> tuple[onnx.ModelProto, str | None]:
-    """Shape constants that carry the export's fixed batch are made batch-generic.
+class _Refuse(Exception):
+    """The batch cannot be freed at this node; the message says why."""
 
-    Where the tensor reshaped keeps the batch in dim 0 (shape inference with a symbolic batch says
-    so), the B becomes "this dim of the input": 0 for Reshape (copy), scales instead of sizes for
-    Resize, 1 for Expand (broadcast). Anything else that carries the batch is caught by the batch
-    check at the sizes being built. Returns the model and a note of what changed (None: nothing).
+
+@dataclass
+class _Walk:
+    """The state of one walk: the model being rewritten, its shapes at the export batch, its constants."""
+
+    model: onnx.ModelProto
+    batch: int
+    shapes: dict[str, tuple[int, ...]]
+    consts: dict[str, np.ndarray]
+    symbolic: dict[str, int]  # tensors computed from run-time shapes: the dim shape inference keeps symbolic
+    done: list[str] = field(default_factory=list)
+    lost: str = ""  # the first op after which the walk lost the batch
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.shapes or any(d < 0 for d in self.shapes[name]):
+            raise _Refuse(f"shape inference gives no static shape for '{name}' at batch {self.batch}")
+        return self.shapes[name]
+
+    def const(self, node: onnx.NodeProto, k: int) -> np.ndarray | None:
+        return self.consts.get(node.input[k]) if len(node.input) > k and node.input[k] else None
+
+    def rewrite(self, node: onnx.NodeProto, k: int, value: np.ndarray, tag: str) -> None:
+        replace_input(self.model, node, k, value, tag)
+        self.consts[node.input[k]] = value
+        self.done.append(f"{node.op_type} '{node.name or node.output[0]}'")
+
+
+def free_batch(
+    model: onnx.ModelProto, export_batch: int | None, batch_sizes: tuple[int, ...]
+) -> tuple[onnx.ModelProto, str | None]:
+    """Rewrite the shape arguments that carry the export's fixed batch so the graph takes any batch.
+
+    ModelError (one line: the node and why) where the batch cannot be freed and a batch other than
+    the export's is built; where only the export's is, the model stays as it was and the note says
+    why. Returns the model and a note of what changed (None: nothing).
     """
     if export_batch is None:
         return model, None
+    try:
+        freed, done = _freed(model, export_batch, other=max(batch_sizes))
+    except ModelError as e:
+        if set(batch_sizes) <= {export_batch}:
+            return model, f"the batch stays fixed at {export_batch}, the only batch built: {e}"
+        raise
+    if not done:
+        return freed, None
+    shown = ", ".join(done[:4]) + (f" and {len(done) - 4} more" if len(done) > 4 else "")
+    return freed, f"{len(done)} shape constant(s) carried the export batch {export_batch}: {shown}"
+
+
+def _freed(model: onnx.ModelProto, export_batch: int, other: int) -> tuple[onnx.ModelProto, list[str]]:
+    """The walk: every node's rule, in graph order, from the input's batch in dim 0."""
     model = copy.deepcopy(model)
     del model.graph.value_info[:]  # shapes recorded at the export batch would pin dim 0 again
-    done: list[str] = []
-    for _ in range(len(model.graph.node) + 1):  # each pass frees the consumers of the last; bounded
-        dims = _dim0(model)
-        inits = {i.name: i for i in model.graph.initializer}
-        changed = 0
-        for node in model.graph.node:
-            # A symbolic dim 0 is the batch: the input's N, or the fresh symbol shape inference gives
-            # the output of an op that scales N (a Resize with scales: N x 1.0).
-            if not node.input or not isinstance(dims.get(node.input[0]), str):
-                continue
-            rewrite = _BATCH_REWRITES.get(node.op_type)
-            if rewrite is not None and rewrite(model, node, inits, export_batch, dims):
-                done.append(f"{node.op_type} '{node.name or node.output[0]}'")
-                changed += 1
-        if not changed:
-            break
-    if not done:
-        return model, None
-    shown = ", ".join(done[:4]) + (f" and {len(done) - 4} more" if len(done) > 4 else "")
-    return model, f"{len(done)} shape constant(s) carried the export batch {export_batch}: {shown}"
+    shapes, symbolic = _shapes_at(model, export_batch), _symbolic_dims(model)
+    walk = _Walk(model, export_batch, shapes, _constants(model.graph), symbolic)
+    axes: dict[str, Axis] = {model.graph.input[0].name: 0}
+    for node in list(model.graph.node):
+        ins = [axes.get(x) if x else None for x in node.input]
+        try:
+            if any(a is not None for a in ins):
+                outs = _rule(node.op_type)(walk, node, ins)
+            else:  # from weights and shapes only: the batch is where shape inference keeps N (x.new_zeros(x.shape))
+                outs = [symbolic.get(o) for o in node.output]
+        except _Refuse as e:
+            raise ModelError(
+                f"cannot free the batch the export fixed at {export_batch}: {node.op_type} '{node.name}' {e}; "
+                f"re-export with a dynamic batch, or build only batch_sizes: [{export_batch}]"
+            ) from None
+        for k, name in enumerate(node.output):
+            axes[name] = outs[min(k, len(outs) - 1)]
+    for vi in model.graph.output:  # a simplifier may have written the export batch back into them
+        dims = vi.type.tensor_type.shape.dim
+        if axes.get(vi.name) == 0 and len(dims):
+            dims[0].Clear()
+            dims[0].dim_param = BATCH
+    _check_generic(model, export_batch, other)
+    return model, walk.done
 
 
-def _dim0(model: onnx.ModelProto) -> dict[str, str | int]:
-    """Dim 0 of every tensor under shape inference with the symbolic batch: a symbol ("N", or one
-    inference made up for it) or an int."""
+def _check_generic(model: onnx.ModelProto, export_batch: int, other: int) -> None:
+    """Shape inference at a batch other than the export's must go through the freed graph."""
+    b = other if other != export_batch else export_batch + 1
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
-    except onnx.shape_inference.InferenceError:
-        return {}
-    out: dict[str, str | int] = {}
-    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
-        t = vi.type.tensor_type
-        if t.HasField("shape") and len(t.shape.dim):
-            d = t.shape.dim[0]
-            out[vi.name] = d.dim_param if d.HasField("dim_param") else d.dim_value
+        onnx.shape_inference.infer_shapes(_with_batch(model, b), strict_mode=True, data_prop=True)
+    except onnx.shape_inference.InferenceError as e:
+        first = str(e).strip().splitlines()[0][:240]
+        raise ModelError(
+            f"the export fixed its batch at {export_batch} and freeing it left a graph that fails shape inference at "
+            f"batch {b} ({first}); re-export with a dynamic batch, or build only batch_sizes: [{export_batch}]"
+        ) from None
+
+
+# -- where the batch goes, op by op ---------------------------------------------------------------------
+
+Rule = Callable[[_Walk, onnx.NodeProto, list[Axis]], list[Axis]]
+
+
+def _attr(node: onnx.NodeProto, name: str, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def _known(walk: _Walk, ins: list[Axis]) -> None:
+    if _UNKNOWN in ins:
+        raise _Refuse(f"takes a tensor whose batch dim cannot be told (it went through {walk.lost}, not modelled)")
+
+
+def _elementwise(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    """Broadcasting ops: the batch dims of the inputs, right-aligned, must be one dim of the output."""
+    if _UNKNOWN in ins:
+        return [_UNKNOWN]
+    rank = len(walk.shape(node.output[0]))
+    aligned = {a + rank - len(walk.shape(x)) for x, a in zip(node.input, ins, strict=True) if a is not None}
+    if len(aligned) != 1:
+        raise _Refuse(f"broadcasts inputs that hold the batch in different dims ({sorted(aligned)})")
+    return [aligned.pop()]
+
+
+def _batch_major(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    """Convolutions, pools, norms over channels: the batch must be dim 0 of the data and nowhere else."""
+    _known(walk, ins)
+    if ins[0] != 0 or any(a is not None for a in ins[1:]):
+        where = f"dim {ins[0]} of its input" if ins[0] else "one of its weights"
+        raise _Refuse(f"needs the batch in dim 0 of its data, but it is in {where} (mixed with channels or pixels)")
+    return [0]
+
+
+def _along_axis(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    """Softmax, LayerNormalization, CumSum...: work along dims that must not be the batch."""
+    if _UNKNOWN in ins:
+        return [_UNKNOWN]
+    a, rank = ins[0], len(walk.shape(node.input[0]))
+    axis = _attr(node, "axis", -1) % rank
+    spans = range(axis, rank) if node.op_type in ("LayerNormalization", "RMSNormalization") else (axis,)
+    if a is None or a in spans or any(x is not None for x in ins[1:]):
+        raise _Refuse(f"normalises along dim {axis}, which holds the batch")
+    return [a] + [a] * (len(node.output) - 1)
+
+
+def _transpose(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    if ins[0] == _UNKNOWN:
+        return [_UNKNOWN]
+    perm = _attr(node, "perm") or list(reversed(range(len(walk.shape(node.input[0])))))
+    return [list(perm).index(ins[0])]
+
+
+def _matmul(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    """(..., M, K) @ (..., K, P): the batch may be in the broadcast dims, in M of the left or P of the right."""
+    _known(walk, ins)
+    rank = len(walk.shape(node.output[0]))
+    out: set[int] = set()
+    for side, (x, a) in enumerate(zip(node.input[:2], ins[:2], strict=True)):
+        if a is None:
+            continue
+        r = len(walk.shape(x))
+        contracted = r - 1 if side == 0 else r - 2
+        if r < 2 or a == contracted:
+            raise _Refuse("contracts over the dim that holds the batch")
+        out.add(a + rank - r)
+    if len(out) != 1:
+        raise _Refuse("multiplies tensors that hold the batch in different dims")
+    return [out.pop()]
+
+
+def _reshape(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    """The batch stays the outer part of one output dim; a constant target becomes the output shape at
+    the export batch with -1 in that dim."""
+    _known(walk, ins)
+    src, dst = walk.shape(node.input[0]), walk.shape(node.output[0])
+    k = _reshaped_axis(src, dst, ins[0], walk.batch)
+    target = walk.const(node, 1)
+    if target is not None:
+        new = np.array(dst, np.int64)
+        new[k] = -1
+        if not np.array_equal(new, target):
+            walk.rewrite(node, 1, new, "batch")
+    return [k]
+
+
+def _reshaped_axis(src: tuple[int, ...], dst: tuple[int, ...], a: int, batch: int) -> int:
+    """The output dim whose outer part is the batch: the elements before it are those before the
+    input's batch dim, and what is inside it and after it is what was inside and after in the input.
+    The outermost such dim where several qualify (a batch of 1 reads like any other dim of 1)."""
+    before, inner = int(np.prod(src[:a])), src[a] // batch * int(np.prod(src[a + 1 :]))
+    for k in range(len(dst)):
+        outer_ok = int(np.prod(dst[:k])) == before and dst[k] % batch == 0
+        if outer_ok and dst[k] // batch * int(np.prod(dst[k + 1 :])) == inner:
+            return k
+    raise _Refuse(f"mixes the batch into other dims ({list(src)} -> {list(dst)} at batch {batch})")
+
+
+def _flatten(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    _known(walk, ins)
+    axis = _attr(node, "axis", 1) % max(1, len(walk.shape(node.input[0])))
+    return [0 if ins[0] < axis else 1]
+
+
+def _unsqueeze(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    if ins[0] == _UNKNOWN:
+        return [_UNKNOWN]
+    rank = len(walk.shape(node.output[0]))
+    added = sorted(int(x) % rank for x in _axes(walk, node))
+    kept = [d for d in range(rank) if d not in added]
+    return [kept[ins[0]]]
+
+
+def _squeeze(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    if ins[0] == _UNKNOWN:
+        return [_UNKNOWN]
+    src = walk.shape(node.input[0])
+    gone = {int(x) % len(src) for x in _axes(walk, node)} or {d for d, n in enumerate(src) if n == 1}
+    if ins[0] in gone:
+        raise _Refuse("squeezes away the dim that holds the batch")
+    return [ins[0] - sum(1 for d in gone if d < ins[0])]
+
+
+def _axes(walk: _Walk, node: onnx.NodeProto) -> list[int]:
+    axes = _attr(node, "axes")
+    if axes is None and len(node.input) > 1 and node.input[1]:
+        value = walk.const(node, 1)
+        if value is None:
+            raise _Refuse("takes its axes from a computed tensor")
+        axes = value.tolist()
+    return list(axes or [])
+
+
+def _reduce(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    _known(walk, ins)
+    rank = len(walk.shape(node.input[0]))
+    axes = _attr(node, "axes")
+    if axes is None and node.op_type in ("ArgMax", "ArgMin"):
+        axes = [_attr(node, "axis", 0)]
+    if axes is None:
+        axes = _axes(walk, node) if len(node.input) > 1 else []
+    axes = {int(x) % rank for x in axes} or (set() if _attr(node, "noop_with_empty_axes", 0) else set(range(rank)))
+    if ins[0] in axes:
+        raise _Refuse("reduces over the dim that holds the batch")
+    return [ins[0] if _attr(node, "keepdims", 1) else ins[0] - sum(1 for d in axes if d < ins[0])]
+
+
+def _gather(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    _known(walk, ins)
+    rank, axis = len(walk.shape(node.input[0])), _attr(node, "axis", 0)
+    axis %= rank
+    if ins[0] is None or ins[0] == axis or ins[1] is not None:
+        raise _Refuse("indexes along the dim that holds the batch")
+    return [ins[0] if ins[0] < axis else ins[0] + len(walk.shape(node.input[1])) - 1]
+
+
+def _concat(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    _known(walk, ins)
+    axis = _attr(node, "axis") % len(walk.shape(node.output[0]))
+    if len(set(ins)) != 1 or ins[0] == axis:
+        raise _Refuse("concatenates along the batch, or joins tensors with and without it")
+    return [ins[0]]
+
+
+def _split(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    _known(walk, ins)
+    if ins[0] is None or _attr(node, "axis", 0) % len(walk.shape(node.input[0])) == ins[0]:
+        raise _Refuse("splits along the dim that holds the batch")
+    return [ins[0]] * len(node.output)
+
+
+def _slice(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    """A slice of the batch dim that takes all of it at the export batch takes all of it at any batch."""
+    _known(walk, ins)
+    a, src = ins[0], walk.shape(node.input[0])
+    if a is None or any(x is not None for x in ins[1:]):
+        raise _Refuse("slices with bounds computed from the batch")
+    starts, ends = walk.const(node, 1), walk.const(node, 2)
+    if starts is None or ends is None:
+        raise _Refuse("slices with bounds computed at run time")
+    axes = walk.const(node, 3) if len(node.input) > 3 and node.input[3] else np.arange(len(starts))
+    steps = walk.const(node, 4) if len(node.input) > 4 and node.input[4] else np.ones(len(starts), np.int64)
+    if axes is None or steps is None:
+        raise _Refuse("slices with axes or steps computed at run time")
+    for i, ax in enumerate(int(x) % len(src) for x in axes):
+        if ax != a:
+            continue
+        if int(starts[i]) != 0 or int(steps[i]) != 1 or int(ends[i]) < src[a]:
+            raise _Refuse(f"takes part of the dim that holds the batch ({int(starts[i])}:{int(ends[i])})")
+        if int(ends[i]) != _OPEN_END:
+            new = ends.astype(np.int64).copy()
+            new[i] = _OPEN_END
+            walk.rewrite(node, 2, new, "batch")
+    return [a]
+
+
+def _expand(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    """Expand to a shape with the batch in it: 1 in that dim broadcasts the input's batch instead."""
+    _known(walk, ins)
+    if ins[0] is None:
+        raise _Refuse("expands a tensor to a shape computed from the batch")
+    rank, target = len(walk.shape(node.output[0])), walk.const(node, 1)
+    a = ins[0] + rank - len(walk.shape(node.input[0]))
+    k = a - (rank - (len(target) if target is not None else rank))
+    if target is not None and 0 <= k < len(target) and int(target[k]) != 1:
+        new = target.astype(np.int64).copy()
+        new[k] = 1
+        walk.rewrite(node, 1, new, "batch")
+    return [a]
+
+
+def _tile(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    _known(walk, ins)
+    repeats = walk.const(node, 1)
+    if ins[0] is None or repeats is None or int(repeats[ins[0]]) != 1:
+        raise _Refuse("repeats the dim that holds the batch")
+    return [ins[0]]
+
+
+def _resize(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    """Sizes with the batch in them become scales (1 for the batch), where the ratios round back exactly."""
+    out = _batch_major(walk, node, [ins[0], *(None for _ in ins[1:])])
+    sizes = walk.const(node, 3)
+    if sizes is None:
+        return out
+    src = walk.shape(node.input[0])
+    scales = np.array([1.0] + [float(o) / float(i) for o, i in zip(sizes[1:], src[1:], strict=True)], np.float32)
+    if any(int(np.floor(i * s)) != int(o) for i, s, o in zip(src[1:], scales[1:], sizes[1:], strict=True)):
+        raise _Refuse(f"resizes to sizes {sizes.tolist()} that no float32 scale reproduces")
+    walk.rewrite(node, 2, scales, "scales")
+    del node.input[3:]
     return out
 
 
-def _const_input(model: onnx.ModelProto, inits: dict, node: onnx.NodeProto, k: int) -> np.ndarray | None:
-    if len(node.input) <= k or node.input[k] not in inits:
-        return None
-    return numpy_helper.to_array(inits[node.input[k]])
+def _gemm(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    if _attr(node, "transA", 0):
+        raise _Refuse("contracts over the dim that holds the batch (transA)")
+    return _batch_major(walk, node, ins)
+
+
+def _unknown(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    walk.lost = walk.lost or f"{node.op_type} '{node.name}'"
+    return [_UNKNOWN] * len(node.output)
+
+
+def _no_batch(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    return [None] * len(node.output)  # computed from shapes at run time: right at any batch
+
+
+# Op names as one string each: a list literal of 55 names would take 55 lines.
+_ELEMENTWISE = (  # noqa: SIM905
+    "Add Sub Mul Div Pow Mod Max Min Mean Sum Where Equal Less LessOrEqual Greater GreaterOrEqual And Or Xor Not "
+    "PRelu Relu LeakyRelu Sigmoid HardSigmoid HardSwish Tanh Erf Gelu Exp Log Sqrt Reciprocal Abs Neg Sign Floor "
+    "Ceil Round Clip Elu Selu Celu Mish Softplus Softsign ThresholdedRelu Sin Cos IsNaN IsInf Cast CastLike "
+    "Identity Dropout"
+).split()
+_BATCH_MAJOR = (  # noqa: SIM905
+    "Conv ConvTranspose MaxPool AveragePool LpPool GlobalAveragePool GlobalMaxPool GlobalLpPool BatchNormalization "
+    "InstanceNormalization GroupNormalization LpNormalization LRN Pad DepthToSpace SpaceToDepth MaxUnpool"
+).split()
+_RULES: dict[str, Rule] = {
+    **dict.fromkeys(_ELEMENTWISE, _elementwise),
+    **dict.fromkeys(_BATCH_MAJOR, _batch_major),
+    **dict.fromkeys(["Softmax", "LogSoftmax", "Hardmax", "LayerNormalization", "RMSNormalization"], _along_axis),
+    **dict.fromkeys(
+        ["ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2"], _reduce
+    ),
+    **dict.fromkeys(["ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp", "ArgMax", "ArgMin"], _reduce),
+    **dict.fromkeys(["Shape", "Size"], _no_batch),
+    "Gemm": _gemm,
+    "Transpose": _transpose,
+    "MatMul": _matmul,
+    "Reshape": _reshape,
+    "Flatten": _flatten,
+    "Unsqueeze": _unsqueeze,
+    "Squeeze": _squeeze,
+    "Gather": _gather,
+    "Concat": _concat,
+    "Split": _split,
+    "Slice": _slice,
+    "Expand": _expand,
+    "Tile": _tile,
+    "Resize": _resize,
+}
+
+
+def _rule(op: str) -> Rule:
+    return _RULES.get(op, _unknown)
+
+
+# -- helpers --------------------------------------------------------------------------------------------
+
+
+def _with_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
+    model = copy.deepcopy(model)
+    for vi in [*model.graph.input, *model.graph.output]:
+        dims = vi.type.tensor_type.shape.dim
+        if len(dims):
+            dims[0].Clear()
+            dims[0].dim_value = batch
+    del model.graph.value_info[:]
+    return model
+
+
+def _shapes_at(model: onnx.ModelProto, batch: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor's static shape with the input at ``batch`` (-1 where inference leaves a dim open)."""
+    shapes = static_shapes(_with_batch(model, batch))
+    shapes.update({i.name: tuple(i.dims) for i in model.graph.initializer})
+    return shapes
+
+
+def _symbolic_dims(model: onnx.ModelProto) -> dict[str, int]:
+    """Tensors with exactly one symbolic dim under shape inference with the batch ``N`` (data propagated
+    through Shape, Gather, Concat): where a tensor built from run-time shapes keeps the batch."""
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    out = {}
+    for vi in inferred.graph.value_info:
+        dims = vi.type.tensor_type.shape.dim
+        symbolic = [k for k, d in enumerate(dims) if d.HasField("dim_param") and d.dim_param == BATCH]
+        if len(symbolic) == 1:
+            out[vi.name] = symbolic[0]
+    return out
+
+
+def _constants(g: onnx.GraphProto) -> dict[str, np.ndarray]:
+    consts = {i.name: numpy_helper.to_array(i) for i in g.initializer}
+    for n in g.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+    return consts
 
 
 def replace_input(model: onnx.ModelProto, node: onnx.NodeProto, k: int, value: np.ndarray, tag: str) -> None:
@@ -101,48 +498,6 @@ def replace_input(model: onnx.ModelProto, node: onnx.NodeProto, k: int, value: n
         name = f"{node.input[k]}__{tag}{i}"
     model.graph.initializer.append(numpy_helper.from_array(value, name))
     node.input[k] = name
-
-
-def _reshape_batch(model, node, inits, batch, dims) -> bool:
-    shape = _const_input(model, inits, node, 1)
-    if shape is None or shape.ndim != 1 or not len(shape) or int(shape[0]) != batch:
-        return False
-    allowzero = next((a.i for a in node.attribute if a.name == "allowzero"), 0)
-    if allowzero and -1 in shape[1:]:
-        return False
-    new = shape.copy()
-    new[0] = -1 if allowzero else 0  # 0: copy dim 0 of the input, which is the batch
-    replace_input(model, node, 1, new, "batch")
-    return True
-
-
-def _resize_batch(model, node, inits, batch, dims) -> bool:
-    sizes = _const_input(model, inits, node, 3)
-    if sizes is None or len(sizes) < 3 or int(sizes[0]) != batch:
-        return False
-    shapes = static_shapes(model)
-    src = shapes.get(node.input[0])
-    if src is None or len(src) != len(sizes) or any(d <= 0 for d in src[1:]):
-        return False
-    scales = np.array([1.0] + [float(o) / float(i) for o, i in zip(sizes[1:], src[1:], strict=True)], np.float32)
-    if any(int(np.floor(i * s)) != int(o) for i, s, o in zip(src[1:], scales[1:], sizes[1:], strict=True)):
-        return False  # the ratio does not round back to the size in float32: leave it to the batch check
-    replace_input(model, node, 2, scales, "scales")
-    del node.input[3:]
-    return True
-
-
-def _expand_batch(model, node, inits, batch, dims) -> bool:
-    shape = _const_input(model, inits, node, 1)
-    if shape is None or shape.ndim != 1 or not len(shape) or int(shape[0]) != batch:
-        return False
-    new = shape.copy()
-    new[0] = 1  # broadcast: keeps the input's batch
-    replace_input(model, node, 1, new, "batch")
-    return True
-
-
-_BATCH_REWRITES = {"Reshape": _reshape_batch, "Resize": _resize_batch, "Expand": _expand_batch}
 
 
 def static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:

@@ -3,7 +3,7 @@
 Stages, in order, each a function ``(model, ...) -> model`` that records its rewrites:
 
     load_model -> weights_out_of_inputs -> upgrade_opset -> symbolic_batch -> simplify
-    -> batch_generic_shapes -> static_resize_scales -> fold_zero_pads -> unique_parameter_keys -> convert_precision
+    -> free_batch -> static_resize_scales -> fold_zero_pads -> unique_parameter_keys -> convert_precision
     -> wrap_image_io
 
 The generic work is done by libraries: opset upgrades by ``onnx.version_converter``, constant
@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack.compiler.batch_free import BATCH, batch_generic_shapes, replace_input, static_shapes, symbolic_batch
+from dualtrack.compiler.batch_free import BATCH, free_batch, replace_input, static_shapes, symbolic_batch
 from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
 from dualtrack.compiler.lower_pad import full_pads
 from dualtrack.contract.checks import MASK, PROBS
@@ -801,7 +801,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
         log.append(Rewrite("batch", fixed))
     if cfg.simplify:
         m = simplify(m, log)
-    m, freed = batch_generic_shapes(m, export_batch)
+    m, freed = free_batch(m, export_batch, cfg.batch_sizes)
     if freed:
         log.append(Rewrite("batch", freed))
     m = static_resize_scales(m, log)

@@ -116,10 +116,15 @@ def batch_free(model: onnx.ModelProto) -> set[str]:
     return free
 
 
-def batch_checked_specs(model: onnx.ModelProto, batch_sizes: tuple[int, ...] = (1, 2)) -> dict[str, SpecMap]:
-    """Specs at batch 1, after checking at every batch size being built that each tensor that
-    carries the batch keeps it in dim 0 (constants and shape values are exempt: :func:`batch_free`)."""
+def batch_checked_specs(
+    model: onnx.ModelProto, batch_sizes: tuple[int, ...] = (1, 2)
+) -> tuple[dict[str, SpecMap], dict[str, str]]:
+    """Specs at batch 1, and the tensors that carry the batch but not as dim 0 (a transformer's
+    ``(B * heads, T, d)``, ``(2, B, heads, T, d)``) with their shapes: only Track B may touch those and no
+    segment boundary may cut one (:func:`_check_batch_major_boundaries`). Constants and shape values
+    are exempt (:func:`batch_free`)."""
     one = infer_specs(model, 1)
+    minor: dict[str, str] = {}
     free = batch_free(model)
     carried = {name: shape for name, (shape, _) in one.items() if name not in free}
     for name, shape in carried.items():
@@ -133,12 +138,8 @@ def batch_checked_specs(model: onnx.ModelProto, batch_sizes: tuple[int, ...] = (
         for name, shape in carried.items():
             got = other.get(name, (None,))[0]
             if not shape or got is None or got[0] != b * shape[0] or got[1:] != shape[1:] or shape[0] != 1:
-                raise PartitionError(
-                    f"tensor '{name}' does not keep the batch in dim 0 (batch 1: {shape}, batch {b}: {got}); "
-                    "dualtrack needs batch-major tensors: build only `batch_sizes: [1]`, or re-export the model "
-                    "with a dynamic batch (torch.onnx.export(..., dynamic_axes={'<input>': {0: 'N'}}))"
-                )
-    return one
+                minor.setdefault(name, f"batch 1: {shape}, batch {b}: {got}")
+    return one, minor
 
 
 def _rule(node: onnx.NodeProto, rules: Rules, side: str) -> str | None:
@@ -650,9 +651,12 @@ class SupportContext:
     fused_into: Mapping[str, onnx.NodeProto]  # a node of such an epilogue -> its Conv
     heads: lower_head.Heads  # the segmentation heads the seghead kernel takes, by node
     norms: lower_norm.Norms  # the normalisation chains the norm kernel takes, by node
+    minor: frozenset[str] = frozenset()  # tensors that carry the batch outside dim 0 (batch_checked_specs)
 
     @classmethod
-    def of(cls, model: onnx.ModelProto, specs: dict[str, SpecMap]) -> SupportContext:
+    def of(
+        cls, model: onnx.ModelProto, specs: dict[str, SpecMap], minor: frozenset[str] = frozenset()
+    ) -> SupportContext:
         uses: dict[str, int] = defaultdict(int)
         consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
         for n in model.graph.node:
@@ -688,6 +692,7 @@ class SupportContext:
             fused_into=fused_into,
             heads=heads,
             norms=norms,
+            minor=minor,
         )
 
 
@@ -940,6 +945,9 @@ def track_a_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
     # A head's mask is uint8; a norm chain's Shape (of its own input) is int64 and launches nothing.
     if dtype not in ("float16", "float32") and node.name not in ctx.heads.found and node.name not in ctx.norms.found:
         return f"dtype {dtype}"
+    off = next((x for x in [*node.input, *node.output] if x in ctx.minor), None)
+    if off is not None:
+        return f"'{off}' carries the batch outside dim 0 (Track A kernels take batch-major tensors)"
     # The data input, or either operand of a binary op (1 - x: Sub's constant comes first).
     if all(x in ctx.constant for x in node.input[:2] if x):
         return "input computed from constants alone (not batch-major)"
@@ -1565,14 +1573,14 @@ def partition_model(
     the decision behind every node. ``measured``: see :func:`assign_tracks`."""
     if len(model.graph.input) != 1:
         raise ModelError(f"the model has {len(model.graph.input)} inputs; dualtrack serves single-input models")
-    specs = batch_checked_specs(model, (1, *cfg.batch_sizes))
+    specs, minor = batch_checked_specs(model, (1, *cfg.batch_sizes))
     _check_input(cfg, model, specs)
-    ctx = SupportContext.of(model, specs)
+    ctx = SupportContext.of(model, specs, frozenset(minor))
     assignment = assign_tracks(model, cfg, specs, measured, ctx)
     tracks = assignment.tracks
     segments, seg_track = recompute_constants(model, order_segments(model, tracks), tracks)
     bounds = _boundaries(model, segments)
-    _check_batch_major_boundaries(model, bounds)
+    _check_batch_major_boundaries(model, bounds, minor)
     spec = _boundary_spec(specs, ctx.graph_outputs, _nhwc_tensors(model, bounds, seg_track, ctx))
     plan_segments: list[Segment] = []
     seg_models: list[onnx.ModelProto] = []
@@ -1594,10 +1602,17 @@ def partition_model(
     return Partitioned(plan, seg_models, assignment)
 
 
-def _check_batch_major_boundaries(model: onnx.ModelProto, bounds: list[_Boundaries]) -> None:
+def _check_batch_major_boundaries(model: onnx.ModelProto, bounds: list[_Boundaries], minor: dict[str, str]) -> None:
     """Every tensor that crosses a boundary is batch-major: the tracks run it per batch size."""
     free = batch_free(model)
     for k, b in enumerate(bounds):
+        off = next((t for t in b.outputs if t in minor), None)
+        if off is not None:
+            raise PartitionError(
+                f"tensor '{off}' does not keep the batch in dim 0 ({minor[off]}) and would leave segment {k}; "
+                "keep its producers and consumers on one track (partition rules), build only the export's batch "
+                "size, or re-export the model with a dynamic batch (torch.onnx.export(..., dynamic_axes=...))"
+            )
         crossing = [t for t in b.outputs if t in free]
         if crossing:
             raise PartitionError(
