@@ -82,6 +82,14 @@ class _Walk:
     def const(self, node: onnx.NodeProto, k: int) -> np.ndarray | None:
         return self.consts.get(node.input[k]) if len(node.input) > k and node.input[k] else None
 
+    def batch_vector(self) -> str:
+        """A 1-D tensor holding the input's batch, read at run time (added once, first in the graph)."""
+        name = f"{self.model.graph.input[0].name}__batch"
+        if not any(n.output[0] == name for n in self.model.graph.node):
+            shape = onnx.helper.make_node("Shape", [self.model.graph.input[0].name], [name], name=name, start=0, end=1)
+            self.model.graph.node.insert(0, shape)
+        return name
+
     def rewrite(self, node: onnx.NodeProto, k: int, value: np.ndarray, tag: str) -> None:
         replace_input(self.model, node, k, value, tag)
         self.consts[node.input[k]] = value
@@ -124,7 +132,7 @@ def _freed(model: onnx.ModelProto, export_batch: int, other: int) -> tuple[onnx.
             if any(a is not None for a in ins):
                 outs = _rule(node.op_type)(walk, node, ins)
             else:  # from weights and shapes only: the batch is where shape inference keeps N (x.new_zeros(x.shape))
-                outs = [symbolic.get(o) for o in node.output]
+                outs = _batch_made(walk, node) or [symbolic.get(o) for o in node.output]
         except _Refuse as e:
             raise ModelError(
                 f"cannot free the batch the export fixed at {export_batch}: {node.op_type} '{node.name}' {e}; "
@@ -132,7 +140,7 @@ def _freed(model: onnx.ModelProto, export_batch: int, other: int) -> tuple[onnx.
             ) from None
         for k, name in enumerate(node.output):
             axes[name] = outs[min(k, len(outs) - 1)]
-    for vi in model.graph.output:  # a simplifier may have written the export batch back into them
+    for vi in [*model.graph.input, *model.graph.output]:  # a simplifier may write the export batch back into them
         dims = vi.type.tensor_type.shape.dim
         if axes.get(vi.name) == 0 and len(dims):
             dims[0].Clear()
@@ -179,7 +187,23 @@ def _elementwise(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axi
     aligned = {a + rank - len(walk.shape(x)) for x, a in zip(node.input, ins, strict=True) if a is not None}
     if len(aligned) != 1:
         raise _Refuse(f"broadcasts inputs that hold the batch in different dims ({sorted(aligned)})")
-    return [aligned.pop()]
+    out = aligned.pop()
+    for k, (x, a) in enumerate(zip(node.input, ins, strict=True)):
+        if a is None and x in walk.consts and walk.batch > 1:
+            _one_image_of(walk, node, k, out - (rank - walk.consts[x].ndim))
+    return [out]
+
+
+def _one_image_of(walk: _Walk, node: onnx.NodeProto, k: int, dim: int) -> None:
+    """A constant with the export batch in the batch's dim (a ConstantOfShape the simplifier folded) keeps
+    one slice, which broadcasts, where every slice is the same; a per-image constant cannot be freed."""
+    value = walk.consts[node.input[k]]
+    if not 0 <= dim < value.ndim or value.shape[dim] != walk.batch:
+        return
+    first = np.take(value, [0], axis=dim)
+    if not np.array_equal(np.broadcast_to(first, value.shape), value):
+        raise _Refuse(f"takes a constant '{node.input[k]}' with a different value for each image of the batch")
+    walk.rewrite(node, k, first, "batch")
 
 
 def _batch_major(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
@@ -395,6 +419,25 @@ def _gemm(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
     if _attr(node, "transA", 0):
         raise _Refuse("contracts over the dim that holds the batch (transA)")
     return _batch_major(walk, node, ins)
+
+
+def _batch_made(walk: _Walk, node: onnx.NodeProto) -> list[Axis] | None:
+    """ConstantOfShape, Expand or Tile of a tensor without the batch to a constant shape whose dim 0 is
+    the export batch (above 1: a 1 reads as a broadcast, which is right at any batch): dim 0 becomes the
+    input's batch, read at run time."""
+    k = {"ConstantOfShape": 0, "Expand": 1, "Tile": 1}.get(node.op_type)
+    value = walk.const(node, k) if k is not None and walk.batch > 1 else None
+    if value is None or value.ndim != 1 or not len(value) or int(value[0]) != walk.batch:
+        return None
+    g = walk.model.graph
+    rest = f"{node.input[k]}__rest"
+    g.initializer.append(numpy_helper.from_array(value[1:].astype(np.int64), rest))
+    shape = f"{node.input[k]}__{node.output[0]}__batch"
+    concat = onnx.helper.make_node("Concat", [walk.batch_vector(), rest], [shape], name=shape, axis=0)
+    g.node.insert(next(i for i, n in enumerate(g.node) if n.output[0] == node.output[0]), concat)
+    node.input[k] = shape
+    walk.done.append(f"{node.op_type} '{node.name or node.output[0]}'")
+    return [0]
 
 
 def _unknown(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:

@@ -1,0 +1,224 @@
+"""Batch freeing (compiler/batch_free.py): an export whose batch is written into its shape arguments builds for
+other batches, and each freed graph gives, in onnxruntime, what the export gives run one image at a time
+(verify.check_frontend, fp32 tolerance: rel_l2 1e-4, max_abs 1e-3, on fresh N(0, 1) inputs). A graph whose
+batch cannot be freed is refused in one line that names the node and why."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from dualtrack.compiler import frontend, partition, verify
+from dualtrack.compiler.config import DEFAULT_TOLERANCES, BuildConfig
+from dualtrack.errors import ModelError
+
+C, H, W = 8, 4, 4  # channels, height, width of every synthetic export
+T = H * W  # tokens
+HEADS, D = 2, 4  # attention heads and head size (HEADS * D == C)
+
+
+class Export:
+    """A small graph as an exporter writes it at batch ``b``: its input x (b, C, H, W), shape arguments as
+    constants with ``b`` in them, random weights."""
+
+    def __init__(self, b: int, seed: int = 0) -> None:
+        self.b, self.nodes, self.inits = b, [], []
+        self.rng = np.random.default_rng(seed)
+
+    def const(self, value: np.ndarray | list[int]) -> str:
+        name = f"c{len(self.inits)}"
+        value = np.asarray(value, np.int64) if isinstance(value, list) else value
+        self.inits.append(numpy_helper.from_array(value, name))
+        return name
+
+    def weight(self, *shape: int) -> str:
+        return self.const(self.rng.normal(0, 0.5, shape).astype(np.float32))
+
+    def op(self, op: str, *inputs: str, **attrs) -> str:
+        out = f"t{len(self.nodes)}"
+        self.nodes.append(helper.make_node(op, list(inputs), [out], name=f"{op.lower()}{len(self.nodes)}", **attrs))
+        return out
+
+    def tokens(self, x: str) -> str:
+        """(b, C, H, W) -> (b, T, C), as torch's x.flatten(2).transpose(1, 2) is exported at batch b."""
+        return self.op("Transpose", self.op("Reshape", x, self.const([self.b, C, -1])), perm=[0, 2, 1])
+
+    def image(self, t: str) -> str:
+        """(b, T, C) -> (b, C, H, W)."""
+        return self.op("Reshape", self.op("Transpose", t, perm=[0, 2, 1]), self.const([self.b, C, H, W]))
+
+    def model(self, y: str, out_shape: tuple[int, ...] = (C, H, W)) -> onnx.ModelProto:
+        graph = helper.make_graph(
+            self.nodes,
+            "export",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [self.b, C, H, W])],
+            [helper.make_tensor_value_info(y, TensorProto.FLOAT, [self.b, *out_shape])],
+            self.inits,
+        )
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def tokens_with_layer_norm(b: int) -> onnx.ModelProto:
+    g = Export(b)
+    t = g.tokens(g.op("Conv", "x", g.weight(C, C, 1, 1)))
+    t = g.op("LayerNormalization", t, g.weight(C), g.weight(C), axis=-1)
+    return g.model(g.image(g.op("MatMul", t, g.weight(C, C))))
+
+
+def attention_heads(b: int) -> onnx.ModelProto:
+    """Global attention as the exporters write it: heads split, (b * heads, T, d) for the score MatMuls."""
+    g = Export(b)
+    t = g.tokens("x")
+
+    def heads(w: str) -> str:
+        split = g.op("Reshape", g.op("MatMul", t, w), g.const([b, T, HEADS, D]))
+        return g.op("Reshape", g.op("Transpose", split, perm=[0, 2, 1, 3]), g.const([b * HEADS, T, D]))
+
+    q, k, v = (heads(g.weight(C, C)) for _ in range(3))
+    scores = g.op("Softmax", g.op("Mul", g.op("MatMul", q, g.op("Transpose", k, perm=[0, 2, 1])), g.weight(1)))
+    o = g.op("Reshape", g.op("MatMul", scores, v), g.const([b, HEADS, T, D]))
+    o = g.op("Reshape", g.op("Transpose", o, perm=[0, 2, 1, 3]), g.const([b, T, C]))
+    return g.model(g.image(g.op("Add", o, t)))
+
+
+def kv_stacked(b: int) -> onnx.ModelProto:
+    """SegFormer's K and V from one Linear: (b, T, 2, heads, d) permuted to (2, b, heads, T, d), then picked."""
+    g = Export(b)
+    t = g.tokens("x")
+    kv = g.op("Reshape", g.op("MatMul", t, g.weight(C, 2 * C)), g.const([b, -1, 2, HEADS, D]))
+    kv = g.op("Transpose", kv, perm=[2, 0, 3, 1, 4])
+    k, v = (g.op("Gather", kv, g.const(np.array(i, np.int64)), axis=0) for i in (0, 1))
+    scores = g.op("Softmax", g.op("MatMul", k, g.op("Transpose", v, perm=[0, 1, 3, 2])))
+    o = g.op("Reshape", g.op("Transpose", g.op("MatMul", scores, v), perm=[0, 2, 1, 3]), g.const([b, T, C]))
+    return g.model(g.image(o))
+
+
+def flatten_to_one_hw_c(b: int) -> onnx.ModelProto:
+    """(1, HW, C) at batch 1: a channels-last flatten, a Linear, and back."""
+    g = Export(b)
+    t = g.op("Reshape", g.op("Transpose", "x", perm=[0, 2, 3, 1]), g.const([b, H * W, C]))
+    t = g.op("Reshape", g.op("Relu", g.op("MatMul", t, g.weight(C, C))), g.const([b, H, W, C]))
+    return g.model(g.op("Transpose", t, perm=[0, 3, 1, 2]))
+
+
+def pooled_expand_and_tile(b: int) -> onnx.ModelProto:
+    """A pooled (b, C, 1, 1) context broadcast back with Expand([b, C, H, W]) and Tile([1, 1, H, W])."""
+    g = Export(b)
+    pooled = g.op("GlobalAveragePool", "x")
+    wide = g.op("Expand", pooled, g.const([b, C, H, W]))
+    tiled = g.op("Tile", g.op("Sigmoid", pooled), g.const([1, 1, H, W]))
+    return g.model(g.op("Add", g.op("Mul", "x", tiled), wide))
+
+
+def constant_of_shape_and_slice(b: int) -> onnx.ModelProto:
+    """ConstantOfShape([b, C, H, W]) added (a broadcast at batch 1), x[:b, :C // 2] (a Slice ending at the
+    export batch), concatenated back to C channels."""
+    g = Export(b)
+    half = g.op("ConstantOfShape", g.const([b, C, H, W]), value=numpy_helper.from_array(np.array([0.5], np.float32)))
+    x = g.op("Add", "x", half)
+    first = g.op("Slice", x, g.const([0, 0]), g.const([b, C // 2]), g.const([0, 1]))
+    second = g.op("Slice", x, g.const([0, C // 2]), g.const([b, C]), g.const([0, 1]))
+    return g.model(g.op("Concat", g.op("Relu", first), g.op("Neg", second), axis=1))
+
+
+def resize_to_sizes(b: int) -> onnx.ModelProto:
+    g = Export(b)
+    up = g.op("Resize", "x", "", "", g.const([b, C, 2 * H, 2 * W]), mode="linear")
+    return g.model(g.op("Conv", up, g.weight(C, C, 3, 3), strides=[2, 2], pads=[1, 1, 1, 1]))
+
+
+FREED: dict[str, Callable[[int], onnx.ModelProto]] = {
+    f.__name__: f
+    for f in (
+        tokens_with_layer_norm,
+        attention_heads,
+        kv_stacked,
+        flatten_to_one_hw_c,
+        pooled_expand_and_tile,
+        constant_of_shape_and_slice,
+        resize_to_sizes,
+    )
+}
+
+
+def _cfg(batch_sizes: tuple[int, ...]) -> BuildConfig:
+    return BuildConfig(model=Path("export.onnx"), batch_sizes=batch_sizes)
+
+
+@pytest.mark.parametrize("export_batch", [1, 2])
+@pytest.mark.parametrize("case", sorted(FREED))
+def test_a_baked_batch_is_freed_and_each_batch_matches_the_export_run_image_by_image(
+    case: str, export_batch: int
+) -> None:
+    export = FREED[case](export_batch)
+    onnx.checker.check_model(export, full_check=True)
+    sizes = (1, 3) if export_batch == 1 else (2, 6)
+    fe = frontend.prepare(_cfg(sizes), export)
+    plan, _ = partition.build_plan(
+        _cfg(sizes).model_copy(update={"precision": fe.precision}), partition.name_nodes(fe.model)
+    )
+    assert plan.batch_sizes == sizes
+    checks = verify.check_frontend(fe, (*sizes, 5), DEFAULT_TOLERANCES["fp32"], seed=3)
+    assert len(checks) == 3
+    assert all(c.passed for c in checks), [verify.Report.line(c) for c in checks]
+    assert all(f"run {export_batch} at a time" in c.note for c in checks)
+
+
+def test_the_rewrites_are_reported_and_the_batch_dim_becomes_minus_one() -> None:
+    fe = frontend.prepare(_cfg((1, 3)), attention_heads(1))
+    note = next(r.detail for r in fe.rewrites if r.stage == "batch" and "shape constant" in r.detail)
+    assert note.startswith("10 shape constant(s) carried the export batch 1: Reshape")
+    inits = {i.name: numpy_helper.to_array(i) for i in fe.body.graph.initializer}
+    targets = [inits[n.input[1]].tolist() for n in fe.body.graph.node if n.op_type == "Reshape"]
+    assert [-1, T, D] in targets and [-1, HEADS, T, D] in targets and [-1, C, H, W] in targets
+
+
+def _mean_over_batch(b: int) -> onnx.ModelProto:
+    g = Export(b)
+    return g.model(g.op("Sub", "x", g.op("ReduceMean", "x", axes=[0], keepdims=1)))
+
+
+def _first_image(b: int) -> onnx.ModelProto:
+    """x[0] (a Gather on the batch), broadcast back: at batch 1 every image is the first."""
+    g = Export(b)
+    return g.model(g.op("Add", "x", g.op("Gather", "x", g.const(np.array(0, np.int64)), axis=0)))
+
+
+def _batch_into_channels(b: int) -> onnx.ModelProto:
+    """(2, 6, 4, 4) viewed as (3, 64): rows that straddle two images."""
+    g = Export(b)
+    x = g.op("Conv", "x", g.weight(6, C, 1, 1))
+    mixed = g.op("Reshape", g.op("Relu", g.op("Reshape", x, g.const([3, -1]))), g.const([b, 6, H, W]))
+    return g.model(g.op("Conv", mixed, g.weight(C, 6, 1, 1)))
+
+
+def _concat_on_batch(b: int) -> onnx.ModelProto:
+    g = Export(b)
+    both = g.op("Concat", "x", g.op("Neg", "x"), axis=0)
+    return g.model(g.op("Slice", both, g.const([0]), g.const([b]), g.const([0])))
+
+
+REFUSED = {
+    "mean over the batch": (_mean_over_batch, 1, r"ReduceMean 'reducemean0' reduces over the dim that holds"),
+    "a picked image": (_first_image, 1, r"Gather 'gather0' indexes along the dim that holds the batch"),
+    "batch mixed into rows": (_batch_into_channels, 2, r"Reshape 'reshape1' mixes the batch into other dims"),
+    "concat on the batch": (_concat_on_batch, 1, r"Concat 'concat1' concatenates along the batch"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_a_batch_that_cannot_be_freed_is_refused_naming_the_node_but_the_export_batch_builds(case: str) -> None:
+    build, b, why = REFUSED[case]
+    with pytest.raises(
+        ModelError, match=rf"^cannot free the batch the export fixed at {b}: {why}.*batch_sizes: \[{b}\]$"
+    ):
+        frontend.prepare(_cfg((b, b + 1)), build(b))
+    fe = frontend.prepare(_cfg((b,)), build(b))
+    assert any("the batch stays fixed" in r.detail for r in fe.rewrites)
+    checks = verify.check_frontend(fe, (b,), DEFAULT_TOLERANCES["fp32"], seed=4)
+    assert all(c.passed for c in checks), [verify.Report.line(c) for c in checks]
