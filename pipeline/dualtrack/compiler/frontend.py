@@ -33,6 +33,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack.compiler.batch_free import BATCH, free_batch, replace_input, static_shapes, symbolic_batch
+from dualtrack.compiler.channels_last import channels_first
 from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
 from dualtrack.compiler.lower_pad import full_pads
 from dualtrack.contract.checks import MASK, PROBS
@@ -320,6 +321,15 @@ def fold_zero_pads(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProt
     what = f"{len(folded)} zero Pad(s) folded into the padding of the Conv/AveragePool after them"
     log.append(Rewrite("pad", f"{what}: {names}{more}"))
     return model
+
+
+def channels_first_regions(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """Channels-last blocks (ConvNeXt's permute, LayerNorm, Linear, GELU, permute) written in the
+    graph's NCHW convention, where Track A's lowerings see convolutions (:mod:`.channels_last`)."""
+    m, detail = channels_first(model, _graph_constants(model.graph))
+    if detail:
+        log.append(Rewrite("channels-last", detail))
+    return m
 
 
 # A reduction over a stack of tensors, and the element-wise chain that computes it without the stack.
@@ -824,3 +834,4 @@ def load(cfg: BuildConfig) -> tuple[BuildConfig, FrontEnd]:
 
 
 __all__ = ["FrontEnd", "Rewrite", "load", "load_model", "prepare"]
+    m = channels_first_regions(m, log)  # before the simplifier, whose Gemm fusion would hide the MatMuls

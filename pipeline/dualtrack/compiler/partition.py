@@ -24,7 +24,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from dualtrack import kernels
-from dualtrack.compiler import cost, frontend, layout, lower_head, lower_mobile, lower_norm, lower_pad
+from dualtrack.compiler import act_patterns, cost, frontend, layout, lower_head, lower_mobile, lower_norm, lower_pad
 from dualtrack.compiler.config import BuildConfig, Rules
 from dualtrack.compiler.frontend import model_precision
 from dualtrack.contract.activations import Activation
@@ -610,23 +610,13 @@ def _fuse_epilogue(
         if found is not None:
             nodes.append(nxt)
             act, t = found, nxt.output[0]
-    elif private(t):
-        # SiLU as exported: Mul(t, Sigmoid(t)), t read by exactly those two nodes.
-        users = consumers.get(t, [])
-        sig = next((u for u in users if u.op_type == "Sigmoid"), None)
-        mul = next((u for u in users if u.op_type == "Mul"), None)
-        if (
-            len(users) == 2
-            and sig is not None
-            and mul is not None
-            and {sig.name, mul.name} <= in_seg
-            and not {sig.name, mul.name} & claimed
-            and sorted(mul.input) == sorted([t, sig.output[0]])
-            and consumers.get(sig.output[0]) == [mul]
-            and private(sig.output[0])
-        ):
-            nodes += [sig, mul]
-            act, t = Activation.named("silu"), mul.output[0]
+    elif (
+        found := act_patterns.decomposed(
+            t, consumers, lambda n: n.name in in_seg and n.name not in claimed, private, lambda n: _constant(n, model)
+        )
+    ) is not None:  # SiLU, GELU as the exporters write them
+        act, more, t = found
+        nodes += more
     return _Epilogue(tuple(nodes), residual, act, t)
 
 
@@ -931,6 +921,24 @@ def _or_norm(op: TrackAOp | None) -> TrackAOp:
 
 # The normalisation family's ops (lower_norm: a chain is one norm call).
 TRACK_A_SUPPORT.update({op: _or_norm(TRACK_A_SUPPORT.get(op)) for op in lower_norm.OPS})
+
+
+def _or_epilogue(op: TrackAOp | None) -> TrackAOp:
+    """``op`` (None: no kernel of its own) for a node outside a dense Conv's epilogue; a node of a
+    multi-node activation fused there (act_patterns: GELU's Div, Erf, Add, Muls) launches nothing."""
+
+    def check(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+        if _in_conv_epilogue(node, ctx):
+            return None
+        return op.check(node, ctx) if op is not None else "no hand-written kernel (only in a convolution's epilogue)"
+
+    def kernel(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+        return None if _in_conv_epilogue(node, ctx) or op is None else op.kernel(node, ctx)
+
+    return TrackAOp(check, kernel)
+
+
+TRACK_A_SUPPORT.update({op: _or_epilogue(TRACK_A_SUPPORT.get(op)) for op in act_patterns.OPS})
 
 
 def track_a_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:

@@ -1,0 +1,130 @@
+"""Activations that exporters write as several nodes, matched back to one row of the activation table.
+
+At the opsets the exporters default to (17, 18) there is no Gelu op, and SiLU never had one: torch
+writes ``x * sigmoid(x)`` as Mul(x, Sigmoid(x)) and erf-GELU as Div(x, sqrt 2) (or Mul(x, 1/sqrt 2)),
+Erf, Add 1, and the two Muls by x and 0.5 in either order. :func:`decomposed` finds such a chain
+starting at a tensor ``t`` so that a convolution's epilogue (``partition._fuse_epilogue``) computes it
+as the row it is. Every intermediate of the chain must be read by the chain alone (``private``), so
+nothing the chain computes is needed elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import onnx
+
+from dualtrack.contract.activations import Activation
+
+Const = Callable[[str], np.ndarray | None]
+# How far a constant of the pattern may sit from its exact value: the fp32 and fp16 spellings of sqrt(2) and
+# 1/sqrt(2) (an fp16 model's constants are rounded to 11 bits: 1.4140625, 2^-11 relative at most).
+_REL = 1e-3
+
+
+class _Chain:
+    """The graph around ``t`` as one pattern walk sees it."""
+
+    def __init__(
+        self, consumers: Mapping[str, list[onnx.NodeProto]], usable: Callable[[onnx.NodeProto], bool], const: Const
+    ) -> None:
+        self.consumers, self.usable, self.const = consumers, usable, const
+
+    def readers(self, t: str) -> list[onnx.NodeProto]:
+        return list(self.consumers.get(t, []))
+
+    def sole(self, t: str, op: str) -> onnx.NodeProto | None:
+        """The one node reading ``t``, if it is an ``op`` this walk may take."""
+        users = self.readers(t)
+        if len(users) == 1 and users[0].op_type == op and self.usable(users[0]):
+            return users[0]
+        return None
+
+    def scalar(self, node: onnx.NodeProto, t: str) -> float | None:
+        """The constant scalar that binary ``node`` combines with ``t``, or None."""
+        if len(node.input) != 2 or t not in node.input or node.input[0] == node.input[1]:
+            return None
+        other = node.input[1] if node.input[0] == t else node.input[0]
+        value = self.const(other)
+        return float(value.reshape(())) if value is not None and value.size == 1 else None
+
+
+def _near(value: float | None, want: float) -> bool:
+    return value is not None and abs(value - want) <= _REL * abs(want)
+
+
+def _silu(t: str, ch: _Chain) -> tuple[Activation, list[onnx.NodeProto], str] | None:
+    users = ch.readers(t)
+    sig = next((u for u in users if u.op_type == "Sigmoid"), None)
+    mul = next((u for u in users if u.op_type == "Mul"), None)
+    if len(users) != 2 or sig is None or mul is None or not (ch.usable(sig) and ch.usable(mul)):
+        return None
+    if sorted(mul.input) != sorted([t, sig.output[0]]) or ch.readers(sig.output[0]) != [mul]:
+        return None
+    return Activation.named("silu"), [sig, mul], mul.output[0]
+
+
+def _gelu(t: str, ch: _Chain) -> tuple[Activation, list[onnx.NodeProto], str] | None:
+    """0.5 * x * (1 + erf(x / sqrt 2)): x read by the scaling into Erf and by one Mul."""
+    users = ch.readers(t)
+    if len(users) != 2 or not all(ch.usable(u) for u in users):
+        return None
+    scale = next((u for u in users if _erf_scale(u, t, ch)), None)
+    if scale is None:
+        return None
+    other = users[1] if users[0] is scale else users[0]
+    erf = ch.sole(scale.output[0], "Erf")
+    plus = ch.sole(erf.output[0], "Add") if erf is not None else None
+    if plus is None or not _near(ch.scalar(plus, erf.output[0]), 1.0) or other.op_type != "Mul":
+        return None
+    one_plus = plus.output[0]
+    if sorted(other.input) == sorted([t, one_plus]) and ch.readers(one_plus) == [other]:  # x * (1 + erf), * 0.5
+        half = ch.sole(other.output[0], "Mul")
+        if half is None or not _near(ch.scalar(half, other.output[0]), 0.5):
+            return None
+        return Activation.named("gelu"), [scale, erf, plus, other, half], half.output[0]
+    if _near(ch.scalar(other, t), 0.5):  # (x * 0.5) * (1 + erf)
+        last = ch.sole(one_plus, "Mul")
+        if last is None or sorted(last.input) != sorted([other.output[0], one_plus]):
+            return None
+        if ch.readers(other.output[0]) != [last]:
+            return None
+        return Activation.named("gelu"), [scale, erf, plus, other, last], last.output[0]
+    return None
+
+
+def _erf_scale(node: onnx.NodeProto, t: str, ch: _Chain) -> bool:
+    """Whether ``node`` is x / sqrt 2 or x * (1 / sqrt 2), with x as its first operand for Div."""
+    if node.op_type == "Div" and node.input[0] == t:
+        return _near(ch.scalar(node, t), math.sqrt(2.0))
+    return node.op_type == "Mul" and _near(ch.scalar(node, t), 1.0 / math.sqrt(2.0))
+
+
+PATTERNS = (_silu, _gelu)
+OPS = ("Sigmoid", "Mul", "Div", "Erf", "Add")  # the op types the patterns' nodes have
+
+
+def decomposed(
+    t: str,
+    consumers: Mapping[str, list[onnx.NodeProto]],
+    usable: Callable[[onnx.NodeProto], bool],
+    private: Callable[[str], bool],
+    const: Const,
+) -> tuple[Activation, list[onnx.NodeProto], str] | None:
+    """The activation a chain of nodes computes from ``t`` (the module's docstring): its row, the
+    nodes in graph order, and the tensor it ends in; None where no pattern matches. ``usable``: may
+    this node be taken (in the caller's segment, not claimed by another fusion); ``private``: is this
+    tensor read by the graph's nodes alone (not an output the caller sees)."""
+    if not private(t):
+        return None
+    ch = _Chain(consumers, usable, const)
+    for pattern in PATTERNS:
+        found = pattern(t, ch)
+        if found is not None and all(private(o) for n in found[1][:-1] for o in n.output):
+            return found
+    return None
+
+
+__all__ = ["OPS", "PATTERNS", "decomposed"]
