@@ -809,6 +809,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     if export_batch is not None:
         fixed = f"the export fixed the batch at {export_batch}; dim 0 of the input and outputs is now N"
         log.append(Rewrite("batch", fixed))
+    m = channels_first_regions(m, log)  # before the simplifier, whose Gemm fusion would hide the MatMuls
     if cfg.simplify:
         m = simplify(m, log)
     m, freed = free_batch(m, export_batch, cfg.batch_sizes)
@@ -834,4 +835,3 @@ def load(cfg: BuildConfig) -> tuple[BuildConfig, FrontEnd]:
 
 
 __all__ = ["FrontEnd", "Rewrite", "load", "load_model", "prepare"]
-    m = channels_first_regions(m, log)  # before the simplifier, whose Gemm fusion would hide the MatMuls
