@@ -575,7 +575,18 @@ def test_a_pad_prepares_the_argument_list_its_ptx_takes() -> None:
     assert values[:2] == [0x1000, 0x3000] and {2, 7, 5, 16, 24} <= set(values)
 
 
+def test_a_depth_to_space_prepares_the_argument_list_its_ptx_takes() -> None:
+    from dualtrack.kernels import DepthToSpace
+
+    call = KernelCall("depth_to_space", ("x",), ("y",), (), DepthToSpace(3, "CRD").attrs())
+    p = K["depth_to_space"].prepare_inputs(
+        call, [T(0x1000, (2, 7, 5, 18), ld=24)], T(0x3000, (2, 21, 15, 2), ld=8), [], Context("off")
+    )
+    assert plain(p.entry, p.config, p.args)[5] == ptx_param_kinds("depth_to_space_nhwc", p.entry)
+    assert [v for v, _ in p.args] == [0x1000, 0x3000, 2, 7, 5, 2, 24, 8, 3, 1]
+
+
 def test_the_cases_cover_every_registered_spec() -> None:
-    covered = {case.split()[0] for case in EXPECTED} | {"norm", "pad"}  # their own tests above
+    covered = {case.split()[0] for case in EXPECTED} | {"norm", "pad", "depth_to_space"}  # their own tests above
     assert covered == {*KERNELS, RESIZE_RGB.op}
     assert any(entry.startswith("conv3x3_wgmma") for entry, *_ in EXPECTED.values())  # the Hopper spec too

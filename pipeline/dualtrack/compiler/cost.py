@@ -71,9 +71,11 @@ MeasuredTimes = Mapping[ConvKey, float]
 
 
 # The Track A kernels on the CUDA cores, memory-bound (Rates.track_a_simt): the mobile ops', the
-# general max-pool's (one comparison per tap, node_work), the segmentation head's and the pad/copy's;
-# the general ConvTranspose's gather (convt) runs on the CUDA cores too.
-SIMT_KERNELS = ("dwconv", "gap", "fc", "eltwise", "resize", "maxpool", "seghead", "pad", "convt", "norm")
+# general max-pool's (one comparison per tap, node_work), the segmentation head's, the pad/copy's and
+# DepthToSpace's; the general ConvTranspose's gather (convt) runs on the CUDA cores too.
+SIMT_KERNELS = (
+    "dwconv", "gap", "fc", "eltwise", "resize", "maxpool", "seghead", "pad", "convt", "norm", "depth_to_space",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Track A lowering of the data-movement ops: Pad over H and W, Slice / Split along channels, and
-channel Concat of inputs from anywhere.
+"""Track A lowering of the data-movement ops: Pad over H and W, Slice / Split along channels,
+channel Concat of inputs from anywhere, and DepthToSpace.
 
 - **Pad** (mode constant with any value, reflect, edge; non-negative pads on H and W) is one call
   of the pad kernel (``kernels.pad``). A constant 0 pad in front of a Conv never gets here: the
@@ -14,6 +14,8 @@ channel Concat of inputs from anywhere.
   comes from another segment or leaves this one, feeds another concatenation, is itself a view, or
   appears twice) is first copied into a tensor of its own that is (a pad call of zero pads), so a
   Concat never forces a track switch.
+- **DepthToSpace** (DCR, the front end's sub-pixel ConvTranspose and ONNX's default; CRD, torch's
+  PixelShuffle; any block size) is one call of the depth_to_space kernel (``kernels.depth_to_space``).
 
 The predicates (:func:`supports`) read ONNX only; the lowering (:func:`lower`) needs the calls of
 the segment so far and which tensors leave it.
@@ -32,13 +34,14 @@ from dualtrack.compiler.lower_mobile import (
     _attrs,  # the one attribute reader of the lowerings
 )
 from dualtrack.contract.plan import KernelCall
+from dualtrack.kernels.depth_to_space import D2S_MODES, DepthToSpace
 from dualtrack.kernels.pad import PadMode
 
 DESCRIPTION = (
     "channel Concat of any inputs (no copy of what the segment computes), Slice/Split along channels "
-    "(a view where they can be), Pad constant/reflect/edge over H,W"
+    "(a view where they can be), Pad constant/reflect/edge over H,W, DepthToSpace DCR/CRD of any block size"
 )
-OPS = ("Pad", "Slice", "Split", "Concat")
+OPS = ("Pad", "Slice", "Split", "Concat", "DepthToSpace")
 SpecMap = dict[str, tuple[tuple[int, ...], str]]
 
 
@@ -188,11 +191,39 @@ def _concat_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
     return None
 
 
+# --- DepthToSpace ----------------------------------------------------------------------------------
+
+
+def depth_to_space(node: onnx.NodeProto, facts: Facts) -> tuple[DepthToSpace | None, str | None]:
+    """The call's :class:`DepthToSpace` of an ONNX DepthToSpace (``mode`` since opset 11; DCR
+    before), or (None, why not)."""
+    why = _image(node, facts)
+    if why:
+        return None, why
+    a = _attrs(node)
+    mode = str(a.get("mode", "DCR"))
+    if mode not in D2S_MODES:
+        return None, f"mode {mode} (the kernel takes {', '.join(D2S_MODES)})"
+    blocksize = int(a.get("blocksize", 0))
+    if blocksize < 1:
+        return None, f"blocksize {blocksize} (ONNX takes one >= 1)"
+    how = DepthToSpace(blocksize, mode)
+    C = facts.shape(node.input[0])[1]
+    if C % (how.blocksize**2):
+        return None, f"{C} channels, not a multiple of blocksize^2 = {how.blocksize**2}"
+    return how, None
+
+
+def _d2s_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
+    return depth_to_space(node, facts)[1]
+
+
 _PREDICATES: dict[str, Callable[[onnx.NodeProto, Facts], str | None]] = {
     "Pad": _pad_ok,
     "Slice": _slices_ok,
     "Split": _slices_ok,
     "Concat": _concat_ok,
+    "DepthToSpace": _d2s_ok,
 }
 
 
@@ -203,8 +234,9 @@ def supports(node: onnx.NodeProto, facts: Facts) -> str | None:
 
 def kernel(node: onnx.NodeProto, facts: Facts) -> str | None:
     """The kernel a node :func:`supports` launches, as the cost model charges it: ``pad`` for a Pad,
-    none for a Concat or a channel view (the copies the lowering may add are not charged)."""
-    return "pad" if node.op_type == "Pad" else None
+    ``depth_to_space`` for a DepthToSpace, none for a Concat or a channel view (the copies the
+    lowering may add are not charged)."""
+    return {"Pad": "pad", "DepthToSpace": "depth_to_space"}.get(node.op_type)
 
 
 # --- lowering ---------------------------------------------------------------------------------------
@@ -239,6 +271,10 @@ def lower(node: onnx.NodeProto, facts: Facts, seg: SegmentSoFar) -> list[KernelC
         how, _ = pad_mode(node, facts)
         assert how is not None
         return [KernelCall("pad", (node.input[0],), (node.output[0],), (), how.attrs(), (node.name,))]
+    if node.op_type == "DepthToSpace":
+        d2s, _ = depth_to_space(node, facts)
+        assert d2s is not None
+        return [KernelCall("depth_to_space", (node.input[0],), (node.output[0],), (), d2s.attrs(), (node.name,))]
     if node.op_type == "Concat":
         return _lower_concat(node, seg)
     ranges, _ = channel_ranges(node, facts)

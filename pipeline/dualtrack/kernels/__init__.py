@@ -47,6 +47,7 @@ from dualtrack.kernels.conv3x3_wgmma import WGMMA_CONFIGS, Conv3x3WgmmaSpec, Wgm
 from dualtrack.kernels.conv_general import ConvGeneralSpec, ConvGeometry
 from dualtrack.kernels.convt import ConvTGeometry, ConvTSpec
 from dualtrack.kernels.convt2x2 import ConvT2x2Spec, pack_convt_weights
+from dualtrack.kernels.depth_to_space import DepthToSpace, DepthToSpaceSpec
 from dualtrack.kernels.device import DeviceInfo, for_target
 from dualtrack.kernels.dwconv import DwConvSpec, DwGeometry
 from dualtrack.kernels.eltwise import EltwiseSpec
@@ -82,6 +83,8 @@ __all__ = [
     "ConvT2x2Spec",
     "ConvTGeometry",
     "ConvTSpec",
+    "DepthToSpace",
+    "DepthToSpaceSpec",
     "DeviceInfo",
     "DeviceTensor",
     "DwConvSpec",
@@ -140,6 +143,7 @@ KERNELS: Mapping[str, KernelSpec] = {
     "seghead": SegHeadSpec(op="seghead", stem="seghead_nhwc"),  # softmax/sigmoid + argmax: the model's outputs
     "norm": NormSpec(op="norm", stem="norm_nhwc"),  # Group/Instance/Layer/BatchNorm + affine + activation
     "pad": PadSpec(op="pad", stem="pad_nhwc"),  # Pad over H, W; with zero pads a channel-slice copy
+    "depth_to_space": DepthToSpaceSpec(op="depth_to_space", stem="depth_to_space_nhwc"),  # DCR and CRD
 }
 
 # Not a plan op: the service's GPU JPEG path resizes decoded pictures into the batch's input rows with it.
