@@ -132,6 +132,36 @@ def resize_to_sizes(b: int) -> onnx.ModelProto:
     return g.model(g.op("Conv", up, g.weight(C, C, 3, 3), strides=[2, 2], pads=[1, 1, 1, 1]))
 
 
+def pooled_as_strided(b: int) -> onnx.ModelProto:
+    """torch's as_strided of a pooled (b, C, 1, 1) map, as the dynamo exporter writes it (smp UPerNet's pyramid
+    pooling): flattened to (b * C,), then a Gather with constant (b, C, 1, 1) indices, image i's shifted by i * C."""
+    g = Export(b)
+    flat = g.op("Reshape", g.op("ReduceMean", "x", axes=[2, 3], keepdims=1), g.const([-1]))
+    offsets = (np.arange(b).reshape(b, 1, 1, 1) * C + np.arange(C).reshape(1, C, 1, 1)).astype(np.int64)
+    picked = g.op("Gather", flat, g.const(offsets), axis=0)
+    return g.model(g.op("Mul", "x", g.op("Sigmoid", g.op("Conv", picked, g.weight(C, C, 1, 1)))))
+
+
+def einsum_attention(b: int) -> onnx.ModelProto:
+    """MONAI UNETR's attention: q and k picked from a (3, b, heads, T, d) stack, scores by Einsum."""
+    g = Export(b)
+    qkv = g.op("Reshape", g.op("MatMul", g.tokens("x"), g.weight(C, 3 * C)), g.const([b, T, 3, HEADS, D]))
+    qkv = g.op("Transpose", qkv, perm=[2, 0, 3, 1, 4])
+    q, k, v = (g.op("Gather", qkv, g.const(np.array(i, np.int64)), axis=0) for i in range(3))
+    scores = g.op("Softmax", g.op("Einsum", q, k, equation="blxd,blyd->blxy"))
+    o = g.op("Einsum", scores, v, equation="bhxy,bhyd->bhxd")
+    return g.model(g.image(g.op("Reshape", g.op("Transpose", o, perm=[0, 2, 1, 3]), g.const([b, T, C]))))
+
+
+def indexed_bins(b: int) -> onnx.ModelProto:
+    """Advanced indexing over H and W with the batch behind them (smp UPerNet's adaptive pooling to bins that do
+    not divide the map, as the dynamo exporter writes it): (H, W, b, C) indexed by GatherND, then back."""
+    g = Export(b)
+    bins = np.array([[[0, 0], [0, 3]], [[3, 0], [2, 2]]], np.int64)  # (2, 2) picks of (h, w)
+    picked = g.op("GatherND", g.op("Transpose", "x", perm=[2, 3, 0, 1]), g.const(bins))
+    return g.model(g.op("Transpose", picked, perm=[2, 3, 0, 1]), out_shape=(C, 2, 2))
+
+
 FREED: dict[str, Callable[[int], onnx.ModelProto]] = {
     f.__name__: f
     for f in (
@@ -142,6 +172,9 @@ FREED: dict[str, Callable[[int], onnx.ModelProto]] = {
         pooled_expand_and_tile,
         constant_of_shape_and_slice,
         resize_to_sizes,
+        pooled_as_strided,
+        einsum_attention,
+        indexed_bins,
     )
 }
 
@@ -178,6 +211,17 @@ def test_the_rewrites_are_reported_and_the_batch_dim_becomes_minus_one() -> None
     assert [-1, T, D] in targets and [-1, HEADS, T, D] in targets and [-1, C, H, W] in targets
 
 
+def test_unsimplified_a_constant_of_shape_with_the_export_batch_reads_the_batch_at_run_time() -> None:
+    """Without the simplifier the ConstantOfShape([2, C, H, W]) stays a node: its shape becomes Concat(Shape(x)[:1],
+    [C, H, W]); with it, it is a folded constant of two equal images and keeps one, which broadcasts."""
+    cfg = BuildConfig(model=Path("export.onnx"), batch_sizes=(2, 6), simplify=False)
+    fe = frontend.prepare(cfg, constant_of_shape_and_slice(2))
+    assert "ConstantOfShape 'constantofshape0'" in next(r.detail for r in fe.rewrites if "shape constant" in r.detail)
+    assert "Shape" in {n.op_type for n in fe.body.graph.node}
+    checks = verify.check_frontend(fe, (2, 6, 3), DEFAULT_TOLERANCES["fp32"], seed=5)
+    assert all(c.passed for c in checks), [verify.Report.line(c) for c in checks]
+
+
 def _mean_over_batch(b: int) -> onnx.ModelProto:
     g = Export(b)
     return g.model(g.op("Sub", "x", g.op("ReduceMean", "x", axes=[0], keepdims=1)))
@@ -187,6 +231,15 @@ def _first_image(b: int) -> onnx.ModelProto:
     """x[0] (a Gather on the batch), broadcast back: at batch 1 every image is the first."""
     g = Export(b)
     return g.model(g.op("Add", "x", g.op("Gather", "x", g.const(np.array(0, np.int64)), axis=0)))
+
+
+def _gather_across(b: int) -> onnx.ModelProto:
+    """The flattened batch gathered in reverse: image i takes image b - 1 - i's values."""
+    g = Export(b)
+    flat = g.op("Reshape", "x", g.const([-1]))
+    n = C * H * W
+    order = (np.arange(b)[::-1].reshape(b, 1) * n + np.arange(n).reshape(1, n)).reshape(b, C, H, W).astype(np.int64)
+    return g.model(g.op("Gather", flat, g.const(order), axis=0))
 
 
 def _batch_into_channels(b: int) -> onnx.ModelProto:
@@ -206,6 +259,7 @@ def _concat_on_batch(b: int) -> onnx.ModelProto:
 REFUSED = {
     "mean over the batch": (_mean_over_batch, 1, r"ReduceMean 'reducemean0' reduces over the dim that holds"),
     "a picked image": (_first_image, 1, r"Gather 'gather0' indexes along the dim that holds the batch"),
+    "a gather across images": (_gather_across, 2, r"Gather 'gather1' indexes across the images of the batch"),
     "batch mixed into rows": (_batch_into_channels, 2, r"Reshape 'reshape1' mixes the batch into other dims"),
     "concat on the batch": (_concat_on_batch, 1, r"Concat 'concat1' concatenates along the batch"),
 }
@@ -222,3 +276,28 @@ def test_a_batch_that_cannot_be_freed_is_refused_naming_the_node_but_the_export_
     assert any("the batch stays fixed" in r.detail for r in fe.rewrites)
     checks = verify.check_frontend(fe, (b,), DEFAULT_TOLERANCES["fp32"], seed=4)
     assert all(c.passed for c in checks), [verify.Report.line(c) for c in checks]
+
+
+def test_a_dynamo_export_of_segformer_at_batch_one_builds_for_two_on_the_cpu(tmp_path: Path) -> None:
+    """smp Segformer("mit_b0") as torch.onnx.export(..., dynamo=True) writes it at batch 1 (64x64): its
+    views carry the batch, and its K/V stack holds it in dim 1. Built for [1, 2] through IREE on the CPU, each
+    batch verified against the export run one image at a time and the engine against onnxruntime."""
+    from zoo import CONFIGS, load_export
+
+    from dualtrack.compiler.build import build
+
+    zoo = load_export()
+    name = "smp_segformer_mit_b0"
+    exported = zoo.export_model(name, tmp_path / "export", zoo.small_size(name))
+    lines = (CONFIGS / f"{name}.yaml").read_text().splitlines()
+    keep = [ln for ln in lines if not ln.startswith(("model:", "batch_sizes:", "output:"))]
+    config = tmp_path / f"{name}.yaml"
+    config.write_text("\n".join([*keep, f"model: {exported.path}", "batch_sizes: [1, 2]", "partition: iree"]) + "\n")
+    result = build(config, tmp_path / "bundle", cpu_only=True)
+
+    assert result.verification is not None and result.verification["passed"] is True
+    checks = {c["name"]: c for c in result.verification["checks"]}
+    assert all(c["passed"] for c in checks.values())
+    assert "vs export run 1 at a time" in checks["frontend b2 logits"]["note"]
+    assert {"plan b1 probs #0", "plan b2 probs #0"} <= set(checks)
+    assert result.plan is not None and result.plan.batch_sizes == (1, 2)

@@ -101,20 +101,34 @@ def _monai_dynunet() -> nn.Module:
     )
 
 
+# The transformer segmenters of issue 39, as MONAI builds them in 2D. UNETR's constructor fixes the input size (its
+# position embedding has one row per 16x16 patch), so it is built for the size being exported.
+def _monai_unetr(size: tuple[int, int]) -> nn.Module:
+    return monai_nets.UNETR(in_channels=3, out_channels=2, img_size=size, spatial_dims=2)
+
+
+def _monai_swinunetr() -> nn.Module:
+    return monai_nets.SwinUNETR(in_channels=3, out_channels=2, spatial_dims=2)
+
+
 @dataclass(frozen=True)
 class ZooEntry:
     """One zoo model: its file name (without `.onnx`), how to build it, and what it is.
 
     `multiple`: the input side must be a multiple of it (the network's total stride, or what its pooling needs to
-    export); `min_size`: the smallest side it takes; `size`: the side exported by default.
+    export); `min_size`: the smallest side it takes; `size`: the side exported by default. `exporter` and `opset`:
+    how it is exported by default (opset None: the exporter's own default); `sized`: `build` takes the (H, W) size.
     """
 
     name: str
-    build: Callable[[], nn.Module]
+    build: Callable[..., nn.Module]
     about: str
     multiple: int = 32
     min_size: int = 64
     size: int = 512
+    exporter: str = "torchscript"
+    opset: int | None = 17
+    sized: bool = False
 
 
 ZOO: dict[str, ZooEntry] = {
@@ -177,6 +191,32 @@ ZOO: dict[str, ZooEntry] = {
             _tv_fcn_resnet50,
             "torchvision fcn_resnet50, 2 classes, no aux head, the dict's 'out' tensor",
             multiple=8,
+        ),
+        # Issue 39's transformer segmenters, exported as a user who was handed them would find them: batch 1, the
+        # dynamo exporter with its defaults (its opset, its optimiser; the batch written into every view's shape).
+        *(
+            ZooEntry(f"smp_{tag}", partial(_smp, arch, encoder), about, exporter="dynamo", opset=None)
+            for tag, arch, encoder, about in (
+                ("segformer_mit_b0", "Segformer", "mit_b0", 'smp Segformer("mit_b0") (MiT, SR attention)'),
+                ("segformer_mit_b2", "Segformer", "mit_b2", 'smp Segformer("mit_b2")'),
+                ("upernet_convnext_tiny", "UPerNet", "tu-convnext_tiny", 'smp UPerNet("tu-convnext_tiny")'),
+            )
+        ),
+        ZooEntry(
+            "monai_unetr",
+            _monai_unetr,
+            "MONAI UNETR, 2D, ViT-B/16 encoder (12 layers, 768 wide, global attention), img_size = the export size",
+            multiple=16,
+            exporter="dynamo",
+            opset=None,
+            sized=True,
+        ),
+        ZooEntry(
+            "monai_swinunetr",
+            _monai_swinunetr,
+            "MONAI SwinUNETR, 2D, feature size 24 (windowed attention of 7x7, shifted windows, patch merging)",
+            exporter="dynamo",
+            opset=None,
         ),
     )
 }
@@ -293,7 +333,8 @@ def build_model(name: str, seed: int = 0, size: tuple[int, int] | None = None) -
     size = size or default_size(name)
     _check_size(name, size)
     torch.manual_seed(seed)  # the constructors' own initialisers draw from torch's global generator
-    model = ZOO[name].build()
+    entry = ZOO[name]
+    model = entry.build(size) if entry.sized else entry.build()
     rng = np.random.default_rng(seed)
     _randomise_affine(model, rng)
     _randomise_batch_norm(model, rng, size)
@@ -306,7 +347,7 @@ def example_input(size: tuple[int, int], seed: int = 0) -> torch.Tensor:
     return torch.randn((1, 3, *size), generator=generator, dtype=torch.float32)
 
 
-def _export_to(model: nn.Module, image: torch.Tensor, path: Path, opset: int, exporter: str) -> None:
+def _export_to(model: nn.Module, image: torch.Tensor, path: Path, opset: int | None, exporter: str) -> None:
     if exporter not in EXPORTERS:
         raise ZooError(f"exporter {exporter!r} is not one of {', '.join(EXPORTERS)}")
     if exporter == "dynamo":
@@ -325,8 +366,8 @@ def _export_to(model: nn.Module, image: torch.Tensor, path: Path, opset: int, ex
                 str(path),
                 input_names=[INPUT_NAME],
                 output_names=[OUTPUT_NAME],
-                opset_version=opset,
                 dynamo=exporter == "dynamo",
+                **({} if opset is None else {"opset_version": opset}),
             )
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -337,7 +378,7 @@ def _export_to(model: nn.Module, image: torch.Tensor, path: Path, opset: int, ex
     # The dynamo exporter builds opset 18 and only tries to convert down, keeping 18 where it cannot (a log line,
     # no error); a zoo file must have the opset it was asked for.
     written = {o.domain: o.version for o in onnx.load(str(path), load_external_data=False).opset_import}.get("")
-    if written != opset:
+    if opset is not None and written != opset:
         raise ZooError(
             f"torch {torch.__version__} --exporter {exporter} wrote opset {written} for {path.stem}, not the requested"
             f" {opset} (its version converter could not lower the graph); pass --opset {written} or use"
@@ -349,17 +390,19 @@ def export_model(
     name: str,
     out_dir: Path = DEFAULT_DIR,
     size: tuple[int, int] | None = None,
-    opset: int = 17,
-    exporter: str = "torchscript",
+    opset: int | None = None,
+    exporter: str | None = None,
     seed: int = 0,
 ) -> ExportResult:
     """Export zoo entry `name` to `out_dir/<name>.onnx` (plus `<name>.onnx.data` if the exporter writes one).
 
     The files are written in a temporary folder beside the target and renamed into place, so a reader never sees a
     half-written model; the temporary folder keeps the final file name because an external-data file is referenced
-    by name from inside the model.
+    by name from inside the model. `exporter` and `opset` default to the entry's (`ZooEntry.exporter`, `.opset`).
     """
     start = time.perf_counter()
+    exporter = exporter or _entry(name).exporter
+    opset = opset if opset is not None else _entry(name).opset if exporter == _entry(name).exporter else 17
     size = size or default_size(name)
     model = build_model(name, seed, size)
     image = example_input(size, seed)
@@ -392,8 +435,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--size", nargs=2, type=int, metavar=("H", "W"), help="input height, width (default: each entry's, 512 mostly)"
     )
-    parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default: %(default)s)")
-    parser.add_argument("--exporter", choices=EXPORTERS, default="torchscript", help="torch.onnx exporter")
+    parser.add_argument("--opset", type=int, help="ONNX opset (default: 17, the dynamo exporter's own for its entries)")
+    parser.add_argument("--exporter", choices=EXPORTERS, help="torch.onnx exporter (default: each entry's)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: %(default)s)")
     args = parser.parse_args(argv)
     try:

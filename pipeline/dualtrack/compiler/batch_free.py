@@ -332,9 +332,62 @@ def _gather(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
     _known(walk, ins)
     rank, axis = len(walk.shape(node.input[0])), _attr(node, "axis", 0)
     axis %= rank
-    if ins[0] is None or ins[0] == axis or ins[1] is not None:
-        raise _Refuse("indexes along the dim that holds the batch")
+    if ins[0] is None or ins[1] is not None:
+        raise _Refuse("indexes with indices computed from the batch")
+    if ins[0] == axis:
+        _gather_per_image(walk, node, axis)
+        return [axis]
     return [ins[0] if ins[0] < axis else ins[0] + len(walk.shape(node.input[1])) - 1]
+
+
+def _gather_per_image(walk: _Walk, node: onnx.NodeProto, axis: int) -> None:
+    """A Gather along the dim that holds the batch (B x f) with constant indices whose first dim is the batch
+    and whose block b is block 0 shifted by b x f (torch's ``as_strided`` after a flatten, as the dynamo exporter
+    writes it) picks the same f-wide slice of every image: the data is viewed as (..., N, f, ...) and block 0
+    gathered along f. Other indices pick across images: refused."""
+    src, idx = walk.shape(node.input[0]), walk.const(node, 1)
+    f = src[axis] // walk.batch
+    if idx is None or idx.ndim < 1 or idx.shape[0] != walk.batch:
+        raise _Refuse("indexes along the dim that holds the batch")
+    idx = np.where(idx < 0, idx + src[axis], idx).astype(np.int64)
+    shifted = idx - (np.arange(walk.batch) * f).reshape((-1,) + (1,) * (idx.ndim - 1))
+    if not (np.all(shifted == shifted[:1]) and np.all((shifted >= 0) & (shifted < f))):
+        raise _Refuse("indexes across the images of the batch")
+    g, view = walk.model.graph, f"{node.input[0]}__{node.output[0]}__images"
+    g.initializer.append(numpy_helper.from_array(np.array([*src[:axis], -1, f, *src[axis + 1 :]], np.int64), view))
+    reshape = onnx.helper.make_node("Reshape", [node.input[0], view], [view + "_t"], name=view)
+    g.node.insert(next(i for i, n in enumerate(g.node) if n.output[0] == node.output[0]), reshape)
+    node.input[0] = view + "_t"
+    walk.rewrite(node, 1, shifted[0], "batch")
+    for a in node.attribute:
+        if a.name == "axis":
+            a.i = axis + 1
+    if not any(a.name == "axis" for a in node.attribute):
+        node.attribute.append(onnx.helper.make_attribute("axis", axis + 1))
+
+
+def _gather_nd(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    """Indices into the leading dims of the data (torch's advanced indexing, adaptive pooling's bins) keep
+    the batch where it is not indexed: after the indices' own dims."""
+    _known(walk, ins)
+    k = walk.shape(node.input[1])[-1]
+    if ins[0] is None or ins[1] is not None or _attr(node, "batch_dims", 0) or ins[0] < k:
+        raise _Refuse("indexes the dim that holds the batch")
+    return [len(walk.shape(node.input[1])) - 1 + ins[0] - k]
+
+
+def _einsum(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
+    """The batch's letter in each input's term must survive into the output's, at one place."""
+    _known(walk, ins)
+    equation = _attr(node, "equation")
+    equation = (equation.decode() if isinstance(equation, bytes) else equation).replace(" ", "")
+    if "->" not in equation or "..." in equation:
+        return _unknown(walk, node, ins)
+    terms, out = equation.split("->")
+    places = {out.find(term[a]) for term, a in zip(terms.split(","), ins, strict=True) if a is not None}
+    if -1 in places or len(places) != 1:
+        raise _Refuse(f"contracts over the batch or moves it to two places ({equation})")
+    return [places.pop()]
 
 
 def _concat(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
@@ -470,6 +523,8 @@ _RULES: dict[str, Rule] = {
     **dict.fromkeys(["ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp", "ArgMax", "ArgMin"], _reduce),
     **dict.fromkeys(["Shape", "Size"], _no_batch),
     "Gemm": _gemm,
+    "Einsum": _einsum,
+    "GatherND": _gather_nd,
     "Transpose": _transpose,
     "MatMul": _matmul,
     "Reshape": _reshape,
