@@ -39,7 +39,7 @@ from dualtrack.kernels.pad import PadMode
 
 DESCRIPTION = (
     "channel Concat of any inputs (no copy of what the segment computes), Slice/Split along channels "
-    "(a view where they can be), Pad constant/reflect/edge over H,W, DepthToSpace DCR/CRD of any block size"
+    "(a view where they can be), DepthToSpace DCR/CRD of any block size, Pad constant/reflect/edge over H,W"
 )
 OPS = ("Pad", "Slice", "Split", "Concat", "DepthToSpace")
 SpecMap = dict[str, tuple[tuple[int, ...], str]]
