@@ -35,6 +35,7 @@ from onnx import TensorProto, helper, numpy_helper
 from dualtrack.compiler.batch_free import BATCH, free_batch, replace_input, static_shapes, symbolic_batch
 from dualtrack.compiler.channels_last import channels_first
 from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
+from dualtrack.compiler.convt_phases import sub_pixel_convolutions
 from dualtrack.compiler.lower_pad import full_pads
 from dualtrack.contract.checks import MASK, PROBS
 from dualtrack.contract.plan import parameter_key
@@ -276,6 +277,15 @@ def _graph_constants(g: onnx.GraphProto) -> dict[str, np.ndarray]:
         if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
     )
     return consts
+
+
+def sub_pixel_convtransposes(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """Strided ConvTransposes as a Conv of s*s*K channels and a DepthToSpace (:mod:`.convt_phases`):
+    tensor-core convolutions on Track A instead of a gather on CUDA cores."""
+    m, detail = sub_pixel_convolutions(model)
+    if detail:
+        log.append(Rewrite("convtranspose", detail))
+    return m
 
 
 def fold_zero_pads(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
@@ -818,6 +828,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     m = static_resize_scales(m, log)
     m = fold_zero_pads(m, log)
     m = unstack_reductions(m, log)
+    m = sub_pixel_convtransposes(m, log)
     m = unique_parameter_keys(m, log)
     m, precision = convert_precision(m, cfg.precision, log)
     body = m
