@@ -16,7 +16,7 @@
 // kernels of MobileNets; other sizes loop (the loads, not the loop, bound this kernel).
 // No toolkit #include: see conv3x3_nhwc.cu. The block size comes from dualtrack.kernels as -D macros.
 
-#if !defined(DWCONV_THREADS)
+#if !defined(DWCONV_THREADS) || !defined(DW_ROW)
 #error "launch sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
 #endif
 
@@ -74,17 +74,89 @@ __device__ __forceinline__ void dwconv(const T* __restrict__ x, const T* __restr
     }
 }
 
+// Stride 1, dilation 1 along W (ConvNeXt's 7x7, MobileNet's 3x3 and 5x5): a work item is DW_ROW
+// neighbouring output pixels of one row, so the S + DW_ROW - 1 input pixels of a kernel row are loaded
+// once for all of them and each weight once a row, instead of every tap of every output loading both
+// (the loads, not the FMAs, bounded the per-pixel path). Per output the same fmaf chain as dwconv
+// (bias first, taps in r, s order, out-of-image taps skipped): bit-identical results. The host's grid
+// (dualtrack.kernels.dwconv) counts items of DW_ROW pixels where this path runs.
+template <typename T, int RT, int V>
+__device__ __forceinline__ void dwconv_rows(const T* __restrict__ x, const T* __restrict__ w,
+                                            const float* __restrict__ bias, T* __restrict__ y, const DwProblem& p) {
+    constexpr int B = DW_ROW, S = RT, TAPS = RT + DW_ROW - 1;
+    const int K = p.C, KV = K / V, WB = (p.Wo + B - 1) / B;
+    const long long total = static_cast<long long>(p.N) * p.Ho * WB * KV;
+    const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += step) {
+        const NhwcIndex o = nhwc_index(idx, p.Ho, WB, KV);
+        const int k = o.c * V, ho = o.h, wo0 = o.w * B;
+        const long long n = o.n;
+        const int h0 = ho * p.sh - p.pt, w0 = wo0 - p.pl;
+        float acc[B][V];
+#pragma unroll
+        for (int b = 0; b < B; ++b)
+#pragma unroll
+            for (int j = 0; j < V; ++j) acc[b][j] = bias != nullptr ? bias[k + j] : 0.0f;
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            const int h = h0 + r * p.dh;
+            if (h < 0 || h >= p.H) continue;
+            const T* row = x + ((n * p.H + h) * p.W) * static_cast<long long>(p.ldx) + k;
+            float wv[S][V];
+#pragma unroll
+            for (int s = 0; s < S; ++s) load_f32s(wv[s], w + (r * S + s) * K + k);
+#pragma unroll
+            for (int i = 0; i < TAPS; ++i) {
+                const int wi = w0 + i;
+                if (wi < 0 || wi >= p.W) continue;
+                float xv[V];
+                load_f32s(xv, row + static_cast<long long>(wi) * p.ldx);
+                // Input pixel i is tap s = i - b of output b: ascending s for each output, as dwconv.
+#pragma unroll
+                for (int b = 0; b < B; ++b) {
+                    const int s = i - b;
+                    if (s < 0 || s >= S) continue;
+#pragma unroll
+                    for (int j = 0; j < V; ++j) acc[b][j] = fmaf(xv[j], wv[s][j], acc[b][j]);
+                }
+            }
+        }
+        const long long pix = (n * p.Ho + ho) * static_cast<long long>(p.Wo) + wo0;
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            if (wo0 + b >= p.Wo) break;
+#pragma unroll
+            for (int j = 0; j < V; ++j) acc[b][j] = dt_activate(acc[b][j], p.act, p.p0, p.p1);
+            store_f32s(y + (pix + b) * p.ldy + k, acc[b]);
+        }
+    }
+}
+
 // Whether the fp16 vector path applies (uniform over the launch, so no divergence).
 __device__ __forceinline__ bool dwconv_vec8(const f16* x, const f16* w, const f16* y, const DwProblem& p) {
     return p.M == 1 && p.C % 8 == 0 && p.ldx % 8 == 0 && p.ldy % 8 == 0 && aligned16(x) && aligned16(w) &&
            aligned16(y);
 }
 
+// Whether dwconv_rows takes the launch: a square 3, 5 or 7 kernel, stride and dilation 1 along W, no
+// channel multiplier (dualtrack.kernels.dwconv's `row_path` says the same for the grid).
+__device__ __forceinline__ bool dwconv_row_path(const DwProblem& p) {
+    return p.M == 1 && p.R == p.S && (p.R == 3 || p.R == 5 || p.R == 7) && p.sw == 1 && p.dw == 1;
+}
+
 template <typename T, int V>
 __device__ __forceinline__ void dwconv_any(const T* __restrict__ x, const T* __restrict__ w,
                                            const float* __restrict__ bias, T* __restrict__ y, const DwProblem& p) {
     const bool square = p.R == p.S;
-    if (square && p.R == 3) {
+    if (dwconv_row_path(p)) {
+        if (p.R == 3) {
+            dwconv_rows<T, 3, V>(x, w, bias, y, p);
+        } else if (p.R == 5) {
+            dwconv_rows<T, 5, V>(x, w, bias, y, p);
+        } else {
+            dwconv_rows<T, 7, V>(x, w, bias, y, p);
+        }
+    } else if (square && p.R == 3) {
         dwconv<T, 3, V>(x, w, bias, y, p);
     } else if (square && p.R == 5) {
         dwconv<T, 5, V>(x, w, bias, y, p);

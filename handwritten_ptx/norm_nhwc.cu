@@ -164,24 +164,53 @@ struct NormEpilogue {
     __device__ __forceinline__ float operator()(float v, int c, float r) const {
         if (gamma != nullptr) v *= gamma[c];
         if (beta != nullptr) v += beta[c];
+        return finish(v, r);
+    }
+
+    // After the affine: residual before or after the activation.
+    __device__ __forceinline__ float finish(float v, float r) const {
         if (res == 1) v += r;
         v = dt_activate(v, act, p0, p1);
         return res == 2 ? v + r : v;
     }
 };
 
+// V consecutive fp32 values from p: two 16-byte loads where `vec` (p 16-byte aligned; uniform), else one by one.
+template <int V>
+__device__ __forceinline__ void load_floats(float (&v)[V], const float* __restrict__ p, bool vec) {
+    if constexpr (V % 4 == 0) {
+        if (vec) {
+#pragma unroll
+            for (int j = 0; j < V; j += 4) {
+                const float4 q = *reinterpret_cast<const float4*>(p + j);
+                v[j] = q.x, v[j + 1] = q.y, v[j + 2] = q.z, v[j + 3] = q.w;
+            }
+            return;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = p[j];
+}
+
+// The apply pass. A work item's V channels share their statistics' loads: V consecutive (mean, var)
+// when every channel is its own group (InstanceNorm, an unfolded BatchNorm), one pair when its V
+// channels lie in one group (cg a multiple of V), else one pair a channel; gamma and beta as vectors.
+// The scalar loads this replaces (four a channel) bounded the pass by the load units, not by memory.
 template <typename T, int V>
 __device__ __forceinline__ void norm_apply(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y,
                                            const float* __restrict__ mean, const float* __restrict__ var, int N,
                                            int H, int W, int C, int ldx, int ldr, int ldy, int G, int stat_n,
                                            float eps, const NormEpilogue& ep) {
     const int CV = C / V, cg = C / G;
+    const bool vec_stats = V > 1 && aligned16(mean) && aligned16(var) && stat_n % 4 == 0;
+    const bool vec_gamma = V > 1 && (ep.gamma == nullptr || aligned16(ep.gamma));
+    const bool vec_beta = V > 1 && (ep.beta == nullptr || aligned16(ep.beta));
     const long long total = static_cast<long long>(N) * H * W * CV;
     const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
     for (long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += step) {
         const NhwcIndex e = nhwc_index(idx, H, W, CV);
         const int c = e.c * V;
-        float v[V], rv[V];
+        float v[V], rv[V], mu[V], sd[V], ga[V], be[V];
         load_f32s(v, x + e.p * ldx + c);
         if (ep.res != 0) {
             load_f32s(rv, r + e.p * ldr + c);
@@ -190,10 +219,25 @@ __device__ __forceinline__ void norm_apply(const T* __restrict__ x, const T* __r
             for (int j = 0; j < V; ++j) rv[j] = 0.0f;
         }
         const long long s = e.n * stat_n;
+        if (cg == 1) {
+            load_floats(mu, mean + s + c, vec_stats);
+            load_floats(sd, var + s + c, vec_stats);
+        } else if (cg % V == 0) {
+            const float m = mean[s + c / cg], q = var[s + c / cg];
+#pragma unroll
+            for (int j = 0; j < V; ++j) mu[j] = m, sd[j] = q;
+        } else {
+#pragma unroll
+            for (int j = 0; j < V; ++j) mu[j] = mean[s + (c + j) / cg], sd[j] = var[s + (c + j) / cg];
+        }
+        if (ep.gamma != nullptr) load_floats(ga, ep.gamma + c, vec_gamma);
+        if (ep.beta != nullptr) load_floats(be, ep.beta + c, vec_beta);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-            const int g = (c + j) / cg;
-            v[j] = ep((v[j] - mean[s + g]) * rsqrtf(var[s + g] + eps), c + j, rv[j]);
+            float t = (v[j] - mu[j]) * rsqrtf(sd[j] + eps);
+            if (ep.gamma != nullptr) t *= ga[j];
+            if (ep.beta != nullptr) t += be[j];
+            v[j] = ep.finish(t, rv[j]);
         }
         store_f32s(y + e.p * ldy + c, v);
     }

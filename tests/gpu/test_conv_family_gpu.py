@@ -123,12 +123,20 @@ DEPTHWISE = [  # (N, H, W, C, geometry)
     (1, 19, 12, 7, DwGeometry(5, 2, 2, (4, 0, 3, 0), S=1, stride_w=1, dil_w=1)),  # 5x1, dilated along H
     (2, 14, 15, 16, DwGeometry(3, 2, 1, (1, 1, 1, 1), multiplier=2)),  # channel multiplier 2
     (1, 9, 10, 5, DwGeometry(4, 1, 1, (2, 1, 1, 1), S=2, dil_w=2, multiplier=3)),  # even kernel, multiplier 3
+    # The row path (stride and dilation 1 along W: 4 output pixels an item), rows not a multiple of 4 wide:
+    (2, 13, 13, 16, DwGeometry(3, 2, 1, (1, 1, 1, 1), S=3, stride_w=1, dil_w=1)),  # stride 2 along H only
+    (1, 11, 9, 24, DwGeometry(5, 1, 2, (4, 2, 4, 2), S=5, stride_w=1, dil_w=1)),  # dilated along H only
+    (1, 6, 30, 8, DwGeometry(7, 1, 1, (3, 3, 3, 3))),  # a row wider than the kernel, one vector a pixel
 ]
 
 
 @pytest.mark.parametrize("off", [0, 3])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize(("shape", "g"), [(s[:4], s[4]) for s in DEPTHWISE], ids=["7x7", "1x5s2", "5x1d2", "m2", "m3"])
+@pytest.mark.parametrize(
+    ("shape", "g"),
+    [(s[:4], s[4]) for s in DEPTHWISE],
+    ids=["7x7", "1x5s2", "5x1d2", "m2", "m3", "rows_s2h", "rows_d2h", "rows_7x7"],
+)
 def test_depthwise_with_activation(engine, fns, dtype, shape, g, off) -> None:
     n, h, w_, c = shape
     k = c * g.multiplier

@@ -19,7 +19,7 @@ import numpy as np
 from dualtrack.contract.activations import Activation
 from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
-from dualtrack.kernels.base import DeviceTensor, LaunchConfig, Tensors, positive
+from dualtrack.kernels.base import DeviceTensor, LaunchConfig, Tensors, cdiv, positive
 from dualtrack.kernels.conv import named_weights
 from dualtrack.kernels.streaming import ElementSpec, onnx_weight_bias
 
@@ -104,6 +104,17 @@ class DwConvSpec(ElementSpec):
     NULLABLE: ClassVar[frozenset[str]] = frozenset({"bias"})
     STRIDES: ClassVar[tuple[tuple[str, str], ...]] = (("ldx", "C"), ("ldy", "C"))  # ldy: K, arg_values
     SHAPE_ATTRS: ClassVar[tuple[str, ...]] = ("geometry",)
+    # Output pixels of one row a work item of the row path computes (dwconv_nhwc.cu's dwconv_rows, -DDW_ROW).
+    row_outputs: int = 4
+
+    def defines(self) -> dict[str, int | str]:
+        return {**super().defines(), "DW_ROW": self.row_outputs}
+
+    @staticmethod
+    def row_path(g: DwGeometry) -> bool:
+        """Whether the kernel's row path takes the launch (dwconv_nhwc.cu's ``dwconv_row_path``): a
+        square 3, 5 or 7 kernel, stride and dilation 1 along W, no channel multiplier."""
+        return g.multiplier == 1 and g.width == g.R and g.R in (3, 5, 7) and g.stride_w == 1 and g.dil_w == 1
 
     def output_shape(
         self, N: int, H: int, W: int, C: int, K: int = 0, geometry: DwGeometry | None = None
@@ -181,8 +192,11 @@ class DwConvSpec(ElementSpec):
 
     def call_launch(self, dtype: Any, kw: Mapping[str, Any]) -> LaunchConfig:
         """:class:`ElementSpec`'s grid, with one channel an item under a channel multiplier (the
-        kernel's vector path takes M = 1 only)."""
+        kernel's vector path takes M = 1 only), and items of :attr:`row_outputs` pixels on the row path."""
         g: DwGeometry = kw["geometry"]
+        if self.row_path(g):  # a work item is row_outputs pixels of one row
+            n, ho, wo, k = self.output_shape(kw["N"], kw["H"], kw["W"], kw["C"], kw["K"], g)
+            return self.output_launch(dtype, (n, ho, cdiv(wo, self.row_outputs), k), kw["ldy"], kw["ldx"])
         if g.multiplier == 1:
             return super().call_launch(dtype, kw)
         out = self.output_shape(kw["N"], kw["H"], kw["W"], kw["C"], kw["K"], g)
