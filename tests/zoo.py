@@ -45,7 +45,7 @@ def beyond_ci(name: str, beyond: dict[str, str]) -> bool:
 def in_ci(names: list[str], beyond: dict[str, str]) -> list:
     """``names`` as pytest parameters, those :func:`beyond_ci` skipped with their cost as the reason."""
     return [
-        pytest.param(n, marks=pytest.mark.skipif(beyond_ci(n, beyond), reason=f"{beyond.get(n)}: {ALL_ONLY}"))
+        pytest.param(n, marks=pytest.mark.skipif(beyond_ci(n, beyond), reason=f"{n}, {beyond.get(n)}: {ALL_ONLY}"))
         for n in names
     ]
 
