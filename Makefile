@@ -10,7 +10,7 @@ BUNDLE  ?= build/unet
 ZOO_TORCH ?= 'torch==2.13.0'
 DEVICE  ?= $(shell (nvidia-smi -L >/dev/null 2>&1 && echo cuda) || echo cpu)
 
-.PHONY: install models ptx build run test gpu-test bench lint clean zoo zoo-deps ray-deps
+.PHONY: install models ptx build run test gpu-test bench lint clean zoo zoo-deps ray-deps conformance
 
 $(BIN)/dualtrack: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,9 @@ run: build  ## build the reference bundle and segment the sample image (GPU if t
 test: $(BIN)/dualtrack  ## the test suite (GPU tests skip without a GPU)
 	$(BIN)/ruff check pipeline tests bench
 	$(BIN)/python -m pytest -q
+
+conformance: $(BIN)/dualtrack  ## ONNX's own test models built for the CPU against their shipped outputs: docs/conformance.md
+	$(BIN)/python -m dualtrack.compiler.conformance --out docs/conformance.md
 
 gpu-test:  ## GPU tests only (on a GPU machine; skipped with their reason elsewhere)
 	$(PYTHON) -m pytest -q -m gpu tests/gpu

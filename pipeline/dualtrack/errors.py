@@ -29,6 +29,13 @@ class DualtrackError(Exception):
         return self.message
 
 
+class InternalError(DualtrackError):
+    """dualtrack broke its own invariant (a front-end stage wrote a model the ONNX checker rejects):
+    a bug, reported as one line that names the stage, with the documented internal-error exit code."""
+
+    exit_code = 1
+
+
 class ConfigError(DualtrackError):
     """The YAML config is malformed, has an unknown key, or holds an invalid value."""
 

@@ -39,9 +39,10 @@ from dualtrack.compiler.convt_phases import sub_pixel_convolutions
 from dualtrack.compiler.lower_pad import full_pads
 from dualtrack.contract.checks import MASK, PROBS
 from dualtrack.contract.plan import parameter_key
-from dualtrack.errors import ConfigError, ModelError
+from dualtrack.errors import ConfigError, InternalError, ModelError
 
 TARGET_OPSET = 17  # what the reference and the zoo are exported with; IREE 3.13 imports it
+IR_INITIALIZERS_APART = 4  # the first ONNX IR version in which an initializer need not be a graph input
 IMAGE = "image"  # the wrap's input; its outputs MASK and PROBS are named in contract/checks.py
 # onnxslim fusions that would emit ops newer than TARGET_OPSET (Gelu is opset 20).
 _SKIP_FUSIONS = ["FusionGelu"]
@@ -90,6 +91,9 @@ class FrontEnd:
     precision: str
     classes: tuple[str, ...] | None = None
     rewrites: list[Rewrite] = field(default_factory=list)
+    # ``original`` upgraded to TARGET_OPSET (None: no upgrade): the reference where onnxruntime no longer
+    # runs the export's own opset (ONNX Runtime 1.32 dropped Add, Mul, Gemm... below opset 7).
+    upgraded: onnx.ModelProto | None = None
 
     def notes(self) -> list[str]:
         return [f"front end: {r}" for r in self.rewrites]
@@ -128,6 +132,39 @@ def full_check(model: onnx.ModelProto, what: str) -> None:
         raise ModelError(f"{what} fails the ONNX checker: {str(e).strip().splitlines()[0]}") from None
 
 
+class StageCheck:
+    """The ONNX checker on every model a front-end stage writes, held to the level the export passes:
+    strict shape inference included where the export passes it, the structural check where it does not
+    (a stage must not make a model worse than it got it). A failure is a dualtrack bug, so it is an
+    InternalError that names the stage, not a ModelError that would send the user to re-export."""
+
+    def __init__(self, export: onnx.ModelProto, source: str) -> None:
+        self.source = source
+        self.full = _checker_error(export, full=True) is None
+        self._last: onnx.ModelProto | None = None
+
+    def __call__(self, stage: str, model: onnx.ModelProto) -> onnx.ModelProto:
+        if model is self._last:  # the stage had nothing to do and returned its input
+            return model
+        error = _checker_error(model, full=self.full)
+        if error is not None:
+            raise InternalError(
+                f"the front end's `{stage}` stage wrote an invalid model from {self.source} ({error}); this is a "
+                "dualtrack bug: please report it with the model and --verbose output"
+            )
+        self._last = model
+        return model
+
+
+def _checker_error(model: onnx.ModelProto, full: bool) -> str | None:
+    """The first line of the ONNX checker's complaint about ``model``, or None."""
+    try:
+        onnx.checker.check_model(model, full_check=full)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return None
+
+
 # -- stages -------------------------------------------------------------------------------------------
 
 
@@ -142,7 +179,11 @@ def weights_out_of_inputs(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.Mo
     keep = [i for i in model.graph.input if i.name not in inits]
     del model.graph.input[:]
     model.graph.input.extend(keep)
-    log.append(Rewrite("weights", f"{len(listed)} initializers listed as graph inputs are weights, not inputs"))
+    detail = f"{len(listed)} initializers listed as graph inputs are weights, not inputs"
+    if model.ir_version < IR_INITIALIZERS_APART:  # below it every initializer must also be an input
+        detail += f" (IR version {model.ir_version} raised to {IR_INITIALIZERS_APART})"
+        model.ir_version = IR_INITIALIZERS_APART
+    log.append(Rewrite("weights", detail))
     return model
 
 
@@ -156,6 +197,12 @@ def single_input(model: onnx.ModelProto) -> onnx.ValueInfoProto:
         )
     if not inputs[0].type.HasField("tensor_type") or not len(inputs[0].type.tensor_type.shape.dim):
         raise ModelError(f"the model input '{inputs[0].name}' is not a tensor with a batch dimension; re-export it")
+    batch = inputs[0].type.tensor_type.shape.dim[0]
+    if batch.HasField("dim_value") and batch.dim_value < 1:
+        raise ModelError(
+            f"the model input '{inputs[0].name}' has {batch.dim_value} rows in dim 0, its batch; re-export it with a "
+            "batch of at least 1 (or a dynamic one)"
+        )
     return inputs[0]
 
 
@@ -165,6 +212,11 @@ def upgrade_opset(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto
     version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     if version is None or version >= TARGET_OPSET:
         return model
+    if model.ir_version < IR_INITIALIZERS_APART:
+        # The converter turns attributes into initializers (Pad's pads, Reshape's shape) without listing
+        # them as inputs, which only IR 4 and later allow.
+        model = copy.deepcopy(model)
+        model.ir_version = IR_INITIALIZERS_APART
     try:
         upgraded = onnx.version_converter.convert_version(model, TARGET_OPSET)
     except Exception as e:  # the converter raises RuntimeError or ValidationError by op
@@ -173,6 +225,8 @@ def upgrade_opset(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto
             f"cannot upgrade the model from opset {version} to {TARGET_OPSET} ({first}); "
             f"re-export it with opset_version={TARGET_OPSET}"
         ) from None
+    # The converter keeps the IR version; the new opset's ops are defined from its own IR version on.
+    upgraded.ir_version = max(upgraded.ir_version, helper.find_min_ir_version_for(list(upgraded.opset_import), True))
     log.append(Rewrite("opset", f"upgraded from opset {version} to {TARGET_OPSET} (onnx.version_converter)"))
     return upgraded
 
@@ -812,30 +866,35 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     """Run every stage on the config's model (or ``model``, already loaded)."""
     raw = model if model is not None else load_model(cfg.model)
     log: list[Rewrite] = []
-    original = weights_out_of_inputs(raw, log)
+    check = StageCheck(raw, cfg.model.name)
+    original = check("weights", weights_out_of_inputs(raw, log))
     single_input(original)
-    m = upgrade_opset(original, log)
+    m = check("opset", upgrade_opset(original, log))
+    upgraded = m if m is not original else None
     m, export_batch = symbolic_batch(m)
+    m = check("batch", m)
     if export_batch is not None:
         fixed = f"the export fixed the batch at {export_batch}; dim 0 of the input and outputs is now N"
         log.append(Rewrite("batch", fixed))
     m = channels_first_regions(m, log)  # before the simplifier, whose Gemm fusion would hide the MatMuls
+    m = check("channels-last", m)
     if cfg.simplify:
-        m = simplify(m, log)
+        m = check("simplify", simplify(m, log))
     m, freed = free_batch(m, export_batch, cfg.batch_sizes)
+    m = check("batch", m)
     if freed:
         log.append(Rewrite("batch", freed))
-    m = static_resize_scales(m, log)
-    m = fold_zero_pads(m, log)
-    m = unstack_reductions(m, log)
-    m = sub_pixel_convtransposes(m, log)
-    m = unique_parameter_keys(m, log)
+    m = check("resize", static_resize_scales(m, log))
+    m = check("pad", fold_zero_pads(m, log))
+    m = check("stack", unstack_reductions(m, log))
+    m = check("convtranspose", sub_pixel_convtransposes(m, log))
+    m = check("names", unique_parameter_keys(m, log))
     m, precision = convert_precision(m, cfg.precision, log)
-    body = m
-    wrapped = wrap_image_io(m, cfg.preprocess, cfg.postprocess, log)
+    body = check("precision", m)
+    wrapped = check("wrap", wrap_image_io(m, cfg.preprocess, cfg.postprocess, log))
     full_check(wrapped, f"the model after the front end ({cfg.model.name})")
     classes = cfg.postprocess.classes if cfg.postprocess is not None else None
-    return FrontEnd(wrapped, body, original, export_batch, precision, classes, log)
+    return FrontEnd(wrapped, body, original, export_batch, precision, classes, log, upgraded)
 
 
 def load(cfg: BuildConfig) -> tuple[BuildConfig, FrontEnd]:

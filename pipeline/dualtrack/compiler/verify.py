@@ -340,6 +340,29 @@ def reference_cases(model: onnx.ModelProto, plan: Plan, seed: int, k: int = 2) -
     return ReferenceCases.from_reference(seed, images, plan.outputs, ref)
 
 
+def _rows(name: str, value: np.ndarray, step: int) -> np.ndarray:
+    """An output of an export run ``step`` images at a time, which must hold one row per image."""
+    if value.ndim == 0 or value.shape[0] != step:
+        raise ModelError(
+            f"output '{name}' of the export has shape {list(value.shape)} at the batch it fixed ({step}), not one row "
+            "per image in dim 0; dualtrack runs a model image by image along dim 0 of its input and outputs: "
+            "make dim 0 of every output the batch"
+        )
+    return value
+
+
+def _export_session(fe) -> tuple[ort.InferenceSession, int | None]:
+    """onnxruntime on the export; where it cannot load the export's opset (1.32 dropped Add, Mul, Gemm...
+    below opset 7), on the export upgraded by onnx.version_converter: the opset it was upgraded to, else None."""
+    try:
+        return ort_session(fe.original, "the exported model"), None
+    except ModelError:
+        if fe.upgraded is None:
+            raise
+    opset = next(o.version for o in fe.upgraded.opset_import if o.domain in ("", "ai.onnx"))
+    return ort_session(fe.upgraded, f"the exported model upgraded to opset {opset}"), opset
+
+
 def check_frontend(fe, batch_sizes: tuple[int, ...], tol: Tolerance, seed: int | None = None) -> list[Check]:
     """The front end's processed model (before the image wrap) against the export, in onnxruntime,
     at every batch size being built, on fresh signed inputs.
@@ -352,7 +375,7 @@ def check_frontend(fe, batch_sizes: tuple[int, ...], tol: Tolerance, seed: int |
     # The processed model computed in fp32 (:func:`upcast`): this check is about the rewrites and the
     # fp16 weights, not fp16 arithmetic, whose error the engine's checks judge (:func:`judged_tolerance`).
     body = ort_session(upcast(fe.body), "the processed model")
-    export = ort_session(fe.original, "the exported model")
+    export, upgraded = _export_session(fe)
     inp = export.get_inputs()[0]
     outputs = [o.name for o in export.get_outputs()]
     body_in = fe.body.graph.input[0]
@@ -375,9 +398,12 @@ def check_frontend(fe, batch_sizes: tuple[int, ...], tol: Tolerance, seed: int |
                 pad = step - len(chunk)
                 if pad:
                     chunk = np.concatenate([chunk, np.zeros((pad, *chunk.shape[1:]), chunk.dtype)])
-                parts.append({k: v[: step - pad] for k, v in run_ort(export, {inp.name: chunk}).items()})
+                parts.append(
+                    {k: _rows(k, v, step)[: step - pad] for k, v in run_ort(export, {inp.name: chunk}).items()}
+                )
             ref = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
         how = f"export run {step} at a time" if step else "export"
+        how += f" upgraded to opset {upgraded} (onnxruntime cannot run its own)" if upgraded else ""
         for name in outputs:
             if name in got:
                 checks.append(compare(f"frontend b{b} {name}", ref[name], got[name], tol, note=f"vs {how}"))
