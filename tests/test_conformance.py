@@ -231,3 +231,26 @@ def test_a_verification_check_accepts_the_reference_s_own_non_finite_values_and_
     assert compare("y", ref, ref.copy(), tol).passed
     assert not compare("y", ref, np.where(np.isnan(ref), 0.0, ref).astype(np.float32), tol).passed
     assert not compare("y", ref, np.where(ref == 2.0, np.inf, ref).astype(np.float32), tol).passed
+
+
+def test_a_stage_that_fails_outright_is_an_internal_error_naming_where_with_the_traceback_kept(tmp_path, monkeypatch):
+    def broken(model: onnx.ModelProto, log: list) -> onnx.ModelProto:
+        raise ValueError("zip() argument 2 is longer than argument 1")
+
+    monkeypatch.setattr(frontend, "unstack_reductions", broken)
+    with pytest.raises(InternalError, match=r"front end failed on ir3.onnx in frontend.prepare \(ValueError: zip") as e:
+        frontend.load(BuildConfig(model=ir3_conv(tmp_path), targets=()))
+    assert "Traceback" in e.value.detail and "\n" not in e.value.message
+
+
+def test_a_float64_model_is_refused_with_the_fix(tmp_path: Path) -> None:
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "f64",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [1, 3, 8, 8])],
+    )
+    path = tmp_path / "f64.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    with pytest.raises(ModelError, match=r"input 'x' is float64; .*export the model in float32"):
+        frontend.prepare(BuildConfig(model=path, targets=()))

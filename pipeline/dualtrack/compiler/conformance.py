@@ -21,7 +21,8 @@ Each case goes through what a user's model goes through, with the CPU target:
 
 Outcomes: ``match``, ``mismatch`` (built, outside the tolerance), ``refused`` (a dualtrack error: one
 line naming the op, opset or feature and the fix), ``invalid`` (the front end wrote a model the ONNX
-checker rejects: a bug), ``traceback`` (any other exception: a bug), ``ort``.
+checker rejects: a bug), ``internal`` (another front-end failure, reported as an internal error naming where: a
+bug), ``traceback`` (any other exception: a bug), ``timeout``, ``ort``.
 
 ``python -m dualtrack.compiler.conformance`` (``make conformance``) runs every case and writes
 ``docs/conformance.md``; tests/test_conformance.py runs a fixed subset.
@@ -126,7 +127,8 @@ NODE_OPS = frozenset(
         "Min",
     ]
 )
-STATUSES = ("match", "mismatch", "refused", "invalid", "traceback", "timeout", "ort")
+STATUSES = ("match", "mismatch", "refused", "invalid", "internal", "traceback", "timeout", "ort")
+BUGS = ("invalid", "internal", "traceback")  # dualtrack's own failures, whatever onnxruntime does
 CASE_TIMEOUT_S = 180  # IREE 3.13 compiles some graphs for ever (a wrap-mode Pad); one case must not stall the run
 
 
@@ -226,14 +228,14 @@ def run_case(case: Case, workdir: Path) -> Outcome:
     try:
         got, precision = build_and_run(single, case.inputs[0] if case.inputs else None, workdir)
         status, detail, rel = judge(single, case.outputs, got, precision)
-    except InternalError as e:
-        status, detail, rel = "invalid", e.message, None
+    except InternalError as e:  # a bug: a stage wrote a model the checker rejects, or failed outright
+        status, detail, rel = "invalid" if "wrote an invalid model" in e.message else "internal", e.message, None
     except DualtrackError as e:
         status, detail, rel = "refused", e.message, None
     except Exception as e:  # a traceback a user would see: the runner counts it and names it
         status, detail, rel = "traceback", f"{type(e).__name__}: {_first_line(str(e))}", None
     seconds = time.perf_counter() - t0
-    if first is not None and status not in ("invalid", "traceback"):  # those are bugs whatever onnxruntime does
+    if first is not None and status not in BUGS:  # those are bugs whatever onnxruntime does
         # Built from the export's opset upgrade (the front end's check runs on it): the shipped outputs decide.
         built = f"{first}; built: {status}" + (f" ({detail})" if status != "match" else "")
         return Outcome(case.suite, case.name, "ort", built, rel, frozen, seconds, status)
@@ -403,17 +405,18 @@ def table(outcomes: Sequence[Outcome], header: str = "") -> str:
     """docs/conformance.md: the summary per suite, the refusals grouped by reason, every case."""
     lines = [header.rstrip(), ""] if header else []
     lines += [
-        "| suite | cases | onnxruntime runs | build and match | mismatch | refused | timeout | invalid | traceback |"
+        "| suite | cases | onnxruntime runs | build and match | mismatch | refused | timeout | invalid | internal "
+        "| traceback |"
     ]
-    lines += ["|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, group in _groups(outcomes):
         s = Summary.of(group)
         b = s.by_status
         lines.append(
             f"| {name} | {s.cases} | {s.counted} | {s.matched} ({s.share:.0%}) | {b['mismatch']} | {b['refused']} "
-            f"| {b['timeout']} | {b['invalid']} | {b['traceback']} |"
+            f"| {b['timeout']} | {b['invalid']} | {b['internal']} | {b['traceback']} |"
         )
-    failed = ("refused", "mismatch", "invalid", "traceback", "timeout")
+    failed = ("refused", "mismatch", "timeout", *BUGS)
     reasons = Counter(_reason(o.detail) for o in outcomes if o.status in failed)
     if reasons:
         lines += ["", "## Why a case does not build and match", "", "| cases | reason |", "|---:|---|"]
@@ -473,8 +476,9 @@ def header(outcomes: Sequence[Outcome], seconds: float, jobs: int) -> str:
             f"({summary.share:.1%})**: model tests {models.matched} of {models.counted} ({models.share:.0%}), "
             f"node tests {nodes.matched} of {nodes.counted} ({nodes.share:.0%}); {b['refused']} refused with one "
             f"line, {b['mismatch']} mismatch, {b['timeout']} timeout, {b['invalid']} invalid models written, "
-            f"{b['traceback']} tracebacks; {b['ort']} `ort`, of which {_ort_matched(outcomes)} build anyway (from "
-            "their opset upgrade, which the front end checks against in onnxruntime) and match their shipped outputs.",
+            f"{b['internal']} internal errors, {b['traceback']} tracebacks; {b['ort']} `ort`, of which "
+            f"{_ort_matched(outcomes)} build anyway (from their opset upgrade, which the front end checks against "
+            "in onnxruntime) and match their shipped outputs.",
             "",
             "dualtrack runs a model image by image along dim 0 of its input (the CPU modules take one image at a "
             "time), so a graph whose dim 0 holds data rather than a batch (a reduction, softmax, split or concat "
@@ -487,8 +491,8 @@ def header(outcomes: Sequence[Outcome], seconds: float, jobs: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run every case (or one suite) and write the table; exit 1 if a case ends in a traceback or an
-    invalid model."""
+    """Run every case (or one suite) and write the table; exit 1 if a case ends in a bug of dualtrack's
+    (an invalid model written, an internal error, a traceback)."""
     ap = argparse.ArgumentParser(prog="python -m dualtrack.compiler.conformance", description=main.__doc__)
     ap.add_argument("--out", type=Path, default=Path("docs/conformance.md"), help="where the table goes")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="cases built at a time")
@@ -506,7 +510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(table(outcomes, header(outcomes, time.perf_counter() - t0, args.jobs)))
     print(f"wrote {args.out}: {summary.matched}/{summary.counted} build and match ({summary.share:.1%})")
-    return 1 if summary.by_status["traceback"] or summary.by_status["invalid"] else 0
+    return 1 if any(summary.by_status[s] for s in BUGS) else 0
 
 
 if __name__ == "__main__":

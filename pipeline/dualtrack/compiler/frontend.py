@@ -23,6 +23,7 @@ before anything is compiled.
 from __future__ import annotations
 
 import copy
+import traceback
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from dualtrack.compiler.convt_phases import sub_pixel_convolutions
 from dualtrack.compiler.lower_pad import full_pads
 from dualtrack.contract.checks import MASK, PROBS
 from dualtrack.contract.plan import parameter_key
-from dualtrack.errors import ConfigError, InternalError, ModelError
+from dualtrack.errors import ConfigError, DualtrackError, InternalError, ModelError
 
 TARGET_OPSET = 17  # what the reference and the zoo are exported with; IREE 3.13 imports it
 IR_INITIALIZERS_APART = 4  # the first ONNX IR version in which an initializer need not be a graph input
@@ -147,6 +148,13 @@ class StageCheck:
         if model is self._last:  # the stage had nothing to do and returned its input
             return model
         error = _checker_error(model, full=self.full)
+        if error is not None and stage == "batch" and _checker_error(model, full=False) is None:
+            # Sound, but an op's shape inference rejects a symbolic dim 0 (StringNormalizer takes [C] or [1, C]):
+            # the model's dim 0 is not a batch, which is the user's to change.
+            raise ModelError(
+                f"with dim 0 of the input as the batch N, ONNX shape inference rejects the model ({error}); dualtrack "
+                "runs a model image by image along dim 0: export it with a batch dimension its ops accept"
+            )
         if error is not None:
             raise InternalError(
                 f"the front end's `{stage}` stage wrote an invalid model from {self.source} ({error}); this is a "
@@ -188,6 +196,9 @@ def weights_out_of_inputs(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.Mo
 
 
 def single_input(model: onnx.ModelProto) -> onnx.ValueInfoProto:
+    """The model's one input, a tensor with a batch dimension of at least one row, computing in fp16 or fp32
+    (its outputs too); ModelError with the fix otherwise."""
+    _refuse_float64(model)
     inputs = list(model.graph.input)
     if len(inputs) != 1:
         names = ", ".join(f"'{i.name}'" for i in inputs)
@@ -204,6 +215,17 @@ def single_input(model: onnx.ModelProto) -> onnx.ValueInfoProto:
             "batch of at least 1 (or a dynamic one)"
         )
     return inputs[0]
+
+
+def _refuse_float64(model: onnx.ModelProto) -> None:
+    """IREE 3.13's importer demotes float64 to float32, so a float64 model would meet its own module with
+    buffers of half the size: refused instead, with the fix."""
+    for vi in [*model.graph.input, *model.graph.output]:
+        if vi.type.tensor_type.elem_type == TensorProto.DOUBLE:
+            raise ModelError(
+                f"the model's {'input' if vi in model.graph.input else 'output'} '{vi.name}' is float64; dualtrack "
+                "builds fp32 and fp16 models (IREE 3.13 computes float64 as float32): export the model in float32"
+            )
 
 
 def upgrade_opset(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
@@ -900,7 +922,20 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
 def load(cfg: BuildConfig) -> tuple[BuildConfig, FrontEnd]:
     """The front end of a config, and the config with the precision it resolved (what the
     partition, the tuners and the build take)."""
-    fe = prepare(cfg)
+    try:
+        fe = prepare(cfg)
+    except DualtrackError:
+        raise
+    except Exception as e:  # a bug in a stage: one line naming where (exit code 1), the traceback under --verbose
+        frames = traceback.extract_tb(e.__traceback__)
+        ours = [f for f in frames if "dualtrack" in Path(f.filename).parts and not f.name.startswith("<")]
+        where = f" in {Path(ours[-1].filename).stem}.{ours[-1].name}" if ours else ""
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise InternalError(
+            f"the front end failed on {cfg.model.name}{where} ({type(e).__name__}: {first}); this is a dualtrack "
+            "bug: please report it with the model and --verbose output",
+            detail=traceback.format_exc(),
+        ) from e
     return cfg.model_copy(update={"precision": fe.precision}), fe
 
 
