@@ -54,7 +54,6 @@ __device__ __forceinline__ float dt_act_softsign(float v, float p0, float p1) { 
 
 __device__ __noinline__ float dt_activate_rest(float v, int act, float p0, float p1) {
     switch (act) {
-        case DT_ACT_LEAKYRELU: return dt_act_leakyrelu(v, p0, p1);
         case DT_ACT_ELU: return dt_act_elu(v, p0, p1);
         case DT_ACT_SELU: return dt_act_selu(v, p0, p1);
         case DT_ACT_TANH: return dt_act_tanh(v, p0, p1);
@@ -68,7 +67,7 @@ __device__ __noinline__ float dt_activate_rest(float v, int act, float p0, float
 }
 
 __device__ __forceinline__ float dt_activate(float v, int act, float p0, float p1) {
-    if (act > DT_ACT_SILU) return dt_activate_rest(v, act, p0, p1);
+    if (act > DT_ACT_LEAKYRELU) return dt_activate_rest(v, act, p0, p1);
     switch (act) {
         case DT_ACT_RELU: return dt_act_relu(v, p0, p1);
         case DT_ACT_CLIP: return dt_act_clip(v, p0, p1);
@@ -76,13 +75,14 @@ __device__ __forceinline__ float dt_activate(float v, int act, float p0, float p
         case DT_ACT_HARDSWISH: return dt_act_hardswish(v, p0, p1);
         case DT_ACT_SIGMOID: return dt_act_sigmoid(v, p0, p1);
         case DT_ACT_SILU: return dt_act_silu(v, p0, p1);
+        case DT_ACT_LEAKYRELU: return dt_act_leakyrelu(v, p0, p1);
         default: return v;
     }
 }
 
 template <int N>
 __device__ __forceinline__ void dt_activate_n(float (&v)[N], int act, float p0, float p1) {
-    if (act > DT_ACT_SILU) {
+    if (act > DT_ACT_LEAKYRELU) {
 #pragma unroll
         for (int i = 0; i < N; ++i) v[i] = dt_activate_rest(v[i], act, p0, p1);
         return;
@@ -111,6 +111,10 @@ __device__ __forceinline__ void dt_activate_n(float (&v)[N], int act, float p0, 
         case DT_ACT_SILU:
 #pragma unroll
             for (int i = 0; i < N; ++i) v[i] = dt_act_silu(v[i], p0, p1);
+            break;
+        case DT_ACT_LEAKYRELU:
+#pragma unroll
+            for (int i = 0; i < N; ++i) v[i] = dt_act_leakyrelu(v[i], p0, p1);
             break;
         default: break;
     }

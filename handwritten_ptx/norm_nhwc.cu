@@ -164,11 +164,6 @@ struct NormEpilogue {
     __device__ __forceinline__ float operator()(float v, int c, float r) const {
         if (gamma != nullptr) v *= gamma[c];
         if (beta != nullptr) v += beta[c];
-        return finish(v, r);
-    }
-
-    // After the affine: residual before or after the activation.
-    __device__ __forceinline__ float finish(float v, float r) const {
         if (res == 1) v += r;
         v = dt_activate(v, act, p0, p1);
         return res == 2 ? v + r : v;
@@ -237,7 +232,12 @@ __device__ __forceinline__ void norm_apply(const T* __restrict__ x, const T* __r
             float t = (v[j] - mu[j]) * rsqrtf(sd[j] + eps);
             if (ep.gamma != nullptr) t *= ga[j];
             if (ep.beta != nullptr) t += be[j];
-            v[j] = ep.finish(t, rv[j]);
+            v[j] = ep.res == 1 ? t + rv[j] : t;
+        }
+        dt_activate_n(v, ep.act, ep.p0, ep.p1);  // one dispatch on the activation for the V values
+        if (ep.res == 2) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) v[j] += rv[j];
         }
         store_f32s(y + e.p * ldy + c, v);
     }

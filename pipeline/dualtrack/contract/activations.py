@@ -321,11 +321,13 @@ __device__ __forceinline__ float dt_softplus(float v) {
 """
 
 
-# Rows up to this id (none .. silu: the activations of the CNN segmenters) are inlined into every
+# Rows up to this id (none .. leakyrelu: the activations of the CNN segmenters) are inlined into every
 # kernel's epilogue; the later rows (transcendental: erf, tanh, log1p) go through one __noinline__
 # function. With all 16 rows inlined at every epilogue site the conv and mobile kernels' PTX doubled
 # and LR-ASPP ran 4% slower at N=8 on an H100 (bench/results/versus-lraspp-26b42dd-h100*.json).
-INLINE_MAX_ID = 6
+# LeakyReLU (a compare and a multiply; DynUNet's) is inlined: called, it held DynUNet's norm passes
+# at a quarter of the memory bandwidth on an H100.
+INLINE_MAX_ID = 7
 
 
 def render_header() -> str:
