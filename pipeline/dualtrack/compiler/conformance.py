@@ -460,14 +460,19 @@ def _groups(outcomes: Sequence[Outcome]) -> list[tuple[str, list[Outcome]]]:
 
 def _reason(detail: str) -> str:
     """A refusal without the case's own names and numbers, so that alike refusals group together."""
-    text = re.sub(r"\[ShapeInferenceError\].*?;", "…;", detail)  # the op's own complaint, up to the fix
+    text = re.sub(r"\[ShapeInferenceError\].*?;", "…;", _unplaced(detail))  # the op's complaint, up to the fix
     text = re.sub(r"'[^'\s]*'", "'…'", text)
     text = re.sub(r"\(\d[^)]*\)|\b\d+(\.\d+)?(e-?\d+)?\b", "…", text)
     return text[:240]
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    return _unplaced(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _unplaced(text: str) -> str:
+    """``text`` without the temporary and cache folders of this run (a build's repro command names them)."""
+    return re.sub(r"(?:/tmp|/[\w.-]+/\.cache)/[\w./-]*/", "…/", text)
 
 
 def header(outcomes: Sequence[Outcome], seconds: float, jobs: int) -> str:
