@@ -170,6 +170,12 @@ struct NormEpilogue {
     }
 };
 
+// A work item's pixel (n * H * W + h * W + w), image and channel vector.
+struct PixelChannel {
+    long long p, n;
+    int c;
+};
+
 // V consecutive fp32 values from p: two 16-byte loads where `vec` (p 16-byte aligned; uniform), else one by one.
 template <int V>
 __device__ __forceinline__ void load_floats(float (&v)[V], const float* __restrict__ p, bool vec) {
@@ -196,14 +202,22 @@ __device__ __forceinline__ void norm_apply(const T* __restrict__ x, const T* __r
                                            const float* __restrict__ mean, const float* __restrict__ var, int N,
                                            int H, int W, int C, int ldx, int ldr, int ldy, int G, int stat_n,
                                            float eps, const NormEpilogue& ep) {
-    const int CV = C / V, cg = C / G;
+    const int CV = C / V, cg = C / G, HW = H * W;
     const bool vec_stats = V > 1 && aligned16(mean) && aligned16(var) && stat_n % 4 == 0;
     const bool vec_gamma = V > 1 && (ep.gamma == nullptr || aligned16(ep.gamma));
     const bool vec_beta = V > 1 && (ep.beta == nullptr || aligned16(ep.beta));
     const long long total = static_cast<long long>(N) * H * W * CV;
     const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
     for (long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += step) {
-        const NhwcIndex e = nhwc_index(idx, H, W, CV);
+        // The pixel, its image and the channel: two divisions (nhwc_index's h and w are not needed here).
+        PixelChannel e;
+        if (idx < 0xffffffffll) {
+            const unsigned i = static_cast<unsigned>(idx), p = i / static_cast<unsigned>(CV);
+            e = {p, p / static_cast<unsigned>(HW), static_cast<int>(i - p * static_cast<unsigned>(CV))};
+        } else {
+            const long long p = idx / CV;
+            e = {p, p / HW, static_cast<int>(idx - p * CV)};
+        }
         const int c = e.c * V;
         float v[V], rv[V], mu[V], sd[V], ga[V], be[V];
         load_f32s(v, x + e.p * ldx + c);
