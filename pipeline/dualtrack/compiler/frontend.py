@@ -355,6 +355,15 @@ def _graph_constants(g: onnx.GraphProto) -> dict[str, np.ndarray]:
     return consts
 
 
+def channels_first_regions(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """Channels-last blocks (ConvNeXt's permute, LayerNorm, Linear, GELU, permute) written in the
+    graph's NCHW convention, where Track A's lowerings see convolutions (:mod:`.channels_last`)."""
+    m, detail = channels_first(model, _graph_constants(model.graph))
+    if detail:
+        log.append(Rewrite("channels-last", detail))
+    return m
+
+
 def sub_pixel_convtransposes(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
     """Strided ConvTransposes as a Conv of s*s*K channels and a DepthToSpace (:mod:`.convt_phases`):
     tensor-core convolutions on Track A instead of a gather on CUDA cores."""
@@ -407,15 +416,6 @@ def fold_zero_pads(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProt
     what = f"{len(folded)} zero Pad(s) folded into the padding of the Conv/AveragePool after them"
     log.append(Rewrite("pad", f"{what}: {names}{more}"))
     return model
-
-
-def channels_first_regions(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
-    """Channels-last blocks (ConvNeXt's permute, LayerNorm, Linear, GELU, permute) written in the
-    graph's NCHW convention, where Track A's lowerings see convolutions (:mod:`.channels_last`)."""
-    m, detail = channels_first(model, _graph_constants(model.graph))
-    if detail:
-        log.append(Rewrite("channels-last", detail))
-    return m
 
 
 # A reduction over a stack of tensors, and the element-wise chain that computes it without the stack.
