@@ -52,7 +52,7 @@ class Export:
         """(b, T, C) -> (b, C, H, W)."""
         return self.op("Reshape", self.op("Transpose", t, perm=[0, 2, 1]), self.const([self.b, C, H, W]))
 
-    def model(self, y: str, out_shape: tuple[int, ...] = (C, H, W)) -> onnx.ModelProto:
+    def model(self, y: str, out_shape: tuple[int, ...] = (C, H, W), opset: int = 17) -> onnx.ModelProto:
         graph = helper.make_graph(
             self.nodes,
             "export",
@@ -60,7 +60,7 @@ class Export:
             [helper.make_tensor_value_info(y, TensorProto.FLOAT, [self.b, *out_shape])],
             self.inits,
         )
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
 
 def tokens_with_layer_norm(b: int) -> onnx.ModelProto:
@@ -132,6 +132,14 @@ def resize_to_sizes(b: int) -> onnx.ModelProto:
     return g.model(g.op("Conv", up, g.weight(C, C, 3, 3), strides=[2, 2], pads=[1, 1, 1, 1]))
 
 
+def resize_sizes_of_some_axes(b: int) -> onnx.ModelProto:
+    """Opset 18's Resize `axes`: sizes of H and W only (no batch in them), then of the batch and H."""
+    g = Export(b)
+    up = g.op("Resize", "x", "", "", g.const([2 * H, 2 * W]), mode="nearest", axes=[2, 3])
+    down = g.op("Resize", up, "", "", g.const([b, H]), mode="nearest", axes=[0, 2])
+    return g.model(down, out_shape=(C, H, 2 * W), opset=18)
+
+
 def pooled_as_strided(b: int) -> onnx.ModelProto:
     """torch's as_strided of a pooled (b, C, 1, 1) map, as the dynamo exporter writes it (smp UPerNet's pyramid
     pooling): flattened to (b * C,), then a Gather with constant (b, C, 1, 1) indices, image i's shifted by i * C."""
@@ -172,6 +180,7 @@ FREED: dict[str, Callable[[int], onnx.ModelProto]] = {
         pooled_expand_and_tile,
         constant_of_shape_and_slice,
         resize_to_sizes,
+        resize_sizes_of_some_axes,
         pooled_as_strided,
         einsum_attention,
         indexed_bins,

@@ -460,8 +460,15 @@ def _resize(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
     if sizes is None:
         return out
     src = walk.shape(node.input[0])
-    scales = np.array([1.0] + [float(o) / float(i) for o, i in zip(sizes[1:], src[1:], strict=True)], np.float32)
-    if any(int(np.floor(i * s)) != int(o) for i, s, o in zip(src[1:], scales[1:], sizes[1:], strict=True)):
+    # Opset 18's `axes`: the sizes are of those axes only, in that order (else of every axis).
+    axes = [int(a) % len(src) for a in _attr(node, "axes", range(len(src)))]
+    if 0 not in axes:
+        return out  # the batch is not among the sizes
+    pairs = [(int(o), int(src[a])) for a, o in zip(axes, sizes, strict=True) if a != 0]
+    scales = np.array(
+        [1.0 if a == 0 else float(o) / float(src[a]) for a, o in zip(axes, sizes, strict=True)], np.float32
+    )
+    if any(int(np.floor(i * np.float32(o / i))) != o for o, i in pairs):
         raise _Refuse(f"resizes to sizes {sizes.tolist()} that no float32 scale reproduces")
     walk.rewrite(node, 2, scales, "scales")
     del node.input[3:]
