@@ -90,7 +90,8 @@ def infer_specs(model: onnx.ModelProto, batch: int = 1) -> dict[str, SpecMap]:
     except onnx.shape_inference.InferenceError as e:
         raise ModelError(
             f"ONNX shape inference failed at batch {batch}: {str(e).splitlines()[0]}; the export may have its batch "
-            "written into a shape: re-export with a dynamic batch, or build only the batch sizes it takes"
+            "written into a shape, or hold data rather than images in dim 0 (dualtrack runs a model image by image "
+            "along dim 0): re-export with a dynamic batch, or build only the batch sizes it takes"
         ) from None
     g = inferred.graph
     specs: dict[str, tuple[tuple[int, ...], str]] = {}
