@@ -51,7 +51,17 @@ class Net:
 
     def gelu(self, x: str, name: str, form: str) -> str:
         """GELU as torch writes it at opset 17: ``div`` x / sqrt2 ... (x * (1 + erf)) * 0.5; ``half_first``
-        x * (1/sqrt2) ... (x * 0.5) * (1 + erf)."""
+        x * (1/sqrt2) ... (x * 0.5) * (1 + erf); ``tanh`` gelu(approximate="tanh")."""
+        if form == "tanh":
+            cube = self.op("Mul", [x, self.op("Mul", [x, x], f"{name}/sq")], f"{name}/cube")
+            inner = self.op(
+                "Add", [x, self.op("Mul", [self.const(f"{name}.k", 0.044715), cube], f"{name}/k")], f"{name}/in"
+            )
+            s = self.op("Mul", [self.const(f"{name}.c", math.sqrt(2 / math.pi)), inner], f"{name}/scale")
+            p = self.op("Add", [self.const(f"{name}.one", 1.0), self.op("Tanh", [s], f"{name}/tanh")], f"{name}/plus")
+            return self.op(
+                "Mul", [self.const(f"{name}.half", 0.5), self.op("Mul", [x, p], f"{name}/mul")], f"{name}/half"
+            )
         if form == "div":
             s = self.op("Div", [x, self.const(f"{name}.sqrt2", math.sqrt(2.0))], f"{name}/scale")
         else:
@@ -89,7 +99,7 @@ class Net:
         return onnx.shape_inference.infer_shapes(m)
 
 
-def convnext_net(forms: tuple[str, ...] = ("div", "half_first")) -> onnx.ModelProto:
+def convnext_net(forms: tuple[str, ...] = ("div", "half_first", "tanh")) -> onnx.ModelProto:
     """``stem`` (Sin: Track B) -> a 3x3 conv -> one block per GELU form -> a 3x3 conv -> ``head`` (Sin)."""
     n = Net(7)
     x = n.op("Sin", ["image"], "stem")
@@ -120,13 +130,13 @@ def assert_same(a: onnx.ModelProto, b: onnx.ModelProto, batch: int = 2) -> None:
 def test_a_channels_last_block_is_rewritten_channels_first_and_computes_the_same() -> None:
     model = convnext_net()
     out, detail = rewritten(model)
-    assert detail is not None and detail.startswith("2 channels-last region(s)")
+    assert detail is not None and detail.startswith("3 channels-last region(s)")
     ops = [n.op_type for n in out.graph.node]
-    assert "MatMul" not in ops and ops.count("Conv") == 6  # the two 3x3 and two 1x1 per block
-    assert ops.count("Add") == 2 * 2  # GELU's + 1 and the residual: each Linear's bias is its Conv's
+    assert "MatMul" not in ops and ops.count("Conv") == 8  # the two 3x3 and two 1x1 per block
+    assert ops.count("Add") == 2 + 2 + 3  # GELU's (+ 1; tanh's also + x) and the residuals: the biases are the Convs'
     # The only Transposes left are each LayerNorm's own pair, which lower_norm matches around it.
     pairs = [(n.op_type, out.graph.node[i + 1].op_type) for i, n in enumerate(out.graph.node[:-1])]
-    assert ops.count("Transpose") == 4 and pairs.count(("Transpose", "LayerNormalization")) == 2
+    assert ops.count("Transpose") == 6 and pairs.count(("Transpose", "LayerNormalization")) == 3
     onnx.checker.check_model(out)
     assert_same(model, out)
 
@@ -171,8 +181,10 @@ def test_reductions_softmax_and_a_transpose_back_that_is_an_output_map_their_axe
     assert_same(model, out, batch=3)
 
 
-@pytest.mark.parametrize("form", ["div", "half_first"])
-def test_gelu_as_exported_after_a_conv_is_one_pattern_of_the_conv_epilogue(form: str) -> None:
+@pytest.mark.parametrize(
+    ("form", "row", "size"), [("div", "gelu", 5), ("half_first", "gelu", 5), ("tanh", "gelu_tanh", 9)]
+)
+def test_gelu_as_exported_after_a_conv_is_one_pattern_of_the_conv_epilogue(form: str, row: str, size: int) -> None:
     n = Net(2)
     y = n.op("Conv", ["image", n.rand("w", 6, C, 1, 1)], "conv", kernel_shape=[1, 1])
     n.gelu(y, "act", form)
@@ -185,11 +197,12 @@ def test_gelu_as_exported_after_a_conv_is_one_pattern_of_the_conv_epilogue(form:
     found = act_patterns.decomposed(y, consumers, lambda node: True, lambda t: True, consts.get)
     assert found is not None
     act, nodes, end = found
-    assert act == Activation.named("gelu") and len(nodes) == 5 and end == model.graph.output[0].name
+    assert act == Activation.named(row) and len(nodes) == size and end == model.graph.output[0].name
     # An intermediate read elsewhere (here: the graph's output) keeps the chain out of the epilogue.
-    assert act_patterns.decomposed(y, consumers, lambda node: True, lambda t: t != "act/erf", consts.get) is None
-    # A constant that is not GELU's (x / 2 instead of x / sqrt 2) is no GELU.
-    consts = {**consts, "act.sqrt2": np.float32(2.0), "act.rsqrt2": np.float32(0.5)}
+    inside = "act/tanh" if form == "tanh" else "act/erf"
+    assert act_patterns.decomposed(y, consumers, lambda node: True, lambda t: t != inside, consts.get) is None
+    # A constant that is not GELU's (x / 2 instead of x / sqrt 2, 0.5 for sqrt(2/pi)) is no GELU.
+    consts = {**consts, "act.sqrt2": np.float32(2.0), "act.rsqrt2": np.float32(0.5), "act.c": np.float32(0.5)}
     assert act_patterns.decomposed(y, consumers, lambda node: True, lambda t: True, consts.get) is None
 
 
@@ -201,8 +214,9 @@ def test_the_partition_runs_the_rewritten_blocks_on_track_a_with_gelu_in_the_con
     body = {d.node: (d.track, d.why) for d in p.assignment.decisions if d.node.startswith("body/")}
     assert all(t == "A" for t, _ in body.values()), body
     calls = [c for s in p.plan.segments if s.track == "A" for c in s.calls]
-    gelu = [c for c in calls if Activation.of(c) == Activation.named("gelu")]
-    assert len(gelu) == 2 and all(c.op == "conv" for c in gelu)
+    gelu = [c for c in calls if Activation.of(c) in (Activation.named("gelu"), Activation.named("gelu_tanh"))]
+    assert len(gelu) == 3 and all(c.op == "conv" for c in gelu)
+    assert sum(Activation.of(c) == Activation.named("gelu_tanh") for c in gelu) == 1
     assert {c.op for c in calls} >= {"norm", "conv"}
 
 

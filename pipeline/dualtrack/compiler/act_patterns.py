@@ -1,8 +1,9 @@
 """Activations that exporters write as several nodes, matched back to one row of the activation table.
 
 At the opsets the exporters default to (17, 18) there is no Gelu op, and SiLU never had one: torch
-writes ``x * sigmoid(x)`` as Mul(x, Sigmoid(x)) and erf-GELU as Div(x, sqrt 2) (or Mul(x, 1/sqrt 2)),
-Erf, Add 1, and the two Muls by x and 0.5 in either order. :func:`decomposed` finds such a chain
+writes ``x * sigmoid(x)`` as Mul(x, Sigmoid(x)), erf-GELU as Div(x, sqrt 2) (or Mul(x, 1/sqrt 2)),
+Erf, Add 1, and the two Muls by x and 0.5 in either order, and tanh-GELU as x*x, its product with x,
+Mul 0.044715, Add x, Mul sqrt(2/pi), Tanh, Add 1, Mul x, Mul 0.5. :func:`decomposed` finds such a chain
 starting at a tensor ``t`` so that a convolution's epilogue (``partition._fuse_epilogue``) computes it
 as the row it is. Every intermediate of the chain must be read by the chain alone (``private``), so
 nothing the chain computes is needed elsewhere.
@@ -95,6 +96,41 @@ def _gelu(t: str, ch: _Chain) -> tuple[Activation, list[onnx.NodeProto], str] | 
     return None
 
 
+def _gelu_tanh(t: str, ch: _Chain) -> tuple[Activation, list[onnx.NodeProto], str] | None:
+    """0.5 * (x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x*x*x)))), as torch writes
+    ``gelu(approximate="tanh")``: x read by x*x, by the cube, by the inner Add and by the outer Mul."""
+    users = list({id(u): u for u in ch.readers(t)}.values())
+    if len(users) != 4 or not all(ch.usable(u) for u in users):
+        return None
+    sq = next((u for u in users if u.op_type == "Mul" and list(u.input) == [t, t]), None)
+    cube = ch.sole(sq.output[0], "Mul") if sq is not None else None
+    if cube is None or sorted(cube.input) != sorted([t, sq.output[0]]):
+        return None
+    kappa = ch.sole(cube.output[0], "Mul")
+    if kappa is None or not _near(ch.scalar(kappa, cube.output[0]), 0.044715):
+        return None
+    inner = ch.sole(kappa.output[0], "Add")
+    if inner is None or sorted(inner.input) != sorted([t, kappa.output[0]]):
+        return None
+    scale = ch.sole(inner.output[0], "Mul")
+    if scale is None or not _near(ch.scalar(scale, inner.output[0]), math.sqrt(2.0 / math.pi)):
+        return None
+    tanh = ch.sole(scale.output[0], "Tanh")
+    plus = ch.sole(tanh.output[0], "Add") if tanh is not None else None
+    if plus is None or not _near(ch.scalar(plus, tanh.output[0]), 1.0):
+        return None
+    outer = ch.sole(plus.output[0], "Mul")
+    if outer is None or sorted(outer.input) != sorted([t, plus.output[0]]):
+        return None
+    half = ch.sole(outer.output[0], "Mul")
+    if half is None or not _near(ch.scalar(half, outer.output[0]), 0.5):
+        return None
+    if {id(u) for u in users} != {id(sq), id(cube), id(inner), id(outer)}:
+        return None
+    nodes = [sq, cube, kappa, inner, scale, tanh, plus, outer, half]
+    return Activation.named("gelu_tanh"), nodes, half.output[0]
+
+
 def _erf_scale(node: onnx.NodeProto, t: str, ch: _Chain) -> bool:
     """Whether ``node`` is x / sqrt 2 or x * (1 / sqrt 2), with x as its first operand for Div."""
     if node.op_type == "Div" and node.input[0] == t:
@@ -102,8 +138,8 @@ def _erf_scale(node: onnx.NodeProto, t: str, ch: _Chain) -> bool:
     return node.op_type == "Mul" and _near(ch.scalar(node, t), 1.0 / math.sqrt(2.0))
 
 
-PATTERNS = (_silu, _gelu)
-OPS = ("Sigmoid", "Mul", "Div", "Erf", "Add")  # the op types the patterns' nodes have
+PATTERNS = (_silu, _gelu, _gelu_tanh)
+OPS = ("Sigmoid", "Mul", "Div", "Erf", "Add", "Tanh")  # the op types the patterns' nodes have
 
 
 def decomposed(
