@@ -153,7 +153,7 @@ def _check_generic(model: onnx.ModelProto, export_batch: int, other: int) -> Non
     """Shape inference at a batch other than the export's must go through the freed graph."""
     b = other if other != export_batch else export_batch + 1
     try:
-        onnx.shape_inference.infer_shapes(_with_batch(model, b), strict_mode=True, data_prop=True)
+        onnx.shape_inference.infer_shapes(with_batch(model, b), strict_mode=True, data_prop=True)
     except onnx.shape_inference.InferenceError as e:
         first = str(e).strip().splitlines()[0][:240]
         raise ModelError(
@@ -555,7 +555,8 @@ def _rule(op: str) -> Rule:
 # -- helpers --------------------------------------------------------------------------------------------
 
 
-def _with_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
+def with_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
+    """A copy whose graph inputs and outputs have dim 0 fixed to `batch`."""
     model = copy.deepcopy(model)
     for vi in [*model.graph.input, *model.graph.output]:
         dims = vi.type.tensor_type.shape.dim
@@ -568,7 +569,7 @@ def _with_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
 
 def _shapes_at(model: onnx.ModelProto, batch: int) -> dict[str, tuple[int, ...]]:
     """Every tensor's static shape with the input at ``batch`` (-1 where inference leaves a dim open)."""
-    shapes = static_shapes(_with_batch(model, batch))
+    shapes = static_shapes(with_batch(model, batch))
     shapes.update({i.name: tuple(i.dims) for i in model.graph.initializer})
     return shapes
 

@@ -25,6 +25,7 @@ from onnx import helper, numpy_helper
 
 from dualtrack import kernels
 from dualtrack.compiler import act_patterns, cost, frontend, layout, lower_head, lower_mobile, lower_norm, lower_pad
+from dualtrack.compiler.batch_free import with_batch
 from dualtrack.compiler.config import BuildConfig, Rules
 from dualtrack.compiler.frontend import model_precision
 from dualtrack.contract.activations import Activation
@@ -61,18 +62,6 @@ def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
             name = f"{name}_{i}"
         node.name = name
         seen.add(name)
-    return model
-
-
-def with_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
-    """A copy whose graph inputs and outputs have dim 0 fixed to `batch`."""
-    model = copy.deepcopy(model)
-    for vi in [*model.graph.input, *model.graph.output]:
-        dims = vi.type.tensor_type.shape.dim
-        if len(dims):
-            dims[0].Clear()
-            dims[0].dim_value = batch
-    del model.graph.value_info[:]
     return model
 
 
