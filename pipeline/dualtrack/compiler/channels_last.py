@@ -281,6 +281,8 @@ def channels_first(model: onnx.ModelProto, consts: dict[str, np.ndarray]) -> tup
     """The model with every closed channels-last region written channels-first (the module's
     docstring), and a line saying what changed (None where nothing did). ``consts``: the graph's
     constant tensors by name (initializers and Constant nodes)."""
+    if not any(_perm(n) == TO_NHWC for n in model.graph.node):
+        return model, None  # no region to rewrite: no copy of the model
     consts = dict(consts)
     for n in model.graph.node:  # exporters alias shared weights through Identity nodes
         if n.op_type == "Identity" and n.input[0] in consts:

@@ -114,6 +114,8 @@ def _static_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
 def sub_pixel_convolutions(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
     """The model with every ConvTranspose the rewrite takes written as Conv + DepthToSpace (the
     module's docstring), and a line saying which (None where none)."""
+    if not any(n.op_type == "ConvTranspose" for n in model.graph.node):
+        return model, None  # nothing to rewrite: no shape inference, no copy
     shapes = _static_shapes(model)
     inits = {i.name: i for i in model.graph.initializer}
     names = {n.name for n in model.graph.node} | {o for n in model.graph.node for o in n.output} | set(inits)
