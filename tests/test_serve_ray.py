@@ -1,9 +1,12 @@
 """The Ray Serve backend (``dualtrack serve --backend ray``) over real HTTP on loopback, on the CPU.
 
 One local Ray instance for the module; the application runs two CPU model replicas of the tiny
-bundle. The answers must be those of ``dualtrack serve`` (the same app code) and of ``dualtrack run``;
+bundle that answer HTTP themselves (the default layout). The answers must be those of ``dualtrack
+serve`` (the same app code) and of ``dualtrack run``. Behind CPU ingress replicas (``ingress_replicas``),
 a model replica killed with requests in flight answers them 503, never a wrong mask, and the
-application answers again once Ray has replaced it. Waits are bounded; Ray is always shut down.
+application answers again once Ray has replaced it. The CLI runs a local instance with Ray Serve's
+throughput settings (HAProxy, direct ingress) and serves from a two-node cluster. Waits are
+bounded; Ray is always shut down.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -38,8 +42,8 @@ from dualtrack.errors import BundleError, ConfigError
 ray = pytest.importorskip("ray", reason="the Ray backend needs the `ray` extra: pip install 'dualtrack[ray]'")
 from ray import serve  # noqa: E402
 
-from dualtrack.serve.ray_app import METRICS, MODEL, app_builder, build_app  # noqa: E402
-from dualtrack.serve.ray_config import RayAppOptions, parse_autoscale  # noqa: E402
+from dualtrack.serve.ray_app import METRICS, MODEL, app_builder, build_app, failure_error, model_status  # noqa: E402
+from dualtrack.serve.ray_config import THROUGHPUT_ENV, RayAppOptions, parse_autoscale  # noqa: E402
 
 WAIT_S = 90.0  # upper bound on any one wait (Ray starting replicas on a slow CI core included)
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds Ray's replica processes in /proc")
@@ -130,33 +134,90 @@ def rng() -> np.random.Generator:
 
 
 def test_cli_serves_on_ray_and_stops_on_sigterm(tiny_bundle: Path, reference, rng) -> None:
+    """A local Ray instance with Ray Serve's throughput settings: HAProxy on the port, sending each
+    request straight to the model replica's own HTTP server; Ray's own health and route endpoints."""
     port = _free_port()
     argv = [sys.executable, "-m", "dualtrack.cli", "serve", str(tiny_bundle), "--backend", "ray"]
     argv += ["--device", "cpu", "--replicas", "1", "--port", str(port)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, line = _serve_until_running(argv)
     try:
-        deadline = time.monotonic() + WAIT_S
-        line = ""
-        while "running on" not in line and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, f"`dualtrack serve --backend ray` exited with {proc.wait()}"
         assert f"running on http://127.0.0.1:{port}" in line and "1 model replicas on cpu" in line, line
+        assert all(f"{k}={v}" in line for k, v in THROUGHPUT_ENV.items()), line
         base = f"http://127.0.0.1:{port}"
-        ready = httpx.get(f"{base}/readyz")
-        while ready.status_code != 200 and time.monotonic() < deadline:  # the ingress learns of its replica
-            time.sleep(0.2)
-            ready = httpx.get(f"{base}/readyz")
-        assert ready.status_code == 200 and ready.json()["batch_sizes"] == [1, 4], ready.text
-        data = _png(rng, 30, 70)
-        r = _post(f"{base}/v1/segment", data)
-        assert r.status_code == 200, r.text
-        np.testing.assert_array_equal(imaging.decode_mask_png(r.content), _expected_mask(reference, data))
+        _check_answers(base, reference, rng, replicas=1)
+        assert httpx.get(f"{base}/-/healthz").status_code == 200  # Ray's own probe of the node's ingress
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(WAIT_S) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cli_serves_from_a_two_node_cluster(tiny_bundle: Path, reference, rng, monkeypatch) -> None:
+    """`ray start --head` and `ray start --address` (two nodes on this machine, each with the
+    throughput settings in its environment), then `dualtrack serve --ray-address`: one model
+    replica on each node, both in /readyz, each answering; SIGTERM removes the application only."""
+    from ray.cluster_utils import Cluster
+
+    for name, value in THROUGHPUT_ENV.items():  # what `ray start` of every node is given
+        monkeypatch.setenv(name, value)
+    # One CPU a node: a model replica reserves one, so the two replicas land on the two nodes.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    proc = None
+    try:
+        port = _free_port()
+        argv = [sys.executable, "-m", "dualtrack.cli", "serve", str(tiny_bundle), "--backend", "ray"]
+        argv += ["--device", "cpu", "--replicas", "2", "--port", str(port), "--ray-address", cluster.address]
+        proc, line = _serve_until_running(argv)
+        assert f"the Ray cluster at {cluster.address}: 2 model replicas on cpu" in line, line
+        devices = _check_answers(f"http://127.0.0.1:{port}", reference, rng, replicas=2)
+        # A replica is a child of its node's raylet: two raylets, two nodes.
+        assert len({_parent(d["pid"]) for d in devices}) == 2, devices
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0
+        assert len(cluster.list_all_nodes()) == 2  # the cluster stays up; the application is gone
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        cluster.shutdown()
+
+
+def _check_answers(base: str, reference, rng: np.random.Generator, replicas: int) -> list[dict]:
+    """/readyz lists ``replicas`` devices, and a few images are answered with their masks: the devices."""
+    until(lambda: len(httpx.get(f"{base}/readyz").json().get("devices", ())) == replicas, "the replicas", WAIT_S)
+    ready = httpx.get(f"{base}/readyz").json()
+    assert ready["batch_sizes"] == [1, 4], ready
+    images = [_png(rng, 30 + i, 70) for i in range(2 * replicas)]
+    with ThreadPoolExecutor(len(images)) as pool:
+        answers = list(pool.map(lambda b: _post(f"{base}/v1/segment", b), images))
+    for data, r in zip(images, answers, strict=True):
+        assert r.status_code == 200, r.text
+        mask, expected = imaging.decode_mask_png(r.content), _expected_mask(reference, data)
+        # Rows of a batch of 4 may differ from a batch-1 run in float rounding: 0.5% of pixels.
+        assert mask.shape == expected.shape and np.count_nonzero(mask != expected) <= 0.005 * mask.size
+    return ready["devices"]
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def _serve_until_running(argv: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
+    """`dualtrack serve ARGV` in a child process, once it prints its "running on" line (returned)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.monotonic() + WAIT_S
+    line = ""
+    while "running on" not in line and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line, f"`dualtrack serve --backend ray` exited with {proc.wait()}"
+    # Ray's log lines keep coming: read them, or a full pipe would stop the server.
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    return proc, line
 
 
 def test_cli_refuses_a_bad_bundle_before_starting_ray(tiny_bundle: Path, tmp_path: Path) -> None:
@@ -181,7 +242,8 @@ def test_ray_config_file_builds_the_application(tiny_bundle: Path, tmp_path: Pat
     (application,) = config["applications"]
     assert application["import_path"] == "dualtrack.serve.ray_app:app_builder"
     assert application["args"]["bundle"] == "/bundles/tiny" and application["args"]["device"] == "cuda"
-    assert application["args"]["max_ongoing_requests"] == 8  # twice the largest batch size, 4
+    # The replicas answer HTTP: twice the largest batch size (4) and the queue (64) of `dualtrack serve`.
+    assert application["args"]["max_ongoing_requests"] == 8 + 64
     options = RayAppOptions.from_args({**application["args"], "bundle": str(tiny_bundle)})
     assert options.autoscale == (1, 3)
     built = app_builder({**application["args"], "bundle": str(tiny_bundle)})
@@ -356,7 +418,7 @@ def test_killed_replica_fails_its_requests_with_503_then_the_app_answers_again(
     replica holding some is killed (SIGKILL): those answer 503, the others their own masks; once Ray
     has started a new replica, every request is answered with its mask."""
     name = "faults"
-    options = RayAppOptions(bundle=str(tiny_bundle), replicas=2, max_batch_delay_ms=2000)
+    options = RayAppOptions(bundle=str(tiny_bundle), replicas=2, ingress_replicas=1, max_batch_delay_ms=2000)
     base = _deploy(name, options, ray_serve)
     try:
         metrics = serve.get_deployment_handle(METRICS, app_name=name)
@@ -405,12 +467,15 @@ def test_bundle_that_fails_to_load_makes_the_deployment_unhealthy_with_the_reaso
     with open(broken / "model.onnx", "ab") as f:
         f.write(b"tampered")
     # The builder reads the batch sizes from the manifest, which is intact: only the replicas fail.
-    options = RayAppOptions(bundle=str(broken), replicas=1)
+    # An ingress replica answers /readyz with why; without one, `dualtrack serve` raises it (failure_error).
+    options = RayAppOptions(bundle=str(broken), replicas=1, ingress_replicas=1)
     try:
         with pytest.raises(RuntimeError, match="Deploying application broken failed"):
             _deploy(name, options, ray_serve)
         base = f"http://127.0.0.1:{ray_serve}/{name}"
         reason = r"^engine failed to load: .*broken: model\.onnx does not match its recorded hash"
+        raised = failure_error(*model_status(name)[1:])
+        assert isinstance(raised, BundleError) and re.search(reason, str(raised)), raised
 
         def failed() -> bool:
             r = httpx.get(f"{base}/readyz")

