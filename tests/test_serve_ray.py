@@ -1,12 +1,12 @@
 """The Ray Serve backend (``dualtrack serve --backend ray``) over real HTTP on loopback, on the CPU.
 
-One local Ray instance for the module; the application runs two CPU model replicas of the tiny
-bundle that answer HTTP themselves (the default layout). The answers must be those of ``dualtrack
+One two-node Ray cluster on this machine for the module; the application runs two CPU model
+replicas of the tiny bundle that answer HTTP themselves (the default layout). The answers must be those of ``dualtrack
 serve`` (the same app code) and of ``dualtrack run``. Behind CPU ingress replicas (``ingress_replicas``),
 a model replica killed with requests in flight answers them 503, never a wrong mask, and the
 application answers again once Ray has replaced it. The CLI runs a local instance with Ray Serve's
-throughput settings (HAProxy, direct ingress) and serves from a two-node cluster. Waits are
-bounded; Ray is always shut down.
+throughput settings (HAProxy, direct ingress), and deploys on the cluster with ``--ray-address``.
+Waits are bounded; Ray is always shut down.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -105,11 +106,24 @@ reference = test_serve.reference  # the module's engine for expected masks (a fi
 
 
 @pytest.fixture(scope="module")
-def ray_serve() -> Iterator[int]:
-    """A local Ray instance with Serve's HTTP proxy on a loopback port (yielded); shut down after."""
-    port = _free_port()
+def cluster() -> Iterator[Any]:
+    """A two-node Ray cluster on this machine (``ray start --head``, then ``ray start --address``)."""
+    from ray.cluster_utils import Cluster
+
     # Logical CPUs: every replica reserves one; the replicas of this module's apps share the 2 cores.
-    ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 0, "include_dashboard": False})
+    try:
+        nodes.add_node(num_cpus=4, num_gpus=0)
+        yield nodes
+    finally:
+        nodes.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_serve(cluster: Any) -> Iterator[int]:
+    """This process on the module's cluster, with Serve's HTTP proxy on a loopback port (yielded)."""
+    port = _free_port()
+    ray.init(address=cluster.address, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield port
@@ -152,37 +166,6 @@ def test_cli_serves_on_ray_and_stops_on_sigterm(tiny_bundle: Path, reference, rn
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def test_cli_serves_from_a_two_node_cluster(tiny_bundle: Path, reference, rng, monkeypatch) -> None:
-    """`ray start --head` and `ray start --address` (two nodes on this machine, each with the
-    throughput settings in its environment), then `dualtrack serve --ray-address`: one model
-    replica on each node, both in /readyz, each answering; SIGTERM removes the application only."""
-    from ray.cluster_utils import Cluster
-
-    for name, value in THROUGHPUT_ENV.items():  # what `ray start` of every node is given
-        monkeypatch.setenv(name, value)
-    # One CPU a node: a model replica reserves one, so the two replicas land on the two nodes.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
-    proc = None
-    try:
-        port = _free_port()
-        argv = [sys.executable, "-m", "dualtrack.cli", "serve", str(tiny_bundle), "--backend", "ray"]
-        argv += ["--device", "cpu", "--replicas", "2", "--port", str(port), "--ray-address", cluster.address]
-        proc, line = _serve_until_running(argv)
-        assert f"the Ray cluster at {cluster.address}: 2 model replicas on cpu" in line, line
-        devices = _check_answers(f"http://127.0.0.1:{port}", reference, rng, replicas=2)
-        # A replica is a child of its node's raylet: two raylets, two nodes.
-        assert len({_parent(d["pid"]) for d in devices}) == 2, devices
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(WAIT_S) == 0
-        assert len(cluster.list_all_nodes()) == 2  # the cluster stays up; the application is gone
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        cluster.shutdown()
 
 
 def _check_answers(base: str, reference, rng: np.random.Generator, replicas: int) -> list[dict]:
@@ -488,3 +471,28 @@ def test_bundle_that_fails_to_load_makes_the_deployment_unhealthy_with_the_reaso
         assert _sample(httpx.get(f"{base}/metrics").text, "dualtrack_ready") == 0.0
     finally:
         serve.delete(name)
+
+
+# --- several machines ------------------------------------------------------------------------------
+
+
+def test_cli_serves_from_a_two_node_cluster(cluster: Any, ray_serve: int, tiny_bundle: Path, reference, rng) -> None:
+    """`dualtrack serve --ray-address` on the module's two-node cluster (Serve already running on it,
+    so its HTTP port is the cluster's): one model replica on each node, both in /readyz, each
+    answering; SIGTERM deletes the application and leaves the cluster up."""
+    argv = [sys.executable, "-m", "dualtrack.cli", "serve", str(tiny_bundle), "--backend", "ray"]
+    argv += ["--device", "cpu", "--replicas", "2", "--port", str(ray_serve), "--ray-address", cluster.address]
+    proc, line = _serve_until_running(argv)
+    try:
+        assert f"the Ray cluster at {cluster.address}: 2 model replicas on cpu" in line, line
+        devices = _check_answers(f"http://127.0.0.1:{ray_serve}", reference, rng, replicas=2)
+        # A replica is a child of its node's raylet: two raylets, two nodes (Serve spreads replicas).
+        assert len({_parent(d["pid"]) for d in devices}) == 2, devices
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0
+        until(lambda: "dualtrack" not in serve.status().applications, "the application to be deleted", WAIT_S)
+        assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
