@@ -17,7 +17,8 @@
 //             rows meet by Chan's formula in shared memory;
 //   finalize: grid (G, N): a block combines the chunks x C/G partials of its group (Chan's formula)
 //             into mean[n*G + g] and var[n*G + g];
-//   apply:    one thread per element (fp16: per 8 channels), grid-stride.
+//   apply:    grid (blocks, N), a thread per channel vector (fp16: 8 channels) striding over an image's
+//             pixels with its statistics and affine folded in registers.
 // Deterministic: no atomics, a fixed combination order for a given launch.
 // No toolkit #include: see conv3x3_nhwc.cu. The block sizes come from dualtrack.kernels as -D macros.
 
@@ -170,82 +171,45 @@ struct NormEpilogue {
     }
 };
 
-// A work item's pixel (n * H * W + h * W + w), image and channel vector.
-struct PixelChannel {
-    long long p, n;
-    int c;
-};
-
-// V consecutive fp32 values from p: two 16-byte loads where `vec` (p 16-byte aligned; uniform), else one by one.
-template <int V>
-__device__ __forceinline__ void load_floats(float (&v)[V], const float* __restrict__ p, bool vec) {
-    if constexpr (V % 4 == 0) {
-        if (vec) {
-#pragma unroll
-            for (int j = 0; j < V; j += 4) {
-                const float4 q = *reinterpret_cast<const float4*>(p + j);
-                v[j] = q.x, v[j + 1] = q.y, v[j + 2] = q.z, v[j + 3] = q.w;
-            }
-            return;
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < V; ++j) v[j] = p[j];
-}
-
-// The apply pass. A work item's V channels share their statistics' loads: V consecutive (mean, var)
-// when every channel is its own group (InstanceNorm, an unfolded BatchNorm), one pair when its V
-// channels lie in one group (cg a multiple of V), else one pair a channel; gamma and beta as vectors.
-// The scalar loads this replaces (four a channel) bounded the pass by the load units, not by memory.
+// The apply pass. Grid (blocks, N): the blocks of image n = blockIdx.y stride over its H*W*C/V work
+// items by a multiple of C/V, so a thread keeps one channel vector for the whole pass: its V channels'
+// statistics, gamma and beta are read and folded (mean, rsqrt(var + eps) * gamma, beta) once, and the
+// pass streams x (and r) in and y out alone. Per-item loads of the statistics and the affine (eight
+// times the bytes of an fp16 item) bounded the pass by the load units at 2.6x its memory time.
+// The launch (dualtrack.kernels.norm) gives an image at least C/V threads.
 template <typename T, int V>
 __device__ __forceinline__ void norm_apply(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y,
-                                           const float* __restrict__ mean, const float* __restrict__ var, int N,
-                                           int H, int W, int C, int ldx, int ldr, int ldy, int G, int stat_n,
-                                           float eps, const NormEpilogue& ep) {
-    const int CV = C / V, cg = C / G, HW = H * W;
-    const bool vec_stats = V > 1 && aligned16(mean) && aligned16(var) && stat_n % 4 == 0;
-    const bool vec_gamma = V > 1 && (ep.gamma == nullptr || aligned16(ep.gamma));
-    const bool vec_beta = V > 1 && (ep.beta == nullptr || aligned16(ep.beta));
-    const long long total = static_cast<long long>(N) * H * W * CV;
-    const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
-    for (long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += step) {
-        // The pixel, its image and the channel: two divisions (nhwc_index's h and w are not needed here).
-        PixelChannel e;
-        if (idx < 0xffffffffll) {
-            const unsigned i = static_cast<unsigned>(idx), p = i / static_cast<unsigned>(CV);
-            e = {p, p / static_cast<unsigned>(HW), static_cast<int>(i - p * static_cast<unsigned>(CV))};
-        } else {
-            const long long p = idx / CV;
-            e = {p, p / HW, static_cast<int>(idx - p * CV)};
-        }
-        const int c = e.c * V;
-        float v[V], rv[V], mu[V], sd[V], ga[V], be[V];
-        load_f32s(v, x + e.p * ldx + c);
+                                           const float* __restrict__ mean, const float* __restrict__ var, int H,
+                                           int W, int C, int ldx, int ldr, int ldy, int G, int stat_n, float eps,
+                                           const NormEpilogue& ep) {
+    const int CV = C / V, cg = C / G;
+    const long long HW = static_cast<long long>(H) * W, n = blockIdx.y;
+    const long long threads = static_cast<long long>(gridDim.x) * blockDim.x;
+    const long long lanes = threads / CV * CV;  // the threads at work: a multiple of C/V
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= lanes) return;
+    const int c = static_cast<int>(i % CV) * V;
+    const long long pstep = lanes / CV;
+    float mu[V], sc[V], be[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        const long long s = n * stat_n + (c + j) / cg;
+        mu[j] = mean[s];
+        sc[j] = rsqrtf(var[s] + eps) * (ep.gamma != nullptr ? ep.gamma[c + j] : 1.0f);
+        be[j] = ep.beta != nullptr ? ep.beta[c + j] : 0.0f;
+    }
+    for (long long p = n * HW + i / CV, end = (n + 1) * HW; p < end; p += pstep) {
+        float v[V], rv[V];
+        load_f32s(v, x + p * ldx + c);
         if (ep.res != 0) {
-            load_f32s(rv, r + e.p * ldr + c);
+            load_f32s(rv, r + p * ldr + c);
         } else {
 #pragma unroll
             for (int j = 0; j < V; ++j) rv[j] = 0.0f;
         }
-        const long long s = e.n * stat_n;
-        if (cg == 1) {
-            load_floats(mu, mean + s + c, vec_stats);
-            load_floats(sd, var + s + c, vec_stats);
-        } else if (cg % V == 0) {
-            const float m = mean[s + c / cg], q = var[s + c / cg];
-#pragma unroll
-            for (int j = 0; j < V; ++j) mu[j] = m, sd[j] = q;
-        } else {
-#pragma unroll
-            for (int j = 0; j < V; ++j) mu[j] = mean[s + (c + j) / cg], sd[j] = var[s + (c + j) / cg];
-        }
-        if (ep.gamma != nullptr) load_floats(ga, ep.gamma + c, vec_gamma);
-        if (ep.beta != nullptr) load_floats(be, ep.beta + c, vec_beta);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-            float t = (v[j] - mu[j]) * rsqrtf(sd[j] + eps);
-            if (ep.gamma != nullptr) t *= ga[j];
-            if (ep.beta != nullptr) t += be[j];
+            const float t = fmaf(v[j] - mu[j], sc[j], be[j]);
             v[j] = ep.res == 1 ? t + rv[j] : t;
         }
         dt_activate_n(v, ep.act, ep.p0, ep.p1);  // one dispatch on the activation for the V values
@@ -253,7 +217,7 @@ __device__ __forceinline__ void norm_apply(const T* __restrict__ x, const T* __r
 #pragma unroll
             for (int j = 0; j < V; ++j) v[j] += rv[j];
         }
-        store_f32s(y + e.p * ldy + c, v);
+        store_f32s(y + p * ldy + c, v);
     }
 }
 
@@ -273,15 +237,15 @@ __device__ __forceinline__ bool norm_vec8(const f16* x, const f16* r, const f16*
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_nhwc_f16 NORM_APPLY_PARAMS(f16) {
     const NormEpilogue ep = {gamma, beta, res, act, p0, p1};
     if (norm_vec8(x, r, y, C, ldx, ldr, ldy, res)) {
-        norm_apply<f16, 8>(x, r, y, mean, var, N, H, W, C, ldx, ldr, ldy, G, stat_n, eps, ep);
+        norm_apply<f16, 8>(x, r, y, mean, var, H, W, C, ldx, ldr, ldy, G, stat_n, eps, ep);
         return;
     }
-    norm_apply<f16, 1>(x, r, y, mean, var, N, H, W, C, ldx, ldr, ldy, G, stat_n, eps, ep);
+    norm_apply<f16, 1>(x, r, y, mean, var, H, W, C, ldx, ldr, ldy, G, stat_n, eps, ep);
 }
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_nhwc_f32 NORM_APPLY_PARAMS(float) {
     const NormEpilogue ep = {gamma, beta, res, act, p0, p1};
-    norm_apply<float, 1>(x, r, y, mean, var, N, H, W, C, ldx, ldr, ldy, G, stat_n, eps, ep);
+    norm_apply<float, 1>(x, r, y, mean, var, H, W, C, ldx, ldr, ldy, G, stat_n, eps, ep);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

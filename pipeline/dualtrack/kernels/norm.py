@@ -87,11 +87,13 @@ class Chunking:
 class NormSpec(StreamingSpec):
     """The norm op's spec. ``waves``: stats blocks per SM the chunking aims for, so that one image of
     a few groups fills the GPU; ``min_chunk``: the fewest pixels a stats block reduces (4 rows of
-    its fp16 vector path's 64)."""
+    its fp16 vector path's 64); ``apply_waves``: full-occupancy waves the apply pass's threads make
+    (each then streams its channel vector over H*W / threads-an-image pixels)."""
 
     fin_threads: int = 256
     waves: int = 4
     min_chunk: int = 256
+    apply_waves: int = 2
 
     MACRO: ClassVar[str] = "NORM"
     PARAMS: ClassVar[tuple[str, ...]] = (
@@ -140,10 +142,21 @@ class NormSpec(StreamingSpec):
             raise InputError(f"norm statistics of a batch of {N}: the grid allows {GRID_Y_MAX} images")
         return LaunchConfig((G, N, 1), (self.fin_threads, 1, 1))
 
-    def apply_launch(self, dtype: Any, N: int, H: int, W: int, C: int, *lds: int) -> LaunchConfig:
-        """One thread per element of the output, or per 8 channels where the fp16 vector path may run."""
+    def apply_launch(self, dtype: Any, N: int, H: int, W: int, C: int, *lds: int, sms: int = 0) -> LaunchConfig:
+        """Grid (blocks, N): an image's blocks give each of its C/V channel vectors (V = 8 where the fp16
+        vector path may run, else 1) at least one thread, and together about ``apply_waves`` full
+        waves of a GPU of ``sms`` SMs (none given: a thread an item); never more than a thread an item."""
         lanes = 8 if dtype_name(dtype) == "float16" and all(v % 8 == 0 for v in (C, *lds)) else 1
-        return self._blocks(cdiv(N * H * W * (C // lanes), self.block_threads))
+        if N > GRID_Y_MAX:
+            raise InputError(f"norm of a batch of {N}: the grid allows {GRID_Y_MAX} images; split the batch")
+        items = H * W * (C // lanes)
+        least = cdiv(C // lanes, self.block_threads)
+        most = max(least, cdiv(items, self.block_threads))
+        want = cdiv(self.apply_waves * sms * (2048 // self.block_threads), N) if sms else most
+        blocks = min(most, max(least, want))
+        if blocks > INT32_MAX:
+            raise InputError(f"norm needs {blocks} blocks an image; split the image")
+        return LaunchConfig((blocks, N, 1), (self.block_threads, 1, 1))
 
     def layer_launch(self, N: int, H: int, W: int) -> LaunchConfig:
         """A warp per pixel."""
@@ -304,5 +317,6 @@ class NormSpec(StreamingSpec):
                 ),
                 PreparedCall(f"{self.stem}_finalize", self.finalize_launch(N, G), typed(FINALIZE_PARAMS, 3, values)),
             )
-        config = self.apply_launch(dtype, N, H, W, C, ldx, ldy, *((ldr,) if res != "none" else ()))
+        lds = (ldx, ldy, *((ldr,) if res != "none" else ()))
+        config = self.apply_launch(dtype, N, H, W, C, *lds, sms=ctx.device.sm_count)
         return PreparedCall(self.entry(dtype), config, typed(self.PARAMS, self.POINTERS, values), before=before)
