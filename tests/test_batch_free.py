@@ -268,7 +268,6 @@ def _concat_on_batch(b: int) -> onnx.ModelProto:
 REFUSED = {
     "mean over the batch": (_mean_over_batch, 1, r"ReduceMean 'reducemean0' reduces over the dim that holds"),
     "a picked image": (_first_image, 1, r"Gather 'gather0' indexes along the dim that holds the batch"),
-    "a gather across images": (_gather_across, 2, r"Gather 'gather1' indexes across the images of the batch"),
     "batch mixed into rows": (_batch_into_channels, 2, r"Reshape 'reshape1' mixes the batch into other dims"),
     "concat on the batch": (_concat_on_batch, 1, r"Concat 'concat1' concatenates along the batch"),
 }
@@ -285,6 +284,18 @@ def test_a_batch_that_cannot_be_freed_is_refused_naming_the_node_but_the_export_
     assert any("the batch stays fixed" in r.detail for r in fe.rewrites)
     checks = verify.check_frontend(fe, (b,), DEFAULT_TOLERANCES["fp32"], seed=4)
     assert all(c.passed for c in checks), [verify.Report.line(c) for c in checks]
+
+
+def test_an_export_batch_whose_rows_an_op_combines_is_refused_at_every_batch_naming_batch_fixed() -> None:
+    """Image i takes image b - 1 - i's values: the image path runs rows one by one, so no batch computes that;
+    `batch: fixed` builds the exported shape whole (tests/test_fixed_shape.py)."""
+    for sizes in ((2, 3), (2,)):
+        with pytest.raises(
+            ModelError,
+            match=r"^cannot free the batch the export fixed at 2: Gather 'gather1' indexes across the "
+            r"images of the batch, so its dim 0 holds data .*`batch: fixed`",
+        ):
+            frontend.prepare(_cfg(sizes), _gather_across(2))
 
 
 def test_a_dynamo_export_of_segformer_at_batch_one_builds_for_two_on_the_cpu(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from dualtrack.compiler.config import FIXED_BATCH
 from dualtrack.errors import ModelError
 
 BATCH = "N"  # the symbolic batch dimension
@@ -60,6 +61,16 @@ def symbolic_batch(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int | None]
 
 class _Refuse(Exception):
     """The batch cannot be freed at this node; the message says why."""
+
+
+class _Mixes(_Refuse):
+    """The node combines the rows of the dim that holds the batch (reduces, normalises, gathers, joins or splits
+    along it, or takes a constant with rows of its own): no image-by-image run computes it."""
+
+
+class MixedRows(ModelError):
+    """An export whose dim 0 holds data that its ops combine across rows: refused whatever batch is built,
+    since the image path runs the rows one by one (`batch: fixed` builds it whole)."""
 
 
 @dataclass
@@ -103,14 +114,15 @@ def free_batch(
 
     ModelError (one line: the node and why) where the batch cannot be freed and a batch other than
     the export's is built; where only the export's is, the model stays as it was and the note says
-    why. Returns the model and a note of what changed (None: nothing).
+    why, unless a node combines the rows of an export batch above one (:class:`MixedRows`: the image
+    path would run those rows one by one). Returns the model and a note of what changed (None: nothing).
     """
     if export_batch is None:
         return model, None
     try:
         freed, done = _freed(model, export_batch, other=max(batch_sizes))
     except ModelError as e:
-        if set(batch_sizes) <= {export_batch}:
+        if set(batch_sizes) <= {export_batch} and not isinstance(e, MixedRows):
             return model, f"the batch stays fixed at {export_batch}, the only batch built: {e}"
         raise
     if not done:
@@ -134,9 +146,16 @@ def _freed(model: onnx.ModelProto, export_batch: int, other: int) -> tuple[onnx.
             else:  # from weights and shapes only: the batch is where shape inference keeps N (x.new_zeros(x.shape))
                 outs = _batch_made(walk, node) or [symbolic.get(o) for o in node.output]
         except _Refuse as e:
+            if isinstance(e, _Mixes) and export_batch > 1:
+                raise MixedRows(
+                    f"cannot free the batch the export fixed at {export_batch}: {node.op_type} '{node.name}' {e}, so "
+                    "its dim 0 holds data rather than images run one by one; set "
+                    f"`{FIXED_BATCH}` to build the exported shape whole, or re-export with a dynamic batch"
+                ) from None
             raise ModelError(
                 f"cannot free the batch the export fixed at {export_batch}: {node.op_type} '{node.name}' {e}; "
-                f"re-export with a dynamic batch, or build only batch_sizes: [{export_batch}]"
+                f"re-export with a dynamic batch, set `{FIXED_BATCH}` where dim 0 holds data rather than images, "
+                f"or build only batch_sizes: [{export_batch}]"
             ) from None
         for k, name in enumerate(node.output):
             axes[name] = outs[min(k, len(outs) - 1)]
@@ -158,7 +177,8 @@ def _check_generic(model: onnx.ModelProto, export_batch: int, other: int) -> Non
         first = str(e).strip().splitlines()[0][:240]
         raise ModelError(
             f"the export fixed its batch at {export_batch} and freeing it left a graph that fails shape inference at "
-            f"batch {b} ({first}); re-export with a dynamic batch, or build only batch_sizes: [{export_batch}]"
+            f"batch {b} ({first}); re-export with a dynamic batch, set `{FIXED_BATCH}` where dim 0 holds data "
+            f"rather than images, or build only batch_sizes: [{export_batch}]"
         ) from None
 
 
@@ -202,7 +222,7 @@ def _one_image_of(walk: _Walk, node: onnx.NodeProto, k: int, dim: int) -> None:
         return
     first = np.take(value, [0], axis=dim)
     if not np.array_equal(np.broadcast_to(first, value.shape), value):
-        raise _Refuse(f"takes a constant '{node.input[k]}' with a different value for each image of the batch")
+        raise _Mixes(f"takes a constant '{node.input[k]}' with a different value for each image of the batch")
     walk.rewrite(node, k, first, "batch")
 
 
@@ -222,7 +242,9 @@ def _along_axis(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis
     a, rank = ins[0], len(walk.shape(node.input[0]))
     axis = _attr(node, "axis", -1) % rank
     spans = range(axis, rank) if node.op_type in ("LayerNormalization", "RMSNormalization") else (axis,)
-    if a is None or a in spans or any(x is not None for x in ins[1:]):
+    if a in spans:
+        raise _Mixes(f"normalises along dim {axis}, which holds the batch")
+    if a is None or any(x is not None for x in ins[1:]):
         raise _Refuse(f"normalises along dim {axis}, which holds the batch")
     return [a] + [a] * (len(node.output) - 1)
 
@@ -324,7 +346,7 @@ def _reduce(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
         axes = _axes(walk, node) if len(node.input) > 1 else []
     axes = {int(x) % rank for x in axes} or (set() if _attr(node, "noop_with_empty_axes", 0) else set(range(rank)))
     if ins[0] in axes:
-        raise _Refuse("reduces over the dim that holds the batch")
+        raise _Mixes("reduces over the dim that holds the batch")
     return [ins[0] if _attr(node, "keepdims", 1) else ins[0] - sum(1 for d in axes if d < ins[0])]
 
 
@@ -348,11 +370,11 @@ def _gather_per_image(walk: _Walk, node: onnx.NodeProto, axis: int) -> None:
     src, idx = walk.shape(node.input[0]), walk.const(node, 1)
     f = src[axis] // walk.batch
     if idx is None or idx.ndim < 1 or idx.shape[0] != walk.batch:
-        raise _Refuse("indexes along the dim that holds the batch")
+        raise _Mixes("indexes along the dim that holds the batch")
     idx = np.where(idx < 0, idx + src[axis], idx).astype(np.int64)
     shifted = idx - (np.arange(walk.batch) * f).reshape((-1,) + (1,) * (idx.ndim - 1))
     if not (np.all(shifted == shifted[:1]) and np.all((shifted >= 0) & (shifted < f))):
-        raise _Refuse("indexes across the images of the batch")
+        raise _Mixes("indexes across the images of the batch")
     g, view = walk.model.graph, f"{node.input[0]}__{node.output[0]}__images"
     g.initializer.append(numpy_helper.from_array(np.array([*src[:axis], -1, f, *src[axis + 1 :]], np.int64), view))
     reshape = onnx.helper.make_node("Reshape", [node.input[0], view], [view + "_t"], name=view)
@@ -394,14 +416,14 @@ def _concat(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
     _known(walk, ins)
     axis = _attr(node, "axis") % len(walk.shape(node.output[0]))
     if len(set(ins)) != 1 or ins[0] == axis:
-        raise _Refuse("concatenates along the batch, or joins tensors with and without it")
+        raise _Mixes("concatenates along the batch, or joins tensors with and without it")
     return [ins[0]]
 
 
 def _split(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
     _known(walk, ins)
     if ins[0] is None or _attr(node, "axis", 0) % len(walk.shape(node.input[0])) == ins[0]:
-        raise _Refuse("splits along the dim that holds the batch")
+        raise _Mixes("splits along the dim that holds the batch")
     return [ins[0]] * len(node.output)
 
 
@@ -422,7 +444,7 @@ def _slice(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
         if ax != a:
             continue
         if int(starts[i]) != 0 or int(steps[i]) != 1 or int(ends[i]) < src[a]:
-            raise _Refuse(f"takes part of the dim that holds the batch ({int(starts[i])}:{int(ends[i])})")
+            raise _Mixes(f"takes part of the dim that holds the batch ({int(starts[i])}:{int(ends[i])})")
         if int(ends[i]) != _OPEN_END:
             new = ends.astype(np.int64).copy()
             new[i] = _OPEN_END
@@ -449,7 +471,7 @@ def _tile(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
     _known(walk, ins)
     repeats = walk.const(node, 1)
     if ins[0] is None or repeats is None or int(repeats[ins[0]]) != 1:
-        raise _Refuse("repeats the dim that holds the batch")
+        raise _Mixes("repeats the dim that holds the batch")
     return [ins[0]]
 
 
@@ -556,11 +578,12 @@ def _rule(op: str) -> Rule:
 
 
 def with_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
-    """A copy whose graph inputs and outputs have dim 0 fixed to `batch`."""
+    """A copy whose graph inputs and outputs have dim 0 fixed to `batch` where it is symbolic. A dim 0
+    that holds a value is left as it is: a fixed-shape model's (`batch: fixed`: data, not a batch)."""
     model = copy.deepcopy(model)
     for vi in [*model.graph.input, *model.graph.output]:
         dims = vi.type.tensor_type.shape.dim
-        if len(dims):
+        if len(dims) and not dims[0].HasField("dim_value"):
             dims[0].Clear()
             dims[0].dim_value = batch
     del model.graph.value_info[:]

@@ -21,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from dualtrack.contract.checks import DEFAULT_TOLERANCES, Tolerance
 from dualtrack.errors import ConfigError
 
+FIXED_BATCH = "batch: fixed"  # the fix a dim-0 refusal names (BuildConfig.batch)
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -188,6 +190,15 @@ class BuildConfig(_Strict):
         ),
     )
     input: InputSpec = InputSpec()
+    batch: Literal["images", "fixed"] = Field(
+        "images",
+        description=(
+            "images (default): dim 0 of the input and outputs is a batch of images, run image by image, "
+            "any count; fixed: dim 0 is part of the model's shape (a reduction, softmax or concat over "
+            "axis 0, operands with rows of their own): the exported input shape is built and run whole, "
+            "every node on Track B, and the engine refuses any other shape"
+        ),
+    )
     batch_sizes: tuple[int, ...] = (1,)
     targets: tuple[str, ...] = Field(
         ("sm_90a",), description="GPU architectures to build for; [] builds for the CPU only (IREE llvm-cpu)"
@@ -220,6 +231,25 @@ class BuildConfig(_Strict):
         if not v or any(b < 1 for b in v):
             raise ValueError("batch_sizes must be positive integers, e.g. [1, 8]")
         return tuple(sorted(set(v)))
+
+    @model_validator(mode="after")
+    def _fixed_shape(self) -> BuildConfig:
+        """`batch: fixed` builds the export's one shape, with no image wrap and no Track A kernels."""
+        if self.batch != "fixed":
+            return self
+        if "batch_sizes" in self.model_fields_set:
+            raise ValueError("`batch: fixed` builds the exported input shape whole; drop `batch_sizes`")
+        if self.preprocess is not None or self.postprocess is not None:
+            raise ValueError(
+                "`batch: fixed` builds a model on its own tensors; drop `preprocess`/`postprocess` (they serve "
+                "batches of images: use `batch: images`)"
+            )
+        if self.partition.mode == "rules" or self.partition.track_a.op_types or self.partition.track_a.name_prefixes:
+            raise ValueError(
+                "`batch: fixed` runs every node on Track B (Track A kernels compute image by image); "
+                "drop the partition's track_a rules"
+            )
+        return self
 
     def tolerance(self) -> Tolerance:
         """The verification tolerance: the config's, else the default of the precision (fp32 until the

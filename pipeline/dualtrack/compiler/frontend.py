@@ -38,6 +38,7 @@ from dualtrack.compiler.channels_last import channels_first
 from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
 from dualtrack.compiler.convt_phases import sub_pixel_convolutions
 from dualtrack.compiler.lower_pad import full_pads
+from dualtrack.compiler.resize_maps import iree_cannot_lower, resize_maps
 from dualtrack.contract.checks import MASK, PROBS
 from dualtrack.contract.plan import parameter_key
 from dualtrack.errors import ConfigError, DualtrackError, InternalError, ModelError
@@ -217,6 +218,19 @@ def single_input(model: onnx.ModelProto) -> onnx.ValueInfoProto:
     return inputs[0]
 
 
+def fixed_input_shape(model: onnx.ModelProto) -> tuple[int, ...]:
+    """The input's shape, which `batch: fixed` builds whole; ModelError with the fix where a dim is symbolic."""
+    inp = model.graph.input[0]
+    dims = inp.type.tensor_type.shape.dim
+    if not all(d.HasField("dim_value") for d in dims):
+        shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
+        raise ModelError(
+            f"the model input '{inp.name}' has the shape {shape}; `batch: fixed` builds one exported shape: "
+            "export the model with a static input shape, or use `batch: images` for a dynamic batch"
+        )
+    return tuple(d.dim_value for d in dims)
+
+
 def _refuse_float64(model: onnx.ModelProto) -> None:
     """IREE 3.13's importer demotes float64 to float32, so a float64 model would meet its own module with
     buffers of half the size: refused instead, with the fix."""
@@ -341,6 +355,18 @@ def static_resize_scales(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.Mod
             + (f" and {len(done) - 4} more" if len(done) > 4 else ""),
         )
     )
+    return model
+
+
+def separable_resizes(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """The Resize forms IREE 3.13 cannot lower (antialias, axes, an aspect-ratio policy, exclude_outside,
+    tf_crop_and_resize, nearest align_corners) as constant per-axis maps (:mod:`dualtrack.compiler.resize_maps`)."""
+    if not any(n.op_type == "Resize" and iree_cannot_lower(n) for n in model.graph.node):
+        return model
+    model, done = resize_maps(copy.deepcopy(model))
+    if done:
+        shown = ", ".join(done[:4]) + (f" and {len(done) - 4} more" if len(done) > 4 else "")
+        log.append(Rewrite("resize", f"{len(done)} Resize(s) IREE cannot lower as per-axis Gather/MatMul: {shown}"))
     return model
 
 
@@ -893,8 +919,12 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     single_input(original)
     m = check("opset", upgrade_opset(original, log))
     upgraded = m if m is not original else None
-    m, export_batch = symbolic_batch(m)
-    m = check("batch", m)
+    export_batch = None
+    if cfg.batch == "fixed":  # dim 0 is data: nothing to make generic (free_batch has nothing to free either)
+        fixed_input_shape(m)
+    else:
+        m, export_batch = symbolic_batch(m)
+        m = check("batch", m)
     if export_batch is not None:
         fixed = f"the export fixed the batch at {export_batch}; dim 0 of the input and outputs is now N"
         log.append(Rewrite("batch", fixed))
@@ -907,6 +937,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     if freed:
         log.append(Rewrite("batch", freed))
     m = check("resize", static_resize_scales(m, log))
+    m = check("resize", separable_resizes(m, log))
     m = check("pad", fold_zero_pads(m, log))
     m = check("stack", unstack_reductions(m, log))
     m = check("convtranspose", sub_pixel_convtransposes(m, log))
@@ -936,7 +967,17 @@ def load(cfg: BuildConfig) -> tuple[BuildConfig, FrontEnd]:
             "bug: please report it with the model and --verbose output",
             detail=traceback.format_exc(),
         ) from e
-    return cfg.model_copy(update={"precision": fe.precision}), fe
+    return cfg.model_copy(update={"precision": fe.precision, **_fixed_settings(cfg, fe)}), fe
+
+
+def _fixed_settings(cfg: BuildConfig, fe: FrontEnd) -> dict[str, object]:
+    """What `batch: fixed` means for the stages after the front end: one batch size, the input's dim 0
+    (the plan's specs are exact there), and every node on Track B (Track A kernels compute per image)."""
+    if cfg.batch != "fixed":
+        return {}
+    shape = fixed_input_shape(fe.model)
+    partition = cfg.partition.model_copy(update={"mode": "iree", "switch_cost_us": None})
+    return {"batch_sizes": (shape[0],), "partition": partition}
 
 
 __all__ = ["FrontEnd", "Rewrite", "load", "load_model", "prepare"]

@@ -26,7 +26,7 @@ from onnx import helper, numpy_helper
 from dualtrack import kernels
 from dualtrack.compiler import act_patterns, cost, frontend, layout, lower_head, lower_mobile, lower_norm, lower_pad
 from dualtrack.compiler.batch_free import with_batch
-from dualtrack.compiler.config import BuildConfig, Rules
+from dualtrack.compiler.config import FIXED_BATCH, BuildConfig, Rules
 from dualtrack.compiler.frontend import model_precision
 from dualtrack.contract.activations import Activation
 from dualtrack.contract.plan import MODEL_LAYOUT_OPS, POOL_MODES, KernelCall, Plan, Segment, TensorSpec
@@ -80,7 +80,8 @@ def infer_specs(model: onnx.ModelProto, batch: int = 1) -> dict[str, SpecMap]:
         raise ModelError(
             f"ONNX shape inference failed at batch {batch}: {str(e).splitlines()[0]}; the export may have its batch "
             "written into a shape, or hold data rather than images in dim 0 (dualtrack runs a model image by image "
-            "along dim 0): re-export with a dynamic batch, or build only the batch sizes it takes"
+            "along dim 0): re-export with a dynamic batch, build only the batch sizes it takes, or set "
+            f"`{FIXED_BATCH}` to build the exported shape whole"
         ) from None
     g = inferred.graph
     specs: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -1504,7 +1505,7 @@ def extract_segment(
 
     def vi(t: TensorSpec) -> onnx.ValueInfoProto:
         elem = helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype))
-        return helper.make_tensor_value_info(t.name, elem, ["N", *t.shape[1:]])
+        return helper.make_tensor_value_info(t.name, elem, ["N", *t.shape[1:]] if t.batched else list(t.shape))
 
     graph = helper.make_graph(pre + body + post, "main", [vi(t) for t in inputs], [vi(t) for t in outputs], inits)
     seg = helper.make_model(graph, opset_imports=list(model.opset_import), producer_name="dualtrack")
@@ -1571,7 +1572,8 @@ def partition_model(
     the decision behind every node. ``measured``: see :func:`assign_tracks`."""
     if len(model.graph.input) != 1:
         raise ModelError(f"the model has {len(model.graph.input)} inputs; dualtrack serves single-input models")
-    specs, minor = batch_checked_specs(model, (1, *cfg.batch_sizes))
+    fixed = cfg.batch == "fixed"  # dim 0 is data: nothing is batch-major, every spec is exact (contract/plan.py)
+    specs, minor = batch_checked_specs(model, (1,) if fixed else (1, *cfg.batch_sizes))
     _check_input(cfg, model, specs)
     ctx = SupportContext.of(model, specs, frozenset(minor))
     assignment = assign_tracks(model, cfg, specs, measured, ctx)
@@ -1579,7 +1581,7 @@ def partition_model(
     segments, seg_track = recompute_constants(model, order_segments(model, tracks), tracks)
     bounds = _boundaries(model, segments)
     _check_batch_major_boundaries(model, bounds, minor)
-    spec = _boundary_spec(specs, ctx.graph_outputs, _nhwc_tensors(model, bounds, seg_track, ctx))
+    spec = _boundary_spec(specs, ctx.graph_outputs, _nhwc_tensors(model, bounds, seg_track, ctx), batched=not fixed)
     plan_segments: list[Segment] = []
     seg_models: list[onnx.ModelProto] = []
     for k, (nodes, b) in enumerate(zip(segments, bounds, strict=True)):
@@ -1609,7 +1611,8 @@ def _check_batch_major_boundaries(model: onnx.ModelProto, bounds: list[_Boundari
             raise PartitionError(
                 f"tensor '{off}' does not keep the batch in dim 0 ({minor[off]}) and would leave segment {k}; "
                 "keep its producers and consumers on one track (partition rules), build only the export's batch "
-                "size, or re-export the model with a dynamic batch (torch.onnx.export(..., dynamic_axes=...))"
+                "size, re-export the model with a dynamic batch (torch.onnx.export(..., dynamic_axes=...)), or set "
+                f"`{FIXED_BATCH}` where dim 0 holds data"
             )
         crossing = [t for t in b.outputs if t in free]
         if crossing:
@@ -1643,16 +1646,20 @@ def _nhwc_tensors(
     return touches_a
 
 
-def _boundary_spec(specs: dict, graph_outputs: frozenset[str], touches_a: set[str]) -> Callable[[str], TensorSpec]:
-    """A boundary tensor's spec: its shape, dtype and layout as the plan records it."""
+def _boundary_spec(
+    specs: dict, graph_outputs: frozenset[str], touches_a: set[str], batched: bool = True
+) -> Callable[[str], TensorSpec]:
+    """A boundary tensor's spec: its shape, dtype and layout as the plan records it (``batched`` False:
+    a fixed-shape plan's, its shape exact)."""
 
     def spec(name: str) -> TensorSpec:
         shape, dtype = specs[name]
         if name in graph_outputs:  # the model's own layout wherever it is written (NCHW for an image)
-            return TensorSpec(name, shape, dtype, "NCHW" if name in touches_a and len(shape) == 4 else "")
+            layout = "NCHW" if name in touches_a and len(shape) == 4 else ""
+            return TensorSpec(name, shape, dtype, layout, batched)
         if name in touches_a and len(shape) == 4:
-            return TensorSpec(name, _nhwc(shape), dtype, "NHWC")
-        return TensorSpec(name, shape, dtype, "")  # as the model has it (ONNX does not record layouts)
+            return TensorSpec(name, _nhwc(shape), dtype, "NHWC", batched)
+        return TensorSpec(name, shape, dtype, "", batched)  # as the model has it (ONNX does not record layouts)
 
     return spec
 
@@ -1730,6 +1737,11 @@ def _check_input(cfg: BuildConfig, model: onnx.ModelProto, specs: dict) -> None:
     if want.name is not None and want.name != inp.name:
         raise PartitionError(
             f"input.name is '{want.name}' but the model's input is '{inp.name}'; fix `input.name` in the config"
+        )
+    if want.shape is not None and cfg.batch == "fixed" and tuple(want.shape) != tuple(shape):
+        raise PartitionError(
+            f"input.shape {list(want.shape)} does not match the model's input {list(shape)} (`batch: fixed`: "
+            "all of it); fix `input.shape`"
         )
     if want.shape is not None and tuple(want.shape[1:]) != tuple(shape[1:]):
         raise PartitionError(

@@ -379,7 +379,8 @@ def reference_cases(model: onnx.ModelProto, plan: Plan, seed: int, k: int = CASE
     images = case_images(spec, seed, k if spec.batched else 1)  # a fixed-shape plan's one shape: one case
     session = ort_session(upcast(model))
     rows = [run_ort(session, {spec.name: image}) for image in images]
-    ref = {o.name: np.concatenate([r[o.name] for r in rows]) if spec.batched else rows[0][o.name] for o in plan.outputs}
+    whole = {o.name: rows[0][o.name] for o in plan.outputs}  # a fixed-shape plan's one case, not rows
+    ref = {o.name: np.concatenate([r[o.name] for r in rows]) for o in plan.outputs} if spec.batched else whole
     return ReferenceCases.from_reference(seed, np.concatenate(images), plan.outputs, ref)
 
 
@@ -389,7 +390,7 @@ def _rows(name: str, value: np.ndarray, step: int) -> np.ndarray:
         raise ModelError(
             f"output '{name}' of the export has shape {list(value.shape)} at the batch it fixed ({step}), not one row "
             "per image in dim 0; dualtrack runs a model image by image along dim 0 of its input and outputs: "
-            "make dim 0 of every output the batch"
+            "make dim 0 of every output the batch, or set `batch: fixed` where dim 0 holds data rather than images"
         )
     return value
 

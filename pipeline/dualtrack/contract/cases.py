@@ -133,5 +133,17 @@ class ReferenceCases:
                 checks.append(compare(label, want, mine[name], tol))
         return checks
 
+    def check_whole(self, got: Mapping[str, np.ndarray], tol: Tolerance, where: str) -> list[Check]:
+        """A fixed-shape plan's check: its one case (``inputs``, no rows of images) run whole, every
+        stored output compared whole with the result ``got``."""
+        checks = []
+        for name, want in self.outputs.items():
+            label = f"{where} {name}" + (f" (1 in {self.strides[name]} sampled)" if self.strides[name] > 1 else "")
+            if name not in got:
+                checks.append(Check(label, float("inf"), float("inf"), 1.0, 0, False, "output missing"))
+            else:
+                checks.append(compare(label, want, _rows(np.asarray(got[name]), self.strides[name]), tol))
+        return checks
+
 
 __all__ = ["FULL_MAX", "SAMPLE", "ReferenceCases", "sample_stride"]

@@ -6,7 +6,9 @@ verifier and `dualtrack info` all read the same thing.
 
 Conventions:
 - Dim 0 of every tensor is the batch. ``TensorSpec.shape`` is recorded at batch 1; at batch ``n``
-  the shape is ``(n, *shape[1:])``.
+  the shape is ``(n, *shape[1:])``. Except in a fixed-shape plan (the config's ``batch: fixed``):
+  there dim 0 is data, every spec is ``batched=False`` and its shape is exact at the plan's one batch
+  size (the input's dim 0), so that a reduction or a concatenation over axis 0 keeps its own shape.
 - ``layout`` is ``"NHWC"`` or ``"NCHW"`` for 4-D image tensors and ``""`` otherwise. Tensors that
   Track A produces or consumes are NHWC (the hand-written kernels work channels-last); the segment
   ONNX files take and return their boundary tensors in the recorded layout.
@@ -95,13 +97,30 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str  # numpy dtype name: "float16", "float32", "uint8", "int64"
     layout: str = ""
+    batched: bool = True  # False: a fixed-shape plan's tensor (module docstring), its shape exact
 
     def at_batch(self, n: int) -> tuple[int, ...]:
-        return (n, *self.shape[1:])
+        return (n, *self.shape[1:]) if self.batched else self.shape
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> TensorSpec:
-        return cls(name=d["name"], shape=tuple(d["shape"]), dtype=d["dtype"], layout=d.get("layout", ""))
+        return cls(
+            name=d["name"],
+            shape=tuple(d["shape"]),
+            dtype=d["dtype"],
+            layout=d.get("layout", ""),
+            batched=d.get("batched", True),
+        )
+
+
+def _without_batched(value: Any) -> Any:
+    """The JSON form with ``batched: true`` left out of every spec: a batched plan (every plan an image
+    model gets) is written as before fixed-shape plans existed, so its build key does not move."""
+    if isinstance(value, dict):
+        return {k: _without_batched(v) for k, v in value.items() if not (k == "batched" and v is True)}
+    if isinstance(value, list | tuple):
+        return type(value)(_without_batched(v) for v in value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -205,7 +224,12 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return _without_batched(asdict(self))
+
+    @property
+    def fixed_shape(self) -> bool:
+        """Built with ``batch: fixed``: the input's exact shape, run whole (the module docstring)."""
+        return bool(self.inputs) and not self.inputs[0].batched
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2, sort_keys=True)

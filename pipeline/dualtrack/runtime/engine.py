@@ -90,7 +90,9 @@ class CpuBackend:
         t0 = time.perf_counter()
         rows: list[dict[str, np.ndarray]] = []
         for i in range(0, batch, step):
-            outs = mod(*[np.ascontiguousarray(inputs[t.name][i : i + step]) for t in seg.inputs])
+            # One call takes its tensors whole: a fixed-shape plan's may have more rows than its batch.
+            part = slice(None) if step == batch else slice(i, i + step)
+            outs = mod(*[np.ascontiguousarray(inputs[t.name][part]) for t in seg.inputs])
             # Copy out of IREE's buffers: a host view must not outlive the device (use-after-free at exit).
             rows.append(
                 {
@@ -180,7 +182,14 @@ class Engine:
 
     def _check(self, shape: tuple[int, ...], dtype: str) -> tuple[int, ...]:
         spec = self.input_spec
-        want = f"(n, {', '.join(map(str, spec.shape[1:]))}) {spec.dtype}"
+        if self.plan.fixed_shape:
+            want = f"{spec.shape} {spec.dtype}"
+            if shape != spec.shape:
+                raise InputError(
+                    f"input has shape {shape}; this bundle was built with `batch: fixed` and takes exactly {want}: "
+                    "pass that shape, or rebuild with `batch: images` to run any number of images"
+                )
+        want = f"(n, {', '.join(map(str, spec.shape[1:]))}) {spec.dtype}" if spec.batched else want
         if len(shape) != len(spec.shape) or shape[1:] != spec.shape[1:] or shape[0] < 1:
             layout = f" ({spec.layout})" if spec.layout else ""
             raise InputError(f"input has shape {shape}; this bundle takes {want}{layout}")
@@ -233,8 +242,9 @@ class Engine:
                 if rows < batch:
                     chunk = np.concatenate([chunk, np.zeros((batch - rows, *chunk.shape[1:]), chunk.dtype)])
                 outs = self.run_batch(self.backend.from_host(np.ascontiguousarray(chunk), slot="input"), batch)
-                for name in wanted:
-                    parts[name].append(self.backend.to_host(outs[name])[:rows])
+                for name in wanted:  # a fixed-shape plan runs whole: its outputs have rows of their own
+                    out = self.backend.to_host(outs[name])
+                    parts[name].append(out if self.plan.fixed_shape else out[:rows])
             total = (time.perf_counter() - t0) * 1e3
             self.last_timings = {
                 "track_a_ms": self.backend.timings["A"],
