@@ -1,31 +1,44 @@
 """``dualtrack serve --backend ray``: the service as a Ray Serve application, one engine per replica.
 
-The only module of dualtrack that imports ``ray`` (the ``ray`` extra). Three deployments:
+The only module of dualtrack that imports ``ray`` (the ``ray`` extra). Two layouts
+(:class:`~dualtrack.serve.ray_config.RayAppOptions`' ``ingress_replicas``); measured in docs/ray.md.
 
-- **DualtrackModel** (``replicas``, or autoscaled between ``autoscale`` bounds): one
-  :class:`~dualtrack.runtime.engine.Engine` per replica behind dualtrack's own
-  :class:`~dualtrack.serve.batcher.Batcher`. On ``cuda`` a replica asks Ray for one GPU
-  (``num_gpus=1``): Ray sets ``CUDA_VISIBLE_DEVICES`` to that GPU, so the engine opens device 0 of
-  the replica and owns its primary context. The constructor loads the bundle and warms it up
-  before it returns, so Ray routes to a replica only once it is warm; a bundle that fails to load
-  raises there, and Ray reports the deployment unhealthy (``DEPLOY_FAILED``) with that reason.
-  ``check_health`` fails a replica whose engine failed later, and Ray replaces it.
-- **DualtrackIngress** (CPU, ``ingress_replicas``, scaled apart from the model): the HTTP app of
-  ``dualtrack serve`` itself (:func:`dualtrack.serve.app.assemble`) with a :class:`ModelClient` in
-  place of the batcher, so ``POST /v1/segment``, ``/healthz``, ``/readyz``, ``/metrics`` and ``/``
-  answer the same bodies and codes; the images are decoded, resized and encoded here.
-- **DualtrackMetrics** (one replica, no CPU reserved): the service's one Prometheus registry
-  (:class:`~dualtrack.serve.metrics.ServeMetrics`), fed by every ingress replica (requests,
-  latency) and every model replica (batches, queue depth) the way ``--workers`` feeds the engine
-  process's, so ``/metrics`` on any replica is the whole service's.
+- **0 (the default): the model replicas answer HTTP.** **DualtrackModel** (:class:`ServingReplica`,
+  ``replicas``, or autoscaled between ``autoscale`` bounds) runs the HTTP app of ``dualtrack serve``
+  (:func:`dualtrack.serve.app.assemble`) around its own engine and
+  :class:`~dualtrack.serve.batcher.Batcher`: a request reaches the engine with no deployment-handle
+  hop, and its JPEG is decoded there, on the replica's GPU where the direct service decodes it there.
+  With Ray Serve's throughput settings (:data:`~dualtrack.serve.ray_config.THROUGHPUT_ENV`, which a
+  local instance starts with) each replica runs its own HTTP server and HAProxy on every node sends
+  the Serve port's requests straight to them: no Python proxy either.
+- **N: CPU ingress replicas in front.** **DualtrackIngress** (``ingress_replicas``, scaled apart from
+  the model) runs the same HTTP app with a :class:`ModelClient` in place of the batcher and decodes
+  the images itself, or sends a JPEG the GPU takes as its bytes (``run_jpeg``); the model replicas
+  (:class:`ModelReplica`) answer those calls. One more hop per request, for a GPU whose replica's
+  CPU cannot keep up with its requests.
 
-Faults. A request in flight on a model replica that dies fails with Ray's actor error, answered
-503 with ``Retry-After`` (the client retries; Ray restarts the replica and routes new requests to
-the live ones): never a hang, never another request's mask. ``/readyz`` is 200 while at least one
-model replica runs, 503 with Ray's reason when none can (``engine failed to load: ...``); its
-``devices`` lists where each live model replica's engine runs (its process, ``CUDA_VISIBLE_DEVICES``,
-and the GPU's name, PCI bus id, UUID and primary contexts as the replica's driver reports them:
-:mod:`dualtrack.serve.placement`), so a deployment can check that no two replicas share a GPU.
+On ``cuda`` a model replica asks Ray for one GPU (``num_gpus=1``): Ray sets ``CUDA_VISIBLE_DEVICES``
+to that GPU, so the engine opens device 0 of the replica and owns its primary context. The
+constructor loads the bundle and warms it up before it returns, so Ray routes to a replica only once
+it is warm; a bundle that fails to load raises there, and Ray reports the deployment unhealthy
+(``DEPLOY_FAILED``) with that reason. ``check_health`` fails a replica whose engine failed later, and
+Ray replaces it. **DualtrackMetrics** (one replica, no CPU reserved) is the service's one Prometheus
+registry (:class:`~dualtrack.serve.metrics.ServeMetrics`), fed by every replica (requests, latency,
+batches, queue depth) the way ``--workers`` feeds the engine process's, so ``/metrics`` on any replica
+is the whole service's; ``/readyz``'s ``devices`` lists where each live model replica's engine runs
+(its process, ``CUDA_VISIBLE_DEVICES``, and the GPU's name, PCI bus id, UUID and primary contexts as
+the replica's driver reports them: :mod:`dualtrack.serve.placement`), so a deployment can check that
+no two replicas share a GPU. Every deployment-handle call is made on the calling replica's event loop
+(:func:`on_loop`): under the throughput settings Ray's router runs there and refuses other threads.
+
+Faults. Behind ingress replicas, a request in flight on a model replica that dies fails with Ray's
+actor error, answered 503 with ``Retry-After`` (the client retries; Ray restarts the replica and
+routes new requests to the live ones): never a hang, never another request's mask; ``/readyz`` is
+200 while at least one model replica runs, 503 with Ray's reason when none can (``engine failed to
+load: ...``). Where the model replicas answer HTTP, the requests a dying replica held are answered
+500 by Ray's HTTP layer (plain text; measured with HAProxy, docs/ray.md), never another request's
+mask, and new requests go to the live replicas; a deployment that cannot start is reported by
+``dualtrack serve`` itself (:func:`failure_error`).
 
 Batching: dualtrack's :class:`~dualtrack.serve.batcher.Batcher` inside the replica, not Ray's
 ``@serve.batch``. Measured on the CPU (``bench/ray_batching.py``: tiny bundle, one replica each, 16
@@ -35,9 +48,8 @@ of a shared 2-core machine, because the CPU engine's run dominates both. The bat
 because it is the policy ``dualtrack serve`` has (the delay counted from the oldest request, the
 smallest compiled size that holds the rows), it copies each image straight into its row of the
 engine's page-locked host array (``@serve.batch`` hands over a list that must be stacked into a new
-array: one more copy of every image, on the path the GPU waits for), and it keeps every engine call
-on one thread, the one that owns the CUDA context. The GPU comparison is the same command with
-``--device cuda``.
+array: one more copy of every image, on the path the GPU waits for), it decodes JPEGs on the GPU
+with their batch, and it keeps every engine call on one thread, the one that owns the CUDA context.
 """
 
 from __future__ import annotations
@@ -369,8 +381,13 @@ class ModelClient(QueueState[EngineInfo]):
         try:
             reply = await response
         except asyncio.CancelledError:
-            # DeploymentResponse.cancel() may wait for the request to be assigned: not on the loop.
-            asyncio.get_running_loop().run_in_executor(None, response.cancel)
+            # DeploymentResponse.cancel() may wait for the request to be assigned where the router runs
+            # on a loop of its own (Ray's default): not on this loop. Where it runs on this one (the
+            # throughput settings), cancel() only cancels futures, and must be called here.
+            if getattr(response, "_is_router_running_in_separate_loop", True):
+                asyncio.get_running_loop().run_in_executor(None, response.cancel)
+            else:
+                response.cancel()
             raise
         except BackPressureError:
             raise QueueFullError(
