@@ -35,7 +35,7 @@ class NoMetrics:
     """Stands in for the metrics deployment's handle: this bench times batching, not reporting."""
 
     class _Record:
-        def remote(self, *args: object) -> None:
+        async def remote(self, *args: object) -> None:  # awaited on the replica's loop, as a response is
             pass
 
     record = _Record()
@@ -117,7 +117,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    options = RayAppOptions(bundle=args.bundle, device=args.device, max_batch_delay_ms=args.delay_ms).resolved()
+    # The batcher's queue as behind ingress replicas: twice the largest batch (the callers here are handles).
+    options = RayAppOptions(
+        bundle=args.bundle, device=args.device, max_batch_delay_ms=args.delay_ms, ingress_replicas=1
+    ).resolved()
     reference = Engine.load(args.bundle, device="cpu")
     rng = np.random.default_rng()
     shape = reference.input_spec.shape[1:]

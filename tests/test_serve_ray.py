@@ -486,6 +486,9 @@ def test_cli_serves_from_a_two_node_cluster(cluster: Any, ray_serve: int, tiny_b
     try:
         assert f"the Ray cluster at {cluster.address}: 2 model replicas on cpu" in line, line
         devices = _check_answers(f"http://127.0.0.1:{ray_serve}", reference, rng, replicas=2)
+        # Ray's own probes of every node's ingress: health, and the routes it serves.
+        assert httpx.get(f"http://127.0.0.1:{ray_serve}/-/healthz").status_code == 200
+        assert httpx.get(f"http://127.0.0.1:{ray_serve}/-/routes").json()["/"] == "dualtrack"
         # A replica is a child of its node's raylet: two raylets, two nodes (Serve spreads replicas).
         assert len({_parent(d["pid"]) for d in devices}) == 2, devices
         proc.send_signal(signal.SIGTERM)
