@@ -500,7 +500,10 @@ def _resize(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
 def _gemm(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
     if _attr(node, "transA", 0):
         raise _Refuse("contracts over the dim that holds the batch (transA)")
-    return _batch_major(walk, node, ins)
+    out = _batch_major(walk, node, ins)
+    if len(node.input) > 2 and node.input[2] in walk.consts and walk.batch > 1:  # C, broadcast to (M, N): M rows
+        _one_image_of(walk, node, 2, walk.consts[node.input[2]].ndim - 2)
+    return out
 
 
 def _batch_made(walk: _Walk, node: onnx.NodeProto) -> list[Axis] | None:

@@ -15,7 +15,12 @@ Each case goes through what a user's model goes through, with the CPU target:
 3. ``build`` with a config that says no more than a user's would: the model, ``targets: []`` (IREE
    llvm-cpu), ``batch_sizes`` the shipped input's dim 0, a fixed verification seed; the default
    partition, no pre/post-processing (the plain path: the bundle takes and returns the model's own
-   tensors); the precision is the model's own.
+   tensors); the precision is the model's own. Where the build is refused with a line that names one of
+   :data:`FIXES` as the fix, the case is built again with that line added, as the user reading it would:
+   ``batch: fixed`` where dim 0 holds data rather than images (a reduction, softmax, split or concat over
+   axis 0, an operand with rows of its own: the exported shape is built and run whole), ``precision: fp32``
+   for a float64 export (its input converted to float32 as the engine asks). Only then: a graph the image
+   path takes is always built and judged as images, and the table says which cases needed which line.
 4. The CPU engine runs the shipped input; every output is compared with the shipped one at the
    precision's default tolerance (non-finite values must sit where the shipped ones do).
 
@@ -130,6 +135,10 @@ NODE_OPS = frozenset(
 )
 STATUSES = ("match", "mismatch", "refused", "invalid", "internal", "traceback", "timeout", "ort")
 BUGS = ("invalid", "internal", "traceback")  # dualtrack's own failures, whatever onnxruntime does
+# Config lines a refusal may name as its fix, which the runner then adds as a user would: a graph whose dim 0
+# holds data (a reduction or concat over axis 0, an operand with rows of its own) built at its exported shape
+# whole, a float64 export built in float32.
+FIXES = (FIXED_BATCH, "precision: fp32")
 CASE_TIMEOUT_S = 180  # IREE 3.13 compiles some graphs for ever (a wrap-mode Pad); one case must not stall the run
 
 
@@ -159,7 +168,7 @@ class Outcome:
     frozen: int = 0  # inputs after the first made constants
     seconds: float = 0.0
     built: str = ""  # an `ort` case that was built anyway (onnxruntime cannot run it): the build's status
-    batch: str = "images"  # the config's `batch`: "fixed" where the images build was refused naming it
+    fixes: tuple[str, ...] = ()  # the config lines of FIXES added, each after a refusal that named it
 
     @property
     def counted(self) -> bool:
@@ -228,16 +237,18 @@ def run_case(case: Case, workdir: Path) -> Outcome:
         return Outcome(case.suite, case.name, "ort", first, seconds=time.perf_counter() - t0)
     single, frozen = freeze_extra_inputs(model, case.inputs)
     x = case.inputs[0] if case.inputs else None
-    batch = "images"
+    applied: tuple[str, ...] = ()
     try:
-        try:
-            got, precision = build_and_run(single, x, workdir)
-        except DualtrackError as e:
-            if FIXED_BATCH not in e.message:
-                raise
-            # What the refusal tells a user to do: dim 0 holds data, so build the exported shape whole.
-            batch = "fixed"
-            got, precision = build_and_run(single, x, workdir, batch)
+        while True:
+            try:
+                got, precision = build_and_run(single, x, workdir, applied)
+                break
+            except DualtrackError as e:
+                # What the refusal tells a user to write into the config, where it names one of FIXES.
+                fix = next((f for f in FIXES if f"`{f}`" in e.message and f not in applied), None)
+                if fix is None:
+                    raise
+                applied = (*applied, fix)
         status, detail, rel = judge(single, case.outputs, got, precision)
     except InternalError as e:  # a bug: a stage wrote a model the checker rejects, or failed outright
         status, detail, rel = "invalid" if "wrote an invalid model" in e.message else "internal", e.message, None
@@ -249,8 +260,8 @@ def run_case(case: Case, workdir: Path) -> Outcome:
     if first is not None and status not in BUGS:  # those are bugs whatever onnxruntime does
         # Built from the export's opset upgrade (the front end's check runs on it): the shipped outputs decide.
         built = f"{first}; built: {status}" + (f" ({detail})" if status != "match" else "")
-        return Outcome(case.suite, case.name, "ort", built, rel, frozen, seconds, status, batch)
-    return Outcome(case.suite, case.name, status, detail, rel, frozen, seconds, batch=batch)
+        return Outcome(case.suite, case.name, "ort", built, rel, frozen, seconds, status, applied)
+    return Outcome(case.suite, case.name, status, detail, rel, frozen, seconds, fixes=applied)
 
 
 def _first_line(text: str) -> str:
@@ -299,21 +310,23 @@ def freeze_extra_inputs(model: onnx.ModelProto, inputs: Sequence[np.ndarray]) ->
 
 
 def build_and_run(
-    model: onnx.ModelProto, x: np.ndarray | None, workdir: Path, batch: str = "images"
+    model: onnx.ModelProto, x: np.ndarray | None, workdir: Path, fixes: tuple[str, ...] = ()
 ) -> tuple[dict[str, np.ndarray], str]:
-    """Build ``model`` for the CPU as a user's config would (``batch``: the config's `batch`), run the
-    bundle on ``x``; the outputs by name and the precision built."""
+    """Build ``model`` for the CPU as a user's config would, with the config lines ``fixes`` (of FIXES),
+    run the bundle on ``x``; the outputs by name and the precision built."""
     onnx.save(model, str(workdir / "model.onnx"))
-    if batch == "fixed":
-        sizes = "batch: fixed"
-    else:
-        sizes = f"batch_sizes: [{int(x.shape[0]) if x is not None and x.ndim and x.shape[0] >= 1 else 1}]"
+    lines = list(fixes)
+    if FIXED_BATCH not in fixes:
+        lines.append(f"batch_sizes: [{int(x.shape[0]) if x is not None and x.ndim and x.shape[0] >= 1 else 1}]")
     config = workdir / "case.yaml"
-    config.write_text(f"model: model.onnx\ntargets: []\n{sizes}\nverify: {{seed: 0}}\n")
-    result = build(config, workdir / f"bundle-{batch}")
+    config.write_text("\n".join(["model: model.onnx", "targets: []", *lines, "verify: {seed: 0}", ""]))
+    result = build(config, workdir / f"bundle{len(fixes)}")
     assert result.plan is not None
     if x is None:  # a model without a data input is refused by the front end before this
         raise AssertionError("built a model without a data input")
+    want = result.plan.inputs[0].dtype
+    if x.dtype == np.float64 and want == "float32":  # `precision: fp32` on a float64 export: as the engine says
+        x = x.astype(np.float32)
     with Engine.load(result.bundle, "cpu") as engine:
         return engine.run(x), result.plan.precision
 
@@ -456,10 +469,17 @@ def table(outcomes: Sequence[Outcome], header: str = "") -> str:
     if reasons:
         lines += ["", "## Why a case does not build and match", "", "| cases | reason |", "|---:|---|"]
         lines += [f"| {n} | {_cell(r)} |" for r, n in reasons.most_common()]
-    lines += ["", "## Every case", "", "| suite | case | outcome | inputs frozen | detail |", "|---|---|---|---:|---|"]
+    lines += ["", "## Every case", "", "| suite | case | outcome | inputs frozen | config added | detail |"]
+    lines += ["|---|---|---|---:|---|---|"]
     for o in outcomes:
-        lines.append(f"| {o.suite} | {o.name} | {o.status} | {o.frozen or ''} | {_cell(o.detail)} |")
+        added = ", ".join(f"`{f}`" for f in o.fixes)
+        lines.append(f"| {o.suite} | {o.name} | {o.status} | {o.frozen or ''} | {added} | {_cell(o.detail)} |")
     return "\n".join(lines) + "\n"
+
+
+def _added(outcomes: Sequence[Outcome], fix: str) -> int:
+    """How many cases were built with the config line ``fix`` added (:data:`FIXES`)."""
+    return sum(fix in o.fixes for o in outcomes)
 
 
 def _ort_matched(outcomes: Sequence[Outcome]) -> int:
@@ -521,11 +541,13 @@ def header(outcomes: Sequence[Outcome], seconds: float, jobs: int) -> str:
             f"{_ort_matched(outcomes)} build anyway (from their opset upgrade, which the front end checks against "
             "in onnxruntime) and match their shipped outputs.",
             "",
-            "dualtrack runs a model image by image along dim 0 of its input (the CPU modules take one image at a "
-            "time), so a graph whose dim 0 holds data rather than a batch (a reduction, softmax, split or concat "
-            "over axis 0, or an operand with rows of its own, as many node tests and the frozen inputs of "
-            "multi-input tests have) is refused by the batch check with one line, and so are sequence and string "
-            "graphs; there is no fixed-batch build mode for them.",
+            "By default dualtrack runs a model image by image along dim 0 of its input, so a graph whose dim 0 "
+            "holds data rather than a batch (a reduction, softmax, split or concat over axis 0, or an operand with "
+            "rows of its own, as many node tests and the frozen inputs of multi-input tests have) is refused by "
+            "the batch check with one line that names `batch: fixed`; the runner then adds that line, which builds "
+            f"the exported shape whole ({_added(outcomes, FIXED_BATCH)} cases). A float64 export is refused naming "
+            f"`precision: fp32`, which builds it in float32 ({_added(outcomes, 'precision: fp32')} cases). "
+            "Sequence and string graphs are refused.",
             "",
         ]
     )

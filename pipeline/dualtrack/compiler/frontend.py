@@ -37,6 +37,7 @@ from dualtrack.compiler.batch_free import BATCH, free_batch, replace_input, stat
 from dualtrack.compiler.channels_last import channels_first
 from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
 from dualtrack.compiler.convt_phases import sub_pixel_convolutions
+from dualtrack.compiler.iree_forms import WIDENED, matrix_matmuls, signed_powers, widened_unsigned
 from dualtrack.compiler.lower_pad import full_pads
 from dualtrack.compiler.resize_maps import iree_cannot_lower, resize_maps
 from dualtrack.contract.checks import MASK, PROBS
@@ -233,13 +234,44 @@ def fixed_input_shape(model: onnx.ModelProto) -> tuple[int, ...]:
 
 def _refuse_float64(model: onnx.ModelProto) -> None:
     """IREE 3.13's importer demotes float64 to float32, so a float64 model would meet its own module with
-    buffers of half the size: refused instead, with the fix."""
+    buffers of half the size: refused instead, with the fix (`precision: fp32` converts it first)."""
     for vi in [*model.graph.input, *model.graph.output]:
         if vi.type.tensor_type.elem_type == TensorProto.DOUBLE:
             raise ModelError(
                 f"the model's {'input' if vi in model.graph.input else 'output'} '{vi.name}' is float64; dualtrack "
-                "builds fp32 and fp16 models (IREE 3.13 computes float64 as float32): export the model in float32"
+                "builds fp32 and fp16 models (IREE 3.13 computes float64 as float32): set `precision: fp32` to build "
+                "it in float32 (verified against the float64 export at fp32's tolerance), or export it in float32"
             )
+
+
+def float64_as_float32(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """Every float64 tensor of the graph as float32: inputs, outputs, weights, constants and casts (what
+    `precision: fp32` asks of a float64 export). The export stays the reference the build is checked against."""
+    g = model.graph
+    if not any(vi.type.tensor_type.elem_type == TensorProto.DOUBLE for vi in [*g.input, *g.output]) and not any(
+        i.data_type == TensorProto.DOUBLE for i in g.initializer
+    ):
+        return model
+    model = copy.deepcopy(model)
+    g = model.graph
+
+    def single(t: onnx.TensorProto) -> onnx.TensorProto:
+        return numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name)
+
+    for i, init in enumerate(g.initializer):
+        if init.data_type == TensorProto.DOUBLE:
+            g.initializer[i].CopyFrom(single(init))
+    for vi in [*g.input, *g.output, *g.value_info]:
+        if vi.type.tensor_type.elem_type == TensorProto.DOUBLE:
+            vi.type.tensor_type.elem_type = TensorProto.FLOAT
+    for n in g.node:
+        for a in n.attribute:
+            if a.name == "to" and a.i == TensorProto.DOUBLE:
+                a.i = TensorProto.FLOAT
+            elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.DOUBLE:
+                a.t.CopyFrom(single(a.t))
+    log.append(Rewrite("precision", "float64 computed as float32 (`precision: fp32`): inputs, outputs and weights"))
+    return model
 
 
 def upgrade_opset(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
@@ -367,6 +399,28 @@ def separable_resizes(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelP
     if done:
         shown = ", ".join(done[:4]) + (f" and {len(done) - 4} more" if len(done) > 4 else "")
         log.append(Rewrite("resize", f"{len(done)} Resize(s) IREE cannot lower as per-axis Gather/MatMul: {shown}"))
+    return model
+
+
+def iree_forms(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """Ops in forms IREE 3.13 refuses or computes wrong, in forms it compiles right
+    (:mod:`dualtrack.compiler.iree_forms`)."""
+    if not any(n.op_type in ("MatMul", "Pow", *(op for op, _ in WIDENED)) for n in model.graph.node):
+        return model
+    model = copy.deepcopy(model)
+    model, vectors = matrix_matmuls(model)
+    model, widened = widened_unsigned(model)
+    model, powers = signed_powers(model)
+    if powers:
+        log.append(
+            Rewrite("pow", f"{len(powers)} Pow(s) of whole exponents with the sign of x: {', '.join(powers[:4])}")
+        )
+    if vectors:
+        shown = ", ".join(vectors[:4])
+        log.append(Rewrite("matmul", f"{len(vectors)} MatMul(s) of a 1-D operand as matrix products: {shown}"))
+    if widened:
+        shown = ", ".join(widened[:4])
+        log.append(Rewrite("unsigned", f"computed in a wider type (IREE takes uint8 as signed): {shown}"))
     return model
 
 
@@ -916,9 +970,10 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     log: list[Rewrite] = []
     check = StageCheck(raw, cfg.model.name)
     original = check("weights", weights_out_of_inputs(raw, log))
-    single_input(original)
-    m = check("opset", upgrade_opset(original, log))
-    upgraded = m if m is not original else None
+    m = check("float64", float64_as_float32(original, log)) if cfg.precision == "fp32" else original
+    single_input(m)
+    up = check("opset", upgrade_opset(m, log))
+    upgraded, m = (up if up is not m else None), up
     export_batch = None
     if cfg.batch == "fixed":  # dim 0 is data: nothing to make generic (free_batch has nothing to free either)
         fixed_input_shape(m)
@@ -938,6 +993,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
         log.append(Rewrite("batch", freed))
     m = check("resize", static_resize_scales(m, log))
     m = check("resize", separable_resizes(m, log))
+    m = check("iree-forms", iree_forms(m, log))
     m = check("pad", fold_zero_pads(m, log))
     m = check("stack", unstack_reductions(m, log))
     m = check("convtranspose", sub_pixel_convtransposes(m, log))

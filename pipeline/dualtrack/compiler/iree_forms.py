@@ -1,0 +1,149 @@
+"""Ops in forms IREE 3.13 mishandles, rewritten into forms it compiles right (front-end stages).
+
+Each rewrite keeps the op's ONNX semantics exactly and is found by the conformance runner
+(:mod:`dualtrack.compiler.conformance`), where IREE refused the form or computed it wrong:
+
+- a MatMul with a 1-D operand ("failed to legalize onnx.MatMul" for 1-D x 3-D and 4-D x 1-D): the
+  vector made a matrix the way ONNX defines it (a row in front, a column behind) and the added dim
+  squeezed away after;
+- uint8 Div and MaxPool, which IREE computes as signed i8 (a value above 127 taken as negative: 45% and
+  all of the node tests' random inputs wrong): computed in a wider type that holds every uint8 exactly.
+
+- a Pow whose exponent is a constant of whole numbers, not all one value, which IREE computes as
+  exp(y log x): NaN for every negative base, where x ** 3 is -27 for x = -3. Computed as
+  |x| ** y times the constant sign (-1) ** y where x is negative.
+
+float64 is not here: it is a precision, converted where the config asks for it (frontend.float64_as_float32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from dualtrack.compiler.batch_free import static_shapes
+
+# (op, input type) -> the type it is computed in, exact for every value of the input type.
+WIDENED = {
+    ("Div", TensorProto.UINT8): TensorProto.INT32,
+    ("MaxPool", TensorProto.UINT8): TensorProto.FLOAT,  # MaxPool takes no int32; float32 holds uint8 exactly
+}
+
+
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    g = inferred.graph
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in [*g.input, *g.value_info, *g.output]}
+    types.update({i.name: i.data_type for i in g.initializer})
+    return types
+
+
+def widened_unsigned(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """Each op of :data:`WIDENED` on its unsigned type computed in the wider type: its inputs cast up, its
+    first output cast back. The model (changed in place) and the nodes rewritten."""
+    if not any(n.op_type in {op for op, _ in WIDENED} for n in model.graph.node):
+        return model, []
+    types = _elem_types(model)
+    done: list[str] = []
+    nodes: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        wide = WIDENED.get((node.op_type, types.get(node.input[0], 0))) if node.input else None
+        if wide is None or len(node.output) != 1:  # MaxPool's Indices output is int64 already; one output only
+            nodes.append(node)
+            continue
+        base, narrow = node.name or node.output[0], types[node.input[0]]
+        for k, x in enumerate(node.input):
+            if x:
+                nodes.append(helper.make_node("Cast", [x], [f"{base}__wide{k}"], name=f"{base}__wide{k}", to=wide))
+                node.input[k] = f"{base}__wide{k}"
+        out = node.output[0]
+        node.output[0] = f"{base}__wide_out"
+        nodes.append(node)
+        nodes.append(helper.make_node("Cast", [node.output[0]], [out], name=f"{base}__narrow", to=narrow))
+        done.append(f"{node.op_type} '{base}'")
+    if done:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        del model.graph.value_info[:]
+    return model, done
+
+
+def matrix_matmuls(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """Each MatMul with a 1-D operand as a matrix product: the vector unsqueezed to (1, K) in front or (K, 1)
+    behind, the dim that added squeezed from the product. The model (changed in place), the nodes rewritten."""
+    if not any(n.op_type == "MatMul" for n in model.graph.node):
+        return model, []
+    shapes = static_shapes(model)
+    shapes.update({i.name: tuple(i.dims) for i in model.graph.initializer})
+    done: list[str] = []
+    nodes: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        ranks = [len(shapes.get(x, ())) if x in shapes else None for x in node.input]
+        if node.op_type != "MatMul" or 1 not in ranks or None in ranks:
+            nodes.append(node)
+            continue
+        base, out = node.name or node.output[0], node.output[0]
+        squeeze = []
+        for k, axis in ((0, 0), (1, 1)):
+            if ranks[k] == 1:
+                axes = f"{base}__axes{k}"
+                model.graph.initializer.append(numpy_helper.from_array(_i64([axis]), axes))
+                nodes.append(
+                    helper.make_node("Unsqueeze", [node.input[k], axes], [f"{base}__mat{k}"], name=f"{base}__mat{k}")
+                )
+                node.input[k] = f"{base}__mat{k}"
+                squeeze.append(-2 if k == 0 else -1)
+        node.output[0] = f"{base}__product"
+        nodes.append(node)
+        # Both squeezed dims are counted from the end of the product: (.., 1, N) and (.., M, 1).
+        axes = f"{base}__squeeze_axes"
+        model.graph.initializer.append(numpy_helper.from_array(_i64(sorted(squeeze)), axes))
+        nodes.append(helper.make_node("Squeeze", [node.output[0], axes], [out], name=f"{base}__vector"))
+        done.append(f"'{base}'")
+    if done:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        del model.graph.value_info[:]
+    return model, done
+
+
+def signed_powers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """Each Pow of a constant whole-number exponent (not a single value: IREE gets x ** 2 right) as
+    ``Pow(Abs(x), y) * Where(x < 0, (-1) ** y, 1)``. The model (changed in place), the nodes rewritten."""
+    consts = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    done: list[str] = []
+    nodes: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        y = consts.get(node.input[1]) if node.op_type == "Pow" else None
+        if y is None or y.size < 2 or np.all(y == y.flat[0]) or not np.all(np.isfinite(y) & (np.round(y) == y)):
+            nodes.append(node)
+            continue
+        base, x, out = node.name or node.output[0], node.input[0], node.output[0]
+        odd = numpy_helper.from_array((np.abs(np.round(y)) % 2 == 1).astype(bool), f"{base}__odd")
+        zero = f"{base}__zero"
+        model.graph.initializer.append(odd)
+        nodes += [
+            helper.make_node("Abs", [x], [f"{base}__abs"], name=f"{base}__abs"),
+            helper.make_node("Pow", [f"{base}__abs", node.input[1]], [f"{base}__magnitude"], name=base),
+            helper.make_node("Neg", [f"{base}__magnitude"], [f"{base}__negated"], name=f"{base}__negated"),
+            helper.make_node("Sub", [x, x], [zero], name=zero),  # a zero of x's type and shape
+            helper.make_node("Less", [x, zero], [f"{base}__negative"], name=f"{base}__negative"),
+            helper.make_node("And", [f"{base}__negative", odd.name], [f"{base}__flip"], name=f"{base}__flip"),
+            helper.make_node(
+                "Where", [f"{base}__flip", f"{base}__negated", f"{base}__magnitude"], [out], name=f"{base}__sign"
+            ),
+        ]
+        done.append(f"'{base}'")
+    if done:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        del model.graph.value_info[:]
+    return model, done
+
+
+def _i64(values: list[int]) -> np.ndarray:
+    return np.array(values, np.int64)
+
+
+__all__ = ["WIDENED", "matrix_matmuls", "signed_powers", "widened_unsigned"]
