@@ -13,6 +13,7 @@ import ctypes
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -292,3 +293,131 @@ def test_rows_of_devices_without_the_wgmma_kernel_have_no_wgmma_rate() -> None:
         assert cost.rates_for_target(target).track_a_wgmma is None
     row = cost.rates_for(for_target("h200"))
     assert row.to_json()["track_a_wgmma"] == {"tflops": 300.0, "tbps": 2.5, "launch_us": 3.0}
+
+
+def test_an_sm90a_bundle_carries_the_wgmma_kernel_for_a_plan_of_1x1_convs_only() -> None:
+    from dualtrack.compiler.build import track_a_stems
+    from dualtrack.contract.plan import Plan, Segment, TensorSpec
+
+    x, y = TensorSpec("x", (1, 16, 16, 48), "float16"), TensorSpec("y", (1, 16, 16, 80), "float16")
+    seg = Segment(0, "A", ("block/pwconv1",), (x,), (y,), "", calls=(_call(),))
+    plan = Plan((x,), (y,), (seg,), "fp16", (1, 8))
+    assert track_a_stems(plan, "compute_90a") == ["conv3x3_wgmma", "conv_nhwc"]
+    assert track_a_stems(plan, "compute_80") == ["conv_nhwc"]  # mma.sync: no wgmma off sm_90a
+    assert track_a_stems(plan, "compute_90a", use_tma=False) == ["conv_nhwc"]
+
+
+# -- the data path, emulated ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def emulate() -> Any:
+    """bench/wgmma/emulate.py: TMA tiled loads (zero fill, swizzle), wgmma operand reads through the
+    kernel's descriptors and the accumulator fragment layout, as the PTX ISA documents them."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench" / "wgmma"))
+    try:
+        import emulate as em
+    finally:
+        sys.path.remove(str(ROOT / "bench" / "wgmma"))
+    return em
+
+
+def _emulate_pointwise(
+    em: Any,
+    cfg: kernels.WgmmaConfig,
+    x_wide: np.ndarray,
+    x_off: int,
+    w: np.ndarray,
+    bias: np.ndarray,
+    res: np.ndarray,
+    act: Activation,
+    y_wide: np.ndarray,
+    y_off: int,
+) -> None:
+    """One launch of a 1x1 entry, CTA by CTA, with the kernel's own formulas (conv3x3_wgmma.cu, PW):
+    the tile decode, the producer's 2-D coordinates, the consumers' descriptors, the general
+    epilogue (fp32 staging with the bias, then per 8-channel chunk: pixel < M, residual, activation,
+    one fp16 rounding, a store at pixel * ldy + channel)."""
+    cp = em.cp
+    N, H, W, ldx = x_wide.shape
+    K, C = w.shape[0], w.shape[-1]
+    M, ldy = N * H * W, y_wide.shape[-1]
+    gx, gw = em.Memory(x_wide.nbytes, 0x10000), em.Memory(w.nbytes, 0x8000000)
+    gx.words[:] = x_wide.reshape(-1).view(np.uint16)
+    gw.words[:] = np.ascontiguousarray(w).reshape(-1).view(np.uint16)
+    tmx, tmw = input_map(cfg, 0x10000 + 2 * x_off, N, H, W, C, ldx), weight_map(cfg, 0x8000000, K, C)
+    raw = 0x50
+    base = (raw + cp.ALIGN - 1) & ~(cp.ALIGN - 1)
+    smem, row = em.Memory(cfg.smem_bytes, raw), cfg.row_bytes
+    n_tiles, yf, rf = -(-K // cfg.bn), y_wide.reshape(-1), res.reshape(M, -1)
+    for block in range(cfg.ctas(N, H, W, K)):
+        nt, m0 = block % n_tiles, (block // n_tiles) * cfg.bm
+        n0 = nt * cfg.bn
+        acc = np.zeros((cfg.wgs, cfg.mt, 64, cfg.bn), np.float32)
+        for kb in range(cfg.k_blocks(C)):
+            stage = kb % cfg.stages
+            a_dst = base + stage * cfg.stage_bytes
+            got = em.tma_load(smem, a_dst, tmx, gx, (kb * cfg.bk, m0))
+            got += em.tma_load(smem, a_dst + cfg.a_bytes, tmw, gw, (kb * cfg.bk, n0))
+            assert got == cfg.stage_bytes, "expect_tx would not match the bytes TMA delivers"
+            so = (stage * cfg.stage_bytes) >> 4
+            for g in range(cfg.wgs):
+                for k in range(cfg.bk // 16):
+                    for mt in range(cfg.mt):
+                        da = cp.smem_desc(base + g * cfg.mt * 64 * row, row) + so + ((mt * 64 * row + k * 32) >> 4)
+                        db = cp.smem_desc(base + cfg.a_bytes, row) + so + ((k * 32) >> 4)
+                        a = em.wgmma_operand(smem, da, 64).astype(np.float32)
+                        acc[g, mt] += a @ em.wgmma_operand(smem, db, cfg.bn).astype(np.float32).T
+        for g in range(cfg.wgs):
+            tile = np.zeros((cfg.mt * 64, cfg.bn + 8), np.float32)  # stage_tile_f32
+            for mt in range(cfg.mt):
+                regs = em.hw_fragments(acc[g, mt])
+                for t in range(128):
+                    wl, lane = divmod(t, 32)
+                    for j in range(cfg.bn // 8):
+                        col = 8 * j + 2 * (lane & 3)
+                        b = [bias[n0 + col + e] if n0 + col + e < K else 0.0 for e in (0, 1)]
+                        for half in range(2):
+                            r = mt * 64 + 16 * wl + (lane >> 2) + 8 * half
+                            tile[r, col : col + 2] = regs[t, 4 * j + 2 * half : 4 * j + 2 * half + 2] + b
+            for i in range(cfg.mt * 64 * (cfg.bn // 8)):  # store_general
+                r, q = divmod(i, cfg.bn // 8)
+                pix, k = m0 + g * cfg.mt * 64 + r, n0 + 8 * q
+                if pix >= M or k >= K:
+                    continue
+                n = min(8, K - k)
+                v = tile[r, 8 * q : 8 * q + n] + rf[pix, k : k + n].astype(np.float32)
+                dst = pix * ldy + y_off + k
+                yf[dst : dst + n] = act.apply(v).astype(np.float16)
+
+
+@pytest.mark.parametrize(
+    ("entry", "shape"),
+    [
+        ("conv3x3_wgmma_bn64_mt1_wg2_bk32_1x1", (2, 7, 9, 48, 80)),  # 126 pixels, C = 48 of 2 k-blocks, K tail
+        ("conv3x3_wgmma_bn32_mt2_wg2_bk64_1x1", (1, 5, 61, 128, 20)),  # 305 pixels, 2 k-blocks of 64, K = 20
+        ("conv3x3_wgmma_bn128_mt1_wg2_bk64_1x1", (1, 3, 50, 64, 136)),  # two channel tiles, the second 8 wide
+    ],
+)
+def test_the_1x1_data_path_computes_the_reference(emulate, entry: str, shape: tuple) -> None:
+    """The emulated launch (2-D boxes through the swizzle, the descriptors, the fragments, the general
+    epilogue) against the general conv's float64-accurate reference on fresh random data: within
+    one fp16 rounding (2e-3 relative); channels outside the output slice untouched."""
+    rng = np.random.default_rng()
+    cfg = WG.config(entry)
+    n, h, w, c, k = shape
+    x_off, y_off = 8, 8
+    x_wide = rng.standard_normal((n, h, w, c + 16)).astype(np.float16)
+    wt = (rng.standard_normal((k, 1, 1, c)) / np.sqrt(c)).astype(np.float16)
+    bias = rng.standard_normal(k).astype(np.float32)
+    res = rng.standard_normal((n, h, w, k)).astype(np.float16)
+    act = Activation.named("gelu")
+    y_wide = np.full((n, h, w, k + 24), -1234.5, np.float16)
+    _emulate_pointwise(emulate, cfg, x_wide, x_off, wt, bias, res, act, y_wide, y_off)
+    x = x_wide[..., x_off : x_off + c].astype(np.float32)
+    want = GENERAL.reference(x, wt.astype(np.float32), bias, res.astype(np.float32), geom=ONE, act=act)
+    got = y_wide[..., y_off : y_off + k].astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+    assert (np.delete(y_wide, np.s_[y_off : y_off + k], axis=3) == np.float16(-1234.5)).all()

@@ -99,16 +99,21 @@ class _Ctx:
         return buf.ptr
 
 
-def ort_pointwise(x: np.ndarray, w: np.ndarray, b: np.ndarray, r: np.ndarray | None, act: Activation) -> np.ndarray:
-    """onnxruntime's Conv 1x1 (+ Add of ``r``) + the activation's nodes, float32, NHWC in and out."""
+def ort_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray, r: np.ndarray | None, act: Activation) -> np.ndarray:
+    """onnxruntime's Conv (``w``: KRSC, 1x1 or 3x3 with padding 1) (+ Add of ``r``) + the
+    activation's nodes, float32, NHWC in and out."""
     nodes, inits = act_nodes(act, "s", "y") if act.code else ([helper.make_node("Identity", ["s"], ["y"])], [])
     conv_out = "t" if r is not None else "s"
-    graph_nodes = [helper.make_node("Conv", ["x", "w", "b"], [conv_out])]
+    pad = w.shape[1] // 2
+    graph_nodes = [helper.make_node("Conv", ["x", "w", "b"], [conv_out], pads=[pad] * 4)]
     feeds = {"x": x.astype(np.float32).transpose(0, 3, 1, 2)}
     if r is not None:
         graph_nodes.append(helper.make_node("Add", ["t", "r"], ["s"]))
         feeds["r"] = r.astype(np.float32).transpose(0, 3, 1, 2)
-    weights = [numpy_helper.from_array(w.astype(np.float32)[:, :, None, None], "w"), numpy_helper.from_array(b, "b")]
+    weights = [
+        numpy_helper.from_array(w.astype(np.float32).transpose(0, 3, 1, 2), "w"),
+        numpy_helper.from_array(b, "b"),
+    ]
     graph = helper.make_graph(
         [*graph_nodes, *nodes],
         "pointwise",
@@ -129,7 +134,7 @@ def check(what: str, got: np.ndarray, want: np.ndarray) -> None:
     assert not bad.any(), f"{what}: {bad.sum()} of {bad.size} differ, e.g. got {got64[bad][:4]} want {want64[bad][:4]}"
 
 
-def run_pointwise(
+def run_conv(
     engine: Engine,
     entries: dict[str, Any],
     shape: tuple[int, int, int, int, int],
@@ -138,14 +143,16 @@ def run_pointwise(
     residual: bool = False,
     entry: str | None = None,
     repeat: int = 1,
+    window: int = 1,
 ) -> str:
-    """One 1x1 conv on fresh random data in channel slices (x, residual, y at channel OFF of wider
-    buffers), prepared by the general conv's spec (``entry`` None: the chooser's pick, which must be
-    a 1x1 wgmma entry) or forced onto ``entry``; compared with onnxruntime. Returns the entry run."""
+    """One 1x1 conv (``window`` 3: a 3x3 one, padding 1) on fresh random data in channel slices (x,
+    residual, y at channel OFF of wider buffers), prepared by the general conv's spec (``entry``
+    None: the chooser's pick, which must be a wgmma entry of that window) or forced onto ``entry``;
+    compared with onnxruntime. Returns the entry run."""
     n, h, w, c, k = shape
     s = _Slices(engine, "float16", OFF)
     x = s.rng.standard_normal((n, h, w, c)).astype(np.float16)
-    wt = (s.rng.standard_normal((k, c)) / np.sqrt(c)).astype(np.float16)
+    wt = (s.rng.standard_normal((k, window, window, c)) / np.sqrt(window * window * c)).astype(np.float16)
     b = s.rng.standard_normal(k).astype(np.float32)
     r = s.rng.standard_normal((n, h, w, k)).astype(np.float16) if residual else None
     x_ptr, ldx = s.input(x)
@@ -156,14 +163,16 @@ def run_pointwise(
     y_ptr, ldy = s.output((n, h, w, k))
     y = GpuTensor(y_ptr, (n, h, w, k), np.dtype("float16"), ld=ldy)
     weights = [
-        GpuTensor(s.weights(wt.reshape(k, 1, 1, c)), (k, 1, 1, c), np.dtype("float16")),
+        GpuTensor(s.weights(wt), wt.shape, np.dtype("float16")),
         GpuTensor(s.weights(b), (k,), np.dtype("float32")),
     ]
     ctx = _Ctx(engine)
     if entry is None:
+        p = window // 2
+        geom = kernels.ConvGeometry(window, window, pad_top=p, pad_left=p, pad_bottom=p, pad_right=p)
         call = KernelCall(
             "conv", ("x", "r") if residual else ("x",), ("y",), ("w", "b"),
-            (*kernels.ConvGeometry(1, 1).attrs(), *act.attrs(), ("residual", int(residual))), ("pw",),
+            (*geom.attrs(), *act.attrs(), ("residual", int(residual))), ("pw",),
         )  # fmt: skip
         prep = GENERAL.prepare_inputs(call, inputs, y, weights, ctx)
         assert prep.choice is not None and prep.choice.impl == "wgmma", prep.choice
@@ -172,7 +181,7 @@ def run_pointwise(
         splits = WG.splits(cfg, n, h, w, c, k)
         choice = kernels.ConvChoice("wgmma", entry, "forced by the test", splits)
         prep = WG.prepare_entry(choice, inputs[0], y, weights, act, ctx, res=inputs[1] if residual else None)
-    assert WG.config(prep.entry).pointwise, prep.entry
+    assert WG.config(prep.entry).pointwise is (window == 1), prep.entry
     be = engine.backend
     first = None
     for _ in range(repeat):  # split-K's tile counters must be back at zero for the next launch
@@ -181,7 +190,7 @@ def run_pointwise(
         assert first is None or np.array_equal(got, first, equal_nan=True), f"{prep.entry}: a repeat differs"
         first = got
     assert first is not None
-    want = ort_pointwise(x, wt, b, r, act)
+    want = ort_conv(x, wt, b, r, act)
     check(f"{prep.entry} {shape} {act.kind.name}{' + residual' if residual else ''}", first, want)
     return prep.entry
 
@@ -198,7 +207,7 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{s[0]}x{s[1]}x{s[2]}_{s[3]}to{s[4]}" for s in SHAPES])
 @pytest.mark.parametrize("kind", ROWS, ids=[k.name for k in ROWS])
 def test_every_activation_on_the_1x1_entries(engine: Engine, entries: dict, shape: tuple, kind: Any) -> None:
-    run_pointwise(engine, entries, shape, case_activation(kind))
+    run_conv(engine, entries, shape, case_activation(kind))
 
 
 @pytest.mark.parametrize("act", ["none", "relu", "gelu", "hardswish"])
@@ -206,14 +215,14 @@ def test_every_activation_on_the_1x1_entries(engine: Engine, entries: dict, shap
 def test_the_residual_is_added_before_the_activation(engine: Engine, entries: dict, shape: tuple, act: str) -> None:
     """ConvNeXt's second MLP conv (+ layer-scaled weights) + residual: none and ReLU take the fp16
     staging epilogue (per-pair residual reads), the others the fp32 one; both round once."""
-    run_pointwise(engine, entries, shape, Activation.named(act), residual=True)
+    run_conv(engine, entries, shape, Activation.named(act), residual=True)
 
 
 def test_few_pixels_split_the_reduction(engine: Engine, entries: dict) -> None:
     """100 pixels of 1024 channels: one tile, so split-K; launched twice on one workspace."""
     act = Activation.named("gelu")
     assert WG.splits(WG.choose_pointwise(100, 1024, 72), 1, 10, 10, 1024, 72) > 1
-    run_pointwise(engine, entries, (1, 10, 10, 1024, 72), act, residual=True, repeat=2)
+    run_conv(engine, entries, (1, 10, 10, 1024, 72), act, residual=True, repeat=2)
 
 
 @pytest.mark.parametrize("cfg", PW, ids=[c.entry for c in PW])
@@ -221,4 +230,11 @@ def test_every_1x1_configuration(engine: Engine, entries: dict, cfg: kernels.Wgm
     """Each compiled 1x1 entry, whatever the chooser would pick: C a multiple of its k-block."""
     c = 192 if cfg.bk == 64 else 96
     for act in ("relu", "silu"):
-        run_pointwise(engine, entries, (1, 9, 37, c, 72), Activation.named(act), residual=True, entry=cfg.entry)
+        run_conv(engine, entries, (1, 9, 37, c, 72), Activation.named(act), residual=True, entry=cfg.entry)
+
+
+@pytest.mark.parametrize("kind", ROWS, ids=[k.name for k in ROWS])
+def test_3x3_layers_take_every_activation_too(engine: Engine, entries: dict, kind: Any) -> None:
+    """The 3x3 entries share the epilogue: the general conv's 3x3 stride-1 layers with any activation
+    (and a residual) now run them; none and ReLU keep the measured fp16-staging path."""
+    run_conv(engine, entries, (2, 9, 13, 64, 40), case_activation(kind), residual=True, window=3)
