@@ -236,3 +236,52 @@ def test_supports_answers_without_a_plan() -> None:
     assert lower_mobile.supports(helper.make_node("Softmax", ["x"], ["y"]), facts) == (
         "Softmax is not a mobile-kernel op"
     )
+
+
+def test_an_fp32_island_lowers_where_the_export_orders_another_node_inside_it(tmp_path) -> None:
+    """An fp16 model's Resize runs in an fp32 island (Cast up, Resize, Cast down); a topological order may
+    put another node of the segment between them (here a Relu of the other branch). The island is one call
+    all the same, and the segment computes what onnxruntime computes."""
+    f16 = TensorProto.FLOAT16
+    inits = [numpy_helper.from_array(np.zeros(0, np.float32), "roi"),
+             numpy_helper.from_array(np.array([1, 1, 2, 3], np.float32), "scales")]  # fmt: skip
+    nodes = [
+        helper.make_node("Relu", ["image"], ["stem"], name="stem/relu"),
+        helper.make_node("Cast", ["stem"], ["up"], name="body/up", to=TensorProto.FLOAT),
+        helper.make_node("Relu", ["stem"], ["side"], name="body/side"),
+        helper.make_node(
+            "Resize",
+            ["up", "roi", "scales"],
+            ["big"],
+            name="body/resize",
+            mode="linear",
+            coordinate_transformation_mode="half_pixel",
+        ),
+        helper.make_node("Cast", ["big"], ["down"], name="body/down", to=f16),
+        helper.make_node("Relu", ["down"], ["out"], name="head/relu"),
+        helper.make_node("Relu", ["side"], ["out2"], name="head/relu2"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "island",
+        [helper.make_tensor_value_info("image", f16, ["N", 4, 5, 6])],
+        [helper.make_tensor_value_info("out", f16, None), helper.make_tensor_value_info("out2", f16, None)],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    plan, seg_models = plan_of(model, tmp_path, batch_sizes=(1,))
+    body = next(s for s in plan.segments if s.track == "A")
+    assert sorted(c.op for c in body.calls) == ["eltwise", "resize"]
+    (island,) = [c for c in body.calls if c.op == "resize"]
+    assert island.nodes == ("body/up", "body/resize", "body/down")
+    feeds = {t.name: np.random.default_rng(3).standard_normal(t.at_batch(1)).astype(t.dtype) for t in body.inputs}
+    got = interpret_track_a(body, {}, feeds)
+    sess = ort.InferenceSession(
+        seg_models[plan.segments.index(body)].SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    names = [o.name for o in sess.get_outputs()]
+    want = dict(zip(names, sess.run(names, feeds), strict=True))
+    for t in body.outputs:
+        g, w = got[t.name].astype(np.float64), want[t.name].astype(np.float64)
+        assert g.shape == w.shape and np.abs(g - w).max() <= 2e-3 * max(1.0, np.abs(w).max()), t.name  # fp16 rounding

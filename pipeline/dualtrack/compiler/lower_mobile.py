@@ -431,6 +431,35 @@ def supports(node: onnx.NodeProto, facts: Facts) -> str | None:
     return rule.supports(node, facts)
 
 
+def islands_together(seg: list[onnx.NodeProto], facts: Facts) -> list[onnx.NodeProto]:
+    """``seg`` with each fp32 island (:func:`cast_sandwich`) moved to consecutive places, at its cast
+    up: a topological order may put other nodes between its three (a Resize's island beside the branch
+    it is concatenated with). Moving the op and the cast down earlier keeps the order valid when the
+    op's other inputs (a Resize's scales or sizes) are not computed after the cast up in ``seg``;
+    an island where they are stays where it is (and :func:`lower` refuses it)."""
+    pos = {n.name: k for k, n in enumerate(seg)}
+    moved: dict[str, list[onnx.NodeProto]] = {}
+    for node in seg:
+        chain = cast_sandwich(node, facts) if node.op_type == "Cast" and _cast_to(node) == _FLOAT else None
+        if chain is None or not all(n.name in pos for n in chain):
+            continue
+        up, op, down = chain
+        late = [
+            t for t in op.input[1:] if t and t in facts.producer and pos.get(facts.producer[t].name, -1) > pos[up.name]
+        ]
+        if not late:
+            moved[up.name] = [op, down]
+    if not moved:
+        return seg
+    skip = {n.name for pair in moved.values() for n in pair}
+    out: list[onnx.NodeProto] = []
+    for node in seg:
+        if node.name not in skip:
+            out.append(node)
+            out.extend(moved.get(node.name, []))
+    return out
+
+
 def lower(seg: list[onnx.NodeProto], i: int, facts: Facts, fusable: Callable[[str], bool]) -> tuple[KernelCall, int]:
     """The call for ``seg[i]`` (which :func:`supports`) and how many nodes it covers: 2 when the
     next node is an activation of its output that ``fusable(output)`` allows (one consumer, not

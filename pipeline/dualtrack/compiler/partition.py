@@ -986,6 +986,7 @@ def lower_track_a(
     a residual computed between them (ResNet's downsample) is ready. ``ctx``: the model's, where the
     caller has it."""
     ctx = ctx or SupportContext.of(model, specs)
+    seg = lower_mobile.islands_together(seg, ctx.facts)
     in_seg = {n.name for n in seg}
 
     def private(t: str) -> bool:  # an intermediate no other track or graph output sees
