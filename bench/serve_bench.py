@@ -20,7 +20,8 @@
    Leading ``NAME=VALUE`` words of ARGS are the server's environment; ``--bundle PATH`` in ARGS
    serves that bundle instead of ``--bundle`` (whose engine alone is (1)).
 5. A variant with ``--backend ray`` (the Ray Serve application): CPU time and RSS over Ray's whole
-   process tree by process title, Ray's processes reaped after the server stops, and the device
+   process tree by process title, and grouped as a request's path (proxy, ingress, replica, metrics,
+   Ray's rest: ``ray_path_cpu_ms_per_request``), Ray's processes reaped after the server stops, and the device
    check of its model replicas (``/readyz``'s ``devices`` against ``nvidia-smi``'s compute
    processes: each replica sees one GPU and holds one primary context there, no two share a GPU).
 6. ``--profile``: py-spy (when on PATH) samples the server's processes during each timed load test,
@@ -430,6 +431,8 @@ def _serve_and_load(
             if on_ray:
                 entry["server_rss_mb_by_process"] = _tree_rss_mb(server.pid)
                 entry["cpu_accounting"] = RAY_CPU_NOTE
+                entry["ray_path_cpu_ms_per_request"] = ray_path(server_ms)
+                print(f"[{name}] Ray request path, CPU ms per request: {entry['ray_path_cpu_ms_per_request']}")
             results.append(entry)
         if on_ray:  # while the replicas hold their engines: what they report, and what nvidia-smi sees
             tree = set(_descendants(server.pid))
@@ -583,6 +586,23 @@ RAY_CPU_NOTE = (
     "workers are its descendants), by process title; a process that left the tree (reparented) is "
     "not counted, and 'worker: NAME' threads are not told apart inside a Ray process"
 )
+
+
+# Ray's processes by title, grouped the way issue 41 counts a request's CPU: the rest is Ray's own
+# (GCS, raylet, controller, dashboard agent, the driver), a cost per second spread over the requests.
+RAY_PATH = (
+    ("proxy", ("ray::ProxyActor", "haproxy", "ray::HAProxyManager")),
+    ("ingress", ("ray::ServeReplica:dualtrack:DualtrackIngress",)),
+    ("replica", ("ray::ServeReplica:dualtrack:DualtrackModel",)),
+    ("metrics", ("ray::ServeReplica:dualtrack:DualtrackMetrics",)),
+)
+
+
+def ray_path(server_ms: dict[str, float]) -> dict[str, float]:
+    """A Ray variant's server CPU ms per request as proxy, ingress, replica, metrics and Ray's rest."""
+    out = {part: round(sum(server_ms.get(t, 0.0) for t in titles), 3) for part, titles in RAY_PATH}
+    out["ray_rest"] = round(sum(server_ms.values()) - sum(out.values()), 3)
+    return out
 
 
 def _flag(argv: tuple[str, ...] | list[str], name: str) -> str | None:
@@ -767,7 +787,8 @@ def _reap(pids: set[int], timeout_s: float = 30.0) -> None:
 
 def write_ray_summary(args: argparse.Namespace, report: dict[str, Any]) -> Path:
     """``serve_ray-<commit>.json``: every case's numbers, the device checks, and ``scaling`` (GPUs ->
-    requests/s of the Ray application, JPEG -> JSON at the most clients; issue 17's format)."""
+    requests/s of the Ray application, JPEG -> JSON at the most clients; issue 17's format; where
+    several variants have the same GPU count, the first one's, and ``scaling_by_variant`` has each)."""
     gpu = report["machine"]["gpu"].splitlines()[0] if report["machine"]["gpu"] else "?"
     name, _, driver = gpu.partition(",")
     keep = ("throughput_rps", "latency_ms", "errors", "ok", "elapsed_s")
@@ -781,17 +802,22 @@ def write_ray_summary(args: argparse.Namespace, report: dict[str, Any]) -> Path:
             "ratio_to_engine": e["ratio"],
             "server_rss_mb": e["server_rss_mb"],
             "server_cpu_ms_per_request": e["server_cpu_ms_per_request"],
+            "ray_path_cpu_ms_per_request": e.get("ray_path_cpu_ms_per_request"),
             "cores_busy": e["cores_busy"],
             "batches": e["batches"],
         }
         for e in report["loadtests"]
     ]
-    scaling = {}
+    by_variant: dict[str, dict[str, float]] = {}
     for variant, check in report["device_checks"].items():
         rows = [c for c in cases if c["variant"] == variant and c["case"].startswith("jpeg_in_json_out")]
         if rows:
             best = max(rows, key=lambda c: c["clients"])
-            scaling[str(max(len(check["devices"]), 1))] = best["throughput_rps"]
+            by_variant[variant] = {str(max(len(check["devices"]), 1)): best["throughput_rps"]}
+    scaling: dict[str, float] = {}
+    for gpus_rps in by_variant.values():  # per GPU count, the first variant's (the command line's order)
+        for gpus, rps in gpus_rps.items():
+            scaling.setdefault(gpus, rps)
     out = {
         "commit": args.commit,
         "gpu": name.strip(),
@@ -802,6 +828,7 @@ def write_ray_summary(args: argparse.Namespace, report: dict[str, Any]) -> Path:
         "duration_s": args.duration_s,
         "cases": cases,
         "scaling": scaling,
+        "scaling_by_variant": by_variant,
         "device_checks": report["device_checks"],
         "cpu_accounting": RAY_CPU_NOTE,
     }
