@@ -237,3 +237,23 @@ def test_a_network_of_channels_last_blocks_builds_and_verifies_on_the_cpu(tmp_pa
     report = json.loads((tmp_path / "out" / "verify.json").read_text())
     assert report["passed"] is True
     assert result.plan is not None and "A" in {s.track for s in result.plan.segments}
+
+
+def test_mish_as_torch_writes_it_below_opset_18_is_one_pattern_of_the_conv_epilogue() -> None:
+    """nn.Mish below opset 18: Softplus, Tanh, Mul by x; a Mul by anything else, or a Tanh read elsewhere, is not."""
+    n = Net(2)
+    y = n.op("Conv", ["image", n.rand("w", 6, C, 1, 1)], "conv", kernel_shape=[1, 1])
+    soft = n.op("Softplus", [y], "soft")
+    tanh = n.op("Tanh", [soft], "tanh")
+    n.op("Mul", [y, tanh], "mish")
+    model = n.model(["mish"])
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for i in node.input:
+            consumers.setdefault(i, []).append(node)
+    found = act_patterns.decomposed(y, consumers, lambda node: True, lambda t: True, {}.get)
+    assert found is not None and found[0] == Activation.named("mish") and found[2] == "mish"
+    assert [x.op_type for x in found[1]] == ["Softplus", "Tanh", "Mul"]
+    assert act_patterns.decomposed(y, consumers, lambda node: True, lambda t: t != "tanh", {}.get) is None
+    other = {**consumers, "tanh": [helper.make_node("Mul", ["soft", "tanh"], ["m2"])]}
+    assert act_patterns.decomposed(y, other, lambda node: True, lambda t: True, {}.get) is None

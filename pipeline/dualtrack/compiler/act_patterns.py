@@ -1,7 +1,8 @@
 """Activations that exporters write as several nodes, matched back to one row of the activation table.
 
 At the opsets the exporters default to (17, 18) there is no Gelu op, and SiLU never had one: torch
-writes ``x * sigmoid(x)`` as Mul(x, Sigmoid(x)), erf-GELU as Div(x, sqrt 2) (or Mul(x, 1/sqrt 2)),
+writes ``x * sigmoid(x)`` as Mul(x, Sigmoid(x)), Mish below opset 18 as Mul(x, Tanh(Softplus(x))),
+erf-GELU as Div(x, sqrt 2) (or Mul(x, 1/sqrt 2)),
 Erf, Add 1, and the two Muls by x and 0.5 in either order, and tanh-GELU as x*x, its product with x,
 Mul 0.044715, Add x, Mul sqrt(2/pi), Tanh, Add 1, Mul x, Mul 0.5. :func:`decomposed` finds such a chain
 starting at a tensor ``t`` so that a convolution's epilogue (``partition._fuse_epilogue``) computes it
@@ -65,6 +66,19 @@ def _silu(t: str, ch: _Chain) -> tuple[Activation, list[onnx.NodeProto], str] | 
     if sorted(mul.input) != sorted([t, sig.output[0]]) or ch.readers(sig.output[0]) != [mul]:
         return None
     return Activation.named("silu"), [sig, mul], mul.output[0]
+
+
+def _mish(t: str, ch: _Chain) -> tuple[Activation, list[onnx.NodeProto], str] | None:
+    """x * tanh(softplus(x)), as torch writes nn.Mish below opset 18 (which has a Mish op)."""
+    users = ch.readers(t)
+    soft = next((u for u in users if u.op_type == "Softplus"), None)
+    mul = next((u for u in users if u.op_type == "Mul"), None)
+    if len(users) != 2 or soft is None or mul is None or not (ch.usable(soft) and ch.usable(mul)):
+        return None
+    tanh = ch.sole(soft.output[0], "Tanh")
+    if tanh is None or sorted(mul.input) != sorted([t, tanh.output[0]]) or ch.readers(tanh.output[0]) != [mul]:
+        return None
+    return Activation.named("mish"), [soft, tanh, mul], mul.output[0]
 
 
 def _gelu(t: str, ch: _Chain) -> tuple[Activation, list[onnx.NodeProto], str] | None:
@@ -138,8 +152,8 @@ def _erf_scale(node: onnx.NodeProto, t: str, ch: _Chain) -> bool:
     return node.op_type == "Mul" and _near(ch.scalar(node, t), 1.0 / math.sqrt(2.0))
 
 
-PATTERNS = (_silu, _gelu, _gelu_tanh)
-OPS = ("Sigmoid", "Mul", "Div", "Erf", "Add", "Tanh")  # the op types the patterns' nodes have
+PATTERNS = (_silu, _mish, _gelu, _gelu_tanh)
+OPS = ("Sigmoid", "Mul", "Div", "Erf", "Add", "Tanh", "Softplus")  # the op types the patterns' nodes have
 
 
 def decomposed(
