@@ -85,7 +85,7 @@ class _Ctx:
 
     @property
     def device(self) -> kernels.DeviceInfo:
-        return self.engine.backend.device.info
+        return self.engine.backend.device.info()
 
     def tuned_entry(self, call: KernelCall, batch: int) -> None:
         return None
