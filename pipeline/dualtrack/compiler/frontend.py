@@ -37,7 +37,7 @@ from dualtrack.compiler.batch_free import BATCH, free_batch, replace_input, stat
 from dualtrack.compiler.channels_last import channels_first
 from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
 from dualtrack.compiler.convt_phases import sub_pixel_convolutions
-from dualtrack.compiler.iree_forms import WIDENED, matrix_matmuls, signed_powers, widened_unsigned
+from dualtrack.compiler.iree_forms import WIDENED, matrix_matmuls, reshaped_forms, signed_powers, widened_unsigned
 from dualtrack.compiler.lower_pad import full_pads
 from dualtrack.compiler.resize_maps import iree_cannot_lower, resize_maps
 from dualtrack.contract.checks import MASK, PROBS
@@ -405,9 +405,13 @@ def separable_resizes(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelP
 def iree_forms(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
     """Ops in forms IREE 3.13 refuses or computes wrong, in forms it compiles right
     (:mod:`dualtrack.compiler.iree_forms`)."""
-    if not any(n.op_type in ("MatMul", "Pow", *(op for op, _ in WIDENED)) for n in model.graph.node):
+    wanted = ("MatMul", "Pow", "Slice", "ConvTranspose", "SpaceToDepth", *(op for op, _ in WIDENED))
+    if not any(n.op_type in wanted for n in model.graph.node):
         return model
     model = copy.deepcopy(model)
+    model, reshaped = reshaped_forms(model)
+    if reshaped:
+        log.append(Rewrite("iree-forms", f"{len(reshaped)} op(s) in forms IREE takes: {', '.join(reshaped[:4])}"))
     model, vectors = matrix_matmuls(model)
     model, widened = widened_unsigned(model)
     model, powers = signed_powers(model)

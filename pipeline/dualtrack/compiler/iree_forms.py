@@ -13,6 +13,13 @@ Each rewrite keeps the op's ONNX semantics exactly and is found by the conforman
   exp(y log x): NaN for every negative base, where x ** 3 is -27 for x = -3. Computed as
   |x| ** y times the constant sign (-1) ** y where x is negative.
 
+- a Slice with a negative step ("expected offsets to be non-negative"): a Gather of the indices it
+  takes along each sliced axis, the shapes being static;
+- a grouped ConvTranspose ("expected reassociation map ... expanded rank"): one ConvTranspose per group
+  on its channels, concatenated;
+- SpaceToDepth with ``mode`` CRD (opset 25), which IREE computes as DCR: its definition, a Reshape, a
+  Transpose and a Reshape.
+
 float64 is not here: it is a precision, converted where the config asks for it (frontend.float64_as_float32).
 """
 
@@ -142,8 +149,118 @@ def signed_powers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     return model, done
 
 
+def _consts(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    consts = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+    return consts
+
+
+def _replace(model: onnx.ModelProto, rewrite) -> list[str]:
+    """Each node ``rewrite`` returns nodes for (None: kept) replaced by them, in place; the nodes rewritten."""
+    nodes: list[onnx.NodeProto] = []
+    done: list[str] = []
+    for node in model.graph.node:
+        new = rewrite(node)
+        nodes += [node] if new is None else new
+        if new is not None:
+            done.append(f"{node.op_type} '{node.name or node.output[0]}'")
+    if done:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        del model.graph.value_info[:]
+    return done
+
+
+def reshaped_forms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """Negative-step Slices as Gathers, grouped ConvTransposes per group, CRD SpaceToDepth as its definition
+    (module docstring). The model (changed in place) and the nodes rewritten."""
+    if not any(n.op_type in ("Slice", "ConvTranspose", "SpaceToDepth") for n in model.graph.node):
+        return model, []
+    shapes, consts = static_shapes(model), _consts(model)
+    shapes.update({i.name: tuple(i.dims) for i in model.graph.initializer})
+    inits = model.graph.initializer
+
+    def rewrite(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        shape = shapes.get(node.input[0]) if node.input else None
+        if shape is None or any(d < 0 for d in shape[1:]):
+            return None
+        if node.op_type == "Slice":
+            return _slice_gathers(node, shape, consts, inits)
+        if node.op_type == "ConvTranspose":
+            return _convtranspose_groups(node, consts, inits)
+        if node.op_type == "SpaceToDepth":
+            return _space_to_depth_crd(node, shape, inits)
+        return None
+
+    return model, _replace(model, rewrite)
+
+
+def _slice_gathers(node: onnx.NodeProto, shape: tuple[int, ...], consts: dict, inits) -> list[onnx.NodeProto] | None:
+    args = [consts.get(x) if x else None for x in [*node.input, "", "", ""][1:5]]
+    starts, ends, axes, steps = args
+    if starts is None or ends is None or steps is None or not np.any(steps < 0) or (node.input[3:4] and axes is None):
+        return None
+    axes = np.arange(len(starts)) if axes is None else axes
+    if any(int(a) % len(shape) == 0 and shape[0] < 0 for a in axes):
+        return None  # the batch dim is not static
+    base, cur, nodes = node.name or node.output[0], node.input[0], []
+    for k, (a, b, e, st) in enumerate(zip(axes, starts, ends, steps, strict=True)):
+        axis = int(a) % len(shape)
+        # ONNX clamps start and end as Python's slice does, for either sign of the step.
+        index = np.arange(shape[axis])[slice(int(b), int(e), int(st))].astype(np.int64)
+        inits.append(numpy_helper.from_array(index, f"{base}__index{k}"))
+        out = f"{base}__taken{k}"
+        nodes.append(helper.make_node("Gather", [cur, f"{base}__index{k}"], [out], name=out, axis=axis))
+        cur = out
+    nodes[-1].output[0] = node.output[0]
+    return nodes
+
+
+def _convtranspose_groups(node: onnx.NodeProto, consts: dict, inits) -> list[onnx.NodeProto] | None:
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    groups, w = int(attrs.get("group", 1)), consts.get(node.input[1])
+    bias = consts.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+    if groups == 1 or w is None or (len(node.input) > 2 and node.input[2] and bias is None):
+        return None
+    base, cin = node.name or node.output[0], w.shape[0] // groups
+    outs = []
+    split = f"{base}__split"
+    inits.append(numpy_helper.from_array(_i64([cin] * groups), split))
+    nodes = [helper.make_node("Split", [node.input[0], split], [f"{base}__x{g}" for g in range(groups)], axis=1)]
+    for g in range(groups):
+        inits.append(numpy_helper.from_array(w[g * cin : (g + 1) * cin], f"{base}__w{g}"))
+        ins = [f"{base}__x{g}", f"{base}__w{g}"]
+        if bias is not None:
+            m = bias.shape[0] // groups
+            inits.append(numpy_helper.from_array(bias[g * m : (g + 1) * m], f"{base}__b{g}"))
+            ins.append(f"{base}__b{g}")
+        one = helper.make_node("ConvTranspose", ins, [f"{base}__y{g}"], name=f"{base}__g{g}")
+        one.attribute.extend(a for a in node.attribute if a.name != "group")
+        nodes.append(one)
+        outs.append(f"{base}__y{g}")
+    nodes.append(helper.make_node("Concat", outs, [node.output[0]], name=f"{base}__groups", axis=1))
+    return nodes
+
+
+def _space_to_depth_crd(node: onnx.NodeProto, shape: tuple[int, ...], inits) -> list[onnx.NodeProto] | None:
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if attrs.get("mode", b"DCR") != b"CRD" or len(shape) != 4:
+        return None
+    b, (_, c, h, w) = int(attrs["blocksize"]), shape
+    base = node.name or node.output[0]
+    inits.append(numpy_helper.from_array(_i64([0, c, h // b, b, w // b, b]), f"{base}__blocks"))
+    inits.append(numpy_helper.from_array(_i64([0, c * b * b, h // b, w // b]), f"{base}__depth"))
+    return [  # Reshape's 0 keeps the input's batch
+        helper.make_node("Reshape", [node.input[0], f"{base}__blocks"], [f"{base}__b"], name=f"{base}__b"),
+        helper.make_node("Transpose", [f"{base}__b"], [f"{base}__t"], name=f"{base}__t", perm=[0, 1, 3, 5, 2, 4]),
+        helper.make_node("Reshape", [f"{base}__t", f"{base}__depth"], [node.output[0]], name=f"{base}__d"),
+    ]
+
+
 def _i64(values: list[int]) -> np.ndarray:
     return np.array(values, np.int64)
 
 
-__all__ = ["WIDENED", "matrix_matmuls", "signed_powers", "widened_unsigned"]
+__all__ = ["WIDENED", "matrix_matmuls", "reshaped_forms", "signed_powers", "widened_unsigned"]
