@@ -269,13 +269,11 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
             192,
             0,
             1,
-            0.0,  # p0, p1: ReLU has no parameters
-            0.0,
             4,
             0,
             0,
         ],
-        "MMPPPIIIIIIIIFFIPP",
+        "MMPPPIIIIIIIIIPP",
     ),
     # Added with the general conv's Hopper path: ResNet's conv2 + residual + ReLU on the wgmma kernel.
     "conv residual hopper": (
@@ -297,13 +295,11 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
             128,
             136,
             1,
-            0.0,  # p0, p1: ReLU has no parameters
-            0.0,
             4,
             0,
             0,
         ],
-        "MMPPPIIIIIIIIFFIPP",
+        "MMPPPIIIIIIIIIPP",
     ),
     "maxpool2x2": ("maxpool2x2_nhwc_f16", (1, 1, 1), (256, 1, 1), 0, [4096, 8192, 2, 9, 8, 40, 72, 48], "PPIIIIII"),
     "maxpool": (
@@ -367,13 +363,11 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
             512,
             512,
             1,
-            0.0,  # p0, p1: ReLU has no parameters
-            0.0,
             4,
             0x9000,
             0,
         ],
-        "MMPPPIIIIIIIIFFIPP",
+        "MMPPPIIIIIIIIIPP",
     ),
     "conv f32 plain": (
         "conv_nhwc_f32",

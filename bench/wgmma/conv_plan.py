@@ -315,10 +315,7 @@ def pick_config(N: int, H: int, W: int, C: int, K: int, num_sms: int = NUM_SMS) 
 
 def kernel_arg_names() -> tuple[str, ...]:
     """cuLaunchKernel parameter order (the .cu's CONV_WGMMA_ENTRY)."""
-    return (
-        "tmx", "tmw", "bias", "res", "y", "N", "H", "W", "C", "K", "ldy", "ldr", "act", "p0", "p1", "tw_log2", "ws",
-        "status",
-    )  # fmt: skip
+    return ("tmx", "tmw", "bias", "res", "y", "N", "H", "W", "C", "K", "ldy", "ldr", "relu", "tw_log2", "ws", "status")
 
 
 def flops(N: int, H: int, W: int, C: int, K: int) -> int:
