@@ -3,7 +3,8 @@
 Stages, in order, each a function ``(model, ...) -> model`` that records its rewrites:
 
     load_model -> weights_out_of_inputs -> upgrade_opset -> symbolic_batch -> simplify
-    -> free_batch -> static_resize_scales -> fold_zero_pads -> unique_parameter_keys -> convert_precision
+    -> free_batch -> static_resize_scales -> channel_pad_convs -> fold_zero_pads -> unique_parameter_keys
+    -> convert_precision
     -> wrap_image_io
 
 The generic work is done by libraries: opset upgrades by ``onnx.version_converter``, constant
@@ -34,6 +35,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack.compiler.batch_free import BATCH, free_batch, replace_input, static_shapes, symbolic_batch
+from dualtrack.compiler.channel_pads import channel_pads_as_convs
 from dualtrack.compiler.channels_last import channels_first
 from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
 from dualtrack.compiler.convt_phases import sub_pixel_convolutions
@@ -454,6 +456,16 @@ def sub_pixel_convtransposes(model: onnx.ModelProto, log: list[Rewrite]) -> onnx
     m, detail = sub_pixel_convolutions(model)
     if detail:
         log.append(Rewrite("convtranspose", detail))
+    return m
+
+
+def channel_pad_convs(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """Constant Pads over channels as 1x1 Convs (:mod:`.channel_pads`): no Pad of C between two
+    Track A convolutions; before :func:`fold_zero_pads`, which may then take the H/W Pad left."""
+    m, detail = channel_pads_as_convs(model)
+    if detail:
+        log.append(Rewrite("pad", detail))
+        m = _prune(m)
     return m
 
 
@@ -998,6 +1010,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     m = check("resize", static_resize_scales(m, log))
     m = check("resize", separable_resizes(m, log))
     m = check("iree-forms", iree_forms(m, log))
+    m = check("pad", channel_pad_convs(m, log))
     m = check("pad", fold_zero_pads(m, log))
     m = check("stack", unstack_reductions(m, log))
     m = check("convtranspose", sub_pixel_convtransposes(m, log))
