@@ -586,3 +586,34 @@ def test_a_constant_the_graph_computes_never_crosses_between_tracks() -> None:
         env.update(run_ort(ort_session(sm), {t.name: env[t.name] for t in seg.inputs}))
     want = run_ort(ort_session(m), {"x": x})["y"]
     np.testing.assert_allclose(env["y"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_fp32_island_whose_cast_down_writes_the_models_output_goes_to_track_b_whole() -> None:
+    """An fp16 model whose last op is an upsample: its fp32 island (Cast up, Resize, Cast down) ends in the
+    model's output, which Track A cannot write (NHWC); the island moves to Track B whole instead of leaving
+    the Resize alone on Track A between two switches (an extra segment)."""
+    f16 = TensorProto.FLOAT16
+    rng = np.random.default_rng(3)
+    inits = [
+        numpy_helper.from_array(rng.normal(size=(C, C, 3, 3)).astype(np.float16), "w"),
+        numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"),
+    ]
+    nodes = [
+        helper.make_node("Sin", ["x"], ["s"], name="sin"),
+        helper.make_node("Conv", ["s", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("Cast", ["r"], ["up"], name="up", to=TensorProto.FLOAT),
+        helper.make_node("Resize", ["up", "", "scales"], ["big"], name="resize", mode="linear"),
+        helper.make_node("Cast", ["big"], ["y"], name="down", to=f16),
+    ]
+    graph = helper.make_graph(
+        nodes, "island", [helper.make_tensor_value_info("x", f16, ["N", C, H, W])],
+        [helper.make_tensor_value_info("y", f16, ["N", C, 2 * H, 2 * W])], inits,
+    )  # fmt: skip
+    m = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    p = partition.partition_model(auto(0.0), m)
+    t = tracks(p)
+    assert (t["up"], t["resize"], t["down"]) == ("B", "B", "B") and t["conv"] == "A"
+    assert [s.track for s in p.plan.segments] == ["B", "A", "B"]
+    why = {d.node: d.why for d in p.assignment.decisions}
+    assert why["resize"].startswith("its fp32 island moves whole: 'down' is on Track B")

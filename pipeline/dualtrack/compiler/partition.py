@@ -1301,6 +1301,7 @@ def auto_tracks(
             if refusal.node in forced_a:
                 raise refusal  # the config's rule put it there; the message names the fix
             tracks[refusal.node], why[refusal.node] = "B", f"Track A cannot lower it in its segment: {refusal.why}"
+            _whole_islands(model, ctx, tracks, why, forced_a)
             continue
         best = _island_to_move(model, segments, tracks, forced_a, costs, estimate)
         if best is not None:
@@ -1432,7 +1433,26 @@ def _first_tracks(
                 "A",
                 "a Track A kernel takes it" + ("" if launches else " (no launch of its own)"),
             )
+    _whole_islands(model, ctx, tracks, why, forced_a)
     return tracks, why, forced_a
+
+
+def _whole_islands(
+    model: onnx.ModelProto, ctx: SupportContext, tracks: dict[str, str], why: dict[str, str], forced_a: set[str]
+) -> None:
+    """An fp16 model's fp32 island (Cast up, pooling or Resize, Cast down: one Track A call) with a node
+    on Track B goes to Track B whole: its op alone on Track A would be a segment of its own between two
+    switches (a last upsample whose Cast down writes the model's output)."""
+    for n in model.graph.node:
+        chain = lower_mobile.cast_sandwich(n, ctx.facts) if n.op_type == "Cast" else None
+        if chain is None or chain[0].name != n.name or any(x.name in forced_a for x in chain):
+            continue
+        on_b = [x for x in chain if tracks.get(x.name) == "B"]
+        if on_b and len(on_b) < len(chain):
+            for x in chain:
+                if tracks.get(x.name) == "A":
+                    tracks[x.name] = "B"
+                    why[x.name] = f"its fp32 island moves whole: '{on_b[0].name}' is on Track B ({why[on_b[0].name]})"
 
 
 def _island_to_move(
