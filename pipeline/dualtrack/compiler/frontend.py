@@ -35,7 +35,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack.compiler.batch_free import BATCH, free_batch, replace_input, static_shapes, symbolic_batch
-from dualtrack.compiler.channel_pads import channel_pads_as_convs
+from dualtrack.compiler.channel_maps import channel_maps_as_convs
 from dualtrack.compiler.channels_last import channels_first
 from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
 from dualtrack.compiler.convt_phases import sub_pixel_convolutions
@@ -460,9 +460,9 @@ def sub_pixel_convtransposes(model: onnx.ModelProto, log: list[Rewrite]) -> onnx
 
 
 def channel_pad_convs(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
-    """Constant Pads over channels as 1x1 Convs (:mod:`.channel_pads`): no Pad of C between two
+    """Constant Pads over channels as 1x1 Convs (:mod:`.channel_maps`): no Pad of C between two
     Track A convolutions; before :func:`fold_zero_pads`, which may then take the H/W Pad left."""
-    m, detail = channel_pads_as_convs(model)
+    m, detail = channel_maps_as_convs(model)
     if detail:
         log.append(Rewrite("pad", detail))
         m = _prune(m)

@@ -1,4 +1,4 @@
-"""Constant Pads over channels written as 1x1 convolutions (compiler/channel_pads.py): the rewritten model computes
+"""Constant Pads over channels written as 1x1 convolutions (compiler/channel_maps.py): the rewritten model computes
 what the Pad computes (onnxruntime, fp32 and fp16, bit for bit: a product by 1 plus zeros), over pads, values and
 axes no zoo model has; H/W pads in the same node stay a Pad; what the pass does not take (N pads, crops, reflect,
 run-time pads) is left exactly as it is."""
@@ -11,9 +11,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack.compiler.channel_pads import channel_pads_as_convs
+from dualtrack.compiler.channel_maps import channel_maps_as_convs
 
-C, H, W = 5, 6, 7
+C, H, W = 5, 6, 7  # H != W: a swap of the two is not a permutation of channels
 
 
 def pad_model(pads: list[int], value: float | None = None, axes: list[int] | None = None, elem: int = TensorProto.FLOAT,
@@ -59,7 +59,7 @@ def run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
 )
 def test_a_channel_pad_is_a_1x1_conv_that_computes_the_same_bits(pads, value, axes, elem, spatial) -> None:
     model = pad_model(pads, value, axes, elem)
-    out, detail = channel_pads_as_convs(model)
+    out, detail = channel_maps_as_convs(model)
     assert detail is not None and "1 channel Pad(s)" in detail
     onnx.checker.check_model(out)
     onnx.shape_inference.infer_shapes(out, strict_mode=True)
@@ -81,5 +81,63 @@ def test_a_channel_pad_is_a_1x1_conv_that_computes_the_same_bits(pads, value, ax
 )  # fmt: skip
 def test_what_the_pass_does_not_take_is_left_as_it_is(pads, mode) -> None:
     model = pad_model(pads, mode=mode)
-    out, detail = channel_pads_as_convs(model)
+    out, detail = channel_maps_as_convs(model)
+    assert detail is None and out is model
+
+
+def chain_model(steps: list[tuple[str, list[int]]], elem: int = TensorProto.FLOAT, c: int = 12) -> onnx.ModelProto:
+    """x (N, c, H, W) -> Relu -> the Reshape ("r", shape) / Transpose ("t", perm) steps -> Neg -> y."""
+    nodes = [helper.make_node("Relu", ["x"], ["t0"], name="pre")]
+    inits = []
+    for k, (op, arg) in enumerate(steps):
+        if op == "r":
+            inits.append(numpy_helper.from_array(np.array(arg, np.int64), f"shape{k}"))
+            nodes.append(helper.make_node("Reshape", [f"t{k}", f"shape{k}"], [f"t{k + 1}"], name=f"reshape{k}"))
+        else:
+            nodes.append(helper.make_node("Transpose", [f"t{k}"], [f"t{k + 1}"], name=f"transpose{k}", perm=arg))
+    nodes.append(helper.make_node("Neg", [f"t{len(steps)}"], ["y"], name="post"))
+    graph = helper.make_graph(
+        nodes, "chain", [helper.make_tensor_value_info("x", elem, ["N", c, H, W])],
+        [helper.make_tensor_value_info("y", elem, ["N", "c", "h", "w"])], inits,
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    return model
+
+
+SHUFFLE3 = [("r", [-1, 3, 4, H, W]), ("t", [0, 2, 1, 3, 4]), ("r", [-1, 12, H, W])]
+
+
+@pytest.mark.parametrize(
+    ("steps", "elem"),
+    [
+        (SHUFFLE3, TensorProto.FLOAT),
+        ([("r", [0, 4, 3, H, W]), ("t", [0, 2, 1, 3, 4]), ("r", [0, 12, H, W])], TensorProto.FLOAT16),
+        ([("r", [-1, 2, 3, 2, H * W]), ("t", [0, 3, 2, 1, 4]), ("r", [-1, 12, H, W])], TensorProto.FLOAT),
+    ],
+)
+def test_a_channel_permutation_is_a_1x1_conv_that_computes_the_same_bits(steps, elem) -> None:
+    """ShuffleNet's shuffle (groups 3 and 4, batch as -1 or 0) and a three-axis channel permutation."""
+    model = chain_model(steps, elem)
+    out, detail = channel_maps_as_convs(model)
+    assert detail is not None and "shuffle 'reshape0'" in detail
+    assert [n.op_type for n in out.graph.node] == ["Relu", "Conv", "Neg"]
+    onnx.checker.check_model(out)
+    x = np.random.default_rng(2).standard_normal((2, 12, H, W))
+    x = x.astype(np.float16 if elem == TensorProto.FLOAT16 else np.float32)
+    assert np.array_equal(run(out, x), run(model, x))
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        [("t", [0, 1, 3, 2]), ("r", [-1, 12, W, H])],  # H and W swapped: pixels move
+        [("r", [-1, 12, H * W]), ("t", [0, 2, 1]), ("r", [-1, 12, H, W])],  # values move between pixels
+        [("r", [-1, 3, 4, H, W]), ("r", [-1, 12, H, W])],  # the identity
+        [("r", [-1, 3, 4, H, W]), ("t", [0, 2, 1, 3, 4])],  # ends 5-D
+    ],
+)
+def test_a_chain_that_is_not_a_channel_permutation_is_left_as_it_is(steps) -> None:
+    model = chain_model(steps)
+    out, detail = channel_maps_as_convs(model)
     assert detail is None and out is model
