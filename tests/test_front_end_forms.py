@@ -59,15 +59,6 @@ FORMS: dict[str, Callable[[], onnx.ModelProto]] = {
         ["N", 3, 4],
         {"s": np.array([-1, 7]), "e": np.array([-100, 0]), "a": np.array([1, 2]), "t": np.array([-2, -2])},
     ),
-    "convtranspose of two groups": lambda: _model(
-        helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], group=2, strides=[2, 2], pads=[1, 1, 1, 1]),
-        ["N", 4, 5, 5],
-        ["N", 6, 9, 9],
-        {
-            "w": np.random.default_rng(1).standard_normal((4, 3, 3, 3)).astype(np.float32),
-            "b": np.arange(6, dtype=np.float32),
-        },
-    ),
     "pow of whole exponents": lambda: _model(
         helper.make_node("Pow", ["x", "p"], ["y"]), ["N", 4], ["N", 4], {"p": np.array([2, 3, 0, 5], np.float32)}
     ),

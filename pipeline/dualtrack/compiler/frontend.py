@@ -407,7 +407,7 @@ def separable_resizes(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelP
 def iree_forms(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
     """Ops in forms IREE 3.13 refuses or computes wrong, in forms it compiles right
     (:mod:`dualtrack.compiler.iree_forms`)."""
-    wanted = ("MatMul", "Pow", "Slice", "ConvTranspose", "SpaceToDepth", *(op for op, _ in WIDENED))
+    wanted = ("MatMul", "Pow", "Slice", "SpaceToDepth", *(op for op, _ in WIDENED))
     if not any(n.op_type in wanted for n in model.graph.node):
         return model
     model = copy.deepcopy(model)

@@ -130,11 +130,76 @@ def _pad_gathers(node: onnx.NodeProto, shape: list[int], consts: dict) -> list[o
     return out or None
 
 
+def split_grouped_convtransposes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Stage 0: every grouped ConvTranspose as one ConvTranspose a group, its input, weight and bias
+    split by Split nodes (of Constant sizes) and the outputs concatenated: IREE 3.13 cannot compile a
+    grouped ConvTranspose ("tensor.collapse_shape ... expanded rank"; MedNeXt's depthwise upsampling),
+    for any target. Here, not in the front end: Track A's convt kernel takes the groups in one launch.
+    The weight is split at run time, so the bundle's weights keep their names (they are externalized)."""
+    if not any(n.op_type == "ConvTranspose" and _group(n) > 1 for n in model.graph.node):
+        return model
+    shapes = {i.name: list(i.dims) for i in model.graph.initializer}
+    shapes.update(
+        (vi.name, [d.dim_value for d in vi.type.tensor_type.shape.dim])
+        for vi in onnx.shape_inference.infer_shapes(model).graph.value_info
+    )
+    nodes: list[onnx.NodeProto] = []
+    for n in model.graph.node:
+        per_group = _convtranspose_per_group(n, shapes) if n.op_type == "ConvTranspose" and _group(n) > 1 else None
+        nodes.extend(per_group or [n])
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
+def _group(node: onnx.NodeProto) -> int:
+    return next((a.i for a in node.attribute if a.name == "group"), 1)
+
+
+def _convtranspose_per_group(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> list[onnx.NodeProto] | None:
+    g, w = _group(node), shapes.get(node.input[1])
+    if w is None or len(w) < 3 or w[0] % g or min(w) <= 0:
+        return None
+    base = node.name or node.output[0]
+    cin, cout = w[0] // g, w[1]
+
+    def split(x: str, size: int, what: str) -> tuple[list[onnx.NodeProto], list[str]]:
+        sizes = f"{base}/{what}_sizes"
+        const = onnx.helper.make_node(
+            "Constant", [], [sizes], value=onnx.numpy_helper.from_array(np.full(g, size, np.int64), sizes)
+        )
+        parts = [f"{base}/{what}{k}" for k in range(g)]
+        return [
+            const,
+            onnx.helper.make_node(
+                "Split", [x, sizes], parts, name=f"{base}/{what}_split", axis=0 if what != "x" else 1
+            ),
+        ], parts
+
+    nodes, xs = split(node.input[0], cin, "x")
+    more, ws = split(node.input[1], cin, "w")
+    nodes += more
+    bs: list[str] = []
+    if len(node.input) > 2 and node.input[2]:
+        more, bs = split(node.input[2], cout, "b")
+        nodes += more
+    ys = [f"{base}/y{k}" for k in range(g)]
+    for k in range(g):
+        one = onnx.helper.make_node("ConvTranspose", [xs[k], ws[k], *bs[k : k + 1]], [ys[k]], name=f"{base}/g{k}")
+        one.attribute.extend(a for a in node.attribute if a.name != "group")
+        nodes.append(one)
+    nodes.append(onnx.helper.make_node("Concat", ys, [node.output[0]], name=f"{base}/groups", axis=1))
+    return nodes
+
+
 def import_onnx(model: onnx.ModelProto, workdir: Path) -> Path:
-    """Stage 1: write the model (its reflect and edge Pads as Gathers, :func:`gather_pads`) and
-    import it to MLIR with externalized weights."""
+    """Stage 1: write the model (its reflect and edge Pads as Gathers, :func:`gather_pads`; its grouped
+    ConvTransposes a group at a time, :func:`split_grouped_convtransposes`) and import it to MLIR with
+    externalized weights."""
     src = workdir / "segment.onnx"
-    onnx.save(gather_pads(model), str(src))
+    onnx.save(gather_pads(split_grouped_convtransposes(model)), str(src))
     mlir = workdir / "segment.mlir"
     args = [str(src), "-o", str(mlir), "--externalize-params", "--save-params-to", str(workdir / "unused.irpa")]
     try:

@@ -15,8 +15,6 @@ Each rewrite keeps the op's ONNX semantics exactly and is found by the conforman
 
 - a Slice with a negative step ("expected offsets to be non-negative"): a Gather of the indices it
   takes along each sliced axis, the shapes being static;
-- a grouped ConvTranspose ("expected reassociation map ... expanded rank"): one ConvTranspose per group
-  on its channels, concatenated;
 - SpaceToDepth with ``mode`` CRD (opset 25), which IREE computes as DCR: its definition, a Reshape, a
   Transpose and a Reshape.
 
@@ -174,9 +172,9 @@ def _replace(model: onnx.ModelProto, rewrite) -> list[str]:
 
 
 def reshaped_forms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
-    """Negative-step Slices as Gathers, grouped ConvTransposes per group, CRD SpaceToDepth as its definition
+    """Negative-step Slices as Gathers, CRD SpaceToDepth as its definition
     (module docstring). The model (changed in place) and the nodes rewritten."""
-    if not any(n.op_type in ("Slice", "ConvTranspose", "SpaceToDepth") for n in model.graph.node):
+    if not any(n.op_type in ("Slice", "SpaceToDepth") for n in model.graph.node):
         return model, []
     shapes, consts = static_shapes(model), _consts(model)
     shapes.update({i.name: tuple(i.dims) for i in model.graph.initializer})
@@ -188,8 +186,6 @@ def reshaped_forms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
             return None
         if node.op_type == "Slice":
             return _slice_gathers(node, shape, consts, inits)
-        if node.op_type == "ConvTranspose":
-            return _convtranspose_groups(node, consts, inits)
         if node.op_type == "SpaceToDepth":
             return _space_to_depth_crd(node, shape, inits)
         return None
@@ -215,32 +211,6 @@ def _slice_gathers(node: onnx.NodeProto, shape: tuple[int, ...], consts: dict, i
         nodes.append(helper.make_node("Gather", [cur, f"{base}__index{k}"], [out], name=out, axis=axis))
         cur = out
     nodes[-1].output[0] = node.output[0]
-    return nodes
-
-
-def _convtranspose_groups(node: onnx.NodeProto, consts: dict, inits) -> list[onnx.NodeProto] | None:
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    groups, w = int(attrs.get("group", 1)), consts.get(node.input[1])
-    bias = consts.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
-    if groups == 1 or w is None or (len(node.input) > 2 and node.input[2] and bias is None):
-        return None
-    base, cin = node.name or node.output[0], w.shape[0] // groups
-    outs = []
-    split = f"{base}__split"
-    inits.append(numpy_helper.from_array(_i64([cin] * groups), split))
-    nodes = [helper.make_node("Split", [node.input[0], split], [f"{base}__x{g}" for g in range(groups)], axis=1)]
-    for g in range(groups):
-        inits.append(numpy_helper.from_array(w[g * cin : (g + 1) * cin], f"{base}__w{g}"))
-        ins = [f"{base}__x{g}", f"{base}__w{g}"]
-        if bias is not None:
-            m = bias.shape[0] // groups
-            inits.append(numpy_helper.from_array(bias[g * m : (g + 1) * m], f"{base}__b{g}"))
-            ins.append(f"{base}__b{g}")
-        one = helper.make_node("ConvTranspose", ins, [f"{base}__y{g}"], name=f"{base}__g{g}")
-        one.attribute.extend(a for a in node.attribute if a.name != "group")
-        nodes.append(one)
-        outs.append(f"{base}__y{g}")
-    nodes.append(helper.make_node("Concat", outs, [node.output[0]], name=f"{base}__groups", axis=1))
     return nodes
 
 
