@@ -166,16 +166,13 @@ def _convtranspose_per_group(node: onnx.NodeProto, shapes: dict[str, list[int]])
     cin, cout = w[0] // g, w[1]
 
     def split(x: str, size: int, what: str) -> tuple[list[onnx.NodeProto], list[str]]:
-        sizes = f"{base}/{what}_sizes"
-        const = onnx.helper.make_node(
-            "Constant", [], [sizes], value=onnx.numpy_helper.from_array(np.full(g, size, np.int64), sizes)
-        )
-        parts = [f"{base}/{what}{k}" for k in range(g)]
+        # The sizes as a Constant's value_ints, which iree-import-onnx keeps inline: a `value` tensor of g
+        # elements it externalizes past its element threshold, as a parameter the bundle does not have.
+        sizes, parts = f"{base}/{what}_sizes", [f"{base}/{what}{k}" for k in range(g)]
+        axis = 1 if what == "x" else 0
         return [
-            const,
-            onnx.helper.make_node(
-                "Split", [x, sizes], parts, name=f"{base}/{what}_split", axis=0 if what != "x" else 1
-            ),
+            onnx.helper.make_node("Constant", [], [sizes], value_ints=[size] * g),
+            onnx.helper.make_node("Split", [x, sizes], parts, name=f"{base}/{what}_split", axis=axis),
         ], parts
 
     nodes, xs = split(node.input[0], cin, "x")
@@ -349,7 +346,8 @@ def run_job(
     ``keep_failed``: where a failing job's stage inputs are kept (``<segment>-b<batch>-<target>``),
     so that the repro command the error carries still works after the temporary folder is gone.
     """
-    static = with_batch(job.model, job.batch)
+    # Keyed on the model as IREE imports it (stage 0's rewrites done): a change to those is a new module.
+    static = gather_pads(split_grouped_convtransposes(with_batch(job.model, job.batch)))
     key = cache_key(static, job.batch, job.target, job.flags, compiler)
     cuda = job.target.driver == "cuda"
     hit = cache.get(key)
