@@ -445,7 +445,7 @@ def check_frontend(
     export_model, export, upgraded = _export_model(fe)
     outputs = [o.name for o in export.get_outputs()]
     body_in = fe.body.graph.input[0]
-    shape = tuple(d.dim_value or 1 for d in body_in.type.tensor_type.shape.dim)
+    shape = tuple(d.dim_value if d.HasField("dim_value") else 1 for d in body_in.type.tensor_type.shape.dim)
     spec = TensorSpec(
         body_in.name, shape, np.dtype(helper.tensor_dtype_to_np_dtype(body_in.type.tensor_type.elem_type)).name
     )
