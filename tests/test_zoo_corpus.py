@@ -24,12 +24,21 @@ zoo = load_export()
 CORPUS = sorted(set(zoo.ZOO) - set(FULL_BUILD))
 
 
+# The verification's inputs fixed, so that CI's outcome is this run's: a build draws them afresh by default, and
+# a random-weight network's fp16 error has a long tail over inputs (MAnet at 64x64: rel_l2 0.013 median, 0.28 at
+# worst over 12 images, its weights rounded alone), past the fp16 ceiling that a trained network does not reach.
+VERIFY_SEED = 5
+
+
 def small_config(name: str, model: Path, tmp_path: Path) -> Path:
-    """configs/zoo/<name>.yaml with `model:` at the small export, batch 1 only and the output left to the caller."""
+    """configs/zoo/<name>.yaml with `model:` at the small export, batch 1 only, the verification's seed fixed and
+    the output left to the caller."""
     lines = (CONFIGS / f"{name}.yaml").read_text().splitlines()
     keep = [ln for ln in lines if not ln.startswith(("model:", "batch_sizes:", "output:"))]
+    assert not any(ln.startswith("verify:") for ln in keep), f"{name}.yaml sets verify: merge the seed into it"
     config = tmp_path / f"{name}.yaml"
-    config.write_text("\n".join([*keep, f"model: {model}", "batch_sizes: [1]"]) + "\n")
+    extra = [f"model: {model}", "batch_sizes: [1]", "verify:", f"  seed: {VERIFY_SEED}"]
+    config.write_text("\n".join([*keep, *extra]) + "\n")
     return config
 
 
