@@ -96,3 +96,25 @@ def test_the_form_is_rewritten_and_computes_what_the_export_computes(name: str, 
     assert got.shape == want.shape and got.dtype == want.dtype
     scale = max(1.0, float(np.max(np.abs(want.astype(np.float64)))))
     np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize(("axes", "scales"), [([2, 3], [2.0, 3.0]), ([-1], [0.5]), ([3, 1, 2], [2.0, 1.0, 1.5])])
+def test_a_resize_over_opset_18_axes_is_widened_to_every_axis_and_stays_a_resize(axes, scales, tmp_path: Path) -> None:
+    """Scales over `axes` become scales over every axis (1 elsewhere) and `axes` goes: the same Resize in the form
+    IREE and Track A's resize kernel take, not per-axis maps; what it computes is onnxruntime's for the export."""
+    inits = {"scales": np.array(scales, np.float32)}
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="linear", axes=axes)
+    export = _model(node, ["N", 4, 6, 8], ["N", "c", "h", "w"], inits, opset=18)
+    fe = frontend.prepare(BuildConfig(model=tmp_path / "form.onnx", targets=()), export)
+    (resize,) = [n for n in fe.model.graph.node if n.op_type == "Resize"]
+    assert not any(a.name == "axes" for a in resize.attribute) and not frontend_forms_left(fe.model)
+    assert any("instead of opset 18's axes" in str(r) for r in fe.rewrites)
+    x = np.random.default_rng(4).standard_normal((2, 4, 6, 8)).astype(np.float32)
+    want = ort.InferenceSession(export.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = ort.InferenceSession(fe.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert got.shape == want.shape and np.array_equal(got, want)
+
+
+def frontend_forms_left(model: onnx.ModelProto) -> list[str]:
+    """The per-axis map ops a Resize rewrite would leave."""
+    return [n.op_type for n in model.graph.node if n.op_type in ("MatMul", "Gather")]

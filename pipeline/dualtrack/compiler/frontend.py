@@ -41,7 +41,7 @@ from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
 from dualtrack.compiler.convt_phases import sub_pixel_convolutions
 from dualtrack.compiler.iree_forms import WIDENED, matrix_matmuls, reshaped_forms, signed_powers, widened_unsigned
 from dualtrack.compiler.lower_pad import full_pads
-from dualtrack.compiler.resize_maps import iree_cannot_lower, resize_maps
+from dualtrack.compiler.resize_maps import iree_cannot_lower, resize_maps, widened_axes
 from dualtrack.contract.checks import MASK, PROBS
 from dualtrack.contract.plan import parameter_key
 from dualtrack.errors import ConfigError, DualtrackError, InternalError, ModelError
@@ -397,7 +397,11 @@ def separable_resizes(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelP
     tf_crop_and_resize, nearest align_corners) as constant per-axis maps (:mod:`dualtrack.compiler.resize_maps`)."""
     if not any(n.op_type == "Resize" and iree_cannot_lower(n) for n in model.graph.node):
         return model
-    model, done = resize_maps(copy.deepcopy(model))
+    model, widened = widened_axes(copy.deepcopy(model))
+    if widened:
+        shown = ", ".join(widened[:4]) + (f" and {len(widened) - 4} more" if len(widened) > 4 else "")
+        log.append(Rewrite("resize", f"{len(widened)} Resize(s) over every axis instead of opset 18's axes: {shown}"))
+    model, done = resize_maps(model)
     if done:
         shown = ", ".join(done[:4]) + (f" and {len(done) - 4} more" if len(done) > 4 else "")
         log.append(Rewrite("resize", f"{len(done)} Resize(s) IREE cannot lower as per-axis Gather/MatMul: {shown}"))

@@ -46,6 +46,42 @@ def iree_cannot_lower(node: onnx.NodeProto) -> bool:
     )
 
 
+def widened_axes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """Every Resize whose opset-18 ``axes`` list its constant scales, over every axis instead (scale 1 on
+    the others) and without ``axes``: the same op, in the form IREE and Track A's resize kernel take, where
+    per-axis maps would put it on Track B. Sizes over ``axes`` stay as they are (the batch they leave out
+    has no constant value), for :func:`resize_maps`. The model (changed in place) and the nodes widened."""
+    todo = [n for n in model.graph.node if n.op_type == "Resize" and "axes" in _attrs(n)]
+    if not todo:
+        return model, []
+    shapes = static_shapes(model)
+    inits = {i.name: i for i in model.graph.initializer}
+    taken = set(inits) | {o for n in model.graph.node for o in n.output}
+    done = []
+    for node in todo:
+        ins = [*node.input, "", "", ""]
+        rank = len(shapes.get(node.input[0], ()))
+        if ins[1] or not ins[2] or ins[3] or ins[2] not in inits or rank < 1:
+            continue  # an roi, sizes, or scales computed at run time
+        axes = [int(a) % rank for a in _attrs(node)["axes"]]
+        scales = numpy_helper.to_array(inits[ins[2]]).reshape(-1)
+        if len(scales) != len(axes) or len(set(axes)) != len(axes):
+            continue
+        full = np.ones(rank, np.float32)
+        full[axes] = scales
+        name, k = f"{ins[2]}/all_axes", 0
+        while name in taken:
+            k, name = k + 1, f"{ins[2]}/all_axes{k + 1}"
+        taken.add(name)
+        model.graph.initializer.append(numpy_helper.from_array(full, name))
+        node.input[2] = name
+        kept = [a for a in node.attribute if a.name != "axes"]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        done.append(node.name or node.output[0])
+    return model, done
+
+
 def resize_maps(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     """Every Resize IREE cannot lower, with static shapes and constant parameters, as per-axis maps; the
     model and the names of the nodes rewritten."""
@@ -278,4 +314,4 @@ def _same(
     return bool(np.allclose(g, r, rtol=0.0, atol=_ATOL * scale * (1 if dtype == np.float32 else 100)))
 
 
-__all__ = ["iree_cannot_lower", "resize_maps"]
+__all__ = ["iree_cannot_lower", "resize_maps", "widened_axes"]
