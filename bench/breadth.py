@@ -16,7 +16,6 @@ breadth, whose findings become mechanisms and tests. The last run's table is in 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
 import traceback
@@ -25,16 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "pipeline"))
+sys.path.insert(0, str(ROOT / "bench"))
 
-
-def _zoo():
-    """models/zoo/export.py as a module (it installs the torchvision stub the CPU torch needs first)."""
-    spec = importlib.util.spec_from_file_location("zoo_export", ROOT / "models" / "zoo" / "export.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from zoo_bench import load_zoo  # noqa: E402  (models/zoo/export.py as a module)
 
 
 def networks(zoo) -> dict[str, Callable]:
@@ -181,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, default=64, help="the square side exported")
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "breadth", help="exports, configs and bundles")
     args = ap.parse_args(argv)
-    zoo = _zoo()
+    zoo = load_zoo()
     nets = networks(zoo)
     unknown = [n for n in args.names if n not in nets]
     if unknown:

@@ -32,6 +32,7 @@ import onnx
 from onnx import numpy_helper
 
 from dualtrack.compiler.config import FIXED_BATCH
+from dualtrack.compiler.onnx_graph import constants
 from dualtrack.errors import ModelError
 
 BATCH = "N"  # the symbolic batch dimension
@@ -136,7 +137,7 @@ def _freed(model: onnx.ModelProto, export_batch: int, other: int) -> tuple[onnx.
     model = copy.deepcopy(model)
     del model.graph.value_info[:]  # shapes recorded at the export batch would pin dim 0 again
     shapes, symbolic = _shapes_at(model, export_batch), _symbolic_dims(model)
-    walk = _Walk(model, export_batch, shapes, _constants(model.graph), symbolic)
+    walk = _Walk(model, export_batch, shapes, constants(model.graph), symbolic)
     axes: dict[str, Axis] = {model.graph.input[0].name: 0}
     for node in list(model.graph.node):
         ins = [axes.get(x) if x else None for x in node.input]
@@ -611,14 +612,6 @@ def _symbolic_dims(model: onnx.ModelProto) -> dict[str, int]:
         if len(symbolic) == 1:
             out[vi.name] = symbolic[0]
     return out
-
-
-def _constants(g: onnx.GraphProto) -> dict[str, np.ndarray]:
-    consts = {i.name: numpy_helper.to_array(i) for i in g.initializer}
-    for n in g.node:
-        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
-            consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
-    return consts
 
 
 def replace_input(model: onnx.ModelProto, node: onnx.NodeProto, k: int, value: np.ndarray, tag: str) -> None:

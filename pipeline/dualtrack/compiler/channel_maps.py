@@ -31,18 +31,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from dualtrack.compiler.lower_pad import full_pads
+from dualtrack.compiler.onnx_graph import constants, fresh_name
 
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
-
-
-def _consts(g: onnx.GraphProto) -> dict[str, np.ndarray]:
-    out = {i.name: numpy_helper.to_array(i) for i in g.initializer}
-    out.update(
-        (n.output[0], numpy_helper.to_array(n.attribute[0].t))
-        for n in g.node
-        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
-    )
-    return out
 
 
 def _channel_pad(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> tuple[list[int], float] | None:
@@ -87,7 +78,7 @@ def channel_maps_as_convs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str 
     g = model.graph
     if not any(n.op_type in ("Pad", "Transpose") for n in g.node):
         return model, None  # nothing to rewrite: no shape inference, no copy
-    consts = _consts(g)
+    consts = constants(g)
     pads = {k: p for k, n in enumerate(g.node) if n.op_type == "Pad" and (p := _channel_pad(n, consts)) is not None}
     chains = _chains(g) if any(n.op_type == "Transpose" for n in g.node) else []
     if not pads and not chains:
@@ -145,7 +136,7 @@ def _permute(
     C = len(p)
     weight = np.zeros((C, C, 1, 1), np.float16 if elem == onnx.TensorProto.FLOAT16 else np.float32)
     weight[np.arange(C), p, 0, 0] = 1
-    w = _fresh(f"{name}/permutation.weight", taken)
+    w = fresh_name(f"{name}/permutation.weight", taken)
     g.initializer.append(numpy_helper.from_array(weight, w))
     return helper.make_node("Conv", [x, w], [y], name=name, kernel_shape=[1, 1])
 
@@ -159,7 +150,7 @@ def _as_conv(
     dtype = np.float16 if elem == onnx.TensorProto.FLOAT16 else np.float32
     weight = np.zeros((K, C, 1, 1), dtype)
     weight[c0 + np.arange(C), np.arange(C), 0, 0] = 1
-    base = _fresh(f"{node.name or node.output[0]}/channels", taken)
+    base = fresh_name(f"{node.name or node.output[0]}/channels", taken)
     ins = [node.input[0], f"{base}.weight"]
     g.initializer.append(numpy_helper.from_array(weight, ins[1]))
     if value != 0.0:
@@ -235,15 +226,6 @@ def _chains(g: onnx.GraphProto) -> list[list[onnx.NodeProto]]:
         if len(chain) > 1:
             chains.append(chain)
     return chains
-
-
-def _fresh(base: str, taken: set[str]) -> str:
-    name, k = base, 0
-    while name in taken:
-        k += 1
-        name = f"{base}{k}"
-    taken.add(name)
-    return name
 
 
 __all__ = ["channel_maps_as_convs"]

@@ -26,6 +26,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from dualtrack.compiler.onnx_graph import fresh_name
+
 # A phase's share of the Conv's taps below which the zero taps would cost more than the tensor cores save.
 MIN_TAP_SHARE = 0.25
 
@@ -144,7 +146,7 @@ def sub_pixel_convolutions(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str
         rows, cols, s = plan
         bias = numpy_helper.to_array(inits[bias_name]) if bias_name else None
         pw, pb = phase_weights(w, bias, rows, cols, s)
-        base = _fresh(f"{node.name or node.output[0]}/phases", names)
+        base = fresh_name(f"{node.name or node.output[0]}/phases", names)
         ins = [node.input[0], base + ".weight"]
         out.graph.initializer.append(numpy_helper.from_array(pw, ins[1]))
         if pb is not None:
@@ -168,15 +170,6 @@ def sub_pixel_convolutions(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str
         out,
         f"{len(done)} ConvTranspose(s) as sub-pixel convolutions (Conv of s*s*K channels, DepthToSpace): {listed}",
     )
-
-
-def _fresh(base: str, taken: set[str]) -> str:
-    name, k = base, 0
-    while name in taken:
-        k += 1
-        name = f"{base}{k}"
-    taken.add(name)
-    return name
 
 
 __all__ = ["AxisPlan", "axis_plan", "phase_weights", "sub_pixel_convolutions"]

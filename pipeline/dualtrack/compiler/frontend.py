@@ -41,6 +41,7 @@ from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
 from dualtrack.compiler.convt_phases import sub_pixel_convolutions
 from dualtrack.compiler.iree_forms import WIDENED, matrix_matmuls, reshaped_forms, signed_powers, widened_unsigned
 from dualtrack.compiler.lower_pad import full_pads
+from dualtrack.compiler.onnx_graph import constants as _graph_constants
 from dualtrack.compiler.resize_maps import iree_cannot_lower, resize_maps, widened_axes
 from dualtrack.contract.checks import MASK, PROBS
 from dualtrack.contract.plan import parameter_key
@@ -432,17 +433,6 @@ def iree_forms(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
         shown = ", ".join(widened[:4])
         log.append(Rewrite("unsigned", f"computed in a wider type (IREE takes uint8 as signed): {shown}"))
     return model
-
-
-def _graph_constants(g: onnx.GraphProto) -> dict[str, np.ndarray]:
-    """Initializers and Constant nodes' values (``value`` tensors), by name."""
-    consts = {i.name: numpy_helper.to_array(i) for i in g.initializer}
-    consts.update(
-        (n.output[0], numpy_helper.to_array(n.attribute[0].t))
-        for n in g.node
-        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
-    )
-    return consts
 
 
 def channels_first_regions(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:

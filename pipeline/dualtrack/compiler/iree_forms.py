@@ -28,6 +28,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack.compiler.batch_free import static_shapes
+from dualtrack.compiler.onnx_graph import constants
 
 # (op, input type) -> the type it is computed in, exact for every value of the input type.
 WIDENED = {
@@ -147,14 +148,6 @@ def signed_powers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     return model, done
 
 
-def _consts(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    consts = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
-    for n in model.graph.node:
-        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
-            consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
-    return consts
-
-
 def _replace(model: onnx.ModelProto, rewrite) -> list[str]:
     """Each node ``rewrite`` returns nodes for (None: kept) replaced by them, in place; the nodes rewritten."""
     nodes: list[onnx.NodeProto] = []
@@ -176,7 +169,7 @@ def reshaped_forms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     (module docstring). The model (changed in place) and the nodes rewritten."""
     if not any(n.op_type in ("Slice", "SpaceToDepth") for n in model.graph.node):
         return model, []
-    shapes, consts = static_shapes(model), _consts(model)
+    shapes, consts = static_shapes(model), constants(model.graph)
     shapes.update({i.name: tuple(i.dims) for i in model.graph.initializer})
     inits = model.graph.initializer
 

@@ -23,6 +23,7 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from dualtrack.compiler.batch_free import static_shapes
+from dualtrack.compiler.onnx_graph import fresh_name
 
 PROBE_MAX = 1 << 22  # elements of a probe that keeps the other axes (keep_aspect_ratio_policy couples them)
 _ATOL = 1e-5  # the rewrite against the node, relative to the output's scale (fp32 sums in another order)
@@ -69,10 +70,7 @@ def widened_axes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
             continue
         full = np.ones(rank, np.float32)
         full[axes] = scales
-        name, k = f"{ins[2]}/all_axes", 0
-        while name in taken:
-            k, name = k + 1, f"{ins[2]}/all_axes{k + 1}"
-        taken.add(name)
+        name = fresh_name(f"{ins[2]}/all_axes", taken)
         model.graph.initializer.append(numpy_helper.from_array(full, name))
         node.input[2] = name
         kept = [a for a in node.attribute if a.name != "axes"]
