@@ -28,17 +28,18 @@ import numpy as np
 import onnx
 
 from dualtrack import hostcpu, kernels
-from dualtrack.compiler import frontend, partition, verify
+from dualtrack.compiler import frontend, partition, spatial, verify
 from dualtrack.compiler import iree_build as track_b
 from dualtrack.compiler import kernel_build as ptx
-from dualtrack.compiler.bundle_writer import BundleWriter
+from dualtrack.compiler.bundle_writer import BundleWriter, externalize
 from dualtrack.compiler.config import BuildConfig, load_config
 from dualtrack.compiler.tuned import TUNED_FIELDS, Selection, flag_records, flags_for, measured_for, segment_key
 from dualtrack.compiler.tuned import select as select_tuning
 from dualtrack.contract import arch
-from dualtrack.contract.bundle import CASES, MANIFEST, Bundle, model_digest, sha256
-from dualtrack.contract.manifest import Artifacts, Manifest, ModelInfo, Target, Verification, Weight
+from dualtrack.contract.bundle import CASES, MANIFEST, WEIGHTS, Bundle, model_digest, sha256
+from dualtrack.contract.manifest import Artifacts, Manifest, ModelInfo, SizePlan, Target, Verification, Weight, Window
 from dualtrack.contract.plan import ALIAS_OPS, Plan
+from dualtrack.contract.sizes import Size, label
 from dualtrack.errors import BundleError, ConfigError, ToolError
 from dualtrack.kernels.device import REFERENCE
 from dualtrack.kernels.problems import ConvLayer, conv_layers
@@ -195,6 +196,8 @@ class _Inputs:
     model: onnx.ModelProto
     parted: partition.Partitioned
     source_digest: str
+    size: Size | None = None  # the input size of this model (config `sizes`; None: the export's, the only one)
+    others: tuple[_Inputs, ...] = ()  # the smaller sizes (config `sizes`): this one is the largest
 
     @property
     def plan(self) -> Plan:
@@ -246,7 +249,9 @@ def build(
     say("track A: PTX and cubins")
     a_files, a_meta = track_a_artifacts(plan, resolutions, settings, selection)
     jobs = track_b_jobs(inputs, resolutions, notes)
+    sized = [size_stages(o, resolutions, settings, say) for o in inputs.others]
     build_key = _build_key(inputs.cfg, inputs.source_digest, plan, jobs.keys, a_files, selection)
+    build_key = _sizes_key(build_key, inputs, sized)
     if not force and (done := up_to_date(dest, build_key, len(jobs.jobs), [*notes, *plan.notes], plan)):
         say("up to date")
         done.seconds = time.perf_counter() - t0
@@ -254,11 +259,15 @@ def build(
     inputs = with_seed(inputs)
     frontend_checks = check_front_end(inputs, say)
     results = compile_modules(jobs, settings, say)
+    for s in sized:
+        s.results = compile_modules(s.jobs, settings, say)
+    results = [*results, *(r for s in sized for r in s.results)]  # every size's modules, for the counts
     compiled = sum(not r.cached for r in results)
     writer = BundleWriter(dest)
     try:
         weights = write_files(writer, inputs, a_files)
-        iree_art, replay_art = write_modules(writer, results, resolutions, settings, notes)
+        iree_art, replay_art = write_modules(writer, results[: len(jobs.jobs)], resolutions, settings, notes)
+        size_plans = tuple(write_size(writer, s, a_files, resolutions, settings, notes) for s in sized)
         artifacts = Artifacts(iree=iree_art, iree_tuned_flags=jobs.tuned_flags, track_a=a_meta, iree_replay=replay_art)
         manifest = Manifest(
             dualtrack_version=pkg_version("dualtrack"),
@@ -278,10 +287,13 @@ def build(
             notes=tuple(notes),
             weights=weights,
             tolerance=bundle_tolerance(inputs, plan, say).to_json(),
+            window=window_record(inputs.cfg),
+            sizes=size_plans,
         )
         verification = None
         if jobs.cpu is not None:
             manifest, verification = verify_on_cpu(writer, manifest, inputs, frontend_checks, say)
+            manifest = verify_sizes_on_cpu(writer, manifest, inputs, say)
         say(f"write {dest}")
         writer.commit(manifest)
     except BaseException:
@@ -333,10 +345,78 @@ def front_end(cfg: BuildConfig, measured: Any, notes: list[str], say: Progress) 
     source_digest = sha256(cfg.model.read_bytes()) if cfg.model.exists() else ""
     cfg, fe = frontend.load(cfg)
     notes.extend(fe.notes())
-    say(f"partition {cfg.model.name}")
     model = partition.name_nodes(fe.model)
+    if cfg.sizes is not None:
+        return sized_inputs(cfg, fe, model, source_digest, measured, notes, say)
+    say(f"partition {cfg.model.name}")
     parted = partition.partition_model(cfg, model, measured)
     return _Inputs(cfg, fe, model, parted, source_digest)
+
+
+def sized_inputs(
+    cfg: BuildConfig,
+    fe: frontend.FrontEnd,
+    model: onnx.ModelProto,
+    source_digest: str,
+    measured: Any,
+    notes: list[str],
+    say: Progress,
+) -> _Inputs:
+    """The config's ``sizes``: the model re-shaped to each (compiler/spatial.py) and partitioned there
+    (Track A's kernels chosen for that shape). The largest size leads (the manifest's own plan, what an
+    image too large for every size is resized to); the others ride in its ``others``."""
+    model, freed = spatial.free_sizes(model)
+    if freed:
+        notes.append(f"sizes: {len(freed)} Resize(s) to constant sizes take scales instead: {', '.join(freed[:4])}")
+    per_size = []
+    for size in cfg.compiled_sizes(spatial.image_size(model)):
+        say(f"partition {cfg.model.name} at {label(size)}")
+        m = spatial.at_size(model, size)
+        shape = cfg.input.shape
+        if shape is not None and len(shape) == 4:  # the config names the export's shape: read it at this size
+            shape = (shape[0], *size, shape[3])
+        at = cfg.model_copy(update={"input": cfg.input.model_copy(update={"shape": shape})})
+        per_size.append(_Inputs(cfg, fe, m, partition.partition_model(at, m, measured), source_digest, size))
+    *others, lead = per_size
+    return replace(lead, others=tuple(others))
+
+
+@dataclass
+class _Sized:
+    """One smaller input size's build stages (config ``sizes``): its inputs, Track A files, IREE jobs."""
+
+    inputs: _Inputs
+    selection: Selection | None
+    a_files: dict[str, bytes]
+    a_meta: dict[str, Any]
+    jobs: _TrackB
+    results: list[track_b.CompileResult] = field(default_factory=list)
+
+    @property
+    def prefix(self) -> str:
+        """Where its plan's files go in the bundle (weights.bin and identical PTX are shared)."""
+        assert self.inputs.size is not None
+        return f"sizes/{label(self.inputs.size)}/"
+
+
+def size_stages(inputs: _Inputs, resolutions: list[arch.Resolution], settings: Settings, say: Progress) -> _Sized:
+    """The Track A and Track B stages of one smaller size, as :func:`build` runs them for the largest
+    (their notes are the largest's: not repeated)."""
+    say(f"track A and B jobs at {label(inputs.size or (0, 0))}")
+    selection = select_tuning(inputs.cfg.tuning, inputs.plan, resolutions) if inputs.cfg.tuning is not None else None
+    a_files, a_meta = track_a_artifacts(inputs.plan, resolutions, settings, selection)
+    return _Sized(inputs, selection, a_files, a_meta, track_b_jobs(inputs, resolutions, []))
+
+
+def _sizes_key(lead_key: str, inputs: _Inputs, sized: list[_Sized]) -> str:
+    """The build key over every size: the largest's, then each smaller one's (unchanged without sizes)."""
+    if not sized:
+        return lead_key
+    h = hashlib.sha256(lead_key.encode())
+    for s in sized:
+        i = s.inputs
+        h.update(_build_key(i.cfg, i.source_digest, i.plan, s.jobs.keys, s.a_files, s.selection).encode())
+    return h.hexdigest()
 
 
 def track_b_jobs(inputs: _Inputs, resolutions: list[arch.Resolution], notes: list[str]) -> _TrackB:
@@ -387,6 +467,15 @@ def cpu_batch(cfg: BuildConfig) -> int:
     return cfg.batch_sizes[0] if cfg.batch == "fixed" else track_b.CPU_BATCH
 
 
+def window_record(cfg: BuildConfig) -> Window | None:
+    """The config's `window:` as the runtime reads it, its batch resolved (the largest compiled one); a
+    window size left unset stays None: the runtime's largest compiled input size."""
+    w = cfg.window
+    if w is None:
+        return None
+    return Window(w.size, w.overlap, w.blend, w.sigma_scale, w.batch or max(cfg.batch_sizes))
+
+
 def up_to_date(dest: Path, build_key: str, jobs: int, notes: list[str], plan: Plan) -> BuildResult | None:
     """The result of a build that has nothing to do: the bundle at ``dest`` has this build key and
     passed its verification. None otherwise (a broken bundle there is simply rebuilt)."""
@@ -408,7 +497,8 @@ def with_seed(inputs: _Inputs) -> _Inputs:
     if inputs.cfg.verify.seed is not None:
         return inputs
     verify_cfg = inputs.cfg.verify.model_copy(update={"seed": int(np.random.SeedSequence().entropy % (2**31))})
-    return replace(inputs, cfg=inputs.cfg.model_copy(update={"verify": verify_cfg}))
+    cfg = inputs.cfg.model_copy(update={"verify": verify_cfg})
+    return replace(inputs, cfg=cfg, others=tuple(replace(o, cfg=cfg) for o in inputs.others))
 
 
 def check_front_end(inputs: _Inputs, say: Progress) -> list[verify.Check]:
@@ -457,6 +547,7 @@ def write_modules(
     resolutions: list[arch.Resolution],
     settings: Settings,
     notes: list[str],
+    prefix: str = "",
 ) -> tuple[dict[str, dict[str, dict[str, str]]], dict[str, dict[str, dict[str, dict[str, Any]]]]]:
     """Each IREE module and its launch plan's files; the manifest's ``iree`` and ``iree_replay``
     entries. A module whose launch plan was refused gets a note (the IREE runtime runs it)."""
@@ -469,7 +560,7 @@ def write_modules(
         for r in resolutions
     }
     for r in results:
-        rel = f"iree/{r.job.segment}/{r.job.target.name}/b{r.job.batch}.vmfb"
+        rel = f"{prefix}iree/{r.job.segment}/{r.job.target.name}/b{r.job.batch}.vmfb"
         writer.add(rel, r.vmfb)
         iree_art.setdefault(r.job.segment, {}).setdefault(r.job.target.name, {})[str(r.job.batch)] = rel
         if r.replay is not None:
@@ -485,8 +576,63 @@ def write_modules(
             if "refused" in e
         }
     )
-    notes.extend(f"track B replay refused for {r} (the IREE runtime runs it)" for r in refused)
+    notes.extend(f"track B replay refused for {prefix}{r} (the IREE runtime runs it)" for r in refused)
     return iree_art, replay_art
+
+
+def write_size(
+    writer: BundleWriter,
+    s: _Sized,
+    lead_a_files: dict[str, bytes],
+    resolutions: list[arch.Resolution],
+    settings: Settings,
+    notes: list[str],
+) -> SizePlan:
+    """One smaller size's files under ``sizes/HxW/`` (its graph beside model.onnx, reading the same
+    weights.bin; Track A files identical to the largest's shared), and its manifest entry."""
+    inputs, prefix = s.inputs, s.prefix
+    assert inputs.size is not None
+    graph, blob, _ = externalize(inputs.model)
+    if sha256(blob) != writer.files[WEIGHTS]:  # the re-shaping touches shapes only, never an initializer
+        raise BundleError(f"the model at {label(inputs.size)} has other weights than the largest size's")
+    model_rel = f"model.{label(inputs.size)}.onnx"  # beside weights.bin: ONNX reads external data from its folder
+    writer.add(model_rel, graph)
+    plan = replace(inputs.plan, segments=tuple(replace(g, onnx=prefix + g.onnx) for g in inputs.plan.segments))
+    writer.add_json(prefix + PARTITION_REPORT, inputs.parted.report())
+    for seg, sm in zip(plan.segments, inputs.parted.seg_models, strict=True):
+        writer.add(seg.onnx, partition.strip_initializers(sm).SerializeToString())
+    moved = {rel: rel if lead_a_files.get(rel) == data else prefix + rel for rel, data in s.a_files.items()}
+    for rel, data in s.a_files.items():
+        if moved[rel] != rel:
+            writer.add(moved[rel], data)
+    a_meta = json.loads(json.dumps(s.a_meta, default=str))
+    for kind in ("ptx", "cubin"):
+        for entries in a_meta[kind].values():
+            for m in entries.values():
+                m["path"] = moved[m["path"]]
+    cases_rel = f"{prefix}{CASES}"
+    writer.add(cases_rel, verify.reference_cases(inputs.model, plan, inputs.cfg.verify.seed).to_bytes())
+    iree_art, replay_art = write_modules(writer, s.results, resolutions, settings, notes, prefix)
+    artifacts = Artifacts(iree=iree_art, iree_tuned_flags=s.jobs.tuned_flags, track_a=a_meta, iree_replay=replay_art)
+    return SizePlan(*inputs.size, plan=plan, artifacts=artifacts, model=model_rel, cases=cases_rel)
+
+
+def verify_sizes_on_cpu(writer: BundleWriter, manifest: Manifest, inputs: _Inputs, say: Progress) -> Manifest:
+    """Every smaller size verified on the CPU against onnxruntime as the largest is (its own graph, at
+    its own size): ``sizes/HxW/verify.json`` and the manifest's record; raise on a failure."""
+    entries = []
+    for entry in manifest.sizes:
+        size = (entry.height, entry.width)
+        say(f"verify {label(size)} on the CPU against onnxruntime")
+        report = _verify_tmp(writer, manifest, inputs.cfg, say, size)
+        writer.add_json(f"sizes/{label(size)}/verify.json", report)
+        tol = verify.Tolerance(**report["tolerance"])
+        if not report["passed"]:
+            checks = [verify.Check(**c) for c in report["checks"]]
+            verify.Report("cpu", inputs.fe.precision, tol, checks, report["seed"]).raise_if_failed()
+        ver = Verification(passed=True, device="cpu", seed=report["seed"], tolerance=tol.to_json())
+        entries.append(replace(entry, verification=ver))
+    return replace(manifest, sizes=tuple(entries))
 
 
 def model_info(inputs: _Inputs, files: dict[str, str]) -> ModelInfo:
@@ -562,9 +708,13 @@ def bundle_tolerance(inputs: _Inputs, plan: Plan, say: Progress) -> verify.Toler
     return tol
 
 
-def _verify_tmp(writer: BundleWriter, manifest: Manifest, cfg: BuildConfig, say: Progress) -> dict[str, Any]:
-    """Verify the not-yet-committed bundle by loading it from its temporary directory."""
+def _verify_tmp(
+    writer: BundleWriter, manifest: Manifest, cfg: BuildConfig, say: Progress, size: Size | None = None
+) -> dict[str, Any]:
+    """Verify the not-yet-committed bundle (at one input ``size`` of several: config `sizes`) by
+    loading it from its temporary directory."""
     bundle = Bundle(writer.tmp, manifest.with_files(writer.files))
+    bundle = bundle.at_size(size) if size is not None else bundle
     engine = Engine.load(bundle, "cpu")
     try:
         tol = bundle.tolerance()  # the manifest's (bundle_tolerance)

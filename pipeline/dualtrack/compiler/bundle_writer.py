@@ -124,7 +124,7 @@ def externalize(model: onnx.ModelProto) -> tuple[bytes, bytes, dict[str, Weight]
 
 def load_model(bundle: Bundle) -> onnx.ModelProto:
     """The bundle's whole model, weights included (the verification reference)."""
-    return onnx.load(str(bundle.root / MODEL))
+    return onnx.load(str(bundle.root / bundle.model_file))  # an input size's own graph (Bundle.at_size)
 
 
 def segment_model(bundle: Bundle, seg: Segment) -> onnx.ModelProto:

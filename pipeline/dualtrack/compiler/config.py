@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dualtrack.contract import sizes as size_rule
 from dualtrack.contract.checks import DEFAULT_TOLERANCES, Tolerance
 from dualtrack.errors import ConfigError
 
@@ -169,6 +170,54 @@ class Postprocess(_Strict):
     classes: tuple[str, ...] | None = Field(None, description="class names, one per output channel")
 
 
+class WindowConfig(_Strict):
+    """Sliding-window inference (runtime/tiling.py) for an image larger than the largest compiled size:
+    overlapping windows run through the engine in batches, their outputs blended and the mask answered
+    at the image's own size. Window origins and weights are MONAI's ``sliding_window_inference``'s."""
+
+    size: tuple[int, int] | None = Field(
+        None, description="the window (height, width); default: the bundle's largest compiled input size"
+    )
+    overlap: float = Field(0.25, ge=0, lt=1, description="the fraction of a window its neighbour overlaps")
+    blend: Literal["gaussian", "constant"] = Field(
+        "gaussian", description="gaussian: weights fall off toward a window's edges (sigma 0.125 x its side); constant"
+    )
+    sigma_scale: float = Field(0.125, gt=0, description="gaussian only: sigma as a fraction of the window's side")
+    batch: int | None = Field(None, ge=1, description="windows per engine run; default: the largest of batch_sizes")
+
+    @field_validator("size")
+    @classmethod
+    def _positive_size(cls, v: tuple[int, int] | None) -> tuple[int, int] | None:
+        if v is not None and min(v) < 1:
+            raise ValueError(f"window size must be two positive sides (height, width), got {list(v)}")
+        return v
+
+
+def _positive_size(v: tuple[int, int]) -> tuple[int, int]:
+    if v[0] < 1 or v[1] < 1:
+        raise ValueError(f"a size is [height, width] in pixels, both positive, not {list(v)}")
+    return v
+
+
+class SizeRange(_Strict):
+    """``sizes: {min, opt, max}``: compiles min, opt, max and, between opt and max, each dim doubled
+    from opt (x2, x4, ...) capped at max's (dualtrack.contract.sizes, the range rule)."""
+
+    min: tuple[int, int]
+    opt: tuple[int, int]
+    max: tuple[int, int]
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SizeRange:
+        for v in (self.min, self.opt, self.max):
+            _positive_size(v)
+        if not all(a <= b <= c for a, b, c in zip(self.min, self.opt, self.max, strict=True)):
+            raise ValueError(
+                f"min {list(self.min)} <= opt {list(self.opt)} <= max {list(self.max)} must hold in both dims"
+            )
+        return self
+
+
 class BuildConfig(_Strict):
     """A validated `configs/*.yaml`. Paths are resolved against the config file's folder."""
 
@@ -200,6 +249,18 @@ class BuildConfig(_Strict):
         ),
     )
     batch_sizes: tuple[int, ...] = (1,)
+    sizes: tuple[tuple[int, int], ...] | SizeRange | None = Field(
+        None,
+        description=(
+            "the image sizes to compile, [height, width] each: a list ([[512, 512], [720, 1280]]) or a range "
+            "{min: [h, w], opt: [h, w], max: [h, w]}, which compiles min, opt, max and, between opt and max, each "
+            "dim doubled from opt (x2, x4, ...) capped at max's. Default: the export's size only. An image runs "
+            "at the smallest size that holds it, padded at the bottom and right by its edge pixels, and its "
+            "outputs are cropped back; one larger than every size is resized to the largest. Each size is a "
+            "plan, IREE modules and a CPU verification of its own (build time grows with the count); the "
+            "weights are stored once. Needs `preprocess` (an image input)"
+        ),
+    )
     targets: tuple[str, ...] = Field(
         ("sm_90a",), description="GPU architectures to build for; [] builds for the CPU only (IREE llvm-cpu)"
     )
@@ -222,6 +283,9 @@ class BuildConfig(_Strict):
     )
     track_b: TrackBConfig = TrackBConfig()
     verify: VerifyConfig = VerifyConfig()
+    window: WindowConfig | None = Field(
+        None, description="sliding-window inference for images larger than the largest compiled size (off: unset)"
+    )
     output: Path | None = None
     notes: tuple[str, ...] = ()  # translations applied to seed vocabulary, filled by load_config
 
@@ -231,6 +295,47 @@ class BuildConfig(_Strict):
         if not v or any(b < 1 for b in v):
             raise ValueError("batch_sizes must be positive integers, e.g. [1, 8]")
         return tuple(sorted(set(v)))
+
+    @field_validator("sizes", mode="before")
+    @classmethod
+    def _range(cls, v: Any) -> Any:
+        """A mapping is a range: its own error, not the list form's ("Input should be a valid tuple")."""
+        if not isinstance(v, dict):
+            return v
+        try:
+            return SizeRange.model_validate(v)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise ValueError(f"{where + ': ' if where else ''}{err['msg'].removeprefix('Value error, ')}") from None
+
+    @field_validator("sizes")
+    @classmethod
+    def _sizes(cls, v: tuple[tuple[int, int], ...] | SizeRange | None) -> Any:
+        if isinstance(v, tuple):
+            if not v:
+                raise ValueError("sizes is empty; list [height, width] pairs or drop `sizes` for the export's size")
+            for s in v:
+                _positive_size(s)
+        return v
+
+    def compiled_sizes(self, export: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+        """The sizes the build compiles, in the order the engine tries them (contract/sizes.py);
+        ``export`` is the export's own (height, width), the default."""
+        if self.sizes is None:
+            return (export,)
+        if isinstance(self.sizes, SizeRange):
+            return size_rule.range_sizes(self.sizes.min, self.sizes.opt, self.sizes.max)
+        return size_rule.sorted_sizes(self.sizes)
+
+    @model_validator(mode="after")
+    def _sized_images(self) -> BuildConfig:
+        if self.sizes is not None and (self.batch == "fixed" or self.preprocess is None):
+            raise ValueError(
+                "`sizes` compiles an image model at several sizes: it needs `preprocess` (an image input) and "
+                "`batch: images`"
+            )
+        return self
 
     @model_validator(mode="after")
     def _fixed_shape(self) -> BuildConfig:
@@ -248,6 +353,20 @@ class BuildConfig(_Strict):
             raise ValueError(
                 "`batch: fixed` runs every node on Track B (Track A kernels compute image by image); "
                 "drop the partition's track_a rules"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _window(self) -> BuildConfig:
+        """Windows blend the model's probabilities at compiled batch sizes: postprocess and a batch it has."""
+        if self.window is None:
+            return self
+        if self.postprocess is None:
+            raise ValueError("`window:` blends the bundle's probabilities; add `postprocess:` (e.g. activation: softmax)")
+        if self.window.batch is not None and self.window.batch not in self.batch_sizes:
+            raise ValueError(
+                f"window.batch {self.window.batch} is not one of batch_sizes {list(self.batch_sizes)}; "
+                "add it to batch_sizes or drop window.batch (default: the largest)"
             )
         return self
 

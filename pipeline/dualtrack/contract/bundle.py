@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from dualtrack.contract.cases import ReferenceCases
 from dualtrack.contract.checks import DEFAULT_TOLERANCES, Tolerance
 from dualtrack.contract.manifest import Manifest
 from dualtrack.contract.plan import Plan, Segment
+from dualtrack.contract.sizes import Size, label, sorted_sizes
 from dualtrack.errors import BundleError
 
 MANIFEST = "manifest.json"
@@ -61,6 +62,9 @@ class Bundle:
 
     root: Path
     manifest: Manifest
+    # This view's graph and reference cases: the bundle's own, or one input size's (:meth:`at_size`).
+    model_file: str = MODEL
+    cases_file: str = CASES
 
     @classmethod
     def open(cls, path: str | Path, *, check_hashes: bool = True) -> Bundle:
@@ -144,7 +148,33 @@ class Bundle:
     @cached_property
     def cases(self) -> ReferenceCases:
         """The reference cases the build stored (contract/cases.py) for the first-load check."""
-        return ReferenceCases.load(self.root / CASES)
+        return ReferenceCases.load(self.root / self.cases_file)
+
+    @property
+    def size(self) -> Size | None:
+        """(H, W) of this view's plan: an image plan's (N, H, W, 3) input; None for other inputs."""
+        shape = self.plan.inputs[0].shape if self.plan.inputs else ()
+        return (shape[1], shape[2]) if len(shape) == 4 and shape[3] == 3 else None
+
+    @property
+    def sizes(self) -> tuple[Size, ...]:
+        """Every input size the bundle was built for, smallest first (one for a one-size image bundle)."""
+        own = () if self.size is None else (self.size,)
+        return sorted_sizes([*own, *((s.height, s.width) for s in self.manifest.sizes)])
+
+    def at_size(self, size: Size) -> Bundle:
+        """The bundle as built for one input ``size``: its plan, modules, graph and reference cases
+        (the weights are the bundle's). Itself for the manifest's own size."""
+        if size == self.size:
+            return self
+        entry = next((s for s in self.manifest.sizes if (s.height, s.width) == tuple(size)), None)
+        if entry is None:
+            have = ", ".join(label(s) for s in self.sizes) or "none"
+            raise BundleError(f"{self.root} has no plan for {label(size)} (has {have}); add it to `sizes` and rebuild")
+        manifest = replace(
+            self.manifest, plan=entry.plan, artifacts=entry.artifacts, verification=entry.verification, sizes=()
+        )
+        return replace(self, manifest=manifest, model_file=entry.model, cases_file=entry.cases)
 
     def vmfb(self, seg: Segment, target: str, batch: int) -> Path:
         try:

@@ -94,6 +94,63 @@ class Artifacts:
 
 
 @dataclass(frozen=True)
+class Window:
+    """Sliding-window inference for images larger than the largest compiled size (the config's
+    ``window:``; runtime/tiling.py): windows of ``size`` (None: the largest compiled size), origins
+    as MONAI's ``sliding_window_inference`` places them at ``overlap``, outputs blended with
+    ``blend`` weights (``gaussian``: sigma ``sigma_scale`` x the window side; ``constant``),
+    ``batch`` windows per engine run (None: the largest compiled batch size)."""
+
+    size: tuple[int, int] | None = None
+    overlap: float = 0.25
+    blend: str = "gaussian"
+    sigma_scale: float = 0.125
+    batch: int | None = None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Window:
+        size = d.get("size")
+        return cls(
+            size=(int(size[0]), int(size[1])) if size else None,
+            overlap=float(d.get("overlap", 0.25)),
+            blend=str(d.get("blend", "gaussian")),
+            sigma_scale=float(d.get("sigma_scale", 0.125)),
+            batch=int(d["batch"]) if d.get("batch") else None,
+        )
+
+
+@dataclass(frozen=True)
+class SizePlan:
+    """One more input size the bundle was built for (config ``sizes``; contract/sizes.py): its own
+    plan, modules and reference cases, the same weights (weights.bin, once). The manifest's own
+    ``plan`` is the largest size's; a bundle without ``sizes`` has that one size only."""
+
+    height: int
+    width: int
+    plan: Plan
+    artifacts: Artifacts
+    model: str  # bundle-relative path of this size's graph (its initializers are weights.bin's)
+    cases: str  # its reference cases (contract/cases.py)
+    verification: Verification | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "plan": self.plan.to_json()}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> SizePlan:
+        ver = d.get("verification")
+        return cls(
+            height=int(d["height"]),
+            width=int(d["width"]),
+            plan=Plan.from_json(d["plan"]),
+            artifacts=Artifacts(**d["artifacts"]),
+            model=d["model"],
+            cases=d["cases"],
+            verification=Verification(**ver) if ver else None,
+        )
+
+
+@dataclass(frozen=True)
 class Manifest:
     dualtrack_version: str
     build_key: str
@@ -115,11 +172,19 @@ class Manifest:
     # else the precision's default as the build judged it on the network (compiler/verify.judged_tolerance),
     # also where no CPU verification ran. None in bundles built before it was recorded.
     tolerance: Mapping[str, float] | None = None
+    window: Window | None = None  # sliding-window inference (the config's `window:`); None: off
     format: int = BUNDLE_FORMAT
+    # The other input sizes (config `sizes`), smallest first; empty in a one-size bundle, and in every
+    # bundle built before sizes existed (the key is then absent: such a manifest reads as before).
+    sizes: tuple[SizePlan, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["plan"] = self.plan.to_json()
+        if self.sizes:
+            out["sizes"] = [s.to_json() for s in self.sizes]
+        else:
+            del out["sizes"]
         return out
 
     def with_files(self, files: Mapping[str, str]) -> Manifest:
@@ -168,6 +233,8 @@ class Manifest:
                 },
                 format=d["format"],
                 tolerance=d.get("tolerance"),
+                window=Window.from_json(d["window"]) if d.get("window") else None,  # absent before it existed
+                sizes=tuple(SizePlan.from_json(s) for s in d.get("sizes", ())),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise BundleError(
@@ -175,4 +242,14 @@ class Manifest:
             ) from None
 
 
-__all__ = ["BUNDLE_FORMAT", "Artifacts", "Manifest", "ModelInfo", "Target", "Verification", "Weight"]
+__all__ = [
+    "BUNDLE_FORMAT",
+    "Artifacts",
+    "Manifest",
+    "ModelInfo",
+    "SizePlan",
+    "Target",
+    "Verification",
+    "Weight",
+    "Window",
+]
