@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from dualtrack import hostcpu
+from dualtrack.contract import sizes
 from dualtrack.contract.bundle import Bundle
 from dualtrack.contract.plan import Segment, TensorSpec
 from dualtrack.errors import BundleError, CudaError, InputError
@@ -143,6 +144,13 @@ class Engine:
         self.input_spec: TensorSpec = self.plan.inputs[0]
         self.output_specs: tuple[TensorSpec, ...] = self.plan.outputs
         self.last_timings: dict[str, float] = {}
+        # A bundle of several input sizes (config `sizes`): every size, smallest first; run() takes an image
+        # at its own size (contract/sizes.py). Empty for a one-size bundle, which takes its one size only.
+        self.sizes: tuple[sizes.Size, ...] = bundle.sizes if bundle.manifest.sizes else ()
+        self.last_size: sizes.Choice | None = None  # how the last run at an image's own size ran
+        self.device_index = 0
+        self._at_size: dict[sizes.Size, Engine] = {}  # the other sizes' engines, loaded on first use
+        self._at_size_lock = threading.Lock()
         self._lock = threading.Lock()
         self._closed = False
         self._overlap: Any = None  # runtime/overlap.py's slots and streams, made by the first stage() on cuda
@@ -162,6 +170,7 @@ class Engine:
             from dualtrack.runtime.gpu import CudaBackend
 
             engine = cls(b, CudaBackend(b, device_index), "cuda")
+            engine.device_index = device_index
             settings = Settings.from_env()
             if settings.gpu_self_check:
                 dev = engine.backend.device
@@ -227,6 +236,8 @@ class Engine:
         """
         if self._closed:
             raise InputError("this engine is closed; load the bundle again")
+        if self.sizes and getattr(x, "ndim", 0) == 4 and tuple(x.shape[1:3]) != self.input_spec.shape[1:3]:
+            return self._run_at_own_size(np.asarray(x), outputs)
         if not isinstance(x, np.ndarray) and (hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")):
             return self._run_on_device(x)
         wanted = self._wanted(outputs)
@@ -254,6 +265,33 @@ class Engine:
             if self.backend.timings.get("graph"):  # on a GPU, the whole inference as one CUDA graph
                 self.last_timings["graph_ms"] = self.backend.timings["graph"]
         return {k: np.concatenate(v) if len(v) > 1 else v[0] for k, v in parts.items()}
+
+    def _run_at_own_size(self, x: np.ndarray, outputs: Sequence[str] | None) -> dict[str, Any]:
+        """Images of another height and width than this plan's, in a bundle of several sizes: run at the
+        smallest compiled size that holds them, padded by their edge pixels, every output cropped back
+        (contract/sizes.py says why, and what the padding can change near the border)."""
+        choice = sizes.choose((x.shape[1], x.shape[2]), self.sizes, window=self.bundle.manifest.window is not None)
+        if choice.mode != sizes.FITS:  # the one hook for images too large: sizes.choose decides, this refuses
+            have = ", ".join(sizes.label(s) for s in self.sizes)
+            raise InputError(
+                f"an image of {sizes.label(choice.image)} is larger than every compiled size ({have}): resize it to "
+                f"{sizes.label(choice.size)} (dualtrack.imaging does, for `dualtrack run` and the service), or add the "
+                "size to `sizes` and rebuild"
+            )
+        engine = self.at_size(choice.size)
+        out = engine.run(sizes.pad_to(x, choice.size), outputs)
+        self.last_size, self.last_timings = choice, engine.last_timings
+        return {k: np.ascontiguousarray(sizes.crop_to(v, choice.size, choice.image)) for k, v in out.items()}
+
+    def at_size(self, size: sizes.Size) -> Engine:
+        """The engine of one compiled input size of this bundle (itself for its own), loaded on first use
+        on this engine's device; closed with this engine."""
+        if size == self.input_spec.shape[1:3]:
+            return self
+        with self._at_size_lock:
+            if size not in self._at_size:
+                self._at_size[size] = Engine.load(self.bundle.at_size(size), self.device, self.device_index)
+            return self._at_size[size]
 
     def _wanted(self, outputs: Sequence[str] | None) -> tuple[str, ...]:
         names = tuple(o.name for o in self.output_specs)
@@ -476,10 +514,15 @@ class Engine:
         for b in self.batch_sizes:
             x = rng.integers(0, 255, size=self.input_spec.at_batch(b)).astype(self.input_spec.dtype)
             self.run(x)
+        for size in self.sizes:
+            if self.at_size(size) is not self:
+                self.at_size(size).warmup()
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            for engine in self._at_size.values():
+                engine.close()
             if self._overlap is not None:
                 self._overlap.close()  # its buffers and streams before the backend's context
             for pinned in self._pinned:

@@ -1,0 +1,100 @@
+"""An engine of a bundle of two input sizes (config `sizes`, issue 40) on the CPU: an image runs at the smallest
+compiled size that holds it, padded by its edge pixels and every output cropped back, and matches onnxruntime run
+on the padded input, cropped; an image larger than every size is refused naming the resize rule; a manifest
+written before `sizes` existed reads as one size.
+
+Tolerances: probabilities within rel_l2 1e-5 (fp32 through IREE llvm-cpu, summation order only; as
+test_engine_cpu.py), masks on at most 1e-3 of pixels (argmax ties); fresh random images.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sized_net import CLASSES, SIZES, conv_net, reference, rel_l2, write_config
+
+from dualtrack.contract import sizes
+from dualtrack.contract.bundle import MANIFEST, Bundle
+from dualtrack.errors import InputError
+from dualtrack.runtime.engine import Engine
+
+PROBS_REL_L2 = 1e-5
+MASK_MISMATCH = 1e-3
+
+
+@pytest.fixture(scope="module")
+def sized_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dualtrack.compiler.build import build
+
+    root = tmp_path_factory.mktemp("sizes")
+    cfg = write_config(root, conv_net(), f"sizes: {json.dumps([list(s) for s in SIZES])}\n")
+    out = root / "bundle"
+    build(cfg, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(sized_bundle: Path) -> Iterator[Engine]:
+    with Engine.load(sized_bundle, "cpu") as e:
+        yield e
+
+
+def test_an_image_at_its_own_size_matches_onnxruntime_on_the_padded_input_cropped(engine: Engine) -> None:
+    rng = np.random.default_rng(7)
+    x = rng.integers(0, 255, (2, 37, 50, 3), dtype=np.uint8)
+    got = engine.run(x)
+    assert got["mask"].shape == (2, 37, 50)
+    assert got["probs"].shape == (2, CLASSES, 37, 50)
+    assert engine.last_size == sizes.Choice("fits", (40, 56), (37, 50))
+    padded = sizes.pad_to(x, (40, 56))
+    want = {k: sizes.crop_to(v, (40, 56), (37, 50)) for k, v in reference(engine.bundle, (40, 56), padded).items()}
+    assert rel_l2(got["probs"], want["probs"]) < PROBS_REL_L2
+    assert np.mean(got["mask"] != want["mask"]) <= MASK_MISMATCH
+
+
+def test_an_image_at_a_compiled_size_runs_unpadded(engine: Engine) -> None:
+    x = np.random.default_rng(8).integers(0, 255, (1, 40, 56, 3), dtype=np.uint8)
+    got = engine.run(x)
+    want = reference(engine.bundle, (40, 56), x)
+    assert rel_l2(got["probs"], want["probs"]) < PROBS_REL_L2
+    assert not engine.last_size.padded
+
+
+def test_an_image_taller_than_the_small_size_gets_the_other(engine: Engine) -> None:
+    x = np.random.default_rng(9).integers(0, 255, (1, 50, 30, 3), dtype=np.uint8)
+    got = engine.run(x)
+    assert engine.last_size.size == (64, 48)
+    want = {
+        k: sizes.crop_to(v, (64, 48), (50, 30))
+        for k, v in reference(engine.bundle, (64, 48), sizes.pad_to(x, (64, 48))).items()
+    }
+    assert rel_l2(got["probs"], want["probs"]) < PROBS_REL_L2
+
+
+def test_an_image_larger_than_every_size_is_refused_with_the_resize_rule(engine: Engine) -> None:
+    x = np.zeros((1, 65, 20, 3), np.uint8)
+    with pytest.raises(InputError, match=r"65x20 is larger than every compiled size \(40x56, 64x48\).*resize"):
+        engine.run(x)
+
+
+def test_an_old_one_size_bundle_reads_as_before(sized_bundle: Path, tmp_path: Path) -> None:
+    """A manifest written before `sizes` existed has no key: it reads as one size, its own."""
+    old = tmp_path / "old"
+    shutil.copytree(sized_bundle, old)
+    raw = json.loads((old / MANIFEST).read_text())
+    del raw["sizes"]
+    (old / MANIFEST).write_text(json.dumps(raw))
+    b = Bundle.open(old)
+    assert b.manifest.sizes == ()
+    assert b.sizes == ((64, 48),)
+    assert "sizes" not in b.manifest.to_json()
+    with Engine.load(b, "cpu") as e:
+        x = np.random.default_rng(10).integers(0, 255, (1, 64, 48, 3), dtype=np.uint8)
+        assert e.run(x)["mask"].shape == (1, 64, 48)
+        with pytest.raises(InputError, match=r"this bundle takes \(n, 64, 48, 3\) uint8"):
+            e.run(np.zeros((1, 40, 56, 3), np.uint8))
