@@ -1,15 +1,24 @@
-// 3x3 convolution, stride 1, padding 1, NHWC fp16, fused bias, residual and ReLU, for Hopper
-// (sm_90a): TMA (cp.async.bulk.tensor) loads into a multi-stage mbarrier pipeline, wgmma.mma_async
-// with both operands in shared memory, fp32 accumulators in registers.
+// 3x3 convolution (stride 1, padding 1) and 1x1 convolution (a GEMM), NHWC fp16, fused bias,
+// residual and activation, for Hopper (sm_90a): TMA (cp.async.bulk.tensor) loads into a
+// multi-stage mbarrier pipeline, wgmma.mma_async with both operands in shared memory, fp32
+// accumulators in registers.
 //
-//   y[n,h,w,k] = act(bias[k] + res[n,h,w,k] + sum_{r,s,c} x[n,h+r-1,w+s-1,c] * w[k,r,s,c])
+//   3x3: y[n,h,w,k] = act(bias[k] + res[n,h,w,k] + sum_{r,s,c} x[n,h+r-1,w+s-1,c] * w[k,r,s,c])
+//   1x1: y[m,k]     = act(bias[k] + res[m,k]     + sum_c x[m,c] * w[k,c]),  m = pixel of N*H*W
 //
 // `res` (null: none) is ResNet's residual Add: an NHWC tensor of the output's shape with its own
 // channel stride ldr (even, 4-byte aligned: the epilogue reads channel pairs), added in fp32
-// before the activation, so bias, residual and ReLU cost one rounding, as in conv_nhwc.cu.
+// before the activation, so bias, residual and activation cost one rounding, as in conv_nhwc.cu.
+// `act`, `p0`, `p1`: a row of the one activation table (dualtrack_activations.cuh), every row.
 //
 // Implicit GEMM: M = output pixels, N_gemm = K output channels, K_gemm = 9*C, walked tap-major
 // (for each tap (r,s), the C input channels in BK-wide blocks: 9 * ceil(C/BK) k-blocks).
+//
+// 1x1 entries (suffix _1x1, PW): the plain GEMM M = N*H*W pixels x K by C, the same pipeline,
+// consumers and epilogue with one tap. A CTA owns BM consecutive pixels [m0, m0+BM) of the
+// flattened N*H*W (any M: TMA zero-fills the rows past M, the epilogue does not write them), and
+// the input map is 2-D: (C, M) with pixel stride ldx, box (BK, BM) at (c0, m0); the weights are
+// the (K, C) matrix, box (BK, BN) at (c0, n0). ceil(C/BK) k-blocks; past C both maps read zeros.
 //
 // Tiling. A CTA owns BM = 64*MT*WGS output pixels of ONE image, laid out as a TH x TW spatial tile
 // (TW = 2^tw_log2 columns, TH = BM/TW rows; the host picks TW), times BN output channels.
@@ -60,12 +69,20 @@
 // stores, so no fence.proxy.async is needed in the main loop.
 //
 // Epilogue. After wait_group 0 and a barrier over all consumer threads (no wgmma still
-// reads the pipeline's shared memory), each warpgroup adds the bias and the residual (each
-// thread reads the channel pairs of its own accumulators), applies ReLU, rounds to
-// fp16 and stages its 64*MT x BN tile in shared memory (rows padded by 16 bytes: conflict-free),
-// then writes whole 16-byte chunks of consecutive channels to y at pixel*ldy + channel, so y
-// may be a channel slice of a wider (concat) buffer. Pixels outside the image and channels
-// >= K are not written.
+// reads the pipeline's shared memory), each warpgroup stages its 64*MT x BN tile in shared memory
+// and writes whole 16-byte chunks of consecutive channels to y at pixel*ldy + channel, so y may
+// be a channel slice of a wider (concat) buffer. Pixels outside the image (past M) and channels
+// >= K are not written. Two forms, by `act` (uniform, one branch):
+//   none / ReLU (the 3x3 kernel's measured path): each thread adds the bias and the residual to
+//     its own accumulators (channel pairs), applies ReLU, rounds to fp16 and stages fp16 rows
+//     (padded by 16 bytes: conflict-free);
+//   every other row of the table: the accumulators + bias are staged as fp32 rows (padded by 32
+//     bytes), then each 16-byte output chunk reads its 8 values, adds the residual (one 16-byte
+//     read where ldr and the address allow), applies the activation with the switch outside its
+//     8 values (activate8), rounds once. The fp32 rows may be larger than the pipeline: the
+//     dynamic shared memory is the larger of the two (Cfg::SMEM_BYTES).
+// The activation is inlined, every row (activate8): dt_activate's __noinline__ rows are calls,
+// and any call makes ptxas serialize every wgmma of the kernel (C7509).
 //
 // Watchdog. Every mbarrier wait that does not succeed at once polls %globaltimer; after
 // CONV_WGMMA_WATCHDOG_NS it records (what, block, thread, k-block, stage, parity) in `status`
@@ -78,11 +95,13 @@
 //
 // Configurations are not set here: the host passes -DCONV_WGMMA_ENTRIES="CONV_WGMMA_ENTRY(BN,
 // MT, WGS, BK, STAGES, MIN_BLOCKS) CONV_WGMMA_HALO_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, TW)
-// ..." (dualtrack.kernels: Conv3x3WgmmaSpec.configs), so the launch geometry and the code cannot
-// disagree. Entry names: conv3x3_wgmma_bn<BN>_mt<MT>_wg<WGS>_bk<BK>[_h<TW>].
+// CONV_WGMMA_1X1_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS) ..." (dualtrack.kernels:
+// Conv3x3WgmmaSpec.configs), so the launch geometry and the code cannot disagree. Entry names:
+// conv3x3_wgmma_bn<BN>_mt<MT>_wg<WGS>_bk<BK>[_h<TW> | _1x1].
 // Built for compute_90a only (wgmma is sm_90a-only): `make ptx` writes ptx/compute_90a/.
 //
-// No #include: NVRTC builds this with no toolkit headers. fp16 values are raw bits.
+// No toolkit #include: NVRTC builds this with the in-memory dualtrack_activations.cuh only. fp16
+// values are raw bits.
 
 #if !defined(CONV_WGMMA_ENTRIES)
 #error "configurations come from dualtrack.kernels (Conv3x3WgmmaSpec.defines): build with `make ptx`"
@@ -91,6 +110,8 @@
 #ifndef CONV_WGMMA_WATCHDOG_NS
 #define CONV_WGMMA_WATCHDOG_NS 2000000000ull  // 2 s: far above any legitimate wait
 #endif
+
+#include "dualtrack_activations.cuh"
 
 typedef unsigned short f16;  // raw IEEE binary16 bits
 typedef unsigned int u32;
@@ -305,7 +326,7 @@ __device__ __forceinline__ void named_barrier() {
 
 // ---- the kernel body --------------------------------------------------------------------------
 
-template <int BN_, int MT_, int WGS_, int BK_, int STAGES_, int HALO_TW_>
+template <int BN_, int MT_, int WGS_, int BK_, int STAGES_, int HALO_TW_, bool PW_>
 struct Cfg {
     enum : int {
         BN = BN_,
@@ -314,6 +335,7 @@ struct Cfg {
         BK = BK_,        // channels per k-block = one swizzled row
         STAGES = STAGES_,
         HALO_TW = HALO_TW_,  // 0: one A box per tap; else the tile width of the column-copy scheme
+        PW = PW_,            // 1x1 (a GEMM over the flattened pixels): one tap, 2-D input map
         CONSUMER_WARPS = 4 * WGS,
         THREADS = 32 * (CONSUMER_WARPS + 1),  // + the producer warp
         BM = WGS * 64 * MT,  // tile pixels
@@ -325,30 +347,54 @@ struct Cfg {
         TAPS = HALO_TW ? 3 : 1,  // taps (k-blocks of weights) per stage
         STAGE_BYTES = A_BYTES + TAPS * B_BYTES,
         NREG = BN / 2,  // fp32 accumulators per thread per m64 block
-        EPI_PITCH = BN + 8,  // staged output row, halves (+16 bytes: conflict-free)
-        SMEM_BYTES = STAGES * STAGE_BYTES + ALIGN,  // dynamic shared memory the host must pass
+        EPI_PITCH = BN + 8,  // staged fp16 output row, halves (+16 bytes: conflict-free)
+        EPI_F32_PITCH = BN + 8,  // staged fp32 row, floats (+32 bytes: a half-warp's float2 rows apart)
+        PIPE_BYTES = STAGES * STAGE_BYTES,
+        EPI_F32_BYTES = BM * EPI_F32_PITCH * 4,
+        // dynamic shared memory the host must pass: the pipeline, or the fp32 staging where larger
+        SMEM_BYTES = (PIPE_BYTES > EPI_F32_BYTES ? PIPE_BYTES : EPI_F32_BYTES) + ALIGN,
     };
     static_assert(BK == 32 || BK == 64, "rows must be one 64- or 128-byte swizzle span");
     static_assert(BN == 32 || BN == 64 || BN == 128 || BN == 256, "wgmma N instantiated for 32..256");
     static_assert(MT == 1 || MT == 2, "one or two m64 blocks per warpgroup");
     static_assert(WGS == 1 || WGS == 2, "one or two consumer warpgroups");
     static_assert(A_BYTES % ALIGN == 0 && B_BYTES % ALIGN == 0, "tiles must stay 1024-byte aligned");
-    static_assert(BM * EPI_PITCH * 2 + 16 <= STAGES * STAGE_BYTES,
+    static_assert(BM * EPI_PITCH * 2 + 16 <= PIPE_BYTES,
                   "epilogue staging (and split-K's flag after it) reuses the pipeline");
     static_assert(STAGES >= 2, "pipeline needs two stages or more");
     static_assert(HALO_TW == 0 || HALO_TW == 8 || HALO_TW == 16 || HALO_TW == 32,
                   "a tap's row shift (TW rows) must keep the 8-row core groups on the swizzle repeat");
     static_assert(HALO_TW == 0 || BM % HALO_TW == 0, "the tile is TH = BM / TW whole rows");
+    static_assert(!(PW && HALO_TW), "a 1x1 entry has no column copies");
 };
+
+// Where a CTA's tile pixels are: a TH x TW spatial tile of image `img` (3x3), or the BM pixels
+// from m0 of the flattened N*H*W = M (1x1).
+struct Tile {
+    int img, h0, w0, tw_log2, H, W;  // 3x3
+    int m0, M;                        // 1x1
+};
+
+// The NHWC pixel index of tile pixel p (its address is index * ld + channel), -1 outside the
+// image (a 3x3 tile's overhang) or past M (a 1x1 tile's).
+template <bool PW>
+__device__ __forceinline__ long long pixel_at(const Tile& t, int p) {
+    if (PW) {
+        const long long m = static_cast<long long>(t.m0) + p;
+        return m < t.M ? m : -1;
+    }
+    const int h = t.h0 + (p >> t.tw_log2);
+    const int w = t.w0 + (p & ((1 << t.tw_log2) - 1));
+    return (h < t.H && w < t.W) ? (static_cast<long long>(t.img) * t.H + h) * t.W + w : -1;
+}
 
 // Bias, residual (RES: res is not null) and ReLU on the accumulators, rounded to fp16 and staged in
 // `tile` (this warpgroup's rows, EPI_PITCH apart). The bias once per column pair; the residual at
 // each accumulator's pixel (tile pixel p0 + row offset), its address computed there.
 template <class CF, bool RES>
 __device__ __forceinline__ void stage_tile(const float (&acc)[CF::MT][CF::NREG], f16* tile, const float* __restrict__ bias,
-                                           const f16* __restrict__ res, int K, int n0, int lane, int wl, int p0, int img,
-                                           int H, int W, int h0, int w0, int tw_log2, int ldr, int relu) {
-    const int TW = 1 << tw_log2;
+                                           const f16* __restrict__ res, int K, int n0, int lane, int wl, int p0,
+                                           const Tile& t, int ldr, int relu) {
 #pragma unroll
     for (int j = 0; j < CF::BN / 8; ++j) {
         const int col = 8 * j + 2 * (lane & 3);
@@ -363,11 +409,9 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[CF::MT][CF::NREG],
                 float v0 = acc[mt][4 * j + 2 * half] + b0;
                 float v1 = acc[mt][4 * j + 2 * half + 1] + b1;
                 if (RES && k < K) {
-                    const int p = p0 + mt * 64 + 8 * half;  // tile pixel
-                    const int h = h0 + (p >> tw_log2);
-                    const int w = w0 + (p & (TW - 1));
-                    if (h < H && w < W) {
-                        const f16* r = res + ((static_cast<long long>(img) * H + h) * W + w) * ldr + k;
+                    const long long pix = pixel_at<CF::PW>(t, p0 + mt * 64 + 8 * half);
+                    if (pix >= 0) {
+                        const f16* r = res + pix * ldr + k;
                         if (k + 1 < K) {  // k is even and ldr even: one aligned 4-byte read
                             const u32 pair = *reinterpret_cast<const u32*>(r);
                             v0 += f16_bits_to_f32(static_cast<f16>(pair & 0xffffu));
@@ -387,39 +431,148 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[CF::MT][CF::NREG],
     }
 }
 
+// The accumulators + bias as fp32 rows of `tile` (this warpgroup's, EPI_F32_PITCH apart): the
+// general epilogue's staging (store_general reads it back).
+template <class CF>
+__device__ __forceinline__ void stage_tile_f32(const float (&acc)[CF::MT][CF::NREG], float* tile,
+                                               const float* __restrict__ bias, int K, int n0, int lane, int wl) {
+#pragma unroll
+    for (int j = 0; j < CF::BN / 8; ++j) {
+        const int col = 8 * j + 2 * (lane & 3);
+        const int k = n0 + col;
+        const float b0 = (bias != nullptr && k < K) ? bias[k] : 0.f;
+        const float b1 = (bias != nullptr && k + 1 < K) ? bias[k + 1] : 0.f;
+#pragma unroll
+        for (int mt = 0; mt < CF::MT; ++mt) {
+            const int row = mt * 64 + 16 * wl + (lane >> 2);
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                *reinterpret_cast<float2*>(tile + (row + 8 * half) * CF::EPI_F32_PITCH + col) =
+                    make_float2(acc[mt][4 * j + 2 * half] + b0, acc[mt][4 * j + 2 * half + 1] + b1);
+        }
+    }
+}
+
+// Every row of the activation table on 8 values, inlined, the switch outside the values (see the
+// header: no calls in this kernel). tests/test_wgmma1x1.py checks that each row of
+// dualtrack.contract.activations has its case here.
+#define WG_ACT_CASE(ID, FN)                                   \
+    case ID:                                                  \
+        _Pragma("unroll") for (int i = 0; i < 8; ++i) v[i] = FN(v[i], p0, p1); \
+        break;
+__device__ __forceinline__ void activate8(float (&v)[8], int act, float p0, float p1) {
+    switch (act) {
+        WG_ACT_CASE(DT_ACT_RELU, dt_act_relu)
+        WG_ACT_CASE(DT_ACT_CLIP, dt_act_clip)
+        WG_ACT_CASE(DT_ACT_HARDSIGMOID, dt_act_hardsigmoid)
+        WG_ACT_CASE(DT_ACT_HARDSWISH, dt_act_hardswish)
+        WG_ACT_CASE(DT_ACT_SIGMOID, dt_act_sigmoid)
+        WG_ACT_CASE(DT_ACT_SILU, dt_act_silu)
+        WG_ACT_CASE(DT_ACT_LEAKYRELU, dt_act_leakyrelu)
+        WG_ACT_CASE(DT_ACT_ELU, dt_act_elu)
+        WG_ACT_CASE(DT_ACT_SELU, dt_act_selu)
+        WG_ACT_CASE(DT_ACT_TANH, dt_act_tanh)
+        WG_ACT_CASE(DT_ACT_SOFTPLUS, dt_act_softplus)
+        WG_ACT_CASE(DT_ACT_MISH, dt_act_mish)
+        WG_ACT_CASE(DT_ACT_GELU, dt_act_gelu)
+        WG_ACT_CASE(DT_ACT_GELU_TANH, dt_act_gelu_tanh)
+        WG_ACT_CASE(DT_ACT_SOFTSIGN, dt_act_softsign)
+        default: break;  // DT_ACT_NONE
+    }
+}
+#undef WG_ACT_CASE
+
+// The general epilogue's stores: this warpgroup's staged fp32 rows (tile pixels from p_first),
+// a 16-byte chunk of 8 channels at a time: + residual, activation, one rounding, 16-byte store
+// (element by element at the K tail). `tid`: the thread within the warpgroup.
+template <class CF>
+__device__ __forceinline__ void store_general(const float* tile, const f16* __restrict__ res, f16* __restrict__ y,
+                                              const Tile& t, int p_first, int K, int n0, int ldy, int ldr, int act,
+                                              float p0, float p1, int tid) {
+    constexpr int CHUNKS = CF::BN / 8;  // 16-byte output chunks per row
+    for (int i = tid; i < CF::MT * 64 * CHUNKS; i += 128) {
+        const int row = i / CHUNKS;
+        const int q = i - row * CHUNKS;
+        const long long pix = pixel_at<CF::PW>(t, p_first + row);
+        const int k = n0 + 8 * q;
+        if (pix < 0 || k >= K) continue;
+        const int n = K - k < 8 ? K - k : 8;  // channels of this chunk
+        const float4* src = reinterpret_cast<const float4*>(tile + row * CF::EPI_F32_PITCH + 8 * q);
+        const float4 lo = src[0], hi = src[1];
+        float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        if (res != nullptr) {
+            const f16* r = res + pix * ldr + k;
+            if (n == 8 && (reinterpret_cast<u64>(r) & 15) == 0) {
+                const uint4 rv = *reinterpret_cast<const uint4*>(r);
+                const u32 rw[4] = {rv.x, rv.y, rv.z, rv.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    v[2 * e] += f16_bits_to_f32(static_cast<f16>(rw[e] & 0xffffu));
+                    v[2 * e + 1] += f16_bits_to_f32(static_cast<f16>(rw[e] >> 16));
+                }
+            } else {  // unrolled with a guard: a run-time index would put v in local memory
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    if (e < n) v[e] += f16_bits_to_f32(r[e]);
+            }
+        }
+        activate8(v, act, p0, p1);
+        f16* dst = y + pix * ldy + k;
+        if (n == 8) {  // ldy % 8 == 0 and y 16-byte aligned (the host checks): an aligned chunk
+            uint4 out;
+            out.x = pack_f16x2(v[0], v[1]);
+            out.y = pack_f16x2(v[2], v[3]);
+            out.z = pack_f16x2(v[4], v[5]);
+            out.w = pack_f16x2(v[6], v[7]);
+            *reinterpret_cast<uint4*>(dst) = out;
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                if (e < n) dst[e] = static_cast<f16>(pack_f16x2(v[e], 0.f) & 0xffffu);
+        }
+    }
+}
+
 template <class CF>
 __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw, const float* __restrict__ bias,
                                      const f16* __restrict__ res, f16* __restrict__ y, int N, int H, int W, int C,
-                                     int K, int ldy, int ldr, int relu, float* __restrict__ ws,
+                                     int K, int ldy, int ldr, int act, float p0, float p1, float* __restrict__ ws,
                                      int tw_log2, int* status, unsigned char* dsmem, u64* bars) {
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
 
     // Tile of this CTA: channel tile fastest, so the CTAs that share an input tile run together.
     // The column-copy scheme's tile width is part of its shared-memory layout: compiled in.
-    if (CF::HALO_TW) tw_log2 = CF::HALO_TW_LOG2;
-    const int TW = 1 << tw_log2;
-    const int TH = CF::BM >> tw_log2;
-    const int tiles_w = (W + TW - 1) >> tw_log2;
-    const int tiles_h = (H + TH - 1) / TH;
     const int n_tiles = (K + CF::BN - 1) / CF::BN;
     int t = static_cast<int>(blockIdx.x);
     const int nt = t % n_tiles;
     t /= n_tiles;
-    const int tw = t % tiles_w;
-    t /= tiles_w;
-    const int th = t % tiles_h;
-    const int img = t / tiles_h;
     const int n0 = nt * CF::BN;
-    const int w0 = tw * TW;
-    const int h0 = th * TH;
+    Tile tile_at = {0, 0, 0, 0, H, W, 0, N * H * W};  // the host keeps N*H*W < 2^31
+    if (CF::PW) {
+        tile_at.m0 = t * CF::BM;
+    } else {
+        if (CF::HALO_TW) tw_log2 = CF::HALO_TW_LOG2;
+        const int TW = 1 << tw_log2;
+        const int TH = CF::BM >> tw_log2;
+        const int tiles_w = (W + TW - 1) >> tw_log2;
+        const int tiles_h = (H + TH - 1) / TH;
+        const int tw = t % tiles_w;
+        t /= tiles_w;
+        const int th = t % tiles_h;
+        tile_at.img = t / tiles_h;
+        tile_at.w0 = tw * TW;
+        tile_at.h0 = th * TH;
+        tile_at.tw_log2 = tw_log2;
+    }
+    const int img = tile_at.img, h0 = tile_at.h0, w0 = tile_at.w0, m0 = tile_at.m0;
 
     const u32 raw = smem_u32(dsmem);
     const u32 base = (raw + ALIGN - 1) & ~static_cast<u32>(ALIGN - 1);
     const u32 full0 = smem_u32(bars);                  // full[s]  at full0 + 8*s
     const u32 empty0 = full0 + 8 * CF::STAGES;         // empty[s] at empty0 + 8*s
     const int cblocks = (C + CF::BK - 1) / CF::BK;
-    const int num_kb = (9 / CF::TAPS) * cblocks;  // k-blocks of the whole reduction
+    const int num_kb = CF::PW ? cblocks : (9 / CF::TAPS) * cblocks;  // k-blocks of the whole reduction
     // Split-K: split blockIdx.y of gridDim.y takes k-blocks [kb0, kb1) (the host leaves none empty).
     const int per_split = (num_kb + static_cast<int>(gridDim.y) - 1) / static_cast<int>(gridDim.y);
     const int kb0 = static_cast<int>(blockIdx.y) * per_split;
@@ -442,6 +595,22 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
         tma_prefetch(tmw);
         int stage = 0;
         u32 phase = 0;
+        if (CF::PW) {  // one tap: k-block kb is channels [kb*BK, kb*BK + BK) of pixels [m0, m0+BM)
+            for (int kb = kb0; kb < kb1; ++kb) {
+                const u32 empty = empty0 + 8 * stage;
+                const u32 full = full0 + 8 * stage;
+                if (!mbar_wait(empty, phase ^ 1u, status, WAIT_EMPTY, kb, stage)) return;
+                mbar_arrive_expect_tx(full, CF::STAGE_BYTES);
+                const u32 a_dst = base + stage * CF::STAGE_BYTES;
+                tma_load_2d(a_dst, tmx, full, kb * CF::BK, m0);
+                tma_load_2d(a_dst + CF::A_BYTES, tmw, full, kb * CF::BK, n0);
+                if (++stage == CF::STAGES) {
+                    stage = 0;
+                    phase ^= 1u;
+                }
+            }
+            return;
+        }
         // Two nested loops, no division per k-block: with small tiles a k-block's math takes
         // about 100 ns and this one thread's issue rate is on the critical path.
         //   per-tap boxes:  outer = tap (r, s), inner = channel block (tap-major k-blocks);
@@ -621,32 +790,43 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
         named_barrier<1, CT>();  // every thread has read the flag before the staging rows are written
     }
 
-    // ---- epilogue: bias + residual + ReLU, fp16, staged per warpgroup, 16-byte stores ----
+    // ---- epilogue: bias + residual + activation, staged per warpgroup, 16-byte stores ----
     const int wl = warp & 3;  // warp within the warpgroup: accumulator rows 16*wl .. +15
-    f16* tile = reinterpret_cast<f16*>(dsmem + (base - raw)) + g * (CF::MT * 64 * CF::EPI_PITCH);
+    const int tid = threadIdx.x & 127;
+    const int p_first = g * CF::MT * 64;  // this warpgroup's first tile pixel
+    unsigned char* staging = dsmem + (base - raw);
+    if (act > DT_ACT_RELU) {  // every other row of the table: fp32 staging, then one rounding
+        float* rows = reinterpret_cast<float*>(staging) + g * (CF::MT * 64 * CF::EPI_F32_PITCH);
+        stage_tile_f32<CF>(acc, rows, bias, K, n0, lane, wl);
+        if (g == 0)
+            named_barrier<2, 128>();
+        else
+            named_barrier<3, 128>();
+        store_general<CF>(rows, res, y, tile_at, p_first, K, n0, ldy, ldr, act, p0, p1, tid);
+        return;
+    }
+    const int relu = act == DT_ACT_RELU;
+    f16* tile = reinterpret_cast<f16*>(staging) + g * (CF::MT * 64 * CF::EPI_PITCH);
     // Without a residual the epilogue is the plain one: with the residual's code in its loop, the
     // compiler's schedule cost 10-20% at N=8 (bench/wgmma/ab.py on the H200).
-    const int p0 = g * CF::MT * 64 + 16 * wl + (lane >> 2);  // the first tile pixel of this thread's rows
+    const int pt = p_first + 16 * wl + (lane >> 2);  // the first tile pixel of this thread's rows
     if (res == nullptr)
-        stage_tile<CF, false>(acc, tile, bias, res, K, n0, lane, wl, p0, img, H, W, h0, w0, tw_log2, ldr, relu);
+        stage_tile<CF, false>(acc, tile, bias, res, K, n0, lane, wl, pt, tile_at, ldr, relu);
     else
-        stage_tile<CF, true>(acc, tile, bias, res, K, n0, lane, wl, p0, img, H, W, h0, w0, tw_log2, ldr, relu);
+        stage_tile<CF, true>(acc, tile, bias, res, K, n0, lane, wl, pt, tile_at, ldr, relu);
     if (g == 0)
         named_barrier<2, 128>();
     else
         named_barrier<3, 128>();
 
     constexpr int CHUNKS = CF::BN / 8;  // 16-byte chunks per staged row
-    const int tid = threadIdx.x & 127;
     for (int i = tid; i < CF::MT * 64 * CHUNKS; i += 128) {
         const int row = i / CHUNKS;
         const int q = i - row * CHUNKS;
-        const int p = g * CF::MT * 64 + row;  // tile pixel
-        const int h = h0 + (p >> tw_log2);
-        const int w = w0 + (p & (TW - 1));
+        const long long pix = pixel_at<CF::PW>(tile_at, p_first + row);
         const int k = n0 + 8 * q;
-        if (h >= H || w >= W || k >= K) continue;
-        f16* dst = y + ((static_cast<long long>(img) * H + h) * W + w) * ldy + k;
+        if (pix < 0 || k >= K) continue;
+        f16* dst = y + pix * ldy + k;
         const f16* src = tile + row * CF::EPI_PITCH + 8 * q;
         if (k + 8 <= K) {
             *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
@@ -659,27 +839,32 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
 }  // namespace wg
 
 // One entry per configuration. Parameters (cuLaunchKernel order): tensor map of x, tensor map of
-// w, bias (fp32, may be null), res (fp16, may be null), y, N, H, W, C, K, ldy, ldr, relu, tw_log2,
-// ws (fp32 split-K workspace, null unless gridDim.y > 1), status (int[8] or null).
+// w, bias (fp32, may be null), res (fp16, may be null), y, N, H, W, C, K, ldy, ldr, act, p0, p1,
+// tw_log2, ws (fp32 split-K workspace, null unless gridDim.y > 1), status (int[8] or null).
 // Split-K: gridDim.y = splits (each of the ceil(k-blocks / splits) k-blocks, none empty); ws holds
 // tiles * splits * BM * BN floats, then tiles int counters, zero before the first launch (the
 // last split of a tile resets its counter); launches that share ws must not overlap.
-// Grid: (N * ceil(H/TH) * ceil(W/TW) * ceil(K/BN), splits, 1); block: 32*(4*WGS+1); dynamic shared
-// memory: STAGES * STAGE_BYTES + 1024 bytes, STAGE_BYTES = (BM + BN) * BK * 2, or for a column-copy
-// entry (name suffix _h<TW>; tw_log2 must be log2(TW)) (BM + 2*TW + 3*BN) * BK * 2.
-#define CONV_WGMMA_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS) CONV_WGMMA_KERNEL(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, 0, )
+// Grid: (N * ceil(H/TH) * ceil(W/TW) * ceil(K/BN), splits, 1), for a 1x1 entry (suffix _1x1)
+// (ceil(N*H*W / BM) * ceil(K/BN), splits, 1); block: 32*(4*WGS+1); dynamic shared memory:
+// max(STAGES * STAGE_BYTES, BM * (BN + 8) * 4) + 1024 bytes, STAGE_BYTES = (BM + BN) * BK * 2, or
+// for a column-copy entry (name suffix _h<TW>; tw_log2 must be log2(TW)) (BM + 2*TW + 3*BN) * BK * 2.
+#define CONV_WGMMA_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS) \
+    CONV_WGMMA_KERNEL(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, 0, false, )
 #define CONV_WGMMA_HALO_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, TW) \
-    CONV_WGMMA_KERNEL(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, TW, _h##TW)
-#define CONV_WGMMA_KERNEL(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, HALO_TW, SUFFIX)                             \
+    CONV_WGMMA_KERNEL(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, TW, false, _h##TW)
+#define CONV_WGMMA_1X1_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS) \
+    CONV_WGMMA_KERNEL(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, 0, true, _1x1)
+#define CONV_WGMMA_KERNEL(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, HALO_TW, PW, SUFFIX)                         \
     extern "C" __global__ void __launch_bounds__(32 * (4 * (WGS) + 1), MIN_BLOCKS)                          \
         conv3x3_wgmma_bn##BN##_mt##MT##_wg##WGS##_bk##BK##SUFFIX(                                           \
             const __grid_constant__ TensorMap tmx, const __grid_constant__ TensorMap tmw,                    \
             const float* __restrict__ bias, const f16* __restrict__ res, f16* __restrict__ y, int N, int H,   \
-            int W, int C, int K, int ldy, int ldr, int relu, int tw_log2, float* ws, int* status) {         \
+            int W, int C, int K, int ldy, int ldr, int act, float p0, float p1, int tw_log2, float* ws,      \
+            int* status) {                                                                                  \
         extern __shared__ __align__(1024) unsigned char dsmem[];                                            \
         __shared__ u64 bars[2 * (STAGES)];                                                                  \
-        wg::conv<wg::Cfg<BN, MT, WGS, BK, STAGES, HALO_TW>>(&tmx, &tmw, bias, res, y, N, H, W, C, K, ldy, ldr, relu,  \
-                                                            ws, tw_log2, status, dsmem, bars);              \
+        wg::conv<wg::Cfg<BN, MT, WGS, BK, STAGES, HALO_TW, PW>>(&tmx, &tmw, bias, res, y, N, H, W, C, K, ldy, ldr, \
+                                                                act, p0, p1, ws, tw_log2, status, dsmem, bars); \
     }
 
 CONV_WGMMA_ENTRIES

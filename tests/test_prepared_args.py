@@ -269,11 +269,13 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
             192,
             0,
             1,
+            0.0,  # p0, p1: ReLU has no parameters
+            0.0,
             4,
             0,
             0,
         ],
-        "MMPPPIIIIIIIIIPP",
+        "MMPPPIIIIIIIIFFIPP",
     ),
     # Added with the general conv's Hopper path: ResNet's conv2 + residual + ReLU on the wgmma kernel.
     "conv residual hopper": (
@@ -295,11 +297,13 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
             128,
             136,
             1,
+            0.0,  # p0, p1: ReLU has no parameters
+            0.0,
             4,
             0,
             0,
         ],
-        "MMPPPIIIIIIIIIPP",
+        "MMPPPIIIIIIIIFFIPP",
     ),
     "maxpool2x2": ("maxpool2x2_nhwc_f16", (1, 1, 1), (256, 1, 1), 0, [4096, 8192, 2, 9, 8, 40, 72, 48], "PPIIIIII"),
     "maxpool": (
@@ -363,11 +367,13 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
             512,
             512,
             1,
+            0.0,  # p0, p1: ReLU has no parameters
+            0.0,
             4,
             0x9000,
             0,
         ],
-        "MMPPPIIIIIIIIIPP",
+        "MMPPPIIIIIIIIFFIPP",
     ),
     "conv f32 plain": (
         "conv_nhwc_f32",

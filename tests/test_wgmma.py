@@ -89,6 +89,7 @@ def test_defines_instantiate_every_configuration() -> None:
     for c in WGMMA_CONFIGS:
         args = f"{c.bn},{c.mt},{c.wgs},{c.bk},{c.stages},{c.min_blocks}"
         want = f"CONV_WGMMA_HALO_ENTRY({args},{c.halo_tw})" if c.halo_tw else f"CONV_WGMMA_ENTRY({args})"
+        want = f"CONV_WGMMA_1X1_ENTRY({args})" if c.pointwise else want
         assert macro.split().count(want) == 1
     assert WG.entries == tuple(c.entry for c in WGMMA_CONFIGS)
     assert WG.config("conv3x3_wgmma_bn64_mt2_wg2_bk32").stages == 5
@@ -111,8 +112,9 @@ def test_the_cubin_fits_the_configurations() -> None:
 
 
 def test_same_configurations_and_geometry_as_the_prototype(prototype) -> None:
-    """The prototype's configurations, launch geometry and tensor maps are what ran on the H200."""
-    ours = {c.entry: c for c in WGMMA_CONFIGS}
+    """The prototype's configurations, launch geometry and tensor maps are what ran on the H200
+    (its 3x3 ones: the 1x1 entries are tests/test_wgmma1x1.py's)."""
+    ours = {c.entry: c for c in WGMMA_CONFIGS if not c.pointwise}
     assert set(ours) == {c.entry for c in prototype.CONFIGS}
     assert prototype.kernel_arg_names() == WG.PARAMS
     for p in prototype.CONFIGS:
@@ -151,7 +153,7 @@ def _decode(cfg: kernels.WgmmaConfig, block: int, H: int, W: int, K: int) -> tup
 @pytest.mark.parametrize("shape", [(2, 9, 13, 40), (1, 32, 32, 512), (3, 5, 70, 64), (1, 1, 1, 8)])
 def test_the_grid_covers_every_output_once(shape: tuple[int, int, int, int]) -> None:
     N, H, W, K = shape
-    for c in WGMMA_CONFIGS:
+    for c in (c for c in WGMMA_CONFIGS if not c.pointwise):  # the 1x1 tiles: tests/test_wgmma1x1.py
         th, tw = c.bm >> c.tw_log2(W), 1 << c.tw_log2(W)
         seen = np.zeros((N, H, W, -(-K // c.bn)), np.int32)
         for b in range(WG.launch("float16", N, H, W, 8, K, entry=c.entry).grid[0]):
@@ -278,7 +280,7 @@ def test_choose_conv3x3_decides_between_the_kernels() -> None:
 def test_tensor_maps_of_every_unet_layer(n: int) -> None:
     for _, C, K, HW in UNET_LAYERS:
         assert WG.supported(ConvProblem.dense(n, HW, HW, C, K)) is None
-        for c in WGMMA_CONFIGS:
+        for c in (c for c in WGMMA_CONFIGS if not c.pointwise):  # the 1x1 maps: tests/test_wgmma1x1.py
             mx = input_map(c, X, n, HW, HW, C, C)
             mw = weight_map(c, W_, K, C)
             # what the producer's expect_tx counts: the A box and its taps' B boxes
@@ -344,16 +346,18 @@ def test_kernel_args_pass_the_tensor_maps_by_value() -> None:
     p = ConvProblem(2, 9, 13, 64, 200, ldx=64, ldy=208)
     args = WG.args(p, tmx=tmx, tmw=tmw, bias=0x7F00, y=Y, relu=True, entry=entry)
     values, types = zip(*args, strict=True)
-    assert types == (None, None, *(ctypes.c_void_p,) * 3, *(ctypes.c_int32,) * 9, ctypes.c_void_p, ctypes.c_void_p)
-    # no residual (null, ldr 0); tw_log2: 16 columns for W=13; no split-K workspace; status null
-    assert values[2:] == (0x7F00, 0, Y, 2, 9, 13, 64, 200, 208, 0, 1, 4, 0, 0)
+    c32, f32 = ctypes.c_int32, ctypes.c_float
+    assert types == (None, None, *(ctypes.c_void_p,) * 3, *(c32,) * 8, f32, f32, c32, ctypes.c_void_p, ctypes.c_void_p)
+    # no residual (null, ldr 0); act 1 (ReLU), p0 = p1 = 0; tw_log2: 16 columns for W=13; no
+    # split-K workspace; status null
+    assert values[2:] == (0x7F00, 0, Y, 2, 9, 13, 64, 200, 208, 0, 1, 0.0, 0.0, 4, 0, 0)
     assert len(args) == len(WG.PARAMS)
     from dualtrack.runtime.driver import kernel_params
 
     packed = cu._HelperKernelParams(kernel_params(args))  # what cuLaunchKernel hands the driver
     slots = (ctypes.c_void_p * len(args)).from_address(packed.ckernelParams)
     assert ctypes.string_at(slots[0], 128) == b"".join((0x1111_0000 + i).to_bytes(8, "little") for i in range(16))
-    assert ctypes.c_int32.from_address(slots[13]).value == 4
+    assert ctypes.c_int32.from_address(slots[15]).value == 4
     with pytest.raises(InputError, match="tmx must be a CUtensorMap"):
         WG.args(ConvProblem.dense(1, 1, 1, 8, 8), tmx=X, tmw=tmw, y=Y, entry=entry)
     with pytest.raises(TypeError, match=r"a by-value struct must be a cuda\.bindings struct"):
@@ -513,8 +517,9 @@ def _general_call(*, act: str = "relu", stride: int = 1, residual: bool = True) 
 
 def test_general_3x3_convs_with_a_residual_run_the_wgmma_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """ResNet's second conv of a block (the general conv: bias + residual + ReLU) takes the wgmma
-    kernel on sm_90a, the residual's pointer and stride in its arguments; strides other than 1,
-    activations other than ReLU, or a residual the epilogue cannot read keep the mma.sync kernel."""
+    kernel on sm_90a, the residual's pointer and stride in its arguments, and so does one with
+    another activation (its id and parameters in the arguments); strides other than 1 or a residual
+    the epilogue cannot read keep the mma.sync kernel."""
     from dualtrack.runtime.gpu import GpuTensor
 
     be, launched, encoded = _backend(monkeypatch)
@@ -527,14 +532,17 @@ def test_general_3x3_convs_with_a_residual_run_the_wgmma_kernel(monkeypatch: pyt
     name, *_, args = launched[-1]
     assert name == cfg.entry and [m.address for m in encoded] == [X, W_]
     got = dict(zip(WG.PARAMS, (v for v, _ in args), strict=True))
-    assert (got["res"], got["ldr"], got["relu"], got["ldy"], got["bias"]) == (res, 128, 1, 64, 0x7E00)
+    assert (got["res"], got["ldr"], got["act"], got["ldy"], got["bias"]) == (res, 128, 1, 64, 0x7E00)
     assert be.stats.conv3x3["layer4/1/conv2"][1]["impl"] == "wgmma"
 
     be, launched, encoded = _backend(monkeypatch)
     be.kernels.update({n: _Kernel(n, launched) for n in general.entries})
     odd = {**env, "r": GpuTensor(res, (1, 32, 32, 64), np.dtype("float16"), ld=65)}
+    be._launch(_general_call(act="sigmoid"), env)
+    got = dict(zip(WG.PARAMS, (v for v, _ in launched[-1][-1]), strict=True))
+    assert launched[-1][0] == cfg.entry and got["act"] == kernels.ACTIVATIONS["sigmoid"]
+    encoded.clear()
     cases = (
-        (_general_call(act="sigmoid"), env),
         (_general_call(stride=2, residual=False), env),
         (_general_call(), odd),
     )

@@ -45,6 +45,8 @@ def source_key(source: Path = SOURCE, macro: str | None = None) -> str:
     """Hash of everything that changes the PTX: the source text and the configuration macro."""
     h = hashlib.sha256()
     h.update(source.read_bytes())
+    for body in headers(source).values():
+        h.update(body)
     h.update((macro if macro is not None else conv_plan.entries_macro()).encode())
     return h.hexdigest()
 
@@ -58,12 +60,21 @@ def nvrtc_options(macro: str | None = None, extra: tuple[str, ...] = ()) -> list
     ]
 
 
+def headers(source: Path = SOURCE) -> dict[str, bytes]:
+    """The in-memory headers the kernel includes (dualtrack_activations.cuh: the activation table's
+    device code), the ``*.cuh`` beside it, as dualtrack's `make ptx` passes them."""
+    return {p.name: p.read_bytes() for p in sorted(source.parent.glob("*.cuh"))}
+
+
 def compile_ptx(source: Path = SOURCE, macro: str | None = None, extra: tuple[str, ...] = ()) -> tuple[str, str]:
     """NVRTC: (PTX text, compile log). Raises BuildError with the log on failure."""
     from cuda.bindings import nvrtc
 
     opts = nvrtc_options(macro, extra)
-    err, prog = nvrtc.nvrtcCreateProgram(source.read_bytes(), source.name.encode(), 0, [], [])
+    hdrs = headers(source)
+    err, prog = nvrtc.nvrtcCreateProgram(
+        source.read_bytes(), source.name.encode(), len(hdrs), list(hdrs.values()), [n.encode() for n in hdrs]
+    )
     if int(err):
         raise BuildError(f"nvrtcCreateProgram: {err}")
     try:

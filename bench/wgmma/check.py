@@ -285,7 +285,9 @@ class Launcher:
         self.tmx = mod.tensor_map(cp.input_map(cfg, x, N, H, W, C, ldx, self.geo.tw_log2))
         self.tmw = mod.tensor_map(cp.weight_map(cfg, w, K, C))
         self.scalars = [ctypes.c_uint64(bias), ctypes.c_uint64(0), ctypes.c_uint64(y)]  # no residual
-        self.scalars += [ctypes.c_int32(v) for v in (N, H, W, C, K, ldy, 0, int(relu), self.geo.tw_log2)]
+        # act: the activation table's id, 1 ReLU / 0 none; its parameters p0, p1 unused by both
+        self.scalars += [ctypes.c_int32(v) for v in (N, H, W, C, K, ldy, 0, int(relu))]
+        self.scalars += [ctypes.c_float(0.0), ctypes.c_float(0.0), ctypes.c_int32(self.geo.tw_log2)]
         self.scalars.append(ctypes.c_uint64(0))  # no split-K workspace: grid.y = 1
         self.scalars.append(ctypes.c_uint64(status))
         ptrs = [self.tmx.getPtr(), self.tmw.getPtr()] + [ctypes.addressof(v) for v in self.scalars]

@@ -164,6 +164,8 @@ SHAPES = [
     (1, 17, 9, 128, 21, {"residual": True, "ldr": 22, "y_off": 24, "ldy": 48, "relu": False}),
 ]
 GEOM_3X3 = kernels.ConvGeometry(3, 3, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1)
+# The 3x3 entries: the ``_1x1`` ones compute a 1x1 convolution (tests/gpu/test_wgmma1x1_gpu.py).
+ENTRIES_3X3 = tuple(c.entry for c in WG.configs if not c.pointwise)
 SPLIT_SHAPES = [
     # n, h, w, c, k, extra: split-K (k-blocks split unevenly, partial tiles, a residual), launched
     # three times on one workspace: the same bits every time, the counters back at zero
@@ -173,13 +175,13 @@ SPLIT_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("entry", WG.entries)
+@pytest.mark.parametrize("entry", ENTRIES_3X3)
 @pytest.mark.parametrize(("n", "h", "w", "c", "k", "extra"), SHAPES)
 def test_every_configuration_computes_the_convolution(engine, wgmma, entry, n, h, w, c, k, extra) -> None:
     _run(engine, wgmma[entry], entry, n, h, w, c, k, **extra)
 
 
-@pytest.mark.parametrize("entry", WG.entries)
+@pytest.mark.parametrize("entry", ENTRIES_3X3)
 @pytest.mark.parametrize(("n", "h", "w", "c", "k", "extra"), SPLIT_SHAPES)
 def test_every_configuration_splits_k(engine, wgmma, entry, n, h, w, c, k, extra) -> None:
     cfg = WG.config(entry)

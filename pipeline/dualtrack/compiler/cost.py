@@ -29,7 +29,8 @@ roofline per kind of kernel (:meth:`Rates.track_a_for`): the fixed-shape tensor-
 (conv3x3, conv1x1, convt2x2; maxpool2x2 by its bytes), the general conv (any kernel size and stride:
 its FLOPs count every tap of every output pixel, so the stride is in them), and the SIMT kernels of
 the mobile ops (dwconv, gap, fc, eltwise, resize) and of the general max-pool (one comparison per
-tap), whose few FLOPs per byte leave them bytes-bound.
+tap), whose few FLOPs per byte leave them bytes-bound; on an sm_90a target the general conv's layers
+that the wgmma kernel takes (3x3 stride 1, 1x1) have the wgmma roofline (``track_a_wgmma``).
 A Track A node with no kernel of its own (an Add or activation fused into its Conv, a Concat
 realised as channel slices) costs nothing there. An estimated row is a guess of the right order,
 which is all an island decision needs (an island moves when its saving is below the switches it
@@ -50,8 +51,9 @@ import onnx
 from onnx import helper
 
 from dualtrack.contract import arch
+from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import ConfigError
-from dualtrack.kernels import conv_choice
+from dualtrack.kernels import ConvGeometry, conv_choice
 from dualtrack.kernels.device import DeviceInfo, for_target
 from dualtrack.kernels.problems import ConvProblem
 
@@ -98,6 +100,11 @@ class Rates:
     track_a_conv: TrackRates  # the general conv (any window: its FLOPs count every tap)
     track_a_simt: TrackRates  # the mobile ops' and the max-pool's SIMT kernels, bytes-bound
     track_b: TrackRates  # IREE
+    # The general conv's 3x3 and 1x1 layers that run the sm_90a wgmma kernel (ConvTarget.runs_wgmma):
+    # the 3x3 wgmma's measured rate per FLOP, ASSUMED for its 1x1 entries too (the same mainloop; not
+    # measured yet, rates.json's track_a_wgmma_basis). None where the row has no such kernel (sm_80,
+    # sm_120): those layers keep track_a_conv.
+    track_a_wgmma: TrackRates | None = None
     device: str = "h200"  # the row's key
     status: str = "measured"  # or "estimate"
     basis: str = ""  # where the numbers come from
@@ -112,7 +119,8 @@ class Rates:
 
     def to_json(self) -> dict[str, Any]:
         """The row as `compiler/rates.json` holds it (what bench/measure_rates.py writes)."""
-        return {"status": self.status, "basis": self.basis, **{t: asdict(getattr(self, t)) for t in _TRACKS}}
+        wgmma = {} if self.track_a_wgmma is None else {"track_a_wgmma": asdict(self.track_a_wgmma)}
+        return {"status": self.status, "basis": self.basis, **{t: asdict(getattr(self, t)) for t in _TRACKS}, **wgmma}
 
 
 RATES_FILE = Path(__file__).with_name("rates.json")
@@ -145,6 +153,8 @@ def parse_rates(doc: Any, origin: str = "rates.json") -> dict[str, Rates]:
         if not isinstance(covers, list) or not all(isinstance(c, str) for c in covers):
             raise ConfigError(f"{where}: 'covers' must be a list of device classes such as 'h100' or 'sm_80'")
         tracks = [_track(f"{where} {t}", row.get(t)) for t in _TRACKS]
+        wgmma = row.get("track_a_wgmma")  # optional: the rows of devices with the sm_90a kernel
+        tracks.append(None if wgmma is None else _track(f"{where} track_a_wgmma", wgmma))
         rates = Rates(*tracks, device=key, status=row["status"], basis=str(row.get("basis", "")))
         for c in covers:
             if c in out:
@@ -195,6 +205,20 @@ class ConvTarget:
         """The build's first target (None: a CPU-only build, costed as the reference H200)."""
         return cls(for_target(target), arch.resolve(target or "sm_90a").wgmma)
 
+    def runs_wgmma(self, node: onnx.NodeProto, specs: Mapping[str, tuple[tuple[int, ...], str]]) -> bool:
+        """Whether the chooser runs this Conv node, lowered to the general conv, on the sm_90a wgmma
+        kernel (3x3 stride 1 and 1x1 layers of group 1 with channels TMA can read): what it asks does
+        not depend on the batch, the activation or, for planned (aligned) buffers, the pointers."""
+        if not self.wgmma or node.op_type != "Conv" or node.input[0] not in specs:
+            return False
+        (_, c, h, w), dtype = specs[node.input[0]]
+        w_shape = specs[node.input[1]][0] if node.input[1] in specs else ()
+        geom = _conv_window(node, w_shape)
+        if geom is None or len(w_shape) != 4:
+            return False
+        call = KernelCall("conv", ("x",), ("y",), ("w",), (*geom.attrs(), ("act", 0), ("residual", 0)), (node.name,))
+        return conv_choice(ConvProblem.dense(1, h, w, c, w_shape[0], dtype), self.device, call=call).impl == "wgmma"
+
     def runs_tuned_tile(self, key: ConvKey) -> bool:
         """Whether the chooser runs a tuned tile for this conv3x3 launch: only then does a tuning
         record's time stand for the node; where wgmma or the direct entry takes it (neither is tuned),
@@ -205,6 +229,17 @@ class ConvTarget:
             "wgmma",
             "direct",
         )
+
+
+def _conv_window(node: onnx.NodeProto, w_shape: Sequence[int]) -> ConvGeometry | None:
+    """A 2-D Conv node's window from its attributes (None for auto_pad or a rank it is not)."""
+    a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    ks = list(a.get("kernel_shape", w_shape[2:]))
+    if len(ks) != 2 or a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+        return None
+    (sh, sw), (dh, dw) = a.get("strides", (1, 1)), a.get("dilations", (1, 1))
+    pads = list(a.get("pads", (0, 0, 0, 0)))
+    return ConvGeometry(ks[0], ks[1], sh, sw, dh, dw, pads[0], pads[1], pads[2], pads[3], int(a.get("group", 1)))
 
 
 @dataclass(frozen=True)
@@ -358,6 +393,8 @@ def node_cost(
         return NodeCost(None, b_us, "model")
     a_us, source = 0.0, "model"
     track_a = rates.track_a_for(kernel)
+    if kernel == "conv" and rates.track_a_wgmma is not None and target is not None and target.runs_wgmma(node, specs):
+        track_a = rates.track_a_wgmma
     for b in batch_sizes:
         key = conv3x3_key(node, specs, b) if measured and kernel == "conv3x3" else None
         if (

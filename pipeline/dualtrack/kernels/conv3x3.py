@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dualtrack.contract.activations import Activation
 from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
 from dualtrack.kernels import base
@@ -322,6 +323,7 @@ class Conv3x3Spec(Conv3x3Reference, ConvAbi, GemmTiles):
         choice = choose_conv(self, p, ctx.device, tuned=tuned, wgmma_off=ctx.wgmma_off, at=at)
         if choice.impl == "wgmma":
             assert self.hopper is not None  # the chooser picks wgmma only where there is one
-            return self.hopper.prepare_entry(choice, x, y, weights, kw["relu"], ctx)
+            act = Activation.named("relu" if kw["relu"] else "none")
+            return self.hopper.prepare_entry(choice, x, y, weights, act, ctx)
         config = self.launch(p.dtype, p.N, p.H, p.W, p.C, p.K, entry=choice.entry)
         return base.PreparedCall(choice.entry, config, self.args(**kw), choice)

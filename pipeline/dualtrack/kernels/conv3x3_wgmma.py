@@ -1,10 +1,14 @@
-"""conv3x3_wgmma: the conv3x3 op on Hopper (sm_90a), TMA loads and ``wgmma.mma_async`` products.
+"""conv3x3_wgmma: the Hopper (sm_90a) convolutions, TMA loads and ``wgmma.mma_async`` products: the
+3x3 stride-1 convolution (the conv3x3 op, the general conv's 3x3 layers) and, as ``_1x1`` entries of
+the same kernel, the 1x1 convolution (a GEMM over the N*H*W pixels: the general conv's pointwise
+layers, ConvNeXt's and the transformers' MLPs), with bias, residual and every activation fused.
 
 :class:`WgmmaConfig` is one compiled tile configuration (the ``CONV_WGMMA_ENTRY`` macro's
 arguments), :data:`WGMMA_CONFIGS` those compiled in; :func:`input_map` and :func:`weight_map`
-describe the two tensor maps a launch passes by value. The conv3x3 op's spec
-(:class:`~dualtrack.kernels.conv3x3.Conv3x3Spec`, its ``hopper``) hands a launch over to
-:meth:`Conv3x3WgmmaSpec.prepare_entry` where the selection policy picks this kernel.
+describe the two tensor maps a launch passes by value. The conv specs
+(:class:`~dualtrack.kernels.conv3x3.Conv3x3Spec`, :class:`~dualtrack.kernels.conv_general.ConvGeneralSpec`,
+their ``hopper``) hand a launch over to :meth:`Conv3x3WgmmaSpec.prepare_entry` where the selection
+policy picks this kernel.
 
 The kernel reads two maps, both fp16, with the swizzle of one BK-channel row (BK = 64: 128 bytes,
 BK = 32: 64 bytes) and zero fill:
@@ -12,7 +16,13 @@ BK = 32: 64 bytes) and zero fill:
 - the input, NHWC with pixel stride ``ldx`` (a channel slice of a wider buffer: the address is the
   slice's first channel), as the 4-D tensor (C, W, H, N); box (BK, TW, TH, 1), one spatial tile of
   BK channels. Coordinates outside the image or past C read as zeros: the convolution's padding.
-- the packed weights (K, 3, 3, C) as the 2-D tensor (9C, K); box (BK, BN).
+  A 1x1 entry's: the 2-D tensor (C, N*H*W), box (BK, BM), BM consecutive pixels of any image.
+- the packed weights (K, 3, 3, C) as the 2-D tensor (9C, K) (a 1x1 entry's (K, 1, 1, C): (C, K));
+  box (BK, BN).
+
+A 1x1 entry is a row of this family rather than a kernel of its own: the pipeline, the consumers,
+split-K, the watchdog and the epilogue are the 3x3 kernel's with one tap; only the tile's pixels
+(a run of the flattened pixels instead of a spatial tile) and the input map differ.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from dualtrack.contract.activations import Activation
 from dualtrack.errors import InputError
 from dualtrack.kernels import base
 from dualtrack.kernels.conv import Conv3x3Reference
@@ -45,6 +56,9 @@ class WgmmaConfig:
     is ``bm / halo_tw`` rows of ``halo_tw`` pixels, and a stage holds one box of TH + 2 rows per
     column shift plus the weights of its three taps, so each input pixel comes from L2 about three
     times instead of nine.
+
+    ``pointwise``: a 1x1 entry (suffix ``_1x1``): ``bm`` consecutive pixels of the flattened
+    N*H*W by ``bn`` channels, ceil(C / bk) k-blocks.
     """
 
     bn: int
@@ -54,6 +68,7 @@ class WgmmaConfig:
     stages: int
     min_blocks: int
     halo_tw: int = 0
+    pointwise: bool = False
 
     ELEMENT_BYTES: ClassVar[int] = 2  # fp16
     ALIGN: ClassVar[int] = 1024  # the kernel rounds its dynamic shared memory up to the 128-byte swizzle repeat
@@ -101,9 +116,20 @@ class WgmmaConfig:
         return self.a_bytes + self.taps_per_stage * self.b_bytes
 
     @property
+    def taps(self) -> int:
+        """Taps of the convolution: 9 (3x3) or 1 (a 1x1 entry)."""
+        return 1 if self.pointwise else 9
+
+    @property
+    def epilogue_f32_bytes(self) -> int:
+        """Bytes of the general epilogue's fp32 staging: ``bm`` rows of ``bn + 8`` floats."""
+        return self.bm * (self.bn + 8) * 4
+
+    @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of a launch (the kernel aligns its base up to 1024 bytes)."""
-        return self.stages * self.stage_bytes + self.ALIGN
+        """Dynamic shared memory of a launch: the pipeline's stages, or the fp32 staging of the
+        general epilogue where that is larger (the kernel aligns its base up to 1024 bytes)."""
+        return max(self.stages * self.stage_bytes, self.epilogue_f32_bytes) + self.ALIGN
 
     @property
     def static_smem_bytes(self) -> int:
@@ -111,20 +137,24 @@ class WgmmaConfig:
 
     @property
     def entry(self) -> str:
-        halo = f"_h{self.halo_tw}" if self.halo_tw else ""
-        return f"conv3x3_wgmma_bn{self.bn}_mt{self.mt}_wg{self.wgs}_bk{self.bk}{halo}"
+        suffix = f"_h{self.halo_tw}" if self.halo_tw else "_1x1" if self.pointwise else ""
+        return f"conv3x3_wgmma_bn{self.bn}_mt{self.mt}_wg{self.wgs}_bk{self.bk}{suffix}"
 
     @property
     def macro(self) -> str:
         args = f"{self.bn},{self.mt},{self.wgs},{self.bk},{self.stages},{self.min_blocks}"
         if self.halo_tw:
             return f"CONV_WGMMA_HALO_ENTRY({args},{self.halo_tw})"
+        if self.pointwise:
+            return f"CONV_WGMMA_1X1_ENTRY({args})"
         return f"CONV_WGMMA_ENTRY({args})"
 
     def tw_log2(self, W: int) -> int:
         """log2 of the spatial tile's width TW: ``halo_tw`` for a column-copy entry (compiled in),
-        else the smallest power of two >= W, at most ``bm`` (the tile is ``bm / TW`` rows of TW
-        pixels)."""
+        0 for a 1x1 entry (its tile is a run of pixels, not a spatial tile), else the smallest power
+        of two >= W, at most ``bm`` (the tile is ``bm / TW`` rows of TW pixels)."""
+        if self.pointwise:
+            return 0
         if self.halo_tw:
             return self.halo_tw.bit_length() - 1
         tw = 1
@@ -133,12 +163,15 @@ class WgmmaConfig:
         return tw.bit_length() - 1
 
     def k_blocks(self, C: int) -> int:
-        """Pipeline stages of the whole reduction: 9 taps (3 column copies) x ceil(C / bk)."""
-        return (9 // self.taps_per_stage) * base.cdiv(C, self.bk)
+        """Pipeline stages of the whole reduction: 9 taps (3 column copies; 1 tap for a 1x1
+        entry) x ceil(C / bk)."""
+        return (self.taps // self.taps_per_stage) * base.cdiv(C, self.bk)
 
     def ctas(self, N: int, H: int, W: int, K: int) -> int:
-        """CTAs of a launch: N x spatial tiles x channel tiles (the kernel's grid.x; split-K
-        multiplies them by grid.y)."""
+        """CTAs of a launch: N x spatial tiles x channel tiles, for a 1x1 entry pixel runs x
+        channel tiles (the kernel's grid.x; split-K multiplies them by grid.y)."""
+        if self.pointwise:
+            return base.cdiv(N * H * W, self.bm) * base.cdiv(K, self.bn)
         log2 = self.tw_log2(W)
         return N * base.cdiv(H, self.bm >> log2) * base.cdiv(W, 1 << log2) * base.cdiv(K, self.bn)
 
@@ -163,15 +196,37 @@ WGMMA_CONFIGS: tuple[WgmmaConfig, ...] = (
     WgmmaConfig(bn=64, mt=2, wgs=2, bk=64, stages=3, min_blocks=1, halo_tw=16),
     WgmmaConfig(bn=64, mt=1, wgs=2, bk=64, stages=2, min_blocks=2, halo_tw=16),
     WgmmaConfig(bn=128, mt=2, wgs=2, bk=64, stages=2, min_blocks=1, halo_tw=16),
+    # 1x1 entries. Not measured yet: tiles that fit two CTAs an SM (three for 64x64) so that one
+    # CTA's epilogue overlaps another's loads, since a pointwise layer's reduction is short (C = 96
+    # is 3 k-blocks of 32) and its output is as large as its input; stages as many as that leaves.
+    WgmmaConfig(bn=128, mt=1, wgs=2, bk=64, stages=3, min_blocks=2, pointwise=True),
+    WgmmaConfig(bn=128, mt=1, wgs=2, bk=32, stages=6, min_blocks=2, pointwise=True),
+    WgmmaConfig(bn=64, mt=1, wgs=2, bk=64, stages=4, min_blocks=2, pointwise=True),
+    WgmmaConfig(bn=64, mt=1, wgs=2, bk=32, stages=8, min_blocks=2, pointwise=True),
+    WgmmaConfig(bn=64, mt=1, wgs=1, bk=64, stages=4, min_blocks=3, pointwise=True),
+    WgmmaConfig(bn=32, mt=2, wgs=2, bk=64, stages=3, min_blocks=2, pointwise=True),
+    WgmmaConfig(bn=32, mt=2, wgs=2, bk=32, stages=6, min_blocks=2, pointwise=True),
 )
 
 
 def input_map(cfg: WgmmaConfig, x: int, N: int, H: int, W: int, C: int, ldx: int) -> TiledMap:
     """The input map of the wgmma conv for configuration ``cfg``: x (NHWC, pixel stride ``ldx``
     elements) as (C, W, H, N), box (BK, TW, TH, 1) with ``TW = 2**cfg.tw_log2(W)``; a column-copy
-    configuration's box has the two halo rows too, (BK, TW, TH + 2, 1)."""
-    tw = 1 << cfg.tw_log2(W)
+    configuration's box has the two halo rows too, (BK, TW, TH + 2, 1); a 1x1 configuration's is
+    the matrix (C, N*H*W), box (BK, BM): rows past N*H*W and channels past C read as zeros."""
     item = cfg.ELEMENT_BYTES
+    if cfg.pointwise:
+        m = TiledMap(
+            address=int(x),
+            dims=(C, N * H * W),
+            strides=(ldx * item,),
+            box=(cfg.bk, cfg.bm),
+            swizzle_bytes=cfg.row_bytes,
+            l2_promotion_bytes=128,
+        )
+        m.validate()
+        return m
+    tw = 1 << cfg.tw_log2(W)
     m = TiledMap(
         address=int(x),
         dims=(C, W, H, N),
@@ -185,13 +240,14 @@ def input_map(cfg: WgmmaConfig, x: int, N: int, H: int, W: int, C: int, ldx: int
 
 
 def weight_map(cfg: WgmmaConfig, w: int, K: int, C: int) -> TiledMap:
-    """The weight map of the wgmma conv: packed KRSC weights as the (9C, K) matrix, box (BK, BN).
-    A box that runs past a tap's C channels reads the next tap's weights, which multiply the zeros
-    the input map supplies past C; past the last tap and past K it reads zeros."""
+    """The weight map of the wgmma conv: packed KRSC weights as the (9C, K) matrix (a 1x1
+    configuration's: (C, K)), box (BK, BN). A box that runs past a tap's C channels reads the next
+    tap's weights, which multiply the zeros the input map supplies past C; past the last tap and
+    past K it reads zeros."""
     m = TiledMap(
         address=int(w),
-        dims=(9 * C, K),
-        strides=(9 * C * cfg.ELEMENT_BYTES,),
+        dims=(cfg.taps * C, K),
+        strides=(cfg.taps * C * cfg.ELEMENT_BYTES,),
         box=(cfg.bk, cfg.bn),
         swizzle_bytes=cfg.row_bytes,
         l2_promotion_bytes=256,
@@ -202,19 +258,24 @@ def weight_map(cfg: WgmmaConfig, w: int, K: int, C: int) -> TiledMap:
 
 @dataclass(frozen=True)
 class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
-    """The conv3x3 op (same semantics as :class:`Conv3x3Spec`, fp16 only) on Hopper: the input and
-    weight tiles come by TMA (``cp.async.bulk.tensor`` into an mbarrier pipeline; the tensor map's
-    zero fill outside the image is the padding), the products by ``wgmma.mma_async`` from shared
-    memory, fp32 accumulators, bias + ReLU and one fp16 rounding in the epilogue.
+    """The 3x3 stride-1 convolution (the conv3x3 op's semantics, fp16 only) and the 1x1 convolution
+    on Hopper: the input and weight tiles come by TMA (``cp.async.bulk.tensor`` into an mbarrier
+    pipeline; the tensor map's zero fill outside the image is the padding), the products by
+    ``wgmma.mma_async`` from shared memory, fp32 accumulators; bias, the residual, any activation of
+    the table and one fp16 rounding in the epilogue (the general conv's epilogue).
 
     sm_90a only (:attr:`ptx_arches`). One entry per :class:`WgmmaConfig` (:attr:`configs`, compiled
     in through ``-DCONV_WGMMA_ENTRIES``); :meth:`choose` picks one per shape, :meth:`supported`
     says which launches it can take at all. The input and the weights are passed as two
     ``CUtensorMap`` structs by value (``runtime/tma.py`` builds them) instead of ``x``, ``w``, ``ldx``.
+    :meth:`reference` is the conv3x3 op's (ReLU or none); with a residual, another activation or a
+    1x1 window, the general conv's :meth:`~dualtrack.kernels.ConvGeneralSpec.reference` is what it
+    computes (the GPU tests hold it to that and to onnxruntime).
     """
 
     PARAMS: ClassVar[tuple[str, ...]] = (
-        "tmx", "tmw", "bias", "res", "y", "N", "H", "W", "C", "K", "ldy", "ldr", "relu", "tw_log2", "ws", "status",
+        "tmx", "tmw", "bias", "res", "y", "N", "H", "W", "C", "K", "ldy", "ldr", "act", "p0", "p1", "tw_log2", "ws",
+        "status",
     )  # fmt: skip
     ptx_arches: ClassVar[tuple[str, ...]] = ("compute_90a",)  # wgmma exists on sm_90a only
 
@@ -235,6 +296,16 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         "conv3x3_wgmma_bn32_mt2_wg2_bk64_h16",
         "conv3x3_wgmma_bn32_mt2_wg2_bk32_h16",
     )  # K <= 32
+    # choose(pointwise=True), for the 1x1 entries, by the same rule (not fitted: no measurements
+    # yet): 128x128 and 128x64 at two CTAs an SM, then 64x64 (64-channel k-blocks only) at three.
+    pw_prefer: tuple[str, ...] = (
+        "conv3x3_wgmma_bn128_mt1_wg2_bk64_1x1",
+        "conv3x3_wgmma_bn128_mt1_wg2_bk32_1x1",
+        "conv3x3_wgmma_bn64_mt1_wg2_bk64_1x1",
+        "conv3x3_wgmma_bn64_mt1_wg2_bk32_1x1",
+        "conv3x3_wgmma_bn64_mt1_wg1_bk64_1x1",
+    )
+    pw_narrow: tuple[str, ...] = ("conv3x3_wgmma_bn32_mt2_wg2_bk64_1x1", "conv3x3_wgmma_bn32_mt2_wg2_bk32_1x1")
     # Split-K (:meth:`splits`): a launch of less than a full wave of CTAs splits its reduction over up
     # to max_splits CTAs a tile, each at least min_split_kb k-blocks, so the GPU fills (ResNet-34's
     # last stages at N=1: 32 CTAs of 64x64 and 72 k-blocks at 16x16x512).
@@ -305,9 +376,11 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
             return f"res={int(res):#x} is not 4-byte aligned"
         return None
 
-    def choose(self, N: int, H: int, W: int, C: int, K: int, *, device: DeviceInfo = REFERENCE) -> WgmmaConfig:
+    def choose(
+        self, N: int, H: int, W: int, C: int, K: int, *, device: DeviceInfo = REFERENCE, pointwise: bool = False
+    ) -> WgmmaConfig:
         """The configuration to launch for this shape on ``device`` (H200 measurements,
-        handwritten_ptx/README.md):
+        handwritten_ptx/README.md); ``pointwise``: of the 1x1 entries (:meth:`choose_pointwise`).
 
         k-blocks of 64 channels when ``C % 64 == 0``, else of 32. K <= 32: the 256x32 column-copy
         tile. Else 256x128, then the 256x64 and 128x64 column-copy tiles (128x64 first when C <= 64),
@@ -318,6 +391,8 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         full wave is :meth:`DeviceInfo.full_wave` CTAs (128 on the H200's 132 SMs).
         """
         base.positive(N=N, H=H, W=W, C=C, K=K)
+        if pointwise:
+            return self.choose_pointwise(N * H * W, C, K, device=device)
         min_ctas = device.full_wave()
         bk = 64 if C % 64 == 0 else 32
         by_entry = {c.entry: c for c in self.configs}
@@ -335,6 +410,24 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
                 # of equals the smaller tile: the same CTAs computing fewer rows and channels past the image
                 return max(wide, key=lambda c: (c.ctas(N, H, W, K), -c.bm * c.bn))
         return next(by_entry[e] for e in self.narrow if by_entry[e].bk == bk)
+
+    def choose_pointwise(self, M: int, C: int, K: int, *, device: DeviceInfo = REFERENCE) -> WgmmaConfig:
+        """The 1x1 entry for an M-pixel GEMM of C -> K channels: k-blocks of 64 channels when
+        ``C % 64 == 0``, else of 32; K <= 32: the 256x32 tile; else :attr:`pw_prefer`'s tiles no
+        wider than K rounded up to 32, the first whose CTAs fill the GPU at its occupancy
+        (:meth:`DeviceInfo.full_wave` of its ``min_blocks``), else the one that makes the most."""
+        base.positive(M=M, C=C, K=K)
+        bk = 64 if C % 64 == 0 else 32
+        by_entry = {c.entry: c for c in self.configs}
+        if K > 32:
+            k32 = base.cdiv(K, 32) * 32
+            wide = [by_entry[e] for e in self.pw_prefer if by_entry[e].bk == bk and by_entry[e].bn <= k32]
+            for c in wide:
+                if c.ctas(1, 1, M, K) >= device.full_wave(c.min_blocks):
+                    return c
+            if wide:
+                return max(wide, key=lambda c: (c.ctas(1, 1, M, K), -c.bm * c.bn))
+        return next(by_entry[e] for e in self.pw_narrow if by_entry[e].bk == bk)
 
     def splits(
         self, cfg: WgmmaConfig, N: int, H: int, W: int, C: int, K: int, *, device: DeviceInfo = REFERENCE
@@ -390,11 +483,13 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         res: int | None = None,
         ldr: int | None = None,
         relu: bool = False,
+        act: Activation | None = None,
         ws: int | None = None,
         status: int | None = None,
     ) -> list[base.KernelArg]:
-        """``tmx, tmw, bias, res, y, N, H, W, C, K, ldy, ldr, relu, tw_log2, ws, status`` of launch
-        ``p`` as (value, type) pairs; ``ws``: the split-K workspace (:meth:`workspace_bytes`,
+        """``tmx, tmw, bias, res, y, N, H, W, C, K, ldy, ldr, act, p0, p1, tw_log2, ws, status`` of
+        launch ``p`` as (value, type) pairs; ``act``: the activation (an :class:`Activation`; None:
+        ReLU where ``relu``, else none); ``ws``: the split-K workspace (:meth:`workspace_bytes`,
         zeroed), None for a launch of one split.
 
         ``tmx``/``tmw`` are the input's and the weights' tensor maps (``runtime/tma.py``), passed by
@@ -417,7 +512,11 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
             if why:
                 raise InputError(f"{self.stem} cannot add this residual: {why}")
             base.pixels(p.N, p.H, p.W, ldr)
-        ints = (p.N, p.H, p.W, p.C, p.K, ldy, ldr, 1 if relu else 0, self.config(entry).tw_log2(p.W))
+        if act is None:
+            act = Activation.named("relu" if relu else "none")
+        elif not isinstance(act, Activation):
+            raise InputError(f"act={act!r} is not an Activation; pass dualtrack.kernels.Activation.named(NAME, p0, p1)")
+        ints = (p.N, p.H, p.W, p.C, p.K, ldy, ldr, act.code)
         return [
             (tmx, None),
             (tmw, None),
@@ -425,6 +524,9 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
             (base.pointer("res", res, required=False), ctypes.c_void_p),
             (base.pointer("y", y), ctypes.c_void_p),
             *((int(v), ctypes.c_int32) for v in ints),
+            (float(act.p0), ctypes.c_float),
+            (float(act.p1), ctypes.c_float),
+            (self.config(entry).tw_log2(p.W), ctypes.c_int32),
             (base.pointer("ws", ws, required=False), ctypes.c_void_p),
             (base.pointer("status", status, required=False), ctypes.c_void_p),
         ]
@@ -435,30 +537,34 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         x: base.DeviceTensor,
         y: base.DeviceTensor,
         weights: Sequence[base.DeviceTensor],
-        relu: bool,
+        act: Activation,
         ctx: base.LaunchContext,
         res: base.DeviceTensor | None = None,
     ) -> base.PreparedCall:
         """The launch of the entry ``choice`` names on these tensors (the conv3x3 op's spec, and
-        the general conv's for its 3x3 stride-1 layers, hand it over where they pick this kernel):
-        the input's and the weights' tensor maps, encoded by the runtime for these very buffers,
-        then the geometry and arguments; ``res``: the residual added before the ReLU, or None."""
+        the general conv's for its 3x3 and 1x1 stride-1 layers, hand it over where they pick this
+        kernel): the input's and the weights' tensor maps, encoded by the runtime for these very
+        buffers, then the geometry and arguments; ``act``: the activation, ``res``: the residual
+        added before it, or None."""
         p = ConvProblem.of(x, y)
         cfg = self.config(choice.entry)
+        window = tuple(weights[0].shape[1:3])
+        if len(weights[0].shape) == 4 and window != ((1, 1) if cfg.pointwise else (3, 3)):
+            raise InputError(f"{choice.entry} cannot run {window[0]}x{window[1]} weights; ask choose_conv for one")
         tmx = ctx.tensor_map(input_map(cfg, x.ptr, p.N, p.H, p.W, p.C, p.ldx))
         tmw = ctx.tensor_map(weight_map(cfg, weights[0].ptr, p.K, p.C))
         bias = weights[1].ptr if len(weights) > 1 else None
         extra: dict[str, int] = {} if res is None else {"res": res.ptr, "ldr": res.channel_stride}
         if choice.splits > 1:
             extra["ws"] = ctx.workspace(self.workspace_bytes(cfg, p.N, p.H, p.W, p.K, choice.splits))
-        args = self.args(p, tmx=tmx, tmw=tmw, y=y.ptr, entry=choice.entry, bias=bias, relu=relu, **extra)
+        args = self.args(p, tmx=tmx, tmw=tmw, y=y.ptr, entry=choice.entry, bias=bias, act=act, **extra)
         config = self.launch(p.dtype, p.N, p.H, p.W, p.C, p.K, entry=choice.entry, splits=choice.splits)
         return base.PreparedCall(choice.entry, config, args, choice)
 
-    def choice(self, p: ConvProblem, device: DeviceInfo) -> ConvChoice:
-        """The launch of ``p`` on this kernel and ``device`` (:meth:`choose`'s tile, :meth:`splits`'
-        split-K) and why."""
-        cfg = self.choose(p.N, p.H, p.W, p.C, p.K, device=device)
+    def choice(self, p: ConvProblem, device: DeviceInfo, *, pointwise: bool = False) -> ConvChoice:
+        """The launch of ``p`` (a 3x3 convolution; ``pointwise``: a 1x1 one) on this kernel and
+        ``device`` (:meth:`choose`'s tile, :meth:`splits`' split-K) and why."""
+        cfg = self.choose(p.N, p.H, p.W, p.C, p.K, device=device, pointwise=pointwise)
         splits = self.splits(cfg, p.N, p.H, p.W, p.C, p.K, device=device)
         ctas = cfg.ctas(p.N, p.H, p.W, p.K)
         split = f" x {splits} split-K" if splits > 1 else ""

@@ -7,8 +7,8 @@ A call's geometry and epilogue are its attributes (:class:`ConvGeometry`, ``act`
 :meth:`ConvGeneralSpec.supports` is the one predicate that says whether the kernel computes a
 convolution, and the partition asks it before it lowers a Conv to this op. fp16 runs an implicit
 GEMM on mma.sync tensor cores in four tiles (:meth:`ConvGeneralSpec.variant`), fp32 a SIMT GEMM.
-On Hopper its 3x3 stride-1 fp16 layers with ReLU or no activation (ResNet's second conv of a block,
-the one with the residual) run conv3x3_wgmma instead (:func:`~dualtrack.kernels.select.choose_conv`).
+On Hopper its 3x3 stride-1 and 1x1 fp16 layers of group 1, with any activation and residual, run
+conv3x3_wgmma instead (its ``_1x1`` entries for the 1x1 ones; :func:`~dualtrack.kernels.select.choose_conv`).
 
 A grouped convolution (ResNeXt's 32 groups, any C/g and K/g) is the same GEMM per group, one grid
 layer (``grid.z``) a group on channel slices: its launch passes the channels of one group and the
@@ -208,19 +208,19 @@ class ConvGeneralSpec(KernelSpec):
     # --- the Hopper kernel ------------------------------------------------------------------------
 
     def hopper_window(self, geom: ConvGeometry | None, act: Activation | None) -> str | None:
-        """None when :attr:`hopper` computes this window and activation (3x3, stride 1, dilation
-        1, padding 1 on every side; an activation its ``relu`` flag says: ReLU or none), else why not."""
+        """None when :attr:`hopper` computes this window (3x3, stride 1, dilation 1, padding 1 on
+        every side; or 1x1, stride 1, no padding: its ``_1x1`` entries; group 1), else why not.
+        Its epilogue fuses every activation of the table."""
         g = geom
         if g is None or act is None:
             return "a general conv's launch needs its window and activation"
         if g.groups != 1:
             return f"group={g.groups}: the wgmma kernel takes group 1"
-        if (g.R, g.S, g.stride_h, g.stride_w, g.dil_h, g.dil_w) != (3, 3, 1, 1, 1, 1):
-            return f"{g.label()}: the wgmma kernel takes 3x3 stride 1 dilation 1"
-        if (g.pad_top, g.pad_left, g.pad_bottom, g.pad_right) != (1, 1, 1, 1):
-            return f"{g.label()}: the wgmma kernel takes padding 1 on every side"
-        if act.relu_flag() is None:
-            return f"activation {act.kind.name}: the wgmma kernel fuses ReLU only"
+        pad = 1 if (g.R, g.S) == (3, 3) else 0
+        if (g.R, g.S) not in ((3, 3), (1, 1)) or (g.stride_h, g.stride_w, g.dil_h, g.dil_w) != (1, 1, 1, 1):
+            return f"{g.label()}: the wgmma kernel takes 3x3 and 1x1 windows, stride 1 dilation 1"
+        if (g.pad_top, g.pad_left, g.pad_bottom, g.pad_right) != (pad,) * 4:
+            return f"{g.label()}: the wgmma kernel takes padding {pad} on every side of a {g.R}x{g.S} window"
         return None
 
     def direct_for(self, p: ConvProblem, geom: ConvGeometry | None) -> tuple[str, str] | None:
@@ -478,7 +478,6 @@ class ConvGeneralSpec(KernelSpec):
         choice = choose_conv(self, p, ctx.device, window=kw["geom"], act=kw["act"], wgmma_off=ctx.wgmma_off, at=at)
         if choice.impl == "wgmma":
             assert self.hopper is not None  # the chooser picks wgmma only where there is one
-            relu = kw["act"].relu_flag() == 1
-            return self.hopper.prepare_entry(choice, x, y, weights, relu, ctx, res=res)
+            return self.hopper.prepare_entry(choice, x, y, weights, kw["act"], ctx, res=res)
         launch = self.launch(x.dtype, *shape, geom=kw["geom"], entry=choice.entry, device=ctx.device)
         return PreparedCall(choice.entry, launch, self.args(**kw))

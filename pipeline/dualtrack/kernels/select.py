@@ -101,8 +101,8 @@ def choose_conv(
     1. the wgmma kernel (``spec.hopper``) wherever it is available (``wgmma_off`` None: a cc 9.0
        device whose image has it, DUALTRACK_WGMMA not 0) and takes the launch: its shape and
        pointers (:meth:`Conv3x3WgmmaSpec.supported`), for the general conv also its ``window``
-       and activation ``act`` (3x3 stride 1, ReLU or none) and residual; with
-       :meth:`Conv3x3WgmmaSpec.choice`'s tile and split-K for ``device``;
+       (3x3 stride 1 padding 1, or 1x1 stride 1 padding 0: its ``_1x1`` entries; group 1) and
+       residual; with :meth:`Conv3x3WgmmaSpec.choice`'s tile and split-K for ``device``;
     2. the direct entry where the op has one that takes the shape (conv3x3: fp16 with C <=
        :data:`SMALL_C_MAX`, even over a tuned entry, which is an mma.sync tile that would gather
        such a layer's A tile element by element; the general conv: a few output channels);
@@ -115,7 +115,8 @@ def choose_conv(
     """
     why = _wgmma_refusal(spec, p, window, act, wgmma_off, at)
     if why is None and spec.hopper is not None:
-        return spec.hopper.choice(p, device)
+        pointwise = window is not None and (window.R, window.S) == (1, 1)
+        return spec.hopper.choice(p, device, pointwise=pointwise)
     wgmma = f"wgmma: {why}"
     direct = spec.direct_for(p, window)
     if direct is not None:
