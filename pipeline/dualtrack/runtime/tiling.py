@@ -1,0 +1,308 @@
+"""Sliding-window inference: an image larger than the bundle's largest compiled size, run as
+overlapping windows through the engine, their probabilities blended, the mask answered at the
+image's own size (the bundle's ``window:``, :class:`~dualtrack.contract.manifest.Window`).
+
+The algorithm is MONAI's ``sliding_window_inference`` (monai/inferers/utils.py), restated:
+
+- **Origins** (:func:`window_origins`): per axis the scan interval is ``int(window * (1 - overlap))``
+  (at least 1), the starts ``0, interval, 2 interval, ...`` up to the first window that reaches the
+  image's end, which is pulled back to end exactly there; windows in row-major order. An axis where
+  the image is smaller than the window is padded, ``(window - image) // 2`` before and the rest
+  after, with zero pixels. (MONAI pads the network's normalised input with 0; here the bundle's
+  input is uint8 pixels, and pixel 0 normalises to ``-mean / std``: the same only where mean is 0.)
+- **Weights** (:func:`importance_map`): ``gaussian``, per axis ``exp(-d^2 / 2 sigma^2)`` with
+  ``sigma = sigma_scale * side`` and ``d`` the distance from the window's centre, multiplied over
+  the axes and floored at ``max(min, 1e-3)``; ``constant``, ones.
+- **Blend**: per pixel ``sum(w * p) / sum(w)`` over the windows covering it, accumulated in float32
+  in window order, then the mask as the bundle's postprocess makes it: argmax over classes (the
+  first of equal ones), or ``p > 0.5`` for one class. What is blended is the bundle's ``probs``
+  output (its postprocess's activation applied: MONAI blends whatever its predictor returns, so a
+  predictor that matches this one returns probabilities).
+
+**Memory.** Windows run in row-major order, so once a batch whose first window starts at row
+``y0`` is taken, no later window touches a row above ``y0``: those rows are final. The accumulator
+holds only the rows in flight, as a ring of ``band`` rows (:func:`band_rows`: the largest span of
+origin rows in one batch plus the window height, at most ``h + ceil(batch / per_row) * interval``)
+of ``classes + 1`` float32 planes (the weighted sums and the sum of weights). Finished rows are
+normalised, argmax'ed into the mask and zeroed for reuse. Beside the caller's image and mask
+(``3 H W`` and ``H W`` bytes), a tiled run holds
+
+    4 (C + 1) band W                  the accumulator
+    + batch h w (3 + 4 C)             one batch of windows and their probabilities
+    + 4 h w                           the weight map
+    + band W (1 + 4 C if probs are asked for)   finished rows on their way out (GPU)
+    (+ 3 H W on the GPU: the image, which the windows are cut from there)
+
+bytes, for C classes, ``h x w`` windows and an image ``W`` pixels wide: independent of its height.
+An 8192 x 8192 image in 512 x 512 windows (overlap 0.25, batch 8, 21 windows a row, band 896), 2
+classes: 88 MB of accumulator, 27 MB of windows. Probabilities at the image's size are only made
+when asked for (``4 C H W`` bytes).
+
+The CPU path (:func:`tile_numpy`, numpy) and the GPU path (:class:`GpuTiler`: windows cut on the
+GPU, the blend and the finished rows in the ``blend_nhwc`` kernels) run the same algorithm.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from dualtrack import kernels
+from dualtrack.contract import arch
+from dualtrack.contract.manifest import Window
+from dualtrack.errors import InputError
+from dualtrack.kernels import blend, sources
+from dualtrack.kernels.blend import BlendSpec
+from dualtrack.runtime.driver import Module, call
+from dualtrack.runtime.tensors import GpuTensor
+
+Size = tuple[int, int]
+WEIGHT_FLOOR = 1e-3  # MONAI's compute_importance_map floors the weights here (a gaussian's corners)
+
+
+# -- where the windows go (pure functions) ---------------------------------------------------------
+
+
+def axis_starts(image: int, window: int, overlap: float) -> list[int]:
+    """The windows' starts along one axis of ``image`` pixels (``image >= window``), as MONAI's
+    ``_get_scan_interval`` and ``dense_patch_slices`` place them."""
+    if window >= image:
+        return [0]
+    interval = max(int(window * (1 - overlap)), 1)
+    starts = []
+    for i in range(math.ceil(image / interval)):
+        if i * interval + window >= image:  # the first window to reach the end ends there
+            starts.append(image - window)
+            break
+        starts.append(i * interval)
+    return starts
+
+
+def window_origins(image: Size, window: Size, overlap: float) -> list[Size]:
+    """Every window's top-left (row, column) in image coordinates, in row-major order; negative
+    where an axis is padded (the image smaller than the window there, centred as MONAI pads)."""
+    per_axis = []
+    for size, side in zip(image, window, strict=True):
+        if size < side:
+            per_axis.append([-((side - size) // 2)])
+        else:
+            per_axis.append(axis_starts(size, side, overlap))
+    return [(y, x) for y in per_axis[0] for x in per_axis[1]]
+
+
+def importance_map(window: Size, blend: str, sigma_scale: float = 0.125) -> np.ndarray:
+    """The ``(h, w)`` float32 weights of one window's outputs (MONAI's ``compute_importance_map``)."""
+    if blend == "constant":
+        return np.ones(window, np.float32)
+    if blend != "gaussian":
+        raise InputError(f"window blend {blend!r} is not gaussian or constant; rebuild with one of them")
+    axes = []
+    for side in window:
+        d = np.arange(side, dtype=np.float64) - (side - 1) / 2.0
+        axes.append(np.exp(d**2 / (-2.0 * (sigma_scale * side) ** 2)).astype(np.float32))
+    weights = axes[0][:, None] * axes[1][None, :]
+    return np.maximum(weights, max(float(weights.min()), WEIGHT_FLOOR)).astype(np.float32)
+
+
+def batches(origins: Sequence[Size], batch: int) -> list[Sequence[Size]]:
+    """The origins in engine runs of at most ``batch`` windows, in order."""
+    return [origins[i : i + batch] for i in range(0, len(origins), batch)]
+
+
+def band_rows(origins: Sequence[Size], window_h: int, batch: int, height: int) -> int:
+    """Rows the accumulator holds: a batch's windows span its first origin row to its last plus the
+    window's height (rows above the first are final by then), at most the image's height."""
+    span = max(b[-1][0] - b[0][0] for b in batches(origins, batch))
+    return min(span + window_h, height)
+
+
+def band_bytes(width: int, window: Size, classes: int, batch: int, band: int, *, probs: bool = False) -> int:
+    """What a tiled run holds besides the caller's image and mask (the module's bound, its GPU terms)."""
+    h, w = window
+    out = 4 * (classes + 1) * band * width + batch * h * w * (3 + 4 * classes) + 4 * h * w
+    return out + band * width * (1 + (4 * classes if probs else 0))
+
+
+# -- the accumulator (numpy) -------------------------------------------------------------------------
+
+
+class BandAccumulator:
+    """The blend of one image's windows in a ring of ``band`` rows (the module's memory bound):
+    :meth:`add` a batch (finishing the rows above it first), :meth:`finish` the rest at the end. Its
+    arithmetic is the ``blend_nhwc`` kernels' numpy reference (:mod:`dualtrack.kernels.blend`)."""
+
+    def __init__(self, image: Size, classes: int, band: int, weights: np.ndarray, *, probs: bool) -> None:
+        self.image, self.classes, self.weights = image, classes, weights
+        self.acc = np.zeros((classes + 1, band, image[1]), np.float32)
+        self.mask = np.empty(image, np.uint8)
+        self.probs = np.empty((classes, *image), np.float32) if probs else None
+        self.done = 0  # rows [0, done) are answered
+
+    def add(self, probs: np.ndarray, origins: Sequence[Size]) -> None:
+        """Blend ``probs`` (n, C, h, w) of the windows at ``origins`` (row-major order): the rows
+        above the first window are final, so they are answered first."""
+        self.finish(max(origins[0][0], 0))
+        blend.accumulate(self.acc, probs, self.weights, origins, self.image, self.done)
+
+    def finish(self, upto: int | None = None) -> None:
+        """Answer rows ``[done, upto)`` (default: every row left)."""
+        upto = self.image[0] if upto is None else upto
+        if upto <= self.done:
+            return
+        mask, p = blend.finish(self.acc, self.done, upto)
+        self.mask[self.done : upto] = mask
+        if self.probs is not None:
+            self.probs[:, self.done : upto] = p
+        self.done = upto
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """One image's windows: the resolved window, its weights and origins, and the band."""
+
+    image: Size
+    window: Size
+    batch: int
+    origins: tuple[Size, ...]
+    weights: np.ndarray
+    band: int
+
+    @classmethod
+    def plan(cls, image: Size, spec: Window, window: Size, batch: int) -> Tiling:
+        origins = tuple(window_origins(image, window, spec.overlap))
+        weights = importance_map(window, spec.blend, spec.sigma_scale)
+        return cls(image, window, batch, origins, weights, band_rows(origins, window[0], batch, image[0]))
+
+    def runs(self) -> Iterator[Sequence[Size]]:
+        yield from batches(self.origins, self.batch)
+
+
+def cut(image: np.ndarray, origins: Sequence[Size], window: Size, batch: int) -> np.ndarray:
+    """The windows at ``origins`` of an (H, W, 3) image as a (batch, h, w, 3) array, zero outside
+    the image and in rows past ``len(origins)`` (the padding of a last, short batch)."""
+    h, w = window
+    out = np.zeros((batch, h, w, image.shape[2]), image.dtype)
+    for i, origin in enumerate(origins):
+        k = blend.Clip.of(origin, window, image.shape[:2])
+        out[i, k.r0 - k.oy : k.r1 - k.oy, k.c0 - k.ox : k.c1 - k.ox] = image[k.r0 : k.r1, k.c0 : k.c1]
+    return out
+
+
+def tile_numpy(
+    image: np.ndarray, t: Tiling, run: Callable[[np.ndarray], np.ndarray], classes: int, *, probs: bool = False
+) -> Answer:
+    """The CPU path: windows of ``image`` (H, W, 3) cut by numpy, ``run`` ((batch, h, w, 3) uint8 ->
+    (batch, C, h, w) float32 probabilities), blended in a :class:`BandAccumulator`."""
+    acc = BandAccumulator(t.image, classes, t.band, t.weights, probs=probs)
+    for origins in t.runs():
+        acc.add(run(cut(image, origins, t.window, t.batch))[: len(origins)], origins)
+    acc.finish()
+    return Answer(acc.mask, acc.probs)
+
+
+# -- the GPU path ----------------------------------------------------------------------------------------
+
+
+class GpuTiler:
+    """The GPU path of one engine, on its stream: the image uploaded once, each batch's windows cut
+    into the engine's input by ``blend_nhwc_cut_u8``, its probabilities blended into the band by
+    ``blend_nhwc_accumulate_f32``, finished rows chosen into the device mask (and probabilities where
+    asked) by ``blend_nhwc_finish_f32``; one download at the end, no host wait between batches."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.spec: BlendSpec = kernels.BLEND
+        choice = arch.choose_image(backend.device.cc, [], list(self.spec.ptx_arches))
+        path = sources.ptx_path(sources.SOURCE_DIR, Path(f"{self.spec.stem}.cu"), choice.arch)
+        module = Module.load(backend.ctx, path.read_bytes(), kind="ptx", origin=str(path), target=choice.arch)
+        self.kernels = {e: module.function(e) for e in self.spec.entries}
+        self.weights: dict[tuple[Size, str, float], GpuTensor] = {}  # one upload per window and blend
+
+    def _launch(self, entry: str, call_: tuple[Any, list[Any]]) -> None:
+        config, args = call_
+        self.kernels[entry].launch(config.grid, config.block, config.shared_bytes, self.backend.stream, args)
+
+    def run(
+        self, image: np.ndarray, t: Tiling, spec: Window, run_batch: Callable[[Any, int], Any], classes: int,
+        *, probs: bool = False,
+    ) -> Answer:  # fmt: skip
+        """Tile ``image`` ((H, W, 3) uint8, host) with ``run_batch(device input, batch)``, which
+        returns the engine's device outputs (its ``probs``: (batch, C, h, w) float32)."""
+        be, (H, W), (h, w), spec_ = self.backend, t.image, t.window, self.spec
+        be.ctx.make_current()
+        img = be.from_host(np.ascontiguousarray(image))
+        weights = self._weights(t, spec)
+        acc_bytes = 4 * (classes + 1) * t.band * W
+        bufs = {
+            "acc": be.pool.alloc(acc_bytes, be.stream),
+            "x": be.pool.alloc(t.batch * h * w * 3, be.stream),
+            "mask": be.pool.alloc(H * W, be.stream),
+            **({"probs": be.pool.alloc(4 * classes * H * W, be.stream)} if probs else {}),
+        }
+        ptr = {k: int(v) for k, v in bufs.items()}
+        call(cu.cuMemsetD8Async, ptr["acc"], 0, acc_bytes, be.stream.handle)
+        done = 0
+        try:
+            for origins in t.runs():
+                done = self._finish(ptr, t, classes, done, max(origins[0][0], 0))
+                self._launch(spec_.cut_entry, spec_.cut_call(img.ptr, ptr["x"], H, W, h, w, t.batch, origins))
+                outs = run_batch(GpuTensor(ptr["x"], (t.batch, h, w, 3), np.dtype(np.uint8), bufs["x"]), t.batch)
+                p = _probs(outs, (t.batch, classes, h, w))
+                acc = spec_.accumulate_call(p.ptr, weights, ptr["acc"], classes, h, w, H, W, t.band, done, origins)
+                self._launch(spec_.accumulate_entry, acc)
+            self._finish(ptr, t, classes, done, H)
+            answer = Answer(be.to_host(GpuTensor(ptr["mask"], (H, W), np.dtype(np.uint8))))  # waits for the stream
+            if probs:
+                answer.probs = be.to_host(GpuTensor(ptr["probs"], (classes, H, W), np.dtype(np.float32)))
+        finally:
+            be.stream.synchronize()  # nothing may still read or write them when they go back to the pool
+            for buf in (*bufs.values(), img.keepalive):
+                buf.close(be.stream)
+        return answer
+
+    def _weights(self, t: Tiling, spec: Window) -> int:
+        key = (t.window, spec.blend, spec.sigma_scale)
+        if key not in self.weights:
+            self.weights[key] = self.backend.from_host(t.weights)
+        return self.weights[key].ptr
+
+    def _finish(self, ptr: dict[str, int], t: Tiling, classes: int, done: int, upto: int) -> int:
+        """Rows ``[done, upto)`` chosen into the device mask; returns ``upto`` (the rows answered)."""
+        if upto > done:
+            H, W = t.image
+            finish = self.spec.finish_call(
+                ptr["acc"], ptr["mask"], ptr.get("probs", 0), classes, H, W, t.band, done, upto
+            )
+            self._launch(self.spec.finish_entry, finish)
+        return max(upto, done)
+
+    def close(self) -> None:
+        for t in self.weights.values():
+            t.keepalive.close(self.backend.stream)
+        self.weights.clear()
+        self.kernels.clear()
+
+
+@dataclass
+class Answer:
+    """A tiled image's answer: its (H, W) mask and, where asked for, (C, H, W) probabilities."""
+
+    mask: np.ndarray
+    probs: np.ndarray | None = None
+
+
+def _probs(outs: Any, want: tuple[int, ...]) -> GpuTensor:
+    """The engine's ``probs`` output of a window batch, checked: what the accumulate kernel reads."""
+    p = outs["probs"] if isinstance(outs, dict) else outs
+    if tuple(p.shape) != want or np.dtype(p.dtype) != np.float32:
+        raise InputError(
+            f"the bundle's probs are {np.dtype(p.dtype)}{list(p.shape)}; windows blend float32 {list(want)}: "
+            "rebuild with `postprocess:`"
+        )
+    return p

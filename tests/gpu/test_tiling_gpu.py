@@ -1,0 +1,133 @@
+"""Sliding-window inference on a GPU: the ``blend_nhwc`` kernels against their numpy references
+(kernels/blend.py, runtime/tiling.py), bit for bit, over images, windows, ring bands and class
+counts no zoo model has; then the GPU path (:class:`~dualtrack.runtime.tiling.GpuTiler`) against
+the CPU path on the same engine's windows.
+
+Tolerance 0 for the kernels: every product, sum and division is one IEEE float32 rounding in the
+reference's order (the .cu's _rn intrinsics), so the accumulator, the probabilities and the mask
+are the reference's bits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gpu_ptx import checked_in_entries
+
+from dualtrack.contract.manifest import Window
+from dualtrack.kernels import BLEND
+from dualtrack.runtime import tiling
+from dualtrack.runtime.engine import Engine
+
+MASK_MISMATCH = 1e-4  # GPU path vs CPU path on the same engine's probabilities: only exact ties may differ
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_bundle: Path):
+    with Engine.load(tiny_bundle, "cuda") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def blend_kernels(engine: Engine):
+    with checked_in_entries(engine, (BLEND.stem,)) as found:
+        yield found
+
+
+def _launch(engine: Engine, kernel, call) -> None:
+    config, args = call
+    kernel.launch(config.grid, config.block, config.shared_bytes, engine.backend.stream, args)
+
+
+def _download(engine: Engine, ptr: int, shape: tuple[int, ...], dtype) -> np.ndarray:
+    from dualtrack.runtime.tensors import GpuTensor
+
+    return engine.backend.to_host(GpuTensor(ptr, shape, np.dtype(dtype)))
+
+
+@pytest.mark.parametrize(
+    ("image", "window", "origins"),
+    [((37, 51), (16, 24), [(0, 0), (-3, 40), (30, -7), (21, 27)]), ((9, 300), (16, 16), [(-4, 284), (-4, 0)])],
+)
+def test_cut_copies_windows_and_zeroes_outside_the_image(engine: Engine, blend_kernels, image, window, origins) -> None:
+    rng = np.random.default_rng()
+    img = rng.integers(1, 256, (*image, 3), dtype=np.uint8)
+    batch = len(origins) + 1  # one padding row, which must come back zero
+    src = engine.backend.from_host(img)
+    dst = engine.backend.from_host(np.full((batch, *window, 3), 77, np.uint8))
+    call = BLEND.cut_call(src.ptr, dst.ptr, *image, *window, batch, origins)
+    _launch(engine, blend_kernels[BLEND.cut_entry], call)
+    got = _download(engine, dst.ptr, (batch, *window, 3), np.uint8)
+    np.testing.assert_array_equal(got, tiling.cut(img, origins, window, batch))
+
+
+@pytest.mark.parametrize(
+    ("image", "window", "batch", "classes", "blend"),
+    [
+        ((200, 150), (64, 64), 4, 3, "gaussian"),
+        ((333, 97), (48, 32), 8, 1, "gaussian"),  # one class: p > 0.5
+        ((130, 300), (64, 64), 3, 5, "constant"),
+        ((40, 200), (64, 48), 2, 2, "gaussian"),  # padded rows: windows hang over the image
+    ],
+)
+def test_accumulate_and_finish_are_the_references_bits(
+    engine: Engine, blend_kernels, image, window, batch, classes, blend
+) -> None:
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    be, (H, W) = engine.backend, image
+    t = tiling.Tiling.plan(image, Window(overlap=0.25, blend=blend), window, batch)
+    ref = tiling.BandAccumulator(image, classes, t.band, t.weights, probs=True)
+    acc = be.from_host(np.zeros((classes + 1, t.band, W), np.float32))
+    mask = be.from_host(np.full((H, W), 255, np.uint8))
+    probs = be.from_host(np.full((classes, H, W), np.nan, np.float32))
+    weights = be.from_host(t.weights)
+    done = 0
+    for origins in t.runs():
+        p = rng.random((len(origins), classes, *window), dtype=np.float32)
+        upto = max(origins[0][0], 0)
+        if upto > done:
+            call = BLEND.finish_call(acc.ptr, mask.ptr, probs.ptr, classes, H, W, t.band, done, upto)
+            _launch(engine, blend_kernels[BLEND.finish_entry], call)
+            done = upto
+        ref.add(p, origins)
+        dp = be.from_host(p)
+        call = BLEND.accumulate_call(dp.ptr, weights.ptr, acc.ptr, classes, *window, H, W, t.band, done, origins)
+        _launch(engine, blend_kernels[BLEND.accumulate_entry], call)
+        got = _download(engine, acc.ptr, (classes + 1, t.band, W), np.float32)
+        np.testing.assert_array_equal(got, ref.acc, err_msg=f"seed {seed}: accumulator after {origins}")
+    _launch(
+        engine,
+        blend_kernels[BLEND.finish_entry],
+        BLEND.finish_call(acc.ptr, mask.ptr, probs.ptr, classes, H, W, t.band, done, H),
+    )
+    ref.finish()
+    np.testing.assert_array_equal(
+        _download(engine, probs.ptr, (classes, H, W), np.float32), ref.probs, err_msg=f"seed {seed}"
+    )
+    np.testing.assert_array_equal(_download(engine, mask.ptr, (H, W), np.uint8), ref.mask, err_msg=f"seed {seed}")
+    assert not _download(engine, acc.ptr, (classes + 1, t.band, W), np.float32).any()  # finished rows zeroed
+
+
+@pytest.mark.parametrize(
+    ("shape", "blend"), [((200, 150), "gaussian"), ((97, 300), "constant"), ((50, 130), "gaussian")]
+)
+def test_the_gpu_path_answers_as_the_cpu_path(engine: Engine, shape, blend) -> None:
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    image = np.random.default_rng(seed).integers(0, 256, (*shape, 3), dtype=np.uint8)
+    spec = Window(overlap=0.25, blend=blend)
+    size = engine.input_spec.shape[1:3]
+    classes = next(o.shape[1] for o in engine.output_specs if o.name == "probs")
+    t = tiling.Tiling.plan(shape, spec, size, engine.batch_sizes[-1])
+    cpu = tiling.tile_numpy(image, t, lambda b: engine.run(b, outputs=["probs"])["probs"], classes, probs=True)
+    tiler = tiling.GpuTiler(engine.backend)
+    try:
+        with engine._lock:
+            gpu = tiler.run(image, t, spec, engine.run_batch, classes, probs=True)
+    finally:
+        tiler.close()
+    assert gpu.mask.shape == shape and gpu.probs is not None
+    np.testing.assert_allclose(gpu.probs, cpu.probs, rtol=1e-6, atol=1e-7, err_msg=f"seed {seed}")
+    assert np.mean(gpu.mask != cpu.mask) <= MASK_MISMATCH, f"seed {seed}"

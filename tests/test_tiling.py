@@ -1,0 +1,239 @@
+"""Sliding-window inference (runtime/tiling.py) against MONAI's ``sliding_window_inference``.
+
+Pure functions first (window origins and weights equal MONAI's over image / window / overlap
+combinations no zoo model has; the band accumulator's answer equals a whole-image accumulator's
+and a float64 blend), then the whole path: a small conv net in fp32 torch, exported to ONNX, built
+into a CPU bundle with 64x64 windows, run on images larger than the window, against MONAI's function
+around the same torch network.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from monai.data.utils import compute_importance_map, dense_patch_slices
+from monai.inferers import sliding_window_inference
+from monai.inferers.utils import _get_scan_interval
+
+from dualtrack.compiler.config import load_config
+from dualtrack.contract.manifest import Window
+from dualtrack.errors import ConfigError
+from dualtrack.kernels import BLEND
+from dualtrack.kernels.blend import Clip
+from dualtrack.runtime import tiling
+from dualtrack.runtime.engine import Engine
+
+MASK_AGREE = 0.999  # the issue's bar: fp32 IREE llvm-cpu vs fp32 torch flip only near-tied pixels
+BLEND_RTOL = 1e-5  # float32 accumulation in window order vs a float64 blend
+WINDOW = (64, 64)
+MEAN, STD = (0.0, 0.0, 0.0), (0.229, 0.224, 0.225)  # mean 0: zero pixels pad as MONAI's cval 0 does
+
+
+def monai_origins(image: tuple[int, int], window: tuple[int, int], overlap: float) -> list[tuple[int, int]]:
+    """MONAI's windows (its padding included) as top-left corners in the unpadded image."""
+    padded = tuple(max(i, w) for i, w in zip(image, window, strict=True))
+    low = [(p - i) // 2 for p, i in zip(padded, image, strict=True)]  # sliding_window_inference's pad_size
+    interval = _get_scan_interval(padded, window, 2, (overlap, overlap))
+    slices = dense_patch_slices(padded, window, interval)
+    return [(s[0].start - low[0], s[1].start - low[1]) for s in slices]
+
+
+@pytest.mark.parametrize(
+    ("image", "window", "overlap"),
+    [
+        ((200, 150), (64, 64), 0.25),
+        ((2048, 2048), (512, 512), 0.25),
+        ((1000, 777), (96, 128), 0.5),
+        ((129, 65), (64, 64), 0.0),
+        ((513, 512), (512, 512), 0.25),
+        ((300, 40), (64, 64), 0.25),  # narrower than the window: padded, centred
+        ((64, 64), (64, 64), 0.9),
+        ((101, 333), (7, 9), 0.8),
+    ],
+)
+def test_window_origins_are_monais(image, window, overlap) -> None:
+    assert tiling.window_origins(image, window, overlap) == monai_origins(image, window, overlap)
+
+
+@pytest.mark.parametrize("blend", ["gaussian", "constant"])
+@pytest.mark.parametrize(("window", "sigma"), [((64, 64), 0.125), ((96, 40), 0.125), ((33, 17), 0.3)])
+def test_importance_map_is_monais(window, blend, sigma) -> None:
+    ref = compute_importance_map(window, mode=blend, sigma_scale=sigma).numpy()
+    got = tiling.importance_map(window, blend, sigma)
+    assert got.dtype == np.float32 and got.shape == window
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=0)
+
+
+def float64_blend(probs: list[np.ndarray], origins, weights: np.ndarray, image: tuple[int, int]) -> np.ndarray:
+    """sum(w p) / sum(w) over whole-image float64 planes: the blend as written."""
+    C = probs[0].shape[0]
+    num = np.zeros((C, *image))
+    den = np.zeros(image)
+    for p, origin in zip(probs, origins, strict=True):
+        k = Clip.of(origin, weights.shape, image)
+        wy, wx = slice(k.r0 - k.oy, k.r1 - k.oy), slice(k.c0 - k.ox, k.c1 - k.ox)
+        num[:, k.r0 : k.r1, k.c0 : k.c1] += p[:, wy, wx] * weights[wy, wx]
+        den[k.r0 : k.r1, k.c0 : k.c1] += weights[wy, wx]
+    return num / den
+
+
+@pytest.mark.parametrize(
+    ("image", "window", "batch", "classes"),
+    [
+        ((200, 150), (64, 64), 4, 3),
+        ((333, 97), (48, 32), 8, 2),
+        ((130, 300), (64, 64), 1, 1),
+        ((40, 200), (64, 48), 3, 4),
+    ],
+)
+def test_the_band_accumulator_answers_as_a_whole_image_accumulator(image, window, batch, classes) -> None:
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    t = tiling.Tiling.plan(image, Window(overlap=0.25, blend="gaussian"), window, batch)
+    assert t.band <= image[0] and (t.band < image[0] or image[0] <= window[0] + 64)
+    probs = [rng.random((classes, *window), dtype=np.float32) for _ in t.origins]
+    band = tiling.BandAccumulator(image, classes, t.band, t.weights, probs=True)
+    whole = tiling.BandAccumulator(image, classes, image[0], t.weights, probs=True)
+    for i, origins in enumerate(t.runs()):
+        chunk = np.stack(probs[i * batch : i * batch + len(origins)])
+        band.add(chunk, origins)
+        whole.add(chunk, origins)
+    band.finish()
+    whole.finish()
+    np.testing.assert_array_equal(band.probs, whole.probs, err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(band.mask, whole.mask, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(band.probs, float64_blend(probs, t.origins, t.weights, image), rtol=BLEND_RTOL)
+    # the kernels' reference, taken whole, is the same blend
+    got = BLEND.reference(np.stack(probs), weights=t.weights, origins=t.origins, image=image)
+    np.testing.assert_array_equal(got, band.mask, err_msg=f"seed {seed}")
+
+
+def test_the_band_is_bounded_by_the_width_not_the_height() -> None:
+    t = tiling.Tiling.plan((8192, 8192), Window(), (512, 512), 8)
+    assert t.band == 512 + 384  # a batch of 8 spans two rows of 21 windows
+    assert tiling.band_bytes(8192, (512, 512), 2, 8, t.band) < 120 * 2**20
+
+
+def test_cut_windows_are_zero_outside_the_image() -> None:
+    rng = np.random.default_rng(0)
+    image = rng.integers(1, 256, (30, 50, 3), dtype=np.uint8)
+    got = tiling.cut(image, [(-5, 40), (10, 0)], (16, 16), 3)
+    assert got.shape == (3, 16, 16, 3)
+    np.testing.assert_array_equal(got[0, 5:, :10], image[0:11, 40:50])
+    assert not got[0, :5].any() and not got[0, :, 10:].any() and not got[2].any()
+    np.testing.assert_array_equal(got[1], image[10:26, 0:16])
+
+
+def test_window_config_errors_name_the_fix(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: m.onnx\nwindow: {overlap: 0.25}\n")
+    with pytest.raises(ConfigError, match="add `postprocess:`"):
+        load_config(cfg)
+    cfg.write_text("model: m.onnx\nbatch_sizes: [1, 4]\npostprocess: {}\nwindow: {batch: 8}\n")
+    with pytest.raises(ConfigError, match=r"window\.batch 8 is not one of batch_sizes"):
+        load_config(cfg)
+    cfg.write_text("model: m.onnx\npostprocess: {}\nwindow: {overlap: 1.0}\n")
+    with pytest.raises(ConfigError, match=r"window\.overlap"):
+        load_config(cfg)
+
+
+# --- the whole path against MONAI ------------------------------------------------------------------
+
+
+class SmallNet(torch.nn.Module):
+    """Three classes from a few convolutions (a receptive field of 11 pixels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 12, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(12, 12, 5, padding=2),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(12, 12, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(12, 3, 3, padding=1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.fixture(scope="module")
+def small_net() -> SmallNet:
+    torch.manual_seed(7)
+    return SmallNet().eval()
+
+
+@pytest.fixture(scope="module")
+def window_bundle(small_net: SmallNet, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dualtrack.compiler.build import build
+
+    root = tmp_path_factory.mktemp("window")
+    torch.onnx.export(
+        small_net, torch.zeros(1, 3, *WINDOW), str(root / "net.onnx"), input_names=["x"], output_names=["logits"],
+        opset_version=17, dynamo=False,
+    )  # fmt: skip
+    (root / "net.yaml").write_text(
+        textwrap.dedent(f"""\
+        model: net.onnx
+        batch_sizes: [1, 4]
+        targets: []
+        preprocess: {{layout: NCHW, color: RGB, scale: 255, mean: {list(MEAN)}, std: {list(STD)}}}
+        postprocess: {{output: logits, activation: softmax}}
+        window: {{overlap: 0.25, blend: gaussian}}
+        verify: {{samples: 1, seed: 5}}
+        """)
+    )
+    build(root / "net.yaml", root / "bundle")
+    return root / "bundle"
+
+
+def monai_mask(net: SmallNet, image: np.ndarray, blend: str, overlap: float = 0.25) -> np.ndarray:
+    """MONAI's sliding window around the torch network (fp32), normalised and softmaxed as the bundle is."""
+    x = torch.from_numpy(image).permute(2, 0, 1)[None].float() / 255.0
+    x = (x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
+    with torch.no_grad():
+        p = sliding_window_inference(x, WINDOW, 4, lambda w: torch.softmax(net(w), dim=1), overlap=overlap, mode=blend)
+    return p[0].argmax(0).numpy().astype(np.uint8)
+
+
+def test_the_bundle_records_its_window(window_bundle: Path) -> None:
+    with Engine.load(window_bundle, "cpu") as engine:
+        assert engine.bundle.manifest.window == Window(None, 0.25, "gaussian", 0.125, 4)
+
+
+@pytest.mark.parametrize("shape", [(200, 150), (90, 40)])
+def test_tiled_masks_agree_with_monais_sliding_window(window_bundle: Path, small_net: SmallNet, shape) -> None:
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    image = np.random.default_rng(seed).integers(0, 256, (*shape, 3), dtype=np.uint8)
+    with Engine.load(window_bundle, "cpu") as engine:
+        out = engine.run(image[None], outputs=["mask", "probs"])
+        windows = engine.last_windows
+    assert out["mask"].shape == (1, *shape) and out["probs"].shape == (1, 3, *shape)
+    assert windows == len(tiling.window_origins(shape, WINDOW, 0.25))
+    agree = float(np.mean(out["mask"][0] == monai_mask(small_net, image, "gaussian")))
+    assert agree >= MASK_AGREE, f"seed {seed}: {agree:.5f}"
+    np.testing.assert_array_equal(out["mask"][0], np.argmax(out["probs"][0], axis=0))
+
+
+def test_constant_blend_agrees_with_monais(window_bundle: Path, small_net: SmallNet) -> None:
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    image = np.random.default_rng(seed).integers(0, 256, (200, 150, 3), dtype=np.uint8)
+    spec = Window(overlap=0.5, blend="constant")
+    with Engine.load(window_bundle, "cpu") as engine:
+        t = tiling.Tiling.plan(image.shape[:2], spec, WINDOW, 4)
+        answer = tiling.tile_numpy(image, t, lambda b: engine.run(b, outputs=["probs"])["probs"], 3)
+    agree = float(np.mean(answer.mask == monai_mask(small_net, image, "constant", overlap=0.5)))
+    assert agree >= MASK_AGREE, f"seed {seed}: {agree:.5f}"
+
+
+def test_an_image_the_compiled_size_holds_is_not_tiled(window_bundle: Path) -> None:
+    image = np.random.default_rng(3).integers(0, 256, (2, *WINDOW, 3), dtype=np.uint8)
+    with Engine.load(window_bundle, "cpu") as engine:
+        out = engine.run(image)
+        assert engine.last_windows == 0 and out["mask"].shape == (2, *WINDOW)
