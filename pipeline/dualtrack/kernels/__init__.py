@@ -41,6 +41,7 @@ from dualtrack.kernels.base import (
     PreparedCall,
     dtype_name,
 )
+from dualtrack.kernels.blend import BlendSpec
 from dualtrack.kernels.conv import pack_conv_weights
 from dualtrack.kernels.conv1x1 import Conv1x1Spec
 from dualtrack.kernels.conv3x3 import Conv3x3Spec, F16Tile
@@ -66,6 +67,7 @@ from dualtrack.kernels.select import PLANNED, SMALL_C_K_MAX, SMALL_C_MAX, ConvCh
 
 __all__ = [
     "ACTIVATIONS",
+    "BLEND",
     "CONV3X3_WGMMA",
     "DTYPES",
     "KERNELS",
@@ -150,7 +152,10 @@ KERNELS: Mapping[str, KernelSpec] = {
 # Not a plan op: the service's GPU JPEG path resizes decoded pictures into the batch's input rows with it.
 RESIZE_RGB = ResizeRgbSpec(op="resize_rgb", stem="resize_rgb_u8")
 
-SPECS: tuple[KernelSpec, ...] = (*KERNELS.values(), CONV3X3_WGMMA, RESIZE_RGB)  # every source under handwritten_ptx/
+# Not a plan op: the engine's sliding-window path cuts windows and blends their outputs with it (runtime/tiling.py).
+BLEND = BlendSpec(op="blend", stem="blend_nhwc")
+
+SPECS: tuple[KernelSpec, ...] = (*KERNELS.values(), CONV3X3_WGMMA, RESIZE_RGB, BLEND)  # each handwritten_ptx/*.cu
 
 
 def conv_choice(
