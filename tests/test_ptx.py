@@ -28,6 +28,7 @@ from dualtrack.compiler.kernel_build import (
 from dualtrack.contract.arch import ARCHES, PTX_ARCHES, parse_ptx_isa, parse_ptx_target
 from dualtrack.errors import ArchError, ToolError
 from dualtrack.kernels import BLEND, CONV3X3_WGMMA, RESIZE_RGB, SPECS, ConvGeneralSpec, ConvGeometry, spec_for_stem
+from dualtrack.kernels.attention import AttentionSpec
 from dualtrack.kernels.streaming import StreamingSpec
 
 STEMS = sorted(spec.stem for spec in SPECS)
@@ -91,6 +92,9 @@ def test_entries_and_block_size_match_the_registry(stem: str, arch: str) -> None
     elif spec is BLEND:  # the window path's cut, accumulate and finish: one block size
         block = spec.cut_call(1, 2, 5, 5, 2, 2, 1, [(0, 0)])[0].block[0]
         assert all(int(entries[entry]) == block == spec.threads() for entry in spec.entries)
+    elif isinstance(spec, AttentionSpec):  # fp16 only, an entry per head dim, one block size
+        for entry in spec.entries:
+            assert int(entries[entry]) == spec.threads("float16") == spec.attention_launch(2, 3, 37).block[0]
     elif isinstance(spec, ConvGeneralSpec):  # its launches need a geometry; every entry's tile
         for entry in spec.entries:
             dtype = "float32" if entry == spec.entry("float32") else "float16"

@@ -24,7 +24,17 @@ import onnx
 from onnx import helper, numpy_helper
 
 from dualtrack import kernels
-from dualtrack.compiler import act_patterns, cost, frontend, layout, lower_head, lower_mobile, lower_norm, lower_pad
+from dualtrack.compiler import (
+    act_patterns,
+    attention_patterns,
+    cost,
+    frontend,
+    layout,
+    lower_head,
+    lower_mobile,
+    lower_norm,
+    lower_pad,
+)
 from dualtrack.compiler.batch_free import with_batch
 from dualtrack.compiler.config import FIXED_BATCH, BuildConfig, Rules
 from dualtrack.compiler.frontend import model_precision
@@ -40,6 +50,7 @@ TRACK_A_DESCRIPTION = (
     f"{lower_pad.DESCRIPTION}, "
     f"the mobile ops: {lower_mobile.DESCRIPTION}; and {lower_head.DESCRIPTION}"
     f"; the normalisation family: {lower_norm.DESCRIPTION}"
+    f"; {attention_patterns.DESCRIPTION}"
 )
 # A 1x1 conv with at most this many output channels (a segmentation head) runs conv1x1, one thread
 # per pixel; wider ones are GEMMs for the general conv.
@@ -633,6 +644,8 @@ class SupportContext:
     heads: lower_head.Heads  # the segmentation heads the seghead kernel takes, by node
     norms: lower_norm.Norms  # the normalisation chains the norm kernel takes, by node
     minor: frozenset[str] = frozenset()  # tensors that carry the batch outside dim 0 (batch_checked_specs)
+    # The attentions the attention kernel takes, by node (attention_patterns).
+    attentions: attention_patterns.Attentions = field(default_factory=attention_patterns.Attentions)
 
     @classmethod
     def of(
@@ -660,6 +673,7 @@ class SupportContext:
                 epilogues[n.name] = ep
                 fused_into.update((e.name, n) for e in ep.nodes)
         norms = lower_norm.find_norms(facts, {*fused_into, *heads.found})
+        attentions = attention_patterns.find_attention(facts, {*fused_into, *heads.found, *norms.found})
         return cls(
             specs=specs,
             inits=frozenset(i.name for i in model.graph.initializer),
@@ -674,6 +688,7 @@ class SupportContext:
             heads=heads,
             norms=norms,
             minor=minor,
+            attentions=attentions,
         )
 
 
@@ -932,6 +947,29 @@ def _or_epilogue(op: TrackAOp | None) -> TrackAOp:
 TRACK_A_SUPPORT.update({op: _or_epilogue(TRACK_A_SUPPORT.get(op)) for op in act_patterns.OPS})
 
 
+def _or_attention(op: TrackAOp | None) -> TrackAOp:
+    """``op`` (None: no other lowering takes the op type) for a node outside a matched attention; a
+    match's nodes are its attention call's (attention_patterns), launched once, charged to its first
+    node. A Softmax that looked like attention but is not one gives that reason where nothing else
+    takes it."""
+
+    def check(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+        if node.name in ctx.attentions.found:
+            return None
+        why = op.check(node, ctx) if op is not None else "no hand-written kernel"
+        return ctx.attentions.refused.get(node.name, why) if why else None
+
+    def kernel(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+        if node.name in ctx.attentions.found:
+            return ctx.attentions.kernel(node)
+        return op.kernel(node, ctx) if op is not None else None
+
+    return TrackAOp(check, kernel)
+
+
+TRACK_A_SUPPORT.update({op: _or_attention(TRACK_A_SUPPORT.get(op)) for op in attention_patterns.OPS})
+
+
 def track_a_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
     """None when a Track A kernel takes ``node``, else why not: the one question lower_track_a and
     `partition: auto` both ask (the segment-level conditions, an epilogue in its Conv's segment, an
@@ -940,6 +978,8 @@ def track_a_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
     op = TRACK_A_SUPPORT.get(node.op_type) if node.domain in ("", "ai.onnx") else None
     if op is None:
         return "no hand-written kernel"
+    if node.name in ctx.attentions.found:  # its layout nodes' tensors are strides of the call, never buffers
+        return None
     dtype = ctx.specs[node.output[0]][1]
     # A head's mask is uint8; a norm chain's Shape (of its own input) is int64 and launches nothing.
     if dtype not in ("float16", "float32") and node.name not in ctx.heads.found and node.name not in ctx.norms.found:
@@ -1003,7 +1043,10 @@ def lower_track_a(
     norm_last = {ctx.norms.found[n.name]: n.name for n in seg if n.name in ctx.norms.found}
     norm_at = {name: nm for nm, name in norm_last.items()}
     in_norms = {name for nm in norm_last for name in nm.nodes}
-    groups = _fusion_groups(seg, model, specs, ctx, private, in_heads | in_norms)
+    # An attention is one call, emitted at its last node (its Q, K, V roots are computed before its first).
+    attn_last = {ctx.attentions.found[n.name]: n.name for n in seg if n.name in ctx.attentions.found}
+    attn_at = {name: att for att, name in attn_last.items()}
+    groups = _fusion_groups(seg, model, specs, ctx, private, in_heads | in_norms | set(ctx.attentions.found))
 
     def fusable(t: str) -> bool:  # an op's output that an activation after it may consume in place
         return ctx.uses[t] == 1 and private(t) and not any(u.name in in_heads for u in ctx.consumers.get(t, []))
@@ -1028,6 +1071,14 @@ def lower_track_a(
                 raise _refusal(node, f"its normalisation's nodes {', '.join(missing)} are in another segment")
             if node.name in norm_at:
                 calls.append(norm.call)
+            continue
+        if node.name in ctx.attentions.found:
+            att = ctx.attentions.found[node.name]
+            missing = [name for name in att.nodes if name not in in_seg]
+            if missing:
+                raise _refusal(node, f"its attention's nodes {', '.join(missing)} are in another segment")
+            if node.name in attn_at:
+                calls.append(att.call)
             continue
         if node.name in groups.claimed:  # in the epilogue of a Conv of this segment, which answers for it
             if node.name in groups.emit_at:
@@ -1212,6 +1263,8 @@ def _node_costs(
         if kernel == "norm":
             call = ctx.norms.found[n.name].call
             work = cost.norm_work(ctx.specs, call.inputs, call.outputs[0], call.attr("kind"))
+        if kernel == "attention":
+            work = attention_patterns.attention_work(ctx.specs, ctx.attentions.found[n.name].call)
         out[n.name] = cost.node_cost(
             n,
             ctx.specs,
@@ -1706,7 +1759,13 @@ def _segment(
         _check_model_outputs(k, calls, set(ctx.graph_outputs))
         boundary = {t.name for t in ins + outs}
         inner = [t for c in calls for t in c.outputs if t not in boundary]
-        tensors = tuple(TensorSpec(t, _nhwc(specs[t][0]), specs[t][1], "NHWC") for t in inner)
+        # 4-D tensors are NHWC on Track A; others (an attention's token tensors) as the graph has them.
+        tensors = tuple(
+            TensorSpec(t, _nhwc(specs[t][0]), specs[t][1], "NHWC")
+            if len(specs[t][0]) == 4
+            else TensorSpec(t, specs[t][0], specs[t][1])
+            for t in inner
+        )
     segment = Segment(
         index=k,
         track=track,  # type: ignore[arg-type]

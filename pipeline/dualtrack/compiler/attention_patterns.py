@@ -1,0 +1,415 @@
+"""Attention as the exporters write it, matched back to one ``attention`` call (``kernels.attention``).
+
+torch (``dynamo=False`` and ``True``) writes scaled dot-product attention as nodes:
+
+    scores = MatMul(Q, Kᵀ) -> (Mul | Div by a scalar constant)* -> (Add a constant bias)? -> Softmax(last axis)
+    out    = MatMul(scores, V)
+
+where the scale may instead sit on Q or K (Mul/Div before the MatMul), Kᵀ is a Transpose of K or a
+tensor that arrives transposed (a flattened NCHW map: smp's position attention), and Q, K, V, out
+reach the tensors around them through Reshape / Transpose / Flatten / Squeeze / Unsqueeze and a
+Gather of a fused projection's q, k or v. Those layout nodes are folded into the call: each operand
+is an :class:`~dualtrack.kernels.attention.OperandView` (strides and an offset) of a *root* tensor,
+the farthest one back (forward for the output) along such nodes whose layout on Track A makes the
+view a strided one. Track A holds a 4-D tensor as NHWC (its NCHW element (n, c, h, w) at
+``((n*H + h)*W + w)*C + c``) and any other as the graph has it (a token tensor (N, L, C): row-major),
+so a token tensor is an image with H = 1 and an image's pixels are its tokens.
+
+The batch stays dim 0 of every root and moves only through Transposes and Gathers on other dims;
+a Reshape keeps it as dim 0 (the product of the other dims unchanged), so windows folded into the
+batch (Swin's window partition) end the walk there. Every tensor the matched nodes compute, but
+the output root, is read by the matched nodes alone and is no graph output.
+
+:func:`find_attention` answers for the whole graph once (``partition.SupportContext.attentions``);
+the partition charges the call to the match's first node and emits it at its last one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from dualtrack.compiler import cost
+from dualtrack.compiler.lower_mobile import Facts
+from dualtrack.contract.plan import KernelCall
+from dualtrack.kernels.attention import AttentionGeometry, OperandView, supports
+
+DESCRIPTION = "attention (MatMul, scale, bias Add, Softmax over the keys, MatMul; fp16, head dims 16-128)"
+VIEW_OPS = ("Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze")
+SCALE_OPS = ("Mul", "Div")
+# Every op type a match may hold (partition routes these nodes to the match's answer).
+OPS = ("MatMul", "Softmax", "Add", "Gather", *SCALE_OPS, *VIEW_OPS)
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One matched attention: its nodes in graph order and the call it lowers to."""
+
+    nodes: tuple[str, ...]
+    call: KernelCall
+
+
+@dataclass
+class Attentions:
+    """The graph's attentions by node, and why a Softmax that looked like one is not."""
+
+    found: dict[str, Attention] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+
+    def kernel(self, node: onnx.NodeProto) -> str | None:
+        """``attention`` for the match's first node (its launch is charged there), None for the others."""
+        return "attention" if self.found[node.name].nodes[0] == node.name else None
+
+
+class NoMatch(Exception):
+    """The nodes around a Softmax are not an attention the kernel takes; the message says why."""
+
+
+@dataclass(frozen=True)
+class View:
+    """A tensor as strides over its root's buffer: ``shape`` (at batch 1), element ``strides``, ``off``;
+    dim ``bd`` is the batch."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    off: int = 0
+    bd: int = 0
+
+    @classmethod
+    def of_root(cls, shape: tuple[int, ...]) -> View:
+        """The root's layout on Track A: NHWC for a 4-D tensor, else the graph's (row-major)."""
+        if len(shape) == 4:
+            _, c, h, w = shape
+            return cls(shape, (h * w * c, 1, w * c, c))
+        strides = [1] * len(shape)
+        for j in range(len(shape) - 2, -1, -1):
+            strides[j] = strides[j + 1] * shape[j + 1]
+        return cls(shape, tuple(strides))
+
+    def transpose(self, perm: list[int]) -> View:
+        return View(
+            tuple(self.shape[p] for p in perm), tuple(self.strides[p] for p in perm), self.off, perm.index(self.bd)
+        )
+
+    def gather(self, axis: int, index: int) -> View:
+        if axis == self.bd:
+            raise NoMatch("a Gather over the batch")
+        keep = [j for j in range(len(self.shape)) if j != axis]
+        return View(
+            tuple(self.shape[j] for j in keep),
+            tuple(self.strides[j] for j in keep),
+            self.off + index * self.strides[axis],
+            keep.index(self.bd),
+        )
+
+    def reshape(self, new: tuple[int, ...]) -> View:
+        """The view of the same elements as ``new`` (batch 1 shapes) without a copy, keeping the batch dim 0."""
+        if self.bd != 0 or math.prod(self.shape[1:]) != math.prod(new[1:]):
+            raise NoMatch(f"a Reshape {self.shape} -> {new} that moves the batch out of dim 0")
+        rest = _split_strides([(n, s) for n, s in zip(self.shape[1:], self.strides[1:], strict=True)], new[1:])
+        if rest is None:
+            raise NoMatch(f"a Reshape {self.shape} -> {new} that needs a copy in the Track A layout")
+        return View(new, (self.strides[0], *rest), self.off, 0)
+
+
+def _split_strides(old: list[tuple[int, int]], new: tuple[int, ...]) -> list[int] | None:
+    """numpy's no-copy reshape: the strides of shape ``new`` over dims ``old`` (size, stride), or None
+    where a group of old dims that new merges is not contiguous."""
+    dims = [(n, s) for n, s in old if n != 1]
+    out = [0] * len(new)
+    oi, ni = 0, 0
+    while ni < len(new):
+        if new[ni] == 1:
+            ni += 1
+            continue
+        nj, oj = ni + 1, oi + 1
+        if oi >= len(dims):
+            return None
+        np_, op_ = new[ni], dims[oi][0]
+        while np_ != op_:
+            if np_ < op_:
+                if nj >= len(new):
+                    return None
+                np_, nj = np_ * new[nj], nj + 1
+            else:
+                if oj >= len(dims):
+                    return None
+                op_, oj = op_ * dims[oj][0], oj + 1
+        if any(dims[k][1] != dims[k + 1][1] * dims[k + 1][0] for k in range(oi, oj - 1)):
+            return None
+        stride = dims[oj - 1][1]
+        for k in range(nj - 1, ni - 1, -1):
+            out[k] = stride
+            stride *= new[k]
+        ni, oi = nj, oj
+    return out if oi == len(dims) else None
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+class _Walk:
+    """The graph one match reads: shapes, constants, producers and readers, and the nodes it may not take."""
+
+    def __init__(self, facts: Facts, taken: set[str], shared: bool = True) -> None:
+        self.facts, self.taken, self.shared = facts, taken, shared
+        self.outputs = {o.name for o in facts.model.graph.output}
+
+    def shape(self, t: str) -> tuple[int, ...]:
+        if t not in self.facts.specs:
+            raise NoMatch(f"'{t}' has no static shape")
+        return tuple(self.facts.shape(t))
+
+    def dtype(self, t: str) -> str:
+        self.shape(t)
+        return self.facts.specs[t][1]
+
+    def producer(self, t: str) -> onnx.NodeProto | None:
+        p = self.facts.producer.get(t)
+        return p if p is not None and p.name not in self.taken else None
+
+    def sole_reader(self, t: str) -> onnx.NodeProto | None:
+        users = self.facts.consumers.get(t, [])
+        if len(users) != 1 or t in self.outputs or users[0].name in self.taken:
+            return None
+        return users[0]
+
+    def scalar(self, node: onnx.NodeProto, t: str) -> float | None:
+        """The constant scalar factor ``node`` (Mul, or Div with ``t`` the dividend) applies to ``t``, or None."""
+        if node.op_type not in SCALE_OPS or len(node.input) != 2 or t not in node.input:
+            return None
+        other = node.input[1] if node.input[0] == t else node.input[0]
+        if other == t or (node.op_type == "Div" and node.input[0] != t):
+            return None
+        value = self.facts.const(other)
+        if value is None or value.size != 1:
+            return None
+        v = float(value.reshape(()))
+        return v if node.op_type == "Mul" else 1.0 / v
+
+    def view_step(self, node: onnx.NodeProto, view: View, out: str) -> View:
+        """``view`` of ``node``'s data input carried to its output ``out``."""
+        if node.op_type == "Transpose":
+            perm = [int(p) for p in _attrs(node).get("perm", range(len(view.shape) - 1, -1, -1))]
+            return view.transpose(perm)
+        if node.op_type == "Gather":
+            index = self.facts.const(node.input[1])
+            if index is None or index.size != 1 or index.ndim != 0:
+                raise NoMatch(f"Gather {node.name} of a non-constant or non-scalar index")
+            axis = int(_attrs(node).get("axis", 0)) % len(view.shape)
+            return view.gather(axis, int(index) % view.shape[axis])
+        return view.reshape(self.shape(out))  # Reshape, Flatten, Squeeze, Unsqueeze
+
+    def back(self, t: str) -> tuple[str, list[onnx.NodeProto]]:
+        """From ``t`` back along view nodes, Gathers of a constant index and scalar Mul/Div: the farthest
+        tensor reached and the nodes passed, nearest first. ``shared`` off: only through tensors the
+        walk's next node reads alone (a fused qkv projection's tensor has three readers)."""
+        nodes: list[onnx.NodeProto] = []
+        while (p := self.producer(t)) is not None:
+            if not self.shared and (len(self.facts.consumers.get(t, [])) > 1 or t in self.outputs):
+                break
+            if p.op_type in SCALE_OPS:
+                data = next((x for x in p.input if self.scalar(p, x) is not None), None)
+                if data is None:
+                    break
+            elif p.op_type in (*VIEW_OPS, "Gather"):
+                data = p.input[0]
+            else:
+                break
+            nodes.append(p)
+            t = data
+        return t, nodes
+
+
+def _operand(walk: _Walk, t: str) -> tuple[str, View, list[onnx.NodeProto], float]:
+    """The root of MatMul operand ``t`` and ``t``'s view over it: the farthest root whose layout gives
+    a strided view (scales are taken only up to it), the nodes between, the scale they apply."""
+    far, chain = walk.back(t)
+    roots = [far] + [n.output[0] for n in reversed(chain)]  # the farthest first; chain[k] makes roots[-1-k]
+    why = "no strided view"
+    for depth, root in enumerate(roots):
+        path = list(reversed(chain))[depth:]  # the nodes from this root to t, in order
+        try:
+            view = View.of_root(walk.shape(root))
+            scale = 1.0
+            for node in path:
+                if node.op_type in SCALE_OPS:
+                    data = next(x for x in node.input if walk.scalar(node, x) is not None)
+                    scale *= walk.scalar(node, data) or 1.0
+                    continue
+                view = walk.view_step(node, view, node.output[0])
+            return root, view, path, scale
+        except NoMatch as e:
+            why = str(e)
+    raise NoMatch(why)
+
+
+def _output(walk: _Walk, t: str) -> tuple[str, View, list[onnx.NodeProto]]:
+    """The root the output MatMul's result ``t`` reaches forward along view nodes (each its input's
+    one reader), and ``t``'s view over it: the farthest such tensor with a strided view."""
+    chain: list[onnx.NodeProto] = []
+    u = t
+    while (r := walk.sole_reader(u)) is not None and r.op_type in VIEW_OPS and r.input[0] == u:
+        chain.append(r)
+        u = r.output[0]
+    why = "no strided view"
+    for depth in range(len(chain), -1, -1):
+        path = chain[:depth]
+        root = path[-1].output[0] if path else t
+        try:
+            view = View.of_root(walk.shape(root))
+            for node in reversed(path):  # the inverse steps, from the root back to t
+                if node.op_type == "Transpose":
+                    perm = [int(p) for p in _attrs(node).get("perm", range(len(view.shape) - 1, -1, -1))]
+                    view = view.transpose([perm.index(j) for j in range(len(perm))])
+                else:
+                    view = view.reshape(walk.shape(node.input[0]))
+            return root, view, path
+        except NoMatch as e:
+            why = str(e)
+    raise NoMatch(why)
+
+
+def _heads_view(view: View, heads: int, what: str) -> OperandView:
+    """An operand view of rank 3 (one head) or 4 as (batch, head, row, dim) strides."""
+    if view.bd != 0 or len(view.shape) not in (3, 4):
+        raise NoMatch(f"{what} of shape {view.shape} (the kernel takes (N, L, d) or (N, heads, L, d))")
+    s = view.strides
+    if len(view.shape) == 3:
+        return OperandView(view.off, s[0], 0, s[1], s[2])
+    if view.shape[1] not in (1, heads):
+        raise NoMatch(f"{what} has {view.shape[1]} heads, the scores {heads}")
+    return OperandView(view.off, s[0], s[1] if view.shape[1] > 1 else 0, s[2], s[3])
+
+
+def _scores(walk: _Walk, softmax: onnx.NodeProto) -> tuple[onnx.NodeProto, list[onnx.NodeProto], float, str | None]:
+    """Back from the Softmax's input: the Q·Kᵀ MatMul, the nodes between, their scale and the bias constant."""
+    rank = len(walk.shape(softmax.input[0]))
+    default = -1 if (walk.facts.model.opset_import and _opset(walk.facts.model) >= 13) else 1
+    if int(_attrs(softmax).get("axis", default)) % rank != rank - 1:
+        raise NoMatch("a Softmax over another axis than the last (the keys)")
+    nodes: list[onnx.NodeProto] = []
+    scale, bias, t = 1.0, None, softmax.input[0]
+    while (p := walk.producer(t)) is not None and p.op_type != "MatMul":
+        if walk.sole_reader(t) is None:
+            raise NoMatch(f"'{t}' between the scores and the Softmax is read elsewhere")
+        if p.op_type == "Add" and bias is None and len(p.input) == 2:
+            other = p.input[1] if walk.facts.const(p.input[1]) is not None else p.input[0]
+            if walk.facts.const(other) is None or other not in walk.facts.inits:
+                raise NoMatch("a bias Add of a tensor computed at run time (the kernel adds a constant bias)")
+            bias, t = other, p.input[0] if other == p.input[1] else p.input[1]
+        elif p.op_type in SCALE_OPS and (x := next((i for i in p.input if walk.scalar(p, i) is not None), None)):
+            if bias is not None:
+                raise NoMatch("a scale after the bias Add (the kernel scales the product before the bias)")
+            scale *= walk.scalar(p, x) or 1.0
+            t = x
+        else:
+            raise NoMatch(f"{p.op_type} {p.name} between the scores and the Softmax (not a constant scale or bias)")
+        nodes.append(p)
+    if p is None or walk.sole_reader(t) is None:
+        raise NoMatch("the Softmax's scores do not come from a MatMul read by it alone")
+    return p, nodes, scale, bias
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+
+
+def match(softmax: onnx.NodeProto, facts: Facts, taken: set[str]) -> Attention:
+    """The attention around ``softmax``, or NoMatch saying why not: with its operands' roots as far
+    back as view nodes lead, or where a tensor on the way is read elsewhere too, only up to it."""
+    try:
+        return _match(_Walk(facts, taken, shared=True), softmax)
+    except NoMatch:
+        return _match(_Walk(facts, taken, shared=False), softmax)
+
+
+def _match(walk: _Walk, softmax: onnx.NodeProto) -> Attention:
+    facts = walk.facts
+    qk, between, scale, bias = _scores(walk, softmax)
+    pv = walk.sole_reader(softmax.output[0])
+    if pv is None or pv.op_type != "MatMul" or pv.input[0] != softmax.output[0]:
+        raise NoMatch("the Softmax's probabilities are not the first operand of a MatMul read by it alone")
+    q_root, q_view, q_nodes, q_scale = _operand(walk, qk.input[0])
+    k_root, kt_view, k_nodes, k_scale = _operand(walk, qk.input[1])
+    v_root, v_view, v_nodes, _ = _operand(walk, pv.input[1])
+    o_root, o_view, o_nodes = _output(walk, pv.output[0])
+    score_shape = walk.shape(qk.output[0])
+    heads = score_shape[1] if len(score_shape) == 4 else 1
+    d, dv = walk.shape(qk.input[0])[-1], walk.shape(pv.input[1])[-1]
+    roots = (q_root, k_root, v_root, o_root)
+    why = supports(walk.dtype(qk.input[0]), d, dv) or next(
+        (f"{t} is {walk.dtype(t)}" for t in roots if walk.dtype(t) != "float16"), None
+    )
+    if why:
+        raise NoMatch(why)
+    if len(kt_view.shape) >= 3:  # Kᵀ (.., d, Lk) as K (.., Lk, d): the last two dims swapped
+        kt_view = kt_view.transpose([*range(len(kt_view.shape) - 2), len(kt_view.shape) - 1, len(kt_view.shape) - 2])
+    views = (
+        _heads_view(q_view, heads, "Q"), _heads_view(kt_view, heads, "K"),
+        _heads_view(v_view, heads, "V"), _heads_view(o_view, heads, "the output"),
+    )  # fmt: skip
+    o_shape = walk.shape(o_root)
+    geom = AttentionGeometry(
+        heads, d, score_shape[-2], score_shape[-1], scale * q_scale * k_scale, views,  # type: ignore[arg-type]
+        (o_shape[2], o_shape[3], o_shape[1]) if len(o_shape) == 4 else o_shape[1:],
+    )  # fmt: skip
+    nodes = {n.name for n in (qk, *between, softmax, pv, *q_nodes, *k_nodes, *v_nodes, *o_nodes)}
+    _check_private(walk, nodes, o_root)
+    order = [n.name for n in facts.model.graph.node if n.name in nodes]
+    weights = (bias,) if bias is not None else ()
+    call = KernelCall("attention", (q_root, k_root, v_root), (o_root,), weights, geom.attrs(), tuple(order))
+    return Attention(tuple(order), call)
+
+
+def _check_private(walk: _Walk, nodes: set[str], o_root: str) -> None:
+    """Every tensor the matched nodes compute but the output is read by them alone and no graph output."""
+    for n in walk.facts.model.graph.node:
+        if n.name not in nodes:
+            continue
+        if n.name in walk.taken:
+            raise NoMatch(f"node {n.name} is another fusion's")
+        for t in n.output:
+            if t == o_root:
+                continue
+            readers = walk.facts.consumers.get(t, [])
+            if t in walk.outputs or any(r.name not in nodes for r in readers):
+                raise NoMatch(f"'{t}' (of {n.name}) is read outside the attention")
+
+
+def find_attention(facts: Facts, taken: set[str]) -> Attentions:
+    """Every Softmax of the graph that is an attention the kernel takes (by each of its nodes), and
+    why the others that read a MatMul's product are not."""
+    found = Attentions()
+    claimed = set(taken)
+    for node in facts.model.graph.node:
+        if node.op_type != "Softmax" or node.name in claimed:
+            continue
+        try:
+            att = match(node, facts, claimed)
+        except NoMatch as e:
+            found.refused[node.name] = f"not an attention the kernel takes: {e}"
+            continue
+        if claimed.intersection(att.nodes):
+            found.refused[node.name] = "its nodes overlap another attention"
+            continue
+        claimed.update(att.nodes)
+        found.found.update((name, att) for name in att.nodes)
+    return found
+
+
+def attention_work(specs: dict, call: KernelCall) -> cost.Work:
+    """What an attention call computes and moves at batch 1, charged to its first node: the two
+    products (4·h·Lq·Lk·d FLOPs), Q, K, V read and O written once, the bias once per image and head."""
+    g = AttentionGeometry.from_call(call)
+    flops = 4.0 * g.heads * g.lq * g.lk * g.d
+    act = 2.0 * g.heads * g.d * (2 * g.lq + 2 * g.lk)
+    return cost.Work(flops, act, float(np.prod(specs[call.weights[0]][0]) * 4) if call.weights else 0.0)
+
+
+__all__ = ["DESCRIPTION", "OPS", "Attention", "Attentions", "attention_work", "find_attention", "match"]
