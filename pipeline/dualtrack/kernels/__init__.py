@@ -10,7 +10,8 @@ reference. ``base.py`` holds what every spec shares, ``conv.py`` what the conv-l
 ``tensormap.py`` tensor maps as data.
 
 :data:`KERNELS` holds each plan op's spec; :data:`CONV3X3_WGMMA` is the Hopper-only (compute_90a)
-conv3x3 that the conv specs hand a launch to where :func:`conv_choice` picks it;
+3x3 and 1x1 convolution (its ``_1x1`` entries) that the conv specs hand a launch to where
+:func:`conv_choice` picks it;
 :data:`RESIZE_RGB` prepares the service's GPU-decoded JPEGs (no plan calls it, no bundle ships it).
 :data:`SPECS` lists every source. Adding a kernel: its module, its ``.cu``, and one line below.
 
@@ -41,6 +42,7 @@ from dualtrack.kernels.base import (
     PreparedCall,
     dtype_name,
 )
+from dualtrack.kernels.blend import BlendSpec
 from dualtrack.kernels.conv import pack_conv_weights
 from dualtrack.kernels.conv1x1 import Conv1x1Spec
 from dualtrack.kernels.conv3x3 import Conv3x3Spec, F16Tile
@@ -66,6 +68,7 @@ from dualtrack.kernels.select import PLANNED, SMALL_C_K_MAX, SMALL_C_MAX, ConvCh
 
 __all__ = [
     "ACTIVATIONS",
+    "BLEND",
     "CONV3X3_WGMMA",
     "DTYPES",
     "KERNELS",
@@ -135,7 +138,7 @@ KERNELS: Mapping[str, KernelSpec] = {
     "convt2x2": ConvT2x2Spec(op="convt2x2", stem="convt2x2_nhwc"),
     "convt": ConvTSpec(op="convt", stem="convt_nhwc"),  # any other ConvTranspose (gather form, CUDA cores)
     "conv1x1": Conv1x1Spec(op="conv1x1", stem="conv1x1_nhwc"),
-    "conv": ConvGeneralSpec(op="conv", stem="conv_nhwc", hopper=CONV3X3_WGMMA),  # 3x3/1 fp16 on wgmma where it can
+    "conv": ConvGeneralSpec(op="conv", stem="conv_nhwc", hopper=CONV3X3_WGMMA),  # 3x3/1, 1x1/1 fp16: wgmma where it can
     # The mobile network kernels (MobileNetV3 / LR-ASPP: depthwise, SE, HardSwish, bilinear heads).
     "dwconv": DwConvSpec(op="dwconv", stem="dwconv_nhwc"),
     "gap": GapSpec(op="gap", stem="gap_nhwc"),
@@ -152,7 +155,10 @@ KERNELS: Mapping[str, KernelSpec] = {
 # Not a plan op: the service's GPU JPEG path resizes decoded pictures into the batch's input rows with it.
 RESIZE_RGB = ResizeRgbSpec(op="resize_rgb", stem="resize_rgb_u8")
 
-SPECS: tuple[KernelSpec, ...] = (*KERNELS.values(), CONV3X3_WGMMA, RESIZE_RGB)  # every source under handwritten_ptx/
+# Not a plan op: the engine's sliding-window path cuts windows and blends their outputs with it (runtime/tiling.py).
+BLEND = BlendSpec(op="blend", stem="blend_nhwc")
+
+SPECS: tuple[KernelSpec, ...] = (*KERNELS.values(), CONV3X3_WGMMA, RESIZE_RGB, BLEND)  # each handwritten_ptx/*.cu
 
 
 def conv_choice(
