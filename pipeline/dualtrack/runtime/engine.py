@@ -22,6 +22,7 @@ from dualtrack.contract import sizes
 from dualtrack.contract.bundle import Bundle
 from dualtrack.contract.plan import Segment, TensorSpec
 from dualtrack.errors import BundleError, CudaError, InputError
+from dualtrack.runtime import tiling
 from dualtrack.runtime.driver import held_calls
 from dualtrack.runtime.iree import IreeDevice, IreeModule, parameter_index
 from dualtrack.runtime.memory import PinnedRange
@@ -151,6 +152,8 @@ class Engine:
         self.device_index = 0
         self._at_size: dict[sizes.Size, Engine] = {}  # the other sizes' engines, loaded on first use
         self._at_size_lock = threading.Lock()
+        self.last_windows = 0  # windows the last run's sliding window ran (0: none)
+        self._tiler: Any = None  # runtime/tiling.py's GPU path, made by the first tiled run on cuda
         self._lock = threading.Lock()
         self._closed = False
         self._overlap: Any = None  # runtime/overlap.py's slots and streams, made by the first stage() on cuda
@@ -236,6 +239,9 @@ class Engine:
         """
         if self._closed:
             raise InputError("this engine is closed; load the bundle again")
+        self.last_windows = 0
+        if (choice := self._window_choice(x)) is not None:
+            return self._run_windows(np.asarray(x), outputs, choice)
         if self.sizes and getattr(x, "ndim", 0) == 4 and tuple(x.shape[1:3]) != self.input_spec.shape[1:3]:
             return self._run_at_own_size(np.asarray(x), outputs)
         if not isinstance(x, np.ndarray) and (hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")):
@@ -282,6 +288,63 @@ class Engine:
         out = engine.run(sizes.pad_to(x, choice.size), outputs)
         self.last_size, self.last_timings = choice, engine.last_timings
         return {k: np.ascontiguousarray(sizes.crop_to(v, choice.size, choice.image)) for k, v in out.items()}
+
+    def _window_choice(self, x: Any) -> sizes.Choice | None:
+        """The sliding window's choice for a numpy batch of images larger than every compiled size, in
+        a bundle with ``window:``; None for everything else (which runs as before)."""
+        if self.bundle.manifest.window is None or not isinstance(x, np.ndarray) or x.ndim != 4:
+            return None
+        choice = sizes.choose((x.shape[1], x.shape[2]), self.sizes or (self.input_spec.shape[1:3],), window=True)
+        return choice if choice.mode == sizes.WINDOW else None
+
+    def _run_windows(self, x: np.ndarray, outputs: Sequence[str] | None, choice: sizes.Choice) -> dict[str, Any]:
+        """Images larger than every compiled size through the sliding window (runtime/tiling.py): ``mask``
+        at each image's own size, ``probs`` only where ``outputs`` names it (4 C H W bytes an image)."""
+        win = self.bundle.manifest.window
+        assert win is not None
+        size = win.size or choice.size
+        if size not in (self.sizes or (self.input_spec.shape[1:3],)):
+            raise InputError(f"window.size {sizes.label(size)} is not a compiled size; set it to one and rebuild")
+        engine = self.at_size(size)
+        engine._check((x.shape[0], *size, x.shape[3]), str(x.dtype))
+        want_probs = outputs is not None and "probs" in outputs
+        t0, spent, masks, probs, windows = time.perf_counter(), {"A": 0.0, "B": 0.0}, [], [], 0
+        for image in x:
+            t = tiling.Tiling.plan(image.shape[:2], win, size, win.batch or engine.batch_sizes[-1])
+            answer = engine._tile(image, t, spent, probs=want_probs)
+            masks.append(answer.mask)
+            probs.append(answer.probs)
+            windows += len(t.origins)
+        self.last_windows, self.last_size = windows, choice
+        total = (time.perf_counter() - t0) * 1e3
+        self.last_timings = {"track_a_ms": spent["A"], "track_b_ms": spent["B"], "total_ms": total}
+        out = {"mask": np.stack(masks)}
+        return {**out, "probs": np.stack(probs)} if want_probs else out
+
+    def _tile(self, image: np.ndarray, t: tiling.Tiling, spent: dict[str, float], *, probs: bool) -> tiling.Answer:
+        """One image's windows through this engine (of the window's size): numpy on ``cpu``, the
+        ``blend_nhwc`` kernels on ``cuda``; each track's time added to ``spent``."""
+        classes = next(o.shape[1] for o in self.output_specs if o.name == "probs")
+        win = self.bundle.manifest.window
+        assert win is not None
+        if self.device != "cuda":
+
+            def run(batch: np.ndarray) -> np.ndarray:
+                out = self.run(batch, outputs=["probs"])["probs"]
+                for k in spent:
+                    spent[k] += self.backend.timings[k]
+                return out
+
+            return tiling.tile_numpy(image, t, run, classes, probs=probs)
+        with self._lock:
+            if self._tiler is None:
+                self._tiler = tiling.GpuTiler(self.backend)
+            for k in self.backend.timings:
+                self.backend.timings[k] = 0.0
+            answer = self._tiler.run(image, t, win, self.run_batch, classes, probs=probs)
+            for k in spent:  # segment by segment only: a whole-inference graph is not timed per track
+                spent[k] += self.backend.timings[k]
+            return answer
 
     def at_size(self, size: sizes.Size) -> Engine:
         """The engine of one compiled input size of this bundle (itself for its own), loaded on first use
@@ -523,6 +586,8 @@ class Engine:
             self._closed = True
             for engine in self._at_size.values():
                 engine.close()
+            if self._tiler is not None:
+                self._tiler.close()  # its weights and kernels before the backend's context
             if self._overlap is not None:
                 self._overlap.close()  # its buffers and streams before the backend's context
             for pinned in self._pinned:
