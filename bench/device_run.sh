@@ -69,6 +69,8 @@ for step in $steps; do
       [ -d "$C/tiny_mobile" ] && export DUALTRACK_TEST_MOBILE_BUNDLE=$PWD/$C/tiny_mobile
       # tiny_head (tests/conftest.py build_tiny_head): the tiny fp16 U-Net whose plan ends in the seghead kernel.
       [ -d "$C/tiny_head" ] && export DUALTRACK_TEST_HEAD_BUNDLE=$PWD/$C/tiny_head
+      # tiny_fixed (tests/gpu/test_fixed_shape_gpu.py build_fixed_bundle): a `batch: fixed` model, IREE alone.
+      [ -d "$C/tiny_fixed" ] && export DUALTRACK_TEST_FIXED_BUNDLE=$PWD/$C/tiny_fixed
       # kit_tiny (`dualtrack tune tests/.../tiny.yaml --track-b --prepare-kit`): IREE flag candidates.
       [ -d "$C/kit_tiny" ] && export DUALTRACK_TEST_KIT=$PWD/$C/kit_tiny
       DUALTRACK_TEST_BUNDLE=$PWD/$C/tiny DUALTRACK_TEST_FULL_BUNDLE=$PWD/$C/tiny_full \

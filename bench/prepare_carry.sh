@@ -83,6 +83,9 @@ conftest.build_tiny_wgmma(out / "tiny_wgmma")
 import mobile_net  # tests/gpu/test_mobile_gpu.py: the mobile kernels through the engine
 build(mobile_net.write_mobile_project(tmp / "tiny_mobile", ("sm_90a", "sm_80")), out / "tiny_mobile")
 conftest.build_tiny_head(out / "tiny_head", tmp / "tiny_head")  # tests/gpu/test_seghead_gpu.py: the head on Track A
+sys.path.insert(0, "tests/gpu")
+from test_fixed_shape_gpu import build_fixed_bundle  # tests/gpu/test_fixed_shape_gpu.py: `batch: fixed` on IREE's CUDA module
+build_fixed_bundle(tmp / "fixed", out / "tiny_fixed")
 (out / "tiny.yaml").write_text(str(tmp / "tiny" / "tiny.yaml"))
 EOF
   "$DT" tune "$(cat "$C/tiny.yaml")" --track-b --prepare-kit "$C/kit_tiny"
