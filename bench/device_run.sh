@@ -356,6 +356,12 @@ for step in $steps; do
         { [ -z "${ZOO_ONLY:-}" ] || [[ " $ZOO_ONLY " == *" $(basename "$b") "* ]]; } && echo "--bundle $b"; done)
       [ -n "$zb" ] && python3 bench/zoo_bench.py $zb --batches 1 8 --iters "${BENCH_ITERS:-50}" ${ZOO_QUICK:+--quick} \
         --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT" 2>&1 | tee "$OUT/zoo_bench.log" ;;
+    tiles)
+      # Not in the default steps: bench/tiles_bench.py, a zoo bundle's sliding window (runtime/tiling.py) against
+      # MONAI's sliding_window_inference at 2048^2 and 4096^2 (TILES_BUNDLE, default the carried smp Unet;
+      # MONAI travels in .whl/: bench/device_wheels.sh zoo): tiles_bench-<commit>.json.
+      python3 bench/tiles_bench.py --bundle "${TILES_BUNDLE:-$C/zoo/smp_unet_resnet34}" \
+        --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT" 2>&1 | tee "$OUT/tiles_bench.log" ;;
     profile)
       # Not in the default steps: every kernel of Engine.run by name, from CUPTI (bench/kernel_profile.py),
       # for the reference bundle and each carried zoo bundle: kernel_profile-<commit>.json.
