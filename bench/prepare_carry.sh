@@ -86,6 +86,8 @@ conftest.build_tiny_head(out / "tiny_head", tmp / "tiny_head")  # tests/gpu/test
 sys.path.insert(0, "tests/gpu")
 from test_fixed_shape_gpu import build_fixed_bundle  # tests/gpu/test_fixed_shape_gpu.py: `batch: fixed` on IREE's CUDA module
 build_fixed_bundle(tmp / "fixed", out / "tiny_fixed")
+from test_sizes_gpu import build_sized_bundle  # tests/gpu/test_sizes_gpu.py: a bundle of two input sizes
+build_sized_bundle(tmp / "sizes", out / "tiny_sizes")
 (out / "tiny.yaml").write_text(str(tmp / "tiny" / "tiny.yaml"))
 EOF
   "$DT" tune "$(cat "$C/tiny.yaml")" --track-b --prepare-kit "$C/kit_tiny"

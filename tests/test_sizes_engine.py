@@ -1,7 +1,8 @@
 """An engine of a bundle of two input sizes (config `sizes`, issue 40) on the CPU: an image runs at the smallest
 compiled size that holds it, padded by its edge pixels and every output cropped back, and matches onnxruntime run
 on the padded input, cropped; an image larger than every size is refused naming the resize rule; a manifest
-written before `sizes` existed reads as one size.
+written before `sizes` existed reads as one size; `dualtrack run` and the service answer at the image's own size
+and `dualtrack info` lists the sizes.
 
 Tolerances: probabilities within rel_l2 1e-5 (fp32 through IREE llvm-cpu, summation order only; as
 test_engine_cpu.py), masks on at most 1e-3 of pixels (argmax ties); fresh random images.
@@ -9,6 +10,7 @@ test_engine_cpu.py), masks on at most 1e-3 of pixels (argmax ties); fresh random
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from collections.abc import Iterator
@@ -16,8 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
+from PIL import Image
 from sized_net import CLASSES, SIZES, conv_net, reference, rel_l2, write_config
 
+from dualtrack.cli.commands import main
 from dualtrack.contract import sizes
 from dualtrack.contract.bundle import MANIFEST, Bundle
 from dualtrack.errors import InputError
@@ -98,3 +103,61 @@ def test_an_old_one_size_bundle_reads_as_before(sized_bundle: Path, tmp_path: Pa
         assert e.run(x)["mask"].shape == (1, 64, 48)
         with pytest.raises(InputError, match=r"this bundle takes \(n, 64, 48, 3\) uint8"):
             e.run(np.zeros((1, 40, 56, 3), np.uint8))
+
+
+# --- `dualtrack run`, `dualtrack info` and the service ------------------------------------------------
+
+
+def _png(x: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(x).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_cli_run_answers_at_the_image_size_as_engine_run(sized_bundle: Path, engine: Engine, tmp_path: Path) -> None:
+    x = np.random.default_rng(11).integers(0, 255, (37, 50, 3), dtype=np.uint8)
+    (tmp_path / "in.png").write_bytes(_png(x))
+    result = CliRunner().invoke(
+        main, ["run", str(sized_bundle), str(tmp_path / "in.png"), "-o", str(tmp_path / "m.png")]
+    )
+    assert result.exit_code == 0, result.output
+    assert "mask 50x37 (run at 40x56, padded and cropped back)" in result.output
+    got = np.asarray(Image.open(tmp_path / "m.png"))
+    np.testing.assert_array_equal(got, engine.run(x[None])["mask"][0])
+
+
+def test_cli_info_lists_the_sizes(sized_bundle: Path) -> None:
+    result = CliRunner().invoke(main, ["info", str(sized_bundle)])
+    assert result.exit_code == 0, result.output
+    assert "sizes      40x56, 64x48: an image runs at the smallest that holds it" in result.output
+    assert "a larger one is resized to 64x48" in result.output
+
+
+def test_the_service_answers_at_the_image_size(sized_bundle: Path, engine: Engine) -> None:
+    """An image the batch shape (64x48, the largest) holds runs there padded, its mask cropped back: what
+    onnxruntime gives on the padded image, cropped; a wider one is resized to 64x48 and its mask back."""
+    from test_serve import _wait_ready, serving
+
+    from dualtrack.serve import create_app
+
+    rng = np.random.default_rng(12)
+    small = rng.integers(0, 255, (30, 41, 3), dtype=np.uint8)
+    wide = rng.integers(0, 255, (20, 60, 3), dtype=np.uint8)
+    with serving(create_app(sized_bundle, max_batch_delay_ms=1)) as (base, _server, _thread):
+        _wait_ready(base)
+        got = [np.asarray(Image.open(io.BytesIO(_post(base, _png(x))))) for x in (small, wide)]
+    assert got[0].shape == (30, 41)
+    want = reference(engine.bundle, (64, 48), sizes.pad_to(small[None], (64, 48)))["mask"][0, :30, :41]
+    assert np.mean(got[0] != want) <= MASK_MISMATCH
+    assert got[1].shape == (20, 60)
+    resized = np.asarray(Image.fromarray(wide).resize((48, 64), Image.Resampling.BILINEAR))
+    back = Image.fromarray(engine.at_size((64, 48)).run(resized[None])["mask"][0]).resize((60, 20), Image.NEAREST)
+    assert np.mean(got[1] != np.asarray(back)) <= MASK_MISMATCH
+
+
+def _post(base: str, data: bytes) -> bytes:
+    import httpx
+
+    r = httpx.post(f"{base}/v1/segment", content=data, headers={"content-type": "image/png"}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.content

@@ -29,6 +29,10 @@ The contract (the service's clients and the CLI's users can rely on it):
   by the codec (``Image.draft``), never below twice the model's size, then resized the same way.
   Greyscale images are resized before being copied to three channels (the same pixels, a third of
   the memory). No normalisation: the bundle's input is ``uint8`` and the model owns it.
+- **At its own size** (a bundle built with ``sizes``, contract/sizes.py): an image that a compiled
+  size holds (both dims) is not resized: the engine pads it by its edge pixels and crops the mask back,
+  so the mask is at the image's own size with no resampling. One larger than every compiled size is
+  resized to the largest, as above (or, where the bundle has a sliding window, kept at its size).
 - **Back**: the ``H×W`` mask of class ids is resized to the displayed image size with
   nearest-neighbour filtering, so every pixel still holds a class id. The service answers it as an
   8-bit grayscale PNG (pixel value = class id ``0 .. classes-1``, not scaled to 0..255).
@@ -67,6 +71,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
+from dualtrack.contract import sizes as size_rule
 from dualtrack.errors import InputError
 
 if TYPE_CHECKING:
@@ -107,29 +112,43 @@ _OTHER_BYTES_PER_PIXEL = 17  # a mode not in the table: assume the widest path
 
 @dataclass(frozen=True)
 class ModelImage:
-    """An image ready for the model: ``pixels`` at the model's size, ``size`` to resize the mask back to."""
+    """An image ready for the model: ``pixels`` at the model's size (or the image's own: ``sizes``),
+    ``size`` to resize the mask back to."""
 
-    pixels: np.ndarray  # (H, W, 3) uint8 RGB at the model's size
+    pixels: np.ndarray  # (H, W, 3) uint8 RGB at the model's size, or at the image's own where a compiled size holds it
     size: tuple[int, int]  # (width, height) of the image as displayed (EXIF orientation applied)
     decoded: tuple[int, int]  # (width, height) the codec decoded, as stored: smaller where a JPEG was drafted
 
 
 def load_for_model(
-    data: bytes, height: int, width: int, *, budget: MemoryBudget | None = None, name: str | None = None
+    data: bytes,
+    height: int,
+    width: int,
+    *,
+    sizes: Sequence[size_rule.Size] = (),
+    window: bool = False,
+    budget: MemoryBudget | None = None,
+    name: str | None = None,
 ) -> ModelImage:
     """Decode PNG or JPEG bytes and resize them to the model's ``height×width`` (the module's contract).
 
+    ``sizes``: the compiled sizes of a bundle that takes images at their own size (``Engine.sizes``):
+    an image one of them holds (any image, with ``window``: the bundle has a sliding window) keeps its
+    size, and only one larger than all of them is resized to ``height×width`` (the largest).
     ``budget`` (the service's) holds the decode until its bytes fit; ``name`` (a path, for the CLI)
     names the image in errors, which otherwise speak of the request body. Raises :class:`InputError`.
     """
     with _open(data, name) as img:
         stored = img.size
-        _draft(img, height, width)
+        if not sizes or _resized(img, sizes, window):
+            _draft(img, height, width)
         decoded = img.size
         with budget.hold(decode_bytes(img)) if budget is not None else nullcontext():
             try:
                 turns = _load_oriented(img, data, name)
-                pixels = to_model_input(to_rgb(img, keep_grey=True), height, width)
+                shown_hw = (img.height, img.width)  # upright now
+                own = sizes and size_rule.choose(shown_hw, sizes, window=window).mode != size_rule.RESIZE
+                pixels = to_model_input(to_rgb(img, keep_grey=True), *(shown_hw if own else (height, width)))
             finally:
                 img.close()  # the full-size pixels are freed before the budget is given back (and trimmed)
     shown = (stored[1], stored[0]) if turns in _QUARTER_TURNS else stored
@@ -309,6 +328,14 @@ def img_format(data: bytes) -> str:
 def _orientation(img: Image.Image) -> int:
     value = img.getexif().get(ExifTags.Base.Orientation, 1)
     return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def _resized(img: Image.Image, sizes: Sequence[size_rule.Size], window: bool) -> bool:
+    """Whether an image (header read, not decoded) goes the resize path of a bundle of ``sizes``: the
+    only case where a JPEG may be decoded at a reduced scale. A PNG's orientation may follow its
+    pixels, but a PNG is never drafted."""
+    shown = (img.width, img.height) if _orientation(img) in _QUARTER_TURNS else (img.height, img.width)
+    return size_rule.choose(shown, sizes, window=window).mode == size_rule.RESIZE
 
 
 def _draft(img: Image.Image, height: int, width: int) -> None:

@@ -18,10 +18,12 @@ import click
 import numpy as np
 
 from dualtrack import atomic
+from dualtrack.contract.sizes import label
 from dualtrack.errors import EXIT_CODES, DualtrackError, InputError
 
 if TYPE_CHECKING:
     from dualtrack.contract.bundle import Bundle
+    from dualtrack.runtime.engine import Engine
 
 
 class _Output:
@@ -252,9 +254,12 @@ _PALETTE = [
 ]
 
 
-def _read_image(path: Path, shape: tuple[int, ...]) -> tuple[np.ndarray, tuple[int, int]]:
-    """IMAGE at the model's ``(n, H, W, 3)`` input size and its displayed ``(width, height)``, by the
-    rules the service follows (dualtrack.imaging)."""
+def _read_image(
+    path: Path, shape: tuple[int, ...], sizes: tuple[tuple[int, int], ...] = (), window: bool = False
+) -> tuple[np.ndarray, tuple[int, int]]:
+    """IMAGE at the model's ``(n, H, W, 3)`` input size (at its own, where a compiled size of
+    ``sizes`` holds it) and its displayed ``(width, height)``, by the rules the service follows
+    (dualtrack.imaging)."""
     from dualtrack.imaging import load_for_model
 
     try:
@@ -265,7 +270,7 @@ def _read_image(path: Path, shape: tuple[int, ...]) -> tuple[np.ndarray, tuple[i
         raise InputError(f"image {path} is a folder; pass an image file") from None
     except OSError as e:
         raise InputError(f"cannot read image {path} ({e.strerror or e}); check that it is readable") from None
-    picture = load_for_model(data, shape[1], shape[2], name=str(path))
+    picture = load_for_model(data, shape[1], shape[2], sizes=sizes, window=window, name=str(path))
     return picture.pixels[None], picture.size
 
 
@@ -298,7 +303,9 @@ def run(bundle: Path, image: Path, output: Path, device: str, device_index: int)
     _check_output(output)
     with Engine.load(bundle, device, device_index) as engine:
         check_image_model(engine.input_spec, engine.output_specs, str(bundle))
-        x, (width, height) = _read_image(image, engine.input_spec.shape)  # the size as displayed
+        window = engine.bundle.manifest.window is not None
+        # The size as displayed; at it, where the bundle has several sizes and one holds it (contract/sizes.py).
+        x, (width, height) = _read_image(image, engine.input_spec.shape, engine.sizes, window)
         result = engine.run(x)
         # A palette PNG: pixel values are the class ids, and viewers show each class in its own colour.
         mask = Image.fromarray(mask_to_size(result["mask"][0].astype(np.uint8), height, width), mode="P")
@@ -315,7 +322,7 @@ def run(bundle: Path, image: Path, output: Path, device: str, device_index: int)
         )
         t = engine.last_timings
         click.echo(
-            f"{output}: mask {mask.size[0]}x{mask.size[1]}, class pixels {counts.tolist()}, "
+            f"{output}: mask {mask.size[0]}x{mask.size[1]}{_ran_at(engine, x)}, class pixels {counts.tolist()}, "
             f"{t['total_ms']:.1f} ms on {device} "
             + (
                 f"(one CUDA graph, {t['graph_ms']:.2f} ms on the GPU)"
@@ -323,6 +330,14 @@ def run(bundle: Path, image: Path, output: Path, device: str, device_index: int)
                 else f"(track A {t['track_a_ms']:.1f} ms, track B {t['track_b_ms']:.1f} ms)"
             )
         )
+
+
+def _ran_at(engine: Engine, x: np.ndarray) -> str:
+    """How an image of a bundle of several sizes ran: at which compiled size, padded or not."""
+    choice = engine.last_size
+    if not engine.sizes or choice is None or choice.image != tuple(x.shape[1:3]):
+        return f" (model input {label(engine.input_spec.shape[1:3])})" if engine.sizes else ""
+    return f" (run at {label(choice.size)}{', padded and cropped back' if choice.padded else ''})"
 
 
 @main.command()
@@ -371,6 +386,16 @@ def _info_model(b: Bundle) -> None:
     click.echo(f"bundle     {b.root}  (format {m.format}, dualtrack {m.dualtrack_version}, built {m.created})")
     click.echo(f"model      {m.model.source}  sha256 {m.model.source_sha256[:16]}")
     click.echo(f"precision  {b.plan.precision}; batch sizes {list(b.plan.batch_sizes)}")
+    if m.sizes:  # a bundle of several input sizes (config `sizes`): one plan each, the weights shared
+        largest = label(b.sizes[-1])
+        click.echo(
+            f"sizes      {', '.join(label(s) for s in b.sizes)}: an image runs at the smallest that holds it, padded "
+            f"by its edge and cropped back; a larger one is resized to {largest}"
+            + (" (or windowed: `window`)" if m.window is not None else "")
+        )
+        for s in m.sizes:
+            segs = ", ".join(f"{g.name}" for g in s.plan.segments)
+            click.echo(f"size       {s.height}x{s.width}: {len(s.plan.segments)} segments ({segs})")
     for rewrite in m.model.frontend:
         click.echo(f"front end  {rewrite}")
     if m.model.classes:

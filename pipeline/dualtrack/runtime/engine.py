@@ -145,9 +145,10 @@ class Engine:
         self.input_spec: TensorSpec = self.plan.inputs[0]
         self.output_specs: tuple[TensorSpec, ...] = self.plan.outputs
         self.last_timings: dict[str, float] = {}
-        # A bundle of several input sizes (config `sizes`): every size, smallest first; run() takes an image
-        # at its own size (contract/sizes.py). Empty for a one-size bundle, which takes its one size only.
-        self.sizes: tuple[sizes.Size, ...] = bundle.sizes if bundle.manifest.sizes else ()
+        # A bundle of several input sizes (config `sizes`) or with a sliding window (`window:`): every size,
+        # smallest first; run() takes an image at its own size (contract/sizes.py; a larger one windowed where
+        # the bundle has `window:`). Empty for a one-size bundle without a window, which takes its one size only.
+        self.sizes: tuple[sizes.Size, ...] = bundle.sizes if bundle.manifest.sizes or bundle.manifest.window else ()
         self.last_size: sizes.Choice | None = None  # how the last run at an image's own size ran
         self.device_index = 0
         self._at_size: dict[sizes.Size, Engine] = {}  # the other sizes' engines, loaded on first use
@@ -242,8 +243,8 @@ class Engine:
         self.last_windows = 0
         if (choice := self._window_choice(x)) is not None:
             return self._run_windows(np.asarray(x), outputs, choice)
-        if self.sizes and getattr(x, "ndim", 0) == 4 and tuple(x.shape[1:3]) != self.input_spec.shape[1:3]:
-            return self._run_at_own_size(np.asarray(x), outputs)
+        if self.sizes and len(getattr(x, "shape", ())) == 4 and tuple(x.shape[1:3]) != self.input_spec.shape[1:3]:
+            return self._run_at_own_size(x, outputs)
         if not isinstance(x, np.ndarray) and (hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")):
             return self._run_on_device(x)
         wanted = self._wanted(outputs)
@@ -272,10 +273,24 @@ class Engine:
                 self.last_timings["graph_ms"] = self.backend.timings["graph"]
         return {k: np.concatenate(v) if len(v) > 1 else v[0] for k, v in parts.items()}
 
-    def _run_at_own_size(self, x: np.ndarray, outputs: Sequence[str] | None) -> dict[str, Any]:
+    def _run_at_own_size(self, x: Any, outputs: Sequence[str] | None) -> dict[str, Any]:
         """Images of another height and width than this plan's, in a bundle of several sizes: run at the
         smallest compiled size that holds them, padded by their edge pixels, every output cropped back
-        (contract/sizes.py says why, and what the padding can change near the border)."""
+        (contract/sizes.py says why, and what the padding can change near the border). A GPU tensor
+        runs unpadded on the engine of its own size, which must be a compiled one."""
+        hw = (int(x.shape[1]), int(x.shape[2]))
+        if not isinstance(x, np.ndarray) and (hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")):
+            if hw not in self.sizes:
+                have = ", ".join(sizes.label(s) for s in self.sizes)
+                raise InputError(
+                    f"a GPU tensor of {sizes.label(hw)} is not a compiled size ({have}): pass one of those, or a numpy "
+                    "array (padded to the smallest size that holds it)"
+                )
+            engine = self.at_size(hw)
+            out = engine.run(x, outputs)
+            self.last_size, self.last_timings = sizes.Choice(sizes.FITS, hw, hw), engine.last_timings
+            return out
+        x = np.asarray(x)
         choice = sizes.choose((x.shape[1], x.shape[2]), self.sizes, window=self.bundle.manifest.window is not None)
         if choice.mode != sizes.FITS:  # the one hook for images too large: sizes.choose decides, this refuses
             have = ", ".join(sizes.label(s) for s in self.sizes)

@@ -49,6 +49,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dualtrack import imaging
+from dualtrack.contract import sizes as size_rule
 from dualtrack.errors import DualtrackError, InputError
 from dualtrack.kernels import RESIZE_RGB
 from dualtrack.serve.batcher import (
@@ -294,21 +295,26 @@ class _Service:
         def queue() -> None:
             # Only the model-size pixels and the displayed size outlive this call: the full-size
             # decode is freed here. (A JPEG the GPU decoder takes never comes here: _segment_gpu_jpeg.)
-            image = imaging.load_for_model(data, height, width, budget=self.image_budget)
-            queued, size = self.batcher.submit(image.pixels), image.size
+            sizes = _own_sizes(engine)
+            image = imaging.load_for_model(data, height, width, sizes=sizes, budget=self.image_budget)
+            pixels, region = image.pixels, None
+            if pixels.shape[:2] != (height, width):  # at its own size: padded to the batch's, its mask cropped back
+                region = pixels.shape[:2]
+                pixels = size_rule.pad_to(pixels[None], (height, width))[0]
+            queued, size = self.batcher.submit(pixels), image.size
 
             def withdraw(_: Future[_Answer]) -> None:
                 if answer.cancelled():
                     queued.cancel()  # a no-op once its batch has started
 
             def batch_done(_: Future[BatchResult]) -> None:  # on the batcher's thread: hand over, no more
-                self.images.submit(_step, answer, reply, queued, size)
+                self.images.submit(_step, answer, reply, queued, size, region)
 
             answer.add_done_callback(withdraw)
             queued.add_done_callback(batch_done)
 
-        def reply(queued: Future[BatchResult], size: tuple[int, int]) -> _Answer:
-            return self._answer(queued.result(), size, fmt, classes, start)
+        def reply(queued: Future[BatchResult], size: tuple[int, int], region: tuple[int, int] | None) -> _Answer:
+            return self._answer(queued.result(), size, fmt, classes, start, region)
 
         self.images.submit(_step, answer, queue)
         return answer
@@ -319,7 +325,11 @@ class _Service:
             return "not a JPEG for the GPU decoder"
         if len(data) > getattr(self.batcher, "max_jpeg_bytes", len(data)):  # --workers: it travels in one slot
             return "a JPEG longer than an image slot is decoded on the CPU"
-        return imaging.route_jpeg(data, height, width, max_downscale=RESIZE_RGB.max_downscale)
+        route = imaging.route_jpeg(data, height, width, max_downscale=RESIZE_RGB.max_downscale)
+        sizes = _own_sizes(self.batcher.engine) if isinstance(route, imaging.GpuJpeg) else ()
+        if sizes and size_rule.choose((route.size[1], route.size[0]), sizes).mode == size_rule.FITS:
+            return "an image a compiled size holds is decoded on the CPU and run at its own size"
+        return route
 
     @property
     def decoder(self) -> tuple[str, str]:
@@ -327,12 +337,22 @@ class _Service:
         process's (``gpu``: the workers send it the JPEGs that route_jpeg gives the GPU)."""
         return getattr(self.batcher, "decoder", ("cpu", "Pillow in the HTTP processes"))
 
-    def _answer(self, result: BatchResult, size: tuple[int, int], fmt: str, classes: int, start: float) -> _Answer:
-        """The response to one request (mask PNG or JSON counts), built on an image thread."""
+    def _answer(
+        self,
+        result: BatchResult,
+        size: tuple[int, int],
+        fmt: str,
+        classes: int,
+        start: float,
+        region: tuple[int, int] | None = None,
+    ) -> _Answer:
+        """The response to one request (mask PNG or JSON counts), built on an image thread; ``region``:
+        the (height, width) of an image run at its own size, padded, whose mask is cropped back to it."""
         width, height = size
         # The mask at a large image's size is as large as a decode: it shares the budget.
         with self.image_budget.hold(imaging.mask_bytes(width, height)):
-            mask = imaging.mask_to_size(result.mask, height, width)
+            own = result.mask if region is None else result.mask[: region[0], : region[1]]
+            mask = imaging.mask_to_size(own, height, width)
             if fmt == "png":
                 body = imaging.encode_mask_png(mask)
                 del mask
@@ -445,6 +465,19 @@ def _timings_ms(result: BatchResult, start: float) -> dict[str, float]:
         timings[key.removesuffix("_ms")] = ms
     timings["request"] = (time.perf_counter() - start) * 1e3
     return {k: round(v, 3) for k, v in timings.items()}
+
+
+def _own_sizes(engine: EngineSpecs | None) -> tuple[tuple[int, int], ...]:
+    """The one size at which the service takes images at their own size: the batch shape (the largest
+    compiled size), for a bundle of several sizes (``Engine.sizes``, config `sizes`) whose engine this
+    process holds. The batcher runs one shape, so an image that size holds is padded to it by its edge
+    pixels (contract/sizes.py) and its mask cropped back, with no resampling; any other image is
+    resized to it as before, also one a smaller, wider compiled size would hold (``Engine.run`` and
+    `dualtrack run` use that one). Under ``--workers`` (a worker's ``EngineInfo`` carries no sizes)
+    every image is resized, as for a one-size bundle."""
+    if engine is None or not getattr(engine, "sizes", ()):
+        return ()
+    return (tuple(engine.input_spec.shape[1:3]),)  # type: ignore[return-value]
 
 
 def _num_classes(engine: EngineSpecs) -> int:
