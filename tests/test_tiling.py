@@ -237,3 +237,22 @@ def test_an_image_the_compiled_size_holds_is_not_tiled(window_bundle: Path) -> N
     with Engine.load(window_bundle, "cpu") as engine:
         out = engine.run(image)
         assert engine.last_windows == 0 and out["mask"].shape == (2, *WINDOW)
+
+
+def test_a_smaller_image_runs_padded_and_a_larger_one_windowed_through_run(window_bundle: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+    from PIL import Image
+
+    from dualtrack.cli import main
+
+    rng = np.random.default_rng()
+    with Engine.load(window_bundle, "cpu") as engine:
+        out = engine.run(rng.integers(0, 256, (1, 40, 50, 3), dtype=np.uint8))
+        assert out["mask"].shape == (1, 40, 50) and engine.last_windows == 0
+    Image.fromarray(rng.integers(0, 256, (200, 150, 3), dtype=np.uint8)).save(tmp_path / "big.png")
+    result = CliRunner().invoke(
+        main, ["run", str(window_bundle), str(tmp_path / "big.png"), "-o", str(tmp_path / "m.png")]
+    )
+    assert result.exit_code == 0, result.output
+    assert "mask 150x200 (12 windows of 64x64)" in result.output
+    assert Image.open(tmp_path / "m.png").size == (150, 200)

@@ -337,6 +337,9 @@ def _ran_at(engine: Engine, x: np.ndarray) -> str:
     choice = engine.last_size
     if not engine.sizes or choice is None or choice.image != tuple(x.shape[1:3]):
         return f" (model input {label(engine.input_spec.shape[1:3])})" if engine.sizes else ""
+    window = engine.bundle.manifest.window
+    if engine.last_windows and window is not None:  # larger than every size: the sliding window (runtime/tiling.py)
+        return f" ({engine.last_windows} windows of {label(window.size or choice.size)})"
     return f" (run at {label(choice.size)}{', padded and cropped back' if choice.padded else ''})"
 
 

@@ -20,6 +20,8 @@ name                                        type       meaning
 ``dualtrack_batch_phase_seconds``           histogram  a batch's time per ``phase``: ``gather``, ``stage``
                                                        (of it ``slot``, ``rows``, ``decode``, ``sync``),
                                                        ``handoff``, ``gpu`` (serve/batcher.py)
+``dualtrack_windows_per_request``          histogram  sliding windows one image larger than every compiled
+                                                       size ran (runtime/tiling.py; a bundle with ``window:``)
 ``dualtrack_queue_depth``                   gauge      requests waiting for a batch, at scrape time
 ``dualtrack_ready``                         gauge      1 when ``/readyz`` answers 200, else 0
 ``dualtrack_jpeg_decoder``                  gauge      1 for the ``decoder`` (``gpu``, ``cpu``) that takes JPEGs
@@ -37,6 +39,7 @@ from dualtrack.serve.batcher import BatchResult
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+_WINDOW_BUCKETS = (1, 4, 9, 16, 25, 36, 49, 64, 100, 144, 256, 484, 1024)  # n x n windows: 2048^2 in 512s is 25
 _TRACK_KEY = re.compile(r"^track_([a-z0-9]+)_ms$")
 _PHASE_KEY = re.compile(r"^batch_([a-z]+)_ms$")
 
@@ -76,6 +79,9 @@ class ServeMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.windows = Histogram(
+            "dualtrack_windows_per_request", "sliding windows per tiled image", buckets=_WINDOW_BUCKETS, registry=r
+        )
         Gauge("dualtrack_queue_depth", "requests waiting for a batch", registry=r).set_function(queue_depth)
         Gauge("dualtrack_ready", "1 when ready to serve", registry=r).set_function(lambda: float(ready()))
         active = Gauge("dualtrack_jpeg_decoder", "1 for the decoder that takes JPEGs", ["decoder"], registry=r)
@@ -105,6 +111,11 @@ class ServeMetrics:
                 self.track.labels(match.group(1)).observe(ms / 1e3)
             elif match := _PHASE_KEY.match(key):
                 self.phase.labels(match.group(1)).observe(ms / 1e3)
+
+    def observe_windows(self, windows: int) -> None:
+        """Record the sliding windows one image ran (``Engine.last_windows``; an image that fits runs none)."""
+        if windows:
+            self.windows.observe(windows)
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric in this app's registry."""
