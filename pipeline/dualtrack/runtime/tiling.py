@@ -30,13 +30,12 @@ normalised, argmax'ed into the mask and zeroed for reuse. Beside the caller's im
     4 (C + 1) band W                  the accumulator
     + batch h w (3 + 4 C)             one batch of windows and their probabilities
     + 4 h w                           the weight map
-    + band W (1 + 4 C if probs are asked for)   finished rows on their way out (GPU)
-    (+ 3 H W on the GPU: the image, which the windows are cut from there)
+    (+ 3 H W + H W on the GPU: the image the windows are cut from, and the mask, downloaded once)
 
-bytes, for C classes, ``h x w`` windows and an image ``W`` pixels wide: independent of its height.
-An 8192 x 8192 image in 512 x 512 windows (overlap 0.25, batch 8, 21 windows a row, band 896), 2
-classes: 88 MB of accumulator, 27 MB of windows. Probabilities at the image's size are only made
-when asked for (``4 C H W`` bytes).
+bytes (:func:`band_bytes`), for C classes, ``h x w`` windows and an image ``W`` pixels wide: the
+accumulator grows with the width, not the height. An 8192 x 8192 image in 512 x 512 windows
+(overlap 0.25, batch 8, 21 windows a row, band 896), 2 classes: 88 MB of accumulator, 23 MB of
+windows. Probabilities at the image's size are only made when asked for (``4 C H W`` bytes).
 
 The CPU path (:func:`tile_numpy`, numpy) and the GPU path (:class:`GpuTiler`: windows cut on the
 GPU, the blend and the finished rows in the ``blend_nhwc`` kernels) run the same algorithm.
@@ -122,11 +121,10 @@ def band_rows(origins: Sequence[Size], window_h: int, batch: int, height: int) -
     return min(span + window_h, height)
 
 
-def band_bytes(width: int, window: Size, classes: int, batch: int, band: int, *, probs: bool = False) -> int:
-    """What a tiled run holds besides the caller's image and mask (the module's bound, its GPU terms)."""
+def band_bytes(width: int, window: Size, classes: int, batch: int, band: int) -> int:
+    """What a tiled run holds besides the image and the mask (the module's bound)."""
     h, w = window
-    out = 4 * (classes + 1) * band * width + batch * h * w * (3 + 4 * classes) + 4 * h * w
-    return out + band * width * (1 + (4 * classes if probs else 0))
+    return 4 * (classes + 1) * band * width + batch * h * w * (3 + 4 * classes) + 4 * h * w
 
 
 # -- the accumulator (numpy) -------------------------------------------------------------------------
