@@ -40,9 +40,10 @@ from dualtrack.kernels.attention import AttentionGeometry, OperandView, supports
 
 DESCRIPTION = "attention (MatMul, scale, bias Add, Softmax over the keys, MatMul; fp16, head dims 16-128)"
 VIEW_OPS = ("Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze")
+PICK_OPS = ("Gather", "Split", "Slice")  # q, k, v out of a fused projection (inputs' side only)
 SCALE_OPS = ("Mul", "Div")
 # Every op type a match may hold (partition routes these nodes to the match's answer).
-OPS = ("MatMul", "Softmax", "Add", "Gather", *SCALE_OPS, *VIEW_OPS)
+OPS = ("MatMul", "Softmax", "Add", *PICK_OPS, *SCALE_OPS, *VIEW_OPS)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,10 @@ class View:
         if len(shape) == 4:
             _, c, h, w = shape
             return cls(shape, (h * w * c, 1, w * c, c))
+        return cls.row_major(shape)
+
+    @classmethod
+    def row_major(cls, shape: tuple[int, ...]) -> View:
         strides = [1] * len(shape)
         for j in range(len(shape) - 2, -1, -1):
             strides[j] = strides[j + 1] * shape[j + 1]
@@ -94,6 +99,13 @@ class View:
         return View(
             tuple(self.shape[p] for p in perm), tuple(self.strides[p] for p in perm), self.off, perm.index(self.bd)
         )
+
+    def narrow(self, axis: int, start: int, size: int) -> View:
+        """Elements start .. start+size-1 of dim ``axis`` (a Split's or Slice's part)."""
+        if axis == self.bd:
+            raise NoMatch("a Split or Slice over the batch")
+        shape = (*self.shape[:axis], size, *self.shape[axis + 1 :])
+        return View(shape, self.strides, self.off + start * self.strides[axis], self.bd)
 
     def gather(self, axis: int, index: int) -> View:
         if axis == self.bd:
@@ -156,8 +168,8 @@ def _attrs(node: onnx.NodeProto) -> dict:
 class _Walk:
     """The graph one match reads: shapes, constants, producers and readers, and the nodes it may not take."""
 
-    def __init__(self, facts: Facts, taken: set[str], shared: bool = True) -> None:
-        self.facts, self.taken, self.shared = facts, taken, shared
+    def __init__(self, facts: Facts, taken: set[str], shared: bool = True, minor: frozenset[str] = frozenset()) -> None:
+        self.facts, self.taken, self.shared, self.minor = facts, taken, shared, minor
         self.outputs = {o.name for o in facts.model.graph.output}
 
     def shape(self, t: str) -> tuple[int, ...]:
@@ -203,13 +215,62 @@ class _Walk:
                 raise NoMatch(f"Gather {node.name} of a non-constant or non-scalar index")
             axis = int(_attrs(node).get("axis", 0)) % len(view.shape)
             return view.gather(axis, int(index) % view.shape[axis])
-        return view.reshape(self.shape(out))  # Reshape, Flatten, Squeeze, Unsqueeze
+        if node.op_type == "Split":
+            axis = int(_attrs(node).get("axis", 0)) % len(view.shape)
+            sizes = [self.shape(o)[axis] for o in node.output]
+            j = list(node.output).index(out)
+            return view.narrow(axis, sum(sizes[:j]), sizes[j])
+        if node.op_type == "Slice":
+            return self._slice(node, view, out)
+        if node.op_type in ("Squeeze", "Unsqueeze"):
+            return self._squeeze(node, view, out)
+        return view.reshape(self.shape(out))  # Reshape, Flatten
 
-    def back(self, t: str) -> tuple[str, list[onnx.NodeProto]]:
-        """From ``t`` back along view nodes, Gathers of a constant index and scalar Mul/Div: the farthest
-        tensor reached and the nodes passed, nearest first. ``shared`` off: only through tensors the
-        walk's next node reads alone (a fused qkv projection's tensor has three readers)."""
-        nodes: list[onnx.NodeProto] = []
+    def _squeeze(self, node: onnx.NodeProto, view: View, out: str) -> View:
+        """Squeeze or Unsqueeze of explicit axes: size-1 dims dropped or added, the batch kept where it is."""
+        given = _attrs(node).get("axes")
+        axes_const = self.facts.const(node.input[1]) if given is None and len(node.input) > 1 else None
+        axes = list(given) if given is not None else None if axes_const is None else axes_const.reshape(-1).tolist()
+        if axes is None:
+            raise NoMatch(f"{node.op_type} {node.name} without constant axes")
+        if node.op_type == "Squeeze":
+            drop = {int(a) % len(view.shape) for a in axes}
+            if view.bd in drop or any(view.shape[a] != 1 for a in drop):
+                raise NoMatch(f"Squeeze {node.name} of the batch or of a dim longer than 1")
+            keep = [j for j in range(len(view.shape)) if j not in drop]
+            shape, strides = tuple(view.shape[j] for j in keep), tuple(view.strides[j] for j in keep)
+            return View(shape, strides, view.off, keep.index(view.bd))
+        rank = len(view.shape) + len(axes)
+        added = {int(a) % rank for a in axes}
+        old = iter(range(len(view.shape)))
+        where = [None if j in added else next(old) for j in range(rank)]
+        shape = tuple(1 if w is None else view.shape[w] for w in where)
+        strides = tuple(0 if w is None else view.strides[w] for w in where)
+        return View(shape, strides, view.off, where.index(view.bd))
+
+    def _slice(self, node: onnx.NodeProto, view: View, out: str) -> View:
+        """A Slice of constant starts (step 1) as narrowed dims; its output shape gives the sizes."""
+        consts = [self.facts.const(x) if x else None for x in node.input[1:]]
+        starts, axes = consts[0], consts[2] if len(consts) > 2 else None
+        steps = consts[3] if len(consts) > 3 else None
+        if starts is None or (len(node.input) > 3 and node.input[3] and axes is None):
+            raise NoMatch(f"Slice {node.name} of run-time starts or axes")
+        if steps is not None and np.any(steps != 1):
+            raise NoMatch(f"Slice {node.name} with a step")
+        rank, want = len(view.shape), self.shape(out)
+        for k, start in enumerate(starts.reshape(-1)):
+            axis = int(axes.reshape(-1)[k]) % rank if axes is not None else k
+            n = view.shape[axis]
+            first = min(max(int(start) + n if start < 0 else int(start), 0), n)
+            view = view.narrow(axis, first, want[axis])
+        return view
+
+    def back(self, t: str) -> tuple[str, list[tuple[onnx.NodeProto, str]]]:
+        """From ``t`` back along view nodes, Gathers, Splits and Slices of constant positions and scalar
+        Mul/Div: the farthest tensor reached and the (node, its output on the way) passed, nearest first.
+        ``shared`` off: only through tensors the walk's next node reads alone (a fused qkv
+        projection's tensor has three readers)."""
+        nodes: list[tuple[onnx.NodeProto, str]] = []
         while (p := self.producer(t)) is not None:
             if not self.shared and (len(self.facts.consumers.get(t, [])) > 1 or t in self.outputs):
                 break
@@ -217,11 +278,11 @@ class _Walk:
                 data = next((x for x in p.input if self.scalar(p, x) is not None), None)
                 if data is None:
                     break
-            elif p.op_type in (*VIEW_OPS, "Gather"):
+            elif p.op_type in (*VIEW_OPS, *PICK_OPS):
                 data = p.input[0]
             else:
                 break
-            nodes.append(p)
+            nodes.append((p, t))
             t = data
         return t, nodes
 
@@ -230,23 +291,44 @@ def _operand(walk: _Walk, t: str) -> tuple[str, View, list[onnx.NodeProto], floa
     """The root of MatMul operand ``t`` and ``t``'s view over it: the farthest root whose layout gives
     a strided view (scales are taken only up to it), the nodes between, the scale they apply."""
     far, chain = walk.back(t)
-    roots = [far] + [n.output[0] for n in reversed(chain)]  # the farthest first; chain[k] makes roots[-1-k]
+    forward = list(reversed(chain))  # (node, its output) from the farthest root to t
+    roots = [far] + [out for _, out in forward]
+    major = _batch_major(walk, far, forward)
     why = "no strided view"
     for depth, root in enumerate(roots):
-        path = list(reversed(chain))[depth:]  # the nodes from this root to t, in order
+        path = forward[depth:]  # the steps from this root to t, in order
+        if root not in major:
+            continue
         try:
             view = View.of_root(walk.shape(root))
             scale = 1.0
-            for node in path:
+            for node, out in path:
                 if node.op_type in SCALE_OPS:
                     data = next(x for x in node.input if walk.scalar(node, x) is not None)
                     scale *= walk.scalar(node, data) or 1.0
                     continue
-                view = walk.view_step(node, view, node.output[0])
-            return root, view, path, scale
+                view = walk.view_step(node, view, out)
+            return root, view, [node for node, _ in path], scale
         except NoMatch as e:
             why = str(e)
     raise NoMatch(why)
+
+
+def _batch_major(walk: _Walk, far: str, forward: list[tuple[onnx.NodeProto, str]]) -> set[str]:
+    """The tensors from ``far`` (taken to be batch-major) along ``forward`` whose batch is still dim 0:
+    the only ones an operand may be read from (a buffer per batch size; not a fused qkv tensor's
+    (3, N, ...) permutation), as row-major views of ``far`` carry it (they never need a copy)."""
+    major = set() if far in walk.minor else {far}
+    try:
+        view = View.row_major(walk.shape(far))
+        for node, out in forward:
+            if node.op_type not in SCALE_OPS:
+                view = walk.view_step(node, view, out)
+            if view.bd == 0 and out not in walk.minor:
+                major.add(out)
+    except NoMatch:
+        pass  # past a step the batch cannot be followed through: none of the later tensors
+    return major
 
 
 def _output(walk: _Walk, t: str) -> tuple[str, View, list[onnx.NodeProto]]:
@@ -261,6 +343,8 @@ def _output(walk: _Walk, t: str) -> tuple[str, View, list[onnx.NodeProto]]:
     for depth in range(len(chain), -1, -1):
         path = chain[:depth]
         root = path[-1].output[0] if path else t
+        if root in walk.minor:
+            continue
         try:
             view = View.of_root(walk.shape(root))
             for node in reversed(path):  # the inverse steps, from the root back to t
@@ -302,10 +386,10 @@ def _scores(walk: _Walk, softmax: onnx.NodeProto) -> tuple[onnx.NodeProto, list[
             other = p.input[1] if walk.facts.const(p.input[1]) is not None else p.input[0]
             if walk.facts.const(other) is None or other not in walk.facts.inits:
                 raise NoMatch("a bias Add of a tensor computed at run time (the kernel adds a constant bias)")
+            if nodes:  # walking back, a scale met before the Add is applied after it
+                raise NoMatch("a scale after the bias Add (the kernel scales the product before the bias)")
             bias, t = other, p.input[0] if other == p.input[1] else p.input[1]
         elif p.op_type in SCALE_OPS and (x := next((i for i in p.input if walk.scalar(p, i) is not None), None)):
-            if bias is not None:
-                raise NoMatch("a scale after the bias Add (the kernel scales the product before the bias)")
             scale *= walk.scalar(p, x) or 1.0
             t = x
         else:
@@ -320,13 +404,13 @@ def _opset(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
-def match(softmax: onnx.NodeProto, facts: Facts, taken: set[str]) -> Attention:
+def match(softmax: onnx.NodeProto, facts: Facts, taken: set[str], minor: frozenset[str] = frozenset()) -> Attention:
     """The attention around ``softmax``, or NoMatch saying why not: with its operands' roots as far
     back as view nodes lead, or where a tensor on the way is read elsewhere too, only up to it."""
     try:
-        return _match(_Walk(facts, taken, shared=True), softmax)
+        return _match(_Walk(facts, taken, True, minor), softmax)
     except NoMatch:
-        return _match(_Walk(facts, taken, shared=False), softmax)
+        return _match(_Walk(facts, taken, False, minor), softmax)
 
 
 def _match(walk: _Walk, softmax: onnx.NodeProto) -> Attention:
@@ -382,7 +466,7 @@ def _check_private(walk: _Walk, nodes: set[str], o_root: str) -> None:
                 raise NoMatch(f"'{t}' (of {n.name}) is read outside the attention")
 
 
-def find_attention(facts: Facts, taken: set[str]) -> Attentions:
+def find_attention(facts: Facts, taken: set[str], minor: frozenset[str] = frozenset()) -> Attentions:
     """Every Softmax of the graph that is an attention the kernel takes (by each of its nodes), and
     why the others that read a MatMul's product are not."""
     found = Attentions()
@@ -391,7 +475,7 @@ def find_attention(facts: Facts, taken: set[str]) -> Attentions:
         if node.op_type != "Softmax" or node.name in claimed:
             continue
         try:
-            att = match(node, facts, claimed)
+            att = match(node, facts, claimed, minor)
         except NoMatch as e:
             found.refused[node.name] = f"not an attention the kernel takes: {e}"
             continue

@@ -673,7 +673,7 @@ class SupportContext:
                 epilogues[n.name] = ep
                 fused_into.update((e.name, n) for e in ep.nodes)
         norms = lower_norm.find_norms(facts, {*fused_into, *heads.found})
-        attentions = attention_patterns.find_attention(facts, {*fused_into, *heads.found, *norms.found})
+        attentions = attention_patterns.find_attention(facts, {*fused_into, *heads.found, *norms.found}, minor)
         return cls(
             specs=specs,
             inits=frozenset(i.name for i in model.graph.initializer),

@@ -1,0 +1,167 @@
+"""Attention graphs no zoo model has, for tests/test_attention.py (CPU) and tests/gpu/test_attention_gpu.py.
+
+:func:`attention_graph` writes scaled dot-product attention the way the exporters decompose it: token
+tensors (N, L, heads*d) in, Reshape + Transpose to heads, Kᵀ by a Transpose (or K handed over already
+transposed, (N, heads*d, Lk)), the scale after the product, as a Div, or on Q (and K) before it, an
+optional constant bias or causal mask Add, Softmax, the product with V, and back to tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from dualtrack.compiler import attention_patterns, lower_mobile, partition
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention: ``heads`` of ``d`` dims, ``lq`` queries, ``lk`` keys; ``scale_on``: ``scores``
+    (Mul after Q·Kᵀ), ``div`` (Div by sqrt d after it), ``q`` (Mul on Q), ``qk`` (sqrt of it on Q and
+    on Kᵀ); ``bias``: ``none``, ``head`` ((1, heads, Lq, Lk) constant) or ``causal`` ((Lq, Lk) mask of
+    -inf above the diagonal); ``kt``: K arrives as (N, heads*d, Lk); ``flat``: one head, no head split
+    (3-D products)."""
+
+    heads: int
+    d: int
+    lq: int
+    lk: int
+    scale_on: str = "scores"
+    bias: str = "none"
+    kt: bool = False
+    flat: bool = False
+
+    @property
+    def c(self) -> int:
+        return self.heads * self.d
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.d)
+
+    def id(self) -> str:
+        extra = ("_kt" if self.kt else "") + ("_flat" if self.flat else "")
+        return f"h{self.heads}_d{self.d}_q{self.lq}_k{self.lk}_{self.scale_on}_{self.bias}{extra}"
+
+
+class _Builder:
+    def __init__(self, dtype: int, seed: int) -> None:
+        self.dtype, self.rng = dtype, np.random.default_rng(seed)
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+
+    def const(self, name: str, value: np.ndarray) -> str:
+        self.inits.append(numpy_helper.from_array(value, name))
+        return name
+
+    def scalar(self, name: str, value: float) -> str:
+        """A float constant rounded through fp16 first: the fp32 and fp16 graphs of a case hold the same value."""
+        return self.const(name, np.array(value, np.float16).astype(helper.tensor_dtype_to_np_dtype(self.dtype)))
+
+    def node(self, op: str, name: str, inputs: list[str], **attrs: object) -> str:
+        self.nodes.append(helper.make_node(op, inputs, [name], name=name, **attrs))
+        return name
+
+    def heads(self, x: str, name: str, case: Case, length: int, perm: list[int]) -> str:
+        """(N, L, C) -> (N, heads, L, d) (perm 0,2,1,3) or (N, heads, d, L) (perm 0,2,3,1)."""
+        if case.flat:
+            return x if perm == [0, 2, 1, 3] else self.node("Transpose", f"{name}/t", [x], perm=[0, 2, 1])
+        shape = self.const(f"{name}/shape", np.array([0, length, case.heads, case.d], np.int64))
+        return self.node("Transpose", f"{name}/t", [self.node("Reshape", f"{name}/r", [x, shape])], perm=perm)
+
+
+def attention_graph(
+    case: Case,
+    dtype: int = TensorProto.FLOAT16,
+    *,
+    softmax_axis: int = -1,
+    runtime_scale: bool = False,
+    runtime_bias: bool = False,
+    seed: int = 0,
+) -> onnx.ModelProto:
+    """The attention of ``case`` as an ONNX graph of ``dtype`` (inputs q, k, v; output o). Negative
+    cases: ``softmax_axis`` other than the keys', a scale read from an input (``runtime_scale``), a
+    bias read from an input (``runtime_bias``)."""
+    b = _Builder(dtype, seed)
+    q = b.heads("q", "q", case, case.lq, [0, 2, 1, 3])
+    if case.kt:  # (N, C, Lk) -> (N, heads, d, Lk): no Transpose needed
+        shape = b.const("k/shape", np.array([0, case.heads, case.d, case.lk], np.int64))
+        kt = "k" if case.flat else b.node("Reshape", "k/r", ["k", shape])
+    else:
+        kt = b.heads("k", "k", case, case.lk, [0, 2, 3, 1])
+    v = b.heads("v", "v", case, case.lk, [0, 2, 1, 3])
+    if case.scale_on == "q":
+        q = b.node("Mul", "q/scale", [q, b.scalar("c/scale_q", case.scale)])
+    if case.scale_on == "qk":
+        root = math.sqrt(case.scale)
+        q = b.node("Mul", "q/scale", [q, b.scalar("c/scale_q", root)])
+        kt = b.node("Mul", "k/scale", [b.scalar("c/scale_k", root), kt])
+    s = b.node("MatMul", "scores", [q, kt])
+    if runtime_scale:
+        s = b.node("Mul", "scale", [s, "scale_in"])
+    elif case.scale_on == "scores":
+        s = b.node("Mul", "scale", [s, b.scalar("c/scale", case.scale)])
+    elif case.scale_on == "div":
+        s = b.node("Div", "scale", [s, b.scalar("c/sqrt_d", math.sqrt(case.d))])
+    if runtime_bias:
+        s = b.node("Add", "bias", [s, "bias_in"])
+    elif case.bias != "none":
+        s = b.node("Add", "bias", [s, b.const("bias_c", _bias(case, dtype, b.rng))])
+    p = b.node("Softmax", "softmax", [s], axis=softmax_axis)
+    o = b.node("MatMul", "pv", [p, v])
+    if not case.flat:
+        shape = b.const("o/shape", np.array([0, case.lq, case.c], np.int64))
+        o = b.node("Reshape", "o", [b.node("Transpose", "o/t", [o], perm=[0, 2, 1, 3]), shape])
+    b.nodes[-1].output[0] = "o"  # the last node writes the graph's output (pv's own name where flat)
+    return _model(b, case, dtype, runtime_scale, runtime_bias)
+
+
+def _bias(case: Case, dtype: int, rng: np.random.Generator) -> np.ndarray:
+    np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
+    if case.bias == "head":
+        return rng.standard_normal((1, case.heads, case.lq, case.lk)).astype(np.float16).astype(np_dtype)
+    i, j = np.arange(case.lq)[:, None], np.arange(case.lk)[None, :]
+    return np.where(j > i, -np.inf, 0.0).astype(np_dtype)  # causal: key j sees queries i >= j; column 0 always
+
+
+def _model(b: _Builder, case: Case, dtype: int, runtime_scale: bool, runtime_bias: bool) -> onnx.ModelProto:
+    kshape = ["N", case.c, case.lk] if case.kt else ["N", case.lk, case.c]
+    inputs = [
+        helper.make_tensor_value_info("q", dtype, ["N", case.lq, case.c]),
+        helper.make_tensor_value_info("k", dtype, kshape),
+        helper.make_tensor_value_info("v", dtype, ["N", case.lk, case.c]),
+    ]
+    if runtime_scale:
+        inputs.append(helper.make_tensor_value_info("scale_in", dtype, []))
+    if runtime_bias:
+        inputs.append(helper.make_tensor_value_info("bias_in", dtype, [1, case.heads, case.lq, case.lk]))
+    out = helper.make_tensor_value_info("o", dtype, ["N", case.lq, case.c])
+    graph = helper.make_graph(b.nodes, "attention", inputs, [out], b.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="dualtrack-tests")
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def feeds(case: Case, n: int, seed: int = 1) -> dict[str, np.ndarray]:
+    """Fresh random fp32 q, k, v of ``case`` at batch ``n``, scaled like a trained network's (unit
+    variance): fp16-representable values (rounded once), so fp16 and fp32 graphs see the same numbers."""
+    rng = np.random.default_rng(seed)
+    kshape = (n, case.c, case.lk) if case.kt else (n, case.lk, case.c)
+    shapes = {"q": (n, case.lq, case.c), "k": kshape, "v": (n, case.lk, case.c)}
+    return {k: rng.standard_normal(s).astype(np.float16).astype(np.float32) for k, s in shapes.items()}
+
+
+def attentions(model: onnx.ModelProto) -> attention_patterns.Attentions:
+    """The model's matches, as the partition finds them."""
+    facts = lower_mobile.Facts(model, partition.infer_specs(model))
+    return attention_patterns.find_attention(facts, set())
+
+
+def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    return float(np.linalg.norm(g - w) / np.linalg.norm(w))
