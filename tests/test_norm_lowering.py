@@ -88,6 +88,24 @@ def test_instance_norm_with_leaky_relu(c: int) -> None:
     check_against_ort(gr.model(gr.node("LeakyRelu", "act", [gr.instance_norm("x", 1e-3)], alpha=0.01)))
 
 
+@pytest.mark.parametrize("slope_shape", [(1,), (1, 1, 1)])
+def test_a_prelu_of_one_slope_is_fused_as_leaky_relu(slope_shape: tuple[int, ...]) -> None:
+    """torch's nn.PReLU() (MONAI's PRELU) exports one slope as a (1, 1, 1) constant: the norm takes it as
+    LeakyReLU with that slope (a negative slope here, which no zoo model has)."""
+    gr = Graph(6, 9, 14)
+    slope = gr.const("slope", np.full(slope_shape, -0.37, np.float32))
+    norm = check_against_ort(gr.model(gr.node("PRelu", "act", [gr.instance_norm("x", 1e-3), slope])))
+    assert norm.call.attr("act") != 0
+
+
+def test_a_prelu_with_a_slope_per_channel_is_not_taken_as_an_activation() -> None:
+    gr = Graph(6, 9, 14)
+    slope = gr.const("slope", np.linspace(-0.5, 0.5, 6, dtype=np.float32).reshape(6, 1, 1))
+    norms, _ = lowered(gr.model(gr.node("PRelu", "act", [gr.instance_norm("x", 1e-3), slope])))
+    (norm,) = {id(v): v for v in norms.found.values()}.values()
+    assert "act" not in norm.nodes and norm.call.attr("act") == 0
+
+
 def test_instance_norm_with_a_residual_before_the_activation() -> None:
     gr = Graph(5, 11, 9)
     t = gr.node("Add", "res", [gr.instance_norm("x"), gr.second_input("skip")])

@@ -113,12 +113,31 @@ def match_activation(
     """:func:`activation` with constants from ``const`` (a tensor name -> its value or None): the
     table's one lookup from an ONNX node to a row and its parameters (Clip's min and max may be
     scalar constant inputs since opset 11)."""
+    if node.op_type == "PRelu":
+        return _uniform_prelu(node, const)
     scalars: dict[int, float | None] = {}
     for j, name in enumerate(node.input[1:], start=1):
         if name:
             value = const(name)
             scalars[j] = float(value.reshape(())) if value is not None and value.size == 1 else None
     return match_onnx(node.op_type, _attrs(node), scalars)
+
+
+def _uniform_prelu(
+    node: onnx.NodeProto, const: Callable[[str], np.ndarray | None]
+) -> tuple[Activation | None, str | None]:
+    """A PRelu whose slope is one value for every element (torch's ``nn.PReLU()``, num_parameters=1, and
+    MONAI's PRELU write it as a (1, 1, 1) constant) is LeakyReLU with that slope: the same function, so
+    every kernel that fuses an activation computes it (MONAI UNet's 17 InstanceNorm + PReLU pairs ran the
+    PReLU as an eltwise pass of its own each). A per-channel slope is not a row of the table: the eltwise
+    kernel's prelu op takes it."""
+    slope = const(node.input[1]) if len(node.input) > 1 and node.input[1] else None
+    if slope is None or slope.size == 0:
+        return None, "PRelu's slope is computed at run time"
+    flat = np.asarray(slope, np.float32).ravel()
+    if not (flat == flat[0]).all():
+        return None, "PRelu with a slope per channel is the eltwise kernel's op, not an activation of the table"
+    return Activation.named("leakyrelu", float(flat[0])), None
 
 
 def _act_attrs(act: Activation | None) -> tuple[tuple[str, int], ...]:
