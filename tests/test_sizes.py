@@ -143,3 +143,12 @@ def test_the_bundle_holds_one_verified_plan_per_size_and_the_weights_once(sized_
     assert small.plan.inputs[0].shape == (1, 40, 56, 3)
     assert all(s.onnx.startswith("sizes/40x56/") for s in small.plan.segments)
     assert {s.track for s in small.plan.segments} == {"A", "B"}
+
+
+def test_tune_reads_every_size_plan(sized_bundle: Path, tmp_path: Path) -> None:
+    """`dualtrack tune` tunes every size's conv layers (a record is keyed by the layer's shape)."""
+    from dualtrack.tuning.tiles import load_plans
+
+    cfg = write_config(tmp_path, conv_net(), f"sizes: {json.dumps([list(s) for s in SIZES])}\n")
+    for source in (cfg, sized_bundle):
+        assert sorted(p.inputs[0].shape[1:3] for p in load_plans(source)) == sorted(SIZES)

@@ -121,6 +121,24 @@ def load_plan(source: str | Path) -> Plan:
     return plan
 
 
+def load_plans(source: str | Path) -> list[Plan]:
+    """Every input size's plan (config or bundle `sizes`: a layer's shape differs per size, and a
+    tuning record is keyed by shape); the one plan of :func:`load_plan` without sizes."""
+    from dualtrack.compiler.build import front_end
+    from dualtrack.compiler.config import load_config
+    from dualtrack.contract.bundle import Bundle
+
+    path = Path(source)
+    if path.is_dir():
+        b = Bundle.open(path, check_hashes=False)
+        return [b.plan, *(s.plan for s in b.manifest.sizes)]
+    cfg = load_config(path)
+    if cfg.sizes is None:
+        return [load_plan(path)]
+    lead = front_end(cfg, tuning.measured_for(cfg), [], lambda msg: None)
+    return [lead.plan, *(o.plan for o in lead.others)]
+
+
 def default_output(source: str | Path) -> Path:
     """Where results go without -o: the config's `tuning`, else ./tuning.json."""
     from dualtrack.compiler.config import load_config
@@ -259,7 +277,7 @@ def _problems(source: str | Path, opts: TuneOptions) -> tuple[dict[ConvProblem, 
     tuned (``kernels.conv_choice``): neither has tiles to search. Which kernel runs a layer does not
     depend on the device (its tile does), so this is asked before there is one."""
     device = REFERENCE
-    layers = conv_layers(load_plan(source), opts.batches or None, opts.layers)
+    layers = [x for plan in load_plans(source) for x in conv_layers(plan, opts.batches or None, opts.layers)]
     problems = {
         p: ls
         for p, ls in by_problem(layers).items()
