@@ -256,3 +256,142 @@ def test_a_smaller_image_runs_padded_and_a_larger_one_windowed_through_run(windo
     assert result.exit_code == 0, result.output
     assert "mask 150x200 (12 windows of 64x64)" in result.output
     assert Image.open(tmp_path / "m.png").size == (150, 200)
+
+
+# --- the GPU path's glue on a stand-in device -------------------------------------------------------
+
+
+class FakeMemory:
+    """Device memory as numpy blocks at fake addresses: a read or write past a block fails the test."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, np.ndarray] = {}
+        self.next = 1 << 32
+
+    def alloc(self, nbytes: int, stream: object = None) -> FakeBuffer:
+        base, self.next = self.next, self.next + (nbytes + 511) // 256 * 256
+        self.blocks[base] = np.zeros(nbytes, np.uint8)
+        return FakeBuffer(self, base)
+
+    def view(self, ptr: int, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+        base = max(b for b in self.blocks if b <= ptr)
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        assert ptr - base + n <= self.blocks[base].size, (
+            f"{n} bytes at {ptr - base} past a block of {self.blocks[base].size}"
+        )
+        return self.blocks[base][ptr - base : ptr - base + n].view(dtype).reshape(shape)
+
+
+class FakeBuffer:
+    def __init__(self, mem: FakeMemory, base: int) -> None:
+        self.mem, self.base = mem, base
+
+    def __int__(self) -> int:
+        return self.base
+
+    def close(self, stream: object = None) -> None:
+        del self.mem.blocks[self.base]  # twice: KeyError
+
+
+class FakeBackend:
+    """What GpuTiler asks of the CUDA backend, on FakeMemory."""
+
+    def __init__(self, mem: FakeMemory) -> None:
+        from types import SimpleNamespace
+
+        self.mem = self.pool = mem
+        self.ctx = SimpleNamespace(make_current=lambda: None)
+        self.stream = SimpleNamespace(synchronize=lambda: None, handle=0)
+
+    def from_host(self, arr: np.ndarray):
+        from dualtrack.runtime.tensors import GpuTensor
+
+        buf = self.mem.alloc(arr.nbytes)
+        self.mem.view(int(buf), arr.shape, arr.dtype)[...] = arr
+        return GpuTensor(int(buf), arr.shape, arr.dtype, buf)
+
+    def to_host(self, t) -> np.ndarray:
+        return self.mem.view(t.ptr, t.shape, t.dtype).copy()
+
+
+def fake_entries(mem: FakeMemory) -> dict:
+    """The blend_nhwc entries as numpy, their arguments read in the .cu's parameter order."""
+    from types import SimpleNamespace
+
+    from dualtrack.kernels import blend
+
+    def origins(o) -> list[tuple[int, int]]:
+        return [(o.y[i], o.x[i]) for i in range(o.count)]
+
+    def cut(image, windows, H, W, h, w, batch, o) -> None:
+        img = mem.view(image, (H, W, 3), np.uint8)
+        mem.view(windows, (batch, h, w, 3), np.uint8)[...] = tiling.cut(img, origins(o), (h, w), batch)
+
+    def accumulate(probs, weights, acc, C, h, w, H, W, band, r0, r1, c0, c1, o) -> None:
+        clips = [Clip.of(k, (h, w), (H, W)) for k in origins(o)]
+        assert all(r0 <= k.r0 and k.r1 <= r1 and c0 <= k.c0 and k.c1 <= c1 for k in clips)  # the launch's box
+        p = mem.view(probs, (o.count, C, h, w), np.float32)
+        a = mem.view(acc, (C + 1, band, W), np.float32)
+        blend.accumulate(a, p, mem.view(weights, (h, w), np.float32), origins(o), (H, W), r0)
+
+    def finish(acc, mask, probs, C, H, W, band, lo, hi) -> None:
+        m, p = blend.finish(mem.view(acc, (C + 1, band, W), np.float32), lo, hi)
+        mem.view(mask, (H, W), np.uint8)[lo:hi] = m
+        if probs:
+            mem.view(probs, (C, H, W), np.float32)[:, lo:hi] = p
+
+    def kernel(fn):
+        return SimpleNamespace(launch=lambda grid, block, shared, stream, args: fn(*(v for v, _ in args)))
+
+    return {
+        BLEND.cut_entry: kernel(cut),
+        BLEND.accumulate_entry: kernel(accumulate),
+        BLEND.finish_entry: kernel(finish),
+    }
+
+
+def fake_net(x: np.ndarray, mix: np.ndarray) -> np.ndarray:
+    """(n, h, w, 3) uint8 -> (n, C, h, w) softmax probabilities: a per-pixel linear map."""
+    logits = np.einsum("nhwc,ck->nkhw", x.astype(np.float32) / 64.0, mix)
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    ("shape", "window", "batch", "classes", "blend"),
+    [
+        ((200, 150), (64, 64), 4, 3, "gaussian"),
+        ((97, 300), (32, 48), 3, 1, "constant"),
+        ((50, 130), (64, 64), 2, 2, "gaussian"),
+    ],
+)
+def test_the_gpu_path_drives_its_kernels_as_the_cpu_path_computes(
+    monkeypatch, shape, window, batch, classes, blend
+) -> None:
+    """GpuTiler's launches, buffers and row bookkeeping on a stand-in device whose kernels are the numpy
+    references: its answer is the CPU path's, bit for bit, and it frees what it allocated."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    mem = FakeMemory()
+    monkeypatch.setattr(tiling, "call", lambda fn, ptr, value, n, stream: mem.view(ptr, (n,), np.uint8).fill(value))
+    image = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
+    mix = rng.standard_normal((3, classes)).astype(np.float32)
+    spec = Window(overlap=0.25, blend=blend)
+    t = tiling.Tiling.plan(shape, spec, window, batch)
+    be = FakeBackend(mem)
+    planned = mem.alloc(batch * classes * window[0] * window[1] * 4)  # the engine's output buffer
+
+    def run_batch(x, n: int) -> dict:
+        from dualtrack.runtime.tensors import GpuTensor
+
+        out = (n, classes, *window)
+        mem.view(int(planned), out, np.float32)[...] = fake_net(mem.view(x.ptr, (n, *window, 3), np.uint8), mix)
+        return {"probs": GpuTensor(int(planned), out, np.dtype(np.float32))}
+
+    tiler = tiling.GpuTiler(be, fake_entries(mem))
+    got = tiler.run(image, t, spec, run_batch, classes, probs=True)
+    want = tiling.tile_numpy(image, t, lambda b: fake_net(b, mix), classes, probs=True)
+    np.testing.assert_array_equal(got.probs, want.probs, err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(got.mask, want.mask, err_msg=f"seed {seed}")
+    tiler.close()
+    assert set(mem.blocks) == {int(planned)}  # the image, band, windows, mask, probs and weights freed

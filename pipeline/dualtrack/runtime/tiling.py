@@ -44,7 +44,7 @@ GPU, the blend and the finished rows in the ``blend_nhwc`` kernels) run the same
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -213,14 +213,19 @@ class GpuTiler:
     ``blend_nhwc_accumulate_f32``, finished rows chosen into the device mask (and probabilities where
     asked) by ``blend_nhwc_finish_f32``; one download at the end, no host wait between batches."""
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any, entries: Mapping[str, Any] | None = None) -> None:
+        """``entries``: the blend kernels by entry name, each with ``launch(grid, block, shared, stream,
+        args)`` (default: this device's checked-in PTX, loaded here; a test passes stand-ins)."""
         self.backend = backend
         self.spec: BlendSpec = kernels.BLEND
-        choice = arch.choose_image(backend.device.cc, [], list(self.spec.ptx_arches))
-        path = sources.ptx_path(sources.SOURCE_DIR, Path(f"{self.spec.stem}.cu"), choice.arch)
-        module = Module.load(backend.ctx, path.read_bytes(), kind="ptx", origin=str(path), target=choice.arch)
-        self.kernels = {e: module.function(e) for e in self.spec.entries}
+        self.kernels = dict(entries) if entries is not None else self._load()
         self.weights: dict[tuple[Size, str, float], GpuTensor] = {}  # one upload per window and blend
+
+    def _load(self) -> dict[str, Any]:
+        choice = arch.choose_image(self.backend.device.cc, [], list(self.spec.ptx_arches))
+        path = sources.ptx_path(sources.SOURCE_DIR, Path(f"{self.spec.stem}.cu"), choice.arch)
+        module = Module.load(self.backend.ctx, path.read_bytes(), kind="ptx", origin=str(path), target=choice.arch)
+        return {e: module.function(e) for e in self.spec.entries}
 
     def _launch(self, entry: str, call_: tuple[Any, list[Any]]) -> None:
         config, args = call_
