@@ -8,14 +8,19 @@ optional constant bias or causal mask Add, Softmax, the product with V, and back
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack.compiler import attention_patterns, lower_mobile, partition
+from dualtrack.compiler import attention_patterns, frontend, lower_mobile, partition
+from dualtrack.compiler.config import BuildConfig
 
 
 @dataclass(frozen=True)
@@ -165,3 +170,85 @@ def attentions(model: onnx.ModelProto) -> attention_patterns.Attentions:
 def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
     g, w = got.astype(np.float64), want.astype(np.float64)
     return float(np.linalg.norm(g - w) / np.linalg.norm(w))
+
+
+# -- torch's exports -------------------------------------------------------------------------------
+
+
+def torch_modules() -> tuple[Any, dict[str, tuple[Any, tuple[int, ...]]]]:
+    """torch and the tiny attention modules (class, input shape) by name; skips without torch."""
+    torch = pytest.importorskip("torch")
+
+    class SpatialReduction(torch.nn.Module):
+        """SegFormer's attention on an image: Q from a 1x1 conv, K and V from one strided conv."""
+
+        def __init__(self, c: int = 64, heads: int = 4, sr: int = 2) -> None:
+            super().__init__()
+            self.h, self.d = heads, c // heads
+            self.conv = torch.nn.Conv2d(c, c, 3, padding=1)
+            self.q = torch.nn.Conv2d(c, c, 1)
+            self.kv = torch.nn.Conv2d(c, 2 * c, sr, stride=sr)
+            self.post = torch.nn.Conv2d(c, c, 1)
+
+        def forward(self, x):
+            x = self.conv(x)
+            n, c, hh, ww = x.shape
+            q = self.q(x).flatten(2).transpose(1, 2).reshape(n, hh * ww, self.h, self.d).permute(0, 2, 1, 3)
+            kv = self.kv(x).flatten(2).transpose(1, 2).reshape(n, -1, 2, self.h, self.d).permute(2, 0, 3, 1, 4)
+            a = ((q @ kv[0].transpose(-2, -1)) * self.d**-0.5).softmax(-1)
+            o = (a @ kv[1]).transpose(1, 2).reshape(n, hh * ww, c).transpose(1, 2).reshape(n, c, hh, ww)
+            return self.post(o)
+
+    class Tokens(torch.nn.Module):
+        """timm's attention on tokens: a fused qkv Linear, unbind, scale on Q, a relative-position bias."""
+
+        def __init__(self, c: int = 96, heads: int = 3, length: int = 49) -> None:
+            super().__init__()
+            self.h, self.d = heads, c // heads
+            self.qkv = torch.nn.Linear(c, 3 * c)
+            self.bias = torch.nn.Parameter(torch.randn(1, heads, length, length))
+            self.proj = torch.nn.Linear(c, c)
+
+        def forward(self, x):
+            n, length, c = x.shape
+            q, k, v = self.qkv(x).reshape(n, length, 3, self.h, self.d).permute(2, 0, 3, 1, 4).unbind(0)
+            a = ((q * self.d**-0.5) @ k.transpose(-2, -1) + self.bias).softmax(-1)
+            return self.proj((a @ v).transpose(1, 2).reshape(n, length, c))
+
+    class PositionMap(torch.nn.Module):
+        """smp MAnet's PAB: a softmax over the whole flattened (HW x HW) map, not over the keys."""
+
+        def __init__(self, c: int = 32) -> None:
+            super().__init__()
+            self.top, self.center = torch.nn.Conv2d(c, 16, 1), torch.nn.Conv2d(c, 16, 1)
+            self.bottom = torch.nn.Conv2d(c, c, 3, padding=1)
+
+        def forward(self, x):
+            n, c, h, w = x.shape
+            m = torch.matmul(self.center(x).flatten(2).transpose(1, 2), self.top(x).flatten(2))
+            m = torch.softmax(m.view(n, -1), dim=1).view(n, h * w, h * w)
+            return torch.matmul(m, self.bottom(x).flatten(2).transpose(1, 2)).reshape(n, c, h, w)
+
+    return torch, {
+        "sra": (SpatialReduction, (1, 64, 8, 8)),
+        "tokens": (Tokens, (1, 49, 96)),
+        "pab": (PositionMap, (1, 32, 6, 6)),
+    }
+
+
+def exported_fp16(tmp_path: Path, name: str, dynamo: bool) -> onnx.ModelProto:
+    """The module exported as a user would (batch dynamic for dynamo=False), through the front end at fp16."""
+    torch, modules = torch_modules()
+    cls, shape = modules[name]
+    torch.manual_seed(0)
+    path = tmp_path / f"{name}_{int(dynamo)}.onnx"
+    f = io.BytesIO()
+    kw = {"dynamo": True} if dynamo else {"dynamo": False, "opset_version": 17, "dynamic_axes": {"x": {0: "N"}}}
+    torch.onnx.export(cls().eval(), (torch.randn(*shape),), f, input_names=["x"], **kw)
+    path.write_bytes(f.getvalue())
+    cfg = BuildConfig(model=path, precision="fp16", batch_sizes=(1, 2), targets=["sm_80"])
+    return partition.name_nodes(frontend.prepare(cfg).model)
+
+
+def track_a_array(x: np.ndarray) -> np.ndarray:
+    return x.transpose(0, 2, 3, 1) if x.ndim == 4 else x

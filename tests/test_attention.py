@@ -11,7 +11,6 @@ Tolerances: the reference in float32 against onnxruntime's fp32 graph on the sam
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from pathlib import Path
@@ -20,7 +19,16 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from attention_cases import Case, attention_graph, attentions, feeds, rel_l2
+from attention_cases import (
+    Case,
+    attention_graph,
+    attentions,
+    exported_fp16,
+    feeds,
+    rel_l2,
+    torch_modules,
+    track_a_array,
+)
 from onnx import TensorProto, numpy_helper
 
 from dualtrack import kernels
@@ -137,84 +145,6 @@ def test_the_partition_gives_the_refusal_and_takes_a_match_whole() -> None:
 # -- torch's exports ------------------------------------------------------------------------------
 
 
-def _torch_modules():
-    torch = pytest.importorskip("torch")
-
-    class SpatialReduction(torch.nn.Module):
-        """SegFormer's attention on an image: Q from a 1x1 conv, K and V from one strided conv."""
-
-        def __init__(self, c: int = 64, heads: int = 4, sr: int = 2) -> None:
-            super().__init__()
-            self.h, self.d = heads, c // heads
-            self.conv = torch.nn.Conv2d(c, c, 3, padding=1)
-            self.q = torch.nn.Conv2d(c, c, 1)
-            self.kv = torch.nn.Conv2d(c, 2 * c, sr, stride=sr)
-            self.post = torch.nn.Conv2d(c, c, 1)
-
-        def forward(self, x):
-            x = self.conv(x)
-            n, c, hh, ww = x.shape
-            q = self.q(x).flatten(2).transpose(1, 2).reshape(n, hh * ww, self.h, self.d).permute(0, 2, 1, 3)
-            kv = self.kv(x).flatten(2).transpose(1, 2).reshape(n, -1, 2, self.h, self.d).permute(2, 0, 3, 1, 4)
-            a = ((q @ kv[0].transpose(-2, -1)) * self.d**-0.5).softmax(-1)
-            o = (a @ kv[1]).transpose(1, 2).reshape(n, hh * ww, c).transpose(1, 2).reshape(n, c, hh, ww)
-            return self.post(o)
-
-    class Tokens(torch.nn.Module):
-        """timm's attention on tokens: a fused qkv Linear, unbind, scale on Q, a relative-position bias."""
-
-        def __init__(self, c: int = 96, heads: int = 3, length: int = 49) -> None:
-            super().__init__()
-            self.h, self.d = heads, c // heads
-            self.qkv = torch.nn.Linear(c, 3 * c)
-            self.bias = torch.nn.Parameter(torch.randn(1, heads, length, length))
-            self.proj = torch.nn.Linear(c, c)
-
-        def forward(self, x):
-            n, length, c = x.shape
-            q, k, v = self.qkv(x).reshape(n, length, 3, self.h, self.d).permute(2, 0, 3, 1, 4).unbind(0)
-            a = ((q * self.d**-0.5) @ k.transpose(-2, -1) + self.bias).softmax(-1)
-            return self.proj((a @ v).transpose(1, 2).reshape(n, length, c))
-
-    class PositionMap(torch.nn.Module):
-        """smp MAnet's PAB: a softmax over the whole flattened (HW x HW) map, not over the keys."""
-
-        def __init__(self, c: int = 32) -> None:
-            super().__init__()
-            self.top, self.center = torch.nn.Conv2d(c, 16, 1), torch.nn.Conv2d(c, 16, 1)
-            self.bottom = torch.nn.Conv2d(c, c, 3, padding=1)
-
-        def forward(self, x):
-            n, c, h, w = x.shape
-            m = torch.matmul(self.center(x).flatten(2).transpose(1, 2), self.top(x).flatten(2))
-            m = torch.softmax(m.view(n, -1), dim=1).view(n, h * w, h * w)
-            return torch.matmul(m, self.bottom(x).flatten(2).transpose(1, 2)).reshape(n, c, h, w)
-
-    return torch, {
-        "sra": (SpatialReduction, (1, 64, 8, 8)),
-        "tokens": (Tokens, (1, 49, 96)),
-        "pab": (PositionMap, (1, 32, 6, 6)),
-    }
-
-
-def exported_fp16(tmp_path: Path, name: str, dynamo: bool) -> onnx.ModelProto:
-    """The module exported as a user would (batch dynamic for dynamo=False), through the front end at fp16."""
-    torch, modules = _torch_modules()
-    cls, shape = modules[name]
-    torch.manual_seed(0)
-    path = tmp_path / f"{name}_{int(dynamo)}.onnx"
-    f = io.BytesIO()
-    kw = {"dynamo": True} if dynamo else {"dynamo": False, "opset_version": 17, "dynamic_axes": {"x": {0: "N"}}}
-    torch.onnx.export(cls().eval(), (torch.randn(*shape),), f, input_names=["x"], **kw)
-    path.write_bytes(f.getvalue())
-    cfg = BuildConfig(model=path, precision="fp16", batch_sizes=(1, 2), targets=["sm_80"])
-    return partition.name_nodes(frontend.prepare(cfg).model)
-
-
-def track_a_array(x: np.ndarray) -> np.ndarray:
-    return x.transpose(0, 2, 3, 1) if x.ndim == 4 else x
-
-
 @pytest.mark.parametrize("dynamo", [False, True])
 @pytest.mark.parametrize("name", ["sra", "tokens"])
 def test_torch_exports_are_one_call_that_matches_onnxruntime(tmp_path: Path, name: str, dynamo: bool) -> None:
@@ -260,7 +190,7 @@ verify:
 
 
 def _block_model(tmp_path: Path) -> Path:
-    torch, modules = _torch_modules()
+    torch, modules = torch_modules()
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:
@@ -307,3 +237,29 @@ def test_a_conv_attention_block_builds_and_verifies_on_the_cpu(tmp_path: Path) -
     assert any(c["name"].startswith("seg1_A[numpy kernels]") for c in report["checks"])
     call = next(c for c in plan["segments"][1]["calls"] if c["op"] == "attention")
     assert bits_f32(dict(call["attrs"])["scale"]) == pytest.approx(0.25, rel=1e-3)
+
+
+def test_the_launch_passes_each_view_at_its_offset_and_the_bias_broadcast() -> None:
+    """prepare_inputs: the head-dim entry, a block per (image, head) and 64 queries, pointers moved
+    to each view's offset (fp16: 2 bytes an element), the bias's broadcast dims given stride 0."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Dev:
+        ptr: int
+        shape: tuple[int, ...]
+        dtype: np.dtype
+        channel_stride: int
+
+    case = Case(3, 32, 70, 19, "scores", "head")
+    call = the_one(attention_graph(case)).call
+    f16 = np.dtype(np.float16)
+    ins = [Dev(1 << 20, (5, 70, 96), f16, 96), Dev(2 << 20, (5, 19, 96), f16, 96), Dev(3 << 20, (5, 19, 96), f16, 96)]
+    bias = Dev(4 << 20, (3, 70, 1), np.dtype(np.float32), 1)  # broadcast over the keys
+    p = ATTN.prepare_inputs(call, ins, Dev(5 << 20, (5, 70, 96), f16, 96), [bias], None)  # type: ignore[arg-type]
+    assert p.entry == "attention_f16_d32" and p.config.grid == (15, 2, 1) and p.config.block == (128, 1, 1)
+    args = dict(zip(ATTN.PARAMS, (v for v, _ in p.args), strict=True))
+    assert (args["q"], args["k"], args["v"], args["o"], args["bias"]) == (1 << 20, 2 << 20, 3 << 20, 5 << 20, 4 << 20)
+    assert (args["q_b"], args["q_h"], args["q_i"], args["q_c"]) == (70 * 96, 32, 96, 1)
+    assert (args["bias_h"], args["bias_i"], args["bias_j"], args["bmod"], args["bias_f32"]) == (70, 1, 0, 1, 1)
+    assert args["scale"] == pytest.approx(case.scale, rel=2e-3) and (args["B"], args["Hd"]) == (5, 3)

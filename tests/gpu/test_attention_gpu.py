@@ -1,0 +1,122 @@
+"""The attention kernel (handwritten_ptx/attention.cu) on a real GPU against onnxruntime in fp32 on the
+same fp16-exact values: the graphs of tests/attention_cases.py (1/2/3/4/8 heads, d 16/32/64/128,
+Lq != Lk with tails past the 64-row tiles, a head bias, a causal mask, the scale after the product,
+as a Div, on Q, on Q and K; K handed over transposed, which the element-wise load path reads), at
+batch 3, with the operands 16-byte aligned (the vector path) and one element off (every load
+element-wise); and torch's export of a SegFormer-style block, whose operands are NHWC images. The
+output is poisoned (NaN) first, so an element the kernel does not write fails. The launches are
+kernels.attention's (AttentionSpec.prepare_inputs: what the runtime launches).
+
+Tolerance: rel-L2 2e-3 and max |diff| 2e-2 against the fp32 answer. The kernel rounds each
+probability to fp16 before the product with V (as flash attention does; 2^-12 relative on average)
+and the output once (2^-11 at most): together ~5e-4 rel-L2 on unit-variance values; the outputs
+are convex combinations of V's rows (|o| < 5), where an fp16 ulp is at most 4e-3."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from attention_cases import Case, attention_graph, exported_fp16, feeds, track_a_array
+from gpu_ptx import checked_in_entries
+from onnx import TensorProto, numpy_helper
+
+from dualtrack import kernels
+from dualtrack.compiler import attention_patterns, lower_mobile, partition
+from dualtrack.compiler.config import Tolerance
+from dualtrack.compiler.verify import compare
+from dualtrack.contract.plan import KernelCall
+from dualtrack.runtime.engine import Engine
+
+ATTN = kernels.KERNELS["attention"]
+TOL = Tolerance(rel_l2=2e-3, max_abs=2e-2, mismatch=0)
+
+CASES = [
+    Case(1, 32, 37, 53, flat=True),
+    Case(1, 64, 20, 20, "div", "causal"),
+    Case(3, 32, 70, 19, "scores", "head"),
+    Case(3, 64, 65, 130, "q", "none", kt=True),
+    Case(8, 32, 33, 64, "qk", "causal"),
+    Case(8, 64, 1, 77, "div", "head"),
+    Case(3, 16, 9, 200, "scores", "causal", kt=True),
+    Case(2, 128, 17, 31, "q", "head"),
+    Case(4, 64, 1000, 333, "div", "head"),
+    Case(2, 128, 130, 257, "q", "causal"),
+]
+
+
+@dataclass
+class Dev:
+    """A device tensor as a spec reads it (kernels.base.DeviceTensor), possibly one element off alignment."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    channel_stride: int
+
+
+@pytest.fixture(scope="module")
+def mods(engine: Engine):
+    with checked_in_entries(engine, ("attention",)) as found:
+        yield found
+
+
+def upload(engine: Engine, x: np.ndarray, off: int, keep: list) -> Dev:
+    """``x`` (fp16) on the device, ``off`` elements into its buffer (1: not 16-byte aligned)."""
+    flat = np.zeros(x.size + 8, np.float16)
+    flat[off : off + x.size] = x.reshape(-1)
+    d = engine.backend.from_host(flat)
+    keep.append(d)
+    return Dev(d.ptr + 2 * off, x.shape, np.dtype(np.float16), x.shape[-1])
+
+
+def launch(engine: Engine, mods, call: KernelCall, inputs: list[np.ndarray], out_shape, weights: dict, off: int):
+    keep: list = []
+    ins = [upload(engine, x.astype(np.float16), off, keep) for x in inputs]
+    y = engine.backend.from_host(np.full(out_shape, np.nan, np.float16))
+    packed = ATTN.pack_weights(call, weights)
+    w = [engine.backend.from_host(packed[name]) for name in call.weights]
+    p = ATTN.prepare_inputs(call, ins, Dev(y.ptr, y.shape, y.dtype, y.shape[-1]), w, None)  # type: ignore[arg-type]
+    mods[p.entry].launch(p.config.grid, p.config.block, p.config.shared_bytes, engine.backend.stream, p.args)
+    return engine.backend.to_host(y).astype(np.float32)
+
+
+@pytest.mark.parametrize("off", [0, 1])
+@pytest.mark.parametrize("case", CASES, ids=Case.id)
+def test_attention_kernel_matches_onnxruntime(engine, mods, case: Case, off: int) -> None:
+    model = attention_graph(case)
+    facts = lower_mobile.Facts(model, partition.infer_specs(model))
+    call = next(iter(attention_patterns.find_attention(facts, set()).found.values())).call
+    x = feeds(case, n=3, seed=int(np.random.default_rng().integers(1 << 30)))
+    sess = ort.InferenceSession(
+        attention_graph(case, TensorProto.FLOAT).SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    (want,) = sess.run(None, x)
+    weights = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    got = launch(engine, mods, call, [x[t] for t in call.inputs], want.shape, weights, off)
+    result = compare(f"attention {case.id()} off {off}", want, got, TOL)
+    assert result.passed, result
+
+
+def test_segformer_style_attention_on_nhwc_images(engine, mods, tmp_path: Path) -> None:
+    """Q from a 1x1 conv, K and V from one strided conv: NHWC images read through their views."""
+    model = exported_fp16(tmp_path, "sra", dynamo=False)
+    facts = lower_mobile.Facts(model, partition.infer_specs(model))
+    call = next(iter(attention_patterns.find_attention(facts, set()).found.values())).call
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    inferred = {v.name: v for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
+    for t in dict.fromkeys([*call.inputs, *call.outputs]):
+        probe.graph.output.append(inferred[t])
+    sess = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng().standard_normal((3, 64, 8, 8)).astype(np.float32)
+    outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {model.graph.input[0].name: x}), strict=True))
+    roots = [track_a_array(outs[t]).astype(np.float32) for t in call.inputs]
+    want = ATTN.run_reference(call, roots, {}).astype(np.float32)  # the numpy reference, checked against ORT on the CPU
+    got = launch(engine, mods, call, roots, want.shape, {}, 0)
+    result = compare("attention sra", want, got, TOL)
+    assert result.passed, result
