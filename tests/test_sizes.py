@@ -83,8 +83,12 @@ def test_bad_sizes_are_refused_with_the_fix(tmp_path: Path, value: object, match
 
 
 def test_sizes_need_an_image_input() -> None:
-    with pytest.raises(ValueError, match=r"needs `preprocess`"):
-        BuildConfig.model_validate({"model": "m.onnx", "sizes": [[32, 32]]})
+    with pytest.raises(ValueError, match=r"use `batch: images` or drop `sizes`"):
+        BuildConfig.model_validate({"model": "m.onnx", "batch": "fixed", "sizes": [[32, 32]]})
+    with pytest.raises(
+        ModelError, match=r"^`sizes` needs an \(N, H, W, 3\) image input; 'x' is not one: add `preprocess`"
+    ):
+        spatial.image_size(conv_net())
 
 
 # --- the compiler ---------------------------------------------------------------------------------

@@ -258,7 +258,7 @@ class BuildConfig(_Strict):
             "at the smallest size that holds it, padded at the bottom and right by its edge pixels, and its "
             "outputs are cropped back; one larger than every size is resized to the largest. Each size is a "
             "plan, IREE modules and a CPU verification of its own (build time grows with the count); the "
-            "weights are stored once. Needs `preprocess` (an image input)"
+            "weights are stored once. Needs an (N, H, W, 3) uint8 image input (`preprocess`, or a model that takes one)"
         ),
     )
     targets: tuple[str, ...] = Field(
@@ -330,11 +330,8 @@ class BuildConfig(_Strict):
 
     @model_validator(mode="after")
     def _sized_images(self) -> BuildConfig:
-        if self.sizes is not None and (self.batch == "fixed" or self.preprocess is None):
-            raise ValueError(
-                "`sizes` compiles an image model at several sizes: it needs `preprocess` (an image input) and "
-                "`batch: images`"
-            )
+        if self.sizes is not None and self.batch == "fixed":  # an image input: checked on the model (spatial.py)
+            raise ValueError("`sizes` compiles an image model at several sizes: use `batch: images` or drop `sizes`")
         return self
 
     @model_validator(mode="after")
