@@ -257,6 +257,8 @@ def build(
         done.seconds = time.perf_counter() - t0
         return done
     inputs = with_seed(inputs)
+    for s, other in zip(sized, inputs.others, strict=True):  # the seed drawn now, for their cases and checks
+        s.inputs = other
     frontend_checks = check_front_end(inputs, say)
     results = compile_modules(jobs, settings, say)
     for s in sized:
