@@ -27,6 +27,12 @@ Rows (names are fixed so that result files compare across commits):
                               runtime instead of its launch plans replayed in the engine's CUDA graph
     dualtrack_api_iree        that engine through Engine.run on a torch CUDA tensor
 
+`<HxW>/dualtrack_api` (`--sizes-bundle`, the bundle of configs/unet_sizes.yaml: the same U-Net built
+for two non-square native sizes, 720x1280 and 1024x768): Engine.run on a torch CUDA uint8 tensor of
+each native size (that size's plan, unpadded), checked against onnxruntime on the bundle's graph at
+that size; reported under `sizes` in the result file, beside a torch_compile_cudagraphs row at the
+same size where torch.compile is on (`<HxW>/torch_compile_cudagraphs`).
+
 Every Engine.run row records `host_waits`, the host waits per inference (the replayed path has none:
 the whole inference is one CUDA graph; through the IREE runtime each A -> B hand-over is one).
 
@@ -416,6 +422,63 @@ def api_rows(engine: Any, b: int, ctx: dict[str, Any], row: str) -> list[dict[st
         print(f"[{name}] N={b}: {t['median_ms']:.3f} ms")
         out.append({"name": name, "batch": b, **t})
     return out
+
+
+def size_rows(ctx: dict[str, Any]) -> list[dict[str, Any]]:
+    """The `<HxW>/dualtrack_api` rows: each native size of --sizes-bundle through ``Engine.run`` on a torch
+    CUDA tensor of that size (the engine runs that size's plan: ``Engine.at_size``, timed directly so that
+    its host waits are its own), after a check of its probs against onnxruntime at N=1; and where
+    torch.compile is on, `<HxW>/torch_compile_cudagraphs` on the same images."""
+    args, path = ctx["args"], ctx["args"].sizes_bundle
+    if path is None or not (path / "manifest.json").is_file():
+        why = f"bundle {path} not found (build it with `dualtrack build configs/unet_sizes.yaml`)"
+        return skipped("sizes/dualtrack_api", why, args.batches)
+    import torch
+
+    from dualtrack.contract.bundle import Bundle
+    from dualtrack.contract.sizes import label
+    from dualtrack.runtime.engine import Engine
+
+    bundle, rows, rng = Bundle.open(path), [], np.random.default_rng(1)
+    src = bundle.manifest.model.source_sha256
+    if ctx["source_sha256"] and src != ctx["source_sha256"]:  # the torch rows use the reference's weights
+        return skipped("sizes/dualtrack_api", f"{path} was built from another model than {ctx['model_path']}", [])
+    with Engine.load(bundle, "cuda") as engine:
+        for size in bundle.sizes:
+            name, sub = f"{label(size)}/dualtrack_api", engine.at_size(size)
+            x1 = rng.integers(0, 256, (1, *size, 3), dtype=np.uint8)
+            got = torch.from_dlpack(engine.run(torch.from_numpy(x1).cuda())["probs"]).cpu().numpy()
+            err = rel_l2(ort_probs(path / bundle.at_size(size).model_file, x1), got)
+            print(f"[{name}] probs vs onnxruntime at N=1: rel L2 {err:.2e} (limit {CHECK_REL_L2:.0e})")
+            if not err <= CHECK_REL_L2:
+                rows += skipped(name, f"probs differ from onnxruntime: rel L2 {err:.2e}", args.batches)
+                continue
+            for b in args.batches:
+                if b not in sub.batch_sizes:
+                    rows += skipped(name, f"N={b} is not compiled in {path} (has {list(sub.batch_sizes)})", [b])
+                    continue
+                host = [rng.integers(0, 256, (b, *size, 3), dtype=np.uint8) for _ in range(args.input_sets)]
+                t = time_api(torch, sub, [torch.from_numpy(x).cuda() for x in host], args.warmup, args.iters)
+                print(f"[{name}] N={b}: {t['median_ms']:.3f} ms")
+                rows.append({"name": name, "batch": b, "size": list(size), **t, "check_rel_l2": _r(err, 6)})
+                if not args.skip_torch_compile:
+                    rows += guarded(f"{label(size)}/torch_compile_cudagraphs", [b], lambda h=host: _size_torch(ctx, h))
+    return rows
+
+
+def _size_torch(ctx: dict[str, Any], host: list[np.ndarray]) -> list[dict[str, Any]]:
+    """torch.compile(mode="reduce-overhead") of the same U-Net on ``host`` images of one native size."""
+    import torch
+
+    args = ctx["args"]
+    n, h, w = host[0].shape[:3]
+    net = build_torch_unet(torch, ctx["weights"], channels_last=True).cuda()
+    fn = torch.compile(net, mode="reduce-overhead", dynamic=False)
+    xs = [torch.from_numpy(x).cuda() for x in host]
+    with torch.no_grad():
+        t = time_torch(torch, fn, xs, args.warmup, args.iters, torch.compiler.cudagraph_mark_step_begin)
+    print(f"[{h}x{w}/torch_compile_cudagraphs] N={n}: {t['median_ms']:.3f} ms")
+    return [{"name": f"{h}x{w}/torch_compile_cudagraphs", "batch": n, "size": [h, w], **t}]
 
 
 def bench_bundle(name: str, path: Path | None, ctx: dict[str, Any]) -> list[dict[str, Any]]:
@@ -1269,6 +1332,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=Path("build/unet_head_b"),
         help="bundle of configs/unet_head_b.yaml (row dualtrack_head_b); skipped if missing",
     )
+    p.add_argument(
+        "--sizes-bundle",
+        type=Path,
+        default=Path("build/unet_sizes"),
+        help="bundle of configs/unet_sizes.yaml (rows <HxW>/dualtrack_api); skipped if missing",
+    )
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--iters", type=int, default=100, help="timed calls per row and batch (median reported)")
     p.add_argument("--warmup", type=int, default=10)
@@ -1352,6 +1421,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in BUNDLE_ROWS:
         rows += guarded(name, args.batches, lambda n=name: bench_bundle(n, paths[n], ctx))
     rows += torch_rows(ctx)
+    sized = size_rows(ctx)  # their own list: other sizes than the floor and the ratios of `rows` are for
     layers: list[dict[str, Any]] = ctx.get("layers", [])
     breakdown: dict[str, Any] = ctx.get("track_a_breakdown", {})
     rows.sort(key=lambda r: (r["batch"], ROWS.index(r["name"])))
@@ -1372,6 +1442,7 @@ def main(argv: list[str] | None = None) -> None:
         "skip_autotune": args.skip_autotune,
         "check_rel_l2_limit": CHECK_REL_L2,
         "rows": rows,
+        "sizes": sized,
         "layers": layers,
         "layer_target_ratio": LAYER_TARGET,
         "track_a_breakdown": breakdown,
@@ -1381,6 +1452,11 @@ def main(argv: list[str] | None = None) -> None:
     stem = args.out / f"bench-{commit[:10]}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     print_table(rows, layers, breakdown)
+    for r in sized:
+        print(
+            f"{r['name']:<40} N={r['batch']}: "
+            + (f"{r['median_ms']:.3f} ms" if r.get("median_ms") else r.get("skipped", ""))
+        )
     title = f"{gpu}, driver {driver}, commit {commit[:10]}: U-Net fp16 {h}x{w}, median ms (log), dashed: compute floor"
     charted = write_chart(rows, stem.with_suffix(".png"), title)
     print(f"wrote {stem.with_suffix('.json')}" + (f" and {stem.with_suffix('.png')}" if charted else ""))

@@ -394,7 +394,9 @@ for step in $steps; do
         --variant "ray_1gpu_in4=--backend ray --replicas 1 --ingress-replicas 4 --max-batch-delay-ms 8" \
         --variant "workers_4=--workers 4 --max-batch-delay-ms 8" 2>&1 | tee "$OUT/serve_ray.log" ;;
     bench)
+      # --sizes-bundle: configs/unet_sizes.yaml's bundle (issue 40), carried whole (its model.onnx is its own); skipped if absent.
       python3 bench/bench.py --bundle $C/unet --seed-split-bundle $C/unet_seed_split --iree-only-bundle $C/iree_only --head-b-bundle $C/unet_head_b \
+        --sizes-bundle $C/unet_sizes \
         --batches 1 8 --iters "${BENCH_ITERS:-50}" --skip-autotune --commit "${DUALTRACK_COMMIT:-unknown}" --out "$OUT" 2>&1 | tee /tmp/bench.log ;;
   esac
 done

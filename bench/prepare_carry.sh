@@ -62,6 +62,9 @@ if [ "$what" != zoo-only ] && [ "$what" != corpus-done ]; then
     "$DT" build "configs/$c.yaml" -o "$C/$c"
     rm "$C/$c/model.onnx" "$C/$c/weights.bin"  # the reference's: same model, same bytes (hashes checked at load)
   done
+  # SIZES=1: the U-Net built for 720x1280 and 1024x768 (issue 40; bench.py's <HxW>/dualtrack_api rows), carried
+  # whole (its model.onnx is its own; ~15 MB of weights more against the 64 MiB limit).
+  [ -z "${SIZES:-}" ] || "$DT" build configs/unet_sizes.yaml -o "$C/unet_sizes"
   cp models/sample.png "$C/"
   "$PY" -c "from PIL import Image; Image.open('models/sample.png').convert('RGB').save('$C/sample.jpg', quality=90)"
   # The GPU tests' bundles (tests/conftest.py) and the IREE flag kit (tests/gpu/test_tune_b_gpu.py).
