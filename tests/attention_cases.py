@@ -215,6 +215,22 @@ def torch_modules() -> tuple[Any, dict[str, tuple[Any, tuple[int, ...]]]]:
             a = ((q * self.d**-0.5) @ k.transpose(-2, -1) + self.bias).softmax(-1)
             return self.proj((a @ v).transpose(1, 2).reshape(n, length, c))
 
+    class Einsum(torch.nn.Module):
+        """MONAI's SABlock (UNETR): a fused qkv Linear, both products as torch.einsum, K not transposed."""
+
+        def __init__(self, c: int = 128, heads: int = 4) -> None:
+            super().__init__()
+            self.h, self.d = heads, c // heads
+            self.qkv = torch.nn.Linear(c, 3 * c, bias=False)
+            self.proj = torch.nn.Linear(c, c)
+
+        def forward(self, x):
+            n, length, c = x.shape
+            qkv = self.qkv(x).reshape(n, length, 3, self.h, self.d).permute(2, 0, 3, 1, 4)
+            a = (torch.einsum("blxd,blyd->blxy", qkv[0], qkv[1]) * self.d**-0.5).softmax(dim=-1)
+            o = torch.einsum("bhxy,bhyd->bhxd", a, qkv[2])
+            return self.proj(o.transpose(1, 2).reshape(n, length, c))
+
     class PositionMap(torch.nn.Module):
         """smp MAnet's PAB: a softmax over the whole flattened (HW x HW) map, not over the keys."""
 
@@ -232,6 +248,7 @@ def torch_modules() -> tuple[Any, dict[str, tuple[Any, tuple[int, ...]]]]:
     return torch, {
         "sra": (SpatialReduction, (1, 64, 8, 8)),
         "tokens": (Tokens, (1, 49, 96)),
+        "einsum": (Einsum, (1, 40, 128)),
         "pab": (PositionMap, (1, 32, 6, 6)),
     }
 

@@ -43,7 +43,8 @@ VIEW_OPS = ("Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze")
 PICK_OPS = ("Gather", "Split", "Slice")  # q, k, v out of a fused projection (inputs' side only)
 SCALE_OPS = ("Mul", "Div")
 # Every op type a match may hold (partition routes these nodes to the match's answer).
-OPS = ("MatMul", "Softmax", "Add", *PICK_OPS, *SCALE_OPS, *VIEW_OPS)
+PRODUCTS = ("MatMul", "Einsum")  # MONAI's attention writes its products as einsum('blxd,blyd->blxy')
+OPS = (*PRODUCTS, "Softmax", "Add", *PICK_OPS, *SCALE_OPS, *VIEW_OPS)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,12 @@ class View:
         return View(
             tuple(self.shape[p] for p in perm), tuple(self.strides[p] for p in perm), self.off, perm.index(self.bd)
         )
+
+    def swap_last(self) -> View:
+        """The last two dims exchanged (a matrix transposed in place)."""
+        if len(self.shape) < 2:
+            raise NoMatch(f"a product operand of shape {self.shape}")
+        return self.transpose([*range(len(self.shape) - 2), len(self.shape) - 1, len(self.shape) - 2])
 
     def narrow(self, axis: int, start: int, size: int) -> View:
         """Elements start .. start+size-1 of dim ``axis`` (a Split's or Slice's part)."""
@@ -379,7 +386,7 @@ def _scores(walk: _Walk, softmax: onnx.NodeProto) -> tuple[onnx.NodeProto, list[
         raise NoMatch("a Softmax over another axis than the last (the keys)")
     nodes: list[onnx.NodeProto] = []
     scale, bias, t = 1.0, None, softmax.input[0]
-    while (p := walk.producer(t)) is not None and p.op_type != "MatMul":
+    while (p := walk.producer(t)) is not None and p.op_type not in PRODUCTS:
         if walk.sole_reader(t) is None:
             raise NoMatch(f"'{t}' between the scores and the Softmax is read elsewhere")
         if p.op_type == "Add" and bias is None and len(p.input) == 2:
@@ -397,7 +404,25 @@ def _scores(walk: _Walk, softmax: onnx.NodeProto) -> tuple[onnx.NodeProto, list[
         nodes.append(p)
     if p is None or walk.sole_reader(t) is None:
         raise NoMatch("the Softmax's scores do not come from a MatMul read by it alone")
+    _b_transposed(p)  # an Einsum that is no matrix product raises
     return p, nodes, scale, bias
+
+
+def _b_transposed(node: onnx.NodeProto) -> bool:
+    """Of a product A·B (a MatMul, or an Einsum that is one, A as (.., m, k)): whether B is given as
+    (.., n, k) (einsum's 'bhxd,bhyd->bhxy') rather than MatMul's (.., k, n); NoMatch for other Einsums."""
+    if node.op_type == "MatMul":
+        return False
+    eq = _attrs(node).get("equation", b"")
+    eq = (eq.decode() if isinstance(eq, bytes) else eq).replace(" ", "")
+    lhs, _, out = eq.partition("->")
+    a, _, b = lhs.partition(",")
+    if "." in eq or not (len(a) == len(b) == len(out) >= 3) or len(set(a + b + out)) != len(a) + 1:
+        raise NoMatch(f"Einsum {node.name} '{eq}' is not a batched matrix product")
+    batch, (x, k), n = a[:-2], a[-2:], out[-1]
+    if b[:-2] != batch or out[:-1] != batch + x or b[-2:] not in (k + n, n + k):
+        raise NoMatch(f"Einsum {node.name} '{eq}' is not a batched matrix product")
+    return b[-2:] == n + k
 
 
 def _opset(model: onnx.ModelProto) -> int:
@@ -417,7 +442,7 @@ def _match(walk: _Walk, softmax: onnx.NodeProto) -> Attention:
     facts = walk.facts
     qk, between, scale, bias = _scores(walk, softmax)
     pv = walk.sole_reader(softmax.output[0])
-    if pv is None or pv.op_type != "MatMul" or pv.input[0] != softmax.output[0]:
+    if pv is None or pv.op_type not in PRODUCTS or pv.input[0] != softmax.output[0]:
         raise NoMatch("the Softmax's probabilities are not the first operand of a MatMul read by it alone")
     q_root, q_view, q_nodes, q_scale = _operand(walk, qk.input[0])
     k_root, kt_view, k_nodes, k_scale = _operand(walk, qk.input[1])
@@ -425,15 +450,18 @@ def _match(walk: _Walk, softmax: onnx.NodeProto) -> Attention:
     o_root, o_view, o_nodes = _output(walk, pv.output[0])
     score_shape = walk.shape(qk.output[0])
     heads = score_shape[1] if len(score_shape) == 4 else 1
-    d, dv = walk.shape(qk.input[0])[-1], walk.shape(pv.input[1])[-1]
+    v_t = _b_transposed(pv)  # V given as (.., dv, Lk)
+    d, dv = walk.shape(qk.input[0])[-1], walk.shape(pv.input[1])[-2 if v_t else -1]
     roots = (q_root, k_root, v_root, o_root)
     why = supports(walk.dtype(qk.input[0]), d, dv) or next(
         (f"{t} is {walk.dtype(t)}" for t in roots if walk.dtype(t) != "float16"), None
     )
     if why:
         raise NoMatch(why)
-    if len(kt_view.shape) >= 3:  # Kᵀ (.., d, Lk) as K (.., Lk, d): the last two dims swapped
-        kt_view = kt_view.transpose([*range(len(kt_view.shape) - 2), len(kt_view.shape) - 1, len(kt_view.shape) - 2])
+    if not _b_transposed(qk):  # Kᵀ (.., d, Lk) as K (.., Lk, d): the last two dims swapped
+        kt_view = kt_view.swap_last()
+    if v_t:
+        v_view = v_view.swap_last()
     views = (
         _heads_view(q_view, heads, "Q"), _heads_view(kt_view, heads, "K"),
         _heads_view(v_view, heads, "V"), _heads_view(o_view, heads, "the output"),
