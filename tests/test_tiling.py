@@ -395,3 +395,34 @@ def test_the_gpu_path_drives_its_kernels_as_the_cpu_path_computes(
     np.testing.assert_array_equal(got.mask, want.mask, err_msg=f"seed {seed}")
     tiler.close()
     assert set(mem.blocks) == {int(planned)}  # the image, band, windows, mask, probs and weights freed
+
+
+def test_the_service_tiles_a_larger_image_and_counts_its_windows(window_bundle: Path) -> None:
+    import io
+    import time
+
+    from PIL import Image
+    from starlette.testclient import TestClient
+
+    from dualtrack import imaging
+    from dualtrack.serve import create_app
+
+    image = np.random.default_rng().integers(0, 256, (200, 150, 3), dtype=np.uint8)
+    png = io.BytesIO()
+    Image.fromarray(image).save(png, format="PNG")
+    with Engine.load(window_bundle, "cpu") as engine:
+        want = engine.run(image[None])["mask"][0]
+    with TestClient(create_app(window_bundle, max_batch_delay_ms=1)) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/readyz").status_code != 200:
+            assert time.monotonic() < deadline, "the service did not get ready"
+            time.sleep(0.1)
+        r = client.post("/v1/segment", content=png.getvalue(), headers={"Content-Type": "image/png"})
+        assert r.status_code == 200, r.text
+        np.testing.assert_array_equal(imaging.decode_mask_png(r.content), want)
+        small = io.BytesIO()
+        Image.fromarray(image[:40, :50]).save(small, format="PNG")  # held by the compiled size: no windows
+        assert client.post("/v1/segment", content=small.getvalue()).status_code == 200
+        metrics = client.get("/metrics").text
+    assert "dualtrack_windows_per_request_count 1.0" in metrics
+    assert "dualtrack_windows_per_request_sum 12.0" in metrics

@@ -312,6 +312,17 @@ class Engine:
         choice = sizes.choose((x.shape[1], x.shape[2]), self.sizes or (self.input_spec.shape[1:3],), window=True)
         return choice if choice.mode == sizes.WINDOW else None
 
+    def windows(self, image: sizes.Size) -> int:
+        """How many windows :meth:`run` tiles an image of ``image`` (height, width) into: 0 where a
+        compiled size holds it or the bundle has no ``window:`` (the service's metrics count them)."""
+        win = self.bundle.manifest.window
+        if win is None:
+            return 0
+        choice = sizes.choose(image, self.sizes or (self.input_spec.shape[1:3],), window=True)
+        if choice.mode != sizes.WINDOW:
+            return 0
+        return len(tiling.window_origins(image, win.size or choice.size, win.overlap))
+
     def _run_windows(self, x: np.ndarray, outputs: Sequence[str] | None, choice: sizes.Choice) -> dict[str, Any]:
         """Images larger than every compiled size through the sliding window (runtime/tiling.py): ``mask``
         at each image's own size, ``probs`` only where ``outputs`` names it (4 C H W bytes an image)."""

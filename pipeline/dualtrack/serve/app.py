@@ -292,12 +292,17 @@ class _Service:
         _, height, width, _ = engine.input_spec.shape
         classes = _num_classes(engine)
 
-        def queue() -> None:
+        def queue() -> _Answer | None:
             # Only the model-size pixels and the displayed size outlive this call: the full-size
             # decode is freed here. (A JPEG the GPU decoder takes never comes here: _segment_gpu_jpeg.)
-            sizes = _own_sizes(engine)
-            image = imaging.load_for_model(data, height, width, sizes=sizes, budget=self.image_budget)
+            sizes, tiles = _own_sizes(engine), _tiles(self.batcher)
+            image = imaging.load_for_model(data, height, width, sizes=sizes, window=tiles, budget=self.image_budget)
             pixels, region = image.pixels, None
+            if tiles and (pixels.shape[0] > height or pixels.shape[1] > width):  # larger: the sliding window
+                result, windows = self.batcher.tile(pixels)  # type: ignore[attr-defined]
+                if (observe := getattr(self.stats, "observe_windows", None)) is not None:
+                    observe(windows)
+                return self._answer(result, image.size, fmt, classes, start)
             if pixels.shape[:2] != (height, width):  # at its own size: padded to the batch's, its mask cropped back
                 region = pixels.shape[:2]
                 pixels = size_rule.pad_to(pixels[None], (height, width))[0]
@@ -312,6 +317,7 @@ class _Service:
 
             answer.add_done_callback(withdraw)
             queued.add_done_callback(batch_done)
+            return None
 
         def reply(queued: Future[BatchResult], size: tuple[int, int], region: tuple[int, int] | None) -> _Answer:
             return self._answer(queued.result(), size, fmt, classes, start, region)
@@ -478,6 +484,14 @@ def _own_sizes(engine: EngineSpecs | None) -> tuple[tuple[int, int], ...]:
     if engine is None or not getattr(engine, "sizes", ()):
         return ()
     return (tuple(engine.input_spec.shape[1:3]),)  # type: ignore[return-value]
+
+
+def _tiles(batcher: BatchQueue) -> bool:
+    """Whether images larger than the batch shape go through the sliding window: a bundle with ``window:``
+    whose engine this process holds (its :class:`Batcher` tiles them); under ``--workers`` and Ray they
+    are resized, as for a bundle without one."""
+    manifest = getattr(getattr(batcher.engine, "bundle", None), "manifest", None)
+    return hasattr(batcher, "tile") and getattr(manifest, "window", None) is not None
 
 
 def _num_classes(engine: EngineSpecs) -> int:

@@ -379,6 +379,17 @@ class Batcher(QueueState["Engine"]):
             self._copied(batch)
         return request.future
 
+    def tile(self, image: np.ndarray) -> tuple[BatchResult, int]:
+        """An ``(H, W, 3)`` image larger than every compiled size through the engine's sliding window (a
+        bundle with ``window:``, runtime/tiling.py), on the calling thread (an image thread), and the
+        windows it ran. Not a batch of its own: the engine's lock orders its window runs with the
+        batches (on a GPU the whole image at once, on the CPU each batch of windows)."""
+        engine = self._ready_engine()
+        t0 = time.perf_counter()
+        mask = engine.run(image[None], outputs=["mask"])["mask"][0]
+        run_ms = (time.perf_counter() - t0) * 1e3
+        return BatchResult(mask, 1, 1, 0.0, run_ms), engine.windows(image.shape[:2])
+
     def submit_jpeg(self, jpeg: imaging.GpuJpeg, *, into: np.ndarray | None = None) -> Future[BatchResult]:
         """Queue one JPEG that :func:`dualtrack.imaging.route_jpeg` gave the GPU: it is decoded and
         resized on the engine's GPU when its batch is staged (a JPEG nvImageCodec refuses is decoded
