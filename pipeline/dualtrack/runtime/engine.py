@@ -350,7 +350,13 @@ class Engine:
     def _tile(self, image: np.ndarray, t: tiling.Tiling, spent: dict[str, float], *, probs: bool) -> tiling.Answer:
         """One image's windows through this engine (of the window's size): numpy on ``cpu``, the
         ``blend_nhwc`` kernels on ``cuda``; each track's time added to ``spent``."""
-        classes = next(o.shape[1] for o in self.output_specs if o.name == "probs")
+        probs_spec = next((o for o in self.output_specs if o.name == "probs"), None)
+        if probs_spec is None or probs_spec.dtype != "float32" or probs_spec.shape[2:] != self.input_spec.shape[1:3]:
+            raise InputError(
+                f"{self.bundle.root} has no float32 (n, classes, H, W) `probs` output to blend windows of; "
+                "rebuild it with `postprocess:`"
+            )
+        classes = probs_spec.shape[1]
         win = self.bundle.manifest.window
         assert win is not None
         if self.device != "cuda":

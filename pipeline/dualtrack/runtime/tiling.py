@@ -230,6 +230,9 @@ class GpuTiler:
     def _launch(self, entry: str, call_: tuple[Any, list[Any]]) -> None:
         config, args = call_
         self.kernels[entry].launch(config.grid, config.block, config.shared_bytes, self.backend.stream, args)
+        # Work on the backend's stream: a Track B segment run through the IREE runtime (its own streams)
+        # waits for it on the host before reading the windows (CudaBackend._handoff_to_iree).
+        self.backend.stream_pending = True
 
     def run(
         self, image: np.ndarray, t: Tiling, spec: Window, run_batch: Callable[[Any, int], Any], classes: int,
