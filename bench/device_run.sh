@@ -73,6 +73,8 @@ for step in $steps; do
       [ -d "$C/tiny_fixed" ] && export DUALTRACK_TEST_FIXED_BUNDLE=$PWD/$C/tiny_fixed
       # tiny_sizes (tests/gpu/test_sizes_gpu.py build_sized_bundle): a conv net built for 40x56 and 64x48.
       [ -d "$C/tiny_sizes" ] && export DUALTRACK_TEST_SIZES_BUNDLE=$PWD/$C/tiny_sizes
+      # tiny_window (tests/window_net.py build_window_bundle): a conv net with `window:` (64x64 windows).
+      [ -d "$C/tiny_window" ] && export DUALTRACK_TEST_WINDOW_BUNDLE=$PWD/$C/tiny_window
       # kit_tiny (`dualtrack tune tests/.../tiny.yaml --track-b --prepare-kit`): IREE flag candidates.
       [ -d "$C/kit_tiny" ] && export DUALTRACK_TEST_KIT=$PWD/$C/kit_tiny
       DUALTRACK_TEST_BUNDLE=$PWD/$C/tiny DUALTRACK_TEST_FULL_BUNDLE=$PWD/$C/tiny_full \

@@ -91,6 +91,8 @@ from test_fixed_shape_gpu import build_fixed_bundle  # tests/gpu/test_fixed_shap
 build_fixed_bundle(tmp / "fixed", out / "tiny_fixed")
 from test_sizes_gpu import build_sized_bundle  # tests/gpu/test_sizes_gpu.py: a bundle of two input sizes
 build_sized_bundle(tmp / "sizes", out / "tiny_sizes")
+import window_net  # tests/gpu/test_tiling_gpu.py: a conv net with `window:` (sliding-window inference)
+window_net.build_window_bundle(tmp / "window", out / "tiny_window", ("sm_90a", "sm_80"))
 (out / "tiny.yaml").write_text(str(tmp / "tiny" / "tiny.yaml"))
 EOF
   "$DT" tune "$(cat "$C/tiny.yaml")" --track-b --prepare-kit "$C/kit_tiny"

@@ -9,15 +9,16 @@ around the same torch network.
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import window_net
 from monai.data.utils import compute_importance_map, dense_patch_slices
 from monai.inferers import sliding_window_inference
 from monai.inferers.utils import _get_scan_interval
+from window_net import MEAN, STD, WINDOW, SmallNet
 
 from dualtrack.compiler.config import load_config
 from dualtrack.contract.manifest import Window
@@ -29,8 +30,6 @@ from dualtrack.runtime.engine import Engine
 
 MASK_AGREE = 0.999  # the issue's bar: fp32 IREE llvm-cpu vs fp32 torch flip only near-tied pixels
 BLEND_RTOL = 1e-5  # float32 accumulation in window order vs a float64 blend
-WINDOW = (64, 64)
-MEAN, STD = (0.0, 0.0, 0.0), (0.229, 0.224, 0.225)  # mean 0: zero pixels pad as MONAI's cval 0 does
 
 
 def monai_origins(image: tuple[int, int], window: tuple[int, int], overlap: float) -> list[tuple[int, int]]:
@@ -144,53 +143,15 @@ def test_window_config_errors_name_the_fix(tmp_path: Path) -> None:
 # --- the whole path against MONAI ------------------------------------------------------------------
 
 
-class SmallNet(torch.nn.Module):
-    """Three classes from a few convolutions (a receptive field of 11 pixels)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = torch.nn.Sequential(
-            torch.nn.Conv2d(3, 12, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.Conv2d(12, 12, 5, padding=2),
-            torch.nn.ReLU(),
-            torch.nn.Conv2d(12, 12, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.Conv2d(12, 3, 3, padding=1),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
-
-
 @pytest.fixture(scope="module")
 def small_net() -> SmallNet:
-    torch.manual_seed(7)
-    return SmallNet().eval()
+    return window_net.small_net()
 
 
 @pytest.fixture(scope="module")
-def window_bundle(small_net: SmallNet, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dualtrack.compiler.build import build
-
+def window_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("window")
-    torch.onnx.export(
-        small_net, torch.zeros(1, 3, *WINDOW), str(root / "net.onnx"), input_names=["x"], output_names=["logits"],
-        opset_version=17, dynamo=False,
-    )  # fmt: skip
-    (root / "net.yaml").write_text(
-        textwrap.dedent(f"""\
-        model: net.onnx
-        batch_sizes: [1, 4]
-        targets: []
-        preprocess: {{layout: NCHW, color: RGB, scale: 255, mean: {list(MEAN)}, std: {list(STD)}}}
-        postprocess: {{output: logits, activation: softmax}}
-        window: {{overlap: 0.25, blend: gaussian}}
-        verify: {{samples: 1, seed: 5}}
-        """)
-    )
-    build(root / "net.yaml", root / "bundle")
-    return root / "bundle"
+    return window_net.build_window_bundle(root, root / "bundle")
 
 
 def monai_mask(net: SmallNet, image: np.ndarray, blend: str, overlap: float = 0.25) -> np.ndarray:
