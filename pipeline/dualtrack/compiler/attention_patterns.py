@@ -505,7 +505,8 @@ def find_attention(facts: Facts, taken: set[str], minor: frozenset[str] = frozen
         try:
             att = match(node, facts, claimed, minor)
         except NoMatch as e:
-            found.refused[node.name] = f"not an attention the kernel takes: {e}"
+            if _reads_a_product(facts, node):  # a class softmax (a head) keeps its own reason
+                found.refused[node.name] = f"not an attention the kernel takes: {e}"
             continue
         if claimed.intersection(att.nodes):
             found.refused[node.name] = "its nodes overlap another attention"
@@ -513,6 +514,19 @@ def find_attention(facts: Facts, taken: set[str], minor: frozenset[str] = frozen
         claimed.update(att.nodes)
         found.found.update((name, att) for name in att.nodes)
     return found
+
+
+def _reads_a_product(facts: Facts, softmax: onnx.NodeProto, depth: int = 4) -> bool:
+    """Whether a MatMul or Einsum lies a few nodes up the Softmax's data input: it looked like attention."""
+    t = softmax.input[0]
+    for _ in range(depth):
+        p = facts.producer.get(t)
+        if p is None or not p.input:
+            return False
+        if p.op_type in PRODUCTS:
+            return True
+        t = next((x for x in p.input if x and not facts.is_const(x)), p.input[0])
+    return False
 
 
 def attention_work(specs: dict, call: KernelCall) -> cost.Work:
