@@ -144,6 +144,8 @@ def test_the_bundle_holds_one_verified_plan_per_size_and_the_weights_once(sized_
     assert b.manifest.verification is not None and b.manifest.verification.passed
     assert [f for f in b.manifest.files if f.endswith("weights.bin")] == ["weights.bin"]
     small = b.at_size((40, 56))
+    assert small.manifest.build_key != b.manifest.build_key  # the first GPU load's records are per size
+    assert b.at_size((64, 48)) is b
     assert small.plan.inputs[0].shape == (1, 40, 56, 3)
     assert all(s.onnx.startswith("sizes/40x56/") for s in small.plan.segments)
     assert {s.track for s in small.plan.segments} == {"A", "B"}

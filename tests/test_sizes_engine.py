@@ -162,3 +162,11 @@ def _post(base: str, data: bytes) -> bytes:
     r = httpx.post(f"{base}/v1/segment", content=data, headers={"content-type": "image/png"}, timeout=60)
     assert r.status_code == 200, r.text
     return r.content
+
+
+def test_cli_verify_checks_every_size(sized_bundle: Path) -> None:
+    result = CliRunner().invoke(main, ["verify", str(sized_bundle), "--seed", "3"])
+    assert result.exit_code == 0, result.output
+    assert any(line.startswith("40x56: ") for line in result.output.splitlines())
+    assert any(line.startswith("64x48: ") for line in result.output.splitlines())
+    assert "checks passed on cpu (seed 3)" in result.output

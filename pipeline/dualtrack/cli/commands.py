@@ -351,21 +351,39 @@ def _ran_at(engine: Engine, x: np.ndarray) -> str:
 @click.option("--seed", type=int, default=None, help="Fix the random inputs (default: fresh).")
 @click.option("--json", "as_json", is_flag=True)
 def verify(bundle: Path, device: str, device_index: int, samples: int, seed: int | None, as_json: bool) -> None:
-    """Check every segment and the whole plan of BUNDLE against onnxruntime."""
+    """Check every segment and the whole plan of BUNDLE against onnxruntime (every input size's plan,
+    in a bundle built with `sizes`)."""
     from dualtrack.compiler.verify import verify_engine
     from dualtrack.runtime.engine import Engine
 
     out = _Output(as_json)
+    reports = {}
     with Engine.load(bundle, device, device_index) as engine:
-        report = verify_engine(engine, samples=samples, seed=seed, tol=engine.bundle.tolerance(), progress=out.step)
-    if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
+        for e in [engine.at_size(s) for s in engine.sizes] or [engine]:
+            if engine.sizes:
+                out.step(f"size {label(e.input_spec.shape[1:3])}")
+            tol = e.bundle.tolerance()
+            reports[label(e.input_spec.shape[1:3])] = verify_engine(
+                e, samples=samples, seed=seed, tol=tol, progress=out.step
+            )
+    if as_json:  # one size: the report as before; several: one per size
+        one = len(reports) == 1
+        click.echo(
+            json.dumps(
+                next(iter(reports.values())).to_json() if one else {k: r.to_json() for k, r in reports.items()},
+                indent=2,
+            )
+        )
     else:
-        for line in report.lines():
-            click.echo(line)
-    report.raise_if_failed()
+        for size, report in reports.items():
+            for line in report.lines():
+                click.echo(line if len(reports) == 1 else f"{size}: {line}")
+    for report in reports.values():
+        report.raise_if_failed()
     if not as_json:
-        click.echo(f"all {len(report.checks)} checks passed on {device} (seed {report.seed})")
+        n = sum(len(r.checks) for r in reports.values())
+        seeds = sorted({r.seed for r in reports.values()})
+        click.echo(f"all {n} checks passed on {device} (seed {', '.join(map(str, seeds))})")
 
 
 @main.command()

@@ -172,7 +172,13 @@ class Bundle:
             have = ", ".join(label(s) for s in self.sizes) or "none"
             raise BundleError(f"{self.root} has no plan for {label(size)} (has {have}); add it to `sizes` and rebuild")
         manifest = replace(
-            self.manifest, plan=entry.plan, artifacts=entry.artifacts, verification=entry.verification, sizes=()
+            self.manifest,
+            # A key of its own: what is recorded of one size (the first GPU load's checks) is not another's.
+            build_key=sha256(f"{self.manifest.build_key} {label(size)}".encode()),
+            plan=entry.plan,
+            artifacts=entry.artifacts,
+            verification=entry.verification,
+            sizes=(),
         )
         return replace(self, manifest=manifest, model_file=entry.model, cases_file=entry.cases)
 
