@@ -59,6 +59,7 @@ from dualtrack.errors import InputError
 from dualtrack.kernels import blend, sources
 from dualtrack.kernels.blend import BlendSpec
 from dualtrack.runtime.driver import Module, call
+from dualtrack.runtime.memory import download, upload
 from dualtrack.runtime.tensors import GpuTensor
 
 Size = tuple[int, int]
@@ -242,33 +243,36 @@ class GpuTiler:
         returns the engine's device outputs (its ``probs``: (batch, C, h, w) float32)."""
         be, (H, W), (h, w), spec_ = self.backend, t.image, t.window, self.spec
         be.ctx.make_current()
-        img = be.from_host(np.ascontiguousarray(image))
         weights = self._weights(t, spec)
         acc_bytes = 4 * (classes + 1) * t.band * W
         bufs = {
+            "image": be.pool.alloc(image.nbytes, be.stream),
             "acc": be.pool.alloc(acc_bytes, be.stream),
             "x": be.pool.alloc(t.batch * h * w * 3, be.stream),
             "mask": be.pool.alloc(H * W, be.stream),
             **({"probs": be.pool.alloc(4 * classes * H * W, be.stream)} if probs else {}),
         }
         ptr = {k: int(v) for k, v in bufs.items()}
-        call(cu.cuMemsetD8Async, ptr["acc"], 0, acc_bytes, be.stream.handle)
         done = 0
         try:
+            # From pageable memory: the driver stages it (no page-locked copy of the image kept by the backend).
+            upload(be.stream, bufs["image"], np.ascontiguousarray(image))
+            call(cu.cuMemsetD8Async, ptr["acc"], 0, acc_bytes, be.stream.handle)
             for origins in t.runs():
                 done = self._finish(ptr, t, classes, done, max(origins[0][0], 0))
-                self._launch(spec_.cut_entry, spec_.cut_call(img.ptr, ptr["x"], H, W, h, w, t.batch, origins))
+                self._launch(spec_.cut_entry, spec_.cut_call(ptr["image"], ptr["x"], H, W, h, w, t.batch, origins))
                 outs = run_batch(GpuTensor(ptr["x"], (t.batch, h, w, 3), np.dtype(np.uint8), bufs["x"]), t.batch)
                 p = _probs(outs, (t.batch, classes, h, w))
                 acc = spec_.accumulate_call(p.ptr, weights, ptr["acc"], classes, h, w, H, W, t.band, done, origins)
                 self._launch(spec_.accumulate_entry, acc)
             self._finish(ptr, t, classes, done, H)
-            answer = Answer(be.to_host(GpuTensor(ptr["mask"], (H, W), np.dtype(np.uint8))))  # waits for the stream
-            if probs:
-                answer.probs = be.to_host(GpuTensor(ptr["probs"], (classes, H, W), np.dtype(np.float32)))
+            answer = Answer(np.empty((H, W), np.uint8), np.empty((classes, H, W), np.float32) if probs else None)
+            download(be.stream, answer.mask, bufs["mask"])  # into pageable memory: returns once it is there
+            if answer.probs is not None:
+                download(be.stream, answer.probs, bufs["probs"])
         finally:
             be.stream.synchronize()  # nothing may still read or write them when they go back to the pool
-            for buf in (*bufs.values(), img.keepalive):
+            for buf in bufs.values():
                 buf.close(be.stream)
         return answer
 
