@@ -333,8 +333,12 @@ class _Service:
             return "a JPEG longer than an image slot is decoded on the CPU"
         route = imaging.route_jpeg(data, height, width, max_downscale=RESIZE_RGB.max_downscale)
         sizes = _own_sizes(self.batcher.engine) if isinstance(route, imaging.GpuJpeg) else ()
-        if sizes and size_rule.choose((route.size[1], route.size[0]), sizes).mode == size_rule.FITS:
+        shown = (route.size[1], route.size[0]) if isinstance(route, imaging.GpuJpeg) else (0, 0)
+        mode = size_rule.choose(shown, sizes, window=_tiles(self.batcher)).mode if sizes else ""
+        if mode == size_rule.FITS:
             return "an image a compiled size holds is decoded on the CPU and run at its own size"
+        if mode == size_rule.WINDOW:  # the GPU path resizes to the batch shape: the sliding window starts on the CPU
+            return "an image larger than every compiled size is decoded on the CPU and run through the sliding window"
         return route
 
     @property
