@@ -231,6 +231,22 @@ def torch_modules() -> tuple[Any, dict[str, tuple[Any, tuple[int, ...]]]]:
             o = torch.einsum("bhxy,bhyd->bhxd", a, qkv[2])
             return self.proj(o.transpose(1, 2).reshape(n, length, c))
 
+    class Sdpa(torch.nn.Module):
+        """timm's fused attention: F.scaled_dot_product_attention, which the dynamo exporter decomposes with
+        K's transpose as Reshape (N*h, L, d) / Transpose / Reshape back and the scale's root on Q and Kᵀ."""
+
+        def __init__(self, c: int = 64, heads: int = 2) -> None:
+            super().__init__()
+            self.h, self.d = heads, c // heads
+            self.qkv = torch.nn.Linear(c, 3 * c)
+            self.proj = torch.nn.Linear(c, c)
+
+        def forward(self, x):
+            n, length, c = x.shape
+            q, k, v = self.qkv(x).reshape(n, length, 3, self.h, self.d).permute(2, 0, 3, 1, 4).unbind(0)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            return self.proj(o.transpose(1, 2).reshape(n, length, c))
+
     class PositionMap(torch.nn.Module):
         """smp MAnet's PAB: a softmax over the whole flattened (HW x HW) map, not over the keys."""
 
@@ -249,6 +265,7 @@ def torch_modules() -> tuple[Any, dict[str, tuple[Any, tuple[int, ...]]]]:
         "sra": (SpatialReduction, (1, 64, 8, 8)),
         "tokens": (Tokens, (1, 49, 96)),
         "einsum": (Einsum, (1, 40, 128)),
+        "sdpa": (Sdpa, (1, 30, 64)),
         "pab": (PositionMap, (1, 32, 6, 6)),
     }
 

@@ -67,26 +67,31 @@ class Attentions:
         return "attention" if self.found[node.name].nodes[0] == node.name else None
 
 
+Sub = tuple[int, int, bool]  # a sub-dim of a view's dim: size (at batch 1), element stride, is the batch
+
+
 class NoMatch(Exception):
     """The nodes around a Softmax are not an attention the kernel takes; the message says why."""
 
 
 @dataclass(frozen=True)
 class View:
-    """A tensor as strides over its root's buffer: ``shape`` (at batch 1), element ``strides``, ``off``;
-    dim ``bd`` is the batch."""
+    """A tensor as strides over its root's buffer. Each dim is a group of sub-dims (size at batch 1,
+    element stride), outermost first: a Reshape that merges dims which are not contiguous (the batch
+    with the heads, as the dynamo exporter writes K's transpose: (N, h, L, d) -> (N*h, L, d) ->
+    (N*h, d, L) -> (N, h, d, L)) keeps them apart, and a later Reshape that splits them back gives
+    plain strides again; only a dim still merged at the end needs them contiguous (:attr:`strides`).
+    The batch is a sub-dim of its own (``batch`` flag; size 1 at batch 1), dim ``bd`` holds it."""
 
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
+    groups: tuple[tuple[Sub, ...], ...]
     off: int = 0
-    bd: int = 0
 
     @classmethod
     def of_root(cls, shape: tuple[int, ...]) -> View:
         """The root's layout on Track A: NHWC for a 4-D tensor, else the graph's (row-major)."""
         if len(shape) == 4:
             _, c, h, w = shape
-            return cls(shape, (h * w * c, 1, w * c, c))
+            return cls._plain(shape, (h * w * c, 1, w * c, c))
         return cls.row_major(shape)
 
     @classmethod
@@ -94,78 +99,102 @@ class View:
         strides = [1] * len(shape)
         for j in range(len(shape) - 2, -1, -1):
             strides[j] = strides[j + 1] * shape[j + 1]
-        return cls(shape, tuple(strides))
+        return cls._plain(shape, tuple(strides))
+
+    @classmethod
+    def _plain(cls, shape: tuple[int, ...], strides: tuple[int, ...]) -> View:
+        return cls(tuple(((n, s, j == 0),) for j, (n, s) in enumerate(zip(shape, strides, strict=True))))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(math.prod(n for n, _, _ in g) for g in self.groups)
+
+    @property
+    def bd(self) -> int:
+        """The dim that holds the batch (-1: none; never the case for a view of a batch-major root)."""
+        return next((j for j, g in enumerate(self.groups) if any(b for _, _, b in g)), -1)
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """One element stride per dim; NoMatch where a merged dim's sub-dims are not contiguous or the
+        batch shares its dim."""
+        out = []
+        for g in self.groups:
+            subs = [x for x in g if x[0] != 1 or x[2]]
+            if len(subs) > 1 and any(b for _, _, b in subs):
+                raise NoMatch("the batch merged with another dim (the kernel reads it as its own)")
+            if any(subs[k][1] != subs[k + 1][1] * subs[k + 1][0] for k in range(len(subs) - 1)):
+                raise NoMatch("a merged dim that needs a copy in the Track A layout")
+            out.append(subs[-1][1] if subs else 0)
+        return tuple(out)
 
     def transpose(self, perm: list[int]) -> View:
-        return View(
-            tuple(self.shape[p] for p in perm), tuple(self.strides[p] for p in perm), self.off, perm.index(self.bd)
-        )
+        return View(tuple(self.groups[p] for p in perm), self.off)
 
     def swap_last(self) -> View:
         """The last two dims exchanged (a matrix transposed in place)."""
-        if len(self.shape) < 2:
+        if len(self.groups) < 2:
             raise NoMatch(f"a product operand of shape {self.shape}")
-        return self.transpose([*range(len(self.shape) - 2), len(self.shape) - 1, len(self.shape) - 2])
+        return self.transpose([*range(len(self.groups) - 2), len(self.groups) - 1, len(self.groups) - 2])
+
+    def _single(self, axis: int, what: str) -> Sub:
+        subs = [x for x in self.groups[axis] if x[0] != 1 or x[2]]
+        if axis == self.bd or len(subs) > 1:
+            raise NoMatch(f"a {what} over the batch or over a merged dim")
+        return subs[0] if subs else (1, 0, False)
 
     def narrow(self, axis: int, start: int, size: int) -> View:
         """Elements start .. start+size-1 of dim ``axis`` (a Split's or Slice's part)."""
-        if axis == self.bd:
-            raise NoMatch("a Split or Slice over the batch")
-        shape = (*self.shape[:axis], size, *self.shape[axis + 1 :])
-        return View(shape, self.strides, self.off + start * self.strides[axis], self.bd)
+        _, stride, _ = self._single(axis, "Split or Slice")
+        groups = (*self.groups[:axis], ((size, stride, False),), *self.groups[axis + 1 :])
+        return View(groups, self.off + start * stride)
 
     def gather(self, axis: int, index: int) -> View:
-        if axis == self.bd:
-            raise NoMatch("a Gather over the batch")
-        keep = [j for j in range(len(self.shape)) if j != axis]
-        return View(
-            tuple(self.shape[j] for j in keep),
-            tuple(self.strides[j] for j in keep),
-            self.off + index * self.strides[axis],
-            keep.index(self.bd),
-        )
+        _, stride, _ = self._single(axis, "Gather")
+        return View(tuple(g for j, g in enumerate(self.groups) if j != axis), self.off + index * stride)
+
+    def squeeze(self, axes: set[int]) -> View:
+        if self.bd in axes or any(self.shape[a] != 1 for a in axes):
+            raise NoMatch("a Squeeze of the batch or of a dim longer than 1")
+        return View(tuple(g for j, g in enumerate(self.groups) if j not in axes), self.off)
+
+    def unsqueeze(self, axes: set[int]) -> View:
+        rest = iter(self.groups)
+        return View(tuple(() if j in axes else next(rest) for j in range(len(self.groups) + len(axes))), self.off)
 
     def reshape(self, new: tuple[int, ...]) -> View:
-        """The view of the same elements as ``new`` (batch 1 shapes) without a copy, keeping the batch dim 0."""
-        if self.bd != 0 or math.prod(self.shape[1:]) != math.prod(new[1:]):
-            raise NoMatch(f"a Reshape {self.shape} -> {new} that moves the batch out of dim 0")
-        rest = _split_strides([(n, s) for n, s in zip(self.shape[1:], self.strides[1:], strict=True)], new[1:])
-        if rest is None:
-            raise NoMatch(f"a Reshape {self.shape} -> {new} that needs a copy in the Track A layout")
-        return View(new, (self.strides[0], *rest), self.off, 0)
-
-
-def _split_strides(old: list[tuple[int, int]], new: tuple[int, ...]) -> list[int] | None:
-    """numpy's no-copy reshape: the strides of shape ``new`` over dims ``old`` (size, stride), or None
-    where a group of old dims that new merges is not contiguous."""
-    dims = [(n, s) for n, s in old if n != 1]
-    out = [0] * len(new)
-    oi, ni = 0, 0
-    while ni < len(new):
-        if new[ni] == 1:
-            ni += 1
-            continue
-        nj, oj = ni + 1, oi + 1
-        if oi >= len(dims):
-            return None
-        np_, op_ = new[ni], dims[oi][0]
-        while np_ != op_:
-            if np_ < op_:
-                if nj >= len(new):
-                    return None
-                np_, nj = np_ * new[nj], nj + 1
-            else:
-                if oj >= len(dims):
-                    return None
-                op_, oj = op_ * dims[oj][0], oj + 1
-        if any(dims[k][1] != dims[k + 1][1] * dims[k + 1][0] for k in range(oi, oj - 1)):
-            return None
-        stride = dims[oj - 1][1]
-        for k in range(nj - 1, ni - 1, -1):
-            out[k] = stride
-            stride *= new[k]
-        ni, oi = nj, oj
-    return out if oi == len(dims) else None
+        """The same elements as ``new`` (batch 1 sizes): the sub-dims regrouped, split where a new dim
+        ends inside one (which needs no contiguity); the batch sub-dim opens the next new dim."""
+        subs = [x for g in self.groups for x in g if x[0] != 1 or x[2]]
+        groups: list[tuple[Sub, ...]] = []
+        i = 0
+        for n in new:
+            group: list[Sub] = []
+            if i < len(subs) and subs[i][2]:
+                group.append(subs[i])
+                i += 1
+            size = 1
+            while size < n:
+                if i >= len(subs) or subs[i][2]:
+                    raise NoMatch(f"a Reshape {self.shape} -> {new} that moves the batch")
+                m, stride, _ = subs[i]
+                k = n // size
+                if m > k:  # the new dim ends inside this sub-dim: split it
+                    if m % k:
+                        raise NoMatch(f"a Reshape {self.shape} -> {new} across dims")
+                    group.append((k, stride * (m // k), False))
+                    subs[i] = (m // k, stride, False)
+                    size *= k
+                else:
+                    group.append(subs[i])
+                    size *= m
+                    i += 1
+            if size != n:
+                raise NoMatch(f"a Reshape {self.shape} -> {new} across dims")
+            groups.append(tuple(group))
+        if i != len(subs):
+            raise NoMatch(f"a Reshape {self.shape} -> {new} that leaves the batch behind")
+        return View(tuple(groups), self.off)
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -241,19 +270,8 @@ class _Walk:
         if axes is None:
             raise NoMatch(f"{node.op_type} {node.name} without constant axes")
         if node.op_type == "Squeeze":
-            drop = {int(a) % len(view.shape) for a in axes}
-            if view.bd in drop or any(view.shape[a] != 1 for a in drop):
-                raise NoMatch(f"Squeeze {node.name} of the batch or of a dim longer than 1")
-            keep = [j for j in range(len(view.shape)) if j not in drop]
-            shape, strides = tuple(view.shape[j] for j in keep), tuple(view.strides[j] for j in keep)
-            return View(shape, strides, view.off, keep.index(view.bd))
-        rank = len(view.shape) + len(axes)
-        added = {int(a) % rank for a in axes}
-        old = iter(range(len(view.shape)))
-        where = [None if j in added else next(old) for j in range(rank)]
-        shape = tuple(1 if w is None else view.shape[w] for w in where)
-        strides = tuple(0 if w is None else view.strides[w] for w in where)
-        return View(shape, strides, view.off, where.index(view.bd))
+            return view.squeeze({int(a) % len(view.shape) for a in axes})
+        return view.unsqueeze({int(a) % (len(view.shape) + len(axes)) for a in axes})
 
     def _slice(self, node: onnx.NodeProto, view: View, out: str) -> View:
         """A Slice of constant starts (step 1) as narrowed dims; its output shape gives the sizes."""
