@@ -264,3 +264,19 @@ def test_the_launch_passes_each_view_at_its_offset_and_the_bias_broadcast() -> N
     assert (args["q_b"], args["q_h"], args["q_i"], args["q_c"]) == (70 * 96, 32, 96, 1)
     assert (args["bias_h"], args["bias_i"], args["bias_j"], args["bmod"], args["bias_f32"]) == (70, 1, 0, 1, 1)
     assert args["scale"] == pytest.approx(case.scale, rel=2e-3) and (args["B"], args["Hd"]) == (5, 3)
+
+
+def test_views_fold_reshapes_and_transposes_into_strides() -> None:
+    """attention_patterns.View: an NHWC image's pixels as tokens; the batch merged with the heads and split
+    back (the dynamo exporter's K transpose) as one transpose; a merge that would need a copy refused."""
+    view = attention_patterns.View
+    img = view.of_root((1, 8, 5, 7)).reshape((1, 8, 35)).transpose([0, 2, 1])  # NCHW image -> (N, HW, C) tokens
+    assert img.shape == (1, 35, 8) and img.strides == (280, 8, 1) and img.bd == 0
+    k = view.row_major((1, 30, 3, 2, 32)).transpose([2, 0, 3, 1, 4]).gather(0, 1)  # (N, h, L, d) of a fused qkv
+    assert k.strides == (5760, 32, 192, 1) and k.off == 64
+    kt = k.reshape((2, 30, 32)).transpose([0, 2, 1]).reshape((1, 2, 32, 30))  # via (N*h, d, L)
+    assert kt.strides == (5760, 32, 1, 192) and kt.bd == 0
+    with pytest.raises(attention_patterns.NoMatch, match="batch merged"):
+        _ = k.reshape((2, 30, 32)).strides
+    with pytest.raises(attention_patterns.NoMatch, match="needs a copy"):
+        _ = img.transpose([0, 2, 1]).reshape((1, 280)).strides  # (N, C, HW) of an NHWC image is no strided row
