@@ -164,8 +164,14 @@ def monai_mask(net: SmallNet, image: np.ndarray, blend: str, overlap: float = 0.
 
 
 def test_the_bundle_records_its_window(window_bundle: Path) -> None:
+    from click.testing import CliRunner
+
+    from dualtrack.cli import main
+
     with Engine.load(window_bundle, "cpu") as engine:
         assert engine.bundle.manifest.window == Window(None, 0.25, "gaussian", 0.125, 4)
+    info = CliRunner().invoke(main, ["info", str(window_bundle)])
+    assert "window     64x64 windows, overlap 0.25, gaussian blend, 4 a run" in info.output, info.output
 
 
 @pytest.mark.parametrize("shape", [(200, 150), (90, 40)])

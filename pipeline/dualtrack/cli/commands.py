@@ -417,6 +417,13 @@ def _info_model(b: Bundle) -> None:
         for s in m.sizes:
             segs = ", ".join(f"{g.name}" for g in s.plan.segments)
             click.echo(f"size       {s.height}x{s.width}: {len(s.plan.segments)} segments ({segs})")
+    if m.window is not None:  # sliding-window inference for larger images (runtime/tiling.py)
+        w = m.window
+        size = label(w.size or b.sizes[-1])
+        click.echo(
+            f"window     {size} windows, overlap {w.overlap}, {w.blend} blend, {w.batch} a run: an image larger "
+            "than every size is tiled, its mask at its own size"
+        )
     for rewrite in m.model.frontend:
         click.echo(f"front end  {rewrite}")
     if m.model.classes:
