@@ -310,7 +310,7 @@ class Answer:
 def _probs(outs: Any, want: tuple[int, ...]) -> GpuTensor:
     """The engine's ``probs`` output of a window batch, checked: what the accumulate kernel reads."""
     p = outs["probs"] if isinstance(outs, dict) else outs
-    if tuple(p.shape) != want or np.dtype(p.dtype) != np.float32:
+    if tuple(p.shape) != want or np.dtype(p.dtype) != np.float32 or getattr(p, "ld", 0):  # ld: a channel slice
         raise InputError(
             f"the bundle's probs are {np.dtype(p.dtype)}{list(p.shape)}; windows blend float32 {list(want)}: "
             "rebuild with `postprocess:`"
