@@ -95,6 +95,11 @@ LAYERS = (
     Layer("dec4 conv1", "conv3x3", 1, 512, 512, 32, 16, 3, 1, False, True),
     Layer("dec4 conv2", "conv3x3", 1, 512, 512, 16, 16, 3, 1, False, True),
     Layer("head", "conv", 1, 512, 512, 16, 2, 3, 1, False, False),  # the direct entry (partition.DIRECT_MIN_PIXELS)
+    # The stems with the image widened to 8 channels (compiler/input_channels.py), beside the 3-channel
+    # ones: the vector entries against the gather entry. uses 0: not in the network's totals.
+    Layer("stem 7x7/2 c8", "conv", 0, 512, 512, 8, 64, 7, 2, False, True),
+    Layer("stem 3x3/2 k16", "conv", 0, 512, 512, 3, 16, 3, 2, False, False),  # MONAI UNet's first unit
+    Layer("stem 3x3/2 k16 c8", "conv", 0, 512, 512, 8, 16, 3, 2, False, False),
 )
 
 
