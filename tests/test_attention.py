@@ -184,22 +184,29 @@ targets: [sm_80]
 partition:
   mode: {mode}
   track_a:
-    name_prefixes: [/body/]
+    name_prefixes: [/body/]{track_b}
 verify:
   samples: 1
 """
 
 
-def _block_model(tmp_path: Path) -> Path:
+def _block_model(tmp_path: Path, body: str = "sra") -> Path:
+    """An image net: Sin (no Track A kernel: the body's ends are boundaries), the body, Sin. ``sra``: convs
+    and attention on NHWC images; ``tokens``: the image's pixels as (N, L, C) tokens, whose qkv and proj
+    Linears (MatMul: Track B) hand the attention 3-D tensors across the boundaries."""
     torch, modules = torch_modules()
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.body = modules["sra"][0]()
+            self.body = modules["sra"][0]() if body == "sra" else modules["tokens"][0](c=64, heads=2, length=64)
 
         def forward(self, x):
-            return torch.sin(self.body(torch.sin(x)))  # Sin: no Track A kernel, so the body's ends are boundaries
+            x = torch.sin(x)
+            if body == "sra":
+                return torch.sin(self.body(x))
+            n, c, h, w = x.shape
+            return torch.sin(self.body(x.flatten(2).transpose(1, 2)).transpose(1, 2).reshape(n, c, h, w))
 
     torch.manual_seed(1)
     path = tmp_path / "block.onnx"
@@ -223,60 +230,27 @@ def test_auto_partition_charges_an_attention_once(tmp_path: Path) -> None:
     assert len([n for n in nodes if (by[n].a_us or 0) > 0]) == 1  # one launch, its other nodes cost nothing
 
 
-def test_a_conv_attention_block_builds_and_verifies_on_the_cpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize("body", ["sra", "tokens"])
+def test_an_attention_block_builds_and_verifies_on_the_cpu(tmp_path: Path, body: str) -> None:
     from dualtrack.compiler.build import build
 
-    _block_model(tmp_path)
-    (tmp_path / "block.yaml").write_text(CONFIG.format(mode="rules"))
+    _block_model(tmp_path, body)
+    linears = "\n  track_b:\n    name_prefixes: [/body/qkv/, /body/proj/]" if body == "tokens" else ""
+    (tmp_path / "block.yaml").write_text(CONFIG.format(mode="rules", track_b=linears))
     build(tmp_path / "block.yaml", tmp_path / "out")  # raises when verification fails
     plan = json.loads((tmp_path / "out" / "manifest.json").read_text())["plan"]
-    assert [s["track"] for s in plan["segments"]] == ["B", "A", "B"]
-    ops = [c["op"] for c in plan["segments"][1]["calls"]]
-    assert ops.count("attention") == 1 and ops.count("conv") + ops.count("conv1x1") + ops.count("conv3x3") == 4
+    tracks = [s["track"] for s in plan["segments"]]
+    a = next(s for s in plan["segments"] if s["track"] == "A")
+    ops = [c["op"] for c in a["calls"]]
+    assert ops.count("attention") == 1
+    if body == "sra":  # convs and attention in one segment, on NHWC images
+        assert tracks == ["B", "A", "B"] and len(ops) == 5
+    else:  # the Linears' 3-D token tensors in and out
+        assert tracks == ["B", "A", "B"] and ops == ["attention"]
+        assert all(len(t["shape"]) == 3 and t.get("layout", "") == "" for t in (*a["inputs"], *a["outputs"]))
     report = json.loads((tmp_path / "out" / "verify.json").read_text())
     assert report["passed"] is True
     assert any(c["name"].startswith("seg1_A[numpy kernels]") for c in report["checks"])
-    call = next(c for c in plan["segments"][1]["calls"] if c["op"] == "attention")
-    assert bits_f32(dict(call["attrs"])["scale"]) == pytest.approx(0.25, rel=1e-3)
-
-
-def test_the_launch_passes_each_view_at_its_offset_and_the_bias_broadcast() -> None:
-    """prepare_inputs: the head-dim entry, a block per (image, head) and 64 queries, pointers moved
-    to each view's offset (fp16: 2 bytes an element), the bias's broadcast dims given stride 0."""
-    from dataclasses import dataclass
-
-    @dataclass
-    class Dev:
-        ptr: int
-        shape: tuple[int, ...]
-        dtype: np.dtype
-        channel_stride: int
-
-    case = Case(3, 32, 70, 19, "scores", "head")
-    call = the_one(attention_graph(case)).call
-    f16 = np.dtype(np.float16)
-    ins = [Dev(1 << 20, (5, 70, 96), f16, 96), Dev(2 << 20, (5, 19, 96), f16, 96), Dev(3 << 20, (5, 19, 96), f16, 96)]
-    bias = Dev(4 << 20, (3, 70, 1), np.dtype(np.float32), 1)  # broadcast over the keys
-    p = ATTN.prepare_inputs(call, ins, Dev(5 << 20, (5, 70, 96), f16, 96), [bias], None)  # type: ignore[arg-type]
-    assert p.entry == "attention_f16_d32" and p.config.grid == (15, 2, 1) and p.config.block == (128, 1, 1)
-    args = dict(zip(ATTN.PARAMS, (v for v, _ in p.args), strict=True))
-    assert (args["q"], args["k"], args["v"], args["o"], args["bias"]) == (1 << 20, 2 << 20, 3 << 20, 5 << 20, 4 << 20)
-    assert (args["q_b"], args["q_h"], args["q_i"], args["q_c"]) == (70 * 96, 32, 96, 1)
-    assert (args["bias_h"], args["bias_i"], args["bias_j"], args["bmod"], args["bias_f32"]) == (70, 1, 0, 1, 1)
-    assert args["scale"] == pytest.approx(case.scale, rel=2e-3) and (args["B"], args["Hd"]) == (5, 3)
-
-
-def test_views_fold_reshapes_and_transposes_into_strides() -> None:
-    """attention_patterns.View: an NHWC image's pixels as tokens; the batch merged with the heads and split
-    back (the dynamo exporter's K transpose) as one transpose; a merge that would need a copy refused."""
-    view = attention_patterns.View
-    img = view.of_root((1, 8, 5, 7)).reshape((1, 8, 35)).transpose([0, 2, 1])  # NCHW image -> (N, HW, C) tokens
-    assert img.shape == (1, 35, 8) and img.strides == (280, 8, 1) and img.bd == 0
-    k = view.row_major((1, 30, 3, 2, 32)).transpose([2, 0, 3, 1, 4]).gather(0, 1)  # (N, h, L, d) of a fused qkv
-    assert k.strides == (5760, 32, 192, 1) and k.off == 64
-    kt = k.reshape((2, 30, 32)).transpose([0, 2, 1]).reshape((1, 2, 32, 30))  # via (N*h, d, L)
-    assert kt.strides == (5760, 32, 1, 192) and kt.bd == 0
-    with pytest.raises(attention_patterns.NoMatch, match="batch merged"):
-        _ = k.reshape((2, 30, 32)).strides
-    with pytest.raises(attention_patterns.NoMatch, match="needs a copy"):
-        _ = img.transpose([0, 2, 1]).reshape((1, 280)).strides  # (N, C, HW) of an NHWC image is no strided row
+    call = next(c for c in a["calls"] if c["op"] == "attention")
+    want = 0.25 if body == "sra" else 32**-0.5
+    assert bits_f32(dict(call["attrs"])["scale"]) == pytest.approx(want, rel=1e-3)
