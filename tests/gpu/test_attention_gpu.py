@@ -120,3 +120,49 @@ def test_segformer_style_attention_on_nhwc_images(engine, mods, tmp_path: Path) 
     got = launch(engine, mods, call, roots, want.shape, {}, 0)
     result = compare("attention sra", want, got, TOL)
     assert result.passed, result
+
+
+THROUGHPUT = [  # name, batch, heads, Lq, Lk, d: the segmenters' attentions at 512x512, N=8
+    ("segformer_b0_stage1", 8, 1, 16384, 256, 32),
+    ("segformer_b0_stage4", 8, 8, 256, 256, 32),
+    ("unetr_vit_b16", 8, 12, 1024, 1024, 64),
+]
+
+
+@pytest.mark.parametrize(("name", "n", "heads", "lq", "lk", "d"), THROUGHPUT)
+def test_attention_throughput_on_segmenter_shapes(engine, mods, name, n, heads, lq, lk, d) -> None:
+    """Times 20 launches on token tensors (N, L, heads*d) and prints TFLOP/s (4·N·h·Lq·Lk·d FLOPs a
+    launch): what the cost model's row for the kernel should be (run with -s). Image 0 is checked
+    against the float32 reference at this test's tolerance."""
+    from dualtrack.kernels.attention import AttentionGeometry, OperandView
+    from dualtrack.runtime.driver import Event
+
+    c = heads * d
+    views = (
+        OperandView(0, lq * c, d, c, 1), OperandView(0, lk * c, d, c, 1),
+        OperandView(0, lk * c, d, c, 1), OperandView(0, lq * c, d, c, 1),
+    )  # fmt: skip
+    geom = AttentionGeometry(heads, d, lq, lk, d**-0.5, views, (lq, c))
+    call = KernelCall("attention", ("q", "k", "v"), ("o",), (), geom.attrs(), (name,))
+    rng = np.random.default_rng()
+    x = [rng.standard_normal((n, length, c)).astype(np.float16) for length in (lq, lk, lk)]
+    keep: list = []
+    ins = [upload(engine, a, 0, keep) for a in x]
+    y = engine.backend.from_host(np.full((n, lq, c), np.nan, np.float16))
+    p = ATTN.prepare_inputs(call, ins, Dev(y.ptr, y.shape, y.dtype, c), [], None)  # type: ignore[arg-type]
+    stream, fn = engine.backend.stream, mods[p.entry]
+    for _ in range(3):
+        fn.launch(p.config.grid, p.config.block, p.config.shared_bytes, stream, p.args)
+    start, end = Event(engine.backend.ctx), Event(engine.backend.ctx)
+    start.record(stream)
+    for _ in range(20):
+        fn.launch(p.config.grid, p.config.block, p.config.shared_bytes, stream, p.args)
+    end.record(stream)
+    ms = start.elapsed_ms(end) / 20
+    tflops = 4.0 * n * heads * lq * lk * d / (ms * 1e9)
+    print(f"\nattention {name}: N={n} heads={heads} Lq={lq} Lk={lk} d={d}: {ms * 1e3:.1f} us, {tflops:.1f} TFLOP/s")
+    got = engine.backend.to_host(y)[:1].astype(np.float32)
+    heads_of = [a[:1].astype(np.float32).reshape(1, -1, heads, d).transpose(0, 2, 1, 3) for a in x]
+    want = kernels.attention.reference(*heads_of, d**-0.5).transpose(0, 2, 1, 3).reshape(1, lq, c)
+    result = compare(f"attention {name}", want, got, TOL)
+    assert result.passed, result
