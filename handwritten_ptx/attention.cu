@@ -152,25 +152,39 @@ __device__ __forceinline__ void online_softmax(float (&s)[TILE / 8][4], float (&
     }
 }
 
+// Four 8x8 fp16 matrices, each thread's fragment transposed: with row r of each matrix a row of a
+// row-major (k, n) tile in shared memory, register m holds the mma B fragment (k = 2t, 2t+1; n = g)
+// of matrix m.
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
 // acc += p . v of one tile: p (fp16) from the score accumulators (keys 16kt .. 16kt+15 are score tiles
-// 2kt and 2kt+1: the accumulator layout of two n8 tiles is the A layout of one k16 step).
+// 2kt and 2kt+1: the accumulator layout of two n8 tiles is the A layout of one k16 step); V's B
+// fragments of two n8 tiles by one ldmatrix.trans: lanes 0-7 give the rows of keys 0-7, lanes 8-15
+// keys 8-15, at columns dn*8; lanes 16-31 the same at dn*8 + 8 (rows 16-byte aligned: LDS % 8 == 0).
 template <int D>
 __device__ __forceinline__ void accumulate_pv(float (&acc)[D / 8][4], const float (&s)[TILE / 8][4], const f16* vs) {
     constexpr int LDS = D + 8;
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    static_assert(D % 16 == 0 && LDS % 8 == 0, "ldmatrix rows: 16-byte aligned, two n8 tiles a step");
+    const int lane = threadIdx.x & 31;
+    const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8, lcol = (lane >> 4) * 8;
 #pragma unroll
     for (int kt = 0; kt < TILE / 16; ++kt) {
         const unsigned a[4] = {
             pack_f16x2(s[2 * kt][0], s[2 * kt][1]), pack_f16x2(s[2 * kt][2], s[2 * kt][3]),
             pack_f16x2(s[2 * kt + 1][0], s[2 * kt + 1][1]), pack_f16x2(s[2 * kt + 1][2], s[2 * kt + 1][3]),
         };
-        const f16* v0 = vs + (kt * 16 + 2 * t) * LDS + g;  // B[j][c] = v[j][c]: keys 2t, 2t+1 (+8) of column c
+        const f16* v0 = vs + (kt * 16 + lrow) * LDS + lcol;
 #pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) {
-            const f16* vc = v0 + dn * 8;
-            const unsigned b0 = static_cast<unsigned>(vc[0]) | (static_cast<unsigned>(vc[LDS]) << 16);
-            const unsigned b1 = static_cast<unsigned>(vc[8 * LDS]) | (static_cast<unsigned>(vc[9 * LDS]) << 16);
-            mma_16816(acc[dn], a, b0, b1);
+        for (int dn = 0; dn < D / 8; dn += 2) {
+            unsigned b[4];
+            ldmatrix_x4_trans(b, smem_u32(v0 + dn * 8));
+            mma_16816(acc[dn], a, b[0], b[1]);
+            mma_16816(acc[dn + 1], a, b[2], b[3]);
         }
     }
 }
