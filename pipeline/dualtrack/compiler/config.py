@@ -359,7 +359,9 @@ class BuildConfig(_Strict):
         if self.window is None:
             return self
         if self.postprocess is None:
-            raise ValueError("`window:` blends the bundle's probabilities; add `postprocess:` (e.g. activation: softmax)")
+            raise ValueError(
+                "`window:` blends the bundle's probabilities; add `postprocess:` (e.g. activation: softmax)"
+            )
         if self.window.batch is not None and self.window.batch not in self.batch_sizes:
             raise ValueError(
                 f"window.batch {self.window.batch} is not one of batch_sizes {list(self.batch_sizes)}; "
