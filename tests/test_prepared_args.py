@@ -592,7 +592,25 @@ def test_a_depth_to_space_prepares_the_argument_list_its_ptx_takes() -> None:
     assert [v for v, _ in p.args] == [0x1000, 0x3000, 2, 7, 5, 2, 24, 8, 3, 1]
 
 
+def test_an_attention_prepares_the_argument_list_its_ptx_takes() -> None:
+    from dualtrack.kernels.attention import AttentionGeometry, OperandView
+
+    heads, d, lq, lk = 3, 32, 70, 20  # token tensors (N, L, heads*d), no bias
+    c = heads * d
+    views = (
+        OperandView(0, lq * c, d, c, 1), OperandView(0, lk * c, d, c, 1),
+        OperandView(0, lk * c, d, c, 1), OperandView(0, lq * c, d, c, 1),
+    )  # fmt: skip
+    geom = AttentionGeometry(heads, d, lq, lk, d**-0.5, views, (lq, c))
+    call = KernelCall("attention", ("q", "k", "v"), ("o",), (), geom.attrs())
+    ins = [T(0x1000, (2, lq, c)), T(0x3000, (2, lk, c)), T(0x5000, (2, lk, c))]
+    p = K["attention"].prepare_inputs(call, ins, T(0x7000, (2, lq, c)), [], Context("off"))
+    assert p.entry == "attention_f16_d32"
+    assert plain(p.entry, p.config, p.args)[5] == ptx_param_kinds("attention", p.entry)
+    assert [v for v, _ in p.args][:5] == [0x1000, 0x3000, 0x5000, 0, 0x7000]
+
+
 def test_the_cases_cover_every_registered_spec() -> None:
-    covered = {case.split()[0] for case in EXPECTED} | {"norm", "pad", "depth_to_space"}  # their own tests above
+    covered = {case.split()[0] for case in EXPECTED} | {"norm", "pad", "depth_to_space", "attention"}  # tests above
     assert covered == {*KERNELS, RESIZE_RGB.op}
     assert any(entry.startswith("conv3x3_wgmma") for entry, *_ in EXPECTED.values())  # the Hopper spec too
