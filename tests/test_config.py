@@ -122,7 +122,7 @@ def test_unknown_key_under_an_optional_section_lists_the_valid_ones(tmp_path: Pa
             r":2: `batch_sizes`: Value error, batch_sizes must be positive integers, e\.g\. \[1, 8\]",
         ),
         ("batch_sizes: [1, -2]\n", r":2: `batch_sizes`: Value error, batch_sizes must be positive integers"),
-        ("precision: fp8\n", r":2: `precision`: Input should be 'fp16' or 'fp32'"),
+        ("precision: int8\n", r":2: `precision`: Input should be 'fp16', 'fp32' or 'fp8'"),
         ("enable_tma: maybe\n", r":2: `enable_tma`: Input should be a valid boolean"),
         ("verify: {samples: 0}\n", r":2: `verify.samples`: Input should be greater than or equal to 1"),
         ("input: {shape: [1, a]}\n", r":2: `input.shape.1`: Input should be a valid integer"),
@@ -152,7 +152,7 @@ def test_missing_model_key(tmp_path: Path) -> None:
 
 
 def test_several_errors_report_the_first_and_count_the_rest(tmp_path: Path) -> None:
-    path = write(tmp_path, "model: m.onnx\nprecision: fp8\nenable_tma: maybe\n")
+    path = write(tmp_path, "model: m.onnx\nprecision: int8\nenable_tma: maybe\n")
     with pytest.raises(ConfigError, match=r":2: `precision`: .* \(and 1 more\)$"):
         load_config(path)
 

@@ -397,8 +397,25 @@ def info(bundle: Path, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({k: v for k, v in b.manifest.to_json().items() if k != "files"}, indent=2))
         return
-    for section in (_info_model, _info_plan, _info_track_a, _info_tuned_tiles, _info_targets, _info_checks):
+    for section in (
+        _info_model,
+        _info_plan,
+        _info_precision,
+        _info_track_a,
+        _info_tuned_tiles,
+        _info_targets,
+        _info_checks,
+    ):
         section(b)
+
+
+def _info_precision(b: Bundle) -> None:
+    """`precision: fp8`: each convolution's precision and why, and the mask agreement it was verified at."""
+    from dualtrack.contract.precision import PrecisionRecord
+
+    record = PrecisionRecord.read(b.root)
+    for line in record.lines() if record is not None else ():
+        click.echo(f"fp8        {line}")
 
 
 def _info_model(b: Bundle) -> None:

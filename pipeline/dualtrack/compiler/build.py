@@ -28,17 +28,18 @@ import numpy as np
 import onnx
 
 from dualtrack import hostcpu, kernels
-from dualtrack.compiler import frontend, partition, spatial, verify
+from dualtrack.compiler import fp8, frontend, partition, spatial, verify
 from dualtrack.compiler import iree_build as track_b
 from dualtrack.compiler import kernel_build as ptx
 from dualtrack.compiler.bundle_writer import BundleWriter, externalize
-from dualtrack.compiler.config import BuildConfig, load_config
+from dualtrack.compiler.config import BuildConfig, CalibrationConfig, load_config
 from dualtrack.compiler.tuned import TUNED_FIELDS, Selection, flag_records, flags_for, measured_for, segment_key
 from dualtrack.compiler.tuned import select as select_tuning
 from dualtrack.contract import arch
 from dualtrack.contract.bundle import CASES, MANIFEST, WEIGHTS, Bundle, model_digest, sha256
 from dualtrack.contract.manifest import Artifacts, Manifest, ModelInfo, SizePlan, Target, Verification, Weight, Window
 from dualtrack.contract.plan import ALIAS_OPS, Plan
+from dualtrack.contract.precision import PRECISION_FILE, has_fp8
 from dualtrack.contract.sizes import Size, label
 from dualtrack.errors import BundleError, ConfigError, ToolError
 from dualtrack.kernels.device import REFERENCE
@@ -239,6 +240,7 @@ def build(
     say("resolve targets")
     resolutions = resolve(cfg, notes)
     inputs = front_end(cfg, measured, notes, say)
+    inputs, fp8_build = fp8_stage(cfg, inputs, resolutions, notes, say)
     plan = inputs.plan
     selection = None
     if inputs.cfg.tuning is not None:
@@ -268,6 +270,8 @@ def build(
     writer = BundleWriter(dest)
     try:
         weights = write_files(writer, inputs, a_files)
+        if fp8_build is not None:
+            writer.add_json(PRECISION_FILE, fp8_build.record.to_json())
         iree_art, replay_art = write_modules(writer, results[: len(jobs.jobs)], resolutions, settings, notes)
         size_plans = tuple(write_size(writer, s, a_files, resolutions, settings, notes) for s in sized)
         artifacts = Artifacts(iree=iree_art, iree_tuned_flags=jobs.tuned_flags, track_a=a_meta, iree_replay=replay_art)
@@ -288,7 +292,7 @@ def build(
             ),
             notes=tuple(notes),
             weights=weights,
-            tolerance=bundle_tolerance(inputs, plan, say).to_json(),
+            tolerance=fp8.widest(bundle_tolerance(inputs, plan, say), fp8_build).to_json(),
             window=window_record(inputs.cfg),
             sizes=size_plans,
         )
@@ -353,6 +357,27 @@ def front_end(cfg: BuildConfig, measured: Any, notes: list[str], say: Progress) 
     say(f"partition {cfg.model.name}")
     parted = partition.partition_model(cfg, model, measured)
     return _Inputs(cfg, fe, model, parted, source_digest)
+
+
+def fp8_stage(
+    requested: BuildConfig, inputs: _Inputs, resolutions: list[arch.Resolution], notes: list[str], say: Progress
+) -> tuple[_Inputs, fp8.Fp8Build | None]:
+    """``precision: fp8`` (compiler/fp8.py): the fp16 plan calibrated, its convolutions chosen, lowered
+    and verified (every size takes the largest's choices); targets other than sm_90a keep it fp16."""
+    if requested.precision != "fp8":
+        return inputs, None
+    say("fp8: calibration")
+    cal = requested.calibration or CalibrationConfig()
+    wgmma = {r.arch.name: r.arch.wgmma for r in resolutions}
+    done = fp8.build_fp8(cal, inputs.model, inputs.plan, inputs.parted.seg_models, wgmma, say)
+    if not done.record.applied:
+        notes.append(done.record.note)
+        return inputs, done
+
+    def lowered(i: _Inputs) -> _Inputs:
+        return replace(i, parted=replace(i.parted, plan=fp8.lower(i.plan, done.record.layers)))
+
+    return replace(lowered(inputs), others=tuple(map(lowered, inputs.others))), done
 
 
 def sized_inputs(
@@ -728,6 +753,9 @@ def _verify_tmp(
             seed=cfg.verify.seed,
             tol=tol,
             judged=cfg.verify.tolerance is None,
+            # An fp8 plan's calls are checked on images by its own stage (fp8.build_fp8: mask agreement);
+            # here the segments' random tensors would sit outside their calibrated ranges.
+            interpret=not has_fp8(bundle.plan),
             progress=say,
         )
     finally:

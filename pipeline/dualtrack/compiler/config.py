@@ -218,16 +218,58 @@ class SizeRange(_Strict):
         return self
 
 
+class CalibrationConfig(_Strict):
+    """FP8 calibration and the per-layer choice (``precision: fp8``; compiler/fp8.py, docs/fp8.md)."""
+
+    images: Path | None = Field(
+        None,
+        description=(
+            "a folder of PNG/JPEG images (relative to this config) that calibrates and verifies the fp8 layers; "
+            "default: `samples` random images drawn by the build (real images calibrate better)"
+        ),
+    )
+    samples: int = Field(8, ge=2, le=256, description="random images drawn when `images` is unset")
+    method: Literal["amax", "percentile"] = Field(
+        "percentile", description="each activation's scale from its largest |value| (amax) or a percentile of them"
+    )
+    percentile: float = Field(99.99, gt=50, le=100, description="percentile only: the |value| percentile kept")
+    held_out: float = Field(
+        0.25, ge=0, lt=1, description="the share of the images kept out of calibration, verified on only"
+    )
+    threshold: float = Field(
+        0.1,
+        gt=0,
+        description="a layer whose fp8 output is off its fp16 output by more than this relative L2 stays fp16",
+    )
+    fp16_layers: tuple[str, ...] | None = Field(
+        None, description="conv node names kept fp16; default: the first and the last convolution"
+    )
+    agreement_floor: float = Field(
+        99.5, gt=0, le=100, description="the % of mask pixels the fp8 plan must share with fp32 onnxruntime's"
+    )
+    seed: int = Field(0, description="the random images' seed (fixed: the calibration, hence the plan, reproduces)")
+
+    @model_validator(mode="after")
+    def _percentile_only(self) -> CalibrationConfig:
+        if self.method == "amax" and "percentile" in self.model_fields_set:
+            raise ValueError("`percentile` applies to `method: percentile`; drop it or set method: percentile")
+        return self
+
+
 class BuildConfig(_Strict):
     """A validated `configs/*.yaml`. Paths are resolved against the config file's folder."""
 
     model: Path
-    precision: Literal["fp16", "fp32"] | None = Field(
+    precision: Literal["fp16", "fp32", "fp8"] | None = Field(
         None,
         description=(
             "the precision to run in; default: the model's own. fp16 on an fp32 model converts it "
-            "(inputs and outputs stay fp32) and verifies it against the fp32 original"
+            "(inputs and outputs stay fp32) and verifies it against the fp32 original; fp8 (sm_90a) is the fp16 "
+            "network with its calibrated convolutions in e4m3 (`calibration:`, docs/fp8.md)"
         ),
+    )
+    calibration: CalibrationConfig | None = Field(
+        None, description="fp8 only: the calibration images, statistic and per-layer fallback (docs/fp8.md)"
     )
     preprocess: Preprocess | None = None
     postprocess: Postprocess | None = None
@@ -329,6 +371,14 @@ class BuildConfig(_Strict):
         return size_rule.sorted_sizes(self.sizes)
 
     @model_validator(mode="after")
+    def _fp8_only(self) -> BuildConfig:
+        if self.calibration is not None and self.precision != "fp8":
+            raise ValueError("`calibration:` applies to `precision: fp8`; set it or drop `calibration`")
+        if self.precision == "fp8" and self.batch == "fixed":
+            raise ValueError("`precision: fp8` quantizes Track A convolutions, which `batch: fixed` has none of")
+        return self
+
+    @model_validator(mode="after")
     def _sized_images(self) -> BuildConfig:
         if self.sizes is not None and self.batch == "fixed":  # an image input: checked on the model (spatial.py)
             raise ValueError("`sizes` compiles an image model at several sizes: use `batch: images` or drop `sizes`")
@@ -371,8 +421,9 @@ class BuildConfig(_Strict):
 
     def tolerance(self) -> Tolerance:
         """The verification tolerance: the config's, else the default of the precision (fp32 until the
-        front end has read the model's)."""
-        return self.verify.tolerance or DEFAULT_TOLERANCES[self.precision or "fp32"]
+        front end has read the model's; fp8's is its fp16 network's until its build measures the fp8 one)."""
+        precision = "fp16" if self.precision == "fp8" else self.precision
+        return self.verify.tolerance or DEFAULT_TOLERANCES[precision or "fp32"]
 
 
 # Seed spellings: key -> (where it goes, why).
@@ -516,11 +567,15 @@ def load_config(path: str | Path) -> BuildConfig:
     tuning = cfg.tuning
     if tuning is not None and not tuning.is_absolute():
         tuning = (base / tuning).resolve()
+    cal = cfg.calibration
+    if cal is not None and cal.images is not None and not cal.images.is_absolute():
+        cal = cal.model_copy(update={"images": (base / cal.images).resolve()})
     return cfg.model_copy(
         update={
             "model": model.resolve(),
             "output": output,
             "tuning": tuning,
+            "calibration": cal,
             "notes": tuple(notes),
         }
     )

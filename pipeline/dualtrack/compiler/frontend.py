@@ -45,6 +45,7 @@ from dualtrack.compiler.iree_forms import WIDENED, matrix_matmuls, reshaped_form
 from dualtrack.compiler.lower_pad import full_pads
 from dualtrack.compiler.onnx_graph import constants as _graph_constants
 from dualtrack.compiler.resize_maps import iree_cannot_lower, resize_maps, widened_axes
+from dualtrack.compiler.token_layout import tokens_as_images
 from dualtrack.contract.checks import MASK, PROBS
 from dualtrack.contract.plan import parameter_key
 from dualtrack.errors import ConfigError, DualtrackError, InternalError, ModelError
@@ -446,6 +447,15 @@ def channels_first_regions(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.M
     return m
 
 
+def token_images(model: onnx.ModelProto, export_batch: int | None, log: list[Rewrite]) -> onnx.ModelProto:
+    """A transformer's token tensors (N, L, C) written as the NCHW images they are, their LayerNorms,
+    Linears and element-wise ops as image ops (:mod:`.token_layout`)."""
+    m, detail = tokens_as_images(model, _graph_constants(model.graph), export_batch or 1)
+    if detail:
+        log.append(Rewrite("tokens", detail))
+    return m
+
+
 def sub_pixel_convtransposes(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
     """Strided ConvTransposes as a Conv of s*s*K channels and a DepthToSpace (:mod:`.convt_phases`):
     tensor-core convolutions on Track A instead of a gather on CUDA cores."""
@@ -684,6 +694,8 @@ def convert_precision(model: onnx.ModelProto, want: str | None, log: list[Rewrit
     """Keep the model's precision unless the config asks for another; fp32 -> fp16 is converted by
     onnxconverter-common with the inputs and outputs kept fp32 (verified against the original)."""
     have = model_precision(model)
+    if want == "fp8":  # the fp16 network, some convolutions of which the build then lowers to e4m3 (fp8.py)
+        want = "fp16"
     if want is None or want == have:
         return model, have
     if want == "fp32":
@@ -1009,6 +1021,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
         log.append(Rewrite("batch", fixed))
     m = channels_first_regions(m, log)  # before the simplifier, whose Gemm fusion would hide the MatMuls
     m = check("channels-last", m)
+    m = check("tokens", token_images(m, export_batch, log))  # before the simplifier too (its Gemm fusion)
     if cfg.simplify:
         m = check("simplify", simplify(m, log))
     m, freed = free_batch(m, export_batch, cfg.batch_sizes)

@@ -116,12 +116,17 @@ def _first_line(e: Exception) -> str:
 
 
 def interpret_track_a(
-    seg: Segment, weights: Mapping[str, np.ndarray], inputs: Mapping[str, np.ndarray]
+    seg: Segment,
+    weights: Mapping[str, np.ndarray],
+    inputs: Mapping[str, np.ndarray],
+    trace: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Run a Track A segment's kernel calls with the kernels' numpy semantics (NHWC throughout):
     each call's spec packs its weights and runs its reference; the alias ops (buffer views in the
-    runtime) are numpy's: a concat a concatenation, a slice a channel slice."""
-    env = dict(inputs)
+    runtime) are numpy's: a concat a concatenation, a slice a channel slice. ``trace``, where given,
+    receives every tensor of the segment (fp8 calibration reads the convolutions' inputs)."""
+    env = trace if trace is not None else {}
+    env.update(inputs)
     channels = {t.name: t.shape[-1] for t in (*seg.tensors, *seg.outputs)}
     for call in seg.calls:
         args = [env[i] for i in call.inputs]
