@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from dualtrack.compiler.kernel_build import SOURCE_DIR, ptx_path
 from dualtrack.contract.arch import PTX_ARCHES, choose_image
 from dualtrack.contract.plan import KernelCall
-from dualtrack.kernels import ACTIVATIONS, KERNELS, ConvGeometry, DeviceInfo
+from dualtrack.kernels import KERNELS, Activation, ConvGeometry, DeviceInfo
 from dualtrack.runtime import tma
 from dualtrack.runtime.driver import Device, Module, Stream
 from dualtrack.runtime.tensors import GpuTensor
@@ -95,8 +95,9 @@ LAYERS = (
     Layer("dec4 conv1", "conv3x3", 1, 512, 512, 32, 16, 3, 1, False, True),
     Layer("dec4 conv2", "conv3x3", 1, 512, 512, 16, 16, 3, 1, False, True),
     Layer("head", "conv", 1, 512, 512, 16, 2, 3, 1, False, False),  # the direct entry (partition.DIRECT_MIN_PIXELS)
-    # The stems with the image widened to 8 channels (compiler/input_channels.py), beside the 3-channel
-    # ones: the vector entries against the gather entry. uses 0: not in the network's totals.
+    # The stems with the image widened to 8 channels (zeros; a front-end stage in 098e45a, reverted: its
+    # Pad and transposes on Track B cost more than the stem gained), beside the 3-channel ones: the vector
+    # entries against the gather entry. uses 0: not in the network's totals.
     Layer("stem 7x7/2 c8", "conv", 0, 512, 512, 8, 64, 7, 2, False, True),
     Layer("stem 3x3/2 k16", "conv", 0, 512, 512, 3, 16, 3, 2, False, False),  # MONAI UNet's first unit
     Layer("stem 3x3/2 k16 c8", "conv", 0, 512, 512, 8, 16, 3, 2, False, False),
@@ -145,12 +146,12 @@ def _t(t: torch.Tensor) -> GpuTensor:
 def engine_launch(kernels: dict, stream: Stream, ctx: EngineContext, layer: Layer, tensors: dict):
     """The launch the engine prepares for this layer's op (conv3x3 or the general conv), as a
     callable, and its (impl, entry, why)."""
-    g, act = layer.geom, ACTIVATIONS["relu" if layer.relu else "none"]
+    g, act = layer.geom, Activation.named("relu" if layer.relu else "none")
     ins = ("x", "r") if layer.residual else ("x",)
     if layer.op == "conv3x3":
         call = KernelCall("conv3x3", ins, ("y",), ("w", "b"), (("relu", int(layer.relu)),), (layer.name,))
     else:
-        attrs = (*g.attrs(), ("act", act), ("residual", int(layer.residual)))
+        attrs = (*g.attrs(), *act.attrs(), ("residual", int(layer.residual)))
         call = KernelCall("conv", ins, ("y",), ("w", "b"), attrs, (layer.name,))
     inputs = [_t(tensors[i]) for i in ins]
     p = KERNELS[layer.op].prepare_inputs(call, inputs, _t(tensors["y"]), [_t(tensors["w"]), _t(tensors["b"])], ctx)
@@ -175,7 +176,7 @@ def run_layer(
     b = torch.randn(layer.K, device="cuda")
     res = torch.randn(n, p, q, layer.K, device="cuda", dtype=torch.float16) if layer.residual else None
     y = torch.full((n, p, q, layer.K), float("nan"), device="cuda", dtype=torch.float16)
-    act = ACTIVATIONS["relu" if layer.relu else "none"]
+    act = Activation.named("relu" if layer.relu else "none")
     entry = SPEC.variant("float16", n, layer.H, layer.W, layer.C, layer.K, g)
     args = SPEC.args(
         x=x.data_ptr(), w=w.data_ptr(), bias=b.data_ptr(), res=None if res is None else res.data_ptr(),

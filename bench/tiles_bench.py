@@ -7,7 +7,11 @@ network) compiled at its window size (512x512), run on random uint8 images of 20
 
     tiles_<S>/dualtrack             Engine.run on the (1, S, S, 3) numpy image: windows cut on the GPU, run in
                                     batches of 8, blended by the blend_nhwc kernels (runtime/tiling.py),
-                                    mask at S x S back on the host; with `mask_agree` against MONAI's row
+                                    mask at S x S back on the host; `mask_agree`: against MONAI's
+                                    sliding_window_inference run with the bundle's own network (Engine.run
+                                    on each window batch) as its predictor, so the tiling and blending are
+                                    checked, not the weights (a corpus bundle's are bench/reweight.py's,
+                                    which the torch network below does not have)
     tiles_<S>/monai_sliding_window  monai.inferers.sliding_window_inference (roi = the window, sw_batch_size 8,
                                     the same overlap and blend) around the torch.compile'd
                                     (mode="reduce-overhead") fp16 channels_last network, its predictor
@@ -96,6 +100,27 @@ def monai_fn(torch: Any, zoo: Any, name: str, window: tuple[int, int], image: np
     return run
 
 
+def monai_blend_of_ours(torch: Any, engine: Any, image: np.ndarray, spec: Any) -> np.ndarray:
+    """The mask MONAI's sliding_window_inference makes of the bundle's own probabilities: the reference
+    the dualtrack row's mask is checked against (untimed). The windows go to Engine.run as the uint8
+    images they were cut from."""
+    from monai.inferers import sliding_window_inference
+
+    window = engine.input_spec.shape[1:3]
+
+    def probs(w: Any) -> Any:
+        batch = w.permute(0, 2, 3, 1).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
+        out = np.concatenate([engine.run(batch[i : i + 1], outputs=["probs"])["probs"] for i in range(len(batch))])
+        return torch.from_numpy(out.astype(np.float32)).cuda()
+
+    with torch.no_grad():
+        x = torch.from_numpy(image).cuda().permute(2, 0, 1)[None].float()
+        p = sliding_window_inference(
+            x, window, SW_BATCH, probs, overlap=spec.overlap, mode=spec.blend, sigma_scale=spec.sigma_scale
+        )
+        return p[0].argmax(0).to(torch.uint8).cpu().numpy()
+
+
 def rows_for(torch: Any, zoo: Any, engine: Any, name: str, side: int, spec: Any, args: Any) -> list[dict[str, Any]]:
     from dualtrack.runtime import tiling
 
@@ -104,8 +129,8 @@ def rows_for(torch: Any, zoo: Any, engine: Any, name: str, side: int, spec: Any,
     windows = len(tiling.window_origins((side, side), window, spec.overlap))
     fn, path = dualtrack_fn(engine, image, spec)
     ours, mask = timed(torch, fn, args.warmup, args.iters)
-    theirs, ref = timed(torch, monai_fn(torch, zoo, name, window, image, spec), args.warmup, args.iters)
-    agree = round(float(np.mean(mask == ref)), 6)
+    theirs, _ = timed(torch, monai_fn(torch, zoo, name, window, image, spec), args.warmup, args.iters)
+    agree = round(float(np.mean(mask == monai_blend_of_ours(torch, engine, image, spec))), 6)
     common_fields = {"model": name, "window": list(window), "overlap": spec.overlap, "blend": spec.blend}
     common_fields |= {"windows": windows, "sw_batch": SW_BATCH}
     print(f"[tiles_{side}] dualtrack {ours['median_ms']:.2f} ms, MONAI {theirs['median_ms']:.2f} ms, agree {agree}")

@@ -3,8 +3,7 @@
 Stages, in order, each a function ``(model, ...) -> model`` that records its rewrites:
 
     load_model -> weights_out_of_inputs -> upgrade_opset -> symbolic_batch -> simplify
-    -> free_batch -> static_resize_scales -> channel_pad_convs -> fold_zero_pads -> wide_input_channels
-    -> unique_parameter_keys
+    -> free_batch -> static_resize_scales -> channel_pad_convs -> fold_zero_pads -> unique_parameter_keys
     -> convert_precision
     -> wrap_image_io
 
@@ -40,7 +39,6 @@ from dualtrack.compiler.channel_maps import channel_maps_as_convs
 from dualtrack.compiler.channels_last import channels_first
 from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
 from dualtrack.compiler.convt_phases import sub_pixel_convolutions
-from dualtrack.compiler.input_channels import widen_input_channels
 from dualtrack.compiler.iree_forms import WIDENED, matrix_matmuls, reshaped_forms, signed_powers, widened_unsigned
 from dualtrack.compiler.lower_pad import full_pads
 from dualtrack.compiler.onnx_graph import constants as _graph_constants
@@ -462,18 +460,6 @@ def sub_pixel_convtransposes(model: onnx.ModelProto, log: list[Rewrite]) -> onnx
     m, detail = sub_pixel_convolutions(model)
     if detail:
         log.append(Rewrite("convtranspose", detail))
-    return m
-
-
-def wide_input_channels(model: onnx.ModelProto, cfg: BuildConfig, log: list[Rewrite]) -> onnx.ModelProto:
-    """The image's channels padded with zeros to a multiple of 8 for the convolutions that read it
-    (:mod:`.input_channels`): Track A's vector convolution entries in place of the gather entry. Only
-    where Track A may run (a GPU target, ``batch: images``); a CPU-only build keeps the export's input."""
-    if not cfg.targets or cfg.batch != "images":
-        return model
-    m, detail = widen_input_channels(model)
-    if detail:
-        log.append(Rewrite("channels", detail))
     return m
 
 
@@ -1035,7 +1021,6 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     m = check("pad", fold_zero_pads(m, log))
     m = check("stack", unstack_reductions(m, log))
     m = check("convtranspose", sub_pixel_convtransposes(m, log))
-    m = check("channels", wide_input_channels(m, cfg, log))
     m = check("names", unique_parameter_keys(m, log))
     m, precision = convert_precision(m, cfg.precision, log)
     body = check("precision", m)
