@@ -9,7 +9,8 @@
 #             && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tools .whl2/py_spy*.whl")
 #           (py-spy apart: device_run.sh's own install of .whl/ into /tmp/site replaces /tmp/site/bin)
 #   zoo     into .whl/: segmentation-models-pytorch and monai (pure Python, ~3 MB), which bench/zoo_bench.py's
-#           torch rows build the corpus models with (the device image has torch, torchvision and timm)
+#           torch rows build the corpus models with (the device image has torch, torchvision and timm), and
+#           onnxslim + colorama (the front end's simplify: GPU tests that build a model on the device)
 # Both are git-ignored (.git/info/exclude). Usage: bash bench/device_wheels.sh [whl|whl2|zoo|all]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,7 @@ if [ "$what" = whl2 ] || [ "$what" = all ]; then
   get .whl2 nvidia-nvimgcodec-cu13==0.9.0.20 "nvidia-nvjpeg==13.*" py-spy==0.4.3
 fi
 if [ "$what" = zoo ]; then
-  get .whl "segmentation-models-pytorch==$(version segmentation-models-pytorch)" "monai==$(version monai)"
+  get .whl "segmentation-models-pytorch==$(version segmentation-models-pytorch)" "monai==$(version monai)" \
+    "onnxslim==$(version onnxslim)" "colorama==$(version colorama)"
 fi
 du -sh .whl .whl2 2>/dev/null || true
