@@ -284,7 +284,8 @@ def choose(
         layer = call.nodes[0] if call.nodes else call.outputs[0]
         scale = scales[call.inputs[0]]
         named = next((kept[n] for n in call.nodes if n in kept), None)
-        why = named or spec.supports(fp8_calls(call, scale)[1])  # type: ignore[attr-defined]
+        K, C = np.shape(weights[call.weights[0]])[:2]
+        why = named or spec.supports(fp8_calls(call, scale)[1], C=C, K=K)  # type: ignore[attr-defined]
         if why is not None:
             out.append(LayerPrecision(layer, call.op, "fp16", why))
             continue

@@ -13,8 +13,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dualtrack.contract.plan import Plan
-
 PRECISION_FILE = "precision.json"
 FP8_OPS = frozenset({"quantize_fp8", "conv_fp8"})  # the plan ops an fp8 lowering adds (docs/fp8.md)
 
@@ -99,9 +97,4 @@ class PrecisionRecord:
         return out
 
 
-def has_fp8(plan: Plan) -> bool:
-    """Whether a plan runs any fp8 call (its Track A segments then need sm_90a)."""
-    return any(c.op in FP8_OPS for s in plan.segments for c in s.calls)
-
-
-__all__ = ["FP8_OPS", "PRECISION_FILE", "Agreement", "LayerPrecision", "PrecisionRecord", "has_fp8"]
+__all__ = ["FP8_OPS", "PRECISION_FILE", "Agreement", "LayerPrecision", "PrecisionRecord"]
