@@ -1,0 +1,479 @@
+"""Token tensors written as the images they are (a front-end pass).
+
+A vision transformer's token tensor ``t`` of shape (N, L, C), channels last, made from an image by
+``x.flatten(2).transpose(1, 2)``, is that image's NHWC buffer: Track A holds the image (N, C, H, W) as
+NHWC, whose pixel (h, w) is token ``h*W + w``. The exporters write the token side as rank-3 ops that
+Track A's lowerings do not see as image ops (LayerNormalization over the last axis, ``nn.Linear`` as a
+MatMul by a constant (C, K) matrix and an Add of a (K,) bias, Gelu, the residual Adds), between
+Reshape / Transpose pairs to and from the image layout. :func:`tokens_as_images` gives every such token
+tensor an NCHW *twin* (N, C, H, W) and writes its ops over the twins, as ``channels_last`` does for
+4-D channels-last blocks: a Linear is a 1x1 Conv with its bias, LayerNormalization keeps a Transpose
+pair (``lower_norm``'s LayerNorm over channels), element-wise ops take (C,) and (1, L, C) constants as
+(1, C, 1, 1) and (1, C, H, W) ones, and the layout nodes between image and tokens disappear.
+
+Unlike ``channels_last``, the regions need not be closed: a token tensor that an op the pass does not
+write reads (attention's Reshape into heads, a graph output) is written back from its twin by the
+exported form, ``Transpose(Reshape(twin, [0, C, L]), [0, 2, 1])``, and a token tensor that such an
+op produces (attention's output) enters by the inverse. Track A reads those pairs as views (the
+attention call folds them into its operands' strides); Track B computes them as the export did.
+
+(H, W) of a token tensor comes from the image it was flattened from or is reshaped back into: token
+tensors joined by the ops the pass writes (and Transposes between (N, L, C) and (N, C, L)) form a
+group, and a group takes the pass only where all its layout nodes agree on one (H, W).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from dualtrack.compiler.channels_last import BINARY, TO_NCHW, TO_NHWC, UNARY
+
+SWAP = [0, 2, 1]  # (N, L, C) <-> (N, C, L)
+TOK, CF = "tok", "cf"  # a tensor's relation to its twin image: (N, L, C), or (N, C, L)
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _perm(node: onnx.NodeProto) -> list[int] | None:
+    return [int(p) for p in _attrs(node).get("perm", [])] if node.op_type == "Transpose" else None
+
+
+def _copy(node: onnx.NodeProto, inputs: list[str], output: str) -> onnx.NodeProto:
+    new = onnx.NodeProto()
+    new.CopyFrom(node)
+    del new.input[:]
+    new.input.extend(inputs)
+    new.output[0] = output
+    return new
+
+
+@dataclass
+class _Groups:
+    """Union-find over rank-3 tensors that share one (H, W), with the (H, W) their layout nodes name."""
+
+    parent: dict[str, str] = field(default_factory=dict)
+    hints: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
+
+    def root(self, t: str) -> str:
+        while self.parent.setdefault(t, t) != t:
+            t = self.parent[t]
+        return t
+
+    def union(self, a: str, b: str) -> None:
+        ra, rb = self.root(a), self.root(b)
+        if ra != rb:
+            self.parent[rb] = ra
+            self.hints.setdefault(ra, set()).update(self.hints.pop(rb, set()))
+
+    def hint(self, t: str, hw: tuple[int, int]) -> None:
+        self.hints.setdefault(self.root(t), set()).add(hw)
+
+    def hw(self, t: str) -> tuple[int, int] | None:
+        h = self.hints.get(self.root(t), set())
+        return next(iter(h)) if len(h) == 1 else None
+
+
+@dataclass
+class _Graph:
+    """Shapes (batch dim as 0), constants and readers of the graph being rewritten."""
+
+    shapes: dict[str, tuple[int, ...]]
+    consts: dict[str, np.ndarray]
+    readers: dict[str, list[onnx.NodeProto]]
+
+    def shape(self, t: str) -> tuple[int, ...] | None:
+        return self.shapes.get(t)
+
+    def reshape_to(self, node: onnx.NodeProto) -> tuple[int, ...] | None:
+        """The output shape of a Reshape (or Flatten) as inferred, where its input's is known."""
+        if node.op_type not in ("Reshape", "Flatten") or self.shape(node.input[0]) is None:
+            return None
+        return self.shape(node.output[0])
+
+
+def _shapes(model: onnx.ModelProto, batch: int) -> dict[str, tuple[int, ...]]:
+    """Static shapes after dim 0 (dim 0 recorded as 0), inferred with the input's batch at ``batch``,
+    the export's: its Reshapes still carry it (the front end frees them later)."""
+    at = onnx.ModelProto()
+    at.CopyFrom(model)
+    for i in at.graph.input:
+        dims = i.type.tensor_type.shape.dim
+        if dims and not dims[0].HasField("dim_value"):
+            dims[0].Clear()
+            dims[0].dim_value = batch
+    inferred = onnx.shape_inference.infer_shapes(at)
+    out: dict[str, tuple[int, ...]] = {}
+    g = inferred.graph
+    for v in [*g.value_info, *g.input, *g.output]:
+        dims = v.type.tensor_type.shape.dim
+        if not v.type.tensor_type.HasField("shape") or not dims:
+            continue
+        rest = [d.dim_value if d.HasField("dim_value") else -1 for d in dims[1:]]
+        if all(d > 0 for d in rest):
+            out[v.name] = (0, *rest)
+    return out
+
+
+def _flat_hw(image: tuple[int, ...], flat: tuple[int, ...]) -> tuple[int, int] | None:
+    """(H, W) where ``image`` (N, C, H, W) and ``flat`` (N, C, H*W) are one tensor's two forms."""
+    if len(image) == 4 and len(flat) == 3 and image[1] == flat[1] and image[2] * image[3] == flat[2]:
+        return image[2], image[3]
+    return None
+
+
+def _token_hw(image_nhwc: tuple[int, ...], tokens: tuple[int, ...]) -> tuple[int, int] | None:
+    """(H, W) where ``image_nhwc`` (N, H, W, C) and ``tokens`` (N, H*W, C) are one tensor's two forms."""
+    ok = len(image_nhwc) == 4 and len(tokens) == 3 and image_nhwc[3] == tokens[2]
+    return (image_nhwc[1], image_nhwc[2]) if ok and image_nhwc[1] * image_nhwc[2] == tokens[1] else None
+
+
+def _is_token_op(g: _Graph, node: onnx.NodeProto) -> bool:
+    """An op this pass may write over twins (its checks on operands come at rewrite time)."""
+    out = g.shape(node.output[0]) if node.output else None
+    if out is None or len(out) != 3 or len(node.output) != 1:
+        return False
+    if node.op_type == "MatMul":
+        w = g.consts.get(node.input[1])
+        return w is not None and w.ndim == 2
+    return node.op_type in UNARY or node.op_type in BINARY or node.op_type == "LayerNormalization"
+
+
+def _same(g: _Graph, node: onnx.NodeProto) -> bool:
+    """A layout node that leaves a rank-3 tensor as it is (an Identity; a flatten of a flat tensor)."""
+    shape = g.shape(node.input[0]) if node.input else None
+    if node.op_type == "Identity":
+        return shape is not None and len(shape) == 3
+    to = g.reshape_to(node)
+    return to is not None and len(to) == 3 and to == shape
+
+
+def _flattens(g: _Graph, node: onnx.NodeProto) -> tuple[int, int] | None:
+    """(H, W) where ``node`` flattens an image (N, C, H, W) into (N, C, H*W) that only Transposes into
+    tokens read (``x.flatten(2).transpose(1, 2)``; the merge of attention's heads, (N, L, heads, d) ->
+    (N, L, C), has the same shapes)."""
+    to = g.reshape_to(node)
+    readers = g.readers.get(node.output[0], [])
+    if to is None or not readers or any(_perm(r) != SWAP for r in readers):
+        return None
+    return _flat_hw(g.shape(node.input[0]) or (), to)
+
+
+def _unflattens(g: _Graph, node: onnx.NodeProto, swapped: set[str]) -> tuple[int, int] | None:
+    """(H, W) where ``node`` reshapes tokens back into an image: (N, C, L) that a Transpose made into
+    (N, C, H, W), or (N, L, C) into (N, H, W, C) that only Transposes to NCHW read."""
+    to = g.reshape_to(node)
+    if to is None:
+        return None
+    src = g.shape(node.input[0]) or ()
+    if node.input[0] in swapped and (hw := _flat_hw(to, src)):
+        return hw
+    readers = g.readers.get(node.output[0], [])
+    if readers and all(_perm(r) == TO_NCHW for r in readers):
+        return _token_hw(to, src)
+    return None
+
+
+def _groups(graph: onnx.GraphProto, g: _Graph) -> _Groups:
+    """Token tensors joined by the ops the pass writes, and the (H, W) their layout nodes name (only
+    the unambiguous ones: :func:`_flattens`, :func:`_unflattens`)."""
+    groups = _Groups()
+    swapped = {n.output[0] for n in graph.node if _perm(n) == SWAP}
+    for n in graph.node:
+        if _is_token_op(g, n):
+            for i in n.input:
+                if i and i not in g.consts and len(g.shape(i) or ()) == 3:
+                    groups.union(n.output[0], i)
+        elif (_perm(n) == SWAP and g.shape(n.input[0]) is not None) or _same(g, n):
+            groups.union(n.output[0], n.input[0])
+        elif hw := _flattens(g, n):
+            groups.hint(n.output[0], hw)
+        elif hw := _unflattens(g, n, swapped):
+            groups.hint(n.input[0], hw)
+    return groups
+
+
+@dataclass
+class _Rewriter:
+    """One walk over the graph in order. ``twin``: a token tensor's twin image and its relation to it;
+    ``rename``: a tensor that is its twin image itself (the layout nodes back to the image)."""
+
+    g: _Graph
+    groups: _Groups
+    taken: set[str]
+    outputs: set[str]
+    twin: dict[str, tuple[str, str]] = field(default_factory=dict)
+    rename: dict[str, str] = field(default_factory=dict)
+    nhwc: dict[str, str] = field(default_factory=dict)  # (N, H, W, C) views of a token tensor: its twin
+    skip: set[str] = field(default_factory=set)  # outputs of nodes an earlier rewrite took in (a Linear's bias Add)
+    nodes: list[onnx.NodeProto] = field(default_factory=list)
+    inits: list[onnx.TensorProto] = field(default_factory=list)
+    rewritten: int = 0
+
+    def fresh(self, base: str) -> str:
+        name, k = f"{base}__img", 0
+        while name in self.taken:
+            k += 1
+            name = f"{base}__img{k}"
+        self.taken.add(name)
+        return name
+
+    def constant(self, base: str, value: np.ndarray) -> str:
+        name = self.fresh(base)
+        self.inits.append(numpy_helper.from_array(value, name))
+        return name
+
+    def walk(self, graph: onnx.GraphProto) -> None:
+        for node in graph.node:
+            if node.output and node.output[0] in self.skip:
+                continue
+            for k, x in enumerate(node.input):
+                if x in self.rename:
+                    node.input[k] = self.rename[x]
+            made = self.rewrite(node) if _is_token_op(self.g, node) else None
+            if made is None:
+                self.nodes.append(node)
+                self.relate(node)
+                continue
+            self.rewritten += 1
+            self.nodes.extend(made)
+
+    def relate(self, node: onnx.NodeProto) -> None:
+        """Record what a layout node's output is to a twin (the node itself stays, read by what is left)."""
+        x, out = (node.input[0], node.output[0]) if node.input and node.output else ("", "")
+        shape, to = self.g.shape(x), self.g.reshape_to(node)
+        if _same(self.g, node) and x in self.twin:
+            self.twin[out] = self.twin[x]
+        elif _perm(node) == SWAP and x in self.twin:
+            image, kind = self.twin[x]
+            self.twin[out] = (image, CF if kind == TOK else TOK)
+        elif _perm(node) == TO_NCHW and x in self.nhwc and out not in self.outputs:
+            self.rename[out] = self.nhwc[x]
+        elif to is None or shape is None:
+            return
+        elif x in self.twin and out not in self.outputs:
+            image, kind = self.twin[x]
+            if kind == CF and to == self.g.shape(image):
+                self.rename[out] = image
+            elif kind == TOK and (hw := self.groups.hw(x)) and to == (0, *hw, shape[2]):
+                self.nhwc[out] = image
+        elif len(shape) == 4 and (hw := _flattens(self.g, node)) and self.groups.hw(out) == hw:
+            self.twin[out] = (x, CF)
+
+    def exit(self, out: str, image: str) -> list[onnx.NodeProto]:
+        """``out`` written back from its twin as the export has it: Transpose(Reshape(image, [0, C, L]))."""
+        _, c, h, w = self.g.shapes[image]
+        shape = self.constant(f"{out}_flat", np.array([0, c, h * w], np.int64))
+        flat = self.fresh(f"{out}_flat")
+        return [
+            helper.make_node("Reshape", [image, shape], [flat], name=self.fresh(f"{out}_to_cf")),
+            helper.make_node("Transpose", [flat], [out], name=self.fresh(f"{out}_to_tokens"), perm=SWAP),
+        ]
+
+    def entry(self, t: str) -> tuple[str, list[onnx.NodeProto]]:
+        """The twin of a token tensor an op this pass does not write produced (attention's output)."""
+        hw = self.groups.hw(t)
+        assert hw is not None
+        _, _, c = self.g.shapes[t]
+        image, cf = self.fresh(t), self.fresh(f"{t}_cf")
+        self.g.shapes[image] = (0, c, *hw)
+        shape = self.constant(f"{t}_image", np.array([0, c, *hw], np.int64))
+        self.twin[t] = (image, TOK)
+        return image, [
+            helper.make_node("Transpose", [t], [cf], name=self.fresh(f"{t}_to_cf"), perm=SWAP),
+            helper.make_node("Reshape", [cf, shape], [image], name=self.fresh(f"{t}_to_image")),
+        ]
+
+    def operand(self, t: str, enter: bool) -> str | None:
+        """How an op reads token tensor ``t``: its twin, or None where it has none (``enter``: may get one)."""
+        if t in self.twin:
+            image, kind = self.twin[t]
+            return image if kind == TOK else None
+        shape, hw = self.g.shape(t), self.groups.hw(t)
+        if enter and shape is not None and len(shape) == 3 and hw is not None and shape[1] == hw[0] * hw[1]:
+            return ""  # an entry, made once the whole op is known to be written
+        return None
+
+    def out(self, node: onnx.NodeProto, channels: int) -> tuple[str, list[onnx.NodeProto]]:
+        """The twin name of ``node``'s output (N, L, channels) and the exit that writes the original back."""
+        o = node.output[0]
+        hw = self.groups.hw(o)
+        assert hw is not None
+        image = self.fresh(o)
+        self.g.shapes[image] = (0, channels, *hw)
+        self.twin[o] = (image, TOK)
+        return image, self.exit(o, image)
+
+    def rewrite(self, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        """``node`` written over twins (entries first, the exit of its output last), or None."""
+        o = node.output[0]
+        if self.groups.hw(o) is None:
+            return None
+        if node.op_type == "MatMul":
+            return self._matmul(node)
+        if node.op_type == "LayerNormalization":
+            return self._layer_norm(node)
+        return self._eltwise(node)
+
+    def _inputs(self, node: onnx.NodeProto, tokens: list[int], enter: bool) -> list[str] | None:
+        """The node's inputs with each token input at ``tokens`` replaced by its twin (entries emitted)."""
+        got = [self.operand(node.input[k], enter) for k in tokens]
+        if any(t is None for t in got):
+            return None
+        ins = list(node.input)
+        for k, t in zip(tokens, got, strict=True):
+            if t == "":
+                t, made = self.entry(node.input[k])
+                self.nodes.extend(made)
+            ins[k] = t
+        return ins
+
+    def _matmul(self, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        """A MatMul by a constant (C, K) matrix: a 1x1 Conv, taking as its bias the Add of a constant
+        (K,) vector that alone reads its product (``nn.Linear`` as exported)."""
+        w = self.g.consts[node.input[1]]
+        shape = self.g.shape(node.input[0])
+        if shape is None or len(shape) != 3 or shape[2] != w.shape[0]:
+            return None
+        ins = self._inputs(node, [0], enter=True)
+        if ins is None:
+            return None
+        weight = self.constant(f"{node.name}_weight", np.ascontiguousarray(w.T)[:, :, None, None])
+        conv_ins, last = [ins[0], weight], node
+        add = self.g.readers.get(node.output[0], [])
+        if len(add) == 1 and add[0].op_type == "Add" and node.output[0] not in self.outputs:
+            other = [i for i in add[0].input if i != node.output[0]]
+            bias = self.g.consts.get(other[0]) if len(other) == 1 else None
+            if bias is not None and bias.size == w.shape[1] and bias.shape[-1:] == (w.shape[1],):
+                conv_ins.append(self.constant(f"{add[0].name}_bias", bias.reshape(-1).astype(w.dtype)))
+                last = add[0]
+                self.skip.add(add[0].output[0])
+        image, back = self.out(last, int(w.shape[1]))
+        conv = helper.make_node("Conv", conv_ins, [image], name=node.name, kernel_shape=[1, 1])
+        return [conv, *back]
+
+    def _layer_norm(self, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        """LayerNormalization over the last axis: over the twin's channels, between a Transpose pair
+        (the form ``lower_norm`` takes as a LayerNorm over channels)."""
+        shape = self.g.shape(node.input[0])
+        if shape is None or _attrs(node).get("axis", -1) not in (-1, 2) or any(i in self.twin for i in node.input[1:]):
+            return None
+        ins = self._inputs(node, [0], enter=True)
+        if ins is None:
+            return None
+        nhwc, normed = self.fresh(f"{node.output[0]}_nhwc"), self.fresh(f"{node.output[0]}_normed")
+        norm = _copy(node, [nhwc, *ins[1:]], normed)
+        image, back = self.out(node, shape[2])
+        return [
+            helper.make_node("Transpose", [ins[0]], [nhwc], name=self.fresh(f"{node.name}_to_nhwc"), perm=TO_NHWC),
+            norm,
+            helper.make_node("Transpose", [normed], [image], name=self.fresh(f"{node.name}_to_nchw"), perm=TO_NCHW),
+            *back,
+        ]
+
+    def _eltwise(self, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        """A unary or binary element-wise op: token operands by their twins (one of them must have one;
+        another of the same shape may enter), constants broadcast over tokens as images."""
+        shape = self.g.shape(node.output[0])
+        assert shape is not None
+        tokens = [k for k, i in enumerate(node.input) if i and i not in self.g.consts]
+        if node.op_type in UNARY and tokens != [0]:
+            return None
+        if not tokens or any(self.g.shape(node.input[k]) != shape for k in tokens):
+            return None  # a token tensor broadcast against another: not an image op
+        if not any(node.input[k] in self.twin for k in tokens):
+            return None
+        consts = {}
+        for k, i in enumerate(node.input):
+            if k not in tokens and i and node.op_type in BINARY:
+                consts[k] = self._broadcast(node, k, shape)
+                if consts[k] is None:
+                    return None
+        ins = self._inputs(node, tokens, enter=True)
+        if ins is None:
+            return None
+        for k, c in consts.items():
+            ins[k] = c
+        image, back = self.out(node, shape[2])
+        return [_copy(node, ins, image), *back]
+
+    def _broadcast(self, node: onnx.NodeProto, k: int, shape: tuple[int, ...]) -> str | None:
+        """Constant input ``k`` of a binary op on tokens (N, L, C) as the constant the twins take."""
+        c, name = self.g.consts[node.input[k]], node.input[k]
+        if c.size == 1:
+            return name
+        if c.ndim > 3:
+            return None
+        c3 = c.reshape((1,) * (3 - c.ndim) + c.shape)
+        hw = self.groups.hw(node.output[0])
+        assert hw is not None
+        if c3.shape[0] != 1 or c3.shape[1] not in (1, shape[1]) or c3.shape[2] not in (1, shape[2]):
+            return None
+        h, w = hw if c3.shape[1] == shape[1] else (1, 1)
+        image = c3.reshape(1, h, w, c3.shape[2]).transpose(TO_NCHW)
+        return self.constant(f"{node.name}_in{k}", np.ascontiguousarray(image))
+
+
+def _live(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
+    """``nodes`` less those whose outputs nothing reads (layout nodes and exits the twins made idle)."""
+    needed, keep = set(outputs), []
+    for n in reversed(nodes):
+        if any(o in needed for o in n.output):
+            keep.append(n)
+            needed.update(i for i in n.input if i)
+    return keep[::-1]
+
+
+def _names(graph: onnx.GraphProto) -> set[str]:
+    names = {i.name for i in graph.initializer} | {i.name for i in graph.input} | {o.name for o in graph.output}
+    for n in graph.node:
+        names.update(n.output)
+        names.add(n.name)
+    return names
+
+
+def tokens_as_images(
+    model: onnx.ModelProto, consts: dict[str, np.ndarray], batch: int = 1
+) -> tuple[onnx.ModelProto, str | None]:
+    """The model with its token tensors' ops written over their twin images (the module's docstring),
+    and a line saying what changed (None where nothing did). ``consts``: the graph's constant tensors;
+    ``batch``: the batch the export's shapes were written at (its input's dim 0 may be symbolic now)."""
+    if not any(_perm(n) == SWAP for n in model.graph.node):
+        return model, None  # no token tensor made from an image or turned back into one
+    consts = dict(consts)
+    for n in model.graph.node:  # exporters alias shared weights through Identity nodes
+        if n.op_type == "Identity" and n.input and n.input[0] in consts:
+            consts[n.output[0]] = consts[n.input[0]]
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in out.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    g = _Graph(_shapes(model, batch), consts, readers)
+    outputs = {o.name for o in model.graph.output}
+    rw = _Rewriter(g, _groups(out.graph, g), _names(out.graph), outputs)
+    rw.walk(out.graph)
+    if not rw.rewritten:
+        return model, None
+    nodes = _live([onnx.NodeProto.FromString(n.SerializeToString()) for n in rw.nodes], outputs)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    out.graph.initializer.extend(rw.inits)
+    read = {i for n in nodes for i in n.input} | outputs
+    kept = [i for i in out.graph.initializer if i.name in read]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    del out.graph.value_info[:]  # the token tensors' producers changed; the partition infers shapes again
+    return out, (
+        f"{rw.rewritten} token-tensor op(s) written over their images (Linear as 1x1 Conv, LayerNorm over "
+        "channels, element-wise ops on images; the token layout nodes left only where other ops read tokens)"
+    )
+
+
+__all__ = ["tokens_as_images"]
