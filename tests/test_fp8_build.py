@@ -157,6 +157,25 @@ def test_calibration_statistics_match_numpy_on_the_conv_inputs(tmp_path: Path, m
         assert fp8.scale_of(stats[name]) == pytest.approx(stats[name] / 448, rel=1e-6)
 
 
+def test_the_fp16_plan_traced_through_onnxruntime_is_what_the_references_compute(tmp_path: Path) -> None:
+    """Calibration runs the fp16 plan's Track A segments through onnxruntime (fp32 arithmetic, fp16 where the
+    plan stores), its convolutions' inputs and outputs read back NHWC: the references' tensors to fp16 rounding
+    (rel L2 <= 2e-3; C = H = W = 16 for c2's input, so a wrong transpose cannot pass on shapes)."""
+    _, model, parted = fp16_stage(project(tmp_path))
+    runner = fp8.PlanRunner(parted.plan, parted.seg_models, fp8.model_weights(model))
+    seg = next(s for s in parted.plan.segments if s.track == "A")
+    assert seg.name in runner.sessions
+    x = verify.random_input(parted.plan.inputs[0], 1, np.random.default_rng())
+    fast, slow = {}, {}
+    out_fast = runner.run(parted.plan, x, fast, references=False)
+    out_slow = runner.run(parted.plan, x, slow)
+    for name in sorted(fp8.traced_names(seg)):
+        a, b = fast[name].astype(np.float64), slow[name].astype(np.float64)
+        assert fast[name].dtype == np.float16 and a.shape == b.shape, name
+        assert np.linalg.norm(a - b) <= 2e-3 * np.linalg.norm(b), name
+    assert np.mean(out_fast["mask"] == out_slow["mask"]) >= 0.99
+
+
 def test_calibration_images_from_a_folder_are_resized_and_split(tmp_path: Path) -> None:
     folder = tmp_path / "images"
     folder.mkdir()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 from onnx import numpy_helper
 
 from dualtrack import imaging, kernels
@@ -120,29 +121,71 @@ def _read_image(path: Path, spec: TensorSpec) -> np.ndarray:
 
 class PlanRunner:
     """Runs a plan (or its fp8 lowering: the same segments, other Track A calls) on the CPU, image by
-    image: Track B segments with onnxruntime on their fp32 form, cast back to the plan's dtypes at
-    the boundaries; Track A segments with the kernels' numpy references."""
+    image. Track B segments: onnxruntime on their fp32 form, cast back to the plan's dtypes at the
+    boundaries. Track A segments: the kernels' numpy references (``references``: what the fp8 plan
+    is checked by), or, for the fp16 plan, onnxruntime on the segment's fp32 form with its
+    convolutions' inputs and outputs as extra outputs, read back NHWC in the plan's dtypes (the numpy
+    conv references take minutes a layer at 512x512; a segment whose model lacks one of those tensors
+    runs the references)."""
 
     def __init__(self, plan: Plan, seg_models: Sequence[onnx.ModelProto], weights: Mapping[str, np.ndarray]) -> None:
         self.weights = weights
-        self.sessions = {
-            seg.name: verify.ort_session(verify.upcast(sm), f"segment {seg.name}")
-            for seg, sm in zip(plan.segments, seg_models, strict=True)
-            if seg.track == "B"
-        }
+        self.sessions: dict[str, ort.InferenceSession] = {}
+        for seg, sm in zip(plan.segments, seg_models, strict=True):
+            wide = verify.upcast(sm)
+            if seg.track == "A":
+                made = {o for n in sm.graph.node for o in n.output}
+                extra = sorted(traced_names(seg) - {t.name for t in (*seg.inputs, *seg.outputs)})
+                if not made.issuperset(extra):
+                    continue
+                wide = verify.with_outputs(wide, extra)
+            self.sessions[seg.name] = verify.ort_session(wide, f"segment {seg.name}")
 
-    def run(self, plan: Plan, x: np.ndarray, trace: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        """The plan's outputs for the input ``x``; ``trace`` receives every Track A tensor."""
+    def run(
+        self, plan: Plan, x: np.ndarray, trace: dict[str, np.ndarray] | None = None, *, references: bool = True
+    ) -> dict[str, np.ndarray]:
+        """The plan's outputs for the input ``x``; ``trace`` receives the Track A tensors (every one
+        through the references, the convolutions' inputs and outputs at least)."""
         env: dict[str, np.ndarray] = {plan.inputs[0].name: x}
         for seg in plan.segments:
             feeds = {t.name: env[t.name] for t in seg.inputs}
-            if seg.track == "A":
+            out = None
+            if seg.track == "B" or not references:
+                out = self._onnx(seg, feeds, trace)
+            if out is None:
                 out = verify.interpret_track_a(seg, self.weights, feeds, trace)
-            else:
-                got = verify.run_ort(self.sessions[seg.name], feeds)
-                out = {t.name: np.asarray(got[t.name]).astype(t.dtype) for t in seg.outputs}
             env.update(out)
         return {t.name: env[t.name] for t in plan.outputs}
+
+    def _onnx(
+        self, seg: Segment, feeds: dict[str, np.ndarray], trace: dict[str, np.ndarray] | None
+    ) -> dict[str, np.ndarray] | None:
+        """A segment through onnxruntime; None for a Track A one it cannot trace (the references run it)."""
+        if seg.name not in self.sessions:
+            return None
+        got = verify.run_ort(self.sessions[seg.name], feeds)
+        out = {t.name: np.asarray(got[t.name]).astype(t.dtype) for t in seg.outputs}
+        if seg.track == "A" and trace is not None:
+            specs = {t.name: t for t in seg.tensors}
+            inner = {k: nchw_to_plan(v, specs[k]) if k in specs else None for k, v in got.items() if k not in out}
+            if any(v is None for v in inner.values()):
+                return None
+            trace.update({**feeds, **out, **inner})
+        return out
+
+
+def traced_names(seg: Segment) -> set[str]:
+    """The tensors calibration and the per-layer error read: each convolution's inputs and output."""
+    return {n for c in seg.calls if c.op in CONV_OPS for n in (*c.inputs, c.outputs[0])}
+
+
+def nchw_to_plan(value: np.ndarray, spec: TensorSpec) -> np.ndarray | None:
+    """A tensor inside a Track A segment's graph (NCHW there: ONNX's convolutions' layout) as the plan
+    holds it (NHWC, its dtype); None where the shapes do not say so."""
+    a = np.asarray(value)
+    if a.ndim != 4 or (a.shape[0], *a.shape[2:], a.shape[1]) != spec.at_batch(a.shape[0]):
+        return None
+    return np.ascontiguousarray(a.transpose(0, 2, 3, 1).astype(spec.dtype))
 
 
 def model_weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -207,7 +250,7 @@ def calibrate(
     kept: list[dict[str, np.ndarray]] = []
     for i, x in enumerate(images):
         trace: dict[str, np.ndarray] = {}
-        runner.run(plan, x, trace)
+        runner.run(plan, x, trace, references=False)
         for name in names:
             t = trace[name]
             if name not in stats:
@@ -238,12 +281,12 @@ def quantized_name(x: str) -> str:
 
 
 def layer_error(call: KernelCall, scale: float, traces: Sequence[Mapping[str, np.ndarray]], weights) -> float:
-    """Relative L2 of the convolution's fp8 output against its fp16 output, on the traced inputs."""
+    """Relative L2 of the convolution's fp8 output against its fp16 output (traced with its inputs)."""
     quant, conv = fp8_calls(call, scale)
     num = den = 0.0
     for t in traces:
         args = [t[i] for i in call.inputs]
-        y16 = kernels.kernel(call.op).run_reference(call, args, weights).astype(np.float64)
+        y16 = t[call.outputs[0]].astype(np.float64)
         xq = kernels.kernel("quantize_fp8").run_reference(quant, args[:1], weights)
         y8 = kernels.kernel("conv_fp8").run_reference(conv, [xq, *args[1:]], weights).astype(np.float64)
         num += float(np.sum((y8 - y16) ** 2))
@@ -356,7 +399,7 @@ def agreement(
     checks = []
     for x in images:
         ref = verify.run_ort(reference, {fp16.inputs[0].name: x})
-        a, b = runner.run(fp16, x), runner.run(fp8, x)
+        a, b = runner.run(fp16, x, references=False), runner.run(fp8, x)
         m32, m16, m8 = mask_of(fp16, ref), mask_of(fp16, a), mask_of(fp8, b)
         same["vs_fp32"] += int(np.sum(m8 == m32))
         same["vs_fp16"] += int(np.sum(m8 == m16))
