@@ -13,10 +13,16 @@
 // the bottom/right padding only sets it); the caller also refuses a geometry in which some window
 // holds no pixel of the image, which would leave -inf here.
 //
-// One thread per output pixel and 16-byte chunk of channels (8 fp16 or 4 fp32 values), channel
-// chunk fastest, as maxpool2x2_nhwc.cu: the chunk is one vector load per tap when C, ldx, ldy and
-// both pointers allow it, a bounds-checked scalar loop otherwise, so the launch geometry does not
-// depend on alignment. The taps inside the image are found once per thread (no test per tap).
+// `lanes` threads (a power of two <= 32) per output pixel and 16-byte chunk of channels (8 fp16 or 4
+// fp32 values), lane fastest, then chunk, as maxpool2x2_nhwc.cu with lanes 1: the chunk is one vector
+// load per tap when C, ldx, ldy and both pointers allow it, a bounds-checked scalar loop otherwise, so
+// the launch geometry does not depend on alignment. The taps inside the image are found once per
+// thread (no test per tap). With lanes > 1 (large windows: PSPNet's pyramid pools a 66 x 66 window
+// into one pixel, which one thread would walk alone, 4356 loads in a row) lane l takes the window's
+// rows r0 + l, r0 + l + lanes, ..., and the lanes' partial maxima or fp32 sums meet by warp shuffles
+// (a group of lanes never straddles a warp: lanes divides 32 and the block size); lane 0 stores.
+// The average's fp32 sum is then in another order than row-major (rounding differs in the last bits
+// of fp32, below the one fp16 rounding of the result).
 //
 // NaN propagates (max.NaN), as in maxpool2x2, numpy's max and PyTorch's max_pool2d (onnxruntime's
 // CPU MaxPool gives NaN or not depending on where in the window it is: dualtrack/kernels/maxpool.py).
@@ -61,12 +67,12 @@ __device__ __forceinline__ void taps_inside(int o0, int d, int L, int R, int& lo
 template <typename T, int V>
 __device__ __forceinline__ void avg_chunk(const T* __restrict__ img, T* __restrict__ dst, int W, int ldx, int h0,
                                           int w0, int dh, int dw, int r0, int r1, int s0, int s1, float count,
-                                          bool vec, int n_el) {
+                                          bool vec, int n_el, int lane, int lanes, bool live) {
     float acc[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) acc[e] = 0.0f;
 #pragma unroll 1
-    for (int r = r0; r < r1; ++r) {
+    for (int r = r0 + lane; r < r1; r += lanes) {
         const T* row = img + static_cast<long long>(h0 + r * dh) * W * ldx;
         if (vec) {
 #pragma unroll 3
@@ -86,6 +92,11 @@ __device__ __forceinline__ void avg_chunk(const T* __restrict__ img, T* __restri
             }
         }
     }
+#pragma unroll 1
+    for (int m = lanes >> 1; m > 0; m >>= 1)
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], m);
+    if (!live || lane != 0) return;
 #pragma unroll
     for (int e = 0; e < V; ++e) acc[e] = acc[e] / count;
     if (vec) {
@@ -97,17 +108,34 @@ __device__ __forceinline__ void avg_chunk(const T* __restrict__ img, T* __restri
     }
 }
 
+// The partial maximum of lane ^ m (a whole warp calls these: see lanes above).
+__device__ __forceinline__ f16 shfl_xor(f16 v, int m) {
+    return static_cast<f16>(__shfl_xor_sync(0xffffffffu, static_cast<unsigned>(v), m));
+}
+__device__ __forceinline__ float shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+__device__ __forceinline__ uint4 shfl_xor(uint4 v, int m) {
+    return make_uint4(__shfl_xor_sync(0xffffffffu, v.x, m), __shfl_xor_sync(0xffffffffu, v.y, m),
+                      __shfl_xor_sync(0xffffffffu, v.z, m), __shfl_xor_sync(0xffffffffu, v.w, m));
+}
+__device__ __forceinline__ float4 shfl_xor(float4 v, int m) {
+    return make_float4(shfl_xor(v.x, m), shfl_xor(v.y, m), shfl_xor(v.z, m), shfl_xor(v.w, m));
+}
+
 // T: element type; V: elements per 16-byte chunk; Vec: the 16-byte type.
 template <typename T, int V, typename Vec>
 __device__ __forceinline__ void maxpool(const T* __restrict__ x, T* __restrict__ y, int N, int H, int W, int C,
                                         int Ho, int Wo, int ldx, int ldy, int R, int S, int sh, int sw, int dh,
-                                        int dw, int pt, int pl, int pb, int pr, int mode) {
+                                        int dw, int pt, int pl, int pb, int pr, int mode, int lanes) {
     const int chunks = (C + V - 1) / V;
-    const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (idx >= static_cast<long long>(N) * Ho * Wo * chunks) return;
+    const long long thread = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long idx = thread / lanes;
+    const int lane = static_cast<int>(thread - idx * lanes);
+    // A thread past the end still takes part in its warp's shuffles (lanes > 1) with no taps.
+    const bool live = idx < static_cast<long long>(N) * Ho * Wo * chunks;
+    if (!live && lanes == 1) return;
     // Output pixel (n, ho, wo) and channel chunk, chunk fastest: neighbouring threads read
     // neighbouring bytes of one pixel.
-    const NhwcIndex o = nhwc_index(idx, Ho, Wo, chunks);
+    const NhwcIndex o = nhwc_index(live ? idx : 0, Ho, Wo, chunks);
     const long long n = o.n;
     const int ho = o.h, wo = o.w, c = o.c * V;
 
@@ -115,6 +143,7 @@ __device__ __forceinline__ void maxpool(const T* __restrict__ x, T* __restrict__
     int r0, r1, s0, s1;
     taps_inside(h0, dh, H, R, r0, r1);
     taps_inside(w0, dw, W, S, s0, s1);
+    if (!live) r1 = r0;
     const T* img = x + n * H * static_cast<long long>(W) * ldx + c;  // channel c of pixel (n, 0, 0)
     T* dst = y + o.p * ldy + c;
 
@@ -125,7 +154,8 @@ __device__ __forceinline__ void maxpool(const T* __restrict__ x, T* __restrict__
         const int hi = min(h0 + R, H + pb), wi = min(w0 + S, W + pr);
         const float count = mode == 1 ? static_cast<float>((hi - h0) * (wi - w0))
                                       : static_cast<float>((r1 - r0) * (s1 - s0));
-        avg_chunk<T, V>(img, dst, W, ldx, h0, w0, dh, dw, r0, r1, s0, s1, count, vec, C - c < V ? C - c : V);
+        avg_chunk<T, V>(img, dst, W, ldx, h0, w0, dh, dw, r0, r1, s0, s1, count, vec, C - c < V ? C - c : V, lane,
+                        lanes, live);
         return;
     }
     if (vec) {
@@ -134,19 +164,21 @@ __device__ __forceinline__ void maxpool(const T* __restrict__ x, T* __restrict__
         // Unrolled by 3 along a row: a 3-wide window's loads are in flight together, at about half
         // the registers a wider unroll takes (occupancy is what a memory-bound kernel lives on).
 #pragma unroll 1
-        for (int r = r0; r < r1; ++r) {
+        for (int r = r0 + lane; r < r1; r += lanes) {
             const T* row = img + static_cast<long long>(h0 + r * dh) * W * ldx;
 #pragma unroll 3
             for (int s = s0; s < s1; ++s)
                 acc = max_of(acc, *reinterpret_cast<const Vec*>(row + static_cast<long long>(w0 + s * dw) * ldx));
         }
-        *reinterpret_cast<Vec*>(dst) = acc;
+#pragma unroll 1
+        for (int m = lanes >> 1; m > 0; m >>= 1) acc = max_of(acc, shfl_xor(acc, m));
+        if (live && lane == 0) *reinterpret_cast<Vec*>(dst) = acc;
     } else {
         const int n_el = C - c < V ? C - c : V;
         T acc[V];
         for (int e = 0; e < V; ++e) neg_inf(acc[e]);
 #pragma unroll 1
-        for (int r = r0; r < r1; ++r) {
+        for (int r = r0 + lane; r < r1; r += lanes) {
             const T* row = img + static_cast<long long>(h0 + r * dh) * W * ldx;
 #pragma unroll 1
             for (int s = s0; s < s1; ++s) {
@@ -156,6 +188,11 @@ __device__ __forceinline__ void maxpool(const T* __restrict__ x, T* __restrict__
                     if (e < n_el) acc[e] = max_of(acc[e], px[e]);
             }
         }
+#pragma unroll 1
+        for (int m = lanes >> 1; m > 0; m >>= 1)
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc[e] = max_of(acc[e], shfl_xor(acc[e], m));
+        if (!live || lane != 0) return;
 #pragma unroll
         for (int e = 0; e < V; ++e)
             if (e < n_el) dst[e] = acc[e];
@@ -164,8 +201,8 @@ __device__ __forceinline__ void maxpool(const T* __restrict__ x, T* __restrict__
 
 #define MAXPOOL_PARAMS(T)                                                                                        \
     const T *__restrict__ x, T *__restrict__ y, int N, int H, int W, int C, int Ho, int Wo, int ldx, int ldy, int R, \
-        int S, int sh, int sw, int dh, int dw, int pt, int pl, int pb, int pr, int mode
-#define MAXPOOL_ARGS x, y, N, H, W, C, Ho, Wo, ldx, ldy, R, S, sh, sw, dh, dw, pt, pl, pb, pr, mode
+        int S, int sh, int sw, int dh, int dw, int pt, int pl, int pb, int pr, int mode, int lanes
+#define MAXPOOL_ARGS x, y, N, H, W, C, Ho, Wo, ldx, ldy, R, S, sh, sw, dh, dw, pt, pl, pb, pr, mode, lanes
 
 extern "C" __global__ void __launch_bounds__(MAXPOOL_THREADS) maxpool_nhwc_f16(MAXPOOL_PARAMS(f16)) {
     maxpool<f16, MAXPOOL_VEC_F16, uint4>(MAXPOOL_ARGS);

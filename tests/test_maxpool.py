@@ -73,7 +73,7 @@ def pool_loops(x: np.ndarray, g: PoolGeometry) -> np.ndarray:
     [
         (STEM, (256, 256, 64), "float16", None),
         (PoolGeometry(15, 1, 1, 1, pad_top=7, pad_bottom=7), (9, 4, 3), "float32", None),  # the largest window
-        (PoolGeometry(65, 3), (80, 80, 8), "float16", "kernel 65x3: the max-pool takes 1..64 a side"),
+        (PoolGeometry(257, 3), (300, 80, 8), "float16", "kernel 257x3: the max-pool takes 1..256 a side"),
         (PoolGeometry(3, 3, 0, 1), (8, 8, 8), "float16", "strides 0,1 dilations 1,1: each must be >= 1"),
         (PoolGeometry(3, 3, pad_top=-1), (8, 8, 8), "float16", "negative padding"),
         (PoolGeometry(2, 2, ceil_mode=2), (8, 8, 8), "float16", "ceil_mode 2"),
@@ -183,7 +183,7 @@ def test_a_call_prepares_its_window_and_channel_slices() -> None:
     p = POOL.prepare(call, x, y, [], None)  # type: ignore[arg-type]  # no context needed
     assert p.entry == "maxpool_nhwc_f16" and p.config == POOL.launch("float16", 2, 9, 10, 24, 0, STEM)
     # ... pt, pl, then pb, pr and the mode (max: 0), which only an average pool reads
-    assert [v for v, _ in p.args] == [0x1000, 0x2000, 2, 9, 10, 24, 5, 5, 40, 64, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, 0]
+    assert [v for v, _ in p.args] == [0x1000, 0x2000, 2, 9, 10, 24, 5, 5, 40, 64, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, 0, 1]
     with pytest.raises(InputError, match="output \\(2, 4, 5, 24\\) is not \\(2, 5, 5, 24\\)"):
         POOL.prepare(call, x, GpuTensor(0x2000, (2, 4, 5, 24), np.dtype("float16")), [], None)  # type: ignore[arg-type]
     with pytest.raises(InputError, match="no R/S attribute"):
@@ -250,7 +250,7 @@ def test_what_stays_on_track_b_says_why(tmp_path: Path) -> None:
     fix = r"move it to Track B with partition\.track_b\.name_prefixes: \['a/pool'\]"
     with pytest.raises(PartitionError, match=fix):
         plan_of(disagree, tmp_path)
-    assert "kernel 65x3" in (support(pool_graph(4, 80, 80, kernel_shape=[65, 3]), "a/pool") or "")
+    assert "kernel 257x3" in (support(pool_graph(4, 300, 80, kernel_shape=[257, 3]), "a/pool") or "")
 
 
 def test_auto_puts_the_pool_on_track_a_with_its_cost(tmp_path: Path) -> None:

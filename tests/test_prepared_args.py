@@ -311,16 +311,16 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
         (1, 1, 1),  # 2*5*4 pixels x 5 chunks of 8 channels
         (256, 1, 1),
         0,
-        [4096, 8192, 2, 9, 8, 40, 5, 4, 72, 48, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, 0],  # pad_b, pad_r, mode: max
-        "PPIIIIIIIIIIIIIIIIIII",
+        [4096, 8192, 2, 9, 8, 40, 5, 4, 72, 48, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, 0, 1],  # pad_b, pad_r, mode: max, lanes
+        "PPIIIIIIIIIIIIIIIIIIII",
     ),
     "maxpool ceil f32": (
         "maxpool_nhwc_f32",
         (1, 1, 1),
         (256, 1, 1),
         0,
-        [4096, 8192, 1, 11, 10, 5, 5, 4, 5, 5, 3, 2, 2, 3, 2, 1, 0, 0, 1, 0, 0],
-        "PPIIIIIIIIIIIIIIIIIII",
+        [4096, 8192, 1, 11, 10, 5, 5, 4, 5, 5, 3, 2, 2, 3, 2, 1, 0, 0, 1, 0, 0, 1],
+        "PPIIIIIIIIIIIIIIIIIIII",
     ),
     "convt2x2": (
         "convt2x2_nhwc_f32",

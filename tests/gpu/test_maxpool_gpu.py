@@ -14,11 +14,14 @@ provides the context, stream and memory pool."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from gpu_ptx import Slices, checked_in_ptx
 
 from dualtrack import kernels
+from dualtrack.contract.plan import POOL_MODES
 from dualtrack.kernels import PoolGeometry
 from dualtrack.runtime.engine import Engine
 
@@ -83,3 +86,40 @@ def test_smp_resnet34_stem_pool(engine, mods, n: int) -> None:
     x = np.random.default_rng().standard_normal((n, 256, 256, 64)).astype("float16")
     run_pool(engine, mods, "float16", 0, x, STEM)
     run_pool(engine, mods, "float16", 8, x, STEM)
+
+
+# Windows of LANE_TAPS taps or more run on several lanes per output chunk (MaxPoolSpec.lanes): a
+# pyramid pool's global window (PSPNet's bin 1 pools its whole map), a 23 x 23 bin, a padded 9 x 9
+# stride-1 window with ceil_mode and a tall narrow one, on sizes no zoo model has (C 13 takes the
+# element loop, C 40 the vector path); N = 3 so a group of lanes starts mid-block.
+LARGE = [
+    ((3, 70, 70, 40), PoolGeometry(70, 70, 70, 70)),
+    ((3, 69, 46, 13), PoolGeometry(23, 23, 23, 23)),
+    ((3, 31, 29, 40), PoolGeometry(9, 9, 1, 1, pad_top=4, pad_left=4, pad_bottom=4, pad_right=4)),
+    ((3, 40, 27, 13), PoolGeometry(33, 2, 5, 2, pad_top=1, pad_left=0, pad_bottom=2, pad_right=1, ceil_mode=1)),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("off", [0, 3])
+@pytest.mark.parametrize("mode", ["max", "avg_exclude_pad", "avg_include_pad"])
+@pytest.mark.parametrize("case", range(len(LARGE)))
+def test_large_windows_split_over_lanes(engine, mods, dtype: str, off: int, mode: str, case: int) -> None:
+    """Max exactly; the average within one fp16 rounding (2e-3 relative) or fp32's summation order
+    (1e-5), as the lanes sum in another order than the reference's row-major one."""
+    shape, g0 = LARGE[case]
+    g = dataclasses.replace(g0, mode=POOL_MODES[mode])
+    assert POOL.lanes(g) > 1 and POOL.supports(dtype, *shape[1:], g) is None
+    x = np.random.default_rng().standard_normal(shape).astype(dtype)
+    if mode == "max":
+        run_pool(engine, mods, dtype, off, x, g)
+        return
+    n, h, w, c = shape
+    ref = POOL.reference(x, g)
+    s = Slices(engine, dtype, off)
+    (px, ldx), (py, ldy) = s.input(x), s.output(ref.shape)
+    cfg = POOL.launch(dtype, n, h, w, c, 0, g)
+    args = POOL.args(x=px, y=py, N=n, H=h, W=w, C=c, geom=g, ldx=ldx, ldy=ldy)
+    mods[POOL.entry(dtype)].launch(cfg.grid, cfg.block, cfg.shared_bytes, s.be.stream, args)
+    tol = 2e-3 if dtype == "float16" else 1e-5
+    np.testing.assert_allclose(s.result().astype(np.float64), ref.astype(np.float64), rtol=tol, atol=tol)

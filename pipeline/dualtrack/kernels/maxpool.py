@@ -2,9 +2,11 @@
 2-D NHWC images: any window up to :data:`MAX_KERNEL` a side, strides, dilations (max only),
 padding, ``ceil_mode`` 0 or 1 (MaxPool's first output only: no Indices), and for the average
 ``count_include_pad`` 1 or 0 — a mode row (:data:`~dualtrack.contract.plan.POOL_MODES`) of the one
-kernel. One thread per output pixel and 16-byte chunk of channels, as maxpool2x2's.
+kernel. One thread per output pixel and 16-byte chunk of channels, as maxpool2x2's, or for a large window
+several (:meth:`MaxPoolSpec.lanes`), each a share of its rows.
 
-**The average** sums the window's taps inside the image in fp32 (row-major tap order) and divides
+**The average** sums the window's taps inside the image in fp32 (row-major tap order; with lanes, each lane's rows
+and then the lanes' sums pairwise) and divides
 once: by the taps inside the image (``count_include_pad`` 0), or by the window clipped to the
 padded image (1: a ``ceil_mode`` window that reaches past the bottom/right pads counts only up to
 them), onnxruntime's and PyTorch's rule (tests/test_pool_resize_family.py checks it against
@@ -57,7 +59,12 @@ from dualtrack.kernels.base import (
 from dualtrack.kernels.conv_general import ConvGeometry
 from dualtrack.kernels.streaming import StreamingSpec
 
-MAX_KERNEL = 64  # R and S: one thread loops over the R*S taps (PSPNet's bins pool 32x32 windows of a 64x64 map)
+MAX_KERNEL = 256  # R and S: a window of 256 x 256 taps is 2048 per lane on 32 lanes (lanes below)
+# Windows of at least this many taps get several threads (lanes) per output chunk, each a share of the
+# window's rows, met by warp shuffles (maxpool_nhwc.cu): one thread walking a 66 x 66 window alone was
+# 157 us of PSPNet's 0.70 ms at N=1 on an H200 (bench/results/kernel_profile-b3f5f15-h200.json).
+LANE_TAPS = 64
+MAX_LANES = 32  # a warp: the lanes of one output meet by shuffles
 
 
 @dataclass(frozen=True)
@@ -143,17 +150,25 @@ class PoolGeometry(ConvGeometry):
 
 @dataclass(frozen=True)
 class MaxPoolSpec(StreamingSpec):
-    """ONNX MaxPool and AveragePool, NHWC, one thread per output pixel and 16-byte chunk of channels
-    (8 fp16 or 4 fp32): one vector load per tap when C, the strides and the pointers allow, element
-    loads otherwise (the device decides; the grid is the same)."""
+    """ONNX MaxPool and AveragePool, NHWC, :meth:`lanes` threads per output pixel and 16-byte chunk of
+    channels (8 fp16 or 4 fp32): one vector load per tap when C, the strides and the pointers allow,
+    element loads otherwise (the device decides; the grid is the same)."""
 
     MACRO: ClassVar[str] = "MAXPOOL"
     CHUNK_BYTES: ClassVar[int] = 16
     PARAMS: ClassVar[tuple[str, ...]] = (
         "x", "y", "N", "H", "W", "C", "Ho", "Wo", "ldx", "ldy", "R", "S", "sh", "sw", "dh", "dw", "pt", "pl",
-        "pb", "pr", "mode",
+        "pb", "pr", "mode", "lanes",
     )  # fmt: skip
     POINTERS: ClassVar[int] = 2
+
+    @staticmethod
+    def lanes(geom: PoolGeometry) -> int:
+        """Threads per output chunk: 1 for a small window; for one of :data:`LANE_TAPS` taps or more,
+        the largest power of two up to its rows and :data:`MAX_LANES` (each lane takes whole rows)."""
+        if geom.R * geom.S < LANE_TAPS:
+            return 1
+        return min(MAX_LANES, 1 << (geom.R.bit_length() - 1))
 
     def vector(self, dtype: Any) -> int:
         """Channels a thread handles: one 16-byte chunk."""
@@ -209,7 +224,9 @@ class MaxPoolSpec(StreamingSpec):
     ) -> LaunchConfig:
         _, Ho, Wo, _ = self.output_shape(N, H, W, C, K, geom)
         pixels(N, H, W, C)
-        blocks = cdiv(N * Ho * Wo * cdiv(C, self.vector(dtype)), self.block_threads)
+        if self.block_threads % MAX_LANES:
+            raise InputError(f"maxpool's block of {self.block_threads} threads must be a multiple of {MAX_LANES}")
+        blocks = cdiv(N * Ho * Wo * cdiv(C, self.vector(dtype)) * self.lanes(geom), self.block_threads)
         if blocks > INT32_MAX:
             raise InputError(f"maxpool of {N}x{H}x{W}x{C} needs {blocks} blocks; split the batch")
         return LaunchConfig(grid=(blocks, 1, 1), block=(self.block_threads, 1, 1), shared_bytes=0)
@@ -231,8 +248,8 @@ class MaxPoolSpec(StreamingSpec):
         ldy: int | None = None,
         **_: Any,
     ) -> list[KernelArg]:
-        """``x, y, N, H, W, C, Ho, Wo, ldx, ldy, R, S, sh, sw, dh, dw, pt, pl, pb, pr, mode``; strides
-        default to ``C``."""
+        """``x, y, N, H, W, C, Ho, Wo, ldx, ldy, R, S, sh, sw, dh, dw, pt, pl, pb, pr, mode, lanes``;
+        strides default to ``C``."""
         _, Ho, Wo, _ = self.output_shape(N, H, W, C, 0, geom)
         ldx_, ldy_ = stride("ldx", ldx, C), stride("ldy", ldy, C)
         pixels(N, H, W, max(ldx_, ldy_))
@@ -241,7 +258,7 @@ class MaxPoolSpec(StreamingSpec):
             "x": pointer("x", x), "y": pointer("y", y), "N": N, "H": H, "W": W, "C": C, "Ho": Ho, "Wo": Wo,
             "ldx": ldx_, "ldy": ldy_, "R": g.R, "S": g.S, "sh": g.stride_h, "sw": g.stride_w,
             "dh": g.dil_h, "dw": g.dil_w, "pt": g.pad_top, "pl": g.pad_left, "pb": g.pad_bottom,
-            "pr": g.pad_right, "mode": g.mode,
+            "pr": g.pad_right, "mode": g.mode, "lanes": self.lanes(g),
         })  # fmt: skip
 
     def reference(self, x: np.ndarray, geom: PoolGeometry | None = None) -> np.ndarray:
