@@ -93,11 +93,21 @@
 // The fast path is one try_wait, as without a watchdog; -DCONV_WGMMA_WATCHDOG_NS=0 compiles the
 // slow path out (a plain spin), to measure what the watchdog costs.
 //
+// e4m3 rows (entries conv3x3_wgmma_e4m3_..., the conv_fp8 op; issue 42). x and w are OCP float8
+// e4m3fn bytes (x dense NHWC from quantize_fp8.cu, w packed KRSC), everything else as above:
+//   y = act(acc * dequant[k] + bias[k] + res),  acc = sum of the exact e4m3 products in fp32,
+// dequant[k] = s_x * s_w[k] (fp32, K values; the extra parameter after bias). wgmma's e4m3 form is
+// m64nNk32 with both operands K-major in shared memory: a k32 step is 32 bytes of a row, as fp16's
+// k16, so the pipeline is the same with 1-byte elements: BK = 128 channels a 128-byte swizzled
+// row (64: a 64-byte row), TMA maps of UINT8, ROW_BYTES / 32 instructions a k-block. No column
+// copies. The epilogue's fp32 scale is applied to the (split-K summed) accumulators before the bias.
+//
 // Configurations are not set here: the host passes -DCONV_WGMMA_ENTRIES="CONV_WGMMA_ENTRY(BN,
 // MT, WGS, BK, STAGES, MIN_BLOCKS) CONV_WGMMA_HALO_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, TW)
 // CONV_WGMMA_1X1_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS) ..." (dualtrack.kernels:
 // Conv3x3WgmmaSpec.configs), so the launch geometry and the code cannot disagree. Entry names:
-// conv3x3_wgmma_bn<BN>_mt<MT>_wg<WGS>_bk<BK>[_h<TW> | _1x1].
+// conv3x3_wgmma[_e4m3]_bn<BN>_mt<MT>_wg<WGS>_bk<BK>[_h<TW> | _1x1] (CONV_WGMMA_E4M3_ENTRY,
+// CONV_WGMMA_E4M3_1X1_ENTRY: the e4m3 rows).
 // Built for compute_90a only (wgmma is sm_90a-only): `make ptx` writes ptx/compute_90a/.
 //
 // No toolkit #include: NVRTC builds this with the in-memory dualtrack_activations.cuh only. fp16
@@ -289,11 +299,29 @@ __device__ __forceinline__ void fence_regs(float (&d)[R]) {
                      : "l"(da), "l"(db), "r"(1));                                                        \
     }
 
+// D(64 x BN, fp32) += A(64 x 32, e4m3) * B(32 x BN, e4m3), both K-major in shared memory. The
+// 8-bit forms take no transpose operands (K-major only).
+#define WG_MMA_E4M3(NREG, BN_, DA, DB, SCALE, REGS, OPS)                                                  \
+    __device__ __forceinline__ void mma_e4m3(float (&d)[NREG], u64 da, u64 db) {                         \
+        asm volatile("{\n"                                                                              \
+                     ".reg .pred p;\n"                                                                  \
+                     "setp.ne.b32 p, " SCALE ", 0;\n"                                                   \
+                     "wgmma.mma_async.sync.aligned.m64n" #BN_ "k32.f32.e4m3.e4m3 {" REGS "}, " DA ", " DB \
+                     ", p, 1, 1;\n"                                                                     \
+                     "}\n"                                                                              \
+                     : OPS                                                                               \
+                     : "l"(da), "l"(db), "r"(1));                                                        \
+    }
+
 // Operand numbers: the NREG accumulators come first, then the two descriptors and scale-d.
 WG_MMA(16, 32, "%16", "%17", "%18", WG_REGS_16, WG_D16(0))
 WG_MMA(32, 64, "%32", "%33", "%34", WG_REGS_32, WG_D32(0))
 WG_MMA(64, 128, "%64", "%65", "%66", WG_REGS_64, WG_D64(0))
 WG_MMA(128, 256, "%128", "%129", "%130", WG_REGS_128, WG_D128(0))
+WG_MMA_E4M3(16, 32, "%16", "%17", "%18", WG_REGS_16, WG_D16(0))
+WG_MMA_E4M3(32, 64, "%32", "%33", "%34", WG_REGS_32, WG_D32(0))
+WG_MMA_E4M3(64, 128, "%64", "%65", "%66", WG_REGS_64, WG_D64(0))
+WG_MMA_E4M3(128, 256, "%128", "%129", "%130", WG_REGS_128, WG_D128(0))
 
 // Split-K's partial sums: stored and read at L2 (not L1, which another SM's stores do not update).
 __device__ __forceinline__ void st_cg(float* p, float v) {
@@ -326,7 +354,7 @@ __device__ __forceinline__ void named_barrier() {
 
 // ---- the kernel body --------------------------------------------------------------------------
 
-template <int BN_, int MT_, int WGS_, int BK_, int STAGES_, int HALO_TW_, bool PW_>
+template <int BN_, int MT_, int WGS_, int BK_, int STAGES_, int HALO_TW_, bool PW_, bool E4M3_ = false>
 struct Cfg {
     enum : int {
         BN = BN_,
@@ -336,10 +364,12 @@ struct Cfg {
         STAGES = STAGES_,
         HALO_TW = HALO_TW_,  // 0: one A box per tap; else the tile width of the column-copy scheme
         PW = PW_,            // 1x1 (a GEMM over the flattened pixels): one tap, 2-D input map
+        E4M3 = E4M3_,        // one-byte e4m3 operands (k32 instructions) and the dequant scale
         CONSUMER_WARPS = 4 * WGS,
         THREADS = 32 * (CONSUMER_WARPS + 1),  // + the producer warp
         BM = WGS * 64 * MT,  // tile pixels
-        ROW_BYTES = 2 * BK,
+        ROW_BYTES = (E4M3 ? 1 : 2) * BK,
+        K_STEPS = ROW_BYTES / 32,  // instructions a k-block: k16 (fp16) or k32 (e4m3), 32 bytes each
         // A box: TH x TW pixels per tap, or (TH + 2) x TW per column copy (2 * TW more rows).
         A_BYTES = (BM + (HALO_TW ? 2 * HALO_TW : 0)) * ROW_BYTES,
         B_BYTES = BN * ROW_BYTES,
@@ -354,7 +384,8 @@ struct Cfg {
         // dynamic shared memory the host must pass: the pipeline, or the fp32 staging where larger
         SMEM_BYTES = (PIPE_BYTES > EPI_F32_BYTES ? PIPE_BYTES : EPI_F32_BYTES) + ALIGN,
     };
-    static_assert(BK == 32 || BK == 64, "rows must be one 64- or 128-byte swizzle span");
+    static_assert(ROW_BYTES == 64 || ROW_BYTES == 128, "rows must be one 64- or 128-byte swizzle span");
+    static_assert(!(E4M3 && HALO_TW), "the e4m3 rows have no column copies");
     static_assert(BN == 32 || BN == 64 || BN == 128 || BN == 256, "wgmma N instantiated for 32..256");
     static_assert(MT == 1 || MT == 2, "one or two m64 blocks per warpgroup");
     static_assert(WGS == 1 || WGS == 2, "one or two consumer warpgroups");
@@ -388,26 +419,35 @@ __device__ __forceinline__ long long pixel_at(const Tile& t, int p) {
     return (h < t.H && w < t.W) ? (static_cast<long long>(t.img) * t.H + h) * t.W + w : -1;
 }
 
+// An accumulator as the epilogue adds to it: times the channel's dequant scale in an e4m3 row,
+// as it is in an fp16 one (no multiply by 1 in the fp16 code).
+template <class CF>
+__device__ __forceinline__ float dequantized(float acc, float scale) {
+    return CF::E4M3 ? acc * scale : acc;
+}
+
 // Bias, residual (RES: res is not null) and ReLU on the accumulators, rounded to fp16 and staged in
 // `tile` (this warpgroup's rows, EPI_PITCH apart). The bias once per column pair; the residual at
 // each accumulator's pixel (tile pixel p0 + row offset), its address computed there.
 template <class CF, bool RES>
 __device__ __forceinline__ void stage_tile(const float (&acc)[CF::MT][CF::NREG], f16* tile, const float* __restrict__ bias,
-                                           const f16* __restrict__ res, int K, int n0, int lane, int wl, int p0,
-                                           const Tile& t, int ldr, int relu) {
+                                           const float* __restrict__ dequant, const f16* __restrict__ res, int K,
+                                           int n0, int lane, int wl, int p0, const Tile& t, int ldr, int relu) {
 #pragma unroll
     for (int j = 0; j < CF::BN / 8; ++j) {
         const int col = 8 * j + 2 * (lane & 3);
         const int k = n0 + col;
         const float b0 = (bias != nullptr && k < K) ? bias[k] : 0.f;
         const float b1 = (bias != nullptr && k + 1 < K) ? bias[k + 1] : 0.f;
+        const float d0 = (CF::E4M3 && k < K) ? dequant[k] : 1.f;
+        const float d1 = (CF::E4M3 && k + 1 < K) ? dequant[k + 1] : 1.f;
 #pragma unroll
         for (int mt = 0; mt < CF::MT; ++mt) {
             const int row = mt * 64 + 16 * wl + (lane >> 2);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                float v0 = acc[mt][4 * j + 2 * half] + b0;
-                float v1 = acc[mt][4 * j + 2 * half + 1] + b1;
+                float v0 = dequantized<CF>(acc[mt][4 * j + 2 * half], d0) + b0;
+                float v1 = dequantized<CF>(acc[mt][4 * j + 2 * half + 1], d1) + b1;
                 if (RES && k < K) {
                     const long long pix = pixel_at<CF::PW>(t, p0 + mt * 64 + 8 * half);
                     if (pix >= 0) {
@@ -435,20 +475,24 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[CF::MT][CF::NREG],
 // general epilogue's staging (store_general reads it back).
 template <class CF>
 __device__ __forceinline__ void stage_tile_f32(const float (&acc)[CF::MT][CF::NREG], float* tile,
-                                               const float* __restrict__ bias, int K, int n0, int lane, int wl) {
+                                               const float* __restrict__ bias, const float* __restrict__ dequant,
+                                               int K, int n0, int lane, int wl) {
 #pragma unroll
     for (int j = 0; j < CF::BN / 8; ++j) {
         const int col = 8 * j + 2 * (lane & 3);
         const int k = n0 + col;
         const float b0 = (bias != nullptr && k < K) ? bias[k] : 0.f;
         const float b1 = (bias != nullptr && k + 1 < K) ? bias[k + 1] : 0.f;
+        const float d0 = (CF::E4M3 && k < K) ? dequant[k] : 1.f;
+        const float d1 = (CF::E4M3 && k + 1 < K) ? dequant[k + 1] : 1.f;
 #pragma unroll
         for (int mt = 0; mt < CF::MT; ++mt) {
             const int row = mt * 64 + 16 * wl + (lane >> 2);
 #pragma unroll
             for (int half = 0; half < 2; ++half)
                 *reinterpret_cast<float2*>(tile + (row + 8 * half) * CF::EPI_F32_PITCH + col) =
-                    make_float2(acc[mt][4 * j + 2 * half] + b0, acc[mt][4 * j + 2 * half + 1] + b1);
+                    make_float2(dequantized<CF>(acc[mt][4 * j + 2 * half], d0) + b0,
+                                dequantized<CF>(acc[mt][4 * j + 2 * half + 1], d1) + b1);
         }
     }
 }
@@ -535,7 +579,8 @@ __device__ __forceinline__ void store_general(const float* tile, const f16* __re
 
 template <class CF>
 __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw, const float* __restrict__ bias,
-                                     const f16* __restrict__ res, f16* __restrict__ y, int N, int H, int W, int C,
+                                     const float* __restrict__ dequant, const f16* __restrict__ res,
+                                     f16* __restrict__ y, int N, int H, int W, int C,
                                      int K, int ldy, int ldr, int act, float p0, float p1, float* __restrict__ ws,
                                      int tw_log2, int* status, unsigned char* dsmem, u64* bars) {
     const int warp = threadIdx.x >> 5;
@@ -722,13 +767,16 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
 #pragma unroll
         for (int r = 0; r < CF::TAPS; ++r) {
 #pragma unroll
-            for (int k = 0; k < CF::BK / 16; ++k) {
+            for (int k = 0; k < CF::K_STEPS; ++k) {
 #pragma unroll
                 for (int mt = 0; mt < CF::MT; ++mt) {
                     const u64 da = desc_a0 + so +
                                    static_cast<u64>(((mt * 64 + r * CF::HALO_TW) * CF::ROW_BYTES + k * 32) >> 4);
                     const u64 db = desc_b0 + so + static_cast<u64>((r * CF::B_BYTES + k * 32) >> 4);
-                    mma(acc[mt], da, db);
+                    if (CF::E4M3)
+                        mma_e4m3(acc[mt], da, db);
+                    else
+                        mma(acc[mt], da, db);
                 }
             }
         }
@@ -797,7 +845,7 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
     unsigned char* staging = dsmem + (base - raw);
     if (act > DT_ACT_RELU) {  // every other row of the table: fp32 staging, then one rounding
         float* rows = reinterpret_cast<float*>(staging) + g * (CF::MT * 64 * CF::EPI_F32_PITCH);
-        stage_tile_f32<CF>(acc, rows, bias, K, n0, lane, wl);
+        stage_tile_f32<CF>(acc, rows, bias, dequant, K, n0, lane, wl);
         if (g == 0)
             named_barrier<2, 128>();
         else
@@ -811,9 +859,9 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
     // compiler's schedule cost 10-20% at N=8 (bench/wgmma/ab.py on the H200).
     const int pt = p_first + 16 * wl + (lane >> 2);  // the first tile pixel of this thread's rows
     if (res == nullptr)
-        stage_tile<CF, false>(acc, tile, bias, res, K, n0, lane, wl, pt, tile_at, ldr, relu);
+        stage_tile<CF, false>(acc, tile, bias, dequant, res, K, n0, lane, wl, pt, tile_at, ldr, relu);
     else
-        stage_tile<CF, true>(acc, tile, bias, res, K, n0, lane, wl, pt, tile_at, ldr, relu);
+        stage_tile<CF, true>(acc, tile, bias, dequant, res, K, n0, lane, wl, pt, tile_at, ldr, relu);
     if (g == 0)
         named_barrier<2, 128>();
     else
@@ -863,8 +911,29 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
             int* status) {                                                                                  \
         extern __shared__ __align__(1024) unsigned char dsmem[];                                            \
         __shared__ u64 bars[2 * (STAGES)];                                                                  \
-        wg::conv<wg::Cfg<BN, MT, WGS, BK, STAGES, HALO_TW, PW>>(&tmx, &tmw, bias, res, y, N, H, W, C, K, ldy, ldr, \
-                                                                act, p0, p1, ws, tw_log2, status, dsmem, bars); \
+        wg::conv<wg::Cfg<BN, MT, WGS, BK, STAGES, HALO_TW, PW>>(&tmx, &tmw, bias, nullptr, res, y, N, H, W, C, K, \
+                                                                ldy, ldr, act, p0, p1, ws, tw_log2, status, dsmem, \
+                                                                bars);                                            \
+    }
+
+// The e4m3 rows: the parameters above with `dequant` (fp32, K values) after `bias`; x and w are
+// e4m3 bytes (UINT8 tensor maps). Dynamic shared memory as above with STAGE_BYTES = (BM + BN) * BK.
+#define CONV_WGMMA_E4M3_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS) \
+    CONV_WGMMA_E4M3_KERNEL(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, false, )
+#define CONV_WGMMA_E4M3_1X1_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS) \
+    CONV_WGMMA_E4M3_KERNEL(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, true, _1x1)
+#define CONV_WGMMA_E4M3_KERNEL(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, PW, SUFFIX)                              \
+    extern "C" __global__ void __launch_bounds__(32 * (4 * (WGS) + 1), MIN_BLOCKS)                          \
+        conv3x3_wgmma_e4m3_bn##BN##_mt##MT##_wg##WGS##_bk##BK##SUFFIX(                                      \
+            const __grid_constant__ TensorMap tmx, const __grid_constant__ TensorMap tmw,                    \
+            const float* __restrict__ bias, const float* __restrict__ dequant, const f16* __restrict__ res,  \
+            f16* __restrict__ y, int N, int H, int W, int C, int K, int ldy, int ldr, int act, float p0,    \
+            float p1, int tw_log2, float* ws, int* status) {                                                \
+        extern __shared__ __align__(1024) unsigned char dsmem[];                                            \
+        __shared__ u64 bars[2 * (STAGES)];                                                                  \
+        wg::conv<wg::Cfg<BN, MT, WGS, BK, STAGES, 0, PW, true>>(&tmx, &tmw, bias, dequant, res, y, N, H, W, C, \
+                                                                K, ldy, ldr, act, p0, p1, ws, tw_log2, status,  \
+                                                                dsmem, bars);                                   \
     }
 
 CONV_WGMMA_ENTRIES

@@ -612,5 +612,6 @@ def test_an_attention_prepares_the_argument_list_its_ptx_takes() -> None:
 
 def test_the_cases_cover_every_registered_spec() -> None:
     covered = {case.split()[0] for case in EXPECTED} | {"norm", "pad", "depth_to_space", "attention"}  # tests above
+    covered |= {"quantize_fp8", "conv_fp8"}  # tests/test_fp8_kernels.py, against the PTX's parameter lists
     assert covered == {*KERNELS, RESIZE_RGB.op}
     assert any(entry.startswith("conv3x3_wgmma") for entry, *_ in EXPECTED.values())  # the Hopper spec too

@@ -63,7 +63,10 @@ def test_every_op_of_track_a_is_checked() -> None:
 def test_ptx_arches_are_stated_per_kernel() -> None:
     # wgmma exists on sm_90a only: its PTX is kept (and shipped) for compute_90a alone.
     assert CONV3X3_WGMMA.ptx_arches == ("compute_90a",)
-    assert all(spec.ptx_arches == PTX_ARCHES for spec in SPECS if spec is not CONV3X3_WGMMA)
+    # ... and the FP8 quantizer too (its e4m3 conversion needs sm_89+; it feeds the e4m3 wgmma rows)
+    assert spec_for_stem("quantize_fp8").ptx_arches == ("compute_90a",)
+    assert all(spec.ptx_arches == PTX_ARCHES for spec in SPECS if spec.ptx_arches != ("compute_90a",))
+    assert [s.stem for s in SPECS if s.ptx_arches == ("compute_90a",)] == ["quantize_fp8", CONV3X3_WGMMA.stem]
     kept = {(p.stem, p.parent.name) for p in (SOURCE_DIR / "ptx").glob("*/*.ptx")}
     assert kept == set(CHECKED_IN)
 
@@ -95,6 +98,9 @@ def test_entries_and_block_size_match_the_registry(stem: str, arch: str) -> None
     elif isinstance(spec, AttentionSpec):  # fp16 only, an entry per head dim, one block size
         for entry in spec.entries:
             assert int(entries[entry]) == spec.threads("float16") == spec.attention_launch(2, 3, 37).block[0]
+    elif spec.stem == "quantize_fp8":  # fp16 in, e4m3 bytes out: one entry
+        block = spec.launch("float16", 2, 37, 37, 3).block[0]
+        assert int(entries[spec.entry("float16")]) == spec.threads("float16") == block
     elif isinstance(spec, ConvGeneralSpec):  # its launches need a geometry; every entry's tile
         for entry in spec.entries:
             dtype = "float32" if entry == spec.entry("float32") else "float16"

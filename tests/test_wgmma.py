@@ -91,7 +91,7 @@ def test_defines_instantiate_every_configuration() -> None:
         want = f"CONV_WGMMA_HALO_ENTRY({args},{c.halo_tw})" if c.halo_tw else f"CONV_WGMMA_ENTRY({args})"
         want = f"CONV_WGMMA_1X1_ENTRY({args})" if c.pointwise else want
         assert macro.split().count(want) == 1
-    assert WG.entries == tuple(c.entry for c in WGMMA_CONFIGS)
+    assert WG.entries == tuple(c.entry for c in WG.all_configs)  # the fp16 rows, then the e4m3 ones (conv_fp8)
     assert WG.config("conv3x3_wgmma_bn64_mt2_wg2_bk32").stages == 5
     with pytest.raises(InputError, match="'conv3x3_wgmma_bn16' is not an entry of conv3x3_wgmma"):
         WG.config("conv3x3_wgmma_bn16")
@@ -604,4 +604,4 @@ def test_the_loader_loads_the_wgmma_module_where_it_runs(
     assert ta.stats.wgmma == (f"off: {off}" if off else "on: conv3x3_wgmma in the sm_90a cubin")
     assert ("conv3x3_wgmma" in loaded) == (off is None)
     assert set(WG.entries) <= set(found) if off is None else not set(WG.entries) & set(found)
-    assert opted == ({c.entry: c.smem_bytes for c in WGMMA_CONFIGS} if off is None else {})
+    assert opted == ({c.entry: c.smem_bytes for c in WG.all_configs} if off is None else {})

@@ -47,6 +47,7 @@ from dualtrack.kernels.conv import pack_conv_weights
 from dualtrack.kernels.conv1x1 import Conv1x1Spec
 from dualtrack.kernels.conv3x3 import Conv3x3Spec, F16Tile
 from dualtrack.kernels.conv3x3_wgmma import WGMMA_CONFIGS, Conv3x3WgmmaSpec, WgmmaConfig
+from dualtrack.kernels.conv_fp8 import ConvFp8Spec
 from dualtrack.kernels.conv_general import ConvGeneralSpec, ConvGeometry
 from dualtrack.kernels.convt import ConvTGeometry, ConvTSpec
 from dualtrack.kernels.convt2x2 import ConvT2x2Spec, pack_convt_weights
@@ -61,6 +62,7 @@ from dualtrack.kernels.maxpool2x2 import MaxPool2x2Spec
 from dualtrack.kernels.norm import NormSpec
 from dualtrack.kernels.pad import PadMode, PadSpec
 from dualtrack.kernels.problems import ConvProblem, conv_layers
+from dualtrack.kernels.quantize_fp8 import QuantizeFp8Spec
 from dualtrack.kernels.resize import ResizeMode, ResizeSpec
 from dualtrack.kernels.resize_rgb import ResizeRgbSpec
 from dualtrack.kernels.seghead import HeadMode, SegHeadSpec
@@ -83,6 +85,7 @@ __all__ = [
     "Conv3x3Spec",
     "Conv3x3WgmmaSpec",
     "ConvChoice",
+    "ConvFp8Spec",
     "ConvGeneralSpec",
     "ConvGeometry",
     "ConvT2x2Spec",
@@ -111,6 +114,7 @@ __all__ = [
     "Pointers",
     "PoolGeometry",
     "PreparedCall",
+    "QuantizeFp8Spec",
     "ResizeMode",
     "ResizeRgbSpec",
     "ResizeSpec",
@@ -150,6 +154,9 @@ KERNELS: Mapping[str, KernelSpec] = {
     "pad": PadSpec(op="pad", stem="pad_nhwc"),  # Pad over H, W; with zero pads a channel-slice copy
     "depth_to_space": DepthToSpaceSpec(op="depth_to_space", stem="depth_to_space_nhwc"),  # DCR and CRD
     "attention": AttentionSpec(op="attention", stem="attention"),  # fused Q·Kᵀ, scale, bias, softmax, ·V (fp16)
+    # FP8 (issue 42, sm_90a): fp16 -> e4m3 bytes, and the e4m3 rows of the wgmma family (its source).
+    "quantize_fp8": QuantizeFp8Spec(op="quantize_fp8", stem="quantize_fp8"),
+    "conv_fp8": ConvFp8Spec(op="conv_fp8", stem=CONV3X3_WGMMA.stem, hopper=CONV3X3_WGMMA),
 }
 
 # Not a plan op: the service's GPU JPEG path resizes decoded pictures into the batch's input rows with it.
@@ -158,7 +165,10 @@ RESIZE_RGB = ResizeRgbSpec(op="resize_rgb", stem="resize_rgb_u8")
 # Not a plan op: the engine's sliding-window path cuts windows and blends their outputs with it (runtime/tiling.py).
 BLEND = BlendSpec(op="blend", stem="blend_nhwc")
 
-SPECS: tuple[KernelSpec, ...] = (*KERNELS.values(), CONV3X3_WGMMA, RESIZE_RGB, BLEND)  # each handwritten_ptx/*.cu
+# each handwritten_ptx/*.cu once: conv_fp8's rows are compiled into CONV3X3_WGMMA's source
+SPECS: tuple[KernelSpec, ...] = (
+    *(s for s in KERNELS.values() if s.stem != CONV3X3_WGMMA.stem), CONV3X3_WGMMA, RESIZE_RGB, BLEND
+)
 
 
 def conv_choice(

@@ -59,6 +59,10 @@ class WgmmaConfig:
 
     ``pointwise``: a 1x1 entry (suffix ``_1x1``): ``bm`` consecutive pixels of the flattened
     N*H*W by ``bn`` channels, ceil(C / bk) k-blocks.
+
+    ``e4m3``: an FP8 row (prefix ``conv3x3_wgmma_e4m3_``, the conv_fp8 op's): both operands one-byte
+    e4m3, so a 128-byte swizzled row holds bk = 128 channels (64 bytes: 64); the fp32 accumulators
+    are scaled by a per-channel ``dequant`` vector in the epilogue.
     """
 
     bn: int
@@ -69,6 +73,7 @@ class WgmmaConfig:
     min_blocks: int
     halo_tw: int = 0
     pointwise: bool = False
+    e4m3: bool = False
 
     ELEMENT_BYTES: ClassVar[int] = 2  # fp16
     ALIGN: ClassVar[int] = 1024  # the kernel rounds its dynamic shared memory up to the 128-byte swizzle repeat
@@ -82,9 +87,19 @@ class WgmmaConfig:
         return 32 * (4 * self.wgs + 1)  # consumer warpgroups + the producer warp
 
     @property
+    def item_bytes(self) -> int:
+        """Bytes of one operand element: 2 (fp16), 1 (an e4m3 row)."""
+        return 1 if self.e4m3 else self.ELEMENT_BYTES
+
+    @property
+    def map_dtype(self) -> str:
+        """The tensor maps' element type (:data:`~dualtrack.kernels.tensormap.DTYPES`)."""
+        return "uint8" if self.e4m3 else "float16"
+
+    @property
     def row_bytes(self) -> int:
         """Bytes of one shared-memory tile row: the TMA/wgmma swizzle span (64 or 128)."""
-        return self.bk * self.ELEMENT_BYTES
+        return self.bk * self.item_bytes
 
     @property
     def a_rows(self) -> int:
@@ -138,11 +153,14 @@ class WgmmaConfig:
     @property
     def entry(self) -> str:
         suffix = f"_h{self.halo_tw}" if self.halo_tw else "_1x1" if self.pointwise else ""
-        return f"conv3x3_wgmma_bn{self.bn}_mt{self.mt}_wg{self.wgs}_bk{self.bk}{suffix}"
+        kind = "_e4m3" if self.e4m3 else ""
+        return f"conv3x3_wgmma{kind}_bn{self.bn}_mt{self.mt}_wg{self.wgs}_bk{self.bk}{suffix}"
 
     @property
     def macro(self) -> str:
         args = f"{self.bn},{self.mt},{self.wgs},{self.bk},{self.stages},{self.min_blocks}"
+        if self.e4m3:
+            return f"CONV_WGMMA_E4M3_{'1X1_' if self.pointwise else ''}ENTRY({args})"
         if self.halo_tw:
             return f"CONV_WGMMA_HALO_ENTRY({args},{self.halo_tw})"
         if self.pointwise:
@@ -208,13 +226,31 @@ WGMMA_CONFIGS: tuple[WgmmaConfig, ...] = (
     WgmmaConfig(bn=32, mt=2, wgs=2, bk=32, stages=6, min_blocks=2, pointwise=True),
 )
 
+# The e4m3 rows (the conv_fp8 op, kernels/conv_fp8.py): a 128-channel e4m3 row is the bytes of a
+# 64-channel fp16 one, so each is the fp16 row of the same bytes (bk 64 -> 128, 32 -> 64) with its
+# stages and occupancy. Not measured yet. Per-tap boxes only: no column copies.
+E4M3_CONFIGS: tuple[WgmmaConfig, ...] = (
+    WgmmaConfig(bn=256, mt=1, wgs=2, bk=128, stages=4, min_blocks=1, e4m3=True),
+    WgmmaConfig(bn=128, mt=2, wgs=2, bk=128, stages=4, min_blocks=1, e4m3=True),
+    WgmmaConfig(bn=64, mt=2, wgs=2, bk=128, stages=5, min_blocks=1, e4m3=True),
+    WgmmaConfig(bn=64, mt=1, wgs=1, bk=128, stages=4, min_blocks=3, e4m3=True),
+    WgmmaConfig(bn=32, mt=2, wgs=2, bk=128, stages=3, min_blocks=2, e4m3=True),
+    WgmmaConfig(bn=64, mt=2, wgs=2, bk=64, stages=5, min_blocks=2, e4m3=True),
+    WgmmaConfig(bn=32, mt=2, wgs=2, bk=64, stages=6, min_blocks=2, e4m3=True),
+    WgmmaConfig(bn=128, mt=1, wgs=2, bk=128, stages=3, min_blocks=2, pointwise=True, e4m3=True),
+    WgmmaConfig(bn=64, mt=1, wgs=2, bk=128, stages=4, min_blocks=2, pointwise=True, e4m3=True),
+    WgmmaConfig(bn=32, mt=2, wgs=2, bk=128, stages=3, min_blocks=2, pointwise=True, e4m3=True),
+    WgmmaConfig(bn=64, mt=1, wgs=2, bk=64, stages=8, min_blocks=2, pointwise=True, e4m3=True),
+    WgmmaConfig(bn=32, mt=2, wgs=2, bk=64, stages=6, min_blocks=2, pointwise=True, e4m3=True),
+)
+
 
 def input_map(cfg: WgmmaConfig, x: int, N: int, H: int, W: int, C: int, ldx: int) -> TiledMap:
     """The input map of the wgmma conv for configuration ``cfg``: x (NHWC, pixel stride ``ldx``
     elements) as (C, W, H, N), box (BK, TW, TH, 1) with ``TW = 2**cfg.tw_log2(W)``; a column-copy
     configuration's box has the two halo rows too, (BK, TW, TH + 2, 1); a 1x1 configuration's is
     the matrix (C, N*H*W), box (BK, BM): rows past N*H*W and channels past C read as zeros."""
-    item = cfg.ELEMENT_BYTES
+    item = cfg.item_bytes
     if cfg.pointwise:
         m = TiledMap(
             address=int(x),
@@ -223,6 +259,7 @@ def input_map(cfg: WgmmaConfig, x: int, N: int, H: int, W: int, C: int, ldx: int
             box=(cfg.bk, cfg.bm),
             swizzle_bytes=cfg.row_bytes,
             l2_promotion_bytes=128,
+            dtype=cfg.map_dtype,
         )
         m.validate()
         return m
@@ -234,6 +271,7 @@ def input_map(cfg: WgmmaConfig, x: int, N: int, H: int, W: int, C: int, ldx: int
         box=(cfg.bk, tw, cfg.a_rows // tw, 1),
         swizzle_bytes=cfg.row_bytes,
         l2_promotion_bytes=128,
+        dtype=cfg.map_dtype,
     )
     m.validate()
     return m
@@ -247,10 +285,11 @@ def weight_map(cfg: WgmmaConfig, w: int, K: int, C: int) -> TiledMap:
     m = TiledMap(
         address=int(w),
         dims=(cfg.taps * C, K),
-        strides=(cfg.taps * C * cfg.ELEMENT_BYTES,),
+        strides=(cfg.taps * C * cfg.item_bytes,),
         box=(cfg.bk, cfg.bn),
         swizzle_bytes=cfg.row_bytes,
         l2_promotion_bytes=256,
+        dtype=cfg.map_dtype,
     )
     m.validate()
     return m
@@ -280,6 +319,8 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
     ptx_arches: ClassVar[tuple[str, ...]] = ("compute_90a",)  # wgmma exists on sm_90a only
 
     configs: tuple[WgmmaConfig, ...] = WGMMA_CONFIGS
+    # The e4m3 rows, compiled into the same source; only the conv_fp8 op launches them.
+    e4m3_configs: tuple[WgmmaConfig, ...] = E4M3_CONFIGS
     # choose(), fitted to the per-layer winners of bench/results/wgmma_check-770a528.json (H200): of
     # these tiles, the first that makes a full wave of CTAs (DeviceInfo.full_wave), else the one with most.
     prefer: tuple[str, ...] = (
@@ -312,19 +353,24 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
     max_splits: int = 4
     min_split_kb: int = 8
 
+    @property
+    def all_configs(self) -> tuple[WgmmaConfig, ...]:
+        """Every compiled row: the fp16 ones, then the e4m3 ones."""
+        return (*self.configs, *self.e4m3_configs)
+
     def defines(self) -> dict[str, str]:
-        return {"CONV_WGMMA_ENTRIES": " ".join(c.macro for c in self.configs)}
+        return {"CONV_WGMMA_ENTRIES": " ".join(c.macro for c in self.all_configs)}
 
     @property
     def entries(self) -> tuple[str, ...]:
-        return tuple(c.entry for c in self.configs)
+        return tuple(c.entry for c in self.all_configs)
 
     def entry(self, dtype: Any) -> str:
         raise InputError(f"{self.stem} has one entry per tile configuration; use choose(...).entry")
 
     def config(self, entry: str) -> WgmmaConfig:
         """The configuration an entry name stands for; InputError for any other name."""
-        for c in self.configs:
+        for c in self.all_configs:
             if c.entry == entry:
                 return c
         raise InputError(f"'{entry}' is not an entry of {self.stem}; use one of {', '.join(self.entries)}")

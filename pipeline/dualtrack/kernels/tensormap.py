@@ -17,7 +17,11 @@ BOX_MAX = 256  # elements per box dimension
 DIM_LIMIT = 1 << 32  # elements per dimension
 STRIDE_LIMIT = 1 << 40  # bytes per stride
 # dtype -> (element bytes, CUtensorMapDataType member)
-DTYPES = {"float16": (2, "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"), "float32": (4, "CU_TENSOR_MAP_DATA_TYPE_FLOAT32")}
+DTYPES = {
+    "float16": (2, "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"),
+    "float32": (4, "CU_TENSOR_MAP_DATA_TYPE_FLOAT32"),
+    "uint8": (1, "CU_TENSOR_MAP_DATA_TYPE_UINT8"),  # e4m3 bytes (the conv_fp8 rows): TMA only moves them
+}
 SWIZZLE = {0: "NONE", 32: "32B", 64: "64B", 128: "128B"}
 L2_PROMOTION = {0: "NONE", 64: "L2_64B", 128: "L2_128B", 256: "L2_256B"}
 

@@ -114,7 +114,7 @@ class TrackA:
             if spec is kernels.KERNELS["conv3x3"]:
                 found.update((e, mod.function(e)) for e in sorted(tuned_entries))
             if spec is kernels.CONV3X3_WGMMA:
-                for cfg in kernels.CONV3X3_WGMMA.configs:  # over 48 KiB: opt in once per function
+                for cfg in kernels.CONV3X3_WGMMA.all_configs:  # over 48 KiB: opt in once per function
                     found[cfg.entry].set_max_dynamic_shared(cfg.smem_bytes)
         return found
 
