@@ -13,7 +13,7 @@ pair (``lower_norm``'s LayerNorm over channels), element-wise ops take (C,) and 
 
 Unlike ``channels_last``, the regions need not be closed: a token tensor that an op the pass does not
 write reads (attention's Reshape into heads, a graph output) is written back from its twin by the
-exported form, ``Transpose(Reshape(twin, [0, C, L]), [0, 2, 1])``, and a token tensor that such an
+exported form, ``Transpose(Reshape(twin, [-1, C, L]), [0, 2, 1])``, and a token tensor that such an
 op produces (attention's output) enters by the inverse. Track A reads those pairs as views (the
 attention call folds them into its operands' strides); Track B computes them as the export did.
 
@@ -280,9 +280,9 @@ class _Rewriter:
             self.twin[out] = (x, CF)
 
     def exit(self, out: str, image: str) -> list[onnx.NodeProto]:
-        """``out`` written back from its twin as the export has it: Transpose(Reshape(image, [0, C, L]))."""
+        """``out`` written back from its twin as the export has it: Transpose(Reshape(image, [-1, C, L]))."""
         _, c, h, w = self.g.shapes[image]
-        shape = self.constant(f"{out}_flat", np.array([0, c, h * w], np.int64))
+        shape = self.constant(f"{out}_flat", np.array([-1, c, h * w], np.int64))
         flat = self.fresh(f"{out}_flat")
         return [
             helper.make_node("Reshape", [image, shape], [flat], name=self.fresh(f"{out}_to_cf")),
@@ -296,7 +296,7 @@ class _Rewriter:
         _, _, c = self.g.shapes[t]
         image, cf = self.fresh(t), self.fresh(f"{t}_cf")
         self.g.shapes[image] = (0, c, *hw)
-        shape = self.constant(f"{t}_image", np.array([0, c, *hw], np.int64))
+        shape = self.constant(f"{t}_image", np.array([-1, c, *hw], np.int64))
         self.twin[t] = (image, TOK)
         return image, [
             helper.make_node("Transpose", [t], [cf], name=self.fresh(f"{t}_to_cf"), perm=SWAP),
