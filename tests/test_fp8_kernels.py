@@ -401,3 +401,16 @@ def test_conv_fp8_refuses_launches_it_cannot_take() -> None:
         CONV.prepare_inputs(call, [GpuTensor(0x10000, (1, 4, 4, 32), u8, ld=40)], y, [w, b], Context())  # type: ignore[arg-type]
     with pytest.raises(InputError, match="are not this call's packed_weights"):
         CONV.prepare_inputs(call, [xq], y, [GpuTensor(0x40000, (16, 3, 3, 32), u8), b], Context())  # type: ignore[arg-type]
+
+
+def test_the_cost_model_charges_conv_fp8_at_twice_the_wgmma_rate() -> None:
+    from dualtrack.compiler import cost
+
+    rates = cost.load_rates()
+    for device in ("h200", "h100"):
+        r = rates[device]
+        assert r.track_a_fp8 is not None and r.track_a_wgmma is not None
+        assert r.track_a_for("conv_fp8") is r.track_a_fp8 and r.track_a_fp8.tflops == 2 * r.track_a_wgmma.tflops
+        assert r.track_a_for("quantize_fp8") is r.track_a_simt  # a bytes-bound pass
+        assert cost.parse_rates({"rows": {device: r.to_json()}})[device] == r  # the row round-trips
+    assert rates["sm_80"].track_a_fp8 is None and rates["sm_80"].track_a_for("conv_fp8") is rates["sm_80"].track_a_conv

@@ -77,6 +77,7 @@ MeasuredTimes = Mapping[ConvKey, float]
 # DepthToSpace's; the general ConvTranspose's gather (convt) runs on the CUDA cores too.
 SIMT_KERNELS = (
     "dwconv", "gap", "fc", "eltwise", "resize", "maxpool", "seghead", "pad", "convt", "norm", "depth_to_space",
+    "quantize_fp8",
 )  # fmt: skip
 
 
@@ -105,6 +106,9 @@ class Rates:
     # measured yet, rates.json's track_a_wgmma_basis). None where the row has no such kernel (sm_80,
     # sm_120): those layers keep track_a_conv.
     track_a_wgmma: TrackRates | None = None
+    # conv_fp8 (the wgmma family's e4m3 rows, sm_90a): twice track_a_wgmma's rate per FLOP, wgmma's
+    # e4m3 peak over its fp16 one; ASSUMED, not measured (rates.json's track_a_fp8_basis). None: no FP8.
+    track_a_fp8: TrackRates | None = None
     device: str = "h200"  # the row's key
     status: str = "measured"  # or "estimate"
     basis: str = ""  # where the numbers come from
@@ -116,18 +120,21 @@ class Rates:
         # shapes of tests/gpu/test_attention_gpu.py give it a row of its own.
         if kernel in ("conv", "attention"):
             return self.track_a_conv
+        if kernel == "conv_fp8":
+            return self.track_a_fp8 or self.track_a_wgmma or self.track_a_conv
         if kernel in SIMT_KERNELS:
             return self.track_a_simt
         return self.track_a
 
     def to_json(self) -> dict[str, Any]:
         """The row as `compiler/rates.json` holds it (what bench/measure_rates.py writes)."""
-        wgmma = {} if self.track_a_wgmma is None else {"track_a_wgmma": asdict(self.track_a_wgmma)}
-        return {"status": self.status, "basis": self.basis, **{t: asdict(getattr(self, t)) for t in _TRACKS}, **wgmma}
+        hopper = {t: asdict(getattr(self, t)) for t in _HOPPER_TRACKS if getattr(self, t) is not None}
+        return {"status": self.status, "basis": self.basis, **{t: asdict(getattr(self, t)) for t in _TRACKS}, **hopper}
 
 
 RATES_FILE = Path(__file__).with_name("rates.json")
 _TRACKS = ("track_a", "track_a_conv", "track_a_simt", "track_b")
+_HOPPER_TRACKS = ("track_a_wgmma", "track_a_fp8")  # optional: the rows of devices with the sm_90a kernels
 
 
 def _track(where: str, raw: Any) -> TrackRates:
@@ -156,8 +163,8 @@ def parse_rates(doc: Any, origin: str = "rates.json") -> dict[str, Rates]:
         if not isinstance(covers, list) or not all(isinstance(c, str) for c in covers):
             raise ConfigError(f"{where}: 'covers' must be a list of device classes such as 'h100' or 'sm_80'")
         tracks = [_track(f"{where} {t}", row.get(t)) for t in _TRACKS]
-        wgmma = row.get("track_a_wgmma")  # optional: the rows of devices with the sm_90a kernel
-        tracks.append(None if wgmma is None else _track(f"{where} track_a_wgmma", wgmma))
+        for t in _HOPPER_TRACKS:
+            tracks.append(None if row.get(t) is None else _track(f"{where} {t}", row[t]))
         rates = Rates(*tracks, device=key, status=row["status"], basis=str(row.get("basis", "")))
         for c in covers:
             if c in out:
