@@ -257,6 +257,13 @@ def test_targets_other_than_sm_90a_build_fp16_with_a_note(tmp_path: Path) -> Non
     assert "\n" not in done.record.note
 
 
+def test_a_plan_without_track_a_convolutions_stays_fp16_with_a_note(tmp_path: Path) -> None:
+    iree = CONFIG.replace("  mode: rules\n  track_a:\n    op_types: [Conv, Relu]\n", "  mode: iree\n")
+    path = project(tmp_path, config=iree)
+    done = stage(path, CalibrationConfig())
+    assert not done.record.applied and "has none (see `partition`)" in done.record.note
+
+
 # --- config errors: one line each --------------------------------------------------------------------
 
 

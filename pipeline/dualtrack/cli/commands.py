@@ -395,7 +395,12 @@ def info(bundle: Path, as_json: bool) -> None:
 
     b = Bundle.open(bundle)
     if as_json:
-        click.echo(json.dumps({k: v for k, v in b.manifest.to_json().items() if k != "files"}, indent=2))
+        from dualtrack.contract.precision import PrecisionRecord
+
+        out = {k: v for k, v in b.manifest.to_json().items() if k != "files"}
+        if (record := PrecisionRecord.read(b.root)) is not None:  # precision: fp8, each layer's choice
+            out["precision_record"] = record.to_json()
+        click.echo(json.dumps(out, indent=2))
         return
     for section in (
         _info_model,

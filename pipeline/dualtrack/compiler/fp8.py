@@ -235,6 +235,11 @@ def scale_of(statistic: float) -> float:
     return float(np.float32(max(statistic, SCALE_FLOOR) / E4M3_MAX))
 
 
+def layer_of(call: KernelCall) -> str:
+    """A convolution call's layer name: its ONNX conv node (the first it covers)."""
+    return call.nodes[0] if call.nodes else call.outputs[0]
+
+
 def conv_calls(plan: Plan) -> list[tuple[Segment, KernelCall]]:
     """Every convolution call of the plan's Track A segments, in execution order."""
     return [(s, c) for s in plan.segments if s.track == "A" for c in s.calls if c.op in CONV_OPS]
@@ -298,11 +303,13 @@ def kept_fp16(plan: Plan, cal: CalibrationConfig) -> dict[str, str]:
     """conv node -> why it stays fp16 by configuration: ``fp16_layers``, else the first and last conv."""
     convs = [c for _, c in conv_calls(plan)]
     if cal.fp16_layers is None:
-        ends = {convs[0].nodes[0]: "the first convolution", convs[-1].nodes[0]: "the last convolution"} if convs else {}
+        if not convs:
+            return {}
+        ends = {layer_of(convs[0]): "the first convolution", layer_of(convs[-1]): "the last convolution"}
         return {k: f"{v} (fp16 by default: calibration.fp16_layers)" for k, v in ends.items()}
     nodes = {n for c in convs for n in c.nodes}
     if unknown := [n for n in cal.fp16_layers if n not in nodes]:
-        names = ", ".join(c.nodes[0] for c in convs[:6]) + (", ..." if len(convs) > 6 else "")
+        names = ", ".join(map(layer_of, convs[:6])) + (", ..." if len(convs) > 6 else "")
         raise ConfigError(
             f"calibration.fp16_layers names {unknown[0]!r}, no convolution of the Track A plan; its convolutions: "
             f"{names or 'none'}"
@@ -324,7 +331,7 @@ def choose(
     spec = kernels.kernel("conv_fp8")
     out = []
     for _, call in conv_calls(plan):
-        layer = call.nodes[0] if call.nodes else call.outputs[0]
+        layer = layer_of(call)
         scale = scales[call.inputs[0]]
         named = next((kept[n] for n in call.nodes if n in kept), None)
         K, C = np.shape(weights[call.weights[0]])[:2]
@@ -358,7 +365,7 @@ def _lowered(seg: Segment, scale: Mapping[str, float]) -> Segment:
     added: list[TensorSpec] = []
     done: set[str] = set()
     for call in seg.calls:
-        layer = call.nodes[0] if call.nodes else ""
+        layer = layer_of(call)
         if call.op not in CONV_OPS or layer not in scale:
             calls.append(call)
             continue
@@ -440,7 +447,10 @@ def build_fp8(
     ``wgmma``: each GPU target's arch name -> whether it runs e4m3 wgmma. Raises VerificationError
     when the fp8 plan's mask agreement with fp32 falls below ``calibration.agreement_floor``."""
     summary = calibration_summary(cal)
-    if note := unsupported_targets(wgmma):
+    note = unsupported_targets(wgmma)
+    if note is None and not conv_calls(plan):
+        note = "precision fp8 runs Track A convolutions and this plan has none (see `partition`): the bundle is fp16"
+    if note is not None:
         return Fp8Build(plan, PrecisionRecord("fp8", False, note, summary, floor=cal.agreement_floor))
     images = calibration_images(cal, plan.inputs[0])
     summary.update(images=images.source, calibrate=len(images.calibrate), held_out_images=len(images.held_out))
