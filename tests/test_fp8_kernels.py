@@ -399,7 +399,7 @@ def test_conv_fp8_refuses_launches_it_cannot_take() -> None:
         CONV.prepare_inputs(call, [GpuTensor(0x10000, (1, 4, 4, 32), f16)], y, [w, b], Context())  # type: ignore[arg-type]
     with pytest.raises(InputError, match="ldx=40 bytes"):
         CONV.prepare_inputs(call, [GpuTensor(0x10000, (1, 4, 4, 32), u8, ld=40)], y, [w, b], Context())  # type: ignore[arg-type]
-    with pytest.raises(InputError, match="are not this call's packed_weights"):
+    with pytest.raises(InputError, match="are not this call's packed weights"):
         CONV.prepare_inputs(call, [xq], y, [GpuTensor(0x40000, (16, 3, 3, 32), u8), b], Context())  # type: ignore[arg-type]
 
 

@@ -247,21 +247,39 @@ class ConvFp8Spec(base.KernelSpec):
     def prepare_inputs(
         self, call: KernelCall, inputs: Tensors, y: base.DeviceTensor, weights: Tensors, ctx: base.LaunchContext
     ) -> base.PreparedCall:
-        """The e4m3 row :meth:`choice` picks on ``ctx.device``: the UINT8 tensor maps of ``xq`` and
-        the packed weights, the family's arguments with ``dequant`` after ``bias``."""
+        """The e4m3 row :meth:`choice` picks on ``ctx.device`` (:meth:`prepare_entry`); ``inputs``:
+        ``xq``, then the residual where the call has one."""
         if ctx.wgmma_off is not None:
             raise InputError(
                 f"conv_fp8 {call.nodes} needs the wgmma kernel ({ctx.wgmma_off}); build with precision fp16"
             )
-        xq = inputs[0]
-        p = self.check_tensors(call, xq, y)
-        res = inputs[1] if call.attr("residual") else None
+        p = self.check_tensors(call, inputs[0], y)
         taps = (weights[0].shape[0] - 4 * p.K) // (p.K * p.C) if len(weights[0].shape) == 1 else 0
         geom = self.geometry(call, {9: (3, 3), 1: (1, 1)}.get(taps))
         choice = self.choice(p, ctx.device, pointwise=(geom.R, geom.S) == (1, 1))
+        return self.prepare_entry(call, choice, inputs, y, weights, ctx)
+
+    def prepare_entry(
+        self,
+        call: KernelCall,
+        choice: ConvChoice,
+        inputs: Tensors,
+        y: base.DeviceTensor,
+        weights: Tensors,
+        ctx: base.LaunchContext,
+    ) -> base.PreparedCall:
+        """The launch of the e4m3 row ``choice`` names (with its split-K): the UINT8 tensor maps of
+        ``xq`` and of the packed weights, the family's arguments with ``dequant`` after ``bias``."""
+        xq = inputs[0]
+        p = self.check_tensors(call, xq, y)
+        res = inputs[1] if call.attr("residual") else None
+        if res is not None and tuple(res.shape) != tuple(y.shape):
+            raise InputError(f"conv_fp8 {call.nodes}: residual {tuple(res.shape)} is not the output's {tuple(y.shape)}")
         cfg = self.wgmma.config(choice.entry)
-        if len(weights[0].shape) != 1 or weights[0].shape[0] != p.K * (cfg.taps * p.C + 4):
-            raise InputError(f"conv_fp8 {call.nodes}: weights {weights[0].shape} are not this call's packed_weights")
+        if not cfg.e4m3 or len(weights[0].shape) != 1 or weights[0].shape[0] != p.K * (cfg.taps * p.C + 4):
+            raise InputError(
+                f"conv_fp8 {call.nodes}: weights {weights[0].shape} are not this call's packed weights ({choice.entry})"
+            )
         w_ptr = weights[0].ptr
         tmx = ctx.tensor_map(input_map(cfg, xq.ptr, p.N, p.H, p.W, p.C, p.ldx))
         tmw = ctx.tensor_map(weight_map(cfg, w_ptr, p.K, p.C))
