@@ -257,6 +257,22 @@ def test_targets_other_than_sm_90a_build_fp16_with_a_note(tmp_path: Path) -> Non
     assert "\n" not in done.record.note
 
 
+def test_a_passed_stage_is_read_back_from_the_cache_until_an_input_moves(tmp_path: Path) -> None:
+    _, model, parted = fp16_stage(project(tmp_path))
+    cache, cal = tmp_path / "cache", CalibrationConfig(agreement_floor=FLOOR, samples=3)
+
+    def run(c: CalibrationConfig) -> tuple[fp8.Fp8Build, list[str]]:
+        said: list[str] = []
+        return fp8.build_fp8(c, model, parted.plan, parted.seg_models, {}, said.append, cache), said
+
+    first, said = run(cal)
+    again, said_again = run(cal)
+    assert not any("(cached)" in x for x in said) and any(x.startswith("fp8 (cached): ") for x in said_again)
+    assert (again.plan, again.record, again.tolerance) == (first.plan, first.record, first.tolerance)
+    _, said_other = run(cal.model_copy(update={"threshold": 0.05}))
+    assert not any("(cached)" in x for x in said_other) and len(list(cache.iterdir())) == 2
+
+
 def test_a_plan_without_track_a_convolutions_stays_fp16_with_a_note(tmp_path: Path) -> None:
     iree = CONFIG.replace("  mode: rules\n  track_a:\n    op_types: [Conv, Relu]\n", "  mode: iree\n")
     path = project(tmp_path, config=iree)

@@ -240,7 +240,7 @@ def build(
     say("resolve targets")
     resolutions = resolve(cfg, notes)
     inputs = front_end(cfg, measured, notes, say)
-    inputs, fp8_build = fp8_stage(cfg, inputs, resolutions, notes, say)
+    inputs, fp8_build = fp8_stage(cfg, inputs, resolutions, settings, notes, say)
     plan = inputs.plan
     selection = None
     if inputs.cfg.tuning is not None:
@@ -360,7 +360,12 @@ def front_end(cfg: BuildConfig, measured: Any, notes: list[str], say: Progress) 
 
 
 def fp8_stage(
-    requested: BuildConfig, inputs: _Inputs, resolutions: list[arch.Resolution], notes: list[str], say: Progress
+    requested: BuildConfig,
+    inputs: _Inputs,
+    resolutions: list[arch.Resolution],
+    settings: Settings,
+    notes: list[str],
+    say: Progress,
 ) -> tuple[_Inputs, fp8.Fp8Build | None]:
     """``precision: fp8`` (compiler/fp8.py): the fp16 plan calibrated, its convolutions chosen, lowered
     and verified (every size takes the largest's choices); targets other than sm_90a keep it fp16."""
@@ -369,7 +374,8 @@ def fp8_stage(
     say("fp8: calibration")
     cal = requested.calibration or CalibrationConfig()
     wgmma = {r.arch.name: r.arch.wgmma for r in resolutions}
-    done = fp8.build_fp8(cal, inputs.model, inputs.plan, inputs.parted.seg_models, wgmma, say)
+    cache = settings.cache_dir / "fp8" if settings.use_cache else None
+    done = fp8.build_fp8(cal, inputs.model, inputs.plan, inputs.parted.seg_models, wgmma, say, cache)
     if not done.record.applied:
         notes.append(done.record.note)
         return inputs, done

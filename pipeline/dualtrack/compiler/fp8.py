@@ -16,6 +16,9 @@ dtypes at the boundaries), Track A segments through the kernels' numpy reference
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -26,7 +29,7 @@ import onnx
 import onnxruntime as ort
 from onnx import numpy_helper
 
-from dualtrack import imaging, kernels
+from dualtrack import atomic, imaging, kernels
 from dualtrack.compiler import verify
 from dualtrack.compiler.config import CalibrationConfig
 from dualtrack.contract.checks import DEFAULT_TOLERANCES, MASK, Tolerance, compare
@@ -442,10 +445,12 @@ def build_fp8(
     seg_models: Sequence[onnx.ModelProto],
     wgmma: Mapping[str, bool],
     say,
+    cache: Path | None = None,
 ) -> Fp8Build:
     """The fp8 stage (module docstring) on the front end's ``model`` and its fp16 ``plan``;
     ``wgmma``: each GPU target's arch name -> whether it runs e4m3 wgmma. Raises VerificationError
-    when the fp8 plan's mask agreement with fp32 falls below ``calibration.agreement_floor``."""
+    when the fp8 plan's mask agreement with fp32 falls below ``calibration.agreement_floor``. A
+    stage that passed on the same model, plan, settings, images and code is read from ``cache``."""
     summary = calibration_summary(cal)
     note = unsupported_targets(wgmma)
     if note is None and not conv_calls(plan):
@@ -454,6 +459,43 @@ def build_fp8(
         return Fp8Build(plan, PrecisionRecord("fp8", False, note, summary, floor=cal.agreement_floor))
     images = calibration_images(cal, plan.inputs[0])
     summary.update(images=images.source, calibrate=len(images.calibrate), held_out_images=len(images.held_out))
+    path = cache / f"{stage_key(cal, model, plan, images)}.json" if cache is not None else None
+    if path is not None and path.exists():
+        saved = json.loads(path.read_text())
+        record = PrecisionRecord.from_json(saved["record"])
+        for line in (x.line() for x in (*record.layers, *record.agreement)):
+            say(f"fp8 (cached): {line}")
+        return Fp8Build(lower(plan, record.layers), record, Tolerance(**saved["tolerance"]))
+    done = calibrated(cal, model, plan, seg_models, images, summary, say)
+    if path is not None and done.tolerance is not None:
+        atomic.write_text(path, json.dumps({"record": done.record.to_json(), "tolerance": done.tolerance.to_json()}))
+    return done
+
+
+def stage_key(cal: CalibrationConfig, model: onnx.ModelProto, plan: Plan, images: CalibrationSet) -> str:
+    """What the stage's outcome depends on: the settings, the model, the fp16 plan, the images and the
+    code that computes it (this module and the fp8 kernels' specs, whose references it runs)."""
+    h = hashlib.sha256(cal.model_dump_json().encode())
+    h.update(model.SerializeToString(deterministic=True))
+    h.update(plan.dumps().encode())
+    for x in (*images.calibrate, b"|", *images.held_out):
+        h.update(x if isinstance(x, bytes) else x.tobytes())
+    for op in ("quantize_fp8", "conv_fp8"):
+        h.update(Path(inspect.getfile(type(kernels.kernel(op)))).read_bytes())
+    h.update(Path(__file__).read_bytes())
+    return h.hexdigest()
+
+
+def calibrated(
+    cal: CalibrationConfig,
+    model: onnx.ModelProto,
+    plan: Plan,
+    seg_models: Sequence[onnx.ModelProto],
+    images: CalibrationSet,
+    summary: dict[str, object],
+    say,
+) -> Fp8Build:
+    """Calibrate, choose, lower and verify (the module docstring's stages) on ``images``."""
     weights = model_weights(model)
     runner = PlanRunner(plan, seg_models, weights)
     say(f"fp8: calibrating {len(conv_calls(plan))} convolution(s) on {len(images.calibrate)} image(s)")
