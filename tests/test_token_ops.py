@@ -173,3 +173,67 @@ def test_a_token_block_builds_and_verifies_on_the_cpu(tmp_path: Path) -> None:
     assert "norm" in ops and sum("conv" in op for op in ops) >= 2, ops  # the LayerNorm, both Linears
     checks = result.verification["checks"]
     assert any(c["name"].startswith(f"seg{body[0]['index']}_A[numpy kernels]") for c in checks), checks
+
+
+# -- a pre-norm transformer block as torch exports it -----------------------------------------------------------
+
+
+def torch_block_export(tmp_path: Path, dynamo: bool) -> Path:
+    """A pre-norm block on an image's tokens, exported as users do (dynamo: its defaults at batch 1; TorchScript:
+    opset 17, dynamic batch): flatten(2).transpose(1, 2), x + proj(SDPA(qkv(LN(x)))), x + fc2(GELU(fc1(LN(x)))),
+    transpose(1, 2).reshape back, a 1x1 head. 5 x 7 = 35 tokens of C = 64 in 2 heads of 32, a hidden width of 136."""
+    torch = pytest.importorskip("torch")
+    from attention_cases import torch_modules
+
+    sdpa = torch_modules()[1]["sdpa"][0]
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem, self.head = torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.Conv2d(64, 2, 1)
+            self.ln1, self.ln2 = torch.nn.LayerNorm(64), torch.nn.LayerNorm(64)
+            self.attn = sdpa(64, 2)
+            self.fc1, self.fc2 = torch.nn.Linear(64, 136), torch.nn.Linear(136, 64)
+
+        def forward(self, x):
+            y = self.stem(x)
+            n, c, h, w = y.shape
+            t = y.flatten(2).transpose(1, 2)
+            t = t + self.attn(self.ln1(t))
+            t = t + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(t)), approximate="tanh"))
+            return self.head(t.transpose(1, 2).reshape(n, c, h, w))
+
+    torch.manual_seed(2)
+    path = tmp_path / f"block_{int(dynamo)}.onnx"
+    kw = {"dynamo": True} if dynamo else {"dynamo": False, "opset_version": 17, "dynamic_axes": {"x": {0: "N"}}}
+    torch.onnx.export(Block().eval(), (torch.randn(1, 3, 5, 7),), str(path), input_names=["x"], **kw)
+    return path
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_a_torch_exported_block_is_one_track_a_segment_that_matches_onnxruntime(tmp_path: Path, dynamo: bool) -> None:
+    path = torch_block_export(tmp_path, dynamo)
+    original = onnx.load(str(path))
+    fp32 = prepare(BuildConfig(model=path, precision="fp32", batch_sizes=(1, 2), targets=["sm_90a"]))
+    assert any(r.stage == "tokens" for r in fp32.rewrites)
+    x = np.random.default_rng().standard_normal((2, 3, 5, 7)).astype(np.float32)
+    body = ort.InferenceSession(fp32.body.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = body.run(None, {"x": x})[0]
+    want = np.concatenate([run_ort_x(original, x[i : i + 1]) for i in range(2)])  # the export, an image at a time
+    assert rel_l2(got, want) <= 1e-5
+    cfg = BuildConfig(model=path, precision="fp16", batch_sizes=(1, 2), targets=["sm_90a"])
+    cfg = cfg.model_copy(update={"partition": PartitionConfig(mode="auto")})
+    model = partition.name_nodes(prepare(cfg).model)
+    parted = partition.partition_model(cfg, model)
+    tracks = {d.node: d.track for d in parted.assignment.decisions}
+    kinds = ("LayerNormalization", "Softmax", "Gelu", "Conv", "MatMul")
+    block = [n.name for n in model.graph.node if n.op_type in kinds and not n.name.startswith(("pre/", "post/"))]
+    first_conv = next(n.name for n in model.graph.node if n.op_type == "Conv")  # the stem reads the model's input
+    block = [n for n in block if n != first_conv]
+    assert all(tracks[n] == "A" for n in block), {n: tracks[n] for n in block if tracks[n] != "A"}
+    assert len({s.index for s in parted.plan.segments for n in block if n in s.nodes}) == 1
+
+
+def run_ort_x(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})[0]

@@ -121,7 +121,7 @@ def _shapes(model: onnx.ModelProto, batch: int) -> dict[str, tuple[int, ...]]:
         if dims and not dims[0].HasField("dim_value"):
             dims[0].Clear()
             dims[0].dim_value = batch
-    inferred = onnx.shape_inference.infer_shapes(at)
+    inferred = onnx.shape_inference.infer_shapes(at, data_prop=True)  # Shape -> Reshape chains (TorchScript)
     out: dict[str, tuple[int, ...]] = {}
     g = inferred.graph
     for v in [*g.value_info, *g.input, *g.output]:
