@@ -373,7 +373,7 @@ def fp8_stage(
         return inputs, None
     say("fp8: calibration")
     cal = requested.calibration or CalibrationConfig()
-    wgmma = {r.arch.name: r.arch.wgmma for r in resolutions}
+    wgmma = {r.arch.name: r.arch.wgmma and r.use_tma for r in resolutions}  # conv_fp8 is the wgmma family's
     cache = settings.cache_dir / "fp8" if settings.use_cache else None
     done = fp8.build_fp8(cal, inputs.model, inputs.plan, inputs.parted.seg_models, wgmma, say, cache)
     if not done.record.applied:

@@ -70,13 +70,13 @@ def calibration_summary(cal: CalibrationConfig) -> dict[str, object]:
 
 
 def unsupported_targets(wgmma: Mapping[str, bool]) -> str | None:
-    """A note where a GPU target (arch name -> has e4m3 wgmma) cannot run fp8, else None."""
+    """A note where a GPU target (arch name -> runs e4m3 wgmma: sm_90a, TMA kernels on) cannot run fp8, else None."""
     others = sorted(name for name, ok in wgmma.items() if not ok)
     if not others:
         return None
     return (
-        f"precision fp8 needs sm_90a (wgmma with e4m3 operands); {', '.join(others)} cannot run it, so this bundle "
-        "is fp16 (build fp8 with `targets: [sm_90a]` alone)"
+        f"precision fp8 needs sm_90a with its TMA kernels on (wgmma with e4m3 operands; `enable_tma`); "
+        f"{', '.join(others)} cannot run it, so this bundle is fp16 (build fp8 with `targets: [sm_90a]` alone)"
     )
 
 
