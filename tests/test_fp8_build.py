@@ -16,7 +16,7 @@ from PIL import Image
 
 from dualtrack.cli import main
 from dualtrack.compiler import fp8, frontend, partition, verify
-from dualtrack.compiler.build import build
+from dualtrack.compiler.build import BuildResult, build
 from dualtrack.compiler.config import BuildConfig, CalibrationConfig, load_config
 from dualtrack.contract.bundle import Bundle
 from dualtrack.contract.checks import DEFAULT_TOLERANCES
@@ -328,7 +328,7 @@ def test_calibration_images_errors_are_one_line(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def fp8_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+def fp8_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str], BuildResult]:
     """The conv net built with precision fp8 for the CPU, calibrated on a folder of 6 PNGs."""
     root = tmp_path_factory.mktemp("fp8")
     (root / "images").mkdir()
@@ -337,13 +337,14 @@ def fp8_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str
         Image.fromarray(rng.integers(0, 256, (SIZE + 4, SIZE, 3), dtype=np.uint8)).save(root / "images" / f"{i}.png")
     path = project(root, f"calibration: {{images: images, agreement_floor: {FLOOR}}}\n")
     lines: list[str] = []
-    build(path, root / "bundle", progress=lines.append)
-    return root / "bundle", lines
+    result = build(path, root / "bundle", progress=lines.append)
+    return root / "bundle", lines, result
 
 
-def test_a_cpu_build_with_precision_fp8_prints_and_records_its_agreement(fp8_bundle: tuple[Path, list[str]]) -> None:
-    bundle, lines = fp8_bundle
+def test_a_cpu_build_with_precision_fp8_prints_and_records_its_agreement(fp8_bundle: tuple) -> None:
+    bundle, lines, result = fp8_bundle
     printed = [s for s in lines if s.startswith("fp8: agreement")]
+    assert any(n.startswith("fp8: 3 of 5 convolutions in fp8") for n in result.notes)
     print("\n".join(printed))
     assert [s.split()[2] for s in printed] == ["calibration", "held-out"]
     record = PrecisionRecord.read(bundle)
@@ -358,11 +359,12 @@ def test_a_cpu_build_with_precision_fp8_prints_and_records_its_agreement(fp8_bun
     assert tol.mismatch >= 2 * (100 - min(a.vs_fp32 for a in record.agreement)) / 100 - 1e-9
 
 
-def test_dualtrack_info_lists_each_layers_precision_and_why(fp8_bundle: tuple[Path, list[str]]) -> None:
+def test_dualtrack_info_lists_each_layers_precision_and_why(fp8_bundle: tuple) -> None:
     result = CliRunner().invoke(main, ["info", str(fp8_bundle[0])])
     assert result.exit_code == 0, result.output
     fp8_lines = [s for s in result.output.splitlines() if s.startswith("fp8 ")]
-    assert fp8_lines[0] == "fp8        fp8: 3 of 5 convolutions in fp8"
+    assert fp8_lines[0].startswith("fp8        fp8: 3 of 5 convolutions in fp8; masks as fp32's on ")
+    assert fp8_lines[0].endswith("% (held-out)")
     assert any(s.startswith("fp8        c1 (conv): fp16: the first convolution") for s in fp8_lines)
     assert any(s.startswith("fp8        c3 (conv): fp8: fp8 error") and "x_scale" in s for s in fp8_lines)
     assert sum(s.startswith("fp8        agreement ") for s in fp8_lines) == 2

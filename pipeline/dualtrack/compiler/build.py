@@ -376,8 +376,8 @@ def fp8_stage(
     wgmma = {r.arch.name: r.arch.wgmma and r.use_tma for r in resolutions}  # conv_fp8 is the wgmma family's
     cache = settings.cache_dir / "fp8" if settings.use_cache else None
     done = fp8.build_fp8(cal, inputs.model, inputs.plan, inputs.parted.seg_models, wgmma, say, cache)
+    notes.append(done.record.headline())
     if not done.record.applied:
-        notes.append(done.record.note)
         return inputs, done
 
     def lowered(i: _Inputs) -> _Inputs:

@@ -86,12 +86,18 @@ class PrecisionRecord:
         path = Path(root) / PRECISION_FILE
         return cls.from_json(json.loads(path.read_text())) if path.exists() else None
 
+    def headline(self) -> str:
+        """One line: how many convolutions run fp8 and the masks' agreement with fp32 (or the note)."""
+        if not self.applied:
+            return self.note
+        fp8 = sum(x.precision == "fp8" for x in self.layers)
+        agree = ", ".join(f"{a.vs_fp32:.3f}% ({a.images})" for a in self.agreement)
+        return f"{self.requested}: {fp8} of {len(self.layers)} convolutions in fp8; masks as fp32's on {agree}"
+
     def lines(self) -> list[str]:
         """`dualtrack info`'s lines: the outcome, the calibration, each layer, the agreement."""
-        fp8 = sum(x.precision == "fp8" for x in self.layers)
-        head = f"{self.requested}: {fp8} of {len(self.layers)} convolutions in fp8" if self.applied else self.note
         cal = ", ".join(f"{k} {v}" for k, v in self.calibration.items())
-        out = [head, *([f"calibration {cal}"] if cal else [])]
+        out = [self.headline(), *([f"calibration {cal}"] if cal else [])]
         out += [x.line() for x in self.layers]
         out += [f"agreement {a.line()} (floor {self.floor:g}%)" for a in self.agreement]
         return out
