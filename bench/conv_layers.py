@@ -2,7 +2,7 @@
 """Per-layer time of the general conv (op ``conv``, handwritten_ptx/conv_nhwc.cu) against torch's
 cuDNN convolution, on the distinct convolution shapes of smp ``Unet("resnet34")`` at 512x512.
 
-    python bench/conv_layers.py OUT.json [--batches 1 8] [--iters 50] [--only stem]
+    python bench/conv_layers.py OUT.json [--batches 1 8] [--iters 50] [--only stem] [--net unet] [--fp8]
 
 Needs a CUDA GPU, torch with CUDA (random data, the fp32 reference, cuDNN) and dualtrack on the
 path (the kernel is the checked-in PTX for the device's arch, JIT-compiled by the driver, launched
@@ -19,6 +19,13 @@ events after 5 warm-ups; cuDNN is ``F.conv2d`` on channels_last fp16 tensors wit
 ``cudnn.benchmark`` on, conv + bias only (its residual add and ReLU would be further kernels in
 eager torch). ``op`` says which Track A op the partition gives the layer. Prints a table and writes
 the rows and per-batch totals (weighted by how often each shape occurs) as JSON.
+
+``--net unet``: the reference U-Net's 3x3 layers (models/, 512x512) instead of ResNet-34's. ``--fp8``
+(sm_90a): beside the engine's fp16 kernel, the layer in FP8 as a ``precision: fp8`` plan runs it
+(issue 42): ``quantize_fp8`` of the input (per-tensor scale from its amax) then ``conv_fp8`` (the
+wgmma family's e4m3 rows, per-output-channel weight scales): ``fp8_ms`` (both launches),
+``fp8_conv_ms`` (the convolution alone), ``fp8_speedup`` (``engine_ms / fp8_ms``) and ``fp8_rel_l2``
+against the fp32 convolution (printed, not a pass/fail: what e4m3 costs in accuracy before calibration).
 """
 
 from __future__ import annotations
@@ -38,13 +45,14 @@ import torch.nn.functional as F
 
 from dualtrack.compiler.kernel_build import SOURCE_DIR, ptx_path
 from dualtrack.contract.arch import PTX_ARCHES, choose_image
-from dualtrack.contract.plan import KernelCall
+from dualtrack.contract.plan import KernelCall, f32_bits
 from dualtrack.kernels import KERNELS, Activation, ConvGeometry, DeviceInfo
 from dualtrack.runtime import tma
 from dualtrack.runtime.driver import Device, Module, Stream
 from dualtrack.runtime.tensors import GpuTensor
 
 SPEC = KERNELS["conv"]
+QUANT, FP8 = KERNELS["quantize_fp8"], KERNELS["conv_fp8"]
 TOL = 2e-3  # fp16 output rounding and a different summation order
 
 
@@ -103,6 +111,18 @@ LAYERS = (
     Layer("stem 3x3/2 k16 c8", "conv", 0, 512, 512, 8, 16, 3, 2, False, False),
 )
 
+# The reference U-Net's 3x3 layers (tests/test_wgmma.py's UNET_LAYERS) at a 512x512 input, conv + ReLU
+# (the first layer, C = 3, left out: conv_fp8 needs C % 16 == 0); uses: an encoder's and its decoder's twin.
+UNET_LAYERS = tuple(
+    Layer(name, "conv3x3", 2 if "/" in name else 1, hw, hw, c, k, 3, 1, False, True)
+    for name, c, k, hw in (
+        ("enc1b/dec1b", 32, 32, 512), ("enc2a", 32, 64, 256), ("enc2b/dec2b", 64, 64, 256),
+        ("enc3a", 64, 128, 128), ("enc3b/dec3b", 128, 128, 128), ("enc4a", 128, 256, 64),
+        ("enc4b/dec4b", 256, 256, 64), ("bott_a", 256, 512, 32), ("bott_b", 512, 512, 32),
+        ("dec4a", 512, 256, 64), ("dec3a", 256, 128, 128), ("dec2a", 128, 64, 256), ("dec1a", 64, 32, 512),
+    )
+)  # fmt: skip
+
 
 def median_ms(fn, iters: int) -> float:
     for _ in range(5):
@@ -160,6 +180,51 @@ def engine_launch(kernels: dict, stream: Stream, ctx: EngineContext, layer: Laye
     return (lambda: fn.launch(p.config.grid, p.config.block, p.config.shared_bytes, stream, p.args)), impl, p.entry, why
 
 
+def fp8_row(kernels: dict, stream: Stream, ctx: EngineContext, layer: Layer, tensors: dict, ref, iters: int) -> dict:
+    """The layer as a ``precision: fp8`` plan runs it: quantize_fp8, then conv_fp8 (module docstring);
+    {} where conv_fp8 does not take it (its ``supports`` reason in ``fp8_skip``)."""
+    g, x = layer.geom, tensors["x"]
+    s_x = float(x.float().abs().max()) / 448
+    attrs = (*g.attrs(), *Activation.named("relu" if layer.relu else "none").attrs())
+    attrs = (*attrs, ("residual", int(layer.residual)), ("x_scale", f32_bits(s_x)))
+    ins = ("xq", "r") if layer.residual else ("xq",)
+    call = KernelCall("conv_fp8", ins, ("y",), ("w", "b"), attrs, (layer.name,))
+    why = FP8.supports(call, C=layer.C, K=layer.K)
+    if QUANT.entry("float16") not in kernels:
+        why = "the FP8 kernels are sm_90a only"
+    if why:
+        return {"fp8_skip": why}
+    quant = KernelCall("quantize_fp8", ("x",), ("xq",), (), (("inv_scale", f32_bits(1 / s_x)),), (layer.name,))
+    xq = torch.empty(tuple(x.shape), dtype=torch.uint8, device="cuda")
+    pq = QUANT.prepare_inputs(quant, [_t(x)], _t(xq), [], ctx)
+    w_onnx = tensors["w"].permute(0, 3, 1, 2).float().cpu().numpy()  # KRSC -> ONNX (K, C, R, S)
+    packed = FP8.pack_weights(call, {"w": w_onnx, "b": tensors["b"].cpu().numpy()})
+    wq, bq = (torch.from_numpy(packed[k]).cuda() for k in ("w", "b"))
+    inputs = [_t(xq), *([_t(tensors["r"])] if layer.residual else [])]
+    y = tensors["y"]
+    y.fill_(float("nan"))
+    pc = FP8.prepare_inputs(call, inputs, _t(y), [_t(wq), _t(bq)], ctx)
+    fq, fc = kernels[pq.entry], kernels[pc.entry]
+
+    def quantize() -> None:
+        fq.launch(pq.config.grid, pq.config.block, pq.config.shared_bytes, stream, pq.args)
+
+    def conv() -> None:
+        fc.launch(pc.config.grid, pc.config.block, pc.config.shared_bytes, stream, pc.args)
+
+    quantize()
+    conv()
+    torch.cuda.synchronize()
+    got = y.permute(0, 3, 1, 2).float()
+    rel = float((got - ref).norm() / ref.norm()) if torch.isfinite(got).all() else float("inf")
+    row = {"fp8_entry": pc.entry, "fp8_reason": pc.choice.reason if pc.choice else "", "fp8_rel_l2": rel}
+    if not np.isfinite(rel):
+        return row
+    row["fp8_ms"] = median_ms(lambda: (quantize(), conv()), iters)
+    row["fp8_conv_ms"] = median_ms(conv, iters)
+    return row
+
+
 def run_layer(
     kernels: dict,
     stream: Stream,
@@ -168,6 +233,7 @@ def run_layer(
     iters: int,
     variants: bool = False,
     ctx: EngineContext | None = None,
+    fp8: bool = False,
 ) -> dict:
     g = layer.geom
     _, p, q, _ = SPEC.output_shape(n, layer.H, layer.W, layer.C, layer.K, geom=g)
@@ -217,6 +283,10 @@ def run_layer(
         if not row["passed"]:
             return row
         row["engine_ms"] = median_ms(engine, iters)
+        if fp8:
+            row.update(fp8_row(kernels, stream, ctx, layer, tensors, ref, iters))
+            if "fp8_ms" in row:
+                row["fp8_speedup"] = row["engine_ms"] / row["fp8_ms"]
     row["ours_ms"] = median_ms(ours, iters)
     bh = b.half()
     row["cudnn_ms"] = median_ms(lambda: F.conv2d(x_cl, w_cl, bh, stride=layer.stride, padding=pad), iters)
@@ -235,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--only", default="", help="run the layers whose name contains this")
     ap.add_argument("--variants", action="store_true", help="also time every fp16 entry on each layer")
+    ap.add_argument(
+        "--net", choices=("resnet34", "unet"), default="resnet34", help="whose layers (default: %(default)s)"
+    )
+    ap.add_argument("--fp8", action="store_true", help="also run each layer as quantize_fp8 + conv_fp8 (sm_90a)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("conv_layers: needs a CUDA GPU and torch with CUDA", file=sys.stderr)
@@ -248,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     path = ptx_path(SOURCE_DIR, SOURCE_DIR / f"{SPEC.stem}.cu", choice.arch)
     mods, kernels = [], {}
     wgmma = KERNELS["conv3x3"].hopper  # type: ignore[attr-defined]
-    for spec in (SPEC, KERNELS["conv3x3"], wgmma):
+    for spec in (SPEC, KERNELS["conv3x3"], wgmma, *((QUANT,) if args.fp8 else ())):
         if choice.arch not in spec.ptx_arches:
             continue
         path = ptx_path(SOURCE_DIR, SOURCE_DIR / f"{spec.stem}.cu", choice.arch)
@@ -256,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         mods.append(mod)
         kernels.update({e: mod.function(e) for e in spec.entries})
     has_wgmma = wgmma.configs[0].entry in kernels
-    for c in wgmma.configs if has_wgmma else ():
+    for c in wgmma.all_configs if has_wgmma else ():  # the e4m3 rows (--fp8) too
         kernels[c.entry].set_max_dynamic_shared(c.smem_bytes)
     engine_ctx = EngineContext(None if has_wgmma else f"no wgmma kernel for {choice.arch}", dev.info())
     stream = Stream.from_handle(torch.cuda.current_stream().cuda_stream, ctx)
@@ -267,10 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         f"  {'engine kernel':36} {'ms':>8} {'ratio':>6}"
     )
     for n in args.batches:
-        for layer in LAYERS:
+        for layer in UNET_LAYERS if args.net == "unet" else LAYERS:
             if args.only and args.only not in layer.name:
                 continue
-            row = run_layer(kernels, stream, layer, n, args.iters, args.variants, engine_ctx)
+            row = run_layer(kernels, stream, layer, n, args.iters, args.variants, engine_ctx, args.fp8)
             rows.append(row)
             times = f"{row['ours_ms']:8.4f} {row['cudnn_ms']:8.4f} {row['ratio']:6.2f}" if row["passed"] else "  FAILED"
             if row["passed"] and "engine_ms" in row:
@@ -281,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
                 times += f"  {name:36} {row['engine_ms']:8.4f} {row['engine_ratio']:6.2f}"
             entry = row["entry"].removeprefix("conv_nhwc_")
             print(f"{layer.name:18} {layer.op:8} {n:>2} {entry:22} {row['rel_l2']:8.1e} {times}")
+            if "fp8_ms" in row:
+                fp8 = row["fp8_entry"].removeprefix("conv3x3_wgmma_")
+                speed, rel = row["fp8_speedup"], row["fp8_rel_l2"]
+                print(f"{'':30} fp8 {fp8:36} {row['fp8_ms']:8.4f} x{speed:.2f} rel_l2 {rel:.1e}")
             for e, ms in row.get("variants_ms", {}).items():
                 print(f"{'':30} {e.removeprefix('conv_nhwc_'):22} {'':8} {ms:8.4f}")
     totals = {}
@@ -293,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
         every = [r for r in rows if r["N"] == n and r["passed"] and "engine_ms" in r]
         totals[str(n)]["all_layers_engine_ms"] = sum(r["engine_ms"] * r["uses"] for r in every)
         totals[str(n)]["all_layers_cudnn_ms"] = sum(r["cudnn_ms"] * r["uses"] for r in every)
+        both = [r for r in every if "fp8_ms" in r]
+        if both:  # the layers conv_fp8 takes: fp16 (the engine's kernel) against fp8, weighted by use
+            totals[str(n)]["fp8_layers_fp16_ms"] = sum(r["engine_ms"] * r["uses"] for r in both)
+            totals[str(n)]["fp8_layers_fp8_ms"] = sum(r["fp8_ms"] * r["uses"] for r in both)
+            t16, t8 = totals[str(n)]["fp8_layers_fp16_ms"], totals[str(n)]["fp8_layers_fp8_ms"]
+            print(f"N={n}: the {len(both)} layers conv_fp8 takes, weighted by use: fp16 {t16:.3f} ms, fp8 {t8:.3f} ms")
         t = totals[str(n)]
         print(f"N={n}: every layer, weighted by use: the engine's kernels {t['all_layers_engine_ms']:.3f} ms, "
               f"cuDNN {t['all_layers_cudnn_ms']:.3f} ms")  # fmt: skip
