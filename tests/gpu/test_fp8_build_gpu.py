@@ -3,7 +3,7 @@ channels, 16x16 images, batch sizes 1 and 3), calibrated and verified at build t
 (its first-load self-check holds the fp8 kernels to the tolerance the build measured), then run on fresh random
 images: the engine (quantize_fp8 + conv_fp8 kernels) against the same plan through the kernels' numpy references
 (rel L2 of the probabilities <= 1e-2: fp32 sums in another order, one fp16 rounding a layer; masks >= 99% the
-same) and against fp32 onnxruntime (mask agreement within 3 points of what the build recorded).
+same) and against fp32 onnxruntime (mask agreement within a point of the references' own on those images).
 
 The bundle: DUALTRACK_TEST_FP8_BUNDLE (built where iree-compile is: `build_fp8_bundle` below), else built here.
 Skipped where the GPU is not compute capability 9.0 (the fp8 kernels are sm_90a only)."""
@@ -29,7 +29,7 @@ from dualtrack.settings import tool_path
 
 PROBS_REL_L2 = 1e-2  # the kernels against their own numpy semantics, through three fp8 layers
 SAME_MASK = 99.0  # % of pixels: the kernels and the references see the same quantized values
-FP32_SLACK = 3.0  # points below the build's recorded fp8-vs-fp32 agreement (other random images)
+FP32_SLACK = 1.0  # points: the kernels' masks against fp32 as the references' masks are, on the same images
 
 
 def build_fp8_bundle(root: Path, dest: Path) -> Path:
@@ -74,7 +74,7 @@ def test_the_fp8_kernels_compute_the_plans_numpy_semantics_and_keep_the_masks(en
     rng = np.random.default_rng()
     images = verify.random_input(plan.inputs[0], 3, rng)
     got = engine.run(images)  # one batch of 3 on the GPU
-    same = agree = pixels = 0
+    same = agree = agree_ref = pixels = 0
     for i in range(len(images)):
         x = images[i : i + 1]
         want = runner.run(plan, x)
@@ -83,9 +83,12 @@ def test_the_fp8_kernels_compute_the_plans_numpy_semantics_and_keep_the_masks(en
         ref = verify.run_ort(fp32, {plan.inputs[0].name: x})
         same += int(np.sum(got["mask"][i : i + 1] == want["mask"]))
         agree += int(np.sum(got["mask"][i : i + 1] == ref["mask"]))
+        agree_ref += int(np.sum(want["mask"] == ref["mask"]))
         pixels += want["mask"].size
+    pct, pct_ref = 100.0 * agree / pixels, 100.0 * agree_ref / pixels
+    print(
+        f"fp8 on the GPU: {pct:.3f}% of mask pixels as fp32 onnxruntime's, the references {pct_ref:.3f}% "
+        f"(the build recorded {min(a.vs_fp32 for a in record.agreement):.3f}% on its images)"
+    )
     assert 100.0 * same / pixels >= SAME_MASK
-    recorded = min(a.vs_fp32 for a in record.agreement)
-    pct = 100.0 * agree / pixels
-    print(f"fp8 on the GPU: {pct:.3f}% of mask pixels as fp32 onnxruntime's (build: {recorded:.3f}%)")
-    assert pct >= recorded - FP32_SLACK
+    assert pct >= pct_ref - FP32_SLACK
