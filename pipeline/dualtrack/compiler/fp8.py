@@ -3,15 +3,17 @@
 The fp16 plan is built first; then, on sm_90a targets only (wgmma's e4m3 operands):
 
     calibration_images -> calibrate (each convolution input's |value| statistic over the calibration
-    images, the fp16 plan run through the kernels' numpy references) -> choose (per convolution: fp8,
-    or fp16 and why) -> lower (a ``quantize_fp8`` before each chosen convolution, one per input tensor,
-    and the convolution turned into ``conv_fp8``, as fixed by the FP8 ABI) -> verify (mask agreement
+    images, the fp16 plan run through onnxruntime) -> choose (per convolution: fp8, or fp16 and why:
+    the first and last, what conv_fp8 does not take, an fp8 error over the threshold) -> lower (a
+    ``quantize_fp8`` before each chosen convolution, one per input tensor, and the convolution turned
+    into ``conv_fp8``, as fixed by the FP8 ABI) -> verify (mask agreement
     of the fp8 plan against fp32 onnxruntime and against the fp16 plan, on the calibration images
     and the held-out ones; below ``calibration.agreement_floor`` the build stops)
 
-The plans run on the CPU here: Track B segments through onnxruntime (fp32 arithmetic, the plan's
-dtypes at the boundaries), Track A segments through the kernels' numpy references
-(:func:`dualtrack.compiler.verify.interpret_track_a`). docs/fp8.md says what each knob does.
+The plans run on the CPU here (:class:`PlanRunner`): Track B segments, and the fp16 plan's Track A
+segments, through onnxruntime (fp32 arithmetic, the plan's dtypes where it stores); the fp8 plan's
+Track A segments through the kernels' numpy references (:func:`dualtrack.compiler.verify.interpret_track_a`).
+docs/fp8.md says what each knob does.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ from dualtrack.contract.checks import DEFAULT_TOLERANCES, MASK, Tolerance, compa
 from dualtrack.contract.plan import KernelCall, Plan, Segment, TensorSpec, f32_bits
 from dualtrack.contract.precision import Agreement, LayerPrecision, PrecisionRecord
 from dualtrack.errors import ConfigError, VerificationError
+from dualtrack.kernels.quantize_fp8 import E4M3_MAX
 
 CONV_OPS = ("conv3x3", "conv1x1", "conv")  # the fp16 convolution ops conv_fp8 may replace
-E4M3_MAX = 448.0  # the largest finite e4m3 (OCP float8 e4m3fn)
 SCALE_FLOOR = 1e-6  # a statistic below this (an all-zero input) is held here: the scale stays finite
 ERROR_IMAGES = 2  # calibration images each layer's fp8 error is measured on (it runs the layer twice)
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
