@@ -193,7 +193,7 @@ verify:
 def _block_model(tmp_path: Path, body: str = "sra") -> Path:
     """An image net: Sin (no Track A kernel: the body's ends are boundaries), the body, Sin. ``sra``: convs
     and attention on NHWC images; ``tokens``: the image's pixels as (N, L, C) tokens, whose qkv and proj
-    Linears (MatMul: Track B) hand the attention 3-D tensors across the boundaries."""
+    Linears (1x1 Convs over the tokens' image, Track B by rule) hand the attention NHWC images."""
     torch, modules = torch_modules()
 
     class Net(torch.nn.Module):
@@ -245,9 +245,9 @@ def test_an_attention_block_builds_and_verifies_on_the_cpu(tmp_path: Path, body:
     assert ops.count("attention") == 1
     if body == "sra":  # convs and attention in one segment, on NHWC images
         assert tracks == ["B", "A", "B"] and len(ops) == 5
-    else:  # the Linears' 3-D token tensors in and out
+    else:  # the Linears, 1x1 Convs over the tokens' image (the front end's `tokens` stage), hand it NHWC images
         assert tracks == ["B", "A", "B"] and ops == ["attention"]
-        assert all(len(t["shape"]) == 3 and t.get("layout", "") == "" for t in (*a["inputs"], *a["outputs"]))
+        assert all(len(t["shape"]) == 4 and t["layout"] == "NHWC" for t in (*a["inputs"], *a["outputs"]))
     report = json.loads((tmp_path / "out" / "verify.json").read_text())
     assert report["passed"] is True
     assert any(c["name"].startswith("seg1_A[numpy kernels]") for c in report["checks"])

@@ -86,6 +86,7 @@ class _Graph:
     shapes: dict[str, tuple[int, ...]]
     consts: dict[str, np.ndarray]
     readers: dict[str, list[onnx.NodeProto]]
+    producers: dict[str, onnx.NodeProto] = field(default_factory=dict)
 
     def shape(self, t: str) -> tuple[int, ...] | None:
         return self.shapes.get(t)
@@ -283,10 +284,14 @@ class _Rewriter:
         """``out`` written back from its twin as the export has it: Transpose(Reshape(image, [-1, C, L]))."""
         _, c, h, w = self.g.shapes[image]
         shape = self.constant(f"{out}_flat", np.array([-1, c, h * w], np.int64))
+        # Named after the reader that takes the tokens (an attention's split into heads), whose track it shares
+        # (rules by name prefix: the exit is that reader's layout, the attention call folds it).
+        others = [r for r in self.g.readers.get(out, []) if not _is_token_op(self.g, r)]
+        base = others[0].name if others and others[0].name else out
         flat = self.fresh(f"{out}_flat")
         return [
-            helper.make_node("Reshape", [image, shape], [flat], name=self.fresh(f"{out}_to_cf")),
-            helper.make_node("Transpose", [flat], [out], name=self.fresh(f"{out}_to_tokens"), perm=SWAP),
+            helper.make_node("Reshape", [image, shape], [flat], name=self.fresh(f"{base}_tokens_cf")),
+            helper.make_node("Transpose", [flat], [out], name=self.fresh(f"{base}_tokens"), perm=SWAP),
         ]
 
     def entry(self, t: str) -> tuple[str, list[onnx.NodeProto]]:
@@ -297,10 +302,12 @@ class _Rewriter:
         image, cf = self.fresh(t), self.fresh(f"{t}_cf")
         self.g.shapes[image] = (0, c, *hw)
         shape = self.constant(f"{t}_image", np.array([-1, c, *hw], np.int64))
+        producer = self.g.producers.get(t)
+        base = producer.name if producer is not None and producer.name else t  # its producer's layout (as exits)
         self.twin[t] = (image, TOK)
         return image, [
-            helper.make_node("Transpose", [t], [cf], name=self.fresh(f"{t}_to_cf"), perm=SWAP),
-            helper.make_node("Reshape", [cf, shape], [image], name=self.fresh(f"{t}_to_image")),
+            helper.make_node("Transpose", [t], [cf], name=self.fresh(f"{base}_image_cf"), perm=SWAP),
+            helper.make_node("Reshape", [cf, shape], [image], name=self.fresh(f"{base}_image")),
         ]
 
     def operand(self, t: str, enter: bool) -> str | None:
@@ -469,7 +476,8 @@ def tokens_as_images(
     for n in out.graph.node:
         for i in n.input:
             readers.setdefault(i, []).append(n)
-    g = _Graph(_shapes(model, batch), consts, readers)
+    producers = {o: n for n in out.graph.node for o in n.output}
+    g = _Graph(_shapes(model, batch), consts, readers, producers)
     outputs = {o.name for o in model.graph.output}
     rw = _Rewriter(g, _groups(out.graph, g), _names(out.graph), outputs)
     rw.walk(out.graph)
