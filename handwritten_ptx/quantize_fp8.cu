@@ -39,8 +39,9 @@ quantize_fp8_f16(const f16* __restrict__ x, unsigned char* __restrict__ y, int N
         const int C8 = C / 8;
         const long long total = static_cast<long long>(N) * H * W * C8;
         for (long long idx = first; idx < total; idx += step) {
-            const long long p = idx / C8;
-            const int c = static_cast<int>(idx - p * C8) * 8;
+            const NhwcIndex e = nhwc_index(idx, H, W, C8);  // 32-bit division where the index fits
+            const long long p = e.p;
+            const int c = e.c * 8;
             float v[8];
             load_f16x8(v, x + p * ldx + c);
             unsigned w[2];
@@ -54,8 +55,9 @@ quantize_fp8_f16(const f16* __restrict__ x, unsigned char* __restrict__ y, int N
     }
     const long long total = static_cast<long long>(N) * H * W * C;
     for (long long idx = first; idx < total; idx += step) {
-        const long long p = idx / C;
-        const int c = static_cast<int>(idx - p * C);
+        const NhwcIndex e = nhwc_index(idx, H, W, C);
+        const long long p = e.p;
+        const int c = e.c;
         y[p * C + c] = static_cast<unsigned char>(e4m3x2(f16_to_f32(x[p * ldx + c]) * inv_scale, 0.f) & 0xffu);
     }
 }
