@@ -147,6 +147,15 @@ def test_the_block_is_one_track_a_segment() -> None:
     assert len(segments) == 1 and segments[0].track == "A"
 
 
+def test_with_sizes_the_tokens_stay_as_exported() -> None:
+    """``sizes`` re-shapes the model to other input sizes, which the (H, W) the pass writes into its Reshapes would
+    refuse: the front end says so and leaves the token tensors to Track B."""
+    cfg = BuildConfig(model=Path("block.onnx"), batch_sizes=(1,), targets=["sm_90a"], sizes=[[1, 37], [2, 74]])
+    fe = prepare(cfg, token_block())
+    assert any(r.stage == "tokens" and "`sizes`" in r.detail for r in fe.rewrites)
+    assert "MatMul" in {n.op_type for n in fe.body.graph.node}
+
+
 CONFIG = """\
 model: block.onnx
 precision: fp16

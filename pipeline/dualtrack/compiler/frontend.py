@@ -445,10 +445,17 @@ def channels_first_regions(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.M
     return m
 
 
-def token_images(model: onnx.ModelProto, export_batch: int | None, log: list[Rewrite]) -> onnx.ModelProto:
+def token_images(
+    model: onnx.ModelProto, cfg: BuildConfig, export_batch: int | None, log: list[Rewrite]
+) -> onnx.ModelProto:
     """A transformer's token tensors (N, L, C) written as the NCHW images they are, their LayerNorms,
-    Linears and element-wise ops as image ops (:mod:`.token_layout`)."""
+    Linears and element-wise ops as image ops (:mod:`.token_layout`). Not with ``sizes``: the pass writes the
+    export's (H, W) into its Reshapes, which a plan at another size refuses (spatial.py), where the export's
+    own may compute them."""
     m, detail = tokens_as_images(model, _graph_constants(model.graph), export_batch or 1)
+    if detail and cfg.sizes is not None:
+        log.append(Rewrite("tokens", "token tensors left as exported (Track B): `sizes` asks for other input sizes"))
+        return model
     if detail:
         log.append(Rewrite("tokens", detail))
     return m
@@ -1007,7 +1014,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
         log.append(Rewrite("batch", fixed))
     m = channels_first_regions(m, log)  # before the simplifier, whose Gemm fusion would hide the MatMuls
     m = check("channels-last", m)
-    m = check("tokens", token_images(m, export_batch, log))  # before the simplifier too (its Gemm fusion)
+    m = check("tokens", token_images(m, cfg, export_batch, log))  # before the simplifier too (its Gemm fusion)
     if cfg.simplify:
         m = check("simplify", simplify(m, log))
     m, freed = free_batch(m, export_batch, cfg.batch_sizes)
