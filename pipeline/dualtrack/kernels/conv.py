@@ -64,8 +64,9 @@ def conv3x3_reference(
     out = np.zeros((N, H, W, K), np.float32)
     for r in range(3):
         for s in range(3):
-            # A contiguous copy: numpy's matmul of a strided 4-D view runs without BLAS, ~70x slower.
-            out += np.ascontiguousarray(xp[:, r : r + H, s : s + W, :]) @ wf[:, r, s, :].T
+            # One 2-D GEMM of a contiguous copy: numpy's matmul of a strided 4-D view runs without BLAS (~50x slower).
+            tap = np.ascontiguousarray(xp[:, r : r + H, s : s + W, :]).reshape(-1, xp.shape[3])
+            out += (tap @ wf[:, r, s, :].T).reshape(out.shape)
     if bias is not None:
         if bias.shape != (K,):
             raise InputError(f"bias has shape {bias.shape}; expected ({K},)")

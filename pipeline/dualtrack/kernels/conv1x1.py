@@ -57,7 +57,8 @@ class Conv1x1Spec(ConvAbi):
         wk = w.reshape(w.shape[0], -1)
         if x.ndim != 4 or wk.shape[1] != x.shape[3]:
             raise InputError(f"conv1x1 takes x (N,H,W,C) and w (K,1,1,C); got x {x.shape}, w {w.shape}")
-        out = x.astype(np.float32) @ wk.astype(np.float32).T
+        # One 2-D GEMM over the pixels (a 4-D matmul runs stacked, ~5x slower).
+        out = (x.astype(np.float32).reshape(-1, x.shape[3]) @ wk.astype(np.float32).T).reshape(*x.shape[:3], -1)
         if bias is not None:
             if bias.shape != (wk.shape[0],):
                 raise InputError(f"bias has shape {bias.shape}; expected ({wk.shape[0]},)")

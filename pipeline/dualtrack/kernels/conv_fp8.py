@@ -182,7 +182,9 @@ class ConvFp8Spec(base.KernelSpec):
         out = np.zeros((N, H, W, K), np.float64)
         for r in range(geom.R):
             for s in range(geom.S):
-                out += xv[:, r : r + H, s : s + W, :] @ wv[:, r, s, :].T
+                # One 2-D GEMM of a contiguous copy: numpy's matmul of a strided 4-D view runs without BLAS.
+                tap = np.ascontiguousarray(xv[:, r : r + H, s : s + W, :]).reshape(-1, C)
+                out += (tap @ wv[:, r, s, :].T).reshape(out.shape)
         out *= dequant.astype(np.float64)
         if bias is not None:
             out += np.asarray(bias, np.float64).reshape(K)

@@ -425,8 +425,9 @@ class ConvGeneralSpec(KernelSpec):
                 tap = xp[:, rows, cols]
                 for j in range(g.groups):
                     ks, cs = slice(j * kg, (j + 1) * kg), slice(j * cg, (j + 1) * cg)
-                    # A contiguous copy: numpy's matmul of a strided view runs without BLAS, ~70x slower.
-                    out[..., ks] += np.ascontiguousarray(tap[..., cs]) @ wf[ks, r, s, :].T
+                    # One 2-D GEMM of a contiguous copy: numpy's matmul of a strided view runs without BLAS.
+                    rows_c = np.ascontiguousarray(tap[..., cs]).reshape(-1, cg)  # (N*P*Q, C/groups)
+                    out[..., ks] += (rows_c @ wf[ks, r, s, :].T).reshape(N, P, Q, kg)
         if bias is not None:
             if bias.shape != (K,):
                 raise InputError(f"bias has shape {bias.shape}; expected ({K},)")
