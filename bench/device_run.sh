@@ -75,6 +75,8 @@ for step in $steps; do
       [ -d "$C/tiny_sizes" ] && export DUALTRACK_TEST_SIZES_BUNDLE=$PWD/$C/tiny_sizes
       # tiny_window (tests/window_net.py build_window_bundle): a conv net with `window:` (64x64 windows).
       [ -d "$C/tiny_window" ] && export DUALTRACK_TEST_WINDOW_BUNDLE=$PWD/$C/tiny_window
+      # tiny_tokens (tests/gpu/test_token_ops_gpu.py build_token_bundle): a transformer block's token ops on Track A.
+      [ -d "$C/tiny_tokens" ] && export DUALTRACK_TEST_TOKENS_BUNDLE=$PWD/$C/tiny_tokens
       # kit_tiny (`dualtrack tune tests/.../tiny.yaml --track-b --prepare-kit`): IREE flag candidates.
       [ -d "$C/kit_tiny" ] && export DUALTRACK_TEST_KIT=$PWD/$C/kit_tiny
       DUALTRACK_TEST_BUNDLE=$PWD/$C/tiny DUALTRACK_TEST_FULL_BUNDLE=$PWD/$C/tiny_full \

@@ -93,6 +93,8 @@ from test_sizes_gpu import build_sized_bundle  # tests/gpu/test_sizes_gpu.py: a 
 build_sized_bundle(tmp / "sizes", out / "tiny_sizes")
 import window_net  # tests/gpu/test_tiling_gpu.py: a conv net with `window:` (sliding-window inference)
 window_net.build_window_bundle(tmp / "window", out / "tiny_window", ("sm_90a", "sm_80"))
+from test_token_ops_gpu import build_token_bundle  # tests/gpu/test_token_ops_gpu.py: token tensors on Track A
+build_token_bundle(tmp / "tokens", out / "tiny_tokens")
 (out / "tiny.yaml").write_text(str(tmp / "tiny" / "tiny.yaml"))
 EOF
   "$DT" tune "$(cat "$C/tiny.yaml")" --track-b --prepare-kit "$C/kit_tiny"
