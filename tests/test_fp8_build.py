@@ -352,6 +352,7 @@ def test_a_cpu_build_with_precision_fp8_prints_and_records_its_agreement(fp8_bun
     assert [a.count for a in record.agreement] == [4, 2]
     assert all(FLOOR <= a.vs_fp32 <= 100 and a.fp16_vs_fp32 >= 99 for a in record.agreement)
     b = Bundle.open(bundle)  # precision.json is hashed with the rest
+    assert b.manifest.config["precision"] == "fp8" and b.plan.precision == "fp16"  # as asked; the base network
     assert PRECISION_FILE in b.manifest.files and b.manifest.verification.passed
     assert [c.op for s in b.plan.segments for c in s.calls].count("conv_fp8") == 3
     tol = b.tolerance()  # the GPU's first-load check: widened to the fp8 plan's measured error

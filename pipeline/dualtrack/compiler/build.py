@@ -377,11 +377,13 @@ def fp8_stage(
     cache = settings.cache_dir / "fp8" if settings.use_cache else None
     done = fp8.build_fp8(cal, inputs.model, inputs.plan, inputs.parted.seg_models, wgmma, say, cache)
     notes.append(done.record.headline())
-    if not done.record.applied:
-        return inputs, done
 
     def lowered(i: _Inputs) -> _Inputs:
-        return replace(i, parted=replace(i.parted, plan=fp8.lower(i.plan, done.record.layers)))
+        # The config as asked (the front end resolved fp8 to its fp16 network): the manifest and the build key.
+        cfg = i.cfg.model_copy(update={"precision": "fp8"})
+        if not done.record.applied:
+            return replace(i, cfg=cfg)
+        return replace(i, cfg=cfg, parted=replace(i.parted, plan=fp8.lower(i.plan, done.record.layers)))
 
     return replace(lowered(inputs), others=tuple(map(lowered, inputs.others))), done
 
