@@ -364,6 +364,7 @@ def test_dualtrack_info_lists_each_layers_precision_and_why(fp8_bundle: tuple) -
     result = CliRunner().invoke(main, ["info", str(fp8_bundle[0])])
     assert result.exit_code == 0, result.output
     fp8_lines = [s for s in result.output.splitlines() if s.startswith("fp8 ")]
+    assert "precision  fp16 (the config's fp8: the `fp8` lines below); batch sizes [1]" in result.output
     assert fp8_lines[0].startswith("fp8        fp8: 3 of 5 convolutions in fp8; masks as fp32's on ")
     assert fp8_lines[0].endswith("% (held-out)")
     assert any(s.startswith("fp8        c1 (conv): fp16: the first convolution") for s in fp8_lines)

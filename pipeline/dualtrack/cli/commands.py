@@ -428,7 +428,8 @@ def _info_model(b: Bundle) -> None:
     m = b.manifest
     click.echo(f"bundle     {b.root}  (format {m.format}, dualtrack {m.dualtrack_version}, built {m.created})")
     click.echo(f"model      {m.model.source}  sha256 {m.model.source_sha256[:16]}")
-    click.echo(f"precision  {b.plan.precision}; batch sizes {list(b.plan.batch_sizes)}")
+    asked = " (the config's fp8: the `fp8` lines below)" if m.config.get("precision") == "fp8" else ""
+    click.echo(f"precision  {b.plan.precision}{asked}; batch sizes {list(b.plan.batch_sizes)}")
     if m.sizes:  # a bundle of several input sizes (config `sizes`): one plan each, the weights shared
         largest = label(b.sizes[-1])
         click.echo(
