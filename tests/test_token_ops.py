@@ -119,6 +119,72 @@ def test_the_token_ops_become_image_ops_that_match_onnxruntime(approximate: str,
         assert producer.op_type == "Transpose" and [int(p) for p in producer.attribute[0].ints] == [0, 2, 1]
 
 
+def open_channels_last_block(seed: int = 0) -> onnx.ModelProto:
+    """Swin's shape of block on a channels-last image (N, H, W, C) = (N, 3, 5, 40): x = Transpose(Conv(image)) to NHWC,
+    a = LN(x) read by a Reshape into row windows (an op the pass does not write, a Sin after it, back by the inverse
+    Reshape: an exit and an entry), y = x + a', then y + fc2(Gelu(fc1(LN(y)))) (hidden 88) back to NCHW for a Conv."""
+    rng = np.random.default_rng(seed)
+    hh, ww, c, k = 3, 5, 40, 88
+    inits = [
+        _const(rng, "w_stem", (c, 3, 1, 1), 0.5),
+        numpy_helper.from_array(1 + 0.1 * rng.standard_normal(c).astype(np.float32), "ln_s"),
+        _const(rng, "ln_b", (c,), 0.1),
+        numpy_helper.from_array(np.array([-1, ww, c], np.int64), "rows"),
+        numpy_helper.from_array(np.array([-1, hh, ww, c], np.int64), "unrows"),
+        _const(rng, "fc1_w", (c, k), c**-0.5),
+        _const(rng, "fc1_b", (k,), 0.1),
+        _const(rng, "fc2_w", (k, c), k**-0.5),
+        _const(rng, "fc2_b", (1, 1, c), 0.1),
+        _const(rng, "w_head", (2, c, 1, 1), c**-0.5),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["image", "w_stem"], ["stem"], name="/stem"),
+        helper.make_node("Transpose", ["stem"], ["x"], name="/to_nhwc", perm=[0, 2, 3, 1]),
+        helper.make_node("LayerNormalization", ["x", "ln_s", "ln_b"], ["a"], name="/blk/ln1", axis=-1),
+        helper.make_node("Reshape", ["a", "rows"], ["win"], name="/win/split"),
+        helper.make_node("Sin", ["win"], ["win_sin"], name="/win/sin"),
+        helper.make_node("Reshape", ["win_sin", "unrows"], ["a2"], name="/win/merge"),
+        helper.make_node("Add", ["x", "a2"], ["y"], name="/blk/residual1"),
+        helper.make_node("LayerNormalization", ["y", "ln_s", "ln_b"], ["n"], name="/blk/ln2", axis=-1),
+        helper.make_node("MatMul", ["n", "fc1_w"], ["h0"], name="/blk/fc1/matmul"),
+        helper.make_node("Add", ["h0", "fc1_b"], ["h1"], name="/blk/fc1/add"),
+        helper.make_node("Gelu", ["h1"], ["g"], name="/blk/gelu"),
+        helper.make_node("MatMul", ["g", "fc2_w"], ["m0"], name="/blk/fc2/matmul"),
+        helper.make_node("Add", ["m0", "fc2_b"], ["m1"], name="/blk/fc2/add"),
+        helper.make_node("Add", ["y", "m1"], ["z"], name="/blk/residual2"),
+        helper.make_node("Transpose", ["z"], ["z_img"], name="/to_nchw", perm=[0, 3, 1, 2]),
+        helper.make_node("Conv", ["z_img", "w_head"], ["logits"], name="/head"),
+    ]
+    graph = helper.make_graph(
+        nodes, "open_channels_last", [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, hh, ww])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 2, hh, ww])], inits,
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def test_an_open_channels_last_region_becomes_image_ops_that_match_onnxruntime() -> None:
+    """What ``channels_last`` leaves (a region a Reshape into windows reads): its LayerNorms, Linears, Gelu and
+    residual Adds over the NCHW image, the windows read through a Transpose back to NHWC (an exit) and their result
+    entering by the inverse at the residual Add."""
+    model = open_channels_last_block()
+    written, detail = tokens_as_images(model, constants(model.graph))
+    assert detail is not None
+    onnx.checker.check_model(written, full_check=True)
+    ops = [n.op_type for n in written.graph.node]
+    assert "MatMul" not in ops and ops.count("Conv") == 4
+    g = onnx.shape_inference.infer_shapes(written).graph
+    shapes = {v.name: v for v in [*g.value_info, *g.output]}
+    for n in written.graph.node:
+        if n.op_type in ("Gelu", "Add", "Conv"):
+            dims = [d.dim_value for d in shapes[n.output[0]].type.tensor_type.shape.dim]
+            assert dims[1:] in ([40, 3, 5], [88, 3, 5], [2, 3, 5]), (n.name, dims)  # NCHW images
+    x = np.random.default_rng().standard_normal((3, 3, 3, 5)).astype(np.float32)
+    assert rel_l2(run_ort(written, x)[0], run_ort(model, x)[0]) <= 1e-5
+
+
 def test_a_group_whose_layout_nodes_disagree_is_left_as_exported() -> None:
     """Tokens reshaped back into an image of another (H, W) than they came from (37 x 1 instead of 1 x 37): no
     twin of one shape serves both, so the pass leaves the graph alone."""

@@ -20,6 +20,11 @@ attention call folds them into its operands' strides); Track B computes them as 
 (H, W) of a token tensor comes from the image it was flattened from or is reshaped back into: token
 tensors joined by the ops the pass writes (and Transposes between (N, L, C) and (N, C, L)) form a
 group, and a group takes the pass only where all its layout nodes agree on one (H, W).
+
+A channels-last image (N, H, W, C), ``Transpose(image, [0, 2, 3, 1])``, is the same case with its (H, W) in
+its shape: the regions ``channels_last`` leaves as exported because another op reads them (Swin's Reshape
+into windows) are written here, with that reader given ``Transpose(image)`` back and a channels-last result
+of such an op entering where it meets the region at an element-wise op (the residual Add after the windows).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from onnx import helper, numpy_helper
 from dualtrack.compiler.channels_last import BINARY, TO_NCHW, TO_NHWC, UNARY
 
 SWAP = [0, 2, 1]  # (N, L, C) <-> (N, C, L)
-TOK, CF = "tok", "cf"  # a tensor's relation to its twin image: (N, L, C), or (N, C, L)
+TOK, CF, NHWC = "tok", "cf", "nhwc"  # a tensor's relation to its twin image: (N, L, C), (N, C, L) or (N, H, W, C)
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -151,7 +156,7 @@ def _token_hw(image_nhwc: tuple[int, ...], tokens: tuple[int, ...]) -> tuple[int
 def _is_token_op(g: _Graph, node: onnx.NodeProto) -> bool:
     """An op this pass may write over twins (its checks on operands come at rewrite time)."""
     out = g.shape(node.output[0]) if node.output else None
-    if out is None or len(out) != 3 or len(node.output) != 1:
+    if out is None or len(out) not in (3, 4) or len(node.output) != 1:
         return False
     if node.op_type == "MatMul":
         w = g.consts.get(node.input[1])
@@ -166,6 +171,16 @@ def _same(g: _Graph, node: onnx.NodeProto) -> bool:
         return shape is not None and len(shape) == 3
     to = g.reshape_to(node)
     return to is not None and len(to) == 3 and to == shape
+
+
+def _norm_chain(g: _Graph, node: onnx.NodeProto) -> bool:
+    """A LayerNormalization between a Transpose to NHWC and Transposes back alone: the form ``lower_norm``
+    takes already (``channels_last`` writes it so)."""
+    producer = g.producers.get(node.input[0])
+    readers = g.readers.get(node.output[0], [])
+    if producer is None or _perm(producer) != TO_NHWC or not readers:
+        return False
+    return all(_perm(r) == TO_NCHW for r in readers)
 
 
 def _flattens(g: _Graph, node: onnx.NodeProto) -> tuple[int, int] | None:
@@ -224,7 +239,6 @@ class _Rewriter:
     outputs: set[str]
     twin: dict[str, tuple[str, str]] = field(default_factory=dict)
     rename: dict[str, str] = field(default_factory=dict)
-    nhwc: dict[str, str] = field(default_factory=dict)  # (N, H, W, C) views of a token tensor: its twin
     skip: set[str] = field(default_factory=set)  # outputs of nodes an earlier rewrite took in (a Linear's bias Add)
     nodes: list[onnx.NodeProto] = field(default_factory=list)
     inits: list[onnx.TensorProto] = field(default_factory=list)
@@ -267,8 +281,10 @@ class _Rewriter:
         elif _perm(node) == SWAP and x in self.twin:
             image, kind = self.twin[x]
             self.twin[out] = (image, CF if kind == TOK else TOK)
-        elif _perm(node) == TO_NCHW and x in self.nhwc and out not in self.outputs:
-            self.rename[out] = self.nhwc[x]
+        elif _perm(node) == TO_NCHW and self.twin.get(x, ("", ""))[1] == NHWC and out not in self.outputs:
+            self.rename[out] = self.twin[x][0]
+        elif _perm(node) == TO_NHWC and x not in self.twin and shape is not None and len(shape) == 4:
+            self.twin[out] = (x, NHWC)  # an image channels-last (a region channels_last left open)
         elif to is None or shape is None:
             return
         elif x in self.twin and out not in self.outputs:
@@ -276,18 +292,21 @@ class _Rewriter:
             if kind == CF and to == self.g.shape(image):
                 self.rename[out] = image
             elif kind == TOK and (hw := self.groups.hw(x)) and to == (0, *hw, shape[2]):
-                self.nhwc[out] = image
+                self.twin[out] = (image, NHWC)
         elif len(shape) == 4 and (hw := _flattens(self.g, node)) and self.groups.hw(out) == hw:
             self.twin[out] = (x, CF)
 
-    def exit(self, out: str, image: str) -> list[onnx.NodeProto]:
-        """``out`` written back from its twin as the export has it: Transpose(Reshape(image, [-1, C, L]))."""
-        _, c, h, w = self.g.shapes[image]
-        shape = self.constant(f"{out}_flat", np.array([-1, c, h * w], np.int64))
+    def exit(self, out: str, image: str, kind: str) -> list[onnx.NodeProto]:
+        """``out`` written back from its twin as the export has it: Transpose(Reshape(image, [-1, C, L])) for
+        tokens, Transpose(image) to NHWC for a channels-last image."""
         # Named after the reader that takes the tokens (an attention's split into heads), whose track it shares
         # (rules by name prefix: the exit is that reader's layout, the attention call folds it).
         others = [r for r in self.g.readers.get(out, []) if not _is_token_op(self.g, r)]
         base = others[0].name if others and others[0].name else out
+        if kind == NHWC:
+            return [helper.make_node("Transpose", [image], [out], name=self.fresh(f"{base}_nhwc"), perm=TO_NHWC)]
+        _, c, h, w = self.g.shapes[image]
+        shape = self.constant(f"{out}_flat", np.array([-1, c, h * w], np.int64))
         flat = self.fresh(f"{out}_flat")
         return [
             helper.make_node("Reshape", [image, shape], [flat], name=self.fresh(f"{base}_tokens_cf")),
@@ -296,14 +315,19 @@ class _Rewriter:
 
     def entry(self, t: str) -> tuple[str, list[onnx.NodeProto]]:
         """The twin of a token tensor an op this pass does not write produced (attention's output)."""
+        producer = self.g.producers.get(t)
+        base = producer.name if producer is not None and producer.name else t  # its producer's layout (as exits)
+        if len(self.g.shapes[t]) == 4:  # a channels-last image (Swin's window reverse): its transpose
+            _, h, w, c = self.g.shapes[t]
+            image = self.fresh(t)
+            self.g.shapes[image], self.twin[t] = (0, c, h, w), (image, NHWC)
+            return image, [helper.make_node("Transpose", [t], [image], name=self.fresh(f"{base}_image"), perm=TO_NCHW)]
         hw = self.groups.hw(t)
         assert hw is not None
         _, _, c = self.g.shapes[t]
         image, cf = self.fresh(t), self.fresh(f"{t}_cf")
         self.g.shapes[image] = (0, c, *hw)
         shape = self.constant(f"{t}_image", np.array([-1, c, *hw], np.int64))
-        producer = self.g.producers.get(t)
-        base = producer.name if producer is not None and producer.name else t  # its producer's layout (as exits)
         self.twin[t] = (image, TOK)
         return image, [
             helper.make_node("Transpose", [t], [cf], name=self.fresh(f"{base}_image_cf"), perm=SWAP),
@@ -314,26 +338,34 @@ class _Rewriter:
         """How an op reads token tensor ``t``: its twin, or None where it has none (``enter``: may get one)."""
         if t in self.twin:
             image, kind = self.twin[t]
-            return image if kind == TOK else None
-        shape, hw = self.g.shape(t), self.groups.hw(t)
-        if enter and shape is not None and len(shape) == 3 and hw is not None and shape[1] == hw[0] * hw[1]:
+            return image if kind != CF else None
+        shape = self.g.shape(t)
+        if not enter or shape is None:
+            return None
+        hw = self.groups.hw(t) if len(shape) == 3 else None
+        if len(shape) == 4 or (hw is not None and shape[1] == hw[0] * hw[1]):
             return ""  # an entry, made once the whole op is known to be written
         return None
 
+    def hw(self, t: str) -> tuple[int, int] | None:
+        """(H, W) of the twin image of token tensor or channels-last image ``t``."""
+        shape = self.g.shape(t) or ()
+        return (shape[1], shape[2]) if len(shape) == 4 else self.groups.hw(t)
+
     def out(self, node: onnx.NodeProto, channels: int) -> tuple[str, list[onnx.NodeProto]]:
-        """The twin name of ``node``'s output (N, L, channels) and the exit that writes the original back."""
+        """The twin name of ``node``'s output ((N, L, channels) or (N, H, W, channels)) and the exit that
+        writes the original back."""
         o = node.output[0]
-        hw = self.groups.hw(o)
+        hw = self.hw(o)
         assert hw is not None
-        image = self.fresh(o)
+        image, kind = self.fresh(o), NHWC if len(self.g.shapes[o]) == 4 else TOK
         self.g.shapes[image] = (0, channels, *hw)
-        self.twin[o] = (image, TOK)
-        return image, self.exit(o, image)
+        self.twin[o] = (image, kind)
+        return image, self.exit(o, image, kind)
 
     def rewrite(self, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         """``node`` written over twins (entries first, the exit of its output last), or None."""
-        o = node.output[0]
-        if self.groups.hw(o) is None:
+        if self.hw(node.output[0]) is None:
             return None
         if node.op_type == "MatMul":
             return self._matmul(node)
@@ -359,9 +391,9 @@ class _Rewriter:
         (K,) vector that alone reads its product (``nn.Linear`` as exported)."""
         w = self.g.consts[node.input[1]]
         shape = self.g.shape(node.input[0])
-        if shape is None or len(shape) != 3 or shape[2] != w.shape[0]:
+        if shape is None or len(shape) not in (3, 4) or shape[-1] != w.shape[0]:
             return None
-        ins = self._inputs(node, [0], enter=True)
+        ins = self._inputs(node, [0], enter=len(shape) == 3)  # an image channels-last enters at a residual Add
         if ins is None:
             return None
         weight = self.constant(f"{node.name}_weight", np.ascontiguousarray(w.T)[:, :, None, None])
@@ -382,14 +414,16 @@ class _Rewriter:
         """LayerNormalization over the last axis: over the twin's channels, between a Transpose pair
         (the form ``lower_norm`` takes as a LayerNorm over channels)."""
         shape = self.g.shape(node.input[0])
-        if shape is None or _attrs(node).get("axis", -1) not in (-1, 2) or any(i in self.twin for i in node.input[1:]):
+        if shape is None or _attrs(node).get("axis", -1) not in (-1, len(shape) - 1):
             return None
-        ins = self._inputs(node, [0], enter=True)
+        if any(i in self.twin for i in node.input[1:]) or _norm_chain(self.g, node):
+            return None
+        ins = self._inputs(node, [0], enter=len(shape) == 3)
         if ins is None:
             return None
         nhwc, normed = self.fresh(f"{node.output[0]}_nhwc"), self.fresh(f"{node.output[0]}_normed")
         norm = _copy(node, [nhwc, *ins[1:]], normed)
-        image, back = self.out(node, shape[2])
+        image, back = self.out(node, shape[-1])
         return [
             helper.make_node("Transpose", [ins[0]], [nhwc], name=self.fresh(f"{node.name}_to_nhwc"), perm=TO_NHWC),
             norm,
@@ -420,24 +454,26 @@ class _Rewriter:
             return None
         for k, c in consts.items():
             ins[k] = c
-        image, back = self.out(node, shape[2])
+        image, back = self.out(node, shape[-1])
         return [_copy(node, ins, image), *back]
 
     def _broadcast(self, node: onnx.NodeProto, k: int, shape: tuple[int, ...]) -> str | None:
-        """Constant input ``k`` of a binary op on tokens (N, L, C) as the constant the twins take."""
+        """Constant input ``k`` of a binary op on tokens (N, L, C) or a channels-last image (N, H, W, C) as the
+        constant the twins take."""
         c, name = self.g.consts[node.input[k]], node.input[k]
         if c.size == 1:
             return name
-        if c.ndim > 3:
+        if c.ndim > len(shape):
             return None
-        c3 = c.reshape((1,) * (3 - c.ndim) + c.shape)
-        hw = self.groups.hw(node.output[0])
-        assert hw is not None
-        if c3.shape[0] != 1 or c3.shape[1] not in (1, shape[1]) or c3.shape[2] not in (1, shape[2]):
+        cr = c.reshape((1,) * (len(shape) - c.ndim) + c.shape)
+        if cr.shape[0] != 1 or any(d not in (1, n) for d, n in zip(cr.shape[1:], shape[1:], strict=True)):
             return None
-        h, w = hw if c3.shape[1] == shape[1] else (1, 1)
-        image = c3.reshape(1, h, w, c3.shape[2]).transpose(TO_NCHW)
-        return self.constant(f"{node.name}_in{k}", np.ascontiguousarray(image))
+        if cr.ndim == 3:  # (1, L or 1, C or 1): the tokens' (H, W) or one pixel
+            hw = self.hw(node.output[0])
+            assert hw is not None
+            h, w = hw if cr.shape[1] == shape[1] else (1, 1)
+            cr = cr.reshape(1, h, w, cr.shape[2])
+        return self.constant(f"{node.name}_in{k}", np.ascontiguousarray(cr.transpose(TO_NCHW)))
 
 
 def _live(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
@@ -464,8 +500,8 @@ def tokens_as_images(
     """The model with its token tensors' ops written over their twin images (the module's docstring),
     and a line saying what changed (None where nothing did). ``consts``: the graph's constant tensors;
     ``batch``: the batch the export's shapes were written at (its input's dim 0 may be symbolic now)."""
-    if not any(_perm(n) == SWAP for n in model.graph.node):
-        return model, None  # no token tensor made from an image or turned back into one
+    if not any(_perm(n) in (SWAP, TO_NHWC) for n in model.graph.node):
+        return model, None  # no token tensor or channels-last image made from an image
     consts = dict(consts)
     for n in model.graph.node:  # exporters alias shared weights through Identity nodes
         if n.op_type == "Identity" and n.input and n.input[0] in consts:
