@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 
+from dualtrack import kernels
 from dualtrack.cli import main
 from dualtrack.compiler import fp8, frontend, partition, verify
 from dualtrack.compiler.build import BuildResult, build
@@ -244,6 +245,33 @@ def test_the_lowering_quantizes_each_tensor_once_before_its_first_reader() -> No
     assert bits_f32(fb.attr("x_scale")) == 0.5 and fb.attr("residual") == 1 and fb.weights == ("wb",)
     assert lowered.tensors[-1] == TensorSpec(q.outputs[0], (1, 8, 8, 32), "uint8", "NHWC")
     assert fp8.lower(plan, []) == plan
+
+
+def test_convolutions_sharing_a_weight_stay_fp16_with_the_reason() -> None:
+    """conv_fp8 packs the input's scale into the weights it uploads under the weight's name, so two
+    convolutions reading one weight with their own scales stay fp16; the one beside them goes fp8."""
+    rng = np.random.default_rng(3)
+    names = ["x", "a", "b", "c", "d"]
+    specs = {n: TensorSpec(n, (1, 9, 7, 16), "float16", "NHWC") for n in names}
+    calls = (
+        call("conv3x3", "x", "a", "w1", relu=1),
+        call("conv3x3", "a", "b", "ws", relu=1),
+        call("conv3x3", "b", "c", "ws", relu=1),
+        call("conv3x3", "c", "d", "w4"),
+    )
+    seg = Segment(1, "A", ("a", "b", "c", "d"), (specs["x"],), (specs["d"],), "s.onnx", calls=calls,
+                  tensors=tuple(specs[n] for n in "abc"))  # fmt: skip
+    plan = Plan((specs["x"],), (specs["d"],), (seg,), "fp16", (1,))
+    weights = {w: (rng.standard_normal((16, 16, 3, 3)) / 12).astype(np.float32) for w in ("w1", "ws", "w4")}
+    weights |= {f"{w}_b": np.zeros(16, np.float32) for w in ("w1", "ws", "w4")}
+    trace = {"x": rng.standard_normal((1, 9, 7, 16)).astype(np.float16)}
+    for k in calls:
+        trace[k.outputs[0]] = kernels.kernel("conv3x3").run_reference(k, [trace[k.inputs[0]]], weights)
+    scales = {n: float(np.abs(trace[n]).max()) / 448 for n in "xabc"}
+    chosen = fp8.choose(plan, scales, [trace], weights, CalibrationConfig(fp16_layers=("a",)))
+    layers = {x.layer: x for x in chosen}
+    assert [layers[n].precision for n in "abcd"] == ["fp16", "fp16", "fp16", "fp8"]
+    assert "weights ws are shared with another convolution" in layers["b"].reason == layers["c"].reason
 
 
 def test_targets_other_than_sm_90a_build_fp16_with_a_note(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ import hashlib
 import inspect
 import json
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -334,11 +335,16 @@ def choose(
     ``calibration.threshold``; fp8 otherwise."""
     kept = kept_fp16(plan, cal)
     spec = kernels.kernel("conv_fp8")
+    # conv_fp8's packed weights carry the input's scale (dequant = s_x * s_w) under the weight's name:
+    # a weight two convolutions read would be packed once for one of their scales.
+    readers = Counter(call.weights[0] for _, call in conv_calls(plan))
     out = []
     for _, call in conv_calls(plan):
         layer = layer_of(call)
         scale = scales[call.inputs[0]]
         named = next((kept[n] for n in call.nodes if n in kept), None)
+        if named is None and readers[call.weights[0]] > 1:
+            named = f"its weights {call.weights[0]} are shared with another convolution (fp8 packs its input's scale)"
         K, C = np.shape(weights[call.weights[0]])[:2]
         why = named or spec.supports(fp8_calls(call, scale)[1], C=C, K=K)  # type: ignore[attr-defined]
         if why is not None:
