@@ -108,8 +108,9 @@ def _without_weights(model: onnx.ModelProto) -> onnx.ModelProto:
     only the small ones (shape constants), and a copy with the weights would cost their bytes (over 2 GiB it
     could not be serialized for the checker at all)."""
     g = model.graph
-    large = [i for i in g.initializer if int(np.prod(i.dims)) > 64]
-    small = [i for i in g.initializer if int(np.prod(i.dims)) <= 64]
+    listed = {i.name for i in g.input}  # below IR 4 initializers are graph inputs too
+    large = [i for i in g.initializer if int(np.prod(i.dims)) > 64 and i.name not in listed]
+    small = [i for i in g.initializer if int(np.prod(i.dims)) <= 64 or i.name in listed]
     typed = [helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)) for i in large]
     graph = helper.make_graph(list(g.node), g.name, [*g.input, *typed], list(g.output), small, value_info=g.value_info)
     at = onnx.ModelProto(ir_version=model.ir_version)
