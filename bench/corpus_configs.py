@@ -9,10 +9,10 @@ its reference cases and by bench/zoo_bench.py's verify_engine, instead of on thi
 `<name>.iree.yaml`, the same with `partition: iree` (IREE alone, the `<zoo>/iree_alone` row). Paths
 become absolute, so the configs build from anywhere. bench/prepare_carry.sh corpus builds them.
 
-    python bench/corpus_configs.py OUT_DIR NAME [NAME ...] --fp8 [--fp8-model PATH]
+    python bench/corpus_configs.py OUT_DIR NAME [NAME ...] --fp8
 
 also writes `<name>.fp8.yaml` (issue 42): the bench config with `precision: fp8` and :data:`FP8_CALIBRATION`
-(`--fp8-model`: built from that model instead, the re-weighted one bench/prepare_fp8.sh makes).
+(bench/prepare_fp8.sh builds it).
 A NAME ending in `.yaml` is a config path (configs/unet.yaml), written as `<stem>.yaml` the same way.
 """
 
@@ -50,10 +50,9 @@ def bench_config(name: str) -> dict:
     return raw
 
 
-def fp8_config(cfg: dict, model: str | None = None) -> dict:
-    """``cfg`` (a bench config) with ``precision: fp8`` and :data:`FP8_CALIBRATION`, built from ``model``
-    where given (an absolute path)."""
-    return {**cfg, "model": model or cfg["model"], "precision": "fp8", "calibration": dict(FP8_CALIBRATION)}
+def fp8_config(cfg: dict) -> dict:
+    """``cfg`` (a bench config) with ``precision: fp8`` and :data:`FP8_CALIBRATION`."""
+    return {**cfg, "precision": "fp8", "calibration": dict(FP8_CALIBRATION)}
 
 
 def main(argv: list[str]) -> int:
@@ -61,10 +60,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("names", nargs="+")
     ap.add_argument("--fp8", action="store_true", help="also write <name>.fp8.yaml")
-    ap.add_argument("--fp8-model", help="the fp8 config's model (one NAME only)")
     args = ap.parse_args(argv)
-    if args.fp8_model and len(args.names) != 1:
-        ap.error("--fp8-model applies to one NAME; run once per model")
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.names:
         cfg = bench_config(name)
@@ -72,8 +68,7 @@ def main(argv: list[str]) -> int:
         (args.out / f"{stem}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
         (args.out / f"{stem}.iree.yaml").write_text(yaml.safe_dump({**cfg, "partition": "iree"}, sort_keys=False))
         if args.fp8:
-            model = str(Path(args.fp8_model).resolve()) if args.fp8_model else None
-            (args.out / f"{stem}.fp8.yaml").write_text(yaml.safe_dump(fp8_config(cfg, model), sort_keys=False))
+            (args.out / f"{stem}.fp8.yaml").write_text(yaml.safe_dump(fp8_config(cfg), sort_keys=False))
     return 0
 
 
