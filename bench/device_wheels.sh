@@ -10,7 +10,7 @@
 #           (py-spy apart: device_run.sh's own install of .whl/ into /tmp/site replaces /tmp/site/bin)
 #   zoo     into .whl/: segmentation-models-pytorch and monai (pure Python, ~3 MB), which bench/zoo_bench.py's
 #           torch rows build the corpus models with (the device image has torch, torchvision and timm), and
-#           onnxslim + colorama (the front end's simplify: GPU tests that build a model on the device)
+#           onnxslim, colorama and onnxconverter-common (the front end: GPU tests that build a model on the device)
 # Both are git-ignored (.git/info/exclude). Usage: bash bench/device_wheels.sh [whl|whl2|zoo|all]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +35,6 @@ if [ "$what" = whl2 ] || [ "$what" = all ]; then
 fi
 if [ "$what" = zoo ]; then
   get .whl "segmentation-models-pytorch==$(version segmentation-models-pytorch)" "monai==$(version monai)" \
-    "onnxslim==$(version onnxslim)" "colorama==$(version colorama)"
+    "onnxslim==$(version onnxslim)" "colorama==$(version colorama)" "onnxconverter-common==$(version onnxconverter-common)"
 fi
 du -sh .whl .whl2 2>/dev/null || true
