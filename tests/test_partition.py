@@ -211,7 +211,7 @@ def test_node_without_kernel_on_track_a_names_node_and_fix(tiny: tuple[BuildConf
         PartitionError,
         match=r"^node 'pre/nchw' \(Transpose, no hand-written kernel\) is on Track A, whose kernels cover "
         r"Conv of any kernel size, stride, dilation, padding and group count \(optionally \+Add of a residual "
-        r"\+Relu/Clip\(0,6\)/HardSwish/HardSigmoid/Sigmoid/SiLU\), MaxPool and AveragePool of any window up to 64x64 "
+        r"\+Relu/Clip\(0,6\)/HardSwish/HardSigmoid/Sigmoid/SiLU\), MaxPool and AveragePool of any window up to 256x256 "
         r"\(no Indices "
         r"output\), ConvTranspose of any window, "
         r"channel Concat of any inputs .*, Pad constant/reflect/edge over H,W, the mobile ops: depthwise Conv "
