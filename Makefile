@@ -37,7 +37,7 @@ run: build  ## build the reference bundle and segment the sample image (GPU if t
 
 test: $(BIN)/dualtrack  ## the test suite (GPU tests skip without a GPU)
 	$(BIN)/ruff check pipeline tests bench
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 conformance: $(BIN)/dualtrack  ## ONNX's own test models built for the CPU against their shipped outputs: docs/conformance.md
 	$(BIN)/python -m dualtrack.compiler.conformance --out docs/conformance.md
