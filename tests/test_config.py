@@ -145,6 +145,14 @@ def test_empty_batch_sizes(tmp_path: Path) -> None:
         load_config(path)
 
 
+def test_a_whole_config_error_names_no_empty_key(tmp_path: Path) -> None:
+    """A validator of the whole config (here: calibration without fp8) has no key to point at."""
+    path = write(tmp_path, "model: m.onnx\ncalibration:\n  samples: 4\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: Value error, `calibration:` applies to `precision: fp8`") as e:
+        load_config(path)
+    assert "``" not in str(e.value) and "\n" not in str(e.value)
+
+
 def test_missing_model_key(tmp_path: Path) -> None:
     path = write(tmp_path, "precision: fp32\n")
     with pytest.raises(ConfigError, match=rf"^{path}: `model`: Field required$"):

@@ -530,7 +530,8 @@ def _format(err: dict[str, Any], path: Path, root: yaml.Node | None) -> str:
         near = difflib.get_close_matches(str(loc[-1]), _fields_at(loc), n=1)
         hint = f"; did you mean `{near[0]}`?" if near else f"; valid keys here: {', '.join(_fields_at(loc))}"
         return f"{where}: unknown key `{dotted}`{hint}"
-    return f"{where}: `{dotted}`: {err['msg']}"
+    # A whole-config validator's error has no key to name.
+    return f"{where}: `{dotted}`: {err['msg']}" if dotted else f"{where}: {err['msg']}"
 
 
 def load_config(path: str | Path) -> BuildConfig:
