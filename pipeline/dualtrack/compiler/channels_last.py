@@ -27,6 +27,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from dualtrack.compiler.onnx_graph import copy_node, fresh_name, live_nodes, node_attrs, taken_names, transpose_perm
+
 TO_NHWC = [0, 2, 3, 1]
 TO_NCHW = [0, 3, 1, 2]
 # Element-wise ops of one tensor: the same op, whatever the layout (Clip's min and max, scalars, ride along).
@@ -40,14 +42,6 @@ UNARY = frozenset(
 BINARY = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "PRelu"})
 REDUCE = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceL2", "ReduceSumSquare"})
 NCHW_AXIS = TO_NHWC  # axis a of the NHWC tensor is axis NCHW_AXIS[a] of its NCHW twin
-
-
-def _attrs(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
-def _perm(node: onnx.NodeProto) -> list[int] | None:
-    return [int(p) for p in _attrs(node).get("perm", [])] if node.op_type == "Transpose" else None
 
 
 @dataclass
@@ -96,12 +90,7 @@ class _Rewriter:
     rewritten: int = 0
 
     def fresh(self, base: str) -> str:
-        name, k = f"{base}__nchw", 0
-        while name in self.taken:
-            k += 1
-            name = f"{base}__nchw{k}"
-        self.taken.add(name)
-        return name
+        return fresh_name(f"{base}__nchw", self.taken)
 
     def constant(self, base: str, value: np.ndarray) -> str:
         name = self.fresh(base)
@@ -119,7 +108,7 @@ class _Rewriter:
                 if x in self.rename:
                     node.input[k] = self.rename[x]
             inside = [x for x in node.input if x in self.twin]
-            if _perm(node) == TO_NHWC and not inside:
+            if transpose_perm(node) == TO_NHWC and not inside:
                 self.regions.root(node.output[0])
                 if self.allowed is None or self.regions.root(node.output[0]) in self.allowed:
                     self.twin[node.output[0]], self.seed[node.output[0]] = node.input[0], node.output[0]
@@ -154,7 +143,7 @@ class _Rewriter:
         if len(node.output) != 1:
             return None
         if op == "Transpose":
-            if _perm(node) != TO_NCHW:
+            if transpose_perm(node) != TO_NCHW:
                 return None
             if node.output[0] in self.outputs:  # the caller reads it by name
                 return [helper.make_node("Identity", [self.twin[x]], [node.output[0]], name=node.name)]
@@ -167,7 +156,7 @@ class _Rewriter:
         if op in UNARY:
             if node.input[0] != x or any(i in self.twin for i in node.input[1:]):
                 return None
-            return [_copy(node, [self.twin[x], *node.input[1:]], self.out(node, x))]
+            return [copy_node(node, [self.twin[x], *node.input[1:]], self.out(node, x))]
         if op in BINARY:
             return self._binary(node, x)
         if op in REDUCE or op == "Softmax":
@@ -175,12 +164,12 @@ class _Rewriter:
         return None
 
     def _layer_norm(self, node: onnx.NodeProto, x: str) -> list[onnx.NodeProto] | None:
-        a = _attrs(node)
+        a = node_attrs(node)
         if node.input[0] != x or a.get("axis", -1) not in (-1, 3) or any(i in self.twin for i in node.input[1:]):
             return None
         into, back = self.fresh(f"{node.name}_to_nhwc"), self.fresh(f"{node.name}_to_nchw")
         nhwc = self.fresh(x)
-        norm = _copy(node, [nhwc, *node.input[1:]], node.output[0])  # writes its own output name, in NHWC
+        norm = copy_node(node, [nhwc, *node.input[1:]], node.output[0])  # writes its own output name, in NHWC
         return [
             helper.make_node("Transpose", [self.twin[x]], [nhwc], name=into, perm=TO_NHWC),
             norm,
@@ -221,13 +210,13 @@ class _Rewriter:
                 continue
             four = c.reshape((1,) * (4 - c.ndim) + c.shape)
             ins.append(self.constant(f"{node.name}_in{k}", np.ascontiguousarray(four.transpose(TO_NCHW))))
-        return [_copy(node, ins, self.out(node, x))]
+        return [copy_node(node, ins, self.out(node, x))]
 
     def _axes(self, node: onnx.NodeProto, x: str) -> list[onnx.NodeProto] | None:
-        a = _attrs(node)
+        a = node_attrs(node)
         if node.input[0] != x or a.get("keepdims", 1) != 1:
             return None
-        new = _copy(node, [self.twin[x], *node.input[1:]], self.out(node, x))
+        new = copy_node(node, [self.twin[x], *node.input[1:]], self.out(node, x))
         if node.op_type == "Softmax":
             axes = [a.get("axis", -1)]
         elif len(node.input) > 1 and node.input[1]:
@@ -250,38 +239,11 @@ class _Rewriter:
         return [new]
 
 
-def _copy(node: onnx.NodeProto, inputs: list[str], output: str) -> onnx.NodeProto:
-    new = onnx.NodeProto()
-    new.CopyFrom(node)
-    del new.input[:]
-    new.input.extend(inputs)
-    new.output[0] = output
-    return new
-
-
-def _live(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
-    """``nodes`` less those whose outputs nothing reads (the Transposes into NHWC the regions no longer use)."""
-    needed, keep = set(outputs), []
-    for n in reversed(nodes):
-        if any(o in needed for o in n.output):
-            keep.append(n)
-            needed.update(i for i in n.input if i)
-    return keep[::-1]
-
-
-def _names(graph: onnx.GraphProto) -> set[str]:
-    names = {i.name for i in graph.initializer} | {i.name for i in graph.input} | {o.name for o in graph.output}
-    for n in graph.node:
-        names.update(n.output)
-        names.add(n.name)
-    return names
-
-
 def channels_first(model: onnx.ModelProto, consts: dict[str, np.ndarray]) -> tuple[onnx.ModelProto, str | None]:
     """The model with every closed channels-last region written channels-first (the module's
     docstring), and a line saying what changed (None where nothing did). ``consts``: the graph's
     constant tensors by name (initializers and Constant nodes)."""
-    if not any(_perm(n) == TO_NHWC for n in model.graph.node):
+    if not any(transpose_perm(n) == TO_NHWC for n in model.graph.node):
         return model, None  # no region to rewrite: no copy of the model
     consts = dict(consts)
     for n in model.graph.node:  # exporters alias shared weights through Identity nodes
@@ -291,16 +253,16 @@ def channels_first(model: onnx.ModelProto, consts: dict[str, np.ndarray]) -> tup
     dry.CopyFrom(model)
     regions = _Regions()
     outputs = {o.name for o in model.graph.output}
-    _Rewriter(consts, None, regions, _names(dry.graph), outputs).walk(dry.graph)
+    _Rewriter(consts, None, regions, taken_names(dry.graph), outputs).walk(dry.graph)
     closed = {r for r in regions.parent if regions.root(r) == r and r not in regions.open and r in regions.useful}
     if not closed:
         return model, None
     out = onnx.ModelProto()
     out.CopyFrom(model)
     seeds = {s for s in regions.parent if regions.root(s) in closed}
-    rw = _Rewriter(consts, seeds, _Regions(), _names(out.graph), outputs)
+    rw = _Rewriter(consts, seeds, _Regions(), taken_names(out.graph), outputs)
     rw.walk(out.graph)
-    nodes = _live([onnx.NodeProto.FromString(n.SerializeToString()) for n in rw.nodes], outputs)
+    nodes = live_nodes([onnx.NodeProto.FromString(n.SerializeToString()) for n in rw.nodes], outputs)
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     out.graph.initializer.extend(rw.inits)

@@ -1,11 +1,13 @@
-"""Two questions every front-end pass asks of an ONNX graph: which tensors are constants (and their
-values), and a name not yet taken for a tensor or node it adds."""
+"""What every front-end pass asks of an ONNX graph: which tensors are constants (and their values), the
+names taken and a name not yet taken for a tensor or node it adds; and the small node helpers the layout
+passes (channels_last, token_layout) share: attributes, a Transpose's perm, a node copied onto new
+tensors, the nodes still read."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 
 def constants(g: onnx.GraphProto) -> dict[str, np.ndarray]:
@@ -29,4 +31,42 @@ def fresh_name(base: str, taken: set[str]) -> str:
     return name
 
 
-__all__ = ["constants", "fresh_name"]
+def taken_names(graph: onnx.GraphProto) -> set[str]:
+    """Every tensor and node name of ``graph`` (initializers, inputs, outputs, node outputs and names)."""
+    names = {i.name for i in graph.initializer} | {i.name for i in graph.input} | {o.name for o in graph.output}
+    for n in graph.node:
+        names.update(n.output)
+        names.add(n.name)
+    return names
+
+
+def node_attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def transpose_perm(node: onnx.NodeProto) -> list[int] | None:
+    """A Transpose's ``perm``; None for any other op."""
+    return [int(p) for p in node_attrs(node).get("perm", [])] if node.op_type == "Transpose" else None
+
+
+def copy_node(node: onnx.NodeProto, inputs: list[str], output: str) -> onnx.NodeProto:
+    """``node`` reading ``inputs`` and writing ``output`` (its first output) instead."""
+    new = onnx.NodeProto()
+    new.CopyFrom(node)
+    del new.input[:]
+    new.input.extend(inputs)
+    new.output[0] = output
+    return new
+
+
+def live_nodes(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
+    """``nodes`` less those whose outputs nothing reads on the way to ``outputs``."""
+    needed, keep = set(outputs), []
+    for n in reversed(nodes):
+        if any(o in needed for o in n.output):
+            keep.append(n)
+            needed.update(i for i in n.input if i)
+    return keep[::-1]
+
+
+__all__ = ["constants", "copy_node", "fresh_name", "live_nodes", "node_attrs", "taken_names", "transpose_perm"]

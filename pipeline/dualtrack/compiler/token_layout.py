@@ -36,26 +36,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from dualtrack.compiler.channels_last import BINARY, TO_NCHW, TO_NHWC, UNARY
+from dualtrack.compiler.onnx_graph import copy_node, fresh_name, live_nodes, node_attrs, taken_names, transpose_perm
 
 SWAP = [0, 2, 1]  # (N, L, C) <-> (N, C, L)
 TOK, CF, NHWC = "tok", "cf", "nhwc"  # a tensor's relation to its twin image: (N, L, C), (N, C, L) or (N, H, W, C)
-
-
-def _attrs(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
-def _perm(node: onnx.NodeProto) -> list[int] | None:
-    return [int(p) for p in _attrs(node).get("perm", [])] if node.op_type == "Transpose" else None
-
-
-def _copy(node: onnx.NodeProto, inputs: list[str], output: str) -> onnx.NodeProto:
-    new = onnx.NodeProto()
-    new.CopyFrom(node)
-    del new.input[:]
-    new.input.extend(inputs)
-    new.output[0] = output
-    return new
 
 
 @dataclass
@@ -179,9 +163,9 @@ def _norm_chain(g: _Graph, node: onnx.NodeProto) -> bool:
     takes already (``channels_last`` writes it so)."""
     producer = g.producers.get(node.input[0])
     readers = g.readers.get(node.output[0], [])
-    if producer is None or _perm(producer) != TO_NHWC or not readers:
+    if producer is None or transpose_perm(producer) != TO_NHWC or not readers:
         return False
-    return all(_perm(r) == TO_NCHW for r in readers)
+    return all(transpose_perm(r) == TO_NCHW for r in readers)
 
 
 def _flattens(g: _Graph, node: onnx.NodeProto) -> tuple[int, int] | None:
@@ -190,7 +174,7 @@ def _flattens(g: _Graph, node: onnx.NodeProto) -> tuple[int, int] | None:
     (N, L, C), has the same shapes)."""
     to = g.reshape_to(node)
     readers = g.readers.get(node.output[0], [])
-    if to is None or not readers or any(_perm(r) != SWAP for r in readers):
+    if to is None or not readers or any(transpose_perm(r) != SWAP for r in readers):
         return None
     return _flat_hw(g.shape(node.input[0]) or (), to)
 
@@ -205,7 +189,7 @@ def _unflattens(g: _Graph, node: onnx.NodeProto, swapped: set[str]) -> tuple[int
     if node.input[0] in swapped and (hw := _flat_hw(to, src)):
         return hw
     readers = g.readers.get(node.output[0], [])
-    if readers and all(_perm(r) == TO_NCHW for r in readers):
+    if readers and all(transpose_perm(r) == TO_NCHW for r in readers):
         return _token_hw(to, src)
     return None
 
@@ -214,13 +198,13 @@ def _groups(graph: onnx.GraphProto, g: _Graph) -> _Groups:
     """Token tensors joined by the ops the pass writes, and the (H, W) their layout nodes name (only
     the unambiguous ones: :func:`_flattens`, :func:`_unflattens`)."""
     groups = _Groups()
-    swapped = {n.output[0] for n in graph.node if _perm(n) == SWAP}
+    swapped = {n.output[0] for n in graph.node if transpose_perm(n) == SWAP}
     for n in graph.node:
         if _is_token_op(g, n):
             for i in n.input:
                 if i and i not in g.consts and len(g.shape(i) or ()) == 3:
                     groups.union(n.output[0], i)
-        elif (_perm(n) == SWAP and g.shape(n.input[0]) is not None) or _same(g, n):
+        elif (transpose_perm(n) == SWAP and g.shape(n.input[0]) is not None) or _same(g, n):
             groups.union(n.output[0], n.input[0])
         elif hw := _flattens(g, n):
             groups.hint(n.output[0], hw)
@@ -246,12 +230,7 @@ class _Rewriter:
     rewritten: int = 0
 
     def fresh(self, base: str) -> str:
-        name, k = f"{base}__img", 0
-        while name in self.taken:
-            k += 1
-            name = f"{base}__img{k}"
-        self.taken.add(name)
-        return name
+        return fresh_name(f"{base}__img", self.taken)
 
     def constant(self, base: str, value: np.ndarray) -> str:
         name = self.fresh(base)
@@ -279,12 +258,12 @@ class _Rewriter:
         shape, to = self.g.shape(x), self.g.reshape_to(node)
         if _same(self.g, node) and x in self.twin:
             self.twin[out] = self.twin[x]
-        elif _perm(node) == SWAP and x in self.twin:
+        elif transpose_perm(node) == SWAP and x in self.twin:
             image, kind = self.twin[x]
             self.twin[out] = (image, CF if kind == TOK else TOK)
-        elif _perm(node) == TO_NCHW and self.twin.get(x, ("", ""))[1] == NHWC and out not in self.outputs:
+        elif transpose_perm(node) == TO_NCHW and self.twin.get(x, ("", ""))[1] == NHWC and out not in self.outputs:
             self.rename[out] = self.twin[x][0]
-        elif _perm(node) == TO_NHWC and x not in self.twin and shape is not None and len(shape) == 4:
+        elif transpose_perm(node) == TO_NHWC and x not in self.twin and shape is not None and len(shape) == 4:
             self.twin[out] = (x, NHWC)  # an image channels-last (a region channels_last left open)
         elif to is None or shape is None:
             return
@@ -415,7 +394,7 @@ class _Rewriter:
         """LayerNormalization over the last axis: over the twin's channels, between a Transpose pair
         (the form ``lower_norm`` takes as a LayerNorm over channels)."""
         shape = self.g.shape(node.input[0])
-        if shape is None or _attrs(node).get("axis", -1) not in (-1, len(shape) - 1):
+        if shape is None or node_attrs(node).get("axis", -1) not in (-1, len(shape) - 1):
             return None
         if any(i in self.twin for i in node.input[1:]) or _norm_chain(self.g, node):
             return None
@@ -423,7 +402,7 @@ class _Rewriter:
         if ins is None:
             return None
         nhwc, normed = self.fresh(f"{node.output[0]}_nhwc"), self.fresh(f"{node.output[0]}_normed")
-        norm = _copy(node, [nhwc, *ins[1:]], normed)
+        norm = copy_node(node, [nhwc, *ins[1:]], normed)
         image, back = self.out(node, shape[-1])
         return [
             helper.make_node("Transpose", [ins[0]], [nhwc], name=self.fresh(f"{node.name}_to_nhwc"), perm=TO_NHWC),
@@ -456,7 +435,7 @@ class _Rewriter:
         for k, c in consts.items():
             ins[k] = c
         image, back = self.out(node, shape[-1])
-        return [_copy(node, ins, image), *back]
+        return [copy_node(node, ins, image), *back]
 
     def _broadcast(self, node: onnx.NodeProto, k: int, shape: tuple[int, ...]) -> str | None:
         """Constant input ``k`` of a binary op on tokens (N, L, C) or a channels-last image (N, H, W, C) as the
@@ -477,31 +456,13 @@ class _Rewriter:
         return self.constant(f"{node.name}_in{k}", np.ascontiguousarray(cr.transpose(TO_NCHW)))
 
 
-def _live(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
-    """``nodes`` less those whose outputs nothing reads (layout nodes and exits the twins made idle)."""
-    needed, keep = set(outputs), []
-    for n in reversed(nodes):
-        if any(o in needed for o in n.output):
-            keep.append(n)
-            needed.update(i for i in n.input if i)
-    return keep[::-1]
-
-
-def _names(graph: onnx.GraphProto) -> set[str]:
-    names = {i.name for i in graph.initializer} | {i.name for i in graph.input} | {o.name for o in graph.output}
-    for n in graph.node:
-        names.update(n.output)
-        names.add(n.name)
-    return names
-
-
 def tokens_as_images(
     model: onnx.ModelProto, consts: dict[str, np.ndarray], batch: int = 1
 ) -> tuple[onnx.ModelProto, str | None]:
     """The model with its token tensors' ops written over their twin images (the module's docstring),
     and a line saying what changed (None where nothing did). ``consts``: the graph's constant tensors;
     ``batch``: the batch the export's shapes were written at (its input's dim 0 may be symbolic now)."""
-    if not any(_perm(n) in (SWAP, TO_NHWC) for n in model.graph.node):
+    if not any(transpose_perm(n) in (SWAP, TO_NHWC) for n in model.graph.node):
         return model, None  # no token tensor or channels-last image made from an image
     consts = dict(consts)
     for n in model.graph.node:  # exporters alias shared weights through Identity nodes
@@ -516,11 +477,11 @@ def tokens_as_images(
     producers = {o: n for n in out.graph.node for o in n.output}
     g = _Graph(_shapes(model, batch), consts, readers, producers)
     outputs = {o.name for o in model.graph.output}
-    rw = _Rewriter(g, _groups(out.graph, g), _names(out.graph), outputs)
+    rw = _Rewriter(g, _groups(out.graph, g), taken_names(out.graph), outputs)
     rw.walk(out.graph)
     if not rw.rewritten:
         return model, None
-    nodes = _live([onnx.NodeProto.FromString(n.SerializeToString()) for n in rw.nodes], outputs)
+    nodes = live_nodes([onnx.NodeProto.FromString(n.SerializeToString()) for n in rw.nodes], outputs)
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     out.graph.initializer.extend(rw.inits)
