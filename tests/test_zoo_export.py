@@ -12,7 +12,10 @@ import onnxruntime as ort
 import pytest
 from zoo import EXPORT_BEYOND_CI, beyond_ci, in_ci, load_export
 
-REL_L2 = 1e-4  # fp32 both sides; only summation order and the exporter's batch-norm folding differ
+# fp32 both sides; only summation order and the exporter's batch-norm folding differ. 1e-4 was too thin:
+# smp MAnet's position attention (a softmax over all 4096 positions) reached 1.05e-4 on one fresh image
+# (seed 3067276296, December 2026); an export that computes something else is off by orders more.
+REL_L2 = 3e-4
 
 zoo = load_export()
 torch = zoo.torch
