@@ -21,10 +21,11 @@ each compiled segment against onnxruntime on the original graph as it always doe
 
 :func:`widen_elementwise` then takes a segment that is nothing but element-wise ops on NHWC tensors
 with a few channels (the pre-processing: uint8 image -> normalised fp16) and views every tensor as
-rows of ``WIDE_ROW`` pixels, the per-channel constants tiled to a row. IREE 3.13 gives an
-element-wise dispatch whose innermost dimension is 3 one element per thread in 32-thread
-workgroups (0.14 ms for eight 512x512 images, 6 MB in); with 1536-wide rows it loads 16 bytes a
-thread.
+rows of up to ``WIDE_ROW`` pixels (:func:`row_pixels`: the most that divide H x W), the per-channel
+constants tiled to a row. IREE 3.13 gives an element-wise dispatch whose innermost dimension is 3 one
+element per thread in 32-thread workgroups (0.14 ms for eight 512x512 images, 6 MB in; 127 us for
+eight 528x528 images on an H100, when rows had to be exactly WIDE_ROW pixels and 528 x 528 is not a
+multiple of 512); with 1536-wide rows it loads 16 bytes a thread (10 us).
 """
 
 from __future__ import annotations
@@ -266,13 +267,20 @@ def _elementwise(n: onnx.NodeProto, active: set[str]) -> bool:
 
 
 _WIDE_MAX_C = 8
+_ROW_MIN = 32  # fewer pixels a row than this (an H x W with large prime factors only) is not worth the view
+
+
+def row_pixels(hw: int) -> int:
+    """The pixels a row of the widened view holds: the largest divisor of ``hw`` (an image's H x W) that
+    is at most WIDE_ROW, so that every image size gets rows, not only multiples of WIDE_ROW."""
+    return next(d for d in range(min(WIDE_ROW, hw), 0, -1) if hw % d == 0)
 
 
 def widen_elementwise(model: onnx.ModelProto) -> onnx.ModelProto:
     """The model unchanged unless every node is element-wise (or computes a constant) and every
     graph input and output is an (N, H, W, C) tensor with the same H, W and C <= 8, H*W a multiple
     of WIDE_ROW, and every constant operand a scalar or a per-channel vector (shape (..., 1, C) or
-    (..., 1, 1)); then the same graph on (N*H*W/WIDE_ROW, WIDE_ROW*C) views, constants tiled."""
+    (..., 1, 1)); then the same graph on (N*H*W/R, R*C) views, constants tiled, R = :func:`row_pixels`."""
     g = model.graph
     dims = _narrow_image(g)
     split = _split_elementwise(g) if dims is not None else None
@@ -280,11 +288,12 @@ def widen_elementwise(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
     h, w, c = dims
     const, active = split
-    tiled = _tiled_constants(model, const, c)
+    row = row_pixels(h * w)
+    tiled = _tiled_constants(model, const, c, row)
     if tiled is None:
         return model  # a constant broadcasts along more than the channels: no per-row form
     nodes, row_names = tiled
-    nodes += _reshape_constants(g.name, (-1, c * WIDE_ROW), (-1, h, w, c))
+    nodes += _reshape_constants(g.name, (-1, c * row), (-1, h, w, c))
     nodes += _rows_body(g, active, row_names)
     out = copy.deepcopy(model)
     del out.graph.node[:]
@@ -308,7 +317,7 @@ def _narrow_image(g: onnx.GraphProto) -> tuple[int, int, int] | None:
     if len(set(dims.values())) != 1:
         return None
     h, w, c = next(iter(dims.values()))
-    if c > _WIDE_MAX_C or (h * w) % WIDE_ROW:
+    if c > _WIDE_MAX_C or row_pixels(h * w) < _ROW_MIN:
         return None
     return h, w, c
 
@@ -333,9 +342,9 @@ def _split_elementwise(g: onnx.GraphProto) -> tuple[set[str], set[str]] | None:
 
 
 def _tiled_constants(
-    model: onnx.ModelProto, const: set[str], c: int
+    model: onnx.ModelProto, const: set[str], c: int, row_px: int
 ) -> tuple[list[onnx.NodeProto], dict[str, str]] | None:
-    """The constant operands of the element-wise ops as Constant nodes tiled to one row of WIDE_ROW
+    """The constant operands of the element-wise ops as Constant nodes tiled to one row of ``row_px``
     pixels, and each operand's row name; None if one is not a scalar or per-channel vector."""
     from onnx.reference import ReferenceEvaluator
 
@@ -353,7 +362,7 @@ def _tiled_constants(
         )
         sub_model = helper.make_model(sub, opset_imports=list(model.opset_import))
         values = dict(zip(wanted, ReferenceEvaluator(sub_model).run(None, {}), strict=True))
-    row = c * WIDE_ROW
+    row = c * row_px
     nodes: list[onnx.NodeProto] = []
     tiled: dict[str, str] = {}
     for name, v in values.items():
