@@ -47,7 +47,7 @@
 #if !defined(CONVG_F16_MAIN) || !defined(CONVG_F16_NARROW) || !defined(CONVG_F16_WIDE) || \
     !defined(CONVG_F16_SMALL) || !defined(CONVG_F16_GATHER) || !defined(CONVG_DIRECT_THREADS) || \
     !defined(CONVG_DIRECT_K) || !defined(CONVG_DIRECT_W) || !defined(CONVG_F32_BM) || !defined(CONVG_F32_BN) || !defined(CONVG_F32_BK) || \
-    !defined(CONVG_F32_TM) || !defined(CONVG_F32_TN)
+    !defined(CONVG_F32_TM) || !defined(CONVG_F32_TN) || !defined(CONVG_STEM) || !defined(CONVG_STEM_NARROW)
 #error "tile sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
 #endif
 
@@ -549,6 +549,26 @@ CONVG_F16_ENTRY(conv_nhwc_f16_narrow, convg::Narrow, false)
 CONVG_F16_ENTRY(conv_nhwc_f16_wide, convg::Wide, false)
 CONVG_F16_ENTRY(conv_nhwc_f16_small, convg::Small, false)
 CONVG_F16_ENTRY(conv_nhwc_f16_gather, convg::Gather, true)
+
+// C <= 8 input channels, group 1 (the RGB stems): the input patch staged once in shared memory,
+// A fragments built from it through a per-k offset table (conv_stem.cuh). Each macro is the list
+// TP,BN,MIN_BLOCKS (output rows and channels a block); dynamic shared memory sized per launch.
+#include "conv_stem.cuh"
+
+#define CONVG_STEM_ENTRY(NAME, TL)                                                                      \
+    extern "C" __global__ void __launch_bounds__(TL::THREADS, TL::MIN_BLOCKS) NAME(CONVG_PARAMS(f16)) { \
+        extern __shared__ __align__(16) unsigned char stem_smem[];                                      \
+        const convg::Problem p = CONVG_PROBLEM;                                                         \
+        stem::conv<TL>(x, w, bias, res, y, p, stem_smem);                                               \
+    }
+
+namespace stem {
+typedef Tile<CONVG_STEM> Main;
+typedef Tile<CONVG_STEM_NARROW> Narrow;  // K <= 32, or filters too long for Main's shared memory
+}  // namespace stem
+
+CONVG_STEM_ENTRY(conv_nhwc_f16_stem, stem::Main)
+CONVG_STEM_ENTRY(conv_nhwc_f16_stem_narrow, stem::Narrow)
 
 // At least 1536 threads an SM (6 blocks of 256): the 40 registers it took before dt_activate had
 // every activation's formula (ptxas spills nothing at that bound).

@@ -30,7 +30,8 @@ roofline per kind of kernel (:meth:`Rates.track_a_for`): the fixed-shape tensor-
 its FLOPs count every tap of every output pixel, so the stride is in them), and the SIMT kernels of
 the mobile ops (dwconv, gap, fc, eltwise, resize) and of the general max-pool (one comparison per
 tap), whose few FLOPs per byte leave them bytes-bound; on an sm_90a target the general conv's layers
-that the wgmma kernel takes (3x3 stride 1, 1x1) have the wgmma roofline (``track_a_wgmma``).
+that the wgmma kernel takes (3x3 stride 1, 1x1) have the wgmma roofline (``track_a_wgmma``), and
+its layers of few input channels that the stem entries take (C <= 8) the stem roofline (``track_a_stem``).
 A Track A node with no kernel of its own (an Add or activation fused into its Conv, a Concat
 realised as channel slices) costs nothing there. An estimated row is a guess of the right order,
 which is all an island decision needs (an island moves when its saving is below the switches it
@@ -53,7 +54,7 @@ from onnx import helper
 from dualtrack.contract import arch
 from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import ConfigError
-from dualtrack.kernels import ConvGeometry, conv_choice
+from dualtrack.kernels import KERNELS, ConvGeneralSpec, ConvGeometry, conv_choice
 from dualtrack.kernels.device import DeviceInfo, for_target
 from dualtrack.kernels.problems import ConvProblem
 
@@ -109,6 +110,10 @@ class Rates:
     # conv_fp8 (the wgmma family's e4m3 rows, sm_90a): twice track_a_wgmma's rate per FLOP, wgmma's
     # e4m3 peak over its fp16 one; ASSUMED, not measured (rates.json's track_a_fp8_basis). None: no FP8.
     track_a_fp8: TrackRates | None = None
+    # The general conv's stem entries (C <= 8, group 1: the RGB first layers, ConvTarget.runs_stem):
+    # a conservative rate until a GPU measures them (rates.json's track_a_stem_basis). None: the row
+    # has none, and those layers keep track_a_conv.
+    track_a_stem: TrackRates | None = None
     device: str = "h200"  # the row's key
     status: str = "measured"  # or "estimate"
     basis: str = ""  # where the numbers come from
@@ -129,12 +134,14 @@ class Rates:
     def to_json(self) -> dict[str, Any]:
         """The row as `compiler/rates.json` holds it (what bench/measure_rates.py writes)."""
         hopper = {t: asdict(getattr(self, t)) for t in _HOPPER_TRACKS if getattr(self, t) is not None}
+        hopper.update({t: asdict(getattr(self, t)) for t in _OPTIONAL_TRACKS if getattr(self, t) is not None})
         return {"status": self.status, "basis": self.basis, **{t: asdict(getattr(self, t)) for t in _TRACKS}, **hopper}
 
 
 RATES_FILE = Path(__file__).with_name("rates.json")
 _TRACKS = ("track_a", "track_a_conv", "track_a_simt", "track_b")
 _HOPPER_TRACKS = ("track_a_wgmma", "track_a_fp8")  # optional: the rows of devices with the sm_90a kernels
+_OPTIONAL_TRACKS = ("track_a_stem",)  # optional on any row
 
 
 def _track(where: str, raw: Any) -> TrackRates:
@@ -164,6 +171,8 @@ def parse_rates(doc: Any, origin: str = "rates.json") -> dict[str, Rates]:
             raise ConfigError(f"{where}: 'covers' must be a list of device classes such as 'h100' or 'sm_80'")
         tracks = [_track(f"{where} {t}", row.get(t)) for t in _TRACKS]
         for t in _HOPPER_TRACKS:
+            tracks.append(None if row.get(t) is None else _track(f"{where} {t}", row[t]))
+        for t in _OPTIONAL_TRACKS:
             tracks.append(None if row.get(t) is None else _track(f"{where} {t}", row[t]))
         rates = Rates(*tracks, device=key, status=row["status"], basis=str(row.get("basis", "")))
         for c in covers:
@@ -219,15 +228,30 @@ class ConvTarget:
         """Whether the chooser runs this Conv node, lowered to the general conv, on the sm_90a wgmma
         kernel (3x3 stride 1 and 1x1 layers of group 1 with channels TMA can read): what it asks does
         not depend on the batch, the activation or, for planned (aligned) buffers, the pointers."""
-        if not self.wgmma or node.op_type != "Conv" or node.input[0] not in specs:
+        if not self.wgmma:
             return False
+        return self._conv_impl(node, specs) == "wgmma"
+
+    def runs_stem(self, node: onnx.NodeProto, specs: Mapping[str, tuple[tuple[int, ...], str]]) -> bool:
+        """Whether the chooser runs this Conv node, lowered to the general conv, on a stem entry (C <= 8)."""
+        conv = KERNELS["conv"]
+        return isinstance(conv, ConvGeneralSpec) and self._conv_impl(node, specs, entry=True) in conv.stem_tiles()
+
+    def _conv_impl(
+        self, node: onnx.NodeProto, specs: Mapping[str, tuple[tuple[int, ...], str]], *, entry: bool = False
+    ) -> str | None:
+        """The chooser's implementation (``entry``: its entry) for this Conv node at batch 1, or None."""
+        if node.op_type != "Conv" or node.input[0] not in specs:
+            return None
         (_, c, h, w), dtype = specs[node.input[0]]
         w_shape = specs[node.input[1]][0] if node.input[1] in specs else ()
         geom = _conv_window(node, w_shape)
         if geom is None or len(w_shape) != 4:
-            return False
+            return None
         call = KernelCall("conv", ("x",), ("y",), ("w",), (*geom.attrs(), ("act", 0), ("residual", 0)), (node.name,))
-        return conv_choice(ConvProblem.dense(1, h, w, c, w_shape[0], dtype), self.device, call=call).impl == "wgmma"
+        off = None if self.wgmma else "the target's image has no wgmma kernel"
+        choice = conv_choice(ConvProblem.dense(1, h, w, c, w_shape[0], dtype), self.device, call=call, wgmma_off=off)
+        return choice.entry if entry else choice.impl
 
     def runs_tuned_tile(self, key: ConvKey) -> bool:
         """Whether the chooser runs a tuned tile for this conv3x3 launch: only then does a tuning
@@ -405,6 +429,8 @@ def node_cost(
     track_a = rates.track_a_for(kernel)
     if kernel == "conv" and rates.track_a_wgmma is not None and target is not None and target.runs_wgmma(node, specs):
         track_a = rates.track_a_wgmma
+    elif kernel == "conv" and rates.track_a_stem is not None and target is not None and target.runs_stem(node, specs):
+        track_a = rates.track_a_stem
     for b in batch_sizes:
         key = conv3x3_key(node, specs, b) if measured and kernel == "conv3x3" else None
         if (

@@ -46,6 +46,7 @@ from dualtrack.kernels.base import (
 from dualtrack.kernels.conv import named_weights, pack_conv_weights
 from dualtrack.kernels.conv3x3 import F16Tile
 from dualtrack.kernels.conv3x3_wgmma import Conv3x3WgmmaSpec
+from dualtrack.kernels.conv_stem import StemTile
 from dualtrack.kernels.device import REFERENCE, DeviceInfo
 from dualtrack.kernels.problems import ConvProblem
 from dualtrack.kernels.select import Pointers, choose_conv
@@ -126,6 +127,9 @@ _SMALL = F16Tile(64, 64, 32, 2, 2, 4, 4)
 # The gather entry (C % 8 != 0): the fewest stages a tile may have (it uses one; its prefetch is in
 # registers), so a small footprint and several blocks an SM to hide the element-wise gathers.
 _GATHER = F16Tile(64, 64, 32, 2, 2, 2, 4)
+# The stem entries (rows, channels, min blocks): 4 output rows x 32 columns a block.
+_STEM = StemTile(4, 64, 4)
+_STEM_NARROW = StemTile(4, 32, 4)  # K <= 32, or filters too long for _STEM's shared memory
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,6 +166,10 @@ class ConvGeneralSpec(KernelSpec):
     # the H200 it took ResNet-34's residual convs at 16x16..128x128 in about 60% of the small
     # tile's time (the conv3x3 op's same shapes, kernel_profile-acc495c).
     hopper: Conv3x3WgmmaSpec | None = None
+    # The stem entries (``_stem``, ``_stem_narrow``: C <= 8, group 1; kernels/conv_stem.py): the
+    # input patch staged once in shared memory instead of the gather entry's per-tap loads.
+    stem_main: StemTile = _STEM
+    stem_narrow: StemTile = _STEM_NARROW
 
     def defines(self) -> dict[str, int | str]:
         bm, bn, bk, tm, tn = self.f32
@@ -170,6 +178,7 @@ class ConvGeneralSpec(KernelSpec):
             **{f"CONVG_F16_{v.upper()}": t for v, t in tiles.items()},
             "CONVG_DIRECT_THREADS": self.direct_threads, "CONVG_DIRECT_K": self.direct_k,
             "CONVG_DIRECT_W": self.direct_weights,
+            "CONVG_STEM": self.stem_main.macro(), "CONVG_STEM_NARROW": self.stem_narrow.macro(),
             "CONVG_F32_BM": bm, "CONVG_F32_BN": bn, "CONVG_F32_BK": bk, "CONVG_F32_TM": tm, "CONVG_F32_TN": tn,
         }  # fmt: skip
 
@@ -189,7 +198,21 @@ class ConvGeneralSpec(KernelSpec):
             *(self.entry(d) for d in DTYPES),
             *(f"{self.stem}_f16_{v}" for v in self.F16_VARIANTS),
             self.direct_entry,
+            *self.stem_tiles(),
         )
+
+    def stem_tiles(self) -> dict[str, StemTile]:
+        """The stem entries' tiles, by entry name."""
+        return {f"{self.stem}_f16_stem": self.stem_main, f"{self.stem}_f16_stem_narrow": self.stem_narrow}
+
+    def stem_entry(self, C: int, K: int, geom: ConvGeometry) -> str | None:
+        """The stem entry for a conv of C -> K channels (``_stem_narrow`` for K <= its 32 channels or
+        where only its shared memory fits), or None where neither takes it (:meth:`StemTile.refusal`)."""
+        main, narrow = self.stem_tiles()
+        fits = {e: t.refusal(C, geom) is None for e, t in self.stem_tiles().items()}
+        if fits[narrow] and (self.stem_narrow.bn >= K or not fits[main]):
+            return narrow
+        return main if fits[main] else None
 
     @property
     def direct_entry(self) -> str:
@@ -287,7 +310,8 @@ class ConvGeneralSpec(KernelSpec):
         device: DeviceInfo = REFERENCE,
     ) -> str:
         """The entry to launch on ``device`` (fp32: the one entry; fp16: ``_direct`` for a few output
-        channels (:meth:`direct_supported`), ``_gather`` where C % 8 != 0 (the vector path's 16-byte
+        channels (:meth:`direct_supported`), ``_stem`` / ``_stem_narrow`` for C <= 8 of group 1 where its
+        shared memory fits (:meth:`stem_entry`), ``_gather`` for the other C % 8 != 0 (the vector path's 16-byte
         copies cannot take the input), ``_narrow`` for K <= 32, ``_wide`` where its tiles make a full
         wave at their occupancy (:meth:`DeviceInfo.full_wave` of its min-blocks), the default entry
         where its tiles do, else ``_small``: a 64x32 tile with twice its blocks measured slower,
@@ -298,6 +322,9 @@ class ConvGeneralSpec(KernelSpec):
         M = self._checked_pixels(N, H, W, geom)
         if self.direct_supported(C, K, geom) is None:
             return self.direct_entry
+        stem = self.stem_entry(C, K, geom)
+        if stem is not None:
+            return stem
         G = geom.groups
         C, K = C // G, K // G  # one group's GEMM; G of them side by side in the grid
         if C % 8:
@@ -314,6 +341,8 @@ class ConvGeneralSpec(KernelSpec):
 
     def threads(self, dtype: Any, entry: str | None = None) -> int:
         if dtype_name(dtype) == "float16":
+            if entry in self.stem_tiles():
+                return self.stem_tiles()[entry].threads
             return self.direct_threads if entry == self.direct_entry else self._tile(entry).threads
         bm, bn, _, tm, tn = self.f32
         return (bm // tm) * (bn // tn)
@@ -355,6 +384,12 @@ class ConvGeneralSpec(KernelSpec):
                 blocks = min(cdiv(M, self.direct_threads), per_group)
                 grid = (blocks, 1, geom.groups)
                 return LaunchConfig(grid=grid, block=(self.direct_threads, 1, 1), shared_bytes=0)
+            if entry in self.stem_tiles():
+                stem = self.stem_tiles()[entry]
+                why = stem.refusal(C, geom)
+                if why:
+                    raise InputError(f"{entry} cannot run this convolution: {why}")
+                return stem.launch(N, *geom.output_hw(H, W), K, C, geom, device)
             tile = self._tile(entry)
             bm, bn = tile.bm, tile.bn
             threads = tile.threads

@@ -1,0 +1,160 @@
+"""The general conv's stem entries (``conv_nhwc_f16_stem``, ``_stem_narrow``: C <= 8, conv_stem.cuh)
+on a real GPU against onnxruntime fp32 (Conv, then Add of the residual, then the activation node) on
+fresh random inputs, over shapes no zoo model has: C in 1..8, 1x1 to 11x11 windows, strides 1-4,
+dilation 2, asymmetric padding, odd image sizes, K with and without a tail of 8, batch 1 and 3,
+with and without bias and residual, LeakyReLU(alpha) and Clip(min, max), the output written into a
+channel slice of a wider tensor whose other channels must survive (its own channels are NaN before
+the launch, so every element must be written). Tolerance: fp16 output, fp32 accumulation: relative
+L2 <= 2e-3 against fp32 onnxruntime on the same (fp16-rounded) inputs.
+
+Also the chooser's pick: the layers go to a stem entry by themselves (kernels.conv_choice)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from gpu_ptx import SENTINEL, checked_in_ptx
+from onnx import TensorProto, helper, numpy_helper
+
+from dualtrack import kernels
+from dualtrack.compiler.config import Tolerance
+from dualtrack.compiler.verify import compare
+from dualtrack.kernels import Activation, ConvGeometry
+from dualtrack.runtime.driver import Kernel
+from dualtrack.runtime.engine import Engine
+
+SPEC = kernels.KERNELS["conv"]
+assert isinstance(SPEC, kernels.ConvGeneralSpec)
+TOL = Tolerance(rel_l2=2e-3, max_abs=0.25, mismatch=0)
+STEM, NARROW = "conv_nhwc_f16_stem", "conv_nhwc_f16_stem_narrow"
+
+
+def g(R: int, S: int, stride=(1, 1), dil=(1, 1), pads=(0, 0, 0, 0)) -> ConvGeometry:
+    return ConvGeometry(R, S, *stride, *dil, *pads)
+
+
+@pytest.fixture(scope="module")
+def conv(engine: Engine) -> Iterator[dict[str, Kernel]]:
+    with checked_in_ptx(engine, SPEC.stem) as mod:
+        yield {entry: mod.function(entry) for entry in SPEC.stem_tiles()}
+
+
+def ort_reference(x, w_onnx, b, res, geom: ConvGeometry, act: tuple[str, float, float] | None) -> np.ndarray:
+    """onnxruntime fp32: Conv (+ Add residual) (+ LeakyRelu / Clip / Relu), NHWC in and out."""
+    f32 = np.float32
+    inits = [numpy_helper.from_array(w_onnx.astype(f32), "w")]
+    conv_in = ["x", "w"]
+    if b is not None:
+        inits.append(numpy_helper.from_array(b.astype(f32), "b"))
+        conv_in.append("b")
+    pads = [geom.pad_top, geom.pad_left, geom.pad_bottom, geom.pad_right]
+    nodes = [
+        helper.make_node(
+            "Conv", conv_in, ["c"], kernel_shape=[geom.R, geom.S], strides=[geom.stride_h, geom.stride_w],
+            dilations=[geom.dil_h, geom.dil_w], pads=pads,
+        )
+    ]  # fmt: skip
+    feeds = {"x": x.transpose(0, 3, 1, 2).astype(f32)}
+    last = "c"
+    if res is not None:
+        nodes.append(helper.make_node("Add", ["c", "r"], ["a"]))
+        feeds["r"] = res.transpose(0, 3, 1, 2).astype(f32)
+        last = "a"
+    if act is not None:
+        name, p0, p1 = act
+        if name == "leakyrelu":
+            nodes.append(helper.make_node("LeakyRelu", [last], ["y"], alpha=p0))
+        elif name == "clip":
+            inits += [
+                numpy_helper.from_array(np.array(p0, f32), "lo"),
+                numpy_helper.from_array(np.array(p1, f32), "hi"),
+            ]
+            nodes.append(helper.make_node("Clip", [last, "lo", "hi"], ["y"]))
+        else:
+            nodes.append(helper.make_node("Relu", [last], ["y"]))
+    else:
+        nodes.append(helper.make_node("Identity", [last], ["y"]))
+    inputs = [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(v.shape)) for k, v in feeds.items()]
+    graph = helper.make_graph(
+        nodes, "stem", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (y,) = sess.run(None, feeds)
+    return y.transpose(0, 2, 3, 1)
+
+
+def run_case(engine, conv, shape, geom, *, entry=None, act=None, residual=False, bias=True, y_slice=(0, 0)) -> str:
+    """One launch on fresh random data against onnxruntime; the entry launched (None: the chooser's)."""
+    be = engine.backend
+    be.ctx.make_current()
+    rng = np.random.default_rng()
+    n, h, w, c, k = shape
+    _, p, q, _ = SPEC.output_shape(n, h, w, c, k, geom=geom)
+    x = rng.standard_normal((n, h, w, c)).astype(np.float16)
+    w_onnx = (rng.standard_normal((k, c, geom.R, geom.S)) / np.sqrt(c * geom.R * geom.S)).astype(np.float16)
+    b = rng.standard_normal(k).astype(np.float32) if bias else None
+    res = rng.standard_normal((n, p, q, k)).astype(np.float16) if residual else None
+    want = ort_reference(x, w_onnx, b, res, geom, act)
+
+    wp, bp = kernels.pack_conv_weights(w_onnx, b, any_size=True)
+    yo, ye = y_slice
+    ldy = yo + k + ye
+    y_wide = np.full((n, p, q, ldy), SENTINEL, np.float16)
+    y_wide[..., yo : yo + k] = np.nan
+    dx, dw, dy = be.from_host(x), be.from_host(wp), be.from_host(y_wide)
+    db = be.from_host(bp) if bp is not None else None
+    dr = be.from_host(res) if res is not None else None
+    code = Activation() if act is None else Activation.named(*act)
+    entry = entry or SPEC.variant("float16", n, h, w, c, k, geom)
+    cfg = SPEC.launch("float16", n, h, w, c, k, geom=geom, entry=entry, device=be.device.info())
+    args = SPEC.args(
+        x=dx.ptr, w=dw.ptr, bias=None if db is None else db.ptr, res=None if dr is None else dr.ptr,
+        y=dy.ptr + yo * 2, N=n, H=h, W=w, C=c, K=k, geom=geom, ldx=c, ldy=ldy, ldr=k, act=code,
+    )  # fmt: skip
+    conv[entry].launch(cfg.grid, cfg.block, cfg.shared_bytes, be.stream, args)
+    got_wide = be.to_host(dy)
+    got = got_wide[..., yo : yo + k]
+    check = compare(f"conv {entry}", want, got, TOL)
+    assert check.passed, check
+    outside = np.delete(got_wide, np.s_[yo : yo + k], axis=3)
+    assert (outside == SENTINEL).all(), "channels outside the output slice were written"
+    return entry
+
+
+CASES = {
+    # (N, H, W, C, K), geometry, keywords
+    "7x7s2_c3_k64_leaky_slice": ((1, 37, 53, 3, 64), g(7, 7, (2, 2), pads=(3, 3, 3, 3)),
+                                 {"act": ("leakyrelu", 0.1, 0.0), "y_slice": (8, 24)}),
+    "3x3s2_c1_k16_clip_res": ((3, 37, 53, 1, 16), g(3, 3, (2, 2), pads=(1, 1, 1, 1)),
+                              {"act": ("clip", -0.5, 0.75), "residual": True}),
+    "5x5s1_c2_k24_nobias": ((1, 29, 31, 2, 24), g(5, 5, pads=(2, 2, 2, 2)), {"bias": False}),
+    "3x5s3_asym_c5_k72_res_slice": ((3, 37, 53, 5, 72), g(3, 5, (3, 1), pads=(0, 2, 2, 1)),
+                                    {"act": ("relu", 0.0, 0.0), "residual": True, "y_slice": (4, 4)}),
+    "1x1s4_c7_k96": ((1, 37, 53, 7, 96), g(1, 1, (4, 4)), {"act": ("leakyrelu", 0.2, 0.0)}),
+    "3x3dil2_c4_k8": ((3, 21, 19, 4, 8), g(3, 3, dil=(2, 2), pads=(2, 1, 2, 3)), {"residual": True}),
+    "11x11s4_c1_k20_tail": ((1, 67, 61, 1, 20), g(11, 11, (4, 4), pads=(5, 5, 2, 2)),
+                            {"act": ("clip", 0.0, 6.0), "y_slice": (3, 5)}),
+    "7x7s2_c8_k64": ((1, 37, 53, 8, 64), g(7, 7, (2, 2), pads=(3, 3, 3, 3)), {"act": ("relu", 0.0, 0.0)}),
+    "5x5s2_dil2_c3_k13_tail_res": ((3, 33, 35, 3, 13), g(5, 5, (2, 2), (2, 2), pads=(4, 4, 3, 4)),
+                                   {"residual": True, "act": ("leakyrelu", 0.01, 0.0)}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("entry", [STEM, NARROW])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_stem_entries_match_onnxruntime(engine, conv, entry: str, case: str) -> None:
+    shape, geom, kw = CASES[case]
+    if SPEC.stem_tiles()[entry].refusal(shape[3], geom) is not None:
+        pytest.skip(f"{entry} does not take {case}: {SPEC.stem_tiles()[entry].refusal(shape[3], geom)}")
+    run_case(engine, conv, shape, geom, entry=entry, **kw)
+
+
+def test_resnet_and_monai_stems_pick_a_stem_entry(engine, conv) -> None:
+    resnet = g(7, 7, (2, 2), pads=(3, 3, 3, 3))
+    monai = g(3, 3, (2, 2), pads=(1, 1, 1, 1))
+    assert run_case(engine, conv, (2, 96, 80, 3, 64), resnet, act=("relu", 0.0, 0.0)) == STEM
+    assert run_case(engine, conv, (2, 96, 80, 3, 16), monai, act=("leakyrelu", 0.01, 0.0)) == NARROW
