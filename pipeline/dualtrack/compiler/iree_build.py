@@ -21,13 +21,15 @@ import numpy as np
 import onnx
 
 from dualtrack import atomic
+from dualtrack.compiler.iree_forms import fp32_sums
 from dualtrack.compiler.launch_extract import extract
 from dualtrack.compiler.partition import with_batch
 from dualtrack.compiler.tools import run_tool, tool_version
 from dualtrack.contract.launch_plan import LaunchPlan, NotReplayable
 from dualtrack.errors import ConfigError, ToolError, UnsupportedOpError
 
-CACHE_FORMAT = "trackb-3"  # bump when the stages below change what they produce (2: launch plans, 3: gather_pads)
+CACHE_FORMAT = "trackb-4"  # bump when the stages below change what they produce (2: launch plans, 3: gather_pads,
+# 4: fp32_sums)
 
 
 @dataclass(frozen=True)
@@ -191,12 +193,19 @@ def _convtranspose_per_group(node: onnx.NodeProto, shapes: dict[str, list[int]])
     return nodes
 
 
+def iree_graph(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Stage 0, every rewrite: the graph IREE is given for ``model``. Its reflect and edge Pads as Gathers
+    (:func:`gather_pads`), its grouped ConvTransposes a group at a time (:func:`split_grouped_convtransposes`),
+    its fp16 pools and sums computed in fp32 (iree_forms.fp32_sums: IREE would accumulate them in fp16).
+    Each rewrite leaves its own output unchanged, so a second pass changes nothing."""
+    return fp32_sums(gather_pads(split_grouped_convtransposes(model)))
+
+
 def import_onnx(model: onnx.ModelProto, workdir: Path) -> Path:
-    """Stage 1: write the model (its reflect and edge Pads as Gathers, :func:`gather_pads`; its grouped
-    ConvTransposes a group at a time, :func:`split_grouped_convtransposes`) and import it to MLIR with
+    """Stage 1: write the model as IREE is given it (:func:`iree_graph`) and import it to MLIR with
     externalized weights."""
     src = workdir / "segment.onnx"
-    onnx.save(gather_pads(split_grouped_convtransposes(model)), str(src))
+    onnx.save(iree_graph(model), str(src))
     mlir = workdir / "segment.mlir"
     args = [str(src), "-o", str(mlir), "--externalize-params", "--save-params-to", str(workdir / "unused.irpa")]
     try:
@@ -347,7 +356,7 @@ def run_job(
     so that the repro command the error carries still works after the temporary folder is gone.
     """
     # Keyed on the model as IREE imports it (stage 0's rewrites done): a change to those is a new module.
-    static = gather_pads(split_grouped_convtransposes(with_batch(job.model, job.batch)))
+    static = iree_graph(with_batch(job.model, job.batch))
     key = cache_key(static, job.batch, job.target, job.flags, compiler)
     cuda = job.target.driver == "cuda"
     hit = cache.get(key)

@@ -8,6 +8,11 @@ Each rewrite keeps the op's ONNX semantics exactly and is found by the conforman
   squeezed away after;
 - uint8 Div and MaxPool, which IREE computes as signed i8 (a value above 127 taken as negative: 45% and
   all of the node tests' random inputs wrong): computed in a wider type that holds every uint8 exactly.
+- fp16 sums (:data:`F16_ACCUMULATED`: average pools, the summing Reduce ops, CumSum), whose ONNX import
+  IREE 3.13 lowers with an fp16 accumulator on every target (`linalg.fill ins(%cst : f16)` and
+  `arith.addf ... : f16` in the dispatch; `add.rn.f16` in the CUDA PTX): computed in fp32 with the
+  input cast up and the result cast back (Track B's stage 0, iree_build; docs/partition.md). Its
+  convolutions, matmuls, norms and softmax accumulate in fp32 already.
 
 - a Pow whose exponent is a constant of whole numbers, not all one value, which IREE computes as
   exp(y log x): NaN for every negative base, where x ** 3 is -27 for x = -3. Computed as
@@ -35,6 +40,22 @@ WIDENED = {
     ("Div", TensorProto.UINT8): TensorProto.INT32,
     ("MaxPool", TensorProto.UINT8): TensorProto.FLOAT,  # MaxPool takes no int32; float32 holds uint8 exactly
 }
+# The ops IREE 3.13 sums in the element type: an fp16 accumulator over a 33x33 window or a 66x66 map
+# (0.65% and 9.3% relative L2 on the CPU, tests/test_iree_fp32_sums.py). ReduceLogSumExp, the norms,
+# Softmax, Conv, ConvTranspose, MatMul, Gemm and Einsum accumulate in fp32 already.
+F16_ACCUMULATED = (
+    "AveragePool",
+    "GlobalAveragePool",
+    "GlobalLpPool",
+    "ReduceMean",
+    "ReduceSum",
+    "ReduceSumSquare",
+    "ReduceL1",
+    "ReduceL2",
+    "ReduceLogSum",
+    "CumSum",
+)
+FP32_SUMS = {(op, TensorProto.FLOAT16): TensorProto.FLOAT for op in F16_ACCUMULATED}
 
 
 def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
@@ -48,19 +69,38 @@ def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
 def widened_unsigned(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     """Each op of :data:`WIDENED` on its unsigned type computed in the wider type: its inputs cast up, its
     first output cast back. The model (changed in place) and the nodes rewritten."""
-    if not any(n.op_type in {op for op, _ in WIDENED} for n in model.graph.node):
+    return _widened(model, WIDENED)
+
+
+def fp32_sums(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Each op of :data:`F16_ACCUMULATED` on fp16 computed in fp32 (:data:`FP32_SUMS`): its fp16 inputs
+    cast up, its output cast back, so IREE accumulates in fp32. A copy where anything changed (Track B's
+    segment models are shared by every target and batch), else ``model`` itself: a second pass, or an fp32
+    graph."""
+    if not any(n.op_type in F16_ACCUMULATED for n in model.graph.node):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out if _widened(out, FP32_SUMS)[1] else model
+
+
+def _widened(model: onnx.ModelProto, table: dict[tuple[str, int], int]) -> tuple[onnx.ModelProto, list[str]]:
+    """Each node whose (op, first input's type) ``table`` maps to a wider type computed in that type:
+    its inputs of the narrow type cast up (axes and other integer inputs stay), its first output cast
+    back. The model (changed in place) and the nodes rewritten."""
+    if not any(n.op_type in {op for op, _ in table} for n in model.graph.node):
         return model, []
     types = _elem_types(model)
     done: list[str] = []
     nodes: list[onnx.NodeProto] = []
     for node in model.graph.node:
-        wide = WIDENED.get((node.op_type, types.get(node.input[0], 0))) if node.input else None
+        wide = table.get((node.op_type, types.get(node.input[0], 0))) if node.input else None
         if wide is None or len(node.output) != 1:  # MaxPool's Indices output is int64 already; one output only
             nodes.append(node)
             continue
         base, narrow = node.name or node.output[0], types[node.input[0]]
         for k, x in enumerate(node.input):
-            if x:
+            if x and types.get(x) == narrow:
                 nodes.append(helper.make_node("Cast", [x], [f"{base}__wide{k}"], name=f"{base}__wide{k}", to=wide))
                 node.input[k] = f"{base}__wide{k}"
         out = node.output[0]
@@ -226,4 +266,13 @@ def _i64(values: list[int]) -> np.ndarray:
     return np.array(values, np.int64)
 
 
-__all__ = ["WIDENED", "matrix_matmuls", "reshaped_forms", "signed_powers", "widened_unsigned"]
+__all__ = [
+    "F16_ACCUMULATED",
+    "FP32_SUMS",
+    "WIDENED",
+    "fp32_sums",
+    "matrix_matmuls",
+    "reshaped_forms",
+    "signed_powers",
+    "widened_unsigned",
+]
