@@ -385,8 +385,9 @@ for step in $steps; do
       # Serve needs (HAProxy included) travel in parts over earlier calls of this warm machine
       # (bench/ray_wheels.sh prints the plan); reassembled and installed here, then JPEG -> JSON at 16
       # and 32 clients, ${SERVE_S:-15} s each, on the Ray application (one GPU replica answering HTTP
-      # itself behind HAProxy: ray_config.THROUGHPUT_ENV; then with 4 CPU ingress replicas in front, in
-      # case one replica's process bounds it) and on `dualtrack serve --workers 4` beside it, and the
+      # itself behind HAProxy: ray_config.THROUGHPUT_ENV; then 2 and 3 model replicas sharing the GPU
+      # (--replicas-per-gpu: one replica's process answered ~900 req/s with its H100 60% busy; 4 CPU ingress
+      # replicas in front were slower, 306-452 req/s) and on `dualtrack serve --workers 4` beside it, and the
       # replica's device check: serve_bench-<commit>-ray.json, serve_ray-<commit>.json (docs/ray.md).
       # The JPEGs decode on the GPU where an earlier call installed nvImageCodec into /tmp/site
       # (serve_gpu's), else with Pillow: the log's "JPEG decoder" line says which.
@@ -395,7 +396,8 @@ for step in $steps; do
       serve_bench $C/unet --clients 16 32 --duration-s "${SERVE_S:-15}" \
         --only-variants --cases jpeg_in_json_out --tag ray \
         --variant "ray_1gpu=--backend ray --replicas 1 --max-batch-delay-ms 8" \
-        --variant "ray_1gpu_in4=--backend ray --replicas 1 --ingress-replicas 4 --max-batch-delay-ms 8" \
+        --variant "ray_1gpu_x2=--backend ray --replicas 2 --replicas-per-gpu 2 --max-batch-delay-ms 8" \
+        --variant "ray_1gpu_x3=--backend ray --replicas 3 --replicas-per-gpu 3 --max-batch-delay-ms 8" \
         --variant "workers_4=--workers 4 --max-batch-delay-ms 8" 2>&1 | tee "$OUT/serve_ray.log" ;;
     bench)
       # --sizes-bundle: configs/unet_sizes.yaml's bundle (issue 40), carried whole (its model.onnx is its own); skipped if absent.

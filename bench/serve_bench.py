@@ -436,7 +436,8 @@ def _serve_and_load(
             results.append(entry)
         if on_ray:  # while the replicas hold their engines: what they report, and what nvidia-smi sees
             tree = set(_descendants(server.pid))
-            check = _device_check(json.loads(urllib.request.urlopen(f"{base}/readyz", timeout=10).read()), tree)
+            ready = json.loads(urllib.request.urlopen(f"{base}/readyz", timeout=10).read())
+            check = _device_check(ready, tree, int(_flag(extra, "--replicas-per-gpu") or "1"))
             print(f"[serve] device check: {json.dumps(check)}")
         metrics_text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
     finally:
@@ -708,8 +709,9 @@ def _wait_devices(base: str, replicas: str, timeout_s: float = 30.0) -> dict[str
         time.sleep(0.25)
 
 
-def _device_check(ready: dict[str, Any], tree: set[int]) -> dict[str, Any]:
-    """Does each model replica's engine own one GPU, and no two replicas share one?
+def _device_check(ready: dict[str, Any], tree: set[int], per_gpu: int = 1) -> dict[str, Any]:
+    """Does each model replica's engine own one GPU, and no more than ``per_gpu`` replicas share one
+    (``--replicas-per-gpu``)?
 
     From the replicas (``/readyz``'s ``devices``: their CUDA_VISIBLE_DEVICES and what their CUDA
     driver reports) and from outside (``nvidia-smi``'s compute processes: every process holding a
@@ -743,8 +745,8 @@ def _device_check(ready: dict[str, Any], tree: set[int]) -> dict[str, Any]:
         if apps and on != [d.get("uuid")]:
             problems.append(f"{who}: nvidia-smi lists it on {on}, not once on {d.get('uuid')}")
     held = [d.get("uuid") for d in devices]
-    if len(set(held)) != len(held):
-        problems.append(f"two replicas on one GPU: {held}")
+    if any(held.count(u) > per_gpu for u in held):
+        problems.append(f"more than {per_gpu} replica(s) on one GPU: {held}")
     replicas = {str(d.get("pid")) for d in devices}
     strays = [a for a in apps if a[0] not in replicas and int(a[0]) in tree]
     if strays:

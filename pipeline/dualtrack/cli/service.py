@@ -98,6 +98,13 @@ def _serve_options(command: Callable[..., None]) -> Callable[..., None]:
 @click.option("--replicas", type=click.IntRange(1), help="[ray] Model replicas (one GPU each on cuda). [default: 1]")
 @click.option("--autoscale", metavar="MIN..MAX", help="[ray] Let Ray scale the model replicas between MIN and MAX.")
 @click.option(
+    "--replicas-per-gpu",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="[ray] Model replicas sharing one GPU (each 1/K of it): where one replica's process cannot keep its GPU busy.",
+)
+@click.option(
     "--ingress-replicas",
     default=0,
     show_default=True,
@@ -121,6 +128,7 @@ def serve(
     backend: str,
     replicas: int | None,
     autoscale: str | None,
+    replicas_per_gpu: int,
     ingress_replicas: int,
     ray_address: str | None,
     gil_switch_ms: float | None,
@@ -134,11 +142,13 @@ def serve(
     """
     if backend == "ray":
         service = {k: v for k, v in settings.items() if k not in ("device", "device_index")}
-        options = _ray_options(bundle, settings["device"], replicas, autoscale, ingress_replicas)(**service)
+        options = _ray_options(bundle, settings["device"], replicas, autoscale, ingress_replicas)(
+            replicas_per_gpu=replicas_per_gpu, **service
+        )
         _serve_ray(bundle, options, host=host, port=port, address=ray_address)
         return
-    if replicas is not None or autoscale is not None or ray_address is not None:
-        raise click.UsageError("--replicas, --autoscale and --ray-address go with --backend ray")
+    if replicas is not None or autoscale is not None or ray_address is not None or replicas_per_gpu != 1:
+        raise click.UsageError("--replicas, --autoscale, --replicas-per-gpu and --ray-address go with --backend ray")
     if gil_switch_ms is not None:  # the engine's process: its batcher, launcher and connection threads
         sys.setswitchinterval(gil_switch_ms / 1e3)
 
@@ -262,6 +272,13 @@ def _serve_ray(bundle: Path, options: RayAppOptions, **where: Any) -> None:
 @click.option("--replicas", type=click.IntRange(1), help="Model replicas (one GPU each on cuda). [default: 1]")
 @click.option("--autoscale", metavar="MIN..MAX", help="Let Ray scale the model replicas between MIN and MAX.")
 @click.option(
+    "--replicas-per-gpu",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Model replicas sharing one GPU (each 1/K of it).",
+)
+@click.option(
     "--ingress-replicas",
     default=0,
     show_default=True,
@@ -286,6 +303,7 @@ def ray_config(
     device: str,
     replicas: int | None,
     autoscale: str | None,
+    replicas_per_gpu: int,
     ingress_replicas: int,
     host: str,
     port: int,
@@ -302,7 +320,10 @@ def ray_config(
     from dualtrack.serve.ray_config import write_serve_config
 
     options = _ray_options(bundle, device, replicas, autoscale, ingress_replicas)(
-        max_batch_delay_ms=max_batch_delay_ms, batches_in_flight=batches_in_flight, max_queue=max_queue
+        max_batch_delay_ms=max_batch_delay_ms,
+        batches_in_flight=batches_in_flight,
+        max_queue=max_queue,
+        replicas_per_gpu=replicas_per_gpu,
     ).resolved()
     if bundle_path is not None:
         options = dataclasses.replace(options, bundle=bundle_path)

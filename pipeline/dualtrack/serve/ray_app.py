@@ -17,7 +17,8 @@ The only module of dualtrack that imports ``ray`` (the ``ray`` extra). Two layou
   (:class:`ModelReplica`) answer those calls. One more hop per request, for a GPU whose replica's
   CPU cannot keep up with its requests.
 
-On ``cuda`` a model replica asks Ray for one GPU (``num_gpus=1``): Ray sets ``CUDA_VISIBLE_DEVICES``
+On ``cuda`` a model replica asks Ray for one GPU (``num_gpus=1``; 1/K with ``replicas_per_gpu`` K, K
+replica processes to a GPU, each with its own primary context on it): Ray sets ``CUDA_VISIBLE_DEVICES``
 to that GPU, so the engine opens device 0 of the replica and owns its primary context. The
 constructor loads the bundle and warms it up before it returns, so Ray routes to a replica only once
 it is warm; a bundle that fails to load raises there, and Ray reports the deployment unhealthy
@@ -616,7 +617,7 @@ def _model_deployment(options: RayAppOptions, cls: type) -> serve.Deployment:
         }
     else:
         scaling = {"num_replicas": options.replicas}
-    gpu = {"num_gpus": 1} if options.device == "cuda" else {}
+    gpu = {"num_gpus": 1 / options.replicas_per_gpu} if options.device == "cuda" else {}
     return serve.deployment(
         cls,
         name=MODEL,
@@ -659,11 +660,12 @@ def run_service(
         # than replicas still runs them all (they share the cores) instead of waiting forever.
         ray.init(num_cpus=max(os.cpu_count() or 1, options.ingress_replicas + models), include_dashboard=False)
         gpus = ray.cluster_resources().get("GPU", 0)
-        if options.device == "cuda" and gpus < models:
+        if gpus < options.gpus_needed(models):
             ray.shutdown()
             raise DeviceError(
-                f"{models} model replicas need {models} GPUs, this machine has {gpus:.0f}: "
-                "lower --replicas (or the --autoscale maximum), or pass --ray-address of a cluster with more"
+                f"{models} model replicas ({options.replicas_per_gpu} a GPU) need {options.gpus_needed(models)} "
+                f"GPUs, this machine has {gpus:.0f}: lower --replicas (or the --autoscale maximum), raise "
+                "--replicas-per-gpu, or pass --ray-address of a cluster with more"
             )
     else:
         ray.init(address=address or "auto")
