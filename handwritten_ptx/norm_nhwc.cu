@@ -9,31 +9,88 @@
 // act, p0, p1: dt_activate (dualtrack_activations.cuh). Every tensor has its own channel stride (ldx,
 // ldr, ldy), so x may be read from and y written into a channel slice (a Concat's).
 //
-// The statistics are a split reduction, so that one image with a few groups of a large picture still
-// fills the GPU (IREE's one-workgroup-per-row reduction did not: FACTS 29):
-//   stats:    grid (C/32 channel tiles, chunks, N): a block reduces 32 channels over one chunk of
-//             `chunk` pixels to a partial (mean, M2) per channel (its count is the chunk's pixels) in
-//             `part` [n][chunk][c][2]; a thread keeps sums shifted by its first value, the block's
-//             rows meet by Chan's formula in shared memory;
-//   finalize: grid (G, N): a block combines the chunks x C/G partials of its group (Chan's formula)
-//             into mean[n*G + g] and var[n*G + g];
-//   apply:    grid (blocks, N), a thread per channel vector (fp16: 8 channels) striding over an image's
-//             pixels with its statistics and affine folded in registers.
-// Deterministic: no atomics, a fixed combination order for a given launch.
-// No toolkit #include: see conv3x3_nhwc.cu. The block sizes come from dualtrack.kernels as -D macros.
+// A group norm is two launches. The statistics are a split reduction, so that one image with a few
+// groups of a large picture still fills the GPU (IREE's one-workgroup-per-row reduction did not:
+// FACTS 29), and the launch finalizes itself:
+//   stats: grid (channel tiles, chunks, N): a block reduces a tile of channels over one chunk of
+//          `chunk` pixels (a contiguous slab of x: 16-byte loads, every thread busy for any C) to a
+//          partial (mean, M2) per channel in `part` [n][chunk][c]; a thread keeps sums shifted by its
+//          first value, the block's rows meet by Chan's formula in a tree in shared memory. The last
+//          block of an image to arrive (a counter per image, after a fence; it resets the counter)
+//          merges the image's chunks x C partials into mean[n*G + g], var[n*G + g]: a team of
+//          threads a group, each thread's share merged in order, then the team's by Chan's formula;
+//   apply: grid (blocks, N), a thread per channel vector (16 bytes: 8 fp16 or 4 fp32 channels)
+//          striding over an image's pixels, four in flight, with its statistics and affine folded
+//          in registers.
+// Deterministic: the counter picks which block merges, not the order it merges in.
+// No toolkit #include: see conv3x3_nhwc.cu. The block size comes from dualtrack.kernels as a -D macro.
 
-#if !defined(NORM_THREADS) || !defined(NORM_FIN_THREADS)
+#if !defined(NORM_THREADS)
 #error "launch sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
 #endif
 
-static_assert(NORM_THREADS % 32 == 0 && NORM_THREADS >= 128 && NORM_THREADS <= 1024,
-              "the stats block: 32 channels x NORM_THREADS/32 rows (fp16 vectors: 4 x NORM_THREADS/4)");
-static_assert((NORM_FIN_THREADS & (NORM_FIN_THREADS - 1)) == 0 && NORM_FIN_THREADS >= 32 && NORM_FIN_THREADS <= 1024,
-              "the finalize block's tree reduction halves it");
+static_assert((NORM_THREADS & (NORM_THREADS - 1)) == 0 && NORM_THREADS >= 64 && NORM_THREADS <= 1024,
+              "a power of two: the final merge's teams split the block evenly");
 
 #include "dualtrack_device.cuh"
 
-// A (count, mean, M2) summary of a set of values; `add` merges another (Chan et al.'s pairwise update).
+#define NORM_UNROLL 4  // pixels a thread has in flight (loads issued before the math)
+#define MERGE_UNROLL 8  // partials a thread of the final merge has in flight (L2 round trips)
+// Stats blocks an SM holds: 72 registers a thread at 256 (no spills, NVRTC 13.0), three blocks' loads.
+#define NORM_STATS_BLOCKS (768 / NORM_THREADS > 0 ? 768 / NORM_THREADS : 1)
+
+// 4 fp32 channels in one 16-byte access (fp16's 8 are dualtrack_device.cuh's load_f32s).
+__device__ __forceinline__ void load_f32s(float (&v)[4], const float* p) {
+    const float4 q = *reinterpret_cast<const float4*>(p);
+    v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+}
+__device__ __forceinline__ void store_f32s(float* p, const float (&v)[4]) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+
+// V channels as loaded (16 bytes, or one element), kept packed until their math: NORM_UNROLL pixels
+// in flight then hold half the registers of their fp32 values (fp16), which is what lets a block
+// of them share an SM with others.
+template <typename T, int V>
+struct Raw;
+
+template <>
+struct Raw<f16, 8> {
+    uint4 q;
+    __device__ __forceinline__ void load(const f16* p) { q = *reinterpret_cast<const uint4*>(p); }
+    __device__ __forceinline__ void unpack(float (&v)[8]) const {
+        const unsigned words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[2 * i] = f16_to_f32(static_cast<f16>(words[i] & 0xffffu));
+            v[2 * i + 1] = f16_to_f32(static_cast<f16>(words[i] >> 16));
+        }
+    }
+};
+
+template <>
+struct Raw<float, 4> {
+    float4 q;
+    __device__ __forceinline__ void load(const float* p) { q = *reinterpret_cast<const float4*>(p); }
+    __device__ __forceinline__ void unpack(float (&v)[4]) const { v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w; }
+};
+
+template <typename T>
+struct Raw<T, 1> {
+    T q;
+    __device__ __forceinline__ void load(const T* p) { q = *p; }
+    __device__ __forceinline__ void unpack(float (&v)[1]) const { v[0] = load_f32(&q); }
+};
+
+// A partial another block wrote in this launch, read from L2 (an SM's L1 is not coherent).
+__device__ __forceinline__ float2 load_partial(const float* p) {
+    float2 v;
+    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p) : "memory");
+    return v;
+}
+
+// A (count, mean, M2) summary of a set of values; `add` merges another (Chan et al.'s pairwise
+// update: the means' difference is scaled, never the sums, so values far from 0 keep their precision).
 struct Moments {
     float n, mean, m2;
 
@@ -41,7 +98,7 @@ struct Moments {
         if (nb <= 0.0f) return;
         const float total = n + nb;
         const float d = mb - mean;
-        const float f = nb / total;
+        const float f = __fdividef(nb, total);
         mean = fmaf(d, f, mean);
         m2 = m2 + m2b + d * d * n * f;
         n = total;
@@ -53,29 +110,53 @@ __device__ __forceinline__ int row_count(int len, int row, int rows) {
     return row < len ? (len - row + rows - 1) / rows : 0;
 }
 
-// The stats block, V channels a thread (1, or 8 fp16 in one 16-byte load: C, ldx multiples of 8 and x
-// 16-byte aligned). A thread's values are summed shifted by its first one (numerically the variance
-// of values near that shift, not of their squares).
+// The channels a thread of a group-norm launch takes at once: 16 bytes where C, the strides and the
+// pointers allow (uniform over the launch), else one.
+__device__ __forceinline__ bool vec_ok(const void* p, int ld, int C, int V) {
+    return C % V == 0 && ld % V == 0 && aligned16(p);
+}
+
+// The shared memory of a stats block: each thread's V partial means and M2s (channel-major, so a
+// row of the tree reads consecutive words), its count, the final merge's per-warp summaries, the flag.
+template <int V>
+struct StatsShared {
+    float mean[V * NORM_THREADS], m2[V * NORM_THREADS], n[NORM_THREADS];
+    float warp[3][NORM_THREADS / 32];
+    int last;
+};
+
+// One tile of channels over the block's chunk: row `row` of the block sums pixels p0 + row, += rows
+// of its V channels shifted by its first value, then the rows merge pairwise (a tree: log2(rows)
+// steps) and row 0 writes the chunk's partial (mean, M2) of each channel.
 template <typename T, int V>
-__device__ __forceinline__ void norm_stats(const T* __restrict__ x, float* __restrict__ part, int HW, int C, int ldx,
-                                           int chunk) {
-    constexpr int LANES = 32 / V, ROWS = NORM_THREADS / LANES;
-    __shared__ float s_mean[ROWS][33], s_m2[ROWS][33];  // padded: the final pass reads a column
-    const int q = threadIdx.x % LANES, row = threadIdx.x / LANES;
-    const int c0 = blockIdx.x * 32, c = c0 + q * V;
-    const int k = blockIdx.y, chunks = gridDim.y;
-    const long long n = blockIdx.z;
-    const int p0 = k * chunk;
-    const int len = min(chunk, HW - p0);
-    const int cnt = row_count(len, row, ROWS);
+__device__ __forceinline__ void stats_tile(const T* __restrict__ src, float* __restrict__ out, int c, int C, int ldx,
+                                           int len, int row, int rows, int cols, StatsShared<V>& sh) {
+    const bool busy = row < rows && c < C;
+    const int cnt = busy ? row_count(len, row, rows) : 0;
     float shift[V], s1[V], s2[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) shift[j] = s1[j] = s2[j] = 0.0f;
-    if (c < C && cnt > 0) {
-        const T* src = x + (n * HW + p0) * ldx + c;
+    if (cnt > 0) {
+        src += c;
         load_f32s(shift, src + static_cast<long long>(row) * ldx);
-#pragma unroll 4
-        for (int p = row; p < len; p += ROWS) {
+        int p = row;
+        for (; p + (NORM_UNROLL - 1) * rows < len; p += NORM_UNROLL * rows) {
+            Raw<T, V> raw[NORM_UNROLL];
+#pragma unroll
+            for (int u = 0; u < NORM_UNROLL; ++u) raw[u].load(src + static_cast<long long>(p + u * rows) * ldx);
+#pragma unroll
+            for (int u = 0; u < NORM_UNROLL; ++u) {
+                float v[V];
+                raw[u].unpack(v);
+#pragma unroll
+                for (int j = 0; j < V; ++j) {
+                    const float d = v[j] - shift[j];
+                    s1[j] += d;
+                    s2[j] = fmaf(d, d, s2[j]);
+                }
+            }
+        }
+        for (; p < len; p += rows) {
             float v[V];
             load_f32s(v, src + static_cast<long long>(p) * ldx);
 #pragma unroll
@@ -86,73 +167,157 @@ __device__ __forceinline__ void norm_stats(const T* __restrict__ x, float* __res
             }
         }
     }
-    const float inv = cnt > 0 ? 1.0f / static_cast<float>(cnt) : 0.0f;
+    const float fn = static_cast<float>(cnt), inv = cnt > 0 ? 1.0f / fn : 0.0f;
+    Moments m[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-        s_mean[row][q * V + j] = shift[j] + s1[j] * inv;
-        s_m2[row][q * V + j] = fmaxf(s2[j] - s1[j] * s1[j] * inv, 0.0f);
+        m[j] = {fn, shift[j] + s1[j] * inv, fmaxf(s2[j] - s1[j] * s1[j] * inv, 0.0f)};
+        sh.mean[j * NORM_THREADS + threadIdx.x] = m[j].mean;
+        sh.m2[j * NORM_THREADS + threadIdx.x] = m[j].m2;
     }
-    __syncthreads();
-    if (threadIdx.x < 32 && c0 + static_cast<int>(threadIdx.x) < C) {
-        Moments m = {0.0f, 0.0f, 0.0f};
-        for (int r = 0; r < ROWS; ++r)
-            m.add(static_cast<float>(row_count(len, r, ROWS)), s_mean[r][threadIdx.x], s_m2[r][threadIdx.x]);
-        float* out = part + ((n * chunks + k) * C + c0 + threadIdx.x) * 2;
-        out[0] = m.mean;
-        out[1] = m.m2;
+    sh.n[threadIdx.x] = fn;
+    int top = 1;
+    while (top < rows) top *= 2;
+    for (int half = top / 2; half > 0; half /= 2) {
+        __syncthreads();  // the previous step's writes (rows < 2 half) are in
+        if (row < half && row + half < rows) {  // reads rows >= half, which this step does not write
+            const int o = threadIdx.x + half * cols;
+            const float nb = sh.n[o];
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                m[j].add(nb, sh.mean[j * NORM_THREADS + o], sh.m2[j * NORM_THREADS + o]);
+                sh.mean[j * NORM_THREADS + threadIdx.x] = m[j].mean;
+                sh.m2[j * NORM_THREADS + threadIdx.x] = m[j].m2;
+            }
+            sh.n[threadIdx.x] = m[0].n;
+        }
+    }
+    __syncthreads();  // the tree is done before the next tile writes shared memory
+    if (row == 0 && c < C) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) reinterpret_cast<float2*>(out)[c + j] = make_float2(m[j].mean, m[j].m2);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(NORM_THREADS)
-norm_nhwc_stats_f16(const f16* __restrict__ x, float* __restrict__ part, int N, int H, int W, int C, int ldx,
-                    int chunk) {
-    if (C % 8 == 0 && ldx % 8 == 0 && aligned16(x)) {  // uniform over the launch
-        norm_stats<f16, 8>(x, part, H * W, C, ldx, chunk);
+// Merge a team's S summaries (S a power of two dividing the block; uniform) into its first thread:
+// shuffles within a warp, then the team's warps in shared memory. Every thread of the block calls it.
+template <int V>
+__device__ __forceinline__ Moments team_merge(Moments m, int S, StatsShared<V>& sh) {
+    const int width = S < 32 ? S : 32;
+    for (int off = 1; off < width; off *= 2) {
+        const float nb = __shfl_xor_sync(0xffffffffu, m.n, off);
+        const float mb = __shfl_xor_sync(0xffffffffu, m.mean, off);
+        const float m2b = __shfl_xor_sync(0xffffffffu, m.m2, off);
+        m.add(nb, mb, m2b);
+    }
+    if (S <= 32) return m;
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 == 0) {
+        sh.warp[0][warp] = m.n;
+        sh.warp[1][warp] = m.mean;
+        sh.warp[2][warp] = m.m2;
+    }
+    __syncthreads();
+    if (threadIdx.x % S == 0) {
+        for (int w = 1; w < S / 32; ++w) m.add(sh.warp[0][warp + w], sh.warp[1][warp + w], sh.warp[2][warp + w]);
+    }
+    __syncthreads();  // read before the next round writes
+    return m;
+}
+
+// The last block of image n: its chunks x C partials -> mean, var of each of its G groups. A team of
+// S threads a group (S: the largest power of two with a team for every group while the block lasts,
+// no wider than the group's items), each thread merging items lane, lane + S, ... in order.
+template <int V>
+__device__ __forceinline__ void finalize_image(const float* __restrict__ part, float* __restrict__ mean,
+                                               float* __restrict__ var, long long n, int HW, int C, int G,
+                                               int chunk, int chunks, StatsShared<V>& sh) {
+    const int cg = C / G, items = chunks * cg;
+    int S = 1;
+    while (S * 2 <= NORM_THREADS / G && S < items) S *= 2;
+    const int teams = NORM_THREADS / S, team = threadIdx.x / S, lane = threadIdx.x % S;
+    const float* img = part + n * chunks * C * 2;
+    for (int g0 = 0; g0 < G; g0 += teams) {  // uniform: team_merge synchronizes the block
+        const int g = g0 + team;
+        Moments m = {0.0f, 0.0f, 0.0f};
+        if (g < G) {
+            int i = lane;
+            for (; i + (MERGE_UNROLL - 1) * S < items; i += MERGE_UNROLL * S) {
+                float2 pm[MERGE_UNROLL];
+                int k[MERGE_UNROLL];
+#pragma unroll
+                for (int u = 0; u < MERGE_UNROLL; ++u) {
+                    const int it = i + u * S;
+                    k[u] = it / cg;
+                    pm[u] = load_partial(img + 2 * (static_cast<long long>(k[u]) * C + g * cg + it - k[u] * cg));
+                }
+#pragma unroll
+                for (int u = 0; u < MERGE_UNROLL; ++u)
+                    m.add(static_cast<float>(min(chunk, HW - k[u] * chunk)), pm[u].x, pm[u].y);
+            }
+            for (; i < items; i += S) {
+                const int k = i / cg;
+                const float2 pm = load_partial(img + 2 * (static_cast<long long>(k) * C + g * cg + i - k * cg));
+                m.add(static_cast<float>(min(chunk, HW - k * chunk)), pm.x, pm.y);
+            }
+        }
+        m = team_merge(m, S, sh);
+        if (g < G && lane == 0) {
+            mean[n * G + g] = m.mean;
+            var[n * G + g] = m.n > 0.0f ? m.m2 / m.n : 0.0f;
+        }
+    }
+}
+
+// The stats launch. Grid (tiles, chunks, N): a tile is `cols` channel vectors (all C/V of them up to
+// the block's width), the block's threads `rows` rows of `cols` (idle beyond rows x cols); a block
+// takes tiles blockIdx.x, += gridDim.x, so any grid width covers the channels.
+template <typename T, int V>
+__device__ __forceinline__ void norm_stats(const T* __restrict__ x, float* __restrict__ part, float* __restrict__ mean,
+                                           float* __restrict__ var, int* __restrict__ arrivals, int HW, int C,
+                                           int ldx, int G, int chunk) {
+    __shared__ StatsShared<V> sh;
+    const int cv = C / V, cols = min(cv, NORM_THREADS), rows = NORM_THREADS / cols;
+    const int tiles = (cv + cols - 1) / cols;
+    const int col = threadIdx.x % cols, row = threadIdx.x / cols;
+    const int k = blockIdx.y, chunks = gridDim.y;
+    const long long n = blockIdx.z;
+    const int p0 = k * chunk, len = min(chunk, HW - p0);
+    const T* src = x + (n * HW + p0) * ldx;
+    float* out = part + (n * chunks + k) * C * 2;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x)
+        stats_tile<T, V>(src, out, (tile * cols + col) * V, C, ldx, len, row, rows, cols, sh);
+    // Arrive: the partials are visible device-wide before the count that lets a block read them.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) sh.last = atomicAdd(arrivals + n, 1) == static_cast<int>(gridDim.x * gridDim.y) - 1;
+    __syncthreads();
+    if (!sh.last) return;
+    if (threadIdx.x == 0) arrivals[n] = 0;  // every block of image n has arrived: ready for the next launch
+    __threadfence();
+    finalize_image<V>(part, mean, var, n, HW, C, G, chunk, chunks, sh);
+}
+
+#define NORM_STATS_PARAMS(T)                                                                               \
+    (const T* __restrict__ x, float* __restrict__ part, float* __restrict__ mean, float* __restrict__ var, \
+     int* __restrict__ arrivals, int N, int H, int W, int C, int ldx, int G, int chunk)
+
+extern "C" __global__ void __launch_bounds__(NORM_THREADS, NORM_STATS_BLOCKS)
+norm_nhwc_stats_f16 NORM_STATS_PARAMS(f16) {
+    if (vec_ok(x, ldx, C, 8)) {
+        norm_stats<f16, 8>(x, part, mean, var, arrivals, H * W, C, ldx, G, chunk);
         return;
     }
-    norm_stats<f16, 1>(x, part, H * W, C, ldx, chunk);
+    norm_stats<f16, 1>(x, part, mean, var, arrivals, H * W, C, ldx, G, chunk);
 }
 
-extern "C" __global__ void __launch_bounds__(NORM_THREADS)
-norm_nhwc_stats_f32(const float* __restrict__ x, float* __restrict__ part, int N, int H, int W, int C, int ldx,
-                    int chunk) {
-    norm_stats<float, 1>(x, part, H * W, C, ldx, chunk);
-}
-
-// A block per (group, image): the group's chunks x C/G partials, a thread's share merged in order,
-// then the threads' summaries pairwise in shared memory.
-extern "C" __global__ void __launch_bounds__(NORM_FIN_THREADS)
-norm_nhwc_finalize(const float* __restrict__ part, float* __restrict__ mean, float* __restrict__ var, int N, int HW,
-                   int C, int G, int chunk, int chunks) {
-    __shared__ float s_n[NORM_FIN_THREADS], s_mean[NORM_FIN_THREADS], s_m2[NORM_FIN_THREADS];
-    const int g = blockIdx.x, cg = C / G;
-    const long long n = blockIdx.y;
-    const int items = chunks * cg;
-    Moments m = {0.0f, 0.0f, 0.0f};
-    for (int i = threadIdx.x; i < items; i += NORM_FIN_THREADS) {
-        const int k = i / cg, c = g * cg + (i - k * cg);
-        const float* p = part + ((n * chunks + k) * C + c) * 2;
-        m.add(static_cast<float>(min(chunk, HW - k * chunk)), p[0], p[1]);
+extern "C" __global__ void __launch_bounds__(NORM_THREADS, NORM_STATS_BLOCKS)
+norm_nhwc_stats_f32 NORM_STATS_PARAMS(float) {
+    if (vec_ok(x, ldx, C, 4)) {
+        norm_stats<float, 4>(x, part, mean, var, arrivals, H * W, C, ldx, G, chunk);
+        return;
     }
-    s_n[threadIdx.x] = m.n;
-    s_mean[threadIdx.x] = m.mean;
-    s_m2[threadIdx.x] = m.m2;
-    __syncthreads();
-    for (int half = NORM_FIN_THREADS / 2; half > 0; half /= 2) {
-        if (static_cast<int>(threadIdx.x) < half) {
-            Moments a = {s_n[threadIdx.x], s_mean[threadIdx.x], s_m2[threadIdx.x]};
-            const int o = threadIdx.x + half;
-            a.add(s_n[o], s_mean[o], s_m2[o]);
-            s_n[threadIdx.x] = a.n;
-            s_mean[threadIdx.x] = a.mean;
-            s_m2[threadIdx.x] = a.m2;
-        }
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) {
-        mean[n * G + g] = s_mean[0];
-        var[n * G + g] = s_n[0] > 0.0f ? s_m2[0] / s_n[0] : 0.0f;
-    }
+    norm_stats<float, 1>(x, part, mean, var, arrivals, H * W, C, ldx, G, chunk);
 }
 
 // The epilogue every entry shares: normalised v of channel c -> affine, residual, activation.
@@ -171,12 +336,30 @@ struct NormEpilogue {
     }
 };
 
+// One channel vector of the apply pass: v = act(fma(v - mu, sc, be) (+ rv)) (+ rv), rv read only
+// where the residual mode adds it.
+template <int V>
+__device__ __forceinline__ void apply_vec(float (&v)[V], const float (&rv)[V], const float (&mu)[V],
+                                          const float (&sc)[V], const float (&be)[V], const NormEpilogue& ep) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        const float t = fmaf(v[j] - mu[j], sc[j], be[j]);
+        v[j] = ep.res == 1 ? t + rv[j] : t;
+    }
+    dt_activate_n(v, ep.act, ep.p0, ep.p1);  // one dispatch on the activation for the V values
+    if (ep.res == 2) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[j] += rv[j];
+    }
+}
+
 // The apply pass. Grid (blocks, N): the blocks of image n = blockIdx.y stride over its H*W*C/V work
 // items by a multiple of C/V, so a thread keeps one channel vector for the whole pass: its V channels'
 // statistics, gamma and beta are read and folded (mean, rsqrt(var + eps) * gamma, beta) once, and the
-// pass streams x (and r) in and y out alone. Per-item loads of the statistics and the affine (eight
-// times the bytes of an fp16 item) bounded the pass by the load units at 2.6x its memory time.
-// The launch (dualtrack.kernels.norm) gives an image at least C/V threads.
+// pass streams x (and r) in and y out alone, NORM_UNROLL pixels' loads issued before their math (with
+// one 16-byte load in flight a thread it ran near 30% of H100's bandwidth on MONAI's UNet at N=8:
+// bench/results/kernel_profile-8d2fe87-h100.json).
+// The launch (dualtrack.kernels.norm) gives an image at least C threads, so any V finds C/V.
 template <typename T, int V>
 __device__ __forceinline__ void norm_apply(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y,
                                            const float* __restrict__ mean, const float* __restrict__ var, int H,
@@ -190,42 +373,48 @@ __device__ __forceinline__ void norm_apply(const T* __restrict__ x, const T* __r
     if (i >= lanes) return;
     const int c = static_cast<int>(i % CV) * V;
     const long long pstep = lanes / CV;
-    float mu[V], sc[V], be[V];
+    float mu[V], sc[V], be[V], rv[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
         const long long s = n * stat_n + (c + j) / cg;
         mu[j] = mean[s];
         sc[j] = rsqrtf(var[s] + eps) * (ep.gamma != nullptr ? ep.gamma[c + j] : 1.0f);
         be[j] = ep.beta != nullptr ? ep.beta[c + j] : 0.0f;
+        rv[j] = 0.0f;
     }
-    for (long long p = n * HW + i / CV, end = (n + 1) * HW; p < end; p += pstep) {
-        float v[V], rv[V];
-        load_f32s(v, x + p * ldx + c);
+    long long p = n * HW + i / CV;
+    const long long end = (n + 1) * HW;
+    for (; p + (NORM_UNROLL - 1) * pstep < end; p += NORM_UNROLL * pstep) {
+        Raw<T, V> xs[NORM_UNROLL], rs[NORM_UNROLL];
+#pragma unroll
+        for (int u = 0; u < NORM_UNROLL; ++u) xs[u].load(x + (p + u * pstep) * ldx + c);
         if (ep.res != 0) {
-            load_f32s(rv, r + p * ldr + c);
-        } else {
 #pragma unroll
-            for (int j = 0; j < V; ++j) rv[j] = 0.0f;
+            for (int u = 0; u < NORM_UNROLL; ++u) rs[u].load(r + (p + u * pstep) * ldr + c);
         }
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-            const float t = fmaf(v[j] - mu[j], sc[j], be[j]);
-            v[j] = ep.res == 1 ? t + rv[j] : t;
+        for (int u = 0; u < NORM_UNROLL; ++u) {
+            float v[V];
+            xs[u].unpack(v);
+            if (ep.res != 0) rs[u].unpack(rv);
+            apply_vec(v, rv, mu, sc, be, ep);
+            store_f32s(y + (p + u * pstep) * ldy + c, v);
         }
-        dt_activate_n(v, ep.act, ep.p0, ep.p1);  // one dispatch on the activation for the V values
-        if (ep.res == 2) {
-#pragma unroll
-            for (int j = 0; j < V; ++j) v[j] += rv[j];
-        }
+    }
+    for (; p < end; p += pstep) {
+        float v[V];
+        load_f32s(v, x + p * ldx + c);
+        if (ep.res != 0) load_f32s(rv, r + p * ldr + c);
+        apply_vec(v, rv, mu, sc, be, ep);
         store_f32s(y + p * ldy + c, v);
     }
 }
 
-// Whether an fp16 entry takes 8 channels a work item (uniform over the launch).
-__device__ __forceinline__ bool norm_vec8(const f16* x, const f16* r, const f16* y, int C, int ldx, int ldr, int ldy,
-                                          int res) {
-    const bool r_ok = res == 0 || (ldr % 8 == 0 && aligned16(r));
-    return C % 8 == 0 && ldx % 8 == 0 && ldy % 8 == 0 && aligned16(x) && aligned16(y) && r_ok;
+// Whether an entry takes V channels a work item (uniform over the launch): 16-byte accesses of x,
+// y and a residual.
+__device__ __forceinline__ bool norm_vec(const void* x, const void* r, const void* y, int C, int ldx, int ldr,
+                                         int ldy, int res, int V) {
+    return vec_ok(x, ldx, C, V) && vec_ok(y, ldy, C, V) && (res == 0 || vec_ok(r, ldr, C, V));
 }
 
 #define NORM_APPLY_PARAMS(T)                                                                                   \
@@ -236,7 +425,7 @@ __device__ __forceinline__ bool norm_vec8(const f16* x, const f16* r, const f16*
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_nhwc_f16 NORM_APPLY_PARAMS(f16) {
     const NormEpilogue ep = {gamma, beta, res, act, p0, p1};
-    if (norm_vec8(x, r, y, C, ldx, ldr, ldy, res)) {
+    if (norm_vec(x, r, y, C, ldx, ldr, ldy, res, 8)) {
         norm_apply<f16, 8>(x, r, y, mean, var, H, W, C, ldx, ldr, ldy, G, stat_n, eps, ep);
         return;
     }
@@ -245,6 +434,10 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_nhwc_f16 NORM_AP
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_nhwc_f32 NORM_APPLY_PARAMS(float) {
     const NormEpilogue ep = {gamma, beta, res, act, p0, p1};
+    if (norm_vec(x, r, y, C, ldx, ldr, ldy, res, 4)) {
+        norm_apply<float, 4>(x, r, y, mean, var, H, W, C, ldx, ldr, ldy, G, stat_n, eps, ep);
+        return;
+    }
     norm_apply<float, 1>(x, r, y, mean, var, H, W, C, ldx, ldr, ldy, G, stat_n, eps, ep);
 }
 
@@ -307,7 +500,7 @@ __device__ __forceinline__ void layer_norm(const T* __restrict__ x, const T* __r
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_nhwc_layer_f16 LAYER_NORM_PARAMS(f16) {
     const NormEpilogue ep = {gamma, beta, res, act, p0, p1};
     const long long pixels = static_cast<long long>(N) * H * W;
-    if (norm_vec8(x, r, y, C, ldx, ldr, ldy, res)) {
+    if (norm_vec(x, r, y, C, ldx, ldr, ldy, res, 8)) {
         layer_norm<f16, 8>(x, r, y, pixels, C, ldx, ldr, ldy, eps, ep);
         return;
     }

@@ -17,9 +17,10 @@ from dualtrack.errors import InputError
 NORM = kernels.KERNELS["norm"]
 
 
-def visits(N: int, H: int, W: int, C: int, V: int, sms: int) -> np.ndarray:
-    """How many threads of the launch write each (image, pixel, channel vector), as norm_apply maps them."""
-    dtype = "float16" if V == 8 else "float32"
+def visits(N: int, H: int, W: int, C: int, V: int, sms: int, dtype: str) -> np.ndarray:
+    """How many threads of the launch write each (image, pixel, channel vector), as norm_apply maps them
+    when it takes V channels a thread (the launch planned for ``dtype``'s 16-byte vectors where C
+    allows: V = 1 is the kernel's path for a pointer it finds unaligned)."""
     cfg = NORM.apply_launch(dtype, N, H, W, C, C, C, sms=sms)
     (bx, by, bz), (tx, ty, tz) = cfg.grid, cfg.block
     assert (by, bz, ty, tz) == (N, 1, 1, 1)
@@ -36,19 +37,23 @@ def visits(N: int, H: int, W: int, C: int, V: int, sms: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    ("N", "hw", "C", "V", "sms"),
+    ("N", "hw", "C", "dtype", "V", "sms"),
     [
-        (n, hw, c, v, sms)
-        for n, hw, c, v, sms in itertools.product(
-            (1, 3), ((1, 1), (5, 7), (33, 20)), (8, 24, 200, 4104), (1, 8), (0, 2, 132)
+        (n, hw, c, dtype, v, sms)
+        for n, hw, c, (dtype, v), sms in itertools.product(
+            (1, 3),
+            ((1, 1), (5, 7), (33, 20)),
+            (3, 8, 20, 24, 200, 4104),
+            (("float16", 8), ("float16", 1), ("float32", 4), ("float32", 1)),
+            (0, 2, 132),
         )
-        if not (v == 8 and c % 8)
+        if c % v == 0
     ],
 )
 def test_every_item_of_the_apply_pass_gets_exactly_one_thread(
-    N: int, hw: tuple[int, int], C: int, V: int, sms: int
+    N: int, hw: tuple[int, int], C: int, dtype: str, V: int, sms: int
 ) -> None:
-    assert (visits(N, *hw, C, V, sms) == 1).all()
+    assert (visits(N, *hw, C, V, sms, dtype) == 1).all()
 
 
 def test_a_gpu_size_makes_threads_stream_several_pixels_and_none_is_idle_beyond_a_block() -> None:
@@ -62,3 +67,97 @@ def test_a_gpu_size_makes_threads_stream_several_pixels_and_none_is_idle_beyond_
 def test_a_batch_past_the_grid_is_refused_with_the_fix() -> None:
     with pytest.raises(InputError, match="split the batch"):
         NORM.apply_launch("float16", 70000, 4, 4, 8, 8, 8, sms=132)
+
+
+def stats_coverage(N: int, H: int, W: int, C: int, planned: int, V: int, sms: int) -> tuple[np.ndarray, np.ndarray]:
+    """How often the stats launch (planned for ``planned`` lanes) reads each (image, pixel, channel) and
+    writes each (image, chunk, channel) partial when the kernel takes V channels a thread, as
+    norm_stats and stats_tile map them: tiles blockIdx.x, += gridDim.x; thread t is row t / cols,
+    column t % cols; row r visits pixels p0 + r, += rows of its chunk; row 0 writes the partials."""
+    T, hw = NORM.block_threads, H * W
+    ch = NORM.chunking(N, H, W, C, 1, sms, planned)
+    cfg = NORM.stats_launch(N, ch)
+    assert cfg.grid == (ch.tiles, ch.chunks, N) and cfg.block == (T, 1, 1)
+    cv = C // V
+    cols = min(cv, T)
+    rows, tiles = T // cols, -(-cv // cols)
+    reads = np.zeros((N, hw, C), np.int64)
+    writes = np.zeros((N, ch.chunks, C), np.int64)
+    t = np.arange(rows * cols)
+    row, col = t // cols, t % cols
+    for k in range(ch.chunks):
+        p0 = k * ch.chunk
+        length = min(ch.chunk, hw - p0)
+        for bx in range(ch.tiles):
+            for tile in range(bx, tiles, ch.tiles):
+                c = (tile * cols + col) * V
+                for j in range(V):
+                    ok = c + j < C
+                    for p in range(0, length, rows):  # the rows' j-th pixel at once
+                        hit = ok & (p + row < length)
+                        np.add.at(reads, (slice(None), p0 + p + row[hit], c[hit] + j), 1)
+                    first = ok & (row == 0)
+                    np.add.at(writes, (slice(None), k, c[first] + j), 1)
+    return reads, writes
+
+
+@pytest.mark.parametrize(
+    ("N", "hw", "C", "planned", "V"),
+    [
+        (n, hw, c, p, v)
+        for n, hw, c, (p, v) in itertools.product(
+            (1, 5),
+            ((1, 1), (3, 5), (30, 20)),
+            (1, 3, 8, 20, 36, 264, 2056),
+            ((8, 8), (8, 1), (4, 4), (1, 1)),
+        )
+        if c % v == 0 and c % p == 0
+    ],
+)
+def test_the_stats_launch_reads_every_element_once_and_writes_every_partial_once(
+    N: int, hw: tuple[int, int], C: int, planned: int, V: int
+) -> None:
+    """Whichever vector width the kernel finds (the plan's, or 1 for an unaligned pointer)."""
+    reads, writes = stats_coverage(N, *hw, C, planned, V, sms=132)
+    assert (reads == 1).all() and (writes == 1).all()
+
+
+def merge_coverage(HW: int, C: int, G: int, chunk: int, chunks: int) -> np.ndarray:
+    """The pixels finalize_image merges into each group of an image: team g % teams of S threads takes
+    group g; its lane l merges items l, l + S, ... (item i: chunk i / (C/G), channel i % (C/G) of the
+    group), each counted as its chunk's pixels."""
+    T, cg = NORM.block_threads, C // G
+    items = chunks * cg
+    S = NORM.merge_team(G, items)
+    assert T % S == 0
+    teams = T // S
+    seen = np.zeros((G, chunks, cg), np.int64)
+    pixels = np.zeros(G, np.int64)
+    for g0 in range(0, G, teams):
+        for team in range(teams):
+            g = g0 + team
+            if g >= G:
+                continue
+            for lane in range(S):
+                for i in range(lane, items, S):
+                    k = i // cg
+                    seen[g, k, i - k * cg] += 1
+                    pixels[g] += min(chunk, HW - k * chunk)
+    assert (seen == 1).all()
+    return pixels
+
+
+@pytest.mark.parametrize(
+    ("hw", "C", "G"),
+    [
+        (hw, c, g)
+        for hw, c, g in itertools.product(((1, 1), (3, 5), (300, 200)), (1, 3, 8, 20, 36, 264, 2056), (1, 2, 4, 0))
+        if c % (g or c) == 0
+    ],
+)
+def test_the_final_merge_takes_every_partial_of_every_group_once(hw: tuple[int, int], C: int, G: int) -> None:
+    G = G or C  # 0: instance norm
+    ch = NORM.chunking(1, *hw, C, G, sms=132, lanes=8 if C % 8 == 0 else 1)
+    assert ch.chunks * C <= max(C, NORM.merge_items)
+    pixels = merge_coverage(hw[0] * hw[1], C, G, ch.chunk, ch.chunks)
+    assert (pixels == hw[0] * hw[1] * (C // G)).all()

@@ -148,9 +148,11 @@ def test_reference_rejects_channels_that_are_not_a_multiple_of_the_groups() -> N
 
 
 def test_group_statistics_split_fills_the_gpu_for_one_image_of_few_channels() -> None:
-    ch = NORM.chunking(1, 512, 512, 32, 32, sms=132)
-    blocks = ch.chunks * 1 * 1
-    assert blocks >= 4 * 132 and ch.chunk * ch.chunks >= 512 * 512 and (ch.chunks - 1) * ch.chunk < 512 * 512
+    """Every SM gets a block, while the partials the last block merges stay within merge_items."""
+    ch = NORM.chunking(1, 512, 512, 32, 32, sms=132, lanes=8)
+    blocks = ch.chunks * ch.tiles
+    assert blocks >= 132 and ch.chunk * ch.chunks >= 512 * 512 and (ch.chunks - 1) * ch.chunk < 512 * 512
+    assert ch.chunks * 32 <= NORM.merge_items
     small = NORM.chunking(8, 3, 5, 5, 5, sms=132)
     assert small.chunks == 1 and small.chunk == 15
 

@@ -30,6 +30,7 @@ from dualtrack.kernels import (
 )
 from dualtrack.kernels.base import PreparedCall
 from dualtrack.kernels.device import REFERENCE
+from dualtrack.kernels.norm import STATS_PARAMS
 from dualtrack.kernels.resize_rgb import ResizeJob
 from dualtrack.kernels.tensormap import TiledMap
 from dualtrack.runtime.tensors import GpuTensor
@@ -533,15 +534,15 @@ def ptx_param_kinds(stem: str, entry: str) -> str:
 
 
 def test_a_norm_prepares_every_launch_with_the_argument_list_its_ptx_takes() -> None:
-    """A group norm is three launches (statistics into the call's workspace, their finalize, the apply
-    pass); each one's arguments match its entry's parameters in the PTX, and the apply pass reads the
-    workspace the statistics wrote."""
+    """A group norm is two launches (statistics into the call's workspace, finalized by their last block
+    of each image, then the apply pass); each one's arguments match its entry's parameters in the PTX,
+    and the apply pass reads the statistics the first wrote."""
     attrs = (("kind", NORM_KINDS["group"]), ("groups", 4), ("res", NORM_RES["after_act"]), ("eps", f32_bits(1e-5)))
     call = KernelCall("norm", ("x", "r"), ("y",), ("g", "b"), (*attrs, ("act", PLAN_ACTS["silu"])))
     x, r, y = T(0x1000, (2, 9, 7, 32), ld=40), T(0x2000, (2, 9, 7, 32)), T(0x3000, (2, 9, 7, 32), ld=48)
     p = K["norm"].prepare_inputs(call, [x, r], y, [T(0x4000, (32,), f32), T(0x5000, (32,), f32)], Context("off"))
     launches = [*p.before, p]
-    assert [q.entry for q in launches] == ["norm_nhwc_stats_f16", "norm_nhwc_finalize", "norm_nhwc_f16"]
+    assert [q.entry for q in launches] == ["norm_nhwc_stats_f16", "norm_nhwc_f16"]
     for q in launches:
         assert plain(q.entry, q.config, q.args)[5] == ptx_param_kinds("norm_nhwc", q.entry), q.entry
     apply = dict(zip(K["norm"].PARAMS, [v for v, _ in p.args], strict=True))
@@ -562,6 +563,8 @@ def test_a_norm_prepares_every_launch_with_the_argument_list_its_ptx_takes() -> 
         48,
     )
     assert apply["G"] == 4 and apply["res"] == NORM_RES["after_act"] and apply["mean"] > 0x9000
+    stats = dict(zip(STATS_PARAMS, [v for v, _ in p.before[0].args], strict=True))
+    assert (stats["x"], stats["mean"], stats["var"]) == (0x1000, apply["mean"], apply["var"])
     layer = K["norm"].prepare_inputs(
         KernelCall("norm", ("x",), ("y",), ("g", "b"), (("kind", NORM_KINDS["layer"]), ("eps", f32_bits(1e-6)))),
         [T(0x1000, (1, 5, 6, 96), f32)], T(0x3000, (1, 5, 6, 96), f32), [T(0x4000, (96,), f32)] * 2, Context("off"),

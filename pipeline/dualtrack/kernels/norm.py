@@ -3,8 +3,9 @@
 One call, by its ``kind`` attr (``plan.NORM_KINDS``):
 
 - ``group``: GroupNorm with ``groups`` G (InstanceNorm: G = C): a split reduction to fp32 statistics
-  per (image, group), then one fused pass: three launches (stats, finalize, apply), the first two
-  before the call's own entry (``PreparedCall.before``), their partial sums in the call's workspace;
+  per (image, group) whose last block of each image merges the image's partials, then one fused
+  pass: two launches (stats, apply), the first before the call's own entry (``PreparedCall.before``),
+  its partials, statistics and arrival counters in the call's workspace;
 - ``layer``: LayerNorm over the channels of each pixel (ConvNeXt's LayerNorm2d): one launch;
 - ``affine``: an unfolded BatchNormalization, its running mean and variance as per-channel constants:
   the apply entry alone.
@@ -45,9 +46,7 @@ from dualtrack.kernels.streaming import StreamingSpec
 
 KIND_NAMES = {code: name for name, code in NORM_KINDS.items()}
 RES_NAMES = {code: name for name, code in NORM_RES.items()}
-TILE_C = 32  # channels a stats block reduces (norm_nhwc.cu: one warp's width)
-STATS_PARAMS = ("x", "part", "N", "H", "W", "C", "ldx", "chunk")
-FINALIZE_PARAMS = ("part", "mean", "var", "N", "HW", "C", "G", "chunk", "chunks")
+STATS_PARAMS = ("x", "part", "mean", "var", "arrivals", "N", "H", "W", "C", "ldx", "G", "chunk")
 LAYER_PARAMS = (
     "x", "r", "y", "gamma", "beta", "N", "H", "W", "C", "ldx", "ldr", "ldy", "res", "eps", "act", "p0", "p1",
 )  # fmt: skip
@@ -68,31 +67,43 @@ def typed(params: Sequence[str], pointers: int, values: Mapping[str, Any]) -> li
     return out
 
 
+def vector_lanes(dtype: Any, C: int, lds: Sequence[int], pointers: Sequence[int] = ()) -> int:
+    """Channels a norm thread takes in one 16-byte access (8 fp16, 4 fp32) where C, the strides and
+    the pointers allow it, else 1: the choice the kernel makes (norm_nhwc.cu, vec_ok)."""
+    v = 8 if dtype_name(dtype) == "float16" else 4
+    ok = all(n % v == 0 for n in (C, *lds)) and all(p % 16 == 0 for p in pointers)
+    return v if ok else 1
+
+
 @dataclass(frozen=True)
 class Chunking:
-    """How a group-statistics launch splits each image's pixels: ``chunks`` chunks of ``chunk``
-    pixels (the last one shorter), and the workspace it needs (partials, then mean and var)."""
+    """How a group-statistics launch splits its work: ``tiles`` tiles of channels (all C up to a block's
+    width of 16-byte vectors), each image's pixels in ``chunks`` chunks of ``chunk`` (the last one
+    shorter); and the workspace it needs: partials, mean and var, then an arrival counter an image."""
 
     chunk: int
     chunks: int
+    tiles: int
     part_floats: int  # N * chunks * C * 2
     stat_floats: int  # N * G, twice
+    images: int  # N int32 counters, zero between launches (the last block of an image resets its own)
 
     @property
     def nbytes(self) -> int:
-        return 4 * (self.part_floats + 2 * self.stat_floats)
+        return 4 * (self.part_floats + 2 * self.stat_floats + self.images)
 
 
 @dataclass(frozen=True)
 class NormSpec(StreamingSpec):
     """The norm op's spec. ``waves``: stats blocks per SM the chunking aims for, so that one image of
-    a few groups fills the GPU; ``min_chunk``: the fewest pixels a stats block reduces (4 rows of
-    its fp16 vector path's 64); ``apply_waves``: full-occupancy waves the apply pass's threads make
-    (each then streams its channel vector over H*W / threads-an-image pixels)."""
+    a few groups fills the GPU; ``merge_items``: the most partials (chunks x C) the block that
+    finalizes an image merges, which bounds the chunks of a wide tensor (the merge is one block's
+    L2 round trips: 8192 items are 4 rounds of 8 loads a thread); ``apply_waves``: full-occupancy
+    waves the apply pass's threads make (each then streams its channel vector over H*W /
+    threads-an-image pixels, NORM_UNROLL at a time)."""
 
-    fin_threads: int = 256
     waves: int = 4
-    min_chunk: int = 256
+    merge_items: int = 8192
     apply_waves: int = 2
 
     MACRO: ClassVar[str] = "NORM"
@@ -106,12 +117,11 @@ class NormSpec(StreamingSpec):
     STRIDES: ClassVar[tuple[tuple[str, str], ...]] = (("ldx", "C"), ("ldy", "C"))
 
     def defines(self) -> dict[str, int | str]:
-        return {"NORM_THREADS": self.block_threads, "NORM_FIN_THREADS": self.fin_threads}
+        return {"NORM_THREADS": self.block_threads}
 
     @property
     def entries(self) -> tuple[str, ...]:
-        sub = ("", "_stats", "_layer")
-        return (*(f"{self.stem}{s}_{d}" for s in sub for d in ("f16", "f32")), f"{self.stem}_finalize")
+        return tuple(f"{self.stem}{s}_{d}" for s in ("", "_stats", "_layer") for d in ("f16", "f32"))
 
     def sub_entry(self, part: str, dtype: Any) -> str:
         """``stats`` or ``layer``'s entry for ``dtype`` (the apply entry is :meth:`entry`)."""
@@ -123,34 +133,47 @@ class NormSpec(StreamingSpec):
 
     # -- geometry ------------------------------------------------------------------------------------
 
-    def chunking(self, N: int, H: int, W: int, C: int, G: int, sms: int) -> Chunking:
-        """The split of a group-statistics launch on a GPU of ``sms`` SMs."""
-        positive(N=N, H=H, W=W, C=C, G=G, sms=sms)
-        hw = H * W
-        per = max(1, cdiv(self.waves * sms, cdiv(C, TILE_C) * N))  # chunks an image wants
-        chunk = max(min(self.min_chunk, hw), cdiv(hw, per))
+    def chunking(self, N: int, H: int, W: int, C: int, G: int, sms: int, lanes: int = 1) -> Chunking:
+        """The split of a group-statistics launch on a GPU of ``sms`` SMs, its threads taking ``lanes``
+        channels a load (:func:`vector_lanes`; the kernel covers C whichever it finds). A block is
+        ``rows`` rows of ``cols`` channel vectors; a chunk gives each row at least one pixel."""
+        positive(N=N, H=H, W=W, C=C, G=G, sms=sms, lanes=lanes)
+        hw, cv = H * W, max(1, C // lanes)
+        cols = min(cv, self.block_threads)
+        rows, tiles = self.block_threads // cols, cdiv(cv, cols)
+        per = max(1, cdiv(self.waves * sms, tiles * N))  # chunks an image wants
+        per = min(per, max(1, self.merge_items // C))
+        chunk = max(min(rows, hw), cdiv(hw, per))
         chunks = cdiv(hw, chunk)
         if N > GRID_Y_MAX or chunks > GRID_Y_MAX:
             raise InputError(f"norm statistics of a batch of {N} need {N} grid layers; the grid allows {GRID_Y_MAX}")
-        return Chunking(chunk, chunks, N * chunks * C * 2, N * G)
+        return Chunking(chunk, chunks, tiles, N * chunks * C * 2, N * G, N)
 
-    def stats_launch(self, N: int, C: int, ch: Chunking) -> LaunchConfig:
-        return LaunchConfig((cdiv(C, TILE_C), ch.chunks, N), (self.block_threads, 1, 1))
+    def merge_team(self, G: int, items: int) -> int:
+        """Threads the finalizing block gives each group of ``items`` partials (norm_nhwc.cu,
+        finalize_image): the widest power of two with a team for every group while the block lasts,
+        no wider than the items."""
+        team = 1
+        while team * 2 <= self.block_threads // G and items > team:
+            team *= 2
+        return team
 
-    def finalize_launch(self, N: int, G: int) -> LaunchConfig:
-        if N > GRID_Y_MAX:
-            raise InputError(f"norm statistics of a batch of {N}: the grid allows {GRID_Y_MAX} images")
-        return LaunchConfig((G, N, 1), (self.fin_threads, 1, 1))
+    def stats_launch(self, N: int, ch: Chunking) -> LaunchConfig:
+        return LaunchConfig((ch.tiles, ch.chunks, N), (self.block_threads, 1, 1))
 
-    def apply_launch(self, dtype: Any, N: int, H: int, W: int, C: int, *lds: int, sms: int = 0) -> LaunchConfig:
-        """Grid (blocks, N): an image's blocks give each of its C/V channel vectors (V = 8 where the fp16
-        vector path may run, else 1) at least one thread, and together about ``apply_waves`` full
-        waves of a GPU of ``sms`` SMs (none given: a thread an item); never more than a thread an item."""
-        lanes = 8 if dtype_name(dtype) == "float16" and all(v % 8 == 0 for v in (C, *lds)) else 1
+    def apply_launch(
+        self, dtype: Any, N: int, H: int, W: int, C: int, *lds: int, sms: int = 0, pointers: Sequence[int] = ()
+    ) -> LaunchConfig:
+        """Grid (blocks, N): an image's blocks give each of its C channels at least one thread (so the
+        kernel finds its C/V channel vectors whichever V it takes: 8 fp16 or 4 fp32 where C, the
+        strides and the pointers allow 16-byte accesses, else 1), and together about ``apply_waves``
+        full waves of a GPU of ``sms`` SMs (none given: a thread an item); never more than a thread
+        an item."""
+        lanes = vector_lanes(dtype, C, lds, pointers)
         if N > GRID_Y_MAX:
             raise InputError(f"norm of a batch of {N}: the grid allows {GRID_Y_MAX} images; split the batch")
         items = H * W * (C // lanes)
-        least = cdiv(C // lanes, self.block_threads)
+        least = cdiv(C, self.block_threads)
         most = max(least, cdiv(items, self.block_threads))
         want = cdiv(self.apply_waves * sms * (2048 // self.block_threads), N) if sms else most
         blocks = min(most, max(least, want))
@@ -245,8 +268,8 @@ class NormSpec(StreamingSpec):
     def prepare_inputs(
         self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors, ctx: LaunchContext
     ) -> PreparedCall:
-        """The call's launches on these tensors: for ``group`` the stats and finalize launches (into
-        the call's workspace) before the apply entry."""
+        """The call's launches on these tensors: for ``group`` the stats launch (into the call's
+        workspace) before the apply entry."""
         a = self.attrs_of(call)
         x = inputs[0]
         r = inputs[1] if a["res"] != "none" else None
@@ -306,17 +329,14 @@ class NormSpec(StreamingSpec):
         if kind == "affine":
             values.update(mean=weights[2], var=weights[3], stat_n=0)
         else:
-            ch = self.chunking(N, H, W, C, G, ctx.device.sm_count)
+            ch = self.chunking(N, H, W, C, G, ctx.device.sm_count, vector_lanes(dtype, C, (ldx,), (x,)))
             part = ctx.workspace(ch.nbytes)
             mean = part + 4 * ch.part_floats
             var = mean + 4 * ch.stat_floats
-            values.update(part=part, mean=mean, var=var, stat_n=G, HW=H * W, chunk=ch.chunk, chunks=ch.chunks)
-            before = (
-                PreparedCall(
-                    self.sub_entry("stats", dtype), self.stats_launch(N, C, ch), typed(STATS_PARAMS, 2, values)
-                ),
-                PreparedCall(f"{self.stem}_finalize", self.finalize_launch(N, G), typed(FINALIZE_PARAMS, 3, values)),
-            )
-        lds = (ldx, ldy, *((ldr,) if res != "none" else ()))
-        config = self.apply_launch(dtype, N, H, W, C, *lds, sms=ctx.device.sm_count)
+            arrivals = var + 4 * ch.stat_floats
+            values.update(part=part, mean=mean, var=var, arrivals=arrivals, stat_n=G, chunk=ch.chunk)
+            stats = self.sub_entry("stats", dtype)
+            before = (PreparedCall(stats, self.stats_launch(N, ch), typed(STATS_PARAMS, 5, values)),)
+        lds, ptrs = (ldx, ldy, *((ldr,) if res != "none" else ())), (x, y, *((r or 0,) if res != "none" else ()))
+        config = self.apply_launch(dtype, N, H, W, C, *lds, sms=ctx.device.sm_count, pointers=ptrs)
         return PreparedCall(self.entry(dtype), config, typed(self.PARAMS, self.POINTERS, values), before=before)
