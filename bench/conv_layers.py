@@ -20,6 +20,10 @@ events after 5 warm-ups; cuDNN is ``F.conv2d`` on channels_last fp16 tensors wit
 eager torch). ``op`` says which Track A op the partition gives the layer. Prints a table and writes
 the rows and per-batch totals (weighted by how often each shape occurs) as JSON.
 
+``--only stem --variants``: the stems of the corpus (ResNet's 7x7/2 on RGB, MONAI's 3x3/2 C=3 -> 16, and
+their 8-channel twins) on every fp16 entry that takes them, so one run shows the stem entries
+(``_stem``, ``_stem_narrow``: the patch in shared memory) beside the ``_gather`` entry they replace.
+
 ``--net unet``: the reference U-Net's 3x3 layers (models/, 512x512) instead of ResNet-34's. ``--fp8``
 (sm_90a): beside the engine's fp16 kernel, the layer in FP8 as a ``precision: fp8`` plan runs it
 (issue 42): ``quantize_fp8`` of the input (per-tensor scale from its amax) then ``conv_fp8`` (the
@@ -110,6 +114,7 @@ LAYERS = (
     Layer("stem 7x7/2 c8", "conv", 0, 512, 512, 8, 64, 7, 2, False, True),
     Layer("stem 3x3/2 k16", "conv", 0, 512, 512, 3, 16, 3, 2, False, False),  # MONAI UNet's first unit
     Layer("stem 3x3/2 k16 c8", "conv", 0, 512, 512, 8, 16, 3, 2, False, False),
+    Layer("stem 3x3/2 k32 c1", "conv", 0, 512, 512, 1, 32, 3, 2, False, True),  # a grayscale first layer
 )
 
 # The reference U-Net's 3x3 layers (tests/test_wgmma.py's UNET_LAYERS) at a 512x512 input, conv + ReLU

@@ -97,29 +97,41 @@ __device__ __forceinline__ void build_table(const convg::Problem& p, const Layou
     }
 }
 
-// The patch of image n from input row h0, column w0 (zero outside the image and past C), one
-// pixel a thread: its C channels are neighbours in memory, so a warp's loads share cache lines.
+// The patch of image n from input row h0, column w0 (zero outside the image and past C), a pixel a
+// thread at a time: its C channels are neighbours in memory, so a warp's loads share cache lines.
+// LOADS pixels' loads are issued before any is stored, so their latencies overlap.
 template <class T>
 __device__ __forceinline__ void load_patch(const f16* __restrict__ x, const convg::Problem& p, const Layout& L, int n,
                                            int h0, int w0, unsigned* patch) {
+    enum : int { LOADS = 4 };
     const int cw = L.CP / 2;
     const int pixels = L.PH * L.PW;
-    for (int i = threadIdx.x; i < pixels; i += T::THREADS) {
-        const int ph = i / L.PW, pw = i - ph * L.PW;
-        const int h = h0 + ph, wc = w0 + pw;
-        const bool in = static_cast<unsigned>(h) < static_cast<unsigned>(p.H) &&
-                        static_cast<unsigned>(wc) < static_cast<unsigned>(p.W);
-        const long long at = in ? (static_cast<long long>(n) * p.H + h) * p.W + wc : 0;
-        const f16* src = x + at * p.ldx;
-        unsigned* dst = patch + i * cw;
+    for (int i0 = threadIdx.x; i0 < pixels; i0 += LOADS * T::THREADS) {
+        unsigned v[LOADS][4];  // CP <= 8: at most 4 words a pixel
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {  // CP <= 8: at most 4 words a pixel
-            if (q < cw) {
+        for (int u = 0; u < LOADS; ++u) {
+            const int i = i0 + u * T::THREADS;
+            const int ph = i / L.PW, pw = i - ph * L.PW;
+            const int h = h0 + ph, wc = w0 + pw;
+            const bool in = i < pixels && static_cast<unsigned>(h) < static_cast<unsigned>(p.H) &&
+                            static_cast<unsigned>(wc) < static_cast<unsigned>(p.W);
+            const long long at = in ? (static_cast<long long>(n) * p.H + h) * p.W + wc : 0;
+            const f16* src = x + at * p.ldx;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
                 const int c = 2 * q;
                 const f16 lo = (in && c < p.C) ? src[c] : f16(0);
                 const f16 hi = (in && c + 1 < p.C) ? src[c + 1] : f16(0);
-                dst[q] = static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
+                v[u][q] = static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
             }
+        }
+#pragma unroll
+        for (int u = 0; u < LOADS; ++u) {
+            const int i = i0 + u * T::THREADS;
+            if (i >= pixels) break;
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                if (q < cw) patch[i * cw + q] = v[u][q];
         }
     }
 }
