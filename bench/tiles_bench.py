@@ -69,7 +69,7 @@ def dualtrack_fn(engine: Any, image: np.ndarray, spec: Any) -> tuple[Any, str]:
     size = engine.input_spec.shape[1:3]
     classes = next(o.shape[1] for o in engine.output_specs if o.name == "probs")
     batch = SW_BATCH if SW_BATCH in engine.batch_sizes else engine.batch_sizes[-1]  # a compiled batch size
-    t = tiling.Tiling.plan(image.shape[:2], spec, size, batch)
+    t = tiling.Tiling.plan(image.shape[:2], spec, size, batch, engine.batch_sizes)
     tiler = tiling.GpuTiler(engine.backend)
     return (lambda: tiler.run(image, t, spec, engine.run_batch, classes).mask), "GpuTiler (bundle without window:)"
 

@@ -199,6 +199,28 @@ def test_constant_blend_agrees_with_monais(window_bundle: Path, small_net: Small
     assert agree >= MASK_AGREE, f"seed {seed}: {agree:.5f}"
 
 
+def test_a_short_last_run_takes_the_smallest_batch_that_holds_it(window_bundle: Path) -> None:
+    image = np.random.default_rng().integers(0, 256, (150, 150, 3), dtype=np.uint8)
+    spec = Window(overlap=0.25, blend="gaussian")
+    with Engine.load(window_bundle, "cpu") as engine:
+        seen: list[int] = []
+
+        def run(batch: np.ndarray) -> np.ndarray:
+            seen.append(len(batch))
+            return engine.run(batch, outputs=["probs"])["probs"]
+
+        fitted = tiling.Tiling.plan(image.shape[:2], spec, WINDOW, 4, engine.batch_sizes)
+        padded = tiling.Tiling.plan(image.shape[:2], spec, WINDOW, 4)  # no sizes: every run at 4
+        assert len(fitted.origins) % 4 == 1  # 9 windows: 4, 4, then 1
+        got = tiling.tile_numpy(image, fitted, run, 3, probs=True)
+        assert seen == [4, 4, 1]
+        want = tiling.tile_numpy(image, padded, run, 3, probs=True)
+        assert seen[3:] == [4, 4, 4]
+    assert [fitted.batch_for(n) for n in (1, 2, 3, 4)] == [1, 4, 4, 4]
+    np.testing.assert_array_equal(got.mask, want.mask)
+    np.testing.assert_allclose(got.probs, want.probs, rtol=1e-6, atol=1e-7)  # the same windows, another batch
+
+
 def test_an_image_the_compiled_size_holds_is_not_tiled(window_bundle: Path) -> None:
     image = np.random.default_rng(3).integers(0, 256, (2, *WINDOW, 3), dtype=np.uint8)
     with Engine.load(window_bundle, "cpu") as engine:

@@ -139,12 +139,13 @@ def test_the_gpu_path_answers_as_the_cpu_path(engine: Engine, shape, blend) -> N
     spec = Window(overlap=0.25, blend=blend)
     size = engine.input_spec.shape[1:3]
     classes = next(o.shape[1] for o in engine.output_specs if o.name == "probs")
-    t = tiling.Tiling.plan(shape, spec, size, engine.batch_sizes[-1])
+    t = tiling.Tiling.plan(shape, spec, size, engine.batch_sizes[-1])  # every run at the largest batch
     cpu = tiling.tile_numpy(image, t, lambda b: engine.run(b, outputs=["probs"])["probs"], classes, probs=True)
+    fitted = tiling.Tiling.plan(shape, spec, size, engine.batch_sizes[-1], engine.batch_sizes)  # a short last run
     tiler = tiling.GpuTiler(engine.backend)
     try:
         with engine._lock:
-            gpu = tiler.run(image, t, spec, engine.run_batch, classes, probs=True)
+            gpu = tiler.run(image, fitted, spec, engine.run_batch, classes, probs=True)
     finally:
         tiler.close()
     assert gpu.mask.shape == shape and gpu.probs is not None

@@ -336,7 +336,7 @@ class Engine:
         want_probs = outputs is not None and "probs" in outputs
         t0, spent, masks, probs, windows = time.perf_counter(), {"A": 0.0, "B": 0.0}, [], [], 0
         for image in x:
-            t = tiling.Tiling.plan(image.shape[:2], win, size, win.batch or engine.batch_sizes[-1])
+            t = tiling.Tiling.plan(image.shape[:2], win, size, win.batch or engine.batch_sizes[-1], engine.batch_sizes)
             answer = engine._tile(image, t, spent, probs=want_probs)
             masks.append(answer.mask)
             probs.append(answer.probs)
