@@ -110,17 +110,20 @@ def _conv(cin: int, cout: int, k: int, group: int = 1) -> Callable:
     return weights
 
 
-def _conv_node(k: int, stride: int = 1, group: int = 1) -> onnx.NodeProto:
-    p = k // 2
-    return helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[p] * 4, strides=[stride] * 2, group=group)
+def _conv_node(k: int, stride: int = 1, group: int = 1, pads: tuple[int, ...] = ()) -> onnx.NodeProto:
+    pads = pads or (k // 2,) * 4
+    return helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=list(pads), strides=[stride] * 2, group=group)
 
 
-def _conv_case(name: str, n_hw: tuple[int, int, int], cout: int, k: int, stride: int = 1, group: int = 1) -> Case:
+def _conv_case(
+    name: str, n_hw: tuple[int, int, int], cout: int, k: int, stride: int = 1, group: int = 1, pads: tuple = ()
+) -> Case:
     cin, h, w = n_hw
-    out = [1, cout, (h + 2 * (k // 2) - k) // stride + 1, (w + 2 * (k // 2) - k) // stride + 1]
+    top, left, bottom, right = pads or (k // 2,) * 4
+    out = [1, cout, (h + top + bottom - k) // stride + 1, (w + left + right - k) // stride + 1]
 
     def build(elem: int, wts: dict) -> tuple[list[onnx.NodeProto], list[int]]:
-        node = _conv_node(k, stride, group)
+        node = _conv_node(k, stride, group, pads)
         node.output[0] = "y"
         return [node], out
 
@@ -193,6 +196,9 @@ CASES: tuple[Case, ...] = (
     _conv_case("conv3x3_c256_k2304", (256, 32, 32), 64, 3),
     _conv_case("conv3x3_s2_c3_stem", (3, 256, 256), 16, 3, stride=2),
     _conv_case("conv3x3_c16", (16, 128, 128), 16, 3),
+    _conv_case("conv3x3_s2_c16_c32", (16, 128, 128), 32, 3, stride=2),  # MONAI UNet's downsampling units
+    # A sub-pixel ConvTranspose's phases as the front end writes them (MONAI UNet's 2x upsampling)
+    _conv_case("conv2x2_subpixel_c64", (64, 64, 64), 128, 2, pads=(0, 0, 1, 1)),
     _conv_case("depthwise3x3_c16", (16, 128, 128), 16, 3, group=16),
     Case("conv1x1_c16_residual", (1, 16, 256, 256), _projection_residual, _conv(16, 16, 1)),
     Case(
