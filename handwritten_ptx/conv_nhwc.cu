@@ -28,7 +28,7 @@
 //   vector path (C, ldx multiple of 8, x and w 16-byte aligned): one tap (r,s) and BK consecutive
 //     channels, 16-byte cp.async copies through a STAGES-deep pipeline, zero-filled (src-size 0)
 //     outside the image and past C;
-//   scalar path (anything else, e.g. the RGB stem with C = 3): BK consecutive flattened taps
+//   scalar path (anything else: C % 8 != 0 where the stem entries below do not fit, odd slices): BK consecutive flattened taps
 //     k = (r*S + s)*C + c, element by element with bounds checks, gathered into registers one
 //     k-tile ahead (the loads of tile kt+1 fly during tile kt's MMAs), one shared stage.
 // Epilogue: the fp32 tile (accumulators + bias) goes through shared memory in passes of up to 64
@@ -384,7 +384,8 @@ __device__ __forceinline__ void vector_mainloop(const f16* __restrict__ x, const
     cp_async_wait<0>();
 }
 
-// GATHER: the entry for inputs the vector path cannot take (C % 8 != 0: RGB stems): the scalar
+// GATHER: the entry for inputs the vector path cannot take (C % 8 != 0; the RGB stems go to the
+// stem entries, conv_stem.cuh, wherever their shared memory fits): the scalar
 // path with the next k-tile's gathers in flight during this tile's MMAs. The other entries keep
 // the vector path and, for the odd launch it refuses (an unaligned pointer or channel stride),
 // the scalar path one k-tile at a time (no registers held across the MMAs, so the vector path
