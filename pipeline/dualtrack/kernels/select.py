@@ -107,7 +107,8 @@ def choose_conv(
        :data:`SMALL_C_MAX`, even over a tuned entry, which is an mma.sync tile that would gather
        such a layer's A tile element by element; the general conv: a few output channels);
     3. the tuned mma.sync entry of the layer (``tuned``, from a `dualtrack tune` file);
-    4. the spec's ``variant`` for ``device`` (the tile that fills its SMs).
+    4. the spec's ``variant`` for ``device`` (the tile that fills its SMs; for the general conv's
+       layers of C <= 8 input channels and group 1, its stem entries, kernels/conv_stem.py).
 
     A tuned entry never displaces the wgmma kernel: the tuner searches mma.sync tiles only, and the
     wgmma kernel beat cuDNN on every U-Net layer it takes (bench/results/wgmma_check-e477c6d.json).
