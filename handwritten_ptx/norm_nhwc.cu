@@ -460,14 +460,15 @@ __device__ __forceinline__ void layer_norm(const T* __restrict__ x, const T* __r
     for (long long p = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; p < pixels;
          p += warps) {
         const T* src = x + p * ldx;
+        const float shift = load_f32(src);  // channel 0: the mean as a deviation from it (layer_norm_regs)
         float sum = 0.0f;
         for (int c = lane * V; c < C; c += 32 * V) {
             float v[V];
             load_f32s(v, src + c);
 #pragma unroll
-            for (int j = 0; j < V; ++j) sum += v[j];
+            for (int j = 0; j < V; ++j) sum += v[j] - shift;
         }
-        const float mu = warp_sum(sum) * inv_c;
+        const float mu = fmaf(warp_sum(sum), inv_c, shift);
         float sq = 0.0f;
         for (int c = lane * V; c < C; c += 32 * V) {
             float v[V];
@@ -492,22 +493,169 @@ __device__ __forceinline__ void layer_norm(const T* __restrict__ x, const T* __r
     }
 }
 
+// Sums over the L lanes of a team, of P values at once (L a power of two up to 32, teams aligned
+// within the warp; every lane of the warp calls it).
+template <int P>
+__device__ __forceinline__ void team_sums(float (&v)[P], int L) {
+    for (int d = 1; d < L; d *= 2) {
+#pragma unroll
+        for (int q = 0; q < P; ++q) v[q] += __shfl_xor_sync(0xffffffffu, v[q], d);
+    }
+}
+
+// The most channels the register path takes (LAYER_MAX_K vectors a lane of a warp-wide team).
+#define LAYER_MAX_K 4
+#define LAYER_MAX_C (LAYER_MAX_K * 32 * 8)
+// LayerNorm blocks an SM holds: two at 256 threads (at most 128 registers: no spills with NVRTC 13.0
+// for sm_90a and sm_120; compute_80's code spills under that bound, so it takes what it needs).
+#if __CUDA_ARCH__ >= 900
+#define NORM_LAYER_BLOCKS (512 / NORM_THREADS > 0 ? 512 / NORM_THREADS : 1)
+#else
+#define NORM_LAYER_BLOCKS 1
+#endif
+
+// LayerNorm over channels with the pixels in registers: a team of L lanes a pixel (L = C/V rounded
+// up to a power of two, at most a warp), lane l holding vectors l, l + L, ... (K of them) packed, so
+// x is read once: the mean, then the squared deviations from it (exact two-pass statistics), then
+// the output, all from registers. A team takes P pixels a step (K * P = 4 vectors a lane in flight,
+// the apply pass's depth); a warp's 32/L teams take 32/L neighbouring pixels at each of the P, and
+// the warp steps uniformly (the shuffles see every lane), grid-stride over the pixels. gamma and beta
+// (1 and 0 where null) sit in shared memory, loaded once a block: in registers they cost 64 at K = 4.
+template <typename T, int V, int K, int P>
+__device__ __forceinline__ void layer_norm_regs(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y,
+                                                long long pixels, int C, int ldx, int ldr, int ldy, int L, float eps,
+                                                const NormEpilogue& ep, float* __restrict__ s_g,
+                                                float* __restrict__ s_b) {
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        s_g[c] = ep.gamma != nullptr ? ep.gamma[c] : 1.0f;
+        s_b[c] = ep.beta != nullptr ? ep.beta[c] : 0.0f;
+    }
+    __syncthreads();
+    const int cv = C / V, lane = threadIdx.x % L, team = (threadIdx.x % 32) / L, per_warp = 32 / L;
+    const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x / 32);
+    const long long warp = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+    const float inv_c = 1.0f / static_cast<float>(C);
+    for (long long base = warp * per_warp * P; base < pixels; base += warps * per_warp * P) {
+        long long p[P];
+        bool ok[P][K];
+        Raw<T, V> xs[P][K];
+#pragma unroll
+        for (int q = 0; q < P; ++q) {
+            p[q] = base + q * per_warp + team;
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                ok[q][k] = p[q] < pixels && lane + k * L < cv;
+                if (ok[q][k]) {
+                    xs[q][k].load(x + p[q] * ldx + (lane + k * L) * V);
+                } else {
+                    xs[q][k] = Raw<T, V>{};  // zeros: lane 0's channel 0 is read for the shift below
+                }
+            }
+        }
+        // The mean as the pixel's channel 0 plus the mean deviation from it: a sum of values far from
+        // 0 would lose their spread (mean 100, std 0.01: fp32's ulp of the sum is 0.001).
+        float shift[P], mu[P], sq[P];
+#pragma unroll
+        for (int q = 0; q < P; ++q) {
+            float v0[V];
+            xs[q][0].unpack(v0);
+            shift[q] = __shfl_sync(0xffffffffu, v0[0], team * L);  // lane 0 of the team: channel 0
+            mu[q] = 0.0f;
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                if (ok[q][k]) {
+                    float v[V];
+                    xs[q][k].unpack(v);
+#pragma unroll
+                    for (int j = 0; j < V; ++j) mu[q] += v[j] - shift[q];
+                }
+            }
+        }
+        team_sums(mu, L);
+#pragma unroll
+        for (int q = 0; q < P; ++q) {
+            mu[q] = fmaf(mu[q], inv_c, shift[q]);
+            sq[q] = 0.0f;
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                if (ok[q][k]) {
+                    float v[V];
+                    xs[q][k].unpack(v);
+#pragma unroll
+                    for (int j = 0; j < V; ++j) sq[q] = fmaf(v[j] - mu[q], v[j] - mu[q], sq[q]);
+                }
+            }
+        }
+        team_sums(sq, L);
+#pragma unroll
+        for (int q = 0; q < P; ++q) {
+            const float rstd = rsqrtf(sq[q] * inv_c + eps);
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                if (!ok[q][k]) continue;
+                const int c = (lane + k * L) * V;
+                float v[V], rv[V];
+                xs[q][k].unpack(v);
+                if (ep.res != 0) load_f32s(rv, r + p[q] * ldr + c);  // here: 16 registers fewer held
+#pragma unroll
+                for (int j = 0; j < V; ++j) {
+                    const float t = fmaf((v[j] - mu[q]) * rstd, s_g[c + j], s_b[c + j]);
+                    v[j] = ep.res == 1 ? t + rv[j] : t;
+                }
+                dt_activate_n(v, ep.act, ep.p0, ep.p1);
+                if (ep.res == 2) {
+#pragma unroll
+                    for (int j = 0; j < V; ++j) v[j] += rv[j];
+                }
+                store_f32s(y + p[q] * ldy + c, v);
+            }
+        }
+    }
+}
+
+// One LayerNorm entry's dispatch: teams of L = C/V rounded up to a power of two (at most 32) lanes,
+// K = C/V / L vectors a lane from 1 to LAYER_MAX_K (and C within the shared gamma and beta), else a
+// warp a pixel from L1.
+template <typename T, int V>
+__device__ __forceinline__ void layer_norm_any(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y,
+                                               long long pixels, int C, int ldx, int ldr, int ldy, float eps,
+                                               const NormEpilogue& ep) {
+    __shared__ float s_g[LAYER_MAX_C], s_b[LAYER_MAX_C];  // one pair for every K: a launch takes one
+    const int cv = C / V;
+    int L = 1;
+    while (L < cv && L < 32) L *= 2;
+    switch (C <= LAYER_MAX_C ? (cv + L - 1) / L : 0) {
+        case 1: layer_norm_regs<T, V, 1, 4>(x, r, y, pixels, C, ldx, ldr, ldy, L, eps, ep, s_g, s_b); return;
+        case 2: layer_norm_regs<T, V, 2, 2>(x, r, y, pixels, C, ldx, ldr, ldy, L, eps, ep, s_g, s_b); return;
+        case 3: layer_norm_regs<T, V, 3, 1>(x, r, y, pixels, C, ldx, ldr, ldy, L, eps, ep, s_g, s_b); return;
+        case 4: layer_norm_regs<T, V, 4, 1>(x, r, y, pixels, C, ldx, ldr, ldy, L, eps, ep, s_g, s_b); return;
+        default: layer_norm<T, V>(x, r, y, pixels, C, ldx, ldr, ldy, eps, ep);
+    }
+}
+
 #define LAYER_NORM_PARAMS(T)                                                                               \
     (const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y, const float* __restrict__ gamma, \
      const float* __restrict__ beta, int N, int H, int W, int C, int ldx, int ldr, int ldy, int res,       \
      float eps, int act, float p0, float p1)
 
-extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_nhwc_layer_f16 LAYER_NORM_PARAMS(f16) {
+extern "C" __global__ void __launch_bounds__(NORM_THREADS, NORM_LAYER_BLOCKS)
+norm_nhwc_layer_f16 LAYER_NORM_PARAMS(f16) {
     const NormEpilogue ep = {gamma, beta, res, act, p0, p1};
     const long long pixels = static_cast<long long>(N) * H * W;
     if (norm_vec(x, r, y, C, ldx, ldr, ldy, res, 8)) {
-        layer_norm<f16, 8>(x, r, y, pixels, C, ldx, ldr, ldy, eps, ep);
+        layer_norm_any<f16, 8>(x, r, y, pixels, C, ldx, ldr, ldy, eps, ep);
         return;
     }
-    layer_norm<f16, 1>(x, r, y, pixels, C, ldx, ldr, ldy, eps, ep);
+    layer_norm_any<f16, 1>(x, r, y, pixels, C, ldx, ldr, ldy, eps, ep);
 }
 
-extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_nhwc_layer_f32 LAYER_NORM_PARAMS(float) {
+extern "C" __global__ void __launch_bounds__(NORM_THREADS, NORM_LAYER_BLOCKS)
+norm_nhwc_layer_f32 LAYER_NORM_PARAMS(float) {
     const NormEpilogue ep = {gamma, beta, res, act, p0, p1};
-    layer_norm<float, 1>(x, r, y, static_cast<long long>(N) * H * W, C, ldx, ldr, ldy, eps, ep);
+    const long long pixels = static_cast<long long>(N) * H * W;
+    if (norm_vec(x, r, y, C, ldx, ldr, ldy, res, 4)) {
+        layer_norm_any<float, 4>(x, r, y, pixels, C, ldx, ldr, ldy, eps, ep);
+        return;
+    }
+    layer_norm_any<float, 1>(x, r, y, pixels, C, ldx, ldr, ldy, eps, ep);
 }

@@ -13,6 +13,7 @@ import pytest
 
 from dualtrack import kernels
 from dualtrack.errors import InputError
+from dualtrack.kernels.norm import LAYER_MAX_C, LAYER_PIXELS
 
 NORM = kernels.KERNELS["norm"]
 
@@ -161,3 +162,54 @@ def test_the_final_merge_takes_every_partial_of_every_group_once(hw: tuple[int, 
     assert ch.chunks * C <= max(C, NORM.merge_items)
     pixels = merge_coverage(hw[0] * hw[1], C, G, ch.chunk, ch.chunks)
     assert (pixels == hw[0] * hw[1] * (C // G)).all()
+
+
+def layer_visits(N: int, H: int, W: int, C: int, dtype: str, V: int, sms: int) -> np.ndarray:
+    """How often the LayerNorm launch writes each (pixel, channel) when the kernel takes V channels a
+    load, as layer_norm_any and layer_norm_regs map them (teams of L lanes, K vectors a lane, P pixels
+    a team a step, warps striding uniformly), or a warp a pixel (layer_norm) past the register path."""
+    cfg = NORM.layer_launch(dtype, N, H, W, C, C, C, sms=sms)
+    (bx, by, bz), (tx, ty, tz) = cfg.grid, cfg.block
+    assert (by, bz, ty, tz) == (1, 1, 1, 1) and tx % 32 == 0
+    pixels, cv = N * H * W, C // V
+    team = min(32, 1 << (cv - 1).bit_length())
+    k = -(-cv // team)
+    seen = np.zeros((pixels, C), np.int64)
+    warps = bx * tx // 32
+    if C > LAYER_MAX_C or k not in LAYER_PIXELS:
+        for p in range(pixels):  # warp p % warps, lanes over the vectors
+            seen[p] += 1
+        return seen
+    per_warp = 32 // team
+    step = per_warp * LAYER_PIXELS[k]
+    lane, t = np.arange(32) % team, np.arange(32) // team
+    for w in range(warps):
+        for base in range(w * step, pixels, warps * step):
+            for q in range(LAYER_PIXELS[k]):
+                p = base + q * per_warp + t
+                for kk in range(k):
+                    vec = lane + kk * team
+                    ok = (p < pixels) & (vec < cv)
+                    for j in range(V):
+                        np.add.at(seen, (p[ok], vec[ok] * V + j), 1)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("N", "hw", "C", "dtype", "V", "sms"),
+    [
+        (n, hw, c, dtype, v, sms)
+        for n, hw, c, (dtype, v), sms in itertools.product(
+            (1, 3),
+            ((1, 1), (5, 7)),
+            (3, 8, 20, 96, 264, 768, 1032),
+            (("float16", 8), ("float16", 1), ("float32", 4)),
+            (0, 2),
+        )
+        if c % v == 0
+    ],
+)
+def test_every_pixel_and_channel_of_the_layer_norm_gets_exactly_one_write(
+    N: int, hw: tuple[int, int], C: int, dtype: str, V: int, sms: int
+) -> None:
+    assert (layer_visits(N, *hw, C, dtype, V, sms) == 1).all()

@@ -97,6 +97,10 @@ CASES = [  # kind, N, C, H, W, groups, eps, activation, residual
     ("group", 5, 20, 3, 5, 2, 1e-5, "silu", "after_act"),
     ("instance", 5, 36, 1, 1, 36, 1e-3, "leakyrelu", "none"),  # one pixel: variance 0, y = beta
     ("group", 1, 264, 9, 7, 4, 1e-5, "none", "before_act"),
+    ("layer", 5, 264, 3, 5, 1, 1e-6, "silu", "before_act"),  # two vectors a lane (fp16)
+    ("layer", 1, 768, 9, 7, 1, 1e-6, "none", "after_act"),  # three (fp16); fp32: the warp-a-pixel path
+    ("layer", 2, 1032, 3, 3, 1, 1e-6, "leakyrelu", "none"),  # past the register path
+    ("layer", 1, 20, 30, 20, 1, 1e-5, "none", "none"),
 ]
 
 
@@ -232,3 +236,24 @@ def test_the_statistics_launch_leaves_its_counters_ready_for_the_next(engine, mo
         launch_all(mods, s, p)
         result = compare(f"launch {i}", NORM.reference(x, groups=groups).astype(np.float32), s.result(), TOL[dtype])
         assert result.passed, result
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("c", [96, 264, 768])
+def test_layer_norm_of_a_large_mean_matches_the_float64_reference(engine, mods, dtype, c) -> None:
+    """The cancellation case (mean 100, std 0.01) over the channels of each pixel: LARGE_MEAN_TOL."""
+    n, h, w = 2, 9, 7
+    s = Slices(engine, dtype, 0)
+    x = (100 + 0.01 * s.rng.standard_normal((n, h, w, c))).astype(dtype)
+    gamma = (1 + 0.5 * s.rng.standard_normal(c)).astype(np.float32)
+    beta = (0.5 * s.rng.standard_normal(c)).astype(np.float32)
+    px, ldx = s.input(x)
+    py, ldy = s.output((n, h, w, c))
+    p = NORM.prepare_norm(
+        dtype, n, h, w, c, x=px, y=py, ldx=ldx, ldy=ldy, kind="layer", eps=1e-6,
+        weights=[s.weights(gamma), s.weights(beta)], ctx=Ctx(s, engine.backend.track_a.device),
+    )  # fmt: skip
+    launch_all(mods, s, p)
+    want = NORM.reference(x, gamma, beta, kind="layer", eps=1e-6).astype(np.float32)
+    result = compare(f"layer norm C={c}", want, s.result().astype(np.float32), LARGE_MEAN_TOL[dtype])
+    assert result.passed, result

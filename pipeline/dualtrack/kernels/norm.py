@@ -46,6 +46,10 @@ from dualtrack.kernels.streaming import StreamingSpec
 
 KIND_NAMES = {code: name for name, code in NORM_KINDS.items()}
 RES_NAMES = {code: name for name, code in NORM_RES.items()}
+# The LayerNorm register path's pixels a team takes a step by vectors a lane (norm_nhwc.cu,
+# layer_norm_any's switch), and the most channels it takes (LAYER_MAX_C); only the grid size reads them.
+LAYER_PIXELS = {1: 4, 2: 2, 3: 1, 4: 1}
+LAYER_MAX_C = 1024
 STATS_PARAMS = ("x", "part", "mean", "var", "arrivals", "N", "H", "W", "C", "ldx", "G", "chunk")
 LAYER_PARAMS = (
     "x", "r", "y", "gamma", "beta", "N", "H", "W", "C", "ldx", "ldr", "ldy", "res", "eps", "act", "p0", "p1",
@@ -181,9 +185,21 @@ class NormSpec(StreamingSpec):
             raise InputError(f"norm needs {blocks} blocks an image; split the image")
         return LaunchConfig((blocks, N, 1), (self.block_threads, 1, 1))
 
-    def layer_launch(self, N: int, H: int, W: int) -> LaunchConfig:
-        """A warp per pixel."""
-        return self._blocks(cdiv(N * H * W, self.block_threads // 32))
+    def layer_launch(
+        self, dtype: Any, N: int, H: int, W: int, C: int, *lds: int, sms: int = 0, pointers: Sequence[int] = ()
+    ) -> LaunchConfig:
+        """A team of L lanes a pixel taking P pixels a step (norm_nhwc.cu, layer_norm_any: L = C/V
+        rounded up to a power of two, at most 32; K = C/V / L vectors a lane, P = 4/K pixels, or a warp
+        a pixel past LAYER_MAX_C channels): blocks for every pixel once, at most ``apply_waves`` full
+        waves of a GPU of ``sms`` SMs (the kernel strides over the rest)."""
+        cv = C // vector_lanes(dtype, C, lds, pointers)
+        team = min(32, 1 << (cv - 1).bit_length())
+        k = cdiv(cv, team)
+        per_warp = (32 // team) * LAYER_PIXELS[k] if C <= LAYER_MAX_C and k in LAYER_PIXELS else 1
+        blocks = cdiv(N * H * W, (self.block_threads // 32) * per_warp)
+        if sms:
+            blocks = min(blocks, self.apply_waves * sms * (2048 // self.block_threads))
+        return self._blocks(blocks)
 
     def _blocks(self, blocks: int) -> LaunchConfig:
         if blocks > INT32_MAX:
@@ -321,15 +337,16 @@ class NormSpec(StreamingSpec):
             "N": N, "H": H, "W": W, "C": C, "ldx": ldx, "ldy": ldy, "ldr": ldr or C, "G": G,
             "res": NORM_RES[res], "eps": eps, **(act or Activation()).kernel_args(),
         }  # fmt: skip
+        lds, ptrs = (ldx, ldy, *((ldr,) if res != "none" else ())), (x, y, *((r or 0,) if res != "none" else ()))
+        sms = ctx.device.sm_count
         if kind == "layer":
-            return PreparedCall(
-                self.sub_entry("layer", dtype), self.layer_launch(N, H, W), typed(LAYER_PARAMS, 5, values)
-            )
+            config = self.layer_launch(dtype, N, H, W, C, *lds, sms=sms, pointers=ptrs)
+            return PreparedCall(self.sub_entry("layer", dtype), config, typed(LAYER_PARAMS, 5, values))
         before: tuple[PreparedCall, ...] = ()
         if kind == "affine":
             values.update(mean=weights[2], var=weights[3], stat_n=0)
         else:
-            ch = self.chunking(N, H, W, C, G, ctx.device.sm_count, vector_lanes(dtype, C, (ldx,), (x,)))
+            ch = self.chunking(N, H, W, C, G, sms, vector_lanes(dtype, C, (ldx,), (x,)))
             part = ctx.workspace(ch.nbytes)
             mean = part + 4 * ch.part_floats
             var = mean + 4 * ch.stat_floats
@@ -337,6 +354,5 @@ class NormSpec(StreamingSpec):
             values.update(part=part, mean=mean, var=var, arrivals=arrivals, stat_n=G, chunk=ch.chunk)
             stats = self.sub_entry("stats", dtype)
             before = (PreparedCall(stats, self.stats_launch(N, ch), typed(STATS_PARAMS, 5, values)),)
-        lds, ptrs = (ldx, ldy, *((ldr,) if res != "none" else ())), (x, y, *((r or 0,) if res != "none" else ()))
-        config = self.apply_launch(dtype, N, H, W, C, *lds, sms=ctx.device.sm_count, pointers=ptrs)
+        config = self.apply_launch(dtype, N, H, W, C, *lds, sms=sms, pointers=ptrs)
         return PreparedCall(self.entry(dtype), config, typed(self.PARAMS, self.POINTERS, values), before=before)
