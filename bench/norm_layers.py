@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Time and bandwidth of the group norm (op ``norm``, handwritten_ptx/norm_nhwc.cu) on the shapes of
-MONAI's UNet (the corpus's, channels 16..256, num_res_units 2) at 512x512: its 17 InstanceNorms.
+"""Time and bandwidth of the norm op (handwritten_ptx/norm_nhwc.cu) on a corpus network's norm shapes
+at 512x512: MONAI's UNet's 17 InstanceNorms (channels 16..256, num_res_units 2; the group path:
+statistics, then apply) or, with ``--net convnext``, tu-convnext_tiny's 22 LayerNorms over channels
+(96..768; the one-launch layer path).
 
-    python bench/norm_layers.py OUT.json [--batches 1 8] [--iters 50] [--dtype float16]
+    python bench/norm_layers.py OUT.json [--batches 1 8] [--iters 50] [--dtype float16] [--net convnext]
 
 Needs a CUDA GPU, torch with CUDA (random data, eager torch for comparison) and dualtrack on the path
 (the kernels are the checked-in PTX for the device's arch, JIT-compiled by the driver, launched
@@ -12,13 +14,15 @@ tree's ``pipeline/`` first on PYTHONPATH (its PTX comes with it).
 
 Each row is one distinct shape as the partition lowers it: InstanceNorm (G = C) with PReLU's one
 slope (LeakyReLU 0.25) and, for a ResidualUnit's last norm, the unit's residual added after the
-activation. Before it is timed, the output (NaN-poisoned first) is checked against the float64
-reference (NormSpec.reference, rel L2 <= 2e-3). Times are the median of ``--iters`` runs between
-CUDA events after 5 warm-ups: ``norm_us`` every launch of the norm, ``<entry>_us`` each launch
-alone. ``gbps`` is the bytes a norm must move (x read twice, the residual once, y written once)
-over ``norm_us``; ``stats_gbps`` and ``apply_gbps`` the same for their launches (x; x, r and y).
-``torch_us``: eager ``F.instance_norm`` + ``leaky_relu`` (+ add) on channels_last tensors.
-Prints a table and writes the rows and per-batch totals (weighted by how often a shape occurs).
+activation; ConvNeXt's LayerNorms (eps 1e-6) with neither. Before it is timed, the output
+(NaN-poisoned first) is checked against the float64 reference (NormSpec.reference, rel L2 <= 2e-3).
+Times are the median of ``--iters`` runs between CUDA events after 5 warm-ups: ``norm_us`` every
+launch of the norm, ``<entry>_us`` each launch alone. ``gbps`` is the bytes a norm must move (x read
+twice for a group norm, once for a layer norm, the residual once, y written once) over ``norm_us``;
+``stats_gbps`` and ``apply_gbps`` the same for their launches (x; x, r and y). ``torch_us``: eager
+``F.instance_norm`` + ``leaky_relu`` (+ add) on channels_last tensors, or ``F.layer_norm`` over the
+last dim of the NHWC tensor. Prints a table and writes the rows and per-batch totals (weighted by
+how often a shape occurs).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class Layer:
     C: int
     H: int
     residual: bool
+    kind: str = "group"
 
 
 # MONAI UNet(channels=(16, 32, 64, 128, 256), strides=(2, 2, 2, 2), num_res_units=2, out_channels=2):
@@ -70,6 +75,14 @@ LAYERS = [
     Layer("c256_32", 1, 256, 32, False),
     Layer("c256_32_res", 1, 256, 32, True),
     Layer("c2_512", 1, 2, 512, False),
+]
+# timm convnext_tiny as smp's tu- encoder: the stem's LayerNorm2d, each block's LayerNorm (channels
+# last), each downsample's LayerNorm2d, stages of 3, 3, 9, 3 blocks at 128, 64, 32, 16 pixels.
+CONVNEXT = [
+    Layer("ln96_128", 5, 96, 128, False, "layer"),
+    Layer("ln192_64", 4, 192, 64, False, "layer"),
+    Layer("ln384_32", 10, 384, 32, False, "layer"),
+    Layer("ln768_16", 3, 768, 16, False, "layer"),
 ]
 
 
@@ -109,9 +122,11 @@ def run_layer(kernels: dict, stream: Stream, ctx: Workspace, layer: Layer, n: in
     gamma = (1 + 0.5 * torch.randn(layer.C, device="cuda")).float()
     beta = (0.5 * torch.randn(layer.C, device="cuda")).float()
     res = "after_act" if layer.residual else "none"
+    act, eps = (ACT, 1e-5) if layer.kind == "group" else (Activation(), 1e-6)
     p = NORM.prepare_norm(
         dtype, *shape, x=x.data_ptr(), y=y.data_ptr(), r=r.data_ptr() if r is not None else None,
-        weights=[gamma.data_ptr(), beta.data_ptr()], ctx=ctx, groups=layer.C, res=res, act=ACT,
+        weights=[gamma.data_ptr(), beta.data_ptr()], ctx=ctx, kind=layer.kind, groups=layer.C, res=res, act=act,
+        eps=eps,
     )  # fmt: skip
     launches = [(q, kernels[q.entry]) for q in (*p.before, p)]
 
@@ -122,8 +137,8 @@ def run_layer(kernels: dict, stream: Stream, ctx: Workspace, layer: Layer, n: in
     launch()
     torch.cuda.synchronize()
     want = NORM.reference(
-        x.cpu().numpy(), gamma.cpu().numpy(), beta.cpu().numpy(), groups=layer.C, res=res, act=ACT,
-        r=r.cpu().numpy() if r is not None else None,
+        x.cpu().numpy(), gamma.cpu().numpy(), beta.cpu().numpy(), kind=layer.kind, groups=layer.C, eps=eps,
+        res=res, act=act, r=r.cpu().numpy() if r is not None else None,
     ).astype(np.float64)  # fmt: skip
     got = y.float().cpu().numpy().astype(np.float64)
     rel_l2 = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
@@ -131,17 +146,21 @@ def run_layer(kernels: dict, stream: Stream, ctx: Workspace, layer: Layer, n: in
     xb = x.numel() * x.element_size()
     row = {**asdict(layer), "N": n, "dtype": dtype, "rel_l2": rel_l2, "passed": passed, "launches": len(launches)}
     row["norm_us"] = median_us(launch, iters)
-    row["gbps"] = (3 + layer.residual) * xb / row["norm_us"] / 1e3
+    row["gbps"] = (2 + (layer.kind == "group") + layer.residual) * xb / row["norm_us"] / 1e3
     for q, fn in launches:
         row[f"{q.entry}_us"] = median_us(lambda q=q, fn=fn: launch([(q, fn)]), iters)
         moved = xb if "_stats_" in q.entry else (2 + layer.residual) * xb if q is p else 0
         if moved:
             row["stats_gbps" if "_stats_" in q.entry else "apply_gbps"] = moved / row[f"{q.entry}_us"] / 1e3
-    row["torch_us"] = median_us(lambda: torch_norm(x, r, gamma, beta), iters)
+    row["torch_us"] = median_us(lambda: torch_norm(layer.kind, x, r, gamma, beta), iters)
     return row
 
 
-def torch_norm(x: torch.Tensor, r: torch.Tensor | None, gamma: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+def torch_norm(
+    kind: str, x: torch.Tensor, r: torch.Tensor | None, gamma: torch.Tensor, beta: torch.Tensor
+) -> torch.Tensor:
+    if kind == "layer":
+        return F.layer_norm(x, x.shape[-1:], gamma.to(x.dtype), beta.to(x.dtype), 1e-6)
     t = x.permute(0, 3, 1, 2)  # NCHW view of NHWC memory: channels_last
     t = F.leaky_relu(F.instance_norm(t, weight=gamma.to(x.dtype), bias=beta.to(x.dtype)), 0.25)
     return t + r.permute(0, 3, 1, 2) if r is not None else t
@@ -153,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--dtype", choices=("float16", "float32"), default="float16")
+    ap.add_argument("--net", choices=("monai", "convnext"), default="monai", help="whose norms (default: %(default)s)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("norm_layers: needs a CUDA GPU and torch with CUDA", file=sys.stderr)
@@ -173,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         f" {'torch us':>8}"
     )
     for n in args.batches:
-        for layer in LAYERS:
+        for layer in CONVNEXT if args.net == "convnext" else LAYERS:
             row = run_layer(kernels, stream, work, layer, n, args.dtype, args.iters)
             rows.append(row)
             print(
@@ -186,11 +206,12 @@ def main(argv: list[str] | None = None) -> int:
             "norm_us": sum(r["norm_us"] * r["uses"] for r in mine),
             "torch_us": sum(r["torch_us"] * r["uses"] for r in mine),
         }
-        print(f"N={n}: MONAI UNet's 17 norms, weighted by use: {totals[str(n)]['norm_us']:.1f} us")
+        print(f"N={n}: the {args.net} norms, weighted by use: {totals[str(n)]['norm_us']:.1f} us")
     doc = {
         "commit": os.environ.get("DUALTRACK_COMMIT", "unknown"),
         "gpu": torch.cuda.get_device_name(),
         "arch": choice.arch,
+        "net": args.net,
         "rows": rows,
         "totals": totals,
     }
