@@ -225,14 +225,24 @@ __device__ __forceinline__ Moments team_merge(Moments m, int S, StatsShared<V>& 
     return m;
 }
 
-// The last block of image n: its chunks x C partials -> mean, var of each of its G groups. A team of
-// S threads a group (S: the largest power of two with a team for every group while the block lasts,
-// no wider than the group's items), each thread merging items lane, lane + S, ... in order.
+// Where item i of group g lies among an image's partials [chunk][C]: chunk k = i / (reps cg), then
+// the group's channel j % cg in copy j / cg of the Cr real channels (the C = reps Cr channels of the
+// flat view repeat them; reps = 1 otherwise).
+__device__ __forceinline__ long long item_offset(int i, int g, int cg, int reps_cg, int C, int Cr, int& k) {
+    k = i / reps_cg;
+    const int j = i - k * reps_cg, copy = j / cg;
+    return static_cast<long long>(k) * C + copy * Cr + g * cg + (j - copy * cg);
+}
+
+// The last block of image n: its chunks x C partials -> mean, var of each of its G groups of the Cr
+// real channels. A team of S threads a group (S: the largest power of two with a team for every
+// group while the block lasts, no wider than the group's items), each thread merging items lane,
+// lane + S, ... in order.
 template <int V>
 __device__ __forceinline__ void finalize_image(const float* __restrict__ part, float* __restrict__ mean,
-                                               float* __restrict__ var, long long n, int HW, int C, int G,
+                                               float* __restrict__ var, long long n, int HW, int C, int Cr, int G,
                                                int chunk, int chunks, StatsShared<V>& sh) {
-    const int cg = C / G, items = chunks * cg;
+    const int cg = Cr / G, reps_cg = C / Cr * cg, items = chunks * reps_cg;
     int S = 1;
     while (S * 2 <= NORM_THREADS / G && S < items) S *= 2;
     const int teams = NORM_THREADS / S, team = threadIdx.x / S, lane = threadIdx.x % S;
@@ -246,18 +256,15 @@ __device__ __forceinline__ void finalize_image(const float* __restrict__ part, f
                 float2 pm[MERGE_UNROLL];
                 int k[MERGE_UNROLL];
 #pragma unroll
-                for (int u = 0; u < MERGE_UNROLL; ++u) {
-                    const int it = i + u * S;
-                    k[u] = it / cg;
-                    pm[u] = load_partial(img + 2 * (static_cast<long long>(k[u]) * C + g * cg + it - k[u] * cg));
-                }
+                for (int u = 0; u < MERGE_UNROLL; ++u)
+                    pm[u] = load_partial(img + 2 * item_offset(i + u * S, g, cg, reps_cg, C, Cr, k[u]));
 #pragma unroll
                 for (int u = 0; u < MERGE_UNROLL; ++u)
                     m.add(static_cast<float>(min(chunk, HW - k[u] * chunk)), pm[u].x, pm[u].y);
             }
             for (; i < items; i += S) {
-                const int k = i / cg;
-                const float2 pm = load_partial(img + 2 * (static_cast<long long>(k) * C + g * cg + i - k * cg));
+                int k;
+                const float2 pm = load_partial(img + 2 * item_offset(i, g, cg, reps_cg, C, Cr, k));
                 m.add(static_cast<float>(min(chunk, HW - k * chunk)), pm.x, pm.y);
             }
         }
@@ -271,11 +278,13 @@ __device__ __forceinline__ void finalize_image(const float* __restrict__ part, f
 
 // The stats launch. Grid (tiles, chunks, N): a tile is `cols` channel vectors (all C/V of them up to
 // the block's width), the block's threads `rows` rows of `cols` (idle beyond rows x cols); a block
-// takes tiles blockIdx.x, += gridDim.x, so any grid width covers the channels.
+// takes tiles blockIdx.x, += gridDim.x, so any grid width covers the channels. HW pixels of C
+// channels: the tensor's, or its flat view (C = reps Cr: a dense tensor of Cr | V channels read as
+// V-channel pixels, so each load is 16 bytes and every lane busy).
 template <typename T, int V>
 __device__ __forceinline__ void norm_stats(const T* __restrict__ x, float* __restrict__ part, float* __restrict__ mean,
                                            float* __restrict__ var, int* __restrict__ arrivals, int HW, int C,
-                                           int ldx, int G, int chunk) {
+                                           int Cr, int ldx, int G, int chunk) {
     __shared__ StatsShared<V> sh;
     const int cv = C / V, cols = min(cv, NORM_THREADS), rows = NORM_THREADS / cols;
     const int tiles = (cv + cols - 1) / cols;
@@ -295,29 +304,37 @@ __device__ __forceinline__ void norm_stats(const T* __restrict__ x, float* __res
     if (!sh.last) return;
     if (threadIdx.x == 0) arrivals[n] = 0;  // every block of image n has arrived: ready for the next launch
     __threadfence();
-    finalize_image<V>(part, mean, var, n, HW, C, G, chunk, chunks, sh);
+    finalize_image<V>(part, mean, var, n, HW, C, Cr, G, chunk, chunks, sh);
 }
 
 #define NORM_STATS_PARAMS(T)                                                                               \
     (const T* __restrict__ x, float* __restrict__ part, float* __restrict__ mean, float* __restrict__ var, \
-     int* __restrict__ arrivals, int N, int H, int W, int C, int ldx, int G, int chunk)
+     int* __restrict__ arrivals, int N, int H, int W, int C, int ldx, int G, int chunk, int reps)
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS, NORM_STATS_BLOCKS)
 norm_nhwc_stats_f16 NORM_STATS_PARAMS(f16) {
-    if (vec_ok(x, ldx, C, 8)) {
-        norm_stats<f16, 8>(x, part, mean, var, arrivals, H * W, C, ldx, G, chunk);
+    if (reps > 1) {  // the flat view, as dualtrack.kernels.norm planned it (flat_reps)
+        norm_stats<f16, 8>(x, part, mean, var, arrivals, H * W / reps, C * reps, C, C * reps, G, chunk);
         return;
     }
-    norm_stats<f16, 1>(x, part, mean, var, arrivals, H * W, C, ldx, G, chunk);
+    if (vec_ok(x, ldx, C, 8)) {
+        norm_stats<f16, 8>(x, part, mean, var, arrivals, H * W, C, C, ldx, G, chunk);
+        return;
+    }
+    norm_stats<f16, 1>(x, part, mean, var, arrivals, H * W, C, C, ldx, G, chunk);
 }
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS, NORM_STATS_BLOCKS)
 norm_nhwc_stats_f32 NORM_STATS_PARAMS(float) {
-    if (vec_ok(x, ldx, C, 4)) {
-        norm_stats<float, 4>(x, part, mean, var, arrivals, H * W, C, ldx, G, chunk);
+    if (reps > 1) {
+        norm_stats<float, 4>(x, part, mean, var, arrivals, H * W / reps, C * reps, C, C * reps, G, chunk);
         return;
     }
-    norm_stats<float, 1>(x, part, mean, var, arrivals, H * W, C, ldx, G, chunk);
+    if (vec_ok(x, ldx, C, 4)) {
+        norm_stats<float, 4>(x, part, mean, var, arrivals, H * W, C, C, ldx, G, chunk);
+        return;
+    }
+    norm_stats<float, 1>(x, part, mean, var, arrivals, H * W, C, C, ldx, G, chunk);
 }
 
 // The epilogue every entry shares: normalised v of channel c -> affine, residual, activation.
@@ -359,14 +376,16 @@ __device__ __forceinline__ void apply_vec(float (&v)[V], const float (&rv)[V], c
 // pass streams x (and r) in and y out alone, NORM_UNROLL pixels' loads issued before their math (with
 // one 16-byte load in flight a thread it ran near 30% of H100's bandwidth on MONAI's UNet at N=8:
 // bench/results/kernel_profile-8d2fe87-h100.json).
-// The launch (dualtrack.kernels.norm) gives an image at least C threads, so any V finds C/V.
+// The launch (dualtrack.kernels.norm) gives an image at least C threads, so any V finds C/V. HW
+// pixels of C channels: the tensor's, or its flat view (C = reps Cr, as the stats launch's), channel
+// c of the layout being real channel c % Cr.
 template <typename T, int V>
 __device__ __forceinline__ void norm_apply(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y,
-                                           const float* __restrict__ mean, const float* __restrict__ var, int H,
-                                           int W, int C, int ldx, int ldr, int ldy, int G, int stat_n, float eps,
-                                           const NormEpilogue& ep) {
-    const int CV = C / V, cg = C / G;
-    const long long HW = static_cast<long long>(H) * W, n = blockIdx.y;
+                                           const float* __restrict__ mean, const float* __restrict__ var,
+                                           long long HW, int C, int Cr, int ldx, int ldr, int ldy, int G, int stat_n,
+                                           float eps, const NormEpilogue& ep) {
+    const int CV = C / V, cg = Cr / G;
+    const long long n = blockIdx.y;
     const long long threads = static_cast<long long>(gridDim.x) * blockDim.x;
     const long long lanes = threads / CV * CV;  // the threads at work: a multiple of C/V
     const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -376,10 +395,11 @@ __device__ __forceinline__ void norm_apply(const T* __restrict__ x, const T* __r
     float mu[V], sc[V], be[V], rv[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-        const long long s = n * stat_n + (c + j) / cg;
+        const int cr = (c + j) % Cr;
+        const long long s = n * stat_n + cr / cg;
         mu[j] = mean[s];
-        sc[j] = rsqrtf(var[s] + eps) * (ep.gamma != nullptr ? ep.gamma[c + j] : 1.0f);
-        be[j] = ep.beta != nullptr ? ep.beta[c + j] : 0.0f;
+        sc[j] = rsqrtf(var[s] + eps) * (ep.gamma != nullptr ? ep.gamma[cr] : 1.0f);
+        be[j] = ep.beta != nullptr ? ep.beta[cr] : 0.0f;
         rv[j] = 0.0f;
     }
     long long p = n * HW + i / CV;
@@ -417,6 +437,16 @@ __device__ __forceinline__ bool norm_vec(const void* x, const void* r, const voi
     return vec_ok(x, ldx, C, V) && vec_ok(y, ldy, C, V) && (res == 0 || vec_ok(r, ldr, C, V));
 }
 
+// The flat view's copies of the C channels in a V-channel vector (V / C), where C divides V, every
+// tensor is dense and 16-byte aligned and an image is whole vectors; else 1 (dualtrack.kernels.norm's
+// flat_reps decides the same for the stats launch).
+__device__ __forceinline__ int flat_reps(const void* x, const void* r, const void* y, long long HW, int C, int ldx,
+                                         int ldr, int ldy, int res, int V) {
+    const bool dense = ldx == C && ldy == C && (res == 0 || ldr == C);
+    const bool ok = C < V && V % C == 0 && dense && HW % (V / C) == 0;
+    return ok && aligned16(x) && aligned16(y) && (res == 0 || aligned16(r)) ? V / C : 1;
+}
+
 #define NORM_APPLY_PARAMS(T)                                                                                   \
     (const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y, const float* __restrict__ mean,      \
      const float* __restrict__ var, const float* __restrict__ gamma, const float* __restrict__ beta, int N,    \
@@ -425,20 +455,32 @@ __device__ __forceinline__ bool norm_vec(const void* x, const void* r, const voi
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_nhwc_f16 NORM_APPLY_PARAMS(f16) {
     const NormEpilogue ep = {gamma, beta, res, act, p0, p1};
-    if (norm_vec(x, r, y, C, ldx, ldr, ldy, res, 8)) {
-        norm_apply<f16, 8>(x, r, y, mean, var, H, W, C, ldx, ldr, ldy, G, stat_n, eps, ep);
+    const long long HW = static_cast<long long>(H) * W;
+    const int reps = flat_reps(x, r, y, HW, C, ldx, ldr, ldy, res, 8);
+    if (reps > 1) {
+        norm_apply<f16, 8>(x, r, y, mean, var, HW / reps, 8, C, 8, 8, 8, G, stat_n, eps, ep);
         return;
     }
-    norm_apply<f16, 1>(x, r, y, mean, var, H, W, C, ldx, ldr, ldy, G, stat_n, eps, ep);
+    if (norm_vec(x, r, y, C, ldx, ldr, ldy, res, 8)) {
+        norm_apply<f16, 8>(x, r, y, mean, var, HW, C, C, ldx, ldr, ldy, G, stat_n, eps, ep);
+        return;
+    }
+    norm_apply<f16, 1>(x, r, y, mean, var, HW, C, C, ldx, ldr, ldy, G, stat_n, eps, ep);
 }
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_nhwc_f32 NORM_APPLY_PARAMS(float) {
     const NormEpilogue ep = {gamma, beta, res, act, p0, p1};
-    if (norm_vec(x, r, y, C, ldx, ldr, ldy, res, 4)) {
-        norm_apply<float, 4>(x, r, y, mean, var, H, W, C, ldx, ldr, ldy, G, stat_n, eps, ep);
+    const long long HW = static_cast<long long>(H) * W;
+    const int reps = flat_reps(x, r, y, HW, C, ldx, ldr, ldy, res, 4);
+    if (reps > 1) {
+        norm_apply<float, 4>(x, r, y, mean, var, HW / reps, 4, C, 4, 4, 4, G, stat_n, eps, ep);
         return;
     }
-    norm_apply<float, 1>(x, r, y, mean, var, H, W, C, ldx, ldr, ldy, G, stat_n, eps, ep);
+    if (norm_vec(x, r, y, C, ldx, ldr, ldy, res, 4)) {
+        norm_apply<float, 4>(x, r, y, mean, var, HW, C, C, ldx, ldr, ldy, G, stat_n, eps, ep);
+        return;
+    }
+    norm_apply<float, 1>(x, r, y, mean, var, HW, C, C, ldx, ldr, ldy, G, stat_n, eps, ep);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

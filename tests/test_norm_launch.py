@@ -13,7 +13,7 @@ import pytest
 
 from dualtrack import kernels
 from dualtrack.errors import InputError
-from dualtrack.kernels.norm import LAYER_MAX_C, LAYER_PIXELS
+from dualtrack.kernels.norm import LAYER_MAX_C, LAYER_PIXELS, flat_reps
 
 NORM = kernels.KERNELS["norm"]
 
@@ -123,16 +123,19 @@ def test_the_stats_launch_reads_every_element_once_and_writes_every_partial_once
     assert (reads == 1).all() and (writes == 1).all()
 
 
-def merge_coverage(HW: int, C: int, G: int, chunk: int, chunks: int) -> np.ndarray:
+def merge_coverage(HW: int, C: int, G: int, chunk: int, chunks: int, reps: int = 1) -> np.ndarray:
     """The pixels finalize_image merges into each group of an image: team g % teams of S threads takes
-    group g; its lane l merges items l, l + S, ... (item i: chunk i / (C/G), channel i % (C/G) of the
-    group), each counted as its chunk's pixels."""
+    group g; its lane l merges items l, l + S, ... (item_offset: chunk i / (reps C/G), then the
+    group's channel j % (C/G) in copy j / (C/G) of the C channels, j the item within its chunk), each
+    counted as its chunk's pixels (of the flat view's HW / reps where reps > 1). Every partial
+    [chunk][reps C] must be merged once, into the group of its channel modulo C."""
     T, cg = NORM.block_threads, C // G
-    items = chunks * cg
+    reps_cg = reps * cg
+    items = chunks * reps_cg
     S = NORM.merge_team(G, items)
     assert T % S == 0
     teams = T // S
-    seen = np.zeros((G, chunks, cg), np.int64)
+    seen = np.zeros((chunks, reps * C), np.int64)
     pixels = np.zeros(G, np.int64)
     for g0 in range(0, G, teams):
         for team in range(teams):
@@ -141,9 +144,12 @@ def merge_coverage(HW: int, C: int, G: int, chunk: int, chunks: int) -> np.ndarr
                 continue
             for lane in range(S):
                 for i in range(lane, items, S):
-                    k = i // cg
-                    seen[g, k, i - k * cg] += 1
-                    pixels[g] += min(chunk, HW - k * chunk)
+                    k = i // reps_cg
+                    j = i - k * reps_cg
+                    v = (j // cg) * C + g * cg + j % cg
+                    assert (v % C) // cg == g
+                    seen[k, v] += 1
+                    pixels[g] += min(chunk, HW // reps - k * chunk)
     assert (seen == 1).all()
     return pixels
 
@@ -213,3 +219,22 @@ def test_every_pixel_and_channel_of_the_layer_norm_gets_exactly_one_write(
     N: int, hw: tuple[int, int], C: int, dtype: str, V: int, sms: int
 ) -> None:
     assert (layer_visits(N, *hw, C, dtype, V, sms) == 1).all()
+
+
+@pytest.mark.parametrize(("hw", "C", "G", "dtype"), [(hw, c, g, d) for hw in ((4, 6), (300, 200)) for c, g, d in (
+    (1, 1, "float16"), (2, 1, "float16"), (2, 2, "float16"), (4, 2, "float16"), (4, 4, "float16"),
+    (1, 1, "float32"), (2, 2, "float32"), (2, 1, "float32"))])  # fmt: skip
+def test_a_thin_dense_tensor_is_read_flat_and_merged_into_its_own_groups(
+    hw: tuple[int, int], C: int, G: int, dtype: str
+) -> None:
+    """C dividing a 16-byte vector's channels, dense and aligned: the stats launch reads the flat view
+    (reps copies of C a vector), and the final merge still gives each group its own pixels."""
+    v = 8 if dtype == "float16" else 4
+    HW = hw[0] * hw[1]
+    reps = flat_reps(dtype, HW, C, (C,), (0x1000,))
+    assert reps == v // C
+    assert flat_reps(dtype, HW, C, (C + 1,), (0x1000,)) == flat_reps(dtype, HW, C, (C,), (0x1008,)) == 1
+    ch = NORM.chunking(1, HW // reps, 1, C * reps, G, sms=132, lanes=C * reps)
+    assert ch.tiles == 1 and ch.chunk * ch.chunks >= HW // reps
+    pixels = merge_coverage(HW, C, G, ch.chunk, ch.chunks, reps)
+    assert (pixels == HW * (C // G)).all()

@@ -8,10 +8,10 @@ runtime plans is what runs.
 - against onnxruntime (the ONNX models and lowering of tests/norm_cases.py): odd and large pictures
   (one pixel, 3x5, 17x33, 256x256), C = 5, 20, 32, 36, 96, 264, G = 1, 2, 4, C, eps 1e-5 and 1e-3,
   with and without an activation and a residual;
-- against the float64 reference (NormSpec.reference): C 1, 3, 8, 20, 36, 264 with G 1, 2, 4, C,
-  pictures from 1x1 to 300x200, batches 1 and 5, activations with parameters, both residual modes,
-  and the cancellation case (mean 100, std 0.01); and three launches on one workspace (the arrival
-  counters reset).
+- against the float64 reference (NormSpec.reference): C 1, 2, 3, 4, 8, 20, 36, 264 with G 1, 2, 4,
+  C, pictures from 1x1 to 300x200, batches 1 and 5, activations with parameters, both residual
+  modes, the flat view of thin dense tensors, and the cancellation case (mean 100, std 0.01); and
+  three launches on one workspace (the arrival counters reset).
 
 Tolerance: fp32 max |diff| 1e-4 and rel-L2 1e-5 (summation order only); fp16 (the reference fed the
 same fp16-rounded inputs, the kernel rounds once) max |diff| 1e-2 and rel-L2 2e-3: one fp16 ulp of
@@ -171,6 +171,12 @@ REF_CASES = [  # N, C, H, W, G, activation, residual, input mean, input std
     (1, 8, 300, 200, 8, "none", "none", 100.0, 0.01),  # the cancellation case
     (5, 36, 17, 9, 4, "leakyrelu", "none", 100.0, 0.01),
     (1, 3, 64, 64, 1, "none", "after_act", 100.0, 0.01),
+    # C dividing a 16-byte vector (dense at off 0: the flat view, 8/C or 4/C copies of C a vector)
+    (5, 2, 30, 20, 1, "leakyrelu", "after_act", 0.5, 2.0),
+    (1, 4, 17, 8, 2, "none", "before_act", 0.5, 2.0),
+    (1, 1, 64, 64, 1, "clip", "none", 0.5, 2.0),
+    (5, 2, 3, 5, 2, "none", "none", 0.5, 2.0),  # 15 pixels: not whole vectors, the scalar path
+    (1, 2, 300, 200, 2, "none", "none", 100.0, 0.01),
 ]
 # Against the float64 reference on the same (dtype-rounded) inputs: as TOL. The cancellation case
 # (mean 100, std 0.01) is held to what fp32 statistics can be: a mean within 2 float32 ulps of 100

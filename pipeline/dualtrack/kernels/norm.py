@@ -50,7 +50,7 @@ RES_NAMES = {code: name for name, code in NORM_RES.items()}
 # layer_norm_any's switch), and the most channels it takes (LAYER_MAX_C); only the grid size reads them.
 LAYER_PIXELS = {1: 4, 2: 2, 3: 1, 4: 1}
 LAYER_MAX_C = 1024
-STATS_PARAMS = ("x", "part", "mean", "var", "arrivals", "N", "H", "W", "C", "ldx", "G", "chunk")
+STATS_PARAMS = ("x", "part", "mean", "var", "arrivals", "N", "H", "W", "C", "ldx", "G", "chunk", "reps")
 LAYER_PARAMS = (
     "x", "r", "y", "gamma", "beta", "N", "H", "W", "C", "ldx", "ldr", "ldy", "res", "eps", "act", "p0", "p1",
 )  # fmt: skip
@@ -77,6 +77,16 @@ def vector_lanes(dtype: Any, C: int, lds: Sequence[int], pointers: Sequence[int]
     v = 8 if dtype_name(dtype) == "float16" else 4
     ok = all(n % v == 0 for n in (C, *lds)) and all(p % 16 == 0 for p in pointers)
     return v if ok else 1
+
+
+def flat_reps(dtype: Any, hw: int, C: int, lds: Sequence[int], pointers: Sequence[int]) -> int:
+    """How many copies of the C channels one 16-byte vector holds in the flat view of a dense tensor
+    (V / C, where C divides V = 8 fp16 or 4 fp32, every stride is C, every pointer 16-byte aligned and
+    an image is whole vectors), else 1: a thin tensor (an RGB-like C = 2) read as V-channel pixels,
+    so its loads are 16 bytes wide. norm_nhwc.cu's flat_reps decides the same for the apply pass."""
+    v = 8 if dtype_name(dtype) == "float16" else 4
+    ok = v > C and v % C == 0 and all(n == C for n in lds) and hw % (v // C) == 0
+    return v // C if ok and all(p % 16 == 0 for p in pointers) else 1
 
 
 @dataclass(frozen=True)
@@ -173,10 +183,11 @@ class NormSpec(StreamingSpec):
         strides and the pointers allow 16-byte accesses, else 1), and together about ``apply_waves``
         full waves of a GPU of ``sms`` SMs (none given: a thread an item); never more than a thread
         an item."""
-        lanes = vector_lanes(dtype, C, lds, pointers)
+        reps = flat_reps(dtype, H * W, C, lds, pointers)
+        per_item = C * reps if reps > 1 else vector_lanes(dtype, C, lds, pointers)  # elements a thread's step
         if N > GRID_Y_MAX:
             raise InputError(f"norm of a batch of {N}: the grid allows {GRID_Y_MAX} images; split the batch")
-        items = H * W * (C // lanes)
+        items = H * W * C // per_item
         least = cdiv(C, self.block_threads)
         most = max(least, cdiv(items, self.block_threads))
         want = cdiv(self.apply_waves * sms * (2048 // self.block_threads), N) if sms else most
@@ -346,12 +357,16 @@ class NormSpec(StreamingSpec):
         if kind == "affine":
             values.update(mean=weights[2], var=weights[3], stat_n=0)
         else:
-            ch = self.chunking(N, H, W, C, G, sms, vector_lanes(dtype, C, (ldx,), (x,)))
+            reps = flat_reps(dtype, H * W, C, (ldx,), (x,))
+            if reps > 1:  # the flat view: H*W / reps pixels of reps * C channels
+                ch = self.chunking(N, H * W // reps, 1, C * reps, G, sms, C * reps)
+            else:
+                ch = self.chunking(N, H, W, C, G, sms, vector_lanes(dtype, C, (ldx,), (x,)))
             part = ctx.workspace(ch.nbytes)
             mean = part + 4 * ch.part_floats
             var = mean + 4 * ch.stat_floats
             arrivals = var + 4 * ch.stat_floats
-            values.update(part=part, mean=mean, var=var, arrivals=arrivals, stat_n=G, chunk=ch.chunk)
+            values.update(part=part, mean=mean, var=var, arrivals=arrivals, stat_n=G, chunk=ch.chunk, reps=reps)
             stats = self.sub_entry("stats", dtype)
             before = (PreparedCall(stats, self.stats_launch(N, ch), typed(STATS_PARAMS, 5, values)),)
         config = self.apply_launch(dtype, N, H, W, C, *lds, sms=sms, pointers=ptrs)
