@@ -109,14 +109,15 @@ class Chunking:
 
 @dataclass(frozen=True)
 class NormSpec(StreamingSpec):
-    """The norm op's spec. ``waves``: stats blocks per SM the chunking aims for, so that one image of
-    a few groups fills the GPU; ``merge_items``: the most partials (chunks x C) the block that
-    finalizes an image merges, which bounds the chunks of a wide tensor (the merge is one block's
-    L2 round trips: 8192 items are 4 rounds of 8 loads a thread); ``apply_waves``: full-occupancy
-    waves the apply pass's threads make (each then streams its channel vector over H*W /
-    threads-an-image pixels, NORM_UNROLL at a time)."""
+    """The norm op's spec. ``waves``: stats blocks per SM the chunking aims for, at most: the blocks an
+    SM holds at once (norm_nhwc.cu's NORM_STATS_BLOCKS at 256 threads), so that one image of a few
+    groups fills the GPU and a launch is one wave with no tail of late blocks; ``merge_items``: the
+    most partials (chunks x C) the block that finalizes an image merges, which bounds the chunks of
+    a wide tensor (the merge is one block's L2 round trips: 8192 items are 4 rounds of 8 loads a
+    thread); ``apply_waves``: full-occupancy waves the apply pass's threads make (each then streams
+    its channel vector over H*W / threads-an-image pixels, NORM_UNROLL at a time)."""
 
-    waves: int = 4
+    waves: int = 3
     merge_items: int = 8192
     apply_waves: int = 2
 
@@ -155,7 +156,7 @@ class NormSpec(StreamingSpec):
         hw, cv = H * W, max(1, C // lanes)
         cols = min(cv, self.block_threads)
         rows, tiles = self.block_threads // cols, cdiv(cv, cols)
-        per = max(1, cdiv(self.waves * sms, tiles * N))  # chunks an image wants
+        per = max(1, self.waves * sms // (tiles * N))  # chunks an image wants: one wave, rounded down
         per = min(per, max(1, self.merge_items // C))
         chunk = max(min(rows, hw), cdiv(hw, per))
         chunks = cdiv(hw, chunk)
