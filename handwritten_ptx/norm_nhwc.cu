@@ -249,7 +249,7 @@ __device__ __forceinline__ void finalize_image(const float* __restrict__ part, f
     const float* img = part + n * chunks * C * 2;
     for (int g0 = 0; g0 < G; g0 += teams) {  // uniform: team_merge synchronizes the block
         const int g = g0 + team;
-        Moments m = {0.0f, 0.0f, 0.0f};
+        Moments m = {0.0f, 0.0f, 0.0f}, m_odd = {0.0f, 0.0f, 0.0f};  // two chains of dependent merges
         if (g < G) {
             int i = lane;
             for (; i + (MERGE_UNROLL - 1) * S < items; i += MERGE_UNROLL * S) {
@@ -260,8 +260,9 @@ __device__ __forceinline__ void finalize_image(const float* __restrict__ part, f
                     pm[u] = load_partial(img + 2 * item_offset(i + u * S, g, cg, reps_cg, C, Cr, k[u]));
 #pragma unroll
                 for (int u = 0; u < MERGE_UNROLL; ++u)
-                    m.add(static_cast<float>(min(chunk, HW - k[u] * chunk)), pm[u].x, pm[u].y);
+                    (u % 2 ? m_odd : m).add(static_cast<float>(min(chunk, HW - k[u] * chunk)), pm[u].x, pm[u].y);
             }
+            m.add(m_odd.n, m_odd.mean, m_odd.m2);
             for (; i < items; i += S) {
                 int k;
                 const float2 pm = load_partial(img + 2 * item_offset(i, g, cg, reps_cg, C, Cr, k));

@@ -5,11 +5,11 @@
    and torch's decomposed form (Reshape, InstanceNormalization, Reshape, Mul, Add), C 1..36, G 1, 2,
    4, C, pictures from 1x1, batches 1 and 5. Tolerance 1e-4 abs and rel (float32 rounding only).
 2. The statistics arithmetic of handwritten_ptx/norm_nhwc.cu (sums shifted by a thread's first
-   value, rows merged by Chan's formula in a tree, the image's partials merged a team a group),
-   emulated in float32 over the kernel's own chunking, against float64 on the cancellation case
-   (mean 100, std 0.01), where E[x^2] - E[x]^2 in float32 loses every digit (and so does
-   onnxruntime's GroupNormalization-18: it is not the reference there). Tolerance: the variance
-   within 1e-3 relative, the mean within 2 float32 ulps of 100 (1.5e-5).
+   value, rows merged by Chan's formula in a tree, the image's partials merged a team a group, each
+   lane's in two alternating chains), emulated in float32 over the kernel's own chunking, against
+   float64 on the cancellation case (mean 100, std 0.01), where E[x^2] - E[x]^2 in float32 loses
+   every digit (and so does onnxruntime's GroupNormalization-18: it is not the reference there).
+   Tolerance: the variance within 1e-3 relative, the mean within 2 float32 ulps of 100 (1.5e-5).
 """
 
 from __future__ import annotations
@@ -131,13 +131,20 @@ def kernel_group_stats(x: np.ndarray, groups: int, sms: int = 132) -> tuple[np.n
     means, variances = np.zeros(groups), np.zeros(groups)
     for g in range(groups):
         lanes = []
-        for lane in range(S):  # each lane's items in order, then the lanes pairwise
-            m = (np.zeros(1, F), np.zeros(1, F), np.zeros(1, F))
-            for i in range(lane, items, S):
+        for lane in range(S):  # each lane's items in order (rounds of 8: two alternating chains), then pairwise
+            chains = [(np.zeros(1, F), np.zeros(1, F), np.zeros(1, F)) for _ in range(2)]
+            mine = list(range(lane, items, S))
+            whole = len(mine) // 8 * 8
+            for u, i in enumerate(mine):
                 k, j = divmod(i, cg)
                 item = (F(min(ch.chunk, hw - k * ch.chunk)), part[k][0][g * cg + j], part[k][1][g * cg + j])
-                m = chan(m, tuple(np.array([v], F) for v in item))
-            lanes.append(m)
+                if u == whole:
+                    chains[0] = chan(chains[0], chains[1])
+                c = u % 2 if u < whole else 0
+                chains[c] = chan(chains[c], tuple(np.array([v], F) for v in item))
+            if whole == len(mine):
+                chains[0] = chan(chains[0], chains[1])
+            lanes.append(chains[0])
         while len(lanes) > 1:
             lanes = [chan(lanes[i], lanes[i + 1]) for i in range(0, len(lanes), 2)]
         n, mean, m2 = lanes[0]
