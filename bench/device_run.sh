@@ -79,6 +79,8 @@ for step in $steps; do
       [ -d "$C/tiny_tokens" ] && export DUALTRACK_TEST_TOKENS_BUNDLE=$PWD/$C/tiny_tokens
       # kit_tiny (`dualtrack tune tests/.../tiny.yaml --track-b --prepare-kit`): IREE flag candidates.
       [ -d "$C/kit_tiny" ] && export DUALTRACK_TEST_KIT=$PWD/$C/kit_tiny
+      # iree_fp16/fixed (tests/iree_fp16_ops.py): single fp16 ops as Track B compiles them for CUDA.
+      [ -d "$C/iree_fp16/fixed" ] && export DUALTRACK_TEST_IREE_FP16_KIT=$PWD/$C/iree_fp16/fixed
       DUALTRACK_TEST_BUNDLE=$PWD/$C/tiny DUALTRACK_TEST_FULL_BUNDLE=$PWD/$C/tiny_full \
         make gpu-test PYTHON=python3 2>&1 | tee -a "$OUT/gpu-test.log" ;;
     tune)
