@@ -250,7 +250,13 @@ __device__ __forceinline__ void finalize_image(const float* __restrict__ part, f
     for (int g0 = 0; g0 < G; g0 += teams) {  // uniform: team_merge synchronizes the block
         const int g = g0 + team;
         Moments m = {0.0f, 0.0f, 0.0f}, m_odd = {0.0f, 0.0f, 0.0f};  // two chains of dependent merges
+        float shift = 0.0f;
         if (g < G) {
+            // Means merged as offsets from the group's first partial mean: each merge rounds the mean
+            // it updates, which near 100 is 7.6e-6 a step, and a chain of them walks; one rounding
+            // of shift + offset at the end instead.
+            int k0;
+            shift = load_partial(img + 2 * item_offset(0, g, cg, reps_cg, C, Cr, k0)).x;
             int i = lane;
             for (; i + (MERGE_UNROLL - 1) * S < items; i += MERGE_UNROLL * S) {
                 float2 pm[MERGE_UNROLL];
@@ -259,19 +265,21 @@ __device__ __forceinline__ void finalize_image(const float* __restrict__ part, f
                 for (int u = 0; u < MERGE_UNROLL; ++u)
                     pm[u] = load_partial(img + 2 * item_offset(i + u * S, g, cg, reps_cg, C, Cr, k[u]));
 #pragma unroll
-                for (int u = 0; u < MERGE_UNROLL; ++u)
-                    (u % 2 ? m_odd : m).add(static_cast<float>(min(chunk, HW - k[u] * chunk)), pm[u].x, pm[u].y);
+                for (int u = 0; u < MERGE_UNROLL; ++u) {
+                    const float count = static_cast<float>(min(chunk, HW - k[u] * chunk));
+                    (u % 2 ? m_odd : m).add(count, pm[u].x - shift, pm[u].y);
+                }
             }
             m.add(m_odd.n, m_odd.mean, m_odd.m2);
             for (; i < items; i += S) {
                 int k;
                 const float2 pm = load_partial(img + 2 * item_offset(i, g, cg, reps_cg, C, Cr, k));
-                m.add(static_cast<float>(min(chunk, HW - k * chunk)), pm.x, pm.y);
+                m.add(static_cast<float>(min(chunk, HW - k * chunk)), pm.x - shift, pm.y);
             }
         }
         m = team_merge(m, S, sh);
         if (g < G && lane == 0) {
-            mean[n * G + g] = m.mean;
+            mean[n * G + g] = shift + m.mean;
             var[n * G + g] = m.n > 0.0f ? m.m2 / m.n : 0.0f;
         }
     }
