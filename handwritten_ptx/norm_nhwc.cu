@@ -13,15 +13,18 @@
 // groups of a large picture still fills the GPU (IREE's one-workgroup-per-row reduction did not:
 // FACTS 29), and the launch finalizes itself:
 //   stats: grid (channel tiles, chunks, N): a block reduces a tile of channels over one chunk of
-//          `chunk` pixels (a contiguous slab of x: 16-byte loads, every thread busy for any C) to a
-//          partial (mean, M2) per channel in `part` [n][chunk][c]; a thread keeps sums shifted by its
-//          first value, the block's rows meet by Chan's formula in a tree in shared memory. The last
-//          block of an image to arrive (a counter per image, after a fence; it resets the counter)
-//          merges the image's chunks x C partials into mean[n*G + g], var[n*G + g]: a team of
-//          threads a group, each thread's share merged in order, then the team's by Chan's formula;
+//          `chunk` pixels (a contiguous slab of x: 16-byte loads, every thread busy for any C; a
+//          dense tensor whose C divides a vector's channels read flat, `reps` copies of C a vector)
+//          to a partial (mean, M2) per channel in `part` [n][chunk][c]; a thread keeps sums shifted
+//          by its first value, the block's rows meet by Chan's formula in a tree in shared memory.
+//          The last block of an image to arrive (a counter per image, after a fence; it resets the
+//          counter) merges the image's chunks x C partials into mean[n*G + g], var[n*G + g]: a team
+//          of threads a group, each thread's share merged in order (means as offsets from the
+//          group's first), then the team's by Chan's formula;
 //   apply: grid (blocks, N), a thread per channel vector (16 bytes: 8 fp16 or 4 fp32 channels)
 //          striding over an image's pixels, four in flight, with its statistics and affine folded
 //          in registers.
+// A layer norm is one launch: a team of lanes a pixel holds it in registers (layer_norm_regs).
 // Deterministic: the counter picks which block merges, not the order it merges in.
 // No toolkit #include: see conv3x3_nhwc.cu. The block size comes from dualtrack.kernels as a -D macro.
 
@@ -36,7 +39,8 @@ static_assert((NORM_THREADS & (NORM_THREADS - 1)) == 0 && NORM_THREADS >= 64 && 
 
 #define NORM_UNROLL 4  // pixels a thread has in flight (loads issued before the math)
 #define MERGE_UNROLL 8  // partials a thread of the final merge has in flight (L2 round trips)
-// Stats blocks an SM holds: 72 registers a thread at 256 (no spills, NVRTC 13.0), three blocks' loads.
+// Stats blocks an SM holds: three at 256 threads (at most 85 registers a thread: 72-80 with NVRTC 13.0,
+// no spills), three blocks' loads in flight.
 #define NORM_STATS_BLOCKS (768 / NORM_THREADS > 0 ? 768 / NORM_THREADS : 1)
 
 // 4 fp32 channels in one 16-byte access (fp16's 8 are dualtrack_device.cuh's load_f32s).
