@@ -126,7 +126,7 @@ def run_layer(kernels: dict, stream: Stream, ctx: Workspace, layer: Layer, n: in
     p = NORM.prepare_norm(
         dtype, *shape, x=x.data_ptr(), y=y.data_ptr(), r=r.data_ptr() if r is not None else None,
         weights=[gamma.data_ptr(), beta.data_ptr()], ctx=ctx, kind=layer.kind, groups=layer.C, res=res, act=act,
-        eps=eps,
+        eps=eps, ldr=layer.C if r is not None else 0,
     )  # fmt: skip
     launches = [(q, kernels[q.entry]) for q in (*p.before, p)]
 
