@@ -83,6 +83,7 @@ def ort_reference(x, w_onnx, b, res, geom: ConvGeometry, act: tuple[str, float, 
         nodes, "stem", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9  # the device's onnx writes IR 14, which its onnxruntime refuses (IR 13 at most)
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     (y,) = sess.run(None, feeds)
     return y.transpose(0, 2, 3, 1)
