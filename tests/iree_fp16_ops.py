@@ -220,10 +220,11 @@ BY_NAME = {c.name: c for c in CASES}
 # -- the kit: CUDA modules compiled here, run on the GPU machine -----------------------------------
 
 
-def build_kit(dest: Path, *, old: bool = False, target_arch: str = IREE_ARCH) -> Path:
+def build_kit(dest: Path, *, old: bool = False, target_arch: str = IREE_ARCH, flags: tuple[str, ...] = ()) -> Path:
     """Each case's fp16 graph compiled for CUDA by Track B's own job (``iree_build.run_job``: stage 0,
     import, compile), written as ``<case>.vmfb`` beside ``<case>.onnx`` (its weights) and kit.json.
-    ``old``: without stage 0's fp32 sums (the behaviour before it)."""
+    ``old``: without stage 0's fp32 sums (the behaviour before it). ``flags``: Track B flags (a
+    config's ``track_b.cuda_flags``), to find a set under which IREE's GPU code is right."""
     from dualtrack.compiler import iree_build
 
     dest.mkdir(parents=True, exist_ok=True)
@@ -233,10 +234,11 @@ def build_kit(dest: Path, *, old: bool = False, target_arch: str = IREE_ARCH) ->
     with mock.patch.object(iree_build, "fp32_sums", (lambda m: m) if old else iree_build.fp32_sums):
         for case in CASES:
             fp16, _ = models(case)
-            job = iree_build.CompileJob(case.name, fp16, 1, target, ())
+            job = iree_build.CompileJob(case.name, fp16, 1, target, flags)
             (dest / f"{case.name}.vmfb").write_bytes(iree_build.run_job(job, cache, compiler).vmfb)
             onnx.save(fp16, str(dest / f"{case.name}.onnx"))
-    kit = {"stage0_fp32_sums": not old, "target": target.name, "compiler": compiler, "cases": [c.name for c in CASES]}
+    kit = {"stage0_fp32_sums": not old, "flags": list(flags), "target": target.name, "compiler": compiler}
+    kit["cases"] = [c.name for c in CASES]
     (dest / "kit.json").write_text(json.dumps(kit, indent=1))
     return dest
 
@@ -250,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dest", type=Path, help="the kit's folder (DUALTRACK_TEST_IREE_FP16_KIT on the GPU machine)")
     ap.add_argument("--old", action="store_true", help="without stage 0's fp32 sums: the behaviour before the fix")
+    ap.add_argument("--flag", action="append", default=[], help="a Track B flag for every case (repeatable)")
     args = ap.parse_args(argv)
-    print(build_kit(args.dest, old=args.old))
+    print(build_kit(args.dest, old=args.old, flags=tuple(args.flag)))
     return 0
 
 

@@ -62,8 +62,8 @@ def test_the_fp16_cuda_module_matches_onnxruntime_fp32(case, kit: Path, device) 
     got = np.array(module(x)[0].to_host(), copy=True)  # a copy before the module's buffer goes
     del module, index
     err = rel_l2(got, reference(case, x))
-    stage0 = json.loads((kit / "kit.json").read_text())["stage0_fp32_sums"]
+    made = json.loads((kit / "kit.json").read_text())
     assert np.isfinite(got).all() and err <= TOLERANCE, (
         f"{case.name}: relative L2 {err:.3g} against onnxruntime fp32 (tolerance {TOLERANCE}; "
-        f"kit {kit}, fp32 sums {'on' if stage0 else 'off'})"
+        f"kit {kit}, fp32 sums {'on' if made['stage0_fp32_sums'] else 'off'}, flags {made.get('flags', [])})"
     )
