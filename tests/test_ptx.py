@@ -243,14 +243,16 @@ def test_regenerate_and_check_fresh(tmp_path: Path) -> None:
 
 
 def test_regenerate_builds_each_kernel_for_its_own_arches(tmp_path: Path) -> None:
-    shutil.copy(SOURCE_DIR / "conv3x3_wgmma.cu", tmp_path)
+    # quantize_fp8: an sm_90a-only kernel (like conv3x3_wgmma) that compiles in a second, not seventy.
+    for f in (SOURCE_DIR / "quantize_fp8.cu", *SOURCE_DIR.glob("*.cuh")):
+        shutil.copy(f, tmp_path)
     written = regenerate(tmp_path)
-    assert [p.relative_to(tmp_path).as_posix() for p in written] == ["ptx/compute_90a/conv3x3_wgmma.ptx"]
-    assert written[0].read_text() == checked_in("conv3x3_wgmma", "compute_90a")
-    extra = tmp_path / "ptx" / "compute_80" / "conv3x3_wgmma.ptx"
+    assert [p.relative_to(tmp_path).as_posix() for p in written] == ["ptx/compute_90a/quantize_fp8.ptx"]
+    assert written[0].read_text() == checked_in("quantize_fp8", "compute_90a")
+    extra = tmp_path / "ptx" / "compute_80" / "quantize_fp8.ptx"
     extra.parent.mkdir()
-    extra.write_text("// wgmma does not exist on sm_80\n")
-    assert check_fresh(tmp_path) == ["ptx/compute_80/conv3x3_wgmma.ptx (not one of its source's PTX arches)"]
+    extra.write_text("// e4m3 conversions do not exist on sm_80\n")
+    assert check_fresh(tmp_path) == ["ptx/compute_80/quantize_fp8.ptx (not one of its source's PTX arches)"]
     regenerate(tmp_path)
     assert not extra.exists()
 
