@@ -6,8 +6,11 @@ For each zoo config it writes two configs into OUT_DIR: `<name>.yaml`, the zoo c
 (its partition, flags, pre- and post-processing) for the H200/H100 only (`targets: [sm_90a]`) and without
 llvm-cpu modules (`track_b.cpu: false`: the bundle is then checked on the GPU, at its first load against
 its reference cases and by bench/zoo_bench.py's verify_engine, instead of on this CPU); and
-`<name>.iree.yaml`, the same with `partition: iree` (IREE alone, the `<zoo>/iree_alone` row). Paths
-become absolute, so the configs build from anywhere. bench/prepare_carry.sh corpus builds them.
+`<name>.iree.yaml`, the same with `partition: iree` (IREE alone, the `<zoo>/iree_alone` row), and
+`<name>.iree_no_vd.yaml`, IREE alone with :data:`NO_VD` (IREE 3.13's fp16 CUDA code under its default flags is
+wrong on the GPU for a 1x1 16 -> 16 conv + residual and refused at load for MONAI UNet and PSPNet; with these
+flags it verified there: docs/facts.md 26). Paths become absolute, so the configs build from anywhere.
+bench/prepare_carry.sh corpus builds them.
 
     python bench/corpus_configs.py OUT_DIR NAME [NAME ...] --fp8
 
@@ -55,6 +58,20 @@ def fp8_config(cfg: dict) -> dict:
     return {**cfg, "precision": "fp8", "calibration": dict(FP8_CALIBRATION)}
 
 
+# Track B flags of the `no_vd` IREE-alone variant: no vector distribution, no tile-and-fuse matmuls.
+NO_VD = [
+    "--iree-codegen-llvmgpu-use-vector-distribution=false",
+    "--iree-codegen-llvmgpu-use-tile-and-fuse-matmul=false",
+]
+
+
+def no_vd_config(cfg: dict) -> dict:
+    """IREE alone with :data:`NO_VD` added to the config's CUDA flags."""
+    track_b = dict(cfg.get("track_b") or {})
+    track_b["cuda_flags"] = [*track_b.get("cuda_flags", []), *NO_VD]
+    return {**cfg, "partition": "iree", "track_b": track_b}
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(usage=__doc__.strip().splitlines()[2].strip())
     ap.add_argument("out", type=Path)
@@ -67,6 +84,7 @@ def main(argv: list[str]) -> int:
         stem = Path(name).stem if name.endswith(".yaml") else name
         (args.out / f"{stem}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
         (args.out / f"{stem}.iree.yaml").write_text(yaml.safe_dump({**cfg, "partition": "iree"}, sort_keys=False))
+        (args.out / f"{stem}.iree_no_vd.yaml").write_text(yaml.safe_dump(no_vd_config(cfg), sort_keys=False))
         if args.fp8:
             (args.out / f"{stem}.fp8.yaml").write_text(yaml.safe_dump(fp8_config(cfg), sort_keys=False))
     return 0

@@ -14,7 +14,8 @@
 # lacks it, built for sm_90a without llvm-cpu modules (bench/corpus_configs.py: checked on the GPU, not
 # here) as .carry/zoo/<name>, and IREE alone beside it as .carry/zoo/<name>.iree_only/iree (its model.onnx
 # is the zoo bundle's and travels once): the rows <name>/dualtrack_api and <name>/iree_alone of
-# bench/zoo_bench.py, torch's rows from the same seeded export on the GPU machine. No weights travel:
+# bench/zoo_bench.py (and IREE alone with the no_vd flags as .iree_only/no_vd: IREE's default fp16 CUDA
+# code is refused on the GPU for some models, facts 26), torch's rows from the same seeded export on the GPU machine. No weights travel:
 # bench/reweight.py seals each bundle with seeded weights that device_run.sh grows back there.
 #
 # ZOO names the zoo models to build (default: every configs/zoo/*.yaml; smp_unet_resnet34's fp16
@@ -38,17 +39,20 @@ if [ "$what" = corpus ]; then
     # A model that fails to export or build is reported and left out; the others still travel.
     if ! { { [ -f "models/zoo/$name.onnx" ] || "$PY" models/zoo/export.py "$name"; } \
       && "$DT" build "$cfgs/$name.yaml" -o "$C/zoo/$name" | tail -1 \
-      && "$DT" build "$cfgs/$name.iree.yaml" -o "$C/zoo/$name.iree_only/iree" | tail -1; }; then
+      && "$DT" build "$cfgs/$name.iree.yaml" -o "$C/zoo/$name.iree_only/iree" | tail -1 \
+      && "$DT" build "$cfgs/$name.iree_no_vd.yaml" -o "$C/zoo/$name.iree_only/no_vd" | tail -1; }; then
       echo "prepare_carry.sh corpus: $name FAILED (above); left out" >&2
       rm -rf "$C/zoo/$name" "$C/zoo/$name.iree_only"
       continue
     fi
     # The weights stay here: drawn again from a seed on the GPU machine (bench/reweight.py), the
     # reference cases recomputed there; what travels is the graph, the code and the per-channel statistics.
-    "$PY" bench/reweight.py seal "$C/zoo/$name" "$C/zoo/$name.iree_only/iree"
-    cmp -s "$C/zoo/$name.iree_only/iree/model.onnx" "$C/zoo/$name/model.onnx" && rm "$C/zoo/$name.iree_only/iree/model.onnx"
-    rm -f "$C/zoo/$name"/weights.bin "$C/zoo/$name"/verify/cases.npz "$C/zoo/$name.iree_only/iree"/weights.bin \
-      "$C/zoo/$name.iree_only/iree"/verify/cases.npz
+    "$PY" bench/reweight.py seal "$C/zoo/$name" "$C/zoo/$name.iree_only/iree" "$C/zoo/$name.iree_only/no_vd"
+    for v in iree no_vd; do
+      cmp -s "$C/zoo/$name.iree_only/$v/model.onnx" "$C/zoo/$name/model.onnx" && rm "$C/zoo/$name.iree_only/$v/model.onnx"
+      rm -f "$C/zoo/$name.iree_only/$v"/weights.bin "$C/zoo/$name.iree_only/$v"/verify/cases.npz
+    done
+    rm -f "$C/zoo/$name"/weights.bin "$C/zoo/$name"/verify/cases.npz
   done
   rm -rf "$cfgs"
   what=corpus-done

@@ -142,6 +142,8 @@ def test_corpus_configs_write_an_fp8_config(tmp_path: Path) -> None:
     assert Path(unet["tuning"]) == ROOT / "configs" / "tuning" / "h200.json"
     assert corpus_configs.main([str(tmp_path / "no_fp8"), "smp_unet_resnet34"]) == 0
     assert not (tmp_path / "no_fp8" / "smp_unet_resnet34.fp8.yaml").exists()
+    no_vd = load_config(tmp_path / "smp_unet_resnet34.iree_no_vd.yaml")  # IREE alone with the flags that verify
+    assert no_vd.partition.mode == "iree" and set(corpus_configs.NO_VD) <= set(no_vd.track_b.cuda_flags)
 
 
 def test_fp8_seal_refuses_a_moved_layer() -> None:
