@@ -97,9 +97,12 @@ def self_check(
     except VerificationError as e:
         raise GpuCheckError(
             f"{engine.bundle.root} computes wrong results on {device}: {e.message}; the CPU build verified, so "
-            "this GPU's code for it is wrong: rebuild with another `precision` or `track_b` flags (to find the "
-            "segment, run `DUALTRACK_GPU_SELF_CHECK=0 dualtrack verify BUNDLE --device cuda` where the build "
-            "tools are installed), or set DUALTRACK_GPU_SELF_CHECK=0 to load it regardless",
+            "this GPU's code for it is wrong: rebuild with another `precision` or `track_b` flags (IREE 3.13's "
+            "fp16 CUDA code was right where its default was not with `track_b: {cuda_flags: "
+            "[--iree-codegen-llvmgpu-use-vector-distribution=false, "
+            "--iree-codegen-llvmgpu-use-tile-and-fuse-matmul=false]}`; "
+            "to find the segment, run `DUALTRACK_GPU_SELF_CHECK=0 dualtrack verify BUNDLE --device cuda` where the "
+            "build tools are installed), or set DUALTRACK_GPU_SELF_CHECK=0 to load it regardless",
             record,
             detail=e.detail,
         ) from None
