@@ -21,9 +21,9 @@
 //          counter) merges the image's chunks x C partials into mean[n*G + g], var[n*G + g]: a team
 //          of threads a group, each thread's share merged in order (means as offsets from the
 //          group's first), then the team's by Chan's formula;
-//   apply: grid (blocks, N), a thread per channel vector (16 bytes: 8 fp16 or 4 fp32 channels)
-//          striding over an image's pixels, four in flight, with its statistics and affine folded
-//          in registers.
+//   apply: grid (blocks, N) of one wave of the NORM_APPLY_BLOCKS an SM holds, a thread per channel
+//          vector (16 bytes: 8 fp16 or 4 fp32 channels) striding over an image's pixels, four loads
+//          in flight, with its statistics and affine folded in registers.
 // A layer norm is one launch: a team of lanes a pixel holds it in registers (layer_norm_regs).
 // Deterministic: the counter picks which block merges, not the order it merges in.
 // No toolkit #include: see conv3x3_nhwc.cu. The block size comes from dualtrack.kernels as a -D macro.
@@ -38,10 +38,17 @@ static_assert((NORM_THREADS & (NORM_THREADS - 1)) == 0 && NORM_THREADS >= 64 && 
 #include "dualtrack_device.cuh"
 
 #define NORM_UNROLL 4  // pixels a thread has in flight (loads issued before the math)
+// The apply pass's pixels in flight where a residual is read too (two loads a pixel): two of them
+// spill f16's 8-channel vectors under the NORM_APPLY_BLOCKS register bound (80 at 256 threads).
+#define NORM_UNROLL_RES 1
 #define MERGE_UNROLL 8  // partials a thread of the final merge has in flight (L2 round trips)
 // Stats blocks an SM holds: three at 256 threads (at most 85 registers a thread: 72-80 with NVRTC 13.0,
 // no spills), three blocks' loads in flight.
 #define NORM_STATS_BLOCKS (768 / NORM_THREADS > 0 ? 768 / NORM_THREADS : 1)
+// Apply blocks an SM holds: three at 256 threads (at most 80 registers a thread: f16's 8-channel
+// vectors, NORM_UNROLL pixels deep, spill under 64), so one wave of them (dualtrack.kernels.norm,
+// apply_launch) keeps 48 KB of loads in flight an SM.
+#define NORM_APPLY_BLOCKS (768 / NORM_THREADS > 0 ? 768 / NORM_THREADS : 1)
 
 // 4 fp32 channels in one 16-byte access (fp16's 8 are dualtrack_device.cuh's load_f32s).
 __device__ __forceinline__ void load_f32s(float (&v)[4], const float* p) {
@@ -143,31 +150,26 @@ __device__ __forceinline__ void stats_tile(const T* __restrict__ src, float* __r
     if (cnt > 0) {
         src += c;
         load_f32s(shift, src + static_cast<long long>(row) * ldx);
-        int p = row;
-        for (; p + (NORM_UNROLL - 1) * rows < len; p += NORM_UNROLL * rows) {
+        // The last step's loads past the chunk are skipped, not left to a one-at-a-time tail: a row
+        // of a one-wave launch sums only a few steps (10 pixels a row at 256x256 x 16 channels, N=8).
+        for (int p = row; p < len; p += NORM_UNROLL * rows) {
             Raw<T, V> raw[NORM_UNROLL];
 #pragma unroll
-            for (int u = 0; u < NORM_UNROLL; ++u) raw[u].load(src + static_cast<long long>(p + u * rows) * ldx);
+            for (int u = 0; u < NORM_UNROLL; ++u) {
+                if (p + u * rows < len) raw[u].load(src + static_cast<long long>(p + u * rows) * ldx);
+            }
 #pragma unroll
             for (int u = 0; u < NORM_UNROLL; ++u) {
-                float v[V];
-                raw[u].unpack(v);
+                if (p + u * rows < len) {
+                    float v[V];
+                    raw[u].unpack(v);
 #pragma unroll
-                for (int j = 0; j < V; ++j) {
-                    const float d = v[j] - shift[j];
-                    s1[j] += d;
-                    s2[j] = fmaf(d, d, s2[j]);
+                    for (int j = 0; j < V; ++j) {
+                        const float d = v[j] - shift[j];
+                        s1[j] += d;
+                        s2[j] = fmaf(d, d, s2[j]);
+                    }
                 }
-            }
-        }
-        for (; p < len; p += rows) {
-            float v[V];
-            load_f32s(v, src + static_cast<long long>(p) * ldx);
-#pragma unroll
-            for (int j = 0; j < V; ++j) {
-                const float d = v[j] - shift[j];
-                s1[j] += d;
-                s2[j] = fmaf(d, d, s2[j]);
             }
         }
     }
@@ -376,19 +378,111 @@ __device__ __forceinline__ void apply_vec(float (&v)[V], const float (&rv)[V], c
         const float t = fmaf(v[j] - mu[j], sc[j], be[j]);
         v[j] = ep.res == 1 ? t + rv[j] : t;
     }
-    dt_activate_n(v, ep.act, ep.p0, ep.p1);  // one dispatch on the activation for the V values
+    // One dispatch on the activation for the V values; the calls of the others are apply_stream_calls'.
+    if (ep.act <= DT_ACT_LEAKYRELU) dt_activate_n(v, ep.act, ep.p0, ep.p1);
     if (ep.res == 2) {
 #pragma unroll
         for (int j = 0; j < V; ++j) v[j] += rv[j];
     }
 }
 
+// The apply pass's stream: from pixel p (of the flat pixel index over the batch), += pstep up to end,
+// U pixels' loads (x, and r where a residual is added) issued before their math. The last step's
+// loads past `end` are skipped rather than left to a one-at-a-time tail loop: a thread of a big
+// launch streams only a few steps, and with a tail most of them ran one load in flight
+// (bench/results/kernel_profile-11f2885-h100-a.json: 340 us against 275 of the one-load kernel).
+template <typename T, int V, int U>
+__device__ __forceinline__ void apply_stream(const T* __restrict__ x, const T* __restrict__ r, T* __restrict__ y,
+                                             long long p, long long end, long long pstep, int c, int ldx, int ldr,
+                                             int ldy, const float (&mu)[V], const float (&sc)[V], const float (&be)[V],
+                                             const NormEpilogue& ep) {
+    for (; p < end; p += U * pstep) {
+        Raw<T, V> xs[U], rs[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (p + u * pstep < end) xs[u].load(x + (p + u * pstep) * ldx + c);
+        }
+        if (ep.res != 0) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (p + u * pstep < end) rs[u].load(r + (p + u * pstep) * ldr + c);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (p + u * pstep < end) {
+                float v[V], rv[V];
+                xs[u].unpack(v);
+                if (ep.res != 0) {
+                    rs[u].unpack(rv);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < V; ++j) rv[j] = 0.0f;
+                }
+                apply_vec(v, rv, mu, sc, be, ep);
+                store_f32s(y + (p + u * pstep) * ldy + c, v);
+            }
+        }
+    }
+}
+
+// The apply stream of the activations dt_activate_rest computes (a call a value, whose registers come
+// on top of the caller's live ones): the thread's folded statistics and its pixel's normalised values
+// wait in shared memory, its own column (volatile: read back, not kept in registers), so that only the
+// loop's addresses are held across the calls and the entry stays within NORM_APPLY_BLOCKS' register
+// bound without spilling. Row k of the column (mu, sc, be, then the values) holds value j at
+// (k V + j) NORM_THREADS.
+template <typename T, int V>
+__device__ __forceinline__ void apply_stream_calls(const T* __restrict__ x, const T* __restrict__ r,
+                                                   T* __restrict__ y, long long p, long long end, long long pstep,
+                                                   int c, int ldx, int ldr, int ldy, const float (&mu)[V],
+                                                   const float (&sc)[V], const float (&be)[V],
+                                                   const NormEpilogue& ep) {
+    __shared__ float s_col[4 * V * NORM_THREADS];
+    volatile float* col = s_col + threadIdx.x;
+    volatile float* val = col + 3 * V * NORM_THREADS;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        col[j * NORM_THREADS] = mu[j];
+        col[(V + j) * NORM_THREADS] = sc[j];
+        col[(2 * V + j) * NORM_THREADS] = be[j];
+    }
+    for (; p < end; p += pstep) {
+        float v[V], rv[V];
+        load_f32s(v, x + p * ldx + c);
+        if (ep.res == 1) {
+            load_f32s(rv, r + p * ldr + c);
+        } else {
+#pragma unroll
+            for (int j = 0; j < V; ++j) rv[j] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const float t = fmaf(v[j] - col[j * NORM_THREADS], col[(V + j) * NORM_THREADS],
+                                 col[(2 * V + j) * NORM_THREADS]);
+            val[j * NORM_THREADS] = ep.res == 1 ? t + rv[j] : t;
+        }
+#pragma unroll 1
+        for (int j = 0; j < V; ++j) {
+            val[j * NORM_THREADS] = dt_activate_rest(val[j * NORM_THREADS], ep.act, ep.p0, ep.p1);
+        }
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[j] = val[j * NORM_THREADS];
+        if (ep.res == 2) {
+            load_f32s(rv, r + p * ldr + c);
+#pragma unroll
+            for (int j = 0; j < V; ++j) v[j] += rv[j];
+        }
+        store_f32s(y + p * ldy + c, v);
+    }
+}
+
 // The apply pass. Grid (blocks, N): the blocks of image n = blockIdx.y stride over its H*W*C/V work
 // items by a multiple of C/V, so a thread keeps one channel vector for the whole pass: its V channels'
 // statistics, gamma and beta are read and folded (mean, rsqrt(var + eps) * gamma, beta) once, and the
-// pass streams x (and r) in and y out alone, NORM_UNROLL pixels' loads issued before their math (with
-// one 16-byte load in flight a thread it ran near 30% of H100's bandwidth on MONAI's UNet at N=8:
-// bench/results/kernel_profile-8d2fe87-h100.json).
+// pass streams x (and r) in and y out alone: NORM_UNROLL pixels' loads in flight a thread, or
+// NORM_UNROLL_RES pixels' of x and r (the registers of NORM_APPLY_BLOCKS blocks an SM), or one
+// pixel's where the activation is a call.
 // The launch (dualtrack.kernels.norm) gives an image at least C threads, so any V finds C/V. HW
 // pixels of C channels: the tensor's, or its flat view (C = reps Cr, as the stats launch's), channel
 // c of the layout being real channel c % Cr.
@@ -405,7 +499,7 @@ __device__ __forceinline__ void norm_apply(const T* __restrict__ x, const T* __r
     if (i >= lanes) return;
     const int c = static_cast<int>(i % CV) * V;
     const long long pstep = lanes / CV;
-    float mu[V], sc[V], be[V], rv[V];
+    float mu[V], sc[V], be[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
         const int cr = (c + j) % Cr;
@@ -413,33 +507,14 @@ __device__ __forceinline__ void norm_apply(const T* __restrict__ x, const T* __r
         mu[j] = mean[s];
         sc[j] = rsqrtf(var[s] + eps) * (ep.gamma != nullptr ? ep.gamma[cr] : 1.0f);
         be[j] = ep.beta != nullptr ? ep.beta[cr] : 0.0f;
-        rv[j] = 0.0f;
     }
-    long long p = n * HW + i / CV;
-    const long long end = (n + 1) * HW;
-    for (; p + (NORM_UNROLL - 1) * pstep < end; p += NORM_UNROLL * pstep) {
-        Raw<T, V> xs[NORM_UNROLL], rs[NORM_UNROLL];
-#pragma unroll
-        for (int u = 0; u < NORM_UNROLL; ++u) xs[u].load(x + (p + u * pstep) * ldx + c);
-        if (ep.res != 0) {
-#pragma unroll
-            for (int u = 0; u < NORM_UNROLL; ++u) rs[u].load(r + (p + u * pstep) * ldr + c);
-        }
-#pragma unroll
-        for (int u = 0; u < NORM_UNROLL; ++u) {
-            float v[V];
-            xs[u].unpack(v);
-            if (ep.res != 0) rs[u].unpack(rv);
-            apply_vec(v, rv, mu, sc, be, ep);
-            store_f32s(y + (p + u * pstep) * ldy + c, v);
-        }
-    }
-    for (; p < end; p += pstep) {
-        float v[V];
-        load_f32s(v, x + p * ldx + c);
-        if (ep.res != 0) load_f32s(rv, r + p * ldr + c);
-        apply_vec(v, rv, mu, sc, be, ep);
-        store_f32s(y + p * ldy + c, v);
+    const long long p = n * HW + i / CV, end = (n + 1) * HW;
+    if (ep.act > DT_ACT_LEAKYRELU) {
+        apply_stream_calls<T, V>(x, r, y, p, end, pstep, c, ldx, ldr, ldy, mu, sc, be, ep);
+    } else if (ep.res != 0) {
+        apply_stream<T, V, NORM_UNROLL_RES>(x, r, y, p, end, pstep, c, ldx, ldr, ldy, mu, sc, be, ep);
+    } else {
+        apply_stream<T, V, NORM_UNROLL>(x, r, y, p, end, pstep, c, ldx, ldr, ldy, mu, sc, be, ep);
     }
 }
 
@@ -466,7 +541,7 @@ __device__ __forceinline__ int flat_reps(const void* x, const void* r, const voi
      int H, int W, int C, int ldx, int ldr, int ldy, int G, int stat_n, int res, float eps, int act, float p0, \
      float p1)
 
-extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_nhwc_f16 NORM_APPLY_PARAMS(f16) {
+extern "C" __global__ void __launch_bounds__(NORM_THREADS, NORM_APPLY_BLOCKS) norm_nhwc_f16 NORM_APPLY_PARAMS(f16) {
     const NormEpilogue ep = {gamma, beta, res, act, p0, p1};
     const long long HW = static_cast<long long>(H) * W;
     const int reps = flat_reps(x, r, y, HW, C, ldx, ldr, ldy, res, 8);
@@ -481,7 +556,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_nhwc_f16 NORM_AP
     norm_apply<f16, 1>(x, r, y, mean, var, HW, C, C, ldx, ldr, ldy, G, stat_n, eps, ep);
 }
 
-extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_nhwc_f32 NORM_APPLY_PARAMS(float) {
+extern "C" __global__ void __launch_bounds__(NORM_THREADS, NORM_APPLY_BLOCKS) norm_nhwc_f32 NORM_APPLY_PARAMS(float) {
     const NormEpilogue ep = {gamma, beta, res, act, p0, p1};
     const long long HW = static_cast<long long>(H) * W;
     const int reps = flat_reps(x, r, y, HW, C, ldx, ldr, ldy, res, 4);

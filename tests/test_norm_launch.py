@@ -58,11 +58,21 @@ def test_every_item_of_the_apply_pass_gets_exactly_one_thread(
 
 
 def test_a_gpu_size_makes_threads_stream_several_pixels_and_none_is_idle_beyond_a_block() -> None:
-    """At 512x512 x 32 channels, batch 8, on 132 SMs: about two full waves, each thread streaming pixels."""
+    """At 512x512 x 32 channels, batch 8, on 132 SMs: one wave of the apply blocks an SM holds, each
+    thread streaming pixels."""
     cfg = NORM.apply_launch("float16", 8, 512, 512, 32, 32, 32, sms=132)
     threads = cfg.grid[0] * cfg.block[0]
     assert cfg.grid[1] == 8 and 512 * 512 * 4 / threads > 4
-    assert cfg.grid[0] * cfg.grid[1] * cfg.block[0] <= 2 * 132 * 2048 + 8 * cfg.block[0]
+    assert cfg.grid[0] * cfg.grid[1] <= 132 * NORM.apply_blocks
+
+
+@pytest.mark.parametrize(("N", "sms"), [(1, 132), (3, 132), (7, 132), (8, 132), (5, 2), (13, 78)])
+def test_the_apply_grid_is_one_wave_with_no_trailing_blocks(N: int, sms: int) -> None:
+    """A thread streams its whole share of the image, so a block past the resident wave would run alone
+    after it and double the pass: the grid is rounded down to the blocks the SMs hold (big tensors)."""
+    cfg = NORM.apply_launch("float16", N, 256, 256, 16, 16, 16, sms=sms)
+    assert cfg.grid[0] * cfg.grid[1] <= max(N, sms * NORM.apply_blocks)
+    assert cfg.grid[0] * cfg.grid[1] > sms * NORM.apply_blocks - N
 
 
 def test_a_batch_past_the_grid_is_refused_with_the_fix() -> None:

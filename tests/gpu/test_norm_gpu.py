@@ -177,6 +177,11 @@ REF_CASES = [  # N, C, H, W, G, activation, residual, input mean, input std
     (1, 1, 64, 64, 1, "clip", "none", 0.5, 2.0),
     (5, 2, 3, 5, 2, "none", "none", 0.5, 2.0),  # 15 pixels: not whole vectors, the scalar path
     (1, 2, 300, 200, 2, "none", "none", 100.0, 0.01),
+    # Apply threads streaming several steps, the last one partial (a one-wave grid), and the
+    # activations called a value (ELU: dt_activate_rest) over whole vectors with a residual after them
+    (2, 8, 512, 512, 8, "leakyrelu", "none", 0.5, 2.0),
+    (1, 16, 256, 256, 16, "elu", "after_act", 0.5, 2.0),
+    (2, 32, 96, 80, 4, "elu", "before_act", 0.5, 2.0),
 ]
 # Against the float64 reference on the same (dtype-rounded) inputs: as TOL. The cancellation case
 # (mean 100, std 0.01) is held to what fp32 statistics can be: a mean within 2 float32 ulps of 100

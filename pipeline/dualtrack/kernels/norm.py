@@ -114,12 +114,15 @@ class NormSpec(StreamingSpec):
     groups fills the GPU and a launch is one wave with no tail of late blocks; ``merge_items``: the
     most partials (chunks x C) the block that finalizes an image merges, which bounds the chunks of
     a wide tensor (the merge is one block's L2 round trips: 8192 items are 4 rounds of 8 loads a
-    thread); ``apply_waves``: full-occupancy waves the apply pass's threads make (each then streams
-    its channel vector over H*W / threads-an-image pixels, NORM_UNROLL at a time)."""
+    thread); ``apply_waves``: waves of the apply blocks an SM holds (:attr:`apply_blocks`) that the
+    apply pass's grid makes, rounded down, so no late blocks trail the launch (every thread streams
+    its channel vector over H*W / threads-an-image pixels, NORM_UNROLL at a time: a trailing block
+    would double the pass); ``layer_waves``: full-occupancy waves of the LayerNorm launch, at most."""
 
     waves: int = 3
     merge_items: int = 8192
-    apply_waves: int = 2
+    apply_waves: int = 1
+    layer_waves: int = 2
 
     MACRO: ClassVar[str] = "NORM"
     PARAMS: ClassVar[tuple[str, ...]] = (
@@ -130,6 +133,11 @@ class NormSpec(StreamingSpec):
     FLOATS: ClassVar[frozenset[str]] = frozenset({"eps", "p0", "p1"})
     NULLABLE: ClassVar[frozenset[str]] = frozenset({"r", "gamma", "beta"})
     STRIDES: ClassVar[tuple[tuple[str, str], ...]] = (("ldx", "C"), ("ldy", "C"))
+
+    @property
+    def apply_blocks(self) -> int:
+        """Apply blocks an SM holds: norm_nhwc.cu's NORM_APPLY_BLOCKS, its register bound (768 threads)."""
+        return max(1, 768 // self.block_threads)
 
     def defines(self) -> dict[str, int | str]:
         return {"NORM_THREADS": self.block_threads}
@@ -181,9 +189,9 @@ class NormSpec(StreamingSpec):
     ) -> LaunchConfig:
         """Grid (blocks, N): an image's blocks give each of its C channels at least one thread (so the
         kernel finds its C/V channel vectors whichever V it takes: 8 fp16 or 4 fp32 where C, the
-        strides and the pointers allow 16-byte accesses, else 1), and together about ``apply_waves``
-        full waves of a GPU of ``sms`` SMs (none given: a thread an item); never more than a thread
-        an item."""
+        strides and the pointers allow 16-byte accesses, else 1), and together at most ``apply_waves``
+        waves of the ``apply_blocks`` an SM holds on a GPU of ``sms`` SMs (none given: a thread an
+        item), unless the channels need more; never more than a thread an item."""
         reps = flat_reps(dtype, H * W, C, lds, pointers)
         per_item = C * reps if reps > 1 else vector_lanes(dtype, C, lds, pointers)  # elements a thread's step
         if N > GRID_Y_MAX:
@@ -191,7 +199,7 @@ class NormSpec(StreamingSpec):
         items = H * W * C // per_item
         least = cdiv(C, self.block_threads)
         most = max(least, cdiv(items, self.block_threads))
-        want = cdiv(self.apply_waves * sms * (2048 // self.block_threads), N) if sms else most
+        want = max(1, self.apply_waves * sms * self.apply_blocks // N) if sms else most
         blocks = min(most, max(least, want))
         if blocks > INT32_MAX:
             raise InputError(f"norm needs {blocks} blocks an image; split the image")
@@ -202,7 +210,7 @@ class NormSpec(StreamingSpec):
     ) -> LaunchConfig:
         """A team of L lanes a pixel taking P pixels a step (norm_nhwc.cu, layer_norm_any: L = C/V
         rounded up to a power of two, at most 32; K = C/V / L vectors a lane, P = 4/K pixels, or a warp
-        a pixel past LAYER_MAX_C channels): blocks for every pixel once, at most ``apply_waves`` full
+        a pixel past LAYER_MAX_C channels): blocks for every pixel once, at most ``layer_waves`` full
         waves of a GPU of ``sms`` SMs (the kernel strides over the rest)."""
         cv = C // vector_lanes(dtype, C, lds, pointers)
         team = min(32, 1 << (cv - 1).bit_length())
@@ -210,7 +218,7 @@ class NormSpec(StreamingSpec):
         per_warp = (32 // team) * LAYER_PIXELS[k] if C <= LAYER_MAX_C and k in LAYER_PIXELS else 1
         blocks = cdiv(N * H * W, (self.block_threads // 32) * per_warp)
         if sms:
-            blocks = min(blocks, self.apply_waves * sms * (2048 // self.block_threads))
+            blocks = min(blocks, self.layer_waves * sms * (2048 // self.block_threads))
         return self._blocks(blocks)
 
     def _blocks(self, blocks: int) -> LaunchConfig:
