@@ -432,14 +432,22 @@ __device__ __forceinline__ void apply_stream(const T* __restrict__ x, const T* _
 // loop's addresses are held across the calls and the entry stays within NORM_APPLY_BLOCKS' register
 // bound without spilling. Row k of the column (mu, sc, be, then the values) holds value j at
 // (k V + j) NORM_THREADS.
+// apply_stream_calls' shared memory: one array an entry (four rows of a 16-byte vector's channels a
+// thread), whichever V it takes, so that NORM_APPLY_BLOCKS of them fit an SM of 100 KB (sm_86, sm_89).
+template <typename T>
+__device__ __forceinline__ float* apply_column() {
+    __shared__ float s_col[4 * (16 / sizeof(T)) * NORM_THREADS];
+    return s_col;
+}
+
 template <typename T, int V>
 __device__ __forceinline__ void apply_stream_calls(const T* __restrict__ x, const T* __restrict__ r,
                                                    T* __restrict__ y, long long p, long long end, long long pstep,
                                                    int c, int ldx, int ldr, int ldy, const float (&mu)[V],
                                                    const float (&sc)[V], const float (&be)[V],
                                                    const NormEpilogue& ep) {
-    __shared__ float s_col[4 * V * NORM_THREADS];
-    volatile float* col = s_col + threadIdx.x;
+    static_assert(V <= 16 / sizeof(T), "the column holds a 16-byte vector's channels");
+    volatile float* col = apply_column<T>() + threadIdx.x;
     volatile float* val = col + 3 * V * NORM_THREADS;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
