@@ -47,7 +47,9 @@ def test_checked_in_ptx_is_fresh() -> None:
     assert check_fresh() == [], "run `make ptx` and commit the result"
 
 
-@pytest.mark.parametrize(("stem", "arch"), CHECKED_IN)
+# conv3x3_wgmma's 10 MB of PTX takes a minute to compile twice; the freshness test compiles it every run and
+# compares it with the checked-in text, which a nondeterministic compile would fail as well.
+@pytest.mark.parametrize(("stem", "arch"), [k for k in CHECKED_IN if k[0] != "conv3x3_wgmma"])
 def test_compile_is_deterministic(stem: str, arch: str) -> None:
     # The freshness test is only meaningful if NVRTC gives the same text twice (it did not, for a
     # plain float4 shared-memory read in the fp32 conv; see lds128 in conv3x3_nhwc.cu).
