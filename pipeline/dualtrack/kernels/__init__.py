@@ -167,7 +167,10 @@ BLEND = BlendSpec(op="blend", stem="blend_nhwc")
 
 # each handwritten_ptx/*.cu once: conv_fp8's rows are compiled into CONV3X3_WGMMA's source
 SPECS: tuple[KernelSpec, ...] = (
-    *(s for s in KERNELS.values() if s.stem != CONV3X3_WGMMA.stem), CONV3X3_WGMMA, RESIZE_RGB, BLEND
+    *(s for s in KERNELS.values() if s.stem != CONV3X3_WGMMA.stem),
+    CONV3X3_WGMMA,
+    RESIZE_RGB,
+    BLEND,
 )
 
 
