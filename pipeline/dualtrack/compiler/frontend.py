@@ -39,7 +39,14 @@ from dualtrack.compiler.channel_maps import channel_maps_as_convs
 from dualtrack.compiler.channels_last import channels_first
 from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
 from dualtrack.compiler.convt_phases import sub_pixel_convolutions
-from dualtrack.compiler.iree_forms import WIDENED, matrix_matmuls, reshaped_forms, signed_powers, widened_unsigned
+from dualtrack.compiler.iree_forms import (
+    F16_ACCUMULATED,
+    WIDENED,
+    matrix_matmuls,
+    reshaped_forms,
+    signed_powers,
+    widened_unsigned,
+)
 from dualtrack.compiler.lower_pad import full_pads
 from dualtrack.compiler.onnx_graph import constants as _graph_constants
 from dualtrack.compiler.resize_maps import iree_cannot_lower, resize_maps, widened_axes
@@ -57,17 +64,9 @@ _SKIP_FUSIONS = ["FusionGelu"]
 # feature map overflows fp16 (65504) long before its mean does. IREE's CUDA code for an fp16
 # GlobalAveragePool over a 128x128 squeeze-excitation input gave inf on the H200 (LR-ASPP; its CPU
 # code and onnxruntime accumulate in fp32), and torch accumulates half-precision means in fp32 too.
-FP32_REDUCTIONS = (
-    "GlobalAveragePool",
-    "GlobalLpPool",
-    "ReduceMean",
-    "ReduceSum",
-    "ReduceSumSquare",
-    "ReduceL1",
-    "ReduceL2",
-    "ReduceLogSum",
-    "ReduceLogSumExp",
-)
+# The ops IREE sums in fp16 (iree_forms.F16_ACCUMULATED, which Track B's stage 0 computes in fp32 anyway) but
+# the windowed AveragePool and CumSum, which this conversion keeps fp16, plus ReduceLogSumExp.
+FP32_REDUCTIONS = (*(op for op in F16_ACCUMULATED if op not in ("AveragePool", "CumSum")), "ReduceLogSumExp")
 # Ops whose presence means the simplifier has something to do (folding, elimination).
 _FOLDABLE_OPS = {"Identity", "Constant", "Shape", "Size", "ConstantOfShape", "Dropout"}
 
