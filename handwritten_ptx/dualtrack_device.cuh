@@ -136,17 +136,77 @@ __device__ __forceinline__ uint4 max_of(uint4 a, uint4 b) { return max_f16x8(a, 
 __device__ __forceinline__ float4 max_of(float4 a, float4 b) { return max_f32x4(a, b); }
 
 // V neighbouring elements as fp32 and back, for a kernel written once for its scalar path (V = 1,
-// either dtype) and its fp16 vector path (V = 8, 16 bytes, p 16-byte aligned).
+// either dtype) and its vector paths: fp16 V = 8 (16 bytes), and for channel counts that are not a
+// multiple of 8, fp16 V = 4, 2 (8, 4 bytes); fp32 V = 4, 2 (16, 8 bytes). p is aligned to the
+// vector's size; the same conversions and one rounding per element as the scalar path.
 template <typename T>
 __device__ __forceinline__ void load_f32s(float (&v)[1], const T* p) {
     v[0] = load_f32(p);
 }
 __device__ __forceinline__ void load_f32s(float (&v)[8], const f16* p) { load_f16x8(v, p); }
+__device__ __forceinline__ void load_f32s(float (&v)[4], const f16* p) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    v[0] = f16_to_f32(static_cast<f16>(u.x & 0xffffu)), v[1] = f16_to_f32(static_cast<f16>(u.x >> 16));
+    v[2] = f16_to_f32(static_cast<f16>(u.y & 0xffffu)), v[3] = f16_to_f32(static_cast<f16>(u.y >> 16));
+}
+__device__ __forceinline__ void load_f32s(float (&v)[2], const f16* p) {
+    const unsigned u = *reinterpret_cast<const unsigned*>(p);
+    v[0] = f16_to_f32(static_cast<f16>(u & 0xffffu)), v[1] = f16_to_f32(static_cast<f16>(u >> 16));
+}
+__device__ __forceinline__ void load_f32s(float (&v)[4], const float* p) {
+    const float4 q = *reinterpret_cast<const float4*>(p);
+    v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+}
+__device__ __forceinline__ void load_f32s(float (&v)[2], const float* p) {
+    const float2 q = *reinterpret_cast<const float2*>(p);
+    v[0] = q.x, v[1] = q.y;
+}
 template <typename T>
 __device__ __forceinline__ void store_f32s(T* p, const float (&v)[1]) {
     store_f32(p, v[0]);
 }
 __device__ __forceinline__ void store_f32s(f16* p, const float (&v)[8]) { store_f16x8(p, v); }
+__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
+    return static_cast<unsigned>(f32_to_f16(lo)) | (static_cast<unsigned>(f32_to_f16(hi)) << 16);
+}
+__device__ __forceinline__ void store_f32s(f16* p, const float (&v)[4]) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack_f16x2(v[0], v[1]), pack_f16x2(v[2], v[3]));
+}
+__device__ __forceinline__ void store_f32s(f16* p, const float (&v)[2]) {
+    *reinterpret_cast<unsigned*>(p) = pack_f16x2(v[0], v[1]);
+}
+__device__ __forceinline__ void store_f32s(float* p, const float (&v)[4]) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void store_f32s(float* p, const float (&v)[2]) {
+    *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
+}
+
+// V neighbouring elements copied bit for bit (NaN payloads included) in one access of
+// V * sizeof(T) bytes (2 to 16), both pointers aligned to it: a gather that does no arithmetic.
+template <int BYTES>
+struct Bits;
+template <>
+struct Bits<16> {
+    typedef uint4 type;
+};
+template <>
+struct Bits<8> {
+    typedef uint2 type;
+};
+template <>
+struct Bits<4> {
+    typedef unsigned type;
+};
+template <>
+struct Bits<2> {
+    typedef unsigned short type;
+};
+template <typename T, int V>
+__device__ __forceinline__ void copy_elems(T* dst, const T* src) {
+    typedef typename Bits<V * sizeof(T)>::type B;
+    *reinterpret_cast<B*>(dst) = *reinterpret_cast<const B*>(src);
+}
 
 // The fused activations (dt_activate): generated from the table dualtrack.contract.activations.
 #include "dualtrack_activations.cuh"

@@ -50,15 +50,6 @@ static_assert((NORM_THREADS & (NORM_THREADS - 1)) == 0 && NORM_THREADS >= 64 && 
 // apply_launch) keeps 48 KB of loads in flight an SM.
 #define NORM_APPLY_BLOCKS (768 / NORM_THREADS > 0 ? 768 / NORM_THREADS : 1)
 
-// 4 fp32 channels in one 16-byte access (fp16's 8 are dualtrack_device.cuh's load_f32s).
-__device__ __forceinline__ void load_f32s(float (&v)[4], const float* p) {
-    const float4 q = *reinterpret_cast<const float4*>(p);
-    v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
-}
-__device__ __forceinline__ void store_f32s(float* p, const float (&v)[4]) {
-    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
-}
-
 // V channels as loaded (16 bytes, or one element), kept packed until their math: NORM_UNROLL pixels
 // in flight then hold half the registers of their fp32 values (fp16), which is what lets a block
 // of them share an SM with others.

@@ -12,12 +12,23 @@
 // (RESIZE_NEAREST: floor, ceil, round_prefer_floor, round_prefer_ceil) and clamped to [0, L-1].
 // fp32 math, one rounding to the output dtype (a copy for nearest).
 //
-// A thread per work item (grid-stride): one output element, or 8 neighbouring channels of an output
-// pixel on the fp16 vector path (16-byte accesses), channel fastest (coalesced); the taps of
-// neighbouring output pixels overlap in L1. No shared memory.
-// No toolkit #include: see conv3x3_nhwc.cu. The block size comes from dualtrack.kernels as -D macros.
+// The work is arranged so that no element pays for index or coordinate math, which is what made a
+// thread per element instruction-bound (divisions and two fp32 source coordinates per 16 bytes):
+// - a block owns a strip of output columns (the output width split into gridDim.x strips) and
+//   walks the output rows blockIdx.y, blockIdx.y + gridDim.y, ... (of N * Ho);
+// - the taps of the strip's columns (source columns and weight: they depend on the column alone)
+//   are computed once per block into shared memory, RESIZE_COLUMNS columns a pass; the row's taps
+//   once per row (uniform over the block);
+// - the threads then walk the row's work items, one output pixel x V channels each, channel group
+//   fastest (coalesced stores; the lanes of a pixel read the same taps, a shared-memory broadcast),
+//   stepping through (pixel, group) by additions only. V is the widest vector that C, ldx, ldy and
+//   both pointers allow (uniform over the launch): fp16 8, 4, 2 or 1 elements (16 to 2 bytes), fp32
+//   4, 2 or 1. The 4 taps of neighbouring output pixels overlap and are served by L1.
+// Any grid is correct (the strips and the row loop follow gridDim); dualtrack.kernels.resize sizes
+// it so that a block has a few work items a thread.
+// No toolkit #include: see conv3x3_nhwc.cu. Block size and strip pass come from dualtrack.kernels.
 
-#if !defined(RESIZE_THREADS)
+#if !defined(RESIZE_THREADS) || !defined(RESIZE_COLUMNS)
 #error "launch sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
 #endif
 
@@ -45,109 +56,138 @@ __device__ __forceinline__ int nearest_index(float v, int L, int nearest) {
     return i < 0 ? 0 : (i > L - 1 ? L - 1 : i);
 }
 
-// Linear taps of one axis: i0, i1 and the weight of i1.
-__device__ __forceinline__ void linear_taps(float v, int L, int& i0, int& i1, float& t) {
-    v = v < 0.0f ? 0.0f : (v > static_cast<float>(L - 1) ? static_cast<float>(L - 1) : v);
-    i0 = static_cast<int>(v);
-    i1 = i0 + 1 < L ? i0 + 1 : L - 1;
-    t = v - static_cast<float>(i0);
-}
-
-// The source taps of output pixel (ho, wo), the same for every channel of the pixel: nearest: the
-// pixel (h0, w0); linear: rows h0, h1 and columns w0, w1 with the weights th, tw of h1 and w1.
+// The taps of output coordinate o on one axis: nearest: i0 = i1, the source index (t 0); linear:
+// the neighbours i0, i1 and t, the weight of i1.
 struct Taps {
-    int h0, h1, w0, w1;
-    float th, tw;
+    int i0, i1;
+    float t;
 };
 
-__device__ __forceinline__ Taps taps(int ho, int wo, int H, int W, int Ho, int Wo, int mode, int coord, int nearest,
-                                     float sh, float sw) {
-    const float vh = source_coord(ho, H, Ho, sh, coord), vw = source_coord(wo, W, Wo, sw, coord);
+template <bool LINEAR>
+__device__ __forceinline__ Taps axis_taps(int o, int L, int Lo, float s, int coord, int nearest) {
+    float v = source_coord(o, L, Lo, s, coord);
     Taps t;
-    if (mode == 0) {
-        t.h0 = t.h1 = nearest_index(vh, H, nearest);
-        t.w0 = t.w1 = nearest_index(vw, W, nearest);
-        t.th = t.tw = 0.0f;
+    if constexpr (!LINEAR) {
+        t.i0 = t.i1 = nearest_index(v, L, nearest);
+        t.t = 0.0f;
     } else {
-        linear_taps(vh, H, t.h0, t.h1, t.th);
-        linear_taps(vw, W, t.w0, t.w1, t.tw);
+        v = v < 0.0f ? 0.0f : (v > static_cast<float>(L - 1) ? static_cast<float>(L - 1) : v);
+        t.i0 = static_cast<int>(v);
+        t.i1 = t.i0 + 1 < L ? t.i0 + 1 : L - 1;
+        t.t = v - static_cast<float>(t.i0);
     }
     return t;
 }
 
-// One work item: `lanes` neighbouring channels from channel c of output pixel p (image n). The
-// scalar path (lanes 1) for either dtype; the fp16 vector path (8 lanes: 16-byte loads and store,
-// element for element the same fp32 math and rounding).
-template <typename T>
-__device__ __forceinline__ void resize_item(const T* __restrict__ img, T* __restrict__ dst, const Taps& t, int W,
-                                            int ldx, int mode) {
-    const long long r0 = static_cast<long long>(t.h0) * W, r1 = static_cast<long long>(t.h1) * W;
-    if (mode == 0) {
-        *dst = img[(r0 + t.w0) * ldx];
-        return;
-    }
-    const float a = load_f32(img + (r0 + t.w0) * ldx), b = load_f32(img + (r0 + t.w1) * ldx);
-    const float d = load_f32(img + (r1 + t.w0) * ldx), e = load_f32(img + (r1 + t.w1) * ldx);
-    const float top = a + t.tw * (b - a), bottom = d + t.tw * (e - d);
-    store_f32(dst, top + t.th * (bottom - top));
-}
-
-__device__ __forceinline__ void resize_item_x8(const f16* __restrict__ img, f16* __restrict__ dst, const Taps& t,
-                                               int W, int ldx, int mode) {
-    const long long r0 = static_cast<long long>(t.h0) * W, r1 = static_cast<long long>(t.h1) * W;
-    if (mode == 0) {
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(img + (r0 + t.w0) * ldx);
-        return;
-    }
-    float a[8], b[8], d[8], e[8], v[8];
-    load_f16x8(a, img + (r0 + t.w0) * ldx);
-    load_f16x8(b, img + (r0 + t.w1) * ldx);
-    load_f16x8(d, img + (r1 + t.w0) * ldx);
-    load_f16x8(e, img + (r1 + t.w1) * ldx);
+// One work item: V channels of an output pixel. r0, r1: the item's channels in source rows h0, h1
+// (column 0); ldx the pixel stride.
+template <typename T, int V, bool LINEAR>
+__device__ __forceinline__ void resize_item(const T* r0, const T* r1, T* dst, const Taps& col, float th, int ldx) {
+    const long long o0 = static_cast<long long>(col.i0) * ldx;
+    if constexpr (!LINEAR) {
+        copy_elems<T, V>(dst, r0 + o0);
+    } else {
+        const long long o1 = static_cast<long long>(col.i1) * ldx;
+        float a[V], b[V], d[V], e[V], v[V];
+        load_f32s(a, r0 + o0);
+        load_f32s(b, r0 + o1);
+        load_f32s(d, r1 + o0);
+        load_f32s(e, r1 + o1);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const float top = a[j] + t.tw * (b[j] - a[j]), bottom = d[j] + t.tw * (e[j] - d[j]);
-        v[j] = top + t.th * (bottom - top);
+        for (int j = 0; j < V; ++j) {
+            const float top = a[j] + col.t * (b[j] - a[j]), bottom = d[j] + col.t * (e[j] - d[j]);
+            v[j] = top + th * (bottom - top);
+        }
+        store_f32s(dst, v);
     }
-    store_f16x8(dst, v);
 }
 
-// Grid-stride over work items of `lanes` channels (channel fastest, then w, h, n); the launcher
-// sizes the grid for the path the device most likely takes (dualtrack.kernels.streaming).
-template <typename T, int LANES>
-__device__ __forceinline__ void resize(const T* __restrict__ x, T* __restrict__ y, int N, int H, int W, int C, int Ho,
-                                       int Wo, int ldx, int ldy, int mode, int coord, int nearest, float sh,
-                                       float sw) {
-    const int CL = C / LANES;
-    const long long total = static_cast<long long>(N) * Ho * Wo * CL;
-    const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
-    for (long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += step) {
-        const NhwcIndex o = nhwc_index(idx, Ho, Wo, CL);
-        const int c = o.c * LANES;
-        const T* img = x + o.n * H * W * static_cast<long long>(ldx) + c;
-        const Taps t = taps(o.h, o.w, H, W, Ho, Wo, mode, coord, nearest, sh, sw);
-        T* dst = y + o.p * ldy + c;
-        if constexpr (LANES == 8) {
-            resize_item_x8(img, dst, t, W, ldx, mode);
-        } else {
-            resize_item(img, dst, t, W, ldx, mode);
+// The block's strip of output columns over its output rows (see the header).
+template <typename T, int V, bool LINEAR>
+__device__ __forceinline__ void resize_strip(const T* __restrict__ x, T* __restrict__ y, int N, int H, int W, int C,
+                                             int Ho, int Wo, int ldx, int ldy, int coord, int nearest, float sh,
+                                             float sw, Taps* cols) {
+    const int groups = C / V;  // work items of a pixel
+    const int strip = (Wo + gridDim.x - 1) / gridDim.x;
+    const int wbeg = blockIdx.x * strip, wend = min(Wo, wbeg + strip);
+    // This thread's first item of a pass as (pixel, group), and the block's step in the same terms:
+    // the item loop then advances by additions only.
+    const int step_px = blockDim.x / groups, step_g = blockDim.x - step_px * groups;
+    const int first_px = threadIdx.x / groups, first_g = threadIdx.x - first_px * groups;
+    const int rows = N * Ho;  // < 2^31: the launcher checks N * Ho * Wo
+    for (int w0 = wbeg; w0 < wend; w0 += RESIZE_COLUMNS) {
+        const int count = min(RESIZE_COLUMNS, wend - w0);
+        __syncthreads();  // the previous pass is done with the table
+        for (int j = threadIdx.x; j < count; j += blockDim.x)
+            cols[j] = axis_taps<LINEAR>(w0 + j, W, Wo, sw, coord, nearest);
+        __syncthreads();
+        for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+            const int n = r / Ho, ho = r - n * Ho;
+            const Taps row = axis_taps<LINEAR>(ho, H, Ho, sh, coord, nearest);
+            const T* x0 = x + (static_cast<long long>(n) * H + row.i0) * W * ldx;
+            const T* x1 = x + (static_cast<long long>(n) * H + row.i1) * W * ldx;
+            T* yr = y + (static_cast<long long>(r) * Wo + w0) * ldy;
+            int px = first_px, g = first_g;
+            while (px < count) {
+                const int c = g * V;
+                resize_item<T, V, LINEAR>(x0 + c, x1 + c, yr + static_cast<long long>(px) * ldy + c, cols[px], row.t,
+                                          ldx);
+                px += step_px;
+                g += step_g;
+                if (g >= groups) {
+                    g -= groups;
+                    ++px;
+                }
+            }
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(RESIZE_THREADS)
-resize_nhwc_f16(const f16* __restrict__ x, f16* __restrict__ y, int N, int H, int W, int C, int Ho, int Wo, int ldx,
-                int ldy, int mode, int coord, int nearest, float sh, float sw) {
-    // The vector path needs C, ldx, ldy multiples of 8 and 16-byte aligned x and y (uniform over the launch).
-    if (C % 8 == 0 && ldx % 8 == 0 && ldy % 8 == 0 && aligned16(x) && aligned16(y)) {
-        resize<f16, 8>(x, y, N, H, W, C, Ho, Wo, ldx, ldy, mode, coord, nearest, sh, sw);
-        return;
+template <typename T, int V>
+__device__ __forceinline__ void resize_lanes(const T* __restrict__ x, T* __restrict__ y, int N, int H, int W, int C,
+                                             int Ho, int Wo, int ldx, int ldy, int mode, int coord, int nearest,
+                                             float sh, float sw, Taps* cols) {
+    if (mode == 0) {
+        resize_strip<T, V, false>(x, y, N, H, W, C, Ho, Wo, ldx, ldy, coord, nearest, sh, sw, cols);
+    } else {
+        resize_strip<T, V, true>(x, y, N, H, W, C, Ho, Wo, ldx, ldy, coord, nearest, sh, sw, cols);
     }
-    resize<f16, 1>(x, y, N, H, W, C, Ho, Wo, ldx, ldy, mode, coord, nearest, sh, sw);
 }
 
-extern "C" __global__ void __launch_bounds__(RESIZE_THREADS)
-resize_nhwc_f32(const float* __restrict__ x, float* __restrict__ y, int N, int H, int W, int C, int Ho, int Wo,
-                int ldx, int ldy, int mode, int coord, int nearest, float sh, float sw) {
-    resize<float, 1>(x, y, N, H, W, C, Ho, Wo, ldx, ldy, mode, coord, nearest, sh, sw);
+// Whether V-element vectors fit: C, ldx, ldy multiples of V (a power of two) and x, y aligned to
+// the vector's bytes.
+template <typename T, int V>
+__device__ __forceinline__ bool fits(const T* x, const T* y, int C, int ldx, int ldy) {
+    const unsigned long long bytes = V * sizeof(T);
+    return ((C | ldx | ldy) & (V - 1)) == 0 &&
+           ((reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y)) & (bytes - 1)) == 0;
+}
+
+#define RESIZE_PARAMS(T)                                                                                            \
+    (const T* __restrict__ x, T* __restrict__ y, int N, int H, int W, int C, int Ho, int Wo, int ldx, int ldy,      \
+     int mode, int coord, int nearest, float sh, float sw)
+#define RESIZE_ARGS x, y, N, H, W, C, Ho, Wo, ldx, ldy, mode, coord, nearest, sh, sw, cols
+
+extern "C" __global__ void __launch_bounds__(RESIZE_THREADS) resize_nhwc_f16 RESIZE_PARAMS(f16) {
+    __shared__ Taps cols[RESIZE_COLUMNS];
+    if (fits<f16, 8>(x, y, C, ldx, ldy)) {
+        resize_lanes<f16, 8>(RESIZE_ARGS);
+    } else if (fits<f16, 4>(x, y, C, ldx, ldy)) {
+        resize_lanes<f16, 4>(RESIZE_ARGS);
+    } else if (fits<f16, 2>(x, y, C, ldx, ldy)) {
+        resize_lanes<f16, 2>(RESIZE_ARGS);
+    } else {
+        resize_lanes<f16, 1>(RESIZE_ARGS);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(RESIZE_THREADS) resize_nhwc_f32 RESIZE_PARAMS(float) {
+    __shared__ Taps cols[RESIZE_COLUMNS];
+    if (fits<float, 4>(x, y, C, ldx, ldy)) {
+        resize_lanes<float, 4>(RESIZE_ARGS);
+    } else if (fits<float, 2>(x, y, C, ldx, ldy)) {
+        resize_lanes<float, 2>(RESIZE_ARGS);
+    } else {
+        resize_lanes<float, 1>(RESIZE_ARGS);
+    }
 }

@@ -467,7 +467,7 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
     ),
     "resize linear": (
         "resize_nhwc_f16",
-        (8, 1, 1),
+        (1, 10, 1),  # one strip of the 15 columns (C 12: 3 items of 4 channels a pixel) by the 10 output rows
         (256, 1, 1),
         0,
         [4096, 8192, 1, 5, 6, 12, 10, 15, 20, 16, 1, 0, 0, 2.0, 2.5],
@@ -475,7 +475,7 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
     ),
     "resize nearest f32": (
         "resize_nhwc_f32",
-        (1, 1, 1),
+        (1, 8, 1),  # one strip by the 2 x 4 output rows
         (256, 1, 1),
         0,
         [4096, 8192, 2, 8, 8, 3, 4, 6, 3, 3, 0, 3, 3, 0.5, 0.75],

@@ -1,5 +1,6 @@
 """The pooling family's average modes (maxpool_nhwc.cu), the eltwise kernel's constant-operand and
-PReLU rows and Sub/Div (eltwise_nhwc.cu), and Resize by sizes at odd scales (resize_nhwc.cu) on a
+PReLU rows and Sub/Div (eltwise_nhwc.cu), and Resize by sizes at odd scales, at channel counts that
+take each of its vector widths and under grids other than its launcher's (resize_nhwc.cu) on a
 real GPU against onnxruntime (CPU, float32, on the same dtype-rounded inputs) and against the
 kernels' numpy references (which tests/test_pool_resize_family.py checks against onnxruntime):
 fp16 and fp32, windows, scales and shapes no zoo model uses, C a multiple of 8 (the vector paths) or
@@ -153,6 +154,62 @@ def test_resize_kernel_by_scales_and_sizes(engine, mods, dtype, off, c, mode, co
     args = RESIZE.args(x=px, y=py, N=n, H=h, W=w, C=c, Ho=Ho, Wo=Wo, ldx=ldx, ldy=ldy, how=how)
     launch(mods, RESIZE, dtype, RESIZE.launch(dtype, n, h, w, c, 0, Ho=Ho, Wo=Wo, ldy=ldy), args, s)
     check(f"resize {mode} {coord} {scales or sizes} {dtype}", s.result(), ref, want, dtype)
+
+
+# (mode, coord, nearest, scales): up by 2.6 and down by 0.7, per axis, in each coordinate mode
+ODD_RESIZES = [
+    ("linear", "half_pixel", "floor", (0.7, 2.6)),
+    ("linear", "pytorch_half_pixel", "floor", (2.6, 2.6)),
+    ("linear", "align_corners", "floor", (2.6, 0.7)),
+    ("linear", "asymmetric", "floor", (0.7, 0.7)),
+    ("nearest", "half_pixel", "round_prefer_floor", (2.6, 0.7)),
+    ("nearest", "asymmetric", "floor", (0.7, 2.6)),
+    ("nearest", "align_corners", "round_prefer_ceil", (2.6, 2.6)),
+]
+
+
+def resize_case(
+    engine, dtype: str, off: int, n: int, h: int, w: int, c: int, mode: str, coord: str, nearest: str, scales
+) -> tuple[np.ndarray, np.ndarray, ResizeMode, Slices, list, tuple[int, int, int]]:
+    """Random x (N, H, W, C), onnxruntime's Resize of it by ``scales`` (NHWC), the mode as the
+    lowering records it, the slices (x and y in channel slices at ``off``) and the kernel's arguments."""
+    x = np.random.default_rng().standard_normal((n, h, w, c)).astype(dtype)
+    want = nhwc(ort_resize(nchw(x), mode, coord, scales=scales, nearest=nearest))
+    Ho, Wo = want.shape[1:3]
+    how = ResizeMode(mode, coord, nearest, *(float(np.float32(v)) for v in scales))
+    s = Slices(engine, dtype, off)
+    (px, ldx), (py, ldy) = s.input(x), s.output((n, Ho, Wo, c))
+    args = RESIZE.args(x=px, y=py, N=n, H=h, W=w, C=c, Ho=Ho, Wo=Wo, ldx=ldx, ldy=ldy, how=how)
+    return x, want, how, s, args, (Ho, Wo, ldy)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("off", OFFS)
+@pytest.mark.parametrize("c", [20, 264, 3])  # fp16 vectors of 4 and 8 channels (fp32: 4), and single channels
+@pytest.mark.parametrize(("mode", "coord", "nearest", "scales"), ODD_RESIZES)
+def test_resize_kernel_at_odd_channels_and_scales(engine, mods, dtype, off, c, mode, coord, nearest, scales) -> None:
+    """C 20 and 264 (no zoo model's), N 3, non-integer scales up and down, channel slices on both
+    sides (OFFS: the widest vector each allows, down to single elements on odd strides)."""
+    n, h, w = 3, 9, 13
+    x, want, how, s, args, (Ho, Wo, ldy) = resize_case(engine, dtype, off, n, h, w, c, mode, coord, nearest, scales)
+    ref = RESIZE.reference(x, Ho, Wo, how)
+    launch(mods, RESIZE, dtype, RESIZE.launch(dtype, n, h, w, c, 0, Ho=Ho, Wo=Wo, ldy=ldy), args, s)
+    check(f"resize {mode} {coord} {nearest} x{scales} C={c} {dtype} offset {off}", s.result(), ref, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("grid", [(1, 1, 1), (1, 5, 1), (3, 2, 1), (1000, 2, 1)])
+@pytest.mark.parametrize(("mode", "coord", "nearest", "scales"), [ODD_RESIZES[0], ODD_RESIZES[5]])
+def test_resize_kernel_is_right_under_any_grid(engine, mods, dtype, grid, mode, coord, nearest, scales) -> None:
+    """The kernel follows gridDim (strips of the output width, a loop over the rows), so a grid that
+    is not the launcher's still writes every element once: one block (strips wider than the
+    RESIZE_COLUMNS column table: several passes), fewer rows than the output's, more strips than
+    columns (empty blocks)."""
+    n, h, w, c = 2, 5, 111, 20  # 2.6 x 111: 288 output columns, more than one column table
+    x, want, how, s, args, (Ho, Wo, _) = resize_case(engine, dtype, 4, n, h, w, c, mode, coord, nearest, scales)
+    ref = RESIZE.reference(x, Ho, Wo, how)
+    mods[RESIZE.entry(dtype)].launch(grid, (RESIZE.block_threads, 1, 1), 0, s.be.stream, args)
+    check(f"resize {mode} {coord} on grid {grid} {dtype}", s.result(), ref, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])

@@ -1,5 +1,7 @@
-"""resize_nhwc: the resize op (ONNX Resize over H and W, nearest or bilinear), one thread per
-output element, or per 8 channels of an output pixel on the fp16 vector path."""
+"""resize_nhwc: the resize op (ONNX Resize over H and W, nearest or bilinear). A block owns a strip
+of output columns over a set of output rows, with the columns' taps computed once per block in
+shared memory; a work item is an output pixel times the widest channel vector the shapes and
+pointers allow (up to 16 bytes). The grid is :meth:`ResizeSpec.strips` strips by the output rows."""
 
 from __future__ import annotations
 
@@ -11,7 +13,16 @@ import numpy as np
 
 from dualtrack.contract.plan import RESIZE_COORDS, RESIZE_MODES, RESIZE_NEAREST, KernelCall, bits_f32, f32_bits
 from dualtrack.errors import InputError
-from dualtrack.kernels.base import DeviceTensor, Tensors, positive
+from dualtrack.kernels.base import (
+    GRID_Y_MAX,
+    DeviceTensor,
+    LaunchConfig,
+    Tensors,
+    cdiv,
+    dtype_name,
+    pixels,
+    positive,
+)
 from dualtrack.kernels.streaming import ElementSpec
 
 
@@ -92,7 +103,47 @@ class ResizeSpec(ElementSpec):
     POINTERS: ClassVar[int] = 2
     STRIDES: ClassVar[tuple[tuple[str, str], ...]] = (("ldx", "C"), ("ldy", "C"))
     SHAPE_ATTRS: ClassVar[tuple[str, ...]] = ("Ho", "Wo")
-    F16_LANES: ClassVar[int] = 8  # the fp16 vector path: one 16-byte access
+    VECTOR_BYTES: ClassVar[int] = 16  # the widest access of a work item
+    # Columns whose taps a block keeps in shared memory (12 bytes each) for one pass over its rows;
+    # a strip wider than this takes several passes, so the grid keeps strips within it.
+    columns: int = 256
+    # Work items a block aims at: a few a thread, so that a block's setup (the column taps, two
+    # barriers, the row's taps) is paid for, while small outputs still split into enough blocks.
+    items_a_block: int = 1024
+    # Blocks a launch aims at before it splits rows into narrower strips (about 8 an SM of an H100:
+    # a full wave); never fewer work items a block than threads.
+    min_blocks: int = 1024
+
+    def defines(self) -> dict[str, int | str]:
+        return {**super().defines(), "RESIZE_COLUMNS": self.columns}
+
+    def lanes(self, dtype: Any, *channels: int) -> int:
+        """The channels of a work item the device will most likely take (the widest vector of at
+        most :attr:`VECTOR_BYTES` dividing every channel count and stride given; the device also
+        needs the pointers aligned to it, which only it knows)."""
+        v = self.VECTOR_BYTES // np.dtype(dtype_name(dtype)).itemsize
+        while v > 1 and any(c % v for c in channels):
+            v //= 2
+        return v
+
+    def strips(self, dtype: Any, out: tuple[int, int, int, int], *strides: int) -> int:
+        """Column strips of the output ``out`` (N, Ho, Wo, C), each a block per output row: enough
+        that a strip fits :attr:`columns` and holds about :attr:`items_a_block` work items, more
+        when there are too few rows to fill the GPU; never an empty strip."""
+        n, ho, wo, c = out
+        items = wo * (c // self.lanes(dtype, c, *strides))  # work items of an output row
+        want = max(cdiv(wo, self.columns), cdiv(items, self.items_a_block))
+        if n * ho * want < self.min_blocks:
+            want = max(want, min(cdiv(self.min_blocks, n * ho), cdiv(items, self.block_threads)))
+        return cdiv(wo, cdiv(wo, min(want, wo)))
+
+    def output_launch(self, dtype: Any, out: tuple[int, int, int, int], ldy: int | None, *strides: int) -> LaunchConfig:
+        """:meth:`strips` along x, the output rows along y (a block loops over the rows past
+        grid.y's limit)."""
+        n, ho, wo, c = out
+        pixels(n, ho, wo, ldy or c)
+        grid = (self.strips(dtype, out, ldy or c, *strides), min(n * ho, GRID_Y_MAX), 1)
+        return LaunchConfig(grid=grid, block=(self.block_threads, 1, 1), shared_bytes=0)
 
     def output_shape(
         self, N: int, H: int, W: int, C: int, K: int = 0, Ho: int = 0, Wo: int = 0

@@ -2,9 +2,9 @@
 list with the activation epilogue last, and (:class:`ElementSpec`) the 1-D grid of one thread per
 output element.
 
-dwconv, eltwise and resize launch one thread per output element (pixel x channel, channel
-fastest; dwconv's, eltwise's and resize's fp16 entries one per 8 channels where they can); gap and fc have
-their own geometry but the same ``-D`` block-size convention.
+dwconv and eltwise launch one thread per output element (pixel x channel, channel fastest; their
+fp16 entries one per 8 channels where they can); resize, gap and fc have their own geometry but the
+same ``-D`` block-size convention.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class ElementSpec(StreamingSpec):
     (which may take the attributes named in :attr:`SHAPE_ATTRS`, from :meth:`call_args`).
 
     A spec whose fp16 entry has a vector path (:attr:`F16_LANES` channels a work item: dwconv,
-    eltwise, resize) gets a grid of one thread per vector when the output's channels and every channel
+    eltwise) gets a grid of one thread per vector when the output's channels and every channel
     stride allow it. Those kernels loop over their work items (grid-stride) and choose the path on
     the device from the same conditions plus pointer alignment, so the grid is never wrong, only
     sized for the path the device will most likely take."""
