@@ -3,6 +3,7 @@
 cuDNN convolution, on the distinct convolution shapes of smp ``Unet("resnet34")`` at 512x512.
 
     python bench/conv_layers.py OUT.json [--batches 1 8] [--iters 50] [--only stem] [--net unet] [--fp8]
+    python bench/conv_layers.py OUT.json --net split [--splits 1 4 16 61]
 
 Needs a CUDA GPU, torch with CUDA (random data, the fp32 reference, cuDNN) and dualtrack on the
 path (the kernel is the checked-in PTX for the device's arch, JIT-compiled by the driver, launched
@@ -24,7 +25,13 @@ the rows and per-batch totals (weighted by how often each shape occurs) as JSON.
 their 8-channel twins) on every fp16 entry that takes them, so one run shows the stem entries
 (``_stem``, ``_stem_narrow``: the patch in shared memory) beside the ``_gather`` entry they replace.
 
-``--net unet``: the reference U-Net's 3x3 layers (models/, 512x512) instead of ResNet-34's. ``--fp8``
+``--net unet``: the reference U-Net's 3x3 layers (models/, 512x512) instead of ResNet-34's. ``--net split``:
+convolutions whose output tiles cannot fill the GPU while their reduction is deep, the ones split-K
+is for (PAN-resnet34's FPA 7x7 512 -> 1 on 8x8 pixels, and shapes no zoo model has): ``ours_ms`` is
+then the unsplit tile entry and ``engine_ms`` what the engine runs (the split, ``engine_reason``
+says how many slices; on sm_90a the wgmma kernel where it takes the layer). ``--splits S ...``: also
+the layer's mma.sync entry forced to each split count S (1: unsplit through the same preparation),
+``splits_ms``, both launches timed together (the slices, then ``conv_nhwc_f16_splitk``). ``--fp8``
 (sm_90a): beside the engine's fp16 kernel, the layer in FP8 as a ``precision: fp8`` plan runs it
 (issue 42): ``quantize_fp8`` of the input (per-tensor scale from its amax) then ``conv_fp8`` (the
 wgmma family's e4m3 rows, per-output-channel weight scales): ``fp8_ms`` (both launches),
@@ -51,7 +58,7 @@ from dualtrack.compiler.kernel_build import SOURCE_DIR, ptx_path
 from dualtrack.contract.arch import PTX_ARCHES, choose_image
 from dualtrack.contract.plan import KernelCall, f32_bits
 from dualtrack.errors import InputError
-from dualtrack.kernels import KERNELS, Activation, ConvGeometry, DeviceInfo
+from dualtrack.kernels import KERNELS, Activation, ConvChoice, ConvGeometry, DeviceInfo
 from dualtrack.runtime import tma
 from dualtrack.runtime.driver import Device, Module, Stream
 from dualtrack.runtime.tensors import GpuTensor
@@ -74,11 +81,22 @@ class Layer:
     stride: int
     residual: bool
     relu: bool
+    groups: int = 1
 
     @property
     def geom(self) -> ConvGeometry:
         p = self.R // 2
-        return ConvGeometry(self.R, self.R, self.stride, self.stride, pad_top=p, pad_left=p, pad_bottom=p, pad_right=p)
+        return ConvGeometry(
+            self.R,
+            self.R,
+            self.stride,
+            self.stride,
+            pad_top=p,
+            pad_left=p,
+            pad_bottom=p,
+            pad_right=p,
+            groups=self.groups,
+        )
 
 
 LAYERS = (
@@ -128,6 +146,18 @@ UNET_LAYERS = tuple(
         ("dec4a", 512, 256, 64), ("dec3a", 256, 128, 128), ("dec2a", 128, 64, 256), ("dec1a", 64, 32, 512),
     )
 )  # fmt: skip
+
+
+# Split-K's layers (--net split): few output tiles, deep reductions. uses: PAN's FPA 7x7 once a network.
+SPLIT_LAYERS = (
+    Layer("pan fpa 7x7 512->1", "conv", 1, 8, 8, 512, 1, 7, 1, False, True),
+    Layer("5x5/2 96->3 +res", "conv", 0, 5, 7, 96, 3, 5, 2, True, True),
+    Layer("3x3 g2 1000->40", "conv", 0, 4, 4, 1000, 40, 3, 1, False, True, 2),
+    Layer("1x1 2048->16", "conv", 0, 2, 2, 2048, 16, 1, 1, False, True),
+    Layer("l4.0 conv1 /2", "conv", 0, 32, 32, 256, 512, 3, 2, False, True),  # ResNet-34's, at few tiles
+    Layer("3x3 512->64 on 8x8", "conv", 0, 8, 8, 512, 64, 3, 1, False, True),
+)
+NETS = {"resnet34": LAYERS, "unet": UNET_LAYERS, "split": SPLIT_LAYERS}
 
 
 def median_ms(fn, iters: int) -> float:
@@ -181,9 +211,45 @@ def engine_launch(kernels: dict, stream: Stream, ctx: EngineContext, layer: Laye
         call = KernelCall("conv", ins, ("y",), ("w", "b"), attrs, (layer.name,))
     inputs = [_t(tensors[i]) for i in ins]
     p = KERNELS[layer.op].prepare_inputs(call, inputs, _t(tensors["y"]), [_t(tensors["w"]), _t(tensors["b"])], ctx)
-    fn = kernels[p.entry]
     impl, why = (p.choice.impl, p.choice.reason) if p.choice is not None else ("mma.sync", "variant()")
-    return (lambda: fn.launch(p.config.grid, p.config.block, p.config.shared_bytes, stream, p.args)), impl, p.entry, why
+    entry = p.choice.entry if p.choice is not None else p.entry  # a split's tile, not its summing entry
+    return prepared_launch(kernels, stream, p), impl, entry, why
+
+
+def prepared_launch(kernels: dict, stream: Stream, p):
+    """A PreparedCall as one callable: its ``before`` launches (split-K's slices), then its own."""
+    steps = [(kernels[q.entry], q) for q in (*p.before, p)]
+
+    def launch() -> None:
+        for fn, q in steps:
+            fn.launch(q.config.grid, q.config.block, q.config.shared_bytes, stream, q.args)
+
+    return launch
+
+
+def split_tile(layer: Layer, entry: str) -> str:
+    """The tile entry whose split-K ``--splits`` times: the layer's own where it is one, else (the
+    direct or a stem entry) the tile its channels would get (``_gather`` for C % 8 != 0 a group)."""
+    if entry in SPEC.f16_tiles():
+        return entry
+    cg, kg = layer.C // layer.groups, layer.K // layer.groups
+    if cg % 8:
+        return f"{SPEC.stem}_f16_gather"
+    return f"{SPEC.stem}_f16_narrow" if kg <= SPEC.f16_narrow.bn else f"{SPEC.stem}_f16_small"
+
+
+def split_launch(
+    kernels: dict, stream: Stream, ctx: EngineContext, layer: Layer, tensors: dict, entry: str, splits: int
+):
+    """The general conv's ``entry`` forced to ``splits`` split-K slices on this layer, as one callable."""
+    act = Activation.named("relu" if layer.relu else "none")
+    ins = ("x", "r") if layer.residual else ("x",)
+    attrs = (*layer.geom.attrs(), *act.attrs(), ("residual", int(layer.residual)))
+    call = KernelCall("conv", ins, ("y",), ("w", "b"), attrs, (layer.name,))
+    kw = SPEC.call_args(call, [_t(tensors[i]) for i in ins], _t(tensors["y"]), [_t(tensors["w"]), _t(tensors["b"])])
+    return prepared_launch(
+        kernels, stream, SPEC.prepare_entry(ConvChoice("mma.sync", entry, "forced", splits), kw, ctx)
+    )
 
 
 def fp8_row(kernels: dict, stream: Stream, ctx: EngineContext, layer: Layer, tensors: dict, ref, iters: int) -> dict:
@@ -240,11 +306,13 @@ def run_layer(
     variants: bool = False,
     ctx: EngineContext | None = None,
     fp8: bool = False,
+    splits: tuple[int, ...] = (),
 ) -> dict:
     g = layer.geom
     _, p, q, _ = SPEC.output_shape(n, layer.H, layer.W, layer.C, layer.K, geom=g)
     x = torch.randn(n, layer.H, layer.W, layer.C, device="cuda", dtype=torch.float16)
-    w = (torch.randn(layer.K, layer.R, layer.R, layer.C, device="cuda") / (layer.C * layer.R**2) ** 0.5).half()
+    cg = layer.C // layer.groups
+    w = (torch.randn(layer.K, layer.R, layer.R, cg, device="cuda") / (cg * layer.R**2) ** 0.5).half()
     b = torch.randn(layer.K, device="cuda")
     res = torch.randn(n, p, q, layer.K, device="cuda", dtype=torch.float16) if layer.residual else None
     y = torch.full((n, p, q, layer.K), float("nan"), device="cuda", dtype=torch.float16)
@@ -266,7 +334,7 @@ def run_layer(
     x_cl = x.permute(0, 3, 1, 2)  # NHWC data = a channels_last NCHW tensor, no copy
     w_cl = w.permute(0, 3, 1, 2)
     pad = layer.R // 2
-    ref = F.conv2d(x_cl.float(), w_cl.float(), b, stride=layer.stride, padding=pad)
+    ref = F.conv2d(x_cl.float(), w_cl.float(), b, stride=layer.stride, padding=pad, groups=layer.groups)
     if res is not None:
         ref = ref + res.permute(0, 3, 1, 2).float()
     if layer.relu:
@@ -295,13 +363,34 @@ def run_layer(
                 row["fp8_speedup"] = row["engine_ms"] / row["fp8_ms"]
     row["ours_ms"] = median_ms(ours, iters)
     bh = b.half()
-    row["cudnn_ms"] = median_ms(lambda: F.conv2d(x_cl, w_cl, bh, stride=layer.stride, padding=pad), iters)
+    row["cudnn_ms"] = median_ms(
+        lambda: F.conv2d(x_cl, w_cl, bh, stride=layer.stride, padding=pad, groups=layer.groups), iters
+    )
     row["ratio"] = row["ours_ms"] / row["cudnn_ms"]
     if "engine_ms" in row:
         row["engine_ratio"] = row["engine_ms"] / row["cudnn_ms"]
+    if splits and ctx is not None:  # a tile entry at each forced split count, checked first
+        tile = split_tile(layer, entry)
+        row["split_entry"] = tile
+        row["mma_splits"] = SPEC.split_k("float16", n, layer.H, layer.W, layer.C, layer.K, g, tile, device=ctx.device)
+        row["splits_ms"] = {}
+        tensors = {"x": x, "w": w, "b": b, "r": res, "y": y}
+        for s in splits:
+            try:
+                fn = split_launch(kernels, stream, ctx, layer, tensors, tile, s)
+            except InputError as exc:  # more slices than the grid takes
+                row["splits_ms"][str(s)] = f"skipped: {exc}"
+                continue
+            y.fill_(float("nan"))
+            fn()
+            torch.cuda.synchronize()
+            got = y.permute(0, 3, 1, 2).float()
+            srel = float((got - ref).norm() / ref.norm()) if torch.isfinite(got).all() else float("inf")
+            row["splits_ms"][str(s)] = median_ms(fn, iters) if srel <= TOL else f"FAILED: rel_l2 {srel:.1e}"
+            row["passed"] = row["passed"] and srel <= TOL
     if variants:  # every fp16 entry that takes this layer (same arguments), to check the selection policy
         row["variants_ms"] = {}
-        for e in (e for e in SPEC.entries if "f16" in e):
+        for e in (*SPEC.f16_tiles(), SPEC.direct_entry, *SPEC.stem_tiles()):
             try:
                 row["variants_ms"][e] = median_ms(launcher(e), iters)
             except InputError as exc:  # an entry for other shapes (the direct one's K <= 8...)
@@ -316,8 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--only", default="", help="run the layers whose name contains this")
     ap.add_argument("--variants", action="store_true", help="also time every fp16 entry on each layer")
+    ap.add_argument("--net", choices=tuple(NETS), default="resnet34", help="whose layers (default: %(default)s)")
     ap.add_argument(
-        "--net", choices=("resnet34", "unet"), default="resnet34", help="whose layers (default: %(default)s)"
+        "--splits", type=int, nargs="+", default=[], help="also time the mma.sync entry at these split-K counts"
     )
     ap.add_argument("--fp8", action="store_true", help="also run each layer as quantize_fp8 + conv_fp8 (sm_90a)")
     args = ap.parse_args(argv)
@@ -352,10 +442,12 @@ def main(argv: list[str] | None = None) -> int:
         f"  {'engine kernel':36} {'ms':>8} {'ratio':>6}"
     )
     for n in args.batches:
-        for layer in UNET_LAYERS if args.net == "unet" else LAYERS:
+        for layer in NETS[args.net]:
             if args.only and args.only not in layer.name:
                 continue
-            row = run_layer(kernels, stream, layer, n, args.iters, args.variants, engine_ctx, args.fp8)
+            row = run_layer(
+                kernels, stream, layer, n, args.iters, args.variants, engine_ctx, args.fp8, tuple(args.splits)
+            )
             rows.append(row)
             times = f"{row['ours_ms']:8.4f} {row['cudnn_ms']:8.4f} {row['ratio']:6.2f}" if row["passed"] else "  FAILED"
             if row["passed"] and "engine_ms" in row:
@@ -370,6 +462,11 @@ def main(argv: list[str] | None = None) -> int:
                 fp8 = row["fp8_entry"].removeprefix("conv3x3_wgmma_")
                 speed, rel = row["fp8_speedup"], row["fp8_rel_l2"]
                 print(f"{'':30} fp8 {fp8:36} {row['fp8_ms']:8.4f} x{speed:.2f} rel_l2 {rel:.1e}")
+            for s, ms in row.get("splits_ms", {}).items():
+                shown = f"{ms:8.4f}" if isinstance(ms, float) else ms
+                auto = " (the chooser's)" if int(s) == row.get("mma_splits") else ""
+                tile = row["split_entry"].removeprefix("conv_nhwc_")
+                print(f"{'':30} {tile + ' x' + s + auto:22} {'':8} {shown}")
             for e, ms in row.get("variants_ms", {}).items():
                 shown = f"{ms:8.4f}" if isinstance(ms, float) else ms
                 print(f"{'':30} {e.removeprefix('conv_nhwc_'):22} {'':8} {shown}")

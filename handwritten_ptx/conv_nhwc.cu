@@ -9,6 +9,11 @@
 // group-major), bias, res and y + g*K. Every path below reads its pointers' alignment at run time,
 // so an odd per-group width (ResNeXt's 4, g=3 of odd channels) takes the scalar paths by itself.
 //
+// Split-K (the fp16 tile entries): a conv whose output tiles leave the GPU idle while its reduction
+// is deep (PAN's 7x7 512 -> 1 on 8x8 pixels: one block, 784 k-tiles in a row) runs its k-tiles in
+// `splits` slices, gridDim.z = G * splits; each block leaves fp32 sums in the workspace `ws`, and
+// conv_nhwc_f16_splitk adds the slices in order, then bias, residual, activation, one rounding.
+//
 // for any R x S kernel, strides sh/sw, dilations dh/dw and top/left padding pt/pl (the bottom and
 // right padding only set the output size P x Q, which the caller passes); taps outside the image
 // read zero. `res` (null: none) is a second NHWC tensor of the output's shape with its own channel
@@ -47,7 +52,8 @@
 #if !defined(CONVG_F16_MAIN) || !defined(CONVG_F16_NARROW) || !defined(CONVG_F16_WIDE) || \
     !defined(CONVG_F16_SMALL) || !defined(CONVG_F16_GATHER) || !defined(CONVG_DIRECT_THREADS) || \
     !defined(CONVG_DIRECT_K) || !defined(CONVG_DIRECT_W) || !defined(CONVG_F32_BM) || !defined(CONVG_F32_BN) || !defined(CONVG_F32_BK) || \
-    !defined(CONVG_F32_TM) || !defined(CONVG_F32_TN) || !defined(CONVG_STEM) || !defined(CONVG_STEM_NARROW)
+    !defined(CONVG_F32_TM) || !defined(CONVG_F32_TN) || !defined(CONVG_STEM) || !defined(CONVG_STEM_NARROW) || \
+    !defined(CONVG_SPLITK_THREADS)
 #error "tile sizes come from dualtrack.kernels: build with `python -m dualtrack.ptx`"
 #endif
 
@@ -58,18 +64,43 @@ namespace convg {
 struct Problem {
     int N, H, W, C, K, P, Q, R, S, sh, sw, pt, pl, dh, dw, ldx, ldy, ldr, act;
     float p0, p1;  // act's parameters
+    int splits;  // split-K slices of the reduction (1: none); gridDim.z = groups * splits
     int M;   // N*P*Q output pixels (the launcher refuses M >= 2^31)
     int Kg;  // R*S*C
 };
 
-// Group blockIdx.z's element offsets into x, w and the K-channel tensors (bias, res, y).
+// blockIdx.z = split * G + group: the group this block computes (its channel slices), the slice of
+// the reduction it sums (split-K, 0 of 1 without), and G.
+struct Layer {
+    int group, split, groups;
+};
+
+__device__ __forceinline__ Layer layer_of(const Problem& p) {
+    const int G = static_cast<int>(gridDim.z) / p.splits;
+    const int z = static_cast<int>(blockIdx.z);
+    return {z % G, z / G, G};
+}
+
+// Group l.group's element offsets into x, w and the K-channel tensors (bias, res, y).
 struct GroupOffsets {
     long long x, w, k;
 };
 
-__device__ __forceinline__ GroupOffsets group_offsets(const Problem& p) {
-    const long long g = blockIdx.z;
+__device__ __forceinline__ GroupOffsets group_offsets(const Problem& p, const Layer& l) {
+    const long long g = l.group;
     return {g * p.C, g * p.K * p.Kg, g * p.K};
+}
+
+// Split-K: slice `split` of `splits` takes k-tiles [begin, end) of `total`, ceil(total / splits)
+// a slice (the host picks counts that leave none empty; an empty one still writes its zeros).
+struct KtRange {
+    int begin, end;
+};
+
+__device__ __forceinline__ KtRange kt_range(int total, int splits, int split) {
+    const int per = (total + splits - 1) / splits;
+    const int begin = min(total, split * per);
+    return {begin, min(total, begin + per)};
 }
 
 // A nullable pointer moved to its group's slice (null stays null).
@@ -157,7 +188,8 @@ struct VecLoader {
     unsigned a_dst[CF::A_CH], b_dst[CF::B_CH];  // shared byte offsets within a stage
     int q8, cb, r, s;
 
-    __device__ __forceinline__ void init(const Problem& p, int m0, int n0) {
+    // Starts at k-tile kt0 (a split's first; k-tiles run tap r, then s, then channel block).
+    __device__ __forceinline__ void init(const Problem& p, int m0, int n0, int kt0, int cblocks) {
         const int q = threadIdx.x % CF::CPR;
         q8 = q * 8;
 #pragma unroll
@@ -177,9 +209,10 @@ struct VecLoader {
             b_off[i] = static_cast<long long>(k) * p.Kg + q8;
             b_dst[i] = (CF::A_STAGE + CF::at(row, q)) * 2;
         }
-        cb = 0;
-        r = 0;
-        s = 0;
+        cb = kt0 % cblocks;
+        const int rs = kt0 / cblocks;
+        r = rs / p.S;
+        s = rs - r * p.S;
     }
 
     // Copies the next k-tile into the stage at shared address `stage`, then advances.
@@ -282,15 +315,19 @@ struct ScalarLoader {
 };
 
 // bias, residual, activation, one rounding; y and res through 16-byte chunks where they allow.
+// `part` (split-K; null: none): the tile's fp32 sums go there instead, pixel m at part + m * ldp,
+// with neither bias (the caller passes none) nor residual nor activation: conv_nhwc_f16_splitk adds
+// the slices and applies those.
 template <class CF>
 __device__ __forceinline__ void epilogue(float (&acc)[CF::MT][CF::NT][4], const float* bias, const f16* res, f16* y,
-                                         const Problem& p, int m0, int n0, int wm, int wn, int lane,
-                                         unsigned char* smem) {
+                                         float* part, int ldp, const Problem& p, int m0, int n0, int wm, int wn,
+                                         int lane, unsigned char* smem) {
     typedef Smem<CF> SM;
     enum : int { CHUNKS = SM::EPN / 8 };
     float* tile = reinterpret_cast<float*>(smem);
     const bool vec_y = p.ldy % 8 == 0 && aligned16(y);
     const bool vec_r = res != nullptr && p.ldr % 8 == 0 && aligned16(res);
+    const bool vec_p = part != nullptr && ldp % 4 == 0 && aligned16(part);
 #pragma unroll
     for (int pass = 0; pass < CF::BN / SM::EPN; ++pass) {
 #pragma unroll
@@ -322,6 +359,16 @@ __device__ __forceinline__ void epilogue(float (&acc)[CF::MT][CF::NT][4], const 
             const float* src = tile + row * SM::EPP + q8;
 #pragma unroll
             for (int e = 0; e < 8; ++e) v[e] = src[e];
+            if (part != nullptr) {
+                float* pp = part + (static_cast<long long>(m) * ldp + k);
+                if (vec_p && full) {
+                    *reinterpret_cast<float4*>(pp) = make_float4(v[0], v[1], v[2], v[3]);
+                    *reinterpret_cast<float4*>(pp + 4) = make_float4(v[4], v[5], v[6], v[7]);
+                } else {
+                    for (int e = 0; e < 8 && k + e < p.K; ++e) pp[e] = v[e];
+                }
+                continue;
+            }
             if (res != nullptr) {
                 const f16* rp = res + (static_cast<long long>(m) * p.ldr + k);
                 if (vec_r && full) {
@@ -353,15 +400,16 @@ __device__ __forceinline__ void epilogue(float (&acc)[CF::MT][CF::NT][4], const 
     }
 }
 
-// The vector path's main loop (16-byte cp.async copies, STAGES-deep pipeline).
+// The vector path's main loop (16-byte cp.async copies, STAGES-deep pipeline) over split `split`'s k-tiles.
 template <class CF>
 __device__ __forceinline__ void vector_mainloop(const f16* __restrict__ x, const f16* __restrict__ w, const Problem& p,
-                                                int m0, int n0, unsigned smem_base, float (&acc)[CF::MT][CF::NT][4],
-                                                int wm, int wn, int lane) {
+                                                int split, int m0, int n0, unsigned smem_base,
+                                                float (&acc)[CF::MT][CF::NT][4], int wm, int wn, int lane) {
     const int cblocks = (p.C + CF::BK - 1) / CF::BK;
-    const int num_kt = p.R * p.S * cblocks;
+    const KtRange kr = kt_range(p.R * p.S * cblocks, p.splits, split);
+    const int num_kt = kr.end - kr.begin;
     VecLoader<CF> ld;
-    ld.init(p, m0, n0);
+    ld.init(p, m0, n0, kr.begin, cblocks);
     // Prologue fills STAGES-1 stages; every iteration then commits exactly one group (possibly
     // empty), so "all but the newest STAGES-2 groups done" always means "tile kt has landed".
 #pragma unroll
@@ -390,10 +438,14 @@ __device__ __forceinline__ void vector_mainloop(const f16* __restrict__ x, const
 // the vector path and, for the odd launch it refuses (an unaligned pointer or channel stride),
 // the scalar path one k-tile at a time (no registers held across the MMAs, so the vector path
 // keeps its register budget).
+//
+// Split-K (p.splits > 1): the block sums split `split`'s k-tiles only and leaves its fp32 tile in
+// `part` (epilogue); both paths number their own k-tiles and take the same share of them.
 template <class CF, bool GATHER>
 __device__ __forceinline__ void conv_f16(const f16* __restrict__ x, const f16* __restrict__ w,
                                          const float* __restrict__ bias, const f16* __restrict__ res,
-                                         f16* __restrict__ y, const Problem& p, unsigned char* smem) {
+                                         f16* __restrict__ y, float* __restrict__ part, int ldp, int split,
+                                         const Problem& p, unsigned char* smem) {
     const int m0 = blockIdx.x * CF::BM;
     const int n0 = blockIdx.y * CF::BN;
     const int lane = threadIdx.x & 31;
@@ -408,7 +460,7 @@ __device__ __forceinline__ void conv_f16(const f16* __restrict__ x, const f16* _
     bool done = false;
     if constexpr (!GATHER) {
         if (p.C % 8 == 0 && p.ldx % 8 == 0 && aligned16(x) && aligned16(w)) {
-            vector_mainloop<CF>(x, w, p, m0, n0, smem_base, acc, wm, wn, lane);
+            vector_mainloop<CF>(x, w, p, split, m0, n0, smem_base, acc, wm, wn, lane);
             done = true;
         }
     }
@@ -423,11 +475,11 @@ __device__ __forceinline__ void conv_f16(const f16* __restrict__ x, const f16* _
             row_pix[i] = o.pix;
         }
         f16* stage = reinterpret_cast<f16*>(smem);
-        const int num_kt = (p.Kg + CF::BK - 1) / CF::BK;
+        const KtRange kr = kt_range((p.Kg + CF::BK - 1) / CF::BK, p.splits, split);
         ScalarLoader<CF> ld;
         __syncthreads();  // the rows are decoded
-        if constexpr (GATHER) ld.template fetch<false>(x, w, p, row_h, row_w, row_pix, 0, n0, stage);
-        for (int kt = 0; kt < num_kt; ++kt) {
+        if constexpr (GATHER) ld.template fetch<false>(x, w, p, row_h, row_w, row_pix, kr.begin, n0, stage);
+        for (int kt = kr.begin; kt < kr.end; ++kt) {
             __syncthreads();  // the previous k-tile has been read
             if constexpr (GATHER) {
                 ld.put(stage);
@@ -436,13 +488,13 @@ __device__ __forceinline__ void conv_f16(const f16* __restrict__ x, const f16* _
             }
             __syncthreads();
             if constexpr (GATHER) {
-                if (kt + 1 < num_kt) ld.template fetch<false>(x, w, p, row_h, row_w, row_pix, kt + 1, n0, stage);
+                if (kt + 1 < kr.end) ld.template fetch<false>(x, w, p, row_h, row_w, row_pix, kt + 1, n0, stage);
             }
             mma::stage<CF>(smem_base, acc, wm, wn, lane);
         }
     }
     __syncthreads();  // the epilogue tile reuses the pipeline's shared memory
-    epilogue<CF>(acc, bias, res, y, p, m0, n0, wm, wn, lane, smem);
+    epilogue<CF>(acc, bias, res, y, part, ldp, p, m0, n0, wm, wn, lane, smem);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -528,21 +580,31 @@ typedef mma::Swizzled<CONVG_F16_GATHER> Gather;  // C % 8 != 0: the pipelined sc
 
 }  // namespace convg
 
+// ws, splits: split-K (the tile entries only; every other entry is launched with null and 1): with
+// splits > 1, gridDim.z = groups * splits and split s of group g writes its fp32 sums (no bias,
+// residual or activation) to ws + (s * M + m) * (groups * K) + g * K + k; conv_nhwc_f16_splitk
+// then finishes y. bias, res and y are not read or written by such a launch.
 #define CONVG_PARAMS(T)                                                                                     \
     const T *__restrict__ x, const T *__restrict__ w, const float *__restrict__ bias,                      \
-        const T *__restrict__ res, T *__restrict__ y, int N, int H, int W, int C, int K, int P, int Q, int R, \
-        int S, int sh, int sw, int pt, int pl, int dh, int dw, int ldx, int ldy, int ldr, int act, float p0, float p1
+        const T *__restrict__ res, T *__restrict__ y, float *__restrict__ ws, int N, int H, int W, int C, int K, \
+        int P, int Q, int R, int S, int sh, int sw, int pt, int pl, int dh, int dw, int ldx, int ldy, int ldr,  \
+        int act, float p0, float p1, int splits
 
-#define CONVG_PROBLEM \
-    convg::Problem { N, H, W, C, K, P, Q, R, S, sh, sw, pt, pl, dh, dw, ldx, ldy, ldr, act, p0, p1, N * P * Q, R * S * C }
+#define CONVG_PROBLEM                                                                                          \
+    convg::Problem {                                                                                           \
+        N, H, W, C, K, P, Q, R, S, sh, sw, pt, pl, dh, dw, ldx, ldy, ldr, act, p0, p1, splits, N * P * Q, R * S * C \
+    }
 
 #define CONVG_F16_ENTRY(NAME, CF, GATHER)                                                     \
     extern "C" __global__ void __launch_bounds__(CF::THREADS, CF::MIN_BLOCKS) NAME(CONVG_PARAMS(f16)) { \
         __shared__ __align__(16) unsigned char smem[convg::Smem<CF>::BYTES];                  \
         const convg::Problem p = CONVG_PROBLEM;                                               \
-        const convg::GroupOffsets o = convg::group_offsets(p);                                \
-        convg::conv_f16<CF, GATHER>(x + o.x, w + o.w, convg::shifted(bias, o.k), convg::shifted(res, o.k), \
-                                    y + o.k, p, smem);                                        \
+        const convg::Layer l = convg::layer_of(p);                                            \
+        const convg::GroupOffsets o = convg::group_offsets(p, l);                             \
+        const int ldp = l.groups * K;                                                         \
+        float* part = ws != nullptr ? ws + static_cast<long long>(l.split) * p.M * ldp + o.k : nullptr; \
+        convg::conv_f16<CF, GATHER>(x + o.x, w + o.w, part ? nullptr : convg::shifted(bias, o.k),      \
+                                    convg::shifted(res, o.k), y + o.k, part, ldp, l.split, p, smem);    \
     }
 
 CONVG_F16_ENTRY(conv_nhwc_f16, convg::Main, false)
@@ -574,10 +636,42 @@ CONVG_STEM_ENTRY(conv_nhwc_f16_stem_narrow, stem::Narrow)
 // At least 1536 threads an SM (6 blocks of 256): the 40 registers it took before dt_activate had
 // every activation's formula (ptxas spills nothing at that bound).
 extern "C" __global__ void __launch_bounds__(CONVG_DIRECT_THREADS, 1536 / CONVG_DIRECT_THREADS) conv_nhwc_f16_direct(CONVG_PARAMS(f16)) {
-    __shared__ __align__(16) float ws[CONVG_DIRECT_W];
+    __shared__ __align__(16) float wsh[CONVG_DIRECT_W];
     const convg::Problem p = CONVG_PROBLEM;
-    const convg::GroupOffsets o = convg::group_offsets(p);
-    convg::conv_direct(x + o.x, w + o.w, convg::shifted(bias, o.k), convg::shifted(res, o.k), y + o.k, p, ws);
+    const convg::GroupOffsets o = convg::group_offsets(p, convg::layer_of(p));
+    convg::conv_direct(x + o.x, w + o.w, convg::shifted(bias, o.k), convg::shifted(res, o.k), y + o.k, p, wsh);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Split-K's second launch: y[m, k] = act(sum_s ws[s, m, k] + bias[k] + res[m, k]) over M pixels and
+// K channels (every group's: the tile entries' ldp), the slices added in split order so the sum is
+// the same on every run. A thread an output element, consecutive threads on consecutive channels.
+// ------------------------------------------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(CONVG_SPLITK_THREADS) conv_nhwc_f16_splitk(
+    const float* __restrict__ ws, const float* __restrict__ bias, const f16* __restrict__ res, f16* __restrict__ y,
+    int M, int K, int splits, int ldy, int ldr, int act, float p0, float p1) {
+    const long long plane = static_cast<long long>(M) * K;
+    const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; e < plane; e += step) {
+        const long long m = e / K;
+        const int k = static_cast<int>(e - m * K);
+        const float* src = ws + e;
+        float v = 0.f;
+        int s = 0;
+        // Eight loads in flight, then their sum in split order.
+        for (; s + 8 <= splits; s += 8) {
+            float t[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) t[i] = src[(s + i) * plane];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v += t[i];
+        }
+        for (; s < splits; ++s) v += src[s * plane];
+        if (bias != nullptr) v += bias[k];
+        if (res != nullptr) v += f16_to_f32(res[m * ldr + k]);
+        y[m * ldy + k] = f32_to_f16(dt_activate(v, act, p0, p1));
+    }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -617,7 +711,7 @@ extern "C" __global__ void __launch_bounds__(convg32::T::THREADS) conv_nhwc_f32(
     __shared__ __align__(16) float Bs[2 * T::BK * T::BNP];
     __shared__ int row_h[T::BM], row_w[T::BM], row_pix[T::BM];
     const convg::Problem p = CONVG_PROBLEM;
-    const convg::GroupOffsets go = convg::group_offsets(p);
+    const convg::GroupOffsets go = convg::group_offsets(p, convg::layer_of(p));
     x += go.x;
     w += go.w;
     bias = convg::shifted(bias, go.k);

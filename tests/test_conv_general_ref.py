@@ -276,6 +276,7 @@ def test_args_follow_the_abi() -> None:
         0x30,
         0x40,
         0x50,
+        0,  # ws: no split-K
         2,
         21,
         19,
@@ -297,10 +298,13 @@ def test_args_follow_the_abi() -> None:
         2,
         0.0,
         6.0,
+        1,  # splits
     ]
-    assert [t for _, t in args] == [ctypes.c_void_p] * 5 + [ctypes.c_int32] * 19 + [ctypes.c_float] * 2
+    assert [t for _, t in args] == [ctypes.c_void_p] * 6 + [ctypes.c_int32] * 19 + [ctypes.c_float] * 2 + [
+        ctypes.c_int32
+    ]
     dense = SPEC.args(x=1, w=2, y=3, N=1, H=4, W=4, C=3, K=6, geom=ConvGeometry(1, 1))
-    assert [v for v, _ in dense][2:4] == [0, 0] and [v for v, _ in dense][-6:] == [3, 6, 6, 0, 0.0, 0.0]
+    assert [v for v, _ in dense][2:4] == [0, 0] and [v for v, _ in dense][-7:] == [3, 6, 6, 0, 0.0, 0.0, 1]
     with pytest.raises(InputError, match="act=9 is not an Activation"):
         SPEC.args(x=1, w=2, y=3, N=1, H=4, W=4, C=3, K=6, geom=ConvGeometry(1, 1), act=9)
     with pytest.raises(InputError, match="ldr=2 is smaller than the 6 channels"):

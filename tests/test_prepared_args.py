@@ -344,8 +344,37 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
         (1, 1, 1),
         (128, 1, 1),
         0,
-        [4096, 16384, 20480, 8192, 12288, 2, 9, 10, 24, 48, 5, 5, 3, 3, 2, 2, 1, 1, 1, 1, 40, 64, 96, 6, 0.0, 0.0],
-        "PPPPPIIIIIIIIIIIIIIIIIIIFF",
+        [
+            4096,
+            16384,
+            20480,
+            8192,
+            12288,
+            0,
+            2,
+            9,
+            10,
+            24,
+            48,
+            5,
+            5,
+            3,
+            3,
+            2,
+            2,
+            1,
+            1,
+            1,
+            1,
+            40,
+            64,
+            96,
+            6,
+            0.0,
+            0.0,
+            1,
+        ],
+        "PPPPPPIIIIIIIIIIIIIIIIIIIFFI",
     ),
     # ResNet-34's last stage at N=1: 32 tiles of 64x64, so the reduction (72 k-blocks) splits four ways
     # (grid.y); ws: the context's workspace of 32 * 4 * 64 * 64 floats and 32 counters.
@@ -381,16 +410,45 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
         (3, 1, 1),
         (256, 1, 1),
         0,
-        [4096, 16384, 0, 0, 12288, 1, 12, 11, 5, 7, 12, 11, 5, 3, 1, 1, 4, 1, 2, 1, 5, 9, 7, 2, 0.0, 6.0],
-        "PPPPPIIIIIIIIIIIIIIIIIIIFF",
+        [4096, 16384, 0, 0, 12288, 0, 1, 12, 11, 5, 7, 12, 11, 5, 3, 1, 1, 4, 1, 2, 1, 5, 9, 7, 2, 0.0, 6.0, 1],
+        "PPPPPPIIIIIIIIIIIIIIIIIIIFFI",
     ),
     "conv grouped": (
         "conv_nhwc_f16_direct",  # 4 -> 4 channels a group: the direct entry, one grid layer a group
         (2, 1, 32),
         (256, 1, 1),
         0,
-        [4096, 16384, 20480, 0, 12288, 2, 16, 16, 4, 4, 16, 16, 3, 3, 1, 1, 1, 1, 1, 1, 128, 128, 128, 0, 0.0, 0.0],
-        "PPPPPIIIIIIIIIIIIIIIIIIIFF",
+        [
+            4096,
+            16384,
+            20480,
+            0,
+            12288,
+            0,
+            2,
+            16,
+            16,
+            4,
+            4,
+            16,
+            16,
+            3,
+            3,
+            1,
+            1,
+            1,
+            1,
+            1,
+            1,
+            128,
+            128,
+            128,
+            0,
+            0.0,
+            0.0,
+            1,
+        ],
+        "PPPPPPIIIIIIIIIIIIIIIIIIIFFI",
     ),
     "convt": (
         "convt_nhwc_f16",
@@ -572,6 +630,23 @@ def test_a_norm_prepares_every_launch_with_the_argument_list_its_ptx_takes() -> 
     assert not layer.before and plain(layer.entry, layer.config, layer.args)[5] == ptx_param_kinds(
         "norm_nhwc", layer.entry
     )
+
+
+def test_a_split_k_conv_prepares_both_launches_with_the_argument_lists_their_ptx_takes() -> None:
+    """PAN's 7x7 512 -> 1 on 8x8 pixels: the tile entry's slices into the call's workspace, then
+    conv_nhwc_f16_splitk's sum and epilogue; each launch's arguments match its entry in the PTX."""
+    pan = ConvGeometry(7, 7, pad_top=3, pad_left=3, pad_bottom=3, pad_right=3)
+    call = KernelCall("conv", ("x", "r"), ("y",), ("w", "b"), (*pan.attrs(), ("act", PLAN_ACTS["relu"]), RES))
+    ctx = Context("off")
+    p = K["conv"].prepare_inputs(
+        call, [T(0x1000, (1, 8, 8, 512)), T(0x2000, (1, 8, 8, 4))], T(0x3000, (1, 8, 8, 4), ld=8),
+        [T(0x4000, (4, 7, 7, 512)), T(0x5000, (4,), f32)], ctx,
+    )  # fmt: skip
+    launches = [*p.before, p]
+    assert [q.entry for q in launches] == ["conv_nhwc_f16_narrow", "conv_nhwc_f16_splitk"]
+    for q in launches:
+        assert plain(q.entry, q.config, q.args)[5] == ptx_param_kinds("conv_nhwc", q.entry), q.entry
+    assert p.before[0].args[5][0] == p.args[0][0] == 0x9000 and ctx.workspace_bytes == 61 * 64 * 4 * 4
 
 
 def test_a_pad_prepares_the_argument_list_its_ptx_takes() -> None:

@@ -463,6 +463,7 @@ def _backend(monkeypatch: pytest.MonkeyPatch, wgmma_off: str | None = None):
     }
     be.tuned, be.launches, be.stats, be.stream = {}, {}, gpu.Stats(), object()
     be.wgmma_off, be.device = wgmma_off, REFERENCE
+    be._workspace = lambda key, nbytes: 0x7F0000  # split-K scratch: an address (nothing runs)
     return be, launched, encoded
 
 

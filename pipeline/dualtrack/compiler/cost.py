@@ -27,7 +27,9 @@ takes the row of the device its first target names (:func:`rates_for_target`: ``
 ``h100`` the H100, ``sm_89`` the sm_80 class; ``kernels.device``). Track A has one
 roofline per kind of kernel (:meth:`Rates.track_a_for`): the fixed-shape tensor-core kernels
 (conv3x3, conv1x1, convt2x2; maxpool2x2 by its bytes), the general conv (any kernel size and stride:
-its FLOPs count every tap of every output pixel, so the stride is in them), and the SIMT kernels of
+its FLOPs count every tap of every output pixel, so the stride is in them; a launch of too few output
+tiles to fill the GPU splits its deep reduction (split-K, :meth:`ConvTarget.splits`), which is what
+lets a throughput roofline stand for it, and is charged its second launch), and the SIMT kernels of
 the mobile ops (dwconv, gap, fc, eltwise, resize) and of the general max-pool (one comparison per
 tap), whose few FLOPs per byte leave them bytes-bound; on an sm_90a target the general conv's layers
 that the wgmma kernel takes (3x3 stride 1, 1x1) have the wgmma roofline (``track_a_wgmma``), and
@@ -54,7 +56,7 @@ from onnx import helper
 from dualtrack.contract import arch
 from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import ConfigError
-from dualtrack.kernels import KERNELS, ConvGeneralSpec, ConvGeometry, conv_choice
+from dualtrack.kernels import KERNELS, ConvChoice, ConvGeneralSpec, ConvGeometry, conv_choice
 from dualtrack.kernels.device import DeviceInfo, for_target
 from dualtrack.kernels.problems import ConvProblem
 
@@ -237,10 +239,25 @@ class ConvTarget:
         conv = KERNELS["conv"]
         return isinstance(conv, ConvGeneralSpec) and self._conv_impl(node, specs, entry=True) in conv.stem_tiles()
 
+    def splits(self, node: onnx.NodeProto, specs: Mapping[str, tuple[tuple[int, ...], str]], batch: int) -> int:
+        """Split-K slices of this Conv node's launch at ``batch`` (1: none, or not a conv the chooser
+        takes): a split conv is two launches, the slices and their sum."""
+        choice = self._choice(node, specs, batch)
+        return 1 if choice is None else choice.splits
+
     def _conv_impl(
         self, node: onnx.NodeProto, specs: Mapping[str, tuple[tuple[int, ...], str]], *, entry: bool = False
     ) -> str | None:
         """The chooser's implementation (``entry``: its entry) for this Conv node at batch 1, or None."""
+        choice = self._choice(node, specs, 1)
+        if choice is None:
+            return None
+        return choice.entry if entry else choice.impl
+
+    def _choice(
+        self, node: onnx.NodeProto, specs: Mapping[str, tuple[tuple[int, ...], str]], batch: int
+    ) -> ConvChoice | None:
+        """The chooser's answer for this Conv node (lowered to the general conv) at ``batch``, or None."""
         if node.op_type != "Conv" or node.input[0] not in specs:
             return None
         (_, c, h, w), dtype = specs[node.input[0]]
@@ -250,8 +267,7 @@ class ConvTarget:
             return None
         call = KernelCall("conv", ("x",), ("y",), ("w",), (*geom.attrs(), ("act", 0), ("residual", 0)), (node.name,))
         off = None if self.wgmma else "the target's image has no wgmma kernel"
-        choice = conv_choice(ConvProblem.dense(1, h, w, c, w_shape[0], dtype), self.device, call=call, wgmma_off=off)
-        return choice.entry if entry else choice.impl
+        return conv_choice(ConvProblem.dense(batch, h, w, c, w_shape[0], dtype), self.device, call=call, wgmma_off=off)
 
     def runs_tuned_tile(self, key: ConvKey) -> bool:
         """Whether the chooser runs a tuned tile for this conv3x3 launch: only then does a tuning
@@ -443,4 +459,6 @@ def node_cost(
             source = "measured"
         else:
             a_us += roofline(track_a, b)
+            if kernel == "conv" and target is not None and target.splits(node, specs, b) > 1:
+                a_us += track_a.launch_us  # split-K's second launch (the slices' sum and the epilogue)
     return NodeCost(a_us, b_us, source)

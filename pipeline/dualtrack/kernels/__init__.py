@@ -203,7 +203,8 @@ def planned_conv_choices(bundle: Bundle, target: Target, device: DeviceInfo | No
     ``targets``), as (``ConvLayer``, ``ConvChoice``) pairs in plan order: :func:`conv_choice`'s answer
     with the target's image (wgmma where it has it) and tuned entries, pointers assumed aligned, as
     planned buffers are. What did run on a device: the engine's ``backend.stats.conv3x3``. The general
-    conv's calls that the wgmma kernel takes are listed too; its other calls are not."""
+    conv's calls that the wgmma kernel takes or that split their reduction (split-K) are listed too;
+    its other calls are not."""
     image = bundle.track_a.get("ptx", {}).get(target.track_a_ptx, {})
     off = None if CONV3X3_WGMMA.stem in image else f"not in the {target.track_a_ptx} PTX"
     tuned = bundle.tuned_calls(target.cc_tuple)
@@ -214,7 +215,7 @@ def planned_conv_choices(bundle: Bundle, target: Target, device: DeviceInfo | No
         assert call is not None  # conv_layers sets it
         entry = tuned.get(layer.node, {}).get(str(layer.batch)) if call.op == "conv3x3" else None
         choice = conv_choice(layer.problem, gpu, call=call, tuned=entry, wgmma_off=off)
-        if call.op == "conv3x3" or choice.impl == "wgmma":
+        if call.op == "conv3x3" or choice.impl == "wgmma" or choice.splits > 1:
             out.append((layer, choice))
     return out
 

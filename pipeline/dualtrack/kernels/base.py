@@ -114,6 +114,22 @@ def weight_pointers(weights: Tensors) -> dict[str, int | None]:
     return {"w": weights[0].ptr, "bias": weights[1].ptr if len(weights) > 1 else None}
 
 
+def typed(params: Sequence[str], pointers: int, values: Mapping[str, Any]) -> list[KernelArg]:
+    """An entry's ABI list, for the entries whose parameters are not their spec's
+    :attr:`KernelSpec.PARAMS` (a norm's statistics pass, split-K's sum): the first ``pointers``
+    parameters ``c_void_p`` (None: null), ``eps``, ``p0``, ``p1`` ``c_float``, the rest ``c_int32``."""
+    out: list[KernelArg] = []
+    for i, name in enumerate(params):
+        v = values[name]
+        if i < pointers:
+            out.append((int(v or 0), ctypes.c_void_p))
+        elif name in ("eps", "p0", "p1"):
+            out.append((float(v), ctypes.c_float))
+        else:
+            out.append((int(v), ctypes.c_int32))
+    return out
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

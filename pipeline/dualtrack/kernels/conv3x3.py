@@ -193,6 +193,23 @@ class Conv3x3Spec(Conv3x3Reference, ConvAbi, GemmTiles):
             return self.smallc_entry, f"C={p.C} <= {SMALL_C_MAX}: small-C direct conv"
         return None
 
+    def split_k(
+        self,
+        dtype: Any,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        K: int,
+        geom: Any,
+        entry: str,
+        *,
+        device: DeviceInfo = REFERENCE,
+    ) -> int:
+        """1: conv3x3's mma.sync tiles do not split their reduction (its deep layers with few tiles are
+        the wgmma kernel's on Hopper, which splits them; the general conv's tiles split theirs)."""
+        return 1
+
     def variant(
         self, dtype: Any, N: int, H: int, W: int, C: int, K: int, geom: Any = None, *, device: DeviceInfo = REFERENCE
     ) -> str:

@@ -15,6 +15,13 @@ layer (``grid.z``) a group on channel slices: its launch passes the channels of 
 chooser sizes its tile for that group's GEMM. Depthwise convolutions are the dwconv op's
 (:mod:`dualtrack.kernels.dwconv`): with one input channel a group every load here would be a
 strided 2-byte read, where dwconv reads neighbouring channels together.
+
+Split-K (:meth:`ConvGeneralSpec.split_k`): an fp16 tile launch whose output tiles cannot fill the
+GPU while its reduction (taps x channel blocks) is deep — PAN's 7x7 512 -> 1 on 8x8 pixels is one
+block walking 784 k-tiles — splits its k-tiles over ``splits`` grid layers (``grid.z = groups *
+splits``), each writing fp32 sums into the call's workspace; a second launch,
+``conv_nhwc_f16_splitk``, adds the slices in split order (the same sum on every run) and applies
+the epilogue (bias, residual, activation, one rounding into the output's channel slice).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from dualtrack.kernels.base import (
     GRID_Y_MAX,
     INT32_MAX,
     DeviceTensor,
+    KernelArg,
     KernelSpec,
     LaunchConfig,
     LaunchContext,
@@ -42,6 +50,7 @@ from dualtrack.kernels.base import (
     dtype_name,
     gemm_grid,
     positive,
+    typed,
 )
 from dualtrack.kernels.conv import named_weights, pack_conv_weights
 from dualtrack.kernels.conv3x3 import F16Tile
@@ -49,7 +58,7 @@ from dualtrack.kernels.conv3x3_wgmma import Conv3x3WgmmaSpec
 from dualtrack.kernels.conv_stem import StemTile
 from dualtrack.kernels.device import REFERENCE, DeviceInfo
 from dualtrack.kernels.problems import ConvProblem
-from dualtrack.kernels.select import Pointers, choose_conv
+from dualtrack.kernels.select import ConvChoice, Pointers, choose_conv
 
 MAX_KERNEL = 15  # R and S; larger kernels are not worth an implicit GEMM's per-tap loads
 
@@ -141,10 +150,14 @@ class ConvGeneralSpec(KernelSpec):
     their own channel strides."""
 
     PARAMS: ClassVar[tuple[str, ...]] = (
-        "x", "w", "bias", "res", "y", "N", "H", "W", "C", "K", "P", "Q", "R", "S", "stride_h", "stride_w",
-        "pad_top", "pad_left", "dil_h", "dil_w", "ldx", "ldy", "ldr", "act", "p0", "p1",
+        "x", "w", "bias", "res", "y", "ws", "N", "H", "W", "C", "K", "P", "Q", "R", "S", "stride_h", "stride_w",
+        "pad_top", "pad_left", "dil_h", "dil_w", "ldx", "ldy", "ldr", "act", "p0", "p1", "splits",
     )  # fmt: skip
-    POINTERS: ClassVar[int] = 5
+    POINTERS: ClassVar[int] = 6
+    # conv_nhwc_f16_splitk, split-K's second launch: the slices' sums -> the epilogue.
+    SPLITK_PARAMS: ClassVar[tuple[str, ...]] = (
+        "ws", "bias", "res", "y", "M", "K", "splits", "ldy", "ldr", "act", "p0", "p1",
+    )  # fmt: skip
     FLOATS: ClassVar[frozenset[str]] = frozenset({"p0", "p1"})  # the activation's parameters
     F16_VARIANTS: ClassVar[tuple[str, ...]] = ("narrow", "wide", "small", "gather")
 
@@ -170,6 +183,15 @@ class ConvGeneralSpec(KernelSpec):
     # input patch staged once in shared memory instead of the gather entry's per-tap loads.
     stem_main: StemTile = _STEM
     stem_narrow: StemTile = _STEM_NARROW
+    # Split-K (:meth:`split_k`): a tile launch of less than a full wave of blocks (at the tile's
+    # min-blocks an SM) splits its k-tiles into at most max_splits slices of at least min_split_kt
+    # k-tiles (twice a 4-stage pipeline's depth: shorter slices spend more on the prologue and the
+    # slice's partial tile than they save); the summing launch runs splitk_threads a block, at most
+    # splitk_blocks_per_sm blocks an SM (a grid-stride loop).
+    max_splits: int = 64
+    min_split_kt: int = 8
+    splitk_threads: int = 256
+    splitk_blocks_per_sm: int = 8
 
     def defines(self) -> dict[str, int | str]:
         bm, bn, bk, tm, tn = self.f32
@@ -179,6 +201,7 @@ class ConvGeneralSpec(KernelSpec):
             "CONVG_DIRECT_THREADS": self.direct_threads, "CONVG_DIRECT_K": self.direct_k,
             "CONVG_DIRECT_W": self.direct_weights,
             "CONVG_STEM": self.stem_main.macro(), "CONVG_STEM_NARROW": self.stem_narrow.macro(),
+            "CONVG_SPLITK_THREADS": self.splitk_threads,
             "CONVG_F32_BM": bm, "CONVG_F32_BN": bn, "CONVG_F32_BK": bk, "CONVG_F32_TM": tm, "CONVG_F32_TN": tn,
         }  # fmt: skip
 
@@ -199,6 +222,7 @@ class ConvGeneralSpec(KernelSpec):
             *(f"{self.stem}_f16_{v}" for v in self.F16_VARIANTS),
             self.direct_entry,
             *self.stem_tiles(),
+            self.splitk_entry,
         )
 
     def stem_tiles(self) -> dict[str, StemTile]:
@@ -217,6 +241,11 @@ class ConvGeneralSpec(KernelSpec):
     @property
     def direct_entry(self) -> str:
         return f"{self.stem}_f16_direct"
+
+    @property
+    def splitk_entry(self) -> str:
+        """Split-K's second launch (the slices' sum and the epilogue)."""
+        return f"{self.stem}_f16_splitk"
 
     def direct_supported(self, C: int, K: int, geom: ConvGeometry) -> str | None:
         """None when the direct entry takes a conv of C -> K channels (all groups; it runs one
@@ -339,8 +368,75 @@ class ConvGeneralSpec(KernelSpec):
             return self.entry(name)
         return f"{self.stem}_f16_small"
 
+    # --- split-K ----------------------------------------------------------------------------------
+
+    def k_tiles(self, C: int, geom: ConvGeometry, entry: str) -> int:
+        """k-tiles of one group's reduction (C: that group's channels) as tile entry ``entry`` walks
+        them: R*S taps x ceil(C / BK) channel blocks on the vector path (C % 8 == 0, as planned
+        buffers are aligned), ceil(R*S*C / BK) flattened taps on the scalar one (``_gather``)."""
+        bk = self._tile(entry).bk
+        if C % 8 == 0 and entry != f"{self.stem}_f16_gather":
+            return geom.R * geom.S * cdiv(C, bk)
+        return cdiv(geom.R * geom.S * C, bk)
+
+    def split_k(
+        self,
+        dtype: Any,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        K: int,
+        geom: ConvGeometry,
+        entry: str,
+        *,
+        device: DeviceInfo = REFERENCE,
+    ) -> int:
+        """Split-K slices of an fp16 tile launch (``entry`` one of :meth:`f16_tiles`; any other: 1):
+        1 where its blocks (all groups') give every SM of ``device`` one (:meth:`DeviceInfo.full_wave`),
+        else enough slices for a full wave at the tile's min-blocks an SM, at most :attr:`max_splits`,
+        each at least :attr:`min_split_kt` k-tiles (:meth:`k_tiles`) and none empty."""
+        if dtype_name(dtype) != "float16" or entry not in self.f16_tiles():
+            return 1
+        tile = self._tile(entry)
+        G = geom.groups
+        blocks = G * cdiv(self._checked_pixels(N, H, W, geom), tile.bm) * cdiv(K // G, tile.bn)
+        if blocks >= device.full_wave():
+            return 1
+        kt = self.k_tiles(C // G, geom, entry)
+        want = min(
+            self.max_splits, cdiv(device.full_wave(tile.min_blocks), blocks), kt // self.min_split_kt, GRID_Y_MAX // G
+        )
+        if want <= 1:
+            return 1
+        per = cdiv(kt, want)
+        return cdiv(kt, per)  # slices of `per` k-tiles, the last one not empty
+
+    def splitk_workspace_bytes(self, N: int, H: int, W: int, K: int, geom: ConvGeometry, splits: int) -> int:
+        """Bytes of a split launch's workspace: an fp32 (pixels x K) plane a slice (0 for one slice).
+        Every element is written before it is read: no zeroing, no counters."""
+        return 0 if splits <= 1 else splits * self._checked_pixels(N, H, W, geom) * K * 4
+
+    def splitk_launch(self, M: int, K: int, *, device: DeviceInfo = REFERENCE) -> LaunchConfig:
+        """The summing launch over M pixels x K channels: a thread an element, at most
+        :attr:`splitk_blocks_per_sm` blocks an SM (the kernel strides over the rest)."""
+        positive(M=M, K=K)
+        blocks = min(cdiv(M * K, self.splitk_threads), device.sm_count * self.splitk_blocks_per_sm)
+        return LaunchConfig(grid=(blocks, 1, 1), block=(self.splitk_threads, 1, 1), shared_bytes=0)
+
+    def splitk_args(self, **kw: Any) -> list[KernelArg]:
+        """:data:`SPLITK_PARAMS` from values by name: ``ws`` (the workspace), ``bias`` and ``res``
+        (None: null), ``y``, ``M`` pixels, ``K`` channels (every group's), ``splits``, ``ldy``,
+        ``ldr`` and ``act`` (an :class:`Activation`)."""
+        act = kw.pop("act", None) or Activation()
+        if kw["splits"] < 2 or not kw["ws"] or not kw["y"]:
+            raise InputError(f"split-K's sum needs a workspace, an output and >= 2 slices; got splits={kw['splits']}")
+        return typed(self.SPLITK_PARAMS, 4, {"res": None, "bias": None, "ldr": 0, **kw, **act.kernel_args()})
+
     def threads(self, dtype: Any, entry: str | None = None) -> int:
         if dtype_name(dtype) == "float16":
+            if entry == self.splitk_entry:
+                return self.splitk_threads
             if entry in self.stem_tiles():
                 return self.stem_tiles()[entry].threads
             return self.direct_threads if entry == self.direct_entry else self._tile(entry).threads
@@ -366,13 +462,23 @@ class ConvGeneralSpec(KernelSpec):
         geom: ConvGeometry,
         entry: str | None = None,
         device: DeviceInfo = REFERENCE,
+        splits: int = 1,
     ) -> LaunchConfig:
-        """One block per (output-pixel tile, channel tile), pixel tiles along grid.x; ``entry``:
-        the fp16 variant launched (None: :meth:`variant`'s on ``device``); the direct entry loops
-        over the pixels in at most :attr:`direct_blocks_per_sm` blocks per SM of ``device``."""
+        """One block per (output-pixel tile, channel tile), pixel tiles along grid.x, a grid layer a
+        group (times ``splits`` split-K slices of a tile entry: :meth:`split_k`); ``entry``: the fp16
+        variant launched (None: :meth:`variant`'s on ``device``); the direct entry loops over the
+        pixels in at most :attr:`direct_blocks_per_sm` blocks per SM of ``device``; the summing
+        entry is :meth:`splitk_launch`'s."""
         self.output_shape(N, H, W, C, K, geom=geom)
         M = self._checked_pixels(N, H, W, geom)
         name = dtype_name(dtype)
+        if entry == self.splitk_entry:
+            return self.splitk_launch(M, K, device=device)
+        positive(splits=splits)
+        if splits > 1 and (name != "float16" or entry not in self.f16_tiles()):
+            raise InputError(f"split-K runs on the fp16 tile entries ({', '.join(self.f16_tiles())}); not {entry}")
+        if geom.groups * splits > GRID_Y_MAX:
+            raise InputError(f"{geom.groups} groups x {splits} slices exceed grid.z's {GRID_Y_MAX}; use fewer slices")
         if name == "float16":
             entry = entry if entry is not None else self.variant(dtype, N, H, W, C, K, geom, device=device)
             if entry == self.direct_entry:
@@ -398,18 +504,19 @@ class ConvGeneralSpec(KernelSpec):
                 raise InputError(f"'{entry}' is not the {name} entry of {self.stem}")
             bm, bn = self.f32[:2]
             threads = self.threads(name)
-        grid = gemm_grid(M, K // geom.groups, bm, bn, geom.groups)
+        grid = gemm_grid(M, K // geom.groups, bm, bn, geom.groups * splits)
         return LaunchConfig(grid=grid, block=(threads, 1, 1), shared_bytes=0)
 
-    # args(): the bias and the residual (``res``, stride ``ldr``) may be null.
-    NULLABLE: ClassVar[frozenset[str]] = frozenset({"bias", "res"})
+    # args(): the bias, the residual (``res``, stride ``ldr``) and the split-K workspace may be null.
+    NULLABLE: ClassVar[frozenset[str]] = frozenset({"bias", "res", "ws"})
     STRIDES: ClassVar[tuple[tuple[str, str], ...]] = (("ldx", "C"), ("ldy", "K"), ("ldr", "K"))
     _GEOMETRY: ClassVar[tuple[str, ...]] = ("R", "S", "stride_h", "stride_w", "pad_top", "pad_left", "dil_h", "dil_w")
 
     def arg_values(self, kw: Mapping[str, Any]) -> dict[str, Any]:
         """The output size ``P, Q`` and the rest of the ``geom`` (a :class:`ConvGeometry`)
-        checked, one group's channels ``C, K`` (the kernel's grid.z walks the groups), and the
-        activation ``act`` (an :class:`Activation`; none by default) as ``act, p0, p1``."""
+        checked, one group's channels ``C, K`` (the kernel's grid.z walks the groups), the
+        activation ``act`` (an :class:`Activation`; none by default) as ``act, p0, p1``, and
+        ``splits`` (1 by default; more: a split-K launch, whose ``ws`` is its workspace)."""
         g: ConvGeometry = kw["geom"]
         _, P, Q, _ = self.output_shape(kw["N"], kw["H"], kw["W"], kw["C"], kw["K"], geom=g)
         self._checked_pixels(kw["N"], kw["H"], kw["W"], g)
@@ -418,7 +525,12 @@ class ConvGeneralSpec(KernelSpec):
             raise InputError(f"act={act!r} is not an Activation; pass dualtrack.kernels.Activation.named(NAME, p0, p1)")
         per_group = {"C": kw["C"] // g.groups, "K": kw["K"] // g.groups}
         geometry = {name: getattr(g, name) for name in self._GEOMETRY}
-        return {"P": P, "Q": Q, **per_group, **geometry, **act.kernel_args()}
+        splits = int(kw.get("splits", 1))
+        if splits < 1 or (splits > 1) != bool(kw.get("ws")):
+            raise InputError(
+                f"splits={splits} with ws={kw.get('ws')!r}: a split-K launch (splits > 1) needs a workspace"
+            )
+        return {"P": P, "Q": Q, **per_group, **geometry, **act.kernel_args(), "splits": splits}
 
     # --- a plan's call ----------------------------------------------------------------------------
 
@@ -516,5 +628,29 @@ class ConvGeneralSpec(KernelSpec):
         if choice.impl == "wgmma":
             assert self.hopper is not None  # the chooser picks wgmma only where there is one
             return self.hopper.prepare_entry(choice, x, y, weights, kw["act"], ctx, res=res)
-        launch = self.launch(x.dtype, *shape, geom=kw["geom"], entry=choice.entry, device=ctx.device)
-        return PreparedCall(choice.entry, launch, self.args(**kw))
+        return self.prepare_entry(choice, kw, ctx)
+
+    def prepare_entry(self, choice: ConvChoice, kw: Mapping[str, Any], ctx: LaunchContext) -> PreparedCall:
+        """The launch of an fp16/fp32 entry of this kernel (``choice``: the chooser's, or one a test or
+        bench forces: any entry, any split count its launch takes) on :meth:`call_args`' values
+        ``kw``. With ``choice.splits`` > 1: the slices into the call's workspace (``before``), then
+        :attr:`splitk_entry`'s sum and epilogue into y."""
+        g: ConvGeometry = kw["geom"]
+        N, H, W, K = kw["N"], kw["H"], kw["W"], kw["K"]
+        dtype = "float32" if choice.impl == "simt" else "float16"
+        launch = self.launch(
+            dtype, N, H, W, kw["C"], K, geom=g, entry=choice.entry, device=ctx.device, splits=choice.splits
+        )
+        if choice.splits == 1:
+            return PreparedCall(choice.entry, launch, self.args(**kw))
+        ws = ctx.workspace(self.splitk_workspace_bytes(N, H, W, K, g, choice.splits))
+        slices = PreparedCall(choice.entry, launch, self.args(**kw, ws=ws, splits=choice.splits))
+        M = self._checked_pixels(N, H, W, g)
+        ld = {"ldy": kw.get("ldy") or K, "ldr": kw.get("ldr") or K}
+        finish = self.splitk_args(
+            ws=ws, bias=kw.get("bias"), res=kw.get("res"), y=kw["y"], M=M, K=K, splits=choice.splits, act=kw.get("act"),
+            **ld,
+        )  # fmt: skip
+        return PreparedCall(
+            self.splitk_entry, self.splitk_launch(M, K, device=ctx.device), finish, choice, before=(slices,)
+        )

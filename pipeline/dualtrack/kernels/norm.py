@@ -18,7 +18,6 @@ mode (``plan.NORM_RES``) with the residual as the call's second input.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -32,7 +31,6 @@ from dualtrack.kernels.base import (
     GRID_Y_MAX,
     INT32_MAX,
     DeviceTensor,
-    KernelArg,
     LaunchConfig,
     LaunchContext,
     PreparedCall,
@@ -41,6 +39,7 @@ from dualtrack.kernels.base import (
     dtype_name,
     pixels,
     positive,
+    typed,
 )
 from dualtrack.kernels.streaming import StreamingSpec
 
@@ -54,21 +53,6 @@ STATS_PARAMS = ("x", "part", "mean", "var", "arrivals", "N", "H", "W", "C", "ldx
 LAYER_PARAMS = (
     "x", "r", "y", "gamma", "beta", "N", "H", "W", "C", "ldx", "ldr", "ldy", "res", "eps", "act", "p0", "p1",
 )  # fmt: skip
-
-
-def typed(params: Sequence[str], pointers: int, values: Mapping[str, Any]) -> list[KernelArg]:
-    """An entry's ABI list: the first ``pointers`` parameters ``c_void_p`` (None: null), ``eps``,
-    ``p0``, ``p1`` ``c_float``, the rest ``c_int32``."""
-    out: list[KernelArg] = []
-    for i, name in enumerate(params):
-        v = values[name]
-        if i < pointers:
-            out.append((int(v or 0), ctypes.c_void_p))
-        elif name in ("eps", "p0", "p1"):
-            out.append((float(v), ctypes.c_float))
-        else:
-            out.append((int(v), ctypes.c_int32))
-    return out
 
 
 def vector_lanes(dtype: Any, C: int, lds: Sequence[int], pointers: Sequence[int] = ()) -> int:

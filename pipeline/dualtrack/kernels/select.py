@@ -41,7 +41,7 @@ class ConvChoice:
     impl: str
     entry: str
     reason: str
-    splits: int = 1  # wgmma: split-K parts of the reduction (grid.y)
+    splits: int = 1  # split-K parts of the reduction (wgmma: grid.y; the general conv's tiles: grid.z)
 
     def to_json(self) -> dict[str, Any]:
         split = {"splits": self.splits} if self.splits > 1 else {}
@@ -84,6 +84,12 @@ class ConvFamily(Protocol):
         """Its heuristic entry for this shape on ``device``."""
         ...
 
+    def split_k(
+        self, dtype: Any, N: int, H: int, W: int, C: int, K: int, geom: Any, entry: str, *, device: DeviceInfo
+    ) -> int:
+        """Split-K slices of its heuristic ``entry`` for this shape on ``device`` (1: none)."""
+        ...
+
 
 def choose_conv(
     spec: ConvFamily,
@@ -108,7 +114,8 @@ def choose_conv(
        such a layer's A tile element by element; the general conv: a few output channels);
     3. the tuned mma.sync entry of the layer (``tuned``, from a `dualtrack tune` file);
     4. the spec's ``variant`` for ``device`` (the tile that fills its SMs; for the general conv's
-       layers of C <= 8 input channels and group 1, its stem entries, kernels/conv_stem.py).
+       layers of C <= 8 input channels and group 1, its stem entries, kernels/conv_stem.py), with
+       the spec's ``split_k`` slices where its tiles cannot fill the GPU and the reduction is deep.
 
     A tuned entry never displaces the wgmma kernel: the tuner searches mma.sync tiles only, and the
     wgmma kernel beat cuDNN on every U-Net layer it takes (bench/results/wgmma_check-e477c6d.json).
@@ -127,7 +134,9 @@ def choose_conv(
     if tuned:
         return ConvChoice(impl, tuned, f"tuned (dualtrack tune); {wgmma}")
     entry = spec.variant(p.dtype, p.N, p.H, p.W, p.C, p.K, window, device=device)
-    return ConvChoice(impl, entry, f"heuristic; {wgmma}")
+    splits = spec.split_k(p.dtype, p.N, p.H, p.W, p.C, p.K, window, entry, device=device)
+    split = f" x {splits} split-K" if splits > 1 else ""
+    return ConvChoice(impl, entry, f"heuristic{split}; {wgmma}", splits)
 
 
 def _wgmma_refusal(
