@@ -17,8 +17,8 @@
 // - a block owns a strip of output columns (the output width split into gridDim.x strips) and
 //   walks the output rows blockIdx.y, blockIdx.y + gridDim.y, ... (of N * Ho);
 // - the taps of the strip's columns (source columns and weight: they depend on the column alone)
-//   are computed once per block into shared memory, RESIZE_COLUMNS columns a pass; the row's taps
-//   once per row (uniform over the block);
+//   are computed once per block into shared memory as byte offsets, RESIZE_COLUMNS columns a pass;
+//   the row's taps once per row (uniform over the block);
 // - the threads then walk the row's work items, one output pixel x V channels each, channel group
 //   fastest (coalesced stores; the lanes of a pixel read the same taps, a shared-memory broadcast),
 //   stepping through (pixel, group) by additions only. V is the widest vector that C, ldx, ldy and
@@ -33,6 +33,10 @@
 #endif
 
 #include "dualtrack_device.cuh"
+
+// Blocks an SM should hold (the register cap of __launch_bounds__): 4 x 256 threads keep enough
+// 16-byte loads in flight; the fp16 8-channel item needs ~70 registers uncapped (3 blocks).
+#define RESIZE_MIN_BLOCKS (1024 / RESIZE_THREADS > 0 ? 1024 / RESIZE_THREADS : 1)
 
 __device__ __forceinline__ float source_coord(int o, int L, int Lo, float s, int coord) {
     const float of = static_cast<float>(o);
@@ -79,26 +83,41 @@ __device__ __forceinline__ Taps axis_taps(int o, int L, int Lo, float s, int coo
     return t;
 }
 
+// One output column of the strip as the items read it: the byte offsets of its two source columns
+// within a source row (i0 * ldx, i1 * ldx elements) and of its pixel within the output row, and the
+// weight of i1. Offsets rather than indices: an item then adds, where it would multiply 64-bit.
+struct Column {
+    long long x0, x1, y;
+    float t;
+};
+
+template <typename T>
+__device__ __forceinline__ const T* at(const T* p, long long bytes) {
+    return reinterpret_cast<const T*>(reinterpret_cast<const char*>(p) + bytes);
+}
+template <typename T>
+__device__ __forceinline__ T* at(T* p, long long bytes) {
+    return reinterpret_cast<T*>(reinterpret_cast<char*>(p) + bytes);
+}
+
 // One work item: V channels of an output pixel. r0, r1: the item's channels in source rows h0, h1
-// (column 0); ldx the pixel stride.
+// (column 0); dst: in the output row (column 0 of the pass); th the weight of row h1.
 template <typename T, int V, bool LINEAR>
-__device__ __forceinline__ void resize_item(const T* r0, const T* r1, T* dst, const Taps& col, float th, int ldx) {
-    const long long o0 = static_cast<long long>(col.i0) * ldx;
+__device__ __forceinline__ void resize_item(const T* r0, const T* r1, T* dst, const Column& col, float th) {
     if constexpr (!LINEAR) {
-        copy_elems<T, V>(dst, r0 + o0);
+        copy_elems<T, V>(at(dst, col.y), at(r0, col.x0));
     } else {
-        const long long o1 = static_cast<long long>(col.i1) * ldx;
         float a[V], b[V], d[V], e[V], v[V];
-        load_f32s(a, r0 + o0);
-        load_f32s(b, r0 + o1);
-        load_f32s(d, r1 + o0);
-        load_f32s(e, r1 + o1);
+        load_f32s(a, at(r0, col.x0));
+        load_f32s(b, at(r0, col.x1));
+        load_f32s(d, at(r1, col.x0));
+        load_f32s(e, at(r1, col.x1));
 #pragma unroll
         for (int j = 0; j < V; ++j) {
             const float top = a[j] + col.t * (b[j] - a[j]), bottom = d[j] + col.t * (e[j] - d[j]);
             v[j] = top + th * (bottom - top);
         }
-        store_f32s(dst, v);
+        store_f32s(at(dst, col.y), v);
     }
 }
 
@@ -106,7 +125,7 @@ __device__ __forceinline__ void resize_item(const T* r0, const T* r1, T* dst, co
 template <typename T, int V, bool LINEAR>
 __device__ __forceinline__ void resize_strip(const T* __restrict__ x, T* __restrict__ y, int N, int H, int W, int C,
                                              int Ho, int Wo, int ldx, int ldy, int coord, int nearest, float sh,
-                                             float sw, Taps* cols) {
+                                             float sw, Column* cols) {
     const int groups = C / V;  // work items of a pixel
     const int strip = (Wo + gridDim.x - 1) / gridDim.x;
     const int wbeg = blockIdx.x * strip, wend = min(Wo, wbeg + strip);
@@ -118,8 +137,11 @@ __device__ __forceinline__ void resize_strip(const T* __restrict__ x, T* __restr
     for (int w0 = wbeg; w0 < wend; w0 += RESIZE_COLUMNS) {
         const int count = min(RESIZE_COLUMNS, wend - w0);
         __syncthreads();  // the previous pass is done with the table
-        for (int j = threadIdx.x; j < count; j += blockDim.x)
-            cols[j] = axis_taps<LINEAR>(w0 + j, W, Wo, sw, coord, nearest);
+        for (int j = threadIdx.x; j < count; j += blockDim.x) {
+            const Taps t = axis_taps<LINEAR>(w0 + j, W, Wo, sw, coord, nearest);
+            const long long xpix = static_cast<long long>(ldx) * sizeof(T), ypix = static_cast<long long>(ldy) * sizeof(T);
+            cols[j] = Column{t.i0 * xpix, t.i1 * xpix, j * ypix, t.t};
+        }
         __syncthreads();
         for (int r = blockIdx.y; r < rows; r += gridDim.y) {
             const int n = r / Ho, ho = r - n * Ho;
@@ -130,8 +152,7 @@ __device__ __forceinline__ void resize_strip(const T* __restrict__ x, T* __restr
             int px = first_px, g = first_g;
             while (px < count) {
                 const int c = g * V;
-                resize_item<T, V, LINEAR>(x0 + c, x1 + c, yr + static_cast<long long>(px) * ldy + c, cols[px], row.t,
-                                          ldx);
+                resize_item<T, V, LINEAR>(x0 + c, x1 + c, yr + c, cols[px], row.t);
                 px += step_px;
                 g += step_g;
                 if (g >= groups) {
@@ -146,7 +167,7 @@ __device__ __forceinline__ void resize_strip(const T* __restrict__ x, T* __restr
 template <typename T, int V>
 __device__ __forceinline__ void resize_lanes(const T* __restrict__ x, T* __restrict__ y, int N, int H, int W, int C,
                                              int Ho, int Wo, int ldx, int ldy, int mode, int coord, int nearest,
-                                             float sh, float sw, Taps* cols) {
+                                             float sh, float sw, Column* cols) {
     if (mode == 0) {
         resize_strip<T, V, false>(x, y, N, H, W, C, Ho, Wo, ldx, ldy, coord, nearest, sh, sw, cols);
     } else {
@@ -168,8 +189,8 @@ __device__ __forceinline__ bool fits(const T* x, const T* y, int C, int ldx, int
      int mode, int coord, int nearest, float sh, float sw)
 #define RESIZE_ARGS x, y, N, H, W, C, Ho, Wo, ldx, ldy, mode, coord, nearest, sh, sw, cols
 
-extern "C" __global__ void __launch_bounds__(RESIZE_THREADS) resize_nhwc_f16 RESIZE_PARAMS(f16) {
-    __shared__ Taps cols[RESIZE_COLUMNS];
+extern "C" __global__ void __launch_bounds__(RESIZE_THREADS, RESIZE_MIN_BLOCKS) resize_nhwc_f16 RESIZE_PARAMS(f16) {
+    __shared__ Column cols[RESIZE_COLUMNS];
     if (fits<f16, 8>(x, y, C, ldx, ldy)) {
         resize_lanes<f16, 8>(RESIZE_ARGS);
     } else if (fits<f16, 4>(x, y, C, ldx, ldy)) {
@@ -181,8 +202,8 @@ extern "C" __global__ void __launch_bounds__(RESIZE_THREADS) resize_nhwc_f16 RES
     }
 }
 
-extern "C" __global__ void __launch_bounds__(RESIZE_THREADS) resize_nhwc_f32 RESIZE_PARAMS(float) {
-    __shared__ Taps cols[RESIZE_COLUMNS];
+extern "C" __global__ void __launch_bounds__(RESIZE_THREADS, RESIZE_MIN_BLOCKS) resize_nhwc_f32 RESIZE_PARAMS(float) {
+    __shared__ Column cols[RESIZE_COLUMNS];
     if (fits<float, 4>(x, y, C, ldx, ldy)) {
         resize_lanes<float, 4>(RESIZE_ARGS);
     } else if (fits<float, 2>(x, y, C, ldx, ldy)) {

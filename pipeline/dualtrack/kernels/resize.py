@@ -104,14 +104,16 @@ class ResizeSpec(ElementSpec):
     STRIDES: ClassVar[tuple[tuple[str, str], ...]] = (("ldx", "C"), ("ldy", "C"))
     SHAPE_ATTRS: ClassVar[tuple[str, ...]] = ("Ho", "Wo")
     VECTOR_BYTES: ClassVar[int] = 16  # the widest access of a work item
-    # Columns whose taps a block keeps in shared memory (12 bytes each) for one pass over its rows;
-    # a strip wider than this takes several passes, so the grid keeps strips within it.
+    # Columns whose taps a block keeps in shared memory (32 bytes each: three 64-bit offsets and a
+    # weight) for one pass over its rows; a wider strip takes several passes, so the grid keeps
+    # strips within it.
     columns: int = 256
     # Work items a block aims at: a few a thread, so that a block's setup (the column taps, two
     # barriers, the row's taps) is paid for, while small outputs still split into enough blocks.
     items_a_block: int = 1024
-    # Blocks a launch aims at before it splits rows into narrower strips (about 8 an SM of an H100:
-    # a full wave); never fewer work items a block than threads.
+    # Blocks a launch aims at before it splits rows into narrower strips (about two waves of an
+    # H100's 132 SMs at the 4 blocks an SM the kernel is built for); never fewer work items a block
+    # than threads.
     min_blocks: int = 1024
 
     def defines(self) -> dict[str, int | str]:
