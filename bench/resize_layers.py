@@ -30,7 +30,7 @@ bits). Times are ``--iters`` launches captured in one CUDA graph, replayed betwe
 a warm-up (median of 5 replays, per launch). ``gbps``: the bytes a resize must move (the input read
 once, the output written once) over our time; ``torch_gbps`` the same over torch's, whose output is a
 dense tensor of its own (no concatenation slice). Prints a table and writes the rows and per-batch
-totals (weighted by ``uses``) as JSON, with the commit (env DUALTRACK_COMMIT) and the GPU's name.
+totals of each model (weighted by ``uses``) as JSON, with the commit (env DUALTRACK_COMMIT) and the GPU's name.
 """
 
 from __future__ import annotations
@@ -212,14 +212,15 @@ def main(argv: list[str] | None = None) -> int:
                 else "  FAILED"
             )
             print(f"{layer.name:24} {n:2} {layer.uses:4} {grid:>16} {row['rel_l2']:8.1e} {timing}")
-        mine = [r for r in rows if r["N"] == n and r["passed"]]
-        totals[str(n)] = {k: sum(r[k] * r["uses"] for r in mine) for k in ("us", "torch_us", "bytes")}
-        t = totals[str(n)]
-        if t["us"]:
-            print(
-                f"N={n}: weighted by use, ours {t['us']:.1f} us ({t['bytes'] / t['us'] / 1e3:.0f} GB/s), "
-                f"torch {t['torch_us']:.1f} us"
-            )
+        for net in ("segformer", "unet"):  # one inference's resizes of each model
+            mine = [r for r in rows if r["N"] == n and r["passed"] and r["name"].startswith(net)]
+            t = {k: sum(r[k] * r["uses"] for r in mine) for k in ("us", "torch_us", "bytes")}
+            totals.setdefault(str(n), {})[net] = t
+            if t["us"]:
+                print(
+                    f"N={n} {net}: weighted by use, ours {t['us']:.1f} us ({t['bytes'] / t['us'] / 1e3:.0f} GB/s), "
+                    f"torch {t['torch_us']:.1f} us"
+                )
     doc = {
         "commit": os.environ.get("DUALTRACK_COMMIT", "unknown"),
         "gpu": torch.cuda.get_device_name(),
