@@ -106,39 +106,37 @@ def run_case(
     if r is not None:
         r_ptr, ldr = s.input(r)
         inputs.append(GpuTensor(r_ptr, r.shape, F16, ld=ldr))
-    y_ptr, ldy = s.output((n, p, q, k))
-    y = GpuTensor(y_ptr, (n, p, q, k), F16, ld=ldy)
     weights = [GpuTensor(s.weights(wp), wp.shape, F16), GpuTensor(s.weights(bp), bp.shape, np.dtype("float32"))]
     call = KernelCall(
         "conv", ("x", "r") if residual else ("x",), ("y",), ("w", "b"),
         (*geom.attrs(), *code.attrs(), ("residual", int(residual))), ("split",),
     )  # fmt: skip
     ctx = Ctx(engine)
-    if entry is None:
-        split = SPEC.prepare_inputs(call, inputs, y, weights, ctx)
-        assert split.choice is not None and split.choice.splits > 1, split.choice
-    else:
-        kw = SPEC.call_args(call, inputs, y, weights)
-        split = SPEC.prepare_entry(ConvChoice("mma.sync", entry, "forced by the test", splits or 2), kw, ctx)
-    choice = split.choice
-    assert choice is not None and split.entry == SPEC.splitk_entry and len(split.before) == 1
-    label = f"{choice.entry} x{choice.splits} {shape} {geom.label()}"
 
-    def launch(prep) -> np.ndarray:
+    def run(forced: ConvChoice | None) -> tuple[np.ndarray, ConvChoice]:
+        """One launch into a freshly poisoned output (and workspace): the chooser's (``forced``
+        None) or ``forced``'s entry and slices."""
+        y_ptr, ldy = s.output((n, p, q, k))
+        y = GpuTensor(y_ptr, (n, p, q, k), F16, ld=ldy)
+        if forced is None:
+            prep = SPEC.prepare_inputs(call, inputs, y, weights, ctx)
+        else:
+            prep = SPEC.prepare_entry(forced, SPEC.call_args(call, inputs, y, weights), ctx)
         for one in (*prep.before, prep):
             conv[one.entry].launch(
                 one.config.grid, one.config.block, one.config.shared_bytes, engine.backend.stream, one.args
             )
-        return s.result()
+        return s.result(), prep.choice or ConvChoice("mma.sync", prep.entry, "unsplit", 1)
 
-    got = launch(split)
+    force = None if entry is None else ConvChoice("mma.sync", entry, "forced by the test", splits or 2)
+    got, choice = run(force)
+    assert choice.splits > 1 and choice.entry in SPEC.f16_tiles(), choice
+    label = f"{choice.entry} x{choice.splits} {shape} {geom.label()}"
     check = compare(label, want, got, TOL)
     assert check.passed, check
-    again = launch(split)
-    assert np.array_equal(got, again, equal_nan=True), f"{label}: a second run differs (fixed-order sum)"
-
-    kw = SPEC.call_args(call, inputs, y, weights)
-    whole = launch(SPEC.prepare_entry(ConvChoice("mma.sync", choice.entry, "unsplit", 1), kw, ctx))
+    again, _ = run(force)
+    assert np.array_equal(got, again), f"{label}: a second run differs (the slices must be summed in a fixed order)"
+    whole, _ = run(ConvChoice("mma.sync", choice.entry, "unsplit", 1))
     check = compare(f"{label} against its unsplit run", whole, got, Tolerance(rel_l2=1e-3, max_abs=0.25, mismatch=0))
     assert check.passed, check
     return choice
