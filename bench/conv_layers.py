@@ -156,6 +156,9 @@ SPLIT_LAYERS = (
     Layer("1x1 2048->16", "conv", 0, 2, 2, 2048, 16, 1, 1, False, True),
     Layer("l4.0 conv1 /2", "conv", 0, 32, 32, 256, 512, 3, 2, False, True),  # ResNet-34's, at few tiles
     Layer("3x3 512->64 on 8x8", "conv", 0, 8, 8, 512, 64, 3, 1, False, True),
+    # K <= 8 with filters that fit the direct entry: it runs unsplit (a thread a pixel, 64 of them);
+    # --splits times the narrow tile split beside it, --variants every entry.
+    Layer("3x3 512->1 on 8x8", "conv", 0, 8, 8, 512, 1, 3, 1, False, True),
 )
 NETS = {"resnet34": LAYERS, "unet": UNET_LAYERS, "split": SPLIT_LAYERS}
 
