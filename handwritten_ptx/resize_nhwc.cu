@@ -10,7 +10,10 @@
 // mode 1 (linear): clamped to [0, L-1], the two neighbours floor and floor+1 (clamped) weighted by
 // the fraction, rows then columns (bilinear). mode 0 (nearest): rounded by `nearest`
 // (RESIZE_NEAREST: floor, ceil, round_prefer_floor, round_prefer_ceil) and clamped to [0, L-1].
-// fp32 math, one rounding to the output dtype (a copy for nearest).
+// fp32 math, one rounding to the output dtype (a copy for nearest). An identity (Ho = H, Wo = W, and
+// sh = sw = 1 or align_corners: every source coordinate is the output's own, exactly) is a copy in
+// either mode, as onnxruntime's Resize makes it: bit for bit, where the blend would spread an inf
+// or NaN neighbour through its weight of 0 (ResizeMode.identity).
 //
 // The work is arranged so that no element pays for index or coordinate math, which is what made a
 // thread per element instruction-bound (divisions and two fp32 source coordinates per 16 bytes):
@@ -168,8 +171,10 @@ template <typename T, int V>
 __device__ __forceinline__ void resize_lanes(const T* __restrict__ x, T* __restrict__ y, int N, int H, int W, int C,
                                              int Ho, int Wo, int ldx, int ldy, int mode, int coord, int nearest,
                                              float sh, float sw, Column* cols) {
-    if (mode == 0) {
-        resize_strip<T, V, false>(x, y, N, H, W, C, Ho, Wo, ldx, ldy, coord, nearest, sh, sw, cols);
+    // An identity's source coordinates are exact integers, so nearest's floor takes the output's own.
+    const bool identity = H == Ho && W == Wo && (coord == 2 || (sh == 1.0f && sw == 1.0f));
+    if (mode == 0 || identity) {
+        resize_strip<T, V, false>(x, y, N, H, W, C, Ho, Wo, ldx, ldy, coord, identity ? 0 : nearest, sh, sw, cols);
     } else {
         resize_strip<T, V, true>(x, y, N, H, W, C, Ho, Wo, ldx, ldy, coord, nearest, sh, sw, cols);
     }

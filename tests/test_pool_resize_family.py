@@ -154,6 +154,41 @@ def test_resize_reference_matches_onnxruntime(mode: str, coord: str, scales, siz
     assert rel_l2(got.transpose(0, 3, 1, 2), ref) <= TOL
 
 
+IDENTITY_RESIZES = [  # (mode, coord, scales, sizes, identity): same size by sizes or by scales of 1
+    ("linear", "half_pixel", None, (17, 23), True),  # smp Segformer's decoder resizes its 1/4 feature so
+    ("linear", "pytorch_half_pixel", (1.0, 1.0), None, True),
+    ("linear", "align_corners", None, (17, 23), True),
+    ("linear", "asymmetric", (1.0, 1.0), None, True),
+    ("nearest", "half_pixel", None, (17, 23), True),
+    ("linear", "half_pixel", None, (17, 46), False),  # one axis the same: the blend, not a copy
+]
+
+
+@pytest.mark.parametrize(("mode", "coord", "scales", "sizes", "identity"), IDENTITY_RESIZES)
+def test_an_identity_resize_is_a_copy_as_onnxruntime_makes_it(mode, coord, scales, sizes, identity) -> None:
+    """onnxruntime copies a Resize whose output is its input's size (inf and NaN stay where they are,
+    where the blend's weight of 0 would spread them to their neighbours); the reference (and
+    resize_nhwc.cu, tests/gpu/test_pool_resize_gpu.py) does the same, and only then: a resize of
+    another size blends (where non-finite inputs spread as the formula's lerps spread them, not as
+    onnxruntime's weighted sum does: the other tests compare finite inputs)."""
+    x = RNG.standard_normal((2, 3, 17, 23)).astype(np.float32)
+    x[0, 1, 4, 5], x[1, 2, 9, 9] = np.inf, np.nan
+    want = ort_resize(x, mode, coord, scales=scales, sizes=sizes)
+    Ho, Wo = want.shape[2:]
+    sh, sw = (
+        (float(np.float32(s)) for s in scales)
+        if scales
+        else (float(np.float32(Ho) / np.float32(17)), float(np.float32(Wo) / np.float32(23)))
+    )
+    how = ResizeMode(mode, coord, "floor", sh, sw)
+    assert how.identity(17, 23, Ho, Wo) is identity
+    with np.errstate(invalid="ignore"):  # the blend's inf - inf and 0 * inf, where it is not a copy
+        got = KERNELS["resize"].reference(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), Ho, Wo, how)
+    if identity:
+        np.testing.assert_array_equal(got.transpose(0, 3, 1, 2), x)
+        np.testing.assert_array_equal(want, x)
+
+
 # --- eltwise: constant operands, PReLU, Sub and Div ---------------------------------------------------
 
 ELT = KERNELS["eltwise"]

@@ -198,6 +198,28 @@ def test_resize_kernel_at_odd_channels_and_scales(engine, mods, dtype, off, c, m
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("off", OFFS)
+@pytest.mark.parametrize("c", [256, 20, 3])
+@pytest.mark.parametrize(
+    ("mode", "coord"), [("linear", "half_pixel"), ("linear", "align_corners"), ("nearest", "asymmetric")]
+)
+def test_an_identity_resize_copies_bit_for_bit(engine, mods, dtype, off, c, mode, coord) -> None:
+    """A Resize to its input's size (smp Segformer's 1/4 feature into its concatenation) is a copy, as
+    onnxruntime's: inf and NaN stay where they are (tests/test_pool_resize_family.py checks
+    onnxruntime and the reference)."""
+    n, h, w = 3, 9, 13
+    x = np.random.default_rng().standard_normal((n, h, w, c)).astype(dtype)
+    x[0, 1, 2, 0], x[2, 4, 5, c - 1], x[1, 8, 12, c // 2] = np.inf, np.nan, -np.inf
+    how = ResizeMode(mode, coord, "floor", 1.0, 1.0)
+    assert how.identity(h, w, h, w)
+    s = Slices(engine, dtype, off)
+    (px, ldx), (py, ldy) = s.input(x), s.output(x.shape)
+    args = RESIZE.args(x=px, y=py, N=n, H=h, W=w, C=c, Ho=h, Wo=w, ldx=ldx, ldy=ldy, how=how)
+    launch(mods, RESIZE, dtype, RESIZE.launch(dtype, n, h, w, c, 0, Ho=h, Wo=w, ldy=ldy), args, s)
+    np.testing.assert_array_equal(s.result(), x)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("grid", [(1, 1, 1), (1, 5, 1), (3, 2, 1), (1000, 2, 1)])
 @pytest.mark.parametrize(("mode", "coord", "nearest", "scales"), [ODD_RESIZES[0], ODD_RESIZES[5]])
 def test_resize_kernel_is_right_under_any_grid(engine, mods, dtype, grid, mode, coord, nearest, scales) -> None:

@@ -84,6 +84,14 @@ class ResizeMode:
         }[self.nearest]
         return np.clip(r.astype(np.int64), 0, L - 1)
 
+    def identity(self, H: int, W: int, Ho: int, Wo: int) -> bool:
+        """Whether every output pixel's source coordinate is its own (same size, and a scale of 1
+        or align_corners, whose coordinate does not read it): a copy, as onnxruntime's Resize
+        makes it, bit for bit, where the blend would spread a non-finite neighbour through its
+        weight of 0 (resize_nhwc.cu decides the same)."""
+        exact = self.coord == "align_corners" or (self.scale_h == 1.0 and self.scale_w == 1.0)
+        return Ho == H and Wo == W and exact
+
     def taps(self, o: np.ndarray, L: int, Lo: int, scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Linear taps of an axis: (i0, i1, weight of i1) per output coordinate."""
         v = np.clip(self.source(o, L, Lo, scale), np.float32(0), np.float32(L - 1))
@@ -172,6 +180,8 @@ class ResizeSpec(ElementSpec):
             raise InputError(f"resize takes x (N,H,W,C); got {x.shape}")
         _, H, W, _ = x.shape
         self.output_shape(*x.shape, 0, Ho, Wo)
+        if how.identity(H, W, Ho, Wo):
+            return x.copy()
         oh, ow = np.arange(Ho), np.arange(Wo)
         if how.mode == "nearest":
             hi = how.nearest_index(how.source(oh, H, Ho, how.scale_h), H)
