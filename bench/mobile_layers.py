@@ -17,15 +17,17 @@ the zoo ONNX's plan: the GPU machines carry no zoo model, and the table below is
 Track A calls are (15 depthwise convs, 9 pools, 17 FCs, 9 gates, 2 resizes; ``uses`` counts repeats;
 the max-pool rows are not LR-ASPP's: ``uses`` 1 for the smp stem pool, 0 for the 2x2 comparison).
 
-Each row is checked first: our output (NaN-poisoned before) against torch's fp32 computation of the
-same fp16 data, activation included (rel L2 <= 2e-3). Then both sides are timed as ``--iters``
-launches captured in one CUDA graph, replayed between CUDA events after a warm-up (median of 5
-replays, per launch): these kernels take microseconds, so launching from Python would time the host,
-and ``Engine.run`` replays the whole inference as one CUDA graph anyway. PyTorch's side is the op
-alone, as eager torch runs it: ``F.conv2d(groups=C)`` on channels_last (cuDNN) + bias for dwconv,
-``F.linear`` for fc, ``mean`` over H, W for gap, ``*`` / ``+`` for eltwise, ``F.interpolate`` for
-resize, ``F.max_pool2d`` (channels_last) for the max-pools; its fused activation would be one more
-kernel, so the ratio flatters torch slightly.
+A dwconv layer the tiled entry takes (``DwConvSpec.tile_path``: stride and dilation 1) runs it, as
+the engine does, and the per-element entry beside it (``elem us``). Each row is checked first: our
+output (NaN-poisoned before) against torch's fp32 computation of the same fp16 data, activation
+included (rel L2 <= 2e-3). Then both sides are timed as ``--iters`` launches captured in one CUDA
+graph, replayed between CUDA events after a warm-up (median of 5 replays, per launch): these kernels
+take microseconds, so launching from Python would time the host, and ``Engine.run`` replays the
+whole inference as one CUDA graph anyway. PyTorch's side is the op alone, as eager torch runs it:
+``F.conv2d(groups=C)`` on channels_last (cuDNN) + bias for dwconv, ``F.linear`` for fc, ``mean``
+over H, W for gap, ``*`` / ``+`` for eltwise, ``F.interpolate`` for resize, ``F.max_pool2d``
+(channels_last) for the max-pools; its fused activation would be one more kernel, so the ratio
+flatters torch slightly.
 Prints a table and writes the rows and per-batch totals (weighted by ``uses``) as JSON, with the
 commit (env DUALTRACK_COMMIT), the GPU name and the driver version.
 """
@@ -38,17 +40,17 @@ import os
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from dualtrack.compiler.kernel_build import SOURCE_DIR, ptx_path
+from dualtrack.compiler.kernel_build import SOURCE_DIR, compile_ptx, ptx_path
 from dualtrack.contract.arch import PTX_ARCHES, choose_image
-from dualtrack.kernels import KERNELS, Activation, DwGeometry, PoolGeometry, ResizeMode
-from dualtrack.runtime.driver import Device, Module, Stream
+from dualtrack.kernels import KERNELS, Activation, DwConvSpec, DwGeometry, PoolGeometry, ResizeMode
+from dualtrack.runtime.driver import SHARED_DEFAULT, Device, Module, Stream
 
 TOL = 2e-3  # fp16 output rounding and a different summation order
 HSIG = (float(torch.tensor(1 / 6, dtype=torch.float32)), 0.5)  # torch's Hardsigmoid as ONNX HardSigmoid
@@ -68,6 +70,7 @@ class Layer:
     act: str = "none"
     K: int = 0
     R: int = 3
+    S: int = 0  # dwconv's kernel columns (0: R, a square window)
     stride: int = 1
     dilation: int = 1
     Ho: int = 0
@@ -91,6 +94,18 @@ LAYERS = (
     Layer("dw672 3x3 @32", "dwconv", 1, 32, 672, "hardswish"),
     Layer("dw672 5x5 d2 @32", "dwconv", 1, 32, 672, "hardswish", R=5, dilation=2),
     Layer("dw960 5x5 d2 @32", "dwconv", 2, 32, 960, "hardswish", R=5, dilation=2),
+    # Not LR-ASPP's (uses 0, outside its totals): the depthwise layers of smp Unet-convnext_tiny (7x7,
+    # no activation; 3/3/9/3 blocks a stage) and SegFormer-mit_b0's MixFFN (3x3 on 4x the width, GELU
+    # after it, 2 blocks a stage) at 512x512, and a factorised 1x7 (the tiled entry's general loop).
+    Layer("cnx dw96 7x7 @128", "dwconv", 0, 128, 96, R=7),
+    Layer("cnx dw192 7x7 @64", "dwconv", 0, 64, 192, R=7),
+    Layer("cnx dw384 7x7 @32", "dwconv", 0, 32, 384, R=7),
+    Layer("cnx dw768 7x7 @16", "dwconv", 0, 16, 768, R=7),
+    Layer("segf dw128 3x3 @128", "dwconv", 0, 128, 128),
+    Layer("segf dw256 3x3 @64", "dwconv", 0, 64, 256),
+    Layer("segf dw640 3x3 @32", "dwconv", 0, 32, 640),
+    Layer("segf dw1024 3x3 @16", "dwconv", 0, 16, 1024),
+    Layer("dw136 1x7 @48", "dwconv", 0, 48, 136, "relu", R=1, S=7),
     Layer("gap72 @64", "gap", 1, 64, 72),
     Layer("gap120 @64", "gap", 2, 64, 120),
     Layer("gap480 @32", "gap", 1, 32, 480),
@@ -176,11 +191,13 @@ def problem(layer: Layer, n: int) -> tuple[dict, Callable[[], torch.Tensor], Cal
     xc = x.permute(0, 3, 1, 2)
     a = act_of(layer.act)
     if layer.op == "dwconv":
-        g = DwGeometry(layer.R, layer.stride, layer.dilation, (layer.dilation * (layer.R // 2),) * 4)
-        w = (torch.randn(c, 1, layer.R, layer.R, device=dev) / layer.R).half()
+        S = layer.S or layer.R
+        pt, pl = layer.dilation * (layer.R // 2), layer.dilation * (S // 2)
+        g = DwGeometry(layer.R, layer.stride, layer.dilation, (pt, pl, pt, pl), S=S)
+        w = (torch.randn(c, 1, layer.R, S, device=dev) / layer.R).half()
         b = torch.randn(c, device=dev)
         wp = w[:, 0].permute(1, 2, 0).contiguous()  # RSC, as DwConvSpec.pack
-        conv = dict(stride=layer.stride, padding=g.pads[0], dilation=layer.dilation, groups=c)
+        conv = dict(stride=layer.stride, padding=(pt, pl), dilation=layer.dilation, groups=c)
         ref = lambda: torch_act(layer.act, F.conv2d(xc.float(), w.float(), b, **conv))  # noqa: E731
         bh = b.half()
         theirs = lambda: F.conv2d(xc, w, bh, **conv)  # noqa: E731
@@ -221,7 +238,9 @@ def problem(layer: Layer, n: int) -> tuple[dict, Callable[[], torch.Tensor], Cal
     return dict(x=x, N=n, H=h, W=h, C=c, Ho=ho, Wo=ho, how=how), ref, theirs, (n, ho, ho, c)
 
 
-def run_layer(fns: dict, ctx, stream: torch.cuda.Stream, layer: Layer, n: int, iters: int) -> dict:
+def run_layer(
+    fns: dict, ctx, stream: torch.cuda.Stream, layer: Layer, n: int, iters: int, tiles: Sequence[DwConvSpec] = ()
+) -> dict:
     spec = KERNELS[layer.op]
     kw, ref_fn, theirs, out_shape = problem(layer, n)
     y = torch.full(out_shape, float("nan"), device="cuda", dtype=torch.float16)
@@ -237,24 +256,50 @@ def run_layer(fns: dict, ctx, stream: torch.cuda.Stream, layer: Layer, n: int, i
     else:
         cfg = spec.launch("float16", n, layer.H, layer.H, layer.C, layer.K)
     args = spec.args(**call)
-    fn = fns[spec.entry("float16")]
     ours_stream = Stream.from_handle(stream.cuda_stream, ctx)
-
-    def ours() -> None:
-        fn.launch(cfg.grid, cfg.block, cfg.shared_bytes, ours_stream, args)
-
-    with torch.cuda.stream(stream):
-        ours()
-    stream.synchronize()
+    entries = {"elem": (spec.entry("float16"), cfg)}  # each entry that takes the layer, the engine's first
+    if layer.op == "dwconv" and spec.tile_path("float16", kw["geometry"], layer.C, layer.C, layer.C):
+        _, ho, wo, _ = out_shape
+        g = kw["geometry"]
+        chosen = spec.tile_choice(n, ho, wo, layer.C, g, Device(0).info())  # what the engine launches
+        entries = {"tile": chosen, **entries}
+        entries["tall"] = (spec.tile_entry, spec.tile_launch(n, ho, wo, layer.C, g))
+        entries["short"] = (spec.tile_short_entry, spec.tile_launch(n, ho, wo, layer.C, g, short=True))
+        for t in tiles:  # --dw-tile: other tile sizes of the tall entry, compiled here
+            entries[tile_name(t)] = (tile_name(t), t.tile_launch(n, ho, wo, layer.C, g))
     ref = ref_fn()
-    got = y.permute(0, 3, 1, 2).float()
-    rel = float((got - ref).norm() / ref.norm()) if torch.isfinite(got).all() else float("inf")
-    row = {**asdict(layer), "N": n, "grid": list(cfg.grid), "block": cfg.block[0], "rel_l2": rel, "passed": rel <= TOL}
+    row = {**asdict(layer), "N": n}
+    for name, (entry, config) in entries.items():
+        fn = fns[entry]
+        if config.shared_bytes > SHARED_DEFAULT:
+            fn.set_max_dynamic_shared(config.shared_bytes)
+
+        def ours(fn=fn, config=config) -> None:
+            fn.launch(config.grid, config.block, config.shared_bytes, ours_stream, args)
+
+        y.fill_(float("nan"))
+        with torch.cuda.stream(stream):
+            ours()
+        stream.synchronize()
+        got = y.permute(0, 3, 1, 2).float()
+        rel = float((got - ref).norm() / ref.norm()) if torch.isfinite(got).all() else float("inf")
+        if name == next(iter(entries)):  # the entry the engine launches: the row's own numbers
+            row |= {"entry": entry, "grid": list(config.grid), "block": config.block[0], "rel_l2": rel}
+            row["passed"] = rel <= TOL
+            if row["passed"]:
+                row["ours_ms"] = graph_ms(ours, stream, iters)
+        else:  # the per-element entry beside the tiled one: what the tile saves
+            row[f"{name}_rel_l2"] = rel
+            row[f"{name}_ms"] = graph_ms(ours, stream, iters) if rel <= TOL else None
+            row["passed"] = row["passed"] and rel <= TOL
     if row["passed"]:
-        row["ours_ms"] = graph_ms(ours, stream, iters)
         row["torch_ms"] = graph_ms(theirs, stream, iters)
         row["ratio"] = row["ours_ms"] / row["torch_ms"]
     return row
+
+
+def tile_name(t: DwConvSpec) -> str:
+    return f"tile{t.tile_h}x{t.tile_w}c{t.tile_c}b{t.tile_b}t{t.tile_threads}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--iters", type=int, default=200, help="launches per captured graph")
     ap.add_argument("--only", default="", help="run the layers whose name or op contains this")
+    ap.add_argument(
+        "--dw-tile", action="append", default=[], metavar="H,W,C,B,THREADS",
+        help="also time dwconv's tiled entry compiled (NVRTC, here) with these tile sizes (repeatable)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("mobile_layers: needs a CUDA GPU and torch with CUDA", file=sys.stderr)
@@ -279,21 +328,36 @@ def main(argv: list[str] | None = None) -> int:
         path = ptx_path(SOURCE_DIR, SOURCE_DIR / f"{spec.source}.cu", choice.arch)
         mods.append(Module.load(ctx, path.read_bytes(), kind="ptx", origin=str(path), target=choice.arch))
         fns.update({e: mods[-1].function(e) for e in spec.entries})
+    tiles = []
+    for sizes in args.dw_tile:
+        h, w, c, b, t = (int(v) for v in sizes.split(","))
+        tile = replace(KERNELS["dwconv"], tile_h=h, tile_w=w, tile_c=c, tile_b=b, tile_threads=t)
+        source = SOURCE_DIR / f"{tile.source}.cu"
+        ptx = compile_ptx(source, choice.arch, tile.defines()).text.replace(tile.tile_entry, tile_name(tile))
+        mods.append(Module.load(ctx, ptx.encode(), kind="ptx", origin=f"{source} {sizes}", target=choice.arch))
+        fns[tile_name(tile)] = mods[-1].function(tile_name(tile))
+        tiles.append(tile)
     stream = torch.cuda.Stream()
 
     rows = []
-    print(f"{'layer':20} {'op':8} {'N':>2} {'uses':>4} {'rel_l2':>8} {'ours us':>8} {'torch us':>8} {'ratio':>6}")
+    print(f"{'layer':20} {'op':8} {'N':>2} {'uses':>4} {'rel_l2':>8} {'ours us':>8} {'torch us':>8} {'ratio':>6}"
+          f" {'elem us':>8}")  # fmt: skip
     for n in args.batches:
         for layer in LAYERS:
             if args.only and args.only not in layer.name and args.only != layer.op:
                 continue
-            row = run_layer(fns, ctx, stream, layer, n, args.iters)
+            row = run_layer(fns, ctx, stream, layer, n, args.iters, tiles)
             rows.append(row)
             us = (
                 f"{1e3 * row['ours_ms']:8.2f} {1e3 * row['torch_ms']:8.2f} {row['ratio']:6.2f}"
                 if row["passed"]
                 else "  FAILED"
             )
+            if row.get("elem_ms"):  # a dwconv layer the tiled entry takes: the per-element entry's time
+                us += f" {1e3 * row['elem_ms']:8.2f} {row['entry'].rsplit('_', 1)[-1]}"
+            for name in ("tall", "short", *map(tile_name, tiles)) if row.get("elem_ms") else ():
+                ms = row.get(f"{name}_ms")
+                us += f" {name} {1e3 * ms:8.2f}" if ms else f" {name} FAILED"
             print(f"{layer.name:20} {layer.op:8} {n:>2} {layer.uses:>4} {row['rel_l2']:8.1e} {us}")
     totals: dict[str, dict[str, float]] = {}
     for n in args.batches:

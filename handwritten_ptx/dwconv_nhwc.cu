@@ -165,6 +165,154 @@ __device__ __forceinline__ void dwconv_any(const T* __restrict__ x, const T* __r
     }
 }
 
+// ---- The tiled path (fp16, stride and dilation 1, no channel multiplier: ConvNeXt's 7x7, SegFormer's
+// and MobileNet's stride-1 3x3 / 5x5, the factorised 1xk / kx1). The paths above read every tap from
+// global memory through L1, one thread's taps one after another: on an H100 ConvNeXt-tiny's 18 depthwise
+// 7x7 layers took 1.81 ms at batch 8, latency-bound. Here a block first copies the input patch its
+// TH x DW_TILE_W output pixels x DW_TILE_C channels need ((TH + R - 1) x (W + S - 1) pixels, zeros
+// outside the image and past C) into shared memory as fp32: every 16-byte load of a thread is issued
+// before the first is converted, and each element is converted once (an fp16 patch converted at each of
+// its R * S uses measured 2x slower on the H100: the conversions, not the FMAs, bound it). Then each
+// thread computes DW_TILE_B neighbouring outputs of one row for two channels, sliding the kernel row
+// along a window of B + S - 1 patch pixels (one 8-byte shared load each) with its channels' R x S
+// weights in registers. Per output the same fmaf chain as the paths above (bias first, taps in r, s
+// order); a tap outside the image adds 0 * w instead of being skipped, so results match them up to the
+// sign of a zero. Two entries: TH = DW_TILE_H rows (a bigger patch per block: less halo), and
+// DW_TILE_H_SHORT rows (twice the blocks, for launches too small to fill the GPU otherwise). The host
+// (dualtrack.kernels.dwconv.DwConvSpec.tile_path, tile_launch) takes them only where those conditions
+// hold and x, w, y are 16-byte aligned with C, ldx, ldy multiples of 8; the grid is (output tiles x N,
+// channel blocks), the dynamic shared memory the patch (over 48 KiB for the tall tile of a 7x7: the
+// runtime opts in).
+#if defined(DW_TILE_H)
+namespace dwtile {  // an enum, not constexpr ints: NVRTC emits namespace-scope constants as device globals
+enum : int { TW = DW_TILE_W, TC = DW_TILE_C, B = DW_TILE_B, THREADS = DW_TILE_THREADS };
+enum : int { PAIRS = TC / 2, SLOTS = THREADS / PAIRS, CHUNKS = TC / 8 };
+enum : int { MAXK = 7 };  // R, S at most (dualtrack.kernels.dwconv.MAX_KERNEL)
+static_assert(TC % 8 == 0 && THREADS % PAIRS == 0 && TW % B == 0, "dwconv tile sizes");
+static_assert((DW_TILE_H * (TW / B)) % SLOTS == 0 && (DW_TILE_H_SHORT * (TW / B)) % SLOTS == 0, "dwconv strips");
+}  // namespace dwtile
+
+__device__ __forceinline__ float2 f16x2_to_f32x2(unsigned u) {
+    return make_float2(f16_to_f32(static_cast<f16>(u & 0xffffu)), f16_to_f32(static_cast<f16>(u >> 16)));
+}
+
+// TH output rows a block; RT, ST > 0: an RT x ST kernel, unrolled exactly; 0: p.R x p.S (1..7),
+// unrolled to 7 with guards.
+template <int TH, int RT, int ST>
+__device__ __forceinline__ void dwconv_tile(const f16* __restrict__ x, const f16* __restrict__ w,
+                                            const float* __restrict__ bias, f16* __restrict__ y, const DwProblem& p,
+                                            float* __restrict__ patch) {
+    using namespace dwtile;
+    constexpr int RM = RT > 0 ? RT : MAXK, SM = ST > 0 ? ST : MAXK;
+    constexpr int STRIPS = TH * (TW / B);
+    // Loads a thread issues for the largest patch (TH + 6) x (TW + 6): all in flight together.
+    constexpr int LOADS = ((TH + RM - 1) * (TW + SM - 1) * CHUNKS + THREADS - 1) / THREADS;
+    const int R = RT > 0 ? RT : p.R, S = ST > 0 ? ST : p.S;
+    const int IW = TW + S - 1, IH = TH + R - 1;
+    const int tiles_w = (p.Wo + TW - 1) / TW, tiles_h = (p.Ho + TH - 1) / TH;
+    int t = blockIdx.x;
+    const int wo0 = (t % tiles_w) * TW;
+    t /= tiles_w;
+    const int ho0 = (t % tiles_h) * TH;
+    const long long n = t / tiles_h;
+    const int c0 = blockIdx.y * TC;
+    const int hi0 = ho0 - p.pt, wi0 = wo0 - p.pl;
+
+    // The patch: pixel (r, c) at (r * IW + c) * TC floats; a piece outside the image or past C is zeros.
+    const int items = IH * IW * CHUNKS;
+    uint4 v[LOADS];
+#pragma unroll
+    for (int u = 0; u < LOADS; ++u) {
+        const int it = threadIdx.x + u * THREADS;
+        const int px = it / CHUNKS, c = c0 + (it % CHUNKS) * 8;
+        const int h = hi0 + px / IW, wi = wi0 + px % IW;
+        v[u] = make_uint4(0u, 0u, 0u, 0u);
+        if (it < items && h >= 0 && h < p.H && wi >= 0 && wi < p.W && c < p.C)
+            v[u] = *reinterpret_cast<const uint4*>(x + ((n * p.H + h) * p.W + wi) * static_cast<long long>(p.ldx) + c);
+    }
+#pragma unroll
+    for (int u = 0; u < LOADS; ++u) {
+        const int it = threadIdx.x + u * THREADS;
+        if (it < items) {
+            const float2 a = f16x2_to_f32x2(v[u].x), b = f16x2_to_f32x2(v[u].y);
+            const float2 c = f16x2_to_f32x2(v[u].z), d = f16x2_to_f32x2(v[u].w);
+            float4* dst = reinterpret_cast<float4*>(patch + it * 8);  // pixel * TC + chunk * 8
+            dst[0] = make_float4(a.x, a.y, b.x, b.y);
+            dst[1] = make_float4(c.x, c.y, d.x, d.y);
+        }
+    }
+
+    // This thread's two channels k, k + 1 (C % 8 == 0: a pair is wholly in or past C).
+    const int pair = threadIdx.x % PAIRS, slot = threadIdx.x / PAIRS;
+    const int k = c0 + 2 * pair;
+    const bool live = k < p.C;
+    float2 wt[RM][SM];
+#pragma unroll
+    for (int r = 0; r < RM; ++r)
+#pragma unroll
+        for (int s = 0; s < SM; ++s)
+            wt[r][s] = live && r < R && s < S ? f16x2_to_f32x2(*reinterpret_cast<const unsigned*>(w + (r * S + s) * p.C + k))
+                                              : make_float2(0.0f, 0.0f);
+    const float2 b0 = live && bias != nullptr ? make_float2(bias[k], bias[k + 1]) : make_float2(0.0f, 0.0f);
+    __syncthreads();
+    if (!live) return;  // no barrier below
+
+    for (int j = slot; j < STRIPS; j += SLOTS) {
+        const int orow = j / (TW / B), ocol = (j % (TW / B)) * B;
+        const int ho = ho0 + orow;
+        if (ho >= p.Ho || wo0 + ocol >= p.Wo) continue;
+        float2 acc[B];
+#pragma unroll
+        for (int b = 0; b < B; ++b) acc[b] = b0;
+#pragma unroll
+        for (int r = 0; r < RM; ++r) {
+            if (RT == 0 && r >= R) break;
+            const float* row = patch + ((orow + r) * IW + ocol) * TC + 2 * pair;
+#pragma unroll
+            for (int i = 0; i < B + SM - 1; ++i) {
+                if (ST == 0 && i >= B + S - 1) break;
+                const float2 xv = *reinterpret_cast<const float2*>(row + i * TC);
+                // Patch pixel i is tap s = i - b of output b: ascending s for each output.
+#pragma unroll
+                for (int b = 0; b < B; ++b) {
+                    const int s = i - b;
+                    if (s < 0 || s >= SM || (ST == 0 && s >= S)) continue;
+                    acc[b].x = fmaf(xv.x, wt[r][s].x, acc[b].x);
+                    acc[b].y = fmaf(xv.y, wt[r][s].y, acc[b].y);
+                }
+            }
+        }
+        f16* out = y + ((n * p.Ho + ho) * p.Wo + wo0 + ocol) * static_cast<long long>(p.ldy) + k;
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            if (wo0 + ocol + b >= p.Wo) break;
+            const unsigned lo = f32_to_f16(dt_activate(acc[b].x, p.act, p.p0, p.p1));
+            const unsigned hi = f32_to_f16(dt_activate(acc[b].y, p.act, p.p0, p.p1));
+            *reinterpret_cast<unsigned*>(out + b * static_cast<long long>(p.ldy)) = lo | (hi << 16);
+        }
+    }
+}
+
+template <int TH>
+__device__ __forceinline__ void dwconv_tile_any(const f16* __restrict__ x, const f16* __restrict__ w,
+                                                const float* __restrict__ bias, f16* __restrict__ y,
+                                                const DwProblem& p, float* __restrict__ patch) {
+    // The host's conditions (DwConvSpec.tile_path); a launch that breaks them is a host bug, stopped loudly.
+    if (p.M != 1 || p.sh != 1 || p.sw != 1 || p.dh != 1 || p.dw != 1 || p.R > dwtile::MAXK || p.S > dwtile::MAXK ||
+        p.C % 8 != 0)
+        __trap();
+    if (p.R == 3 && p.S == 3) {
+        dwconv_tile<TH, 3, 3>(x, w, bias, y, p, patch);
+    } else if (p.R == 5 && p.S == 5) {
+        dwconv_tile<TH, 5, 5>(x, w, bias, y, p, patch);
+    } else if (p.R == 7 && p.S == 7) {
+        dwconv_tile<TH, 7, 7>(x, w, bias, y, p, patch);
+    } else {
+        dwconv_tile<TH, 0, 0>(x, w, bias, y, p, patch);
+    }
+}
+#endif  // DW_TILE_H
+
 #define DWCONV_PARAMS(T)                                                                                    \
     const T *__restrict__ x, const T *__restrict__ w, const float *__restrict__ bias, T *__restrict__ y,   \
         int N, int H, int W, int C, int Ho, int Wo, int ldx, int ldy, int R, int S, int sh, int sw, int dh, \
@@ -184,3 +332,15 @@ extern "C" __global__ void __launch_bounds__(DWCONV_THREADS) dwconv_nhwc_f16(DWC
 extern "C" __global__ void __launch_bounds__(DWCONV_THREADS) dwconv_nhwc_f32(DWCONV_PARAMS(float)) {
     dwconv_any<float, 1>(x, w, bias, y, DWCONV_PROBLEM);
 }
+
+#if defined(DW_TILE_H)
+extern "C" __global__ void __launch_bounds__(DW_TILE_THREADS) dwconv_nhwc_f16_tile(DWCONV_PARAMS(f16)) {
+    extern __shared__ float4 dw_patch[];  // float4: 16-byte aligned for the patch's vector stores
+    dwconv_tile_any<DW_TILE_H>(x, w, bias, y, DWCONV_PROBLEM, reinterpret_cast<float*>(dw_patch));
+}
+
+extern "C" __global__ void __launch_bounds__(DW_TILE_THREADS) dwconv_nhwc_f16_tile_short(DWCONV_PARAMS(f16)) {
+    extern __shared__ float4 dw_patch[];
+    dwconv_tile_any<DW_TILE_H_SHORT>(x, w, bias, y, DWCONV_PROBLEM, reinterpret_cast<float*>(dw_patch));
+}
+#endif

@@ -16,6 +16,7 @@ from dualtrack.contract.activations import ACTIVATIONS
 from dualtrack.contract.plan import KernelCall, bits_f32, f32_bits
 from dualtrack.errors import InputError
 from dualtrack.kernels import KERNELS, Activation, DwConvSpec, DwGeometry, ResizeMode
+from dualtrack.kernels.device import REFERENCE
 
 DW, GAP, FC, ELT, RESIZE = (KERNELS[k] for k in ("dwconv", "gap", "fc", "eltwise", "resize"))
 # fp32: the kernels' and onnxruntime's sums differ in order only; fp16: one rounding of the result
@@ -125,6 +126,25 @@ def test_dwconv_geometry_refuses_what_the_kernel_cannot() -> None:
         DW.output_shape(1, 8, 8, 8, 4)
     with pytest.raises(InputError, match=r"\(K, 1, R, S\)"):
         DwConvSpec.pack(np.zeros((8, 2, 3, 3), np.float32))
+
+
+def test_dwconv_takes_the_tiled_entries_where_they_apply() -> None:
+    """The tiled entries: fp16, stride and dilation 1, no channel multiplier, C and strides multiples
+    of 8; the tall tile where its blocks fill the GPU twice over, else the short one's twice as many."""
+    unit, g = DwGeometry(7, pads=(3, 3, 3, 3)), DwGeometry(5, 2, pads=(2, 2, 2, 2))
+    assert DW.tile_path("float16", unit, 96, 96, 104)
+    assert DW.tile_path("float16", DwGeometry(1, pads=(0, 3, 0, 3), S=7), 8, 8)  # 1x7
+    assert not DW.tile_path("float32", unit, 96, 96)
+    assert not DW.tile_path("float16", g, 96, 96)  # stride 2
+    assert not DW.tile_path("float16", DwGeometry(3, dilation=2, pads=(2, 2, 2, 2)), 96, 96)
+    assert not DW.tile_path("float16", DwGeometry(3, multiplier=2), 96, 96)
+    assert not DW.tile_path("float16", unit, 20, 20) and not DW.tile_path("float16", unit, 96, 100)
+    h200 = REFERENCE  # 132 SMs: a full wave of three a SM is 384 blocks
+    entry, cfg = DW.tile_choice(8, 128, 128, 96, unit, h200)  # 8 x 8 x 8 tiles x 3 channel blocks
+    assert (entry, cfg.grid, cfg.block, cfg.shared_bytes) == (DW.tile_entry, (512, 3, 1), (128, 1, 1), 22 * 22 * 128)
+    entry, cfg = DW.tile_choice(1, 128, 128, 96, unit, h200)  # 192 tall blocks: the short tile's 384
+    assert (entry, cfg.grid, cfg.shared_bytes) == (DW.tile_short_entry, (128, 3, 1), 14 * 22 * 128)
+    assert DW.tile_launch(1, 5, 3, 264, DwGeometry(3)).grid == (1, 9, 1)  # 264 channels: 9 blocks of 32
 
 
 def test_dwconv_args_follow_the_abi() -> None:

@@ -91,6 +91,7 @@ G = ConvGeometry(3, 3, stride_h=2, stride_w=2, pad_top=1, pad_left=1, pad_bottom
 G1 = ConvGeometry(3, 3, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1)
 G2 = ConvGeometry(5, 3, dil_h=2, pad_top=4, pad_bottom=4, pad_left=1, pad_right=1)
 DW = (("R", 5), ("stride", 2), ("dilation", 1), ("pad_t", 2), ("pad_l", 1), ("pad_b", 2), ("pad_r", 2))
+DW_UNIT = (("R", 7), ("stride", 1), ("dilation", 1), ("pad_t", 3), ("pad_l", 3), ("pad_b", 3), ("pad_r", 3))
 DW_DILATED = (("R", 3), ("stride", 1), ("dilation", 2), ("pad_t", 2), ("pad_l", 2), ("pad_b", 2), ("pad_r", 2))
 CLIP = (("act", PLAN_ACTS["clip"]), ("act_p0", f32_bits(0.5)), ("act_p1", f32_bits(6.25)))
 RELU6 = Activation.named("clip", 0, 6)
@@ -182,6 +183,16 @@ CASES: dict[str, Callable[[], PreparedCall]] = {
         KernelCall("dwconv", ("x",), ("y",), ("w", "b"), (*DW, ("act", PLAN_ACTS["hardswish"]))),
         T(0x1000, (2, 13, 14, 24), ld=40), T(0x2000, (2, HO, WO, 24), ld=56),
         [T(0x3000, (5, 5, 24)), T(0x4000, (24,), f32)], Context("off"),
+    ),
+    "dwconv tile": lambda: K["dwconv"].prepare(  # stride 1, fp16, aligned: the tiled entry
+        KernelCall("dwconv", ("x",), ("y",), ("w", "b"), (*DW_UNIT, ("act", PLAN_ACTS["relu"]))),
+        T(0x1000, (2, 20, 30, 96)), T(0x2000, (2, 20, 30, 96), ld=104),
+        [T(0x3000, (7, 7, 96)), T(0x4000, (96,), f32)], Context("off"),
+    ),
+    "dwconv tile misaligned": lambda: K["dwconv"].prepare(  # the same but x 8 bytes off 16: per element
+        KernelCall("dwconv", ("x",), ("y",), ("w", "b"), (*DW_UNIT, ("act", PLAN_ACTS["relu"]))),
+        T(0x1008, (2, 20, 30, 96)), T(0x2000, (2, 20, 30, 96), ld=104),
+        [T(0x3000, (7, 7, 96)), T(0x4000, (96,), f32)], Context("off"),
     ),
     "dwconv nobias f32": lambda: K["dwconv"].prepare_inputs(
         KernelCall("dwconv", ("x",), ("y",), ("w",), DW_DILATED), [T(0x1000, (1, 6, 7, 8), f32)],
@@ -472,6 +483,22 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
         (256, 1, 1),
         0,
         [4096, 12288, 16384, 8192, 2, 13, 14, 24, 7, 7, 40, 56, 5, 5, 2, 2, 1, 1, 2, 1, 1, 4, 0.0, 0.0],
+        "PPPPIIIIIIIIIIIIIIIIIIFF",
+    ),
+    "dwconv tile": (
+        "dwconv_nhwc_f16_tile_short",  # 24 tall tiles are far from filling the GPU
+        (12, 3, 1),  # 2 images x 3 x 2 tiles of 8x16 outputs, 3 blocks of 32 channels
+        (128, 1, 1),
+        39424,  # the (8 + 6) x (16 + 6) pixel patch, 32 fp32 channels a pixel
+        [4096, 12288, 16384, 8192, 2, 20, 30, 96, 20, 30, 96, 104, 7, 7, 1, 1, 1, 1, 3, 3, 1, 1, 0.0, 0.0],
+        "PPPPIIIIIIIIIIIIIIIIIIFF",
+    ),
+    "dwconv tile misaligned": (
+        "dwconv_nhwc_f16",
+        (15, 1, 1),  # the row path: 2*20*ceil(30/4) items x 12 vectors of 8 channels, 256 a block
+        (256, 1, 1),
+        0,
+        [4104, 12288, 16384, 8192, 2, 20, 30, 96, 20, 30, 96, 104, 7, 7, 1, 1, 1, 1, 3, 3, 1, 1, 0.0, 0.0],
         "PPPPIIIIIIIIIIIIIIIIIIFF",
     ),
     "dwconv nobias f32": (

@@ -28,7 +28,17 @@ from dualtrack.compiler.kernel_build import (
 )
 from dualtrack.contract.arch import ARCHES, PTX_ARCHES, parse_ptx_isa, parse_ptx_target
 from dualtrack.errors import ArchError, ToolError
-from dualtrack.kernels import BLEND, CONV3X3_WGMMA, RESIZE_RGB, SPECS, ConvGeneralSpec, ConvGeometry, spec_for_stem
+from dualtrack.kernels import (
+    BLEND,
+    CONV3X3_WGMMA,
+    RESIZE_RGB,
+    SPECS,
+    ConvGeneralSpec,
+    ConvGeometry,
+    DwConvSpec,
+    DwGeometry,
+    spec_for_stem,
+)
 from dualtrack.kernels.attention import AttentionSpec
 from dualtrack.kernels.streaming import StreamingSpec
 
@@ -115,6 +125,11 @@ def test_entries_and_block_size_match_the_registry(stem: str, arch: str) -> None
     elif spec.stem == "quantize_fp8":  # fp16 in, e4m3 bytes out: one entry
         block = spec.launch("float16", 2, 37, 37, 3).block[0]
         assert int(entries[spec.entry("float16")]) == spec.threads("float16") == block
+    elif isinstance(spec, DwConvSpec):  # the per-element entries and the tiled one
+        for dtype in ("float16", "float32"):
+            assert int(entries[spec.entry(dtype)]) == spec.threads(dtype)
+        tile = spec.tile_launch(2, 37, 37, 40, DwGeometry(7, pads=(3, 3, 3, 3)))
+        assert int(entries[spec.tile_entry]) == tile.block[0] == spec.tile_threads
     elif isinstance(spec, ConvGeneralSpec):  # its launches need a geometry; every entry's tile
         for entry in spec.entries:
             dtype = "float32" if entry == spec.entry("float32") else "float16"

@@ -25,6 +25,7 @@ from dualtrack.compiler.bundle_writer import load_model
 from dualtrack.compiler.config import Tolerance
 from dualtrack.compiler.verify import compare, ort_session, random_input, run_ort, verify_engine
 from dualtrack.kernels import Activation, DwConvSpec, DwGeometry, ResizeMode
+from dualtrack.runtime.driver import SHARED_DEFAULT
 from dualtrack.runtime.engine import Engine
 
 # fp32 math and one rounding, like the references; only summation order (and expf) differ.
@@ -95,6 +96,53 @@ def test_dwconv_kernel(engine, mods, dtype, off, n, h, w, c, g) -> None:
                        ldx=ldx, ldy=ldy, act=act)  # fmt: skip
         launch(mods, DW, dtype, DW.launch(dtype, n, h, w, c, 0, g, ldy=ldy), args, s)
         check(f"dwconv {act}", ref, s.result(), dtype)
+
+
+@pytest.mark.parametrize("off", [0, 8])  # dense, and 16-byte aligned slices (ld = C + 16) in and out
+@pytest.mark.parametrize(
+    ("n", "h", "w", "c", "g"),
+    [  # the tiled entry (stride and dilation 1, fp16): tiles cut by the image's edges, C not a
+        # multiple of its 32-channel block, the square kernels it unrolls and the general loop
+        (1, 13, 29, 40, DwGeometry(7, pads=(3, 3, 3, 3))),
+        (3, 8, 16, 8, DwGeometry(3)),  # exactly one tile, one 8-channel chunk
+        (2, 33, 21, 264, DwGeometry(5, pads=(2, 2, 2, 2))),
+        (1, 5, 70, 72, DwGeometry(1, pads=(0, 3, 0, 3), S=7)),  # factorised 1x7
+        (2, 19, 9, 48, DwGeometry(7, pads=(3, 0, 3, 0), S=1)),  # and 7x1
+        (1, 12, 12, 96, DwGeometry(4, pads=(1, 2, 2, 1), S=2)),  # even, asymmetric: output 12x14
+        (2, 3, 2, 16, DwGeometry(7, pads=(3, 3, 3, 3))),  # an image smaller than the window
+        (1, 20, 20, 32, DwGeometry(3, pads=(0, 0, 0, 0))),  # valid: output 18x18
+    ],
+)
+def test_dwconv_tile_kernel(engine, mods, off, n, h, w, c, g) -> None:
+    """Both tiled entries against the numpy reference (every activation of ACTS) and against the
+    per-element entry on the same data (the same fmaf chain: equal up to the sign of a zero)."""
+    assert DW.tile_path("float16", g, c, c + 2 * off, c + 2 * off)
+    _, ho, wo, _ = DW.output_shape(n, h, w, c, 0, g)
+    launches = {
+        DW.tile_entry: DW.tile_launch(n, ho, wo, c, g),
+        DW.tile_short_entry: DW.tile_launch(n, ho, wo, c, g, short=True),
+        DW.entry("float16"): DW.launch("float16", n, h, w, c, 0, g, ldy=c + 2 * off),
+    }
+    for entry, cfg in launches.items():
+        if cfg.shared_bytes > SHARED_DEFAULT:
+            mods[entry].set_max_dynamic_shared(cfg.shared_bytes)
+    for act in ACTS:
+        outs = []
+        s = Slices(engine, "float16", off)
+        x = s.rng.standard_normal((n, h, w, c)).astype("float16")
+        wt = (s.rng.standard_normal((c, 1, g.R, g.width)) / g.R).astype("float16")
+        wp, bp = DwConvSpec.pack(wt, s.rng.standard_normal(c).astype(np.float32))
+        ref = DW.reference(x, wp, bp, g, act)
+        for entry, cfg in launches.items():
+            s = Slices(engine, "float16", off)
+            (px, ldx), (py, ldy) = s.input(x), s.output(ref.shape)
+            args = DW.args(x=px, w=s.weights(wp), bias=s.weights(bp), y=py, N=n, H=h, W=w, C=c, geometry=g,
+                           ldx=ldx, ldy=ldy, act=act)  # fmt: skip
+            mods[entry].launch(cfg.grid, cfg.block, cfg.shared_bytes, s.be.stream, args)
+            outs.append(s.result())
+        for entry, got in zip(launches, outs[:2], strict=False):
+            check(f"dwconv {entry} {act}", ref, got, "float16")
+            np.testing.assert_array_equal(np.abs(got), np.abs(outs[2]))
 
 
 GAP = kernels.KERNELS["gap"]

@@ -1,11 +1,16 @@
 """dwconv_nhwc: the dwconv op (depthwise convolution: MobileNet's 3x3/5x5, ConvNeXt's 7x7, the
 factorised 1xk / kx1, with a channel multiplier), one thread per output element (fp16: per 8
-channels where C and the strides allow).
+channels where C and the strides allow), and for fp16 convolutions of stride and dilation 1 a tiled
+entry (``dwconv_nhwc_f16_tile``: :meth:`DwConvSpec.tile_path`) that stages each block's input patch in
+shared memory once.
 
 Every depthwise Conv is this op's, never the grouped general conv's: with one input channel a group,
 the general conv's implicit GEMM would be C GEMMs of depth R*S whose loads are strided 2-byte reads
 (one input channel a grid layer), where this kernel's warps read neighbouring channels of a pixel
-together. The work is R*S FMAs per output element, so bandwidth decides, and coalescing is all.
+together. The work is R*S FMAs per output element. The per-element paths read each tap through L1, one after
+another, and were latency-bound on the H100 (ConvNeXt-tiny's 18 depthwise 7x7 layers: 1.81 ms at batch
+8, ten times their bytes' time); the tiled entry loads a block's whole patch at once and feeds the FMAs
+from shared memory (handwritten_ptx/dwconv_nhwc.cu says how).
 """
 
 from __future__ import annotations
@@ -19,8 +24,18 @@ import numpy as np
 from dualtrack.contract.activations import Activation
 from dualtrack.contract.plan import KernelCall
 from dualtrack.errors import InputError
-from dualtrack.kernels.base import DeviceTensor, LaunchConfig, Tensors, cdiv, positive
+from dualtrack.kernels.base import (
+    DeviceTensor,
+    LaunchConfig,
+    LaunchContext,
+    PreparedCall,
+    Tensors,
+    cdiv,
+    dtype_name,
+    positive,
+)
 from dualtrack.kernels.conv import named_weights
+from dualtrack.kernels.device import DeviceInfo
 from dualtrack.kernels.streaming import ElementSpec, onnx_weight_bias
 
 MAX_KERNEL = 7  # R and S: ConvNeXt's 7x7 is the largest depthwise kernel of the networks served
@@ -106,9 +121,64 @@ class DwConvSpec(ElementSpec):
     SHAPE_ATTRS: ClassVar[tuple[str, ...]] = ("geometry",)
     # Output pixels of one row a work item of the row path computes (dwconv_nhwc.cu's dwconv_rows, -DDW_ROW).
     row_outputs: int = 4
+    # The tiled entries (-DDW_TILE_*): a block computes tile_h (``_tile``) or tile_h_short
+    # (``_tile_short``) x tile_w output pixels x tile_c channels with tile_threads threads, a thread
+    # tile_b outputs of one row for two channels. Its input patch, (rows + R - 1) x (tile_w + S - 1)
+    # pixels x tile_c fp32, is 62 KiB for the tall tile of a 7x7 (the runtime opts in above 48 KiB).
+    tile_h: int = 16
+    tile_h_short: int = 8
+    tile_w: int = 16
+    tile_c: int = 32
+    tile_b: int = 8
+    tile_threads: int = 128
+    # The tall tile where its blocks fill the GPU this many times over (resident blocks: the patch and
+    # ~164 registers a thread leave three a Hopper SM); below, the short one's twice as many blocks.
+    tall_waves: int = 2
 
     def defines(self) -> dict[str, int | str]:
-        return {**super().defines(), "DW_ROW": self.row_outputs}
+        tile = {"DW_TILE_H": self.tile_h, "DW_TILE_H_SHORT": self.tile_h_short, "DW_TILE_W": self.tile_w}
+        tile |= {"DW_TILE_C": self.tile_c, "DW_TILE_B": self.tile_b, "DW_TILE_THREADS": self.tile_threads}
+        return {**super().defines(), "DW_ROW": self.row_outputs, **tile}
+
+    @property
+    def tile_entry(self) -> str:
+        return f"{self.stem}_f16_tile"
+
+    @property
+    def tile_short_entry(self) -> str:
+        return f"{self.stem}_f16_tile_short"
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        return (*super().entries, self.tile_entry, self.tile_short_entry)
+
+    def tile_path(self, dtype: Any, g: DwGeometry, C: int, *strides: int) -> bool:
+        """Whether the tiled entries take a launch (dwconv_nhwc.cu's dwconv_tile_any): fp16, no
+        channel multiplier, stride and dilation 1 both ways, and C and every channel stride multiples
+        of 8 (16-byte patch loads; the pointers must be 16-byte aligned too, which
+        :meth:`prepare_inputs` checks)."""
+        unit = (g.stride, g.stride_w, g.dilation, g.dil_w) == (1, 1, 1, 1)
+        vec = all(v % 8 == 0 for v in (C, *strides))
+        return dtype_name(dtype) == "float16" and g.multiplier == 1 and unit and vec
+
+    def tile_launch(self, N: int, Ho: int, Wo: int, C: int, g: DwGeometry, short: bool = False) -> LaunchConfig:
+        """A tiled entry's grid: (output tiles of every image, channel blocks), its patch in shared
+        memory; ``short``: ``_tile_short``'s."""
+        positive(N=N, Ho=Ho, Wo=Wo, C=C)
+        rows = self.tile_h_short if short else self.tile_h
+        patch = (rows + g.R - 1) * (self.tile_w + g.width - 1) * self.tile_c * 4
+        tiles = N * cdiv(Ho, rows) * cdiv(Wo, self.tile_w)
+        return LaunchConfig(grid=(tiles, cdiv(C, self.tile_c), 1), block=(self.tile_threads, 1, 1), shared_bytes=patch)
+
+    def tile_choice(
+        self, N: int, Ho: int, Wo: int, C: int, g: DwGeometry, device: DeviceInfo
+    ) -> tuple[str, LaunchConfig]:
+        """The tiled entry for a launch on ``device`` and its geometry: the tall tile where its
+        blocks make :attr:`tall_waves` full waves of three a SM, else the short one."""
+        tall = self.tile_launch(N, Ho, Wo, C, g)
+        if tall.grid[0] * tall.grid[1] >= self.tall_waves * device.full_wave(3):
+            return self.tile_entry, tall
+        return self.tile_short_entry, self.tile_launch(N, Ho, Wo, C, g, short=True)
 
     @staticmethod
     def row_path(g: DwGeometry) -> bool:
@@ -201,6 +271,20 @@ class DwConvSpec(ElementSpec):
             return super().call_launch(dtype, kw)
         out = self.output_shape(kw["N"], kw["H"], kw["W"], kw["C"], kw["K"], g)
         return self.element_launch(dtype, *out, kw["ldy"])
+
+    def prepare_inputs(
+        self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors, ctx: LaunchContext
+    ) -> PreparedCall:
+        """A tiled entry (:meth:`tile_choice`) where :meth:`tile_path` holds and x, y and the packed
+        weights are 16-byte aligned; else the per-element entry of the dtype."""
+        kw = self.call_args(call, inputs, y, weights)
+        x = inputs[0]
+        g: DwGeometry = kw["geometry"]
+        aligned = all(v % 16 == 0 for v in (kw["x"], kw["y"], kw["w"]))
+        if aligned and self.tile_path(x.dtype, g, kw["C"], kw["ldx"], kw["ldy"]):
+            entry, launch = self.tile_choice(kw["N"], *tuple(y.shape)[1:3], kw["C"], g, ctx.device)
+            return PreparedCall(entry, launch, self.args(**kw))
+        return PreparedCall(self.entry(x.dtype), self.call_launch(x.dtype, kw), self.args(**kw))
 
     def call_args(self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors) -> dict[str, Any]:
         """The NHWC keyword arguments, the packed weights and bias, the geometry and the epilogue;

@@ -584,6 +584,9 @@ class Module:
         self._finalizer()
 
 
+SHARED_DEFAULT = 48 << 10  # dynamic shared memory a launch may take without opting in (set_max_dynamic_shared)
+
+
 class Kernel:
     """One ``__global__`` function of a :class:`Module`; keeps its module loaded."""
 

@@ -30,14 +30,13 @@ from dualtrack.contract.bundle import Bundle
 from dualtrack.contract.launch_plan import BINDING_ALIGNMENT, Command, Copy, Dispatch, Fill, LaunchPlan, Ref
 from dualtrack.contract.plan import Segment, parameter_key
 from dualtrack.errors import ArchError
-from dualtrack.runtime.driver import Context, Kernel, Module, Stream, call, copy_async
+from dualtrack.runtime.driver import SHARED_DEFAULT, Context, Kernel, Module, Stream, call, copy_async
 from dualtrack.runtime.memory import DevicePool, upload
 from dualtrack.runtime.tensors import GpuTensor
 
 log = logging.getLogger("dualtrack.replay")
 
 _MEMSET = {1: cu.cuMemsetD8Async, 2: cu.cuMemsetD16Async, 4: cu.cuMemsetD32Async}
-_SMEM_DEFAULT = 48 << 10  # above this a kernel must opt in (cuFuncSetAttribute)
 
 
 class ReplaySegment:
@@ -224,7 +223,7 @@ class Replayer:
         for cmd in (*plan.init, *plan.commands):
             if isinstance(cmd, Dispatch) and cmd.kernel not in kernels:
                 k = kernels[cmd.kernel] = mods[cmd.module].function(cmd.kernel)
-                if cmd.shared_bytes > _SMEM_DEFAULT:
+                if cmd.shared_bytes > SHARED_DEFAULT:
                     k.set_max_dynamic_shared(cmd.shared_bytes)
 
         def alloc(size: int) -> GpuTensor:

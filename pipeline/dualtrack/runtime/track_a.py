@@ -28,7 +28,17 @@ from dualtrack.contract.plan import ALIAS_OPS, KernelCall, Plan, Segment
 from dualtrack.kernels.tensormap import TiledMap
 from dualtrack.runtime import tma
 from dualtrack.runtime.code_images import DeviceImages
-from dualtrack.runtime.driver import Context, Event, Kernel, Module, Stream, call, copy_async, graph_launch
+from dualtrack.runtime.driver import (
+    SHARED_DEFAULT,
+    Context,
+    Event,
+    Kernel,
+    Module,
+    Stream,
+    call,
+    copy_async,
+    graph_launch,
+)
 from dualtrack.runtime.memory import DeviceBuffer, DevicePool
 from dualtrack.runtime.tensors import GpuTensor, Stats
 
@@ -257,6 +267,9 @@ class TrackA:
         inputs = [env[name] for name in c.inputs]
         outputs = [env[name] for name in c.outputs]
         p = kernels.kernel(c.op).prepare_outputs(c, inputs, outputs, weights, ctx)
+        for q in (*p.before, p):  # a launch over 48 KiB of dynamic shared memory opts in first
+            if q.config.shared_bytes > SHARED_DEFAULT:
+                self.kernels[q.entry].set_max_dynamic_shared(q.config.shared_bytes)
         before = tuple(Launch(self.kernels[b.entry], b.config, b.args, b.entry) for b in p.before)
         return Launch(self.kernels[p.entry], p.config, p.args, p.entry, p.choice, before)
 
