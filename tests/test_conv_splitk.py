@@ -67,6 +67,21 @@ def test_a_shallow_reduction_does_not_split() -> None:
     assert split(1, 2, 2, 2048, 16, ConvGeometry(1, 1)) == (NARROW, 8)  # 64 k-tiles: 8 slices of 8
 
 
+def test_a_deep_reduction_on_few_pixels_leaves_the_direct_entry_for_a_split_tile() -> None:
+    """The direct entry (K <= 8) sums a pixel's whole reduction in one thread: a deep one over too
+    few pixels goes to a split tile; a head's shallow one, or one over a wave of pixels, stays."""
+    g5 = ConvGeometry(5, 5, stride_h=2, stride_w=2, pad_top=2, pad_left=2, pad_bottom=2, pad_right=2)
+    for n, h, c, k, geom in ((1, 8, 512, 1, S1), (8, 8, 512, 1, S1), (1, 13, 96, 3, g5)):
+        entry, splits = split(n, h, h, c, k, geom)
+        assert entry == NARROW and splits > 1, (n, h, c, k, entry, splits)
+        p = ConvProblem.dense(n, h, h, c, k)
+        assert choose_conv(SPEC, p, H100, window=geom, act=Activation(), wgmma_off="off").entry == NARROW
+    one = ConvGeometry(1, 1)
+    assert split(1, 128, 128, 64, 2, one)[0] == SPEC.direct_entry  # 64 taps: a head
+    assert split(1, 200, 200, 512, 1, S1)[0] == SPEC.direct_entry  # 4608 taps but 40000 pixels
+    assert SPEC.direct_serial(40000, 512, S1) is None and SPEC.direct_serial(64, 512, S1) is not None
+
+
 def test_the_split_count_follows_the_device() -> None:
     # 3x3/2 256 -> 512 on 16x16 at N=1 (ResNet-34's layer 4 entry): 8 small tiles, 72 k-tiles.
     g = ConvGeometry(3, 3, 2, 2, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1)

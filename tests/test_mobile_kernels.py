@@ -133,7 +133,8 @@ def test_dwconv_takes_the_tiled_entries_where_they_apply() -> None:
     of 8; the tall tile where its blocks fill the GPU twice over, else the short one's twice as many."""
     unit, g = DwGeometry(7, pads=(3, 3, 3, 3)), DwGeometry(5, 2, pads=(2, 2, 2, 2))
     assert DW.tile_path("float16", unit, 96, 96, 104)
-    assert DW.tile_path("float16", DwGeometry(1, pads=(0, 3, 0, 3), S=7), 8, 8)  # 1x7
+    assert DW.tile_path("float16", DwGeometry(1, pads=(0, 3, 0, 3), S=7), 40, 40)  # 1x7
+    assert not DW.tile_path("float16", unit, 16, 16)  # fewer channels than a block's 32
     assert not DW.tile_path("float32", unit, 96, 96)
     assert not DW.tile_path("float16", g, 96, 96)  # stride 2
     assert not DW.tile_path("float16", DwGeometry(3, dilation=2, pads=(2, 2, 2, 2)), 96, 96)

@@ -104,12 +104,12 @@ def test_dwconv_kernel(engine, mods, dtype, off, n, h, w, c, g) -> None:
     [  # the tiled entry (stride and dilation 1, fp16): tiles cut by the image's edges, C not a
         # multiple of its 32-channel block, the square kernels it unrolls and the general loop
         (1, 13, 29, 40, DwGeometry(7, pads=(3, 3, 3, 3))),
-        (3, 8, 16, 8, DwGeometry(3)),  # exactly one tile, one 8-channel chunk
+        (3, 16, 16, 32, DwGeometry(3)),  # exactly one tall tile, one channel block
         (2, 33, 21, 264, DwGeometry(5, pads=(2, 2, 2, 2))),
         (1, 5, 70, 72, DwGeometry(1, pads=(0, 3, 0, 3), S=7)),  # factorised 1x7
         (2, 19, 9, 48, DwGeometry(7, pads=(3, 0, 3, 0), S=1)),  # and 7x1
         (1, 12, 12, 96, DwGeometry(4, pads=(1, 2, 2, 1), S=2)),  # even, asymmetric: output 12x14
-        (2, 3, 2, 16, DwGeometry(7, pads=(3, 3, 3, 3))),  # an image smaller than the window
+        (2, 3, 2, 48, DwGeometry(7, pads=(3, 3, 3, 3))),  # an image smaller than the window
         (1, 20, 20, 32, DwGeometry(3, pads=(0, 0, 0, 0))),  # valid: output 18x18
     ],
 )

@@ -172,6 +172,10 @@ class ConvGeneralSpec(KernelSpec):
     direct_weights: int = 8192
     direct_threads: int = 256
     f32: tuple[int, int, int, int, int] = (64, 64, 16, 4, 4)
+    # Not the direct entry for a reduction of at least direct_deep taps over fewer than direct_pixels
+    # output pixels (a thread per pixel: about a wave of 256-thread blocks on a 132-SM GPU): direct_serial.
+    direct_deep: int = 1024
+    direct_pixels: int = 32768
     # The direct entry's grid-stride loop: at most this many blocks per SM, enough to hide latency.
     direct_blocks_per_sm: int = 16
     # Nothing below small: a 64x32 tile with twice its blocks measured slower (docs/performance.md).
@@ -275,11 +279,26 @@ class ConvGeneralSpec(KernelSpec):
             return f"{g.label()}: the wgmma kernel takes padding {pad} on every side of a {g.R}x{g.S} window"
         return None
 
-    def direct_for(self, p: ConvProblem, geom: ConvGeometry | None) -> tuple[str, str] | None:
-        """The direct entry and why, where it takes fp16 launch ``p`` (:meth:`direct_supported`); else None."""
-        if geom is not None and dtype_name(p.dtype) == "float16" and self.direct_supported(p.C, p.K, geom) is None:
-            return self.direct_entry, f"K={p.K} <= {self.direct_k}: direct conv"
+    def direct_serial(self, pixels: int, C: int, geom: ConvGeometry) -> str | None:
+        """Why the direct entry would be slower than a split tile on ``pixels`` output pixels: its
+        thread per pixel sums the whole R*S*C/g reduction alone, so a deep one over too few pixels
+        to fill the GPU is serial (PAN's 3x3 512 -> 1 on 8x8: 0.20 ms on the H100 at N=1 and N=8,
+        against 0.047 for the narrow tile split four ways; conv_layers_split-80dcaa6-h100.json).
+        None where the direct entry is the faster."""
+        taps = geom.R * geom.S * (C // geom.groups)
+        if taps >= self.direct_deep and pixels < self.direct_pixels:
+            return f"R*S*C/g = {taps} taps on {pixels} pixels: a split tile"
         return None
+
+    def direct_for(self, p: ConvProblem, geom: ConvGeometry | None) -> tuple[str, str] | None:
+        """The direct entry and why, where it takes fp16 launch ``p`` (:meth:`direct_supported`,
+        :meth:`direct_serial`); else None."""
+        if geom is None or dtype_name(p.dtype) != "float16" or self.direct_supported(p.C, p.K, geom) is not None:
+            return None
+        P, Q = geom.output_hw(p.H, p.W)
+        if self.direct_serial(p.N * P * Q, p.C, geom) is not None:
+            return None
+        return self.direct_entry, f"K={p.K} <= {self.direct_k}: direct conv"
 
     # --- what the kernel computes -----------------------------------------------------------------
 
@@ -349,7 +368,7 @@ class ConvGeneralSpec(KernelSpec):
         if name != "float16":
             return self.entry(name)
         M = self._checked_pixels(N, H, W, geom)
-        if self.direct_supported(C, K, geom) is None:
+        if self.direct_supported(C, K, geom) is None and self.direct_serial(M, C, geom) is None:
             return self.direct_entry
         stem = self.stem_entry(C, K, geom)
         if stem is not None:
