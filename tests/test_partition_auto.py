@@ -18,12 +18,12 @@ from onnx import TensorProto, helper, numpy_helper
 from dualtrack.cli import main
 from dualtrack.compiler import cost, partition
 from dualtrack.compiler import tuned as tuning
-from dualtrack.compiler.build import PARTITION_REPORT, build
+from dualtrack.compiler.build import PARTITION_REPORT, build, refused_to_track_a
 from dualtrack.compiler.config import BuildConfig, PartitionConfig, Rules, load_config
 from dualtrack.compiler.reference import UNetSpec, write_reference
 from dualtrack.compiler.verify import ort_session, run_ort
 from dualtrack.contract.bundle import Bundle
-from dualtrack.errors import ConfigError, PartitionError
+from dualtrack.errors import ConfigError, PartitionError, SegmentCompileError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 C, H, W = 8, 16, 16  # channels and size of the small graphs
@@ -99,6 +99,28 @@ def test_a_lone_supported_node_moves_to_b_when_switches_cost_more_than_it_saves(
         d.why,
     )
     assert any(n.startswith("moved the island pool .. pool (1 nodes) to Track B") for n in p.plan.notes)
+
+
+def test_a_node_kept_on_a_stays_there_whatever_its_cost() -> None:
+    """keep_a (what a build passes after IREE failed on a node's segment): the pool that the switch
+    cost moves to Track B stays on A, and says why; a node no Track A kernel takes stays on B."""
+    keep = {"pool": "IREE failed on its segment for cuda-sm_89 (shared memory)", "pre": "IREE failed"}
+    p = partition.partition_model(auto(switch_us=1000.0), lone_pool(), keep_a=keep)
+    assert tracks(p) == {"pre": "B", "pool": "A", "post": "B"}
+    assert why(p, "pool") == f"a Track A kernel takes it; kept there: {keep['pool']}"
+
+
+def test_a_build_keeps_on_a_the_nodes_iree_failed_on_that_cost_alone_moved(tmp_path: Path) -> None:
+    """refused_to_track_a: the nodes of the failed segment that a Track A kernel takes (the pool),
+    none where the segment holds only IREE's nodes, none for `partition: rules`."""
+    onnx.save(lone_pool(), tmp_path / "graph.onnx")
+    cfg = auto(switch_us=1000.0).model_copy(update={"model": tmp_path / "graph.onnx"})
+    err = SegmentCompileError("seg0_B", "cuda-sm_89", "iree-compile", "uses 1597440 bytes of shared memory")
+    kept = refused_to_track_a(err, cfg, None, {})
+    assert list(kept) == ["pool"] and "cuda-sm_89" in kept["pool"]
+    assert refused_to_track_a(err, cfg, None, kept) == {}  # kept already: nothing more to try, the error stands
+    rules = cfg.model_copy(update={"partition": PartitionConfig(mode="rules")})
+    assert refused_to_track_a(err, rules, None, {}) == {}
 
 
 def test_a_lone_supported_node_stays_on_a_when_switches_are_free() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Sequence
+from typing import Any
 
 
 class DualtrackError(Exception):
@@ -100,6 +101,14 @@ class ToolError(DualtrackError):
     @property
     def repro(self) -> str:
         return shlex.join(self.argv)
+
+
+class SegmentCompileError(ToolError):
+    """IREE failed on one Track B segment for one target (``segment``: the plan's name, ``seg3_B``)."""
+
+    def __init__(self, segment: str, target: str, tool: str, message: str, **kw: Any) -> None:
+        self.segment, self.target = segment, target
+        super().__init__(tool, message, **kw)
 
 
 class VerificationError(DualtrackError):

@@ -17,7 +17,7 @@ import hashlib
 import json
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from importlib.metadata import version as pkg_version
@@ -41,7 +41,7 @@ from dualtrack.contract.manifest import Artifacts, Manifest, ModelInfo, SizePlan
 from dualtrack.contract.plan import ALIAS_OPS, Plan
 from dualtrack.contract.precision import PRECISION_FILE
 from dualtrack.contract.sizes import Size, label
-from dualtrack.errors import BundleError, ConfigError, ToolError
+from dualtrack.errors import BundleError, ConfigError, SegmentCompileError, ToolError
 from dualtrack.kernels.device import REFERENCE
 from dualtrack.kernels.problems import ConvLayer, conv_layers
 from dualtrack.runtime.engine import Engine
@@ -236,10 +236,60 @@ def build(
     say = progress or (lambda msg: None)
     settings = settings or Settings.from_env()
     cfg, dest, measured = configure(config, output, tuning, cpu_only)
+    keep_a: dict[str, str] = {}
+    while True:
+        try:
+            return _build(cfg, dest, measured, force, say, settings, t0, keep_a)
+        except SegmentCompileError as exc:
+            kept = refused_to_track_a(exc, cfg, measured, keep_a)
+            if not kept:
+                raise
+            say(f"IREE failed on {exc.segment} for {exc.target}: {len(kept)} node(s) back on Track A, again")
+            keep_a |= kept  # each round keeps more nodes on Track A, so the rounds end
+
+
+def refused_to_track_a(
+    exc: SegmentCompileError, cfg: BuildConfig, measured: Any, keep_a: Mapping[str, str]
+) -> dict[str, str]:
+    """The nodes of the segment IREE failed on that ``partition: auto`` put on Track B by their cost
+    alone (a Track A kernel takes them), to keep on Track A in the next round; none where every node
+    there must run on IREE, or for another partition mode: then the error stands."""
+    if cfg.partition.mode != "auto":
+        return {}
+    loaded, fe = frontend.load(cfg)
+    parted = partition.partition_model(loaded, partition.name_nodes(fe.model), measured, keep_a)
+    segment = next((s for s in parted.plan.segments if s.name == exc.segment), None)
+    if segment is None:
+        return {}
+    reason = f"IREE failed on its segment for {exc.target} ({exc.message[:160]})"
+    movable = {
+        d.node
+        for d in parted.assignment.decisions
+        if d.node in segment.nodes and d.track == "B" and d.a_us is not None and d.node not in keep_a
+    }
+    return dict.fromkeys(sorted(movable), reason)
+
+
+def _build(
+    cfg: BuildConfig,
+    dest: Path,
+    measured: Any,
+    force: bool,
+    say: Progress,
+    settings: Settings,
+    t0: float,
+    keep_a: Mapping[str, str],
+) -> BuildResult:
+    """One round of :func:`build` with the nodes of ``keep_a`` kept on Track A."""
     notes = list(cfg.notes)
+    if keep_a:
+        notes.append(
+            f"partition: {len(keep_a)} node(s) kept on Track A after IREE failed on the segment the cost model "
+            f"gave them ({', '.join(list(keep_a)[:4])}): {next(iter(keep_a.values()))}"
+        )
     say("resolve targets")
     resolutions = resolve(cfg, notes)
-    inputs = front_end(cfg, measured, notes, say)
+    inputs = front_end(cfg, measured, notes, say, keep_a)
     inputs, fp8_build = fp8_stage(cfg, inputs, resolutions, settings, notes, say)
     plan = inputs.plan
     selection = None
@@ -345,17 +395,20 @@ def resolve(cfg: BuildConfig, notes: list[str]) -> list[arch.Resolution]:
     return resolutions
 
 
-def front_end(cfg: BuildConfig, measured: Any, notes: list[str], say: Progress) -> _Inputs:
-    """The front end's model, nodes named, and its partition into segments and a plan."""
+def front_end(
+    cfg: BuildConfig, measured: Any, notes: list[str], say: Progress, keep_a: Mapping[str, str] | None = None
+) -> _Inputs:
+    """The front end's model, nodes named, and its partition into segments and a plan (``keep_a``:
+    :func:`partition.partition_model`'s)."""
     say(f"front end {cfg.model.name}")
     source_digest = sha256(cfg.model.read_bytes()) if cfg.model.exists() else ""
     cfg, fe = frontend.load(cfg)
     notes.extend(fe.notes())
     model = partition.name_nodes(fe.model)
     if cfg.sizes is not None:
-        return sized_inputs(cfg, fe, model, source_digest, measured, notes, say)
+        return sized_inputs(cfg, fe, model, source_digest, measured, notes, say, keep_a)
     say(f"partition {cfg.model.name}")
-    parted = partition.partition_model(cfg, model, measured)
+    parted = partition.partition_model(cfg, model, measured, keep_a)
     return _Inputs(cfg, fe, model, parted, source_digest)
 
 
@@ -396,6 +449,7 @@ def sized_inputs(
     measured: Any,
     notes: list[str],
     say: Progress,
+    keep_a: Mapping[str, str] | None = None,
 ) -> _Inputs:
     """The config's ``sizes``: the model re-shaped to each (compiler/spatial.py) and partitioned there
     (Track A's kernels chosen for that shape). The largest size leads (the manifest's own plan, what an
@@ -411,7 +465,8 @@ def sized_inputs(
         if shape is not None and len(shape) == 4:  # the config names the export's shape: read it at this size
             shape = (shape[0], *size, shape[3])
         at = cfg.model_copy(update={"input": cfg.input.model_copy(update={"shape": shape})})
-        per_size.append(_Inputs(cfg, fe, m, partition.partition_model(at, m, measured), source_digest, size))
+        parted = partition.partition_model(at, m, measured, keep_a)
+        per_size.append(_Inputs(cfg, fe, m, parted, source_digest, size))
     *others, lead = per_size
     return replace(lead, others=tuple(others))
 
@@ -720,7 +775,9 @@ def _compile(
             if job.target.driver == "cuda"
             else "set `track_b.cpu: false` and verify on a GPU"
         )
-        raise ToolError(
+        raise SegmentCompileError(
+            job.segment,
+            job.target.name,
             e.tool,
             f"failed on segment {job.segment} at batch {job.batch} for {job.target.name} "
             f"({e.message.removeprefix(e.tool + ': ')}); to get around it: {around} or drop batch {job.batch}; "

@@ -268,11 +268,13 @@ def assign_tracks(
     specs: dict[str, SpecMap],
     measured: cost.MeasuredTimes | None = None,
     ctx: SupportContext | None = None,
+    keep_a: Mapping[str, str] | None = None,
 ) -> Assignment:
     """Track per node. ``partition.mode: rules``: Track B rules win, then Track A rules, then Track B
     (the default). ``auto``: :func:`auto_tracks`, with the rules as overrides. ``measured``: Track A
     kernel times from a tuning file (`dualtrack.compiler.tuned.measured_times`) for the cost model; ``ctx``:
-    the model's :class:`SupportContext`, where the caller has it."""
+    the model's :class:`SupportContext`, where the caller has it; ``keep_a``: nodes ``auto`` keeps on
+    Track A where a kernel takes them, whatever their cost, and why (IREE could not compile them)."""
     nodes = list(model.graph.node)
     _check_rules(nodes, cfg)
     part = cfg.partition
@@ -282,7 +284,7 @@ def assign_tracks(
     costs = _node_costs(model, ctx, cfg.batch_sizes, measured, _target_rates(cfg), cost.ConvTarget.of(first))
     flops = {n.name: cost.node_work(n, ctx.specs, set(ctx.inits)).flops for n in nodes}
     if part.mode == "auto":
-        return _with_flops(auto_tracks(model, cfg, ctx, costs, switch), flops)
+        return _with_flops(auto_tracks(model, cfg, ctx, costs, switch, keep_a or {}), flops)
     tracks: dict[str, str] = {}
     decisions = []
     for n in nodes:
@@ -1336,10 +1338,16 @@ def auto_tracks(
     ctx: SupportContext,
     costs: dict[str, cost.NodeCost],
     switch: float,
+    keep_a: Mapping[str, str] | None = None,
 ) -> Assignment:
-    """`partition: auto` (the steps are at the top of this section), on the nodes' ``costs``."""
+    """`partition: auto` (the steps are at the top of this section), on the nodes' ``costs``; the
+    nodes of ``keep_a`` that a Track A kernel takes start there and no cost moves them."""
     nodes = list(model.graph.node)
     tracks, why, forced_a = _first_tracks(model, cfg, ctx)
+    kept = {n for n, reason in (keep_a or {}).items() if tracks.get(n) == "A" and n not in forced_a}
+    for n in kept:
+        why[n] = f"a Track A kernel takes it; kept there: {keep_a[n]}"  # type: ignore[index]
+    forced_a = forced_a | kept
     batches = len(cfg.batch_sizes)
 
     def estimate(trial: dict[str, str], n_segments: int) -> float:
@@ -1351,8 +1359,9 @@ def auto_tracks(
         segments = order_segments(model, tracks)
         refusal = _first_refusal(model, ctx, segments, tracks, lowered)
         if refusal is not None:
-            if refusal.node in forced_a:
+            if refusal.node in forced_a - kept:
                 raise refusal  # the config's rule put it there; the message names the fix
+            forced_a.discard(refusal.node)
             tracks[refusal.node], why[refusal.node] = "B", f"Track A cannot lower it in its segment: {refusal.why}"
             _whole_islands(model, ctx, tracks, why, forced_a)
             continue
@@ -1640,17 +1649,20 @@ def build_plan(
 
 
 def partition_model(
-    cfg: BuildConfig, model: onnx.ModelProto, measured: cost.MeasuredTimes | None = None
+    cfg: BuildConfig,
+    model: onnx.ModelProto,
+    measured: cost.MeasuredTimes | None = None,
+    keep_a: Mapping[str, str] | None = None,
 ) -> Partitioned:
     """Partition a (named) model: the plan, whose notes say how it was chosen, the segment models and
-    the decision behind every node. ``measured``: see :func:`assign_tracks`."""
+    the decision behind every node. ``measured``, ``keep_a``: see :func:`assign_tracks`."""
     if len(model.graph.input) != 1:
         raise ModelError(f"the model has {len(model.graph.input)} inputs; dualtrack serves single-input models")
     fixed = cfg.batch == "fixed"  # dim 0 is data: nothing is batch-major, every spec is exact (contract/plan.py)
     specs, minor = batch_checked_specs(model, (1,) if fixed else (1, *cfg.batch_sizes))
     _check_input(cfg, model, specs)
     ctx = SupportContext.of(model, specs, frozenset(minor))
-    assignment = assign_tracks(model, cfg, specs, measured, ctx)
+    assignment = assign_tracks(model, cfg, specs, measured, ctx, keep_a)
     tracks = assignment.tracks
     segments, seg_track = recompute_constants(model, order_segments(model, tracks), tracks)
     bounds = _boundaries(model, segments)
