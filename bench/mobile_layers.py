@@ -106,6 +106,8 @@ LAYERS = (
     Layer("segf dw640 3x3 @32", "dwconv", 0, 32, 640),
     Layer("segf dw1024 3x3 @16", "dwconv", 0, 16, 1024),
     Layer("dw136 1x7 @48", "dwconv", 0, 48, 136, "relu", R=1, S=7),
+    Layer("segf dw128 3x3 gelu @128", "dwconv", 0, 128, 128, "gelu"),
+    Layer("segf dw256 3x3 gelu @64", "dwconv", 0, 64, 256, "gelu"),
     Layer("gap72 @64", "gap", 1, 64, 72),
     Layer("gap120 @64", "gap", 2, 64, 120),
     Layer("gap480 @32", "gap", 1, 32, 480),
@@ -156,6 +158,8 @@ def torch_act(name: str, v: torch.Tensor) -> torch.Tensor:
             return torch.clamp(HSIG[0] * v + HSIG[1], 0.0, 1.0)
         case "sigmoid":
             return torch.sigmoid(v)
+        case "gelu":
+            return F.gelu(v)
         case _:
             return v
 

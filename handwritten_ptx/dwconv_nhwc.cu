@@ -192,6 +192,15 @@ static_assert(TC % 8 == 0 && THREADS % PAIRS == 0 && TW % B == 0, "dwconv tile s
 static_assert((DW_TILE_H * (TW / B)) % SLOTS == 0 && (DW_TILE_H_SHORT * (TW / B)) % SLOTS == 0, "dwconv strips");
 }  // namespace dwtile
 
+// The epilogue's activation with GELU (erf and tanh forms: SegFormer's Mix-FFN puts one after each of
+// its depthwise 3x3s) inlined: dt_activate calls it out of line, with the other rare ones, and a 3x3's
+// nine FMAs an output are no match for a call and erff.
+__device__ __forceinline__ float dw_activate(float v, const DwProblem& p) {
+    if (p.act == DT_ACT_GELU) return dt_act_gelu(v, p.p0, p.p1);
+    if (p.act == DT_ACT_GELU_TANH) return dt_act_gelu_tanh(v, p.p0, p.p1);
+    return dt_activate(v, p.act, p.p0, p.p1);
+}
+
 __device__ __forceinline__ float2 f16x2_to_f32x2(unsigned u) {
     return make_float2(f16_to_f32(static_cast<f16>(u & 0xffffu)), f16_to_f32(static_cast<f16>(u >> 16)));
 }
@@ -286,8 +295,8 @@ __device__ __forceinline__ void dwconv_tile(const f16* __restrict__ x, const f16
 #pragma unroll
         for (int b = 0; b < B; ++b) {
             if (wo0 + ocol + b >= p.Wo) break;
-            const unsigned lo = f32_to_f16(dt_activate(acc[b].x, p.act, p.p0, p.p1));
-            const unsigned hi = f32_to_f16(dt_activate(acc[b].y, p.act, p.p0, p.p1));
+            const unsigned lo = f32_to_f16(dw_activate(acc[b].x, p));
+            const unsigned hi = f32_to_f16(dw_activate(acc[b].y, p));
             *reinterpret_cast<unsigned*>(out + b * static_cast<long long>(p.ldy)) = lo | (hi << 16);
         }
     }
