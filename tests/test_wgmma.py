@@ -437,8 +437,13 @@ def test_unsupported_plans_carry_no_wgmma_module(tiny_config: Path) -> None:
 class _Kernel:
     def __init__(self, name: str, launched: list) -> None:
         self.name, self.launched = name, launched
+        self.max_dynamic_shared = 48 << 10
+
+    def set_max_dynamic_shared(self, nbytes: int) -> None:
+        self.max_dynamic_shared = nbytes
 
     def launch(self, grid, block, shared, stream, args) -> None:
+        assert shared <= self.max_dynamic_shared, f"{self.name}: {shared} B of shared memory without opting in"
         self.launched.append((self.name, grid, block, shared, args))
 
 
