@@ -37,11 +37,20 @@ from torch import nn
 # loads normally (the GPU machine) this only skips those fake kernels, which no zoo export calls.
 sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
 
-import monai.networks.nets as monai_nets  # noqa: E402
 import segmentation_models_pytorch as smp  # noqa: E402
 import torchvision  # noqa: E402
 
 DEFAULT_DIR = Path(__file__).resolve().parent
+
+
+def _monai() -> types.ModuleType:
+    """MONAI's networks, imported where a MONAI model is built: the smp and torchvision models need
+    no MONAI (a GPU machine that carries smp alone still runs their torch rows in bench/zoo_bench.py)."""
+    import monai.networks.nets as nets
+
+    return nets
+
+
 INPUT_NAME = "image"
 OUTPUT_NAME = "logits"
 EXPORTERS = ("torchscript", "dynamo")
@@ -79,19 +88,19 @@ _MONAI_LEVELS = {"channels": (16, 32, 64, 128, 256), "strides": (2, 2, 2, 2)}
 
 
 def _monai_unet() -> nn.Module:
-    return monai_nets.UNet(spatial_dims=2, in_channels=3, out_channels=2, num_res_units=2, **_MONAI_LEVELS)
+    return _monai().UNet(spatial_dims=2, in_channels=3, out_channels=2, num_res_units=2, **_MONAI_LEVELS)
 
 
 def _monai_attention_unet() -> nn.Module:
-    return monai_nets.AttentionUnet(spatial_dims=2, in_channels=3, out_channels=2, **_MONAI_LEVELS)
+    return _monai().AttentionUnet(spatial_dims=2, in_channels=3, out_channels=2, **_MONAI_LEVELS)
 
 
 def _monai_segresnet() -> nn.Module:
-    return monai_nets.SegResNet(spatial_dims=2, init_filters=16, in_channels=3, out_channels=2)
+    return _monai().SegResNet(spatial_dims=2, init_filters=16, in_channels=3, out_channels=2)
 
 
 def _monai_dynunet() -> nn.Module:
-    return monai_nets.DynUNet(
+    return _monai().DynUNet(
         spatial_dims=2,
         in_channels=3,
         out_channels=2,
@@ -104,11 +113,11 @@ def _monai_dynunet() -> nn.Module:
 # The transformer segmenters of issue 39, as MONAI builds them in 2D. UNETR's constructor fixes the input size (its
 # position embedding has one row per 16x16 patch), so it is built for the size being exported.
 def _monai_unetr(size: tuple[int, int]) -> nn.Module:
-    return monai_nets.UNETR(in_channels=3, out_channels=2, img_size=size, spatial_dims=2)
+    return _monai().UNETR(in_channels=3, out_channels=2, img_size=size, spatial_dims=2)
 
 
 def _monai_swinunetr() -> nn.Module:
-    return monai_nets.SwinUNETR(in_channels=3, out_channels=2, spatial_dims=2)
+    return _monai().SwinUNETR(in_channels=3, out_channels=2, spatial_dims=2)
 
 
 @dataclass(frozen=True)
