@@ -38,15 +38,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from mobile_layers import graph_ms  # bench/: the same CUDA-graph timer
 
 from dualtrack.compiler.kernel_build import SOURCE_DIR, ptx_path
 from dualtrack.contract.arch import PTX_ARCHES, choose_image
@@ -103,29 +102,6 @@ class NoContext:
     """The LaunchContext a resize is prepared with: it asks for nothing."""
 
 
-def graph_us(launch: Callable[[], object], stream: torch.cuda.Stream, iters: int) -> float:
-    """Per-launch time of ``iters`` launches captured in one CUDA graph (median of 5 replays), in us."""
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            launch()
-    stream.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream):
-        for _ in range(iters):
-            launch()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(times)
-
-
 def run_layer(fns: dict, ctx, stream: torch.cuda.Stream, layer: Layer, n: int, iters: int) -> dict:
     c, h, ho = layer.C, layer.H, layer.Ho
     ldy = layer.ldy or c
@@ -167,8 +143,8 @@ def run_layer(fns: dict, ctx, stream: torch.cuda.Stream, layer: Layer, n: int, i
         "bytes": moved, "rel_l2": rel, "passed": passed,
     }  # fmt: skip
     if passed:
-        row["us"] = graph_us(ours, stream, iters)
-        row["torch_us"] = graph_us(theirs, stream, iters)
+        row["us"] = 1e3 * graph_ms(ours, stream, iters)
+        row["torch_us"] = 1e3 * graph_ms(theirs, stream, iters)
         row["gbps"] = moved / row["us"] / 1e3
         row["torch_gbps"] = moved / row["torch_us"] / 1e3
     return row

@@ -110,17 +110,17 @@ def test_a_node_kept_on_a_stays_there_whatever_its_cost() -> None:
     assert why(p, "pool") == f"a Track A kernel takes it; kept there: {keep['pool']}"
 
 
-def test_a_build_keeps_on_a_the_nodes_iree_failed_on_that_cost_alone_moved(tmp_path: Path) -> None:
+def test_a_build_keeps_on_a_the_nodes_iree_failed_on_that_cost_alone_moved() -> None:
     """refused_to_track_a: the nodes of the failed segment that a Track A kernel takes (the pool),
     none where the segment holds only IREE's nodes, none for `partition: rules`."""
-    onnx.save(lone_pool(), tmp_path / "graph.onnx")
-    cfg = auto(switch_us=1000.0).model_copy(update={"model": tmp_path / "graph.onnx"})
+    cfg = auto(switch_us=1000.0)
     err = SegmentCompileError("seg0_B", "cuda-sm_89", "iree-compile", "uses 1597440 bytes of shared memory")
-    kept = refused_to_track_a(err, cfg, None, {})
+    kept = refused_to_track_a(err, partition.partition_model(cfg, lone_pool()), cfg, {})
     assert list(kept) == ["pool"] and "cuda-sm_89" in kept["pool"]
-    assert refused_to_track_a(err, cfg, None, kept) == {}  # kept already: nothing more to try, the error stands
+    again = partition.partition_model(cfg, lone_pool(), keep_a=kept)  # seg0_B now holds "pre" alone
+    assert refused_to_track_a(err, again, cfg, kept) == {}  # nothing more to try: the error stands
     rules = cfg.model_copy(update={"partition": PartitionConfig(mode="rules")})
-    assert refused_to_track_a(err, rules, None, {}) == {}
+    assert refused_to_track_a(err, partition.partition_model(rules, lone_pool()), rules, {}) == {}
 
 
 def test_a_lone_supported_node_stays_on_a_when_switches_are_free() -> None:

@@ -240,24 +240,41 @@ def build(
     while True:
         try:
             return _build(cfg, dest, measured, force, say, settings, t0, keep_a)
-        except SegmentCompileError as exc:
-            kept = refused_to_track_a(exc, cfg, measured, keep_a)
+        except _Refused as refused:
+            exc = refused.error
+            kept = refused_to_track_a(exc, refused.parted, cfg, keep_a)
             if not kept:
-                raise
+                raise exc from None
             say(f"IREE failed on {exc.segment} for {exc.target}: {len(kept)} node(s) back on Track A, again")
             keep_a |= kept  # each round keeps more nodes on Track A, so the rounds end
 
 
+class _Refused(Exception):
+    """A round's :class:`SegmentCompileError` with the partition whose segment IREE failed on."""
+
+    def __init__(self, error: SegmentCompileError, parted: partition.Partitioned) -> None:
+        super().__init__(str(error))
+        self.error, self.parted = error, parted
+
+
+def _compiled(
+    jobs: _TrackB, parted: partition.Partitioned, settings: Settings, say: Progress
+) -> list[track_b.CompileResult]:
+    """:func:`compile_modules`; a segment IREE fails on raises :class:`_Refused` with ``parted``."""
+    try:
+        return compile_modules(jobs, settings, say)
+    except SegmentCompileError as exc:
+        raise _Refused(exc, parted) from exc
+
+
 def refused_to_track_a(
-    exc: SegmentCompileError, cfg: BuildConfig, measured: Any, keep_a: Mapping[str, str]
+    exc: SegmentCompileError, parted: partition.Partitioned, cfg: BuildConfig, keep_a: Mapping[str, str]
 ) -> dict[str, str]:
-    """The nodes of the segment IREE failed on that ``partition: auto`` put on Track B by their cost
-    alone (a Track A kernel takes them), to keep on Track A in the next round; none where every node
-    there must run on IREE, or for another partition mode: then the error stands."""
+    """The nodes of the segment of ``parted`` IREE failed on that ``partition: auto`` put on Track B by
+    their cost alone (a Track A kernel takes them), to keep on Track A in the next round; none where
+    every node there must run on IREE, or for another partition mode: then the error stands."""
     if cfg.partition.mode != "auto":
         return {}
-    loaded, fe = frontend.load(cfg)
-    parted = partition.partition_model(loaded, partition.name_nodes(fe.model), measured, keep_a)
     segment = next((s for s in parted.plan.segments if s.name == exc.segment), None)
     if segment is None:
         return {}
@@ -312,9 +329,9 @@ def _build(
     for s, other in zip(sized, inputs.others, strict=True):  # the seed drawn now, for their cases and checks
         s.inputs = other
     frontend_checks = check_front_end(inputs, say)
-    results = compile_modules(jobs, settings, say)
+    results = _compiled(jobs, inputs.parted, settings, say)
     for s in sized:
-        s.results = compile_modules(s.jobs, settings, say)
+        s.results = _compiled(s.jobs, s.inputs.parted, settings, say)
     results = [*results, *(r for s in sized for r in s.results)]  # every size's modules, for the counts
     compiled = sum(not r.cached for r in results)
     writer = BundleWriter(dest)
