@@ -3,7 +3,8 @@
 Stages, in order, each a function ``(model, ...) -> model`` that records its rewrites:
 
     load_model -> weights_out_of_inputs -> upgrade_opset -> symbolic_batch -> simplify
-    -> free_batch -> static_resize_scales -> channel_pad_convs -> fold_zero_pads -> unique_parameter_keys
+    -> linear_spatial_maps -> free_batch -> static_resize_scales -> channel_pad_convs -> fold_zero_pads
+    -> unique_parameter_keys
     -> convert_precision
     -> wrap_image_io
 
@@ -47,6 +48,7 @@ from dualtrack.compiler.iree_forms import (
     signed_powers,
     widened_unsigned,
 )
+from dualtrack.compiler.linear_maps import linear_maps_as_matmuls
 from dualtrack.compiler.lower_pad import full_pads
 from dualtrack.compiler.onnx_graph import constants as _graph_constants
 from dualtrack.compiler.resize_maps import iree_cannot_lower, resize_maps, widened_axes
@@ -350,6 +352,15 @@ def _has_foldable(model: onnx.ModelProto) -> bool:
             return True  # dead
         consts.update(o for o in n.output if o and all(not x or x in consts for x in n.input))
     return False
+
+
+def linear_spatial_maps(model: onnx.ModelProto, export_batch: int | None, log: list[Rewrite]) -> onnx.ModelProto:
+    """Index soups over an image's pixels (torch's dynamo export of an adaptive average pool) that are one
+    linear map per channel, as a MatMul by a constant map (:mod:`.linear_maps`); after the simplifier, so
+    the soup's constants are folded, and before batch freeing, which then has none of them to free."""
+    m, report = linear_maps_as_matmuls(model, export_batch)
+    log.extend(Rewrite("linear-maps", line) for line in report.lines())
+    return m
 
 
 def static_resize_scales(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
@@ -1016,6 +1027,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     m = check("tokens", token_images(m, cfg, export_batch, log))  # before the simplifier too (its Gemm fusion)
     if cfg.simplify:
         m = check("simplify", simplify(m, log))
+    m = check("linear-maps", linear_spatial_maps(m, export_batch, log))  # before free_batch: the soups' constants
     m, freed = free_batch(m, export_batch, cfg.batch_sizes)
     m = check("batch", m)
     if freed:
