@@ -1,9 +1,10 @@
-// 3x3 convolution (stride 1, padding 1) and 1x1 convolution (a GEMM), NHWC fp16, fused bias,
+// 3x3 convolution (stride 1, dilation d, padding d) and 1x1 convolution (a GEMM), NHWC fp16, fused bias,
 // residual and activation, for Hopper (sm_90a): TMA (cp.async.bulk.tensor) loads into a
 // multi-stage mbarrier pipeline, wgmma.mma_async with both operands in shared memory, fp32
 // accumulators in registers.
 //
-//   3x3: y[n,h,w,k] = act(bias[k] + res[n,h,w,k] + sum_{r,s,c} x[n,h+r-1,w+s-1,c] * w[k,r,s,c])
+//   3x3: y[n,h,w,k] = act(bias[k] + res[n,h,w,k] + sum_{r,s,c} x[n,h+(r-1)d,w+(s-1)d,c] * w[k,r,s,c])
+//   (d = `dil`: 1 for a plain 3x3; DeepLab / PAN's dilated 3x3s keep the map's size with padding d)
 //   1x1: y[m,k]     = act(bias[k] + res[m,k]     + sum_c x[m,c] * w[k,c]),  m = pixel of N*H*W
 //
 // `res` (null: none) is ResNet's residual Add: an NHWC tensor of the output's shape with its own
@@ -24,7 +25,7 @@
 // (TW = 2^tw_log2 columns, TH = BM/TW rows; the host picks TW), times BN output channels.
 //   * A (pixels x channels) for tap (r,s) and channel block c0 is ONE 4-D TMA box
 //     (BK channels, TW columns, TH rows, 1 image) of the input tensor map (dims C, W, H, N; strides
-//     ldx, W*ldx, H*W*ldx elements) at coordinates (c0, w0+s-1, h0+r-1, n). TMA writes zeros for
+//     ldx, W*ldx, H*W*ldx elements) at coordinates (c0, w0+(s-1)d, h0+(r-1)d, n). TMA writes zeros for
 //     every element outside the tensor -- that IS the zero padding of the convolution (negative
 //     coordinates included), and also the channel tail when C is not a multiple of BK and the
 //     rows/columns of a tile that hang over the image edge. In shared memory the box is BM rows
@@ -42,7 +43,8 @@
 //     groups, base offset 0, swizzle code 1 (128B) or 2 (64B). The k16 step inside a row adds
 //     32 bytes to the start address (the hardware applies the swizzle after adding).
 //
-// Column copies (entries with the suffix _h<TW>, HALO_TW = TW, compiled in). The per-tap A box
+// Column copies (entries with the suffix _h<TW>, HALO_TW = TW, compiled in; dilation 1 only: the
+// host launches a dilated 3x3 on the per-tap entries, and these ignore `dil`). The per-tap A box
 // above reads every input pixel from L2 nine times, which bounds the layers with few channels
 // (C = 32, 64) by L2 bandwidth. Instead, for each column shift s and channel block, one box of
 // TH + 2 rows (BK, TW, TH+2, 1) at (c0, w0+s-1, h0-1, n) serves the three taps (r, s), r = 0..2:
@@ -582,7 +584,7 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
                                      const float* __restrict__ dequant, const f16* __restrict__ res,
                                      f16* __restrict__ y, int N, int H, int W, int C,
                                      int K, int ldy, int ldr, int act, float p0, float p1, float* __restrict__ ws,
-                                     int tw_log2, int* status, unsigned char* dsmem, u64* bars) {
+                                     int tw_log2, int dil, int* status, unsigned char* dsmem, u64* bars) {
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
 
@@ -684,7 +686,7 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
                     } else {
                         const int s = o - 3 * r;
                         const int c0 = i * CF::BK;
-                        tma_load_4d(a_dst, tmx, full, c0, w0 + s - 1, h0 + r - 1, img);
+                        tma_load_4d(a_dst, tmx, full, c0, w0 + (s - 1) * dil, h0 + (r - 1) * dil, img);
                         tma_load_2d(a_dst + CF::A_BYTES, tmw, full, o * C + c0, n0);
                     }
                     if (++stage == CF::STAGES) {
@@ -716,7 +718,7 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
                         tma_load_2d(a_dst + CF::A_BYTES + rr * CF::B_BYTES, tmw, full, (3 * rr + i) * C + c0, n0);
                 } else {
                     const int c0 = i * CF::BK;
-                    tma_load_4d(a_dst, tmx, full, c0, w0 + s - 1, h0 + r - 1, img);
+                    tma_load_4d(a_dst, tmx, full, c0, w0 + (s - 1) * dil, h0 + (r - 1) * dil, img);
                     tma_load_2d(a_dst + CF::A_BYTES, tmw, full, o * C + c0, n0);
                 }
                 if (++stage == CF::STAGES) {
@@ -907,13 +909,13 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
         conv3x3_wgmma_bn##BN##_mt##MT##_wg##WGS##_bk##BK##SUFFIX(                                           \
             const __grid_constant__ TensorMap tmx, const __grid_constant__ TensorMap tmw,                    \
             const float* __restrict__ bias, const f16* __restrict__ res, f16* __restrict__ y, int N, int H,   \
-            int W, int C, int K, int ldy, int ldr, int act, float p0, float p1, int tw_log2, float* ws,      \
-            int* status) {                                                                                  \
+            int W, int C, int K, int ldy, int ldr, int act, float p0, float p1, int tw_log2, int dil,        \
+            float* ws, int* status) {                                                                       \
         extern __shared__ __align__(1024) unsigned char dsmem[];                                            \
         __shared__ u64 bars[2 * (STAGES)];                                                                  \
         wg::conv<wg::Cfg<BN, MT, WGS, BK, STAGES, HALO_TW, PW>>(&tmx, &tmw, bias, nullptr, res, y, N, H, W, C, K, \
-                                                                ldy, ldr, act, p0, p1, ws, tw_log2, status, dsmem, \
-                                                                bars);                                            \
+                                                                ldy, ldr, act, p0, p1, ws, tw_log2, dil, status,  \
+                                                                dsmem, bars);                                            \
     }
 
 // The e4m3 rows: the parameters above with `dequant` (fp32, K values) after `bias`; x and w are
@@ -928,12 +930,12 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
             const __grid_constant__ TensorMap tmx, const __grid_constant__ TensorMap tmw,                    \
             const float* __restrict__ bias, const float* __restrict__ dequant, const f16* __restrict__ res,  \
             f16* __restrict__ y, int N, int H, int W, int C, int K, int ldy, int ldr, int act, float p0,    \
-            float p1, int tw_log2, float* ws, int* status) {                                                \
+            float p1, int tw_log2, int dil, float* ws, int* status) {                                       \
         extern __shared__ __align__(1024) unsigned char dsmem[];                                            \
         __shared__ u64 bars[2 * (STAGES)];                                                                  \
         wg::conv<wg::Cfg<BN, MT, WGS, BK, STAGES, 0, PW, true>>(&tmx, &tmw, bias, dequant, res, y, N, H, W, C, \
-                                                                K, ldy, ldr, act, p0, p1, ws, tw_log2, status,  \
-                                                                dsmem, bars);                                   \
+                                                                K, ldy, ldr, act, p0, p1, ws, tw_log2, dil,     \
+                                                                status, dsmem, bars);                                   \
     }
 
 CONV_WGMMA_ENTRIES

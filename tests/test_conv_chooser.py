@@ -18,7 +18,7 @@ import pytest
 from dualtrack import kernels
 from dualtrack.contract.activations import Activation
 from dualtrack.contract.plan import KernelCall
-from dualtrack.errors import ArchError
+from dualtrack.errors import ArchError, InputError
 from dualtrack.kernels import ConvGeometry
 from dualtrack.kernels.device import ATTRIBUTES, DEVICES, REFERENCE, DeviceInfo, for_target
 from dualtrack.kernels.problems import ConvProblem
@@ -65,8 +65,9 @@ def test_the_h200_chooser_picks_what_the_old_conv3x3_policy_picked() -> None:
 def _rule_kept(geom: str, act: str) -> bool:
     """Whether the wgmma kernel's rule for this window and activation is the pinned one: since its
     1x1 entries and its epilogue of every activation (tests/test_wgmma1x1.py), it takes 1x1 windows
-    and activations other than none and ReLU too, where the pinned table has the mma.sync kernel."""
-    return geom != "1x1" and act in ("none", "relu")
+    and activations other than none and ReLU too, where the pinned table has the mma.sync kernel; since
+    its dilation (tests/gpu/test_wgmma_gpu.py), dilated 3x3s too."""
+    return geom not in ("1x1", "3x3d2") and act in ("none", "relu")
 
 
 def _pinned_hopper(r: dict[str, Any]) -> list[Any]:
@@ -105,6 +106,28 @@ def test_the_h200_chooser_picks_what_the_old_general_conv_picked() -> None:
     assert got == want
     stems = [r for r in PINNED["conv"] if _stem_taken(r)]
     assert stems and all(_general(r)[0] in kernels.KERNELS["conv"].stem_tiles() for r in stems)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("n", "hw", "c", "k", "d"), [(8, 32, 512, 512, 2), (1, 64, 2048, 256, 12), (2, 33, 40, 24, 3)])
+def test_a_dilated_3x3_of_same_size_runs_on_the_per_tap_wgmma_tiles(n, hw, c, k, d) -> None:
+    p = ConvProblem.dense(n, hw, hw, c, k)
+    same = G(3, 3, 1, 1, d, d, d, d, d, d)
+    got = kernels.conv_choice(p, H200, call=_conv_call(same, "relu"))
+    assert got.impl == "wgmma" and not kernels.CONV3X3_WGMMA.config(got.entry).halo_tw, got
+    assert f"dilation {d}" in got.reason
+    # padding other than the dilation (the map would change size), or two dilations: not the wgmma kernel
+    for g in (G(3, 3, 1, 1, d, d, 1, 1, 1, 1), G(3, 3, 1, 1, d, d + 1, d, d + 1, d, d + 1)):
+        assert kernels.conv_choice(p, H200, call=_conv_call(g, "relu")).impl != "wgmma"
+    with pytest.raises(InputError, match="dilation 1 only"):
+        halo = next(c.entry for c in kernels.CONV3X3_WGMMA.configs if c.halo_tw)
+        kernels.CONV3X3_WGMMA.args(p, tmx=_FakeMap(), tmw=_FakeMap(), y=0x1000, entry=halo, dil=d)
+
+
+class _FakeMap:
+    """Stands in for a CUtensorMap where only the argument checks run (no launch)."""
+
+    def getPtr(self) -> int:  # noqa: N802 (cuda-python's name)
+        return 0
 
 
 def test_a_device_with_fewer_sms_fills_with_smaller_tiles() -> None:

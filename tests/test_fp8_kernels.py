@@ -364,7 +364,7 @@ def test_conv_fp8_prepares_the_argument_list_its_ptx_takes() -> None:
     ctx = Context()
     p = CONV.prepare_inputs(call, [xq, r], y, [w, b], ctx)  # type: ignore[arg-type]
     assert p.entry in CONV.entries and p.choice is not None and p.choice.impl == "wgmma"
-    assert kinds(p.args) == ptx_param_kinds("conv3x3_wgmma", p.entry) == "MMPPPPIIIIIIIIFFIPP"
+    assert kinds(p.args) == ptx_param_kinds("conv3x3_wgmma", p.entry) == "MMPPPPIIIIIIIIFFIIPP"
     v = dict(zip(CONV.PARAMS, [a for a, _ in p.args], strict=True))
     assert (v["bias"], v["dequant"], v["res"], v["y"]) == (0x50000, 0x40000 + 9 * C * K, 0x30000, 0x20000)
     assert (v["N"], v["H"], v["W"], v["C"], v["K"], v["ldy"], v["ldr"]) == (N, H, W, C, K, 144, K)

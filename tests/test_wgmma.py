@@ -347,10 +347,12 @@ def test_kernel_args_pass_the_tensor_maps_by_value() -> None:
     args = WG.args(p, tmx=tmx, tmw=tmw, bias=0x7F00, y=Y, relu=True, entry=entry)
     values, types = zip(*args, strict=True)
     c32, f32 = ctypes.c_int32, ctypes.c_float
-    assert types == (None, None, *(ctypes.c_void_p,) * 3, *(c32,) * 8, f32, f32, c32, ctypes.c_void_p, ctypes.c_void_p)
-    # no residual (null, ldr 0); act 1 (ReLU), p0 = p1 = 0; tw_log2: 16 columns for W=13; no
-    # split-K workspace; status null
-    assert values[2:] == (0x7F00, 0, Y, 2, 9, 13, 64, 200, 208, 0, 1, 0.0, 0.0, 4, 0, 0)
+    assert types == (
+        None, None, *(ctypes.c_void_p,) * 3, *(c32,) * 8, f32, f32, c32, c32, ctypes.c_void_p, ctypes.c_void_p
+    )  # fmt: skip
+    # no residual (null, ldr 0); act 1 (ReLU), p0 = p1 = 0; tw_log2: 16 columns for W=13; dilation 1;
+    # no split-K workspace; status null
+    assert values[2:] == (0x7F00, 0, Y, 2, 9, 13, 64, 200, 208, 0, 1, 0.0, 0.0, 4, 1, 0, 0)
     assert len(args) == len(WG.PARAMS)
     from dualtrack.runtime.driver import kernel_params
 

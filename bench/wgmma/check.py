@@ -288,6 +288,7 @@ class Launcher:
         # act: the activation table's id, 1 ReLU / 0 none; its parameters p0, p1 unused by both
         self.scalars += [ctypes.c_int32(v) for v in (N, H, W, C, K, ldy, 0, int(relu))]
         self.scalars += [ctypes.c_float(0.0), ctypes.c_float(0.0), ctypes.c_int32(self.geo.tw_log2)]
+        self.scalars.append(ctypes.c_int32(1))  # dilation 1
         self.scalars.append(ctypes.c_uint64(0))  # no split-K workspace: grid.y = 1
         self.scalars.append(ctypes.c_uint64(status))
         ptrs = [self.tmx.getPtr(), self.tmw.getPtr()] + [ctypes.addressof(v) for v in self.scalars]

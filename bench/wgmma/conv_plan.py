@@ -316,8 +316,8 @@ def pick_config(N: int, H: int, W: int, C: int, K: int, num_sms: int = NUM_SMS) 
 def kernel_arg_names() -> tuple[str, ...]:
     """cuLaunchKernel parameter order (the .cu's CONV_WGMMA_ENTRY)."""
     return (
-        "tmx", "tmw", "bias", "res", "y", "N", "H", "W", "C", "K", "ldy", "ldr", "act", "p0", "p1", "tw_log2", "ws",
-        "status",
+        "tmx", "tmw", "bias", "res", "y", "N", "H", "W", "C", "K", "ldy", "ldr", "act", "p0", "p1", "tw_log2", "dil",
+        "ws", "status",
     )  # fmt: skip
 
 

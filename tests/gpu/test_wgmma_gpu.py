@@ -86,13 +86,15 @@ def _run(
     ldr: int | None = None,
     splits: int = 1,
     repeat: int = 1,
+    dil: int = 1,
 ) -> None:
     """One launch on fresh random data: x is channels [x_off, x_off+c) of an (n,h,w,ldx) buffer, y
     channels [y_off, y_off+k) of an (n,h,w,ldy) buffer whose slice holds NaN before the launch and
     whose other channels hold SENTINEL and must keep it; the watchdog's status must stay 0.
     ``residual``: channels [r_off, r_off+k) of an (n,h,w,ldr) buffer are added before the ReLU
     (the general conv's reference: one rounding). ``splits``: split-K over that many CTAs a tile,
-    launched ``repeat`` times on one workspace (its tile counters must come back to zero)."""
+    launched ``repeat`` times on one workspace (its tile counters must come back to zero); ``dil``:
+    the 3x3's dilation, with padding ``dil`` (the general conv's reference)."""
     be = engine.backend
     be.ctx.make_current()
     rng = np.random.default_rng()
@@ -102,11 +104,14 @@ def _run(
     wt = (rng.standard_normal((k, 3, 3, c)) / np.sqrt(9 * c)).astype(np.float16)
     b = rng.standard_normal(k).astype(np.float32) if bias else None
     r = rng.standard_normal((n, h, w, k)).astype(np.float16) if residual else None
-    if r is None:
+    if r is None and dil == 1:
         ref = WG.reference(x, wt, b, relu)
     else:
         act = kernels.Activation.named("relu" if relu else "none")
-        ref = kernels.KERNELS["conv"].reference(x, wt, b, r, geom=GEOM_3X3, act=act)
+        geom = kernels.ConvGeometry(
+            3, 3, dil_h=dil, dil_w=dil, pad_top=dil, pad_left=dil, pad_bottom=dil, pad_right=dil
+        )
+        ref = kernels.KERNELS["conv"].reference(x, wt, b, r, geom=geom, act=act)
     x_wide = rng.standard_normal((n, h, w, ldx)).astype(np.float16)  # other channels: noise, never read
     x_wide[..., x_off : x_off + c] = x
     y_wide = np.full((n, h, w, ldy), SENTINEL, np.float16)
@@ -132,7 +137,9 @@ def _run(
         nbytes = WG.workspace_bytes(cfg, n, h, w, k, splits)
         ws = be.from_host(np.zeros(nbytes // 4, np.float32))
         extra["ws"] = ws.ptr
-    args = WG.args(problem, tmx=tmx, tmw=tmw, bias=bias, y=y_ptr, relu=relu, entry=entry, status=status.ptr, **extra)
+    args = WG.args(
+        problem, tmx=tmx, tmw=tmw, bias=bias, y=y_ptr, relu=relu, entry=entry, status=status.ptr, dil=dil, **extra
+    )
     launch = WG.launch("float16", n, h, w, c, k, entry=entry, splits=splits)
     got_wide = None
     for _ in range(repeat):
@@ -188,6 +195,35 @@ def test_every_configuration_splits_k(engine, wgmma, entry, n, h, w, c, k, extra
     if (extra["splits"] - 1) * -(-cfg.k_blocks(c) // extra["splits"]) >= cfg.k_blocks(c):
         pytest.skip(f"{entry}: {cfg.k_blocks(c)} k-blocks cannot make {extra['splits']} non-empty splits")
     _run(engine, wgmma[entry], entry, n, h, w, c, k, repeat=3, **extra)
+
+
+# Dilated 3x3s (DeepLab's ASPP, PAN's and FCN's output-stride-8/16 layers) on the per-tap entries: tap
+# (r, s) reads at ((r-1)d, (s-1)d); TMA's zero fill is the padding d, also where d exceeds the image.
+DILATED = [
+    # n, h, w, c, k, extra
+    (1, 21, 19, 64, 96, {"dil": 2}),
+    (2, 12, 30, 128, 64, {"dil": 3, "residual": True, "ldr": 70, "x_off": 8, "ldx": 136, "relu": False}),
+    (1, 5, 7, 64, 64, {"dil": 6}),  # every tap but the centre row / column is padding
+    (1, 13, 11, 40, 24, {"dil": 3}),  # C tail inside a block, K < 32
+    (1, 16, 16, 512, 200, {"dil": 2, "splits": 4, "y_off": 8, "ldy": 216}),
+]
+ENTRIES_PER_TAP = tuple(c.entry for c in WG.configs if not c.pointwise and not c.halo_tw)
+
+
+@pytest.mark.parametrize("entry", ENTRIES_PER_TAP)
+@pytest.mark.parametrize(("n", "h", "w", "c", "k", "extra"), DILATED)
+def test_per_tap_configurations_take_dilation(engine, wgmma, entry, n, h, w, c, k, extra) -> None:
+    _run(engine, wgmma[entry], entry, n, h, w, c, k, repeat=2, **extra)
+
+
+@pytest.mark.parametrize(
+    ("n", "hw", "c", "k", "d"), [(8, 32, 512, 512, 2), (1, 64, 256, 256, 4), (2, 40, 64, 48, 12), (1, 33, 40, 24, 3)]
+)
+def test_the_chosen_configuration_on_dilated_layers(engine, wgmma, n, hw, c, k, d) -> None:
+    cfg = WG.choose(n, hw, hw, c, k, dilation=d)
+    assert not cfg.halo_tw
+    splits = WG.splits(cfg, n, hw, hw, c, k)
+    _run(engine, wgmma[cfg.entry], cfg.entry, n, hw, hw, c, k, splits=splits, repeat=2, dil=d)
 
 
 @pytest.mark.parametrize(

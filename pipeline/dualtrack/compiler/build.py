@@ -42,6 +42,7 @@ from dualtrack.contract.plan import ALIAS_OPS, Plan
 from dualtrack.contract.precision import PRECISION_FILE
 from dualtrack.contract.sizes import Size, label
 from dualtrack.errors import BundleError, ConfigError, SegmentCompileError, ToolError
+from dualtrack.kernels import sources
 from dualtrack.kernels.device import REFERENCE
 from dualtrack.kernels.problems import ConvLayer, conv_layers
 from dualtrack.runtime.engine import Engine
@@ -134,6 +135,7 @@ def track_a_artifacts(
                 "isa": f"{isa[0]}.{isa[1]}",
                 "target": arch.parse_ptx_target(text),
                 "min_driver": arch.min_driver_for_isa(isa),
+                "abi": sources.launch_abi(text),
                 **({"tuned_entries": sorted(conv.tuned_entry(t) for t in tiles)} if tiles else {}),
             }
             cubin = ptx.cached_cubin(text, a.cubin_arch, settings.cache_dir / "cubin", enabled=settings.use_cache)

@@ -313,8 +313,8 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
     """
 
     PARAMS: ClassVar[tuple[str, ...]] = (
-        "tmx", "tmw", "bias", "res", "y", "N", "H", "W", "C", "K", "ldy", "ldr", "act", "p0", "p1", "tw_log2", "ws",
-        "status",
+        "tmx", "tmw", "bias", "res", "y", "N", "H", "W", "C", "K", "ldy", "ldr", "act", "p0", "p1", "tw_log2", "dil",
+        "ws", "status",
     )  # fmt: skip
     ptx_arches: ClassVar[tuple[str, ...]] = ("compute_90a",)  # wgmma exists on sm_90a only
 
@@ -423,7 +423,16 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         return None
 
     def choose(
-        self, N: int, H: int, W: int, C: int, K: int, *, device: DeviceInfo = REFERENCE, pointwise: bool = False
+        self,
+        N: int,
+        H: int,
+        W: int,
+        C: int,
+        K: int,
+        *,
+        device: DeviceInfo = REFERENCE,
+        pointwise: bool = False,
+        dilation: int = 1,
     ) -> WgmmaConfig:
         """The configuration to launch for this shape on ``device`` (H200 measurements,
         handwritten_ptx/README.md); ``pointwise``: of the 1x1 entries (:meth:`choose_pointwise`).
@@ -435,12 +444,24 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         the one that makes the most (of equals, the smaller). Within 0.5% of the per-layer best on
         the U-Net's 26 (layer, batch) pairs (the worst single layer: 1.3%). A CTA a time per SM: a
         full wave is :meth:`DeviceInfo.full_wave` CTAs (128 on the H200's 132 SMs).
+
+        ``dilation`` > 1 (a dilated 3x3): the per-tap tiles only (the column copies' box holds the
+        rows of dilation 1), no wider than K rounded up to 32, largest first, by the same rule (not
+        fitted: no measurements of dilated layers yet).
         """
-        base.positive(N=N, H=H, W=W, C=C, K=K)
+        base.positive(N=N, H=H, W=W, C=C, K=K, dilation=dilation)
         if pointwise:
             return self.choose_pointwise(N * H * W, C, K, device=device)
         min_ctas = device.full_wave()
         bk = 64 if C % 64 == 0 else 32
+        if dilation > 1:
+            k32 = base.cdiv(K, 32) * 32
+            per_tap = [c for c in self.configs if not (c.halo_tw or c.pointwise) and c.bk == bk and c.bn <= k32]
+            per_tap.sort(key=lambda c: -c.bm * c.bn)
+            return next(
+                (c for c in per_tap if c.ctas(N, H, W, K) >= min_ctas),
+                max(per_tap, key=lambda c: (c.ctas(N, H, W, K), -c.bm * c.bn)),
+            )
         by_entry = {c.entry: c for c in self.configs}
         if K > 32:
             k32 = base.cdiv(K, 32) * 32
@@ -448,7 +469,11 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
             if C <= 64:
                 order.remove(self.one_block_first)
                 order.insert(1, self.one_block_first)
-            wide = [by_entry[e] for e in order if by_entry[e].bk == bk and by_entry[e].bn <= k32]
+            wide = [
+                by_entry[e]
+                for e in order
+                if by_entry[e].bk == bk and by_entry[e].bn <= k32 and (dilation == 1 or not by_entry[e].halo_tw)
+            ]
             for c in wide:
                 if c.ctas(N, H, W, K) >= min_ctas:
                     return c
@@ -532,8 +557,9 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         act: Activation | None = None,
         ws: int | None = None,
         status: int | None = None,
+        dil: int = 1,
     ) -> list[base.KernelArg]:
-        """``tmx, tmw, bias, res, y, N, H, W, C, K, ldy, ldr, act, p0, p1, tw_log2, ws, status`` of
+        """``tmx, tmw, bias, res, y, N, H, W, C, K, ldy, ldr, act, p0, p1, tw_log2, dil, ws, status`` of
         launch ``p`` as (value, type) pairs; ``act``: the activation (an :class:`Activation`; None:
         ReLU where ``relu``, else none); ``ws``: the split-K workspace (:meth:`workspace_bytes`,
         zeroed), None for a launch of one split.
@@ -542,9 +568,12 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         value in place of ``x``, ``w`` and ``ldx``; ``entry`` fixes ``tw_log2`` (the tile shape the
         maps were made for); ``res``: the residual added before the activation (None: none), its
         channel stride ``ldr`` (default K); ``status``: an int[8] device buffer for the watchdog's
-        report, or None (a stuck wait then traps).
+        report, or None (a stuck wait then traps); ``dil``: a 3x3's dilation (its padding on every
+        side; a column-copy entry takes 1 only).
         """
-        base.positive(N=p.N, H=p.H, W=p.W, C=p.C, K=p.K)
+        base.positive(N=p.N, H=p.H, W=p.W, C=p.C, K=p.K, dil=dil)
+        if dil > 1 and (self.config(entry).halo_tw or self.config(entry).pointwise):
+            raise InputError(f"{entry} takes dilation 1 only; choose(..., dilation={dil}) picks a per-tap tile")
         ldy = base.stride("ldy", p.ldy, p.K)
         base.pixels(p.N, p.H, p.W, ldy)
         for name, m in (("tmx", tmx), ("tmw", tmw)):
@@ -573,6 +602,7 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
             (float(act.p0), ctypes.c_float),
             (float(act.p1), ctypes.c_float),
             (self.config(entry).tw_log2(p.W), ctypes.c_int32),
+            (int(dil), ctypes.c_int32),
             (base.pointer("ws", ws, required=False), ctypes.c_void_p),
             (base.pointer("status", status, required=False), ctypes.c_void_p),
         ]
@@ -586,12 +616,13 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         act: Activation,
         ctx: base.LaunchContext,
         res: base.DeviceTensor | None = None,
+        dil: int = 1,
     ) -> base.PreparedCall:
         """The launch of the entry ``choice`` names on these tensors (the conv3x3 op's spec, and
         the general conv's for its 3x3 and 1x1 stride-1 layers, hand it over where they pick this
         kernel): the input's and the weights' tensor maps, encoded by the runtime for these very
         buffers, then the geometry and arguments; ``act``: the activation, ``res``: the residual
-        added before it, or None."""
+        added before it, or None; ``dil``: a 3x3's dilation (padding ``dil`` on every side)."""
         p = ConvProblem.of(x, y)
         cfg = self.config(choice.entry)
         window = tuple(weights[0].shape[1:3])
@@ -603,15 +634,16 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         extra: dict[str, int] = {} if res is None else {"res": res.ptr, "ldr": res.channel_stride}
         if choice.splits > 1:
             extra["ws"] = ctx.workspace(self.workspace_bytes(cfg, p.N, p.H, p.W, p.K, choice.splits))
-        args = self.args(p, tmx=tmx, tmw=tmw, y=y.ptr, entry=choice.entry, bias=bias, act=act, **extra)
+        args = self.args(p, tmx=tmx, tmw=tmw, y=y.ptr, entry=choice.entry, bias=bias, act=act, dil=dil, **extra)
         config = self.launch(p.dtype, p.N, p.H, p.W, p.C, p.K, entry=choice.entry, splits=choice.splits)
         return base.PreparedCall(choice.entry, config, args, choice)
 
-    def choice(self, p: ConvProblem, device: DeviceInfo, *, pointwise: bool = False) -> ConvChoice:
-        """The launch of ``p`` (a 3x3 convolution; ``pointwise``: a 1x1 one) on this kernel and
-        ``device`` (:meth:`choose`'s tile, :meth:`splits`' split-K) and why."""
-        cfg = self.choose(p.N, p.H, p.W, p.C, p.K, device=device, pointwise=pointwise)
+    def choice(self, p: ConvProblem, device: DeviceInfo, *, pointwise: bool = False, dilation: int = 1) -> ConvChoice:
+        """The launch of ``p`` (a 3x3 convolution of this ``dilation``; ``pointwise``: a 1x1 one) on
+        this kernel and ``device`` (:meth:`choose`'s tile, :meth:`splits`' split-K) and why."""
+        cfg = self.choose(p.N, p.H, p.W, p.C, p.K, device=device, pointwise=pointwise, dilation=dilation)
         splits = self.splits(cfg, p.N, p.H, p.W, p.C, p.K, device=device)
         ctas = cfg.ctas(p.N, p.H, p.W, p.K)
         split = f" x {splits} split-K" if splits > 1 else ""
-        return ConvChoice("wgmma", cfg.entry, f"{cfg.bm}x{cfg.bn} tile, {ctas} CTAs{split}", splits)
+        dil = f", dilation {dilation}" if dilation > 1 else ""
+        return ConvChoice("wgmma", cfg.entry, f"{cfg.bm}x{cfg.bn} tile, {ctas} CTAs{split}{dil}", splits)

@@ -77,7 +77,7 @@ class ConvFp8Spec(base.KernelSpec):
     ptx_arches: ClassVar[tuple[str, ...]] = FP8_PTX_ARCHES
     PARAMS: ClassVar[tuple[str, ...]] = (
         "tmx", "tmw", "bias", "dequant", "res", "y", "N", "H", "W", "C", "K", "ldy", "ldr", "act", "p0", "p1",
-        "tw_log2", "ws", "status",
+        "tw_log2", "dil", "ws", "status",
     )  # fmt: skip
 
     @property

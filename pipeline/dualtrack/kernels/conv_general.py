@@ -264,17 +264,21 @@ class ConvGeneralSpec(KernelSpec):
     # --- the Hopper kernel ------------------------------------------------------------------------
 
     def hopper_window(self, geom: ConvGeometry | None, act: Activation | None) -> str | None:
-        """None when :attr:`hopper` computes this window (3x3, stride 1, dilation 1, padding 1 on
-        every side; or 1x1, stride 1, no padding: its ``_1x1`` entries; group 1), else why not.
-        Its epilogue fuses every activation of the table."""
+        """None when :attr:`hopper` computes this window (3x3, stride 1, dilation d on both axes and
+        padding d on every side: the map keeps its size, as in DeepLab's and PAN's dilated layers;
+        or 1x1, stride 1, no padding: its ``_1x1`` entries; group 1), else why not. Its epilogue
+        fuses every activation of the table."""
         g = geom
         if g is None or act is None:
             return "a general conv's launch needs its window and activation"
         if g.groups != 1:
             return f"group={g.groups}: the wgmma kernel takes group 1"
-        pad = 1 if (g.R, g.S) == (3, 3) else 0
-        if (g.R, g.S) not in ((3, 3), (1, 1)) or (g.stride_h, g.stride_w, g.dil_h, g.dil_w) != (1, 1, 1, 1):
-            return f"{g.label()}: the wgmma kernel takes 3x3 and 1x1 windows, stride 1 dilation 1"
+        three = (g.R, g.S) == (3, 3)
+        pad = g.dil_h if three else 0
+        if (g.R, g.S) not in ((3, 3), (1, 1)) or (g.stride_h, g.stride_w) != (1, 1):
+            return f"{g.label()}: the wgmma kernel takes 3x3 and 1x1 windows of stride 1"
+        if g.dil_h != g.dil_w or (not three and g.dil_h != 1):
+            return f"{g.label()}: the wgmma kernel takes one dilation on both axes (a 1x1: dilation 1)"
         if (g.pad_top, g.pad_left, g.pad_bottom, g.pad_right) != (pad,) * 4:
             return f"{g.label()}: the wgmma kernel takes padding {pad} on every side of a {g.R}x{g.S} window"
         return None
@@ -646,7 +650,7 @@ class ConvGeneralSpec(KernelSpec):
         choice = choose_conv(self, p, ctx.device, window=kw["geom"], act=kw["act"], wgmma_off=ctx.wgmma_off, at=at)
         if choice.impl == "wgmma":
             assert self.hopper is not None  # the chooser picks wgmma only where there is one
-            return self.hopper.prepare_entry(choice, x, y, weights, kw["act"], ctx, res=res)
+            return self.hopper.prepare_entry(choice, x, y, weights, kw["act"], ctx, res=res, dil=kw["geom"].dil_h)
         return self.prepare_entry(choice, kw, ctx)
 
     def prepare_entry(self, choice: ConvChoice, kw: Mapping[str, Any], ctx: LaunchContext) -> PreparedCall:

@@ -124,7 +124,7 @@ def choose_conv(
     why = _wgmma_refusal(spec, p, window, act, wgmma_off, at)
     if why is None and spec.hopper is not None:
         pointwise = window is not None and (window.R, window.S) == (1, 1)
-        return spec.hopper.choice(p, device, pointwise=pointwise)
+        return spec.hopper.choice(p, device, pointwise=pointwise, dilation=window.dil_h if window else 1)
     wgmma = f"wgmma: {why}"
     direct = spec.direct_for(p, window)
     if direct is not None:

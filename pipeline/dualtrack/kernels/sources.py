@@ -6,7 +6,10 @@ The runtime reads the PTX from here (the GPU JPEG path's resize kernel); the com
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.resources
+import re
 from pathlib import Path
 
 from dualtrack.errors import DualtrackError
@@ -45,3 +48,35 @@ def sources(root: Path = SOURCE_DIR) -> list[Path]:
 def ptx_path(root: Path, source: Path, arch: str) -> Path:
     """Where the PTX of ``source`` for ``arch`` is kept: ``root/ptx/<arch>/<stem>.ptx``."""
     return Path(root) / "ptx" / arch / f"{Path(source).stem}.ptx"
+
+
+_ENTRY = re.compile(r"\.entry\s+\w+\s*\(([^)]*)\)")
+_ARRAY = re.compile(r"(\[\d+\])$")
+
+
+def _param(decl: str) -> str:
+    """One parameter's declaration without its name: ``.param .align 64 .b8 name[128]`` ->
+    ``.align 64 .b8 [128]``."""
+    tokens = decl.split()
+    size = _ARRAY.search(tokens[-1])
+    return " ".join(tokens[1:-1]) + (size.group(1) if size else "")
+
+
+def launch_abi(ptx: str) -> str:
+    """The launch ABI of a PTX module, as a short digest: the distinct parameter lists of its entries
+    (each parameter's type, alignment and array size, in order). A kernel that gains, loses or retypes
+    a parameter changes it; another tile of the same kernel (a tuned entry) does not. The manifest
+    records it per kernel module (compiler/build.py) and the runtime refuses a bundle whose kernels'
+    ABI is not the one it launches with (runtime/code_images.py): the driver would take the wrong
+    argument list without a word. A change of meaning that keeps every type (two int parameters
+    swapped) it cannot see: that one bumps contract.manifest.BUNDLE_FORMAT."""
+    lists = {",".join(_param(d) for d in params.split(",") if d.strip()) for params in _ENTRY.findall(ptx)}
+    return hashlib.sha256("\n".join(sorted(lists)).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def expected_abi(arch: str, stem: str, root: Path = SOURCE_DIR) -> str | None:
+    """:func:`launch_abi` of this dualtrack's own PTX of kernel ``stem`` for ``arch``, which its
+    launches are written for; None where it has no such kernel."""
+    path = ptx_path(root, Path(f"{stem}.cu"), arch)
+    return launch_abi(path.read_text()) if path.exists() else None

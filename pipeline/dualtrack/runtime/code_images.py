@@ -13,6 +13,8 @@ from typing import Any
 from dualtrack import kernels
 from dualtrack.contract import arch
 from dualtrack.contract.bundle import Bundle
+from dualtrack.errors import BundleError
+from dualtrack.kernels.sources import expected_abi
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ def device_images(bundle: Bundle, cc: tuple[int, int], *, wgmma: bool) -> Device
         return DeviceImages(target)
     choice = arch.choose_image(cc, sorted(ta.get("cubin", {})), sorted(ta.get("ptx", {})))
     files = ta[choice.kind][choice.arch]  # stem -> file: each target has its own set of kernels
+    check_abi(bundle, ta, choice.kind, choice.arch, files)
     wgmma_stem = kernels.CONV3X3_WGMMA.stem
     if not wgmma:
         off: str | None = "DUALTRACK_WGMMA=0"
@@ -63,3 +66,21 @@ def device_images(bundle: Bundle, cc: tuple[int, int], *, wgmma: bool) -> Device
     # Tuned tiles for this arch (dualtrack tune): their entries are in the image chosen above,
     # which the build compiled from the same target's PTX.
     return DeviceImages(target, choice.kind, choice.arch, choice.reason, files, off, bundle.tuned_calls(cc))
+
+
+def check_abi(bundle: Bundle, ta: Mapping[str, Any], kind: str, image_arch: str, files: Mapping[str, Any]) -> None:
+    """Refuse an image whose kernels take other arguments than this dualtrack launches them with
+    (kernels/sources.launch_abi, recorded per PTX module by the build): a bundle built by another
+    version would otherwise run with a shifted argument list, wrong results and no error."""
+    for stem, entry in sorted(files.items()):
+        ptx_arch = entry.get("from", image_arch) if kind == "cubin" else image_arch
+        recorded = ta.get("ptx", {}).get(ptx_arch, {}).get(stem, {}).get("abi")
+        ours = expected_abi(ptx_arch, stem)
+        if ours is None:
+            continue  # a kernel this version does not launch (TrackA.load skips it too)
+        if recorded != ours:
+            what = "records no kernel ABI" if recorded is None else f"has {stem} kernels of another argument list"
+            raise BundleError(
+                f"{bundle.root} {what} (built by dualtrack {bundle.manifest.dualtrack_version} at another kernel "
+                "version than this one); rebuild it with this version (`dualtrack build CONFIG -o BUNDLE`)"
+            )
