@@ -316,13 +316,34 @@ def _cases(bundle_dir: Path, seed: int) -> bytes:
     return reference_cases(model, b.plan, seed).to_bytes()
 
 
-def _judged(bundle_dir: Path) -> dict[str, float]:
-    """The bundle's tolerance judged again on its (re-weighted) model, as the build judges it."""
+JUDGE_SEEDS = (0, 1, 2)  # the further image seeds _judged measures a drawn network's fp16 error on
+
+
+def _judged(bundle_dir: Path, seed: int) -> dict[str, float]:
+    """The bundle's tolerance judged again on its (re-weighted) model as the build judges it, on the
+    images of its reference cases (``seed``), without the build's ceiling: drawn weights can make a
+    network that fp16 itself computes far from fp32 on some image (LR-ASPP's drawn network: a
+    probability off by 0.91 with fp16 storage in onnxruntime, on the CPU as on the GPU), which the
+    build would refuse as not servable in fp16; the bench times it against its own fp16 floor, and
+    says so."""
     from dualtrack.compiler.bundle_writer import load_model
-    from dualtrack.compiler.verify import judged_tolerance
+    from dualtrack.compiler.verify import FP16_CEILING, judged_tolerance
 
     b = Bundle(bundle_dir, Manifest.from_json(json.loads((bundle_dir / MANIFEST).read_text()), str(bundle_dir)))
-    return judged_tolerance(load_model(b), b.plan, 0)[0].to_json()
+    model = load_model(b)
+    # The cases' images, and JUDGE_SEEDS' more: how far rounding moves a drawn network's answer varies
+    # from image to image (LR-ASPP's: a probability off by 0.12 on one image, by 0.91 on the next), and
+    # fp16 storage in onnxruntime rounds elsewhere than the kernels do, so a few images more measure
+    # how sensitive the network is rather than one image's luck.
+    judged = [judged_tolerance(model, b.plan, s, ceiling=None) for s in (seed, *JUDGE_SEEDS)]
+    tol = max((t for t, _ in judged), key=lambda t: (t.max_abs, t.rel_l2))
+    tol = type(tol)(rel_l2=max(t.rel_l2 for t, _ in judged), max_abs=tol.max_abs, mismatch=tol.mismatch)
+    if tol.rel_l2 > FP16_CEILING.rel_l2 or tol.max_abs > FP16_CEILING.max_abs:
+        print(
+            f"{bundle_dir}: the drawn network is past the build's fp16 ceiling (fp16 storage off by up to rel_l2 "
+            f"{tol.rel_l2 / 2:.3g}, max_abs {tol.max_abs / 2:.3g}): its bench rows are checked at twice that"
+        )
+    return tol.to_json()
 
 
 def _record(bundle_dir: Path, manifest: dict, files: dict[str, bytes]) -> None:
@@ -352,7 +373,8 @@ def seal(bundle_dir: Path, sharing: list[Path]) -> None:
         m = json.loads((d / MANIFEST).read_text())
         _record(d, m, {WEIGHTS: weights, REGROW: buf.getvalue()})
         if m.get("tolerance") and not m["config"].get("verify", {}).get("tolerance"):
-            m["tolerance"] = _judged(d)  # the re-weighted network's fp16 error, not the export's
+            m["tolerance"] = _judged(d, seed)  # the re-weighted network's fp16 error, not the export's
+        m["verification"] = None  # the build's checks were of the export's weights, not these
         _record(d, m, {CASES: _cases(d, seed)})
         Bundle.open(d)  # every hash checks out
         kb = len(buf.getvalue()) / 1e3

@@ -119,7 +119,7 @@ def trace(bundle_dir: str, batches: list[int] | None, device: str) -> dict:
                 if seg.name not in sessions:
                     sessions[seg.name] = ort_session(upcast(segment_model(bundle, seg)), f"segment {seg.name}")
                 ref = run_ort(sessions[seg.name], {t.name: host[t.name] for t in seg.inputs})
-                path = seg.track if seg.track == "A" else f"B/{backend.track_b.decide(seg, b).path}"
+                path = seg.track if seg.track == "A" or not gpu_run else f"B/{backend.track_b.decide(seg, b).path}"
                 for o in seg.outputs:
                     e = err(ref[o.name], got[o.name])
                     row = {"segment": seg.name, "track": path, "output": o.name, "clobbered": clobbered, **e}
