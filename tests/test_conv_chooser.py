@@ -126,7 +126,7 @@ def test_a_dilated_3x3_of_same_size_runs_on_the_per_tap_wgmma_tiles(n, hw, c, k,
 class _FakeMap:
     """Stands in for a CUtensorMap where only the argument checks run (no launch)."""
 
-    def getPtr(self) -> int:  # noqa: N802 (cuda-python's name)
+    def getPtr(self) -> int:  # cuda-python's name
         return 0
 
 
