@@ -44,10 +44,14 @@ def err(ref: np.ndarray, got: np.ndarray) -> dict[str, float]:
         return {"rel_l2": float("inf"), "max_abs": float("inf"), "nonfinite": -1}
     bad = ~np.isfinite(g)
     d = np.where(bad, 0.0, g - r)
+    rows = [float(np.linalg.norm(d[i]) / max(np.linalg.norm(r[i]), 1e-30)) for i in range(r.shape[0])] if r.ndim else []
     return {
         "rel_l2": float(np.linalg.norm(d) / max(np.linalg.norm(r), 1e-30)),
         "max_abs": float(np.max(np.abs(d))) if d.size else 0.0,
         "nonfinite": int(bad.sum()),
+        # per batch row: the cases tile K images over the rows, so a row that alone is off names its image
+        "worst_row": int(np.argmax(rows)) if rows else -1,
+        "rows_nonfinite": [int(bad[i].sum()) for i in range(r.shape[0])] if r.ndim else [],
     }
 
 
@@ -126,7 +130,7 @@ def trace(bundle_dir: str, batches: list[int] | None, device: str) -> dict:
                     flag = "  <-- SUSPECT" if suspect(e) or clobbered else ""
                     print(
                         f"b{b} {seg.name:<10} {path:<9} {o.name[:38]:<38} rel_l2 {e['rel_l2']:.3g} "
-                        f"max_abs {e['max_abs']:.3g} nonfinite {e['nonfinite']}"
+                        f"max_abs {e['max_abs']:.3g} nonfinite {e['nonfinite']} worst row {e['worst_row']}"
                         f"{' clobbered ' + ','.join(clobbered) if clobbered else ''}{flag}",
                         flush=True,
                     )
