@@ -106,6 +106,7 @@ TG = ConvTGeometry(3, 3, 2, 2, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1,
 TG2 = ConvTGeometry(4, 5, 3, 2, pad_top=1, pad_left=2, pad_bottom=0, pad_right=1)
 RES = ("residual", 1)
 GG = ConvGeometry(3, 3, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1, groups=32)
+GD = ConvGeometry(3, 3, dil_h=2, dil_w=2, pad_top=2, pad_left=2, pad_bottom=2, pad_right=2)  # DeepLab's same-size 3x3
 POOL3 = PoolGeometry(3, 3, 2, 2, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1)
 POOL_CEIL = PoolGeometry(3, 2, 2, 3, dil_h=2, pad_bottom=1, ceil_mode=1)
 
@@ -161,6 +162,12 @@ CASES: dict[str, Callable[[], PreparedCall]] = {
         ),
         [T(0x1000, (1, 16, 16, 512)), T(0x2000, (1, 16, 16, 512))], T(0x3000, (1, 16, 16, 512)),
         [T(0x4000, (512, 3, 3, 512)), T(0x5000, (512,), f32)], Context(None),
+    ),
+    # Added with the wgmma kernel's dilation: a dilated same-size 3x3 on a per-tap tile, `dil` 2.
+    "conv dilated hopper": lambda: K["conv"].prepare_inputs(
+        KernelCall("conv", ("x",), ("y",), ("w", "b"), (*GD.attrs(), ("act", ACTIVATIONS["relu"]), ("residual", 0))),
+        [T(0x1000, (2, 20, 24, 64))], T(0x3000, (2, 20, 24, 128)),
+        [T(0x4000, (128, 3, 3, 64)), T(0x5000, (128,), f32)], Context(None),
     ),
     "conv f32 plain": lambda: K["conv"].prepare(
         KernelCall("conv", ("x",), ("y",), ("w",), (*G2.attrs(), *RELU6.attrs())), T(0x1000, (1, 12, 11, 5), f32),
@@ -284,10 +291,11 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
             0.0,  # p0, p1: ReLU has no parameters
             0.0,
             4,
+            1,  # dil: a plain 3x3
             0,
             0,
         ],
-        "MMPPPIIIIIIIIFFIPP",
+        "MMPPPIIIIIIIIFFIIPP",
     ),
     # Added with the general conv's Hopper path: ResNet's conv2 + residual + ReLU on the wgmma kernel.
     "conv residual hopper": (
@@ -312,12 +320,41 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
             0.0,  # p0, p1: ReLU has no parameters
             0.0,
             4,
+            1,  # dil: a plain 3x3
             0,
             0,
         ],
-        "MMPPPIIIIIIIIFFIPP",
+        "MMPPPIIIIIIIIFFIIPP",
     ),
     "maxpool2x2": ("maxpool2x2_nhwc_f16", (1, 1, 1), (256, 1, 1), 0, [4096, 8192, 2, 9, 8, 40, 72, 48], "PPIIIIII"),
+    "conv dilated hopper": (
+        "conv3x3_wgmma_bn64_mt1_wg1_bk64",  # a per-tap tile: the column copies hold the rows of dilation 1
+        (40, 1, 1),  # 2 images x 10 tiles of 2 rows x 32 columns x 2 of 64 channels
+        (160, 1, 1),
+        66560,
+        [
+            (4096, (64, 24, 20, 2), (64, 32, 2, 1)),
+            (16384, (576, 128), (64, 64)),
+            20480,
+            0,
+            12288,
+            2,
+            20,
+            24,
+            64,
+            128,
+            128,
+            0,
+            1,
+            0.0,  # p0, p1: ReLU has no parameters
+            0.0,
+            5,
+            2,  # dil: the taps at (r-1)*2, (s-1)*2
+            0,
+            0,
+        ],
+        "MMPPPIIIIIIIIFFIIPP",
+    ),
     "maxpool": (
         "maxpool_nhwc_f16",
         (1, 1, 1),  # 2*5*4 pixels x 5 chunks of 8 channels
@@ -411,10 +448,11 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
             0.0,  # p0, p1: ReLU has no parameters
             0.0,
             4,
+            1,  # dil
             0x9000,
             0,
         ],
-        "MMPPPIIIIIIIIFFIPP",
+        "MMPPPIIIIIIIIFFIIPP",
     ),
     "conv f32 plain": (
         "conv_nhwc_f32",
