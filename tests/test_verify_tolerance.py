@@ -80,6 +80,23 @@ def test_the_judged_tolerance_never_passes_the_ceiling() -> None:
     assert (tol.rel_l2, tol.max_abs) == (verify.FP16_CEILING.rel_l2, verify.FP16_CEILING.max_abs)
 
 
+def test_without_a_ceiling_the_judged_tolerance_is_the_factor_times_the_floor() -> None:
+    """bench/reweight.py's seal: a drawn network past the ceiling is held to twice its own fp16 floor."""
+    model = conv_chain(depth=2, gain=3.0, offset=2000.0)
+    capped, _ = verify.judged_tolerance(model, plan_of("fp16"), seed=2)
+    free, note = verify.judged_tolerance(model, plan_of("fp16"), seed=2, ceiling=None)
+    assert free.rel_l2 > capped.rel_l2 == verify.FP16_CEILING.rel_l2 and free.max_abs >= capped.max_abs
+    rng = np.random.default_rng(2)
+    errs = []
+    for _ in range(verify.CASE_IMAGES):
+        x = verify.random_input(plan_of("fp16").inputs[0], 1, rng)
+        ref = verify.run_ort(verify.ort_session(verify.upcast(model)), {"x": x})["y"]
+        got = verify.run_ort(verify.ort_session(verify.fp16_storage(verify.upcast(model))), {"x": x})["y"]
+        errs.append(verify.compare("y", ref, got, DEFAULT_TOLERANCES["fp16"]).rel_l2)
+    assert free.rel_l2 == pytest.approx(verify.FP16_FLOOR_FACTOR * max(errs), rel=1e-9)
+    assert "uncapped" in note
+
+
 def test_a_shallow_fp16_network_keeps_the_fixed_default() -> None:
     tol, _ = verify.judged_tolerance(conv_chain(depth=1, gain=0.5), plan_of("fp16"), seed=1)
     assert tol == DEFAULT_TOLERANCES["fp16"]
