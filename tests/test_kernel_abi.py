@@ -1,7 +1,8 @@
 """The kernels' launch ABI in the bundle (kernels/sources.launch_abi): recorded per PTX module by the
 build, checked by the loader against this version's own PTX, so that a bundle whose kernels take
-another argument list (built by another version: conv3x3_wgmma gained its dilation at this commit)
-is refused with the way out instead of launched with shifted arguments."""
+another argument list (built by another version: conv3x3_wgmma gained its dilation in session 9), or that
+lacks an entry this version launches, is refused with the way out instead of launched with shifted
+arguments or failing on a missing function."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dualtrack import kernels
 from dualtrack.contract.bundle import Bundle
 from dualtrack.errors import BundleError
 from dualtrack.kernels.sources import SOURCE_DIR, expected_abi, launch_abi
@@ -74,6 +76,14 @@ def test_the_loader_refuses_kernels_of_another_argument_list(tiny_full_bundle: P
         device_images(Bundle.open(old, check_hashes=False), (9, 0), wgmma=True)
     # the sm_80 image does not carry the wgmma kernel: an A100 loads the same bundle
     assert device_images(Bundle.open(old, check_hashes=False), (8, 0), wgmma=True).arch == "sm_80"
+
+    # a bundle whose module lacks an entry this version launches (a tile added since it was built)
+    fewer = _copy(tiny_full_bundle, tmp_path / "fewer")
+    gone = recorded["conv3x3_wgmma"]["entries"][0]
+    _edit(fewer, lambda ta: ta["ptx"]["compute_90a"]["conv3x3_wgmma"]["entries"].remove(gone))
+    with pytest.raises(BundleError, match=rf"has no {gone} kernel.*rebuild it"):
+        device_images(Bundle.open(fewer, check_hashes=False), (9, 0), wgmma=True)
+    assert set(recorded["conv3x3_wgmma"]["entries"]) >= set(kernels.CONV3X3_WGMMA.entries)
 
     older = _copy(tiny_full_bundle, tmp_path / "older")
     _edit(older, lambda ta: [r.pop("abi") for per in ta["ptx"].values() for r in per.values()])

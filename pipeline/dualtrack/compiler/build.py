@@ -136,6 +136,7 @@ def track_a_artifacts(
                 "target": arch.parse_ptx_target(text),
                 "min_driver": arch.min_driver_for_isa(isa),
                 "abi": sources.launch_abi(text),
+                "entries": sources.entry_names(text),
                 **({"tuned_entries": sorted(conv.tuned_entry(t) for t in tiles)} if tiles else {}),
             }
             cubin = ptx.cached_cubin(text, a.cubin_arch, settings.cache_dir / "cubin", enabled=settings.use_cache)

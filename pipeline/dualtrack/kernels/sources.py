@@ -51,6 +51,7 @@ def ptx_path(root: Path, source: Path, arch: str) -> Path:
 
 
 _ENTRY = re.compile(r"\.entry\s+\w+\s*\(([^)]*)\)")
+_ENTRY_NAME = re.compile(r"\.entry\s+(\w+)\s*\(")
 _ARRAY = re.compile(r"(\[\d+\])$")
 
 
@@ -72,6 +73,12 @@ def launch_abi(ptx: str) -> str:
     swapped) it cannot see: that one bumps contract.manifest.BUNDLE_FORMAT."""
     lists = {",".join(_param(d) for d in params.split(",") if d.strip()) for params in _ENTRY.findall(ptx)}
     return hashlib.sha256("\n".join(sorted(lists)).encode()).hexdigest()[:16]
+
+
+def entry_names(ptx: str) -> list[str]:
+    """The ``.entry`` names of a PTX module, sorted: what the build records beside :func:`launch_abi`, so
+    that the loader can tell a bundle that lacks an entry this version launches (a tile added since)."""
+    return sorted(set(_ENTRY_NAME.findall(ptx)))
 
 
 @functools.cache

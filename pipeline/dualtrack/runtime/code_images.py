@@ -74,12 +74,21 @@ def check_abi(bundle: Bundle, ta: Mapping[str, Any], kind: str, image_arch: str,
     version would otherwise run with a shifted argument list, wrong results and no error."""
     for stem, entry in sorted(files.items()):
         ptx_arch = entry.get("from", image_arch) if kind == "cubin" else image_arch
-        recorded = ta.get("ptx", {}).get(ptx_arch, {}).get(stem, {}).get("abi")
+        record = ta.get("ptx", {}).get(ptx_arch, {}).get(stem, {})
+        recorded = record.get("abi")
         ours = expected_abi(ptx_arch, stem)
-        if ours is None:
+        spec = kernels.spec_for_stem(stem)
+        if ours is None or spec is None:
             continue  # a kernel this version does not launch (TrackA.load skips it too)
-        if recorded != ours:
-            what = "records no kernel ABI" if recorded is None else f"has {stem} kernels of another argument list"
+        # every entry this version may launch from the module (TrackA.load looks each one up)
+        missing = sorted(set(spec.entries) - set(record.get("entries", spec.entries)))
+        if recorded != ours or missing:
+            if recorded is None:
+                what = "records no kernel ABI"
+            elif recorded != ours:
+                what = f"has {stem} kernels of another argument list"
+            else:
+                what = f"has no {missing[0]} kernel ({len(missing)} entries this version launches are missing)"
             raise BundleError(
                 f"{bundle.root} {what} (built by dualtrack {bundle.manifest.dualtrack_version} at another kernel "
                 "version than this one); rebuild it with this version (`dualtrack build CONFIG -o BUNDLE`)"
