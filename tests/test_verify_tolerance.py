@@ -56,18 +56,25 @@ def plan_of(precision: str) -> Plan:
     return Plan((spec,), (TensorSpec("y", (1, C, H, W), spec.dtype),), (), precision, (1,))
 
 
-def test_fp16_tolerance_is_what_fp16_itself_reaches_times_the_factor() -> None:
-    model = conv_chain(depth=4, gain=3.0, offset=100.0)
-    tol, note = verify.judged_tolerance(model, plan_of("fp16"), seed=5)
-    # The floor measured independently: fp16 storage against the fp32 upcast, on the reference cases'
-    # images (the seed's), the worst of them.
-    rng = np.random.default_rng(5)
+def _fp16_storage_errors(model, seed: int) -> list[float]:
+    """The floor measured independently: fp16 storage against the fp32 upcast, relative L2, on each of
+    the reference cases' images (the seed's)."""
+    rng = np.random.default_rng(seed)
     errs = []
     for _ in range(verify.CASE_IMAGES):
         x = verify.random_input(plan_of("fp16").inputs[0], 1, rng)
         ref = verify.run_ort(verify.ort_session(verify.upcast(model)), {"x": x})["y"]
         got = verify.run_ort(verify.ort_session(verify.fp16_storage(verify.upcast(model))), {"x": x})["y"]
         errs.append(verify.compare("y", ref, got, DEFAULT_TOLERANCES["fp16"]).rel_l2)
+    return errs
+
+
+def test_fp16_tolerance_is_what_fp16_itself_reaches_times_the_factor() -> None:
+    model = conv_chain(depth=4, gain=3.0, offset=100.0)
+    tol, note = verify.judged_tolerance(model, plan_of("fp16"), seed=5)
+    # The floor measured independently: fp16 storage against the fp32 upcast, on the reference cases'
+    # images (the seed's), the worst of them.
+    errs = _fp16_storage_errors(model, seed=5)
     want = min(max(DEFAULT_TOLERANCES["fp16"].rel_l2, verify.FP16_FLOOR_FACTOR * max(errs)), 0.08)
     assert DEFAULT_TOLERANCES["fp16"].rel_l2 < want < verify.FP16_CEILING.rel_l2  # the case this is about
     assert tol.rel_l2 == pytest.approx(want, rel=1e-9)
@@ -86,13 +93,7 @@ def test_without_a_ceiling_the_judged_tolerance_is_the_factor_times_the_floor() 
     capped, _ = verify.judged_tolerance(model, plan_of("fp16"), seed=2)
     free, note = verify.judged_tolerance(model, plan_of("fp16"), seed=2, ceiling=None)
     assert free.rel_l2 > capped.rel_l2 == verify.FP16_CEILING.rel_l2 and free.max_abs >= capped.max_abs
-    rng = np.random.default_rng(2)
-    errs = []
-    for _ in range(verify.CASE_IMAGES):
-        x = verify.random_input(plan_of("fp16").inputs[0], 1, rng)
-        ref = verify.run_ort(verify.ort_session(verify.upcast(model)), {"x": x})["y"]
-        got = verify.run_ort(verify.ort_session(verify.fp16_storage(verify.upcast(model))), {"x": x})["y"]
-        errs.append(verify.compare("y", ref, got, DEFAULT_TOLERANCES["fp16"]).rel_l2)
+    errs = _fp16_storage_errors(model, seed=2)
     assert free.rel_l2 == pytest.approx(verify.FP16_FLOOR_FACTOR * max(errs), rel=1e-9)
     assert "uncapped" in note
 

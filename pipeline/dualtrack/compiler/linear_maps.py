@@ -47,7 +47,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack.compiler.onnx_graph import fresh_name, live_nodes, node_attrs, taken_names
+from dualtrack.compiler.onnx_graph import fresh_name, live_nodes, node_attrs, taken_names, widen_fp16
 
 # Index and linear ops a region grows over (a Cast only between float types, a Pad only of constant mode).
 REGION_OPS = frozenset(
@@ -312,29 +312,7 @@ def _region_model(model: onnx.ModelProto, region: Region, elem: int, batch: int)
     )
     probe = helper.make_model(graph, opset_imports=list(model.opset_import))
     probe.ir_version = model.ir_version
-    return _in_fp32(probe)
-
-
-def _in_fp32(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The region computed in fp32: fp16 constants, casts and boundary types widened (the probe model is
-    built here, so this is all it holds; verify.upcast does the same for whole models, but verify sits
-    above the front end)."""
-    g = model.graph
-    for k, init in enumerate(g.initializer):
-        if init.data_type == TensorProto.FLOAT16:
-            g.initializer[k].CopyFrom(
-                numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float32), init.name)
-            )
-    for vi in [*g.input, *g.output]:
-        if vi.type.tensor_type.elem_type == TensorProto.FLOAT16:
-            vi.type.tensor_type.elem_type = TensorProto.FLOAT
-    for n in g.node:
-        for a in n.attribute:
-            if a.name == "to" and a.i == TensorProto.FLOAT16:
-                a.i = TensorProto.FLOAT
-            elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.FLOAT16:
-                a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float32), a.t.name))
-    return model
+    return widen_fp16(probe)  # the region computed in fp32
 
 
 def _session(model: onnx.ModelProto) -> ort.InferenceSession:

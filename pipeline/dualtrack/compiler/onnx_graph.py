@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 
 def constants(g: onnx.GraphProto) -> dict[str, np.ndarray]:
@@ -70,3 +70,25 @@ def live_nodes(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.Node
 
 
 __all__ = ["constants", "copy_node", "fresh_name", "live_nodes", "node_attrs", "taken_names", "transpose_perm"]
+
+
+def widen_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` computed in fp32, in place: fp16 initializers, tensor attributes (Constant values),
+    ``to`` of Casts and the graph's declared types widened (weights widen exactly). Subgraphs (If, Loop,
+    Scan) are not visited. verify.upcast (the reference of an fp16 engine) and linear_maps' probes call it."""
+    g = model.graph
+    for i, init in enumerate(g.initializer):
+        if init.data_type == TensorProto.FLOAT16:
+            g.initializer[i].CopyFrom(
+                numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float32), init.name)
+            )
+    for vi in [*g.input, *g.output, *g.value_info]:
+        if vi.type.tensor_type.elem_type == TensorProto.FLOAT16:
+            vi.type.tensor_type.elem_type = TensorProto.FLOAT
+    for n in g.node:
+        for a in n.attribute:
+            if a.name == "to" and a.i == TensorProto.FLOAT16:
+                a.i = TensorProto.FLOAT
+            elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.FLOAT16:
+                a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float32), a.t.name))
+    return model

@@ -24,6 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack import kernels
 from dualtrack.compiler.bundle_writer import load_model, segment_model
+from dualtrack.compiler.onnx_graph import widen_fp16
 from dualtrack.contract.cases import ReferenceCases
 from dualtrack.contract.checks import DEFAULT_TOLERANCES, Check, Report, Tolerance, compare, compare_outputs
 from dualtrack.contract.plan import Plan, Segment, TensorSpec
@@ -67,25 +68,9 @@ def upcast(model: onnx.ModelProto) -> onnx.ModelProto:
     against fp32, the check sees the engine's error alone. Weights widen exactly. A model with
     subgraphs (If, Loop) is returned as it is.
     """
-    g = model.graph
-    if not any(n.op_type in ("If", "Loop", "Scan") for n in g.node) and _has_fp16(model):
-        model = copy.deepcopy(model)
-        g = model.graph
-        for i, init in enumerate(g.initializer):
-            if init.data_type == TensorProto.FLOAT16:
-                g.initializer[i].CopyFrom(
-                    numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float32), init.name)
-                )
-        for vi in [*g.input, *g.output, *g.value_info]:
-            if vi.type.tensor_type.elem_type == TensorProto.FLOAT16:
-                vi.type.tensor_type.elem_type = TensorProto.FLOAT
-        for n in g.node:
-            for a in n.attribute:
-                if a.name == "to" and a.i == TensorProto.FLOAT16:
-                    a.i = TensorProto.FLOAT
-                elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.FLOAT16:
-                    a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float32), a.t.name))
-    return model
+    if any(n.op_type in ("If", "Loop", "Scan") for n in model.graph.node) or not _has_fp16(model):
+        return model
+    return widen_fp16(copy.deepcopy(model))
 
 
 def _has_fp16(model: onnx.ModelProto) -> bool:
