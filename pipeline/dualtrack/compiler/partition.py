@@ -52,9 +52,11 @@ TRACK_A_DESCRIPTION = (
     f"; the normalisation family: {lower_norm.DESCRIPTION}"
     f"; {attention_patterns.DESCRIPTION}"
 )
-# A 1x1 conv with at most this many output channels (a segmentation head) runs conv1x1, one thread
-# per pixel; wider ones are GEMMs for the general conv.
-CONV1X1_MAX_K = 16
+# A 1x1 conv with at most this many output channels (a segmentation head of a few classes) runs
+# conv1x1, one thread per pixel and one pass over x (its k_group); wider ones are GEMMs for the general
+# conv. Up to 16 measured 341 us for MobileNetV2's 32 -> 16 1x1 at 256x256, N=8, on the H100, about 20x
+# its bytes' time: four passes over x (kernel_profile-6fba64a-s9mobile-h100.json).
+CONV1X1_MAX_K = kernels.KERNELS["conv1x1"].k_group  # type: ignore[attr-defined]
 # A fp16 3x3 conv with at most ConvGeneralSpec.direct_k output channels on an image of at least this
 # many pixels runs the general conv's direct entry instead of conv3x3's tiles: measured on smp
 # Unet-resnet34's head (16 -> 2 channels at 512x512, kernel_profile-e75130f: conv3x3's narrow tile
