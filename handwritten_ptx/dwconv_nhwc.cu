@@ -165,23 +165,27 @@ __device__ __forceinline__ void dwconv_any(const T* __restrict__ x, const T* __r
     }
 }
 
-// ---- The tiled path (fp16, stride and dilation 1, no channel multiplier: ConvNeXt's 7x7, SegFormer's
-// and MobileNet's stride-1 3x3 / 5x5, the factorised 1xk / kx1). The paths above read every tap from
-// global memory through L1, one thread's taps one after another: on an H100 ConvNeXt-tiny's 18 depthwise
-// 7x7 layers took 1.81 ms at batch 8, latency-bound. Here a block first copies the input patch its
-// TH x DW_TILE_W output pixels x DW_TILE_C channels need ((TH + R - 1) x (W + S - 1) pixels, zeros
-// outside the image and past C) into shared memory as fp32: every 16-byte load of a thread is issued
-// before the first is converted, and each element is converted once (an fp16 patch converted at each of
-// its R * S uses measured 2x slower on the H100: the conversions, not the FMAs, bound it). Then each
-// thread computes DW_TILE_B neighbouring outputs of one row for two channels, sliding the kernel row
-// along a window of B + S - 1 patch pixels (one 8-byte shared load each) with its channels' R x S
-// weights in registers. Per output the same fmaf chain as the paths above (bias first, taps in r, s
-// order); a tap outside the image adds 0 * w instead of being skipped, so results match them up to the
-// sign of a zero. Two entries: TH = DW_TILE_H rows (a bigger patch per block: less halo), and
-// DW_TILE_H_SHORT rows (twice the blocks, for launches too small to fill the GPU otherwise). The host
-// (dualtrack.kernels.dwconv.DwConvSpec.tile_path, tile_launch) takes them only where those conditions
-// hold and x, w, y are 16-byte aligned with C, ldx, ldy multiples of 8; the grid is (output tiles x N,
-// channel blocks), the dynamic shared memory the patch (over 48 KiB for the tall tile of a 7x7: the
+// ---- The tiled path (fp16, dilation 1, stride 1 or 2 the same both ways, no channel multiplier:
+// ConvNeXt's 7x7, SegFormer's and MobileNet's 3x3 / 5x5 of either stride, the factorised 1xk / kx1).
+// The paths above read every tap from global memory through L1, one thread's taps one after another:
+// on an H100 ConvNeXt-tiny's 18 depthwise 7x7 layers took 1.81 ms at batch 8, latency-bound. Here a
+// block first copies the input patch its TH x DW_TILE_W output pixels x DW_TILE_C channels need
+// (((TH - 1) * SD + R) x ((DW_TILE_W - 1) * SD + S) pixels at stride SD, zeros outside the image and
+// past C) into shared memory as fp32: a thread's 16-byte loads are issued together (a stride-2 patch's
+// in up to two rounds) before the first is converted, and each element is converted once (an fp16 patch
+// converted at each of its R * S uses measured 2x slower on the H100: the conversions, not the FMAs,
+// bound it). Then each thread computes DW_TILE_B neighbouring outputs of one row for two channels,
+// sliding the kernel row along a window of (B - 1) * SD + S patch pixels (one 8-byte shared load each;
+// output b's tap s is pixel b * SD + s) with its channels' R x S weights in registers. Per output the
+// same fmaf chain as the paths above (bias first, taps in r, s order); a tap outside the image adds
+// 0 * w instead of being skipped, so results match them up to the sign of a zero. Two entries:
+// DW_TILE_H rows (a bigger patch per block: less halo), and DW_TILE_H_SHORT rows (twice the blocks, for
+// launches too small to fill the GPU otherwise); at stride 2 each takes half its rows, so its patch has
+// about the stride-1 rows and twice the columns (a 7x7's tall patch: 21 x 37 pixels, 97 KiB: two blocks
+// a Hopper SM, and within the 99 KiB an sm_120 block may take). The host
+// (dualtrack.kernels.dwconv.DwConvSpec.tile_path, tile_launch, tile_choice) takes them only where those
+// conditions hold and x, w, y are 16-byte aligned with C, ldx, ldy multiples of 8; the grid is (output
+// tiles x N, channel blocks), the dynamic shared memory the patch (over 48 KiB for the larger ones: the
 // runtime opts in).
 #if defined(DW_TILE_H)
 namespace dwtile {  // an enum, not constexpr ints: NVRTC emits namespace-scope constants as device globals
@@ -189,7 +193,9 @@ enum : int { TW = DW_TILE_W, TC = DW_TILE_C, B = DW_TILE_B, THREADS = DW_TILE_TH
 enum : int { PAIRS = TC / 2, SLOTS = THREADS / PAIRS, CHUNKS = TC / 8 };
 enum : int { MAXK = 7 };  // R, S at most (dualtrack.kernels.dwconv.MAX_KERNEL)
 static_assert(TC % 8 == 0 && THREADS % PAIRS == 0 && TW % B == 0, "dwconv tile sizes");
-static_assert((DW_TILE_H * (TW / B)) % SLOTS == 0 && (DW_TILE_H_SHORT * (TW / B)) % SLOTS == 0, "dwconv strips");
+static_assert(DW_TILE_H % 2 == 0 && DW_TILE_H_SHORT % 2 == 0, "dwconv tile rows: halved at stride 2");
+static_assert((DW_TILE_H / 2 * (TW / B)) % SLOTS == 0 && (DW_TILE_H_SHORT / 2 * (TW / B)) % SLOTS == 0,
+              "dwconv strips");
 }  // namespace dwtile
 
 // The epilogue's activation with GELU (erf and tanh forms: SegFormer's Mix-FFN puts one after each of
@@ -205,19 +211,24 @@ __device__ __forceinline__ float2 f16x2_to_f32x2(unsigned u) {
     return make_float2(f16_to_f32(static_cast<f16>(u & 0xffffu)), f16_to_f32(static_cast<f16>(u >> 16)));
 }
 
-// TH output rows a block; RT, ST > 0: an RT x ST kernel, unrolled exactly; 0: p.R x p.S (1..7),
-// unrolled to 7 with guards.
-template <int TH, int RT, int ST>
+// TH output rows a block at stride SD (1 or 2, both axes); RT, ST > 0: an RT x ST kernel, unrolled
+// exactly; 0: p.R x p.S (1..7), unrolled to 7 with guards.
+template <int TH, int SD, int RT, int ST>
 __device__ __forceinline__ void dwconv_tile(const f16* __restrict__ x, const f16* __restrict__ w,
                                             const float* __restrict__ bias, f16* __restrict__ y, const DwProblem& p,
                                             float* __restrict__ patch) {
     using namespace dwtile;
     constexpr int RM = RT > 0 ? RT : MAXK, SM = ST > 0 ? ST : MAXK;
     constexpr int STRIPS = TH * (TW / B);
-    // Loads a thread issues for the largest patch (TH + 6) x (TW + 6): all in flight together.
-    constexpr int LOADS = ((TH + RM - 1) * (TW + SM - 1) * CHUNKS + THREADS - 1) / THREADS;
+    constexpr int WIN = (B - 1) * SD + SM;  // patch pixels under a strip's B outputs
+    // Loads a thread issues for the largest patch ((TH - 1) * SD + 7) x ((TW - 1) * SD + 7), in rounds.
+    constexpr int LOADS = (((TH - 1) * SD + RM) * ((TW - 1) * SD + SM) * CHUNKS + THREADS - 1) / THREADS;
+    // At most as many in flight as the entry's stride-1 patch has (its TH * SD rows): the stride-2
+    // instances then need no more registers than the stride-1 ones the entry was sized for.
+    constexpr int LOADS1 = ((TH * SD + MAXK - 1) * (TW + MAXK - 1) * CHUNKS + THREADS - 1) / THREADS;
+    constexpr int ROUND = LOADS < LOADS1 ? LOADS : LOADS1;
     const int R = RT > 0 ? RT : p.R, S = ST > 0 ? ST : p.S;
-    const int IW = TW + S - 1, IH = TH + R - 1;
+    const int IW = (TW - 1) * SD + S, IH = (TH - 1) * SD + R;
     const int tiles_w = (p.Wo + TW - 1) / TW, tiles_h = (p.Ho + TH - 1) / TH;
     int t = blockIdx.x;
     const int wo0 = (t % tiles_w) * TW;
@@ -225,29 +236,34 @@ __device__ __forceinline__ void dwconv_tile(const f16* __restrict__ x, const f16
     const int ho0 = (t % tiles_h) * TH;
     const long long n = t / tiles_h;
     const int c0 = blockIdx.y * TC;
-    const int hi0 = ho0 - p.pt, wi0 = wo0 - p.pl;
+    const int hi0 = ho0 * SD - p.pt, wi0 = wo0 * SD - p.pl;
 
     // The patch: pixel (r, c) at (r * IW + c) * TC floats; a piece outside the image or past C is zeros.
     const int items = IH * IW * CHUNKS;
-    uint4 v[LOADS];
+#pragma unroll 1  // a round's stores before the next round's loads: ROUND registers of loads, not LOADS
+    for (int u0 = 0; u0 < LOADS; u0 += ROUND) {
+        uint4 v[ROUND];
 #pragma unroll
-    for (int u = 0; u < LOADS; ++u) {
-        const int it = threadIdx.x + u * THREADS;
-        const int px = it / CHUNKS, c = c0 + (it % CHUNKS) * 8;
-        const int h = hi0 + px / IW, wi = wi0 + px % IW;
-        v[u] = make_uint4(0u, 0u, 0u, 0u);
-        if (it < items && h >= 0 && h < p.H && wi >= 0 && wi < p.W && c < p.C)
-            v[u] = *reinterpret_cast<const uint4*>(x + ((n * p.H + h) * p.W + wi) * static_cast<long long>(p.ldx) + c);
-    }
+        for (int u = 0; u < ROUND; ++u) {
+            const int it = threadIdx.x + (u0 + u) * THREADS;
+            const int px = it / CHUNKS, c = c0 + (it % CHUNKS) * 8;
+            const int h = hi0 + px / IW, wi = wi0 + px % IW;
+            v[u] = make_uint4(0u, 0u, 0u, 0u);
+            if (it < items && h >= 0 && h < p.H && wi >= 0 && wi < p.W && c < p.C) {
+                const long long at = ((n * p.H + h) * p.W + wi) * static_cast<long long>(p.ldx) + c;
+                v[u] = *reinterpret_cast<const uint4*>(x + at);
+            }
+        }
 #pragma unroll
-    for (int u = 0; u < LOADS; ++u) {
-        const int it = threadIdx.x + u * THREADS;
-        if (it < items) {
-            const float2 a = f16x2_to_f32x2(v[u].x), b = f16x2_to_f32x2(v[u].y);
-            const float2 c = f16x2_to_f32x2(v[u].z), d = f16x2_to_f32x2(v[u].w);
-            float4* dst = reinterpret_cast<float4*>(patch + it * 8);  // pixel * TC + chunk * 8
-            dst[0] = make_float4(a.x, a.y, b.x, b.y);
-            dst[1] = make_float4(c.x, c.y, d.x, d.y);
+        for (int u = 0; u < ROUND; ++u) {
+            const int it = threadIdx.x + (u0 + u) * THREADS;
+            if (it < items) {
+                const float2 a = f16x2_to_f32x2(v[u].x), b = f16x2_to_f32x2(v[u].y);
+                const float2 c = f16x2_to_f32x2(v[u].z), d = f16x2_to_f32x2(v[u].w);
+                float4* dst = reinterpret_cast<float4*>(patch + it * 8);  // pixel * TC + chunk * 8
+                dst[0] = make_float4(a.x, a.y, b.x, b.y);
+                dst[1] = make_float4(c.x, c.y, d.x, d.y);
+            }
         }
     }
 
@@ -276,15 +292,15 @@ __device__ __forceinline__ void dwconv_tile(const f16* __restrict__ x, const f16
 #pragma unroll
         for (int r = 0; r < RM; ++r) {
             if (RT == 0 && r >= R) break;
-            const float* row = patch + ((orow + r) * IW + ocol) * TC + 2 * pair;
+            const float* row = patch + ((orow * SD + r) * IW + ocol * SD) * TC + 2 * pair;
 #pragma unroll
-            for (int i = 0; i < B + SM - 1; ++i) {
-                if (ST == 0 && i >= B + S - 1) break;
+            for (int i = 0; i < WIN; ++i) {
+                if (ST == 0 && i >= (B - 1) * SD + S) break;
                 const float2 xv = *reinterpret_cast<const float2*>(row + i * TC);
-                // Patch pixel i is tap s = i - b of output b: ascending s for each output.
+                // Patch pixel i is tap s = i - b * SD of output b: ascending s for each output.
 #pragma unroll
                 for (int b = 0; b < B; ++b) {
-                    const int s = i - b;
+                    const int s = i - b * SD;
                     if (s < 0 || s >= SM || (ST == 0 && s >= S)) continue;
                     acc[b].x = fmaf(xv.x, wt[r][s].x, acc[b].x);
                     acc[b].y = fmaf(xv.y, wt[r][s].y, acc[b].y);
@@ -302,22 +318,34 @@ __device__ __forceinline__ void dwconv_tile(const f16* __restrict__ x, const f16
     }
 }
 
+template <int TH, int SD>
+__device__ __forceinline__ void dwconv_tile_kernel(const f16* __restrict__ x, const f16* __restrict__ w,
+                                                   const float* __restrict__ bias, f16* __restrict__ y,
+                                                   const DwProblem& p, float* __restrict__ patch) {
+    if (p.R == 3 && p.S == 3) {
+        dwconv_tile<TH, SD, 3, 3>(x, w, bias, y, p, patch);
+    } else if (p.R == 5 && p.S == 5) {
+        dwconv_tile<TH, SD, 5, 5>(x, w, bias, y, p, patch);
+    } else if (p.R == 7 && p.S == 7) {
+        dwconv_tile<TH, SD, 7, 7>(x, w, bias, y, p, patch);
+    } else {
+        dwconv_tile<TH, SD, 0, 0>(x, w, bias, y, p, patch);
+    }
+}
+
+// TH: the entry's rows at stride 1; stride 2 takes TH / 2 (the host's DwConvSpec.tile_rows).
 template <int TH>
 __device__ __forceinline__ void dwconv_tile_any(const f16* __restrict__ x, const f16* __restrict__ w,
                                                 const float* __restrict__ bias, f16* __restrict__ y,
                                                 const DwProblem& p, float* __restrict__ patch) {
     // The host's conditions (DwConvSpec.tile_path); a launch that breaks them is a host bug, stopped loudly.
-    if (p.M != 1 || p.sh != 1 || p.sw != 1 || p.dh != 1 || p.dw != 1 || p.R > dwtile::MAXK || p.S > dwtile::MAXK ||
-        p.C % 8 != 0)
+    if (p.M != 1 || p.sh != p.sw || (p.sh != 1 && p.sh != 2) || p.dh != 1 || p.dw != 1 || p.R > dwtile::MAXK ||
+        p.S > dwtile::MAXK || p.C % 8 != 0)
         __trap();
-    if (p.R == 3 && p.S == 3) {
-        dwconv_tile<TH, 3, 3>(x, w, bias, y, p, patch);
-    } else if (p.R == 5 && p.S == 5) {
-        dwconv_tile<TH, 5, 5>(x, w, bias, y, p, patch);
-    } else if (p.R == 7 && p.S == 7) {
-        dwconv_tile<TH, 7, 7>(x, w, bias, y, p, patch);
+    if (p.sh == 1) {
+        dwconv_tile_kernel<TH, 1>(x, w, bias, y, p, patch);
     } else {
-        dwconv_tile<TH, 0, 0>(x, w, bias, y, p, patch);
+        dwconv_tile_kernel<TH / 2, 2>(x, w, bias, y, p, patch);
     }
 }
 #endif  // DW_TILE_H

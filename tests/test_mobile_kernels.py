@@ -6,6 +6,7 @@ handwritten_ptx/README.md) and launch geometry."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import numpy as np
 import onnxruntime as ort
@@ -16,7 +17,8 @@ from dualtrack.contract.activations import ACTIVATIONS
 from dualtrack.contract.plan import KernelCall, bits_f32, f32_bits
 from dualtrack.errors import InputError
 from dualtrack.kernels import KERNELS, Activation, DwConvSpec, DwGeometry, ResizeMode
-from dualtrack.kernels.device import REFERENCE
+from dualtrack.kernels.base import cdiv
+from dualtrack.kernels.device import DEVICES, REFERENCE
 
 DW, GAP, FC, ELT, RESIZE = (KERNELS[k] for k in ("dwconv", "gap", "fc", "eltwise", "resize"))
 # fp32: the kernels' and onnxruntime's sums differ in order only; fp16: one rounding of the result
@@ -129,14 +131,19 @@ def test_dwconv_geometry_refuses_what_the_kernel_cannot() -> None:
 
 
 def test_dwconv_takes_the_tiled_entries_where_they_apply() -> None:
-    """The tiled entries: fp16, stride and dilation 1, no channel multiplier, C and strides multiples
-    of 8; the tall tile where its blocks fill the GPU twice over, else the short one's twice as many."""
+    """The tiled entries: fp16, dilation 1, stride 1 or 2 both ways, no channel multiplier, C and
+    strides multiples of 8; the tall tile where its blocks fill the GPU twice over, else the short
+    one's twice as many."""
     unit, g = DwGeometry(7, pads=(3, 3, 3, 3)), DwGeometry(5, 2, pads=(2, 2, 2, 2))
     assert DW.tile_path("float16", unit, 96, 96, 104)
     assert DW.tile_path("float16", DwGeometry(1, pads=(0, 3, 0, 3), S=7), 40, 40)  # 1x7
     assert not DW.tile_path("float16", unit, 16, 16)  # fewer channels than a block's 32
     assert not DW.tile_path("float32", unit, 96, 96)
-    assert not DW.tile_path("float16", g, 96, 96)  # stride 2
+    assert DW.tile_path("float16", g, 96, 96)  # MobileNet's stride-2 5x5
+    assert DW.tile_path("float16", DwGeometry(3, 2, pads=(0, 0, 1, 1)), 96, 96)  # TF-style SAME pads
+    assert not DW.tile_path("float16", DwGeometry(3, 3), 96, 96)  # stride 3
+    assert not DW.tile_path("float16", DwGeometry(3, 2, stride_w=1), 96, 96)  # stride 2 along H only
+    assert not DW.tile_path("float16", DwGeometry(3, 2, 2, (2, 2, 2, 2)), 96, 96)  # stride and dilation 2
     assert not DW.tile_path("float16", DwGeometry(3, dilation=2, pads=(2, 2, 2, 2)), 96, 96)
     assert not DW.tile_path("float16", DwGeometry(3, multiplier=2), 96, 96)
     assert not DW.tile_path("float16", unit, 20, 20) and not DW.tile_path("float16", unit, 96, 100)
@@ -146,6 +153,125 @@ def test_dwconv_takes_the_tiled_entries_where_they_apply() -> None:
     entry, cfg = DW.tile_choice(1, 128, 128, 96, unit, h200)  # 192 tall blocks: the short tile's 384
     assert (entry, cfg.grid, cfg.shared_bytes) == (DW.tile_short_entry, (128, 3, 1), 14 * 22 * 128)
     assert DW.tile_launch(1, 5, 3, 264, DwGeometry(3)).grid == (1, 9, 1)  # 264 channels: 9 blocks of 32
+    # Stride 2: half the rows (8 tall, 4 short) of a patch twice as wide: ((rows - 1) * 2 + R) x 37.
+    stride2 = DwGeometry(7, 2, pads=(3, 3, 3, 3))  # its tall patch holds two a SM: a full wave is 256
+    entry, cfg = DW.tile_choice(8, 64, 64, 96, stride2, h200)  # 8 x 8 x 4 tiles x 3 channel blocks
+    assert (entry, cfg.grid, cfg.shared_bytes) == (DW.tile_entry, (256, 3, 1), 21 * 37 * 128)
+    entry, cfg = DW.tile_choice(4, 28, 28, 96, g, h200)  # 4 x 4 x 2 x 3 = 96 tall blocks of 512 wanted
+    assert (entry, cfg.grid, cfg.shared_bytes) == (DW.tile_short_entry, (56, 3, 1), 11 * 35 * 128)
+
+
+@pytest.mark.parametrize("device", sorted(DEVICES))
+def test_dwconv_tiles_fit_every_device(device: str) -> None:
+    """Every tiled launch tile_choice makes for a kernel of 1..7 a side at stride 1 or 2 fits what a
+    block of the device may opt in to, and prepare_inputs takes it (tile_resident > 0); on Hopper the
+    stride-2 tall tiles of 3x3, 5x5 and 7x7 leave at least two blocks a SM."""
+    dev = DEVICES[device]
+    for stride in (1, 2):
+        for R in range(1, 8):
+            for S in range(1, 8):
+                g = DwGeometry(R, stride, pads=(R // 2, S // 2, R // 2, S // 2), S=S)
+                assert DW.tile_path("float16", g, 64, 64)
+                for n in (1, 64):  # the short tile and (for the larger batch) the tall one
+                    _, ho, wo, _ = DW.output_shape(n, 112, 112, 64, 0, g)
+                    entry, cfg = DW.tile_choice(n, ho, wo, 64, g, dev)
+                    assert entry in (DW.tile_entry, DW.tile_short_entry)
+                    assert cfg.shared_bytes <= dev.shared_per_block and DW.tile_resident(cfg, dev) >= 1
+    if dev.cc[0] == 9:
+        for R in (3, 5, 7):
+            tall = DW.tile_launch(8, 56, 56, 96, DwGeometry(R, 2, pads=(R // 2,) * 4))
+            assert DW.tile_resident(tall, dev) >= 2 and 2 * (tall.shared_bytes + 1024) <= dev.shared_per_sm
+
+
+def test_dwconv_tile_choice_skips_a_tall_tile_the_device_cannot_hold() -> None:
+    """A device whose blocks may take less than a tall patch gets the short tile, whatever the grid;
+    a patch over the limit has no resident block (prepare_inputs then launches the per-element entry)."""
+    small = dataclasses.replace(REFERENCE, shared_per_block=80 * 1024, shared_per_sm=81 * 1024)
+    g = DwGeometry(7, 2, pads=(3, 3, 3, 3))
+    assert DW.tile_launch(64, 112, 112, 96, g).shared_bytes > small.shared_per_block
+    assert DW.tile_resident(DW.tile_launch(64, 112, 112, 96, g), small) == 0
+    entry, cfg = DW.tile_choice(64, 112, 112, 96, g, small)
+    assert entry == DW.tile_short_entry and DW.tile_resident(cfg, small) == 1
+
+
+def fma32(x: np.ndarray, w: np.ndarray, acc: np.ndarray) -> np.ndarray:
+    """fmaf as the kernels do it, to the rounding: the float32 product is exact in float64."""
+    return (x.astype(np.float64) * w.astype(np.float64) + acc).astype(np.float32)
+
+
+def emulate_dwconv_tile(x: np.ndarray, wp: np.ndarray, bp: np.ndarray, g: DwGeometry, short: bool) -> np.ndarray:
+    """dwconv_nhwc.cu's dwconv_tile in numpy, block by block over tile_launch's grid: the patch
+    ((rows - 1) * stride + R) x ((tile_w - 1) * stride + S) pixels from its origin (zeros outside the
+    image and past C), then each output's taps in r, s order from patch pixel (row * stride + r,
+    col * stride + s), an out-of-image tap adding 0 * w. Outputs no block writes stay NaN."""
+    N, H, W, C = x.shape
+    _, Ho, Wo, _ = DW.output_shape(N, H, W, C, 0, g)
+    cfg = DW.tile_launch(N, Ho, Wo, C, g, short)
+    TH, TW, TC, sd, R, S = DW.tile_rows(g.stride, short), DW.tile_w, DW.tile_c, g.stride, g.R, g.width
+    IH, IW = (TH - 1) * sd + R, (TW - 1) * sd + S
+    assert cfg.shared_bytes == IH * IW * TC * 4 and cfg.grid[1] == cdiv(C, TC)
+    y = np.full((N, Ho, Wo, C), np.nan, np.float32)
+    tiles_w, tiles_h = cdiv(Wo, TW), cdiv(Ho, TH)
+    for blk in range(cfg.grid[0]):
+        wo0, ho0, n = (blk % tiles_w) * TW, (blk // tiles_w % tiles_h) * TH, blk // tiles_w // tiles_h
+        hs, ws = ho0 * sd - g.pads[0] + np.arange(IH), wo0 * sd - g.pads[1] + np.arange(IW)
+        inside = ((hs >= 0) & (hs < H))[:, None] & ((ws >= 0) & (ws < W))[None, :]
+        rows, cols = min(TH, Ho - ho0), min(TW, Wo - wo0)  # the strips the kernel skips past the image
+        for c0 in range(0, cfg.grid[1] * TC, TC):
+            k = slice(c0, min(C, c0 + TC))
+            patch = np.zeros((IH, IW, TC), np.float32)
+            patch[inside, : k.stop - c0] = x[n, hs.clip(0, H - 1)][:, ws.clip(0, W - 1)][inside, k]
+            acc = np.broadcast_to(bp[k], (rows, cols, k.stop - c0)).astype(np.float32)
+            for r in range(R):
+                for s_ in range(S):
+                    tap = patch[r : r + sd * (rows - 1) + 1 : sd, s_ : s_ + sd * (cols - 1) + 1 : sd, : k.stop - c0]
+                    acc = fma32(tap, wp[r, s_, k], acc)
+            y[n, ho0 : ho0 + rows, wo0 : wo0 + cols, k] = acc
+    return y
+
+
+def emulate_dwconv_element(x: np.ndarray, wp: np.ndarray, bp: np.ndarray, g: DwGeometry) -> np.ndarray:
+    """The per-element path's chain (dwconv in dwconv_nhwc.cu): bias, then the in-image taps in r, s order."""
+    N, H, W, C = x.shape
+    _, Ho, Wo, _ = DW.output_shape(N, H, W, C, 0, g)
+    acc = np.broadcast_to(bp, (N, Ho, Wo, C)).astype(np.float32)
+    for r in range(g.R):
+        for s_ in range(g.width):
+            h = np.arange(Ho) * g.stride - g.pads[0] + r
+            w = np.arange(Wo) * g.stride - g.pads[1] + s_
+            inside = ((h >= 0) & (h < H))[:, None] & ((w >= 0) & (w < W))[None, :]
+            tap = x[:, h.clip(0, H - 1)][:, :, w.clip(0, W - 1)].astype(np.float32)
+            acc = np.where(inside[None, :, :, None], fma32(tap, wp[r, s_], acc), acc)
+    return acc
+
+
+@pytest.mark.parametrize("short", [False, True])
+@pytest.mark.parametrize(
+    ("n", "h", "w", "c", "g"),
+    [
+        (2, 23, 37, 40, DwGeometry(3, 2)),  # odd sizes, tiles cut by both edges, C not a multiple of 32
+        (1, 34, 33, 32, DwGeometry(5, 2, pads=(2, 2, 2, 2))),
+        (1, 19, 21, 72, DwGeometry(7, 2, pads=(3, 3, 3, 3))),
+        (1, 16, 18, 40, DwGeometry(3, 2, pads=(0, 0, 1, 1))),  # TF-style SAME: the padding below and right
+        (2, 9, 8, 32, DwGeometry(3, 2, pads=(0, 1, 0, 1), S=5)),  # 3x5, the general loop
+        (1, 12, 12, 48, DwGeometry(7, pads=(3, 3, 3, 3))),  # stride 1, as before
+    ],
+)
+def test_dwconv_tile_emulation_matches_the_per_element_chain(short, n, h, w, c, g) -> None:
+    """The tiled path's geometry (tile_launch's grid and patch, tile_rows, the stride-2 taps) in a
+    numpy emulation: every output written, equal to the per-element chain up to the sign of a zero,
+    and within fp32 rounding of the reference."""
+    rng = np.random.default_rng()
+    x = rng.standard_normal((n, h, w, c)).astype(np.float16)
+    wp, _ = DwConvSpec.pack((rng.standard_normal((c, 1, g.R, g.width)) / g.R).astype(np.float16))
+    bias = rng.standard_normal(c).astype(np.float32)
+    got = emulate_dwconv_tile(x, wp, bias, g, short)
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(np.abs(got), np.abs(emulate_dwconv_element(x, wp, bias, g)))
+    want = DW.reference(x.astype(np.float32), wp.astype(np.float32), bias, g)
+    assert_close(
+        got, want, "float32", np.abs(x.astype(np.float64)).max() * np.abs(wp.astype(np.float64)).sum(axis=(0, 1)).max()
+    )
 
 
 def test_dwconv_args_follow_the_abi() -> None:

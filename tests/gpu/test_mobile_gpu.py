@@ -101,7 +101,7 @@ def test_dwconv_kernel(engine, mods, dtype, off, n, h, w, c, g) -> None:
 @pytest.mark.parametrize("off", [0, 8])  # dense, and 16-byte aligned slices (ld = C + 16) in and out
 @pytest.mark.parametrize(
     ("n", "h", "w", "c", "g"),
-    [  # the tiled entry (stride and dilation 1, fp16): tiles cut by the image's edges, C not a
+    [  # the tiled entries (fp16, dilation 1, stride 1 or 2): tiles cut by the image's edges, C not a
         # multiple of its 32-channel block, the square kernels it unrolls and the general loop
         (1, 13, 29, 40, DwGeometry(7, pads=(3, 3, 3, 3))),
         (3, 16, 16, 32, DwGeometry(3)),  # exactly one tall tile, one channel block
@@ -111,6 +111,15 @@ def test_dwconv_kernel(engine, mods, dtype, off, n, h, w, c, g) -> None:
         (1, 12, 12, 96, DwGeometry(4, pads=(1, 2, 2, 1), S=2)),  # even, asymmetric: output 12x14
         (2, 3, 2, 48, DwGeometry(7, pads=(3, 3, 3, 3))),  # an image smaller than the window
         (1, 20, 20, 32, DwGeometry(3, pads=(0, 0, 0, 0))),  # valid: output 18x18
+        # stride 2 (half the rows, a patch twice as wide): MobileNet's 3x3 and 5x5, and a 7x7
+        (2, 23, 37, 40, DwGeometry(3, 2)),  # odd sizes: output 12x19, both edges cut
+        (1, 112, 112, 32, DwGeometry(3, 2)),  # MobileNetV2's first stride-2 layer at 224 (56x56 out)
+        (1, 34, 33, 72, DwGeometry(5, 2, pads=(2, 2, 2, 2))),
+        (2, 19, 21, 48, DwGeometry(7, 2, pads=(3, 3, 3, 3))),
+        (1, 16, 18, 40, DwGeometry(3, 2, pads=(0, 0, 1, 1))),  # TF-style SAME: padded below and right only
+        (2, 15, 17, 32, DwGeometry(5, 2, pads=(0, 1, 0, 1))),  # padded left and right only: output 6x8
+        (2, 9, 8, 32, DwGeometry(3, 2, pads=(0, 1, 0, 1), S=5)),  # 3x5: the general loop
+        (1, 5, 4, 264, DwGeometry(7, 2, pads=(3, 3, 3, 3))),  # an image smaller than the window
     ],
 )
 def test_dwconv_tile_kernel(engine, mods, off, n, h, w, c, g) -> None:

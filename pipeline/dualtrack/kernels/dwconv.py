@@ -1,8 +1,8 @@
 """dwconv_nhwc: the dwconv op (depthwise convolution: MobileNet's 3x3/5x5, ConvNeXt's 7x7, the
 factorised 1xk / kx1, with a channel multiplier), one thread per output element (fp16: per 8
-channels where C and the strides allow), and for fp16 convolutions of stride and dilation 1 a tiled
-entry (``dwconv_nhwc_f16_tile``: :meth:`DwConvSpec.tile_path`) that stages each block's input patch in
-shared memory once.
+channels where C and the strides allow), and for fp16 convolutions of dilation 1 and stride 1 or 2 a
+tiled entry (``dwconv_nhwc_f16_tile``: :meth:`DwConvSpec.tile_path`) that stages each block's input
+patch in shared memory once.
 
 Every depthwise Conv is this op's, never the grouped general conv's: with one input channel a group,
 the general conv's implicit GEMM would be C GEMMs of depth R*S whose loads are strided 2-byte reads
@@ -39,6 +39,7 @@ from dualtrack.kernels.device import DeviceInfo
 from dualtrack.kernels.streaming import ElementSpec, onnx_weight_bias
 
 MAX_KERNEL = 7  # R and S: ConvNeXt's 7x7 is the largest depthwise kernel of the networks served
+TILE_STRIDES = (1, 2)  # the tiled entries' strides, the same both ways (dwconv_nhwc.cu's dwconv_tile_any)
 UNROLLED = (3, 5)  # the square kernels the source unrolls (dwconv_any); the others loop
 
 
@@ -123,17 +124,21 @@ class DwConvSpec(ElementSpec):
     row_outputs: int = 4
     # The tiled entries (-DDW_TILE_*): a block computes tile_h (``_tile``) or tile_h_short
     # (``_tile_short``) x tile_w output pixels x tile_c channels with tile_threads threads, a thread
-    # tile_b outputs of one row for two channels. Its input patch, (rows + R - 1) x (tile_w + S - 1)
-    # pixels x tile_c fp32, is 62 KiB for the tall tile of a 7x7 (the runtime opts in above 48 KiB).
+    # tile_b outputs of one row for two channels; at stride 2 half the rows (:meth:`tile_rows`: a patch
+    # of about the stride-1 rows, twice as wide). Its input patch, ((rows - 1) * stride + R) x
+    # ((tile_w - 1) * stride + S) pixels x tile_c fp32 (:meth:`tile_launch`), is 62 KiB for the tall
+    # tile of a stride-1 7x7 and 97 KiB for a stride-2 one (the runtime opts in above 48 KiB).
     tile_h: int = 16
     tile_h_short: int = 8
     tile_w: int = 16
     tile_c: int = 32
     tile_b: int = 8
     tile_threads: int = 128
-    # The tall tile where its blocks fill the GPU this many times over (resident blocks: the patch and
-    # ~164 registers a thread leave three a Hopper SM); below, the short one's twice as many blocks.
+    # The tall tile where its blocks fill the GPU this many times over (resident blocks a SM: the
+    # tile_per_sm the threshold was set with on the H100, fewer where the SM's shared memory holds fewer
+    # patches: :meth:`tile_resident`); below, the short one's twice as many blocks.
     tall_waves: int = 2
+    tile_per_sm: int = 3
 
     def defines(self) -> dict[str, int | str]:
         tile = {"DW_TILE_H": self.tile_h, "DW_TILE_H_SHORT": self.tile_h_short, "DW_TILE_W": self.tile_w}
@@ -154,32 +159,49 @@ class DwConvSpec(ElementSpec):
 
     def tile_path(self, dtype: Any, g: DwGeometry, C: int, *strides: int) -> bool:
         """Whether the tiled entries take a launch (dwconv_nhwc.cu's dwconv_tile_any): fp16, no
-        channel multiplier, stride and dilation 1 both ways, at least :attr:`tile_c` channels, and C
-        and every channel stride multiples of 8 (16-byte patch loads; the pointers must be 16-byte aligned too, which
-        :meth:`prepare_inputs` checks)."""
-        unit = (g.stride, g.stride_w, g.dilation, g.dil_w) == (1, 1, 1, 1)
+        channel multiplier, dilation 1 and stride 1 or 2 (:data:`TILE_STRIDES`), the same both ways,
+        at least :attr:`tile_c` channels, and C and every channel stride multiples of 8 (16-byte patch
+        loads; the pointers must be 16-byte aligned too, which :meth:`prepare_inputs` checks)."""
+        stride = g.stride == g.stride_w and g.stride in TILE_STRIDES
+        unit = (g.dilation, g.dil_w) == (1, 1)
         vec = all(v % 8 == 0 for v in (C, *strides))
         # Fewer channels than a block's tile_c leave threads idle: MobileNetV3's 16-channel 3x3 at
         # 256x256 took 58 us at N=8 tiled, 38 per element (H100, mobile_layers-80dcaa6-h100.json).
         wide = self.tile_c <= C
-        return dtype_name(dtype) == "float16" and g.multiplier == 1 and unit and vec and wide
+        return dtype_name(dtype) == "float16" and g.multiplier == 1 and stride and unit and vec and wide
+
+    def tile_rows(self, stride: int, short: bool = False) -> int:
+        """Output rows of a tiled entry's block at ``stride`` (dwconv_tile_any's TH / SD): half at
+        stride 2, whose patch is twice as wide, so that a 7x7's tall patch (97 KiB) still leaves two
+        blocks a Hopper SM and fits sm_120's 99 KiB a block."""
+        return (self.tile_h_short if short else self.tile_h) // stride
 
     def tile_launch(self, N: int, Ho: int, Wo: int, C: int, g: DwGeometry, short: bool = False) -> LaunchConfig:
         """A tiled entry's grid: (output tiles of every image, channel blocks), its patch in shared
         memory; ``short``: ``_tile_short``'s."""
         positive(N=N, Ho=Ho, Wo=Wo, C=C)
-        rows = self.tile_h_short if short else self.tile_h
-        patch = (rows + g.R - 1) * (self.tile_w + g.width - 1) * self.tile_c * 4
+        rows, sd = self.tile_rows(g.stride, short), g.stride
+        patch = ((rows - 1) * sd + g.R) * ((self.tile_w - 1) * sd + g.width) * self.tile_c * 4
         tiles = N * cdiv(Ho, rows) * cdiv(Wo, self.tile_w)
         return LaunchConfig(grid=(tiles, cdiv(C, self.tile_c), 1), block=(self.tile_threads, 1, 1), shared_bytes=patch)
+
+    def tile_resident(self, launch: LaunchConfig, device: DeviceInfo) -> int:
+        """Blocks of a tiled launch an SM of ``device`` holds at once: :attr:`tile_per_sm`, or fewer
+        where its shared memory (less the 1 KiB the system reserves a block) holds fewer patches;
+        0 where one patch is over what a block may opt in to."""
+        if launch.shared_bytes > device.shared_per_block:
+            return 0
+        return min(self.tile_per_sm, device.shared_per_sm // (launch.shared_bytes + 1024))
 
     def tile_choice(
         self, N: int, Ho: int, Wo: int, C: int, g: DwGeometry, device: DeviceInfo
     ) -> tuple[str, LaunchConfig]:
         """The tiled entry for a launch on ``device`` and its geometry: the tall tile where its
-        blocks make :attr:`tall_waves` full waves of three a SM, else the short one."""
+        blocks make :attr:`tall_waves` full waves of :meth:`tile_resident` a SM, else the short one
+        (whose patch :meth:`prepare_inputs` still checks against the device's limit)."""
         tall = self.tile_launch(N, Ho, Wo, C, g)
-        if tall.grid[0] * tall.grid[1] >= self.tall_waves * device.full_wave(3):
+        resident = self.tile_resident(tall, device)
+        if resident and tall.grid[0] * tall.grid[1] >= self.tall_waves * device.full_wave(resident):
             return self.tile_entry, tall
         return self.tile_short_entry, self.tile_launch(N, Ho, Wo, C, g, short=True)
 
@@ -278,15 +300,17 @@ class DwConvSpec(ElementSpec):
     def prepare_inputs(
         self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors, ctx: LaunchContext
     ) -> PreparedCall:
-        """A tiled entry (:meth:`tile_choice`) where :meth:`tile_path` holds and x, y and the packed
-        weights are 16-byte aligned; else the per-element entry of the dtype."""
+        """A tiled entry (:meth:`tile_choice`) where :meth:`tile_path` holds, x, y and the packed
+        weights are 16-byte aligned and the chosen patch fits the device's shared memory a block;
+        else the per-element entry of the dtype."""
         kw = self.call_args(call, inputs, y, weights)
         x = inputs[0]
         g: DwGeometry = kw["geometry"]
         aligned = all(v % 16 == 0 for v in (kw["x"], kw["y"], kw["w"]))
         if aligned and self.tile_path(x.dtype, g, kw["C"], kw["ldx"], kw["ldy"]):
             entry, launch = self.tile_choice(kw["N"], *tuple(y.shape)[1:3], kw["C"], g, ctx.device)
-            return PreparedCall(entry, launch, self.args(**kw))
+            if self.tile_resident(launch, ctx.device):
+                return PreparedCall(entry, launch, self.args(**kw))
         return PreparedCall(self.entry(x.dtype), self.call_launch(x.dtype, kw), self.args(**kw))
 
     def call_args(self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors) -> dict[str, Any]:
