@@ -18,7 +18,9 @@ from dualtrack.errors import BundleError
 # 2: typed manifest (model integrity, cpu_batch, front-end record). Bundles of format 1 are rebuilt.
 # 3: the weights in weights.bin (ONNX external data of model.onnx) with an index here; reference
 #    cases (verify/cases.npz) for the runtime's first-load check. Bundles of format 2 are rebuilt.
-BUNDLE_FORMAT = 3
+# 4: the depthwise tiled entries take stride 2 with the same arguments (the launch ABI cannot tell): a
+#    format-3 bundle's dwconv image would trap on the launches this version gives them.
+BUNDLE_FORMAT = 4
 
 
 @dataclass(frozen=True)
