@@ -501,7 +501,7 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         by_entry = {c.entry: c for c in self.configs}
         if K > 32:
             k32 = base.cdiv(K, 32) * 32
-            order = (*self.pw_deep, *self.pw_prefer) if C >= self.pw_deep_c else self.pw_prefer
+            order = (*self.pw_deep, *self.pw_prefer) if self.pw_deep_c <= C else self.pw_prefer
             wide = [by_entry[e] for e in order if by_entry[e].bk == bk and by_entry[e].bn <= k32]
             for c in wide:
                 if c.ctas(1, 1, M, K) >= device.full_wave(c.min_blocks):
