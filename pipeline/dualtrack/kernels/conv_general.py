@@ -302,7 +302,8 @@ class ConvGeneralSpec(KernelSpec):
         P, Q = geom.output_hw(p.H, p.W)
         if self.direct_serial(p.N * P * Q, p.C, geom) is not None:
             return None
-        return self.direct_entry, f"K={p.K} <= {self.direct_k}: direct conv"
+        per = f"K/g={p.K // geom.groups}" if geom.groups != 1 else f"K={p.K}"
+        return self.direct_entry, f"{per} <= {self.direct_k}: direct conv"
 
     # --- what the kernel computes -----------------------------------------------------------------
 
