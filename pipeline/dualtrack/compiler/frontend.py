@@ -52,7 +52,7 @@ from dualtrack.compiler.linear_maps import linear_maps_as_matmuls
 from dualtrack.compiler.lower_pad import full_pads
 from dualtrack.compiler.onnx_graph import constants as _graph_constants
 from dualtrack.compiler.resize_maps import iree_cannot_lower, resize_maps, widened_axes
-from dualtrack.compiler.scale_fold import fold_channel_scales
+from dualtrack.compiler.scale_fold import fold_channel_affines
 from dualtrack.compiler.token_layout import tokens_as_images
 from dualtrack.contract.checks import MASK, PROBS
 from dualtrack.contract.plan import parameter_key
@@ -491,14 +491,15 @@ def channel_pad_convs(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelP
     return m
 
 
-def channel_scales(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
-    """Constant per-channel Muls (and Divs) after a Conv folded into its weights (:mod:`.scale_fold`):
-    ConvNeXt's layer scale no longer stands between the block's last conv and its residual Add."""
-    m, folded, refused = fold_channel_scales(model)
+def channel_affines(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """Constant per-channel Mul, Div, Add and Sub after a Conv folded into its weights and bias
+    (:mod:`.scale_fold`): ConvNeXt's layer scale no longer stands between the block's last conv and
+    its residual Add."""
+    m, folded, refused = fold_channel_affines(model)
     if folded:
         more = f" and {len(folded) - 4} more" if len(folded) > 4 else ""
         names = ", ".join(f"'{n}'" for n in folded[:4])
-        what = f"{len(folded)} per-channel constant Mul/Div(s) folded into the Conv before them"
+        what = f"{len(folded)} per-channel constant Mul/Div/Add/Sub(s) folded into the Conv before them"
         log.append(Rewrite("scale", f"{what}: {names}{more}"))
     for why in refused:
         log.append(Rewrite("scale", f"not folded into its Conv: {why}"))
@@ -1056,7 +1057,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     m = check("convtranspose", sub_pixel_convtransposes(m, log))
     m = check("names", unique_parameter_keys(m, log))
     m, precision = convert_precision(m, cfg.precision, log)
-    m = check("scale", channel_scales(m, log))  # after the precision: the range check is the final dtype's
+    m = check("scale", channel_affines(m, log))  # after the precision: the range check is the final dtype's
     body = check("precision", m)
     wrapped = check("wrap", wrap_image_io(m, cfg.preprocess, cfg.postprocess, log))
     full_check(wrapped, f"the model after the front end ({cfg.model.name})")
