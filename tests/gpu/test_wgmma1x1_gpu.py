@@ -233,20 +233,6 @@ def test_every_1x1_configuration(engine: Engine, entries: dict, cfg: kernels.Wgm
         run_conv(engine, entries, (1, 9, 37, c, 72), Activation.named(act), residual=True, entry=cfg.entry)
 
 
-@pytest.mark.parametrize(
-    "shape",
-    [(4, 45, 47, 512, 300), (3, 61, 67, 320, 260), (2, 90, 91, 768, 136)],
-    ids=["bn256_k300", "bn256_c320", "mt2_k136"],
-)
-def test_deep_gemms_take_the_large_tiles(engine: Engine, entries: dict, shape: tuple) -> None:
-    """C >= 256 picks the 128x256 or 256x128 tile (chooser's pw_deep), with edges in M and K and a
-    residual: the large tiles' full and partial CTAs against onnxruntime."""
-    n, h, w, c, k = shape
-    assert WG.choose_pointwise(n * h * w, c, k).entry in WG.pw_deep
-    entry = run_conv(engine, entries, shape, Activation.named("relu"), residual=True)
-    assert entry in WG.pw_deep, entry
-
-
 @pytest.mark.parametrize("kind", ROWS, ids=[k.name for k in ROWS])
 def test_3x3_layers_take_every_activation_too(engine: Engine, entries: dict, kind: Any) -> None:
     """The 3x3 entries share the epilogue: the general conv's 3x3 stride-1 layers with any activation

@@ -219,10 +219,6 @@ WGMMA_CONFIGS: tuple[WgmmaConfig, ...] = (
     # is 3 k-blocks of 32) and its output is as large as its input; stages as many as that leaves.
     WgmmaConfig(bn=128, mt=1, wgs=2, bk=64, stages=3, min_blocks=2, pointwise=True),
     WgmmaConfig(bn=128, mt=1, wgs=2, bk=32, stages=6, min_blocks=2, pointwise=True),
-    # Deep 1x1s (ResNet-50's bottlenecks, C >= 256: four 64-channel k-blocks and more) are GEMMs whose
-    # mainloop outweighs the epilogue: the 3x3 rows' large tiles, one CTA an SM (choose_pointwise).
-    WgmmaConfig(bn=256, mt=1, wgs=2, bk=64, stages=4, min_blocks=1, pointwise=True),
-    WgmmaConfig(bn=128, mt=2, wgs=2, bk=64, stages=4, min_blocks=1, pointwise=True),
     WgmmaConfig(bn=64, mt=1, wgs=2, bk=64, stages=4, min_blocks=2, pointwise=True),
     WgmmaConfig(bn=64, mt=1, wgs=2, bk=32, stages=8, min_blocks=2, pointwise=True),
     WgmmaConfig(bn=64, mt=1, wgs=1, bk=64, stages=4, min_blocks=3, pointwise=True),
@@ -351,10 +347,9 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         "conv3x3_wgmma_bn64_mt1_wg1_bk64_1x1",
     )
     pw_narrow: tuple[str, ...] = ("conv3x3_wgmma_bn32_mt2_wg2_bk64_1x1", "conv3x3_wgmma_bn32_mt2_wg2_bk32_1x1")
-    # A deep 1x1 (C >= pw_deep_c) tries the large tiles first, 128x256 then 256x128 (FCN-ResNet50 at N=8: 32 of its
-    # 1x1s took 3.7 ms of 6.4 on the 128x128 tile, kernel_profile-6fba64a-s9fcn-h100.json).
-    pw_deep: tuple[str, ...] = ("conv3x3_wgmma_bn256_mt1_wg2_bk64_1x1", "conv3x3_wgmma_bn128_mt2_wg2_bk64_1x1")
-    pw_deep_c: int = 256
+    # The 3x3 rows' large tiles (128x256, 256x128, one CTA an SM) as 1x1 entries for deep GEMMs (C >= 256) were
+    # measured slower on the H100: FCN-ResNet50 at N=8 7.61 ms against 6.64 on these tiles, UPerNet 6.55 against
+    # 6.35, the same machine (zoo_bench-02b21b6-s10*-h100.json against -nodeep-); not kept.
     # Split-K (:meth:`splits`): a launch of less than a full wave of CTAs splits its reduction over up
     # to max_splits CTAs a tile, each at least min_split_kb k-blocks, so the GPU fills (ResNet-34's
     # last stages at N=1: 32 CTAs of 64x64 and 72 k-blocks at 16x16x512).
@@ -492,8 +487,7 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
 
     def choose_pointwise(self, M: int, C: int, K: int, *, device: DeviceInfo = REFERENCE) -> WgmmaConfig:
         """The 1x1 entry for an M-pixel GEMM of C -> K channels: k-blocks of 64 channels when
-        ``C % 64 == 0``, else of 32; K <= 32: the 256x32 tile; else :attr:`pw_prefer`'s tiles (after
-        :attr:`pw_deep`'s where C >= :attr:`pw_deep_c`) no
+        ``C % 64 == 0``, else of 32; K <= 32: the 256x32 tile; else :attr:`pw_prefer`'s tiles no
         wider than K rounded up to 32, the first whose CTAs fill the GPU at its occupancy
         (:meth:`DeviceInfo.full_wave` of its ``min_blocks``), else the one that makes the most."""
         base.positive(M=M, C=C, K=K)
@@ -501,8 +495,7 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         by_entry = {c.entry: c for c in self.configs}
         if K > 32:
             k32 = base.cdiv(K, 32) * 32
-            order = (*self.pw_deep, *self.pw_prefer) if self.pw_deep_c <= C else self.pw_prefer
-            wide = [by_entry[e] for e in order if by_entry[e].bk == bk and by_entry[e].bn <= k32]
+            wide = [by_entry[e] for e in self.pw_prefer if by_entry[e].bk == bk and by_entry[e].bn <= k32]
             for c in wide:
                 if c.ctas(1, 1, M, K) >= device.full_wave(c.min_blocks):
                     return c
