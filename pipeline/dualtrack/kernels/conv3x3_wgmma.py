@@ -349,7 +349,7 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
     pw_narrow: tuple[str, ...] = ("conv3x3_wgmma_bn32_mt2_wg2_bk64_1x1", "conv3x3_wgmma_bn32_mt2_wg2_bk32_1x1")
     # The 3x3 rows' large tiles (128x256, 256x128, one CTA an SM) as 1x1 entries for deep GEMMs (C >= 256) were
     # measured slower on the H100: FCN-ResNet50 at N=8 7.61 ms against 6.64 on these tiles, UPerNet 6.55 against
-    # 6.35, the same machine (zoo_bench-02b21b6-s10*-h100.json against -nodeep-); not kept.
+    # 6.35, the same machine (zoo_bench-02b21b6-s10deep-h100.json against zoo_bench-9e8659f-nodeep-s10*); not kept.
     # Split-K (:meth:`splits`): a launch of less than a full wave of CTAs splits its reduction over up
     # to max_splits CTAs a tile, each at least min_split_kb k-blocks, so the GPU fills (ResNet-34's
     # last stages at N=1: 32 CTAs of 64x64 and 72 k-blocks at 16x16x512).
