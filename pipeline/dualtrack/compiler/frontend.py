@@ -50,6 +50,7 @@ from dualtrack.compiler.iree_forms import (
 )
 from dualtrack.compiler.linear_maps import linear_maps_as_matmuls
 from dualtrack.compiler.lower_pad import full_pads
+from dualtrack.compiler.onnx_graph import as_float32
 from dualtrack.compiler.onnx_graph import constants as _graph_constants
 from dualtrack.compiler.resize_maps import iree_cannot_lower, resize_maps, widened_axes
 from dualtrack.compiler.scale_fold import fold_channel_affines
@@ -258,24 +259,7 @@ def float64_as_float32(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.Model
         i.data_type == TensorProto.DOUBLE for i in g.initializer
     ):
         return model
-    model = copy.deepcopy(model)
-    g = model.graph
-
-    def single(t: onnx.TensorProto) -> onnx.TensorProto:
-        return numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name)
-
-    for i, init in enumerate(g.initializer):
-        if init.data_type == TensorProto.DOUBLE:
-            g.initializer[i].CopyFrom(single(init))
-    for vi in [*g.input, *g.output, *g.value_info]:
-        if vi.type.tensor_type.elem_type == TensorProto.DOUBLE:
-            vi.type.tensor_type.elem_type = TensorProto.FLOAT
-    for n in g.node:
-        for a in n.attribute:
-            if a.name == "to" and a.i == TensorProto.DOUBLE:
-                a.i = TensorProto.FLOAT
-            elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.DOUBLE:
-                a.t.CopyFrom(single(a.t))
+    model = as_float32(copy.deepcopy(model), TensorProto.DOUBLE)
     log.append(Rewrite("precision", "float64 computed as float32 (`precision: fp32`): inputs, outputs and weights"))
     return model
 

@@ -69,26 +69,43 @@ def live_nodes(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.Node
     return keep[::-1]
 
 
-__all__ = ["constants", "copy_node", "fresh_name", "live_nodes", "node_attrs", "taken_names", "transpose_perm"]
+__all__ = [
+    "as_float32",
+    "constants",
+    "copy_node",
+    "fresh_name",
+    "live_nodes",
+    "node_attrs",
+    "taken_names",
+    "transpose_perm",
+]
 
 
-def widen_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` computed in fp32, in place: fp16 initializers, tensor attributes (Constant values),
-    ``to`` of Casts and the graph's declared types widened (weights widen exactly). Subgraphs (If, Loop,
-    Scan) are not visited. verify.upcast (the reference of an fp16 engine) and linear_maps' probes call it."""
+def as_float32(model: onnx.ModelProto, elem: int) -> onnx.ModelProto:
+    """``model`` with every tensor of float type ``elem`` (FLOAT16, DOUBLE) as float32, in place:
+    initializers, tensor attributes (Constant values), ``to`` of Casts and the graph's declared types.
+    Subgraphs (If, Loop, Scan) are not visited."""
     g = model.graph
+
+    def single(t: onnx.TensorProto) -> onnx.TensorProto:
+        return numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name)
+
     for i, init in enumerate(g.initializer):
-        if init.data_type == TensorProto.FLOAT16:
-            g.initializer[i].CopyFrom(
-                numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float32), init.name)
-            )
+        if init.data_type == elem:
+            g.initializer[i].CopyFrom(single(init))
     for vi in [*g.input, *g.output, *g.value_info]:
-        if vi.type.tensor_type.elem_type == TensorProto.FLOAT16:
+        if vi.type.tensor_type.elem_type == elem:
             vi.type.tensor_type.elem_type = TensorProto.FLOAT
     for n in g.node:
         for a in n.attribute:
-            if a.name == "to" and a.i == TensorProto.FLOAT16:
+            if a.name == "to" and a.i == elem:
                 a.i = TensorProto.FLOAT
-            elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.FLOAT16:
-                a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float32), a.t.name))
+            elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type == elem:
+                a.t.CopyFrom(single(a.t))
     return model
+
+
+def widen_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` computed in fp32, in place (:func:`as_float32` of FLOAT16; weights widen exactly).
+    verify.upcast (the reference of an fp16 engine) and linear_maps' probes call it."""
+    return as_float32(model, TensorProto.FLOAT16)
