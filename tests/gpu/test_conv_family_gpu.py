@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack import kernels
 from dualtrack.kernels import Activation, ConvGeometry, ConvTGeometry, DwConvSpec, DwGeometry
+from dualtrack.kernels.conv import block_diagonal
 from dualtrack.kernels.convt import pack_convt_general
 from dualtrack.runtime.driver import Kernel
 from dualtrack.runtime.engine import Engine
@@ -77,7 +78,9 @@ GROUPED = [  # (N, H, W, C, K, geometry)
 ]
 
 
-def run_grouped(engine, fns, dtype, shape, geom, off, entry=None) -> None:
+def run_grouped(engine, fns, dtype, shape, geom, off, entry=None, merge=False) -> None:
+    """One grouped conv launch against onnxruntime's; ``merge``: launched as the partition lowers it,
+    its narrow groups merged (ConvGeneralSpec.merged) into block-diagonal weights."""
     n, h, w_, c, k = shape
     x, w, b = data(dtype, (n, h, w_, c), (k, c // geom.groups, geom.R, geom.S), k)
     _, p, q, _ = CONV.output_shape(n, h, w_, c, k, geom=geom)
@@ -90,6 +93,11 @@ def run_grouped(engine, fns, dtype, shape, geom, off, entry=None) -> None:
     want = ACT.apply((y + res.astype(np.float64)).astype(np.float32)).astype(np.float64)
     s = Slices(engine, dtype, off)
     (dx, ldx), (dr, ldr), (dy, ldy) = s.input(x), s.input(res), s.output((n, p, q, k))
+    onnx_groups = geom.groups
+    if merge:
+        geom = CONV.merged(dtype, c, k, geom)
+        assert geom.merge > 1
+        w = block_diagonal(w, onnx_groups, geom.merge)
     wp, bp = kernels.pack_conv_weights(w, b, any_size=True)
     entry = entry or CONV.variant(dtype, n, h, w_, c, k, geom)  # what the chooser runs: wgmma takes no groups
     cfg = CONV.launch(dtype, n, h, w_, c, k, geom=geom, entry=entry)
@@ -98,7 +106,7 @@ def run_grouped(engine, fns, dtype, shape, geom, off, entry=None) -> None:
         ldx=ldx, ldy=ldy, ldr=ldr, act=ACT,
     )  # fmt: skip
     fns[entry].launch(cfg.grid, cfg.block, cfg.shared_bytes, engine.backend.stream, args)
-    check(s.result(), want, dtype, x, w, c // geom.groups * geom.R * geom.S)
+    check(s.result(), want, dtype, x, w, c // onnx_groups * geom.R * geom.S)
 
 
 @pytest.mark.parametrize("off", [0, 3])
@@ -108,6 +116,23 @@ def run_grouped(engine, fns, dtype, shape, geom, off, entry=None) -> None:
 )
 def test_grouped_conv_with_residual_and_activation(engine, fns, dtype, shape, geom, off) -> None:
     run_grouped(engine, fns, dtype, shape, geom, off)
+
+
+MERGED = [  # (N, H, W, C, K, ONNX's geometry): narrow groups the partition lowers merged
+    (2, 33, 31, 128, 128, ConvGeometry(3, 3, 2, 2, 1, 1, 1, 1, 1, 1, groups=32)),  # ResNeXt's 4 a group, stride 2
+    (1, 20, 22, 256, 256, ConvGeometry(3, 3, 1, 1, 1, 1, 1, 1, 1, 1, groups=32)),  # 8 a group
+    (1, 17, 19, 72, 72, ConvGeometry(3, 3, 1, 1, 2, 2, 2, 2, 2, 2, groups=24)),  # 3 a group -> 24, dilation 2
+    (1, 9, 12, 64, 128, ConvGeometry(5, 5, 1, 1, 1, 1, 2, 1, 2, 3, groups=16)),  # 4 -> 8 a group, uneven pads
+    (1, 10, 9, 512, 512, ConvGeometry(3, 3, 1, 1, 1, 1, 1, 1, 1, 1, groups=32)),  # 16 a group -> 32
+]
+
+
+@pytest.mark.parametrize("off", [0, 3])
+@pytest.mark.parametrize(
+    ("shape", "geom"), [(s[:5], s[5]) for s in MERGED], ids=["g32x4s2", "g32x8", "g24x3", "g16x4to8", "g32x16"]
+)
+def test_merged_groups_on_the_gpu(engine, fns, shape, geom, off) -> None:
+    run_grouped(engine, fns, "float16", shape, geom, off, merge=True)
 
 
 @pytest.mark.parametrize("entry", list(CONV.f16_tiles()))

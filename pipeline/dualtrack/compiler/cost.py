@@ -45,7 +45,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -265,6 +265,7 @@ class ConvTarget:
         geom = _conv_window(node, w_shape)
         if geom is None or len(w_shape) != 4:
             return None
+        geom = _merged(geom, dtype, c, w_shape[0])
         call = KernelCall("conv", ("x",), ("y",), ("w",), (*geom.attrs(), ("act", 0), ("residual", 0)), (node.name,))
         off = None if self.wgmma else "the target's image has no wgmma kernel"
         return conv_choice(ConvProblem.dense(batch, h, w, c, w_shape[0], dtype), self.device, call=call, wgmma_off=off)
@@ -290,6 +291,24 @@ def _conv_window(node: onnx.NodeProto, w_shape: Sequence[int]) -> ConvGeometry |
     (sh, sw), (dh, dw) = a.get("strides", (1, 1)), a.get("dilations", (1, 1))
     pads = list(a.get("pads", (0, 0, 0, 0)))
     return ConvGeometry(ks[0], ks[1], sh, sw, dh, dw, pads[0], pads[1], pads[2], pads[3], int(a.get("group", 1)))
+
+
+def _merged(geom: ConvGeometry, dtype: str, c: int, k: int) -> ConvGeometry:
+    """The window as the partition lowers it: the general conv's narrow groups merged."""
+    conv = KERNELS["conv"]
+    return conv.merged(dtype, c, k, geom) if isinstance(conv, ConvGeneralSpec) else geom
+
+
+def conv_merge(node: onnx.NodeProto, specs: Mapping[str, tuple[tuple[int, ...], str]]) -> int:
+    """How many ONNX groups a launched group of this Conv node holds on the general conv (1: none):
+    its block-diagonal weights multiply-add that many times the node's own work."""
+    if node.op_type != "Conv" or node.input[0] not in specs or node.input[1] not in specs:
+        return 1
+    (x_shape, dtype), w_shape = specs[node.input[0]], specs[node.input[1]][0]
+    geom = _conv_window(node, w_shape)
+    if geom is None or len(x_shape) != 4 or len(w_shape) != 4:
+        return 1
+    return _merged(geom, dtype, x_shape[1], w_shape[0]).merge
 
 
 @dataclass(frozen=True)
@@ -430,6 +449,8 @@ def node_cost(
     time stays the node's."""
     own = node_work(node, specs, inits)
     a_work = work or own
+    if kernel == "conv" and work is None and (m := conv_merge(node, specs)) > 1:
+        a_work = replace(a_work, flops=a_work.flops * m)  # the merged groups' zeros
 
     def roofline(r: TrackRates, b: int, w: Work = a_work) -> float:
         return r.time_us(b * w.flops, b * w.act_bytes + w.weight_bytes)

@@ -1187,8 +1187,9 @@ def _dense_conv(node: onnx.NodeProto, ep: _Epilogue, specs: dict) -> tuple[str, 
     and epilogue (bias, ReLU) fit, as before the general conv existed (except a 3x3 conv on a large
     image with few enough output channels for the general conv's direct entry, :data:`DIRECT_MIN_PIXELS`:
     a segmentation head, whose tensor-core tiles would be mostly empty); else the general ``conv``,
-    with its geometry and why its spec's :meth:`~dualtrack.kernels.ConvGeneralSpec.supports` refuses
-    it (None where it takes it)."""
+    with its geometry (narrow groups merged: :meth:`~dualtrack.kernels.ConvGeneralSpec.merged`) and
+    why its spec's :meth:`~dualtrack.kernels.ConvGeneralSpec.supports` refuses it (None where it
+    takes it)."""
     x_shape, dtype = specs[node.input[0]]
     w_shape = specs[node.input[1]][0]
     spec = kernels.KERNELS["conv"]
@@ -1208,7 +1209,8 @@ def _dense_conv(node: onnx.NodeProto, ep: _Epilogue, specs: dict) -> tuple[str, 
     if geom is None:
         return "conv", None, why
     (_, c, h, w), k = x_shape, w_shape[0]
-    return "conv", geom, spec.supports(dtype, h, w, c, k, geom)
+    why = spec.supports(dtype, h, w, c, k, geom)
+    return "conv", geom if why else spec.merged(dtype, c, k, geom), why
 
 
 def _conv_call(

@@ -20,7 +20,9 @@ from dualtrack.errors import BundleError
 #    cases (verify/cases.npz) for the runtime's first-load check. Bundles of format 2 are rebuilt.
 # 4: the depthwise tiled entries take stride 2 with the same arguments (the launch ABI cannot tell): a
 #    format-3 bundle's dwconv image would trap on the launches this version gives them.
-BUNDLE_FORMAT = 4
+# 5: a grouped conv may run as fewer, wider groups of block-diagonal weights (the `merge` attribute): a
+#    format-4 runtime would read the merged call with ONNX's weights.
+BUNDLE_FORMAT = 5
 
 
 @dataclass(frozen=True)

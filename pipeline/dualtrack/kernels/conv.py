@@ -5,7 +5,8 @@
   (conv3x3's portable kernel, conv1x1, convt2x2).
 - :class:`GemmTiles`: the fp16 (tensor-core) and fp32 (SIMT) tile fields of the GEMM-shaped
   kernels, and their ``-D`` macros under a source's prefix (``CONV_F16_BM``, ``CONVT_F32_TN``...).
-- :func:`pack_conv_weights`: ONNX conv weights -> KRSC and an fp32 bias.
+- :func:`pack_conv_weights`: ONNX conv weights -> KRSC and an fp32 bias; :func:`block_diagonal`:
+  a grouped conv's weights as those of fewer, wider groups (the general conv's merged groups).
 - :func:`conv3x3_reference`: the conv3x3 op's numpy semantics, which its two kernels
   (conv3x3_nhwc and the Hopper conv3x3_wgmma) both compute (their specs' :class:`Conv3x3Reference`).
 """
@@ -38,6 +39,21 @@ def pack_conv_weights(
     if bias.shape != (w.shape[0],):
         raise InputError(f"conv bias has shape {bias.shape}; expected ({w.shape[0]},)")
     return packed, np.ascontiguousarray(bias, dtype=np.float32)
+
+
+def block_diagonal(w: np.ndarray, groups: int, merge: int) -> np.ndarray:
+    """ONNX weights (K, C/groups, R, S) of a ``groups``-group conv as those of the same conv in
+    groups/merge groups, (K, merge*C/groups, R, S): each filter keeps its own group's values at that
+    group's place among the ``merge`` it now shares, and zeros elsewhere, so it reads nothing else."""
+    K, cg, R, S = w.shape
+    if merge < 1 or groups % merge or K % groups:
+        raise InputError(f"cannot merge {groups} groups of {K} filters by {merge}: it must divide both")
+    kg = K // groups
+    parts = w.reshape(groups // merge, merge, kg, cg, R, S)
+    out = np.zeros((groups // merge, merge, kg, merge, cg, R, S), w.dtype)
+    for i in range(merge):
+        out[:, i, :, i] = parts[:, i]
+    return out.reshape(K, merge * cg, R, S)
 
 
 def named_weights(call: KernelCall, packed: tuple[np.ndarray, np.ndarray | None]) -> dict[str, np.ndarray]:

@@ -125,8 +125,8 @@ class ConvFp8Spec(base.KernelSpec):
         """None when the e4m3 rows compute this call (the compiler asks before it lowers a conv to
         conv_fp8; ``C``, ``K``: the input and output channels, checked where given), else why not."""
         g = self.geometry(call)
-        if g.groups != 1:
-            return f"group={g.groups}: conv_fp8 takes group 1"
+        if g.groups * g.merge != 1:
+            return f"group={g.groups * g.merge}: conv_fp8 takes group 1"
         if (g.R, g.S) not in WINDOWS or (g.stride_h, g.stride_w, g.dil_h, g.dil_w) != (1, 1, 1, 1):
             return f"{g.label()}: conv_fp8 takes 3x3 and 1x1 windows, stride 1, dilation 1"
         pad = WINDOWS[(g.R, g.S)]

@@ -27,7 +27,7 @@ the epilogue (bias, residual, activation, one rounding into the output's channel
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -52,7 +52,7 @@ from dualtrack.kernels.base import (
     positive,
     typed,
 )
-from dualtrack.kernels.conv import named_weights, pack_conv_weights
+from dualtrack.kernels.conv import block_diagonal, named_weights, pack_conv_weights
 from dualtrack.kernels.conv3x3 import F16Tile
 from dualtrack.kernels.conv3x3_wgmma import Conv3x3WgmmaSpec
 from dualtrack.kernels.conv_stem import StemTile
@@ -80,6 +80,9 @@ class ConvGeometry:
     pad_bottom: int = 0
     pad_right: int = 0
     groups: int = 1  # ONNX ``group``: C and K split into this many independent convolutions
+    # ONNX groups one of those holds (ConvGeneralSpec.merged): the packed weights are block-diagonal
+    # over them, so the launch computes ``groups`` wider groups; ONNX's group is groups * merge.
+    merge: int = 1
 
     def output_hw(self, H: int, W: int) -> tuple[int, int]:
         """(P, Q): output rows and columns on an H x W input (ONNX's floor rule)."""
@@ -88,9 +91,9 @@ class ConvGeometry:
         return P, Q
 
     def attrs(self) -> tuple[tuple[str, int], ...]:
-        """The geometry as :class:`KernelCall` attributes (``groups`` only where it is not 1, so a
-        group-1 call reads as it did before groups existed)."""
-        return tuple((k, v) for k, v in asdict(self).items() if k != "groups" or v != 1)
+        """The geometry as :class:`KernelCall` attributes (``groups`` and ``merge`` only where they are
+        not 1, so a group-1 call reads as it did before groups existed)."""
+        return tuple((k, v) for k, v in asdict(self).items() if k not in ("groups", "merge") or v != 1)
 
     @classmethod
     def from_call(cls, call: KernelCall) -> ConvGeometry:
@@ -109,8 +112,8 @@ class ConvGeometry:
             return f"strides {self.stride_h},{self.stride_w} dilations {self.dil_h},{self.dil_w}: each must be >= 1"
         if min(self.pad_top, self.pad_left, self.pad_bottom, self.pad_right) < 0:
             return "negative padding (a crop)"
-        if self.groups < 1:
-            return f"group={self.groups}: must be >= 1"
+        if self.groups < 1 or self.merge < 1:
+            return f"group={self.groups} merge={self.merge}: each must be >= 1"
         return None
 
     def group_problem(self, C: int, K: int) -> str | None:
@@ -122,6 +125,8 @@ class ConvGeometry:
     def label(self) -> str:
         pads = (self.pad_top, self.pad_left, self.pad_bottom, self.pad_right)
         grouped = f" group {self.groups}" if self.groups != 1 else ""
+        if self.merge != 1:
+            grouped = f" group {self.groups * self.merge} as {self.groups} merged"
         return (
             f"{self.R}x{self.S} stride {self.stride_h},{self.stride_w} dilation {self.dil_h},{self.dil_w} "
             f"pads {','.join(map(str, pads))}{grouped}"
@@ -178,6 +183,16 @@ class ConvGeneralSpec(KernelSpec):
     direct_pixels: int = 32768
     # The direct entry's grid-stride loop: at most this many blocks per SM, enough to hide latency.
     direct_blocks_per_sm: int = 16
+    # Narrow groups merged (:meth:`merged`). ResNeXt-50's 3x3s of 4 and 8 channels a group ran the
+    # direct entry, a thread a pixel reading 8- and 16-byte pieces a tap: 8 launches took 3.97 of
+    # 7.59 ms at batch 8 on the H100 (kernel_profile-9e8659f-nodeep-s10resnext-h100.log). Merged,
+    # neighbouring groups are one group of block-diagonal weights up to merge_width channels each
+    # way: a full k-tile and N tile of the narrow tile for merge-fold multiply-adds (the zeros),
+    # which its tensor cores have to spare. At most merge_max groups (the zeros' cost), and only where
+    # a merged group reaches merge_min_width input channels (half a k-tile).
+    merge_width: int = 32
+    merge_min_width: int = 16
+    merge_max: int = 8
     # Nothing below small: a 64x32 tile with twice its blocks measured slower (docs/performance.md).
     # The Hopper kernel that its 3x3 stride-1 layers run where the device has it (None: none). On
     # the H200 it took ResNet-34's residual convs at 16x16..128x128 in about 60% of the small
@@ -260,6 +275,30 @@ class ConvGeneralSpec(KernelSpec):
         if self.direct_weights < K * geom.R * geom.S * C:
             return f"K*R*S*C = {K * geom.R * geom.S * C} fp32 filter values exceed its {self.direct_weights}"
         return None
+
+    def group_merge(self, dtype: Any, C: int, K: int, geom: ConvGeometry) -> int:
+        """How many neighbouring ONNX groups of a C -> K conv one launched group holds (1: none): the
+        largest m <= :attr:`merge_max` dividing the groups with m*C/g and m*K/g <= :attr:`merge_width`
+        and m*C/g >= :attr:`merge_min_width`, one with m*C/g a multiple of 8 (the vector path's 16-byte
+        copies) first. fp16 only: the fp32 entry's SIMT GEMM has no multiply-adds to spare."""
+        G = geom.groups
+        if dtype_name(dtype) != "float16" or G == 1 or geom.merge != 1 or geom.group_problem(C, K):
+            return 1
+        cg, kg = C // G, K // G
+        fits = [
+            m
+            for m in range(2, self.merge_max + 1)
+            if G % m == 0 and max(m * cg, m * kg) <= self.merge_width and m * cg >= self.merge_min_width
+        ]
+        return max(fits, key=lambda m: (m * cg % 8 == 0, m)) if fits else 1
+
+    def merged(self, dtype: Any, C: int, K: int, geom: ConvGeometry) -> ConvGeometry:
+        """``geom`` with :meth:`group_merge`'s groups merged (``groups`` the launched ones, ``merge``
+        ONNX's a launched one holds); ``geom`` itself where none merge. The partition lowers a Conv
+        with this geometry, so the launch, the chooser, the reference and the plan all see the merged
+        groups, and :meth:`pack_weights` makes their block-diagonal weights."""
+        m = self.group_merge(dtype, C, K, geom)
+        return geom if m == 1 else replace(geom, groups=geom.groups // m, merge=m)
 
     # --- the Hopper kernel ------------------------------------------------------------------------
 
@@ -559,8 +598,14 @@ class ConvGeneralSpec(KernelSpec):
     # --- a plan's call ----------------------------------------------------------------------------
 
     def pack_weights(self, call: KernelCall, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """KRSC weights and the fp32 bias; a call of merged groups (``merge`` > 1) gets its
+        block-diagonal weights (:func:`~dualtrack.kernels.conv.block_diagonal`) from ONNX's."""
         bias = weights[call.weights[1]] if len(call.weights) > 1 else None
-        return named_weights(call, pack_conv_weights(weights[call.weights[0]], bias, any_size=True))
+        w = weights[call.weights[0]]
+        g = ConvGeometry.from_call(call)
+        if g.merge != 1:
+            w = block_diagonal(w, g.groups * g.merge, g.merge)
+        return named_weights(call, pack_conv_weights(w, bias, any_size=True))
 
     def reference(
         self,
