@@ -25,7 +25,12 @@ the rows and per-batch totals (weighted by how often each shape occurs) as JSON.
 their 8-channel twins) on every fp16 entry that takes them, so one run shows the stem entries
 (``_stem``, ``_stem_narrow``: the patch in shared memory) beside the ``_gather`` entry they replace.
 
-``--net unet``: the reference U-Net's 3x3 layers (models/, 512x512) instead of ResNet-34's. ``--net split``:
+``--net fcn``: torchvision FCN-ResNet50's 1x1 and dilated 3x3 layers; ``--net resnext``: smp
+Unet-resnext50's grouped 3x3s, ``ours_ms`` their ONNX groups as they are and ``engine_ms`` as the
+partition lowers them (narrow groups merged, ``engine_merge``). ``--wgmma-variants`` (sm_90a): every
+wgmma configuration of the layer's window forced on it, checked and timed (``wgmma_ms``), to fit
+the chooser. ``--net unet``: the reference U-Net's 3x3 layers (models/, 512x512) instead of ResNet-34's.
+``--net split``:
 convolutions whose output tiles cannot fill the GPU while their reduction is deep, the ones split-K
 is for (PAN-resnet34's FPA 7x7 512 -> 1 on 8x8 pixels, and shapes no zoo model has): ``ours_ms`` is
 then the unsplit tile entry and ``engine_ms`` what the engine runs (the split, ``engine_reason``
@@ -58,7 +63,8 @@ from dualtrack.compiler.kernel_build import SOURCE_DIR, ptx_path
 from dualtrack.contract.arch import PTX_ARCHES, choose_image
 from dualtrack.contract.plan import KernelCall, f32_bits
 from dualtrack.errors import InputError
-from dualtrack.kernels import KERNELS, Activation, ConvChoice, ConvGeometry, DeviceInfo
+from dualtrack.kernels import KERNELS, Activation, ConvChoice, ConvGeometry, DeviceInfo, pack_conv_weights
+from dualtrack.kernels.conv import block_diagonal
 from dualtrack.runtime import tma
 from dualtrack.runtime.driver import Device, Module, Stream
 from dualtrack.runtime.tensors import GpuTensor
@@ -82,21 +88,29 @@ class Layer:
     residual: bool
     relu: bool
     groups: int = 1
+    dil: int = 1
 
     @property
     def geom(self) -> ConvGeometry:
-        p = self.R // 2
+        p = self.dil * (self.R // 2)
         return ConvGeometry(
             self.R,
             self.R,
             self.stride,
             self.stride,
+            self.dil,
+            self.dil,
             pad_top=p,
             pad_left=p,
             pad_bottom=p,
             pad_right=p,
             groups=self.groups,
         )
+
+    @property
+    def engine_geom(self) -> ConvGeometry:
+        """The geometry the partition lowers (fp16): narrow groups merged (ConvGeneralSpec.merged)."""
+        return SPEC.merged("float16", self.C, self.K, self.geom) if self.op == "conv" else self.geom
 
 
 LAYERS = (
@@ -160,7 +174,42 @@ SPLIT_LAYERS = (
     # --splits times the narrow tile split beside it, --variants every entry.
     Layer("3x3 512->1 on 8x8", "conv", 0, 8, 8, 512, 1, 3, 1, False, True),
 )
-NETS = {"resnet34": LAYERS, "unet": UNET_LAYERS, "split": SPLIT_LAYERS}
+# torchvision FCN-ResNet50 (--net fcn) at 512x512: its distinct 1x1 layers (the bottlenecks' reduce and
+# expand, the expand with the residual Add and ReLU fused; the wgmma kernel's _1x1 entries on sm_90a) and
+# its dilated 3x3s (layers 3 and 4 keep 64x64 with dilation 2 and 4). uses: how often each shape occurs.
+FCN_LAYERS = (
+    Layer("l1.0 reduce 64", "conv", 1, 128, 128, 64, 64, 1, 1, False, True),
+    Layer("l1 reduce 256", "conv", 2, 128, 128, 256, 64, 1, 1, False, True),
+    Layer("l1 expand+res", "conv", 3, 128, 128, 64, 256, 1, 1, True, True),
+    Layer("l1.0 down", "conv", 1, 128, 128, 64, 256, 1, 1, False, False),
+    Layer("l2.0 reduce", "conv", 1, 128, 128, 256, 128, 1, 1, False, True),
+    Layer("l2 reduce", "conv", 3, 64, 64, 512, 128, 1, 1, False, True),
+    Layer("l2 expand+res", "conv", 4, 64, 64, 128, 512, 1, 1, True, True),
+    Layer("l3.0 reduce", "conv", 1, 64, 64, 512, 256, 1, 1, False, True),
+    Layer("l3 reduce", "conv", 5, 64, 64, 1024, 256, 1, 1, False, True),
+    Layer("l3 expand+res", "conv", 6, 64, 64, 256, 1024, 1, 1, True, True),
+    Layer("l3.0 down", "conv", 1, 64, 64, 512, 1024, 1, 1, False, False),
+    Layer("l4.0 reduce", "conv", 1, 64, 64, 1024, 512, 1, 1, False, True),
+    Layer("l4 reduce", "conv", 2, 64, 64, 2048, 512, 1, 1, False, True),
+    Layer("l4 expand+res", "conv", 3, 64, 64, 512, 2048, 1, 1, True, True),
+    Layer("l4.0 down", "conv", 1, 64, 64, 1024, 2048, 1, 1, False, False),
+    Layer("l3 3x3 d2", "conv", 6, 64, 64, 256, 256, 3, 1, False, True, dil=2),
+    Layer("l4 3x3 d4", "conv", 3, 64, 64, 512, 512, 3, 1, False, True, dil=4),
+    Layer("head 3x3", "conv", 1, 64, 64, 2048, 512, 3, 1, False, True),
+)
+
+# smp Unet-resnext50_32x4d's grouped 3x3s (--net resnext) at 512x512: 32 groups of 4, 8, 16 and 32 channels.
+# ``ours_ms`` is the general conv's entry for the ONNX groups as they are (the direct entry for 4 and 8 a
+# group), ``engine_ms`` the launch as the partition lowers it: narrow groups merged into block-diagonal weights.
+RESNEXT_LAYERS = (
+    Layer("l1 g32x4", "conv", 3, 128, 128, 128, 128, 3, 1, False, True, 32),
+    Layer("l2.0 g32x8 /2", "conv", 1, 128, 128, 256, 256, 3, 2, False, True, 32),
+    Layer("l2 g32x8", "conv", 3, 64, 64, 256, 256, 3, 1, False, True, 32),
+    Layer("l3.0 g32x16 /2", "conv", 1, 64, 64, 512, 512, 3, 2, False, True, 32),
+    Layer("l3 g32x16", "conv", 5, 32, 32, 512, 512, 3, 1, False, True, 32),
+    Layer("l4 g32x32", "conv", 2, 16, 16, 1024, 1024, 3, 1, False, True, 32),
+)
+NETS = {"resnet34": LAYERS, "unet": UNET_LAYERS, "split": SPLIT_LAYERS, "fcn": FCN_LAYERS, "resnext": RESNEXT_LAYERS}
 
 
 def median_ms(fn, iters: int) -> float:
@@ -205,7 +254,7 @@ def _t(t: torch.Tensor) -> GpuTensor:
 def engine_launch(kernels: dict, stream: Stream, ctx: EngineContext, layer: Layer, tensors: dict):
     """The launch the engine prepares for this layer's op (conv3x3 or the general conv), as a
     callable, and its (impl, entry, why)."""
-    g, act = layer.geom, Activation.named("relu" if layer.relu else "none")
+    g, act = layer.engine_geom, Activation.named("relu" if layer.relu else "none")
     ins = ("x", "r") if layer.residual else ("x",)
     if layer.op == "conv3x3":
         call = KernelCall("conv3x3", ins, ("y",), ("w", "b"), (("relu", int(layer.relu)),), (layer.name,))
@@ -213,7 +262,8 @@ def engine_launch(kernels: dict, stream: Stream, ctx: EngineContext, layer: Laye
         attrs = (*g.attrs(), *act.attrs(), ("residual", int(layer.residual)))
         call = KernelCall("conv", ins, ("y",), ("w", "b"), attrs, (layer.name,))
     inputs = [_t(tensors[i]) for i in ins]
-    p = KERNELS[layer.op].prepare_inputs(call, inputs, _t(tensors["y"]), [_t(tensors["w"]), _t(tensors["b"])], ctx)
+    w = tensors["w_engine"] if "w_engine" in tensors else tensors["w"]
+    p = KERNELS[layer.op].prepare_inputs(call, inputs, _t(tensors["y"]), [_t(w), _t(tensors["b"])], ctx)
     impl, why = (p.choice.impl, p.choice.reason) if p.choice is not None else ("mma.sync", "variant()")
     entry = p.choice.entry if p.choice is not None else p.entry  # a split's tile, not its summing entry
     return prepared_launch(kernels, stream, p), impl, entry, why
@@ -300,6 +350,37 @@ def fp8_row(kernels: dict, stream: Stream, ctx: EngineContext, layer: Layer, ten
     return row
 
 
+def wgmma_rows(kernels, stream, ctx, layer: Layer, n: int, x, w, b, res, y, ref, iters: int) -> dict:
+    """Every fp16 wgmma configuration of the layer's window (the ``_1x1`` entries for a 1x1, the per-tap
+    and column-copy ones for a 3x3 of dilation 1, per-tap only where dilated) forced on it, unsplit, each
+    checked against ``ref`` first: entry -> median ms, or why it was skipped / failed."""
+    hopper = KERNELS["conv3x3"].hopper  # type: ignore[attr-defined]
+    g = layer.geom
+    if g.groups != 1 or (g.R, g.S) not in ((1, 1), (3, 3)) or layer.stride != 1:
+        return {}
+    act = Activation.named("relu" if layer.relu else "none")
+    out: dict[str, float | str] = {}
+    for cfg in hopper.configs:
+        if cfg.pointwise != (g.R == 1) or (cfg.halo_tw and layer.dil != 1):
+            continue
+        choice = ConvChoice("wgmma", cfg.entry, "forced", 1)
+        try:
+            p = hopper.prepare_entry(
+                choice, _t(x), _t(y), [_t(w), _t(b)], act, ctx, res=None if res is None else _t(res), dil=layer.dil
+            )
+        except InputError as exc:
+            out[cfg.entry] = f"skipped: {exc}"
+            continue
+        fn = prepared_launch(kernels, stream, p)
+        y.fill_(float("nan"))
+        fn()
+        torch.cuda.synchronize()
+        got = y.permute(0, 3, 1, 2).float()
+        rel = float((got - ref).norm() / ref.norm()) if torch.isfinite(got).all() else float("inf")
+        out[cfg.entry] = median_ms(fn, iters) if rel <= TOL else f"FAILED: rel_l2 {rel:.1e}"
+    return out
+
+
 def run_layer(
     kernels: dict,
     stream: Stream,
@@ -310,6 +391,7 @@ def run_layer(
     ctx: EngineContext | None = None,
     fp8: bool = False,
     splits: tuple[int, ...] = (),
+    wgmma_variants: bool = False,
 ) -> dict:
     g = layer.geom
     _, p, q, _ = SPEC.output_shape(n, layer.H, layer.W, layer.C, layer.K, geom=g)
@@ -336,8 +418,9 @@ def run_layer(
     torch.cuda.synchronize()
     x_cl = x.permute(0, 3, 1, 2)  # NHWC data = a channels_last NCHW tensor, no copy
     w_cl = w.permute(0, 3, 1, 2)
-    pad = layer.R // 2
-    ref = F.conv2d(x_cl.float(), w_cl.float(), b, stride=layer.stride, padding=pad, groups=layer.groups)
+    pad = layer.dil * (layer.R // 2)
+    conv = {"stride": layer.stride, "padding": pad, "dilation": layer.dil, "groups": layer.groups}
+    ref = F.conv2d(x_cl.float(), w_cl.float(), b, **conv)
     if res is not None:
         ref = ref + res.permute(0, 3, 1, 2).float()
     if layer.relu:
@@ -350,6 +433,12 @@ def run_layer(
     if ctx is not None:
         y.fill_(float("nan"))
         tensors = {"x": x, "w": w, "b": b, "r": res, "y": y}
+        merge = layer.engine_geom.merge
+        if merge > 1:  # the partition's block-diagonal weights of the merged groups, KRSC
+            onnx_w = w.permute(0, 3, 1, 2).cpu().numpy()
+            packed = pack_conv_weights(block_diagonal(onnx_w, layer.groups, merge), any_size=True)[0]
+            tensors["w_engine"] = torch.from_numpy(packed).cuda()
+            row["engine_merge"] = merge
         engine, impl, engine_entry, why = engine_launch(kernels, stream, ctx, layer, tensors)
         engine()
         torch.cuda.synchronize()
@@ -366,9 +455,7 @@ def run_layer(
                 row["fp8_speedup"] = row["engine_ms"] / row["fp8_ms"]
     row["ours_ms"] = median_ms(ours, iters)
     bh = b.half()
-    row["cudnn_ms"] = median_ms(
-        lambda: F.conv2d(x_cl, w_cl, bh, stride=layer.stride, padding=pad, groups=layer.groups), iters
-    )
+    row["cudnn_ms"] = median_ms(lambda: F.conv2d(x_cl, w_cl, bh, **conv), iters)
     row["ratio"] = row["ours_ms"] / row["cudnn_ms"]
     if "engine_ms" in row:
         row["engine_ratio"] = row["engine_ms"] / row["cudnn_ms"]
@@ -391,6 +478,8 @@ def run_layer(
             srel = float((got - ref).norm() / ref.norm()) if torch.isfinite(got).all() else float("inf")
             row["splits_ms"][str(s)] = median_ms(fn, iters) if srel <= TOL else f"FAILED: rel_l2 {srel:.1e}"
             row["passed"] = row["passed"] and srel <= TOL
+    if wgmma_variants and ctx is not None and ctx.wgmma_off is None:
+        row["wgmma_ms"] = wgmma_rows(kernels, stream, ctx, layer, n, x, w, b, res, y, ref, iters)
     if variants:  # every fp16 entry that takes this layer (same arguments), to check the selection policy
         row["variants_ms"] = {}
         for e in (*SPEC.f16_tiles(), SPEC.direct_entry, *SPEC.stem_tiles()):
@@ -413,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
         "--splits", type=int, nargs="+", default=[], help="also time the mma.sync entry at these split-K counts"
     )
     ap.add_argument("--fp8", action="store_true", help="also run each layer as quantize_fp8 + conv_fp8 (sm_90a)")
+    ap.add_argument(
+        "--wgmma-variants", action="store_true", help="also time every wgmma configuration of each layer's window"
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("conv_layers: needs a CUDA GPU and torch with CUDA", file=sys.stderr)
@@ -449,8 +541,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.only and args.only not in layer.name:
                 continue
             row = run_layer(
-                kernels, stream, layer, n, args.iters, args.variants, engine_ctx, args.fp8, tuple(args.splits)
-            )
+                kernels, stream, layer, n, args.iters, args.variants, engine_ctx, args.fp8, tuple(args.splits),
+                args.wgmma_variants,
+            )  # fmt: skip
             rows.append(row)
             times = f"{row['ours_ms']:8.4f} {row['cudnn_ms']:8.4f} {row['ratio']:6.2f}" if row["passed"] else "  FAILED"
             if row["passed"] and "engine_ms" in row:
@@ -470,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
                 auto = " (the chooser's)" if int(s) == row.get("mma_splits") else ""
                 tile = row["split_entry"].removeprefix("conv_nhwc_")
                 print(f"{'':30} {tile + ' x' + s + auto:22} {'':8} {shown}")
-            for e, ms in row.get("variants_ms", {}).items():
+            for e, ms in {**row.get("wgmma_ms", {}), **row.get("variants_ms", {})}.items():
                 shown = f"{ms:8.4f}" if isinstance(ms, float) else ms
                 print(f"{'':30} {e.removeprefix('conv_nhwc_'):22} {'':8} {shown}")
     totals = {}

@@ -12,7 +12,10 @@ conv3x3_wgmma instead (its ``_1x1`` entries for the 1x1 ones; :func:`~dualtrack.
 
 A grouped convolution (ResNeXt's 32 groups, any C/g and K/g) is the same GEMM per group, one grid
 layer (``grid.z``) a group on channel slices: its launch passes the channels of one group and the
-chooser sizes its tile for that group's GEMM. Depthwise convolutions are the dwconv op's
+chooser sizes its tile for that group's GEMM. Narrow groups (a few channels each, ResNeXt's 4 and 8)
+are merged first (:meth:`ConvGeneralSpec.merged`, the call's ``merge`` attribute): ``merge``
+neighbouring groups run as one of block-diagonal weights, so the GEMM fills a tile's k-block and
+columns, at the cost of multiply-adds by the zeros. Depthwise convolutions are the dwconv op's
 (:mod:`dualtrack.kernels.dwconv`): with one input channel a group every load here would be a
 strided 2-byte read, where dwconv reads neighbouring channels together.
 
