@@ -8,6 +8,10 @@ CONFIG  ?= configs/unet.yaml
 BUNDLE  ?= build/unet
 # The CPU torch wheel (pip's find-links); a bare `torch` from PyPI is a multi-GB CUDA build. ZOO_TORCH= to skip.
 ZOO_TORCH ?= 'torch==2.13.0'
+# `make test` runs the suite on this many pytest-xdist workers (CI: two cores): a test file's cases on one worker, but
+# for the cases marked `spread` and the files sharing the fp16 bundles (tests/conftest.py's scheduler says how).
+# TEST_WORKERS=0 runs it in the one pytest process.
+TEST_WORKERS ?= 2
 DEVICE  ?= $(shell (nvidia-smi -L >/dev/null 2>&1 && echo cuda) || echo cpu)
 
 .PHONY: install models ptx build run test gpu-test bench lint clean zoo zoo-deps ray-deps conformance
@@ -37,7 +41,7 @@ run: build  ## build the reference bundle and segment the sample image (GPU if t
 
 test: $(BIN)/dualtrack  ## the test suite (GPU tests skip without a GPU)
 	$(BIN)/ruff check pipeline tests bench
-	$(BIN)/python -m pytest -q --durations=30
+	$(BIN)/python -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile
 
 conformance: $(BIN)/dualtrack  ## ONNX's own test models built for the CPU against their shipped outputs: docs/conformance.md
 	$(BIN)/python -m dualtrack.compiler.conformance --out docs/conformance.md

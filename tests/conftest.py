@@ -6,6 +6,8 @@ whole pipeline — partition, both tracks' builds, verification, the CPU runtime
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
 import shutil
 import tempfile
@@ -19,6 +21,45 @@ from dualtrack.compiler.reference import UNetSpec, build_unet
 
 DATA = Path(__file__).parent / "data"
 TINY = UNetSpec(base=4, depth=2, height=64, width=64, precision="fp32", seed=1)
+
+
+# pytest-xdist: `make test` runs `-n 2 --dist loadfile`, which this scheduler refines. A test file's cases run on one
+# worker, so that its module fixtures and module state (tests/test_ptx.py's FRESH) are built once, but for two kinds:
+# cases marked `spread` (independent and costly: each zoo model's build, each PTX assembly) go to whichever worker
+# is free, after the files; and the files that take a bundle of SHARED_BUILDS (a CPU build each, session fixtures)
+# run on one worker together, which builds it once. The controller reads both from the test files' source, since it
+# does not collect (xdist's own xdist_group marks do not reach it with pytest 9). Each worker is its own session,
+# with its own tmp_path_factory root and build cache (_isolated_cache).
+SHARED_BUILDS = frozenset({"tiny_full_bundle", "tiny_tuned_bundle"})
+
+
+@functools.cache
+def _file_scheduling(path: Path) -> tuple[frozenset[str], bool]:
+    """The test functions of ``path`` marked `spread`, and whether one of its tests takes a SHARED_BUILDS bundle."""
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return frozenset(), False
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    spread = {f.name for f in functions if any(ast.unparse(d) == "pytest.mark.spread" for d in f.decorator_list)}
+    shared = any(a.arg in SHARED_BUILDS for f in functions for a in f.args.args)
+    return frozenset(spread), shared
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path, _, rest = nodeid.partition("::")
+            spread, shared = _file_scheduling(config.rootpath / path)
+            if rest.split("[", 1)[0].rsplit("::", 1)[-1] in spread:
+                return nodeid
+            return "tests using SHARED_BUILDS" if shared else path
+
+    return FileScheduling(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)

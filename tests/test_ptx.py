@@ -166,6 +166,7 @@ def test_ptx_image_is_nul_terminated_once() -> None:
     assert ptx_image(b".version 9.0\n\0") == b".version 9.0\n\0"
 
 
+@pytest.mark.spread  # each assembles one checked-in PTX file on its own: any pytest-xdist worker may take it
 @pytest.mark.parametrize(
     ("stem", "gpu"),
     [(s.stem, gpu) for s in SPECS for gpu in sorted(ARCHES) if ARCHES[gpu].ptx_arch in s.ptx_arches],

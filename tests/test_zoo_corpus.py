@@ -50,6 +50,7 @@ def track_a_share(plan: Plan) -> float:
     return nodes.get("A", 0) / max(1, sum(nodes.values()))
 
 
+@pytest.mark.spread  # each model exported and built in its own tmp_path: any worker may take each
 @pytest.mark.parametrize("name", in_ci(CORPUS, BUILD_BEYOND_CI))
 def test_a_corpus_model_builds_from_its_config_and_verifies_on_the_cpu(tmp_path: Path, name: str) -> None:
     size = zoo.small_size(name)
