@@ -14,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 from test_conv_family import assert_close, nhwc, operands, run_onnx, scale_of
 
+from dualtrack.cli import main
 from dualtrack.compiler import cost, frontend, partition
 from dualtrack.compiler.build import build
 from dualtrack.compiler.config import BuildConfig, PartitionConfig, Rules
@@ -186,3 +188,7 @@ def test_a_network_of_merged_groups_builds_in_fp16_and_verifies_on_the_cpu(tmp_p
     assert any(c["name"].startswith("seg1_A[numpy kernels]") for c in report["checks"])
     calls = [c for s in Bundle.open(tmp_path / "out").manifest.plan.segments for c in s.calls if c.op == "conv"]
     assert sorted(c.attr("merge") or 1 for c in calls) == [1, 1, 1, 4, 4, 8, 8]
+    info = CliRunner().invoke(main, ["info", str(tmp_path / "out")])
+    assert info.exit_code == 0, info.output
+    assert "4 grouped conv(s) run as fewer groups" in info.output
+    assert "body/g32x4: 32 groups as 4 of 8" in info.output and "body/g24x3: 24 groups as 3 of 8" in info.output

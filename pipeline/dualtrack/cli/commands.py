@@ -481,13 +481,23 @@ def _info_plan(b: Bundle) -> None:
 
 
 def _info_track_a(b: Bundle) -> None:
-    """Track A's PTX per arch, and which kernel each 3x3 convolution launches."""
+    """Track A's PTX per arch, the grouped convs that run merged, and which kernel each 3x3 convolution
+    launches."""
     from dualtrack.kernels import planned_conv_choices
 
     ptx = b.manifest.artifacts.track_a.get("ptx", {})
     for a, entries in sorted(ptx.items()):
         isas = {k["isa"] for k in entries.values()}
         click.echo(f"ptx        {a}: {', '.join(sorted(entries))} (ISA {', '.join(sorted(isas))})")
+    merged = [c for s in b.plan.segments for c in s.calls if c.op == "conv" and (c.attr("merge") or 1) > 1]
+    if merged:
+        click.echo(
+            f"grouped    {len(merged)} grouped conv(s) run as fewer groups of block-diagonal weights "
+            "(ConvGeneralSpec.merged):"
+        )
+        for c in merged:
+            g, m = c.attr("groups"), c.attr("merge")
+            click.echo(f"             {c.nodes[0]}: {g * m} groups as {g} of {m}")
     for t in b.manifest.targets:
         choices = planned_conv_choices(b, t)
         wgmma = [(layer, c) for layer, c in choices if c.impl == "wgmma"]
