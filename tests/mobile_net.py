@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from body_net import write_body_project
 from onnx import TensorProto, helper, numpy_helper
 
 
@@ -97,24 +98,8 @@ def build_mobile_net(height: int = 32, width: int = 32, seed: int = 0) -> onnx.M
 
 # fp16 with the body on Track A: what tests/test_mobile_build.py builds on the CPU and
 # tests/gpu/test_mobile_gpu.py runs on a GPU (bench/prepare_carry.sh builds it for sm_90a, sm_80).
-CONFIG = """\
-model: mobile.onnx
-precision: fp16
-batch_sizes: [1, 2]
-targets: [{targets}]
-partition:
-  mode: rules
-  track_a:
-    name_prefixes: [body/]
-verify:
-  samples: 1
-"""
-
-
 def write_mobile_project(root: Path, targets: tuple[str, ...] = ("sm_80",)) -> Path:
     """The network (32x32, seed 1) and its config in ``root``; returns the config path."""
-    root.mkdir(parents=True, exist_ok=True)
-    onnx.save(build_mobile_net(32, 32, seed=1), str(root / "mobile.onnx"))
-    cfg = root / "mobile.yaml"
-    cfg.write_text(CONFIG.format(targets=", ".join(targets)))
-    return cfg
+    return write_body_project(
+        root, build_mobile_net(32, 32, seed=1), "mobile", precision="fp16", batch_sizes=(1, 2), targets=targets
+    )

@@ -7,17 +7,16 @@ tests/gpu/test_conv_family_gpu.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from body_net import build_body_net
 from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack.compiler import partition
-from dualtrack.compiler.build import build
 from dualtrack.compiler.config import BuildConfig, PartitionConfig
 from dualtrack.contract.activations import Activation
 from dualtrack.contract.bundle import Bundle
@@ -252,26 +251,9 @@ def test_the_partition_puts_every_convolution_on_track_a() -> None:
     assert ConvTGeometry.from_call(calls["body/up4"]).groups == 2
 
 
-CONFIG = """\
-model: family.onnx
-precision: fp32
-batch_sizes: [1]
-targets: [sm_80]
-partition:
-  mode: rules
-  track_a:
-    name_prefixes: [body/]
-verify:
-  samples: 1
-"""
-
-
 def test_a_network_of_these_convolutions_builds_and_verifies_on_the_cpu(tmp_path: Path) -> None:
-    onnx.save(conv_family_net(), str(tmp_path / "family.onnx"))
-    (tmp_path / "family.yaml").write_text(CONFIG)
-    build(tmp_path / "family.yaml", tmp_path / "out")  # raises when verification fails
-    report = json.loads((tmp_path / "out" / "verify.json").read_text())
+    out, report = build_body_net(tmp_path, conv_family_net(), "family")
     assert report["passed"] is True
     assert any(c["name"].startswith("seg1_A[numpy kernels]") for c in report["checks"])
-    ops = {c.op for s in Bundle.open(tmp_path / "out").manifest.plan.segments for c in s.calls}
+    ops = {c.op for s in Bundle.open(out).manifest.plan.segments for c in s.calls}
     assert {"conv", "dwconv", "convt", "convt2x2"} <= ops

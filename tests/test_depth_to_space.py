@@ -8,17 +8,16 @@ verifying against onnxruntime. The kernel on a GPU: tests/gpu/test_depth_to_spac
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
+from body_net import build_body_net
 from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack import kernels
 from dualtrack.compiler import partition
-from dualtrack.compiler.build import build
 from dualtrack.compiler.config import BuildConfig, PartitionConfig
 from dualtrack.compiler.verify import ort_session, run_ort
 from dualtrack.contract.bundle import Bundle
@@ -160,25 +159,8 @@ def test_a_depth_to_space_the_kernel_cannot_take_says_why() -> None:
     assert lower_pad.supports(node, Facts(model, specs)) == "27 channels, not a multiple of blocksize^2 = 4"
 
 
-CONFIG = """\
-model: d2s.onnx
-precision: fp32
-batch_sizes: [1, 2]
-targets: [sm_80]
-partition:
-  mode: rules
-  track_a:
-    name_prefixes: [body/]
-verify:
-  samples: 1
-"""
-
-
 def test_a_network_with_depth_to_space_builds_and_verifies_on_the_cpu(tmp_path: Path) -> None:
-    onnx.save(d2s_net(), str(tmp_path / "d2s.onnx"))
-    (tmp_path / "d2s.yaml").write_text(CONFIG)
-    build(tmp_path / "d2s.yaml", tmp_path / "out")  # raises when verification fails
-    report = json.loads((tmp_path / "out" / "verify.json").read_text())
+    out, report = build_body_net(tmp_path, d2s_net(), "d2s", batch_sizes=(1, 2))
     assert report["passed"] is True
-    ops = [c.op for s in Bundle.open(tmp_path / "out").manifest.plan.segments for c in s.calls]
+    ops = [c.op for s in Bundle.open(out).manifest.plan.segments for c in s.calls]
     assert ops.count("depth_to_space") == 2

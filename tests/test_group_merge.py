@@ -7,20 +7,19 @@ tests/gpu/test_conv_family_gpu.py (test_merged_groups_on_the_gpu)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
+from body_net import build_body_net
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 from test_conv_family import assert_close, nhwc, operands, run_onnx, scale_of
 
 from dualtrack.cli import main
 from dualtrack.compiler import cost, frontend, partition
-from dualtrack.compiler.build import build
 from dualtrack.compiler.config import BuildConfig, PartitionConfig, Rules
 from dualtrack.contract.bundle import Bundle
 from dualtrack.contract.plan import KernelCall
@@ -165,30 +164,15 @@ def test_the_cost_model_counts_a_merged_convs_zeros(monkeypatch: pytest.MonkeyPa
     assert merged.a_us is not None and plain.a_us is not None and merged.a_us > 1.5 * plain.a_us
 
 
-CONFIG = """\
-model: resnext.onnx
-precision: fp16
-batch_sizes: [1, 2]
-targets: [sm_90a]
-partition:
-  mode: rules
-  track_a:
-    name_prefixes: [body/]
-verify:
-  samples: 1
-"""
-
-
 def test_a_network_of_merged_groups_builds_in_fp16_and_verifies_on_the_cpu(tmp_path: Path) -> None:
-    onnx.save(resnext_net(), str(tmp_path / "resnext.onnx"))
-    (tmp_path / "resnext.yaml").write_text(CONFIG)
-    build(tmp_path / "resnext.yaml", tmp_path / "out")  # raises when verification fails
-    report = json.loads((tmp_path / "out" / "verify.json").read_text())
+    out, report = build_body_net(
+        tmp_path, resnext_net(), "resnext", precision="fp16", batch_sizes=(1, 2), targets=("sm_90a",)
+    )
     assert report["passed"] is True
     assert any(c["name"].startswith("seg1_A[numpy kernels]") for c in report["checks"])
-    calls = [c for s in Bundle.open(tmp_path / "out").manifest.plan.segments for c in s.calls if c.op == "conv"]
+    calls = [c for s in Bundle.open(out).manifest.plan.segments for c in s.calls if c.op == "conv"]
     assert sorted(c.attr("merge") or 1 for c in calls) == [1, 1, 1, 4, 4, 8, 8]
-    info = CliRunner().invoke(main, ["info", str(tmp_path / "out")])
+    info = CliRunner().invoke(main, ["info", str(out)])
     assert info.exit_code == 0, info.output
     assert "4 grouped conv(s) run as fewer groups" in info.output
     assert "body/g32x4: 32 groups as 4 of 8" in info.output and "body/g24x3: 24 groups as 3 of 8" in info.output

@@ -292,7 +292,7 @@ def test_resize_kernel(engine, mods, dtype, off, how, dims) -> None:
 @pytest.fixture(scope="module")
 def mobile_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """DUALTRACK_TEST_MOBILE_BUNDLE names a prebuilt bundle (GPU machines carry one: no IREE
-    compiler there; bench/prepare_carry.sh builds it); else it is built here (mobile_net.CONFIG)."""
+    compiler there; bench/prepare_carry.sh builds it); else it is built here (mobile_net.write_mobile_project)."""
     prebuilt = os.environ.get("DUALTRACK_TEST_MOBILE_BUNDLE")
     if prebuilt:
         return Path(prebuilt)
