@@ -5,7 +5,8 @@ ones the engine's CUDA graph launches included (Track A's cubins and Track B's r
 dispatches alike). For each bundle and batch size this runs ``Engine.run`` on a torch CUDA uint8
 tensor a few times under the profiler and prints, per kernel name, the calls and the GPU
 microseconds per inference, the sum of kernel time, and the wall time per inference, so the gap
-(launch gaps, copies, host waits) shows too. --out writes kernel_profile-<commit>.json.
+(launch gaps, copies, host waits) shows too. --out writes kernel_profile-<commit>.json. ``--torch``: the
+same for torch.compile + CUDA graphs on the bundle's zoo network (bench/zoo_bench.py's), side by side.
 
     python bench/kernel_profile.py --bundle .carry/zoo/smp_unet_resnet34 --batches 1 8 --out DIR
 
@@ -29,20 +30,21 @@ sys.path.insert(0, str(HERE))
 import bench as common  # noqa: E402  (bench/bench.py: git, GPU name)
 
 
-def profile(torch: Any, engine: Any, batch: int, reps: int) -> dict[str, Any]:
-    """Kernel time per inference of ``engine.run`` at ``batch``, by kernel name."""
+def profile(torch: Any, run: Any, shape: tuple[int, ...], reps: int) -> dict[str, Any]:
+    """Kernel time per inference of ``run`` (Engine.run, or torch's whole inference) on uint8 images of
+    ``shape`` (N, H, W, 3), by kernel name."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    shape = (batch, *engine.input_spec.shape[1:])
+    batch = shape[0]
     x = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
     for _ in range(5):
-        engine.run(x)
+        run(x)
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for _ in range(reps):
-            engine.run(x)
+            run(x)
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3 / reps
     per_name: dict[str, list[float]] = defaultdict(list)
@@ -63,6 +65,11 @@ def profile(torch: Any, engine: Any, batch: int, reps: int) -> dict[str, Any]:
     }
 
 
+def torch_no_grad(torch: Any, fn: Any, x: Any) -> Any:
+    with torch.no_grad():
+        return fn(x)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bundle", action="append", type=Path, required=True)
@@ -70,6 +77,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--top", type=int, default=25, help="kernel rows printed per bundle and batch")
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--torch",
+        action="store_true",
+        help="also profile torch.compile + CUDA graphs on the zoo network (the folder's zoo name), as zoo_bench has it",
+    )
     args = ap.parse_args()
 
     import torch
@@ -81,20 +93,31 @@ def main() -> None:
     result: dict[str, Any] = {"commit": commit, "gpu": gpu, "driver": driver, "profiles": []}
     for bundle in args.bundle:
         engine = Engine.load(bundle, device="cuda")
+        shape = tuple(engine.input_spec.shape[1:])
+        runs = [(bundle.name, engine.run)]
+        if args.torch:
+            from zoo_bench import load_zoo, torch_network
+
+            torch._dynamo.reset()
+            net, whole = torch_network(torch, load_zoo(), bundle.name, shape[:2])
+            net.half()
+            compiled = torch.compile(whole, mode="reduce-overhead", dynamic=False)
+            runs.append((f"{bundle.name}/torch_compile_cudagraphs", lambda x, f=compiled: torch_no_grad(torch, f, x)))
         for batch in args.batches:
             if batch not in engine.batch_sizes:
                 continue
-            p = profile(torch, engine, batch, args.reps)
-            p["bundle"] = bundle.name
-            result["profiles"].append(p)
-            print(
-                f"\n{bundle.name} N={batch}: wall {p['wall_ms_per_inference']:.3f} ms/inference, "
-                f"kernels {p['kernel_ms_per_inference']:.3f} ms ({len(p['kernels'])} names)"
-            )
-            if not p["kernels"]:
-                print("  CUPTI recorded no kernel (profiler unavailable here)")
-            for r in p["kernels"][: args.top]:
-                print(f"  {r['us']:9.1f} us  x{r['calls']:<5g} {r['kernel'][:110]}")
+            for label, run in runs:
+                p = profile(torch, run, (batch, *shape), args.reps)
+                p["bundle"] = label
+                result["profiles"].append(p)
+                print(
+                    f"\n{label} N={batch}: wall {p['wall_ms_per_inference']:.3f} ms/inference, "
+                    f"kernels {p['kernel_ms_per_inference']:.3f} ms ({len(p['kernels'])} names)"
+                )
+                if not p["kernels"]:
+                    print("  CUPTI recorded no kernel (profiler unavailable here)")
+                for r in p["kernels"][: args.top]:
+                    print(f"  {r['us']:9.1f} us  x{r['calls']:<5g} {r['kernel'][:110]}")
         engine.close()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

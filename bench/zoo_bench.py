@@ -266,6 +266,29 @@ def best_iree_only(name: str, precision: str, variants: list[dict], batches: lis
     return out
 
 
+def _normalisation(torch: Any) -> tuple[Any, Any]:
+    mean = torch.from_numpy(MEAN * 255).cuda().view(1, 3, 1, 1)
+    return mean, torch.from_numpy(1 / (STD * 255)).cuda().view(1, 3, 1, 1)
+
+
+def torch_network(torch: Any, zoo: Any, name: str, size: tuple[int, int]) -> tuple[Any, Any]:
+    """The seeded export's network, fp32 channels_last on the GPU (``.half()`` it before running the
+    other), and the whole inference as torch runs it (uint8 NHWC images -> normalised fp16 -> network
+    -> softmax probabilities and the argmax mask), uncompiled: the torch rows compile it,
+    bench/kernel_profile.py --torch profiles it."""
+    net = zoo.build_model(name, size=size).eval().cuda().to(memory_format=torch.channels_last)
+    mean, inv = _normalisation(torch)
+
+    def whole(x: Any) -> tuple[Any, Any]:
+        f = ((x.permute(0, 3, 1, 2).float() - mean) * inv).half().contiguous(memory_format=torch.channels_last)
+        y = net(f)
+        y = y["out"] if isinstance(y, dict) else y
+        probs = torch.softmax(y.float(), dim=1)
+        return probs, probs.argmax(dim=1).to(torch.uint8)
+
+    return net, whole
+
+
 def torch_rows(
     torch: Any, zoo: Any, name: str, size: tuple[int, int], ref_probs: np.ndarray | None, images, args
 ) -> list:
@@ -275,24 +298,16 @@ def torch_rows(
     # A fresh dynamo per model: past its cache size limit torch.compile silently runs eager (a "first call"
     # of 0.1 s and eager times, seen from the fifth model of one process on).
     torch._dynamo.reset()
-    net = zoo.build_model(name, size=size).eval().cuda().to(memory_format=torch.channels_last)
-    mean = torch.from_numpy(MEAN * 255).cuda().view(1, 3, 1, 1)
-    inv = torch.from_numpy(1 / (STD * 255)).cuda().view(1, 3, 1, 1)
+    net, whole = torch_network(torch, zoo, name, size)
     against = "onnxruntime"
     if ref_probs is None:
         with torch.no_grad():
             x = torch.from_numpy(images[1][0]).cuda()
+            mean, inv = _normalisation(torch)
             y = net(((x.permute(0, 3, 1, 2).float() - mean) * inv).contiguous(memory_format=torch.channels_last))
             ref_probs = torch.softmax((y["out"] if isinstance(y, dict) else y).float(), dim=1).cpu().numpy()
         against = "torch fp32 (a re-weighted bundle)"
-    net = net.half()
-
-    def whole(x: Any) -> tuple[Any, Any]:
-        f = ((x.permute(0, 3, 1, 2).float() - mean) * inv).half().contiguous(memory_format=torch.channels_last)
-        y = net(f)
-        y = y["out"] if isinstance(y, dict) else y
-        probs = torch.softmax(y.float(), dim=1)
-        return probs, probs.argmax(dim=1).to(torch.uint8)
+    net.half()
 
     rows: list[dict[str, Any]] = []
     with torch.no_grad():

@@ -75,10 +75,10 @@
 // and writes whole 16-byte chunks of consecutive channels to y at pixel*ldy + channel, so y may
 // be a channel slice of a wider (concat) buffer. Pixels outside the image (past M) and channels
 // >= K are not written. Two forms, by `act` (uniform, one branch):
-//   none / ReLU (the 3x3 kernel's measured path): each thread adds the bias and the residual to
-//     its own accumulators (channel pairs), applies ReLU, rounds to fp16 and stages fp16 rows
-//     (padded by 16 bytes: conflict-free);
-//   every other row of the table: the accumulators + bias are staged as fp32 rows (padded by 32
+//   none / ReLU without a residual: each thread adds the bias to its own accumulators (channel
+//     pairs), applies ReLU, rounds to fp16 and stages fp16 rows (padded by 16 bytes: conflict-free);
+//   every other row of the table, and any launch with a residual: the accumulators + bias are
+//     staged as fp32 rows (padded by 32
 //     bytes), then each 16-byte output chunk reads its 8 values, adds the residual (one 16-byte
 //     read where ldr and the address allow), applies the activation with the switch outside its
 //     8 values (activate8), rounds once. The fp32 rows may be larger than the pipeline: the
@@ -428,13 +428,11 @@ __device__ __forceinline__ float dequantized(float acc, float scale) {
     return CF::E4M3 ? acc * scale : acc;
 }
 
-// Bias, residual (RES: res is not null) and ReLU on the accumulators, rounded to fp16 and staged in
-// `tile` (this warpgroup's rows, EPI_PITCH apart). The bias once per column pair; the residual at
-// each accumulator's pixel (tile pixel p0 + row offset), its address computed there.
-template <class CF, bool RES>
+// Bias and ReLU on the accumulators (no residual: a launch with one takes the fp32 staging), rounded
+// to fp16 and staged in `tile` (this warpgroup's rows, EPI_PITCH apart). The bias once per column pair.
+template <class CF>
 __device__ __forceinline__ void stage_tile(const float (&acc)[CF::MT][CF::NREG], f16* tile, const float* __restrict__ bias,
-                                           const float* __restrict__ dequant, const f16* __restrict__ res, int K,
-                                           int n0, int lane, int wl, int p0, const Tile& t, int ldr, int relu) {
+                                           const float* __restrict__ dequant, int K, int n0, int lane, int wl, int relu) {
 #pragma unroll
     for (int j = 0; j < CF::BN / 8; ++j) {
         const int col = 8 * j + 2 * (lane & 3);
@@ -450,19 +448,6 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[CF::MT][CF::NREG],
             for (int half = 0; half < 2; ++half) {
                 float v0 = dequantized<CF>(acc[mt][4 * j + 2 * half], d0) + b0;
                 float v1 = dequantized<CF>(acc[mt][4 * j + 2 * half + 1], d1) + b1;
-                if (RES && k < K) {
-                    const long long pix = pixel_at<CF::PW>(t, p0 + mt * 64 + 8 * half);
-                    if (pix >= 0) {
-                        const f16* r = res + pix * ldr + k;
-                        if (k + 1 < K) {  // k is even and ldr even: one aligned 4-byte read
-                            const u32 pair = *reinterpret_cast<const u32*>(r);
-                            v0 += f16_bits_to_f32(static_cast<f16>(pair & 0xffffu));
-                            v1 += f16_bits_to_f32(static_cast<f16>(pair >> 16));
-                        } else {
-                            v0 += f16_bits_to_f32(*r);
-                        }
-                    }
-                }
                 if (relu) {
                     v0 = fmaxf(v0, 0.f);
                     v1 = fmaxf(v1, 0.f);
@@ -845,7 +830,11 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
     const int tid = threadIdx.x & 127;
     const int p_first = g * CF::MT * 64;  // this warpgroup's first tile pixel
     unsigned char* staging = dsmem + (base - raw);
-    if (act > DT_ACT_RELU) {  // every other row of the table: fp32 staging, then one rounding
+    // Every row of the table but none / ReLU, and any launch with a residual: fp32 staging, then the
+    // residual read as 16-byte chunks of consecutive channels and one rounding. stage_tile's residual
+    // reads (4 bytes at each accumulator's pixel, 16 of a warp's 32-byte sectors) bounded FCN's 1x1
+    // expand layers (128 -> 512 .. 512 -> 2048 + residual, 0.2-0.9 TB/s; conv_layers-a9d05e6-fcn-wgmma).
+    if (act > DT_ACT_RELU || res != nullptr) {
         float* rows = reinterpret_cast<float*>(staging) + g * (CF::MT * 64 * CF::EPI_F32_PITCH);
         stage_tile_f32<CF>(acc, rows, bias, dequant, K, n0, lane, wl);
         if (g == 0)
@@ -857,13 +846,7 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
     }
     const int relu = act == DT_ACT_RELU;
     f16* tile = reinterpret_cast<f16*>(staging) + g * (CF::MT * 64 * CF::EPI_PITCH);
-    // Without a residual the epilogue is the plain one: with the residual's code in its loop, the
-    // compiler's schedule cost 10-20% at N=8 (bench/wgmma/ab.py on the H200).
-    const int pt = p_first + 16 * wl + (lane >> 2);  // the first tile pixel of this thread's rows
-    if (res == nullptr)
-        stage_tile<CF, false>(acc, tile, bias, dequant, res, K, n0, lane, wl, pt, tile_at, ldr, relu);
-    else
-        stage_tile<CF, true>(acc, tile, bias, dequant, res, K, n0, lane, wl, pt, tile_at, ldr, relu);
+    stage_tile<CF>(acc, tile, bias, dequant, K, n0, lane, wl, relu);
     if (g == 0)
         named_barrier<2, 128>();
     else
