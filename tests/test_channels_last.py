@@ -257,3 +257,53 @@ def test_mish_as_torch_writes_it_below_opset_18_is_one_pattern_of_the_conv_epilo
     assert act_patterns.decomposed(y, consumers, lambda node: True, lambda t: t != "tanh", {}.get) is None
     other = {**consumers, "tanh": [helper.make_node("Mul", ["soft", "tanh"], ["m2"])]}
     assert act_patterns.decomposed(y, other, lambda node: True, lambda t: True, {}.get) is None
+
+
+def shared_permute_net() -> onnx.ModelProto:
+    """One Transpose to NHWC read by two LayerNorms (other epsilons and weights), each transposed back
+    and read by its own 3x3 conv: what an exporter's common-subexpression elimination makes of a
+    ConvNeXt stage's downsample norm and a neck's norm of the same feature map."""
+    n = Net(13)
+    x = n.op("Sin", ["image"], "stem")
+    t = n.op("Transpose", [x], "body/to_nhwc", perm=[0, 2, 3, 1])
+    outs = []
+    for k, eps in enumerate((1e-6, 1e-3)):
+        ln = n.op(
+            "LayerNormalization",
+            [t, n.rand(f"body/ln{k}.g", C), n.rand(f"body/ln{k}.b", C)],
+            f"body/ln{k}",
+            epsilon=eps,
+        )
+        back = n.op("Transpose", [ln], f"body/ln{k}/to_nchw", perm=[0, 3, 1, 2])
+        w = n.rand(f"body/conv{k}.w", 4 + k, C, 3, 3, scale=0.1)
+        outs.append(n.op("Conv", [back, w], f"body/conv{k}", kernel_shape=[3, 3], pads=[1] * 4))
+    n.op("Concat", outs, "body/cat", axis=1)
+    n.op("Sin", ["body/cat"], "logits")
+    return n.model(["logits"])
+
+
+def test_layernorms_sharing_one_transpose_each_get_their_own_pair_and_run_as_norm_calls() -> None:
+    """Left shared, neither LayerNorm's chain owns the Transpose and both ran on Track B (UPerNet-ConvNeXt's
+    six stage norms); rewritten, each is a ``norm`` call on Track A and the graph computes the same."""
+    model = shared_permute_net()
+    out, detail = rewritten(model)
+    assert detail is not None and detail.startswith("1 channels-last region(s)")
+    nodes = list(out.graph.node)
+    for k in range(2):
+        i = next(j for j, x in enumerate(nodes) if x.name == f"body/ln{k}")
+        assert nodes[i - 1].op_type == "Transpose" and nodes[i + 1].op_type == "Transpose"
+        assert nodes[i - 1].input[0] == "stem" and nodes[i - 1].output[0] == nodes[i].input[0]
+    assert sum(x.op_type == "Transpose" for x in nodes) == 4
+    onnx.checker.check_model(out)
+    assert_same(model, out)
+    part = PartitionConfig(mode="auto", switch_cost_us=0.0)
+    cfg = BuildConfig(model=Path("g.onnx"), batch_sizes=(1,), partition=part)
+    p = partition.partition_model(cfg, simplify(out, []))
+    body = {d.node: (d.track, d.why) for d in p.assignment.decisions if d.node.startswith("body/")}
+    assert body["body/ln0"][0] == "A" and body["body/ln1"][0] == "A", body
+    norms = [c for s in p.plan.segments if s.track == "A" for c in s.calls if c.op == "norm"]
+    assert len(norms) == 2
+    # Unrewritten, the shared Transpose keeps both off Track A, with the reason.
+    before = partition.partition_model(cfg, simplify(model, []))
+    why = {d.node: d.why for d in before.assignment.decisions}
+    assert "its Transpose's output has other readers" in why["body/ln0"]

@@ -12,7 +12,9 @@ over the last axis keeps its own Transpose pair (``lower_norm``'s LayerNorm-over
 :func:`channels_first` does this for every *closed* region: the tensors reachable from a
 Transpose(0, 2, 3, 1) of a 4-D tensor through ops it rewrites, each of whose readers is such an op or
 a Transpose(0, 3, 1, 2) (which then disappears). A region with any other reader (a Reshape into
-windows, a graph output) is left exactly as exported, so the pass never adds a Transpose.
+windows, a graph output) is left exactly as exported: it would need a Transpose back for that reader.
+A region of LayerNorms alone is rewritten only where LayerNorms share one Transpose (the exporter's
+common-subexpression elimination): each then gets its own pair, which lower_norm matches.
 
 Why hand-written: onnxruntime's transpose optimizer pushes Transposes through element-wise ops but
 keeps MatMul a MatMul and runs inside a session (its output is onnxruntime's own graph); onnxslim and
@@ -50,7 +52,7 @@ class _Regions:
 
     parent: dict[str, str] = field(default_factory=dict)
     open: set[str] = field(default_factory=set)
-    useful: set[str] = field(default_factory=set)  # roots with an op besides LayerNormalization
+    useful: set[str] = field(default_factory=set)  # roots with an op besides LayerNormalization, or a shared one
 
     def root(self, s: str) -> str:
         while self.parent.setdefault(s, s) != s:
@@ -123,7 +125,12 @@ class _Rewriter:
                 self.regions.open.add(root)
                 self.nodes.append(node)
                 continue
-            if node.op_type not in ("LayerNormalization", "Transpose"):
+            # A LayerNorm alone needs no rewrite (lower_norm matches it between its Transposes) unless
+            # its Transpose is shared: an exporter's CSE gives one permute to two LayerNorms of the
+            # same tensor (a ConvNeXt stage's downsample norm and an UPerNet neck's), and a chain must
+            # own its nodes; the rewrite gives each LayerNorm a Transpose pair of its own.
+            shared = node.op_type == "LayerNormalization" and len(self.readers.get(node.input[0], [])) > 1
+            if node.op_type not in ("LayerNormalization", "Transpose") or shared:
                 self.regions.useful.add(root)
             self.rewritten += 1
             self.nodes.extend(made)
