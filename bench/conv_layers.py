@@ -27,7 +27,9 @@ their 8-channel twins) on every fp16 entry that takes them, so one run shows the
 
 ``--net fcn``: torchvision FCN-ResNet50's 1x1 and dilated 3x3 layers; ``--net resnext``: smp
 Unet-resnext50's grouped 3x3s, ``ours_ms`` their ONNX groups as they are and ``engine_ms`` as the
-partition lowers them (narrow groups merged, ``engine_merge``). ``--wgmma-variants`` (sm_90a): every
+partition lowers them (narrow groups merged, ``engine_merge``); ``--net segformer_b2``: smp
+Segformer mit_b2's Linears as 1x1 convs, its spatial-reduction and patch-embedding convs and its head's
+1x1s (small GEMMs at N=1, where its 1.33x against torch.compile is). ``--wgmma-variants`` (sm_90a): every
 wgmma configuration of the layer's window forced on it, checked and timed (``wgmma_ms``), to fit
 the chooser. ``--net unet``: the reference U-Net's 3x3 layers (models/, 512x512) instead of ResNet-34's.
 ``--net split``:
@@ -89,10 +91,11 @@ class Layer:
     relu: bool
     groups: int = 1
     dil: int = 1
+    pad: int | None = None  # None: "same" padding, dil * (R // 2)
 
     @property
     def geom(self) -> ConvGeometry:
-        p = self.dil * (self.R // 2)
+        p = self.dil * (self.R // 2) if self.pad is None else self.pad
         return ConvGeometry(
             self.R,
             self.R,
@@ -209,7 +212,50 @@ RESNEXT_LAYERS = (
     Layer("l3 g32x16", "conv", 5, 32, 32, 512, 512, 3, 1, False, True, 32),
     Layer("l4 g32x32", "conv", 2, 16, 16, 1024, 1024, 3, 1, False, True, 32),
 )
-NETS = {"resnet34": LAYERS, "unet": UNET_LAYERS, "split": SPLIT_LAYERS, "fcn": FCN_LAYERS, "resnext": RESNEXT_LAYERS}
+
+
+def _segformer_layers(
+    dims: tuple[int, ...], depths: tuple[int, ...], srs: tuple[int, ...], side: int
+) -> tuple[Layer, ...]:
+    """A SegFormer (MiT encoder, smp's all-MLP head of 256 channels) at a ``side`` x ``side`` input: per stage its
+    patch embedding (3x3/2 but the first, a 7x7/4 stem: left out, C = 3), and per block the attention's q, its
+    spatial reduction (an sr x sr / sr conv) and kv, the projection with the residual, and Mix-FFN's two Linears
+    (the second with the residual) as the 1x1 convs the front end makes of them; then the head's per-stage 1x1s to
+    256 and its fuse 1x1 + ReLU. GELU and LayerNorm are other launches: conv + bias (+ residual) here."""
+    layers, prev = [], 0
+    for s, (c, d, sr) in enumerate(zip(dims, depths, srs, strict=True)):
+        hw = side // (4 << s)
+        if s:
+            layers.append(Layer(f"s{s + 1} embed 3x3/2", "conv", 1, 2 * hw, 2 * hw, prev, c, 3, 2, False, False))
+        kv_hw = hw // sr
+        reduce = Layer(f"s{s + 1} sr {sr}x{sr}/{sr}", "conv", d, hw, hw, c, c, sr, sr, False, False, pad=0)
+        layers += [
+            Layer(f"s{s + 1} q", "conv", d, hw, hw, c, c, 1, 1, False, False),
+            *([reduce] if sr > 1 else []),
+            Layer(f"s{s + 1} kv", "conv", d, kv_hw, kv_hw, c, 2 * c, 1, 1, False, False),
+            Layer(f"s{s + 1} proj+res", "conv", d, hw, hw, c, c, 1, 1, True, False),
+            Layer(f"s{s + 1} fc1", "conv", d, hw, hw, c, 4 * c, 1, 1, False, False),
+            Layer(f"s{s + 1} fc2+res", "conv", d, hw, hw, 4 * c, c, 1, 1, True, False),
+            Layer(f"head s{s + 1} -> 256", "conv", 1, hw, hw, c, 256, 1, 1, False, False),
+        ]
+        prev = c
+    fuse = side // 4
+    layers.append(Layer("head fuse 1024->256", "conv", 1, fuse, fuse, 4 * 256, 256, 1, 1, False, True))
+    return tuple(layers)
+
+
+# smp Segformer mit_b2 (--net segformer_b2) at 512x512: embed dims 64/128/320/512, depths 3/4/6/3, spatial
+# reductions 8/4/2/1. At N=1 these are small GEMMs (16x16 to 128x128 tokens), where launch and tail dominate.
+SEGFORMER_B2_LAYERS = _segformer_layers((64, 128, 320, 512), (3, 4, 6, 3), (8, 4, 2, 1), 512)
+
+NETS = {
+    "resnet34": LAYERS,
+    "unet": UNET_LAYERS,
+    "split": SPLIT_LAYERS,
+    "fcn": FCN_LAYERS,
+    "resnext": RESNEXT_LAYERS,
+    "segformer_b2": SEGFORMER_B2_LAYERS,
+}
 
 
 def median_ms(fn, iters: int) -> float:
@@ -418,7 +464,7 @@ def run_layer(
     torch.cuda.synchronize()
     x_cl = x.permute(0, 3, 1, 2)  # NHWC data = a channels_last NCHW tensor, no copy
     w_cl = w.permute(0, 3, 1, 2)
-    pad = layer.dil * (layer.R // 2)
+    pad = layer.geom.pad_top
     conv = {"stride": layer.stride, "padding": pad, "dilation": layer.dil, "groups": layer.groups}
     ref = F.conv2d(x_cl.float(), w_cl.float(), b, **conv)
     if res is not None:
