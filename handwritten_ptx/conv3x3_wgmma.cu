@@ -35,12 +35,14 @@
 //     Past the end of a tap (c0+BK > C) it reads the next tap's weights, which multiply the zeros
 //     TMA put into A's channel tail, so the sum is still right.
 //   * Rows are BK*2 bytes = the swizzle span: BK = 64 -> 128-byte swizzle, BK = 32 (C = 32
-//     layers) -> 64-byte swizzle. TMA and wgmma agree on the layout when each tile starts on a
-//     1024-byte boundary (all tile sizes here are multiples of 1024 bytes): both XOR the 16-byte
-//     chunk index (address bits 4-6, or 4-5) with the 128-byte line index (bits 7-9, or 7-8).
+//     layers) -> 64-byte, BK = 16 (C <= 16) -> 32-byte. TMA and wgmma agree on the layout when each
+//     tile starts on a 1024-byte boundary (A tiles are multiples of 1024 bytes; a B tile of fewer
+//     bytes, 16 channels x 16 rows of 32 bytes, is placed B_PITCH = 1024 bytes apart): both XOR the
+//     16-byte chunk index (address bits 4-6, 4-5 or 4) with the 128-byte line index (bits 7-9, 7-8
+//     or 7). The stage's transaction count is the boxes' bytes (TX_BYTES), not the padded layout.
 //     The wgmma descriptor: start address >> 4, leading byte offset 1 (unused for swizzled
 //     K-major), stride byte offset = 8 rows * row bytes (1024 or 512) between 8-row core-matrix
-//     groups, base offset 0, swizzle code 1 (128B) or 2 (64B). The k16 step inside a row adds
+//     groups, base offset 0, swizzle code 1 (128B), 2 (64B) or 3 (32B). The k16 step inside a row adds
 //     32 bytes to the start address (the hardware applies the swizzle after adding).
 //
 // Column copies (entries with the suffix _h<TW>, HALO_TW = TW, compiled in; dilation 1 only: the
@@ -245,12 +247,12 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, u32 b
 
 // ---- wgmma ------------------------------------------------------------------------------------
 
-// Shared-memory matrix descriptor of a K-major swizzled tile whose rows are `row_bytes` (64 or
+// Shared-memory matrix descriptor of a K-major swizzled tile whose rows are `row_bytes` (32, 64 or
 // 128 = the swizzle span) long: start address >> 4 (bits 0-13), leading byte offset 1 (bits
 // 16-29; unused for swizzled K-major), stride byte offset = 8 rows >> 4 (bits 32-45), base offset
-// 0 (bits 49-51: tiles are 1024-aligned), swizzle mode (bits 62-63: 1 = 128B, 2 = 64B).
+// 0 (bits 49-51: tiles are 1024-aligned), swizzle mode (bits 62-63: 1 = 128B, 2 = 64B, 3 = 32B).
 __device__ __forceinline__ u64 smem_desc(u32 addr, u32 row_bytes) {
-    const u64 swizzle = row_bytes == 128 ? 1ull : 2ull;
+    const u64 swizzle = row_bytes == 128 ? 1ull : row_bytes == 64 ? 2ull : 3ull;
     return static_cast<u64>((addr & 0x3FFFFu) >> 4) | (1ull << 16) | (static_cast<u64>((8u * row_bytes) >> 4) << 32) |
            (swizzle << 62);
 }
@@ -269,7 +271,8 @@ __device__ __forceinline__ void fence_regs(float (&d)[R]) {
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-#define WG_REGS_16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define WG_REGS_8 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define WG_REGS_16 WG_REGS_8 ", %8, %9, %10, %11, %12, %13, %14, %15"
 #define WG_REGS_32 WG_REGS_16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define WG_REGS_64                                                                                                 \
     WG_REGS_32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"                   \
@@ -316,10 +319,12 @@ __device__ __forceinline__ void fence_regs(float (&d)[R]) {
     }
 
 // Operand numbers: the NREG accumulators come first, then the two descriptors and scale-d.
+WG_MMA(8, 16, "%8", "%9", "%10", WG_REGS_8, WG_D8(0))
 WG_MMA(16, 32, "%16", "%17", "%18", WG_REGS_16, WG_D16(0))
 WG_MMA(32, 64, "%32", "%33", "%34", WG_REGS_32, WG_D32(0))
 WG_MMA(64, 128, "%64", "%65", "%66", WG_REGS_64, WG_D64(0))
 WG_MMA(128, 256, "%128", "%129", "%130", WG_REGS_128, WG_D128(0))
+WG_MMA_E4M3(8, 16, "%8", "%9", "%10", WG_REGS_8, WG_D8(0))
 WG_MMA_E4M3(16, 32, "%16", "%17", "%18", WG_REGS_16, WG_D16(0))
 WG_MMA_E4M3(32, 64, "%32", "%33", "%34", WG_REGS_32, WG_D32(0))
 WG_MMA_E4M3(64, 128, "%64", "%65", "%66", WG_REGS_64, WG_D64(0))
@@ -375,9 +380,11 @@ struct Cfg {
         // A box: TH x TW pixels per tap, or (TH + 2) x TW per column copy (2 * TW more rows).
         A_BYTES = (BM + (HALO_TW ? 2 * HALO_TW : 0)) * ROW_BYTES,
         B_BYTES = BN * ROW_BYTES,
+        B_PITCH = (B_BYTES + ALIGN - 1) / ALIGN * ALIGN,  // a B tile's place: every tile 1024-aligned
         HALO_TW_LOG2 = HALO_TW == 8 ? 3 : HALO_TW == 16 ? 4 : 5,
         TAPS = HALO_TW ? 3 : 1,  // taps (k-blocks of weights) per stage
-        STAGE_BYTES = A_BYTES + TAPS * B_BYTES,
+        STAGE_BYTES = A_BYTES + TAPS * B_PITCH,  // a stage's shared memory
+        TX_BYTES = A_BYTES + TAPS * B_BYTES,     // the bytes its boxes bring: the mbarrier's count
         NREG = BN / 2,  // fp32 accumulators per thread per m64 block
         EPI_PITCH = BN + 8,  // staged fp16 output row, halves (+16 bytes: conflict-free)
         EPI_F32_PITCH = BN + 8,  // staged fp32 row, floats (+32 bytes: a half-warp's float2 rows apart)
@@ -386,12 +393,13 @@ struct Cfg {
         // dynamic shared memory the host must pass: the pipeline, or the fp32 staging where larger
         SMEM_BYTES = (PIPE_BYTES > EPI_F32_BYTES ? PIPE_BYTES : EPI_F32_BYTES) + ALIGN,
     };
-    static_assert(ROW_BYTES == 64 || ROW_BYTES == 128, "rows must be one 64- or 128-byte swizzle span");
+    static_assert(ROW_BYTES == 32 || ROW_BYTES == 64 || ROW_BYTES == 128,
+                  "rows must be one 32-, 64- or 128-byte swizzle span");
     static_assert(!(E4M3 && HALO_TW), "the e4m3 rows have no column copies");
-    static_assert(BN == 32 || BN == 64 || BN == 128 || BN == 256, "wgmma N instantiated for 32..256");
+    static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128 || BN == 256, "wgmma N instantiated for 16..256");
     static_assert(MT == 1 || MT == 2, "one or two m64 blocks per warpgroup");
     static_assert(WGS == 1 || WGS == 2, "one or two consumer warpgroups");
-    static_assert(A_BYTES % ALIGN == 0 && B_BYTES % ALIGN == 0, "tiles must stay 1024-byte aligned");
+    static_assert(A_BYTES % ALIGN == 0 && B_PITCH % ALIGN == 0, "tiles must stay 1024-byte aligned");
     static_assert(BM * EPI_PITCH * 2 + 16 <= PIPE_BYTES,
                   "epilogue staging (and split-K's flag after it) reuses the pipeline");
     static_assert(STAGES >= 2, "pipeline needs two stages or more");
@@ -632,7 +640,7 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
                 const u32 empty = empty0 + 8 * stage;
                 const u32 full = full0 + 8 * stage;
                 if (!mbar_wait(empty, phase ^ 1u, status, WAIT_EMPTY, kb, stage)) return;
-                mbar_arrive_expect_tx(full, CF::STAGE_BYTES);
+                mbar_arrive_expect_tx(full, CF::TX_BYTES);
                 const u32 a_dst = base + stage * CF::STAGE_BYTES;
                 tma_load_2d(a_dst, tmx, full, kb * CF::BK, m0);
                 tma_load_2d(a_dst + CF::A_BYTES, tmw, full, kb * CF::BK, n0);
@@ -660,14 +668,14 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
                     const u32 empty = empty0 + 8 * stage;
                     const u32 full = full0 + 8 * stage;
                     if (!mbar_wait(empty, phase ^ 1u, status, WAIT_EMPTY, kb, stage)) return;
-                    mbar_arrive_expect_tx(full, CF::STAGE_BYTES);
+                    mbar_arrive_expect_tx(full, CF::TX_BYTES);
                     const u32 a_dst = base + stage * CF::STAGE_BYTES;
                     if (CF::HALO_TW) {
                         const int c0 = o * CF::BK;
                         tma_load_4d(a_dst, tmx, full, c0, w0 + i - 1, h0 - 1, img);
 #pragma unroll
                         for (int rr = 0; rr < 3; ++rr)
-                            tma_load_2d(a_dst + CF::A_BYTES + rr * CF::B_BYTES, tmw, full, (3 * rr + i) * C + c0, n0);
+                            tma_load_2d(a_dst + CF::A_BYTES + rr * CF::B_PITCH, tmw, full, (3 * rr + i) * C + c0, n0);
                     } else {
                         const int s = o - 3 * r;
                         const int c0 = i * CF::BK;
@@ -691,7 +699,7 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
                 const u32 empty = empty0 + 8 * stage;
                 const u32 full = full0 + 8 * stage;
                 if (!mbar_wait(empty, phase ^ 1u, status, WAIT_EMPTY, kb, stage)) return;
-                mbar_arrive_expect_tx(full, CF::STAGE_BYTES);
+                mbar_arrive_expect_tx(full, CF::TX_BYTES);
                 const u32 a_dst = base + stage * CF::STAGE_BYTES;
                 if (CF::HALO_TW) {
                     // Column copy s = i of channel block o: rows h0-1 .. h0+TH, columns
@@ -700,7 +708,7 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
                     tma_load_4d(a_dst, tmx, full, c0, w0 + i - 1, h0 - 1, img);
 #pragma unroll
                     for (int rr = 0; rr < 3; ++rr)
-                        tma_load_2d(a_dst + CF::A_BYTES + rr * CF::B_BYTES, tmw, full, (3 * rr + i) * C + c0, n0);
+                        tma_load_2d(a_dst + CF::A_BYTES + rr * CF::B_PITCH, tmw, full, (3 * rr + i) * C + c0, n0);
                 } else {
                     const int c0 = i * CF::BK;
                     tma_load_4d(a_dst, tmx, full, c0, w0 + (s - 1) * dil, h0 + (r - 1) * dil, img);
@@ -759,7 +767,7 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
                 for (int mt = 0; mt < CF::MT; ++mt) {
                     const u64 da = desc_a0 + so +
                                    static_cast<u64>(((mt * 64 + r * CF::HALO_TW) * CF::ROW_BYTES + k * 32) >> 4);
-                    const u64 db = desc_b0 + so + static_cast<u64>((r * CF::B_BYTES + k * 32) >> 4);
+                    const u64 db = desc_b0 + so + static_cast<u64>((r * CF::B_PITCH + k * 32) >> 4);
                     if (CF::E4M3)
                         mma_e4m3(acc[mt], da, db);
                     else
@@ -879,8 +887,9 @@ __device__ __forceinline__ void conv(const TensorMap* tmx, const TensorMap* tmw,
 // last split of a tile resets its counter); launches that share ws must not overlap.
 // Grid: (N * ceil(H/TH) * ceil(W/TW) * ceil(K/BN), splits, 1), for a 1x1 entry (suffix _1x1)
 // (ceil(N*H*W / BM) * ceil(K/BN), splits, 1); block: 32*(4*WGS+1); dynamic shared memory:
-// max(STAGES * STAGE_BYTES, BM * (BN + 8) * 4) + 1024 bytes, STAGE_BYTES = (BM + BN) * BK * 2, or
-// for a column-copy entry (name suffix _h<TW>; tw_log2 must be log2(TW)) (BM + 2*TW + 3*BN) * BK * 2.
+// max(STAGES * STAGE_BYTES, BM * (BN + 8) * 4) + 1024 bytes, STAGE_BYTES = BM * BK * 2 + B_PITCH, or
+// for a column-copy entry (name suffix _h<TW>; tw_log2 must be log2(TW)) (BM + 2*TW) * BK * 2 + 3 * B_PITCH,
+// B_PITCH = BN * BK * 2 rounded up to 1024 bytes.
 #define CONV_WGMMA_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS) \
     CONV_WGMMA_KERNEL(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, 0, false, )
 #define CONV_WGMMA_HALO_ENTRY(BN, MT, WGS, BK, STAGES, MIN_BLOCKS, TW) \

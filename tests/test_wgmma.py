@@ -74,14 +74,14 @@ def prototype():
 def test_configurations_fit_an_sm90_sm() -> None:
     assert len({c.entry for c in WGMMA_CONFIGS}) == len(WGMMA_CONFIGS)
     for c in WGMMA_CONFIGS:
-        assert (c.a_rows * c.row_bytes) % 1024 == 0 and (c.bn * c.row_bytes) % 1024 == 0  # tiles stay 1024-aligned
+        assert (c.a_rows * c.row_bytes) % 1024 == 0 and c.b_pitch % 1024 == 0  # tiles stay 1024-aligned
         # a column copy's tap shift (TW rows) keeps the 8-row core groups on the swizzle repeat
         assert c.halo_tw == 0 or (c.halo_tw % 8 == 0 and (c.halo_tw * c.row_bytes) % (8 * c.row_bytes) == 0)
         assert c.smem_bytes <= MAX_DYNAMIC_SMEM, c
         per_cta = c.smem_bytes + c.static_smem_bytes + SMEM_RESERVED_PER_BLOCK
         assert per_cta * c.min_blocks <= SMEM_PER_SM, c
         assert c.bm * (c.bn + 8) * 2 <= c.stages * c.stage_bytes, c  # the epilogue's staging reuses the pipeline
-        assert c.stages >= 2 and c.bk in (32, 64) and c.bn in (32, 64, 128, 256), c
+        assert c.stages >= 2 and c.bk in (16, 32, 64) and c.bn in (16, 32, 64, 128, 256), c
 
 
 def test_defines_instantiate_every_configuration() -> None:
@@ -211,11 +211,17 @@ def test_choose_follows_the_measured_winners() -> None:
 
 
 def test_choose_on_shapes_outside_the_unet() -> None:
-    assert WG.choose(1, 8, 8, 8, 8).entry == "conv3x3_wgmma_bn32_mt2_wg2_bk32_h16"  # C % 64 != 0, K <= 32
-    assert WG.choose(1, 8, 8, 16, 40).entry == "conv3x3_wgmma_bn64_mt2_wg2_bk32_h16"
+    # few channels: 16-channel k-blocks for C <= 16 and 16-channel tiles for K <= 16 (no zeros multiplied)
+    assert WG.choose(1, 8, 8, 8, 8).entry == "conv3x3_wgmma_bn16_mt2_wg2_bk16_h16"
+    assert WG.choose(8, 512, 512, 16, 16).entry == "conv3x3_wgmma_bn16_mt2_wg2_bk16_h16"
+    assert WG.choose(8, 512, 512, 16, 32).entry == "conv3x3_wgmma_bn32_mt2_wg2_bk16_h16"
+    assert WG.choose(8, 512, 512, 32, 16).entry == "conv3x3_wgmma_bn16_mt2_wg2_bk32_h16"
+    assert WG.choose(8, 512, 512, 48, 32).entry == "conv3x3_wgmma_bn32_mt2_wg2_bk32_h16"  # C % 64 != 0, K <= 32
+    assert WG.choose(1, 8, 8, 16, 40).entry == "conv3x3_wgmma_bn64_mt2_wg2_bk32_h16"  # K > 32: 32-channel blocks
+    assert WG.choose(1, 8, 8, 16, 16, dilation=2).bk == 32  # a dilated 3x3: the per-tap tiles, as before
     assert WG.choose(1, 8, 8, 64, 40).entry == "conv3x3_wgmma_bn64_mt1_wg1_bk64"  # few CTAs: the most
     assert WG.choose(64, 64, 64, 128, 1000).entry == "conv3x3_wgmma_bn128_mt2_wg2_bk64"  # many CTAs: the largest
-    assert WG.choose(1, 1, 1, 64, 8).entry == "conv3x3_wgmma_bn32_mt2_wg2_bk64_h16"
+    assert WG.choose(1, 1, 1, 64, 8).entry == "conv3x3_wgmma_bn16_mt2_wg2_bk64_h16"
     # C <= 64: the 128x64 column-copy tile before the 256x64 one; C = 128: the other way round
     assert WG.choose(8, 256, 256, 64, 64).entry == "conv3x3_wgmma_bn64_mt1_wg2_bk64_h16"
     assert WG.choose(8, 256, 256, 128, 64).entry == "conv3x3_wgmma_bn64_mt2_wg2_bk64_h16"
@@ -284,7 +290,7 @@ def test_tensor_maps_of_every_unet_layer(n: int) -> None:
             mx = input_map(c, X, n, HW, HW, C, C)
             mw = weight_map(c, W_, K, C)
             # what the producer's expect_tx counts: the A box and its taps' B boxes
-            assert mx.box_bytes + c.taps_per_stage * mw.box_bytes == c.stage_bytes
+            assert mx.box_bytes + c.taps_per_stage * mw.box_bytes == c.tx_bytes
             tw = c.halo_tw or min(c.bm, HW)
             halo = 2 if c.halo_tw else 0  # a column copy's two extra image rows
             assert mx.box == (c.bk, tw, c.bm // tw + halo, 1) and mw.box == (c.bk, c.bn)

@@ -87,6 +87,11 @@ CONFIGS: tuple[WgmmaConfig, ...] = (
     _config(64, 2, 2, 64, 1, 16),
     _config(64, 1, 2, 64, 2, 16),
     _config(128, 2, 2, 64, 1, 16),
+    # narrow column copies for 8- and 16-channel layers (16-channel k-blocks: 32-byte rows)
+    _config(16, 2, 2, 16, 3, 16),
+    _config(32, 2, 2, 16, 3, 16),
+    _config(16, 2, 2, 32, 3, 16),
+    _config(16, 2, 2, 64, 2, 16),
 )
 BY_ENTRY = {c.entry: c for c in CONFIGS}
 
@@ -242,7 +247,7 @@ def weight_map(cfg: WgmmaConfig, w: int, K: int, C: int) -> TensorMapSpec:
 
 def smem_desc(addr: int, row_bytes: int) -> int:
     """The kernel's smem_desc(): K-major swizzled tile with rows of ``row_bytes`` (= swizzle span)."""
-    swizzle = {128: 1, 64: 2}[row_bytes]
+    swizzle = {128: 1, 64: 2, 32: 3}[row_bytes]
     return ((addr & 0x3FFFF) >> 4) | (1 << 16) | (((8 * row_bytes) >> 4) << 32) | (swizzle << 62)
 
 

@@ -180,14 +180,14 @@ def run(
                 c0 = cb * cfg.bk
                 got = tma_load(smem, a_dst, tmx, gx, (c0, w0 + s - dw, h0 - 1, img))
                 for r in range(3):
-                    got += tma_load(smem, a_dst + cfg.a_bytes + r * cfg.b_bytes, tmw, gw, ((3 * r + s) * C + c0, n0))
+                    got += tma_load(smem, a_dst + cfg.a_bytes + r * cfg.b_pitch, tmw, gw, ((3 * r + s) * C + c0, n0))
             else:
                 tap, cb = divmod(kb, cblocks)
                 r, s = divmod(tap, 3)
                 c0 = cb * cfg.bk
                 got = tma_load(smem, a_dst, tmx, gx, (c0, w0 + s - dw, h0 + r - 1, img))
                 got += tma_load(smem, a_dst + cfg.a_bytes, tmw, gw, (tap * C + c0, n0))
-            assert got == cfg.stage_bytes, "expect_tx would not match the bytes TMA delivers"
+            assert got == cfg.tx_bytes, "expect_tx would not match the bytes TMA delivers"
             # consumers: tap r of a column copy reads the copy from row r * TW on
             so = (stage * cfg.stage_bytes) >> 4
             shift = cfg.halo_tw - 1 if BUG == "halo-shift" else cfg.halo_tw
@@ -196,7 +196,7 @@ def run(
                     for k in range(cfg.bk // 16):
                         for mt in range(cfg.mt):
                             da = (desc_a0[g] + so + (((mt * 64 + r * shift) * row + k * 32) >> 4)) & MASK64
-                            db = (desc_b0 + so + ((r * cfg.b_bytes + k * 32) >> 4)) & MASK64
+                            db = (desc_b0 + so + ((r * cfg.b_pitch + k * 32) >> 4)) & MASK64
                             A = wgmma_operand(smem, da, 64).astype(np.float32)
                             B = wgmma_operand(smem, db, cfg.bn).astype(np.float32)
                             acc[g, mt] += A @ B.T

@@ -79,7 +79,7 @@ def test_source_key_tracks_source_and_configs() -> None:
 
 def test_configs_fit_the_sm() -> None:
     for c in cp.CONFIGS:
-        assert c.a_bytes % 1024 == 0 and c.b_bytes % 1024 == 0  # tiles stay 1024-aligned
+        assert c.a_bytes % 1024 == 0 and c.b_pitch % 1024 == 0  # tiles stay 1024-aligned
         per_cta = c.smem_bytes + c.static_smem_bytes + cp.SMEM_RESERVED_PER_BLOCK
         assert c.smem_bytes <= cp.MAX_DYN_SMEM_PER_BLOCK
         assert per_cta * c.min_blocks <= cp.SMEM_PER_SM, c
@@ -103,7 +103,7 @@ def test_tensor_maps_valid_for_every_unet_layer(n: int) -> None:
             geo = cp.launch(c, n, HW, HW, K)
             mx = cp.input_map(c, 0x7F0000000000, n, HW, HW, C, C, geo.tw_log2)
             mw = cp.weight_map(c, 0x7F0000100000, K, C)
-            assert mx.box_bytes + c.taps_per_stage * mw.box_bytes == c.stage_bytes  # = the expect_tx count
+            assert mx.box_bytes + c.taps_per_stage * mw.box_bytes == c.tx_bytes  # = the expect_tx count
             tw = c.halo_tw or min(c.bm, HW)
             assert mx.box == (c.bk, tw, c.bm // tw + (2 if c.halo_tw else 0), 1)
 
@@ -214,6 +214,13 @@ CASES = [
     ("conv3x3_wgmma_bn64_mt2_wg2_bk64_h16", 1, 18, 17, 128, 64, 128, 64, 0, 0),  # two channel blocks
     ("conv3x3_wgmma_bn64_mt1_wg2_bk64_h16", 2, 9, 20, 96, 40, 96, 40, 0, 0),  # C tail inside a copy, K tail
     ("conv3x3_wgmma_bn128_mt2_wg2_bk64_h16", 1, 16, 16, 64, 136, 64, 136, 0, 0),  # two channel tiles
+    # narrow column copies: 32-byte swizzle (16-channel blocks), 16-channel tiles (B boxes of 512 bytes, 1024 apart)
+    ("conv3x3_wgmma_bn16_mt2_wg2_bk16_h16", 2, 19, 21, 16, 16, 16, 16, 0, 0),  # partial tiles both ways
+    ("conv3x3_wgmma_bn16_mt2_wg2_bk16_h16", 1, 9, 40, 8, 12, 24, 24, 8, 8),  # C = 8 (half a block), K tail, slices
+    ("conv3x3_wgmma_bn16_mt2_wg2_bk16_h16", 1, 5, 20, 40, 40, 40, 40, 0, 0),  # C tail, three channel tiles
+    ("conv3x3_wgmma_bn32_mt2_wg2_bk16_h16", 1, 17, 18, 16, 32, 16, 32, 0, 0),
+    ("conv3x3_wgmma_bn16_mt2_wg2_bk32_h16", 1, 18, 17, 32, 16, 48, 16, 16, 0),
+    ("conv3x3_wgmma_bn16_mt2_wg2_bk64_h16", 2, 7, 9, 128, 16, 128, 24, 0, 8),
 ]
 
 

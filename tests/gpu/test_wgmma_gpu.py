@@ -169,6 +169,9 @@ SHAPES = [
     # odd channel count (the last channel read alone), a residual slice with its own stride
     (2, 9, 13, 64, 40, {"residual": True, "r_off": 8, "ldr": 50}),
     (1, 17, 9, 128, 21, {"residual": True, "ldr": 22, "y_off": 24, "ldy": 48, "relu": False}),
+    # few channels (the 16-channel k-blocks and tiles): partial tiles both ways; C = 8 in slices with a K tail
+    (2, 19, 37, 16, 16, {}),
+    (1, 9, 40, 8, 12, {"x_off": 8, "ldx": 24, "y_off": 8, "ldy": 24, "residual": True, "ldr": 14}),
 ]
 GEOM_3X3 = kernels.ConvGeometry(3, 3, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1)
 # The 3x3 entries: the ``_1x1`` ones compute a 1x1 convolution (tests/gpu/test_wgmma1x1_gpu.py).
@@ -227,7 +230,9 @@ def test_the_chosen_configuration_on_dilated_layers(engine, wgmma, n, hw, c, k, 
 
 
 @pytest.mark.parametrize(
-    ("n", "hw", "c", "k"), [(1, 64, 32, 32), (2, 32, 64, 128), (1, 16, 256, 512), (8, 16, 128, 64), (1, 32, 256, 256)]
+    ("n", "hw", "c", "k"),
+    [(1, 64, 32, 32), (2, 32, 64, 128), (1, 16, 256, 512), (8, 16, 128, 64), (1, 32, 256, 256)]
+    + [(2, 96, 16, 16), (1, 80, 16, 32), (2, 72, 32, 16), (1, 40, 64, 8)],  # few channels: the narrow tiles
 )
 def test_the_chosen_configuration_on_unet_like_shapes(engine, wgmma, n, hw, c, k) -> None:
     cfg = WG.choose(n, hw, hw, c, k)

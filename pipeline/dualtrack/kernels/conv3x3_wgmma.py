@@ -11,7 +11,7 @@ their ``hopper``) hand a launch over to :meth:`Conv3x3WgmmaSpec.prepare_entry` w
 policy picks this kernel.
 
 The kernel reads two maps, both fp16, with the swizzle of one BK-channel row (BK = 64: 128 bytes,
-BK = 32: 64 bytes) and zero fill:
+BK = 32: 64 bytes, BK = 16: 32 bytes) and zero fill:
 
 - the input, NHWC with pixel stride ``ldx`` (a channel slice of a wider buffer: the address is the
   slice's first channel), as the 4-D tensor (C, W, H, N); box (BK, TW, TH, 1), one spatial tile of
@@ -49,7 +49,7 @@ class WgmmaConfig:
     A CTA computes ``bm = 64 * mt * wgs`` output pixels of one image (a TH x TW spatial tile) by
     ``bn`` output channels with ``wgs`` consumer warpgroups of ``mt`` m64 blocks each, plus one
     producer warp that issues the TMA loads. The reduction (9 taps x C channels) runs in
-    ``bk``-channel k-blocks (one 64- or 128-byte swizzled shared-memory row) through ``stages``
+    ``bk``-channel k-blocks (one 32-, 64- or 128-byte swizzled shared-memory row) through ``stages``
     pipeline stages; registers are capped so that ``min_blocks`` CTAs fit on an SM.
 
     ``halo_tw`` > 0: the column-copy scheme (entry suffix ``_h<TW>``, the .cu's header). The tile
@@ -98,7 +98,7 @@ class WgmmaConfig:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one shared-memory tile row: the TMA/wgmma swizzle span (64 or 128)."""
+        """Bytes of one shared-memory tile row: the TMA/wgmma swizzle span (32, 64 or 128)."""
         return self.bk * self.item_bytes
 
     @property
@@ -121,13 +121,24 @@ class WgmmaConfig:
         return self.bn * self.row_bytes
 
     @property
+    def b_pitch(self) -> int:
+        """Bytes between a stage's B boxes: :attr:`b_bytes` rounded up to the 1024-byte alignment every
+        tile keeps (a 16-channel x 16-row box of 32-byte rows is 512 bytes)."""
+        return base.cdiv(self.b_bytes, self.ALIGN) * self.ALIGN
+
+    @property
     def acc_registers(self) -> int:
         """fp32 accumulator registers a consumer thread holds."""
         return self.mt * self.bn // 2
 
     @property
     def stage_bytes(self) -> int:
-        """Bytes one stage brings in (A box + its taps' B boxes): the mbarrier transaction count."""
+        """Shared memory of one stage: the A box, then its taps' B boxes :attr:`b_pitch` apart."""
+        return self.a_bytes + self.taps_per_stage * self.b_pitch
+
+    @property
+    def tx_bytes(self) -> int:
+        """Bytes one stage's boxes bring in: the mbarrier transaction count."""
         return self.a_bytes + self.taps_per_stage * self.b_bytes
 
     @property
@@ -214,6 +225,15 @@ WGMMA_CONFIGS: tuple[WgmmaConfig, ...] = (
     WgmmaConfig(bn=64, mt=2, wgs=2, bk=64, stages=3, min_blocks=1, halo_tw=16),
     WgmmaConfig(bn=64, mt=1, wgs=2, bk=64, stages=2, min_blocks=2, halo_tw=16),
     WgmmaConfig(bn=128, mt=2, wgs=2, bk=64, stages=2, min_blocks=1, halo_tw=16),
+    # Narrow column copies for few channels (the full-resolution layers of U-Net decoders and MONAI's
+    # networks, 8 or 16 channels in or out): 16-channel k-blocks (32-byte rows) where C <= 16 and
+    # 16-channel tiles where K <= 16, so the tensor cores do not multiply the zeros of a 32- or
+    # 64-channel tile (a 16 -> 16 layer on the 256x32 tile with 32-channel blocks is 3/4 zeros). A
+    # CTA's whole reduction is 3 stages of a few KiB: the overlap is between CTAs, 3 an SM.
+    WgmmaConfig(bn=16, mt=2, wgs=2, bk=16, stages=3, min_blocks=3, halo_tw=16),
+    WgmmaConfig(bn=32, mt=2, wgs=2, bk=16, stages=3, min_blocks=3, halo_tw=16),
+    WgmmaConfig(bn=16, mt=2, wgs=2, bk=32, stages=3, min_blocks=3, halo_tw=16),
+    WgmmaConfig(bn=16, mt=2, wgs=2, bk=64, stages=2, min_blocks=2, halo_tw=16),
     # 1x1 entries. Not measured yet: tiles that fit two CTAs an SM (three for 64x64) so that one
     # CTA's epilogue overlaps another's loads, since a pointwise layer's reduction is short (C = 96
     # is 3 k-blocks of 32) and its output is as large as its input; stages as many as that leaves.
@@ -336,7 +356,16 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
     narrow: tuple[str, ...] = (
         "conv3x3_wgmma_bn32_mt2_wg2_bk64_h16",
         "conv3x3_wgmma_bn32_mt2_wg2_bk32_h16",
-    )  # K <= 32
+        "conv3x3_wgmma_bn32_mt2_wg2_bk16_h16",
+    )  # 16 < K <= 32
+    narrow16: tuple[str, ...] = (
+        "conv3x3_wgmma_bn16_mt2_wg2_bk64_h16",
+        "conv3x3_wgmma_bn16_mt2_wg2_bk32_h16",
+        "conv3x3_wgmma_bn16_mt2_wg2_bk16_h16",
+    )  # K <= 16
+    # 16-channel k-blocks only for C <= 16 (C = 8 or 16) and only on the narrow tiles (K <= 32): a
+    # wider layer keeps the 32-channel blocks it was measured with.
+    bk16_max_c: int = 16
     # choose(pointwise=True), for the 1x1 entries, by the same rule (not fitted: no measurements
     # yet): 128x128 and 128x64 at two CTAs an SM, then 64x64 (64-channel k-blocks only) at three.
     pw_prefer: tuple[str, ...] = (
@@ -440,8 +469,8 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         """The configuration to launch for this shape on ``device`` (H200 measurements,
         handwritten_ptx/README.md); ``pointwise``: of the 1x1 entries (:meth:`choose_pointwise`).
 
-        k-blocks of 64 channels when ``C % 64 == 0``, else of 32. K <= 32: the 256x32 column-copy
-        tile. Else 256x128, then the 256x64 and 128x64 column-copy tiles (128x64 first when C <= 64),
+        k-blocks of 64 channels when ``C % 64 == 0``, else of 32, and of 16 for C <= 16 (with K <= 32,
+        dilation 1). K <= 16: the 256x16 column-copy tile; K <= 32: the 256x32 one. Else 256x128, then the 256x64 and 128x64 column-copy tiles (128x64 first when C <= 64),
         then 64x64 (with 32-channel k-blocks: the 256x64 column-copy tile only), skipping tiles
         wider than K rounded up to 32: the first that makes at least :attr:`min_ctas` CTAs, else
         the one that makes the most (of equals, the smaller). Within 0.5% of the per-layer best on
@@ -457,6 +486,8 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
             return self.choose_pointwise(N * H * W, C, K, device=device)
         min_ctas = device.full_wave()
         bk = 64 if C % 64 == 0 else 32
+        if C <= self.bk16_max_c and K <= 32 and dilation == 1:
+            bk = 16
         if dilation > 1:
             k32 = base.cdiv(K, 32) * 32
             per_tap = [c for c in self.configs if not (c.halo_tw or c.pointwise) and c.bk == bk and c.bn <= k32]
@@ -483,7 +514,7 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
             if wide:
                 # of equals the smaller tile: the same CTAs computing fewer rows and channels past the image
                 return max(wide, key=lambda c: (c.ctas(N, H, W, K), -c.bm * c.bn))
-        return next(by_entry[e] for e in self.narrow if by_entry[e].bk == bk)
+        return next(by_entry[e] for e in (self.narrow16 if K <= 16 else self.narrow) if by_entry[e].bk == bk)
 
     def choose_pointwise(self, M: int, C: int, K: int, *, device: DeviceInfo = REFERENCE) -> WgmmaConfig:
         """The 1x1 entry for an M-pixel GEMM of C -> K channels: k-blocks of 64 channels when
