@@ -86,6 +86,22 @@ def attention_heads(b: int) -> onnx.ModelProto:
     return g.model(g.image(g.op("Add", o, t)))
 
 
+def seq_first_attention(b: int) -> onnx.ModelProto:
+    """torch.nn.MultiheadAttention as both exporters write it: the tokens sequence-first (T, b, C), the heads
+    (T, b * heads, d), and the output projection a Gemm over the (T * b, C) rows, where the batch is the middle
+    part of dim 0 (at batch 1 the Reshape to (T, C) also reads as the batch outside C)."""
+    g = Export(b)
+    t = g.op("Transpose", g.op("Reshape", "x", g.const([b, C, -1])), perm=[2, 0, 1])  # (T, b, C)
+    q = g.op("Add", g.op("MatMul", t, g.weight(C, C)), g.weight(C))
+    heads = g.op("Transpose", g.op("Reshape", q, g.const([T, b * HEADS, D])), perm=[1, 0, 2])  # (b * heads, T, d)
+    scores = g.op("Softmax", g.op("MatMul", heads, g.op("Transpose", heads, perm=[0, 2, 1])), axis=-1)
+    o = g.op("Reshape", g.op("MatMul", scores, heads), g.const([b, HEADS, T, D]))
+    o = g.op("Reshape", g.op("Transpose", o, perm=[2, 0, 1, 3]), g.const([T * b, C]))  # (T * b, C)
+    o = g.op("Relu", g.op("Gemm", o, g.weight(C, C), g.weight(C), transB=1))
+    o = g.op("Transpose", g.op("Reshape", o, g.const([T, b, C])), perm=[1, 2, 0])  # (b, C, T)
+    return g.model(g.op("Add", g.op("Reshape", o, g.const([b, C, H, W])), "x"))
+
+
 def kv_stacked(b: int) -> onnx.ModelProto:
     """SegFormer's K and V from one Linear: (b, T, 2, heads, d) permuted to (2, b, heads, T, d), then picked."""
     g = Export(b)
@@ -176,6 +192,7 @@ FREED: dict[str, Callable[[int], onnx.ModelProto]] = {
         tokens_with_layer_norm,
         attention_heads,
         kv_stacked,
+        seq_first_attention,
         flatten_to_one_hw_c,
         pooled_expand_and_tile,
         constant_of_shape_and_slice,

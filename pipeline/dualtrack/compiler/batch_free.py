@@ -12,13 +12,22 @@ symbolic N, but take a constant shape argument at its face value (a baked ``[1, 
 dim 0 = 1, and N is lost there); onnxslim and onnxscript's optimizer fold constants, they do not unfold
 them. What is missing is knowing which entry of a constant is the batch, and that is what this module
 decides: it walks the graph once with the shapes at B (onnx shape inference) and tracks, per tensor, the
-one dim that holds the batch (row-major, the batch is always the outer part of that dim: B x f). Each
+one dim that holds the batch (row-major: the outer part of that dim, B x f, or for the row-wise ops that take
+it there, a middle part, g x B x f: the (T * B, C) rows torch's MultiheadAttention hands its output
+projection, whose tokens are sequence-first). Each
 shape argument is then rewritten so the batch dim is computed rather than written: ``-1`` in a Reshape
 (every other dim made concrete), ``1`` in an Expand (broadcast keeps the input's), scales for a Resize,
 an open end for a Slice. Where the batch would be reduced, gathered, concatenated on, mixed into another
 dim that a weight depends on, or cannot be placed, the walk stops with one line naming the node and why.
 The build then checks the freed graph at every batch against the export run image by image
 (:func:`dualtrack.compiler.verify.check_frontend`).
+
+At an export batch of 1 a Reshape can leave the batch's place open: (T, 1, C) -> (T, C) holds it as the outer
+part of C or as the inner part of T, the same bytes at batch 1 and different tensors at any other. The walk
+takes the outer part of the outermost dim first (what every other view of the zoo's exports needs) and, where
+a later node refuses the result, walks again with the next reading of the last such Reshape before it
+(:data:`_MAX_WALKS` walks at most); the image-by-image check above catches a reading that is wrong yet
+consistent.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ BATCH = "N"  # the symbolic batch dimension
 _OPEN_END = np.iinfo(np.int64).max  # a Slice end past any dim
 Axis = int | None  # the dim of a tensor that holds the batch; None: the tensor has none (weights, shapes)
 _UNKNOWN = -99  # the batch is somewhere this walk cannot tell (after an op it does not model)
+_MAX_WALKS = 64  # walks over the readings of Reshapes that leave the batch's place open (batch 1)
 
 
 def symbolic_batch(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int | None]:
@@ -85,6 +95,12 @@ class _Walk:
     symbolic: dict[str, int]  # tensors computed from run-time shapes: the dim shape inference keeps symbolic
     done: list[str] = field(default_factory=list)
     lost: str = ""  # the first op after which the walk lost the batch
+    # Where the batch is a middle part of its dim (g x B x f): g, per tensor (absent: 1, the outer part).
+    outer: dict[str, int] = field(default_factory=dict)
+    # Reshapes that leave the batch's place open: the reading each takes (absent: the first), and in walk
+    # order every such Reshape met with its number of readings.
+    readings: dict[str, int] = field(default_factory=dict)
+    open_reshapes: list[tuple[str, int]] = field(default_factory=list)
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self.shapes or any(d < 0 for d in self.shapes[name]):
@@ -133,17 +149,44 @@ def free_batch(
 
 
 def _freed(model: onnx.ModelProto, export_batch: int, other: int) -> tuple[onnx.ModelProto, list[str]]:
-    """The walk: every node's rule, in graph order, from the input's batch in dim 0."""
+    """The walks: the first reading of every Reshape, then, while one refuses, the next reading of the last
+    Reshape with one left before the refusal (the readings after it back to their first). The first walk's
+    refusal is the one reported."""
     model = copy.deepcopy(model)
     del model.graph.value_info[:]  # shapes recorded at the export batch would pin dim 0 again
     shapes, symbolic = _shapes_at(model, export_batch), _symbolic_dims(model)
-    walk = _Walk(model, export_batch, shapes, constants(model.graph), symbolic)
+    readings: dict[str, int] = {}
+    first: ModelError | None = None
+    for _ in range(_MAX_WALKS):
+        walk = _Walk(copy.deepcopy(model), export_batch, shapes, constants(model.graph), symbolic, readings=readings)
+        try:
+            return _walk_once(walk, export_batch, other)
+        except ModelError as e:
+            first = first or e
+            if isinstance(e, MixedRows):
+                raise
+            bump = next(((n, k) for n, k in reversed(walk.open_reshapes) if readings.get(n, 0) + 1 < k), None)
+            if bump is None:
+                break
+            later = [n for n, _ in walk.open_reshapes[[n for n, _ in walk.open_reshapes].index(bump[0]) + 1 :]]
+            readings = {n: r for n, r in readings.items() if n not in later}
+            readings[bump[0]] = readings.get(bump[0], 0) + 1
+    assert first is not None
+    raise first
+
+
+def _walk_once(walk: _Walk, export_batch: int, other: int) -> tuple[onnx.ModelProto, list[str]]:
+    """One walk: every node's rule, in graph order, from the input's batch in dim 0."""
+    model, symbolic = walk.model, walk.symbolic
     axes: dict[str, Axis] = {model.graph.input[0].name: 0}
     for node in list(model.graph.node):
         ins = [axes.get(x) if x else None for x in node.input]
         try:
             if any(a is not None for a in ins):
+                inner = _middle_part(walk, node, ins)
                 outs = _rule(node.op_type)(walk, node, ins)
+                if inner > 1 and node.op_type != "Reshape":
+                    walk.outer.update({o: inner for o, a in zip(node.output, outs, strict=False) if a is not None})
             else:  # from weights and shapes only: the batch is where shape inference keeps N (x.new_zeros(x.shape))
                 outs = _batch_made(walk, node) or [symbolic.get(o) for o in node.output]
         except _Refuse as e:
@@ -160,6 +203,12 @@ def _freed(model: onnx.ModelProto, export_batch: int, other: int) -> tuple[onnx.
             ) from None
         for k, name in enumerate(node.output):
             axes[name] = outs[min(k, len(outs) - 1)]
+    for out in model.graph.output:
+        if walk.outer.get(out.name, 1) > 1:
+            raise ModelError(
+                f"cannot free the batch the export fixed at {export_batch}: output '{out.name}' holds the batch inside "
+                f"dim {axes.get(out.name)}; re-export with a dynamic batch, or build only batch_sizes: [{export_batch}]"
+            )
     for vi in [*model.graph.input, *model.graph.output]:  # a simplifier may write the export batch back into them
         dims = vi.type.tensor_type.shape.dim
         if axes.get(vi.name) == 0 and len(dims):
@@ -198,6 +247,32 @@ def _attr(node: onnx.NodeProto, name: str, default=None):
 def _known(walk: _Walk, ins: list[Axis]) -> None:
     if _UNKNOWN in ins:
         raise _Refuse(f"takes a tensor whose batch dim cannot be told (it went through {walk.lost}, not modelled)")
+
+
+def _middle_part(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> int:
+    """g where the node's inputs hold the batch as the middle part g x B x f of a dim (1: the outer part), after
+    checking that the op takes it there: ops that treat the rows of that dim one by one (a Gemm's or
+    MatMul's rows, element-wise ops with no constant along it, norms and softmaxes along other dims) and the
+    views that move it (Reshape, Transpose)."""
+    parts = {walk.outer.get(x, 1) for x, a in zip(node.input, ins, strict=True) if a is not None and x}
+    g = max(parts, default=1)
+    if g == 1:
+        return 1
+    where = f"inside dim {max(a for a in ins if a is not None)}, after {g} rows of its own"
+    if node.op_type not in _ROWWISE:
+        raise _Refuse(f"takes the batch {where} (a view of tokens seq-first), which it does not treat row by row")
+    if len(parts) > 1:
+        raise _Refuse(f"takes inputs that hold the batch in different parts of a dim ({sorted(parts)})")
+    if node.op_type in _ELEMENTWISE:
+        rank = len(walk.shape(node.output[0]))
+        out = next(a + rank - len(walk.shape(x)) for x, a in zip(node.input, ins, strict=True) if a is not None)
+        for x, a in zip(node.input, ins, strict=True):
+            if a is None and x:
+                shape = walk.shape(x)
+                k = out - (rank - len(shape))
+                if 0 <= k < len(shape) and shape[k] != 1:
+                    raise _Refuse(f"takes '{x}' with a value per row of the dim that holds the batch {where}")
+    return g
 
 
 def _elementwise(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
@@ -280,7 +355,12 @@ def _reshape(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
     the export batch with -1 in that dim."""
     _known(walk, ins)
     src, dst = walk.shape(node.input[0]), walk.shape(node.output[0])
-    k = _reshaped_axis(src, dst, ins[0], walk.batch)
+    options = _reshaped_axes(src, dst, ins[0], walk.batch, walk.outer.get(node.input[0], 1))
+    if len(options) > 1:
+        walk.open_reshapes.append((node.name, len(options)))
+    k, g = options[min(walk.readings.get(node.name, 0), len(options) - 1)]
+    if g > 1:
+        walk.outer[node.output[0]] = g
     target = walk.const(node, 1)
     if target is not None:
         new = np.array(dst, np.int64)
@@ -290,16 +370,23 @@ def _reshape(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
     return [k]
 
 
-def _reshaped_axis(src: tuple[int, ...], dst: tuple[int, ...], a: int, batch: int) -> int:
-    """The output dim whose outer part is the batch: the elements before it are those before the
-    input's batch dim, and what is inside it and after it is what was inside and after in the input.
-    The outermost such dim where several qualify (a batch of 1 reads like any other dim of 1)."""
-    before, inner = int(np.prod(src[:a])), src[a] // batch * int(np.prod(src[a + 1 :]))
+def _reshaped_axes(src: tuple[int, ...], dst: tuple[int, ...], a: int, batch: int, g: int = 1) -> list[tuple[int, int]]:
+    """The readings (output dim k, its part g' before the batch) of where the batch lands: the elements
+    before it are those before it in the input (the dims before ``a`` and the ``g`` rows of ``a`` before
+    it), what follows it is what followed it. The outer part of a dim (g' = 1) first, outermost first, then
+    the middle parts: at batch 1 several may qualify (a batch of 1 reads like any other dim of 1)."""
+    before, inner = int(np.prod(src[:a])) * g, src[a] // (g * batch) * int(np.prod(src[a + 1 :]))
+    outer, middle = [], []
     for k in range(len(dst)):
-        outer_ok = int(np.prod(dst[:k])) == before and dst[k] % batch == 0
-        if outer_ok and dst[k] // batch * int(np.prod(dst[k + 1 :])) == inner:
-            return k
-    raise _Refuse(f"mixes the batch into other dims ({list(src)} -> {list(dst)} at batch {batch})")
+        lead = int(np.prod(dst[:k]))
+        if before % lead or dst[k] % (before // lead * batch):
+            continue
+        part = before // lead
+        if dst[k] // (part * batch) * int(np.prod(dst[k + 1 :])) == inner:
+            (outer if part == 1 else middle).append((k, part))
+    if not outer and not middle:
+        raise _Refuse(f"mixes the batch into other dims ({list(src)} -> {list(dst)} at batch {batch})")
+    return outer + middle
 
 
 def _flatten(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
@@ -546,6 +633,11 @@ _BATCH_MAJOR = (  # noqa: SIM905
     "Conv ConvTranspose MaxPool AveragePool LpPool GlobalAveragePool GlobalMaxPool GlobalLpPool BatchNormalization "
     "InstanceNormalization GroupNormalization LpNormalization LRN Pad DepthToSpace SpaceToDepth MaxUnpool"
 ).split()
+# Ops that take the batch as a middle part of a dim (:func:`_middle_part`): they treat its rows one by one.
+_ROWWISE = frozenset(
+    [*_ELEMENTWISE, "Softmax", "LogSoftmax", "LayerNormalization", "RMSNormalization", "Gemm", "MatMul"]
+    + ["Reshape", "Transpose", "Shape", "Size"]
+)
 _RULES: dict[str, Rule] = {
     **dict.fromkeys(_ELEMENTWISE, _elementwise),
     **dict.fromkeys(_BATCH_MAJOR, _batch_major),
