@@ -237,6 +237,60 @@ def test_a_slice_view_is_a_channel_slice_of_its_input_buffer() -> None:
     assert offsets == [0, 4, 9, 13]
 
 
+def dense_blocks(layers: int = 4, growth: int = 6) -> onnx.ModelProto:
+    """DenseNet's pattern, at channel counts no zoo model has: layer k of a block concatenates the block's
+    input and the outputs of every layer before it, in order; BatchNorm + ReLU on the concatenation, a
+    1x1 and a 3x3 conv; then a transition (1x1 conv, average pool) and a second block."""
+    g = Graph(seed=5)
+    x, width = g.conv("stem", "x", C, 10), 10
+    for blk in range(2):
+        feats = [x]
+        for k in range(layers):
+            cat = g.add("Concat", f"b{blk}cat{k}", feats, axis=1) if len(feats) > 1 else feats[0]
+            cin = width + growth * k
+            bn = [g.const(f"b{blk}bn{k}.{p}", v) for p, v in zip("sbmv", (
+                g.rng.uniform(0.5, 1.5, cin), g.rng.normal(0, 0.1, cin), g.rng.normal(0, 0.1, cin),
+                g.rng.uniform(0.5, 2.0, cin)), strict=True)]  # fmt: skip
+            g.add("BatchNormalization", f"b{blk}bn{k}", [cat, *(n for n in bn)], epsilon=1e-5)
+            g.add("Relu", f"b{blk}r{k}", [f"b{blk}bn{k}"])
+            h = g.add("Relu", f"b{blk}r{k}b", [g.conv(f"b{blk}p{k}", f"b{blk}r{k}", cin, 16, k=1)])
+            feats.append(g.conv(f"b{blk}c{k}", h, 16, growth))
+        out = g.add("Concat", f"b{blk}out", feats, axis=1)
+        width += growth * layers
+        if blk == 0:
+            t = g.conv("trans", out, width, 12, k=1)
+            x, width = g.add("AveragePool", "pool", [t], kernel_shape=[2, 2], strides=[2, 2]), 12
+    g.add("Sin", "y", [g.conv("head", out, width, 3, k=1)])
+    for i in g.inits:  # BatchNorm's inputs as float32, as an export writes them
+        if i.data_type == TensorProto.DOUBLE:
+            i.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(i).astype(np.float32), i.name))
+    return g.model("y")
+
+
+def test_dense_block_concatenations_nest_instead_of_copying_their_inputs() -> None:
+    """Each Concat that begins with the previous one's inputs takes that Concat as its first part: every
+    layer's output is written once, into one buffer a block, and no call copies (the lowering used to copy
+    every earlier input again, layers^2 / 2 copies a block); the segment computes onnxruntime's answer."""
+    model = dense_blocks()
+    p = auto_plan(model)
+    seg = next(s for s in p.plan.segments if s.track == "A" and "b0cat3" in s.nodes)
+    assert "b1out" in seg.nodes
+    # one copy: the first block's input, the stem's output, comes from Track B (the cost model's choice)
+    assert [c.inputs for c in seg.calls if c.op == "pad"] == [("stem",)]
+    cats = {c.outputs[0]: c.inputs for c in seg.calls if c.op == "concat"}
+    assert cats["b0cat2"] == ("b0cat1", "b0c1") and cats["b0out"] == ("b0cat3", "b0c3")
+    assert cats["b1cat1"] == ("pool", "b1c0") and cats["b1out"] == ("b1cat3", "b1c3")
+    views = seg.channel_views()
+    assert [views[f"b0c{k}"] for k in range(4)] == [("b0out", 10 + 6 * k) for k in range(4)]
+    assert views["b0cat2"] == ("b0out", 0) and views["b1cat3"] == ("b1out", 0)
+    weights = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    feeds = {t.name: np.random.default_rng(7).standard_normal(t.at_batch(2)).astype(t.dtype) for t in seg.inputs}
+    seg_model = p.seg_models[p.plan.segments.index(seg)]
+    want, got = run_ort(ort_session(seg_model), feeds), interpret_track_a(seg, weights, feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=CONV_TOL, atol=CONV_TOL, err_msg=name)
+
+
 # --- a torch export, built ------------------------------------------------------------------------------
 
 

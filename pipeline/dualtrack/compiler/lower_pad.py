@@ -24,7 +24,7 @@ the segment so far and which tensors leave it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -251,6 +251,7 @@ class SegmentSoFar:
     calls: list[KernelCall]
     escaping: set[str]
     specs: SpecMap
+    concats: dict[str, tuple[str, ...]] = field(default_factory=dict)  # each Concat's ONNX inputs, by output
 
     def produced(self) -> set[str]:
         return {t for c in self.calls for t in c.outputs}
@@ -293,11 +294,36 @@ def lower(node: onnx.NodeProto, facts: Facts, seg: SegmentSoFar) -> list[KernelC
 
 
 def _lower_concat(node: onnx.NodeProto, seg: SegmentSoFar) -> list[KernelCall]:
-    """The copies of the inputs that cannot be channel slices of the output, then the concat."""
+    """The copies of the inputs that cannot be channel slices of the output, then the concat.
+
+    A Concat whose inputs begin with all of an earlier Concat's, in order (DenseNet's dense blocks:
+    layer k concatenates the block's input and every earlier layer's output, which is layer k-1's
+    concatenation plus one more), takes that earlier concatenation as its first part: the earlier one
+    becomes the first channels of this one's buffer, each layer's output is written once at its offset,
+    and no input is copied again (the prefix's inputs are channel slices of it already: without this,
+    layer k would copy its k-1 earlier inputs, k^2/2 copies a block)."""
     produced, viewed = seg.produced(), seg.viewed()
     parts: list[str] = []
     copies: list[KernelCall] = []
+    seg.concats[node.output[0]] = tuple(node.input)
+    prefix = max(
+        (
+            out
+            for out, ins in seg.concats.items()
+            if len(ins) < len(node.input)
+            and tuple(node.input[: len(ins)]) == ins
+            and out in produced
+            and out not in seg.escaping
+            and out not in viewed
+        ),
+        key=lambda out: len(seg.concats[out]),
+        default=None,
+    )
+    if prefix is not None:
+        parts.append(prefix)
     for j, x in enumerate(node.input):
+        if prefix is not None and j < len(seg.concats[prefix]):
+            continue
         if x in produced and x not in seg.escaping and x not in viewed and x not in parts:
             parts.append(x)
             continue

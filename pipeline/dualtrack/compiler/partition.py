@@ -1056,6 +1056,7 @@ def lower_track_a(
         return ctx.uses[t] == 1 and private(t) and not any(u.name in in_heads for u in ctx.consumers.get(t, []))
 
     calls: list[KernelCall] = []
+    concats: dict[str, tuple[str, ...]] = {}  # the ONNX inputs of each Concat lowered so far (lower_pad)
     i = 0
     while i < len(seg):
         node = seg[i]
@@ -1098,7 +1099,7 @@ def lower_track_a(
             i += covered_nodes - 1
             continue
         if node.op_type in lower_pad.OPS:
-            calls += lower_pad.lower(node, ctx.facts, lower_pad.SegmentSoFar(calls, escaping, specs))
+            calls += lower_pad.lower(node, ctx.facts, lower_pad.SegmentSoFar(calls, escaping, specs, concats))
             continue
         call = _lower_dense_op(node, specs, groups)
         if call is not None:
