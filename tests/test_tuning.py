@@ -220,7 +220,9 @@ def test_conv_layers_and_their_strides(full_plan: Plan) -> None:
     assert len(layers) == len(convs) * len(full_plan.batch_sizes)
     enc = [x for x in layers if x.node == "enc1/conv2"]
     assert [x.batch for x in enc] == [1, 4]
-    assert enc[0].problem == ConvProblem(1, 64, 64, 4, 4, 4, 8) and enc[0].relu  # writes half of a concat
+    # reads a 4-channel buffer of its own, laid out 8 channels apart (16 bytes: contract.plan.padded_channels),
+    # and writes half of a concat
+    assert enc[0].problem == ConvProblem(1, 64, 64, 4, 4, 8, 8) and enc[0].relu
     assert all(x.problem.ldx >= x.problem.C and x.problem.ldy >= x.problem.K for x in layers)
     assert {x.node for x in conv_layers(full_plan, [4], "dec*")} == {c.nodes[0] for c in convs if "dec" in c.nodes[0]}
     assert {x.batch for x in conv_layers(full_plan, [4], "dec*")} == {4}

@@ -619,3 +619,38 @@ def test_the_loader_loads_the_wgmma_module_where_it_runs(
     assert ("conv3x3_wgmma" in loaded) == (off is None)
     assert set(WG.entries) <= set(found) if off is None else not set(WG.entries) & set(found)
     assert opted == ({c.entry: c.smem_bytes for c in WG.all_configs} if off is None else {})
+
+
+def test_a_heads_few_channels_get_a_16_byte_stride_and_run_on_the_wgmma_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Track A buffer no other track reads, of 2 fp16 channels (a head's classes), is laid out with a channel
+    stride of 8 (16 bytes), so its 3x3 conv takes the wgmma kernel's 16-channel tile instead of the direct
+    entry; a segment output stays dense (IREE reads it), and so do buffers of whole 16-byte pixels."""
+    from dualtrack.contract.plan import Segment, TensorSpec, padded_channels
+    from dualtrack.kernels.problems import channel_strides
+    from dualtrack.runtime import track_a
+
+    assert [padded_channels(c, "float16") for c in (1, 2, 3, 8, 9, 16)] == [8, 8, 8, 8, 16, 16]
+    assert [padded_channels(c, "float32") for c in (2, 4, 5)] == [4, 4, 8]
+    assert padded_channels(3, "uint8") == 3  # e4m3 activations: quantize_fp8 writes them dense
+    geom = kernels.ConvGeometry(3, 3, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1)
+    head = KernelCall("conv", ("x",), ("logits",), ("hw", "hb"), (*geom.attrs(), ("act", 0), ("residual", 0)), ("h",))
+    side = KernelCall("conv", ("x",), ("side",), ("hw", "hb"), (*geom.attrs(), ("act", 0), ("residual", 0)), ("s",))
+    spec = lambda name, c: TensorSpec(name, (1, 96, 80, c), "float16")  # noqa: E731
+    seg = Segment(1, "A", ("h", "s"), (spec("x", 16),), (spec("side", 2),), "", calls=(head, side),
+                  tensors=(spec("logits", 2),))  # fmt: skip
+    be, launched, _ = _backend(monkeypatch)
+    be.weights.update(hw=track_a.GpuTensor(W_, (2, 3, 3, 16), np.dtype("float16")))
+    be.weights.update(hb=track_a.GpuTensor(0x7E00, (2,), np.dtype("float32")))
+    be.kernels.update((n, _Kernel(n, launched)) for n in kernels.KERNELS["conv"].entries)
+    be.buffers, be.pool = {}, type("Pool", (), {"alloc": lambda self, nbytes, stream: 0x7F1000000000 + nbytes})()
+    views, roots = be._plan_buffers(seg, 8)
+    assert (views["logits"].shape, views["logits"].channel_stride) == ((8, 96, 80, 2), 8)
+    assert (views["side"].shape, views["side"].channel_stride, views["side"].ld) == ((8, 96, 80, 2), 2, 0)
+    assert sorted(r.shape[-1] for r in roots) == [2, 8]
+    assert channel_strides(seg) == {"x": 16, "logits": 8, "side": 2}  # what the tuner and the cost model see
+    x = track_a.GpuTensor(X, (8, 96, 80, 16), np.dtype("float16"))
+    be._launch(head, {**views, "x": x})
+    be._launch(side, {**views, "x": x})
+    chosen = be.stats.conv3x3["h"][8]
+    assert chosen["impl"] == "wgmma" and chosen["entry"] == "conv3x3_wgmma_bn16_mt2_wg2_bk16_h16"
+    assert [name for name, *_ in launched] == ["conv3x3_wgmma_bn16_mt2_wg2_bk16_h16", "conv_nhwc_f16_direct"]

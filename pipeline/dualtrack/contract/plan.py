@@ -154,6 +154,18 @@ class KernelCall:
         )
 
 
+def padded_channels(channels: int, dtype: str) -> int:
+    """The channel stride of a Track A buffer of ``channels`` that no other track reads: whole 16-byte
+    pieces for fp16 and fp32 (what TMA and the 16-byte stores need, so that a head's 2-class conv runs on
+    the wgmma kernel), ``channels`` for any other dtype (uint8: the e4m3 activations, which quantize_fp8
+    writes dense) and where they are whole pieces already. The runtime lays its buffers out so
+    (runtime/track_a.py); a segment's inputs and outputs stay dense (IREE writes and reads them)."""
+    size = {"float16": 2, "float32": 4}.get(dtype)
+    if size is None or channels % (16 // size) == 0:
+        return channels
+    return -(-channels // (16 // size)) * (16 // size)
+
+
 @dataclass(frozen=True)
 class Segment:
     """A maximal run of nodes on one track, in execution order."""

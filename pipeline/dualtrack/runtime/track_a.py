@@ -24,7 +24,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from dualtrack import kernels
-from dualtrack.contract.plan import ALIAS_OPS, KernelCall, Plan, Segment
+from dualtrack.contract.plan import ALIAS_OPS, KernelCall, Plan, Segment, padded_channels
 from dualtrack.kernels.tensormap import TiledMap
 from dualtrack.runtime import tma
 from dualtrack.runtime.code_images import DeviceImages
@@ -146,11 +146,18 @@ class TrackA:
         A concatenation's inputs are channel slices of its output buffer (their producers write
         there with a channel stride), and a channel slice's output is a view of its input
         (``Segment.channel_views``), so no kernel ever copies for them.
+
+        A buffer no other track reads whose pixels are not a multiple of 16 bytes (a segmentation
+        head's 2 or 3 classes) gets its channel stride rounded up to 16 bytes (contract.plan.padded_channels):
+        every Track A kernel takes a channel stride, and the TMA / wgmma convolutions need one of 16
+        bytes, so a head's 3x3 or 1x1 conv runs there (with 16-channel tiles) instead of on the
+        direct entry's CUDA cores. Segment outputs stay dense: IREE reads them.
         """
         key = seg.index * 1_000_003 + batch
         if key in self.buffers:
             return self.buffers[key]
         specs = {t.name: t for t in (*seg.tensors, *seg.outputs)}
+        dense = {t.name for t in seg.outputs}
         where = seg.channel_views()
         roots: dict[str, GpuTensor] = {}
         views: dict[str, GpuTensor] = {}
@@ -159,15 +166,18 @@ class TrackA:
             if root not in roots:
                 r = specs[root]
                 dtype = np.dtype(r.dtype)
-                buf = self.pool.alloc(int(np.prod(r.at_batch(batch))) * dtype.itemsize, self.stream)
-                roots[root] = GpuTensor(int(buf), r.at_batch(batch), dtype, buf)
+                shape = r.at_batch(batch)
+                if root not in dense:
+                    shape = (*shape[:-1], padded_channels(shape[-1], dtype.name))
+                buf = self.pool.alloc(int(np.prod(shape)) * dtype.itemsize, self.stream)
+                roots[root] = GpuTensor(int(buf), shape, dtype, buf)
             base = roots[root]
             views[name] = GpuTensor(
                 base.ptr + offset * base.dtype.itemsize,
                 t.at_batch(batch),
                 np.dtype(t.dtype),
                 base.keepalive,
-                ld=base.shape[-1] if root != name else 0,
+                ld=base.shape[-1] if root != name or base.shape[-1] != t.shape[-1] else 0,
             )
         self.buffers[key] = (views, list(roots.values()))
         return self.buffers[key]
