@@ -62,7 +62,7 @@ zoo-deps: $(BIN)/dualtrack  ## install the zoo extra (CPU torch, torchvision, sm
 ray-deps: $(BIN)/dualtrack  ## install the ray extra (Ray Serve): tests/test_serve_ray.py runs with it
 	$(BIN)/pip install -q -e '.[ray]'
 
-zoo: zoo-deps  ## export the model zoo (21 networks) into models/zoo/ (512x512, PSPNet 528x528; configs/zoo/*.yaml build them)
+zoo: zoo-deps  ## export the model zoo (26 networks) into models/zoo/ (512x512, PSPNet 528x528; configs/zoo/*.yaml build them)
 	$(BIN)/python models/zoo/export.py
 
 lint: $(BIN)/dualtrack

@@ -76,6 +76,13 @@ def _tv_lraspp_mobilenet_v3_large() -> nn.Module:
     return OutTensor(net)
 
 
+def _tv_deeplabv3_mobilenet_v3_large() -> nn.Module:
+    net = torchvision.models.segmentation.deeplabv3_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=2, aux_loss=False
+    )
+    return OutTensor(net)
+
+
 def _tv_fcn_resnet50() -> nn.Module:
     net = torchvision.models.segmentation.fcn_resnet50(
         weights=None, weights_backbone=None, num_classes=2, aux_loss=False
@@ -97,6 +104,10 @@ def _monai_attention_unet() -> nn.Module:
 
 def _monai_segresnet() -> nn.Module:
     return _monai().SegResNet(spatial_dims=2, init_filters=16, in_channels=3, out_channels=2)
+
+
+def _monai_basicunet() -> nn.Module:
+    return _monai().BasicUNet(spatial_dims=2, in_channels=3, out_channels=2)
 
 
 def _monai_dynunet() -> nn.Module:
@@ -227,6 +238,27 @@ ZOO: dict[str, ZooEntry] = {
             exporter="dynamo",
             opset=None,
         ),
+        # Session 13's breadth probe, kept: architectures no earlier entry has. DenseNet's dense blocks (every layer
+        # concatenates all before it), DeepLabV3+ (ASPP: dilated 3x3s and a global pool, a 4x decoder), torchvision's
+        # DeepLabV3 on MobileNetV3 (dilated depthwise convs, hardswish, SE), MONAI's BasicUNet (InstanceNorm +
+        # LeakyReLU, transposed convs, 32 channels at full size) and ResNeSt's split attention (a softmax over radix
+        # groups, reductions over a 5-D view).
+        ZooEntry("smp_unet_densenet121", partial(_smp, "Unet", "densenet121"), 'smp Unet("densenet121")'),
+        ZooEntry(
+            "smp_deeplabv3plus_resnet34", partial(_smp, "DeepLabV3Plus", "resnet34"), 'smp DeepLabV3Plus("resnet34")'
+        ),
+        ZooEntry(
+            "tv_deeplabv3_mobilenet_v3_large",
+            _tv_deeplabv3_mobilenet_v3_large,
+            "torchvision deeplabv3_mobilenet_v3_large, 2 classes, no aux head, the dict's 'out' tensor",
+        ),
+        ZooEntry(
+            "monai_basicunet",
+            _monai_basicunet,
+            "MONAI BasicUNet, 2D, features 32..256 (InstanceNorm, LeakyReLU, transposed convs)",
+            multiple=16,
+        ),
+        ZooEntry("smp_fpn_resnest14d", partial(_smp, "FPN", "tu-resnest14d"), 'smp FPN("tu-resnest14d") (split attention)'),
     )
 }
 
