@@ -282,6 +282,48 @@ class FakeBuffer:
         del self.mem.blocks[self.base]  # twice: KeyError
 
 
+class FakeHostBuffer:
+    """Page-locked host memory as a FakeMemory block: the copies between it and the device are numpy's."""
+
+    def __init__(self, mem: FakeMemory, nbytes: int) -> None:
+        self.mem, self.nbytes = mem, nbytes
+        self.buf = mem.alloc(nbytes)
+        self.ptr = int(self.buf)
+
+    def numpy(self, dtype: type = np.uint8, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        return self.mem.view(self.ptr, shape or (self.nbytes // np.dtype(dtype).itemsize,), dtype)
+
+    def close(self) -> None:
+        self.buf.close()
+
+
+class FakeStream:
+    """A stream whose work is done when it is queued: waits order nothing, the copies run at once."""
+
+    handle = 0
+
+    def __init__(self, ctx: object = None) -> None:
+        self.waited = 0
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, event: object) -> None:
+        self.waited += 1
+
+
+class FakeEvent:
+    def __init__(self, ctx: object = None, timing: bool = True) -> None:
+        self.records = 0
+
+    def record(self, stream: object) -> FakeEvent:
+        self.records += 1
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
 class FakeBackend:
     """What GpuTiler asks of the CUDA backend, on FakeMemory."""
 
@@ -290,7 +332,7 @@ class FakeBackend:
 
         self.mem = self.pool = mem
         self.ctx = SimpleNamespace(make_current=lambda: None)
-        self.stream = SimpleNamespace(synchronize=lambda: None, handle=0)
+        self.stream = FakeStream()
 
     def from_host(self, arr: np.ndarray):
         from dualtrack.runtime.tensors import GpuTensor
@@ -360,15 +402,21 @@ def test_the_gpu_path_drives_its_kernels_as_the_cpu_path_computes(
     rng = np.random.default_rng(seed)
     mem = FakeMemory()
     monkeypatch.setattr(tiling, "call", lambda fn, ptr, value, n, stream: mem.view(ptr, (n,), np.uint8).fill(value))
+    copies: list[tuple[str, int]] = []
 
-    def upload(stream: object, dst: FakeBuffer, src: np.ndarray) -> None:
-        mem.view(int(dst), (src.nbytes,), np.uint8)[...] = src.reshape(-1).view(np.uint8)
+    def copy_async(kind: str, dst: int, src: int, nbytes: int, stream: object) -> None:
+        copies.append((kind, nbytes))
+        mem.view(dst, (nbytes,), np.uint8)[...] = mem.view(src, (nbytes,), np.uint8)
 
     def download(stream: object, dst: np.ndarray, src: FakeBuffer) -> None:
         dst.reshape(-1).view(np.uint8)[...] = mem.view(int(src), (dst.nbytes,), np.uint8)
 
-    monkeypatch.setattr(tiling, "upload", upload)
+    monkeypatch.setattr(tiling, "copy_async", copy_async)
     monkeypatch.setattr(tiling, "download", download)
+    monkeypatch.setattr(tiling, "Stream", FakeStream)
+    monkeypatch.setattr(tiling, "Event", FakeEvent)
+    monkeypatch.setattr(tiling, "HostBuffer", lambda ctx, nbytes: FakeHostBuffer(mem, nbytes))
+    monkeypatch.setattr(tiling._Transfers, "BAND", 24)  # several bands, reused slots, on these small images
     image = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
     mix = rng.standard_normal((3, classes)).astype(np.float32)
     spec = Window(overlap=0.25, blend=blend)
@@ -384,12 +432,19 @@ def test_the_gpu_path_drives_its_kernels_as_the_cpu_path_computes(
         return {"probs": GpuTensor(int(planned), out, np.dtype(np.float32))}
 
     tiler = tiling.GpuTiler(be, fake_entries(mem))
-    got = tiler.run(image, t, spec, run_batch, classes, probs=True)
-    want = tiling.tile_numpy(image, t, lambda b: fake_net(b, mix), classes, probs=True)
-    np.testing.assert_array_equal(got.probs, want.probs, err_msg=f"seed {seed}")
-    np.testing.assert_array_equal(got.mask, want.mask, err_msg=f"seed {seed}")
+    for _ in range(2):  # the second image reuses the staging
+        got = tiler.run(image, t, spec, run_batch, classes, probs=True)
+        want = tiling.tile_numpy(image, t, lambda b: fake_net(b, mix), classes, probs=True)
+        np.testing.assert_array_equal(got.probs, want.probs, err_msg=f"seed {seed}")
+        np.testing.assert_array_equal(got.mask, want.mask, err_msg=f"seed {seed}")
+    # the image went up in bands of 24 rows, each once, and the mask came down in the finished rows' bands
+    H, W = shape
+    ups = [n for kind, n in copies if kind == "HtoD"]
+    assert sum(ups) == 2 * H * W * 3 and max(ups) <= 24 * W * 3 and len(ups) == 2 * -(-H // 24)
+    assert sum(n for kind, n in copies if kind == "DtoH") == 2 * H * W
+    assert be.stream.waited == len(ups)  # each cut waited for its band on the device, not the host
     tiler.close()
-    assert set(mem.blocks) == {int(planned)}  # the image, band, windows, mask, probs and weights freed
+    assert set(mem.blocks) == {int(planned)}  # the image, band, windows, mask, probs, weights and staging freed
 
 
 def test_the_service_tiles_a_larger_image_and_counts_its_windows(window_bundle: Path) -> None:

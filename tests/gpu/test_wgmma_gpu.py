@@ -231,8 +231,10 @@ def test_the_chosen_configuration_on_dilated_layers(engine, wgmma, n, hw, c, k, 
 
 @pytest.mark.parametrize(
     ("n", "hw", "c", "k"),
-    [(1, 64, 32, 32), (2, 32, 64, 128), (1, 16, 256, 512), (8, 16, 128, 64), (1, 32, 256, 256)]
-    + [(2, 96, 16, 16), (1, 80, 16, 32), (2, 72, 32, 16), (1, 40, 64, 8)],  # few channels: the narrow tiles
+    [
+        *[(1, 64, 32, 32), (2, 32, 64, 128), (1, 16, 256, 512), (8, 16, 128, 64), (1, 32, 256, 256)],
+        *[(2, 96, 16, 16), (1, 80, 16, 32), (2, 72, 32, 16), (1, 40, 64, 8)],  # few channels: the narrow tiles
+    ],
 )
 def test_the_chosen_configuration_on_unet_like_shapes(engine, wgmma, n, hw, c, k) -> None:
     cfg = WG.choose(n, hw, hw, c, k)

@@ -634,10 +634,8 @@ _BATCH_MAJOR = (  # noqa: SIM905
     "InstanceNormalization GroupNormalization LpNormalization LRN Pad DepthToSpace SpaceToDepth MaxUnpool"
 ).split()
 # Ops that take the batch as a middle part of a dim (:func:`_middle_part`): they treat its rows one by one.
-_ROWWISE = frozenset(
-    [*_ELEMENTWISE, "Softmax", "LogSoftmax", "LayerNormalization", "RMSNormalization", "Gemm", "MatMul"]
-    + ["Reshape", "Transpose", "Shape", "Size"]
-)
+_ROWWISE = frozenset([*_ELEMENTWISE, "Softmax", "LogSoftmax", "LayerNormalization", "RMSNormalization", "Gemm"])
+_ROWWISE |= {"MatMul", "Reshape", "Transpose", "Shape", "Size"}
 _RULES: dict[str, Rule] = {
     **dict.fromkeys(_ELEMENTWISE, _elementwise),
     **dict.fromkeys(_BATCH_MAJOR, _batch_major),

@@ -470,10 +470,10 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         handwritten_ptx/README.md); ``pointwise``: of the 1x1 entries (:meth:`choose_pointwise`).
 
         k-blocks of 64 channels when ``C % 64 == 0``, else of 32, and of 16 for C <= 16 (with K <= 32,
-        dilation 1). K <= 16: the 256x16 column-copy tile; K <= 32: the 256x32 one. Else 256x128, then the 256x64 and 128x64 column-copy tiles (128x64 first when C <= 64),
-        then 64x64 (with 32-channel k-blocks: the 256x64 column-copy tile only), skipping tiles
-        wider than K rounded up to 32: the first that makes at least :attr:`min_ctas` CTAs, else
-        the one that makes the most (of equals, the smaller). Within 0.5% of the per-layer best on
+        dilation 1). K <= 16: the 256x16 column-copy tile; K <= 32: the 256x32 one. Else 256x128,
+        then the 256x64 and 128x64 column-copy tiles (128x64 first when C <= 64), then 64x64 (with
+        32-channel k-blocks: the 256x64 column-copy tile only), skipping tiles wider than K rounded
+        up to 32: the first that makes at least :attr:`min_ctas` CTAs, else the one that makes the most (of equals, the smaller). Within 0.5% of the per-layer best on
         the U-Net's 26 (layer, batch) pairs (the worst single layer: 1.3%). A CTA a time per SM: a
         full wave is :meth:`DeviceInfo.full_wave` CTAs (128 on the H200's 132 SMs).
 
@@ -486,7 +486,7 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
             return self.choose_pointwise(N * H * W, C, K, device=device)
         min_ctas = device.full_wave()
         bk = 64 if C % 64 == 0 else 32
-        if C <= self.bk16_max_c and K <= 32 and dilation == 1:
+        if self.bk16_max_c >= C and K <= 32 and dilation == 1:
             bk = 16
         if dilation > 1:
             k32 = base.cdiv(K, 32) * 32

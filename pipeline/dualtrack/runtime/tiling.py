@@ -58,8 +58,8 @@ from dualtrack.contract.manifest import Window
 from dualtrack.errors import InputError
 from dualtrack.kernels import blend, sources
 from dualtrack.kernels.blend import BlendSpec
-from dualtrack.runtime.driver import Module, call
-from dualtrack.runtime.memory import download, upload
+from dualtrack.runtime.driver import Event, Module, Stream, call, copy_async
+from dualtrack.runtime.memory import HostBuffer, download
 from dualtrack.runtime.tensors import GpuTensor
 
 Size = tuple[int, int]
@@ -220,11 +220,94 @@ def tile_numpy(
 # -- the GPU path ----------------------------------------------------------------------------------------
 
 
+class _Transfers:
+    """A tiled image's rows up and its mask's rows down, in bands through page-locked staging on two copy
+    streams of their own (one each way: a download waits for the compute that chose its rows, and an upload
+    queued behind it would wait too), beside the windows' compute on the engine's stream: a batch's cut waits (on the
+    device) only for the band that holds its last row, and finished mask rows come down while later
+    batches run. Why not one copy each way: from pageable memory the driver stages the whole image before
+    the first window can run and the mask after the last (67 MB both ways at 4096 x 4096 on an H100, about
+    5 ms of a 41 ms answer: bench/results/tiles_bench-82ea7be-s13-h100.json, the engine alone making 35 ms).
+
+    Up: :attr:`SLOTS` staging slots of :attr:`BAND` image rows, reused in turn; the host copies a band
+    into its slot only once the slot's previous upload is done (its event). Down: one page-locked mask
+    of the largest image so far, copied into the caller's array at the end."""
+
+    BAND = 256  # image rows a staging slot holds
+    SLOTS = 4
+
+    def __init__(self, backend: Any) -> None:
+        self.be = backend
+        self.up_stream, self.down_stream = Stream(backend.ctx), Stream(backend.ctx)
+        self.slots: list[HostBuffer] = []
+        self.events = [Event(backend.ctx, timing=False) for _ in range(self.SLOTS)]
+        self.used = [False] * self.SLOTS
+        self.finished = Event(backend.ctx, timing=False)
+        self.mask: HostBuffer | None = None
+
+    def start(self, image: np.ndarray, dst: int, mask: int) -> None:
+        """Begin an image: ``dst`` its device copy, ``mask`` the device mask (H * W bytes)."""
+        self.image, self.dst, self.dmask = image, dst, mask
+        H, W = image.shape[:2]
+        self.row_bytes, self.up, self.band = W * image.shape[2], 0, 0
+        if not self.slots or self.slots[0].nbytes < self.BAND * self.row_bytes:
+            self.wait()
+            for b in self.slots:
+                b.close()
+            self.slots = [HostBuffer(self.be.ctx, self.BAND * self.row_bytes) for _ in range(self.SLOTS)]
+            self.used = [False] * self.SLOTS
+        if self.mask is None or self.mask.nbytes < H * W:
+            self.wait()
+            if self.mask is not None:
+                self.mask.close()
+            self.mask = HostBuffer(self.be.ctx, H * W)
+
+    def rows(self, upto: int) -> None:
+        """Image rows ``[0, upto)`` on the device before the engine's stream goes on."""
+        H = self.image.shape[0]
+        while self.up < min(upto, H):
+            r0, r1 = self.up, min(H, self.up + self.BAND)
+            k = self.band % self.SLOTS
+            if self.used[k]:
+                self.events[k].synchronize()  # the slot's last upload is done: it may be written
+            n = (r1 - r0) * self.row_bytes
+            self.slots[k].numpy(np.uint8, (n,))[:] = self.image[r0:r1].reshape(-1)
+            copy_async("HtoD", self.dst + r0 * self.row_bytes, self.slots[k].ptr, n, self.up_stream.handle)
+            self.events[k].record(self.up_stream)
+            self.be.stream.wait(self.events[k])
+            self.used[k], self.up, self.band = True, r1, self.band + 1
+
+    def mask_rows(self, lo: int, hi: int) -> None:
+        """Mask rows ``[lo, hi)``, chosen by the kernels queued so far on the engine's stream, down."""
+        W = self.image.shape[1]
+        self.finished.record(self.be.stream)
+        self.down_stream.wait(self.finished)
+        assert self.mask is not None
+        copy_async("DtoH", self.mask.ptr + lo * W, self.dmask + lo * W, (hi - lo) * W, self.down_stream.handle)
+
+    def wait(self) -> None:
+        self.up_stream.synchronize()
+        self.down_stream.synchronize()
+
+    def mask_into(self, out: np.ndarray) -> None:
+        """The whole mask, once every band came down, into ``out`` (H, W) uint8."""
+        self.wait()
+        assert self.mask is not None
+        out.reshape(-1)[:] = self.mask.numpy(np.uint8, (out.size,))
+
+    def close(self) -> None:
+        self.wait()
+        for b in [*self.slots, *([self.mask] if self.mask is not None else [])]:
+            b.close()
+        self.slots, self.mask = [], None
+
+
 class GpuTiler:
-    """The GPU path of one engine, on its stream: the image uploaded once, each batch's windows cut
-    into the engine's input by ``blend_nhwc_cut_u8``, its probabilities blended into the band by
-    ``blend_nhwc_accumulate_f32``, finished rows chosen into the device mask (and probabilities where
-    asked) by ``blend_nhwc_finish_f32``; one download at the end, no host wait between batches."""
+    """The GPU path of one engine, on its stream: the image's rows uploaded in bands as the windows
+    need them (:class:`_Transfers`), each batch's windows cut into the engine's input by
+    ``blend_nhwc_cut_u8``, its probabilities blended into the band by ``blend_nhwc_accumulate_f32``,
+    finished rows chosen into the device mask (and probabilities where asked) by
+    ``blend_nhwc_finish_f32`` and sent down as they are done; no host wait between batches."""
 
     def __init__(self, backend: Any, entries: Mapping[str, Any] | None = None) -> None:
         """``entries``: the blend kernels by entry name, each with ``launch(grid, block, shared, stream,
@@ -233,6 +316,7 @@ class GpuTiler:
         self.spec: BlendSpec = kernels.BLEND
         self.kernels = dict(entries) if entries is not None else self._load()
         self.weights: dict[tuple[Size, str, float], GpuTensor] = {}  # one upload per window and blend
+        self.transfers: _Transfers | None = None
 
     def _load(self) -> dict[str, Any]:
         choice = arch.choose_image(self.backend.device.cc, [], list(self.spec.ptx_arches))
@@ -266,13 +350,16 @@ class GpuTiler:
         }
         ptr = {k: int(v) for k, v in bufs.items()}
         done = 0
+        if self.transfers is None:
+            self.transfers = _Transfers(be)
+        move = self.transfers
         try:
-            # From pageable memory: the driver stages it (no page-locked copy of the image kept by the backend).
-            upload(be.stream, bufs["image"], np.ascontiguousarray(image))
+            move.start(np.ascontiguousarray(image), ptr["image"], ptr["mask"])
             call(cu.cuMemsetD8Async, ptr["acc"], 0, acc_bytes, be.stream.handle)
             for origins in t.runs():
                 done = self._finish(ptr, t, classes, done, max(origins[0][0], 0))
                 b = t.batch_for(len(origins))
+                move.rows(max(y for y, _ in origins) + h)
                 self._launch(spec_.cut_entry, spec_.cut_call(ptr["image"], ptr["x"], H, W, h, w, b, origins))
                 outs = run_batch(GpuTensor(ptr["x"], (b, h, w, 3), np.dtype(np.uint8), bufs["x"]), b)
                 p = _probs(outs, (b, classes, h, w))
@@ -280,11 +367,13 @@ class GpuTiler:
                 self._launch(spec_.accumulate_entry, acc)
             self._finish(ptr, t, classes, done, H)
             answer = Answer(np.empty((H, W), np.uint8), np.empty((classes, H, W), np.float32) if probs else None)
-            download(be.stream, answer.mask, bufs["mask"])  # into pageable memory: returns once it is there
             if answer.probs is not None:
-                download(be.stream, answer.probs, bufs["probs"])
+                download(be.stream, answer.probs, bufs["probs"])  # into pageable memory: returns once it is there
+            move.mask_into(answer.mask)
         finally:
-            be.stream.synchronize()  # nothing may still read or write them when they go back to the pool
+            # nothing may still read or write them when they go back to the pool
+            be.stream.synchronize()
+            move.wait()
             for buf in bufs.values():
                 buf.close(be.stream)
         return answer
@@ -303,6 +392,8 @@ class GpuTiler:
                 ptr["acc"], ptr["mask"], ptr.get("probs", 0), classes, H, W, t.band, done, upto
             )
             self._launch(self.spec.finish_entry, finish)
+            assert self.transfers is not None
+            self.transfers.mask_rows(done, upto)
         return max(upto, done)
 
     def close(self) -> None:
@@ -310,6 +401,9 @@ class GpuTiler:
             t.keepalive.close(self.backend.stream)
         self.weights.clear()
         self.kernels.clear()
+        if self.transfers is not None:
+            self.transfers.close()
+            self.transfers = None
 
 
 @dataclass
