@@ -469,13 +469,13 @@ class Conv3x3WgmmaSpec(Conv3x3Reference, base.KernelSpec):
         """The configuration to launch for this shape on ``device`` (H200 measurements,
         handwritten_ptx/README.md); ``pointwise``: of the 1x1 entries (:meth:`choose_pointwise`).
 
-        k-blocks of 64 channels when ``C % 64 == 0``, else of 32, and of 16 for C <= 16 (with K <= 32,
-        dilation 1). K <= 16: the 256x16 column-copy tile; K <= 32: the 256x32 one. Else 256x128,
-        then the 256x64 and 128x64 column-copy tiles (128x64 first when C <= 64), then 64x64 (with
-        32-channel k-blocks: the 256x64 column-copy tile only), skipping tiles wider than K rounded
-        up to 32: the first that makes at least :attr:`min_ctas` CTAs, else the one that makes the most (of equals, the smaller). Within 0.5% of the per-layer best on
-        the U-Net's 26 (layer, batch) pairs (the worst single layer: 1.3%). A CTA a time per SM: a
-        full wave is :meth:`DeviceInfo.full_wave` CTAs (128 on the H200's 132 SMs).
+        k-blocks of 64 channels when ``C % 64 == 0``, else of 32, and of 16 for C <= 16 (with K <= 32, dilation
+        1). K <= 16: the 256x16 column-copy tile; K <= 32: the 256x32 one. Else 256x128, then the 256x64 and
+        128x64 column-copy tiles (128x64 first when C <= 64), then 64x64 (with 32-channel k-blocks: the 256x64
+        column-copy tile only), skipping tiles wider than K rounded up to 32: the first that makes at least
+        :attr:`min_ctas` CTAs, else the one that makes the most (of equals, the smaller). Within 0.5% of the
+        per-layer best on the U-Net's 26 (layer, batch) pairs (the worst single layer: 1.3%). A CTA a time per
+        SM: a full wave is :meth:`DeviceInfo.full_wave` CTAs (128 on the H200's 132 SMs).
 
         ``dilation`` > 1 (a dilated 3x3): the per-tap tiles only (the column copies' box holds the
         rows of dilation 1), no wider than K rounded up to 32, largest first, by the same rule (not
