@@ -165,12 +165,13 @@ def _freed(model: onnx.ModelProto, export_batch: int, other: int) -> tuple[onnx.
             first = first or e
             if isinstance(e, MixedRows):
                 raise
-            bump = next(((n, k) for n, k in reversed(walk.open_reshapes) if readings.get(n, 0) + 1 < k), None)
-            if bump is None:
+            left = [i for i, (n, k) in enumerate(walk.open_reshapes) if readings.get(n, 0) + 1 < k]
+            if not left:
                 break
-            later = [n for n, _ in walk.open_reshapes[[n for n, _ in walk.open_reshapes].index(bump[0]) + 1 :]]
+            name = walk.open_reshapes[left[-1]][0]
+            later = {n for n, _ in walk.open_reshapes[left[-1] + 1 :]}
             readings = {n: r for n, r in readings.items() if n not in later}
-            readings[bump[0]] = readings.get(bump[0], 0) + 1
+            readings[name] = readings.get(name, 0) + 1
     assert first is not None
     raise first
 
@@ -183,10 +184,10 @@ def _walk_once(walk: _Walk, export_batch: int, other: int) -> tuple[onnx.ModelPr
         ins = [axes.get(x) if x else None for x in node.input]
         try:
             if any(a is not None for a in ins):
-                inner = _middle_part(walk, node, ins)
+                part = _middle_part(walk, node, ins)
                 outs = _rule(node.op_type)(walk, node, ins)
-                if inner > 1 and node.op_type != "Reshape":
-                    walk.outer.update({o: inner for o, a in zip(node.output, outs, strict=False) if a is not None})
+                if part > 1 and node.op_type != "Reshape":  # a Reshape places the batch itself (_reshape)
+                    walk.outer.update({o: part for o, a in zip(node.output, outs, strict=False) if a is not None})
             else:  # from weights and shapes only: the batch is where shape inference keeps N (x.new_zeros(x.shape))
                 outs = _batch_made(walk, node) or [symbolic.get(o) for o in node.output]
         except _Refuse as e:
@@ -634,8 +635,10 @@ _BATCH_MAJOR = (  # noqa: SIM905
     "InstanceNormalization GroupNormalization LpNormalization LRN Pad DepthToSpace SpaceToDepth MaxUnpool"
 ).split()
 # Ops that take the batch as a middle part of a dim (:func:`_middle_part`): they treat its rows one by one.
-_ROWWISE = frozenset([*_ELEMENTWISE, "Softmax", "LogSoftmax", "LayerNormalization", "RMSNormalization", "Gemm"])
-_ROWWISE |= {"MatMul", "Reshape", "Transpose", "Shape", "Size"}
+_ROWWISE = frozenset(_ELEMENTWISE).union(
+    ("Softmax", "LogSoftmax", "LayerNormalization", "RMSNormalization", "Gemm", "MatMul", "Reshape", "Transpose"),
+    ("Shape", "Size"),
+)
 _RULES: dict[str, Rule] = {
     **dict.fromkeys(_ELEMENTWISE, _elementwise),
     **dict.fromkeys(_BATCH_MAJOR, _batch_major),

@@ -319,11 +319,9 @@ def _lower_concat(node: onnx.NodeProto, seg: SegmentSoFar) -> list[KernelCall]:
         key=lambda out: len(seg.concats[out]),
         default=None,
     )
-    if prefix is not None:
-        parts.append(prefix)
-    for j, x in enumerate(node.input):
-        if prefix is not None and j < len(seg.concats[prefix]):
-            continue
+    nested = 0 if prefix is None else len(seg.concats[prefix])
+    parts += [prefix] if prefix is not None else []
+    for j, x in enumerate(node.input[nested:], start=nested):
         if x in produced and x not in seg.escaping and x not in viewed and x not in parts:
             parts.append(x)
             continue

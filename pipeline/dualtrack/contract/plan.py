@@ -184,6 +184,16 @@ class Segment:
     def name(self) -> str:
         return f"seg{self.index}_{self.track}"
 
+    def buffer_widths(self) -> dict[str, int]:
+        """The channel stride of every buffer the runtime lays out for this Track A segment (each root of
+        :meth:`channel_views`): a segment input or output dense (IREE writes or reads it), any other
+        :func:`padded_channels`."""
+        dense = {t.name for t in (*self.inputs, *self.outputs)}
+        return {
+            t.name: t.shape[-1] if t.name in dense else padded_channels(t.shape[-1], t.dtype)
+            for t in (*self.inputs, *self.tensors, *self.outputs)
+        }
+
     def channel_views(self) -> dict[str, tuple[str, int]]:
         """Every tensor of this Track A segment -> (the tensor whose buffer holds it, its first channel
         there), as the runtime lays them out (:data:`ALIAS_OPS`): a concatenation's inputs are channel

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dualtrack.contract.plan import KernelCall, Plan, Segment, padded_channels
+from dualtrack.contract.plan import KernelCall, Plan, Segment
 from dualtrack.kernels.base import DeviceTensor, dtype_name
 
 TUNED_OPS = ("conv3x3",)  # convt2x2's tiles are namespace constants, not a template: nothing to search
@@ -89,14 +89,8 @@ def channel_strides(seg: Segment) -> dict[str, int]:
     (``Segment.channel_views``): a channel slice of another buffer (a concatenation's input, a
     slice's output) has that buffer's stride; a buffer of the segment's own (neither its input nor its
     output) has :func:`~dualtrack.contract.plan.padded_channels`; the inputs and outputs are dense."""
-    specs = {t.name: t for t in (*seg.inputs, *seg.tensors, *seg.outputs)}
-    dense = {t.name for t in (*seg.inputs, *seg.outputs)}
-
-    def stride(root: str) -> int:
-        c = specs[root].shape[-1]
-        return c if root in dense else padded_channels(c, specs[root].dtype)
-
-    return {name: stride(root) for name, (root, _) in seg.channel_views().items()}
+    widths = seg.buffer_widths()
+    return {name: widths[root] for name, (root, _) in seg.channel_views().items()}
 
 
 def conv_layers(

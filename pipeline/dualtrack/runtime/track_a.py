@@ -24,7 +24,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from dualtrack import kernels
-from dualtrack.contract.plan import ALIAS_OPS, KernelCall, Plan, Segment, padded_channels
+from dualtrack.contract.plan import ALIAS_OPS, KernelCall, Plan, Segment
 from dualtrack.kernels.tensormap import TiledMap
 from dualtrack.runtime import tma
 from dualtrack.runtime.code_images import DeviceImages
@@ -148,7 +148,7 @@ class TrackA:
         (``Segment.channel_views``), so no kernel ever copies for them.
 
         A buffer no other track reads whose pixels are not a multiple of 16 bytes (a segmentation
-        head's 2 or 3 classes) gets its channel stride rounded up to 16 bytes (contract.plan.padded_channels):
+        head's 2 or 3 classes) gets its channel stride rounded up to 16 bytes (``Segment.buffer_widths``):
         every Track A kernel takes a channel stride, and the TMA / wgmma convolutions need one of 16
         bytes, so a head's 3x3 or 1x1 conv runs there (with 16-channel tiles) instead of on the
         direct entry's CUDA cores. Segment outputs stay dense: IREE reads them.
@@ -157,7 +157,7 @@ class TrackA:
         if key in self.buffers:
             return self.buffers[key]
         specs = {t.name: t for t in (*seg.tensors, *seg.outputs)}
-        dense = {t.name for t in seg.outputs}
+        widths = seg.buffer_widths()
         where = seg.channel_views()
         roots: dict[str, GpuTensor] = {}
         views: dict[str, GpuTensor] = {}
@@ -166,9 +166,7 @@ class TrackA:
             if root not in roots:
                 r = specs[root]
                 dtype = np.dtype(r.dtype)
-                shape = r.at_batch(batch)
-                if root not in dense:
-                    shape = (*shape[:-1], padded_channels(shape[-1], dtype.name))
+                shape = (*r.at_batch(batch)[:-1], widths[root])
                 buf = self.pool.alloc(int(np.prod(shape)) * dtype.itemsize, self.stream)
                 roots[root] = GpuTensor(int(buf), shape, dtype, buf)
             base = roots[root]
