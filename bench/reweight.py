@@ -306,14 +306,21 @@ def calibrate(model: onnx.ModelProto, regrow: dict[str, np.ndarray]) -> str:
     )
 
 
-def _cases(bundle_dir: Path, seed: int) -> bytes:
+def _cases(bundle_dir: Path, seed: int, missing_only: bool = False) -> dict[str, bytes]:
+    """The reference cases of every input size the bundle holds (one file a size: ``CASES`` for its own
+    size, ``sizes/<HxW>/verify/cases.npz`` for configs/unet_sizes.yaml's others), by file; with
+    ``missing_only`` those whose file is absent (they need not travel)."""
     from dualtrack.compiler.bundle_writer import load_model  # onnx + onnxruntime: here and on the GPU machine
     from dualtrack.compiler.verify import reference_cases
 
     # Not Bundle.open: the cases being made are missing or stale; the weights were checked before.
     b = Bundle(bundle_dir, Manifest.from_json(json.loads((bundle_dir / MANIFEST).read_text()), str(bundle_dir)))
-    model = load_model(b)
-    return reference_cases(model, b.plan, seed).to_bytes()
+    views = [b.at_size(size) for size in b.sizes] if b.size is not None else [b]
+    return {
+        v.cases_file: reference_cases(load_model(v), v.plan, seed).to_bytes()
+        for v in views
+        if not (missing_only and (bundle_dir / v.cases_file).is_file())
+    }
 
 
 JUDGE_SEEDS = (0, 1, 2)  # the further image seeds _judged measures a drawn network's fp16 error on
@@ -375,7 +382,7 @@ def seal(bundle_dir: Path, sharing: list[Path]) -> None:
         if m.get("tolerance") and not m["config"].get("verify", {}).get("tolerance"):
             m["tolerance"] = _judged(d, seed)  # the re-weighted network's fp16 error, not the export's
         m["verification"] = None  # the build's checks were of the export's weights, not these
-        _record(d, m, {CASES: _cases(d, seed)})
+        _record(d, m, _cases(d, seed))
         Bundle.open(d)  # every hash checks out
         kb = len(buf.getvalue()) / 1e3
         print(f"sealed {d}: {len(weights) / 1e6:.1f} MB of weights, drawn again from {REGROW} ({kb:.0f} KB)")
@@ -391,8 +398,7 @@ def regrow(bundle_dir: Path, sharing: list[Path]) -> None:
     for d in (bundle_dir, *sharing):
         m = json.loads((d / MANIFEST).read_text())
         write_bytes(d / WEIGHTS, weights)
-        if not (d / CASES).is_file():
-            _record(d, m, {CASES: _cases(d, int(stored["cases_seed"]))})
+        _record(d, m, _cases(d, int(stored["cases_seed"]), missing_only=True))
         Bundle.open(d)
         print(f"regrew {d}: {len(weights) / 1e6:.1f} MB of weights, hashes checked")
 

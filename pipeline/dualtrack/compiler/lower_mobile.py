@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from dualtrack.compiler import act_patterns
 from dualtrack.contract import activations
 from dualtrack.contract.activations import Activation, match_onnx
 from dualtrack.contract.plan import (
@@ -448,6 +449,64 @@ def supports(node: onnx.NodeProto, facts: Facts) -> str | None:
     if rule is None:
         return f"{node.op_type} is not a mobile-kernel op"
     return rule.supports(node, facts)
+
+
+@dataclass(frozen=True)
+class ActChain:
+    """A multi-node activation (:mod:`act_patterns`: erf- and tanh-GELU, SiLU, Mish as the exporters
+    write them) that no convolution's epilogue or norm takes: its nodes in graph order and the one
+    unary eltwise call they lower to."""
+
+    nodes: tuple[str, ...]
+    call: KernelCall
+
+
+@dataclass
+class ActChains:
+    """The graph's stand-alone activation chains by node."""
+
+    found: dict[str, ActChain] = field(default_factory=dict)
+
+    def kernel(self, node: onnx.NodeProto) -> str | None:
+        """``eltwise`` for the chain's first node (its launch is charged there), None for the others."""
+        return "eltwise" if self.found[node.name].nodes[0] == node.name else None
+
+
+_ACT_KEYS = ("act", "act_p0", "act_p1")
+
+
+def with_chain(call: KernelCall, chain: ActChain) -> KernelCall:
+    """``call`` (of an op whose rule ``fuses_act``, writing the chain's input) computing the chain's
+    activation in its epilogue and writing the chain's output."""
+    act = tuple(kv for kv in chain.call.attrs if kv[0] in _ACT_KEYS)
+    attrs = tuple(kv for kv in call.attrs if kv[0] not in _ACT_KEYS) + act
+    return KernelCall(call.op, call.inputs, chain.call.outputs, call.weights, attrs, (*call.nodes, *chain.nodes))
+
+
+def find_act_chains(facts: Facts, taken: set[str]) -> ActChains:
+    """Every decomposed activation on an image tensor whose nodes no other lowering has ``taken`` (conv
+    epilogues, heads, norms, attentions): one eltwise call each. Without it a GELU after a depthwise
+    conv or a token view (a Mix-FFN's) would reach Track B through its Erf, which has no kernel alone,
+    with two track switches, and a SiLU there would be two passes."""
+    chains = ActChains()
+    busy = set(taken)
+    outputs = {o.name for o in facts.model.graph.output}
+    for node in facts.model.graph.node:
+        for t in node.output:
+            spec = facts.specs.get(t)
+            if spec is None or len(spec[0]) != 4 or spec[1] not in ("float16", "float32"):
+                continue
+            found = act_patterns.decomposed(
+                t, facts.consumers, lambda n: n.name not in busy, lambda x: x not in outputs, facts.const
+            )
+            if found is None:
+                continue
+            act, nodes, y = found
+            names = tuple(n.name for n in nodes)
+            call = KernelCall("eltwise", (t,), (y,), (), (("op", ELTWISE_OPS["unary"]), *_act_attrs(act)), names)
+            busy.update(names)
+            chains.found.update((name, ActChain(names, call)) for name in names)
+    return chains
 
 
 def islands_together(seg: list[onnx.NodeProto], facts: Facts) -> list[onnx.NodeProto]:

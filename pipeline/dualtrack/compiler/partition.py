@@ -650,6 +650,8 @@ class SupportContext:
     minor: frozenset[str] = frozenset()  # tensors that carry the batch outside dim 0 (batch_checked_specs)
     # The attentions the attention kernel takes, by node (attention_patterns).
     attentions: attention_patterns.Attentions = field(default_factory=attention_patterns.Attentions)
+    # The multi-node activations no other call takes, by node: one eltwise call each (lower_mobile).
+    act_chains: lower_mobile.ActChains = field(default_factory=lower_mobile.ActChains)
 
     @classmethod
     def of(
@@ -678,6 +680,7 @@ class SupportContext:
                 fused_into.update((e.name, n) for e in ep.nodes)
         norms = lower_norm.find_norms(facts, {*fused_into, *heads.found})
         attentions = attention_patterns.find_attention(facts, {*fused_into, *heads.found, *norms.found}, minor)
+        act_chains = lower_mobile.find_act_chains(facts, {*fused_into, *heads.found, *norms.found, *attentions.found})
         return cls(
             specs=specs,
             inits=frozenset(i.name for i in model.graph.initializer),
@@ -693,6 +696,7 @@ class SupportContext:
             norms=norms,
             minor=minor,
             attentions=attentions,
+            act_chains=act_chains,
         )
 
 
@@ -935,14 +939,17 @@ TRACK_A_SUPPORT.update({op: _or_norm(TRACK_A_SUPPORT.get(op)) for op in lower_no
 
 def _or_epilogue(op: TrackAOp | None) -> TrackAOp:
     """``op`` (None: no kernel of its own) for a node outside a dense Conv's epilogue; a node of a
-    multi-node activation fused there (act_patterns: GELU's Div, Erf, Add, Muls) launches nothing."""
+    multi-node activation fused there (act_patterns: GELU's Div, Erf, Add, Muls) launches nothing,
+    and one of a stand-alone chain (``ctx.act_chains``) is its eltwise call, charged to its first node."""
 
     def check(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
-        if _in_conv_epilogue(node, ctx):
+        if _in_conv_epilogue(node, ctx) or node.name in ctx.act_chains.found:
             return None
         return op.check(node, ctx) if op is not None else "no hand-written kernel (only in a convolution's epilogue)"
 
     def kernel(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
+        if node.name in ctx.act_chains.found and not _in_conv_epilogue(node, ctx):
+            return ctx.act_chains.kernel(node)
         return None if _in_conv_epilogue(node, ctx) or op is None else op.kernel(node, ctx)
 
     return TrackAOp(check, kernel)
@@ -1050,7 +1057,12 @@ def lower_track_a(
     # An attention is one call, emitted at its last node (its Q, K, V roots are computed before its first).
     attn_last = {ctx.attentions.found[n.name]: n.name for n in seg if n.name in ctx.attentions.found}
     attn_at = {name: att for att, name in attn_last.items()}
-    groups = _fusion_groups(seg, model, specs, ctx, private, in_heads | in_norms | set(ctx.attentions.found))
+    # A stand-alone activation chain is one eltwise call, emitted at its last node (it reads one tensor).
+    chain_last = {ctx.act_chains.found[n.name]: n.name for n in seg if n.name in ctx.act_chains.found}
+    chain_at = {name: ch for ch, name in chain_last.items()}
+    groups = _fusion_groups(
+        seg, model, specs, ctx, private, in_heads | in_norms | set(ctx.attentions.found) | set(ctx.act_chains.found)
+    )
 
     def fusable(t: str) -> bool:  # an op's output that an activation after it may consume in place
         return ctx.uses[t] == 1 and private(t) and not any(u.name in in_heads for u in ctx.consumers.get(t, []))
@@ -1085,6 +1097,14 @@ def lower_track_a(
             if node.name in attn_at:
                 calls.append(att.call)
             continue
+        if node.name in ctx.act_chains.found:
+            chain = ctx.act_chains.found[node.name]
+            missing = [name for name in chain.nodes if name not in in_seg]
+            if missing:
+                raise _refusal(node, f"its activation's nodes {', '.join(missing)} are in another segment")
+            if node.name in chain_at:
+                _add_chain(calls, chain, ctx, private)
+            continue
         if node.name in groups.claimed:  # in the epilogue of a Conv of this segment, which answers for it
             if node.name in groups.emit_at:
                 conv = groups.emit_at[node.name]
@@ -1105,6 +1125,26 @@ def lower_track_a(
         if call is not None:
             calls.append(call)
     return calls
+
+
+def _add_chain(
+    calls: list[KernelCall], chain: lower_mobile.ActChain, ctx: SupportContext, private: Callable[[str], bool]
+) -> None:
+    """A stand-alone activation chain's call, folded into the call that wrote its input where that op
+    fuses an activation (a depthwise conv's epilogue: a Mix-FFN's GELU) and the chain alone reads it."""
+    t = chain.call.inputs[0]
+    producer = ctx.producers.get(t)
+    k = next((i for i in range(len(calls) - 1, -1, -1) if t in calls[i].outputs), None)
+    if (
+        k is not None and producer is not None and producer.name in calls[k].nodes and calls[k].outputs == (t,)
+        and lower_mobile.claims(producer, ctx.facts) and lower_mobile.RULES[producer.op_type].fuses_act
+        and calls[k].attr("act") == 0 and private(t)
+        and all(u.name in chain.nodes for u in ctx.consumers.get(t, []))
+        and not any(t in c.inputs for c in calls[k + 1 :])
+    ):  # fmt: skip
+        calls[k] = lower_mobile.with_chain(calls[k], chain)
+    else:
+        calls.append(chain.call)
 
 
 def _refusal(node: onnx.NodeProto, why: str) -> TrackARefusal:
@@ -1375,7 +1415,7 @@ def auto_tracks(
             moves.append(_move_island(*best, tracks, why, costs, switch * batches))
             continue
         # A head's or a norm chain's nodes are one launch (charged to its first node): never split.
-        chained = forced_a | set(ctx.heads.found) | set(ctx.norms.found)
+        chained = forced_a | set(ctx.heads.found) | set(ctx.norms.found) | set(ctx.act_chains.found)
         edge = _edge_to_trim(model, segments, tracks, chained, estimate)
         if edge is None:
             break
