@@ -133,6 +133,9 @@ def test_a_stand_alone_activation_chain_is_one_eltwise_call_on_track_a(chain, af
     p = auto_plan(model)
     tracks = {d.node: d.track for d in p.assignment.decisions}
     assert all(tracks[n] == "A" for n in names), {n: tracks[n] for n in names}
+    # The cost model charges the chain's launch to its first node, none in the depthwise conv's epilogue.
+    why = {d.node: d.why for d in p.assignment.decisions}
+    assert ("no launch of its own" in why[names[0]]) == (after == "dwconv"), why[names[0]]
     seg = next(s for s in p.plan.segments if names[0] in s.nodes)
     calls = [c for c in seg.calls if set(c.nodes) & set(names)]
     # After the depthwise conv the chain is its epilogue (the conv's call writes the chain's output); after
@@ -142,6 +145,29 @@ def test_a_stand_alone_activation_chain_is_one_eltwise_call_on_track_a(chain, af
     assert Activation.of(calls[0]).kind.name == row
     weights = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
     feeds = {t.name: np.random.default_rng(11).standard_normal(t.at_batch(2)).astype(t.dtype) for t in seg.inputs}
+    want = run_ort(ort_session(p.seg_models[p.plan.segments.index(seg)]), feeds)
+    got = interpret_track_a(seg, weights, feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=TOL, atol=TOL, err_msg=name)
+
+
+@pytest.mark.parametrize("chain", CHAINS, ids=[c.__name__ for c in CHAINS])
+def test_a_decomposed_activation_after_a_norm_is_the_norm_calls(chain) -> None:
+    """InstanceNorm + affine, then the chain: one norm call computes both (its apply pass's activation)."""
+    g = Graph()
+    g.conv("stem", "x", C, K, 3)
+    scale, bias = g.const("in.s", g.rng.uniform(0.5, 1.5, K)), g.const("in.b", g.rng.standard_normal(K) * 0.2)
+    t = g.add("InstanceNormalization", "inorm", ["stem", scale, bias], epsilon=1e-5)
+    out, names, row = chain(g, t)
+    g.conv("head", out, K, 3, 1)
+    model = g.model("head")
+    p = auto_plan(model)
+    calls = [c for s in p.plan.segments for c in s.calls if "inorm" in c.nodes]
+    assert len(calls) == 1 and calls[0].op == "norm" and set(names) <= set(calls[0].nodes)
+    assert Activation.of(calls[0]).kind.name == row
+    seg = next(s for s in p.plan.segments if "inorm" in s.nodes)
+    weights = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    feeds = {t.name: np.random.default_rng(12).standard_normal(t.at_batch(2)).astype(t.dtype) for t in seg.inputs}
     want = run_ort(ort_session(p.seg_models[p.plan.segments.index(seg)]), feeds)
     got = interpret_track_a(seg, weights, feeds)
     for name in want:

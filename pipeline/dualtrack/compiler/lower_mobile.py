@@ -459,6 +459,9 @@ class ActChain:
 
     nodes: tuple[str, ...]
     call: KernelCall
+    # Its input is written by an op whose call fuses an activation (a depthwise conv, a binary op) and read
+    # by the chain alone: lowered in that call's epilogue (partition._add_chain), no launch of its own.
+    in_producer: bool = False
 
 
 @dataclass
@@ -468,8 +471,10 @@ class ActChains:
     found: dict[str, ActChain] = field(default_factory=dict)
 
     def kernel(self, node: onnx.NodeProto) -> str | None:
-        """``eltwise`` for the chain's first node (its launch is charged there), None for the others."""
-        return "eltwise" if self.found[node.name].nodes[0] == node.name else None
+        """``eltwise`` for the chain's first node (its launch is charged there), None for the others
+        and for a chain in its producer's epilogue."""
+        chain = self.found[node.name]
+        return "eltwise" if chain.nodes[0] == node.name and not chain.in_producer else None
 
 
 _ACT_KEYS = ("act", "act_p0", "act_p1")
@@ -504,8 +509,10 @@ def find_act_chains(facts: Facts, taken: set[str]) -> ActChains:
             act, nodes, y = found
             names = tuple(n.name for n in nodes)
             call = KernelCall("eltwise", (t,), (y,), (), (("op", ELTWISE_OPS["unary"]), *_act_attrs(act)), names)
+            fuses = claims(node, facts) and RULES[node.op_type].fuses_act and supports(node, facts) is None
+            alone = all(u.name in names for u in facts.consumers.get(t, []))
             busy.update(names)
-            chains.found.update((name, ActChain(names, call)) for name in names)
+            chains.found.update((name, ActChain(names, call, fuses and alone)) for name in names)
     return chains
 
 

@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from dualtrack.compiler import act_patterns
 from dualtrack.compiler.lower_mobile import ACT_OPS, Facts, match_activation
 from dualtrack.contract.activations import Activation
 from dualtrack.contract.plan import NORM_KINDS, NORM_RES, KernelCall, f32_bits
@@ -40,7 +41,7 @@ DESCRIPTION = (
 )
 CORE = ("InstanceNormalization", "GroupNormalization", "LayerNormalization", "BatchNormalization")
 # Every op type a norm chain may hold (partition routes these nodes to the norm's answer).
-OPS = tuple(dict.fromkeys((*CORE, "Reshape", "Shape", "Transpose", "Cast", "Mul", "Add", "Sigmoid", *ACT_OPS)))
+OPS = tuple(dict.fromkeys((*CORE, "Reshape", "Shape", "Transpose", "Cast", "Mul", "Add", *act_patterns.OPS, *ACT_OPS)))
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -244,26 +245,24 @@ def _residual(ch: _Chain) -> str | None:
 
 
 def _activation(ch: _Chain) -> Activation | None:
-    """An activation of the tail (a row of the table, or SiLU as Mul(t, Sigmoid(t))): taken."""
+    """An activation of the tail (a row of the table, or one the exporters write as several nodes:
+    :func:`act_patterns.decomposed`'s SiLU, GELU, Mish): taken."""
     t, nxt = ch.t, ch.sole()
     if nxt is not None and nxt.input[:1] == [t]:
         act, _ = match_activation(nxt, ch.facts.const)
         if act is not None:
             ch.take(nxt)
             return act
-    users = ch.facts.consumers.get(t, [])
-    sig = next((u for u in users if u.op_type == "Sigmoid"), None)
-    mul = next((u for u in users if u.op_type == "Mul"), None)
     outs = {o.name for o in ch.facts.model.graph.output}
-    if (
-        len(users) == 2 and sig is not None and mul is not None and t not in outs
-        and not {sig.name, mul.name} & ch.taken
-        and sorted(mul.input) == sorted([t, sig.output[0]]) and ch.sole(sig.output[0]) is mul
-    ):  # fmt: skip
-        ch.take(sig)
-        ch.take(mul)
-        return Activation.named("silu")
-    return None
+    found = act_patterns.decomposed(
+        t, ch.facts.consumers, lambda n: n.name not in ch.taken, lambda x: x not in outs, ch.facts.const
+    )
+    if found is None:
+        return None
+    act, nodes, _ = found
+    for n in nodes:
+        ch.take(n)
+    return act
 
 
 def match(node: onnx.NodeProto, facts: Facts, taken: set[str]) -> tuple[Norm | None, str | None]:
