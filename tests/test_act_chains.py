@@ -40,8 +40,8 @@ class Graph:
         self.nodes.append(helper.make_node(op, inputs, [name], name=name, **attrs))
         return name
 
-    def conv(self, name: str, x: str, cin: int, cout: int, k: int, group: int = 1) -> str:
-        w = self.rng.standard_normal((cout, cin // group, k, k)) / k
+    def conv(self, name: str, x: str, cin: int, cout: int, k: int, group: int = 1, gain: float = 1.0) -> str:
+        w = self.rng.standard_normal((cout, cin // group, k, k)) * gain / k
         b = self.rng.standard_normal(cout) * 0.3
         ins = [x, self.const(f"{name}.w", w), self.const(f"{name}.b", b)]
         return self.add("Conv", name, ins, kernel_shape=[k, k], pads=[k // 2] * 4, group=group)
@@ -103,13 +103,45 @@ def mish(g: Graph, t: str) -> tuple[str, list[str], str]:
     return "a_out", ["a_sp", "a_th", "a_out"], "mish"
 
 
-CHAINS = (gelu_div, gelu_half_first, gelu_tanh, silu, mish)
+def gelu_dynamo(g: Graph, t: str) -> tuple[str, list[str], str]:
+    """x * (0.5 * (1 + erf(x / sqrt 2))), as torch 2.13's dynamo exporter writes nn.GELU at opset 17."""
+    g.add("Div", "a_div", [t, g.const("sqrt2", math.sqrt(2.0))])
+    g.add("Erf", "a_erf", ["a_div"])
+    g.add("Add", "a_add", ["a_erf", g.const("one", 1.0)])
+    g.add("Mul", "a_half", [g.const("half", 0.5), "a_add"])
+    g.add("Mul", "a_out", [t, "a_half"])
+    return "a_out", ["a_div", "a_erf", "a_add", "a_half", "a_out"], "gelu"
+
+
+def gelu_tanh_dynamo(g: Graph, t: str) -> tuple[str, list[str], str]:
+    """The dynamo exporter's tanh-GELU: Pow(x, 3), and x * (0.5 * (1 + tanh(...)))."""
+    g.add("Pow", "a_pow", [t, g.const("three", 3.0)])
+    g.add("Mul", "a_k", [g.const("kappa", 0.044715), "a_pow"])
+    g.add("Add", "a_in", [t, "a_k"])
+    g.add("Mul", "a_s", [g.const("s2pi", math.sqrt(2.0 / math.pi)), "a_in"])
+    g.add("Tanh", "a_tanh", ["a_s"])
+    g.add("Add", "a_p1", ["a_tanh", g.const("one", 1.0)])
+    g.add("Mul", "a_half", [g.const("half", 0.5), "a_p1"])
+    g.add("Mul", "a_out", [t, "a_half"])
+    return "a_out", ["a_pow", "a_k", "a_in", "a_s", "a_tanh", "a_p1", "a_half", "a_out"], "gelu_tanh"
+
+
+def softplus_dynamo(g: Graph, t: str) -> tuple[str, list[str], str]:
+    """torch's softplus threshold as the dynamo exporter writes it: Where(x > 20, x, Softplus(x)). The
+    inputs are scaled past the threshold in the test (``net``'s ``gain``), so both branches are taken."""
+    g.add("Softplus", "a_sp", [t])
+    g.add("Greater", "a_gt", [t, g.const("thr", 20.0)])
+    g.add("Where", "a_out", ["a_gt", t, "a_sp"])
+    return "a_out", ["a_sp", "a_gt", "a_out"], "softplus"
+
+
+CHAINS = (gelu_div, gelu_half_first, gelu_tanh, silu, mish, gelu_dynamo, gelu_tanh_dynamo, softplus_dynamo)
 
 
 def net(chain, after: str) -> tuple[onnx.ModelProto, list[str], str]:
     """stem conv -> (a 5x5 depthwise conv | a 3x3 max pool) -> the chain -> a 1x1 conv."""
     g = Graph()
-    g.conv("stem", "x", C, K, 3)
+    g.conv("stem", "x", C, K, 3, gain=30.0 if chain is softplus_dynamo else 1.0)
     if after == "dwconv":
         t = g.conv("dw", "stem", K, K, 5, group=K)
     else:
@@ -227,3 +259,50 @@ def test_a_torchscript_mix_ffn_runs_on_track_a_in_one_segment_and_verifies(tmp_p
     assert len(on_a) == 1, [(s.name, s.track) for s in plan.segments]
     gelus = [c for c in on_a[0].calls if Activation.of(c).kind.name == "gelu"]
     assert [c.op for c in gelus] == ["dwconv"] and any("Erf" in n for n in gelus[0].nodes)
+
+
+def write_dynamo_project(root: Path) -> Path:
+    """A MedNeXt-style block net (depthwise 5x5, GroupNorm of one channel a group, 1x1 expand, GELU, 1x1
+    back, residual) with a tanh-GELU after a depthwise conv and a softplus, exported by the dynamo exporter
+    at opset 17 as the README says to export: its GELUs are x * (0.5 * (1 + erf(x / sqrt 2))), its
+    tanh-GELU's cube a Pow, its softplus a Where over a Greater."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+
+    class Block(torch.nn.Module):
+        def __init__(self, c: int = 12) -> None:
+            super().__init__()
+            self.stem = torch.nn.Conv2d(3, c, 3, padding=1)
+            self.dw = torch.nn.Conv2d(c, c, 5, padding=2, groups=c)
+            self.norm = torch.nn.GroupNorm(c, c)
+            self.up, self.down = torch.nn.Conv2d(c, 3 * c, 1), torch.nn.Conv2d(3 * c, c, 1)
+            self.dw2 = torch.nn.Conv2d(c, c, 3, padding=1, groups=c)
+            self.head = torch.nn.Conv2d(c, 2, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.stem(x)
+            x = x + self.down(torch.nn.functional.gelu(self.up(self.norm(self.dw(x)))))
+            y = torch.nn.functional.gelu(self.dw2(x), approximate="tanh")
+            return self.head(torch.nn.functional.softplus(torch.nn.functional.gelu(self.norm(y))))
+
+    torch.manual_seed(0)
+    root.mkdir(parents=True, exist_ok=True)
+    x = torch.randn(1, 3, 24, 20)
+    torch.onnx.export(Block().eval(), (x,), str(root / "net.onnx"), opset_version=17, dynamo=True, verbose=False)
+    cfg = root / "net.yaml"
+    cfg.write_text("model: net.onnx\nbatch_sizes: [1, 2]\ntargets: [sm_80]\nverify:\n  samples: 1\n")
+    return cfg
+
+
+def test_a_dynamo_export_s_activations_run_on_track_a_in_one_segment_and_verify(tmp_path: Path) -> None:
+    from dualtrack.compiler.build import build
+    from dualtrack.contract.bundle import Bundle
+
+    cfg = write_dynamo_project(tmp_path)
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "net.onnx")).graph.node}
+    assert {"Erf", "Pow", "Where"} <= ops and "Gelu" not in ops  # the decomposed forms this test is about
+    build(cfg, tmp_path / "out")  # raises when verification fails
+    plan = Bundle.open(tmp_path / "out").manifest.plan
+    assert [s.track for s in plan.segments].count("A") == 1, [(s.name, s.track) for s in plan.segments]
+    acts = sorted(Activation.of(c).kind.name for s in plan.segments for c in s.calls if Activation.of(c).code)
+    assert acts.count("gelu") == 2 and "gelu_tanh" in acts and "softplus" in acts, acts

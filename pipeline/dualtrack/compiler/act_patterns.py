@@ -1,13 +1,15 @@
 """Activations that exporters write as several nodes, matched back to one row of the activation table.
 
-At the opsets the exporters default to (17, 18) there is no Gelu op, and SiLU never had one: torch
-writes ``x * sigmoid(x)`` as Mul(x, Sigmoid(x)), Mish below opset 18 as Mul(x, Tanh(Softplus(x))),
-erf-GELU as Div(x, sqrt 2) (or Mul(x, 1/sqrt 2)),
-Erf, Add 1, and the two Muls by x and 0.5 in either order, and tanh-GELU as x*x, its product with x,
-Mul 0.044715, Add x, Mul sqrt(2/pi), Tanh, Add 1, Mul x, Mul 0.5. :func:`decomposed` finds such a chain
-starting at a tensor ``t`` so that a convolution's epilogue (``partition._fuse_epilogue``) computes it
-as the row it is. Every intermediate of the chain must be read by the chain alone (``private``), so
-nothing the chain computes is needed elsewhere.
+At the opsets users export at (17, 18) there is no Gelu op, and SiLU never had one. torch writes
+``x * sigmoid(x)`` as Mul(x, Sigmoid(x)) and Mish below opset 18 as Mul(x, Tanh(Softplus(x))). Erf-GELU
+is Div(x, sqrt 2) (or Mul(x, 1/sqrt 2)), Erf, Add 1, then the products by x and by 0.5 in any order:
+(x * y) * 0.5 and (x * 0.5) * y from the TorchScript exporter, x * (0.5 * y) from the dynamo exporter.
+Tanh-GELU is the cube (x*x*x, or Pow(x, 3) from dynamo), Mul 0.044715, Add x, Mul sqrt(2/pi), Tanh,
+Add 1, and the same two products. The dynamo exporter writes softplus's threshold too:
+Where(x > 20, x, Softplus(x)). :func:`decomposed` finds such a chain starting at a tensor ``t``, so that
+a convolution's epilogue (``partition._fuse_epilogue``), a norm's apply pass (``lower_norm``) or one
+eltwise call (``lower_mobile.find_act_chains``) computes it as the row it is. Every intermediate of the
+chain must be read by the chain alone (``private``), so nothing the chain computes is needed elsewhere.
 """
 
 from __future__ import annotations
@@ -81,6 +83,30 @@ def _mish(t: str, ch: _Chain) -> tuple[Activation, list[onnx.NodeProto], str] | 
     return Activation.named("mish"), [soft, tanh, mul], mul.output[0]
 
 
+def _times_x_and_half(t: str, y: str, other: onnx.NodeProto, ch: _Chain) -> tuple[list[onnx.NodeProto], str] | None:
+    """The two products that finish a GELU, 0.5 * x * y, from ``y`` (1 + erf or 1 + tanh), where ``other``
+    is the product node that reads x (``t``) besides the chain: (x * y) * 0.5, (x * 0.5) * y, or
+    x * (0.5 * y) as the dynamo exporter writes it. Their nodes in graph order and the output."""
+    if other.op_type != "Mul":
+        return None
+    if sorted(other.input) == sorted([t, y]) and ch.readers(y) == [other]:  # (x * y) * 0.5
+        half = ch.sole(other.output[0], "Mul")
+        if half is None or not _near(ch.scalar(half, other.output[0]), 0.5):
+            return None
+        return [other, half], half.output[0]
+    if _near(ch.scalar(other, t), 0.5):  # (x * 0.5) * y
+        last = ch.sole(y, "Mul")
+        if last is None or sorted(last.input) != sorted([other.output[0], y]) or ch.readers(other.output[0]) != [last]:
+            return None
+        return [other, last], last.output[0]
+    half = ch.sole(y, "Mul")  # x * (0.5 * y)
+    if half is None or not _near(ch.scalar(half, y), 0.5) or ch.readers(half.output[0]) != [other]:
+        return None
+    if sorted(other.input) != sorted([t, half.output[0]]):
+        return None
+    return [half, other], other.output[0]
+
+
 def _gelu(t: str, ch: _Chain) -> tuple[Activation, list[onnx.NodeProto], str] | None:
     """0.5 * x * (1 + erf(x / sqrt 2)): x read by the scaling into Erf and by one Mul."""
     users = ch.readers(t)
@@ -92,36 +118,40 @@ def _gelu(t: str, ch: _Chain) -> tuple[Activation, list[onnx.NodeProto], str] | 
     other = users[1] if users[0] is scale else users[0]
     erf = ch.sole(scale.output[0], "Erf")
     plus = ch.sole(erf.output[0], "Add") if erf is not None else None
-    if plus is None or not _near(ch.scalar(plus, erf.output[0]), 1.0) or other.op_type != "Mul":
+    if plus is None or not _near(ch.scalar(plus, erf.output[0]), 1.0):
         return None
-    one_plus = plus.output[0]
-    if sorted(other.input) == sorted([t, one_plus]) and ch.readers(one_plus) == [other]:  # x * (1 + erf), * 0.5
-        half = ch.sole(other.output[0], "Mul")
-        if half is None or not _near(ch.scalar(half, other.output[0]), 0.5):
-            return None
-        return Activation.named("gelu"), [scale, erf, plus, other, half], half.output[0]
-    if _near(ch.scalar(other, t), 0.5):  # (x * 0.5) * (1 + erf)
-        last = ch.sole(one_plus, "Mul")
-        if last is None or sorted(last.input) != sorted([other.output[0], one_plus]):
-            return None
-        if ch.readers(other.output[0]) != [last]:
-            return None
-        return Activation.named("gelu"), [scale, erf, plus, other, last], last.output[0]
-    return None
+    tail = _times_x_and_half(t, plus.output[0], other, ch)
+    if tail is None:
+        return None
+    return Activation.named("gelu"), [scale, erf, plus, *tail[0]], tail[1]
 
 
-def _gelu_tanh(t: str, ch: _Chain) -> tuple[Activation, list[onnx.NodeProto], str] | None:
-    """0.5 * (x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x*x*x)))), as torch writes
-    ``gelu(approximate="tanh")``: x read by x*x, by the cube, by the inner Add and by the outer Mul."""
-    users = list({id(u): u for u in ch.readers(t)}.values())
-    if len(users) != 4 or not all(ch.usable(u) for u in users):
-        return None
+def _cube(t: str, ch: _Chain) -> tuple[list[onnx.NodeProto], str] | None:
+    """x^3 as Mul(x, Mul(x, x)) or Pow(x, 3): its nodes and output."""
+    users = ch.readers(t)
+    pw = next((u for u in users if u.op_type == "Pow" and u.input[0] == t and _near(ch.scalar(u, t), 3.0)), None)
+    if pw is not None and ch.usable(pw):
+        return [pw], pw.output[0]
     sq = next((u for u in users if u.op_type == "Mul" and list(u.input) == [t, t]), None)
     cube = ch.sole(sq.output[0], "Mul") if sq is not None else None
     if cube is None or sorted(cube.input) != sorted([t, sq.output[0]]):
         return None
-    kappa = ch.sole(cube.output[0], "Mul")
-    if kappa is None or not _near(ch.scalar(kappa, cube.output[0]), 0.044715):
+    return [sq, cube], cube.output[0]
+
+
+def _gelu_tanh(t: str, ch: _Chain) -> tuple[Activation, list[onnx.NodeProto], str] | None:
+    """0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), as torch writes
+    ``gelu(approximate="tanh")``: the cube x*x*x (TorchScript) or Pow(x, 3) (dynamo), and the inner Add and
+    the outer product reading x besides."""
+    users = list({id(u): u for u in ch.readers(t)}.values())
+    if not all(ch.usable(u) for u in users):
+        return None
+    cubed = _cube(t, ch)
+    if cubed is None:
+        return None
+    head, c3 = cubed
+    kappa = ch.sole(c3, "Mul")
+    if kappa is None or not _near(ch.scalar(kappa, c3), 0.044715):
         return None
     inner = ch.sole(kappa.output[0], "Add")
     if inner is None or sorted(inner.input) != sorted([t, kappa.output[0]]):
@@ -133,16 +163,33 @@ def _gelu_tanh(t: str, ch: _Chain) -> tuple[Activation, list[onnx.NodeProto], st
     plus = ch.sole(tanh.output[0], "Add") if tanh is not None else None
     if plus is None or not _near(ch.scalar(plus, tanh.output[0]), 1.0):
         return None
-    outer = ch.sole(plus.output[0], "Mul")
-    if outer is None or sorted(outer.input) != sorted([t, plus.output[0]]):
+    # x's readers: the cube's first node(s), the inner Add, and the one product that finishes the GELU.
+    known = {id(n) for n in head if t in n.input} | {id(inner)}
+    rest = [u for u in users if id(u) not in known]
+    if len(rest) != 1:
         return None
-    half = ch.sole(outer.output[0], "Mul")
-    if half is None or not _near(ch.scalar(half, outer.output[0]), 0.5):
+    tail = _times_x_and_half(t, plus.output[0], rest[0], ch)
+    if tail is None:
         return None
-    if {id(u) for u in users} != {id(sq), id(cube), id(inner), id(outer)}:
+    return Activation.named("gelu_tanh"), [*head, kappa, inner, scale, tanh, plus, *tail[0]], tail[1]
+
+
+def _softplus(t: str, ch: _Chain) -> tuple[Activation, list[onnx.NodeProto], str] | None:
+    """torch's softplus (beta 1) as the dynamo exporter writes its threshold: Where(x > thr, x, Softplus(x)).
+    Past a threshold of 15 or more the two branches differ by log1p(exp(-thr)) < 3.1e-7, below fp32's
+    rounding of x there: the chain is Softplus."""
+    users = list({id(u): u for u in ch.readers(t)}.values())
+    sp = next((u for u in users if u.op_type == "Softplus"), None)
+    gt = next((u for u in users if u.op_type == "Greater" and u.input[0] == t), None)
+    if len(users) != 3 or sp is None or gt is None or not all(ch.usable(u) for u in users):
         return None
-    nodes = [sq, cube, kappa, inner, scale, tanh, plus, outer, half]
-    return Activation.named("gelu_tanh"), nodes, half.output[0]
+    thr = ch.scalar(gt, t)
+    where = ch.sole(gt.output[0], "Where")
+    if thr is None or thr < 15.0 or where is None or list(where.input) != [gt.output[0], t, sp.output[0]]:
+        return None
+    if ch.readers(sp.output[0]) != [where]:
+        return None
+    return Activation.named("softplus"), [sp, gt, where], where.output[0]
 
 
 def _erf_scale(node: onnx.NodeProto, t: str, ch: _Chain) -> bool:
@@ -152,8 +199,9 @@ def _erf_scale(node: onnx.NodeProto, t: str, ch: _Chain) -> bool:
     return node.op_type == "Mul" and _near(ch.scalar(node, t), 1.0 / math.sqrt(2.0))
 
 
-PATTERNS = (_silu, _mish, _gelu, _gelu_tanh)
-OPS = ("Sigmoid", "Mul", "Div", "Erf", "Add", "Tanh", "Softplus")  # the op types the patterns' nodes have
+PATTERNS = (_silu, _mish, _gelu, _gelu_tanh, _softplus)
+# The op types the patterns' nodes have.
+OPS = ("Sigmoid", "Mul", "Div", "Erf", "Add", "Tanh", "Softplus", "Pow", "Greater", "Where")
 
 
 def decomposed(

@@ -992,8 +992,10 @@ def track_a_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
     if node.name in ctx.attentions.found:  # its layout nodes' tensors are strides of the call, never buffers
         return None
     dtype = ctx.specs[node.output[0]][1]
-    # A head's mask is uint8; a norm chain's Shape (of its own input) is int64 and launches nothing.
-    if dtype not in ("float16", "float32") and node.name not in ctx.heads.found and node.name not in ctx.norms.found:
+    # A head's mask is uint8; a norm chain's Shape (of its own input) is int64 and an activation's threshold
+    # test (softplus's Greater) bool, and they launch nothing.
+    in_call = (ctx.heads.found, ctx.norms.found, ctx.act_chains.found, ctx.fused_into)
+    if dtype not in ("float16", "float32") and not any(node.name in found for found in in_call):
         return f"dtype {dtype}"
     off = next((x for x in [*node.input, *node.output] if x in ctx.minor), None)
     if off is not None:
