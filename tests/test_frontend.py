@@ -369,6 +369,36 @@ def test_an_output_that_is_also_read_inside_converts_to_fp16() -> None:
     assert all(c.passed for c in checks), [verify.Report.line(c) for c in checks]
 
 
+def test_a_constant_shared_by_an_fp32_resize_and_an_fp16_norm_converts_to_fp16() -> None:
+    """The dynamo exporter shares equal constants: here a 4-channel InstanceNorm's scale and a Resize's
+    scales, both [1, 1, 1, 1]. onnxconverter-common keeps a Resize's inputs fp32, and so kept the shared
+    tensor fp32 for the norm too (an invalid graph); each side now gets its own copy, and the fp16 model
+    computes the fp32 one's answer."""
+    rng = np.random.default_rng(2)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    ones = numpy_helper.from_array(np.ones(4, np.float32), "ones")
+    zeros = numpy_helper.from_array(np.zeros(4, np.float32), "zeros")
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("InstanceNormalization", ["c", "ones", "zeros"], ["n"]),
+        helper.make_node("Resize", ["n", "", "ones"], ["r"], mode="linear"),
+        helper.make_node("Relu", ["r"], ["logits"]),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 12, 10])
+    y = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 4, 12, 10])
+    graph = helper.make_graph(nodes, "g", [x], [y], [w, ones, zeros])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    converted, precision = frontend.convert_precision(model, "fp16", [])
+    onnx.checker.check_model(converted, full_check=True)
+    norm = next(n for n in converted.graph.node if n.op_type == "InstanceNormalization")
+    resize = next(n for n in converted.graph.node if n.op_type == "Resize")
+    types = {i.name: i.data_type for i in converted.graph.initializer}
+    assert precision == "fp16" and types[norm.input[1]] == TensorProto.FLOAT16 and types[resize.input[2]] == TensorProto.FLOAT
+    feeds = {"x": rng.standard_normal((1, 3, 12, 10)).astype(np.float32)}
+    np.testing.assert_allclose(_run(converted, feeds)["logits"], _run(model, feeds)["logits"], rtol=0.02, atol=0.02)
+
+
 def test_chained_resizes_with_the_export_batch_in_their_sizes_all_become_generic() -> None:
     """torch's dynamo exporter writes every F.interpolate's sizes as a constant with the batch in it; after
     the first becomes scales, shape inference names the batch afresh (N x 1.0), and the next must follow."""

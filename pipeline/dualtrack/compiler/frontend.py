@@ -708,7 +708,8 @@ def convert_precision(model: onnx.ModelProto, want: str | None, log: list[Rewrit
         )
     from onnxconverter_common import float16
 
-    bare = _outputs_apart(model)
+    blocked = [*float16.DEFAULT_OP_BLOCK_LIST, *FP32_REDUCTIONS]
+    bare = _constants_apart(_outputs_apart(model), set(blocked))
     del bare.graph.value_info[:]  # shapes recorded before the conversion mislead its Cast insertion
     try:
         with warnings.catch_warnings():  # it warns once per weight it rounds to fp16's range
@@ -717,7 +718,7 @@ def convert_precision(model: onnx.ModelProto, want: str | None, log: list[Rewrit
                 bare,
                 keep_io_types=True,
                 disable_shape_infer=False,
-                op_block_list=[*float16.DEFAULT_OP_BLOCK_LIST, *FP32_REDUCTIONS],
+                op_block_list=blocked,
             )
         del converted.graph.value_info[:]
     except Exception as e:  # the converter raises whatever its graph walk hits
@@ -734,6 +735,43 @@ def convert_precision(model: onnx.ModelProto, want: str | None, log: list[Rewrit
         )
     )
     return converted, "fp16"
+
+
+def _constants_apart(model: onnx.ModelProto, kept_fp32: set[str]) -> onnx.ModelProto:
+    """``model`` with each float initializer that both an op kept in fp32 (``kept_fp32``: a Resize's
+    ``scales``) and another op read copied, the copy for the fp32 readers: onnxconverter-common keeps
+    such a shared tensor fp32 for all its readers, so an fp16 node reading it gets fp32 beside fp16 (the
+    dynamo exporter shares equal constants: a 4-group GroupNorm's ones and a Resize's scales
+    [1, 1, 1, 1]). The model itself when nothing is shared that way."""
+    g = model.graph
+    floats = {i.name for i in g.initializer if i.data_type == onnx.TensorProto.FLOAT}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for x in dict.fromkeys(n.input):
+            if x in floats:
+                readers.setdefault(x, []).append(n)
+    mixed = {x for x, ns in readers.items() if len({n.op_type in kept_fp32 for n in ns}) == 2}
+    if not mixed:
+        return model
+    model = copy.deepcopy(model)
+    g = model.graph
+    taken = {x for n in g.node for x in (*n.input, *n.output)} | {i.name for i in g.initializer}
+    copies: dict[str, str] = {}
+    for init in list(g.initializer):
+        if init.name in mixed:
+            name = init.name + "__fp32"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            dup = onnx.TensorProto()
+            dup.CopyFrom(init)
+            dup.name = name
+            g.initializer.append(dup)
+            copies[init.name] = name
+    for n in g.node:
+        if n.op_type in kept_fp32:
+            n.input[:] = [copies.get(x, x) for x in n.input]
+    return model
 
 
 def _outputs_apart(model: onnx.ModelProto) -> onnx.ModelProto:
