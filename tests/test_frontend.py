@@ -394,7 +394,8 @@ def test_a_constant_shared_by_an_fp32_resize_and_an_fp16_norm_converts_to_fp16()
     norm = next(n for n in converted.graph.node if n.op_type == "InstanceNormalization")
     resize = next(n for n in converted.graph.node if n.op_type == "Resize")
     types = {i.name: i.data_type for i in converted.graph.initializer}
-    assert precision == "fp16" and types[norm.input[1]] == TensorProto.FLOAT16 and types[resize.input[2]] == TensorProto.FLOAT
+    assert precision == "fp16" and types[norm.input[1]] == TensorProto.FLOAT16
+    assert types[resize.input[2]] == TensorProto.FLOAT
     feeds = {"x": rng.standard_normal((1, 3, 12, 10)).astype(np.float32)}
     np.testing.assert_allclose(_run(converted, feeds)["logits"], _run(model, feeds)["logits"], rtol=0.02, atol=0.02)
 
