@@ -72,6 +72,31 @@ class Graph:
         t = self.node("LayerNormalization", "ln", [t, scale, b], axis=-1, epsilon=eps)
         return self.node("Transpose", "ln/to_nchw", [t], perm=[0, 3, 1, 2])
 
+    def layer_norm_decomposed(self, x: str, eps: float = 1e-6, square: str = "Pow", fp32_island: bool = False) -> str:
+        """ConvNeXt's channels-first LayerNorm written out (u = mean_c(x), d = x - u, v = mean_c(d^2),
+        d / sqrt(v + eps), then w[:, None, None] * . + b[:, None, None]); ``square``: Pow(d, 2) or Mul(d, d);
+        ``fp32_island``: each mean between Casts to float and back, as an fp16 model's front end keeps them."""
+
+        def mean(name: str, t: str) -> str:
+            if not fp32_island:
+                return self.node("ReduceMean", name, [t], axes=[1], keepdims=1)
+            t = self.node("Cast", f"{name}/up", [t], to=TensorProto.FLOAT)
+            t = self.node("ReduceMean", name, [t], axes=[1], keepdims=1)
+            return self.node("Cast", f"{name}/down", [t], to=TensorProto.FLOAT)
+
+        u = mean("lnd/mean", x)
+        d = self.node("Sub", "lnd/sub", [x, u])
+        sq = (
+            self.node("Pow", "lnd/sq", [d, self.const("lnd.two", np.array(2.0, np.float32))])
+            if square == "Pow"
+            else (self.node("Mul", "lnd/sq", [d, d]))
+        )
+        v = mean("lnd/var", sq)
+        a = self.node("Add", "lnd/eps", [v, self.const("lnd.eps", np.array(eps, np.float32))])
+        y = self.node("Div", "lnd/div", [d, self.node("Sqrt", "lnd/sqrt", [a])])
+        y = self.node("Mul", "lnd/mul", [self.vec("lnd.gamma", (self.c, 1, 1), 0.5, 1.0), y])
+        return self.node("Add", "lnd/add", [y, self.vec("lnd.beta", (self.c, 1, 1), 0.5)])
+
     def batch_norm(self, x: str, eps: float = 1e-3) -> str:
         c = (self.c,)
         ins = [self.vec("bn.s", c, 0.5, 1.0), self.vec("bn.b", c, 0.5), self.vec("bn.m", c, 0.5)]

@@ -120,6 +120,26 @@ def test_layer_norm_over_channels_with_a_residual_after_gelu_tanh_free_activatio
     assert norm.call.attr("kind") == NORM_KINDS["layer"] and norm.call.attr("res") == NORM_RES["after_act"]
 
 
+@pytest.mark.parametrize("square", ["Pow", "Mul"])
+@pytest.mark.parametrize("fp32_island", [False, True])
+def test_a_written_out_layer_norm_over_channels_is_one_layer_norm_call(square: str, fp32_island: bool) -> None:
+    """ConvNeXt's channels-first LayerNorm as ReduceMean / Sub / Pow / ReduceMean / Add / Sqrt / Div and the
+    affine (the mean's Casts of an fp16 model's fp32 islands too), with a GELU after it."""
+    gr = Graph(19, 5, 7)
+    t = gr.layer_norm_decomposed("x", eps=1e-5, square=square, fp32_island=fp32_island)
+    norm = check_against_ort(gr.model(gr.node("Elu", "act", [t], alpha=0.4)))
+    c = norm.call
+    assert (c.attr("kind"), c.weights, c.inputs) == (NORM_KINDS["layer"], ("lnd.gamma", "lnd.beta"), ("x",))
+    assert bits_f32(c.attr("eps")) == pytest.approx(1e-5)
+
+
+def test_a_mean_over_channels_that_is_not_a_layer_norm_is_refused() -> None:
+    gr = Graph(6, 4, 4)
+    u = gr.node("ReduceMean", "mean", ["x"], axes=[1], keepdims=1)
+    norms, _ = lowered(gr.model(gr.node("Sub", "sub", ["x", u])))
+    assert not norms.found and "decomposed LayerNorm" in norms.refused["mean"]
+
+
 def test_unfolded_batch_norm_is_a_per_channel_affine_norm() -> None:
     gr = Graph(12, 5, 6)
     norm = check_against_ort(gr.model(gr.silu(gr.batch_norm("x"))))
@@ -260,3 +280,54 @@ def test_a_norm_block_builds_and_verifies_on_the_cpu(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "out" / "verify.json").read_text())
     assert report["passed"] is True
     assert any(c["name"].startswith("seg1_A[numpy kernels]") for c in report["checks"])
+
+
+def _write_layer_norm_2d_project(root: Path, exporter: str) -> Path:
+    """ConvNeXt's official channels-first LayerNorm (mean and variance over dim 1 written out) in a small
+    ConvNeXt-style net, exported at opset 17 by either torch exporter (dynamo keeps opset 18 here: its
+    ReduceMeans take their axes as an input)."""
+    torch = pytest.importorskip("torch")
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    nn, f = torch.nn, torch.nn.functional
+
+    class LayerNorm2d(nn.Module):
+        def __init__(self, c: int) -> None:
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(torch.rand(c) + 0.5), nn.Parameter(torch.randn(c) * 0.1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            u = x.mean(1, keepdim=True)
+            v = (x - u).pow(2).mean(1, keepdim=True)
+            return self.weight[:, None, None] * ((x - u) / torch.sqrt(v + 1e-6)) + self.bias[:, None, None]
+
+    class Net(nn.Module):
+        def __init__(self, c: int = 20) -> None:
+            super().__init__()
+            self.stem, self.n1 = nn.Conv2d(3, c, 2, stride=2), LayerNorm2d(c)
+            self.dw, self.n2 = nn.Conv2d(c, c, 7, padding=3, groups=c), LayerNorm2d(c)
+            self.pw1, self.pw2, self.head = nn.Conv2d(c, 3 * c, 1), nn.Conv2d(3 * c, c, 1), nn.Conv2d(c, 2, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.n1(self.stem(x))
+            return self.head(x + self.pw2(f.gelu(self.pw1(self.n2(self.dw(x))))))
+
+    torch.manual_seed(0)
+    root.mkdir(parents=True, exist_ok=True)
+    x = torch.randn(1, 3, 28, 36)
+    torch.onnx.export(Net().eval(), (x,), str(root / "net.onnx"), opset_version=17, dynamo=exporter == "dynamo")
+    cfg = root / "net.yaml"
+    cfg.write_text("model: net.onnx\nbatch_sizes: [1, 2]\ntargets: [sm_80]\nverify:\n  samples: 1\n")
+    return cfg
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_written_out_layer_norm_2d_export_runs_on_track_a_and_verifies(exporter: str, tmp_path: Path) -> None:
+    from dualtrack.compiler.build import build
+    from dualtrack.contract.bundle import Bundle
+
+    build(_write_layer_norm_2d_project(tmp_path, exporter), tmp_path / "out")  # raises when verification fails
+    plan = Bundle.open(tmp_path / "out").manifest.plan
+    assert [s.track for s in plan.segments].count("A") == 1, [(s.name, s.track) for s in plan.segments]
+    norms = [c for s in plan.segments for c in s.calls if c.op == "norm"]
+    assert [c.attr("kind") for c in norms] == [NORM_KINDS["layer"]] * 2

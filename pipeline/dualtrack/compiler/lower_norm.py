@@ -39,9 +39,13 @@ DESCRIPTION = (
     "GroupNormalization), LayerNormalization over channels (between NCHW<->NHWC Transposes), unfolded "
     "BatchNormalization, each with a following residual Add and activation fused"
 )
-CORE = ("InstanceNormalization", "GroupNormalization", "LayerNormalization", "BatchNormalization")
+CORE = ("InstanceNormalization", "GroupNormalization", "LayerNormalization", "BatchNormalization", "ReduceMean")
 # Every op type a norm chain may hold (partition routes these nodes to the norm's answer).
-OPS = tuple(dict.fromkeys((*CORE, "Reshape", "Shape", "Transpose", "Cast", "Mul", "Add", *act_patterns.OPS, *ACT_OPS)))
+OPS = tuple(
+    dict.fromkeys(
+        (*CORE, "Reshape", "Shape", "Transpose", "Cast", "Mul", "Add", "Sub", "Sqrt", *act_patterns.OPS, *ACT_OPS)
+    )
+)
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -81,6 +85,7 @@ class _Chain:
         self.facts, self.taken = facts, taken
         self.nodes: list[onnx.NodeProto] = []
         self.x, self.t = x, x
+        self.eps: float | None = None  # a decomposed norm's epsilon (a core op's attribute otherwise)
 
     def sole(self, name: str | None = None) -> onnx.NodeProto | None:
         """The one reader of ``name`` (default the tail), skipping Casts; None where there are several,
@@ -214,6 +219,95 @@ def _layer_norm(node: onnx.NodeProto, facts: Facts, ch: _Chain) -> tuple[str, st
     return "layer", None, [w for w in node.input[1:3] if w], 1
 
 
+def _channel_mean(node: onnx.NodeProto | None, facts: Facts) -> bool:
+    """Whether ``node`` is a ReduceMean over the channels (axis 1) of an image that keeps its dims."""
+    if node is None or node.op_type != "ReduceMean" or len(facts.shape(node.input[0])) != 4:
+        return False
+    a = _attrs(node)
+    axes = a.get("axes")
+    if axes is None and len(node.input) > 1 and node.input[1]:
+        v = facts.const(node.input[1])
+        axes = None if v is None else v.reshape(-1).tolist()
+    return a.get("keepdims", 1) == 1 and axes is not None and [int(k) % 4 for k in axes] == [1]
+
+
+def _fp32_island(node: onnx.NodeProto, facts: Facts) -> tuple[onnx.NodeProto | None, onnx.NodeProto | None]:
+    """The Casts around a reduction an fp16 model keeps in fp32 (frontend.FP32_REDUCTIONS), each None
+    where absent: the Cast up that alone feeds ``node`` and the Cast back that alone reads it."""
+    up = facts.producer.get(node.input[0])
+    if up is None or up.op_type != "Cast" or facts.consumers.get(up.output[0], []) != [node]:
+        up = None
+    users = facts.consumers.get(node.output[0], [])
+    down = users[0] if len(users) == 1 and users[0].op_type == "Cast" else None
+    return up, down
+
+
+def _layer_decomposed(node: onnx.NodeProto, facts: Facts, ch: _Chain) -> tuple[str, str | None, list[str], int]:
+    """A LayerNorm over the channels of an NCHW image written out, as ConvNeXt's ``LayerNorm(...,
+    data_format="channels_first")`` and many hand-written blocks do: u = mean_c(x); d = x - u;
+    v = mean_c(d^2) (Pow 2 or d * d); y = d / sqrt(v + eps); then the per-channel affine."""
+    why = "a ReduceMean that is not the mean over the channels of a decomposed LayerNorm"
+    if not _channel_mean(node, facts):
+        return "layer", why, [], 0
+    up, down = _fp32_island(node, facts)
+    x = up.input[0] if up is not None else node.input[0]
+    u = down.output[0] if down is not None else node.output[0]
+    sub = next(iter(facts.consumers.get(u, [])), None)
+    if sub is None or sub.op_type != "Sub" or list(sub.input) != [x, u] or len(facts.consumers[u]) != 1:
+        return "layer", why, [], 0
+    d = sub.output[0]
+    readers = {id(n): n for n in facts.consumers.get(d, [])}.values()
+    sq = next(
+        (n for n in readers if n.op_type == "Pow" and n.input[0] == d and _scalar(facts, n.input[1]) == 2.0), None
+    )
+    sq = sq or next((n for n in readers if n.op_type == "Mul" and list(n.input) == [d, d]), None)
+    div = next((n for n in readers if n.op_type == "Div" and list(n.input[:1]) == [d]), None)
+    if sq is None or div is None or len(list(readers)) != 2 or len(facts.consumers.get(sq.output[0], [])) != 1:
+        return "layer", why, [], 0
+    var = facts.consumers[sq.output[0]][0]
+    var_up = var if var.op_type == "Cast" else None
+    if var_up is not None:
+        var = next(iter(facts.consumers.get(var_up.output[0], [])), None)
+    if not _channel_mean(var, facts):
+        return "layer", why, [], 0
+    var_up2, var_down = _fp32_island(var, facts)
+    if (var_up is None) != (var_up2 is None):
+        return "layer", why, [], 0
+    v = var_down.output[0] if var_down is not None else var.output[0]
+    plus = next(iter(facts.consumers.get(v, [])), None)
+    eps = _scalar(facts, plus.input[1] if plus is not None and plus.input[0] == v else plus.input[0]) if plus else None
+    if plus is None or plus.op_type != "Add" or eps is None or len(facts.consumers[v]) != 1:
+        return "layer", why, [], 0
+    root = facts.consumers.get(plus.output[0], [])
+    if len(root) != 1 or root[0].op_type != "Sqrt" or facts.consumers.get(root[0].output[0], []) != [div]:
+        return "layer", why, [], 0
+    if list(div.input) != [d, root[0].output[0]]:
+        return "layer", why, [], 0
+    chain = [up, node, down, sub, sq, var_up, var, var_down, plus, root[0], div]
+    inner = [n for n in chain if n is not None]
+    if any(n.name in ch.taken for n in inner):
+        return "layer", "its nodes are another lowering's", [], 0
+    ch.x = x
+    for n in inner:
+        ch.take(n)
+    ch.eps = eps
+    c = facts.shape(x)[1]
+    weights: list[str] = []  # gamma, then beta: a beta without a gamma stays an eltwise Add
+    for op in ("Mul", "Add"):
+        nxt = ch.sole()
+        operand = _channel_const(facts, nxt, ch.t, c) if nxt is not None and nxt.op_type == op else None
+        if operand is None or nxt is None:
+            break
+        weights.append(operand)
+        ch.take(nxt)
+    return "layer", None, weights, 1
+
+
+def _scalar(facts: Facts, name: str) -> float | None:
+    v = facts.const(name)
+    return float(v.reshape(())) if v is not None and v.size == 1 else None
+
+
 def _batch_norm(node: onnx.NodeProto, facts: Facts, ch: _Chain) -> tuple[str, str | None, list[str], int]:
     if len(facts.shape(node.input[0])) != 4 or _attrs(node).get("training_mode", 0):
         return "affine", "a BatchNormalization in training mode or not of an image", [], 0
@@ -228,6 +322,7 @@ _MATCHERS: dict[str, Callable[[onnx.NodeProto, Facts, _Chain], tuple[str, str | 
     "GroupNormalization": _group_norm,
     "LayerNormalization": _layer_norm,
     "BatchNormalization": _batch_norm,
+    "ReduceMean": _layer_decomposed,
 }
 
 
@@ -284,7 +379,7 @@ def match(node: onnx.NodeProto, facts: Facts, taken: set[str]) -> tuple[Norm | N
         return None, f"the chain turns {x_spec} into {y_spec} (the kernel keeps the shape and dtype)"
     c = x_spec[0][1]
     core = next(n for n in ch.nodes if n.op_type in CORE)
-    eps = float(_attrs(core).get("epsilon", 1e-5))
+    eps = ch.eps if ch.eps is not None else float(_attrs(core).get("epsilon", 1e-5))
     attrs = (
         ("kind", NORM_KINDS[kind]), ("groups", groups), ("C", c), ("eps", f32_bits(eps)), ("res", NORM_RES[res]),
         *(act or Activation()).attrs(),
