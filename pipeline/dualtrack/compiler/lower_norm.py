@@ -41,11 +41,8 @@ DESCRIPTION = (
 )
 CORE = ("InstanceNormalization", "GroupNormalization", "LayerNormalization", "BatchNormalization", "ReduceMean")
 # Every op type a norm chain may hold (partition routes these nodes to the norm's answer).
-OPS = tuple(
-    dict.fromkeys(
-        (*CORE, "Reshape", "Shape", "Transpose", "Cast", "Mul", "Add", "Sub", "Sqrt", *act_patterns.OPS, *ACT_OPS)
-    )
-)
+_PARTS = ("Reshape", "Shape", "Transpose", "Cast", "Mul", "Add", "Sub", "Sqrt")
+OPS = tuple(dict.fromkeys((*CORE, *_PARTS, *act_patterns.OPS, *ACT_OPS)))
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
