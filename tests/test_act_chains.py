@@ -135,7 +135,35 @@ def softplus_dynamo(g: Graph, t: str) -> tuple[str, list[str], str]:
     return "a_out", ["a_sp", "a_gt", "a_out"], "softplus"
 
 
-CHAINS = (gelu_div, gelu_half_first, gelu_tanh, silu, mish, gelu_dynamo, gelu_tanh_dynamo, softplus_dynamo)
+def _relu6_plus_3(g: Graph, t: str) -> str:
+    g.add("Add", "a_add3", [g.const("three", 3.0), t])
+    return g.add("Clip", "a_clip", ["a_add3", g.const("lo", 0.0), g.const("hi", 6.0)])
+
+
+def hardswish_sixth_last(g: Graph, t: str) -> tuple[str, list[str], str]:
+    """x * relu6(x + 3) / 6 as TorchScript writes it: (x * clip) / 6."""
+    g.add("Mul", "a_mul", [t, _relu6_plus_3(g, t)])
+    g.add("Div", "a_out", ["a_mul", g.const("six", 6.0)])
+    return "a_out", ["a_add3", "a_clip", "a_mul", "a_out"], "hardswish"
+
+
+def hardswish_gate(g: Graph, t: str) -> tuple[str, list[str], str]:
+    """x * (relu6(x + 3) * (1 / 6))."""
+    g.add("Mul", "a_sixth", [_relu6_plus_3(g, t), g.const("inv6", 1.0 / 6.0)])
+    g.add("Mul", "a_out", ["a_sixth", t])
+    return "a_out", ["a_add3", "a_clip", "a_sixth", "a_out"], "hardswish"
+
+
+def hardsigmoid_sixth(g: Graph, t: str) -> tuple[str, list[str], str]:
+    """relu6(x + 3) / 6, older squeeze-excitation code's gate: HardSigmoid(1/6, 0.5)."""
+    g.add("Div", "a_out", [_relu6_plus_3(g, t), g.const("six", 6.0)])
+    return "a_out", ["a_add3", "a_clip", "a_out"], "hardsigmoid"
+
+
+CHAINS = (
+    gelu_div, gelu_half_first, gelu_tanh, silu, mish, gelu_dynamo, gelu_tanh_dynamo, softplus_dynamo,
+    hardswish_sixth_last, hardswish_gate, hardsigmoid_sixth,
+)  # fmt: skip
 
 
 def net(chain, after: str) -> tuple[onnx.ModelProto, list[str], str]:

@@ -6,7 +6,8 @@ is Div(x, sqrt 2) (or Mul(x, 1/sqrt 2)), Erf, Add 1, then the products by x and 
 (x * y) * 0.5 and (x * 0.5) * y from the TorchScript exporter, x * (0.5 * y) from the dynamo exporter.
 Tanh-GELU is the cube (x*x*x, or Pow(x, 3) from dynamo), Mul 0.044715, Add x, Mul sqrt(2/pi), Tanh,
 Add 1, and the same two products. The dynamo exporter writes softplus's threshold too:
-Where(x > 20, x, Softplus(x)). :func:`decomposed` finds such a chain starting at a tensor ``t``, so that
+Where(x > 20, x, Softplus(x)). Older MobileNetV3 code writes hardswish and its squeeze-excitation gate as
+x * relu6(x + 3) / 6 and relu6(x + 3) / 6 (Add 3, Clip(0, 6), Div 6 or Mul 1/6, Mul x). :func:`decomposed` finds such a chain starting at a tensor ``t``, so that
 a convolution's epilogue (``partition._fuse_epilogue``), a norm's apply pass (``lower_norm``) or one
 eltwise call (``lower_mobile.find_act_chains``) computes it as the row it is. Every intermediate of the
 chain must be read by the chain alone (``private``), so nothing the chain computes is needed elsewhere.
@@ -192,6 +193,63 @@ def _softplus(t: str, ch: _Chain) -> tuple[Activation, list[onnx.NodeProto], str
     return Activation.named("softplus"), [sp, gt, where], where.output[0]
 
 
+def _relu6_of_x_plus_3(t: str, add: onnx.NodeProto, ch: _Chain) -> onnx.NodeProto | None:
+    """The Clip(x + 3, 0, 6) (torch's relu6 / hardtanh(0, 6)) that ``add``, an Add of x and 3, feeds."""
+    if add.op_type != "Add" or not _near(ch.scalar(add, t), 3.0):
+        return None
+    clip = ch.sole(add.output[0], "Clip")
+    if clip is None or len(clip.input) != 3 or clip.input[0] != add.output[0]:
+        return None
+    lo, hi = ch.const(clip.input[1]), ch.const(clip.input[2])
+    ok = lo is not None and hi is not None and lo.size == 1 and hi.size == 1
+    return clip if ok and float(lo.reshape(())) == 0.0 and float(hi.reshape(())) == 6.0 else None
+
+
+def _over_6(node: onnx.NodeProto | None, t: str, ch: _Chain) -> bool:
+    """Whether ``node`` is t / 6 or t * (1 / 6)."""
+    if node is not None and node.op_type == "Div":
+        return node.input[0] == t and _near(ch.scalar(node, t), 6.0)
+    return node is not None and node.op_type == "Mul" and _near(ch.scalar(node, t), 1.0 / 6.0)
+
+
+def _sixth(t: str, ch: _Chain) -> onnx.NodeProto | None:
+    users = ch.readers(t)
+    return users[0] if len(users) == 1 and ch.usable(users[0]) and _over_6(users[0], t, ch) else None
+
+
+def _hardswish(t: str, ch: _Chain) -> tuple[Activation, list[onnx.NodeProto], str] | None:
+    """x * relu6(x + 3) / 6 as older MobileNetV3 code writes it: x * (relu6(x + 3) / 6), or
+    (x * relu6(x + 3)) / 6."""
+    users = ch.readers(t)
+    add = next((u for u in users if u.op_type == "Add"), None)
+    mul = next((u for u in users if u.op_type == "Mul"), None)
+    if len(users) != 2 or add is None or mul is None or not (ch.usable(add) and ch.usable(mul)):
+        return None
+    clip = _relu6_of_x_plus_3(t, add, ch)
+    if clip is None:
+        return None
+    sixth = _sixth(clip.output[0], ch)
+    if sixth is not None and sorted(mul.input) == sorted([t, sixth.output[0]]) and ch.readers(sixth.output[0]) == [mul]:
+        return Activation.named("hardswish"), [add, clip, sixth, mul], mul.output[0]
+    if sorted(mul.input) == sorted([t, clip.output[0]]) and ch.readers(clip.output[0]) == [mul]:
+        last = _sixth(mul.output[0], ch)
+        if last is not None:
+            return Activation.named("hardswish"), [add, clip, mul, last], last.output[0]
+    return None
+
+
+def _hardsigmoid(t: str, ch: _Chain) -> tuple[Activation, list[onnx.NodeProto], str] | None:
+    """relu6(x + 3) / 6: HardSigmoid(alpha 1/6, beta 0.5), the gate of older squeeze-excitation code."""
+    users = ch.readers(t)
+    if len(users) != 1 or not ch.usable(users[0]):
+        return None
+    clip = _relu6_of_x_plus_3(t, users[0], ch)
+    sixth = _sixth(clip.output[0], ch) if clip is not None else None
+    if sixth is None:
+        return None
+    return Activation.named("hardsigmoid", 1.0 / 6.0, 0.5), [users[0], clip, sixth], sixth.output[0]
+
+
 def _erf_scale(node: onnx.NodeProto, t: str, ch: _Chain) -> bool:
     """Whether ``node`` is x / sqrt 2 or x * (1 / sqrt 2), with x as its first operand for Div."""
     if node.op_type == "Div" and node.input[0] == t:
@@ -199,9 +257,9 @@ def _erf_scale(node: onnx.NodeProto, t: str, ch: _Chain) -> bool:
     return node.op_type == "Mul" and _near(ch.scalar(node, t), 1.0 / math.sqrt(2.0))
 
 
-PATTERNS = (_silu, _mish, _gelu, _gelu_tanh, _softplus)
+PATTERNS = (_silu, _mish, _gelu, _gelu_tanh, _softplus, _hardswish, _hardsigmoid)
 # The op types the patterns' nodes have.
-OPS = ("Sigmoid", "Mul", "Div", "Erf", "Add", "Tanh", "Softplus", "Pow", "Greater", "Where")
+OPS = ("Sigmoid", "Mul", "Div", "Erf", "Add", "Tanh", "Softplus", "Pow", "Greater", "Where", "Clip")
 
 
 def decomposed(
