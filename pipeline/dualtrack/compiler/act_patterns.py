@@ -6,11 +6,12 @@ is Div(x, sqrt 2) (or Mul(x, 1/sqrt 2)), Erf, Add 1, then the products by x and 
 (x * y) * 0.5 and (x * 0.5) * y from the TorchScript exporter, x * (0.5 * y) from the dynamo exporter.
 Tanh-GELU is the cube (x*x*x, or Pow(x, 3) from dynamo), Mul 0.044715, Add x, Mul sqrt(2/pi), Tanh,
 Add 1, and the same two products. The dynamo exporter writes softplus's threshold too:
-Where(x > 20, x, Softplus(x)). Older MobileNetV3 code writes hardswish and its squeeze-excitation gate as
-x * relu6(x + 3) / 6 and relu6(x + 3) / 6 (Add 3, Clip(0, 6), Div 6 or Mul 1/6, Mul x). :func:`decomposed` finds such a chain starting at a tensor ``t``, so that
-a convolution's epilogue (``partition._fuse_epilogue``), a norm's apply pass (``lower_norm``) or one
-eltwise call (``lower_mobile.find_act_chains``) computes it as the row it is. Every intermediate of the
-chain must be read by the chain alone (``private``), so nothing the chain computes is needed elsewhere.
+Where(x > 20, x, Softplus(x)). Older MobileNetV3 code writes hardswish and its squeeze-excitation gate
+as x * relu6(x + 3) / 6 and relu6(x + 3) / 6 (Add 3, Clip(0, 6), Div 6 or Mul 1/6, Mul x).
+:func:`decomposed` finds such a chain starting at a tensor ``t``, so that a convolution's epilogue
+(``partition._fuse_epilogue``), a norm's apply pass (``lower_norm``) or one eltwise call
+(``lower_mobile.find_act_chains``) computes it as the row it is. Every intermediate of the chain must
+be read by the chain alone (``private``), so nothing the chain computes is needed elsewhere.
 """
 
 from __future__ import annotations
