@@ -52,6 +52,7 @@ from dualtrack.compiler.linear_maps import linear_maps_as_matmuls
 from dualtrack.compiler.lower_pad import full_pads
 from dualtrack.compiler.onnx_graph import as_float32
 from dualtrack.compiler.onnx_graph import constants as _graph_constants
+from dualtrack.compiler.pooled_vectors import vectors_as_images
 from dualtrack.compiler.resize_maps import iree_cannot_lower, resize_maps, widened_axes
 from dualtrack.compiler.scale_fold import fold_channel_affines
 from dualtrack.compiler.token_layout import tokens_as_images
@@ -437,6 +438,15 @@ def channels_first_regions(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.M
     m, detail = channels_first(model, _graph_constants(model.graph))
     if detail:
         log.append(Rewrite("channels-last", detail))
+    return m
+
+
+def pooled_vector_images(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """Squeeze-excitation MLPs written with Linears on flattened (N, C) vectors, written on the (N, C, 1, 1)
+    images they come from (:mod:`.pooled_vectors`): the fc and eltwise kernels take them on Track A."""
+    m, detail = vectors_as_images(model, _graph_constants(model.graph))
+    if detail:
+        log.append(Rewrite("pooled-vectors", detail))
     return m
 
 
@@ -1065,6 +1075,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     m = check("tokens", token_images(m, cfg, export_batch, log))  # before the simplifier too (its Gemm fusion)
     if cfg.simplify:
         m = check("simplify", simplify(m, log))
+    m = check("pooled-vectors", pooled_vector_images(m, log))  # before free_batch: its views back go
     m = check("linear-maps", linear_spatial_maps(m, export_batch, log))  # before free_batch: the soups' constants
     m, freed = free_batch(m, export_batch, cfg.batch_sizes)
     m = check("batch", m)

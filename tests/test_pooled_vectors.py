@@ -1,0 +1,175 @@
+"""Squeeze-excitation and channel-attention MLPs written with Linears on flattened (N, C) vectors, written on
+(N, C, 1, 1) images by the front end (compiler/pooled_vectors.py): the rewritten graph computes the export's
+answer (onnxruntime, fp32, at batches the export did not use), its rank-2 ops are gone, and a region that
+is not closed is left as exported. Channel counts, reductions and Gemm attributes no zoo model has."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from dualtrack.compiler.onnx_graph import constants
+from dualtrack.compiler.pooled_vectors import vectors_as_images
+from dualtrack.compiler.verify import ort_session, run_ort
+
+C, H, W = 12, 7, 9
+TOL = 1e-5
+
+
+class Graph:
+    def __init__(self, seed: int = 4) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+
+    def const(self, name: str, value: np.ndarray) -> str:
+        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def add(self, op: str, name: str, inputs: list[str], **attrs: object) -> str:
+        self.nodes.append(helper.make_node(op, inputs, [name], name=name, **attrs))
+        return name
+
+    def model(self, *outputs: str) -> onnx.ModelProto:
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", C, H, W])
+        outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, ["N", C, H, W]) for o in outputs]
+        m = helper.make_model(
+            helper.make_graph(self.nodes, "g", [x], outs, self.inits), opset_imports=[helper.make_opsetid("", 17)]
+        )
+        m.ir_version = 8
+        onnx.checker.check_model(m)
+        return m
+
+    def mat(self, name: str, *shape: int) -> str:
+        return self.const(name, (self.rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32))
+
+
+def se_gemm_matmul() -> onnx.ModelProto:
+    """GAP -> Flatten -> Gemm (transB, alpha, beta) -> ReLU -> MatMul + Add(bias) -> HardSigmoid ->
+    Reshape to (-1, C, 1, 1) -> Expand to x's shape -> Mul(x, gate)."""
+    g = Graph()
+    g.add("GlobalAveragePool", "gap", ["x"])
+    g.add("Flatten", "flat", ["gap"], axis=1)
+    g.add("Gemm", "fc1", ["flat", g.mat("w1", 5, C), g.mat("b1", 5)], transB=1, alpha=0.7, beta=1.3)
+    g.add("Relu", "relu", ["fc1"])
+    g.add("MatMul", "fc2", ["relu", g.mat("w2", 5, C)])
+    g.add("Add", "fc2b", [g.mat("b2", C), "fc2"])
+    g.add("HardSigmoid", "gate", ["fc2b"], alpha=0.25, beta=0.5)
+    g.add("Reshape", "back", ["gate", g.const("shape", np.array([-1, C, 1, 1], np.int64))])
+    g.add("Shape", "xshape", ["x"])
+    g.add("Expand", "wide", ["back", "xshape"])
+    g.add("Mul", "y", ["x", "wide"])
+    return g.model("y")
+
+
+def cbam_channel_attention() -> onnx.ModelProto:
+    """CBAM's channel attention: one MLP (its Gemms sharing weights) on the average- and the max-pooled
+    vector (a ReduceMean without keepdims, a GlobalMaxPool squeezed), added, sigmoid, unsqueezed back."""
+    g = Graph(7)
+    w1, b1, w2 = g.mat("w1", C, 3), g.mat("b1", 3), g.mat("w2", 3, C)
+    g.add("ReduceMean", "avg", ["x"], axes=[2, 3], keepdims=0)
+    g.add("GlobalMaxPool", "maxp", ["x"])
+    g.add("Squeeze", "mx", ["maxp", g.const("hw", np.array([2, 3], np.int64))])
+    for p in ("avg", "mx"):
+        g.add("Gemm", f"{p}_fc1", [p, w1, b1])
+        g.add("Relu", f"{p}_relu", [f"{p}_fc1"])
+        g.add("Gemm", f"{p}_fc2", [f"{p}_relu", w2])
+    g.add("Add", "sum", ["avg_fc2", "mx_fc2"])
+    g.add("Sigmoid", "att", ["sum"])
+    g.add("Unsqueeze", "att4", ["att", g.const("axes", np.array([2, 3], np.int64))])
+    g.add("Mul", "y", ["att4", "x"])
+    return g.model("y")
+
+
+def _check_same(model: onnx.ModelProto, rewritten: onnx.ModelProto) -> None:
+    rng = np.random.default_rng(9)
+    for n in (1, 3):
+        feeds = {"x": rng.standard_normal((n, C, H, W)).astype(np.float32)}
+        want, got = run_ort(ort_session(model), feeds), run_ort(ort_session(rewritten), feeds)
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=TOL, atol=TOL, err_msg=k)
+
+
+@pytest.mark.parametrize("make", [se_gemm_matmul, cbam_channel_attention], ids=["se", "cbam"])
+def test_a_linear_mlp_on_pooled_vectors_becomes_1x1_convs_on_images_and_computes_the_same(make) -> None:
+    model = make()
+    rewritten, note = vectors_as_images(model, constants(model.graph))
+    assert note is not None
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert not {"Gemm", "MatMul", "Flatten", "Squeeze", "Unsqueeze", "Reshape", "Expand"} & set(ops), ops
+    linears = sum(n.op_type in ("Gemm", "MatMul") for n in model.graph.node)
+    assert ops.count("Conv") == linears
+    _check_same(model, rewritten)
+
+
+def test_a_region_read_outside_stays_as_exported() -> None:
+    """The MLP's hidden (N, 5) tensor is a graph output: not every reader is the region's, so no rewrite."""
+    model = se_gemm_matmul()
+    model.graph.output.append(helper.make_tensor_value_info("relu", TensorProto.FLOAT, ["N", 5]))
+    rewritten, note = vectors_as_images(model, constants(model.graph))
+    assert note is None and rewritten is model
+
+
+def test_a_flatten_without_a_linear_is_left_alone() -> None:
+    """A pooled vector flattened for something else (an Identity-like ReLU and a view back): nothing gained."""
+    g = Graph()
+    g.add("GlobalAveragePool", "gap", ["x"])
+    g.add("Flatten", "flat", ["gap"], axis=1)
+    g.add("Relu", "relu", ["flat"])
+    g.add("Unsqueeze", "back", ["relu", g.const("axes", np.array([2, 3], np.int64))])
+    g.add("Add", "y", ["x", "back"])
+    model = g.model("y")
+    assert vectors_as_images(model, constants(model.graph))[1] is None
+
+
+def write_se_project(root: Path, exporter: str) -> Path:
+    """A net with squeeze-excitation written with nn.Linear (view(b, c), Linear, ReLU, Linear, Sigmoid,
+    view(b, c, 1, 1), expand_as), exported by either torch exporter at opset 17."""
+    torch = pytest.importorskip("torch")
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    nn = torch.nn
+
+    class SE(nn.Module):
+        def __init__(self, c: int, r: int = 4) -> None:
+            super().__init__()
+            self.fc = nn.Sequential(nn.Linear(c, c // r), nn.ReLU(), nn.Linear(c // r, c), nn.Sigmoid())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, c = x.shape[:2]
+            y = self.fc(nn.functional.adaptive_avg_pool2d(x, 1).view(b, c)).view(b, c, 1, 1)
+            return x * y.expand_as(x)
+
+    class Net(nn.Module):
+        def __init__(self, c: int = 20) -> None:
+            super().__init__()
+            self.stem, self.se, self.conv = nn.Conv2d(3, c, 3, padding=1), SE(c), nn.Conv2d(c, c, 3, padding=1)
+            self.se2, self.head = SE(c, 5), nn.Conv2d(c, 2, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.se(torch.relu(self.stem(x)))
+            return self.head(self.se2(torch.relu(self.conv(x))) + x)
+
+    torch.manual_seed(0)
+    root.mkdir(parents=True, exist_ok=True)
+    x = torch.randn(1, 3, 24, 28)
+    torch.onnx.export(Net().eval(), (x,), str(root / "net.onnx"), opset_version=17, dynamo=exporter == "dynamo")
+    cfg = root / "net.yaml"
+    cfg.write_text("model: net.onnx\nbatch_sizes: [1, 2]\ntargets: [sm_80]\nverify:\n  samples: 1\n")
+    return cfg
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_linear_squeeze_excitation_export_runs_on_track_a_and_verifies(exporter: str, tmp_path: Path) -> None:
+    from dualtrack.compiler.build import build
+    from dualtrack.contract.bundle import Bundle
+
+    build(write_se_project(tmp_path, exporter), tmp_path / "out")  # raises when verification fails
+    plan = Bundle.open(tmp_path / "out").manifest.plan
+    assert [s.track for s in plan.segments].count("A") == 1, [(s.name, s.track) for s in plan.segments]
+    fcs = [c for s in plan.segments for c in s.calls if c.op == "fc"]
+    assert len(fcs) == 4
