@@ -142,6 +142,25 @@ def test_gpu_tensor_in_gpu_tensor_out(engine) -> None:
     np.testing.assert_allclose(probs.cpu().numpy(), want, rtol=0, atol=1e-6)
 
 
+def test_gpu_outputs_wait_for_the_inference_before_another_stream_reads_them(engine) -> None:
+    """A torch consumer reads an output on its own stream, which does not follow the engine's: the output's
+    __dlpack__ waits for the engine's stream. The engine's stream is kept busy first (a spin queued on it
+    through torch), so a read that did not wait would copy the outputs before the inference wrote them."""
+    torch = pytest.importorskip("torch", reason="needs torch for a third-party GPU tensor")
+    x = random_input(engine.input_spec, 1, np.random.default_rng(3))
+    want = engine.run(x)["probs"]
+    busy = torch.cuda.ExternalStream(int(engine.backend.stream.handle))
+    for _ in range(3):
+        gpu_x = torch.from_numpy(x).cuda()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(busy):
+            torch.cuda._sleep(200_000_000)  # about 0.1 s of cycles ahead of the inference on its stream
+        out = engine.run(gpu_x)
+        assert out["probs"].__cuda_array_interface__["stream"] == (int(engine.backend.stream.handle) or 1)
+        got = torch.from_dlpack(out["probs"]).cpu().numpy()
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
 def test_bundle_without_this_arch_is_refused(tiny_bundle: Path, tmp_path: Path) -> None:
     other = tmp_path / "other"
     shutil.copytree(tiny_bundle, other)

@@ -413,7 +413,13 @@ class Engine:
             # The results are the caller's: out of the planned buffers the next run rewrites.
             outs = {k: self.backend.own(t) for k, t in outs.items()}  # type: ignore[attr-defined]
         dev = self.backend.device.index  # type: ignore[attr-defined]
-        return {k: dlpack.DeviceArray(t.ptr, t.shape, t.dtype, dev, t.keepalive) for k, t in outs.items()}
+        # Written on the engine's stream, which a consumer's own stream does not follow: the arrays carry
+        # it, so their __dlpack__ waits for it (and __cuda_array_interface__ names it). Without it a torch
+        # consumer copied the outputs before the inference had written them (zeros at 720x1280).
+        stream = self.backend.stream  # type: ignore[attr-defined]
+        return {
+            k: dlpack.DeviceArray(t.ptr, t.shape, t.dtype, dev, t.keepalive, stream=stream) for k, t in outs.items()
+        }
 
     # -- overlapped runs (runtime/overlap.py) ---------------------------------------------------------
 
