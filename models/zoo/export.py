@@ -131,6 +131,10 @@ def _monai_swinunetr() -> nn.Module:
     return _monai().SwinUNETR(in_channels=3, out_channels=2, spatial_dims=2)
 
 
+def _monai_mednext() -> nn.Module:
+    return _monai().MedNeXt(spatial_dims=2, in_channels=3, out_channels=2)
+
+
 @dataclass(frozen=True)
 class ZooEntry:
     """One zoo model: its file name (without `.onnx`), how to build it, and what it is.
@@ -257,6 +261,18 @@ ZOO: dict[str, ZooEntry] = {
             _monai_basicunet,
             "MONAI BasicUNet, 2D, features 32..256 (InstanceNorm, LeakyReLU, transposed convs)",
             multiple=16,
+        ),
+        # Session 14's probe: the exporter users get from torch 2.9 on (dynamo) asked for an old opset, as README.md's
+        # example does: its GELU is x * (0.5 * (1 + erf(x / sqrt 2))), its GroupNorm Reshape / InstanceNorm, and it
+        # stays at opset 18 (its Pads do not convert down). MedNeXt: ConvNeXt blocks for medical images (7x7
+        # depthwise convs, GroupNorm of one channel a group, 1x1 expansion, GELU, residuals).
+        ZooEntry(
+            "monai_mednext",
+            _monai_mednext,
+            "MONAI MedNeXt, 2D, defaults (32 initial filters, 7x7 depthwise, GroupNorm, GELU), dynamo at opset 18",
+            multiple=16,
+            exporter="dynamo",
+            opset=18,
         ),
         ZooEntry("smp_fpn_resnest14d", partial(_smp, "FPN", "tu-resnest14d"), 'smp FPN("tu-resnest14d") (split attention)'),
     )
