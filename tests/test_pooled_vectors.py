@@ -114,6 +114,27 @@ def test_a_region_read_outside_stays_as_exported() -> None:
     assert note is None and rewritten is model
 
 
+def test_a_gate_that_is_a_graph_output_stays_as_exported() -> None:
+    model = se_gemm_matmul()
+    model.graph.output.append(helper.make_tensor_value_info("back", TensorProto.FLOAT, ["N", C, 1, 1]))
+    rewritten, note = vectors_as_images(model, constants(model.graph))
+    assert note is None and rewritten is model
+
+
+def test_an_expand_beside_a_smaller_operand_is_kept() -> None:
+    """Mul(expanded gate, an (N, C, 1, W) tensor): without the Expand the product would be (N, C, 1, W), so the
+    Expand stays (reading the gate's twin) and the answer is the export's."""
+    model = se_gemm_matmul()
+    g = model.graph
+    mul = next(n for n in g.node if n.name == "y")
+    g.node.insert(list(g.node).index(mul), helper.make_node("ReduceMean", ["x"], ["xrow"], name="xrow", axes=[2]))
+    mul.input[0] = "xrow"
+    onnx.checker.check_model(model)
+    rewritten, note = vectors_as_images(model, constants(model.graph))
+    assert note is not None and "Expand" in [n.op_type for n in rewritten.graph.node]
+    _check_same(model, rewritten)
+
+
 def test_a_flatten_without_a_linear_is_left_alone() -> None:
     """A pooled vector flattened for something else (an Identity-like ReLU and a view back): nothing gained."""
     g = Graph()

@@ -124,6 +124,17 @@ def _linear_weight(
     return w, bias
 
 
+def _same_image(a: tuple | None, b: tuple | None) -> bool:
+    """Whether two 4-D shapes have the same C, H, W, all known (the batch may be named differently)."""
+    return (
+        a is not None
+        and b is not None
+        and len(a) == len(b) == 4
+        and a[1:] == b[1:]
+        and all(isinstance(d, int) for d in a[1:])
+    )
+
+
 def _vector_const(v: np.ndarray, k: int) -> bool:
     """A constant an (N, K) tensor combines with per column or as a scalar: size 1, (K,) or (1, K)."""
     return v.size == 1 or (v.shape in ((k,), (1, k)))
@@ -167,6 +178,8 @@ def _grow(
                     return False
                 out_k = k
             elif n.op_type in VIEWS_BACK and n.input[0] == t and _is_vector_image(ys) and ys[1] == k:
+                if y in outputs:  # the graph's own output: left as exported
+                    return False
                 region.ends[y] = t
                 region.take(n)
                 continue
@@ -326,16 +339,20 @@ def _rewrite(
                 new.name = name
             twin[y] = t
             replaced[n.name] = [new]
-    # An Expand of a twin that only broadcasting binary ops read: they broadcast the gate themselves.
+    # An Expand of a twin that only broadcasting binary ops read, each beside an operand of the Expand's own
+    # shape: they broadcast the gate themselves, to the same shape.
+    outs = {o.name for o in g.output}
     for n in g.node:
         if n.op_type == "Expand" and rename.get(n.input[0]) is not None:
-            readers = consumers.get(n.output[0], [])
+            y, wide = n.output[0], shapes.get(n.output[0])
+            readers = consumers.get(y, [])
+            beside = [x for r in readers for x in r.input if x != y]
             if (
-                readers
+                readers and wide is not None and y not in outs
                 and all(r.op_type in BROADCASTING for r in readers)
-                and n.output[0] not in {o.name for o in g.output}
-            ):
-                rename[n.output[0]] = rename[n.input[0]]
+                and all(_same_image(shapes.get(x), wide) for x in beside)
+            ):  # fmt: skip
+                rename[y] = rename[n.input[0]]
                 replaced[n.name] = []
     nodes: list[onnx.NodeProto] = []
     for n in g.node:
