@@ -161,15 +161,21 @@ def _group_chain(node: onnx.NodeProto, facts: Facts, ch: _Chain) -> tuple[str, s
     if shape_of is not None:  # Reshape(.., Shape(x)): x's own shape, the chain's (no launch, no tensor)
         ch.nodes.append(shape_of)
     ch.take(after)
-    weights: list[str] = []  # gamma, then beta: a beta without a gamma stays an eltwise Add
+    return "group", None, _affine(ch, x_shape[1]), g
+
+
+def _affine(ch: _Chain, c: int) -> list[str]:
+    """The per-channel Mul (gamma) and Add (beta) by (C, 1, 1) constants after the chain's tail, taken:
+    their constants in that order (a beta without a gamma stays an eltwise Add)."""
+    weights: list[str] = []
     for op in ("Mul", "Add"):
         nxt = ch.sole()
-        operand = _channel_const(facts, nxt, ch.t, x_shape[1]) if nxt is not None and nxt.op_type == op else None
+        operand = _channel_const(ch.facts, nxt, ch.t, c) if nxt is not None and nxt.op_type == op else None
         if operand is None or nxt is None:
             break
         weights.append(operand)
         ch.take(nxt)
-    return "group", None, weights, g
+    return weights
 
 
 def _shape_of_input(reshape: onnx.NodeProto, x: str, facts: Facts) -> onnx.NodeProto | bool | None:
@@ -289,15 +295,7 @@ def _layer_decomposed(node: onnx.NodeProto, facts: Facts, ch: _Chain) -> tuple[s
         ch.take(n)
     ch.eps = eps
     c = facts.shape(x)[1]
-    weights: list[str] = []  # gamma, then beta: a beta without a gamma stays an eltwise Add
-    for op in ("Mul", "Add"):
-        nxt = ch.sole()
-        operand = _channel_const(facts, nxt, ch.t, c) if nxt is not None and nxt.op_type == op else None
-        if operand is None or nxt is None:
-            break
-        weights.append(operand)
-        ch.take(nxt)
-    return "layer", None, weights, 1
+    return "layer", None, _affine(ch, c), 1
 
 
 def _scalar(facts: Facts, name: str) -> float | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -1077,35 +1077,27 @@ def lower_track_a(
         i += 1
         if node.name in in_heads:
             head = ctx.heads.found[node.name]
-            missing = [name for name in head.nodes if name not in in_seg]
-            if missing:
-                raise _refusal(node, f"its segmentation head's nodes {', '.join(missing)} are in another segment")
+            _all_here(node, head.nodes, in_seg, "segmentation head")
             if node.name in head_at:
                 calls.append(head.call())
             continue
         if node.name in in_norms:
             norm = ctx.norms.found[node.name]
-            missing = [name for name in norm.nodes if name not in in_seg]
-            if missing:
-                raise _refusal(node, f"its normalisation's nodes {', '.join(missing)} are in another segment")
+            _all_here(node, norm.nodes, in_seg, "normalisation")
             if node.name in norm_at:
                 calls.append(norm.call)
             continue
         if node.name in ctx.attentions.found:
             att = ctx.attentions.found[node.name]
-            missing = [name for name in att.nodes if name not in in_seg]
-            if missing:
-                raise _refusal(node, f"its attention's nodes {', '.join(missing)} are in another segment")
+            _all_here(node, att.nodes, in_seg, "attention")
             if node.name in attn_at:
                 calls.append(att.call)
             continue
         if node.name in ctx.act_chains.found:
             chain = ctx.act_chains.found[node.name]
-            missing = [name for name in chain.nodes if name not in in_seg]
-            if missing:
-                raise _refusal(node, f"its activation's nodes {', '.join(missing)} are in another segment")
+            _all_here(node, chain.nodes, in_seg, "activation")
             if node.name in chain_at:
-                _add_chain(calls, chain, ctx, private)
+                _add_chain(calls, chain, private)
             continue
         if node.name in groups.claimed:  # in the epilogue of a Conv of this segment, which answers for it
             if node.name in groups.emit_at:
@@ -1129,20 +1121,23 @@ def lower_track_a(
     return calls
 
 
-def _add_chain(
-    calls: list[KernelCall], chain: lower_mobile.ActChain, ctx: SupportContext, private: Callable[[str], bool]
-) -> None:
-    """A stand-alone activation chain's call, folded into the call that wrote its input where that op
-    fuses an activation (a depthwise conv's epilogue: a Mix-FFN's GELU) and the chain alone reads it."""
+def _all_here(node: onnx.NodeProto, nodes: Sequence[str], in_seg: set[str], what: str) -> None:
+    """Refuse ``node`` where the one call its ``what`` (a head, a norm, an attention, an activation chain)
+    lowers to would take nodes of another segment."""
+    missing = [name for name in nodes if name not in in_seg]
+    if missing:
+        raise _refusal(node, f"its {what}'s nodes {', '.join(missing)} are in another segment")
+
+
+def _add_chain(calls: list[KernelCall], chain: lower_mobile.ActChain, private: Callable[[str], bool]) -> None:
+    """A stand-alone activation chain's call, folded into the call that wrote its input where
+    ``find_act_chains`` found that op fuses an activation (a depthwise conv's epilogue: a Mix-FFN's GELU)
+    and that call, in this segment, writes nothing else and nothing after it reads the input."""
     t = chain.call.inputs[0]
-    producer = ctx.producers.get(t)
     k = next((i for i in range(len(calls) - 1, -1, -1) if t in calls[i].outputs), None)
     if (
-        k is not None and producer is not None and producer.name in calls[k].nodes and calls[k].outputs == (t,)
-        and lower_mobile.claims(producer, ctx.facts) and lower_mobile.RULES[producer.op_type].fuses_act
-        and calls[k].attr("act") == 0 and private(t)
-        and all(u.name in chain.nodes for u in ctx.consumers.get(t, []))
-        and not any(t in c.inputs for c in calls[k + 1 :])
+        chain.in_producer and k is not None and calls[k].outputs == (t,) and calls[k].attr("act") == 0
+        and private(t) and not any(t in c.inputs for c in calls[k + 1 :])
     ):  # fmt: skip
         calls[k] = lower_mobile.with_chain(calls[k], chain)
     else:
