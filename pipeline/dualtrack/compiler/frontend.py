@@ -50,10 +50,11 @@ from dualtrack.compiler.iree_forms import (
 )
 from dualtrack.compiler.linear_maps import linear_maps_as_matmuls
 from dualtrack.compiler.lower_pad import full_pads
-from dualtrack.compiler.onnx_graph import as_float32
+from dualtrack.compiler.onnx_graph import as_float32, resize_scale
 from dualtrack.compiler.onnx_graph import constants as _graph_constants
 from dualtrack.compiler.pooled_vectors import vectors_as_images
 from dualtrack.compiler.resize_maps import iree_cannot_lower, resize_maps, widened_axes
+from dualtrack.compiler.row_order import rows_batch_major
 from dualtrack.compiler.scale_fold import fold_channel_affines
 from dualtrack.compiler.token_layout import tokens_as_images
 from dualtrack.contract.checks import MASK, PROBS
@@ -355,7 +356,8 @@ def static_resize_scales(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.Mod
     symbolic, so nothing folds it) but whose input and output are static apart from the batch
     gets constant ``scales`` instead: ``[1, 1, Ho/H, Wo/W]`` in float32, which is what onnxruntime
     and the ONNX spec divide by for ``sizes`` anyway. Only where ``floor(H * scale)`` gives ``Ho``
-    back (else the output size would change); the shape nodes left unused are dropped. Track A's
+    back (else the output size would change; :func:`onnx_graph.resize_scale`); the shape nodes left unused
+    are dropped. Track A's
     resize kernel takes constant scales only, and a shape value may not cross between tracks."""
     shapes = static_shapes(model)
     inits = {i.name for i in model.graph.initializer}
@@ -368,9 +370,10 @@ def static_resize_scales(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.Mod
             continue
         if min(*src[1:], *dst[1:]) <= 0:
             continue  # not static
-        scales = np.array([1.0, 1.0] + [float(o) / float(i) for o, i in zip(dst[2:], src[2:], strict=True)], np.float32)
-        if any(int(np.floor(i * sc)) != o for i, sc, o in zip(src[2:], scales[2:], dst[2:], strict=True)):
+        hw = [resize_scale(o, i) for o, i in zip(dst[2:], src[2:], strict=True)]
+        if any(sc is None for sc in hw):
             continue
+        scales = np.array([1.0, 1.0, *hw], np.float32)
         if len(node.input) < 3:
             node.input.append("")
         replace_input(model, node, 2, scales, "scales")
@@ -447,6 +450,16 @@ def pooled_vector_images(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.Mod
     m, detail = vectors_as_images(model, _graph_constants(model.graph))
     if detail:
         log.append(Rewrite("pooled-vectors", detail))
+    return m
+
+
+def batch_major_rows(model: onnx.ModelProto, export_batch: int | None, log: list[Rewrite]) -> onnx.ModelProto:
+    """Row-wise ops (projections, biases, norms over the last axis) that read or write tensors holding the
+    batch outside dim 0 (``nn.MultiheadAttention``'s sequence-first layout) moved across the Transposes around
+    them, onto batch-major tensors Track A takes (:mod:`.row_order`)."""
+    m, detail = rows_batch_major(model, _graph_constants(model.graph), export_batch)
+    if detail:
+        log.append(Rewrite("rows", detail))
     return m
 
 
@@ -1072,6 +1085,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
         log.append(Rewrite("batch", fixed))
     m = channels_first_regions(m, log)  # before the simplifier, whose Gemm fusion would hide the MatMuls
     m = check("channels-last", m)
+    m = check("rows", batch_major_rows(m, export_batch, log))  # before the token pass: it finds the Linears moved
     m = check("tokens", token_images(m, cfg, export_batch, log))  # before the simplifier too (its Gemm fusion)
     if cfg.simplify:
         m = check("simplify", simplify(m, log))
