@@ -13,7 +13,7 @@ import pytest
 from exports import reference_logits, torch_style
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack.compiler import frontend, partition, verify
+from dualtrack.compiler import frontend, onnx_graph, partition, verify
 from dualtrack.compiler.config import DEFAULT_TOLERANCES, BuildConfig, Postprocess, Preprocess, Tolerance
 from dualtrack.contract.plan import parameter_key
 from dualtrack.errors import ConfigError, ModelError
@@ -464,14 +464,33 @@ def test_resize_sizes_computed_from_static_shapes_become_constant_scales() -> No
     np.testing.assert_array_equal(_run(out, {"x": x})["out"], _run(model, {"x": x})["out"])
 
 
-def test_resize_sizes_stay_where_the_scale_would_not_give_the_size_back() -> None:
-    model = _resize_to_shape_of(11, 11, 11, 11)
-    # sizes (N, C) from the shape, (13, 13) constant: float32(13/11) * 11 rounds down to 12.99..., so
-    # scales would give a 12-pixel output (onnxruntime computes the size in float32)
-    model.graph.initializer.append(helper.make_tensor("thirteen", TensorProto.INT64, [2], [13, 13]))
-    model.graph.node[5].input[1] = "thirteen"
-    out = frontend.static_resize_scales(model, log := [])
-    assert not log and out is model
+@pytest.mark.parametrize(("size", "out"), [(11, 13), (10, 19), (38, 75), (15, 31)])
+def test_resize_sizes_whose_ratio_float32_rounds_low_get_a_scale_that_gives_the_size_in_every_arithmetic(
+    size: int, out: int
+) -> None:
+    """float32(13/11) * 11 is 12.99... in float64 and float32(1.9) * 10 is 18.99999976 (U^2-Net's
+    upsample-like from a ceil-mode pool's 10 to 19): ONNX shape inference (float64) then gave one pixel less
+    than onnxruntime (float32) and the next Concat failed. The scale is raised an ulp until both give the size."""
+    model = _resize_to_shape_of(size, size, size, size)
+    model.graph.initializer.append(helper.make_tensor("target", TensorProto.INT64, [2], [out, out]))
+    model.graph.node[5].input[1] = "target"
+    out_model = frontend.static_resize_scales(model, log := [])
+    assert log, "not rewritten"
+    inferred = onnx.shape_inference.infer_shapes(out_model, strict_mode=True)
+    dims = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in inferred.graph.value_info}
+    assert dims["up"][2:] == [out, out]
+    x = np.random.default_rng(3).standard_normal((2, 3, size, size)).astype(np.float32)
+    got, want = _run(out_model, {"x": x})["out"], _run(model, {"x": x})["out"]
+    assert got.shape == want.shape == (2, 3, out, out)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_resize_scale_gives_every_size_back_in_float32_and_float64() -> None:
+    for size in range(1, 130):
+        for out in range(1, 4 * size + 1):
+            scale = onnx_graph.resize_scale(out, size)
+            assert scale is not None and scale.dtype == np.float32, (out, size)
+            assert int(np.floor(np.float32(size) * scale)) == out == int(np.floor(size * float(scale))), (out, size)
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,7 @@ import onnx
 from onnx import numpy_helper
 
 from dualtrack.compiler.config import FIXED_BATCH
-from dualtrack.compiler.onnx_graph import constants
+from dualtrack.compiler.onnx_graph import constants, resize_scale
 from dualtrack.errors import ModelError
 
 BATCH = "N"  # the symbolic batch dimension
@@ -575,12 +575,12 @@ def _resize(walk: _Walk, node: onnx.NodeProto, ins: list[Axis]) -> list[Axis]:
     axes = [int(a) % len(src) for a in _attr(node, "axes", range(len(src)))]
     if 0 not in axes:
         return out  # the batch is not among the sizes
-    pairs = [(int(o), int(src[a])) for a, o in zip(axes, sizes, strict=True) if a != 0]
-    scales = np.array(
-        [1.0 if a == 0 else float(o) / float(src[a]) for a, o in zip(axes, sizes, strict=True)], np.float32
-    )
-    if any(int(np.floor(i * np.float32(o / i))) != o for o, i in pairs):
+    ratios = [
+        np.float32(1.0) if a == 0 else resize_scale(int(o), int(src[a])) for a, o in zip(axes, sizes, strict=True)
+    ]
+    if any(r is None for r in ratios):
         raise _Refuse(f"resizes to sizes {sizes.tolist()} that no float32 scale reproduces")
+    scales = np.array(ratios, np.float32)
     walk.rewrite(node, 2, scales, "scales")
     del node.input[3:]
     return out

@@ -69,6 +69,20 @@ def live_nodes(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.Node
     return keep[::-1]
 
 
+def resize_scale(out: int, size: int) -> np.float32 | None:
+    """The float32 scale a Resize by ``scales`` needs to turn ``size`` into ``out``: ``out / size`` rounded
+    to float32, raised an ulp at a time (at most a few) until ``floor(size * scale)`` is ``out`` in float32
+    and in float64 arithmetic alike, as implementations differ (onnxruntime multiplies in float32, ONNX
+    shape inference in float64: 10 * float32(1.9) is 19 in one and 18.99999976 in the other). None where
+    no scale near the ratio gives ``out`` in both."""
+    scale = np.float32(out / size)
+    for _ in range(4):
+        if int(np.floor(np.float32(size) * scale)) == out and int(np.floor(float(size) * float(scale))) == out:
+            return scale
+        scale = np.nextafter(scale, np.float32(np.inf))
+    return None
+
+
 __all__ = [
     "as_float32",
     "constants",
@@ -76,6 +90,7 @@ __all__ = [
     "fresh_name",
     "live_nodes",
     "node_attrs",
+    "resize_scale",
     "taken_names",
     "transpose_perm",
 ]

@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 
 from dualtrack.compiler.batch_free import replace_input, static_shapes, with_batch
-from dualtrack.compiler.onnx_graph import constants
+from dualtrack.compiler.onnx_graph import constants, resize_scale
 from dualtrack.contract.sizes import Size, label
 from dualtrack.errors import ModelError
 
@@ -58,14 +58,15 @@ def free_sizes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
         src, sizes = shapes.get(node.input[0]), consts[node.input[3]]
         if src is None or min(src) <= 0 or any(a.name == "axes" for a in node.attribute):
             continue  # opset 18's axes: the front end widened those with scales (resize_maps.widened_axes)
-        if any(int(np.floor(i * np.float32(o / i))) != int(o) for o, i in zip(sizes, src, strict=True)):
+        ratios = [resize_scale(int(o), int(i)) for o, i in zip(sizes, src, strict=True)]
+        if any(r is None for r in ratios):
             raise ModelError(f"Resize '{node.name}' resizes to sizes {sizes.tolist()} that no scale reproduces; {_FIX}")
         if out is model:
             out = copy.deepcopy(model)
         target = out.graph.node[k]
         if len(target.input) < 3:
             target.input.append("")
-        replace_input(out, target, 2, (sizes.astype(np.float64) / np.array(src)).astype(np.float32), "scales")
+        replace_input(out, target, 2, np.array(ratios, np.float32), "scales")
         del target.input[3:]
         done.append(node.name)
     return out, done
