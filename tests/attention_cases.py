@@ -261,7 +261,30 @@ def torch_modules() -> tuple[Any, dict[str, tuple[Any, tuple[int, ...]]]]:
             m = torch.softmax(m.view(n, -1), dim=1).view(n, h * w, h * w)
             return torch.matmul(m, self.bottom(x).flatten(2).transpose(1, 2)).reshape(n, c, h, w)
 
+    class Multihead(torch.nn.Module):
+        """torch's nn.MultiheadAttention, which works sequence-first: batch_first transposes (N, L, E) to
+        (L, N, E) inside, the default takes (L, N, E) from the caller (permuted here); a Linear after it."""
+
+        def __init__(self, c: int = 96, heads: int = 3, batch_first: bool = True) -> None:
+            super().__init__()
+            self.batch_first = batch_first
+            self.attn = torch.nn.MultiheadAttention(c, heads, batch_first=batch_first)
+            self.proj = torch.nn.Linear(c, c)
+            with torch.no_grad():
+                self.attn.out_proj.bias.normal_(0.0, 0.1)  # torch initialises it to 0
+
+        def forward(self, x):
+            t = x if self.batch_first else x.permute(1, 0, 2)
+            o = self.attn(t, t, t, need_weights=False)[0]
+            return self.proj(o if self.batch_first else o.permute(1, 0, 2))
+
+    class SequenceFirst(Multihead):
+        def __init__(self) -> None:
+            super().__init__(64, 2, batch_first=False)
+
     return torch, {
+        "mha": (Multihead, (1, 45, 96)),
+        "mha_seq_first": (SequenceFirst, (1, 33, 64)),
         "sra": (SpatialReduction, (1, 64, 8, 8)),
         "tokens": (Tokens, (1, 49, 96)),
         "einsum": (Einsum, (1, 40, 128)),

@@ -146,7 +146,7 @@ def test_the_partition_gives_the_refusal_and_takes_a_match_whole() -> None:
 
 
 @pytest.mark.parametrize("dynamo", [False, True])
-@pytest.mark.parametrize("name", ["sra", "tokens", "einsum", "sdpa"])
+@pytest.mark.parametrize("name", ["sra", "tokens", "einsum", "sdpa", "mha", "mha_seq_first"])
 def test_torch_exports_are_one_call_that_matches_onnxruntime(tmp_path: Path, name: str, dynamo: bool) -> None:
     model = exported_fp16(tmp_path, name, dynamo)
     att = the_one(model)

@@ -3,7 +3,8 @@ same fp16-exact values: the graphs of tests/attention_cases.py (1/2/3/4/8 heads,
 Lq != Lk with tails past the 64-row tiles, a head bias, a causal mask, the scale after the product,
 as a Div, on Q, on Q and K; K handed over transposed, which the element-wise load path reads), at
 batch 3, with the operands 16-byte aligned (the vector path) and one element off (every load
-element-wise); and torch's export of a SegFormer-style block, whose operands are NHWC images. The
+element-wise); and torch's exports of a SegFormer-style block, whose operands are NHWC images, and of
+nn.MultiheadAttention. The
 output is poisoned (NaN) first, so an element the kernel does not write fails. The launches are
 kernels.attention's (AttentionSpec.prepare_inputs: what the runtime launches).
 
@@ -102,9 +103,13 @@ def test_attention_kernel_matches_onnxruntime(engine, mods, case: Case, off: int
     assert result.passed, result
 
 
-def test_segformer_style_attention_on_nhwc_images(engine, mods, tmp_path: Path) -> None:
-    """Q from a 1x1 conv, K and V from one strided conv: NHWC images read through their views."""
-    model = exported_fp16(tmp_path, "sra", dynamo=False)
+@pytest.mark.parametrize("name", ["sra", "mha", "mha_seq_first"])
+def test_exported_attention_read_through_its_views(engine, mods, tmp_path: Path, name: str) -> None:
+    """SegFormer-style: Q from a 1x1 conv, K and V from one strided conv, NHWC images read through their
+    views; torch's nn.MultiheadAttention (batch_first and not): its sequence-first projections moved onto
+    batch-major tensors by the front end, Q, K, V read out of the fused projection, the output written in
+    the (N, L, E) rows the out-projection reads."""
+    model = exported_fp16(tmp_path, name, dynamo=False)
     facts = lower_mobile.Facts(model, partition.infer_specs(model))
     call = next(iter(attention_patterns.find_attention(facts, set()).found.values())).call
     probe = onnx.ModelProto()
@@ -113,12 +118,13 @@ def test_segformer_style_attention_on_nhwc_images(engine, mods, tmp_path: Path) 
     for t in dict.fromkeys([*call.inputs, *call.outputs]):
         probe.graph.output.append(inferred[t])
     sess = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
-    x = np.random.default_rng().standard_normal((3, 64, 8, 8)).astype(np.float32)
+    shape = partition.infer_specs(model)[model.graph.input[0].name][0]
+    x = np.random.default_rng().standard_normal((3, *shape[1:])).astype(np.float32)
     outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {model.graph.input[0].name: x}), strict=True))
     roots = [track_a_array(outs[t]).astype(np.float32) for t in call.inputs]
     want = ATTN.run_reference(call, roots, {}).astype(np.float32)  # the numpy reference, checked against ORT on the CPU
     got = launch(engine, mods, call, roots, want.shape, {}, 0)
-    result = compare("attention sra", want, got, TOL)
+    result = compare(f"attention {name}", want, got, TOL)
     assert result.passed, result
 
 

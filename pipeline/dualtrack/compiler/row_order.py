@@ -45,7 +45,7 @@ from onnx import helper, numpy_helper
 
 from dualtrack.compiler.batch_free import free_batch, static_shapes, with_batch
 from dualtrack.compiler.channels_last import BINARY, UNARY
-from dualtrack.compiler.onnx_graph import copy_node, fresh_name, node_attrs, taken_names, transpose_perm
+from dualtrack.compiler.onnx_graph import copy_node, fresh_name, live_nodes, node_attrs, taken_names, transpose_perm
 from dualtrack.errors import ModelError
 
 LAST_AXIS = frozenset({"LayerNormalization", "Softmax", "LogSoftmax"})  # ops with an axis that must be the last
@@ -53,10 +53,20 @@ _MAX_STEPS = 10_000  # moves per model: each one takes a row-wise op across a Tr
 
 
 def batch_major(model: onnx.ModelProto, export_batch: int | None) -> set[str] | None:
+    """The tensors whose dim 0 holds the batch (:func:`_shapes`); None where the batch cannot be freed."""
+    found = _shapes(model, export_batch)
+    return None if found is None else found[0]
+
+
+Shapes = dict[str, tuple[int, ...]]
+
+
+def _shapes(model: onnx.ModelProto, export_batch: int | None) -> tuple[set[str], Shapes, Shapes] | None:
     """The tensors whose dim 0 holds the batch (whole, the outer part) and nothing else: at batch 1 and 2
-    dim 0 is 1 and 2 and the other dims agree. The batch is freed on a copy first where the export fixed
-    it; None where that refuses (the front end's ``batch`` stage reports why, after the simplifier: a
-    TorchScript export whose views compute their shapes at run time is left as it is here)."""
+    dim 0 is 1 and 2 and the other dims agree; and every tensor's shape at batch 1 and at batch 2. The
+    batch is freed on a copy first where the export fixed it; None where that refuses (the front end's
+    ``batch`` stage reports why, after the simplifier: a TorchScript export at a fixed batch computes its
+    views' shapes at run time, which only the simplifier folds, so it is left as it is here)."""
     probe = model
     if export_batch is not None:
         try:
@@ -65,18 +75,22 @@ def batch_major(model: onnx.ModelProto, export_batch: int | None) -> set[str] | 
             return None
     one, two = static_shapes(with_batch(probe, 1)), static_shapes(with_batch(probe, 2))
     inits = {i.name for i in probe.graph.initializer}
-    return {
+    major = {
         t
         for t, s in one.items()
         if t not in inits and s and s[0] == 1 and t in two and two[t][0] == 2 and two[t][1:] == s[1:] and -1 not in s
     }
+    return major, one, two
 
 
 class _Graph:
     """The node list being rewritten, with producers, readers and the constants it reads."""
 
-    def __init__(self, model: onnx.ModelProto, consts: dict[str, np.ndarray], major: set[str]) -> None:
-        self.model, self.consts, self.major = model, dict(consts), major
+    def __init__(
+        self, model: onnx.ModelProto, consts: dict[str, np.ndarray], major: set[str],
+        shapes: tuple[dict[str, tuple[int, ...]], ...] = ({}, {}),
+    ) -> None:  # fmt: skip
+        self.model, self.consts, self.major, self.shapes = model, dict(consts), major, shapes
         self.nodes = list(model.graph.node)
         self.outputs = {o.name for o in model.graph.output}
         self.taken = taken_names(model.graph)
@@ -93,6 +107,15 @@ class _Graph:
     def sole_reader(self, t: str) -> onnx.NodeProto | None:
         users = self.readers(t)
         return users[0] if len(users) == 1 and t not in self.outputs else None
+
+    def view_shape(self, t: str) -> list[int] | None:
+        """A Reshape target that gives ``t``'s shape at any batch: its dims at batch 1 and 2, -1 where they
+        differ (the batch's place); None where shapes are missing or more than one dim differs."""
+        one, two = (s.get(t) for s in self.shapes)
+        if one is None or two is None or len(one) != len(two) or min(*one, *two) < 0:
+            return None
+        dims = [a if a == b else -1 for a, b in zip(one, two, strict=True)]
+        return dims if dims.count(-1) <= 1 else None
 
     def name(self, base: str) -> str:
         return fresh_name(base, self.taken)
@@ -213,6 +236,24 @@ def _hoist(g: _Graph, t_node: onnx.NodeProto) -> bool:
     return True
 
 
+def _only_feed(g: _Graph, starts: list[onnx.NodeProto], sink: onnx.NodeProto) -> bool:
+    """Whether everything ``starts`` compute is read, in the end, by ``sink``'s shape input alone."""
+    todo, seen = list(starts), set()
+    while todo:
+        node = todo.pop()
+        for t in node.output:
+            if t in g.outputs:
+                return False
+            for r in g.readers(t):
+                if r is sink:
+                    if list(sink.input).index(t) != 1:
+                        return False
+                elif id(r) not in seen:
+                    seen.add(id(r))
+                    todo.append(r)
+    return True
+
+
 def _gemm_on_rows(g: _Graph, gemm: onnx.NodeProto) -> bool:
     """A Gemm on rows flattened from a tensor and viewed back to its leading dims as the MatMul (and
     bias Add) it is on the unflattened tensor; True if written. Only where the rows are not batch-major."""
@@ -223,10 +264,18 @@ def _gemm_on_rows(g: _Graph, gemm: onnx.NodeProto) -> bool:
     bias = g.consts.get(gemm.input[2]) if len(gemm.input) > 2 and gemm.input[2] else None
     if w is None or w.ndim != 2 or (len(gemm.input) > 2 and gemm.input[2] and bias is None):
         return False
-    view = g.sole_reader(gemm.output[0])
-    shape = g.consts.get(view.input[1]) if view is not None and view.op_type == "Reshape" else None
-    if view is None or shape is None or view.output[0] in g.major:
+    # Its readers: one Reshape (the view back), and Shape nodes that a TorchScript export computes that
+    # view's target with and nothing else reads (they go with it).
+    readers = g.readers(gemm.output[0])
+    views = [r for r in readers if r.op_type == "Reshape" and r.input[0] == gemm.output[0]]
+    if len(views) != 1 or gemm.output[0] in g.outputs or views[0].output[0] in g.major:
         return False
+    view = views[0]
+    shape_only = [r for r in readers if r is not view]
+    if any(r.op_type != "Shape" for r in shape_only) or not _only_feed(g, shape_only, view):
+        return False
+    shape = g.consts.get(view.input[1])  # else computed from shapes at run time (a TorchScript export)
+    shape = np.array(g.view_shape(view.output[0]) or [], np.int64) if shape is None else shape
     matrix = (w.T if a.get("transB", 0) else w) * np.asarray(a.get("alpha", 1.0), dtype=w.dtype)
     k_dim, e_dim = matrix.shape
     dims = [int(d) for d in shape.reshape(-1)]
@@ -256,6 +305,7 @@ def _gemm_on_rows(g: _Graph, gemm: onnx.NodeProto) -> bool:
         shift = g.constant(f"{gemm.input[2]}__rows", b)
         new.append(helper.make_node("Add", [product, shift], [view.output[0]], name=g.name(f"{product}__bias")))
     g.replace(old, new)
+    g.nodes = live_nodes(g.nodes, g.outputs)  # the Shape nodes that computed the view's target
     g.gemms += 1
     return True
 
@@ -285,12 +335,12 @@ def rows_batch_major(
     module's docstring), and a note; or the model itself and None where nothing moved."""
     if not _row_transposes(model, consts):
         return model, None
-    major = batch_major(model, export_batch)
-    if major is None:
+    found = _shapes(model, export_batch)
+    if found is None:
         return model, None
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    g = _Graph(out, consts, major)
+    g = _Graph(out, consts, found[0], found[1:])
     for gemm in [n for n in g.nodes if n.op_type == "Gemm"]:
         _gemm_on_rows(g, gemm)
     steps = 0
