@@ -390,3 +390,33 @@ def test_name_nodes_gives_unique_names() -> None:
     named = partition.name_nodes(helper.make_model(graph))
     names = [n.name for n in named.graph.node]
     assert names[0] == "Relu_0" and len(set(names)) == 2
+
+
+def _flattened_whole() -> onnx.ModelProto:
+    """x (N, 4, 6, 6) -> Relu -> Reshape to (-1,) (the batch merged into one long dim, as the dynamo exporter
+    writes MaxUnpool's scatter) -> Sigmoid -> Reshape back to (-1, 4, 6, 6)."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("Reshape", ["r", "flat"], ["f"], name="flatten"),
+        helper.make_node("Sigmoid", ["f"], ["s"], name="sig"),
+        helper.make_node("Reshape", ["s", "back"], ["y"], name="unflatten"),
+    ]
+    inits = [
+        helper.make_tensor("flat", TensorProto.INT64, [1], [-1]),
+        helper.make_tensor("back", TensorProto.INT64, [4], [-1, 4, 6, 6]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 6, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 6, 6])], inits,
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("batch_sizes", [(1,), (1, 4)])
+def test_a_tensor_with_the_batch_inside_its_dim_0_is_not_batch_major_even_at_batch_1_alone(batch_sizes) -> None:
+    """At batch 1 the flattened (144,) tensor's dim 0 is not the batch: a plan built for batch 1 alone once
+    declared it ("N",) at a segment boundary, and IREE compiled the segment for a one-element tensor."""
+    _, minor = partition.batch_checked_specs(_flattened_whole(), batch_sizes)
+    assert set(minor) == {"f", "s"}, minor
+    _, none = partition.batch_checked_specs(_flattened_whole(), batch_sizes, fixed=True)
+    assert none == {}

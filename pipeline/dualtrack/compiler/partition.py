@@ -121,13 +121,16 @@ def batch_free(model: onnx.ModelProto) -> set[str]:
 
 
 def batch_checked_specs(
-    model: onnx.ModelProto, batch_sizes: tuple[int, ...] = (1, 2)
+    model: onnx.ModelProto, batch_sizes: tuple[int, ...] = (1, 2), fixed: bool = False
 ) -> tuple[dict[str, SpecMap], dict[str, str]]:
     """Specs at batch 1, and the tensors that carry the batch but not as dim 0 (a transformer's
     ``(B * heads, T, d)``, ``(2, B, heads, T, d)``) with their shapes: only Track B may touch those and no
     segment boundary may cut one (:func:`_check_batch_major_boundaries`). Constants and shape values
-    are exempt (:func:`batch_free`)."""
+    are exempt (:func:`batch_free`). ``fixed`` (`batch: fixed`): dim 0 is data, so no tensor is batch-major and
+    none is checked."""
     one = infer_specs(model, 1)
+    if fixed:
+        return one, {}
     minor: dict[str, str] = {}
     free = batch_free(model)
     carried = {name: shape for name, (shape, _) in one.items() if name not in free}
@@ -137,11 +140,14 @@ def batch_checked_specs(
                 f"tensor '{name}' has a shape ONNX cannot infer statically ({shape}); "
                 "export the model with static shapes"
             )
+    for name, shape in carried.items():  # at batch 1 dim 0 is 1, whatever else is built (a (N*L,) view is not)
+        if not shape or shape[0] != 1:
+            minor[name] = f"batch 1: {shape}"
     for b in sorted(set(batch_sizes) - {1}):
         other = infer_specs(model, b)
         for name, shape in carried.items():
             got = other.get(name, (None,))[0]
-            if not shape or got is None or got[0] != b * shape[0] or got[1:] != shape[1:] or shape[0] != 1:
+            if got is None or got[0] != b * shape[0] or got[1:] != shape[1:]:
                 minor.setdefault(name, f"batch 1: {shape}, batch {b}: {got}")
     return one, minor
 
@@ -1701,7 +1707,7 @@ def partition_model(
     if len(model.graph.input) != 1:
         raise ModelError(f"the model has {len(model.graph.input)} inputs; dualtrack serves single-input models")
     fixed = cfg.batch == "fixed"  # dim 0 is data: nothing is batch-major, every spec is exact (contract/plan.py)
-    specs, minor = batch_checked_specs(model, (1,) if fixed else (1, *cfg.batch_sizes))
+    specs, minor = batch_checked_specs(model, (1, *cfg.batch_sizes), fixed=fixed)
     _check_input(cfg, model, specs)
     ctx = SupportContext.of(model, specs, frozenset(minor))
     assignment = assign_tracks(model, cfg, specs, measured, ctx, keep_a)
