@@ -84,13 +84,14 @@ def _shapes(model: onnx.ModelProto, export_batch: int | None) -> tuple[set[str],
 
 
 class _Graph:
-    """The node list being rewritten, with producers, readers and the constants it reads."""
+    """The node list being rewritten, with producers, readers, the constants it reads, which tensors are
+    batch-major and every tensor's shape at batch 1 and 2 (:func:`_shapes`)."""
 
     def __init__(
         self, model: onnx.ModelProto, consts: dict[str, np.ndarray], major: set[str],
-        shapes: tuple[dict[str, tuple[int, ...]], ...] = ({}, {}),
+        shapes: tuple[Shapes, Shapes] = ({}, {}),
     ) -> None:  # fmt: skip
-        self.model, self.consts, self.major, self.shapes = model, dict(consts), major, shapes
+        self.consts, self.major, self.shapes = dict(consts), major, shapes
         self.nodes = list(model.graph.node)
         self.outputs = {o.name for o in model.graph.output}
         self.taken = taken_names(model.graph)
@@ -311,8 +312,8 @@ def _gemm_on_rows(g: _Graph, gemm: onnx.NodeProto) -> bool:
 
 
 def _row_transposes(model: onnx.ModelProto, consts: dict[str, np.ndarray]) -> bool:
-    """Whether any Transpose reads a row-wise op's output or feeds one, or a Gemm's rows are viewed back
-    (the pass has something to look at)."""
+    """Whether any Transpose reads a row-wise op's output or feeds one, or the graph has a Gemm (whose rows
+    may be viewed back): the pass has something to look at, and the batch probe is worth its cost."""
     g = _Graph(model, consts, set())
     if any(n.op_type == "Gemm" for n in g.nodes):
         return True
