@@ -147,7 +147,9 @@ def batch_checked_specs(
         other = infer_specs(model, b)
         for name, shape in carried.items():
             got = other.get(name, (None,))[0]
-            if got is None or got[0] != b * shape[0] or got[1:] != shape[1:]:
+            if name in minor:
+                continue
+            if not got or got[0] != b * shape[0] or got[1:] != shape[1:]:
                 minor.setdefault(name, f"batch 1: {shape}, batch {b}: {got}")
     return one, minor
 
