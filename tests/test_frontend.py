@@ -400,6 +400,40 @@ def test_a_constant_shared_by_an_fp32_resize_and_an_fp16_norm_converts_to_fp16()
     np.testing.assert_allclose(_run(converted, feeds)["logits"], _run(model, feeds)["logits"], rtol=0.02, atol=0.02)
 
 
+def test_zeros_of_a_default_constant_of_shape_convert_to_fp16() -> None:
+    """A ConstantOfShape without `value` makes float32 zeros (the dynamo exporter's canvas for a MaxUnpool's
+    ScatterND). onnxconverter-common converts float attributes, not defaults, so the zeros stayed float32
+    beside the fp16 updates (an invalid graph); the value is now spelt out first and converts with the rest."""
+    rng = np.random.default_rng(5)
+    w = numpy_helper.from_array(rng.standard_normal((6, 3, 3, 3)).astype(np.float32), "w")
+    idx = numpy_helper.from_array(np.array([[0], [2], [5]], np.int64), "idx")
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Shape", ["c"], ["s"]),
+        helper.make_node("ConstantOfShape", ["s"], ["zeros"]),
+        helper.make_node("Transpose", ["c"], ["t"], perm=[1, 0, 2, 3]),
+        helper.make_node("Slice", ["t", "z0", "n3", "z0"], ["upd"]),
+        helper.make_node("Transpose", ["zeros"], ["zt"], perm=[1, 0, 2, 3]),
+        helper.make_node("ScatterND", ["zt", "idx", "upd"], ["sc"]),
+        helper.make_node("Transpose", ["sc"], ["logits"], perm=[1, 0, 2, 3]),
+    ]
+    consts = [numpy_helper.from_array(np.array([v], np.int64), n) for n, v in (("z0", 0), ("n3", 3))]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 7, 9])
+    y = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 6, 7, 9])
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", [x], [y], [w, idx, *consts]), opset_imports=[helper.make_opsetid("", 17)]
+    )
+    model.ir_version = 8
+    converted, precision = frontend.convert_precision(model, "fp16", [])
+    onnx.checker.check_model(converted, full_check=True)
+    fill = next(n for n in converted.graph.node if n.op_type == "ConstantOfShape")
+    assert precision == "fp16" and helper.get_attribute_value(fill.attribute[0]).data_type == TensorProto.FLOAT16
+    feeds = {"x": rng.standard_normal((1, 3, 7, 9)).astype(np.float32)}
+    want = _run(model, feeds)["logits"]
+    assert not want[:, [1, 3, 4]].any() and want[:, [0, 2, 5]].any()
+    np.testing.assert_allclose(_run(converted, feeds)["logits"], want, rtol=0.02, atol=0.02)
+
+
 def test_chained_resizes_with_the_export_batch_in_their_sizes_all_become_generic() -> None:
     """torch's dynamo exporter writes every F.interpolate's sizes as a constant with the batch in it; after
     the first becomes scales, shape inference names the batch afresh (N x 1.0), and the next must follow."""

@@ -732,7 +732,7 @@ def convert_precision(model: onnx.ModelProto, want: str | None, log: list[Rewrit
     from onnxconverter_common import float16
 
     blocked = [*float16.DEFAULT_OP_BLOCK_LIST, *FP32_REDUCTIONS]
-    bare = _constants_apart(_outputs_apart(model), set(blocked))
+    bare = _constants_apart(_outputs_apart(_fill_values_spelt(model)), set(blocked))
     del bare.graph.value_info[:]  # shapes recorded before the conversion mislead its Cast insertion
     try:
         with warnings.catch_warnings():  # it warns once per weight it rounds to fp16's range
@@ -794,6 +794,21 @@ def _constants_apart(model: onnx.ModelProto, kept_fp32: set[str]) -> onnx.ModelP
     for n in g.node:
         if n.op_type in kept_fp32:
             n.input[:] = [copies.get(x, x) for x in n.input]
+    return model
+
+
+def _fill_values_spelt(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with each ConstantOfShape that leaves its ``value`` to the default (a float32 0: the dynamo
+    exporter's zeros for a MaxUnpool's scatter) given that value explicitly: onnxconverter-common converts
+    float attributes, not defaults, so the zeros stayed float32 beside fp16 updates. The model itself when
+    none does."""
+    bare = [i for i, n in enumerate(model.graph.node) if n.op_type == "ConstantOfShape" and not n.attribute]
+    if not bare:
+        return model
+    model = copy.deepcopy(model)
+    for i in bare:
+        zero = onnx.helper.make_tensor("value", onnx.TensorProto.FLOAT, [1], [0.0])
+        model.graph.node[i].attribute.append(onnx.helper.make_attribute("value", zero))
     return model
 
 
