@@ -1,10 +1,15 @@
 #!/usr/bin/env python3
 """Time and bandwidth of the norm op (handwritten_ptx/norm_nhwc.cu) on a corpus network's norm shapes
 at 512x512: MONAI's UNet's 17 InstanceNorms (channels 16..256, num_res_units 2; the group path:
-statistics, then apply) or, with ``--net convnext``, tu-convnext_tiny's 22 LayerNorms over channels
+statistics, then apply), with ``--net segresnet`` MONAI SegResNet's 25 GroupNorms (8 groups, init_filters
+16: channels 16..128), or, with ``--net convnext``, tu-convnext_tiny's 22 LayerNorms over channels
 (96..768; the one-launch layer path).
 
-    python bench/norm_layers.py OUT.json [--batches 1 8] [--iters 50] [--dtype float16] [--net convnext]
+    python bench/norm_layers.py OUT.json [--batches 1 8] [--iters 50] [--dtype float16]
+        [--net monai|segresnet|convnext] [--min-chunk-bytes B ...]
+
+``--min-chunk-bytes``: time the group path once per value of NormSpec.min_chunk_bytes (the least a
+statistics block reads), each row tagged with its value; default: the registered spec's alone.
 
 Needs a CUDA GPU, torch with CUDA (random data, eager torch for comparison) and dualtrack on the path
 (the kernels are the checked-in PTX for the device's arch, JIT-compiled by the driver, launched
@@ -17,7 +22,9 @@ slope (LeakyReLU 0.25) and, for a ResidualUnit's last norm, the unit's residual 
 activation; ConvNeXt's LayerNorms (eps 1e-6) with neither. Before it is timed, the output
 (NaN-poisoned first) is checked against the float64 reference (NormSpec.reference, rel L2 <= 2e-3).
 Times are the median of ``--iters`` runs between CUDA events after 5 warm-ups: ``norm_us`` every
-launch of the norm, ``<entry>_us`` each launch alone. ``gbps`` is the bytes a norm must move (x read
+launch of the norm, ``<entry>_us`` each launch alone; ``graph_us`` and ``<entry>_graph_us`` the same
+launches captured 20 times over in one CUDA graph, its replay's time over 20 (back to back, as the
+engine's graph runs them: no launch gap between events). ``gbps`` is the bytes a norm must move (x read
 twice for a group norm, once for a layer norm, the residual once, y written once) over ``norm_us``;
 ``stats_gbps`` and ``apply_gbps`` the same for their launches (x; x, r and y). ``torch_us``: eager
 ``F.instance_norm`` + ``leaky_relu`` (+ add) on channels_last tensors, or ``F.layer_norm`` over the
@@ -32,7 +39,7 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +64,7 @@ class Layer:
     H: int
     residual: bool
     kind: str = "group"
+    groups: int = 0  # 0: one a channel (InstanceNorm)
 
 
 # MONAI UNet(channels=(16, 32, 64, 128, 256), strides=(2, 2, 2, 2), num_res_units=2, out_channels=2):
@@ -76,6 +84,14 @@ LAYERS = [
     Layer("c256_32_res", 1, 256, 32, True),
     Layer("c2_512", 1, 2, 512, False),
 ]
+# MONAI SegResNet(spatial_dims=2, init_filters=16) as models/zoo/export.py builds it: GroupNorm(8) + ReLU
+# before each conv of a ResBlock (blocks_down 1, 2, 2, 4; blocks_up 1, 1, 1) and before the final conv.
+SEGRESNET = [
+    Layer("g16_512", 5, 16, 512, False, groups=8),
+    Layer("g32_256", 6, 32, 256, False, groups=8),
+    Layer("g64_128", 6, 64, 128, False, groups=8),
+    Layer("g128_64", 8, 128, 64, False, groups=8),
+]
 # timm convnext_tiny as smp's tu- encoder: the stem's LayerNorm2d, each block's LayerNorm (channels
 # last), each downsample's LayerNorm2d, stages of 3, 3, 9, 3 blocks at 128, 64, 32, 16 pixels.
 CONVNEXT = [
@@ -84,6 +100,9 @@ CONVNEXT = [
     Layer("ln384_32", 10, 384, 32, False, "layer"),
     Layer("ln768_16", 3, 768, 16, False, "layer"),
 ]
+
+
+NETS = {"monai": LAYERS, "segresnet": SEGRESNET, "convnext": CONVNEXT}
 
 
 def median_us(fn, iters: int) -> float:
@@ -113,7 +132,26 @@ class Workspace:
         return buf.data_ptr()
 
 
-def run_layer(kernels: dict, stream: Stream, ctx: Workspace, layer: Layer, n: int, dtype: str, iters: int) -> dict:
+def graph_us(launch, ctx, iters: int, reps: int = 20) -> float:
+    """``launch(stream)`` captured ``reps`` times into one CUDA graph (on torch's capture stream), the
+    median replay over ``reps``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launch(Stream.from_handle(side.cuda_stream, ctx))
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        capture = Stream.from_handle(torch.cuda.current_stream().cuda_stream, ctx)
+        for _ in range(reps):
+            launch(capture)
+    return median_us(graph.replay, iters) / reps
+
+
+def run_layer(
+    kernels: dict, stream: Stream, ctx: Workspace, layer: Layer, n: int, dtype: str, iters: int, norm=NORM, cuda=None
+) -> dict:
     tdt = getattr(torch, dtype)
     shape = (n, layer.H, layer.H, layer.C)
     x = (2 * torch.randn(shape, device="cuda") + 0.5).to(tdt)
@@ -123,21 +161,22 @@ def run_layer(kernels: dict, stream: Stream, ctx: Workspace, layer: Layer, n: in
     beta = (0.5 * torch.randn(layer.C, device="cuda")).float()
     res = "after_act" if layer.residual else "none"
     act, eps = (ACT, 1e-5) if layer.kind == "group" else (Activation(), 1e-6)
-    p = NORM.prepare_norm(
+    groups = layer.groups or layer.C
+    p = norm.prepare_norm(
         dtype, *shape, x=x.data_ptr(), y=y.data_ptr(), r=r.data_ptr() if r is not None else None,
-        weights=[gamma.data_ptr(), beta.data_ptr()], ctx=ctx, kind=layer.kind, groups=layer.C, res=res, act=act,
+        weights=[gamma.data_ptr(), beta.data_ptr()], ctx=ctx, kind=layer.kind, groups=groups, res=res, act=act,
         eps=eps, ldr=layer.C if r is not None else 0,
     )  # fmt: skip
     launches = [(q, kernels[q.entry]) for q in (*p.before, p)]
 
-    def launch(which=launches) -> None:
+    def launch(which=launches, on=stream) -> None:
         for q, fn in which:
-            fn.launch(q.config.grid, q.config.block, q.config.shared_bytes, stream, q.args)
+            fn.launch(q.config.grid, q.config.block, q.config.shared_bytes, on, q.args)
 
     launch()
     torch.cuda.synchronize()
     want = NORM.reference(
-        x.cpu().numpy(), gamma.cpu().numpy(), beta.cpu().numpy(), kind=layer.kind, groups=layer.C, eps=eps,
+        x.cpu().numpy(), gamma.cpu().numpy(), beta.cpu().numpy(), kind=layer.kind, groups=groups, eps=eps,
         res=res, act=act, r=r.cpu().numpy() if r is not None else None,
     ).astype(np.float64)  # fmt: skip
     got = y.float().cpu().numpy().astype(np.float64)
@@ -145,23 +184,31 @@ def run_layer(kernels: dict, stream: Stream, ctx: Workspace, layer: Layer, n: in
     passed = bool(np.isfinite(got).all()) and rel_l2 <= TOL
     xb = x.numel() * x.element_size()
     row = {**asdict(layer), "N": n, "dtype": dtype, "rel_l2": rel_l2, "passed": passed, "launches": len(launches)}
+    row["min_chunk_bytes"] = norm.min_chunk_bytes
+    if p.before:
+        row["stats_grid"] = list(p.before[0].config.grid)
     row["norm_us"] = median_us(launch, iters)
+    row["graph_us"] = graph_us(lambda on: launch(on=on), cuda, iters)
     row["gbps"] = (2 + (layer.kind == "group") + layer.residual) * xb / row["norm_us"] / 1e3
     for q, fn in launches:
         row[f"{q.entry}_us"] = median_us(lambda q=q, fn=fn: launch([(q, fn)]), iters)
+        row[f"{q.entry}_graph_us"] = graph_us(lambda on, q=q, fn=fn: launch([(q, fn)], on), cuda, iters)
         moved = xb if "_stats_" in q.entry else (2 + layer.residual) * xb if q is p else 0
         if moved:
             row["stats_gbps" if "_stats_" in q.entry else "apply_gbps"] = moved / row[f"{q.entry}_us"] / 1e3
-    row["torch_us"] = median_us(lambda: torch_norm(layer.kind, x, r, gamma, beta), iters)
+    row["torch_us"] = median_us(lambda: torch_norm(layer.kind, x, r, gamma, beta, layer.groups), iters)
     return row
 
 
 def torch_norm(
-    kind: str, x: torch.Tensor, r: torch.Tensor | None, gamma: torch.Tensor, beta: torch.Tensor
+    kind: str, x: torch.Tensor, r: torch.Tensor | None, gamma: torch.Tensor, beta: torch.Tensor, groups: int = 0
 ) -> torch.Tensor:
     if kind == "layer":
         return F.layer_norm(x, x.shape[-1:], gamma.to(x.dtype), beta.to(x.dtype), 1e-6)
     t = x.permute(0, 3, 1, 2)  # NCHW view of NHWC memory: channels_last
+    if groups:
+        t = F.leaky_relu(F.group_norm(t, groups, weight=gamma.to(x.dtype), bias=beta.to(x.dtype)), 0.25)
+        return t + r.permute(0, 3, 1, 2) if r is not None else t
     t = F.leaky_relu(F.instance_norm(t, weight=gamma.to(x.dtype), bias=beta.to(x.dtype)), 0.25)
     return t + r.permute(0, 3, 1, 2) if r is not None else t
 
@@ -172,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--dtype", choices=("float16", "float32"), default="float16")
-    ap.add_argument("--net", choices=("monai", "convnext"), default="monai", help="whose norms (default: %(default)s)")
+    ap.add_argument("--net", choices=tuple(NETS), default="monai", help="whose norms (default: %(default)s)")
+    ap.add_argument("--min-chunk-bytes", type=int, nargs="+", default=[NORM.min_chunk_bytes])
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("norm_layers: needs a CUDA GPU and torch with CUDA", file=sys.stderr)
@@ -189,24 +237,29 @@ def main(argv: list[str] | None = None) -> int:
     work = Workspace(dev.info())
     rows, totals = [], {}
     print(
-        f"{'layer':12} {'N':>2} {'rel_l2':>8} {'norm us':>8} {'GB/s':>6} {'stats GB/s':>10} {'apply GB/s':>10}"
-        f" {'torch us':>8}"
+        f"{'layer':12} {'N':>2} {'min B':>6} {'rel_l2':>8} {'norm us':>8} {'graph us':>8} {'stats g':>8} {'GB/s':>6}"
+        f" {'stats GB/s':>10} {'apply GB/s':>10} {'torch us':>8}"
     )
+    stats_entry = NORM.sub_entry("stats", args.dtype)
     for n in args.batches:
-        for layer in CONVNEXT if args.net == "convnext" else LAYERS:
-            row = run_layer(kernels, stream, work, layer, n, args.dtype, args.iters)
-            rows.append(row)
+        for size in args.min_chunk_bytes:
+            norm = replace(NORM, min_chunk_bytes=size)
+            for layer in NETS[args.net]:
+                row = run_layer(kernels, stream, work, layer, n, args.dtype, args.iters, norm, ctx)
+                rows.append(row)
+                print(
+                    f"{layer.name:12} {n:2} {size:6} {row['rel_l2']:8.1e} {row['norm_us']:8.1f} {row['graph_us']:8.1f} "
+                    f"{row.get(stats_entry + '_graph_us', 0):8.1f} {row['gbps']:6.0f} {row.get('stats_gbps', 0):10.0f} "
+                    f"{row.get('apply_gbps', 0):10.0f} {row['torch_us']:8.1f}" + ("" if row["passed"] else "  FAILED")
+                )
+            mine = [r for r in rows if r["N"] == n and r["min_chunk_bytes"] == size]
+            totals[f"{n}/{size}"] = {
+                key: sum(r[key] * r["uses"] for r in mine) for key in ("norm_us", "graph_us", "torch_us")
+            }
             print(
-                f"{layer.name:12} {n:2} {row['rel_l2']:8.1e} {row['norm_us']:8.1f} {row['gbps']:6.0f} "
-                f"{row.get('stats_gbps', 0):10.0f} {row.get('apply_gbps', 0):10.0f} {row['torch_us']:8.1f}"
-                + ("" if row["passed"] else "  FAILED")
+                f"N={n}, min_chunk_bytes {size}: the {args.net} norms, weighted by use: "
+                f"{totals[f'{n}/{size}']['norm_us']:.1f} us (in a graph {totals[f'{n}/{size}']['graph_us']:.1f})"
             )
-        mine = [r for r in rows if r["N"] == n]
-        totals[str(n)] = {
-            "norm_us": sum(r["norm_us"] * r["uses"] for r in mine),
-            "torch_us": sum(r["torch_us"] * r["uses"] for r in mine),
-        }
-        print(f"N={n}: the {args.net} norms, weighted by use: {totals[str(n)]['norm_us']:.1f} us")
     doc = {
         "commit": os.environ.get("DUALTRACK_COMMIT", "unknown"),
         "gpu": torch.cuda.get_device_name(),

@@ -15,12 +15,16 @@
 //   stats: grid (channel tiles, chunks, N): a block reduces a tile of channels over one chunk of
 //          `chunk` pixels (a contiguous slab of x: 16-byte loads, every thread busy for any C; a
 //          dense tensor whose C divides a vector's channels read flat, `reps` copies of C a vector)
-//          to a partial (mean, M2) per channel in `part` [n][chunk][c]; a thread keeps sums shifted
-//          by its first value, the block's rows meet by Chan's formula in a tree in shared memory.
-//          The last block of an image to arrive (a counter per image, after a fence; it resets the
-//          counter) merges the image's chunks x C partials into mean[n*G + g], var[n*G + g]: a team
-//          of threads a group, each thread's share merged in order (means as offsets from the
-//          group's first), then the team's by Chan's formula;
+//          to a partial (mean, M2); a thread keeps sums shifted by its first value, the block's rows
+//          meet by Chan's formula in a tree in shared memory. A block that holds all C channels (C/V
+//          vectors up to the block's width: every zoo shape) merges each group's channels there too
+//          and writes one partial a group, `part` [n][chunk][g]; a wider tensor writes one a channel,
+//          [n][chunk][c]. The last block of an image to arrive (a counter per image, after a fence;
+//          it resets the counter) merges the image's partials into mean[n*G + g], var[n*G + g]: a
+//          team of threads a group, each thread's share merged in order (means as offsets from the
+//          group's first), then the team's by Chan's formula. The per-group partials are what keep
+//          that last block short: chunks items a group, not chunks x C/G (measured on an H200 in
+//          SegResNet's GroupNorms: docs/performance.md);
 //   apply: grid (blocks, N) of one wave of the NORM_APPLY_BLOCKS an SM holds, a thread per channel
 //          vector (16 bytes: 8 fp16 or 4 fp32 channels) striding over an image's pixels, four loads
 //          in flight, with its statistics and affine folded in registers.
@@ -190,7 +194,7 @@ __device__ __forceinline__ void stats_tile(const T* __restrict__ src, float* __r
         }
     }
     __syncthreads();  // the tree is done before the next tile writes shared memory
-    if (row == 0 && c < C) {
+    if (out != nullptr && row == 0 && c < C) {  // per-channel partials (null: the block merges groups)
 #pragma unroll
         for (int j = 0; j < V; ++j) reinterpret_cast<float2*>(out)[c + j] = make_float2(m[j].mean, m[j].m2);
     }
@@ -222,6 +226,42 @@ __device__ __forceinline__ Moments team_merge(Moments m, int S, StatsShared<V>& 
     return m;
 }
 
+// The team width for G groups of `items` summaries each: the widest power of two with a team for
+// every group while the block lasts, no wider than the items (uniform).
+__device__ __forceinline__ int team_width(int G, int items) {
+    int S = 1;
+    while (S * 2 <= NORM_THREADS / G && S < items) S *= 2;
+    return S;
+}
+
+// A block holding all C channels of its chunk (one tile, row 0's summaries in shared memory after
+// stats_tile: channel c = col V + j at sh[j][col]) -> one (mean, M2) partial a group of the Cr real
+// channels into out[g]: the group's reps x cg channels (copy r of real channel g cg + i is flat channel
+// r Cr + g cg + i), each of `len` pixels, merged by a team as finalize_image merges (means as offsets
+// from the group's first channel). Every thread of the block calls it.
+template <int V>
+__device__ __forceinline__ void group_partials(float* __restrict__ out, int len, int C, int Cr, int G,
+                                               StatsShared<V>& sh) {
+    const int cg = Cr / G, items = C / Cr * cg, S = team_width(G, items);
+    const int teams = NORM_THREADS / S, team = threadIdx.x / S, lane = threadIdx.x % S;
+    const float fn = static_cast<float>(len);
+    for (int g0 = 0; g0 < G; g0 += teams) {  // uniform: team_merge synchronizes the block
+        const int g = g0 + team;
+        Moments m = {0.0f, 0.0f, 0.0f};
+        float shift = 0.0f;
+        if (g < G) {
+            shift = sh.mean[g * cg % V * NORM_THREADS + g * cg / V];
+            for (int i = lane; i < items; i += S) {
+                const int copy = i / cg, f = copy * Cr + g * cg + (i - copy * cg);
+                const int at = f % V * NORM_THREADS + f / V;
+                m.add(fn, sh.mean[at] - shift, sh.m2[at]);
+            }
+        }
+        m = team_merge(m, S, sh);
+        if (g < G && lane == 0) reinterpret_cast<float2*>(out)[g] = make_float2(shift + m.mean, m.m2);
+    }
+}
+
 // Where item i of group g lies among an image's partials [chunk][C]: chunk k = i / (reps cg), then
 // the group's channel j % cg in copy j / cg of the Cr real channels (the C = reps Cr channels of the
 // flat view repeat them; reps = 1 otherwise).
@@ -235,15 +275,26 @@ __device__ __forceinline__ long long item_offset(int i, int g, int cg, int reps_
 // real channels. A team of S threads a group (S: the largest power of two with a team for every
 // group while the block lasts, no wider than the group's items), each thread merging items lane,
 // lane + S, ... in order.
-template <int V>
+// GROUPED: the partials are one a group ([chunk][G], each of reps x cg channels' pixels:
+// group_partials), not one a channel (two instantiations: the item arithmetic of one adds no
+// registers to the other's unrolled loads).
+template <int V, bool GROUPED>
 __device__ __forceinline__ void finalize_image(const float* __restrict__ part, float* __restrict__ mean,
                                                float* __restrict__ var, long long n, int HW, int C, int Cr, int G,
                                                int chunk, int chunks, StatsShared<V>& sh) {
-    const int cg = Cr / G, reps_cg = C / Cr * cg, items = chunks * reps_cg;
-    int S = 1;
-    while (S * 2 <= NORM_THREADS / G && S < items) S *= 2;
+    const int cg = Cr / G, reps_cg = C / Cr * cg, items = GROUPED ? chunks : chunks * reps_cg;
+    const int S = team_width(G, items);
     const int teams = NORM_THREADS / S, team = threadIdx.x / S, lane = threadIdx.x % S;
-    const float* img = part + n * chunks * C * 2;
+    // One partial's place and pixel count: item i is chunk i of group g ([chunk][G]), or item_offset's.
+    const int per = GROUPED ? reps_cg : 1;
+    auto at = [&](int i, int g, int& k) -> long long {
+        if (GROUPED) {
+            k = i;
+            return static_cast<long long>(i) * G + g;
+        }
+        return item_offset(i, g, cg, reps_cg, C, Cr, k);
+    };
+    const float* img = part + n * chunks * (GROUPED ? G : C) * 2;
     for (int g0 = 0; g0 < G; g0 += teams) {  // uniform: team_merge synchronizes the block
         const int g = g0 + team;
         Moments m = {0.0f, 0.0f, 0.0f}, m_odd = {0.0f, 0.0f, 0.0f};  // two chains of dependent merges
@@ -253,25 +304,25 @@ __device__ __forceinline__ void finalize_image(const float* __restrict__ part, f
             // it updates, which near 100 is 7.6e-6 a step, and a chain of them walks; one rounding
             // of shift + offset at the end instead.
             int k0;
-            shift = load_partial(img + 2 * item_offset(0, g, cg, reps_cg, C, Cr, k0)).x;
+            shift = load_partial(img + 2 * at(0, g, k0)).x;
             int i = lane;
             for (; i + (MERGE_UNROLL - 1) * S < items; i += MERGE_UNROLL * S) {
                 float2 pm[MERGE_UNROLL];
                 int k[MERGE_UNROLL];
 #pragma unroll
                 for (int u = 0; u < MERGE_UNROLL; ++u)
-                    pm[u] = load_partial(img + 2 * item_offset(i + u * S, g, cg, reps_cg, C, Cr, k[u]));
+                    pm[u] = load_partial(img + 2 * at(i + u * S, g, k[u]));
 #pragma unroll
                 for (int u = 0; u < MERGE_UNROLL; ++u) {
-                    const float count = static_cast<float>(min(chunk, HW - k[u] * chunk));
+                    const float count = static_cast<float>(min(chunk, HW - k[u] * chunk) * per);
                     (u % 2 ? m_odd : m).add(count, pm[u].x - shift, pm[u].y);
                 }
             }
             m.add(m_odd.n, m_odd.mean, m_odd.m2);
             for (; i < items; i += S) {
                 int k;
-                const float2 pm = load_partial(img + 2 * item_offset(i, g, cg, reps_cg, C, Cr, k));
-                m.add(static_cast<float>(min(chunk, HW - k * chunk)), pm.x - shift, pm.y);
+                const float2 pm = load_partial(img + 2 * at(i, g, k));
+                m.add(static_cast<float>(min(chunk, HW - k * chunk) * per), pm.x - shift, pm.y);
             }
         }
         m = team_merge(m, S, sh);
@@ -299,9 +350,11 @@ __device__ __forceinline__ void norm_stats(const T* __restrict__ x, float* __res
     const long long n = blockIdx.z;
     const int p0 = k * chunk, len = min(chunk, HW - p0);
     const T* src = x + (n * HW + p0) * ldx;
-    float* out = part + (n * chunks + k) * C * 2;
+    const bool grouped = tiles == 1 && gridDim.x == 1;  // uniform: the block holds every channel
+    float* out = grouped ? nullptr : part + (n * chunks + k) * C * 2;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x)
         stats_tile<T, V>(src, out, (tile * cols + col) * V, C, ldx, len, row, rows, cols, sh);
+    if (grouped) group_partials<V>(part + (n * chunks + k) * G * 2, min(chunk, HW - p0), C, Cr, G, sh);
     // Arrive: the partials are visible device-wide before the count that lets a block read them.
     __threadfence();
     __syncthreads();
@@ -310,7 +363,10 @@ __device__ __forceinline__ void norm_stats(const T* __restrict__ x, float* __res
     if (!sh.last) return;
     if (threadIdx.x == 0) arrivals[n] = 0;  // every block of image n has arrived: ready for the next launch
     __threadfence();
-    finalize_image<V>(part, mean, var, n, HW, C, Cr, G, chunk, chunks, sh);
+    if (grouped)
+        finalize_image<V, true>(part, mean, var, n, HW, C, Cr, G, chunk, chunks, sh);
+    else
+        finalize_image<V, false>(part, mean, var, n, HW, C, Cr, G, chunk, chunks, sh);
 }
 
 #define NORM_STATS_PARAMS(T)                                                                               \

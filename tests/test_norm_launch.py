@@ -80,18 +80,52 @@ def test_a_batch_past_the_grid_is_refused_with_the_fix() -> None:
         NORM.apply_launch("float16", 70000, 4, 4, 8, 8, 8, sms=132)
 
 
-def stats_coverage(N: int, H: int, W: int, C: int, planned: int, V: int, sms: int) -> tuple[np.ndarray, np.ndarray]:
+def team_width(G: int, items: int) -> int:
+    """norm_nhwc.cu's team_width (the Python twin is NormSpec.merge_team)."""
+    S = NORM.merge_team(G, items)
+    assert S & (S - 1) == 0 and NORM.block_threads % S == 0 and (items <= S or NORM.block_threads // G < S * 2)
+    return S
+
+
+def group_partials_coverage(C: int, Cr: int, G: int) -> tuple[np.ndarray, np.ndarray]:
+    """How often group_partials reads each flat channel's chunk summary and writes each group's partial:
+    team g % teams of S threads takes group g, lane l items l, l + S, ... of its reps x cg channels
+    (copy i / cg of real channel g cg + i % cg is flat channel copy Cr + g cg + i % cg); lane 0 writes.
+    Every flat channel must be read once, into the group of its real channel."""
+    cg = Cr // G
+    items = C // Cr * cg
+    S = team_width(G, items)
+    teams = NORM.block_threads // S
+    reads, writes = np.zeros(C, np.int64), np.zeros(G, np.int64)
+    for g0 in range(0, G, teams):
+        for g in range(g0, min(G, g0 + teams)):
+            for lane in range(S):
+                for i in range(lane, items, S):
+                    copy = i // cg
+                    f = copy * Cr + g * cg + i - copy * cg
+                    assert (f % Cr) // cg == g
+                    reads[f] += 1
+            writes[g] += 1
+    return reads, writes
+
+
+def stats_coverage(
+    N: int, H: int, W: int, C: int, planned: int, V: int, sms: int, G: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
     """How often the stats launch (planned for ``planned`` lanes) reads each (image, pixel, channel) and
-    writes each (image, chunk, channel) partial when the kernel takes V channels a thread, as
-    norm_stats and stats_tile map them: tiles blockIdx.x, += gridDim.x; thread t is row t / cols,
-    column t % cols; row r visits pixels p0 + r, += rows of its chunk; row 0 writes the partials."""
+    writes each partial when the kernel takes V channels a thread, as norm_stats and stats_tile map
+    them: tiles blockIdx.x, += gridDim.x; thread t is row t / cols, column t % cols; row r visits pixels
+    p0 + r, += rows of its chunk. A block holding every channel (one tile, a grid one tile wide) merges
+    row 0's summaries into a partial a group (group_partials: writes (image, chunk, group)); otherwise
+    row 0 writes a partial a channel (writes (image, chunk, channel))."""
     T, hw = NORM.block_threads, H * W
-    ch = NORM.chunking(N, H, W, C, 1, sms, planned)
+    ch = NORM.chunking(N, H, W, C, G, sms, planned)
     cfg = NORM.stats_launch(N, ch)
     assert cfg.grid == (ch.tiles, ch.chunks, N) and cfg.block == (T, 1, 1)
     cv = C // V
     cols = min(cv, T)
     rows, tiles = T // cols, -(-cv // cols)
+    grouped = tiles == 1 and ch.tiles == 1
     reads = np.zeros((N, hw, C), np.int64)
     writes = np.zeros((N, ch.chunks, C), np.int64)
     t = np.arange(rows * cols)
@@ -109,7 +143,12 @@ def stats_coverage(N: int, H: int, W: int, C: int, planned: int, V: int, sms: in
                         np.add.at(reads, (slice(None), p0 + p + row[hit], c[hit] + j), 1)
                     first = ok & (row == 0)
                     np.add.at(writes, (slice(None), k, c[first] + j), 1)
-    return reads, writes
+    if not grouped:
+        return reads, writes
+    assert (writes == 1).all()  # row 0's summaries, each read once by the group merge
+    summaries, groups = group_partials_coverage(C, C, G)
+    assert (summaries == 1).all()
+    return reads, np.broadcast_to(groups, (N, ch.chunks, G))
 
 
 @pytest.mark.parametrize(
@@ -128,24 +167,28 @@ def stats_coverage(N: int, H: int, W: int, C: int, planned: int, V: int, sms: in
 def test_the_stats_launch_reads_every_element_once_and_writes_every_partial_once(
     N: int, hw: tuple[int, int], C: int, planned: int, V: int
 ) -> None:
-    """Whichever vector width the kernel finds (the plan's, or 1 for an unaligned pointer)."""
-    reads, writes = stats_coverage(N, *hw, C, planned, V, sms=132)
-    assert (reads == 1).all() and (writes == 1).all()
+    """Whichever vector width the kernel finds (the plan's, or 1 for an unaligned pointer); one group,
+    C groups, and a group count between where C allows."""
+    for G in dict.fromkeys((1, C, 4 if C % 4 == 0 else 1)):
+        reads, writes = stats_coverage(N, *hw, C, planned, V, sms=132, G=G)
+        assert (reads == 1).all() and (writes == 1).all()
 
 
-def merge_coverage(HW: int, C: int, G: int, chunk: int, chunks: int, reps: int = 1) -> np.ndarray:
+def merge_coverage(
+    HW: int, C: int, G: int, chunk: int, chunks: int, reps: int = 1, grouped: bool = False
+) -> np.ndarray:
     """The pixels finalize_image merges into each group of an image: team g % teams of S threads takes
-    group g; its lane l merges items l, l + S, ... (item_offset: chunk i / (reps C/G), then the
-    group's channel j % (C/G) in copy j / (C/G) of the C channels, j the item within its chunk), each
-    counted as its chunk's pixels (of the flat view's HW / reps where reps > 1). Every partial
-    [chunk][reps C] must be merged once, into the group of its channel modulo C."""
+    group g; its lane l merges items l, l + S, ..., each counted as its chunk's pixels (of the flat
+    view's HW / reps where reps > 1). Per-channel partials [chunk][reps C] (item_offset: chunk
+    i / (reps C/G), then the group's channel j % (C/G) in copy j / (C/G) of the C channels, j the item
+    within its chunk): every one merged once, into the group of its channel modulo C. ``grouped``
+    partials [chunk][G] (group_partials): item i is chunk i, counted reps C/G times (its channels)."""
     T, cg = NORM.block_threads, C // G
     reps_cg = reps * cg
-    items = chunks * reps_cg
-    S = NORM.merge_team(G, items)
-    assert T % S == 0
+    items = chunks if grouped else chunks * reps_cg
+    S = team_width(G, items)
     teams = T // S
-    seen = np.zeros((chunks, reps * C), np.int64)
+    seen = np.zeros((chunks, G if grouped else reps * C), np.int64)
     pixels = np.zeros(G, np.int64)
     for g0 in range(0, G, teams):
         for team in range(teams):
@@ -154,6 +197,10 @@ def merge_coverage(HW: int, C: int, G: int, chunk: int, chunks: int, reps: int =
                 continue
             for lane in range(S):
                 for i in range(lane, items, S):
+                    if grouped:
+                        seen[i, g] += 1
+                        pixels[g] += min(chunk, HW // reps - i * chunk) * reps_cg
+                        continue
                     k = i // reps_cg
                     j = i - k * reps_cg
                     v = (j // cg) * C + g * cg + j % cg
@@ -175,8 +222,9 @@ def merge_coverage(HW: int, C: int, G: int, chunk: int, chunks: int, reps: int =
 def test_the_final_merge_takes_every_partial_of_every_group_once(hw: tuple[int, int], C: int, G: int) -> None:
     G = G or C  # 0: instance norm
     ch = NORM.chunking(1, *hw, C, G, sms=132, lanes=8 if C % 8 == 0 else 1)
-    assert ch.chunks * C <= max(C, NORM.merge_items)
-    pixels = merge_coverage(hw[0] * hw[1], C, G, ch.chunk, ch.chunks)
+    grouped = ch.tiles == 1  # a block holds every channel: a partial a group
+    assert ch.chunks * (G if grouped else C) <= max(C, NORM.merge_items)
+    pixels = merge_coverage(hw[0] * hw[1], C, G, ch.chunk, ch.chunks, grouped=grouped)
     assert (pixels == hw[0] * hw[1] * (C // G)).all()
 
 
@@ -246,5 +294,7 @@ def test_a_thin_dense_tensor_is_read_flat_and_merged_into_its_own_groups(
     assert flat_reps(dtype, HW, C, (C + 1,), (0x1000,)) == flat_reps(dtype, HW, C, (C,), (0x1008,)) == 1
     ch = NORM.chunking(1, HW // reps, 1, C * reps, G, sms=132, lanes=C * reps)
     assert ch.tiles == 1 and ch.chunk * ch.chunks >= HW // reps
-    pixels = merge_coverage(HW, C, G, ch.chunk, ch.chunks, reps)
+    summaries, groups = group_partials_coverage(C * reps, C, G)  # each chunk's copies of C, into their groups
+    assert (summaries == 1).all() and (groups == 1).all()
+    pixels = merge_coverage(HW, C, G, ch.chunk, ch.chunks, reps, grouped=True)
     assert (pixels == HW * (C // G)).all()

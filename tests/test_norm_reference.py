@@ -121,35 +121,58 @@ def chunk_partials(x: np.ndarray, p0: int, length: int, rows: int) -> tuple[np.n
     return m[1][0], m[2][0]
 
 
+def lane_chains(items: list[tuple], S: int, rounds: int) -> tuple[np.ndarray, ...]:
+    """A team's merge of ``items`` (each (n, mean, m2) as float32 scalars): lane l takes items l, l + S,
+    ... in order (in rounds of ``rounds``, two alternating chains, as finalize_image's unrolled loads;
+    1: one chain, as group_partials), then the lanes meet pairwise."""
+    lanes = []
+    for lane in range(S):
+        chains = [(np.zeros(1, F), np.zeros(1, F), np.zeros(1, F)) for _ in range(2)]
+        mine = items[lane::S]
+        whole = len(mine) // rounds * rounds if rounds > 1 else 0
+        for u, item in enumerate(mine):
+            if rounds > 1 and u == whole:
+                chains[0] = chan(chains[0], chains[1])
+            c = u % 2 if u < whole else 0
+            chains[c] = chan(chains[c], tuple(np.array([v], F) for v in item))
+        if rounds > 1 and whole == len(mine):
+            chains[0] = chan(chains[0], chains[1])
+        lanes.append(chains[0])
+    while len(lanes) > 1:
+        lanes = [chan(lanes[i], lanes[i + 1]) for i in range(0, len(lanes), 2)]
+    return lanes[0]
+
+
 def kernel_group_stats(x: np.ndarray, groups: int, sms: int = 132) -> tuple[np.ndarray, np.ndarray]:
-    """mean, var of each group of one image (HW x C float32) as the kernel's arithmetic gives them."""
+    """mean, var of each group of one image (HW x C float32) as the kernel's arithmetic gives them: a
+    block holds every channel here, so each chunk's channel summaries merge into a partial a group
+    (group_partials: means as offsets from the group's first channel), which the last block merges
+    (finalize_image: offsets from chunk 0's partial, rounds of 8)."""
     hw, c = x.shape
-    ch = NORM.chunking(1, hw, 1, c, groups, sms, 1)
+    ch = NORM.chunking(1, hw, 1, c, groups, sms, 1, itemsize=4)
+    assert ch.tiles == 1
     rows = NORM.block_threads // min(c, NORM.block_threads)
-    part = [chunk_partials(x, k * ch.chunk, min(ch.chunk, hw - k * ch.chunk), rows) for k in range(ch.chunks)]
-    cg, items = c // groups, ch.chunks * (c // groups)
-    S = NORM.merge_team(groups, items)
+    cg = c // groups
+    S = NORM.merge_team(groups, cg)
+    gpart = []  # per chunk: (mean[g], m2[g])
+    for k in range(ch.chunks):
+        length = min(ch.chunk, hw - k * ch.chunk)
+        mean, m2 = chunk_partials(x, k * ch.chunk, length, rows)
+        gm, gm2 = np.zeros(groups, F), np.zeros(groups, F)
+        for g in range(groups):
+            shift = mean[g * cg]
+            items = [(F(length), mean[g * cg + j] - shift, m2[g * cg + j]) for j in range(cg)]
+            _, m, q = lane_chains(items, S, 1)
+            gm[g], gm2[g] = F(shift + m[0]), q[0]
+        gpart.append((gm, gm2))
+    S = NORM.merge_team(groups, ch.chunks)
     means, variances = np.zeros(groups), np.zeros(groups)
     for g in range(groups):
-        shift = part[0][0][g * cg]  # item 0's mean: the means merge as offsets from it
-        lanes = []
-        for lane in range(S):  # each lane's items in order (rounds of 8: two alternating chains), then pairwise
-            chains = [(np.zeros(1, F), np.zeros(1, F), np.zeros(1, F)) for _ in range(2)]
-            mine = list(range(lane, items, S))
-            whole = len(mine) // 8 * 8
-            for u, i in enumerate(mine):
-                k, j = divmod(i, cg)
-                item = (F(min(ch.chunk, hw - k * ch.chunk)), part[k][0][g * cg + j] - shift, part[k][1][g * cg + j])
-                if u == whole:
-                    chains[0] = chan(chains[0], chains[1])
-                c = u % 2 if u < whole else 0
-                chains[c] = chan(chains[c], tuple(np.array([v], F) for v in item))
-            if whole == len(mine):
-                chains[0] = chan(chains[0], chains[1])
-            lanes.append(chains[0])
-        while len(lanes) > 1:
-            lanes = [chan(lanes[i], lanes[i + 1]) for i in range(0, len(lanes), 2)]
-        n, mean, m2 = lanes[0]
+        shift = gpart[0][0][g]  # chunk 0's partial mean: the means merge as offsets from it
+        items = [
+            (F(min(ch.chunk, hw - k * ch.chunk) * cg), gpart[k][0][g] - shift, gpart[k][1][g]) for k in range(ch.chunks)
+        ]
+        n, mean, m2 = lane_chains(items, S, 8)
         means[g], variances[g] = F(shift + mean[0]), m2[0] / n[0]
     return means, variances
 

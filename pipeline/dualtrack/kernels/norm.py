@@ -96,15 +96,20 @@ class NormSpec(StreamingSpec):
     """The norm op's spec. ``waves``: stats blocks per SM the chunking aims for, at most: the blocks an
     SM holds at once (norm_nhwc.cu's NORM_STATS_BLOCKS at 256 threads), so that one image of a few
     groups fills the GPU and a launch is one wave with no tail of late blocks; ``merge_items``: the
-    most partials (chunks x C) the block that finalizes an image merges, which bounds the chunks of
-    a wide tensor (the merge is one block's L2 round trips: 8192 items are 4 rounds of 8 loads a
-    thread); ``apply_waves``: waves of the apply blocks an SM holds (:attr:`apply_blocks`) that the
-    apply pass's grid makes, rounded down, so no late blocks trail the launch (every thread streams
-    its channel vector over H*W / threads-an-image pixels, NORM_UNROLL at a time: a trailing block
-    would double the pass); ``layer_waves``: full-occupancy waves of the LayerNorm launch, at most."""
+    most partials the block that finalizes an image merges (chunks x G where a block holds every
+    channel and writes a partial a group, chunks x C otherwise), which bounds the chunks of a wide
+    tensor (the merge is one block's L2 round trips: 8192 items are 4 rounds of 8 loads a thread);
+    ``min_chunk_bytes``: the least a stats block reads (two of its 16 KB passes), so that a small
+    tensor is split over fewer blocks, each of which pays a tree and a partial the last block merges,
+    rather than over a full wave of blocks that read a few KB each; ``apply_waves``: waves of the
+    apply blocks an SM holds (:attr:`apply_blocks`) that the apply pass's grid makes, rounded down, so
+    no late blocks trail the launch (every thread streams its channel vector over H*W / threads-an-image
+    pixels, NORM_UNROLL at a time: a trailing block would double the pass); ``layer_waves``:
+    full-occupancy waves of the LayerNorm launch, at most."""
 
     waves: int = 3
     merge_items: int = 8192
+    min_chunk_bytes: int = 32768
     apply_waves: int = 1
     layer_waves: int = 2
 
@@ -140,17 +145,18 @@ class NormSpec(StreamingSpec):
 
     # -- geometry ------------------------------------------------------------------------------------
 
-    def chunking(self, N: int, H: int, W: int, C: int, G: int, sms: int, lanes: int = 1) -> Chunking:
+    def chunking(self, N: int, H: int, W: int, C: int, G: int, sms: int, lanes: int = 1, itemsize: int = 2) -> Chunking:
         """The split of a group-statistics launch on a GPU of ``sms`` SMs, its threads taking ``lanes``
-        channels a load (:func:`vector_lanes`; the kernel covers C whichever it finds). A block is
-        ``rows`` rows of ``cols`` channel vectors; a chunk gives each row at least one pixel."""
-        positive(N=N, H=H, W=W, C=C, G=G, sms=sms, lanes=lanes)
+        channels a load (:func:`vector_lanes`; the kernel covers C whichever it finds) of ``itemsize``
+        bytes each. A block is ``rows`` rows of ``cols`` channel vectors; a chunk gives each row at
+        least one pixel, and a block at least :attr:`min_chunk_bytes` where the image has them."""
+        positive(N=N, H=H, W=W, C=C, G=G, sms=sms, lanes=lanes, itemsize=itemsize)
         hw, cv = H * W, max(1, C // lanes)
         cols = min(cv, self.block_threads)
         rows, tiles = self.block_threads // cols, cdiv(cv, cols)
         per = max(1, self.waves * sms // (tiles * N))  # chunks an image wants: one wave, rounded down
-        per = min(per, max(1, self.merge_items // C))
-        chunk = max(min(rows, hw), cdiv(hw, per))
+        per = min(per, max(1, self.merge_items // (G if tiles == 1 else C)))
+        chunk = min(hw, max(rows, cdiv(hw, per), cdiv(self.min_chunk_bytes, C * itemsize)))
         chunks = cdiv(hw, chunk)
         if N > GRID_Y_MAX or chunks > GRID_Y_MAX:
             raise InputError(f"norm statistics of a batch of {N} need {N} grid layers; the grid allows {GRID_Y_MAX}")
@@ -351,10 +357,11 @@ class NormSpec(StreamingSpec):
             values.update(mean=weights[2], var=weights[3], stat_n=0)
         else:
             reps = flat_reps(dtype, H * W, C, (ldx,), (x,))
+            size = np.dtype(dtype_name(dtype)).itemsize
             if reps > 1:  # the flat view: H*W / reps pixels of reps * C channels
-                ch = self.chunking(N, H * W // reps, 1, C * reps, G, sms, C * reps)
+                ch = self.chunking(N, H * W // reps, 1, C * reps, G, sms, C * reps, size)
             else:
-                ch = self.chunking(N, H, W, C, G, sms, vector_lanes(dtype, C, (ldx,), (x,)))
+                ch = self.chunking(N, H, W, C, G, sms, vector_lanes(dtype, C, (ldx,), (x,)), size)
             part = ctx.workspace(ch.nbytes)
             mean = part + 4 * ch.part_floats
             var = mean + 4 * ch.stat_floats
