@@ -18,11 +18,12 @@ def torch_style(
     batch: int = 1,
     size: int = 16,
     classes: int = 2,
+    in_channels: int = 3,
     opset: int = 13,
     weights_as_inputs: bool = False,
     seed: int = 0,
 ) -> onnx.ModelProto:
-    """A conv net (NCHW float32 input ``input.1`` (batch, 3, size, size), output ``logits``)."""
+    """A conv net (NCHW float32 input ``input.1`` (batch, in_channels, size, size), output ``logits``)."""
     rng = np.random.default_rng(seed)
     half = size // 2
     inits: list[onnx.TensorProto] = []
@@ -39,7 +40,7 @@ def torch_style(
     nodes = [
         helper.make_node(
             "Conv",
-            ["input.1", weight("onnx::Conv_5", 8, 3, 3, 3), weight("onnx::Conv_6", 8)],
+            ["input.1", weight("onnx::Conv_5", 8, in_channels, 3, 3), weight("onnx::Conv_6", 8)],
             ["/enc/conv1/Conv_output_0"],
             name="/enc/conv1/Conv",
             pads=[1, 1, 1, 1],
@@ -109,7 +110,7 @@ def torch_style(
     ]
     if opset < 11:
         raise ValueError("the Resize above needs opset 11 or newer")
-    inputs = [helper.make_tensor_value_info("input.1", TensorProto.FLOAT, [batch, 3, size, size])]
+    inputs = [helper.make_tensor_value_info("input.1", TensorProto.FLOAT, [batch, in_channels, size, size])]
     if weights_as_inputs:
         inputs += [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in inits]
     graph = helper.make_graph(

@@ -117,3 +117,31 @@ def test_a_toolchain_failure_names_segment_batch_target_and_a_repro_that_works(t
     assert Path(argv[1]).is_file()  # the kept stage input: the repro runs as printed
     rerun = subprocess.run(argv, capture_output=True, text=True, check=False)
     assert "O9" in rerun.stderr
+
+
+def test_a_one_channel_model_builds_with_color_gray_and_segments_a_grey_png(tmp_path: Path) -> None:
+    """A CT/MRI-style model (one input channel) with `preprocess.color: GRAY`: the bundle takes RGB
+    uint8 like every other, `dualtrack run` reads a grey PNG as R = G = B, and the model sees the
+    grey values themselves, normalised by the config's one mean and std."""
+    from PIL import Image
+
+    root = tmp_path / "gray"
+    root.mkdir()
+    onnx.save(torch_style(in_channels=1, seed=3), str(root / "export.onnx"))
+    cfg = root / "model.yaml"
+    cfg.write_text(CONFIG.replace("color: RGB", "color: GRAY").replace("[0.485, 0.456, 0.406]", "[0.3]")
+                   .replace("[0.229, 0.224, 0.225]", "[0.2]").format(extra=""))  # fmt: skip
+    result = CliRunner().invoke(main, ["build", str(cfg), "-o", str(root / "bundle"), "--cpu-only"])
+    assert result.exit_code == 0, result.output
+    grey = np.random.default_rng(13).integers(0, 256, (16, 16), dtype=np.uint8)
+    Image.fromarray(grey, "L").save(root / "slice.png")
+    result = CliRunner().invoke(
+        main, ["run", str(root / "bundle"), str(root / "slice.png"), "-o", str(root / "mask.png"), "--device", "cpu"]
+    )
+    assert result.exit_code == 0, result.output
+    mask = np.asarray(Image.open(root / "mask.png"))
+    x = ((grey / 255.0 - 0.3) / 0.2).astype(np.float32)[None, None]
+    logits = reference_logits(onnx.load(str(root / "export.onnx")), x)[0]
+    decided = np.abs(logits[0] - logits[1]) > 1e-3
+    assert decided.mean() > 0.9 and 0 < mask.mean() < 1  # both classes: the check is not vacuous
+    assert np.array_equal(mask[decided], logits.argmax(axis=0)[decided])

@@ -12,6 +12,7 @@ import onnxruntime as ort
 import pytest
 from exports import reference_logits, torch_style
 from onnx import TensorProto, helper, numpy_helper
+from pydantic import ValidationError
 
 from dualtrack.compiler import frontend, onnx_graph, partition, verify
 from dualtrack.compiler.config import DEFAULT_TOLERANCES, BuildConfig, Postprocess, Preprocess, Tolerance
@@ -208,6 +209,59 @@ def test_the_wrap_feeds_the_model_the_declared_normalisation(layout: str, color:
     assert [o.name for o in fe.model.graph.output] == ["mask", "probs"]
 
 
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_a_one_channel_model_reads_the_luma_of_the_rgb_image(layout: str) -> None:
+    """`color: GRAY`: the bundle still takes uint8 (N, H, W, 3) RGB; the model's one channel is the
+    luma 0.299 R + 0.587 G + 0.114 B, normalised by the one mean and std."""
+    model = torch_style(in_channels=1)
+    if layout == "NHWC":
+        g = model.graph
+        for n in g.node:
+            n.input[:] = ["input_nchw" if x == "input.1" else x for x in n.input]
+        g.node.insert(0, helper.make_node("Transpose", ["input.1"], ["input_nchw"], name="t", perm=[0, 3, 1, 2]))
+        del g.input[:]
+        g.input.append(helper.make_tensor_value_info("input.1", TensorProto.FLOAT, [1, 16, 16, 1]))
+    pre = Preprocess(layout=layout, color="GRAY", scale=255.0, mean=(0.45,), std=(0.22,))
+    fe = frontend.prepare(_cfg(preprocess=pre, postprocess=Postprocess()), model)
+    image = np.random.default_rng(6).integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
+    got = _run(fe.model, {"image": image})
+    luma = image.astype(np.float64) @ np.array([0.299, 0.587, 0.114])  # (N, H, W)
+    x = ((luma / 255.0 - 0.45) / 0.22).astype(np.float32)[:, None]
+    logits = reference_logits(model, x if layout == "NCHW" else x.transpose(0, 2, 3, 1))
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(got["probs"], e / e.sum(axis=1, keepdims=True), atol=1e-5)
+    assert any("GRAY (the luma of RGB)" in r.detail for r in fe.rewrites if r.stage == "wrap")
+    # a grey image (R = G = B, as the bundle reads a grey PNG) reaches the model as its own values
+    grey = np.repeat(image[..., :1], 3, axis=-1)
+    flat = ((grey[..., 0].astype(np.float64) / 255.0 - 0.45) / 0.22).astype(np.float32)[:, None]
+    np.testing.assert_allclose(
+        _run(fe.model, {"image": grey})["probs"],
+        _softmax(reference_logits(model, flat if layout == "NCHW" else flat.transpose(0, 2, 3, 1))),
+        atol=1e-5,
+    )
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def test_a_color_that_does_not_fit_the_model_channels_names_the_setting() -> None:
+    with pytest.raises(ModelError, match=r"has 1 channel\(s\) and color RGB feeds 3; set preprocess.color: GRAY"):
+        frontend.prepare(_cfg(preprocess=Preprocess()), torch_style(in_channels=1))
+    with pytest.raises(ModelError, match=r"has 3 channel\(s\) and color GRAY feeds 1; set preprocess.color: RGB"):
+        frontend.prepare(_cfg(preprocess=Preprocess(color="GRAY", mean=(0.5,))), torch_style())
+
+
+def test_gray_takes_one_mean_and_std_and_rgb_takes_one_or_three() -> None:
+    assert Preprocess(color="GRAY").per_channel("mean") == (0.0,)  # the defaults are equal: one value
+    assert Preprocess(mean=(0.5,)).per_channel("mean") == (0.5, 0.5, 0.5)
+    with pytest.raises(ValidationError, match=r"takes one value, not \[0.4, 0.5, 0.6\].*mean: \[0.4\]"):
+        Preprocess(color="GRAY", mean=(0.4, 0.5, 0.6))
+    with pytest.raises(ValidationError, match="give 3 values"):
+        Preprocess(std=(0.2, 0.3))
+
+
 def test_one_class_with_sigmoid_masks_where_p_exceeds_half() -> None:
     pre = Preprocess(mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
     fe = frontend.prepare(_cfg(preprocess=pre, postprocess=Postprocess(activation="sigmoid")), torch_style(classes=1))
@@ -246,7 +300,7 @@ def test_a_model_with_two_inputs_is_refused_with_the_fix() -> None:
 
 
 def test_a_preprocess_that_does_not_fit_the_input_is_refused() -> None:
-    with pytest.raises(ModelError, match=r"not a NHWC float image with 3 channels; fix preprocess.layout"):
+    with pytest.raises(ModelError, match=r"not a NHWC float image with 3 channel\(s\); fix preprocess.layout"):
         frontend.prepare(_cfg(preprocess=Preprocess(layout="NHWC")), torch_style())
 
 

@@ -138,20 +138,54 @@ class Preprocess(_Strict):
     model, so the bundle takes what `run` and `serve` feed: uint8 (N, H, W, 3) RGB pixels.
 
     The model sees ``(pixel / scale - mean) / std`` per channel, in ``color`` order and ``layout``.
+    ``GRAY``: a one-channel model (a CT or MRI slice) reads the image's luma, ITU-R 601's
+    ``0.299 R + 0.587 G + 0.114 B`` (Pillow's ``convert("L")`` without its rounding), so a grey PNG
+    (which the bundle reads as R = G = B) reaches it as its own values.
     """
 
     layout: Literal["NCHW", "NHWC"] = Field("NCHW", description="the model input's layout (torch exports: NCHW)")
-    color: Literal["RGB", "BGR"] = "RGB"
+    color: Literal["RGB", "BGR", "GRAY"] = Field(
+        "RGB", description="the channels the model reads: RGB, BGR, or GRAY (one channel: the luma)"
+    )
     scale: float = Field(255.0, gt=0, description="pixels are divided by this first (255: to [0, 1])")
-    mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    std: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    mean: tuple[float, ...] = Field((0.0, 0.0, 0.0), description="per channel: 3 values (GRAY: 1), or 1 for all")
+    std: tuple[float, ...] = Field((1.0, 1.0, 1.0), description="per channel: 3 values (GRAY: 1), or 1 for all")
+
+    @field_validator("mean", "std")
+    @classmethod
+    def _one_or_three(cls, v: tuple[float, ...]) -> tuple[float, ...]:
+        if len(v) not in (1, 3):
+            raise ValueError(f"give 3 values (one a channel) or 1 (every channel), not {len(v)}: {list(v)}")
+        return v
 
     @field_validator("std")
     @classmethod
-    def _positive(cls, v: tuple[float, float, float]) -> tuple[float, float, float]:
+    def _positive(cls, v: tuple[float, ...]) -> tuple[float, ...]:
         if any(x <= 0 for x in v):
             raise ValueError(f"std must be positive, got {list(v)}")
         return v
+
+    @model_validator(mode="after")
+    def _gray_takes_one(self) -> Preprocess:
+        if self.color == "GRAY":
+            for key in ("mean", "std"):
+                v = getattr(self, key)
+                if len(set(v)) > 1:
+                    raise ValueError(
+                        f"color GRAY feeds one channel, so `{key}` takes one value, not {list(v)} "
+                        f"(write `{key}: [{v[0]}]`)"
+                    )
+        return self
+
+    @property
+    def channels(self) -> int:
+        """The channels the model reads: 1 for GRAY, else 3."""
+        return 1 if self.color == "GRAY" else 3
+
+    def per_channel(self, key: str) -> tuple[float, ...]:
+        """``mean`` or ``std``, one value for each of :attr:`channels`."""
+        v = getattr(self, key)
+        return v[:1] if self.channels == 1 else (v if len(v) == 3 else v * 3)
 
 
 class Postprocess(_Strict):

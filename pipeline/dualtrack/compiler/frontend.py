@@ -64,6 +64,9 @@ from dualtrack.errors import ConfigError, DualtrackError, InternalError, ModelEr
 TARGET_OPSET = 17  # what the reference and the zoo are exported with; IREE 3.13 imports it
 IR_INITIALIZERS_APART = 4  # the first ONNX IR version in which an initializer need not be a graph input
 IMAGE = "image"  # the wrap's input; its outputs MASK and PROBS are named in contract/checks.py
+# ITU-R BT.601's luma weights of R, G, B (what Pillow's convert("L") computes, there rounded to an integer):
+# `preprocess.color: GRAY` feeds a one-channel model this sum; R = G = B gives that value back.
+LUMA = np.array([0.299, 0.587, 0.114], np.float32)
 # onnxslim fusions that would emit ops newer than TARGET_OPSET (Gelu is opset 20).
 _SKIP_FUSIONS = ["FusionGelu"]
 # Reductions stay fp32 when a model is converted to fp16, as mixed precision keeps them: a sum over a
@@ -921,14 +924,22 @@ def wrap_image_io(
 
 
 def _image_size(inp: onnx.ValueInfoProto, pre: Preprocess) -> tuple[int, int]:
-    """The (height, width) of the model's image input; it must be a fixed-size float 3-channel image."""
+    """The (height, width) of the model's image input; it must be a fixed-size float image of the
+    preprocess's channels (3; 1 for GRAY)."""
     t = inp.type.tensor_type
     dims = [d.dim_value for d in t.shape.dim]
-    channels = dims[1] if pre.layout == "NCHW" else dims[-1]
-    if len(dims) != 4 or channels != 3 or not _is_float(inp):
+    channels = (dims[1] if pre.layout == "NCHW" else dims[-1]) if len(dims) == 4 else None
+    if len(dims) == 4 and _is_float(inp) and channels != pre.channels and channels in (1, 3):
+        fix = "preprocess.color: GRAY (the luma)" if channels == 1 else "preprocess.color: RGB or BGR"
+        raise ModelError(
+            f"preprocess: the model input '{inp.name}' {dims} has {channels} channel(s) and color {pre.color} "
+            f"feeds {pre.channels}; set {fix}"
+        )
+    if len(dims) != 4 or channels != pre.channels or not _is_float(inp):
         raise ModelError(
             f"preprocess: the model input '{inp.name}' is {helper.tensor_dtype_to_np_dtype(t.elem_type)} "
-            f"{dims}, not a {pre.layout} float image with 3 channels; fix preprocess.layout or remove `preprocess`"
+            f"{dims}, not a {pre.layout} float image with {pre.channels} channel(s); fix preprocess.layout or "
+            "remove `preprocess`"
         )
     h, w = (dims[2], dims[3]) if pre.layout == "NCHW" else (dims[1], dims[2])
     if h <= 0 or w <= 0:
@@ -961,8 +972,9 @@ def _wrap_input(
     log.append(
         Rewrite(
             "wrap",
-            f"uint8 image (N, {h}, {w}, 3) {pre.color} -> /{pre.scale:g}, mean {list(pre.mean)}, "
-            f"std {list(pre.std)} -> {pre.layout} model input '{exported_name}'",
+            f"uint8 image (N, {h}, {w}, 3) {pre.color}{' (the luma of RGB)' if pre.color == 'GRAY' else ''} "
+            f"-> /{pre.scale:g}, mean {list(pre.per_channel('mean'))}, std {list(pre.per_channel('std'))} -> "
+            f"{pre.layout} model input '{exported_name}'",
         )
     )
     return nodes, inits
@@ -979,12 +991,23 @@ def _preprocess_nodes(pre: Preprocess, elem_type: int) -> tuple[list[onnx.NodePr
         inits.append(numpy_helper.from_array(np.array([2, 1, 0], np.int64), "pre/bgr_order"))
         nodes.append(helper.make_node("Gather", [x, "pre/bgr_order"], ["pre/bgr"], name="pre/bgr", axis=3))
         x = "pre/bgr"
+    elif pre.color == "GRAY":  # the luma: a weighted sum over the pixel's channels, one channel kept
+        inits.append(numpy_helper.from_array(LUMA.reshape(1, 1, 1, 3), "pre/luma_weights"))
+        inits.append(numpy_helper.from_array(np.array([3], np.int64), "pre/luma_axis"))
+        nodes.append(helper.make_node("Mul", [x, "pre/luma_weights"], ["pre/luma_terms"], name="pre/luma_terms"))
+        nodes.append(
+            helper.make_node(
+                "ReduceSum", ["pre/luma_terms", "pre/luma_axis"], ["pre/luma"], name="pre/luma", keepdims=1
+            )
+        )
+        x = "pre/luma"
     if pre.layout == "NCHW":
         nodes.append(helper.make_node("Transpose", [x], ["pre/nchw"], name="pre/nchw", perm=[0, 3, 1, 2]))
         x = "pre/nchw"
-    bshape = (1, 3, 1, 1) if pre.layout == "NCHW" else (1, 1, 1, 3)
-    mean = (np.array(pre.mean, np.float32) * np.float32(pre.scale)).reshape(bshape)
-    inv = (1.0 / (np.array(pre.std, np.float64) * pre.scale)).astype(np.float32).reshape(bshape)
+    c = pre.channels
+    bshape = (1, c, 1, 1) if pre.layout == "NCHW" else (1, 1, 1, c)
+    mean = (np.array(pre.per_channel("mean"), np.float32) * np.float32(pre.scale)).reshape(bshape)
+    inv = (1.0 / (np.array(pre.per_channel("std"), np.float64) * pre.scale)).astype(np.float32).reshape(bshape)
     inits += [numpy_helper.from_array(mean, "pre/mean"), numpy_helper.from_array(inv, "pre/inv_std")]
     nodes.append(helper.make_node("Sub", [x, "pre/mean"], ["pre/sub_mean"], name="pre/sub_mean"))
     nodes.append(helper.make_node("Mul", ["pre/sub_mean", "pre/inv_std"], ["pre/scale"], name="pre/scale"))
