@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 
 from dualtrack import atomic
-from dualtrack.compiler.iree_forms import fp32_sums
+from dualtrack.compiler.iree_forms import depth_to_space_crd, fp32_sums
 from dualtrack.compiler.launch_extract import extract
 from dualtrack.compiler.partition import with_batch
 from dualtrack.compiler.tools import run_tool, tool_version
@@ -196,9 +196,10 @@ def _convtranspose_per_group(node: onnx.NodeProto, shapes: dict[str, list[int]])
 def iree_graph(model: onnx.ModelProto) -> onnx.ModelProto:
     """Stage 0, every rewrite: the graph IREE is given for ``model``. Its reflect and edge Pads as Gathers
     (:func:`gather_pads`), its grouped ConvTransposes a group at a time (:func:`split_grouped_convtransposes`),
-    its fp16 pools and sums computed in fp32 (iree_forms.fp32_sums: IREE would accumulate them in fp16).
+    its fp16 pools and sums computed in fp32 (iree_forms.fp32_sums: IREE would accumulate them in fp16), its
+    CRD DepthToSpaces as their definition (iree_forms.depth_to_space_crd: IREE computes them wrong).
     Each rewrite leaves its own output unchanged, so a second pass changes nothing."""
-    return fp32_sums(gather_pads(split_grouped_convtransposes(model)))
+    return depth_to_space_crd(fp32_sums(gather_pads(split_grouped_convtransposes(model))))
 
 
 def import_onnx(model: onnx.ModelProto, workdir: Path) -> Path:

@@ -22,6 +22,10 @@ Each rewrite keeps the op's ONNX semantics exactly and is found by the conforman
   takes along each sliced axis, the shapes being static;
 - SpaceToDepth with ``mode`` CRD (opset 25), which IREE computes as DCR: its definition, a Reshape, a
   Transpose and a Reshape.
+- DepthToSpace with ``mode`` CRD (torch's ``pixel_shuffle``), which IREE 3.13 computes wrong for every block
+  size on llvm-cpu (blocksize 1, an identity, moved values by up to 3.5 on random data; ONNX's default DCR is
+  right): its definition, a Reshape, a Transpose and a Reshape. Only in the graphs IREE is given (Track B's
+  stage 0, iree_build.iree_graph, :func:`depth_to_space_crd`): Track A's depth_to_space kernel takes CRD itself.
 
 float64 is not here: it is a precision, converted where the config asks for it (frontend.float64_as_float32).
 """
@@ -262,6 +266,38 @@ def _space_to_depth_crd(node: onnx.NodeProto, shape: tuple[int, ...], inits) -> 
     ]
 
 
+def depth_to_space_crd(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Each DepthToSpace of ``mode`` CRD whose channels and picture are static as ONNX defines it: a Reshape
+    to (N, C/b², b, b, H, W), a Transpose (0, 1, 4, 2, 5, 3) and a Reshape to (N, C/b², H b, W b), the
+    batch kept by Reshape's 0. A copy where anything changed, else ``model`` itself (a second pass)."""
+    if not any(n.op_type == "DepthToSpace" for n in model.graph.node):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    shapes = static_shapes(out)
+    shapes.update({i.name: tuple(i.dims) for i in out.graph.initializer})
+    inits = out.graph.initializer
+
+    def rewrite(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        shape = shapes.get(node.input[0])
+        if node.op_type != "DepthToSpace" or attrs.get("mode", b"DCR") != b"CRD" or shape is None or len(shape) != 4:
+            return None
+        b, (_, c, h, w) = int(attrs["blocksize"]), shape
+        if min(c, h, w) < 0 or c % (b * b):
+            return None
+        base = node.name or node.output[0]
+        inits.append(numpy_helper.from_array(_i64([0, c // (b * b), b, b, h, w]), f"{base}__blocks"))
+        inits.append(numpy_helper.from_array(_i64([0, c // (b * b), h * b, w * b]), f"{base}__space"))
+        return [
+            helper.make_node("Reshape", [node.input[0], f"{base}__blocks"], [f"{base}__b"], name=f"{base}__b"),
+            helper.make_node("Transpose", [f"{base}__b"], [f"{base}__t"], name=f"{base}__t", perm=[0, 1, 4, 2, 5, 3]),
+            helper.make_node("Reshape", [f"{base}__t", f"{base}__space"], [node.output[0]], name=f"{base}__s"),
+        ]
+
+    return out if _replace(out, rewrite) else model
+
+
 def _i64(values: list[int]) -> np.ndarray:
     return np.array(values, np.int64)
 
@@ -270,6 +306,7 @@ __all__ = [
     "F16_ACCUMULATED",
     "FP32_SUMS",
     "WIDENED",
+    "depth_to_space_crd",
     "fp32_sums",
     "matrix_matmuls",
     "reshaped_forms",
