@@ -615,3 +615,32 @@ def test_a_reduction_over_a_stack_becomes_an_element_wise_chain(reduce: str, op:
     x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
     want = _run(model, {"image": x})["y"]
     np.testing.assert_allclose(_run(out, {"image": x})["y"], want, rtol=1e-6, atol=1e-6)
+
+
+def test_unnamed_nodes_convert_to_fp16() -> None:
+    """onnxconverter-common names the Casts around the ops it keeps in fp32 after their nodes: two unnamed
+    ones (a ReduceMean and a ReduceSum here) gave two `_output_cast_0`s, an invalid graph that stopped the
+    build as a dualtrack bug. Nodes are named first."""
+    rng = np.random.default_rng(8)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    axes = numpy_helper.from_array(np.array([1], np.int64), "axes")
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("ReduceMax", ["c"], ["m"], axes=[1], keepdims=1),
+        helper.make_node("ReduceMean", ["c"], ["a"], axes=[1], keepdims=1),
+        helper.make_node("ReduceSum", ["c", "axes"], ["s"], keepdims=1),
+        helper.make_node("Concat", ["m", "a", "s"], ["logits"], axis=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 6, 5])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 3, 6, 5])],
+        [w, axes],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    converted, _ = frontend.convert_precision(model, "fp16", [])
+    onnx.checker.check_model(converted, full_check=True)
+    feeds = {"x": rng.standard_normal((1, 3, 6, 5)).astype(np.float32)}
+    np.testing.assert_allclose(_run(converted, feeds)["logits"], _run(model, feeds)["logits"], rtol=0.02, atol=0.02)

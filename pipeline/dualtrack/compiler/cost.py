@@ -79,8 +79,8 @@ MeasuredTimes = Mapping[ConvKey, float]
 # general max-pool's (one comparison per tap, node_work), the segmentation head's, the pad/copy's and
 # DepthToSpace's; the general ConvTranspose's gather (convt) runs on the CUDA cores too.
 SIMT_KERNELS = (
-    "dwconv", "gap", "fc", "eltwise", "resize", "maxpool", "seghead", "pad", "convt", "norm", "depth_to_space",
-    "quantize_fp8",
+    "dwconv", "gap", "creduce", "fc", "eltwise", "resize", "maxpool", "seghead", "pad", "convt", "norm",
+    "depth_to_space", "quantize_fp8",
 )  # fmt: skip
 
 

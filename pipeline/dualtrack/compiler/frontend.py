@@ -50,7 +50,7 @@ from dualtrack.compiler.iree_forms import (
 )
 from dualtrack.compiler.linear_maps import linear_maps_as_matmuls
 from dualtrack.compiler.lower_pad import full_pads
-from dualtrack.compiler.onnx_graph import as_float32, resize_scale
+from dualtrack.compiler.onnx_graph import as_float32, name_nodes, resize_scale
 from dualtrack.compiler.onnx_graph import constants as _graph_constants
 from dualtrack.compiler.pooled_vectors import vectors_as_images
 from dualtrack.compiler.resize_maps import iree_cannot_lower, resize_maps, widened_axes
@@ -735,7 +735,7 @@ def convert_precision(model: onnx.ModelProto, want: str | None, log: list[Rewrit
     from onnxconverter_common import float16
 
     blocked = [*float16.DEFAULT_OP_BLOCK_LIST, *FP32_REDUCTIONS]
-    bare = _constants_apart(_outputs_apart(_fill_values_spelt(model)), set(blocked))
+    bare = _constants_apart(_outputs_apart(_fill_values_spelt(_named(model))), set(blocked))
     del bare.graph.value_info[:]  # shapes recorded before the conversion mislead its Cast insertion
     try:
         with warnings.catch_warnings():  # it warns once per weight it rounds to fp16's range
@@ -798,6 +798,12 @@ def _constants_apart(model: onnx.ModelProto, kept_fp32: set[str]) -> onnx.ModelP
         if n.op_type in kept_fp32:
             n.input[:] = [copies.get(x, x) for x in n.input]
     return model
+
+
+def _named(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with every node named (onnxconverter-common names its Casts after their nodes: two unnamed
+    nodes gave two `_output_cast_0`s, an invalid graph); the model itself when every node has a name."""
+    return name_nodes(model) if any(not n.name for n in model.graph.node) else model
 
 
 def _fill_values_spelt(model: onnx.ModelProto) -> onnx.ModelProto:

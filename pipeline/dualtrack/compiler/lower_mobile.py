@@ -26,6 +26,7 @@ from dualtrack.compiler import act_patterns
 from dualtrack.contract import activations
 from dualtrack.contract.activations import Activation, match_onnx
 from dualtrack.contract.plan import (
+    CREDUCE_OPS,
     ELTWISE_OPS,
     RESIZE_COORDS,
     RESIZE_MODES,
@@ -38,7 +39,8 @@ from dualtrack.kernels.dwconv import DwGeometry
 DESCRIPTION = (
     "depthwise Conv 1..7 a side (any strides, dilations, pads, channel multiplier), "
     "1x1 Conv on a pooled (N,C,1,1) vector, "
-    "GlobalAveragePool / ReduceMean over H,W, Add, Mul, Sub and Div of NHWC tensors "
+    "GlobalAveragePool / ReduceMean over H,W, ReduceSum / ReduceMean / ReduceMax / ReduceMin over C, "
+    "Add, Mul, Sub and Div of NHWC tensors "
     "(or an (N,C,1,1) or (N,1,H,W) gate, "
     "or a constant per-channel vector or scalar), PRelu (per-channel or single slope), "
     f"{'/'.join(activations.ONNX_OPS)} (fused into the op before them where they can be), "
@@ -187,23 +189,55 @@ def _conv_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
     return None
 
 
-def _gap_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
+def _reduce_axes(node: onnx.NodeProto, facts: Facts) -> tuple[list[int] | None, str | None]:
+    """A Reduce node's axes over a 4-D (NCHW) input, sorted and non-negative, or why not: the axes
+    attribute (input since opset 18, a constant), keepdims 1."""
     if len(facts.shape(node.input[0])) != 4:
-        return f"input of rank {len(facts.shape(node.input[0]))}, not an image"
-    if node.op_type == "GlobalAveragePool":
-        return None
+        return None, f"input of rank {len(facts.shape(node.input[0]))}, not an image"
     a = _attrs(node)
     axes = a.get("axes")
     if len(node.input) > 1 and node.input[1]:  # opset 18: axes as an input
         value = facts.const(node.input[1])
         if value is None:
-            return "axes computed at run time"
+            return None, "axes computed at run time"
         axes = value.tolist()
-    if axes is None or sorted(int(v) % 4 for v in axes) != [2, 3]:
-        return f"axes {axes} (the kernel reduces over H and W: axes [2, 3])"
     if a.get("keepdims", 1) != 1:
-        return "keepdims=0 (the kernel keeps (N, C, 1, 1))"
+        return None, "keepdims=0 (the kernels keep the reduced dims)"
+    if axes is None:
+        return None, "axes: all (the kernels reduce over H and W, or over C)"
+    return sorted(int(v) % 4 for v in axes), None
+
+
+def _gap_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
+    if len(facts.shape(node.input[0])) != 4:
+        return f"input of rank {len(facts.shape(node.input[0]))}, not an image"
+    if node.op_type == "GlobalAveragePool":
+        return None
+    axes, why = _reduce_axes(node, facts)
+    if why is not None:
+        return why
+    if axes != [2, 3]:
+        return f"axes {axes} (the kernel reduces over H and W: axes [2, 3])"
     return None
+
+
+def _creduce_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
+    """ReduceSum / ReduceMean / ReduceMax / ReduceMin over the channels (axis 1, keepdims) of an image."""
+    axes, why = _reduce_axes(node, facts)
+    if why is not None:
+        return why
+    if axes != [1]:
+        return f"axes {axes} (the kernels reduce over H and W, or over the channels: axis 1)"
+    if node.op_type == "ReduceSum" and _attrs(node).get("noop_with_empty_axes", 0):
+        return "noop_with_empty_axes"
+    return None
+
+
+def _reduce_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
+    """A ReduceMean over H, W (gap) or over C (creduce); the reason names both."""
+    if _gap_ok(node, facts) is None:
+        return None
+    return _creduce_ok(node, facts)
 
 
 # A binary node lowered to one eltwise call: its tensor inputs, its constant operand (a weight), its op.
@@ -318,7 +352,7 @@ def _resize_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
 # onnxconverter-common's block list): Cast(fp16 -> fp32) -> op -> Cast(fp32 -> fp16). The kernels
 # compute exactly that in fp16 storage (fp32 math, one rounding at the end), so the three nodes
 # lower to one fp16 call.
-CAST_WRAPPED = ("GlobalAveragePool", "ReduceMean", "Resize")
+CAST_WRAPPED = ("GlobalAveragePool", "ReduceMean", "ReduceSum", "Resize")
 _FLOAT, _FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
 
 
@@ -379,6 +413,16 @@ def _lower_gap(node: onnx.NodeProto, facts: Facts) -> KernelCall:
     return KernelCall("gap", (node.input[0],), (node.output[0],), (), (), (node.name,))
 
 
+def _lower_creduce(node: onnx.NodeProto, facts: Facts) -> KernelCall:
+    return KernelCall(
+        "creduce", (node.input[0],), (node.output[0],), (), (("op", CREDUCE_OPS[node.op_type]),), (node.name,)
+    )
+
+
+def _lower_reduce(node: onnx.NodeProto, facts: Facts) -> KernelCall:
+    return _lower_gap(node, facts) if _gap_ok(node, facts) is None else _lower_creduce(node, facts)
+
+
 def _lower_binary(node: onnx.NodeProto, facts: Facts) -> KernelCall:
     parts, _ = _binary_operands(node, facts)
     assert parts is not None
@@ -423,7 +467,8 @@ class Rule:
 RULES: dict[str, Rule] = {
     "Conv": Rule(_conv_ok, _lower_conv, fuses_act=True),
     "GlobalAveragePool": Rule(_gap_ok, _lower_gap),
-    "ReduceMean": Rule(_gap_ok, _lower_gap),
+    "ReduceMean": Rule(_reduce_ok, _lower_reduce),
+    **{op: Rule(_creduce_ok, _lower_creduce) for op in ("ReduceSum", "ReduceMax", "ReduceMin")},
     "Add": Rule(_binary_ok, _lower_binary, fuses_act=True),
     "Mul": Rule(_binary_ok, _lower_binary, fuses_act=True),
     "Sub": Rule(_binary_ok, _lower_binary, fuses_act=True),

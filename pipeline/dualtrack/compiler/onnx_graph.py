@@ -5,6 +5,8 @@ tensors, the nodes still read."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -57,6 +59,20 @@ def copy_node(node: onnx.NodeProto, inputs: list[str], output: str) -> onnx.Node
     new.input.extend(inputs)
     new.output[0] = output
     return new
+
+
+def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy whose every node has a unique name (partition rules and the plan refer to nodes by name;
+    onnxconverter-common names its Casts after the nodes, so two unnamed ones collided)."""
+    model = copy.deepcopy(model)
+    seen: set[str] = set()
+    for i, node in enumerate(model.graph.node):
+        name = node.name or f"{node.op_type}_{i}"
+        while name in seen:
+            name = f"{name}_{i}"
+        node.name = name
+        seen.add(name)
+    return model
 
 
 def live_nodes(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:

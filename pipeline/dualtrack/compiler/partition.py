@@ -38,6 +38,7 @@ from dualtrack.compiler import (
 from dualtrack.compiler.batch_free import with_batch
 from dualtrack.compiler.config import FIXED_BATCH, BuildConfig, Rules
 from dualtrack.compiler.frontend import model_precision
+from dualtrack.compiler.onnx_graph import name_nodes
 from dualtrack.contract.activations import Activation
 from dualtrack.contract.plan import MODEL_LAYOUT_OPS, POOL_MODES, KernelCall, Plan, Segment, TensorSpec
 from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
@@ -63,19 +64,6 @@ CONV1X1_MAX_K = kernels.KERNELS["conv1x1"].k_group  # type: ignore[attr-defined]
 # 273 us at N=8); smaller images keep the tiles (not measured there).
 DIRECT_MIN_PIXELS = 128 * 128
 _TO_NCHW, _TO_NHWC = [0, 3, 1, 2], [0, 2, 3, 1]
-
-
-def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Give every node a unique name (partition rules and the plan refer to nodes by name)."""
-    model = copy.deepcopy(model)
-    seen: set[str] = set()
-    for i, node in enumerate(model.graph.node):
-        name = node.name or f"{node.op_type}_{i}"
-        while name in seen:
-            name = f"{name}_{i}"
-        node.name = name
-        seen.add(name)
-    return model
 
 
 def _dtype(elem_type: int) -> str:

@@ -44,6 +44,9 @@ ELTWISE_OPS: dict[str, int] = {
 # The maxpool call's ``mode`` attr (kernels.maxpool.PoolGeometry): ONNX MaxPool, or AveragePool with
 # count_include_pad 1 or 0 (what its divisor counts: the padded window, or the taps in the image).
 POOL_MODES: dict[str, int] = {"max": 0, "avg_include_pad": 1, "avg_exclude_pad": 2}
+# The creduce call's ``op`` attr (handwritten_ptx/creduce_nhwc.cu): ONNX ReduceSum, ReduceMean, ReduceMax,
+# ReduceMin over the channels of each pixel.
+CREDUCE_OPS: dict[str, int] = {"ReduceSum": 0, "ReduceMean": 1, "ReduceMax": 2, "ReduceMin": 3}
 # The resize call's ``mode``, ``coord`` (ONNX coordinate_transformation_mode) and ``nearest`` attrs;
 # ``scale_h`` / ``scale_w`` hold the float32 bits of the scale ONNX divides by.
 RESIZE_MODES: dict[str, int] = {"nearest": 0, "linear": 1}

@@ -51,6 +51,7 @@ from dualtrack.kernels.conv_fp8 import ConvFp8Spec
 from dualtrack.kernels.conv_general import ConvGeneralSpec, ConvGeometry
 from dualtrack.kernels.convt import ConvTGeometry, ConvTSpec
 from dualtrack.kernels.convt2x2 import ConvT2x2Spec, pack_convt_weights
+from dualtrack.kernels.creduce import CReduceSpec
 from dualtrack.kernels.depth_to_space import DepthToSpace, DepthToSpaceSpec
 from dualtrack.kernels.device import DeviceInfo, for_target
 from dualtrack.kernels.dwconv import DwConvSpec, DwGeometry
@@ -146,6 +147,7 @@ KERNELS: Mapping[str, KernelSpec] = {
     # The mobile network kernels (MobileNetV3 / LR-ASPP: depthwise, SE, HardSwish, bilinear heads).
     "dwconv": DwConvSpec(op="dwconv", stem="dwconv_nhwc"),
     "gap": GapSpec(op="gap", stem="gap_nhwc"),
+    "creduce": CReduceSpec(op="creduce", stem="creduce_nhwc"),  # Reduce{Sum,Mean,Max,Min} over channels
     "fc": FcSpec(op="fc", stem="fc_nhwc"),
     "eltwise": EltwiseSpec(op="eltwise", stem="eltwise_nhwc"),
     "resize": ResizeSpec(op="resize", stem="resize_nhwc"),
