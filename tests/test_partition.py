@@ -420,3 +420,29 @@ def test_a_tensor_with_the_batch_inside_its_dim_0_is_not_batch_major_even_at_bat
     assert set(minor) == {"f", "s"}, minor
     _, none = partition.batch_checked_specs(_flattened_whole(), batch_sizes, fixed=True)
     assert none == {}
+
+
+def test_a_shape_inference_cannot_follow_names_the_node_where_it_stops() -> None:
+    """A Range whose limit is computed (the dynamo exporter's flattened indices of a MaxUnpool): ONNX's shape
+    inference gives its output no size, and every shape after it is open; the error names the Range."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"], name="shape"),
+        helper.make_node("ReduceProd", ["s"], ["count"], name="count", keepdims=0),
+        helper.make_node("Range", ["zero", "count", "one"], ["idx"], name="flat_index"),
+        helper.make_node("Reshape", ["x", "flat"], ["xf"], name="flatten"),
+        helper.make_node("Gather", ["xf", "idx"], ["z"], name="take"),
+        helper.make_node("Reshape", ["z", "back"], ["y"], name="back_to_image"),
+    ]
+    inits = [
+        onnx.numpy_helper.from_array(np.array(0, np.int64), "zero"),
+        onnx.numpy_helper.from_array(np.array(1, np.int64), "one"),
+        onnx.numpy_helper.from_array(np.array([-1, 2, 3, 4], np.int64), "back"),
+        onnx.numpy_helper.from_array(np.array([-1], np.int64), "flat"),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2, 3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, 3, 4])], inits,
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(PartitionError, match=r"shape inference stops at node 'flat_index' \(Range\)"):
+        partition.batch_checked_specs(model, (1, 2))

@@ -125,7 +125,7 @@ def batch_checked_specs(
     for name, shape in carried.items():
         if -1 in shape:
             raise PartitionError(
-                f"tensor '{name}' has a shape ONNX cannot infer statically ({shape}); "
+                f"tensor '{name}' has a shape ONNX cannot infer statically ({shape}){_first_open(model, one)}; "
                 "export the model with static shapes"
             )
     for name, shape in carried.items():  # at batch 1 dim 0 is 1, whatever else is built (a (N*L,) view is not)
@@ -140,6 +140,17 @@ def batch_checked_specs(
             if not got or got[0] != b * shape[0] or got[1:] != shape[1:]:
                 minor.setdefault(name, f"batch 1: {shape}, batch {b}: {got}")
     return one, minor
+
+
+def _first_open(model: onnx.ModelProto, specs: dict[str, SpecMap]) -> str:
+    """Where static shapes stop: the first node whose inputs all have static shapes and an output does not
+    (a Range whose limit is computed from other values, say: ONNX's inference does not fold it), as a
+    clause for the error; empty where none is found."""
+    for node in model.graph.node:
+        known = all(x and x in specs and -1 not in specs[x][0] for x in node.input if x)
+        if known and any(-1 in specs.get(y, ((-1,), ""))[0] for y in node.output if y):
+            return f": shape inference stops at node '{node.name}' ({node.op_type}), whose output size it cannot tell"
+    return ""
 
 
 def _rule(node: onnx.NodeProto, rules: Rules, side: str) -> str | None:
