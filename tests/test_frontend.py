@@ -644,3 +644,47 @@ def test_unnamed_nodes_convert_to_fp16() -> None:
     onnx.checker.check_model(converted, full_check=True)
     feeds = {"x": rng.standard_normal((1, 3, 6, 5)).astype(np.float32)}
     np.testing.assert_allclose(_run(converted, feeds)["logits"], _run(model, feeds)["logits"], rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_a_max_over_the_whole_picture_becomes_a_maxpool_window(opset: int) -> None:
+    """ReduceMax over H, W with keepdims (dynamo's adaptive_max_pool2d(x, 1)) and GlobalMaxPool become the
+    MaxPool of one picture-sized window (Track A's max-pool takes it); a max over the channels or without
+    keepdims stays as it is. The same values, by onnxruntime."""
+    rng = np.random.default_rng(9)
+    w = numpy_helper.from_array(rng.standard_normal((6, 3, 3, 3)).astype(np.float32), "w")
+    inits = [w]
+    hw = {"keepdims": 1}
+    if opset >= 18:
+        inits.append(numpy_helper.from_array(np.array([2, 3], np.int64), "axes_hw"))
+        inits.append(numpy_helper.from_array(np.array([1], np.int64), "axes_c"))
+        reduce_hw = helper.make_node("ReduceMax", ["c", "axes_hw"], ["m1"], name="rmax_hw", **hw)
+        reduce_c = helper.make_node("ReduceMax", ["c", "axes_c"], ["m3"], name="rmax_c", keepdims=1)
+    else:
+        reduce_hw = helper.make_node("ReduceMax", ["c"], ["m1"], name="rmax_hw", axes=[-2, -1], **hw)
+        reduce_c = helper.make_node("ReduceMax", ["c"], ["m3"], name="rmax_c", axes=[1], keepdims=1)
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        reduce_hw,
+        helper.make_node("GlobalMaxPool", ["c"], ["m2"], name="gmp"),
+        reduce_c,
+        helper.make_node("Add", ["m1", "m2"], ["g"], name="add"),
+        helper.make_node("Mul", ["c", "g"], ["cg"], name="gate"),
+        helper.make_node("Add", ["cg", "m3"], ["logits"], name="plus"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 13, 9])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 6, 13, 9])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    log: list = []
+    out = frontend.global_max_pools(model, log)
+    ops = {n.name: (n.op_type, [(a.name, helper.get_attribute_value(a)) for a in n.attribute]) for n in out.graph.node}
+    assert ops["rmax_hw"] == ("MaxPool", [("kernel_shape", [13, 9])]) and ops["gmp"][0] == "MaxPool"
+    assert ops["rmax_c"][0] == "ReduceMax" and [r.stage for r in log] == ["pools"]
+    feeds = {"x": rng.standard_normal((1, 3, 13, 9)).astype(np.float32)}
+    np.testing.assert_array_equal(_run(out, feeds)["logits"], _run(model, feeds)["logits"])

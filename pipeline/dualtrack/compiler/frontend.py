@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack.compiler.batch_free import BATCH, free_batch, replace_input, static_shapes, symbolic_batch
+from dualtrack.compiler.batch_free import BATCH, free_batch, replace_input, static_shapes, symbolic_batch, with_batch
 from dualtrack.compiler.channel_maps import channel_maps_as_convs
 from dualtrack.compiler.channels_last import channels_first
 from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
@@ -64,6 +64,7 @@ from dualtrack.errors import ConfigError, DualtrackError, InternalError, ModelEr
 TARGET_OPSET = 17  # what the reference and the zoo are exported with; IREE 3.13 imports it
 IR_INITIALIZERS_APART = 4  # the first ONNX IR version in which an initializer need not be a graph input
 IMAGE = "image"  # the wrap's input; its outputs MASK and PROBS are named in contract/checks.py
+_FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16)
 # ITU-R BT.601's luma weights of R, G, B (what Pillow's convert("L") computes, there rounded to an integer):
 # `preprocess.color: GRAY` feeds a one-channel model this sum; R = G = B gives that value back.
 LUMA = np.array([0.299, 0.587, 0.114], np.float32)
@@ -409,6 +410,45 @@ def separable_resizes(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelP
     if done:
         shown = ", ".join(done[:4]) + (f" and {len(done) - 4} more" if len(done) > 4 else "")
         log.append(Rewrite("resize", f"{len(done)} Resize(s) IREE cannot lower as per-axis Gather/MatMul: {shown}"))
+    return model
+
+
+def global_max_pools(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """A max over a whole picture (ReduceMax over H and W with keepdims: the dynamo exporter's
+    ``adaptive_max_pool2d(x, 1)``, CBAM's and DANet's pooled vectors; GlobalMaxPool) written as the MaxPool
+    of one window the picture's size, which Track A's max-pool takes (windows up to 256 a side) and IREE
+    lowers as it does any MaxPool. Float images of static height and width only; the same values (a max
+    is exact in any order)."""
+    wanted = [n for n in model.graph.node if n.op_type in ("ReduceMax", "GlobalMaxPool")]
+    if not wanted:
+        return model
+    inferred = onnx.shape_inference.infer_shapes(with_batch(model, 1), strict_mode=False, data_prop=True)
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in [*inferred.graph.input, *inferred.graph.value_info]}
+    shapes, consts = static_shapes(with_batch(model, 1)), _graph_constants(model.graph)
+    model = copy.deepcopy(model)
+    done: list[str] = []
+    for node in model.graph.node:
+        if node.op_type not in ("ReduceMax", "GlobalMaxPool"):
+            continue
+        shape = shapes.get(node.input[0], ())
+        if len(shape) != 4 or min(shape[2:]) < 1 or types.get(node.input[0]) not in _FLOATS:
+            continue
+        if node.op_type == "ReduceMax":
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            axes = attrs.get("axes")
+            if len(node.input) > 1 and node.input[1]:
+                value = consts.get(node.input[1])
+                axes = None if value is None else value.tolist()
+            if attrs.get("keepdims", 1) != 1 or axes is None or sorted(int(a) % 4 for a in axes) != [2, 3]:
+                continue
+        node.op_type = "MaxPool"
+        del node.input[1:]
+        del node.attribute[:]
+        node.attribute.append(helper.make_attribute("kernel_shape", [int(shape[2]), int(shape[3])]))
+        done.append(node.name or node.output[0])
+    if done:
+        shown = ", ".join(f"'{d}'" for d in done[:4]) + (f" and {len(done) - 4} more" if len(done) > 4 else "")
+        log.append(Rewrite("pools", f"{len(done)} max(es) over a whole picture as MaxPool windows: {shown}"))
     return model
 
 
@@ -1142,6 +1182,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     m = check("resize", static_resize_scales(m, log))
     m = check("resize", separable_resizes(m, log))
     m = check("iree-forms", iree_forms(m, log))
+    m = check("pools", global_max_pools(m, log))
     m = check("pad", channel_pad_convs(m, log))
     m = check("pad", fold_zero_pads(m, log))
     m = check("stack", unstack_reductions(m, log))

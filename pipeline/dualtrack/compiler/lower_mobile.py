@@ -227,7 +227,10 @@ def _creduce_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
     if why is not None:
         return why
     if axes != [1]:
-        return f"axes {axes} (the kernels reduce over H and W, or over the channels: axis 1)"
+        return (
+            f"axes {axes} (a kernel reduces over the channels, axis 1; over H and W only ReduceMean, the gap "
+            "kernel, and ReduceMax, which the front end writes as a MaxPool)"
+        )
     if node.op_type == "ReduceSum" and _attrs(node).get("noop_with_empty_axes", 0):
         return "noop_with_empty_axes"
     return None
