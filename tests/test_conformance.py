@@ -234,7 +234,7 @@ def test_a_non_image_input_is_refused_by_the_image_wrap_with_the_fix(tmp_path: P
     path = tmp_path / "seq.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     cfg = BuildConfig.model_validate({"model": path, "targets": [], "preprocess": {}})
-    with pytest.raises(ModelError, match=r"not a NCHW float image with 3 channels.*remove `preprocess`"):
+    with pytest.raises(ModelError, match=r"not a NCHW float image with 3 channel\(s\).*remove `preprocess`"):
         frontend.prepare(cfg)
 
 

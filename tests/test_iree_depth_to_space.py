@@ -78,3 +78,10 @@ def test_llvm_cpu_computes_what_onnxruntime_does(blocksize: int, mode: str, tmp_
     got = np.array(module(x)[0].to_host(), copy=True)
     del module, index
     assert np.array_equal(got, run_ort(ort_session(model), {"x": x})["y"])
+
+
+def test_a_graph_with_nodes_of_no_inputs_is_rewritten_too() -> None:
+    """A Constant node (no inputs) beside the DepthToSpace: the rewrite looks at DepthToSpace nodes only."""
+    model = d2s_model(2, "CRD")
+    model.graph.node.insert(0, helper.make_node("Constant", [], ["k"], value_float=1.0))
+    assert "DepthToSpace" not in {n.op_type for n in depth_to_space_crd(model).graph.node}

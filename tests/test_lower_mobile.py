@@ -189,10 +189,13 @@ def test_resize_by_constant_sizes_lowers_with_their_scale(tmp_path) -> None:
     assert bits_f32(call.attr("scale_w")) == float(np.float32(10) / np.float32(4))
 
 
-def test_reduce_mean_over_channels_or_without_keepdims_is_refused(tmp_path) -> None:
+def test_reduce_mean_over_h_w_is_gap_over_channels_creduce_and_without_keepdims_refused(tmp_path) -> None:
     axes = {"axes": np.array([1], np.int64)}
     node = helper.make_node("ReduceMean", ["x", "axes"], ["y"])
-    assert "axes [1] (the kernel reduces over H and W" in refusal(one_op(node, (1, 4, 6, 6), axes), tmp_path)
+    plan, _ = plan_of(one_op(node, (1, 4, 6, 6), axes), tmp_path)
+    assert [c.op for c in plan.segments[1].calls] == ["creduce"]
+    over_h = {"axes": np.array([2], np.int64)}
+    assert "axes [2] (a kernel reduces over the channels" in refusal(one_op(node, (1, 4, 6, 6), over_h), tmp_path)
     hw = {"axes": np.array([-2, -1], np.int64)}
     flat = helper.make_node("ReduceMean", ["x", "axes"], ["y"], keepdims=0)
     assert "keepdims=0" in refusal(one_op(flat, (1, 4, 6, 6), hw), tmp_path)

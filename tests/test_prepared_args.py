@@ -209,6 +209,10 @@ CASES: dict[str, Callable[[], PreparedCall]] = {
         KernelCall("gap", ("x",), ("y",)), T(0x1000, (3, 7, 9, 72), ld=80), T(0x2000, (3, 1, 1, 72), ld=96), [],
         Context("off"),
     ),
+    "creduce max": lambda: K["creduce"].prepare(  # CBAM's max into channel 0 of a 2-channel Concat
+        KernelCall("creduce", ("x",), ("y",), (), (("op", 2),)), T(0x1000, (2, 5, 7, 24), ld=40),
+        T(0x2000, (2, 5, 7, 1), ld=2), [], Context("off"),
+    ),
     "fc": lambda: K["fc"].prepare(
         KernelCall("fc", ("x",), ("y",), ("w", "b"), CLIP), T(0x1000, (4, 1, 1, 40), ld=48),
         T(0x2000, (4, 1, 1, 10), ld=16), [T(0x3000, (10, 40, 1, 1)), T(0x4000, (10,), f32)], Context("off"),
@@ -548,6 +552,7 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
         "PPPPIIIIIIIIIIIIIIIIIIFF",
     ),
     "gap": ("gap_nhwc_f16", (3, 3, 1), (1024, 1, 1), 0, [4096, 8192, 3, 7, 9, 72, 80, 96], "PPIIIIII"),
+    "creduce max": ("creduce_nhwc_f16", (1, 1, 1), (256, 1, 1), 0, [4096, 8192, 2, 5, 7, 24, 40, 2, 2], "PPIIIIIII"),
     "fc": (
         "fc_nhwc_f16",
         (5, 1, 1),

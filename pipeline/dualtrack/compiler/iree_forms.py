@@ -279,9 +279,11 @@ def depth_to_space_crd(model: onnx.ModelProto) -> onnx.ModelProto:
     inits = out.graph.initializer
 
     def rewrite(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        if node.op_type != "DepthToSpace":
+            return None
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         shape = shapes.get(node.input[0])
-        if node.op_type != "DepthToSpace" or attrs.get("mode", b"DCR") != b"CRD" or shape is None or len(shape) != 4:
+        if attrs.get("mode", b"DCR") != b"CRD" or shape is None or len(shape) != 4:
             return None
         b, (_, c, h, w) = int(attrs["blocksize"]), shape
         if min(c, h, w) < 0 or c % (b * b):
