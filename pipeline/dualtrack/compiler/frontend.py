@@ -423,8 +423,14 @@ def global_max_pools(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelPr
     if not wanted:
         return model
     inferred = onnx.shape_inference.infer_shapes(with_batch(model, 1), strict_mode=False, data_prop=True)
-    types = {vi.name: vi.type.tensor_type.elem_type for vi in [*inferred.graph.input, *inferred.graph.value_info]}
-    shapes, consts = static_shapes(with_batch(model, 1)), _graph_constants(model.graph)
+    types: dict[str, int] = {}
+    shapes: dict[str, tuple[int, ...]] = {}  # one inference gives both (static_shapes would run it again)
+    for vi in [*inferred.graph.input, *inferred.graph.value_info]:
+        t = vi.type.tensor_type
+        types[vi.name] = t.elem_type
+        if t.HasField("shape"):
+            shapes[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim)
+    consts = _graph_constants(model.graph)
     model = copy.deepcopy(model)
     done: list[str] = []
     for node in model.graph.node:

@@ -256,13 +256,22 @@ def _space_to_depth_crd(node: onnx.NodeProto, shape: tuple[int, ...], inits) -> 
     if attrs.get("mode", b"DCR") != b"CRD" or len(shape) != 4:
         return None
     b, (_, c, h, w) = int(attrs["blocksize"]), shape
+    blocks, depth = [0, c, h // b, b, w // b, b], [0, c * b * b, h // b, w // b]
+    return _reshape_transpose_reshape(node, blocks, [0, 1, 3, 5, 2, 4], depth, inits)
+
+
+def _reshape_transpose_reshape(
+    node: onnx.NodeProto, blocks: list[int], perm: list[int], final: list[int], inits
+) -> list[onnx.NodeProto]:
+    """``node`` as ONNX defines SpaceToDepth / DepthToSpace: a Reshape to ``blocks``, a Transpose by ``perm``
+    and a Reshape to ``final`` (Reshape's 0 keeps the input's batch); the shapes' constants into ``inits``."""
     base = node.name or node.output[0]
-    inits.append(numpy_helper.from_array(_i64([0, c, h // b, b, w // b, b]), f"{base}__blocks"))
-    inits.append(numpy_helper.from_array(_i64([0, c * b * b, h // b, w // b]), f"{base}__depth"))
-    return [  # Reshape's 0 keeps the input's batch
+    inits.append(numpy_helper.from_array(_i64(blocks), f"{base}__blocks"))
+    inits.append(numpy_helper.from_array(_i64(final), f"{base}__final"))
+    return [
         helper.make_node("Reshape", [node.input[0], f"{base}__blocks"], [f"{base}__b"], name=f"{base}__b"),
-        helper.make_node("Transpose", [f"{base}__b"], [f"{base}__t"], name=f"{base}__t", perm=[0, 1, 3, 5, 2, 4]),
-        helper.make_node("Reshape", [f"{base}__t", f"{base}__depth"], [node.output[0]], name=f"{base}__d"),
+        helper.make_node("Transpose", [f"{base}__b"], [f"{base}__t"], name=f"{base}__t", perm=perm),
+        helper.make_node("Reshape", [f"{base}__t", f"{base}__final"], [node.output[0]], name=f"{base}__f"),
     ]
 
 
@@ -288,14 +297,8 @@ def depth_to_space_crd(model: onnx.ModelProto) -> onnx.ModelProto:
         b, (_, c, h, w) = int(attrs["blocksize"]), shape
         if min(c, h, w) < 0 or c % (b * b):
             return None
-        base = node.name or node.output[0]
-        inits.append(numpy_helper.from_array(_i64([0, c // (b * b), b, b, h, w]), f"{base}__blocks"))
-        inits.append(numpy_helper.from_array(_i64([0, c // (b * b), h * b, w * b]), f"{base}__space"))
-        return [
-            helper.make_node("Reshape", [node.input[0], f"{base}__blocks"], [f"{base}__b"], name=f"{base}__b"),
-            helper.make_node("Transpose", [f"{base}__b"], [f"{base}__t"], name=f"{base}__t", perm=[0, 1, 4, 2, 5, 3]),
-            helper.make_node("Reshape", [f"{base}__t", f"{base}__space"], [node.output[0]], name=f"{base}__s"),
-        ]
+        k = c // (b * b)
+        return _reshape_transpose_reshape(node, [0, k, b, b, h, w], [0, 1, 4, 2, 5, 3], [0, k, h * b, w * b], inits)
 
     return out if _replace(out, rewrite) else model
 
