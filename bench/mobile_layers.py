@@ -17,8 +17,10 @@ the zoo ONNX's plan: the GPU machines carry no zoo model, and the table below is
 Track A calls are (15 depthwise convs, 9 pools, 17 FCs, 9 gates, 2 resizes; ``uses`` counts repeats;
 the max-pool rows are not LR-ASPP's: ``uses`` 1 for the smp stem pool, 0 for the 2x2 comparison).
 
-A dwconv layer the tiled entry takes (``DwConvSpec.tile_path``: stride and dilation 1) runs it, as
-the engine does, and the per-element entry beside it (``elem us``). Each row is checked first: our
+A dwconv layer runs the entry the engine picks for it (the column entries for a 3x3,
+``DwConvSpec.cols_path``; else the tiled ones, ``tile_path``), and beside it every other entry that
+takes it (``elem us``: the per-element one; the tiles, tall and short, and the columns' sizes of
+``--dw-cols`` / ``--dw-tile``). Each row is checked first: our
 output (NaN-poisoned before) against torch's fp32 computation of the same fp16 data, activation
 included (rel L2 <= 2e-3). Then both sides are timed as ``--iters`` launches captured in one CUDA
 graph, replayed between CUDA events after a warm-up (median of 5 replays, per launch): these kernels
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -108,6 +111,11 @@ LAYERS = (
     Layer("dw136 1x7 @48", "dwconv", 0, 48, 136, "relu", R=1, S=7),
     Layer("segf dw128 3x3 gelu @128", "dwconv", 0, 128, 128, "gelu"),
     Layer("segf dw256 3x3 gelu @64", "dwconv", 0, 64, 256, "gelu"),
+    # SegFormer-mit_b2's MixFFN (4x 64/128/320/512 channels; 3, 4, 6, 3 blocks a stage).
+    Layer("segf-b2 dw256 3x3 gelu @128", "dwconv", 0, 128, 256, "gelu"),
+    Layer("segf-b2 dw512 3x3 gelu @64", "dwconv", 0, 64, 512, "gelu"),
+    Layer("segf-b2 dw1280 3x3 gelu @32", "dwconv", 0, 32, 1280, "gelu"),
+    Layer("segf-b2 dw2048 3x3 gelu @16", "dwconv", 0, 16, 2048, "gelu"),
     Layer("gap72 @64", "gap", 1, 64, 72),
     Layer("gap120 @64", "gap", 2, 64, 120),
     Layer("gap480 @32", "gap", 1, 32, 480),
@@ -262,15 +270,24 @@ def run_layer(
     args = spec.args(**call)
     ours_stream = Stream.from_handle(stream.cuda_stream, ctx)
     entries = {"elem": (spec.entry("float16"), cfg)}  # each entry that takes the layer, the engine's first
-    if layer.op == "dwconv" and spec.tile_path("float16", kw["geometry"], layer.C, layer.C, layer.C):
-        _, ho, wo, _ = out_shape
-        g = kw["geometry"]
+    _, ho, wo, _ = out_shape
+    g = kw.get("geometry")
+    if layer.op == "dwconv" and spec.tile_path("float16", g, layer.C, layer.C, layer.C):
         chosen = spec.tile_choice(n, ho, wo, layer.C, g, Device(0).info())  # what the engine launches
         entries = {"tile": chosen, **entries}
         entries["tall"] = (spec.tile_entry, spec.tile_launch(n, ho, wo, layer.C, g))
         entries["short"] = (spec.tile_short_entry, spec.tile_launch(n, ho, wo, layer.C, g, short=True))
         for t in tiles:  # --dw-tile: other tile sizes of the tall entry, compiled here
-            entries[tile_name(t)] = (tile_name(t), t.tile_launch(n, ho, wo, layer.C, g))
+            if tile_name(t) in fns:
+                entries.setdefault(tile_name(t), (tile_name(t), t.tile_launch(n, ho, wo, layer.C, g)))
+    if layer.op == "dwconv" and spec.cols_path("float16", g, layer.C, layer.C, layer.C):
+        chosen = spec.cols_choice(n, ho, wo, layer.C, g, Device(0).info())  # what the engine launches
+        entries = {"cols": chosen, **entries}
+        entries["cols_tall"] = (spec.cols_entry, spec.cols_launch(n, ho, wo, layer.C, g))
+        entries["cols_short"] = (spec.cols_short_entry, spec.cols_launch(n, ho, wo, layer.C, g, short=True))
+        for t in tiles:  # --dw-cols: other sizes of the column entry, compiled here
+            if cols_name(t) in fns:
+                entries[cols_name(t)] = (cols_name(t), t.cols_launch(n, ho, wo, layer.C, g))
     ref = ref_fn()
     row = {**asdict(layer), "N": n}
     for name, (entry, config) in entries.items():
@@ -302,6 +319,10 @@ def run_layer(
     return row
 
 
+def cols_name(t: DwConvSpec) -> str:
+    return f"cols{t.cols_h}t{t.cols_threads}m{t.cols_min_blocks}"
+
+
 def tile_name(t: DwConvSpec) -> str:
     return f"tile{t.tile_h}x{t.tile_w}c{t.tile_c}b{t.tile_b}t{t.tile_threads}"
 
@@ -312,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--iters", type=int, default=200, help="launches per captured graph")
     ap.add_argument("--only", default="", help="run the layers whose name or op contains this")
+    ap.add_argument(
+        "--dw-cols", action="append", default=[], metavar="H,H_SHORT,THREADS,MIN_BLOCKS",
+        help="also time dwconv's column entry compiled (NVRTC, here) with these sizes (repeatable)",
+    )  # fmt: skip
     ap.add_argument(
         "--dw-tile", action="append", default=[], metavar="H,W,C,B,THREADS",
         help="also time dwconv's tiled entry compiled (NVRTC, here) with these tile sizes (repeatable)",
@@ -326,13 +351,20 @@ def main(argv: list[str] | None = None) -> int:
     ctx = dev.primary_context()  # the one torch uses
     ctx.make_current()
     choice = choose_image(dev.cc, [], list(PTX_ARCHES))
-    mods, fns = [], {}
+    mods, fns, tiles = [], {}, []
     for op in sorted({layer.op for layer in LAYERS}):
         spec = KERNELS[op]
         path = ptx_path(SOURCE_DIR, SOURCE_DIR / f"{spec.source}.cu", choice.arch)
         mods.append(Module.load(ctx, path.read_bytes(), kind="ptx", origin=str(path), target=choice.arch))
         fns.update({e: mods[-1].function(e) for e in spec.entries})
-    tiles = []
+    for sizes in args.dw_cols:
+        h, hs, t, m = (int(v) for v in sizes.split(","))
+        cols = replace(KERNELS["dwconv"], cols_h=h, cols_h_short=hs, cols_threads=t, cols_min_blocks=m)
+        source = SOURCE_DIR / f"{cols.source}.cu"
+        ptx = re.sub(rf"{cols.cols_entry}\b", cols_name(cols), compile_ptx(source, choice.arch, cols.defines()).text)
+        mods.append(Module.load(ctx, ptx.encode(), kind="ptx", origin=f"{source} {sizes}", target=choice.arch))
+        fns[cols_name(cols)] = mods[-1].function(cols_name(cols))
+        tiles.append(cols)
     for sizes in args.dw_tile:
         h, w, c, b, t = (int(v) for v in sizes.split(","))
         tile = replace(KERNELS["dwconv"], tile_h=h, tile_w=w, tile_c=c, tile_b=b, tile_threads=t)
@@ -359,9 +391,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             if row.get("elem_ms"):  # a dwconv layer the tiled entry takes: the per-element entry's time
                 us += f" {1e3 * row['elem_ms']:8.2f} {row['entry'].rsplit('_', 1)[-1]}"
-            for name in ("tall", "short", *map(tile_name, tiles)) if row.get("elem_ms") else ():
+            variants = [
+                k[: -len("_ms")] for k in row if k.endswith("_ms") and k not in ("ours_ms", "torch_ms", "elem_ms")
+            ]
+            for name in variants:  # the other entries that take the layer (tiles, columns, --dw-* sizes)
                 ms = row.get(f"{name}_ms")
-                us += f" {name} {1e3 * ms:8.2f}" if ms else f" {name} FAILED"
+                us += f" {name} {1e3 * ms:.2f}" if ms else f" {name} FAILED"
             print(f"{layer.name:20} {layer.op:8} {n:>2} {layer.uses:>4} {row['rel_l2']:8.1e} {us}")
     totals: dict[str, dict[str, float]] = {}
     for n in args.batches:

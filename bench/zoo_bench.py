@@ -45,9 +45,9 @@ import importlib.util
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -364,10 +364,22 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only the rows the corpus is judged by: dualtrack_api, torch_compile_cudagraphs, iree_alone",
     )
+    p.add_argument(
+        "--dwconv-tiles",
+        action="store_true",
+        help="A/B: the depthwise 3x3s on the tiled entries, as before the column entries (rows say dwconv_cols)",
+    )
+    p.add_argument("--no-torch", action="store_true", help="skip the torch.compile rows (an A/B's second run)")
     args = p.parse_args(argv)
 
     import onnxruntime as ort
     import torch
+
+    from dualtrack import kernels
+
+    if args.dwconv_tiles:  # the registry the engine prepares its calls from, before any bundle loads
+        registry = cast(dict, kernels.KERNELS)
+        registry["dwconv"] = replace(registry["dwconv"], cols=False)
 
     from dualtrack.compiler.bundle_writer import load_model
     from dualtrack.contract.bundle import Bundle
@@ -393,7 +405,10 @@ def main(argv: list[str] | None = None) -> int:
             ref_probs = sess.run(["probs"], {"image": images[1][0]})[0]
         rows += engine_rows(torch, name, bundle, images, args, API_ROWS[:1] if args.quick else API_ROWS)
         rows += iree_only_rows(torch, name, b.plan.precision, bundle, images, args)
-        rows += torch_rows(torch, zoo, name, (h, w), ref_probs, images, args)
+        if not args.no_torch:
+            rows += torch_rows(torch, zoo, name, (h, w), ref_probs, images, args)
+        for r in rows:
+            r.setdefault("dwconv_cols", not args.dwconv_tiles)
         held = prediction_row(name, bundle, rows)
         rows += [held] if held else []
         # Written after every model: a call cut off at its time limit keeps the models it finished.

@@ -165,6 +165,15 @@ __device__ __forceinline__ void dwconv_any(const T* __restrict__ x, const T* __r
     }
 }
 
+// The epilogue's activation with GELU (erf and tanh forms: SegFormer's Mix-FFN puts one after each of
+// its depthwise 3x3s) inlined: dt_activate calls it out of line, with the other rare ones, and a 3x3's
+// nine FMAs an output are no match for a call and erff.
+__device__ __forceinline__ float dw_activate(float v, const DwProblem& p) {
+    if (p.act == DT_ACT_GELU) return dt_act_gelu(v, p.p0, p.p1);
+    if (p.act == DT_ACT_GELU_TANH) return dt_act_gelu_tanh(v, p.p0, p.p1);
+    return dt_activate(v, p.act, p.p0, p.p1);
+}
+
 // ---- The tiled path (fp16, dilation 1, stride 1 or 2 the same both ways, no channel multiplier:
 // ConvNeXt's 7x7, SegFormer's and MobileNet's 3x3 / 5x5 of either stride, the factorised 1xk / kx1).
 // The paths above read every tap from global memory through L1, one thread's taps one after another:
@@ -197,15 +206,6 @@ static_assert(DW_TILE_H % 2 == 0 && DW_TILE_H_SHORT % 2 == 0, "dwconv tile rows:
 static_assert((DW_TILE_H / 2 * (TW / B)) % SLOTS == 0 && (DW_TILE_H_SHORT / 2 * (TW / B)) % SLOTS == 0,
               "dwconv strips");
 }  // namespace dwtile
-
-// The epilogue's activation with GELU (erf and tanh forms: SegFormer's Mix-FFN puts one after each of
-// its depthwise 3x3s) inlined: dt_activate calls it out of line, with the other rare ones, and a 3x3's
-// nine FMAs an output are no match for a call and erff.
-__device__ __forceinline__ float dw_activate(float v, const DwProblem& p) {
-    if (p.act == DT_ACT_GELU) return dt_act_gelu(v, p.p0, p.p1);
-    if (p.act == DT_ACT_GELU_TANH) return dt_act_gelu_tanh(v, p.p0, p.p1);
-    return dt_activate(v, p.act, p.p0, p.p1);
-}
 
 __device__ __forceinline__ float2 f16x2_to_f32x2(unsigned u) {
     return make_float2(f16_to_f32(static_cast<f16>(u & 0xffffu)), f16_to_f32(static_cast<f16>(u >> 16)));
@@ -350,6 +350,105 @@ __device__ __forceinline__ void dwconv_tile_any(const f16* __restrict__ x, const
 }
 #endif  // DW_TILE_H
 
+// ---- The column path (fp16, a 3x3 kernel, stride 1 or 2 the same both ways, dilation 1, no channel
+// multiplier, C, ldx, ldy multiples of 8 and x, w, y 16-byte aligned: SegFormer's Mix-FFN and
+// MobileNet's 3x3s). The tiles above convert their patch to fp32 in shared memory and give a thread
+// two channels: on an H100 SegFormer-b2's Mix-FFN 3x3s (256..2048 channels) ran at about a third of
+// the memory's rate. Here nothing is staged: a thread owns 8 neighbouring channels (16-byte loads and
+// stores) of one output column and TH output rows, with its channels' 9 weights in registers (fp32),
+// and walks the (TH - 1) * SD + 3 input rows once, top to bottom: each row's three taps (one 16-byte
+// load each, the neighbouring columns' threads reading the same pixels through L1) go into every
+// output row whose window holds that row, so an output's accumulator lives for three input rows and
+// each input row is read from memory once a block. A block is (channel vectors, columns): threadIdx.x
+// the vector, so a warp reads one pixel's channels (or several whole pixels) in one stretch. Per output
+// the same fmaf chain as the paths above (bias first, taps in r, s order; a tap outside the image adds
+// 0 * w, as the tiles do). The host (dualtrack.kernels.dwconv.DwConvSpec.cols_path, cols_launch,
+// cols_choice) takes it where those conditions hold; the grid is (column strips x row tiles x N,
+// channel blocks), the block (vectors a block, columns), at most DW_COLS_THREADS threads.
+#if defined(DW_COLS_H)
+static_assert(DW_COLS_H % 2 == 0 && DW_COLS_H_SHORT % 2 == 0, "dwconv column rows: halved at stride 2");
+
+template <int TH, int SD>
+__device__ __forceinline__ void dwconv_cols(const f16* __restrict__ x, const f16* __restrict__ w,
+                                            const float* __restrict__ bias, f16* __restrict__ y, const DwProblem& p) {
+    constexpr int R = 3, S = 3, V = 8, ROWS = (TH - 1) * SD + R;
+    const int cols = blockDim.y;
+    const int tiles_w = (p.Wo + cols - 1) / cols, tiles_h = (p.Ho + TH - 1) / TH;
+    int t = blockIdx.x;
+    const int wo = (t % tiles_w) * cols + threadIdx.y;
+    t /= tiles_w;
+    const int ho0 = (t % tiles_h) * TH;
+    const long long n = t / tiles_h;
+    const int k = (blockIdx.y * blockDim.x + threadIdx.x) * V;
+    if (k >= p.C || wo >= p.Wo) return;  // no barrier in this path
+
+    float wt[R][S][V];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int s = 0; s < S; ++s) load_f32s(wt[r][s], w + (r * S + s) * p.C + k);
+    float acc[TH][V];
+#pragma unroll
+    for (int b = 0; b < TH; ++b)
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[b][j] = bias != nullptr ? bias[k + j] : 0.0f;
+
+    const int hi0 = ho0 * SD - p.pt, wi0 = wo * SD - p.pl;
+    const f16* base = x + n * p.H * p.W * static_cast<long long>(p.ldx) + k;
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+        const int h = hi0 + i;
+        if (h < 0 || h >= p.H) continue;  // the row's taps add 0 * w: skipped, results up to a zero's sign
+        const f16* row = base + static_cast<long long>(h) * p.W * p.ldx;
+        float xv[S][V];
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+            const int wi = wi0 + s;
+            if (wi >= 0 && wi < p.W) {
+                load_f32s(xv[s], row + static_cast<long long>(wi) * p.ldx);
+            } else {
+#pragma unroll
+                for (int j = 0; j < V; ++j) xv[s][j] = 0.0f;
+            }
+        }
+        // Input row i is kernel row r = i - b * SD of output row b: ascending r for each output.
+#pragma unroll
+        for (int b = 0; b < TH; ++b) {
+            const int r = i - b * SD;
+            if (r < 0 || r >= R) continue;
+#pragma unroll
+            for (int s = 0; s < S; ++s)
+#pragma unroll
+                for (int j = 0; j < V; ++j) acc[b][j] = fmaf(xv[s][j], wt[r][s][j], acc[b][j]);
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < TH; ++b) {
+        const int ho = ho0 + b;
+        if (ho >= p.Ho) break;
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[b][j] = dw_activate(acc[b][j], p);
+        store_f32s(y + ((n * p.Ho + ho) * p.Wo + wo) * static_cast<long long>(p.ldy) + k, acc[b]);
+    }
+}
+
+// TH: the entry's rows at stride 1; stride 2 takes TH / 2 (the host's DwConvSpec.cols_rows).
+template <int TH>
+__device__ __forceinline__ void dwconv_cols_any(const f16* __restrict__ x, const f16* __restrict__ w,
+                                                const float* __restrict__ bias, f16* __restrict__ y,
+                                                const DwProblem& p) {
+    // The host's conditions (DwConvSpec.cols_path); a launch that breaks them is a host bug, stopped loudly.
+    if (p.M != 1 || p.R != 3 || p.S != 3 || p.sh != p.sw || (p.sh != 1 && p.sh != 2) || p.dh != 1 ||
+        p.dw != 1 || !dwconv_vec8(x, w, y, p))
+        __trap();
+    if (p.sh == 1) {
+        dwconv_cols<TH, 1>(x, w, bias, y, p);
+    } else {
+        dwconv_cols<TH / 2, 2>(x, w, bias, y, p);
+    }
+}
+#endif  // DW_COLS_H
+
 #define DWCONV_PARAMS(T)                                                                                    \
     const T *__restrict__ x, const T *__restrict__ w, const float *__restrict__ bias, T *__restrict__ y,   \
         int N, int H, int W, int C, int Ho, int Wo, int ldx, int ldy, int R, int S, int sh, int sw, int dh, \
@@ -379,5 +478,15 @@ extern "C" __global__ void __launch_bounds__(DW_TILE_THREADS) dwconv_nhwc_f16_ti
 extern "C" __global__ void __launch_bounds__(DW_TILE_THREADS) dwconv_nhwc_f16_tile_short(DWCONV_PARAMS(f16)) {
     extern __shared__ float4 dw_patch[];
     dwconv_tile_any<DW_TILE_H_SHORT>(x, w, bias, y, DWCONV_PROBLEM, reinterpret_cast<float*>(dw_patch));
+}
+#endif
+
+#if defined(DW_COLS_H)
+extern "C" __global__ void __launch_bounds__(DW_COLS_THREADS, DW_COLS_MIN_BLOCKS) dwconv_nhwc_f16_cols(DWCONV_PARAMS(f16)) {
+    dwconv_cols_any<DW_COLS_H>(x, w, bias, y, DWCONV_PROBLEM);
+}
+
+extern "C" __global__ void __launch_bounds__(DW_COLS_THREADS, DW_COLS_MIN_BLOCKS) dwconv_nhwc_f16_cols_short(DWCONV_PARAMS(f16)) {
+    dwconv_cols_any<DW_COLS_H_SHORT>(x, w, bias, y, DWCONV_PROBLEM);
 }
 #endif

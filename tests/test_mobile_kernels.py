@@ -194,6 +194,70 @@ def test_dwconv_tile_choice_skips_a_tall_tile_the_device_cannot_hold() -> None:
     assert entry == DW.tile_short_entry and DW.tile_resident(cfg, small) == 1
 
 
+def test_dwconv_takes_the_column_entries_for_3x3s() -> None:
+    """The column entries: fp16 3x3, dilation 1, stride 1 or 2 both ways, no channel multiplier, C
+    and strides multiples of 8 (any number of channels: a block's vectors follow C); they come before
+    the tiles, which keep every other window. The tall entry where its blocks fill the GPU twice over."""
+    unit, s2 = DwGeometry(3), DwGeometry(3, 2)
+    assert DW.cols_path("float16", unit, 8, 8, 16) and DW.cols_path("float16", s2, 2048, 2048)
+    assert DW.cols_path("float16", DwGeometry(3, pads=(0, 0, 0, 0)), 16, 16)  # valid padding
+    assert not DW.cols_path("float32", unit, 96, 96)
+    assert not DW.cols_path("float16", DwGeometry(5, pads=(2, 2, 2, 2)), 96, 96)  # 5x5: the tiles
+    assert not DW.cols_path("float16", DwGeometry(3, pads=(1, 0, 1, 0), S=1), 96, 96)  # 3x1
+    assert not DW.cols_path("float16", DwGeometry(3, 3), 96, 96)  # stride 3
+    assert not DW.cols_path("float16", DwGeometry(3, 2, stride_w=1), 96, 96)
+    assert not DW.cols_path("float16", DwGeometry(3, dilation=2, pads=(2, 2, 2, 2)), 96, 96)
+    assert not DW.cols_path("float16", DwGeometry(3, multiplier=2), 96, 96)
+    assert not DW.cols_path("float16", unit, 20, 20) and not DW.cols_path("float16", unit, 96, 100)
+    assert not dataclasses.replace(DW, cols=False).cols_path("float16", unit, 96, 96)
+    h200 = REFERENCE  # 132 SMs: two full waves of two a SM are 512 blocks
+    # SegFormer-b2's first Mix-FFN 3x3 at batch 8: 32 vectors, one block of 8 columns a pixel row strip.
+    entry, cfg = DW.cols_choice(8, 128, 128, 256, unit, h200)
+    assert (entry, cfg.grid, cfg.block) == (DW.cols_entry, (8 * 16 * 16, 1, 1), (32, 8, 1))
+    # Its last stage at batch 1: 16x16 pixels, 256 vectors in 8 blocks; 2 x 2 tall blocks each is too few.
+    entry, cfg = DW.cols_choice(1, 16, 16, 2048, unit, h200)
+    assert (entry, cfg.grid, cfg.block) == (DW.cols_short_entry, (8 * 2, 8, 1), (32, 8, 1))
+    # 65 vectors: three blocks of 22 (the last one 21 live), 11 columns each; stride 2 halves the rows.
+    assert DW.cols_launch(2, 10, 30, 520, s2).grid == (2 * 3 * 3, 3, 1)
+    assert DW.cols_launch(2, 10, 30, 520, s2).block == (22, 11, 1)
+    assert DW.cols_launch(1, 3, 5, 16, unit).block == (2, 5, 1)  # no more columns than the image has
+
+
+def cols_cover(cfg, N: int, Ho: int, Wo: int, C: int, rows: int) -> np.ndarray:
+    """How many times the column kernel's index math (dwconv_nhwc.cu's dwconv_cols) writes each
+    (n, ho, wo, channel vector) of an output under ``cfg``, thread by thread."""
+    hits = np.zeros((N, Ho, Wo, C // 8), np.int64)
+    vectors, cols = cfg.block[0], cfg.block[1]
+    tiles_w, tiles_h = cdiv(Wo, cols), cdiv(Ho, rows)
+    for bx in range(cfg.grid[0]):
+        for by in range(cfg.grid[1]):
+            t = bx
+            w0 = (t % tiles_w) * cols
+            t //= tiles_w
+            ho0, n = (t % tiles_h) * rows, t // tiles_h
+            for ty in range(cols):
+                for tx in range(vectors):
+                    k, wo = (by * vectors + tx) * 8, w0 + ty
+                    if k >= C or wo >= Wo:
+                        continue
+                    for b in range(rows):
+                        if ho0 + b < Ho:
+                            hits[n, ho0 + b, wo, k // 8] += 1
+    return hits
+
+
+@pytest.mark.parametrize(
+    ("N", "H", "W", "C", "stride"), [(2, 37, 23, 40, 1), (1, 6, 7, 520, 2), (3, 2, 1, 16, 1), (1, 33, 31, 2048, 2)]
+)
+def test_dwconv_column_launches_write_every_output_once(N: int, H: int, W: int, C: int, stride: int) -> None:
+    g = DwGeometry(3, stride)
+    _, Ho, Wo, _ = DW.output_shape(N, H, W, C, 0, g)
+    for short in (False, True):
+        cfg = DW.cols_launch(N, Ho, Wo, C, g, short)
+        assert cfg.block[0] * cfg.block[1] <= DW.cols_threads
+        assert (cols_cover(cfg, N, Ho, Wo, C, DW.cols_rows(stride, short)) == 1).all()
+
+
 def fma32(x: np.ndarray, w: np.ndarray, acc: np.ndarray) -> np.ndarray:
     """fmaf as the kernels do it, to the rounding: the float32 product is exact in float64."""
     return (x.astype(np.float64) * w.astype(np.float64) + acc).astype(np.float32)

@@ -92,6 +92,7 @@ G1 = ConvGeometry(3, 3, pad_top=1, pad_left=1, pad_bottom=1, pad_right=1)
 G2 = ConvGeometry(5, 3, dil_h=2, pad_top=4, pad_bottom=4, pad_left=1, pad_right=1)
 DW = (("R", 5), ("stride", 2), ("dilation", 1), ("pad_t", 2), ("pad_l", 1), ("pad_b", 2), ("pad_r", 2))
 DW_UNIT = (("R", 7), ("stride", 1), ("dilation", 1), ("pad_t", 3), ("pad_l", 3), ("pad_b", 3), ("pad_r", 3))
+DW_3X3 = (("R", 3), ("stride", 1), ("dilation", 1), ("pad_t", 1), ("pad_l", 1), ("pad_b", 1), ("pad_r", 1))
 DW_DILATED = (("R", 3), ("stride", 1), ("dilation", 2), ("pad_t", 2), ("pad_l", 2), ("pad_b", 2), ("pad_r", 2))
 CLIP = (("act", PLAN_ACTS["clip"]), ("act_p0", f32_bits(0.5)), ("act_p1", f32_bits(6.25)))
 RELU6 = Activation.named("clip", 0, 6)
@@ -195,6 +196,11 @@ CASES: dict[str, Callable[[], PreparedCall]] = {
         KernelCall("dwconv", ("x",), ("y",), ("w", "b"), (*DW_UNIT, ("act", PLAN_ACTS["relu"]))),
         T(0x1000, (2, 20, 30, 96)), T(0x2000, (2, 20, 30, 96), ld=104),
         [T(0x3000, (7, 7, 96)), T(0x4000, (96,), f32)], Context("off"),
+    ),
+    "dwconv cols": lambda: K["dwconv"].prepare(  # a 3x3, fp16, aligned: the column entry
+        KernelCall("dwconv", ("x",), ("y",), ("w", "b"), (*DW_3X3, ("act", PLAN_ACTS["gelu"]))),
+        T(0x1000, (2, 20, 30, 96)), T(0x2000, (2, 20, 30, 96), ld=104),
+        [T(0x3000, (3, 3, 96)), T(0x4000, (96,), f32)], Context("off"),
     ),
     "dwconv tile misaligned": lambda: K["dwconv"].prepare(  # the same but x 8 bytes off 16: per element
         KernelCall("dwconv", ("x",), ("y",), ("w", "b"), (*DW_UNIT, ("act", PLAN_ACTS["relu"]))),
@@ -533,6 +539,14 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
         (128, 1, 1),
         39424,  # the (8 + 6) x (16 + 6) pixel patch, 32 fp32 channels a pixel
         [4096, 12288, 16384, 8192, 2, 20, 30, 96, 20, 30, 96, 104, 7, 7, 1, 1, 1, 1, 3, 3, 1, 1, 0.0, 0.0],
+        "PPPPIIIIIIIIIIIIIIIIIIFF",
+    ),
+    "dwconv cols": (
+        "dwconv_nhwc_f16_cols_short",  # 12 tall blocks are far from filling the GPU
+        (40, 1, 1),  # 2 images x 10 row pairs x 2 strips of 21 columns, one block of the 12 vectors
+        (12, 21, 1),
+        0,
+        [4096, 12288, 16384, 8192, 2, 20, 30, 96, 20, 30, 96, 104, 3, 3, 1, 1, 1, 1, 1, 1, 1, 13, 0.0, 0.0],
         "PPPPIIIIIIIIIIIIIIIIIIFF",
     ),
     "dwconv tile misaligned": (

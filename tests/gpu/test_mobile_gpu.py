@@ -154,6 +154,54 @@ def test_dwconv_tile_kernel(engine, mods, off, n, h, w, c, g) -> None:
             np.testing.assert_array_equal(np.abs(got), np.abs(outs[2]))
 
 
+@pytest.mark.parametrize("off", [0, 8])  # dense, and 16-byte aligned slices (ld = C + 16) in and out
+@pytest.mark.parametrize(
+    ("n", "h", "w", "c", "g"),
+    [  # the column entries (fp16 3x3, dilation 1, stride 1 or 2): row tiles and column strips cut by
+        # the image's edges, channel blocks of uneven vectors, one vector a pixel, pads of every side
+        (2, 37, 23, 40, DwGeometry(3)),
+        (1, 9, 70, 8, DwGeometry(3)),  # one vector a pixel: 256 columns a block, 70 of them live
+        (2, 17, 5, 264, DwGeometry(3)),  # 33 vectors: two blocks of 17
+        (1, 6, 7, 520, DwGeometry(3)),  # 65 vectors: three blocks of 22, the last one short
+        (3, 2, 1, 16, DwGeometry(3)),  # an image smaller than the window
+        (1, 20, 20, 32, DwGeometry(3, pads=(0, 0, 0, 0))),  # valid: output 18x18
+        (1, 12, 13, 48, DwGeometry(3, pads=(2, 0, 0, 2))),  # asymmetric: output 12x13
+        (2, 23, 37, 40, DwGeometry(3, 2)),  # stride 2, odd sizes: output 12x19
+        (1, 16, 18, 72, DwGeometry(3, 2, pads=(0, 0, 1, 1))),  # TF-style SAME
+        (1, 33, 31, 2048, DwGeometry(3, 2)),  # SegFormer-b2-wide channels at stride 2
+    ],
+)
+def test_dwconv_cols_kernel(engine, mods, off, n, h, w, c, g) -> None:
+    """Both column entries against the numpy reference (every activation of ACTS, and GELU, which
+    they inline) and against the per-element entry on the same data (the same fmaf chain: equal up to
+    the sign of a zero; GELU's inlined erf against the table's call: within the tolerance)."""
+    assert DW.cols_path("float16", g, c, c + 2 * off, c + 2 * off)
+    _, ho, wo, _ = DW.output_shape(n, h, w, c, 0, g)
+    launches = {
+        DW.cols_entry: DW.cols_launch(n, ho, wo, c, g),
+        DW.cols_short_entry: DW.cols_launch(n, ho, wo, c, g, short=True),
+        DW.entry("float16"): DW.launch("float16", n, h, w, c, 0, g, ldy=c + 2 * off),
+    }
+    for act in [*ACTS, Activation.named("gelu")]:
+        outs = []
+        s = Slices(engine, "float16", off)
+        x = s.rng.standard_normal((n, h, w, c)).astype("float16")
+        wt = (s.rng.standard_normal((c, 1, 3, 3)) / 3).astype("float16")
+        wp, bp = DwConvSpec.pack(wt, s.rng.standard_normal(c).astype(np.float32))
+        ref = DW.reference(x, wp, bp, g, act)
+        for entry, cfg in launches.items():
+            s = Slices(engine, "float16", off)
+            (px, ldx), (py, ldy) = s.input(x), s.output(ref.shape)
+            args = DW.args(x=px, w=s.weights(wp), bias=s.weights(bp), y=py, N=n, H=h, W=w, C=c, geometry=g,
+                           ldx=ldx, ldy=ldy, act=act)  # fmt: skip
+            mods[entry].launch(cfg.grid, cfg.block, cfg.shared_bytes, s.be.stream, args)
+            outs.append(s.result())
+        for entry, got in zip(launches, outs[:2], strict=False):
+            check(f"dwconv {entry} {act}", ref, got, "float16")
+            if act.kind.name != "gelu":
+                np.testing.assert_array_equal(np.abs(got), np.abs(outs[2]))
+
+
 GAP = kernels.KERNELS["gap"]
 
 

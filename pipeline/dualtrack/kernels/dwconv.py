@@ -10,7 +10,9 @@ the general conv's implicit GEMM would be C GEMMs of depth R*S whose loads are s
 together. The work is R*S FMAs per output element. The per-element paths read each tap through L1, one after
 another, and were latency-bound on the H100 (ConvNeXt-tiny's 18 depthwise 7x7 layers: 1.81 ms at batch
 8, ten times their bytes' time); the tiled entry loads a block's whole patch at once and feeds the FMAs
-from shared memory (handwritten_ptx/dwconv_nhwc.cu says how).
+from shared memory (handwritten_ptx/dwconv_nhwc.cu says how). 3x3 kernels (stride 1 or 2) take
+the column entries (``dwconv_nhwc_f16_cols``: :meth:`DwConvSpec.cols_path`) instead, which keep a
+thread's 8 channels and its 9 weights in registers and read each input row once.
 """
 
 from __future__ import annotations
@@ -139,11 +141,23 @@ class DwConvSpec(ElementSpec):
     # patches: :meth:`tile_resident`); below, the short one's twice as many blocks.
     tall_waves: int = 2
     tile_per_sm: int = 3
+    # The column entries (-DDW_COLS_*, 3x3 only): a thread cols_h (``_cols``) or cols_h_short
+    # (``_cols_short``) output rows of one column for 8 channels, a block at most cols_threads threads
+    # (:meth:`cols_launch`); half the rows at stride 2. The tall entry where its blocks fill the GPU
+    # ``tall_waves`` times with cols_per_sm blocks a SM, else the short one.
+    cols_h: int = 8
+    cols_h_short: int = 2
+    cols_threads: int = 256
+    cols_per_sm: int = 2
+    cols_min_blocks: int = 1  # __launch_bounds__' second argument: ptxas keeps registers to fit this many a SM
+    cols: bool = True  # False: 3x3s take the tiles as the other kernels do (a bench's comparison)
 
     def defines(self) -> dict[str, int | str]:
         tile = {"DW_TILE_H": self.tile_h, "DW_TILE_H_SHORT": self.tile_h_short, "DW_TILE_W": self.tile_w}
         tile |= {"DW_TILE_C": self.tile_c, "DW_TILE_B": self.tile_b, "DW_TILE_THREADS": self.tile_threads}
-        return {**super().defines(), "DW_ROW": self.row_outputs, **tile}
+        cols = {"DW_COLS_H": self.cols_h, "DW_COLS_H_SHORT": self.cols_h_short, "DW_COLS_THREADS": self.cols_threads}
+        cols["DW_COLS_MIN_BLOCKS"] = self.cols_min_blocks
+        return {**super().defines(), "DW_ROW": self.row_outputs, **tile, **cols}
 
     @property
     def tile_entry(self) -> str:
@@ -154,8 +168,55 @@ class DwConvSpec(ElementSpec):
         return f"{self.stem}_f16_tile_short"
 
     @property
+    def cols_entry(self) -> str:
+        return f"{self.stem}_f16_cols"
+
+    @property
+    def cols_short_entry(self) -> str:
+        return f"{self.stem}_f16_cols_short"
+
+    @property
     def entries(self) -> tuple[str, ...]:
-        return (*super().entries, self.tile_entry, self.tile_short_entry)
+        return (*super().entries, self.tile_entry, self.tile_short_entry, self.cols_entry, self.cols_short_entry)
+
+    def cols_path(self, dtype: Any, g: DwGeometry, C: int, *strides: int) -> bool:
+        """Whether the column entries take a launch (dwconv_nhwc.cu's dwconv_cols_any): fp16, a 3x3
+        kernel, no channel multiplier, dilation 1 and stride 1 or 2, the same both ways, and C and
+        every channel stride multiples of 8 (16-byte loads; the pointers must be 16-byte aligned too,
+        which :meth:`prepare_inputs` checks)."""
+        square3 = (g.R, g.width) == (3, 3)
+        stride = g.stride == g.stride_w and g.stride in TILE_STRIDES
+        unit = (g.dilation, g.dil_w) == (1, 1)
+        vec = all(v % 8 == 0 for v in (C, *strides))
+        return (
+            self.cols and dtype_name(dtype) == "float16" and g.multiplier == 1 and square3 and stride and unit and vec
+        )
+
+    def cols_rows(self, stride: int, short: bool = False) -> int:
+        """Output rows a thread of a column entry computes at ``stride`` (dwconv_cols_any's TH / SD)."""
+        return (self.cols_h_short if short else self.cols_h) // stride
+
+    def cols_launch(self, N: int, Ho: int, Wo: int, C: int, g: DwGeometry, short: bool = False) -> LaunchConfig:
+        """A column entry's grid: (column strips x row tiles x N, channel blocks); its block (vectors,
+        columns): the channels' 8-wide vectors split into the fewest blocks of at most 32 (a warp reads
+        one pixel's channels, or several whole pixels), as many columns as :attr:`cols_threads` allows."""
+        positive(N=N, Ho=Ho, Wo=Wo, C=C)
+        vectors = cdiv(C, 8)
+        blocks_c = cdiv(vectors, 32)
+        per_block = cdiv(vectors, blocks_c)
+        cols = max(1, min(self.cols_threads // per_block, Wo))
+        rows = self.cols_rows(g.stride, short)
+        return LaunchConfig(grid=(N * cdiv(Ho, rows) * cdiv(Wo, cols), blocks_c, 1), block=(per_block, cols, 1))
+
+    def cols_choice(
+        self, N: int, Ho: int, Wo: int, C: int, g: DwGeometry, device: DeviceInfo
+    ) -> tuple[str, LaunchConfig]:
+        """The column entry for a launch on ``device``: the tall one where its blocks make
+        :attr:`tall_waves` full waves of :attr:`cols_per_sm` a SM, else the short one."""
+        tall = self.cols_launch(N, Ho, Wo, C, g)
+        if tall.grid[0] * tall.grid[1] >= self.tall_waves * device.full_wave(self.cols_per_sm):
+            return self.cols_entry, tall
+        return self.cols_short_entry, self.cols_launch(N, Ho, Wo, C, g, short=True)
 
     def tile_path(self, dtype: Any, g: DwGeometry, C: int, *strides: int) -> bool:
         """Whether the tiled entries take a launch (dwconv_nhwc.cu's dwconv_tile_any): fp16, no
@@ -300,13 +361,17 @@ class DwConvSpec(ElementSpec):
     def prepare_inputs(
         self, call: KernelCall, inputs: Tensors, y: DeviceTensor, weights: Tensors, ctx: LaunchContext
     ) -> PreparedCall:
-        """A tiled entry (:meth:`tile_choice`) where :meth:`tile_path` holds, x, y and the packed
-        weights are 16-byte aligned and the chosen patch fits the device's shared memory a block;
-        else the per-element entry of the dtype."""
+        """A column entry (:meth:`cols_choice`) where :meth:`cols_path` holds and x, y and the packed
+        weights are 16-byte aligned; else a tiled entry (:meth:`tile_choice`) where :meth:`tile_path`
+        holds, they are aligned and the chosen patch fits the device's shared memory a block; else the
+        per-element entry of the dtype."""
         kw = self.call_args(call, inputs, y, weights)
         x = inputs[0]
         g: DwGeometry = kw["geometry"]
         aligned = all(v % 16 == 0 for v in (kw["x"], kw["y"], kw["w"]))
+        if aligned and self.cols_path(x.dtype, g, kw["C"], kw["ldx"], kw["ldy"]):
+            entry, launch = self.cols_choice(kw["N"], *tuple(y.shape)[1:3], kw["C"], g, ctx.device)
+            return PreparedCall(entry, launch, self.args(**kw))
         if aligned and self.tile_path(x.dtype, g, kw["C"], kw["ldx"], kw["ldy"]):
             entry, launch = self.tile_choice(kw["N"], *tuple(y.shape)[1:3], kw["C"], g, ctx.device)
             if self.tile_resident(launch, ctx.device):
