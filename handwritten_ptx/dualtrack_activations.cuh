@@ -33,6 +33,7 @@ enum DtAct : int {
     DT_ACT_GELU = 13,
     DT_ACT_GELU_TANH = 14,
     DT_ACT_SOFTSIGN = 15,
+    DT_ACT_CELU = 16,
 };
 
 __device__ __forceinline__ float dt_act_none(float v, float p0, float p1) { return v; }
@@ -51,6 +52,7 @@ __device__ __forceinline__ float dt_act_mish(float v, float p0, float p1) { retu
 __device__ __forceinline__ float dt_act_gelu(float v, float p0, float p1) { return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f)); }
 __device__ __forceinline__ float dt_act_gelu_tanh(float v, float p0, float p1) { return 0.5f * v * (1.0f + tanhf(0.79788456080286536f * fmaf(0.044715f * v, v * v, v))); }
 __device__ __forceinline__ float dt_act_softsign(float v, float p0, float p1) { return v / (1.0f + fabsf(v)); }
+__device__ __forceinline__ float dt_act_celu(float v, float p0, float p1) { return v < 0.0f ? p0 * expm1f(v / p0) : v; }
 
 __device__ __noinline__ float dt_activate_rest(float v, int act, float p0, float p1) {
     switch (act) {
@@ -62,6 +64,7 @@ __device__ __noinline__ float dt_activate_rest(float v, int act, float p0, float
         case DT_ACT_GELU: return dt_act_gelu(v, p0, p1);
         case DT_ACT_GELU_TANH: return dt_act_gelu_tanh(v, p0, p1);
         case DT_ACT_SOFTSIGN: return dt_act_softsign(v, p0, p1);
+        case DT_ACT_CELU: return dt_act_celu(v, p0, p1);
         default: return v;
     }
 }

@@ -18,6 +18,7 @@ TEST_PARAMS: dict[str, tuple[float, float]] = {
     "leakyrelu": (0.15, 0.0),
     "elu": (0.7, 0.0),
     "selu": (1.5, 1.25),
+    "celu": (2.5, 0.0),
 }
 ROWS: tuple[ActivationKind, ...] = tuple(k for k in KINDS if k.name != "none")
 

@@ -334,3 +334,49 @@ def test_a_dynamo_export_s_activations_run_on_track_a_in_one_segment_and_verify(
     assert [s.track for s in plan.segments].count("A") == 1, [(s.name, s.track) for s in plan.segments]
     acts = sorted(Activation.of(c).kind.name for s in plan.segments for c in s.calls if Activation.of(c).code)
     assert acts.count("gelu") == 2 and "gelu_tanh" in acts and "softplus" in acts, acts
+
+
+def write_celu_project(root: Path, precision: str) -> Path:
+    """Convolutions with CELU(alpha=1.7) after them (ONNX defines Celu for float32 only), exported by
+    the TorchScript exporter, built at ``precision``."""
+    torch = pytest.importorskip("torch")
+
+    class Net(torch.nn.Module):
+        def __init__(self, c: int = 16) -> None:
+            super().__init__()
+            self.stem = torch.nn.Conv2d(3, c, 3, padding=1)
+            self.dw = torch.nn.Conv2d(c, c, 3, padding=1, groups=c)
+            self.head = torch.nn.Conv2d(c, 2, 1)
+            self.act = torch.nn.CELU(alpha=1.7)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.act(self.dw(self.act(self.stem(x)))))
+
+    torch.manual_seed(0)
+    root.mkdir(parents=True, exist_ok=True)
+    x = torch.randn(1, 3, 20, 24)
+    torch.onnx.export(Net().eval(), (x,), str(root / "net.onnx"), opset_version=17, dynamo=False)
+    cfg = root / "net.yaml"
+    cfg.write_text(
+        f"model: net.onnx\nprecision: {precision}\nbatch_sizes: [1, 2]\ntargets: [sm_80]\nverify:\n  samples: 1\n"
+    )
+    return cfg
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_celu_runs_on_track_a_at_either_precision(tmp_path: Path, precision: str) -> None:
+    """fp16: the conversion keeps each Celu fp32 (Cast, Celu, Cast: an fp16 Celu is no valid ONNX), and
+    the three nodes are one eltwise call; fp32: the depthwise conv's epilogue takes it (the stem's
+    kernel fuses ReLU alone: an eltwise call after it). Either verifies."""
+    from dualtrack.compiler.build import build
+    from dualtrack.contract.bundle import Bundle
+
+    build(write_celu_project(tmp_path, precision), tmp_path / "out")  # raises when verification fails
+    plan = Bundle.open(tmp_path / "out").manifest.plan
+    assert [s.track for s in plan.segments].count("A") == 1, [(s.name, s.track) for s in plan.segments]
+    celu = [c for s in plan.segments for c in s.calls if Activation.of(c).kind.name == "celu"]
+    assert len(celu) == 2 and all(Activation.of(c).p0 == pytest.approx(1.7) for c in celu)
+    if precision == "fp16":
+        assert [c.op for c in celu] == ["eltwise", "eltwise"] and all(len(c.nodes) == 3 for c in celu)
+    else:
+        assert sorted(c.op for c in celu) == ["dwconv", "eltwise"] and all(len(c.nodes) <= 2 for c in celu)

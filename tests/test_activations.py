@@ -35,7 +35,7 @@ def test_ids_are_stable() -> None:
     assert dict(ACTIVATIONS) == {
         "none": 0, "relu": 1, "clip": 2, "hardsigmoid": 3, "hardswish": 4, "sigmoid": 5, "silu": 6,
         "leakyrelu": 7, "elu": 8, "selu": 9, "tanh": 10, "softplus": 11, "mish": 12, "gelu": 13,
-        "gelu_tanh": 14, "softsign": 15,
+        "gelu_tanh": 14, "softsign": 15, "celu": 16,
     }  # fmt: skip
 
 

@@ -50,7 +50,7 @@ from dualtrack.compiler.iree_forms import (
 )
 from dualtrack.compiler.linear_maps import linear_maps_as_matmuls
 from dualtrack.compiler.lower_pad import full_pads
-from dualtrack.compiler.onnx_graph import as_float32, name_nodes, resize_scale
+from dualtrack.compiler.onnx_graph import TARGET_OPSET, as_float32, fp32_only_ops, name_nodes, resize_scale
 from dualtrack.compiler.onnx_graph import constants as _graph_constants
 from dualtrack.compiler.pooled_vectors import vectors_as_images
 from dualtrack.compiler.resize_maps import iree_cannot_lower, resize_maps, widened_axes
@@ -61,7 +61,6 @@ from dualtrack.contract.checks import MASK, PROBS
 from dualtrack.contract.plan import parameter_key
 from dualtrack.errors import ConfigError, DualtrackError, InternalError, ModelError
 
-TARGET_OPSET = 17  # what the reference and the zoo are exported with; IREE 3.13 imports it
 IR_INITIALIZERS_APART = 4  # the first ONNX IR version in which an initializer need not be a graph input
 IMAGE = "image"  # the wrap's input; its outputs MASK and PROBS are named in contract/checks.py
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16)
@@ -780,7 +779,9 @@ def convert_precision(model: onnx.ModelProto, want: str | None, log: list[Rewrit
         )
     from onnxconverter_common import float16
 
-    blocked = [*float16.DEFAULT_OP_BLOCK_LIST, *FP32_REDUCTIONS]
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), TARGET_OPSET)
+    # and the ops ONNX defines for float32 but not float16 (Celu): converted, they would be invalid
+    blocked = list(dict.fromkeys([*float16.DEFAULT_OP_BLOCK_LIST, *FP32_REDUCTIONS, *sorted(fp32_only_ops(opset))]))
     bare = _constants_apart(_outputs_apart(_fill_values_spelt(_named(model))), set(blocked))
     del bare.graph.value_info[:]  # shapes recorded before the conversion mislead its Cast insertion
     try:
@@ -799,11 +800,13 @@ def convert_precision(model: onnx.ModelProto, want: str | None, log: list[Rewrit
             "export it in fp16 or build with `precision: fp32`"
         ) from None
     kept = sum(n.op_type in FP32_REDUCTIONS for n in model.graph.node)
+    only = sorted({n.op_type for n in model.graph.node if n.op_type in fp32_only_ops(opset)})
     log.append(
         Rewrite(
             "precision",
             "fp32 weights converted to fp16 (onnxconverter-common), inputs and outputs fp32"
-            + (f"; {kept} reduction(s) kept in fp32" if kept else ""),
+            + (f"; {kept} reduction(s) kept in fp32" if kept else "")
+            + (f"; {', '.join(only)} kept in fp32 (ONNX defines no fp16 form)" if only else ""),
         )
     )
     return converted, "fp16"

@@ -23,6 +23,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from dualtrack.compiler import act_patterns
+from dualtrack.compiler.onnx_graph import TARGET_OPSET, fp32_only_ops
 from dualtrack.contract import activations
 from dualtrack.contract.activations import Activation, match_onnx
 from dualtrack.contract.plan import (
@@ -355,7 +356,11 @@ def _resize_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
 # onnxconverter-common's block list): Cast(fp16 -> fp32) -> op -> Cast(fp32 -> fp16). The kernels
 # compute exactly that in fp16 storage (fp32 math, one rounding at the end), so the three nodes
 # lower to one fp16 call.
-CAST_WRAPPED = ("GlobalAveragePool", "ReduceMean", "ReduceSum", "Resize")
+# Activations ONNX defines for float32 only (Celu) are kept fp32 the same way, and lower alike.
+CAST_WRAPPED = (
+    "GlobalAveragePool", "ReduceMean", "ReduceSum", "Resize",
+    *sorted(set(ACT_OPS) & fp32_only_ops(TARGET_OPSET)),
+)  # fmt: skip
 _FLOAT, _FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
 
 

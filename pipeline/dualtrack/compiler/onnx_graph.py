@@ -11,6 +11,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+TARGET_OPSET = 17  # what the front end upgrades exports to (the reference and the zoo's); IREE 3.13 imports it
+
 
 def constants(g: onnx.GraphProto) -> dict[str, np.ndarray]:
     """Initializers and Constant nodes' values (``value`` tensors), by name."""
@@ -140,3 +142,24 @@ def widen_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` computed in fp32, in place (:func:`as_float32` of FLOAT16; weights widen exactly).
     verify.upcast (the reference of an fp16 engine) and linear_maps' probes call it."""
     return as_float32(model, TensorProto.FLOAT16)
+
+
+def fp32_only_ops(opset: int) -> frozenset[str]:
+    """The ai.onnx ops whose schema at ``opset`` takes float32 but not float16 for one of its inputs
+    (Celu; IsInf below opset 20; QuantizeLinear's input before 19): a conversion to fp16 must keep them
+    fp32, or the model it writes is invalid. Read from ONNX's own schemas, not listed by hand."""
+    out = set()
+    for schema in onnx.defs.get_all_schemas():
+        if schema.domain not in ("", "ai.onnx"):
+            continue
+        try:
+            at = onnx.defs.get_schema(schema.name, opset, "")
+        except onnx.defs.SchemaError:
+            continue
+        allowed = {t.type_param_str: set(t.allowed_type_strs) for t in at.type_constraints}
+        for formal in at.inputs:
+            types = allowed.get(formal.type_str, {formal.type_str})
+            if "tensor(float)" in types and "tensor(float16)" not in types:
+                out.add(at.name)
+                break
+    return frozenset(out)

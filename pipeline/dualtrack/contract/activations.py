@@ -204,6 +204,13 @@ KINDS: tuple[ActivationKind, ...] = (
     ActivationKind(
         "softsign", 15, "v / (1.0f + fabsf(v))", lambda v, p0, p1: v / (_t(v, 1) + np.abs(v)), OnnxMatch("Softsign")
     ),
+    ActivationKind(  # alpha * (e^(v / alpha) - 1) below 0 (ONNX's max(0, v) + min(0, ...)); ONNX takes float32 only
+        "celu",
+        16,
+        "v < 0.0f ? p0 * expm1f(v / p0) : v",
+        lambda v, p0, p1: _where_negative(v, _t(v, p0) * np.expm1(np.minimum(v, _t(v, 0)) / _t(v, p0))),
+        OnnxMatch("Celu", (OnnxParam("alpha", 1.0),)),
+    ),
 )
 
 BY_NAME: Mapping[str, ActivationKind] = {k.name: k for k in KINDS}
