@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import textwrap
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -268,7 +269,7 @@ def _reason_kind(why: str) -> str:
         if why.startswith(prefix):
             return kind
     why = why.removeprefix("not a Track A node: ")
-    return why.split(" (")[0][:80]
+    return textwrap.shorten(why.split(" (")[0], 100, placeholder=" ...")  # whole words: `info` prints it
 
 
 def assign_tracks(
@@ -1014,7 +1015,10 @@ def track_a_support(node: onnx.NodeProto, ctx: SupportContext) -> str | None:
     # lowering can fold, and as a tensor it is not batch-major: it cannot cross into a Track A segment.
     computed = next((x for x in node.input if x and x in ctx.constant and ctx.facts.const(x) is None), None)
     if computed is not None and node.name not in ctx.norms.found:  # a chain reads its shapes at build time
-        return f"input '{computed}' is a constant computed at run time (fold it: leave `simplify` on)"
+        return (
+            f"input '{computed}' is computed at run time from shapes, not from the image (zeros sized by the "
+            "input, or a shape chain `simplify` could not fold); Track A kernels read weights and batch-major data"
+        )
     return op.check(node, ctx)
 
 
