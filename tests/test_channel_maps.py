@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack.compiler.channel_maps import channel_maps_as_convs
+from dualtrack.compiler.channel_maps import channel_maps_as_convs, zero_concats_as_pads
 
 C, H, W = 5, 6, 7  # H != W: a swap of the two is not a permutation of channels
 
@@ -140,4 +140,81 @@ def test_a_channel_permutation_is_a_1x1_conv_that_computes_the_same_bits(steps, 
 def test_a_chain_that_is_not_a_channel_permutation_is_left_as_it_is(steps) -> None:
     model = chain_model(steps)
     out, detail = channel_maps_as_convs(model)
+    assert detail is None and out is model
+
+
+def zeros_cat_model(before: int, after: int, source: str, batch: int | str = "N") -> onnx.ModelProto:
+    """x (N, C, H, W) -> Relu -> Concat on channels with zeros of ``before`` channels ahead and ``after``
+    behind -> Neg -> y. ``source``: how the zeros are written: "init" (a folded constant of the export's
+    batch), "cos" (ConstantOfShape of x's N, H, W read at run time), "expand" (a zero scalar Expanded)."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="pre")]
+    inits = []
+    zeros = []
+    for k, c in (("a", before), ("b", after)):
+        if not c:
+            zeros.append(None)
+            continue
+        z = f"z{k}"
+        if source == "init":
+            inits.append(numpy_helper.from_array(np.zeros((int(batch), c, H, W), np.float32), z))
+        else:
+            inits.append(numpy_helper.from_array(np.array([c], np.int64), f"c{k}"))
+            nodes += [
+                helper.make_node("Shape", ["x"], [f"s{k}"]),
+                helper.make_node("Gather", [f"s{k}", "i0"], [f"n{k}"], axis=0),
+                helper.make_node("Slice", [f"s{k}", "i2", "i4"], [f"hw{k}"]),
+                helper.make_node("Concat", [f"n{k}", f"c{k}", f"hw{k}"], [f"shape{k}"], axis=0),
+            ]
+            if source == "cos":
+                nodes.append(helper.make_node("ConstantOfShape", [f"shape{k}"], [z]))
+            else:
+                nodes.append(helper.make_node("Expand", ["zero", f"shape{k}"], [z]))
+        zeros.append(z)
+    if source != "init":
+        inits += [numpy_helper.from_array(np.array([v], np.int64), f"i{v}") for v in (0, 2, 4)]
+        inits.append(numpy_helper.from_array(np.zeros((1, 1, 1, 1), np.float32), "zero"))
+    cat = [t for t in (zeros[0], "r", zeros[1]) if t]
+    nodes += [helper.make_node("Concat", cat, ["c"], name="cat", axis=1), helper.make_node("Neg", ["c"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "cat", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, C, H, W])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, "c", H, W])], inits,
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "source", "batch"),
+    [(0, 3, "init", 2), (2, 4, "cos", "N"), (5, 0, "expand", "N"), (1, 1, "cos", 3)],
+)
+def test_a_concat_of_zeros_on_channels_is_the_channel_pad(before, after, source, batch) -> None:
+    """ENet's torch.cat([x, torch.zeros(...)], 1), however the zeros are written: the rewritten model
+    has no Concat and computes the same bits; then the channel-pad pass writes that Pad as a 1x1 Conv."""
+    model = zeros_cat_model(before, after, source, batch)
+    out, detail = zero_concats_as_pads(model)
+    assert detail is not None and "1 channel Concat(s) of zeros" in detail
+    onnx.checker.check_model(out)
+    assert "Concat" not in [n.op_type for n in out.graph.node if n.name == "cat"]
+    n = 2 if batch == "N" else int(batch)
+    x = np.random.default_rng(7).standard_normal((n, C, H, W)).astype(np.float32)
+    want = run(model, x)
+    got = run(out, x)
+    assert got.shape == (n, C + before + after, H, W) and np.array_equal(got, want)
+    conv, _ = channel_maps_as_convs(out)
+    assert np.array_equal(run(conv, x), want)
+
+
+@pytest.mark.parametrize("case", ["ones", "two_images", "spatial_axis"])
+def test_a_concat_that_is_not_a_channel_pad_is_left_as_it_is(case) -> None:
+    model = zeros_cat_model(0, 3, "init", 2)
+    g = model.graph
+    if case == "ones":
+        g.initializer[0].CopyFrom(numpy_helper.from_array(np.ones((2, 3, H, W), np.float32), "zb"))
+    elif case == "two_images":
+        g.node[1].input[:] = ["r", "r", "zb"]
+    else:
+        g.initializer[0].CopyFrom(numpy_helper.from_array(np.zeros((2, C, 2, W), np.float32), "zb"))
+        g.node[1].attribute[0].i = 2
+    out, detail = zero_concats_as_pads(model)
     assert detail is None and out is model

@@ -229,3 +229,102 @@ def _chains(g: onnx.GraphProto) -> list[list[onnx.NodeProto]]:
 
 
 __all__ = ["channel_maps_as_convs"]
+
+
+# -- zeros concatenated on channels ---------------------------------------------------------------------
+# PyTorch ENet (and other "widen the shortcut" code) writes its channel pad as
+# torch.cat([x, torch.zeros(n, k, h, w)], 1): a Concat whose other input is zeros, a constant of the
+# export's batch (an initializer once the simplifier folded it) or a ConstantOfShape of shapes read
+# from x. As a Concat it joins a batch-major tensor with one the batch does not run through (the batch
+# cannot be freed), and Track A would leave the segment for the ConstantOfShape; it is the channel Pad
+# it computes, which the pass above then writes as a 1x1 Conv.
+
+_PASS_THROUGH = ("Expand", "Cast", "Identity")
+
+
+def _zeros(t: str, producer: dict[str, onnx.NodeProto], consts: dict[str, np.ndarray]) -> bool:
+    """Whether tensor ``t`` is all zeros whatever the input: a zero constant, a ConstantOfShape of
+    value 0 (its default), or an Expand / Cast / Identity of one."""
+    if t in consts:
+        return bool(consts[t].size) and not np.any(consts[t])
+    node = producer.get(t)
+    if node is None:
+        return False
+    if node.op_type in _PASS_THROUGH:
+        return _zeros(node.input[0], producer, consts)
+    if node.op_type == "ConstantOfShape":
+        value = next((a.t for a in node.attribute if a.name == "value"), None)
+        return value is None or not np.any(numpy_helper.to_array(value))
+    return False
+
+
+def zero_concats_as_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
+    """The model with each channel Concat of one image and zeros written as the constant Pad of that
+    image's channels (zeros before it and after it: pads on C at both ends), and a line saying which
+    (None: none). Taken where the Concat is along C of 4-D tensors and the zeros' N, H, W are the
+    image's (or unknown N); the zeros' channel counts must be known."""
+    g = model.graph
+    cats = [n for n in g.node if n.op_type == "Concat" and len(n.input) > 1]
+    if not cats:
+        return model, None
+    consts = constants(g)
+    producer = {o: n for n in g.node for o in n.output}
+    found = {}
+    for n in cats:
+        zero = [_zeros(t, producer, consts) for t in n.input]
+        live = [k for k, z in enumerate(zero) if not z]
+        if len(live) == 1 and any(zero):
+            found[n.output[0]] = live[0]
+    if not found:
+        return model, None
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    dims: dict[str, list[int]] = {}
+    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        if vi.type.tensor_type.HasField("shape"):
+            dims[vi.name] = [d.dim_value if d.HasField("dim_value") else -1 for d in vi.type.tensor_type.shape.dim]
+    for name, arr in consts.items():
+        dims.setdefault(name, list(arr.shape))
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    taken = {n.name for n in g.node} | {o for n in g.node for o in n.output} | set(consts)
+    nodes, done = [], []
+    for node in out.graph.node:
+        live = found.get(node.output[0]) if node.op_type == "Concat" else None
+        pads = None if live is None else _concat_pads(node, live, dims)
+        if pads is None:
+            nodes.append(node)
+            continue
+        base = fresh_name(f"{node.name or node.output[0]}/pads", taken)
+        out.graph.initializer.append(numpy_helper.from_array(np.array(pads, np.int64), base))
+        pad = helper.make_node("Pad", [node.input[live], base], [node.output[0]], name=node.name, mode="constant")
+        nodes.append(pad)
+        done.append(f"'{node.name or node.output[0]}'")
+    if not done:
+        return model, None
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    listed = ", ".join(done[:4]) + (f" and {len(done) - 4} more" if len(done) > 4 else "")
+    return out, f"{len(done)} channel Concat(s) of zeros as channel Pads: {listed}"
+
+
+def _concat_pads(node: onnx.NodeProto, live: int, dims: dict[str, list[int]]) -> list[int] | None:
+    """The 8 pads (N, C, H, W begins, then ends) of Concat ``node`` of image ``node.input[live]`` and
+    zeros, or None where the shapes do not say it is one."""
+    axis = next((int(helper.get_attribute_value(a)) for a in node.attribute if a.name == "axis"), None)
+    x = dims.get(node.input[live])
+    if x is None or len(x) != 4 or axis not in (1, -3):
+        return None
+    before = after = 0
+    for k, t in enumerate(node.input):
+        if k == live:
+            continue
+        z = dims.get(t)
+        if z is None or len(z) != 4 or z[1] <= 0 or z[2:] != x[2:] or min(x[2:]) <= 0:
+            return None
+        if z[0] not in (x[0], -1) and x[0] != -1:
+            return None
+        if k < live:
+            before += z[1]
+        else:
+            after += z[1]
+    return [0, before, 0, 0, 0, after, 0, 0]

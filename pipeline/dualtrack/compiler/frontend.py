@@ -36,7 +36,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack.compiler.batch_free import BATCH, free_batch, replace_input, static_shapes, symbolic_batch, with_batch
-from dualtrack.compiler.channel_maps import channel_maps_as_convs
+from dualtrack.compiler.channel_maps import channel_maps_as_convs, zero_concats_as_pads
 from dualtrack.compiler.channels_last import channels_first
 from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
 from dualtrack.compiler.convt_phases import sub_pixel_convolutions
@@ -540,6 +540,16 @@ def channel_pad_convs(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelP
     """Constant Pads over channels as 1x1 Convs (:mod:`.channel_maps`): no Pad of C between two
     Track A convolutions; before :func:`fold_zero_pads`, which may then take the H/W Pad left."""
     m, detail = channel_maps_as_convs(model)
+    if detail:
+        log.append(Rewrite("pad", detail))
+        m = _prune(m)
+    return m
+
+
+def zero_channel_concats(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """Concats of an image and zeros on channels (ENet's widened shortcut) as the channel Pads they are
+    (:func:`.channel_maps.zero_concats_as_pads`), which :func:`channel_pad_convs` then writes as 1x1 Convs."""
+    m, detail = zero_concats_as_pads(model)
     if detail:
         log.append(Rewrite("pad", detail))
         m = _prune(m)
@@ -1182,6 +1192,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     m = check("tokens", token_images(m, cfg, export_batch, log))  # before the simplifier too (its Gemm fusion)
     if cfg.simplify:
         m = check("simplify", simplify(m, log))
+    m = check("pad", zero_channel_concats(m, log))  # before free_batch: the zeros are of the export's batch
     m = check("pooled-vectors", pooled_vector_images(m, log))  # before free_batch: its views back go
     m = check("linear-maps", linear_spatial_maps(m, export_batch, log))  # before free_batch: the soups' constants
     m, freed = free_batch(m, export_batch, cfg.batch_sizes)
@@ -1198,8 +1209,8 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     m = check("convtranspose", sub_pixel_convtransposes(m, log))
     m = check("names", unique_parameter_keys(m, log))
     m, precision = convert_precision(m, cfg.precision, log)
-    m = check("scale", channel_affines(m, log))  # after the precision: the range check is the final dtype's
-    body = check("precision", m)
+    m = check("precision", m)
+    body = m = check("scale", channel_affines(m, log))  # after the precision: the range check is the final dtype's
     wrapped = check("wrap", wrap_image_io(m, cfg.preprocess, cfg.postprocess, log))
     full_check(wrapped, f"the model after the front end ({cfg.model.name})")
     classes = cfg.postprocess.classes if cfg.postprocess is not None else None
