@@ -160,9 +160,17 @@ def hardsigmoid_sixth(g: Graph, t: str) -> tuple[str, list[str], str]:
     return "a_out", ["a_add3", "a_clip", "a_out"], "hardsigmoid"
 
 
+def softsign(g: Graph, t: str) -> tuple[str, list[str], str]:
+    """x / (1 + |x|): nn.Softsign as both exporters write it."""
+    g.add("Abs", "a_abs", [t])
+    g.add("Add", "a_add", ["a_abs", g.const("one", 1.0)])
+    g.add("Div", "a_out", [t, "a_add"])
+    return "a_out", ["a_abs", "a_add", "a_out"], "softsign"
+
+
 CHAINS = (
     gelu_div, gelu_half_first, gelu_tanh, silu, mish, gelu_dynamo, gelu_tanh_dynamo, softplus_dynamo,
-    hardswish_sixth_last, hardswish_gate, hardsigmoid_sixth,
+    hardswish_sixth_last, hardswish_gate, hardsigmoid_sixth, softsign,
 )  # fmt: skip
 
 

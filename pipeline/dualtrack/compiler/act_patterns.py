@@ -7,7 +7,8 @@ is Div(x, sqrt 2) (or Mul(x, 1/sqrt 2)), Erf, Add 1, then the products by x and 
 Tanh-GELU is the cube (x*x*x, or Pow(x, 3) from dynamo), Mul 0.044715, Add x, Mul sqrt(2/pi), Tanh,
 Add 1, and the same two products. The dynamo exporter writes softplus's threshold too:
 Where(x > 20, x, Softplus(x)). Older MobileNetV3 code writes hardswish and its squeeze-excitation gate
-as x * relu6(x + 3) / 6 and relu6(x + 3) / 6 (Add 3, Clip(0, 6), Div 6 or Mul 1/6, Mul x).
+as x * relu6(x + 3) / 6 and relu6(x + 3) / 6 (Add 3, Clip(0, 6), Div 6 or Mul 1/6, Mul x), and both
+exporters write softsign as x / (1 + |x|) (Abs, Add 1, Div).
 :func:`decomposed` finds such a chain starting at a tensor ``t``, so that a convolution's epilogue
 (``partition._fuse_epilogue``), a norm's apply pass (``lower_norm``) or one eltwise call
 (``lower_mobile.find_act_chains``) computes it as the row it is. Every intermediate of the chain must
@@ -258,9 +259,24 @@ def _erf_scale(node: onnx.NodeProto, t: str, ch: _Chain) -> bool:
     return node.op_type == "Mul" and _near(ch.scalar(node, t), 1.0 / math.sqrt(2.0))
 
 
-PATTERNS = (_silu, _mish, _gelu, _gelu_tanh, _softplus, _hardswish, _hardsigmoid)
+def _softsign(t: str, ch: _Chain) -> tuple[Activation, list[onnx.NodeProto], str] | None:
+    """x / (1 + |x|): both exporters write nn.Softsign as Abs, Add 1, Div (ONNX's Softsign op unused)."""
+    users = ch.readers(t)
+    absn = next((u for u in users if u.op_type == "Abs"), None)
+    div = next((u for u in users if u.op_type == "Div"), None)
+    if len(users) != 2 or absn is None or div is None or not (ch.usable(absn) and ch.usable(div)):
+        return None
+    add = ch.sole(absn.output[0], "Add")
+    if add is None or not _near(ch.scalar(add, absn.output[0]), 1.0):
+        return None
+    if list(div.input) != [t, add.output[0]] or ch.readers(add.output[0]) != [div]:
+        return None
+    return Activation.named("softsign"), [absn, add, div], div.output[0]
+
+
+PATTERNS = (_silu, _mish, _gelu, _gelu_tanh, _softplus, _hardswish, _hardsigmoid, _softsign)
 # The op types the patterns' nodes have.
-OPS = ("Sigmoid", "Mul", "Div", "Erf", "Add", "Tanh", "Softplus", "Pow", "Greater", "Where", "Clip")
+OPS = ("Sigmoid", "Mul", "Div", "Erf", "Add", "Tanh", "Softplus", "Pow", "Greater", "Where", "Clip", "Abs")
 
 
 def decomposed(
