@@ -17,8 +17,8 @@ the zoo ONNX's plan: the GPU machines carry no zoo model, and the table below is
 Track A calls are (15 depthwise convs, 9 pools, 17 FCs, 9 gates, 2 resizes; ``uses`` counts repeats;
 the max-pool rows are not LR-ASPP's: ``uses`` 1 for the smp stem pool, 0 for the 2x2 comparison).
 
-A dwconv layer runs the entry the engine picks for it (the column entries for a 3x3,
-``DwConvSpec.cols_path``; else the tiled ones, ``tile_path``), and beside it every other entry that
+A dwconv layer runs the entry the engine picks for it (the tiled ones, ``DwConvSpec.tile_path``; the
+column entries for a 3x3 where ``DwConvSpec.cols`` is on), and beside it every other entry that
 takes it (``elem us``: the per-element one; the tiles, tall and short, and the columns' sizes of
 ``--dw-cols`` / ``--dw-tile``). Each row is checked first: our
 output (NaN-poisoned before) against torch's fp32 computation of the same fp16 data, activation
@@ -280,9 +280,10 @@ def run_layer(
         for t in tiles:  # --dw-tile: other tile sizes of the tall entry, compiled here
             if tile_name(t) in fns:
                 entries.setdefault(tile_name(t), (tile_name(t), t.tile_launch(n, ho, wo, layer.C, g)))
-    if layer.op == "dwconv" and spec.cols_path("float16", g, layer.C, layer.C, layer.C):
-        chosen = spec.cols_choice(n, ho, wo, layer.C, g, Device(0).info())  # what the engine launches
-        entries = {"cols": chosen, **entries}
+    cols = replace(spec, cols=True) if layer.op == "dwconv" else None  # timed whether or not the engine takes them
+    if cols is not None and cols.cols_path("float16", g, layer.C, layer.C, layer.C):
+        chosen = cols.cols_choice(n, ho, wo, layer.C, g, Device(0).info())
+        entries = {"cols": chosen, **entries} if spec.cols else {**entries, "cols": chosen}  # the engine's first
         entries["cols_tall"] = (spec.cols_entry, spec.cols_launch(n, ho, wo, layer.C, g))
         entries["cols_short"] = (spec.cols_short_entry, spec.cols_launch(n, ho, wo, layer.C, g, short=True))
         for t in tiles:  # --dw-cols: other sizes of the column entry, compiled here

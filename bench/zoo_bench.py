@@ -365,9 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         help="only the rows the corpus is judged by: dualtrack_api, torch_compile_cudagraphs, iree_alone",
     )
     p.add_argument(
-        "--dwconv-tiles",
+        "--dwconv-cols",
         action="store_true",
-        help="A/B: the depthwise 3x3s on the tiled entries, as before the column entries (rows say dwconv_cols)",
+        help="A/B: the depthwise 3x3s on the column entries (DwConvSpec.cols, off by default; rows say dwconv_cols)",
     )
     p.add_argument("--no-torch", action="store_true", help="skip the torch.compile rows (an A/B's second run)")
     args = p.parse_args(argv)
@@ -377,9 +377,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from dualtrack import kernels
 
-    if args.dwconv_tiles:  # the registry the engine prepares its calls from, before any bundle loads
+    if args.dwconv_cols:  # the registry the engine prepares its calls from, before any bundle loads
         registry = cast(dict, kernels.KERNELS)
-        registry["dwconv"] = replace(registry["dwconv"], cols=False)
+        registry["dwconv"] = replace(registry["dwconv"], cols=True)
 
     from dualtrack.compiler.bundle_writer import load_model
     from dualtrack.contract.bundle import Bundle
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_torch:
             rows += torch_rows(torch, zoo, name, (h, w), ref_probs, images, args)
         for r in rows:
-            r.setdefault("dwconv_cols", not args.dwconv_tiles)
+            r.setdefault("dwconv_cols", kernels.KERNELS["dwconv"].cols)
         held = prediction_row(name, bundle, rows)
         rows += [held] if held else []
         # Written after every model: a call cut off at its time limit keeps the models it finished.

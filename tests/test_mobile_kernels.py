@@ -196,20 +196,21 @@ def test_dwconv_tile_choice_skips_a_tall_tile_the_device_cannot_hold() -> None:
 
 def test_dwconv_takes_the_column_entries_for_3x3s() -> None:
     """The column entries: fp16 3x3, dilation 1, stride 1 or 2 both ways, no channel multiplier, C
-    and strides multiples of 8 (any number of channels: a block's vectors follow C); they come before
-    the tiles, which keep every other window. The tall entry where its blocks fill the GPU twice over."""
+    and strides multiples of 8 (any number of channels: a block's vectors follow C), where the spec's
+    `cols` is on; they come before the tiles, which keep every other window. The tall entry where its blocks fill the GPU twice over."""
     unit, s2 = DwGeometry(3), DwGeometry(3, 2)
-    assert DW.cols_path("float16", unit, 8, 8, 16) and DW.cols_path("float16", s2, 2048, 2048)
-    assert DW.cols_path("float16", DwGeometry(3, pads=(0, 0, 0, 0)), 16, 16)  # valid padding
-    assert not DW.cols_path("float32", unit, 96, 96)
-    assert not DW.cols_path("float16", DwGeometry(5, pads=(2, 2, 2, 2)), 96, 96)  # 5x5: the tiles
-    assert not DW.cols_path("float16", DwGeometry(3, pads=(1, 0, 1, 0), S=1), 96, 96)  # 3x1
-    assert not DW.cols_path("float16", DwGeometry(3, 3), 96, 96)  # stride 3
-    assert not DW.cols_path("float16", DwGeometry(3, 2, stride_w=1), 96, 96)
-    assert not DW.cols_path("float16", DwGeometry(3, dilation=2, pads=(2, 2, 2, 2)), 96, 96)
-    assert not DW.cols_path("float16", DwGeometry(3, multiplier=2), 96, 96)
-    assert not DW.cols_path("float16", unit, 20, 20) and not DW.cols_path("float16", unit, 96, 100)
-    assert not dataclasses.replace(DW, cols=False).cols_path("float16", unit, 96, 96)
+    COLS = dataclasses.replace(DW, cols=True)
+    assert COLS.cols_path("float16", unit, 8, 8, 16) and COLS.cols_path("float16", s2, 2048, 2048)
+    assert COLS.cols_path("float16", DwGeometry(3, pads=(0, 0, 0, 0)), 16, 16)  # valid padding
+    assert not COLS.cols_path("float32", unit, 96, 96)
+    assert not COLS.cols_path("float16", DwGeometry(5, pads=(2, 2, 2, 2)), 96, 96)  # 5x5: the tiles
+    assert not COLS.cols_path("float16", DwGeometry(3, pads=(1, 0, 1, 0), S=1), 96, 96)  # 3x1
+    assert not COLS.cols_path("float16", DwGeometry(3, 3), 96, 96)  # stride 3
+    assert not COLS.cols_path("float16", DwGeometry(3, 2, stride_w=1), 96, 96)
+    assert not COLS.cols_path("float16", DwGeometry(3, dilation=2, pads=(2, 2, 2, 2)), 96, 96)
+    assert not COLS.cols_path("float16", DwGeometry(3, multiplier=2), 96, 96)
+    assert not COLS.cols_path("float16", unit, 20, 20) and not COLS.cols_path("float16", unit, 96, 100)
+    assert not DW.cols_path("float16", unit, 96, 96)  # off by default: not yet run on a GPU
     h200 = REFERENCE  # 132 SMs: two full waves of two a SM are 512 blocks
     # SegFormer-b2's first Mix-FFN 3x3 at batch 8: 32 vectors, one block of 8 columns a pixel row strip.
     entry, cfg = DW.cols_choice(8, 128, 128, 256, unit, h200)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -197,7 +198,7 @@ CASES: dict[str, Callable[[], PreparedCall]] = {
         T(0x1000, (2, 20, 30, 96)), T(0x2000, (2, 20, 30, 96), ld=104),
         [T(0x3000, (7, 7, 96)), T(0x4000, (96,), f32)], Context("off"),
     ),
-    "dwconv cols": lambda: K["dwconv"].prepare(  # a 3x3, fp16, aligned: the column entry
+    "dwconv cols": lambda: replace(K["dwconv"], cols=True).prepare(  # a 3x3, fp16, aligned: the column entry
         KernelCall("dwconv", ("x",), ("y",), ("w", "b"), (*DW_3X3, ("act", PLAN_ACTS["gelu"]))),
         T(0x1000, (2, 20, 30, 96)), T(0x2000, (2, 20, 30, 96), ld=104),
         [T(0x3000, (3, 3, 96)), T(0x4000, (96,), f32)], Context("off"),

@@ -11,8 +11,9 @@ together. The work is R*S FMAs per output element. The per-element paths read ea
 another, and were latency-bound on the H100 (ConvNeXt-tiny's 18 depthwise 7x7 layers: 1.81 ms at batch
 8, ten times their bytes' time); the tiled entry loads a block's whole patch at once and feeds the FMAs
 from shared memory (handwritten_ptx/dwconv_nhwc.cu says how). 3x3 kernels (stride 1 or 2) take
-the column entries (``dwconv_nhwc_f16_cols``: :meth:`DwConvSpec.cols_path`) instead, which keep a
-thread's 8 channels and its 9 weights in registers and read each input row once.
+the column entries (``dwconv_nhwc_f16_cols``: :meth:`DwConvSpec.cols_path`) instead, where
+:attr:`DwConvSpec.cols` is on (off until they have run on a GPU), which keep a thread's 8 channels and
+its 9 weights in registers and read each input row once.
 """
 
 from __future__ import annotations
@@ -150,7 +151,9 @@ class DwConvSpec(ElementSpec):
     cols_threads: int = 256
     cols_per_sm: int = 2
     cols_min_blocks: int = 1  # __launch_bounds__' second argument: ptxas keeps registers to fit this many a SM
-    cols: bool = True  # False: 3x3s take the tiles as the other kernels do (a bench's comparison)
+    # Whether prepare_inputs launches them. Off until they have run on a GPU: built and checked on the CPU
+    # (launch coverage, arguments), their GPU test and bench/mobile_layers.py launch them directly.
+    cols: bool = False
 
     def defines(self) -> dict[str, int | str]:
         tile = {"DW_TILE_H": self.tile_h, "DW_TILE_H_SHORT": self.tile_h_short, "DW_TILE_W": self.tile_w}
