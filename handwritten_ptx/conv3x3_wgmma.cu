@@ -516,6 +516,7 @@ __device__ __forceinline__ void activate8(float (&v)[8], int act, float p0, floa
         WG_ACT_CASE(DT_ACT_GELU, dt_act_gelu)
         WG_ACT_CASE(DT_ACT_GELU_TANH, dt_act_gelu_tanh)
         WG_ACT_CASE(DT_ACT_SOFTSIGN, dt_act_softsign)
+        WG_ACT_CASE(DT_ACT_CELU, dt_act_celu)
         default: break;  // DT_ACT_NONE
     }
 }
