@@ -197,7 +197,8 @@ def test_dwconv_tile_choice_skips_a_tall_tile_the_device_cannot_hold() -> None:
 def test_dwconv_takes_the_column_entries_for_3x3s() -> None:
     """The column entries: fp16 3x3, dilation 1, stride 1 or 2 both ways, no channel multiplier, C
     and strides multiples of 8 (any number of channels: a block's vectors follow C), where the spec's
-    `cols` is on; they come before the tiles, which keep every other window. The tall entry where its blocks fill the GPU twice over."""
+    `cols` is on; they come before the tiles, which keep every other window. The tall entry where its
+    blocks fill the GPU twice over."""
     unit, s2 = DwGeometry(3), DwGeometry(3, 2)
     COLS = dataclasses.replace(DW, cols=True)
     assert COLS.cols_path("float16", unit, 8, 8, 16) and COLS.cols_path("float16", s2, 2048, 2048)
