@@ -53,9 +53,9 @@ def _channel_pad(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> tuple[l
     return full, float(value.reshape(()))
 
 
-def _shapes(model: onnx.ModelProto) -> tuple[dict[str, list[int]], dict[str, int]]:
+def _shapes(model: onnx.ModelProto, data_prop: bool = False) -> tuple[dict[str, list[int]], dict[str, int]]:
     """Every tensor's inferred dims (-1 where unknown, as the batch is) and its element type."""
-    inferred = onnx.shape_inference.infer_shapes(model)
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=data_prop)
     dims: dict[str, list[int]] = {}
     elems: dict[str, int] = {}
     for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
@@ -107,12 +107,20 @@ def channel_maps_as_convs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str 
             done.append(f"pad '{node.name or node.output[0]}'")
         else:
             nodes.append(node)
+    return _rewritten(model, out, nodes, done, "channel Pad(s) / permutation(s) as 1x1 convolutions")
+
+
+def _rewritten(
+    model: onnx.ModelProto, out: onnx.ModelProto, nodes: list[onnx.NodeProto], done: list[str], what: str
+) -> tuple[onnx.ModelProto, str | None]:
+    """``out`` with ``nodes`` as its graph's nodes and the line naming ``done`` (the first four), or
+    ``model`` itself and None where nothing was done."""
     if not done:
         return model, None
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     listed = ", ".join(done[:4]) + (f" and {len(done) - 4} more" if len(done) > 4 else "")
-    return out, f"{len(done)} channel Pad(s) / permutation(s) as 1x1 convolutions: {listed}"
+    return out, f"{len(done)} {what}: {listed}"
 
 
 def _longest_permutation(
@@ -277,11 +285,7 @@ def zero_concats_as_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str |
             found[n.output[0]] = live[0]
     if not found:
         return model, None
-    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    dims: dict[str, list[int]] = {}
-    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
-        if vi.type.tensor_type.HasField("shape"):
-            dims[vi.name] = [d.dim_value if d.HasField("dim_value") else -1 for d in vi.type.tensor_type.shape.dim]
+    dims, _ = _shapes(model, data_prop=True)  # a ConstantOfShape's dims come from the shapes it reads
     for name, arr in consts.items():
         dims.setdefault(name, list(arr.shape))
     out = onnx.ModelProto()
@@ -299,12 +303,7 @@ def zero_concats_as_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str |
         pad = helper.make_node("Pad", [node.input[live], base], [node.output[0]], name=node.name, mode="constant")
         nodes.append(pad)
         done.append(f"'{node.name or node.output[0]}'")
-    if not done:
-        return model, None
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    listed = ", ".join(done[:4]) + (f" and {len(done) - 4} more" if len(done) > 4 else "")
-    return out, f"{len(done)} channel Concat(s) of zeros as channel Pads: {listed}"
+    return _rewritten(model, out, nodes, done, "channel Concat(s) of zeros as channel Pads")
 
 
 def _concat_pads(node: onnx.NodeProto, live: int, dims: dict[str, list[int]]) -> list[int] | None:

@@ -791,7 +791,8 @@ def convert_precision(model: onnx.ModelProto, want: str | None, log: list[Rewrit
 
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), TARGET_OPSET)
     # and the ops ONNX defines for float32 but not float16 (Celu): converted, they would be invalid
-    blocked = list(dict.fromkeys([*float16.DEFAULT_OP_BLOCK_LIST, *FP32_REDUCTIONS, *sorted(fp32_only_ops(opset))]))
+    fp32_only = fp32_only_ops(opset)
+    blocked = list(dict.fromkeys([*float16.DEFAULT_OP_BLOCK_LIST, *FP32_REDUCTIONS, *sorted(fp32_only)]))
     bare = _constants_apart(_outputs_apart(_fill_values_spelt(_named(model))), set(blocked))
     del bare.graph.value_info[:]  # shapes recorded before the conversion mislead its Cast insertion
     try:
@@ -810,7 +811,7 @@ def convert_precision(model: onnx.ModelProto, want: str | None, log: list[Rewrit
             "export it in fp16 or build with `precision: fp32`"
         ) from None
     kept = sum(n.op_type in FP32_REDUCTIONS for n in model.graph.node)
-    only = sorted({n.op_type for n in model.graph.node if n.op_type in fp32_only_ops(opset)})
+    only = sorted({n.op_type for n in model.graph.node if n.op_type in fp32_only})
     log.append(
         Rewrite(
             "precision",
