@@ -1,12 +1,13 @@
 """The channel reduction on Track A (kernels.creduce, handwritten_ptx/creduce_nhwc.cu; lowered by
-compiler/lower_mobile.py): ReduceSum / ReduceMean / ReduceMax / ReduceMin over axis 1 (keepdims) of an
-image, CBAM's spatial-attention pools, which ran on IREE with a track switch on each side.
+compiler/lower_mobile.py): each Reduce op of REDUCE_OPS (sum, mean, max, min, L1, L2, sum of squares) over
+axis 1 (keepdims) of an image, CBAM's spatial-attention pools, which ran on IREE with a track switch on
+each side.
 
 - the numpy reference against onnxruntime's Reduce ops, over channel counts and pictures no zoo model
   has, fp32 and fp16 (fp16: the reference sums in fp32 and rounds once, onnxruntime in fp16, so rel-L2
   2e-3; max and min exact);
 - the partition: a CBAM block as torch writes it (a conv, the [max, mean] channel pools concatenated, a
-  7x7 conv, a sigmoid gate) plus ReduceSum (axes as an input) and ReduceMin, fp16, built for the CPU:
+  7x7 conv, a sigmoid gate) plus the table's other ops (ReduceSum's axes as an input), fp16, built for the CPU:
   one Track A segment holds every reduction, and the build verifies (the kernel-call list through the
   kernels' numpy semantics and the whole plan against onnxruntime); other axes and keepdims 0 stay on
   Track B with their reason.
@@ -26,7 +27,7 @@ from dualtrack import kernels
 from dualtrack.cli import main
 from dualtrack.compiler.verify import ort_session, run_ort
 from dualtrack.contract.bundle import Bundle
-from dualtrack.contract.plan import CREDUCE_OPS
+from dualtrack.contract.plan import REDUCE_OPS
 
 CREDUCE = kernels.KERNELS["creduce"]
 
@@ -53,13 +54,13 @@ def reduce_model(op: str, c: int, h: int, w: int, elem: int, axes_input: bool) -
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("op", list(CREDUCE_OPS))
+@pytest.mark.parametrize("op", list(REDUCE_OPS))
 @pytest.mark.parametrize(("c", "h", "w"), [(1, 5, 3), (3, 17, 9), (5, 8, 8), (40, 7, 11), (264, 3, 4)])
 def test_the_reference_is_onnx_reduce_over_channels(dtype: str, op: str, c: int, h: int, w: int) -> None:
     elem = TensorProto.FLOAT if dtype == "float32" else TensorProto.FLOAT16
     x = (2 * np.random.default_rng().standard_normal((2, c, h, w)) + 0.5).astype(dtype)
     want = run_ort(ort_session(reduce_model(op, c, h, w, elem, axes_input=op != "ReduceMean")), {"x": x})["y"]
-    got = CREDUCE.reference(x.transpose(0, 2, 3, 1), op=CREDUCE_OPS[op]).transpose(0, 3, 1, 2)
+    got = CREDUCE.reference(x.transpose(0, 2, 3, 1), op=REDUCE_OPS[op]).transpose(0, 3, 1, 2)
     assert got.shape == want.shape and got.dtype == want.dtype
     if op in ("ReduceMax", "ReduceMin"):
         np.testing.assert_array_equal(got, want)
@@ -72,18 +73,18 @@ def test_max_and_min_propagate_nan() -> None:
     x = np.zeros((1, 2, 2, 4), np.float32)
     x[0, 1, 0, 2] = np.nan
     for op in ("ReduceMax", "ReduceMin"):
-        y = CREDUCE.reference(x, op=CREDUCE_OPS[op])
+        y = CREDUCE.reference(x, op=REDUCE_OPS[op])
         assert np.isnan(y[0, 1, 0, 0]) and not np.isnan(np.delete(y.ravel(), 2)).any()
 
 
 def cbam_model() -> onnx.ModelProto:
-    """image (1, 3, 20, 18) -> conv 8 -> relu -> [ReduceMax, ReduceMean, ReduceMin, ReduceSum over C] ->
+    """image (1, 3, 20, 18) -> conv 8 -> relu -> [every Reduce op of the table over C] ->
     Concat -> 7x7 conv -> sigmoid -> gate -> 1x1 conv 2 classes; and a ReduceMean over axes [1, 2]
     (no kernel: stays on Track B) feeding nothing the output needs but its own output."""
     rng = np.random.default_rng(7)
     w = lambda *s: numpy_helper.from_array((rng.standard_normal(s) / np.sqrt(np.prod(s[1:]))).astype(np.float32))  # noqa: E731
     inits = [
-        *(w(*s) for s in ((8, 3, 3, 3), (1, 4, 7, 7), (2, 8, 1, 1))),
+        *(w(*s) for s in ((8, 3, 3, 3), (1, 7, 7, 7), (2, 8, 1, 1))),
         numpy_helper.from_array(np.array([1], np.int64), "axes_c"),
     ]
     for t, name in zip(inits[:3], ("w1", "w2", "w3"), strict=True):
@@ -94,8 +95,11 @@ def cbam_model() -> onnx.ModelProto:
         helper.make_node("ReduceMax", ["r1"], ["mx"], axes=[1], keepdims=1),
         helper.make_node("ReduceMean", ["r1"], ["mn"], axes=[1], keepdims=1),
         helper.make_node("ReduceMin", ["r1"], ["mi"], axes=[1], keepdims=1),
-        helper.make_node("ReduceSum", ["r1", "axes_c"], ["sm"], keepdims=1),
-        helper.make_node("Concat", ["mx", "mn", "mi", "sm"], ["cat"], axis=1),
+        helper.make_node("ReduceSum", ["r1", "axes_c"], ["sm"], keepdims=1, noop_with_empty_axes=1),
+        helper.make_node("ReduceL1", ["r1"], ["l1"], axes=[1], keepdims=1),
+        helper.make_node("ReduceL2", ["r1"], ["l2"], axes=[1], keepdims=1),
+        helper.make_node("ReduceSumSquare", ["r1"], ["ss"], axes=[1], keepdims=1),
+        helper.make_node("Concat", ["mx", "mn", "mi", "sm", "l1", "l2", "ss"], ["cat"], axis=1),
         helper.make_node("Conv", ["cat", "w2"], ["c2"], pads=[3, 3, 3, 3]),
         helper.make_node("Sigmoid", ["c2"], ["g"]),
         helper.make_node("Mul", ["r1", "g"], ["gated"]),
@@ -132,9 +136,9 @@ def test_a_cbam_block_keeps_its_channel_pools_on_track_a(tmp_path: Path) -> None
     assert "verification passed" in result.output
     plan = Bundle.open(tmp_path / "b").manifest.plan
     calls = [c for seg in plan.segments if seg.track == "A" for c in seg.calls if c.op == "creduce"]
-    assert sorted(c.attr("op") for c in calls) == sorted(CREDUCE_OPS.values())
+    assert sorted(c.attr("op") for c in calls) == sorted(REDUCE_OPS.values())
     seg_of = {c.nodes[-1]: seg.name for seg in plan.segments if seg.track == "A" for c in seg.calls}
-    assert len({seg_of[c.nodes[-1]] for c in calls}) == 1, "the four pools and their convs in one Track A segment"
+    assert len({seg_of[c.nodes[-1]] for c in calls}) == 1, "the pools and their convs in one Track A segment"
 
 
 def test_other_axes_and_keepdims_0_are_refused_with_the_reason() -> None:

@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack.contract.activations import ACTIVATIONS
-from dualtrack.contract.plan import KernelCall, bits_f32, f32_bits
+from dualtrack.contract.plan import REDUCE_OPS, KernelCall, bits_f32, f32_bits
 from dualtrack.errors import InputError
 from dualtrack.kernels import KERNELS, Activation, DwConvSpec, DwGeometry, ResizeMode
 from dualtrack.kernels.base import cdiv
@@ -359,19 +359,37 @@ def test_dwconv_args_follow_the_abi() -> None:
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize(("N", "H", "W", "C"), [(2, 9, 7, 5), (1, 33, 31, 72), (3, 1, 1, 40)])
-@pytest.mark.parametrize("op", ["GlobalAveragePool", "ReduceMean"])
+@pytest.mark.parametrize("op", ["GlobalAveragePool", *REDUCE_OPS])
 def test_gap_reference_matches_onnxruntime(dtype, N, H, W, C, op) -> None:
+    """Every reduction of the table over H, W (and GlobalAveragePool, the mean) against onnxruntime's
+    Reduce op. fp16: onnxruntime sums in fp16, the reference in fp32 with one rounding (assert_close's
+    fp16 tolerance, scaled by the largest |sum term|); max and min exact."""
     x = np.random.default_rng().standard_normal((N, H, W, C)).astype(dtype)
-    extra = {"axes": [2, 3], "keepdims": 1} if op == "ReduceMean" else {}
-    want = nhwc(run_onnx([helper.make_node(op, ["x"], ["y"], **extra)], {"x": nchw(x)}, {}))
-    got = GAP.reference(x)
+    if op == "GlobalAveragePool":
+        want = nhwc(run_onnx([helper.make_node(op, ["x"], ["y"])], {"x": nchw(x)}, {}))
+    else:  # opset 18: every Reduce op takes its axes as an input
+        node = helper.make_node(op, ["x", "axes"], ["y"], keepdims=1)
+        want = nhwc(run_onnx([node], {"x": nchw(x)}, {"axes": np.array([2, 3], np.int64)}, opset=18))
+    got = GAP.reference(x, op=REDUCE_OPS.get(op, REDUCE_OPS["ReduceMean"]))
     assert got.shape == GAP.output_shape(N, H, W, C) == want.shape
-    assert_close(got, want, dtype, np.abs(x.astype(np.float64)).max())
+    if op in ("ReduceMax", "ReduceMin"):
+        np.testing.assert_array_equal(got, want)
+        return
+    terms = x.astype(np.float64) ** 2 if op in ("ReduceL2", "ReduceSumSquare") else x.astype(np.float64)
+    scale = np.abs(terms).sum(axis=(1, 2)).max() if op != "ReduceMean" and op != "GlobalAveragePool" else np.abs(x).max()
+    assert_close(got, want, dtype, float(np.sqrt(scale) if op == "ReduceL2" else scale))
+
+
+def test_gap_refuses_an_op_outside_the_table() -> None:
+    with pytest.raises(InputError, match=r"gap op 9: not one of"):
+        GAP.args(x=1, y=2, N=3, H=4, W=5, C=70, ldy=72, op=9)
+    with pytest.raises(InputError, match=r"gap op 7: not one of"):
+        GAP.reference(np.zeros((1, 2, 2, 3), np.float32), op=7)
 
 
 def test_gap_args_and_launch() -> None:
     args = GAP.args(x=1, y=2, N=3, H=4, W=5, C=70, ldy=72)
-    assert [v for v, _ in args] == [1, 2, 3, 4, 5, 70, 70, 72]
+    assert [v for v, _ in args] == [1, 2, 3, 4, 5, 70, 70, 72, REDUCE_OPS["ReduceMean"]]
     cfg = GAP.launch("float32", 3, 4, 5, 70)
     assert cfg.grid == (3, 3, 1) and cfg.block == (GAP.block_threads, 1, 1)
 

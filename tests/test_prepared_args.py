@@ -212,9 +212,13 @@ CASES: dict[str, Callable[[], PreparedCall]] = {
         KernelCall("dwconv", ("x",), ("y",), ("w",), DW_DILATED), [T(0x1000, (1, 6, 7, 8), f32)],
         T(0x2000, (1, 6, 7, 8), f32), [T(0x3000, (3, 3, 8), f32)], Context("off"),
     ),
-    "gap": lambda: K["gap"].prepare(
+    "gap": lambda: K["gap"].prepare(  # a call without op (a bundle before the reduction table): the mean
         KernelCall("gap", ("x",), ("y",)), T(0x1000, (3, 7, 9, 72), ld=80), T(0x2000, (3, 1, 1, 72), ld=96), [],
         Context("off"),
+    ),
+    "gap l2": lambda: K["gap"].prepare(  # ConvNeXt-V2's GRN norm
+        KernelCall("gap", ("x",), ("y",), (), (("op", 5),)), T(0x1000, (3, 7, 9, 72), ld=80),
+        T(0x2000, (3, 1, 1, 72), ld=96), [], Context("off"),
     ),
     "creduce max": lambda: K["creduce"].prepare(  # CBAM's max into channel 0 of a 2-channel Concat
         KernelCall("creduce", ("x",), ("y",), (), (("op", 2),)), T(0x1000, (2, 5, 7, 24), ld=40),
@@ -566,7 +570,8 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
         [4096, 12288, 0, 8192, 1, 6, 7, 8, 6, 7, 8, 8, 3, 3, 1, 1, 2, 2, 2, 2, 1, 0, 0.0, 0.0],
         "PPPPIIIIIIIIIIIIIIIIIIFF",
     ),
-    "gap": ("gap_nhwc_f16", (3, 3, 1), (1024, 1, 1), 0, [4096, 8192, 3, 7, 9, 72, 80, 96], "PPIIIIII"),
+    "gap": ("gap_nhwc_f16", (3, 3, 1), (1024, 1, 1), 0, [4096, 8192, 3, 7, 9, 72, 80, 96, 1], "PPIIIIIII"),
+    "gap l2": ("gap_nhwc_f16", (3, 3, 1), (1024, 1, 1), 0, [4096, 8192, 3, 7, 9, 72, 80, 96, 5], "PPIIIIIII"),
     "creduce max": ("creduce_nhwc_f16", (1, 1, 1), (256, 1, 1), 0, [4096, 8192, 2, 5, 7, 24, 40, 2, 2], "PPIIIIIII"),
     "fc": (
         "fc_nhwc_f16",

@@ -1,11 +1,11 @@
-"""The channel reduction kernel (handwritten_ptx/creduce_nhwc.cu: ReduceSum / ReduceMean / ReduceMax /
-ReduceMin over the channels of each pixel) on a real GPU against its numpy reference (kernels.creduce),
+"""The channel reduction kernel (handwritten_ptx/creduce_nhwc.cu: each Reduce op of REDUCE_OPS over the
+channels of each pixel) on a real GPU against its numpy reference (kernels.creduce),
 read from channel slices and written into one channel of a wider output (a Concat's, as CBAM's
 [max, mean] pair is): the output is poisoned (NaN inside, a sentinel outside), so an element not written,
 or one written outside the slice, fails. Shapes no zoo model has: C 1, 3, 5, 8, 40, 264; odd pictures;
 batches 1 and 3; slices that keep (8) or break (3, 4) the fp16 entry's 16-byte path.
 
-Tolerance: max and min exact (a comparison, no rounding); sum and mean (fp32 sums in channel order,
+Tolerance: max and min exact (a comparison, no rounding); the sums (L1, L2, sum of squares too: fp32 sums in channel order,
 one rounding) fp16 rel-L2 2e-3 / max |diff| 1e-2, fp32 1e-5 / 1e-4."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from gpu_ptx import Slices, checked_in_entries
 from dualtrack import kernels
 from dualtrack.compiler.config import Tolerance
 from dualtrack.compiler.verify import compare
-from dualtrack.contract.plan import CREDUCE_OPS
+from dualtrack.contract.plan import REDUCE_OPS
 from dualtrack.runtime.engine import Engine
 
 CREDUCE = kernels.KERNELS["creduce"]
@@ -46,15 +46,15 @@ def run(mods, s: Slices, x: np.ndarray, op: int, out_channels: int = 1) -> np.nd
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("off", [0, 3, 4, 8])
-@pytest.mark.parametrize("op", list(CREDUCE_OPS))
+@pytest.mark.parametrize("op", list(REDUCE_OPS))
 @pytest.mark.parametrize(
     ("n", "h", "w", "c"), [(1, 37, 23, 5), (3, 16, 16, 40), (1, 9, 7, 264), (2, 5, 3, 1), (1, 64, 48, 8)]
 )
 def test_creduce_kernel(engine, mods, dtype, off, op, n, h, w, c) -> None:
     s = Slices(engine, dtype, off)
     x = (2 * s.rng.standard_normal((n, h, w, c)) + 0.5).astype(dtype)
-    ref = CREDUCE.reference(x, op=CREDUCE_OPS[op])
-    got = run(mods, s, x, CREDUCE_OPS[op])
+    ref = CREDUCE.reference(x, op=REDUCE_OPS[op])
+    got = run(mods, s, x, REDUCE_OPS[op])
     if op in ("ReduceMax", "ReduceMin"):
         np.testing.assert_array_equal(got, ref)
     else:
@@ -71,8 +71,8 @@ def test_one_channel_of_a_wider_output_and_nan_propagation(engine, mods, dtype) 
     x = s.rng.standard_normal((2, 6, 10, 24)).astype(dtype)
     x[0, 1, 2, 5] = np.nan
     for op in ("ReduceMax", "ReduceMin"):
-        got = run(mods, s, x, CREDUCE_OPS[op], out_channels=2)
+        got = run(mods, s, x, REDUCE_OPS[op], out_channels=2)
         assert np.isnan(got[..., 1]).all(), "the second output channel was written"
-        ref = CREDUCE.reference(x, op=CREDUCE_OPS[op])
+        ref = CREDUCE.reference(x, op=REDUCE_OPS[op])
         np.testing.assert_array_equal(got[..., :1], ref)
         assert np.isnan(got[0, 1, 2, 0])

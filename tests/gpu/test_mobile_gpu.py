@@ -25,6 +25,7 @@ from dualtrack import kernels
 from dualtrack.compiler.bundle_writer import load_model
 from dualtrack.compiler.config import Tolerance
 from dualtrack.compiler.verify import compare, ort_session, random_input, run_ort, verify_engine
+from dualtrack.contract.plan import REDUCE_OPS
 from dualtrack.kernels import Activation, DwConvSpec, DwGeometry, ResizeMode
 from dualtrack.runtime.driver import SHARED_DEFAULT
 from dualtrack.runtime.engine import Engine
@@ -208,18 +209,37 @@ GAP = kernels.KERNELS["gap"]
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("off", [*OFFS, 5])
+@pytest.mark.parametrize("op", list(REDUCE_OPS))
 @pytest.mark.parametrize(
     ("n", "h", "w", "c"), [(2, 37, 23, 5), (1, 128, 128, 72), (8, 16, 16, 960), (3, 1, 1, 33), (2, 7, 9, 40)]
 )
-def test_gap_kernel(engine, mods, dtype, off, n, h, w, c) -> None:
+def test_gap_kernel(engine, mods, dtype, off, op, n, h, w, c) -> None:
+    """Every reduction of the table over H, W (the entries compile one body an op): max and min exact,
+    the sums (fp32, one rounding; L2 one square root) within TOL."""
     s = Slices(engine, dtype, off)
     x = (s.rng.standard_normal((n, h, w, c)) + 3).astype(dtype)  # a mean far from 0: the sums grow
-    ref = GAP.reference(x)
+    ref = GAP.reference(x, op=REDUCE_OPS[op])
     (px, ldx), (py, ldy) = s.input(x), s.output(ref.shape)
-    launch(
-        mods, GAP, dtype, GAP.launch(dtype, n, h, w, c), GAP.args(x=px, y=py, N=n, H=h, W=w, C=c, ldx=ldx, ldy=ldy), s
-    )
-    check("gap", ref, s.result(), dtype)
+    args = GAP.args(x=px, y=py, N=n, H=h, W=w, C=c, ldx=ldx, ldy=ldy, op=REDUCE_OPS[op])
+    launch(mods, GAP, dtype, GAP.launch(dtype, n, h, w, c), args, s)
+    check(f"gap {op}", ref, s.result(), dtype, exact=op in ("ReduceMax", "ReduceMin"))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gap_max_and_min_keep_a_nan(engine, mods, dtype) -> None:
+    """A NaN anywhere in an image's channel comes out of max and min as NaN (ONNX's reference; fmaxf
+    alone would drop it), through the shuffles and the shared-memory merge alike; other channels exact."""
+    for off in (0, 3):  # the fp16 vector path and the scalar path
+        s = Slices(engine, dtype, off)
+        x = s.rng.standard_normal((2, 19, 13, 40)).astype(dtype)
+        x[1, 17, 4, 9] = np.nan
+        for op in ("ReduceMax", "ReduceMin"):
+            (px, ldx), (py, ldy) = s.input(x), s.output((2, 1, 1, 40))
+            args = GAP.args(x=px, y=py, N=2, H=19, W=13, C=40, ldx=ldx, ldy=ldy, op=REDUCE_OPS[op])
+            launch(mods, GAP, dtype, GAP.launch(dtype, 2, 19, 13, 40), args, s)
+            got = s.result()
+            assert np.isnan(got[1, 0, 0, 9]), (op, off)
+            np.testing.assert_array_equal(got, GAP.reference(x, op=REDUCE_OPS[op]))
 
 
 FC = kernels.KERNELS["fc"]

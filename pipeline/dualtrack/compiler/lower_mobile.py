@@ -27,7 +27,7 @@ from dualtrack.compiler.onnx_graph import TARGET_OPSET, fp32_only_ops
 from dualtrack.contract import activations
 from dualtrack.contract.activations import Activation, match_onnx
 from dualtrack.contract.plan import (
-    CREDUCE_OPS,
+    REDUCE_OPS,
     ELTWISE_OPS,
     RESIZE_COORDS,
     RESIZE_MODES,
@@ -40,7 +40,8 @@ from dualtrack.kernels.dwconv import DwGeometry
 DESCRIPTION = (
     "depthwise Conv 1..7 a side (any strides, dilations, pads, channel multiplier), "
     "1x1 Conv on a pooled (N,C,1,1) vector, "
-    "GlobalAveragePool / ReduceMean over H,W, ReduceSum / ReduceMean / ReduceMax / ReduceMin over C, "
+    "GlobalAveragePool, ReduceSum / ReduceMean / ReduceMax / ReduceMin / ReduceL1 / ReduceL2 / ReduceSumSquare "
+    "over H,W or over C, "
     "Add, Mul, Sub and Div of NHWC tensors "
     "(or an (N,C,1,1) or (N,1,H,W) gate, "
     "or a constant per-channel vector or scalar), PRelu (per-channel or single slope), "
@@ -210,6 +211,7 @@ def _reduce_axes(node: onnx.NodeProto, facts: Facts) -> tuple[list[int] | None, 
 
 
 def _gap_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
+    """GlobalAveragePool, or a Reduce op of REDUCE_OPS over H and W (keepdims) of an image: the gap kernel."""
     if len(facts.shape(node.input[0])) != 4:
         return f"input of rank {len(facts.shape(node.input[0]))}, not an image"
     if node.op_type == "GlobalAveragePool":
@@ -218,27 +220,23 @@ def _gap_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
     if why is not None:
         return why
     if axes != [2, 3]:
-        return f"axes {axes} (the kernel reduces over H and W: axes [2, 3])"
+        return f"axes {axes} (the kernels reduce over H and W, axes [2, 3], or over the channels, axis 1)"
     return None
 
 
 def _creduce_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
-    """ReduceSum / ReduceMean / ReduceMax / ReduceMin over the channels (axis 1, keepdims) of an image."""
+    """A Reduce op of REDUCE_OPS over the channels (axis 1, keepdims) of an image: the creduce kernel."""
     axes, why = _reduce_axes(node, facts)
     if why is not None:
         return why
     if axes != [1]:
-        return (
-            f"axes {axes} (a kernel reduces over the channels, axis 1; over H and W only ReduceMean, the gap "
-            "kernel, and ReduceMax, which the front end writes as a MaxPool)"
-        )
-    if node.op_type == "ReduceSum" and _attrs(node).get("noop_with_empty_axes", 0):
-        return "noop_with_empty_axes"
+        return f"axes {axes} (the kernels reduce over H and W, axes [2, 3], or over the channels, axis 1)"
     return None
 
 
 def _reduce_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
-    """A ReduceMean over H, W (gap) or over C (creduce); the reason names both."""
+    """A Reduce op over H, W (gap) or over C (creduce); the reason names both. noop_with_empty_axes only
+    matters where axes is empty, which neither takes."""
     if _gap_ok(node, facts) is None:
         return None
     return _creduce_ok(node, facts)
@@ -358,7 +356,7 @@ def _resize_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
 # lower to one fp16 call.
 # Activations ONNX defines for float32 only (Celu) are kept fp32 the same way, and lower alike.
 CAST_WRAPPED = (
-    "GlobalAveragePool", "ReduceMean", "ReduceSum", "Resize",
+    "GlobalAveragePool", *REDUCE_OPS, "Resize",
     *sorted(set(ACT_OPS) & fp32_only_ops(TARGET_OPSET)),
 )  # fmt: skip
 _FLOAT, _FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
@@ -418,12 +416,13 @@ def _lower_conv(node: onnx.NodeProto, facts: Facts) -> KernelCall:
 
 
 def _lower_gap(node: onnx.NodeProto, facts: Facts) -> KernelCall:
-    return KernelCall("gap", (node.input[0],), (node.output[0],), (), (), (node.name,))
+    op = REDUCE_OPS.get(node.op_type, REDUCE_OPS["ReduceMean"])  # GlobalAveragePool: the mean
+    return KernelCall("gap", (node.input[0],), (node.output[0],), (), (("op", op),), (node.name,))
 
 
 def _lower_creduce(node: onnx.NodeProto, facts: Facts) -> KernelCall:
     return KernelCall(
-        "creduce", (node.input[0],), (node.output[0],), (), (("op", CREDUCE_OPS[node.op_type]),), (node.name,)
+        "creduce", (node.input[0],), (node.output[0],), (), (("op", REDUCE_OPS[node.op_type]),), (node.name,)
     )
 
 
@@ -475,8 +474,7 @@ class Rule:
 RULES: dict[str, Rule] = {
     "Conv": Rule(_conv_ok, _lower_conv, fuses_act=True),
     "GlobalAveragePool": Rule(_gap_ok, _lower_gap),
-    "ReduceMean": Rule(_reduce_ok, _lower_reduce),
-    **{op: Rule(_creduce_ok, _lower_creduce) for op in ("ReduceSum", "ReduceMax", "ReduceMin")},
+    **{op: Rule(_reduce_ok, _lower_reduce) for op in REDUCE_OPS},
     "Add": Rule(_binary_ok, _lower_binary, fuses_act=True),
     "Mul": Rule(_binary_ok, _lower_binary, fuses_act=True),
     "Sub": Rule(_binary_ok, _lower_binary, fuses_act=True),

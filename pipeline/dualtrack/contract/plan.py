@@ -44,9 +44,12 @@ ELTWISE_OPS: dict[str, int] = {
 # The maxpool call's ``mode`` attr (kernels.maxpool.PoolGeometry): ONNX MaxPool, or AveragePool with
 # count_include_pad 1 or 0 (what its divisor counts: the padded window, or the taps in the image).
 POOL_MODES: dict[str, int] = {"max": 0, "avg_include_pad": 1, "avg_exclude_pad": 2}
-# The creduce call's ``op`` attr (handwritten_ptx/creduce_nhwc.cu): ONNX ReduceSum, ReduceMean, ReduceMax,
-# ReduceMin over the channels of each pixel.
-CREDUCE_OPS: dict[str, int] = {"ReduceSum": 0, "ReduceMean": 1, "ReduceMax": 2, "ReduceMin": 3}
+# The ``op`` attr of the reductions, creduce (over the channels of each pixel) and gap (over each image's
+# H and W): the ONNX Reduce op computed, in fp32 (handwritten_ptx/dualtrack_reduce.cuh, whose enum
+# tests/test_reductions.py holds to this table). A gap call without it is a mean (bundles before the table).
+REDUCE_OPS: dict[str, int] = {
+    "ReduceSum": 0, "ReduceMean": 1, "ReduceMax": 2, "ReduceMin": 3, "ReduceL1": 4, "ReduceL2": 5, "ReduceSumSquare": 6,
+}  # fmt: skip
 # The resize call's ``mode``, ``coord`` (ONNX coordinate_transformation_mode) and ``nearest`` attrs;
 # ``scale_h`` / ``scale_w`` hold the float32 bits of the scale ONNX divides by.
 RESIZE_MODES: dict[str, int] = {"nearest": 0, "linear": 1}

@@ -1,5 +1,5 @@
-"""creduce_nhwc: the creduce op (ONNX ReduceSum, ReduceMean, ReduceMax, ReduceMin over the channels of
-each pixel, keepdims: CBAM's spatial-attention pools)."""
+"""creduce_nhwc: the creduce op (an ONNX Reduce op of REDUCE_OPS over the channels of each pixel,
+keepdims: CBAM's spatial-attention pools)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from dualtrack.contract.plan import CREDUCE_OPS, KernelCall
+from dualtrack.contract.plan import REDUCE_OPS, KernelCall
 from dualtrack.errors import InputError
+from dualtrack.kernels import reduce_ops
 from dualtrack.kernels.base import LaunchConfig, positive
 from dualtrack.kernels.streaming import StreamingSpec
-
-OPS = {code: name for name, code in CREDUCE_OPS.items()}
 
 
 @dataclass(frozen=True)
@@ -39,25 +38,15 @@ class CReduceSpec(StreamingSpec):
 
     def arg_values(self, kw: Mapping[str, Any]) -> dict[str, Any]:
         self.checked_output({**kw, "K": 1})
-        if kw["op"] not in OPS:
-            raise InputError(f"creduce op {kw['op']}: not one of {CREDUCE_OPS}")
+        reduce_ops.checked(kw["op"], "creduce")
         return {}
 
     def call_attrs(self, call: KernelCall) -> dict[str, Any]:
         return {"op": call.attr("op")}
 
-    def reference(self, x: np.ndarray, *_: Any, op: int = CREDUCE_OPS["ReduceMean"], **__: Any) -> np.ndarray:
-        """numpy semantics: the float32 reduction over axis 3 (keepdims), rounded once to x's dtype;
-        max and min propagate a NaN."""
+    def reference(self, x: np.ndarray, *_: Any, op: int = REDUCE_OPS["ReduceMean"], **__: Any) -> np.ndarray:
+        """numpy semantics: ``op`` over axis 3 (keepdims) in float32, rounded once to x's dtype
+        (:func:`reduce_ops.reduce`)."""
         if x.ndim != 4:
             raise InputError(f"creduce takes x (N,H,W,C); got {x.shape}")
-        if op not in OPS:
-            raise InputError(f"creduce op {op}: not one of {CREDUCE_OPS}")
-        f = x.astype(np.float32)
-        name = OPS[op]
-        if name in ("ReduceSum", "ReduceMean"):
-            out = f.sum(axis=3, keepdims=True, dtype=np.float32)
-            out = out / np.float32(x.shape[3]) if name == "ReduceMean" else out
-        else:
-            out = (np.max if name == "ReduceMax" else np.min)(f, axis=3, keepdims=True)
-        return out.astype(x.dtype)
+        return reduce_ops.reduce(x, (3,), op, "creduce")
