@@ -331,3 +331,55 @@ def test_a_written_out_layer_norm_2d_export_runs_on_track_a_and_verifies(exporte
     assert [s.track for s in plan.segments].count("A") == 1, [(s.name, s.track) for s in plan.segments]
     norms = [c for s in plan.segments for c in s.calls if c.op == "norm"]
     assert [c.attr("kind") for c in norms] == [NORM_KINDS["layer"]] * 2
+
+
+def _write_context_embedding_project(root: Path) -> Path:
+    """BiSeNetV2's context embedding (a global average pool, a BatchNorm of the pooled vector, a 1x1
+    conv and ReLU, broadcast-added back to the map) between convolutions, exported by the TorchScript
+    exporter, built fp16 with an image in and a softmax out. The fp16 conversion keeps the pool fp32
+    (Cast, ReduceMean, Cast down), so the BatchNorm's input is the Cast down of the pool's island."""
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+
+    class Net(nn.Module):
+        def __init__(self, c: int = 24) -> None:
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU())
+            self.bn = nn.BatchNorm2d(c)
+            self.gap = nn.Sequential(nn.Conv2d(c, c, 1), nn.ReLU())
+            self.last, self.head = nn.Conv2d(c, c, 3, padding=1), nn.Conv2d(c, 3, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.stem(x)
+            e = self.gap(self.bn(torch.mean(x, dim=(2, 3), keepdim=True)))
+            return self.head(self.last(x + e))
+
+    torch.manual_seed(1)
+    net = Net()
+    net.train()
+    with torch.no_grad():
+        for _ in range(3):  # batch-norm statistics from a few train-mode passes
+            net(torch.randn(4, 3, 30, 22))
+    root.mkdir(parents=True, exist_ok=True)
+    torch.onnx.export(net.eval(), (torch.randn(1, 3, 30, 22),), str(root / "ce.onnx"), opset_version=17, dynamo=False)
+    cfg = root / "ce.yaml"
+    cfg.write_text(
+        "model: ce.onnx\nprecision: fp16\nbatch_sizes: [1, 2]\ntargets: [sm_90a]\nverify:\n  samples: 1\n"
+        "preprocess: {layout: NCHW, color: RGB, scale: 255, mean: [0.5], std: [0.25]}\n"
+        "postprocess: {activation: softmax}\n"
+    )
+    return cfg
+
+
+def test_a_batch_norm_of_an_fp16_model_s_pooled_vector_runs_on_track_a(tmp_path: Path) -> None:
+    """Before, the norm chain took the pool island's Cast down as its own and was refused (fp32 in, fp16
+    out), so the BatchNorm alone took a Track B segment with a track switch each side."""
+    from dualtrack.compiler.build import build
+    from dualtrack.contract.bundle import Bundle
+
+    build(_write_context_embedding_project(tmp_path), tmp_path / "out")  # raises when verification fails
+    plan = Bundle.open(tmp_path / "out").manifest.plan
+    assert [s.track for s in plan.segments] == ["B", "A"], [(s.name, s.track, s.nodes) for s in plan.segments]
+    norms = [c for s in plan.segments for c in s.calls if c.op == "norm"]
+    assert [c.attr("kind") for c in norms] == [NORM_KINDS["affine"]]
+    assert not any(n.endswith("cast0") or "Cast" in n for n in norms[0].nodes), norms[0].nodes

@@ -370,6 +370,12 @@ def match(node: onnx.NodeProto, facts: Facts, taken: set[str]) -> tuple[Norm | N
         res = "after_act"
     ch.skip_casts()
     x_spec, y_spec = facts.specs[ch.x], facts.specs[ch.t]
+    if x_spec != y_spec and ch.nodes[0].op_type == "Cast":
+        # A Cast into the chain with none back out is not an fp32 island around this norm but the end
+        # of another's (BiSeNetV2's BatchNorm of an fp16 model's pooled vector, after the pool's Cast
+        # down): the chain starts after it.
+        ch.x = ch.nodes.pop(0).output[0]
+        x_spec = facts.specs[ch.x]
     if x_spec != y_spec:
         return None, f"the chain turns {x_spec} into {y_spec} (the kernel keeps the shape and dtype)"
     c = x_spec[0][1]
