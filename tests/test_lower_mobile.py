@@ -195,7 +195,9 @@ def test_reduce_mean_over_h_w_is_gap_over_channels_creduce_and_without_keepdims_
     plan, _ = plan_of(one_op(node, (1, 4, 6, 6), axes), tmp_path)
     assert [c.op for c in plan.segments[1].calls] == ["creduce"]
     over_h = {"axes": np.array([2], np.int64)}
-    assert "axes [2] (the kernels reduce over H and W, axes [2, 3], or over the channels" in refusal(one_op(node, (1, 4, 6, 6), over_h), tmp_path)
+    assert "axes [2] (the kernels reduce over H and W, axes [2, 3], or over the channels" in refusal(
+        one_op(node, (1, 4, 6, 6), over_h), tmp_path
+    )
     hw = {"axes": np.array([-2, -1], np.int64)}
     flat = helper.make_node("ReduceMean", ["x", "axes"], ["y"], keepdims=0)
     assert "keepdims=0" in refusal(one_op(flat, (1, 4, 6, 6), hw), tmp_path)

@@ -376,7 +376,9 @@ def test_gap_reference_matches_onnxruntime(dtype, N, H, W, C, op) -> None:
         np.testing.assert_array_equal(got, want)
         return
     terms = x.astype(np.float64) ** 2 if op in ("ReduceL2", "ReduceSumSquare") else x.astype(np.float64)
-    scale = np.abs(terms).sum(axis=(1, 2)).max() if op != "ReduceMean" and op != "GlobalAveragePool" else np.abs(x).max()
+    scale = (
+        np.abs(terms).sum(axis=(1, 2)).max() if op != "ReduceMean" and op != "GlobalAveragePool" else np.abs(x).max()
+    )
     assert_close(got, want, dtype, float(np.sqrt(scale) if op == "ReduceL2" else scale))
 
 

@@ -5,8 +5,8 @@ read from channel slices and written into one channel of a wider output (a Conca
 or one written outside the slice, fails. Shapes no zoo model has: C 1, 3, 5, 8, 40, 264; odd pictures;
 batches 1 and 3; slices that keep (8) or break (3, 4) the fp16 entry's 16-byte path.
 
-Tolerance: max and min exact (a comparison, no rounding); the sums (L1, L2, sum of squares too: fp32 sums in channel order,
-one rounding) fp16 rel-L2 2e-3 / max |diff| 1e-2, fp32 1e-5 / 1e-4."""
+Tolerance: max and min exact (a comparison, no rounding); the sums (L1, L2, sum of squares too: fp32 sums
+in channel order, one rounding) fp16 rel-L2 2e-3 / max |diff| 1e-2, fp32 1e-5 / 1e-4."""
 
 from __future__ import annotations
 

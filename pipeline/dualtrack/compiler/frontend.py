@@ -53,6 +53,7 @@ from dualtrack.compiler.lower_pad import full_pads
 from dualtrack.compiler.onnx_graph import TARGET_OPSET, as_float32, fp32_only_ops, name_nodes, resize_scale
 from dualtrack.compiler.onnx_graph import constants as _graph_constants
 from dualtrack.compiler.pooled_vectors import vectors_as_images
+from dualtrack.compiler.radix_views import radix_views_as_images
 from dualtrack.compiler.resize_maps import iree_cannot_lower, resize_maps, widened_axes
 from dualtrack.compiler.row_order import rows_batch_major
 from dualtrack.compiler.scale_fold import fold_channel_affines
@@ -552,6 +553,16 @@ def zero_channel_concats(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.Mod
     m, detail = zero_concats_as_pads(model)
     if detail:
         log.append(Rewrite("pad", detail))
+        m = _prune(m)
+    return m
+
+
+def split_attention_images(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelProto:
+    """Split attention's 5-D radix views (ResNeSt) written on the images they view
+    (:func:`.radix_views.radix_views_as_images`): the branch sums, products and the softmax of two."""
+    m, detail = radix_views_as_images(model)
+    if detail:
+        log.append(Rewrite("radix", detail))
         m = _prune(m)
     return m
 
@@ -1195,6 +1206,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
         m = check("simplify", simplify(m, log))
     m = check("pad", zero_channel_concats(m, log))  # before free_batch: the zeros are of the export's batch
     m = check("pooled-vectors", pooled_vector_images(m, log))  # before free_batch: its views back go
+    m = check("radix", split_attention_images(m, log))  # before free_batch: its 5-D views go
     m = check("linear-maps", linear_spatial_maps(m, export_batch, log))  # before free_batch: the soups' constants
     m, freed = free_batch(m, export_batch, cfg.batch_sizes)
     m = check("batch", m)

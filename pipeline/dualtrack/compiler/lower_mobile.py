@@ -27,8 +27,8 @@ from dualtrack.compiler.onnx_graph import TARGET_OPSET, fp32_only_ops
 from dualtrack.contract import activations
 from dualtrack.contract.activations import Activation, match_onnx
 from dualtrack.contract.plan import (
-    REDUCE_OPS,
     ELTWISE_OPS,
+    REDUCE_OPS,
     RESIZE_COORDS,
     RESIZE_MODES,
     RESIZE_NEAREST,
