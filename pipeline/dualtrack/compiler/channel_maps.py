@@ -31,7 +31,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from dualtrack.compiler.lower_pad import full_pads
-from dualtrack.compiler.onnx_graph import constants, fresh_name
+from dualtrack.compiler.onnx_graph import constants, fresh_name, inferred_dims
 
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
 
@@ -53,19 +53,6 @@ def _channel_pad(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> tuple[l
     return full, float(value.reshape(()))
 
 
-def _shapes(model: onnx.ModelProto, data_prop: bool = False) -> tuple[dict[str, list[int]], dict[str, int]]:
-    """Every tensor's inferred dims (-1 where unknown, as the batch is) and its element type."""
-    inferred = onnx.shape_inference.infer_shapes(model, data_prop=data_prop)
-    dims: dict[str, list[int]] = {}
-    elems: dict[str, int] = {}
-    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
-        t = vi.type.tensor_type
-        if t.HasField("shape"):
-            dims[vi.name] = [d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim]
-        elems[vi.name] = t.elem_type
-    return dims, elems
-
-
 def _image(name: str, dims: dict[str, list[int]], elems: dict[str, int]) -> bool:
     """A 4-D float tensor whose C, H and W are known."""
     d = dims.get(name)
@@ -83,7 +70,7 @@ def channel_maps_as_convs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str 
     chains = _chains(g) if any(n.op_type == "Transpose" for n in g.node) else []
     if not pads and not chains:
         return model, None
-    dims, elems = _shapes(model)
+    dims, elems = inferred_dims(model)
     perms = [found for chain in chains if (found := _longest_permutation(chain, dims, elems, consts)) is not None]
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -285,7 +272,7 @@ def zero_concats_as_pads(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str |
             found[n.output[0]] = live[0]
     if not found:
         return model, None
-    dims, _ = _shapes(model, data_prop=True)  # a ConstantOfShape's dims come from the shapes it reads
+    dims, _ = inferred_dims(model, data_prop=True)  # a ConstantOfShape's dims come from the shapes it reads
     for name, arr in consts.items():
         dims.setdefault(name, list(arr.shape))
     out = onnx.ModelProto()

@@ -44,6 +44,19 @@ def taken_names(graph: onnx.GraphProto) -> set[str]:
     return names
 
 
+def inferred_dims(model: onnx.ModelProto, data_prop: bool = False) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Every tensor's inferred dims (-1 where unknown, as the batch is) and its element type."""
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=data_prop)
+    dims: dict[str, list[int]] = {}
+    elems: dict[str, int] = {}
+    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        t = vi.type.tensor_type
+        if t.HasField("shape"):
+            dims[vi.name] = [d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim]
+        elems[vi.name] = t.elem_type
+    return dims, elems
+
+
 def node_attrs(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 

@@ -41,8 +41,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from dualtrack.compiler.channel_maps import _shapes
-from dualtrack.compiler.onnx_graph import constants, fresh_name, taken_names
+from dualtrack.compiler.onnx_graph import constants, fresh_name, inferred_dims, node_attrs, taken_names
 
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
 _VIEWS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
@@ -50,16 +49,12 @@ _BINARY = ("Mul", "Add", "Sub", "Div")
 _CHAINS = {"ReduceSum": "Add", "ReduceMean": "Add", "ReduceMax": "Max", "ReduceMin": "Min"}
 
 
-def _attrs(node: onnx.NodeProto) -> dict[str, object]:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
 class _Rewrite:
     """One pass over a model: the images each tensor is flat-equivalent to, and the nodes written."""
 
     def __init__(self, model: onnx.ModelProto) -> None:
         self.g = model.graph
-        self.dims, self.elems = _shapes(model)
+        self.dims, self.elems = inferred_dims(model)
         self.consts = constants(self.g)
         self.taken = taken_names(self.g) | set(self.consts)
         self.producer = {o: n for n in self.g.node for o in n.output}
@@ -124,13 +119,13 @@ class _Rewrite:
         if e is None or dx is None or dy is None or np.prod(dx[1:]) != np.prod(dy[1:]):
             return
         if node.op_type in ("Squeeze", "Unsqueeze"):
-            axes = _attrs(node).get("axes")
+            axes = node_attrs(node).get("axes")
             if len(node.input) > 1 and node.input[1]:
                 value = self.consts.get(node.input[1])
                 axes = None if value is None else value.tolist()
             if axes is None or 0 in [int(a) % (len(dx) if node.op_type == "Squeeze" else len(dy)) for a in axes]:
                 return
-        if node.op_type == "Flatten" and int(_attrs(node).get("axis", 1)) != 1:
+        if node.op_type == "Flatten" and int(node_attrs(node).get("axis", 1)) != 1:
             return
         self.flat[y] = e
 
@@ -148,7 +143,7 @@ class _Rewrite:
         return [out]
 
     def reduce(self, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-        attrs = _attrs(node)
+        attrs = node_attrs(node)
         axes = attrs.get("axes")
         if len(node.input) > 1 and node.input[1]:
             value = self.consts.get(node.input[1])
@@ -195,7 +190,7 @@ class _Rewrite:
         if src is None or d is None:
             return
         if node.op_type == "Transpose":
-            perm = list(_attrs(node).get("perm", []))
+            perm = list(node_attrs(node).get("perm", []))
             if not perm or perm[0] != 0:
                 return
             self.code[node.output[0]] = (src[0], src[1].transpose([p - 1 for p in perm[1:]]))
@@ -208,7 +203,7 @@ class _Rewrite:
         if found is None:
             return []
         logits, code = found
-        axis = int(_attrs(node).get("axis", -1)) % (code.ndim + 1)
+        axis = int(node_attrs(node).get("axis", -1)) % (code.ndim + 1)
         if axis == 0 or code.shape[axis - 1] != 2:
             return []
         partner = np.flip(code, axis=axis - 1).reshape(-1)
