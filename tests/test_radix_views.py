@@ -6,8 +6,10 @@
   stays (its sums and products are still written on images); the mean and max over the branches;
 - no 5-D tensor is left where every use was rewritten, and a 5-D Reshape that is not a channel split
   (H split in two) is left alone;
-- a ResNeSt-style network built fp16 for the CPU with an image in and a softmax out is one Track A segment
-  after the input wrap, and verifies (it was a Track B segment each side of every block's softmax and sums).
+- SKNet's selective kernel (its paths stacked on dim 1, a softmax over the (N, 2, C, 1, 1) view), both exporters;
+- a ResNeSt-style and an SKNet-style network built fp16 for the CPU with an image in and a softmax out are
+  each one Track A segment after the input wrap, and verify (a Track B segment each side of every block's
+  softmax and sums before).
 """
 
 from __future__ import annotations
@@ -69,6 +71,46 @@ def _split_attention_net(radix: int, card: int, reduce: str = "sum"):
     return net.eval(), torch
 
 
+def _selective_kernel_net():
+    """timm's SelectiveKernel (SKNet): two conv paths (3x3, and 3x3 dilated 2) stacked on dim 1, the
+    attention's sum over paths, pool, reduce and select 1x1s, a softmax over the two paths of the
+    (N, 2, C, 1, 1) view, the weighted sum; between a stem and a head."""
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+
+    class SelectiveKernel(nn.Module):
+        def __init__(self, c: int) -> None:
+            super().__init__()
+            self.paths = nn.ModuleList(
+                nn.Sequential(nn.Conv2d(c, c, 3, padding=d, dilation=d, groups=2), nn.BatchNorm2d(c), nn.ReLU())
+                for d in (1, 2)
+            )
+            self.reduce = nn.Sequential(nn.Conv2d(c, 8, 1), nn.BatchNorm2d(8), nn.ReLU())
+            self.select = nn.Conv2d(8, 2 * c, 1, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = torch.stack([p(x) for p in self.paths], dim=1)
+            a = self.select(self.reduce(x.sum(1).mean((2, 3), keepdim=True)))
+            b, c2 = a.shape[:2]
+            a = torch.softmax(a.view(b, 2, c2 // 2, 1, 1), dim=1)
+            return torch.sum(x * a, dim=1)
+
+    class Net(nn.Module):
+        def __init__(self, c: int = 12) -> None:
+            super().__init__()
+            self.stem, self.block, self.head = nn.Conv2d(3, c, 3, padding=1), SelectiveKernel(c), nn.Conv2d(c, 3, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.block(torch.relu(self.stem(x))))
+
+    torch.manual_seed(4)
+    net = Net().train()
+    with torch.no_grad():
+        for _ in range(3):
+            net(torch.randn(4, 3, 18, 14))
+    return net.eval(), torch
+
+
 def _export(net, torch, path: Path, dynamo: bool) -> onnx.ModelProto:
     torch.onnx.export(net, (torch.randn(1, 3, 18, 14),), str(path), opset_version=17, dynamo=dynamo)
     return onnx.load(str(path))
@@ -108,6 +150,19 @@ def test_the_rewrite_computes_what_the_export_computes(radix, card, reduce, dyna
         assert len(softmaxes) == 1 and "softmax of two" not in line
 
 
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_a_selective_kernel_s_stack_is_written_on_images(dynamo: bool, tmp_path: Path) -> None:
+    net, torch = _selective_kernel_net()
+    model = _export(net, torch, tmp_path / "sk.onnx", dynamo)
+    out, line = radix_views_as_images(model)
+    assert line is not None and "softmax of two" in line, line
+    out = _prune(out)
+    x = np.random.default_rng(2).standard_normal((1, 3, 18, 14)).astype(np.float32)
+    want, got = _run(model, x), _run(out, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert _rank5(out) == [] and not [n for n in out.graph.node if n.op_type == "Softmax"]
+
+
 def test_a_5d_reshape_that_is_not_a_channel_split_is_left_alone() -> None:
     """(N, C, H, W) -> (N, C, 2, H/2, W), summed over axis 1: a sum over channels, not over branches."""
     nodes = [
@@ -125,11 +180,12 @@ def test_a_5d_reshape_that_is_not_a_channel_split_is_left_alone() -> None:
     assert out is model and line is None
 
 
-def test_a_resnest_style_network_is_one_track_a_segment_and_verifies(tmp_path: Path) -> None:
+@pytest.mark.parametrize("block", ["split_attention", "selective_kernel"])
+def test_a_resnest_or_sknet_style_network_is_one_track_a_segment_and_verifies(block: str, tmp_path: Path) -> None:
     from dualtrack.compiler.build import build
     from dualtrack.contract.bundle import Bundle
 
-    net, torch = _split_attention_net(2, 2)
+    net, torch = _split_attention_net(2, 2) if block == "split_attention" else _selective_kernel_net()
     _export(net, torch, tmp_path / "rs.onnx", dynamo=False)
     cfg = tmp_path / "rs.yaml"
     cfg.write_text(

@@ -1,8 +1,9 @@
 """Channel splits into a leading axis written on images (a front-end pass): split attention.
 
-ResNeSt's split-attention block (timm's ``SplitAttn``, every ``resnest`` encoder; SKNet's selective kernel
-is the same arithmetic) views its (N, r*C, H, W) feature map as (N, r, C, H, W), sums the r "radix"
-branches, pools, and weighs the branches by a softmax over r before summing them again:
+ResNeSt's split-attention block (timm's ``SplitAttn``, every ``resnest`` encoder; SKNet's selective kernel,
+timm's ``SelectiveKernel``, stacks its paths with ``torch.stack(paths, 1)`` instead) views its (N, r*C, H, W)
+feature map as (N, r, C, H, W), sums the r "radix" branches, pools, and weighs the branches by a softmax
+over r before summing them again:
 
     x5 = x.reshape(N, r, C, H, W);  gap = x5.sum(1).mean((2, 3))
     a = softmax(fc2(...).view(N, card, r, -1).transpose(1, 2), dim=1)     # over the r branches
@@ -16,7 +17,8 @@ pass writes the arithmetic on the images themselves:
   Reshape, Flatten, Squeeze or Unsqueeze that keeps dim 0 and the per-image count, from E or from another
   such tensor);
 - a 5-D (N, r, C, h, w) tensor flat-equivalent to E (N, r*C, h, w) is E's radix view: branch i is E's
-  channels [i*C, (i+1)*C);
+  channels [i*C, (i+1)*C); a Concat on axis 1 of radix views (a stack of Unsqueezed images) is the radix
+  view of their images' Concat on channels;
 - Mul, Add, Sub or Div of two radix views of the same split (their h, w equal or 1, as ONNX
   broadcasts) is the same op of their images, whose result the output is the radix view of;
 - ReduceSum, ReduceMean, ReduceMax or ReduceMin of a radix view over axis 1 (keepdims 0) is a Split of
@@ -110,6 +112,8 @@ class _Rewrite:
             return self.reduce(node) or [node]
         elif node.op_type == "Softmax":
             return [node, *self.softmax(node)]
+        elif node.op_type == "Concat" and node.output:
+            return [node, *self.concat(node)]
         return [node]
 
     def view(self, node: onnx.NodeProto) -> None:
@@ -140,6 +144,22 @@ class _Rewrite:
         self.flat[node.output[0]] = out.output[0]
         self.dims[out.output[0]] = [-1, da[1] * da[2], max(da[3], db[3]), max(da[4], db[4])]
         self.elems[out.output[0]] = self.elems.get(a[0], onnx.TensorProto.FLOAT)
+        return [out]
+
+    def concat(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+        """A Concat of radix views on axis 1 (``torch.stack`` of images on dim 1 is one of Unsqueezes) is
+        the radix view of their images' Concat on channels."""
+        d = self.known(node.output[0])
+        if d is None or len(d) != 5 or int(node_attrs(node).get("axis", 0)) % 5 != 1:
+            return []
+        parts = [self.radix(t) for t in node.input]
+        if any(p is None or self.dims[t][2:] != d[2:] for p, t in zip(parts, node.input, strict=True)):
+            return []
+        images = [p[0] for p in parts if p is not None]
+        out = self.node("Concat", images, f"{node.name or node.output[0]}_image", axis=1)
+        self.flat[node.output[0]] = out.output[0]
+        self.dims[out.output[0]] = [-1, d[1] * d[2], d[3], d[4]]
+        self.elems[out.output[0]] = self.elems.get(images[0], onnx.TensorProto.FLOAT)
         return [out]
 
     def reduce(self, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
