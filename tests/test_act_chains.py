@@ -388,3 +388,44 @@ def test_celu_runs_on_track_a_at_either_precision(tmp_path: Path, precision: str
         assert [c.op for c in celu] == ["eltwise", "eltwise"] and all(len(c.nodes) == 3 for c in celu)
     else:
         assert sorted(c.op for c in celu) == ["dwconv", "eltwise"] and all(len(c.nodes) <= 2 for c in celu)
+
+
+def test_a_star_relu_network_runs_on_track_a_and_verifies(tmp_path: Path) -> None:
+    """PoolFormerV2's StarReLU, ``s * relu(x) ** 2 + b`` with learnt scalars, after convolutions (TorchScript
+    export, fp16): its Pow was the one op left on Track B, a track switch each side of every block. The
+    rules partition puts the whole body on Track A (on a net this small the auto partition may leave its
+    first layers to IREE by cost), so what is checked is the lowering, verified against onnxruntime."""
+    torch = pytest.importorskip("torch")
+    from dualtrack.compiler.build import build
+    from dualtrack.contract.bundle import Bundle
+
+    class StarReLU(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale, self.bias = torch.nn.Parameter(torch.tensor(0.8)), torch.nn.Parameter(torch.tensor(-0.4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.scale * torch.relu(x) ** 2 + self.bias
+
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1), StarReLU(), torch.nn.Conv2d(16, 16, 1), StarReLU(),
+        torch.nn.Conv2d(16, 2, 1),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    torch.onnx.export(
+        net.eval(), (torch.randn(1, 3, 22, 18),), str(tmp_path / "net.onnx"), opset_version=17, dynamo=False
+    )
+    cfg = tmp_path / "net.yaml"
+    cfg.write_text(
+        "model: net.onnx\nprecision: fp16\nbatch_sizes: [1, 2]\ntargets: [sm_90a]\nverify:\n  samples: 1\n"
+        "preprocess: {layout: NCHW, color: RGB, scale: 255, mean: [0.5], std: [0.25]}\n"
+        "postprocess: {activation: softmax}\n"
+        "partition: {mode: rules, track_a: {op_types: [Conv, Relu, Pow, Mul, Add]}}\n"
+    )
+    build(cfg, tmp_path / "out")  # raises when verification fails
+    plan = Bundle.open(tmp_path / "out").manifest.plan
+    squares = [
+        c for s in plan.segments for c in s.calls if c.op == "eltwise" and len(set(c.inputs)) == 1 < len(c.inputs)
+    ]
+    assert len(squares) == 2 and all(c.nodes[0].endswith("/Pow") for c in squares), squares

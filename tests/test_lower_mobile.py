@@ -290,3 +290,15 @@ def test_an_fp32_island_lowers_where_the_export_orders_another_node_inside_it(tm
     for t in body.outputs:
         g, w = got[t.name].astype(np.float64), want[t.name].astype(np.float64)
         assert g.shape == w.shape and np.abs(g - w).max() <= 2e-3 * max(1.0, np.abs(w).max()), t.name  # fp16 rounding
+
+
+def test_pow_2_is_a_square_on_track_a_and_other_exponents_are_refused(tmp_path) -> None:
+    """x ** 2 (PoolFormerV2's StarReLU squares its ReLU) is one eltwise product of x with itself; x ** 3
+    stays on Track B with the reason."""
+    node = helper.make_node("Pow", ["x", "e"], ["y"])
+    plan, _ = plan_of(one_op(node, (1, 5, 7, 6), {"e": np.array(2.0, np.float32)}), tmp_path)
+    (call,) = plan.segments[1].calls
+    assert call.op == "eltwise" and call.inputs == ("stem", "stem") and call.attr("op") == ELTWISE_OPS["mul"]
+    cube = helper.make_node("Pow", ["x", "e"], ["y"])
+    msg = refusal(one_op(cube, (1, 5, 7, 6), {"e": np.array(3.0, np.float32)}), tmp_path)
+    assert "an exponent other than the constant 2 (the kernel squares: x * x)" in msg

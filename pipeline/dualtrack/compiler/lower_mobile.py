@@ -42,7 +42,7 @@ DESCRIPTION = (
     "1x1 Conv on a pooled (N,C,1,1) vector, "
     "GlobalAveragePool, ReduceSum / ReduceMean / ReduceMax / ReduceMin / ReduceL1 / ReduceL2 / ReduceSumSquare "
     "over H,W or over C, "
-    "Add, Mul, Sub and Div of NHWC tensors "
+    "Add, Mul, Sub and Div of NHWC tensors, Pow(x, 2) as x * x "
     "(or an (N,C,1,1) or (N,1,H,W) gate, "
     "or a constant per-channel vector or scalar), PRelu (per-channel or single slope), "
     f"{'/'.join(activations.ONNX_OPS)} (fused into the op before them where they can be), "
@@ -304,6 +304,16 @@ def _binary_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
     return _binary_operands(node, facts)[1]
 
 
+def _square_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
+    """Pow(x, 2) of an image (PoolFormerV2's StarReLU squares its ReLU): x * x, exact as powf's."""
+    if len(facts.shape(node.input[0])) != 4:
+        return f"input of rank {len(facts.shape(node.input[0]))}, not an image"
+    e = facts.const(node.input[1]) if len(node.input) > 1 else None
+    if e is None or e.size != 1 or float(e.reshape(())) != 2.0:
+        return "an exponent other than the constant 2 (the kernel squares: x * x)"
+    return None
+
+
 def _act_ok(node: onnx.NodeProto, facts: Facts) -> str | None:
     if len(facts.shape(node.input[0])) != 4:
         return f"input of rank {len(facts.shape(node.input[0]))}, not an image"
@@ -440,6 +450,11 @@ def _lower_binary(node: onnx.NodeProto, facts: Facts) -> KernelCall:
     return KernelCall("eltwise", inputs, (node.output[0],), weights, attrs, (node.name,))
 
 
+def _lower_square(node: onnx.NodeProto, facts: Facts) -> KernelCall:
+    x = node.input[0]
+    return KernelCall("eltwise", (x, x), (node.output[0],), (), (("op", ELTWISE_OPS["mul"]),), (node.name,))
+
+
 def _lower_act(node: onnx.NodeProto, facts: Facts) -> KernelCall:
     act, _ = activation(node, facts)
     attrs = (("op", ELTWISE_OPS["unary"]), *_act_attrs(act))
@@ -480,6 +495,7 @@ RULES: dict[str, Rule] = {
     "Sub": Rule(_binary_ok, _lower_binary, fuses_act=True),
     "Div": Rule(_binary_ok, _lower_binary, fuses_act=True),
     "PRelu": Rule(_binary_ok, _lower_binary, fuses_act=True),
+    "Pow": Rule(_square_ok, _lower_square, fuses_act=True),
     "Resize": Rule(_resize_ok, _lower_resize),
     "Cast": Rule(_cast_ok, _lower_cast),
     **{op: Rule(_act_ok, _lower_act) for op in ACT_OPS},
