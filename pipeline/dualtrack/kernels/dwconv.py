@@ -12,8 +12,8 @@ another, and were latency-bound on the H100 (ConvNeXt-tiny's 18 depthwise 7x7 la
 8, ten times their bytes' time); the tiled entry loads a block's whole patch at once and feeds the FMAs
 from shared memory (handwritten_ptx/dwconv_nhwc.cu says how). 3x3 kernels (stride 1 or 2) take
 the column entries (``dwconv_nhwc_f16_cols``: :meth:`DwConvSpec.cols_path`) instead, where
-:attr:`DwConvSpec.cols` is on (off until they have run on a GPU), which keep a thread's 8 channels and
-its 9 weights in registers and read each input row once.
+:attr:`DwConvSpec.cols` is on (off: slower than the tiles at N=8 on every layer measured), which keep a
+thread's 8 channels and its 9 weights in registers and read each input row once.
 """
 
 from __future__ import annotations
@@ -151,8 +151,11 @@ class DwConvSpec(ElementSpec):
     cols_threads: int = 256
     cols_per_sm: int = 2
     cols_min_blocks: int = 1  # __launch_bounds__' second argument: ptxas keeps registers to fit this many a SM
-    # Whether prepare_inputs launches them. Off until they have run on a GPU: built and checked on the CPU
-    # (launch coverage, arguments), their GPU test and bench/mobile_layers.py launch them directly.
+    # Whether prepare_inputs launches them. Off: correct on the GPU (tests/gpu/test_mobile_gpu.py), but slower
+    # than the tiles at N=8 on every layer of bench/mobile_layers.py (SegFormer-b2's stage-1 3x3: 206 us
+    # against 128, H100, mobile_layers-9062b2d-s18dwcols-h100.json) and through Engine.run (SegFormer-b2 N=8
+    # 5.94 ms against 5.73); faster only on some N=1 maps of 16-32 pixels. bench/mobile_layers.py and
+    # zoo_bench.py --dwconv-cols time them.
     cols: bool = False
 
     def defines(self) -> dict[str, int | str]:
