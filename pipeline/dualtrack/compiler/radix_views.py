@@ -248,7 +248,10 @@ def radix_views_as_images(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str 
     """The model with its split-attention arithmetic on 5-D radix views written on the images (module
     docstring), and a line saying what (None: nothing; the model itself is returned)."""
     g = model.graph
-    if not any(n.op_type in _CHAINS for n in g.node) or not any(len(d) == 5 for d in _dims_of_reshapes(model)):
+    stacks = any(n.op_type == "Unsqueeze" for n in g.node)  # torch.stack's views come from Unsqueezes
+    if not any(n.op_type in _CHAINS for n in g.node) or not (
+        stacks or any(len(d) == 5 for d in _dims_of_reshapes(model))
+    ):
         return model, None  # no 5-D views: no copy
     rw = _Rewrite(model)
     nodes = [new for node in g.node for new in rw.visit(node)]
