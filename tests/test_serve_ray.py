@@ -48,6 +48,10 @@ from dualtrack.serve.ray_app import METRICS, MODEL, app_builder, build_app, fail
 from dualtrack.serve.ray_config import THROUGHPUT_ENV, RayAppOptions, parse_autoscale, throughput_env  # noqa: E402
 
 WAIT_S = 90.0  # upper bound on any one wait (Ray starting replicas on a slow CI core included)
+# Upper bound on `dualtrack serve --backend ray` reaching its "running on" line: a driver joining the
+# cluster, then two replica processes importing Ray, IREE and the bundle. On CI's two cores beside
+# the other test worker's IREE compiles that took over 90 s (it takes 40-75 s alone).
+STARTUP_S = 300.0
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds Ray's replica processes in /proc")
 
 
@@ -194,9 +198,12 @@ def _parent(pid: int) -> int:
 def _serve_until_running(argv: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
     """`dualtrack serve ARGV` in a child process, once it prints its "running on" line (returned)."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    deadline = time.monotonic() + WAIT_S
+    deadline = time.monotonic() + STARTUP_S
     line = ""
-    while "running on" not in line and time.monotonic() < deadline:
+    while "running on" not in line:
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"`dualtrack serve --backend ray` printed no 'running on' in {STARTUP_S:.0f} s; last: {line!r}")
         line = proc.stdout.readline()
         assert line, f"`dualtrack serve --backend ray` exited with {proc.wait()}"
     # Ray's log lines keep coming: read them, or a full pipe would stop the server.

@@ -36,6 +36,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack.compiler.batch_free import BATCH, free_batch, replace_input, static_shapes, symbolic_batch, with_batch
+from dualtrack.compiler.branch_merge import merge_branches
 from dualtrack.compiler.channel_maps import channel_maps_as_convs, zero_concats_as_pads
 from dualtrack.compiler.channels_last import channels_first
 from dualtrack.compiler.config import BuildConfig, Postprocess, Preprocess
@@ -564,6 +565,22 @@ def split_attention_images(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.M
     if detail:
         log.append(Rewrite("radix", detail))
         m = _prune(m)
+    return m
+
+
+def parallel_branches(model: onnx.ModelProto, precision: str | None, log: list[Rewrite]) -> onnx.ModelProto:
+    """Sums of parallel convolutions, BatchNorms and the identity of one input merged into one
+    convolution each (:mod:`.branch_merge`): a RepVGG / MobileOne / RepMixer block exported from its
+    training-time module runs as the one convolution it was trained to become. The merged weights are
+    checked against the dtype ``precision`` will give them."""
+    final = {"fp16": np.float16, "fp8": np.float16, "fp32": np.float32}.get(precision or "")
+    m, merged, refused = merge_branches(model, final)
+    if merged:
+        more = f" and {len(merged) - 4} more" if len(merged) > 4 else ""
+        what = f"{len(merged)} sum(s) of parallel branches of one input merged into one Conv each"
+        log.append(Rewrite("reparam", f"{what}: {', '.join(merged[:4])}{more}"))
+    for why in refused:
+        log.append(Rewrite("reparam", f"not merged: {why}"))
     return m
 
 
@@ -1220,6 +1237,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     m = check("pad", fold_zero_pads(m, log))
     m = check("stack", unstack_reductions(m, log))
     m = check("convtranspose", sub_pixel_convtransposes(m, log))
+    m = check("reparam", parallel_branches(m, cfg.precision, log))  # before the precision: fp32 weights summed
     m = check("names", unique_parameter_keys(m, log))
     m, precision = convert_precision(m, cfg.precision, log)
     m = check("precision", m)

@@ -37,7 +37,7 @@ from onnx import numpy_helper
 from dualtrack.compiler.onnx_graph import constants, fresh_name, taken_names
 
 
-def _channel_scale(c: np.ndarray, k: int, rank: int) -> np.ndarray | None:
+def channel_vector(c: np.ndarray, k: int, rank: int) -> np.ndarray | None:
     """``c`` as a (k,) vector where it broadcasts against a (N, k, ...) rank-``rank`` tensor as one
     value per channel (or one value); None where it varies along another axis."""
     if c.ndim > rank:
@@ -48,7 +48,7 @@ def _channel_scale(c: np.ndarray, k: int, rank: int) -> np.ndarray | None:
     return np.broadcast_to(c.reshape(-1).astype(np.float32), (k,)) if c.size == 1 else c.reshape(k).astype(np.float32)
 
 
-def _holds(v: np.ndarray, dtype: np.dtype, absolute: bool = False) -> bool:
+def holds_in_dtype(v: np.ndarray, dtype: np.dtype, absolute: bool = False) -> bool:
     """Whether ``v`` (fp32, one row an output channel) rounds to ``dtype`` finite and, row by row, within
     twice the dtype's rounding (relative L2): values pushed into the subnormals lose their digits.
     ``absolute``: a bias, whose values are each their own channel's offset, is held where every value
@@ -106,7 +106,7 @@ def fold_channel_affines(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[
                 continue
             w = consts[conv.input[1]]
             bias = consts[conv.input[2]] if len(conv.input) > 2 and conv.input[2] else None
-            vec = _channel_scale(consts[c], w.shape[0], w.ndim)
+            vec = channel_vector(consts[c], w.shape[0], w.ndim)
             if vec is None:
                 continue
             label = node.name or node.output[0]
@@ -118,7 +118,8 @@ def fold_channel_affines(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[
             b32 = bias.astype(np.float32) if bias is not None else np.zeros(w.shape[0], np.float32)
             bs = b32 * scale if scale is not None else b32
             bs = bs + shift if shift is not None else bs
-            if (ws is not None and not _holds(ws, w.dtype)) or not _holds(bs.reshape(1, -1), w.dtype, absolute=True):
+            held = ws is None or holds_in_dtype(ws, w.dtype)
+            if not held or not holds_in_dtype(bs.reshape(1, -1), w.dtype, absolute=True):
                 refused.append(f"'{label}': folded, {conv.name or t}'s weights or bias would leave {w.dtype}'s range")
                 break
             inputs = [conv.input[0], conv.input[1]]
@@ -154,4 +155,4 @@ def fold_channel_affines(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[
     return model, folded, refused
 
 
-__all__ = ["fold_channel_affines"]
+__all__ = ["channel_vector", "fold_channel_affines", "holds_in_dtype"]
