@@ -155,11 +155,37 @@ def dw_node(k: int, c: int, **attrs) -> tuple[onnx.NodeProto, dict]:
     return helper.make_node("Conv", ["x", "w"], ["y"], group=c, kernel_shape=[k, k], **attrs), {"w": w}
 
 
-def test_depthwise_9x9_is_refused_with_the_reason(tmp_path) -> None:
-    node, inits = dw_node(9, 8, pads=[4, 4, 4, 4])
-    msg = refusal(one_op(node, (1, 8, 12, 12), inits), tmp_path)
-    assert "node 'body/op' (Conv, depthwise kernel [9, 9] (the kernel takes 1..7 a side))" in msg
+def test_depthwise_wider_than_the_general_conv_is_refused_with_the_reason(tmp_path) -> None:
+    # 9x9 is past the depthwise kernel's 7 and the general conv's (its groups merged); 17x17 past both.
+    node, inits = dw_node(17, 8, pads=[8, 8, 8, 8])
+    msg = refusal(one_op(node, (1, 8, 20, 20), inits), tmp_path)
+    assert "node 'body/op' (Conv, kernel 17x17: the general conv takes 1..15 a side)" in msg
     assert "partition.track_b.name_prefixes: ['body/op']" in msg
+
+
+@pytest.mark.parametrize(
+    ("window", "pads", "strides"),
+    [((1, 11), [0, 5, 0, 5], [1, 1]), ((11, 1), [5, 0, 5, 0], [1, 1]), ((9, 9), [4, 3, 2, 5], [2, 1])],
+    ids=["band1x11", "band11x1", "9x9s2asym"],
+)
+def test_a_depthwise_window_past_seven_is_the_general_convs(tmp_path, window, pads, strides) -> None:
+    # InceptionNeXt's 1x11 / 11x1 bands: past dwconv's 7 a side, lowered to the general conv (one-channel
+    # groups); its numpy reference against onnxruntime on the segment's own model.
+    c = 12
+    w = np.random.default_rng(5).standard_normal((c, 1, *window)).astype(np.float32)
+    node = helper.make_node("Conv", ["x", "w"], ["y"], group=c, kernel_shape=list(window), pads=pads, strides=strides)
+    model = one_op(node, (1, c, 17, 14), {"w": w})
+    plan, seg_models = plan_of(model, tmp_path)
+    seg = plan.segments[1]
+    assert seg.track == "A" and [call.op for call in seg.calls] == ["conv"]
+    weights = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    feeds = {t.name: np.random.default_rng(6).standard_normal(t.at_batch(2)).astype(t.dtype) for t in seg.inputs}
+    got = interpret_track_a(seg, weights, feeds)
+    sess = ort.InferenceSession(seg_models[1].SerializeToString(), providers=["CPUExecutionProvider"])
+    want = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
+    for t in seg.outputs:
+        g, ref = got[t.name].astype(np.float64), want[t.name].astype(np.float64)
+        assert g.shape == ref.shape and np.linalg.norm(g - ref) <= 1e-5 * np.linalg.norm(ref), t.name
 
 
 def test_same_auto_pad_is_refused(tmp_path) -> None:

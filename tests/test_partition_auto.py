@@ -194,12 +194,13 @@ def test_every_node_gets_the_predicates_answer() -> None:
 
 
 def refused_convs() -> onnx.ModelProto:
-    """Between Sins: a grouped 17x17 conv (the general conv refuses it) and a depthwise 9x9 (lower_mobile does)."""
+    """Between Sins: a grouped 17x17 conv and a depthwise 17x17 (wider than the depthwise kernel's 7, so the
+    general conv's, and wider than its 15): both refused in the general conv's words."""
     g = Graph()
     g.add("Sin", "pre", ["x"])
     g.conv("grouped", "pre", k=17, group=2)
-    g.conv("dw9", "grouped", k=9, group=C)
-    g.add("Sin", "post", ["dw9"])
+    g.conv("dw17", "grouped", k=17, group=C)
+    g.add("Sin", "post", ["dw17"])
     return g.model("post")
 
 
@@ -207,7 +208,7 @@ def refused_convs() -> onnx.ModelProto:
     ("node", "reason"),
     [
         ("grouped", "kernel 17x17: the general conv takes 1..15 a side"),
-        ("dw9", "depthwise kernel [9, 9] (the kernel takes 1..7 a side)"),
+        ("dw17", "kernel 17x17: the general conv takes 1..15 a side"),
     ],
 )
 def test_the_lowering_and_auto_ask_the_same_predicate(node: str, reason: str) -> None:

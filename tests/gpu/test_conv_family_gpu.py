@@ -75,6 +75,9 @@ GROUPED = [  # (N, H, W, C, K, geometry)
     (1, 33, 30, 64, 96, ConvGeometry(3, 3, 1, 1, 3, 3, 3, 3, 3, 3, groups=4)),  # 16 -> 24, dilation 3
     (2, 15, 16, 256, 256, ConvGeometry(3, 3, 1, 1, 1, 1, 1, 1, 1, 1, groups=8)),  # 32 -> 32: the tiles
     (1, 12, 13, 9, 12, ConvGeometry(1, 5, 1, 2, 1, 1, 0, 2, 0, 1, groups=3)),  # 1x5 stride (1, 2)
+    # Depthwise windows past dwconv's 7 (one-channel groups): InceptionNeXt's 1x11 and 11x1 bands
+    (2, 16, 15, 24, 24, ConvGeometry(1, 11, 1, 1, 1, 1, 0, 5, 0, 5, groups=24)),
+    (1, 19, 9, 12, 12, ConvGeometry(11, 1, 1, 1, 1, 1, 5, 0, 5, 0, groups=12)),
 ]
 
 
@@ -112,7 +115,7 @@ def run_grouped(engine, fns, dtype, shape, geom, off, entry=None, merge=False) -
 @pytest.mark.parametrize("off", [0, 3])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize(
-    ("shape", "geom"), [(s[:5], s[5]) for s in GROUPED], ids=["g2", "g32", "g4dil3", "g8", "g3_1x5"]
+    ("shape", "geom"), [(s[:5], s[5]) for s in GROUPED], ids=["g2", "g32", "g4dil3", "g8", "g3_1x5", "dw1x11", "dw11x1"]
 )
 def test_grouped_conv_with_residual_and_activation(engine, fns, dtype, shape, geom, off) -> None:
     run_grouped(engine, fns, dtype, shape, geom, off)

@@ -153,13 +153,18 @@ def _act_attrs(act: Activation | None) -> tuple[tuple[str, int], ...]:
 
 
 def conv_kind(node: onnx.NodeProto, facts: Facts) -> str | None:
-    """ "dwconv" for a depthwise Conv (group == C == K > 1), "fc" for a group-1 Conv on an
-    (N, C, 1, 1) input, None for the other convolutions (partition's dense conv branches)."""
+    """ "dwconv" for a depthwise Conv (group == C == K > 1) of at most DW_MAX_KERNEL a side, "fc" for a
+    group-1 Conv on an (N, C, 1, 1) input, None for the other convolutions (partition's dense conv
+    branches: a wider depthwise window, InceptionNeXt's 1x11 and 11x1 bands, is the general conv's, its
+    one-channel groups merged into block-diagonal ones)."""
     if node.op_type != "Conv" or node.input[0] not in facts.specs:
         return None
     x = facts.shape(node.input[0])
     group = _attrs(node).get("group", 1)
     if len(x) == 4 and group > 1 and group == x[1]:
+        w = facts.shape(node.input[1]) if node.input[1] in facts.specs else ()
+        if len(w) == 4 and max(w[2:]) > DW_MAX_KERNEL:
+            return None
         return "dwconv"
     if len(x) == 4 and group == 1 and x[2:] == (1, 1):
         return "fc"

@@ -206,7 +206,10 @@ class Report:
         quarter more than they measured), where the failures are finite: an error that is rounding
         alone (a deep fp16 network) is accepted there; NaN or infinity never is."""
         if any(c.nonfinite or not (np.isfinite(c.rel_l2) and np.isfinite(c.max_abs)) for c in bad):
-            return "non-finite outputs are a wrong result: no tolerance accepts them"
+            why = "non-finite outputs are a wrong result: no tolerance accepts them"
+            if self.precision in ("fp16", "fp8"):  # fp16's range ends at 65504: a sum or a product overflowed
+                return f"{why}; the {self.precision} build overflows on these inputs: set `precision: fp32`"
+            return why
         t = self.tolerance
         want = Tolerance(
             rel_l2=float(f"{max(t.rel_l2, *(1.25 * c.rel_l2 for c in bad)):.2g}"),
