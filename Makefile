@@ -14,7 +14,7 @@ ZOO_TORCH ?= 'torch==2.13.0'
 TEST_WORKERS ?= 2
 DEVICE  ?= $(shell (nvidia-smi -L >/dev/null 2>&1 && echo cuda) || echo cpu)
 
-.PHONY: install models ptx build run test gpu-test bench lint clean zoo zoo-deps ray-deps conformance
+.PHONY: install models ptx ptx-check build run test gpu-test bench lint clean zoo zoo-deps ray-deps conformance
 
 $(BIN)/dualtrack: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,8 +29,11 @@ models/unet_fp16.onnx: | $(BIN)/dualtrack
 
 models: models/unet_fp16.onnx  ## generate the reference U-Net (fp16, fp32) and the sample image
 
-ptx: $(BIN)/dualtrack  ## regenerate handwritten_ptx/ptx/* from the .cu sources with NVRTC 13.0
+ptx: $(BIN)/dualtrack  ## regenerate handwritten_ptx/ptx/* (and its stamps, ptx/inputs.json) with NVRTC 13.0
 	$(BIN)/python -m dualtrack.compiler.kernel_build
+
+ptx-check: $(BIN)/dualtrack  ## compile every kernel again and compare with the checked-in PTX (minutes; the tests check the stamps)
+	$(BIN)/python -m dualtrack.compiler.kernel_build --check
 
 build: models  ## build, verify and write the reference bundle
 	$(BIN)/dualtrack build $(CONFIG) -o $(BUNDLE)

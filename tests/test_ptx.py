@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -54,29 +55,24 @@ def test_every_registered_kernel_has_a_source() -> None:
     assert [s.stem for s in sources()] == STEMS
 
 
-FRESH: dict[tuple[str, str], str] = {}  # (source, arch) -> the PTX the freshness test compiled
+def test_checked_in_ptx_is_fresh() -> None:
+    # From the stamps `make ptx` writes (handwritten_ptx/ptx/inputs.json): every checked-in file's
+    # inputs (source, headers, macros, NVRTC version) and text are what they were when it compiled
+    # them. Compiling all of them again takes minutes (`make ptx-check` does); the test below compiles
+    # a sample and holds it to the checked-in text.
+    assert check_fresh(compile=False) == [], "run `make ptx` and commit the result"
 
 
-def test_checked_in_ptx_is_fresh(monkeypatch: pytest.MonkeyPatch) -> None:
-    def compiled(source: Path, arch: str):  # kept for the determinism test: one compile less a kernel
-        out = compile_ptx(source, arch)
-        FRESH[(Path(source).name, arch)] = out.text
-        return out
-
-    monkeypatch.setattr(kernel_build, "compile_ptx", compiled)
-    assert check_fresh() == [], "run `make ptx` and commit the result"
-
-
-# conv3x3_wgmma's 10 MB of PTX takes a minute to compile; the freshness test compiles it every run and
-# compares it with the checked-in text, which a nondeterministic compile would fail as well.
-@pytest.mark.parametrize(("stem", "arch"), [k for k in CHECKED_IN if k[0] != "conv3x3_wgmma"])
-def test_compile_is_deterministic(stem: str, arch: str) -> None:
-    # The freshness test is only meaningful if NVRTC gives the same text twice (it did not, for a
-    # plain float4 shared-memory read in the fp32 conv; see lds128 in conv3x3_nhwc.cu): a second compile
-    # against the freshness test's first (or two here where that test did not run).
+# The stamps stand for a compile only if NVRTC gives the same text twice (it did not, for a plain
+# float4 shared-memory read in the fp32 conv; see lds128 in conv3x3_nhwc.cu) and the text checked in.
+@pytest.mark.parametrize(
+    ("stem", "arch"), [("conv3x3_nhwc", "compute_80"), ("maxpool2x2_nhwc", "compute_120"), ("gap_nhwc", "compute_90a")]
+)
+def test_compile_is_deterministic_and_gives_the_checked_in_text(stem: str, arch: str) -> None:
     source = SOURCE_DIR / f"{stem}.cu"
-    first = FRESH.get((source.name, arch)) or compile_ptx(source, arch).text
+    first = compile_ptx(source, arch).text
     assert compile_ptx(source, arch).text == first
+    assert first == checked_in(stem, arch)
 
 
 def test_every_op_of_track_a_is_checked() -> None:
@@ -270,6 +266,27 @@ def test_regenerate_and_check_fresh(tmp_path: Path) -> None:
     assert not orphan.exists()
     assert check_fresh(tmp_path) == []
     assert main(["--check", "--root", str(tmp_path)]) == 0
+
+    # The stamps: fresh after regenerate; a source (or header) edited, a PTX file edited, a stamp gone.
+    assert check_fresh(tmp_path, compile=False) == []
+    source = tmp_path / "maxpool2x2_nhwc.cu"
+    source.write_text(source.read_text() + "// a comment changes the inputs\n")
+    written[2].write_text(written[2].read_text() + "// edited\n")
+    stamps = json.loads((tmp_path / kernel_build.STAMPS).read_text())
+    del stamps["compute_90a/maxpool2x2_nhwc.ptx"]
+    (tmp_path / kernel_build.STAMPS).write_text(json.dumps(stamps))
+    got = check_fresh(tmp_path, compile=False)
+    changed = "(differs from maxpool2x2_nhwc.cu: its inputs changed since `make ptx`)"
+    assert got == [
+        f"ptx/compute_80/maxpool2x2_nhwc.ptx {changed}",
+        "ptx/compute_90a/maxpool2x2_nhwc.ptx (not in ptx/inputs.json)",
+        f"ptx/compute_120/maxpool2x2_nhwc.ptx {changed}",
+    ], got
+    regenerate(tmp_path)
+    assert check_fresh(tmp_path, compile=False) == []
+    written[0].write_text(written[0].read_text() + "// edited\n")  # the same inputs: only the text
+    edited = ["ptx/compute_80/maxpool2x2_nhwc.ptx (edited since `make ptx` wrote it)"]
+    assert check_fresh(tmp_path, compile=False) == edited
 
 
 def test_regenerate_builds_each_kernel_for_its_own_arches(tmp_path: Path) -> None:

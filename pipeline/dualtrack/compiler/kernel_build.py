@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -224,12 +225,9 @@ def compile_ptx(source: Path, arch: str, defines: Mapping[str, int | str] | None
     )
 
 
-def cached_ptx(
-    source: Path, arch: str, defines: Mapping[str, int | str], cache_dir: Path, *, enabled: bool = True
-) -> str:
-    """:func:`compile_ptx`'s text, kept in ``cache_dir``: the key hashes the source, the arch, the
-    macros and NVRTC's version (library and wheel), so any change that can change the PTX misses.
-    For builds that compile kernels beyond the checked-in PTX (tuned entries)."""
+def _inputs_key(source: Path, arch: str, defines: Mapping[str, int | str], *extra: str) -> str:
+    """A hash of everything :func:`compile_ptx` reads: the source, every header beside it, the arch, the
+    macros and NVRTC's version (and ``extra``)."""
     key = hashlib.sha256()
     for part in (
         Path(source).read_bytes(),
@@ -237,10 +235,20 @@ def cached_ptx(
         arch.encode(),
         repr(sorted(defines.items())).encode(),
         repr(nvrtc_version()).encode(),
-        _package_version("nvidia-cuda-nvrtc").encode(),
+        *(e.encode() for e in extra),
     ):
         key.update(len(part).to_bytes(8, "little") + part)
-    path = Path(cache_dir) / f"{Path(source).stem}-{arch}-{key.hexdigest()[:40]}.ptx"
+    return key.hexdigest()
+
+
+def cached_ptx(
+    source: Path, arch: str, defines: Mapping[str, int | str], cache_dir: Path, *, enabled: bool = True
+) -> str:
+    """:func:`compile_ptx`'s text, kept in ``cache_dir``: the key hashes the source, the arch, the
+    macros and NVRTC's version (library and wheel), so any change that can change the PTX misses.
+    For builds that compile kernels beyond the checked-in PTX (tuned entries)."""
+    key = _inputs_key(source, arch, defines, _package_version("nvidia-cuda-nvrtc"))
+    path = Path(cache_dir) / f"{Path(source).stem}-{arch}-{key[:40]}.ptx"
     if enabled and path.is_file():
         return path.read_text()
     text = compile_ptx(source, arch, defines).text
@@ -466,6 +474,7 @@ def regenerate(root: Path = SOURCE_DIR) -> list[Path]:
         if not (root / name).exists() or (root / name).read_text() != text:
             (root / name).write_text(text)
     expected: list[Path] = []
+    stamps: dict[str, dict[str, str]] = {}
     for source in sources(root):
         for arch in ptx_arches_for_stem(source.stem):
             artifact = compile_ptx(source, arch)
@@ -474,16 +483,41 @@ def regenerate(root: Path = SOURCE_DIR) -> list[Path]:
             if not path.exists() or path.read_text() != artifact.text:
                 path.write_text(artifact.text)
             expected.append(path)
+            stamps[_rel(root, path)] = _stamp(source, arch, path)
     for orphan in sorted(set((root / "ptx").glob("*/*.ptx")) - set(expected)):
         orphan.unlink()
+    text = json.dumps(stamps, indent=1, sort_keys=True) + "\n"
+    if not (root / STAMPS).exists() or (root / STAMPS).read_text() != text:
+        atomic.write_text(root / STAMPS, text)
     return expected
 
 
-def check_fresh(root: Path = SOURCE_DIR) -> list[str]:
+# What `make ptx` compiled each checked-in PTX file from, by path under ptx/: the hash of its inputs
+# (_inputs_key) and of the PTX text it wrote. `check_fresh(compile=False)` (the test suite's check)
+# compares these with the sources as they are now, in a second where compiling them all takes minutes;
+# `--check` compiles every file again and compares the text.
+STAMPS = "ptx/inputs.json"
+
+
+def _rel(root: Path, path: Path) -> str:
+    return path.relative_to(root / "ptx").as_posix()
+
+
+def _stamp(source: Path, arch: str, path: Path) -> dict[str, str]:
+    return {
+        "inputs": _inputs_key(source, arch, defines_for_stem(source.stem)),
+        "ptx": hashlib.sha256(path.read_bytes()).hexdigest(),
+    }
+
+
+def check_fresh(root: Path = SOURCE_DIR, compile: bool = True) -> list[str]:
     """The checked-in PTX files that differ from a fresh compile, are missing, or have no source,
-    as paths relative to ``root`` with the reason (empty when everything is fresh)."""
+    as paths relative to ``root`` with the reason (empty when everything is fresh). ``compile``
+    False: from :data:`STAMPS` instead of compiling, a file is stale where its source, a header, its
+    macros or NVRTC's version changed since `make ptx` wrote it, or its text did."""
     _require_pinned_nvrtc()
     root = Path(root)
+    recorded = json.loads((root / STAMPS).read_text()) if (root / STAMPS).is_file() else {}
     stale = [
         f"{name} (differs from its table)"
         for name, text in GENERATED_HEADERS.items()
@@ -497,8 +531,16 @@ def check_fresh(root: Path = SOURCE_DIR) -> list[str]:
             rel = path.relative_to(root).as_posix()
             if not path.exists():
                 stale.append(f"{rel} (missing)")
-            elif path.read_text() != compile_ptx(source, arch).text:
+            elif compile and path.read_text() != compile_ptx(source, arch).text:
                 stale.append(f"{rel} (differs from {source.name})")
+            elif not compile:
+                stamp, now = recorded.get(_rel(root, path)), _stamp(source, arch, path)
+                if stamp is None:
+                    stale.append(f"{rel} (not in {STAMPS})")
+                elif stamp["inputs"] != now["inputs"]:
+                    stale.append(f"{rel} (differs from {source.name}: its inputs changed since `make ptx`)")
+                elif stamp["ptx"] != now["ptx"]:
+                    stale.append(f"{rel} (edited since `make ptx` wrote it)")
     stems = {s.stem for s in sources(root)}
     for orphan in sorted(set((root / "ptx").glob("*/*.ptx")) - expected):
         why = "not one of its source's PTX arches" if orphan.stem in stems else "no source"
