@@ -64,9 +64,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Builds in tests use their own cache, never the user's."""
+    """Builds in tests use the run's own cache, never the user's: one for every pytest-xdist worker of
+    the run (its entries are content-addressed and written atomically), so a cubin or IREE module one
+    worker compiled is not compiled again by the other (ptxas alone took minutes a worker)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    cache = root / "dualtrack-cache"
+    cache.mkdir(exist_ok=True)
     mp = pytest.MonkeyPatch()
-    mp.setenv("DUALTRACK_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    mp.setenv("DUALTRACK_CACHE_DIR", str(cache))
     yield
     mp.undo()
 

@@ -115,6 +115,11 @@ def cluster() -> Iterator[Any]:
     """A two-node Ray cluster on this machine (``ray start --head``, then ``ray start --address``)."""
     from ray.cluster_utils import Cluster
 
+    # A replica whose constructor fails is started once, not Serve's 3 times a replica: the broken
+    # bundle's test waits on each start, a minute apiece on CI's loaded cores. The raylets (and so the
+    # Serve controller) take the setting from this environment.
+    retries = "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"
+    before, os.environ[retries] = os.environ.get(retries), "1"
     # Logical CPUs: every replica reserves one; the replicas of this module's apps share the 2 cores.
     nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 0, "include_dashboard": False})
     try:
@@ -122,6 +127,10 @@ def cluster() -> Iterator[Any]:
         yield nodes
     finally:
         nodes.shutdown()
+        if before is None:
+            os.environ.pop(retries, None)
+        else:
+            os.environ[retries] = before
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,12 @@ BUILD_BEYOND_CI = {
     "monai_unetr": "export 40 s, build 80 s",
     "monai_swinunetr": "export 26 s, build (16 segments) 93 s",
     "monai_mednext": "export 86 s, build (3 segments) 205 s",
+    # The breadth probe's additions (beyond issue 38's fifteen), each a minute and more on CI's two cores; what
+    # they brought has tests of its own: DenseNet's nested Concats (tests/test_pad_lowering.py), ResNeSt's split
+    # attention (tests/test_radix_views.py), DeepLabV3+'s dilated ASPP (tests/test_conv_family.py).
+    "smp_unet_densenet121": "build 84-108 s",
+    "smp_deeplabv3plus_resnet34": "build 51-89 s",
+    "smp_fpn_resnest14d": "build 52 s",
 }
 
 

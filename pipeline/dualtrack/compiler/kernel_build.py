@@ -433,10 +433,34 @@ def cached_cubin(ptx: str | bytes, arch: str, cache_dir: Path, *, enabled: bool 
     path = Path(cache_dir) / cubin_cache_key(ptx, arch)
     if enabled and path.is_file():
         return path.read_bytes()
-    data = assemble_cubin(ptx, arch).data
-    if enabled:
-        atomic.write_bytes(path, data)  # concurrent builds never read half a cubin
-    return data
+    return cached_assembly(ptx, arch, cache_dir, enabled=enabled).data
+
+
+def cached_assembly(
+    ptx: str | bytes, arch: str, cache_dir: Path, *, enabled: bool = True, name: str = "kernels.ptx"
+) -> CubinArtifact:
+    """:func:`assemble_cubin`'s artifact, its cubin and ptxas' log kept in ``cache_dir`` (the log beside
+    the cubin :func:`cached_cubin` reads): what the assembler reported, without assembling again."""
+    path = Path(cache_dir) / cubin_cache_key(ptx, arch)
+    log = path.with_suffix(".log")
+    if enabled and path.is_file() and log.is_file():
+        info, text = resolve(arch), ptx.decode().rstrip("\0") if isinstance(ptx, bytes) else ptx
+        info_log = log.read_text()
+        return CubinArtifact(
+            arch=info.cubin_arch,
+            data=path.read_bytes(),
+            ptx_target=parse_ptx_target(text),
+            ptx_isa=parse_ptx_isa(text),
+            nvjitlink_version=nvjitlink_version(),
+            options=(f"-arch={info.cubin_arch}", *_LINK_OPTIONS),
+            info_log=info_log,
+            resources=parse_resources(info_log),
+        )
+    artifact = assemble_cubin(ptx, arch, name=name)
+    if enabled:  # the log first: a reader that finds the cubin finds its log (each written atomically)
+        atomic.write_text(log, artifact.info_log)
+        atomic.write_bytes(path, artifact.data)
+    return artifact
 
 
 # --------------------------------------------------------------------------------------------
