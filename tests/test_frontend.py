@@ -167,6 +167,78 @@ def test_precision_comes_from_the_model_unless_the_config_asks() -> None:
     assert all(0 < c.rel_l2 < 1e-2 for c in checks)  # really converted, and close to the fp32 export
 
 
+def _cast_region_net(start: str = "float") -> onnx.ModelProto:  # "float" or "none"
+    """x -> Conv -> [Cast to FLOAT] -> Gram matrix over W (MatMul with its transpose) / 4096 -> [Cast to FLOAT]
+    -> + 1: the product sums 64 squares of values near 40, past fp16's 65504 unless kept in fp32 (as torch's
+    `a.float() @ a.float().mT ... .to(dtype)` asks). ``start`` "none": no casts at all."""
+    rng = np.random.default_rng(3)
+    w = numpy_helper.from_array(
+        (rng.standard_normal((4, 4, 1, 1)) * 0.1 + np.eye(4)[:, :, None, None] * 40).astype(np.float32), "w"
+    )
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv")]
+    a = "c"
+    if start == "float":
+        nodes.append(helper.make_node("Cast", ["c"], ["a"], name="up", to=TensorProto.FLOAT))
+        a = "a"
+    nodes += [
+        helper.make_node("Transpose", [a], ["at"], name="t", perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", [a, "at"], ["gram"], name="gram"),
+        helper.make_node("Div", ["gram", "k"], ["scaled"], name="scale"),
+    ]
+    out = "scaled"
+    if start == "float":
+        nodes.append(helper.make_node("Cast", ["scaled"], ["back"], name="down", to=TensorProto.FLOAT))
+        out = "back"
+    nodes.append(helper.make_node("Add", [out, "one"], ["y"], name="add"))
+    inits = [
+        w,
+        numpy_helper.from_array(np.array(4096.0, np.float32), "k"),
+        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+    ]
+    graph = helper.make_graph(
+        nodes, "cast_region", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], inits,
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _computes_in(model: onnx.ModelProto, node: str) -> int:
+    """The element type of the named node's output."""
+    _, elems = onnx_graph.inferred_dims(model)
+    return elems[next(n.output[0] for n in model.graph.node if n.name == node)]
+
+
+def test_math_the_export_casts_to_float32_itself_stays_fp32_in_an_fp16_build() -> None:
+    x = {"x": np.random.default_rng(4).uniform(0.9, 1.1, (1, 4, 8, 64)).astype(np.float32)}
+    model = _cast_region_net()
+    assert frontend.explicit_fp32_tensors(model) == {"a", "at", "gram", "scaled", "back"}
+    want = _run(model, x)["y"]
+    fe = frontend.prepare(_cfg(precision="fp16", simplify=False), model)
+    kept = [r.detail for r in fe.rewrites if r.stage == "precision" and "between its own casts" in r.detail]
+    assert len(kept) == 1 and kept[0].startswith("5 node(s)"), fe.rewrites
+    got = _run(fe.body, x)["y"]
+    assert np.isfinite(got).all() and np.linalg.norm(got - want) <= 1e-3 * np.linalg.norm(want)
+    assert _computes_in(fe.body, "gram") == _computes_in(fe.body, "scale") == TensorProto.FLOAT
+    assert _computes_in(fe.body, "conv") == TensorProto.FLOAT16
+    # The same math without the casts is fp16 (whether a runtime then overflows is its own: IREE's did on
+    # EfficientViT, onnxruntime's CPU MatMul accumulates and scales in fp32).
+    bare = frontend.prepare(_cfg(precision="fp16", simplify=False), _cast_region_net("none"))
+    assert _computes_in(bare.body, "gram") == TensorProto.FLOAT16
+    # A cast on its own marks no math (MONAI's HighResNet casts each block's input): nothing kept.
+    lone = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("Cast", ["x"], ["y"], name="c", to=TensorProto.FLOAT)], "lone",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )  # fmt: skip
+    assert frontend.explicit_fp32_tensors(lone) == frozenset()
+
+
 def test_fp32_on_an_fp16_model_is_refused() -> None:
     from dualtrack.compiler.reference import UNetSpec, build_unet
 

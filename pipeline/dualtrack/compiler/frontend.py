@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import traceback
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,7 +51,15 @@ from dualtrack.compiler.iree_forms import (
 )
 from dualtrack.compiler.linear_maps import linear_maps_as_matmuls
 from dualtrack.compiler.lower_pad import full_pads
-from dualtrack.compiler.onnx_graph import TARGET_OPSET, as_float32, fp32_only_ops, name_nodes, resize_scale
+from dualtrack.compiler.onnx_graph import (
+    TARGET_OPSET,
+    as_float32,
+    fp32_only_ops,
+    inferred_dims,
+    name_nodes,
+    node_attrs,
+    resize_scale,
+)
 from dualtrack.compiler.onnx_graph import constants as _graph_constants
 from dualtrack.compiler.pooled_vectors import vectors_as_images
 from dualtrack.compiler.radix_views import radix_views_as_images
@@ -802,9 +810,56 @@ def model_precision(model: onnx.ModelProto) -> str:
     return "fp16" if count[TensorProto.FLOAT16] > count[TensorProto.FLOAT] else "fp32"
 
 
-def convert_precision(model: onnx.ModelProto, want: str | None, log: list[Rewrite]) -> tuple[onnx.ModelProto, str]:
+def explicit_fp32_tensors(model: onnx.ModelProto) -> frozenset[str]:
+    """The tensors an fp32 export computes in float32 on purpose, between its own casts.
+
+    torch's ``x.float()`` on an fp32 tensor exports as a Cast to FLOAT that does nothing in the export but
+    says the author wants the math after it in float32, until ``.to(dtype)`` (another Cast to FLOAT there)
+    brings it back: EfficientViT's linear attention, whose sums over the tokens overflow fp16 (non-finite
+    outputs at 64x64 with random weights, 0.4% rel L2 kept in fp32), a softmax written
+    ``attn.float().softmax(-1).type_as(x)``. The region: such a Cast's outputs, then every node whose
+    inputs are all region tensors or constants, up to and including the Casts to FLOAT that leave it. It
+    never takes a node with weights (a float constant of more than one value: a Conv, a norm's affine): a
+    cast in front of the network's convolutions would otherwise take them all. Casts from other types (an
+    int shape made float for a padding's arithmetic) start none."""
+    g = model.graph
+    starts = [n for n in g.node if n.op_type == "Cast" and node_attrs(n).get("to") == TensorProto.FLOAT]
+    if not starts:
+        return frozenset()
+    _, elems = inferred_dims(model)
+    consts = _graph_constants(g)
+    weights = {k for k, v in consts.items() if v.dtype.kind == "f" and v.size > 1}
+    region: set[str] = set()  # the math's tensors: what the next node's membership is judged by
+    exits: set[str] = set()  # the casts back out: kept fp32 themselves, their readers not
+    for n in g.node:  # graph order is topological
+        ins = [x for x in n.input if x and x not in consts]
+        inside = bool(ins) and all(x in region for x in ins)
+        if n.op_type == "Cast" and node_attrs(n).get("to") == TensorProto.FLOAT:
+            if inside:
+                exits.update(n.output)
+            elif len(ins) == 1 and elems.get(ins[0]) == TensorProto.FLOAT:
+                region.update(n.output)
+            continue
+        if inside and not any(x in weights for x in n.input):
+            region.update(n.output)
+    # A cast that nothing in the region reads or writes marks no math (MONAI's HighResNet casts each
+    # block's input to its own dtype): kept in fp32 alone it would only add two Casts around it.
+    math = [n for n in g.node if n.op_type != "Cast" and any(o in region for o in n.output)]
+    touched = {x for n in math for x in (*n.input, *n.output)}
+    return frozenset(t for t in region | exits if t in touched or _writer_reads(g, t, touched))
+
+
+def _writer_reads(g: onnx.GraphProto, t: str, touched: set[str]) -> bool:
+    """Whether the node writing ``t`` reads a tensor in ``touched`` (a cast back out of a region)."""
+    return any(x in touched for n in g.node if t in n.output for x in n.input)
+
+
+def convert_precision(
+    model: onnx.ModelProto, want: str | None, log: list[Rewrite], fp32: frozenset[str] = frozenset()
+) -> tuple[onnx.ModelProto, str]:
     """Keep the model's precision unless the config asks for another; fp32 -> fp16 is converted by
-    onnxconverter-common with the inputs and outputs kept fp32 (verified against the original)."""
+    onnxconverter-common with the inputs and outputs kept fp32 (verified against the original), and the
+    nodes that write ``fp32`` tensors (:func:`explicit_fp32_tensors` of the export) kept in fp32."""
     have = model_precision(model)
     if want == "fp8":  # the fp16 network, some convolutions of which the build then lowers to e4m3 (fp8.py)
         want = "fp16"
@@ -823,6 +878,7 @@ def convert_precision(model: onnx.ModelProto, want: str | None, log: list[Rewrit
     blocked = list(dict.fromkeys([*float16.DEFAULT_OP_BLOCK_LIST, *FP32_REDUCTIONS, *sorted(fp32_only)]))
     bare = _constants_apart(_outputs_apart(_fill_values_spelt(_named(model))), set(blocked))
     del bare.graph.value_info[:]  # shapes recorded before the conversion mislead its Cast insertion
+    kept_nodes = [n.name for n in bare.graph.node if n.output and all(o in fp32 for o in n.output if o)]
     try:
         with warnings.catch_warnings():  # it warns once per weight it rounds to fp16's range
             warnings.simplefilter("ignore")
@@ -831,6 +887,7 @@ def convert_precision(model: onnx.ModelProto, want: str | None, log: list[Rewrit
                 keep_io_types=True,
                 disable_shape_infer=False,
                 op_block_list=blocked,
+                node_block_list=kept_nodes,
             )
         del converted.graph.value_info[:]
     except Exception as e:  # the converter raises whatever its graph walk hits
@@ -848,6 +905,12 @@ def convert_precision(model: onnx.ModelProto, want: str | None, log: list[Rewrit
             + (f"; {', '.join(only)} kept in fp32 (ONNX defines no fp16 form)" if only else ""),
         )
     )
+    if kept_nodes:
+        ops = ", ".join(
+            f"{k} {v}" for k, v in Counter(n.op_type for n in bare.graph.node if n.name in kept_nodes).items()
+        )
+        what = f"{len(kept_nodes)} node(s) the export computes in float32 between its own casts kept in fp32 ({ops})"
+        log.append(Rewrite("precision", f"{what}: '{kept_nodes[0]}' ..."))
     return converted, "fp16"
 
 
@@ -1206,6 +1269,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     single_input(m)
     up = check("opset", upgrade_opset(m, log))
     upgraded, m = (up if up is not m else None), up
+    fp32 = explicit_fp32_tensors(m)  # before the simplifier drops the casts that mark it
     export_batch = None
     if cfg.batch == "fixed":  # dim 0 is data: nothing to make generic (free_batch has nothing to free either)
         fixed_input_shape(m)
@@ -1239,7 +1303,7 @@ def prepare(cfg: BuildConfig, model: onnx.ModelProto | None = None) -> FrontEnd:
     m = check("convtranspose", sub_pixel_convtransposes(m, log))
     m = check("reparam", parallel_branches(m, cfg.precision, log))  # before the precision: fp32 weights summed
     m = check("names", unique_parameter_keys(m, log))
-    m, precision = convert_precision(m, cfg.precision, log)
+    m, precision = convert_precision(m, cfg.precision, log, fp32)
     m = check("precision", m)
     body = m = check("scale", channel_affines(m, log))  # after the precision: the range check is the final dtype's
     wrapped = check("wrap", wrap_image_io(m, cfg.preprocess, cfg.postprocess, log))
