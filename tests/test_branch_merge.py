@@ -120,11 +120,12 @@ def test_a_repvgg_block_is_one_convolution() -> None:
     # RepVGG: 3x3 + BN, 1x1 + BN, BN of the input itself; then ReLU.
     n = Net(8)
     s = n.add(n.bn(n.conv("x", 8, (3, 3), (1, 1, 1, 1))), n.bn(n.conv("x", 8, (1, 1))), n.bn("x"))
-    _, out, merged, _ = _merged(n, n.op("Relu", s))
+    model, out, merged, _ = _merged(n, n.op("Relu", s))
     assert _ops(out) == {"Conv": 1, "Relu": 1, "Identity": 1}, _ops(out)
     assert merged == [f"'{s}' (3 branches)"]
     conv = next(x for x in out.graph.node if x.op_type == "Conv")
     assert [a.ints for a in conv.attribute if a.name == "kernel_shape"] == [[3, 3]]
+    assert conv.name == next(x.name for x in model.graph.node if x.op_type == "Conv")  # the first branch's name
 
 
 @pytest.mark.parametrize(("h", "w"), [(13, 11), (8, 9)])

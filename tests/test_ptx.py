@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -164,10 +165,22 @@ def test_ptx_image_is_nul_terminated_once() -> None:
     assert ptx_image(b".version 9.0\n\0") == b".version 9.0\n\0"
 
 
+# sm_86 and sm_89 take sm_80's PTX on sm_80's register file: ptxas for them is 90 s of CI's time a kernel set
+# that sm_80's row already answers for. DUALTRACK_PTX_ALL_GPUS=1 assembles for them too.
+SIBLINGS = {"sm_86": "sm_80", "sm_89": "sm_80"}
+ALL_GPUS = os.environ.get("DUALTRACK_PTX_ALL_GPUS") == "1"
+
+
+def _gpu_param(stem: str, gpu: str):
+    skip = gpu in SIBLINGS and not ALL_GPUS
+    why = f"{gpu} assembles {SIBLINGS.get(gpu)}'s PTX for the same register file; DUALTRACK_PTX_ALL_GPUS=1 runs it"
+    return pytest.param(stem, gpu, marks=pytest.mark.skipif(skip, reason=why))
+
+
 @pytest.mark.spread  # each assembles one checked-in PTX file on its own: any pytest-xdist worker may take it
 @pytest.mark.parametrize(
     ("stem", "gpu"),
-    [(s.stem, gpu) for s in SPECS for gpu in sorted(ARCHES) if ARCHES[gpu].ptx_arch in s.ptx_arches],
+    [_gpu_param(s.stem, gpu) for s in SPECS for gpu in sorted(ARCHES) if ARCHES[gpu].ptx_arch in s.ptx_arches],
 )
 def test_ptx_assembles_for_every_gpu(stem: str, gpu: str) -> None:
     # sm_80/86/89/100 from compute_80, sm_90a from compute_90a, sm_120 from compute_120 (arch.py);

@@ -5,8 +5,8 @@ got (segments, Track A's share of the nodes) so a CI log shows where each archit
 
 CI's size: each model at the smallest side of at least 64 it takes (models/zoo/export.py's `small_size`: 96 for
 PSPNet, 128 for PAN), batch 1 only, CPU modules only; the export, the front end and the partition are the same code
-as at 512. The 14 builds take about 6 CPU-minutes on two cores. Skipped where the zoo extra is missing. Issue 39's
-transformer entries but smp UPerNet-ConvNeXt are built here only with DUALTRACK_ZOO_ALL=1 (tests/zoo.py says why).
+as at 512. Skipped where the zoo extra is missing. Issue 39's transformer entries and UPerNet, and three models the
+breadth probe added, are built here only with DUALTRACK_ZOO_ALL=1 (tests/zoo.py says why: CI's 30 minutes).
 """
 
 from __future__ import annotations

@@ -311,7 +311,9 @@ def merge_branches(
             wi = numpy_helper.from_array(w.astype(own), fresh_name(f"{base}.weight", taken))
             bi = numpy_helper.from_array(b.astype(own), fresh_name(f"{base}.bias", taken))
             g.initializer.extend([wi, bi])
-            conv = helper.make_node("Conv", [grp[0].source, wi.name, bi.name], [base], name=base, **attrs)
+            # Named as the first branch's Conv was (it goes): rules and reports that name it still find it.
+            name = kernels[0].nodes[0].name or base
+            conv = helper.make_node("Conv", [grp[0].source, wi.name, bi.name], [base], name=name, **attrs)
             nodes.append(conv)
             out.insert(merged_here, (base, np.ones(k)))
             gone.update(id(x) for m in grp for x in m.nodes)
