@@ -352,25 +352,19 @@ def _sum(
     terms: list[tuple[str, np.ndarray]], out: str, elem: int | None, taken: set[str], g: onnx.GraphProto
 ) -> list[onnx.NodeProto]:
     """Nodes writing ``out`` = the sum of ``terms`` (tensor, per-channel factor): Adds and Subs, a Mul by
-    a (K, 1, 1) constant where a factor is neither 1 nor -1."""
+    a (K, 1, 1) constant where a factor is neither 1 nor -1. The first term is a merged convolution (factor 1)."""
     nodes: list[onnx.NodeProto] = []
     dtype = onnx.helper.tensor_dtype_to_np_dtype(elem) if elem else np.float32
-    acc: str | None = None
-    for i, (t, c) in enumerate(terms):
-        last = i == len(terms) - 1
-        sign = 1.0
-        if np.all(c == -1.0) and acc is not None:
-            sign = -1.0
-        elif not np.all(c == 1.0):
+    acc = terms[0][0]
+    for i, (t, c) in enumerate(terms[1:], start=1):
+        sign = -1.0 if np.all(c == -1.0) else 1.0
+        if sign > 0 and not np.all(c == 1.0):
             ci = numpy_helper.from_array(c.reshape(-1, 1, 1).astype(dtype), fresh_name(f"{out}__factor", taken))
             g.initializer.append(ci)
-            scaled = out if last and acc is None else fresh_name(f"{out}__scaled", taken)
+            scaled = fresh_name(f"{out}__scaled", taken)
             nodes.append(helper.make_node("Mul", [t, ci.name], [scaled], name=fresh_name(f"{out}__scale", taken)))
             t = scaled
-        if acc is None:
-            acc = t
-            continue
-        name = out if last else fresh_name(f"{out}__sum", taken)
+        name = out if i == len(terms) - 1 else fresh_name(f"{out}__sum", taken)
         op = "Sub" if sign < 0 else "Add"
         nodes.append(helper.make_node(op, [acc, t], [name], name=fresh_name(f"{out}__{op.lower()}", taken)))
         acc = name

@@ -846,12 +846,8 @@ def explicit_fp32_tensors(model: onnx.ModelProto) -> frozenset[str]:
     # block's input to its own dtype): kept in fp32 alone it would only add two Casts around it.
     math = [n for n in g.node if n.op_type != "Cast" and any(o in region for o in n.output)]
     touched = {x for n in math for x in (*n.input, *n.output)}
-    return frozenset(t for t in region | exits if t in touched or _writer_reads(g, t, touched))
-
-
-def _writer_reads(g: onnx.GraphProto, t: str, touched: set[str]) -> bool:
-    """Whether the node writing ``t`` reads a tensor in ``touched`` (a cast back out of a region)."""
-    return any(x in touched for n in g.node if t in n.output for x in n.input)
+    writer = {o: n for n in g.node for o in n.output}  # a cast back out of the math reads what it wrote
+    return frozenset(t for t in region | exits if t in touched or any(x in touched for x in writer[t].input))
 
 
 def convert_precision(
