@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from zoo import BUILD_BEYOND_CI, CONFIGS, FULL_BUILD, in_ci, load_export
+from zoo import BUILD_BEYOND_CI, CONFIGS, FULL_BUILD, in_ci, load_export, shared_export
 
 from dualtrack.compiler.build import build
 from dualtrack.compiler.config import load_config
@@ -50,12 +50,11 @@ def track_a_share(plan: Plan) -> float:
     return nodes.get("A", 0) / max(1, sum(nodes.values()))
 
 
-@pytest.mark.spread  # each model exported and built in its own tmp_path: any worker may take each
+@pytest.mark.spread  # each model built in its own tmp_path from the run's export: any worker may take each
 @pytest.mark.parametrize("name", in_ci(CORPUS, BUILD_BEYOND_CI))
 def test_a_corpus_model_builds_from_its_config_and_verifies_on_the_cpu(tmp_path: Path, name: str) -> None:
     size = zoo.small_size(name)
-    exported = zoo.export_model(name, tmp_path / "export", size)
-    config = small_config(name, exported.path, tmp_path)
+    config = small_config(name, shared_export(name, size), tmp_path)
     assert load_config(config).partition.mode == "auto"  # the default: the configs choose no partition
     result = build(config, tmp_path / "bundle", cpu_only=True)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import sys
@@ -76,3 +77,20 @@ def load_export() -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
+
+
+def shared_export(name: str, size: tuple[int, int]) -> Path:
+    """``name`` exported at ``size`` (the entry's own exporter, opset and seed) once for the whole run, in a folder
+    of its own beside the run's build cache (tests/conftest.py): every pytest-xdist worker finds it there, one
+    that asks while another exports it waits on a lock. tests/test_zoo_export.py checks these exports and the
+    corpus builds read them (an export takes 3 to 40 s of CI's cores)."""
+    zoo = load_export()
+    root = Path(os.environ["DUALTRACK_CACHE_DIR"]).parent / "zoo-exports"
+    out = root / f"{name}-{size[0]}x{size[1]}"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.onnx"
+    with open(root / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not path.is_file():  # export_model renames the finished file into place: one that exists is whole
+            zoo.export_model(name, out, size)
+    return path

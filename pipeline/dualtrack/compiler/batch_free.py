@@ -41,7 +41,7 @@ import onnx
 from onnx import numpy_helper
 
 from dualtrack.compiler.config import FIXED_BATCH
-from dualtrack.compiler.onnx_graph import constants, resize_scale
+from dualtrack.compiler.onnx_graph import constants, infer_shapes, resize_scale
 from dualtrack.errors import ModelError
 
 BATCH = "N"  # the symbolic batch dimension
@@ -223,7 +223,7 @@ def _check_generic(model: onnx.ModelProto, export_batch: int, other: int) -> Non
     """Shape inference at a batch other than the export's must go through the freed graph."""
     b = other if other != export_batch else export_batch + 1
     try:
-        onnx.shape_inference.infer_shapes(with_batch(model, b), strict_mode=True, data_prop=True)
+        infer_shapes(with_batch(model, b), strict_mode=True, data_prop=True)
     except onnx.shape_inference.InferenceError as e:
         first = str(e).strip().splitlines()[0][:240]
         raise ModelError(
@@ -697,7 +697,7 @@ def _shapes_at(model: onnx.ModelProto, batch: int) -> dict[str, tuple[int, ...]]
 def _symbolic_dims(model: onnx.ModelProto) -> dict[str, int]:
     """Tensors with exactly one symbolic dim under shape inference with the batch ``N`` (data propagated
     through Shape, Gather, Concat): where a tensor built from run-time shapes keeps the batch."""
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    inferred = infer_shapes(model, strict_mode=False, data_prop=True)
     out = {}
     for vi in inferred.graph.value_info:
         dims = vi.type.tensor_type.shape.dim
@@ -720,7 +720,7 @@ def replace_input(model: onnx.ModelProto, node: onnx.NodeProto, k: int, value: n
 
 def static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape under ONNX shape inference; -1 for a dim it leaves symbolic."""
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    inferred = infer_shapes(model, strict_mode=False, data_prop=True)
     out = {}
     for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
         t = vi.type.tensor_type

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from dualtrack.compiler.onnx_graph import fresh_name
+from dualtrack.compiler.onnx_graph import fresh_name, infer_shapes
 
 # A phase's share of the Conv's taps below which the zero taps would cost more than the tensor cores save.
 MIN_TAP_SHARE = 0.25
@@ -104,7 +104,7 @@ def _plan(node: onnx.NodeProto, w: np.ndarray, x_shape: list[int], y_shape: list
 
 
 def _static_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
-    inferred = onnx.shape_inference.infer_shapes(model)
+    inferred = infer_shapes(model)
     out: dict[str, list[int]] = {}
     for vi in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
         dims = vi.type.tensor_type.shape.dim

@@ -54,7 +54,9 @@ from dualtrack.compiler.lower_pad import full_pads
 from dualtrack.compiler.onnx_graph import (
     TARGET_OPSET,
     as_float32,
+    check_model,
     fp32_only_ops,
+    infer_shapes,
     inferred_dims,
     name_nodes,
     node_attrs,
@@ -191,7 +193,7 @@ class StageCheck:
 def _checker_error(model: onnx.ModelProto, full: bool) -> str | None:
     """The first line of the ONNX checker's complaint about ``model``, or None."""
     try:
-        onnx.checker.check_model(model, full_check=full)
+        check_model(model, full_check=full)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
         return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return None
@@ -431,7 +433,7 @@ def global_max_pools(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.ModelPr
     wanted = [n for n in model.graph.node if n.op_type in ("ReduceMax", "GlobalMaxPool")]
     if not wanted:
         return model
-    inferred = onnx.shape_inference.infer_shapes(with_batch(model, 1), strict_mode=False, data_prop=True)
+    inferred = infer_shapes(with_batch(model, 1), strict_mode=False, data_prop=True)
     types: dict[str, int] = {}
     shapes: dict[str, tuple[int, ...]] = {}  # one inference gives both (static_shapes would run it again)
     for vi in [*inferred.graph.input, *inferred.graph.value_info]:
@@ -669,7 +671,7 @@ def unstack_reductions(model: onnx.ModelProto, log: list[Rewrite]) -> onnx.Model
     for n in g.node:
         for x in n.input:
             readers[x] += 1
-    types = {vi.name: vi.type.tensor_type.elem_type for vi in onnx.shape_inference.infer_shapes(model).graph.value_info}
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in infer_shapes(model).graph.value_info}
     gone: set[int] = set()
     new: dict[int, list[onnx.NodeProto]] = {}
     for r in g.node:

@@ -23,6 +23,7 @@ import onnx
 from dualtrack import atomic
 from dualtrack.compiler.iree_forms import depth_to_space_crd, fp32_sums
 from dualtrack.compiler.launch_extract import extract
+from dualtrack.compiler.onnx_graph import infer_shapes
 from dualtrack.compiler.partition import with_batch
 from dualtrack.compiler.tools import run_tool, tool_version
 from dualtrack.contract.launch_plan import LaunchPlan, NotReplayable
@@ -76,7 +77,7 @@ def gather_pads(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
     shapes = {
         vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim]
-        for vi in [*onnx.shape_inference.infer_shapes(model).graph.value_info, *model.graph.input]
+        for vi in [*infer_shapes(model).graph.value_info, *model.graph.input]
     }
     consts = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
     consts.update(
@@ -142,8 +143,7 @@ def split_grouped_convtransposes(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
     shapes = {i.name: list(i.dims) for i in model.graph.initializer}
     shapes.update(
-        (vi.name, [d.dim_value for d in vi.type.tensor_type.shape.dim])
-        for vi in onnx.shape_inference.infer_shapes(model).graph.value_info
+        (vi.name, [d.dim_value for d in vi.type.tensor_type.shape.dim]) for vi in infer_shapes(model).graph.value_info
     )
     nodes: list[onnx.NodeProto] = []
     for n in model.graph.node:

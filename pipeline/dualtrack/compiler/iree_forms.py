@@ -37,7 +37,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack.compiler.batch_free import static_shapes
-from dualtrack.compiler.onnx_graph import constants
+from dualtrack.compiler.onnx_graph import constants, infer_shapes
 
 # (op, input type) -> the type it is computed in, exact for every value of the input type.
 WIDENED = {
@@ -63,10 +63,10 @@ FP32_SUMS = {(op, TensorProto.FLOAT16): TensorProto.FLOAT for op in F16_ACCUMULA
 
 
 def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    inferred = infer_shapes(model, strict_mode=False)
     g = inferred.graph
     types = {vi.name: vi.type.tensor_type.elem_type for vi in [*g.input, *g.value_info, *g.output]}
-    types.update({i.name: i.data_type for i in g.initializer})
+    types.update({i.name: i.data_type for i in model.graph.initializer})
     return types
 
 

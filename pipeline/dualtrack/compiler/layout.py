@@ -37,6 +37,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from dualtrack.compiler.onnx_graph import infer_shapes
+
 TO_NCHW, TO_NHWC = (0, 3, 1, 2), (0, 2, 3, 1)
 # Where each NCHW axis is in NHWC.
 _NHWC_AXIS = {0: 0, 1: 3, 2: 1, 3: 2}
@@ -66,7 +68,7 @@ class _Rewriter:
         self.opset = _opset(model)
         self.inits = {i.name: i for i in model.graph.initializer}
         self.ranks = {i.name: len(i.dims) for i in model.graph.initializer}
-        inferred = onnx.shape_inference.infer_shapes(model).graph  # ranks of the intermediate tensors
+        inferred = infer_shapes(model).graph  # ranks of the intermediate tensors
         for vi in (*inferred.input, *inferred.output, *inferred.value_info):
             if vi.type.tensor_type.HasField("shape"):
                 self.ranks[vi.name] = len(vi.type.tensor_type.shape.dim)

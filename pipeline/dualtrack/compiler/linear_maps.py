@@ -47,7 +47,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from dualtrack.compiler.onnx_graph import fresh_name, live_nodes, node_attrs, taken_names, widen_fp16
+from dualtrack.compiler.onnx_graph import fresh_name, infer_shapes, live_nodes, node_attrs, taken_names, widen_fp16
 
 # Index and linear ops a region grows over (a Cast only between float types, a Pad only of constant mode).
 REGION_OPS = frozenset(
@@ -62,7 +62,6 @@ INDEX_OPS = frozenset({"Gather", "GatherND", "GatherElements", "Where", "Scatter
 MAX_ELEMENTS = 1 << 22  # of M (Ho*Wo x H*W): a bigger map is a worse MatMul than the soup
 RTOL = 1e-5  # the region against its map, relative to the output's largest magnitude (fp32)
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16)
-_STUB_BYTES = 4096  # float weights above this size are not shipped to shape inference
 _SCALES = (1.0, 1e4)  # the check's input magnitudes: normal, and large
 
 
@@ -148,18 +147,8 @@ def linear_maps_as_matmuls(model: onnx.ModelProto, batch: int | None) -> tuple[o
 
 
 def _inferred(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, tuple[int, ...]]]:
-    """Every tensor's element type and shape under ONNX shape inference (-1 for a dim it leaves symbolic).
-
-    Inferred on a copy whose float weights are stubs (external data that is never read): inference takes
-    their types and dims only, and serializing UNETR's 350 MB of weights for it took seconds."""
-    light = onnx.ModelProto()
-    light.CopyFrom(model)
-    for init in light.graph.initializer:
-        if init.data_type in _FLOATS and len(init.raw_data) > _STUB_BYTES:
-            init.ClearField("raw_data")
-            init.data_location = TensorProto.EXTERNAL
-            init.external_data.add(key="location", value="weights-not-read")
-    inferred = onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
+    """Every tensor's element type and shape under ONNX shape inference (-1 for a dim it leaves symbolic)."""
+    inferred = infer_shapes(model, strict_mode=False, data_prop=True)
     types: dict[str, int] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:

@@ -44,9 +44,57 @@ def taken_names(graph: onnx.GraphProto) -> set[str]:
     return names
 
 
+# -- shape inference and the checker without the weights ----------------------------------------------------
+# Both take the model serialized: onnx.shape_inference.infer_shapes copies it through protobuf bytes both ways,
+# and onnx.checker.check_model one way. The front end asks them about every stage's model, so a network's weights
+# were copied some 40 times a build (11 of the 18 s of a cached smp Unet-ConvNeXt-tiny build, 92 MB of weights).
+# They read a weight's type and dims only, but for the small constants a shape is computed from (a Reshape's
+# shape, a Resize's scales, a Slice's starts): so every float initializer over WEIGHTLESS_ELEMENTS elements is
+# given to them as a graph input of its type and dims instead.
+WEIGHTLESS_ELEMENTS = 64
+_FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16)
+
+
+def weightless(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its float weights (initializers of over :data:`WEIGHTLESS_ELEMENTS` elements) as graph
+    inputs of their type and dims, appended after its own inputs; the model itself is not changed. An
+    initializer that is already a graph input (below IR 4 they all are) stays an initializer."""
+    g = model.graph
+    listed = {i.name for i in g.input}
+
+    def large(t: TensorProto) -> bool:
+        return t.data_type in _FLOATS and int(np.prod(t.dims)) > WEIGHTLESS_ELEMENTS and t.name not in listed
+
+    typed = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in g.initializer if large(t)]
+    small = [t for t in g.initializer if not large(t)]
+    graph = helper.make_graph(list(g.node), g.name, [*g.input, *typed], list(g.output), small, value_info=g.value_info)
+    graph.sparse_initializer.extend(g.sparse_initializer)
+    out = onnx.ModelProto(ir_version=model.ir_version, producer_name=model.producer_name)
+    out.opset_import.extend(model.opset_import)
+    out.functions.extend(model.functions)
+    out.graph.CopyFrom(graph)
+    return out
+
+
+def infer_shapes(model: onnx.ModelProto, **options: bool) -> onnx.ModelProto:
+    """``onnx.shape_inference.infer_shapes(model, **options)`` on :func:`weightless` ``model``: the graph's
+    inputs, outputs and value_info as inference gives them (the inputs the model's own), its large weights
+    absent. For the shapes and types only; ``InferenceError`` as onnx raises it."""
+    inferred = onnx.shape_inference.infer_shapes(weightless(model), **options)
+    del inferred.graph.input[len(model.graph.input) :]
+    return inferred
+
+
+def check_model(model: onnx.ModelProto, full_check: bool = False) -> None:
+    """``onnx.checker.check_model`` on :func:`weightless` ``model``: every check but that of the large weights'
+    bytes (a model the front end writes makes them with numpy_helper; the export's own are checked whole when it
+    is loaded, and the front end's result once more at its end)."""
+    onnx.checker.check_model(weightless(model), full_check=full_check)
+
+
 def inferred_dims(model: onnx.ModelProto, data_prop: bool = False) -> tuple[dict[str, list[int]], dict[str, int]]:
     """Every tensor's inferred dims (-1 where unknown, as the batch is) and its element type."""
-    inferred = onnx.shape_inference.infer_shapes(model, data_prop=data_prop)
+    inferred = infer_shapes(model, data_prop=data_prop)
     dims: dict[str, list[int]] = {}
     elems: dict[str, int] = {}
     for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:

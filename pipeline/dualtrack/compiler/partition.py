@@ -39,7 +39,7 @@ from dualtrack.compiler import (
 from dualtrack.compiler.batch_free import with_batch
 from dualtrack.compiler.config import FIXED_BATCH, BuildConfig, Rules
 from dualtrack.compiler.frontend import model_precision
-from dualtrack.compiler.onnx_graph import name_nodes
+from dualtrack.compiler.onnx_graph import infer_shapes, name_nodes
 from dualtrack.contract.activations import Activation
 from dualtrack.contract.plan import MODEL_LAYOUT_OPS, POOL_MODES, KernelCall, Plan, Segment, TensorSpec
 from dualtrack.errors import ModelError, PartitionError, UnsupportedOpError
@@ -77,7 +77,7 @@ SpecMap = tuple[tuple[int, ...], str]
 def infer_specs(model: onnx.ModelProto, batch: int = 1) -> dict[str, SpecMap]:
     """Static shape and dtype of every tensor at a given batch size."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(with_batch(model, batch), strict_mode=True, data_prop=True)
+        inferred = infer_shapes(with_batch(model, batch), strict_mode=True, data_prop=True)
     except onnx.shape_inference.InferenceError as e:
         raise ModelError(
             f"ONNX shape inference failed at batch {batch}: {str(e).splitlines()[0]}; the export may have its batch "
@@ -93,7 +93,7 @@ def infer_specs(model: onnx.ModelProto, batch: int = 1) -> dict[str, SpecMap]:
             continue
         dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim)
         specs[vi.name] = (dims, _dtype(t.elem_type))
-    for init in g.initializer:
+    for init in model.graph.initializer:
         specs[init.name] = (tuple(init.dims), _dtype(init.data_type))
     return specs
 

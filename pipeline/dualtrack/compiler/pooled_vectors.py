@@ -28,7 +28,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from dualtrack.compiler.channels_last import BINARY, UNARY
-from dualtrack.compiler.onnx_graph import copy_node, fresh_name, live_nodes, node_attrs, taken_names
+from dualtrack.compiler.onnx_graph import copy_node, fresh_name, infer_shapes, live_nodes, node_attrs, taken_names
 
 FLATTENS = frozenset({"Reshape", "Flatten", "Squeeze"})
 VIEWS_BACK = frozenset({"Reshape", "Unsqueeze"})
@@ -37,7 +37,7 @@ BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div"})
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, tuple]:
-    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)  # view(b, c) with b = x.size(0)
+    inferred = infer_shapes(model, data_prop=True)  # view(b, c) with b = x.size(0)
     g = inferred.graph
     out: dict[str, tuple] = {}
     for vi in [*g.input, *g.value_info, *g.output]:

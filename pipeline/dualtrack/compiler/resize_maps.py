@@ -23,7 +23,7 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from dualtrack.compiler.batch_free import static_shapes
-from dualtrack.compiler.onnx_graph import fresh_name
+from dualtrack.compiler.onnx_graph import fresh_name, infer_shapes
 
 PROBE_MAX = 1 << 22  # elements of a probe that keeps the other axes (keep_aspect_ratio_policy couples them)
 _ATOL = 1e-5  # the rewrite against the node, relative to the output's scale (fp32 sums in another order)
@@ -116,7 +116,7 @@ def resize_maps(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
 
 
 def _elem_type(model: onnx.ModelProto, name: str) -> int:
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    inferred = infer_shapes(model, strict_mode=False)
     for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
         if vi.name == name:
             return vi.type.tensor_type.elem_type

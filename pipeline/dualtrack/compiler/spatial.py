@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 
 from dualtrack.compiler.batch_free import replace_input, static_shapes, with_batch
-from dualtrack.compiler.onnx_graph import constants, resize_scale
+from dualtrack.compiler.onnx_graph import constants, infer_shapes, resize_scale
 from dualtrack.contract.sizes import Size, label
 from dualtrack.errors import ModelError
 
@@ -93,7 +93,7 @@ def at_size(model: onnx.ModelProto, size: Size) -> onnx.ModelProto:
     del m.graph.value_info[:]
     _refuse_baked_reshapes(model, m, size)
     try:
-        onnx.shape_inference.infer_shapes(m, check_type=True, strict_mode=True, data_prop=True)
+        infer_shapes(m, check_type=True, strict_mode=True, data_prop=True)
     except onnx.shape_inference.InferenceError as e:
         raise ModelError(_inference_refusal(str(e), size)) from None
     return m

@@ -36,7 +36,15 @@ import onnx
 from onnx import helper, numpy_helper
 
 from dualtrack.compiler.channels_last import BINARY, TO_NCHW, TO_NHWC, UNARY
-from dualtrack.compiler.onnx_graph import copy_node, fresh_name, live_nodes, node_attrs, taken_names, transpose_perm
+from dualtrack.compiler.onnx_graph import (
+    copy_node,
+    fresh_name,
+    live_nodes,
+    node_attrs,
+    taken_names,
+    transpose_perm,
+    weightless,
+)
 
 SWAP = [0, 2, 1]  # (N, L, C) <-> (N, C, L)
 TOK, CF, NHWC = "tok", "cf", "nhwc"  # a tensor's relation to its twin image: (N, L, C), (N, C, L) or (N, H, W, C)
@@ -87,26 +95,10 @@ class _Graph:
         return self.shape(node.output[0])
 
 
-def _without_weights(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` whose large initializers are graph inputs of their type and shape: shape inference needs
-    only the small ones (shape constants), and a copy with the weights would cost their bytes (over 2 GiB it
-    could not be serialized for the checker at all)."""
-    g = model.graph
-    listed = {i.name for i in g.input}  # below IR 4 initializers are graph inputs too
-    large = [i for i in g.initializer if int(np.prod(i.dims)) > 64 and i.name not in listed]
-    small = [i for i in g.initializer if int(np.prod(i.dims)) <= 64 or i.name in listed]
-    typed = [helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)) for i in large]
-    graph = helper.make_graph(list(g.node), g.name, [*g.input, *typed], list(g.output), small, value_info=g.value_info)
-    at = onnx.ModelProto(ir_version=model.ir_version)
-    at.opset_import.extend(model.opset_import)
-    at.graph.CopyFrom(graph)
-    return at
-
-
 def _shapes(model: onnx.ModelProto, batch: int) -> dict[str, tuple[int, ...]]:
     """Static shapes after dim 0 (dim 0 recorded as 0), inferred with the input's batch at ``batch``,
     the export's: its Reshapes still carry it (the front end frees them later)."""
-    at = _without_weights(model)
+    at = weightless(model)
     for i in at.graph.input:
         dims = i.type.tensor_type.shape.dim
         if dims and not dims[0].HasField("dim_value"):

@@ -24,7 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dualtrack import kernels
 from dualtrack.compiler.bundle_writer import load_model, segment_model
-from dualtrack.compiler.onnx_graph import widen_fp16
+from dualtrack.compiler.onnx_graph import infer_shapes, widen_fp16
 from dualtrack.contract.cases import ReferenceCases
 from dualtrack.contract.checks import DEFAULT_TOLERANCES, Check, Report, Tolerance, compare, compare_outputs
 from dualtrack.contract.plan import Plan, Segment, TensorSpec
@@ -260,9 +260,12 @@ def fp16_storage(model: onnx.ModelProto) -> onnx.ModelProto:
     arithmetic inside each op and fp16 between them, which is what an fp16 engine computes (IREE and
     Track A accumulate in fp32). Not onnxruntime's own fp16 run: its CPU provider casts the fp16 ops
     it lacks to fp32 and drops the casts between them, so its intermediates stay fp32."""
-    model = onnx.shape_inference.infer_shapes(copy.deepcopy(model))
+    inferred = infer_shapes(model).graph
+    floats = {
+        vi.name for vi in [*inferred.value_info, *inferred.output] if vi.type.tensor_type.elem_type == TensorProto.FLOAT
+    }
+    model = copy.deepcopy(model)
     g = model.graph
-    floats = {vi.name for vi in [*g.value_info, *g.output] if vi.type.tensor_type.elem_type == TensorProto.FLOAT}
     nodes: list[onnx.NodeProto] = []
     for n in g.node:
         nodes.append(n)
@@ -281,7 +284,7 @@ def with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
     """The model with the float tensors ``names`` that its nodes compute as graph outputs too."""
     computed = {o for n in model.graph.node for o in n.output}
     have = {o.name for o in model.graph.output}
-    inferred = {vi.name: vi for vi in onnx.shape_inference.infer_shapes(model).graph.value_info}
+    inferred = {vi.name: vi for vi in infer_shapes(model).graph.value_info}
     extra = [
         inferred[x]
         for x in dict.fromkeys(names)
