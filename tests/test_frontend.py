@@ -760,3 +760,45 @@ def test_a_max_over_the_whole_picture_becomes_a_maxpool_window(opset: int) -> No
     assert ops["rmax_c"][0] == "ReduceMax" and [r.stage for r in log] == ["pools"]
     feeds = {"x": rng.standard_normal((1, 3, 13, 9)).astype(np.float32)}
     np.testing.assert_array_equal(_run(out, feeds)["logits"], _run(model, feeds)["logits"])
+
+
+def test_shape_inference_and_the_stage_check_without_the_weights_answer_as_with_them() -> None:
+    """onnx_graph.infer_shapes and check_model see the float weights as typed graph inputs (onnx_graph.weightless):
+    every tensor's inferred shape and type is the full model's, the small constants a shape is computed from
+    (a Reshape's shape, a Resize's scales) keep their values, the model's own inputs are the inferred model's, and
+    a model the checker rejects is still rejected."""
+    rng = np.random.default_rng(3)
+    w = numpy_helper.from_array(rng.standard_normal((6, 3, 3, 3)).astype(np.float32), "w")
+    b = numpy_helper.from_array(rng.standard_normal(6).astype(np.float32), "b")  # 6 elements: stays an initializer
+    shape = numpy_helper.from_array(np.array([0, 6, -1], np.int64), "shape")
+    scales = numpy_helper.from_array(np.array([1, 1, 2, 3], np.float32), "scales")
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("Resize", ["c", "", "scales"], ["r"], mode="nearest"),
+        helper.make_node("Reshape", ["r", "shape"], ["y"]),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 10, 7])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 6, None])
+    graph = helper.make_graph(nodes, "g", [x], [y], [w, b, shape, scales])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    before = model.SerializeToString()
+
+    light = onnx_graph.weightless(model)
+    assert [i.name for i in light.graph.input] == ["x", "w"]
+    assert sorted(i.name for i in light.graph.initializer) == ["b", "scales", "shape"]
+    full = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    got = onnx_graph.infer_shapes(model, strict_mode=True, data_prop=True)
+    assert model.SerializeToString() == before  # the model itself is not changed
+    assert [i.name for i in got.graph.input] == ["x"]
+
+    def typed(m: onnx.ModelProto) -> dict[str, str]:
+        return {v.name: str(v.type) for v in [*m.graph.value_info, *m.graph.output]}
+
+    assert typed(got) == typed(full)
+    assert [d.dim_value for d in got.graph.output[0].type.tensor_type.shape.dim][1:] == [6, 10 * 12]  # scales read
+    onnx_graph.check_model(model, full_check=True)
+
+    bad = copy.deepcopy(model)
+    bad.graph.node[0].input[1] = "missing"  # a stage that dropped the tensor a node reads
+    with pytest.raises(onnx.checker.ValidationError, match="missing"):
+        onnx_graph.check_model(bad)

@@ -106,6 +106,66 @@ def test_a_linear_mlp_on_pooled_vectors_becomes_1x1_convs_on_images_and_computes
     _check_same(model, rewritten)
 
 
+def eca(taps: int, dilation: int, pads: tuple[int, int], bias: bool, reduce: bool) -> onnx.ModelProto:
+    """ECA-Net's channel attention as exported: the pooled vector (a ReduceMean without keepdims, or a GAP
+    flattened) viewed as a row (N, 1, C), a one-channel Conv1d across the channels, a sigmoid, viewed back to
+    (N, C, 1, 1) and expanded to scale the image."""
+    g = Graph(11)
+    if reduce:
+        g.add("ReduceMean", "v", ["x"], axes=[2, 3], keepdims=0)
+    else:
+        g.add("GlobalAveragePool", "gap", ["x"])
+        g.add("Flatten", "v", ["gap"], axis=1)
+    g.add("Reshape", "row", ["v", g.const("row_shape", np.array([-1, 1, C], np.int64))])
+    w = g.const("w", g.rng.standard_normal((1, 1, taps)).astype(np.float32))
+    ins = ["row", w, *([g.const("b", np.array([0.3], np.float32))] if bias else [])]
+    g.add("Conv", "conv", ins, kernel_shape=[taps], dilations=[dilation], pads=list(pads))
+    g.add("Sigmoid", "gate", ["conv"])
+    g.add("Reshape", "back", ["gate", g.const("shape", np.array([-1, C, 1, 1], np.int64))])
+    g.add("Shape", "xshape", ["x"])
+    g.add("Expand", "wide", ["back", "xshape"])
+    g.add("Mul", "y", ["x", "wide"])
+    return g.model("y")
+
+
+@pytest.mark.parametrize(
+    ("taps", "dilation", "pads", "bias", "reduce"),
+    [(3, 1, (1, 1), False, True), (5, 1, (2, 2), True, False), (3, 2, (2, 2), False, True), (4, 1, (1, 2), True, True)],
+    ids=["k3", "k5_bias_gap", "k3_dilated", "k4_uneven_pads"],
+)
+def test_a_conv1d_across_a_pooled_vector_s_channels_becomes_a_banded_1x1_conv_and_computes_the_same(
+    taps: int, dilation: int, pads: tuple[int, int], bias: bool, reduce: bool
+) -> None:
+    """ECA: the Conv1d's taps become a banded (C, C) 1x1 Conv on the (N, C, 1, 1) vector; the rows, views and
+    the Expand are gone; onnxruntime gives the export's answer at batches 1 and 3 (fp32, 1e-5)."""
+    model = eca(taps, dilation, pads, bias, reduce)
+    rewritten, note = vectors_as_images(model, constants(model.graph))
+    assert note is not None and "1 Conv1d" in note, note
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert not {"Flatten", "Squeeze", "Unsqueeze", "Reshape", "Expand"} & set(ops), ops
+    (conv,) = [n for n in rewritten.graph.node if n.op_type == "Conv"]
+    weight = next(numpy_helper.to_array(i) for i in rewritten.graph.initializer if i.name == conv.input[1])
+    assert weight.shape == (C, C, 1, 1)
+    assert np.count_nonzero(weight[:, :, 0, 0]) <= C * taps  # a band, not a dense matrix
+    _check_same(model, rewritten)
+
+
+def test_a_conv1d_that_changes_the_row_s_length_stays_as_exported() -> None:
+    """A Conv1d whose output is not C long (stride 2 here) is not a map of the channels onto themselves."""
+    g = Graph(12)
+    g.add("ReduceMean", "v", ["x"], axes=[2, 3], keepdims=0)
+    g.add("Reshape", "row", ["v", g.const("row_shape", np.array([-1, 1, C], np.int64))])
+    w = g.const("w", g.rng.standard_normal((1, 1, 3)).astype(np.float32))
+    g.add("Conv", "conv", ["row", w], kernel_shape=[3], pads=[1, 1], strides=[2])
+    g.add("Sigmoid", "gate", ["conv"])
+    g.add("Reshape", "back", ["gate", g.const("shape", np.array([-1, C // 2, 1, 1], np.int64))])
+    g.add("Tile", "wide", ["back", g.const("reps", np.array([1, 2, H, W], np.int64))])
+    g.add("Mul", "y", ["x", "wide"])
+    model = g.model("y")
+    rewritten, note = vectors_as_images(model, constants(model.graph))
+    assert note is None and rewritten is model
+
+
 def test_a_region_read_outside_stays_as_exported() -> None:
     """The MLP's hidden (N, 5) tensor is a graph output: not every reader is the region's, so no rewrite."""
     model = se_gemm_matmul()
@@ -194,3 +254,41 @@ def test_a_linear_squeeze_excitation_export_runs_on_track_a_and_verifies(exporte
     assert [s.track for s in plan.segments].count("A") == 1, [(s.name, s.track) for s in plan.segments]
     fcs = [c for s in plan.segments for c in s.calls if c.op == "fc"]
     assert len(fcs) == 4
+
+
+def test_an_eca_export_runs_on_track_a_in_one_segment_and_verifies(tmp_path: Path) -> None:
+    """timm's EcaModule as written (x.mean((2, 3)).view(N, 1, -1), Conv1d(1, 1, k, padding=(k - 1) // 2),
+    sigmoid, view(N, -1, 1, 1), expand_as) at two channel counts, exported by torch at batch 1 and built for
+    the CPU at batches 1 and 2: the body is one Track A segment and the build's verification passes."""
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+
+    class Eca(nn.Module):
+        def __init__(self, k: int) -> None:
+            super().__init__()
+            self.conv = nn.Conv1d(1, 1, k, padding=(k - 1) // 2, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.conv(x.mean((2, 3)).view(x.shape[0], 1, -1))
+            return x * torch.sigmoid(y).view(x.shape[0], -1, 1, 1).expand_as(x)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem, self.conv = nn.Conv2d(3, 18, 3, padding=1), nn.Conv2d(18, 26, 3, stride=2, padding=1)
+            self.eca1, self.eca2, self.head = Eca(3), Eca(5), nn.Conv2d(26, 2, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.eca2(torch.relu(self.conv(self.eca1(torch.relu(self.stem(x)))))))
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 22, 26)
+    torch.onnx.export(Net().eval(), (x,), str(tmp_path / "net.onnx"), opset_version=17, dynamo=False)
+    (tmp_path / "net.yaml").write_text("model: net.onnx\nbatch_sizes: [1, 2]\nverify:\n  samples: 1\n")
+    from dualtrack.compiler.build import build
+
+    result = build(tmp_path / "net.yaml", tmp_path / "out", cpu_only=True)  # raises when verification fails
+    tracks = "".join(s.track for s in result.plan.segments)
+    assert tracks == "BAB", tracks
+    body = next(s for s in result.plan.segments if s.track == "A")
+    assert sum(c.op == "fc" for c in body.calls) == 2, [c.op for c in body.calls]  # each band on the fc kernel

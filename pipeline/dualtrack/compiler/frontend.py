@@ -162,8 +162,9 @@ def full_check(model: onnx.ModelProto, what: str) -> None:
 class StageCheck:
     """The ONNX checker on every model a front-end stage writes, held to the level the export passes:
     strict shape inference included where the export passes it, the structural check where it does not
-    (a stage must not make a model worse than it got it). A failure is a dualtrack bug, so it is an
-    InternalError that names the stage, not a ModelError that would send the user to re-export."""
+    (a stage must not make a model worse than it got it). On the model without its weights' bytes
+    (``onnx_graph.check_model``; :func:`full_check` reads them once, at the end). A failure is a dualtrack bug, so
+    it is an InternalError that names the stage, not a ModelError that would send the user to re-export."""
 
     def __init__(self, export: onnx.ModelProto, source: str) -> None:
         self.source = source

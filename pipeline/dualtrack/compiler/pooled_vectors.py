@@ -10,11 +10,15 @@ rank-2 middle has no kernel, so each such block went to IREE with two track swit
 :func:`vectors_as_images` finds each *region*: rank-2 (N, C) tensors made by flattening an (N, C, 1, 1)
 tensor (Reshape, Flatten or Squeeze; or a ReduceMean over H and W without keepdims), the ops on them
 (Gemm and MatMul by constants, element-wise ops of one tensor, binary ops with scalars, (K,) vectors or
-other tensors of the region), and the views back to (N, K, 1, 1). A region is rewritten only where it is
-closed: every reader of its rank-2 tensors is one of those ops. Then each rank-2 tensor has a *twin*
-(N, C, 1, 1): a Gemm / MatMul becomes a 1x1 Conv with the matrix as (K, C, 1, 1) weights (``transB``,
-``alpha`` and ``beta`` applied), a (K,) constant becomes (1, K, 1, 1), the views back disappear (their
-readers read the twin), and an Expand of a twin to an image's shape that only feeds broadcasting binary ops
+other tensors of the region), views between (N, C) and the row (N, 1, C), a one-channel Conv1d over such a
+row (ECA-Net's channel attention: a k-tap band across neighbouring channels), and the views back to
+(N, K, 1, 1). A region is rewritten only where it is closed: every reader of its tensors is one of those
+ops. Then each region tensor has a *twin* (N, C, 1, 1): a Gemm / MatMul becomes a 1x1 Conv with the
+matrix as (K, C, 1, 1) weights (``transB``, ``alpha`` and ``beta`` applied), a Conv1d over a row a 1x1
+Conv with its taps as a banded (C, C) matrix (the same sums: a tap past either end of the channels would
+read the Conv1d's zero padding, which the band leaves out), a view between (N, C) and (N, 1, C) nothing
+(both have the one twin), a (K,) constant becomes (1, K, 1, 1), the views back disappear (their readers
+read the twin), and an Expand of a twin to an image's shape that only feeds broadcasting binary ops
 disappears too (the ops broadcast the (N, K, 1, 1) gate themselves). The rewrite is exact: the same
 arithmetic on the same values, one row of the matrix per image as before, and it takes any batch (no
 shape is written). Written by hand rather than with an ONNX optimiser: onnxslim and onnxoptimizer fuse
@@ -33,6 +37,7 @@ from dualtrack.compiler.onnx_graph import copy_node, fresh_name, infer_shapes, l
 FLATTENS = frozenset({"Reshape", "Flatten", "Squeeze"})
 VIEWS_BACK = frozenset({"Reshape", "Unsqueeze"})
 LINEAR = frozenset({"Gemm", "MatMul"})
+MIXING = LINEAR | {"Conv"}  # the ops that mix channels: a region without one is left as exported
 BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div"})
 
 
@@ -55,6 +60,43 @@ def _is_matrix(shape: tuple | None, c: int | None = None) -> bool:
     return (
         shape is not None and len(shape) == 2 and isinstance(shape[1], int) and (c is None or shape[1] == c)
     )  # fmt: skip
+
+
+def _vector_k(shape: tuple | None) -> int | None:
+    """K of a region tensor's shape: the matrix (N, K) or the row (N, 1, K); None for any other."""
+    if _is_matrix(shape):
+        return shape[1]
+    if shape is not None and len(shape) == 3 and shape[1] == 1 and isinstance(shape[2], int):
+        return shape[2]
+    return None
+
+
+def _channel_conv(node: onnx.NodeProto, consts: dict[str, np.ndarray], k: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(the (K, K) band matrix, the (K,) bias) of a Conv1d of one input and one output channel, stride 1, over
+    a row (N, 1, K) that it maps to (N, 1, K): output channel c sums tap j times input channel
+    c - pad_begin + j * dilation where that is a channel (the zero padding elsewhere)."""
+    if node.op_type != "Conv" or len(node.input) < 2:
+        return None
+    w = consts.get(node.input[1])
+    a = node_attrs(node)
+    if w is None or w.shape[:2] != (1, 1) or w.ndim != 3 or a.get("group", 1) != 1 or a.get("strides", [1]) != [1]:
+        return None
+    if a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+        return None
+    taps, (d,) = w.reshape(-1), a.get("dilations", [1])
+    begin, end = a.get("pads", [0, 0])
+    if k + begin + end - d * (len(taps) - 1) != k:
+        return None
+    band = np.zeros((k, k), w.dtype)
+    for j, tap in enumerate(taps):
+        for c in range(k):
+            src = c - begin + j * d
+            if 0 <= src < k:
+                band[c, src] += tap
+    b = consts.get(node.input[2]) if len(node.input) > 2 and node.input[2] else np.zeros(1, w.dtype)
+    if b is None or b.size != 1:
+        return None
+    return band, np.full(k, b.reshape(-1)[0], w.dtype)
 
 
 class _Region:
@@ -136,8 +178,9 @@ def _same_image(a: tuple | None, b: tuple | None) -> bool:
 
 
 def _vector_const(v: np.ndarray, k: int) -> bool:
-    """A constant an (N, K) tensor combines with per column or as a scalar: size 1, (K,) or (1, K)."""
-    return v.size == 1 or (v.shape in ((k,), (1, k)))
+    """A constant a region tensor combines with per column or as a scalar: size 1, (K,), (1, K) or (1, 1, K)
+    (a rank the tensor's own broadcasts to another shape, which its output's shape check refuses)."""
+    return v.size == 1 or (v.shape in ((k,), (1, k), (1, 1, k)))
 
 
 def _data_inputs(node: onnx.NodeProto) -> list[str]:
@@ -168,13 +211,19 @@ def _grow(
                 if wb is None:
                     return False
                 out_k = wb[0].shape[0]
+            elif n.op_type == "Conv" and n.input[0] == t:
+                if _channel_conv(n, consts, k) is None or _is_matrix(shapes.get(t)):
+                    return False
+                out_k = k
+            elif n.op_type in FLATTENS | VIEWS_BACK and n.input[0] == t and _vector_k(ys) == k:
+                out_k = k  # (N, K) <-> (N, 1, K): the same twin
             elif n.op_type in UNARY and n.input[0] == t and all(x in consts for x in n.input[1:] if x):
                 out_k = k
             elif n.op_type in BINARY and n.op_type != "PRelu" and len(n.input) == 2:
                 other = n.input[1] if n.input[0] == t else n.input[0]
                 if other in consts and not _vector_const(consts[other], k):
                     return False
-                if other not in consts and not _is_matrix(shapes.get(other), k):
+                if other not in consts and _vector_k(shapes.get(other)) != k:
                     return False
                 out_k = k
             elif n.op_type in VIEWS_BACK and n.input[0] == t and _is_vector_image(ys) and ys[1] == k:
@@ -185,7 +234,7 @@ def _grow(
                 continue
             else:
                 return False
-            if not _is_matrix(ys, out_k):
+            if _vector_k(ys) != out_k:
                 return False
             region.take(n)
             region.channels[y] = out_k
@@ -235,7 +284,7 @@ def _seeds_behind(
     seen.add(n.name)
     if _seed(n, shapes) is not None or _reduce_seed(n, shapes, consts) is not None:
         return [n]
-    if n.op_type not in LINEAR | UNARY | BINARY:
+    if n.op_type not in LINEAR | UNARY | BINARY | FLATTENS | VIEWS_BACK | {"Conv"}:
         return None
     found: list[onnx.NodeProto] = []
     for y in _data_inputs(n):
@@ -267,14 +316,16 @@ def vectors_as_images(model: onnx.ModelProto, consts: dict[str, np.ndarray]) -> 
         region = _grown(n, g, shapes, consts, consumers, outputs, producer)
         if region is None or not region.ends or region.names & taken_by:
             continue
-        if any(m.op_type in LINEAR for m in region.nodes):
+        if any(m.op_type in MIXING for m in region.nodes):
             regions.append(region)
             taken_by.update(region.names)
     if not regions:
         return model, None
+    mixing = [m.op_type for r in regions for m in r.nodes if m.op_type in MIXING]
     return _rewrite(model, regions, consts, consumers, shapes), (
-        f"{len(regions)} pooled-vector MLP(s) (squeeze-excitation with Linears) written on (N, C, 1, 1) images: "
-        f"{sum(m.op_type in LINEAR for r in regions for m in r.nodes)} Gemm/MatMul as 1x1 Convs"
+        f"{len(regions)} pooled-vector region(s) (squeeze-excitation with Linears, ECA's Conv1d over channels) "
+        f"written on (N, C, 1, 1) images: {len(mixing) - mixing.count('Conv')} Gemm/MatMul and "
+        f"{mixing.count('Conv')} Conv1d as 1x1 Convs"
     )
 
 
@@ -312,10 +363,17 @@ def _rewrite(
                 rename[y] = twin[region.ends[y]]
                 replaced[n.name] = []
                 continue
+            if n.op_type in FLATTENS | VIEWS_BACK:  # (N, K) <-> (N, 1, K): one twin
+                twin[y] = twin[n.input[0]]
+                replaced[n.name] = []
+                continue
             t = fresh_name(f"{y}_img", taken)
             name = fresh_name(f"{n.name}_img", taken)
-            if n.op_type in LINEAR:
-                w, bias = _linear_weight(n, consts, region.channels[n.input[0]])
+            if n.op_type in MIXING:
+                k = region.channels[n.input[0]]
+                mixed = _linear_weight(n, consts, k) if n.op_type in LINEAR else _channel_conv(n, consts, k)
+                assert mixed is not None  # _grow took the node for it
+                w, bias = mixed
                 wn = fresh_name(f"{name}.weight", taken)
                 inits.append(numpy_helper.from_array(np.ascontiguousarray(w[:, :, None, None]), wn))
                 ins = [twin[n.input[0]], wn]
