@@ -141,6 +141,51 @@ def test_a_channels_last_block_is_rewritten_channels_first_and_computes_the_same
     assert_same(model, out)
 
 
+def gated_net(equal: bool) -> onnx.ModelProto:
+    """MambaOut's gated CNN block, channels-last: LayerNorm, a Linear to gate, identity and conv channels (7, 9
+    and 5 of 21, or 7 each: no sizes), split along the last axis;
+    the conv part permuted to NCHW for a depthwise 3x3 and back; Concat(identity, conv) along the last axis
+    (mixed back to 7 channels here, so that it can gate); GELU(gate) times it; a Linear back; permute; residual."""
+    n = Net(9)
+    x = n.op("Conv", ["image", n.rand("conv.w", C, C, 3, 3, scale=0.1)], "conv", kernel_shape=[3, 3], pads=[1] * 4)
+    t = n.op("Transpose", [x], "to_nhwc", perm=[0, 2, 3, 1])
+    ln = n.op("LayerNormalization", [t, n.rand("g", C), n.rand("b", C)], "ln")
+    f1 = n.op("MatMul", [ln, n.rand("w1", C, 21, scale=C**-0.5)], "fc1")
+    parts = ["gate", "ident", "convpart"]
+    if equal:
+        n.nodes.append(helper.make_node("Split", [f1], parts, name="split", axis=-1))
+    else:
+        sizes = n.const("sizes", np.array([7, 9, 5], np.int64))
+        n.nodes.append(helper.make_node("Split", [f1, sizes], parts, name="split", axis=3))
+    c = n.op("Transpose", ["convpart"], "c_nchw", perm=[0, 3, 1, 2])
+    k = 7 if equal else 5
+    c = n.op("Conv", [c, n.rand("dw.w", k, 1, 3, 3, scale=0.3)], "dw", kernel_shape=[3, 3], pads=[1] * 4, group=k)
+    c = n.op("Transpose", [c], "c_nhwc", perm=[0, 2, 3, 1])
+    cat = n.op("Concat", ["ident", c], "cat", axis=-1)
+    mixed = n.op("MatMul", [cat, n.rand("w_in", 21 - 7, 7, scale=0.3)], "mix")  # 14 channels back to the gate's 7
+    g = n.op("Mul", [n.gelu("gate", "act", "div"), mixed], "gated")
+    f2 = n.op("MatMul", [g, n.rand("w2", 7, C, scale=7**-0.5)], "fc2")
+    back = n.op("Transpose", [f2], "to_nchw", perm=[0, 3, 1, 2])
+    y = n.op("Add", [back, x], "residual")
+    n.op("Sin", [y], "logits")
+    return n.model(["logits"])
+
+
+@pytest.mark.parametrize("equal", [False, True], ids=["sizes", "equal_parts"])
+def test_a_gated_block_s_split_and_concat_over_channels_map_to_axis_one_and_compute_the_same(equal: bool) -> None:
+    model = gated_net(equal)
+    out, detail = rewritten(model)
+    assert detail is not None, "the region was left as exported"
+    ops = [n.op_type for n in out.graph.node]
+    assert "MatMul" not in ops and ops.count("Transpose") == 2  # the LayerNorm's own pair
+    split = next(n for n in out.graph.node if n.op_type == "Split")
+    concat = next(n for n in out.graph.node if n.op_type == "Concat")
+    axis = {a.name: a.i for a in [*split.attribute, *concat.attribute] if a.name == "axis"}
+    assert axis == {"axis": 1}
+    onnx.checker.check_model(out)
+    assert_same(model, out)
+
+
 @pytest.mark.parametrize("reader", ["Reshape", "output"])
 def test_a_region_read_by_something_else_is_left_exactly_as_exported(reader: str) -> None:
     """A Reshape into windows (Swin) or a graph output reads the channels-last tensor itself: the pass

@@ -147,6 +147,8 @@ class _Rewriter:
     def rewrite(self, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         """``node`` written over the channels-first twins, or None where the pass does not rewrite it."""
         op, x = node.op_type, next(i for i in node.input if i in self.twin)
+        if op == "Split":
+            return self._split(node, x)
         if len(node.output) != 1:
             return None
         if op == "Transpose":
@@ -168,7 +170,32 @@ class _Rewriter:
             return self._binary(node, x)
         if op in REDUCE or op == "Softmax":
             return self._axes(node, x)
+        if op == "Concat":
+            if not all(i in self.twin for i in node.input):
+                return None
+            return [self._on_axis(copy_node(node, [self.twin[i] for i in node.input], self.out(node, x)))]
         return None
+
+    def _on_axis(self, new: onnx.NodeProto) -> onnx.NodeProto:
+        """``new`` (a copy of a Split or Concat over NHWC tensors) along the same axis of the NCHW twins."""
+        for a in new.attribute:
+            if a.name == "axis":
+                a.i = NCHW_AXIS[a.i % 4]
+        return new
+
+    def _split(self, node: onnx.NodeProto, x: str) -> list[onnx.NodeProto] | None:
+        """A Split of a region tensor (MambaOut's gate, input and conv channels out of one Linear) over the
+        twin, along the same axis; each part's twin is a part of the twin."""
+        if node.input[0] != x or any(i in self.twin for i in node.input[1:]) or "" in node.output:
+            return None
+        new = copy_node(node, [self.twin[x], *node.input[1:]], node.output[0])
+        del new.output[:]
+        for t in node.output:
+            self.twin[t], self.seed[t] = self.fresh(t), self.seed[x]
+            new.output.append(self.twin[t])
+        if not any(a.name == "axis" for a in new.attribute):
+            new.attribute.append(helper.make_attribute("axis", 0))
+        return [self._on_axis(new)]
 
     def _layer_norm(self, node: onnx.NodeProto, x: str) -> list[onnx.NodeProto] | None:
         a = node_attrs(node)
