@@ -6,7 +6,7 @@ element-wise ops with per-channel constants of shape (C,), and Transpose back. T
 activation in NHWC already, so those Transposes move nothing there; what it needs is the region
 written in the graph's NCHW convention, where its kernels' lowerings recognise it: a MatMul by a
 constant (C, K) matrix over the last axis is a 1x1 Conv, a (C,) constant broadcast over the last axis
-is a (C, 1, 1) one, a reduction or softmax over axis 3 is one over axis 1, and a LayerNormalization
+is a (C, 1, 1) one, a reduction, softmax, Split or Concat over axis 3 is one over axis 1, and a LayerNormalization
 over the last axis keeps its own Transpose pair (``lower_norm``'s LayerNorm-over-channels chain).
 
 :func:`channels_first` does this for every *closed* region: the tensors reachable from a
