@@ -284,7 +284,7 @@ def _seeds_behind(
     seen.add(n.name)
     if _seed(n, shapes) is not None or _reduce_seed(n, shapes, consts) is not None:
         return [n]
-    if n.op_type not in LINEAR | UNARY | BINARY | FLATTENS | VIEWS_BACK | {"Conv"}:
+    if n.op_type not in MIXING | UNARY | BINARY | FLATTENS | VIEWS_BACK:
         return None
     found: list[onnx.NodeProto] = []
     for y in _data_inputs(n):
