@@ -318,11 +318,15 @@ __device__ __forceinline__ void dwconv_tile(const f16* __restrict__ x, const f16
     }
 }
 
-template <int TH, int SD>
+// SQUARE3: the 3x3 entries' one instance; else every other window (the host sends a 3x3 to those:
+// DwConvSpec.tile_choice). Apart, the 3x3's registers are its own: inlined beside the 7x7's 49 weight
+// pairs it ran at the 7x7's 216 registers a thread on sm_90a, two 128-thread blocks an SM.
+template <int TH, int SD, bool SQUARE3>
 __device__ __forceinline__ void dwconv_tile_kernel(const f16* __restrict__ x, const f16* __restrict__ w,
                                                    const float* __restrict__ bias, f16* __restrict__ y,
                                                    const DwProblem& p, float* __restrict__ patch) {
-    if (p.R == 3 && p.S == 3) {
+    if (SQUARE3) {
+        if (p.R != 3 || p.S != 3) __trap();  // a host bug, stopped loudly
         dwconv_tile<TH, SD, 3, 3>(x, w, bias, y, p, patch);
     } else if (p.R == 5 && p.S == 5) {
         dwconv_tile<TH, SD, 5, 5>(x, w, bias, y, p, patch);
@@ -334,7 +338,7 @@ __device__ __forceinline__ void dwconv_tile_kernel(const f16* __restrict__ x, co
 }
 
 // TH: the entry's rows at stride 1; stride 2 takes TH / 2 (the host's DwConvSpec.tile_rows).
-template <int TH>
+template <int TH, bool SQUARE3>
 __device__ __forceinline__ void dwconv_tile_any(const f16* __restrict__ x, const f16* __restrict__ w,
                                                 const float* __restrict__ bias, f16* __restrict__ y,
                                                 const DwProblem& p, float* __restrict__ patch) {
@@ -343,9 +347,9 @@ __device__ __forceinline__ void dwconv_tile_any(const f16* __restrict__ x, const
         p.S > dwtile::MAXK || p.C % 8 != 0)
         __trap();
     if (p.sh == 1) {
-        dwconv_tile_kernel<TH, 1>(x, w, bias, y, p, patch);
+        dwconv_tile_kernel<TH, 1, SQUARE3>(x, w, bias, y, p, patch);
     } else {
-        dwconv_tile_kernel<TH / 2, 2>(x, w, bias, y, p, patch);
+        dwconv_tile_kernel<TH / 2, 2, SQUARE3>(x, w, bias, y, p, patch);
     }
 }
 #endif  // DW_TILE_H
@@ -472,12 +476,22 @@ extern "C" __global__ void __launch_bounds__(DWCONV_THREADS) dwconv_nhwc_f32(DWC
 #if defined(DW_TILE_H)
 extern "C" __global__ void __launch_bounds__(DW_TILE_THREADS) dwconv_nhwc_f16_tile(DWCONV_PARAMS(f16)) {
     extern __shared__ float4 dw_patch[];  // float4: 16-byte aligned for the patch's vector stores
-    dwconv_tile_any<DW_TILE_H>(x, w, bias, y, DWCONV_PROBLEM, reinterpret_cast<float*>(dw_patch));
+    dwconv_tile_any<DW_TILE_H, false>(x, w, bias, y, DWCONV_PROBLEM, reinterpret_cast<float*>(dw_patch));
 }
 
 extern "C" __global__ void __launch_bounds__(DW_TILE_THREADS) dwconv_nhwc_f16_tile_short(DWCONV_PARAMS(f16)) {
     extern __shared__ float4 dw_patch[];
-    dwconv_tile_any<DW_TILE_H_SHORT>(x, w, bias, y, DWCONV_PROBLEM, reinterpret_cast<float*>(dw_patch));
+    dwconv_tile_any<DW_TILE_H_SHORT, false>(x, w, bias, y, DWCONV_PROBLEM, reinterpret_cast<float*>(dw_patch));
+}
+
+extern "C" __global__ void __launch_bounds__(DW_TILE_THREADS) dwconv_nhwc_f16_tile3(DWCONV_PARAMS(f16)) {
+    extern __shared__ float4 dw_patch[];
+    dwconv_tile_any<DW_TILE_H, true>(x, w, bias, y, DWCONV_PROBLEM, reinterpret_cast<float*>(dw_patch));
+}
+
+extern "C" __global__ void __launch_bounds__(DW_TILE_THREADS) dwconv_nhwc_f16_tile3_short(DWCONV_PARAMS(f16)) {
+    extern __shared__ float4 dw_patch[];
+    dwconv_tile_any<DW_TILE_H_SHORT, true>(x, w, bias, y, DWCONV_PROBLEM, reinterpret_cast<float*>(dw_patch));
 }
 #endif
 

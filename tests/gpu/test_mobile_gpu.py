@@ -125,8 +125,9 @@ def test_dwconv_kernel(engine, mods, dtype, off, n, h, w, c, g) -> None:
     ],
 )
 def test_dwconv_tile_kernel(engine, mods, off, n, h, w, c, g) -> None:
-    """Both tiled entries against the numpy reference (every activation of ACTS) and against the
-    per-element entry on the same data (the same fmaf chain: equal up to the sign of a zero)."""
+    """Both tiled entries (and a 3x3's two 3x3 entries) against the numpy reference (every activation of
+    ACTS) and against the per-element entry on the same data (the same fmaf chain: equal up to the sign
+    of a zero)."""
     assert DW.tile_path("float16", g, c, c + 2 * off, c + 2 * off)
     _, ho, wo, _ = DW.output_shape(n, h, w, c, 0, g)
     launches = {
@@ -134,6 +135,9 @@ def test_dwconv_tile_kernel(engine, mods, off, n, h, w, c, g) -> None:
         DW.tile_short_entry: DW.tile_launch(n, ho, wo, c, g, short=True),
         DW.entry("float16"): DW.launch("float16", n, h, w, c, 0, g, ldy=c + 2 * off),
     }
+    if (g.R, g.width) == (3, 3):  # the 3x3 entries too (the general ones' loop takes a 3x3 as well)
+        launches[DW.tile3_entry] = DW.tile_launch(n, ho, wo, c, g)
+        launches[DW.tile3_short_entry] = DW.tile_launch(n, ho, wo, c, g, short=True)
     for entry, cfg in launches.items():
         if cfg.shared_bytes > SHARED_DEFAULT:
             mods[entry].set_max_dynamic_shared(cfg.shared_bytes)
@@ -151,9 +155,11 @@ def test_dwconv_tile_kernel(engine, mods, off, n, h, w, c, g) -> None:
                            ldx=ldx, ldy=ldy, act=act)  # fmt: skip
             mods[entry].launch(cfg.grid, cfg.block, cfg.shared_bytes, s.be.stream, args)
             outs.append(s.result())
-        for entry, got in zip(launches, outs[:2], strict=False):
+        got_by = dict(zip(launches, outs, strict=True))
+        element = got_by.pop(DW.entry("float16"))
+        for entry, got in got_by.items():
             check(f"dwconv {entry} {act}", ref, got, "float16")
-            np.testing.assert_array_equal(np.abs(got), np.abs(outs[2]))
+            np.testing.assert_array_equal(np.abs(got), np.abs(element))
 
 
 @pytest.mark.parametrize("off", [0, 8])  # dense, and 16-byte aligned slices (ld = C + 16) in and out

@@ -2,7 +2,8 @@
 factorised 1xk / kx1, with a channel multiplier), one thread per output element (fp16: per 8
 channels where C and the strides allow), and for fp16 convolutions of dilation 1 and stride 1 or 2 a
 tiled entry (``dwconv_nhwc_f16_tile``: :meth:`DwConvSpec.tile_path`) that stages each block's input
-patch in shared memory once.
+patch in shared memory once; a 3x3 window has its own pair of tiled entries (``_tile3``), whose registers
+the 7x7's weights do not set (107 a thread against 214 on sm_90a: twice the blocks an SM).
 
 Every depthwise Conv is this op's, never the grouped general conv's: with one input channel a group,
 the general conv's implicit GEMM would be C GEMMs of depth R*S whose loads are strided 2-byte reads
@@ -142,6 +143,13 @@ class DwConvSpec(ElementSpec):
     # patches: :meth:`tile_resident`); below, the short one's twice as many blocks.
     tall_waves: int = 2
     tile_per_sm: int = 3
+    # The 3x3 entries' (``_tile3``: the one window alone, its own registers; dwconv_nhwc.cu): four
+    # 128-thread blocks of the tall one's 107 registers fit a Hopper SM's 64 K (ptxas, sm_90a; the
+    # general tall entry takes 214, the 7x7's weights, two blocks), and four of its 3x3 patches (42 KiB).
+    tile3_per_sm: int = 4
+    # Whether tile_choice sends a 3x3 to the 3x3 entries (off: the general ones, whose loop takes any window;
+    # bench/zoo_bench.py --no-dwconv-tile3 runs a bundle built before the 3x3 entries existed as it ran then).
+    tile3: bool = True
     # The column entries (-DDW_COLS_*, 3x3 only): a thread cols_h (``_cols``) or cols_h_short
     # (``_cols_short``) output rows of one column for 8 channels, a block at most cols_threads threads
     # (:meth:`cols_launch`); half the rows at stride 2. The tall entry where its blocks fill the GPU
@@ -174,6 +182,14 @@ class DwConvSpec(ElementSpec):
         return f"{self.stem}_f16_tile_short"
 
     @property
+    def tile3_entry(self) -> str:
+        return f"{self.stem}_f16_tile3"
+
+    @property
+    def tile3_short_entry(self) -> str:
+        return f"{self.stem}_f16_tile3_short"
+
+    @property
     def cols_entry(self) -> str:
         return f"{self.stem}_f16_cols"
 
@@ -183,7 +199,8 @@ class DwConvSpec(ElementSpec):
 
     @property
     def entries(self) -> tuple[str, ...]:
-        return (*super().entries, self.tile_entry, self.tile_short_entry, self.cols_entry, self.cols_short_entry)
+        tiles = (self.tile_entry, self.tile_short_entry, self.tile3_entry, self.tile3_short_entry)
+        return (*super().entries, *tiles, self.cols_entry, self.cols_short_entry)
 
     def cols_path(self, dtype: Any, g: DwGeometry, C: int, *strides: int) -> bool:
         """Whether the column entries take a launch (dwconv_nhwc.cu's dwconv_cols_any): fp16, a 3x3
@@ -252,25 +269,29 @@ class DwConvSpec(ElementSpec):
         tiles = N * cdiv(Ho, rows) * cdiv(Wo, self.tile_w)
         return LaunchConfig(grid=(tiles, cdiv(C, self.tile_c), 1), block=(self.tile_threads, 1, 1), shared_bytes=patch)
 
-    def tile_resident(self, launch: LaunchConfig, device: DeviceInfo) -> int:
-        """Blocks of a tiled launch an SM of ``device`` holds at once: :attr:`tile_per_sm`, or fewer
-        where its shared memory (less the 1 KiB the system reserves a block) holds fewer patches;
-        0 where one patch is over what a block may opt in to."""
+    def tile_resident(self, launch: LaunchConfig, device: DeviceInfo, square3: bool = False) -> int:
+        """Blocks of a tiled launch an SM of ``device`` holds at once: :attr:`tile_per_sm` (the 3x3
+        entries' :attr:`tile3_per_sm`), or fewer where its shared memory (less the 1 KiB the system
+        reserves a block) holds fewer patches; 0 where one patch is over what a block may opt in to."""
         if launch.shared_bytes > device.shared_per_block:
             return 0
-        return min(self.tile_per_sm, device.shared_per_sm // (launch.shared_bytes + 1024))
+        per_sm = self.tile3_per_sm if square3 else self.tile_per_sm
+        return min(per_sm, device.shared_per_sm // (launch.shared_bytes + 1024))
 
     def tile_choice(
         self, N: int, Ho: int, Wo: int, C: int, g: DwGeometry, device: DeviceInfo
     ) -> tuple[str, LaunchConfig]:
         """The tiled entry for a launch on ``device`` and its geometry: the tall tile where its
         blocks make :attr:`tall_waves` full waves of :meth:`tile_resident` a SM, else the short one
-        (whose patch :meth:`prepare_inputs` still checks against the device's limit)."""
+        (whose patch :meth:`prepare_inputs` still checks against the device's limit). A 3x3 window
+        takes the 3x3 entries (``_tile3``, ``_tile3_short``), every other window the general ones."""
+        square3 = self.tile3 and (g.R, g.width) == (3, 3)
         tall = self.tile_launch(N, Ho, Wo, C, g)
-        resident = self.tile_resident(tall, device)
+        resident = self.tile_resident(tall, device, square3)
         if resident and tall.grid[0] * tall.grid[1] >= self.tall_waves * device.full_wave(resident):
-            return self.tile_entry, tall
-        return self.tile_short_entry, self.tile_launch(N, Ho, Wo, C, g, short=True)
+            return (self.tile3_entry if square3 else self.tile_entry), tall
+        short = self.tile3_short_entry if square3 else self.tile_short_entry
+        return short, self.tile_launch(N, Ho, Wo, C, g, short=True)
 
     @staticmethod
     def row_path(g: DwGeometry) -> bool:
