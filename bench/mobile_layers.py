@@ -19,12 +19,12 @@ the max-pool rows are not LR-ASPP's: ``uses`` 1 for the smp stem pool, 0 for the
 
 A dwconv layer runs the entry the engine picks for it (the tiled ones, ``DwConvSpec.tile_path``; the
 column entries for a 3x3 where ``DwConvSpec.cols`` is on), and beside it every other entry that
-takes it (``elem us``: the per-element one; the tiles, tall and short, and the columns' sizes of
-``--dw-cols`` / ``--dw-tile``). Each row is checked first: our
-output (NaN-poisoned before) against torch's fp32 computation of the same fp16 data, activation
-included (rel L2 <= 2e-3). Then both sides are timed as ``--iters`` launches captured in one CUDA
-graph, replayed between CUDA events after a warm-up (median of 5 replays, per launch): these kernels
-take microseconds, so launching from Python would time the host, and ``Engine.run`` replays the
+takes it (``elem us``: the per-element one; the tiles, tall and short, a 3x3's own pair ``tall3`` /
+``short3`` (the engine's with ``--dw-tile3``), and the columns' sizes of ``--dw-cols`` / ``--dw-tile``).
+Each row is checked first: our output (NaN-poisoned before) against torch's fp32 computation of the
+same fp16 data, activation included (rel L2 <= 2e-3). Then both sides are timed as ``--iters`` launches
+captured in one CUDA graph, replayed between CUDA events after a warm-up (median of 5 replays, per
+launch): these kernels take microseconds, so launching from Python would time the host, and ``Engine.run`` replays the
 whole inference as one CUDA graph anyway. PyTorch's side is the op alone, as eager torch runs it:
 ``F.conv2d(groups=C)`` on channels_last (cuDNN) + bias for dwconv, ``F.linear`` for fc, ``mean``
 over H, W for gap, ``*`` / ``+`` for eltwise, ``F.interpolate`` for resize, ``F.max_pool2d``
@@ -277,6 +277,9 @@ def run_layer(
         entries = {"tile": chosen, **entries}
         entries["tall"] = (spec.tile_entry, spec.tile_launch(n, ho, wo, layer.C, g))
         entries["short"] = (spec.tile_short_entry, spec.tile_launch(n, ho, wo, layer.C, g, short=True))
+        if (g.R, g.width) == (3, 3):  # the 3x3's own pair (DwConvSpec.tile3; --dw-tile3 makes them the engine's)
+            entries["tall3"] = (spec.tile3_entry, spec.tile_launch(n, ho, wo, layer.C, g))
+            entries["short3"] = (spec.tile3_short_entry, spec.tile_launch(n, ho, wo, layer.C, g, short=True))
         for t in tiles:  # --dw-tile: other tile sizes of the tall entry, compiled here
             if tile_name(t) in fns:
                 entries.setdefault(tile_name(t), (tile_name(t), t.tile_launch(n, ho, wo, layer.C, g)))
@@ -342,7 +345,13 @@ def main(argv: list[str] | None = None) -> int:
         "--dw-tile", action="append", default=[], metavar="H,W,C,B,THREADS",
         help="also time dwconv's tiled entry compiled (NVRTC, here) with these tile sizes (repeatable)",
     )  # fmt: skip
+    ap.add_argument(
+        "--dw-tile3", action="store_true",
+        help="the engine's choice for a 3x3 is its own tiled pair (DwConvSpec.tile3, off by default)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.dw_tile3:  # the registry run_layer reads the spec from
+        KERNELS["dwconv"] = replace(KERNELS["dwconv"], tile3=True)
     if not torch.cuda.is_available():
         print("mobile_layers: needs a CUDA GPU and torch with CUDA", file=sys.stderr)
         return 2

@@ -370,10 +370,10 @@ def main(argv: list[str] | None = None) -> int:
         help="A/B: the depthwise 3x3s on the column entries (DwConvSpec.cols, off by default; rows say dwconv_cols)",
     )
     p.add_argument(
-        "--no-dwconv-tile3",
+        "--dwconv-tile3",
         action="store_true",
-        help="A/B: the depthwise 3x3s on the general tiled entries (DwConvSpec.tile3 off: a bundle built before the "
-        "3x3 entries; rows say dwconv_tile3)",
+        help="A/B: the depthwise 3x3s on their own tiled entries (DwConvSpec.tile3, off by default; rows say "
+        "dwconv_tile3)",
     )
     p.add_argument("--no-torch", action="store_true", help="skip the torch.compile rows (an A/B's second run)")
     args = p.parse_args(argv)
@@ -386,9 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dwconv_cols:  # the registry the engine prepares its calls from, before any bundle loads
         registry = cast(dict, kernels.KERNELS)
         registry["dwconv"] = replace(registry["dwconv"], cols=True)
-    if args.no_dwconv_tile3:
+    if args.dwconv_tile3:
         registry = cast(dict, kernels.KERNELS)
-        registry["dwconv"] = replace(registry["dwconv"], tile3=False)
+        registry["dwconv"] = replace(registry["dwconv"], tile3=True)
 
     from dualtrack.compiler.bundle_writer import load_model
     from dualtrack.contract.bundle import Bundle

@@ -318,15 +318,18 @@ __device__ __forceinline__ void dwconv_tile(const f16* __restrict__ x, const f16
     }
 }
 
-// SQUARE3: the 3x3 entries' one instance; else every other window (the host sends a 3x3 to those:
-// DwConvSpec.tile_choice). Apart, the 3x3's registers are its own: inlined beside the 7x7's 49 weight
-// pairs it ran at the 7x7's 216 registers a thread on sm_90a, two 128-thread blocks an SM.
+// SQUARE3: the 3x3 entries' one instance; else every window, the 3x3 too (where DwConvSpec.tile3 is
+// off, the host's default until the 3x3 entries are measured on a GPU). Apart, the 3x3's registers are its
+// own: inlined beside the 7x7's 49 weight pairs it runs at the 7x7's 214 registers a thread on sm_90a, two
+// 128-thread blocks an SM.
 template <int TH, int SD, bool SQUARE3>
 __device__ __forceinline__ void dwconv_tile_kernel(const f16* __restrict__ x, const f16* __restrict__ w,
                                                    const float* __restrict__ bias, f16* __restrict__ y,
                                                    const DwProblem& p, float* __restrict__ patch) {
     if (SQUARE3) {
         if (p.R != 3 || p.S != 3) __trap();  // a host bug, stopped loudly
+        dwconv_tile<TH, SD, 3, 3>(x, w, bias, y, p, patch);
+    } else if (p.R == 3 && p.S == 3) {
         dwconv_tile<TH, SD, 3, 3>(x, w, bias, y, p, patch);
     } else if (p.R == 5 && p.S == 5) {
         dwconv_tile<TH, SD, 5, 5>(x, w, bias, y, p, patch);

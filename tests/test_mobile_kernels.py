@@ -159,17 +159,18 @@ def test_dwconv_takes_the_tiled_entries_where_they_apply() -> None:
     assert (entry, cfg.grid, cfg.shared_bytes) == (DW.tile_entry, (256, 3, 1), 21 * 37 * 128)
     entry, cfg = DW.tile_choice(4, 28, 28, 96, g, h200)  # 4 x 4 x 2 x 3 = 96 tall blocks of 512 wanted
     assert (entry, cfg.grid, cfg.shared_bytes) == (DW.tile_short_entry, (56, 3, 1), 11 * 35 * 128)
-    # A 3x3 takes the 3x3 entries, at either stride and tile (their own registers: dwconv_nhwc.cu).
+    # With tile3 on, a 3x3 takes the 3x3 entries, at either stride and tile (their own registers: dwconv_nhwc.cu).
+    dw3 = dataclasses.replace(DW, tile3=True)
     for geom in (DwGeometry(3), DwGeometry(3, 2, pads=(0, 0, 1, 1))):
         for n, entry in ((8, DW.tile3_entry), (1, DW.tile3_short_entry)):
-            got, cfg = DW.tile_choice(n, 128 // geom.stride, 128 // geom.stride, 96, geom, h200)
+            got, cfg = dw3.tile_choice(n, 128 // geom.stride, 128 // geom.stride, 96, geom, h200)
             assert got == entry and cfg == DW.tile_launch(
                 n, 128 // geom.stride, 128 // geom.stride, 96, geom, short=entry == DW.tile3_short_entry
             )
-    # With tile3 off (a bundle whose PTX predates them), the general entries take a 3x3.
-    assert dataclasses.replace(DW, tile3=False).tile_choice(8, 128, 128, 96, DwGeometry(3), h200)[0] == DW.tile_entry
+    # With tile3 off (the default until they run on a GPU), the general entries take a 3x3.
+    assert DW.tile_choice(8, 128, 128, 96, DwGeometry(3), h200)[0] == DW.tile_entry
     # The 3x1 and 1x3 bands are not the 3x3's one instance: the general entries take them.
-    assert DW.tile_choice(8, 128, 128, 96, DwGeometry(3, pads=(1, 0, 1, 0), S=1), h200)[0] == DW.tile_entry
+    assert dw3.tile_choice(8, 128, 128, 96, DwGeometry(3, pads=(1, 0, 1, 0), S=1), h200)[0] == DW.tile_entry
 
 
 @pytest.mark.parametrize("device", sorted(DEVICES))
@@ -185,7 +186,7 @@ def test_dwconv_tiles_fit_every_device(device: str) -> None:
                 assert DW.tile_path("float16", g, 64, 64)
                 for n in (1, 64):  # the short tile and (for the larger batch) the tall one
                     _, ho, wo, _ = DW.output_shape(n, 112, 112, 64, 0, g)
-                    entry, cfg = DW.tile_choice(n, ho, wo, 64, g, dev)
+                    entry, cfg = dataclasses.replace(DW, tile3=True).tile_choice(n, ho, wo, 64, g, dev)
                     square3 = (R, S) == (3, 3)
                     ours = (DW.tile3_entry, DW.tile3_short_entry) if square3 else (DW.tile_entry, DW.tile_short_entry)
                     assert entry in ours

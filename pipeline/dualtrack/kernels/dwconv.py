@@ -2,8 +2,9 @@
 factorised 1xk / kx1, with a channel multiplier), one thread per output element (fp16: per 8
 channels where C and the strides allow), and for fp16 convolutions of dilation 1 and stride 1 or 2 a
 tiled entry (``dwconv_nhwc_f16_tile``: :meth:`DwConvSpec.tile_path`) that stages each block's input
-patch in shared memory once; a 3x3 window has its own pair of tiled entries (``_tile3``), whose registers
-the 7x7's weights do not set (107 a thread against 214 on sm_90a: twice the blocks an SM).
+patch in shared memory once; a 3x3 window has its own pair of tiled entries too (``_tile3``), whose
+registers the 7x7's weights do not set (107 a thread against 214 on sm_90a: twice the blocks an SM), taken
+where :attr:`DwConvSpec.tile3` is on (off until measured on a GPU).
 
 Every depthwise Conv is this op's, never the grouped general conv's: with one input channel a group,
 the general conv's implicit GEMM would be C GEMMs of depth R*S whose loads are strided 2-byte reads
@@ -147,9 +148,10 @@ class DwConvSpec(ElementSpec):
     # 128-thread blocks of the tall one's 107 registers fit a Hopper SM's 64 K (ptxas, sm_90a; the
     # general tall entry takes 214, the 7x7's weights, two blocks), and four of its 3x3 patches (42 KiB).
     tile3_per_sm: int = 4
-    # Whether tile_choice sends a 3x3 to the 3x3 entries (off: the general ones, whose loop takes any window;
-    # bench/zoo_bench.py --no-dwconv-tile3 runs a bundle built before the 3x3 entries existed as it ran then).
-    tile3: bool = True
+    # Whether tile_choice sends a 3x3 to the 3x3 entries (off: the general ones, which hold a 3x3 instance too).
+    # Off until they have run on a GPU (tests/gpu/test_mobile_gpu.py::test_dwconv_tile_kernel launches them;
+    # bench/mobile_layers.py --dw-tile3 and bench/zoo_bench.py --dwconv-tile3 time them beside the general ones).
+    tile3: bool = False
     # The column entries (-DDW_COLS_*, 3x3 only): a thread cols_h (``_cols``) or cols_h_short
     # (``_cols_short``) output rows of one column for 8 channels, a block at most cols_threads threads
     # (:meth:`cols_launch`); half the rows at stride 2. The tall entry where its blocks fill the GPU
