@@ -277,7 +277,7 @@ def run_layer(
         entries = {"tile": chosen, **entries}
         entries["tall"] = (spec.tile_entry, spec.tile_launch(n, ho, wo, layer.C, g))
         entries["short"] = (spec.tile_short_entry, spec.tile_launch(n, ho, wo, layer.C, g, short=True))
-        if (g.R, g.width) == (3, 3):  # the 3x3's own pair (DwConvSpec.tile3; --dw-tile3 makes them the engine's)
+        if spec.square3(g):  # the 3x3's own pair (DwConvSpec.tile3; --dw-tile3 makes them the engine's)
             entries["tall3"] = (spec.tile3_entry, spec.tile_launch(n, ho, wo, layer.C, g))
             entries["short3"] = (spec.tile3_short_entry, spec.tile_launch(n, ho, wo, layer.C, g, short=True))
         for t in tiles:  # --dw-tile: other tile sizes of the tall entry, compiled here

@@ -135,7 +135,7 @@ def test_dwconv_tile_kernel(engine, mods, off, n, h, w, c, g) -> None:
         DW.tile_short_entry: DW.tile_launch(n, ho, wo, c, g, short=True),
         DW.entry("float16"): DW.launch("float16", n, h, w, c, 0, g, ldy=c + 2 * off),
     }
-    if (g.R, g.width) == (3, 3):  # the 3x3 entries too (the general ones' loop takes a 3x3 as well)
+    if DW.square3(g):  # the 3x3 entries too (the general ones' loop takes a 3x3 as well)
         launches[DW.tile3_entry] = DW.tile_launch(n, ho, wo, c, g)
         launches[DW.tile3_short_entry] = DW.tile_launch(n, ho, wo, c, g, short=True)
     for entry, cfg in launches.items():

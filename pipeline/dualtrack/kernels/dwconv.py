@@ -271,6 +271,11 @@ class DwConvSpec(ElementSpec):
         tiles = N * cdiv(Ho, rows) * cdiv(Wo, self.tile_w)
         return LaunchConfig(grid=(tiles, cdiv(C, self.tile_c), 1), block=(self.tile_threads, 1, 1), shared_bytes=patch)
 
+    @staticmethod
+    def square3(g: DwGeometry) -> bool:
+        """Whether ``g``'s window is the one the 3x3 tiled entries are compiled for."""
+        return (g.R, g.width) == (3, 3)
+
     def tile_resident(self, launch: LaunchConfig, device: DeviceInfo, square3: bool = False) -> int:
         """Blocks of a tiled launch an SM of ``device`` holds at once: :attr:`tile_per_sm` (the 3x3
         entries' :attr:`tile3_per_sm`), or fewer where its shared memory (less the 1 KiB the system
@@ -285,9 +290,10 @@ class DwConvSpec(ElementSpec):
     ) -> tuple[str, LaunchConfig]:
         """The tiled entry for a launch on ``device`` and its geometry: the tall tile where its
         blocks make :attr:`tall_waves` full waves of :meth:`tile_resident` a SM, else the short one
-        (whose patch :meth:`prepare_inputs` still checks against the device's limit). A 3x3 window
-        takes the 3x3 entries (``_tile3``, ``_tile3_short``), every other window the general ones."""
-        square3 = self.tile3 and (g.R, g.width) == (3, 3)
+        (whose patch :meth:`prepare_inputs` still checks against the device's limit). Where
+        :attr:`tile3` is on, a 3x3 window (:meth:`square3`) takes the 3x3 entries (``_tile3``,
+        ``_tile3_short``); every other window takes the general ones."""
+        square3 = self.tile3 and self.square3(g)
         tall = self.tile_launch(N, Ho, Wo, C, g)
         resident = self.tile_resident(tall, device, square3)
         if resident and tall.grid[0] * tall.grid[1] >= self.tall_waves * device.full_wave(resident):
